@@ -1,0 +1,121 @@
+"""Starting and stopping a server: blocking (``run_server``), embedded, or from the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import threading
+from dataclasses import fields
+
+from twisted.internet import reactor
+from twisted.internet.threads import blockingCallFromThread
+
+from .config import ServerConfig
+from .service import TensorShareFactory
+from .session import ServerState
+
+log = logging.getLogger("tensorshare.server")
+
+
+def listen(config: ServerConfig):
+    """Start listening (on the reactor thread); returns the Twisted port object."""
+    factory = TensorShareFactory(ServerState.create(config))
+    return reactor.listenTCP(config.port, factory, interface=config.host)
+
+
+def run_server(port: int = 8000, host: str = "127.0.0.1", **settings) -> None:
+    """Serve on ``host:port`` until SIGINT/SIGTERM; blocks the calling (main) thread.
+
+    ``port=0`` picks a free port; the chosen one is printed as
+    ``tensorshare-server listening on HOST:PORT``.  ``settings`` are the fields of
+    :class:`ServerConfig` (limits).
+    """
+    config = ServerConfig(host=host, port=port, **settings)
+    bound = listen(config)
+    address = bound.getHost()
+    print(f"tensorshare-server listening on {address.host}:{address.port}", flush=True)
+    reactor.run()
+
+
+_reactor_thread: threading.Thread | None = None
+_reactor_lock = threading.Lock()
+
+
+def ensure_reactor_thread() -> None:
+    """Run the global reactor in a daemon thread, once per process, if nothing runs it."""
+    global _reactor_thread
+    with _reactor_lock:
+        if reactor.running or _reactor_thread is not None:
+            return
+        _reactor_thread = threading.Thread(
+            target=reactor.run, kwargs={"installSignalHandlers": False},
+            name="tensorshare-reactor", daemon=True,
+        )
+        _reactor_thread.start()
+
+
+class EmbeddedServer:
+    """A server inside this process, on the reactor thread; for tests and trainers.
+
+    >>> with EmbeddedServer(port=0) as server:
+    ...     print(server.port)
+    """
+
+    def __init__(self, port: int = 0, host: str = "127.0.0.1", **settings):
+        self.config = ServerConfig(host=host, port=port, **settings)
+        ensure_reactor_thread()
+        self._port = blockingCallFromThread(reactor, listen, self.config)
+        self.port: int = self._port.getHost().port
+        self.host = host
+
+    def stop(self) -> None:
+        """Stop listening and drop the connections' state with the server."""
+        if self._port is not None:
+            blockingCallFromThread(reactor, self._port.stopListening)
+            self._port = None
+
+    def __enter__(self) -> "EmbeddedServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _size(text: str) -> int:
+    """Parse ``512MiB``, ``8GB``, ``1048576``... into bytes."""
+    units = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": 1 << 10, "M": 1000**2, "MB": 1000**2,
+             "MIB": 1 << 20, "G": 1000**3, "GB": 1000**3, "GIB": 1 << 30, "T": 1000**4,
+             "TB": 1000**4, "TIB": 1 << 40}
+    stripped = text.strip().upper()
+    number = stripped.rstrip("KMGTIB")
+    unit = stripped[len(number):]
+    if unit not in units or not number:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB or 8GB)")
+    return int(float(number) * units[unit])
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Namespace]:
+    parser = argparse.ArgumentParser(prog="tensorshare-server", description="Serve tensorshare bins over TCP.")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port (0: pick a free one and print it)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default 127.0.0.1; 0.0.0.0 for all interfaces)")
+    parser.add_argument("--max-frame", type=_size, default=ServerConfig.max_frame, help="largest payload of one request")
+    parser.add_argument("--max-header", type=_size, default=ServerConfig.max_header, help="largest request header")
+    parser.add_argument("--max-bins", type=int, default=ServerConfig.max_bins)
+    parser.add_argument("--max-items-per-bin", type=int, default=ServerConfig.max_items_per_bin)
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING...")
+    args = parser.parse_args(argv)
+    known = {f.name for f in fields(ServerConfig)}
+    config = ServerConfig(**{k: v for k, v in vars(args).items() if k in known})
+    return config, args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``tensorshare-server`` command."""
+    config, args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = {f.name: getattr(config, f.name) for f in fields(ServerConfig) if f.name not in ("host", "port")}
+    run_server(config.port, config.host, **settings)
+    return 0

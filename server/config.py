@@ -1,0 +1,33 @@
+"""The server's settings: where it listens and the limits it enforces, with safe defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tensorshare.protocol import MAX_BIN_NAME
+from tensorshare.wire.codec import DecodeLimits
+from tensorshare.wire.frames import FrameLimits
+
+
+@dataclass
+class ServerConfig:
+    """Everything ``tensorshare-server`` can be told on its command line."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_header: int = 16 << 20  # bytes of one request header
+    max_frame: int = 16 << 30  # payload bytes of one request
+    max_bin_name: int = MAX_BIN_NAME
+    max_bins: int = 100_000
+    max_items_per_bin: int = 1_000_000
+    max_listens: int = 10_000  # per connection
+    max_depth: int = 64  # nesting of a stored value
+    max_nodes: int = 1_000_000  # nodes of a stored value's structure
+
+    @property
+    def frame_limits(self) -> FrameLimits:
+        return FrameLimits(max_header=self.max_header, max_payload=self.max_frame)
+
+    @property
+    def decode_limits(self) -> DecodeLimits:
+        return DecodeLimits(max_depth=self.max_depth, max_nodes=self.max_nodes)

@@ -1,0 +1,209 @@
+"""One client connection's protocol logic, without I/O (sans-IO).
+
+A :class:`ServerSession` takes the bytes a connection received, decodes frames,
+runs each request against the shared :class:`~.store.BinStore` and hands whole reply
+frames (lists of ``bytes`` parts) to its :class:`Outbox`.  The Twisted adapter in
+:mod:`.service` only moves bytes; tests can drive a session directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from tensorshare import __version__, protocol
+from tensorshare.errors import ProtocolError, RemoteError
+from tensorshare.wire.codec import parse_description
+from tensorshare.wire.frames import DiscardSink, Frame, FrameDecoder, SegmentSink, frame_head
+
+from .config import ServerConfig
+from .notify import ListenerRegistry
+from .store import BinStore, Item
+
+log = logging.getLogger("tensorshare.server")
+
+
+class Outbox(Protocol):
+    """Where a session's frames go, whole and in order."""
+
+    def send(self, parts: list, on_abandon: Callable[[], None] | None = None) -> None:
+        """Queue one frame; ``on_abandon`` runs if the connection dies before it is written."""
+
+    def close(self) -> None:
+        """Close the connection once everything queued has been written."""
+
+
+@dataclass
+class ServerState:
+    """What all sessions of one server share."""
+
+    config: ServerConfig
+    store: BinStore
+    listeners: ListenerRegistry = field(default_factory=ListenerRegistry)
+
+    @classmethod
+    def create(cls, config: ServerConfig) -> "ServerState":
+        return cls(config, BinStore(config.max_bins, config.max_items_per_bin))
+
+
+class _Refused(Exception):
+    """A request that gets an error reply (code, message)."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class ServerSession:
+    """Request dispatch for one connection."""
+
+    def __init__(self, state: ServerState, outbox: Outbox, peer: str = "?"):
+        self.state = state
+        self.outbox = outbox
+        self.peer = peer
+        self.listening: set[str] = set()
+        self.closed = False
+        self._decoder = FrameDecoder(self._payload_sink, state.config.frame_limits)
+
+    # -- events from the transport
+
+    def connection_made(self) -> None:
+        self._send({"code": protocol.GREETING, "id": 0, "msg": "tensorshare ready",
+                    "server": f"tensorshare/{__version__}", "version": protocol.PROTOCOL_VERSION})
+
+    def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
+        try:
+            frames = self._decoder.feed(data)
+        except ProtocolError as exc:
+            log.info("closing %s: %s", self.peer, exc)
+            self._send({"code": protocol.BAD_FRAME, "id": 0, "msg": str(exc)})
+            self.closed = True
+            self.outbox.close()
+            return
+        for frame in frames:
+            self._handle(frame)
+
+    @property
+    def receiving_payload(self) -> int:
+        """Bytes of payload still to come for the frame being received (0 if none)."""
+        return self._decoder.payload_remaining
+
+    def connection_lost(self) -> None:
+        self.closed = True
+        for name in self.listening:
+            self.state.listeners.discard(name, self)
+        self.listening.clear()
+
+    # -- the Listener interface (notifications from other sessions)
+
+    def send(self, parts: list, on_abandon=None) -> None:
+        if not self.closed:
+            self.outbox.send(parts, on_abandon)
+
+    # -- dispatch
+
+    def _payload_sink(self, header: dict, nbytes: int):
+        if header.get("op") in protocol.VERBS_WITH_VALUE:
+            return SegmentSink(nbytes)
+        return DiscardSink(nbytes)
+
+    def _handle(self, frame: Frame) -> None:
+        header = frame.header
+        rid = header.get("id")
+        if type(rid) is not int or not 0 < rid < 1 << 64:
+            rid = 0
+        try:
+            op = header.get("op")
+            if op not in protocol.VERBS:
+                raise _Refused(protocol.UNKNOWN_VERB, f"unknown verb {op!r}")
+            if rid == 0:
+                raise _Refused(protocol.BAD_ARGS, "request id must be an integer in 1..2**64-1")
+            if frame.payload_len and op not in protocol.VERBS_WITH_VALUE:
+                raise _Refused(protocol.BAD_ARGS, f"{op} takes no payload")
+            name = header.get("bin")
+            if op in protocol.VERBS_WITH_BIN:
+                problem = protocol.check_bin_name(name, self.state.config.max_bin_name)
+                if problem:
+                    raise _Refused(protocol.BAD_NAME, problem)
+            getattr(self, "_do_" + op.lower())(rid, name, frame)
+        except _Refused as exc:
+            self._send({"code": exc.code, "id": rid, "msg": exc.message})
+        except RemoteError as exc:  # raised by the store: no such bin, limits
+            self._send({"code": exc.code, "id": rid, "msg": exc.message})
+
+    def _item(self, frame: Frame) -> Item:
+        blob = frame.header.get("value")
+        if not isinstance(blob, bytes):
+            raise _Refused(protocol.BAD_ARGS, "missing value description")
+        try:
+            parse_description(blob, frame.payload_len, self.state.config.decode_limits)
+        except ProtocolError as exc:
+            raise _Refused(protocol.BAD_ARGS, f"bad value: {exc}") from None
+        return Item(blob, tuple(frame.payload), frame.payload_len)
+
+    def _do_put(self, rid: int, name: str, frame: Frame) -> None:
+        self._stored(rid, self.state.store.put(name, self._item(frame)))
+
+    def _do_append(self, rid: int, name: str, frame: Frame) -> None:
+        self._stored(rid, self.state.store.append(name, self._item(frame)))
+
+    def _stored(self, rid: int, change) -> None:
+        self._send({"code": protocol.DONE, "id": rid, "n": change.n_items, "seq": change.seq})
+        self.state.listeners.publish(change)
+
+    def _do_get(self, rid: int, name: str, frame: Frame) -> None:
+        store, listeners = self.state.store, self.state.listeners
+        items, change = store.get(name)
+
+        def undelivered() -> None:
+            listeners.publish(store.restore(name, items))
+
+        self._send_items(rid, items, change.seq, undelivered)
+        listeners.publish(change)
+
+    def _do_peek(self, rid: int, name: str, frame: Frame) -> None:
+        items = self.state.store.peek(name)
+        self._send_items(rid, items, self.state.store.state(name)[2])
+
+    def _do_list(self, rid: int, name: None, frame: Frame) -> None:
+        self._send({"code": protocol.LIST_OK, "id": rid, "bins": self.state.store.listing()})
+
+    def _do_delete(self, rid: int, name: str, frame: Frame) -> None:
+        change = self.state.store.delete(name)
+        self._send({"code": protocol.DONE, "id": rid, "n": 0, "seq": change.seq})
+        self.state.listeners.publish(change)
+
+    def _do_listen(self, rid: int, name: str, frame: Frame) -> None:
+        if name not in self.listening and len(self.listening) >= self.state.config.max_listens:
+            raise _Refused(protocol.TOO_LARGE, f"a connection may listen to {self.state.config.max_listens} bins")
+        self.listening.add(name)
+        self.state.listeners.add(name, self)
+        exists, n_items, seq = self.state.store.state(name)
+        # Sent before any later notification: the snapshot and the stream are atomic.
+        self._send({"code": protocol.OK, "id": rid, "exists": exists, "n": n_items, "seq": seq})
+
+    def _do_unlisten(self, rid: int, name: str, frame: Frame) -> None:
+        self.listening.discard(name)
+        self.state.listeners.discard(name, self)
+        self._send({"code": protocol.OK, "id": rid})
+
+    def _do_noop(self, rid: int, name: None, frame: Frame) -> None:
+        self._send({"code": protocol.OK, "id": rid})
+
+    # -- output
+
+    def _send(self, header: dict) -> None:
+        self.send([frame_head(header, 0)])
+
+    def _send_items(self, rid: int, items: list[Item], seq: int, on_abandon=None) -> None:
+        header = {"code": protocol.ITEMS, "id": rid, "seq": seq,
+                  "items": [item.description for item in items],
+                  "sizes": [item.nbytes for item in items]}
+        parts = [frame_head(header, sum(item.nbytes for item in items))]
+        for item in items:
+            parts.extend(item.segments)
+        self.send(parts, on_abandon)

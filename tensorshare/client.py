@@ -1,0 +1,517 @@
+"""The blocking client: plain method calls from any thread, no reactor to manage.
+
+Design (measured, see README "Design notes"): the client talks over a plain
+non-blocking socket with the sans-IO :mod:`.connection` core.  The calling thread
+sends its request itself and, if no other thread is reading, reads the socket
+itself until its reply arrives ("leader/follower"): a round trip costs two system
+calls and no thread hand-off.  Replies for other threads are handed to them;
+notifications and callbacks of non-blocking calls go to one dispatcher thread, so
+user callbacks never run on a thread that reads the socket.  While the client
+listens to bins a background reader keeps the socket drained, reconnects with
+backoff when the server goes away and restores the listens.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import select
+import socket
+import threading
+import time
+from typing import Any, Callable
+
+from . import protocol
+from .connection import (
+    ClientConnection, ListenSnapshot, Notification, check_reply, next_request_id,
+    notification_of, reply_value, request_frame,
+)
+from .errors import ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UsageError
+from .wire.frames import Frame
+
+log = logging.getLogger("tensorshare.client")
+
+_IOV_MAX = 1024
+_NO_VALUE = object()
+
+
+class _Dispatcher:
+    """One daemon thread that runs callbacks in order; a failing callback is logged once."""
+
+    def __init__(self, name: str):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable, *args) -> None:
+        self._queue.put((fn, args))
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            fn, args = job
+            try:
+                fn(*args)
+            except Exception:  # a user callback failed: report it, never call it again for this event
+                log.exception("tensorshare callback %r failed", fn)
+
+
+class Listening:
+    """Handle of a :meth:`Client.listen`; ``stop()`` ends it."""
+
+    def __init__(self, client: "Client", name: str, callback: Callable, snapshot: ListenSnapshot):
+        self.client, self.bin, self.callback, self.snapshot = client, name, callback, snapshot
+
+    def stop(self) -> None:
+        self.client._unlisten(self)
+
+    close = stop
+
+
+class Client:
+    """A blocking, thread-safe tensorshare client.
+
+    ``put``, ``append``, ``get``, ``peek``, ``list``, ``delete`` and ``listen`` block
+    until the server answers (at most ``timeout`` seconds) and return its result or
+    raise a :class:`~tensorshare.errors.TensorShareError`.  Tensors come back on the
+    CPU, or on ``device`` if one is given.  A lost connection fails the calls in
+    flight with :class:`ConnectionLostError`; the next call reconnects.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 8000, timeout: float | None = 60.0, *,
+                 connect_timeout: float = 10.0, device: Any = None, reconnect: bool = True,
+                 max_backoff: float = 2.0):
+        self.host, self.port = host, port
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.device = device
+        self.reconnect = reconnect
+        self.max_backoff = max_backoff
+        self._cond = threading.Condition()
+        self._send_lock = threading.Lock()
+        self._connect_lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._conn: ClientConnection | None = None
+        self._reading = False
+        self._replies: dict[int, Frame | BaseException] = {}
+        self._waiting: set[int] = set()
+        self._pending_async: dict[int, tuple[str, Callable]] = {}
+        self._listens: dict[str, list[Listening]] = {}
+        self._closed = False
+        self._ever_connected = False
+        self._reader: threading.Thread | None = None
+        self._dispatcher: _Dispatcher | None = None
+        self._connect()
+
+    # ------------------------------------------------------------------ public API
+
+    def put(self, bin: str, value: Any, timeout: float | None = _NO_VALUE) -> int:
+        """Replace the items of ``bin`` with ``value``; returns the bin's item count (1)."""
+        return self._call(protocol.PUT, bin, value, timeout=timeout)
+
+    def append(self, bin: str, value: Any, timeout: float | None = _NO_VALUE) -> int:
+        """Add ``value`` as one more item of ``bin``; returns the bin's new item count."""
+        return self._call(protocol.APPEND, bin, value, timeout=timeout)
+
+    def get(self, bin: str, timeout: float | None = _NO_VALUE) -> list:
+        """Take all items out of ``bin`` (it stays, empty); returns them in order."""
+        return self._call(protocol.GET, bin, timeout=timeout)
+
+    def peek(self, bin: str, timeout: float | None = _NO_VALUE) -> list:
+        """Return all items of ``bin`` without removing them."""
+        return self._call(protocol.PEEK, bin, timeout=timeout)
+
+    def list(self, timeout: float | None = _NO_VALUE) -> dict[str, int]:
+        """``{bin: n_items}`` for every bin on the server."""
+        return self._call(protocol.LIST, timeout=timeout)
+
+    def delete(self, bin: str, timeout: float | None = _NO_VALUE) -> None:
+        """Remove ``bin`` and its items."""
+        self._call(protocol.DELETE, bin, timeout=timeout)
+
+    def ping(self, timeout: float | None = _NO_VALUE) -> float:
+        """Round-trip a NOOP; returns the seconds it took."""
+        start = time.perf_counter()
+        self._call(protocol.NOOP, timeout=timeout)
+        return time.perf_counter() - start
+
+    def listen(self, bin: str, callback: Callable[[Notification], Any],
+               timeout: float | None = _NO_VALUE) -> Listening:
+        """Call ``callback(notification)`` on every change to ``bin``, from now on.
+
+        Returns once the server has started listening: no change after this call
+        returns is missed.  The handle's ``snapshot`` is the bin's state at that
+        moment; ``handle.stop()`` stops listening.  Callbacks run in order on the
+        client's dispatcher thread, never on a thread that reads the socket.
+        """
+        snapshot = self._call(protocol.LISTEN, bin, timeout=timeout)
+        handle = Listening(self, bin, callback, snapshot)
+        with self._cond:
+            self._listens.setdefault(bin, []).append(handle)
+        self._ensure_reader()
+        return handle
+
+    def close(self) -> None:
+        """Close the connection; calls in flight fail, later calls raise UsageError."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._listens.clear()
+        self._drop_connection(self._sock, ConnectionLostError("client closed"))
+        if self._dispatcher is not None:
+            self._dispatcher.stop()
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "connected" if self._sock else "disconnected"
+        return f"<tensorshare.Client {self.host}:{self.port} {state}>"
+
+    # ------------------------------------------------- non-blocking form (callbacks)
+
+    def submit(self, op: str, bin: str | None = None, value: Any = _NO_VALUE,
+               callback: Callable[[Any, BaseException | None], Any] | None = None) -> None:
+        """Send a request without waiting; ``callback(result, error)`` runs on the
+        dispatcher thread when the reply arrives.  The value is on the socket (or
+        in the kernel's buffer) when this returns, so later changes to it are not sent.
+        """
+        rid = next_request_id()
+        parts = request_frame(rid, op, bin, value) if value is not _NO_VALUE else request_frame(rid, op, bin)
+        deadline = self._deadline(_NO_VALUE)
+        with self._cond:
+            self._pending_async[rid] = (op, callback)
+        try:
+            self._send(parts, deadline)
+        except TensorShareError as exc:
+            with self._cond:
+                entry = self._pending_async.pop(rid, None)
+            if entry is not None:
+                self._complete_async(entry, None, exc)
+            return
+        self._ensure_reader()
+
+    # ------------------------------------------------------------------ internals
+
+    def _deadline(self, timeout) -> float | None:
+        if timeout is _NO_VALUE:
+            timeout = self.timeout
+        return None if timeout is None else time.monotonic() + timeout
+
+    def _call(self, op: str, name: str | None = None, value: Any = _NO_VALUE, *, timeout=_NO_VALUE) -> Any:
+        rid = next_request_id()
+        parts = request_frame(rid, op, name, value) if value is not _NO_VALUE else request_frame(rid, op, name)
+        deadline = self._deadline(timeout)
+        with self._cond:
+            self._waiting.add(rid)
+        try:
+            self._send(parts, deadline)
+            frame = self._await(rid, deadline)
+        finally:
+            with self._cond:
+                self._waiting.discard(rid)
+                self._replies.pop(rid, None)
+        return reply_value(op, frame, self.device)
+
+    def _send(self, parts: list, deadline: float | None) -> None:
+        sock = self._ensure_connected(deadline)
+        with self._send_lock:
+            try:
+                _send_all(sock, parts, deadline)
+            except TimeoutError:
+                # A partly sent frame leaves the stream unusable: start afresh.
+                self._drop_connection(sock, ConnectionLostError("send timed out; connection reset"))
+                raise
+            except (OSError, ValueError) as exc:  # ValueError: socket closed by another thread
+                err = ConnectionLostError(f"connection to {self.host}:{self.port} lost: {exc}")
+                self._drop_connection(sock, err)
+                raise err from None
+
+    def _await(self, rid: int, deadline: float | None) -> Frame:
+        """Wait for reply ``rid``, reading the socket ourselves when nobody else is."""
+        with self._cond:
+            while True:
+                result = self._replies.pop(rid, None)
+                if result is not None:
+                    return _raise_or_return(result)
+                if not self._reading:
+                    self._reading = True
+                    break
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"no reply from {self.host}:{self.port} in time")
+                self._cond.wait(remaining)
+        try:
+            while True:
+                with self._cond:
+                    result = self._replies.pop(rid, None)
+                if result is not None:
+                    return _raise_or_return(result)
+                self._read_some(deadline)
+        finally:
+            with self._cond:
+                self._reading = False
+                self._cond.notify_all()
+
+    def _read_some(self, deadline: float | None) -> None:
+        """Read once from the socket and dispatch the frames it completes (leader only)."""
+        sock, conn = self._sock, self._conn
+        if sock is None:
+            raise ConnectionLostError(f"not connected to {self.host}:{self.port}")
+        try:
+            _wait(sock, select.POLLIN, deadline)
+            n = sock.recv_into(conn.decoder.get_buffer())
+            if n == 0:
+                raise ConnectionResetError("server closed the connection")
+            frames = conn.decoder.buffer_updated(n)
+        except BlockingIOError:
+            return
+        except (OSError, ValueError, ProtocolError) as exc:
+            err = ConnectionLostError(f"connection to {self.host}:{self.port} lost: {exc}")
+            self._drop_connection(sock, err)
+            raise err from None
+        for frame in frames:
+            self._dispatch(frame)
+
+    def _dispatch(self, frame: Frame) -> None:
+        rid = frame.header.get("id")
+        if rid:
+            with self._cond:
+                if rid in self._waiting:
+                    self._replies[rid] = frame
+                    self._cond.notify_all()
+                    return
+                entry = self._pending_async.pop(rid, None)
+            if entry is not None:
+                self._dispatch_async(entry, frame)
+            return
+        note = notification_of(frame)
+        if note is not None:
+            with self._cond:
+                handles = list(self._listens.get(note.bin, ()))
+            for handle in handles:
+                self._callbacks().submit(handle.callback, note)
+            return
+        try:
+            check_reply(frame)
+        except TensorShareError as exc:  # an error about the connection itself: it ends
+            self._drop_connection(self._sock, ConnectionLostError(f"server ended the connection: {exc}"))
+
+    def _dispatch_async(self, entry: tuple, frame: Frame) -> None:
+        def complete() -> None:
+            try:
+                result, error = reply_value(entry[0], frame, self.device), None
+            except TensorShareError as exc:
+                result, error = None, exc
+            if entry[1] is not None:
+                entry[1](result, error)
+
+        self._callbacks().submit(complete)
+
+    def _complete_async(self, entry: tuple, result: Any, error: BaseException | None) -> None:
+        if entry[1] is not None:
+            self._callbacks().submit(entry[1], result, error)
+
+    def _callbacks(self) -> _Dispatcher:
+        if self._dispatcher is None:
+            with self._cond:
+                if self._dispatcher is None:
+                    self._dispatcher = _Dispatcher(f"tensorshare-callbacks-{self.port}")
+        return self._dispatcher
+
+    # -- connection management
+
+    def _connect(self) -> socket.socket:
+        """Open a connection and read the server's greeting (blocking, bounded)."""
+        deadline = time.monotonic() + self.connect_timeout
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout)
+        except OSError as exc:
+            raise ConnectionLostError(f"cannot connect to {self.host}:{self.port}: {exc}") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
+        conn = ClientConnection()
+        try:
+            while conn.greeting is None:
+                _wait(sock, select.POLLIN, deadline)
+                data = sock.recv(1 << 16)
+                if not data:
+                    raise ConnectionResetError("closed before greeting")
+                for frame in conn.feed(data):
+                    header = check_reply(frame)
+                    if header.get("code") != protocol.GREETING:
+                        raise ProtocolError(f"expected a 220 greeting, got {header!r}")
+                    conn.greeting = header
+        except (OSError, TensorShareError) as exc:
+            sock.close()
+            if isinstance(exc, TensorShareError) and not isinstance(exc, TimeoutError):
+                raise
+            raise ConnectionLostError(f"no tensorshare greeting from {self.host}:{self.port}: {exc}") from None
+        with self._cond:
+            self._sock, self._conn = sock, conn
+            self._ever_connected = True
+            relisten = list(self._listens)
+        for name in relisten:
+            self.submit(protocol.LISTEN, name, callback=self._relistened(name))
+        return sock
+
+    def _relistened(self, name: str) -> Callable:
+        def deliver(snapshot: ListenSnapshot | None, error: BaseException | None) -> None:
+            if error is not None:
+                log.warning("could not listen to %r again after reconnecting: %s", name, error)
+                return
+            note = Notification(name, snapshot.n_items, snapshot.seq, protocol.LISTEN)
+            with self._cond:
+                handles = list(self._listens.get(name, ()))
+            for handle in handles:
+                handle.callback(note)
+        return deliver
+
+    def _ensure_connected(self, deadline: float | None) -> socket.socket:
+        sock = self._sock
+        if sock is not None:
+            return sock
+        if self._closed:
+            raise UsageError("the client is closed")
+        if not self.reconnect and self._ever_connected:
+            raise ConnectionLostError(f"connection to {self.host}:{self.port} lost (reconnect=False)")
+        with self._connect_lock:
+            if self._sock is not None:
+                return self._sock
+            return self._connect()
+
+    def _drop_connection(self, sock: socket.socket | None, error: BaseException) -> None:
+        """Close ``sock`` (if still current) and fail everything waiting on it."""
+        with self._cond:
+            if sock is None or sock is not self._sock:
+                return
+            self._sock = self._conn = None
+            for rid in self._waiting:
+                self._replies.setdefault(rid, error)
+            failed = list(self._pending_async.values())
+            self._pending_async.clear()
+            self._cond.notify_all()
+        try:
+            sock.shutdown(socket.SHUT_RDWR)  # wakes a reader blocked in poll()
+        except OSError:
+            pass
+        sock.close()
+        for entry in failed:
+            self._complete_async(entry, None, error)
+
+    def _unlisten(self, handle: Listening) -> None:
+        with self._cond:
+            handles = self._listens.get(handle.bin, [])
+            if handle in handles:
+                handles.remove(handle)
+            last = not handles
+            if last:
+                self._listens.pop(handle.bin, None)
+        if last and not self._closed:
+            try:
+                self._call(protocol.UNLISTEN, handle.bin)
+            except ConnectionLostError:
+                pass  # a new connection will not listen to it
+
+    # -- background reader (while listening or with non-blocking calls in flight)
+
+    def _needs_reader(self) -> bool:
+        return not self._closed and bool(self._listens or self._pending_async)
+
+    def _ensure_reader(self) -> None:
+        with self._cond:
+            if self._reader is not None or not self._needs_reader():
+                return
+            self._reader = threading.Thread(target=self._reader_loop, name="tensorshare-reader", daemon=True)
+            self._reader.start()
+
+    def _reader_loop(self) -> None:
+        backoff = 0.05
+        try:
+            while True:
+                with self._cond:
+                    if not self._needs_reader():
+                        return
+                    if self._reading:
+                        self._cond.wait(1.0)
+                        continue
+                    self._reading = True
+                failure = None
+                try:
+                    if self._sock is None:
+                        self._ensure_connected(None)
+                        backoff = 0.05
+                    self._read_some(time.monotonic() + 1.0)
+                except TimeoutError:
+                    pass
+                except TensorShareError as exc:
+                    failure = exc
+                finally:
+                    with self._cond:
+                        self._reading = False
+                        self._cond.notify_all()
+                if failure is not None:
+                    if self._closed:
+                        return
+                    log.info("tensorshare reader: %s; retrying in %.2fs", failure, backoff)
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, self.max_backoff)
+        finally:
+            with self._cond:
+                self._reader = None
+            if self._needs_reader():  # a listen raced with our exit
+                self._ensure_reader()
+
+
+def _raise_or_return(result):
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def _wait(sock: socket.socket, events: int, deadline: float | None) -> None:
+    """Block until ``sock`` is ready for ``events`` or raise TimeoutError at ``deadline``."""
+    poller = select.poll()
+    poller.register(sock, events)
+    while True:
+        if deadline is None:
+            timeout_ms = None
+        else:
+            timeout_ms = (deadline - time.monotonic()) * 1000
+            if timeout_ms <= 0:
+                raise TimeoutError("timed out waiting for the server")
+        if poller.poll(timeout_ms):
+            return
+
+
+def _send_all(sock: socket.socket, parts: list, deadline: float | None) -> None:
+    """Write every part (bytes or memoryview) with scatter-gather sends."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    first = 0
+    while first < len(views):
+        try:
+            sent = sock.sendmsg(views[first : first + _IOV_MAX])
+        except BlockingIOError:
+            _wait(sock, select.POLLOUT, deadline)
+            continue
+        while sent:
+            size = views[first].nbytes
+            if sent >= size:
+                sent -= size
+                first += 1
+            else:
+                views[first] = views[first][sent:]
+                sent = 0

@@ -1,0 +1,142 @@
+"""The client side of the protocol, without I/O: request frames in, results out.
+
+Both clients use it: :class:`tensorshare.Client` over a plain socket and
+:class:`tensorshare.AsyncClient` over Twisted.  A :class:`ClientConnection` builds
+request frames (header bytes followed by zero-copy tensor buffers), decodes
+incoming bytes into frames, sorts them into replies and notifications, and turns a
+reply into the value the API returns or the exception it raises.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from . import protocol
+from .errors import ProtocolError, UsageError, error_for_code
+from .wire.codec import DEFAULT_LIMITS, DecodeLimits, build, encode, parse_description
+from .wire.frames import Frame, FrameDecoder, FrameLimits, buffer_sink, frame_head
+
+CLIENT_FRAME_LIMITS = FrameLimits(max_header=1 << 30, max_payload=1 << 42)
+_NO_VALUE = object()
+
+
+@dataclass(frozen=True)
+class Notification:
+    """A change to a bin this client listens to.
+
+    ``op`` is the verb that changed it (``PUT``, ``APPEND``, ``GET``, ``DELETE``,
+    ``RESTORE``), or ``LISTEN`` for the state found when listening (re)started.
+    """
+
+    bin: str
+    n_items: int
+    seq: int
+    op: str
+
+    def as_dict(self) -> dict:
+        return {"bin": self.bin, "n_items": self.n_items, "seq": self.seq, "op": self.op}
+
+
+@dataclass(frozen=True)
+class ListenSnapshot:
+    """The state of a bin at the moment listening to it started."""
+
+    exists: bool
+    n_items: int
+    seq: int
+
+
+class ClientConnection:
+    """Per-connection protocol state of a client: framing in both directions."""
+
+    def __init__(self, frame_limits: FrameLimits = CLIENT_FRAME_LIMITS, decode_limits: DecodeLimits = DEFAULT_LIMITS):
+        self.decoder = FrameDecoder(buffer_sink, frame_limits)
+        self.decode_limits = decode_limits
+        self.greeting: dict | None = None
+
+    def feed(self, data: bytes) -> list[Frame]:
+        return self.decoder.feed(data)
+
+
+def request_frame(rid: int, op: str, name: str | None = None, value: Any = _NO_VALUE) -> list:
+    """The parts of a request frame: header bytes, then the value's payload buffers.
+
+    Raises :class:`UsageError` for a bad bin name and :class:`EncodeError` for a value
+    with no wire form, before anything is sent.
+    """
+    header: dict = {"op": op, "id": rid}
+    if name is not None:
+        problem = protocol.check_bin_name(name)
+        if problem:
+            raise UsageError(problem)
+        header["bin"] = name
+    if value is _NO_VALUE:
+        return [frame_head(header, 0)]
+    enc = encode(value)
+    header["value"] = enc.description
+    return [frame_head(header, enc.nbytes), *enc.buffers]
+
+
+_ids = itertools.count(1)
+
+
+def next_request_id() -> int:
+    """A process-wide unique request id (ids are never reused across reconnects)."""
+    return next(_ids)
+
+
+def notification_of(frame: Frame) -> Notification | None:
+    """The notification a frame carries, or None if it is not one."""
+    h = frame.header
+    if h.get("code") != protocol.NOTIFY:
+        return None
+    try:
+        return Notification(str(h["bin"]), int(h["n"]), int(h["seq"]), str(h["op"]))
+    except (KeyError, TypeError, ValueError):
+        raise ProtocolError(f"malformed notification header {h!r}") from None
+
+
+def check_reply(frame: Frame) -> dict:
+    """The reply header, or raise the :class:`RemoteError` its code stands for."""
+    header = frame.header
+    code = header.get("code")
+    if type(code) is not int:
+        raise ProtocolError(f"reply without a code: {header!r}")
+    if code >= 400:
+        raise error_for_code(code, str(header.get("msg", "")))
+    return header
+
+
+def reply_value(op: str, frame: Frame, device: Any = None, limits: DecodeLimits = DEFAULT_LIMITS) -> Any:
+    """What the API returns for a successful reply to ``op``."""
+    header = check_reply(frame)
+    if op in (protocol.GET, protocol.PEEK):
+        return decode_items(header, frame.payload, frame.payload_len, device, limits)
+    if op in (protocol.PUT, protocol.APPEND):
+        return header.get("n")
+    if op == protocol.LIST:
+        bins = header.get("bins")
+        if not isinstance(bins, dict):
+            raise ProtocolError("LIST reply without a bins map")
+        return bins
+    if op == protocol.LISTEN:
+        return ListenSnapshot(bool(header.get("exists")), int(header.get("n", 0)), int(header.get("seq", 0)))
+    return None
+
+
+def decode_items(header: dict, payload, payload_len: int, device: Any = None,
+                 limits: DecodeLimits = DEFAULT_LIMITS) -> list:
+    """The values of an ITEMS (226) reply; their arrays view the one payload tensor."""
+    blobs, sizes = header.get("items"), header.get("sizes")
+    if not (isinstance(blobs, list) and isinstance(sizes, list) and len(blobs) == len(sizes)):
+        raise ProtocolError("items reply needs equally long 'items' and 'sizes' lists")
+    if not all(type(s) is int and s >= 0 for s in sizes) or sum(sizes) != payload_len:
+        raise ProtocolError(f"item sizes {sizes!r} do not add up to the payload's {payload_len} bytes")
+    values, base = [], 0
+    for blob, size in zip(blobs, sizes):
+        desc = parse_description(blob, size, limits)
+        values.append(build(desc, payload, base, device))
+        base += size
+    return values

@@ -1,0 +1,159 @@
+"""The one error hierarchy of tensorshare, and the table from reply codes to it.
+
+Two branches, as in h11: :class:`UsageError` when *this* side used the API wrong
+(nothing was sent), and :class:`RemoteError` when the peer answered with an error
+reply code (see PROTOCOL.md).  :class:`ProtocolError` means bytes that break the wire
+format, whichever side they came from; :class:`ConnectionLostError` and
+:class:`TimeoutError` are about the transport.
+"""
+
+from __future__ import annotations
+
+import builtins
+
+__all__ = [
+    "TensorShareError",
+    "UsageError",
+    "EncodeError",
+    "ProtocolError",
+    "ConnectionLostError",
+    "TimeoutError",
+    "RemoteError",
+    "TransientError",
+    "PermanentError",
+    "NoSuchBinError",
+    "StorageFullError",
+    "TooLargeError",
+    "BadNameError",
+    "BadRequestError",
+    "UnknownVerbError",
+    "NotAuthenticatedError",
+    "ServerUnavailableError",
+    "error_for_code",
+]
+
+
+class TensorShareError(Exception):
+    """Base class of every error tensorshare raises on purpose."""
+
+
+class UsageError(TensorShareError, ValueError):
+    """The local API was used wrongly (bad argument, closed client...)."""
+
+
+class EncodeError(UsageError, TypeError):
+    """A value cannot be put on the wire (unsupported type, non-str dict key...)."""
+
+
+class ProtocolError(TensorShareError):
+    """Bytes that break the wire format: bad magic, truncated header, bad offsets..."""
+
+
+class ConnectionLostError(TensorShareError, ConnectionError):
+    """The connection to the peer closed or failed before the reply arrived."""
+
+
+class TimeoutError(TensorShareError, builtins.TimeoutError):  # noqa: A001 - deliberate
+    """A blocking call did not complete within its timeout."""
+
+
+class RemoteError(TensorShareError):
+    """The peer answered with an error reply code.
+
+    ``code`` is the 3-digit reply code and ``message`` the peer's explanation.
+    """
+
+    code = 500
+
+    def __init__(self, message: str = "", code: int | None = None):
+        if code is not None:
+            self.code = code
+        self.message = message
+        super().__init__(f"{self.code} {message}".strip())
+
+
+class TransientError(RemoteError):
+    """4xx: the request was refused for now; trying again later may succeed."""
+
+    code = 450
+
+
+class PermanentError(RemoteError):
+    """5xx: the request is wrong and will fail again unchanged."""
+
+    code = 500
+
+
+class ServerUnavailableError(TransientError):
+    """421: the server is shutting down or refuses more connections."""
+
+    code = 421
+
+
+class StorageFullError(TransientError):
+    """452: the server has no room (memory budget or disk) for the value."""
+
+    code = 452
+
+
+class BadRequestError(PermanentError):
+    """500/501: a malformed request header or arguments."""
+
+    code = 501
+
+
+class UnknownVerbError(PermanentError):
+    """502: the server does not implement the verb."""
+
+    code = 502
+
+
+class NotAuthenticatedError(PermanentError):
+    """530: authentication is required or failed."""
+
+    code = 530
+
+
+class NoSuchBinError(PermanentError, KeyError):
+    """550: the bin does not exist."""
+
+    code = 550
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return RemoteError.__str__(self)
+
+
+class TooLargeError(PermanentError):
+    """552: a frame, header or bin is over a configured limit."""
+
+    code = 552
+
+
+class BadNameError(PermanentError):
+    """553: the bin name is not allowed."""
+
+    code = 553
+
+
+_BY_CODE: dict[int, type[RemoteError]] = {
+    cls.code: cls
+    for cls in (
+        ServerUnavailableError,
+        StorageFullError,
+        UnknownVerbError,
+        NotAuthenticatedError,
+        NoSuchBinError,
+        TooLargeError,
+        BadNameError,
+    )
+}
+_BY_CODE[500] = BadRequestError
+_BY_CODE[501] = BadRequestError
+
+
+def error_for_code(code: int, message: str) -> RemoteError:
+    """The exception instance that stands for an error reply ``code``."""
+    cls = _BY_CODE.get(code)
+    if cls is None:
+        cls = TransientError if 400 <= code < 500 else PermanentError
+    return cls(message, code)

@@ -1,0 +1,61 @@
+"""Verbs, reply codes and the header fields of requests, replies and notifications.
+
+Shared by the server and every client; PROTOCOL.md is the normative description.
+Codes follow FTP's meaning: 1xx unsolicited/preliminary, 2xx success, 4xx refused
+for now (may succeed later), 5xx refused for good.
+"""
+
+from __future__ import annotations
+
+import re
+
+# Verbs (header key "op").
+PUT = "PUT"
+APPEND = "APPEND"
+GET = "GET"
+PEEK = "PEEK"
+LIST = "LIST"
+DELETE = "DELETE"
+LISTEN = "LISTEN"
+UNLISTEN = "UNLISTEN"
+NOOP = "NOOP"
+
+VERBS = frozenset({PUT, APPEND, GET, PEEK, LIST, DELETE, LISTEN, UNLISTEN, NOOP})
+VERBS_WITH_BIN = frozenset({PUT, APPEND, GET, PEEK, DELETE, LISTEN, UNLISTEN})
+VERBS_WITH_VALUE = frozenset({PUT, APPEND})
+
+# Reply codes (header key "code").
+NOTIFY = 151  # unsolicited: a bin changed
+OK = 200  # command okay
+LIST_OK = 212  # bin listing follows
+GREETING = 220  # service ready (sent once, on connect)
+ITEMS = 226  # items follow in the payload
+DONE = 250  # requested bin action completed
+UNAVAILABLE = 421  # shutting down / too many connections
+STORAGE_FULL = 452  # no room in the memory budget or on disk
+BAD_FRAME = 500  # syntax error: malformed frame or header
+BAD_ARGS = 501  # syntax error in parameters
+UNKNOWN_VERB = 502  # command not implemented
+NOT_AUTHENTICATED = 530
+NO_SUCH_BIN = 550
+TOO_LARGE = 552  # exceeded a size or count limit
+BAD_NAME = 553  # bin name not allowed
+
+PROTOCOL_VERSION = 1
+MAX_BIN_NAME = 256
+_BIN_NAME = re.compile(r"[^\x00-\x1f\x7f]+")
+
+
+def check_bin_name(name: object, max_len: int = MAX_BIN_NAME) -> str | None:
+    """Why ``name`` is not a valid bin name, or None if it is.
+
+    A bin name is a non-empty str of at most ``max_len`` characters with no control
+    characters.  Names are data: the server never uses one as a path.
+    """
+    if not isinstance(name, str):
+        return f"bin name must be a string, not {type(name).__name__}"
+    if not name or len(name) > max_len:
+        return f"bin name must have 1 to {max_len} characters"
+    if not _BIN_NAME.fullmatch(name):
+        return "bin name must not contain control characters"
+    return None

@@ -1,0 +1,281 @@
+"""Framing: the fixed prefix, the msgpack header, and a sans-IO incremental decoder.
+
+A frame on the wire is::
+
+    prefix (20 bytes, little-endian)   magic b"TSHR", version u8, flags u8,
+                                       reserved u16, header_len u32, payload_len u64
+    header (header_len bytes)          a msgpack map with str keys
+    payload (payload_len bytes)        raw bytes (the arrays of the values it carries)
+
+:class:`FrameDecoder` takes bytes in any split (``feed``) or lends a buffer to read
+into (``get_buffer``/``buffer_updated``, the ``recv_into`` style) and returns whole
+:class:`Frame` objects.  It validates the prefix and the header before asking for a
+payload sink, so a declared size over the limit never allocates.  Where the payload
+goes is the caller's choice (:class:`BufferSink`: one preallocated tensor;
+:class:`SegmentSink`: the received ``bytes`` chunks kept as they are, for servers
+that only forward them).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import msgpack
+import torch
+
+from ..errors import ProtocolError
+
+MAGIC = b"TSHR"
+VERSION = 1
+PREFIX = struct.Struct("<4sBBHIQ")
+PREFIX_SIZE = PREFIX.size  # 20
+
+
+@dataclass(frozen=True)
+class FrameLimits:
+    """Sizes a decoder refuses before allocating anything."""
+
+    max_header: int = 16 << 20
+    max_payload: int = 1 << 40
+
+
+DEFAULT_FRAME_LIMITS = FrameLimits()
+
+
+def pack_header(header: dict) -> bytes:
+    """The msgpack bytes of a header map."""
+    return msgpack.packb(header, use_bin_type=True)
+
+
+def frame_head(header: dict, payload_len: int) -> bytes:
+    """Prefix + header of a frame whose payload (``payload_len`` bytes) follows."""
+    packed = pack_header(header)
+    return PREFIX.pack(MAGIC, VERSION, 0, 0, len(packed), payload_len) + packed
+
+
+@dataclass
+class Frame:
+    """One decoded frame: its header map and its payload as the sink produced it."""
+
+    header: dict
+    payload: Any
+    payload_len: int
+
+
+# ------------------------------------------------------------------- payload sinks
+
+
+class BufferSink:
+    """Receives a payload into one preallocated, aligned uint8 tensor."""
+
+    def __init__(self, nbytes: int):
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+        self._view = memoryview(self.tensor.numpy()) if nbytes else memoryview(b"")
+        self._filled = 0
+
+    def get_buffer(self) -> memoryview:
+        return self._view[self._filled :]
+
+    def buffer_updated(self, n: int) -> None:
+        self._filled += n
+
+    def write(self, data: memoryview | bytes) -> None:
+        n = len(data)
+        self._view[self._filled : self._filled + n] = data
+        self._filled += n
+
+    def finish(self) -> torch.Tensor:
+        return self.tensor
+
+
+class SegmentSink:
+    """Keeps the payload as a list of ``bytes`` chunks, as they were received.
+
+    Chunks that arrive whole are kept without a copy; runs of small chunks are
+    coalesced so that a peer sending one byte at a time cannot make many objects.
+    """
+
+    COALESCE = 256 << 10
+
+    def __init__(self, nbytes: int):
+        self.segments: list[bytes] = []
+        self._small = bytearray()
+
+    def write(self, data: memoryview | bytes) -> None:
+        if len(data) >= self.COALESCE and not self._small:
+            self.segments.append(data if type(data) is bytes else bytes(data))
+            return
+        self._small += data
+        if len(self._small) >= self.COALESCE:
+            self.segments.append(bytes(self._small))
+            self._small.clear()
+
+    def finish(self) -> list[bytes]:
+        if self._small:
+            self.segments.append(bytes(self._small))
+            self._small = bytearray()
+        return self.segments
+
+
+class DiscardSink:
+    """Reads a payload and drops it (the request is refused but the stream stays in step)."""
+
+    def __init__(self, nbytes: int):
+        pass
+
+    def write(self, data: Any) -> None:
+        pass
+
+    def finish(self) -> None:
+        return None
+
+
+SinkFactory = Callable[[dict, int], Any]
+
+
+def buffer_sink(header: dict, nbytes: int) -> BufferSink:
+    """Sink factory: every payload into its own preallocated tensor."""
+    return BufferSink(nbytes)
+
+
+def discard_sink(header: dict, nbytes: int) -> DiscardSink:
+    """Sink factory: drop every payload (the caller reads it elsewhere)."""
+    return DiscardSink(nbytes)
+
+
+# ------------------------------------------------------------------------- decoder
+
+_HEADER, _PAYLOAD, _BROKEN = range(3)
+
+
+class FrameDecoder:
+    """Incremental, sans-IO frame decoder.
+
+    ``sink_factory(header, payload_len)`` is called once the header is complete and
+    valid; it returns the object that receives the payload.  After a
+    :class:`ProtocolError` the decoder refuses further input: the stream cannot be
+    resynchronised and the connection should be closed.
+    """
+
+    SCRATCH = 256 << 10
+
+    def __init__(self, sink_factory: SinkFactory = buffer_sink, limits: FrameLimits = DEFAULT_FRAME_LIMITS):
+        self.sink_factory = sink_factory
+        self.limits = limits
+        self._state = _HEADER
+        self._pending = bytearray()  # prefix + header bytes gathered so far
+        self._need = PREFIX_SIZE
+        self._header: dict | None = None
+        self._payload_len = 0
+        self._remaining = 0
+        self._sink: Any = None
+        self._scratch = bytearray(self.SCRATCH)
+
+    @property
+    def idle(self) -> bool:
+        """True between frames (no partial frame buffered)."""
+        return self._state == _HEADER and not self._pending
+
+    @property
+    def payload_remaining(self) -> int:
+        """Bytes still expected for the payload being received (0 between payloads)."""
+        return self._remaining if self._state == _PAYLOAD else 0
+
+    def feed(self, data: bytes | memoryview) -> list[Frame]:
+        """Consume ``data``; return the frames it completed, in order."""
+        if self._state == _BROKEN:
+            raise ProtocolError("decoder already failed; close the connection")
+        frames: list[Frame] = []
+        pos, end = 0, len(data)
+        try:
+            while pos < end:
+                if self._state == _HEADER:
+                    take = min(self._need - len(self._pending), end - pos)
+                    self._pending += data[pos : pos + take]
+                    pos += take
+                    if len(self._pending) == self._need:
+                        self._advance_header(frames)
+                else:
+                    take = min(self._remaining, end - pos)
+                    whole = take == end and pos == 0
+                    self._sink.write(data if whole else memoryview(data)[pos : pos + take])
+                    pos += take
+                    self._remaining -= take
+                    if not self._remaining:
+                        self._finish(frames)
+        except ProtocolError:
+            self._state = _BROKEN
+            raise
+        return frames
+
+    def get_buffer(self) -> memoryview:
+        """A writable buffer for the next read (``sock.recv_into``).
+
+        While a payload is arriving into a sink that lends its memory, this is that
+        memory itself (no copy); otherwise a scratch buffer whose content
+        :meth:`buffer_updated` feeds in.
+        """
+        if self._state == _PAYLOAD and hasattr(self._sink, "get_buffer"):
+            return self._sink.get_buffer()[: self._remaining]
+        return memoryview(self._scratch)
+
+    def buffer_updated(self, n: int) -> list[Frame]:
+        """Account for ``n`` bytes read into the buffer from :meth:`get_buffer`."""
+        if self._state == _PAYLOAD and hasattr(self._sink, "get_buffer"):
+            self._sink.buffer_updated(n)
+            self._remaining -= n
+            frames: list[Frame] = []
+            if not self._remaining:
+                self._finish(frames)
+            return frames
+        return self.feed(memoryview(self._scratch)[:n])
+
+    # -- internals
+
+    def _advance_header(self, frames: list[Frame]) -> None:
+        if self._need == PREFIX_SIZE:
+            magic, version, flags, _reserved, header_len, payload_len = PREFIX.unpack(self._pending)
+            if magic != MAGIC:
+                raise ProtocolError(f"bad magic {bytes(magic)!r}: not a tensorshare frame")
+            if version != VERSION:
+                raise ProtocolError(f"unsupported format version {version} (this side speaks {VERSION})")
+            if flags:
+                raise ProtocolError(f"unknown frame flags {flags:#x}")
+            if not 0 < header_len <= self.limits.max_header:
+                raise ProtocolError(f"header length {header_len} outside 1..{self.limits.max_header}")
+            if payload_len > self.limits.max_payload:
+                raise ProtocolError(f"payload of {payload_len} bytes over the limit of {self.limits.max_payload}")
+            self._payload_len = payload_len
+            self._need = PREFIX_SIZE + header_len
+            return
+        self._header = unpack_header(memoryview(self._pending)[PREFIX_SIZE:])
+        self._pending = bytearray()
+        self._need = PREFIX_SIZE
+        self._sink = self.sink_factory(self._header, self._payload_len)
+        self._remaining = self._payload_len
+        self._state = _PAYLOAD
+        if not self._remaining:
+            self._finish(frames)
+
+    def _finish(self, frames: list[Frame]) -> None:
+        frames.append(Frame(self._header, self._sink.finish(), self._payload_len))
+        self._header = self._sink = None
+        self._state = _HEADER
+
+
+def unpack_header(data: bytes | memoryview) -> dict:
+    """Decode and check a frame header: a msgpack map with str keys, nothing after it."""
+    size = len(data)
+    try:
+        header = msgpack.unpackb(
+            data, raw=False, strict_map_key=True, use_list=True,
+            max_str_len=size, max_bin_len=size,
+            max_array_len=size, max_map_len=size, max_ext_len=0,
+        )
+    except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
+        raise ProtocolError(f"malformed header: {exc}") from None
+    if not isinstance(header, dict) or not all(isinstance(k, str) for k in header):
+        raise ProtocolError("header must be a msgpack map with str keys")
+    return header
