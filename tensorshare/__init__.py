@@ -9,7 +9,9 @@ error classes in :mod:`tensorshare.errors`.  The wire format is in
 __version__ = "0.1.0"
 
 from . import errors, wire
+from .async_client import AsyncClient
 from .client import Client, Listening
+from .compat import TensorShare
 from .connection import ListenSnapshot, Notification
 from .errors import (
     ConnectionLostError, NoSuchBinError, ProtocolError, RemoteError, TensorShareError, TimeoutError,
@@ -24,7 +26,7 @@ def run_server(port: int = 8000, host: str = "127.0.0.1", **settings) -> None:
 
 
 __all__ = [
-    "Client", "Listening", "Notification", "ListenSnapshot", "run_server", "errors", "wire",
+    "Client", "AsyncClient", "TensorShare", "Listening", "Notification", "ListenSnapshot", "run_server", "errors", "wire",
     "TensorShareError", "ConnectionLostError", "NoSuchBinError", "ProtocolError", "RemoteError",
     "TimeoutError",
 ]

@@ -279,6 +279,8 @@ class Client:
             frames = conn.decoder.buffer_updated(n)
         except BlockingIOError:
             return
+        except TimeoutError:  # our TimeoutError is an OSError too: the connection is fine
+            raise
         except (OSError, ValueError, ProtocolError) as exc:
             err = ConnectionLostError(f"connection to {self.host}:{self.port} lost: {exc}")
             self._drop_connection(sock, err)

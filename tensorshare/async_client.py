@@ -1,0 +1,269 @@
+"""The asynchronous client for Twisted code: every method returns a Deferred.
+
+It runs on the reactor the application already runs (nothing is started for you)
+and shares the sans-IO core in :mod:`.connection` with the blocking client.
+Requests are pipelined on one connection; listen callbacks run on the reactor
+thread, as Twisted code expects.  When the connection drops, pending Deferreds
+fail with :class:`ConnectionLostError` at once, and the client reconnects with
+exponential backoff and restores its listens.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from twisted.internet import defer, protocol as twisted_protocol
+from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
+
+from . import protocol
+from .connection import (
+    ClientConnection, ListenSnapshot, Notification, check_reply, next_request_id, notification_of,
+    reply_value, request_frame,
+)
+from .errors import ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UsageError
+
+log = logging.getLogger("tensorshare.client")
+
+_NO_VALUE = object()
+
+
+class _Wire(twisted_protocol.Protocol):
+    """One connection of an :class:`AsyncClient`: bytes to frames and back."""
+
+    def __init__(self, client: "AsyncClient"):
+        self.client = client
+        self.conn = ClientConnection()
+        self.greeted: defer.Deferred = defer.Deferred()
+
+    def connectionMade(self) -> None:
+        self.transport.setTcpNoDelay(True)
+
+    def dataReceived(self, data: bytes) -> None:
+        try:
+            frames = self.conn.feed(data)
+        except ProtocolError as exc:
+            log.warning("bad data from server: %s", exc)
+            self.transport.abortConnection()
+            return
+        for frame in frames:
+            if self.conn.greeting is None:
+                try:
+                    header = check_reply(frame)
+                    if header.get("code") != protocol.GREETING:
+                        raise ProtocolError(f"expected a 220 greeting, got {header!r}")
+                except TensorShareError as exc:
+                    self.transport.abortConnection()
+                    self.greeted.errback(exc)
+                    return
+                self.conn.greeting = header
+                self.greeted.callback(self)
+                continue
+            self.client._frame_received(frame)
+
+    def connectionLost(self, reason) -> None:
+        if not self.greeted.called:
+            self.greeted.errback(ConnectionLostError(f"closed before greeting: {reason.getErrorMessage()}"))
+        self.client._connection_lost(self, reason)
+
+    def send(self, parts: list) -> None:
+        # Twisted transports take bytes only; the copy also snapshots the value.
+        self.transport.writeSequence([p if type(p) is bytes else bytes(p) for p in parts])
+
+
+class AsyncClient:
+    """A tensorshare client whose methods return Deferreds.
+
+    Create it with :meth:`connect`::
+
+        client = yield AsyncClient.connect("127.0.0.1", 8000)
+        yield client.put("bin", torch.ones(3))
+        items = yield client.peek("bin")
+    """
+
+    def __init__(self, reactor, host: str, port: int, timeout: float | None, device: Any, max_backoff: float):
+        self.reactor, self.host, self.port = reactor, host, port
+        self.timeout, self.device, self.max_backoff = timeout, device, max_backoff
+        self._wire: _Wire | None = None
+        self._pending: dict[int, tuple[str, defer.Deferred]] = {}
+        self._listens: dict[str, list[Callable[[Notification], Any]]] = {}
+        self._closed = False
+        self._backoff = 0.05
+        self._retry = None
+
+    @classmethod
+    def connect(cls, host: str = "127.0.0.1", port: int = 8000, *, reactor=None, timeout: float | None = 60.0,
+                device: Any = None, max_backoff: float = 2.0) -> defer.Deferred:
+        """Connect and wait for the server's greeting; fires with the client."""
+        if reactor is None:
+            from twisted.internet import reactor
+        client = cls(reactor, host, port, timeout, device, max_backoff)
+        return client._open().addCallback(lambda _: client)
+
+    # -- API
+
+    def put(self, bin: str, value: Any) -> defer.Deferred:
+        """Replace the items of ``bin`` with ``value``; fires with the item count."""
+        return self._call(protocol.PUT, bin, value)
+
+    def append(self, bin: str, value: Any) -> defer.Deferred:
+        """Add one item to ``bin``; fires with the new item count."""
+        return self._call(protocol.APPEND, bin, value)
+
+    def get(self, bin: str) -> defer.Deferred:
+        """Take all items out of ``bin``; fires with the list of them."""
+        return self._call(protocol.GET, bin)
+
+    def peek(self, bin: str) -> defer.Deferred:
+        """Fires with the list of items of ``bin``, which keeps them."""
+        return self._call(protocol.PEEK, bin)
+
+    def list(self) -> defer.Deferred:
+        """Fires with ``{bin: n_items}``."""
+        return self._call(protocol.LIST)
+
+    def delete(self, bin: str) -> defer.Deferred:
+        """Remove ``bin``."""
+        return self._call(protocol.DELETE, bin)
+
+    def ping(self) -> defer.Deferred:
+        return self._call(protocol.NOOP)
+
+    @defer.inlineCallbacks
+    def listen(self, bin: str, callback: Callable[[Notification], Any]):
+        """Call ``callback(notification)`` (on the reactor thread) on every change to
+        ``bin``; fires with the :class:`ListenSnapshot` once listening has started."""
+        snapshot = yield self._call(protocol.LISTEN, bin)
+        self._listens.setdefault(bin, []).append(callback)
+        return snapshot
+
+    def unlisten(self, bin: str, callback: Callable | None = None) -> defer.Deferred:
+        """Stop calling ``callback`` (or every callback) for ``bin``."""
+        callbacks = self._listens.get(bin, [])
+        if callback is None:
+            callbacks.clear()
+        elif callback in callbacks:
+            callbacks.remove(callback)
+        if callbacks:
+            return defer.succeed(None)
+        self._listens.pop(bin, None)
+        return self._call(protocol.UNLISTEN, bin)
+
+    def close(self) -> None:
+        """Close the connection; pending Deferreds fail with ConnectionLostError."""
+        self._closed = True
+        self._listens.clear()
+        if self._retry is not None and self._retry.active():
+            self._retry.cancel()
+        if self._wire is not None:
+            self._wire.transport.loseConnection()
+
+    @property
+    def connected(self) -> bool:
+        return self._wire is not None
+
+    # -- internals
+
+    def _open(self) -> defer.Deferred:
+        endpoint = TCP4ClientEndpoint(self.reactor, self.host, self.port, timeout=10)
+        wire = _Wire(self)
+        d = connectProtocol(endpoint, wire)
+        d.addCallback(lambda _: wire.greeted)
+        d.addCallback(self._opened)
+        d.addErrback(self._open_failed)
+        return d
+
+    def _opened(self, wire: _Wire) -> None:
+        self._wire = wire
+        self._backoff = 0.05
+        for name in list(self._listens):
+            self._call(protocol.LISTEN, name).addCallbacks(self._relistened(name), self._relisten_failed(name))
+
+    def _open_failed(self, failure):
+        if failure.check(TensorShareError):
+            return failure
+        raise ConnectionLostError(f"cannot connect to {self.host}:{self.port}: {failure.getErrorMessage()}")
+
+    def _relistened(self, name: str) -> Callable:
+        def deliver(snapshot: ListenSnapshot) -> None:
+            note = Notification(name, snapshot.n_items, snapshot.seq, protocol.LISTEN)
+            self._notify(note)
+        return deliver
+
+    def _relisten_failed(self, name: str) -> Callable:
+        def report(failure) -> None:
+            log.warning("could not listen to %r again after reconnecting: %s", name, failure.getErrorMessage())
+        return report
+
+    def _call(self, op: str, name: str | None = None, value: Any = _NO_VALUE) -> defer.Deferred:
+        if self._closed:
+            return defer.fail(UsageError("the client is closed"))
+        if self._wire is None:
+            return defer.fail(ConnectionLostError(f"not connected to {self.host}:{self.port} (reconnecting)"))
+        rid = next_request_id()
+        try:
+            parts = request_frame(rid, op, name, value) if value is not _NO_VALUE else request_frame(rid, op, name)
+        except TensorShareError:
+            return defer.fail()
+        d = defer.Deferred()
+        self._pending[rid] = (op, d)
+        self._wire.send(parts)
+        if self.timeout is not None:
+            d.addTimeout(self.timeout, self.reactor, onTimeoutCancel=self._timed_out(rid))
+        return d
+
+    def _timed_out(self, rid: int) -> Callable:
+        def convert(result, timeout):
+            self._pending.pop(rid, None)
+            raise TimeoutError(f"no reply from {self.host}:{self.port} within {timeout}s")
+        return convert
+
+    def _frame_received(self, frame) -> None:
+        rid = frame.header.get("id")
+        if rid:
+            entry = self._pending.pop(rid, None)
+            if entry is None:
+                return  # the caller gave up (timeout)
+            op, d = entry
+            try:
+                result = reply_value(op, frame, self.device)
+            except TensorShareError:
+                d.errback()
+            else:
+                d.callback(result)
+            return
+        note = notification_of(frame)
+        if note is not None:
+            self._notify(note)
+            return
+        try:
+            check_reply(frame)
+        except TensorShareError as exc:
+            log.warning("server ended the connection: %s", exc)
+
+    def _notify(self, note: Notification) -> None:
+        for callback in list(self._listens.get(note.bin, ())):
+            try:
+                callback(note)
+            except Exception:
+                log.exception("tensorshare listen callback %r failed", callback)
+
+    def _connection_lost(self, wire: _Wire, reason) -> None:
+        if wire is not self._wire:
+            return
+        self._wire = None
+        pending, self._pending = self._pending, {}
+        for _op, d in pending.values():
+            d.errback(ConnectionLostError(f"connection to {self.host}:{self.port} lost: {reason.getErrorMessage()}"))
+        if not self._closed:
+            self._schedule_reconnect()
+
+    def _schedule_reconnect(self) -> None:
+        delay, self._backoff = self._backoff, min(self._backoff * 2, self.max_backoff)
+
+        def attempt() -> None:
+            self._retry = None
+            if not self._closed:
+                self._open().addErrback(lambda _: self._schedule_reconnect())
+
+        self._retry = self.reactor.callLater(delay, attempt)

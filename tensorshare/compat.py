@@ -1,0 +1,114 @@
+"""``TensorShare``: the original tensorshare's callback API, on the blocking client.
+
+Every call returns at once; its optional callback later receives
+``{'status': 'OK', 'data': result}`` or ``{'status': 'ERR', 'msg': text}``.  Listen
+callbacks receive ``{'bin': name, 'n_items': n, 'seq': s, 'op': verb}``.
+``start()`` blocks until ``stop()``.  Unlike the original, requests are pipelined
+on one connection, values are sent before a call returns (later changes to them are
+not sent), callbacks run on a dispatcher thread (never the thread reading the
+socket), and a failed connection raises instead of hanging.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+from . import protocol
+from .client import Client, Listening
+from .errors import ConnectionLostError
+
+Callback = Callable[[dict], Any] | None
+
+
+class TensorShare:
+    """Callback-style client, as in the original tensorshare README."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 8000, *, timeout: float = 60.0,
+                 connect_timeout: float = 30.0, **client_options):
+        self._client = _connect_with_retry(host, port, timeout, connect_timeout, **client_options)
+        self._stopped = threading.Event()
+        self._listening: dict[str, Listening] = {}
+
+    @property
+    def client(self) -> Client:
+        """The underlying blocking :class:`Client` (for blocking calls)."""
+        return self._client
+
+    # -- data calls (non-blocking)
+
+    def put(self, bin: str, value: Any, callback: Callback = None) -> None:
+        self._submit(protocol.PUT, bin, value, callback)
+
+    def append(self, bin: str, value: Any, callback: Callback = None) -> None:
+        self._submit(protocol.APPEND, bin, value, callback)
+
+    def get(self, bin: str, callback: Callback = None) -> None:
+        self._submit(protocol.GET, bin, None, callback, with_value=False)
+
+    def peek(self, bin: str, callback: Callback = None) -> None:
+        self._submit(protocol.PEEK, bin, None, callback, with_value=False)
+
+    def delete(self, bin: str, callback: Callback = None) -> None:
+        self._submit(protocol.DELETE, bin, None, callback, with_value=False)
+
+    def list(self, callback: Callback = None) -> None:
+        self._submit(protocol.LIST, None, None, callback, with_value=False)
+
+    # -- notifications
+
+    def listen(self, bin: str, callback: Callable[[dict], Any]) -> None:
+        """Call ``callback`` with ``{'bin', 'n_items', 'seq', 'op'}`` on every change
+        to ``bin``.  Returns once the server listens: no later change is missed."""
+        self.ignore(bin)
+        self._listening[bin] = self._client.listen(bin, lambda note: callback(note.as_dict()))
+
+    def ignore(self, bin: str) -> None:
+        """Stop listening to ``bin``."""
+        handle = self._listening.pop(bin, None)
+        if handle is not None:
+            handle.stop()
+
+    # -- lifetime
+
+    def start(self) -> None:
+        """Block until :meth:`stop` is called (from any thread) or Ctrl-C."""
+        try:
+            while not self._stopped.wait(0.5):
+                pass
+        except KeyboardInterrupt:
+            self.stop()
+
+    def stop(self) -> None:
+        """Close the connection and release :meth:`start`."""
+        self._stopped.set()
+        self._client.close()
+
+    def _submit(self, op: str, bin: str | None, value: Any, callback: Callback, with_value: bool = True) -> None:
+        def reply(result: Any, error: BaseException | None) -> None:
+            if callback is None:
+                return
+            if error is None:
+                callback({"status": "OK", "data": result})
+            else:
+                callback({"status": "ERR", "msg": str(error)})
+
+        if with_value:
+            self._client.submit(op, bin, value, callback=reply)
+        else:
+            self._client.submit(op, bin, callback=reply)
+
+
+def _connect_with_retry(host: str, port: int, timeout: float, connect_timeout: float, **options) -> Client:
+    """Connect, retrying with backoff for up to ``connect_timeout`` s (servers start late)."""
+    deadline = time.monotonic() + connect_timeout
+    delay = 0.05
+    while True:
+        try:
+            return Client(host, port, timeout, **options)
+        except ConnectionLostError:
+            if time.monotonic() + delay > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)

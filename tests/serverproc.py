@@ -1,0 +1,65 @@
+"""A real ``tensorshare-server`` process on loopback, for tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+_LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
+
+
+class ServerProcess:
+    """Start ``python -m tensorshare_server`` and learn its port from its first line."""
+
+    def __init__(self, *args: str, port: int = 0, start_timeout: float = 30.0):
+        self.args = list(args)
+        self.port = port
+        self.start_timeout = start_timeout
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "tensorshare_server", "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + self.start_timeout
+        line = self.proc.stdout.readline()  # the server prints it first thing
+        match = _LISTENING.search(line or "")
+        if not match:
+            self.proc.kill()
+            err = self.proc.stderr.read()
+            raise RuntimeError(f"server did not start: {line!r} {err[-2000:]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError("server start took too long")
+        self.port = int(match.group(2))
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
+        """Signal the server and wait for it; returns its exit code."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+        self.proc = None
+        return code
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def restart(self) -> None:
+        """Stop and start again on the same port."""
+        self.stop()
+        self.start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid

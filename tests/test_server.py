@@ -1,0 +1,385 @@
+"""End-to-end: the blocking client against a real server process on loopback."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import tensorshare
+from tensorshare import protocol
+from tensorshare.connection import request_frame
+from tensorshare.errors import (
+    BadRequestError, ConnectionLostError, NoSuchBinError, UnknownVerbError, UsageError,
+)
+from tensorshare.wire.frames import FrameDecoder, frame_head
+
+
+def wait_for(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+class RawConnection:
+    """A plain socket speaking frames, for sending what no client would."""
+
+    def __init__(self, port: int):
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.decoder = FrameDecoder()
+        self.frames = []
+        greeting = self.read_frame()
+        assert greeting.header["code"] == protocol.GREETING
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def read_frame(self):
+        while not self.frames:
+            data = self.sock.recv(1 << 16)
+            if not data:
+                raise ConnectionResetError("closed")
+            self.frames.extend(self.decoder.feed(data))
+        return self.frames.pop(0)
+
+    def closed_by_peer(self, timeout: float = 10.0) -> bool:
+        self.sock.settimeout(timeout)
+        try:
+            while True:
+                if not self.sock.recv(1 << 16):
+                    return True
+        except (ConnectionResetError, BrokenPipeError):
+            return True
+        except socket.timeout:
+            return False
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def raw_frame(rid, op, name=None, value=None) -> bytes:
+    parts = request_frame(rid, op, name, value) if value is not None else request_frame(rid, op, name)
+    return b"".join(bytes(p) for p in parts)
+
+
+# ----------------------------------------------------------------------- verbs
+
+
+def test_put_replaces_and_peek_keeps(client):
+    assert client.put("v-put", torch.arange(3)) == 1
+    assert client.put("v-put", {"a": 1}) == 1
+    assert client.peek("v-put") == [{"a": 1}]
+    assert client.peek("v-put") == [{"a": 1}]
+
+
+def test_append_keeps_order_and_items_stay_items(client):
+    client.append("v-app", [1, 2])  # a list value is one item, never merged
+    client.append("v-app", [3])
+    assert client.append("v-app", (4,)) == 3
+    assert client.peek("v-app") == [[1, 2], [3], (4,)]
+
+
+def test_get_empties_but_keeps_bin(client):
+    client.append("v-get", "a")
+    client.append("v-get", "b")
+    assert client.get("v-get") == ["a", "b"]
+    assert client.get("v-get") == []
+    assert client.list()["v-get"] == 0
+
+
+def test_list_and_delete(client):
+    client.put("v-del", 1)
+    client.append("v-del", 2)
+    assert client.list()["v-del"] == 2
+    client.delete("v-del")
+    assert "v-del" not in client.list()
+    with pytest.raises(NoSuchBinError) as info:
+        client.peek("v-del")
+    assert info.value.code == 550 and "v-del" in str(info.value)
+    with pytest.raises(NoSuchBinError):
+        client.get("v-del")
+    with pytest.raises(NoSuchBinError):
+        client.delete("v-del")
+
+
+def test_values_round_trip_through_server(client):
+    value = {
+        "w": torch.randn(5, 7),
+        "strided": torch.arange(40).reshape(5, 8)[:, ::3],
+        "half": torch.randn(3).to(torch.bfloat16),
+        "np": np.arange(6, dtype=np.float64).reshape(2, 3),
+        "meta": ("x", 2**70, None, True, 1.5, b"\x00\x01"),
+        "empty": torch.zeros(0, 4),
+        "scalar": torch.tensor(7),
+    }
+    client.put("v-values", value)
+    [back] = client.peek("v-values")
+    assert list(back) == list(value)
+    for key in ("w", "strided", "half", "empty", "scalar"):
+        assert back[key].dtype == value[key].dtype and torch.equal(back[key], value[key])
+    assert isinstance(back["np"], np.ndarray) and np.array_equal(back["np"], value["np"])
+    assert back["meta"] == value["meta"]
+
+
+def test_large_tensor_is_identical(client):
+    big = torch.randint(0, 255, (48 << 20,), dtype=torch.uint8)
+    client.put("v-big", big)
+    [back] = client.get("v-big")
+    assert torch.equal(back, big)
+
+
+def test_ping(client):
+    assert client.ping() < 5
+
+
+# ----------------------------------------------------------------------- errors
+
+
+def test_bad_bin_name_is_refused_locally(client):
+    with pytest.raises(UsageError):
+        client.put("", 1)
+    with pytest.raises(UsageError):
+        client.put("bad\nname", 1)
+    with pytest.raises(UsageError):
+        client.put("x" * 1000, 1)
+
+
+def test_unsupported_value_is_refused_before_sending(client):
+    with pytest.raises(tensorshare.errors.EncodeError):
+        client.put("v-bad", object())
+    assert "v-bad" not in client.list()
+
+
+def test_unknown_verb_gets_502_and_connection_continues(server):
+    raw = RawConnection(server.port)
+    raw.send(frame_head({"op": "FROB", "id": 5}, 0))
+    reply = raw.read_frame()
+    assert reply.header["code"] == 502 and reply.header["id"] == 5 and "FROB" in reply.header["msg"]
+    raw.send(raw_frame(6, "NOOP"))
+    assert raw.read_frame().header == {"code": 200, "id": 6}
+    raw.close()
+
+
+def test_malformed_frame_gets_500_then_close_and_others_unaffected(server, client):
+    client.put("v-survivor", 42)
+    raw = RawConnection(server.port)
+    raw.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(20))
+    reply = raw.read_frame()
+    assert reply.header["code"] == 500 and "magic" in reply.header["msg"]
+    assert raw.closed_by_peer()
+    assert client.peek("v-survivor") == [42]
+
+
+def test_bad_value_description_is_refused_and_nothing_stored(server, client):
+    raw = RawConnection(server.port)
+    header = {"op": "PUT", "id": 9, "bin": "v-torn", "value": b"\x93\x01\x02\x03"}
+    raw.send(frame_head(header, 64) + bytes(64))
+    reply = raw.read_frame()
+    assert reply.header["code"] == 501 and "bad value" in reply.header["msg"]
+    raw.send(frame_head({"op": "GET", "id": 10, "bin": "v-x"}, 8) + bytes(8))  # GET with a payload
+    assert raw.read_frame().header["code"] == 501
+    raw.close()
+    assert "v-torn" not in client.list()
+
+
+def test_error_classes_match_codes(client):
+    with pytest.raises(NoSuchBinError):
+        client.peek("v-never")
+    assert issubclass(UnknownVerbError, tensorshare.errors.PermanentError)
+    assert tensorshare.errors.error_for_code(501, "x").__class__ is BadRequestError
+
+
+# ----------------------------------------------------------------------- listen
+
+
+def test_listen_reports_every_change_in_order(server):
+    with tensorshare.Client("127.0.0.1", server.port) as listener, \
+            tensorshare.Client("127.0.0.1", server.port) as writer:
+        seen = []
+        handle = listener.listen("l-order", seen.append)
+        assert handle.snapshot.exists is False and handle.snapshot.n_items == 0
+        writer.append("l-order", 1)
+        writer.append("l-order", 2)
+        writer.put("l-order", 3)
+        writer.get("l-order")
+        writer.delete("l-order")
+        assert wait_for(lambda: len(seen) == 5)
+        assert [(n.op, n.n_items) for n in seen] == [
+            ("APPEND", 1), ("APPEND", 2), ("PUT", 1), ("GET", 0), ("DELETE", 0)]
+        seqs = [n.seq for n in seen]
+        assert seqs == sorted(seqs) and len(set(seqs)) == 5
+        handle.stop()
+        writer.append("l-order", 4)
+        time.sleep(0.2)
+        assert len(seen) == 5
+
+
+def test_listen_snapshot_is_atomic_with_stream(server):
+    """Appends racing with the start of listening are either in the snapshot or notified."""
+    stop = threading.Event()
+
+    def hammer():
+        with tensorshare.Client("127.0.0.1", server.port) as writer:
+            while not stop.is_set():
+                writer.append("l-race", 0)
+
+    thread = threading.Thread(target=hammer)
+    thread.start()
+    try:
+        with tensorshare.Client("127.0.0.1", server.port) as listener:
+            time.sleep(0.05)
+            seen = []
+            handle = listener.listen("l-race", seen.append)
+            time.sleep(0.2)
+            stop.set()
+            thread.join()
+            final = listener.list()["l-race"]
+            assert wait_for(lambda: seen and seen[-1].n_items == final)
+            appended = sum(1 for n in seen if n.op == "APPEND")
+            assert handle.snapshot.n_items + appended == final
+            assert all(a.seq < b.seq for a, b in zip(seen, seen[1:]))
+            assert all(n.seq > handle.snapshot.seq for n in seen)
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_listen_callback_error_is_not_retried(server, caplog):
+    with tensorshare.Client("127.0.0.1", server.port) as c:
+        calls = []
+
+        def bad(note):
+            calls.append(note)
+            raise RuntimeError("user bug")
+
+        c.listen("l-bad", bad)
+        c.append("l-bad", 1)
+        c.append("l-bad", 2)
+        assert wait_for(lambda: len(calls) == 2)
+        time.sleep(0.1)
+        assert len(calls) == 2
+
+
+# ----------------------------------------------------------------------- concurrency
+
+
+def test_pipelining_from_many_threads(server):
+    n_threads, per_thread = 8, 150
+    errors = []
+    with tensorshare.Client("127.0.0.1", server.port) as c:
+        def work(t):
+            try:
+                for i in range(per_thread):
+                    c.append("p-many", (t, i))
+                    if i % 10 == 0:
+                        c.put(f"p-own-{t}", torch.full((4,), float(i)))
+                        assert torch.equal(c.peek(f"p-own-{t}")[0], torch.full((4,), float(i)))
+            except Exception as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(n_threads)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors
+        items = c.get("p-many")
+    assert sorted(items) == sorted((t, i) for t in range(n_threads) for i in range(per_thread))
+    for t in range(n_threads):  # each thread's appends in its own order
+        mine = [i for (tt, i) in items if tt == t]
+        assert mine == list(range(per_thread))
+
+
+def test_timeout_raises(server):
+    with tensorshare.Client("127.0.0.1", server.port) as c:
+        c.put("t-big", torch.zeros(16 << 20))
+        with pytest.raises(tensorshare.TimeoutError):
+            c.peek("t-big", timeout=0.0001)
+        assert c.ping() < 5  # the connection is still usable afterwards
+
+
+# ----------------------------------------------------------------------- faults
+
+
+def test_reconnect_after_server_restart(fresh_server):
+    c = tensorshare.Client("127.0.0.1", fresh_server.port, timeout=10)
+    seen = []
+    c.listen("r-bin", seen.append)
+    c.put("r-bin", 1)
+    assert wait_for(lambda: len(seen) == 1)
+    fresh_server.restart()
+    # The server's state is gone; the client notices, reconnects and listens again.
+    assert wait_for(lambda: any(n.op == "LISTEN" for n in seen), timeout=15)
+    assert not any(n.op == "LISTEN" and n.n_items for n in seen)
+    c.append("r-bin", 2)
+    assert wait_for(lambda: seen[-1].op == "APPEND" and seen[-1].n_items == 1)
+    assert c.peek("r-bin") == [2]
+    c.close()
+
+
+def test_pending_call_fails_promptly_when_server_dies(fresh_server):
+    c = tensorshare.Client("127.0.0.1", fresh_server.port, timeout=30)
+    c.put("d-bin", torch.zeros(1))
+    fresh_server.kill()
+    start = time.monotonic()
+    with pytest.raises(ConnectionLostError):
+        c.peek("d-bin")
+    assert time.monotonic() - start < 5
+    with pytest.raises(ConnectionLostError):  # nothing to reconnect to: clear error, no hang
+        c.peek("d-bin")
+    c.close()
+
+
+_HALF_PUT = textwrap.dedent("""
+    import socket, sys, time
+    from tensorshare.wire.frames import frame_head
+    from tensorshare.wire.codec import encode
+    import torch
+    enc = encode(torch.zeros(16 << 20))
+    s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+    s.sendall(frame_head({"op": "PUT", "id": 1, "bin": "k-half", "value": enc.description}, enc.nbytes))
+    s.sendall(bytes(enc.nbytes // 2))
+    print("sent", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_client_killed_mid_put_leaves_no_item(server, client):
+    proc = subprocess.Popen([sys.executable, "-c", _HALF_PUT, str(server.port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "sent"
+        proc.kill()
+        proc.wait(10)
+    finally:
+        proc.kill()
+        proc.stdout.close()
+    time.sleep(0.2)
+    assert "k-half" not in client.list()
+    client.put("k-after", 1)
+    assert client.peek("k-after") == [1]
+
+
+def test_get_whose_reply_is_not_delivered_keeps_items(server, client):
+    big = torch.arange(8 << 20, dtype=torch.float64)
+    client.put("k-undelivered", big)
+    seen = []
+    client.listen("k-undelivered", seen.append)
+    raw = RawConnection(server.port)
+    raw.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    raw.send(raw_frame(1, "GET", "k-undelivered"))
+    time.sleep(0.3)
+    raw.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    raw.close()  # reset: the 64 MiB reply cannot have been delivered
+    assert wait_for(lambda: [n.op for n in seen] == ["GET", "RESTORE"])
+    assert client.list()["k-undelivered"] == 1
+    assert torch.equal(client.peek("k-undelivered")[0], big)
