@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""Set up a virtual environment and run the project's jobs; needs only Python 3.10+.
+
+    python3 scripts/dev.py demo    # set up, start a server, run the examples against it
+    python3 scripts/dev.py test    # set up with the test extra, run the test suite
+    python3 scripts/dev.py bench   # set up with the bench extra, run the quick benchmark
+    python3 scripts/dev.py bench-full
+
+The environment lives in ``.venv`` and is re-installed only when setup.cfg or
+pyproject.toml change.  torch is installed pinned (``torch==2.13.0``, a CPU build)
+when missing, so that the package's range does not pull a CUDA build.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = ROOT / ".venv"
+PY = VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+TORCH_PIN = "torch==2.13.0"
+
+
+def sh(*cmd: str, **kw) -> None:
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT, **kw)
+
+
+def ensure_env(extra: str | None) -> None:
+    """Create .venv and install the package (editable) with ``extra``."""
+    if not PY.exists():
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    stamp = VENV / f".installed-{extra or 'base'}"
+    digest = hashlib.sha256(b"".join((ROOT / f).read_bytes() for f in ("setup.cfg", "pyproject.toml"))).hexdigest()
+    if stamp.exists() and stamp.read_text() == digest:
+        return
+    quiet = ["--quiet", "--disable-pip-version-check"]
+    has_torch = subprocess.run([str(PY), "-c", "import torch"], capture_output=True).returncode == 0
+    if not has_torch:
+        sh(str(PY), "-m", "pip", "install", *quiet, TORCH_PIN)
+    target = f".[{extra}]" if extra else "."
+    sh(str(PY), "-m", "pip", "install", *quiet, "-e", target)
+    stamp.write_text(digest)
+
+
+def start_server() -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen([str(PY), "-m", "tensorshare_server", "--port", "0"], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    match = re.search(r":(\d+)$", line.strip())
+    if not match:
+        proc.kill()
+        raise SystemExit(f"server did not start: {line!r}")
+    print(line.strip(), flush=True)
+    return proc, int(match.group(1))
+
+
+def demo() -> None:
+    ensure_env(None)
+    proc, port = start_server()
+    try:
+        for example in ("blocking_client.py", "listen.py"):
+            print(f"\n== examples/{example}", flush=True)
+            sh(str(PY), f"examples/{example}", "--port", str(port), timeout=300)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test(pytest_args: list[str]) -> None:
+    ensure_env("test")
+    os.execv(str(PY), [str(PY), "-m", "pytest", *pytest_args])
+
+
+def bench(profile: str) -> None:
+    ensure_env("bench")
+    if shutil.which("redis-server") is None:
+        install_redis()
+    os.execv(str(PY), [str(PY), "-m", "benchmarks", "--profile", profile])
+
+
+def install_redis() -> None:
+    """Install redis-server with the system package manager when we may; else say so."""
+    if shutil.which("apt-get") and hasattr(os, "geteuid") and os.geteuid() == 0:
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        subprocess.run(["apt-get", "update", "-qq"], env=env, check=False)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "redis-server"], env=env, check=False)
+    if shutil.which("redis-server") is None:
+        print("redis-server is not installed: the Redis baselines will be skipped", flush=True)
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] not in ("demo", "test", "bench", "bench-full"):
+        raise SystemExit(__doc__)
+    job, rest = sys.argv[1], sys.argv[2:]
+    if job == "demo":
+        demo()
+    elif job == "test":
+        test(rest or ["-q"])
+    else:
+        bench("full" if job == "bench-full" else "quick")
+
+
+if __name__ == "__main__":
+    main()
