@@ -24,6 +24,12 @@ def listen(config: ServerConfig):
     return reactor.listenTCP(config.port, factory, interface=config.host)
 
 
+def _shut(port) -> None:
+    """Stop listening on ``port`` and drop its connections (on the reactor thread)."""
+    port.stopListening()
+    port.factory.disconnect_all()
+
+
 def run_server(port: int = 8000, host: str = "127.0.0.1", **settings) -> None:
     """Serve on ``host:port`` until SIGINT/SIGTERM; blocks the calling (main) thread.
 
@@ -72,7 +78,7 @@ class EmbeddedServer:
     def stop(self) -> None:
         """Stop listening and drop the connections' state with the server."""
         if self._port is not None:
-            blockingCallFromThread(reactor, self._port.stopListening)
+            blockingCallFromThread(reactor, _shut, self._port)
             self._port = None
 
     def __enter__(self) -> "EmbeddedServer":
@@ -90,9 +96,10 @@ def _size(text: str) -> int:
     stripped = text.strip().upper()
     number = stripped.rstrip("KMGTIB")
     unit = stripped[len(number):]
-    if unit not in units or not number:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB or 8GB)")
-    return int(float(number) * units[unit])
+    try:
+        return int(float(number) * units[unit])
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB or 8GB)") from None
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Namespace]:

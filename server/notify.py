@@ -19,7 +19,7 @@ def notification_frame(change: Change) -> bytes:
     """The bytes of the 151 frame that tells a listener about ``change``."""
     return frame_head(
         {"code": protocol.NOTIFY, "id": 0, "bin": change.bin, "n": change.n_items,
-         "seq": change.seq, "op": change.op},
+         "seq": change.seq, "op": change.op, "tag": change.tag},
         0,
     )
 

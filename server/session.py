@@ -14,7 +14,7 @@ from typing import Callable, Protocol
 
 from tensorshare import __version__, protocol
 from tensorshare.errors import ProtocolError, RemoteError
-from tensorshare.wire.codec import parse_description
+from tensorshare.wire.codec import check_description
 from tensorshare.wire.frames import DiscardSink, Frame, FrameDecoder, SegmentSink, frame_head
 
 from .config import ServerConfig
@@ -22,6 +22,7 @@ from .notify import ListenerRegistry
 from .store import BinStore, Item
 
 log = logging.getLogger("tensorshare.server")
+_DISCARD = DiscardSink(0)  # stateless: one serves every request that takes no payload
 
 
 class Outbox(Protocol):
@@ -66,6 +67,9 @@ class ServerSession:
         self.listening: set[str] = set()
         self.closed = False
         self._decoder = FrameDecoder(self._payload_sink, state.config.frame_limits)
+        # The config's limits are properties that build a new object per access.
+        self._decode_limits = state.config.decode_limits
+        self._max_bin_name = state.config.max_bin_name
 
     # -- events from the transport
 
@@ -109,7 +113,7 @@ class ServerSession:
     def _payload_sink(self, header: dict, nbytes: int):
         if header.get("op") in protocol.VERBS_WITH_VALUE:
             return SegmentSink(nbytes)
-        return DiscardSink(nbytes)
+        return _DISCARD
 
     def _handle(self, frame: Frame) -> None:
         header = frame.header
@@ -126,10 +130,10 @@ class ServerSession:
                 raise _Refused(protocol.BAD_ARGS, f"{op} takes no payload")
             name = header.get("bin")
             if op in protocol.VERBS_WITH_BIN:
-                problem = protocol.check_bin_name(name, self.state.config.max_bin_name)
+                problem = protocol.check_bin_name(name, self._max_bin_name)
                 if problem:
                     raise _Refused(protocol.BAD_NAME, problem)
-            getattr(self, "_do_" + op.lower())(rid, name, frame)
+            _HANDLERS[op](self, rid, name, frame)
         except _Refused as exc:
             self._send({"code": exc.code, "id": rid, "msg": exc.message})
         except RemoteError as exc:  # raised by the store: no such bin, limits
@@ -139,11 +143,14 @@ class ServerSession:
         blob = frame.header.get("value")
         if not isinstance(blob, bytes):
             raise _Refused(protocol.BAD_ARGS, "missing value description")
-        try:
-            parse_description(blob, frame.payload_len, self.state.config.decode_limits)
+        try:  # cheap for a description seen before (the codec remembers them)
+            check_description(blob, frame.payload_len, self._decode_limits)
         except ProtocolError as exc:
             raise _Refused(protocol.BAD_ARGS, f"bad value: {exc}") from None
-        return Item(blob, tuple(frame.payload), frame.payload_len)
+        tag = frame.header.get("tag")
+        if tag is not None and (type(tag) is not int or not protocol.TAG_MIN <= tag <= protocol.TAG_MAX):
+            raise _Refused(protocol.BAD_ARGS, "tag must be a 64-bit signed integer")
+        return Item(blob, tuple(frame.payload), frame.payload_len, tag)
 
     def _do_put(self, rid: int, name: str, frame: Frame) -> None:
         self._stored(rid, self.state.store.put(name, self._item(frame)))
@@ -182,9 +189,9 @@ class ServerSession:
             raise _Refused(protocol.TOO_LARGE, f"a connection may listen to {self.state.config.max_listens} bins")
         self.listening.add(name)
         self.state.listeners.add(name, self)
-        exists, n_items, seq = self.state.store.state(name)
+        exists, n_items, seq, tag = self.state.store.state(name)
         # Sent before any later notification: the snapshot and the stream are atomic.
-        self._send({"code": protocol.OK, "id": rid, "exists": exists, "n": n_items, "seq": seq})
+        self._send({"code": protocol.OK, "id": rid, "exists": exists, "n": n_items, "seq": seq, "tag": tag})
 
     def _do_unlisten(self, rid: int, name: str, frame: Frame) -> None:
         self.listening.discard(name)
@@ -207,3 +214,7 @@ class ServerSession:
         for item in items:
             parts.extend(item.segments)
         self.send(parts, on_abandon)
+
+
+# Verb -> handler, looked up once per request instead of getattr("_do_" + op.lower()).
+_HANDLERS = {verb: getattr(ServerSession, "_do_" + verb.lower(), None) for verb in protocol.VERBS}

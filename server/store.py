@@ -20,6 +20,7 @@ class Item:
     description: bytes
     segments: tuple  # of bytes; concatenated they are the payload
     nbytes: int
+    tag: int | None = None  # the sender's optional 64-bit tag (a version, say)
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class Change:
     n_items: int
     seq: int
     op: str
+    tag: int | None = None  # tag of the bin's last item after the change
 
 
 @dataclass
@@ -62,12 +64,13 @@ class BinStore:
         """``{bin: n_items}`` for every bin."""
         return {name: len(b.items) for name, b in self._bins.items()}
 
-    def state(self, name: str) -> tuple[bool, int, int]:
-        """``(exists, n_items, seq)`` of bin ``name``; seq is the last change's number."""
+    def state(self, name: str) -> tuple[bool, int, int, int | None]:
+        """``(exists, n_items, seq, tag)`` of bin ``name``: seq is its last change's
+        number, tag its last item's tag."""
         b = self._bins.get(name)
         if b is None:
-            return False, 0, self._seq
-        return True, len(b.items), b.seq
+            return False, 0, self._seq, None
+        return True, len(b.items), b.seq, b.items[-1].tag if b.items else None
 
     # -- mutations
 
@@ -110,7 +113,9 @@ class BinStore:
         """
         if not items:
             return None
-        b = self._bins.get(name) or self._create(name)
+        b = self._bins.get(name)
+        if b is None:  # deleted meanwhile: re-create it even past max_bins, losing nothing
+            b = self._bins[name] = _Bin()
         b.items.extendleft(reversed(items))
         added = sum(item.nbytes for item in items)
         b.nbytes += added
@@ -147,4 +152,4 @@ class BinStore:
     def _changed(self, name: str, b: _Bin, op: str) -> Change:
         self._seq += 1
         b.seq = self._seq
-        return Change(name, len(b.items), self._seq, op)
+        return Change(name, len(b.items), self._seq, op, b.items[-1].tag if b.items else None)

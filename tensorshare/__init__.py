@@ -12,6 +12,7 @@ from . import errors, wire
 from .async_client import AsyncClient
 from .client import Client, Listening
 from .compat import TensorShare
+from .rl import RLTrainer, RLWorker
 from .connection import ListenSnapshot, Notification
 from .errors import (
     ConnectionLostError, NoSuchBinError, ProtocolError, RemoteError, TensorShareError, TimeoutError,
@@ -26,7 +27,7 @@ def run_server(port: int = 8000, host: str = "127.0.0.1", **settings) -> None:
 
 
 __all__ = [
-    "Client", "AsyncClient", "TensorShare", "Listening", "Notification", "ListenSnapshot", "run_server", "errors", "wire",
+    "Client", "AsyncClient", "TensorShare", "RLTrainer", "RLWorker", "Listening", "Notification", "ListenSnapshot", "run_server", "errors", "wire",
     "TensorShareError", "ConnectionLostError", "NoSuchBinError", "ProtocolError", "RemoteError",
     "TimeoutError",
 ]

@@ -102,13 +102,13 @@ class AsyncClient:
 
     # -- API
 
-    def put(self, bin: str, value: Any) -> defer.Deferred:
+    def put(self, bin: str, value: Any, *, tag: int | None = None) -> defer.Deferred:
         """Replace the items of ``bin`` with ``value``; fires with the item count."""
-        return self._call(protocol.PUT, bin, value)
+        return self._call(protocol.PUT, bin, value, tag)
 
-    def append(self, bin: str, value: Any) -> defer.Deferred:
+    def append(self, bin: str, value: Any, *, tag: int | None = None) -> defer.Deferred:
         """Add one item to ``bin``; fires with the new item count."""
-        return self._call(protocol.APPEND, bin, value)
+        return self._call(protocol.APPEND, bin, value, tag)
 
     def get(self, bin: str) -> defer.Deferred:
         """Take all items out of ``bin``; fires with the list of them."""
@@ -186,7 +186,7 @@ class AsyncClient:
 
     def _relistened(self, name: str) -> Callable:
         def deliver(snapshot: ListenSnapshot) -> None:
-            note = Notification(name, snapshot.n_items, snapshot.seq, protocol.LISTEN)
+            note = Notification(name, snapshot.n_items, snapshot.seq, protocol.LISTEN, snapshot.tag)
             self._notify(note)
         return deliver
 
@@ -195,14 +195,14 @@ class AsyncClient:
             log.warning("could not listen to %r again after reconnecting: %s", name, failure.getErrorMessage())
         return report
 
-    def _call(self, op: str, name: str | None = None, value: Any = _NO_VALUE) -> defer.Deferred:
+    def _call(self, op: str, name: str | None = None, value: Any = _NO_VALUE, tag: int | None = None) -> defer.Deferred:
         if self._closed:
             return defer.fail(UsageError("the client is closed"))
         if self._wire is None:
             return defer.fail(ConnectionLostError(f"not connected to {self.host}:{self.port} (reconnecting)"))
         rid = next_request_id()
         try:
-            parts = request_frame(rid, op, name, value) if value is not _NO_VALUE else request_frame(rid, op, name)
+            parts = request_frame(rid, op, name, value, tag) if value is not _NO_VALUE else request_frame(rid, op, name)
         except TensorShareError:
             return defer.fail()
         d = defer.Deferred()

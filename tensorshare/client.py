@@ -46,8 +46,11 @@ class _Dispatcher:
     def submit(self, fn: Callable, *args) -> None:
         self._queue.put((fn, args))
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 5.0) -> None:
+        """Run what is queued, then end the thread (waiting for it unless called from it)."""
         self._queue.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
 
     def _run(self) -> None:
         while True:
@@ -110,13 +113,18 @@ class Client:
 
     # ------------------------------------------------------------------ public API
 
-    def put(self, bin: str, value: Any, timeout: float | None = _NO_VALUE) -> int:
-        """Replace the items of ``bin`` with ``value``; returns the bin's item count (1)."""
-        return self._call(protocol.PUT, bin, value, timeout=timeout)
+    def put(self, bin: str, value: Any, *, tag: int | None = None, timeout: float | None = _NO_VALUE) -> int:
+        """Replace the items of ``bin`` with ``value``; returns the bin's item count (1).
 
-    def append(self, bin: str, value: Any, timeout: float | None = _NO_VALUE) -> int:
+        ``tag``, an optional 64-bit integer stored with the item, reaches listeners
+        in the notification (a version number, say), so they need not download it.
+        The value has been sent when this returns: changing it afterwards is safe.
+        """
+        return self._call(protocol.PUT, bin, value, tag=tag, timeout=timeout)
+
+    def append(self, bin: str, value: Any, *, tag: int | None = None, timeout: float | None = _NO_VALUE) -> int:
         """Add ``value`` as one more item of ``bin``; returns the bin's new item count."""
-        return self._call(protocol.APPEND, bin, value, timeout=timeout)
+        return self._call(protocol.APPEND, bin, value, tag=tag, timeout=timeout)
 
     def get(self, bin: str, timeout: float | None = _NO_VALUE) -> list:
         """Take all items out of ``bin`` (it stays, empty); returns them in order."""
@@ -164,6 +172,11 @@ class Client:
             self._closed = True
             self._listens.clear()
         self._drop_connection(self._sock, ConnectionLostError("client closed"))
+        # Wait for our threads, so that none is still running user or torch code when
+        # the interpreter exits (which can abort the process).
+        reader = self._reader
+        if reader is not None and reader is not threading.current_thread():
+            reader.join(5.0)
         if self._dispatcher is not None:
             self._dispatcher.stop()
 
@@ -184,13 +197,13 @@ class Client:
     # ------------------------------------------------- non-blocking form (callbacks)
 
     def submit(self, op: str, bin: str | None = None, value: Any = _NO_VALUE,
-               callback: Callable[[Any, BaseException | None], Any] | None = None) -> None:
+               callback: Callable[[Any, BaseException | None], Any] | None = None, *, tag: int | None = None) -> None:
         """Send a request without waiting; ``callback(result, error)`` runs on the
         dispatcher thread when the reply arrives.  The value is on the socket (or
         in the kernel's buffer) when this returns, so later changes to it are not sent.
         """
         rid = next_request_id()
-        parts = request_frame(rid, op, bin, value) if value is not _NO_VALUE else request_frame(rid, op, bin)
+        parts = request_frame(rid, op, bin, value, tag) if value is not _NO_VALUE else request_frame(rid, op, bin)
         deadline = self._deadline(_NO_VALUE)
         with self._cond:
             self._pending_async[rid] = (op, callback)
@@ -211,9 +224,10 @@ class Client:
             timeout = self.timeout
         return None if timeout is None else time.monotonic() + timeout
 
-    def _call(self, op: str, name: str | None = None, value: Any = _NO_VALUE, *, timeout=_NO_VALUE) -> Any:
+    def _call(self, op: str, name: str | None = None, value: Any = _NO_VALUE, *, tag: int | None = None,
+              timeout=_NO_VALUE) -> Any:
         rid = next_request_id()
-        parts = request_frame(rid, op, name, value) if value is not _NO_VALUE else request_frame(rid, op, name)
+        parts = request_frame(rid, op, name, value, tag) if value is not _NO_VALUE else request_frame(rid, op, name)
         deadline = self._deadline(timeout)
         with self._cond:
             self._waiting.add(rid)
@@ -375,7 +389,7 @@ class Client:
             if error is not None:
                 log.warning("could not listen to %r again after reconnecting: %s", name, error)
                 return
-            note = Notification(name, snapshot.n_items, snapshot.seq, protocol.LISTEN)
+            note = Notification(name, snapshot.n_items, snapshot.seq, protocol.LISTEN, snapshot.tag)
             with self._cond:
                 handles = list(self._listens.get(name, ()))
             for handle in handles:
@@ -517,3 +531,21 @@ def _send_all(sock: socket.socket, parts: list, deadline: float | None) -> None:
             else:
                 views[first] = views[first][sent:]
                 sent = 0
+
+
+def connect(host: str = "127.0.0.1", port: int = 8000, *, retry_for: float = 30.0, **options) -> Client:
+    """A :class:`Client`, retrying with backoff for up to ``retry_for`` seconds while the
+    server is not up yet (processes of a job often start in any order).
+
+    Raises :class:`ConnectionLostError` if the server still cannot be reached.
+    """
+    deadline = time.monotonic() + retry_for
+    delay = 0.05
+    while True:
+        try:
+            return Client(host, port, **options)
+        except ConnectionLostError:
+            if time.monotonic() + delay > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)

@@ -12,12 +12,10 @@ socket), and a failed connection raises instead of hanging.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any, Callable
 
 from . import protocol
-from .client import Client, Listening
-from .errors import ConnectionLostError
+from .client import Client, Listening, connect
 
 Callback = Callable[[dict], Any] | None
 
@@ -27,7 +25,7 @@ class TensorShare:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, *, timeout: float = 60.0,
                  connect_timeout: float = 30.0, **client_options):
-        self._client = _connect_with_retry(host, port, timeout, connect_timeout, **client_options)
+        self._client = connect(host, port, timeout=timeout, retry_for=connect_timeout, **client_options)
         self._stopped = threading.Event()
         self._listening: dict[str, Listening] = {}
 
@@ -82,8 +80,8 @@ class TensorShare:
 
     def stop(self) -> None:
         """Close the connection and release :meth:`start`."""
-        self._stopped.set()
         self._client.close()
+        self._stopped.set()  # last: start() returns only once everything is closed
 
     def _submit(self, op: str, bin: str | None, value: Any, callback: Callback, with_value: bool = True) -> None:
         def reply(result: Any, error: BaseException | None) -> None:
@@ -99,16 +97,3 @@ class TensorShare:
         else:
             self._client.submit(op, bin, callback=reply)
 
-
-def _connect_with_retry(host: str, port: int, timeout: float, connect_timeout: float, **options) -> Client:
-    """Connect, retrying with backoff for up to ``connect_timeout`` s (servers start late)."""
-    deadline = time.monotonic() + connect_timeout
-    delay = 0.05
-    while True:
-        try:
-            return Client(host, port, timeout, **options)
-        except ConnectionLostError:
-            if time.monotonic() + delay > deadline:
-                raise
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)

@@ -28,15 +28,18 @@ class Notification:
 
     ``op`` is the verb that changed it (``PUT``, ``APPEND``, ``GET``, ``DELETE``,
     ``RESTORE``), or ``LISTEN`` for the state found when listening (re)started.
+    ``tag`` is the tag of the bin's last item after the change (None if untagged
+    or empty): for a put or an append, the tag that was sent with it.
     """
 
     bin: str
     n_items: int
     seq: int
     op: str
+    tag: int | None = None
 
     def as_dict(self) -> dict:
-        return {"bin": self.bin, "n_items": self.n_items, "seq": self.seq, "op": self.op}
+        return {"bin": self.bin, "n_items": self.n_items, "seq": self.seq, "op": self.op, "tag": self.tag}
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class ListenSnapshot:
     exists: bool
     n_items: int
     seq: int
+    tag: int | None = None  # tag of the bin's last item
 
 
 class ClientConnection:
@@ -60,11 +64,12 @@ class ClientConnection:
         return self.decoder.feed(data)
 
 
-def request_frame(rid: int, op: str, name: str | None = None, value: Any = _NO_VALUE) -> list:
+def request_frame(rid: int, op: str, name: str | None = None, value: Any = _NO_VALUE,
+                  tag: int | None = None) -> list:
     """The parts of a request frame: header bytes, then the value's payload buffers.
 
-    Raises :class:`UsageError` for a bad bin name and :class:`EncodeError` for a value
-    with no wire form, before anything is sent.
+    Raises :class:`UsageError` for a bad bin name or tag and :class:`EncodeError` for
+    a value with no wire form, before anything is sent.
     """
     header: dict = {"op": op, "id": rid}
     if name is not None:
@@ -72,6 +77,10 @@ def request_frame(rid: int, op: str, name: str | None = None, value: Any = _NO_V
         if problem:
             raise UsageError(problem)
         header["bin"] = name
+    if tag is not None:
+        if type(tag) is not int or not protocol.TAG_MIN <= tag <= protocol.TAG_MAX:
+            raise UsageError(f"tag must be a 64-bit signed integer, not {tag!r}")
+        header["tag"] = tag
     if value is _NO_VALUE:
         return [frame_head(header, 0)]
     enc = encode(value)
@@ -93,9 +102,16 @@ def notification_of(frame: Frame) -> Notification | None:
     if h.get("code") != protocol.NOTIFY:
         return None
     try:
-        return Notification(str(h["bin"]), int(h["n"]), int(h["seq"]), str(h["op"]))
+        return Notification(str(h["bin"]), int(h["n"]), int(h["seq"]), str(h["op"]), _tag(h))
     except (KeyError, TypeError, ValueError):
         raise ProtocolError(f"malformed notification header {h!r}") from None
+
+
+def _tag(header: dict) -> int | None:
+    tag = header.get("tag")
+    if tag is not None and type(tag) is not int:
+        raise ProtocolError(f"tag must be an integer, got {tag!r}")
+    return tag
 
 
 def check_reply(frame: Frame) -> dict:
@@ -122,7 +138,8 @@ def reply_value(op: str, frame: Frame, device: Any = None, limits: DecodeLimits 
             raise ProtocolError("LIST reply without a bins map")
         return bins
     if op == protocol.LISTEN:
-        return ListenSnapshot(bool(header.get("exists")), int(header.get("n", 0)), int(header.get("seq", 0)))
+        return ListenSnapshot(bool(header.get("exists")), int(header.get("n", 0)), int(header.get("seq", 0)),
+                              _tag(header))
     return None
 
 

@@ -42,6 +42,7 @@ TOO_LARGE = 552  # exceeded a size or count limit
 BAD_NAME = 553  # bin name not allowed
 
 PROTOCOL_VERSION = 1
+TAG_MIN, TAG_MAX = -(1 << 63), (1 << 63) - 1  # an item's optional tag is a signed 64-bit integer
 MAX_BIN_NAME = 256
 _BIN_NAME = re.compile(r"[^\x00-\x1f\x7f]+")
 

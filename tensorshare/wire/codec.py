@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +46,45 @@ KIND_NUMPY = 1
 
 MAX_DIMS = 64
 _PAD = bytes(ALIGN)
+
+
+def _buffer_dtypes() -> dict:
+    """Torch dtypes whose CPU tensors export a buffer (``Tensor.numpy()``) that
+    ``memoryview.cast("B")`` accepts, mapped to that buffer's numpy dtype.
+
+    For these the encoder takes a contiguous tensor's bytes in one step and the
+    decoder builds tensors through numpy, both several times cheaper per array
+    than chains of torch view ops (each a dispatcher round trip).
+    """
+    found = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "ComplexHalf support is experimental"
+        for dtype in TORCH_DTYPES.values():
+            try:
+                array = torch.zeros(2, dtype=dtype).numpy()
+                memoryview(array).cast("B")
+            except (TypeError, RuntimeError):  # no numpy twin (bfloat16, float8...)
+                continue
+            found[dtype] = array.dtype
+    return found
+
+
+_BUFFER_DTYPES = _buffer_dtypes()
+# ExtType's constructor runs Python-level checks; references to the first arrays of a
+# value are built once (ExtType is an immutable tuple, so sharing them is safe).
+_ARRAY_REFS = [msgpack.ExtType(EXT_ARRAY, i.to_bytes(4, "little")) for i in range(64)]
+_BUFFER_MAX_DIMS = 64  # a memoryview (and a numpy array) has at most this many dimensions
+_packers = threading.local()
+
+
+def _packb(obj: Any) -> bytes:
+    # msgpack.packb builds a Packer per call, a large share of a small description's
+    # cost; a Packer must not be shared between threads, so keep one per thread.
+    try:
+        packer = _packers.packer
+    except AttributeError:
+        packer = _packers.packer = msgpack.Packer(use_bin_type=True)
+    return packer.pack(obj)
 
 
 @dataclass(frozen=True)
@@ -86,6 +127,11 @@ class _Encoder:
     def node(self, obj: Any, depth: int) -> Any:
         if depth > self.max_depth:
             raise EncodeError(f"value nested deeper than {self.max_depth} levels")
+        # Arrays first: the common case, and no scalar type below subclasses them.
+        if isinstance(obj, torch.Tensor):
+            return self.array(*_torch_bytes(obj))
+        if isinstance(obj, np.ndarray):
+            return self.array(*_numpy_bytes(obj))
         if obj is None or obj is True or obj is False:
             return obj
         if isinstance(obj, str):
@@ -100,10 +146,6 @@ class _Encoder:
             return float(obj)
         if isinstance(obj, (bytes, bytearray, memoryview)):
             return bytes(obj)
-        if isinstance(obj, torch.Tensor):
-            return self.array(*_torch_bytes(obj))
-        if isinstance(obj, np.ndarray):
-            return self.array(*_numpy_bytes(obj))
         if isinstance(obj, dict):
             out = {}
             for key, value in obj.items():
@@ -115,7 +157,7 @@ class _Encoder:
             return [self.node(x, depth + 1) for x in obj]
         if isinstance(obj, tuple):
             inner = [self.node(x, depth + 1) for x in obj]
-            return msgpack.ExtType(EXT_TUPLE, msgpack.packb(inner, use_bin_type=True))
+            return msgpack.ExtType(EXT_TUPLE, _packb(inner))
         raise EncodeError(f"cannot send a value of type {type(obj).__module__}.{type(obj).__qualname__}")
 
     def array(self, kind: int, dtype: str, shape: list[int], view: memoryview) -> msgpack.ExtType:
@@ -128,6 +170,8 @@ class _Encoder:
         self.offset = start + nbytes
         index = len(self.table)
         self.table.append([kind, dtype, shape, start, nbytes])
+        if index < len(_ARRAY_REFS):
+            return _ARRAY_REFS[index]
         return msgpack.ExtType(EXT_ARRAY, index.to_bytes(4, "little"))
 
 
@@ -137,7 +181,12 @@ def _torch_bytes(t: torch.Tensor) -> tuple[int, str, list[int], memoryview]:
         raise EncodeError(f"tensor dtype {t.dtype} has no fixed-width wire form")
     if t.layout != torch.strided:
         raise EncodeError(f"only strided (dense) tensors can be sent, not {t.layout}")
-    t = t.detach()
+    if t.requires_grad:
+        t = t.detach()
+    if (t.is_cpu and t.dtype in _BUFFER_DTYPES and t.is_contiguous() and not t.is_conj()
+            and not t.is_neg() and t.numel() and t.dim() <= _BUFFER_MAX_DIMS):
+        # Fast path, the usual case: the tensor's own memory as bytes, no torch op.
+        return KIND_TORCH, name, list(t.shape), memoryview(t.numpy()).cast("B")
     if t.device.type != "cpu":
         t = t.to("cpu")
     if t.is_conj():
@@ -165,12 +214,23 @@ def encode(value: Any, *, limits: DecodeLimits = DEFAULT_LIMITS) -> Encoded:
     tensors are not copied: the payload buffers view their memory, so the caller
     must not modify them until the buffers have been written out.
     """
+    if type(value) is torch.Tensor and limits.max_depth >= 0:
+        # A lone tensor, the most common value: what the general path below makes,
+        # without building the encoder and walking a tree.
+        kind, dtype, shape, view = _torch_bytes(value)
+        nbytes = view.nbytes
+        total = align_up(nbytes)
+        buffers = [view] if nbytes else []
+        if total != nbytes:
+            buffers.append(_PAD[: total - nbytes])
+        description = _packb({"v": _ARRAY_REFS[0], "t": [[kind, dtype, shape, 0, nbytes]], "n": total})
+        return Encoded(description, buffers, total)
     enc = _Encoder(limits.max_depth)
     tree = enc.node(value, 0)
     total = align_up(enc.offset)
     if total != enc.offset:
         enc.buffers.append(_PAD[: total - enc.offset])
-    description = msgpack.packb({"v": tree, "t": enc.table, "n": total}, use_bin_type=True)
+    description = _packb({"v": tree, "t": enc.table, "n": total})
     return Encoded(description, enc.buffers, total)
 
 
@@ -253,8 +313,9 @@ def _checked_spec(i: int, entry: Any, expected_offset: int) -> ArraySpec:
         raise ProtocolError(f"array #{i}: unknown dtype {dtype!r}")
     if not isinstance(shape, list) or len(shape) > MAX_DIMS:
         raise ProtocolError(f"array #{i}: shape must be a list of at most {MAX_DIMS} sizes")
-    if not all(type(d) is int and d >= 0 for d in shape):
-        raise ProtocolError(f"array #{i}: shape {shape!r} must hold non-negative integers")
+    for d in shape:
+        if type(d) is not int or d < 0:
+            raise ProtocolError(f"array #{i}: shape {shape!r} must hold non-negative integers")
     if type(offset) is not int or type(nbytes) is not int:
         raise ProtocolError(f"array #{i}: offset and nbytes must be integers")
     if offset != expected_offset:
@@ -266,6 +327,17 @@ def _checked_spec(i: int, entry: Any, expected_offset: int) -> ArraySpec:
     return ArraySpec(kind, dtype, tuple(shape), offset, nbytes)
 
 
+# Recently parsed descriptions.  A program sends values of the same structure and
+# shapes over and over, so servers (validating PUTs) and clients (decoding replies)
+# see the same few blobs again and again; parsing one is most of the cost of a
+# small value.  Parsing is a pure function of (blob, payload length, limits), so a
+# hit returns exactly what parsing would: a new Description with new ArraySpecs,
+# sharing only the tree, which nothing mutates (build() only reads it).
+_PARSED_MAX = 1024  # entries remembered, then forgotten all at once
+_PARSED_BLOB_MAX = 2048  # longer descriptions are parsed every time
+_parsed: dict = {}
+
+
 def parse_description(blob: bytes, payload_nbytes: int, limits: DecodeLimits = DEFAULT_LIMITS) -> Description:
     """Parse and validate a description against the payload length it travels with.
 
@@ -273,10 +345,39 @@ def parse_description(blob: bytes, payload_nbytes: int, limits: DecodeLimits = D
     offset, no overlap, no gap, nothing past the end) and that every reference in
     the tree points into the table.  Raises :class:`ProtocolError` otherwise.
     """
+    if type(blob) is not bytes or len(blob) > _PARSED_BLOB_MAX or type(payload_nbytes) is not int:
+        return _parse_description(blob, payload_nbytes, limits)
+    # Every field of DecodeLimits belongs in the key (hashing the dataclass itself
+    # would run its Python-level __hash__ and __eq__ on every call).
+    key = (blob, payload_nbytes, limits.max_depth, limits.max_nodes, limits.max_arrays)
+    hit = _parsed.get(key)
+    if hit is None:
+        desc = _parse_description(blob, payload_nbytes, limits)  # raises if invalid: never cached
+        if len(_parsed) >= _PARSED_MAX:
+            _parsed.clear()
+        _parsed[key] = (desc.tree, [(s.kind, s.dtype, s.shape, s.offset, s.nbytes) for s in desc.arrays])
+        return desc
+    tree, specs = hit
+    return Description(tree, [ArraySpec(*spec) for spec in specs], payload_nbytes)
+
+
+def check_description(blob: bytes, payload_nbytes: int, limits: DecodeLimits = DEFAULT_LIMITS) -> None:
+    """Validate like :func:`parse_description`, without building its result.
+
+    For a server that stores descriptions as they came: a description seen before
+    costs one dictionary lookup.
+    """
+    if (type(blob) is bytes and type(payload_nbytes) is int
+            and (blob, payload_nbytes, limits.max_depth, limits.max_nodes, limits.max_arrays) in _parsed):
+        return
+    parse_description(blob, payload_nbytes, limits)
+
+
+def _parse_description(blob: Any, payload_nbytes: Any, limits: DecodeLimits) -> Description:
     if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise ProtocolError("value description must be a byte string")
-    doc = _unpack(bytes(blob), limits, 0)
-    if not (isinstance(doc, dict) and set(doc) == {"v", "t", "n"}):
+    doc = _unpack(blob if type(blob) is bytes else bytes(blob), limits, 0)
+    if not (isinstance(doc, dict) and len(doc) == 3 and "v" in doc and "t" in doc and "n" in doc):
         raise ProtocolError("value description must be a map with keys v, t, n")
     table, total = doc["t"], doc["n"]
     if not isinstance(table, list) or len(table) > limits.max_arrays:
@@ -322,7 +423,13 @@ def build(desc: Description, payload: torch.Tensor, base: int = 0, device: Any =
     ``payload`` is a 1-D uint8 CPU tensor whose storage is ALIGN-aligned at ``base``.
     Tensors are moved to ``device`` if one is given; numpy arrays stay on the CPU.
     """
-    arrays = [_build_array(spec, payload, base, device) for spec in desc.arrays]
+    if desc.arrays:
+        # Slicing and viewing a numpy twin of the payload costs a fraction of the
+        # same torch ops; the arrays still view the payload's memory.
+        flat = payload.numpy()
+        arrays = [_build_array(spec, payload, flat, base, device) for spec in desc.arrays]
+    else:
+        arrays = []
 
     def resolve(node: Any) -> Any:
         if isinstance(node, _ArrayRef):
@@ -338,12 +445,16 @@ def build(desc: Description, payload: torch.Tensor, base: int = 0, device: Any =
     return resolve(desc.tree)
 
 
-def _build_array(spec: ArraySpec, payload: torch.Tensor, base: int, device: Any) -> Any:
+def _build_array(spec: ArraySpec, payload: torch.Tensor, flat: np.ndarray, base: int, device: Any) -> Any:
     start = base + spec.offset
-    raw = payload[start : start + spec.nbytes]
     if spec.kind == KIND_NUMPY:
-        return raw.numpy().view(NUMPY_DTYPES[spec.dtype]).reshape(spec.shape)
-    tensor = raw.view(TORCH_DTYPES[spec.dtype]).reshape(spec.shape)
+        return flat[start : start + spec.nbytes].view(NUMPY_DTYPES[spec.dtype]).reshape(spec.shape)
+    dtype = TORCH_DTYPES[spec.dtype]
+    twin = _BUFFER_DTYPES.get(dtype)
+    if twin is not None:
+        tensor = torch.from_numpy(flat[start : start + spec.nbytes].view(twin).reshape(spec.shape))
+    else:
+        tensor = payload[start : start + spec.nbytes].view(dtype).reshape(spec.shape)
     if device is not None:
         tensor = tensor.to(device)
     return tensor

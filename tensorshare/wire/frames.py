@@ -19,6 +19,7 @@ that only forward them).
 from __future__ import annotations
 
 import struct
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -31,6 +32,8 @@ MAGIC = b"TSHR"
 VERSION = 1
 PREFIX = struct.Struct("<4sBBHIQ")
 PREFIX_SIZE = PREFIX.size  # 20
+_PLAIN_START = PREFIX.pack(MAGIC, VERSION, 0, 0, 0, 0)[:8]  # magic, version, no flags, reserved 0
+_LENGTHS = struct.Struct("<IQ")  # header_len, payload_len: the prefix's last 12 bytes
 
 
 @dataclass(frozen=True)
@@ -44,14 +47,27 @@ class FrameLimits:
 DEFAULT_FRAME_LIMITS = FrameLimits()
 
 
+_packers = threading.local()
+
+
+def _packer() -> msgpack.Packer:
+    # msgpack.packb builds a Packer per call, which is half of its cost for a small
+    # header; a Packer is not safe to share between threads, so keep one per thread.
+    try:
+        return _packers.packer
+    except AttributeError:
+        _packers.packer = msgpack.Packer(use_bin_type=True)
+        return _packers.packer
+
+
 def pack_header(header: dict) -> bytes:
     """The msgpack bytes of a header map."""
-    return msgpack.packb(header, use_bin_type=True)
+    return _packer().pack(header)
 
 
 def frame_head(header: dict, payload_len: int) -> bytes:
     """Prefix + header of a frame whose payload (``payload_len`` bytes) follows."""
-    packed = pack_header(header)
+    packed = _packer().pack(header)
     return PREFIX.pack(MAGIC, VERSION, 0, 0, len(packed), payload_len) + packed
 
 
@@ -67,12 +83,23 @@ class Frame:
 # ------------------------------------------------------------------- payload sinks
 
 
+_NO_BYTES = torch.empty(0, dtype=torch.uint8)
+_NO_VIEW = memoryview(b"")
+
+
 class BufferSink:
     """Receives a payload into one preallocated, aligned uint8 tensor."""
 
     def __init__(self, nbytes: int):
-        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
-        self._view = memoryview(self.tensor.numpy()) if nbytes else memoryview(b"")
+        if nbytes:
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+            self._view = memoryview(self.tensor.numpy())
+        else:
+            # Most replies carry no payload; allocating an empty tensor for each one
+            # costs as much as the rest of decoding the reply.  One shared empty
+            # tensor serves them all (it has no bytes to share).
+            self.tensor = _NO_BYTES
+            self._view = _NO_VIEW
         self._filled = 0
 
     def get_buffer(self) -> memoryview:
@@ -102,8 +129,12 @@ class SegmentSink:
     def __init__(self, nbytes: int):
         self.segments: list[bytes] = []
         self._small = bytearray()
+        self._nbytes = nbytes
 
     def write(self, data: memoryview | bytes) -> None:
+        if len(data) == self._nbytes:  # the whole payload in one piece (small requests)
+            self.segments.append(data if type(data) is bytes else bytes(data))
+            return
         if len(data) >= self.COALESCE and not self._small:
             self.segments.append(data if type(data) is bytes else bytes(data))
             return
@@ -192,6 +223,29 @@ class FrameDecoder:
         try:
             while pos < end:
                 if self._state == _HEADER:
+                    if not self._pending and end - pos >= PREFIX_SIZE:
+                        # Fast path (a read holding whole prefixes, the usual case):
+                        # parse in place instead of gathering into _pending first.
+                        if data[pos : pos + 8] == _PLAIN_START:
+                            header_len, payload_len = _LENGTHS.unpack_from(data, pos + 8)
+                            limits = self.limits
+                            if not 0 < header_len <= limits.max_header or payload_len > limits.max_payload:
+                                self._check_prefix(PREFIX.unpack_from(data, pos))  # raises
+                        else:
+                            header_len, payload_len = self._check_prefix(PREFIX.unpack_from(data, pos))
+                        self._payload_len = payload_len
+                        start = pos + PREFIX_SIZE
+                        pos = start + header_len
+                        if pos > end:  # the header continues in a later read
+                            self._pending += data[start - PREFIX_SIZE : end]
+                            self._need = PREFIX_SIZE + header_len
+                            pos = end
+                        elif payload_len:
+                            self._start_payload(unpack_header(memoryview(data)[start:pos]), frames)
+                        else:  # no payload (most replies and many requests): done here
+                            header = unpack_header(memoryview(data)[start:pos])
+                            frames.append(Frame(header, self.sink_factory(header, 0).finish(), 0))
+                        continue
                     take = min(self._need - len(self._pending), end - pos)
                     self._pending += data[pos : pos + take]
                     pos += take
@@ -236,24 +290,32 @@ class FrameDecoder:
 
     def _advance_header(self, frames: list[Frame]) -> None:
         if self._need == PREFIX_SIZE:
-            magic, version, flags, _reserved, header_len, payload_len = PREFIX.unpack(self._pending)
-            if magic != MAGIC:
-                raise ProtocolError(f"bad magic {bytes(magic)!r}: not a tensorshare frame")
-            if version != VERSION:
-                raise ProtocolError(f"unsupported format version {version} (this side speaks {VERSION})")
-            if flags:
-                raise ProtocolError(f"unknown frame flags {flags:#x}")
-            if not 0 < header_len <= self.limits.max_header:
-                raise ProtocolError(f"header length {header_len} outside 1..{self.limits.max_header}")
-            if payload_len > self.limits.max_payload:
-                raise ProtocolError(f"payload of {payload_len} bytes over the limit of {self.limits.max_payload}")
-            self._payload_len = payload_len
+            header_len, self._payload_len = self._check_prefix(PREFIX.unpack(self._pending))
             self._need = PREFIX_SIZE + header_len
             return
-        self._header = unpack_header(memoryview(self._pending)[PREFIX_SIZE:])
+        header = unpack_header(memoryview(self._pending)[PREFIX_SIZE:])
         self._pending = bytearray()
         self._need = PREFIX_SIZE
-        self._sink = self.sink_factory(self._header, self._payload_len)
+        self._start_payload(header, frames)
+
+    def _check_prefix(self, fields: tuple) -> tuple[int, int]:
+        """``(header_len, payload_len)`` of a valid prefix; ProtocolError otherwise."""
+        magic, version, flags, _reserved, header_len, payload_len = fields
+        if magic != MAGIC:
+            raise ProtocolError(f"bad magic {bytes(magic)!r}: not a tensorshare frame")
+        if version != VERSION:
+            raise ProtocolError(f"unsupported format version {version} (this side speaks {VERSION})")
+        if flags:
+            raise ProtocolError(f"unknown frame flags {flags:#x}")
+        if not 0 < header_len <= self.limits.max_header:
+            raise ProtocolError(f"header length {header_len} outside 1..{self.limits.max_header}")
+        if payload_len > self.limits.max_payload:
+            raise ProtocolError(f"payload of {payload_len} bytes over the limit of {self.limits.max_payload}")
+        return header_len, payload_len
+
+    def _start_payload(self, header: dict, frames: list[Frame]) -> None:
+        self._header = header
+        self._sink = self.sink_factory(header, self._payload_len)
         self._remaining = self._payload_len
         self._state = _PAYLOAD
         if not self._remaining:
@@ -276,6 +338,9 @@ def unpack_header(data: bytes | memoryview) -> dict:
         )
     except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
         raise ProtocolError(f"malformed header: {exc}") from None
-    if not isinstance(header, dict) or not all(isinstance(k, str) for k in header):
+    if not isinstance(header, dict):
         raise ProtocolError("header must be a msgpack map with str keys")
+    for key in header:  # strict_map_key=True still lets bytes keys through
+        if not isinstance(key, str):
+            raise ProtocolError("header must be a msgpack map with str keys")
     return header

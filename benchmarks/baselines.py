@@ -1,0 +1,293 @@
+"""The physical and peer baselines every figure is compared with, measured in the same run.
+
+* memcpy: ``numpy.copyto`` into a preallocated, already-touched buffer (the floor of
+  one copy), and one copy into fresh memory (what any new buffer costs on this VM,
+  where first-touch page faults are slow);
+* raw loopback one way: a worker process ``sendall``s N bytes on request, we
+  ``recv_into`` a reused warm buffer or a freshly allocated one (torch.empty or
+  np.empty);
+* raw small round trip: a worker echoes 64 bytes;
+* the original tensorshare's approach: ``torch.save`` + a raw socket + ``torch.load``;
+* Redis (redis-py against a private redis-server) and ``torch.distributed.TCPStore``.
+
+Functions return seconds per run (lists) or :class:`~.stats.LatencyRuns`; the
+section modules turn them into figures.
+"""
+
+from __future__ import annotations
+
+import io
+import socket
+import time
+
+import numpy as np
+import torch
+
+from .procs import PeerMissing, RedisServer, Worker
+from .stats import LatencyRuns, latency_runs, time_runs
+
+_LEN_BYTES = 8
+TCPSTORE_MAX_VALUE = 8 << 20  # the libuv TCPStore server drops the connection above 8 MiB
+
+
+def touched(nbytes: int) -> np.ndarray:
+    """A uint8 buffer whose pages are all faulted in."""
+    buf = np.empty(nbytes, np.uint8)
+    buf.fill(1)
+    return buf
+
+
+def memcpy_seconds(nbytes: int, reps: int, warmup: int) -> list[float]:
+    """One copy of ``nbytes`` into a preallocated, already-touched buffer."""
+    src, dst = touched(nbytes), touched(nbytes)
+    return time_runs(lambda: np.copyto(dst, src), reps, warmup)
+
+
+def fresh_copy_seconds(nbytes: int, reps: int, warmup: int, into: str = "bytes") -> list[float]:
+    """One copy of ``nbytes`` into newly allocated memory.
+
+    ``into``: ``bytes`` (``bytes(view)``, what ``dumps`` returns), ``torch`` (a new
+    ``torch.empty``, what a received payload lands in) or ``numpy`` (a new
+    ``np.empty``, which numpy backs with transparent huge pages when it can).
+    """
+    src = touched(nbytes)
+    view = memoryview(src)
+    if into == "bytes":
+        return time_runs(lambda: bytes(view), reps, warmup)
+    if into == "torch":
+        return time_runs(lambda: np.copyto(torch.empty(nbytes, dtype=torch.uint8).numpy(), src), reps, warmup)
+    if into == "numpy":
+        return time_runs(lambda: np.copyto(np.empty(nbytes, np.uint8), src), reps, warmup)
+    raise ValueError(into)
+
+
+def _connect(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=120)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    got, n = 0, len(view)
+    while got < n:
+        r = sock.recv_into(view[got:])
+        if not r:
+            raise ConnectionError("peer closed")
+        got += r
+
+
+class RawLoopback:
+    """Raw Python sockets, one way: ask a sender process for N bytes, receive them."""
+
+    def __init__(self, max_bytes: int):
+        self.worker = Worker("raw-send", max_bytes)
+        try:
+            port = int(self.worker.expect(120, "port").split()[1])
+            self.sock = _connect(port)
+        except BaseException:
+            self.worker.stop()
+            raise
+        self.warm = touched(max_bytes)
+
+    def one_way(self, nbytes: int, reps: int, warmup: int, buffer: str = "warm") -> list[float]:
+        """Seconds from the request to the last byte in the buffer.
+
+        ``buffer``: ``warm`` (the same, already-touched buffer every time), ``torch``
+        (a new ``torch.empty`` each time, as a client receiving a new value does) or
+        ``numpy`` (a new ``np.empty``, which numpy backs with huge pages when it can).
+        """
+        request = nbytes.to_bytes(_LEN_BYTES, "little")
+        warm = memoryview(self.warm)[:nbytes]
+        new = {"warm": lambda: warm,
+               "torch": lambda: memoryview(torch.empty(nbytes, dtype=torch.uint8).numpy()),
+               "numpy": lambda: memoryview(np.empty(nbytes, np.uint8))}[buffer]
+
+        def once():
+            self.sock.sendall(request)
+            _recv_exact(self.sock, new())
+
+        return time_runs(once, reps, warmup)
+
+    def close(self) -> None:
+        try:
+            self.sock.sendall(bytes(_LEN_BYTES))
+            self.sock.close()
+        except OSError:
+            pass
+        self.worker.stop()
+
+    def __enter__(self) -> "RawLoopback":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class RawEcho:
+    """Raw Python sockets: round trips of 64 bytes to an echo process."""
+
+    def __init__(self):
+        self.worker = Worker("echo")
+        try:
+            self.sock = _connect(int(self.worker.expect(120, "port").split()[1]))
+        except BaseException:
+            self.worker.stop()
+            raise
+
+    def latency(self, ops: int, runs: int, warmup_ops: int) -> LatencyRuns:
+        msg, buf = b"x" * 64, bytearray(64)
+        view = memoryview(buf)
+
+        def rt():
+            self.sock.sendall(msg)
+            _recv_exact(self.sock, view)
+
+        return latency_runs(rt, ops, runs, warmup_ops)
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        self.worker.stop()
+
+
+class TorchSaveSocket:
+    """The original tensorshare's way: torch.save to bytes, raw socket, torch.load on arrival."""
+
+    def __init__(self):
+        self.worker = Worker("torch-recv")
+        try:
+            self.sock = _connect(int(self.worker.expect(120, "port").split()[1]))
+        except BaseException:
+            self.worker.stop()
+            raise
+
+    def send_seconds(self, value, reps: int, warmup: int) -> list[float]:
+        """Seconds for torch.save + send + receive + torch.load + a one-byte ack."""
+        ack = bytearray(1)
+
+        def once():
+            buf = io.BytesIO()
+            torch.save(value, buf)
+            data = buf.getbuffer()
+            self.sock.sendall(len(data).to_bytes(_LEN_BYTES, "little"))
+            self.sock.sendall(data)
+            del data
+            _recv_exact(self.sock, memoryview(ack))
+
+        return time_runs(once, reps, warmup)
+
+    def close(self) -> None:
+        try:
+            self.sock.sendall(bytes(_LEN_BYTES))
+            self.sock.close()
+        except OSError:
+            pass
+        self.worker.stop()
+
+
+class RedisPeer:
+    """redis-py against a private redis-server (raises PeerMissing if either is absent)."""
+
+    def __init__(self):
+        self.server = RedisServer()
+        self.r = self.server.client()
+
+    def set_get_seconds(self, data: bytes, reps: int, warmup: int) -> tuple[list[float], list[float]]:
+        """Seconds per SET and per GET of ``data`` (one key)."""
+        key = "bench:big"
+        sets = time_runs(lambda: self.r.set(key, data), reps, warmup)
+        holder = []
+        gets = time_runs(lambda: holder.append(self.r.get(key)), reps, warmup, setup=holder.clear)
+        holder.clear()
+        self.r.delete(key)
+        return sets, gets
+
+    def mset_mget_seconds(self, values: dict[str, bytes], reps: int, warmup: int) -> tuple[list[float], list[float]]:
+        """Seconds to SET and to GET every value of a dict, pipelined (one round trip)."""
+        def put():
+            pipe = self.r.pipeline(transaction=False)
+            for k, v in values.items():
+                pipe.set(k, v)
+            pipe.execute()
+
+        holder = []
+
+        def get():
+            pipe = self.r.pipeline(transaction=False)
+            for k in values:
+                pipe.get(k)
+            holder.append(pipe.execute())
+
+        sets = time_runs(put, reps, warmup)
+        gets = time_runs(get, reps, warmup, setup=holder.clear)
+        holder.clear()
+        self.r.delete(*values)
+        return sets, gets
+
+    def small_latency(self, ops: int, runs: int, warmup_ops: int) -> tuple[LatencyRuns, LatencyRuns]:
+        value = bytes(64)
+        set_ = latency_runs(lambda: self.r.set("bench:small", value), ops, runs, warmup_ops)
+        get_ = latency_runs(lambda: self.r.get("bench:small"), ops, runs, warmup_ops)
+        return set_, get_
+
+    def pipelined_rpush_rates(self, n: int, runs: int, warmup: int, batch: int = 256) -> list[float]:
+        """RPUSH of 64 bytes per second, ``batch`` commands per pipeline round trip."""
+        value = bytes(64)
+
+        def once():
+            left = n
+            while left:
+                k = min(batch, left)
+                pipe = self.r.pipeline(transaction=False)
+                for _ in range(k):
+                    pipe.rpush("bench:pipe", value)
+                pipe.execute()
+                left -= k
+            self.r.delete("bench:pipe")
+
+        return [n / t for t in time_runs(once, runs, warmup)]
+
+    def close(self) -> None:
+        try:
+            self.r.close()
+        finally:
+            self.server.stop()
+
+
+class TCPStorePeer:
+    """``torch.distributed.TCPStore``: a master in this process, used through a client store."""
+
+    MAX_VALUE = TCPSTORE_MAX_VALUE
+
+    def __init__(self):
+        try:
+            import torch.distributed as dist
+
+            if not dist.is_available():
+                raise ImportError("torch.distributed is not available in this torch build")
+            self.master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                        timeout=__import__("datetime").timedelta(seconds=120))
+            self.store = dist.TCPStore("127.0.0.1", self.master.port, is_master=False, wait_for_workers=False,
+                                       timeout=__import__("datetime").timedelta(seconds=120))
+        except (ImportError, AttributeError) as exc:
+            raise PeerMissing(f"TCPStore unavailable: {exc}") from None
+
+    def set_get_seconds(self, data: bytes, reps: int, warmup: int) -> tuple[list[float], list[float]]:
+        if len(data) > self.MAX_VALUE:
+            raise ValueError("over TCPStore's payload cap")
+        sets = time_runs(lambda: self.store.set("big", data), reps, warmup)
+        gets = time_runs(lambda: self.store.get("big"), reps, warmup)
+        self.store.delete_key("big")
+        return sets, gets
+
+    def small_latency(self, ops: int, runs: int, warmup_ops: int) -> tuple[LatencyRuns, LatencyRuns]:
+        value = bytes(64)
+        set_ = latency_runs(lambda: self.store.set("small", value), ops, runs, warmup_ops)
+        get_ = latency_runs(lambda: self.store.get("small"), ops, runs, warmup_ops)
+        return set_, get_
+
+    def close(self) -> None:
+        self.store = self.master = None
+        time.sleep(0)  # the stores close when collected

@@ -1,0 +1,349 @@
+"""Child processes of a run -- the server, redis-server, workers -- and their cleanup.
+
+Every child is tracked from the moment it starts and stopped (SIGTERM, then SIGKILL)
+by :func:`stop_all`, which runs at exit; on Linux children also get SIGTERM when
+this process dies (``PR_SET_PDEATHSIG``), so none outlives an interrupted run.
+Every wait on a child has a deadline.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import importlib.util
+import os
+import queue
+import re
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent  # the project root: `benchmarks` imports from here
+_LISTENING = re.compile(rb"listening on ([\d.]+):(\d+)")
+
+_children: set[subprocess.Popen] = set()
+_lock = threading.Lock()
+
+
+class PeerMissing(Exception):
+    """A peer to compare with (redis-server, redis-py, ...) is not installed."""
+
+
+class ChildError(RuntimeError):
+    """A child process failed to start, answered wrongly, or took too long."""
+
+
+try:  # loaded here, not in the child: dlopen after fork in a threaded process may deadlock
+    _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+except OSError:
+    _LIBC = None
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    if _LIBC is not None:
+        _LIBC.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+
+
+def spawn(cmd: list[str], **kw) -> subprocess.Popen:
+    """``Popen`` that is tracked for cleanup and dies with this process."""
+    if _LIBC is not None:
+        kw.setdefault("preexec_fn", _die_with_parent)
+    env = dict(kw.pop("env", None) or os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.Popen(cmd, env=env, **kw)
+    with _lock:
+        _children.add(proc)
+    return proc
+
+
+def stop(proc: subprocess.Popen | None, timeout: float = 10.0) -> int | None:
+    """SIGTERM ``proc``, SIGKILL it after ``timeout`` s; returns its exit code."""
+    if proc is None:
+        return None
+    try:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    finally:
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            if stream is not None:
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+        with _lock:
+            _children.discard(proc)
+    return proc.returncode
+
+
+def stop_all() -> None:
+    """Stop every child still running (at exit, after an error, on a signal)."""
+    with _lock:
+        procs = list(_children)
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                proc.terminate()
+            except OSError:
+                pass
+    for proc in procs:
+        stop(proc, timeout=5.0)
+
+
+atexit.register(stop_all)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of process ``pid`` (VmRSS in /proc/PID/status)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise ChildError(f"no VmRSS for pid {pid}")
+
+
+def _tail(path: str | None, n: int = 2000) -> str:
+    if not path:
+        return ""
+    try:
+        return Path(path).read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+# ------------------------------------------------------------------ tensorshare server
+
+
+class Server:
+    """``python -m tensorshare_server --port 0`` on loopback; learns its port from line one."""
+
+    def __init__(self, *args: str, start_timeout: float = 60.0):
+        self._errfile = tempfile.NamedTemporaryFile(prefix="tensorshare-bench-server-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "tensorshare_server", "--host", "127.0.0.1", "--port", "0", *args]
+        self.proc = spawn(cmd, stdout=subprocess.PIPE, stderr=self._errfile, stdin=subprocess.DEVNULL)
+        line = _read_line(self.proc, start_timeout)
+        match = _LISTENING.search(line)
+        if not match:
+            err = _tail(self._errfile.name)
+            self.stop()
+            raise ChildError(f"server did not start: {line!r} {err}")
+        self.port = int(match.group(2))
+        self.pid = self.proc.pid
+
+    def rss(self) -> int:
+        return rss_bytes(self.pid)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self) -> str:
+        return _tail(self._errfile.name)
+
+    def stop(self) -> None:
+        stop(self.proc)
+        self._errfile.close()
+        try:
+            os.unlink(self._errfile.name)
+        except OSError:
+            pass
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _read_line(proc: subprocess.Popen, timeout: float) -> bytes:
+    """The first line ``proc`` writes to stdout (binary pipe), within ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    fd = proc.stdout.fileno()
+    data = b""
+    while b"\n" not in data:
+        left = deadline - time.monotonic()
+        if left <= 0 or proc.poll() is not None and not select.select([fd], [], [], 0)[0]:
+            break
+        if select.select([fd], [], [], min(left, 0.5))[0]:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            data += chunk
+    return data
+
+
+# ------------------------------------------------------------------ redis-server
+
+
+def redis_missing() -> str | None:
+    """Why the Redis baselines cannot run, or None if they can."""
+    if importlib.util.find_spec("redis") is None:
+        return "redis-py is not installed (pip install redis)"
+    if shutil.which("redis-server") is None:
+        return "redis-server is not installed"
+    return None
+
+
+class RedisServer:
+    """A private redis-server on a free loopback port: no persistence, 2 GB bulk strings."""
+
+    def __init__(self, start_timeout: float = 20.0):
+        why = redis_missing()
+        if why:
+            raise PeerMissing(why)
+        import redis
+
+        self._redis = redis
+        self.port = free_port()
+        cmd = [shutil.which("redis-server"), "--port", str(self.port), "--bind", "127.0.0.1",
+               "--save", "", "--appendonly", "no", "--proto-max-bulk-len", "2gb",
+               "--client-query-buffer-limit", "2gb", "--protected-mode", "no"]
+        self.proc = spawn(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+        self.pid = self.proc.pid
+        deadline = time.monotonic() + start_timeout
+        while True:
+            try:
+                client = self._redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+                client.ping()
+                client.close()
+                break
+            except self._redis.exceptions.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise ChildError("redis-server did not start") from None
+                time.sleep(0.05)
+
+    def client(self, timeout: float = 120.0):
+        import redis
+
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=timeout)
+
+    def version(self) -> str:
+        c = self.client()
+        try:
+            return str(c.info("server").get("redis_version", "?"))
+        finally:
+            c.close()
+
+    def rss(self) -> int:
+        return rss_bytes(self.pid)
+
+    def stop(self) -> None:
+        stop(self.proc)
+
+    def __enter__(self) -> "RedisServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# ------------------------------------------------------------------ workers
+
+
+class Worker:
+    """``python -m benchmarks.workers KIND ARGS...``: talks in lines on stdin/stdout."""
+
+    def __init__(self, kind: str, *args: object):
+        self.kind = kind
+        self._errfile = tempfile.NamedTemporaryFile(prefix=f"tensorshare-bench-{kind}-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "benchmarks.workers", kind, *map(str, args)]
+        self.proc = spawn(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._errfile,
+                          text=True, bufsize=1, cwd=str(ROOT))
+        self.lines: queue.SimpleQueue = queue.SimpleQueue()
+        self._reader = threading.Thread(target=self._read, name=f"bench-{kind}-reader", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        try:
+            for line in self.proc.stdout:
+                self.lines.put(line.rstrip("\n"))
+        except (OSError, ValueError):
+            pass
+        self.lines.put(None)
+
+    def send(self, line: str) -> None:
+        try:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        except (OSError, ValueError) as exc:
+            raise ChildError(f"worker {self.kind} is gone: {exc} {_tail(self._errfile.name)}") from None
+
+    def expect(self, timeout: float, prefix: str | None = None) -> str:
+        """The next line (starting with ``prefix``, others skipped), within ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                line = self.lines.get(timeout=max(left, 0.001))
+            except queue.Empty:
+                raise ChildError(f"worker {self.kind} said nothing in {timeout:.0f}s "
+                                 f"(waiting for {prefix!r}) {_tail(self._errfile.name)}") from None
+            if line is None:
+                self.lines.put(None)
+                raise ChildError(f"worker {self.kind} exited ({self.proc.poll()}): {_tail(self._errfile.name)}")
+            if prefix is None or line.startswith(prefix):
+                return line
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(1)
+            except (OSError, ValueError, subprocess.TimeoutExpired):
+                pass
+        stop(self.proc)
+        self._errfile.close()
+        try:
+            os.unlink(self._errfile.name)
+        except OSError:
+            pass
+
+
+class Workers:
+    """Several workers started together and always stopped together."""
+
+    def __init__(self):
+        self.all: list[Worker] = []
+
+    def start(self, kind: str, *args: object) -> Worker:
+        w = Worker(kind, *args)
+        self.all.append(w)
+        return w
+
+    def stop(self) -> None:
+        for w in self.all:
+            if w.proc.poll() is None:
+                try:
+                    w.proc.stdin.write("quit\n")
+                    w.proc.stdin.flush()
+                except (OSError, ValueError):
+                    pass
+        for w in self.all:
+            w.stop()
+        self.all.clear()
+
+    def __enter__(self) -> "Workers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

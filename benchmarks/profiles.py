@@ -1,0 +1,79 @@
+"""The profiles (smoke, quick, full): sizes, repetitions and time limits of each measurement."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    sections: tuple[str, ...]          # which sections run, in order
+    time_limit_s: int                  # the whole run is stopped after this
+    warmup: int                        # untimed runs before the timed ones
+    # 1. wire codec
+    wire_tensor_bytes: int
+    wire_reps: int
+    statedict_tensors: int             # the state dict: N tensors of 256x256 float32
+    statedict_shape: tuple[int, int]
+    # 2. large values through Client
+    large_sizes: tuple[int, ...]
+    large_reps: int                    # timed runs per size (sizes >= 256 MiB use large_reps_big)
+    large_reps_big: int
+    large_reps_small: int              # sizes <= 4 MiB: many more runs (each takes milliseconds)
+    client_timeout_s: float
+    # 3. small ops
+    small_ops: int                     # ops per timed run
+    small_runs: int
+    pipelined_ops: int                 # appends per timed run
+    pipelined_runs: int
+    async_window: int                  # Deferreds in flight in the AsyncClient run
+    # 4. scaling
+    scale_clients: tuple[int, ...]
+    scale_value_bytes: int
+    scale_run_s: float
+    scale_runs: int
+    fanout_listeners: tuple[int, ...]
+    fanout_value_bytes: int
+    fanout_reps: int
+    rss_total_bytes: int
+    rss_bins: int
+    rss_runs: int
+
+
+QUICK = Profile(
+    name="quick", sections=("wire", "large", "small", "scaling"), time_limit_s=900, warmup=1,
+    wire_tensor_bytes=64 * MiB, wire_reps=3, statedict_tensors=100, statedict_shape=(256, 256),
+    large_sizes=(1 * MiB, 16 * MiB, 256 * MiB), large_reps=9, large_reps_big=3, large_reps_small=30,
+    client_timeout_s=120,
+    small_ops=1000, small_runs=5, pipelined_ops=20_000, pipelined_runs=3, async_window=512,
+    scale_clients=(1, 2, 4), scale_value_bytes=64 << 10, scale_run_s=1.5, scale_runs=3,
+    fanout_listeners=(1, 2, 4), fanout_value_bytes=1 * MiB, fanout_reps=5,
+    rss_total_bytes=256 * MiB, rss_bins=16, rss_runs=3,
+)
+
+FULL = Profile(
+    name="full", sections=("wire", "large", "small", "scaling"), time_limit_s=3600, warmup=1,
+    wire_tensor_bytes=256 * MiB, wire_reps=5, statedict_tensors=100, statedict_shape=(256, 256),
+    large_sizes=(1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB), large_reps=7, large_reps_big=5,
+    large_reps_small=50,
+    client_timeout_s=300,
+    small_ops=5000, small_runs=7, pipelined_ops=100_000, pipelined_runs=5, async_window=1024,
+    scale_clients=(1, 2, 4, 8, 16), scale_value_bytes=64 << 10, scale_run_s=3.0, scale_runs=5,
+    fanout_listeners=(1, 2, 4, 8, 16), fanout_value_bytes=1 * MiB, fanout_reps=9,
+    rss_total_bytes=1024 * MiB, rss_bins=16, rss_runs=3,
+)
+
+SMOKE = Profile(
+    name="smoke", sections=("wire", "large", "small", "scaling"), time_limit_s=240, warmup=1,
+    wire_tensor_bytes=1 * MiB, wire_reps=1, statedict_tensors=4, statedict_shape=(16, 16),
+    large_sizes=(64 << 10,), large_reps=1, large_reps_big=1, large_reps_small=1, client_timeout_s=30,
+    small_ops=20, small_runs=1, pipelined_ops=200, pipelined_runs=1, async_window=16,
+    scale_clients=(1,), scale_value_bytes=4 << 10, scale_run_s=0.3, scale_runs=1,
+    fanout_listeners=(1,), fanout_value_bytes=4 << 10, fanout_reps=1,
+    rss_total_bytes=4 * MiB, rss_bins=2, rss_runs=1,
+)
+
+PROFILES = {p.name: p for p in (SMOKE, QUICK, FULL)}

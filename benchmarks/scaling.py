@@ -1,0 +1,194 @@
+"""Section 4: scaling -- concurrent clients, fan-out to listeners, server memory.
+
+* N client processes each doing put/append/get of one value in a cycle for a fixed
+  time: total ops/s, MB/s of payload moved, p99 latency; beside the same workload
+  through Redis (DEL+RPUSH / RPUSH / LRANGE+DEL transactions) with N processes.
+* Fan-out: one value put (PUT notification) and fetched (peek) by N listener
+  processes: time from the put until the last listener has the value; beside
+  Redis SET + PUBLISH with N subscribers that GET it.
+* Server RSS per stored GiB: VmRSS of a fresh server before and after storing the
+  profile's total across several bins (and after deleting them), beside redis-server.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from tensorshare import Client
+
+from .procs import PeerMissing, RedisServer, Server, Workers
+from .profiles import Profile
+from .record import Recorder
+from .stats import Sample, mib, percentile
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _mixed_runs(p: Profile, peer: str, port: int, clients: int) -> tuple[Sample, Sample, Sample]:
+    """(ops/s, MB/s, p99 ms) over the profile's runs, ``clients`` worker processes."""
+    run_s = p.scale_run_s
+    ops, mbps, p99 = [], [], []
+    with Workers() as ws:
+        workers = [ws.start("mixed", port, peer, p.scale_value_bytes, i) for i in range(clients)]
+        for w in workers:
+            w.expect(120, "ready")
+        for i in range(p.warmup + p.scale_runs):
+            duration = run_s if i >= p.warmup else min(0.5, run_s)
+            for w in workers:
+                w.send(f"go {duration}")
+            results = [json.loads(w.expect(duration + 120, "result").split(" ", 1)[1]) for w in workers]
+            if i < p.warmup:
+                continue
+            ops.append(sum(r["ops"] / r["seconds"] for r in results))
+            mbps.append(sum(r["bytes"] / r["seconds"] for r in results) / 1e6)
+            p99.append(percentile([lat for r in results for lat in r["lat_us"]], 99) / 1e3)
+    return Sample.of(ops), Sample.of(mbps), Sample.of(p99)
+
+
+def concurrent_clients(rec: Recorder, p: Profile, peers, server: Server) -> None:
+    size = mib(p.scale_value_bytes)
+    redis = peers.redis(rec, "Redis concurrent clients")
+    for k in p.scale_clients:
+        rec.say(f"  -- {k} client process(es), {size} values, {p.scale_run_s}s per run")
+        vs_ops, vs_mb, vs_p99 = [], [], []
+        if redis is not None:
+            o, m, q = _mixed_runs(p, "redis", redis.server.port, k)
+            rec.figure(f"scale.{k}.redis.ops", f"Redis mixed, {_plural(k, 'client')}: ops/s", o, "ops/s", baseline=True,
+                       chart={"name": "scaling-ops", "series": "Redis", "x": k})
+            rec.figure(f"scale.{k}.redis.mbps", f"Redis mixed, {_plural(k, 'client')}: MB/s", m, "MB/s", baseline=True)
+            rec.figure(f"scale.{k}.redis.p99", f"Redis mixed, {_plural(k, 'client')}: p99 latency", q, "ms", better="lower",
+                       baseline=True, chart={"name": "scaling-p99", "series": "Redis", "x": k})
+            vs_ops, vs_mb, vs_p99 = [f"scale.{k}.redis.ops"], [f"scale.{k}.redis.mbps"], [f"scale.{k}.redis.p99"]
+        o, m, q = _mixed_runs(p, "ts", server.port, k)
+        rec.figure(f"scale.{k}.ts.ops", f"tensorshare mixed, {_plural(k, 'client')}: ops/s", o, "ops/s",
+                   vs=vs_ops + ["scale.1.ts.ops"] * (k > 1), chart={"name": "scaling-ops", "series": "tensorshare", "x": k})
+        rec.figure(f"scale.{k}.ts.mbps", f"tensorshare mixed, {_plural(k, 'client')}: MB/s", m, "MB/s", vs=vs_mb)
+        rec.figure(f"scale.{k}.ts.p99", f"tensorshare mixed, {_plural(k, 'client')}: p99 latency", q, "ms", better="lower",
+                   vs=vs_p99, chart={"name": "scaling-p99", "series": "tensorshare", "x": k})
+
+
+def _fanout_times(p: Profile, peer: str, port: int, listeners: int, publish) -> Sample:
+    """Seconds from publishing until the last of ``listeners`` processes holds the value."""
+    times = []
+    with Workers() as ws:
+        workers = [ws.start("listen", port, peer, "bench-fan") for _ in range(listeners)]
+        for w in workers:
+            w.expect(120, "ready")
+        for rep in range(p.warmup + p.fanout_reps):
+            start = time.monotonic()
+            publish(rep)
+            done = [w.expect(60, f"done {rep} ") for w in workers]
+            if rep >= p.warmup:
+                times.append(max(float(line.split()[2]) for line in done) - start)
+    return Sample.of(times)
+
+
+def fan_out(rec: Recorder, p: Profile, peers, server: Server) -> None:
+    nbytes = p.fanout_value_bytes
+    size = mib(nbytes)
+    tensor = torch.ones(nbytes // 4)
+    data = tensor.numpy().tobytes()
+    redis = peers.redis(rec, "Redis fan-out")
+    with Client("127.0.0.1", server.port, timeout=p.client_timeout_s) as client:
+        for n in p.fanout_listeners:
+            rec.say(f"  -- fan-out of {size} to {n} listener process(es)")
+            vs = []
+            if redis is not None:
+                r = redis.r
+
+                def publish_redis(rep: int) -> None:
+                    r.set("bench-fan", data)
+                    r.publish("bench-fan", rep)
+
+                ms = _fanout_times(p, "redis", redis.server.port, n, publish_redis).map(lambda s: s * 1e3)
+                rec.figure(f"fan.{n}.redis", f"Redis SET+PUBLISH {size} to {_plural(n, 'subscriber')}, all fetched", ms, "ms",
+                           better="lower", baseline=True, chart={"name": "fanout", "series": "Redis", "x": n})
+                vs = [f"fan.{n}.redis"]
+            ms = _fanout_times(p, "ts", server.port, n,
+                               lambda rep: client.put("bench-fan", {"rep": rep, "value": tensor})).map(lambda s: s * 1e3)
+            rec.figure(f"fan.{n}.ts", f"tensorshare put {size} to {_plural(n, 'listener')}, all peeked", ms, "ms",
+                       better="lower", vs=vs + ["fan.1.ts"] * (n > 1),
+                       chart={"name": "fanout", "series": "tensorshare", "x": n})
+            client.delete("bench-fan")
+
+
+def _rss_runs(p: Profile, start, store, delete) -> tuple[Sample, Sample]:
+    """(RSS growth per stored byte, RSS still held after deleting / stored) over fresh servers."""
+    total, bins = p.rss_total_bytes, p.rss_bins
+    per = total // bins
+    grown, held = [], []
+    for _ in range(p.rss_runs):
+        server, conn = start()
+        try:
+            before = server.rss()
+            for i in range(bins):
+                store(conn, f"bench-rss-{i}", per)
+            after = server.rss()
+            for i in range(bins):
+                delete(conn, f"bench-rss-{i}")
+            time.sleep(0.2)
+            released = server.rss()
+        finally:
+            conn.close()
+            server.stop()
+        grown.append((after - before) / (per * bins))
+        held.append((released - before) / (per * bins))
+    return Sample.of(grown), Sample.of(held)
+
+
+def server_memory(rec: Recorder, p: Profile) -> None:
+    per = p.rss_total_bytes // p.rss_bins
+    what = f"{mib(per * p.rss_bins)} in {p.rss_bins} bins of {mib(per)}"
+    rec.say(f"  -- server RSS storing {what}")
+    value = torch.ones(per // 4)
+    data = value.numpy().tobytes()
+    chart = lambda series: {"name": "rss", "series": series, "x": "RSS per stored GiB"}  # noqa: E731
+
+    vs_grow, vs_held = [], []
+    try:
+        def start_redis():
+            s = RedisServer()
+            return s, s.client()
+
+        grown, held = _rss_runs(p, start_redis, lambda r, k, n: r.set(k, data), lambda r, k: r.delete(k))
+        rec.figure("rss.redis.grow", f"redis-server RSS growth per stored GiB ({what})", grown, "GiB",
+                   better="lower", baseline=True, chart=chart("redis-server"))
+        rec.figure("rss.redis.held", "redis-server RSS still held after DEL, per stored GiB", held, "GiB",
+                   better="lower", baseline=True)
+        vs_grow, vs_held = ["rss.redis.grow"], ["rss.redis.held"]
+    except PeerMissing as exc:
+        rec.skip("redis-server RSS per stored GiB", str(exc))
+    data = None  # noqa: F841 (frees it)
+
+    def start_ts():
+        s = Server()
+        return s, Client("127.0.0.1", s.port, timeout=p.client_timeout_s)
+
+    grown, held = _rss_runs(p, start_ts, lambda c, k, n: c.put(k, value), lambda c, k: c.delete(k))
+    rec.figure("rss.ts.grow", f"tensorshare-server RSS growth per stored GiB ({what})", grown, "GiB",
+               better="lower", vs=vs_grow, chart=chart("tensorshare-server"))
+    rec.figure("rss.ts.held", "tensorshare-server RSS still held after DELETE, per stored GiB", held, "GiB",
+               better="lower", vs=vs_held)
+
+
+def run(rec: Recorder, p: Profile, peers) -> None:
+    rec.begin("4. Scaling")
+    server = Server()
+    try:
+        for part in (concurrent_clients, fan_out):
+            try:
+                part(rec, p, peers, server)
+            except Exception as exc:  # one part failing must not hide the others
+                rec.error(f"scaling: {part.__name__}", exc)
+                if not server.alive():
+                    rec.note(f"the server died: {server.log_tail()[-500:]}")
+                    server.stop()
+                    server = Server()
+    finally:
+        server.stop()
+    server_memory(rec, p)

@@ -1,0 +1,135 @@
+"""Section 3: small operations.
+
+Round-trip latency (median and p99 of many ops, per run; the figure is the median
+over runs) of ``Client.put``/``peek`` of a 16-element float32 tensor, beside a raw
+socket echo, redis-py SET/GET and TCPStore set/get of 64 bytes.  Then pipelined
+small appends per second: ``Client.submit('APPEND', ...)`` counting completions in
+callbacks, and ``AsyncClient`` with many Deferreds in flight (in a worker process
+with its own reactor), beside redis-py pipelined RPUSH.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import torch
+
+from tensorshare import Client, protocol
+
+from .baselines import RawEcho
+from .procs import Server, Worker
+from .profiles import Profile
+from .record import Recorder
+from .stats import LatencyRuns, Sample, latency_runs
+
+US = 1e6
+
+
+def _latency_figures(rec: Recorder, key: str, label: str, lat: LatencyRuns, vs: list[str] = (),
+                     baseline: bool = False, note: str | None = None) -> None:
+    rec.figure(f"{key}.median", f"{label} median", lat.medians.map(lambda s: s * US), "us", better="lower",
+               vs=[f"{v}.median" for v in vs], baseline=baseline, note=note,
+               chart={"name": "small", "series": "median", "x": label})
+    rec.figure(f"{key}.p99", f"{label} p99", lat.p99s.map(lambda s: s * US), "us", better="lower",
+               vs=[f"{v}.p99" for v in vs], baseline=baseline,
+               chart={"name": "small", "series": "p99", "x": label})
+
+
+def _submit_rates(client: Client, value: torch.Tensor, n: int, runs: int, warmup: int, timeout: float) -> list[float]:
+    """Appends/s through ``Client.submit``, time until the n-th callback has run."""
+    rates = []
+    for i in range(warmup + runs):
+        count = n if i >= warmup else max(n // 4, 1)
+        done = threading.Event()
+        state = {"n": 0, "errors": []}
+
+        def completed(result, error, count=count, done=done, state=state):
+            if error is not None:
+                state["errors"].append(error)
+            state["n"] += 1  # callbacks run one at a time on the dispatcher thread
+            if state["n"] == count:
+                done.set()
+
+        start = time.perf_counter()
+        for _ in range(count):
+            client.submit(protocol.APPEND, "bench-pipe", value, completed)
+        if not done.wait(timeout):
+            raise TimeoutError(f"only {state['n']} of {count} pipelined appends completed in {timeout}s")
+        elapsed = time.perf_counter() - start
+        if state["errors"]:
+            raise RuntimeError(f"{len(state['errors'])} pipelined appends failed: {state['errors'][0]!r}")
+        client.delete("bench-pipe")
+        if i >= warmup:
+            rates.append(count / elapsed)
+    return rates
+
+
+def run(rec: Recorder, p: Profile, peers) -> None:
+    rec.begin("3. Small ops")
+    ops, runs, warm_ops = p.small_ops, p.small_runs, max(p.small_ops // 5, 10) if p.warmup else 0
+    value = torch.ones(16, dtype=torch.float32)
+    server = client = echo = None
+    try:
+        server = Server()
+        client = Client("127.0.0.1", server.port, timeout=p.client_timeout_s)
+        echo = RawEcho()
+        _latency_figures(rec, "small.raw", "raw socket echo 64 B round trip", echo.latency(ops, runs, warm_ops),
+                         baseline=True)
+        echo.close()
+        echo = None
+        redis = peers.redis(rec, "Redis SET/GET 64 B latency")
+        if redis is not None:
+            set_, get_ = redis.small_latency(ops, runs, warm_ops)
+            _latency_figures(rec, "small.redis_set", "redis-py SET 64 B", set_, baseline=True)
+            _latency_figures(rec, "small.redis_get", "redis-py GET 64 B", get_, baseline=True)
+        store = peers.tcpstore(rec, "TCPStore set/get 64 B latency")
+        if store is not None:
+            set_, get_ = store.small_latency(ops, runs, warm_ops)
+            _latency_figures(rec, "small.tcpstore_set", "TCPStore set 64 B", set_, baseline=True,
+                             note="set does not wait for a reply")
+            _latency_figures(rec, "small.tcpstore_get", "TCPStore get 64 B", get_, baseline=True)
+
+        client.put("bench-small", value)
+        _latency_figures(rec, "small.put", "Client.put 16 x float32",
+                         latency_runs(lambda: client.put("bench-small", value), ops, runs, warm_ops),
+                         vs=["small.redis_set", "small.tcpstore_get", "small.raw"])
+        _latency_figures(rec, "small.peek", "Client.peek 16 x float32",
+                         latency_runs(lambda: client.peek("bench-small"), ops, runs, warm_ops),
+                         vs=["small.redis_get", "small.tcpstore_get", "small.raw"])
+        _latency_figures(rec, "small.ping", "Client.ping (NOOP)",
+                         latency_runs(lambda: client.ping(), ops, runs, warm_ops), vs=["small.raw"])
+
+        # -- pipelined appends
+        n, pruns = p.pipelined_ops, p.pipelined_runs
+        if redis is not None:
+            rec.figure("pipe.redis", "redis-py pipelined RPUSH 64 B (256 per round trip)",
+                       Sample.of(redis.pipelined_rpush_rates(n, pruns, p.warmup)), "ops/s", baseline=True,
+                       chart={"name": "pipelined", "series": "ops/s", "x": "redis-py pipeline"})
+        rec.figure("pipe.submit", "Client.submit APPEND 16 x float32, pipelined",
+                   Sample.of(_submit_rates(client, value, n, pruns, p.warmup, p.client_timeout_s)), "ops/s",
+                   vs=["pipe.redis"], chart={"name": "pipelined", "series": "ops/s", "x": "Client.submit"})
+        worker = Worker("async-append", server.port, n, p.async_window, pruns, p.warmup)
+        try:
+            result = json.loads(worker.expect(max(300.0, p.client_timeout_s), "result").split(" ", 1)[1])
+        finally:
+            worker.stop()
+        if "error" in result:
+            raise RuntimeError(f"AsyncClient worker: {result['error']}")
+        rec.figure("pipe.async", f"AsyncClient.append 16 x float32, {p.async_window} in flight",
+                   Sample.of(result["rates"]), "ops/s", vs=["pipe.redis"],
+                   chart={"name": "pipelined", "series": "ops/s", "x": "AsyncClient"})
+    finally:
+        for thing in (echo, client):
+            if thing is not None:
+                thing.close()
+        if server is not None:
+            server.stop()
+
+    rec.goal_ratio("Client.put median latency <= 1.0x redis-py SET", "small.put.median", "small.redis_set.median",
+                   "<=", 1.0)
+    rec.goal_ratio("Client.peek median latency <= 1.0x redis-py GET", "small.peek.median", "small.redis_get.median",
+                   "<=", 1.0)
+    rec.goal_value("pipelined Client.submit appends >= 20,000/s", "pipe.submit", ">=", 20_000)
+    rec.goal_value("pipelined AsyncClient appends >= 20,000/s", "pipe.async", ">=", 20_000)

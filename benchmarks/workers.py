@@ -1,0 +1,300 @@
+"""The code that the benchmark's child processes run: ``python -m benchmarks.workers KIND ARGS``.
+
+Each worker talks to the parent in lines: it prints ``ready`` (or ``port N``) once
+set up, answers commands read from stdin, and exits on ``quit`` or when stdin
+closes.  Timestamps that cross processes use ``time.monotonic()``
+(CLOCK_MONOTONIC: one clock for the whole machine on Linux).
+
+Kinds:
+
+* ``raw-send``          -- raw socket source: on each 8-byte request N, ``sendall`` N bytes
+* ``echo``              -- raw socket echo of small messages (round-trip baseline)
+* ``torch-recv``        -- the original tensorshare's way: receive torch.save bytes, torch.load them
+* ``async-append PORT N WINDOW RUNS WARMUP``
+                        -- pipelined appends through AsyncClient, with its own reactor
+* ``mixed PORT PEER SIZE ID``
+                        -- a client doing put/append/get (PEER ts) or the same through Redis
+* ``listen PORT PEER BIN``
+                        -- waits for notifications of a bin and fetches it (fan-out)
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import socket
+import struct
+import sys
+import threading
+import time
+
+_LEN = struct.Struct("<Q")
+
+
+def _say(text: str) -> None:
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def _stdin_closed(event: threading.Event) -> None:
+    """Set ``event`` when the parent says quit or goes away."""
+    for line in sys.stdin:
+        if line.strip() == "quit":
+            break
+    event.set()
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if not n:
+            raise ConnectionError("peer closed")
+        got += n
+
+
+def _serve_one(handler) -> None:
+    """Listen on a free loopback port, print it, serve one connection with ``handler``."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    srv.settimeout(60)
+    _say(f"port {srv.getsockname()[1]}")
+    conn, _ = srv.accept()
+    conn.settimeout(None)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    srv.close()
+    try:
+        handler(conn)
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        conn.close()
+
+
+def raw_send(max_bytes: str) -> None:
+    import numpy as np
+
+    payload = np.ones(int(max_bytes), np.uint8)  # touched: the sender's memory is warm
+    view = memoryview(payload)
+    req = bytearray(_LEN.size)
+
+    def handler(conn: socket.socket) -> None:
+        while True:
+            _recv_exact(conn, memoryview(req))
+            (n,) = _LEN.unpack(req)
+            if n == 0:
+                return
+            conn.sendall(view[:n])
+
+    _serve_one(handler)
+
+
+def echo() -> None:
+    def handler(conn: socket.socket) -> None:
+        while True:
+            data = conn.recv(65536)
+            if not data:
+                return
+            conn.sendall(data)
+
+    _serve_one(handler)
+
+
+def torch_recv() -> None:
+    import torch
+
+    def handler(conn: socket.socket) -> None:
+        head = bytearray(_LEN.size)
+        while True:
+            _recv_exact(conn, memoryview(head))
+            (n,) = _LEN.unpack(head)
+            if n == 0:
+                return
+            buf = bytearray(n)
+            _recv_exact(conn, memoryview(buf))
+            torch.load(io.BytesIO(buf))  # the receiver's work: the value is built, then dropped
+            conn.sendall(b"k")
+
+    _serve_one(handler)
+
+
+def async_append(port: str, n: str, window: str, runs: str, warmup: str) -> None:
+    """Pipelined appends through AsyncClient; prints ``result {"rates": [...]}``."""
+    import torch
+    from twisted.internet import defer, reactor
+
+    from tensorshare import AsyncClient
+
+    port_, n_, window_, runs_, warmup_ = int(port), int(n), int(window), int(runs), int(warmup)
+    value = torch.ones(16)
+    outcome: dict = {}
+
+    def one_run(client, count: int) -> defer.Deferred:
+        finished = defer.Deferred()
+        state = {"sent": 0, "done": 0}
+
+        def issue() -> None:
+            while state["sent"] < count and state["sent"] - state["done"] < window_:
+                state["sent"] += 1
+                client.append("async-pipe", value).addCallbacks(completed, failed)
+
+        def completed(_):
+            state["done"] += 1
+            if state["done"] == count:
+                finished.callback(None)
+            else:
+                issue()
+
+        def failed(f):
+            if not finished.called:
+                finished.errback(f)
+
+        issue()
+        return finished
+
+    @defer.inlineCallbacks
+    def main():
+        try:
+            client = yield AsyncClient.connect("127.0.0.1", port_, timeout=60)
+            rates = []
+            for i in range(warmup_ + runs_):
+                count = n_ if i >= warmup_ else max(n_ // 4, 1)
+                start = time.perf_counter()
+                yield one_run(client, count)
+                elapsed = time.perf_counter() - start
+                yield client.delete("async-pipe")
+                if i >= warmup_:
+                    rates.append(count / elapsed)
+            outcome["rates"] = rates
+            client.close()
+        except Exception as exc:  # reported to the parent, which records the error
+            outcome["error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            reactor.callLater(0.05, reactor.stop)
+
+    def too_long():
+        outcome.setdefault("error", "timed out")
+        reactor.stop()
+
+    reactor.callWhenRunning(main)
+    reactor.callLater(300, too_long)
+    reactor.run()
+    _say("result " + json.dumps(outcome))
+
+
+def mixed(port: str, peer: str, size: str, wid: str) -> None:
+    """put/append/get in a cycle for the duration of each ``go SECONDS`` command."""
+    import numpy as np
+
+    nbytes, name = int(size), f"mixed-{wid}"
+    if peer == "ts":
+        import torch
+
+        from tensorshare import Client
+
+        client = Client("127.0.0.1", int(port), timeout=60)
+        value = torch.ones(nbytes // 4)
+        ops = [(lambda: client.put(name, value), nbytes),
+               (lambda: client.append(name, value), nbytes),
+               (lambda: client.get(name), 2 * nbytes)]
+    else:
+        import redis
+
+        r = redis.Redis(host="127.0.0.1", port=int(port), socket_timeout=60)
+        value = np.ones(nbytes, np.uint8).tobytes()
+
+        def put():
+            pipe = r.pipeline(transaction=True)
+            pipe.delete(name)
+            pipe.rpush(name, value)
+            pipe.execute()
+
+        def get():
+            pipe = r.pipeline(transaction=True)
+            pipe.lrange(name, 0, -1)
+            pipe.delete(name)
+            pipe.execute()
+
+        ops = [(put, nbytes), (lambda: r.rpush(name, value), nbytes), (get, 2 * nbytes)]
+    _say("ready")
+    clock = time.perf_counter
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd or cmd[0] == "quit":
+            break
+        duration = float(cmd[1])
+        lat, moved, i = [], 0, 0
+        end = clock() + duration
+        while True:
+            fn, b = ops[i % 3]
+            t = clock()
+            fn()
+            now = clock()
+            lat.append(round((now - t) * 1e6))
+            moved += b
+            i += 1
+            if now >= end and i % 3 == 0:
+                break
+        _say("result " + json.dumps({"ops": i, "bytes": moved, "seconds": clock() - end + duration, "lat_us": lat}))
+
+
+def listen(port: str, peer: str, bin_name: str) -> None:
+    """On every PUT of ``bin_name``: fetch it, print ``done REP MONOTONIC_TIME``."""
+    import queue
+
+    stop = threading.Event()
+    threading.Thread(target=_stdin_closed, args=(stop,), daemon=True).start()
+    if peer == "ts":
+        from tensorshare import Client
+
+        client = Client("127.0.0.1", int(port), timeout=60)
+        reader = Client("127.0.0.1", int(port), timeout=60)
+        notes: queue.SimpleQueue = queue.SimpleQueue()
+        client.listen(bin_name, lambda note: notes.put(note) if note.op == "PUT" else None)
+        _say("ready")
+        while not stop.is_set():
+            try:
+                notes.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            items = reader.peek(bin_name)
+            _say(f"done {items[0]['rep']} {time.monotonic()!r}")
+        client.close()
+        reader.close()
+    else:
+        import redis
+
+        r = redis.Redis(host="127.0.0.1", port=int(port), socket_timeout=60)
+        sub = r.pubsub()
+        sub.subscribe(bin_name)
+        deadline = time.monotonic() + 30
+        while True:  # ready only once the server confirmed the subscription
+            msg = sub.get_message(timeout=0.5)
+            if msg is not None and msg.get("type") == "subscribe":
+                break
+            if time.monotonic() > deadline:
+                raise SystemExit("redis did not confirm the subscription")
+        _say("ready")
+        while not stop.is_set():
+            msg = sub.get_message(timeout=0.2)
+            if msg is None or msg.get("type") != "message":
+                continue
+            value = r.get(bin_name)
+            assert value is not None
+            _say(f"done {int(msg['data'])} {time.monotonic()!r}")
+        sub.close()
+
+
+KINDS = {"raw-send": raw_send, "echo": echo, "torch-recv": torch_recv, "async-append": async_append,
+         "mixed": mixed, "listen": listen}
+
+
+def main(argv: list[str]) -> None:
+    if not argv or argv[0] not in KINDS:
+        raise SystemExit(f"usage: python -m benchmarks.workers {{{'|'.join(KINDS)}}} ARGS...")
+    KINDS[argv[0]](*argv[1:])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

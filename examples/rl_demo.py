@@ -1,0 +1,51 @@
+"""The whole RL setup in one command: a server, a trainer and N workers, as processes.
+
+    python examples/rl_demo.py [--workers 4] [--versions 40]
+
+Starts ``tensorshare-server`` on a free port, the trainer and the workers, prints
+the trainer's progress, then stops everything.
+"""
+
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--versions", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=32)
+    args = parser.parse_args()
+
+    server = subprocess.Popen([sys.executable, "-m", "tensorshare_server", "--port", "0"],
+                              stdout=subprocess.PIPE, text=True)
+    procs = [server]
+    try:
+        line = server.stdout.readline()
+        port = re.search(r":(\d+)$", line.strip()).group(1)
+        print(line.strip(), flush=True)
+        common = ["--port", port, "--experiment", "corridor"]
+        trainer = subprocess.Popen([sys.executable, str(HERE / "rl_trainer.py"), *common,
+                                    "--versions", str(args.versions), "--batch", str(args.batch)])
+        procs.append(trainer)
+        for seed in range(args.workers):
+            procs.append(subprocess.Popen([sys.executable, str(HERE / "rl_worker.py"), *common, "--seed", str(seed)]))
+        print(f"trainer and {args.workers} workers started", flush=True)
+        return trainer.wait(timeout=900)
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""An RL trainer: REINFORCE on the rollouts that workers send, publishing each new policy.
+
+    python examples/rl_trainer.py --port 8000 [--versions 40] [--batch 32]
+
+Prints, per version: mean episode reward, rollouts per second, and how many
+rollouts were dropped for being made with an older policy.
+"""
+
+import argparse
+import time
+
+import torch
+
+from rl_common import make_policy
+from tensorshare import RLTrainer
+
+
+def reinforce_loss(policy: torch.nn.Module, rollouts: list) -> torch.Tensor:
+    """Policy-gradient loss with the batch's mean return as baseline."""
+    returns = torch.stack([r["rewards"].sum() for r in rollouts])
+    advantages = returns - returns.mean()
+    loss = 0.0
+    for rollout, advantage in zip(rollouts, advantages):
+        logp = torch.log_softmax(policy(rollout["obs"]), dim=-1)
+        chosen = logp.gather(1, rollout["actions"].unsqueeze(1)).sum()
+        loss = loss - advantage * chosen
+    return loss / len(rollouts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--experiment", default="corridor")
+    parser.add_argument("--versions", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--host-server", action="store_true", help="run the server inside this process")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    policy = make_policy()
+    optimizer = torch.optim.Adam(policy.parameters(), lr=0.02)
+    with RLTrainer(args.host, args.port, host_server=args.host_server, experiment=args.experiment) as trainer:
+        version = trainer.publish_parameters(policy.state_dict())
+        first_reward = None
+        while version < args.versions:
+            start, batch = time.monotonic(), []
+            while len(batch) < args.batch:
+                batch.extend(trainer.get_data(timeout=30))  # wakes on arrival; never polls
+            elapsed = time.monotonic() - start
+            mean_reward = float(torch.stack([r["rewards"].sum() for r in batch]).mean())
+            first_reward = mean_reward if first_reward is None else first_reward
+            optimizer.zero_grad()
+            reinforce_loss(policy, batch).backward()
+            optimizer.step()
+            version = trainer.publish_parameters(policy.state_dict())
+            print(f"version {version:3d}  mean reward {mean_reward:+.3f}  "
+                  f"{len(batch) / elapsed:7.1f} rollouts/s  dropped as stale {trainer.dropped}", flush=True)
+        print(f"learnt: mean reward {first_reward:+.3f} -> {mean_reward:+.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""An RL worker: pulls the latest policy, plays episodes, pushes rollouts.
+
+    python examples/rl_worker.py --port 8000 [--experiment corridor] [--seed 1]
+
+Workers can be started, killed and restarted at any time.
+"""
+
+import argparse
+
+import torch
+
+from rl_common import Corridor, make_policy, run_episode
+from tensorshare import RLWorker
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--experiment", default="corridor")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    env = Corridor(torch.Generator().manual_seed(args.seed))
+    policy = make_policy()
+    with RLWorker(args.host, args.port, experiment=args.experiment) as worker:
+        params = worker.get_parameters()
+        while params is None:
+            params = worker.await_new_parameters(timeout=5)
+        policy.load_state_dict(params)
+        while True:
+            worker.add_data(run_episode(policy, env))
+            newer = worker.get_parameters()  # downloads only when a newer version exists
+            if newer is not params:
+                params = newer
+                policy.load_state_dict(params)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:
+        pass

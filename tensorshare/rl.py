@@ -1,0 +1,238 @@
+"""RLTrainer and RLWorker: versioned parameters out, rollouts in, workers come and go.
+
+Two bins per experiment carry everything:
+
+* ``<experiment>/parameters`` holds one item, ``{"version": v, "parameters": state}``,
+  put with tag ``v``.  A put is atomic (one item, stored whole before it is
+  announced), so a worker never sees a mix of two versions.  The notification of a
+  put carries the tag, so a worker learns of a new version without downloading it,
+  and downloads only when it asks for parameters newer than those it holds.
+* ``<experiment>/rollouts`` collects ``{"version": v, "data": obj}`` items appended
+  by workers; the trainer is told of each append and takes them all with one get.
+
+Nothing is polled, and nothing depends on who is connected: a worker that dies
+leaves nothing behind, a new worker starts from the latest version (learnt
+atomically with its listen), and a trainer restarted against a durable server
+continues the version numbers found there.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+
+from .client import Client, connect
+from .connection import Notification
+from .errors import NoSuchBinError
+
+log = logging.getLogger("tensorshare.rl")
+
+__all__ = ["RLTrainer", "RLWorker"]
+
+
+def bin_names(experiment: str | None) -> tuple[str, str]:
+    """The (parameters, rollouts) bin names of an experiment (None: the defaults)."""
+    prefix = f"{experiment}/" if experiment else ""
+    return prefix + "parameters", prefix + "rollouts"
+
+
+def snapshot_state(state: Any) -> Any:
+    """Detach tensors of a state dict (nested values are kept as they are)."""
+    if isinstance(state, torch.Tensor):
+        return state.detach()
+    if isinstance(state, dict):
+        return {k: snapshot_state(v) for k, v in state.items()}
+    return state
+
+
+class _RLPeer:
+    """What trainer and worker share: a connection, bin names, start/stop."""
+
+    def __init__(self, host: str, port: int, *, experiment: str | None, timeout: float | None,
+                 connect_timeout: float, host_server: bool = False, **client_options):
+        self.server = None
+        if host_server:
+            from tensorshare_server import EmbeddedServer
+
+            self.server = EmbeddedServer(port=port, host=_bind_address(host))
+            port = self.server.port
+        self.params_bin, self.data_bin = bin_names(experiment)
+        self.client: Client = connect(host, port, timeout=timeout, retry_for=connect_timeout, **client_options)
+        self._cond = threading.Condition()
+        self._stopped = threading.Event()
+
+    def start(self) -> None:
+        """Block until :meth:`stop` (the original API's main-thread loop)."""
+        try:
+            while not self._stopped.wait(0.5):
+                pass
+        except KeyboardInterrupt:
+            self.stop()
+
+    def stop(self) -> None:
+        """Close the connection (and the hosted server); releases :meth:`start`."""
+        with self._cond:
+            self._cond.notify_all()
+        self.client.close()
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        self._stopped.set()  # last: start() returns only once everything is closed
+
+    close = stop
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class RLTrainer(_RLPeer):
+    """Publishes parameters and collects the workers' rollouts.
+
+    ``filter_version=True`` drops rollouts made with parameters more than
+    ``max_staleness`` versions older than the latest published one (0: only the
+    current version is kept); :attr:`dropped` counts them.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 8000, host_server: bool = False,
+                 filter_version: bool = True, *, max_staleness: int = 0, experiment: str | None = None,
+                 timeout: float | None = 60.0, connect_timeout: float = 30.0, **client_options):
+        super().__init__(host, port, experiment=experiment, timeout=timeout, connect_timeout=connect_timeout,
+                         host_server=host_server, **client_options)
+        self.filter_version = filter_version
+        self.max_staleness = max_staleness
+        self.dropped = 0
+        self._pending_rollouts = 0
+        # Continue the versions a previous trainer left on a (durable) server.
+        probe = self.client.listen(self.params_bin, lambda note: None)
+        self.version = probe.snapshot.tag if probe.snapshot.tag is not None else -1
+        probe.stop()
+        self._data_listen = self.client.listen(self.data_bin, self._on_data)
+        self._pending_rollouts = self._data_listen.snapshot.n_items
+
+    def publish_parameters(self, state_dict: dict) -> int:
+        """Publish ``state_dict`` as the next version and return that version.
+
+        The tensors are on the wire when this returns: training on afterwards
+        cannot change what workers receive.
+        """
+        version = self.version + 1
+        self.client.put(self.params_bin, {"version": version, "parameters": snapshot_state(state_dict)},
+                        tag=version)
+        self.version = version
+        return version
+
+    def get_data(self, return_versions: bool = False, timeout: float | None = None) -> list:
+        """Take the rollouts collected so far (``[]`` if none).
+
+        With ``timeout``, wait up to that long for at least one to arrive.  With
+        ``return_versions``, items are ``(data, version)`` pairs.
+        """
+        if timeout is not None:
+            deadline = time.monotonic() + timeout
+            with self._cond:
+                while self._pending_rollouts == 0 and not self._stopped.is_set():
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._cond.wait(remaining)
+        with self._cond:
+            if self._pending_rollouts == 0:
+                return []
+        try:
+            items = self.client.get(self.data_bin)
+        except NoSuchBinError:
+            return []
+        kept = []
+        oldest = self.version - self.max_staleness
+        for item in items:
+            version = item.get("version", -1) if isinstance(item, dict) else -1
+            if self.filter_version and version < oldest:
+                self.dropped += 1
+                continue
+            data = item.get("data") if isinstance(item, dict) else item
+            kept.append((data, version) if return_versions else data)
+        return kept
+
+    def _on_data(self, note: Notification) -> None:
+        with self._cond:
+            self._pending_rollouts = note.n_items
+            if note.n_items:
+                self._cond.notify_all()
+
+
+class RLWorker(_RLPeer):
+    """Pulls the latest parameters (only when newer than its own) and adds rollouts."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 8000, *, experiment: str | None = None,
+                 timeout: float | None = 60.0, connect_timeout: float = 30.0, **client_options):
+        super().__init__(host, port, experiment=experiment, timeout=timeout, connect_timeout=connect_timeout,
+                         **client_options)
+        self.version = -1  # version of the parameters this worker holds
+        self._latest = -1  # newest version announced by the server
+        self._parameters = None
+        handle = self.client.listen(self.params_bin, self._on_parameters)
+        self._note_version(handle.snapshot.tag)
+
+    def get_parameters(self) -> dict | None:
+        """The latest published parameters (None before the first publish).
+
+        Downloads only if a newer version than the one held has been announced.
+        """
+        with self._cond:
+            if self._latest <= self.version:
+                return self._parameters
+        try:
+            [item] = self.client.peek(self.params_bin)
+        except NoSuchBinError:
+            return self._parameters
+        with self._cond:
+            if item["version"] > self.version:
+                self.version, self._parameters = item["version"], item["parameters"]
+                self._latest = max(self._latest, self.version)
+            return self._parameters
+
+    def await_new_parameters(self, timeout: float | None = None) -> dict | None:
+        """Wait for parameters newer than those held and return them (None on timeout)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._latest <= self.version:
+                if self._stopped.is_set():
+                    return None
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                self._cond.wait(remaining if remaining is not None else 1.0)
+        return self.get_parameters()
+
+    def add_data(self, obj: Any) -> None:
+        """Send a rollout, stamped with the version of the parameters held."""
+        self.client.append(self.data_bin, {"version": self.version, "data": obj}, tag=self.version)
+
+    def _on_parameters(self, note: Notification) -> None:
+        if note.op == "LISTEN":  # listening again after a reconnect
+            with self._cond:
+                if note.tag is None or note.tag < self.version:
+                    # The server lost its state (restarted without a data directory):
+                    # what we hold is from before; take whatever is published next.
+                    self.version = self._latest = -1
+        if note.op in ("PUT", "LISTEN", "RESTORE"):
+            self._note_version(note.tag)
+
+    def _note_version(self, tag: int | None) -> None:
+        if tag is None:
+            return
+        with self._cond:
+            if tag > self._latest:
+                self._latest = tag
+                self._cond.notify_all()
+
+
+def _bind_address(host: str) -> str:
+    return "127.0.0.1" if host in ("localhost", "127.0.0.1") else host

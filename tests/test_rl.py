@@ -1,0 +1,192 @@
+"""RLTrainer / RLWorker: atomic versions, no races, staleness filtering, crash and rejoin."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import tensorshare
+from tensorshare import RLTrainer, RLWorker
+
+HERE = Path(__file__).resolve().parent
+EXAMPLES = HERE.parent / "examples"
+
+
+def spawn(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(HERE / "rl_procs.py"), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def collect(proc: subprocess.Popen, lines: list) -> threading.Thread:
+    thread = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    thread.start()
+    return thread
+
+
+def test_one_trainer_four_workers_twenty_versions_with_a_crash(fresh_server):
+    port = str(fresh_server.port)
+    workers = [spawn("worker", port) for _ in range(4)]
+    outputs = [[] for _ in workers]
+    readers = [collect(w, out) for w, out in zip(workers, outputs)]
+    trainer = spawn("trainer", port, "20", "8")
+    trainer_out: list = []
+    collect(trainer, trainer_out)
+    try:
+        # Kill a worker mid-run, start a new one: nobody else may notice.
+        deadline = time.monotonic() + 60
+        while not any("version 5 done" in line for line in trainer_out) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        workers[0].send_signal(signal.SIGKILL)
+        workers[0].wait(10)
+        workers.append(spawn("worker", port))
+        outputs.append([])
+        readers.append(collect(workers[-1], outputs[-1]))
+        assert trainer.wait(120) == 0, trainer.stderr.read()
+        # Every live worker, the newcomer included, ends up holding the last version.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(
+                any(line.strip() == "seen 19" for line in out) for out in outputs[1:]):
+            time.sleep(0.05)
+    finally:
+        for w in workers:
+            w.terminate()
+        for w in workers:
+            w.wait(10)
+        trainer.kill()
+    assert any("trainer finished" in line for line in trainer_out)
+    for i, (w, out) in enumerate(zip(workers, outputs)):
+        readers[i].join(5)
+        errors = w.stderr.read()
+        assert "torn" not in errors and "went back" not in errors and "AssertionError" not in errors, errors
+        seen = [int(m.group(1)) for line in out if (m := re.match(r"seen (\d+)", line))]
+        assert seen == sorted(seen) and len(set(seen)) == len(seen), seen
+        if i != 0:  # the survivors and the newcomer reached the last version
+            assert seen and seen[-1] == 19, (i, seen[-5:])
+    assert outputs[-1] and int(outputs[-1][0].split()[1]) >= 5  # the newcomer started from the latest
+
+
+def test_publish_is_a_snapshot_and_versions_count_from_zero(server):
+    with RLTrainer("127.0.0.1", server.port, experiment="snap") as trainer, \
+            RLWorker("127.0.0.1", server.port, experiment="snap") as worker:
+        assert worker.get_parameters() is None
+        net = torch.nn.Linear(3, 2)
+        assert trainer.publish_parameters(net.state_dict()) == 0
+        before = {k: v.clone() for k, v in net.state_dict().items()}
+        with torch.no_grad():
+            net.weight.add_(100.0)  # training goes on after publishing
+        params = worker.await_new_parameters(timeout=10)
+        assert worker.version == 0
+        assert torch.equal(params["weight"], before["weight"])
+        assert trainer.publish_parameters(net.state_dict()) == 1
+        assert torch.equal(worker.await_new_parameters(timeout=10)["weight"], net.weight.detach())
+
+
+def test_worker_downloads_only_newer_versions(server):
+    with RLTrainer("127.0.0.1", server.port, experiment="dl") as trainer, \
+            RLWorker("127.0.0.1", server.port, experiment="dl") as worker:
+        trainer.publish_parameters({"x": torch.zeros(4)})
+        first = worker.await_new_parameters(timeout=10)
+        peeks = []
+        original = worker.client.peek
+        worker.client.peek = lambda *a, **k: peeks.append(a) or original(*a, **k)
+        for _ in range(20):
+            assert worker.get_parameters() is first  # no new version: no download
+        assert peeks == []
+        trainer.publish_parameters({"x": torch.ones(4)})
+        assert worker.await_new_parameters(timeout=10)["x"].sum() == 4
+        assert len(peeks) == 1
+
+
+def test_await_never_misses_a_publish_made_before_it(server):
+    with RLTrainer("127.0.0.1", server.port, experiment="race") as trainer:
+        trainer.publish_parameters({"x": torch.zeros(1)})
+        with RLWorker("127.0.0.1", server.port, experiment="race") as worker:
+            assert worker.await_new_parameters(timeout=5) is not None  # published before it started
+            trainer.publish_parameters({"x": torch.ones(1)})
+            time.sleep(0.3)  # the notification arrives before we wait
+            assert worker.await_new_parameters(timeout=5)["x"].item() == 1
+            assert worker.await_new_parameters(timeout=0.2) is None  # nothing newer: times out
+
+
+def test_staleness_filter_counts_drops(server):
+    with RLTrainer("127.0.0.1", server.port, experiment="stale", max_staleness=1) as trainer, \
+            RLWorker("127.0.0.1", server.port, experiment="stale") as worker:
+        assert trainer.get_data() == []  # returns at once when there is nothing
+        for _ in range(3):
+            trainer.publish_parameters({"x": torch.zeros(1)})
+        worker.get_parameters()
+        assert worker.version == 2
+        worker.add_data("fresh")
+        worker.version = 0  # pretend an old policy made these
+        worker.add_data("old")
+        worker.version = 1
+        worker.add_data("one behind")
+        got = trainer.get_data(return_versions=True, timeout=10)
+        while len(got) + trainer.dropped < 3:
+            got += trainer.get_data(return_versions=True, timeout=10)
+        assert sorted(got) == [("fresh", 2), ("one behind", 1)]
+        assert trainer.dropped == 1
+
+
+def test_get_data_waits_for_arrival(server):
+    with RLTrainer("127.0.0.1", server.port, experiment="wait", filter_version=False) as trainer, \
+            RLWorker("127.0.0.1", server.port, experiment="wait") as worker:
+        threading.Timer(0.3, worker.add_data, args=(torch.ones(2),)).start()
+        start = time.monotonic()
+        data = trainer.get_data(timeout=10)
+        assert len(data) == 1 and torch.equal(data[0], torch.ones(2))
+        assert 0.2 < time.monotonic() - start < 5
+
+
+def test_trainer_restart_continues_versions(server):
+    with RLTrainer("127.0.0.1", server.port, experiment="restart") as trainer:
+        for _ in range(3):
+            trainer.publish_parameters({"x": torch.zeros(1)})
+    with RLTrainer("127.0.0.1", server.port, experiment="restart") as trainer:
+        assert trainer.version == 2
+        assert trainer.publish_parameters({"x": torch.zeros(1)}) == 3
+
+
+def test_experiments_do_not_mix(server):
+    with RLTrainer("127.0.0.1", server.port, experiment="a") as ta, \
+            RLTrainer("127.0.0.1", server.port, experiment="b") as tb:
+        ta.publish_parameters({"x": torch.zeros(1)})
+        assert tb.version == -1
+        bins = tensorshare.Client("127.0.0.1", server.port).list()
+        assert "a/parameters" in bins and "b/parameters" not in bins
+
+
+def test_seed_readme_rl_scripts_run_unchanged(tmp_path):
+    from serverproc import ServerProcess
+
+    probe = ServerProcess()  # find a free port, then hand it to the seed trainer
+    port = probe.port
+    probe.stop()
+    scripts = {}
+    for name in ("original_rl_trainer.py", "original_rl_worker.py"):
+        source = (EXAMPLES / name).read_text()
+        patched = source.replace("'localhost', 8000", f"'localhost', {port}")
+        assert patched != source
+        scripts[name] = tmp_path / name
+        scripts[name].write_text(patched)
+    trainer = subprocess.Popen([sys.executable, str(scripts["original_rl_trainer.py"])],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    workers = [subprocess.Popen([sys.executable, str(scripts["original_rl_worker.py"])],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    try:
+        out, err = trainer.communicate(timeout=180)
+        assert trainer.returncode == 0, err
+        assert "Iteration 9 Loss:" in out
+    finally:
+        for w in workers:
+            w.kill()
+            w.wait(10)
+        trainer.kill()
