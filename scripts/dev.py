@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Set up a virtual environment and run the project's jobs; needs only Python 3.10+.
 
-    python3 scripts/dev.py demo    # set up, start a server, run the examples against it
+    python3 scripts/dev.py demo    # set up, run the RL demo (server + trainer + 4 workers), then the examples
     python3 scripts/dev.py test    # set up with the test extra, run the test suite
     python3 scripts/dev.py bench   # set up with the bench extra, run the quick benchmark
     python3 scripts/dev.py bench-full
@@ -64,6 +64,8 @@ def start_server() -> tuple[subprocess.Popen, int]:
 
 def demo() -> None:
     ensure_env(None)
+    print("== examples/rl_demo.py: a server, a trainer and 4 workers learning together", flush=True)
+    sh(str(PY), "examples/rl_demo.py", "--workers", "4", "--versions", "30", timeout=900)
     proc, port = start_server()
     try:
         for example in ("blocking_client.py", "listen.py"):
