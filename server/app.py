@@ -110,7 +110,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Na
     parser.add_argument("--max-frame", type=_size, default=ServerConfig.max_frame, help="largest payload of one request")
     parser.add_argument("--max-header", type=_size, default=ServerConfig.max_header, help="largest request header")
     parser.add_argument("--max-bins", type=int, default=ServerConfig.max_bins)
-    parser.add_argument("--max-items-per-bin", type=int, default=ServerConfig.max_items_per_bin)
+    parser.add_argument("--max-items-per-bin", type=int, default=ServerConfig.max_items_per_bin,
+                        help="also bounds the header of a GET/PEEK reply")
+    parser.add_argument("--max-bin-name", type=int, default=ServerConfig.max_bin_name, help="characters")
+    parser.add_argument("--max-listens", type=int, default=ServerConfig.max_listens, help="per connection")
+    parser.add_argument("--max-depth", type=int, default=ServerConfig.max_depth, help="nesting of a value")
+    parser.add_argument("--max-nodes", type=int, default=ServerConfig.max_nodes, help="nodes of a value's structure")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING...")
     args = parser.parse_args(argv)
     known = {f.name for f in fields(ServerConfig)}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tensorshare.protocol import MAX_BIN_NAME
-from tensorshare.wire.codec import DecodeLimits
+from tensorshare.wire.description import DecodeLimits
 from tensorshare.wire.frames import FrameLimits
 
 

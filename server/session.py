@@ -14,7 +14,7 @@ from typing import Callable, Protocol
 
 from tensorshare import __version__, protocol
 from tensorshare.errors import ProtocolError, RemoteError
-from tensorshare.wire.codec import check_description
+from tensorshare.wire.description import check_description
 from tensorshare.wire.frames import DiscardSink, Frame, FrameDecoder, SegmentSink, frame_head
 
 from .config import ServerConfig
@@ -83,6 +83,8 @@ class ServerSession:
         try:
             frames = self._decoder.feed(data)
         except ProtocolError as exc:
+            for frame in getattr(exc, "frames", ()):  # whole requests before the bad bytes
+                self._handle(frame)
             log.info("closing %s: %s", self.peer, exc)
             self._send({"code": protocol.BAD_FRAME, "id": 0, "msg": str(exc)})
             self.closed = True
@@ -122,8 +124,8 @@ class ServerSession:
             rid = 0
         try:
             op = header.get("op")
-            if op not in protocol.VERBS:
-                raise _Refused(protocol.UNKNOWN_VERB, f"unknown verb {op!r}")
+            if type(op) is not str or op not in protocol.VERBS:
+                raise _Refused(protocol.UNKNOWN_VERB, f"unknown verb {op!r:.60}")
             if rid == 0:
                 raise _Refused(protocol.BAD_ARGS, "request id must be an integer in 1..2**64-1")
             if frame.payload_len and op not in protocol.VERBS_WITH_VALUE:

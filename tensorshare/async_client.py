@@ -239,7 +239,7 @@ class AsyncClient:
         try:
             check_reply(frame)
         except TensorShareError as exc:
-            log.warning("server ended the connection: %s", exc)
+            log.warning("error reply from %s:%s for no request: %s", self.host, self.port, exc)
 
     def _notify(self, note: Notification) -> None:
         for callback in list(self._listens.get(note.bin, ())):

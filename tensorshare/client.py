@@ -32,6 +32,7 @@ from .wire.frames import Frame
 log = logging.getLogger("tensorshare.client")
 
 _IOV_MAX = 1024
+_SMALL_FRAME = 64 << 10  # frames up to this size are joined and sent with one send()
 _NO_VALUE = object()
 
 
@@ -100,6 +101,7 @@ class Client:
         self._connect_lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._conn: ClientConnection | None = None
+        self._readable = self._writable = None  # poll objects of the current socket
         self._reading = False
         self._replies: dict[int, Frame | BaseException] = {}
         self._waiting: set[int] = set()
@@ -244,7 +246,7 @@ class Client:
         sock = self._ensure_connected(deadline)
         with self._send_lock:
             try:
-                _send_all(sock, parts, deadline)
+                _send_all(sock, self._writable, parts, deadline)
             except TimeoutError:
                 # A partly sent frame leaves the stream unusable: start afresh.
                 self._drop_connection(sock, ConnectionLostError("send timed out; connection reset"))
@@ -282,11 +284,11 @@ class Client:
 
     def _read_some(self, deadline: float | None) -> None:
         """Read once from the socket and dispatch the frames it completes (leader only)."""
-        sock, conn = self._sock, self._conn
+        sock, conn, readable = self._sock, self._conn, self._readable
         if sock is None:
             raise ConnectionLostError(f"not connected to {self.host}:{self.port}")
         try:
-            _wait(sock, select.POLLIN, deadline)
+            _wait(readable, deadline)
             n = sock.recv_into(conn.decoder.get_buffer())
             if n == 0:
                 raise ConnectionResetError("server closed the connection")
@@ -323,8 +325,10 @@ class Client:
             return
         try:
             check_reply(frame)
-        except TensorShareError as exc:  # an error about the connection itself: it ends
-            self._drop_connection(self._sock, ConnectionLostError(f"server ended the connection: {exc}"))
+        except TensorShareError as exc:
+            # An error the server could not tie to a request (it could not read the
+            # id).  If the connection cannot go on, the server closes it next.
+            log.warning("error reply from %s:%s for no request: %s", self.host, self.port, exc)
 
     def _dispatch_async(self, entry: tuple, frame: Frame) -> None:
         def complete() -> None:
@@ -360,9 +364,10 @@ class Client:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setblocking(False)
         conn = ClientConnection()
+        readable, writable = _poller(sock, select.POLLIN), _poller(sock, select.POLLOUT)
         try:
             while conn.greeting is None:
-                _wait(sock, select.POLLIN, deadline)
+                _wait(readable, deadline)
                 data = sock.recv(1 << 16)
                 if not data:
                     raise ConnectionResetError("closed before greeting")
@@ -378,6 +383,7 @@ class Client:
             raise ConnectionLostError(f"no tensorshare greeting from {self.host}:{self.port}: {exc}") from None
         with self._cond:
             self._sock, self._conn = sock, conn
+            self._readable, self._writable = readable, writable
             self._ever_connected = True
             relisten = list(self._listens)
         for name in relisten:
@@ -498,10 +504,14 @@ def _raise_or_return(result):
     return result
 
 
-def _wait(sock: socket.socket, events: int, deadline: float | None) -> None:
-    """Block until ``sock`` is ready for ``events`` or raise TimeoutError at ``deadline``."""
+def _poller(sock: socket.socket, events: int) -> select.poll:
     poller = select.poll()
     poller.register(sock, events)
+    return poller
+
+
+def _wait(poller: select.poll, deadline: float | None) -> None:
+    """Block until the polled socket is ready or raise TimeoutError at ``deadline``."""
     while True:
         if deadline is None:
             timeout_ms = None
@@ -513,15 +523,21 @@ def _wait(sock: socket.socket, events: int, deadline: float | None) -> None:
             return
 
 
-def _send_all(sock: socket.socket, parts: list, deadline: float | None) -> None:
-    """Write every part (bytes or memoryview) with scatter-gather sends."""
+def _send_all(sock: socket.socket, writable: select.poll, parts: list, deadline: float | None) -> None:
+    """Write every part (bytes or memoryview): small frames joined into one send,
+    large ones with scatter-gather sends straight from the tensors' memory."""
+    if len(parts) > 1 and sum(len(p) for p in parts) <= _SMALL_FRAME:
+        parts = [b"".join(parts)]
     views = [memoryview(p).cast("B") for p in parts if len(p)]
     first = 0
     while first < len(views):
         try:
-            sent = sock.sendmsg(views[first : first + _IOV_MAX])
+            if first == len(views) - 1:
+                sent = sock.send(views[first])
+            else:
+                sent = sock.sendmsg(views[first : first + _IOV_MAX])
         except BlockingIOError:
-            _wait(sock, select.POLLOUT, deadline)
+            _wait(writable, deadline)
             continue
         while sent:
             size = views[first].nbytes

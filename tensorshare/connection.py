@@ -15,7 +15,8 @@ from typing import Any
 
 from . import protocol
 from .errors import ProtocolError, UsageError, error_for_code
-from .wire.codec import DEFAULT_LIMITS, DecodeLimits, build, encode, parse_description
+from .wire.codec import build, encode
+from .wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
 from .wire.frames import Frame, FrameDecoder, FrameLimits, buffer_sink, frame_head
 
 CLIENT_FRAME_LIMITS = FrameLimits(max_header=1 << 30, max_payload=1 << 42)
@@ -73,9 +74,13 @@ def request_frame(rid: int, op: str, name: str | None = None, value: Any = _NO_V
     """
     header: dict = {"op": op, "id": rid}
     if name is not None:
-        problem = protocol.check_bin_name(name)
-        if problem:
-            raise UsageError(problem)
+        if type(name) is not str or name not in _checked_names:
+            problem = protocol.check_bin_name(name)
+            if problem:
+                raise UsageError(problem)
+            if len(_checked_names) >= 4096:
+                _checked_names.clear()
+            _checked_names.add(name)
         header["bin"] = name
     if tag is not None:
         if type(tag) is not int or not protocol.TAG_MIN <= tag <= protocol.TAG_MAX:
@@ -89,6 +94,7 @@ def request_frame(rid: int, op: str, name: str | None = None, value: Any = _NO_V
 
 
 _ids = itertools.count(1)
+_checked_names: set = set()  # bin names already found valid (programs reuse a few)
 
 
 def next_request_id() -> int:

@@ -124,7 +124,10 @@ class NoSuchBinError(PermanentError, KeyError):
 
 
 class TooLargeError(PermanentError):
-    """552: a frame, header or bin is over a configured limit."""
+    """552: a count limit was reached (bins, items in a bin, listens per connection).
+
+    An oversized frame or header is a protocol error instead: the server answers
+    500 and closes the connection, since it cannot skip the bytes safely."""
 
     code = 552
 

@@ -2,7 +2,10 @@
 
 ``dumps(obj)`` gives the bytes of one self-contained frame carrying ``obj``;
 ``loads(data)`` turns such bytes back into the value.  The network path uses the same
-pieces incrementally (:mod:`.frames` for framing, :mod:`.codec` for values).
+pieces incrementally: :mod:`.frames` (framing, sans-IO decoder), :mod:`.description`
+(validating value descriptions; no torch needed) and :mod:`.codec` (values to and
+from descriptions and payloads).  torch is imported only when values are encoded or
+built, so the server, which only forwards payloads, never loads it.
 """
 
 from __future__ import annotations
@@ -10,27 +13,21 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ProtocolError
-from .codec import DEFAULT_LIMITS, DecodeLimits, Encoded, as_payload_tensor, build, encode, parse_description
+from .description import DEFAULT_LIMITS, DecodeLimits, parse_description
 from .frames import (
     DEFAULT_FRAME_LIMITS, PREFIX, PREFIX_SIZE, Frame, FrameDecoder, FrameLimits, discard_sink, frame_head,
 )
 
-__all__ = [
-    "dumps",
-    "loads",
-    "encode",
-    "Encoded",
-    "DecodeLimits",
-    "FrameLimits",
-    "FrameDecoder",
-    "Frame",
-]
+__all__ = ["dumps", "loads", "DecodeLimits", "FrameLimits", "FrameDecoder", "Frame"]
 
 
 def dumps(obj: Any) -> bytes:
     """Encode ``obj`` as one whole frame (header ``{"value": description}``)."""
+    from .codec import encode
+
     enc = encode(obj)
-    return frame_head({"value": enc.description}, enc.nbytes) + enc.payload_bytes()
+    # One copy of the payload, straight into the result.
+    return b"".join([frame_head({"value": enc.description}, enc.nbytes), *enc.buffers])
 
 
 def loads(
@@ -46,6 +43,8 @@ def loads(
     aligned copy of the payload.  Raises :class:`ProtocolError` on any malformed
     input, including a truncated frame or bytes after its end.
     """
+    from .codec import as_payload_tensor, build
+
     view = memoryview(data).cast("B")
     frames = FrameDecoder(discard_sink, frame_limits).feed(view)
     if not frames:

@@ -9,15 +9,14 @@ None, ``torch.Tensor`` and ``numpy.ndarray``.  Encoding splits it in two:
   starting at a multiple of :data:`ALIGN`, exposed as memoryviews (no copy of
   contiguous CPU tensors).
 
-Decoding validates the description against the payload length (every offset,
-length and shape is checked before anything is built) and builds arrays as views
-onto one payload buffer.  Nothing here can execute code from the bytes: no pickle,
-no eval.  PROTOCOL.md ("Value description") is the normative text.
+Decoding (:mod:`.description`) validates the description against the payload
+length before anything is built; :func:`build` then makes the arrays as views onto
+one payload buffer.  Nothing here can execute code from the bytes: no pickle, no
+eval.  PROTOCOL.md ("Value description") is the normative text.
 """
 
 from __future__ import annotations
 
-import math
 import sys
 import threading
 import warnings
@@ -29,22 +28,22 @@ import numpy as np
 import torch
 
 from ..errors import EncodeError, ProtocolError
-from .dtypes import NUMPY_DTYPES, NUMPY_NAMES, TORCH_DTYPES, TORCH_NAMES
+from .description import (  # noqa: F401 - re-exported: the codec's public names
+    ALIGN, DEFAULT_LIMITS, EXT_ARRAY, EXT_BIGINT, EXT_TUPLE, KIND_NUMPY, KIND_TORCH, MAX_DIMS,
+    ArraySpec, DecodeLimits, Description, _ArrayRef, _TupleNode, align_up, check_description,
+    parse_description,
+)
+from .dtypes import NUMPY_WIDTHS, TORCH_WIDTHS
 
 if sys.byteorder != "little":  # pragma: no cover - no such host in CI
     raise ImportError("tensorshare's zero-copy wire format needs a little-endian host")
 
-ALIGN = 64
-"""Every array starts at a multiple of this many bytes of its item's payload."""
+# Wire name <-> dtype, for the names this torch build and numpy have.
+TORCH_DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in TORCH_WIDTHS if hasattr(torch, n)}
+TORCH_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in TORCH_DTYPES.items()}
+NUMPY_DTYPES: dict[str, np.dtype] = {name: np.dtype(name) for name in NUMPY_WIDTHS}
+NUMPY_NAMES: dict[np.dtype, str] = {dtype: name for name, dtype in NUMPY_DTYPES.items()}
 
-EXT_ARRAY = 1  # data: u32 LE index into the array table
-EXT_TUPLE = 2  # data: msgpack array of nodes
-EXT_BIGINT = 3  # data: signed big-endian two's complement integer
-
-KIND_TORCH = 0
-KIND_NUMPY = 1
-
-MAX_DIMS = 64
 _PAD = bytes(ALIGN)
 
 
@@ -84,24 +83,11 @@ def _packb(obj: Any) -> bytes:
         packer = _packers.packer
     except AttributeError:
         packer = _packers.packer = msgpack.Packer(use_bin_type=True)
-    return packer.pack(obj)
-
-
-@dataclass(frozen=True)
-class DecodeLimits:
-    """Bounds a decoder enforces on a value description before building anything."""
-
-    max_depth: int = 64
-    max_nodes: int = 1_000_000
-    max_arrays: int = 100_000
-
-
-DEFAULT_LIMITS = DecodeLimits()
-
-
-def align_up(n: int) -> int:
-    """``n`` rounded up to the next multiple of :data:`ALIGN`."""
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+    try:
+        return packer.pack(obj)
+    except UnicodeEncodeError as exc:  # lone surrogates: not text the wire can carry
+        packer.reset()
+        raise EncodeError(f"str values and keys must be valid Unicode text: {exc}") from None
 
 
 @dataclass
@@ -181,6 +167,8 @@ def _torch_bytes(t: torch.Tensor) -> tuple[int, str, list[int], memoryview]:
         raise EncodeError(f"tensor dtype {t.dtype} has no fixed-width wire form")
     if t.layout != torch.strided:
         raise EncodeError(f"only strided (dense) tensors can be sent, not {t.layout}")
+    if t.dim() > MAX_DIMS:
+        raise EncodeError(f"tensors may have at most {MAX_DIMS} dimensions, not {t.dim()}")
     if t.requires_grad:
         t = t.detach()
     if (t.is_cpu and t.dtype in _BUFFER_DTYPES and t.is_contiguous() and not t.is_conj()
@@ -188,12 +176,16 @@ def _torch_bytes(t: torch.Tensor) -> tuple[int, str, list[int], memoryview]:
         # Fast path, the usual case: the tensor's own memory as bytes, no torch op.
         return KIND_TORCH, name, list(t.shape), memoryview(t.numpy()).cast("B")
     if t.device.type != "cpu":
-        t = t.to("cpu")
+        try:
+            t = t.to("cpu")
+        except (NotImplementedError, RuntimeError) as exc:  # meta tensors have no data
+            raise EncodeError(f"cannot read a tensor on device {t.device}: {exc}") from None
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
-    t = t.contiguous()
+    # A one-element tensor can be "contiguous" with any stride, which view() refuses.
+    t = t.clone(memory_format=torch.contiguous_format) if t.numel() == 1 else t.contiguous()
     flat = t.reshape(-1).view(torch.uint8)
     return KIND_TORCH, name, list(t.shape), memoryview(flat.numpy())
 
@@ -203,8 +195,11 @@ def _numpy_bytes(a: np.ndarray) -> tuple[int, str, list[int], memoryview]:
     name = NUMPY_NAMES.get(dtype)
     if name is None:
         raise EncodeError(f"numpy dtype {a.dtype} has no wire form")
+    if a.ndim > MAX_DIMS:
+        raise EncodeError(f"arrays may have at most {MAX_DIMS} dimensions, not {a.ndim}")
+    shape = list(a.shape)  # before ascontiguousarray, which makes 0-d arrays 1-d
     a = np.ascontiguousarray(a, dtype=dtype)
-    return KIND_NUMPY, name, list(a.shape), memoryview(a.reshape(-1).view(np.uint8))
+    return KIND_NUMPY, name, shape, memoryview(a.reshape(-1).view(np.uint8))
 
 
 def encode(value: Any, *, limits: DecodeLimits = DEFAULT_LIMITS) -> Encoded:
@@ -235,186 +230,6 @@ def encode(value: Any, *, limits: DecodeLimits = DEFAULT_LIMITS) -> Encoded:
 
 
 # --------------------------------------------------------------------------- decode
-
-
-@dataclass
-class ArraySpec:
-    """One validated entry of a description's array table."""
-
-    kind: int
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
-@dataclass
-class Description:
-    """A parsed and validated value description (before arrays are built)."""
-
-    tree: Any
-    arrays: list[ArraySpec]
-    nbytes: int
-
-
-class _ArrayRef:
-    __slots__ = ("index",)
-
-    def __init__(self, index: int):
-        self.index = index
-
-
-class _TupleNode(list):
-    """A tuple in the tree, kept as a list until its children are resolved."""
-
-
-def _unpack(blob: bytes, limits: DecodeLimits, depth: int) -> Any:
-    if depth > limits.max_depth:
-        raise ProtocolError(f"value description nested deeper than {limits.max_depth} levels")
-
-    def ext_hook(code: int, data: bytes) -> Any:
-        if code == EXT_ARRAY:
-            if len(data) != 4:
-                raise ProtocolError("array reference must be 4 bytes")
-            return _ArrayRef(int.from_bytes(data, "little"))
-        if code == EXT_TUPLE:
-            inner = _unpack(data, limits, depth + 1)
-            if not isinstance(inner, list):
-                raise ProtocolError("tuple extension must hold an array")
-            return _TupleNode(inner)
-        if code == EXT_BIGINT:
-            if not data:
-                raise ProtocolError("empty big integer")
-            return int.from_bytes(data, "big", signed=True)
-        raise ProtocolError(f"unknown msgpack extension type {code}")
-
-    size = len(blob)
-    try:
-        return msgpack.unpackb(
-            blob, raw=False, use_list=True, strict_map_key=True, ext_hook=ext_hook,
-            max_str_len=size, max_bin_len=size,
-            max_array_len=size, max_map_len=size, max_ext_len=size,
-        )
-    except ProtocolError:
-        raise
-    except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
-        raise ProtocolError(f"malformed value description: {exc}") from None
-
-
-def _checked_spec(i: int, entry: Any, expected_offset: int) -> ArraySpec:
-    if not (isinstance(entry, list) and len(entry) == 5):
-        raise ProtocolError(f"array #{i}: entry must be [kind, dtype, shape, offset, nbytes]")
-    kind, dtype, shape, offset, nbytes = entry
-    if kind not in (KIND_TORCH, KIND_NUMPY) or type(kind) is not int:
-        raise ProtocolError(f"array #{i}: unknown kind {kind!r}")
-    table = NUMPY_DTYPES if kind == KIND_NUMPY else TORCH_DTYPES
-    dtype_obj = table.get(dtype) if isinstance(dtype, str) else None
-    if dtype_obj is None:
-        raise ProtocolError(f"array #{i}: unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or len(shape) > MAX_DIMS:
-        raise ProtocolError(f"array #{i}: shape must be a list of at most {MAX_DIMS} sizes")
-    for d in shape:
-        if type(d) is not int or d < 0:
-            raise ProtocolError(f"array #{i}: shape {shape!r} must hold non-negative integers")
-    if type(offset) is not int or type(nbytes) is not int:
-        raise ProtocolError(f"array #{i}: offset and nbytes must be integers")
-    if offset != expected_offset:
-        raise ProtocolError(
-            f"array #{i}: offset {offset} overlaps or leaves a gap (expected {expected_offset})"
-        )
-    if nbytes != math.prod(shape) * dtype_obj.itemsize:
-        raise ProtocolError(f"array #{i}: {nbytes} bytes do not match shape {shape} of {dtype}")
-    return ArraySpec(kind, dtype, tuple(shape), offset, nbytes)
-
-
-# Recently parsed descriptions.  A program sends values of the same structure and
-# shapes over and over, so servers (validating PUTs) and clients (decoding replies)
-# see the same few blobs again and again; parsing one is most of the cost of a
-# small value.  Parsing is a pure function of (blob, payload length, limits), so a
-# hit returns exactly what parsing would: a new Description with new ArraySpecs,
-# sharing only the tree, which nothing mutates (build() only reads it).
-_PARSED_MAX = 1024  # entries remembered, then forgotten all at once
-_PARSED_BLOB_MAX = 2048  # longer descriptions are parsed every time
-_parsed: dict = {}
-
-
-def parse_description(blob: bytes, payload_nbytes: int, limits: DecodeLimits = DEFAULT_LIMITS) -> Description:
-    """Parse and validate a description against the payload length it travels with.
-
-    Checks that the arrays tile the payload in order (each at the next aligned
-    offset, no overlap, no gap, nothing past the end) and that every reference in
-    the tree points into the table.  Raises :class:`ProtocolError` otherwise.
-    """
-    if type(blob) is not bytes or len(blob) > _PARSED_BLOB_MAX or type(payload_nbytes) is not int:
-        return _parse_description(blob, payload_nbytes, limits)
-    # Every field of DecodeLimits belongs in the key (hashing the dataclass itself
-    # would run its Python-level __hash__ and __eq__ on every call).
-    key = (blob, payload_nbytes, limits.max_depth, limits.max_nodes, limits.max_arrays)
-    hit = _parsed.get(key)
-    if hit is None:
-        desc = _parse_description(blob, payload_nbytes, limits)  # raises if invalid: never cached
-        if len(_parsed) >= _PARSED_MAX:
-            _parsed.clear()
-        _parsed[key] = (desc.tree, [(s.kind, s.dtype, s.shape, s.offset, s.nbytes) for s in desc.arrays])
-        return desc
-    tree, specs = hit
-    return Description(tree, [ArraySpec(*spec) for spec in specs], payload_nbytes)
-
-
-def check_description(blob: bytes, payload_nbytes: int, limits: DecodeLimits = DEFAULT_LIMITS) -> None:
-    """Validate like :func:`parse_description`, without building its result.
-
-    For a server that stores descriptions as they came: a description seen before
-    costs one dictionary lookup.
-    """
-    if (type(blob) is bytes and type(payload_nbytes) is int
-            and (blob, payload_nbytes, limits.max_depth, limits.max_nodes, limits.max_arrays) in _parsed):
-        return
-    parse_description(blob, payload_nbytes, limits)
-
-
-def _parse_description(blob: Any, payload_nbytes: Any, limits: DecodeLimits) -> Description:
-    if not isinstance(blob, (bytes, bytearray, memoryview)):
-        raise ProtocolError("value description must be a byte string")
-    doc = _unpack(blob if type(blob) is bytes else bytes(blob), limits, 0)
-    if not (isinstance(doc, dict) and len(doc) == 3 and "v" in doc and "t" in doc and "n" in doc):
-        raise ProtocolError("value description must be a map with keys v, t, n")
-    table, total = doc["t"], doc["n"]
-    if not isinstance(table, list) or len(table) > limits.max_arrays:
-        raise ProtocolError(f"array table must be a list of at most {limits.max_arrays} entries")
-    if type(total) is not int or total != payload_nbytes:
-        raise ProtocolError(f"description declares {total!r} payload bytes, frame carries {payload_nbytes}")
-    arrays = []
-    end = 0
-    for i, entry in enumerate(table):
-        spec = _checked_spec(i, entry, align_up(end))
-        end = spec.offset + spec.nbytes
-        if end > total:
-            raise ProtocolError(f"array #{i} ends at byte {end}, past the payload's {total}")
-        arrays.append(spec)
-    if align_up(end) != total:
-        raise ProtocolError(f"payload has {total} bytes but its arrays cover {align_up(end)}")
-    _check_tree(doc["v"], len(arrays), limits)
-    return Description(doc["v"], arrays, total)
-
-
-def _check_tree(tree: Any, n_arrays: int, limits: DecodeLimits) -> None:
-    """Bound the depth and size of the tree and check every array reference."""
-    stack = [(tree, 0)]
-    nodes = 0
-    while stack:
-        node, depth = stack.pop()
-        nodes += 1
-        if nodes > limits.max_nodes:
-            raise ProtocolError(f"value has more than {limits.max_nodes} nodes")
-        if depth > limits.max_depth:
-            raise ProtocolError(f"value nested deeper than {limits.max_depth} levels")
-        if isinstance(node, list):
-            stack.extend((child, depth + 1) for child in node)
-        elif isinstance(node, dict):
-            stack.extend((child, depth + 1) for child in node.values())
-        elif isinstance(node, _ArrayRef) and node.index >= n_arrays:
-            raise ProtocolError(f"reference to array #{node.index}, table has {n_arrays}")
 
 
 def build(desc: Description, payload: torch.Tensor, base: int = 0, device: Any = None) -> Any:
@@ -449,7 +264,9 @@ def _build_array(spec: ArraySpec, payload: torch.Tensor, flat: np.ndarray, base:
     start = base + spec.offset
     if spec.kind == KIND_NUMPY:
         return flat[start : start + spec.nbytes].view(NUMPY_DTYPES[spec.dtype]).reshape(spec.shape)
-    dtype = TORCH_DTYPES[spec.dtype]
+    dtype = TORCH_DTYPES.get(spec.dtype)
+    if dtype is None:
+        raise ProtocolError(f"dtype {spec.dtype} is not supported by this torch build ({torch.__version__})")
     twin = _BUFFER_DTYPES.get(dtype)
     if twin is not None:
         tensor = torch.from_numpy(flat[start : start + spec.nbytes].view(twin).reshape(spec.shape))
@@ -460,6 +277,18 @@ def _build_array(spec: ArraySpec, payload: torch.Tensor, flat: np.ndarray, base:
     return tensor
 
 
+def empty_payload(nbytes: int) -> torch.Tensor:
+    """A new 1-D uint8 tensor of ``nbytes``, ALIGN-aligned, for receiving a payload.
+
+    Allocated through numpy, which asks the kernel for huge pages for large blocks:
+    on virtual machines, first-touching fresh memory that way was measured 4-7x
+    faster than ``torch.empty``'s, and receiving a payload first-touches all of it.
+    """
+    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return torch.from_numpy(raw[start : start + nbytes])
+
+
 def as_payload_tensor(data: Any) -> torch.Tensor:
     """A 1-D uint8 tensor over ``data``, copied once only if unaligned or read-only."""
     view = memoryview(data).cast("B")
@@ -467,7 +296,7 @@ def as_payload_tensor(data: Any) -> torch.Tensor:
         tensor = torch.frombuffer(view, dtype=torch.uint8)
         if tensor.data_ptr() % ALIGN == 0:
             return tensor
-    tensor = torch.empty(view.nbytes, dtype=torch.uint8)
+    tensor = empty_payload(view.nbytes)
     if view.nbytes:
         tensor.numpy()[:] = np.frombuffer(view, dtype=np.uint8)
     return tensor

@@ -1,34 +1,29 @@
-"""The table of element types that may cross the wire, by their wire names."""
+"""The element types that may cross the wire: wire name -> bytes per element.
+
+Plain tables, no torch or numpy import: the server validates descriptions with them.
+:mod:`.codec` maps the names to the torch and numpy dtypes of the running process.
+"""
 
 from __future__ import annotations
 
-import numpy as np
-import torch
-
-# Wire name -> torch dtype, for every fixed-width dtype this torch build has.
-_TORCH_NAMES = (
-    "bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
-    "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
-    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
-)
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name) for name in _TORCH_NAMES if hasattr(torch, name)
+# Arrays of kind 0 (torch.Tensor): every fixed-width torch dtype.
+TORCH_WIDTHS: dict[str, int] = {
+    "bool": 1, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8,
+    "int8": 1, "int16": 2, "int32": 4, "int64": 8,
+    "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+    "complex32": 4, "complex64": 8, "complex128": 16,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
 }
-TORCH_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 
-# Wire name -> numpy dtype (native byte order, which the wire requires to be little).
-_NUMPY_NAMES = (
-    "bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
-    "float16", "float32", "float64", "complex64", "complex128",
-)
-NUMPY_DTYPES: dict[str, np.dtype] = {name: np.dtype(name) for name in _NUMPY_NAMES}
-NUMPY_NAMES: dict[np.dtype, str] = {dtype: name for name, dtype in NUMPY_DTYPES.items()}
+# Arrays of kind 1 (numpy.ndarray): numpy's fixed-width numeric dtypes.
+NUMPY_WIDTHS: dict[str, int] = {
+    "bool": 1, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8,
+    "int8": 1, "int16": 2, "int32": 4, "int64": 8,
+    "float16": 2, "float32": 4, "float64": 8, "complex64": 8, "complex128": 16,
+}
 
 
 def itemsize(name: str, is_numpy: bool) -> int | None:
     """Bytes per element of the wire dtype ``name``, or None if it is unknown."""
-    if is_numpy:
-        dtype = NUMPY_DTYPES.get(name)
-        return None if dtype is None else dtype.itemsize
-    dtype = TORCH_DTYPES.get(name)
-    return None if dtype is None else dtype.itemsize
+    return (NUMPY_WIDTHS if is_numpy else TORCH_WIDTHS).get(name)

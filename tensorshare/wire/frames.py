@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import msgpack
-import torch
 
 from ..errors import ProtocolError
 
@@ -83,22 +82,33 @@ class Frame:
 # ------------------------------------------------------------------- payload sinks
 
 
-_NO_BYTES = torch.empty(0, dtype=torch.uint8)
 _NO_VIEW = memoryview(b"")
 
 
 class BufferSink:
-    """Receives a payload into one preallocated, aligned uint8 tensor."""
+    """Receives a payload into one preallocated, aligned uint8 tensor.
+
+    (torch is imported here, not at module level: the server uses this module's
+    decoder with :class:`SegmentSink` only and never needs torch.)
+    """
+
+    _no_bytes = None  # shared empty tensor, made on first use
 
     def __init__(self, nbytes: int):
         if nbytes:
-            self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+            from .codec import empty_payload
+
+            self.tensor = empty_payload(nbytes)
             self._view = memoryview(self.tensor.numpy())
         else:
             # Most replies carry no payload; allocating an empty tensor for each one
             # costs as much as the rest of decoding the reply.  One shared empty
             # tensor serves them all (it has no bytes to share).
-            self.tensor = _NO_BYTES
+            if BufferSink._no_bytes is None:
+                import torch
+
+                BufferSink._no_bytes = torch.empty(0, dtype=torch.uint8)
+            self.tensor = BufferSink._no_bytes
             self._view = _NO_VIEW
         self._filled = 0
 
@@ -113,7 +123,8 @@ class BufferSink:
         self._view[self._filled : self._filled + n] = data
         self._filled += n
 
-    def finish(self) -> torch.Tensor:
+    def finish(self):
+        """The payload: a 1-D uint8 ``torch.Tensor``."""
         return self.tensor
 
 
@@ -202,7 +213,7 @@ class FrameDecoder:
         self._payload_len = 0
         self._remaining = 0
         self._sink: Any = None
-        self._scratch = bytearray(self.SCRATCH)
+        self._scratch: bytearray | None = None  # made on the first get_buffer()
 
     @property
     def idle(self) -> bool:
@@ -259,8 +270,9 @@ class FrameDecoder:
                     self._remaining -= take
                     if not self._remaining:
                         self._finish(frames)
-        except ProtocolError:
+        except ProtocolError as exc:
             self._state = _BROKEN
+            exc.frames = frames  # completed before the error: the caller still answers them
             raise
         return frames
 
@@ -273,6 +285,8 @@ class FrameDecoder:
         """
         if self._state == _PAYLOAD and hasattr(self._sink, "get_buffer"):
             return self._sink.get_buffer()[: self._remaining]
+        if self._scratch is None:
+            self._scratch = bytearray(self.SCRATCH)
         return memoryview(self._scratch)
 
     def buffer_updated(self, n: int) -> list[Frame]:
@@ -284,6 +298,8 @@ class FrameDecoder:
             if not self._remaining:
                 self._finish(frames)
             return frames
+        if self._scratch is None:  # nothing was lent: only an error state gets here
+            return self.feed(b"")
         return self.feed(memoryview(self._scratch)[:n])
 
     # -- internals
@@ -337,10 +353,29 @@ def unpack_header(data: bytes | memoryview) -> dict:
             max_array_len=size, max_map_len=size, max_ext_len=0,
         )
     except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
-        raise ProtocolError(f"malformed header: {exc}") from None
+        raise ProtocolError(f"malformed header: {exc or type(exc).__name__}") from None
     if not isinstance(header, dict):
         raise ProtocolError("header must be a msgpack map with str keys")
-    for key in header:  # strict_map_key=True still lets bytes keys through
-        if not isinstance(key, str):
-            raise ProtocolError("header must be a msgpack map with str keys")
+    _check_header_values(header)
     return header
+
+
+_CONTAINERS = (dict, list, msgpack.ExtType, msgpack.Timestamp)  # what the walk must look into
+
+
+def _check_header_values(header: dict) -> None:
+    """Map keys are str at every level; no extension types (msgpack's max_ext_len=0
+    still lets a zero-length one through, and strict_map_key allows bytes keys)."""
+    stack: list = [header]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if type(key) is not str:
+                    raise ProtocolError("header must be a msgpack map with str keys, at every level")
+                if isinstance(value, _CONTAINERS):
+                    stack.append(value)
+        elif isinstance(node, list):
+            stack.extend(x for x in node if isinstance(x, _CONTAINERS))
+        else:
+            raise ProtocolError("headers may not hold msgpack extension types")

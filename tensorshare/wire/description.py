@@ -1,0 +1,249 @@
+"""Value descriptions: parsing and validating them, with no torch or numpy needed.
+
+A description is the small msgpack blob that travels with a value's payload: the
+value's structure and scalars, and a table of its arrays (kind, dtype, shape,
+offset, byte count).  :func:`parse_description` checks every offset, length and
+shape against the payload before anything is built, and rejects anything but the
+types the format allows: no pickle, no eval, no object construction.  The server
+validates stored values with it without importing torch; :mod:`.codec` builds the
+arrays.  PROTOCOL.md ("Value description") is the normative text.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from ..errors import ProtocolError
+from .dtypes import NUMPY_WIDTHS, TORCH_WIDTHS
+
+ALIGN = 64
+"""Every array starts at a multiple of this many bytes of its item's payload."""
+
+EXT_ARRAY = 1  # data: u32 LE index into the array table
+EXT_TUPLE = 2  # data: msgpack array of nodes
+EXT_BIGINT = 3  # data: signed big-endian two's complement integer
+
+KIND_TORCH = 0
+KIND_NUMPY = 1
+
+MAX_DIMS = 32  # numpy's limit before 2.0; torch allows more, the wire does not
+MAX_DIM_SIZE = 1 << 48  # bound on one dimension, so that shapes stay within int64 everywhere
+
+
+def align_up(n: int) -> int:
+    """``n`` rounded up to the next multiple of :data:`ALIGN`."""
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class DecodeLimits:
+    """Bounds a decoder enforces on a value description before building anything."""
+
+    max_depth: int = 64
+    max_nodes: int = 1_000_000
+    max_arrays: int = 100_000
+
+
+DEFAULT_LIMITS = DecodeLimits()
+
+
+def align_up(n: int) -> int:
+    """``n`` rounded up to the next multiple of :data:`ALIGN`."""
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+
+@dataclass
+class ArraySpec:
+    """One validated entry of a description's array table."""
+
+    kind: int
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class Description:
+    """A parsed and validated value description (before arrays are built)."""
+
+    tree: Any
+    arrays: list[ArraySpec]
+    nbytes: int
+
+
+class _ArrayRef:
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+class _TupleNode(list):
+    """A tuple in the tree, kept as a list until its children are resolved."""
+
+
+def _unpack(blob: bytes, limits: DecodeLimits, depth: int) -> Any:
+    if depth > limits.max_depth:
+        raise ProtocolError(f"value description nested deeper than {limits.max_depth} levels")
+
+    def ext_hook(code: int, data: bytes) -> Any:
+        if code == EXT_ARRAY:
+            if len(data) != 4:
+                raise ProtocolError("array reference must be 4 bytes")
+            return _ArrayRef(int.from_bytes(data, "little"))
+        if code == EXT_TUPLE:
+            inner = _unpack(data, limits, depth + 1)
+            if not isinstance(inner, list):
+                raise ProtocolError("tuple extension must hold an array")
+            return _TupleNode(inner)
+        if code == EXT_BIGINT:
+            if not data:
+                raise ProtocolError("empty big integer")
+            return int.from_bytes(data, "big", signed=True)
+        raise ProtocolError(f"unknown msgpack extension type {code}")
+
+    size = len(blob)
+    try:
+        return msgpack.unpackb(
+            blob, raw=False, use_list=True, strict_map_key=True, ext_hook=ext_hook,
+            max_str_len=size, max_bin_len=size,
+            max_array_len=size, max_map_len=size, max_ext_len=size,
+        )
+    except ProtocolError:
+        raise
+    except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
+        raise ProtocolError(f"malformed value description: {exc or type(exc).__name__}") from None
+
+
+def _checked_spec(i: int, entry: Any, expected_offset: int) -> ArraySpec:
+    if not (isinstance(entry, list) and len(entry) == 5):
+        raise ProtocolError(f"array #{i}: entry must be [kind, dtype, shape, offset, nbytes]")
+    kind, dtype, shape, offset, nbytes = entry
+    if kind not in (KIND_TORCH, KIND_NUMPY) or type(kind) is not int:
+        raise ProtocolError(f"array #{i}: unknown kind {kind!r}")
+    widths = NUMPY_WIDTHS if kind == KIND_NUMPY else TORCH_WIDTHS
+    width = widths.get(dtype) if isinstance(dtype, str) else None
+    if width is None:
+        raise ProtocolError(f"array #{i}: unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS:
+        raise ProtocolError(f"array #{i}: shape must be a list of at most {MAX_DIMS} sizes")
+    for d in shape:
+        if type(d) is not int or not 0 <= d <= MAX_DIM_SIZE:
+            raise ProtocolError(f"array #{i}: shape {shape!r} must hold non-negative integers of at most 2**48")
+    if type(offset) is not int or type(nbytes) is not int:
+        raise ProtocolError(f"array #{i}: offset and nbytes must be integers")
+    if offset != expected_offset:
+        raise ProtocolError(
+            f"array #{i}: offset {offset} overlaps or leaves a gap (expected {expected_offset})"
+        )
+    if nbytes != math.prod(shape) * width:
+        raise ProtocolError(f"array #{i}: {nbytes} bytes do not match shape {shape} of {dtype}")
+    return ArraySpec(kind, dtype, tuple(shape), offset, nbytes)
+
+
+# Recently parsed descriptions.  A program sends values of the same structure and
+# shapes over and over, so servers (validating PUTs) and clients (decoding replies)
+# see the same few blobs again and again; parsing one is most of the cost of a
+# small value.  Parsing is a pure function of (blob, payload length, limits), so a
+# hit returns exactly what parsing would: a new Description with new ArraySpecs,
+# sharing only the tree, which nothing mutates (build() only reads it).
+_PARSED_MAX = 1024  # entries remembered, then forgotten all at once
+_PARSED_BLOB_MAX = 2048  # longer descriptions are parsed every time
+_parsed: dict = {}
+
+
+def parse_description(blob: bytes, payload_nbytes: int, limits: DecodeLimits = DEFAULT_LIMITS) -> Description:
+    """Parse and validate a description against the payload length it travels with.
+
+    Checks that the arrays tile the payload in order (each at the next aligned
+    offset, no overlap, no gap, nothing past the end) and that every reference in
+    the tree points into the table.  Raises :class:`ProtocolError` otherwise.
+    """
+    if type(blob) is not bytes or len(blob) > _PARSED_BLOB_MAX or type(payload_nbytes) is not int:
+        return _parse_description(blob, payload_nbytes, limits)
+    # Every field of DecodeLimits belongs in the key (hashing the dataclass itself
+    # would run its Python-level __hash__ and __eq__ on every call).
+    key = (blob, payload_nbytes, limits.max_depth, limits.max_nodes, limits.max_arrays)
+    hit = _parsed.get(key)
+    if hit is None:
+        desc = _parse_description(blob, payload_nbytes, limits)  # raises if invalid: never cached
+        if len(_parsed) >= _PARSED_MAX:
+            _parsed.clear()
+        _parsed[key] = (desc.tree, [(s.kind, s.dtype, s.shape, s.offset, s.nbytes) for s in desc.arrays])
+        return desc
+    tree, specs = hit
+    return Description(tree, [ArraySpec(*spec) for spec in specs], payload_nbytes)
+
+
+def check_description(blob: bytes, payload_nbytes: int, limits: DecodeLimits = DEFAULT_LIMITS) -> None:
+    """Validate like :func:`parse_description`, without building its result.
+
+    For a server that stores descriptions as they came: a description seen before
+    costs one dictionary lookup.
+    """
+    if (type(blob) is bytes and type(payload_nbytes) is int
+            and (blob, payload_nbytes, limits.max_depth, limits.max_nodes, limits.max_arrays) in _parsed):
+        return
+    parse_description(blob, payload_nbytes, limits)
+
+
+def _parse_description(blob: Any, payload_nbytes: Any, limits: DecodeLimits) -> Description:
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise ProtocolError("value description must be a byte string")
+    doc = _unpack(blob if type(blob) is bytes else bytes(blob), limits, 0)
+    if not (isinstance(doc, dict) and len(doc) == 3 and "v" in doc and "t" in doc and "n" in doc):
+        raise ProtocolError("value description must be a map with keys v, t, n")
+    table, total = doc["t"], doc["n"]
+    if not isinstance(table, list) or len(table) > limits.max_arrays:
+        raise ProtocolError(f"array table must be a list of at most {limits.max_arrays} entries")
+    if type(total) is not int or total != payload_nbytes:
+        raise ProtocolError(f"description declares {total!r} payload bytes, frame carries {payload_nbytes}")
+    arrays = []
+    end = 0
+    for i, entry in enumerate(table):
+        spec = _checked_spec(i, entry, align_up(end))
+        end = spec.offset + spec.nbytes
+        if end > total:
+            raise ProtocolError(f"array #{i} ends at byte {end}, past the payload's {total}")
+        arrays.append(spec)
+    if align_up(end) != total:
+        raise ProtocolError(f"payload has {total} bytes but its arrays cover {align_up(end)}")
+    _check_tree(doc["v"], len(arrays), limits)
+    return Description(doc["v"], arrays, total)
+
+
+_SCALARS = (type(None), bool, int, float, str, bytes)
+
+
+def _check_tree(tree: Any, n_arrays: int, limits: DecodeLimits) -> None:
+    """Bound the depth and size of the tree, allow only the format's types (msgpack
+    would also produce timestamps and bytes map keys), check every array reference."""
+    stack = [(tree, 0)]
+    nodes = 0
+    while stack:
+        node, depth = stack.pop()
+        nodes += 1
+        if nodes > limits.max_nodes:
+            raise ProtocolError(f"value has more than {limits.max_nodes} nodes")
+        if depth > limits.max_depth:
+            raise ProtocolError(f"value nested deeper than {limits.max_depth} levels")
+        if isinstance(node, list):
+            stack.extend((child, depth + 1) for child in node)
+        elif isinstance(node, dict):
+            for key, child in node.items():
+                if type(key) is not str:
+                    raise ProtocolError(f"map keys must be str, got {type(key).__name__} {key!r:.40}")
+                stack.append((child, depth + 1))
+        elif isinstance(node, _ArrayRef):
+            if node.index >= n_arrays:
+                raise ProtocolError(f"reference to array #{node.index}, table has {n_arrays}")
+        elif type(node) not in _SCALARS:
+            raise ProtocolError(f"value holds a {type(node).__name__}, which the format does not allow")
+
+
