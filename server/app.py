@@ -109,6 +109,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Na
                         help="address to bind (default 127.0.0.1; 0.0.0.0 for all interfaces)")
     parser.add_argument("--max-frame", type=_size, default=ServerConfig.max_frame, help="largest payload of one request")
     parser.add_argument("--max-header", type=_size, default=ServerConfig.max_header, help="largest request header")
+    parser.add_argument("--max-reply-header", type=_size, default=ServerConfig.max_reply_header,
+                        help="largest GET/PEEK reply header (item descriptions)")
     parser.add_argument("--max-bins", type=int, default=ServerConfig.max_bins)
     parser.add_argument("--max-items-per-bin", type=int, default=ServerConfig.max_items_per_bin,
                         help="also bounds the header of a GET/PEEK reply")

@@ -16,6 +16,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     max_header: int = 16 << 20  # bytes of one request header
+    max_reply_header: int = 256 << 20  # bytes of a GET/PEEK reply header (clients accept 1 GiB)
     max_frame: int = 16 << 30  # payload bytes of one request
     max_bin_name: int = MAX_BIN_NAME
     max_bins: int = 100_000

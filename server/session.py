@@ -113,7 +113,8 @@ class ServerSession:
     # -- dispatch
 
     def _payload_sink(self, header: dict, nbytes: int):
-        if header.get("op") in protocol.VERBS_WITH_VALUE:
+        op = header.get("op")
+        if type(op) is str and op in protocol.VERBS_WITH_VALUE:
             return SegmentSink(nbytes)
         return _DISCARD
 
@@ -166,6 +167,7 @@ class ServerSession:
 
     def _do_get(self, rid: int, name: str, frame: Frame) -> None:
         store, listeners = self.state.store, self.state.listeners
+        self._check_reply_size(store.peek(name))
         items, change = store.get(name)
 
         def undelivered() -> None:
@@ -176,6 +178,7 @@ class ServerSession:
 
     def _do_peek(self, rid: int, name: str, frame: Frame) -> None:
         items = self.state.store.peek(name)
+        self._check_reply_size(items)
         self._send_items(rid, items, self.state.store.state(name)[2])
 
     def _do_list(self, rid: int, name: None, frame: Frame) -> None:
@@ -207,6 +210,15 @@ class ServerSession:
 
     def _send(self, header: dict) -> None:
         self.send([frame_head(header, 0)])
+
+    def _check_reply_size(self, items: list[Item]) -> None:
+        """Refuse (552) a reply whose header, holding every item's description, would
+        be larger than max_reply_header; nothing is taken from the bin."""
+        limit = self.state.config.max_reply_header
+        size = sum(len(item.description) for item in items)
+        if size > limit:
+            raise _Refused(protocol.TOO_LARGE, f"the bin's {len(items)} item descriptions take {size} bytes, "
+                                               f"over the {limit} one reply may carry")
 
     def _send_items(self, rid: int, items: list[Item], seq: int, on_abandon=None) -> None:
         header = {"code": protocol.ITEMS, "id": rid, "seq": seq,

@@ -105,6 +105,7 @@ class Client:
         self._reading = False
         self._replies: dict[int, Frame | BaseException] = {}
         self._waiting: set[int] = set()
+        self._reply_hooks: dict[int, Callable[[Frame], None]] = {}  # run by the reader on arrival
         self._pending_async: dict[int, tuple[str, Callable]] = {}
         self._listens: dict[str, list[Listening]] = {}
         self._closed = False
@@ -159,10 +160,16 @@ class Client:
         moment; ``handle.stop()`` stops listening.  Callbacks run in order on the
         client's dispatcher thread, never on a thread that reads the socket.
         """
-        snapshot = self._call(protocol.LISTEN, bin, timeout=timeout)
-        handle = Listening(self, bin, callback, snapshot)
-        with self._cond:
-            self._listens.setdefault(bin, []).append(handle)
+        handle = Listening(self, bin, callback, None)
+
+        def activate(frame: Frame) -> None:
+            # Runs on the reading thread as the reply arrives, before any later
+            # frame: a notification right behind the reply must find the handle.
+            if frame.header.get("code") == protocol.OK:
+                handle.snapshot = reply_value(protocol.LISTEN, frame)
+                self._listens.setdefault(bin, []).append(handle)
+
+        self._call(protocol.LISTEN, bin, timeout=timeout, on_reply=activate)
         self._ensure_reader()
         return handle
 
@@ -227,12 +234,14 @@ class Client:
         return None if timeout is None else time.monotonic() + timeout
 
     def _call(self, op: str, name: str | None = None, value: Any = _NO_VALUE, *, tag: int | None = None,
-              timeout=_NO_VALUE) -> Any:
+              timeout=_NO_VALUE, on_reply: Callable[[Frame], None] | None = None) -> Any:
         rid = next_request_id()
         parts = request_frame(rid, op, name, value, tag) if value is not _NO_VALUE else request_frame(rid, op, name)
         deadline = self._deadline(timeout)
         with self._cond:
             self._waiting.add(rid)
+            if on_reply is not None:
+                self._reply_hooks[rid] = on_reply
         try:
             self._send(parts, deadline)
             frame = self._await(rid, deadline)
@@ -240,6 +249,7 @@ class Client:
             with self._cond:
                 self._waiting.discard(rid)
                 self._replies.pop(rid, None)
+                self._reply_hooks.pop(rid, None)
         return reply_value(op, frame, self.device)
 
     def _send(self, parts: list, deadline: float | None) -> None:
@@ -309,6 +319,9 @@ class Client:
         if rid:
             with self._cond:
                 if rid in self._waiting:
+                    hook = self._reply_hooks.pop(rid, None)
+                    if hook is not None:
+                        hook(frame)
                     self._replies[rid] = frame
                     self._cond.notify_all()
                     return

@@ -160,6 +160,9 @@ def decode_items(header: dict, payload, payload_len: int, device: Any = None,
     values, base = [], 0
     for blob, size in zip(blobs, sizes):
         desc = parse_description(blob, size, limits)
-        values.append(build(desc, payload, base, device))
+        try:
+            values.append(build(desc, payload, base, device))
+        except (ValueError, TypeError, RuntimeError) as exc:  # e.g. a shape numpy cannot hold
+            raise ProtocolError(f"cannot build item {len(values)}: {exc}") from None
         base += size
     return values

@@ -12,8 +12,8 @@ Two bins per experiment carry everything:
 
 Nothing is polled, and nothing depends on who is connected: a worker that dies
 leaves nothing behind, a new worker starts from the latest version (learnt
-atomically with its listen), and a trainer restarted against a durable server
-continues the version numbers found there.
+atomically with its listen), and a trainer restarted against a server that kept
+its bins continues the version numbers found there.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class RLTrainer(_RLPeer):
         self.max_staleness = max_staleness
         self.dropped = 0
         self._pending_rollouts = 0
-        # Continue the versions a previous trainer left on a (durable) server.
+        # Continue the versions a previous trainer left on the server.
         probe = self.client.listen(self.params_bin, lambda note: None)
         self.version = probe.snapshot.tag if probe.snapshot.tag is not None else -1
         probe.stop()
@@ -219,7 +219,7 @@ class RLWorker(_RLPeer):
         if note.op == "LISTEN":  # listening again after a reconnect
             with self._cond:
                 if note.tag is None or note.tag < self.version:
-                    # The server lost its state (restarted without a data directory):
+                    # The server lost its state (it was restarted):
                     # what we hold is from before; take whatever is published next.
                     self.version = self._latest = -1
         if note.op in ("PUT", "LISTEN", "RESTORE"):

@@ -383,3 +383,64 @@ def test_get_whose_reply_is_not_delivered_keeps_items(server, client):
     assert wait_for(lambda: [n.op for n in seen] == ["GET", "RESTORE"])
     assert client.list()["k-undelivered"] == 1
     assert torch.equal(client.peek("k-undelivered")[0], big)
+
+
+# ----------------------------------------------------------------------- review findings
+
+
+def test_non_string_verb_gets_502(server):
+    raw = RawConnection(server.port)
+    for rid, op in ((1, ["PUT"]), (2, {"a": 1}), (3, 7)):
+        raw.send(frame_head({"op": op, "id": rid}, 0))
+        reply = raw.read_frame()
+        assert reply.header["code"] == 502 and reply.header["id"] == rid
+    raw.send(frame_head({"op": ["PUT"], "id": 4}, 64) + bytes(64))  # with a payload, too
+    assert raw.read_frame().header["code"] == 502
+    raw.close()
+
+
+def test_requests_before_a_bad_frame_are_answered(server):
+    raw = RawConnection(server.port)
+    raw.send(raw_frame(11, "NOOP") + raw_frame(12, "NOOP") + b"garbage" * 4)
+    assert raw.read_frame().header == {"code": 200, "id": 11}
+    assert raw.read_frame().header == {"code": 200, "id": 12}
+    assert raw.read_frame().header["code"] == 500
+    assert raw.closed_by_peer()
+
+
+def test_tags_reach_listeners_and_snapshots(client, server):
+    with tensorshare.Client("127.0.0.1", server.port) as other:
+        seen = []
+        client.put("g-tag", 1, tag=41)
+        handle = client.listen("g-tag", seen.append)
+        assert handle.snapshot.tag == 41
+        other.append("g-tag", 2, tag=-(2**63))
+        other.append("g-tag", 3)
+        other.get("g-tag")
+        assert wait_for(lambda: len(seen) == 3)
+        assert [n.tag for n in seen] == [-(2**63), None, None]
+    with pytest.raises(UsageError):
+        client.put("g-tag", 1, tag=2**63)
+    raw = RawConnection(server.port)
+    raw.send(frame_head({"op": "PUT", "id": 1, "bin": "g-tag", "tag": "v1",
+                         "value": request_frame(1, "PUT", "g", 0)[0][-20:]}, 0))
+    assert raw.read_frame().header["code"] == 501
+    raw.close()
+
+
+def test_reply_too_large_for_one_header_is_refused_and_keeps_items():
+    from serverproc import ServerProcess
+
+    proc = ServerProcess("--max-reply-header", "4KiB")
+    try:
+        with tensorshare.Client("127.0.0.1", proc.port) as c:
+            for i in range(200):  # about 45 bytes of description each: 9 KB in all
+                c.append("big-header", {"step": i, "x": torch.zeros(1)})
+            with pytest.raises(tensorshare.errors.TooLargeError) as info:
+                c.get("big-header")
+            assert info.value.code == 552 and "descriptions" in str(info.value)
+            assert c.list()["big-header"] == 200
+            c.put("small", 1)
+            assert c.get("small") == [1]
+    finally:
+        proc.stop()

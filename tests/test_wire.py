@@ -1218,3 +1218,10 @@ def test_segment_sink_keeps_whole_chunks_without_copy():
     assert dec.feed(head) == []
     (frame,) = dec.feed(payload)
     assert len(frame.payload) == 1 and frame.payload[0] is payload
+
+
+def test_shape_with_too_many_elements_even_if_empty():
+    """[0, 2**40, 2**40] has no bytes but cannot be built: refused at validation."""
+    blob = desc_blob(ref(0), [[codec.KIND_NUMPY, "float32", [0, 2**40, 2**40], 0, 0]], 0)
+    with pytest.raises(ProtocolError, match="more than 2\\*\\*48 elements"):
+        wire.loads(value_frame(blob, 0))

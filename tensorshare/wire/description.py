@@ -51,11 +51,6 @@ class DecodeLimits:
 DEFAULT_LIMITS = DecodeLimits()
 
 
-def align_up(n: int) -> int:
-    """``n`` rounded up to the next multiple of :data:`ALIGN`."""
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
 
 @dataclass
 class ArraySpec:
@@ -142,6 +137,8 @@ def _checked_spec(i: int, entry: Any, expected_offset: int) -> ArraySpec:
         raise ProtocolError(
             f"array #{i}: offset {offset} overlaps or leaves a gap (expected {expected_offset})"
         )
+    if math.prod(d or 1 for d in shape) > MAX_DIM_SIZE:  # also bounds zero-size shapes
+        raise ProtocolError(f"array #{i}: shape {shape!r} has more than 2**48 elements")
     if nbytes != math.prod(shape) * width:
         raise ProtocolError(f"array #{i}: {nbytes} bytes do not match shape {shape} of {dtype}")
     return ArraySpec(kind, dtype, tuple(shape), offset, nbytes)
