@@ -47,6 +47,10 @@ class _Dispatcher:
     def submit(self, fn: Callable, *args) -> None:
         self._queue.put((fn, args))
 
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
     def stop(self, timeout: float = 5.0) -> None:
         """Run what is queued, then end the thread (waiting for it unless called from it)."""
         self._queue.put(None)
@@ -181,13 +185,18 @@ class Client:
             self._closed = True
             self._listens.clear()
         self._drop_connection(self._sock, ConnectionLostError("client closed"))
-        # Wait for our threads, so that none is still running user or torch code when
-        # the interpreter exits (which can abort the process).
-        reader = self._reader
-        if reader is not None and reader is not threading.current_thread():
-            reader.join(5.0)
         if self._dispatcher is not None:
-            self._dispatcher.stop()
+            self._dispatcher.stop(timeout=0)
+        self.join()
+
+    def join(self, timeout: float = 5.0) -> None:
+        """Wait for the client's threads to end after :meth:`close` (skipping the
+        calling thread), so that none still runs user or torch code when the
+        interpreter exits, which can abort the process."""
+        me = threading.current_thread()
+        for thread in (self._reader, self._dispatcher and self._dispatcher.thread):
+            if thread is not None and thread is not me:
+                thread.join(timeout)
 
     @property
     def connected(self) -> bool:

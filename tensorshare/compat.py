@@ -20,19 +20,55 @@ from .client import Client, Listening, connect
 Callback = Callable[[dict], Any] | None
 
 
-class TensorShare:
-    """Callback-style client, as in the original tensorshare README."""
+class StartStop:
+    """The original API's lifetime: ``start()`` blocks until ``stop()``; also a
+    context manager.  Subclasses release their resources in :meth:`_shut`."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 8000, *, timeout: float = 60.0,
-                 connect_timeout: float = 30.0, **client_options):
-        self._client = connect(host, port, timeout=timeout, retry_for=connect_timeout, **client_options)
+    _client: Client
+
+    def __init__(self):
         self._stopped = threading.Event()
-        self._listening: dict[str, Listening] = {}
 
     @property
     def client(self) -> Client:
         """The underlying blocking :class:`Client` (for blocking calls)."""
         return self._client
+
+    def start(self) -> None:
+        """Block until :meth:`stop` is called (from any thread) or Ctrl-C."""
+        try:
+            while not self._stopped.wait(0.5):
+                pass
+        except KeyboardInterrupt:
+            self.stop()
+        self._client.join()  # stop() may have come from a callback, still running
+
+    def stop(self) -> None:
+        """Release everything, then let :meth:`start` return."""
+        self._shut()
+        self._stopped.set()  # last: start() returns only once everything is closed
+
+    def close(self) -> None:
+        self.stop()
+
+    def _shut(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class TensorShare(StartStop):
+    """Callback-style client, as in the original tensorshare README."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 8000, *, timeout: float = 60.0,
+                 connect_timeout: float = 30.0, **client_options):
+        super().__init__()
+        self._client = connect(host, port, timeout=timeout, retry_for=connect_timeout, **client_options)
+        self._listening: dict[str, Listening] = {}
 
     # -- data calls (non-blocking)
 
@@ -68,20 +104,8 @@ class TensorShare:
         if handle is not None:
             handle.stop()
 
-    # -- lifetime
-
-    def start(self) -> None:
-        """Block until :meth:`stop` is called (from any thread) or Ctrl-C."""
-        try:
-            while not self._stopped.wait(0.5):
-                pass
-        except KeyboardInterrupt:
-            self.stop()
-
-    def stop(self) -> None:
-        """Close the connection and release :meth:`start`."""
+    def _shut(self) -> None:
         self._client.close()
-        self._stopped.set()  # last: start() returns only once everything is closed
 
     def _submit(self, op: str, bin: str | None, value: Any, callback: Callback, with_value: bool = True) -> None:
         def reply(result: Any, error: BaseException | None) -> None:

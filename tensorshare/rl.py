@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from .client import Client, connect
+from .client import connect
+from .compat import StartStop
 from .connection import Notification
 from .errors import NoSuchBinError
 
@@ -49,11 +50,12 @@ def snapshot_state(state: Any) -> Any:
     return state
 
 
-class _RLPeer:
+class _RLPeer(StartStop):
     """What trainer and worker share: a connection, bin names, start/stop."""
 
     def __init__(self, host: str, port: int, *, experiment: str | None, timeout: float | None,
                  connect_timeout: float, host_server: bool = False, **client_options):
+        super().__init__()
         self.server = None
         if host_server:
             from tensorshare_server import EmbeddedServer
@@ -61,35 +63,19 @@ class _RLPeer:
             self.server = EmbeddedServer(port=port, host=_bind_address(host))
             port = self.server.port
         self.params_bin, self.data_bin = bin_names(experiment)
-        self.client: Client = connect(host, port, timeout=timeout, retry_for=connect_timeout, **client_options)
+        self._client = connect(host, port, timeout=timeout, retry_for=connect_timeout, **client_options)
         self._cond = threading.Condition()
-        self._stopped = threading.Event()
+        self._closing = False
 
-    def start(self) -> None:
-        """Block until :meth:`stop` (the original API's main-thread loop)."""
-        try:
-            while not self._stopped.wait(0.5):
-                pass
-        except KeyboardInterrupt:
-            self.stop()
-
-    def stop(self) -> None:
-        """Close the connection (and the hosted server); releases :meth:`start`."""
+    def _shut(self) -> None:
+        """Close the connection and the hosted server; wake anyone waiting."""
         with self._cond:
+            self._closing = True
             self._cond.notify_all()
         self.client.close()
         if self.server is not None:
             self.server.stop()
             self.server = None
-        self._stopped.set()  # last: start() returns only once everything is closed
-
-    close = stop
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 class RLTrainer(_RLPeer):
@@ -137,7 +123,7 @@ class RLTrainer(_RLPeer):
         if timeout is not None:
             deadline = time.monotonic() + timeout
             with self._cond:
-                while self._pending_rollouts == 0 and not self._stopped.is_set():
+                while self._pending_rollouts == 0 and not self._closing:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         break
@@ -203,12 +189,12 @@ class RLWorker(_RLPeer):
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self._latest <= self.version:
-                if self._stopped.is_set():
+                if self._closing:
                     return None
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return None
-                self._cond.wait(remaining if remaining is not None else 1.0)
+                self._cond.wait(remaining)
         return self.get_parameters()
 
     def add_data(self, obj: Any) -> None:

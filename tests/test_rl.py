@@ -10,7 +10,6 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 import tensorshare
@@ -122,7 +121,8 @@ def test_staleness_filter_counts_drops(server):
         assert trainer.get_data() == []  # returns at once when there is nothing
         for _ in range(3):
             trainer.publish_parameters({"x": torch.zeros(1)})
-        worker.get_parameters()
+        while worker.version < 2:  # the announcements arrive within moments
+            assert worker.await_new_parameters(timeout=10) is not None
         assert worker.version == 2
         worker.add_data("fresh")
         worker.version = 0  # pretend an old policy made these

@@ -28,12 +28,19 @@ import numpy as np
 import torch
 
 from ..errors import EncodeError, ProtocolError
-from .description import (  # noqa: F401 - re-exported: the codec's public names
+from .description import (
     ALIGN, DEFAULT_LIMITS, EXT_ARRAY, EXT_BIGINT, EXT_TUPLE, KIND_NUMPY, KIND_TORCH, MAX_DIMS,
     ArraySpec, DecodeLimits, Description, _ArrayRef, _TupleNode, align_up, check_description,
     parse_description,
 )
 from .dtypes import NUMPY_WIDTHS, TORCH_WIDTHS
+
+__all__ = [
+    "encode", "Encoded", "build", "empty_payload", "as_payload_tensor", "TORCH_DTYPES", "NUMPY_DTYPES",
+    # re-exported from .description, so that one module names the whole codec
+    "ALIGN", "DecodeLimits", "DEFAULT_LIMITS", "Description", "ArraySpec", "parse_description",
+    "check_description", "align_up", "KIND_TORCH", "KIND_NUMPY", "MAX_DIMS",
+]
 
 if sys.byteorder != "little":  # pragma: no cover - no such host in CI
     raise ImportError("tensorshare's zero-copy wire format needs a little-endian host")
