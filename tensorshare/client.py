@@ -320,10 +320,14 @@ class Client:
             err = ConnectionLostError(f"connection to {self.host}:{self.port} lost: {exc}")
             self._drop_connection(sock, err)
             raise err from None
+        jobs: list = []  # callbacks of this read, handed to the dispatcher in one go
         for frame in frames:
-            self._dispatch(frame)
+            self._dispatch(frame, jobs)
+        if jobs:
+            self._callbacks().submit(_run_jobs, jobs)
 
-    def _dispatch(self, frame: Frame) -> None:
+    def _dispatch(self, frame: Frame, jobs: list) -> None:
+        """Hand a frame to the thread waiting for it, or queue its callbacks in ``jobs``."""
         rid = frame.header.get("id")
         if rid:
             with self._cond:
@@ -335,15 +339,14 @@ class Client:
                     self._cond.notify_all()
                     return
                 entry = self._pending_async.pop(rid, None)
-            if entry is not None:
-                self._dispatch_async(entry, frame)
+            if entry is not None and entry[1] is not None:
+                jobs.append((self._complete_from_frame, (entry, frame)))
             return
         note = notification_of(frame)
         if note is not None:
             with self._cond:
                 handles = list(self._listens.get(note.bin, ()))
-            for handle in handles:
-                self._callbacks().submit(handle.callback, note)
+            jobs.extend((handle.callback, (note,)) for handle in handles)
             return
         try:
             check_reply(frame)
@@ -352,16 +355,13 @@ class Client:
             # id).  If the connection cannot go on, the server closes it next.
             log.warning("error reply from %s:%s for no request: %s", self.host, self.port, exc)
 
-    def _dispatch_async(self, entry: tuple, frame: Frame) -> None:
-        def complete() -> None:
-            try:
-                result, error = reply_value(entry[0], frame, self.device), None
-            except TensorShareError as exc:
-                result, error = None, exc
-            if entry[1] is not None:
-                entry[1](result, error)
-
-        self._callbacks().submit(complete)
+    def _complete_from_frame(self, entry: tuple, frame: Frame) -> None:
+        """Decode a non-blocking call's reply (on the dispatcher thread) and call back."""
+        try:
+            result, error = reply_value(entry[0], frame, self.device), None
+        except TensorShareError as exc:
+            result, error = None, exc
+        entry[1](result, error)
 
     def _complete_async(self, entry: tuple, result: Any, error: BaseException | None) -> None:
         if entry[1] is not None:
@@ -518,6 +518,15 @@ class Client:
                 self._reader = None
             if self._needs_reader():  # a listen raced with our exit
                 self._ensure_reader()
+
+
+def _run_jobs(jobs: list) -> None:
+    """Run callbacks in order; one failing is logged and does not stop the others."""
+    for fn, args in jobs:
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("tensorshare callback %r failed", fn)
 
 
 def _raise_or_return(result):
