@@ -133,9 +133,16 @@ class Client:
         """Add ``value`` as one more item of ``bin``; returns the bin's new item count."""
         return self._call(protocol.APPEND, bin, value, tag=tag, timeout=timeout)
 
-    def get(self, bin: str, timeout: float | None = _NO_VALUE) -> list:
-        """Take all items out of ``bin`` (it stays, empty); returns them in order."""
-        return self._call(protocol.GET, bin, timeout=timeout)
+    def get(self, bin: str, timeout: float | None = _NO_VALUE, *, with_seq: bool = False) -> list:
+        """Take all items out of ``bin`` (it stays, empty); returns them in order.
+
+        With ``with_seq=True`` returns ``(items, seq)``: seq is this take's sequence
+        number, so a listener can tell the notifications of later changes (higher
+        seq) from those of earlier ones.
+        """
+        frame = self._call(protocol.GET, bin, timeout=timeout, decode=False)
+        items = reply_value(protocol.GET, frame, self.device)
+        return (items, frame.header.get("seq", 0)) if with_seq else items
 
     def peek(self, bin: str, timeout: float | None = _NO_VALUE) -> list:
         """Return all items of ``bin`` without removing them."""
@@ -243,7 +250,7 @@ class Client:
         return None if timeout is None else time.monotonic() + timeout
 
     def _call(self, op: str, name: str | None = None, value: Any = _NO_VALUE, *, tag: int | None = None,
-              timeout=_NO_VALUE, on_reply: Callable[[Frame], None] | None = None) -> Any:
+              timeout=_NO_VALUE, on_reply: Callable[[Frame], None] | None = None, decode: bool = True) -> Any:
         rid = next_request_id()
         parts = request_frame(rid, op, name, value, tag) if value is not _NO_VALUE else request_frame(rid, op, name)
         deadline = self._deadline(timeout)
@@ -259,7 +266,7 @@ class Client:
                 self._waiting.discard(rid)
                 self._replies.pop(rid, None)
                 self._reply_hooks.pop(rid, None)
-        return reply_value(op, frame, self.device)
+        return reply_value(op, frame, self.device) if decode else frame
 
     def _send(self, parts: list, deadline: float | None) -> None:
         sock = self._ensure_connected(deadline)

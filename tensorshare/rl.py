@@ -101,6 +101,7 @@ class RLTrainer(_RLPeer):
         probe.stop()
         self._data_listen = self.client.listen(self.data_bin, self._on_data)
         self._pending_rollouts = self._data_listen.snapshot.n_items
+        self._data_seq = self._data_listen.snapshot.seq  # newest change of the bin we know of
 
     def publish_parameters(self, state_dict: dict) -> int:
         """Publish ``state_dict`` as the next version and return that version.
@@ -132,9 +133,12 @@ class RLTrainer(_RLPeer):
             if self._pending_rollouts == 0:
                 return []
         try:
-            items = self.client.get(self.data_bin)
+            items, seq = self.client.get(self.data_bin, with_seq=True)
         except NoSuchBinError:
             return []
+        with self._cond:
+            if seq >= self._data_seq:  # no later change seen yet: the bin is empty now
+                self._data_seq, self._pending_rollouts = seq, 0
         kept = []
         oldest = self.version - self.max_staleness
         for item in items:
@@ -148,7 +152,9 @@ class RLTrainer(_RLPeer):
 
     def _on_data(self, note: Notification) -> None:
         with self._cond:
-            self._pending_rollouts = note.n_items
+            if note.seq <= self._data_seq:  # older than a take we already made
+                return
+            self._data_seq, self._pending_rollouts = note.seq, note.n_items
             if note.n_items:
                 self._cond.notify_all()
 

@@ -190,3 +190,17 @@ def test_seed_readme_rl_scripts_run_unchanged(tmp_path):
             w.kill()
             w.wait(10)
         trainer.kill()
+
+
+def test_get_data_waits_again_after_draining(server):
+    """After a take empties the bin, the next get_data(timeout) waits for a new rollout."""
+    with RLTrainer("127.0.0.1", server.port, experiment="drain", filter_version=False) as trainer, \
+            RLWorker("127.0.0.1", server.port, experiment="drain") as worker:
+        worker.add_data(1)
+        assert trainer.get_data(timeout=10) == [1]
+        for _ in range(5):
+            start = time.monotonic()
+            assert trainer.get_data(timeout=0.2) == []
+            assert time.monotonic() - start >= 0.15
+        worker.add_data(2)
+        assert trainer.get_data(timeout=10) == [2]
