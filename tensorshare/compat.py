@@ -28,6 +28,7 @@ class StartStop:
 
     def __init__(self):
         self._stopped = threading.Event()
+        self._stopper: threading.Thread | None = None
 
     @property
     def client(self) -> Client:
@@ -41,10 +42,18 @@ class StartStop:
                 pass
         except KeyboardInterrupt:
             self.stop()
-        self._client.join()  # stop() may have come from a callback, still running
+        # stop() usually comes from another thread (a callback, the user's worker
+        # thread), which is still finishing.  Wait for it: a thread that ends while
+        # the interpreter shuts down can abort the process (torch's thread-local
+        # destructors then need the GIL: "terminate called without an active exception").
+        self._client.join()
+        stopper = self._stopper
+        if stopper is not None and stopper is not threading.current_thread():
+            stopper.join(10.0)
 
     def stop(self) -> None:
         """Release everything, then let :meth:`start` return."""
+        self._stopper = threading.current_thread()
         self._shut()
         self._stopped.set()  # last: start() returns only once everything is closed
 
