@@ -16,6 +16,7 @@ Modules, one job each:
 * :mod:`.client_bench` -- large values through ``Client`` against raw loopback, Redis, TCPStore
 * :mod:`.small_ops`  -- small-op latency and pipelined appends/s
 * :mod:`.scaling`    -- concurrent clients, fan-out to listeners, server RSS per stored GiB
+* :mod:`.rl_bench`   -- RLTrainer/RLWorker: parameter fan-out to workers, rollout ingestion
 * :mod:`.workers`    -- the code child processes run (``python -m benchmarks.workers KIND ...``)
 * :mod:`.runner`     -- runs the sections of a profile and returns the results dict
 * :mod:`.report`     -- writes ``results/latest.json``, ``latest.md`` and ``latest-*.png``

@@ -41,21 +41,32 @@ class Profile:
     rss_total_bytes: int
     rss_bins: int
     rss_runs: int
+    # 5. RL (RLTrainer / RLWorker)
+    rl_workers: int                    # RLWorker processes (and Redis processes for the baseline)
+    rl_fan_tensors: int                # the published state dict: N float32 tensors of M elements
+    rl_fan_tensor_elems: int
+    rl_fan_reps: int                   # timed publishes (a new version each)
+    rl_roll_cols: tuple[int, ...]      # rollout sizes: obs float32 [32, COLS] + reward float32 [32]
+    rl_roll_run_s: float               # seconds the workers append per run
+    rl_roll_runs: int
+    rl_worker_lifetime_s: float        # the RL worker processes exit by themselves after this
 
 
 QUICK = Profile(
-    name="quick", sections=("wire", "large", "small", "scaling"), time_limit_s=900, warmup=1,
+    name="quick", sections=("wire", "large", "small", "scaling", "rl"), time_limit_s=900, warmup=1,
     wire_tensor_bytes=64 * MiB, wire_reps=3, statedict_tensors=100, statedict_shape=(256, 256),
     large_sizes=(1 * MiB, 16 * MiB, 256 * MiB), large_reps=9, large_reps_big=3, large_reps_small=30,
     client_timeout_s=120,
     small_ops=1000, small_runs=5, pipelined_ops=20_000, pipelined_runs=3, async_window=512,
-    scale_clients=(1, 2, 4), scale_value_bytes=64 << 10, scale_run_s=1.5, scale_runs=3,
+    scale_clients=(1, 2, 4, 8), scale_value_bytes=64 << 10, scale_run_s=1.5, scale_runs=3,
     fanout_listeners=(1, 2, 4), fanout_value_bytes=1 * MiB, fanout_reps=5,
     rss_total_bytes=256 * MiB, rss_bins=16, rss_runs=3,
+    rl_workers=8, rl_fan_tensors=16, rl_fan_tensor_elems=1 << 20, rl_fan_reps=5,
+    rl_roll_cols=(64, 8192), rl_roll_run_s=0.75, rl_roll_runs=3, rl_worker_lifetime_s=300,
 )
 
 FULL = Profile(
-    name="full", sections=("wire", "large", "small", "scaling"), time_limit_s=3600, warmup=1,
+    name="full", sections=("wire", "large", "small", "scaling", "rl"), time_limit_s=3600, warmup=1,
     wire_tensor_bytes=256 * MiB, wire_reps=5, statedict_tensors=100, statedict_shape=(256, 256),
     large_sizes=(1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB), large_reps=7, large_reps_big=5,
     large_reps_small=50,
@@ -64,16 +75,20 @@ FULL = Profile(
     scale_clients=(1, 2, 4, 8, 16), scale_value_bytes=64 << 10, scale_run_s=3.0, scale_runs=5,
     fanout_listeners=(1, 2, 4, 8, 16), fanout_value_bytes=1 * MiB, fanout_reps=9,
     rss_total_bytes=1024 * MiB, rss_bins=16, rss_runs=3,
+    rl_workers=8, rl_fan_tensors=16, rl_fan_tensor_elems=1 << 20, rl_fan_reps=9,
+    rl_roll_cols=(64, 1024, 8192), rl_roll_run_s=3.0, rl_roll_runs=5, rl_worker_lifetime_s=900,
 )
 
 SMOKE = Profile(
-    name="smoke", sections=("wire", "large", "small", "scaling"), time_limit_s=240, warmup=1,
+    name="smoke", sections=("wire", "large", "small", "scaling", "rl"), time_limit_s=240, warmup=1,
     wire_tensor_bytes=1 * MiB, wire_reps=1, statedict_tensors=4, statedict_shape=(16, 16),
     large_sizes=(64 << 10,), large_reps=1, large_reps_big=1, large_reps_small=1, client_timeout_s=30,
     small_ops=20, small_runs=1, pipelined_ops=200, pipelined_runs=1, async_window=16,
     scale_clients=(1,), scale_value_bytes=4 << 10, scale_run_s=0.3, scale_runs=1,
     fanout_listeners=(1,), fanout_value_bytes=4 << 10, fanout_reps=1,
     rss_total_bytes=4 * MiB, rss_bins=2, rss_runs=1,
+    rl_workers=2, rl_fan_tensors=4, rl_fan_tensor_elems=1 << 16, rl_fan_reps=1,
+    rl_roll_cols=(64,), rl_roll_run_s=0.3, rl_roll_runs=1, rl_worker_lifetime_s=120,
 )
 
 PROFILES = {p.name: p for p in (SMOKE, QUICK, FULL)}

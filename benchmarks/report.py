@@ -26,6 +26,8 @@ CHARTS = {
     "scaling-p99": ("scaling", "Concurrent clients: p99 latency", "ms", False),
     "fanout": ("scaling", "Fan-out: put until all listeners hold it", "ms", False),
     "rss": ("scaling", "Server RSS per stored GiB (lower is better)", "GiB", False),
+    "rl-fanout": ("rl", "RL fan-out: publish until all workers hold it (lower is better)", "ms", False),
+    "rl-ingest": ("rl", "RL rollout ingestion at the trainer (higher is better)", "MB/s", True),
 }
 
 

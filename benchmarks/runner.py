@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 
-from . import client_bench, machine, small_ops, scaling, wire_bench
+from . import client_bench, machine, rl_bench, small_ops, scaling, wire_bench
 from .baselines import RedisPeer, TCPStorePeer
 from .procs import ChildError, PeerMissing, stop_all
 from .profiles import Profile
@@ -23,6 +23,7 @@ SECTIONS = {
     "large": client_bench.run,
     "small": small_ops.run,
     "scaling": scaling.run,
+    "rl": rl_bench.run,
 }
 
 

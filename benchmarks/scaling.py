@@ -25,6 +25,9 @@ from .record import Recorder
 from .stats import Sample, mib, percentile
 
 
+SERVER_CORES = 1  # cores the server can use: one Twisted reactor thread
+
+
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
@@ -70,6 +73,10 @@ def concurrent_clients(rec: Recorder, p: Profile, peers, server: Server) -> None
         rec.figure(f"scale.{k}.ts.mbps", f"tensorshare mixed, {_plural(k, 'client')}: MB/s", m, "MB/s", vs=vs_mb)
         rec.figure(f"scale.{k}.ts.p99", f"tensorshare mixed, {_plural(k, 'client')}: p99 latency", q, "ms", better="lower",
                    vs=vs_p99, chart={"name": "scaling-p99", "series": "tensorshare", "x": k})
+    if 8 in p.scale_clients and 1 in p.scale_clients:
+        # The server runs one reactor thread: it can use one core.
+        rec.goal_ratio(f"8 concurrent clients >= 0.8x single-client ops/s x {SERVER_CORES} server core(s)",
+                       "scale.8.ts.ops", "scale.1.ts.ops", ">=", 0.8 * SERVER_CORES)
 
 
 def _fanout_times(p: Profile, peer: str, port: int, listeners: int, publish) -> Sample:

@@ -16,12 +16,20 @@ Kinds:
                         -- a client doing put/append/get (PEER ts) or the same through Redis
 * ``listen PORT PEER BIN``
                         -- waits for notifications of a bin and fetches it (fan-out)
+* ``rl PORT EXPERIMENT LIFETIME``
+                        -- an RLWorker: ``fan REPS TIMEOUT NBYTES`` awaits REPS new versions of
+                           the parameters, ``roll COLS T0 SECONDS`` appends rollouts (section 5)
+* ``redis-roll PORT KEY LIFETIME``
+                        -- the same rollouts' bytes RPUSHed to a Redis list (section 5's baseline)
+
+The ``rl`` and ``redis-roll`` workers also exit by themselves after LIFETIME seconds.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import socket
 import struct
 import sys
@@ -286,8 +294,128 @@ def listen(port: str, peer: str, bin_name: str) -> None:
         sub.close()
 
 
+# ------------------------------------------------------------------ section 5: RL
+
+
+def _watchdog(lifetime: str) -> None:
+    """Exit (status 3) after ``lifetime`` seconds whatever happens: no worker outlives its run."""
+    timer = threading.Timer(float(lifetime), os._exit, args=(3,))
+    timer.daemon = True
+    timer.start()
+
+
+def _commands() -> tuple:
+    """(queue of split command lines, None at the end; event set on ``quit`` or EOF)."""
+    import queue
+
+    lines: queue.SimpleQueue = queue.SimpleQueue()
+    stop = threading.Event()
+
+    def read() -> None:
+        try:
+            for line in sys.stdin:
+                words = line.split()
+                if words == ["quit"]:
+                    break
+                if words:
+                    lines.put(words)
+        finally:
+            stop.set()
+            lines.put(None)
+
+    threading.Thread(target=read, name="bench-stdin", daemon=True).start()
+    return lines, stop
+
+
+def _start_at(t0: float) -> None:
+    while True:
+        left = t0 - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(left, 0.01))
+
+
+def _append_for(append, t0: float, seconds: float) -> None:
+    """Call ``append()`` as fast as possible from monotonic ``t0`` for ``seconds``; print the count."""
+    _start_at(t0)
+    end, n = t0 + seconds, 0
+    while True:
+        append()
+        n += 1
+        if time.monotonic() >= end:
+            break
+    _say("result " + json.dumps({"appends": n, "seconds": time.monotonic() - t0}))
+
+
+def rl(port: str, experiment: str, lifetime: str) -> None:
+    """An RLWorker.  ``fan REPS TIMEOUT NBYTES``: say ``fanning``, then REPS times await a new
+    version and say ``done VERSION MONOTONIC_TIME OK`` (OK: 1 if the state dict has NBYTES bytes
+    and every tensor's first and last element equal the version).  ``roll COLS T0 SECONDS``:
+    append ``{"obs": float32 [32, COLS], "reward": float32 [32]}`` from T0 for SECONDS."""
+    _watchdog(lifetime)
+    import torch
+
+    from tensorshare import RLWorker
+
+    commands, stop = _commands()
+    worker = RLWorker("127.0.0.1", int(port), experiment=experiment, timeout=120, connect_timeout=30)
+    _say("ready")
+    try:
+        while True:
+            cmd = commands.get()
+            if cmd is None:
+                break
+            if cmd[0] == "fan":
+                reps, timeout, nbytes = int(cmd[1]), float(cmd[2]), int(cmd[3])
+                _say("fanning")
+                for _ in range(reps):
+                    deadline = time.monotonic() + timeout
+                    params = None
+                    while params is None and not stop.is_set() and time.monotonic() < deadline:
+                        params = worker.await_new_parameters(timeout=min(0.5, max(deadline - time.monotonic(), 0)))
+                    now = time.monotonic()
+                    if params is None:
+                        _say("timeout")
+                        break
+                    v = float(worker.version)
+                    ok = (sum(t.nbytes for t in params.values()) == nbytes
+                          and all(float(t[0]) == v and float(t[-1]) == v for t in params.values()))
+                    params = None
+                    _say(f"done {worker.version} {now!r} {int(ok)}")
+            elif cmd[0] == "roll":
+                cols, t0, seconds = int(cmd[1]), float(cmd[2]), float(cmd[3])
+                rollout = {"obs": torch.ones(32, cols), "reward": torch.ones(32)}
+                worker.get_parameters()  # rollouts carry the version held (untimed: before T0)
+                _append_for(lambda: worker.add_data(rollout), t0, seconds)
+    finally:
+        worker.stop()
+
+
+def redis_roll(port: str, key: str, lifetime: str) -> None:
+    """``roll COLS T0 SECONDS``: RPUSH the bytes of the same rollout (obs + reward) to ``key``."""
+    _watchdog(lifetime)
+    import numpy as np
+    import redis
+
+    commands, _stop = _commands()
+    r = redis.Redis(host="127.0.0.1", port=int(port), socket_timeout=60)
+    r.ping()
+    _say("ready")
+    try:
+        while True:
+            cmd = commands.get()
+            if cmd is None:
+                break
+            if cmd[0] == "roll":
+                cols, t0, seconds = int(cmd[1]), float(cmd[2]), float(cmd[3])
+                data = np.ones((32, cols), np.float32).tobytes() + np.ones(32, np.float32).tobytes()
+                _append_for(lambda: r.rpush(key, data), t0, seconds)
+    finally:
+        r.close()
+
+
 KINDS = {"raw-send": raw_send, "echo": echo, "torch-recv": torch_recv, "async-append": async_append,
-         "mixed": mixed, "listen": listen}
+         "mixed": mixed, "listen": listen, "rl": rl, "redis-roll": redis_roll}
 
 
 def main(argv: list[str]) -> None:
