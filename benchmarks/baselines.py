@@ -76,17 +76,33 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += r
 
 
+def _worker_socket(kind: str, *args: object) -> tuple[Worker, socket.socket]:
+    """Start a ``kind`` worker that says ``port N`` and connect to it; the worker is stopped
+    if that fails."""
+    worker = Worker(kind, *args)
+    try:
+        return worker, _connect(int(worker.expect(120, "port").split()[1]))
+    except BaseException:
+        worker.stop()
+        raise
+
+
+def _hang_up(sock: socket.socket, worker: Worker, goodbye: bytes = b"") -> None:
+    """Send ``goodbye`` (if any) and close ``sock``, ignoring socket errors; then stop ``worker``."""
+    try:
+        if goodbye:
+            sock.sendall(goodbye)
+        sock.close()
+    except OSError:
+        pass
+    worker.stop()
+
+
 class RawLoopback:
     """Raw Python sockets, one way: ask a sender process for N bytes, receive them."""
 
     def __init__(self, max_bytes: int):
-        self.worker = Worker("raw-send", max_bytes)
-        try:
-            port = int(self.worker.expect(120, "port").split()[1])
-            self.sock = _connect(port)
-        except BaseException:
-            self.worker.stop()
-            raise
+        self.worker, self.sock = _worker_socket("raw-send", max_bytes)
         self.warm = touched(max_bytes)
 
     def one_way(self, nbytes: int, reps: int, warmup: int, buffer: str = "warm") -> list[float]:
@@ -109,12 +125,7 @@ class RawLoopback:
         return time_runs(once, reps, warmup)
 
     def close(self) -> None:
-        try:
-            self.sock.sendall(bytes(_LEN_BYTES))
-            self.sock.close()
-        except OSError:
-            pass
-        self.worker.stop()
+        _hang_up(self.sock, self.worker, bytes(_LEN_BYTES))
 
     def __enter__(self) -> "RawLoopback":
         return self
@@ -127,12 +138,7 @@ class RawEcho:
     """Raw Python sockets: round trips of 64 bytes to an echo process."""
 
     def __init__(self):
-        self.worker = Worker("echo")
-        try:
-            self.sock = _connect(int(self.worker.expect(120, "port").split()[1]))
-        except BaseException:
-            self.worker.stop()
-            raise
+        self.worker, self.sock = _worker_socket("echo")
 
     def latency(self, ops: int, runs: int, warmup_ops: int) -> LatencyRuns:
         msg, buf = b"x" * 64, bytearray(64)
@@ -145,23 +151,14 @@ class RawEcho:
         return latency_runs(rt, ops, runs, warmup_ops)
 
     def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-        self.worker.stop()
+        _hang_up(self.sock, self.worker)
 
 
 class TorchSaveSocket:
     """The original tensorshare's way: torch.save to bytes, raw socket, torch.load on arrival."""
 
     def __init__(self):
-        self.worker = Worker("torch-recv")
-        try:
-            self.sock = _connect(int(self.worker.expect(120, "port").split()[1]))
-        except BaseException:
-            self.worker.stop()
-            raise
+        self.worker, self.sock = _worker_socket("torch-recv")
 
     def send_seconds(self, value, reps: int, warmup: int) -> list[float]:
         """Seconds for torch.save + send + receive + torch.load + a one-byte ack."""
@@ -179,12 +176,7 @@ class TorchSaveSocket:
         return time_runs(once, reps, warmup)
 
     def close(self) -> None:
-        try:
-            self.sock.sendall(bytes(_LEN_BYTES))
-            self.sock.close()
-        except OSError:
-            pass
-        self.worker.stop()
+        _hang_up(self.sock, self.worker, bytes(_LEN_BYTES))
 
 
 class RedisPeer:

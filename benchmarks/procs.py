@@ -133,6 +133,16 @@ def _tail(path: str | None, n: int = 2000) -> str:
 # ------------------------------------------------------------------ tensorshare server
 
 
+def _stop_and_drop_log(proc: subprocess.Popen | None, errfile) -> None:
+    """Stop ``proc`` (see ``stop``), then close and delete its stderr log ``errfile``."""
+    stop(proc)
+    errfile.close()
+    try:
+        os.unlink(errfile.name)
+    except OSError:
+        pass
+
+
 class Server:
     """``python -m tensorshare_server --port 0`` on loopback; learns its port from line one."""
 
@@ -159,12 +169,7 @@ class Server:
         return _tail(self._errfile.name)
 
     def stop(self) -> None:
-        stop(self.proc)
-        self._errfile.close()
-        try:
-            os.unlink(self._errfile.name)
-        except OSError:
-            pass
+        _stop_and_drop_log(self.proc, self._errfile)
 
     def __enter__(self) -> "Server":
         return self
@@ -311,12 +316,7 @@ class Worker:
                 self.proc.wait(1)
             except (OSError, ValueError, subprocess.TimeoutExpired):
                 pass
-        stop(self.proc)
-        self._errfile.close()
-        try:
-            os.unlink(self._errfile.name)
-        except OSError:
-            pass
+        _stop_and_drop_log(self.proc, self._errfile)
 
 
 class Workers:

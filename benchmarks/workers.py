@@ -347,6 +347,23 @@ def _append_for(append, t0: float, seconds: float) -> None:
     _say("result " + json.dumps({"appends": n, "seconds": time.monotonic() - t0}))
 
 
+def _obey(commands, roll, **others) -> None:
+    """Run the split command lines from ``commands`` (see ``_commands``) until its None.
+
+    ``roll COLS T0 SECONDS``: ``roll(COLS)`` (untimed) gives the append function, which
+    ``_append_for`` then calls from T0 for SECONDS.  Any other command NAME goes whole to
+    ``others[NAME]`` if given; unknown commands are ignored."""
+    while True:
+        cmd = commands.get()
+        if cmd is None:
+            break
+        if cmd[0] == "roll":
+            cols, t0, seconds = int(cmd[1]), float(cmd[2]), float(cmd[3])
+            _append_for(roll(cols), t0, seconds)
+        elif cmd[0] in others:
+            others[cmd[0]](cmd)
+
+
 def rl(port: str, experiment: str, lifetime: str) -> None:
     """An RLWorker.  ``fan REPS TIMEOUT NBYTES``: say ``fanning``, then REPS times await a new
     version and say ``done VERSION MONOTONIC_TIME OK`` (OK: 1 if the state dict has NBYTES bytes
@@ -359,34 +376,33 @@ def rl(port: str, experiment: str, lifetime: str) -> None:
 
     commands, stop = _commands()
     worker = RLWorker("127.0.0.1", int(port), experiment=experiment, timeout=120, connect_timeout=30)
+
+    def fan(cmd: list[str]) -> None:
+        reps, timeout, nbytes = int(cmd[1]), float(cmd[2]), int(cmd[3])
+        _say("fanning")
+        for _ in range(reps):
+            deadline = time.monotonic() + timeout
+            params = None
+            while params is None and not stop.is_set() and time.monotonic() < deadline:
+                params = worker.await_new_parameters(timeout=min(0.5, max(deadline - time.monotonic(), 0)))
+            now = time.monotonic()
+            if params is None:
+                _say("timeout")
+                break
+            v = float(worker.version)
+            ok = (sum(t.nbytes for t in params.values()) == nbytes
+                  and all(float(t[0]) == v and float(t[-1]) == v for t in params.values()))
+            params = None
+            _say(f"done {worker.version} {now!r} {int(ok)}")
+
+    def roll(cols: int):
+        rollout = {"obs": torch.ones(32, cols), "reward": torch.ones(32)}
+        worker.get_parameters()  # rollouts carry the version held (untimed: before T0)
+        return lambda: worker.add_data(rollout)
+
     _say("ready")
     try:
-        while True:
-            cmd = commands.get()
-            if cmd is None:
-                break
-            if cmd[0] == "fan":
-                reps, timeout, nbytes = int(cmd[1]), float(cmd[2]), int(cmd[3])
-                _say("fanning")
-                for _ in range(reps):
-                    deadline = time.monotonic() + timeout
-                    params = None
-                    while params is None and not stop.is_set() and time.monotonic() < deadline:
-                        params = worker.await_new_parameters(timeout=min(0.5, max(deadline - time.monotonic(), 0)))
-                    now = time.monotonic()
-                    if params is None:
-                        _say("timeout")
-                        break
-                    v = float(worker.version)
-                    ok = (sum(t.nbytes for t in params.values()) == nbytes
-                          and all(float(t[0]) == v and float(t[-1]) == v for t in params.values()))
-                    params = None
-                    _say(f"done {worker.version} {now!r} {int(ok)}")
-            elif cmd[0] == "roll":
-                cols, t0, seconds = int(cmd[1]), float(cmd[2]), float(cmd[3])
-                rollout = {"obs": torch.ones(32, cols), "reward": torch.ones(32)}
-                worker.get_parameters()  # rollouts carry the version held (untimed: before T0)
-                _append_for(lambda: worker.add_data(rollout), t0, seconds)
+        _obey(commands, roll, fan=fan)
     finally:
         worker.stop()
 
@@ -400,16 +416,14 @@ def redis_roll(port: str, key: str, lifetime: str) -> None:
     commands, _stop = _commands()
     r = redis.Redis(host="127.0.0.1", port=int(port), socket_timeout=60)
     r.ping()
+
+    def roll(cols: int):
+        data = np.ones((32, cols), np.float32).tobytes() + np.ones(32, np.float32).tobytes()
+        return lambda: r.rpush(key, data)
+
     _say("ready")
     try:
-        while True:
-            cmd = commands.get()
-            if cmd is None:
-                break
-            if cmd[0] == "roll":
-                cols, t0, seconds = int(cmd[1]), float(cmd[2]), float(cmd[3])
-                data = np.ones((32, cols), np.float32).tobytes() + np.ones(32, np.float32).tobytes()
-                _append_for(lambda: r.rpush(key, data), t0, seconds)
+        _obey(commands, roll)
     finally:
         r.close()
 
