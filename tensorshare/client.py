@@ -483,6 +483,8 @@ class Client:
         return not self._closed and bool(self._listens or self._pending_async)
 
     def _ensure_reader(self) -> None:
+        if self._reader is not None:  # unlocked fast path: an exiting reader re-checks
+            return
         with self._cond:
             if self._reader is not None or not self._needs_reader():
                 return
@@ -564,8 +566,15 @@ def _wait(poller: select.poll, deadline: float | None) -> None:
 def _send_all(sock: socket.socket, writable: select.poll, parts: list, deadline: float | None) -> None:
     """Write every part (bytes or memoryview): small frames joined into one send,
     large ones with scatter-gather sends straight from the tensors' memory."""
-    if len(parts) > 1 and sum(len(p) for p in parts) <= _SMALL_FRAME:
-        parts = [b"".join(parts)]
+    if len(parts) == 1 or sum(map(len, parts)) <= _SMALL_FRAME:
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        try:
+            sent = sock.send(data)  # the usual case: a small frame, all taken at once
+        except BlockingIOError:
+            sent = 0
+        if sent == len(data):
+            return
+        parts = [memoryview(data)[sent:]]
     views = [memoryview(p).cast("B") for p in parts if len(p)]
     first = 0
     while first < len(views):

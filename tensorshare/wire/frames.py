@@ -360,7 +360,7 @@ def unpack_header(data: bytes | memoryview) -> dict:
     return header
 
 
-_CONTAINERS = (dict, list, msgpack.ExtType, msgpack.Timestamp)  # what the walk must look into
+_CONTAINER_TYPES = frozenset({dict, list, msgpack.ExtType, msgpack.Timestamp})  # what the walk looks into
 
 
 def _check_header_values(header: dict) -> None:
@@ -369,13 +369,13 @@ def _check_header_values(header: dict) -> None:
     stack: list = [header]
     while stack:
         node = stack.pop()
-        if isinstance(node, dict):
+        if type(node) is dict:
             for key, value in node.items():
                 if type(key) is not str:
                     raise ProtocolError("header must be a msgpack map with str keys, at every level")
-                if isinstance(value, _CONTAINERS):
+                if type(value) in _CONTAINER_TYPES:
                     stack.append(value)
-        elif isinstance(node, list):
-            stack.extend(x for x in node if isinstance(x, _CONTAINERS))
+        elif type(node) is list:
+            stack.extend(x for x in node if type(x) in _CONTAINER_TYPES)
         else:
             raise ProtocolError("headers may not hold msgpack extension types")
