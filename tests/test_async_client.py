@@ -50,3 +50,52 @@ def test_async_client_end_to_end(server):
                             text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "async ok" in result.stdout
+
+
+SILENT_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from twisted.internet import defer, task
+    from tensorshare import AsyncClient, TimeoutError
+
+    @defer.inlineCallbacks
+    def main(reactor, port):
+        client = yield AsyncClient.connect("127.0.0.1", int(port), reactor=reactor, timeout=0.3)
+        start = time.monotonic()
+        results = yield defer.DeferredList([client.ping() for _ in range(3)], consumeErrors=True)
+        elapsed = time.monotonic() - start
+        assert all(not ok and r.check(TimeoutError) for ok, r in results), results
+        assert 0.25 < elapsed < 3, elapsed
+        client.close()
+        print("timeouts ok")
+
+    task.react(main, sys.argv[1:])
+""")
+
+
+def test_async_client_times_out_a_silent_server():
+    """A server that greets and then never answers: every pending call fails in time."""
+    import socket
+    import threading
+
+    from tensorshare.wire.frames import frame_head
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+
+    def serve():
+        conn, _ = listener.accept()
+        conn.sendall(frame_head({"code": 220, "id": 0, "msg": "hi", "version": 1}, 0))
+        while conn.recv(65536):
+            pass  # read and never answer
+        conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        result = subprocess.run([sys.executable, "-c", SILENT_SCRIPT, str(listener.getsockname()[1])],
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "timeouts ok" in result.stdout
+    finally:
+        listener.close()
