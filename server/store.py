@@ -53,9 +53,6 @@ class BinStore:
 
     # -- queries
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._bins
-
     def peek(self, name: str) -> list[Item]:
         """The items of bin ``name`` (which keeps them)."""
         return list(self._bin(name).items)

@@ -252,6 +252,10 @@ class AsyncClient:
 
     def _frame_received(self, frame) -> None:
         rid = frame.header.get("id")
+        if type(rid) is not int:
+            log.warning("reply with a bad id %r from %s:%s: closing", rid, self.host, self.port)
+            self._wire.transport.abortConnection()
+            return
         if rid:
             entry = self._pending.pop(rid, None)
             if entry is None:

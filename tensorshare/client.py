@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from . import protocol
 from .connection import (
-    ClientConnection, ListenSnapshot, Notification, check_reply, next_request_id,
+    ClientConnection, ListenSnapshot, Notification, check_reply, int_field, next_request_id,
     notification_of, reply_value, request_frame,
 )
 from .errors import ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UsageError
@@ -142,7 +142,7 @@ class Client:
         """
         frame = self._call(protocol.GET, bin, timeout=timeout, decode=False)
         items = reply_value(protocol.GET, frame, self.device)
-        return (items, frame.header.get("seq", 0)) if with_seq else items
+        return (items, int_field(frame.header, "seq")) if with_seq else items
 
     def peek(self, bin: str, timeout: float | None = _NO_VALUE) -> list:
         """Return all items of ``bin`` without removing them."""
@@ -227,6 +227,8 @@ class Client:
         dispatcher thread when the reply arrives.  The value is on the socket (or
         in the kernel's buffer) when this returns, so later changes to it are not sent.
         """
+        if self._closed:
+            raise UsageError("the client is closed")
         rid = next_request_id()
         parts = request_frame(rid, op, bin, value, tag) if value is not _NO_VALUE else request_frame(rid, op, bin)
         deadline = self._deadline(_NO_VALUE)
@@ -310,7 +312,8 @@ class Client:
 
     def _read_some(self, deadline: float | None) -> None:
         """Read once from the socket and dispatch the frames it completes (leader only)."""
-        sock, conn, readable = self._sock, self._conn, self._readable
+        with self._cond:  # the three change together on (re)connection
+            sock, conn, readable = self._sock, self._conn, self._readable
         if sock is None:
             raise ConnectionLostError(f"not connected to {self.host}:{self.port}")
         try:
@@ -328,14 +331,21 @@ class Client:
             self._drop_connection(sock, err)
             raise err from None
         jobs: list = []  # callbacks of this read, handed to the dispatcher in one go
-        for frame in frames:
-            self._dispatch(frame, jobs)
+        try:
+            for frame in frames:
+                self._dispatch(frame, jobs)
+        except ProtocolError as exc:  # the server sent nonsense: nothing it says can be trusted
+            err = ConnectionLostError(f"bad reply from {self.host}:{self.port}: {exc}")
+            self._drop_connection(sock, err)
+            raise err from None
         if jobs:
             self._callbacks().submit(_run_jobs, jobs)
 
     def _dispatch(self, frame: Frame, jobs: list) -> None:
         """Hand a frame to the thread waiting for it, or queue its callbacks in ``jobs``."""
         rid = frame.header.get("id")
+        if type(rid) is not int:
+            raise ProtocolError(f"reply id must be an integer, got {rid!r:.40}")
         if rid:
             with self._cond:
                 if rid in self._waiting:
@@ -383,7 +393,7 @@ class Client:
 
     # -- connection management
 
-    def _connect(self) -> socket.socket:
+    def _connect(self) -> tuple[socket.socket, list[str]]:
         """Open a connection and read the server's greeting (blocking, bounded)."""
         deadline = time.monotonic() + self.connect_timeout
         try:
@@ -411,13 +421,19 @@ class Client:
                 raise
             raise ConnectionLostError(f"no tensorshare greeting from {self.host}:{self.port}: {exc}") from None
         with self._cond:
+            if self._closed:  # closed while we connected: do not leave a socket behind
+                sock.close()
+                raise UsageError("the client is closed")
             self._sock, self._conn = sock, conn
             self._readable, self._writable = readable, writable
             self._ever_connected = True
             relisten = list(self._listens)
-        for name in relisten:
+        return sock, relisten
+
+    def _relisten(self, names: list[str]) -> None:
+        """Listen again, after a reconnection, to the bins that have handles."""
+        for name in names:
             self.submit(protocol.LISTEN, name, callback=self._relistened(name))
-        return sock
 
     def _relistened(self, name: str) -> Callable:
         def deliver(snapshot: ListenSnapshot | None, error: BaseException | None) -> None:
@@ -442,7 +458,9 @@ class Client:
         with self._connect_lock:
             if self._sock is not None:
                 return self._sock
-            return self._connect()
+            sock, relisten = self._connect()
+        self._relisten(relisten)  # outside the lock: these sends may need to reconnect
+        return sock
 
     def _drop_connection(self, sock: socket.socket | None, error: BaseException) -> None:
         """Close ``sock`` (if still current) and fail everything waiting on it."""

@@ -56,9 +56,8 @@ class ListenSnapshot:
 class ClientConnection:
     """Per-connection protocol state of a client: framing in both directions."""
 
-    def __init__(self, frame_limits: FrameLimits = CLIENT_FRAME_LIMITS, decode_limits: DecodeLimits = DEFAULT_LIMITS):
+    def __init__(self, frame_limits: FrameLimits = CLIENT_FRAME_LIMITS):
         self.decoder = FrameDecoder(buffer_sink, frame_limits)
-        self.decode_limits = decode_limits
         self.greeting: dict | None = None
 
     def feed(self, data: bytes) -> list[Frame]:
@@ -113,6 +112,14 @@ def notification_of(frame: Frame) -> Notification | None:
         raise ProtocolError(f"malformed notification header {h!r}") from None
 
 
+def int_field(header: dict, key: str) -> int:
+    """``header[key]``, which must be an integer; ProtocolError otherwise."""
+    value = header.get(key)
+    if type(value) is not int:
+        raise ProtocolError(f"reply field {key!r} must be an integer, got {value!r:.40}")
+    return value
+
+
 def _tag(header: dict) -> int | None:
     tag = header.get("tag")
     if tag is not None and type(tag) is not int:
@@ -137,14 +144,14 @@ def reply_value(op: str, frame: Frame, device: Any = None, limits: DecodeLimits 
     if op in (protocol.GET, protocol.PEEK):
         return decode_items(header, frame.payload, frame.payload_len, device, limits)
     if op in (protocol.PUT, protocol.APPEND):
-        return header.get("n")
+        return int_field(header, "n")
     if op == protocol.LIST:
         bins = header.get("bins")
         if not isinstance(bins, dict):
             raise ProtocolError("LIST reply without a bins map")
         return bins
     if op == protocol.LISTEN:
-        return ListenSnapshot(bool(header.get("exists")), int(header.get("n", 0)), int(header.get("seq", 0)),
+        return ListenSnapshot(bool(header.get("exists")), int_field(header, "n"), int_field(header, "seq"),
                               _tag(header))
     return None
 

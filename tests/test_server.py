@@ -444,3 +444,34 @@ def test_reply_too_large_for_one_header_is_refused_and_keeps_items():
             assert c.get("small") == [1]
     finally:
         proc.stop()
+
+
+@pytest.mark.parametrize("reply", [
+    {"code": 200, "id": [1]},  # unhashable id
+    {"code": 151, "id": 0, "bin": "x", "n": "many", "seq": 1, "op": "PUT"},  # bad notification
+    {"code": 250, "id": None},
+])
+def test_client_survives_a_lying_server(reply):
+    """Nonsense from a server ends the connection with ConnectionLostError, nothing else."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+
+    def serve():
+        conn, _ = listener.accept()
+        conn.sendall(frame_head({"code": 220, "id": 0, "msg": "hi", "version": 1}, 0))
+        if conn.recv(65536):
+            conn.sendall(frame_head(reply, 0))
+        time.sleep(2)
+        conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        c = tensorshare.Client("127.0.0.1", listener.getsockname()[1], timeout=5, reconnect=False)
+        with pytest.raises(ConnectionLostError):
+            c.ping()
+        c.close()
+    finally:
+        listener.close()
+        thread.join(5)

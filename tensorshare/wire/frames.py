@@ -59,11 +59,6 @@ def _packer() -> msgpack.Packer:
         return _packers.packer
 
 
-def pack_header(header: dict) -> bytes:
-    """The msgpack bytes of a header map."""
-    return _packer().pack(header)
-
-
 def frame_head(header: dict, payload_len: int) -> bytes:
     """Prefix + header of a frame whose payload (``payload_len`` bytes) follows."""
     packed = _packer().pack(header)
@@ -179,7 +174,10 @@ SinkFactory = Callable[[dict, int], Any]
 
 def buffer_sink(header: dict, nbytes: int) -> BufferSink:
     """Sink factory: every payload into its own preallocated tensor."""
-    return BufferSink(nbytes)
+    try:
+        return BufferSink(nbytes)
+    except (RuntimeError, MemoryError) as exc:  # a declared size this process cannot hold
+        raise ProtocolError(f"cannot allocate {nbytes} bytes for a payload: {exc}") from None
 
 
 def discard_sink(header: dict, nbytes: int) -> DiscardSink:
