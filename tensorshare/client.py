@@ -180,7 +180,17 @@ class Client:
                 handle.snapshot = reply_value(protocol.LISTEN, frame)
                 self._listens.setdefault(bin, []).append(handle)
 
-        self._call(protocol.LISTEN, bin, timeout=timeout, on_reply=activate)
+        try:
+            self._call(protocol.LISTEN, bin, timeout=timeout, on_reply=activate)
+        except TimeoutError:
+            with self._cond:
+                orphan = not self._listens.get(bin)
+            if orphan:  # the server may listen by now: ask it to stop, best effort
+                try:
+                    self.submit(protocol.UNLISTEN, bin)
+                except TensorShareError:
+                    pass
+            raise
         self._ensure_reader()
         return handle
 
