@@ -151,8 +151,9 @@ class ServerSession:
         except ProtocolError as exc:
             raise _Refused(protocol.BAD_ARGS, f"bad value: {exc}") from None
         tag = frame.header.get("tag")
-        if tag is not None and (type(tag) is not int or not protocol.TAG_MIN <= tag <= protocol.TAG_MAX):
-            raise _Refused(protocol.BAD_ARGS, "tag must be a 64-bit signed integer")
+        problem = protocol.check_tag(tag)
+        if problem:
+            raise _Refused(protocol.BAD_ARGS, problem)
         return Item(blob, tuple(frame.payload), frame.payload_len, tag)
 
     def _do_put(self, rid: int, name: str, frame: Frame) -> None:

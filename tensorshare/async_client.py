@@ -18,14 +18,13 @@ from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 
 from . import protocol
 from .connection import (
-    ClientConnection, ListenSnapshot, Notification, check_reply, next_request_id, notification_of,
+    NO_VALUE, ClientConnection, ListenSnapshot, Notification, check_reply, next_request_id, notification_of,
     reply_value, request_frame,
 )
 from .errors import ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UsageError
 
 log = logging.getLogger("tensorshare.client")
 
-_NO_VALUE = object()
 
 
 class _Wire(twisted_protocol.Protocol):
@@ -215,14 +214,14 @@ class AsyncClient:
             log.warning("could not listen to %r again after reconnecting: %s", name, failure.getErrorMessage())
         return report
 
-    def _call(self, op: str, name: str | None = None, value: Any = _NO_VALUE, tag: int | None = None) -> defer.Deferred:
+    def _call(self, op: str, name: str | None = None, value: Any = NO_VALUE, tag: int | None = None) -> defer.Deferred:
         if self._closed:
             return defer.fail(UsageError("the client is closed"))
         if self._wire is None:
             return defer.fail(ConnectionLostError(f"not connected to {self.host}:{self.port} (reconnecting)"))
         rid = next_request_id()
         try:
-            parts = request_frame(rid, op, name, value, tag) if value is not _NO_VALUE else request_frame(rid, op, name)
+            parts = request_frame(rid, op, name, value, tag)
         except TensorShareError:
             return defer.fail()
         d = defer.Deferred()

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from . import protocol
 from .connection import (
-    ClientConnection, ListenSnapshot, Notification, check_reply, int_field, next_request_id,
+    NO_VALUE, ClientConnection, ListenSnapshot, Notification, check_reply, int_field, next_request_id,
     notification_of, reply_value, request_frame,
 )
 from .errors import ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UsageError
@@ -31,9 +31,9 @@ from .wire.frames import Frame
 
 log = logging.getLogger("tensorshare.client")
 
+_DEFAULT = object()  # "use the client's timeout"
 _IOV_MAX = 1024
 _SMALL_FRAME = 64 << 10  # frames up to this size are joined and sent with one send()
-_NO_VALUE = object()
 
 
 class _Dispatcher:
@@ -45,7 +45,11 @@ class _Dispatcher:
         self._thread.start()
 
     def submit(self, fn: Callable, *args) -> None:
-        self._queue.put((fn, args))
+        self._queue.put([(fn, args)])
+
+    def submit_all(self, jobs: list) -> None:
+        """Queue ``(fn, args)`` jobs to run in order, with one hand-off for all."""
+        self._queue.put(jobs)
 
     @property
     def thread(self) -> threading.Thread:
@@ -59,14 +63,14 @@ class _Dispatcher:
 
     def _run(self) -> None:
         while True:
-            job = self._queue.get()
-            if job is None:
+            jobs = self._queue.get()
+            if jobs is None:
                 return
-            fn, args = job
-            try:
-                fn(*args)
-            except Exception:  # a user callback failed: report it, never call it again for this event
-                log.exception("tensorshare callback %r failed", fn)
+            for fn, args in jobs:
+                try:
+                    fn(*args)
+                except Exception:  # a user callback failed: report it, never call it again for this event
+                    log.exception("tensorshare callback %r failed", fn)
 
 
 class Listening:
@@ -120,7 +124,7 @@ class Client:
 
     # ------------------------------------------------------------------ public API
 
-    def put(self, bin: str, value: Any, *, tag: int | None = None, timeout: float | None = _NO_VALUE) -> int:
+    def put(self, bin: str, value: Any, *, tag: int | None = None, timeout: float | None = _DEFAULT) -> int:
         """Replace the items of ``bin`` with ``value``; returns the bin's item count (1).
 
         ``tag``, an optional 64-bit integer stored with the item, reaches listeners
@@ -129,11 +133,11 @@ class Client:
         """
         return self._call(protocol.PUT, bin, value, tag=tag, timeout=timeout)
 
-    def append(self, bin: str, value: Any, *, tag: int | None = None, timeout: float | None = _NO_VALUE) -> int:
+    def append(self, bin: str, value: Any, *, tag: int | None = None, timeout: float | None = _DEFAULT) -> int:
         """Add ``value`` as one more item of ``bin``; returns the bin's new item count."""
         return self._call(protocol.APPEND, bin, value, tag=tag, timeout=timeout)
 
-    def get(self, bin: str, timeout: float | None = _NO_VALUE, *, with_seq: bool = False) -> list:
+    def get(self, bin: str, timeout: float | None = _DEFAULT, *, with_seq: bool = False) -> list:
         """Take all items out of ``bin`` (it stays, empty); returns them in order.
 
         With ``with_seq=True`` returns ``(items, seq)``: seq is this take's sequence
@@ -144,26 +148,26 @@ class Client:
         items = reply_value(protocol.GET, frame, self.device)
         return (items, int_field(frame.header, "seq")) if with_seq else items
 
-    def peek(self, bin: str, timeout: float | None = _NO_VALUE) -> list:
+    def peek(self, bin: str, timeout: float | None = _DEFAULT) -> list:
         """Return all items of ``bin`` without removing them."""
         return self._call(protocol.PEEK, bin, timeout=timeout)
 
-    def list(self, timeout: float | None = _NO_VALUE) -> dict[str, int]:
+    def list(self, timeout: float | None = _DEFAULT) -> dict[str, int]:
         """``{bin: n_items}`` for every bin on the server."""
         return self._call(protocol.LIST, timeout=timeout)
 
-    def delete(self, bin: str, timeout: float | None = _NO_VALUE) -> None:
+    def delete(self, bin: str, timeout: float | None = _DEFAULT) -> None:
         """Remove ``bin`` and its items."""
         self._call(protocol.DELETE, bin, timeout=timeout)
 
-    def ping(self, timeout: float | None = _NO_VALUE) -> float:
+    def ping(self, timeout: float | None = _DEFAULT) -> float:
         """Round-trip a NOOP; returns the seconds it took."""
         start = time.perf_counter()
         self._call(protocol.NOOP, timeout=timeout)
         return time.perf_counter() - start
 
     def listen(self, bin: str, callback: Callable[[Notification], Any],
-               timeout: float | None = _NO_VALUE) -> Listening:
+               timeout: float | None = _DEFAULT) -> Listening:
         """Call ``callback(notification)`` on every change to ``bin``, from now on.
 
         Returns once the server has started listening: no change after this call
@@ -231,7 +235,7 @@ class Client:
 
     # ------------------------------------------------- non-blocking form (callbacks)
 
-    def submit(self, op: str, bin: str | None = None, value: Any = _NO_VALUE,
+    def submit(self, op: str, bin: str | None = None, value: Any = NO_VALUE,
                callback: Callable[[Any, BaseException | None], Any] | None = None, *, tag: int | None = None) -> None:
         """Send a request without waiting; ``callback(result, error)`` runs on the
         dispatcher thread when the reply arrives.  The value is on the socket (or
@@ -240,8 +244,8 @@ class Client:
         if self._closed:
             raise UsageError("the client is closed")
         rid = next_request_id()
-        parts = request_frame(rid, op, bin, value, tag) if value is not _NO_VALUE else request_frame(rid, op, bin)
-        deadline = self._deadline(_NO_VALUE)
+        parts = request_frame(rid, op, bin, value, tag)
+        deadline = self._deadline(_DEFAULT)
         with self._cond:
             self._pending_async[rid] = (op, callback)
         try:
@@ -257,14 +261,14 @@ class Client:
     # ------------------------------------------------------------------ internals
 
     def _deadline(self, timeout) -> float | None:
-        if timeout is _NO_VALUE:
+        if timeout is _DEFAULT:
             timeout = self.timeout
         return None if timeout is None else time.monotonic() + timeout
 
-    def _call(self, op: str, name: str | None = None, value: Any = _NO_VALUE, *, tag: int | None = None,
-              timeout=_NO_VALUE, on_reply: Callable[[Frame], None] | None = None, decode: bool = True) -> Any:
+    def _call(self, op: str, name: str | None = None, value: Any = NO_VALUE, *, tag: int | None = None,
+              timeout=_DEFAULT, on_reply: Callable[[Frame], None] | None = None, decode: bool = True) -> Any:
         rid = next_request_id()
-        parts = request_frame(rid, op, name, value, tag) if value is not _NO_VALUE else request_frame(rid, op, name)
+        parts = request_frame(rid, op, name, value, tag)
         deadline = self._deadline(timeout)
         with self._cond:
             self._waiting.add(rid)
@@ -349,7 +353,7 @@ class Client:
             self._drop_connection(sock, err)
             raise err from None
         if jobs:
-            self._callbacks().submit(_run_jobs, jobs)
+            self._callbacks().submit_all(jobs)
 
     def _dispatch(self, frame: Frame, jobs: list) -> None:
         """Hand a frame to the thread waiting for it, or queue its callbacks in ``jobs``."""
@@ -555,15 +559,6 @@ class Client:
                 self._reader = None
             if self._needs_reader():  # a listen raced with our exit
                 self._ensure_reader()
-
-
-def _run_jobs(jobs: list) -> None:
-    """Run callbacks in order; one failing is logged and does not stop the others."""
-    for fn, args in jobs:
-        try:
-            fn(*args)
-        except Exception:
-            log.exception("tensorshare callback %r failed", fn)
 
 
 def _raise_or_return(result):

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from . import protocol
 from .client import Client, Listening, connect
+from .connection import NO_VALUE
 
 Callback = Callable[[dict], Any] | None
 
@@ -88,16 +89,16 @@ class TensorShare(StartStop):
         self._submit(protocol.APPEND, bin, value, callback)
 
     def get(self, bin: str, callback: Callback = None) -> None:
-        self._submit(protocol.GET, bin, None, callback, with_value=False)
+        self._submit(protocol.GET, bin, NO_VALUE, callback)
 
     def peek(self, bin: str, callback: Callback = None) -> None:
-        self._submit(protocol.PEEK, bin, None, callback, with_value=False)
+        self._submit(protocol.PEEK, bin, NO_VALUE, callback)
 
     def delete(self, bin: str, callback: Callback = None) -> None:
-        self._submit(protocol.DELETE, bin, None, callback, with_value=False)
+        self._submit(protocol.DELETE, bin, NO_VALUE, callback)
 
     def list(self, callback: Callback = None) -> None:
-        self._submit(protocol.LIST, None, None, callback, with_value=False)
+        self._submit(protocol.LIST, None, NO_VALUE, callback)
 
     # -- notifications
 
@@ -116,7 +117,7 @@ class TensorShare(StartStop):
     def _shut(self) -> None:
         self._client.close()
 
-    def _submit(self, op: str, bin: str | None, value: Any, callback: Callback, with_value: bool = True) -> None:
+    def _submit(self, op: str, bin: str | None, value: Any, callback: Callback) -> None:
         def reply(result: Any, error: BaseException | None) -> None:
             if callback is None:
                 return
@@ -125,8 +126,5 @@ class TensorShare(StartStop):
             else:
                 callback({"status": "ERR", "msg": str(error)})
 
-        if with_value:
-            self._client.submit(op, bin, value, callback=reply)
-        else:
-            self._client.submit(op, bin, callback=reply)
+        self._client.submit(op, bin, value, callback=reply)
 

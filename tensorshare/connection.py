@@ -20,7 +20,7 @@ from .wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
 from .wire.frames import Frame, FrameDecoder, FrameLimits, buffer_sink, frame_head
 
 CLIENT_FRAME_LIMITS = FrameLimits(max_header=1 << 30, max_payload=1 << 42)
-_NO_VALUE = object()
+NO_VALUE = object()  # "this request carries no value" (None is a value)
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class ClientConnection:
         return self.decoder.feed(data)
 
 
-def request_frame(rid: int, op: str, name: str | None = None, value: Any = _NO_VALUE,
+def request_frame(rid: int, op: str, name: str | None = None, value: Any = NO_VALUE,
                   tag: int | None = None) -> list:
     """The parts of a request frame: header bytes, then the value's payload buffers.
 
@@ -82,10 +82,11 @@ def request_frame(rid: int, op: str, name: str | None = None, value: Any = _NO_V
             _checked_names.add(name)
         header["bin"] = name
     if tag is not None:
-        if type(tag) is not int or not protocol.TAG_MIN <= tag <= protocol.TAG_MAX:
-            raise UsageError(f"tag must be a 64-bit signed integer, not {tag!r}")
+        problem = protocol.check_tag(tag)
+        if problem:
+            raise UsageError(problem)
         header["tag"] = tag
-    if value is _NO_VALUE:
+    if value is NO_VALUE:
         return [frame_head(header, 0)]
     enc = encode(value)
     header["value"] = enc.description

@@ -47,6 +47,13 @@ MAX_BIN_NAME = 256
 _BIN_NAME = re.compile(r"[^\x00-\x1f\x7f]+")
 
 
+def check_tag(tag: object) -> str | None:
+    """Why ``tag`` is not a valid item tag (a signed 64-bit integer or None), or None."""
+    if tag is None or (type(tag) is int and TAG_MIN <= tag <= TAG_MAX):
+        return None
+    return f"tag must be a 64-bit signed integer, not {tag!r:.40}"
+
+
 def check_bin_name(name: object, max_len: int = MAX_BIN_NAME) -> str | None:
     """Why ``name`` is not a valid bin name, or None if it is.
 

@@ -62,3 +62,45 @@ class ServerProcess:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+
+class FakeServer:
+    """A loopback server that greets like tensorshare, then answers every read with
+    ``replies`` (header maps, sent as frames; none: it never answers).  For testing
+    clients against a server that misbehaves."""
+
+    def __init__(self, *replies: dict):
+        import socket
+        import threading
+
+        self.replies = replies
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(1)
+        self.port = self.listener.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        from tensorshare.wire.frames import frame_head
+
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:  # closed before anyone connected
+            return
+        with conn:
+            conn.sendall(frame_head({"code": 220, "id": 0, "msg": "hi", "version": 1}, 0))
+            conn.settimeout(10)
+            try:
+                while conn.recv(65536):
+                    for reply in self.replies:
+                        conn.sendall(frame_head(reply, 0))
+            except OSError:
+                pass
+
+    def __enter__(self) -> "FakeServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.listener.close()
+        self.thread.join(15)

@@ -74,28 +74,10 @@ SILENT_SCRIPT = textwrap.dedent("""
 
 def test_async_client_times_out_a_silent_server():
     """A server that greets and then never answers: every pending call fails in time."""
-    import socket
-    import threading
+    from serverproc import FakeServer
 
-    from tensorshare.wire.frames import frame_head
-
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1)
-
-    def serve():
-        conn, _ = listener.accept()
-        conn.sendall(frame_head({"code": 220, "id": 0, "msg": "hi", "version": 1}, 0))
-        while conn.recv(65536):
-            pass  # read and never answer
-        conn.close()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        result = subprocess.run([sys.executable, "-c", SILENT_SCRIPT, str(listener.getsockname()[1])],
+    with FakeServer() as fake:
+        result = subprocess.run([sys.executable, "-c", SILENT_SCRIPT, str(fake.port)],
                                 capture_output=True, text=True, timeout=60)
-        assert result.returncode == 0, result.stdout + result.stderr
-        assert "timeouts ok" in result.stdout
-    finally:
-        listener.close()
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "timeouts ok" in result.stdout

@@ -453,25 +453,10 @@ def test_reply_too_large_for_one_header_is_refused_and_keeps_items():
 ])
 def test_client_survives_a_lying_server(reply):
     """Nonsense from a server ends the connection with ConnectionLostError, nothing else."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1)
+    from serverproc import FakeServer
 
-    def serve():
-        conn, _ = listener.accept()
-        conn.sendall(frame_head({"code": 220, "id": 0, "msg": "hi", "version": 1}, 0))
-        if conn.recv(65536):
-            conn.sendall(frame_head(reply, 0))
-        time.sleep(2)
-        conn.close()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        c = tensorshare.Client("127.0.0.1", listener.getsockname()[1], timeout=5, reconnect=False)
+    with FakeServer(reply) as fake:
+        c = tensorshare.Client("127.0.0.1", fake.port, timeout=5, reconnect=False)
         with pytest.raises(ConnectionLostError):
             c.ping()
         c.close()
-    finally:
-        listener.close()
-        thread.join(5)
