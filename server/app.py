@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import sys
 import threading
@@ -12,6 +13,7 @@ from twisted.internet import reactor
 from twisted.internet.threads import blockingCallFromThread
 
 from .config import ServerConfig
+from .disk import ThreadJobs
 from .service import TensorShareFactory
 from .session import ServerState
 
@@ -19,15 +21,28 @@ log = logging.getLogger("tensorshare.server")
 
 
 def listen(config: ServerConfig):
-    """Start listening (on the reactor thread); returns the Twisted port object."""
-    factory = TensorShareFactory(ServerState.create(config))
-    return reactor.listenTCP(config.port, factory, interface=config.host)
+    """Start listening (on the reactor thread); returns the Twisted port object.
+
+    With a data directory its bins are loaded first (item records only: the
+    arrays stay on disk, so this takes time per item, not per byte)."""
+    jobs = ThreadJobs(reactor, config.disk_threads)
+    try:
+        state = ServerState.create(config, jobs)
+    except BaseException:
+        jobs.stop()
+        raise
+    factory = TensorShareFactory(state)
+    port = reactor.listenTCP(config.port, factory, interface=config.host)
+    port.jobs = jobs
+    return port
 
 
 def _shut(port) -> None:
-    """Stop listening on ``port`` and drop its connections (on the reactor thread)."""
+    """Stop listening on ``port``, drop its connections, finish its disk work (reactor thread)."""
     port.stopListening()
     port.factory.disconnect_all()
+    port.jobs.stop()
+    port.factory.state.storage.close()
 
 
 def run_server(port: int = 8000, host: str = "127.0.0.1", **settings) -> None:
@@ -38,10 +53,27 @@ def run_server(port: int = 8000, host: str = "127.0.0.1", **settings) -> None:
     :class:`ServerConfig` (limits).
     """
     config = ServerConfig(host=host, port=port, **settings)
+    _tune_malloc()
     bound = listen(config)
+    reactor.addSystemEventTrigger("after", "shutdown", _shut, bound)
     address = bound.getHost()
     print(f"tensorshare-server listening on {address.host}:{address.port}", flush=True)
     reactor.run()
+
+
+def _tune_malloc() -> None:
+    """Make glibc give freed payload memory back to the system at once.
+
+    Payload chunks are 64 KiB-4 MiB bytes objects.  glibc raises its mmap threshold
+    after such a chunk is freed, so later ones come from the heap, where freed
+    memory stays with the process: a server that once held 1 GiB kept most of it.
+    A fixed threshold keeps every chunk in its own mapping, unmapped when freed."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD (fixing it also stops the sliding)
+        libc.mallopt(-1, 1 << 20)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        pass
 
 
 _reactor_thread: threading.Thread | None = None
@@ -118,6 +150,19 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Na
     parser.add_argument("--max-listens", type=int, default=ServerConfig.max_listens, help="per connection")
     parser.add_argument("--max-depth", type=int, default=ServerConfig.max_depth, help="nesting of a value")
     parser.add_argument("--max-nodes", type=int, default=ServerConfig.max_nodes, help="nodes of a value's structure")
+    disk = parser.add_argument_group("disk tier")
+    disk.add_argument("--memory-limit", type=_size, default=None,
+                      help="payload bytes to keep in RAM (e.g. 8GB, 512MiB); least recently used items "
+                           "past it move to memory-mapped files")
+    disk.add_argument("--spill-dir", default=None,
+                      help="directory for spilled items (default: a private temporary one, removed at exit)")
+    disk.add_argument("--data-dir", default=None,
+                      help="durable storage: every acknowledged put/append is on disk here, and a server "
+                           "restarted on it serves the same bins")
+    disk.add_argument("--fsync", action="store_true",
+                      help="with --data-dir: flush every change to stable storage before acknowledging it "
+                           "(survives power loss, not only a crash of the server)")
+    disk.add_argument("--disk-threads", type=int, default=ServerConfig.disk_threads)
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING...")
     args = parser.parse_args(argv)
     known = {f.name for f in fields(ServerConfig)}

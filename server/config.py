@@ -24,6 +24,12 @@ class ServerConfig:
     max_listens: int = 10_000  # per connection
     max_depth: int = 64  # nesting of a stored value
     max_nodes: int = 1_000_000  # nodes of a stored value's structure
+    # The disk tier (server/storage.py).
+    memory_limit: int | None = None  # payload bytes kept in RAM; past it items spill to disk
+    spill_dir: str | None = None  # where spilled items go (None: a private temporary directory)
+    data_dir: str | None = None  # durable storage: every acknowledged item is on disk here
+    fsync: bool = False  # flush each change to stable storage before acknowledging it
+    disk_threads: int = 4
 
     @property
     def frame_limits(self) -> FrameLimits:

@@ -88,7 +88,9 @@ class FrameWriter:
             entry = queue[0]
             parts, index = entry[0], entry[1]
             while index < len(parts) and not self._paused:
-                write(parts[index])  # may call pauseProducing() synchronously
+                part = parts[index]
+                # Parts are bytes, or spans of a spilled item's mapping, copied out only now.
+                write(part if type(part) is bytes else part.tobytes())  # may call pauseProducing()
                 index += 1
             entry[1] = index
             if index == len(parts):
@@ -111,8 +113,9 @@ class FrameWriter:
         for entry in queue:
             parts, index = entry[0], entry[1]
             while index < len(parts) and total + len(parts[index]) <= _DIRECT_MAX:
-                chunks.append(parts[index])
-                total += len(parts[index])
+                part = parts[index]
+                chunks.append(part if type(part) is bytes else part.tobytes())
+                total += len(part)
                 index += 1
             if index < len(parts):
                 cut = (entry, index)
@@ -158,6 +161,25 @@ class FrameWriter:
                 on_abandon()
 
 
+class ReadGate:
+    """Pauses reading a transport while any reason to (disk busy, memory full...) holds."""
+
+    def __init__(self, transport):
+        self.transport = transport
+        self._reasons: set[str] = set()
+
+    def pause(self, reason: str) -> None:
+        if not self._reasons:
+            self.transport.pauseProducing()
+        self._reasons.add(reason)
+
+    def resume(self, reason: str) -> None:
+        if reason in self._reasons:
+            self._reasons.discard(reason)
+            if not self._reasons and self.transport.connected:
+                self.transport.resumeProducing()
+
+
 class TensorShareProtocol(protocol.Protocol):
     """One server-side connection."""
 
@@ -178,7 +200,7 @@ class TensorShareProtocol(protocol.Protocol):
         self.writer = FrameWriter(self.transport)
         self.transport.registerProducer(self.writer, True)
         peer = self.transport.getPeer()
-        self.session = ServerSession(self.state, self.writer, f"{peer.host}:{peer.port}")
+        self.session = ServerSession(self.state, self.writer, f"{peer.host}:{peer.port}", ReadGate(self.transport))
         self.session.connection_made()
 
     def dataReceived(self, data: bytes) -> None:

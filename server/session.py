@@ -9,6 +9,7 @@ frames (lists of ``bytes`` parts) to its :class:`Outbox`.  The Twisted adapter i
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -18,8 +19,11 @@ from tensorshare.wire.description import check_description
 from tensorshare.wire.frames import DiscardSink, Frame, FrameDecoder, SegmentSink, frame_head
 
 from .config import ServerConfig
+from .durable import DataDir
 from .notify import ListenerRegistry
-from .store import BinStore, Item
+from .spill import SpillArea
+from .storage import InlineJobs, Jobs, Storage
+from .store import BinStore, Change, Item
 
 log = logging.getLogger("tensorshare.server")
 _DISCARD = DiscardSink(0)  # stateless: one serves every request that takes no payload
@@ -35,17 +39,45 @@ class Outbox(Protocol):
         """Close the connection once everything queued has been written."""
 
 
+class Reads(Protocol):
+    """The reading side of a connection: a session pauses it while it cannot take more."""
+
+    def pause(self, reason: str) -> None: ...
+
+    def resume(self, reason: str) -> None: ...
+
+
+class _NoReads:
+    def pause(self, reason: str) -> None:
+        pass
+
+    def resume(self, reason: str) -> None:
+        pass
+
+
 @dataclass
 class ServerState:
     """What all sessions of one server share."""
 
     config: ServerConfig
-    store: BinStore
+    storage: Storage
     listeners: ListenerRegistry = field(default_factory=ListenerRegistry)
 
+    @property
+    def store(self) -> BinStore:
+        return self.storage.store
+
     @classmethod
-    def create(cls, config: ServerConfig) -> "ServerState":
-        return cls(config, BinStore(config.max_bins, config.max_items_per_bin))
+    def create(cls, config: ServerConfig, jobs: Jobs | None = None) -> "ServerState":
+        """The state of a new server: its store and disk tier, the data directory loaded."""
+        store = BinStore(config.max_bins, config.max_items_per_bin, config.memory_limit)
+        data_dir = DataDir(config.data_dir, config.fsync, config.decode_limits) if config.data_dir else None
+        spill = SpillArea(config.spill_dir) if config.memory_limit is not None and data_dir is None else None
+        storage = Storage(store, jobs or InlineJobs(), data_dir=data_dir, spill=spill)
+        if data_dir is not None:
+            count = storage.load()
+            log.info("data directory %s: %d items in %d bins", config.data_dir, count, len(store.listing()))
+        return cls(config, storage)
 
 
 class _Refused(Exception):
@@ -60,12 +92,16 @@ class _Refused(Exception):
 class ServerSession:
     """Request dispatch for one connection."""
 
-    def __init__(self, state: ServerState, outbox: Outbox, peer: str = "?"):
+    def __init__(self, state: ServerState, outbox: Outbox, peer: str = "?", reads: Reads | None = None):
         self.state = state
         self.outbox = outbox
         self.peer = peer
+        self.reads = reads or _NoReads()
         self.listening: set[str] = set()
         self.closed = False
+        # Requests wait here while an earlier one waits for the disk: replies stay in order.
+        self._backlog: deque = deque()
+        self._busy = False
         self._decoder = FrameDecoder(self._payload_sink, state.config.frame_limits)
         # The config's limits are properties that build a new object per access.
         self._decode_limits = state.config.decode_limits
@@ -83,15 +119,44 @@ class ServerSession:
         try:
             frames = self._decoder.feed(data)
         except ProtocolError as exc:
-            for frame in getattr(exc, "frames", ()):  # whole requests before the bad bytes
-                self._handle(frame)
-            log.info("closing %s: %s", self.peer, exc)
-            self._send({"code": protocol.BAD_FRAME, "id": 0, "msg": str(exc)})
-            self.closed = True
-            self.outbox.close()
+            self._backlog.extend(getattr(exc, "frames", ()))  # whole requests before the bad bytes
+            self._backlog.append(_Broken(str(exc)))
+            self._drain()
             return
-        for frame in frames:
+        if self._busy or self._backlog:
+            self._backlog.extend(frames)
+            self._drain()
+            return
+        for i, frame in enumerate(frames):
             self._handle(frame)
+            if self._busy:  # the rest waits for the disk
+                self._backlog.extend(frames[i + 1:])
+                return
+
+    def _drain(self) -> None:
+        """Handle waiting requests until one has to wait for the disk."""
+        backlog = self._backlog
+        while backlog and not self._busy and not self.closed:
+            frame = backlog.popleft()
+            if isinstance(frame, _Broken):
+                self._broken(frame.reason)
+            else:
+                self._handle(frame)
+
+    def _broken(self, reason: str) -> None:
+        log.info("closing %s: %s", self.peer, reason)
+        self._send({"code": protocol.BAD_FRAME, "id": 0, "msg": reason})
+        self.closed = True
+        self.outbox.close()
+
+    def _wait_for_disk(self) -> None:
+        self._busy = True
+        self.reads.pause("disk")
+
+    def _disk_done(self) -> None:
+        self._busy = False
+        self.reads.resume("disk")
+        self._drain()
 
     @property
     def receiving_payload(self) -> int:
@@ -115,6 +180,11 @@ class ServerSession:
     def _payload_sink(self, header: dict, nbytes: int):
         op = header.get("op")
         if type(op) is str and op in protocol.VERBS_WITH_VALUE:
+            if nbytes and not self.state.storage.room():
+                # Memory is over budget and the disk is catching up: read no more
+                # payload from this client until it has.
+                self.reads.pause("memory")
+                self.state.storage.wait_for_room(lambda: self.reads.resume("memory"))
             return SegmentSink(nbytes)
         return _DISCARD
 
@@ -157,38 +227,59 @@ class ServerSession:
         return Item(blob, tuple(frame.payload), frame.payload_len, tag)
 
     def _do_put(self, rid: int, name: str, frame: Frame) -> None:
-        self._stored(rid, self.state.store.put(name, self._item(frame)))
+        self._store(rid, name, self._item(frame), True)
 
     def _do_append(self, rid: int, name: str, frame: Frame) -> None:
-        self._stored(rid, self.state.store.append(name, self._item(frame)))
+        self._store(rid, name, self._item(frame), False)
 
-    def _stored(self, rid: int, change) -> None:
-        self._send({"code": protocol.DONE, "id": rid, "n": change.n_items, "seq": change.seq})
-        self.state.listeners.publish(change)
+    def _store(self, rid: int, name: str, item: Item, replace: bool) -> None:
+        def reply(change: Change | None, error: RemoteError | None) -> None:
+            if error is not None:
+                self._send({"code": error.code, "id": rid, "msg": error.message})
+            else:
+                self._send({"code": protocol.DONE, "id": rid, "n": change.n_items, "seq": change.seq})
+                self.state.listeners.publish(change)
+
+        self._through_storage(lambda done: self.state.storage.add(name, item, replace, done), reply)
+
+    def _through_storage(self, start: Callable, reply: Callable) -> None:
+        """Run ``start(done)``, a :class:`Storage` call, and ``reply`` when it is done.
+
+        Storage calls complete at once in memory; one that waits for the disk holds
+        this connection's later requests (and stops reading it) until it is done."""
+        call = _StorageCall(self, reply)
+        start(call.done)
+        call.started()
 
     def _do_get(self, rid: int, name: str, frame: Frame) -> None:
-        store, listeners = self.state.store, self.state.listeners
-        self._check_reply_size(store.peek(name))
+        storage, store, listeners = self.state.storage, self.state.store, self.state.listeners
+        parts = self._item_parts(store.peek(name))
         items, change = store.get(name)
+        storage.taken(name, items)
 
         def undelivered() -> None:
             listeners.publish(store.restore(name, items))
+            storage.restored(name, items)
 
-        self._send_items(rid, items, change.seq, undelivered)
+        self._send_items(rid, items, parts, change.seq, undelivered)
         listeners.publish(change)
 
     def _do_peek(self, rid: int, name: str, frame: Frame) -> None:
         items = self.state.store.peek(name)
-        self._check_reply_size(items)
-        self._send_items(rid, items, self.state.store.state(name)[2])
+        self._send_items(rid, items, self._item_parts(items), self.state.store.state(name)[2])
 
     def _do_list(self, rid: int, name: None, frame: Frame) -> None:
         self._send({"code": protocol.LIST_OK, "id": rid, "bins": self.state.store.listing()})
 
     def _do_delete(self, rid: int, name: str, frame: Frame) -> None:
-        change = self.state.store.delete(name)
-        self._send({"code": protocol.DONE, "id": rid, "n": 0, "seq": change.seq})
-        self.state.listeners.publish(change)
+        def reply(change: Change, error: RemoteError | None) -> None:
+            if error is not None:
+                self._send({"code": error.code, "id": rid, "msg": error.message})
+            else:
+                self._send({"code": protocol.DONE, "id": rid, "n": 0, "seq": change.seq})
+            self.state.listeners.publish(change)
+
+        self._through_storage(lambda done: self.state.storage.delete(name, done), reply)
 
     def _do_listen(self, rid: int, name: str, frame: Frame) -> None:
         if name not in self.listening and len(self.listening) >= self.state.config.max_listens:
@@ -212,23 +303,60 @@ class ServerSession:
     def _send(self, header: dict) -> None:
         self.send([frame_head(header, 0)])
 
-    def _check_reply_size(self, items: list[Item]) -> None:
-        """Refuse (552) a reply whose header, holding every item's description, would
-        be larger than max_reply_header; nothing is taken from the bin."""
+    def _item_parts(self, items: list[Item]) -> list:
+        """The payload parts of a GET/PEEK reply carrying ``items``.
+
+        Refuses (552) a reply whose header, holding every item's description, would
+        be larger than max_reply_header, and (451) one whose files cannot be opened;
+        either way nothing is taken from the bin."""
         limit = self.state.config.max_reply_header
         size = sum(len(item.description) for item in items)
         if size > limit:
             raise _Refused(protocol.TOO_LARGE, f"the bin's {len(items)} item descriptions take {size} bytes, "
                                                f"over the {limit} one reply may carry")
+        parts = []
+        try:
+            for item in items:
+                parts.extend(item.parts())
+        except OSError as exc:
+            log.error("cannot read a stored item's files: %s", exc)
+            raise _Refused(protocol.LOCAL_ERROR, f"cannot read the stored item: {exc.strerror or exc}") from None
+        return parts
 
-    def _send_items(self, rid: int, items: list[Item], seq: int, on_abandon=None) -> None:
+    def _send_items(self, rid: int, items: list[Item], parts: list, seq: int, on_abandon=None) -> None:
         header = {"code": protocol.ITEMS, "id": rid, "seq": seq,
                   "items": [item.description for item in items],
                   "sizes": [item.nbytes for item in items]}
-        parts = [frame_head(header, sum(item.nbytes for item in items))]
-        for item in items:
-            parts.extend(item.segments)
+        parts.insert(0, frame_head(header, sum(item.nbytes for item in items)))
         self.send(parts, on_abandon)
+
+
+class _Broken:
+    """Marks where, among the waiting requests, the stream turned out malformed."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+class _StorageCall:
+    """One storage call of a session: replies when done, holding the session if that is later."""
+
+    __slots__ = ("session", "reply", "returned", "finished")
+
+    def __init__(self, session: ServerSession, reply: Callable):
+        self.session, self.reply = session, reply
+        self.returned = self.finished = False
+
+    def done(self, change, error) -> None:
+        self.finished = True
+        self.reply(change, error)
+        if self.returned:
+            self.session._disk_done()
+
+    def started(self) -> None:
+        self.returned = True
+        if not self.finished:
+            self.session._wait_for_disk()
 
 
 # Verb -> handler, looked up once per request instead of getattr("_do_" + op.lower()).

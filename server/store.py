@@ -3,24 +3,52 @@
 Pure and synchronous (no Twisted, no I/O): every operation returns at once, and
 each change gets a sequence number from one store-wide counter, so a bin's sequence
 numbers only grow, even across its deletion and re-creation.
+
+It also keeps the memory accounting of the disk tier: which items hold their
+payload in RAM (``resident_bytes``), in least-recently-used order, and which of them
+should move to disk to get back under ``memory_limit``.  Moving them is the caller's
+job (:mod:`.storage`); the store only swaps an item's payload for its files.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from tensorshare.errors import NoSuchBinError, TooLargeError
 
 
-@dataclass(frozen=True)
 class Item:
-    """One stored value: its description blob and its payload, kept as received."""
+    """One stored value: its description blob and its payload, kept as received.
 
-    description: bytes
-    segments: tuple  # of bytes; concatenated they are the payload
-    nbytes: int
-    tag: int | None = None  # the sender's optional 64-bit tag (a version, say)
+    The payload is in memory (``segments``, the received chunks), on disk
+    (``files``, spilled or durable), or both (a durable item still cached).
+    """
+
+    __slots__ = ("description", "segments", "nbytes", "tag", "files", "stored", "spilling", "__weakref__")
+
+    def __init__(self, description: bytes, segments: tuple | None, nbytes: int, tag: int | None = None,
+                 files=None):
+        self.description = description
+        self.segments = segments  # bytes chunks whose concatenation is the payload, or None
+        self.nbytes = nbytes
+        self.tag = tag  # the sender's optional 64-bit tag (a version, say)
+        self.files = files  # spill.ItemFiles when the payload is also (or only) on disk
+        self.stored = False  # in a bin of the store right now
+        self.spilling = False  # being written to the spill area
+
+    @property
+    def resident(self) -> bool:
+        """True while the payload is held in memory."""
+        return self.segments is not None
+
+    def parts(self) -> list:
+        """The payload as frame parts: the chunks in memory, else spans of its mapped files."""
+        return list(self.segments) if self.segments is not None else self.files.open_parts()
+
+    def __repr__(self) -> str:
+        where = "memory" if self.resident else "disk"
+        return f"Item({self.nbytes} bytes in {where}, tag={self.tag})"
 
 
 @dataclass(frozen=True)
@@ -44,18 +72,28 @@ class _Bin:
 class BinStore:
     """Named bins of items, with byte accounting and count limits."""
 
-    def __init__(self, max_bins: int = 100_000, max_items_per_bin: int = 1_000_000):
+    def __init__(self, max_bins: int = 100_000, max_items_per_bin: int = 1_000_000,
+                 memory_limit: int | None = None):
         self.max_bins = max_bins
         self.max_items_per_bin = max_items_per_bin
+        self.memory_limit = memory_limit  # payload bytes to keep in RAM (None: no limit)
         self._bins: dict[str, _Bin] = {}
         self._seq = 0
         self.nbytes = 0  # payload bytes held by all bins
+        self.resident_bytes = 0  # of which in memory
+        self._lru: OrderedDict[Item, None] = OrderedDict()  # resident items, least recently used first
+        self._evicting_bytes = 0  # of resident_bytes, on their way to disk
 
     # -- queries
 
     def peek(self, name: str) -> list[Item]:
         """The items of bin ``name`` (which keeps them)."""
-        return list(self._bin(name).items)
+        items = list(self._bin(name).items)
+        lru = self._lru
+        for item in items:
+            if item.segments is not None:
+                lru.move_to_end(item)
+        return items
 
     def listing(self) -> dict[str, int]:
         """``{bin: n_items}`` for every bin."""
@@ -71,36 +109,46 @@ class BinStore:
 
     # -- mutations
 
+    def check_add(self, name: str, replace: bool) -> None:
+        """Raise what :meth:`put` (``replace``) or :meth:`append` would for the count limits."""
+        b = self._bins.get(name)
+        if b is None:
+            if len(self._bins) >= self.max_bins:
+                raise TooLargeError(f"the server already holds {self.max_bins} bins")
+        elif not replace and len(b.items) >= self.max_items_per_bin:
+            raise TooLargeError(f"bin {name!r} already holds {self.max_items_per_bin} items")
+
     def put(self, name: str, item: Item) -> Change:
         """Replace the items of bin ``name`` (created if missing) with ``item``."""
+        self.check_add(name, True)
         b = self._bins.get(name)
         if b is None:
             b = self._create(name)
         else:
-            self.nbytes -= b.nbytes
-            b.items.clear()
-            b.nbytes = 0
+            self._clear(b)
         self._add(b, item)
         return self._changed(name, b, "PUT")
 
     def append(self, name: str, item: Item) -> Change:
         """Add ``item`` at the end of bin ``name`` (created if missing)."""
+        self.check_add(name, False)
         b = self._bins.get(name)
         if b is None:
             b = self._create(name)
-        elif len(b.items) >= self.max_items_per_bin:
-            raise TooLargeError(f"bin {name!r} already holds {self.max_items_per_bin} items")
         self._add(b, item)
         return self._changed(name, b, "APPEND")
 
     def get(self, name: str) -> tuple[list[Item], Change]:
         """Take every item out of bin ``name``; the bin stays, empty."""
         b = self._bin(name)
-        items = list(b.items)
-        b.items.clear()
-        self.nbytes -= b.nbytes
-        b.nbytes = 0
+        items = self._clear(b)
         return items, self._changed(name, b, "GET")
+
+    def load(self, name: str, items: list[Item]) -> None:
+        """Add a bin found on disk at start-up, with its items (no limits, no change)."""
+        b = self._bins.get(name) or self._bins.setdefault(name, _Bin())
+        for item in items:
+            self._add(b, item)
 
     def restore(self, name: str, items: list[Item]) -> Change | None:
         """Put ``items`` taken by :meth:`get` back at the front of bin ``name``.
@@ -113,19 +161,58 @@ class BinStore:
         b = self._bins.get(name)
         if b is None:  # deleted meanwhile: re-create it even past max_bins, losing nothing
             b = self._bins[name] = _Bin()
-        b.items.extendleft(reversed(items))
-        added = sum(item.nbytes for item in items)
-        b.nbytes += added
-        self.nbytes += added
+        for item in reversed(items):
+            self._add(b, item, front=True)
         return self._changed(name, b, "RESTORE")
 
     def delete(self, name: str) -> Change:
         """Remove bin ``name`` and its items."""
         b = self._bin(name)
         del self._bins[name]
-        self.nbytes -= b.nbytes
+        self._clear(b)
         self._seq += 1
         return Change(name, 0, self._seq, "DELETE")
+
+    # -- the memory budget
+
+    def over_budget(self) -> int:
+        """Bytes of resident payload above ``memory_limit`` (0 if none or no limit)."""
+        if self.memory_limit is None:
+            return 0
+        return max(0, self.resident_bytes - self.memory_limit)
+
+    def to_evict(self) -> list[Item]:
+        """Resident items to move to disk, least recently used first, enough (with
+        those already on their way) to bring ``resident_bytes`` under the limit.
+        They are marked ``spilling`` until :meth:`evict` is called for them."""
+        excess = self.over_budget() - self._evicting_bytes
+        chosen = []
+        for item in self._lru:
+            if excess <= 0:
+                break
+            if not item.spilling:
+                item.spilling = True
+                self._evicting_bytes += item.nbytes
+                excess -= item.nbytes
+                chosen.append(item)
+        return chosen
+
+    def evict(self, item: Item, files=None) -> bool:
+        """Drop ``item``'s payload from memory; from now on it is served from ``files``
+        (or the files it already has).  False if it left the store meanwhile.  Also
+        ends its ``spilling`` state when called with ``files=None`` after a failed write."""
+        if item.spilling:
+            item.spilling = False
+            self._evicting_bytes -= item.nbytes
+        if not item.stored:
+            return False
+        if files is not None:
+            item.files = files
+        if item.segments is not None and item.files is not None:
+            item.segments = None
+            self._lru.pop(item, None)
+            self.resident_bytes -= item.nbytes
+        return True
 
     # -- internals
 
@@ -136,15 +223,37 @@ class BinStore:
         return b
 
     def _create(self, name: str) -> _Bin:
-        if len(self._bins) >= self.max_bins:
-            raise TooLargeError(f"the server already holds {self.max_bins} bins")
         b = self._bins[name] = _Bin()
         return b
 
-    def _add(self, b: _Bin, item: Item) -> None:
-        b.items.append(item)
+    def _add(self, b: _Bin, item: Item, front: bool = False) -> None:
+        if front:
+            b.items.appendleft(item)
+        else:
+            b.items.append(item)
         b.nbytes += item.nbytes
         self.nbytes += item.nbytes
+        item.stored = True
+        if item.files is not None:
+            item.files.dropped = False
+        if item.segments is not None:
+            self._lru[item] = None
+            self.resident_bytes += item.nbytes
+
+    def _clear(self, b: _Bin) -> list[Item]:
+        """Empty bin ``b``; its items leave the store (their files may go once unused)."""
+        items = list(b.items)
+        b.items.clear()
+        self.nbytes -= b.nbytes
+        b.nbytes = 0
+        for item in items:
+            item.stored = False
+            if item.files is not None:
+                item.files.dropped = True
+            if item.segments is not None:
+                self._lru.pop(item, None)
+                self.resident_bytes -= item.nbytes
+        return items
 
     def _changed(self, name: str, b: _Bin, op: str) -> Change:
         self._seq += 1

@@ -26,6 +26,7 @@ _LAZY = {
     "TensorShare": "compat",
     "RLTrainer": "rl", "RLWorker": "rl",
     "Notification": "connection", "ListenSnapshot": "connection",
+    "save_memmap": "memmap", "load_memmap": "memmap",
     "wire": None,
 }
 
@@ -52,6 +53,6 @@ def run_server(port: int = 8000, host: str = "127.0.0.1", **settings) -> None:
 
 __all__ = [
     "Client", "AsyncClient", "TensorShare", "RLTrainer", "RLWorker", "Listening", "Notification",
-    "ListenSnapshot", "connect", "run_server", "errors", "wire", "TensorShareError", "ConnectionLostError",
+    "ListenSnapshot", "connect", "run_server", "save_memmap", "load_memmap", "errors", "wire", "TensorShareError", "ConnectionLostError",
     "NoSuchBinError", "ProtocolError", "RemoteError", "TimeoutError",
 ]

@@ -23,8 +23,8 @@ from typing import Any, Callable
 
 from . import protocol
 from .connection import (
-    NO_VALUE, ClientConnection, ListenSnapshot, Notification, check_reply, int_field, next_request_id,
-    notification_of, reply_value, request_frame,
+    NO_VALUE, ClientConnection, ListenSnapshot, Notification, check_reply, int_field, item_table,
+    next_request_id, notification_of, reply_value, request_frame,
 )
 from .errors import ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UsageError
 from .wire.frames import Frame
@@ -151,6 +151,26 @@ class Client:
     def peek(self, bin: str, timeout: float | None = _DEFAULT) -> list:
         """Return all items of ``bin`` without removing them."""
         return self._call(protocol.PEEK, bin, timeout=timeout)
+
+    def save(self, bin: str, path, *, overwrite: bool = False, timeout: float | None = _DEFAULT) -> int:
+        """Write the items of ``bin`` (which keeps them) to the local directory ``path``.
+
+        The bytes the server sent go straight to memory-mappable files, one
+        numbered subdirectory per item (tensordict's layout); nothing is decoded or
+        pickled.  ``tensorshare.load_memmap(path)`` maps them back.  Returns the
+        number of items saved.
+        """
+        from .memmap import save_items
+
+        frame = self._call(protocol.PEEK, bin, timeout=timeout, decode=False)
+        table = item_table(check_reply(frame), frame.payload_len)
+        payload = memoryview(frame.payload.numpy()) if frame.payload_len else memoryview(b"")
+        items, base = [], 0
+        for blob, size in table:
+            items.append((blob, payload[base : base + size], size))
+            base += size
+        save_items(path, items, overwrite=overwrite)
+        return len(items)
 
     def list(self, timeout: float | None = _DEFAULT) -> dict[str, int]:
         """``{bin: n_items}`` for every bin on the server."""

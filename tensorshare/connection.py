@@ -157,16 +157,21 @@ def reply_value(op: str, frame: Frame, device: Any = None, limits: DecodeLimits 
     return None
 
 
-def decode_items(header: dict, payload, payload_len: int, device: Any = None,
-                 limits: DecodeLimits = DEFAULT_LIMITS) -> list:
-    """The values of an ITEMS (226) reply; their arrays view the one payload tensor."""
+def item_table(header: dict, payload_len: int) -> list[tuple[Any, int]]:
+    """``[(description blob, payload bytes), ...]`` of an ITEMS (226) reply, checked."""
     blobs, sizes = header.get("items"), header.get("sizes")
     if not (isinstance(blobs, list) and isinstance(sizes, list) and len(blobs) == len(sizes)):
         raise ProtocolError("items reply needs equally long 'items' and 'sizes' lists")
     if not all(type(s) is int and s >= 0 for s in sizes) or sum(sizes) != payload_len:
         raise ProtocolError(f"item sizes {sizes!r} do not add up to the payload's {payload_len} bytes")
+    return list(zip(blobs, sizes))
+
+
+def decode_items(header: dict, payload, payload_len: int, device: Any = None,
+                 limits: DecodeLimits = DEFAULT_LIMITS) -> list:
+    """The values of an ITEMS (226) reply; their arrays view the one payload tensor."""
     values, base = [], 0
-    for blob, size in zip(blobs, sizes):
+    for blob, size in item_table(header, payload_len):
         desc = parse_description(blob, size, limits)
         try:
             values.append(build(desc, payload, base, device))

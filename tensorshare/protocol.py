@@ -32,6 +32,7 @@ GREETING = 220  # service ready (sent once, on connect)
 ITEMS = 226  # items follow in the payload
 DONE = 250  # requested bin action completed
 UNAVAILABLE = 421  # shutting down / too many connections
+LOCAL_ERROR = 451  # the server could not read what it stores (a disk error)
 STORAGE_FULL = 452  # no room in the memory budget or on disk
 BAD_FRAME = 500  # syntax error: malformed frame or header
 BAD_ARGS = 501  # syntax error in parameters

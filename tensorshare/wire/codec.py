@@ -36,7 +36,7 @@ from .description import (
 from .dtypes import NUMPY_WIDTHS, TORCH_WIDTHS
 
 __all__ = [
-    "encode", "Encoded", "build", "empty_payload", "as_payload_tensor", "TORCH_DTYPES", "NUMPY_DTYPES",
+    "encode", "Encoded", "build", "assemble", "array_view", "empty_payload", "as_payload_tensor", "TORCH_DTYPES", "NUMPY_DTYPES",
     # re-exported from .description, so that one module names the whole codec
     "ALIGN", "DecodeLimits", "DEFAULT_LIMITS", "Description", "ArraySpec", "parse_description",
     "check_description", "align_up", "KIND_TORCH", "KIND_NUMPY", "MAX_DIMS",
@@ -249,9 +249,14 @@ def build(desc: Description, payload: torch.Tensor, base: int = 0, device: Any =
         # Slicing and viewing a numpy twin of the payload costs a fraction of the
         # same torch ops; the arrays still view the payload's memory.
         flat = payload.numpy()
-        arrays = [_build_array(spec, payload, flat, base, device) for spec in desc.arrays]
+        arrays = [array_view(spec, flat, base + spec.offset, device) for spec in desc.arrays]
     else:
         arrays = []
+    return assemble(desc, arrays)
+
+
+def assemble(desc: Description, arrays: list) -> Any:
+    """The value of ``desc``, with ``arrays[i]`` wherever it refers to array ``i``."""
 
     def resolve(node: Any) -> Any:
         if isinstance(node, _ArrayRef):
@@ -267,18 +272,21 @@ def build(desc: Description, payload: torch.Tensor, base: int = 0, device: Any =
     return resolve(desc.tree)
 
 
-def _build_array(spec: ArraySpec, payload: torch.Tensor, flat: np.ndarray, base: int, device: Any) -> Any:
-    start = base + spec.offset
+def array_view(spec: ArraySpec, flat: np.ndarray, start: int, device: Any = None) -> Any:
+    """The array ``spec`` describes, viewing ``flat[start:start + spec.nbytes]`` (uint8)."""
+    data = flat[start : start + spec.nbytes]
     if spec.kind == KIND_NUMPY:
-        return flat[start : start + spec.nbytes].view(NUMPY_DTYPES[spec.dtype]).reshape(spec.shape)
+        return data.view(NUMPY_DTYPES[spec.dtype]).reshape(spec.shape)
     dtype = TORCH_DTYPES.get(spec.dtype)
     if dtype is None:
         raise ProtocolError(f"dtype {spec.dtype} is not supported by this torch build ({torch.__version__})")
     twin = _BUFFER_DTYPES.get(dtype)
     if twin is not None:
-        tensor = torch.from_numpy(flat[start : start + spec.nbytes].view(twin).reshape(spec.shape))
-    else:
-        tensor = payload[start : start + spec.nbytes].view(dtype).reshape(spec.shape)
+        tensor = torch.from_numpy(data.view(twin).reshape(spec.shape))
+    elif spec.nbytes:
+        tensor = torch.from_numpy(data).view(dtype).reshape(spec.shape)
+    else:  # numpy gives an empty array stride 0, which torch will not view as another width
+        tensor = torch.empty(spec.shape, dtype=dtype)
     if device is not None:
         tensor = tensor.to(device)
     return tensor

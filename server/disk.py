@@ -1,0 +1,71 @@
+"""Disk work off the reactor thread: a thread pool whose jobs of one lane run in order.
+
+The server's :class:`~.storage.Storage` hands blocking file work (writing an item,
+moving a floor, deleting a bin) to :class:`ThreadJobs`.  Jobs of the same lane (a
+bin, for the data directory) run one after the other in submission order, so the
+files of a bin change in the order the store does; jobs of different lanes, and
+lane-less jobs (spills), run in parallel.  Completion callbacks run on the reactor
+thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Callable
+
+from twisted.internet import threads
+from twisted.python.failure import Failure
+from twisted.python.threadpool import ThreadPool
+
+log = logging.getLogger("tensorshare.server")
+
+
+class ThreadJobs:
+    """The :class:`~.storage.Jobs` of a running server."""
+
+    def __init__(self, reactor, max_threads: int = 4):
+        self.reactor = reactor
+        self.pool = ThreadPool(minthreads=0, maxthreads=max_threads, name="tensorshare-disk")
+        self.pool.start()
+        self._lanes: dict[str, deque] = {}  # lane -> jobs waiting behind its running one
+
+    def run(self, lane: str | None, fn: Callable, args: tuple,
+            on_done: Callable[[object, BaseException | None], None] | None = None) -> None:
+        job = (fn, args, on_done)
+        if lane is not None:
+            waiting = self._lanes.get(lane)
+            if waiting is not None:
+                waiting.append(job)
+                return
+            self._lanes[lane] = deque()
+        self._start(lane, job)
+
+    def run_threadsafe(self, lane: str | None, fn: Callable, args: tuple) -> None:
+        self.reactor.callFromThread(self.run, lane, fn, args)
+
+    def _start(self, lane: str | None, job: tuple) -> None:
+        fn, args, on_done = job
+        d = threads.deferToThreadPool(self.reactor, self.pool, fn, *args)
+        d.addBoth(self._finished, lane, fn, on_done)
+
+    def _finished(self, result, lane: str | None, fn: Callable, on_done) -> None:
+        error = result.value if isinstance(result, Failure) else None
+        try:
+            if on_done is not None:
+                on_done(None if error is not None else result, error)
+            elif error is not None:
+                log.error("disk job %s failed: %s", getattr(fn, "__name__", fn), error)
+        except Exception:
+            log.exception("completion of disk job %s failed", getattr(fn, "__name__", fn))
+        finally:
+            if lane is not None:
+                waiting = self._lanes[lane]
+                if waiting:
+                    self._start(lane, waiting.popleft())
+                else:
+                    del self._lanes[lane]
+
+    def stop(self) -> None:
+        """Finish the running jobs and stop the threads (blocks)."""
+        self.pool.stop()

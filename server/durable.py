@@ -1,0 +1,208 @@
+"""The durable data directory: every acknowledged item on disk, and the bins rebuilt at start.
+
+Layout under the data directory::
+
+    bins/<sha256 of the bin name, 32 hex digits>/
+        bin.json                   {"name": the bin's name}
+        floor                      items numbered below this were taken by a GET
+        00000000000000000042/      an APPENDed item (tensorshare.layout)
+        00000000000000000057.put/  a PUT item: every lower-numbered item is superseded
+    trash/                         deleted bins, removed in the background
+
+Item numbers come from one counter that only grows (restarted above the largest
+number found), so the order of a bin's directories is the order of its items.
+Every change is one atomic rename: an item directory appears whole (written under
+a temporary name first), a PUT supersedes the bin's older items by its name alone, a
+GET moves the floor (a file replaced by rename), a DELETE moves the bin to the
+trash.  So a server killed at any moment restarts into a state that existed, with
+every acknowledged item.  Bin names are data: the directory name is a hash, the name
+itself is read from ``bin.json``.
+
+Everything here blocks on the file system: the server runs it on its disk threads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import uuid
+from dataclasses import dataclass, field
+
+from tensorshare.layout import LayoutError, StoredItem, read_item, write_item
+from tensorshare.wire.description import DEFAULT_LIMITS, DecodeLimits
+
+log = logging.getLogger("tensorshare.server")
+
+_PUT_SUFFIX = ".put"
+_NUMBER_DIGITS = 20
+
+
+@dataclass
+class LoadedBin:
+    """A bin found in the data directory: its items in order, each with its number."""
+
+    name: str
+    items: list[tuple[int, StoredItem]] = field(default_factory=list)
+
+
+@dataclass
+class Loaded:
+    """What :meth:`DataDir.load` found."""
+
+    bins: dict[str, LoadedBin]
+    next_number: int
+    problems: list[str]  # corrupt or foreign entries, reported and skipped
+
+
+def _atomic_write(path: str, text: str, fsync: bool) -> None:
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class DataDir:
+    """Blocking operations on one data directory (see the module docstring)."""
+
+    def __init__(self, root: str, fsync: bool = False, limits: DecodeLimits = DEFAULT_LIMITS):
+        self.root = os.path.abspath(root)
+        self.fsync = fsync
+        self.limits = limits
+        self.bins_dir = os.path.join(self.root, "bins")
+        self.trash = os.path.join(self.root, "trash")
+        os.makedirs(self.bins_dir, exist_ok=True)
+        os.makedirs(self.trash, exist_ok=True)
+
+    @staticmethod
+    def bin_key(name: str) -> str:
+        """The directory name of bin ``name``: a hash, so that no name is ever a path."""
+        return hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+    def bin_path(self, name: str) -> str:
+        return os.path.join(self.bins_dir, self.bin_key(name))
+
+    # -- changes (each one atomic)
+
+    def commit(self, name: str, number: int, replace: bool, description: bytes, segments, nbytes: int,
+               tag) -> StoredItem:
+        """Write an item of bin ``name``; ``replace`` (a PUT) supersedes the older ones."""
+        bin_path = self.bin_path(name)
+        if not os.path.isdir(bin_path):
+            self._create_bin(name, bin_path)
+        item_name = f"{number:0{_NUMBER_DIGITS}d}" + (_PUT_SUFFIX if replace else "")
+        return write_item(os.path.join(bin_path, item_name), description, segments, nbytes, tag,
+                          fsync=self.fsync, limits=self.limits)
+
+    def _create_bin(self, name: str, bin_path: str) -> None:
+        tmp = os.path.join(self.bins_dir, f".tmp-{uuid.uuid4().hex}")
+        os.makedirs(tmp)
+        try:
+            _atomic_write(os.path.join(tmp, "bin.json"), json.dumps({"name": name}), self.fsync)
+            os.rename(tmp, bin_path)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not os.path.isdir(bin_path):
+                raise
+        if self.fsync:
+            _fsync_dir(self.bins_dir)
+
+    def set_floor(self, name: str, number: int) -> None:
+        """Mark every item of bin ``name`` numbered below ``number`` as taken."""
+        bin_path = self.bin_path(name)
+        if os.path.isdir(bin_path):
+            _atomic_write(os.path.join(bin_path, "floor"), str(number), self.fsync)
+
+    def delete_bin(self, name: str) -> None:
+        """Remove bin ``name``: moved to the trash at once, its files deleted after."""
+        bin_path = self.bin_path(name)
+        if not os.path.isdir(bin_path):
+            return
+        doomed = os.path.join(self.trash, uuid.uuid4().hex)
+        os.rename(bin_path, doomed)
+        if self.fsync:
+            _fsync_dir(self.bins_dir)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    # -- start-up
+
+    def load(self) -> Loaded:
+        """Find every bin and its live items; clean up what a crash left behind.
+
+        Reads each item's small record and stats its files; array bytes stay on
+        disk.  A corrupt or foreign entry is reported in ``problems`` and skipped.
+        """
+        shutil.rmtree(self.trash, ignore_errors=True)
+        os.makedirs(self.trash, exist_ok=True)
+        bins: dict[str, LoadedBin] = {}
+        problems: list[str] = []
+        highest = 0
+        for entry in sorted(os.listdir(self.bins_dir)):
+            path = os.path.join(self.bins_dir, entry)
+            if entry.startswith(".tmp-"):
+                shutil.rmtree(path, ignore_errors=True)
+                continue
+            try:
+                loaded, top = self._load_bin(path, entry, problems)
+            except (OSError, ValueError, LayoutError) as exc:
+                problems.append(f"{path}: {exc}")
+                continue
+            highest = max(highest, top)
+            if loaded is not None:
+                bins[loaded.name] = loaded
+        for problem in problems:
+            log.warning("data directory: skipped %s", problem)
+        return Loaded(bins, highest + 1, problems)
+
+    def _load_bin(self, path: str, entry: str, problems: list[str]) -> tuple[LoadedBin | None, int]:
+        if not os.path.isdir(path):
+            raise ValueError("not a bin directory")
+        with open(os.path.join(path, "bin.json")) as f:
+            name = json.load(f).get("name")
+        if not isinstance(name, str) or self.bin_key(name) != entry:
+            raise ValueError(f"bin.json names {name!r:.80}, which does not hash to this directory")
+        floor = 0
+        floor_path = os.path.join(path, "floor")
+        if os.path.exists(floor_path):
+            with open(floor_path) as f:
+                floor = int(f.read().strip())
+        numbered = []
+        for item_entry in os.listdir(path):
+            item_path = os.path.join(path, item_entry)
+            if item_entry in ("bin.json", "floor"):
+                continue
+            if item_entry.startswith(".tmp-") or item_entry.startswith("floor.tmp-"):
+                shutil.rmtree(item_path, ignore_errors=True) if os.path.isdir(item_path) else os.unlink(item_path)
+                continue
+            digits = item_entry[: -len(_PUT_SUFFIX)] if item_entry.endswith(_PUT_SUFFIX) else item_entry
+            if len(digits) != _NUMBER_DIGITS or not digits.isdigit():
+                problems.append(f"{item_path}: not an item directory")
+                continue
+            numbered.append((int(digits), item_entry.endswith(_PUT_SUFFIX), item_path))
+        numbered.sort()
+        top = numbered[-1][0] if numbered else 0
+        puts = [number for number, is_put, _ in numbered if is_put]
+        start = max(floor, puts[-1] if puts else 0)
+        loaded = LoadedBin(name)
+        for number, _is_put, item_path in numbered:
+            if number < start:  # superseded by a PUT or taken by a GET: the removal was cut short
+                shutil.rmtree(item_path, ignore_errors=True)
+                continue
+            try:
+                loaded.items.append((number, read_item(item_path, self.limits)))
+            except LayoutError as exc:
+                problems.append(str(exc))
+        return loaded, max(top, floor)

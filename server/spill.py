@@ -1,0 +1,138 @@
+"""Items whose payload lives in files: serving them from memory maps, and the spill area.
+
+An item on disk (spilled, or durable in the data directory) is a directory in the
+layout of :mod:`tensorshare.layout`.  :class:`ItemFiles` says where its arrays are;
+:meth:`ItemFiles.open_parts` maps them read-only and cuts them into
+:class:`FileSpan` parts that the connection's writer copies out one chunk at a time,
+so a reply never holds a spilled item in RAM whole.  The functions here block on the
+file system: the server calls them from its disk thread pool (:mod:`.disk`), except
+``open_parts``, which only opens and maps (no reads: pages come in as the socket
+takes them, with read-ahead asked of the kernel).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import mmap
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+
+from tensorshare.layout import StoredItem, write_item
+
+SPAN = 4 << 20  # bytes copied out of a mapping per part (the writer's send size)
+
+
+class FileSpan:
+    """``length`` bytes of a read-only mapping, copied out when the socket wants them."""
+
+    __slots__ = ("mapping", "start", "stop")
+
+    def __init__(self, mapping: mmap.mmap, start: int, stop: int):
+        self.mapping, self.start, self.stop = mapping, start, stop
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def tobytes(self) -> bytes:
+        """The span's bytes; the mapping's pages are then dropped from this process
+        (the page cache keeps them), so serving a spilled item does not grow RSS."""
+        data = self.mapping[self.start : self.stop]
+        try:
+            self.mapping.madvise(mmap.MADV_DONTNEED, self.start, self.stop - self.start)
+        except (OSError, ValueError, AttributeError):  # pragma: no cover - platforms without madvise
+            pass
+        return data
+
+
+@dataclass(eq=False)
+class ItemFiles:
+    """Where an item's payload lives on disk, and whether the store still wants it."""
+
+    path: str
+    spans: tuple  # ((payload offset, byte count, file path), ...) in payload order
+    nbytes: int
+    lane: str | None = None  # the disk lane (a bin, for the data directory) its removal goes through
+    number: int | None = None  # its number in the data directory (None when spilled)
+    dropped: bool = field(default=False)  # set by the store when the item leaves it
+
+    @classmethod
+    def of(cls, stored: StoredItem, lane: str | None = None, number: int | None = None) -> "ItemFiles":
+        return cls(stored.path, stored.files, stored.nbytes, lane, number)
+
+    def open_parts(self) -> list:
+        """The payload as frame parts: zero padding as ``bytes``, array bytes as spans."""
+        parts, pos = [], 0
+        for offset, length, file in self.spans:
+            if offset > pos:
+                parts.append(bytes(offset - pos))
+            if length:
+                with open(file, "rb") as f:
+                    mapping = mmap.mmap(f.fileno(), length, access=mmap.ACCESS_READ)
+                try:
+                    mapping.madvise(mmap.MADV_WILLNEED)  # start reading ahead, without waiting
+                except (OSError, AttributeError):  # pragma: no cover
+                    pass
+                parts.extend(FileSpan(mapping, i, min(i + SPAN, length)) for i in range(0, length, SPAN))
+            pos = offset + length
+        if self.nbytes > pos:
+            parts.append(bytes(self.nbytes - pos))
+        return parts
+
+
+def remove(files: ItemFiles) -> None:
+    """Delete an item's directory (blocking; mappings already open stay valid)."""
+    shutil.rmtree(files.path, ignore_errors=True)
+
+
+class SpillArea:
+    """A directory of spilled items, one subdirectory each; private and temporary by default.
+
+    In a shared ``root`` each server process works in its own ``spill-<pid>``
+    subdirectory and holds a lock on it; subdirectories whose lock is free belong
+    to servers that died, and are removed when the next server starts.
+    """
+
+    def __init__(self, root: str | None = None):
+        self.owned = root is None
+        self.root = tempfile.mkdtemp(prefix="tensorshare-spill-") if root is None else os.path.abspath(root)
+        os.makedirs(self.root, exist_ok=True)
+        self._remove_orphans()
+        self.items = os.path.join(self.root, f"spill-{os.getpid()}")
+        shutil.rmtree(self.items, ignore_errors=True)
+        os.makedirs(self.items)
+        self._lock = _lock(self.items, blocking=True)
+        self._names = itertools.count()
+
+    def _remove_orphans(self) -> None:
+        for entry in os.listdir(self.root):
+            path = os.path.join(self.root, entry)
+            if entry.startswith("spill-") and os.path.isdir(path):
+                lock = _lock(path, blocking=False)
+                if lock is not None:  # nobody holds it: its server is gone
+                    shutil.rmtree(path, ignore_errors=True)
+                    os.close(lock)
+
+    def write(self, description: bytes, segments, nbytes: int, tag) -> StoredItem:
+        """Write an item to a new directory (blocking)."""
+        return write_item(os.path.join(self.items, str(next(self._names))), description, segments, nbytes, tag)
+
+    def close(self) -> None:
+        """Remove every spilled file (the server is stopping)."""
+        shutil.rmtree(self.root if self.owned else self.items, ignore_errors=True)
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+
+
+def _lock(directory: str, blocking: bool) -> int | None:
+    """An open descriptor holding an exclusive lock on ``directory``'s lock file, or None if taken."""
+    fd = os.open(os.path.join(directory, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+    except OSError:
+        os.close(fd)
+        return None
+    return fd

@@ -1,0 +1,288 @@
+"""The on-disk layout of a stored item: tensordict's memory-mapped layout, torch-free.
+
+One directory per item.  Each array of the value is one raw ``*.memmap`` file
+(C-contiguous, little-endian, exactly the array's bytes); a value that is a dict
+gets tensordict's structure: nested dicts become subdirectories, and every level
+has a ``meta.json`` with each tensor's dtype and shape, so that
+``tensordict.TensorDict.load_memmap(item_dir)`` opens a stored dict of tensors.
+Non-tensor leaves that JSON can carry appear there as tensordict ``NonTensorData``.
+
+The source of truth is ``.tensorshare.msgpack`` (a name no key can take: keys that
+become file names never start with a dot): the value's description blob exactly as
+it travelled, its tag, its payload length and the relative path of every array's
+file.  Arrays that have no clean dict path (inside lists, tuples, under keys that
+are not safe file names, or a bare tensor) live in ``.arrays/<index>.memmap``.
+
+Writing goes to a hidden temporary sibling directory that is renamed into place
+last, so a reader (or a server restarted after a crash) sees a whole item or
+nothing.  Keys are data, never paths: only keys matching :data:`_SAFE_KEY` become
+file names, and every path read back is checked to stay inside the item directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import msgpack
+
+from .errors import ProtocolError
+from .wire.description import (
+    DEFAULT_LIMITS, Description, DecodeLimits, _ArrayRef, _TupleNode, parse_description,
+)
+from .wire.dtypes import TORCH_WIDTHS
+
+__all__ = ["LayoutError", "StoredItem", "write_item", "read_item", "array_paths", "RECORD", "FORMAT"]
+
+RECORD = ".tensorshare.msgpack"
+FORMAT = 1
+_FALLBACK_DIR = ".arrays"
+# A key becomes a file or directory name only if it is short, starts with a letter,
+# digit or underscore, and cannot collide with the layout's own names.
+_SAFE_KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,127}")
+_RESERVED_SUFFIXES = (".memmap", ".json", ".msgpack")
+_TENSORDICT_TYPE = "<class 'tensordict._td.TensorDict'>"
+_NON_TENSOR_TYPE = "<class 'tensordict.tensorclass.NonTensorData'>"
+_PARALLEL_MIN = 8 << 20  # bytes from which array files are written by several threads
+_WRITE_CHUNK = 64 << 20  # bytes per write() call
+
+
+class LayoutError(ProtocolError):
+    """A directory that does not hold a whole, valid item (corrupt, foreign or partial)."""
+
+
+@dataclass(frozen=True)
+class StoredItem:
+    """An item found on disk: its description, tag, and where each array's bytes are."""
+
+    path: str
+    description: bytes
+    tag: int | None
+    nbytes: int  # payload length
+    files: tuple  # ((offset in the payload, byte count, absolute file path), ...) in payload order
+
+
+def _safe_key(key: str) -> bool:
+    return bool(_SAFE_KEY.fullmatch(key)) and not key.endswith(_RESERVED_SUFFIXES)
+
+
+def array_paths(desc: Description) -> list[str]:
+    """The relative file path of each array of ``desc`` (posix separators).
+
+    An array reached first through a chain of safe dict keys from the root lives at
+    ``key/key/.../key.memmap``; any other array at ``.arrays/<index>.memmap``.
+    """
+    paths: list[str | None] = [None] * len(desc.arrays)
+    if isinstance(desc.tree, dict):
+        stack = [("", desc.tree)]
+        while stack:
+            prefix, node = stack.pop()
+            for key, child in node.items():
+                if not _safe_key(key):
+                    continue
+                if isinstance(child, _ArrayRef) and paths[child.index] is None:
+                    paths[child.index] = f"{prefix}{key}.memmap"
+                elif isinstance(child, dict):
+                    stack.append((f"{prefix}{key}/", child))
+    return [p if p is not None else f"{_FALLBACK_DIR}/{i}.memmap" for i, p in enumerate(paths)]
+
+
+def _json_leaf(node: Any) -> bool:
+    """True if ``node`` holds no arrays, bytes or tuples and survives JSON unchanged."""
+    if node is None or isinstance(node, (bool, str)):
+        return True
+    if isinstance(node, int):
+        return True
+    if isinstance(node, float):
+        return math.isfinite(node)
+    if isinstance(node, list) and not isinstance(node, _TupleNode):
+        return all(_json_leaf(x) for x in node)
+    if isinstance(node, dict):
+        return all(_json_leaf(x) for x in node.values())
+    return False
+
+
+def _metadata(desc: Description, paths: list[str]) -> dict[str, dict]:
+    """``{relative dir: meta.json content}`` giving tensordict the structure of a dict value."""
+    out: dict[str, dict] = {}
+
+    def level(prefix: str, node: dict) -> None:
+        meta: dict[str, Any] = {}
+        for key, child in node.items():
+            if not _safe_key(key):
+                continue
+            if isinstance(child, _ArrayRef):
+                spec = desc.arrays[child.index]
+                if paths[child.index] == f"{prefix}{key}.memmap" and spec.dtype in TORCH_WIDTHS:
+                    meta[key] = {"device": "cpu", "shape": list(spec.shape), "dtype": f"torch.{spec.dtype}",
+                                 "is_nested": False}
+            elif isinstance(child, dict):
+                meta[key] = {"type": "TensorDict"}
+                level(f"{prefix}{key}/", child)
+            elif _json_leaf(child):
+                meta[key] = {"type": "NonTensorData"}
+                out[f"{prefix}{key}/"] = {"_type": _NON_TENSOR_TYPE, "data": child, "_metadata": None,
+                                          "_is_non_tensor": True}
+        meta.update({"shape": [], "device": "cpu", "_type": _TENSORDICT_TYPE})
+        out[prefix] = meta
+
+    if isinstance(desc.tree, dict):
+        level("", desc.tree)
+    return out
+
+
+class _Payload:
+    """Random access to a payload given as a sequence of buffers (the received segments)."""
+
+    def __init__(self, segments: Sequence):
+        self.segments = [memoryview(s).cast("B") for s in segments]
+        self.starts = []
+        pos = 0
+        for s in self.segments:
+            self.starts.append(pos)
+            pos += s.nbytes
+        self.nbytes = pos
+
+    def views(self, start: int, length: int):
+        """Memoryviews covering ``payload[start:start+length]``."""
+        end = start + length
+        for seg_start, seg in zip(self.starts, self.segments):
+            seg_end = seg_start + seg.nbytes
+            if seg_end <= start or seg_start >= end:
+                continue
+            yield seg[max(start, seg_start) - seg_start : min(end, seg_end) - seg_start]
+
+
+def _write_file(path: str, views, fsync: bool) -> None:
+    with open(path, "wb") as f:
+        for view in views:
+            for i in range(0, view.nbytes, _WRITE_CHUNK):
+                f.write(view[i : i + _WRITE_CHUNK])
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_item(path: str, description: bytes, segments: Sequence, nbytes: int, tag: int | None = None, *,
+               fsync: bool = False, threads: int | None = None,
+               limits: DecodeLimits = DEFAULT_LIMITS) -> StoredItem:
+    """Write one item into the new directory ``path``, whole or not at all; returns it.
+
+    ``segments`` are buffers whose concatenation is the payload.  Files are written
+    into a temporary sibling directory that is renamed to ``path`` last; with
+    ``fsync`` the files and both directories are flushed to stable storage before
+    the function returns.  ``threads`` writes array files in parallel (default:
+    several threads for payloads of 8 MiB and more).  Raises ``OSError`` (disk full,
+    permissions...) after removing the temporary directory.
+    """
+    desc = parse_description(description, nbytes, limits)
+    payload = _Payload(segments)
+    if payload.nbytes != nbytes:
+        raise ValueError(f"segments hold {payload.nbytes} bytes, not {nbytes}")
+    paths = array_paths(desc)
+    parent, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(parent, f".tmp-{name}-{uuid.uuid4().hex[:8]}")
+    os.makedirs(tmp)
+    try:
+        dirs = {os.path.dirname(p) for p in paths} | {d.rstrip("/") for d in _metadata(desc, paths)}
+        for d in sorted(dirs):
+            if d:
+                os.makedirs(os.path.join(tmp, d), exist_ok=True)
+        jobs = [(os.path.join(tmp, p), spec.offset, spec.nbytes) for p, spec in zip(paths, desc.arrays)]
+
+        def write(job) -> None:
+            file, offset, length = job
+            _write_file(file, payload.views(offset, length), fsync)
+
+        if threads is None:
+            threads = min(8, len(jobs)) if nbytes >= _PARALLEL_MIN else 1
+        if threads > 1 and len(jobs) > 1:
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(write, jobs))
+        else:
+            for job in jobs:
+                write(job)
+        for d, meta in _metadata(desc, paths).items():
+            with open(os.path.join(tmp, d, "meta.json"), "w") as f:
+                json.dump(meta, f)
+        record = {"format": FORMAT, "description": description, "tag": tag, "nbytes": nbytes, "files": paths}
+        _write_file(os.path.join(tmp, RECORD), [memoryview(msgpack.packb(record, use_bin_type=True))], fsync)
+        if fsync:
+            for d in sorted(dirs | {""}, reverse=True):
+                _fsync_dir(os.path.join(tmp, d))
+        os.rename(tmp, path)
+        if fsync:
+            _fsync_dir(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    path = os.path.join(parent, name)
+    files = tuple((spec.offset, spec.nbytes, os.path.join(path, *p.split("/"))) for p, spec in zip(paths, desc.arrays))
+    return StoredItem(path, description, tag, nbytes, files)
+
+
+def _inside(root: str, relative: Any) -> str:
+    """``root/relative``, refusing anything that is not a plain relative path below root."""
+    if not isinstance(relative, str) or not relative or "\x00" in relative:
+        raise LayoutError(f"bad file entry {relative!r:.80}")
+    parts = relative.split("/")
+    if relative.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise LayoutError(f"file entry {relative!r:.80} leaves the item directory")
+    return os.path.join(root, *parts)
+
+
+def read_item(path: str, limits: DecodeLimits = DEFAULT_LIMITS) -> StoredItem:
+    """Read and check the item directory ``path`` (its record and its files' sizes).
+
+    Reads only the small record and stats the files: the arrays' bytes stay on
+    disk.  Raises :class:`LayoutError` for anything that is not a whole item
+    written by :func:`write_item`.
+    """
+    record_path = os.path.join(path, RECORD)
+    try:
+        with open(record_path, "rb") as f:
+            raw = f.read(limits.max_nodes + (64 << 20))
+        record = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except OSError as exc:
+        raise LayoutError(f"{path}: cannot read its record: {exc}") from None
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise LayoutError(f"{path}: malformed record: {exc}") from None
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        raise LayoutError(f"{path}: not a tensorshare item of format {FORMAT}")
+    description, tag, nbytes, files = (record.get(k) for k in ("description", "tag", "nbytes", "files"))
+    if not (isinstance(description, bytes) and type(nbytes) is int and isinstance(files, list)):
+        raise LayoutError(f"{path}: record lacks description, nbytes or files")
+    if tag is not None and type(tag) is not int:
+        raise LayoutError(f"{path}: bad tag {tag!r:.40}")
+    try:
+        desc = parse_description(description, nbytes, limits)
+    except ProtocolError as exc:
+        raise LayoutError(f"{path}: bad description: {exc}") from None
+    if len(files) != len(desc.arrays):
+        raise LayoutError(f"{path}: {len(files)} files for {len(desc.arrays)} arrays")
+    located = []
+    for spec, relative in zip(desc.arrays, files):
+        file = _inside(path, relative)
+        try:
+            size = os.stat(file).st_size
+        except OSError as exc:
+            raise LayoutError(f"{path}: missing array file {relative!r}: {exc}") from None
+        if size != spec.nbytes:
+            raise LayoutError(f"{path}: {relative!r} holds {size} bytes, the array has {spec.nbytes}")
+        located.append((spec.offset, spec.nbytes, file))
+    return StoredItem(path, description, tag, nbytes, tuple(located))

@@ -1,0 +1,94 @@
+"""Values on local disk as memory-mapped files, in the layout the server's disk tier uses.
+
+``save_memmap(value, path)`` writes one value (a state dict, say) as a directory of
+raw ``*.memmap`` files plus metadata (:mod:`tensorshare.layout`, tensordict's
+layout); ``Client.save(bin, path)`` writes a bin's items the same way, one
+numbered subdirectory per item, straight from the bytes the server sent.
+``load_memmap(path)`` maps them back: tensors view the files, and pages are read
+only when touched, so loading takes the same time for 1 MiB and 100 GiB.  Unlike
+``torch.load``, nothing here can run code from the files.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from typing import Any, Sequence
+
+import numpy as np
+
+from .layout import RECORD, StoredItem, read_item, write_item
+from .wire.codec import array_view, assemble, encode
+from .wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
+
+__all__ = ["save_memmap", "load_memmap", "save_items"]
+
+_ITEM_DIGITS = 8
+
+
+def save_memmap(value: Any, path: str | os.PathLike, *, fsync: bool = False, threads: int | None = None) -> None:
+    """Write ``value`` to the new directory ``path`` (whole, or not at all).
+
+    A dict of tensors can also be opened with ``tensordict.TensorDict.load_memmap``.
+    Large values are written by several threads.
+    """
+    enc = encode(value)
+    write_item(os.fspath(path), enc.description, enc.buffers, enc.nbytes, fsync=fsync, threads=threads)
+
+
+def save_items(path: str | os.PathLike, items: Sequence[tuple[bytes, Any, int]], *, overwrite: bool = False,
+               fsync: bool = False) -> None:
+    """Write items given as ``(description, payload buffer, nbytes)`` to the new
+    directory ``path``, as ``path/00000000``, ``path/00000001``...
+
+    The directory appears whole: it is written under a temporary name and renamed.
+    An existing ``path`` is replaced only with ``overwrite=True``.
+    """
+    path = os.path.abspath(os.fspath(path))
+    if os.path.exists(path) and not overwrite:
+        raise FileExistsError(f"{path} exists (pass overwrite=True to replace it)")
+    parent, name = os.path.split(path)
+    tmp = os.path.join(parent, f".tmp-{name}-{uuid.uuid4().hex[:8]}")
+    os.makedirs(tmp)
+    try:
+        for i, (description, payload, nbytes) in enumerate(items):
+            write_item(os.path.join(tmp, f"{i:0{_ITEM_DIGITS}d}"), description, [payload], nbytes, fsync=fsync)
+        if os.path.exists(path):
+            old = os.path.join(parent, f".old-{name}-{uuid.uuid4().hex[:8]}")
+            os.rename(path, old)
+            os.rename(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _load_item(stored: StoredItem, writable: bool, device: Any, limits: DecodeLimits) -> Any:
+    desc = parse_description(stored.description, stored.nbytes, limits)
+    mode = "r+" if writable else "c"
+    arrays = []
+    for spec, (_offset, nbytes, file) in zip(desc.arrays, stored.files):
+        flat = np.memmap(file, dtype=np.uint8, mode=mode, shape=(nbytes,)) if nbytes else np.empty(0, np.uint8)
+        arrays.append(array_view(spec, flat, 0, device))
+    return assemble(desc, arrays)
+
+
+def load_memmap(path: str | os.PathLike, *, writable: bool = False, device: Any = None,
+                limits: DecodeLimits = DEFAULT_LIMITS) -> Any:
+    """Map back what :func:`save_memmap` or ``Client.save`` wrote.
+
+    A directory written by ``save_memmap`` gives its value; one written by
+    ``Client.save`` gives the list of the bin's items, as ``peek`` would.
+    Tensors map the files copy-on-write: changing them changes memory, not the
+    files, unless ``writable=True`` (then they write through to the files).
+    ``device`` copies tensors there (reading them whole).  Raises
+    :class:`~tensorshare.layout.LayoutError` for a directory that holds no whole item.
+    """
+    path = os.fspath(path)
+    if os.path.exists(os.path.join(path, RECORD)):
+        return _load_item(read_item(path, limits), writable, device, limits)
+    entries = sorted(e for e in os.listdir(path) if len(e) == _ITEM_DIGITS and e.isdigit())
+    return [_load_item(read_item(os.path.join(path, e), limits), writable, device, limits) for e in entries]
