@@ -14,16 +14,18 @@ _LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
 class ServerProcess:
     """Start ``python -m tensorshare_server`` and learn its port from its first line."""
 
-    def __init__(self, *args: str, port: int = 0, start_timeout: float = 30.0):
+    def __init__(self, *args: str, port: int = 0, start_timeout: float = 30.0, preexec_fn=None):
         self.args = list(args)
         self.port = port
         self.start_timeout = start_timeout
+        self.preexec_fn = preexec_fn  # run in the child before exec (resource limits)
         self.proc: subprocess.Popen | None = None
         self.start()
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "tensorshare_server", "--host", "127.0.0.1", "--port", str(self.port), *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     preexec_fn=self.preexec_fn)
         deadline = time.monotonic() + self.start_timeout
         line = self.proc.stdout.readline()  # the server prints it first thing
         match = _LISTENING.search(line or "")
@@ -62,6 +64,14 @@ class ServerProcess:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def rss(self) -> int:
+        """The server's resident memory in bytes (VmRSS)."""
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmRSS")
 
 
 class FakeServer:
