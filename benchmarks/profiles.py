@@ -50,10 +50,15 @@ class Profile:
     rl_roll_run_s: float               # seconds the workers append per run
     rl_roll_runs: int
     rl_worker_lifetime_s: float        # the RL worker processes exit by themselves after this
+    # 6. disk tier
+    disk_peek_bytes: int = 256 * MiB   # the item peeked from memory and from its spilled files
+    disk_reps: int = 5
+    disk_sd_side: int = 256            # the checkpoint: statedict_tensors tensors of side x side float32
+    disk_limit_bytes: int = 64 * MiB   # --memory-limit of the RSS run (which stores 4x this)
 
 
 QUICK = Profile(
-    name="quick", sections=("wire", "large", "small", "scaling", "rl"), time_limit_s=900, warmup=1,
+    name="quick", sections=("wire", "large", "small", "scaling", "rl", "disk"), time_limit_s=900, warmup=1,
     wire_tensor_bytes=64 * MiB, wire_reps=3, statedict_tensors=100, statedict_shape=(256, 256),
     large_sizes=(1 * MiB, 16 * MiB, 256 * MiB), large_reps=9, large_reps_big=3, large_reps_small=30,
     client_timeout_s=120,
@@ -66,7 +71,7 @@ QUICK = Profile(
 )
 
 FULL = Profile(
-    name="full", sections=("wire", "large", "small", "scaling", "rl"), time_limit_s=3600, warmup=1,
+    name="full", sections=("wire", "large", "small", "scaling", "rl", "disk"), time_limit_s=3600, warmup=1,
     wire_tensor_bytes=256 * MiB, wire_reps=5, statedict_tensors=100, statedict_shape=(256, 256),
     large_sizes=(1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB), large_reps=7, large_reps_big=5,
     large_reps_small=50,
@@ -77,10 +82,11 @@ FULL = Profile(
     rss_total_bytes=1024 * MiB, rss_bins=16, rss_runs=3,
     rl_workers=8, rl_fan_tensors=16, rl_fan_tensor_elems=1 << 20, rl_fan_reps=9,
     rl_roll_cols=(64, 1024, 8192), rl_roll_run_s=3.0, rl_roll_runs=5, rl_worker_lifetime_s=900,
+    disk_peek_bytes=1024 * MiB, disk_reps=7, disk_sd_side=512, disk_limit_bytes=256 * MiB,
 )
 
 SMOKE = Profile(
-    name="smoke", sections=("wire", "large", "small", "scaling", "rl"), time_limit_s=240, warmup=1,
+    name="smoke", sections=("wire", "large", "small", "scaling", "rl", "disk"), time_limit_s=240, warmup=1,
     wire_tensor_bytes=1 * MiB, wire_reps=1, statedict_tensors=4, statedict_shape=(16, 16),
     large_sizes=(64 << 10,), large_reps=1, large_reps_big=1, large_reps_small=1, client_timeout_s=30,
     small_ops=20, small_runs=1, pipelined_ops=200, pipelined_runs=1, async_window=16,
@@ -89,6 +95,7 @@ SMOKE = Profile(
     rss_total_bytes=4 * MiB, rss_bins=2, rss_runs=1,
     rl_workers=2, rl_fan_tensors=4, rl_fan_tensor_elems=1 << 16, rl_fan_reps=1,
     rl_roll_cols=(64,), rl_roll_run_s=0.3, rl_roll_runs=1, rl_worker_lifetime_s=120,
+    disk_peek_bytes=4 * MiB, disk_reps=1, disk_sd_side=16, disk_limit_bytes=8 * MiB,
 )
 
 PROFILES = {p.name: p for p in (SMOKE, QUICK, FULL)}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 
-from . import client_bench, machine, rl_bench, small_ops, scaling, wire_bench
+from . import client_bench, disk_bench, machine, rl_bench, small_ops, scaling, wire_bench
 from .baselines import RedisPeer, TCPStorePeer
 from .procs import ChildError, PeerMissing, stop_all
 from .profiles import Profile
@@ -24,6 +24,7 @@ SECTIONS = {
     "small": small_ops.run,
     "scaling": scaling.run,
     "rl": rl_bench.run,
+    "disk": disk_bench.run,
 }
 
 

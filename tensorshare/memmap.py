@@ -11,6 +11,7 @@ only when touched, so loading takes the same time for 1 MiB and 100 GiB.  Unlike
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import uuid
@@ -66,13 +67,20 @@ def save_items(path: str | os.PathLike, items: Sequence[tuple[bytes, Any, int]],
         raise
 
 
+def _map(file: str, nbytes: int, writable: bool) -> np.ndarray:
+    """The file's bytes as a uint8 array over a mapping: shared if ``writable``, else
+    copy-on-write (private; writes stay in memory).  Pages are read when touched."""
+    if not nbytes:
+        return np.empty(0, np.uint8)
+    with open(file, "r+b" if writable else "rb") as f:
+        mapping = mmap.mmap(f.fileno(), nbytes, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_COPY)
+    return np.frombuffer(mapping, dtype=np.uint8)
+
+
 def _load_item(stored: StoredItem, writable: bool, device: Any, limits: DecodeLimits) -> Any:
     desc = parse_description(stored.description, stored.nbytes, limits)
-    mode = "r+" if writable else "c"
-    arrays = []
-    for spec, (_offset, nbytes, file) in zip(desc.arrays, stored.files):
-        flat = np.memmap(file, dtype=np.uint8, mode=mode, shape=(nbytes,)) if nbytes else np.empty(0, np.uint8)
-        arrays.append(array_view(spec, flat, 0, device))
+    arrays = [array_view(spec, _map(file, nbytes, writable), 0, device)
+              for spec, (_offset, nbytes, file) in zip(desc.arrays, stored.files)]
     return assemble(desc, arrays)
 
 
