@@ -53,7 +53,7 @@ class Profile:
     # 6. disk tier
     disk_peek_bytes: int = 256 * MiB   # the item peeked from memory and from its spilled files
     disk_reps: int = 5
-    disk_sd_side: int = 256            # the checkpoint: statedict_tensors tensors of side x side float32
+    disk_sd_side: int = 512            # the checkpoint: statedict_tensors tensors of side x side float32
     disk_limit_bytes: int = 64 * MiB   # --memory-limit of the RSS run (which stores 4x this)
 
 

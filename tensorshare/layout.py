@@ -50,7 +50,11 @@ _SAFE_KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,127}")
 _RESERVED_SUFFIXES = (".memmap", ".json", ".msgpack")
 _TENSORDICT_TYPE = "<class 'tensordict._td.TensorDict'>"
 _NON_TENSOR_TYPE = "<class 'tensordict.tensorclass.NonTensorData'>"
-_PARALLEL_MIN = 8 << 20  # bytes from which array files are written by several threads
+# Payload size from which array files are written by several threads.  Measured here
+# (2 cores): 25 MiB in 100 files took longer with 2-4 threads than with one; 400 MiB
+# took 25% less with 4.
+_PARALLEL_MIN = 64 << 20
+_PARALLEL_THREADS = 4
 _WRITE_CHUNK = 64 << 20  # bytes per write() call
 
 
@@ -187,7 +191,7 @@ def write_item(path: str, description: bytes, segments: Sequence, nbytes: int, t
     into a temporary sibling directory that is renamed to ``path`` last; with
     ``fsync`` the files and both directories are flushed to stable storage before
     the function returns.  ``threads`` writes array files in parallel (default:
-    several threads for payloads of 8 MiB and more).  Raises ``OSError`` (disk full,
+    several threads for payloads of 64 MiB and more).  Raises ``OSError`` (disk full,
     permissions...) after removing the temporary directory.
     """
     desc = parse_description(description, nbytes, limits)
@@ -210,7 +214,7 @@ def write_item(path: str, description: bytes, segments: Sequence, nbytes: int, t
             _write_file(file, payload.views(offset, length), fsync)
 
         if threads is None:
-            threads = min(8, len(jobs)) if nbytes >= _PARALLEL_MIN else 1
+            threads = min(_PARALLEL_THREADS, len(jobs)) if nbytes >= _PARALLEL_MIN else 1
         if threads > 1 and len(jobs) > 1:
             with ThreadPoolExecutor(threads) as pool:
                 list(pool.map(write, jobs))
