@@ -464,3 +464,54 @@ def test_spill_dir_is_cleaned_up(tmp_path):
     assert [f for f in _files_under(str(spill)) if not f.endswith(".lock")] == []
     srv.stop()  # and a clean stop removes its own
     assert _files_under(str(spill)) == []
+
+
+_LOAD_WRITER = r"""
+import sys, time, torch, tensorshare
+port, w, seconds, size = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+c = tensorshare.Client("127.0.0.1", port, timeout=10, max_backoff=0.2)
+end = time.monotonic() + seconds
+i = 0
+while time.monotonic() < end:
+    try:
+        c.append(f"load-{w}", {"w": w, "i": i, "data": torch.full((size,), float(i))})
+        print("ok", i, flush=True)
+    except tensorshare.TensorShareError as exc:  # the server restarts: try again with the next item
+        print("failed", i, flush=True)
+        time.sleep(0.05)
+    i += 1
+c.close()
+"""
+
+
+def test_restart_under_load_loses_no_acknowledged_item(tmp_path):
+    """Writers keep appending while the server is killed (-9) and stopped (SIGTERM) and
+    restarted on its data directory; they reconnect by themselves."""
+    srv = ServerProcess("--data-dir", str(tmp_path / "data"), "--memory-limit", "32MiB")
+    writers = [subprocess.Popen([sys.executable, "-c", _LOAD_WRITER, str(srv.port), str(w), "7", str(64 << 10)],
+                                stdout=subprocess.PIPE, text=True) for w in range(4)]
+    try:
+        time.sleep(2.0)
+        srv.kill()
+        srv.start()
+        time.sleep(1.5)
+        srv.stop()
+        srv.start()
+        outputs = [p.communicate(timeout=60)[0] for p in writers]
+        with tensorshare.Client("127.0.0.1", srv.port, timeout=30) as c:
+            for w, out in enumerate(outputs):
+                acked = [int(x.split()[1]) for x in out.splitlines() if x.startswith("ok")]
+                failed = {int(x.split()[1]) for x in out.splitlines() if x.startswith("failed")}
+                assert len(acked) > 20, (w, len(acked), len(failed))
+                items = c.peek(f"load-{w}")
+                present = [item["i"] for item in items]
+                assert present == sorted(set(present))  # in order, no duplicates
+                assert set(acked) <= set(present) <= set(acked) | failed
+                for item in items:
+                    assert item["w"] == w and torch.equal(item["data"], torch.full((64 << 10,), float(item["i"])))
+        assert srv.rss() < 32 * MiB + RSS_OVERHEAD
+    finally:
+        for p in writers:
+            p.kill()
+            p.wait()
+        srv.stop()
