@@ -113,7 +113,7 @@ class Storage:
                 self._watch(item)
             self.store.load(name, items)
             count += len(items)
-        self.store._seq = loaded.next_number  # sequence numbers keep growing across restarts
+        self.store.continue_from(loaded.next_number)  # sequence numbers keep growing across restarts
         return count
 
     # -- changes

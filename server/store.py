@@ -144,6 +144,10 @@ class BinStore:
         items = self._clear(b)
         return items, self._changed(name, b, "GET")
 
+    def continue_from(self, seq: int) -> None:
+        """Number the next change above ``seq`` (a restarted store continues its numbering)."""
+        self._seq = max(self._seq, seq)
+
     def load(self, name: str, items: list[Item]) -> None:
         """Add a bin found on disk at start-up, with its items (no limits, no change)."""
         b = self._bins.get(name) or self._bins.setdefault(name, _Bin())

@@ -469,7 +469,7 @@ def test_spill_dir_is_cleaned_up(tmp_path):
 _LOAD_WRITER = r"""
 import sys, time, torch, tensorshare
 port, w, seconds, size = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
-c = tensorshare.Client("127.0.0.1", port, timeout=10, max_backoff=0.2)
+c = tensorshare.connect("127.0.0.1", port, retry_for=30, timeout=10, max_backoff=0.2)
 end = time.monotonic() + seconds
 i = 0
 while time.monotonic() < end:
@@ -488,21 +488,23 @@ def test_restart_under_load_loses_no_acknowledged_item(tmp_path):
     """Writers keep appending while the server is killed (-9) and stopped (SIGTERM) and
     restarted on its data directory; they reconnect by themselves."""
     srv = ServerProcess("--data-dir", str(tmp_path / "data"), "--memory-limit", "32MiB")
-    writers = [subprocess.Popen([sys.executable, "-c", _LOAD_WRITER, str(srv.port), str(w), "7", str(64 << 10)],
+    writers = [subprocess.Popen([sys.executable, "-c", _LOAD_WRITER, str(srv.port), str(w), "6", str(64 << 10)],
                                 stdout=subprocess.PIPE, text=True) for w in range(4)]
     try:
-        time.sleep(2.0)
+        firsts = [p.stdout.readline() for p in writers]  # every writer is appending
+        assert all(line.startswith("ok") for line in firsts), firsts
+        time.sleep(1.0)
         srv.kill()
         srv.start()
         time.sleep(1.5)
         srv.stop()
         srv.start()
-        outputs = [p.communicate(timeout=60)[0] for p in writers]
+        outputs = [first + p.communicate(timeout=60)[0] for first, p in zip(firsts, writers)]
         with tensorshare.Client("127.0.0.1", srv.port, timeout=30) as c:
             for w, out in enumerate(outputs):
                 acked = [int(x.split()[1]) for x in out.splitlines() if x.startswith("ok")]
                 failed = {int(x.split()[1]) for x in out.splitlines() if x.startswith("failed")}
-                assert len(acked) > 20, (w, len(acked), len(failed))
+                assert len(acked) > 10, (w, len(acked), len(failed))
                 items = c.peek(f"load-{w}")
                 present = [item["i"] for item in items]
                 assert present == sorted(set(present))  # in order, no duplicates
