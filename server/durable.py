@@ -31,7 +31,7 @@ import shutil
 import uuid
 from dataclasses import dataclass, field
 
-from tensorshare.layout import LayoutError, StoredItem, read_item, write_item
+from tensorshare.layout import LayoutError, StoredItem, fsync_dir, read_item, write_item
 from tensorshare.wire.description import DEFAULT_LIMITS, DecodeLimits
 
 log = logging.getLogger("tensorshare.server")
@@ -65,14 +65,6 @@ def _atomic_write(path: str, text: str, fsync: bool) -> None:
             f.flush()
             os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class DataDir:
@@ -118,7 +110,7 @@ class DataDir:
             if not os.path.isdir(bin_path):
                 raise
         if self.fsync:
-            _fsync_dir(self.bins_dir)
+            fsync_dir(self.bins_dir)
 
     def set_floor(self, name: str, number: int) -> None:
         """Mark every item of bin ``name`` numbered below ``number`` as taken."""
@@ -134,7 +126,7 @@ class DataDir:
         doomed = os.path.join(self.trash, uuid.uuid4().hex)
         os.rename(bin_path, doomed)
         if self.fsync:
-            _fsync_dir(self.bins_dir)
+            fsync_dir(self.bins_dir)
         shutil.rmtree(doomed, ignore_errors=True)
 
     # -- start-up

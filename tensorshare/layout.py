@@ -174,7 +174,8 @@ def _write_file(path: str, views, fsync: bool) -> None:
             os.fsync(f.fileno())
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """Flush a directory's entries (a rename into it, say) to stable storage."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -228,10 +229,10 @@ def write_item(path: str, description: bytes, segments: Sequence, nbytes: int, t
         _write_file(os.path.join(tmp, RECORD), [memoryview(msgpack.packb(record, use_bin_type=True))], fsync)
         if fsync:
             for d in sorted(dirs | {""}, reverse=True):
-                _fsync_dir(os.path.join(tmp, d))
+                fsync_dir(os.path.join(tmp, d))
         os.rename(tmp, path)
         if fsync:
-            _fsync_dir(parent)
+            fsync_dir(parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
