@@ -102,6 +102,17 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB or 8GB)") from None
 
 
+def _seconds(text: str) -> float:
+    """Parse a positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Namespace]:
     parser = argparse.ArgumentParser(prog="tensorshare-server", description="Serve tensorshare bins over TCP.")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (0: pick a free one and print it)")
@@ -118,10 +129,20 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Na
     parser.add_argument("--max-listens", type=int, default=ServerConfig.max_listens, help="per connection")
     parser.add_argument("--max-depth", type=int, default=ServerConfig.max_depth, help="nesting of a value")
     parser.add_argument("--max-nodes", type=int, default=ServerConfig.max_nodes, help="nodes of a value's structure")
+    flow = parser.add_argument_group("flow control (a client that does not read its replies)")
+    flow.add_argument("--max-outbound", type=_size, default=ServerConfig.max_outbound,
+                      help="bytes of unsent replies and notifications one connection may keep alive before the "
+                           "server stops reading its requests and coalesces its notifications (default 64MiB)")
+    flow.add_argument("--outbound-stall-timeout", type=_seconds, default=ServerConfig.outbound_stall_timeout,
+                      metavar="SECONDS", help="disconnect a connection over --max-outbound that takes no byte "
+                                              "for this long (default 60)")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING...")
     args = parser.parse_args(argv)
     known = {f.name for f in fields(ServerConfig)}
-    config = ServerConfig(**{k: v for k, v in vars(args).items() if k in known})
+    try:
+        config = ServerConfig(**{k: v for k, v in vars(args).items() if k in known})
+    except ValueError as exc:
+        parser.error(str(exc))
     return config, args
 
 

@@ -9,6 +9,7 @@ frames (lists of ``bytes`` parts) to its :class:`Outbox`.  The Twisted adapter i
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -22,14 +23,20 @@ from .notify import ListenerRegistry
 from .store import BinStore, Item
 
 log = logging.getLogger("tensorshare.server")
-_DISCARD = DiscardSink(0)  # stateless: one serves every request that takes no payload
+_DISCARD = DiscardSink(0)
+_LASTING = frozenset({protocol.PUT, protocol.APPEND, protocol.DELETE})  # verbs whose effect outlives the connection  # stateless: one serves every request that takes no payload
 
 
 class Outbox(Protocol):
     """Where a session's frames go, whole and in order."""
 
+    congested: bool  # too much is queued: take no more requests until it is not (server/flow.py)
+
     def send(self, parts: list, on_abandon: Callable[[], None] | None = None) -> None:
         """Queue one frame; ``on_abandon`` runs if the connection dies before it is written."""
+
+    def notify(self, name: str, frame: bytes) -> None:
+        """Queue a notification about bin ``name`` (may replace an unsent one while congested)."""
 
     def close(self) -> None:
         """Close the connection once everything queued has been written."""
@@ -66,6 +73,11 @@ class ServerSession:
         self.peer = peer
         self.listening: set[str] = set()
         self.closed = False
+        # Whole requests not handled yet because the outbox is congested (flow
+        # control: the adapter stops reading while there are any), and the framing
+        # error to report once they are handled.
+        self._backlog: deque[Frame] = deque()
+        self._broken: str | None = None
         self._decoder = FrameDecoder(self._payload_sink, state.config.frame_limits)
         # The config's limits are properties that build a new object per access.
         self._decode_limits = state.config.decode_limits
@@ -78,37 +90,78 @@ class ServerSession:
                     "server": f"tensorshare/{__version__}", "version": protocol.PROTOCOL_VERSION})
 
     def data_received(self, data: bytes) -> None:
-        if self.closed:
+        if self.closed or self._broken is not None:
             return
         try:
             frames = self._decoder.feed(data)
         except ProtocolError as exc:
-            for frame in getattr(exc, "frames", ()):  # whole requests before the bad bytes
-                self._handle(frame)
-            log.info("closing %s: %s", self.peer, exc)
-            self._send({"code": protocol.BAD_FRAME, "id": 0, "msg": str(exc)})
-            self.closed = True
-            self.outbox.close()
+            frames = getattr(exc, "frames", [])  # whole requests before the bad bytes
+            self._broken = str(exc)
+        if self._backlog:
+            self._backlog.extend(frames)
+            self._work()
             return
-        for frame in frames:
+        outbox = self.outbox
+        for i, frame in enumerate(frames):
+            if outbox.congested:  # the peer is not reading its replies: hold the rest back
+                self._backlog.extend(frames[i:])
+                return
             self._handle(frame)
+        if self._broken is not None:
+            self._fail()
 
     @property
     def receiving_payload(self) -> int:
         """Bytes of payload still to come for the frame being received (0 if none)."""
         return self._decoder.payload_remaining
 
+    @property
+    def backlogged(self) -> bool:
+        """True while whole requests wait for the outbox to drain: read no more."""
+        return bool(self._backlog)
+
+    def resume(self) -> None:
+        """Handle the requests held back while the outbox was congested."""
+        if not self.closed:
+            self._work()
+
     def connection_lost(self) -> None:
+        # A request that arrived whole takes effect even if its reply cannot be sent
+        # (PROTOCOL.md §8.3): of those held back, run the ones whose effect outlives
+        # the connection (the others would only have produced their reply).
+        backlog, self._backlog = self._backlog, deque()
+        for frame in backlog:
+            if frame.header.get("op") in _LASTING:
+                self._handle(frame)
         self.closed = True
         for name in self.listening:
             self.state.listeners.discard(name, self)
         self.listening.clear()
+
+    def _work(self) -> None:
+        backlog, outbox = self._backlog, self.outbox
+        while backlog and not outbox.congested:
+            self._handle(backlog.popleft())
+        if not backlog and self._broken is not None:
+            self._fail()
+
+    def _fail(self) -> None:
+        """Report the framing error (after every request before it) and close."""
+        message, self._broken = self._broken, None
+        log.info("closing %s: %s", self.peer, message)
+        self._send({"code": protocol.BAD_FRAME, "id": 0, "msg": message})
+        self.closed = True
+        self.outbox.close()
 
     # -- the Listener interface (notifications from other sessions)
 
     def send(self, parts: list, on_abandon=None) -> None:
         if not self.closed:
             self.outbox.send(parts, on_abandon)
+
+    def notify(self, name: str, frame: bytes) -> None:
+        if not self.closed:
+            self.outbox.notify(name, frame)
 
     # -- dispatch
 
