@@ -241,6 +241,7 @@ class FrameWriter:
     def connection_lost(self) -> None:
         """Run the abandon hooks of every frame not yet handed to the transport whole."""
         self._lost = True
+        self._on_congested = self._on_drained = _nothing  # they refer back to the protocol
         queue, self._queue = self._queue, deque()
         self._waiting_notes.clear()
         for _parts, _index, on_abandon, _name in queue:
@@ -362,9 +363,9 @@ class TensorShareProtocol(protocol.Protocol):
         if idle < budget.stall_timeout:
             self._stall_check = self.factory.clock.callLater(self._stall_poll(), self._check_stall)
             return
-        log.warning("disconnecting %s: it took no byte for %.1f s while %d bytes were queued for it "
-                    "(over max_outbound %d; %d notifications coalesced)", self.session.peer, idle,
-                    budget.queued, budget.limit, self.writer.coalesced)
+        log.warning("disconnecting %s: it took no byte for %.1f s while %d bytes waited for it "
+                    "(congested since they passed max_outbound, %d; %d notifications coalesced)",
+                    self.session.peer, idle, budget.queued, budget.limit, self.writer.coalesced)
         self.transport.abortConnection()
 
     def _outbound_drained(self) -> None:

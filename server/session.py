@@ -78,7 +78,7 @@ class ServerSession:
         # error to report once they are handled.
         self._backlog: deque[Frame] = deque()
         self._broken: str | None = None
-        self._decoder = FrameDecoder(self._payload_sink, state.config.frame_limits)
+        self._decoder: FrameDecoder | None = FrameDecoder(self._payload_sink, state.config.frame_limits)
         # The config's limits are properties that build a new object per access.
         self._decode_limits = state.config.decode_limits
         self._max_bin_name = state.config.max_bin_name
@@ -113,7 +113,7 @@ class ServerSession:
     @property
     def receiving_payload(self) -> int:
         """Bytes of payload still to come for the frame being received (0 if none)."""
-        return self._decoder.payload_remaining
+        return self._decoder.payload_remaining if self._decoder is not None else 0
 
     @property
     def backlogged(self) -> bool:
@@ -134,6 +134,10 @@ class ServerSession:
             if frame.header.get("op") in _LASTING:
                 self._handle(frame)
         self.closed = True
+        # The decoder refers back to this session (its sink factory): drop it now, so
+        # that a payload cut off mid-frame (up to max_frame bytes) is freed at once,
+        # not whenever the cyclic garbage collector next runs.
+        self._decoder = None
         for name in self.listening:
             self.state.listeners.discard(name, self)
         self.listening.clear()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -14,8 +15,9 @@ _LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
 class ServerProcess:
     """Start ``python -m tensorshare_server`` and learn its port from its first line."""
 
-    def __init__(self, *args: str, port: int = 0, start_timeout: float = 30.0, log_path=None):
+    def __init__(self, *args: str, port: int = 0, start_timeout: float = 30.0, log_path=None, env=None):
         self.args = list(args)
+        self.env = None if env is None else {**os.environ, **env}  # extra environment variables
         self.port = port
         self.start_timeout = start_timeout
         self.log_path = log_path  # where the server's stderr goes (its log); None: a pipe
@@ -26,7 +28,7 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "tensorshare_server", "--host", "127.0.0.1", "--port", str(self.port), *self.args]
         stderr = open(self.log_path, "a") if self.log_path is not None else subprocess.PIPE
         try:
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=self.env)
         finally:
             if self.log_path is not None:
                 stderr.close()

@@ -12,7 +12,7 @@ import torch
 
 import tensorshare
 from serverproc import ServerProcess
-from wiretools import RawConnection, raw_frame, wait_for
+from wiretools import RawConnection, StrictTransport, raw_frame, wait_for
 from tensorshare import protocol
 from tensorshare.connection import NO_VALUE, request_frame
 from tensorshare.wire.codec import encode
@@ -23,49 +23,6 @@ from tensorshare_server.notify import ListenerRegistry, notification_frame
 from tensorshare_server.service import FrameWriter
 from tensorshare_server.session import ServerSession, ServerState
 from tensorshare_server.store import BinStore, Change, Item
-
-
-class StrictTransport:
-    """A transport that, like Twisted's TCP one, takes only bytes, buffers what the
-    'socket' has not taken and pauses its producer past ``buffer_size`` bytes."""
-
-    def __init__(self, buffer_size: int = 1024):
-        self.buffer_size = buffer_size
-        self.buffered: list[bytes] = []
-        self.delivered = bytearray()
-        self.producer = None
-        self.paused = False
-        self.closed = False
-
-    def registerProducer(self, producer, streaming):
-        assert streaming
-        self.producer = producer
-
-    def unregisterProducer(self):
-        self.producer = None
-
-    def loseConnection(self):
-        self.closed = True
-
-    def write(self, data):
-        if type(data) is not bytes:
-            raise TypeError(f"Data must be bytes, not {type(data).__name__}")
-        self.buffered.append(data)
-        if sum(map(len, self.buffered)) > self.buffer_size and not self.paused:
-            self.paused = True
-            self.producer.pauseProducing()
-
-    def drain(self) -> None:
-        """The peer read everything buffered; resume the producer as Twisted does."""
-        for data in self.buffered:
-            self.delivered += data
-        self.buffered.clear()
-        if self.paused:
-            self.paused = False
-            self.producer.resumeProducing()
-
-    def frames(self) -> list[dict]:
-        return [f.header for f in FrameDecoder().feed(bytes(self.delivered))]
 
 
 class FakeClock:

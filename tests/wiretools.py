@@ -5,6 +5,8 @@ from __future__ import annotations
 import socket
 import time
 
+from twisted.internet.address import IPv4Address
+
 from tensorshare import protocol
 from tensorshare.connection import request_frame
 from tensorshare.wire.frames import FrameDecoder
@@ -64,3 +66,58 @@ def raw_frame(rid, op, name=None, value=None, tag=None) -> bytes:
     """One request frame as bytes (``value=None``: no value)."""
     parts = request_frame(rid, op, name, tag=tag) if value is None else request_frame(rid, op, name, value, tag)
     return b"".join(bytes(p) for p in parts)
+
+
+class StrictTransport:
+    """A transport that, like Twisted's TCP one, takes only bytes, buffers what the
+    'socket' has not taken and pauses its producer past ``buffer_size`` bytes."""
+
+    def __init__(self, buffer_size: int = 1024):
+        self.buffer_size = buffer_size
+        self.buffered: list[bytes] = []
+        self.delivered = bytearray()
+        self.producer = None
+        self.paused = False
+        self.closed = False
+
+    def setTcpNoDelay(self, enabled):
+        pass
+
+    def getPeer(self):
+        return IPv4Address("TCP", "127.0.0.1", 40000)
+
+    def pauseProducing(self):  # of reading: nothing to read here
+        pass
+
+    def resumeProducing(self):
+        pass
+
+    def registerProducer(self, producer, streaming):
+        assert streaming
+        self.producer = producer
+
+    def unregisterProducer(self):
+        self.producer = None
+
+    def loseConnection(self):
+        self.closed = True
+
+    def write(self, data):
+        if type(data) is not bytes:
+            raise TypeError(f"Data must be bytes, not {type(data).__name__}")
+        self.buffered.append(data)
+        if sum(map(len, self.buffered)) > self.buffer_size and not self.paused:
+            self.paused = True
+            self.producer.pauseProducing()
+
+    def drain(self) -> None:
+        """The peer read everything buffered; resume the producer as Twisted does."""
+        for data in self.buffered:
+            self.delivered += data
+        self.buffered.clear()
+        if self.paused:
+            self.paused = False
+            self.producer.resumeProducing()
+
+    def frames(self) -> list[dict]:
+        return [f.header for f in FrameDecoder().feed(bytes(self.delivered))]
