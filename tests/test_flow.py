@@ -323,6 +323,8 @@ def test_clients_and_rl_wrappers_tolerate_coalesced_notifications(tmp_path):
                 seqs = [x.seq for x in seen if x.bin == name]
                 assert all(a < b for a, b in zip(seqs, seqs[1:]))
             assert len(seen) < 2 * n  # coalesced: this test is void without it
+            print(f"\ncoalescing: {2 * n} changes while 3 clients read nothing; the listener got "
+                  f"{len(seen)} notifications")
 
             # The worker learns the newest version; the trainer collects every rollout.
             while worker.version < n - 1:
@@ -376,7 +378,10 @@ def test_a_writer_that_does_not_read_its_replies_is_slowed_by_tcp_not_by_server_
             executed = observer.list()["bp-count"]
             time.sleep(0.5)
             assert observer.list()["bp-count"] == executed < pairs // 4
-            assert server.rss() - baseline < 48 << 20
+            grown = server.rss() - baseline
+            assert grown < 48 << 20
+            print(f"\nbackpressure: the server stopped reading after {sent / 2**20:.0f} of {len(data) / 2**20:.0f} "
+                  f"MiB, having run {executed} of {pairs} PUT/PEEK/APPEND triples; its RSS grew {grown / 2**20:.0f} MiB")
             assert observer.ping() < 1  # everyone else is served meanwhile
 
             # Now read: the server resumes, every request runs, every reply arrives in order.
