@@ -131,7 +131,8 @@ class FrameWriter:
 
     def _drop(self, entry: list) -> None:
         """Take a waiting notification out of the queue (a newer one replaces it)."""
-        self.budget.discharge(entry[0], written=False)
+        if self.budget.discharge(entry[0], written=False):
+            self._on_drained()
         entry[0] = None
         self.coalesced += 1
         self._dropped += 1

@@ -135,6 +135,23 @@ def test_coalescing_keeps_the_queue_bounded_for_a_reader_that_never_reads():
     assert writer.budget.queued < 1000 + 2048 + 200
 
 
+def test_a_coalesced_notification_that_ends_the_congestion_says_so():
+    """Else a session whose requests wait for the drain would wait for ever."""
+    writer, transport, events = make_writer(limit=1000, buffer_size=10)
+    writer.send(reply(1))
+    assert transport.paused
+    writer.send(reply(2, 448))
+    notes = {f"b{i}": note(f"b{i}", i, 1) for i in range(9)}  # 62 bytes each
+    for name, frame in notes.items():
+        writer.notify(name, frame)
+    assert writer.congested and events == ["congested"]
+    while writer.budget.queued > sum(map(len, notes.values())):
+        transport.drain()  # the reply leaves, part by part; the notifications wait behind the pause
+    assert writer.congested and 500 < writer.budget.queued < 500 + len(notes["b0"])
+    writer.notify("b0", note("b0", 99, 2))  # drops the waiting b0 notification: under half now
+    assert events == ["congested", "drained"] and not writer.congested
+
+
 def test_abandoned_replies_run_their_hooks_and_notifications_do_not_count():
     writer, transport, events = make_writer(limit=1000, buffer_size=10)
     abandoned = []
@@ -441,3 +458,18 @@ def test_a_reader_that_reads_nothing_is_disconnected_and_a_slow_one_is_not(tmp_p
             assert client.peek("st")[0].equal(item)
     finally:
         server.stop()
+
+
+def test_flow_control_options_on_the_command_line():
+    import subprocess
+    import sys
+
+    from tensorshare_server.app import parse_args
+
+    config, _ = parse_args(["--max-outbound", "8MiB", "--outbound-stall-timeout", "2.5"])
+    assert (config.max_outbound, config.outbound_stall_timeout) == (8 << 20, 2.5)
+    assert (ServerConfig().max_outbound, ServerConfig().outbound_stall_timeout) == (64 << 20, 60.0)
+    for bad in (["--max-outbound", "0"], ["--outbound-stall-timeout", "0"], ["--outbound-stall-timeout", "nan"]):
+        out = subprocess.run([sys.executable, "-m", "tensorshare_server", *bad], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 2 and "error" in out.stderr, (bad, out.stderr)
