@@ -182,7 +182,7 @@ def test_a_listener_that_stops_reading_while_a_gigabyte_is_published(tmp_path):
                 rss_peak = max(rss_peak, server.rss())
             assert wait_for(lambda: "took no byte" in server.log(), timeout=20)
             assert stuck.closed_by_peer(timeout=10)
-            assert reader.ping() < 1
+            assert reader.ping() < 5
             rss_end = server.rss()
         log = server.log()
         assert log.count("took no byte") == 1 and "Traceback" not in log

@@ -5,9 +5,11 @@ real server over loopback."""
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
 
+import pytest
 import torch
 
 import tensorshare
@@ -305,6 +307,15 @@ def pipelined(client, requests) -> list:
     return results
 
 
+def kernel_send_buffer_max() -> int:
+    """The most a TCP socket's send buffer can grow to here (Linux), else a guess."""
+    try:
+        with open("/proc/sys/net/ipv4/tcp_wmem") as f:
+            return int(f.read().split()[2])
+    except (OSError, ValueError, IndexError):
+        return 4 << 20
+
+
 def test_clients_and_rl_wrappers_tolerate_coalesced_notifications(tmp_path):
     """Three real clients behind a stopped proxy fall behind by 2 x 12,000 changes; the
     server coalesces their notifications, and they still end in the right state."""
@@ -313,7 +324,8 @@ def test_clients_and_rl_wrappers_tolerate_coalesced_notifications(tmp_path):
     server = ServerProcess("--max-outbound", "64KiB", log_path=tmp_path / "server.log")
     proxy = PausableProxy(server.port)
     experiment = "x" * 240  # long bin names: big notifications, so that fewer fill the kernel's buffers
-    n = 12_000
+    # Enough changes to fill the server's socket send buffer (its kernel limit) twice over.
+    n = max(12_000, 2 * kernel_send_buffer_max() // (2 * 320))
     try:
         with RLTrainer("127.0.0.1", proxy.port, experiment=experiment, filter_version=False) as trainer, \
                 RLWorker("127.0.0.1", proxy.port, experiment=experiment) as worker, \
@@ -399,7 +411,7 @@ def test_a_writer_that_does_not_read_its_replies_is_slowed_by_tcp_not_by_server_
             assert grown < 48 << 20
             print(f"\nbackpressure: the server stopped reading after {sent / 2**20:.0f} of {len(data) / 2**20:.0f} "
                   f"MiB, having run {executed} of {pairs} PUT/PEEK/APPEND triples; its RSS grew {grown / 2**20:.0f} MiB")
-            assert observer.ping() < 1  # everyone else is served meanwhile
+            assert observer.ping() < 5  # everyone else is served meanwhile
 
             # Now read: the server resumes, every request runs, every reply arrives in order.
             replies = []
@@ -427,6 +439,8 @@ def test_a_writer_that_does_not_read_its_replies_is_slowed_by_tcp_not_by_server_
         server.stop()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"),
+                    reason="a slow reader's progress is seen in the kernel's send queue (SIOCOUTQ) on Linux only")
 def test_a_reader_that_reads_nothing_is_disconnected_and_a_slow_one_is_not(tmp_path):
     server = ServerProcess("--max-outbound", "1MiB", "--outbound-stall-timeout", "1",
                            log_path=tmp_path / "server.log")
@@ -444,7 +458,7 @@ def test_a_reader_that_reads_nothing_is_disconnected_and_a_slow_one_is_not(tmp_p
                 time.sleep(0.01)
                 received += len(slow.sock.recv(16384))
             assert time.monotonic() - start > 2  # slower than the stall timeout, yet never stalled
-            assert client.ping() < 1
+            assert client.ping() < 5
             assert wait_for(lambda: "took no byte" in server.log(), timeout=10)
             assert stuck.closed_by_peer(timeout=5)
             slow.send(raw_frame(2, "NOOP"))
@@ -462,7 +476,6 @@ def test_a_reader_that_reads_nothing_is_disconnected_and_a_slow_one_is_not(tmp_p
 
 def test_flow_control_options_on_the_command_line():
     import subprocess
-    import sys
 
     from tensorshare_server.app import parse_args
 
