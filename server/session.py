@@ -23,8 +23,8 @@ from .notify import ListenerRegistry
 from .store import BinStore, Item
 
 log = logging.getLogger("tensorshare.server")
-_DISCARD = DiscardSink(0)
-_LASTING = frozenset({protocol.PUT, protocol.APPEND, protocol.DELETE})  # verbs whose effect outlives the connection  # stateless: one serves every request that takes no payload
+_DISCARD = DiscardSink(0)  # stateless: one serves every request that takes no payload
+_LASTING = frozenset({protocol.PUT, protocol.APPEND, protocol.DELETE})  # effects that outlive the connection
 
 
 class Outbox(Protocol):
@@ -157,11 +157,7 @@ class ServerSession:
         self.closed = True
         self.outbox.close()
 
-    # -- the Listener interface (notifications from other sessions)
-
-    def send(self, parts: list, on_abandon=None) -> None:
-        if not self.closed:
-            self.outbox.send(parts, on_abandon)
+    # -- the Listener interface (notifications from any session)
 
     def notify(self, name: str, frame: bytes) -> None:
         if not self.closed:
@@ -265,6 +261,11 @@ class ServerSession:
         self._send({"code": protocol.OK, "id": rid})
 
     # -- output
+
+    def send(self, parts: list, on_abandon=None) -> None:
+        """Queue a reply (or the greeting), unless the connection is closed."""
+        if not self.closed:
+            self.outbox.send(parts, on_abandon)
 
     def _send(self, header: dict) -> None:
         self.send([frame_head(header, 0)])
