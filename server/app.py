@@ -134,6 +134,17 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB or 8GB)") from None
 
 
+def _seconds(text: str) -> float:
+    """Parse a positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Namespace]:
     parser = argparse.ArgumentParser(prog="tensorshare-server", description="Serve tensorshare bins over TCP.")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (0: pick a free one and print it)")
@@ -163,10 +174,20 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Na
                       help="with --data-dir: flush every change to stable storage before acknowledging it "
                            "(survives power loss, not only a crash of the server)")
     disk.add_argument("--disk-threads", type=int, default=ServerConfig.disk_threads)
+    flow = parser.add_argument_group("flow control (a client that does not read its replies)")
+    flow.add_argument("--max-outbound", type=_size, default=ServerConfig.max_outbound,
+                      help="bytes of unsent replies and notifications one connection may keep alive before the "
+                           "server stops reading its requests and coalesces its notifications (default 64MiB)")
+    flow.add_argument("--outbound-stall-timeout", type=_seconds, default=ServerConfig.outbound_stall_timeout,
+                      metavar="SECONDS", help="disconnect a connection over --max-outbound that takes no byte "
+                                              "for this long (default 60)")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING...")
     args = parser.parse_args(argv)
     known = {f.name for f in fields(ServerConfig)}
-    config = ServerConfig(**{k: v for k, v in vars(args).items() if k in known})
+    try:
+        config = ServerConfig(**{k: v for k, v in vars(args).items() if k in known})
+    except ValueError as exc:
+        parser.error(str(exc))
     return config, args
 
 

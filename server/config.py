@@ -31,6 +31,19 @@ class ServerConfig:
     fsync: bool = False  # flush each change to stable storage before acknowledging it
     disk_threads: int = 4
 
+    # Outbound flow control (server/flow.py): a connection whose unsent frames keep
+    # more than max_outbound bytes alive is read no further and its notifications
+    # are coalesced per bin; if it then takes no byte for outbound_stall_timeout
+    # seconds it is disconnected.
+    max_outbound: int = 64 << 20
+    outbound_stall_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_outbound < 1:
+            raise ValueError("max_outbound must be at least 1 byte")
+        if not self.outbound_stall_timeout > 0:
+            raise ValueError("outbound_stall_timeout must be a positive number of seconds")
+
     @property
     def frame_limits(self) -> FrameLimits:
         return FrameLimits(max_header=self.max_header, max_payload=self.max_frame)

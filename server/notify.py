@@ -12,7 +12,9 @@ from .store import Change
 
 
 class Listener(Protocol):
-    def send(self, parts: list, on_abandon=None) -> None: ...
+    def notify(self, name: str, frame: bytes) -> None:
+        """Queue the notification ``frame`` about bin ``name`` (it may replace an
+        unsent one about the same bin if the listener's connection is congested)."""
 
 
 def notification_frame(change: Change) -> bytes:
@@ -49,4 +51,4 @@ class ListenerRegistry:
             return
         frame = notification_frame(change)
         for listener in tuple(listeners):
-            listener.send([frame])
+            listener.notify(change.bin, frame)

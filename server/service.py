@@ -9,20 +9,31 @@ never sits in memory twice and replies and notifications never interleave.
 from __future__ import annotations
 
 import logging
+import sys
 from collections import deque
 from typing import Callable
 
-from twisted.internet import interfaces, protocol, tcp
+from twisted.internet import interfaces, protocol, reactor, tcp
 from zope.interface import implementer
 
+from .flow import OutboundBudget
 from .session import ServerSession, ServerState
 
 log = logging.getLogger("tensorshare.server")
+
+try:  # SIOCOUTQ: unsent bytes of a TCP socket (Linux); elsewhere only Twisted's buffer is watched
+    import fcntl
+    import termios
+
+    _OUTQ = termios.TIOCOUTQ if sys.platform.startswith("linux") else None
+except ImportError:
+    _OUTQ = None
 
 _LARGE_READ = 1 << 20  # recv size while a large payload streams in
 _SMALL_READ = 1 << 16  # recv size otherwise (Twisted's default)
 _DIRECT_MAX = 64 << 10  # most bytes of small parts sent in one direct send()
 _LARGE_SEND = 4 << 20  # most bytes Twisted passes to one send() (its default: 128 KiB)
+_STALL_POLLS = 4  # looks per stall timeout at a congested connection's progress
 
 
 @implementer(interfaces.IPushProducer)
@@ -39,11 +50,25 @@ class FrameWriter:
     Twisted's.  While the protocol is inside ``dataReceived`` the writer holds its
     frames (:meth:`hold`/:meth:`release`), so the replies to a pipelined batch of
     requests leave in one system call.
+
+    What waits in the queue is accounted in an :class:`~.flow.OutboundBudget`
+    (see :mod:`.flow`).  While it is congested, a notification replaces the one
+    still waiting for the same bin, which leaves the queue; the newer one goes to
+    the back, so it still follows every frame queued before it.
+    ``on_congested``/``on_drained`` are told when the congestion starts and ends;
+    they run inside the writer and must not send anything synchronously.
     """
 
-    def __init__(self, transport):
+    def __init__(self, transport, budget: OutboundBudget | None = None,
+                 on_congested: Callable[[], None] | None = None, on_drained: Callable[[], None] | None = None):
         self.transport = transport
-        self._queue: deque = deque()  # [parts, next index, on_abandon]
+        self.budget = budget if budget is not None else OutboundBudget(1 << 62, float("inf"))
+        self._on_congested = on_congested or _nothing
+        self._on_drained = on_drained or _nothing
+        self._queue: deque = deque()  # [parts (None once coalesced away), next index, on_abandon, bin or None]
+        self._waiting_notes: dict[str, list] = {}  # bin -> its queued notification, not yet written
+        self._dropped = 0  # coalesced-away entries still in the queue
+        self.coalesced = 0  # notifications replaced by a newer one, over the connection's life
         self._paused = False
         self._closing = False
         self._lost = False
@@ -55,14 +80,31 @@ class FrameWriter:
             hasattr(transport, name) for name in ("_tempDataBuffer", "dataBuffer", "offset"))
         self._socket = transport.getHandle() if direct else None
 
+    @property
+    def congested(self) -> bool:
+        """True while the unsent frames are over the budget (see :mod:`.flow`)."""
+        return self.budget.congested
+
     def send(self, parts: list, on_abandon: Callable[[], None] | None = None) -> None:
+        """Queue one frame (a reply: never dropped while the connection lives)."""
         if self._lost or self._closing:
             if on_abandon is not None:
                 on_abandon()
             return
-        self._queue.append([parts, 0, on_abandon])
-        if len(self._queue) == 1 and not self._holding:
-            self._pump()
+        self._enqueue([parts, 0, on_abandon, None])
+
+    def notify(self, name: str, frame: bytes) -> None:
+        """Queue a notification about bin ``name``; while congested it replaces the
+        one for the same bin still waiting to be written."""
+        if self._lost or self._closing:
+            return
+        if self.budget.congested:
+            waiting = self._waiting_notes.get(name)
+            if waiting is not None:
+                self._drop(waiting)
+        entry = [[frame], 0, None, name]
+        self._waiting_notes[name] = entry
+        self._enqueue(entry)
 
     def hold(self) -> None:
         """Queue frames without writing them until :meth:`release`."""
@@ -80,21 +122,60 @@ class FrameWriter:
         if not self._queue:
             self._finish_close()
 
+    def _enqueue(self, entry: list) -> None:
+        self._queue.append(entry)
+        if self.budget.charge(entry[0]):
+            self._on_congested()
+        if not self._holding and not self._paused:
+            self._pump()
+
+    def _drop(self, entry: list) -> None:
+        """Take a waiting notification out of the queue (a newer one replaces it)."""
+        if self.budget.discharge(entry[0], written=False):
+            self._on_drained()
+        entry[0] = None
+        self.coalesced += 1
+        self._dropped += 1
+        queue = self._queue
+        if self._dropped > 32 and 2 * self._dropped > len(queue):
+            # Compact, so a reader that never reads cannot grow the queue with
+            # dropped entries.  The head is never a dropped one mid-write.
+            self._queue = deque(e for e in queue if e[0] is not None)
+            self._dropped = 0
+
+    def _written(self, entry: list) -> None:
+        """An entry was handed to the transport whole: forget it."""
+        name = entry[3]
+        if name is not None and self._waiting_notes.get(name) is entry:
+            del self._waiting_notes[name]
+
     def _pump(self) -> None:
-        queue, write = self._queue, self.transport.write
+        queue, write, budget = self._queue, self.transport.write, self.budget
+        drained = False
         while queue and not self._paused:
-            if self._socket is not None and self._transport_idle() and self._send_direct():
-                continue
+            if self._socket is not None and self._transport_idle():
+                sent = self._send_direct()
+                if sent is not None:
+                    drained |= sent
+                    continue
             entry = queue[0]
             parts, index = entry[0], entry[1]
+            if parts is None:  # coalesced away
+                queue.popleft()
+                self._dropped -= 1
+                continue
             while index < len(parts) and not self._paused:
                 part = parts[index]
                 # Parts are bytes, or spans of a spilled item's mapping, copied out only now.
                 write(part if type(part) is bytes else part.tobytes())  # may call pauseProducing()
                 index += 1
+                drained |= budget.discharge((part,))
             entry[1] = index
             if index == len(parts):
                 queue.popleft()
+                self._written(entry)
+        if drained and not budget.congested:
+            self._on_drained()
         if not queue and self._closing:
             self._finish_close()
 
@@ -104,14 +185,18 @@ class FrameWriter:
         return (t.connected and not t.disconnecting and not t._tempDataBuffer
                 and t.offset == len(t.dataBuffer))
 
-    def _send_direct(self) -> bool:
-        """Send the leading small parts of the queue with one send(); False if none is small."""
+    def _send_direct(self) -> bool | None:
+        """Send the leading small parts of the queue with one send(); None if none is
+        small, else whether that ended the congestion."""
         queue = self._queue
         chunks, total = [], 0
         done = 0  # whole frames taken
         cut = None  # (entry, index) where a partly taken frame stops
         for entry in queue:
             parts, index = entry[0], entry[1]
+            if parts is None:  # coalesced away
+                done += 1
+                continue
             while index < len(parts) and total + len(parts[index]) <= _DIRECT_MAX:
                 part = parts[index]
                 chunks.append(part if type(part) is bytes else part.tobytes())
@@ -122,19 +207,23 @@ class FrameWriter:
                 break
             done += 1
         if not chunks:
-            return False
+            return None
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         try:
             sent = self._socket.send(data)
         except OSError:  # EAGAIN, or a dead socket: Twisted's own write path deals with it
             sent = 0
         for _ in range(done):
-            queue.popleft()
+            entry = queue.popleft()
+            if entry[0] is None:
+                self._dropped -= 1
+            else:
+                self._written(entry)
         if cut is not None:
             cut[0][1] = cut[1]
         if sent < len(data):
             self.transport.write(data[sent:])  # may call pauseProducing() synchronously
-        return True
+        return self.budget.discharge(chunks)
 
     def _finish_close(self) -> None:
         if not self._lost:
@@ -155,14 +244,17 @@ class FrameWriter:
     def connection_lost(self) -> None:
         """Run the abandon hooks of every frame not yet handed to the transport whole."""
         self._lost = True
+        self._on_congested = self._on_drained = _nothing  # they refer back to the protocol
         queue, self._queue = self._queue, deque()
-        for _parts, _index, on_abandon in queue:
+        self._waiting_notes.clear()
+        for _parts, _index, on_abandon, _name in queue:
             if on_abandon is not None:
                 on_abandon()
 
 
 class ReadGate:
-    """Pauses reading a transport while any reason to (disk busy, memory full...) holds."""
+    """Pauses reading a transport while any reason to holds: requests waiting (for the
+    outbox to drain, or for the disk), memory over budget while spilling."""
 
     def __init__(self, transport):
         self.transport = transport
@@ -180,6 +272,35 @@ class ReadGate:
                 self.transport.resumeProducing()
 
 
+def _nothing() -> None:
+    pass
+
+
+def _unsent(transport) -> tuple | None:
+    """What the Twisted socket transport under ``transport`` (a TLS transport wraps
+    one) still holds: bytes in its buffer and, where the OS tells (Linux), in the
+    kernel's send queue, which shrinks with every byte the peer acknowledges.  None
+    if there is nothing to look at.  Only compared with an earlier value."""
+    for _ in range(4):
+        if all(hasattr(transport, name) for name in ("dataBuffer", "offset", "_tempDataLen")):
+            buffered = len(transport.dataBuffer) - transport.offset + transport._tempDataLen
+            return buffered, _kernel_unsent(transport)
+        transport = getattr(transport, "transport", None)
+        if transport is None:
+            break
+    return None
+
+
+def _kernel_unsent(transport) -> int | None:
+    if _OUTQ is None:
+        return None
+    try:
+        raw = fcntl.ioctl(transport.getHandle().fileno(), _OUTQ, b"\0\0\0\0")
+    except (OSError, AttributeError, ValueError):
+        return None
+    return int.from_bytes(raw, sys.byteorder, signed=True)
+
+
 class TensorShareProtocol(protocol.Protocol):
     """One server-side connection."""
 
@@ -188,6 +309,9 @@ class TensorShareProtocol(protocol.Protocol):
         self.writer: FrameWriter | None = None
         self.session: ServerSession | None = None
         self._read_size = 0
+        self._stall_check = None  # DelayedCall while the outbound queue is congested
+        self._last_unsent = None  # what the transport held at the last stall check (_unsent)
+        self._resume_call = None  # DelayedCall that resumes the session after a drain
 
     def connectionMade(self) -> None:
         self.factory.live.add(self)
@@ -197,7 +321,9 @@ class TensorShareProtocol(protocol.Protocol):
         # per large reply by ~40% and a 64 MiB fan-out to 8 readers from ~810 to
         # ~470 ms here.
         self.transport.SEND_LIMIT = _LARGE_SEND
-        self.writer = FrameWriter(self.transport)
+        config = self.state.config
+        budget = OutboundBudget(config.max_outbound, config.outbound_stall_timeout, self.factory.clock.seconds)
+        self.writer = FrameWriter(self.transport, budget, self._outbound_congested, self._outbound_drained)
         self.transport.registerProducer(self.writer, True)
         peer = self.transport.getPeer()
         self.session = ServerSession(self.state, self.writer, f"{peer.host}:{peer.port}", ReadGate(self.transport))
@@ -217,16 +343,64 @@ class TensorShareProtocol(protocol.Protocol):
 
     def connectionLost(self, reason) -> None:
         self.factory.live.discard(self)
+        for call in (self._stall_check, self._resume_call):
+            if call is not None and call.active():
+                call.cancel()
+        self._stall_check = self._resume_call = None
         if self.session is not None:
+            self.writer.connection_lost()  # first: what the session still sends is abandoned
             self.session.connection_lost()
-            self.writer.connection_lost()
+
+    # -- flow control (the policy is in server/flow.py)
+
+    def _outbound_congested(self) -> None:
+        if self._stall_check is None:
+            self._stall_check = self.factory.clock.callLater(self._stall_poll(), self._check_stall)
+
+    def _stall_poll(self) -> float:
+        return self.writer.budget.stall_timeout / _STALL_POLLS
+
+    def _check_stall(self) -> None:
+        self._stall_check = None
+        budget = self.writer.budget
+        if not budget.congested or self.session.closed:
+            return
+        unsent = _unsent(self.transport)
+        if unsent != self._last_unsent:  # the socket took bytes since the last look
+            self._last_unsent = unsent
+            budget.note_progress()
+        idle = budget.stalled_for()
+        if idle < budget.stall_timeout:
+            self._stall_check = self.factory.clock.callLater(self._stall_poll(), self._check_stall)
+            return
+        log.warning("disconnecting %s: it took no byte for %.1f s while %d bytes waited for it "
+                    "(congested since they passed max_outbound, %d; %d notifications coalesced)",
+                    self.session.peer, idle, budget.queued, budget.limit, self.writer.coalesced)
+        self.transport.abortConnection()
+
+    def _outbound_drained(self) -> None:
+        # Called inside the writer: resume the waiting requests on a later turn.
+        if self._resume_call is None:
+            self._resume_call = self.factory.clock.callLater(0, self._resume)
+
+    def _resume(self) -> None:
+        self._resume_call = None
+        if self.session.closed or self.writer.congested:
+            return
+        writer = self.writer
+        writer.hold()
+        try:
+            self.session.resume()  # it stops and starts reading (through its ReadGate) as it goes
+        finally:
+            writer.release()
 
 
 class TensorShareFactory(protocol.Factory):
     """Builds a :class:`TensorShareProtocol` per connection, all sharing one state."""
 
-    def __init__(self, state: ServerState):
+    def __init__(self, state: ServerState, clock=None):
         self.state = state
+        self.clock = clock if clock is not None else reactor  # callLater/seconds, for flow control
         self.live: set[TensorShareProtocol] = set()
 
     def buildProtocol(self, addr) -> TensorShareProtocol:

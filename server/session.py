@@ -27,13 +27,19 @@ from .store import BinStore, Change, Item
 
 log = logging.getLogger("tensorshare.server")
 _DISCARD = DiscardSink(0)  # stateless: one serves every request that takes no payload
+_LASTING = frozenset({protocol.PUT, protocol.APPEND, protocol.DELETE})  # effects that outlive the connection
 
 
 class Outbox(Protocol):
     """Where a session's frames go, whole and in order."""
 
+    congested: bool  # too much is queued: take no more requests until it is not (server/flow.py)
+
     def send(self, parts: list, on_abandon: Callable[[], None] | None = None) -> None:
         """Queue one frame; ``on_abandon`` runs if the connection dies before it is written."""
+
+    def notify(self, name: str, frame: bytes) -> None:
+        """Queue a notification about bin ``name`` (may replace an unsent one while congested)."""
 
     def close(self) -> None:
         """Close the connection once everything queued has been written."""
@@ -99,10 +105,14 @@ class ServerSession:
         self.reads = reads or _NoReads()
         self.listening: set[str] = set()
         self.closed = False
-        # Requests wait here while an earlier one waits for the disk: replies stay in order.
-        self._backlog: deque = deque()
-        self._busy = False
-        self._decoder = FrameDecoder(self._payload_sink, state.config.frame_limits)
+        # Whole requests not handled yet, because the outbox is congested (flow
+        # control) or an earlier request waits for the disk (replies stay in order);
+        # reading stops while there are any.  Then the framing error to report once
+        # they are handled.
+        self._backlog: deque[Frame] = deque()
+        self._busy = False  # a request waits for the disk
+        self._broken: str | None = None
+        self._decoder: FrameDecoder | None = FrameDecoder(self._payload_sink, state.config.frame_limits)
         # The config's limits are properties that build a new object per access.
         self._decode_limits = state.config.decode_limits
         self._max_bin_name = state.config.max_bin_name
@@ -114,38 +124,75 @@ class ServerSession:
                     "server": f"tensorshare/{__version__}", "version": protocol.PROTOCOL_VERSION})
 
     def data_received(self, data: bytes) -> None:
-        if self.closed:
+        if self.closed or self._broken is not None:
             return
         try:
             frames = self._decoder.feed(data)
         except ProtocolError as exc:
-            self._backlog.extend(getattr(exc, "frames", ()))  # whole requests before the bad bytes
-            self._backlog.append(_Broken(str(exc)))
-            self._drain()
-            return
-        if self._busy or self._backlog:
-            self._backlog.extend(frames)
-            self._drain()
-            return
-        for i, frame in enumerate(frames):
-            self._handle(frame)
-            if self._busy:  # the rest waits for the disk
-                self._backlog.extend(frames[i + 1:])
-                return
-
-    def _drain(self) -> None:
-        """Handle waiting requests until one has to wait for the disk."""
-        backlog = self._backlog
-        while backlog and not self._busy and not self.closed:
-            frame = backlog.popleft()
-            if isinstance(frame, _Broken):
-                self._broken(frame.reason)
-            else:
+            frames = getattr(exc, "frames", [])  # whole requests before the bad bytes
+            self._broken = str(exc)
+        if not self._backlog:
+            outbox = self.outbox
+            for i, frame in enumerate(frames):
+                if outbox.congested or self._busy:  # hold the rest back
+                    frames = frames[i:]
+                    break
                 self._handle(frame)
+            else:
+                frames = ()
+        self._backlog.extend(frames)
+        self._work()
 
-    def _broken(self, reason: str) -> None:
-        log.info("closing %s: %s", self.peer, reason)
-        self._send({"code": protocol.BAD_FRAME, "id": 0, "msg": reason})
+    @property
+    def receiving_payload(self) -> int:
+        """Bytes of payload still to come for the frame being received (0 if none)."""
+        return self._decoder.payload_remaining if self._decoder is not None else 0
+
+    @property
+    def backlogged(self) -> bool:
+        """True while whole requests wait (for the outbox to drain, or the disk)."""
+        return bool(self._backlog)
+
+    def resume(self) -> None:
+        """Handle the requests held back while the outbox was congested."""
+        if not self.closed:
+            self._work()
+
+    def connection_lost(self) -> None:
+        # A request that arrived whole takes effect even if its reply cannot be sent
+        # (PROTOCOL.md §8.3): of those held back, run the ones whose effect outlives
+        # the connection (the others would only have produced their reply).
+        backlog, self._backlog = self._backlog, deque()
+        self.closed = True
+        for frame in backlog:
+            if frame.header.get("op") in _LASTING:
+                self._handle(frame)
+        # The decoder refers back to this session (its sink factory): drop it now, so
+        # that a payload cut off mid-frame (up to max_frame bytes) is freed at once,
+        # not whenever the cyclic garbage collector next runs.
+        self._decoder = None
+        for name in self.listening:
+            self.state.listeners.discard(name, self)
+        self.listening.clear()
+
+    def _work(self) -> None:
+        """Handle waiting requests while the outbox and the disk let us; read only
+        while none waits."""
+        backlog, outbox = self._backlog, self.outbox
+        while backlog and not outbox.congested and not self._busy and not self.closed:
+            self._handle(backlog.popleft())
+        if not backlog and not self._busy and self._broken is not None:
+            self._fail()
+        if backlog:
+            self.reads.pause("backlog")
+        else:
+            self.reads.resume("backlog")
+
+    def _fail(self) -> None:
+        """Report the framing error (after every request before it) and close."""
+        message, self._broken = self._broken, None
+        log.info("closing %s: %s", self.peer, message)
+        self._send({"code": protocol.BAD_FRAME, "id": 0, "msg": message})
         self.closed = True
         self.outbox.close()
 
@@ -156,24 +203,14 @@ class ServerSession:
     def _disk_done(self) -> None:
         self._busy = False
         self.reads.resume("disk")
-        self._drain()
-
-    @property
-    def receiving_payload(self) -> int:
-        """Bytes of payload still to come for the frame being received (0 if none)."""
-        return self._decoder.payload_remaining
-
-    def connection_lost(self) -> None:
-        self.closed = True
-        for name in self.listening:
-            self.state.listeners.discard(name, self)
-        self.listening.clear()
-
-    # -- the Listener interface (notifications from other sessions)
-
-    def send(self, parts: list, on_abandon=None) -> None:
         if not self.closed:
-            self.outbox.send(parts, on_abandon)
+            self._work()
+
+    # -- the Listener interface (notifications from any session)
+
+    def notify(self, name: str, frame: bytes) -> None:
+        if not self.closed:
+            self.outbox.notify(name, frame)
 
     # -- dispatch
 
@@ -300,6 +337,11 @@ class ServerSession:
 
     # -- output
 
+    def send(self, parts: list, on_abandon=None) -> None:
+        """Queue a reply (or the greeting), unless the connection is closed."""
+        if not self.closed:
+            self.outbox.send(parts, on_abandon)
+
     def _send(self, header: dict) -> None:
         self.send([frame_head(header, 0)])
 
@@ -329,13 +371,6 @@ class ServerSession:
                   "sizes": [item.nbytes for item in items]}
         parts.insert(0, frame_head(header, sum(item.nbytes for item in items)))
         self.send(parts, on_abandon)
-
-
-class _Broken:
-    """Marks where, among the waiting requests, the stream turned out malformed."""
-
-    def __init__(self, reason: str):
-        self.reason = reason
 
 
 class _StorageCall:

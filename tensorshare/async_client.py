@@ -148,7 +148,8 @@ class AsyncClient:
     @defer.inlineCallbacks
     def listen(self, bin: str, callback: Callable[[Notification], Any]):
         """Call ``callback(notification)`` (on the reactor thread) on every change to
-        ``bin``; fires with the :class:`ListenSnapshot` once listening has started."""
+        ``bin``; fires with the :class:`ListenSnapshot` once listening has started.
+        Far behind (PROTOCOL.md §8.4), only the latest change per bin is told."""
         snapshot = yield self._call(protocol.LISTEN, bin)
         self._listens.setdefault(bin, []).append(callback)
         return snapshot

@@ -194,6 +194,8 @@ class Client:
         returns is missed.  The handle's ``snapshot`` is the bin's state at that
         moment; ``handle.stop()`` stops listening.  Callbacks run in order on the
         client's dispatcher thread, never on a thread that reads the socket.
+        A client that falls far behind (PROTOCOL.md §8.4) gets only the latest
+        change per bin: ``seq`` always grows but may skip.
         """
         handle = Listening(self, bin, callback, None)
 

@@ -8,7 +8,8 @@ Two bins per experiment carry everything:
   put carries the tag, so a worker learns of a new version without downloading it,
   and downloads only when it asks for parameters newer than those it holds.
 * ``<experiment>/rollouts`` collects ``{"version": v, "data": obj}`` items appended
-  by workers; the trainer is told of each append and takes them all with one get.
+  by workers; notifications tell the trainer how many wait (only the count and
+  seq matter, so coalesced ones do too) and it takes them all with one get.
 
 Nothing is polled, and nothing depends on who is connected: a worker that dies
 leaves nothing behind, a new worker starts from the latest version (learnt

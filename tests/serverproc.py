@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -14,24 +15,32 @@ _LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
 class ServerProcess:
     """Start ``python -m tensorshare_server`` and learn its port from its first line."""
 
-    def __init__(self, *args: str, port: int = 0, start_timeout: float = 30.0, preexec_fn=None):
+    def __init__(self, *args: str, port: int = 0, start_timeout: float = 30.0, log_path=None, env=None,
+                 preexec_fn=None):
         self.args = list(args)
+        self.env = None if env is None else {**os.environ, **env}  # extra environment variables
         self.port = port
         self.start_timeout = start_timeout
+        self.log_path = log_path  # where the server's stderr goes (its log); None: a pipe
         self.preexec_fn = preexec_fn  # run in the child before exec (resource limits)
         self.proc: subprocess.Popen | None = None
         self.start()
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "tensorshare_server", "--host", "127.0.0.1", "--port", str(self.port), *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     preexec_fn=self.preexec_fn)
+        stderr = open(self.log_path, "a") if self.log_path is not None else subprocess.PIPE
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=self.env,
+                                         preexec_fn=self.preexec_fn)
+        finally:
+            if self.log_path is not None:
+                stderr.close()
         deadline = time.monotonic() + self.start_timeout
         line = self.proc.stdout.readline()  # the server prints it first thing
         match = _LISTENING.search(line or "")
         if not match:
             self.proc.kill()
-            err = self.proc.stderr.read()
+            err = self.proc.stderr.read() if self.proc.stderr else self.log()
             raise RuntimeError(f"server did not start: {line!r} {err[-2000:]}")
         if time.monotonic() > deadline:
             raise RuntimeError("server start took too long")
@@ -49,9 +58,23 @@ class ServerProcess:
             self.proc.kill()
             code = self.proc.wait()
         self.proc.stdout.close()
-        self.proc.stderr.close()
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
         self.proc = None
         return code
+
+    def log(self) -> str:
+        """What the server has written to ``log_path`` so far."""
+        with open(self.log_path) as f:
+            return f.read()
+
+    def rss(self) -> int:
+        """The server process's resident memory, in bytes (Linux /proc)."""
+        with open(f"/proc/{self.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmRSS line")
 
     def kill(self) -> None:
         self.stop(signal.SIGKILL)
@@ -64,14 +87,6 @@ class ServerProcess:
     @property
     def pid(self) -> int:
         return self.proc.pid
-
-    def rss(self) -> int:
-        """The server's resident memory in bytes (VmRSS)."""
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        raise RuntimeError("no VmRSS")
 
 
 class FakeServer:

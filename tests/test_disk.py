@@ -222,11 +222,6 @@ def test_failed_spill_refuses_growth_not_stored_items(tmp_path):
 # ------------------------------------------------ the server process
 
 
-def _vmrss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-
-
 RSS_OVERHEAD = 160 * MiB  # interpreter, Twisted, and payloads being received or spilled
 
 
@@ -325,7 +320,8 @@ def test_kill_9_loses_no_acknowledged_item(tmp_path, round_):
             acked.append(int(line))
         time.sleep(rng.random() * 0.05)
         srv.kill()  # SIGKILL, mid-stream
-        rest, _ = writer.communicate(timeout=30)
+        writer.wait(timeout=30)
+        rest = writer.stdout.read()  # the same buffered reader as readline(), not the bare pipe
         acked += [int(x) for x in rest.split()]
         assert len(acked) >= 10
         srv.start()
@@ -499,7 +495,11 @@ def test_restart_under_load_loses_no_acknowledged_item(tmp_path):
         time.sleep(1.5)
         srv.stop()
         srv.start()
-        outputs = [first + p.communicate(timeout=60)[0] for first, p in zip(firsts, writers)]
+        for p in writers:
+            p.wait(timeout=60)
+        # read() through the same buffered reader as readline() above (communicate() would
+        # read the pipe directly and miss what readline() buffered)
+        outputs = [first + p.stdout.read() for first, p in zip(firsts, writers)]
         with tensorshare.Client("127.0.0.1", srv.port, timeout=30) as c:
             for w, out in enumerate(outputs):
                 acked = [int(x.split()[1]) for x in out.splitlines() if x.startswith("ok")]

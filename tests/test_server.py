@@ -14,62 +14,12 @@ import pytest
 import torch
 
 import tensorshare
-from tensorshare import protocol
 from tensorshare.connection import request_frame
 from tensorshare.errors import (
     BadRequestError, ConnectionLostError, NoSuchBinError, UnknownVerbError, UsageError,
 )
-from tensorshare.wire.frames import FrameDecoder, frame_head
-
-
-def wait_for(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
-
-
-class RawConnection:
-    """A plain socket speaking frames, for sending what no client would."""
-
-    def __init__(self, port: int):
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-        self.decoder = FrameDecoder()
-        self.frames = []
-        greeting = self.read_frame()
-        assert greeting.header["code"] == protocol.GREETING
-
-    def send(self, data: bytes) -> None:
-        self.sock.sendall(data)
-
-    def read_frame(self):
-        while not self.frames:
-            data = self.sock.recv(1 << 16)
-            if not data:
-                raise ConnectionResetError("closed")
-            self.frames.extend(self.decoder.feed(data))
-        return self.frames.pop(0)
-
-    def closed_by_peer(self, timeout: float = 10.0) -> bool:
-        self.sock.settimeout(timeout)
-        try:
-            while True:
-                if not self.sock.recv(1 << 16):
-                    return True
-        except (ConnectionResetError, BrokenPipeError):
-            return True
-        except socket.timeout:
-            return False
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-def raw_frame(rid, op, name=None, value=None) -> bytes:
-    parts = request_frame(rid, op, name, value) if value is not None else request_frame(rid, op, name)
-    return b"".join(bytes(p) for p in parts)
+from tensorshare.wire.frames import frame_head
+from wiretools import RawConnection, raw_frame, wait_for
 
 
 # ----------------------------------------------------------------------- verbs
