@@ -22,7 +22,6 @@ from wiretools import RawConnection, StrictTransport, raw_frame, wait_for
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
-PROMPT_FREE = {"MALLOC_MMAP_THRESHOLD_": str(128 << 10)}  # glibc: blocks of 128 KiB and more go back at once
 
 
 def spawn(*args) -> subprocess.Popen:
@@ -126,7 +125,7 @@ def test_clients_killed_mid_put_and_mid_get(tmp_path):
     RSS alone would show the high-water mark; the server runs with the threshold
     pinned so that RSS shows what is alive (docs/reliability.md)."""
     rng = random.Random(3)
-    server = ServerProcess(log_path=tmp_path / "server.log", env=PROMPT_FREE)
+    server = ServerProcess(log_path=tmp_path / "server.log")
     steady = RoundTrips(server.port, "steady")
     try:
         rss_empty = server.rss()
