@@ -14,7 +14,8 @@ def server_tls_options(cert_file: str, key_file: str | None = None):
     ``key_file`` the private key (default: also ``cert_file``).  TLS 1.2 at least.
     """
     try:
-        from OpenSSL import crypto
+        from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
         from twisted.internet import ssl
     except ImportError as exc:
         raise UsageError(f"TLS needs pyOpenSSL (pip install tensorshare[tls]): {exc}") from None
@@ -25,11 +26,12 @@ def server_tls_options(cert_file: str, key_file: str | None = None):
     except OSError as exc:
         raise UsageError(f"cannot read the TLS key {key_file or cert_file!r}: {exc.strerror}") from None
     try:
-        leaf = ssl.PrivateCertificate.loadPEM(key_pem + b"\n" + blocks[0])
-        chain = [ssl.Certificate.loadPEM(block).original for block in blocks[1:]]
-        options = ssl.CertificateOptions(privateKey=leaf.privateKey.original, certificate=leaf.original,
-                                         extraCertChain=chain, raiseMinimumTo=ssl.TLSVersion.TLSv1_2)
+        chain = [x509.load_pem_x509_certificate(block) for block in blocks]
+        key = serialization.load_pem_private_key(key_pem, password=None)
+        # cryptography objects: pyOpenSSL (>= 24.3) deprecates its own X509 and PKey here.
+        options = ssl.CertificateOptions(privateKey=key, certificate=chain[0], extraCertChain=chain[1:],
+                                         raiseMinimumTo=ssl.TLSVersion.TLSv1_2)
         options.getContext()  # checks that the key matches the certificate, now rather than per connection
-    except Exception as exc:  # pyOpenSSL's errors for bad PEM or a key that does not match
+    except Exception as exc:  # bad PEM, an encrypted key, a key that does not match
         raise UsageError(f"bad TLS certificate or key ({cert_file}, {key_file or cert_file}): {exc}") from None
-    return options, fingerprint_text(leaf.dump(crypto.FILETYPE_ASN1))
+    return options, fingerprint_text(chain[0].public_bytes(serialization.Encoding.DER))
