@@ -19,6 +19,7 @@ class ServerProcess:
         self.port = port
         self.start_timeout = start_timeout
         self.proc: subprocess.Popen | None = None
+        self.stderr = ""  # what the last run logged, once stopped
         self.start()
 
     def start(self) -> None:
@@ -46,6 +47,7 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             code = self.proc.wait()
+        self.stderr = self.proc.stderr.read()
         self.proc.stdout.close()
         self.proc.stderr.close()
         self.proc = None

@@ -38,8 +38,8 @@ class RawConnection:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
         self.decoder = FrameDecoder()
         self.frames = []
-        greeting = self.read_frame()
-        assert greeting.header["code"] == protocol.GREETING
+        self.greeting = self.read_frame()
+        assert self.greeting.header["code"] == protocol.GREETING
 
     def send(self, data: bytes) -> None:
         self.sock.sendall(data)
