@@ -329,13 +329,15 @@ class Client:
             self._send_locked(sock, parts, deadline)
 
     def _send_locked(self, sock: socket.socket, parts: list, deadline: float | None) -> None:
-        """Write a whole frame (the caller holds the send lock)."""
+        """Write a whole frame (the caller holds the send lock).  With keepalive on,
+        a server that takes no byte for twice ``keepalive`` seconds is presumed dead."""
         readable, writable = self._readable, self._writable
+        stall = None if self.keepalive is None else 2 * self.keepalive
         try:
             if self._ssl_context is None:
-                _send_all(sock, writable, parts, deadline)
+                _send_all(sock, writable, parts, deadline, stall)
             else:
-                _send_all_tls(sock, self._ssl_lock, readable, writable, parts, deadline)
+                _send_all_tls(sock, self._ssl_lock, readable, writable, parts, deadline, stall)
         except TimeoutError:
             # A partly sent frame leaves the stream unusable: start afresh.
             self._drop_connection(sock, ConnectionLostError("send timed out; connection reset"))
@@ -766,8 +768,22 @@ def _wait(poller: select.poll, deadline: float | None) -> None:
             return
 
 
+def _wait_to_send(poller: select.poll, deadline: float | None, stall: float | None) -> None:
+    """:func:`_wait` for a sender: also raise ConnectionLostError after ``stall``
+    seconds (None: no limit) without the socket becoming ready."""
+    if stall is not None:
+        limit = time.monotonic() + stall
+        if deadline is None or limit < deadline:
+            try:
+                _wait(poller, limit)
+            except TimeoutError:
+                raise ConnectionLostError(f"the server took no bytes for {stall:g}s") from None
+            return
+    _wait(poller, deadline)
+
+
 def _send_all_tls(sock: ssl.SSLSocket, ssl_lock: threading.Lock, readable: select.poll, writable: select.poll,
-                  parts: list, deadline: float | None) -> None:
+                  parts: list, deadline: float | None, stall: float | None = None) -> None:
     """Write every part through a non-blocking SSL socket (which has no sendmsg).
 
     After a want-write OpenSSL must be offered the same bytes again, so each part
@@ -782,15 +798,16 @@ def _send_all_tls(sock: ssl.SSLSocket, ssl_lock: threading.Lock, readable: selec
                 with ssl_lock:
                     sent = sock.send(view[:_TLS_CHUNK])
             except ssl.SSLWantWriteError:
-                _wait(writable, deadline)
+                _wait_to_send(writable, deadline, stall)
                 continue
             except ssl.SSLWantReadError:
-                _wait(readable, deadline)
+                _wait_to_send(readable, deadline, stall)
                 continue
             view = view[sent:]
 
 
-def _send_all(sock: socket.socket, writable: select.poll, parts: list, deadline: float | None) -> None:
+def _send_all(sock: socket.socket, writable: select.poll, parts: list, deadline: float | None,
+              stall: float | None = None) -> None:
     """Write every part (bytes or memoryview): small frames joined into one send,
     large ones with scatter-gather sends straight from the tensors' memory."""
     if len(parts) == 1 or sum(map(len, parts)) <= _SMALL_FRAME:
@@ -811,7 +828,7 @@ def _send_all(sock: socket.socket, writable: select.poll, parts: list, deadline:
             else:
                 sent = sock.sendmsg(views[first : first + _IOV_MAX])
         except BlockingIOError:
-            _wait(writable, deadline)
+            _wait_to_send(writable, deadline, stall)
             continue
         while sent:
             size = views[first].nbytes
