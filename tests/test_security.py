@@ -523,6 +523,20 @@ def test_listening_client_detects_a_stopped_server_and_recovers(fresh_server):
     c.close()
 
 
+def test_sender_detects_a_server_that_stopped_reading(fresh_server):
+    c = tensorshare.Client("127.0.0.1", fresh_server.port, timeout=None, keepalive=0.3, reconnect=False)
+    c.ping()
+    os.kill(fresh_server.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(ConnectionLostError, match="took no bytes"):
+            c.put("s-stall", torch.zeros(64 << 20, dtype=torch.uint8))  # more than the socket buffers hold
+        assert time.monotonic() - start < 10
+    finally:
+        os.kill(fresh_server.pid, signal.SIGCONT)
+    c.close()
+
+
 # --------------------------------------------------------------- the AsyncClient
 
 ASYNC_SCRIPT = textwrap.dedent("""
