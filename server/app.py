@@ -166,12 +166,13 @@ def _add_security_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tls-cert", metavar="PEM", help="serve TLS only, with this certificate (chain, leaf first)")
     group.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert (default: read from --tls-cert)")
     group.add_argument("--max-connections", type=int, default=ServerConfig.max_connections, metavar="N",
-                       help="connections open at once; more get 421 and are closed (0: no limit)")
+                       help="connections open at once; more get 421 and are closed (default %(default)s; 0: no limit)")
     group.add_argument("--idle-timeout", type=float, default=ServerConfig.idle_timeout, metavar="SECONDS",
                        help="close a connection silent this long with 421; one that listens gets a 110 "
-                            "keepalive frame instead and stays (0: never)")
+                            "keepalive frame instead and stays (default %(default)s; 0: never)")
     group.add_argument("--auth-timeout", type=float, default=ServerConfig.auth_timeout, metavar="SECONDS",
-                       help="close a connection that has not authenticated by then with 530 (0: no limit)")
+                       help="close a connection that has not authenticated by then with 530 "
+                            "(default %(default)s; 0: no limit)")
 
 
 def main(argv: list[str] | None = None) -> int:

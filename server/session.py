@@ -3,7 +3,7 @@
 A :class:`ServerSession` takes the bytes a connection received, decodes frames,
 runs each request against the shared :class:`~.store.BinStore` and hands whole reply
 frames (lists of ``bytes`` parts) to its :class:`Outbox`.  It also holds the
-connection's policy: the connection limit, authentication (PROTOCOL.md §8.2) and the
+connection's policy: the connection limit, authentication (PROTOCOL.md §8.4) and the
 idle and authentication time limits, which the adapter applies by calling
 :meth:`ServerSession.tick` with the time.  The Twisted adapter in :mod:`.service`
 only moves bytes and keeps the clock; tests can drive a session directly.
@@ -221,7 +221,7 @@ class ServerSession:
             self._send({"code": exc.code, "id": rid, "msg": exc.message})
 
     def _authenticate(self, rid: int, header: dict) -> None:
-        """Check an AUTH request (PROTOCOL.md §8.2); anything else before it gets 530 and
+        """Check an AUTH request (PROTOCOL.md §8.4); anything else before it gets 530 and
         the connection closes, as it does after a wrong proof."""
         op = header.get("op")
         if op != protocol.AUTH or rid == 0:

@@ -1,6 +1,6 @@
 """Token authentication by challenge and response: the construction both sides share.
 
-PROTOCOL.md §8.2 is the normative description.  The token itself never crosses the
+PROTOCOL.md §8.4 is the normative description.  The token itself never crosses the
 wire: the server's greeting carries a random nonce, the client answers (AUTH) with a
 nonce of its own and an HMAC-SHA256 keyed with the token over both nonces, and the
 server's 230 reply carries a second HMAC over the same nonces under another label.
