@@ -21,8 +21,8 @@ from twisted.internet.endpoints import SSL4ClientEndpoint, TCP4ClientEndpoint, c
 from . import protocol
 from .auth import resolve_token
 from .connection import (
-    NO_VALUE, ClientConnection, ListenSnapshot, Notification, check_reply, next_request_id, notification_of,
-    reply_value, request_frame,
+    DEAD, NO_VALUE, PROBE, ClientConnection, Keepalive, ListenSnapshot, Notification, next_request_id,
+    notification_of, reply_value, report_unsolicited, request_frame,
 )
 from .errors import (
     AuthenticationError, ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UntrustedServerError,
@@ -41,7 +41,7 @@ class _Wire(twisted_protocol.Protocol):
         self.conn = ClientConnection(token=client._token)
         self.greeted: defer.Deferred = defer.Deferred()  # fires with self once requests may be sent
         self.last_heard = self.last_sent = client.reactor.seconds()  # for the keepalive
-        self.probe_at: float | None = None  # when the outstanding keepalive NOOP was sent
+        self.keepalive = None if client.keepalive is None else Keepalive(client.keepalive)
         self._outgoing: list[bytes] = []
         self._flush_scheduled = False
         self._certificate_checked = client._tls is None
@@ -303,24 +303,15 @@ class AsyncClient:
         if self._closed or wire is None:
             return  # the next connection starts the timer again
         now = self.reactor.seconds()
-        if wire.probe_at is not None and wire.last_heard > wire.probe_at:
-            wire.probe_at = None
-        if wire.probe_at is not None:
-            if now - wire.probe_at >= self.keepalive:
-                log.warning("%s:%s sent nothing for %gs after a keepalive probe: dropping the connection",
-                            self.host, self.port, self.keepalive)
-                self._keepalive_timer = None
-                wire.transport.abortConnection()
-                return
-            wake = wire.probe_at + self.keepalive
-        else:
-            quiet_since = max(wire.last_heard, wire.last_sent)
-            if now - quiet_since >= self.keepalive:
-                wire.send(request_frame(next_request_id(), protocol.NOOP))  # its reply is dropped on arrival
-                wire.probe_at = now
-                wake = now + self.keepalive
-            else:
-                wake = quiet_since + self.keepalive
+        action, wake = wire.keepalive.due(now, wire.last_heard, wire.last_sent)
+        if action == DEAD:
+            log.warning("%s:%s sent nothing for %gs after a keepalive probe: dropping the connection",
+                        self.host, self.port, self.keepalive)
+            wire.transport.abortConnection()
+            return
+        if action == PROBE:
+            wire.send(request_frame(next_request_id(), protocol.NOOP))  # its reply is dropped on arrival
+            wire.keepalive.probed(now)
         self._keepalive_timer = self.reactor.callLater(max(wake - now, 0.01), self._check_alive)
 
     def _relistened(self, name: str) -> Callable:
@@ -393,11 +384,7 @@ class AsyncClient:
         if note is not None:
             self._notify(note)
             return
-        try:
-            check_reply(frame)  # a 110 keepalive passes silently
-        except TensorShareError as exc:
-            level = logging.INFO if getattr(exc, "code", None) == protocol.UNAVAILABLE else logging.WARNING
-            log.log(level, "error reply from %s:%s for no request: %s", self.host, self.port, exc)
+        report_unsolicited(frame, f"{self.host}:{self.port}")
 
     def _notify(self, note: Notification) -> None:
         for callback in list(self._listens.get(note.bin, ())):

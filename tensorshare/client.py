@@ -31,8 +31,8 @@ from typing import Any, Callable
 from . import protocol
 from .auth import resolve_token
 from .connection import (
-    NO_VALUE, ClientConnection, ListenSnapshot, Notification, check_reply, int_field, next_request_id,
-    notification_of, reply_value, request_frame,
+    DEAD, NO_VALUE, PROBE, ClientConnection, Keepalive, ListenSnapshot, Notification, int_field, next_request_id,
+    notification_of, reply_value, report_unsolicited, request_frame,
 )
 from .errors import (
     AuthenticationError, ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UntrustedServerError,
@@ -139,7 +139,7 @@ class Client:
         self._ssl_lock = threading.Lock()  # an SSL object serves one call at a time; never held while waiting
         self._failure: AuthenticationError | None = None  # final: no more connections after it
         self._last_heard = self._last_sent = 0.0  # time.monotonic() of the last bytes in / request out
-        self._probe_at: float | None = None  # when the outstanding keepalive NOOP was sent
+        self._keepalive_state: Keepalive | None = None  # of the current connection
         self._cond = threading.Condition()
         self._send_lock = threading.Lock()
         self._connect_lock = threading.Lock()
@@ -461,30 +461,25 @@ class Client:
         """Probe a server silent for ``keepalive`` seconds with a NOOP, and drop the
         connection (ConnectionLostError) if nothing comes for as long after the
         probe.  Returns when to check next (None: keepalive is off)."""
-        if self.keepalive is None:
+        state = self._keepalive_state
+        if state is None:
             return None
         now = time.monotonic()
-        if self._probe_at is not None:
-            if self._last_heard > self._probe_at:
-                self._probe_at = None
-            elif now - self._probe_at >= self.keepalive:
-                err = ConnectionLostError(f"{self.host}:{self.port} sent nothing for {self.keepalive:g}s after a "
-                                          f"keepalive probe: connection presumed dead")
-                self._drop_connection(sock, err)
-                raise err
-            else:
-                return self._probe_at + self.keepalive
-        quiet_since = max(self._last_heard, self._last_sent)
-        if now - quiet_since < self.keepalive:
-            return quiet_since + self.keepalive
-        if not self._send_lock.acquire(blocking=False):
-            return now + 0.5  # a request is going out: the server has that to read first
-        try:
-            self._send_locked(sock, request_frame(next_request_id(), protocol.NOOP), now + self.keepalive)
-        finally:
-            self._send_lock.release()
-        self._probe_at = now  # its reply has an id nobody waits for: it is dropped on arrival
-        return now + self.keepalive
+        action, wake = state.due(now, self._last_heard, self._last_sent)
+        if action == DEAD:
+            err = ConnectionLostError(f"{self.host}:{self.port} sent nothing for {self.keepalive:g}s after a "
+                                      f"keepalive probe: connection presumed dead")
+            self._drop_connection(sock, err)
+            raise err
+        if action == PROBE:
+            if not self._send_lock.acquire(blocking=False):
+                return now + 0.5  # a request is going out: the server has that to read first
+            try:
+                self._send_locked(sock, request_frame(next_request_id(), protocol.NOOP), now + self.keepalive)
+            finally:
+                self._send_lock.release()
+            state.probed(now)  # its reply has an id nobody waits for: it is dropped on arrival
+        return wake
 
     def _dispatch(self, frame: Frame, jobs: list) -> None:
         """Hand a frame to the thread waiting for it, or queue its callbacks in ``jobs``."""
@@ -510,14 +505,7 @@ class Client:
                 handles = list(self._listens.get(note.bin, ()))
             jobs.extend((handle.callback, (note,)) for handle in handles)
             return
-        try:
-            check_reply(frame)  # a 110 keepalive passes silently
-        except TensorShareError as exc:
-            # An error the server could not tie to a request (it could not read the
-            # id), or its 421 before closing an idle connection.  If the connection
-            # cannot go on, the server closes it next.
-            level = logging.INFO if getattr(exc, "code", None) == protocol.UNAVAILABLE else logging.WARNING
-            log.log(level, "error reply from %s:%s for no request: %s", self.host, self.port, exc)
+        report_unsolicited(frame, f"{self.host}:{self.port}")
 
     def _complete_from_frame(self, entry: tuple, frame: Frame) -> None:
         """Decode a non-blocking call's reply (on the dispatcher thread) and call back."""
@@ -565,7 +553,8 @@ class Client:
             self._sock, self._conn = sock, conn
             self._readable, self._writable = readable, writable
             self._ever_connected = True
-            self._last_heard, self._probe_at = time.monotonic(), None
+            self._last_heard = time.monotonic()
+            self._keepalive_state = None if self.keepalive is None else Keepalive(self.keepalive)
             relisten = list(self._listens)
         return sock, relisten
 

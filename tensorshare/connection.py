@@ -12,17 +12,22 @@ raises.
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from . import auth, protocol
-from .errors import NotAuthenticatedError, ProtocolError, UntrustedServerError, UsageError, error_for_code
+from .errors import (
+    NotAuthenticatedError, ProtocolError, TensorShareError, UntrustedServerError, UsageError, error_for_code,
+)
 from .wire.codec import build, encode
 from .wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
 from .wire.frames import Frame, FrameDecoder, FrameLimits, buffer_sink, frame_head
 
 CLIENT_FRAME_LIMITS = FrameLimits(max_header=1 << 30, max_payload=1 << 42)
 NO_VALUE = object()  # "this request carries no value" (None is a value)
+PROBE, DEAD = "probe", "dead"  # what Keepalive.due() asks for
+log = logging.getLogger("tensorshare.client")
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,49 @@ class ClientConnection:
         self._auth = (rid, server_proof)
         return frame_head({"op": protocol.AUTH, "id": rid, "mech": auth.MECHANISM, "nonce": client_nonce,
                            "proof": client_proof}, 0)
+
+
+class Keepalive:
+    """When to probe a silent server and when to give up on it (both clients).
+
+    After ``interval`` seconds with nothing heard from the server (counted from the
+    later of the last bytes received and the last request sent) the client sends a
+    NOOP; if nothing at all arrives within ``interval`` seconds of that probe, the
+    connection is presumed dead.  The clients keep the clock and the socket.
+    """
+
+    def __init__(self, interval: float):
+        self.interval = interval
+        self.probe_at: float | None = None  # when the outstanding probe was sent
+
+    def due(self, now: float, last_heard: float, last_sent: float) -> tuple[str | None, float]:
+        """``(action, next_check)``: action is :data:`PROBE` (send a NOOP, then call
+        :meth:`probed`), :data:`DEAD` (drop the connection) or None."""
+        if self.probe_at is not None:
+            if last_heard <= self.probe_at:
+                if now - self.probe_at >= self.interval:
+                    return DEAD, now
+                return None, self.probe_at + self.interval
+            self.probe_at = None  # answered (or anything else heard)
+        quiet_since = max(last_heard, last_sent)
+        if now - quiet_since < self.interval:
+            return None, quiet_since + self.interval
+        return PROBE, now + self.interval
+
+    def probed(self, now: float) -> None:
+        self.probe_at = now
+
+
+def report_unsolicited(frame: Frame, where: str) -> None:
+    """Log an id-0 frame that is neither a notification nor harmless: an error the
+    server could not tie to a request, or its 421 before it closes an idle
+    connection (a 110 keepalive passes silently).  If the connection cannot go on,
+    the server closes it next."""
+    try:
+        check_reply(frame)
+    except TensorShareError as exc:
+        level = logging.INFO if getattr(exc, "code", None) == protocol.UNAVAILABLE else logging.WARNING
+        log.log(level, "error reply from %s for no request: %s", where, exc)
 
 
 def request_frame(rid: int, op: str, name: str | None = None, value: Any = NO_VALUE,

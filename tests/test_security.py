@@ -21,7 +21,7 @@ import torch
 
 import tensorshare
 from serverproc import FakeServer, ServerProcess
-from tensorshare import auth, protocol
+from tensorshare import auth
 from tensorshare.errors import (
     AuthenticationError, ConnectionLostError, NotAuthenticatedError, ServerUnavailableError, UntrustedServerError,
     UsageError,
@@ -197,6 +197,22 @@ def test_session_connection_limit():
     first.connection_lost()
     third, out = session(state=first.state)
     assert out.headers[0]["code"] == 220 and first.state.connections == 1
+
+
+def test_keepalive_decisions():
+    from tensorshare.connection import DEAD, PROBE, Keepalive
+
+    k = Keepalive(1.0)
+    assert k.due(10.0, last_heard=9.5, last_sent=0.0) == (None, 10.5)
+    assert k.due(10.0, last_heard=9.0, last_sent=9.8) == (None, 10.8)  # a request just went out
+    assert k.due(10.6, last_heard=9.5, last_sent=0.0) == (PROBE, 11.6)
+    k.probed(10.6)
+    assert k.due(11.0, last_heard=9.5, last_sent=10.6) == (None, 11.6)
+    assert k.due(11.6, last_heard=9.5, last_sent=10.6) == (DEAD, 11.6)
+    k = Keepalive(1.0)
+    k.probed(10.0)
+    assert k.due(10.5, last_heard=10.2, last_sent=10.0) == (None, 11.2)  # answered: quiet again from 10.2
+    assert k.probe_at is None
 
 
 # --------------------------------------------------------------- authentication
