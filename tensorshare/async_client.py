@@ -15,8 +15,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from twisted.internet import defer, protocol as twisted_protocol
+from twisted.internet import defer, interfaces, protocol as twisted_protocol
 from twisted.internet.endpoints import SSL4ClientEndpoint, TCP4ClientEndpoint, connectProtocol
+from zope.interface import implementer
 
 from . import protocol
 from .auth import resolve_token
@@ -33,8 +34,14 @@ from .tls import TLSSettings
 log = logging.getLogger("tensorshare.client")
 
 
+@implementer(interfaces.IPushProducer)
 class _Wire(twisted_protocol.Protocol):
-    """One connection of an :class:`AsyncClient`: bytes to frames and back."""
+    """One connection of an :class:`AsyncClient`: bytes to frames and back.
+
+    It registers itself as the transport's producer only to learn when writes are
+    backed up (a large value still going out): the keepalive waits meanwhile, since
+    the server answers a probe only after reading everything sent before it.
+    """
 
     def __init__(self, client: "AsyncClient"):
         self.client = client
@@ -45,9 +52,22 @@ class _Wire(twisted_protocol.Protocol):
         self._outgoing: list[bytes] = []
         self._flush_scheduled = False
         self._certificate_checked = client._tls is None
+        self.write_blocked = False
 
     def connectionMade(self) -> None:
         self.transport.setTcpNoDelay(True)
+        self.transport.registerProducer(self, True)
+
+    # IPushProducer: writes are not held back, only watched for the keepalive
+    def pauseProducing(self) -> None:
+        self.write_blocked = True
+
+    def resumeProducing(self) -> None:
+        self.write_blocked = False
+        self.last_sent = self.client.reactor.seconds()
+
+    def stopProducing(self) -> None:
+        pass
 
     def dataReceived(self, data: bytes) -> None:
         self.last_heard = self.client.reactor.seconds()
@@ -250,6 +270,7 @@ class AsyncClient:
         self._retry = self._sweeper = self._keepalive_timer = None
         if self._wire is not None:
             self._wire._flush()  # what was queued this turn still goes out
+            self._wire.transport.unregisterProducer()  # TLS closes only without a producer
             self._wire.transport.loseConnection()
 
     @property
@@ -303,6 +324,9 @@ class AsyncClient:
         if self._closed or wire is None:
             return  # the next connection starts the timer again
         now = self.reactor.seconds()
+        if wire.write_blocked:  # our own bytes are still going out: nothing to judge yet
+            self._keepalive_timer = self.reactor.callLater(self.keepalive, self._check_alive)
+            return
         action, wake = wire.keepalive.due(now, wire.last_heard, wire.last_sent)
         if action == DEAD:
             log.warning("%s:%s sent nothing for %gs after a keepalive probe: dropping the connection",

@@ -597,13 +597,35 @@ ASYNC_SCRIPT = textwrap.dedent("""
                                                               tls_ca=ca), within=3)
         await expect(NotAuthenticatedError, AsyncClient.connect("127.0.0.1", port, reactor=reactor))
 
+    async def close(reactor, _port, cert, key, ca):
+        # A server in this reactor, to see the connection end when the client closes
+        # (a TLS transport with a producer registered would stay open).
+        from tensorshare_server import ServerConfig
+        from tensorshare_server.app import listen
+
+        for tls in (False, True):
+            config = ServerConfig(port=0, tls_cert=cert if tls else None, tls_key=key if tls else None)
+            port = listen(config)
+            factory = getattr(port.factory, "wrappedFactory", port.factory)
+            client = await AsyncClient.connect("127.0.0.1", port.getHost().port, reactor=reactor,
+                                               tls_ca=ca if tls else None)
+            await client.ping()
+            assert len(factory.live) == 1
+            client.close()
+            for _ in range(100):
+                await task.deferLater(reactor, 0.02, lambda: None)
+                if not factory.live:
+                    break
+            assert not factory.live, f"tls={tls}: still open after close()"
+            await port.stopListening()
+
     async def silent(reactor, port):
         client = await AsyncClient.connect("127.0.0.1", port, reactor=reactor, timeout=None, keepalive=0.3)
         await expect(ConnectionLostError, client.ping(), within=3)
         client.close()
 
     def main(reactor, mode, port, *args):
-        coro = {"tls": tls, "plain": plain, "silent": silent}[mode](reactor, int(port), *args)
+        coro = {"tls": tls, "plain": plain, "silent": silent, "close": close}[mode](reactor, int(port), *args)
         return defer.ensureDeferred(coro).addCallback(lambda _: print(mode, "ok"))
 
     task.react(main, sys.argv[1:])
@@ -619,6 +641,10 @@ def run_async(*args) -> None:
 def test_async_client_token_and_tls(tls_server, auth_server, certs):
     run_async("tls", tls_server.port, TOKEN, certs.ca, certs.fingerprint, certs.other_fingerprint)
     run_async("plain", auth_server.port, TOKEN, certs.ca)
+
+
+def test_async_client_close_ends_tls_connections(certs):
+    run_async("close", 0, certs.cert, certs.key, certs.ca)
 
 
 def test_async_client_keepalive_detects_a_silent_server():
