@@ -234,7 +234,10 @@ class TensorShareFactory(protocol.Factory):
     def _tick(self) -> None:
         now = self._ticker.clock.seconds()
         for proto in list(self.live):
-            proto.tick(now)
+            try:
+                proto.tick(now)
+            except Exception:  # a bug must not end the time limits of every connection
+                log.exception("time limits of a connection failed")
 
     def buildProtocol(self, addr) -> TensorShareProtocol:
         proto = TensorShareProtocol(self.state)

@@ -150,8 +150,8 @@ class ServerSession:
         """Apply the time limits; the adapter calls this every ``tick_interval``
         seconds with the time and whether frames are still waiting to be written.
 
-        A connection that has neither sent nor been sent anything for
-        ``idle_timeout`` seconds is closed with 421, unless it listens: then the
+        A connection that has received nothing, with no reply waiting to be
+        written, for ``idle_timeout`` seconds is closed with 421, unless it listens: then the
         server sends it a 110 keepalive frame (again every ``idle_timeout`` of
         silence) and keeps it.  One that has not authenticated within
         ``auth_timeout`` seconds is closed with 530.

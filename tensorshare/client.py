@@ -475,7 +475,8 @@ class Client:
             if not self._send_lock.acquire(blocking=False):
                 return now + 0.5  # a request is going out: the server has that to read first
             try:
-                self._send_locked(sock, request_frame(next_request_id(), protocol.NOOP), now + self.keepalive)
+                # No deadline: a probe that cannot go out trips the stall limit (ConnectionLostError).
+                self._send_locked(sock, request_frame(next_request_id(), protocol.NOOP), None)
             finally:
                 self._send_lock.release()
             state.probed(now)  # its reply has an id nobody waits for: it is dropped on arrival
