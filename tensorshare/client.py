@@ -282,7 +282,7 @@ class Client:
         rid = next_request_id()
         parts = request_frame(rid, op, bin, value, tag)
         deadline = self._deadline(_DEFAULT)
-        self._check_idle()
+        self._before_request()
         with self._cond:
             self._pending_async[rid] = (op, callback)
         try:
@@ -307,7 +307,7 @@ class Client:
         rid = next_request_id()
         parts = request_frame(rid, op, name, value, tag)
         deadline = self._deadline(timeout)
-        self._check_idle()
+        self._before_request()
         with self._cond:
             self._waiting.add(rid)
             if on_reply is not None:
@@ -324,7 +324,6 @@ class Client:
 
     def _send(self, parts: list, deadline: float | None) -> None:
         sock = self._ensure_connected(deadline)
-        self._last_sent = time.monotonic()
         with self._send_lock:
             self._send_locked(sock, parts, deadline)
 
@@ -347,22 +346,24 @@ class Client:
             self._drop_connection(sock, err)
             raise err from None
 
-    def _check_idle(self) -> None:
-        """Before a request on a connection quiet for a while, read what the server
-        sent meanwhile (late replies, or the 421 it sends before closing an idle
+    def _before_request(self) -> None:
+        """Note that a request is about to go out (the keepalive counts silence from
+        it) and, on a connection quiet for a while, first read what the server sent
+        meanwhile (late replies, or the 421 it sends before closing an idle
         connection), so that a connection it has closed is replaced by the request
         instead of failing it.  Called before the request is registered, so that
         dropping the connection does not fail the request too."""
-        sock = self._sock
         now = time.monotonic()
-        if sock is None or now - max(self._last_heard, self._last_sent) <= _IDLE_CHECK:
+        quiet = now - max(self._last_heard, self._last_sent)
+        self._last_sent = now
+        sock = self._sock
+        if quiet <= _IDLE_CHECK or sock is None:
             return
         with self._cond:
             if self._reading or sock is not self._sock:
                 return  # another thread reads: it will notice a close itself
             self._reading = True
             readable = self._readable
-        self._last_sent = now  # a request follows: no keepalive probe from the reads below
         try:
             while self._sock is sock and self._data_waiting(sock, readable):
                 self._read_some(time.monotonic() + 0.1)
@@ -415,7 +416,11 @@ class Client:
         wake = self._keepalive(sock)
         until = deadline if wake is None or (deadline is not None and deadline <= wake) else wake
         try:
-            n = self._recv_into(sock, conn.decoder.get_buffer(), readable, writable, until)
+            if self._ssl_context is None:
+                _wait(readable, until)
+                n = sock.recv_into(conn.decoder.get_buffer())
+            else:
+                n = self._recv_tls(sock, conn.decoder.get_buffer(), readable, writable, until)
             if n == 0:
                 raise ConnectionResetError("server closed the connection")
             self._last_heard = time.monotonic()
@@ -441,13 +446,12 @@ class Client:
         if jobs:
             self._callbacks().submit_all(jobs)
 
-    def _recv_into(self, sock: socket.socket, buffer: memoryview, readable: select.poll, writable: select.poll,
-                   until: float | None) -> int:
-        """One read into ``buffer`` once there is something to read (TimeoutError at ``until``)."""
-        if self._ssl_context is None:
-            _wait(readable, until)
-            return sock.recv_into(buffer)
-        # Try first: the SSL object may hold decrypted bytes that poll() cannot see.
+    def _recv_tls(self, sock: ssl.SSLSocket, buffer: memoryview, readable: select.poll, writable: select.poll,
+                  until: float | None) -> int:
+        """One read from the SSL socket into ``buffer`` (TimeoutError at ``until``).
+
+        Tried before waiting: the SSL object may hold decrypted bytes that poll()
+        cannot see."""
         while True:
             try:
                 with self._ssl_lock:
