@@ -370,6 +370,20 @@ def test_callback_client_with_token(auth_server):
         TensorShare("127.0.0.1", auth_server.port, token="not-the-token", connect_timeout=5)
 
 
+def test_rl_peers_pass_the_token_on(auth_server):
+    from tensorshare import RLTrainer, RLWorker
+
+    with RLTrainer("127.0.0.1", auth_server.port, experiment="s-rl", token=TOKEN) as trainer, \
+            RLWorker("127.0.0.1", auth_server.port, experiment="s-rl", token=TOKEN) as worker:
+        trainer.publish_parameters({"w": torch.ones(2)})
+        assert torch.equal(worker.await_new_parameters(timeout=10)["w"], torch.ones(2))
+        worker.add_data(7)
+        assert trainer.get_data(timeout=10) == [7]
+    with RLTrainer("127.0.0.1", 0, host_server=True, experiment="s-rl", token=TOKEN) as trainer:
+        with pytest.raises(NotAuthenticatedError):  # the hosted server asks for the trainer's token
+            tensorshare.Client("127.0.0.1", trainer.server.port)
+
+
 def test_reconnect_reauthenticates_and_a_changed_token_is_final(token_file, tmp_path):
     proc = ServerProcess("--token-file", token_file)
     try:
@@ -619,13 +633,39 @@ ASYNC_SCRIPT = textwrap.dedent("""
             assert not factory.live, f"tls={tls}: still open after close()"
             await port.stopListening()
 
+    async def final(reactor, _port, token):
+        # Reconnection authenticates again; once the token is refused, no more tries.
+        from tensorshare_server import ServerConfig
+        from tensorshare_server.app import listen
+
+        port = listen(ServerConfig(port=0, token=token))
+        factory = port.factory
+        client = await AsyncClient.connect("127.0.0.1", port.getHost().port, reactor=reactor, token=token)
+        factory.disconnect_all()
+        for _ in range(200):
+            await task.deferLater(reactor, 0.02, lambda: None)
+            if client.connected:
+                break
+        assert await client.ping() is None  # authenticated again by itself
+        opened = []
+        factory.state.token = b"another token entirely"
+        real_build = factory.buildProtocol
+        factory.buildProtocol = lambda addr: opened.append(addr) or real_build(addr)
+        factory.disconnect_all()
+        await task.deferLater(reactor, 3.0, lambda: None)  # backoff tops out at 2 s: a loop would show
+        assert len(opened) == 1, opened
+        await expect(NotAuthenticatedError, client.ping())
+        client.close()
+        await port.stopListening()
+
     async def silent(reactor, port):
         client = await AsyncClient.connect("127.0.0.1", port, reactor=reactor, timeout=None, keepalive=0.3)
         await expect(ConnectionLostError, client.ping(), within=3)
         client.close()
 
     def main(reactor, mode, port, *args):
-        coro = {"tls": tls, "plain": plain, "silent": silent, "close": close}[mode](reactor, int(port), *args)
+        modes = {"tls": tls, "plain": plain, "silent": silent, "close": close, "final": final}
+        coro = modes[mode](reactor, int(port), *args)
         return defer.ensureDeferred(coro).addCallback(lambda _: print(mode, "ok"))
 
     task.react(main, sys.argv[1:])
@@ -641,6 +681,10 @@ def run_async(*args) -> None:
 def test_async_client_token_and_tls(tls_server, auth_server, certs):
     run_async("tls", tls_server.port, TOKEN, certs.ca, certs.fingerprint, certs.other_fingerprint)
     run_async("plain", auth_server.port, TOKEN, certs.ca)
+
+
+def test_async_client_reauthenticates_and_stops_at_a_refusal():
+    run_async("final", 0, TOKEN)
 
 
 def test_async_client_close_ends_tls_connections(certs):
