@@ -189,6 +189,22 @@ def test_session_time_limits():
     assert out.headers[-1] == {"code": 530, "id": 0, "msg": "authentication timed out"} and out.closed
 
 
+def test_server_token_sources(tmp_path, monkeypatch):
+    from tensorshare_server import ServerConfig
+
+    monkeypatch.delenv("TENSORSHARE_TOKEN", raising=False)
+    assert ServerConfig().auth_token() is None
+    monkeypatch.setenv("TENSORSHARE_TOKEN", " from-env ")
+    assert ServerConfig().auth_token() == b"from-env"
+    path = tmp_path / "t"
+    path.write_text("from-file\n")
+    assert ServerConfig(token_file=str(path)).auth_token() == b"from-file"
+    assert ServerConfig(token="given", token_file=str(path)).auth_token() == b"given"
+    assert "given" not in repr(ServerConfig(token="given"))
+    with pytest.raises(UsageError):
+        ServerConfig(token="  ").auth_token()
+
+
 def test_session_connection_limit():
     first, _ = session(max_connections=1)
     second, out = session(state=first.state)
