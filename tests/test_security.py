@@ -261,6 +261,7 @@ def test_wrong_proof_gets_530_and_close(auth_server):
     raw.send(auth_frame(raw.greeting.header, token="not-the-token", rid=9))
     assert raw.read_frame().header == {"code": 530, "id": 9, "msg": "authentication failed"}
     assert raw.closed_by_peer()
+    raw.close()
 
 
 def test_nothing_served_before_auth(auth_server):
@@ -269,10 +270,12 @@ def test_nothing_served_before_auth(auth_server):
     reply = raw.read_frame().header
     assert reply["code"] == 530 and "authentication required" in reply["msg"]
     assert raw.closed_by_peer()
+    raw.close()
     raw = RawConnection(auth_server.port)
     raw.send(raw_frame(2, "PUT", "s-sneaky", None) + raw_frame(3, "LIST"))  # no payload: its own id
     assert raw.read_frame().header == {"code": 530, "id": 2, "msg": "authentication required"}
     assert raw.closed_by_peer() and not raw.frames  # LIST was not answered
+    raw.close()
     with tensorshare.Client("127.0.0.1", auth_server.port, token=TOKEN) as c:
         assert "s-sneaky" not in c.list()
 
@@ -535,6 +538,8 @@ def test_idle_timeout_drops_idle_connections_but_keeps_listeners():
         assert listener.read_frame().header["code"] == 110  # still there, pinged again
         listener.send(raw_frame(2, "NOOP"))
         assert listener.read_frame().header == {"code": 200, "id": 2}
+        idle.close()
+        listener.close()
 
         with tensorshare.Client("127.0.0.1", proc.port, timeout=10) as c:
             c.put("s-idle", 1)
