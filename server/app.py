@@ -12,6 +12,9 @@ from dataclasses import fields
 from twisted.internet import reactor
 from twisted.internet.threads import blockingCallFromThread
 
+from tensorshare.auth import MIN_TOKEN_CHARS
+from tensorshare.errors import UsageError
+
 from .config import ServerConfig
 from .disk import ThreadJobs
 from .service import TensorShareFactory
@@ -24,15 +27,37 @@ def listen(config: ServerConfig):
     """Start listening (on the reactor thread); returns the Twisted port object.
 
     With a data directory its bins are loaded first (item records only: the
-    arrays stay on disk, so this takes time per item, not per byte)."""
+    arrays stay on disk, so this takes time per item, not per byte).  Its
+    ``tls_fingerprint`` attribute is the certificate's SHA-256 fingerprint when it
+    serves TLS, else None.  Raises :class:`UsageError` for a token or TLS file that
+    cannot be used.
+    """
+    if config.tls_key and not config.tls_cert:
+        raise UsageError("tls_key needs tls_cert")
     jobs = ThreadJobs(reactor, config.disk_threads)
     try:
         state = ServerState.create(config, jobs)
     except BaseException:
         jobs.stop()
         raise
+    if state.token is not None and len(state.token) < MIN_TOKEN_CHARS:
+        log.warning("the token has only %d characters: use a random one of %d or more "
+                    "(python -c 'import secrets; print(secrets.token_urlsafe(32))')", len(state.token), MIN_TOKEN_CHARS)
     factory = TensorShareFactory(state)
-    port = reactor.listenTCP(config.port, factory, interface=config.host)
+    try:
+        if not config.tls_cert:
+            port = reactor.listenTCP(config.port, factory, interface=config.host)
+            port.tls_fingerprint = None
+        else:
+            from .tls import server_tls_options
+
+            options, fingerprint = server_tls_options(config.tls_cert, config.tls_key)
+            port = reactor.listenSSL(config.port, factory, options, interface=config.host)
+            port.tls_fingerprint = fingerprint
+    except BaseException:
+        jobs.stop()
+        state.storage.close()
+        raise
     port.jobs = jobs
     return port
 
@@ -40,9 +65,10 @@ def listen(config: ServerConfig):
 def _shut(port) -> None:
     """Stop listening on ``port``, drop its connections, finish its disk work (reactor thread)."""
     port.stopListening()
-    port.factory.disconnect_all()
+    factory = getattr(port.factory, "wrappedFactory", port.factory)  # TLS wraps our factory
+    factory.disconnect_all()
     port.jobs.stop()
-    port.factory.state.storage.close()
+    factory.state.storage.close()
 
 
 def run_server(port: int = 8000, host: str = "127.0.0.1", **settings) -> None:
@@ -57,7 +83,16 @@ def run_server(port: int = 8000, host: str = "127.0.0.1", **settings) -> None:
     bound = listen(config)
     reactor.addSystemEventTrigger("after", "shutdown", _shut, bound)
     address = bound.getHost()
-    print(f"tensorshare-server listening on {address.host}:{address.port}", flush=True)
+
+    def announce() -> None:
+        # Only once the reactor runs: its SIGTERM/SIGINT handlers are installed by
+        # then, so a supervisor that signals as soon as it reads the line gets a
+        # clean shutdown (spill files removed, disk work finished), not a kill.
+        print(f"tensorshare-server listening on {address.host}:{address.port}", flush=True)
+        if bound.tls_fingerprint:
+            print(f"tensorshare-server TLS certificate SHA-256 fingerprint {bound.tls_fingerprint}", flush=True)
+
+    reactor.callWhenRunning(announce)
     reactor.run()
 
 
@@ -106,6 +141,7 @@ class EmbeddedServer:
         self._port = blockingCallFromThread(reactor, listen, self.config)
         self.port: int = self._port.getHost().port
         self.host = host
+        self.tls_fingerprint: str | None = self._port.tls_fingerprint  # to pin (tls_fingerprint=)
 
     def stop(self) -> None:
         """Stop listening and drop the connections' state with the server."""
@@ -182,6 +218,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Na
                       metavar="SECONDS", help="disconnect a connection over --max-outbound that takes no byte "
                                               "for this long (default 60)")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING...")
+    _add_security_arguments(parser)
     args = parser.parse_args(argv)
     known = {f.name for f in fields(ServerConfig)}
     try:
@@ -191,11 +228,38 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Na
     return config, args
 
 
+def _add_security_arguments(parser: argparse.ArgumentParser) -> None:
+    """Issue #7's options: authentication, TLS, connection and time limits."""
+    group = parser.add_argument_group(
+        "security", "Authentication proves clients know a shared token (HMAC challenge-response: the token "
+                    "never crosses the wire, and the server proves it knows it too); TLS encrypts the traffic "
+                    "and proves the server's identity. Use both on any network you do not trust.")
+    group.add_argument("--token-file", metavar="FILE",
+                       help="require clients to authenticate with the token in FILE (surrounding whitespace "
+                            "ignored). Without it the TENSORSHARE_TOKEN environment variable is used if set; "
+                            "else anyone who reaches the port is served. No --token option: command lines "
+                            "are visible to every user of the host")
+    group.add_argument("--tls-cert", metavar="PEM", help="serve TLS only, with this certificate (chain, leaf first)")
+    group.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert (default: read from --tls-cert)")
+    group.add_argument("--max-connections", type=int, default=ServerConfig.max_connections, metavar="N",
+                       help="connections open at once; more get 421 and are closed (default %(default)s; 0: no limit)")
+    group.add_argument("--idle-timeout", type=float, default=ServerConfig.idle_timeout, metavar="SECONDS",
+                       help="close a connection silent this long with 421; one that listens gets a 110 "
+                            "keepalive frame instead and stays (default %(default)s; 0: never)")
+    group.add_argument("--auth-timeout", type=float, default=ServerConfig.auth_timeout, metavar="SECONDS",
+                       help="close a connection that has not authenticated by then with 530 "
+                            "(default %(default)s; 0: no limit)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """The ``tensorshare-server`` command."""
     config, args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = {f.name: getattr(config, f.name) for f in fields(ServerConfig) if f.name not in ("host", "port")}
-    run_server(config.port, config.host, **settings)
+    try:
+        run_server(config.port, config.host, **settings)
+    except UsageError as exc:
+        print(f"tensorshare-server: {exc}", file=sys.stderr)
+        return 2
     return 0

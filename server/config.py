@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from tensorshare.auth import resolve_token
 from tensorshare.protocol import MAX_BIN_NAME
 from tensorshare.wire.description import DecodeLimits
 from tensorshare.wire.frames import FrameLimits
@@ -43,6 +44,26 @@ class ServerConfig:
             raise ValueError("max_outbound must be at least 1 byte")
         if not self.outbound_stall_timeout > 0:
             raise ValueError("outbound_stall_timeout must be a positive number of seconds")
+
+    # -- security (issue #7): authentication, TLS, connection and time limits
+    token: str | bytes | None = field(default=None, repr=False)  # clients must prove they know it (AUTH)
+    token_file: str | None = None  # read the token from this file (when ``token`` is None)
+    tls_cert: str | None = None  # PEM certificate (chain, leaf first): serve TLS only
+    tls_key: str | None = None  # PEM private key (default: read from tls_cert)
+    max_connections: int = 1024  # open at once; more get 421 and are closed (0: no limit)
+    idle_timeout: float = 300.0  # seconds of silence before 421 and close, or a keepalive if listening (0: never)
+    auth_timeout: float = 10.0  # seconds a connection may take to authenticate (0: no limit)
+
+    def auth_token(self) -> bytes | None:
+        """The token clients must prove: ``token``, else ``token_file``'s contents, else
+        the ``TENSORSHARE_TOKEN`` environment variable, else None (no authentication)."""
+        return resolve_token(self.token, self.token_file)
+
+    @property
+    def tick_interval(self) -> float | None:
+        """How often the time limits are checked (None: no time limit is set)."""
+        limits = [t for t in (self.idle_timeout, self.auth_timeout) if t > 0]
+        return min(max(min(limits) / 4, 0.05), 5.0) if limits else None
 
     @property
     def frame_limits(self) -> FrameLimits:

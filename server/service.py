@@ -13,7 +13,7 @@ import sys
 from collections import deque
 from typing import Callable
 
-from twisted.internet import interfaces, protocol, reactor, tcp
+from twisted.internet import interfaces, protocol, reactor, task, tcp
 from zope.interface import implementer
 
 from .flow import OutboundBudget
@@ -75,7 +75,10 @@ class FrameWriter:
         self._holding = False
         # The direct path reads the buffer state of Twisted's TCP transport (its
         # FileDescriptor write buffers); any other transport (TLS, test fakes), or a
-        # Twisted whose buffers look different, only ever sees transport.write.
+        # Twisted whose buffers look different, only ever sees transport.write.  A TLS
+        # connection's transport is a TLSMemoryBIOProtocol, which is no tcp.Connection
+        # (hasattr alone would not do: it forwards unknown attributes to the TCP
+        # transport beneath, and a direct send() there would bypass the encryption).
         direct = isinstance(transport, tcp.Connection) and all(
             hasattr(transport, name) for name in ("_tempDataBuffer", "dataBuffer", "offset"))
         self._socket = transport.getHandle() if direct else None
@@ -105,6 +108,11 @@ class FrameWriter:
         entry = [[frame], 0, None, name]
         self._waiting_notes[name] = entry
         self._enqueue(entry)
+
+    @property
+    def pending(self) -> bool:
+        """Whether frames wait that the transport has not taken whole yet (a reply in progress)."""
+        return bool(self._queue)
 
     def hold(self) -> None:
         """Queue frames without writing them until :meth:`release`."""
@@ -394,6 +402,10 @@ class TensorShareProtocol(protocol.Protocol):
         finally:
             writer.release()
 
+    def tick(self, now: float) -> None:
+        if self.session is not None:
+            self.session.tick(now, self.writer.pending)
+
 
 class TensorShareFactory(protocol.Factory):
     """Builds a :class:`TensorShareProtocol` per connection, all sharing one state."""
@@ -402,6 +414,26 @@ class TensorShareFactory(protocol.Factory):
         self.state = state
         self.clock = clock if clock is not None else reactor  # callLater/seconds, for flow control
         self.live: set[TensorShareProtocol] = set()
+        self._ticker: task.LoopingCall | None = None  # applies the sessions' time limits
+
+    def startFactory(self) -> None:
+        interval = self.state.config.tick_interval
+        if interval is not None:
+            self._ticker = task.LoopingCall(self._tick)
+            self._ticker.start(interval, now=False)
+
+    def stopFactory(self) -> None:
+        if self._ticker is not None and self._ticker.running:
+            self._ticker.stop()
+        self._ticker = None
+
+    def _tick(self) -> None:
+        now = self._ticker.clock.seconds()
+        for proto in list(self.live):
+            try:
+                proto.tick(now)
+            except Exception:  # a bug must not end the time limits of every connection
+                log.exception("time limits of a connection failed")
 
     def buildProtocol(self, addr) -> TensorShareProtocol:
         proto = TensorShareProtocol(self.state)

@@ -2,8 +2,11 @@
 
 A :class:`ServerSession` takes the bytes a connection received, decodes frames,
 runs each request against the shared :class:`~.store.BinStore` and hands whole reply
-frames (lists of ``bytes`` parts) to its :class:`Outbox`.  The Twisted adapter in
-:mod:`.service` only moves bytes; tests can drive a session directly.
+frames (lists of ``bytes`` parts) to its :class:`Outbox`.  It also holds the
+connection's policy: the connection limit, authentication (PROTOCOL.md §8.4) and the
+idle and authentication time limits, which the adapter applies by calling
+:meth:`ServerSession.tick` with the time.  The Twisted adapter in :mod:`.service`
+only moves bytes and keeps the clock; tests can drive a session directly.
 """
 
 from __future__ import annotations
@@ -13,10 +16,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from tensorshare import __version__, protocol
+from tensorshare import __version__, auth, protocol
 from tensorshare.errors import ProtocolError, RemoteError
 from tensorshare.wire.description import check_description
-from tensorshare.wire.frames import DiscardSink, Frame, FrameDecoder, SegmentSink, frame_head
+from tensorshare.wire.frames import DiscardSink, Frame, FrameDecoder, FrameLimits, SegmentSink, frame_head
 
 from .config import ServerConfig
 from .durable import DataDir
@@ -28,6 +31,10 @@ from .store import BinStore, Change, Item
 log = logging.getLogger("tensorshare.server")
 _DISCARD = DiscardSink(0)  # stateless: one serves every request that takes no payload
 _LASTING = frozenset({protocol.PUT, protocol.APPEND, protocol.DELETE})  # effects that outlive the connection
+# Until a connection has authenticated, its frames may carry no payload and only a
+# small header (an AUTH frame is about 150 bytes): an unauthenticated peer cannot
+# make the server buffer anything sizeable.
+PRE_AUTH_MAX_HEADER = 4096
 
 
 class Outbox(Protocol):
@@ -68,6 +75,10 @@ class ServerState:
     config: ServerConfig
     storage: Storage
     listeners: ListenerRegistry = field(default_factory=ListenerRegistry)
+    token: bytes | None = field(default=None, repr=False)  # clients must AUTH with it; None: no authentication
+    connections: int = 0  # connections admitted and still open (max_connections)
+    token: bytes | None = field(default=None, repr=False)  # clients must AUTH with it; None: no authentication
+    connections: int = 0  # connections admitted and still open (max_connections)
 
     @property
     def store(self) -> BinStore:
@@ -83,7 +94,7 @@ class ServerState:
         if data_dir is not None:
             count = storage.load()
             log.info("data directory %s: %d items in %d bins", config.data_dir, count, len(store.listing()))
-        return cls(config, storage)
+        return cls(config, storage, token=config.auth_token())
 
 
 class _Refused(Exception):
@@ -111,8 +122,18 @@ class ServerSession:
         # they are handled.
         self._backlog: deque[Frame] = deque()
         self._busy = False  # a request waits for the disk
-        self._broken: str | None = None
-        self._decoder: FrameDecoder | None = FrameDecoder(self._payload_sink, state.config.frame_limits)
+        self._broken: tuple[int, str] | None = None  # (code, message)
+        self.authenticated = state.token is None
+        self._nonce = None if self.authenticated else auth.new_nonce()  # the challenge of our greeting
+        self._admitted = False  # counted in state.connections
+        self._heard = False  # bytes arrived since the last tick()
+        self._opened_at: float | None = None  # times as tick() gives them
+        self._quiet_since: float | None = None
+        self._pinged_at: float | None = None
+        limits = state.config.frame_limits
+        if not self.authenticated:
+            limits = FrameLimits(max_header=min(PRE_AUTH_MAX_HEADER, limits.max_header), max_payload=0)
+        self._decoder: FrameDecoder | None = FrameDecoder(self._payload_sink, limits)
         # The config's limits are properties that build a new object per access.
         self._decode_limits = state.config.decode_limits
         self._max_bin_name = state.config.max_bin_name
@@ -120,20 +141,38 @@ class ServerSession:
     # -- events from the transport
 
     def connection_made(self) -> None:
-        self._send({"code": protocol.GREETING, "id": 0, "msg": "tensorshare ready",
-                    "server": f"tensorshare/{__version__}", "version": protocol.PROTOCOL_VERSION})
+        limit = self.state.config.max_connections
+        if limit and self.state.connections >= limit:
+            log.warning("refusing %s: %d connections open (max_connections)", self.peer, self.state.connections)
+            self._close_with(protocol.UNAVAILABLE, "too many connections; try again later")
+            return
+        self.state.connections += 1
+        self._admitted = True
+        greeting = {"code": protocol.GREETING, "id": 0, "msg": "tensorshare ready",
+                    "server": f"tensorshare/{__version__}", "version": protocol.PROTOCOL_VERSION}
+        if not self.authenticated:
+            greeting.update(msg="tensorshare ready; authenticate", auth=auth.MECHANISM, nonce=self._nonce)
+        self._send(greeting)
 
     def data_received(self, data: bytes) -> None:
         if self.closed or self._broken is not None:
             return
+        self._heard = True
+        authenticated = self.authenticated  # the limits these bytes were decoded with
         try:
             frames = self._decoder.feed(data)
         except ProtocolError as exc:
             frames = getattr(exc, "frames", [])  # whole requests before the bad bytes
-            self._broken = str(exc)
+            if authenticated:
+                self._broken = (protocol.BAD_FRAME, str(exc))
+            else:
+                log.warning("refused %s: a frame before authentication: %s", self.peer, exc)
+                self._broken = (protocol.NOT_AUTHENTICATED, f"authentication required (frame refused: {exc})")
         if not self._backlog:
             outbox = self.outbox
             for i, frame in enumerate(frames):
+                if self.closed:  # refused: nothing after it is served
+                    return
                 if outbox.congested or self._busy:  # hold the rest back
                     frames = frames[i:]
                     break
@@ -164,6 +203,9 @@ class ServerSession:
         # the connection (the others would only have produced their reply).
         backlog, self._backlog = self._backlog, deque()
         self.closed = True
+        if self._admitted:
+            self._admitted = False
+            self.state.connections -= 1
         for frame in backlog:
             if frame.header.get("op") in _LASTING:
                 self._handle(frame)
@@ -190,11 +232,42 @@ class ServerSession:
 
     def _fail(self) -> None:
         """Report the framing error (after every request before it) and close."""
-        message, self._broken = self._broken, None
+        (code, message), self._broken = self._broken, None
         log.info("closing %s: %s", self.peer, message)
-        self._send({"code": protocol.BAD_FRAME, "id": 0, "msg": message})
-        self.closed = True
-        self.outbox.close()
+        self._close_with(code, message)
+
+    def tick(self, now: float, sending: bool = False) -> None:
+        """Apply the time limits; the adapter calls this every ``tick_interval``
+        seconds with the time and whether frames are still waiting to be written.
+
+        A connection that has received nothing, with no reply waiting to be
+        written, for ``idle_timeout`` seconds is closed with 421, unless it listens: then the
+        server sends it a 110 keepalive frame (again every ``idle_timeout`` of
+        silence) and keeps it.  One that has not authenticated within
+        ``auth_timeout`` seconds is closed with 530.
+        """
+        if self.closed:
+            return
+        config = self.state.config
+        if self._opened_at is None:
+            self._opened_at = now
+        if self._heard or sending or self._quiet_since is None:
+            self._heard = False
+            self._quiet_since = now
+            self._pinged_at = None
+        if not self.authenticated and config.auth_timeout and now - self._opened_at >= config.auth_timeout:
+            log.warning("closing %s: not authenticated within %gs", self.peer, config.auth_timeout)
+            self._close_with(protocol.NOT_AUTHENTICATED, "authentication timed out")
+            return
+        if not config.idle_timeout or now - self._quiet_since < config.idle_timeout:
+            return
+        if self.listening:
+            if self._pinged_at is None or now - self._pinged_at >= config.idle_timeout:
+                self._pinged_at = now
+                self._send({"code": protocol.KEEPALIVE, "id": 0, "msg": "keepalive"})
+            return
+        log.info("closing %s: idle for %gs", self.peer, config.idle_timeout)
+        self._close_with(protocol.UNAVAILABLE, f"idle for {config.idle_timeout:g}s; closing")
 
     def _wait_for_disk(self) -> None:
         self._busy = True
@@ -230,6 +303,9 @@ class ServerSession:
         rid = header.get("id")
         if type(rid) is not int or not 0 < rid < 1 << 64:
             rid = 0
+        if not self.authenticated:
+            self._authenticate(rid, header)
+            return
         try:
             op = header.get("op")
             if type(op) is not str or op not in protocol.VERBS:
@@ -248,6 +324,36 @@ class ServerSession:
             self._send({"code": exc.code, "id": rid, "msg": exc.message})
         except RemoteError as exc:  # raised by the store: no such bin, limits
             self._send({"code": exc.code, "id": rid, "msg": exc.message})
+
+    def _authenticate(self, rid: int, header: dict) -> None:
+        """Check an AUTH request (PROTOCOL.md §8.4); anything else before it gets 530 and
+        the connection closes, as it does after a wrong proof."""
+        op = header.get("op")
+        if op != protocol.AUTH or rid == 0:
+            log.warning("refused %s: %.40r before authenticating", self.peer, op)
+            self._close_with(protocol.NOT_AUTHENTICATED, "authentication required", rid)
+            return
+        client_nonce = header.get("nonce")
+        if header.get("mech") != auth.MECHANISM or not auth.is_nonce(client_nonce):
+            log.warning("authentication failed for %s: malformed AUTH", self.peer)
+            self._close_with(protocol.NOT_AUTHENTICATED, f"AUTH needs mech {auth.MECHANISM!r} and a "
+                                                         f"{auth.NONCE_SIZE}-byte nonce", rid)
+            return
+        client_proof, server_proof = auth.proofs(self.state.token, self._nonce, client_nonce)
+        if not auth.proof_matches(client_proof, header.get("proof")):
+            log.warning("authentication failed for %s: wrong proof", self.peer)
+            self._close_with(protocol.NOT_AUTHENTICATED, "authentication failed", rid)
+            return
+        self.authenticated = True
+        self._nonce = None
+        self._decoder.limits = self.state.config.frame_limits
+        log.info("%s authenticated", self.peer)
+        self._send({"code": protocol.AUTHENTICATED, "id": rid, "proof": server_proof})
+
+    def _do_auth(self, rid: int, name: None, frame: Frame) -> None:
+        if self.state.token is None:
+            raise _Refused(protocol.BAD_SEQUENCE, "this server does not use authentication")
+        raise _Refused(protocol.BAD_SEQUENCE, "already authenticated")
 
     def _item(self, frame: Frame) -> Item:
         blob = frame.header.get("value")
@@ -344,6 +450,12 @@ class ServerSession:
 
     def _send(self, header: dict) -> None:
         self.send([frame_head(header, 0)])
+
+    def _close_with(self, code: int, message: str, rid: int = 0) -> None:
+        """Send a last error reply, then close; nothing more is read or served."""
+        self._send({"code": code, "id": rid, "msg": message})
+        self.closed = True
+        self.outbox.close()
 
     def _item_parts(self, items: list[Item]) -> list:
         """The payload parts of a GET/PEEK reply carrying ``items``.

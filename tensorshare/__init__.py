@@ -15,7 +15,8 @@ import importlib
 
 from . import errors
 from .errors import (
-    ConnectionLostError, NoSuchBinError, ProtocolError, RemoteError, TensorShareError, TimeoutError,
+    AuthenticationError, ConnectionLostError, NoSuchBinError, ProtocolError, RemoteError, TensorShareError,
+    TimeoutError,
 )
 
 __version__ = "0.1.0"
@@ -53,6 +54,6 @@ def run_server(port: int = 8000, host: str = "127.0.0.1", **settings) -> None:
 
 __all__ = [
     "Client", "AsyncClient", "TensorShare", "RLTrainer", "RLWorker", "Listening", "Notification",
-    "ListenSnapshot", "connect", "run_server", "save_memmap", "load_memmap", "errors", "wire", "TensorShareError", "ConnectionLostError",
-    "NoSuchBinError", "ProtocolError", "RemoteError", "TimeoutError",
+    "ListenSnapshot", "connect", "run_server", "save_memmap", "load_memmap", "errors", "wire", "TensorShareError",
+    "ConnectionLostError", "NoSuchBinError", "ProtocolError", "RemoteError", "TimeoutError", "AuthenticationError",
 ]

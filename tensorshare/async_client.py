@@ -5,7 +5,9 @@ and shares the sans-IO core in :mod:`.connection` with the blocking client.
 Requests are pipelined on one connection; listen callbacks run on the reactor
 thread, as Twisted code expects.  When the connection drops, pending Deferreds
 fail with :class:`ConnectionLostError` at once, and the client reconnects with
-exponential backoff and restores its listens.
+exponential backoff (authenticating again) and restores its listens.  TLS is
+Twisted's (pyOpenSSL); a server silent for ``keepalive`` seconds is probed with
+NOOP and the connection dropped if it stays silent as long again.
 """
 
 from __future__ import annotations
@@ -13,34 +15,66 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from twisted.internet import defer, protocol as twisted_protocol
-from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
+from twisted.internet import defer, interfaces, protocol as twisted_protocol
+from twisted.internet.endpoints import SSL4ClientEndpoint, TCP4ClientEndpoint, connectProtocol
+from zope.interface import implementer
 
 from . import protocol
+from .auth import resolve_token
 from .connection import (
-    NO_VALUE, ClientConnection, ListenSnapshot, Notification, check_reply, next_request_id, notification_of,
-    reply_value, request_frame,
+    DEAD, NO_VALUE, PROBE, ClientConnection, Keepalive, ListenSnapshot, Notification, next_request_id,
+    notification_of, reply_value, report_unsolicited, request_frame,
 )
-from .errors import ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UsageError
+from .errors import (
+    AuthenticationError, ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UntrustedServerError,
+    UsageError,
+)
+from .tls import TLSSettings
 
 log = logging.getLogger("tensorshare.client")
 
 
-
+@implementer(interfaces.IPushProducer)
 class _Wire(twisted_protocol.Protocol):
-    """One connection of an :class:`AsyncClient`: bytes to frames and back."""
+    """One connection of an :class:`AsyncClient`: bytes to frames and back.
+
+    It registers itself as the transport's producer only to learn when writes are
+    backed up (a large value still going out): the keepalive waits meanwhile, since
+    the server answers a probe only after reading everything sent before it.
+    """
 
     def __init__(self, client: "AsyncClient"):
         self.client = client
-        self.conn = ClientConnection()
-        self.greeted: defer.Deferred = defer.Deferred()
+        self.conn = ClientConnection(token=client._token)
+        self.greeted: defer.Deferred = defer.Deferred()  # fires with self once requests may be sent
+        self.last_heard = self.last_sent = client.reactor.seconds()  # for the keepalive
+        self.keepalive = None if client.keepalive is None else Keepalive(client.keepalive)
         self._outgoing: list[bytes] = []
         self._flush_scheduled = False
+        self._certificate_checked = client._tls is None
+        self.write_blocked = False
 
     def connectionMade(self) -> None:
         self.transport.setTcpNoDelay(True)
+        self.transport.registerProducer(self, True)
+
+    # IPushProducer: writes are not held back, only watched for the keepalive
+    def pauseProducing(self) -> None:
+        self.write_blocked = True
+
+    def resumeProducing(self) -> None:
+        self.write_blocked = False
+        self.last_sent = self.client.reactor.seconds()
+
+    def stopProducing(self) -> None:
+        pass
 
     def dataReceived(self, data: bytes) -> None:
+        self.last_heard = self.client.reactor.seconds()
+        if not self._certificate_checked:  # data arrives only after the TLS handshake
+            self._certificate_checked = True
+            if not self._opening_step(self._check_certificate):
+                return
         try:
             frames = self.conn.feed(data)
         except ProtocolError as exc:
@@ -48,24 +82,61 @@ class _Wire(twisted_protocol.Protocol):
             self.transport.abortConnection()
             return
         for frame in frames:
-            if self.conn.greeting is None:
-                try:
-                    header = check_reply(frame)
-                    if header.get("code") != protocol.GREETING:
-                        raise ProtocolError(f"expected a 220 greeting, got {header!r}")
-                except TensorShareError as exc:
-                    self.transport.abortConnection()
-                    self.greeted.errback(exc)
+            if not self.conn.ready:
+                if not self._opening_step(lambda: self._open_with(frame)):
                     return
-                self.conn.greeting = header
-                self.greeted.callback(self)
                 continue
             self.client._frame_received(frame)
 
+    def _opening_step(self, step: Callable[[], None]) -> bool:
+        """Run one step of the opening handshake; on failure fail ``greeted`` and abort."""
+        try:
+            step()
+        except TensorShareError as exc:
+            self.transport.abortConnection()
+            if not self.greeted.called:
+                self.greeted.errback(exc)
+            return False
+        return True
+
+    def _check_certificate(self) -> None:
+        from OpenSSL import crypto
+
+        x509 = self.transport.getPeerCertificate()
+        self.client._tls.check_certificate(None if x509 is None else crypto.dump_certificate(crypto.FILETYPE_ASN1, x509))
+
+    def _open_with(self, frame) -> None:
+        request = self.conn.opening(frame)
+        if request is not None:
+            self.transport.write(request)
+        if self.conn.ready:
+            self.greeted.callback(self)
+
+    def abandon_opening(self) -> None:
+        """Give up on a connection whose handshake did not finish in time."""
+        if not self.greeted.called and self.transport is not None:
+            hint = "" if self.client._tls else " (a TLS server? then pass tls=True)"
+            self.greeted.errback(ConnectionLostError(
+                f"no tensorshare greeting from {self.client.host}:{self.client.port} within "
+                f"{self.client.connect_timeout:g}s{hint}"))
+            self.transport.abortConnection()
+
     def connectionLost(self, reason) -> None:
         if not self.greeted.called:
-            self.greeted.errback(ConnectionLostError(f"closed before greeting: {reason.getErrorMessage()}"))
+            self.greeted.errback(self._opening_failure(reason))
         self.client._connection_lost(self, reason)
+
+    def _opening_failure(self, reason) -> TensorShareError:
+        """The error for a connection lost before the handshake was over."""
+        text = reason.getErrorMessage()
+        if self.client._tls is not None:
+            if "certificate verify failed" in text or reason.type.__name__ == "VerificationError":
+                return UntrustedServerError(f"the TLS certificate of {self.client.host}:{self.client.port} "
+                                            f"is not trusted: {text}")
+            if not self._certificate_checked:
+                return ConnectionLostError(f"TLS handshake with {self.client.host}:{self.client.port} failed "
+                                           f"(is it a TLS server?): {text}")
+        return ConnectionLostError(f"closed before greeting: {text}")
 
     def send(self, parts: list) -> None:
         """Queue a frame; the frames of one reactor turn go out in one write.
@@ -84,6 +155,7 @@ class _Wire(twisted_protocol.Protocol):
         if self._outgoing and self.transport is not None and self.connected:
             data, self._outgoing = b"".join(self._outgoing), []
             self.transport.write(data)
+            self.last_sent = self.client.reactor.seconds()
 
 
 class AsyncClient:
@@ -96,9 +168,18 @@ class AsyncClient:
         items = yield client.peek("bin")
     """
 
-    def __init__(self, reactor, host: str, port: int, timeout: float | None, device: Any, max_backoff: float):
+    def __init__(self, reactor, host: str, port: int, timeout: float | None, device: Any, max_backoff: float, *,
+                 connect_timeout: float = 10.0, token: str | bytes | None = None, tls: TLSSettings | None = None,
+                 keepalive: float | None = 15.0):
         self.reactor, self.host, self.port = reactor, host, port
         self.timeout, self.device, self.max_backoff = timeout, device, max_backoff
+        self.connect_timeout = connect_timeout
+        self.keepalive = keepalive or None
+        self._token = resolve_token(token)
+        self._tls = tls
+        self._tls_options = None if tls is None else tls.twisted_options(host)
+        self._failure: AuthenticationError | None = None  # final: no more connections after it
+        self._keepalive_timer = None
         self._wire: _Wire | None = None
         self._pending: dict[int, tuple[str, defer.Deferred, float | None]] = {}  # in send order
         self._sweeper = None  # the one timer that expires requests
@@ -109,11 +190,25 @@ class AsyncClient:
 
     @classmethod
     def connect(cls, host: str = "127.0.0.1", port: int = 8000, *, reactor=None, timeout: float | None = 60.0,
-                device: Any = None, max_backoff: float = 2.0) -> defer.Deferred:
-        """Connect and wait for the server's greeting; fires with the client."""
+                device: Any = None, max_backoff: float = 2.0, connect_timeout: float = 10.0,
+                token: str | bytes | None = None, tls: bool | None = None, tls_ca: str | None = None,
+                tls_fingerprint: str | None = None, keepalive: float | None = 15.0) -> defer.Deferred:
+        """Connect, authenticate if the server asks, and fire with the client.
+
+        The options mean what they mean for :class:`tensorshare.Client`: opening a
+        connection takes at most ``connect_timeout`` seconds; ``token`` defaults to
+        the ``TENSORSHARE_TOKEN`` environment variable; ``tls``/``tls_ca``/
+        ``tls_fingerprint`` choose TLS and whom to trust (needs the ``tls`` extra);
+        an :class:`AuthenticationError` is final (no reconnection).
+        """
         if reactor is None:
             from twisted.internet import reactor
-        client = cls(reactor, host, port, timeout, device, max_backoff)
+        try:
+            settings = TLSSettings.from_options(tls, tls_ca, tls_fingerprint)
+            client = cls(reactor, host, port, timeout, device, max_backoff, connect_timeout=connect_timeout,
+                         token=token, tls=settings, keepalive=keepalive)
+        except TensorShareError:
+            return defer.fail()
         return client._open().addCallback(lambda _: client)
 
     # -- API
@@ -149,7 +244,7 @@ class AsyncClient:
     def listen(self, bin: str, callback: Callable[[Notification], Any]):
         """Call ``callback(notification)`` (on the reactor thread) on every change to
         ``bin``; fires with the :class:`ListenSnapshot` once listening has started.
-        Far behind (PROTOCOL.md §8.4), only the latest change per bin is told."""
+        Far behind (PROTOCOL.md §8.7), only the latest change per bin is told."""
         snapshot = yield self._call(protocol.LISTEN, bin)
         self._listens.setdefault(bin, []).append(callback)
         return snapshot
@@ -170,12 +265,13 @@ class AsyncClient:
         """Close the connection; pending Deferreds fail with ConnectionLostError."""
         self._closed = True
         self._listens.clear()
-        for timer in (self._retry, self._sweeper):
+        for timer in (self._retry, self._sweeper, self._keepalive_timer):
             if timer is not None and timer.active():
                 timer.cancel()
-        self._retry = self._sweeper = None
+        self._retry = self._sweeper = self._keepalive_timer = None
         if self._wire is not None:
             self._wire._flush()  # what was queued this turn still goes out
+            self._wire.transport.unregisterProducer()  # TLS closes only without a producer
             self._wire.transport.loseConnection()
 
     @property
@@ -185,10 +281,23 @@ class AsyncClient:
     # -- internals
 
     def _open(self) -> defer.Deferred:
-        endpoint = TCP4ClientEndpoint(self.reactor, self.host, self.port, timeout=10)
+        if self._tls_options is None:
+            endpoint = TCP4ClientEndpoint(self.reactor, self.host, self.port, timeout=self.connect_timeout)
+        else:
+            endpoint = SSL4ClientEndpoint(self.reactor, self.host, self.port, self._tls_options,
+                                          timeout=self.connect_timeout)
         wire = _Wire(self)
+        # The endpoint bounds the TCP connect; this bounds TLS, greeting and AUTH too.
+        timer = self.reactor.callLater(self.connect_timeout, wire.abandon_opening)
+
+        def stop_timer(result):
+            if timer.active():
+                timer.cancel()
+            return result
+
         d = connectProtocol(endpoint, wire)
         d.addCallback(lambda _: wire.greeted)
+        d.addBoth(stop_timer)
         d.addCallback(self._opened)
         d.addErrback(self._open_failed)
         return d
@@ -196,13 +305,39 @@ class AsyncClient:
     def _opened(self, wire: _Wire) -> None:
         self._wire = wire
         self._backoff = 0.05
+        if self.keepalive is not None and self._keepalive_timer is None:
+            self._keepalive_timer = self.reactor.callLater(self.keepalive, self._check_alive)
         for name in list(self._listens):
             self._call(protocol.LISTEN, name).addCallbacks(self._relistened(name), self._relisten_failed(name))
 
     def _open_failed(self, failure):
+        if failure.check(AuthenticationError):
+            self._failure = failure.value  # a wrong token or an untrusted server stays so: do not hammer it
         if failure.check(TensorShareError):
             return failure
         raise ConnectionLostError(f"cannot connect to {self.host}:{self.port}: {failure.getErrorMessage()}")
+
+    def _check_alive(self) -> None:
+        """Probe a server silent for ``keepalive`` seconds with a NOOP; abort the
+        connection (and so reconnect) if nothing comes for as long after it."""
+        self._keepalive_timer = None
+        wire = self._wire
+        if self._closed or wire is None:
+            return  # the next connection starts the timer again
+        now = self.reactor.seconds()
+        if wire.write_blocked:  # our own bytes are still going out: nothing to judge yet
+            self._keepalive_timer = self.reactor.callLater(self.keepalive, self._check_alive)
+            return
+        action, wake = wire.keepalive.due(now, wire.last_heard, wire.last_sent)
+        if action == DEAD:
+            log.warning("%s:%s sent nothing for %gs after a keepalive probe: dropping the connection",
+                        self.host, self.port, self.keepalive)
+            wire.transport.abortConnection()
+            return
+        if action == PROBE:
+            wire.send(request_frame(next_request_id(), protocol.NOOP))  # its reply is dropped on arrival
+            wire.keepalive.probed(now)
+        self._keepalive_timer = self.reactor.callLater(max(wake - now, 0.01), self._check_alive)
 
     def _relistened(self, name: str) -> Callable:
         def deliver(snapshot: ListenSnapshot) -> None:
@@ -218,6 +353,8 @@ class AsyncClient:
     def _call(self, op: str, name: str | None = None, value: Any = NO_VALUE, tag: int | None = None) -> defer.Deferred:
         if self._closed:
             return defer.fail(UsageError("the client is closed"))
+        if self._failure is not None:
+            return defer.fail(self._failure.with_traceback(None))
         if self._wire is None:
             return defer.fail(ConnectionLostError(f"not connected to {self.host}:{self.port} (reconnecting)"))
         rid = next_request_id()
@@ -272,10 +409,7 @@ class AsyncClient:
         if note is not None:
             self._notify(note)
             return
-        try:
-            check_reply(frame)
-        except TensorShareError as exc:
-            log.warning("error reply from %s:%s for no request: %s", self.host, self.port, exc)
+        report_unsolicited(frame, f"{self.host}:{self.port}")
 
     def _notify(self, note: Notification) -> None:
         for callback in list(self._listens.get(note.bin, ())):
@@ -300,6 +434,12 @@ class AsyncClient:
         def attempt() -> None:
             self._retry = None
             if not self._closed:
-                self._open().addErrback(lambda _: self._schedule_reconnect())
+                self._open().addErrback(retry_unless_final)
+
+        def retry_unless_final(failure) -> None:
+            if self._failure is not None:
+                log.error("cannot reconnect to %s:%s: %s; giving up", self.host, self.port, failure.getErrorMessage())
+            else:
+                self._schedule_reconnect()
 
         self._retry = self.reactor.callLater(delay, attempt)

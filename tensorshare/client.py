@@ -9,6 +9,12 @@ notifications and callbacks of non-blocking calls go to one dispatcher thread, s
 user callbacks never run on a thread that reads the socket.  While the client
 listens to bins a background reader keeps the socket drained, reconnects with
 backoff when the server goes away and restores the listens.
+
+Over TLS the socket is a stdlib :class:`ssl.SSLSocket`, still non-blocking: a read
+is tried before waiting (the SSL object may hold decrypted bytes that ``poll``
+cannot see), a want-read/want-write waits for the socket, and one lock keeps two
+threads from using the SSL object at once.  A reading thread probes a server that
+has gone silent with NOOP (``keepalive``) and drops a connection that stays silent.
 """
 
 from __future__ import annotations
@@ -17,16 +23,22 @@ import logging
 import queue
 import select
 import socket
+import ssl
 import threading
 import time
 from typing import Any, Callable
 
 from . import protocol
+from .auth import resolve_token
 from .connection import (
-    NO_VALUE, ClientConnection, ListenSnapshot, Notification, check_reply, int_field, item_table,
-    next_request_id, notification_of, reply_value, request_frame,
+    DEAD, NO_VALUE, PROBE, ClientConnection, Keepalive, ListenSnapshot, Notification, check_reply, int_field,
+    item_table, next_request_id, notification_of, reply_value, report_unsolicited, request_frame,
 )
-from .errors import ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UsageError
+from .errors import (
+    AuthenticationError, ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UntrustedServerError,
+    UsageError,
+)
+from .tls import TLSSettings
 from .wire.frames import Frame
 
 log = logging.getLogger("tensorshare.client")
@@ -34,6 +46,8 @@ log = logging.getLogger("tensorshare.client")
 _DEFAULT = object()  # "use the client's timeout"
 _IOV_MAX = 1024
 _SMALL_FRAME = 64 << 10  # frames up to this size are joined and sent with one send()
+_TLS_CHUNK = 1 << 20  # bytes handed to one SSL write (a retry after want-write repeats the same slice)
+_IDLE_CHECK = 1.0  # seconds of quiet after which a request first reads what the server sent meanwhile
 
 
 class _Dispatcher:
@@ -93,17 +107,39 @@ class Client:
     raise a :class:`~tensorshare.errors.TensorShareError`.  Tensors come back on the
     CPU, or on ``device`` if one is given.  A lost connection fails the calls in
     flight with :class:`ConnectionLostError`; the next call reconnects.
+
+    Opening a connection (TCP, TLS, greeting, authentication) takes at most
+    ``connect_timeout`` seconds.  ``token`` (default: the ``TENSORSHARE_TOKEN``
+    environment variable) authenticates to a server that requires it and makes the
+    client require the server to prove it knows the token too; it is never sent.
+    ``tls=True`` speaks TLS, verifying the server against the system's CAs and the
+    host name; ``tls_ca`` names a PEM file of CAs to trust instead, and
+    ``tls_fingerprint`` pins the SHA-256 fingerprint of the server's certificate
+    (either implies ``tls=True``; see :mod:`tensorshare.tls`).  An authentication
+    failure (:class:`~tensorshare.errors.AuthenticationError`) is final: the client
+    does not reconnect and every later call raises it.  While a thread reads the
+    socket, a server silent for ``keepalive`` seconds is probed with NOOP, and the
+    connection is dropped (then re-opened) if it stays silent as long again.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, timeout: float | None = 60.0, *,
                  connect_timeout: float = 10.0, device: Any = None, reconnect: bool = True,
-                 max_backoff: float = 2.0):
+                 max_backoff: float = 2.0, token: str | bytes | None = None, tls: bool | None = None,
+                 tls_ca: str | None = None, tls_fingerprint: str | None = None, keepalive: float | None = 15.0):
         self.host, self.port = host, port
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.device = device
         self.reconnect = reconnect
         self.max_backoff = max_backoff
+        self.keepalive = keepalive or None
+        self._token = resolve_token(token)
+        self._tls = TLSSettings.from_options(tls, tls_ca, tls_fingerprint)
+        self._ssl_context = None if self._tls is None else self._tls.ssl_context()
+        self._ssl_lock = threading.Lock()  # an SSL object serves one call at a time; never held while waiting
+        self._failure: AuthenticationError | None = None  # final: no more connections after it
+        self._last_heard = self._last_sent = 0.0  # time.monotonic() of the last bytes in / request out
+        self._keepalive_state: Keepalive | None = None  # of the current connection
         self._cond = threading.Condition()
         self._send_lock = threading.Lock()
         self._connect_lock = threading.Lock()
@@ -194,7 +230,7 @@ class Client:
         returns is missed.  The handle's ``snapshot`` is the bin's state at that
         moment; ``handle.stop()`` stops listening.  Callbacks run in order on the
         client's dispatcher thread, never on a thread that reads the socket.
-        A client that falls far behind (PROTOCOL.md §8.4) gets only the latest
+        A client that falls far behind (PROTOCOL.md §8.7) gets only the latest
         change per bin: ``seq`` always grows but may skip.
         """
         handle = Listening(self, bin, callback, None)
@@ -268,6 +304,7 @@ class Client:
         rid = next_request_id()
         parts = request_frame(rid, op, bin, value, tag)
         deadline = self._deadline(_DEFAULT)
+        self._before_request()
         with self._cond:
             self._pending_async[rid] = (op, callback)
         try:
@@ -292,6 +329,7 @@ class Client:
         rid = next_request_id()
         parts = request_frame(rid, op, name, value, tag)
         deadline = self._deadline(timeout)
+        self._before_request()
         with self._cond:
             self._waiting.add(rid)
             if on_reply is not None:
@@ -309,16 +347,61 @@ class Client:
     def _send(self, parts: list, deadline: float | None) -> None:
         sock = self._ensure_connected(deadline)
         with self._send_lock:
-            try:
-                _send_all(sock, self._writable, parts, deadline)
-            except TimeoutError:
-                # A partly sent frame leaves the stream unusable: start afresh.
-                self._drop_connection(sock, ConnectionLostError("send timed out; connection reset"))
-                raise
-            except (OSError, ValueError) as exc:  # ValueError: socket closed by another thread
-                err = ConnectionLostError(f"connection to {self.host}:{self.port} lost: {exc}")
-                self._drop_connection(sock, err)
-                raise err from None
+            self._send_locked(sock, parts, deadline)
+
+    def _send_locked(self, sock: socket.socket, parts: list, deadline: float | None) -> None:
+        """Write a whole frame (the caller holds the send lock).  With keepalive on,
+        a server that takes no byte for twice ``keepalive`` seconds is presumed dead."""
+        readable, writable = self._readable, self._writable
+        stall = None if self.keepalive is None else 2 * self.keepalive
+        try:
+            if self._ssl_context is None:
+                _send_all(sock, writable, parts, deadline, stall)
+            else:
+                _send_all_tls(sock, self._ssl_lock, readable, writable, parts, deadline, stall)
+        except TimeoutError:
+            # A partly sent frame leaves the stream unusable: start afresh.
+            self._drop_connection(sock, ConnectionLostError("send timed out; connection reset"))
+            raise
+        except (OSError, ValueError, AttributeError) as exc:  # ValueError/AttributeError: closed by another thread
+            err = ConnectionLostError(f"connection to {self.host}:{self.port} lost: {exc}")
+            self._drop_connection(sock, err)
+            raise err from None
+
+    def _before_request(self) -> None:
+        """Note that a request is about to go out (the keepalive counts silence from
+        it) and, on a connection quiet for a while, first read what the server sent
+        meanwhile (late replies, or the 421 it sends before closing an idle
+        connection), so that a connection it has closed is replaced by the request
+        instead of failing it.  Called before the request is registered, so that
+        dropping the connection does not fail the request too."""
+        now = time.monotonic()
+        quiet = now - max(self._last_heard, self._last_sent)
+        self._last_sent = now
+        sock = self._sock
+        if quiet <= _IDLE_CHECK or sock is None:
+            return
+        with self._cond:
+            if self._reading or sock is not self._sock:
+                return  # another thread reads: it will notice a close itself
+            self._reading = True
+            readable = self._readable
+        try:
+            while self._sock is sock and self._data_waiting(sock, readable):
+                self._read_some(time.monotonic() + 0.1)
+        except (TimeoutError, ConnectionLostError):
+            pass  # half a TLS record (read on later), or the connection is gone (the request reconnects)
+        finally:
+            with self._cond:
+                self._reading = False
+                self._cond.notify_all()
+
+    def _data_waiting(self, sock: socket.socket, readable: select.poll) -> bool:
+        if self._ssl_context is not None:
+            with self._ssl_lock:
+                if sock.pending():
+                    return True
+        return bool(readable.poll(0))
 
     def _await(self, rid: int, deadline: float | None) -> Frame:
         """Wait for reply ``rid``, reading the socket ourselves when nobody else is."""
@@ -348,20 +431,28 @@ class Client:
 
     def _read_some(self, deadline: float | None) -> None:
         """Read once from the socket and dispatch the frames it completes (leader only)."""
-        with self._cond:  # the three change together on (re)connection
-            sock, conn, readable = self._sock, self._conn, self._readable
+        with self._cond:  # these change together on (re)connection
+            sock, conn, readable, writable = self._sock, self._conn, self._readable, self._writable
         if sock is None:
             raise ConnectionLostError(f"not connected to {self.host}:{self.port}")
+        wake = self._keepalive(sock)
+        until = deadline if wake is None or (deadline is not None and deadline <= wake) else wake
         try:
-            _wait(readable, deadline)
-            n = sock.recv_into(conn.decoder.get_buffer())
+            if self._ssl_context is None:
+                _wait(readable, until)
+                n = sock.recv_into(conn.decoder.get_buffer())
+            else:
+                n = self._recv_tls(sock, conn.decoder.get_buffer(), readable, writable, until)
             if n == 0:
                 raise ConnectionResetError("server closed the connection")
+            self._last_heard = time.monotonic()
             frames = conn.decoder.buffer_updated(n)
         except BlockingIOError:
             return
         except TimeoutError:  # our TimeoutError is an OSError too: the connection is fine
-            raise
+            if until is deadline:
+                raise
+            return  # time for the next keepalive check, not the caller's deadline
         except (OSError, ValueError, ProtocolError) as exc:
             err = ConnectionLostError(f"connection to {self.host}:{self.port} lost: {exc}")
             self._drop_connection(sock, err)
@@ -376,6 +467,46 @@ class Client:
             raise err from None
         if jobs:
             self._callbacks().submit_all(jobs)
+
+    def _recv_tls(self, sock: ssl.SSLSocket, buffer: memoryview, readable: select.poll, writable: select.poll,
+                  until: float | None) -> int:
+        """One read from the SSL socket into ``buffer`` (TimeoutError at ``until``).
+
+        Tried before waiting: the SSL object may hold decrypted bytes that poll()
+        cannot see."""
+        while True:
+            try:
+                with self._ssl_lock:
+                    return sock.recv_into(buffer)
+            except ssl.SSLWantReadError:
+                _wait(readable, until)
+            except ssl.SSLWantWriteError:
+                _wait(writable, until)
+
+    def _keepalive(self, sock: socket.socket) -> float | None:
+        """Probe a server silent for ``keepalive`` seconds with a NOOP, and drop the
+        connection (ConnectionLostError) if nothing comes for as long after the
+        probe.  Returns when to check next (None: keepalive is off)."""
+        state = self._keepalive_state
+        if state is None:
+            return None
+        now = time.monotonic()
+        action, wake = state.due(now, self._last_heard, self._last_sent)
+        if action == DEAD:
+            err = ConnectionLostError(f"{self.host}:{self.port} sent nothing for {self.keepalive:g}s after a "
+                                      f"keepalive probe: connection presumed dead")
+            self._drop_connection(sock, err)
+            raise err
+        if action == PROBE:
+            if not self._send_lock.acquire(blocking=False):
+                return now + 0.5  # a request is going out: the server has that to read first
+            try:
+                # No deadline: a probe that cannot go out trips the stall limit (ConnectionLostError).
+                self._send_locked(sock, request_frame(next_request_id(), protocol.NOOP), None)
+            finally:
+                self._send_lock.release()
+            state.probed(now)  # its reply has an id nobody waits for: it is dropped on arrival
+        return wake
 
     def _dispatch(self, frame: Frame, jobs: list) -> None:
         """Hand a frame to the thread waiting for it, or queue its callbacks in ``jobs``."""
@@ -401,12 +532,7 @@ class Client:
                 handles = list(self._listens.get(note.bin, ()))
             jobs.extend((handle.callback, (note,)) for handle in handles)
             return
-        try:
-            check_reply(frame)
-        except TensorShareError as exc:
-            # An error the server could not tie to a request (it could not read the
-            # id).  If the connection cannot go on, the server closes it next.
-            log.warning("error reply from %s:%s for no request: %s", self.host, self.port, exc)
+        report_unsolicited(frame, f"{self.host}:{self.port}")
 
     def _complete_from_frame(self, entry: tuple, frame: Frame) -> None:
         """Decode a non-blocking call's reply (on the dispatcher thread) and call back."""
@@ -430,32 +556,23 @@ class Client:
     # -- connection management
 
     def _connect(self) -> tuple[socket.socket, list[str]]:
-        """Open a connection and read the server's greeting (blocking, bounded)."""
+        """Open a connection: TCP, TLS if asked, the server's greeting and, if it asks,
+        authentication.  Blocking, within ``connect_timeout`` in all."""
         deadline = time.monotonic() + self.connect_timeout
         try:
             sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout)
         except OSError as exc:
             raise ConnectionLostError(f"cannot connect to {self.host}:{self.port}: {exc}") from None
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setblocking(False)
-        conn = ClientConnection()
-        readable, writable = _poller(sock, select.POLLIN), _poller(sock, select.POLLOUT)
         try:
-            while conn.greeting is None:
-                _wait(readable, deadline)
-                data = sock.recv(1 << 16)
-                if not data:
-                    raise ConnectionResetError("closed before greeting")
-                for frame in conn.feed(data):
-                    header = check_reply(frame)
-                    if header.get("code") != protocol.GREETING:
-                        raise ProtocolError(f"expected a 220 greeting, got {header!r}")
-                    conn.greeting = header
-        except (OSError, TensorShareError) as exc:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._ssl_context is not None:
+                sock = self._start_tls(sock, deadline)
+            conn = self._handshake(sock, deadline)
+            sock.setblocking(False)
+        except BaseException:
             sock.close()
-            if isinstance(exc, TensorShareError) and not isinstance(exc, TimeoutError):
-                raise
-            raise ConnectionLostError(f"no tensorshare greeting from {self.host}:{self.port}: {exc}") from None
+            raise
+        readable, writable = _poller(sock, select.POLLIN), _poller(sock, select.POLLOUT)
         with self._cond:
             if self._closed:  # closed while we connected: do not leave a socket behind
                 sock.close()
@@ -463,8 +580,56 @@ class Client:
             self._sock, self._conn = sock, conn
             self._readable, self._writable = readable, writable
             self._ever_connected = True
+            self._last_heard = time.monotonic()
+            self._keepalive_state = None if self.keepalive is None else Keepalive(self.keepalive)
             relisten = list(self._listens)
         return sock, relisten
+
+    def _start_tls(self, sock: socket.socket, deadline: float) -> ssl.SSLSocket:
+        """The TLS handshake (blocking, until ``deadline``) and the certificate checks."""
+        where = f"{self.host}:{self.port}"
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        try:
+            tls_sock = self._ssl_context.wrap_socket(sock, server_hostname=self.host)
+        except ssl.SSLCertVerificationError as exc:
+            raise UntrustedServerError(f"the TLS certificate of {where} is not trusted: "
+                                       f"{exc.verify_message or exc}") from None
+        except OSError as exc:  # ssl.SSLError, a timeout, a reset
+            raise ConnectionLostError(f"TLS handshake with {where} failed (is it a TLS server?): {exc}") from None
+        try:
+            self._tls.check_certificate(tls_sock.getpeercert(binary_form=True))
+        except BaseException:
+            tls_sock.close()
+            raise
+        return tls_sock
+
+    def _handshake(self, sock: socket.socket, deadline: float) -> ClientConnection:
+        """Read the greeting and authenticate if the server asks (blocking, until ``deadline``)."""
+        conn = ClientConnection(token=self._token)
+        where = f"{self.host}:{self.port}"
+        try:
+            while not conn.ready:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise socket.timeout("timed out")
+                sock.settimeout(remaining)
+                data = sock.recv(1 << 16)
+                if not data:
+                    raise ConnectionResetError("closed before the handshake was over")
+                for frame in conn.feed(data):
+                    if conn.ready:  # the server sends nothing unasked before a request
+                        log.debug("dropping a frame that followed the handshake: %r", frame.header)
+                        continue
+                    request = conn.opening(frame)
+                    if request is not None:
+                        sock.sendall(request)
+        except socket.timeout:
+            hint = "" if self._tls else " (a TLS server? then pass tls=True)"
+            raise ConnectionLostError(f"no tensorshare greeting from {where} within "
+                                      f"{self.connect_timeout:g}s{hint}") from None
+        except OSError as exc:
+            raise ConnectionLostError(f"no tensorshare greeting from {where}: {exc}") from None
+        return conn
 
     def _relisten(self, names: list[str]) -> None:
         """Listen again, after a reconnection, to the bins that have handles."""
@@ -489,12 +654,20 @@ class Client:
             return sock
         if self._closed:
             raise UsageError("the client is closed")
+        if self._failure is not None:
+            raise self._failure.with_traceback(None)
         if not self.reconnect and self._ever_connected:
             raise ConnectionLostError(f"connection to {self.host}:{self.port} lost (reconnect=False)")
         with self._connect_lock:
             if self._sock is not None:
                 return self._sock
-            sock, relisten = self._connect()
+            if self._failure is not None:
+                raise self._failure.with_traceback(None)
+            try:
+                sock, relisten = self._connect()
+            except AuthenticationError as exc:
+                self._failure = exc  # a wrong token or an untrusted server stays so: do not hammer it
+                raise
         self._relisten(relisten)  # outside the lock: these sends may need to reconnect
         return sock
 
@@ -534,7 +707,7 @@ class Client:
     # -- background reader (while listening or with non-blocking calls in flight)
 
     def _needs_reader(self) -> bool:
-        return not self._closed and bool(self._listens or self._pending_async)
+        return not self._closed and self._failure is None and bool(self._listens or self._pending_async)
 
     def _ensure_reader(self) -> None:
         if self._reader is not None:  # unlocked fast path: an exiting reader re-checks
@@ -573,6 +746,9 @@ class Client:
                 if failure is not None:
                     if self._closed:
                         return
+                    if isinstance(failure, AuthenticationError):
+                        log.error("tensorshare reader: %s; not reconnecting", failure)
+                        return
                     log.info("tensorshare reader: %s; retrying in %.2fs", failure, backoff)
                     time.sleep(backoff)
                     backoff = min(backoff * 2, self.max_backoff)
@@ -608,7 +784,46 @@ def _wait(poller: select.poll, deadline: float | None) -> None:
             return
 
 
-def _send_all(sock: socket.socket, writable: select.poll, parts: list, deadline: float | None) -> None:
+def _wait_to_send(poller: select.poll, deadline: float | None, stall: float | None) -> None:
+    """:func:`_wait` for a sender: also raise ConnectionLostError after ``stall``
+    seconds (None: no limit) without the socket becoming ready."""
+    if stall is not None:
+        limit = time.monotonic() + stall
+        if deadline is None or limit < deadline:
+            try:
+                _wait(poller, limit)
+            except TimeoutError:
+                raise ConnectionLostError(f"the server took no bytes for {stall:g}s") from None
+            return
+    _wait(poller, deadline)
+
+
+def _send_all_tls(sock: ssl.SSLSocket, ssl_lock: threading.Lock, readable: select.poll, writable: select.poll,
+                  parts: list, deadline: float | None, stall: float | None = None) -> None:
+    """Write every part through a non-blocking SSL socket (which has no sendmsg).
+
+    After a want-write OpenSSL must be offered the same bytes again, so each part
+    goes out in fixed slices, each retried until it is taken.
+    """
+    if len(parts) > 1 and sum(map(len, parts)) <= _SMALL_FRAME:
+        parts = [b"".join(parts)]
+    for part in parts:
+        view = memoryview(part).cast("B")
+        while view.nbytes:
+            try:
+                with ssl_lock:
+                    sent = sock.send(view[:_TLS_CHUNK])
+            except ssl.SSLWantWriteError:
+                _wait_to_send(writable, deadline, stall)
+                continue
+            except ssl.SSLWantReadError:
+                _wait_to_send(readable, deadline, stall)
+                continue
+            view = view[sent:]
+
+
+def _send_all(sock: socket.socket, writable: select.poll, parts: list, deadline: float | None,
+              stall: float | None = None) -> None:
     """Write every part (bytes or memoryview): small frames joined into one send,
     large ones with scatter-gather sends straight from the tensors' memory."""
     if len(parts) == 1 or sum(map(len, parts)) <= _SMALL_FRAME:
@@ -629,7 +844,7 @@ def _send_all(sock: socket.socket, writable: select.poll, parts: list, deadline:
             else:
                 sent = sock.sendmsg(views[first : first + _IOV_MAX])
         except BlockingIOError:
-            _wait(writable, deadline)
+            _wait_to_send(writable, deadline, stall)
             continue
         while sent:
             size = views[first].nbytes
@@ -645,7 +860,9 @@ def connect(host: str = "127.0.0.1", port: int = 8000, *, retry_for: float = 30.
     """A :class:`Client`, retrying with backoff for up to ``retry_for`` seconds while the
     server is not up yet (processes of a job often start in any order).
 
-    Raises :class:`ConnectionLostError` if the server still cannot be reached.
+    ``options`` are :class:`Client`'s (``token``, ``tls``, ``timeout``...).  Raises
+    :class:`ConnectionLostError` if the server still cannot be reached; any other
+    error, such as an :class:`AuthenticationError`, at once.
     """
     deadline = time.monotonic() + retry_for
     delay = 0.05

@@ -72,7 +72,11 @@ class StartStop:
 
 
 class TensorShare(StartStop):
-    """Callback-style client, as in the original tensorshare README."""
+    """Callback-style client, as in the original tensorshare README.
+
+    ``client_options`` go to :class:`~tensorshare.Client` (``token``, ``tls``,
+    ``tls_ca``, ``tls_fingerprint``, ``keepalive``...).
+    """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, *, timeout: float = 60.0,
                  connect_timeout: float = 30.0, **client_options):

@@ -1,26 +1,33 @@
 """The client side of the protocol, without I/O: request frames in, results out.
 
 Both clients use it: :class:`tensorshare.Client` over a plain socket and
-:class:`tensorshare.AsyncClient` over Twisted.  A :class:`ClientConnection` builds
-request frames (header bytes followed by zero-copy tensor buffers), decodes
-incoming bytes into frames, sorts them into replies and notifications, and turns a
-reply into the value the API returns or the exception it raises.
+:class:`tensorshare.AsyncClient` over Twisted.  A :class:`ClientConnection` runs the
+opening handshake (greeting, then authentication when the server asks for it) and
+decodes incoming bytes into frames; the functions here build request frames (header
+bytes followed by zero-copy tensor buffers), sort frames into replies and
+notifications, and turn a reply into the value the API returns or the exception it
+raises.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 from typing import Any
 
-from . import protocol
-from .errors import ProtocolError, UsageError, error_for_code
+from . import auth, protocol
+from .errors import (
+    NotAuthenticatedError, ProtocolError, TensorShareError, UntrustedServerError, UsageError, error_for_code,
+)
 from .wire.codec import build, encode
 from .wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
 from .wire.frames import Frame, FrameDecoder, FrameLimits, buffer_sink, frame_head
 
 CLIENT_FRAME_LIMITS = FrameLimits(max_header=1 << 30, max_payload=1 << 42)
 NO_VALUE = object()  # "this request carries no value" (None is a value)
+PROBE, DEAD = "probe", "dead"  # what Keepalive.due() asks for
+log = logging.getLogger("tensorshare.client")
 
 
 @dataclass(frozen=True)
@@ -54,14 +61,109 @@ class ListenSnapshot:
 
 
 class ClientConnection:
-    """Per-connection protocol state of a client: framing in both directions."""
+    """Per-connection protocol state of a client: the opening handshake and the
+    incoming frames.
 
-    def __init__(self, frame_limits: FrameLimits = CLIENT_FRAME_LIMITS):
+    ``token`` (the HMAC key, see :mod:`.auth`) is what the client proves it knows
+    when the server asks; a client with a token also requires the server to prove
+    that it knows the token, and refuses a server that does not ask for one.
+    """
+
+    def __init__(self, frame_limits: FrameLimits = CLIENT_FRAME_LIMITS, token: bytes | None = None):
         self.decoder = FrameDecoder(buffer_sink, frame_limits)
         self.greeting: dict | None = None
+        self.ready = False  # the handshake is over: requests may be sent
+        self._token = token
+        self._auth: tuple[int, bytes] | None = None  # (AUTH request id, the server proof expected)
 
     def feed(self, data: bytes) -> list[Frame]:
         return self.decoder.feed(data)
+
+    def opening(self, frame: Frame) -> bytes | None:
+        """Advance the opening handshake with a frame from the server.
+
+        Returns a frame to send (the AUTH request) or None; :attr:`ready` turns True
+        once requests may be sent.  Raises the :class:`RemoteError` of an error
+        reply (421 when the server has too many connections, 530),
+        :class:`NotAuthenticatedError` when the server asks for a token and we have
+        none, :class:`UntrustedServerError` when it cannot prove that it knows ours,
+        :class:`ProtocolError` for anything else.
+        """
+        header = check_reply(frame)
+        if self.greeting is None:
+            if header.get("code") != protocol.GREETING:
+                raise ProtocolError(f"expected a 220 greeting, got {header!r:.200}")
+            self.greeting = header
+            return self._authenticate(header)
+        if self._auth is None or header.get("id") != self._auth[0] or header.get("code") != protocol.AUTHENTICATED:
+            raise ProtocolError(f"unexpected frame while authenticating: {header!r:.200}")
+        if not auth.proof_matches(self._auth[1], header.get("proof")):
+            raise UntrustedServerError("the server's authentication proof is wrong: it does not know the token")
+        self._auth = None
+        self.ready = True
+        return None
+
+    def _authenticate(self, greeting: dict) -> bytes | None:
+        """The AUTH request answering ``greeting``'s challenge, or None if none is due."""
+        mechanism, server_nonce = greeting.get("auth"), greeting.get("nonce")
+        if self._token is None:
+            if mechanism is not None:
+                raise NotAuthenticatedError(f"the server requires a token: pass token=... or set {auth.TOKEN_ENV}")
+            self.ready = True
+            return None
+        if mechanism is None:
+            raise UntrustedServerError("the server asks for no token, so it cannot prove that it knows ours")
+        if mechanism != auth.MECHANISM or not auth.is_nonce(server_nonce):
+            raise ProtocolError(f"unsupported authentication {mechanism!r:.40} or a bad nonce in the greeting")
+        client_nonce = auth.new_nonce()
+        client_proof, server_proof = auth.proofs(self._token, server_nonce, client_nonce)
+        rid = next_request_id()
+        self._auth = (rid, server_proof)
+        return frame_head({"op": protocol.AUTH, "id": rid, "mech": auth.MECHANISM, "nonce": client_nonce,
+                           "proof": client_proof}, 0)
+
+
+class Keepalive:
+    """When to probe a silent server and when to give up on it (both clients).
+
+    After ``interval`` seconds with nothing heard from the server (counted from the
+    later of the last bytes received and the last request sent) the client sends a
+    NOOP; if nothing at all arrives within ``interval`` seconds of that probe, the
+    connection is presumed dead.  The clients keep the clock and the socket.
+    """
+
+    def __init__(self, interval: float):
+        self.interval = interval
+        self.probe_at: float | None = None  # when the outstanding probe was sent
+
+    def due(self, now: float, last_heard: float, last_sent: float) -> tuple[str | None, float]:
+        """``(action, next_check)``: action is :data:`PROBE` (send a NOOP, then call
+        :meth:`probed`), :data:`DEAD` (drop the connection) or None."""
+        if self.probe_at is not None:
+            if last_heard <= self.probe_at:
+                if now - self.probe_at >= self.interval:
+                    return DEAD, now
+                return None, self.probe_at + self.interval
+            self.probe_at = None  # answered (or anything else heard)
+        quiet_since = max(last_heard, last_sent)
+        if now - quiet_since < self.interval:
+            return None, quiet_since + self.interval
+        return PROBE, now + self.interval
+
+    def probed(self, now: float) -> None:
+        self.probe_at = now
+
+
+def report_unsolicited(frame: Frame, where: str) -> None:
+    """Log an id-0 frame that is neither a notification nor harmless: an error the
+    server could not tie to a request, or its 421 before it closes an idle
+    connection (a 110 keepalive passes silently).  If the connection cannot go on,
+    the server closes it next."""
+    try:
+        check_reply(frame)
+    except TensorShareError as exc:
+        level = logging.INFO if getattr(exc, "code", None) == protocol.UNAVAILABLE else logging.WARNING
+        log.log(level, "error reply from %s for no request: %s", where, exc)
 
 
 def request_frame(rid: int, op: str, name: str | None = None, value: Any = NO_VALUE,

@@ -4,7 +4,9 @@ Two branches, as in h11: :class:`UsageError` when *this* side used the API wrong
 (nothing was sent), and :class:`RemoteError` when the peer answered with an error
 reply code (see PROTOCOL.md).  :class:`ProtocolError` means bytes that break the wire
 format, whichever side they came from; :class:`ConnectionLostError` and
-:class:`TimeoutError` are about the transport.
+:class:`TimeoutError` are about the transport.  :class:`AuthenticationError` gathers
+the failures of authentication, whichever side failed to prove itself: the clients
+never reconnect after one.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ __all__ = [
     "BadNameError",
     "BadRequestError",
     "UnknownVerbError",
+    "AuthenticationError",
     "NotAuthenticatedError",
+    "UntrustedServerError",
     "ServerUnavailableError",
     "error_for_code",
 ]
@@ -55,6 +59,19 @@ class ConnectionLostError(TensorShareError, ConnectionError):
 
 class TimeoutError(TensorShareError, builtins.TimeoutError):  # noqa: A001 - deliberate
     """A blocking call did not complete within its timeout."""
+
+
+class AuthenticationError(TensorShareError):
+    """Authentication failed, on either side; permanent: the clients do not reconnect.
+
+    Either the server refused this client (:class:`NotAuthenticatedError`, 530) or
+    the server failed to prove that it is the one meant (:class:`UntrustedServerError`).
+    """
+
+
+class UntrustedServerError(AuthenticationError):
+    """The server did not prove its identity: its TLS certificate failed verification
+    or the pinned fingerprint, or it could not prove that it knows the token."""
 
 
 class RemoteError(TensorShareError):
@@ -108,8 +125,9 @@ class UnknownVerbError(PermanentError):
     code = 502
 
 
-class NotAuthenticatedError(PermanentError):
-    """530: authentication is required or failed."""
+class NotAuthenticatedError(PermanentError, AuthenticationError):
+    """530: authentication is required or failed (no token, a wrong one, or a request
+    before authenticating); the server closes the connection after it."""
 
     code = 530
 

@@ -19,17 +19,20 @@ DELETE = "DELETE"
 LISTEN = "LISTEN"
 UNLISTEN = "UNLISTEN"
 NOOP = "NOOP"
+AUTH = "AUTH"  # prove knowledge of the server's token (only where the greeting asks for it)
 
-VERBS = frozenset({PUT, APPEND, GET, PEEK, LIST, DELETE, LISTEN, UNLISTEN, NOOP})
+VERBS = frozenset({PUT, APPEND, GET, PEEK, LIST, DELETE, LISTEN, UNLISTEN, NOOP, AUTH})
 VERBS_WITH_BIN = frozenset({PUT, APPEND, GET, PEEK, DELETE, LISTEN, UNLISTEN})
 VERBS_WITH_VALUE = frozenset({PUT, APPEND})
 
 # Reply codes (header key "code").
+KEEPALIVE = 110  # unsolicited: the server checks that an idle, listening connection is alive
 NOTIFY = 151  # unsolicited: a bin changed
 OK = 200  # command okay
 LIST_OK = 212  # bin listing follows
 GREETING = 220  # service ready (sent once, on connect)
 ITEMS = 226  # items follow in the payload
+AUTHENTICATED = 230  # AUTH accepted; the reply proves that the server knows the token too
 DONE = 250  # requested bin action completed
 UNAVAILABLE = 421  # shutting down / too many connections
 LOCAL_ERROR = 451  # the server could not read what it stores (a disk error)
@@ -37,7 +40,8 @@ STORAGE_FULL = 452  # no room in the memory budget or on disk
 BAD_FRAME = 500  # syntax error: malformed frame or header
 BAD_ARGS = 501  # syntax error in parameters
 UNKNOWN_VERB = 502  # command not implemented
-NOT_AUTHENTICATED = 530
+BAD_SEQUENCE = 503  # AUTH when it is not expected (already authenticated, or the server has no token)
+NOT_AUTHENTICATED = 530  # authentication required or failed; the server closes the connection
 NO_SUCH_BIN = 550
 TOO_LARGE = 552  # exceeded a size or count limit
 BAD_NAME = 553  # bin name not allowed

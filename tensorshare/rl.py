@@ -52,7 +52,11 @@ def snapshot_state(state: Any) -> Any:
 
 
 class _RLPeer(StartStop):
-    """What trainer and worker share: a connection, bin names, start/stop."""
+    """What trainer and worker share: a connection, bin names, start/stop.
+
+    ``client_options`` go to :class:`~tensorshare.Client` (``token``, ``tls``,
+    ``tls_ca``, ``tls_fingerprint``, ``keepalive``...).
+    """
 
     def __init__(self, host: str, port: int, *, experiment: str | None, timeout: float | None,
                  connect_timeout: float, host_server: bool = False, **client_options):
@@ -61,7 +65,8 @@ class _RLPeer(StartStop):
         if host_server:
             from tensorshare_server import EmbeddedServer
 
-            self.server = EmbeddedServer(port=port, host=_bind_address(host))
+            # The hosted server asks for the token the peer uses (None: TENSORSHARE_TOKEN, if set).
+            self.server = EmbeddedServer(port=port, host=_bind_address(host), token=client_options.get("token"))
             port = self.server.port
         self.params_bin, self.data_bin = bin_names(experiment)
         self._client = connect(host, port, timeout=timeout, retry_for=connect_timeout, **client_options)

@@ -1,8 +1,14 @@
 """Shared fixtures: a real server process on loopback."""
 
+import os
+
 import pytest
 
 from serverproc import ServerProcess
+
+# Servers and clients fall back to this variable for their token: a developer's
+# own must not turn authentication on for every test (the tests that want it set it).
+os.environ.pop("TENSORSHARE_TOKEN", None)
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ class ServerProcess:
         self.log_path = log_path  # where the server's stderr goes (its log); None: a pipe
         self.preexec_fn = preexec_fn  # run in the child before exec (resource limits)
         self.proc: subprocess.Popen | None = None
+        self.stderr = ""  # what the last run logged, once stopped
         self.start()
 
     def start(self) -> None:
@@ -57,6 +58,7 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             code = self.proc.wait()
+        self.stderr = self.proc.stderr.read() if self.proc.stderr is not None else self.log()
         self.proc.stdout.close()
         if self.proc.stderr is not None:
             self.proc.stderr.close()

@@ -34,7 +34,7 @@ READ_TIMEOUT = 10.0
 RSS_SLACK = 48 << 20  # how far above its warmed-up baseline the server may stay afterwards
 
 VERBS = sorted(protocol.VERBS)
-REPLY_CODES = {200, 212, 226, 250, 501, 502, 550, 552, 553}  # to requests that keep the connection
+REPLY_CODES = {200, 212, 226, 250, 501, 502, 503, 550, 552, 553}  # to requests that keep the connection
 
 
 # ------------------------------------------------------------------ generators

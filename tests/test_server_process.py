@@ -15,6 +15,10 @@ from serverproc import ServerProcess
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_clean_shutdown_on_signal(sig):
+    if sig == signal.SIGINT and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        # Started as a background job (POSIX shells ignore SIGINT there), the test
+        # process and so the server inherit that, and Twisted leaves it ignored.
+        pytest.skip("SIGINT is ignored in this process, hence in the server it starts")
     proc = ServerProcess()
     with tensorshare.Client("127.0.0.1", proc.port) as c:
         c.put("x", 1)

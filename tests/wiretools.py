@@ -33,8 +33,8 @@ class RawConnection:
         self.sock.connect(("127.0.0.1", port))
         self.decoder = FrameDecoder()
         self.frames = []
-        greeting = self.read_frame()
-        assert greeting.header["code"] == protocol.GREETING
+        self.greeting = self.read_frame()
+        assert self.greeting.header["code"] == protocol.GREETING
 
     def send(self, data: bytes) -> None:
         self.sock.sendall(data)
