@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import re
 import shutil
@@ -39,7 +40,7 @@ from .wire.description import (
 )
 from .wire.dtypes import TORCH_WIDTHS
 
-__all__ = ["LayoutError", "StoredItem", "write_item", "read_item", "array_paths", "RECORD", "FORMAT"]
+__all__ = ["LayoutError", "StoredItem", "write_item", "read_item", "array_paths", "mapped_parts", "RECORD", "FORMAT"]
 
 RECORD = ".tensorshare.msgpack"
 FORMAT = 1
@@ -179,7 +180,7 @@ def _fsync_dir(path: str) -> None:
 
 
 def write_item(path: str, description: bytes, segments: Sequence, nbytes: int, tag: int | None = None, *,
-               fsync: bool = False, threads: int | None = None,
+               fsync: bool = False, threads: int | None = None, make_parents: bool = True,
                limits: DecodeLimits = DEFAULT_LIMITS) -> StoredItem:
     """Write one item into the new directory ``path``, whole or not at all; returns it.
 
@@ -187,7 +188,9 @@ def write_item(path: str, description: bytes, segments: Sequence, nbytes: int, t
     into a temporary sibling directory that is renamed to ``path`` last; with
     ``fsync`` the files and both directories are flushed to stable storage before
     the function returns.  ``threads`` writes array files in parallel (default:
-    several threads for payloads of 8 MiB and more).  Raises ``OSError`` (disk full,
+    several threads for payloads of 8 MiB and more).  With ``make_parents=False``
+    the parent directory must exist already (so that a writer racing with the
+    parent's removal cannot re-create it).  Raises ``OSError`` (disk full,
     permissions...) after removing the temporary directory.
     """
     desc = parse_description(description, nbytes, limits)
@@ -197,7 +200,7 @@ def write_item(path: str, description: bytes, segments: Sequence, nbytes: int, t
     paths = array_paths(desc)
     parent, name = os.path.split(os.path.abspath(path))
     tmp = os.path.join(parent, f".tmp-{name}-{uuid.uuid4().hex[:8]}")
-    os.makedirs(tmp)
+    (os.makedirs if make_parents else os.mkdir)(tmp)
     try:
         dirs = {os.path.dirname(p) for p in paths} | {d.rstrip("/") for d in _metadata(desc, paths)}
         for d in sorted(dirs):
@@ -286,3 +289,23 @@ def read_item(path: str, limits: DecodeLimits = DEFAULT_LIMITS) -> StoredItem:
             raise LayoutError(f"{path}: {relative!r} holds {size} bytes, the array has {spec.nbytes}")
         located.append((spec.offset, spec.nbytes, file))
     return StoredItem(path, description, tag, nbytes, tuple(located))
+
+
+def mapped_parts(files: Sequence, nbytes: int) -> list:
+    """A stored payload as buffers, without reading it: zero padding as ``bytes`` and
+    each array's file as a read-only ``mmap`` (pages are read when touched).
+
+    ``files`` is :attr:`StoredItem.files` (``(offset, byte count, path)`` in payload
+    order) and ``nbytes`` the payload length.  Raises ``OSError`` if a file is gone.
+    """
+    parts, pos = [], 0
+    for offset, length, file in files:
+        if offset > pos:
+            parts.append(bytes(offset - pos))
+        if length:
+            with open(file, "rb") as f:
+                parts.append(mmap.mmap(f.fileno(), length, access=mmap.ACCESS_READ))
+        pos = offset + length
+    if nbytes > pos:
+        parts.append(bytes(nbytes - pos))
+    return parts
