@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import logging
+import signal
 import sys
 import threading
 from dataclasses import fields
@@ -56,6 +57,10 @@ def run_server(port: int = 8000, host: str = "127.0.0.1", **settings) -> None:
     _tune_malloc()
     bound = listen(config)
     reactor.addSystemEventTrigger("after", "shutdown", _shut, bound)
+    # A SIGTERM/SIGINT that comes before reactor.run() installs Twisted's handlers
+    # must still stop the server cleanly (removing its shared-memory and spill areas).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: reactor.callFromThread(reactor.stop))
     address = bound.getHost()
     print(f"tensorshare-server listening on {address.host}:{address.port}", flush=True)
     reactor.run()
@@ -163,6 +168,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Na
                       help="with --data-dir: flush every change to stable storage before acknowledging it "
                            "(survives power loss, not only a crash of the server)")
     disk.add_argument("--disk-threads", type=int, default=ServerConfig.disk_threads)
+    shm = parser.add_argument_group("same-host zero-copy")
+    shm.add_argument("--no-zero-copy", dest="zero_copy", action="store_false",
+                     help="never hand out shared-memory references: every value travels over TCP")
+    shm.add_argument("--shm-dir", default=ServerConfig.shm_dir,
+                     help="tmpfs directory for the server's shared-memory area (default /dev/shm)")
+    shm.add_argument("--zero-copy-min", type=_size, default=ServerConfig.zero_copy_min,
+                     help="smallest item (payload bytes) passed by reference; smaller ones travel over TCP")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING...")
     args = parser.parse_args(argv)
     known = {f.name for f in fields(ServerConfig)}

@@ -4,6 +4,12 @@ A :class:`ServerSession` takes the bytes a connection received, decodes frames,
 runs each request against the shared :class:`~.store.BinStore` and hands whole reply
 frames (lists of ``bytes`` parts) to its :class:`Outbox`.  The Twisted adapter in
 :mod:`.service` only moves bytes; tests can drive a session directly.
+
+A session of a client on the same host (``same_host``) may also offer same-host
+zero-copy (PROTOCOL.md §10): its greeting names the server's shared areas, GET and
+PEEK may answer with references to item files instead of their bytes (the files
+stay pinned until the client releases the reply), and PUT and APPEND may name an
+item directory the client wrote into its incoming directory.
 """
 
 from __future__ import annotations
@@ -18,15 +24,19 @@ from tensorshare.errors import ProtocolError, RemoteError
 from tensorshare.wire.description import check_description
 from tensorshare.wire.frames import DiscardSink, Frame, FrameDecoder, SegmentSink, frame_head
 
+from tensorshare.areas import new_token
+
 from .config import ServerConfig
 from .durable import DataDir
 from .notify import ListenerRegistry
+from .shm import ShmArea
 from .spill import SpillArea
 from .storage import InlineJobs, Jobs, Storage
 from .store import BinStore, Change, Item
 
 log = logging.getLogger("tensorshare.server")
 _DISCARD = DiscardSink(0)  # stateless: one serves every request that takes no payload
+_MAX_PINS = 256  # unreleased 226 replies with references per connection; older ones are let go
 
 
 class Outbox(Protocol):
@@ -73,7 +83,16 @@ class ServerState:
         store = BinStore(config.max_bins, config.max_items_per_bin, config.memory_limit)
         data_dir = DataDir(config.data_dir, config.fsync, config.decode_limits) if config.data_dir else None
         spill = SpillArea(config.spill_dir) if config.memory_limit is not None and data_dir is None else None
-        storage = Storage(store, jobs or InlineJobs(), data_dir=data_dir, spill=spill)
+        shm = None
+        if config.zero_copy and data_dir is None:  # durable items are on disk: clients map those
+            try:
+                shm = ShmArea(config.shm_dir)
+            except OSError as exc:
+                log.warning("zero-copy: no shared-memory area in %s (%s); values travel over TCP",
+                            config.shm_dir, exc)
+        storage = Storage(store, jobs or InlineJobs(), data_dir=data_dir, spill=spill, shm=shm)
+        if config.zero_copy:
+            storage.share(new_token())
         if data_dir is not None:
             count = storage.load()
             log.info("data directory %s: %d items in %d bins", config.data_dir, count, len(store.listing()))
@@ -92,11 +111,15 @@ class _Refused(Exception):
 class ServerSession:
     """Request dispatch for one connection."""
 
-    def __init__(self, state: ServerState, outbox: Outbox, peer: str = "?", reads: Reads | None = None):
+    def __init__(self, state: ServerState, outbox: Outbox, peer: str = "?", reads: Reads | None = None,
+                 same_host: bool = False):
         self.state = state
         self.outbox = outbox
         self.peer = peer
         self.reads = reads or _NoReads()
+        self.same_host = same_host  # the peer is on this host: zero-copy may be offered
+        self._incoming: str | None = None  # this connection's incoming directory in the shared-memory area
+        self._pins: dict[int, list] = {}  # id of a 226 with references -> [(item, files)] until released
         self.listening: set[str] = set()
         self.closed = False
         # Requests wait here while an earlier one waits for the disk: replies stay in order.
@@ -110,8 +133,27 @@ class ServerSession:
     # -- events from the transport
 
     def connection_made(self) -> None:
-        self._send({"code": protocol.GREETING, "id": 0, "msg": "tensorshare ready",
-                    "server": f"tensorshare/{__version__}", "version": protocol.PROTOCOL_VERSION})
+        greeting = {"code": protocol.GREETING, "id": 0, "msg": "tensorshare ready",
+                    "server": f"tensorshare/{__version__}", "version": protocol.PROTOCOL_VERSION}
+        offer = self._shared_offer()
+        if offer is not None:
+            greeting[protocol.SHM] = offer
+        self._send(greeting)
+
+    def _shared_offer(self) -> dict | None:
+        """The greeting's ``shm`` field (PROTOCOL.md §10.1), for a client on this host."""
+        storage = self.state.storage
+        if not (self.same_host and storage.areas):
+            return None
+        offer = {"token": storage.token, "areas": [area.root for area in storage.areas],
+                 "min_bytes": self.state.config.zero_copy_min}
+        if storage.shm_area is not None and storage.data_dir is None:
+            try:
+                self._incoming = storage.shm.open_connection()
+                offer["incoming"] = self._incoming
+            except OSError as exc:
+                log.warning("zero-copy: no incoming directory for %s: %s", self.peer, exc)
+        return offer
 
     def data_received(self, data: bytes) -> None:
         if self.closed:
@@ -168,6 +210,10 @@ class ServerSession:
         for name in self.listening:
             self.state.listeners.discard(name, self)
         self.listening.clear()
+        self._pins.clear()  # the client's mappings outlive the files' names
+        if self._incoming is not None:  # whatever its client wrote and did not send goes too
+            self.state.storage.close_connection(self._incoming)
+            self._incoming = None
 
     # -- the Listener interface (notifications from other sessions)
 
@@ -190,6 +236,8 @@ class ServerSession:
 
     def _handle(self, frame: Frame) -> None:
         header = frame.header
+        if protocol.RELEASE in header:
+            self._release(header[protocol.RELEASE])
         rid = header.get("id")
         if type(rid) is not int or not 0 < rid < 1 << 64:
             rid = 0
@@ -213,26 +261,37 @@ class ServerSession:
             self._send({"code": exc.code, "id": rid, "msg": exc.message})
 
     def _item(self, frame: Frame) -> Item:
-        blob = frame.header.get("value")
+        blob, tag = self._value(frame.header, frame.payload_len)
+        return Item(blob, tuple(frame.payload), frame.payload_len, tag)
+
+    def _value(self, header: dict, nbytes: int) -> tuple[bytes, int | None]:
+        """The checked description and tag of a PUT/APPEND whose payload has ``nbytes``."""
+        blob = header.get("value")
         if not isinstance(blob, bytes):
             raise _Refused(protocol.BAD_ARGS, "missing value description")
         try:  # cheap for a description seen before (the codec remembers them)
-            check_description(blob, frame.payload_len, self._decode_limits)
+            check_description(blob, nbytes, self._decode_limits)
         except ProtocolError as exc:
             raise _Refused(protocol.BAD_ARGS, f"bad value: {exc}") from None
-        tag = frame.header.get("tag")
+        tag = header.get("tag")
         problem = protocol.check_tag(tag)
         if problem:
             raise _Refused(protocol.BAD_ARGS, problem)
-        return Item(blob, tuple(frame.payload), frame.payload_len, tag)
+        return blob, tag
 
     def _do_put(self, rid: int, name: str, frame: Frame) -> None:
-        self._store(rid, name, self._item(frame), True)
+        if protocol.SHM in frame.header:
+            self._adopt(rid, name, frame, True)
+        else:
+            self._store(rid, name, self._item(frame), True)
 
     def _do_append(self, rid: int, name: str, frame: Frame) -> None:
-        self._store(rid, name, self._item(frame), False)
+        if protocol.SHM in frame.header:
+            self._adopt(rid, name, frame, False)
+        else:
+            self._store(rid, name, self._item(frame), False)
 
-    def _store(self, rid: int, name: str, item: Item, replace: bool) -> None:
+    def _store(self, rid: int, name: str, item: Item, replace: bool, start: Callable | None = None) -> None:
         def reply(change: Change | None, error: RemoteError | None) -> None:
             if error is not None:
                 self._send({"code": error.code, "id": rid, "msg": error.message})
@@ -240,7 +299,24 @@ class ServerSession:
                 self._send({"code": protocol.DONE, "id": rid, "n": change.n_items, "seq": change.seq})
                 self.state.listeners.publish(change)
 
-        self._through_storage(lambda done: self.state.storage.add(name, item, replace, done), reply)
+        if start is None:
+            start = lambda done: self.state.storage.add(name, item, replace, done)  # noqa: E731
+        self._through_storage(start, reply)
+
+    def _adopt(self, rid: int, name: str, frame: Frame, replace: bool) -> None:
+        """PUT/APPEND of a value the client wrote into its incoming directory (§10.3)."""
+        header = frame.header
+        if self._incoming is None:
+            raise _Refused(protocol.ZERO_COPY_REFUSED, "this connection has no shared-memory incoming directory")
+        if frame.payload_len:
+            raise _Refused(protocol.BAD_ARGS, "a value in shared memory travels without payload")
+        size = header.get("size")
+        if type(size) is not int or not 0 <= size <= self.state.config.max_frame:
+            raise _Refused(protocol.BAD_ARGS, f"size must be an integer in 0..{self.state.config.max_frame}")
+        blob, tag = self._value(header, size)
+        incoming, shm_name, limits = self._incoming, header[protocol.SHM], self._decode_limits
+        self._store(rid, name, None, replace, lambda done: self.state.storage.adopt(
+            name, incoming, shm_name, blob, size, tag, replace, done, limits))
 
     def _through_storage(self, start: Callable, reply: Callable) -> None:
         """Run ``start(done)``, a :class:`Storage` call, and ``reply`` when it is done.
@@ -253,7 +329,9 @@ class ServerSession:
 
     def _do_get(self, rid: int, name: str, frame: Frame) -> None:
         storage, store, listeners = self.state.storage, self.state.store, self.state.listeners
-        parts = self._item_parts(store.peek(name))
+        peeked = store.peek(name)
+        refs = self._refs(frame.header, peeked)
+        parts = self._item_parts(peeked, refs)
         items, change = store.get(name)
         storage.taken(name, items)
 
@@ -261,12 +339,20 @@ class ServerSession:
             listeners.publish(store.restore(name, items))
             storage.restored(name, items)
 
-        self._send_items(rid, items, parts, change.seq, undelivered)
+        self._send_items(rid, items, parts, change.seq, undelivered, refs)
+        self._pin(rid, items, refs)
         listeners.publish(change)
 
     def _do_peek(self, rid: int, name: str, frame: Frame) -> None:
         items = self.state.store.peek(name)
-        self._send_items(rid, items, self._item_parts(items), self.state.store.state(name)[2])
+        refs = self._refs(frame.header, items)
+        self._send_items(rid, items, self._item_parts(items, refs), self.state.store.state(name)[2], refs=refs)
+        self._pin(rid, items, refs)
+        if refs is not None:  # items still in memory: into shared memory, for the next read
+            storage = self.state.storage
+            for item, files in zip(items, refs):
+                if files is None and item.nbytes >= self.state.config.zero_copy_min:
+                    storage.promote(item)
 
     def _do_list(self, rid: int, name: None, frame: Frame) -> None:
         self._send({"code": protocol.LIST_OK, "id": rid, "bins": self.state.store.listing()})
@@ -303,8 +389,9 @@ class ServerSession:
     def _send(self, header: dict) -> None:
         self.send([frame_head(header, 0)])
 
-    def _item_parts(self, items: list[Item]) -> list:
-        """The payload parts of a GET/PEEK reply carrying ``items``.
+    def _item_parts(self, items: list[Item], refs: list | None = None) -> list:
+        """The payload parts of a GET/PEEK reply carrying ``items`` (those without a
+        reference in ``refs``).
 
         Refuses (552) a reply whose header, holding every item's description, would
         be larger than max_reply_header, and (451) one whose files cannot be opened;
@@ -316,19 +403,68 @@ class ServerSession:
                                                f"over the {limit} one reply may carry")
         parts = []
         try:
-            for item in items:
-                parts.extend(item.parts())
+            for i, item in enumerate(items):
+                if refs is None or refs[i] is None:
+                    parts.extend(item.parts())
         except OSError as exc:
             log.error("cannot read a stored item's files: %s", exc)
             raise _Refused(protocol.LOCAL_ERROR, f"cannot read the stored item: {exc.strerror or exc}") from None
         return parts
 
-    def _send_items(self, rid: int, items: list[Item], parts: list, seq: int, on_abandon=None) -> None:
+    def _send_items(self, rid: int, items: list[Item], parts: list, seq: int, on_abandon=None,
+                    refs: list | None = None) -> None:
         header = {"code": protocol.ITEMS, "id": rid, "seq": seq,
                   "items": [item.description for item in items],
                   "sizes": [item.nbytes for item in items]}
-        parts.insert(0, frame_head(header, sum(item.nbytes for item in items)))
+        if refs is None or not any(refs):
+            payload_len = sum(item.nbytes for item in items)
+        else:
+            header[protocol.REFS] = [None if files is None else files.ref() for files in refs]
+            payload_len = sum(item.nbytes for item, files in zip(items, refs) if files is None)
+        parts.insert(0, frame_head(header, payload_len))
         self.send(parts, on_abandon)
+
+    # -- same-host zero-copy (PROTOCOL.md §10)
+
+    def _refs(self, header: dict, items: list[Item]) -> list | None:
+        """For a GET/PEEK asking for references: per item, the files to refer to (in
+        an area the client can map, and not too small to be worth it) or None (its
+        bytes go in the payload).  None when no item gets a reference."""
+        wanted = header.get(protocol.REF)
+        if not wanted or not self.same_host or type(wanted) is not list or len(wanted) > 8:
+            return None
+        minimum = self.state.config.zero_copy_min
+        refs, any_ref = [], False
+        for item in items:
+            files = item.files
+            if (files is not None and files.area is not None and files.area.index in wanted
+                    and item.nbytes >= minimum):
+                refs.append(files)
+                any_ref = True
+            else:
+                refs.append(None)
+        if not any_ref and not (self.state.storage.shm_area is not None
+                                and self.state.storage.shm_area.index in wanted):
+            return None
+        return refs
+
+    def _pin(self, rid: int, items: list[Item], refs: list | None) -> None:
+        """Keep the files a reply referred to until the client releases it (or leaves)."""
+        if refs is None:
+            return
+        pinned = [(item, files) for item, files in zip(items, refs) if files is not None]
+        if pinned:
+            pins = self._pins
+            pins[rid] = pinned
+            if len(pins) > _MAX_PINS:  # a client that never releases: let the oldest go
+                del pins[next(iter(pins))]
+
+    def _release(self, ids: object) -> None:
+        if type(ids) is list:
+            pins = self._pins
+            for rid in ids:
+                if type(rid) is int:
+                    pins.pop(rid, None)
 
 
 class _Broken:
