@@ -1,0 +1,139 @@
+"""Same-host zero-copy, client side: the server's shared areas as one connection sees them.
+
+A server's greeting may offer its shared areas (PROTOCOL.md §10).  :meth:`SharedAreas.of`
+trusts an area only after :func:`tensorshare.areas.verify_area` found this
+host's directory of that name to be the server's (the token check), so a server
+on another host, in another container, or one restarted since, is never trusted.
+Then:
+
+* a value to PUT/APPEND is written into this connection's incoming directory in
+  the server's shared-memory area (:meth:`SharedAreas.write`, the layout of
+  :mod:`tensorshare.layout`), and the request names it instead of carrying bytes;
+  the server adopts the directory without copying;
+* a GET/PEEK reply may refer to items' files instead of carrying their bytes:
+  :meth:`SharedAreas.load` checks the reference and maps the files copy-on-write
+  (:func:`tensorshare.memmap.load_item`), so changing a tensor never changes what
+  the server stores or what other readers see.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import stat
+import uuid
+from typing import Any
+
+from .areas import AreaError, inside, verify_area
+from .errors import ZeroCopyError
+from .layout import LayoutError, mapped_parts, read_item, write_item
+from .memmap import load_item
+from .wire.codec import Encoded
+from .wire.description import DEFAULT_LIMITS, DecodeLimits
+
+log = logging.getLogger("tensorshare.client")
+
+__all__ = ["SharedAreas"]
+
+_MAX_AREAS = 8
+DEFAULT_MIN_BYTES = 64 << 10
+
+
+class SharedAreas:
+    """The areas of one connection's greeting that this client verified.
+
+    ``roots[i]`` is area ``i``'s directory, or None if it failed the check;
+    ``incoming`` is this connection's incoming directory (None: puts go over TCP);
+    ``min_bytes`` the payload size from which values go through shared memory.
+    """
+
+    def __init__(self, roots: list[str | None], incoming: str | None, min_bytes: int):
+        self.roots = roots
+        self.usable = [i for i, root in enumerate(roots) if root is not None]
+        self.incoming = incoming
+        self.min_bytes = min_bytes
+
+    @classmethod
+    def of(cls, greeting: dict) -> "SharedAreas | None":
+        """The verified areas a greeting offers, or None (not offered, or none is this host's)."""
+        offer = greeting.get("shm")
+        if not isinstance(offer, dict):
+            return None
+        token, roots = offer.get("token"), offer.get("areas")
+        if not isinstance(roots, list) or not roots or len(roots) > _MAX_AREAS:
+            return None
+        verified = []
+        for root in roots:
+            problem = verify_area(root, token)
+            if problem is not None:
+                log.info("zero-copy: not using %r: %s", root, problem)
+            verified.append(None if problem else root)
+        if not any(verified):
+            return None
+        incoming = offer.get("incoming")
+        if incoming is not None:
+            incoming = _private_dir(verified[0], incoming)
+        min_bytes = offer.get("min_bytes")
+        if type(min_bytes) is not int or min_bytes < 0:
+            min_bytes = DEFAULT_MIN_BYTES
+        return cls(verified, incoming, min_bytes)
+
+    # -- PUT / APPEND
+
+    def write(self, enc: Encoded, tag: int | None = None) -> str:
+        """Write an encoded value into the incoming directory; returns the name to send.
+
+        Raises ``OSError`` (shared memory full, directory gone...) having left nothing."""
+        name = uuid.uuid4().hex
+        write_item(os.path.join(self.incoming, name), enc.description, enc.buffers, enc.nbytes, tag,
+                   make_parents=False)
+        return name
+
+    def written(self, name: str) -> Encoded:
+        """A value :meth:`write` wrote, as an encoded value over its mapped files (to send
+        it over TCP after all, even if the caller changed the original since)."""
+        stored = read_item(os.path.join(self.incoming, name))
+        return Encoded(stored.description, mapped_parts(stored.files, stored.nbytes), stored.nbytes)
+
+    def discard(self, name: str) -> None:
+        """Remove what :meth:`write` wrote, if the server did not take it."""
+        shutil.rmtree(os.path.join(self.incoming, name), ignore_errors=True)
+
+    # -- GET / PEEK
+
+    def load(self, ref: Any, description: bytes, size: int, device: Any = None,
+             limits: DecodeLimits = DEFAULT_LIMITS) -> Any:
+        """The value of an item a 226 reply refers to (``[area, path]``), mapped copy-on-write.
+
+        Raises :class:`ZeroCopyError` if the reference is malformed, names an area
+        not verified, leaves its area, or finds no whole item with exactly that
+        description and size."""
+        if not (type(ref) is list and len(ref) == 2 and type(ref[0]) is int and 0 <= ref[0] < len(self.roots)):
+            raise ZeroCopyError(f"malformed item reference {ref!r:.80}")
+        root = self.roots[ref[0]]
+        if root is None:
+            raise ZeroCopyError(f"reference into area {ref[0]}, which this client could not verify")
+        try:
+            stored = read_item(inside(root, ref[1]), limits)
+            if stored.description != description or stored.nbytes != size:
+                raise ZeroCopyError(f"{stored.path} does not hold the item the reply describes")
+            return load_item(stored, device=device, limits=limits, follow_symlinks=False)
+        except (AreaError, LayoutError) as exc:
+            raise ZeroCopyError(f"cannot map a referenced item: {exc}") from None
+        except OSError as exc:
+            raise ZeroCopyError(f"cannot map a referenced item: {exc.strerror or exc}") from None
+
+
+def _private_dir(root: str | None, relative: Any) -> str | None:
+    """``root/relative`` if it is a directory of this user inside ``root``, else None."""
+    if root is None:
+        return None
+    try:
+        path = inside(root, relative)
+        st = os.lstat(path)
+    except (AreaError, OSError):
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        return None
+    return path
