@@ -106,8 +106,9 @@ def check_item_tree(path: str, owner: int) -> list[str]:
     """Check that the item directory ``path`` holds only plain directories and files.
 
     Refuses (:class:`AreaError`) a ``path`` that is not a directory of ``owner``,
-    and any symlink, device, socket or FIFO in it, or a file with another hard link
-    (whose other name could change it later).  Returns the files' paths.
+    and any symlink, device, socket or FIFO in it, a file of another user, or a file
+    with another hard link (whose other name could change it later).  Returns the
+    files' paths.
     """
     try:
         st = os.lstat(path)
@@ -123,10 +124,11 @@ def check_item_tree(path: str, owner: int) -> list[str]:
                 st = entry.stat(follow_symlinks=False)
                 if stat.S_ISDIR(st.st_mode):
                     stack.append(entry.path)
-                elif stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+                elif stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == owner:
                     files.append(entry.path)
                 else:
-                    raise AreaError(f"{entry.path}: only plain files and directories may be adopted")
+                    raise AreaError(f"{entry.path}: only plain files (one link, the server's user) "
+                                    "and directories may be adopted")
     return files
 
 
