@@ -174,7 +174,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Na
     shm.add_argument("--shm-dir", default=ServerConfig.shm_dir,
                      help="tmpfs directory for the server's shared-memory area (default /dev/shm)")
     shm.add_argument("--zero-copy-min", type=_size, default=ServerConfig.zero_copy_min,
-                     help="smallest item (payload bytes) passed by reference; smaller ones travel over TCP")
+                     help="smallest item (payload bytes, more for items of many arrays) passed by reference; "
+                          "clients put values through shared memory from 4x this; smaller ones travel over TCP")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING...")
     args = parser.parse_args(argv)
     known = {f.name for f in fields(ServerConfig)}

@@ -33,7 +33,7 @@ class ServerConfig:
     # Same-host zero-copy (server/shm.py, PROTOCOL.md §10).
     zero_copy: bool = True  # offer shared memory to clients on this host
     shm_dir: str = "/dev/shm"  # where the shared-memory area is made (a tmpfs)
-    zero_copy_min: int = 64 << 10  # payload bytes from which an item is referred to, not sent
+    zero_copy_min: int = 128 << 10  # payload bytes from which an item is referred to (areas.worth_sharing)
 
     @property
     def frame_limits(self) -> FrameLimits:

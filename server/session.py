@@ -21,10 +21,10 @@ from typing import Callable, Protocol
 
 from tensorshare import __version__, protocol
 from tensorshare.errors import ProtocolError, RemoteError
-from tensorshare.wire.description import check_description
+from tensorshare.wire.description import check_description, parse_description
 from tensorshare.wire.frames import DiscardSink, Frame, FrameDecoder, SegmentSink, frame_head
 
-from tensorshare.areas import new_token
+from tensorshare.areas import new_token, worth_sharing
 
 from .config import ServerConfig
 from .durable import DataDir
@@ -315,8 +315,9 @@ class ServerSession:
             raise _Refused(protocol.BAD_ARGS, f"size must be an integer in 0..{self.state.config.max_frame}")
         blob, tag = self._value(header, size)
         incoming, shm_name, limits = self._incoming, header[protocol.SHM], self._decode_limits
+        arrays = len(parse_description(blob, size, limits).arrays)  # remembered by _value's check
         self._store(rid, name, None, replace, lambda done: self.state.storage.adopt(
-            name, incoming, shm_name, blob, size, tag, replace, done, limits))
+            name, incoming, shm_name, blob, size, tag, replace, done, limits, arrays))
 
     def _through_storage(self, start: Callable, reply: Callable) -> None:
         """Run ``start(done)``, a :class:`Storage` call, and ``reply`` when it is done.
@@ -351,8 +352,10 @@ class ServerSession:
         if refs is not None:  # items still in memory: into shared memory, for the next read
             storage = self.state.storage
             for item, files in zip(items, refs):
-                if files is None and item.nbytes >= self.state.config.zero_copy_min:
-                    storage.promote(item)
+                if files is None and item.segments is not None and item.nbytes >= self.state.config.zero_copy_min:
+                    arrays = len(parse_description(item.description, item.nbytes, self._decode_limits).arrays)
+                    if worth_sharing(item.nbytes, arrays, self.state.config.zero_copy_min):
+                        storage.promote(item)
 
     def _do_list(self, rid: int, name: None, frame: Frame) -> None:
         self._send({"code": protocol.LIST_OK, "id": rid, "bins": self.state.store.listing()})
@@ -438,7 +441,7 @@ class ServerSession:
         for item in items:
             files = item.files
             if (files is not None and files.area is not None and files.area.index in wanted
-                    and item.nbytes >= minimum):
+                    and worth_sharing(item.nbytes, len(files.spans), minimum)):
                 refs.append(files)
                 any_ref = True
             else:

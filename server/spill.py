@@ -70,6 +70,7 @@ class ItemFiles:
     number: int | None = None  # its number in the data directory (None when spilled)
     dropped: bool = field(default=False)  # set by the store when the item leaves it
     area: Area | None = None  # the shared area holding it, if clients may map it
+    _ref: list | None = field(default=None, repr=False)  # ref(), once computed
 
     @classmethod
     def of(cls, stored: StoredItem, lane: str | None = None, number: int | None = None,
@@ -83,7 +84,10 @@ class ItemFiles:
 
     def ref(self) -> list:
         """The item's reference in a 226 reply: ``[area index, path relative to the area]``."""
-        return [self.area.index, os.path.relpath(self.path, self.area.root).replace(os.sep, "/")]
+        ref = self._ref
+        if ref is None:
+            ref = self._ref = [self.area.index, os.path.relpath(self.path, self.area.root).replace(os.sep, "/")]
+        return ref
 
     def open_parts(self) -> list:
         """The payload as frame parts: zero padding as ``bytes``, array bytes as spans."""

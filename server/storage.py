@@ -79,6 +79,7 @@ class InlineJobs:
 
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _SHM_FULL_PAUSE_S = 5.0  # after shared memory ran full, no item is copied there for this long
+_ADOPT_AT_ONCE = 8  # arrays of a value whose adoption is checked on the caller's thread
 
 
 def _storage_error(exc: BaseException, what: str) -> RemoteError:
@@ -188,12 +189,15 @@ class Storage:
                       (name, number, replace, item.description, item.segments, item.nbytes, item.tag), committed)
 
     def adopt(self, name: str, connection: str, shm_name: object, description: bytes, nbytes: int, tag,
-              replace: bool, done: Done, limits: DecodeLimits = DEFAULT_LIMITS) -> None:
+              replace: bool, done: Done, limits: DecodeLimits = DEFAULT_LIMITS, arrays: int | None = None) -> None:
         """PUT (``replace``) or APPEND of a value a same-host client wrote to
         ``incoming/<connection>/<shm_name>`` in the shared-memory area: checked and
-        taken over without a copy (:meth:`ShmArea.adopt`, on a disk thread), then
-        stored as :meth:`add` does.  ``done(None, ZeroCopyUnavailableError)`` if it
-        cannot be taken."""
+        taken over without a copy (:meth:`ShmArea.adopt`), then stored as :meth:`add`
+        does.  ``done(None, ZeroCopyUnavailableError)`` if it cannot be taken.
+
+        The checks cost a few system calls per file and read no data: for a value of
+        at most a few ``arrays`` they run at once (a trip through the disk threads
+        would cost more), for more on a disk thread."""
         if self.shm_area is None or self.data_dir is not None:
             raise ZeroCopyUnavailableError("this server takes values over TCP only")
         self.store.check_add(name, replace)
@@ -212,7 +216,15 @@ class Storage:
             except RemoteError as exc:  # limits or budget: the files go with the item
                 done(None, exc)
 
-        self.jobs.run(None, self.shm.adopt, (connection, shm_name, description, nbytes, limits), adopted)
+        args = (connection, shm_name, description, nbytes, limits)
+        if arrays is not None and arrays <= _ADOPT_AT_ONCE:
+            try:
+                stored, error = self.shm.adopt(*args), None
+            except Exception as exc:
+                stored, error = None, exc
+            adopted(stored, error)
+        else:
+            self.jobs.run(None, self.shm.adopt, args, adopted)
 
     def close_connection(self, incoming: str) -> None:
         """A same-host connection closed: remove its incoming directory (in the background)."""

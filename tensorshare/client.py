@@ -395,7 +395,7 @@ class Client:
     def _write_shared(self, areas: SharedAreas, enc: Encoded, tag: int | None) -> str | None:
         """Write ``enc`` into the incoming directory; None if too small to be worth it or
         if shared memory is full or unusable (the value then goes over TCP)."""
-        if enc.nbytes < areas.min_bytes:
+        if not areas.worth_writing(enc):
             return None
         try:
             return areas.write(enc, tag)

@@ -25,7 +25,7 @@ import stat
 import uuid
 from typing import Any
 
-from .areas import AreaError, inside, verify_area
+from .areas import AreaError, inside, verify_area, worth_sharing
 from .errors import ZeroCopyError
 from .layout import LayoutError, mapped_parts, read_item, write_item
 from .memmap import load_item
@@ -37,7 +37,11 @@ log = logging.getLogger("tensorshare.client")
 __all__ = ["SharedAreas"]
 
 _MAX_AREAS = 8
-DEFAULT_MIN_BYTES = 64 << 10
+DEFAULT_MIN_BYTES = 128 << 10
+# Writing a value costs more per file than mapping one (both sides create, check and
+# rename files): a value goes through shared memory from this many times the bar of
+# a reference (measured: puts of one tensor broke even near 0.6 MiB, of 16 near 2 MiB).
+PUT_FACTOR = 4
 
 
 class SharedAreas:
@@ -45,7 +49,7 @@ class SharedAreas:
 
     ``roots[i]`` is area ``i``'s directory, or None if it failed the check;
     ``incoming`` is this connection's incoming directory (None: puts go over TCP);
-    ``min_bytes`` the payload size from which values go through shared memory.
+    ``min_bytes`` the server's bar for references (:func:`~tensorshare.areas.worth_sharing`).
     """
 
     def __init__(self, roots: list[str | None], incoming: str | None, min_bytes: int):
@@ -81,6 +85,10 @@ class SharedAreas:
 
     # -- PUT / APPEND
 
+    def worth_writing(self, enc: Encoded) -> bool:
+        """Whether ``enc`` is large enough to be faster through shared memory than over TCP."""
+        return self.incoming is not None and worth_sharing(enc.nbytes, enc.arrays, self.min_bytes * PUT_FACTOR)
+
     def write(self, enc: Encoded, tag: int | None = None) -> str:
         """Write an encoded value into the incoming directory; returns the name to send.
 
@@ -94,7 +102,8 @@ class SharedAreas:
         """A value :meth:`write` wrote, as an encoded value over its mapped files (to send
         it over TCP after all, even if the caller changed the original since)."""
         stored = read_item(os.path.join(self.incoming, name))
-        return Encoded(stored.description, mapped_parts(stored.files, stored.nbytes), stored.nbytes)
+        return Encoded(stored.description, mapped_parts(stored.files, stored.nbytes), stored.nbytes,
+                       len(stored.files))
 
     def discard(self, name: str) -> None:
         """Remove what :meth:`write` wrote, if the server did not take it."""
