@@ -37,7 +37,7 @@ from .errors import (
 )
 from .wire.codec import Encoded, encode
 from .wire.frames import Frame
-from .zerocopy import SharedAreas
+from .zerocopy import SharedAreas, shared_copy
 
 log = logging.getLogger("tensorshare.client")
 
@@ -190,6 +190,22 @@ class Client:
             base += size
         save_items(path, items, overwrite=overwrite)
         return len(items)
+
+    def shared(self, value: Any) -> Any:
+        """A copy of ``value`` whose tensors and arrays live in the server's shared memory.
+
+        Compute into them as into any tensor; a ``put``/``append`` of a value holding
+        one of them (whole, as returned here) then hands its pages to the server
+        instead of copying them.  From then on the tensor is copy-on-write: later
+        changes copy the pages they touch and are not seen by the server, and the next
+        put copies it as any tensor.  A tensor on the ``meta`` device gives a
+        zero-filled tensor of its shape and dtype, with nothing copied.  Without
+        same-host zero-copy this returns ``value`` (meta tensors as zeros).
+        """
+        areas = self._areas(_DEFAULT)
+        if areas is None or areas.incoming is None:
+            return shared_copy(value, None)
+        return areas.shared(value)
 
     def list(self, timeout: float | None = _DEFAULT) -> dict[str, int]:
         """``{bin: n_items}`` for every bin on the server."""
@@ -395,8 +411,6 @@ class Client:
     def _write_shared(self, areas: SharedAreas, enc: Encoded, tag: int | None) -> str | None:
         """Write ``enc`` into the incoming directory; None if too small to be worth it or
         if shared memory is full or unusable (the value then goes over TCP)."""
-        if not areas.worth_writing(enc):
-            return None
         try:
             return areas.write(enc, tag)
         except OSError as exc:

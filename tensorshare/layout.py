@@ -187,7 +187,7 @@ def _fsync_dir(path: str) -> None:
 
 def write_item(path: str, description: bytes, segments: Sequence, nbytes: int, tag: int | None = None, *,
                fsync: bool = False, threads: int | None = None, make_parents: bool = True,
-               limits: DecodeLimits = DEFAULT_LIMITS) -> StoredItem:
+               sources: dict[int, str] | None = None, limits: DecodeLimits = DEFAULT_LIMITS) -> StoredItem:
     """Write one item into the new directory ``path``, whole or not at all; returns it.
 
     ``segments`` are buffers whose concatenation is the payload.  Files are written
@@ -196,8 +196,11 @@ def write_item(path: str, description: bytes, segments: Sequence, nbytes: int, t
     the function returns.  ``threads`` writes array files in parallel (default:
     several threads for payloads of 8 MiB and more).  With ``make_parents=False``
     the parent directory must exist already (so that a writer racing with the
-    parent's removal cannot re-create it).  Raises ``OSError`` (disk full,
-    permissions...) after removing the temporary directory.
+    parent's removal cannot re-create it).  ``sources`` maps array indexes to files
+    on the same file system that already hold exactly those arrays' bytes: they are
+    moved into the item (renamed, not copied; written from ``segments`` if that
+    fails).  Raises ``OSError`` (disk full, permissions...) after removing the
+    temporary directory.
     """
     desc = parse_description(description, nbytes, limits)
     payload = _Payload(segments)
@@ -212,10 +215,18 @@ def write_item(path: str, description: bytes, segments: Sequence, nbytes: int, t
         for d in sorted(dirs):
             if d:
                 os.makedirs(os.path.join(tmp, d), exist_ok=True)
-        jobs = [(os.path.join(tmp, p), spec.offset, spec.nbytes) for p, spec in zip(paths, desc.arrays)]
+        sources = sources or {}
+        jobs = [(os.path.join(tmp, p), spec.offset, spec.nbytes, sources.get(i))
+                for i, (p, spec) in enumerate(zip(paths, desc.arrays))]
 
         def write(job) -> None:
-            file, offset, length = job
+            file, offset, length, source = job
+            if source is not None:
+                try:
+                    os.rename(source, file)
+                    return
+                except OSError:
+                    pass
             _write_file(file, payload.views(offset, length), fsync)
 
         if threads is None:

@@ -84,6 +84,7 @@ def _libc():
 
 _LIBC = _libc()
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_MAP_FIXED = getattr(mmap, "MAP_FIXED", 0x10)  # 0x10 on Linux and macOS
 
 
 class _Mapping:
@@ -91,7 +92,7 @@ class _Mapping:
     over it goes.  Unlike Python's ``mmap``, it keeps no file descriptor open, so a
     process may hold many mapped tensors without running out of descriptors."""
 
-    __slots__ = ("address", "size", "__array_interface__")
+    __slots__ = ("address", "size", "__array_interface__", "__weakref__")
 
     def __init__(self, fd: int, size: int, shared: bool):
         flags = mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE
@@ -102,8 +103,38 @@ class _Mapping:
         self.address, self.size = address, size
         self.__array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (address, False), "version": 3}
 
+    def make_private(self, file: str) -> None:
+        """Map ``file`` copy-on-write in place of this mapping, at the same address.
+
+        For a shared mapping of ``file`` (same bytes): the arrays over it keep their
+        content, but from now on writes copy the touched pages instead of changing
+        the file, and the file is no longer open for writing anywhere here."""
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            address = _LIBC.mmap(self.address, self.size, mmap.PROT_READ | mmap.PROT_WRITE,
+                                 mmap.MAP_PRIVATE | _MAP_FIXED, fd, 0)
+        finally:
+            os.close(fd)
+        if address != self.address:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+
     def __del__(self) -> None:
         _LIBC.munmap(self.address, self.size)
+
+
+def new_shared_file(path: str, nbytes: int) -> np.ndarray:
+    """Create the file ``path`` of ``nbytes`` zero bytes and map it shared and writable:
+    a uint8 array whose base is its :class:`_Mapping` (pages are allocated when touched)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        return np.asarray(_Mapping(fd, nbytes, True))
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
 
 
 def _map(file: str, nbytes: int, writable: bool, follow_symlinks: bool = True) -> np.ndarray:

@@ -13,7 +13,11 @@ Then:
 * a GET/PEEK reply may refer to items' files instead of carrying their bytes:
   :meth:`SharedAreas.load` checks the reference and maps the files copy-on-write
   (:func:`tensorshare.memmap.load_item`), so changing a tensor never changes what
-  the server stores or what other readers see.
+  the server stores or what other readers see;
+* :meth:`SharedAreas.shared` makes tensors that live in the incoming directory
+  from the start (*drafts*): a put of such a value moves their files into the item
+  instead of writing them, and remaps the tensors copy-on-write, so the put copies
+  nothing and later changes to the tensors still do not reach the server.
 """
 
 from __future__ import annotations
@@ -22,19 +26,24 @@ import logging
 import os
 import shutil
 import stat
+import threading
 import uuid
-from typing import Any
+import weakref
+from typing import Any, Callable
+
+import numpy as np
+import torch
 
 from .areas import AreaError, inside, verify_area, worth_sharing
 from .errors import ZeroCopyError
 from .layout import LayoutError, mapped_parts, read_item, write_item
-from .memmap import load_item
+from .memmap import load_item, new_shared_file
 from .wire.codec import Encoded
-from .wire.description import DEFAULT_LIMITS, DecodeLimits
+from .wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
 
 log = logging.getLogger("tensorshare.client")
 
-__all__ = ["SharedAreas"]
+__all__ = ["SharedAreas", "shared_copy"]
 
 _MAX_AREAS = 8
 DEFAULT_MIN_BYTES = 128 << 10
@@ -85,18 +94,40 @@ class SharedAreas:
 
     # -- PUT / APPEND
 
-    def worth_writing(self, enc: Encoded) -> bool:
-        """Whether ``enc`` is large enough to be faster through shared memory than over TCP."""
-        return self.incoming is not None and worth_sharing(enc.nbytes, enc.arrays, self.min_bytes * PUT_FACTOR)
+    def write(self, enc: Encoded, tag: int | None = None) -> str | None:
+        """Write an encoded value into the incoming directory; returns the name to send,
+        or None if the value is too small to be faster this way than over TCP.
 
-    def write(self, enc: Encoded, tag: int | None = None) -> str:
-        """Write an encoded value into the incoming directory; returns the name to send.
-
-        Raises ``OSError`` (shared memory full, directory gone...) having left nothing."""
+        Arrays that are drafts (:meth:`shared`) are moved in, not written, and their
+        tensors turn copy-on-write.  Raises ``OSError`` (shared memory full,
+        directory gone...) having left nothing."""
+        drafts = _drafts_in(enc) if _drafts else {}
+        if not drafts and not worth_sharing(enc.nbytes, enc.arrays, self.min_bytes * PUT_FACTOR):
+            return None
         name = uuid.uuid4().hex
-        write_item(os.path.join(self.incoming, name), enc.description, enc.buffers, enc.nbytes, tag,
-                   make_parents=False)
+        stored = write_item(os.path.join(self.incoming, name), enc.description, enc.buffers, enc.nbytes, tag,
+                            make_parents=False, sources={i: draft[0] for i, draft in drafts.items()})
+        for i, (_path, mapping) in drafts.items():
+            with _drafts_lock:
+                _drafts.pop(mapping.address, None)
+            try:  # from now on the caller's writes copy pages instead of changing the item
+                mapping.make_private(stored.files[i][2])
+            except OSError as exc:  # then the server finds the file still open for writing: 425, TCP
+                log.warning("could not make a handed-over tensor copy-on-write: %s", exc)
         return name
+
+    def shared(self, value: Any) -> Any:
+        """``value`` with its tensors and arrays copied into drafts in the incoming directory."""
+        return shared_copy(value, self._draft)
+
+    def _draft(self, nbytes: int) -> np.ndarray:
+        path = os.path.join(self.incoming, f"draft-{uuid.uuid4().hex}")
+        memory = new_shared_file(path, nbytes)
+        mapping = memory.base
+        with _drafts_lock:
+            _drafts[mapping.address] = (path, weakref.ref(mapping), nbytes)
+        weakref.finalize(mapping, _forget_draft, mapping.address, path)
+        return memory
 
     def written(self, name: str) -> Encoded:
         """A value :meth:`write` wrote, as an encoded value over its mapped files (to send
@@ -132,6 +163,78 @@ class SharedAreas:
             raise ZeroCopyError(f"cannot map a referenced item: {exc}") from None
         except OSError as exc:
             raise ZeroCopyError(f"cannot map a referenced item: {exc.strerror or exc}") from None
+
+
+# Drafts not yet handed over: address of their mapping -> (file, weak mapping, bytes).
+_drafts: dict[int, tuple] = {}
+_drafts_lock = threading.Lock()
+
+
+def _forget_draft(address: int, path: str) -> None:
+    """A draft's tensors are gone: so is its file (unless a put moved it away)."""
+    with _drafts_lock:
+        _drafts.pop(address, None)
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _drafts_in(enc: Encoded) -> dict[int, tuple]:
+    """``{array index: (draft file, mapping)}`` for the arrays of ``enc`` that are whole drafts."""
+    starts, pos = {}, 0
+    for buffer in enc.buffers:
+        size = memoryview(buffer).nbytes
+        if type(buffer) is not bytes and size:  # bytes are padding; arrays are views
+            starts[pos] = buffer
+        pos += size
+    found: dict[int, tuple] = {}
+    taken = set()
+    for i, spec in enumerate(parse_description(enc.description, enc.nbytes).arrays):
+        buffer = starts.get(spec.offset)
+        if buffer is None or not spec.nbytes:
+            continue
+        address = np.frombuffer(buffer, np.uint8).ctypes.data
+        with _drafts_lock:
+            entry = _drafts.get(address)
+        mapping = entry[1]() if entry is not None else None
+        if mapping is not None and entry[2] == spec.nbytes and address not in taken:
+            found[i] = (entry[0], mapping)
+            taken.add(address)
+    return found
+
+
+def shared_copy(value: Any, draft: Callable[[int], np.ndarray] | None) -> Any:
+    """``value`` rebuilt with each tensor and array copied into ``draft(nbytes)`` (a new
+    shared uint8 array); tensors on the ``meta`` device become zeros of their shape and
+    dtype, nothing copied.  With ``draft=None`` only the meta tensors are replaced
+    (by ordinary zero tensors)."""
+    def copy(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            meta = obj.device.type == "meta"
+            nbytes = obj.numel() * obj.element_size()
+            if draft is None or not nbytes:
+                return torch.zeros(obj.shape, dtype=obj.dtype) if meta or draft is not None else obj
+            out = torch.from_numpy(draft(nbytes)).view(obj.dtype).reshape(obj.shape)
+            if not meta:
+                out.copy_(obj.detach())
+            return out
+        if isinstance(obj, np.ndarray):
+            if draft is None or not obj.nbytes:
+                return obj
+            dtype = obj.dtype.newbyteorder("=") if obj.dtype.byteorder == ">" else obj.dtype
+            out = draft(obj.nbytes).view(dtype).reshape(obj.shape)
+            out[...] = obj
+            return out
+        if isinstance(obj, dict):
+            return {k: copy(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [copy(x) for x in obj]
+        if isinstance(obj, tuple):
+            return tuple(copy(x) for x in obj)
+        return obj
+
+    return copy(value)
 
 
 def _private_dir(root: str | None, relative: Any) -> str | None:

@@ -523,3 +523,46 @@ def test_shared_memory_is_offered_to_same_host_peers_only(tmp_path):
     finally:
         state.storage.close()
     assert not os.listdir(tmp_path)
+
+
+# ------------------------------------------------------------------ handing tensors over: Client.shared
+
+
+def test_a_shared_value_is_handed_over_without_a_copy_then_copy_on_write(every_item):
+    area = _area(every_item)
+    with _client(every_item) as c, _client(every_item) as reader:
+        value = c.shared({"obs": torch.empty(MiB, device="meta"), "act": np.arange(1000), "step": 3,
+                          "small": torch.arange(10)})
+        assert torch.equal(value["obs"], torch.zeros(MiB)) and value["step"] == 3
+        value["obs"].fill_(7.0)  # computed in place, in shared memory
+        drafts = {os.stat(os.path.join(c._conn.areas.incoming, f)).st_ino: f
+                  for f in os.listdir(c._conn.areas.incoming)}
+        assert len(drafts) == 3
+        c.put("handed", value)
+        assert not os.listdir(c._conn.areas.incoming)  # every draft moved into the item
+        stored = {os.stat(f).st_ino for f in _files(os.path.join(area, "items")) if f.endswith(".memmap")}
+        assert set(drafts) <= stored  # the very files: nothing was copied
+        value["obs"][0] = -1.0  # copy-on-write now: the server's item does not change
+        value["act"][:] = 0
+        [back] = reader.peek("handed")
+        assert torch.equal(back["obs"], torch.full((MiB,), 7.0)) and np.array_equal(back["act"], np.arange(1000))
+        assert value["obs"][0] == -1.0 and value["obs"][1] == 7.0
+        c.put("again", value)  # no longer a draft: copied like any tensor
+        [again] = reader.peek("again")
+        assert again["obs"][0] == -1.0 and torch.equal(back["obs"], torch.full((MiB,), 7.0))
+
+
+def test_unused_drafts_go_with_their_tensors(every_item):
+    with _client(every_item) as c:
+        value = c.shared([torch.ones(1000), torch.ones(10)])
+        assert len(os.listdir(c._conn.areas.incoming)) == 2
+        del value
+        gc.collect()
+        assert not os.listdir(c._conn.areas.incoming)
+
+
+def test_shared_without_zero_copy_is_the_value(every_item):
+    with _client(every_item, zero_copy=False) as c:
+        t = torch.ones(3)
+        value = c.shared({"t": t, "m": torch.empty(2, 2, dtype=torch.int16, device="meta")})
+        assert value["t"] is t and torch.equal(value["m"], torch.zeros(2, 2, dtype=torch.int16))
