@@ -109,27 +109,32 @@ def _fan(rec: Recorder, p: Profile) -> None:
     rec.figure("zc.fan.bound", f"{n} x raw loopback one-way {size}, fresh buffer",
                one.map(lambda s: n * s * 1e3), "ms", better="lower", baseline=True,
                note=f"{n} serial copies at {nbytes / one.median / 1e9:.2f} GB/s")
-    for key, zero_copy, label in (("tcp", False, "TCP path (zero_copy=False)"), ("shm", True, "same-host zero-copy")):
-        rec.say(f"  -- fan-out of a {size} state dict ({tensors} tensors) to {n} RLWorker processes, {label}")
-        experiment = f"bench-zc-{key}-{os.getpid()}"
-        with Server() as server, Workers() as ws:
-            workers: list[Worker] = [ws.start("rl", server.port, experiment, p.rl_worker_lifetime_s, int(zero_copy))
-                                     for _ in range(n)]
-            for w in workers:
-                w.expect(120, "ready")
-            trainer = RLTrainer("127.0.0.1", server.port, experiment=experiment, timeout=wait, zero_copy=zero_copy)
+    paths = (("tcp", False, "TCP path (zero_copy=False)"), ("shm", True, "same-host zero-copy"))
+    with Server() as server, Workers() as ws:
+        # Both sets start at once (their start-up overlaps); each waits for its own experiment.
+        workers: dict[str, list[Worker]] = {
+            key: [ws.start("rl", server.port, f"bench-zc-{key}-{os.getpid()}", p.rl_worker_lifetime_s, int(zc))
+                  for _ in range(n)] for key, zc, _label in paths}
+        for w in workers["tcp"] + workers["shm"]:
+            w.expect(120, "ready")
+        for key, zero_copy, label in paths:
+            rec.say(f"  -- fan-out of a {size} state dict ({tensors} tensors) to {n} RLWorker processes, {label}")
+            trainer = RLTrainer("127.0.0.1", server.port, experiment=f"bench-zc-{key}-{os.getpid()}", timeout=wait,
+                                zero_copy=zero_copy)
             try:
-                publish, _first, last, bad = fan_runs(trainer, workers, state, p.zc_reps, p.warmup, wait)
+                publish, _first, last, bad = fan_runs(trainer, workers[key], state, p.zc_reps, p.warmup, wait)
             finally:
                 trainer.stop()
-        if bad:
-            rec.note(f"zero-copy fan-out ({label}): {bad} received state dict(s) had the wrong size or values")
-        rec.figure(f"zc.fan.{key}.publish", f"{label}: RLTrainer.publish_parameters {size} (returns)",
-                   Sample.of(publish), "ms", better="lower")
-        rec.figure(f"zc.fan.{key}.all", f"{label}: fan-out of {size} until all {n} workers hold it",
-                   Sample.of(last), "ms", better="lower",
-                   vs=["zc.fan.bound"] + (["zc.fan.tcp.all"] if zero_copy else []),
-                   note="from just before publish_parameters")
+            if bad:
+                rec.note(f"zero-copy fan-out ({label}): {bad} received state dict(s) had the wrong size or values")
+            rec.figure(f"zc.fan.{key}.publish", f"{label}: RLTrainer.publish_parameters {size} (returns)",
+                       Sample.of(publish), "ms", better="lower")
+            rec.figure(f"zc.fan.{key}.all", f"{label}: fan-out of {size} until all {n} workers hold it",
+                       Sample.of(last), "ms", better="lower",
+                       vs=["zc.fan.bound"] + (["zc.fan.tcp.all"] if zero_copy else []),
+                       note="from just before publish_parameters")
+            for w in workers[key]:  # done: they let go of what they hold
+                w.send("quit")
 
 
 def run(rec: Recorder, p: Profile, peers) -> None:

@@ -20,11 +20,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from tensorshare import __version__, protocol
+from tensorshare.areas import new_token, worth_sharing
 from tensorshare.errors import ProtocolError, RemoteError
 from tensorshare.wire.description import check_description, parse_description
 from tensorshare.wire.frames import DiscardSink, Frame, FrameDecoder, SegmentSink, frame_head
-
-from tensorshare.areas import new_token, worth_sharing
 
 from .config import ServerConfig
 from .durable import DataDir
@@ -291,7 +290,11 @@ class ServerSession:
         else:
             self._store(rid, name, self._item(frame), False)
 
-    def _store(self, rid: int, name: str, item: Item, replace: bool, start: Callable | None = None) -> None:
+    def _store(self, rid: int, name: str, item: Item, replace: bool) -> None:
+        self._through_storage(lambda done: self.state.storage.add(name, item, replace, done), self._stored(rid))
+
+    def _stored(self, rid: int) -> Callable:
+        """The reply to a PUT/APPEND once the storage is done with it."""
         def reply(change: Change | None, error: RemoteError | None) -> None:
             if error is not None:
                 self._send({"code": error.code, "id": rid, "msg": error.message})
@@ -299,9 +302,7 @@ class ServerSession:
                 self._send({"code": protocol.DONE, "id": rid, "n": change.n_items, "seq": change.seq})
                 self.state.listeners.publish(change)
 
-        if start is None:
-            start = lambda done: self.state.storage.add(name, item, replace, done)  # noqa: E731
-        self._through_storage(start, reply)
+        return reply
 
     def _adopt(self, rid: int, name: str, frame: Frame, replace: bool) -> None:
         """PUT/APPEND of a value the client wrote into its incoming directory (§10.3)."""
@@ -316,8 +317,8 @@ class ServerSession:
         blob, tag = self._value(header, size)
         incoming, shm_name, limits = self._incoming, header[protocol.SHM], self._decode_limits
         arrays = len(parse_description(blob, size, limits).arrays)  # remembered by _value's check
-        self._store(rid, name, None, replace, lambda done: self.state.storage.adopt(
-            name, incoming, shm_name, blob, size, tag, replace, done, limits, arrays))
+        self._through_storage(lambda done: self.state.storage.adopt(
+            name, incoming, shm_name, blob, size, tag, replace, done, limits, arrays), self._stored(rid))
 
     def _through_storage(self, start: Callable, reply: Callable) -> None:
         """Run ``start(done)``, a :class:`Storage` call, and ``reply`` when it is done.
@@ -349,13 +350,7 @@ class ServerSession:
         refs = self._refs(frame.header, items)
         self._send_items(rid, items, self._item_parts(items, refs), self.state.store.state(name)[2], refs=refs)
         self._pin(rid, items, refs)
-        if refs is not None:  # items still in memory: into shared memory, for the next read
-            storage = self.state.storage
-            for item, files in zip(items, refs):
-                if files is None and item.segments is not None and item.nbytes >= self.state.config.zero_copy_min:
-                    arrays = len(parse_description(item.description, item.nbytes, self._decode_limits).arrays)
-                    if worth_sharing(item.nbytes, arrays, self.state.config.zero_copy_min):
-                        storage.promote(item)
+        self._promote(frame.header, items, refs)
 
     def _do_list(self, rid: int, name: None, frame: Frame) -> None:
         self._send({"code": protocol.LIST_OK, "id": rid, "bins": self.state.store.listing()})
@@ -419,7 +414,7 @@ class ServerSession:
         header = {"code": protocol.ITEMS, "id": rid, "seq": seq,
                   "items": [item.description for item in items],
                   "sizes": [item.nbytes for item in items]}
-        if refs is None or not any(refs):
+        if refs is None:
             payload_len = sum(item.nbytes for item in items)
         else:
             header[protocol.REFS] = [None if files is None else files.ref() for files in refs]
@@ -437,19 +432,29 @@ class ServerSession:
         if not wanted or not self.same_host or type(wanted) is not list or len(wanted) > 8:
             return None
         minimum = self.state.config.zero_copy_min
-        refs, any_ref = [], False
+        refs = []
         for item in items:
             files = item.files
             if (files is not None and files.area is not None and files.area.index in wanted
                     and worth_sharing(item.nbytes, len(files.spans), minimum)):
                 refs.append(files)
-                any_ref = True
             else:
                 refs.append(None)
-        if not any_ref and not (self.state.storage.shm_area is not None
-                                and self.state.storage.shm_area.index in wanted):
-            return None
-        return refs
+        return refs if any(refs) else None
+
+    def _promote(self, header: dict, items: list[Item], refs: list | None) -> None:
+        """After a PEEK asking for references: copy the items it had to send inline
+        (received over TCP, still in memory) into shared memory, for the next read."""
+        area = self.state.storage.shm_area
+        wanted = header.get(protocol.REF)
+        if not (self.same_host and area is not None and type(wanted) is list and area.index in wanted):
+            return
+        minimum = self.state.config.zero_copy_min
+        for i, item in enumerate(items):
+            if (refs is None or refs[i] is None) and item.segments is not None and item.nbytes >= minimum:
+                arrays = len(parse_description(item.description, item.nbytes, self._decode_limits).arrays)
+                if worth_sharing(item.nbytes, arrays, minimum):
+                    self.state.storage.promote(item)
 
     def _pin(self, rid: int, items: list[Item], refs: list | None) -> None:
         """Keep the files a reply referred to until the client releases it (or leaves)."""

@@ -42,6 +42,7 @@ from .zerocopy import SharedAreas, shared_copy
 log = logging.getLogger("tensorshare.client")
 
 _DEFAULT = object()  # "use the client's timeout"
+_ZERO_COPY_VERBS = frozenset({protocol.PUT, protocol.APPEND, protocol.GET, protocol.PEEK})
 _IOV_MAX = 1024
 _SMALL_FRAME = 64 << 10  # frames up to this size are joined and sent with one send()
 
@@ -308,7 +309,7 @@ class Client:
         if self._closed:
             raise UsageError("the client is closed")
         extra = None
-        areas = self._areas(_DEFAULT) if zero_copy and self.zero_copy else None
+        areas = self._areas(_DEFAULT) if zero_copy and op in _ZERO_COPY_VERBS else None
         if areas is not None:
             if op in (protocol.PUT, protocol.APPEND) and value is not NO_VALUE and areas.incoming is not None:
                 value, extra, callback = self._submit_shared(areas, op, bin, value, tag, callback)

@@ -566,3 +566,58 @@ def test_shared_without_zero_copy_is_the_value(every_item):
         t = torch.ones(3)
         value = c.shared({"t": t, "m": torch.empty(2, 2, dtype=torch.int16, device="meta")})
         assert value["t"] is t and torch.equal(value["m"], torch.zeros(2, 2, dtype=torch.int16))
+
+
+def test_session_refers_only_to_same_host_peers_and_pins_until_released(tmp_path):
+    """The sans-IO session: references for a same-host peer that asks, bytes otherwise;
+    referenced files stay until the reply is released."""
+    from tensorshare.connection import request_frame
+    from tensorshare.wire.frames import FrameDecoder
+    from tensorshare_server.config import ServerConfig
+    from tensorshare_server.session import ServerSession, ServerState
+
+    state = ServerState.create(ServerConfig(shm_dir=str(tmp_path), zero_copy_min=0))
+
+    class Outbox:
+        def __init__(self):
+            self.frames, self.decoder = [], FrameDecoder()
+
+        def send(self, parts, on_abandon=None):
+            self.frames.extend(self.decoder.feed(b"".join(bytes(p) for p in parts)))
+
+        def close(self):
+            pass
+
+    def session(same_host: bool):
+        out = Outbox()
+        s = ServerSession(state, out, same_host=same_host)
+        s.connection_made()
+        return s, out
+
+    def request(s, out, rid, op, value=None, **extra):
+        parts = request_frame(rid, op, "b", *([value] if value is not None else []), extra=extra)
+        s.data_received(b"".join(bytes(p) for p in parts))
+        return out.frames[-1].header
+
+    try:
+        local, local_out = session(True)
+        remote, remote_out = session(False)
+        assert "shm" in local_out.frames[0].header and "shm" not in remote_out.frames[0].header
+        request(local, local_out, 1, "PUT", torch.ones(1000))  # over TCP: in memory
+        assert "refs" not in request(remote, remote_out, 2, "PEEK", ref=[0])  # a remote peer gets bytes
+        assert "refs" not in request(local, local_out, 3, "PEEK", ref=[0])  # inline, and copied to shared memory
+        reply = request(local, local_out, 4, "PEEK", ref=[0])
+        [[area, path]] = reply["refs"]
+        item_dir = inside(state.storage.areas[area].root, path)
+        assert area == 0 and os.path.isdir(item_dir) and local_out.frames[-1].payload_len == 0
+        request(local, local_out, 5, "DELETE")
+        gc.collect()
+        assert os.path.isdir(item_dir)  # deleted, but pinned by reply 4
+        request(local, local_out, 6, "LIST", release=[4])
+        gc.collect()
+        assert not os.path.exists(item_dir)  # released: gone
+        local.connection_lost()
+        remote.connection_lost()
+    finally:
+        state.storage.close()
+    assert not os.listdir(tmp_path)
