@@ -332,7 +332,7 @@ class ServerSession:
     def _do_get(self, rid: int, name: str, frame: Frame) -> None:
         storage, store, listeners = self.state.storage, self.state.store, self.state.listeners
         peeked = store.peek(name)
-        refs = self._refs(frame.header, peeked)
+        refs = self._refs(frame.header, peeked, taking=True)
         parts = self._item_parts(peeked, refs)
         items, change = store.get(name)
         storage.taken(name, items)
@@ -424,19 +424,24 @@ class ServerSession:
 
     # -- same-host zero-copy (PROTOCOL.md §10)
 
-    def _refs(self, header: dict, items: list[Item]) -> list | None:
+    def _refs(self, header: dict, items: list[Item], taking: bool = False) -> list | None:
         """For a GET/PEEK asking for references: per item, the files to refer to (in
         an area the client can map, and not too small to be worth it) or None (its
-        bytes go in the payload).  None when no item gets a reference."""
+        bytes go in the payload).  None when no item gets a reference.
+
+        A GET (``taking``) gets no references into the data directory, where a
+        DELETE of the bin removes every file at once, pinned or not (PROTOCOL.md
+        Appendix B): the taken items would be lost; a PEEK can be repeated."""
         wanted = header.get(protocol.REF)
         if not wanted or not self.same_host or type(wanted) is not list or len(wanted) > 8:
             return None
         minimum = self.state.config.zero_copy_min
+        durable = self.state.storage.data_area if taking else None
         refs = []
         for item in items:
             files = item.files
             if (files is not None and files.area is not None and files.area.index in wanted
-                    and worth_sharing(item.nbytes, len(files.spans), minimum)):
+                    and files.area is not durable and worth_sharing(item.nbytes, len(files.spans), minimum)):
                 refs.append(files)
             else:
                 refs.append(None)

@@ -432,6 +432,8 @@ def test_data_dir_items_are_mapped_from_the_data_dir(tmp_path):
             c.put("d", {"w": torch.arange(MiB, dtype=torch.float32)})  # over TCP, to disk
             [back] = c.peek("d")
             assert _mapped_from(back, data) and torch.equal(back["w"], torch.arange(MiB, dtype=torch.float32))
+            [taken] = c.get("d")  # a GET takes durable items' bytes over TCP (a DELETE could remove the files)
+            assert not _mapped_from(taken, data) and torch.equal(taken["w"], back["w"])
     finally:
         srv.stop()
 
