@@ -48,10 +48,6 @@ class Item:
         """The payload as frame parts: the chunks in memory, else spans of its mapped files."""
         return list(self.segments) if self.segments is not None else self.files.open_parts()
 
-    def buffers(self) -> list:
-        """The payload as buffers to write elsewhere: the chunks, or its files mapped."""
-        return list(self.segments) if self.segments is not None else self.files.buffers()
-
     def __repr__(self) -> str:
         where = "memory" if self.resident else "disk"
         return f"Item({self.nbytes} bytes in {where}, tag={self.tag})"

@@ -38,7 +38,7 @@ from .areas import AreaError, inside, verify_area, worth_sharing
 from .errors import ZeroCopyError
 from .layout import LayoutError, mapped_parts, read_item, write_item
 from .memmap import load_item, new_shared_file
-from .wire.codec import Encoded
+from .wire.codec import TORCH_NAMES, Encoded
 from .wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
 
 log = logging.getLogger("tensorshare.client")
@@ -211,6 +211,8 @@ def shared_copy(value: Any, draft: Callable[[int], np.ndarray] | None) -> Any:
     (by ordinary zero tensors)."""
     def copy(obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
+            if obj.layout != torch.strided or obj.dtype not in TORCH_NAMES:
+                return obj  # no wire form: a put will say so
             meta = obj.device.type == "meta"
             nbytes = obj.numel() * obj.element_size()
             if draft is None or not nbytes:

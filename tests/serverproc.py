@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import re
 import signal
 import subprocess
@@ -114,3 +116,21 @@ class FakeServer:
     def __exit__(self, *exc) -> None:
         self.listener.close()
         self.thread.join(15)
+
+
+@contextlib.contextmanager
+def small_tmpfs(path, size: str):
+    """A tmpfs of ``size`` (``6m``...) mounted on the new directory ``path`` for the
+    block, to fill up; skips the test where mounting needs privileges we lack."""
+    import pytest
+
+    path.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs privileges)")
+    try:
+        yield path
+    finally:
+        gc.collect()  # tensors mapping its files keep it busy
+        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)

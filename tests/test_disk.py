@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import tensorshare
-from serverproc import ServerProcess
+from serverproc import ServerProcess, small_tmpfs
 from tensorshare.areas import TOKEN_FILE
 from tensorshare.errors import StorageFullError
 from tensorshare.layout import RECORD, LayoutError, read_item, write_item
@@ -407,12 +407,7 @@ def test_disk_full_gives_a_clear_reply_and_loses_nothing(tmp_path, mode):
 
 
 def test_tmpfs_disk_full(tmp_path):
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a small tmpfs here (needs privileges)")
-    try:
+    with small_tmpfs(tmp_path / "small", "6m") as mount:
         srv = ServerProcess("--data-dir", str(mount / "d"))
         try:
             with tensorshare.Client("127.0.0.1", srv.port, timeout=30) as c:
@@ -426,8 +421,6 @@ def test_tmpfs_disk_full(tmp_path):
                 c.append("a", torch.ones(MiB))
         finally:
             srv.stop()
-    finally:
-        subprocess.run(["umount", str(mount)], capture_output=True)
 
 
 def test_client_save_and_load_memmap(tmp_path):

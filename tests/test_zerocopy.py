@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import tensorshare
-from serverproc import ServerProcess
+from serverproc import ServerProcess, small_tmpfs
 from tensorshare import protocol
 from tensorshare.areas import TOKEN_FILE, AreaError, inside, new_token, verify_area, write_token
 from tensorshare.client import _shared_fields
@@ -28,6 +28,7 @@ from tensorshare.errors import ZeroCopyUnavailableError
 from tensorshare.layout import RECORD
 from tensorshare.wire.codec import encode
 from test_disk import VALUES, _equal
+from test_server import wait_for
 
 MiB = 1 << 20
 SHM = "/dev/shm"
@@ -70,15 +71,6 @@ def _mapped_from(value, root: str) -> bool:
     """True if every non-empty array of ``value`` maps a file under ``root``."""
     arrays = [a for a in _arrays(value) if a.nbytes]
     return bool(arrays) and all((_backing_file(a) or "").startswith(root + os.sep) for a in arrays)
-
-
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 @pytest.fixture(scope="module")
@@ -360,12 +352,7 @@ def test_a_full_shm_means_tcp_for_that_value(every_item):
 
 
 def test_tmpfs_shm_dir_full(tmp_path):
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a small tmpfs here (needs privileges)")
-    try:
+    with small_tmpfs(tmp_path / "small", "2m") as mount:
         srv = ServerProcess("--shm-dir", str(mount))
         try:
             with _client(srv) as c:
@@ -376,10 +363,6 @@ def test_tmpfs_shm_dir_full(tmp_path):
                 assert _equal(c.peek("many"), values)
         finally:
             srv.stop()
-    finally:
-        gc.collect()  # tensors mapping its files keep it busy
-        if subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
 # ------------------------------------------------------------------ memory budget
