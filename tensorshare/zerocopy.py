@@ -173,7 +173,8 @@ _drafts_lock = threading.Lock()
 def _forget_draft(address: int, path: str) -> None:
     """A draft's tensors are gone: so is its file (unless a put moved it away)."""
     with _drafts_lock:
-        _drafts.pop(address, None)
+        if _drafts.get(address, ("",))[0] == path:  # not a newer draft mapped at the same address
+            del _drafts[address]
     try:
         os.unlink(path)
     except OSError:
