@@ -11,6 +11,7 @@ import sys
 import time
 
 _LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
+STARTED: set[int] = set()  # pids of every server process the tests started
 
 
 class ServerProcess:
@@ -38,6 +39,7 @@ class ServerProcess:
         if time.monotonic() > deadline:
             raise RuntimeError("server start took too long")
         self.port = int(match.group(2))
+        STARTED.add(self.proc.pid)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
         """Signal the server and wait for it; returns its exit code."""

@@ -448,13 +448,15 @@ def test_client_save_and_load_memmap(tmp_path):
 def test_spill_dir_is_cleaned_up(tmp_path):
     spill = tmp_path / "spill"
     srv = ServerProcess("--memory-limit", "1MiB", "--spill-dir", str(spill))
-    with tensorshare.Client("127.0.0.1", srv.port, timeout=30) as c:
-        for i in range(4):
-            c.append("x", torch.ones(MiB // 2))
-        assert c.list() == {"x": 4}
-    srv.kill()  # a crash leaves its spill files...
-    assert _files_under(str(spill))
-    srv.start()  # ...which the next server removes
-    assert [f for f in _files_under(str(spill)) if not f.endswith((".lock", TOKEN_FILE))] == []
-    srv.stop()  # and a clean stop removes its own
+    try:
+        with tensorshare.Client("127.0.0.1", srv.port, timeout=30) as c:
+            for i in range(4):
+                c.append("x", torch.ones(MiB // 2))
+            assert c.list() == {"x": 4}
+        srv.kill()  # a crash leaves its spill files...
+        assert _files_under(str(spill))
+        srv.start()  # ...which the next server removes
+        assert [f for f in _files_under(str(spill)) if not f.endswith((".lock", TOKEN_FILE))] == []
+    finally:
+        srv.stop()  # and a clean stop removes its own
     assert _files_under(str(spill)) == []

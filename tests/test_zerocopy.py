@@ -252,10 +252,12 @@ def test_a_client_killed_before_its_put_leaves_nothing(every_item):
 
 def test_areas_go_with_their_server_even_after_kill_9():
     first = ServerProcess()
-    area = _area(first)
-    with _client(first) as c:
-        c.put("a", torch.ones(MiB))
-    first.kill()  # SIGKILL: no cleanup...
+    try:
+        area = _area(first)
+        with _client(first) as c:
+            c.put("a", torch.ones(MiB))
+    finally:
+        first.kill()  # SIGKILL: no cleanup...
     assert os.path.isdir(area)
     second = ServerProcess()  # ...so the next server removes it
     try:
