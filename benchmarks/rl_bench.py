@@ -1,5 +1,9 @@
 """Section 5: RL -- ``RLTrainer`` / ``RLWorker`` against a server process.
 
+Trainer and workers run as users would, so on one host large values go through
+shared memory (same-host zero-copy, on by default); section 7 compares that with
+the TCP path.
+
 * Fan-out: the trainer publishes a state dict (64 MiB in quick/full: 16 float32
   tensors of 1M elements) to N ``RLWorker`` processes, each waiting in
   ``await_new_parameters``; the time from just before ``publish_parameters`` until
