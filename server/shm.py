@@ -78,8 +78,23 @@ class ShmArea:
         return relative
 
     def close_connection(self, relative: str) -> None:
-        """Remove a connection's incoming directory and whatever its client left there (blocking)."""
-        shutil.rmtree(os.path.join(self.path, relative), ignore_errors=True)
+        """Remove a connection's incoming directory and whatever its client left there (blocking).
+
+        It is renamed first, so that a client still writing cannot start another item
+        in it (it writes no parent directories); anything such a writer finishes
+        meanwhile is removed with the next connection that closes, or at exit."""
+        closed = os.path.join(self.incoming, f".closed-{os.path.basename(relative)}")
+        try:
+            os.rename(os.path.join(self.path, relative), closed)
+        except OSError:
+            pass
+        try:
+            entries = os.listdir(self.incoming)
+        except OSError:  # the whole area is going (the server stops)
+            return
+        for entry in entries:
+            if entry.startswith(".closed-"):
+                shutil.rmtree(os.path.join(self.incoming, entry), ignore_errors=True)
 
     # -- items (disk threads)
 
