@@ -6,7 +6,8 @@ client's receive buffer is, and a fresh ``np.empty``, which numpy backs with hug
 pages), Redis SET/GET of the same bytes, TCPStore set/get (up to its 8 MiB cap)
 and torch.save + a raw socket + torch.load (the original tensorshare's way).
 Goals compare the 256 MiB figures with raw one-way (warm and fresh torch.empty)
-and with Redis.
+and with Redis.  The client uses the TCP path (``zero_copy=False``), the one a
+client on another host gets; section 7 measures the same-host path.
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ def run(rec: Recorder, p: Profile, peers) -> None:
     try:
         server = Server()
         rec.say(f"  server pid {server.pid} on port {server.port}")
-        client = Client("127.0.0.1", server.port, timeout=p.client_timeout_s)
+        client = Client("127.0.0.1", server.port, timeout=p.client_timeout_s, zero_copy=False)
         raw = RawLoopback(max(max(sizes), sd_bytes))
         original = TorchSaveSocket()
         for nbytes in sizes:

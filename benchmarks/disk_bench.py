@@ -1,7 +1,8 @@
 """Section 6: the disk tier.
 
 * peek of a spilled item (served from its memory-mapped files) beside peek of the
-  same item held in memory, two servers in the same run;
+  same item held in memory, two servers in the same run, over TCP (a same-host
+  client would map the spilled files: section 7);
 * ``Client.save`` + ``load_memmap`` and local ``save_memmap`` of a state dict beside
   ``torch.save`` + ``torch.load`` to the same directory, and writing its bytes to
   one file (the floor); ``load_memmap`` of the state dict at two sizes (lazy
@@ -35,7 +36,8 @@ def _spilled_peek(rec: Recorder, p: Profile) -> None:
     holder: list = []
     for key, label, args in (("disk.peek_memory", "in memory", ()),
                              ("disk.peek_spilled", "spilled (--memory-limit 1MiB)", ("--memory-limit", "1MiB"))):
-        with Server(*args) as server, Client("127.0.0.1", server.port, timeout=p.client_timeout_s) as client:
+        with Server(*args) as server, \
+                Client("127.0.0.1", server.port, timeout=p.client_timeout_s, zero_copy=False) as client:
             client.put("bench-disk", value)
             client.put("bench-push", torch.ones(MiB // 2))  # pushes the first one out under the limit
             time.sleep(0.5)

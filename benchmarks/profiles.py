@@ -55,10 +55,15 @@ class Profile:
     disk_reps: int = 5
     disk_sd_side: int = 512            # the checkpoint: statedict_tensors tensors of side x side float32
     disk_limit_bytes: int = 64 * MiB   # --memory-limit of the RSS run (which stores 4x this)
+    # 7. same-host zero-copy
+    zc_bytes: int = 256 * MiB          # the tensor put, peeked and taken by reference and over TCP
+    zc_reps: int = 3
+    zc_fan_bytes: int = 256 * MiB      # the state dict (16 tensors) fanned out to zc_fan_workers RLWorkers
+    zc_fan_workers: int = 8
 
 
 QUICK = Profile(
-    name="quick", sections=("wire", "large", "small", "scaling", "rl", "disk"), time_limit_s=900, warmup=1,
+    name="quick", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy"), time_limit_s=900, warmup=1,
     wire_tensor_bytes=64 * MiB, wire_reps=3, statedict_tensors=100, statedict_shape=(256, 256),
     large_sizes=(1 * MiB, 16 * MiB, 256 * MiB), large_reps=9, large_reps_big=3, large_reps_small=30,
     client_timeout_s=120,
@@ -71,7 +76,7 @@ QUICK = Profile(
 )
 
 FULL = Profile(
-    name="full", sections=("wire", "large", "small", "scaling", "rl", "disk"), time_limit_s=3600, warmup=1,
+    name="full", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy"), time_limit_s=3600, warmup=1,
     wire_tensor_bytes=256 * MiB, wire_reps=5, statedict_tensors=100, statedict_shape=(256, 256),
     large_sizes=(1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB), large_reps=7, large_reps_big=5,
     large_reps_small=50,
@@ -83,10 +88,11 @@ FULL = Profile(
     rl_workers=8, rl_fan_tensors=16, rl_fan_tensor_elems=1 << 20, rl_fan_reps=9,
     rl_roll_cols=(64, 1024, 8192), rl_roll_run_s=3.0, rl_roll_runs=5, rl_worker_lifetime_s=900,
     disk_peek_bytes=1024 * MiB, disk_reps=7, disk_sd_side=512, disk_limit_bytes=256 * MiB,
+    zc_bytes=1024 * MiB, zc_reps=5,
 )
 
 SMOKE = Profile(
-    name="smoke", sections=("wire", "large", "small", "scaling", "rl", "disk"), time_limit_s=240, warmup=1,
+    name="smoke", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy"), time_limit_s=240, warmup=1,
     wire_tensor_bytes=1 * MiB, wire_reps=1, statedict_tensors=4, statedict_shape=(16, 16),
     large_sizes=(64 << 10,), large_reps=1, large_reps_big=1, large_reps_small=1, client_timeout_s=30,
     small_ops=20, small_runs=1, pipelined_ops=200, pipelined_runs=1, async_window=16,
@@ -96,6 +102,7 @@ SMOKE = Profile(
     rl_workers=2, rl_fan_tensors=4, rl_fan_tensor_elems=1 << 16, rl_fan_reps=1,
     rl_roll_cols=(64,), rl_roll_run_s=0.3, rl_roll_runs=1, rl_worker_lifetime_s=120,
     disk_peek_bytes=4 * MiB, disk_reps=1, disk_sd_side=16, disk_limit_bytes=8 * MiB,
+    zc_bytes=4 * MiB, zc_reps=1, zc_fan_bytes=4 * MiB, zc_fan_workers=2,
 )
 
 PROFILES = {p.name: p for p in (SMOKE, QUICK, FULL)}

@@ -1,5 +1,9 @@
 """Section 5: RL -- ``RLTrainer`` / ``RLWorker`` against a server process.
 
+Trainer and workers run as users would, so on one host large values go through
+shared memory (same-host zero-copy, on by default); section 7 compares that with
+the TCP path.
+
 * Fan-out: the trainer publishes a state dict (64 MiB in quick/full: 16 float32
   tensors of 1M elements) to N ``RLWorker`` processes, each waiting in
   ``await_new_parameters``; the time from just before ``publish_parameters`` until
@@ -70,24 +74,23 @@ def _record_bounds(rec: Recorder, nbytes: int, n: int, fresh: list[float], warm:
                           "x": f"{mib(nbytes)} to {n} workers"})
 
 
-def _fan_out(rec: Recorder, p: Profile, trainer: RLTrainer, workers: list[Worker], raw: RawLoopback) -> None:
-    """Publishes, each beside two raw one-way transfers of the same bytes (fresh and warm
-    buffer) measured just before it, so that figure and bound see the same load."""
-    n = len(workers)
-    nbytes = p.rl_fan_tensors * p.rl_fan_tensor_elems * 4
-    size = mib(nbytes)
-    rec.say(f"  -- fan-out of a {size} state dict ({p.rl_fan_tensors} tensors) to {_plural(n, 'worker')}")
-    state = {f"layer{i}.weight": torch.empty(p.rl_fan_tensor_elems) for i in range(p.rl_fan_tensors)}
-    reps = p.warmup + p.rl_fan_reps
-    wait = p.client_timeout_s
+def fan_runs(trainer: RLTrainer, workers: list[Worker], state: dict, reps: int, warmup: int, wait: float,
+             between: Callable[[bool], None] | None = None) -> tuple[list, list, list, int]:
+    """Publish ``state`` ``warmup + reps`` times to ``rl`` workers, each waiting in its
+    ``fan`` loop; returns, for the timed publishes, the milliseconds until
+    ``publish_parameters`` returned, until the first and until the last worker held
+    the version, and how many received state dicts were wrong.  The tensors are
+    filled with the version (untimed) before each publish; ``between(timed)`` runs
+    just before it (to measure baselines under the same load)."""
+    nbytes = sum(t.nbytes for t in state.values())
     for w in workers:
-        w.send(f"fan {reps} {wait} {nbytes}")
+        w.send(f"fan {warmup + reps} {wait} {nbytes}")
     for w in workers:  # every worker is in its await loop before the first publish
         w.expect(wait, "fanning")
-    raw_fresh, raw_warm, publish, first, last, bad = [], [], [], [], [], 0
-    for rep in range(reps):
-        fresh = raw.one_way(nbytes, 2, 0, "torch")
-        warm = raw.one_way(nbytes, 2, 0, "warm")
+    publish, first, last, bad = [], [], [], 0
+    for rep in range(warmup + reps):
+        if between is not None:
+            between(rep >= warmup)
         version = trainer.version + 1
         for t in state.values():
             t.fill_(float(version))  # untimed; workers check it
@@ -108,12 +111,32 @@ def _fan_out(rec: Recorder, p: Profile, trainer: RLTrainer, workers: list[Worker
                 raise ChildError(f"a worker got version {v}, expected {version}")
             bad += ok != "1"
             done.append(float(t))
-        if rep >= p.warmup:
-            raw_fresh += fresh
-            raw_warm += warm
+        if rep >= warmup:
             publish.append((published - start) * 1e3)
             first.append((min(done) - start) * 1e3)
             last.append((max(done) - start) * 1e3)
+    return publish, first, last, bad
+
+
+def _fan_out(rec: Recorder, p: Profile, trainer: RLTrainer, workers: list[Worker], raw: RawLoopback) -> None:
+    """Publishes, each beside two raw one-way transfers of the same bytes (fresh and warm
+    buffer) measured just before it, so that figure and bound see the same load."""
+    n = len(workers)
+    nbytes = p.rl_fan_tensors * p.rl_fan_tensor_elems * 4
+    size = mib(nbytes)
+    rec.say(f"  -- fan-out of a {size} state dict ({p.rl_fan_tensors} tensors) to {_plural(n, 'worker')}")
+    state = {f"layer{i}.weight": torch.empty(p.rl_fan_tensor_elems) for i in range(p.rl_fan_tensors)}
+    raw_fresh, raw_warm = [], []
+
+    def measure_raw(timed: bool) -> None:
+        fresh = raw.one_way(nbytes, 2, 0, "torch")
+        warm = raw.one_way(nbytes, 2, 0, "warm")
+        if timed:
+            raw_fresh.extend(fresh)
+            raw_warm.extend(warm)
+
+    publish, first, last, bad = fan_runs(trainer, workers, state, p.rl_fan_reps, p.warmup, p.client_timeout_s,
+                                         measure_raw)
     if bad:
         rec.note(f"RL fan-out: {bad} received state dict(s) had the wrong size or values")
     _record_bounds(rec, nbytes, n, raw_fresh, raw_warm)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 
-from . import client_bench, disk_bench, machine, rl_bench, small_ops, scaling, wire_bench
+from . import client_bench, disk_bench, machine, rl_bench, small_ops, scaling, wire_bench, zerocopy_bench
 from .baselines import RedisPeer, TCPStorePeer
 from .procs import ChildError, PeerMissing, stop_all
 from .profiles import Profile
@@ -25,6 +25,7 @@ SECTIONS = {
     "scaling": scaling.run,
     "rl": rl_bench.run,
     "disk": disk_bench.run,
+    "zerocopy": zerocopy_bench.run,
 }
 
 

@@ -16,9 +16,10 @@ Kinds:
                         -- a client doing put/append/get (PEER ts) or the same through Redis
 * ``listen PORT PEER BIN``
                         -- waits for notifications of a bin and fetches it (fan-out)
-* ``rl PORT EXPERIMENT LIFETIME``
+* ``rl PORT EXPERIMENT LIFETIME [ZERO_COPY]``
                         -- an RLWorker: ``fan REPS TIMEOUT NBYTES`` awaits REPS new versions of
-                           the parameters, ``roll COLS T0 SECONDS`` appends rollouts (section 5)
+                           the parameters, ``roll COLS T0 SECONDS`` appends rollouts (sections 5, 7);
+                           ZERO_COPY 0: over TCP only (default 1: same-host zero-copy when it can)
 * ``redis-roll PORT KEY LIFETIME``
                         -- the same rollouts' bytes RPUSHed to a Redis list (section 5's baseline)
 
@@ -364,7 +365,7 @@ def _obey(commands, roll, **others) -> None:
             others[cmd[0]](cmd)
 
 
-def rl(port: str, experiment: str, lifetime: str) -> None:
+def rl(port: str, experiment: str, lifetime: str, zero_copy: str = "1") -> None:
     """An RLWorker.  ``fan REPS TIMEOUT NBYTES``: say ``fanning``, then REPS times await a new
     version and say ``done VERSION MONOTONIC_TIME OK`` (OK: 1 if the state dict has NBYTES bytes
     and every tensor's first and last element equal the version).  ``roll COLS T0 SECONDS``:
@@ -375,7 +376,8 @@ def rl(port: str, experiment: str, lifetime: str) -> None:
     from tensorshare import RLWorker
 
     commands, stop = _commands()
-    worker = RLWorker("127.0.0.1", int(port), experiment=experiment, timeout=120, connect_timeout=30)
+    worker = RLWorker("127.0.0.1", int(port), experiment=experiment, timeout=120, connect_timeout=30,
+                      zero_copy=zero_copy == "1")
 
     def fan(cmd: list[str]) -> None:
         reps, timeout, nbytes = int(cmd[1]), float(cmd[2]), int(cmd[3])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import logging
+import signal
 import sys
 import threading
 from dataclasses import fields
@@ -82,6 +83,10 @@ def run_server(port: int = 8000, host: str = "127.0.0.1", **settings) -> None:
     _tune_malloc()
     bound = listen(config)
     reactor.addSystemEventTrigger("after", "shutdown", _shut, bound)
+    # A SIGTERM/SIGINT that comes before reactor.run() installs Twisted's handlers
+    # must still stop the server cleanly (removing its shared-memory and spill areas).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: reactor.callFromThread(reactor.stop))
     address = bound.getHost()
 
     def announce() -> None:
@@ -217,6 +222,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Na
     flow.add_argument("--outbound-stall-timeout", type=_seconds, default=ServerConfig.outbound_stall_timeout,
                       metavar="SECONDS", help="disconnect a connection over --max-outbound that takes no byte "
                                               "for this long (default 60)")
+    shm = parser.add_argument_group("same-host zero-copy")
+    shm.add_argument("--no-zero-copy", dest="zero_copy", action="store_false",
+                     help="never hand out shared-memory references: every value travels over TCP")
+    shm.add_argument("--shm-dir", default=ServerConfig.shm_dir,
+                     help="tmpfs directory for the server's shared-memory area (default /dev/shm)")
+    shm.add_argument("--zero-copy-min", type=_size, default=ServerConfig.zero_copy_min,
+                     help="smallest item (payload bytes, more for items of many arrays) passed by reference; "
+                          "clients put values through shared memory from 4x this; smaller ones travel over TCP")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING...")
     _add_security_arguments(parser)
     args = parser.parse_args(argv)

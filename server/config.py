@@ -31,6 +31,10 @@ class ServerConfig:
     data_dir: str | None = None  # durable storage: every acknowledged item is on disk here
     fsync: bool = False  # flush each change to stable storage before acknowledging it
     disk_threads: int = 4
+    # Same-host zero-copy (server/shm.py, PROTOCOL.md §10).
+    zero_copy: bool = True  # offer shared memory to clients on this host
+    shm_dir: str = "/dev/shm"  # where the shared-memory area is made (a tmpfs)
+    zero_copy_min: int = 128 << 10  # payload bytes from which an item is referred to (areas.worth_sharing)
 
     # Outbound flow control (server/flow.py): a connection whose unsent frames keep
     # more than max_outbound bytes alive is read no further and its notifications

@@ -10,7 +10,9 @@ thread.
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 from collections import deque
 from typing import Callable
 
@@ -27,7 +29,13 @@ class ThreadJobs:
     def __init__(self, reactor, max_threads: int = 4):
         self.reactor = reactor
         self.pool = ThreadPool(minthreads=0, maxthreads=max_threads, name="tensorshare-disk")
+        # Daemon threads: a process that never stops its reactor cleanly must still be
+        # able to exit (an interrupted write is then like a crash: temporary names only).
+        self.pool.threadFactory = functools.partial(threading.Thread, daemon=True)
         self.pool.start()
+        self._stopped = False
+        # A reactor that stops (an embedded server, a test) finishes the running jobs.
+        reactor.addSystemEventTrigger("before", "shutdown", self.stop)
         self._lanes: dict[str, deque] = {}  # lane -> jobs waiting behind its running one
 
     def run(self, lane: str | None, fn: Callable, args: tuple,
@@ -67,5 +75,7 @@ class ThreadJobs:
                     del self._lanes[lane]
 
     def stop(self) -> None:
-        """Finish the running jobs and stop the threads (blocks)."""
-        self.pool.stop()
+        """Finish the running jobs and stop the threads (blocks); once."""
+        if not self._stopped:
+            self._stopped = True
+            self.pool.stop()

@@ -8,6 +8,7 @@ never sits in memory twice and replies and notifications never interleave.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import sys
 from collections import deque
@@ -334,7 +335,8 @@ class TensorShareProtocol(protocol.Protocol):
         self.writer = FrameWriter(self.transport, budget, self._outbound_congested, self._outbound_drained)
         self.transport.registerProducer(self.writer, True)
         peer = self.transport.getPeer()
-        self.session = ServerSession(self.state, self.writer, f"{peer.host}:{peer.port}", ReadGate(self.transport))
+        self.session = ServerSession(self.state, self.writer, f"{peer.host}:{peer.port}", ReadGate(self.transport),
+                                     same_host=_same_host(peer, self.transport.getHost()))
         self.session.connection_made()
 
     def dataReceived(self, data: bytes) -> None:
@@ -405,6 +407,20 @@ class TensorShareProtocol(protocol.Protocol):
     def tick(self, now: float) -> None:
         if self.session is not None:
             self.session.tick(now, self.writer.pending)
+
+
+def _same_host(peer, local) -> bool:
+    """Whether a TCP peer is on this host: a loopback address, or our own address.
+
+    Only a hint (the greeting's token check decides): it keeps the shared
+    directories' paths and token away from peers that cannot use them."""
+    host = getattr(peer, "host", None)
+    if host is None:
+        return False
+    try:
+        return ipaddress.ip_address(host).is_loopback or host == getattr(local, "host", None)
+    except ValueError:
+        return False
 
 
 class TensorShareFactory(protocol.Factory):

@@ -7,6 +7,12 @@ connection's policy: the connection limit, authentication (PROTOCOL.md §8.4) an
 idle and authentication time limits, which the adapter applies by calling
 :meth:`ServerSession.tick` with the time.  The Twisted adapter in :mod:`.service`
 only moves bytes and keeps the clock; tests can drive a session directly.
+
+A session of a client on the same host (``same_host``) may also offer same-host
+zero-copy (PROTOCOL.md §10): its greeting names the server's shared areas, GET and
+PEEK may answer with references to item files instead of their bytes (the files
+stay pinned until the client releases the reply), and PUT and APPEND may name an
+item directory the client wrote into its incoming directory.
 """
 
 from __future__ import annotations
@@ -17,13 +23,15 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from tensorshare import __version__, auth, protocol
+from tensorshare.areas import new_token, worth_sharing
 from tensorshare.errors import ProtocolError, RemoteError
-from tensorshare.wire.description import check_description
+from tensorshare.wire.description import check_description, parse_description
 from tensorshare.wire.frames import DiscardSink, Frame, FrameDecoder, FrameLimits, SegmentSink, frame_head
 
 from .config import ServerConfig
 from .durable import DataDir
 from .notify import ListenerRegistry
+from .shm import ShmArea
 from .spill import SpillArea
 from .storage import InlineJobs, Jobs, Storage
 from .store import BinStore, Change, Item
@@ -35,6 +43,7 @@ _LASTING = frozenset({protocol.PUT, protocol.APPEND, protocol.DELETE})  # effect
 # small header (an AUTH frame is about 150 bytes): an unauthenticated peer cannot
 # make the server buffer anything sizeable.
 PRE_AUTH_MAX_HEADER = 4096
+_MAX_PINS = 256  # unreleased 226 replies with references per connection; older ones are let go
 
 
 class Outbox(Protocol):
@@ -90,7 +99,16 @@ class ServerState:
         store = BinStore(config.max_bins, config.max_items_per_bin, config.memory_limit)
         data_dir = DataDir(config.data_dir, config.fsync, config.decode_limits) if config.data_dir else None
         spill = SpillArea(config.spill_dir) if config.memory_limit is not None and data_dir is None else None
-        storage = Storage(store, jobs or InlineJobs(), data_dir=data_dir, spill=spill)
+        shm = None
+        if config.zero_copy and data_dir is None:  # durable items are on disk: clients map those
+            try:
+                shm = ShmArea(config.shm_dir)
+            except OSError as exc:
+                log.warning("zero-copy: no shared-memory area in %s (%s); values travel over TCP",
+                            config.shm_dir, exc)
+        storage = Storage(store, jobs or InlineJobs(), data_dir=data_dir, spill=spill, shm=shm)
+        if config.zero_copy:
+            storage.share(new_token())
         if data_dir is not None:
             count = storage.load()
             log.info("data directory %s: %d items in %d bins", config.data_dir, count, len(store.listing()))
@@ -109,11 +127,15 @@ class _Refused(Exception):
 class ServerSession:
     """Request dispatch for one connection."""
 
-    def __init__(self, state: ServerState, outbox: Outbox, peer: str = "?", reads: Reads | None = None):
+    def __init__(self, state: ServerState, outbox: Outbox, peer: str = "?", reads: Reads | None = None,
+                 same_host: bool = False):
         self.state = state
         self.outbox = outbox
         self.peer = peer
         self.reads = reads or _NoReads()
+        self.same_host = same_host  # the peer is on this host: zero-copy may be offered
+        self._incoming: str | None = None  # this connection's incoming directory in the shared-memory area
+        self._pins: dict[int, list] = {}  # id of a 226 with references -> [(item, files)] until released
         self.listening: set[str] = set()
         self.closed = False
         # Whole requests not handled yet, because the outbox is congested (flow
@@ -152,7 +174,31 @@ class ServerSession:
                     "server": f"tensorshare/{__version__}", "version": protocol.PROTOCOL_VERSION}
         if not self.authenticated:
             greeting.update(msg="tensorshare ready; authenticate", auth=auth.MECHANISM, nonce=self._nonce)
+        else:
+            self._offer_shared(greeting)
         self._send(greeting)
+
+    def _offer_shared(self, reply: dict) -> None:
+        """Add the ``shm`` offer to the greeting, or to the 230 reply when the client had
+        to authenticate first (PROTOCOL.md §10.1): no offer before authentication."""
+        offer = self._shared_offer()
+        if offer is not None:
+            reply[protocol.SHM] = offer
+
+    def _shared_offer(self) -> dict | None:
+        """The ``shm`` offer (PROTOCOL.md §10.1), for a client on this host."""
+        storage = self.state.storage
+        if not (self.same_host and storage.areas):
+            return None
+        offer = {"token": storage.token, "areas": [area.root for area in storage.areas],
+                 "min_bytes": self.state.config.zero_copy_min}
+        if storage.shm_area is not None and storage.data_dir is None:
+            try:
+                self._incoming = storage.shm.open_connection()
+                offer["incoming"] = self._incoming
+            except OSError as exc:
+                log.warning("zero-copy: no incoming directory for %s: %s", self.peer, exc)
+        return offer
 
     def data_received(self, data: bytes) -> None:
         if self.closed or self._broken is not None:
@@ -216,6 +262,10 @@ class ServerSession:
         for name in self.listening:
             self.state.listeners.discard(name, self)
         self.listening.clear()
+        self._pins.clear()  # the client's mappings outlive the files' names
+        if self._incoming is not None:  # whatever its client wrote and did not send goes too
+            self.state.storage.close_connection(self._incoming)
+            self._incoming = None
 
     def _work(self) -> None:
         """Handle waiting requests while the outbox and the disk let us; read only
@@ -300,6 +350,8 @@ class ServerSession:
 
     def _handle(self, frame: Frame) -> None:
         header = frame.header
+        if protocol.RELEASE in header:
+            self._release(header[protocol.RELEASE])
         rid = header.get("id")
         if type(rid) is not int or not 0 < rid < 1 << 64:
             rid = 0
@@ -348,7 +400,9 @@ class ServerSession:
         self._nonce = None
         self._decoder.limits = self.state.config.frame_limits
         log.info("%s authenticated", self.peer)
-        self._send({"code": protocol.AUTHENTICATED, "id": rid, "proof": server_proof})
+        reply = {"code": protocol.AUTHENTICATED, "id": rid, "proof": server_proof}
+        self._offer_shared(reply)
+        self._send(reply)
 
     def _do_auth(self, rid: int, name: None, frame: Frame) -> None:
         if self.state.token is None:
@@ -356,26 +410,41 @@ class ServerSession:
         raise _Refused(protocol.BAD_SEQUENCE, "already authenticated")
 
     def _item(self, frame: Frame) -> Item:
-        blob = frame.header.get("value")
+        blob, tag = self._value(frame.header, frame.payload_len)
+        return Item(blob, tuple(frame.payload), frame.payload_len, tag)
+
+    def _value(self, header: dict, nbytes: int) -> tuple[bytes, int | None]:
+        """The checked description and tag of a PUT/APPEND whose payload has ``nbytes``."""
+        blob = header.get("value")
         if not isinstance(blob, bytes):
             raise _Refused(protocol.BAD_ARGS, "missing value description")
         try:  # cheap for a description seen before (the codec remembers them)
-            check_description(blob, frame.payload_len, self._decode_limits)
+            check_description(blob, nbytes, self._decode_limits)
         except ProtocolError as exc:
             raise _Refused(protocol.BAD_ARGS, f"bad value: {exc}") from None
-        tag = frame.header.get("tag")
+        tag = header.get("tag")
         problem = protocol.check_tag(tag)
         if problem:
             raise _Refused(protocol.BAD_ARGS, problem)
-        return Item(blob, tuple(frame.payload), frame.payload_len, tag)
+        return blob, tag
 
     def _do_put(self, rid: int, name: str, frame: Frame) -> None:
-        self._store(rid, name, self._item(frame), True)
+        if protocol.SHM in frame.header:
+            self._adopt(rid, name, frame, True)
+        else:
+            self._store(rid, name, self._item(frame), True)
 
     def _do_append(self, rid: int, name: str, frame: Frame) -> None:
-        self._store(rid, name, self._item(frame), False)
+        if protocol.SHM in frame.header:
+            self._adopt(rid, name, frame, False)
+        else:
+            self._store(rid, name, self._item(frame), False)
 
     def _store(self, rid: int, name: str, item: Item, replace: bool) -> None:
+        self._through_storage(lambda done: self.state.storage.add(name, item, replace, done), self._stored(rid))
+
+    def _stored(self, rid: int) -> Callable:
+        """The reply to a PUT/APPEND once the storage is done with it."""
         def reply(change: Change | None, error: RemoteError | None) -> None:
             if error is not None:
                 self._send({"code": error.code, "id": rid, "msg": error.message})
@@ -383,7 +452,23 @@ class ServerSession:
                 self._send({"code": protocol.DONE, "id": rid, "n": change.n_items, "seq": change.seq})
                 self.state.listeners.publish(change)
 
-        self._through_storage(lambda done: self.state.storage.add(name, item, replace, done), reply)
+        return reply
+
+    def _adopt(self, rid: int, name: str, frame: Frame, replace: bool) -> None:
+        """PUT/APPEND of a value the client wrote into its incoming directory (§10.3)."""
+        header = frame.header
+        if self._incoming is None:
+            raise _Refused(protocol.ZERO_COPY_REFUSED, "this connection has no shared-memory incoming directory")
+        if frame.payload_len:
+            raise _Refused(protocol.BAD_ARGS, "a value in shared memory travels without payload")
+        size = header.get("size")
+        if type(size) is not int or not 0 <= size <= self.state.config.max_frame:
+            raise _Refused(protocol.BAD_ARGS, f"size must be an integer in 0..{self.state.config.max_frame}")
+        blob, tag = self._value(header, size)
+        incoming, shm_name, limits = self._incoming, header[protocol.SHM], self._decode_limits
+        arrays = len(parse_description(blob, size, limits).arrays)  # remembered by _value's check
+        self._through_storage(lambda done: self.state.storage.adopt(
+            name, incoming, shm_name, blob, size, tag, replace, done, limits, arrays), self._stored(rid))
 
     def _through_storage(self, start: Callable, reply: Callable) -> None:
         """Run ``start(done)``, a :class:`Storage` call, and ``reply`` when it is done.
@@ -396,7 +481,9 @@ class ServerSession:
 
     def _do_get(self, rid: int, name: str, frame: Frame) -> None:
         storage, store, listeners = self.state.storage, self.state.store, self.state.listeners
-        parts = self._item_parts(store.peek(name))
+        peeked = store.peek(name)
+        refs = self._refs(frame.header, peeked, taking=True)
+        parts = self._item_parts(peeked, refs)
         items, change = store.get(name)
         storage.taken(name, items)
 
@@ -404,12 +491,16 @@ class ServerSession:
             listeners.publish(store.restore(name, items))
             storage.restored(name, items)
 
-        self._send_items(rid, items, parts, change.seq, undelivered)
+        self._send_items(rid, items, parts, change.seq, undelivered, refs)
+        self._pin(rid, items, refs)
         listeners.publish(change)
 
     def _do_peek(self, rid: int, name: str, frame: Frame) -> None:
         items = self.state.store.peek(name)
-        self._send_items(rid, items, self._item_parts(items), self.state.store.state(name)[2])
+        refs = self._refs(frame.header, items)
+        self._send_items(rid, items, self._item_parts(items, refs), self.state.store.state(name)[2], refs=refs)
+        self._pin(rid, items, refs)
+        self._promote(frame.header, items, refs)
 
     def _do_list(self, rid: int, name: None, frame: Frame) -> None:
         self._send({"code": protocol.LIST_OK, "id": rid, "bins": self.state.store.listing()})
@@ -457,8 +548,9 @@ class ServerSession:
         self.closed = True
         self.outbox.close()
 
-    def _item_parts(self, items: list[Item]) -> list:
-        """The payload parts of a GET/PEEK reply carrying ``items``.
+    def _item_parts(self, items: list[Item], refs: list | None = None) -> list:
+        """The payload parts of a GET/PEEK reply carrying ``items`` (those without a
+        reference in ``refs``).
 
         Refuses (552) a reply whose header, holding every item's description, would
         be larger than max_reply_header, and (451) one whose files cannot be opened;
@@ -470,19 +562,83 @@ class ServerSession:
                                                f"over the {limit} one reply may carry")
         parts = []
         try:
-            for item in items:
-                parts.extend(item.parts())
+            for i, item in enumerate(items):
+                if refs is None or refs[i] is None:
+                    parts.extend(item.parts())
         except OSError as exc:
             log.error("cannot read a stored item's files: %s", exc)
             raise _Refused(protocol.LOCAL_ERROR, f"cannot read the stored item: {exc.strerror or exc}") from None
         return parts
 
-    def _send_items(self, rid: int, items: list[Item], parts: list, seq: int, on_abandon=None) -> None:
+    def _send_items(self, rid: int, items: list[Item], parts: list, seq: int, on_abandon=None,
+                    refs: list | None = None) -> None:
         header = {"code": protocol.ITEMS, "id": rid, "seq": seq,
                   "items": [item.description for item in items],
                   "sizes": [item.nbytes for item in items]}
-        parts.insert(0, frame_head(header, sum(item.nbytes for item in items)))
+        if refs is None:
+            payload_len = sum(item.nbytes for item in items)
+        else:
+            header[protocol.REFS] = [None if files is None else files.ref() for files in refs]
+            payload_len = sum(item.nbytes for item, files in zip(items, refs) if files is None)
+        parts.insert(0, frame_head(header, payload_len))
         self.send(parts, on_abandon)
+
+    # -- same-host zero-copy (PROTOCOL.md §10)
+
+    def _refs(self, header: dict, items: list[Item], taking: bool = False) -> list | None:
+        """For a GET/PEEK asking for references: per item, the files to refer to (in
+        an area the client can map, and not too small to be worth it) or None (its
+        bytes go in the payload).  None when no item gets a reference.
+
+        A GET (``taking``) gets no references into the data directory, where a
+        DELETE of the bin removes every file at once, pinned or not (PROTOCOL.md
+        Appendix B): the taken items would be lost; a PEEK can be repeated."""
+        wanted = header.get(protocol.REF)
+        if not wanted or not self.same_host or type(wanted) is not list or len(wanted) > 8:
+            return None
+        minimum = self.state.config.zero_copy_min
+        durable = self.state.storage.data_area if taking else None
+        refs = []
+        for item in items:
+            files = item.files
+            if (files is not None and files.area is not None and files.area.index in wanted
+                    and files.area is not durable and worth_sharing(item.nbytes, len(files.spans), minimum)):
+                refs.append(files)
+            else:
+                refs.append(None)
+        return refs if any(refs) else None
+
+    def _promote(self, header: dict, items: list[Item], refs: list | None) -> None:
+        """After a PEEK asking for references: copy the items it had to send inline
+        (received over TCP, still in memory) into shared memory, for the next read."""
+        area = self.state.storage.shm_area
+        wanted = header.get(protocol.REF)
+        if not (self.same_host and area is not None and type(wanted) is list and area.index in wanted):
+            return
+        minimum = self.state.config.zero_copy_min
+        for i, item in enumerate(items):
+            if (refs is None or refs[i] is None) and item.segments is not None and item.nbytes >= minimum:
+                arrays = len(parse_description(item.description, item.nbytes, self._decode_limits).arrays)
+                if worth_sharing(item.nbytes, arrays, minimum):
+                    self.state.storage.promote(item)
+
+    def _pin(self, rid: int, items: list[Item], refs: list | None) -> None:
+        """Keep the files a reply referred to until the client releases it (or leaves)."""
+        if refs is None:
+            return
+        pinned = [(item, files) for item, files in zip(items, refs) if files is not None]
+        if pinned:
+            pins = self._pins
+            pins[rid] = pinned
+            if len(pins) > _MAX_PINS:  # a client that never releases: let the oldest go
+                del pins[next(iter(pins))]
+
+    def _release(self, ids: object) -> None:
+        if type(ids) is list:
+            pins = self._pins
+            for rid in ids:
+                if type(rid) is int:
+                    pins.pop(rid, None)
 
 
 class _StorageCall:

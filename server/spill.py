@@ -20,7 +20,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 
-from tensorshare.layout import StoredItem, write_item
+from tensorshare.layout import StoredItem, mapped_parts, write_item
 
 SPAN = 4 << 20  # bytes copied out of a mapping per part (the writer's send size)
 
@@ -47,6 +47,18 @@ class FileSpan:
         return data
 
 
+@dataclass(frozen=True)
+class Area:
+    """A directory of items that same-host clients may map (see :mod:`tensorshare.areas`).
+
+    ``index`` is its place in the greeting's list; ``in_memory`` is True for the
+    shared-memory area, whose files are RAM and count against the memory budget."""
+
+    index: int
+    root: str
+    in_memory: bool = False
+
+
 @dataclass(eq=False)
 class ItemFiles:
     """Where an item's payload lives on disk, and whether the store still wants it."""
@@ -57,34 +69,53 @@ class ItemFiles:
     lane: str | None = None  # the disk lane (a bin, for the data directory) its removal goes through
     number: int | None = None  # its number in the data directory (None when spilled)
     dropped: bool = field(default=False)  # set by the store when the item leaves it
+    area: Area | None = None  # the shared area holding it, if clients may map it
+    _ref: list | None = field(default=None, repr=False)  # ref(), once computed
 
     @classmethod
-    def of(cls, stored: StoredItem, lane: str | None = None, number: int | None = None) -> "ItemFiles":
-        return cls(stored.path, stored.files, stored.nbytes, lane, number)
+    def of(cls, stored: StoredItem, lane: str | None = None, number: int | None = None,
+           area: Area | None = None) -> "ItemFiles":
+        return cls(stored.path, stored.files, stored.nbytes, lane, number, area=area)
+
+    @property
+    def in_memory(self) -> bool:
+        """True when the files are in the shared-memory area (RAM, not disk)."""
+        return self.area is not None and self.area.in_memory
+
+    def ref(self) -> list:
+        """The item's reference in a 226 reply: ``[area index, path relative to the area]``."""
+        ref = self._ref
+        if ref is None:
+            ref = self._ref = [self.area.index, os.path.relpath(self.path, self.area.root).replace(os.sep, "/")]
+        return ref
 
     def open_parts(self) -> list:
         """The payload as frame parts: zero padding as ``bytes``, array bytes as spans."""
-        parts, pos = [], 0
-        for offset, length, file in self.spans:
-            if offset > pos:
-                parts.append(bytes(offset - pos))
-            if length:
-                with open(file, "rb") as f:
-                    mapping = mmap.mmap(f.fileno(), length, access=mmap.ACCESS_READ)
-                try:
-                    mapping.madvise(mmap.MADV_WILLNEED)  # start reading ahead, without waiting
-                except (OSError, AttributeError):  # pragma: no cover
-                    pass
-                parts.extend(FileSpan(mapping, i, min(i + SPAN, length)) for i in range(0, length, SPAN))
-            pos = offset + length
-        if self.nbytes > pos:
-            parts.append(bytes(self.nbytes - pos))
+        parts = []
+        for part in mapped_parts(self.spans, self.nbytes):
+            if type(part) is bytes:
+                parts.append(part)
+                continue
+            try:
+                part.madvise(mmap.MADV_WILLNEED)  # start reading ahead, without waiting
+            except (OSError, AttributeError):  # pragma: no cover
+                pass
+            parts.extend(FileSpan(part, i, min(i + SPAN, len(part))) for i in range(0, len(part), SPAN))
         return parts
+
+    def buffers(self) -> list:
+        """The payload as buffers (padding and read-only mappings), e.g. to write it elsewhere."""
+        return mapped_parts(self.spans, self.nbytes)
 
 
 def remove(files: ItemFiles) -> None:
     """Delete an item's directory (blocking; mappings already open stay valid)."""
-    shutil.rmtree(files.path, ignore_errors=True)
+    remove_dir(files.path)
+
+
+def remove_dir(path: str) -> None:
+    """Delete a directory tree, ignoring errors (blocking; mappings already open stay valid)."""
+    shutil.rmtree(path, ignore_errors=True)
 
 
 class SpillArea:
@@ -127,9 +158,15 @@ class SpillArea:
             self._lock = None
 
 
-def _lock(directory: str, blocking: bool) -> int | None:
-    """An open descriptor holding an exclusive lock on ``directory``'s lock file, or None if taken."""
-    fd = os.open(os.path.join(directory, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+def _lock(directory: str, blocking: bool, create: bool = True) -> int | None:
+    """An open descriptor holding an exclusive lock on ``directory``'s lock file, or None
+    if taken (or, with ``create=False``, if there is no lock file)."""
+    try:
+        fd = os.open(os.path.join(directory, ".lock"), os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
+    except FileNotFoundError:
+        if create:
+            raise
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
     except OSError:

@@ -15,9 +15,15 @@ callbacks come back on the caller's (reactor) thread.
 * ``data_dir``: a PUT/APPEND is acknowledged only once its item is on disk; a
   DELETE once its bin is gone from disk; a GET moves the bin's floor.  Every item
   has its files, so going over budget only drops the in-memory copy.
+* ``shm`` (same-host zero-copy, :mod:`.shm`): items a client wrote into the
+  shared-memory area are adopted (:meth:`adopt`), and items held in memory that a
+  same-host client reads are copied there once (:meth:`promote`).  Their files are
+  RAM, so they count as resident: past the budget they are spilled like chunks.
 
 Files of items that left the store are deleted once nothing refers to the item
 any more (a GET reply in flight may still put it back), through a finalizer.
+Files in shared memory are deleted once nothing refers to their :class:`ItemFiles`
+(an item, or a reply whose client has not mapped them yet).
 """
 
 from __future__ import annotations
@@ -25,13 +31,17 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
+import time
 import weakref
 from typing import Callable, Protocol
 
-from tensorshare.errors import RemoteError, StorageFullError
+from tensorshare.areas import write_token
+from tensorshare.errors import RemoteError, StorageFullError, ZeroCopyUnavailableError
+from tensorshare.wire.description import DEFAULT_LIMITS, DecodeLimits
 
 from .durable import DataDir
-from .spill import ItemFiles, SpillArea, remove
+from .shm import ShmArea
+from .spill import Area, ItemFiles, SpillArea, remove, remove_dir
 from .store import BinStore, Change, Item
 
 log = logging.getLogger("tensorshare.server")
@@ -68,6 +78,8 @@ class InlineJobs:
 
 
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_SHM_FULL_PAUSE_S = 5.0  # after shared memory ran full, no item is copied there for this long
+_ADOPT_AT_ONCE = 8  # arrays of a value whose adoption is checked on the caller's thread
 
 
 def _storage_error(exc: BaseException, what: str) -> RemoteError:
@@ -81,21 +93,47 @@ class Storage:
     """The store as the sessions use it (see the module docstring)."""
 
     def __init__(self, store: BinStore, jobs: Jobs, *, data_dir: DataDir | None = None,
-                 spill: SpillArea | None = None):
+                 spill: SpillArea | None = None, shm: ShmArea | None = None):
         self.store = store
         self.jobs = jobs
         self.data_dir = data_dir
         self.spill = spill
+        self.shm = shm
         self._numbers = itertools.count(1)
         self._spills_in_flight = 0
         self._room_waiters: list[Callable[[], None]] = []
         self.spill_failed: str | None = None  # why the last spill write failed, until one succeeds
         self.problems: list[str] = []  # what loading the data directory skipped
+        # Same-host zero-copy (see share()): the areas clients may map, in greeting order.
+        self.areas: list[Area] = []
+        self.token: str | None = None
+        self.shm_area = self.spill_area = self.data_area = None
+        self._promoting: set[Item] = set()
+        self._shm_full_until = 0.0
+        self._open = [True]  # cleared by close(): finalizers that run later leave the files alone
 
     @property
     def durable(self) -> bool:
         return self.data_dir is not None
 
+    def share(self, token: str) -> None:
+        """Offer this store's directories to same-host clients: write ``token`` into each
+        (the shared-memory area first, then the spill and data directories).  An area
+        whose token cannot be written is not offered."""
+        self.token = token
+        for attr, root, in_memory in (("shm_area", self.shm and self.shm.path, True),
+                                      ("spill_area", self.spill and self.spill.items, False),
+                                      ("data_area", self.data_dir and self.data_dir.root, False)):
+            if root is None:
+                continue
+            try:
+                write_token(root, token)
+            except OSError as exc:
+                log.warning("zero-copy: cannot offer %s to same-host clients: %s", root, exc)
+                continue
+            area = Area(len(self.areas), root, in_memory)
+            self.areas.append(area)
+            setattr(self, attr, area)
     # -- start-up
 
     def load(self) -> int:
@@ -108,7 +146,7 @@ class Storage:
             items = []
             for number, stored in found.items:
                 item = Item(stored.description, None, stored.nbytes, stored.tag,
-                            ItemFiles.of(stored, lane=name, number=number))
+                            ItemFiles.of(stored, lane=name, number=number, area=self.data_area))
                 items.append(item)
                 self._watch(item)
             self.store.load(name, items)
@@ -136,7 +174,7 @@ class Storage:
                 log.warning("could not store an item of bin %r: %s", name, error)
                 done(None, _storage_error(error, "not stored"))
                 return
-            item.files = ItemFiles.of(stored, lane=name, number=number)
+            item.files = ItemFiles.of(stored, lane=name, number=number, area=self.data_area)
             self._watch(item)
             try:
                 change = store.put(name, item) if replace else store.append(name, item)
@@ -149,6 +187,73 @@ class Storage:
 
         self.jobs.run(name, self.data_dir.commit,
                       (name, number, replace, item.description, item.segments, item.nbytes, item.tag), committed)
+
+    def adopt(self, name: str, connection: str, shm_name: object, description: bytes, nbytes: int, tag,
+              replace: bool, done: Done, limits: DecodeLimits = DEFAULT_LIMITS, arrays: int | None = None) -> None:
+        """PUT (``replace``) or APPEND of a value a same-host client wrote to
+        ``incoming/<connection>/<shm_name>`` in the shared-memory area: checked and
+        taken over without a copy (:meth:`ShmArea.adopt`), then stored as :meth:`add`
+        does.  ``done(None, ZeroCopyUnavailableError)`` if it cannot be taken.
+
+        The checks cost a few system calls per file and read no data: for a value of
+        at most a few ``arrays`` they run at once (a trip through the disk threads
+        would cost more), for more on a disk thread."""
+        if self.shm_area is None or self.data_dir is not None:
+            raise ZeroCopyUnavailableError("this server takes values over TCP only")
+        self.store.check_add(name, replace)
+
+        def adopted(stored, error) -> None:
+            if error is not None:
+                if not isinstance(error, RemoteError):
+                    log.warning("could not adopt an incoming item: %s", error)
+                    error = ZeroCopyUnavailableError(f"incoming item not taken: {error}")
+                done(None, error)
+                return
+            files = ItemFiles.of(stored, area=self.shm_area)
+            self._watch_shared(files)
+            try:
+                self.add(name, Item(description, None, nbytes, tag, files), replace, done)
+            except RemoteError as exc:  # limits or budget: the files go with the item
+                done(None, exc)
+
+        args = (connection, shm_name, description, nbytes, limits)
+        if arrays is not None and arrays <= _ADOPT_AT_ONCE:
+            try:
+                stored, error = self.shm.adopt(*args), None
+            except Exception as exc:
+                stored, error = None, exc
+            adopted(stored, error)
+        else:
+            self.jobs.run(None, self.shm.adopt, args, adopted)
+
+    def close_connection(self, incoming: str) -> None:
+        """A same-host connection closed: remove its incoming directory (in the background)."""
+        if self.shm is not None and self._open[0]:
+            self.jobs.run(None, self.shm.close_connection, (incoming,))
+
+    def promote(self, item: Item) -> None:
+        """Copy an item held in memory into the shared-memory area, in the background, so
+        that same-host readers map it from then on (its chunks are freed once it is
+        there; it stays resident).  Does nothing for items that have files, are on
+        their way to disk, or while shared memory is full."""
+        if (self.shm_area is None or item.segments is None or item.files is not None or item.spilling
+                or item in self._promoting or time.monotonic() < self._shm_full_until):
+            return
+        self._promoting.add(item)
+
+        def written(stored, error) -> None:
+            self._promoting.discard(item)
+            if error is not None:
+                log.info("could not copy an item to shared memory: %s", error)
+                self._shm_full_until = time.monotonic() + _SHM_FULL_PAUSE_S
+                return
+            files = ItemFiles.of(stored, area=self.shm_area)
+            self._watch_shared(files)
+            if item.stored and item.segments is not None and item.files is None and not item.spilling:
+                item.files, item.segments = files, None  # still resident: the accounting stays
+            # else the item changed meanwhile: the new files go when `files` does
+
+        self.jobs.run(None, self.shm.write, (item.description, item.segments, item.nbytes, item.tag), written)
 
     def delete(self, name: str, done: Done) -> None:
         """DELETE bin ``name``; ``done`` once it is gone (from disk too, if durable)."""
@@ -190,7 +295,7 @@ class Storage:
     def _enforce_budget(self) -> None:
         store = self.store
         for item in store.to_evict():
-            if item.files is not None:  # durable: the files are there already
+            if item.files is not None and not item.files.in_memory:  # durable: the files are there already
                 store.evict(item)
             elif self.spill is not None:
                 self._spill(item)
@@ -209,7 +314,7 @@ class Storage:
                     self.store.evict(item)  # ends its spilling state; it stays in memory
                 else:
                     self.spill_failed = None
-                    files = ItemFiles.of(stored)
+                    files = ItemFiles.of(stored, area=self.spill_area)
                     if self.store.evict(item, files):
                         self._watch(item)
                     else:  # the item left the store while it was written
@@ -219,7 +324,13 @@ class Storage:
             finally:
                 self._wake()
 
-        self.jobs.run(None, self.spill.write, (item.description, item.segments, item.nbytes, item.tag), spilled)
+        # Chunks in memory, or files in shared memory (mapped on the disk thread).
+        source = item.segments if item.segments is not None else item.files
+        self.jobs.run(None, self._spill_write, (item.description, source, item.nbytes, item.tag), spilled)
+
+    def _spill_write(self, description: bytes, source, nbytes: int, tag):
+        buffers = source.buffers() if isinstance(source, ItemFiles) else source
+        return self.spill.write(description, buffers, nbytes, tag)
 
     def _wake(self) -> None:
         if self._room_waiters and self.room():
@@ -231,14 +342,26 @@ class Storage:
 
     def _watch(self, item: Item) -> None:
         """Delete ``item``'s files once it is gone from the store and from every reply."""
-        weakref.finalize(item, _collect, self.jobs, item.files).atexit = False
+        weakref.finalize(item, _collect, self.jobs, item.files, self._open).atexit = False
+
+    def _watch_shared(self, files: ItemFiles) -> None:
+        """Delete files in shared memory once no item and no reply refers to them."""
+        weakref.finalize(files, _discard, self.jobs, files.path, self._open).atexit = False
 
     def close(self) -> None:
-        """The server is stopping: remove the spill area (the data directory stays)."""
+        """The server is stopping: remove the spill and shared-memory areas (the data directory stays)."""
+        self._open[0] = False
         if self.spill is not None:
             self.spill.close()
+        if self.shm is not None:
+            self.shm.close()
 
 
-def _collect(jobs: Jobs, files: ItemFiles) -> None:
-    if files.dropped:
+def _collect(jobs: Jobs, files: ItemFiles, open_: list) -> None:
+    if files.dropped and open_[0]:
         jobs.run_threadsafe(files.lane, remove, (files,))
+
+
+def _discard(jobs: Jobs, path: str, open_: list) -> None:
+    if open_[0]:
+        jobs.run_threadsafe(None, remove_dir, (path,))

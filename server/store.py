@@ -5,9 +5,10 @@ each change gets a sequence number from one store-wide counter, so a bin's seque
 numbers only grow, even across its deletion and re-creation.
 
 It also keeps the memory accounting of the disk tier: which items hold their
-payload in RAM (``resident_bytes``), in least-recently-used order, and which of them
-should move to disk to get back under ``memory_limit``.  Moving them is the caller's
-job (:mod:`.storage`); the store only swaps an item's payload for its files.
+payload in RAM (``resident_bytes``: received chunks, or files in the shared-memory
+area, which are RAM too), in least-recently-used order, and which of them should
+move to disk to get back under ``memory_limit``.  Moving them is the caller's job
+(:mod:`.storage`); the store only swaps an item's payload for its files.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from tensorshare.errors import NoSuchBinError, TooLargeError
 class Item:
     """One stored value: its description blob and its payload, kept as received.
 
-    The payload is in memory (``segments``, the received chunks), on disk
-    (``files``, spilled or durable), or both (a durable item still cached).
+    The payload is in memory (``segments``, the received chunks), in files
+    (``files``: spilled or durable on disk, or in the shared-memory area), or both
+    (a durable item still cached).
     """
 
     __slots__ = ("description", "segments", "nbytes", "tag", "files", "stored", "spilling", "__weakref__")
@@ -39,8 +41,8 @@ class Item:
 
     @property
     def resident(self) -> bool:
-        """True while the payload is held in memory."""
-        return self.segments is not None
+        """True while the payload takes RAM: received chunks, or files in shared memory."""
+        return self.segments is not None or (self.files is not None and self.files.in_memory)
 
     def parts(self) -> list:
         """The payload as frame parts: the chunks in memory, else spans of its mapped files."""
@@ -91,7 +93,7 @@ class BinStore:
         items = list(self._bin(name).items)
         lru = self._lru
         for item in items:
-            if item.segments is not None:
+            if item.resident:
                 lru.move_to_end(item)
         return items
 
@@ -203,19 +205,22 @@ class BinStore:
 
     def evict(self, item: Item, files=None) -> bool:
         """Drop ``item``'s payload from memory; from now on it is served from ``files``
-        (or the files it already has).  False if it left the store meanwhile.  Also
-        ends its ``spilling`` state when called with ``files=None`` after a failed write."""
+        on disk (or the disk files it already has).  False if it left the store
+        meanwhile.  Also ends its ``spilling`` state when called with ``files=None``
+        after a failed write.  Files in shared memory it had are let go."""
         if item.spilling:
             item.spilling = False
             self._evicting_bytes -= item.nbytes
         if not item.stored:
             return False
+        was_resident = item.resident
         if files is not None:
             item.files = files
-        if item.segments is not None and item.files is not None:
+        if item.files is not None and not item.files.in_memory:
             item.segments = None
-            self._lru.pop(item, None)
-            self.resident_bytes -= item.nbytes
+            if was_resident:
+                self._lru.pop(item, None)
+                self.resident_bytes -= item.nbytes
         return True
 
     # -- internals
@@ -240,7 +245,7 @@ class BinStore:
         item.stored = True
         if item.files is not None:
             item.files.dropped = False
-        if item.segments is not None:
+        if item.resident:
             self._lru[item] = None
             self.resident_bytes += item.nbytes
 
@@ -254,7 +259,7 @@ class BinStore:
             item.stored = False
             if item.files is not None:
                 item.files.dropped = True
-            if item.segments is not None:
+            if item.resident:
                 self._lru.pop(item, None)
                 self.resident_bytes -= item.nbytes
         return items

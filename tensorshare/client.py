@@ -15,6 +15,11 @@ is tried before waiting (the SSL object may hold decrypted bytes that ``poll``
 cannot see), a want-read/want-write waits for the socket, and one lock keeps two
 threads from using the SSL object at once.  A reading thread probes a server that
 has gone silent with NOOP (``keepalive``) and drops a connection that stays silent.
+
+On the server's host the client uses same-host zero-copy by default (see
+:mod:`.zerocopy`): large values are written into the server's shared memory and
+named in the request, and replies refer to the server's files, which the client
+maps copy-on-write.  Whatever cannot go that way goes over TCP.
 """
 
 from __future__ import annotations
@@ -36,14 +41,17 @@ from .connection import (
 )
 from .errors import (
     AuthenticationError, ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UntrustedServerError,
-    UsageError,
+    UsageError, ZeroCopyError, ZeroCopyUnavailableError,
 )
 from .tls import TLSSettings
+from .wire.codec import Encoded, encode
 from .wire.frames import Frame
+from .zerocopy import SharedAreas, shared_copy
 
 log = logging.getLogger("tensorshare.client")
 
 _DEFAULT = object()  # "use the client's timeout"
+_ZERO_COPY_VERBS = frozenset({protocol.PUT, protocol.APPEND, protocol.GET, protocol.PEEK})
 _IOV_MAX = 1024
 _SMALL_FRAME = 64 << 10  # frames up to this size are joined and sent with one send()
 _TLS_CHUNK = 1 << 20  # bytes handed to one SSL write (a retry after want-write repeats the same slice)
@@ -120,13 +128,24 @@ class Client:
     does not reconnect and every later call raises it.  While a thread reads the
     socket, a server silent for ``keepalive`` seconds is probed with NOOP, and the
     connection is dropped (then re-opened) if it stays silent as long again.
+
+    With ``zero_copy`` (the default), a client on the server's host passes large
+    values through the server's shared memory instead of the socket
+    (:attr:`same_host` says whether it does): ``put``/``append`` write the value
+    there once and the server takes the files over, ``get``/``peek`` return tensors
+    that map the server's files copy-on-write (changing them changes nothing
+    stored).  ``zero_copy=False`` sends everything over TCP.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, timeout: float | None = 60.0, *,
                  connect_timeout: float = 10.0, device: Any = None, reconnect: bool = True,
                  max_backoff: float = 2.0, token: str | bytes | None = None, tls: bool | None = None,
-                 tls_ca: str | None = None, tls_fingerprint: str | None = None, keepalive: float | None = 15.0):
+                 tls_ca: str | None = None, tls_fingerprint: str | None = None, keepalive: float | None = 15.0,
+                 zero_copy: bool = True):
         self.host, self.port = host, port
+        self.zero_copy = zero_copy
+        self._releases: list[int] = []  # 226 replies whose references we mapped: told to the server
+        self._release_lock = threading.Lock()
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.device = device
@@ -167,11 +186,11 @@ class Client:
         in the notification (a version number, say), so they need not download it.
         The value has been sent when this returns: changing it afterwards is safe.
         """
-        return self._call(protocol.PUT, bin, value, tag=tag, timeout=timeout)
+        return self._store(protocol.PUT, bin, value, tag, timeout)
 
     def append(self, bin: str, value: Any, *, tag: int | None = None, timeout: float | None = _DEFAULT) -> int:
         """Add ``value`` as one more item of ``bin``; returns the bin's new item count."""
-        return self._call(protocol.APPEND, bin, value, tag=tag, timeout=timeout)
+        return self._store(protocol.APPEND, bin, value, tag, timeout)
 
     def get(self, bin: str, timeout: float | None = _DEFAULT, *, with_seq: bool = False) -> list:
         """Take all items out of ``bin`` (it stays, empty); returns them in order.
@@ -180,13 +199,12 @@ class Client:
         number, so a listener can tell the notifications of later changes (higher
         seq) from those of earlier ones.
         """
-        frame = self._call(protocol.GET, bin, timeout=timeout, decode=False)
-        items = reply_value(protocol.GET, frame, self.device)
+        items, frame = self._read(protocol.GET, bin, timeout)
         return (items, int_field(frame.header, "seq")) if with_seq else items
 
     def peek(self, bin: str, timeout: float | None = _DEFAULT) -> list:
         """Return all items of ``bin`` without removing them."""
-        return self._call(protocol.PEEK, bin, timeout=timeout)
+        return self._read(protocol.PEEK, bin, timeout)[0]
 
     def save(self, bin: str, path, *, overwrite: bool = False, timeout: float | None = _DEFAULT) -> int:
         """Write the items of ``bin`` (which keeps them) to the local directory ``path``.
@@ -202,11 +220,27 @@ class Client:
         table = item_table(check_reply(frame), frame.payload_len)
         payload = memoryview(frame.payload.numpy()) if frame.payload_len else memoryview(b"")
         items, base = [], 0
-        for blob, size in table:
+        for blob, size, _ref in table:
             items.append((blob, payload[base : base + size], size))
             base += size
         save_items(path, items, overwrite=overwrite)
         return len(items)
+
+    def shared(self, value: Any) -> Any:
+        """A copy of ``value`` whose tensors and arrays live in the server's shared memory.
+
+        Compute into them as into any tensor; a ``put``/``append`` of a value holding
+        one of them (whole, as returned here) then hands its pages to the server
+        instead of copying them.  From then on the tensor is copy-on-write: later
+        changes copy the pages they touch and are not seen by the server, and the next
+        put copies it as any tensor.  A tensor on the ``meta`` device gives a
+        zero-filled tensor of its shape and dtype, with nothing copied.  Without
+        same-host zero-copy this returns ``value`` (meta tensors as zeros).
+        """
+        areas = self._areas(_DEFAULT)
+        if areas is None or areas.incoming is None:
+            return shared_copy(value, None)
+        return areas.shared(value)
 
     def list(self, timeout: float | None = _DEFAULT) -> dict[str, int]:
         """``{bin: n_items}`` for every bin on the server."""
@@ -281,6 +315,13 @@ class Client:
     def connected(self) -> bool:
         return self._sock is not None
 
+    @property
+    def same_host(self) -> bool:
+        """True while the connection uses same-host zero-copy (the server's shared
+        memory was offered and verified to be on this host)."""
+        conn = self._conn
+        return conn is not None and conn.areas is not None
+
     def __enter__(self) -> "Client":
         return self
 
@@ -294,15 +335,25 @@ class Client:
     # ------------------------------------------------- non-blocking form (callbacks)
 
     def submit(self, op: str, bin: str | None = None, value: Any = NO_VALUE,
-               callback: Callable[[Any, BaseException | None], Any] | None = None, *, tag: int | None = None) -> None:
+               callback: Callable[[Any, BaseException | None], Any] | None = None, *, tag: int | None = None,
+               zero_copy: bool = True) -> None:
         """Send a request without waiting; ``callback(result, error)`` runs on the
         dispatcher thread when the reply arrives.  The value is on the socket (or
-        in the kernel's buffer) when this returns, so later changes to it are not sent.
+        in the kernel's buffer, or in the server's shared memory) when this returns,
+        so later changes to it are not sent.  ``zero_copy=False``: over TCP only.
         """
         if self._closed:
             raise UsageError("the client is closed")
+        extra = None
+        areas = self._areas(_DEFAULT) if zero_copy and op in _ZERO_COPY_VERBS else None
+        if areas is not None:
+            if op in (protocol.PUT, protocol.APPEND) and value is not NO_VALUE and areas.incoming is not None:
+                value, extra, callback = self._submit_shared(areas, op, bin, value, tag, callback)
+            elif op in (protocol.GET, protocol.PEEK):
+                extra = {protocol.REF: areas.usable}
+                callback = self._submit_read(op, bin, callback)
         rid = next_request_id()
-        parts = request_frame(rid, op, bin, value, tag)
+        parts = request_frame(rid, op, bin, value, tag, self._with_releases(extra))
         deadline = self._deadline(_DEFAULT)
         self._before_request()
         with self._cond:
@@ -325,9 +376,10 @@ class Client:
         return None if timeout is None else time.monotonic() + timeout
 
     def _call(self, op: str, name: str | None = None, value: Any = NO_VALUE, *, tag: int | None = None,
-              timeout=_DEFAULT, on_reply: Callable[[Frame], None] | None = None, decode: bool = True) -> Any:
+              timeout=_DEFAULT, on_reply: Callable[[Frame], None] | None = None, decode: bool = True,
+              extra: dict | None = None) -> Any:
         rid = next_request_id()
-        parts = request_frame(rid, op, name, value, tag)
+        parts = request_frame(rid, op, name, value, tag, self._with_releases(extra))
         deadline = self._deadline(timeout)
         self._before_request()
         with self._cond:
@@ -342,7 +394,117 @@ class Client:
                 self._waiting.discard(rid)
                 self._replies.pop(rid, None)
                 self._reply_hooks.pop(rid, None)
-        return reply_value(op, frame, self.device) if decode else frame
+        return self._decode(op, frame) if decode else frame
+
+    # -- same-host zero-copy (see tensorshare.zerocopy)
+
+    def _areas(self, timeout) -> SharedAreas | None:
+        """The shared areas of the current connection (connecting first if need be)."""
+        if not self.zero_copy:
+            return None
+        conn = self._conn
+        if conn is None:
+            try:
+                self._ensure_connected(self._deadline(timeout))
+            except TensorShareError:
+                return None  # the request itself will say what is wrong
+            conn = self._conn
+        return conn.areas if conn is not None else None
+
+    def _with_releases(self, extra: dict | None) -> dict | None:
+        """``extra`` plus the ids of replies whose references we no longer need."""
+        if not self._releases:
+            return extra
+        with self._release_lock:
+            ids, self._releases = self._releases, []
+        return {**extra, protocol.RELEASE: ids} if extra else {protocol.RELEASE: ids}
+
+    def _decode(self, op: str, frame: Frame) -> Any:
+        """The result of a reply; items it refers to are mapped from the server's files."""
+        conn = frame.origin
+        areas = conn.areas if conn is not None else None
+        try:
+            return reply_value(op, frame, self.device, areas=areas)
+        finally:
+            if areas is not None and frame.header.get(protocol.REFS) and conn is self._conn:
+                with self._release_lock:  # mapped (or failed): the server may let the files go
+                    self._releases.append(frame.header["id"])
+
+    def _store(self, op: str, bin: str, value: Any, tag: int | None, timeout) -> int:
+        """PUT/APPEND: through the server's shared memory if we can, else over TCP."""
+        areas = self._areas(timeout)
+        if areas is None or areas.incoming is None:
+            return self._call(op, bin, value, tag=tag, timeout=timeout)
+        enc = encode(value)
+        name = self._write_shared(areas, enc, tag)
+        if name is None:
+            return self._call(op, bin, enc, tag=tag, timeout=timeout)
+        try:
+            return self._call(op, bin, tag=tag, timeout=timeout, extra=_shared_fields(enc, name))
+        except ZeroCopyUnavailableError as exc:
+            log.info("the server did not take a value through shared memory (%s): sending it over TCP", exc)
+            return self._call(op, bin, enc, tag=tag, timeout=timeout)
+        finally:
+            areas.discard(name)  # gone already if the server took it
+
+    def _write_shared(self, areas: SharedAreas, enc: Encoded, tag: int | None) -> str | None:
+        """Write ``enc`` into the incoming directory; None if too small to be worth it or
+        if shared memory is full or unusable (the value then goes over TCP)."""
+        try:
+            return areas.write(enc, tag)
+        except OSError as exc:
+            log.info("cannot write a value to shared memory (%s): sending it over TCP", exc)
+            return None
+
+    def _read(self, op: str, bin: str, timeout) -> tuple[list, Frame]:
+        """GET/PEEK asking for references when we can map them: (items, reply frame)."""
+        areas = self._areas(timeout)
+        extra = {protocol.REF: areas.usable} if areas is not None else None
+        frame = self._call(op, bin, timeout=timeout, decode=False, extra=extra)
+        try:
+            return self._decode(op, frame), frame
+        except ZeroCopyError as exc:
+            if op != protocol.PEEK:
+                raise  # the items were taken: nothing left to read again
+            log.warning("cannot map what the server referred to (%s): reading it over TCP", exc)
+            frame = self._call(op, bin, timeout=timeout, decode=False)
+            return self._decode(op, frame), frame
+
+    def _submit_shared(self, areas: SharedAreas, op: str, bin: str, value: Any, tag: int | None,
+                       callback: Callable | None) -> tuple:
+        """:meth:`submit` of a PUT/APPEND through shared memory: (value, extra fields, callback)."""
+        enc = encode(value)
+        name = self._write_shared(areas, enc, tag)
+        if name is None:
+            return enc, None, callback
+
+        def done(result: Any, error: BaseException | None) -> None:
+            try:
+                if isinstance(error, ZeroCopyUnavailableError):  # send the written copy over TCP
+                    try:
+                        resend = areas.written(name)
+                    except OSError:
+                        pass
+                    else:
+                        self.submit(op, bin, resend, callback, tag=tag, zero_copy=False)
+                        return
+            finally:
+                areas.discard(name)
+            if callback is not None:
+                callback(result, error)
+
+        return NO_VALUE, _shared_fields(enc, name), done
+
+    def _submit_read(self, op: str, bin: str, callback: Callable | None) -> Callable:
+        """:meth:`submit` of a GET/PEEK with references: a PEEK whose references cannot be
+        mapped is sent again over TCP."""
+        def done(result: Any, error: BaseException | None) -> None:
+            if isinstance(error, ZeroCopyError) and op == protocol.PEEK:
+                self.submit(op, bin, callback=callback, zero_copy=False)
+            elif callback is not None:
+                callback(result, error)
+
+        return done
 
     def _send(self, parts: list, deadline: float | None) -> None:
         sock = self._ensure_connected(deadline)
@@ -460,6 +622,7 @@ class Client:
         jobs: list = []  # callbacks of this read, handed to the dispatcher in one go
         try:
             for frame in frames:
+                frame.origin = conn  # replies refer to what this connection's greeting offered
                 self._dispatch(frame, jobs)
         except ProtocolError as exc:  # the server sent nonsense: nothing it says can be trusted
             err = ConnectionLostError(f"bad reply from {self.host}:{self.port}: {exc}")
@@ -537,7 +700,7 @@ class Client:
     def _complete_from_frame(self, entry: tuple, frame: Frame) -> None:
         """Decode a non-blocking call's reply (on the dispatcher thread) and call back."""
         try:
-            result, error = reply_value(entry[0], frame, self.device), None
+            result, error = self._decode(entry[0], frame), None
         except TensorShareError as exc:
             result, error = None, exc
         entry[1](result, error)
@@ -568,6 +731,8 @@ class Client:
             if self._ssl_context is not None:
                 sock = self._start_tls(sock, deadline)
             conn = self._handshake(sock, deadline)
+            if self.zero_copy:
+                conn.areas = SharedAreas.of(conn.greeting)
             sock.setblocking(False)
         except BaseException:
             sock.close()
@@ -757,6 +922,11 @@ class Client:
                 self._reader = None
             if self._needs_reader():  # a listen raced with our exit
                 self._ensure_reader()
+
+
+def _shared_fields(enc: Encoded, name: str) -> dict:
+    """Header fields of a PUT/APPEND whose value was written to shared memory as ``name``."""
+    return {"value": enc.description, protocol.SHM: name, "size": enc.nbytes}
 
 
 def _raise_or_return(result):

@@ -18,9 +18,10 @@ from typing import Any
 
 from . import auth, protocol
 from .errors import (
-    NotAuthenticatedError, ProtocolError, TensorShareError, UntrustedServerError, UsageError, error_for_code,
+    NotAuthenticatedError, ProtocolError, TensorShareError, UntrustedServerError, UsageError, ZeroCopyError,
+    error_for_code,
 )
-from .wire.codec import build, encode
+from .wire.codec import Encoded, build, encode
 from .wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
 from .wire.frames import Frame, FrameDecoder, FrameLimits, buffer_sink, frame_head
 
@@ -75,6 +76,7 @@ class ClientConnection:
         self.ready = False  # the handshake is over: requests may be sent
         self._token = token
         self._auth: tuple[int, bytes] | None = None  # (AUTH request id, the server proof expected)
+        self.areas = None  # zerocopy.SharedAreas: what the greeting offered and this client verified
 
     def feed(self, data: bytes) -> list[Frame]:
         return self.decoder.feed(data)
@@ -99,6 +101,8 @@ class ClientConnection:
             raise ProtocolError(f"unexpected frame while authenticating: {header!r:.200}")
         if not auth.proof_matches(self._auth[1], header.get("proof")):
             raise UntrustedServerError("the server's authentication proof is wrong: it does not know the token")
+        if protocol.SHM in header:  # a same-host offer comes only once authenticated (PROTOCOL.md §10.1)
+            self.greeting[protocol.SHM] = header[protocol.SHM]
         self._auth = None
         self.ready = True
         return None
@@ -167,11 +171,13 @@ def report_unsolicited(frame: Frame, where: str) -> None:
 
 
 def request_frame(rid: int, op: str, name: str | None = None, value: Any = NO_VALUE,
-                  tag: int | None = None) -> list:
+                  tag: int | None = None, extra: dict | None = None) -> list:
     """The parts of a request frame: header bytes, then the value's payload buffers.
 
-    Raises :class:`UsageError` for a bad bin name or tag and :class:`EncodeError` for
-    a value with no wire form, before anything is sent.
+    ``value`` may be given already encoded (an :class:`Encoded`); ``extra`` holds
+    more header fields (same-host zero-copy, PROTOCOL.md §10).  Raises
+    :class:`UsageError` for a bad bin name or tag and :class:`EncodeError` for a
+    value with no wire form, before anything is sent.
     """
     header: dict = {"op": op, "id": rid}
     if name is not None:
@@ -188,9 +194,11 @@ def request_frame(rid: int, op: str, name: str | None = None, value: Any = NO_VA
         if problem:
             raise UsageError(problem)
         header["tag"] = tag
+    if extra:
+        header.update(extra)
     if value is NO_VALUE:
         return [frame_head(header, 0)]
-    enc = encode(value)
+    enc = value if type(value) is Encoded else encode(value)
     header["value"] = enc.description
     return [frame_head(header, enc.nbytes), *enc.buffers]
 
@@ -241,11 +249,13 @@ def check_reply(frame: Frame) -> dict:
     return header
 
 
-def reply_value(op: str, frame: Frame, device: Any = None, limits: DecodeLimits = DEFAULT_LIMITS) -> Any:
-    """What the API returns for a successful reply to ``op``."""
+def reply_value(op: str, frame: Frame, device: Any = None, limits: DecodeLimits = DEFAULT_LIMITS,
+                areas: Any = None) -> Any:
+    """What the API returns for a successful reply to ``op`` (``areas``: the
+    connection's :class:`~tensorshare.zerocopy.SharedAreas`, to map referenced items)."""
     header = check_reply(frame)
     if op in (protocol.GET, protocol.PEEK):
-        return decode_items(header, frame.payload, frame.payload_len, device, limits)
+        return decode_items(header, frame.payload, frame.payload_len, device, limits, areas)
     if op in (protocol.PUT, protocol.APPEND):
         return int_field(header, "n")
     if op == protocol.LIST:
@@ -259,21 +269,34 @@ def reply_value(op: str, frame: Frame, device: Any = None, limits: DecodeLimits 
     return None
 
 
-def item_table(header: dict, payload_len: int) -> list[tuple[Any, int]]:
-    """``[(description blob, payload bytes), ...]`` of an ITEMS (226) reply, checked."""
+def item_table(header: dict, payload_len: int) -> list[tuple[Any, int, Any]]:
+    """``[(description blob, payload bytes, reference or None), ...]`` of an ITEMS (226)
+    reply, checked: the items without a reference fill the payload."""
     blobs, sizes = header.get("items"), header.get("sizes")
     if not (isinstance(blobs, list) and isinstance(sizes, list) and len(blobs) == len(sizes)):
         raise ProtocolError("items reply needs equally long 'items' and 'sizes' lists")
-    if not all(type(s) is int and s >= 0 for s in sizes) or sum(sizes) != payload_len:
+    refs = header.get(protocol.REFS)
+    if refs is None:
+        refs = [None] * len(sizes)
+    elif not (isinstance(refs, list) and len(refs) == len(sizes)):
+        raise ProtocolError("items reply needs a 'refs' list as long as 'items'")
+    if (not all(type(s) is int and s >= 0 for s in sizes)
+            or sum(s for s, ref in zip(sizes, refs) if ref is None) != payload_len):
         raise ProtocolError(f"item sizes {sizes!r} do not add up to the payload's {payload_len} bytes")
-    return list(zip(blobs, sizes))
+    return list(zip(blobs, sizes, refs))
 
 
 def decode_items(header: dict, payload, payload_len: int, device: Any = None,
-                 limits: DecodeLimits = DEFAULT_LIMITS) -> list:
-    """The values of an ITEMS (226) reply; their arrays view the one payload tensor."""
+                 limits: DecodeLimits = DEFAULT_LIMITS, areas: Any = None) -> list:
+    """The values of an ITEMS (226) reply; their arrays view the one payload tensor, or,
+    for items the reply refers to, the server's files mapped copy-on-write (``areas``)."""
     values, base = [], 0
-    for blob, size in item_table(header, payload_len):
+    for blob, size, ref in item_table(header, payload_len):
+        if ref is not None:
+            if areas is None:
+                raise ZeroCopyError("the reply refers to shared memory this connection cannot map")
+            values.append(areas.load(ref, blob, size, device, limits))
+            continue
         desc = parse_description(blob, size, limits)
         try:
             values.append(build(desc, payload, base, device))

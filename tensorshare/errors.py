@@ -33,6 +33,8 @@ __all__ = [
     "NotAuthenticatedError",
     "UntrustedServerError",
     "ServerUnavailableError",
+    "ZeroCopyError",
+    "ZeroCopyUnavailableError",
     "error_for_code",
 ]
 
@@ -107,6 +109,20 @@ class ServerUnavailableError(TransientError):
     code = 421
 
 
+class ZeroCopyError(ProtocolError):
+    """A value could not be read from the server's shared memory (files gone or not
+    trusted).  The clients then fall back to TCP by themselves where they can; a GET
+    whose items were taken but could not be mapped raises it."""
+
+
+class ZeroCopyUnavailableError(TransientError):
+    """425: the server did not take a value through shared memory (zero-copy off for
+    this connection, or the files it was pointed to were refused); the value must
+    travel over TCP.  The clients do that by themselves."""
+
+    code = 425
+
+
 class StorageFullError(TransientError):
     """452: the server has no room (memory budget or disk) for the value."""
 
@@ -160,6 +176,7 @@ _BY_CODE: dict[int, type[RemoteError]] = {
     cls.code: cls
     for cls in (
         ServerUnavailableError,
+        ZeroCopyUnavailableError,
         StorageFullError,
         UnknownVerbError,
         NotAuthenticatedError,

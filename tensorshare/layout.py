@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import re
 import shutil
@@ -39,7 +40,7 @@ from .wire.description import (
 )
 from .wire.dtypes import TORCH_WIDTHS
 
-__all__ = ["LayoutError", "StoredItem", "write_item", "read_item", "array_paths", "RECORD", "FORMAT"]
+__all__ = ["LayoutError", "StoredItem", "write_item", "read_item", "array_paths", "mapped_parts", "RECORD", "FORMAT"]
 
 RECORD = ".tensorshare.msgpack"
 FORMAT = 1
@@ -165,13 +166,19 @@ class _Payload:
 
 
 def _write_file(path: str, views, fsync: bool) -> None:
-    with open(path, "wb") as f:
+    # os-level calls: a buffered open() costs more system calls than the write itself
+    # for the many small files of a state dict.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    try:
         for view in views:
             for i in range(0, view.nbytes, _WRITE_CHUNK):
-                f.write(view[i : i + _WRITE_CHUNK])
+                chunk = view[i : i + _WRITE_CHUNK]
+                while chunk.nbytes:
+                    chunk = chunk[os.write(fd, chunk):]
         if fsync:
-            f.flush()
-            os.fsync(f.fileno())
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def fsync_dir(path: str) -> None:
@@ -184,16 +191,21 @@ def fsync_dir(path: str) -> None:
 
 
 def write_item(path: str, description: bytes, segments: Sequence, nbytes: int, tag: int | None = None, *,
-               fsync: bool = False, threads: int | None = None,
-               limits: DecodeLimits = DEFAULT_LIMITS) -> StoredItem:
+               fsync: bool = False, threads: int | None = None, make_parents: bool = True,
+               sources: dict[int, str] | None = None, limits: DecodeLimits = DEFAULT_LIMITS) -> StoredItem:
     """Write one item into the new directory ``path``, whole or not at all; returns it.
 
     ``segments`` are buffers whose concatenation is the payload.  Files are written
     into a temporary sibling directory that is renamed to ``path`` last; with
     ``fsync`` the files and both directories are flushed to stable storage before
     the function returns.  ``threads`` writes array files in parallel (default:
-    several threads for payloads of 64 MiB and more).  Raises ``OSError`` (disk full,
-    permissions...) after removing the temporary directory.
+    several threads for payloads of 64 MiB and more).  With ``make_parents=False``
+    the parent directory must exist already (so that a writer racing with the
+    parent's removal cannot re-create it).  ``sources`` maps array indexes to files
+    on the same file system that already hold exactly those arrays' bytes: they are
+    moved into the item (renamed, not copied; written from ``segments`` if that
+    fails).  Raises ``OSError`` (disk full, permissions...) after removing the
+    temporary directory.
     """
     desc = parse_description(description, nbytes, limits)
     payload = _Payload(segments)
@@ -202,16 +214,24 @@ def write_item(path: str, description: bytes, segments: Sequence, nbytes: int, t
     paths = array_paths(desc)
     parent, name = os.path.split(os.path.abspath(path))
     tmp = os.path.join(parent, f".tmp-{name}-{uuid.uuid4().hex[:8]}")
-    os.makedirs(tmp)
+    (os.makedirs if make_parents else os.mkdir)(tmp)
     try:
         dirs = {os.path.dirname(p) for p in paths} | {d.rstrip("/") for d in _metadata(desc, paths)}
         for d in sorted(dirs):
             if d:
                 os.makedirs(os.path.join(tmp, d), exist_ok=True)
-        jobs = [(os.path.join(tmp, p), spec.offset, spec.nbytes) for p, spec in zip(paths, desc.arrays)]
+        sources = sources or {}
+        jobs = [(os.path.join(tmp, p), spec.offset, spec.nbytes, sources.get(i))
+                for i, (p, spec) in enumerate(zip(paths, desc.arrays))]
 
         def write(job) -> None:
-            file, offset, length = job
+            file, offset, length, source = job
+            if source is not None:
+                try:
+                    os.rename(source, file)
+                    return
+                except OSError:
+                    pass
             _write_file(file, payload.views(offset, length), fsync)
 
         if threads is None:
@@ -260,8 +280,11 @@ def read_item(path: str, limits: DecodeLimits = DEFAULT_LIMITS) -> StoredItem:
     """
     record_path = os.path.join(path, RECORD)
     try:
-        with open(record_path, "rb") as f:
-            raw = f.read(limits.max_nodes + (64 << 20))
+        with open(record_path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size  # read(n) would allocate all n bytes first
+            if size > limits.max_nodes + (64 << 20):
+                raise LayoutError(f"{path}: its record takes {size} bytes")
+            raw = f.read(size)
         record = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except OSError as exc:
         raise LayoutError(f"{path}: cannot read its record: {exc}") from None
@@ -291,3 +314,23 @@ def read_item(path: str, limits: DecodeLimits = DEFAULT_LIMITS) -> StoredItem:
             raise LayoutError(f"{path}: {relative!r} holds {size} bytes, the array has {spec.nbytes}")
         located.append((spec.offset, spec.nbytes, file))
     return StoredItem(path, description, tag, nbytes, tuple(located))
+
+
+def mapped_parts(files: Sequence, nbytes: int) -> list:
+    """A stored payload as buffers, without reading it: zero padding as ``bytes`` and
+    each array's file as a read-only ``mmap`` (pages are read when touched).
+
+    ``files`` is :attr:`StoredItem.files` (``(offset, byte count, path)`` in payload
+    order) and ``nbytes`` the payload length.  Raises ``OSError`` if a file is gone.
+    """
+    parts, pos = [], 0
+    for offset, length, file in files:
+        if offset > pos:
+            parts.append(bytes(offset - pos))
+        if length:
+            with open(file, "rb") as f:
+                parts.append(mmap.mmap(f.fileno(), length, access=mmap.ACCESS_READ))
+        pos = offset + length
+    if nbytes > pos:
+        parts.append(bytes(nbytes - pos))
+    return parts

@@ -6,20 +6,23 @@ layout); ``Client.save(bin, path)`` writes a bin's items the same way, one
 numbered subdirectory per item, straight from the bytes the server sent.
 ``load_memmap(path)`` maps them back: tensors view the files, and pages are read
 only when touched, so loading takes the same time for 1 MiB and 100 GiB.  Unlike
-``torch.load``, nothing here can run code from the files.
+``torch.load``, nothing here can run code from the files.  The same-host zero-copy
+client (:mod:`.zerocopy`) maps the server's items with :func:`load_item`.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import shutil
+import stat
 import uuid
 from typing import Any, Sequence
 
 import numpy as np
 
-from .layout import RECORD, StoredItem, read_item, write_item
+from .layout import RECORD, LayoutError, StoredItem, read_item, write_item
 from .wire.codec import array_view, assemble, encode
 from .wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
 
@@ -67,19 +70,98 @@ def save_items(path: str | os.PathLike, items: Sequence[tuple[bytes, Any, int]],
         raise
 
 
-def _map(file: str, nbytes: int, writable: bool) -> np.ndarray:
+def _libc():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int64]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        return libc
+    except (OSError, AttributeError):  # no C library to call (Windows): Python's mmap instead
+        return None
+
+
+_LIBC = _libc()
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_MAP_FIXED = getattr(mmap, "MAP_FIXED", 0x10)  # 0x10 on Linux and macOS
+
+
+class _Mapping:
+    """A memory mapping made with the C library's mmap, unmapped when the last array
+    over it goes.  Unlike Python's ``mmap``, it keeps no file descriptor open, so a
+    process may hold many mapped tensors without running out of descriptors."""
+
+    __slots__ = ("address", "size", "__array_interface__", "__weakref__")
+
+    def __init__(self, fd: int, size: int, shared: bool):
+        flags = mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE
+        address = _LIBC.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
+        if address is None or address == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        self.address, self.size = address, size
+        self.__array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (address, False), "version": 3}
+
+    def make_private(self, file: str) -> None:
+        """Map ``file`` copy-on-write in place of this mapping, at the same address.
+
+        For a shared mapping of ``file`` (same bytes): the arrays over it keep their
+        content, but from now on writes copy the touched pages instead of changing
+        the file, and the file is no longer open for writing anywhere here."""
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            address = _LIBC.mmap(self.address, self.size, mmap.PROT_READ | mmap.PROT_WRITE,
+                                 mmap.MAP_PRIVATE | _MAP_FIXED, fd, 0)
+        finally:
+            os.close(fd)
+        if address != self.address:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+
+    def __del__(self) -> None:
+        _LIBC.munmap(self.address, self.size)
+
+
+def new_shared_file(path: str, nbytes: int) -> np.ndarray:
+    """Create the file ``path`` of ``nbytes`` zero bytes and map it shared and writable:
+    a uint8 array whose base is its :class:`_Mapping` (pages are allocated when touched)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        return np.asarray(_Mapping(fd, nbytes, True))
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def _map(file: str, nbytes: int, writable: bool, follow_symlinks: bool = True) -> np.ndarray:
     """The file's bytes as a uint8 array over a mapping: shared if ``writable``, else
     copy-on-write (private; writes stay in memory).  Pages are read when touched."""
     if not nbytes:
         return np.empty(0, np.uint8)
-    with open(file, "r+b" if writable else "rb") as f:
-        mapping = mmap.mmap(f.fileno(), nbytes, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_COPY)
+    flags = (os.O_RDWR if writable else os.O_RDONLY) | (0 if follow_symlinks else os.O_NOFOLLOW)
+    fd = os.open(file, flags)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size < nbytes:
+            raise LayoutError(f"{file} is not a regular file of at least {nbytes} bytes")
+        if _LIBC is not None:
+            return np.asarray(_Mapping(fd, nbytes, writable))
+        mapping = mmap.mmap(fd, nbytes, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
     return np.frombuffer(mapping, dtype=np.uint8)
 
 
-def _load_item(stored: StoredItem, writable: bool, device: Any, limits: DecodeLimits) -> Any:
+def load_item(stored: StoredItem, *, writable: bool = False, device: Any = None,
+              limits: DecodeLimits = DEFAULT_LIMITS, follow_symlinks: bool = True) -> Any:
+    """The value of one item found by :func:`~tensorshare.layout.read_item`, its arrays
+    mapping the item's files (copy-on-write unless ``writable``)."""
     desc = parse_description(stored.description, stored.nbytes, limits)
-    arrays = [array_view(spec, _map(file, nbytes, writable), 0, device)
+    arrays = [array_view(spec, _map(file, nbytes, writable, follow_symlinks), 0, device)
               for spec, (_offset, nbytes, file) in zip(desc.arrays, stored.files)]
     return assemble(desc, arrays)
 
@@ -97,6 +179,7 @@ def load_memmap(path: str | os.PathLike, *, writable: bool = False, device: Any 
     """
     path = os.fspath(path)
     if os.path.exists(os.path.join(path, RECORD)):
-        return _load_item(read_item(path, limits), writable, device, limits)
+        return load_item(read_item(path, limits), writable=writable, device=device, limits=limits)
     entries = sorted(e for e in os.listdir(path) if len(e) == _ITEM_DIGITS and e.isdigit())
-    return [_load_item(read_item(os.path.join(path, e), limits), writable, device, limits) for e in entries]
+    return [load_item(read_item(os.path.join(path, e), limits), writable=writable, device=device, limits=limits)
+            for e in entries]

@@ -35,6 +35,7 @@ ITEMS = 226  # items follow in the payload
 AUTHENTICATED = 230  # AUTH accepted; the reply proves that the server knows the token too
 DONE = 250  # requested bin action completed
 UNAVAILABLE = 421  # shutting down / too many connections
+ZERO_COPY_REFUSED = 425  # a value named in shared memory was not taken: send it over TCP
 LOCAL_ERROR = 451  # the server could not read what it stores (a disk error)
 STORAGE_FULL = 452  # no room in the memory budget or on disk
 BAD_FRAME = 500  # syntax error: malformed frame or header
@@ -45,6 +46,12 @@ NOT_AUTHENTICATED = 530  # authentication required or failed; the server closes 
 NO_SUCH_BIN = 550
 TOO_LARGE = 552  # exceeded a size or count limit
 BAD_NAME = 553  # bin name not allowed
+
+# Same-host zero-copy (PROTOCOL.md §10): header keys.
+SHM = "shm"  # greeting: the shared areas; PUT/APPEND: the item directory the value was written to
+REF = "ref"  # GET/PEEK: area indexes the client can map; 226: "refs", one per item
+REFS = "refs"
+RELEASE = "release"  # any request: ids of 226 replies whose references the client no longer needs
 
 PROTOCOL_VERSION = 1
 TAG_MIN, TAG_MAX = -(1 << 63), (1 << 63) - 1  # an item's optional tag is a signed 64-bit integer

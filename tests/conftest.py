@@ -1,10 +1,25 @@
 """Shared fixtures: a real server process on loopback."""
 
+import glob
 import os
 
 import pytest
 
-from serverproc import ServerProcess
+from serverproc import STARTED, ServerProcess
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shared_memory_left():
+    """After the whole run, no server the tests started has left anything in /dev/shm.
+
+    Servers killed with SIGKILL leave their area to the next server that starts, so
+    one more server starts (and stops) before the check."""
+    yield
+    if not STARTED or not os.path.isdir("/dev/shm"):
+        return
+    ServerProcess().stop()
+    left = [path for pid in STARTED for path in glob.glob(f"/dev/shm/tensorshare-{pid}-*")]
+    assert not left, f"shared memory left behind: {left}"
 
 # Servers and clients fall back to this variable for their token: a developer's
 # own must not turn authentication on for every test (the tests that want it set it).

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import re
 import signal
@@ -10,6 +12,7 @@ import sys
 import time
 
 _LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
+STARTED: set[int] = set()  # pids of every server process the tests started
 
 
 class ServerProcess:
@@ -46,6 +49,7 @@ class ServerProcess:
         if time.monotonic() > deadline:
             raise RuntimeError("server start took too long")
         self.port = int(match.group(2))
+        STARTED.add(self.proc.pid)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
         """Signal the server and wait for it; returns its exit code."""
@@ -131,3 +135,21 @@ class FakeServer:
     def __exit__(self, *exc) -> None:
         self.listener.close()
         self.thread.join(15)
+
+
+@contextlib.contextmanager
+def small_tmpfs(path, size: str):
+    """A tmpfs of ``size`` (``6m``...) mounted on the new directory ``path`` for the
+    block, to fill up; skips the test where mounting needs privileges we lack."""
+    import pytest
+
+    path.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs privileges)")
+    try:
+        yield path
+    finally:
+        gc.collect()  # tensors mapping its files keep it busy
+        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import tensorshare
-from serverproc import ServerProcess
+from serverproc import ServerProcess, small_tmpfs
+from tensorshare.areas import TOKEN_FILE
 from tensorshare.errors import StorageFullError
 from tensorshare.layout import RECORD, LayoutError, read_item, write_item
 from tensorshare.memmap import load_memmap, save_memmap
@@ -402,12 +403,7 @@ def test_disk_full_gives_a_clear_reply_and_loses_nothing(tmp_path, mode):
 
 
 def test_tmpfs_disk_full(tmp_path):
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a small tmpfs here (needs privileges)")
-    try:
+    with small_tmpfs(tmp_path / "small", "6m") as mount:
         srv = ServerProcess("--data-dir", str(mount / "d"))
         try:
             with tensorshare.Client("127.0.0.1", srv.port, timeout=30) as c:
@@ -421,8 +417,6 @@ def test_tmpfs_disk_full(tmp_path):
                 c.append("a", torch.ones(MiB))
         finally:
             srv.stop()
-    finally:
-        subprocess.run(["umount", str(mount)], capture_output=True)
 
 
 def test_client_save_and_load_memmap(tmp_path):
@@ -450,15 +444,17 @@ def test_client_save_and_load_memmap(tmp_path):
 def test_spill_dir_is_cleaned_up(tmp_path):
     spill = tmp_path / "spill"
     srv = ServerProcess("--memory-limit", "1MiB", "--spill-dir", str(spill))
-    with tensorshare.Client("127.0.0.1", srv.port, timeout=30) as c:
-        for i in range(4):
-            c.append("x", torch.ones(MiB // 2))
-        assert c.list() == {"x": 4}
-    srv.kill()  # a crash leaves its spill files...
-    assert _files_under(str(spill))
-    srv.start()  # ...which the next server removes
-    assert [f for f in _files_under(str(spill)) if not f.endswith(".lock")] == []
-    srv.stop()  # and a clean stop removes its own
+    try:
+        with tensorshare.Client("127.0.0.1", srv.port, timeout=30) as c:
+            for i in range(4):
+                c.append("x", torch.ones(MiB // 2))
+            assert c.list() == {"x": 4}
+        srv.kill()  # a crash leaves its spill files...
+        assert _files_under(str(spill))
+        srv.start()  # ...which the next server removes
+        assert [f for f in _files_under(str(spill)) if not f.endswith((".lock", TOKEN_FILE))] == []
+    finally:
+        srv.stop()  # and a clean stop removes its own
     assert _files_under(str(spill)) == []
 
 

@@ -446,7 +446,9 @@ def test_a_reader_that_reads_nothing_is_disconnected_and_a_slow_one_is_not(tmp_p
     server = ServerProcess("--max-outbound", "1MiB", "--outbound-stall-timeout", "1",
                            log_path=tmp_path / "server.log")
     try:
-        with tensorshare.Client("127.0.0.1", server.port) as client:
+        # Over TCP, so that the item is held as the received chunks (a shared-memory
+        # item would go out as one 4 MiB span, handed to the transport at once).
+        with tensorshare.Client("127.0.0.1", server.port, zero_copy=False) as client:
             item = torch.arange(1 << 20, dtype=torch.int32)  # 4 MiB
             client.put("st", item)
             stuck = RawConnection(server.port, rcvbuf=4096)

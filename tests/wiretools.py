@@ -86,6 +86,9 @@ class StrictTransport:
     def getPeer(self):
         return IPv4Address("TCP", "127.0.0.1", 40000)
 
+    def getHost(self):
+        return IPv4Address("TCP", "127.0.0.1", 8000)
+
     def pauseProducing(self):  # of reading: nothing to read here
         pass
 

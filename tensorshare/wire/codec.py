@@ -104,6 +104,7 @@ class Encoded:
     description: bytes
     buffers: list  # memoryview | bytes, concatenated they form the payload
     nbytes: int  # total payload length, a multiple of ALIGN
+    arrays: int = 0  # entries of the array table
 
     def payload_bytes(self) -> bytes:
         """The payload as one bytes object (a copy; for tools and tests)."""
@@ -226,14 +227,14 @@ def encode(value: Any, *, limits: DecodeLimits = DEFAULT_LIMITS) -> Encoded:
         if total != nbytes:
             buffers.append(_PAD[: total - nbytes])
         description = _packb({"v": _ARRAY_REFS[0], "t": [[kind, dtype, shape, 0, nbytes]], "n": total})
-        return Encoded(description, buffers, total)
+        return Encoded(description, buffers, total, 1)
     enc = _Encoder(limits.max_depth)
     tree = enc.node(value, 0)
     total = align_up(enc.offset)
     if total != enc.offset:
         enc.buffers.append(_PAD[: total - enc.offset])
     description = _packb({"v": tree, "t": enc.table, "n": total})
-    return Encoded(description, enc.buffers, total)
+    return Encoded(description, enc.buffers, total, len(enc.table))
 
 
 # --------------------------------------------------------------------------- decode

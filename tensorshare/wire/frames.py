@@ -72,6 +72,7 @@ class Frame:
     header: dict
     payload: Any
     payload_len: int
+    origin: Any = None  # a client may note here the connection the frame arrived on
 
 
 # ------------------------------------------------------------------- payload sinks

@@ -1,0 +1,254 @@
+"""Same-host zero-copy, client side: the server's shared areas as one connection sees them.
+
+A server's greeting may offer its shared areas (PROTOCOL.md §10).  :meth:`SharedAreas.of`
+trusts an area only after :func:`tensorshare.areas.verify_area` found this
+host's directory of that name to be the server's (the token check), so a server
+on another host, in another container, or one restarted since, is never trusted.
+Then:
+
+* a value to PUT/APPEND is written into this connection's incoming directory in
+  the server's shared-memory area (:meth:`SharedAreas.write`, the layout of
+  :mod:`tensorshare.layout`), and the request names it instead of carrying bytes;
+  the server adopts the directory without copying;
+* a GET/PEEK reply may refer to items' files instead of carrying their bytes:
+  :meth:`SharedAreas.load` checks the reference and maps the files copy-on-write
+  (:func:`tensorshare.memmap.load_item`), so changing a tensor never changes what
+  the server stores or what other readers see;
+* :meth:`SharedAreas.shared` makes tensors that live in the incoming directory
+  from the start (*drafts*): a put of such a value moves their files into the item
+  instead of writing them, and remaps the tensors copy-on-write, so the put copies
+  nothing and later changes to the tensors still do not reach the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import stat
+import threading
+import uuid
+import weakref
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from .areas import AreaError, inside, verify_area, worth_sharing
+from .errors import ZeroCopyError
+from .layout import LayoutError, mapped_parts, read_item, write_item
+from .memmap import load_item, new_shared_file
+from .wire.codec import TORCH_NAMES, Encoded
+from .wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
+
+log = logging.getLogger("tensorshare.client")
+
+__all__ = ["SharedAreas", "shared_copy"]
+
+_MAX_AREAS = 8
+DEFAULT_MIN_BYTES = 128 << 10
+# Writing a value costs more per file than mapping one (both sides create, check and
+# rename files): a value goes through shared memory from this many times the bar of
+# a reference (measured: puts of one tensor broke even near 0.6 MiB, of 16 near 2 MiB).
+PUT_FACTOR = 4
+
+
+class SharedAreas:
+    """The areas of one connection's greeting that this client verified.
+
+    ``roots[i]`` is area ``i``'s directory, or None if it failed the check;
+    ``incoming`` is this connection's incoming directory (None: puts go over TCP);
+    ``min_bytes`` the server's bar for references (:func:`~tensorshare.areas.worth_sharing`).
+    """
+
+    def __init__(self, roots: list[str | None], incoming: str | None, min_bytes: int):
+        self.roots = roots
+        self.usable = [i for i, root in enumerate(roots) if root is not None]
+        self.incoming = incoming
+        self.min_bytes = min_bytes
+
+    @classmethod
+    def of(cls, greeting: dict) -> "SharedAreas | None":
+        """The verified areas a greeting offers, or None (not offered, or none is this host's)."""
+        offer = greeting.get("shm")
+        if not isinstance(offer, dict):
+            return None
+        token, roots = offer.get("token"), offer.get("areas")
+        if not isinstance(roots, list) or not roots or len(roots) > _MAX_AREAS:
+            return None
+        verified = []
+        for root in roots:
+            problem = verify_area(root, token)
+            if problem is not None:
+                log.info("zero-copy: not using %r: %s", root, problem)
+            verified.append(None if problem else root)
+        if not any(verified):
+            return None
+        incoming = offer.get("incoming")
+        if incoming is not None:
+            incoming = _private_dir(verified[0], incoming)
+        min_bytes = offer.get("min_bytes")
+        if type(min_bytes) is not int or min_bytes < 0:
+            min_bytes = DEFAULT_MIN_BYTES
+        return cls(verified, incoming, min_bytes)
+
+    # -- PUT / APPEND
+
+    def write(self, enc: Encoded, tag: int | None = None) -> str | None:
+        """Write an encoded value into the incoming directory; returns the name to send,
+        or None if the value is too small to be faster this way than over TCP.
+
+        Arrays that are drafts (:meth:`shared`) are moved in, not written, and their
+        tensors turn copy-on-write.  Raises ``OSError`` (shared memory full,
+        directory gone...) having left nothing."""
+        drafts = _drafts_in(enc) if _drafts else {}
+        if not drafts and not worth_sharing(enc.nbytes, enc.arrays, self.min_bytes * PUT_FACTOR):
+            return None
+        name = uuid.uuid4().hex
+        stored = write_item(os.path.join(self.incoming, name), enc.description, enc.buffers, enc.nbytes, tag,
+                            make_parents=False, sources={i: draft[0] for i, draft in drafts.items()})
+        for i, (_path, mapping) in drafts.items():
+            with _drafts_lock:
+                _drafts.pop(mapping.address, None)
+            try:  # from now on the caller's writes copy pages instead of changing the item
+                mapping.make_private(stored.files[i][2])
+            except OSError as exc:  # then the server finds the file still open for writing: 425, TCP
+                log.warning("could not make a handed-over tensor copy-on-write: %s", exc)
+        return name
+
+    def shared(self, value: Any) -> Any:
+        """``value`` with its tensors and arrays copied into drafts in the incoming directory."""
+        return shared_copy(value, self._draft)
+
+    def _draft(self, nbytes: int) -> np.ndarray:
+        path = os.path.join(self.incoming, f"draft-{uuid.uuid4().hex}")
+        memory = new_shared_file(path, nbytes)
+        mapping = memory.base
+        with _drafts_lock:
+            _drafts[mapping.address] = (path, weakref.ref(mapping), nbytes)
+        weakref.finalize(mapping, _forget_draft, mapping.address, path)
+        return memory
+
+    def written(self, name: str) -> Encoded:
+        """A value :meth:`write` wrote, as an encoded value over its mapped files (to send
+        it over TCP after all, even if the caller changed the original since)."""
+        stored = read_item(os.path.join(self.incoming, name))
+        return Encoded(stored.description, mapped_parts(stored.files, stored.nbytes), stored.nbytes,
+                       len(stored.files))
+
+    def discard(self, name: str) -> None:
+        """Remove what :meth:`write` wrote, if the server did not take it."""
+        shutil.rmtree(os.path.join(self.incoming, name), ignore_errors=True)
+
+    # -- GET / PEEK
+
+    def load(self, ref: Any, description: bytes, size: int, device: Any = None,
+             limits: DecodeLimits = DEFAULT_LIMITS) -> Any:
+        """The value of an item a 226 reply refers to (``[area, path]``), mapped copy-on-write.
+
+        Raises :class:`ZeroCopyError` if the reference is malformed, names an area
+        not verified, leaves its area, or finds no whole item with exactly that
+        description and size."""
+        if not (type(ref) is list and len(ref) == 2 and type(ref[0]) is int and 0 <= ref[0] < len(self.roots)):
+            raise ZeroCopyError(f"malformed item reference {ref!r:.80}")
+        root = self.roots[ref[0]]
+        if root is None:
+            raise ZeroCopyError(f"reference into area {ref[0]}, which this client could not verify")
+        try:
+            stored = read_item(inside(root, ref[1]), limits)
+            if stored.description != description or stored.nbytes != size:
+                raise ZeroCopyError(f"{stored.path} does not hold the item the reply describes")
+            return load_item(stored, device=device, limits=limits, follow_symlinks=False)
+        except (AreaError, LayoutError) as exc:
+            raise ZeroCopyError(f"cannot map a referenced item: {exc}") from None
+        except OSError as exc:
+            raise ZeroCopyError(f"cannot map a referenced item: {exc.strerror or exc}") from None
+
+
+# Drafts not yet handed over: address of their mapping -> (file, weak mapping, bytes).
+_drafts: dict[int, tuple] = {}
+_drafts_lock = threading.Lock()
+
+
+def _forget_draft(address: int, path: str) -> None:
+    """A draft's tensors are gone: so is its file (unless a put moved it away)."""
+    with _drafts_lock:
+        if _drafts.get(address, ("",))[0] == path:  # not a newer draft mapped at the same address
+            del _drafts[address]
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _drafts_in(enc: Encoded) -> dict[int, tuple]:
+    """``{array index: (draft file, mapping)}`` for the arrays of ``enc`` that are whole drafts."""
+    starts, pos = {}, 0
+    for buffer in enc.buffers:
+        size = memoryview(buffer).nbytes
+        if type(buffer) is not bytes and size:  # bytes are padding; arrays are views
+            starts[pos] = buffer
+        pos += size
+    found: dict[int, tuple] = {}
+    taken = set()
+    for i, spec in enumerate(parse_description(enc.description, enc.nbytes).arrays):
+        buffer = starts.get(spec.offset)
+        if buffer is None or not spec.nbytes:
+            continue
+        address = np.frombuffer(buffer, np.uint8).ctypes.data
+        with _drafts_lock:
+            entry = _drafts.get(address)
+        mapping = entry[1]() if entry is not None else None
+        if mapping is not None and entry[2] == spec.nbytes and address not in taken:
+            found[i] = (entry[0], mapping)
+            taken.add(address)
+    return found
+
+
+def shared_copy(value: Any, draft: Callable[[int], np.ndarray] | None) -> Any:
+    """``value`` rebuilt with each tensor and array copied into ``draft(nbytes)`` (a new
+    shared uint8 array); tensors on the ``meta`` device become zeros of their shape and
+    dtype, nothing copied.  With ``draft=None`` only the meta tensors are replaced
+    (by ordinary zero tensors)."""
+    def copy(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if obj.layout != torch.strided or obj.dtype not in TORCH_NAMES:
+                return obj  # no wire form: a put will say so
+            meta = obj.device.type == "meta"
+            nbytes = obj.numel() * obj.element_size()
+            if draft is None or not nbytes:
+                return torch.zeros(obj.shape, dtype=obj.dtype) if meta or draft is not None else obj
+            out = torch.from_numpy(draft(nbytes)).view(obj.dtype).reshape(obj.shape)
+            if not meta:
+                out.copy_(obj.detach())
+            return out
+        if isinstance(obj, np.ndarray):
+            if draft is None or not obj.nbytes:
+                return obj
+            dtype = obj.dtype.newbyteorder("=") if obj.dtype.byteorder == ">" else obj.dtype
+            out = draft(obj.nbytes).view(dtype).reshape(obj.shape)
+            out[...] = obj
+            return out
+        if isinstance(obj, dict):
+            return {k: copy(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [copy(x) for x in obj]
+        if isinstance(obj, tuple):
+            return tuple(copy(x) for x in obj)
+        return obj
+
+    return copy(value)
+
+
+def _private_dir(root: str | None, relative: Any) -> str | None:
+    """``root/relative`` if it is a directory of this user inside ``root``, else None."""
+    if root is None:
+        return None
+    try:
+        path = inside(root, relative)
+        st = os.lstat(path)
+    except (AreaError, OSError):
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        return None
+    return path
