@@ -35,7 +35,7 @@ class ThreadJobs:
         self.pool.start()
         self._stopped = False
         # A reactor that stops (an embedded server, a test) finishes the running jobs.
-        reactor.addSystemEventTrigger("before", "shutdown", self.stop)
+        self._trigger = reactor.addSystemEventTrigger("before", "shutdown", self.stop)
         self._lanes: dict[str, deque] = {}  # lane -> jobs waiting behind its running one
 
     def run(self, lane: str | None, fn: Callable, args: tuple,
@@ -79,3 +79,7 @@ class ThreadJobs:
         if not self._stopped:
             self._stopped = True
             self.pool.stop()
+            try:  # stopped before the reactor: one trigger less per embedded server
+                self.reactor.removeSystemEventTrigger(self._trigger)
+            except (ValueError, KeyError):  # it is the trigger running now
+                pass

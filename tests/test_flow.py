@@ -14,7 +14,7 @@ import torch
 
 import tensorshare
 from serverproc import ServerProcess
-from wiretools import RawConnection, StrictTransport, raw_frame, wait_for
+from wiretools import CollectingOutbox, RawConnection, StrictTransport, raw_frame, wait_for
 from tensorshare import protocol
 from tensorshare.connection import NO_VALUE, request_frame
 from tensorshare.wire.codec import encode
@@ -171,26 +171,10 @@ def test_abandoned_replies_run_their_hooks_and_notifications_do_not_count():
 # ----------------------------------------------------------------- the session
 
 
-class FakeOutbox:
-    def __init__(self):
-        self.congested = False
-        self.frames: list[dict] = []
-        self.closed = False
-
-    def send(self, parts, on_abandon=None):
-        self.frames.extend(f.header for f in FrameDecoder().feed(b"".join(bytes(p) for p in parts)))
-
-    def notify(self, name, frame):
-        self.send([frame])
-
-    def close(self):
-        self.closed = True
-
-
 def make_session():
     config = ServerConfig()
     state = ServerState(config, Storage(BinStore(), InlineJobs()), ListenerRegistry())
-    outbox = FakeOutbox()
+    outbox = CollectingOutbox()
     session = ServerSession(state, outbox)
     return session, outbox, state
 
@@ -205,11 +189,11 @@ def test_a_congested_session_holds_requests_back_and_resumes_in_order():
     outbox.congested = True
     session.data_received(wire(2, "APPEND", "b", 1) + wire(3, "NOOP"))
     session.data_received(wire(4, "APPEND", "b", 2))
-    assert [h["id"] for h in outbox.frames] == [1] and session.backlogged
+    assert [h["id"] for h in outbox.headers] == [1] and session.backlogged
     assert state.store.listing() == {}
     outbox.congested = False
     session.resume()
-    assert [h["id"] for h in outbox.frames] == [1, 2, 3, 4] and not session.backlogged
+    assert [h["id"] for h in outbox.headers] == [1, 2, 3, 4] and not session.backlogged
     assert state.store.listing() == {"b": 2}
 
 
@@ -217,11 +201,11 @@ def test_a_framing_error_is_reported_after_the_requests_held_back():
     session, outbox, state = make_session()
     outbox.congested = True
     session.data_received(wire(1, "NOOP") + wire(2, "NOOP") + b"junk" * 10)
-    assert outbox.frames == [] and not outbox.closed
+    assert outbox.headers == [] and not outbox.closed
     session.data_received(wire(3, "NOOP"))  # after the bad bytes: never read
     outbox.congested = False
     session.resume()
-    assert [(h["code"], h["id"]) for h in outbox.frames] == [(200, 1), (200, 2), (500, 0)]
+    assert [(h["code"], h["id"]) for h in outbox.headers] == [(200, 1), (200, 2), (500, 0)]
     assert outbox.closed
 
 

@@ -27,7 +27,7 @@ from tensorshare.errors import (
     UsageError,
 )
 from tensorshare.wire.frames import FrameDecoder, frame_head
-from wiretools import RawConnection, raw_frame, wait_for
+from wiretools import CollectingOutbox, RawConnection, raw_frame, wait_for
 
 TOKEN = "test-token-9f2c41d7be8a4c02"
 
@@ -75,32 +75,12 @@ def auth_frame(greeting: dict, token: str = TOKEN, rid: int = 1) -> bytes:
 # --------------------------------------------------------------- sans-IO session
 
 
-class Outbox:
-    """Collects a session's frames as headers."""
-
-    congested = False  # never: these tests are not about flow control
-
-    def __init__(self):
-        self.decoder = FrameDecoder()
-        self.headers: list[dict] = []
-        self.closed = False
-
-    def send(self, parts, on_abandon=None) -> None:
-        self.headers.extend(f.header for f in self.decoder.feed(b"".join(bytes(p) for p in parts)))
-
-    def notify(self, name: str, frame: bytes) -> None:
-        self.send([frame])
-
-    def close(self) -> None:
-        self.closed = True
-
-
 def session(**settings):
     from tensorshare_server import ServerConfig
     from tensorshare_server.session import ServerSession, ServerState
 
     state = settings.pop("state", None) or ServerState.create(ServerConfig(**settings))
-    outbox = Outbox()
+    outbox = CollectingOutbox()
     s = ServerSession(state, outbox, "peer")
     s.connection_made()
     return s, outbox

@@ -488,26 +488,16 @@ def test_paths_from_the_peer_cannot_leave_their_area(relative):
 def test_shared_memory_is_offered_to_same_host_peers_only(tmp_path):
     from tensorshare_server.config import ServerConfig
     from tensorshare_server.session import ServerSession, ServerState
-    from tensorshare.wire.frames import FrameDecoder
+    from wiretools import CollectingOutbox
 
     state = ServerState.create(ServerConfig(shm_dir=str(tmp_path)))
     try:
         for same_host in (False, True):
-            sent: list = []
-
-            class Outbox:
-                congested = False
-
-                def send(self, parts, on_abandon=None):
-                    sent.append(b"".join(bytes(p) for p in parts))
-
-                def close(self):
-                    pass
-
-            session = ServerSession(state, Outbox(), same_host=same_host)
+            outbox = CollectingOutbox()
+            session = ServerSession(state, outbox, same_host=same_host)
             session.connection_made()
-            [greeting] = FrameDecoder().feed(sent[0])
-            assert ("shm" in greeting.header) == same_host
+            [greeting] = outbox.headers
+            assert ("shm" in greeting) == same_host
             session.connection_lost()
     finally:
         state.storage.close()
@@ -561,29 +551,14 @@ def test_session_refers_only_to_same_host_peers_and_pins_until_released(tmp_path
     """The sans-IO session: references for a same-host peer that asks, bytes otherwise;
     referenced files stay until the reply is released."""
     from tensorshare.connection import request_frame
-    from tensorshare.wire.frames import FrameDecoder
     from tensorshare_server.config import ServerConfig
+    from wiretools import CollectingOutbox
     from tensorshare_server.session import ServerSession, ServerState
 
     state = ServerState.create(ServerConfig(shm_dir=str(tmp_path), zero_copy_min=0))
 
-    class Outbox:
-        congested = False
-
-        def __init__(self):
-            self.frames, self.decoder = [], FrameDecoder()
-
-        def send(self, parts, on_abandon=None):
-            self.frames.extend(self.decoder.feed(b"".join(bytes(p) for p in parts)))
-
-        def notify(self, name, frame):
-            self.send([frame])
-
-        def close(self):
-            pass
-
     def session(same_host: bool):
-        out = Outbox()
+        out = CollectingOutbox()
         s = ServerSession(state, out, same_host=same_host)
         s.connection_made()
         return s, out

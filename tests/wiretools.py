@@ -68,6 +68,31 @@ def raw_frame(rid, op, name=None, value=None, tag=None) -> bytes:
     return b"".join(bytes(p) for p in parts)
 
 
+class CollectingOutbox:
+    """A session's outbox for sans-IO tests: keeps every frame it is given, decoded.
+
+    ``congested`` is what the flow-control tests set by hand; the others leave it off."""
+
+    def __init__(self):
+        self.congested = False
+        self.closed = False
+        self.frames: list = []
+        self._decoder = FrameDecoder()
+
+    @property
+    def headers(self) -> list[dict]:
+        return [frame.header for frame in self.frames]
+
+    def send(self, parts, on_abandon=None) -> None:
+        self.frames.extend(self._decoder.feed(b"".join(bytes(p) for p in parts)))
+
+    def notify(self, name: str, frame: bytes) -> None:
+        self.send([frame])
+
+    def close(self) -> None:
+        self.closed = True
+
+
 class StrictTransport:
     """A transport that, like Twisted's TCP one, takes only bytes, buffers what the
     'socket' has not taken and pauses its producer past ``buffer_size`` bytes."""
