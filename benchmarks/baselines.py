@@ -10,8 +10,9 @@
 * the original tensorshare's approach: ``torch.save`` + a raw socket + ``torch.load``;
 * Redis (redis-py against a private redis-server) and ``torch.distributed.TCPStore``.
 
-Functions return seconds per run (lists) or :class:`~.stats.LatencyRuns`; the
-section modules turn them into figures.
+Functions return seconds per run (lists), or the calls to time (small round trips,
+which the section times in turns with ours); the section modules turn them into
+figures.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from __future__ import annotations
 import io
 import socket
 import time
+from typing import Callable
 
 import numpy as np
 import torch
 
 from .procs import PeerMissing, RedisServer, Worker
-from .stats import LatencyRuns, latency_runs, time_runs
+from .stats import time_runs
 
 _LEN_BYTES = 8
 TCPSTORE_MAX_VALUE = 8 << 20  # the libuv TCPStore server drops the connection above 8 MiB
@@ -140,7 +142,8 @@ class RawEcho:
     def __init__(self):
         self.worker, self.sock = _worker_socket("echo")
 
-    def latency(self, ops: int, runs: int, warmup_ops: int) -> LatencyRuns:
+    def round_trip(self) -> Callable[[], None]:
+        """One 64-byte round trip, as a call to time."""
         msg, buf = b"x" * 64, bytearray(64)
         view = memoryview(buf)
 
@@ -148,7 +151,7 @@ class RawEcho:
             self.sock.sendall(msg)
             _recv_exact(self.sock, view)
 
-        return latency_runs(rt, ops, runs, warmup_ops)
+        return rt
 
     def close(self) -> None:
         _hang_up(self.sock, self.worker)
@@ -218,11 +221,10 @@ class RedisPeer:
         self.r.delete(*values)
         return sets, gets
 
-    def small_latency(self, ops: int, runs: int, warmup_ops: int) -> tuple[LatencyRuns, LatencyRuns]:
+    def small_calls(self) -> tuple[Callable[[], object], Callable[[], object]]:
+        """SET and GET of 64 bytes, as calls to time."""
         value = bytes(64)
-        set_ = latency_runs(lambda: self.r.set("bench:small", value), ops, runs, warmup_ops)
-        get_ = latency_runs(lambda: self.r.get("bench:small"), ops, runs, warmup_ops)
-        return set_, get_
+        return lambda: self.r.set("bench:small", value), lambda: self.r.get("bench:small")
 
     def pipelined_rpush_rates(self, n: int, runs: int, warmup: int, batch: int = 256) -> list[float]:
         """RPUSH of 64 bytes per second, ``batch`` commands per pipeline round trip."""
@@ -274,11 +276,11 @@ class TCPStorePeer:
         self.store.delete_key("big")
         return sets, gets
 
-    def small_latency(self, ops: int, runs: int, warmup_ops: int) -> tuple[LatencyRuns, LatencyRuns]:
+    def small_calls(self) -> tuple[Callable[[], object], Callable[[], object]]:
+        """set and get of 64 bytes, as calls to time."""
         value = bytes(64)
-        set_ = latency_runs(lambda: self.store.set("small", value), ops, runs, warmup_ops)
-        get_ = latency_runs(lambda: self.store.get("small"), ops, runs, warmup_ops)
-        return set_, get_
+        self.store.set("small", value)
+        return lambda: self.store.set("small", value), lambda: self.store.get("small")
 
     def close(self) -> None:
         self.store = self.master = None

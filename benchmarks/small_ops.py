@@ -2,7 +2,8 @@
 
 Round-trip latency (median and p99 of many ops, per run; the figure is the median
 over runs) of ``Client.put``/``peek`` of a 16-element float32 tensor, beside a raw
-socket echo, redis-py SET/GET and TCPStore set/get of 64 bytes.  Then pipelined
+socket echo, redis-py SET/GET and TCPStore set/get of 64 bytes, all measured in
+turns, run by run.  Then pipelined
 small appends per second: ``Client.submit('APPEND', ...)`` counting completions in
 callbacks, and ``AsyncClient`` with many Deferreds in flight (in a worker process
 with its own reactor), beside redis-py pipelined RPUSH.
@@ -22,7 +23,7 @@ from .baselines import RawEcho
 from .procs import Server, Worker
 from .profiles import Profile
 from .record import Recorder
-from .stats import LatencyRuns, Sample, latency_runs
+from .stats import LatencyRuns, Sample, interleaved_latency_runs
 
 US = 1e6
 
@@ -75,31 +76,34 @@ def run(rec: Recorder, p: Profile, peers) -> None:
         server = Server()
         client = Client("127.0.0.1", server.port, timeout=p.client_timeout_s)
         echo = RawEcho()
-        _latency_figures(rec, "small.raw", "raw socket echo 64 B round trip", echo.latency(ops, runs, warm_ops),
-                         baseline=True)
-        echo.close()
-        echo = None
+        calls = {"small.raw": echo.round_trip()}
         redis = peers.redis(rec, "Redis SET/GET 64 B latency")
         if redis is not None:
-            set_, get_ = redis.small_latency(ops, runs, warm_ops)
-            _latency_figures(rec, "small.redis_set", "redis-py SET 64 B", set_, baseline=True)
-            _latency_figures(rec, "small.redis_get", "redis-py GET 64 B", get_, baseline=True)
+            calls["small.redis_set"], calls["small.redis_get"] = redis.small_calls()
         store = peers.tcpstore(rec, "TCPStore set/get 64 B latency")
         if store is not None:
-            set_, get_ = store.small_latency(ops, runs, warm_ops)
-            _latency_figures(rec, "small.tcpstore_set", "TCPStore set 64 B", set_, baseline=True,
-                             note="set does not wait for a reply")
-            _latency_figures(rec, "small.tcpstore_get", "TCPStore get 64 B", get_, baseline=True)
-
+            calls["small.tcpstore_set"], calls["small.tcpstore_get"] = store.small_calls()
         client.put("bench-small", value)
-        _latency_figures(rec, "small.put", "Client.put 16 x float32",
-                         latency_runs(lambda: client.put("bench-small", value), ops, runs, warm_ops),
+        calls["small.put"] = lambda: client.put("bench-small", value)
+        calls["small.peek"] = lambda: client.peek("bench-small")
+        calls["small.ping"] = lambda: client.ping()
+        # In turns, run by run: a change in the machine's load hits ours and the peers' alike.
+        lat = interleaved_latency_runs(calls, ops, runs, warm_ops)
+        echo.close()
+        echo = None
+        _latency_figures(rec, "small.raw", "raw socket echo 64 B round trip", lat["small.raw"], baseline=True)
+        if redis is not None:
+            _latency_figures(rec, "small.redis_set", "redis-py SET 64 B", lat["small.redis_set"], baseline=True)
+            _latency_figures(rec, "small.redis_get", "redis-py GET 64 B", lat["small.redis_get"], baseline=True)
+        if store is not None:
+            _latency_figures(rec, "small.tcpstore_set", "TCPStore set 64 B", lat["small.tcpstore_set"], baseline=True,
+                             note="set does not wait for a reply")
+            _latency_figures(rec, "small.tcpstore_get", "TCPStore get 64 B", lat["small.tcpstore_get"], baseline=True)
+        _latency_figures(rec, "small.put", "Client.put 16 x float32", lat["small.put"],
                          vs=["small.redis_set", "small.tcpstore_get", "small.raw"])
-        _latency_figures(rec, "small.peek", "Client.peek 16 x float32",
-                         latency_runs(lambda: client.peek("bench-small"), ops, runs, warm_ops),
+        _latency_figures(rec, "small.peek", "Client.peek 16 x float32", lat["small.peek"],
                          vs=["small.redis_get", "small.tcpstore_get", "small.raw"])
-        _latency_figures(rec, "small.ping", "Client.ping (NOOP)",
-                         latency_runs(lambda: client.ping(), ops, runs, warm_ops), vs=["small.raw"])
+        _latency_figures(rec, "small.ping", "Client.ping (NOOP)", lat["small.ping"], vs=["small.raw"])
 
         # -- pipelined appends
         n, pruns = p.pipelined_ops, p.pipelined_runs

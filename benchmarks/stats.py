@@ -107,6 +107,26 @@ def latency_runs(fn: Callable[[], object], ops: int, runs: int, warmup_ops: int)
     return LatencyRuns(Sample.of(meds), Sample.of(p99s))
 
 
+def interleaved_latency_runs(fns: dict[str, Callable[[], object]], ops: int, runs: int,
+                             warmup_ops: int) -> dict[str, LatencyRuns]:
+    """:func:`latency_runs` of several operations, measured in turns: each run times
+    ``ops`` calls of every operation, starting each run with the next one, so that a
+    change in the machine's load (a noisy neighbour, a busy core) falls on all of
+    them alike instead of on whichever was measured at that moment."""
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup_ops):
+            fns[name]()
+    meds: dict[str, list] = {name: [] for name in names}
+    p99s: dict[str, list] = {name: [] for name in names}
+    for r in range(runs):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            lat = per_op_latencies(fns[name], ops)
+            meds[name].append(median(lat))
+            p99s[name].append(percentile(lat, 99))
+    return {name: LatencyRuns(Sample.of(meds[name]), Sample.of(p99s[name])) for name in names}
+
+
 def gbps(nbytes: int) -> Callable[[float], float]:
     """Seconds -> GB/s (10^9 bytes per second) for a transfer of ``nbytes``."""
     return lambda seconds: nbytes / seconds / 1e9

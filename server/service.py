@@ -33,6 +33,7 @@ except ImportError:
 _LARGE_READ = 1 << 20  # recv size while a large payload streams in
 _SMALL_READ = 1 << 16  # recv size otherwise (Twisted's default)
 _DIRECT_MAX = 64 << 10  # most bytes of small parts sent in one direct send()
+_HOLD_MAX = 32  # most frames held back while a read is handled (see FrameWriter)
 _LARGE_SEND = 4 << 20  # most bytes Twisted passes to one send() (its default: 128 KiB)
 _STALL_POLLS = 4  # looks per stall timeout at a congested connection's progress
 
@@ -50,7 +51,10 @@ class FrameWriter:
     ``transport.write`` as before, so order, backpressure and error handling stay
     Twisted's.  While the protocol is inside ``dataReceived`` the writer holds its
     frames (:meth:`hold`/:meth:`release`), so the replies to a pipelined batch of
-    requests leave in one system call.
+    requests leave together, in one system call per ``_HOLD_MAX`` frames: a client
+    starts on the first replies while the rest are handled (holding a whole 64 KiB
+    read's worth made client and server take turns; 32 at a time raised pipelined
+    AsyncClient appends from about 17,000/s to 24,000-35,000/s here).
 
     What waits in the queue is accounted in an :class:`~.flow.OutboundBudget`
     (see :mod:`.flow`).  While it is congested, a notification replaces the one
@@ -132,10 +136,11 @@ class FrameWriter:
             self._finish_close()
 
     def _enqueue(self, entry: list) -> None:
-        self._queue.append(entry)
+        queue = self._queue
+        queue.append(entry)
         if self.budget.charge(entry[0]):
             self._on_congested()
-        if not self._holding and not self._paused:
+        if (not self._holding or len(queue) >= _HOLD_MAX) and not self._paused:
             self._pump()
 
     def _drop(self, entry: list) -> None:

@@ -288,7 +288,7 @@ def item_table(header: dict, payload_len: int) -> list[tuple[Any, int, Any]]:
 
 def decode_items(header: dict, payload, payload_len: int, device: Any = None,
                  limits: DecodeLimits = DEFAULT_LIMITS, areas: Any = None) -> list:
-    """The values of an ITEMS (226) reply; their arrays view the one payload tensor, or,
+    """The values of an ITEMS (226) reply; their arrays view the one payload buffer, or,
     for items the reply refers to, the server's files mapped copy-on-write (``areas``)."""
     values, base = [], 0
     for blob, size, ref in item_table(header, payload_len):

@@ -103,6 +103,25 @@ def test_writer_hands_only_bytes_and_keeps_frames_whole_in_order():
     assert writer.budget.queued == 0 and events == []
 
 
+def test_a_long_pipelined_batch_starts_leaving_before_it_is_all_handled():
+    """While a read is handled replies are held back to leave together, but not
+    indefinitely: the client can start on the first ones while the server works on
+    the rest (a pipeline, not a ping-pong of whole batches)."""
+    writer, transport, _ = make_writer(limit=1 << 20, buffer_size=1 << 20)
+    writer.hold()
+    writer.send(reply(1))
+    transport.drain()
+    assert transport.frames() == []  # held
+    for rid in range(2, 101):
+        writer.send(reply(rid))
+    transport.drain()
+    early = len(transport.frames())
+    assert 0 < early < 100
+    writer.release()
+    transport.drain()
+    assert [h["id"] for h in transport.frames()] == list(range(1, 101))
+
+
 def test_notifications_are_coalesced_only_while_congested():
     writer, transport, events = make_writer(limit=2000, buffer_size=10)
     writer.send(reply(1))  # fills the transport: the writer is paused from here on

@@ -250,6 +250,24 @@ def test_pipelining_from_many_threads(server):
         assert mine == list(range(per_thread))
 
 
+def test_runs_of_non_blocking_calls_share_one_reader_thread_that_close_ends(server):
+    """The background reader outlives a moment with no call in flight (starting a
+    thread per burst cost more than the calls), and close() ends it at once."""
+    c = tensorshare.Client("127.0.0.1", server.port, timeout=30)
+    readers = []
+    for burst in range(20):
+        done = threading.Event()
+        c.submit("APPEND", "linger", burst, lambda result, error: done.set())
+        assert done.wait(10)
+        readers.extend(t for t in threading.enumerate() if t.name == "tensorshare-reader" and t not in readers)
+    assert len(readers) == 1 and readers[0].is_alive()
+    assert len(c.get("linger")) == 20
+    start = time.monotonic()
+    c.close()
+    readers[0].join(5)
+    assert not readers[0].is_alive() and time.monotonic() - start < 1.0
+
+
 def test_timeout_raises(server):
     # Over TCP, where 64 MiB takes longer than the timeout (by reference it may not).
     with tensorshare.Client("127.0.0.1", server.port, zero_copy=False) as c:

@@ -1173,8 +1173,22 @@ def test_build_with_base_offset():
     assert np.shares_memory(out["n"], big.numpy())
 
 
+@pytest.mark.parametrize("nbytes", [1, 63, 64, 4096, (1 << 20) + 1])
+def test_payload_buffers_are_aligned_and_views_of_them_outlive_the_decoder(nbytes):
+    """Small payloads live in numpy's memory, large ones in torch's; both aligned,
+    and a decoded tensor keeps its payload alive on its own."""
+    buf = codec.payload_buffer(nbytes)
+    assert buf.dtype == np.uint8 and buf.shape == (nbytes,) and buf.__array_interface__["data"][0] % ALIGN == 0
+    value = torch.arange(nbytes // 8 or 1, dtype=torch.float64)
+    data = wire.dumps(value)
+    (frame,) = FrameDecoder(frames.buffer_sink).feed(data)
+    out = value_of(frame)
+    del frame
+    assert torch.equal(out.clone(), value)
+
+
 def test_buffer_sink_receives_in_place():
-    """get_buffer() lends the payload tensor itself, so recv_into writes there directly."""
+    """get_buffer() lends the payload array itself, so recv_into writes there directly."""
     value = torch.arange(1000, dtype=torch.int32)
     data = wire.dumps(value)
     payload_len = codec.encode(value).nbytes
@@ -1185,7 +1199,7 @@ def test_buffer_sink_receives_in_place():
     where = addr(buf)
     buf[:] = data[len(data) - payload_len :]
     (frame,) = dec.buffer_updated(payload_len)
-    assert frame.payload.data_ptr() == where and where % ALIGN == 0
+    assert frame.payload.__array_interface__["data"][0] == where and where % ALIGN == 0
     out = value_of(frame)
     assert out.data_ptr() == where
     assert torch.equal(out, value)

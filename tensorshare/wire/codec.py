@@ -36,7 +36,7 @@ from .description import (
 from .dtypes import NUMPY_WIDTHS, TORCH_WIDTHS
 
 __all__ = [
-    "encode", "Encoded", "build", "assemble", "array_view", "empty_payload", "as_payload_tensor", "TORCH_DTYPES", "NUMPY_DTYPES",
+    "encode", "Encoded", "build", "assemble", "array_view", "empty_payload", "payload_buffer", "as_payload_tensor", "TORCH_DTYPES", "NUMPY_DTYPES",
     # re-exported from .description, so that one module names the whole codec
     "ALIGN", "DecodeLimits", "DEFAULT_LIMITS", "Description", "ArraySpec", "parse_description",
     "check_description", "align_up", "KIND_TORCH", "KIND_NUMPY", "MAX_DIMS",
@@ -179,10 +179,19 @@ def _torch_bytes(t: torch.Tensor) -> tuple[int, str, list[int], memoryview]:
         raise EncodeError(f"tensors may have at most {MAX_DIMS} dimensions, not {t.dim()}")
     if t.requires_grad:
         t = t.detach()
-    if (t.is_cpu and t.dtype in _BUFFER_DTYPES and t.is_contiguous() and not t.is_conj()
-            and not t.is_neg() and t.numel() and t.dim() <= _BUFFER_MAX_DIMS):
+    if t.is_cpu and t.dtype in _BUFFER_DTYPES and t.dim() <= _BUFFER_MAX_DIMS and t.is_contiguous():
         # Fast path, the usual case: the tensor's own memory as bytes, no torch op.
-        return KIND_TORCH, name, list(t.shape), memoryview(t.numpy()).cast("B")
+        # numpy() refuses a tensor with its conjugate or negative bit set, so it is
+        # the only check made for those: torch releases the GIL in each such call,
+        # and with other threads waiting for it each release costs a thread switch
+        # (measured: is_conj() and is_neg() took 36 us each beside a busy thread).
+        try:
+            array = t.numpy()
+        except RuntimeError:
+            pass  # a lazy conjugation or negation: resolved below
+        else:
+            if array.size:
+                return KIND_TORCH, name, list(t.shape), memoryview(array).cast("B")
     if t.device.type != "cpu":
         try:
             t = t.to("cpu")
@@ -240,16 +249,16 @@ def encode(value: Any, *, limits: DecodeLimits = DEFAULT_LIMITS) -> Encoded:
 # --------------------------------------------------------------------------- decode
 
 
-def build(desc: Description, payload: torch.Tensor, base: int = 0, device: Any = None) -> Any:
+def build(desc: Description, payload: np.ndarray | torch.Tensor, base: int = 0, device: Any = None) -> Any:
     """Build the value of ``desc`` with arrays viewing ``payload[base:]``.
 
-    ``payload`` is a 1-D uint8 CPU tensor whose storage is ALIGN-aligned at ``base``.
+    ``payload`` is a 1-D uint8 numpy array or CPU tensor, ALIGN-aligned at ``base``.
     Tensors are moved to ``device`` if one is given; numpy arrays stay on the CPU.
     """
     if desc.arrays:
         # Slicing and viewing a numpy twin of the payload costs a fraction of the
         # same torch ops; the arrays still view the payload's memory.
-        flat = payload.numpy()
+        flat = payload if isinstance(payload, np.ndarray) else payload.numpy()
         arrays = [array_view(spec, flat, base + spec.offset, device) for spec in desc.arrays]
     else:
         arrays = []
@@ -291,6 +300,24 @@ def array_view(spec: ArraySpec, flat: np.ndarray, start: int, device: Any = None
     if device is not None:
         tensor = tensor.to(device)
     return tensor
+
+
+_SMALL_PAYLOAD = 1 << 20  # payload_buffer() takes numpy's memory up to this size, torch's above
+
+
+def payload_buffer(nbytes: int) -> np.ndarray:
+    """A new 1-D uint8 array of ``nbytes``, ALIGN-aligned, to receive a payload into.
+
+    A small one is a slice of a numpy array ALIGN bytes longer: ``torch.empty`` and
+    ``.numpy()`` cost several times as much, and each releases the GIL, which costs
+    a thread switch whenever another thread waits for it (decoding a 64-byte reply
+    took 59 us with them).  A large one views a tensor from :func:`empty_payload`.
+    """
+    if nbytes > _SMALL_PAYLOAD:
+        return empty_payload(nbytes).numpy()
+    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
+    start = -raw.__array_interface__["data"][0] % ALIGN
+    return raw[start : start + nbytes]
 
 
 def empty_payload(nbytes: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ A frame on the wire is::
 into (``get_buffer``/``buffer_updated``, the ``recv_into`` style) and returns whole
 :class:`Frame` objects.  It validates the prefix and the header before asking for a
 payload sink, so a declared size over the limit never allocates.  Where the payload
-goes is the caller's choice (:class:`BufferSink`: one preallocated tensor;
+goes is the caller's choice (:class:`BufferSink`: one preallocated array;
 :class:`SegmentSink`: the received ``bytes`` chunks kept as they are, for servers
 that only forward them).
 """
@@ -82,29 +82,30 @@ _NO_VIEW = memoryview(b"")
 
 
 class BufferSink:
-    """Receives a payload into one preallocated, aligned uint8 tensor.
+    """Receives a payload into one preallocated, aligned uint8 numpy array
+    (:func:`~.codec.payload_buffer`), which the decoded arrays then view.
 
-    (torch is imported here, not at module level: the server uses this module's
+    (The codec is imported here, not at module level: the server uses this module's
     decoder with :class:`SegmentSink` only and never needs torch.)
     """
 
-    _no_bytes = None  # shared empty tensor, made on first use
+    _no_bytes = None  # shared empty array, made on first use
 
     def __init__(self, nbytes: int):
         if nbytes:
-            from .codec import empty_payload
+            from .codec import payload_buffer
 
-            self.tensor = empty_payload(nbytes)
-            self._view = memoryview(self.tensor.numpy())
+            self.array = payload_buffer(nbytes)
+            self._view = memoryview(self.array)
         else:
-            # Most replies carry no payload; allocating an empty tensor for each one
+            # Most replies carry no payload; allocating an empty array for each one
             # costs as much as the rest of decoding the reply.  One shared empty
-            # tensor serves them all (it has no bytes to share).
+            # array serves them all (it has no bytes to share).
             if BufferSink._no_bytes is None:
-                import torch
+                from .codec import payload_buffer
 
-                BufferSink._no_bytes = torch.empty(0, dtype=torch.uint8)
-            self.tensor = BufferSink._no_bytes
+                BufferSink._no_bytes = payload_buffer(0)
+            self.array = BufferSink._no_bytes
             self._view = _NO_VIEW
         self._filled = 0
 
@@ -120,8 +121,8 @@ class BufferSink:
         self._filled += n
 
     def finish(self):
-        """The payload: a 1-D uint8 ``torch.Tensor``."""
-        return self.tensor
+        """The payload: a 1-D uint8 numpy array."""
+        return self.array
 
 
 class SegmentSink:
@@ -174,7 +175,7 @@ SinkFactory = Callable[[dict, int], Any]
 
 
 def buffer_sink(header: dict, nbytes: int) -> BufferSink:
-    """Sink factory: every payload into its own preallocated tensor."""
+    """Sink factory: every payload into its own preallocated array."""
     try:
         return BufferSink(nbytes)
     except (RuntimeError, MemoryError) as exc:  # a declared size this process cannot hold
