@@ -95,24 +95,13 @@ class LatencyRuns:
     p99s: Sample
 
 
-def latency_runs(fn: Callable[[], object], ops: int, runs: int, warmup_ops: int) -> LatencyRuns:
-    """Run ``fn`` ``warmup_ops`` times untimed, then ``runs`` runs of ``ops`` timed calls."""
-    for _ in range(warmup_ops):
-        fn()
-    meds, p99s = [], []
-    for _ in range(runs):
-        lat = per_op_latencies(fn, ops)
-        meds.append(median(lat))
-        p99s.append(percentile(lat, 99))
-    return LatencyRuns(Sample.of(meds), Sample.of(p99s))
-
-
 def interleaved_latency_runs(fns: dict[str, Callable[[], object]], ops: int, runs: int,
                              warmup_ops: int) -> dict[str, LatencyRuns]:
-    """:func:`latency_runs` of several operations, measured in turns: each run times
-    ``ops`` calls of every operation, starting each run with the next one, so that a
-    change in the machine's load (a noisy neighbour, a busy core) falls on all of
-    them alike instead of on whichever was measured at that moment."""
+    """Per-run median and p99 latency of each operation in ``fns``: ``warmup_ops``
+    untimed calls of each, then ``runs`` runs that each time ``ops`` calls of every
+    operation in turn, starting each run with the next one, so that a change in the
+    machine's load (a noisy neighbour, a busy core) falls on all of them alike
+    instead of on whichever was measured at that moment."""
     names = list(fns)
     for name in names:
         for _ in range(warmup_ops):

@@ -1179,7 +1179,7 @@ def test_payload_buffers_are_aligned_and_views_of_them_outlive_the_decoder(nbyte
     and a decoded tensor keeps its payload alive on its own."""
     buf = codec.payload_buffer(nbytes)
     assert buf.dtype == np.uint8 and buf.shape == (nbytes,) and buf.__array_interface__["data"][0] % ALIGN == 0
-    value = torch.arange(nbytes // 8 or 1, dtype=torch.float64)
+    value = torch.arange(-(-nbytes // 8), dtype=torch.float64)  # at least nbytes: the same kind of buffer
     data = wire.dumps(value)
     (frame,) = FrameDecoder(frames.buffer_sink).feed(data)
     out = value_of(frame)
