@@ -3,7 +3,9 @@
 Round-trip latency (median and p99 of many ops, per run; the figure is the median
 over runs) of ``Client.put``/``peek`` of a 16-element float32 tensor, beside a raw
 socket echo, redis-py SET/GET and TCPStore set/get of 64 bytes, all measured in
-turns, run by run.  Then pipelined
+turns, run by run.  Ours are measured as users get them (the client polls for its
+reply and the server for the next request, tensorshare/spin.py and
+server/busypoll.py) and, for comparison, with both sleeping at once.  Then pipelined
 small appends per second: ``Client.submit('APPEND', ...)`` counting completions in
 callbacks, and ``AsyncClient`` with many Deferreds in flight (in a worker process
 with its own reactor), beside redis-py pipelined RPUSH.
@@ -71,10 +73,12 @@ def run(rec: Recorder, p: Profile, peers) -> None:
     rec.begin("3. Small ops")
     ops, runs, warm_ops = p.small_ops, p.small_runs, max(p.small_ops // 5, 10) if p.warmup else 0
     value = torch.ones(16, dtype=torch.float32)
-    server = client = echo = None
+    server = client = echo = sleeper = sleepy = None
     try:
         server = Server()
         client = Client("127.0.0.1", server.port, timeout=p.client_timeout_s)
+        sleeper = Server("--busy-poll", "0")
+        sleepy = Client("127.0.0.1", sleeper.port, timeout=p.client_timeout_s, spin=0)
         echo = RawEcho()
         calls = {"small.raw": echo.round_trip()}
         redis = peers.redis(rec, "Redis SET/GET 64 B latency")
@@ -87,6 +91,9 @@ def run(rec: Recorder, p: Profile, peers) -> None:
         calls["small.put"] = lambda: client.put("bench-small", value)
         calls["small.peek"] = lambda: client.peek("bench-small")
         calls["small.ping"] = lambda: client.ping()
+        sleepy.put("bench-small", value)
+        calls["small.put_sleep"] = lambda: sleepy.put("bench-small", value)
+        calls["small.peek_sleep"] = lambda: sleepy.peek("bench-small")
         # In turns, run by run: a change in the machine's load hits ours and the peers' alike.
         lat = interleaved_latency_runs(calls, ops, runs, warm_ops)
         echo.close()
@@ -104,6 +111,10 @@ def run(rec: Recorder, p: Profile, peers) -> None:
         _latency_figures(rec, "small.peek", "Client.peek 16 x float32", lat["small.peek"],
                          vs=["small.redis_get", "small.tcpstore_get", "small.raw"])
         _latency_figures(rec, "small.ping", "Client.ping (NOOP)", lat["small.ping"], vs=["small.raw"])
+        _latency_figures(rec, "small.put_sleep", "Client.put, no polling (spin=0, --busy-poll 0)",
+                         lat["small.put_sleep"], vs=["small.redis_set", "small.put"])
+        _latency_figures(rec, "small.peek_sleep", "Client.peek, no polling (spin=0, --busy-poll 0)",
+                         lat["small.peek_sleep"], vs=["small.redis_get", "small.peek"])
 
         # -- pipelined appends
         n, pruns = p.pipelined_ops, p.pipelined_runs
@@ -125,11 +136,12 @@ def run(rec: Recorder, p: Profile, peers) -> None:
                    Sample.of(result["rates"]), "ops/s", vs=["pipe.redis"],
                    chart={"name": "pipelined", "series": "ops/s", "x": "AsyncClient"})
     finally:
-        for thing in (echo, client):
+        for thing in (echo, client, sleepy):
             if thing is not None:
                 thing.close()
-        if server is not None:
-            server.stop()
+        for proc in (server, sleeper):
+            if proc is not None:
+                proc.stop()
 
     rec.goal_ratio("Client.put median latency <= 1.0x redis-py SET", "small.put.median", "small.redis_set.median",
                    "<=", 1.0)

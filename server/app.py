@@ -16,6 +16,7 @@ from twisted.internet.threads import blockingCallFromThread
 from tensorshare.auth import MIN_TOKEN_CHARS
 from tensorshare.errors import UsageError
 
+from . import busypoll
 from .config import ServerConfig
 from .disk import ThreadJobs
 from .service import TensorShareFactory
@@ -60,6 +61,7 @@ def listen(config: ServerConfig):
         state.storage.close()
         raise
     port.jobs = jobs
+    factory.busy_poll = port.busy_poll = busypoll.acquire(reactor, config.busy_poll)
     return port
 
 
@@ -70,6 +72,8 @@ def _shut(port) -> None:
     factory.disconnect_all()
     port.jobs.stop()
     factory.state.storage.close()
+    busypoll.release(port.busy_poll)
+    factory.busy_poll = None
 
 
 def run_server(port: int = 8000, host: str = "127.0.0.1", **settings) -> None:
@@ -77,8 +81,10 @@ def run_server(port: int = 8000, host: str = "127.0.0.1", **settings) -> None:
 
     ``port=0`` picks a free port; the chosen one is printed as
     ``tensorshare-server listening on HOST:PORT``.  ``settings`` are the fields of
-    :class:`ServerConfig` (limits).
+    :class:`ServerConfig` (limits); ``busy_poll`` defaults to
+    :data:`~.busypoll.DEFAULT_WINDOW` here, as the process serves and does nothing else.
     """
+    settings.setdefault("busy_poll", busypoll.DEFAULT_WINDOW)  # this process is the server's own
     config = ServerConfig(host=host, port=port, **settings)
     _tune_malloc()
     bound = listen(config)
@@ -230,6 +236,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Na
     shm.add_argument("--zero-copy-min", type=_size, default=ServerConfig.zero_copy_min,
                      help="smallest item (payload bytes, more for items of many arrays) passed by reference; "
                           "clients put values through shared memory from 4x this; smaller ones travel over TCP")
+    parser.add_argument("--busy-poll", type=float, default=busypoll.DEFAULT_WINDOW, metavar="SECONDS",
+                        help="keep polling this long after a request before sleeping: a quicker answer to a "
+                             "client's next request, for CPU time (default %(default)s; 0: sleep at once)")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING...")
     _add_security_arguments(parser)
     args = parser.parse_args(argv)

@@ -42,10 +42,16 @@ class ServerConfig:
     # seconds it is disconnected.
     max_outbound: int = 64 << 20
     outbound_stall_timeout: float = 60.0
+    # Seconds the reactor keeps polling after a request before it sleeps
+    # (server/busypoll.py): a quicker reply to the next request, for CPU.  Off
+    # here (an embedded server shares its process); run_server turns it on.
+    busy_poll: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_outbound < 1:
             raise ValueError("max_outbound must be at least 1 byte")
+        if not 0 <= self.busy_poll <= 0.1:
+            raise ValueError("busy_poll must be 0 (off) to 0.1 seconds")
         if not self.outbound_stall_timeout > 0:
             raise ValueError("outbound_stall_timeout must be a positive number of seconds")
 

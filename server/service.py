@@ -17,6 +17,7 @@ from typing import Callable
 from twisted.internet import interfaces, protocol, reactor, task, tcp
 from zope.interface import implementer
 
+from .busypoll import BusyPoll
 from .flow import OutboundBudget
 from .session import ServerSession, ServerState
 
@@ -345,6 +346,9 @@ class TensorShareProtocol(protocol.Protocol):
         self.session.connection_made()
 
     def dataReceived(self, data: bytes) -> None:
+        busy = self.factory.busy_poll
+        if busy is not None:
+            busy.note_request()
         writer = self.writer
         writer.hold()
         try:
@@ -436,6 +440,7 @@ class TensorShareFactory(protocol.Factory):
         self.clock = clock if clock is not None else reactor  # callLater/seconds, for flow control
         self.live: set[TensorShareProtocol] = set()
         self._ticker: task.LoopingCall | None = None  # applies the sessions' time limits
+        self.busy_poll: BusyPoll | None = None  # told of each read of requests (server/busypoll.py)
 
     def startFactory(self) -> None:
         interval = self.state.config.tick_interval

@@ -31,6 +31,7 @@ import socket
 import ssl
 import threading
 import time
+from functools import partial
 from typing import Any, Callable
 
 from . import protocol
@@ -43,6 +44,8 @@ from .errors import (
     AuthenticationError, ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UntrustedServerError,
     UsageError, ZeroCopyError, ZeroCopyUnavailableError,
 )
+from .spin import DEFAULT_LIMIT as DEFAULT_SPIN
+from .spin import ReplySpin
 from .tls import TLSSettings
 from .wire.codec import Encoded, encode
 from .wire.frames import Frame
@@ -136,15 +139,21 @@ class Client:
     there once and the server takes the files over, ``get``/``peek`` return tensors
     that map the server's files copy-on-write (changing them changes nothing
     stored).  ``zero_copy=False`` sends everything over TCP.
+
+    A call waiting for its reply polls the socket for up to ``spin`` seconds
+    before it sleeps, while recent replies came within that time (see
+    :mod:`.spin`): a quick reply then costs no thread wake-up.  ``spin=0`` always
+    sleeps at once.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, timeout: float | None = 60.0, *,
                  connect_timeout: float = 10.0, device: Any = None, reconnect: bool = True,
                  max_backoff: float = 2.0, token: str | bytes | None = None, tls: bool | None = None,
                  tls_ca: str | None = None, tls_fingerprint: str | None = None, keepalive: float | None = 15.0,
-                 zero_copy: bool = True):
+                 zero_copy: bool = True, spin: float = DEFAULT_SPIN):
         self.host, self.port = host, port
         self.zero_copy = zero_copy
+        self._spin = ReplySpin(spin)  # used by the thread reading for its own reply
         self._releases: list[int] = []  # 226 replies whose references we mapped: told to the server
         self._release_lock = threading.Lock()
         self.timeout = timeout
@@ -588,14 +597,15 @@ class Client:
                     result = self._replies.pop(rid, None)
                 if result is not None:
                     return _raise_or_return(result)
-                self._read_some(deadline)
+                self._read_some(deadline, spin=True)
         finally:
             with self._cond:
                 self._reading = False
                 self._cond.notify_all()
 
-    def _read_some(self, deadline: float | None) -> None:
-        """Read once from the socket and dispatch the frames it completes (leader only)."""
+    def _read_some(self, deadline: float | None, spin: bool = False) -> None:
+        """Read once from the socket and dispatch the frames it completes (leader only;
+        ``spin``: a caller waiting for its own reply, who may poll before sleeping)."""
         with self._cond:  # these change together on (re)connection
             sock, conn, readable, writable = self._sock, self._conn, self._readable, self._writable
         if sock is None:
@@ -604,7 +614,14 @@ class Client:
         until = deadline if wake is None or (deadline is not None and deadline <= wake) else wake
         try:
             if self._ssl_context is None:
-                _wait(readable, until)
+                if not spin:
+                    _wait(readable, until)
+                else:
+                    within = None if until is None else until - time.monotonic()
+                    started = self._spin.poll(partial(readable.poll, 0), within)
+                    if started is not None:  # not there yet: sleep until it is
+                        _wait(readable, until)
+                        self._spin.waited(started)
                 n = sock.recv_into(conn.decoder.get_buffer())
             else:
                 n = self._recv_tls(sock, conn.decoder.get_buffer(), readable, writable, until)

@@ -1,0 +1,83 @@
+"""Adaptive busy-polling for a reply that is about to arrive.
+
+A thread that sleeps in ``poll()`` while its reply is on the way pays for being
+woken when the reply comes: the kernel must wake it, and on a virtual machine
+whose CPU went idle the hypervisor must first resume that CPU.  Measured here
+(2-vCPU VM, loopback), that wake-up was about 80 us of a 250-330 us small
+round trip.  A caller that polls without sleeping for a short while, instead,
+sees the reply as soon as it lands.
+
+Polling burns the CPU it waits on, so :class:`ReplySpin` only does it while it
+pays: it keeps a running estimate of how long replies have taken to come and
+polls (for at most ``limit`` seconds) only while that estimate is within the
+limit.  Replies that take longer (large transfers, a slow network, a busy
+server) make it fall back to sleeping at once, and the estimate, still updated
+from the sleeping waits, brings polling back when replies are quick again.  It
+never polls on a machine that lets this process use a single CPU, where polling
+would take the CPU from the very server it waits for.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable
+
+DEFAULT_LIMIT = 0.0005  # seconds: a loopback or LAN round trip of a small request fits well within it
+_WEIGHT = 8  # the estimate moves 1/_WEIGHT of the way to each new wait time
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+class ReplySpin:
+    """When and how long to poll for a reply before sleeping (see the module docstring).
+
+    ``limit`` is the most seconds one wait polls; 0 (or a single usable CPU) turns
+    polling off.  Not thread-safe: one reading thread at a time uses it (the
+    client's leader).
+    """
+
+    def __init__(self, limit: float = DEFAULT_LIMIT, cpus: int | None = None):
+        if limit < 0:
+            raise ValueError("the spin limit cannot be negative")
+        if (usable_cpus() if cpus is None else cpus) < 2:
+            limit = 0.0
+        self.limit = limit
+        self.estimate = 0.0  # seconds recent replies took to come (moving average)
+
+    @property
+    def active(self) -> bool:
+        """Whether the next wait polls before sleeping."""
+        return self.limit > 0 and self.estimate <= self.limit
+
+    def poll(self, ready: Callable[[], object], within: float | None = None,
+             clock: Callable[[], float] = time.perf_counter) -> float | None:
+        """Poll ``ready()`` (a non-blocking check) until it is true, the limit passes
+        or ``within`` seconds (the caller's deadline) pass.
+
+        Returns the time polling started if it should go on to sleep (not ready, or
+        polling is off), else None; pass that time to :meth:`waited` once the
+        sleeping wait is over."""
+        start = clock()
+        if self.active and (within is None or within > 0):
+            end = start + (self.limit if within is None else min(self.limit, within))
+            while True:
+                if ready():
+                    self._note(clock() - start)
+                    return None
+                if clock() >= end:
+                    break
+        return start
+
+    def waited(self, start: float, clock: Callable[[], float] = time.perf_counter) -> None:
+        """A sleeping wait that began (with polling) at ``start`` is over: learn from it."""
+        self._note(clock() - start)
+
+    def _note(self, seconds: float) -> None:
+        self.estimate += (seconds - self.estimate) / _WEIGHT

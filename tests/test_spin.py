@@ -1,0 +1,228 @@
+"""Polling before sleeping: the client's ReplySpin and the server's BusyPoll."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tensorshare.spin as spin
+import tensorshare_server.busypoll as busypoll
+from tensorshare.spin import ReplySpin
+from tensorshare_server import ServerConfig
+from tensorshare_server.busypoll import BusyPoll
+
+
+class FakeClock:
+    """A clock that moves only when told (``step`` per reading, if set)."""
+
+    def __init__(self, step: float = 0.0):
+        self.now = 100.0
+        self.step = step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+# -------------------------------------------------------------- ReplySpin
+
+
+def test_reply_spin_polls_until_the_reply_is_there():
+    clock = FakeClock(step=10e-6)
+    checks = iter([False, False, False, True])
+    s = ReplySpin(0.001, cpus=2)
+    assert s.poll(lambda: next(checks), clock=clock) is None  # ready while polling: no sleep
+    assert next(checks, "done") == "done"  # it stopped checking at the first True
+    assert 0 < s.estimate < 0.001
+
+
+def test_reply_spin_gives_up_at_its_limit_and_learns_from_the_sleep():
+    clock = FakeClock(step=50e-6)
+    s = ReplySpin(0.0005, cpus=2)
+    calls = []
+    start = s.poll(lambda: calls.append(1), clock=clock)  # never ready
+    assert start is not None
+    assert 9 <= len(calls) <= 12  # about limit / step checks, then it goes to sleep
+    calls.clear()
+    assert s.poll(lambda: calls.append(1), within=0.0001, clock=clock) is not None
+    assert 1 <= len(calls) <= 3  # the caller's deadline comes first
+    assert s.poll(lambda: calls.append(1), within=-1, clock=clock) is not None
+    assert len(calls) <= 3  # past the deadline: straight to the wait, which raises
+    clock.step = 0
+    clock.now = start + 0.010  # the reply came 10 ms later
+    s.waited(start, clock)
+    assert s.estimate == pytest.approx(0.010 / 8)
+
+
+def test_reply_spin_stops_polling_while_replies_are_slow_and_resumes_when_quick():
+    clock = FakeClock(step=0.0001)
+    s = ReplySpin(0.0005, cpus=2)
+    for _ in range(20):  # replies take 5 ms: polling would only burn CPU
+        start = s.poll(lambda: False, clock=clock)
+        clock.now += 0.005
+        s.waited(start, clock)
+    assert not s.active
+    calls = []
+    start = s.poll(lambda: calls.append(1), clock=clock)
+    assert calls == [] and start is not None  # straight to sleep
+    for _ in range(40):  # replies are quick again (seen through sleeping waits)
+        start = s.poll(lambda: False, clock=clock)
+        if start is None:
+            break
+        clock.now += 0.0001
+        s.waited(start, clock)
+    assert s.active
+
+
+def test_reply_spin_is_off_with_a_zero_limit_or_a_single_cpu():
+    for s in (ReplySpin(0, cpus=8), ReplySpin(0.001, cpus=1)):
+        assert not s.active
+        calls = []
+        assert s.poll(lambda: calls.append(1) or True) is not None
+        assert calls == []
+    with pytest.raises(ValueError):
+        ReplySpin(-1)
+
+
+def test_client_polls_for_its_replies_and_can_be_told_not_to(server, monkeypatch):
+    import tensorshare
+
+    with tensorshare.Client("127.0.0.1", server.port, timeout=10, spin=0.002) as c:
+        c._spin = ReplySpin(0.002, cpus=2)  # whatever this machine has
+        polled = []
+        real = c._spin.poll
+        monkeypatch.setattr(c._spin, "poll", lambda *args: polled.append(1) or real(*args))
+        c.put("spin", torch.arange(4))
+        assert torch.equal(c.peek("spin")[0], torch.arange(4))
+        assert polled and c._spin.estimate > 0
+    with tensorshare.Client("127.0.0.1", server.port, timeout=10, spin=0) as c:
+        assert not c._spin.active
+        assert torch.equal(c.get("spin")[0], torch.arange(4))
+
+
+# -------------------------------------------------------------- BusyPoll
+
+
+class FakeReactor:
+    """Records doIteration calls; ``events`` maps a call number to what arrives then."""
+
+    def __init__(self, clock: FakeClock):
+        self.clock = clock
+        self.threadCallQueue: list = []
+        self.calls: list = []
+        self.on_poll = None  # called for each zero-timeout poll
+
+    def doIteration(self, timeout):
+        self.calls.append(timeout)
+        if timeout == 0 and self.on_poll is not None:
+            self.on_poll()
+
+
+def _busy(bp: BusyPoll, clock: FakeClock, n: int = 30) -> None:
+    """Requests 100 us apart, as from a client in a loop."""
+    for _ in range(n):
+        clock.now += 0.0001
+        bp.note_request()
+
+
+def test_busy_poll_sleeps_at_once_when_no_request_came_lately():
+    clock = FakeClock()
+    reactor = FakeReactor(clock)
+    bp = BusyPoll(reactor, 0.0005, clock)
+    bp.do_iteration(2.0)
+    assert reactor.calls == [2.0]
+    _busy(bp, clock)
+    clock.now += 0.001  # the window has passed
+    bp.do_iteration(None)
+    assert reactor.calls == [2.0, None]
+
+
+def test_busy_poll_polls_through_the_window_then_sleeps_for_the_rest_of_the_timeout():
+    clock = FakeClock(step=0.0001)
+    reactor = FakeReactor(clock)
+    bp = BusyPoll(reactor, 0.0005, clock)
+    _busy(bp, clock)
+    bp.do_iteration(1.0)
+    polls = reactor.calls[:-1]
+    assert polls and set(polls) == {0} and 3 <= len(polls) <= 6
+    assert 1.0 - 0.001 <= reactor.calls[-1] < 1.0  # then sleeps, minus the time spent polling
+    reactor.calls.clear()
+    bp.note_request()
+    bp.do_iteration(None)  # no timed call: sleeps without a limit after polling
+    assert reactor.calls[-1] is None and set(reactor.calls[:-1]) == {0}
+
+
+def test_busy_poll_returns_to_the_reactor_when_a_request_or_thread_work_arrives():
+    clock = FakeClock(step=0.00001)
+    reactor = FakeReactor(clock)
+    bp = BusyPoll(reactor, 0.0005, clock)
+    _busy(bp, clock)
+    reactor.on_poll = lambda: len(reactor.calls) == 3 and bp.note_request()
+    bp.do_iteration(None)
+    assert reactor.calls == [0, 0, 0]  # the third poll read a request: no sleep
+    reactor.calls.clear()
+    reactor.on_poll = lambda: reactor.threadCallQueue.append(print)  # a disk job finished
+    bp.do_iteration(None)
+    assert reactor.calls == [0]
+
+
+def test_busy_poll_only_polls_while_requests_come_close_together():
+    clock = FakeClock()
+    reactor = FakeReactor(clock)
+    bp = BusyPoll(reactor, 0.0005, clock)
+    bp.note_request()  # the first request after a pause: no polling yet
+    bp.do_iteration(None)
+    assert reactor.calls == [None]
+    _busy(bp, clock)
+    clock.step = 0.0001
+    bp.do_iteration(None)
+    assert reactor.calls[-1] is None and len(reactor.calls) > 2  # polled, then slept
+    clock.step = 0
+    for _ in range(20):  # now a request every 2 ms: polling 0.5 ms after each would be wasted
+        clock.now += 0.002
+        bp.note_request()
+    reactor.calls.clear()
+    bp.do_iteration(None)
+    assert reactor.calls == [None]
+
+
+def test_busy_poll_never_polls_past_a_due_timed_call():
+    clock = FakeClock(step=0.0001)
+    reactor = FakeReactor(clock)
+    bp = BusyPoll(reactor, 0.5, clock)
+    _busy(bp, clock)
+    bp.do_iteration(0.0003)  # a timed call is due in 0.3 ms
+    assert 2 <= len(reactor.calls) - 1 <= 4
+    assert reactor.calls[-1] == 0.0  # nothing left to wait
+
+
+def test_busy_poll_acquire_and_release_restore_the_reactor(monkeypatch):
+    clock = FakeClock()
+    reactor = FakeReactor(clock)
+    original = reactor.doIteration
+    monkeypatch.setattr(busypoll, "usable_cpus", lambda: 2)
+    assert busypoll.acquire(reactor, 0) is None
+    first = busypoll.acquire(reactor, 0.0005)
+    second = busypoll.acquire(reactor, 0.001)
+    assert first is second and first.window == 0.001
+    assert reactor.doIteration == first.do_iteration
+    busypoll.release(first)
+    assert reactor.doIteration == first.do_iteration  # one server still uses it
+    busypoll.release(second)
+    assert reactor.doIteration == original
+    monkeypatch.setattr(busypoll, "usable_cpus", lambda: 1)
+    assert busypoll.acquire(reactor, 0.0005) is None  # polling would starve the client
+
+
+def test_busy_poll_settings():
+    from tensorshare_server.app import parse_args
+
+    config, _ = parse_args([])
+    assert config.busy_poll == busypoll.DEFAULT_WINDOW  # the command serves and does nothing else
+    assert ServerConfig().busy_poll == 0  # embedded: off
+    config, _ = parse_args(["--busy-poll", "0"])
+    assert config.busy_poll == 0
+    for bad in (-0.001, 1.0):
+        with pytest.raises(ValueError):
+            ServerConfig(busy_poll=bad)
+    assert spin.usable_cpus() >= 1
