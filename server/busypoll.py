@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from tensorshare.spin import usable_cpus
+from tensorshare.spin import usable_cpus, yield_cpu
 
 DEFAULT_WINDOW = 0.0005  # seconds: covers a client's time between one reply and its next request
 _WEIGHT = 8  # the estimate of the gap between requests moves 1/_WEIGHT of the way to each new gap
@@ -77,6 +77,7 @@ class BusyPoll:
                 poll(0)
                 if self._requests != seen or queued:
                     return  # back to the reactor's loop, which runs what is due
+                yield_cpu()  # clients on this CPU go first: they are what it waits for
                 now = clock()
             if timeout is not None:
                 timeout = max(0.0, timeout - (now - start))
