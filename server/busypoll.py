@@ -6,18 +6,17 @@ machine whose CPU went idle, the hypervisor must first resume that CPU.  Measure
 here (2-vCPU VM, loopback, a client in a loop of small requests), that came to
 about 90 us of a 290-320 us round trip.  Clients in such loops send their next
 request within a few hundred microseconds of the last reply, so a reactor that
-keeps polling (``epoll_wait`` with no timeout) for ``window`` seconds after a
-request sees it at once.
+keeps polling (``epoll_wait`` with a zero timeout) for ``window`` seconds after
+a request sees it at once.
 
 The cost is CPU: after each burst of requests the reactor thread polls for up
 to ``window`` seconds before it sleeps.  So it polls only while it pays: it keeps
 a running estimate of the time between requests and polls while that estimate is
 within the window (requests that come further apart, or an idle server, sleep as
-before).  It is
-for a server in its own process (``tensorshare-server`` and ``run_server`` turn
-it on); a server embedded in a process whose other threads need the GIL leaves
-it off, and so does a process that may use a single CPU, where polling would
-take the CPU from the very client it waits for.
+before).  It is for a server in its own process (``tensorshare-server`` and
+``run_server`` turn it on); a server embedded in a process whose other threads
+need the GIL leaves it off, and so does a process that may use a single CPU,
+where polling would take the CPU from the very client it waits for.
 
 It works with any reactor that has ``doIteration`` (every select-style one):
 the reactor's own ``doIteration(0)`` is called in a loop, so events are handled
@@ -30,10 +29,9 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from tensorshare.spin import usable_cpus, yield_cpu
+from tensorshare.spin import moving_average, usable_cpus, yield_cpu
 
 DEFAULT_WINDOW = 0.0005  # seconds: covers a client's time between one reply and its next request
-_WEIGHT = 8  # the estimate of the gap between requests moves 1/_WEIGHT of the way to each new gap
 _GAP_CAP = 10  # one long pause counts as at most this many windows (so a few quick requests resume polling)
 
 
@@ -58,7 +56,7 @@ class BusyPoll:
         """Request bytes arrived: keep polling for ``window`` from now, if they come
         close enough together for that to pay."""
         now = self._clock()
-        self.gap += (min(now - self._last, _GAP_CAP * self.window) - self.gap) / _WEIGHT
+        self.gap = moving_average(self.gap, min(now - self._last, _GAP_CAP * self.window))
         self._requests += 1
         self._last = now
 

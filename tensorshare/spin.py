@@ -27,7 +27,12 @@ from typing import Callable
 yield_cpu = getattr(os, "sched_yield", lambda: None)  # give the CPU to whatever else may run
 
 DEFAULT_LIMIT = 0.0005  # seconds: a loopback or LAN round trip of a small request fits well within it
-_WEIGHT = 8  # the estimate moves 1/_WEIGHT of the way to each new wait time
+_WEIGHT = 8  # a moving average moves 1/_WEIGHT of the way to each new sample
+
+
+def moving_average(average: float, sample: float) -> float:
+    """``average`` moved towards ``sample``: the running estimates of both pollers."""
+    return average + (sample - average) / _WEIGHT
 
 
 def usable_cpus() -> int:
@@ -84,4 +89,4 @@ class ReplySpin:
         self._note(clock() - start)
 
     def _note(self, seconds: float) -> None:
-        self.estimate += (seconds - self.estimate) / _WEIGHT
+        self.estimate = moving_average(self.estimate, seconds)
