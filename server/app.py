@@ -19,7 +19,7 @@ from tensorshare.errors import UsageError
 from . import busypoll
 from .config import ServerConfig
 from .disk import ThreadJobs
-from .service import TensorShareFactory
+from .service import TensorShareFactory, listen_tcp
 from .session import ServerState
 
 log = logging.getLogger("tensorshare.server")
@@ -48,7 +48,7 @@ def listen(config: ServerConfig):
     factory = TensorShareFactory(state)
     try:
         if not config.tls_cert:
-            port = reactor.listenTCP(config.port, factory, interface=config.host)
+            port = listen_tcp(config.port, factory, config.host)
             port.tls_fingerprint = None
         else:
             from .tls import server_tls_options
@@ -61,6 +61,7 @@ def listen(config: ServerConfig):
         state.storage.close()
         raise
     port.jobs = jobs
+    port.state = state
     factory.busy_poll = port.busy_poll = busypoll.acquire(reactor, config.busy_poll)
     return port
 
@@ -152,6 +153,7 @@ class EmbeddedServer:
         self._port = blockingCallFromThread(reactor, listen, self.config)
         self.port: int = self._port.getHost().port
         self.host = host
+        self.state = self._port.state  # bins, receive pool...: read it, do not change it
         self.tls_fingerprint: str | None = self._port.tls_fingerprint  # to pin (tls_fingerprint=)
 
     def stop(self) -> None:
@@ -239,6 +241,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Na
     parser.add_argument("--busy-poll", type=float, default=busypoll.DEFAULT_WINDOW, metavar="SECONDS",
                         help="keep polling this long after a request before sleeping: a quicker answer to a "
                              "client's next request, for CPU time (default %(default)s; 0: sleep at once)")
+    parser.add_argument("--recv-pool", type=_size, default=ServerConfig.recv_pool, metavar="SIZE",
+                        help="memory that large payloads are received into and reused once their items are "
+                             "gone (default 1GiB, at most a quarter of --memory-limit; 0: fresh memory each time)")
+    parser.add_argument("--recv-pool-idle", type=_seconds, default=ServerConfig.recv_pool_idle, metavar="SECONDS",
+                        help="give receive-pool memory back to the system once it has been free this long "
+                             "(default %(default)s)")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING...")
     _add_security_arguments(parser)
     args = parser.parse_args(argv)

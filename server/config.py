@@ -46,10 +46,19 @@ class ServerConfig:
     # (server/busypoll.py): a quicker reply to the next request, for CPU.  Off
     # here (an embedded server shares its process); run_server turns it on.
     busy_poll: float = 0.0
+    # Bytes of memory that large payloads are received into and that is reused once
+    # the items in it are gone (server/recvpool.py; at most a quarter of
+    # memory_limit when that is set); 0: every payload into fresh memory.
+    recv_pool: int = 1 << 30
+    recv_pool_idle: float = 10.0  # seconds a free chunk stays in the pool before it goes back to the system
 
     def __post_init__(self) -> None:
         if self.max_outbound < 1:
             raise ValueError("max_outbound must be at least 1 byte")
+        if self.recv_pool < 0:
+            raise ValueError("recv_pool must be 0 (off) or more bytes")
+        if not 0 < self.recv_pool_idle < float("inf"):
+            raise ValueError("recv_pool_idle must be a positive number of seconds")
         if not 0 <= self.busy_poll <= 0.1:
             raise ValueError("busy_poll must be 0 (off) to 0.1 seconds")
         if not self.outbound_stall_timeout > 0:
@@ -74,6 +83,13 @@ class ServerConfig:
         """How often the time limits are checked (None: no time limit is set)."""
         limits = [t for t in (self.idle_timeout, self.auth_timeout) if t > 0]
         return min(max(min(limits) / 4, 0.05), 5.0) if limits else None
+
+    @property
+    def recv_pool_bytes(self) -> int:
+        """The receive pool's bound: ``recv_pool``, within a quarter of ``memory_limit``."""
+        if self.memory_limit is None:
+            return self.recv_pool
+        return min(self.recv_pool, self.memory_limit // 4)
 
     @property
     def frame_limits(self) -> FrameLimits:

@@ -14,7 +14,7 @@ import sys
 from collections import deque
 from typing import Callable
 
-from twisted.internet import interfaces, protocol, reactor, task, tcp
+from twisted.internet import interfaces, main, protocol, reactor, task, tcp
 from zope.interface import implementer
 
 from .busypoll import BusyPoll
@@ -36,6 +36,7 @@ _SMALL_READ = 1 << 16  # recv size otherwise (Twisted's default)
 _DIRECT_MAX = 64 << 10  # most bytes of small parts sent in one direct send()
 _HOLD_MAX = 32  # most frames held back while a read is handled (see FrameWriter)
 _LARGE_SEND = 4 << 20  # most bytes Twisted passes to one send() (its default: 128 KiB)
+_TURN_SEND = 16 << 20  # most bytes of view parts one connection sends per reactor turn
 _STALL_POLLS = 4  # looks per stall timeout at a congested connection's progress
 
 
@@ -48,9 +49,11 @@ class FrameWriter:
     reactor turn later (an epoll wait, two epoll_ctl calls and a dispatch: about a
     fifth of a small round trip here).  When the transport has nothing buffered,
     the leading small parts are sent at once with one ``send()`` on its socket;
-    whatever the kernel does not take, and every large part, goes through
-    ``transport.write`` as before, so order, backpressure and error handling stay
-    Twisted's.  While the protocol is inside ``dataReceived`` the writer holds its
+    whatever the kernel does not take, and every large ``bytes`` part, goes through
+    ``transport.write``, so order, backpressure and error handling stay Twisted's.
+    Parts that are memoryviews (the pooled chunks of a stored item) are sent from
+    their own memory (:meth:`_send_view`), since ``transport.write`` would need them
+    copied into new ``bytes``.  While the protocol is inside ``dataReceived`` the writer holds its
     frames (:meth:`hold`/:meth:`release`), so the replies to a pipelined batch of
     requests leave together, in one system call per ``_HOLD_MAX`` frames: a client
     starts on the first replies while the rest are handled (holding a whole 64 KiB
@@ -79,6 +82,7 @@ class FrameWriter:
         self._closing = False
         self._lost = False
         self._holding = False
+        self._view_sent = 0  # bytes of the view part at the head of the queue already sent
         # The direct path reads the buffer state of Twisted's TCP transport (its
         # FileDescriptor write buffers); any other transport (TLS, test fakes), or a
         # Twisted whose buffers look different, only ever sees transport.write.  A TLS
@@ -86,7 +90,7 @@ class FrameWriter:
         # (hasattr alone would not do: it forwards unknown attributes to the TCP
         # transport beneath, and a direct send() there would bypass the encryption).
         direct = isinstance(transport, tcp.Connection) and all(
-            hasattr(transport, name) for name in ("_tempDataBuffer", "dataBuffer", "offset"))
+            hasattr(transport, name) for name in ("_tempDataBuffer", "dataBuffer", "offset", "producerPaused"))
         self._socket = transport.getHandle() if direct else None
 
     @property
@@ -168,7 +172,7 @@ class FrameWriter:
         queue, write, budget = self._queue, self.transport.write, self.budget
         drained = False
         while queue and not self._paused:
-            if self._socket is not None and self._transport_idle():
+            if self._socket is not None and not self._view_sent and self._transport_idle():
                 sent = self._send_direct()
                 if sent is not None:
                     drained |= sent
@@ -181,8 +185,15 @@ class FrameWriter:
                 continue
             while index < len(parts) and not self._paused:
                 part = parts[index]
-                # Parts are bytes, or spans of a spilled item's mapping, copied out only now.
-                write(part if type(part) is bytes else part.tobytes())  # may call pauseProducing()
+                # Parts are bytes; memoryviews of pooled chunks (server/recvpool.py),
+                # sent from their own memory where we own the socket; or spans of a
+                # spilled item's mapping, copied out only now.
+                if type(part) is bytes:
+                    write(part)  # may call pauseProducing()
+                elif type(part) is not memoryview or self._socket is None:
+                    write(part.tobytes())
+                elif not self._send_view(part):
+                    break  # resumeProducing() goes on with it
                 index += 1
                 drained |= budget.discharge((part,))
             entry[1] = index
@@ -199,6 +210,43 @@ class FrameWriter:
         t = self.transport
         return (t.connected and not t.disconnecting and not t._tempDataBuffer
                 and t.offset == len(t.dataBuffer))
+
+    def _send_view(self, part: memoryview) -> bool:
+        """Send a memoryview part from its own memory (``transport.write`` takes only bytes:
+        a copy, into fresh memory); True once all of it has gone.
+
+        Otherwise, when the socket is full, Twisted still holds earlier bytes, or this
+        turn's share (``_TURN_SEND``) is spent, the writer pauses and asks the
+        transport to watch for writability: Twisted's ``doWrite`` writes what it holds
+        and then, its buffer empty and its producer marked paused, calls
+        :meth:`resumeProducing`, which goes on from ``_view_sent``.
+        """
+        t = self.transport
+        if not t.connected or t.disconnecting:  # closing: Twisted's own path decides what still goes
+            t.write(part.tobytes())
+            return True
+        if self._transport_idle():
+            view, turn = part[self._view_sent :], 0
+            try:
+                while view and turn < _TURN_SEND:
+                    sent = self._socket.send(view[:_LARGE_SEND])
+                    self._view_sent += sent
+                    turn += sent
+                    view = view[sent:]
+            except BlockingIOError:
+                pass
+            except OSError as exc:  # the connection is gone: end it (Twisted reports the loss)
+                log.info("closing %s: sending failed: %s", t.getPeer(), exc)
+                self._paused = True
+                t.abortConnection()
+                return False
+            if not view:
+                self._view_sent = 0
+                return True
+        self._paused = True
+        t.producerPaused = True
+        t.startWriting()
+        return False
 
     def _send_direct(self) -> bool | None:
         """Send the leading small parts of the queue with one send(); None if none is
@@ -259,6 +307,7 @@ class FrameWriter:
     def connection_lost(self) -> None:
         """Run the abandon hooks of every frame not yet handed to the transport whole."""
         self._lost = True
+        self._view_sent = 0
         self._on_congested = self._on_drained = _nothing  # they refer back to the protocol
         queue, self._queue = self._queue, deque()
         self._waiting_notes.clear()
@@ -346,13 +395,24 @@ class TensorShareProtocol(protocol.Protocol):
         self.session.connection_made()
 
     def dataReceived(self, data: bytes) -> None:
+        self._received(self.session.data_received, data)
+
+    def receive_buffer(self) -> memoryview | None:
+        """Memory the session lends for the next read (see :class:`ReceivingServer`)."""
+        return self.session.receive_buffer() if self.session is not None else None
+
+    def received_into(self, n: int) -> None:
+        """``n`` bytes were read into :meth:`receive_buffer`'s memory."""
+        self._received(self.session.received_into, n)
+
+    def _received(self, deliver: Callable, what) -> None:
         busy = self.factory.busy_poll
         if busy is not None:
             busy.note_request()
         writer = self.writer
         writer.hold()
         try:
-            self.session.data_received(data)
+            deliver(what)
         finally:
             writer.release()
         # Read large payloads in big gulps: fewer reactor turns per byte.
@@ -418,6 +478,48 @@ class TensorShareProtocol(protocol.Protocol):
             self.session.tick(now, self.writer.pending)
 
 
+class ReceivingServer(tcp.Server):
+    """Twisted's TCP server transport, reading straight into lent memory when the
+    protocol lends some.
+
+    Twisted's ``doRead`` reads into a new ``bytes`` per ``recv()``.  While a large
+    payload arrives into the receive pool (:mod:`.recvpool`), the session lends the
+    pool chunk it fills instead, and this reads into it with ``recv_into``: no
+    fresh memory and no copy.  Everything else (headers, small payloads, TLS, which
+    a TLS protocol wraps and this does not see) takes Twisted's own path.
+    """
+
+    def doRead(self):
+        lend = getattr(self.protocol, "receive_buffer", None)
+        buf = lend() if lend is not None else None
+        if buf is None:
+            return super().doRead()
+        try:
+            n = self.socket.recv_into(buf)
+        except BlockingIOError:
+            return None
+        except OSError:
+            return main.CONNECTION_LOST
+        del buf  # the chunk is the store's once full: keep no view of it
+        if not n:
+            return main.CONNECTION_DONE
+        self.protocol.received_into(n)
+        return None
+
+
+class ReceivingPort(tcp.Port):
+    """A TCP port whose connections are :class:`ReceivingServer` transports."""
+
+    transport = ReceivingServer
+
+
+def listen_tcp(port: int, factory: protocol.Factory, interface: str) -> ReceivingPort:
+    """``reactor.listenTCP``, with :class:`ReceivingServer` transports."""
+    listening = ReceivingPort(port, factory, interface=interface, reactor=reactor)
+    listening.startListening()
+    return listening
+
+
 def _same_host(peer, local) -> bool:
     """Whether a TCP peer is on this host: a loopback address, or our own address.
 
@@ -440,6 +542,7 @@ class TensorShareFactory(protocol.Factory):
         self.clock = clock if clock is not None else reactor  # callLater/seconds, for flow control
         self.live: set[TensorShareProtocol] = set()
         self._ticker: task.LoopingCall | None = None  # applies the sessions' time limits
+        self._trimmer: task.LoopingCall | None = None  # releases long-free receive pool memory
         self.busy_poll: BusyPoll | None = None  # told of each read of requests (server/busypoll.py)
 
     def startFactory(self) -> None:
@@ -447,11 +550,17 @@ class TensorShareFactory(protocol.Factory):
         if interval is not None:
             self._ticker = task.LoopingCall(self._tick)
             self._ticker.start(interval, now=False)
+        pool = self.state.recv_pool
+        if pool is not None:  # free chunks go back to the system after pool.idle seconds
+            self._trimmer = task.LoopingCall(pool.trim)
+            self._trimmer.clock = self.clock
+            self._trimmer.start(pool.idle / 2, now=False)
 
     def stopFactory(self) -> None:
-        if self._ticker is not None and self._ticker.running:
-            self._ticker.stop()
-        self._ticker = None
+        for call in (self._ticker, self._trimmer):
+            if call is not None and call.running:
+                call.stop()
+        self._ticker = self._trimmer = None
 
     def _tick(self) -> None:
         now = self._ticker.clock.seconds()

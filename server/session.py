@@ -31,6 +31,7 @@ from tensorshare.wire.frames import DiscardSink, Frame, FrameDecoder, FrameLimit
 from .config import ServerConfig
 from .durable import DataDir
 from .notify import ListenerRegistry
+from .recvpool import ChunkPool, PooledSink
 from .shm import ShmArea
 from .spill import SpillArea
 from .storage import InlineJobs, Jobs, Storage
@@ -86,8 +87,7 @@ class ServerState:
     listeners: ListenerRegistry = field(default_factory=ListenerRegistry)
     token: bytes | None = field(default=None, repr=False)  # clients must AUTH with it; None: no authentication
     connections: int = 0  # connections admitted and still open (max_connections)
-    token: bytes | None = field(default=None, repr=False)  # clients must AUTH with it; None: no authentication
-    connections: int = 0  # connections admitted and still open (max_connections)
+    recv_pool: ChunkPool | None = None  # memory large payloads are received into (None: fresh memory)
 
     @property
     def store(self) -> BinStore:
@@ -112,7 +112,8 @@ class ServerState:
         if data_dir is not None:
             count = storage.load()
             log.info("data directory %s: %d items in %d bins", config.data_dir, count, len(store.listing()))
-        return cls(config, storage, token=config.auth_token())
+        pool = ChunkPool(config.recv_pool_bytes, config.recv_pool_idle) if config.recv_pool_bytes else None
+        return cls(config, storage, token=config.auth_token(), recv_pool=pool)
 
 
 class _Refused(Exception):
@@ -214,6 +215,24 @@ class ServerSession:
             else:
                 log.warning("refused %s: a frame before authentication: %s", self.peer, exc)
                 self._broken = (protocol.NOT_AUTHENTICATED, f"authentication required (frame refused: {exc})")
+        self._take(frames)
+
+    def receive_buffer(self) -> memoryview | None:
+        """Memory to read the next bytes straight into (a large payload arriving into
+        the receive pool lends it: server/recvpool.py), or None: read as usual and
+        call :meth:`data_received`."""
+        if self.closed or self._broken is not None:
+            return None
+        return self._decoder.lent_buffer()
+
+    def received_into(self, n: int) -> None:
+        """``n`` bytes were read into the buffer :meth:`receive_buffer` returned."""
+        self._heard = True
+        self._take(self._decoder.buffer_updated(n))
+
+    def _take(self, frames: list[Frame]) -> None:
+        """Handle whole requests, in order, or queue them while the outbox or the disk
+        makes them wait."""
         if not self._backlog:
             outbox = self.outbox
             for i, frame in enumerate(frames):
@@ -345,6 +364,9 @@ class ServerSession:
                 # payload from this client until it has.
                 self.reads.pause("memory")
                 self.state.storage.wait_for_room(lambda: self.reads.resume("memory"))
+            pool = self.state.recv_pool
+            if pool is not None and nbytes >= pool.chunk:
+                return PooledSink(nbytes, pool)
             return SegmentSink(nbytes)
         return _DISCARD
 

@@ -123,9 +123,10 @@ def test_clients_killed_mid_put_and_mid_get(tmp_path):
 
     glibc keeps freed large blocks for reuse (its mmap threshold grows with use), so
     RSS alone would show the high-water mark; the server runs with the threshold
-    pinned so that RSS shows what is alive (docs/reliability.md)."""
+    pinned so that RSS shows what is alive (docs/reliability.md).  The receive pool
+    keeps freed chunks for reuse too, for --recv-pool-idle seconds (here 0.5)."""
     rng = random.Random(3)
-    server = ServerProcess(log_path=tmp_path / "server.log")
+    server = ServerProcess("--recv-pool-idle", "0.5", log_path=tmp_path / "server.log")
     steady = RoundTrips(server.port, "steady")
     try:
         rss_empty = server.rss()
@@ -135,6 +136,7 @@ def test_clients_killed_mid_put_and_mid_get(tmp_path):
             killed, in_flight = kill_mid_transfer(server, rng, round_, n_put=5, n_get=5)
             kills += killed
             rss_in_flight.append(in_flight)
+            wait_for(lambda: server.rss() - rss_empty < 32 * MiB, timeout=5)  # the pool lets go of its chunks
             rss_after.append(server.rss())
         steady.stop.set()
         steady.join(30)
@@ -204,11 +206,12 @@ def test_a_connection_lost_mid_put_frees_its_partial_payload_at_once():
 
     from tensorshare.wire.frames import SegmentSink, frame_head
     from tensorshare_server.config import ServerConfig
+    from tensorshare_server.recvpool import PooledSink
     from tensorshare_server.service import TensorShareFactory
     from tensorshare_server.session import ServerState
 
-    def sinks() -> int:
-        return sum(type(o) is SegmentSink for o in gc.get_objects())
+    def sinks() -> int:  # the payload's sink: a SegmentSink, or its pooled kind
+        return sum(type(o) in (SegmentSink, PooledSink) for o in gc.get_objects())
 
     factory = TensorShareFactory(ServerState.create(ServerConfig()))
     proto = factory.buildProtocol(None)

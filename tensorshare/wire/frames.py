@@ -13,7 +13,8 @@ into (``get_buffer``/``buffer_updated``, the ``recv_into`` style) and returns wh
 payload sink, so a declared size over the limit never allocates.  Where the payload
 goes is the caller's choice (:class:`BufferSink`: one preallocated array;
 :class:`SegmentSink`: the received ``bytes`` chunks kept as they are, for servers
-that only forward them).
+that only forward them; a sink may also lend memory to read into, as the server's
+pooled sink does for large payloads).
 """
 
 from __future__ import annotations
@@ -214,6 +215,7 @@ class FrameDecoder:
         self._remaining = 0
         self._sink: Any = None
         self._scratch: bytearray | None = None  # made on the first get_buffer()
+        self._lent = False  # the last buffer handed out was the sink's own memory
 
     @property
     def idle(self) -> bool:
@@ -280,18 +282,36 @@ class FrameDecoder:
         """A writable buffer for the next read (``sock.recv_into``).
 
         While a payload is arriving into a sink that lends its memory, this is that
-        memory itself (no copy); otherwise a scratch buffer whose content
-        :meth:`buffer_updated` feeds in.
+        memory itself (no copy: :meth:`lent_buffer`); otherwise a scratch buffer
+        whose content :meth:`buffer_updated` feeds in.
         """
-        if self._state == _PAYLOAD and hasattr(self._sink, "get_buffer"):
-            return self._sink.get_buffer()[: self._remaining]
+        buf = self.lent_buffer()
+        if buf is not None:
+            return buf
         if self._scratch is None:
             self._scratch = bytearray(self.SCRATCH)
         return memoryview(self._scratch)
 
+    def lent_buffer(self) -> memoryview | None:
+        """The memory of the payload's sink to read the next bytes into, or None when
+        the sink lends none now (no payload is arriving, or the sink takes only
+        :meth:`feed`).  A sink lends by having ``get_buffer()`` return a writable
+        buffer (or None to decline) and ``buffer_updated(n)``.  Either way the next
+        :meth:`buffer_updated` accounts for the buffer this returned."""
+        self._lent = False
+        if self._state == _PAYLOAD:
+            lend = getattr(self._sink, "get_buffer", None)
+            buf = lend() if lend is not None else None
+            if buf is not None:
+                self._lent = True
+                return buf[: self._remaining]
+        return None
+
     def buffer_updated(self, n: int) -> list[Frame]:
-        """Account for ``n`` bytes read into the buffer from :meth:`get_buffer`."""
-        if self._state == _PAYLOAD and hasattr(self._sink, "get_buffer"):
+        """Account for ``n`` bytes read into the buffer from :meth:`get_buffer` or
+        :meth:`lent_buffer`."""
+        if self._lent:
+            self._lent = False
             self._sink.buffer_updated(n)
             self._remaining -= n
             frames: list[Frame] = []
