@@ -161,6 +161,7 @@ class EmbeddedServer:
         if self._port is not None:
             blockingCallFromThread(reactor, _shut, self._port)
             self._port = None
+            self.state = None  # the bins and the receive pool go with the server
 
     def __enter__(self) -> "EmbeddedServer":
         return self

@@ -36,7 +36,7 @@ _SMALL_READ = 1 << 16  # recv size otherwise (Twisted's default)
 _DIRECT_MAX = 64 << 10  # most bytes of small parts sent in one direct send()
 _HOLD_MAX = 32  # most frames held back while a read is handled (see FrameWriter)
 _LARGE_SEND = 4 << 20  # most bytes Twisted passes to one send() (its default: 128 KiB)
-_TURN_SEND = 16 << 20  # most bytes of view parts one connection sends per reactor turn
+_TURN_SEND = 16 << 20  # most bytes of view parts one connection sends per pump (one per writable event)
 _STALL_POLLS = 4  # looks per stall timeout at a congested connection's progress
 
 
@@ -83,6 +83,7 @@ class FrameWriter:
         self._lost = False
         self._holding = False
         self._view_sent = 0  # bytes of the view part at the head of the queue already sent
+        self._turn_sent = 0
         # The direct path reads the buffer state of Twisted's TCP transport (its
         # FileDescriptor write buffers); any other transport (TLS, test fakes), or a
         # Twisted whose buffers look different, only ever sees transport.write.  A TLS
@@ -171,6 +172,7 @@ class FrameWriter:
     def _pump(self) -> None:
         queue, write, budget = self._queue, self.transport.write, self.budget
         drained = False
+        self._turn_sent = 0  # bytes of view parts sent in this call (_TURN_SEND)
         while queue and not self._paused:
             if self._socket is not None and not self._view_sent and self._transport_idle():
                 sent = self._send_direct()
@@ -208,30 +210,32 @@ class FrameWriter:
     def _transport_idle(self) -> bool:
         """True when the transport holds no unsent bytes (so a direct send keeps order)."""
         t = self.transport
-        return (t.connected and not t.disconnecting and not t._tempDataBuffer
-                and t.offset == len(t.dataBuffer))
+        return (t.connected and not t.disconnecting and not getattr(t, "_aborting", False)
+                and not t._tempDataBuffer and t.offset == len(t.dataBuffer))
 
     def _send_view(self, part: memoryview) -> bool:
         """Send a memoryview part from its own memory (``transport.write`` takes only bytes:
         a copy, into fresh memory); True once all of it has gone.
 
         Otherwise, when the socket is full, Twisted still holds earlier bytes, or this
-        turn's share (``_TURN_SEND``) is spent, the writer pauses and asks the
+        call's share (``_TURN_SEND``, so that one fast reader does not hold the
+        reactor for a whole large reply) is spent, the writer pauses and asks the
         transport to watch for writability: Twisted's ``doWrite`` writes what it holds
         and then, its buffer empty and its producer marked paused, calls
         :meth:`resumeProducing`, which goes on from ``_view_sent``.
         """
         t = self.transport
         if not t.connected or t.disconnecting:  # closing: Twisted's own path decides what still goes
-            t.write(part.tobytes())
+            t.write(part[self._view_sent :].tobytes())
+            self._view_sent = 0
             return True
         if self._transport_idle():
-            view, turn = part[self._view_sent :], 0
+            view = part[self._view_sent :]
             try:
-                while view and turn < _TURN_SEND:
+                while view and self._turn_sent < _TURN_SEND:
                     sent = self._socket.send(view[:_LARGE_SEND])
                     self._view_sent += sent
-                    turn += sent
+                    self._turn_sent += sent
                     view = view[sent:]
             except BlockingIOError:
                 pass
@@ -500,7 +504,6 @@ class ReceivingServer(tcp.Server):
             return None
         except OSError:
             return main.CONNECTION_LOST
-        del buf  # the chunk is the store's once full: keep no view of it
         if not n:
             return main.CONNECTION_DONE
         self.protocol.received_into(n)
@@ -554,13 +557,15 @@ class TensorShareFactory(protocol.Factory):
         if pool is not None:  # free chunks go back to the system after pool.idle seconds
             self._trimmer = task.LoopingCall(pool.trim)
             self._trimmer.clock = self.clock
-            self._trimmer.start(pool.idle / 2, now=False)
+            self._trimmer.start(pool.idle / 4, now=False)
 
     def stopFactory(self) -> None:
         for call in (self._ticker, self._trimmer):
             if call is not None and call.running:
                 call.stop()
         self._ticker = self._trimmer = None
+        if self.state.recv_pool is not None:
+            self.state.recv_pool.clear()
 
     def _tick(self) -> None:
         now = self._ticker.clock.seconds()

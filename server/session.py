@@ -2,7 +2,7 @@
 
 A :class:`ServerSession` takes the bytes a connection received, decodes frames,
 runs each request against the shared :class:`~.store.BinStore` and hands whole reply
-frames (lists of ``bytes`` parts) to its :class:`Outbox`.  It also holds the
+frames (lists of parts: ``bytes``, views of stored chunks) to its :class:`Outbox`.  It also holds the
 connection's policy: the connection limit, authentication (PROTOCOL.md §8.4) and the
 idle and authentication time limits, which the adapter applies by calling
 :meth:`ServerSession.tick` with the time.  The Twisted adapter in :mod:`.service`
@@ -25,13 +25,14 @@ from typing import Callable, Protocol
 from tensorshare import __version__, auth, protocol
 from tensorshare.areas import new_token, worth_sharing
 from tensorshare.errors import ProtocolError, RemoteError
+from tensorshare.recycle import Recycler
 from tensorshare.wire.description import check_description, parse_description
 from tensorshare.wire.frames import DiscardSink, Frame, FrameDecoder, FrameLimits, SegmentSink, frame_head
 
 from .config import ServerConfig
 from .durable import DataDir
 from .notify import ListenerRegistry
-from .recvpool import ChunkPool, PooledSink
+from .recvpool import CHUNK, PooledSink, chunk_pool
 from .shm import ShmArea
 from .spill import SpillArea
 from .storage import InlineJobs, Jobs, Storage
@@ -87,7 +88,7 @@ class ServerState:
     listeners: ListenerRegistry = field(default_factory=ListenerRegistry)
     token: bytes | None = field(default=None, repr=False)  # clients must AUTH with it; None: no authentication
     connections: int = 0  # connections admitted and still open (max_connections)
-    recv_pool: ChunkPool | None = None  # memory large payloads are received into (None: fresh memory)
+    recv_pool: Recycler | None = None  # memory large payloads are received into (None: fresh memory)
 
     @property
     def store(self) -> BinStore:
@@ -112,7 +113,7 @@ class ServerState:
         if data_dir is not None:
             count = storage.load()
             log.info("data directory %s: %d items in %d bins", config.data_dir, count, len(store.listing()))
-        pool = ChunkPool(config.recv_pool_bytes, config.recv_pool_idle) if config.recv_pool_bytes else None
+        pool = chunk_pool(config.recv_pool_bytes, config.recv_pool_idle)
         return cls(config, storage, token=config.auth_token(), recv_pool=pool)
 
 
@@ -365,7 +366,7 @@ class ServerSession:
                 self.reads.pause("memory")
                 self.state.storage.wait_for_room(lambda: self.reads.resume("memory"))
             pool = self.state.recv_pool
-            if pool is not None and nbytes >= pool.chunk:
+            if pool is not None and nbytes >= CHUNK:
                 return PooledSink(nbytes, pool)
             return SegmentSink(nbytes)
         return _DISCARD

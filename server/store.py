@@ -32,7 +32,7 @@ class Item:
     def __init__(self, description: bytes, segments: tuple | None, nbytes: int, tag: int | None = None,
                  files=None):
         self.description = description
-        self.segments = segments  # bytes chunks whose concatenation is the payload, or None
+        self.segments = segments  # received chunks (bytes, read-only views of pool chunks) forming the payload, or None
         self.nbytes = nbytes
         self.tag = tag  # the sender's optional 64-bit tag (a version, say)
         self.files = files  # spill.ItemFiles when the payload is also (or only) on disk

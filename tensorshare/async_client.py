@@ -22,8 +22,8 @@ from zope.interface import implementer
 from . import protocol
 from .auth import resolve_token
 from .connection import (
-    DEAD, NO_VALUE, PROBE, ClientConnection, Keepalive, ListenSnapshot, Notification, next_request_id,
-    notification_of, reply_value, report_unsolicited, request_frame,
+    DEAD, DEFAULT_REUSE, NO_VALUE, PROBE, ClientConnection, Keepalive, ListenSnapshot, Notification,
+    next_request_id, notification_of, reply_buffers, reply_value, report_unsolicited, request_frame,
 )
 from .errors import (
     AuthenticationError, ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UntrustedServerError,
@@ -45,7 +45,7 @@ class _Wire(twisted_protocol.Protocol):
 
     def __init__(self, client: "AsyncClient"):
         self.client = client
-        self.conn = ClientConnection(token=client._token)
+        self.conn = ClientConnection(token=client._token, reuse=client._buffers)
         self.greeted: defer.Deferred = defer.Deferred()  # fires with self once requests may be sent
         self.last_heard = self.last_sent = client.reactor.seconds()  # for the keepalive
         self.keepalive = None if client.keepalive is None else Keepalive(client.keepalive)
@@ -170,8 +170,9 @@ class AsyncClient:
 
     def __init__(self, reactor, host: str, port: int, timeout: float | None, device: Any, max_backoff: float, *,
                  connect_timeout: float = 10.0, token: str | bytes | None = None, tls: TLSSettings | None = None,
-                 keepalive: float | None = 15.0):
+                 keepalive: float | None = 15.0, reuse: int = DEFAULT_REUSE):
         self.reactor, self.host, self.port = reactor, host, port
+        self._buffers = reply_buffers(reuse)  # arrays large replies were received into (see Client)
         self.timeout, self.device, self.max_backoff = timeout, device, max_backoff
         self.connect_timeout = connect_timeout
         self.keepalive = keepalive or None
@@ -192,21 +193,23 @@ class AsyncClient:
     def connect(cls, host: str = "127.0.0.1", port: int = 8000, *, reactor=None, timeout: float | None = 60.0,
                 device: Any = None, max_backoff: float = 2.0, connect_timeout: float = 10.0,
                 token: str | bytes | None = None, tls: bool | None = None, tls_ca: str | None = None,
-                tls_fingerprint: str | None = None, keepalive: float | None = 15.0) -> defer.Deferred:
+                tls_fingerprint: str | None = None, keepalive: float | None = 15.0,
+                reuse: int = DEFAULT_REUSE) -> defer.Deferred:
         """Connect, authenticate if the server asks, and fire with the client.
 
         The options mean what they mean for :class:`tensorshare.Client`: opening a
         connection takes at most ``connect_timeout`` seconds; ``token`` defaults to
         the ``TENSORSHARE_TOKEN`` environment variable; ``tls``/``tls_ca``/
         ``tls_fingerprint`` choose TLS and whom to trust (needs the ``tls`` extra);
-        an :class:`AuthenticationError` is final (no reconnection).
+        ``reuse`` bounds the reply memory kept for reuse; an
+        :class:`AuthenticationError` is final (no reconnection).
         """
         if reactor is None:
             from twisted.internet import reactor
         try:
             settings = TLSSettings.from_options(tls, tls_ca, tls_fingerprint)
             client = cls(reactor, host, port, timeout, device, max_backoff, connect_timeout=connect_timeout,
-                         token=token, tls=settings, keepalive=keepalive)
+                         token=token, tls=settings, keepalive=keepalive, reuse=reuse)
         except TensorShareError:
             return defer.fail()
         return client._open().addCallback(lambda _: client)
@@ -269,6 +272,8 @@ class AsyncClient:
             if timer is not None and timer.active():
                 timer.cancel()
         self._retry = self._sweeper = self._keepalive_timer = None
+        if self._buffers is not None:
+            self._buffers.clear()
         if self._wire is not None:
             self._wire._flush()  # what was queued this turn still goes out
             self._wire.transport.unregisterProducer()  # TLS closes only without a producer

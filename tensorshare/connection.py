@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from . import auth, protocol
@@ -21,7 +22,8 @@ from .errors import (
     NotAuthenticatedError, ProtocolError, TensorShareError, UntrustedServerError, UsageError, ZeroCopyError,
     error_for_code,
 )
-from .wire.codec import Encoded, build, encode
+from .recycle import Recycler
+from .wire.codec import Encoded, build, encode, payload_buffer
 from .wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
 from .wire.frames import Frame, FrameDecoder, FrameLimits, buffer_sink, frame_head
 
@@ -61,6 +63,17 @@ class ListenSnapshot:
     tag: int | None = None  # tag of the bin's last item
 
 
+DEFAULT_REUSE = 1 << 30  # bytes of received reply memory a client keeps for reuse
+REUSE_IDLE = 10.0  # seconds an unused array is kept
+
+
+def reply_buffers(max_bytes: int) -> Recycler | None:
+    """A client's :class:`~.recycle.Recycler` of reply arrays (None for 0: always new memory)."""
+    if max_bytes < 0:
+        raise ValueError("reuse must be 0 (off) or more bytes")
+    return Recycler(max_bytes, payload_buffer, REUSE_IDLE) if max_bytes else None
+
+
 class ClientConnection:
     """Per-connection protocol state of a client: the opening handshake and the
     incoming frames.
@@ -68,10 +81,15 @@ class ClientConnection:
     ``token`` (the HMAC key, see :mod:`.auth`) is what the client proves it knows
     when the server asks; a client with a token also requires the server to prove
     that it knows the token, and refuses a server that does not ask for one.
+    ``reuse`` holds the arrays large replies were received into, for later replies
+    of the same size once the values built on them are dropped (see
+    :func:`~.wire.frames.buffer_sink`).
     """
 
-    def __init__(self, frame_limits: FrameLimits = CLIENT_FRAME_LIMITS, token: bytes | None = None):
-        self.decoder = FrameDecoder(buffer_sink, frame_limits)
+    def __init__(self, frame_limits: FrameLimits = CLIENT_FRAME_LIMITS, token: bytes | None = None,
+                 reuse: Recycler | None = None):
+        sinks = buffer_sink if reuse is None else partial(buffer_sink, reuse=reuse)
+        self.decoder = FrameDecoder(sinks, frame_limits)
         self.greeting: dict | None = None
         self.ready = False  # the handshake is over: requests may be sent
         self._token = token

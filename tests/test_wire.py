@@ -1221,3 +1221,28 @@ def test_shape_with_too_many_elements_even_if_empty():
     blob = desc_blob(ref(0), [[codec.KIND_NUMPY, "float32", [0, 2**40, 2**40], 0, 0]], 0)
     with pytest.raises(ProtocolError, match="more than 2\\*\\*48 elements"):
         wire.loads(value_frame(blob, 0))
+
+
+def test_a_decoded_value_frees_its_payload_as_soon_as_it_is_dropped():
+    """Regression: decoding used a nested function that called itself, a reference
+    cycle holding the decoded arrays, so a received payload (say 256 MiB of
+    parameters) lived on until the cyclic garbage collector happened to run."""
+    import gc
+    import weakref
+
+    value = {"w": torch.arange(1000.0), "layers": [torch.ones(3, 4), (np.arange(5), "x")], "step": 7}
+    enc = codec.encode(value)
+    payload = codec.payload_buffer(enc.nbytes)
+    payload[:] = np.frombuffer(enc.payload_bytes(), np.uint8)
+    alive = weakref.ref(payload.base)  # the memory's owner: the arrays view it
+    gc.collect()
+    gc.disable()
+    try:
+        decoded = codec.build(codec.parse_description(enc.description, enc.nbytes), payload)
+        del payload
+        assert torch.equal(decoded["w"], value["w"]) and decoded["layers"][1][1] == "x"
+        assert alive() is not None
+        del decoded
+        assert alive() is None
+    finally:
+        gc.enable()

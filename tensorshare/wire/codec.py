@@ -267,19 +267,22 @@ def build(desc: Description, payload: np.ndarray | torch.Tensor, base: int = 0, 
 
 def assemble(desc: Description, arrays: list) -> Any:
     """The value of ``desc``, with ``arrays[i]`` wherever it refers to array ``i``."""
+    return _resolve(desc.tree, arrays)
 
-    def resolve(node: Any) -> Any:
-        if isinstance(node, _ArrayRef):
-            return arrays[node.index]
-        if isinstance(node, _TupleNode):
-            return tuple(resolve(x) for x in node)
-        if isinstance(node, list):
-            return [resolve(x) for x in node]
-        if isinstance(node, dict):
-            return {k: resolve(v) for k, v in node.items()}
-        return node
 
-    return resolve(desc.tree)
+def _resolve(node: Any, arrays: list) -> Any:
+    # A module-level function, not a closure: a nested function that calls itself
+    # is a reference cycle (function -> cell -> function) that would keep ``arrays``,
+    # and the received payload they view, alive until the cyclic collector runs.
+    if isinstance(node, _ArrayRef):
+        return arrays[node.index]
+    if isinstance(node, _TupleNode):
+        return tuple(_resolve(x, arrays) for x in node)
+    if isinstance(node, list):
+        return [_resolve(x, arrays) for x in node]
+    if isinstance(node, dict):
+        return {k: _resolve(v, arrays) for k, v in node.items()}
+    return node
 
 
 def array_view(spec: ArraySpec, flat: np.ndarray, start: int, device: Any = None) -> Any:

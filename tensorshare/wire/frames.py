@@ -92,8 +92,11 @@ class BufferSink:
 
     _no_bytes = None  # shared empty array, made on first use
 
-    def __init__(self, nbytes: int):
-        if nbytes:
+    def __init__(self, nbytes: int, array=None):
+        if array is not None:  # one of nbytes made by payload_buffer earlier, reused
+            self.array = array
+            self._view = memoryview(array)
+        elif nbytes:
             from .codec import payload_buffer
 
             self.array = payload_buffer(nbytes)
@@ -175,9 +178,24 @@ class DiscardSink:
 SinkFactory = Callable[[dict, int], Any]
 
 
-def buffer_sink(header: dict, nbytes: int) -> BufferSink:
-    """Sink factory: every payload into its own preallocated array."""
+REUSE_MIN = 1 << 20  # payloads from this size on may be received into a reused array
+
+
+def buffer_sink(header: dict, nbytes: int, reuse: Any = None) -> BufferSink:
+    """Sink factory: every payload into its own preallocated array.
+
+    ``reuse``, a :class:`~tensorshare.recycle.Recycler` of ``payload_buffer``
+    arrays, gives a payload of ``REUSE_MIN`` bytes or more an array of its size that
+    an earlier reply was received into and that nothing refers to any more (its
+    values were dropped): memory already touched, much quicker to receive into than
+    new pages.  Arrays left unused for the recycler's ``idle`` time are let go at
+    the next large payload."""
     try:
+        if reuse is not None and nbytes >= REUSE_MIN:
+            reuse.trim()
+            array = reuse.take(nbytes)
+            if array is not None:
+                return BufferSink(nbytes, array)
         return BufferSink(nbytes)
     except (RuntimeError, MemoryError) as exc:  # a declared size this process cannot hold
         raise ProtocolError(f"cannot allocate {nbytes} bytes for a payload: {exc}") from None
@@ -231,6 +249,7 @@ class FrameDecoder:
         """Consume ``data``; return the frames it completed, in order."""
         if self._state == _BROKEN:
             raise ProtocolError("decoder already failed; close the connection")
+        self._lent = False  # a buffer lent before and not used is not accounted for
         frames: list[Frame] = []
         pos, end = 0, len(data)
         try:
