@@ -362,6 +362,8 @@ class AsyncClient:
             return defer.fail(self._failure.with_traceback(None))
         if self._wire is None:
             return defer.fail(ConnectionLostError(f"not connected to {self.host}:{self.port} (reconnecting)"))
+        if self._buffers is not None:
+            self._buffers.maybe_trim()  # reply arrays unused for a while go back to the system
         rid = next_request_id()
         try:
             parts = request_frame(rid, op, name, value, tag)

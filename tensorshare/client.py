@@ -150,9 +150,8 @@ class Client:
     the same size were received into, once nothing refers to those any more (every
     value built on them was dropped): memory already touched, which takes bytes
     several times faster than new pages on some machines.  The client keeps up to
-    ``reuse`` bytes of such arrays (default 1 GiB; 0: new memory every time); one
-    left unused for 10 s is let go at the next large reply, all of them at
-    :meth:`close`.
+    ``reuse`` bytes of such arrays (default 1 GiB; 0: new memory every time); those
+    unused for about 10 s are let go at its next call, all of them at :meth:`close`.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, timeout: float | None = 60.0, *,
@@ -405,6 +404,8 @@ class Client:
         rid = next_request_id()
         parts = request_frame(rid, op, name, value, tag, self._with_releases(extra))
         deadline = self._deadline(timeout)
+        if self._buffers is not None:
+            self._buffers.maybe_trim()  # reply arrays unused for a while go back to the system
         self._before_request()
         with self._cond:
             self._waiting.add(rid)

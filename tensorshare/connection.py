@@ -23,7 +23,7 @@ from .errors import (
     error_for_code,
 )
 from .recycle import Recycler
-from .wire.codec import Encoded, build, encode, payload_buffer
+from .wire.codec import Encoded, build, empty_payload, encode
 from .wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
 from .wire.frames import Frame, FrameDecoder, FrameLimits, buffer_sink, frame_head
 
@@ -71,7 +71,15 @@ def reply_buffers(max_bytes: int) -> Recycler | None:
     """A client's :class:`~.recycle.Recycler` of reply arrays (None for 0: always new memory)."""
     if max_bytes < 0:
         raise ValueError("reuse must be 0 (off) or more bytes")
-    return Recycler(max_bytes, payload_buffer, REUSE_IDLE) if max_bytes else None
+    return Recycler(max_bytes, _reply_array, REUSE_IDLE) if max_bytes else None
+
+
+def _reply_array(nbytes: int):
+    # torch's memory, always: the numpy array over it is what every value built on
+    # it refers to.  (payload_buffer's small arrays are slices of a numpy array that
+    # owns its memory; views refer to that owner, and the slice would look free
+    # while they live.)
+    return empty_payload(nbytes).numpy()
 
 
 class ClientConnection:

@@ -14,7 +14,7 @@ from serverproc import ServerProcess
 from tensorshare.connection import decode_items
 from tensorshare.wire.frames import FrameDecoder, frame_head
 from tensorshare_server import EmbeddedServer, ServerConfig
-from tensorshare.recycle import Recycler
+from tensorshare.recycle import Recycler, size_class
 from tensorshare_server.recvpool import CHUNK, PooledSink, chunk_pool
 from wiretools import RawConnection, raw_frame
 
@@ -63,6 +63,46 @@ def test_the_recycler_holds_at_most_its_bound_and_makes_room_for_a_new_size():
     pool.clear()
     assert pool.held_bytes == 0 and pool.take(CHUNK) is not None
     assert chunk_pool(CHUNK - 1, 10.0) is None
+
+
+def test_a_take_that_cannot_fit_keeps_what_is_kept():
+    pool = Recycler(8 * CHUNK, bytearray)
+    warm = pool.take(CHUNK)
+    del warm  # free, of another size than what comes next
+    assert pool.take(9 * CHUNK) is None  # over the bound whatever is dropped
+    busy = pool.take(6 * CHUNK)
+    assert pool.take(3 * CHUNK) is None  # dropping the free 1 MiB would not make room: keep it
+    assert pool.held_bytes == 7 * CHUNK and pool.take(CHUNK) is not None and pool.reused == 1
+    del busy
+    big = pool.take(2 * CHUNK)  # letting the free 1 MiB go (oldest first) is enough
+    assert big is not None and pool.held_bytes == 8 * CHUNK and pool.free_bytes == 6 * CHUNK
+
+
+def test_size_classes_waste_at_most_an_eighth():
+    for n in [1, MiB - 1, MiB, MiB + 1, 3 * MiB + 12345, 100 * MiB + 1, 256 * MiB, 256 * MiB + 1, 5 << 30]:
+        c = size_class(n)
+        assert c >= n and c % MiB == 0 and c - n < max(MiB, n / 8), n
+    assert size_class(256 * MiB) == 256 * MiB and size_class(MiB + 1) == 2 * MiB
+    assert len({size_class(100 * MiB + k * 4096) for k in range(1000)}) <= 2  # a varying size shares
+
+
+def test_maybe_trim_trims_at_most_every_quarter_of_idle():
+    clock = FakeClock()
+    pool = Recycler(8 * CHUNK, bytearray, idle=8.0, clock=clock)
+    buf = pool.take(CHUNK)
+    del buf
+    pool.maybe_trim()  # too soon after the start: nothing looked at
+    clock.now += 2
+    pool.maybe_trim()  # sees it free (t = 2)
+    clock.now += 7
+    pool.maybe_trim()  # free for 7 s: kept
+    assert pool.held_bytes == CHUNK
+    clock.now += 1.9
+    pool.maybe_trim()  # free for 8.9 s, but only 1.9 s since the last trim: not looked at
+    assert pool.held_bytes == CHUNK
+    clock.now += 0.1
+    pool.maybe_trim()
+    assert pool.held_bytes == 0
 
 
 def test_a_take_finds_free_buffers_beyond_a_run_of_busy_ones():
@@ -275,6 +315,18 @@ def test_a_client_receives_a_reply_into_an_array_only_once_its_values_are_droppe
         assert torch.equal(view, torch.full((10,), 7.0))  # a view keeps its array too
         c.close()
         assert c._buffers.held_bytes == 0
+    with EmbeddedServer(port=0) as server, tensorshare.Client("127.0.0.1", server.port, zero_copy=False) as c:
+        for n in (MiB, MiB + 64, 3 * MiB + 4096):  # exactly at the threshold, and sizes between classes
+            c.put("p", torch.full((n,), 1, dtype=torch.uint8))
+            kept = c.peek("p")[0]
+            c.put("p", torch.full((n,), 2, dtype=torch.uint8))
+            other = c.peek("p")[0]
+            assert int(kept.min()) == int(kept.max()) == 1 and int(other.min()) == 2, n
+            del other
+            c.put("p", torch.full((n - 64,), 3, dtype=torch.uint8))  # same class: takes the other's array
+            again = c.peek("p")[0]
+            assert int(kept.max()) == 1 and int(again.min()) == int(again.max()) == 3, n
+            del kept, again
     with EmbeddedServer(port=0) as server, tensorshare.Client("127.0.0.1", server.port, reuse=0) as c:
         assert c._buffers is None
         c.put("p", first)

@@ -188,14 +188,16 @@ def buffer_sink(header: dict, nbytes: int, reuse: Any = None) -> BufferSink:
     arrays, gives a payload of ``REUSE_MIN`` bytes or more an array of its size that
     an earlier reply was received into and that nothing refers to any more (its
     values were dropped): memory already touched, much quicker to receive into than
-    new pages.  Arrays left unused for the recycler's ``idle`` time are let go at
-    the next large payload."""
+    new pages.  Arrays come in size classes (:func:`~tensorshare.recycle.size_class`),
+    so payloads whose size varies a little share them."""
     try:
         if reuse is not None and nbytes >= REUSE_MIN:
-            reuse.trim()
-            array = reuse.take(nbytes)
+            from ..recycle import size_class
+
+            reuse.maybe_trim()
+            array = reuse.take(size_class(nbytes))
             if array is not None:
-                return BufferSink(nbytes, array)
+                return BufferSink(nbytes, array[:nbytes])
         return BufferSink(nbytes)
     except (RuntimeError, MemoryError) as exc:  # a declared size this process cannot hold
         raise ProtocolError(f"cannot allocate {nbytes} bytes for a payload: {exc}") from None
