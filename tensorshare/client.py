@@ -41,6 +41,7 @@ from .connection import (
     int_field, item_table, next_request_id, notification_of, reply_buffers, reply_value, report_unsolicited,
     request_frame,
 )
+from .coalesce import Coalescer
 from .errors import (
     AuthenticationError, ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UntrustedServerError,
     UsageError, ZeroCopyError, ZeroCopyUnavailableError,
@@ -180,10 +181,11 @@ class Client:
         self._keepalive_state: Keepalive | None = None  # of the current connection
         self._cond = threading.Condition()
         self._send_lock = threading.Lock()
+        self._coalescer = Coalescer(_SMALL_FRAME)  # requests in flight, small ones held back meanwhile (send lock)
         self._connect_lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._conn: ClientConnection | None = None
-        self._readable = self._writable = None  # poll objects of the current socket
+        self._readable = self._writable = self._readwrite = None  # poll objects of the current socket
         self._reading = False
         self._replies: dict[int, Frame | BaseException] = {}
         self._waiting: set[int] = set()
@@ -361,9 +363,11 @@ class Client:
                callback: Callable[[Any, BaseException | None], Any] | None = None, *, tag: int | None = None,
                zero_copy: bool = True) -> None:
         """Send a request without waiting; ``callback(result, error)`` runs on the
-        dispatcher thread when the reply arrives.  The value is on the socket (or
-        in the kernel's buffer, or in the server's shared memory) when this returns,
-        so later changes to it are not sent.  ``zero_copy=False``: over TCP only.
+        dispatcher thread when the reply arrives.  The value has been copied out when
+        this returns (onto the socket, into the server's shared memory, or, for a
+        small request made while earlier ones await their replies, into the queue
+        of requests sent together with the next; see :mod:`.coalesce`), so later
+        changes to it are not sent.  ``zero_copy=False``: over TCP only.
         """
         if self._closed:
             raise UsageError("the client is closed")
@@ -382,7 +386,7 @@ class Client:
         with self._cond:
             self._pending_async[rid] = (op, callback)
         try:
-            self._send(parts, deadline)
+            self._send(parts, deadline, rid, may_hold=True)
         except TensorShareError as exc:
             with self._cond:
                 entry = self._pending_async.pop(rid, None)
@@ -412,7 +416,7 @@ class Client:
             if on_reply is not None:
                 self._reply_hooks[rid] = on_reply
         try:
-            self._send(parts, deadline)
+            self._send(parts, deadline, rid)
             frame = self._await(rid, deadline)
         finally:
             with self._cond:
@@ -531,14 +535,50 @@ class Client:
 
         return done
 
-    def _send(self, parts: list, deadline: float | None) -> None:
+    def _send(self, parts: list, deadline: float | None, rid: int, may_hold: bool = False) -> None:
+        """Send request ``rid``'s frame; ``may_hold``: a small one may wait in the
+        coalescer while an earlier request awaits its reply (see :mod:`.coalesce`)."""
         sock = self._ensure_connected(deadline)
         with self._send_lock:
-            self._send_locked(sock, parts, deadline)
+            if not (may_hold and self._ssl_context is None and sum(map(len, parts)) <= _SMALL_FRAME
+                    and self._coalescer.hold(sock, rid, b"".join(parts))):
+                self._send_locked(sock, parts, deadline, rid)
+                return
+        # Held.  The replies it waits for may all have come while we held the lock,
+        # and a reader that then found the lock taken did not send what is held: do.
+        if not self._coalescer.awaiting(sock):
+            with self._send_lock:
+                if self._coalescer:
+                    self._send_locked(sock, [], deadline)
 
-    def _send_locked(self, sock: socket.socket, parts: list, deadline: float | None) -> None:
-        """Write a whole frame (the caller holds the send lock).  With keepalive on,
-        a server that takes no byte for twice ``keepalive`` seconds is presumed dead."""
+    def _send_held(self, sock: socket.socket) -> None:
+        """Send what the coalescer holds, as far as the socket takes it now (a reader:
+        never waits for the socket, nor for a sender, which sends it first anyway)."""
+        if not self._send_lock.acquire(blocking=False):
+            return
+        try:
+            if sock is not self._sock or not self._coalescer:
+                return
+            frames = self._coalescer.take(sock)
+            data = frames[0] if len(frames) == 1 else b"".join(frames)
+            try:
+                sent = sock.send(data)
+            except BlockingIOError:
+                sent = 0
+            except OSError as exc:
+                raise self._lost(sock, exc) from None
+            if sent < len(data):
+                self._coalescer.keep_rest(memoryview(data)[sent:])
+        finally:
+            self._send_lock.release()
+
+    def _send_locked(self, sock: socket.socket, parts: list, deadline: float | None, rid: int | None = None) -> None:
+        """Write what the coalescer holds, then request ``rid``'s whole frame (the caller
+        holds the send lock).  With keepalive on, a server that takes no byte for
+        twice ``keepalive`` seconds is presumed dead."""
+        held = self._coalescer.take(sock, rid)
+        if held:  # many small frames: one part (one iovec) for all of them
+            parts = [held[0] if len(held) == 1 else b"".join(held), *parts]
         readable, writable = self._readable, self._writable
         stall = None if self.keepalive is None else 2 * self.keepalive
         try:
@@ -551,9 +591,7 @@ class Client:
             self._drop_connection(sock, ConnectionLostError("send timed out; connection reset"))
             raise
         except (OSError, ValueError, AttributeError) as exc:  # ValueError/AttributeError: closed by another thread
-            err = ConnectionLostError(f"connection to {self.host}:{self.port} lost: {exc}")
-            self._drop_connection(sock, err)
-            raise err from None
+            raise self._lost(sock, exc) from None
 
     def _before_request(self) -> None:
         """Note that a request is about to go out (the keepalive counts silence from
@@ -623,6 +661,10 @@ class Client:
             sock, conn, readable, writable = self._sock, self._conn, self._readable, self._writable
         if sock is None:
             raise ConnectionLostError(f"not connected to {self.host}:{self.port}")
+        if self._coalescer:  # requests held while earlier ones awaited the replies we read
+            self._send_held(sock)
+            if self._coalescer.partial:  # the socket is full: wake when it takes more, too
+                readable, spin = self._readwrite, False
         wake = self._keepalive(sock)
         until = deadline if wake is None or (deadline is not None and deadline <= wake) else wake
         try:
@@ -649,9 +691,7 @@ class Client:
                 raise
             return  # time for the next keepalive check, not the caller's deadline
         except (OSError, ValueError, ProtocolError) as exc:
-            err = ConnectionLostError(f"connection to {self.host}:{self.port} lost: {exc}")
-            self._drop_connection(sock, err)
-            raise err from None
+            raise self._lost(sock, exc) from None
         jobs: list = []  # callbacks of this read, handed to the dispatcher in one go
         try:
             for frame in frames:
@@ -698,7 +738,8 @@ class Client:
                 return now + 0.5  # a request is going out: the server has that to read first
             try:
                 # No deadline: a probe that cannot go out trips the stall limit (ConnectionLostError).
-                self._send_locked(sock, request_frame(next_request_id(), protocol.NOOP), None)
+                probe = next_request_id()
+                self._send_locked(sock, request_frame(probe, protocol.NOOP), None, probe)
             finally:
                 self._send_lock.release()
             state.probed(now)  # its reply has an id nobody waits for: it is dropped on arrival
@@ -710,6 +751,7 @@ class Client:
         if type(rid) is not int:
             raise ProtocolError(f"reply id must be an integer, got {rid!r:.40}")
         if rid:
+            self._coalescer.answered(rid)
             with self._cond:
                 if rid in self._waiting:
                     hook = self._reply_hooks.pop(rid, None)
@@ -771,12 +813,13 @@ class Client:
             sock.close()
             raise
         readable, writable = _poller(sock, select.POLLIN), _poller(sock, select.POLLOUT)
+        readwrite = _poller(sock, select.POLLIN | select.POLLOUT)
         with self._cond:
             if self._closed:  # closed while we connected: do not leave a socket behind
                 sock.close()
                 raise UsageError("the client is closed")
             self._sock, self._conn = sock, conn
-            self._readable, self._writable = readable, writable
+            self._readable, self._writable, self._readwrite = readable, writable, readwrite
             self._ever_connected = True
             self._last_heard = time.monotonic()
             self._keepalive_state = None if self.keepalive is None else Keepalive(self.keepalive)
@@ -868,6 +911,12 @@ class Client:
                 raise
         self._relisten(relisten)  # outside the lock: these sends may need to reconnect
         return sock
+
+    def _lost(self, sock: socket.socket, exc: BaseException) -> ConnectionLostError:
+        """Drop ``sock``, which failed with ``exc``; the error to raise."""
+        err = ConnectionLostError(f"connection to {self.host}:{self.port} lost: {exc}")
+        self._drop_connection(sock, err)
+        return err
 
     def _drop_connection(self, sock: socket.socket | None, error: BaseException) -> None:
         """Close ``sock`` (if still current) and fail everything waiting on it."""
