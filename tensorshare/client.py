@@ -694,9 +694,7 @@ class Client:
             raise self._lost(sock, exc) from None
         jobs: list = []  # callbacks of this read, handed to the dispatcher in one go
         try:
-            for frame in frames:
-                frame.origin = conn  # replies refer to what this connection's greeting offered
-                self._dispatch(frame, jobs)
+            self._dispatch(frames, conn, jobs)
         except ProtocolError as exc:  # the server sent nonsense: nothing it says can be trusted
             err = ConnectionLostError(f"bad reply from {self.host}:{self.port}: {exc}")
             self._drop_connection(sock, err)
@@ -745,32 +743,36 @@ class Client:
             state.probed(now)  # its reply has an id nobody waits for: it is dropped on arrival
         return wake
 
-    def _dispatch(self, frame: Frame, jobs: list) -> None:
-        """Hand a frame to the thread waiting for it, or queue its callbacks in ``jobs``."""
-        rid = frame.header.get("id")
-        if type(rid) is not int:
-            raise ProtocolError(f"reply id must be an integer, got {rid!r:.40}")
-        if rid:
-            self._coalescer.answered(rid)
-            with self._cond:
-                if rid in self._waiting:
-                    hook = self._reply_hooks.pop(rid, None)
-                    if hook is not None:
-                        hook(frame)
-                    self._replies[rid] = frame
-                    self._cond.notify_all()
-                    return
-                entry = self._pending_async.pop(rid, None)
-            if entry is not None and entry[1] is not None:
-                jobs.append((self._complete_from_frame, (entry, frame)))
-            return
-        note = notification_of(frame)
-        if note is not None:
-            with self._cond:
-                handles = list(self._listens.get(note.bin, ()))
-            jobs.extend((handle.callback, (note,)) for handle in handles)
-            return
-        report_unsolicited(frame, f"{self.host}:{self.port}")
+    def _dispatch(self, frames: list, conn: ClientConnection, jobs: list) -> None:
+        """Hand each frame of a read to the thread waiting for it, or queue its
+        callbacks in ``jobs`` (under one hold of the lock for the whole read)."""
+        woken = False
+        with self._cond:
+            for frame in frames:
+                frame.origin = conn  # replies refer to what this connection's greeting offered
+                rid = frame.header.get("id")
+                if type(rid) is not int:
+                    raise ProtocolError(f"reply id must be an integer, got {rid!r:.40}")
+                if rid:
+                    self._coalescer.answered(rid)
+                    if rid in self._waiting:
+                        hook = self._reply_hooks.pop(rid, None)
+                        if hook is not None:
+                            hook(frame)
+                        self._replies[rid] = frame
+                        woken = True
+                        continue
+                    entry = self._pending_async.pop(rid, None)
+                    if entry is not None and entry[1] is not None:
+                        jobs.append((self._complete_from_frame, (entry, frame)))
+                    continue
+                note = notification_of(frame)
+                if note is not None:
+                    jobs.extend((handle.callback, (note,)) for handle in self._listens.get(note.bin, ()))
+                    continue
+                report_unsolicited(frame, f"{self.host}:{self.port}")
+            if woken:
+                self._cond.notify_all()
 
     def _complete_from_frame(self, entry: tuple, frame: Frame) -> None:
         """Decode a non-blocking call's reply (on the dispatcher thread) and call back."""
