@@ -253,7 +253,7 @@ def test_a_request_held_as_the_last_reply_came_is_sent_at_once(server):
         client.submit(protocol.APPEND, "coalesce-race", torch.ones(2), lambda r, e: (got.append(r), done.release()))
         assert done.acquire(timeout=10) and done.acquire(timeout=10)
         assert got == [2]
-        assert time.monotonic() - start < 0.5, "the held request waited for the reader's next turn"
+        assert time.monotonic() - start < 0.7, "the held request waited for the reader's next turn (1 s)"
 
 
 @pytest.mark.parametrize("n", [1, 2])
