@@ -117,30 +117,31 @@ def _json_leaf(node: Any) -> bool:
 def _metadata(desc: Description, paths: list[str]) -> dict[str, dict]:
     """``{relative dir: meta.json content}`` giving tensordict the structure of a dict value."""
     out: dict[str, dict] = {}
-
-    def level(prefix: str, node: dict) -> None:
-        meta: dict[str, Any] = {}
-        for key, child in node.items():
-            if not _safe_key(key):
-                continue
-            if isinstance(child, _ArrayRef):
-                spec = desc.arrays[child.index]
-                if paths[child.index] == f"{prefix}{key}.memmap" and spec.dtype in TORCH_WIDTHS:
-                    meta[key] = {"device": "cpu", "shape": list(spec.shape), "dtype": f"torch.{spec.dtype}",
-                                 "is_nested": False}
-            elif isinstance(child, dict):
-                meta[key] = {"type": "TensorDict"}
-                level(f"{prefix}{key}/", child)
-            elif _json_leaf(child):
-                meta[key] = {"type": "NonTensorData"}
-                out[f"{prefix}{key}/"] = {"_type": _NON_TENSOR_TYPE, "data": child, "_metadata": None,
-                                          "_is_non_tensor": True}
-        meta.update({"shape": [], "device": "cpu", "_type": _TENSORDICT_TYPE})
-        out[prefix] = meta
-
     if isinstance(desc.tree, dict):
-        level("", desc.tree)
+        _level_metadata(desc, paths, "", desc.tree, out)
     return out
+
+
+def _level_metadata(desc: Description, paths: list[str], prefix: str, node: dict, out: dict) -> None:
+    """:func:`_metadata` of one dict level (``prefix``: its directory) and those below it."""
+    meta: dict[str, Any] = {}
+    for key, child in node.items():
+        if not _safe_key(key):
+            continue
+        if isinstance(child, _ArrayRef):
+            spec = desc.arrays[child.index]
+            if paths[child.index] == f"{prefix}{key}.memmap" and spec.dtype in TORCH_WIDTHS:
+                meta[key] = {"device": "cpu", "shape": list(spec.shape), "dtype": f"torch.{spec.dtype}",
+                             "is_nested": False}
+        elif isinstance(child, dict):
+            meta[key] = {"type": "TensorDict"}
+            _level_metadata(desc, paths, f"{prefix}{key}/", child, out)
+        elif _json_leaf(child):
+            meta[key] = {"type": "NonTensorData"}
+            out[f"{prefix}{key}/"] = {"_type": _NON_TENSOR_TYPE, "data": child, "_metadata": None,
+                                      "_is_non_tensor": True}
+    meta.update({"shape": [], "device": "cpu", "_type": _TENSORDICT_TYPE})
+    out[prefix] = meta
 
 
 class _Payload:

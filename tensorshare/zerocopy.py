@@ -210,34 +210,33 @@ def shared_copy(value: Any, draft: Callable[[int], np.ndarray] | None) -> Any:
     shared uint8 array); tensors on the ``meta`` device become zeros of their shape and
     dtype, nothing copied.  With ``draft=None`` only the meta tensors are replaced
     (by ordinary zero tensors)."""
-    def copy(obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            if obj.layout != torch.strided or obj.dtype not in TORCH_NAMES:
-                return obj  # no wire form: a put will say so
-            meta = obj.device.type == "meta"
-            nbytes = obj.numel() * obj.element_size()
-            if draft is None or not nbytes:
-                return torch.zeros(obj.shape, dtype=obj.dtype) if meta or draft is not None else obj
-            out = torch.from_numpy(draft(nbytes)).view(obj.dtype).reshape(obj.shape)
-            if not meta:
-                out.copy_(obj.detach())
-            return out
-        if isinstance(obj, np.ndarray):
-            if draft is None or not obj.nbytes:
-                return obj
-            dtype = obj.dtype.newbyteorder("=") if obj.dtype.byteorder == ">" else obj.dtype
-            out = draft(obj.nbytes).view(dtype).reshape(obj.shape)
-            out[...] = obj
-            return out
-        if isinstance(obj, dict):
-            return {k: copy(v) for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [copy(x) for x in obj]
-        if isinstance(obj, tuple):
-            return tuple(copy(x) for x in obj)
-        return obj
-
-    return copy(value)
+    if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided or value.dtype not in TORCH_NAMES:
+            return value  # no wire form: a put will say so
+        meta = value.device.type == "meta"
+        nbytes = value.numel() * value.element_size()
+        if draft is None or not nbytes:
+            return torch.zeros(value.shape, dtype=value.dtype) if meta or draft is not None else value
+        out = torch.from_numpy(draft(nbytes)).view(value.dtype).reshape(value.shape)
+        if not meta:
+            out.copy_(value.detach())
+        return out
+    if isinstance(value, np.ndarray):
+        if draft is None or not value.nbytes:
+            return value
+        dtype = value.dtype.newbyteorder("=") if value.dtype.byteorder == ">" else value.dtype
+        out = draft(value.nbytes).view(dtype).reshape(value.shape)
+        out[...] = value
+        return out
+    # Plain recursion (a nested closure calling itself would be a reference cycle,
+    # kept until the cyclic garbage collector runs).
+    if isinstance(value, dict):
+        return {k: shared_copy(v, draft) for k, v in value.items()}
+    if isinstance(value, list):
+        return [shared_copy(x, draft) for x in value]
+    if isinstance(value, tuple):
+        return tuple(shared_copy(x, draft) for x in value)
+    return value
 
 
 def _private_dir(root: str | None, relative: Any) -> str | None:

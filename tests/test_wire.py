@@ -1246,3 +1246,29 @@ def test_a_decoded_value_frees_its_payload_as_soon_as_it_is_dropped():
         assert alive() is None
     finally:
         gc.enable()
+
+
+def test_walking_nested_values_makes_no_reference_cycles():
+    """shared_copy (same-host drafts) and the tensordict metadata of an item walk
+    nested values with plain recursion: a nested function calling itself is a
+    reference cycle holding what it captured until the cyclic collector runs."""
+    import gc
+
+    from tensorshare import layout
+    from tensorshare.zerocopy import shared_copy
+
+    value = {"a": torch.ones(3), "b": [np.arange(4), (torch.zeros(2), "x")], "c": {"d": torch.ones(1), "n": 3}}
+    enc = codec.encode(value)
+    desc = codec.parse_description(enc.description, enc.nbytes)
+    paths = layout.array_paths(desc)
+    gc.collect()
+    gc.disable()
+    try:
+        copied = shared_copy(value, lambda n: np.zeros(n, np.uint8))
+        meta = layout._metadata(desc, paths)
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
+    assert torch.equal(copied["c"]["d"], value["c"]["d"]) and copied["b"][1][1] == "x"
+    assert sorted(meta) == ["", "c/", "c/n/"]  # the nested level is walked too
+    assert meta["c/"]["d"]["shape"] == [1] and meta[""]["c"] == {"type": "TensorDict"}
