@@ -81,6 +81,8 @@ _BUFFER_DTYPES = _buffer_dtypes()
 _ARRAY_REFS = [msgpack.ExtType(EXT_ARRAY, i.to_bytes(4, "little")) for i in range(64)]
 _BUFFER_MAX_DIMS = 64  # a memoryview (and a numpy array) has at most this many dimensions
 _packers = threading.local()
+_LONE_DESCRIPTIONS: dict[tuple, bytes] = {}  # (dtype name, *shape) -> description of a lone tensor
+_LONE_DESCRIPTIONS_MAX = 256
 
 
 def _packb(obj: Any) -> bytes:
@@ -235,7 +237,16 @@ def encode(value: Any, *, limits: DecodeLimits = DEFAULT_LIMITS) -> Encoded:
         buffers = [view] if nbytes else []
         if total != nbytes:
             buffers.append(_PAD[: total - nbytes])
-        description = _packb({"v": _ARRAY_REFS[0], "t": [[kind, dtype, shape, 0, nbytes]], "n": total})
+        # A lone tensor's description depends on its dtype and shape only, and the
+        # same ones come again and again (a parameter vector, a rollout step):
+        # packing it anew was a fifth of encoding a small tensor.
+        key = (dtype, *shape)
+        description = _LONE_DESCRIPTIONS.get(key)
+        if description is None:
+            description = _packb({"v": _ARRAY_REFS[0], "t": [[kind, dtype, shape, 0, nbytes]], "n": total})
+            if len(_LONE_DESCRIPTIONS) >= _LONE_DESCRIPTIONS_MAX:
+                _LONE_DESCRIPTIONS.clear()
+            _LONE_DESCRIPTIONS[key] = description
         return Encoded(description, buffers, total, 1)
     enc = _Encoder(limits.max_depth)
     tree = enc.node(value, 0)
