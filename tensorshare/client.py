@@ -540,15 +540,16 @@ class Client:
         coalescer while an earlier request awaits its reply (see :mod:`.coalesce`)."""
         sock = self._ensure_connected(deadline)
         with self._send_lock:
-            if not (may_hold and self._ssl_context is None and sum(map(len, parts)) <= _SMALL_FRAME
-                    and self._coalescer.hold(sock, rid, b"".join(parts))):
+            coalescer = self._coalescer
+            if not (may_hold and self._ssl_context is None and coalescer.awaiting(sock)
+                    and sum(map(len, parts)) <= _SMALL_FRAME and coalescer.hold(sock, rid, b"".join(parts))):
                 self._send_locked(sock, parts, deadline, rid)
                 return
         # Held.  The replies it waits for may all have come while we held the lock,
         # and a reader that then found the lock taken did not send what is held: do.
-        if not self._coalescer.awaiting(sock):
+        if not coalescer.awaiting(sock):
             with self._send_lock:
-                if self._coalescer:
+                if coalescer and sock is self._sock:
                     self._send_locked(sock, [], deadline)
 
     def _send_held(self, sock: socket.socket) -> None:
@@ -576,6 +577,10 @@ class Client:
         """Write what the coalescer holds, then request ``rid``'s whole frame (the caller
         holds the send lock).  With keepalive on, a server that takes no byte for
         twice ``keepalive`` seconds is presumed dead."""
+        if sock is not self._sock:
+            # Replaced since the caller picked it up: what the coalescer holds now is
+            # the new connection's, and must not be taken for this one.
+            raise ConnectionLostError(f"connection to {self.host}:{self.port} lost")
         held = self._coalescer.take(sock, rid)
         if held:  # many small frames: one part (one iovec) for all of them
             parts = [held[0] if len(held) == 1 else b"".join(held), *parts]
@@ -659,12 +664,13 @@ class Client:
         ``spin``: a caller waiting for its own reply, who may poll before sleeping)."""
         with self._cond:  # these change together on (re)connection
             sock, conn, readable, writable = self._sock, self._conn, self._readable, self._writable
+            readwrite = self._readwrite
         if sock is None:
             raise ConnectionLostError(f"not connected to {self.host}:{self.port}")
         if self._coalescer:  # requests held while earlier ones awaited the replies we read
             self._send_held(sock)
             if self._coalescer.partial:  # the socket is full: wake when it takes more, too
-                readable, spin = self._readwrite, False
+                readable, spin = readwrite, False
         wake = self._keepalive(sock)
         until = deadline if wake is None or (deadline is not None and deadline <= wake) else wake
         try:

@@ -13,7 +13,6 @@ import time
 import pytest
 import torch
 
-from serverproc import ServerProcess
 from tensorshare import Client, ConnectionLostError, protocol
 from tensorshare.coalesce import Coalescer
 from tensorshare.wire.frames import FrameDecoder, frame_head
@@ -152,6 +151,37 @@ def test_held_requests_fail_with_their_connection_and_are_never_sent_later(fresh
         assert client.list() == {"coalesce-after": 1}  # nothing held for the old connection went out
 
 
+def test_a_thread_still_holding_the_old_socket_leaves_the_new_ones_requests_alone(fresh_server):
+    """A sender that picked up the socket before it was replaced gets the send lock
+    late: it must fail, not take (and lose) what is held for the new connection."""
+    with Client("127.0.0.1", fresh_server.port, timeout=10, keepalive=None) as client:
+        client.put("coalesce-stale", torch.zeros(1))
+        old = client._sock
+        client._drop_connection(old, ConnectionLostError("lost"))  # as the reader would
+        client.put("coalesce-stale", torch.zeros(1))  # reconnects
+        done = threading.Semaphore(0)
+        results = []
+
+        def completed(result, error):
+            results.append(error or result)
+            done.release()
+
+        fresh_server.proc.send_signal(signal.SIGSTOP)  # the first request stays in flight
+        try:
+            client.submit(protocol.APPEND, "coalesce-stale-x", torch.ones(2), completed)
+            client.submit(protocol.APPEND, "coalesce-stale-x", torch.ones(2), completed)
+            assert client._coalescer, "the second request should be held"
+            client._ensure_connected = lambda deadline: old  # a thread that got the socket before
+            with pytest.raises(ConnectionLostError):
+                client.append("coalesce-stale-y", torch.ones(1))
+            del client._ensure_connected
+        finally:
+            fresh_server.proc.send_signal(signal.SIGCONT)
+        assert done.acquire(timeout=10) and done.acquire(timeout=10), "a held request was lost"
+        assert results == [1, 2]
+        assert client.list() == {"coalesce-stale": 1, "coalesce-stale-x": 2}
+
+
 class _GatedServer:
     """Greets, reads the first request whole and then nothing until ``go`` is set;
     answers it; waits ``pause`` seconds; then reads and answers everything (APPEND
@@ -218,7 +248,7 @@ def test_a_held_batch_the_socket_takes_only_part_of_still_goes_out():
             value = torch.ones(7000)  # 28 KB: two fit in what may be held, 64 KiB
             for _ in range(3):
                 client.submit(protocol.APPEND, "coalesce-gated", value, completed)
-            assert [held for _, held in holds] == [False, True, True]  # the first went out at once
+            assert [held for _, held in holds] == [True, True]  # the first went out at once (nothing in flight)
             gated.go.set()
             start = time.monotonic()
             for _ in range(3):
