@@ -7,8 +7,10 @@ import gc
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 _LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
@@ -95,46 +97,64 @@ class ServerProcess:
         return self.proc.pid
 
 
-class FakeServer:
-    """A loopback server that greets like tensorshare, then answers every read with
-    ``replies`` (header maps, sent as frames; none: it never answers).  For testing
-    clients against a server that misbehaves."""
+class OneConnectionServer:
+    """A loopback listener that serves one connection on a daemon thread: the base of
+    the fake servers tests use.  Subclasses define :meth:`serve` (the connection is
+    closed after it returns); ``rcvbuf`` shrinks the receive buffer of the accepted
+    socket, to play a server that reads slowly."""
 
-    def __init__(self, *replies: dict):
-        import socket
-        import threading
-
-        self.replies = replies
+    def __init__(self, rcvbuf: int | None = None):
         self.listener = socket.socket()
+        if rcvbuf is not None:
+            self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)  # the accepted socket inherits it
         self.listener.bind(("127.0.0.1", 0))
         self.listener.listen(1)
         self.port = self.listener.getsockname()[1]
-        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
-    def _serve(self) -> None:
-        from tensorshare.wire.frames import frame_head
-
+    def _run(self) -> None:
         try:
             conn, _ = self.listener.accept()
         except OSError:  # closed before anyone connected
             return
         with conn:
-            conn.sendall(frame_head({"code": 220, "id": 0, "msg": "hi", "version": 1}, 0))
             conn.settimeout(10)
-            try:
-                while conn.recv(65536):
-                    for reply in self.replies:
-                        conn.sendall(frame_head(reply, 0))
-            except OSError:
-                pass
+            self.serve(conn)
 
-    def __enter__(self) -> "FakeServer":
+    def serve(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.listener.close()
+        self.thread.join(15)
+
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
-        self.listener.close()
-        self.thread.join(15)
+        self.close()
+
+
+class FakeServer(OneConnectionServer):
+    """A loopback server that greets like tensorshare, then answers every read with
+    ``replies`` (header maps, sent as frames; none: it never answers).  For testing
+    clients against a server that misbehaves."""
+
+    def __init__(self, *replies: dict):
+        self.replies = replies
+        super().__init__()
+
+    def serve(self, conn: socket.socket) -> None:
+        from tensorshare.wire.frames import frame_head
+
+        conn.sendall(frame_head({"code": 220, "id": 0, "msg": "hi", "version": 1}, 0))
+        try:
+            while conn.recv(65536):
+                for reply in self.replies:
+                    conn.sendall(frame_head(reply, 0))
+        except OSError:
+            pass
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from serverproc import OneConnectionServer
 from tensorshare import Client, ConnectionLostError, protocol
 from tensorshare.coalesce import Coalescer
 from tensorshare.wire.frames import FrameDecoder, frame_head
@@ -182,7 +183,7 @@ def test_a_thread_still_holding_the_old_socket_leaves_the_new_ones_requests_alon
         assert client.list() == {"coalesce-stale": 1, "coalesce-stale-x": 2}
 
 
-class _GatedServer:
+class _GatedServer(OneConnectionServer):
     """Greets, reads the first request whole and then nothing until ``go`` is set;
     answers it; waits ``pause`` seconds; then reads and answers everything (APPEND
     replies).  Its receive buffer is tiny, so a client's held requests cannot all go
@@ -192,40 +193,27 @@ class _GatedServer:
         self.pause = pause
         self.go = threading.Event()
         self.answered = 0
-        self.listener = socket.socket()
-        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # inherited by the accepted socket
-        self.listener.bind(("127.0.0.1", 0))
-        self.listener.listen(1)
-        self.port = self.listener.getsockname()[1]
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
+        super().__init__(rcvbuf=4096)
 
-    def _serve(self) -> None:
-        conn, _ = self.listener.accept()
-        with conn:
-            conn.settimeout(10)
-            conn.sendall(frame_head({"code": protocol.GREETING, "id": 0, "msg": "hi", "version": 1}, 0))
-            decoder, frames = FrameDecoder(), []
-            while not frames:
-                frames.extend(decoder.feed(conn.recv(1 << 16)))
-            self.go.wait(10)
-            for frame in frames:
-                self._answer(conn, frame)
-            time.sleep(self.pause)
-            try:
-                while data := conn.recv(1 << 16):
-                    for frame in decoder.feed(data):
-                        self._answer(conn, frame)
-            except OSError:
-                pass
+    def serve(self, conn: socket.socket) -> None:
+        conn.sendall(frame_head({"code": protocol.GREETING, "id": 0, "msg": "hi", "version": 1}, 0))
+        decoder, frames = FrameDecoder(), []
+        while not frames:
+            frames.extend(decoder.feed(conn.recv(1 << 16)))
+        self.go.wait(10)
+        for frame in frames:
+            self._answer(conn, frame)
+        time.sleep(self.pause)
+        try:
+            while data := conn.recv(1 << 16):
+                for frame in decoder.feed(data):
+                    self._answer(conn, frame)
+        except OSError:
+            pass
 
     def _answer(self, conn: socket.socket, frame) -> None:
         self.answered += 1
         conn.sendall(frame_head({"code": protocol.DONE, "id": frame.header["id"], "n": self.answered}, 0))
-
-    def close(self) -> None:
-        self.listener.close()
-        self.thread.join(15)
 
 
 def test_a_held_batch_the_socket_takes_only_part_of_still_goes_out():

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import tensorshare
-from serverproc import FakeServer, ServerProcess
+from serverproc import FakeServer, OneConnectionServer, ServerProcess
 from tensorshare import auth
 from tensorshare.errors import (
     AuthenticationError, ConnectionLostError, NotAuthenticatedError, ServerUnavailableError, UntrustedServerError,
@@ -265,19 +265,16 @@ def test_nothing_served_before_auth(auth_server):
         assert "s-sneaky" not in c.list()
 
 
-class RecordingProxy:
+class RecordingProxy(OneConnectionServer):
     """A loopback TCP proxy to ``port`` that records what the client sends."""
 
     def __init__(self, port: int):
         self.target = port
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
         self.sent = bytearray()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
+        super().__init__()
 
-    def _run(self) -> None:
-        client, _ = self.listener.accept()
+    def serve(self, client: socket.socket) -> None:
+        client.settimeout(None)
         upstream = socket.create_connection(("127.0.0.1", self.target))
 
         def pump(src, dst, record):
@@ -299,12 +296,7 @@ class RecordingProxy:
         back.start()
         pump(client, upstream, True)
         back.join(10)
-        client.close()
         upstream.close()
-
-    def close(self) -> None:
-        self.listener.close()
-        self.thread.join(10)
 
 
 def test_token_never_crosses_the_wire(auth_server):
@@ -318,33 +310,20 @@ def test_token_never_crosses_the_wire(auth_server):
         assert form not in sent
 
 
-class FakeAuthServer:
+class FakeAuthServer(OneConnectionServer):
     """Asks for a token like tensorshare, then answers AUTH with a made-up proof:
     a server that would accept anyone."""
 
-    def __init__(self):
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        conn, _ = self.listener.accept()
-        with conn:
-            conn.sendall(frame_head({"code": 220, "id": 0, "msg": "hi", "auth": auth.MECHANISM,
-                                     "nonce": auth.new_nonce()}, 0))
-            decoder = FrameDecoder()
-            conn.settimeout(10)
-            try:
-                while data := conn.recv(1 << 16):
-                    for frame in decoder.feed(data):
-                        conn.sendall(frame_head({"code": 230, "id": frame.header["id"], "proof": bytes(32)}, 0))
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        self.listener.close()
-        self.thread.join(15)
+    def serve(self, conn: socket.socket) -> None:
+        conn.sendall(frame_head({"code": 220, "id": 0, "msg": "hi", "auth": auth.MECHANISM,
+                                 "nonce": auth.new_nonce()}, 0))
+        decoder = FrameDecoder()
+        try:
+            while data := conn.recv(1 << 16):
+                for frame in decoder.feed(data):
+                    conn.sendall(frame_head({"code": 230, "id": frame.header["id"], "proof": bytes(32)}, 0))
+        except OSError:
+            pass
 
 
 def test_client_is_not_fooled_by_a_server_without_the_token():
