@@ -4,8 +4,8 @@ Round-trip latency (median and p99 of many ops, per run; the figure is the media
 over runs) of ``Client.put``/``peek`` of a 16-element float32 tensor, beside a raw
 socket echo, redis-py SET/GET and TCPStore set/get of 64 bytes, all measured in
 turns, run by run.  Ours are measured as users get them (the client polls for its
-reply and the server for the next request, tensorshare/spin.py and
-server/busypoll.py) and, for comparison, with both sleeping at once.  Then pipelined
+reply and the server for the next request, tensorshare/_client/spin.py and
+server/net/busypoll.py) and, for comparison, with both sleeping at once.  Then pipelined
 small appends per second from the callback client (``TensorShare.append`` with a
 callback, the original API, on ``Client.submit``) counting completions in callbacks,
 and from ``AsyncClient`` with many Deferreds in flight (in a worker process with its

@@ -13,14 +13,14 @@ from dataclasses import fields
 from twisted.internet import reactor
 from twisted.internet.threads import blockingCallFromThread
 
-from tensorshare.auth import MIN_TOKEN_CHARS
+from tensorshare.protocol.auth import MIN_TOKEN_CHARS
 from tensorshare.errors import UsageError
 
-from . import busypoll
+from .net import busypoll
 from .config import ServerConfig
-from .disk import ThreadJobs
-from .service import TensorShareFactory, listen_tcp
-from .session import ServerState
+from .bins.jobs import ThreadJobs
+from .net.service import TensorShareFactory, listen_tcp
+from .protocol.session import ServerState
 
 log = logging.getLogger("tensorshare.server")
 
@@ -51,7 +51,7 @@ def listen(config: ServerConfig):
             port = listen_tcp(config.port, factory, config.host)
             port.tls_fingerprint = None
         else:
-            from .tls import server_tls_options
+            from .net.tls import server_tls_options
 
             options, fingerprint = server_tls_options(config.tls_cert, config.tls_key)
             port = reactor.listenSSL(config.port, factory, options, interface=config.host)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tensorshare.auth import resolve_token
-from tensorshare.protocol import MAX_BIN_NAME
+from tensorshare.protocol.auth import resolve_token
+from tensorshare.protocol.messages import MAX_BIN_NAME
 from tensorshare.wire.description import DecodeLimits
 from tensorshare.wire.frames import FrameLimits
 
@@ -25,29 +25,29 @@ class ServerConfig:
     max_listens: int = 10_000  # per connection
     max_depth: int = 64  # nesting of a stored value
     max_nodes: int = 1_000_000  # nodes of a stored value's structure
-    # The disk tier (server/storage.py).
+    # The disk tier (server/bins/storage.py).
     memory_limit: int | None = None  # payload bytes kept in RAM; past it items spill to disk
     spill_dir: str | None = None  # where spilled items go (None: a private temporary directory)
     data_dir: str | None = None  # durable storage: every acknowledged item is on disk here
     fsync: bool = False  # flush each change to stable storage before acknowledging it
     disk_threads: int = 4
-    # Same-host zero-copy (server/shm.py, PROTOCOL.md §10).
+    # Same-host zero-copy (server/bins/shm.py, PROTOCOL.md §10).
     zero_copy: bool = True  # offer shared memory to clients on this host
     shm_dir: str = "/dev/shm"  # where the shared-memory area is made (a tmpfs)
     zero_copy_min: int = 128 << 10  # payload bytes from which an item is referred to (areas.worth_sharing)
 
-    # Outbound flow control (server/flow.py): a connection whose unsent frames keep
+    # Outbound flow control (server/net/flow.py): a connection whose unsent frames keep
     # more than max_outbound bytes alive is read no further and its notifications
     # are coalesced per bin; if it then takes no byte for outbound_stall_timeout
     # seconds it is disconnected.
     max_outbound: int = 64 << 20
     outbound_stall_timeout: float = 60.0
     # Seconds the reactor keeps polling after a request before it sleeps
-    # (server/busypoll.py): a quicker reply to the next request, for CPU.  Off
+    # (server/net/busypoll.py): a quicker reply to the next request, for CPU.  Off
     # here (an embedded server shares its process); run_server turns it on.
     busy_poll: float = 0.0
     # Bytes of memory that large payloads are received into and that is reused once
-    # the items in it are gone (server/recvpool.py; at most a quarter of
+    # the items in it are gone (server/net/recvpool.py; at most a quarter of
     # memory_limit when that is set); 0: every payload into fresh memory.
     recv_pool: int = 1 << 30
     recv_pool_idle: float = 10.0  # seconds a free chunk stays in the pool before it goes back to the system

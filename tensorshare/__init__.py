@@ -26,7 +26,7 @@ _LAZY = {
     "AsyncClient": "async_client",
     "TensorShare": "compat",
     "RLTrainer": "rl", "RLWorker": "rl",
-    "Notification": "connection", "ListenSnapshot": "connection",
+    "Notification": "_client.connection", "ListenSnapshot": "_client.connection",
     "save_memmap": "memmap", "load_memmap": "memmap",
     "wire": None,
 }

@@ -19,9 +19,9 @@ from twisted.internet import defer, interfaces, protocol as twisted_protocol
 from twisted.internet.endpoints import SSL4ClientEndpoint, TCP4ClientEndpoint, connectProtocol
 from zope.interface import implementer
 
-from . import protocol
-from .auth import resolve_token
-from .connection import (
+from .protocol import messages as protocol
+from .protocol.auth import resolve_token
+from ._client.connection import (
     DEAD, DEFAULT_REUSE, NO_VALUE, PROBE, ClientConnection, Keepalive, ListenSnapshot, Notification,
     next_request_id, notification_of, reply_buffers, reply_value, report_unsolicited, request_frame,
 )
@@ -29,7 +29,7 @@ from .errors import (
     AuthenticationError, ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UntrustedServerError,
     UsageError,
 )
-from .tls import TLSSettings
+from .protocol.tls import TLSSettings
 
 log = logging.getLogger("tensorshare.client")
 

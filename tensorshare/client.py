@@ -34,24 +34,24 @@ import time
 from functools import partial
 from typing import Any, Callable
 
-from . import protocol
-from .auth import resolve_token
-from .connection import (
+from .protocol import messages as protocol
+from .protocol.auth import resolve_token
+from ._client.connection import (
     DEAD, DEFAULT_REUSE, NO_VALUE, PROBE, ClientConnection, Keepalive, ListenSnapshot, Notification, check_reply,
     int_field, item_table, next_request_id, notification_of, reply_buffers, reply_value, report_unsolicited,
     request_frame,
 )
-from .coalesce import Coalescer
+from ._client.coalesce import Coalescer
 from .errors import (
     AuthenticationError, ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UntrustedServerError,
     UsageError, ZeroCopyError, ZeroCopyUnavailableError,
 )
-from .spin import DEFAULT_LIMIT as DEFAULT_SPIN
-from .spin import ReplySpin
-from .tls import TLSSettings
+from ._client.spin import DEFAULT_LIMIT as DEFAULT_SPIN
+from ._client.spin import ReplySpin
+from .protocol.tls import TLSSettings
 from .wire.codec import Encoded, encode
 from .wire.frames import Frame
-from .zerocopy import SharedAreas, shared_copy
+from ._client.zerocopy import SharedAreas, shared_copy
 
 log = logging.getLogger("tensorshare.client")
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-from . import protocol
+from .protocol import messages as protocol
 from .client import Client, Listening, connect
-from .connection import NO_VALUE
+from ._client.connection import NO_VALUE
 
 Callback = Callable[[dict], Any] | None
 

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .layout import RECORD, LayoutError, StoredItem, read_item, write_item
+from .disk.layout import RECORD, LayoutError, StoredItem, read_item, write_item
 from .wire.codec import array_view, assemble, encode
 from .wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
 

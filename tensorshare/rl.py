@@ -28,7 +28,7 @@ import torch
 
 from .client import connect
 from .compat import StartStop
-from .connection import Notification
+from ._client.connection import Notification
 from .errors import NoSuchBinError
 
 log = logging.getLogger("tensorshare.rl")

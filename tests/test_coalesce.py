@@ -1,5 +1,5 @@
 """Small pipelined requests are held back while earlier ones await their replies and
-sent together (tensorshare/coalesce.py): the bookkeeping alone, then real clients
+sent together (tensorshare/_client/coalesce.py): the bookkeeping alone, then real clients
 against a real server (order kept, nothing stale after a reconnection) and against a
 server that stops reading (a held batch the socket takes only part of)."""
 
@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from serverproc import OneConnectionServer
-from tensorshare import Client, ConnectionLostError, protocol
-from tensorshare.coalesce import Coalescer
+from tensorshare import Client, ConnectionLostError
+from tensorshare.protocol import messages as protocol
+from tensorshare._client.coalesce import Coalescer
 from tensorshare.wire.frames import FrameDecoder, frame_head
 
 A, B = object(), object()  # two sockets, as far as the coalescer can tell

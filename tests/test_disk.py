@@ -19,14 +19,14 @@ import torch
 
 import tensorshare
 from serverproc import ServerProcess, small_tmpfs
-from tensorshare.areas import TOKEN_FILE
+from tensorshare.disk.areas import TOKEN_FILE
 from tensorshare.errors import StorageFullError
-from tensorshare.layout import RECORD, LayoutError, read_item, write_item
+from tensorshare.disk.layout import RECORD, LayoutError, read_item, write_item
 from tensorshare.memmap import load_memmap, save_memmap
 from tensorshare.wire.codec import encode
-from tensorshare_server.spill import SpillArea
-from tensorshare_server.storage import InlineJobs, Storage
-from tensorshare_server.store import BinStore, Item
+from tensorshare_server.bins.spill import SpillArea
+from tensorshare_server.bins.storage import InlineJobs, Storage
+from tensorshare_server.bins.store import BinStore, Item
 
 MiB = 1 << 20
 

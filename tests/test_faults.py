@@ -206,9 +206,9 @@ def test_a_connection_lost_mid_put_frees_its_partial_payload_at_once():
 
     from tensorshare.wire.frames import SegmentSink, frame_head
     from tensorshare_server.config import ServerConfig
-    from tensorshare_server.recvpool import PooledSink
-    from tensorshare_server.service import TensorShareFactory
-    from tensorshare_server.session import ServerState
+    from tensorshare_server.net.recvpool import PooledSink
+    from tensorshare_server.net.service import TensorShareFactory
+    from tensorshare_server.protocol.session import ServerState
 
     def sinks() -> int:  # the payload's sink: a SegmentSink, or its pooled kind
         return sum(type(o) in (SegmentSink, PooledSink) for o in gc.get_objects())

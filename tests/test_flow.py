@@ -15,17 +15,17 @@ import torch
 import tensorshare
 from serverproc import ServerProcess
 from wiretools import CollectingOutbox, RawConnection, StrictTransport, raw_frame, wait_for
-from tensorshare import protocol
-from tensorshare.connection import NO_VALUE, request_frame
+from tensorshare.protocol import messages as protocol
+from tensorshare._client.connection import NO_VALUE, request_frame
 from tensorshare.wire.codec import encode
 from tensorshare.wire.frames import FrameDecoder, frame_head
 from tensorshare_server.config import ServerConfig
-from tensorshare_server.flow import SHARED_PART, OutboundBudget
-from tensorshare_server.notify import ListenerRegistry, notification_frame
-from tensorshare_server.service import FrameWriter
-from tensorshare_server.session import ServerSession, ServerState
-from tensorshare_server.storage import InlineJobs, Storage
-from tensorshare_server.store import BinStore, Change, Item
+from tensorshare_server.net.flow import SHARED_PART, OutboundBudget
+from tensorshare_server.protocol.notify import ListenerRegistry, notification_frame
+from tensorshare_server.net.service import FrameWriter
+from tensorshare_server.protocol.session import ServerSession, ServerState
+from tensorshare_server.bins.storage import InlineJobs, Storage
+from tensorshare_server.bins.store import BinStore, Change, Item
 
 
 class FakeClock:

@@ -22,7 +22,7 @@ import torch
 
 import tensorshare
 from serverproc import ServerProcess
-from tensorshare import protocol
+from tensorshare.protocol import messages as protocol
 from tensorshare.wire.codec import encode
 from tensorshare.wire.frames import PREFIX, FrameDecoder, discard_sink, frame_head
 

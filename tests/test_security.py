@@ -21,7 +21,7 @@ import torch
 
 import tensorshare
 from serverproc import FakeServer, OneConnectionServer, ServerProcess
-from tensorshare import auth
+from tensorshare.protocol import auth
 from tensorshare.errors import (
     AuthenticationError, ConnectionLostError, NotAuthenticatedError, ServerUnavailableError, UntrustedServerError,
     UsageError,
@@ -77,7 +77,7 @@ def auth_frame(greeting: dict, token: str = TOKEN, rid: int = 1) -> bytes:
 
 def session(**settings):
     from tensorshare_server import ServerConfig
-    from tensorshare_server.session import ServerSession, ServerState
+    from tensorshare_server.protocol.session import ServerSession, ServerState
 
     state = settings.pop("state", None) or ServerState.create(ServerConfig(**settings))
     outbox = CollectingOutbox()
@@ -201,7 +201,7 @@ def test_session_connection_limit():
 
 
 def test_keepalive_decisions():
-    from tensorshare.connection import DEAD, PROBE, Keepalive
+    from tensorshare._client.connection import DEAD, PROBE, Keepalive
 
     k = Keepalive(1.0)
     assert k.due(10.0, last_heard=9.5, last_sent=0.0) == (None, 10.5)

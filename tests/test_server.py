@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tensorshare
-from tensorshare.connection import request_frame
+from tensorshare._client.connection import request_frame
 from tensorshare.errors import (
     BadRequestError, ConnectionLostError, NoSuchBinError, UnknownVerbError, UsageError,
 )

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import tensorshare_server.busypoll as busypoll
-from tensorshare.spin import ReplySpin
+import tensorshare_server.net.busypoll as busypoll
+from tensorshare._client.spin import ReplySpin
 from tensorshare_server import ServerConfig
-from tensorshare_server.busypoll import BusyPoll
+from tensorshare_server.net.busypoll import BusyPoll
 
 
 class FakeClock:

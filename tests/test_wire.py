@@ -1254,8 +1254,8 @@ def test_walking_nested_values_makes_no_reference_cycles():
     reference cycle holding what it captured until the cyclic collector runs."""
     import gc
 
-    from tensorshare import layout
-    from tensorshare.zerocopy import shared_copy
+    from tensorshare.disk import layout
+    from tensorshare._client.zerocopy import shared_copy
 
     value = {"a": torch.ones(3), "b": [np.arange(4), (torch.zeros(2), "x")], "c": {"d": torch.ones(1), "n": 3}}
     enc = codec.encode(value)

@@ -21,11 +21,11 @@ import torch
 
 import tensorshare
 from serverproc import ServerProcess, small_tmpfs
-from tensorshare import protocol
-from tensorshare.areas import TOKEN_FILE, AreaError, inside, new_token, verify_area, write_token
+from tensorshare.protocol import messages as protocol
+from tensorshare.disk.areas import TOKEN_FILE, AreaError, inside, new_token, verify_area, write_token
 from tensorshare.client import _shared_fields
 from tensorshare.errors import ZeroCopyUnavailableError
-from tensorshare.layout import RECORD
+from tensorshare.disk.layout import RECORD
 from tensorshare.wire.codec import encode
 from test_disk import VALUES, _equal
 from test_server import wait_for
@@ -487,7 +487,7 @@ def test_paths_from_the_peer_cannot_leave_their_area(relative):
 
 def test_shared_memory_is_offered_to_same_host_peers_only(tmp_path):
     from tensorshare_server.config import ServerConfig
-    from tensorshare_server.session import ServerSession, ServerState
+    from tensorshare_server.protocol.session import ServerSession, ServerState
     from wiretools import CollectingOutbox
 
     state = ServerState.create(ServerConfig(shm_dir=str(tmp_path)))
@@ -550,10 +550,10 @@ def test_shared_without_zero_copy_is_the_value(every_item):
 def test_session_refers_only_to_same_host_peers_and_pins_until_released(tmp_path):
     """The sans-IO session: references for a same-host peer that asks, bytes otherwise;
     referenced files stay until the reply is released."""
-    from tensorshare.connection import request_frame
+    from tensorshare._client.connection import request_frame
     from tensorshare_server.config import ServerConfig
     from wiretools import CollectingOutbox
-    from tensorshare_server.session import ServerSession, ServerState
+    from tensorshare_server.protocol.session import ServerSession, ServerState
 
     state = ServerState.create(ServerConfig(shm_dir=str(tmp_path), zero_copy_min=0))
 

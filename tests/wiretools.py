@@ -7,8 +7,8 @@ import time
 
 from twisted.internet.address import IPv4Address
 
-from tensorshare import protocol
-from tensorshare.connection import request_frame
+from tensorshare.protocol import messages as protocol
+from tensorshare._client.connection import request_frame
 from tensorshare.wire.frames import FrameDecoder
 
 

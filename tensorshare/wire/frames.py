@@ -192,7 +192,7 @@ def buffer_sink(header: dict, nbytes: int, reuse: Any = None) -> BufferSink:
     so payloads whose size varies a little share them."""
     try:
         if reuse is not None and nbytes >= REUSE_MIN:
-            from ..recycle import size_class
+            from .recycle import size_class
 
             reuse.maybe_trim()
             array = reuse.take(size_class(nbytes))

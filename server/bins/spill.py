@@ -20,7 +20,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 
-from tensorshare.layout import StoredItem, mapped_parts, write_item
+from tensorshare.disk.layout import StoredItem, mapped_parts, write_item
 
 SPAN = 4 << 20  # bytes copied out of a mapping per part (the writer's send size)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tensorshare.errors import UsageError
-from tensorshare.tls import fingerprint_text, pem_certificates
+from tensorshare.protocol.tls import fingerprint_text, pem_certificates
 
 
 def server_tls_options(cert_file: str, key_file: str | None = None):

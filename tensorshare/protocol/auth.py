@@ -16,7 +16,7 @@ import hmac
 import os
 import secrets
 
-from .errors import UsageError
+from ..errors import UsageError
 
 MECHANISM = "hmac-sha256"  # the greeting's "auth" field and AUTH's "mech"
 NONCE_SIZE = 32  # bytes of each side's nonce

@@ -19,7 +19,7 @@ from zope.interface import implementer
 
 from .busypoll import BusyPoll
 from .flow import OutboundBudget
-from .session import ServerSession, ServerState
+from ..protocol.session import ServerSession, ServerState
 
 log = logging.getLogger("tensorshare.server")
 
@@ -187,7 +187,7 @@ class FrameWriter:
                 continue
             while index < len(parts) and not self._paused:
                 part = parts[index]
-                # Parts are bytes; memoryviews of pooled chunks (server/recvpool.py),
+                # Parts are bytes; memoryviews of pooled chunks (server/net/recvpool.py),
                 # sent from their own memory where we own the socket; or spans of a
                 # spilled item's mapping, copied out only now.
                 if type(part) is bytes:
@@ -434,7 +434,7 @@ class TensorShareProtocol(protocol.Protocol):
             self.writer.connection_lost()  # first: what the session still sends is abandoned
             self.session.connection_lost()
 
-    # -- flow control (the policy is in server/flow.py)
+    # -- flow control (the policy is in server/net/flow.py)
 
     def _outbound_congested(self) -> None:
         if self._stall_check is None:
@@ -546,7 +546,7 @@ class TensorShareFactory(protocol.Factory):
         self.live: set[TensorShareProtocol] = set()
         self._ticker: task.LoopingCall | None = None  # applies the sessions' time limits
         self._trimmer: task.LoopingCall | None = None  # releases long-free receive pool memory
-        self.busy_poll: BusyPoll | None = None  # told of each read of requests (server/busypoll.py)
+        self.busy_poll: BusyPoll | None = None  # told of each read of requests (server/net/busypoll.py)
 
     def startFactory(self) -> None:
         interval = self.state.config.tick_interval

@@ -28,9 +28,9 @@ import secrets
 import shutil
 import time
 
-from tensorshare.areas import AreaError, check_item_tree, not_open_for_writing, valid_name
+from tensorshare.disk.areas import AreaError, check_item_tree, not_open_for_writing, valid_name
 from tensorshare.errors import ZeroCopyUnavailableError
-from tensorshare.layout import RECORD, LayoutError, StoredItem, read_item, write_item
+from tensorshare.disk.layout import RECORD, LayoutError, StoredItem, read_item, write_item
 from tensorshare.wire.description import DEFAULT_LIMITS, DecodeLimits
 
 from .spill import _lock

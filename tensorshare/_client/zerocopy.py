@@ -34,12 +34,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .areas import AreaError, inside, verify_area, worth_sharing
-from .errors import ZeroCopyError
-from .layout import LayoutError, mapped_parts, read_item, write_item
-from .memmap import load_item, new_shared_file
-from .wire.codec import TORCH_NAMES, Encoded
-from .wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
+from ..disk.areas import AreaError, inside, verify_area, worth_sharing
+from ..errors import ZeroCopyError
+from ..disk.layout import LayoutError, mapped_parts, read_item, write_item
+from ..memmap import load_item, new_shared_file
+from ..wire.codec import TORCH_NAMES, Encoded
+from ..wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
 
 log = logging.getLogger("tensorshare.client")
 

@@ -22,21 +22,23 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from tensorshare import __version__, auth, protocol
-from tensorshare.areas import new_token, worth_sharing
+from tensorshare import __version__
+from tensorshare.protocol import auth
+from tensorshare.protocol import messages as protocol
+from tensorshare.disk.areas import new_token, worth_sharing
 from tensorshare.errors import ProtocolError, RemoteError
-from tensorshare.recycle import Recycler
+from tensorshare.wire.recycle import Recycler
 from tensorshare.wire.description import check_description, parse_description
 from tensorshare.wire.frames import DiscardSink, Frame, FrameDecoder, FrameLimits, SegmentSink, frame_head
 
-from .config import ServerConfig
-from .durable import DataDir
+from ..config import ServerConfig
+from ..bins.durable import DataDir
 from .notify import ListenerRegistry
-from .recvpool import CHUNK, PooledSink, chunk_pool
-from .shm import ShmArea
-from .spill import SpillArea
-from .storage import InlineJobs, Jobs, Storage
-from .store import BinStore, Change, Item
+from ..net.recvpool import CHUNK, PooledSink, chunk_pool
+from ..bins.shm import ShmArea
+from ..bins.spill import SpillArea
+from ..bins.storage import InlineJobs, Jobs, Storage
+from ..bins.store import BinStore, Change, Item
 
 log = logging.getLogger("tensorshare.server")
 _DISCARD = DiscardSink(0)  # stateless: one serves every request that takes no payload
@@ -51,7 +53,7 @@ _MAX_PINS = 256  # unreleased 226 replies with references per connection; older 
 class Outbox(Protocol):
     """Where a session's frames go, whole and in order."""
 
-    congested: bool  # too much is queued: take no more requests until it is not (server/flow.py)
+    congested: bool  # too much is queued: take no more requests until it is not (server/net/flow.py)
 
     def send(self, parts: list, on_abandon: Callable[[], None] | None = None) -> None:
         """Queue one frame; ``on_abandon`` runs if the connection dies before it is written."""
@@ -220,7 +222,7 @@ class ServerSession:
 
     def receive_buffer(self) -> memoryview | None:
         """Memory to read the next bytes straight into (a large payload arriving into
-        the receive pool lends it: server/recvpool.py), or None: read as usual and
+        the receive pool lends it: server/net/recvpool.py), or None: read as usual and
         call :meth:`data_received`."""
         if self.closed or self._broken is not None:
             return None

@@ -25,7 +25,7 @@ import re
 import secrets
 import stat
 
-from .errors import ProtocolError
+from ..errors import ProtocolError
 
 __all__ = ["TOKEN_FILE", "new_token", "write_token", "verify_area", "inside", "valid_name", "check_item_tree",
            "not_open_for_writing", "worth_sharing"]

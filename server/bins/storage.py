@@ -35,7 +35,7 @@ import time
 import weakref
 from typing import Callable, Protocol
 
-from tensorshare.areas import write_token
+from tensorshare.disk.areas import write_token
 from tensorshare.errors import RemoteError, StorageFullError, ZeroCopyUnavailableError
 from tensorshare.wire.description import DEFAULT_LIMITS, DecodeLimits
 

@@ -34,11 +34,11 @@ from typing import Any, Sequence
 
 import msgpack
 
-from .errors import ProtocolError
-from .wire.description import (
+from ..errors import ProtocolError
+from ..wire.description import (
     DEFAULT_LIMITS, Description, DecodeLimits, _ArrayRef, _TupleNode, parse_description,
 )
-from .wire.dtypes import TORCH_WIDTHS
+from ..wire.dtypes import TORCH_WIDTHS
 
 __all__ = ["LayoutError", "StoredItem", "write_item", "read_item", "array_paths", "mapped_parts", "RECORD", "FORMAT"]
 

@@ -19,7 +19,7 @@ import re
 import ssl
 from dataclasses import dataclass
 
-from .errors import UntrustedServerError, UsageError
+from ..errors import UntrustedServerError, UsageError
 
 _PEM_CERT = re.compile(rb"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----", re.S)
 

@@ -31,7 +31,7 @@ import shutil
 import uuid
 from dataclasses import dataclass, field
 
-from tensorshare.layout import LayoutError, StoredItem, fsync_dir, read_item, write_item
+from tensorshare.disk.layout import LayoutError, StoredItem, fsync_dir, read_item, write_item
 from tensorshare.wire.description import DEFAULT_LIMITS, DecodeLimits
 
 log = logging.getLogger("tensorshare.server")

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Protocol
 
-from tensorshare import protocol
+from tensorshare.protocol import messages as protocol
 from tensorshare.wire.frames import frame_head
 
-from .store import Change
+from ..bins.store import Change
 
 
 class Listener(Protocol):

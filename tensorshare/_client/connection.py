@@ -17,15 +17,16 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from . import auth, protocol
-from .errors import (
+from ..protocol import auth
+from ..protocol import messages as protocol
+from ..errors import (
     NotAuthenticatedError, ProtocolError, TensorShareError, UntrustedServerError, UsageError, ZeroCopyError,
     error_for_code,
 )
-from .recycle import Recycler
-from .wire.codec import Encoded, build, empty_payload, encode
-from .wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
-from .wire.frames import Frame, FrameDecoder, FrameLimits, buffer_sink, frame_head
+from ..wire.recycle import Recycler
+from ..wire.codec import Encoded, build, empty_payload, encode
+from ..wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
+from ..wire.frames import Frame, FrameDecoder, FrameLimits, buffer_sink, frame_head
 
 CLIENT_FRAME_LIMITS = FrameLimits(max_header=1 << 30, max_payload=1 << 42)
 NO_VALUE = object()  # "this request carries no value" (None is a value)

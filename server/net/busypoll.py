@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from tensorshare.spin import moving_average, usable_cpus, yield_cpu
+from tensorshare.protocol.pacing import moving_average, usable_cpus, yield_cpu
 
 DEFAULT_WINDOW = 0.0005  # seconds: covers a client's time between one reply and its next request
 _GAP_CAP = 10  # one long pause counts as at most this many windows (so a few quick requests resume polling)

@@ -20,27 +20,12 @@ would take the CPU from the very server it waits for.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Callable
 
-yield_cpu = getattr(os, "sched_yield", lambda: None)  # give the CPU to whatever else may run
+from ..protocol.pacing import moving_average, usable_cpus, yield_cpu
 
 DEFAULT_LIMIT = 0.0005  # seconds: a loopback or LAN round trip of a small request fits well within it
-_WEIGHT = 8  # a moving average moves 1/_WEIGHT of the way to each new sample
-
-
-def moving_average(average: float, sample: float) -> float:
-    """``average`` moved towards ``sample``: the running estimates of both pollers."""
-    return average + (sample - average) / _WEIGHT
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
 
 
 class ReplySpin:

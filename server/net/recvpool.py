@@ -23,7 +23,7 @@ not fill a whole chunk arrives as ``bytes``, as with
 
 from __future__ import annotations
 
-from tensorshare.recycle import Recycler
+from tensorshare.wire.recycle import Recycler
 from tensorshare.wire.frames import SegmentSink
 
 CHUNK = 1 << 20  # bytes per pooled chunk: payloads from this size on are received into the pool
