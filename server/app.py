@@ -13,14 +13,15 @@ from dataclasses import fields
 from twisted.internet import reactor
 from twisted.internet.threads import blockingCallFromThread
 
-from tensorshare.protocol.auth import MIN_TOKEN_CHARS
 from tensorshare.errors import UsageError
+from tensorshare.protocol.auth import MIN_TOKEN_CHARS
 
-from .net import busypoll
-from .config import ServerConfig
 from .bins.jobs import ThreadJobs
-from .net.service import TensorShareFactory, listen_tcp
-from .protocol.session import ServerState
+from .config import ServerConfig
+from .net import busypoll
+from .net.service import TensorShareFactory
+from .net.twisted_internals import listen_tcp
+from .root import build_state
 
 log = logging.getLogger("tensorshare.server")
 
@@ -38,7 +39,7 @@ def listen(config: ServerConfig):
         raise UsageError("tls_key needs tls_cert")
     jobs = ThreadJobs(reactor, config.disk_threads)
     try:
-        state = ServerState.create(config, jobs)
+        state = build_state(config, jobs)
     except BaseException:
         jobs.stop()
         raise

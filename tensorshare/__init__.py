@@ -22,7 +22,7 @@ from .errors import (
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Client": "client", "Listening": "client", "connect": "client",
+    "Client": "client", "Listening": "_client.listens", "connect": "client",
     "AsyncClient": "async_client",
     "TensorShare": "compat",
     "RLTrainer": "rl", "RLWorker": "rl",

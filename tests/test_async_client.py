@@ -16,8 +16,8 @@ SCRIPT = textwrap.dedent("""
     def main(reactor, port):
         client = yield AsyncClient.connect("127.0.0.1", int(port), reactor=reactor)
         seen = []
-        snap = yield client.listen("a-bin", seen.append)
-        assert snap.n_items == 0, snap
+        handle = yield client.listen("a-bin", seen.append)
+        assert handle.snapshot.n_items == 0, handle.snapshot
         # Pipelined: many requests in flight at once on one connection.
         counts = yield defer.gatherResults([client.append("a-bin", torch.full((3,), float(i))) for i in range(200)])
         assert sorted(counts) == list(range(1, 201)), counts

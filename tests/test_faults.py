@@ -208,12 +208,12 @@ def test_a_connection_lost_mid_put_frees_its_partial_payload_at_once():
     from tensorshare_server.config import ServerConfig
     from tensorshare_server.net.recvpool import PooledSink
     from tensorshare_server.net.service import TensorShareFactory
-    from tensorshare_server.protocol.session import ServerState
+    from tensorshare_server.root import build_state
 
     def sinks() -> int:  # the payload's sink: a SegmentSink, or its pooled kind
         return sum(type(o) in (SegmentSink, PooledSink) for o in gc.get_objects())
 
-    factory = TensorShareFactory(ServerState.create(ServerConfig()))
+    factory = TensorShareFactory(build_state(ServerConfig()))
     proto = factory.buildProtocol(None)
     proto.makeConnection(StrictTransport())
     enc = encode(torch.zeros(1 << 20, dtype=torch.uint8))

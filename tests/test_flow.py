@@ -14,16 +14,17 @@ import torch
 
 import tensorshare
 from serverproc import ServerProcess
-from wiretools import CollectingOutbox, RawConnection, StrictTransport, raw_frame, wait_for
+from wiretools import CollectingOutbox, RawConnection, StrictTransport, raw_frame, request_parts, wait_for
 from tensorshare.protocol import messages as protocol
-from tensorshare._client.connection import NO_VALUE, request_frame
+from tensorshare._client.connection import NO_VALUE
 from tensorshare.wire.codec import encode
 from tensorshare.wire.frames import FrameDecoder, frame_head
 from tensorshare_server.config import ServerConfig
 from tensorshare_server.net.flow import SHARED_PART, OutboundBudget
-from tensorshare_server.protocol.notify import ListenerRegistry, notification_frame
-from tensorshare_server.net.service import FrameWriter
-from tensorshare_server.protocol.session import ServerSession, ServerState
+from tensorshare_server.net.writer import FrameWriter
+from tensorshare_server.protocol.notify import ListenerRegistry, Notifier, notification_frame
+from tensorshare_server.protocol.session import ServerSession
+from tensorshare_server.root import ServerState
 from tensorshare_server.bins.storage import InlineJobs, Storage
 from tensorshare_server.bins.store import BinStore, Change, Item
 
@@ -41,6 +42,7 @@ def make_writer(limit: int, buffer_size: int = 1024, clock=None):
     events = []
     budget = OutboundBudget(limit, 5.0, clock or FakeClock())
     writer = FrameWriter(transport, budget, lambda: events.append("congested"), lambda: events.append("drained"))
+    writer.notifier = Notifier(writer)  # the session's coalescing rule, over this writer
     transport.registerProducer(writer, True)
     return writer, transport, events
 
@@ -94,7 +96,7 @@ def test_congestion_starts_over_the_limit_and_ends_at_half():
 def test_writer_hands_only_bytes_and_keeps_frames_whole_in_order():
     writer, transport, events = make_writer(limit=1 << 20, buffer_size=100)
     writer.send(reply(1, 4096))
-    writer.notify("a", note("a", 1, 1))
+    writer.notifier.notify("a", note("a", 1, 1))
     writer.send(reply(2))
     while transport.paused:
         transport.drain()
@@ -127,15 +129,15 @@ def test_notifications_are_coalesced_only_while_congested():
     writer.send(reply(1))  # fills the transport: the writer is paused from here on
     assert transport.paused
     for seq in range(1, 4):  # not congested yet: every notification is kept
-        writer.notify("a", note("a", seq, seq))
+        writer.notifier.notify("a", note("a", seq, seq))
     writer.send(reply(2, 2048))  # over the limit: congested
     assert writer.congested and events == ["congested"]
     for seq in range(4, 50):
-        writer.notify("a", note("a", seq, seq))
-        writer.notify("b", note("b", 1000 + seq, seq))
+        writer.notifier.notify("a", note("a", seq, seq))
+        writer.notifier.notify("b", note("b", 1000 + seq, seq))
     writer.send(reply(3))  # a reply is never dropped
-    writer.notify("a", note("a", 99, 99))
-    assert writer.coalesced == 47 + 45  # a: 3 (queued before) to 49; b: 1004 to 1048
+    writer.notifier.notify("a", note("a", 99, 99))
+    assert writer.notifier.coalesced == 47 + 45  # a: 3 (queued before) to 49; b: 1004 to 1048
     while transport.paused:
         transport.drain()
     transport.drain()
@@ -152,7 +154,7 @@ def test_coalescing_keeps_the_queue_bounded_for_a_reader_that_never_reads():
     writer.send(reply(1, 2048))
     assert writer.congested
     for seq in range(10_000):
-        writer.notify(f"bin{seq % 3}", note(f"bin{seq % 3}", seq, seq))
+        writer.notifier.notify(f"bin{seq % 3}", note(f"bin{seq % 3}", seq, seq))
     assert len(writer._queue) < 100
     assert writer.budget.queued < 1000 + 2048 + 200
 
@@ -165,12 +167,12 @@ def test_a_coalesced_notification_that_ends_the_congestion_says_so():
     writer.send(reply(2, 448))
     notes = {f"b{i}": note(f"b{i}", i, 1) for i in range(9)}  # 62 bytes each
     for name, frame in notes.items():
-        writer.notify(name, frame)
+        writer.notifier.notify(name, frame)
     assert writer.congested and events == ["congested"]
     while writer.budget.queued > sum(map(len, notes.values())):
         transport.drain()  # the reply leaves, part by part; the notifications wait behind the pause
     assert writer.congested and 500 < writer.budget.queued < 500 + len(notes["b0"])
-    writer.notify("b0", note("b0", 99, 2))  # drops the waiting b0 notification: under half now
+    writer.notifier.notify("b0", note("b0", 99, 2))  # drops the waiting b0 notification: under half now
     assert events == ["congested", "drained"] and not writer.congested
 
 
@@ -179,11 +181,11 @@ def test_abandoned_replies_run_their_hooks_and_notifications_do_not_count():
     abandoned = []
     writer.send(reply(1), lambda: abandoned.append(1))  # handed to the transport whole
     writer.send(reply(2, 4096), lambda: abandoned.append(2))
-    writer.notify("a", note("a", 1, 1))
+    writer.notifier.notify("a", note("a", 1, 1))
     writer.connection_lost()
     assert abandoned == [2]
     writer.send(reply(3), lambda: abandoned.append(3))
-    writer.notify("a", note("a", 2, 2))
+    writer.notifier.notify("a", note("a", 2, 2))
     assert abandoned == [2, 3]
 
 
@@ -195,11 +197,13 @@ def make_session():
     state = ServerState(config, Storage(BinStore(), InlineJobs()), ListenerRegistry())
     outbox = CollectingOutbox()
     session = ServerSession(state, outbox)
+    session.connection_made()
+    outbox.frames.clear()  # the greeting
     return session, outbox, state
 
 
 def wire(rid, op, name=None, value=NO_VALUE) -> bytes:
-    return b"".join(bytes(p) for p in request_frame(rid, op, name, value))
+    return b"".join(bytes(p) for p in request_parts(rid, op, name, value))
 
 
 def test_a_congested_session_holds_requests_back_and_resumes_in_order():

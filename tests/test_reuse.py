@@ -344,7 +344,7 @@ def test_the_deferred_client_reuses_reply_arrays_too():
 
     ensure_reactor_thread()
     with EmbeddedServer(port=0) as server:
-        client = blockingCallFromThread(reactor, AsyncClient.connect, "127.0.0.1", server.port)
+        client = blockingCallFromThread(reactor, AsyncClient.connect, "127.0.0.1", server.port, zero_copy=False)
         try:
             for i in range(3):
                 value = torch.full((MiB,), float(i))

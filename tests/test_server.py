@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tensorshare
-from tensorshare._client.connection import request_frame
+from wiretools import request_parts
 from tensorshare.errors import (
     BadRequestError, ConnectionLostError, NoSuchBinError, UnknownVerbError, UsageError,
 )
@@ -392,7 +392,7 @@ def test_tags_reach_listeners_and_snapshots(client, server):
         client.put("g-tag", 1, tag=2**63)
     raw = RawConnection(server.port)
     raw.send(frame_head({"op": "PUT", "id": 1, "bin": "g-tag", "tag": "v1",
-                         "value": request_frame(1, "PUT", "g", 0)[0][-20:]}, 0))
+                         "value": request_parts(1, "PUT", "g", 0)[0][-20:]}, 0))
     assert raw.read_frame().header["code"] == 501
     raw.close()
 

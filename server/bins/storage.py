@@ -36,7 +36,7 @@ import weakref
 from typing import Callable, Protocol
 
 from tensorshare.disk.areas import write_token
-from tensorshare.errors import RemoteError, StorageFullError, ZeroCopyUnavailableError
+from tensorshare.errors import RemoteError, ServerLocalError, StorageFullError, ZeroCopyUnavailableError
 from tensorshare.wire.description import DEFAULT_LIMITS, DecodeLimits
 
 from .durable import DataDir
@@ -79,7 +79,6 @@ class InlineJobs:
 
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _SHM_FULL_PAUSE_S = 5.0  # after shared memory ran full, no item is copied there for this long
-_ADOPT_AT_ONCE = 8  # arrays of a value whose adoption is checked on the caller's thread
 
 
 def _storage_error(exc: BaseException, what: str) -> RemoteError:
@@ -189,15 +188,12 @@ class Storage:
                       (name, number, replace, item.description, item.segments, item.nbytes, item.tag), committed)
 
     def adopt(self, name: str, connection: str, shm_name: object, description: bytes, nbytes: int, tag,
-              replace: bool, done: Done, limits: DecodeLimits = DEFAULT_LIMITS, arrays: int | None = None) -> None:
+              replace: bool, done: Done, limits: DecodeLimits = DEFAULT_LIMITS) -> None:
         """PUT (``replace``) or APPEND of a value a same-host client wrote to
         ``incoming/<connection>/<shm_name>`` in the shared-memory area: checked and
-        taken over without a copy (:meth:`ShmArea.adopt`), then stored as :meth:`add`
-        does.  ``done(None, ZeroCopyUnavailableError)`` if it cannot be taken.
-
-        The checks cost a few system calls per file and read no data: for a value of
-        at most a few ``arrays`` they run at once (a trip through the disk threads
-        would cost more), for more on a disk thread."""
+        taken over without a copy (:meth:`ShmArea.adopt`, on a disk thread), then
+        stored as :meth:`add` does.  ``done(None, ZeroCopyUnavailableError)`` if it
+        cannot be taken."""
         if self.shm_area is None or self.data_dir is not None:
             raise ZeroCopyUnavailableError("this server takes values over TCP only")
         self.store.check_add(name, replace)
@@ -216,17 +212,19 @@ class Storage:
             except RemoteError as exc:  # limits or budget: the files go with the item
                 done(None, exc)
 
-        args = (connection, shm_name, description, nbytes, limits)
-        if arrays is not None and arrays <= _ADOPT_AT_ONCE:
-            try:
-                stored, error = self.shm.adopt(*args), None
-            except Exception as exc:
-                stored, error = None, exc
-            adopted(stored, error)
-        else:
-            self.jobs.run(None, self.shm.adopt, args, adopted)
+        self.jobs.run(None, self.shm.adopt, (connection, shm_name, description, nbytes, limits), adopted)
 
-    def close_connection(self, incoming: str) -> None:
+    @property
+    def takes_incoming(self) -> bool:
+        """Whether same-host clients may write values into the shared-memory area."""
+        return self.shm_area is not None and self.data_dir is None
+
+    def open_incoming(self, done: Callable[[str | None, BaseException | None], None]) -> None:
+        """Make an incoming directory for a same-host connection (on a disk thread);
+        ``done(name, error)``."""
+        self.jobs.run(None, self.shm.open_connection, (), done)
+
+    def close_incoming(self, incoming: str) -> None:
         """A same-host connection closed: remove its incoming directory (in the background)."""
         if self.shm is not None and self._open[0]:
             self.jobs.run(None, self.shm.close_connection, (incoming,))
@@ -267,17 +265,63 @@ class Storage:
 
         self.jobs.run(name, self.data_dir.delete_bin, (name,), deleted)
 
-    def taken(self, name: str, items: list[Item]) -> None:
-        """A GET took ``items`` from bin ``name``: move the bin's floor on disk past them."""
+    # -- reads
+
+    def state(self, name: str) -> tuple[bool, int, int, int | None]:
+        """``(exists, n_items, seq, tag)`` of bin ``name`` (see :meth:`BinStore.state`)."""
+        return self.store.state(name)
+
+    def listing(self) -> dict[str, int]:
+        """``{bin: n_items}`` for every bin."""
+        return self.store.listing()
+
+    def peek(self, name: str) -> list[Item]:
+        """The items of bin ``name``, which keeps them (NoSuchBinError if none)."""
+        return self.store.peek(name)
+
+    def take(self, name: str) -> tuple[list[Item], Change]:
+        """GET: take every item out of bin ``name``; with a data directory the bin's
+        floor moves past them on disk."""
+        items, change = self.store.get(name)
         numbers = [item.files.number for item in items if item.files is not None and item.files.number]
         if self.data_dir is not None and numbers:
             self.jobs.run(name, self.data_dir.set_floor, (name, max(numbers) + 1))
+        return items, change
 
-    def restored(self, name: str, items: list[Item]) -> None:
-        """A GET's reply was not delivered and ``items`` went back: lower the floor again."""
+    def restore(self, name: str, items: list[Item]) -> Change | None:
+        """Put ``items`` that a GET took back at the front of bin ``name`` (its reply
+        was not delivered); with a data directory the floor goes back down."""
+        change = self.store.restore(name, items)
         numbers = [item.files.number for item in items if item.files is not None and item.files.number]
         if self.data_dir is not None and numbers:
             self.jobs.run(name, self.data_dir.set_floor, (name, min(numbers)))
+        return change
+
+    def read(self, items: list[Item], refs: list | None,
+             done: Callable[[list | None, RemoteError | None], None]) -> None:
+        """``done(parts, None)`` with the payload parts of a reply carrying ``items``
+        (those without a reference in ``refs``), or ``done(None, error)`` (451) if
+        their files cannot be opened.
+
+        Payloads in memory are their parts at once; an item only on disk is opened
+        and mapped on a disk thread (no reads: pages come in as the socket takes
+        them).  What each item holds is taken now, so a spill that swaps an item's
+        chunks for files meanwhile changes nothing."""
+        sources = [item.segments if item.segments is not None else item.files
+                   for i, item in enumerate(items) if refs is None or refs[i] is None]
+        if all(type(source) is tuple for source in sources):
+            done([part for source in sources for part in source], None)
+            return
+
+        def opened(parts, error) -> None:
+            if error is not None:
+                log.error("cannot read a stored item's files: %s", error)
+                reason = getattr(error, "strerror", None) or error
+                done(None, ServerLocalError(f"cannot read the stored item: {reason}"))
+            else:
+                done(parts, None)
+
+        self.jobs.run(None, _open_parts, (sources,), opened)
 
     # -- the memory budget and backpressure
 
@@ -355,6 +399,14 @@ class Storage:
             self.spill.close()
         if self.shm is not None:
             self.shm.close()
+
+
+def _open_parts(sources: list) -> list:
+    """The frame parts of payloads held as chunks (a tuple) or as files (blocking)."""
+    parts = []
+    for source in sources:
+        parts.extend(source if type(source) is tuple else source.open_parts())
+    return parts
 
 
 def _collect(jobs: Jobs, files: ItemFiles, open_: list) -> None:

@@ -1,11 +1,18 @@
-"""Who listens to which bin, and the fan-out of change notifications to them."""
+"""Change notifications: who listens to which bin, and what one connection is told.
+
+:class:`ListenerRegistry` fans a change out to every connection listening to its
+bin.  :class:`Notifier` applies the protocol's coalescing rule for one connection
+(PROTOCOL.md §5): while its outbox is congested, a new notification replaces the
+one for the same bin that has not been written yet, and goes to the back of the
+queue, so it still follows every frame queued before it.
+"""
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Protocol
+from typing import Any, Protocol
 
-from tensorshare.protocol import messages as protocol
+from tensorshare.protocol.messages import NOTIFICATION
 from tensorshare.wire.frames import frame_head
 
 from ..bins.store import Change
@@ -13,17 +20,13 @@ from ..bins.store import Change
 
 class Listener(Protocol):
     def notify(self, name: str, frame: bytes) -> None:
-        """Queue the notification ``frame`` about bin ``name`` (it may replace an
-        unsent one about the same bin if the listener's connection is congested)."""
+        """Tell the listener's peer about a change of bin ``name`` (``frame``: the 151)."""
 
 
 def notification_frame(change: Change) -> bytes:
     """The bytes of the 151 frame that tells a listener about ``change``."""
-    return frame_head(
-        {"code": protocol.NOTIFY, "id": 0, "bin": change.bin, "n": change.n_items,
-         "seq": change.seq, "op": change.op, "tag": change.tag},
-        0,
-    )
+    header = NOTIFICATION.build(bin=change.bin, n=change.n_items, seq=change.seq, op=change.op, tag=change.tag)
+    return frame_head(header, 0)
 
 
 class ListenerRegistry:
@@ -52,3 +55,40 @@ class ListenerRegistry:
         frame = notification_frame(change)
         for listener in tuple(listeners):
             listener.notify(change.bin, frame)
+
+
+class Outbox(Protocol):
+    """Where a session's frames go, whole and in order (the connection's writer)."""
+
+    congested: bool  # too much is queued: take no more requests until it is not (net/flow.py)
+
+    def send(self, parts: list, on_abandon: Any = None) -> Any:
+        """Queue one frame; returns a ticket for :meth:`withdraw`.  ``on_abandon`` runs
+        if the connection dies before the frame is written."""
+
+    def withdraw(self, ticket: Any) -> bool:
+        """Take a queued frame back if none of it has been written yet (True if so)."""
+
+    def close(self) -> None:
+        """Close the connection once everything queued has been written."""
+
+
+class Notifier:
+    """The notifications of one connection, coalesced per bin while it is congested."""
+
+    def __init__(self, outbox: Outbox):
+        self.outbox = outbox
+        self._unwritten: dict[str, Any] = {}  # bin -> ticket of its last queued notification
+        self.coalesced = 0  # notifications replaced by a newer one, over the connection's life
+
+    def notify(self, name: str, frame: bytes) -> None:
+        outbox = self.outbox
+        if outbox.congested:
+            ticket = self._unwritten.get(name)
+            if ticket is not None and outbox.withdraw(ticket):
+                self.coalesced += 1
+        self._unwritten[name] = outbox.send([frame])
+
+    def forget(self, name: str) -> None:
+        """The connection stopped listening to bin ``name``."""
+        self._unwritten.pop(name, None)

@@ -1,0 +1,66 @@
+"""What a client listens to: the handles of its listens, by bin.
+
+Listens belong to a connection on the server (PROTOCOL.md §5), so a client that
+reconnects listens again to every bin in :class:`Subscriptions` and reports the
+new snapshot to each handle's callback as a ``LISTEN`` notification.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .connection import ListenSnapshot, Notification
+
+
+class Listening:
+    """Handle of a listen: ``snapshot`` is the bin's state when it began, ``stop()``
+    ends it (for an :class:`~tensorshare.AsyncClient`, ``stop()`` returns a Deferred)."""
+
+    def __init__(self, client: Any, name: str, callback: Callable[[Notification], Any]):
+        self.client, self.bin, self.callback = client, name, callback
+        self.snapshot: ListenSnapshot | None = None
+
+    def stop(self) -> Any:
+        return self.client._unlisten(self)
+
+    close = stop
+
+    def __repr__(self) -> str:
+        return f"<Listening {self.bin!r}>"
+
+
+class Subscriptions:
+    """The listen handles of one client, by bin (no locking: the client guards it)."""
+
+    def __init__(self):
+        self._by_bin: dict[str, list[Listening]] = {}
+
+    def add(self, handle: Listening) -> None:
+        self._by_bin.setdefault(handle.bin, []).append(handle)
+
+    def remove(self, handle: Listening) -> bool:
+        """Forget ``handle``; True if it was the last one of its bin (so the server
+        should stop notifying)."""
+        handles = self._by_bin.get(handle.bin)
+        if handles is None or handle not in handles:
+            return False
+        handles.remove(handle)
+        if handles:
+            return False
+        del self._by_bin[handle.bin]
+        return True
+
+    def handles(self, name: str) -> tuple[Listening, ...]:
+        return tuple(self._by_bin.get(name, ()))
+
+    def names(self) -> list[str]:
+        return list(self._by_bin)
+
+    def clear(self) -> None:
+        self._by_bin.clear()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._by_bin
+
+    def __bool__(self) -> bool:
+        return bool(self._by_bin)
