@@ -50,7 +50,8 @@ class AsyncClient(ClientCore):
 
     def __init__(self, reactor, host: str, port: int, timeout: float | None, device: Any, max_backoff: float, *,
                  connect_timeout: float = 10.0, token: str | bytes | None = None, tls: TLSSettings | None = None,
-                 keepalive: float | None = 15.0, reuse: int = DEFAULT_REUSE, zero_copy: bool = True):
+                 keepalive: float | None = 15.0, reuse: int = DEFAULT_REUSE, zero_copy: bool = True,
+                 connector: Callable[[Wire], defer.Deferred] | None = None):
         self._init_core(host, port, timeout=timeout, device=device, zero_copy=zero_copy, reuse=reuse, token=token,
                         tls=tls, keepalive=keepalive, lock=contextlib.nullcontext())  # one thread: the reactor's
         self.reactor = reactor
@@ -63,6 +64,9 @@ class AsyncClient(ClientCore):
         self._sweeper = None  # the one timer that expires calls
         self._backoff = Backoff(0.05, max_backoff)
         self._retry = None
+        # Connects a new Wire to the server (a Deferred firing once connected):
+        # Twisted's TCP or TLS endpoints unless given (tests pair the two ends in memory).
+        self._connector = connector or self._connect_endpoint
 
     @classmethod
     def connect(cls, host: str = "127.0.0.1", port: int = 8000, *, reactor=None, timeout: float | None = 60.0,
@@ -236,12 +240,15 @@ class AsyncClient(ClientCore):
 
     # -- connections
 
-    def _open(self) -> defer.Deferred:
+    def _connect_endpoint(self, wire: Wire) -> defer.Deferred:
         if self._tls_options is None:
             endpoint = TCP4ClientEndpoint(self.reactor, self.host, self.port, timeout=self.connect_timeout)
         else:
             endpoint = SSL4ClientEndpoint(self.reactor, self.host, self.port, self._tls_options,
                                           timeout=self.connect_timeout)
+        return connectProtocol(endpoint, wire)
+
+    def _open(self) -> defer.Deferred:
         wire = Wire(self)
         # The endpoint bounds the TCP connect; this bounds TLS, greeting and AUTH too.
         timer = self.reactor.callLater(self.connect_timeout, wire.abandon_opening)
@@ -251,7 +258,7 @@ class AsyncClient(ClientCore):
                 timer.cancel()
             return result
 
-        d = connectProtocol(endpoint, wire)
+        d = self._connector(wire)
         d.addCallback(lambda _: wire.greeted)
         d.addBoth(stop_timer)
         d.addCallback(self._opened)

@@ -324,6 +324,7 @@ def kernel_send_buffer_max() -> int:
         return 4 << 20
 
 
+@pytest.mark.process
 def test_clients_and_rl_wrappers_tolerate_coalesced_notifications(tmp_path):
     """Three real clients behind a stopped proxy fall behind by 2 x 12,000 changes; the
     server coalesces their notifications, and they still end in the right state."""
@@ -391,6 +392,7 @@ def _nonblocking_send(sock: socket.socket, data: memoryview, offset: int, stall:
     return offset
 
 
+@pytest.mark.process
 def test_a_writer_that_does_not_read_its_replies_is_slowed_by_tcp_not_by_server_memory(tmp_path):
     """PUT 1 MiB, PEEK it, APPEND a counter, 150 times over, reading nothing: without
     flow control the server would read it all and pin 150 MiB of PEEK replies."""
@@ -447,6 +449,7 @@ def test_a_writer_that_does_not_read_its_replies_is_slowed_by_tcp_not_by_server_
         server.stop()
 
 
+@pytest.mark.process
 @pytest.mark.skipif(not sys.platform.startswith("linux"),
                     reason="a slow reader's progress is seen in the kernel's send queue (SIOCOUTQ) on Linux only")
 def test_a_reader_that_reads_nothing_is_disconnected_and_a_slow_one_is_not(tmp_path):
@@ -484,6 +487,7 @@ def test_a_reader_that_reads_nothing_is_disconnected_and_a_slow_one_is_not(tmp_p
         server.stop()
 
 
+@pytest.mark.process
 def test_flow_control_options_on_the_command_line():
     import subprocess
 

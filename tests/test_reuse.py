@@ -202,6 +202,7 @@ def test_a_pooled_sink_does_not_lend_for_less_than_a_chunk_nor_past_the_bound():
 # ------------------------------------------------------- a real server
 
 
+@pytest.mark.process
 def test_repeated_puts_are_received_into_reused_memory_and_read_back_exactly():
     with EmbeddedServer(port=0) as server, tensorshare.Client("127.0.0.1", server.port, zero_copy=False) as c:
         pool = server.state.recv_pool
@@ -227,6 +228,7 @@ def test_repeated_puts_are_received_into_reused_memory_and_read_back_exactly():
         assert ServerConfig(recv_pool=1 << 30, memory_limit=64 * MiB).recv_pool_bytes == 16 * MiB
 
 
+@pytest.mark.process
 def test_a_reply_being_sent_keeps_its_memory_while_the_item_is_replaced_again_and_again():
     """A reader that reads nothing yet holds a PEEK reply of the item's chunks; puts
     of other values must be received into other memory, or the reply would send
@@ -252,6 +254,7 @@ def test_a_reply_being_sent_keeps_its_memory_while_the_item_is_replaced_again_an
     assert "Traceback" not in server.stderr
 
 
+@pytest.mark.process
 def test_items_received_into_the_pool_spill_and_are_served_from_disk_over_tcp():
     with EmbeddedServer(port=0, memory_limit=16 * MiB) as server, \
             tensorshare.Client("127.0.0.1", server.port, zero_copy=False) as c:
@@ -271,6 +274,7 @@ def test_items_received_into_the_pool_spill_and_are_served_from_disk_over_tcp():
             assert torch.equal(c.peek(f"b{i}")[0], value)
 
 
+@pytest.mark.process
 def test_a_reader_gone_mid_reply_leaves_no_chunk_held():
     with EmbeddedServer(port=0) as server, tensorshare.Client("127.0.0.1", server.port, zero_copy=False) as c:
         pool = server.state.recv_pool
@@ -292,6 +296,7 @@ def test_a_reader_gone_mid_reply_leaves_no_chunk_held():
 # ------------------------------------------------------- the clients' reply arrays
 
 
+@pytest.mark.process
 def test_a_client_receives_a_reply_into_an_array_only_once_its_values_are_dropped():
     with EmbeddedServer(port=0) as server, tensorshare.Client("127.0.0.1", server.port, zero_copy=False) as c:
         first = torch.arange(MiB, dtype=torch.float32)  # 4 MiB
@@ -335,6 +340,7 @@ def test_a_client_receives_a_reply_into_an_array_only_once_its_values_are_droppe
         tensorshare.Client("127.0.0.1", 1, reuse=-1)
 
 
+@pytest.mark.process
 def test_the_deferred_client_reuses_reply_arrays_too():
     from twisted.internet import reactor
     from twisted.internet.threads import blockingCallFromThread

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import re
 import signal
 import subprocess
@@ -164,6 +165,7 @@ def test_experiments_do_not_mix(server):
         assert "a/parameters" in bins and "b/parameters" not in bins
 
 
+@pytest.mark.process
 def test_seed_readme_rl_scripts_run_unchanged(tmp_path):
     from serverproc import ServerProcess
 

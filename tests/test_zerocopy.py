@@ -211,6 +211,7 @@ def test_spoilt_incoming_items_are_refused_and_nothing_is_stored(every_item, kin
         assert _equal(c.peek(f"spoilt-{kind}"), [{"w": torch.ones(1000)}])
 
 
+@pytest.mark.process
 def test_tcp_only_connections_refuse_shared_puts():
     srv = ServerProcess("--no-zero-copy")
     try:
@@ -254,6 +255,7 @@ def test_a_client_killed_before_its_put_leaves_nothing(every_item):
         writer.wait()
 
 
+@pytest.mark.process
 def test_areas_go_with_their_server_even_after_kill_9():
     first = ServerProcess()
     try:
@@ -306,6 +308,7 @@ def test_zero_copy_false_uses_tcp_only(every_item):
         assert not [f for f in items if os.stat(f).st_size == 4 * (MiB + 16)]  # not written to shared memory
 
 
+@pytest.mark.process
 def test_a_token_that_does_not_match_means_tcp(tmp_path):
     srv = ServerProcess("--shm-dir", str(tmp_path))  # an area of its own, to tamper with
     try:
@@ -325,6 +328,7 @@ def test_a_token_that_does_not_match_means_tcp(tmp_path):
         srv.stop()
 
 
+@pytest.mark.process
 def test_an_unusable_shm_dir_means_tcp(tmp_path):
     srv = ServerProcess("--shm-dir", str(tmp_path / "missing"))
     try:
@@ -357,6 +361,7 @@ def test_a_full_shm_means_tcp_for_that_value(every_item):
     assert out.stdout.strip() == "ok", out.stderr
 
 
+@pytest.mark.process
 def test_tmpfs_shm_dir_full(tmp_path):
     with small_tmpfs(tmp_path / "small", "2m") as mount:
         srv = ServerProcess("--shm-dir", str(mount))
@@ -374,6 +379,7 @@ def test_tmpfs_shm_dir_full(tmp_path):
 # ------------------------------------------------------------------ memory budget
 
 
+@pytest.mark.process
 def test_items_in_shared_memory_count_against_the_memory_limit(tmp_path):
     srv = ServerProcess("--memory-limit", "8MiB", "--spill-dir", str(tmp_path / "spill"))
     try:
@@ -411,6 +417,7 @@ def test_items_put_over_tcp_move_to_shared_memory_when_peeked(every_item):
         assert torch.equal(zc.peek("promoted")[0], torch.ones(MiB))
 
 
+@pytest.mark.process
 def test_data_dir_items_are_mapped_from_the_data_dir(tmp_path):
     data = str(tmp_path / "data")
     srv = ServerProcess("--data-dir", data)
