@@ -34,6 +34,7 @@ from ._client.core import ClientCore
 from ._client.dispatch import Dispatcher
 from ._client.keepalive import DEAD, PROBE, Keepalive
 from ._client.listens import Listening
+from ._client.reader import BackgroundReader
 from ._client.methods import DEFAULT
 from ._client.retry import Backoff
 from ._client.sockets import SMALL_FRAME, Link, open_link, wait
@@ -51,7 +52,6 @@ log = logging.getLogger("tensorshare.client")
 __all__ = ["Client", "Listening", "ListenSnapshot", "Notification", "connect"]
 
 _IDLE_CHECK = 1.0  # seconds of quiet after which a request first reads what the server sent meanwhile
-_READER_LINGER = 2.0  # seconds an idle background reader waits for more work before it ends
 
 
 class Client(ClientCore):
@@ -118,8 +118,7 @@ class Client(ClientCore):
         self._link: Link | None = None
         self._reading = False  # a thread is the leader: it reads the socket
         self._ever_connected = False
-        self._reader: threading.Thread | None = None
-        self._reader_idle = False  # the background reader waits for work (see _reader_loop)
+        self._reader = BackgroundReader(self)  # keeps the socket drained while callbacks wait
         self._dispatcher: Dispatcher | None = None
         self._connect()
 
@@ -143,7 +142,7 @@ class Client(ClientCore):
         calling thread), so that none still runs user or torch code when the
         interpreter exits, which can abort the process."""
         me = threading.current_thread()
-        for thread in (self._reader, self._dispatcher and self._dispatcher.thread):
+        for thread in (self._reader.thread, self._dispatcher and self._dispatcher.thread):
             if thread is not None and thread is not me:
                 thread.join(timeout)
 
@@ -229,7 +228,7 @@ class Client(ClientCore):
             if mine:
                 self._callbacks().submit(self._complete, call, exc)
             return
-        self._ensure_reader()
+        self._reader.ensure()
 
     def _complete(self, call: Call, outcome: Any) -> None:
         """Settle a non-blocking call (on the dispatcher thread) and call back, or send
@@ -278,7 +277,7 @@ class Client(ClientCore):
         return self._areas(self._deadline(DEFAULT)) if self.zero_copy else None
 
     def _listening(self, handle: Listening) -> Listening:
-        self._ensure_reader()
+        self._reader.ensure()
         return handle
 
     # ------------------------------------------------------------------ sending
@@ -558,75 +557,6 @@ class Client(ClientCore):
         link.close()
         for call in failed:
             self._callbacks().submit(self._complete, call, error)
-
-    # -- background reader (while listening or with non-blocking calls in flight)
-
-    def _needs_reader(self) -> bool:
-        return not self._closed and self._failure is None and bool(self._listens or self._calls.callbacks)
-
-    def _ensure_reader(self) -> None:
-        if self._reader is not None:  # unlocked fast path: an exiting reader re-checks
-            if self._reader_idle:  # set under the lock before it waits: wake it for the new work
-                with self._cond:
-                    self._cond.notify_all()
-            return
-        with self._cond:
-            if self._reader is not None or not self._needs_reader():
-                return
-            self._reader = threading.Thread(target=self._reader_loop, name="tensorshare-reader", daemon=True)
-            self._reader.start()
-
-    def _reader_loop(self) -> None:
-        backoff = Backoff(0.05, self.max_backoff)
-        idle_since = None
-        try:
-            while True:
-                with self._cond:
-                    if not self._needs_reader():
-                        # Linger: in a run of non-blocking calls, the calls in flight
-                        # often all complete before the next is made, and starting a
-                        # thread each time costs more than the calls.
-                        now = time.monotonic()
-                        idle_since = now if idle_since is None else idle_since
-                        if self._closed or self._failure is not None or now - idle_since >= _READER_LINGER:
-                            return
-                        self._reader_idle = True
-                        self._cond.wait(idle_since + _READER_LINGER - now)
-                        self._reader_idle = False
-                        continue
-                    idle_since = None
-                    if self._reading:
-                        self._cond.wait(1.0)
-                        continue
-                    self._reading = True
-                failure = None
-                try:
-                    if self._link is None:
-                        self._ensure_connected(None)
-                        backoff.reset()
-                    self._read_some(time.monotonic() + 1.0)
-                except TimeoutError:
-                    pass
-                except TensorShareError as exc:
-                    failure = exc
-                finally:
-                    with self._cond:
-                        self._reading = False
-                        self._cond.notify_all()
-                if failure is not None:
-                    if self._closed:
-                        return
-                    if isinstance(failure, AuthenticationError):
-                        log.error("tensorshare reader: %s; not reconnecting", failure)
-                        return
-                    delay = backoff.next()
-                    log.info("tensorshare reader: %s; retrying in %.2fs", failure, delay)
-                    time.sleep(delay)
-        finally:
-            with self._cond:
-                self._reader = None
-            if self._needs_reader():  # a listen raced with our exit
-                self._ensure_reader()
 
 
 def connect(host: str = "127.0.0.1", port: int = 8000, *, retry_for: float = 30.0, **options) -> Client:

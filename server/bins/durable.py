@@ -5,7 +5,7 @@ Layout under the data directory::
     bins/<sha256 of the bin name, 32 hex digits>/
         bin.json                   {"name": the bin's name}
         floor                      items numbered below this were taken by a GET
-        00000000000000000042/      an APPENDed item (tensorshare.layout)
+        00000000000000000042/      an APPENDed item (tensorshare.disk.layout)
         00000000000000000057.put/  a PUT item: every lower-numbered item is superseded
     trash/                         deleted bins, removed in the background
 

@@ -1,11 +1,11 @@
 """Items whose payload lives in files: serving them from memory maps, and the spill area.
 
 An item on disk (spilled, or durable in the data directory) is a directory in the
-layout of :mod:`tensorshare.layout`.  :class:`ItemFiles` says where its arrays are;
+layout of :mod:`tensorshare.disk.layout`.  :class:`ItemFiles` says where its arrays are;
 :meth:`ItemFiles.open_parts` maps them read-only and cuts them into
 :class:`FileSpan` parts that the connection's writer copies out one chunk at a time,
 so a reply never holds a spilled item in RAM whole.  The functions here block on the
-file system: the server calls them from its disk thread pool (:mod:`.disk`), except
+file system: the server calls them from its disk thread pool (:mod:`.jobs`), except
 ``open_parts``, which only opens and maps (no reads: pages come in as the socket
 takes them, with read-ahead asked of the kernel).
 """
@@ -49,7 +49,7 @@ class FileSpan:
 
 @dataclass(frozen=True)
 class Area:
-    """A directory of items that same-host clients may map (see :mod:`tensorshare.areas`).
+    """A directory of items that same-host clients may map (see :mod:`tensorshare.disk.areas`).
 
     ``index`` is its place in the greeting's list; ``in_memory`` is True for the
     shared-memory area, whose files are RAM and count against the memory budget."""

@@ -1,10 +1,12 @@
-"""The bin store with its disk tier: spilling under a memory budget, and the durable directory.
+"""The one storage interface the verb handlers use: the bins, and their disk tiers.
 
-:class:`Storage` wraps the pure :class:`~.store.BinStore` for the sessions.  It
-decides when payloads move to disk and what a change must write before it is
-acknowledged; the blocking file work runs through a :class:`Jobs` runner (the
-server's thread pool, :mod:`.disk`; a synchronous one in tests), whose completion
-callbacks come back on the caller's (reactor) thread.
+:class:`Storage` wraps the pure :class:`~.store.BinStore` for the sessions, for
+reads (``state``, ``listing``, ``peek``, ``take``, ``restore``, ``read``) and writes
+(``add``, ``adopt``, ``delete``) alike.  It decides when payloads move to disk and
+what a change must write before it is acknowledged; every blocking file operation
+(writing, opening and mapping an item's files, adopting, spilling) runs through a
+:class:`Jobs` runner (the server's disk threads, :mod:`.jobs`; a synchronous one in
+tests), whose completion callbacks come back on the caller's (reactor) thread.
 
 * Memory only (no limit, no data directory): every call completes at once.
 * ``memory_limit``: past the budget, least recently used items are written to the

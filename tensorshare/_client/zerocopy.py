@@ -1,14 +1,14 @@
 """Same-host zero-copy, client side: the server's shared areas as one connection sees them.
 
 A server's greeting may offer its shared areas (PROTOCOL.md §10).  :meth:`SharedAreas.of`
-trusts an area only after :func:`tensorshare.areas.verify_area` found this
+trusts an area only after :func:`tensorshare.disk.areas.verify_area` found this
 host's directory of that name to be the server's (the token check), so a server
 on another host, in another container, or one restarted since, is never trusted.
 Then:
 
 * a value to PUT/APPEND is written into this connection's incoming directory in
   the server's shared-memory area (:meth:`SharedAreas.write`, the layout of
-  :mod:`tensorshare.layout`), and the request names it instead of carrying bytes;
+  :mod:`tensorshare.disk.layout`), and the request names it instead of carrying bytes;
   the server adopts the directory without copying;
 * a GET/PEEK reply may refer to items' files instead of carrying their bytes:
   :meth:`SharedAreas.load` checks the reference and maps the files copy-on-write
@@ -49,7 +49,7 @@ _MAX_AREAS = 8
 DEFAULT_MIN_BYTES = 128 << 10
 # Writing a value costs more per file than mapping one (both sides create, check and
 # rename files): a value goes through shared memory from this many times the bar of
-# a reference (measured: puts of one tensor broke even near 0.6 MiB, of 16 near 2 MiB).
+# a reference (docs/design.md).
 PUT_FACTOR = 4
 
 
@@ -58,7 +58,7 @@ class SharedAreas:
 
     ``roots[i]`` is area ``i``'s directory, or None if it failed the check;
     ``incoming`` is this connection's incoming directory (None: puts go over TCP);
-    ``min_bytes`` the server's bar for references (:func:`~tensorshare.areas.worth_sharing`).
+    ``min_bytes`` the server's bar for references (:func:`~tensorshare.disk.areas.worth_sharing`).
     """
 
     def __init__(self, roots: list[str | None], incoming: str | None, min_bytes: int):

@@ -184,11 +184,11 @@ REUSE_MIN = 1 << 20  # payloads from this size on may be received into a reused 
 def buffer_sink(header: dict, nbytes: int, reuse: Any = None) -> BufferSink:
     """Sink factory: every payload into its own preallocated array.
 
-    ``reuse``, a :class:`~tensorshare.recycle.Recycler` of ``payload_buffer``
+    ``reuse``, a :class:`~tensorshare.wire.recycle.Recycler` of ``payload_buffer``
     arrays, gives a payload of ``REUSE_MIN`` bytes or more an array of its size that
     an earlier reply was received into and that nothing refers to any more (its
     values were dropped): memory already touched, much quicker to receive into than
-    new pages.  Arrays come in size classes (:func:`~tensorshare.recycle.size_class`),
+    new pages.  Arrays come in size classes (:func:`~tensorshare.wire.recycle.size_class`),
     so payloads whose size varies a little share them."""
     try:
         if reuse is not None and nbytes >= REUSE_MIN:
