@@ -7,7 +7,7 @@ behind one storage interface).  :mod:`.root` builds a server's shared parts and
 :mod:`.app` starts it all (the command line, ``run_server``, ``EmbeddedServer``).
 """
 
-from .app import EmbeddedServer, main, run_server
+from .app import EmbeddedServer, main, run_server, serve_in_process, stop_in_process_servers
 from .config import ServerConfig
 
-__all__ = ["EmbeddedServer", "ServerConfig", "main", "run_server"]
+__all__ = ["EmbeddedServer", "ServerConfig", "main", "run_server", "serve_in_process", "stop_in_process_servers"]

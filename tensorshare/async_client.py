@@ -28,6 +28,7 @@ from ._client.core import ClientCore
 from ._client.keepalive import DEAD, PROBE
 from ._client.methods import DEFAULT
 from ._client.retry import Backoff
+from ._client.routing import finish
 from ._client.twisted_wire import Wire
 from ._client.zerocopy import SharedAreas
 from .errors import AuthenticationError, ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UsageError
@@ -124,24 +125,9 @@ class AsyncClient(ClientCore):
               then: Callable | None = None, on_reply: Callable | None = None, on_error: Callable | None = None,
               decode: bool = True, zero_copy: bool = True) -> defer.Deferred:
         d = defer.Deferred()
-
-        def settled(reply, error) -> None:
-            if error is not None:
-                if on_error is not None and on_error(error):
-                    d.callback(None)
-                else:
-                    d.errback(error)
-                return
-            try:
-                result = reply.result if then is None else then(reply)
-            except Exception as exc:
-                d.errback(exc)
-                return
-            d.callback(result)
-
         try:
-            self._submit(command, fields, value, settled, zero_copy=zero_copy, on_reply=on_reply, decode=decode,
-                         timeout=timeout)
+            self._submit(command, fields, value, d, zero_copy=zero_copy, timeout=timeout, then=then,
+                         on_reply=on_reply, on_error=on_error, decode=decode)
         except TensorShareError:
             return defer.fail()
         return d
@@ -149,9 +135,15 @@ class AsyncClient(ClientCore):
     def _done(self, value: Any) -> defer.Deferred:
         return defer.succeed(value)
 
-    def _submit(self, command: Command, fields: dict | None, value: Any, callback: Callable, *,
-                zero_copy: bool = True, on_reply: Callable | None = None, decode: bool = True,
-                timeout=DEFAULT) -> None:
+    def _later(self, fn: Callable, *args) -> None:
+        self.reactor.callLater(0, fn, *args)
+
+    def _submit(self, command: Command, fields: dict | None, value: Any, callback, *,
+                zero_copy: bool = True, timeout=DEFAULT, then: Callable | None = None,
+                on_error: Callable | None = None, on_reply: Callable | None = None, decode: bool = True,
+                raw: bool = False, inline: bool = False) -> None:
+        """Send a call; ``callback`` is a ``callback(result, error)`` or a Deferred
+        (``inline`` changes nothing here: callbacks run on the reactor thread)."""
         if self._closed:
             raise UsageError("the client is closed")
         if self._failure is not None:
@@ -163,12 +155,11 @@ class AsyncClient(ClientCore):
         areas = self._wire.conn.areas if zero_copy and decode and self.zero_copy else None
         timeout = self.timeout if timeout is DEFAULT else timeout
         deadline = None if timeout is None else self.reactor.seconds() + timeout
-        call = self._new_call(command, fields, value, areas, callback=callback, on_reply=on_reply,
-                              deadline=deadline, decode=decode)
+        call = self._new_call(command, fields, value, areas, callback, then, on_error, on_reply, deadline, decode, raw)
         try:
             self._transmit(call, deadline)
         except BaseException:
-            call.plan.finish()
+            finish(call)
             raise
 
     def _transmit(self, call: Call, deadline: float | None, may_hold: bool = False) -> None:
@@ -182,15 +173,26 @@ class AsyncClient(ClientCore):
         """Settle a call and call back, or send the attempt a zero-copy refusal calls for."""
         settled = self._settle(call, outcome)
         if settled is not None:
-            call.callback(*settled)
+            self._call_back(call, *settled)
             return
         try:
             if self._wire is None:
                 raise ConnectionLostError(f"not connected to {self._where} (reconnecting)")
             self._transmit(call, call.deadline)
         except TensorShareError as exc:
-            call.plan.finish()
-            call.callback(None, exc)
+            finish(call)
+            self._call_back(call, None, exc)
+
+    def _call_back(self, call: Call, reply, error) -> None:
+        result, error = self._result(call, reply, error)
+        target = call.callback
+        if type(target) is defer.Deferred:
+            if error is not None:
+                target.errback(error)
+            else:
+                target.callback(result)
+        else:
+            target(result, error)
 
     def _connection(self):
         return None if self._wire is None else self._wire.conn

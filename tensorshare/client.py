@@ -37,6 +37,7 @@ from ._client.listens import Listening
 from ._client.reader import BackgroundReader
 from ._client.methods import DEFAULT
 from ._client.retry import Backoff
+from ._client.routing import finish
 from ._client.sockets import SMALL_FRAME, Link, open_link, wait
 from ._client.spin import DEFAULT_LIMIT as DEFAULT_SPIN
 from ._client.spin import ReplySpin
@@ -177,7 +178,7 @@ class Client(ClientCore):
         if self._buffers is not None:
             self._buffers.maybe_trim()  # reply arrays unused for a while go back to the system
         areas = self._areas(deadline) if zero_copy and self.zero_copy else None
-        call = self._new_call(command, fields, value, areas, on_reply=on_reply, decode=decode)
+        call = self._new_call(command, fields, value, areas, None, then, on_error, on_reply, None, decode)
         try:
             while True:
                 try:
@@ -192,29 +193,32 @@ class Client(ClientCore):
                 if settled is not None:
                     break
         except BaseException:
-            call.plan.finish()
+            finish(call)
             raise
-        reply, error = settled
+        result, error = self._result(call, *settled)
         if error is not None:
-            if on_error is not None and on_error(error):
-                return None
             raise error
-        return reply.result if then is None else then(reply)
+        return result
 
     def _done(self, value: Any) -> Any:
         return value
 
+    def _later(self, fn: Callable, *args) -> None:
+        self._callbacks().submit(fn, *args)
+
     def _submit(self, command: Command, fields: dict | None, value: Any, callback: Callable, *,
-                zero_copy: bool = True, on_reply: Callable | None = None, decode: bool = True,
-                timeout=DEFAULT) -> None:
+                zero_copy: bool = True, timeout=DEFAULT, then: Callable | None = None,
+                on_error: Callable | None = None, on_reply: Callable | None = None, decode: bool = True,
+                raw: bool = False, inline: bool = False) -> None:
         if self._closed:
             raise UsageError("the client is closed")
         areas = self._areas(DEFAULT) if zero_copy and self.zero_copy else None
-        call = self._new_call(command, fields, value, areas, callback=callback, on_reply=on_reply, decode=decode)
+        call = self._new_call(command, fields, value, areas, callback, then, on_error, on_reply, None, decode, raw)
+        call.inline = inline
         try:
             parts = self._request_parts(call)
         except BaseException:
-            call.plan.finish()
+            finish(call)
             raise
         self._send_call(call, parts)
 
@@ -235,13 +239,29 @@ class Client(ClientCore):
         the attempt a zero-copy refusal calls for."""
         settled = self._settle(call, outcome)
         if settled is not None:
-            call.callback(*settled)
+            self._call_back(call, *settled)
             return
+        self._complete_retry(call)
+
+    def _complete_inline(self, call: Call, frame) -> None:
+        """Settle an inline call on the reading thread (its callback is quick and does
+        not call the client); another attempt, if one is due, goes out from the
+        dispatcher thread, since sending may block."""
+        settled = self._settle(call, frame)
+        if settled is None:
+            self._callbacks().submit(self._complete_retry, call)
+            return
+        try:
+            self._call_back(call, *settled)
+        except Exception:
+            log.exception("tensorshare callback %r failed", call.callback)
+
+    def _complete_retry(self, call: Call) -> None:
         try:
             parts = self._request_parts(call)
         except TensorShareError as exc:
-            call.plan.finish()
-            call.callback(None, exc)
+            finish(call)
+            self._call_back(call, None, exc)
             return
         self._send_call(call, parts)
 
@@ -427,18 +447,22 @@ class Client(ClientCore):
         except (OSError, ValueError, ProtocolError) as exc:
             raise self._lost(link, exc) from None
         jobs: list = []  # callbacks of this read, handed to the dispatcher in one go
+        inline: list = []  # calls whose callbacks run here, on the reading thread
         try:
-            self._dispatch(frames, conn, jobs)
+            self._dispatch(frames, conn, jobs, inline)
         except ProtocolError as exc:  # the server sent nonsense: nothing it says can be trusted
             err = ConnectionLostError(f"bad reply from {self._where}: {exc}")
             self._drop_connection(link, err)
             raise err from None
         if jobs:
             self._callbacks().submit_all(jobs)
+        for call, frame in inline:
+            self._complete_inline(call, frame)
 
-    def _dispatch(self, frames: list, conn, jobs: list) -> None:
+    def _dispatch(self, frames: list, conn, jobs: list, inline: list) -> None:
         """Hand each frame of a read to the thread waiting for it, or queue its
-        callbacks in ``jobs`` (under one hold of the lock for the whole read)."""
+        callbacks in ``jobs`` (the dispatcher's) or ``inline`` (under one hold of
+        the lock for the whole read)."""
         woken = False
         coalescer = self._coalescer
         with self._cond:
@@ -452,6 +476,8 @@ class Client(ClientCore):
                 if call.callback is None:
                     call.outcome = frame
                     woken = True
+                elif call.inline:
+                    inline.append((call, frame))
                 else:
                     jobs.append((self._complete, (call, frame)))
             if woken:

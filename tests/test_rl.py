@@ -130,9 +130,9 @@ def test_staleness_filter_counts_drops(server):
         worker.add_data("old")
         worker.version = 1
         worker.add_data("one behind")
-        got = trainer.get_data(return_versions=True, timeout=10)
+        got = list(zip(*trainer.get_data(return_versions=True, timeout=10)))
         while len(got) + trainer.dropped < 3:
-            got += trainer.get_data(return_versions=True, timeout=10)
+            got += zip(*trainer.get_data(return_versions=True, timeout=10))
         assert sorted(got) == [("fresh", 2), ("one behind", 1)]
         assert trainer.dropped == 1
 

@@ -18,7 +18,7 @@ from ..protocol.session import ServerSession
 from . import twisted_internals
 from .busypoll import BusyPoll
 from .flow import OutboundBudget
-from .writer import LARGE_SEND, FrameWriter
+from .writer import LARGE_SEND, FrameWriter, WriteBatch
 
 log = logging.getLogger("tensorshare.server")
 
@@ -66,7 +66,8 @@ class TensorShareProtocol(protocol.Protocol):
         twisted_internals.set_send_limit(self.transport, LARGE_SEND)
         config = self.state.config
         budget = OutboundBudget(config.max_outbound, config.outbound_stall_timeout, self.factory.clock.seconds)
-        self.writer = FrameWriter(self.transport, budget, self._outbound_congested, self._outbound_drained)
+        self.writer = FrameWriter(self.transport, budget, self._outbound_congested, self._outbound_drained,
+                                  self.factory.write_batch)
         self.transport.registerProducer(self.writer, True)
         peer = self.transport.getPeer()
         self.session = ServerSession(self.state, self.writer, f"{peer.host}:{peer.port}", ReadGate(self.transport),
@@ -88,11 +89,13 @@ class TensorShareProtocol(protocol.Protocol):
         busy = self.factory.busy_poll
         if busy is not None:
             busy.note_request()
-        writer = self.writer
+        writer, batch = self.writer, self.factory.write_batch
         writer.hold()
+        batch.begin()
         try:
             deliver(what)
         finally:
+            batch.end()
             writer.release()
         # Read large payloads in big gulps: fewer reactor turns per byte.
         size = _LARGE_READ if self.session.receiving_payload > _LARGE_READ else _SMALL_READ
@@ -146,11 +149,13 @@ class TensorShareProtocol(protocol.Protocol):
         self._resume_call = None
         if self.session.closed or self.writer.congested:
             return
-        writer = self.writer
+        writer, batch = self.writer, self.factory.write_batch
         writer.hold()
+        batch.begin()
         try:
             self.session.resume()  # it stops and starts reading (through its ReadGate) as it goes
         finally:
+            batch.end()
             writer.release()
 
     def tick(self, now: float) -> None:
@@ -179,6 +184,7 @@ class TensorShareFactory(protocol.Factory):
         self.state = state
         self.clock = clock if clock is not None else reactor  # callLater/seconds, for flow control
         self.live: set[TensorShareProtocol] = set()
+        self.write_batch = WriteBatch()  # frames for other connections wait for the end of a read
         self._ticker: task.LoopingCall | None = None  # applies the sessions' time limits
         self._trimmer: task.LoopingCall | None = None  # releases long-free receive pool memory
         self.busy_poll: BusyPoll | None = None  # told of each read of requests (server/net/busypoll.py)

@@ -26,6 +26,34 @@ LARGE_SEND = 4 << 20  # most bytes passed to one send()
 _TURN_SEND = 16 << 20  # most bytes of view parts one connection sends per pump (one per writable event)
 
 
+class WriteBatch:
+    """The writers that got frames while one connection's read is handled.
+
+    Handling a read touches other connections too: a pipelined run of APPENDs from
+    one client makes a notification for each listener per APPEND.  Each such writer
+    joins the batch (holding its frames) and all write at its end, so a listener
+    gets one ``send()`` for the run, not one per change.  One batch per server,
+    used on the reactor thread only."""
+
+    def __init__(self):
+        self.open = False
+        self._joined: list = []
+
+    def begin(self) -> None:
+        self.open = True
+
+    def join(self, writer: "FrameWriter") -> None:
+        writer._holding = True
+        self._joined.append(writer)
+
+    def end(self) -> None:
+        """Let every writer that joined write what it holds."""
+        self.open = False
+        joined, self._joined = self._joined, []
+        for writer in joined:
+            writer.release()
+
+
 class Queued:
     """A frame in the queue: its parts, how many were written, and what to do if the
     connection dies first.  :meth:`FrameWriter.send` returns it as a ticket."""
@@ -55,14 +83,18 @@ class FrameWriter:
     frames (:meth:`hold`/:meth:`release`), so the replies to a pipelined batch of
     requests leave together, ``_HOLD_MAX`` frames per system call at most: a client
     starts on the first replies while the rest are handled (see docs/design.md).
+    Frames for other connections made meanwhile (notifications) wait for the end of
+    that read too (:class:`WriteBatch`).
 
     ``on_congested``/``on_drained`` are told when the budget's congestion starts
     and ends; they run inside the writer and must not send anything synchronously.
     """
 
     def __init__(self, transport, budget: OutboundBudget | None = None,
-                 on_congested: Callable[[], None] | None = None, on_drained: Callable[[], None] | None = None):
+                 on_congested: Callable[[], None] | None = None, on_drained: Callable[[], None] | None = None,
+                 batch: WriteBatch | None = None):
         self.transport = transport
+        self.batch = batch  # the server's write batch, if frames may wait for the end of a read
         self.budget = budget if budget is not None else OutboundBudget(1 << 62, float("inf"))
         self._on_congested = on_congested or _nothing
         self._on_drained = on_drained or _nothing
@@ -92,7 +124,9 @@ class FrameWriter:
         queue.append(entry)
         if self.budget.charge(parts):
             self._on_congested()
-        if (not self._holding or len(queue) >= _HOLD_MAX) and not self._paused:
+        if not self._holding and self.batch is not None and self.batch.open:
+            self.batch.join(self)  # another connection's read is being handled: write at its end
+        elif (not self._holding or len(queue) >= _HOLD_MAX) and not self._paused:
             self._pump()
         return entry
 

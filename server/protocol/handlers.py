@@ -181,7 +181,7 @@ def listen(session, request) -> None:
     if name not in session.listening and len(session.listening) >= limit:
         raise RemoteError(f"a connection may listen to {limit} bins", TOO_LARGE)
     session.listening.add(name)
-    session.state.listeners.add(name, session)
+    session.state.listeners.add(name, session, bool(request.first_append))
     exists, n_items, seq, tag = session.storage.state(name)
     # Sent before any later notification: the snapshot and the stream are atomic.
     session.send_header(LISTEN.reply(request.id, exists=exists, n=n_items, seq=seq, tag=tag))

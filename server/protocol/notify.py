@@ -30,31 +30,38 @@ def notification_frame(change: Change) -> bytes:
 
 
 class ListenerRegistry:
-    """Maps bin names to the connections listening to them."""
+    """Maps bin names to the connections listening to them.
+
+    A listener registered with ``first_append`` is not told of an APPEND to a bin
+    that already held items (PROTOCOL.md §5): a reader that takes everything at
+    once only needs to learn that the bin is no longer empty."""
 
     def __init__(self):
-        self._by_bin: dict[str, set[Listener]] = defaultdict(set)
+        self._by_bin: dict[str, dict[Listener, bool]] = defaultdict(dict)
 
-    def add(self, name: str, listener: Listener) -> None:
-        self._by_bin[name].add(listener)
+    def add(self, name: str, listener: Listener, first_append: bool = False) -> None:
+        self._by_bin[name][listener] = first_append
 
     def discard(self, name: str, listener: Listener) -> None:
         listeners = self._by_bin.get(name)
         if listeners is not None:
-            listeners.discard(listener)
+            listeners.pop(listener, None)
             if not listeners:
                 del self._by_bin[name]
 
     def publish(self, change: Change | None) -> None:
-        """Send one notification of ``change`` to every listener of its bin."""
+        """Send one notification of ``change`` to every listener of its bin that
+        wants it."""
         if change is None:
             return
         listeners = self._by_bin.get(change.bin)
         if not listeners:
             return
         frame = notification_frame(change)
-        for listener in tuple(listeners):
-            listener.notify(change.bin, frame)
+        later_append = change.op == "APPEND" and change.n_items > 1
+        for listener, first_append in tuple(listeners.items()):
+            if not (later_append and first_append):
+                listener.notify(change.bin, frame)
 
 
 class Outbox(Protocol):

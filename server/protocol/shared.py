@@ -12,8 +12,6 @@ storage's (``server/bins/storage.py``, ``server/bins/shm.py``).
 from __future__ import annotations
 
 import logging
-from typing import Callable
-
 from tensorshare.disk.areas import worth_sharing
 from tensorshare.errors import RemoteError
 from tensorshare.protocol.messages import BAD_ARGS, ZERO_COPY_REFUSED, Key

@@ -6,6 +6,11 @@ is lost (:meth:`CallTable.take_all`, which fails them all, as Twisted AMP's
 ``failAllOutgoing`` does).  A blocking call is a call with no ``callback``: its
 caller waits for ``outcome``; a non-blocking one has its ``callback`` run with
 the result.  The table does no locking: each client guards it with its own lock.
+
+A call is one object with slots, nothing more: thousands may be in flight at once
+(pipelined small requests), and every extra object each keeps alive (a closure, a
+cell, a plan) is work for the cyclic garbage collector, which then runs more often
+and walks more.
 """
 
 from __future__ import annotations
@@ -16,21 +21,35 @@ from ..protocol.messages import Command
 
 
 class Call:
-    """One request: its command and how it travels (``plan``), what to do with the
-    reply, and where the outcome goes."""
+    """One request: its command and its current attempt (header ``fields`` and
+    ``value``, with the ``fallback`` a refusal calls for and the ``cleanup`` to run
+    when it is over, see :mod:`.routing`), what to do with the reply, and where the
+    outcome goes.
 
-    __slots__ = ("rid", "command", "plan", "callback", "on_reply", "outcome", "deadline", "decode")
+    ``callback(result, error)`` receives the reply mapped by ``then`` (by default
+    the reply's result; with ``raw``, the :class:`~.connection.Reply` itself);
+    without a callback a caller waits for ``outcome``.  ``on_error(error)`` may
+    handle an error (returning True: the result is then None)."""
 
-    def __init__(self, rid: int, command: Command, plan: Any, callback: Callable | None = None,
-                 on_reply: Callable | None = None, deadline: float | None = None, decode: bool = True):
+    __slots__ = ("rid", "command", "fields", "value", "fallback", "cleanup", "callback", "then", "on_error",
+                 "on_reply", "outcome", "deadline", "decode", "raw", "inline")
+
+    def __init__(self, rid: int, command: Command, fields: dict | None, value: Any, callback: Callable | None = None,
+                 then: Callable | None = None, on_error: Callable | None = None, on_reply: Callable | None = None,
+                 deadline: float | None = None, decode: bool = True, raw: bool = False):
         self.rid = rid
         self.command = command
-        self.plan = plan  # routing.Plan: fields, value, fallback
-        self.callback = callback  # callback(result, error); None: a caller waits for `outcome`
+        self.fields, self.value = fields, value  # the current attempt
+        self.fallback: Callable | None = None  # fallback(call, error) -> (fields, value) of the next attempt, or None
+        self.cleanup: Callable | None = None  # run once the last attempt is over
+        self.callback = callback
+        self.then, self.on_error = then, on_error
         self.on_reply = on_reply  # run with the reply frame on the reading thread, before any later frame
         self.outcome: Any = None  # the reply frame, or the exception that ended the call
         self.deadline = deadline
         self.decode = decode  # decode the values an items reply carries
+        self.raw = raw  # the callback wants the Reply, not the result
+        self.inline = False  # the callback is quick and safe on the reading thread (blocking client)
 
     def __repr__(self) -> str:
         return f"<Call {self.command.verb} id={self.rid}>"

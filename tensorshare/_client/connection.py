@@ -201,6 +201,18 @@ _ids = itertools.count(1)
 _checked_names: set = set()  # bin names already found valid (programs reuse a few)
 
 
+def check_fields(command: Command, fields: dict) -> None:
+    """Raise :class:`UsageError` for a bin name or tag the server would refuse (bin
+    names already found valid are remembered: programs reuse a few)."""
+    name = fields.get(Key.BIN)
+    if Key.BIN in fields and (type(name) is not str or name not in _checked_names) or Key.TAG in fields:
+        command.check_arguments(fields)
+        if type(name) is str:
+            if len(_checked_names) >= 4096:
+                _checked_names.clear()
+            _checked_names.add(name)
+
+
 def next_request_id() -> int:
     """A process-wide unique request id (ids are never reused across reconnects)."""
     return next(_ids)
@@ -216,13 +228,7 @@ def request_frame(rid: int, command: Command, fields: dict | None = None, value:
     anything is sent.
     """
     if fields:
-        name = fields.get(Key.BIN)
-        if Key.BIN in fields and (type(name) is not str or name not in _checked_names) or Key.TAG in fields:
-            command.check_arguments(fields)
-            if type(name) is str:
-                if len(_checked_names) >= 4096:
-                    _checked_names.clear()
-                _checked_names.add(name)
+        check_fields(command, fields)
     header = command.request(rid, fields)
     if value is NO_VALUE:
         return [frame_head(header, 0)]

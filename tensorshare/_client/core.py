@@ -32,7 +32,7 @@ from .connection import (
 )
 from .listens import Subscriptions
 from .methods import DEFAULT, ClientMethods, bin_fields
-from .routing import Plan, plan
+from .routing import finish, next_attempt, route
 
 log = logging.getLogger("tensorshare.client")
 
@@ -73,41 +73,53 @@ class ClientCore(ClientMethods):
         raise NotImplementedError
 
     def _submit(self, command: Command, fields: dict | None, value: Any, callback: Callable, *,
-                zero_copy: bool = True, on_reply: Callable | None = None, decode: bool = True,
-                timeout=DEFAULT) -> None:
-        """Send a call whose ``callback(reply, error)`` runs when it is settled."""
+                zero_copy: bool = True, timeout=DEFAULT, then: Callable | None = None,
+                on_error: Callable | None = None, on_reply: Callable | None = None, decode: bool = True,
+                raw: bool = False) -> None:
+        """Send a call whose ``callback(result, error)`` runs when it is settled
+        (``then``, ``on_error``, ``on_reply``, ``decode``, ``raw``: see
+        :class:`~.calls.Call`)."""
         raise NotImplementedError
 
     # -- calls
 
     def submit(self, op: str | Command, bin: str | None = None, value: Any = NO_VALUE,
                callback: Callable[[Any, BaseException | None], Any] | None = None, *, tag: int | None = None,
-               zero_copy: bool = True) -> None:
+               zero_copy: bool = True, inline: bool = False) -> None:
         """Send a request without waiting; ``callback(result, error)`` runs when the
         reply arrives (the blocking client: on its dispatcher thread).  ``op`` is a
         verb (``"PUT"``...) or its :class:`~tensorshare.protocol.messages.Command`;
         the result is what the matching method returns.  The value has been copied
         out when this returns, so later changes to it are not sent.
-        ``zero_copy=False``: over TCP only."""
+        ``zero_copy=False``: over TCP only.  ``inline=True`` (the blocking client)
+        runs the callback on the thread that reads the socket, with no hand-off to
+        the dispatcher: for a quick callback that never calls the client."""
         command = op if isinstance(op, Command) else COMMANDS[op]
         fields = None if bin is None else bin_fields(bin, tag)
+        if inline:
+            self._submit(command, fields, value, callback or _ignore, zero_copy=zero_copy, inline=True)
+        else:
+            self._submit(command, fields, value, callback or _ignore, zero_copy=zero_copy)
 
-        def done(reply: Reply | None, error: BaseException | None) -> None:
-            if callback is not None:
-                callback(None if reply is None else reply.result, error)
-
-        self._submit(command, fields, value, done, zero_copy=zero_copy)
-
-    def _new_call(self, command: Command, fields: dict | None, value: Any, areas, *,
-                  callback: Callable | None = None, on_reply: Callable | None = None,
-                  deadline: float | None = None, decode: bool = True) -> Call:
-        return Call(next_request_id(), command, plan(command, fields, value, areas), callback, on_reply,
-                    deadline, decode)
+    def _new_call(self, command: Command, fields: dict | None, value: Any, areas, callback: Callable | None = None,
+                  then: Callable | None = None, on_error: Callable | None = None, on_reply: Callable | None = None,
+                  deadline: float | None = None, decode: bool = True, raw: bool = False) -> Call:
+        """A call of ``command``, routed for ``areas`` (see :mod:`.routing`).  (Its
+        arguments are checked as its frame is built; a value routed through shared
+        memory is removed again if they are wrong.)"""
+        call = Call(next_request_id(), command, fields, value, callback, then, on_error, on_reply, deadline, decode,
+                    raw)
+        if areas is not None:
+            route(call, areas)
+        return call
 
     def _request_parts(self, call: Call) -> list:
         """The frame of ``call``'s current attempt, telling the server which
-        references it may release."""
-        return request_frame(call.rid, call.command, self._with_releases(call.plan.fields), call.plan.value)
+        references it may release.  The call lets go of the value then: a call in
+        flight must not keep its value alive (a fallback sends a copy of its own)."""
+        parts = request_frame(call.rid, call.command, self._with_releases(call.fields), call.value)
+        call.value = NO_VALUE
+        return parts
 
     def _settle(self, call: Call, outcome: Frame | BaseException) -> tuple[Reply | None, BaseException | None] | None:
         """The end of one attempt of ``call``: ``(reply, None)`` or ``(None, error)``;
@@ -121,14 +133,31 @@ class ClientCore(ClientMethods):
             except TensorShareError as exc:
                 error = exc
             else:
-                call.plan.finish()
+                finish(call)
                 return reply, None
-        following = call.plan.next(error)
-        if following is not None:
-            call.plan, call.rid, call.outcome = following, next_request_id(), None
+        if next_attempt(call, error):
+            call.rid, call.outcome = next_request_id(), None
             return None
-        call.plan.finish()
+        finish(call)
         return None, error
+
+    def _result(self, call: Call, reply: Reply | None, error: BaseException | None) -> tuple[Any, BaseException | None]:
+        """What the caller of a settled call gets: ``(result, None)`` or ``(None, error)``
+        (``then`` maps the reply; ``on_error`` may handle the error)."""
+        if error is not None:
+            if call.on_error is not None and call.on_error(error):
+                return None, None
+            return None, error
+        if call.raw:
+            return reply, None
+        try:
+            return (reply.result if call.then is None else call.then(reply)), None
+        except TensorShareError as exc:
+            return None, exc
+
+    def _call_back(self, call: Call, reply: Reply | None, error: BaseException | None) -> None:
+        """Run a settled non-blocking call's callback."""
+        call.callback(*self._result(call, reply, error))
 
     def _read(self, call: Call, frame: Frame) -> Reply:
         """The checked reply; items it refers to are mapped from the server's files."""
@@ -180,9 +209,12 @@ class ClientCore(ClientMethods):
     def _relisten(self) -> None:
         """Listen again, on a new connection, to the bins that have handles."""
         with self._lock:
-            names = self._listens.names()
-        for name in names:
-            self._submit(LISTEN, bin_fields(name), NO_VALUE, self._relistened(name))
+            names = [(name, self._listens.first_append_only(name)) for name in self._listens.names()]
+        for name, first_append_only in names:
+            fields = bin_fields(name)
+            if first_append_only:
+                fields[Key.FIRST_APPEND] = True
+            self._submit(LISTEN, fields, NO_VALUE, self._relistened(name), raw=True)
 
     def _relistened(self, name: str) -> Callable:
         def deliver(reply: Reply | None, error: BaseException | None) -> None:
@@ -207,4 +239,4 @@ def _ignore(reply: Any, error: Any) -> None:
     pass
 
 
-__all__ = ["ClientCore", "Plan"]
+__all__ = ["ClientCore"]

@@ -16,12 +16,17 @@ class Listening:
     """Handle of a listen: ``snapshot`` is the bin's state when it began, ``stop()``
     ends it (for an :class:`~tensorshare.AsyncClient`, ``stop()`` returns a Deferred)."""
 
-    def __init__(self, client: Any, name: str, callback: Callable[[Notification], Any]):
+    __slots__ = ("client", "bin", "callback", "snapshot", "every_append")
+
+    def __init__(self, client: Any, name: str, callback: Callable[[Notification], Any], every_append: bool = True):
         self.client, self.bin, self.callback = client, name, callback
+        self.every_append = every_append
         self.snapshot: ListenSnapshot | None = None
 
-    def stop(self) -> Any:
-        return self.client._unlisten(self)
+    def stop(self, callback: Callable[[None, BaseException | None], Any] | None = None) -> Any:
+        """Stop listening.  With ``callback``, return at once and call it with
+        ``(None, error)`` once done (error None on success)."""
+        return self.client._unlisten(self, callback)
 
     close = stop
 
@@ -55,6 +60,14 @@ class Subscriptions:
 
     def names(self) -> list[str]:
         return list(self._by_bin)
+
+    def first_append_only(self, name: str, adding: Listening | None = None) -> bool:
+        """Whether the server may skip APPENDs to bin ``name`` that find it holding
+        items: no handle of it (``adding`` included) wants every append."""
+        handles = self._by_bin.get(name, [])
+        if adding is not None and adding.every_append:
+            return False
+        return (adding is not None or bool(handles)) and not any(h.every_append for h in handles)
 
     def clear(self) -> None:
         self._by_bin.clear()

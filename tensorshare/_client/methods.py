@@ -129,9 +129,14 @@ class ClientMethods:
 
     # -- listening
 
-    def listen(self, bin: str, callback: Callable[[Notification], Any], timeout=DEFAULT) -> Any:
+    def listen(self, bin: str, callback: Callable[[Notification], Any], timeout=DEFAULT, *,
+               every_append: bool = True) -> Any:
         """Call ``callback(notification)`` on every change to ``bin``, from now on;
         returns a :class:`Listening` handle once the server listens.
+
+        ``every_append=False`` skips the APPENDs to a bin that already holds items
+        (a reader that takes every item at once only needs to know that the bin is
+        no longer empty: one notification per batch instead of one per item).
 
         No change after the call returns is missed.  ``handle.snapshot`` is the
         bin's state at that moment; ``handle.stop()`` stops listening.  The
@@ -142,7 +147,11 @@ class ClientMethods:
         the client listens again and calls back with a ``LISTEN`` notification of
         the bin's state then.
         """
-        handle = Listening(self, bin, callback)
+        handle = Listening(self, bin, callback, every_append)
+        fields = bin_fields(bin)
+        with self._lock:
+            if self._listens.first_append_only(bin, handle):
+                fields[Key.FIRST_APPEND] = True
 
         def activate(frame) -> None:
             # On the reading thread as the reply arrives, before any later frame: a
@@ -158,7 +167,7 @@ class ClientMethods:
                 self._forget_listen(bin)  # the server may listen by now: ask it to stop
             return False
 
-        return self._call(LISTEN, bin_fields(bin), timeout=timeout, on_reply=activate, on_error=give_up,
+        return self._call(LISTEN, fields, timeout=timeout, on_reply=activate, on_error=give_up,
                           then=lambda reply: self._listening(handle))
 
     def unlisten(self, bin: str, callback: Callable | None = None) -> Any:
@@ -167,12 +176,25 @@ class ClientMethods:
                    if callback is None or handle.callback == callback]
         return results[-1] if results else self._done(None)
 
-    def _unlisten(self, handle: Listening) -> Any:
+    def _unlisten(self, handle: Listening, callback: Callable | None = None) -> Any:
+        """Stop ``handle``; with ``callback``, without waiting: ``callback(None, error)``
+        once the server stopped notifying (if this was the bin's last handle)."""
         with self._lock:
             last = self._listens.remove(handle)
+        if callback is not None:
+            if not last or self._closed:
+                self._later(callback, None, None)
+            else:
+                self._submit(UNLISTEN, bin_fields(handle.bin), NO_VALUE,
+                             lambda reply, error: callback(None, None if _lost_connection(error) else error))
+            return None
         if not last or self._closed:
             return self._done(None)
         return self._call(UNLISTEN, bin_fields(handle.bin), on_error=_lost_connection)
+
+    def _later(self, fn: Callable, *args) -> None:
+        """Run ``fn(*args)`` where the client runs callbacks, after this call returns."""
+        raise NotImplementedError
 
     def _listening(self, handle: Listening) -> Listening:
         """A listen has started (the blocking client makes sure a thread reads)."""
@@ -183,7 +205,7 @@ class ClientMethods:
         raise NotImplementedError
 
 
-def _lost_connection(error: BaseException) -> bool:
+def _lost_connection(error: BaseException | None) -> bool:
     """A lost connection ends an UNLISTEN's work anyway: the next one will not listen."""
     from ..errors import ConnectionLostError
 

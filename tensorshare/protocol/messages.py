@@ -41,6 +41,8 @@ class Key:
     # Same-host zero-copy (§10): the greeting's offer; a PUT/APPEND's item directory
     # and size; a GET/PEEK's mappable areas; a 226's references; released replies.
     SHM, SIZE, REF, REFS, RELEASE = "shm", "size", "ref", "refs", "release"
+    # LISTEN: skip APPENDs to a bin that already holds items (§5)
+    FIRST_APPEND = "first_append"
 
 
 # Reply codes (header key "code").
@@ -99,16 +101,24 @@ def check_bin_name(name: object, max_len: int = MAX_BIN_NAME) -> str | None:
 @dataclass(frozen=True)
 class Kind:
     """What a field's value must be: ``problem(key, value, max_bin_name)`` says why
-    a value is not one (None if it is)."""
+    a value is not one (None if it is); ``accepts(value)`` is the quick yes."""
 
     name: str
     problem: Callable[[str, Any, int], str | None]
+    accepts: Callable[[Any], bool]
+
+
+_ABSENT = object()
 
 
 def _kind(name: str, accepts: Callable[[Any], bool]) -> Kind:
     def problem(key: str, value: Any, _max_bin_name: int) -> str | None:
         return None if accepts(value) else f"{key} must be {name}, not {value!r:.40}"
-    return Kind(name, problem)
+    return Kind(name, problem, accepts)
+
+
+def _checked_kind(name: str, problem: Callable[[Any], str | None]) -> Kind:
+    return Kind(name, lambda key, value, limit: problem(value), lambda value: problem(value) is None)
 
 
 def _all_ints(value: Any) -> bool:
@@ -127,9 +137,10 @@ INTS = _kind("a list of integers", _all_ints)
 LIST = _kind("a list", lambda v: type(v) is list)
 COUNTS = _kind("a map of strings to integers", _counts)
 MAP = _kind("a map", lambda v: type(v) is dict)
-ANY = Kind("anything", lambda key, value, limit: None)
-TAG = Kind("a tag", lambda key, value, limit: check_tag(value))
-BIN_NAME = Kind("a bin name", lambda key, value, limit: check_bin_name(value, limit))
+ANY = _kind("anything", lambda value: True)
+TAG = _checked_kind("a tag", check_tag)
+BIN_NAME = Kind("a bin name", lambda key, value, limit: check_bin_name(value, limit),
+                lambda value: check_bin_name(value) is None)
 TAGS = _kind("a list of tags", lambda v: type(v) is list and all(check_tag(t) is None for t in v))
 
 
@@ -181,6 +192,8 @@ class Message:
     def __init__(self, code: int, fields: tuple[Field, ...] = ()):
         self.code = code
         self.fields = fields
+        # The usual case, checked without building messages: (key, required, kind).
+        self._fast = tuple((f.key, f.required, f.kind) for f in fields)
 
     def build(self, rid: int = 0, **fields) -> dict:
         """The header of this message (for request ``rid``; 0: unsolicited)."""
@@ -191,6 +204,16 @@ class Message:
     def check(self, header: dict) -> dict:
         """``header``, once it is found to hold every declared field right;
         :class:`ProtocolError` otherwise (the peer broke the protocol)."""
+        for key, required, kind in self._fast:
+            value = header.get(key, _ABSENT)
+            if value is _ABSENT or value is None:
+                if required:
+                    break
+                continue
+            if not kind.accepts(value):
+                break
+        else:
+            return header
         for field in self.fields:
             problem = field.problem(header)
             if problem is not None:
@@ -309,7 +332,7 @@ PEEK = Command("PEEK", _READ_FIELDS, reply=_ITEMS, result=Key.ITEMS, doc="read e
 LIST = Command("LIST", (RELEASE,), reply=Message(LIST_OK, (Field(Key.BINS, COUNTS),)), result=Key.BINS,
                doc="every bin and its item count")
 DELETE = Command("DELETE", (BIN, RELEASE), reply=_CHANGED, doc="remove the bin and its items")
-LISTEN = Command("LISTEN", (BIN, RELEASE),
+LISTEN = Command("LISTEN", (BIN, optional(Key.FIRST_APPEND, BOOL), RELEASE),
                  reply=Message(OK, (Field(Key.EXISTS, BOOL), Field(Key.N, INT), Field(Key.SEQ, INT),
                                     Field(Key.TAG, TAG))),
                  doc="notify this connection of the bin's changes; the reply is a snapshot")
