@@ -37,9 +37,11 @@ class Outbox:
         self.closed = False
         self.data = bytearray()
 
-    def send(self, parts, on_abandon=None):
+    def send(self, parts, on_abandon=None, on_written=None):
         for part in parts:
             self.data += part if type(part) is bytes else part.tobytes() if hasattr(part, "tobytes") else bytes(part)
+        if on_written is not None:
+            on_written()
         return None
 
     def withdraw(self, ticket) -> bool:

@@ -158,8 +158,12 @@ def _payload(item: Item) -> bytes:
     return b"".join(p if type(p) is bytes else p.tobytes() for p in item.parts())
 
 
+DESCRIPTIONS = 4096  # room in a test's budget for the items' descriptions, which count too
+
+
 def _storage(tmp_path, limit):
-    return Storage(BinStore(memory_limit=limit), InlineJobs(), spill=SpillArea(str(tmp_path / "spill")))
+    """Storage with a budget of ``limit`` payload bytes (and the descriptions')."""
+    return Storage(BinStore(memory_limit=limit + DESCRIPTIONS), InlineJobs(), spill=SpillArea(str(tmp_path / "spill")))
 
 
 def _add(storage, name, item, replace=False):

@@ -20,7 +20,7 @@ from tensorshare._client.connection import NO_VALUE
 from tensorshare.wire.codec import encode
 from tensorshare.wire.frames import FrameDecoder, frame_head
 from tensorshare_server.config import ServerConfig
-from tensorshare_server.net.flow import SHARED_PART, OutboundBudget
+from tensorshare_server.net.flow import FRAME_COST, SHARED_PART, OutboundBudget, StallWatch
 from tensorshare_server.net.writer import FrameWriter
 from tensorshare_server.protocol.notify import ListenerRegistry, Notifier, notification_frame
 from tensorshare_server.protocol.session import ServerSession
@@ -40,7 +40,7 @@ class FakeClock:
 def make_writer(limit: int, buffer_size: int = 1024, clock=None):
     transport = StrictTransport(buffer_size)
     events = []
-    budget = OutboundBudget(limit, 5.0, clock or FakeClock())
+    budget = OutboundBudget(limit)
     writer = FrameWriter(transport, budget, lambda: events.append("congested"), lambda: events.append("drained"))
     writer.notifier = Notifier(writer)  # the session's coalescing rule, over this writer
     transport.registerProducer(writer, True)
@@ -60,34 +60,41 @@ def note(name: str, seq: int, n: int) -> bytes:
 
 
 def test_large_parts_count_once_however_often_they_are_queued():
-    budget = OutboundBudget(1 << 30, 1.0)
+    budget = OutboundBudget(1 << 30)
     chunk = bytes(SHARED_PART)
     heads = [frame_head({"code": 226, "id": i}, len(chunk)) for i in range(100)]
     for head in heads:
         budget.charge([head, chunk])
-    assert budget.queued == len(chunk) + sum(map(len, heads))
+    assert budget.queued == len(chunk) + sum(map(len, heads)) + 100 * FRAME_COST
     for head in heads[:99]:
         budget.discharge([head, chunk])
-    assert budget.queued == len(chunk) + len(heads[99])
+        budget.frame_done()
+    assert budget.queued == len(chunk) + len(heads[99]) + FRAME_COST
     budget.discharge([heads[99], chunk])
+    budget.frame_done()
     assert budget.queued == 0
 
 
 def test_congestion_starts_over_the_limit_and_ends_at_half():
-    clock = FakeClock()
-    budget = OutboundBudget(1000, 5.0, clock)
+    budget = OutboundBudget(1000 + 2 * FRAME_COST)
     assert not budget.charge([bytes(1000)])
     assert budget.charge([bytes(1)]) and budget.congested
-    assert budget.stalled_for() == 0.0
-    clock.now += 3
-    assert budget.stalled_for() == 3.0
     assert not budget.discharge([bytes(1)])  # 1000 left: still over half
-    assert budget.stalled_for() == 0.0  # but a byte left: progress
-    clock.now += 7
-    assert not budget.discharge([bytes(499)], written=False)  # dropped, not written: no progress
-    assert budget.stalled_for() == 7.0
-    assert budget.queued == 501 and budget.congested
-    assert budget.discharge([bytes(1)]) and not budget.congested
+    assert not budget.discharge([bytes(499)])
+    assert budget.queued == 501 + 2 * FRAME_COST and budget.congested
+    assert not budget.frame_done()
+    assert budget.frame_done() and not budget.congested
+
+
+def test_output_is_stalled_only_while_pending_and_without_progress():
+    watch = StallWatch()
+    assert watch.observe(10.0, False, None) == 0.0
+    assert watch.observe(11.0, True, (0, 5)) == 0.0
+    assert watch.observe(14.0, True, (0, 5)) == 3.0  # nothing moved
+    assert watch.observe(15.0, True, (0, 4)) == 0.0  # the socket took a byte: progress
+    assert watch.observe(16.5, True, (0, 4)) == 1.5
+    assert watch.observe(17.0, False, None) == 0.0  # nothing pending: never stalled
+    assert watch.observe(30.0, True, (9, 0)) == 0.0
 
 
 # ------------------------------------------------------------------ the writer
@@ -156,22 +163,24 @@ def test_coalescing_keeps_the_queue_bounded_for_a_reader_that_never_reads():
     for seq in range(10_000):
         writer.notifier.notify(f"bin{seq % 3}", note(f"bin{seq % 3}", seq, seq))
     assert len(writer._queue) < 100
-    assert writer.budget.queued < 1000 + 2048 + 200
+    assert writer.budget.queued < 1000 + 2048 + 4 * (FRAME_COST + 100)  # the reply and one note per bin
 
 
 def test_a_coalesced_notification_that_ends_the_congestion_says_so():
     """Else a session whose requests wait for the drain would wait for ever."""
-    writer, transport, events = make_writer(limit=1000, buffer_size=10)
+    writer, transport, events = make_writer(limit=2000, buffer_size=10)
     writer.send(reply(1))
     assert transport.paused
     writer.send(reply(2, 448))
-    notes = {f"b{i}": note(f"b{i}", i, 1) for i in range(9)}  # 62 bytes each
+    notes = {f"b{i}": note(f"b{i}", i, 1) for i in range(4)}  # 62 bytes each, with FRAME_COST over half the limit
+    cost = sum(len(frame) + FRAME_COST for frame in notes.values())
+    assert cost > 1000 >= cost - len(notes["b0"]) - FRAME_COST
     for name, frame in notes.items():
         writer.notifier.notify(name, frame)
     assert writer.congested and events == ["congested"]
-    while writer.budget.queued > sum(map(len, notes.values())):
-        transport.drain()  # the reply leaves, part by part; the notifications wait behind the pause
-    assert writer.congested and 500 < writer.budget.queued < 500 + len(notes["b0"])
+    while writer.budget.queued > cost:
+        transport.drain()  # the replies leave, part by part; the notifications wait behind the pause
+    assert writer.congested and writer.budget.queued == cost
     writer.notifier.notify("b0", note("b0", 99, 2))  # drops the waiting b0 notification: under half now
     assert events == ["congested", "drained"] and not writer.congested
 

@@ -19,7 +19,7 @@ from tensorshare.wire.frames import FrameDecoder, discard_sink, frame_head
 class Outbox:
     congested = False
     def __init__(self): self.data = bytearray()
-    def send(self, parts, on_abandon=None):
+    def send(self, parts, on_abandon=None, on_written=None):
         for p in parts: self.data += bytes(p)
     def withdraw(self, ticket): return False
     def close(self): pass

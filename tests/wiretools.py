@@ -104,8 +104,10 @@ class CollectingOutbox:
     def headers(self) -> list[dict]:
         return [frame.header for frame in self.frames]
 
-    def send(self, parts, on_abandon=None):
+    def send(self, parts, on_abandon=None, on_written=None):
         self.frames.extend(self._decoder.feed(b"".join(bytes(p) for p in parts)))
+        if on_written is not None:
+            on_written()
         return None
 
     def withdraw(self, ticket) -> bool:

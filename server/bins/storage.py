@@ -38,7 +38,10 @@ import weakref
 from typing import Callable, Protocol
 
 from tensorshare.disk.areas import write_token
-from tensorshare.errors import RemoteError, ServerLocalError, StorageFullError, ZeroCopyUnavailableError
+from tensorshare.disk.layout import StoredItem
+from tensorshare.errors import (
+    BadRequestError, RemoteError, ServerLocalError, StorageFullError, ZeroCopyUnavailableError,
+)
 from tensorshare.wire.description import DEFAULT_LIMITS, DecodeLimits
 
 from .durable import DataDir
@@ -84,10 +87,12 @@ _SHM_FULL_PAUSE_S = 5.0  # after shared memory ran full, no item is copied there
 
 
 def _storage_error(exc: BaseException, what: str) -> RemoteError:
+    """The reply to a write that failed: 452 for the disk (trying again later may
+    work), 501 for a value that cannot be written at all."""
     if isinstance(exc, OSError):
         reason = "disk full" if exc.errno in _DISK_FULL else "disk error"
         return StorageFullError(f"{what}: {reason}: {exc.strerror or exc}")
-    return StorageFullError(f"{what}: {exc}")
+    return BadRequestError(f"{what}: this value cannot be stored: {exc}")
 
 
 class Storage:
@@ -110,6 +115,7 @@ class Storage:
         self.token: str | None = None
         self.shm_area = self.spill_area = self.data_area = None
         self._promoting: set[Item] = set()
+        self._taken: dict[str, list[Item]] = {}  # durable: items of GETs whose replies are not written yet
         self._shm_full_until = 0.0
         self._open = [True]  # cleared by close(): finalizers that run later leave the files alone
 
@@ -161,20 +167,22 @@ class Storage:
         """PUT (``replace``) or APPEND ``item``; ``done(change, error)`` when it is stored."""
         store = self.store
         store.check_add(name, replace)
+        limit = store.memory_limit
+        if limit is not None and store.unspillable_bytes + len(item.description) > limit:
+            raise StorageFullError(f"memory budget full: {store.description_bytes} bytes of descriptions and "
+                                   f"{store.in_flight_bytes} of replies not yet read, which spilling cannot free")
         if self.data_dir is None:
-            limit = store.memory_limit
             if self.spill_failed and limit is not None and store.resident_bytes + item.nbytes > limit:
                 raise StorageFullError(f"memory budget full and spilling failed: {self.spill_failed}")
             done(store.put(name, item) if replace else store.append(name, item), None)
             self._enforce_budget()
             return
-        number = next(self._numbers)
-
-        def committed(stored, error) -> None:
+        def committed(result, error) -> None:
             if error is not None:
                 log.warning("could not store an item of bin %r: %s", name, error)
                 done(None, _storage_error(error, "not stored"))
                 return
+            stored, number = result
             item.files = ItemFiles.of(stored, lane=name, number=number, area=self.data_area)
             self._watch(item)
             try:
@@ -187,7 +195,8 @@ class Storage:
             self._enforce_budget()
 
         self.jobs.run(name, self.data_dir.commit,
-                      (name, number, replace, item.description, item.segments, item.nbytes, item.tag), committed)
+                      (name, self._next_number, replace, item.description, item.segments, item.nbytes, item.tag),
+                      committed)
 
     def adopt(self, name: str, connection: str, shm_name: object, description: bytes, nbytes: int, tag,
               replace: bool, done: Done, limits: DecodeLimits = DEFAULT_LIMITS) -> None:
@@ -256,16 +265,36 @@ class Storage:
         self.jobs.run(None, self.shm.write, (item.description, item.segments, item.nbytes, item.tag), written)
 
     def delete(self, name: str, done: Done) -> None:
-        """DELETE bin ``name``; ``done`` once it is gone (from disk too, if durable)."""
-        change = self.store.delete(name)
+        """DELETE bin ``name``; ``done`` once it is gone (from disk too, if durable).
+
+        With a data directory the bin leaves memory only once it has left the disk,
+        in the order of the bin's other changes there: an APPEND acknowledged before
+        the DELETE is deleted with it, one after it survives, on disk as in memory.
+        Items of the bin that a GET took and has not delivered yet are kept aside:
+        they may go back."""
         if self.data_dir is None:
-            done(change, None)
+            done(self.store.delete(name), None)
             return
+        self.store.peek(name)  # 550 at once for a bin that does not exist
 
-        def deleted(_result, error) -> None:
-            done(change, None if error is None else _storage_error(error, "deleted in memory, not on disk"))
+        def deleted(kept, error) -> None:
+            if error is not None:
+                done(None, _storage_error(error, "not deleted"))
+                return
+            for item in self._taken.get(name, ()):
+                moved = kept.get(item.files.path)
+                if moved is not None:
+                    _repoint(item.files, moved, None)
+            try:
+                done(self.store.delete(name), None)
+            except RemoteError as exc:  # deleted meanwhile, by an earlier DELETE
+                done(None, exc)
 
-        self.jobs.run(name, self.data_dir.delete_bin, (name,), deleted)
+        self.jobs.run(name, self._delete_bin, (name,), deleted)
+
+    def _delete_bin(self, name: str) -> dict:
+        """The disk half of :meth:`delete` (a disk thread, in the bin's lane)."""
+        return self.data_dir.delete_bin(name, tuple(item.files.path for item in self._taken.get(name, ())))
 
     # -- reads
 
@@ -283,21 +312,64 @@ class Storage:
 
     def take(self, name: str) -> tuple[list[Item], Change]:
         """GET: take every item out of bin ``name``; with a data directory the bin's
-        floor moves past them on disk."""
+        floor moves past them on disk.  Their payload in memory stays counted
+        against the budget until :meth:`delivered` (or :meth:`restore`)."""
         items, change = self.store.get(name)
-        numbers = [item.files.number for item in items if item.files is not None and item.files.number]
-        if self.data_dir is not None and numbers:
-            self.jobs.run(name, self.data_dir.set_floor, (name, max(numbers) + 1))
+        self.store.in_flight_bytes += _resident_bytes(items)
+        if self.data_dir is not None and items:
+            self._taken.setdefault(name, []).extend(items)
+            self.jobs.run(name, self._move_floor, (name, items))
         return items, change
+
+    def _move_floor(self, name: str, items: list[Item]) -> None:
+        """Past the taken ``items`` (a disk thread, in the bin's lane: their numbers are
+        those the bin's earlier disk work gave them)."""
+        numbers = [item.files.number for item in items if item.files.number is not None]
+        if numbers:
+            self.data_dir.set_floor(name, max(numbers) + 1)
+
+    def delivered(self, name: str, items: list[Item]) -> None:
+        """The reply of a GET that took ``items`` from bin ``name`` has been written whole."""
+        self.store.in_flight_bytes -= _resident_bytes(items)
+        self._forget_taken(name, items)
+        self._wake()
 
     def restore(self, name: str, items: list[Item]) -> Change | None:
         """Put ``items`` that a GET took back at the front of bin ``name`` (its reply
-        was not delivered); with a data directory the floor goes back down."""
+        was not delivered).  They count as stored again and the budget is enforced;
+        with a data directory they go back at the front of the bin on disk too,
+        whatever happened to it meanwhile."""
+        self.store.in_flight_bytes -= _resident_bytes(items)
+        self._forget_taken(name, items)
         change = self.store.restore(name, items)
-        numbers = [item.files.number for item in items if item.files is not None and item.files.number]
-        if self.data_dir is not None and numbers:
-            self.jobs.run(name, self.data_dir.set_floor, (name, min(numbers)))
+        self._enforce_budget()
+        if self.data_dir is not None and items:
+            def put_back(moved, error) -> None:
+                if error is not None:
+                    log.error("could not put %d taken item(s) back into bin %r on disk: %s", len(items), name, error)
+                    return
+                for item in self.store.items_of(name):
+                    found = moved.get(item.files.path)
+                    if found is not None:
+                        _repoint(item.files, *found)
+
+            self.jobs.run(name, self._put_back, (name, items), put_back)
         return change
+
+    def _put_back(self, name: str, items: list[Item]) -> dict:
+        """The disk half of :meth:`restore` (a disk thread, in the bin's lane)."""
+        return self.data_dir.put_back(name, [item.files.path for item in items], self._next_number)
+
+    def _next_number(self) -> int:
+        return next(self._numbers)
+
+    def _forget_taken(self, name: str, items: list[Item]) -> None:
+        taken = self._taken.get(name)
+        if taken:
+            gone = {id(item) for item in items}
+            taken[:] = [item for item in taken if id(item) not in gone]
+            if not taken:
+                del self._taken[name]
 
     def read(self, items: list[Item], refs: list | None,
              done: Callable[[list | None, RemoteError | None], None]) -> None:
@@ -355,7 +427,10 @@ class Storage:
             self._spills_in_flight -= 1
             try:
                 if error is not None:
-                    self.spill_failed = str(error)
+                    if isinstance(error, OSError):  # the disk: no spill can succeed for now
+                        self.spill_failed = str(error)
+                    else:  # this item: it stays in memory, and the next one is tried
+                        item.unspillable = True
                     log.warning("spilling %d bytes failed: %s", item.nbytes, error)
                     self.store.evict(item)  # ends its spilling state; it stays in memory
                 else:
@@ -365,7 +440,7 @@ class Storage:
                         self._watch(item)
                     else:  # the item left the store while it was written
                         self.jobs.run(None, remove, (files,))
-                if error is None:
+                if error is None or item.unspillable:
                     self._enforce_budget()
             finally:
                 self._wake()
@@ -401,6 +476,15 @@ class Storage:
             self.spill.close()
         if self.shm is not None:
             self.shm.close()
+
+
+def _repoint(files: ItemFiles, stored: StoredItem, number: int | None) -> None:
+    """An item's files moved (a bin rewritten, a taken item kept aside): say where they are now."""
+    files.path, files.spans, files.number, files._ref = stored.path, stored.files, number, None
+
+
+def _resident_bytes(items: list[Item]) -> int:
+    return sum(item.nbytes for item in items if item.resident)
 
 
 def _open_parts(sources: list) -> list:

@@ -27,7 +27,8 @@ class Item:
     (a durable item still cached).
     """
 
-    __slots__ = ("description", "segments", "nbytes", "tag", "files", "stored", "spilling", "__weakref__")
+    __slots__ = ("description", "segments", "nbytes", "tag", "files", "stored", "spilling", "unspillable",
+                 "__weakref__")
 
     def __init__(self, description: bytes, segments: tuple | None, nbytes: int, tag: int | None = None,
                  files=None):
@@ -38,6 +39,7 @@ class Item:
         self.files = files  # spill.ItemFiles when the payload is also (or only) on disk
         self.stored = False  # in a bin of the store right now
         self.spilling = False  # being written to the spill area
+        self.unspillable = False  # writing it to disk failed for a reason of its own: it stays in memory
 
     @property
     def resident(self) -> bool:
@@ -83,6 +85,8 @@ class BinStore:
         self._seq = 0
         self.nbytes = 0  # payload bytes held by all bins
         self.resident_bytes = 0  # of which in memory
+        self.description_bytes = 0  # of the stored items' descriptions, always in memory
+        self.in_flight_bytes = 0  # payload in memory of items taken by GETs whose replies are still being written
         self._lru: OrderedDict[Item, None] = OrderedDict()  # resident items, least recently used first
         self._evicting_bytes = 0  # of resident_bytes, on their way to disk
 
@@ -96,6 +100,12 @@ class BinStore:
             if item.resident:
                 lru.move_to_end(item)
         return items
+
+    def items_of(self, name: str) -> list[Item]:
+        """The items of bin ``name`` ([] if there is none), as :meth:`peek` gives them
+        but without counting it as a use."""
+        b = self._bins.get(name)
+        return [] if b is None else list(b.items)
 
     def listing(self) -> dict[str, int]:
         """``{bin: n_items}`` for every bin."""
@@ -182,10 +192,16 @@ class BinStore:
     # -- the memory budget
 
     def over_budget(self) -> int:
-        """Bytes of resident payload above ``memory_limit`` (0 if none or no limit)."""
+        """Bytes in memory above ``memory_limit`` (0 if none or no limit): resident
+        payload, descriptions, and taken items whose replies are still being written."""
         if self.memory_limit is None:
             return 0
-        return max(0, self.resident_bytes - self.memory_limit)
+        return max(0, self.resident_bytes + self.unspillable_bytes - self.memory_limit)
+
+    @property
+    def unspillable_bytes(self) -> int:
+        """Memory the budget counts that spilling cannot free (descriptions, replies in flight)."""
+        return self.description_bytes + self.in_flight_bytes
 
     def to_evict(self) -> list[Item]:
         """Resident items to move to disk, least recently used first, enough (with
@@ -196,7 +212,7 @@ class BinStore:
         for item in self._lru:
             if excess <= 0:
                 break
-            if not item.spilling:
+            if not item.spilling and not item.unspillable:
                 item.spilling = True
                 self._evicting_bytes += item.nbytes
                 excess -= item.nbytes
@@ -242,6 +258,7 @@ class BinStore:
             b.items.append(item)
         b.nbytes += item.nbytes
         self.nbytes += item.nbytes
+        self.description_bytes += len(item.description)
         item.stored = True
         if item.files is not None:
             item.files.dropped = False
@@ -255,6 +272,7 @@ class BinStore:
         b.items.clear()
         self.nbytes -= b.nbytes
         b.nbytes = 0
+        self.description_bytes -= sum(len(item.description) for item in items)
         for item in items:
             item.stored = False
             if item.files is not None:

@@ -17,14 +17,17 @@ from twisted.internet import protocol, reactor, task
 from ..protocol.session import ServerSession
 from . import twisted_internals
 from .busypoll import BusyPoll
-from .flow import OutboundBudget
+from .flow import OutboundBudget, StallWatch
 from .writer import LARGE_SEND, FrameWriter, WriteBatch
 
 log = logging.getLogger("tensorshare.server")
 
 _LARGE_READ = 1 << 20  # recv size while a large payload streams in
 _SMALL_READ = 1 << 16  # recv size otherwise (Twisted's default)
-_STALL_POLLS = 4  # looks per stall timeout at a congested connection's progress
+# A connection closing (a refusal, a time limit, a framing error) gets this long to
+# make progress writing its last frames before it is aborted: TLS's loseConnection
+# waits for a handshake that a silent peer never does.
+CLOSE_GRACE = 1.0
 
 
 class ReadGate:
@@ -55,8 +58,7 @@ class TensorShareProtocol(protocol.Protocol):
         self.writer: FrameWriter | None = None
         self.session: ServerSession | None = None
         self._read_size = 0
-        self._stall_check = None  # DelayedCall while the outbound queue is congested
-        self._last_unsent = None  # what the transport held at the last stall check (_unsent)
+        self._stall = StallWatch()  # how long pending output has gone without progress
         self._resume_call = None  # DelayedCall that resumes the session after a drain
 
     def connectionMade(self) -> None:
@@ -65,9 +67,8 @@ class TensorShareProtocol(protocol.Protocol):
         # Fewer reactor turns per large reply (see docs/design.md).
         twisted_internals.set_send_limit(self.transport, LARGE_SEND)
         config = self.state.config
-        budget = OutboundBudget(config.max_outbound, config.outbound_stall_timeout, self.factory.clock.seconds)
-        self.writer = FrameWriter(self.transport, budget, self._outbound_congested, self._outbound_drained,
-                                  self.factory.write_batch)
+        budget = OutboundBudget(config.max_outbound)
+        self.writer = FrameWriter(self.transport, budget, None, self._outbound_drained, self.factory.write_batch)
         self.transport.registerProducer(self.writer, True)
         peer = self.transport.getPeer()
         self.session = ServerSession(self.state, self.writer, f"{peer.host}:{peer.port}", ReadGate(self.transport),
@@ -105,40 +106,32 @@ class TensorShareProtocol(protocol.Protocol):
 
     def connectionLost(self, reason) -> None:
         self.factory.live.discard(self)
-        for call in (self._stall_check, self._resume_call):
-            if call is not None and call.active():
-                call.cancel()
-        self._stall_check = self._resume_call = None
+        call = self._resume_call
+        if call is not None and call.active():
+            call.cancel()
+        self._resume_call = None
         if self.session is not None:
             self.writer.connection_lost()  # first: what the session still sends is abandoned
             self.session.connection_lost()
 
     # -- flow control (the policy is in server/net/flow.py)
 
-    def _outbound_congested(self) -> None:
-        if self._stall_check is None:
-            self._stall_check = self.factory.clock.callLater(self._stall_poll(), self._check_stall)
-
-    def _stall_poll(self) -> float:
-        return self.writer.budget.stall_timeout / _STALL_POLLS
-
-    def _check_stall(self) -> None:
-        self._stall_check = None
-        budget = self.writer.budget
-        if not budget.congested or self.session.closed:
-            return
-        unsent = twisted_internals.unsent(self.transport)
-        if unsent != self._last_unsent:  # the socket took bytes since the last look
-            self._last_unsent = unsent
-            budget.note_progress()
-        idle = budget.stalled_for()
-        if idle < budget.stall_timeout:
-            self._stall_check = self.factory.clock.callLater(self._stall_poll(), self._check_stall)
-            return
-        log.warning("disconnecting %s: it took no byte for %.1f s while %d bytes waited for it "
-                    "(congested since they passed max_outbound, %d; %d notifications coalesced)",
-                    self.session.peer, idle, budget.queued, budget.limit, self.session.notifier.coalesced)
+    def _check_stall(self, now: float) -> bool:
+        """Drop the connection if its pending output has made no progress for the
+        stall timeout (the grace, while closing); True if it was dropped."""
+        writer = self.writer
+        pending = writer.pending or writer.closing
+        marker = (writer.written, twisted_internals.unsent(self.transport)) if pending else None
+        stalled = self._stall.observe(now, pending, marker)
+        limit = CLOSE_GRACE if writer.closing else self.state.config.outbound_stall_timeout
+        if stalled < limit:
+            return False
+        budget = writer.budget
+        log.warning("disconnecting %s: it took no byte for %.1f s while %d bytes waited for it%s "
+                    "(%d notifications coalesced)", self.session.peer, stalled, budget.queued,
+                    " after it was closed" if writer.closing else "", self.session.notifier.coalesced)
         self.transport.abortConnection()
+        return True
 
     def _outbound_drained(self) -> None:
         # Called inside the writer: resume the waiting requests on a later turn.
@@ -159,7 +152,7 @@ class TensorShareProtocol(protocol.Protocol):
             writer.release()
 
     def tick(self, now: float) -> None:
-        if self.session is not None:
+        if self.session is not None and not self._check_stall(now):
             self.session.tick(now, self.writer.pending)
 
 

@@ -58,13 +58,21 @@ class Queued:
     """A frame in the queue: its parts, how many were written, and what to do if the
     connection dies first.  :meth:`FrameWriter.send` returns it as a ticket."""
 
-    __slots__ = ("parts", "index", "on_abandon", "written")
+    __slots__ = ("parts", "index", "on_abandon", "on_written", "written")
 
-    def __init__(self, parts: list, on_abandon: Callable[[], None] | None):
+    def __init__(self, parts: list, on_abandon: Callable[[], None] | None,
+                 on_written: Callable[[], None] | None = None):
         self.parts = parts  # None once withdrawn
         self.index = 0
         self.on_abandon = on_abandon
+        self.on_written = on_written
         self.written = False
+
+    def done(self) -> None:
+        """The frame was handed to the transport whole."""
+        self.written = True
+        if self.on_written is not None:
+            self.on_written()
 
 
 @implementer(interfaces.IPushProducer)
@@ -95,7 +103,8 @@ class FrameWriter:
                  batch: WriteBatch | None = None):
         self.transport = transport
         self.batch = batch  # the server's write batch, if frames may wait for the end of a read
-        self.budget = budget if budget is not None else OutboundBudget(1 << 62, float("inf"))
+        self.budget = budget if budget is not None else OutboundBudget(1 << 62)
+        self.written = 0  # bytes handed to the transport so far: the stall watch's mark of progress
         self._on_congested = on_congested or _nothing
         self._on_drained = on_drained or _nothing
         self._queue: deque[Queued] = deque()
@@ -113,13 +122,16 @@ class FrameWriter:
         """True while the unsent frames are over the budget (see :mod:`.flow`)."""
         return self.budget.congested
 
-    def send(self, parts: list, on_abandon: Callable[[], None] | None = None) -> Queued | None:
-        """Queue one frame; returns its ticket (None if the connection is gone)."""
+    def send(self, parts: list, on_abandon: Callable[[], None] | None = None,
+             on_written: Callable[[], None] | None = None) -> Queued | None:
+        """Queue one frame; returns its ticket (None if the connection is gone).
+        ``on_written`` runs once it is handed to the transport whole, ``on_abandon`` if
+        the connection dies first."""
         if self._lost or self._closing:
             if on_abandon is not None:
                 on_abandon()
             return None
-        entry = Queued(parts, on_abandon)
+        entry = Queued(parts, on_abandon, on_written)
         queue = self._queue
         queue.append(entry)
         if self.budget.charge(parts):
@@ -135,7 +147,7 @@ class FrameWriter:
         if (entry is None or entry.written or entry.parts is None or entry.index
                 or (self._view_sent and self._queue and self._queue[0] is entry)):
             return False
-        if self.budget.discharge(entry.parts, written=False):
+        if self.budget.discharge(entry.parts) | self.budget.frame_done():
             self._on_drained()
         entry.parts = None
         self._withdrawn += 1
@@ -146,6 +158,11 @@ class FrameWriter:
             self._queue = deque(e for e in queue if e.parts is not None)
             self._withdrawn = 0
         return True
+
+    @property
+    def closing(self) -> bool:
+        """Whether the connection is to close once its frames are written."""
+        return self._closing
 
     @property
     def pending(self) -> bool:
@@ -197,11 +214,13 @@ class FrameWriter:
                 elif not self._send_view(part):
                     break  # resumeProducing() goes on with it
                 index += 1
+                self.written += len(part)
                 drained |= budget.discharge((part,))
             entry.index = index
             if index == len(parts):
                 queue.popleft()
-                entry.written = True
+                entry.done()
+                drained |= budget.frame_done()
         if drained and not budget.congested:
             self._on_drained()
         if not queue and self._closing:
@@ -227,6 +246,7 @@ class FrameWriter:
             try:
                 while view and self._turn_sent < _TURN_SEND:
                     sent = self._socket.send(view[:LARGE_SEND])
+                    self.written += sent
                     self._view_sent += sent
                     self._turn_sent += sent
                     view = view[sent:]
@@ -248,7 +268,7 @@ class FrameWriter:
         """Send the leading small parts of the queue with one send(); None if none is
         small, else whether that ended the congestion."""
         queue = self._queue
-        chunks, total = [], 0
+        chunks, originals, total = [], [], 0
         done = 0  # whole frames taken
         cut = None  # (entry, index) where a partly taken frame stops
         for entry in queue:
@@ -259,6 +279,7 @@ class FrameWriter:
             while index < len(parts) and total + len(parts[index]) <= _DIRECT_MAX:
                 part = parts[index]
                 chunks.append(part if type(part) is bytes else part.tobytes())
+                originals.append(part)
                 total += len(part)
                 index += 1
             if index < len(parts):
@@ -272,17 +293,20 @@ class FrameWriter:
             sent = self._socket.send(data)
         except OSError:  # EAGAIN, or a dead socket: Twisted's own write path deals with it
             sent = 0
+        drained = False
         for _ in range(done):
             entry = queue.popleft()
             if entry.parts is None:
                 self._withdrawn -= 1
             else:
-                entry.written = True
+                entry.done()
+                drained |= self.budget.frame_done()
         if cut is not None:
             cut[0].index = cut[1]
         if sent < len(data):
             self.transport.write(data[sent:])  # may call pauseProducing() synchronously
-        return self.budget.discharge(chunks)
+        self.written += total
+        return self.budget.discharge(originals) | drained
 
     def _finish_close(self) -> None:
         if not self._lost:

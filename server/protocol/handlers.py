@@ -99,7 +99,8 @@ def get(session, request) -> None:
             put_back()
             session.refuse(request.id, error)
             return
-        _send_items(session, request, items, parts, change.seq, refs, put_back)
+        _send_items(session, request, items, parts, change.seq, refs, put_back,
+                    lambda: storage.delivered(name, items))
         session.shared.pin(request.id, items, refs)
 
     def start(done: Callable) -> None:
@@ -140,7 +141,7 @@ def _check_reply_size(session, items: list[Item]) -> None:
 
 
 def _send_items(session, request, items: list[Item], parts: list, seq: int, refs: list | None,
-                on_abandon: Callable[[], None] | None = None) -> None:
+                on_abandon: Callable[[], None] | None = None, on_written: Callable[[], None] | None = None) -> None:
     fields = {Key.SEQ: seq, Key.ITEMS: [item.description for item in items],
               Key.SIZES: [item.nbytes for item in items]}
     if refs is None:
@@ -149,7 +150,7 @@ def _send_items(session, request, items: list[Item], parts: list, seq: int, refs
         fields[Key.REFS] = [None if files is None else files.ref() for files in refs]
         payload_len = sum(item.nbytes for item, files in zip(items, refs) if files is None)
     parts.insert(0, frame_head(request.command.reply(request.id, **fields), payload_len))
-    session.send(parts, on_abandon)
+    session.send(parts, on_abandon, on_written)
 
 
 # -- LIST, DELETE
@@ -162,11 +163,11 @@ def listing(session, request) -> None:
 
 @handles(DELETE)
 def delete(session, request) -> None:
-    def finish(change: Change, error: RemoteError | None) -> None:
+    def finish(change: Change | None, error: RemoteError | None) -> None:
         if error is not None:
             session.refuse(request.id, error)
-        else:
-            session.send_header(DELETE.reply(request.id, n=0, seq=change.seq))
+            return
+        session.send_header(DELETE.reply(request.id, n=0, seq=change.seq))
         session.state.listeners.publish(change)
 
     session.wait_for(lambda done: session.storage.delete(request.bin, done), finish)

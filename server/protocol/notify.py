@@ -69,9 +69,9 @@ class Outbox(Protocol):
 
     congested: bool  # too much is queued: take no more requests until it is not (net/flow.py)
 
-    def send(self, parts: list, on_abandon: Any = None) -> Any:
-        """Queue one frame; returns a ticket for :meth:`withdraw`.  ``on_abandon`` runs
-        if the connection dies before the frame is written."""
+    def send(self, parts: list, on_abandon: Any = None, on_written: Any = None) -> Any:
+        """Queue one frame; returns a ticket for :meth:`withdraw`.  ``on_written`` runs
+        once it is written whole, ``on_abandon`` if the connection dies first."""
 
     def withdraw(self, ticket: Any) -> bool:
         """Take a queued frame back if none of it has been written yet (True if so)."""

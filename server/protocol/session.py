@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections import deque
+from dataclasses import replace
 from typing import Callable, Protocol
 
 from tensorshare import __version__
@@ -28,7 +29,7 @@ from tensorshare.protocol.messages import (
     AUTH, BAD_ARGS, BAD_FRAME, COMMANDS, DELETE, GREETING_MESSAGE, ID_MAX, KEEPALIVE_MESSAGE, LOCAL_ERROR,
     NOT_AUTHENTICATED, PROTOCOL_VERSION, UNAVAILABLE, UNKNOWN_VERB, APPEND, PUT, Key, error_reply,
 )
-from tensorshare.wire.frames import DiscardSink, Frame, FrameDecoder, FrameLimits, SegmentSink, frame_head
+from tensorshare.wire.frames import DiscardSink, Frame, FrameDecoder, SegmentSink, frame_head
 
 from ..net.recvpool import CHUNK, PooledSink
 from .handlers import HANDLERS
@@ -128,7 +129,7 @@ class ServerSession:
         self.timing = TimeLimits()
         frame_limits = state.config.frame_limits
         if self._nonce is not None:
-            frame_limits = FrameLimits(max_header=min(PRE_AUTH_MAX_HEADER, frame_limits.max_header), max_payload=0)
+            frame_limits = replace(frame_limits, max_header=min(PRE_AUTH_MAX_HEADER, frame_limits.max_header), max_payload=0)
         self._decoder: FrameDecoder | None = FrameDecoder(self._payload_sink, frame_limits)
         # The config's limits are properties that build a new object per access.
         self.decode_limits = state.config.decode_limits
@@ -419,10 +420,14 @@ class ServerSession:
 
     # -- output
 
-    def send(self, parts: list, on_abandon: Callable[[], None] | None = None) -> None:
-        """Queue a frame (a list of parts), unless the connection is closed."""
+    def send(self, parts: list, on_abandon: Callable[[], None] | None = None,
+             on_written: Callable[[], None] | None = None) -> None:
+        """Queue a frame (a list of parts), unless the connection is closed (then
+        ``on_abandon`` runs at once)."""
         if not self.closed:
-            self.outbox.send(parts, on_abandon)
+            self.outbox.send(parts, on_abandon, on_written)
+        elif on_abandon is not None:
+            on_abandon()
 
     def send_header(self, header: dict) -> None:
         """Queue a frame that is only a header."""
@@ -436,6 +441,7 @@ class ServerSession:
         """Send a last error reply, then close; nothing more is read or served."""
         self.send_header(error_reply(code, message, rid))
         self._move(Phase.CLOSING)
+        self.reads.pause("closing")  # whatever the peer sends now would only be read and dropped
         self.outbox.close()
 
 

@@ -21,7 +21,8 @@ from ..errors import (
 )
 from ..protocol import auth
 from ..protocol.messages import (
-    AUTH, GREETING, GREETING_MESSAGE, ITEMS, KEEPALIVE, NOTIFICATION, NOTIFY, UNAVAILABLE, Command, Key,
+    AUTH, GREETING, GREETING_MESSAGE, ITEMS, KEEPALIVE, MAX_REPLY_HEADER, NOTIFICATION, NOTIFY, UNAVAILABLE,
+    Command, Key,
     reply_error,
 )
 from ..wire.codec import Encoded, build, empty_payload, encode
@@ -29,7 +30,7 @@ from ..wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
 from ..wire.frames import Frame, FrameDecoder, FrameLimits, buffer_sink, frame_head
 from ..wire.recycle import Recycler
 
-CLIENT_FRAME_LIMITS = FrameLimits(max_header=1 << 30, max_payload=1 << 42)
+CLIENT_FRAME_LIMITS = FrameLimits(max_header=MAX_REPLY_HEADER, max_payload=1 << 42)
 NO_VALUE = object()  # "this request carries no value" (None is a value)
 log = logging.getLogger("tensorshare.client")
 

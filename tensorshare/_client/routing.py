@@ -64,7 +64,7 @@ def _through_shared_memory(call: Call, areas) -> None:
     enc = call.value = encode(call.value)
     try:
         name = areas.write(enc, fields.get(Key.TAG))
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # shared memory full, or a value its layout cannot hold
         log.info("cannot write a value to shared memory (%s): sending it over TCP", exc)
         name = None
     if name is None:  # too small to gain, or shared memory full

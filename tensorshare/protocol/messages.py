@@ -70,6 +70,7 @@ BAD_NAME = 553  # bin name not allowed
 TAG_MIN, TAG_MAX = -(1 << 63), (1 << 63) - 1  # an item's optional tag is a signed 64-bit integer
 ID_MAX = (1 << 64) - 1
 MAX_BIN_NAME = 256
+MAX_REPLY_HEADER = 256 << 20  # the largest reply header a client decodes (a server sends no larger)
 _BIN_NAME = re.compile(r"[^\x00-\x1f\x7f]+")
 
 
