@@ -49,6 +49,14 @@ def _files(root: str) -> list[str]:
     return [os.path.join(d, f) for d, _, files in os.walk(root) for f in files]
 
 
+def _size(path: str) -> int:
+    """The size of a file the server may be removing meanwhile (0 once gone)."""
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return 0
+
+
 def _backing_file(array) -> str | None:
     """The file the memory of a tensor or array maps ('' for anonymous memory)."""
     address = array.data_ptr() if isinstance(array, torch.Tensor) else array.ctypes.data
@@ -390,7 +398,7 @@ def test_items_in_shared_memory_count_against_the_memory_limit(tmp_path):
                 c.put(f"m{i}", v)
 
             def in_shm() -> int:
-                return sum(os.stat(f).st_size for f in _files(os.path.join(area, "items")) if f.endswith(".memmap"))
+                return sum(_size(f) for f in _files(os.path.join(area, "items")) if f.endswith(".memmap"))
 
             c.list()  # releases nothing, but lets the spills finish
             assert wait_for(lambda: in_shm() <= 8 * MiB)
