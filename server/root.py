@@ -22,6 +22,7 @@ from .bins.store import BinStore
 from .config import ServerConfig
 from .net.recvpool import chunk_pool
 from .protocol.notify import ListenerRegistry
+from .protocol.waits import Waits
 
 log = logging.getLogger("tensorshare.server")
 
@@ -36,6 +37,12 @@ class ServerState:
     token: bytes | None = field(default=None, repr=False)  # clients must AUTH with it; None: no authentication
     connections: int = 0  # connections admitted and still open (max_connections)
     recv_pool: Recycler | None = None  # memory large payloads are received into (None: fresh memory)
+    waits: Waits | None = None  # requests parked until their bin changes (protocol/waits.py)
+
+    def __post_init__(self) -> None:
+        if self.waits is None:
+            self.waits = Waits(_NoClock())
+        self.listeners.watch(self.waits.changed)
 
     @property
     def store(self):
@@ -43,11 +50,20 @@ class ServerState:
         return self.storage.store
 
 
-def build_state(config: ServerConfig, jobs: Jobs | None = None) -> ServerState:
+class _NoClock:
+    """The clock of a state built without one: a request that asks to wait is refused."""
+
+    def callLater(self, delay, fn, *args):  # noqa: N802 - IReactorTime's name
+        raise RuntimeError("this server state has no clock: requests cannot wait")
+
+
+def build_state(config: ServerConfig, jobs: Jobs | None = None, clock=None) -> ServerState:
     """The state of a new server: its store and disk tiers, the data directory loaded.
 
     ``jobs`` runs the blocking file work (the server's disk threads; by default
-    everything runs at once on the calling thread, as tests and tools want)."""
+    everything runs at once on the calling thread, as tests and tools want);
+    ``clock`` (``IReactorTime``: the reactor, or a test's ``Clock``) times the
+    requests that wait in the server."""
     store = BinStore(config.max_bins, config.max_items_per_bin, config.memory_limit)
     data_dir = DataDir(config.data_dir, config.fsync, config.decode_limits) if config.data_dir else None
     spill = SpillArea(config.spill_dir) if config.memory_limit is not None and data_dir is None else None
@@ -64,4 +80,5 @@ def build_state(config: ServerConfig, jobs: Jobs | None = None) -> ServerState:
         count = storage.load()
         log.info("data directory %s: %d items in %d bins", config.data_dir, count, len(store.listing()))
     pool = chunk_pool(config.recv_pool_bytes, config.recv_pool_idle)
-    return ServerState(config, storage, token=config.auth_token(), recv_pool=pool)
+    return ServerState(config, storage, token=config.auth_token(), recv_pool=pool,
+                       waits=Waits(clock if clock is not None else _NoClock()))

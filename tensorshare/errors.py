@@ -124,6 +124,14 @@ class ZeroCopyUnavailableError(TransientError):
     code = 425
 
 
+class BusyError(TransientError, TimeoutError):
+    """450: what the request waited for in the server (room in a bin for an APPEND
+    with ``below``...) did not come within its wait; nothing changed.  Also a
+    :class:`TimeoutError`."""
+
+    code = 450
+
+
 class ServerLocalError(TransientError):
     """451: the server could not read what it stores (a disk error); nothing changed."""
 
@@ -184,6 +192,7 @@ _BY_CODE: dict[int, type[RemoteError]] = {
     for cls in (
         ServerUnavailableError,
         ZeroCopyUnavailableError,
+        BusyError,
         ServerLocalError,
         StorageFullError,
         UnknownVerbError,

@@ -55,7 +55,8 @@ class Pair:
     """A client protocol and a server session joined in memory."""
 
     def __init__(self, token: bytes | str | None = None, *, same_host: bool = False, state=None, **config):
-        self.state = state or build_state(ServerConfig(token=token, **config))
+        self.state = state or build_state(ServerConfig(token=token, **config), clock=Clock())
+        self.clock = self.state.waits.clock  # times requests that wait in the server: advance it
         self.outbox = Outbox()
         self.session = ServerSession(self.state, self.outbox, "pair", same_host=same_host)
         self.client = ClientConnection(token=None if token is None else (token.encode() if isinstance(token, str)
@@ -75,6 +76,12 @@ class Pair:
             return
         for i in range(0, len(data), split):
             self.session.data_received(data[i : i + split])
+
+    def send_request(self, command: Command, fields: dict | None = None, value: Any = NO_VALUE) -> int:
+        """Send one request without looking for its reply; returns its id."""
+        rid = next_request_id()
+        self.send(b"".join(bytes(p) for p in request_frame(rid, command, fields, value)))
+        return rid
 
     def receive(self) -> list[Frame]:
         """Frames the session queued since the last call, decoded by the client."""

@@ -310,11 +310,11 @@ class Storage:
         """The items of bin ``name``, which keeps them (NoSuchBinError if none)."""
         return self.store.peek(name)
 
-    def take(self, name: str) -> tuple[list[Item], Change]:
-        """GET: take every item out of bin ``name``; with a data directory the bin's
-        floor moves past them on disk.  Their payload in memory stays counted
-        against the budget until :meth:`delivered` (or :meth:`restore`)."""
-        items, change = self.store.get(name)
+    def take(self, name: str, limit: int | None = None) -> tuple[list[Item], Change]:
+        """GET: take every item (the first ``limit``) out of bin ``name``; with a data
+        directory the bin's floor moves past them on disk.  Their payload in memory
+        stays counted against the budget until :meth:`delivered` (or :meth:`restore`)."""
+        items, change = self.store.get(name, limit)
         self.store.in_flight_bytes += _resident_bytes(items)
         if self.data_dir is not None and items:
             self._taken.setdefault(name, []).extend(items)

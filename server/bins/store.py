@@ -150,10 +150,11 @@ class BinStore:
         self._add(b, item)
         return self._changed(name, b, "APPEND")
 
-    def get(self, name: str) -> tuple[list[Item], Change]:
-        """Take every item out of bin ``name``; the bin stays, empty."""
+    def get(self, name: str, limit: int | None = None) -> tuple[list[Item], Change]:
+        """Take every item (the first ``limit``, if given) out of bin ``name``; the bin
+        stays, empty or with the rest."""
         b = self._bin(name)
-        items = self._clear(b)
+        items = self._clear(b, limit)
         return items, self._changed(name, b, "GET")
 
     def continue_from(self, seq: int) -> None:
@@ -266,12 +267,17 @@ class BinStore:
             self._lru[item] = None
             self.resident_bytes += item.nbytes
 
-    def _clear(self, b: _Bin) -> list[Item]:
-        """Empty bin ``b``; its items leave the store (their files may go once unused)."""
-        items = list(b.items)
-        b.items.clear()
-        self.nbytes -= b.nbytes
-        b.nbytes = 0
+    def _clear(self, b: _Bin, limit: int | None = None) -> list[Item]:
+        """Empty bin ``b`` (take its first ``limit`` items); those items leave the
+        store (their files may go once unused)."""
+        if limit is None or limit >= len(b.items):
+            items = list(b.items)
+            b.items.clear()
+        else:
+            items = [b.items.popleft() for _ in range(limit)]
+        nbytes = sum(item.nbytes for item in items)
+        self.nbytes -= nbytes
+        b.nbytes -= nbytes
         self.description_bytes -= sum(len(item.description) for item in items)
         for item in items:
             item.stored = False

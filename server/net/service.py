@@ -176,6 +176,7 @@ class TensorShareFactory(protocol.Factory):
     def __init__(self, state, clock=None):
         self.state = state
         self.clock = clock if clock is not None else reactor  # callLater/seconds, for flow control
+        state.waits.clock = self.clock  # and for the requests that wait in the server
         self.live: set[TensorShareProtocol] = set()
         self.write_batch = WriteBatch()  # frames for other connections wait for the end of a read
         self._ticker: task.LoopingCall | None = None  # applies the sessions' time limits

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from tensorshare.errors import ProtocolError, RemoteError
+from tensorshare.errors import BusyError, ProtocolError, RemoteError
 from tensorshare.protocol.messages import (
     APPEND, AUTH, BAD_ARGS, BAD_SEQUENCE, DELETE, GET, LIST, LISTEN, NOOP, PEEK, PUT, TOO_LARGE, UNLISTEN, Command,
     Key,
@@ -43,19 +43,53 @@ def handles(*commands: Command) -> Callable:
 @handles(PUT, APPEND)
 def store(session, request) -> None:
     """Replace the bin's items (PUT) or add one (APPEND): from the payload, or from
-    the item directory a same-host client wrote (PROTOCOL.md §10.4)."""
+    the item directory a same-host client wrote (PROTOCOL.md §10.4).  An APPEND
+    with ``below`` first waits for room (:func:`_when_room`)."""
     storage, replace = session.storage, request.command is PUT
     name, blob, tag = request.bin, request.value, request.tag
     if request.shm is not None:
         incoming, item_name, size = session.shared.adoption(request)
         _check_value(session, blob, size)
         limits = session.decode_limits
-        session.wait_for(lambda done: storage.adopt(name, incoming, item_name, blob, size, tag, replace, done,
-                                                    limits), _stored(session, request))
-        return
-    _check_value(session, blob, request.payload_len)
-    item = Item(blob, tuple(request.payload), request.payload_len, tag)
-    session.wait_for(lambda done: storage.add(name, item, replace, done), _stored(session, request))
+
+        def add(done: Callable) -> None:
+            storage.adopt(name, incoming, item_name, blob, size, tag, replace, done, limits)
+    else:
+        _check_value(session, blob, request.payload_len)
+        item = Item(blob, tuple(request.payload), request.payload_len, tag)
+
+        def add(done: Callable) -> None:
+            storage.add(name, item, replace, done)
+    if not replace and request.below is not None:
+        session.wait_for(lambda done: _when_room(session, request, add, done), _stored(session, request))
+    else:
+        session.wait_for(add, _stored(session, request))
+
+
+def _when_room(session, request, add: Callable, done: Callable) -> None:
+    """Run ``add(done)`` once the bin holds fewer than ``request.below`` items (those
+    being stored count), waiting up to ``request.wait`` seconds (PROTOCOL.md §4.4)."""
+    storage, waits, name, below = session.storage, session.state.waits, request.bin, request.below
+    wait = request.wait or 0
+
+    def room() -> bool:
+        return storage.state(name)[1] + waits.going(name) < below
+
+    def stored(change, error) -> None:
+        done(change, error)  # published first: notifications keep the order of seq
+        waits.settled(name)
+
+    def go() -> None:
+        try:
+            add(stored)
+        except RemoteError as exc:  # a limit: refused like any APPEND
+            stored(None, exc)
+
+    def expire() -> None:
+        done(None, BusyError(f"bin {name!r} still held {storage.state(name)[1]} items (below {below} asked) "
+                             f"after waiting {wait:g}s; nothing stored"))
+
+    session.park(name, room, go, wait, expire)
 
 
 def _check_value(session, blob: bytes, nbytes: int) -> None:
@@ -86,10 +120,10 @@ def get(session, request) -> None:
     the reply follows once the items' files are open (if any is only on disk), and
     the items go back to the front of the bin if it cannot be delivered."""
     storage, listeners, name = session.storage, session.state.listeners, request.bin
-    items = storage.peek(name)
+    items = storage.peek(name)[: request.max]  # (max: None takes them all)
     _check_reply_size(session, items)  # refused before anything is taken
     refs = session.shared.refs(request.ref, items, taking=True)
-    items, change = storage.take(name)
+    items, change = storage.take(name, request.max)
 
     def put_back() -> None:
         listeners.publish(storage.restore(name, items))

@@ -38,6 +38,11 @@ class ListenerRegistry:
 
     def __init__(self):
         self._by_bin: dict[str, dict[Listener, bool]] = defaultdict(dict)
+        self._watchers: list = []  # told of every change, whatever its bin (waits.py)
+
+    def watch(self, watcher) -> None:
+        """Call ``watcher(bin_name)`` after every change is published."""
+        self._watchers.append(watcher)
 
     def add(self, name: str, listener: Listener, first_append: bool = False) -> None:
         self._by_bin[name][listener] = first_append
@@ -55,13 +60,14 @@ class ListenerRegistry:
         if change is None:
             return
         listeners = self._by_bin.get(change.bin)
-        if not listeners:
-            return
-        frame = notification_frame(change)
-        later_append = change.op == "APPEND" and change.n_items > 1
-        for listener, first_append in tuple(listeners.items()):
-            if not (later_append and first_append):
-                listener.notify(change.bin, frame)
+        if listeners:
+            frame = notification_frame(change)
+            later_append = change.op == "APPEND" and change.n_items > 1
+            for listener, first_append in tuple(listeners.items()):
+                if not (later_append and first_append):
+                    listener.notify(change.bin, frame)
+        for watcher in self._watchers:
+            watcher(change.bin)
 
 
 class Outbox(Protocol):

@@ -126,6 +126,7 @@ class ServerSession:
         self._backlog: deque[Frame] = deque()  # whole requests held back (see the module docstring)
         self._waiting = False  # a request waits for the disk
         self._held_notes: dict[str, bytes] | None = None  # notifications held while waiting, per bin
+        self._parked = None  # this connection's request waiting for a bin to change (waits.py)
         self.timing = TimeLimits()
         frame_limits = state.config.frame_limits
         if self._nonce is not None:
@@ -233,6 +234,8 @@ class ServerSession:
         for name in self.listening:
             self.state.listeners.discard(name, self)
         self.listening.clear()
+        parked, self._parked = self._parked, None
+        self.state.waits.cancel(parked)  # a request waiting for its bin to change is dropped
         self.shared.connection_lost()
 
     def tick(self, now: float, sending: bool = False) -> None:
@@ -400,6 +403,28 @@ class ServerSession:
                 self._release_notes()
             raise
         call.started()
+
+    def park(self, name: str, ready: Callable[[], bool], go: Callable[[], None], timeout: float,
+             expire: Callable[[], None]) -> None:
+        """Run ``go()`` once ``ready()`` holds for bin ``name``, or ``expire()`` after
+        ``timeout`` seconds (:class:`~.waits.Waits`).  Call it from the ``start`` of
+        :meth:`wait_for`: this connection's later requests wait meanwhile, its
+        notifications do not; a connection that closes drops its parked request."""
+        def went() -> None:
+            if self._parked is not None:  # it waited: hold notifications again until its reply
+                self._parked = None
+                self._held_notes = {}
+            go()
+
+        def expired() -> None:
+            self._parked = None
+            expire()
+
+        self._parked = self.state.waits.park(name, ready, went, timeout, expired)
+        if self._parked is not None:
+            # While it waits, notifications of others' changes go out as usual (a worker
+            # whose rollout waits for room still hears of new parameters).
+            self._release_notes()
 
     def _wait_began(self) -> None:
         self._waiting = True

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from ..protocol.messages import APPEND, DELETE, LIST, LISTEN, NOOP, OK, PEEK, PUT, UNLISTEN, GET, Key
+from ..protocol.messages import APPEND, DELETE, GET, LIST, LISTEN, MAX_WAIT, NOOP, OK, PEEK, PUT, UNLISTEN, Key
 from .connection import NO_VALUE, ListenSnapshot, Notification, item_table
 from .listens import Listening
 
@@ -54,21 +54,47 @@ class ClientMethods:
         """
         return self._call(PUT, bin_fields(bin, tag), value, timeout=timeout)
 
-    def append(self, bin: str, value: Any, *, tag: int | None = None, timeout=DEFAULT) -> Any:
-        """Add ``value`` as one more item of ``bin``; returns the bin's new item count."""
-        return self._call(APPEND, bin_fields(bin, tag), value, timeout=timeout)
+    def append(self, bin: str, value: Any, *, tag: int | None = None, below: int | None = None,
+               timeout=DEFAULT) -> Any:
+        """Add ``value`` as one more item of ``bin``; returns the bin's new item count.
+
+        With ``below``, the item is stored only once the bin holds fewer than
+        ``below`` items: the server holds the request until a reader takes some
+        (other clients are served meanwhile), up to ``timeout`` seconds (the
+        client's, by default), then refuses it with :class:`~tensorshare.errors.BusyError`
+        (a ``TimeoutError``), storing nothing.  Backpressure for producers that
+        must not outrun their consumer.
+        """
+        fields = bin_fields(bin, tag)
+        if below is not None:
+            timeout = self._wait_in_server(fields, below, timeout)
+        return self._call(APPEND, fields, value, timeout=timeout)
+
+    def _wait_in_server(self, fields: dict, below: int, timeout) -> float:
+        """Ask the server to hold a request up to the call's timeout (``fields`` get
+        ``below`` and ``wait``); returns the call's own timeout, a little longer, so
+        that the server's answer comes first."""
+        if timeout is DEFAULT:
+            timeout = self.timeout
+        wait = MAX_WAIT if timeout is None else min(max(float(timeout), 0.0), MAX_WAIT)
+        fields[Key.BELOW], fields[Key.WAIT] = below, wait
+        return wait + max(1.0, wait / 10)
 
     # -- reading
 
-    def get(self, bin: str, timeout=DEFAULT, *, with_seq: bool = False) -> Any:
+    def get(self, bin: str, timeout=DEFAULT, *, max_items: int | None = None, with_seq: bool = False) -> Any:
         """Take all items out of ``bin`` (it stays, empty); returns them in order.
 
-        With ``with_seq=True`` returns ``(items, seq)``: seq is this take's sequence
+        ``max_items``: take only the first that many (the rest stay).  With
+        ``with_seq=True`` returns ``(items, seq)``: seq is this take's sequence
         number, so a listener can tell the notifications of later changes (higher
         seq) from those of earlier ones.
         """
+        fields = bin_fields(bin)
+        if max_items is not None:
+            fields[Key.MAX] = max_items
         then = (lambda reply: (reply.values, reply.header[Key.SEQ])) if with_seq else None
-        return self._call(GET, bin_fields(bin), timeout=timeout, then=then)
+        return self._call(GET, fields, timeout=timeout, then=then)
 
     def peek(self, bin: str, timeout=DEFAULT) -> Any:
         """Return all items of ``bin`` without removing them."""

@@ -43,6 +43,9 @@ class Key:
     SHM, SIZE, REF, REFS, RELEASE = "shm", "size", "ref", "refs", "release"
     # LISTEN: skip APPENDs to a bin that already holds items (§5)
     FIRST_APPEND = "first_append"
+    # GET: take at most this many items; APPEND: only while the bin holds fewer than
+    # ``below`` items, waiting up to ``wait`` seconds for room (§4.4)
+    MAX, BELOW, WAIT = "max", "below", "wait"
 
 
 # Reply codes (header key "code").
@@ -56,6 +59,7 @@ AUTHENTICATED = 230  # AUTH accepted; the reply proves that the server knows the
 DONE = 250  # requested bin action completed
 UNAVAILABLE = 421  # shutting down / too many connections
 ZERO_COPY_REFUSED = 425  # a value named in shared memory was not taken: send it over TCP
+BUSY = 450  # what the request waits for (room in a bin...) did not come within its wait
 LOCAL_ERROR = 451  # the server could not read what it stores (a disk error)
 STORAGE_FULL = 452  # no room in the memory budget or on disk
 BAD_FRAME = 500  # syntax error: malformed frame or header
@@ -143,6 +147,10 @@ TAG = _checked_kind("a tag", check_tag)
 BIN_NAME = Kind("a bin name", lambda key, value, limit: check_bin_name(value, limit),
                 lambda value: check_bin_name(value) is None)
 TAGS = _kind("a list of tags", lambda v: type(v) is list and all(check_tag(t) is None for t in v))
+COUNT = _kind("an integer of at least 1", lambda v: type(v) is int and v >= 1)
+MAX_WAIT = 86400.0  # seconds a request may ask the server to hold it
+SECONDS = _kind(f"a number of seconds, 0 to {MAX_WAIT:g}",
+                lambda v: type(v) in (int, float) and 0 <= v <= MAX_WAIT)
 
 
 @dataclass(frozen=True)
@@ -326,9 +334,11 @@ _READ_FIELDS = (BIN, optional(Key.REF, INTS), RELEASE)
 
 PUT = Command("PUT", _STORE_FIELDS, reply=_CHANGED, payload=True, result=Key.N,
               doc="replace the bin's items with one item")
-APPEND = Command("APPEND", _STORE_FIELDS, reply=_CHANGED, payload=True, result=Key.N,
-                 doc="add one item at the end of the bin")
-GET = Command("GET", _READ_FIELDS, reply=_ITEMS, result=Key.ITEMS, doc="take every item out of the bin")
+APPEND = Command("APPEND", (*_STORE_FIELDS, optional(Key.BELOW, COUNT), optional(Key.WAIT, SECONDS)),
+                 reply=_CHANGED, payload=True, result=Key.N,
+                 doc="add one item at the end of the bin (with below: once it holds fewer items)")
+GET = Command("GET", (*_READ_FIELDS, optional(Key.MAX, COUNT)), reply=_ITEMS, result=Key.ITEMS,
+              doc="take the bin's items (at most max of them) out of it")
 PEEK = Command("PEEK", _READ_FIELDS, reply=_ITEMS, result=Key.ITEMS, doc="read every item of the bin")
 LIST = Command("LIST", (RELEASE,), reply=Message(LIST_OK, (Field(Key.BINS, COUNTS),)), result=Key.BINS,
                doc="every bin and its item count")
