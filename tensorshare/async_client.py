@@ -34,6 +34,7 @@ from ._client.zerocopy import SharedAreas
 from .errors import AuthenticationError, ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UsageError
 from .protocol.messages import NOOP, Command
 from .protocol.tls import TLSSettings
+from .wire.frames import Frame
 
 log = logging.getLogger("tensorshare.client")
 
@@ -63,6 +64,7 @@ class AsyncClient(ClientCore):
         self._keepalive_timer = None
         self._wire: Wire | None = None
         self._sweeper = None  # the one timer that expires calls
+        self._sweep_at = 0.0  # when it runs
         self._backoff = Backoff(0.05, max_backoff)
         self._retry = None
         # Connects a new Wire to the server (a Deferred firing once connected):
@@ -171,6 +173,19 @@ class AsyncClient(ClientCore):
 
     def _complete(self, call: Call, outcome: Any) -> None:
         """Settle a call and call back, or send the attempt a zero-copy refusal calls for."""
+        if type(outcome) is Frame and call.fallback is None and call.cleanup is None and call.then is None \
+                and not call.raw and type(call.callback) is defer.Deferred:
+            # The usual case (one attempt, the default result, a Deferred): no detours.
+            try:
+                result = self._read(call, outcome).result
+            except TensorShareError as exc:
+                if call.on_error is not None and call.on_error(exc):
+                    call.callback.callback(None)
+                else:
+                    call.callback.errback(exc)
+                return
+            call.callback.callback(result)
+            return
         settled = self._settle(call, outcome)
         if settled is not None:
             self._call_back(call, *settled)
@@ -203,10 +218,12 @@ class AsyncClient(ClientCore):
         """Make sure the sweeper runs by ``deadline`` (one timer for all calls: a
         DelayedCall per request cost more than the rest of a small request)."""
         sweeper = self._sweeper
-        if sweeper is not None and sweeper.active():
-            if sweeper.getTime() <= deadline:
+        if sweeper is not None:
+            if self._sweep_at <= deadline:  # (the usual case: it runs earlier already)
                 return
-            sweeper.cancel()
+            if sweeper.active():
+                sweeper.cancel()
+        self._sweep_at = deadline
         self._sweeper = self.reactor.callLater(max(deadline - self.reactor.seconds(), 0.0), self._sweep)
 
     def _sweep(self) -> None:

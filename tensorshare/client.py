@@ -174,15 +174,25 @@ class Client(ClientCore):
               then: Callable | None = None, on_reply: Callable | None = None, on_error: Callable | None = None,
               decode: bool = True, zero_copy: bool = True) -> Any:
         """Send a request and wait for its reply (see :mod:`._client.methods`)."""
-        deadline = self._deadline(timeout)
+        if timeout is DEFAULT:
+            timeout = self.timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         if self._buffers is not None:
             self._buffers.maybe_trim()  # reply arrays unused for a while go back to the system
-        areas = self._areas(deadline) if zero_copy and self.zero_copy else None
+        link = self._link
+        if link is not None:
+            areas = link.conn.areas if zero_copy and self.zero_copy else None
+        else:
+            areas = self._areas(deadline) if zero_copy and self.zero_copy else None
         call = self._new_call(command, fields, value, areas, None, then, on_error, on_reply, None, decode)
         try:
             while True:
                 try:
-                    self._transmit(call, deadline)
+                    parts = self._request_parts(call)
+                    self._before_request()
+                    with self._cond:
+                        self._calls.add(call)
+                    self._send(parts, deadline, call.rid)
                     outcome = self._await(call, deadline)
                 except TensorShareError as exc:
                     outcome = exc
@@ -195,7 +205,10 @@ class Client(ClientCore):
         except BaseException:
             finish(call)
             raise
-        result, error = self._result(call, *settled)
+        reply, error = settled
+        if error is None and call.then is None and not call.raw:  # the usual case
+            return reply.result
+        result, error = self._result(call, reply, error)
         if error is not None:
             raise error
         return result
@@ -264,9 +277,6 @@ class Client(ClientCore):
             self._call_back(call, None, exc)
             return
         self._send_call(call, parts)
-
-    def _transmit(self, call: Call, deadline: float | None, may_hold: bool = False) -> None:
-        self._deliver(call, self._request_parts(call), deadline, may_hold)
 
     def _deliver(self, call: Call, parts: list, deadline: float | None, may_hold: bool = False) -> None:
         self._before_request()

@@ -166,7 +166,6 @@ class Storage:
     def add(self, name: str, item: Item, replace: bool, done: Done) -> None:
         """PUT (``replace``) or APPEND ``item``; ``done(change, error)`` when it is stored."""
         store = self.store
-        store.check_add(name, replace)
         limit = store.memory_limit
         if limit is not None and store.unspillable_bytes + len(item.description) > limit:
             raise StorageFullError(f"memory budget full: {store.description_bytes} bytes of descriptions and "
@@ -174,9 +173,11 @@ class Storage:
         if self.data_dir is None:
             if self.spill_failed and limit is not None and store.resident_bytes + item.nbytes > limit:
                 raise StorageFullError(f"memory budget full and spilling failed: {self.spill_failed}")
-            done(store.put(name, item) if replace else store.append(name, item), None)
+            done(store.put(name, item) if replace else store.append(name, item), None)  # (they check the limits)
             self._enforce_budget()
             return
+        store.check_add(name, replace)  # refused before anything is written
+
         def committed(result, error) -> None:
             if error is not None:
                 log.warning("could not store an item of bin %r: %s", name, error)
@@ -371,6 +372,18 @@ class Storage:
             if not taken:
                 del self._taken[name]
 
+    def parts_in_memory(self, items: list[Item], refs: list | None) -> list | None:
+        """The payload parts of a reply carrying ``items`` (those without a reference
+        in ``refs``) if every one is in memory, else None (:meth:`read` them)."""
+        parts = []
+        for i, item in enumerate(items):
+            if refs is None or refs[i] is None:
+                segments = item.segments
+                if segments is None:
+                    return None
+                parts.extend(segments)
+        return parts
+
     def read(self, items: list[Item], refs: list | None,
              done: Callable[[list | None, RemoteError | None], None]) -> None:
         """``done(parts, None)`` with the payload parts of a reply carrying ``items``
@@ -381,11 +394,12 @@ class Storage:
         and mapped on a disk thread (no reads: pages come in as the socket takes
         them).  What each item holds is taken now, so a spill that swaps an item's
         chunks for files meanwhile changes nothing."""
+        parts = self.parts_in_memory(items, refs)
+        if parts is not None:
+            done(parts, None)
+            return
         sources = [item.segments if item.segments is not None else item.files
                    for i, item in enumerate(items) if refs is None or refs[i] is None]
-        if all(type(source) is tuple for source in sources):
-            done([part for source in sources for part in source], None)
-            return
 
         def opened(parts, error) -> None:
             if error is not None:

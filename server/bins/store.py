@@ -69,7 +69,8 @@ class Change:
 @dataclass
 class _Bin:
     items: deque = field(default_factory=deque)
-    nbytes: int = 0
+    nbytes: int = 0  # payload bytes of its items
+    described: int = 0  # bytes of its items' descriptions
     seq: int = 0
 
 
@@ -259,7 +260,9 @@ class BinStore:
             b.items.append(item)
         b.nbytes += item.nbytes
         self.nbytes += item.nbytes
-        self.description_bytes += len(item.description)
+        described = len(item.description)
+        b.described += described
+        self.description_bytes += described
         item.stored = True
         if item.files is not None:
             item.files.dropped = False
@@ -270,15 +273,18 @@ class BinStore:
     def _clear(self, b: _Bin, limit: int | None = None) -> list[Item]:
         """Empty bin ``b`` (take its first ``limit`` items); those items leave the
         store (their files may go once unused)."""
-        if limit is None or limit >= len(b.items):
+        if limit is None or limit >= len(b.items):  # the usual case: the bin's totals go
             items = list(b.items)
             b.items.clear()
+            nbytes, described = b.nbytes, b.described
         else:
             items = [b.items.popleft() for _ in range(limit)]
-        nbytes = sum(item.nbytes for item in items)
+            nbytes = sum(item.nbytes for item in items)
+            described = sum(len(item.description) for item in items)
         self.nbytes -= nbytes
         b.nbytes -= nbytes
-        self.description_bytes -= sum(len(item.description) for item in items)
+        self.description_bytes -= described
+        b.described -= described
         for item in items:
             item.stored = False
             if item.files is not None:

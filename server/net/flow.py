@@ -50,9 +50,15 @@ class OutboundBudget:
         self.congested = False
         self._large: dict[int, list] = {}  # id(part) -> [references, size]; the queue holds the parts
 
-    def charge(self, parts: Iterable) -> bool:
+    def charge(self, parts: list) -> bool:
         """Count a frame just queued (its parts and :data:`FRAME_COST`); True if that
         made the queue congested."""
+        if len(parts) == 1 and len(parts[0]) < SHARED_PART:  # the usual frame: one small part
+            self.queued += FRAME_COST + len(parts[0])
+            if self.queued > self.limit and not self.congested:
+                self.congested = True
+                return True
+            return False
         self.queued += FRAME_COST
         for part in parts:
             size = len(part)
@@ -67,6 +73,13 @@ class OutboundBudget:
             self.congested = True
             return True
         return False
+
+    def sent_small(self, nbytes: int, frames: int) -> bool:
+        """``frames`` whole frames of ``nbytes`` in small parts (none shared) left the
+        queue at once; True if that ended the congestion.  (:meth:`discharge` and
+        :meth:`frame_done` in one step, for the writer's direct send.)"""
+        self.queued -= nbytes + frames * FRAME_COST
+        return self.congested and self._eased()
 
     def discharge(self, parts: Iterable) -> bool:
         """Uncount parts that left the queue (handed to the transport, or dropped with a
@@ -86,7 +99,11 @@ class OutboundBudget:
     def frame_done(self) -> bool:
         """A frame left the queue whole (its parts were discharged); True if that
         ended the congestion."""
-        self.queued -= FRAME_COST
+        return self.frame_done_many(1)
+
+    def frame_done_many(self, frames: int) -> bool:
+        """``frames`` frames left the queue whole (their parts discharged)."""
+        self.queued -= frames * FRAME_COST
         return self._eased()
 
     def _eased(self) -> bool:

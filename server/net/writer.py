@@ -16,7 +16,7 @@ from twisted.internet import interfaces
 from zope.interface import implementer
 
 from . import twisted_internals
-from .flow import OutboundBudget
+from .flow import SHARED_PART, OutboundBudget
 
 log = logging.getLogger("tensorshare.server")
 
@@ -49,9 +49,10 @@ class WriteBatch:
     def end(self) -> None:
         """Let every writer that joined write what it holds."""
         self.open = False
-        joined, self._joined = self._joined, []
-        for writer in joined:
-            writer.release()
+        if self._joined:
+            joined, self._joined = self._joined, []
+            for writer in joined:
+                writer.release()
 
 
 class Queued:
@@ -269,6 +270,7 @@ class FrameWriter:
         small, else whether that ended the congestion."""
         queue = self._queue
         chunks, originals, total = [], [], 0
+        shared = False
         done = 0  # whole frames taken
         cut = None  # (entry, index) where a partly taken frame stops
         for entry in queue:
@@ -278,7 +280,12 @@ class FrameWriter:
                 continue
             while index < len(parts) and total + len(parts[index]) <= _DIRECT_MAX:
                 part = parts[index]
-                chunks.append(part if type(part) is bytes else part.tobytes())
+                if type(part) is bytes:
+                    chunks.append(part)
+                else:
+                    chunks.append(part.tobytes())
+                if len(part) >= SHARED_PART:
+                    shared = True  # counted by identity (flow.py): discharged part by part
                 originals.append(part)
                 total += len(part)
                 index += 1
@@ -293,20 +300,24 @@ class FrameWriter:
             sent = self._socket.send(data)
         except OSError:  # EAGAIN, or a dead socket: Twisted's own write path deals with it
             sent = 0
-        drained = False
+        frames = 0
         for _ in range(done):
             entry = queue.popleft()
             if entry.parts is None:
                 self._withdrawn -= 1
             else:
-                entry.done()
-                drained |= self.budget.frame_done()
+                frames += 1
+                entry.written = True
+                if entry.on_written is not None:
+                    entry.on_written()
         if cut is not None:
             cut[0].index = cut[1]
         if sent < len(data):
             self.transport.write(data[sent:])  # may call pauseProducing() synchronously
         self.written += total
-        return self.budget.discharge(originals) | drained
+        if shared:
+            return self.budget.discharge(originals) | self.budget.frame_done_many(frames)
+        return self.budget.sent_small(total, frames)
 
     def _finish_close(self) -> None:
         if not self._lost:

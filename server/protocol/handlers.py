@@ -60,10 +60,13 @@ def store(session, request) -> None:
 
         def add(done: Callable) -> None:
             storage.add(name, item, replace, done)
+    finish = _stored(session, request)
     if not replace and request.below is not None:
-        session.wait_for(lambda done: _when_room(session, request, add, done), _stored(session, request))
+        session.wait_for(lambda done: _when_room(session, request, add, done), finish)
+    elif request.shm is None and not storage.durable:  # stored in memory at once: nothing to wait for
+        add(finish)
     else:
-        session.wait_for(add, _stored(session, request))
+        session.wait_for(add, finish)
 
 
 def _when_room(session, request, add: Callable, done: Callable) -> None:
@@ -137,6 +140,12 @@ def get(session, request) -> None:
                     lambda: storage.delivered(name, items))
         session.shared.pin(request.id, items, refs)
 
+    parts = storage.parts_in_memory(items, refs)
+    if parts is not None:  # the usual case: the reply, then the notifications
+        finish(parts, None)
+        listeners.publish(change)
+        return
+
     def start(done: Callable) -> None:
         listeners.publish(change)  # this connection's own notification follows the reply
         storage.read(items, refs, done)
@@ -161,6 +170,10 @@ def peek(session, request) -> None:
         session.shared.pin(request.id, items, refs)
         session.shared.promote(request.ref, items, refs, session.decode_limits)
 
+    parts = storage.parts_in_memory(items, refs)
+    if parts is not None:  # the usual case: no disk, no wait
+        finish(parts, None)
+        return
     session.wait_for(lambda done: storage.read(items, refs, done), finish)
 
 
@@ -176,14 +189,15 @@ def _check_reply_size(session, items: list[Item]) -> None:
 
 def _send_items(session, request, items: list[Item], parts: list, seq: int, refs: list | None,
                 on_abandon: Callable[[], None] | None = None, on_written: Callable[[], None] | None = None) -> None:
-    fields = {Key.SEQ: seq, Key.ITEMS: [item.description for item in items],
-              Key.SIZES: [item.nbytes for item in items]}
+    sizes = [item.nbytes for item in items]
+    header = request.command.reply(request.id)
+    header[Key.SEQ], header[Key.ITEMS], header[Key.SIZES] = seq, [item.description for item in items], sizes
     if refs is None:
-        payload_len = sum(item.nbytes for item in items)
+        payload_len = sum(sizes)
     else:
-        fields[Key.REFS] = [None if files is None else files.ref() for files in refs]
+        header[Key.REFS] = [None if files is None else files.ref() for files in refs]
         payload_len = sum(item.nbytes for item, files in zip(items, refs) if files is None)
-    parts.insert(0, frame_head(request.command.reply(request.id, **fields), payload_len))
+    parts.insert(0, frame_head(header, payload_len))
     session.send(parts, on_abandon, on_written)
 
 

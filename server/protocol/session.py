@@ -120,6 +120,8 @@ class ServerSession:
         self.shared = SharedMemory(state.storage, state.config, same_host, peer)
         self.listening: set[str] = set()
         self.phase = Phase.OPENING
+        self.closed = False  # nothing more is served (closing or closed): kept with the phase
+        self._serving = False  # the phase handles requests (_SERVING): kept with the phase
         self._admitted = False  # counted in state.connections
         self._nonce = None if state.token is None else auth.new_nonce()  # the challenge of our greeting
         self._failure: tuple[int, str] | None = None  # FAILING: the framing error to report
@@ -137,11 +139,6 @@ class ServerSession:
         self._max_bin_name = state.config.max_bin_name
 
     @property
-    def closed(self) -> bool:
-        """True once nothing more is served (closing or closed)."""
-        return self.phase is Phase.CLOSING or self.phase is Phase.CLOSED
-
-    @property
     def authenticated(self) -> bool:
         return self._nonce is None
 
@@ -149,6 +146,8 @@ class ServerSession:
         if phase not in _MOVES[self.phase]:
             raise AssertionError(f"session {self.peer}: {self.phase.value} -> {phase.value} is not a legal move")
         self.phase = phase
+        self.closed = phase is Phase.CLOSING or phase is Phase.CLOSED
+        self._serving = phase in _SERVING
 
     # -- events from the transport
 
@@ -172,7 +171,7 @@ class ServerSession:
         self.shared.offer(greeting, self)  # the same-host offer (may wait for the disk)
 
     def data_received(self, data: bytes) -> None:
-        if self.phase not in _SERVING or self._failure is not None:
+        if not self._serving or self._failure is not None:
             return
         self.timing.heard = True
         try:
@@ -190,7 +189,7 @@ class ServerSession:
         """Memory to read the next bytes straight into (a large payload arriving into
         the receive pool lends it: ``server/net/recvpool.py``), or None: read as
         usual and call :meth:`data_received`."""
-        if self.phase not in _SERVING or self._failure is not None:
+        if not self._serving or self._failure is not None:
             return None
         return self._decoder.lent_buffer()
 
@@ -309,8 +308,9 @@ class ServerSession:
                 self._handle(frame)
             else:
                 frames = ()
-        self._backlog.extend(frames)
-        self._work()
+        if frames or self._waiting or self._failure is not None or self._backlog:
+            self._backlog.extend(frames)
+            self._work()
 
     def _work(self) -> None:
         """Handle waiting requests while the outbox and the disk let us; read only
@@ -337,7 +337,7 @@ class ServerSession:
         rid = header.get(Key.ID)
         if type(rid) is not int or not 0 < rid <= ID_MAX:
             rid = 0
-        if not self.authenticated:
+        if self._nonce is not None:  # not authenticated yet
             self._authenticate(rid, frame)
             return
         op = header.get(Key.OP)
@@ -456,7 +456,8 @@ class ServerSession:
 
     def send_header(self, header: dict) -> None:
         """Queue a frame that is only a header."""
-        self.send([frame_head(header, 0)])
+        if not self.closed:
+            self.outbox.send([frame_head(header, 0)])
 
     def refuse(self, rid: int, error: RemoteError) -> None:
         """Answer request ``rid`` with the error reply ``error`` stands for."""

@@ -8,10 +8,9 @@ memory), settles each attempt (a reply checked and decoded, or an error, with th
 fallback attempt a zero-copy refusal calls for), sorts incoming frames into
 replies and notifications, and listens again after a reconnection.
 
-A subclass supplies the transport: :meth:`_transmit` (send a call's frame),
-:meth:`_call` (a call as the client's style wants it: blocking, or a Deferred),
-:meth:`_submit` (a call whose outcome goes to a callback) and the current
-connection (:meth:`_connection`).
+A subclass supplies the transport: :meth:`_call` (a call as the client's style
+wants it: blocking, or a Deferred), :meth:`_submit` (a call whose outcome goes to a
+callback) and the current connection (:meth:`_connection`).
 """
 
 from __future__ import annotations
@@ -68,10 +67,6 @@ class ClientCore(ClientMethods):
         """The protocol state of the current connection (None while disconnected)."""
         raise NotImplementedError
 
-    def _transmit(self, call: Call, deadline: float | None, may_hold: bool = False) -> None:
-        """Register ``call`` in the table and send its frame."""
-        raise NotImplementedError
-
     def _submit(self, command: Command, fields: dict | None, value: Any, callback: Callable, *,
                 zero_copy: bool = True, timeout=DEFAULT, then: Callable | None = None,
                 on_error: Callable | None = None, on_reply: Callable | None = None, decode: bool = True,
@@ -121,7 +116,8 @@ class ClientCore(ClientMethods):
         """The frame of ``call``'s current attempt, telling the server which
         references it may release.  The call lets go of the value then: a call in
         flight must not keep its value alive (a fallback sends a copy of its own)."""
-        parts = request_frame(call.rid, call.command, self._with_releases(call.fields), call.value)
+        fields = self._with_releases(call.fields) if self._releases else call.fields
+        parts = request_frame(call.rid, call.command, fields, call.value)
         call.value = NO_VALUE
         return parts
 

@@ -33,7 +33,7 @@ def route(call: Call, areas) -> None:
         return
     command = call.command
     if command is PUT or command is APPEND:
-        if call.value is not NO_VALUE and areas.incoming is not None:
+        if call.value is not NO_VALUE and areas.incoming is not None and not areas.too_small(call.value):
             _through_shared_memory(call, areas)
     elif command is GET or command is PEEK:
         fields = call.fields

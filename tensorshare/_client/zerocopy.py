@@ -94,6 +94,14 @@ class SharedAreas:
 
     # -- PUT / APPEND
 
+    def too_small(self, value: Any) -> bool:
+        """True when ``value`` is a lone tensor or array too small to gain from shared
+        memory (and no draft is waiting to be handed over): then :meth:`write`
+        would say so only after the value was encoded for it."""
+        kind = type(value)
+        return (not _drafts and (kind is torch.Tensor or kind is np.ndarray)
+                and value.nbytes < self.min_bytes * PUT_FACTOR)
+
     def write(self, enc: Encoded, tag: int | None = None) -> str | None:
         """Write an encoded value into the incoming directory; returns the name to send,
         or None if the value is too small to be faster this way than over TCP.

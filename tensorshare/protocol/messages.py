@@ -206,6 +206,8 @@ class Message:
 
     def build(self, rid: int = 0, **fields) -> dict:
         """The header of this message (for request ``rid``; 0: unsolicited)."""
+        if not fields:
+            return {Key.CODE: self.code, Key.ID: rid}
         header = {Key.CODE: self.code, Key.ID: rid}
         header.update(fields)
         return header
@@ -242,10 +244,13 @@ class Command:
         self.verb = verb
         self.fields = fields
         self.success = reply
+        self.reply = reply.build  # reply(rid, **fields): the success reply header to request ``rid``
         self.payload = payload
         self.result = result
         self.doc = doc
         self.takes_bin = any(field.key == Key.BIN for field in fields)
+        # parse_request's usual case, every field right: (key, required, accepts).
+        self._fast = tuple((f.key, f.required, f.kind.accepts) for f in fields)
         slots = tuple(field.key for field in fields)
         self.Request = type(f"{verb.title()}Request", (Request,), {"__slots__": slots})
         self._slots = slots
@@ -290,16 +295,24 @@ class Command:
             raise error_for_code(BAD_ARGS, f"{self.verb} takes no payload")
         request = self.Request()
         request.command, request.id, request.payload, request.payload_len = self, rid, payload, payload_len
-        for field in self.fields:
+        if max_bin_name == MAX_BIN_NAME:  # (the fast test of a bin name assumes the default limit)
+            for key, required, accepts in self._fast:
+                value = header.get(key)
+                if value is None:
+                    if required:
+                        break
+                elif not accepts(value):
+                    break
+                setattr(request, key, value)
+            else:
+                return request
+        for field in self.fields:  # find what is wrong, and say it
             problem = field.problem(header, max_bin_name)
             if problem is not None:
                 raise error_for_code(field.code, problem)
             setattr(request, field.key, header.get(field.key))
         return request
 
-    def reply(self, rid: int, **fields) -> dict:
-        """The success reply header to request ``rid``."""
-        return self.success.build(rid, **fields)
 
 
 def reply_error(header: dict, what: str) -> TensorShareErrorLike:

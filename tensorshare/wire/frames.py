@@ -27,7 +27,7 @@ from typing import Any, Callable
 import msgpack
 
 from ..errors import ProtocolError
-from .unpacking import FREE_CONTAINERS, ContainerBudget, unpack_bounded
+from .unpacking import FREE_CONTAINERS, UNPACK_ERRORS, ContainerBudget, unpack_bounded
 
 MAGIC = b"TSHR"
 VERSION = 1
@@ -393,17 +393,25 @@ class FrameDecoder:
 def unpack_header(data: bytes | memoryview, limits: FrameLimits = DEFAULT_FRAME_LIMITS) -> dict:
     """Decode and check a frame header: a msgpack map with str keys, nothing after
     it, within :mod:`.unpacking`'s rule on containers and ``limits.header_memory``."""
+    size = len(data)
     factor = limits.header_memory
-    measured = None if factor is None or len(data) <= FREE_CONTAINERS else \
-        ContainerBudget(len(data), "header", measure=True)
-    header = unpack_bounded(data, "header", budget=measured)
+    if size <= FREE_CONTAINERS:  # the usual header: nothing to count or measure (see .unpacking)
+        measured = None
+        try:
+            header = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True, max_str_len=size,
+                                     max_bin_len=size, max_array_len=size, max_map_len=size, max_ext_len=0)
+        except UNPACK_ERRORS as exc:
+            raise ProtocolError(f"malformed header: {exc or type(exc).__name__}") from None
+    else:
+        measured = None if factor is None else ContainerBudget(size, "header", measure=True)
+        header = unpack_bounded(data, "header", budget=measured)
     if not isinstance(header, dict):
         raise ProtocolError("header must be a msgpack map with str keys")
     _check_header_values(header)
     if measured is not None:
         held = measured.held_bytes(header)
-        if held > factor * len(data):
-            raise ProtocolError(f"header of {len(data)} bytes decodes to {held} bytes of objects, "
+        if held > factor * size:
+            raise ProtocolError(f"header of {size} bytes decodes to {held} bytes of objects, "
                                 f"over {factor} times its size")
     return header
 

@@ -91,7 +91,7 @@ class ContainerBudget:
         return total
 
 
-_ERRORS = (ValueError, TypeError, msgpack.UnpackException, RecursionError)
+UNPACK_ERRORS = (ValueError, TypeError, msgpack.UnpackException, RecursionError)  # what msgpack raises
 
 
 def unpack_bounded(data: bytes | memoryview, what: str, *, budget: ContainerBudget | None = None,
@@ -103,19 +103,21 @@ def unpack_bounded(data: bytes | memoryview, what: str, *, budget: ContainerBudg
     decodes extension types (none are allowed without one).
     """
     size = len(data)
-    if budget is None and size > FREE_CONTAINERS:
-        budget = ContainerBudget(size, what)
-    hooks = {} if budget is None else {"object_hook": budget, "list_hook": budget}
-    if ext_hook is not None:
-        hooks["ext_hook"] = ext_hook
     try:
+        if budget is None and size > FREE_CONTAINERS:
+            budget = ContainerBudget(size, what)
         return msgpack.unpackb(
             data, raw=False, strict_map_key=True, use_list=True,
             max_str_len=size, max_bin_len=size, max_array_len=size, max_map_len=size,
-            max_ext_len=size if ext_hook is not None else 0, **hooks,
+            max_ext_len=size if ext_hook is not None else 0,
+            object_hook=budget, list_hook=budget, ext_hook=ext_hook or _no_ext,
         )
     except ProtocolError:
         raise
-    except _ERRORS as exc:
+    except UNPACK_ERRORS as exc:
         raise ProtocolError(f"malformed {what}: {exc or type(exc).__name__}") from None
 
+
+def _no_ext(code: int, data: bytes) -> Any:
+    """msgpack's own extension decoding (for the header check to refuse)."""
+    return msgpack.ExtType(code, data)
