@@ -48,6 +48,7 @@ __all__ = ["RLTrainer", "RLWorker", "Rollout", "WorkerInfo"]
 
 DEFAULT_MAX_STALENESS = 4  # versions a rollout may lag behind and still be used
 DEFAULT_MAX_WAITING = 256  # rollouts the server holds for the trainer before workers wait
+CAPPED_PENDING = 2  # rollouts a worker has in flight while its experiment is capped
 
 
 def bin_names(experiment: str | None) -> tuple[str, str]:
@@ -403,9 +404,10 @@ class RLWorker(_RLPeer):
     ``max_pending`` rollouts are in flight at once, sent in order on one
     connection; past that it waits for the oldest to be stored.  When the trainer
     caps the rollouts waiting in the server (``max_waiting``), a rollout waits in
-    the server for room, so :meth:`add_data` waits too, up to the client's
-    timeout; rollouts then travel on a second connection, so that parameters
-    still arrive meanwhile.  A rollout the server did not store makes the next
+    the server for room and at most two are in flight, so :meth:`add_data` waits
+    too, up to the client's timeout; rollouts then travel on a second connection,
+    so that parameters still arrive meanwhile.  Once the trainer asked the workers
+    to stop, :meth:`add_data` discards what it is given.  A rollout the server did not store makes the next
     :meth:`add_data` (or :meth:`flush`) raise its error.  :meth:`flush` waits until
     every rollout sent is stored; ``stop()`` flushes first.
 
@@ -487,7 +489,12 @@ class RLWorker(_RLPeer):
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             self._raise_failure()
-            while self._in_flight >= self.max_pending:  # the window is full: backpressure
+            # While capped, a rollout waits in the server; more than a couple queued
+            # behind it would only be staler by the time they get in.
+            window = self.max_pending if self._max_waiting is None else min(self.max_pending, CAPPED_PENDING)
+            while self._in_flight >= window:  # the window is full: backpressure
+                if self.stop_requested:  # nobody will read it
+                    return
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(f"{self.max_pending} rollouts still unacknowledged after {timeout:g}s"
@@ -495,6 +502,8 @@ class RLWorker(_RLPeer):
                                           if self._max_waiting else ""))
                 self._cond.wait(remaining)
                 self._raise_failure()
+            if self.stop_requested:
+                return
             self._in_flight += 1
             cap = self._max_waiting
         item = {"version": self.version, "worker": self.worker_id, "data": obj}
@@ -562,9 +571,10 @@ class RLWorker(_RLPeer):
 
     def _shut(self) -> None:
         try:
-            self.flush(timeout=5.0)
+            # Asked to stop, the trainer reads no more: rollouts waiting for room never get it.
+            self.flush(timeout=0.5 if self.stop_requested else 5.0)
         except Exception as exc:  # stopping anyway: say what was lost
-            log.warning("rollouts not stored before stopping: %s", exc)
+            (log.info if self.stop_requested else log.warning)("rollouts not stored before stopping: %s", exc)
         if self._rollouts is not None:
             self._rollouts.close()
         super()._shut()

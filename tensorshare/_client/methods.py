@@ -88,7 +88,12 @@ class ClientMethods:
             timeout = self.timeout
         wait = MAX_WAIT if timeout is None else min(max(float(timeout), 0.0), MAX_WAIT)
         fields[Key.BELOW], fields[Key.WAIT] = below, wait
+        self._server_holds(wait)
         return wait + max(1.0, wait / 10)
+
+    def _server_holds(self, wait: float) -> None:
+        """A request is about to ask the server to hold it up to ``wait`` seconds: the
+        keepalive expects silence meanwhile."""
 
     # -- reading
 
