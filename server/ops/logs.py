@@ -34,7 +34,10 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure(level: str, fmt: str = "text", stream=None) -> None:
-    """Send the server's log to ``stream`` (stderr) at ``level`` in format ``fmt``."""
+    """Send the server's log to ``stream`` (stderr) at ``level`` in format ``fmt``
+    (ValueError for an unknown level, before anything changes)."""
+    if not isinstance(logging.getLevelName(level.upper()), int):
+        raise ValueError(f"unknown log level {level!r}")
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     root = logging.getLogger()
