@@ -221,3 +221,30 @@ def test_counters_and_tiers_in_memory(tmp_path):
         assert pair.session.stats.versions == {"": 1}
     finally:
         pair.close()
+
+
+def _chromium() -> str | None:
+    import shutil
+
+    return next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
+
+
+def test_page_renders_in_headless_chromium(ops_server, tmp_path):
+    """The page as a browser builds it (scripts/status_screenshot.py makes docs/status-page.png the same way)."""
+    import subprocess
+
+    exe = _chromium()
+    if exe is None:
+        pytest.skip("no Chromium here (apt-get install chromium)")
+    with tensorshare.Client("127.0.0.1", ops_server.port, timeout=30) as c:
+        c.put("browser/bin", torch.ones(8))
+        flags = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1280,1000"]
+        dom = subprocess.run([*flags, "--dump-dom", ops_server.url("/")], capture_output=True, text=True,
+                             timeout=90)
+        shot = tmp_path / "page.png"
+        subprocess.run([*flags, f"--screenshot={shot}", ops_server.url("/")], capture_output=True, timeout=90)
+    page = Tables()
+    page.feed(dom.stdout)
+    assert any(row[0] == "browser/bin" for row in page.tables["bins"][1:]), dom.stderr[-2000:]
+    assert "<svg" in dom.stdout
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000

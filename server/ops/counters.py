@@ -90,6 +90,8 @@ class Counters:
 
     def __init__(self, verbs=()):
         self.started = time.time()
+        # Every declared verb (the session counts into these directly; a request of
+        # an undeclared verb is refused before it is counted).
         self.verbs: dict[str, VerbStats] = {verb: VerbStats() for verb in verbs}
         self.refused: dict[int, int] = {}  # error replies by code (452: memory or disk full...)
         self.accepted = 0  # connections admitted

@@ -35,12 +35,21 @@ def human_seconds(s: float | None) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s < 172800 else f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
+def _limit(name: str, value) -> str:
+    if name in ("max_frame", "max_outbound"):
+        return human_bytes(value)
+    if name.endswith("timeout"):
+        return f"{value:g}s" if value else "none"
+    return str(value)
+
+
 def _table(table_id: str, headers: list[str], rows: list[list], empty: str) -> str:
-    head = "".join(f"<th>{escape(h)}</th>" for h in headers)
+    head = "".join(f"<th>{escape(h)}</th>" for h in headers) if any(headers) else ""
+    head_row = f"<tr>{head}</tr>" if head else ""
     if not rows:
-        return f'<table id="{table_id}"><tr>{head}</tr><tr><td colspan="{len(headers)}">{escape(empty)}</td></tr></table>'
+        return f'<table id="{table_id}">{head_row}<tr><td colspan="{len(headers)}">{escape(empty)}</td></tr></table>'
     body = "".join("<tr>" + "".join(f"<td>{escape(str(cell))}</td>" for cell in row) + "</tr>" for row in rows)
-    return f'<table id="{table_id}"><tr>{head}</tr>{body}</table>'
+    return f'<table id="{table_id}">{head_row}{body}</table>'
 
 
 def chart(points: list[dict], width: int = 640, height: int = 160) -> str:
@@ -90,7 +99,7 @@ def render(data: dict, query: str = "") -> str:
     summary = [
         ["bins", data["totals"]["bins"]], ["items", data["totals"]["items"]],
         ["payload", human_bytes(data["totals"]["bytes"])],
-        *[[f"  {tier}", f"{row['items']} items, {human_bytes(row['bytes'])}"] for tier, row in data["tiers"].items()],
+        *[[f"in {tier}", f"{row['items']} items, {human_bytes(row['bytes'])}"] for tier, row in data["tiers"].items()],
         ["connections open", data["connections"]["open"]],
         ["requests", traffic.get("requests", "-")],
         ["received / sent", f"{human_bytes(traffic.get('bytes_in'))} / {human_bytes(traffic.get('bytes_out'))}"],
@@ -102,7 +111,7 @@ def render(data: dict, query: str = "") -> str:
         ["process RSS", human_bytes(memory["rss"])], ["payload in RAM", human_bytes(memory["payload_in_memory"])],
         ["memory limit", human_bytes(memory["memory_limit"]) if memory["memory_limit"] else "none"],
         ["receive pool", human_bytes(memory["receive_pool"])],
-        *[[k.replace("_", " "), v] for k, v in limits.items() if k != "memory_limit"],
+        *[[k.replace("_", " "), _limit(k, v)] for k, v in limits.items() if k != "memory_limit"],
     ]
     title = f"tensorshare {server['host']}:{server['port']}"
     stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(server["time"]))

@@ -203,7 +203,7 @@ def _send_items(session, request, items: list[Item], parts: list, seq: int, refs
     session.send(parts, on_abandon, on_written)
     counters = session.counters
     if counters is not None:
-        counters.verb(request.command.verb).bytes_out += payload_len
+        counters.verbs[request.command.verb].bytes_out += payload_len
         if items and items[-1].tag is not None:  # the version a worker holds
             counters.read(session.stats, request.bin, items[-1].tag)
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from bisect import bisect_left
+from time import perf_counter
 from collections import deque
 from dataclasses import replace
 from typing import Callable, Protocol
@@ -33,7 +35,7 @@ from tensorshare.protocol.messages import (
 from tensorshare.wire.frames import DiscardSink, Frame, FrameDecoder, SegmentSink, frame_head
 
 from ..net.recvpool import CHUNK, PooledSink
-from ..ops.counters import ConnStats
+from ..ops.counters import LATENCY_BUCKETS, ConnStats
 from .handlers import HANDLERS
 from .notify import Notifier, Outbox
 from .shared import SharedMemory
@@ -371,10 +373,15 @@ class ServerSession:
             counters = self.counters
             if counters is None:
                 HANDLERS[command](self, request)
-            else:
-                began = time.perf_counter()
+            else:  # counted inline: this is the request path (server/ops/counters.py)
+                began = perf_counter()
                 HANDLERS[command](self, request)
-                counters.handled(op, frame.payload_len, time.perf_counter() - began)
+                elapsed = perf_counter() - began
+                verb = counters.verbs[op]
+                verb.requests += 1
+                verb.bytes_in += frame.payload_len
+                verb.seconds += elapsed
+                verb.buckets[bisect_left(LATENCY_BUCKETS, elapsed)] += 1
                 self.stats.requests += 1
         except RemoteError as exc:
             if self.counters is not None:
