@@ -19,7 +19,6 @@ from tensorshare_server.ops.status import snapshot
 parser = pytest.importorskip("prometheus_client.parser", reason="prometheus_client is a test dependency")
 
 TOKEN = "ops-token-5d1e0b7c92aa4f31"
-pytestmark = pytest.mark.process
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +88,7 @@ class Tables(HTMLParser):
             self._cell.append(data)
 
 
+@pytest.mark.process
 def test_metrics_count_known_activity(ops_server):
     before = metrics(ops_server)
     value = torch.arange(1024, dtype=torch.float32)  # 4096 payload bytes
@@ -121,6 +121,7 @@ def test_metrics_count_known_activity(ops_server):
     assert after[("tensorshare_process_resident_memory_bytes",)] > 1 << 20
 
 
+@pytest.mark.process
 def test_status_json_bins_clients_and_experiments(ops_server):
     with tensorshare.Client("127.0.0.1", ops_server.port, timeout=30) as trainer, \
             tensorshare.Client("127.0.0.1", ops_server.port, timeout=30) as worker:
@@ -146,6 +147,7 @@ def test_status_json_bins_clients_and_experiments(ops_server):
     assert data["server"]["port"] == ops_server.port
 
 
+@pytest.mark.process
 def test_status_page_tables(ops_server):
     with tensorshare.Client("127.0.0.1", ops_server.port, timeout=30) as c:
         c.put("page/<b>bold</b>", torch.zeros(16))  # a bin name is shown escaped
@@ -166,6 +168,7 @@ def test_status_page_tables(ops_server):
     assert http_get(ops_server.url("/nothing"))[0] == 404
 
 
+@pytest.mark.process
 def test_auth_failures_are_counted(token_server):
     ok = {"Authorization": f"Bearer {TOKEN}"}
     before = metrics(token_server, ok)[("tensorshare_auth_failures_total",)]
@@ -175,6 +178,7 @@ def test_auth_failures_are_counted(token_server):
     assert metrics(token_server, ok)[("tensorshare_auth_failures_total",)] == before + 1
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("path", ["/", "/metrics", "/status.json"])
 def test_token_protects_every_path(token_server, path):
     url = token_server.url(path)
@@ -229,6 +233,7 @@ def _chromium() -> str | None:
     return next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
 
 
+@pytest.mark.process
 def test_page_renders_in_headless_chromium(ops_server, tmp_path):
     """The page as a browser builds it (scripts/status_screenshot.py makes docs/status-page.png the same way)."""
     import subprocess
