@@ -1,4 +1,4 @@
-"""Section 8: the cost of metrics (``--metrics-port``), measured on and off in the same run.
+"""Section 9: the cost of metrics (``--metrics-port``), measured on and off in the same run.
 
 Two servers, one with the operations port on and scraped (``/metrics`` and
 ``/status.json``) every second, harsher than Prometheus' usual 15 s, one without.
@@ -58,7 +58,7 @@ class Scraper:
 
 
 def run(rec: Recorder, p: Profile, peers) -> None:
-    rec.begin("8. Metrics on vs off")
+    rec.begin("9. Metrics on vs off")
     value = torch.ones(16, dtype=torch.float32)
     ops, runs, warm = p.small_ops, p.small_runs, max(p.small_ops // 5, 10) if p.warmup else 0
     servers: dict[str, Server] = {}

@@ -22,6 +22,7 @@ from .bins.storage import InlineJobs, Jobs, Storage
 from .bins.store import BinStore
 from .config import ServerConfig
 from .net.recvpool import chunk_pool
+from .protocol.ephemeral import EphemeralBins
 from .ops.counters import Counters
 from .protocol.notify import ListenerRegistry
 from .protocol.waits import Waits
@@ -40,6 +41,7 @@ class ServerState:
     connections: int = 0  # connections admitted and still open (max_connections)
     recv_pool: Recycler | None = None  # memory large payloads are received into (None: fresh memory)
     waits: Waits | None = None  # requests parked until their bin changes (protocol/waits.py)
+    ephemeral: EphemeralBins = field(default_factory=EphemeralBins)  # bins that end with their connection
     counters: Counters | None = None  # what it counts for metrics and the status page (None: metrics off)
 
     def __post_init__(self) -> None:
