@@ -13,7 +13,7 @@ import tensorshare
 from opsproc import OpsServer, http_get
 from pairing import Pair
 from tensorshare.protocol.messages import APPEND, GET, PEEK, PUT
-from tensorshare_server.ops.counters import experiment_of
+from tensorshare_server.ops.counters import experiment_of, worker_experiment
 from tensorshare_server.ops.status import snapshot
 
 parser = pytest.importorskip("prometheus_client.parser", reason="prometheus_client is a test dependency")
@@ -203,6 +203,8 @@ def test_experiment_names():
     assert experiment_of("a/b/parameters", "parameters") == "a/b"
     assert experiment_of("xparameters", "parameters") is None
     assert experiment_of("a/rollouts", "parameters") is None
+    assert worker_experiment("workers/w1") == "" and worker_experiment("a/b/workers/w1") == "a/b"
+    assert worker_experiment("a/workersx/w1") is None and worker_experiment("/workers/x") is None
 
 
 def test_counters_and_tiers_in_memory(tmp_path):
@@ -223,6 +225,8 @@ def test_counters_and_tiers_in_memory(tmp_path):
         assert data["clients"][0]["requests"] == 6
         pair.call(APPEND, {"bin": "rollouts", "tag": 1}, torch.ones(3))
         assert pair.session.stats.versions == {"": 1}
+        pair.call(PUT, {"bin": "exp/workers/w-1", "tag": 4}, {"id": "w-1"})  # an RLWorker's presence
+        assert pair.session.stats.versions == {"": 1, "exp": 4}
     finally:
         pair.close()
 
@@ -253,3 +257,35 @@ def test_page_renders_in_headless_chromium(ops_server, tmp_path):
     assert any(row[0] == "browser/bin" for row in page.tables["bins"][1:]), dom.stderr[-2000:]
     assert "<svg" in dom.stdout
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+
+
+@pytest.mark.process
+def test_rl_experiment_seen_through_the_wrappers(ops_server):
+    """A real RLTrainer and RLWorker: the status shows the latest version, the rollouts
+    received and the version the worker holds, and /metrics the same."""
+    from tensorshare import RLTrainer, RLWorker
+
+    trainer = RLTrainer("127.0.0.1", ops_server.port, experiment="rlview")
+    worker = RLWorker("127.0.0.1", ops_server.port, experiment="rlview")
+    try:
+        trainer.publish_parameters({"w": torch.ones(4)})  # version 0
+        assert worker.get_parameters() is not None and worker.version == 0
+        for _ in range(3):
+            worker.add_data({"obs": torch.ones(2)})
+        worker.flush(timeout=30)
+        trainer.publish_parameters({"w": torch.zeros(4)})  # version 1: the worker now lags by one
+        data = status_json(ops_server)
+        experiment = data["experiments"]["rlview"]
+        assert experiment["latest"] == 1 and experiment["rollouts"] == 3 and experiment["stale"] == 0
+        assert 0 in experiment["workers"].values()  # the worker's connection holds version 0
+        lags = [c["lag"].get("rlview") for c in data["clients"]]
+        assert 1 in lags
+        samples = metrics(ops_server)
+        assert samples[("tensorshare_rl_latest_version", ("experiment", "rlview"))] == 1
+        assert samples[("tensorshare_rl_rollouts_total", ("experiment", "rlview"))] == 3
+        versions = [v for k, v in samples.items() if k[0] == "tensorshare_rl_worker_version"
+                    and ("experiment", "rlview") in k]
+        assert 0 in versions
+    finally:
+        worker.stop()
+        trainer.stop()

@@ -40,6 +40,15 @@ def experiment_of(name: str, kind: str) -> str | None:
     return None
 
 
+def worker_experiment(name: str) -> str | None:
+    """The experiment of a worker's presence bin ``<experiment>/workers/<id>`` (whose
+    tag is the version the worker holds, tensorshare/rl_members.py), else None."""
+    if name.startswith("workers/"):
+        return ""
+    i = name.rfind("/workers/")
+    return name[:i] if i > 0 else None
+
+
 class VerbStats:
     """Requests of one verb: how many, their payload bytes in and out, and how long
     handling each took (a histogram over :data:`LATENCY_BUCKETS`)."""
@@ -144,6 +153,9 @@ class Counters:
         else:
             experiment = experiment_of(bin_name, PARAMETERS)
             if experiment is None:
+                experiment = worker_experiment(bin_name)  # a worker saying which version it holds
+                if experiment is not None:
+                    conn.saw_version(experiment, tag)
                 return
             stats = self._experiment(experiment)
             if stats is not None:
