@@ -269,7 +269,7 @@ def test_rl_experiment_seen_through_the_wrappers(ops_server):
     worker = RLWorker("127.0.0.1", ops_server.port, experiment="rlview")
     try:
         trainer.publish_parameters({"w": torch.ones(4)})  # version 0
-        assert worker.get_parameters() is not None and worker.version == 0
+        assert worker.await_new_parameters(timeout=30) is not None and worker.version == 0
         for _ in range(3):
             worker.add_data({"obs": torch.ones(2)})
         worker.flush(timeout=30)
