@@ -289,3 +289,48 @@ def test_rl_experiment_seen_through_the_wrappers(ops_server):
     finally:
         worker.stop()
         trainer.stop()
+
+
+@pytest.mark.process
+def test_a_dropped_slow_reader_is_counted():
+    from wiretools import RawConnection, raw_frame, wait_for
+
+    server = OpsServer("--max-outbound", "1MiB", "--outbound-stall-timeout", "1")
+    try:
+        with tensorshare.Client("127.0.0.1", server.port, zero_copy=False, timeout=30) as client:
+            client.put("slow/item", torch.arange(1 << 20, dtype=torch.int32))  # 4 MiB
+            stuck = RawConnection(server.port, rcvbuf=4096)
+            stuck.send(raw_frame(1, "PEEK", "slow/item"))  # and never reads the reply
+
+            def dropped() -> float:
+                return metrics(server)[("tensorshare_slow_readers_dropped_total",)]
+
+            assert wait_for(lambda: dropped() == 1, timeout=15)
+            assert stuck.closed_by_peer(timeout=5)
+            assert client.ping() < 5
+    finally:
+        server.stop()
+
+
+@pytest.mark.process
+def test_disk_full_refusals_are_counted(tmp_path):
+    import resource
+    import signal
+
+    def file_size_limit() -> None:  # no file may pass 2 MiB: writes past it fail (EFBIG)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20))
+
+    server = OpsServer("--data-dir", str(tmp_path / "d"), preexec_fn=file_size_limit)
+    try:
+        with tensorshare.Client("127.0.0.1", server.port, timeout=30) as c:
+            refused = 0
+            for _ in range(2):
+                with pytest.raises(tensorshare.errors.StorageFullError):
+                    c.append("full/big", torch.ones(1 << 20))  # 4 MiB: cannot be written
+                refused += 1
+        samples = metrics(server)
+        assert samples[("tensorshare_storage_full_refusals_total",)] == refused
+        assert samples[("tensorshare_refusals_total", ("code", "452"))] == refused
+    finally:
+        server.stop()
