@@ -78,6 +78,15 @@ def _given_token(request) -> bytes | None:
     return values[0] if values else None
 
 
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 class OpsPort:
     """The listening operations port and its throughput sampler; :meth:`stop` ends both."""
 
@@ -103,6 +112,9 @@ def start(state, reactor, port: int, host: str = "127.0.0.1", sample_every: floa
     site.log = lambda request: None  # no access log lines for scrapes
     listening = reactor.listenTCP(port, site, interface=host)
     sampler.start(sample_every, now=True)
+    if state.token is None and not _loopback(host):
+        log.warning("metrics: the status port listens on %s without a token: anyone who reaches it sees the "
+                    "bins, the clients and their addresses (--token-file protects it)", host)
     if not prom.available():
         log.warning("metrics: prometheus_client is not installed, so /metrics answers 503 "
                     "(pip install 'tensorshare[metrics]'); / and /status.json work")
