@@ -31,8 +31,8 @@ import torch
 from ..errors import EncodeError, ProtocolError
 from .description import (
     ALIGN, DEFAULT_LIMITS, EXT_ARRAY, EXT_BIGINT, EXT_COMPLEX, EXT_DTYPE, EXT_FROZENSET, EXT_MAP, EXT_SCALAR,
-    EXT_SET, EXT_SIZE, EXT_TUPLE, KIND_NUMPY, KIND_TORCH, MAX_DIMS, ArraySpec, DecodeLimits, Description,
-    _ArrayRef, _DtypeNode, _MapNode, _ScalarNode, _SetNode, _SizeNode, _Special, _TupleNode, align_up,
+    EXT_SET, EXT_SIZE, EXT_TENSORDICT, EXT_TUPLE, KIND_NUMPY, KIND_TORCH, MAX_DIMS, ArraySpec, DecodeLimits, Description,
+    _ArrayRef, _DtypeNode, _MapNode, _ScalarNode, _SetNode, _SizeNode, _Special, _TensorDictNode, _TupleNode, align_up,
     check_description, parse_description,
 )
 from .dtypes import NUMPY_WIDTHS, TORCH_WIDTHS
@@ -197,7 +197,25 @@ class _Encoder:
             return msgpack.ExtType(EXT_FROZENSET if isinstance(obj, frozenset) else EXT_SET, _packb(members))
         if isinstance(obj, complex):
             return msgpack.ExtType(EXT_COMPLEX, struct.pack("<dd", obj.real, obj.imag))
+        if type(obj).__module__.startswith("tensordict."):
+            return self.tensordict(obj, depth)
         raise EncodeError(f"cannot send a value of type {_type_name(obj)}")
+
+    def tensordict(self, td: Any, depth: int) -> msgpack.ExtType:
+        """A ``tensordict.TensorDict``: its batch size and entries (nested TensorDicts
+        and non-tensor data included), so that it comes back as one."""
+        from tensordict import TensorDict
+
+        if type(td) is not TensorDict:
+            raise EncodeError(f"cannot send a value of type {_type_name(td)} (a TensorDict can be sent: "
+                              f"convert it with .to_tensordict())")
+        entries = {}
+        try:
+            for key in td.keys():
+                entries[key] = self.node(td[key], depth + 1)
+        except EncodeError as exc:
+            raise exc.inside(key) from None
+        return msgpack.ExtType(EXT_TENSORDICT, _packb([list(td.batch_size), entries]))
 
     def hashable(self, obj: Any, depth: int, what: str) -> Any:
         """A dict key or set member: a scalar, or a tuple or frozenset of them."""
@@ -431,9 +449,27 @@ def _build_dtype(node: _DtypeNode, arrays: list) -> torch.dtype | np.dtype:
     return dtype
 
 
+def _build_tensordict(node: _TensorDictNode, arrays: list) -> Any:
+    entries = {key: _resolve(value, arrays) for key, value in node.entries.items()}
+    try:
+        from tensordict import TensorDict, TensorDictBase
+    except ImportError:  # optional: without it the entries arrive, as a dict
+        return entries
+    try:
+        td = TensorDict({}, batch_size=node.batch)
+        for key, value in entries.items():
+            if isinstance(value, (torch.Tensor, TensorDictBase)):
+                td.set(key, value)
+            else:
+                td.set_non_tensor(key, value)
+    except (RuntimeError, ValueError, TypeError, KeyError) as exc:  # shapes that do not match the batch size
+        raise ProtocolError(f"TensorDict extension: {exc}") from None
+    return td
+
+
 _BUILDERS = {
     _MapNode: _build_map, _SetNode: _build_set, _ScalarNode: _build_scalar, _DtypeNode: _build_dtype,
-    _SizeNode: lambda node, arrays: torch.Size(node.dims),
+    _SizeNode: lambda node, arrays: torch.Size(node.dims), _TensorDictNode: _build_tensordict,
 }
 
 

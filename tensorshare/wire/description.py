@@ -34,6 +34,7 @@ EXT_SCALAR = 7  # data: u8 name length, numpy dtype name (ASCII), the value's by
 EXT_DTYPE = 8  # data: u8 kind (0 torch, 1 numpy), dtype name (ASCII)
 EXT_SIZE = 9  # data: msgpack array of ints (a torch.Size)
 EXT_COMPLEX = 10  # data: 16 bytes, real and imaginary parts as float64 little-endian
+EXT_TENSORDICT = 11  # data: msgpack array [batch size (array of ints), map of str keys to nodes]
 
 KIND_TORCH = 0
 KIND_NUMPY = 1
@@ -153,7 +154,28 @@ class _SizeNode(_Special):
         self.dims = dims
 
 
-_CONTAINER_EXTS = {EXT_MAP: "map", EXT_SET: "set", EXT_FROZENSET: "frozenset", EXT_SIZE: "torch.Size"}
+class _TensorDictNode(_Special):
+    """A ``tensordict.TensorDict``: its batch size and its entries (str keys)."""
+
+    __slots__ = ("batch", "entries")
+
+    def __init__(self, batch: tuple, entries: dict):
+        self.batch = batch
+        self.entries = entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+def _tensordict_node(inner: Any) -> _TensorDictNode:
+    if not (isinstance(inner, list) and len(inner) == 2 and isinstance(inner[0], list)
+            and isinstance(inner[1], dict) and len(inner[0]) <= MAX_DIMS
+            and all(type(d) is int and 0 <= d <= MAX_DIM_SIZE for d in inner[0])):
+        raise ProtocolError(f"TensorDict extension must hold [batch size of at most {MAX_DIMS} sizes, map]")
+    return _TensorDictNode(tuple(inner[0]), inner[1])
+
+
+_CONTAINER_EXTS = {EXT_TENSORDICT: "TensorDict", EXT_MAP: "map", EXT_SET: "set", EXT_FROZENSET: "frozenset", EXT_SIZE: "torch.Size"}
 _INT64 = (-(1 << 63), 1 << 63)
 
 
@@ -206,6 +228,8 @@ def _unpack(blob: bytes, limits: DecodeLimits, depth: int, budget: ContainerBudg
                 if len(inner) % 2:
                     raise ProtocolError("map extension must hold key, value pairs")
                 return _MapNode(inner)
+            if code == EXT_TENSORDICT:
+                return _tensordict_node(inner)
             if code == EXT_SIZE:
                 if not all(type(d) is int and _INT64[0] <= d < _INT64[1] for d in inner):
                     raise ProtocolError("torch.Size extension must hold 64-bit integers")
@@ -357,6 +381,11 @@ def _check_tree(tree: Any, n_arrays: int, limits: DecodeLimits) -> None:
         elif type(node) is _SetNode:
             _check_keys(node.items, "set member")
             children = node.items
+        elif type(node) is _TensorDictNode:
+            for key in node.entries:
+                if type(key) is not str:
+                    raise ProtocolError(f"TensorDict keys must be str, got {type(key).__name__} {key!r:.40}")
+            children = node.entries.values()
         else:
             children = node
         nodes += len(children)
@@ -364,7 +393,7 @@ def _check_tree(tree: Any, n_arrays: int, limits: DecodeLimits) -> None:
             raise ProtocolError(f"value has more than {limits.max_nodes} nodes")
         for child in children:
             kind = type(child)
-            if kind is list or kind is _TupleNode or kind is dict or kind is _MapNode or kind is _SetNode:
+            if kind in _CONTAINERS:
                 stack.append((child, depth + 1))
             else:
                 _check_leaf(child, n_arrays)
@@ -378,7 +407,7 @@ def _check_leaf(node: Any, n_arrays: int) -> None:
         raise ProtocolError(f"value holds a {type(node).__name__}, which the format does not allow")
 
 
-_CONTAINERS = (list, _TupleNode, dict, _MapNode, _SetNode)
+_CONTAINERS = frozenset((list, _TupleNode, dict, _MapNode, _SetNode, _TensorDictNode))
 
 
 def _check_keys(keys: list, what: str) -> None:
@@ -417,4 +446,6 @@ def _node_name(node: Any) -> str:
         return "a dict"
     if kind is _SetNode:
         return "a set"
+    if kind is _TensorDictNode:
+        return "a TensorDict"
     return f"a {kind.__name__}"
