@@ -60,7 +60,7 @@ def save_items(path: str | os.PathLike, items: Sequence[tuple[bytes, Any, int]],
     try:
         written = [write_item(os.path.join(tmp, f"{i:0{_ITEM_DIGITS}d}"), description, [payload], nbytes, fsync=fsync)
                    for i, (description, payload, nbytes) in enumerate(items)]
-        write_bin_root(tmp, written)
+        write_bin_root(tmp, written, fsync=fsync)
         if os.path.exists(path):
             old = os.path.join(parent, f".old-{name}-{uuid.uuid4().hex[:8]}")
             os.rename(path, old)

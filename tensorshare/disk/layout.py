@@ -131,8 +131,6 @@ def _metadata(desc: Description, paths: list[str]) -> dict[str, dict]:
     out: dict[str, dict] = {}
     if _entries(desc.tree) is not None:
         _level_metadata(desc, paths, "", desc.tree, out)
-    elif _json_leaf(desc.tree):  # the item directory is then a tensordict NonTensorData
-        out[""] = _non_tensor_meta(desc.tree)
     return out
 
 
@@ -144,7 +142,7 @@ def _tensor_meta(shape: Sequence[int], dtype: str) -> dict:
     return {"device": "cpu", "shape": list(shape), "dtype": f"torch.{dtype}", "is_nested": False}
 
 
-def write_bin_root(root: str, items: Sequence[StoredItem]) -> None:
+def write_bin_root(root: str, items: Sequence[StoredItem], *, fsync: bool = False) -> None:
     """Make ``root``, which holds the item directories ``items`` (named by number),
     a tensordict too: a ``meta.json`` with one entry per item tensordict can open
     (a dict or TensorDict: its directory; a lone tensor: a hard link to its file
@@ -155,8 +153,14 @@ def write_bin_root(root: str, items: Sequence[StoredItem]) -> None:
         name = os.path.basename(item.path)
         desc = parse_description(item.description, item.nbytes)
         tree = desc.tree
-        if _entries(tree) is not None or _json_leaf(tree):
-            meta[name] = {"type": "TensorDict" if _entries(tree) is not None else "NonTensorData"}
+        if _entries(tree) is not None:
+            meta[name] = {"type": "TensorDict"}
+        elif _json_leaf(tree):  # the item's directory becomes a NonTensorData (only here: the
+            # server's own item directories do without the extra file)
+            _write_json(os.path.join(item.path, "meta.json"), _non_tensor_meta(tree), fsync)
+            if fsync:
+                fsync_dir(item.path)
+            meta[name] = {"type": "NonTensorData"}
         elif isinstance(tree, _ArrayRef) and desc.arrays[0].kind == KIND_TORCH:
             spec, (_offset, _nbytes, file) = desc.arrays[0], item.files[0]
             try:
@@ -165,10 +169,15 @@ def write_bin_root(root: str, items: Sequence[StoredItem]) -> None:
                 continue
             meta[name] = _tensor_meta(spec.shape, spec.dtype)
     meta.update({"shape": [], "device": "cpu", "_type": _TENSORDICT_TYPE})
-    with open(os.path.join(root, "meta.json"), "w") as f:
-        json.dump(meta, f)
-    with open(os.path.join(root, BIN_RECORD), "wb") as f:
-        f.write(msgpack.packb({"format": FORMAT, "items": len(items)}))
+    _write_json(os.path.join(root, "meta.json"), meta, fsync)
+    _write_file(os.path.join(root, BIN_RECORD),
+                [memoryview(msgpack.packb({"format": FORMAT, "items": len(items)}))], fsync)
+    if fsync:
+        fsync_dir(root)
+
+
+def _write_json(path: str, doc: Any, fsync: bool) -> None:
+    _write_file(path, [memoryview(json.dumps(doc).encode())], fsync)
 
 
 def _level_metadata(desc: Description, paths: list[str], prefix: str, node: Any, out: dict) -> None:

@@ -170,6 +170,8 @@ class _Encoder:
                 raise exc.inside(self.failing_index(obj, depth)) from None
         if isinstance(obj, tuple):
             if type(obj) is torch.Size:
+                if obj and depth >= self.max_depth:  # its sizes count one level deeper
+                    raise EncodeError(f"value nested deeper than {self.max_depth} levels")
                 return msgpack.ExtType(EXT_SIZE, _packb([int(d) for d in obj]))
             try:
                 inner = [self.node(x, depth + 1) for x in obj]
