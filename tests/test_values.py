@@ -449,3 +449,14 @@ def test_encode_error_in_put_names_the_path_and_sends_nothing(client):
         client.put("values/bad", {"info": [object()]})
     client.put("values/bad", 1)
     assert client.get("values/bad") == [1]
+
+
+def test_torch_size_at_the_depth_limit():
+    """A torch.Size's sizes count one level deeper, as the decoder counts them."""
+    value = torch.Size([2])
+    for _ in range(63):
+        value = (value,)
+    assert roundtrip(value) == value
+    with pytest.raises(EncodeError, match="nested deeper than 64"):
+        wire.dumps((value,))
+    assert roundtrip((((torch.Size([]),) * 1,),)) == (((torch.Size([]),),),)
