@@ -460,3 +460,12 @@ def test_torch_size_at_the_depth_limit():
     with pytest.raises(EncodeError, match="nested deeper than 64"):
         wire.dumps((value,))
     assert roundtrip((((torch.Size([]),) * 1,),)) == (((torch.Size([]),),),)
+
+
+def test_named_tuple_keys_hold_only_key_nodes():
+    import collections
+
+    Key = collections.namedtuple("Key", "a b")
+    assert roundtrip({Key(1, "x"): 2}) == {(1, "x"): 2}
+    with pytest.raises(EncodeError, match="dict key Key.*: dict key of type torch.Tensor cannot be sent"):
+        wire.dumps({Key(1, torch.ones(1)): 2})

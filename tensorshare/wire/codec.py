@@ -223,9 +223,10 @@ class _Encoder:
         """A dict key or set member: a scalar, or a tuple or frozenset of them."""
         if depth > self.max_depth:
             raise EncodeError(f"value nested deeper than {self.max_depth} levels")
-        if type(obj) is tuple or isinstance(obj, frozenset):
+        frozen = isinstance(obj, frozenset)
+        if frozen or (isinstance(obj, tuple) and type(obj) is not torch.Size):  # named tuples too
             inner = [self.hashable(x, depth + 1, what) for x in obj]
-            return msgpack.ExtType(EXT_TUPLE if type(obj) is tuple else EXT_FROZENSET, _packb(inner))
+            return msgpack.ExtType(EXT_FROZENSET if frozen else EXT_TUPLE, _packb(inner))
         if isinstance(obj, _UNHASHABLE):
             raise EncodeError(f"{what} of type {_type_name(obj)} cannot be sent (a {what} must be a scalar, "
                               f"or a tuple or frozenset of them)")
