@@ -355,7 +355,7 @@ def test_hypothesis_mutated_descriptions_fail_cleanly(value, edits):
 # ------------------------------------------------------------------ decoders that do not know a kind
 
 
-OLD_COMMIT = "206f286"  # the last commit before these kinds existed
+OLD_COMMIT = "206f28696c2ec3a34174ce14a5adf5c32d0c3436"  # the last commit before these kinds existed
 
 
 def old_description_module():
