@@ -178,7 +178,9 @@ def load_memmap(path: str | os.PathLike, *, writable: bool = False, device: Any 
     Tensors map the files copy-on-write: changing them changes memory, not the
     files, unless ``writable=True`` (then they write through to the files).
     ``device`` copies tensors there (reading them whole).  Raises
-    :class:`~tensorshare.disk.layout.LayoutError` for a directory that holds no whole item.
+    :class:`~tensorshare.disk.layout.LayoutError` for a directory that holds no whole
+    item, and for one neither wrote (a directory ``TensorDict.memmap()`` wrote, say:
+    open that with ``TensorDict.load_memmap``).
     """
     path = os.fspath(path)
     if os.path.exists(os.path.join(path, RECORD)):
