@@ -469,3 +469,22 @@ def test_named_tuple_keys_hold_only_key_nodes():
     assert roundtrip({Key(1, "x"): 2}) == {(1, "x"): 2}
     with pytest.raises(EncodeError, match="dict key Key.*: dict key of type torch.Tensor cannot be sent"):
         wire.dumps({Key(1, torch.ones(1)): 2})
+
+
+def test_a_reply_the_client_cannot_decode_fails_that_call_only():
+    """What an older client meets when it GETs a kind it does not know: the decoder
+    refuses the reply (here a value deeper than the client's limit, which a server
+    with a higher limit stored: the same path) and the call raises ProtocolError;
+    the connection serves the next call."""
+    pair = Pair(max_depth=100)
+    try:
+        tree: object = 1
+        for _ in range(80):
+            tree = [tree]
+        pair.call(PUT, {"bin": "deep"}, Encoded(msgpack.packb({"v": tree, "t": [], "n": 0}), [], 0))
+        with pytest.raises(ProtocolError, match="nested deeper than 64"):
+            pair.call(GET, {"bin": "deep"})
+        pair.call(PUT, {"bin": "next"}, {1: np.int8(3)})
+        assert_same([{1: np.int8(3)}], pair.call(GET, {"bin": "next"}).values)
+    finally:
+        pair.close()
