@@ -218,3 +218,24 @@ def test_a_killed_worker_leaves_and_stop_workers_reaches_the_others(server):
 def test_an_experiment_name_too_long_for_membership_is_refused_clearly(server):
     with pytest.raises(ValueError, match="shorten the experiment name"):
         RLWorker("127.0.0.1", server.port, experiment="x" * 240, worker_id="w" * 20)
+
+
+@pytest.mark.process
+def test_the_failover_example_resumes_a_killed_learner_with_the_same_workers():
+    """examples/rl_failover.py: checkpoint (policy and Adam state, int-keyed) into a
+    server with --data-dir, SIGKILL the learner, resume; the workers never restart."""
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "rl_failover.py"
+    done = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "[learner 1] checkpoint at version 10" in out
+    assert "killed with SIGKILL" in out
+    resumed = [line for line in out.splitlines() if "resumed from the checkpoint of version" in line]
+    assert resumed and "version 10;" in resumed[0]
+    latest = int(resumed[0].rsplit(" ", 1)[1])
+    assert latest in (11, 12)  # the last publish (wait=False) may not have left before the kill
+    assert f"[learner 2] version  {latest + 1:2d}" in out  # the version numbers go on
+    assert "[learner 2] checkpoint at version 30" in out
+    assert "workers stopped, never restarted: exit codes [0, 0]" in out
