@@ -38,6 +38,8 @@ class ServerState:
     connections: int = 0  # connections admitted and still open (max_connections)
     recv_pool: Recycler | None = None  # memory large payloads are received into (None: fresh memory)
     waits: Waits | None = None  # requests parked until their bin changes (protocol/waits.py)
+    handlers: dict = field(default_factory=dict)  # handlers that replace the usual ones (a relay's: server/relay/)
+    relay: object = None  # server/relay/follower.Follower when this server relays another
 
     def __post_init__(self) -> None:
         if self.waits is None:

@@ -348,7 +348,7 @@ class ServerSession:
             if rid == 0:
                 raise RemoteError("request id must be an integer in 1..2**64-1", BAD_ARGS)
             request = command.parse_request(header, rid, frame.payload, frame.payload_len, self._max_bin_name)
-            HANDLERS[command](self, request)
+            self.state.handlers.get(command, HANDLERS[command])(self, request)
         except RemoteError as exc:
             self.send_header(error_reply(exc.code, exc.message, rid))
         except Exception:  # a bug: this request fails, the connection and the server go on
