@@ -233,6 +233,7 @@ def test_upstream_kill_and_restart_never_serves_a_torn_or_mixed_version(tmp_path
             for version in range(1, 16):
                 up.put("params", _version_state(version), tag=version)
                 time.sleep(0.02)
+            wait_until(lambda: _peek_tag(relay) == 15, what="version 15 mirrored")
             upstream.kill()  # kill -9: the relay keeps serving version 15, whole
             with tensorshare.Client("127.0.0.1", relay.port, timeout=15) as rel:
                 wait_until(lambda: not rel.relay_status()["connected"], what="relay saw the upstream go")

@@ -127,6 +127,29 @@ class Follower:
             self.client = None
         self._fail_waiters(ServerUnavailableError("the relay is shutting down"))
 
+    def when_started(self, done: Callable[[BaseException | None], None]) -> None:
+        """``done(None)`` once the upstream connection is open, if it ever was; a relay
+        that has not reached its upstream yet (just started) waits up to ``timeout``
+        seconds for it, and one that lost it answers at once (``done(error)``)."""
+        if self.connected:
+            done(None)
+            return
+        if self.client is not None or self.failure or self._stopped:
+            done(ServerUnavailableError(self.failure or f"relay: upstream {self.where} is not connected; "
+                                                        f"try again"))
+            return
+        deadline = self.reactor.seconds() + self.timeout
+
+        def check() -> None:
+            if self.client is not None or self.failure or self._stopped:
+                self.when_started(done)
+            elif self.reactor.seconds() >= deadline:
+                done(ServerUnavailableError(f"relay: upstream {self.where} not reached within {self.timeout:g}s"))
+            else:
+                self.reactor.callLater(0.05, check)
+
+        self.reactor.callLater(0.05, check)
+
     @property
     def connected(self) -> bool:
         return self.client is not None and self.client.connected
@@ -141,6 +164,9 @@ class Follower:
         """Mirror bin ``name`` from now on; ``done(None)`` once its local copy reflects
         the upstream bin (at once if it does), ``done(error)`` if that takes longer
         than ``timeout`` seconds."""
+        if self.failure:
+            done(ServerUnavailableError(self.failure))
+            return
         mirror = self._mirror(name)
         if mirror.synced:
             done(None)
@@ -255,7 +281,11 @@ class Follower:
     def _apply(self, mirror: _Mirror, items: list[Item] | None, op: str, upstream_seq: int) -> None:
         """Replace the local copy in one change and tell local listeners."""
         name, storage = mirror.name, self.storage
-        exists = storage.state(name)[0]
+        exists, before = storage.state(name)[:2]
+        if op == "APPEND" and items is not None and len(items) != before + 1:
+            # Several changes in one copy: to listeners it is a new content, not one
+            # more item (a first-append listener must hear of an empty bin filling up).
+            op = "PUT"
         try:
             if items is None:
                 change = storage.store.delete(name) if exists else None

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from tensorshare.errors import RemoteError, ServerUnavailableError, TensorShareError
+from tensorshare.errors import RemoteError, TensorShareError
 from tensorshare.protocol.messages import (
     APPEND, DELETE, GET, LIST, LISTEN, PEEK, PUT, UNAVAILABLE, ZERO_COPY_REFUSED, Key,
 )
@@ -58,15 +58,16 @@ def _forward(session, rid: int, command, fields: dict, value=None, timeout: floa
     relay = session.state.relay
 
     def start(done: Callable) -> None:
-        client = relay.client
-        if client is None or not client.connected:
-            raise ServerUnavailableError(f"relay: upstream {relay.where} is not connected; try again")
+        relay.when_started(lambda error: send(done) if error is None else done(None, _as_remote(error)))
+
+    def send(done: Callable) -> None:
         kwargs = {} if value is None else {"value": value}
         try:
-            d = client._call(command, fields, decode=False, zero_copy=False, then=lambda reply: reply,
-                             timeout=timeout, **kwargs)
+            d = relay.client._call(command, fields, decode=False, zero_copy=False, then=lambda reply: reply,
+                                   timeout=timeout, **kwargs)
         except TensorShareError as exc:
-            raise _as_remote(exc) from None
+            done(None, _as_remote(exc))
+            return
 
         def replied(reply) -> None:
             if mirrored is None:
@@ -192,7 +193,7 @@ def listing(session, request) -> None:
         bins.update((name, n) for name, n in session.storage.listing().items() if not relay.follows(name))
         session.send_header(LIST.reply(request.id, bins=bins, relay=relay.status()))
 
-    if relay.client is None or not relay.client.connected:  # what the mirror holds, and why
+    if relay.failure or (relay.client is not None and not relay.client.connected):  # what the mirror holds, and why
         session.send_header(LIST.reply(request.id, bins=session.storage.listing(), relay=relay.status()))
         return
     _forward(session, request.id, LIST, {}, None, relay.timeout, merged)
