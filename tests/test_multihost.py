@@ -47,10 +47,10 @@ def test_a_relay_tree_across_hosts_survives_the_heads_kill_and_restart(tmp_path)
         _, r1 = start_server(net, 1, "--follow", f"{a[0]}:{port}", "--follow-timeout", "10")
         _, r2 = start_server(net, 2, "--follow", f"{a[0]}:{port}", "--follow-timeout", "10")
         _, r3 = start_server(net, 3, "--follow", f"{a[1]}:{r1}", "--follow-timeout", "10")  # a relay's relay
-        floats = 1 << 20  # a 4 MiB state dict
+        floats = 1 << 18  # a 1 MiB state dict
         result(role(net, 0, "publish", a[0], port, "params", 0, 0, floats, 0))
         readers = [role(net, h, "read", a[h], p, "params", 19, 120) for h, p in ((1, r1), (2, r2), (3, r3))]
-        writer = role(net, 2, "append", a[2], r2, "rollouts", 0, 150, 0.02)
+        writer = role(net, 2, "append", a[2], r2, "rollouts", 0, 100, 0.02)
         result(role(net, 0, "publish", a[0], port, "params", 1, 9, floats, 0.05))
         head.send_signal(signal.SIGKILL)  # kill -9 the head
         head.wait(10)

@@ -58,6 +58,32 @@ def read_params(expect_version: int, deadline_s: float = 60.0) -> dict:
                 "whole": bool((state["w"] == state["v"][0]).all())}
 
 
+@ray.remote(num_cpus=0)
+class Reader:
+    """A long-lived worker on one node, with one client to its node's relay."""
+
+    def __init__(self, deployment: str):
+        import tensorshare
+        import tensorshare.ray as tsray
+
+        self.client = tensorshare.Client(*tsray.local_address(deployment), timeout=20, max_backoff=0.2)
+
+    def read(self, version: int, deadline_s: float = 60.0) -> int:
+        import tensorshare
+
+        deadline = time.monotonic() + deadline_s
+        while True:
+            try:
+                [state] = self.client.peek("params")
+                if int(state["v"][0]) >= version:
+                    return int(state["v"][0])
+            except tensorshare.TensorShareError:  # the relay restarting: the client reconnects by itself
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no version {version}")
+            time.sleep(0.05)
+
+
 def on(node_id: str):
     return read_params.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False))
 
@@ -76,6 +102,9 @@ def test_one_relay_per_node_workers_read_locally_and_a_killed_relay_comes_back(c
                 assert tuple(got["address"]) == deployment.relay_address(node)  # its own node's relay
                 assert tuple(got["address"]) != tuple(deployment.head)
             victim = nodes[-1]
+            placed = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=victim, soft=False)}
+            reader = Reader.options(**placed).remote("t1")
+            assert ray.get(reader.read.remote(1), timeout=60) == 1
             before = ray.get(deployment.relays[victim].info.remote())
             ray.kill(deployment.relays[victim], no_restart=False)  # Ray restarts it
             head.put("params", {"v": torch.tensor([2]), "w": torch.full((1 << 18,), 2.0)}, tag=2)
@@ -90,6 +119,7 @@ def test_one_relay_per_node_workers_read_locally_and_a_killed_relay_comes_back(c
                 assert time.monotonic() < deadline, "the killed relay was not restarted"
                 time.sleep(0.2)
             assert tuple(after["address"]) == tuple(before["address"])  # same port: clients reconnect
+            assert ray.get(reader.read.remote(2), timeout=90) == 2  # the same worker carries on
             got = ray.get(on(victim).remote(2), timeout=120)
             assert got["version"] == 2 and got["whole"] and tuple(got["address"]) == tuple(before["address"])
     finally:

@@ -291,3 +291,24 @@ def test_forwarded_writes_are_never_lost_or_duplicated_across_an_upstream_kill(t
     finally:
         relay.stop()
         upstream.stop()
+
+
+def test_rl_workers_through_a_relay(pair):
+    """The RL wrappers unchanged: the trainer on the head, a worker on the relay."""
+    upstream, relay, _, _ = pair
+    trainer = tensorshare.RLTrainer("127.0.0.1", upstream.port, experiment="relayed", timeout=15)
+    worker = tensorshare.RLWorker("127.0.0.1", relay.port, experiment="relayed", timeout=15)
+    try:
+        state = {"w": torch.arange(6.0)}
+        assert trainer.publish_parameters(state) == 0
+        params = worker.get_parameters() or worker.await_new_parameters(timeout=10)
+        assert torch.equal(params["w"], state["w"]) and worker.version == 0
+        worker.add_data({"obs": torch.ones(3)})
+        worker.flush()
+        got = trainer.get_data(timeout=10)
+        assert len(got) == 1 and torch.equal(got[0]["obs"], torch.ones(3))
+        trainer.publish_parameters({"w": torch.zeros(6)})
+        assert torch.equal(worker.await_new_parameters(timeout=10)["w"], torch.zeros(6)) and worker.version == 1
+    finally:
+        worker.stop()
+        trainer.stop()
