@@ -58,27 +58,56 @@ def _publish(host: str, port: int, nbytes: int) -> None:
             print(f"{version} {start}", flush=True)
 
 
-def _hold(host: str, port: int, zero_copy: int) -> None:
+def _hold() -> None:
+    """A worker host's reader: for each ``HOST PORT ZERO_COPY`` line on stdin, connect
+    there, listen to the parameters and print ``VERSION TIME`` for every version held
+    (until the next line)."""
     import queue
 
     import tensorshare
 
+    client = None
     tags: queue.Queue = queue.Queue()
-    with tensorshare.Client(host, port, timeout=300, zero_copy=bool(zero_copy)) as client:
-        client.listen("params", lambda note: tags.put(note.tag))
-        print("ready", flush=True)
-        held = -1
-        while True:
-            tag = tags.get()
-            if tag is None or tag <= held:
-                continue
-            [state] = client.peek("params")
-            version = int(state["layer0"][0])
-            if float(state[f"layer{TENSORS - 1}"][-1]) != version:
-                print(f"torn {version}", flush=True)
-            done = time.time()
-            held = version
-            print(f"{version} {done}", flush=True)
+    commands: queue.Queue = queue.Queue()
+
+    def read_commands() -> None:
+        for line in sys.stdin:
+            commands.put(line)
+        commands.put("")  # stdin closed: stop
+
+    threading.Thread(target=read_commands, daemon=True).start()
+    held = -1
+    while True:
+        try:
+            command = commands.get(timeout=0.001 if client is not None else None)
+        except queue.Empty:
+            command = None
+        if command is not None:
+            if client is not None:
+                client.close()
+            if not command.strip():
+                return
+            host, port, zero_copy = command.split()
+            tags = queue.Queue()
+            client = tensorshare.Client(host, int(port), timeout=300, zero_copy=bool(int(zero_copy)))
+            client.listen("params", lambda note, q=tags: q.put(note.tag))
+            held = -1
+            print("ready", flush=True)
+            continue
+        try:
+            tag = tags.get(timeout=0.05)
+        except queue.Empty:
+            continue
+        if tag is None or tag <= held:
+            continue
+        [state] = client.peek("params")
+        version = int(state["layer0"][0])
+        if float(state[f"layer{TENSORS - 1}"][-1]) != version:
+            print(f"torn {version}", flush=True)
+        done = time.time()
+        held = version
+        del state
+        print(f"{version} {done}", flush=True)
 
 
 def _raw_recv(host: str, nbytes: int) -> None:
@@ -139,7 +168,7 @@ def worker_main(argv: list[str]) -> None:
     if role == "publish":
         _publish(args[0], int(args[1]), int(args[2]))
     elif role == "hold":
-        _hold(args[0], int(args[1]), int(args[2]))
+        _hold()
     elif role == "raw_recv":
         _raw_recv(args[0], int(args[1]))
     elif role == "raw_send":
@@ -182,25 +211,35 @@ def _bound(rec: Recorder, net, p: Profile) -> Sample:
     return sample
 
 
-def _fan(rec: Recorder, net, p: Profile, shape: str, label: str) -> None:
-    from .netns import start_server
+def _fan(rec: Recorder, net, p: Profile, holders: list, shape: str, label: str) -> None:
+    from .netns import start_server, start_servers
 
     n, nbytes = p.mh_workers, p.mh_fan_bytes
     head, port = start_server(net, 0)
-    targets = []  # (address, port, zero_copy) each worker reads
+    servers: list = [head]
     if shape == "star":
         targets = [(net.addresses[0], port, 0)] * n
     else:
         relay_ports: dict[int, int] = {}
-        for h in range(1, n + 1):
-            if shape == "tree" and h > 2:
-                parent = h // 2  # relays 1 and 2 follow the head; relay h follows relay h // 2
-                upstream = f"{net.addresses[parent]}:{relay_ports[parent]}"
-            else:
-                upstream = f"{net.addresses[0]}:{port}"
-            _, relay_ports[h] = start_server(net, h, "--follow", upstream, "--follow-timeout", "300")
+        follow = ("--follow-timeout", "300")
+        # flat: every relay follows the head; tree: relays 1 and 2 follow the head, relay h
+        # follows relay h // 2 (two children each); each level starts side by side
+        levels = [list(range(1, n + 1))] if shape == "flat" else []
+        if shape == "tree":
+            level, h = [1, 2], 3
+            while level:
+                levels.append([x for x in level if x <= n])
+                level = [c for x in level for c in (2 * x, 2 * x + 1) if c <= n and c >= 3]
+        for level in levels:
+            specs = [(h, ("--follow", f"{net.addresses[0]}:{port}" if h <= 2 or shape == "flat"
+                          else f"{net.addresses[h // 2]}:{relay_ports[h // 2]}", *follow)) for h in level]
+            for h, (proc, relay_port) in zip(level, start_servers(net, specs)):
+                relay_ports[h] = relay_port
+                servers.append(proc)
         targets = [(net.addresses[h], relay_ports[h], 1) for h in range(1, n + 1)]
-    holders = [_spawn(net, h, "hold", *targets[h - 1]) for h in range(1, n + 1)]
+    for w, target in zip(holders, targets):
+        w.stdin.write(" ".join(map(str, target)) + "\n")
+        w.stdin.flush()
     for w in holders:
         if _line(w, 120) != "ready":
             raise RuntimeError("a worker did not start")
@@ -228,15 +267,22 @@ def _fan(rec: Recorder, net, p: Profile, shape: str, label: str) -> None:
     rec.figure(f"mh.fan.{shape}", f"{label}: {mib(nbytes)} until all {n} worker hosts hold it", Sample.of(alls),
                "ms", better="lower", vs=["mh.link"] + (["mh.fan.star"] if shape != "star" else []),
                note="from just before put to the last worker's peek")
-    net.stop_processes()
+    publisher.stdin.close()
+    for proc in [publisher, *servers]:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _ingest(rec: Recorder, net, p: Profile, shards: int) -> None:
-    from .netns import start_server
+    from .netns import start_servers
 
     n = p.mh_workers
     # shard servers on hosts 0..shards-1, producers on the hosts after them
-    servers = [f"{net.addresses[h]}:{start_server(net, h)[1]}" for h in range(shards)]
+    servers = [f"{net.addresses[h]}:{port}" for h, (_, port) in enumerate(start_servers(net, [(h, ()) for h in range(shards)]))]
     producers = [_spawn(net, shards + i, "ingest", p.mh_roll_run_s, p.mh_roll_bytes, *servers) for i in range(n)]
     for w in producers:
         if _line(w, 120) != "ready":
@@ -267,9 +313,10 @@ def run(rec: Recorder, p: Profile, peers) -> None:
                 f"{', netem delay ' + net.delay if net.delayed else ' (no netem in this kernel: no added delay)'}")
         _bound(rec, net, p)
         net.stop_processes()
-        _fan(rec, net, p, "star", "star (every worker reads the head, TCP)")
-        _fan(rec, net, p, "flat", "flat relays (one per host, all following the head)")
-        _fan(rec, net, p, "tree", "relay tree (two children per node)")
+        holders = [_spawn(net, h, "hold") for h in range(1, n + 1)]  # one reader per worker host, kept
+        _fan(rec, net, p, holders, "star", "star (every worker reads the head, TCP)")
+        _fan(rec, net, p, holders, "flat", "flat relays (one per host, all following the head)")
+        _fan(rec, net, p, holders, "tree", "relay tree (two children per node)")
     for shards in p.mh_roll_shards:
         with Network(n + shards, rate=p.mh_rate) as net:
             _ingest(rec, net, p, shards)

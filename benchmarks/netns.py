@@ -154,14 +154,26 @@ class Network:
 def start_server(net: Network, host: int, *args: str, port: int = 0,
                  timeout: float = 30.0) -> tuple[subprocess.Popen, int]:
     """A ``tensorshare-server`` in host ``host``, bound to its address; ``(process, port)``."""
+    return start_servers(net, [(host, args)], port=port, timeout=timeout)[0]
+
+
+def start_servers(net: Network, servers: list[tuple[int, tuple]], port: int = 0,
+                  timeout: float = 60.0) -> list[tuple[subprocess.Popen, int]]:
+    """Servers started side by side (their start-ups overlap): ``[(host, args), ...]``
+    gives ``[(process, port), ...]`` in the same order."""
     import re
 
-    proc = net.python(host, ["-m", "tensorshare_server", "--host", net.addresses[host], "--port", str(port), *args],
-                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    procs = [net.python(host, ["-m", "tensorshare_server", "--host", net.addresses[host], "--port", str(port),
+                               *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             for host, args in servers]
+    started = []
     deadline = time.monotonic() + timeout
-    line = proc.stdout.readline()
-    match = re.search(r"listening on [\d.]+:(\d+)", line or "")
-    if not match or time.monotonic() > deadline:
-        proc.kill()
-        raise RuntimeError(f"server in {net.hosts[host]} did not start: {line!r}")
-    return proc, int(match.group(1))
+    for (host, _), proc in zip(servers, procs):
+        line = proc.stdout.readline()  # the server prints it first thing (EOF if it died)
+        match = re.search(r"listening on [\d.]+:(\d+)", line or "")
+        if not match or time.monotonic() > deadline:
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"server in {net.hosts[host]} did not start: {line!r}")
+        started.append((proc, int(match.group(1))))
+    return started
