@@ -21,6 +21,7 @@ from .bins.storage import InlineJobs, Jobs, Storage
 from .bins.store import BinStore
 from .config import ServerConfig
 from .net.recvpool import chunk_pool
+from .protocol.ephemeral import EphemeralBins
 from .protocol.notify import ListenerRegistry
 from .protocol.waits import Waits
 
@@ -38,6 +39,7 @@ class ServerState:
     connections: int = 0  # connections admitted and still open (max_connections)
     recv_pool: Recycler | None = None  # memory large payloads are received into (None: fresh memory)
     waits: Waits | None = None  # requests parked until their bin changes (protocol/waits.py)
+    ephemeral: EphemeralBins = field(default_factory=EphemeralBins)  # bins that end with their connection
     handlers: dict = field(default_factory=dict)  # handlers that replace the usual ones (a relay's: server/relay/)
     relay: object = None  # server/relay/follower.Follower when this server relays another
 
