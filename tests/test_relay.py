@@ -312,3 +312,14 @@ def test_rl_workers_through_a_relay(pair):
     finally:
         worker.stop()
         trainer.stop()
+
+
+def test_an_ephemeral_bin_put_through_a_relay_ends_with_its_client(pair):
+    _, relay, up, _ = pair
+    member = tensorshare.Client("127.0.0.1", relay.port, timeout=15)
+    member.put("members/w1", {"host": "h1"}, ephemeral=True)
+    assert "members/w1" in up.list()
+    with pytest.raises(errors.BadRequestError):  # upstream's rule holds: only ephemeral PUTs replace it
+        member.append("members/w1", 1)
+    member.close()  # the worker goes: the relay deletes its bin upstream
+    wait_until(lambda: "members/w1" not in up.list(), what="the ephemeral bin deleted upstream")

@@ -242,6 +242,10 @@ class ServerSession:
 
     def _delete_ended(self, name: str) -> None:
         """Delete an ephemeral bin whose connection ended; its listeners are told."""
+        relay = self.state.relay
+        if relay is not None and relay.follows(name):  # a relay's: the bin lives upstream
+            relay.delete_upstream(name)
+            return
         def deleted(change, error) -> None:
             if error is None:
                 self.state.listeners.publish(change)

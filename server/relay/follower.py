@@ -313,6 +313,21 @@ class Follower:
             for _seq, done in waiters:
                 done(error)
 
+    def delete_upstream(self, name: str) -> None:
+        """Delete bin ``name`` upstream, without an answer to wait for: an ephemeral bin
+        forwarded for a client of this relay whose connection ended."""
+        from tensorshare.protocol.messages import DELETE
+
+        if not self.connected:
+            return  # the upstream dropped this relay's ephemeral bins with its connection
+        try:
+            d = self.client._call(DELETE, {Key.BIN: name}, decode=False, zero_copy=False)
+        except TensorShareError as exc:
+            log.info("relay: could not delete ephemeral bin %r upstream: %s", name, exc)
+            return
+        d.addErrback(lambda failure: log.info("relay: could not delete ephemeral bin %r upstream: %s", name,
+                                              failure.getErrorMessage()))
+
     # -- status
 
     def status(self) -> dict:

@@ -115,8 +115,15 @@ def store(session, request) -> None:
         timeout = (request.wait or 0) + MARGIN_S
     value = Encoded(request.value, list(request.payload or ()), request.payload_len)
     command = request.command
+    # An ephemeral PUT (PROTOCOL.md §4.6) is owned upstream by the relay's connection;
+    # the relay owns it for the client's and deletes it upstream when that one ends.
+    ephemeral = command is PUT and getattr(request, "ephemeral", None) is True
+    if ephemeral:
+        fields[Key.EPHEMERAL] = True
 
     def stored(reply) -> None:
+        if ephemeral:
+            session.state.ephemeral.claim(name, session)
         mirrored, n, seq = _local_seq(session, name, reply.header[Key.SEQ])
         session.send_header(command.reply(request.id, n=n if mirrored else reply.header[Key.N], seq=seq))
 
@@ -129,6 +136,7 @@ def delete(session, request) -> None:
         return local.delete(session, request)
 
     def deleted(reply) -> None:
+        session.state.ephemeral.forget(name)
         session.send_header(DELETE.reply(request.id, n=0, seq=_local_seq(session, name, reply.header[Key.SEQ])[2]))
 
     _forward(session, request.id, DELETE, {Key.BIN: name}, None, relay.timeout, deleted, name)
