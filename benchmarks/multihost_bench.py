@@ -1,4 +1,4 @@
-"""Section 9: beyond one machine -- hosts as network namespaces on shaped 1 Gbit/s links.
+"""Section 10: beyond one machine -- hosts as network namespaces on shaped 1 Gbit/s links.
 
 Every host is a network namespace with its own address and its own link to a
 switch (:mod:`benchmarks.netns`), shaped to ``mh_rate`` in both directions, so a
@@ -300,7 +300,7 @@ def _ingest(rec: Recorder, net, p: Profile, shards: int) -> None:
 
 
 def run(rec: Recorder, p: Profile, peers) -> None:
-    rec.begin("9. Beyond one machine (network namespaces, shaped links)")
+    rec.begin("10. Beyond one machine (network namespaces, shaped links)")
     from .netns import Network, unavailable
 
     why = unavailable()

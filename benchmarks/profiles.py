@@ -64,7 +64,7 @@ class Profile:
     al_warmup_s: float = 2.0           # seconds of each run not counted (processes start, caches warm)
     al_run_s: float = 5.0              # seconds counted per run
     al_runs: int = 1                   # runs per transport and configuration
-    # 9. beyond one machine (network namespaces with shaped links; needs root)
+    # 10. beyond one machine (network namespaces with shaped links; needs root)
     mh_workers: int = 8                # worker hosts
     mh_rate: str = "1gbit"             # every link, both directions (tc tbf)
     mh_fan_bytes: int = 16 * MiB       # the state dict fanned out (16 tensors)
@@ -75,7 +75,7 @@ class Profile:
 
 
 QUICK = Profile(
-    name="quick", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "actors", "multihost"), time_limit_s=900, warmup=1,
+    name="quick", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "actors", "ops", "multihost"), time_limit_s=900, warmup=1,
     wire_tensor_bytes=64 * MiB, wire_reps=3, statedict_tensors=100, statedict_shape=(256, 256),
     large_sizes=(1 * MiB, 16 * MiB, 256 * MiB), large_reps=9, large_reps_big=3, large_reps_small=30,
     client_timeout_s=120,
@@ -88,7 +88,7 @@ QUICK = Profile(
 )
 
 FULL = Profile(
-    name="full", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "actors", "multihost"), time_limit_s=3600, warmup=1,
+    name="full", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "actors", "ops", "multihost"), time_limit_s=3600, warmup=1,
     wire_tensor_bytes=256 * MiB, wire_reps=5, statedict_tensors=100, statedict_shape=(256, 256),
     large_sizes=(1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB), large_reps=7, large_reps_big=5,
     large_reps_small=50,
@@ -105,7 +105,7 @@ FULL = Profile(
 )
 
 SMOKE = Profile(
-    name="smoke", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "multihost"), time_limit_s=240, warmup=1,
+    name="smoke", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "ops", "multihost"), time_limit_s=240, warmup=1,
     wire_tensor_bytes=1 * MiB, wire_reps=1, statedict_tensors=4, statedict_shape=(16, 16),
     large_sizes=(64 << 10,), large_reps=1, large_reps_big=1, large_reps_small=1, client_timeout_s=30,
     small_ops=20, small_runs=1, pipelined_ops=200, pipelined_runs=1, async_window=16,

@@ -13,6 +13,7 @@ import os
 import time
 
 from . import actor_learner, client_bench, disk_bench, machine, multihost_bench, rl_bench, small_ops, scaling, wire_bench, zerocopy_bench
+from . import ops_bench
 from .baselines import RedisPeer, TCPStorePeer
 from .procs import ChildError, PeerMissing, stop_all
 from .profiles import Profile
@@ -27,6 +28,7 @@ SECTIONS = {
     "disk": disk_bench.run,
     "zerocopy": zerocopy_bench.run,
     "actors": actor_learner.run,
+    "ops": ops_bench.run,
     "multihost": multihost_bench.run,
 }
 
