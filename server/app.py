@@ -316,7 +316,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Na
                              "(default %(default)s)")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING... (INFO: a line per "
                                                                 "connection opened and closed)")
-    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING...")
     _add_relay_arguments(parser)
     _add_security_arguments(parser)
     _add_ops_arguments(parser)
