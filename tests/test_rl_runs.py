@@ -240,3 +240,38 @@ def test_the_failover_example_resumes_a_killed_learner_with_the_same_workers():
     assert versions[0] == latest + 2  # it published latest + 1 on starting: the version numbers go on
     assert "[learner 2] checkpoint at version 30" in out
     assert "workers stopped, never restarted: exit codes [0, 0]" in out
+
+
+def test_rollouts_spread_over_several_servers(server):
+    from serverproc import ServerProcess
+    from tensorshare.sharded import rendezvous
+
+    other = ServerProcess()
+    try:
+        servers = [f"127.0.0.1:{server.port}", f"127.0.0.1:{other.port}"]
+        ids = [f"w{i}" for i in range(12)]
+        by_server = {0: [], 1: []}
+        for worker_id in ids:
+            by_server[rendezvous(worker_id, servers)].append(worker_id)
+        chosen = by_server[0][:2] + by_server[1][:2]  # two workers on each server
+        with RLTrainer("127.0.0.1", server.port, experiment="spread", servers=servers,
+                       filter_version=False) as trainer:
+            workers = [RLWorker("127.0.0.1", server.port, experiment="spread", worker_id=w, servers=servers)
+                       for w in chosen]
+            try:
+                for worker in workers:
+                    for i in range(5):
+                        worker.add_data((worker.worker_id, i))
+                    worker.flush(10)
+                with tensorshare.Client("127.0.0.1", other.port) as probe:
+                    assert probe.list()["spread/rollouts"] == 10  # the second server's two workers
+                got = trainer.get_data(timeout=10, return_info=True)
+                assert _until(lambda: got.extend(trainer.get_data(return_info=True)) or len(got) >= 20)
+                assert sorted(r.data for r in got) == sorted((w, i) for w in chosen for i in range(5))
+                assert {r.worker for r in got} == set(chosen)
+                assert set(trainer.workers) == set(chosen)  # membership stays on the first server
+            finally:
+                for worker in workers:
+                    worker.stop()
+    finally:
+        other.stop()
