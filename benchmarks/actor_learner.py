@@ -37,7 +37,7 @@ from .stats import Sample
 _ACTORS = 4
 _BATCH = 4  # rollouts per learner step
 _STEPS = 32  # environment steps per rollout
-_CAP = 16  # rollouts that may wait for the learner (tensorshare's max_waiting, the Queue's maxsize)
+_CAP = 4  # rollouts that may wait for the learner (tensorshare's max_waiting, the Queue's maxsize)
 _HIDDEN = {"18.7 KB": 64, "1 MiB": 512}
 _ENV = "CartPole-v1"
 
