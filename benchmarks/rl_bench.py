@@ -265,6 +265,10 @@ def _rollouts(rec: Recorder, p: Profile, peers, trainer: RLTrainer, workers: lis
                     f"get_data(timeout={_POLL_S}) in a loop")
             if trainer.dropped != dropped:
                 rec.note(f"RLTrainer dropped {trainer.dropped - dropped} rollouts as stale")
+    small = min(p.rl_roll_cols)
+    rec.goal_ratio(f"RL ingestion of {_size_label(_rollout_bytes(small))} rollouts from "
+                   f"{_plural(len(workers), 'process')} >= 1.0x Redis RPUSH/LPOP",
+                   f"rl.roll.{small}.ts.rate", f"rl.roll.{small}.redis.rate", ">=", 1.0)
 
 
 # ------------------------------------------------------------------ the section

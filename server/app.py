@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import ctypes
 import logging
 import signal
@@ -13,14 +14,15 @@ from dataclasses import fields
 from twisted.internet import reactor
 from twisted.internet.threads import blockingCallFromThread
 
-from tensorshare.protocol.auth import MIN_TOKEN_CHARS
 from tensorshare.errors import UsageError
+from tensorshare.protocol.auth import MIN_TOKEN_CHARS
 
-from .net import busypoll
-from .config import ServerConfig
 from .bins.jobs import ThreadJobs
-from .net.service import TensorShareFactory, listen_tcp
-from .protocol.session import ServerState
+from .config import ServerConfig
+from .net import busypoll
+from .net.service import TensorShareFactory
+from .net.twisted_internals import listen_tcp
+from .root import build_state
 
 log = logging.getLogger("tensorshare.server")
 
@@ -38,7 +40,7 @@ def listen(config: ServerConfig):
         raise UsageError("tls_key needs tls_cert")
     jobs = ThreadJobs(reactor, config.disk_threads)
     try:
-        state = ServerState.create(config, jobs)
+        state = build_state(config, jobs)
     except BaseException:
         jobs.stop()
         raise
@@ -77,14 +79,20 @@ def _shut(port) -> None:
     factory.busy_poll = None
 
 
-def run_server(port: int = 8000, host: str = "127.0.0.1", **settings) -> None:
+def run_server(port: int = 8000, host: str = "127.0.0.1", *, start_reactor: bool = True, **settings):
     """Serve on ``host:port`` until SIGINT/SIGTERM; blocks the calling (main) thread.
+
+    ``start_reactor=False`` (the original tensorshare's way to host the server in a
+    client's process) starts it inside this process instead and returns at once:
+    see :func:`serve_in_process`.
 
     ``port=0`` picks a free port; the chosen one is printed as
     ``tensorshare-server listening on HOST:PORT``.  ``settings`` are the fields of
     :class:`ServerConfig` (limits); ``busy_poll`` defaults to
     :data:`~.busypoll.DEFAULT_WINDOW` here, as the process serves and does nothing else.
     """
+    if not start_reactor:
+        return serve_in_process(port, host, **settings)
     settings.setdefault("busy_poll", busypoll.DEFAULT_WINDOW)  # this process is the server's own
     config = ServerConfig(host=host, port=port, **settings)
     _tune_malloc()
@@ -168,6 +176,35 @@ class EmbeddedServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+_in_process: list[EmbeddedServer] = []  # started by serve_in_process, until stopped
+_in_process_lock = threading.Lock()
+
+
+def serve_in_process(port: int = 8000, host: str = "127.0.0.1", **settings) -> EmbeddedServer:
+    """Start a server inside this process and return at once (``run_server(port,
+    start_reactor=False)``, as in the original tensorshare).
+
+    It runs on the reactor's daemon thread, so it never keeps the process alive on
+    its own: it ends with the process, with the returned handle's ``stop()``, or with
+    :func:`stop_in_process_servers`, which ``TensorShare.stop()`` calls, as the
+    original's ``stop()`` ended the reactor and the server with it."""
+    server = EmbeddedServer(port=port, host=host, **settings)
+    with _in_process_lock:
+        if not _in_process:
+            atexit.register(stop_in_process_servers)  # removes their shared-memory areas at exit
+        _in_process.append(server)
+    return server
+
+
+def stop_in_process_servers(timeout: float = 10.0) -> None:
+    """Stop every server :func:`serve_in_process` started that still runs."""
+    with _in_process_lock:
+        servers, _in_process[:] = list(_in_process), []
+    for server in servers:
+        if reactor.running:
+            server.stop()
 
 
 def _size(text: str) -> int:

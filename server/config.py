@@ -5,9 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tensorshare.protocol.auth import resolve_token
-from tensorshare.protocol.messages import MAX_BIN_NAME
+from tensorshare.protocol.messages import MAX_BIN_NAME, MAX_REPLY_HEADER
 from tensorshare.wire.description import DecodeLimits
 from tensorshare.wire.frames import FrameLimits
+
+
+HEADER_MEMORY = 8  # bytes of objects a decoded request header may hold per byte
 
 
 @dataclass
@@ -17,7 +20,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     max_header: int = 16 << 20  # bytes of one request header
-    max_reply_header: int = 256 << 20  # bytes of a GET/PEEK reply header (clients accept 1 GiB)
+    max_reply_header: int = MAX_REPLY_HEADER  # bytes of a GET/PEEK reply header (no more than clients accept)
     max_frame: int = 16 << 30  # payload bytes of one request
     max_bin_name: int = MAX_BIN_NAME
     max_bins: int = 100_000
@@ -53,6 +56,8 @@ class ServerConfig:
     recv_pool_idle: float = 10.0  # seconds a free chunk stays in the pool before it goes back to the system
 
     def __post_init__(self) -> None:
+        if not 0 < self.max_reply_header <= MAX_REPLY_HEADER:
+            raise ValueError(f"max_reply_header must be 1 byte to {MAX_REPLY_HEADER >> 20} MiB (what clients accept)")
         if self.max_outbound < 1:
             raise ValueError("max_outbound must be at least 1 byte")
         if self.recv_pool < 0:
@@ -79,10 +84,12 @@ class ServerConfig:
         return resolve_token(self.token, self.token_file)
 
     @property
-    def tick_interval(self) -> float | None:
-        """How often the time limits are checked (None: no time limit is set)."""
-        limits = [t for t in (self.idle_timeout, self.auth_timeout) if t > 0]
-        return min(max(min(limits) / 4, 0.05), 5.0) if limits else None
+    def tick_interval(self) -> float:
+        """How often the time limits are checked: a quarter of the shortest of them
+        (the idle, authentication and stall timeouts, and a closing connection's
+        one-second grace), within 0.05-1 s."""
+        limits = [t for t in (self.idle_timeout, self.auth_timeout, self.outbound_stall_timeout, 1.0) if t > 0]
+        return min(max(min(limits) / 4, 0.05), 1.0)
 
     @property
     def recv_pool_bytes(self) -> int:
@@ -93,7 +100,9 @@ class ServerConfig:
 
     @property
     def frame_limits(self) -> FrameLimits:
-        return FrameLimits(max_header=self.max_header, max_payload=self.max_frame)
+        # A request may wait, decoded, while its connection is congested: what it
+        # holds then is at most 8 times its bytes (tensorshare/wire/unpacking.py).
+        return FrameLimits(max_header=self.max_header, max_payload=self.max_frame, header_memory=HEADER_MEMORY)
 
     @property
     def decode_limits(self) -> DecodeLimits:

@@ -22,7 +22,7 @@ from .errors import (
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Client": "client", "Listening": "client", "connect": "client",
+    "Client": "client", "Listening": "_client.listens", "connect": "client",
     "AsyncClient": "async_client",
     "TensorShare": "compat",
     "RLTrainer": "rl", "RLWorker": "rl",
@@ -45,11 +45,21 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-def run_server(port: int = 8000, host: str = "127.0.0.1", **settings) -> None:
-    """Serve bins on ``host:port``, blocking until SIGINT/SIGTERM (see ``tensorshare-server``)."""
+def run_server(port: int = 8000, start_reactor: bool | str = True, host: str = "127.0.0.1", **settings):
+    """Serve bins on ``host:port``, blocking until SIGINT/SIGTERM (see ``tensorshare-server``).
+
+    With ``start_reactor=False`` (as in the original tensorshare) the server starts
+    inside this process and this returns at once, with a handle whose ``stop()``
+    ends it; it never keeps the process alive on its own, and ``TensorShare.stop()``
+    ends it too.  ``settings`` are :class:`tensorshare_server.ServerConfig`'s
+    fields (limits, ``token``, ``memory_limit``...).  (A string in second place is
+    the host, as in earlier versions of this function.)
+    """
     from tensorshare_server import run_server as _run
 
-    _run(port, host, **settings)
+    if isinstance(start_reactor, str):
+        host, start_reactor = start_reactor, True
+    return _run(port, host, start_reactor=start_reactor, **settings)
 
 
 __all__ = [

@@ -1,22 +1,26 @@
 """``TensorShare``: the original tensorshare's callback API, on the blocking client.
 
 Every call returns at once; its optional callback later receives
-``{'status': 'OK', 'data': result}`` or ``{'status': 'ERR', 'msg': text}``.  Listen
-callbacks receive ``{'bin': name, 'n_items': n, 'seq': s, 'op': verb}``.
+``{'status': 'OK'}`` (with ``'data'`` for ``get``, ``peek`` and ``list``) or
+``{'status': 'ERR', 'msg': text}``, shaped as the original's.  Listen callbacks
+receive ``{'status': 'OK', 'bin': name, 'n_items': n, 'seq': s, 'op': verb}``.
 ``start()`` blocks until ``stop()``.  Unlike the original, requests are pipelined
 on one connection, values are sent before a call returns (later changes to them are
 not sent), callbacks run on a dispatcher thread (never the thread reading the
-socket), and a failed connection raises instead of hanging.
+socket), and a failed connection raises instead of hanging.  README's
+"Compatibility" section lists every difference.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any, Callable
 
-from .protocol import messages as protocol
-from .client import Client, Listening, connect
 from ._client.connection import NO_VALUE
+from .client import Client, Listening, connect
+from .errors import NoSuchBinError
+from .protocol import messages as protocol
 
 Callback = Callable[[dict], Any] | None
 
@@ -74,9 +78,16 @@ class StartStop:
 class TensorShare(StartStop):
     """Callback-style client, as in the original tensorshare README.
 
-    ``client_options`` go to :class:`~tensorshare.Client` (``token``, ``tls``,
-    ``tls_ca``, ``tls_fingerprint``, ``keepalive``...).
+    Every call returns at once; its callback later gets a dict (see the module
+    docstring).  As in the original, ``get``/``peek`` give the bin's one item
+    itself, or a list when it holds several, and an ``'ERR'`` for an empty or
+    missing bin; ``list`` shows the bins that hold items; ``delete`` of a missing
+    bin succeeds.  ``client_options`` go to :class:`~tensorshare.Client` (``token``,
+    ``tls``, ``tls_ca``, ``tls_fingerprint``, ``keepalive``...).
     """
+
+    STATUS_OK = "OK"
+    STATUS_ERR = "ERR"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, *, timeout: float = 60.0,
                  connect_timeout: float = 30.0, **client_options):
@@ -86,49 +97,97 @@ class TensorShare(StartStop):
 
     # -- data calls (non-blocking)
 
-    def put(self, bin: str, value: Any, callback: Callback = None) -> None:
-        self._submit(protocol.PUT, bin, value, callback)
+    def put(self, bin: str, obj: Any, callback: Callback = None) -> None:
+        """Replace what ``bin`` holds with ``obj``; ``{'status': 'OK'}``."""
+        self._submit(protocol.PUT, bin, obj, callback, _done)
 
-    def append(self, bin: str, value: Any, callback: Callback = None) -> None:
-        self._submit(protocol.APPEND, bin, value, callback)
+    def append(self, bin: str, obj: Any, callback: Callback = None) -> None:
+        """Add ``obj`` to ``bin`` (into an empty bin: as ``put``); ``{'status': 'OK'}``."""
+        self._submit(protocol.APPEND, bin, obj, callback, _done)
 
     def get(self, bin: str, callback: Callback = None) -> None:
-        self._submit(protocol.GET, bin, NO_VALUE, callback)
+        """Take what ``bin`` holds: ``{'status': 'OK', 'data': obj or [obj, ...]}``."""
+        self._submit(protocol.GET, bin, NO_VALUE, callback, _contents)
 
     def peek(self, bin: str, callback: Callback = None) -> None:
-        self._submit(protocol.PEEK, bin, NO_VALUE, callback)
+        """Read what ``bin`` holds, leaving it: ``{'status': 'OK', 'data': obj or [obj, ...]}``."""
+        self._submit(protocol.PEEK, bin, NO_VALUE, callback, _contents)
 
     def delete(self, bin: str, callback: Callback = None) -> None:
-        self._submit(protocol.DELETE, bin, NO_VALUE, callback)
+        """Remove ``bin`` (a missing one too); ``{'status': 'OK'}``."""
+        self._submit(protocol.DELETE, bin, NO_VALUE, callback, _done, missing_ok=True)
 
     def list(self, callback: Callback = None) -> None:
-        self._submit(protocol.LIST, None, NO_VALUE, callback)
+        """``{'status': 'OK', 'data': {bin: n_items}}`` for the bins that hold items."""
+        self._submit(protocol.LIST, None, NO_VALUE, callback, _holding)
 
     # -- notifications
 
     def listen(self, bin: str, callback: Callable[[dict], Any]) -> None:
-        """Call ``callback`` with ``{'bin', 'n_items', 'seq', 'op'}`` on every change
-        to ``bin``.  Returns once the server listens: no later change is missed."""
-        self.ignore(bin)
-        self._listening[bin] = self._client.listen(bin, lambda note: callback(note.as_dict()))
-
-    def ignore(self, bin: str) -> None:
-        """Stop listening to ``bin``."""
+        """Call ``callback`` with ``{'status': 'OK', 'bin', 'n_items', 'seq', 'op'}`` on
+        every change to ``bin``.  Returns once the server listens: no later change is
+        missed."""
         handle = self._listening.pop(bin, None)
         if handle is not None:
             handle.stop()
+        self._listening[bin] = self._client.listen(bin, lambda note: callback({"status": self.STATUS_OK,
+                                                                               **note.as_dict()}))
+
+    def ignore(self, bin: str, callback: Callback = None) -> None:
+        """Stop listening to ``bin``; ``{'status': 'OK'}`` once the server has stopped."""
+        handle = self._listening.pop(bin, None)
+        reply = _replier(callback, _done)
+        if handle is None:
+            self._client._later(reply, None, None)
+        else:
+            handle.stop(callback=reply)
 
     def _shut(self) -> None:
         self._client.close()
+        _stop_in_process_servers()
 
-    def _submit(self, op: str, bin: str | None, value: Any, callback: Callback) -> None:
-        def reply(result: Any, error: BaseException | None) -> None:
-            if callback is None:
-                return
-            if error is None:
-                callback({"status": "OK", "data": result})
-            else:
-                callback({"status": "ERR", "msg": str(error)})
+    def _submit(self, op, bin: str | None, value: Any, callback: Callback, shape: Callable,
+                missing_ok: bool = False) -> None:
+        self._client.submit(op, bin, value, callback=_replier(callback, shape, missing_ok))
 
-        self._client.submit(op, bin, value, callback=reply)
 
+def _replier(callback: Callback, shape: Callable, missing_ok: bool = False) -> Callable:
+    """A ``(result, error)`` callback that calls ``callback`` with the original's dict."""
+    def reply(result: Any, error: BaseException | None) -> None:
+        if callback is None:
+            return
+        if error is not None and not (missing_ok and isinstance(error, NoSuchBinError)):
+            callback({"status": TensorShare.STATUS_ERR, "msg": str(error)})
+            return
+        try:
+            message = shape(result)
+        except _Refusal as refusal:
+            message = {"status": TensorShare.STATUS_ERR, "msg": str(refusal)}
+        callback(message)
+    return reply
+
+
+class _Refusal(Exception):
+    """A reply that is an error in the original's terms (an empty bin)."""
+
+
+def _done(result: Any) -> dict:
+    return {"status": TensorShare.STATUS_OK}
+
+
+def _contents(items: list) -> dict:
+    if not items:
+        raise _Refusal("the bin is empty")
+    return {"status": TensorShare.STATUS_OK, "data": items[0] if len(items) == 1 else items}
+
+
+def _holding(bins: dict) -> dict:
+    return {"status": TensorShare.STATUS_OK, "data": {name: n for name, n in bins.items() if n}}
+
+
+def _stop_in_process_servers() -> None:
+    """End servers this process started with ``run_server(port, start_reactor=False)``,
+    as the original's ``stop()`` ended them (with the reactor)."""
+    server_app = sys.modules.get("tensorshare_server.app")
+    if server_app is not None:
+        server_app.stop_in_process_servers()

@@ -25,6 +25,7 @@ __all__ = [
     "PermanentError",
     "NoSuchBinError",
     "StorageFullError",
+    "ServerLocalError",
     "TooLargeError",
     "BadNameError",
     "BadRequestError",
@@ -123,6 +124,20 @@ class ZeroCopyUnavailableError(TransientError):
     code = 425
 
 
+class BusyError(TransientError, TimeoutError):
+    """450: what the request waited for in the server (room in a bin for an APPEND
+    with ``below``...) did not come within its wait; nothing changed.  Also a
+    :class:`TimeoutError`."""
+
+    code = 450
+
+
+class ServerLocalError(TransientError):
+    """451: the server could not read what it stores (a disk error); nothing changed."""
+
+    code = 451
+
+
 class StorageFullError(TransientError):
     """452: the server has no room (memory budget or disk) for the value."""
 
@@ -177,6 +192,8 @@ _BY_CODE: dict[int, type[RemoteError]] = {
     for cls in (
         ServerUnavailableError,
         ZeroCopyUnavailableError,
+        BusyError,
+        ServerLocalError,
         StorageFullError,
         UnknownVerbError,
         NotAuthenticatedError,

@@ -1,7 +1,7 @@
 """Values on local disk as memory-mapped files, in the layout the server's disk tier uses.
 
 ``save_memmap(value, path)`` writes one value (a state dict, say) as a directory of
-raw ``*.memmap`` files plus metadata (:mod:`tensorshare.layout`, tensordict's
+raw ``*.memmap`` files plus metadata (:mod:`tensorshare.disk.layout`, tensordict's
 layout); ``Client.save(bin, path)`` writes a bin's items the same way, one
 numbered subdirectory per item, straight from the bytes the server sent.
 ``load_memmap(path)`` maps them back: tensors view the files, and pages are read
@@ -158,7 +158,7 @@ def _map(file: str, nbytes: int, writable: bool, follow_symlinks: bool = True) -
 
 def load_item(stored: StoredItem, *, writable: bool = False, device: Any = None,
               limits: DecodeLimits = DEFAULT_LIMITS, follow_symlinks: bool = True) -> Any:
-    """The value of one item found by :func:`~tensorshare.layout.read_item`, its arrays
+    """The value of one item found by :func:`~tensorshare.disk.layout.read_item`, its arrays
     mapping the item's files (copy-on-write unless ``writable``)."""
     desc = parse_description(stored.description, stored.nbytes, limits)
     arrays = [array_view(spec, _map(file, nbytes, writable, follow_symlinks), 0, device)
@@ -175,7 +175,7 @@ def load_memmap(path: str | os.PathLike, *, writable: bool = False, device: Any 
     Tensors map the files copy-on-write: changing them changes memory, not the
     files, unless ``writable=True`` (then they write through to the files).
     ``device`` copies tensors there (reading them whole).  Raises
-    :class:`~tensorshare.layout.LayoutError` for a directory that holds no whole item.
+    :class:`~tensorshare.disk.layout.LayoutError` for a directory that holds no whole item.
     """
     path = os.fspath(path)
     if os.path.exists(os.path.join(path, RECORD)):

@@ -29,7 +29,8 @@ import torch
 from .client import connect
 from .compat import StartStop
 from ._client.connection import Notification
-from .errors import NoSuchBinError
+from .errors import NoSuchBinError, TimeoutError
+from .protocol.messages import APPEND
 
 log = logging.getLogger("tensorshare.rl")
 
@@ -105,7 +106,9 @@ class RLTrainer(_RLPeer):
         probe = self.client.listen(self.params_bin, lambda note: None)
         self.version = probe.snapshot.tag if probe.snapshot.tag is not None else -1
         probe.stop()
-        self._data_listen = self.client.listen(self.data_bin, self._on_data)
+        # Told when the rollouts bin stops being empty, not of every append: a take
+        # empties it whole.
+        self._data_listen = self.client.listen(self.data_bin, self._on_data, every_append=False)
         self._pending_rollouts = self._data_listen.snapshot.n_items
         self._data_seq = self._data_listen.snapshot.seq  # newest change of the bin we know of
 
@@ -121,11 +124,12 @@ class RLTrainer(_RLPeer):
         self.version = version
         return version
 
-    def get_data(self, return_versions: bool = False, timeout: float | None = None) -> list:
+    def get_data(self, return_versions: bool = False, timeout: float | None = None):
         """Take the rollouts collected so far (``[]`` if none).
 
         With ``timeout``, wait up to that long for at least one to arrive.  With
-        ``return_versions``, items are ``(data, version)`` pairs.
+        ``return_versions`` (as in the original), ``(data, versions)``: the rollouts
+        and, in the same order, the version of the parameters each was made with.
         """
         if timeout is not None:
             deadline = time.monotonic() + timeout
@@ -135,26 +139,27 @@ class RLTrainer(_RLPeer):
                     if remaining <= 0:
                         break
                     self._cond.wait(remaining)
+        nothing = ([], []) if return_versions else []
         with self._cond:
             if self._pending_rollouts == 0:
-                return []
+                return nothing
         try:
             items, seq = self.client.get(self.data_bin, with_seq=True)
         except NoSuchBinError:
-            return []
+            return nothing
         with self._cond:
             if seq >= self._data_seq:  # no later change seen yet: the bin is empty now
                 self._data_seq, self._pending_rollouts = seq, 0
-        kept = []
+        kept, versions = [], []
         oldest = self.version - self.max_staleness
         for item in items:
             version = item.get("version", -1) if isinstance(item, dict) else -1
             if self.filter_version and version < oldest:
                 self.dropped += 1
                 continue
-            data = item.get("data") if isinstance(item, dict) else item
-            kept.append((data, version) if return_versions else data)
-        return kept
+            kept.append(item.get("data") if isinstance(item, dict) else item)
+            versions.append(version)
+        return (kept, versions) if return_versions else kept
 
     def _on_data(self, note: Notification) -> None:
         with self._cond:
@@ -166,12 +171,26 @@ class RLTrainer(_RLPeer):
 
 
 class RLWorker(_RLPeer):
-    """Pulls the latest parameters (only when newer than its own) and adds rollouts."""
+    """Pulls the latest parameters (only when newer than its own) and adds rollouts.
+
+    :meth:`add_data` does not wait for the server (as the original promised): up to
+    ``max_pending`` rollouts are in flight at once, sent in order on one
+    connection; past that it waits for the oldest to be stored.  A rollout the
+    server did not store makes the next :meth:`add_data` (or :meth:`flush`) raise
+    its error.  :meth:`flush` waits until every rollout sent is stored; ``stop()``
+    flushes first.
+    """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, *, experiment: str | None = None,
-                 timeout: float | None = 60.0, connect_timeout: float = 30.0, **client_options):
+                 timeout: float | None = 60.0, connect_timeout: float = 30.0, max_pending: int = 64,
+                 **client_options):
+        if max_pending < 1:
+            raise ValueError("max_pending must be at least 1")
         super().__init__(host, port, experiment=experiment, timeout=timeout, connect_timeout=connect_timeout,
                          **client_options)
+        self.max_pending = max_pending
+        self._in_flight = 0  # rollouts sent whose reply has not come (under _cond)
+        self._failure: BaseException | None = None  # the first error since the last one raised
         self.version = -1  # version of the parameters this worker holds
         self._latest = -1  # newest version announced by the server
         self._parameters = None
@@ -210,8 +229,57 @@ class RLWorker(_RLPeer):
         return self.get_parameters()
 
     def add_data(self, obj: Any) -> None:
-        """Send a rollout, stamped with the version of the parameters held."""
-        self.client.append(self.data_bin, {"version": self.version, "data": obj}, tag=self.version)
+        """Send a rollout, stamped with the version of the parameters held, without
+        waiting for the server.  ``obj`` has been copied out when this returns, so
+        changing it afterwards is safe."""
+        timeout = self.client.timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            self._raise_failure()
+            while self._in_flight >= self.max_pending:  # the window is full: backpressure
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"{self.max_pending} rollouts still unacknowledged after {timeout:g}s")
+                self._cond.wait(remaining)
+                self._raise_failure()
+            self._in_flight += 1
+        try:
+            self.client.submit(APPEND, self.data_bin, {"version": self.version, "data": obj}, self._stored,
+                               tag=self.version, inline=True)
+        except BaseException:
+            self._stored(None, None)
+            raise
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every rollout :meth:`add_data` sent is stored; raise the error of
+        one that was not (TimeoutError after ``timeout`` seconds)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._in_flight:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"{self._in_flight} rollouts still unacknowledged after {timeout:g}s")
+                self._cond.wait(remaining)
+            self._raise_failure()
+
+    def _stored(self, _count: Any, error: BaseException | None) -> None:
+        with self._cond:
+            self._in_flight -= 1
+            if error is not None and self._failure is None:
+                self._failure = error
+            self._cond.notify_all()
+
+    def _raise_failure(self) -> None:
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+    def _shut(self) -> None:
+        try:
+            self.flush(timeout=5.0)
+        except Exception as exc:  # stopping anyway: say what was lost
+            log.warning("rollouts not stored before stopping: %s", exc)
+        super()._shut()
 
     def _on_parameters(self, note: Notification) -> None:
         if note.op == "LISTEN":  # listening again after a reconnect

@@ -26,6 +26,17 @@ def no_shared_memory_left():
 os.environ.pop("TENSORSHARE_TOKEN", None)
 
 
+# Fixtures that start server processes: tests using them are marked ``process``
+# (``pytest -m "not process"`` runs the in-memory tests alone, in seconds).
+PROCESS_FIXTURES = {"server", "fresh_server", "client", "auth_server", "tls_server", "every_item", "fuzz_server"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.process)
+
+
 @pytest.fixture(scope="module")
 def server():
     """One server process for a test module (tests use distinct bin names)."""

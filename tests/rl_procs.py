@@ -29,7 +29,7 @@ def trainer(port: int, versions: int, per_version: int) -> None:
             v = t.publish_parameters(state_for(t.version + 1))
             got = 0
             while got < per_version:
-                for data, version in t.get_data(return_versions=True, timeout=20):
+                for data, version in zip(*t.get_data(return_versions=True, timeout=20)):
                     assert version == v, f"stale rollout {version} reached the trainer at {v}"
                     assert data["v"] == version
                     got += 1

@@ -1,83 +1,121 @@
-"""The Deferred client, driven by a real reactor in a child process (one reactor per process)."""
+"""The Deferred client, in this process: connected through Twisted's in-memory
+transports (``iosim``) to the real server protocol, time driven by a Clock
+(tests/pairing.py).  TLS and real endpoints: tests/async_procs.py."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
+import os
 
-SCRIPT = textwrap.dedent("""
-    import sys
-    import torch
-    from twisted.internet import defer, task
-    from tensorshare import AsyncClient, NoSuchBinError
+import pytest
+import torch
+from twisted.internet import defer
+from twisted.python.failure import Failure
 
-    @defer.inlineCallbacks
-    def main(reactor, port):
-        client = yield AsyncClient.connect("127.0.0.1", int(port), reactor=reactor)
-        seen = []
-        snap = yield client.listen("a-bin", seen.append)
-        assert snap.n_items == 0, snap
-        # Pipelined: many requests in flight at once on one connection.
-        counts = yield defer.gatherResults([client.append("a-bin", torch.full((3,), float(i))) for i in range(200)])
-        assert sorted(counts) == list(range(1, 201)), counts
-        items = yield client.peek("a-bin")
-        assert [int(t[0]) for t in items] == list(range(200))
-        yield client.put("a-bin", {"x": torch.arange(4)})
-        [item] = yield client.get("a-bin")
-        assert torch.equal(item["x"], torch.arange(4))
-        bins = yield client.list()
-        assert bins["a-bin"] == 0
-        try:
-            yield client.peek("a-missing")
-        except NoSuchBinError:
-            pass
-        else:
-            raise AssertionError("no error for a missing bin")
-        yield client.unlisten("a-bin")
-        yield client.delete("a-bin")
-        ops = [n.op for n in seen]
-        assert ops == ["APPEND"] * 200 + ["PUT", "GET"], ops[-5:]
+from pairing import async_pair
+from tensorshare.errors import ConnectionLostError, NoSuchBinError, TimeoutError
+
+
+def result_of(d: defer.Deferred, pump) -> object:
+    """Pump until ``d`` fires; its result (a failure is raised)."""
+    out = []
+    d.addBoth(out.append)
+    pump.flush()
+    assert out, "the Deferred did not fire"
+    if isinstance(out[0], Failure):
+        out[0].raiseException()
+    return out[0]
+
+
+@pytest.fixture
+def paired():
+    client, pump, clock, state = async_pair()
+    yield client, pump, clock, state
+    client.close()
+    pump.flush()
+    state.storage.close()
+
+
+def test_every_verb_pipelined_and_listened_to(paired):
+    client, pump, clock, state = paired
+    seen = []
+    handle = result_of(client.listen("a-bin", seen.append), pump)
+    assert handle.snapshot.n_items == 0 and not handle.snapshot.exists
+    counts = result_of(defer.gatherResults([client.append("a-bin", torch.full((3,), float(i)))
+                                            for i in range(200)]), pump)
+    assert sorted(counts) == list(range(1, 201))
+    items = result_of(client.peek("a-bin"), pump)
+    assert [int(t[0]) for t in items] == list(range(200))
+    result_of(client.put("a-bin", {"x": torch.arange(4)}, tag=9), pump)
+    [item], seq = result_of(client.get("a-bin", with_seq=True), pump)
+    assert torch.equal(item["x"], torch.arange(4)) and seq > 0
+    assert result_of(client.list(), pump) == {"a-bin": 0}
+    with pytest.raises(NoSuchBinError):
+        result_of(client.peek("a-missing"), pump)
+    result_of(handle.stop(), pump)
+    result_of(client.delete("a-bin"), pump)
+    assert [n.op for n in seen] == ["APPEND"] * 200 + ["PUT", "GET"]
+    assert seen[-2].tag == 9 and seen[-1].seq == seq
+    assert result_of(client.ping(), pump) >= 0
+
+
+def test_calls_to_a_server_that_never_answers_time_out(paired):
+    client, pump, clock, state = paired
+    outcomes = []
+    for _ in range(3):
+        client.ping(timeout=0.3).addBoth(outcomes.append)  # not pumped: the server never sees them
+    clock.advance(0.2)
+    assert outcomes == []
+    clock.advance(0.2)
+    assert len(outcomes) == 3 and all(o.check(TimeoutError) for o in outcomes)
+
+
+def test_keepalive_drops_a_silent_server_and_the_client_reconnects():
+    client, pump, clock, state = async_pair(client_options={"keepalive": 0.3, "timeout": None})
+    try:
+        silent = pump.pumps[0].server
+        silent.dataReceived = lambda data: None  # the server reads nothing and answers nothing
+        pending = []
+        client.ping().addBoth(pending.append)
+        first = client._wire
+        for _ in range(10):
+            clock.advance(0.2)
+            pump.flush()
+        assert len(pending) == 1 and pending[0].check(ConnectionLostError)
+        clock.advance(2.0)  # the backoff's first delay is at most 0.05 s
+        pump.flush()
+        assert client._wire is not None and client._wire is not first
+        assert result_of(client.put("after", 1), pump) == 1
+    finally:
         client.close()
-        print("async ok")
-
-    task.react(main, sys.argv[1:])
-""")
+        state.storage.close()
 
 
-def test_async_client_end_to_end(server):
-    result = subprocess.run([sys.executable, "-c", SCRIPT, str(server.port)], capture_output=True,
-                            text=True, timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "async ok" in result.stdout
+def test_a_lost_connection_fails_calls_at_once_then_listens_again(paired):
+    client, pump, clock, state = paired
+    seen = []
+    result_of(client.listen("r", seen.append), pump)
+    result_of(client.put("r", 1), pump)
+    pending = []
+    client.ping().addBoth(pending.append)
+    client._wire.transport.loseConnection()
+    pump.flush()
+    assert len(pending) == 1 and pending[0].check(ConnectionLostError)
+    clock.advance(1.0)
+    pump.flush()
+    assert client.connected
+    assert [n.op for n in seen] == ["PUT", "LISTEN"] and seen[-1].n_items == 1  # the state found on reconnecting
+    result_of(client.append("r", 2), pump)
+    assert [n.op for n in seen][-1] == "APPEND"
 
 
-SILENT_SCRIPT = textwrap.dedent("""
-    import sys, time
-    from twisted.internet import defer, task
-    from tensorshare import AsyncClient, TimeoutError
-
-    @defer.inlineCallbacks
-    def main(reactor, port):
-        client = yield AsyncClient.connect("127.0.0.1", int(port), reactor=reactor, timeout=0.3)
-        start = time.monotonic()
-        results = yield defer.DeferredList([client.ping() for _ in range(3)], consumeErrors=True)
-        elapsed = time.monotonic() - start
-        assert all(not ok and r.check(TimeoutError) for ok, r in results), results
-        assert 0.25 < elapsed < 3, elapsed
-        client.close()
-        print("timeouts ok")
-
-    task.react(main, sys.argv[1:])
-""")
-
-
-def test_async_client_times_out_a_silent_server():
-    """A server that greets and then never answers: every pending call fails in time."""
-    from serverproc import FakeServer
-
-    with FakeServer() as fake:
-        result = subprocess.run([sys.executable, "-c", SILENT_SCRIPT, str(fake.port)],
-                                capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "timeouts ok" in result.stdout
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_large_values_go_through_shared_memory_on_the_servers_host(paired):
+    client, pump, clock, state = paired
+    assert client.same_host
+    value = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB: written once into shared memory
+    assert result_of(client.put("zc", value), pump) == 1
+    [item] = state.store.peek("zc")
+    assert item.files is not None and item.files.in_memory  # adopted: no bytes crossed the transport
+    [back] = result_of(client.peek("zc"), pump)
+    assert torch.equal(back, value)
+    assert result_of(client.peek("zc"), pump)[0].data_ptr() != back.data_ptr()

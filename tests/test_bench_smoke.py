@@ -3,6 +3,7 @@
 import pytest
 
 
+@pytest.mark.process
 def test_benchmark_suite_smoke():
     smoke = pytest.importorskip("benchmarks.smoke")
     results = smoke.run_smoke()

@@ -158,7 +158,7 @@ def test_a_thread_still_holding_the_old_socket_leaves_the_new_ones_requests_alon
     late: it must fail, not take (and lose) what is held for the new connection."""
     with Client("127.0.0.1", fresh_server.port, timeout=10, keepalive=None) as client:
         client.put("coalesce-stale", torch.zeros(1))
-        old = client._sock
+        old = client._link
         client._drop_connection(old, ConnectionLostError("lost"))  # as the reader would
         client.put("coalesce-stale", torch.zeros(1))  # reconnects
         done = threading.Semaphore(0)
@@ -214,7 +214,8 @@ class _GatedServer(OneConnectionServer):
 
     def _answer(self, conn: socket.socket, frame) -> None:
         self.answered += 1
-        conn.sendall(frame_head({"code": protocol.DONE, "id": frame.header["id"], "n": self.answered}, 0))
+        conn.sendall(frame_head({"code": protocol.DONE, "id": frame.header["id"], "n": self.answered,
+                                 "seq": self.answered}, 0))
 
 
 def test_a_held_batch_the_socket_takes_only_part_of_still_goes_out():
@@ -224,7 +225,7 @@ def test_a_held_batch_the_socket_takes_only_part_of_still_goes_out():
     gated = _GatedServer(pause=0.3)
     try:
         with Client("127.0.0.1", gated.port, timeout=30, zero_copy=False, keepalive=None) as client:
-            client._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            client._link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
             rests = _count(client._coalescer, "keep_rest")
             holds = _count(client._coalescer, "hold")
             replies = []

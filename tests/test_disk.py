@@ -158,8 +158,12 @@ def _payload(item: Item) -> bytes:
     return b"".join(p if type(p) is bytes else p.tobytes() for p in item.parts())
 
 
+DESCRIPTIONS = 4096  # room in a test's budget for the items' descriptions, which count too
+
+
 def _storage(tmp_path, limit):
-    return Storage(BinStore(memory_limit=limit), InlineJobs(), spill=SpillArea(str(tmp_path / "spill")))
+    """Storage with a budget of ``limit`` payload bytes (and the descriptions')."""
+    return Storage(BinStore(memory_limit=limit + DESCRIPTIONS), InlineJobs(), spill=SpillArea(str(tmp_path / "spill")))
 
 
 def _add(storage, name, item, replace=False):
@@ -226,6 +230,7 @@ def test_failed_spill_refuses_growth_not_stored_items(tmp_path):
 RSS_OVERHEAD = 160 * MiB  # interpreter, Twisted, and payloads being received or spilled
 
 
+@pytest.mark.process
 def test_memory_limit_bounds_rss_and_every_byte_reads_back():
     srv = ServerProcess("--memory-limit", "64MiB")
     try:
@@ -251,6 +256,7 @@ def test_memory_limit_bounds_rss_and_every_byte_reads_back():
         srv.stop()
 
 
+@pytest.mark.process
 def test_data_dir_restart_serves_the_same_bins(tmp_path):
     data = str(tmp_path / "data")
     srv = ServerProcess("--data-dir", data)
@@ -302,6 +308,7 @@ except tensorshare.TensorShareError:
 """
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("round_", range(3))
 def test_kill_9_loses_no_acknowledged_item(tmp_path, round_):
     data = str(tmp_path / "data")
@@ -339,6 +346,7 @@ def test_kill_9_loses_no_acknowledged_item(tmp_path, round_):
         srv.stop()
 
 
+@pytest.mark.process
 def test_corrupt_and_foreign_entries_are_skipped(tmp_path):
     data = tmp_path / "data"
     srv = ServerProcess("--data-dir", str(data))
@@ -375,6 +383,7 @@ def _file_size_limit(nbytes: int):
     return limit
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("mode", ["data-dir", "spill"])
 def test_disk_full_gives_a_clear_reply_and_loses_nothing(tmp_path, mode):
     args = ["--data-dir", str(tmp_path / "d")] if mode == "data-dir" else \
@@ -402,6 +411,7 @@ def test_disk_full_gives_a_clear_reply_and_loses_nothing(tmp_path, mode):
         srv.stop()
 
 
+@pytest.mark.process
 def test_tmpfs_disk_full(tmp_path):
     with small_tmpfs(tmp_path / "small", "6m") as mount:
         srv = ServerProcess("--data-dir", str(mount / "d"))
@@ -419,6 +429,7 @@ def test_tmpfs_disk_full(tmp_path):
             srv.stop()
 
 
+@pytest.mark.process
 def test_client_save_and_load_memmap(tmp_path):
     srv = ServerProcess()
     try:
@@ -441,6 +452,7 @@ def test_client_save_and_load_memmap(tmp_path):
         srv.stop()
 
 
+@pytest.mark.process
 def test_spill_dir_is_cleaned_up(tmp_path):
     spill = tmp_path / "spill"
     srv = ServerProcess("--memory-limit", "1MiB", "--spill-dir", str(spill))
@@ -476,6 +488,7 @@ c.close()
 """
 
 
+@pytest.mark.process
 def test_restart_under_load_loses_no_acknowledged_item(tmp_path):
     """Writers keep appending while the server is killed (-9) and stopped (SIGTERM) and
     restarted on its data directory; they reconnect by themselves."""

@@ -3,6 +3,7 @@ that stops reading while a gigabyte is published to its bin."""
 
 from __future__ import annotations
 
+import pytest
 import gc
 import random
 import signal
@@ -115,6 +116,7 @@ def kill_mid_transfer(server: ServerProcess, rng: random.Random, round_: int, n_
             proc.stderr.close()
 
 
+@pytest.mark.process
 def test_clients_killed_mid_put_and_mid_get(tmp_path):
     """20 clients SIGKILLed in the middle of 64 MiB puts and 32 MiB gets, in two rounds:
     the server keeps serving, no partial item becomes visible, every interrupted GET's
@@ -156,6 +158,7 @@ def test_clients_killed_mid_put_and_mid_get(tmp_path):
         server.stop()
 
 
+@pytest.mark.process
 def test_a_listener_that_stops_reading_while_a_gigabyte_is_published(tmp_path):
     """16 x 64 MiB puts to a bin whose listener also asks for every version (PEEK)
     but reads nothing: without flow control each queued reply would pin its 64 MiB
@@ -208,12 +211,12 @@ def test_a_connection_lost_mid_put_frees_its_partial_payload_at_once():
     from tensorshare_server.config import ServerConfig
     from tensorshare_server.net.recvpool import PooledSink
     from tensorshare_server.net.service import TensorShareFactory
-    from tensorshare_server.protocol.session import ServerState
+    from tensorshare_server.root import build_state
 
     def sinks() -> int:  # the payload's sink: a SegmentSink, or its pooled kind
         return sum(type(o) in (SegmentSink, PooledSink) for o in gc.get_objects())
 
-    factory = TensorShareFactory(ServerState.create(ServerConfig()))
+    factory = TensorShareFactory(build_state(ServerConfig()))
     proto = factory.buildProtocol(None)
     proto.makeConnection(StrictTransport())
     enc = encode(torch.zeros(1 << 20, dtype=torch.uint8))

@@ -14,16 +14,17 @@ import torch
 
 import tensorshare
 from serverproc import ServerProcess
-from wiretools import CollectingOutbox, RawConnection, StrictTransport, raw_frame, wait_for
+from wiretools import CollectingOutbox, RawConnection, StrictTransport, raw_frame, request_parts, wait_for
 from tensorshare.protocol import messages as protocol
-from tensorshare._client.connection import NO_VALUE, request_frame
+from tensorshare._client.connection import NO_VALUE
 from tensorshare.wire.codec import encode
 from tensorshare.wire.frames import FrameDecoder, frame_head
 from tensorshare_server.config import ServerConfig
-from tensorshare_server.net.flow import SHARED_PART, OutboundBudget
-from tensorshare_server.protocol.notify import ListenerRegistry, notification_frame
-from tensorshare_server.net.service import FrameWriter
-from tensorshare_server.protocol.session import ServerSession, ServerState
+from tensorshare_server.net.flow import FRAME_COST, SHARED_PART, OutboundBudget, StallWatch
+from tensorshare_server.net.writer import FrameWriter
+from tensorshare_server.protocol.notify import ListenerRegistry, Notifier, notification_frame
+from tensorshare_server.protocol.session import ServerSession
+from tensorshare_server.root import ServerState
 from tensorshare_server.bins.storage import InlineJobs, Storage
 from tensorshare_server.bins.store import BinStore, Change, Item
 
@@ -39,8 +40,9 @@ class FakeClock:
 def make_writer(limit: int, buffer_size: int = 1024, clock=None):
     transport = StrictTransport(buffer_size)
     events = []
-    budget = OutboundBudget(limit, 5.0, clock or FakeClock())
+    budget = OutboundBudget(limit)
     writer = FrameWriter(transport, budget, lambda: events.append("congested"), lambda: events.append("drained"))
+    writer.notifier = Notifier(writer)  # the session's coalescing rule, over this writer
     transport.registerProducer(writer, True)
     return writer, transport, events
 
@@ -58,34 +60,41 @@ def note(name: str, seq: int, n: int) -> bytes:
 
 
 def test_large_parts_count_once_however_often_they_are_queued():
-    budget = OutboundBudget(1 << 30, 1.0)
+    budget = OutboundBudget(1 << 30)
     chunk = bytes(SHARED_PART)
     heads = [frame_head({"code": 226, "id": i}, len(chunk)) for i in range(100)]
     for head in heads:
         budget.charge([head, chunk])
-    assert budget.queued == len(chunk) + sum(map(len, heads))
+    assert budget.queued == len(chunk) + sum(map(len, heads)) + 100 * FRAME_COST
     for head in heads[:99]:
         budget.discharge([head, chunk])
-    assert budget.queued == len(chunk) + len(heads[99])
+        budget.frame_done()
+    assert budget.queued == len(chunk) + len(heads[99]) + FRAME_COST
     budget.discharge([heads[99], chunk])
+    budget.frame_done()
     assert budget.queued == 0
 
 
 def test_congestion_starts_over_the_limit_and_ends_at_half():
-    clock = FakeClock()
-    budget = OutboundBudget(1000, 5.0, clock)
+    budget = OutboundBudget(1000 + 2 * FRAME_COST)
     assert not budget.charge([bytes(1000)])
     assert budget.charge([bytes(1)]) and budget.congested
-    assert budget.stalled_for() == 0.0
-    clock.now += 3
-    assert budget.stalled_for() == 3.0
     assert not budget.discharge([bytes(1)])  # 1000 left: still over half
-    assert budget.stalled_for() == 0.0  # but a byte left: progress
-    clock.now += 7
-    assert not budget.discharge([bytes(499)], written=False)  # dropped, not written: no progress
-    assert budget.stalled_for() == 7.0
-    assert budget.queued == 501 and budget.congested
-    assert budget.discharge([bytes(1)]) and not budget.congested
+    assert not budget.discharge([bytes(499)])
+    assert budget.queued == 501 + 2 * FRAME_COST and budget.congested
+    assert not budget.frame_done()
+    assert budget.frame_done() and not budget.congested
+
+
+def test_output_is_stalled_only_while_pending_and_without_progress():
+    watch = StallWatch()
+    assert watch.observe(10.0, False, None) == 0.0
+    assert watch.observe(11.0, True, (0, 5)) == 0.0
+    assert watch.observe(14.0, True, (0, 5)) == 3.0  # nothing moved
+    assert watch.observe(15.0, True, (0, 4)) == 0.0  # the socket took a byte: progress
+    assert watch.observe(16.5, True, (0, 4)) == 1.5
+    assert watch.observe(17.0, False, None) == 0.0  # nothing pending: never stalled
+    assert watch.observe(30.0, True, (9, 0)) == 0.0
 
 
 # ------------------------------------------------------------------ the writer
@@ -94,7 +103,7 @@ def test_congestion_starts_over_the_limit_and_ends_at_half():
 def test_writer_hands_only_bytes_and_keeps_frames_whole_in_order():
     writer, transport, events = make_writer(limit=1 << 20, buffer_size=100)
     writer.send(reply(1, 4096))
-    writer.notify("a", note("a", 1, 1))
+    writer.notifier.notify("a", note("a", 1, 1))
     writer.send(reply(2))
     while transport.paused:
         transport.drain()
@@ -127,15 +136,15 @@ def test_notifications_are_coalesced_only_while_congested():
     writer.send(reply(1))  # fills the transport: the writer is paused from here on
     assert transport.paused
     for seq in range(1, 4):  # not congested yet: every notification is kept
-        writer.notify("a", note("a", seq, seq))
+        writer.notifier.notify("a", note("a", seq, seq))
     writer.send(reply(2, 2048))  # over the limit: congested
     assert writer.congested and events == ["congested"]
     for seq in range(4, 50):
-        writer.notify("a", note("a", seq, seq))
-        writer.notify("b", note("b", 1000 + seq, seq))
+        writer.notifier.notify("a", note("a", seq, seq))
+        writer.notifier.notify("b", note("b", 1000 + seq, seq))
     writer.send(reply(3))  # a reply is never dropped
-    writer.notify("a", note("a", 99, 99))
-    assert writer.coalesced == 47 + 45  # a: 3 (queued before) to 49; b: 1004 to 1048
+    writer.notifier.notify("a", note("a", 99, 99))
+    assert writer.notifier.coalesced == 47 + 45  # a: 3 (queued before) to 49; b: 1004 to 1048
     while transport.paused:
         transport.drain()
     transport.drain()
@@ -152,25 +161,27 @@ def test_coalescing_keeps_the_queue_bounded_for_a_reader_that_never_reads():
     writer.send(reply(1, 2048))
     assert writer.congested
     for seq in range(10_000):
-        writer.notify(f"bin{seq % 3}", note(f"bin{seq % 3}", seq, seq))
+        writer.notifier.notify(f"bin{seq % 3}", note(f"bin{seq % 3}", seq, seq))
     assert len(writer._queue) < 100
-    assert writer.budget.queued < 1000 + 2048 + 200
+    assert writer.budget.queued < 1000 + 2048 + 4 * (FRAME_COST + 100)  # the reply and one note per bin
 
 
 def test_a_coalesced_notification_that_ends_the_congestion_says_so():
     """Else a session whose requests wait for the drain would wait for ever."""
-    writer, transport, events = make_writer(limit=1000, buffer_size=10)
+    writer, transport, events = make_writer(limit=2000, buffer_size=10)
     writer.send(reply(1))
     assert transport.paused
     writer.send(reply(2, 448))
-    notes = {f"b{i}": note(f"b{i}", i, 1) for i in range(9)}  # 62 bytes each
+    notes = {f"b{i}": note(f"b{i}", i, 1) for i in range(4)}  # 62 bytes each, with FRAME_COST over half the limit
+    cost = sum(len(frame) + FRAME_COST for frame in notes.values())
+    assert cost > 1000 >= cost - len(notes["b0"]) - FRAME_COST
     for name, frame in notes.items():
-        writer.notify(name, frame)
+        writer.notifier.notify(name, frame)
     assert writer.congested and events == ["congested"]
-    while writer.budget.queued > sum(map(len, notes.values())):
-        transport.drain()  # the reply leaves, part by part; the notifications wait behind the pause
-    assert writer.congested and 500 < writer.budget.queued < 500 + len(notes["b0"])
-    writer.notify("b0", note("b0", 99, 2))  # drops the waiting b0 notification: under half now
+    while writer.budget.queued > cost:
+        transport.drain()  # the replies leave, part by part; the notifications wait behind the pause
+    assert writer.congested and writer.budget.queued == cost
+    writer.notifier.notify("b0", note("b0", 99, 2))  # drops the waiting b0 notification: under half now
     assert events == ["congested", "drained"] and not writer.congested
 
 
@@ -179,11 +190,11 @@ def test_abandoned_replies_run_their_hooks_and_notifications_do_not_count():
     abandoned = []
     writer.send(reply(1), lambda: abandoned.append(1))  # handed to the transport whole
     writer.send(reply(2, 4096), lambda: abandoned.append(2))
-    writer.notify("a", note("a", 1, 1))
+    writer.notifier.notify("a", note("a", 1, 1))
     writer.connection_lost()
     assert abandoned == [2]
     writer.send(reply(3), lambda: abandoned.append(3))
-    writer.notify("a", note("a", 2, 2))
+    writer.notifier.notify("a", note("a", 2, 2))
     assert abandoned == [2, 3]
 
 
@@ -195,11 +206,13 @@ def make_session():
     state = ServerState(config, Storage(BinStore(), InlineJobs()), ListenerRegistry())
     outbox = CollectingOutbox()
     session = ServerSession(state, outbox)
+    session.connection_made()
+    outbox.frames.clear()  # the greeting
     return session, outbox, state
 
 
 def wire(rid, op, name=None, value=NO_VALUE) -> bytes:
-    return b"".join(bytes(p) for p in request_frame(rid, op, name, value))
+    return b"".join(bytes(p) for p in request_parts(rid, op, name, value))
 
 
 def test_a_congested_session_holds_requests_back_and_resumes_in_order():
@@ -320,6 +333,7 @@ def kernel_send_buffer_max() -> int:
         return 4 << 20
 
 
+@pytest.mark.process
 def test_clients_and_rl_wrappers_tolerate_coalesced_notifications(tmp_path):
     """Three real clients behind a stopped proxy fall behind by 2 x 12,000 changes; the
     server coalesces their notifications, and they still end in the right state."""
@@ -387,6 +401,7 @@ def _nonblocking_send(sock: socket.socket, data: memoryview, offset: int, stall:
     return offset
 
 
+@pytest.mark.process
 def test_a_writer_that_does_not_read_its_replies_is_slowed_by_tcp_not_by_server_memory(tmp_path):
     """PUT 1 MiB, PEEK it, APPEND a counter, 150 times over, reading nothing: without
     flow control the server would read it all and pin 150 MiB of PEEK replies."""
@@ -443,6 +458,7 @@ def test_a_writer_that_does_not_read_its_replies_is_slowed_by_tcp_not_by_server_
         server.stop()
 
 
+@pytest.mark.process
 @pytest.mark.skipif(not sys.platform.startswith("linux"),
                     reason="a slow reader's progress is seen in the kernel's send queue (SIOCOUTQ) on Linux only")
 def test_a_reader_that_reads_nothing_is_disconnected_and_a_slow_one_is_not(tmp_path):
@@ -480,6 +496,7 @@ def test_a_reader_that_reads_nothing_is_disconnected_and_a_slow_one_is_not(tmp_p
         server.stop()
 
 
+@pytest.mark.process
 def test_flow_control_options_on_the_command_line():
     import subprocess
 

@@ -21,10 +21,12 @@ import pytest
 import torch
 
 import tensorshare
+from server.config import ServerConfig
 from serverproc import ServerProcess
 from tensorshare.protocol import messages as protocol
 from tensorshare.wire.codec import encode
-from tensorshare.wire.frames import PREFIX, FrameDecoder, discard_sink, frame_head
+from tensorshare.errors import ProtocolError
+from tensorshare.wire.frames import PREFIX, FrameDecoder, discard_sink, frame_head, unpack_header
 
 SEED = int(os.environ.get("TENSORSHARE_FUZZ_SEED", "20261121"))
 REQUEST_FRAMES = 8_000  # mutated requests on long-lived connections (request-level errors)
@@ -69,10 +71,10 @@ class Junk:
             return [self.value(depth + 1) for _ in range(r.randint(0, 4))]
         return {self.text()[:8]: self.value(depth + 1) for _ in range(r.randint(0, 4))}
 
-    def nested(self) -> object:
+    def nested(self, depths=(65, 200, 1023, 1500, 5000)) -> object:
         """Deep nesting: past every depth limit, and past msgpack's own stack."""
         value: object = None
-        for _ in range(self.rng.choice([65, 200, 1023, 1500, 5000])):
+        for _ in range(self.rng.choice(depths)):
             value = [value] if self.rng.random() < 0.5 else {"k": value}
         return value
 
@@ -130,7 +132,7 @@ class Fuzzer:
             return r.randbytes(r.randint(0, 64))
         try:
             doc = msgpack.unpackb(blob, raw=False, strict_map_key=False, ext_hook=msgpack.ExtType)
-        except (ValueError, msgpack.UnpackException):  # mutated already
+        except (ValueError, TypeError, msgpack.UnpackException):  # mutated already (TypeError: a list as a map key)
             return r.randbytes(16)
         if not isinstance(doc, dict) or not {"v", "t", "n"} <= set(doc) or not isinstance(doc["t"], list):
             return blob[::-1]
@@ -176,7 +178,7 @@ class Fuzzer:
                 header["value"] = r.choice([self.junk.scalar(), self.junk.value(), "not bytes"])
             elif m == 5:
                 header["tag"] = r.choice([2**63, 2**64 - 1, -(2**63) - 1, 1.5, "v1", True, [1]])
-            elif m == 6:
+            elif m == 6 and header:
                 header.pop(r.choice(list(header)), None)
             elif m == 7:  # payload that does not match the description, or on a verb without one
                 payload = r.randbytes(r.choice([1, 63, 64, 65, 1000]))
@@ -187,10 +189,18 @@ class Fuzzer:
         return header, payload
 
     def framed(self, header: dict, payload: bytes) -> bytes | None:
+        """The frame, or None if msgpack cannot pack the header or the server would
+        refuse it as a framing error (its limits on what a header decodes to:
+        broken_frame sends such headers)."""
         try:
-            return frame_head(header, len(payload)) + payload
+            head = frame_head(header, len(payload))
         except (ValueError, OverflowError, TypeError):  # msgpack cannot pack it (e.g. its own depth limit)
             return None
+        try:
+            unpack_header(head[PREFIX.size:], SERVER_FRAME_LIMITS)
+        except ProtocolError:
+            return None
+        return head + payload
 
 
 def short(obj) -> str:
@@ -207,6 +217,17 @@ def expected_id(header: dict) -> int:
 
 
 # --------------------------------------------------------------- broken frames
+
+
+SERVER_FRAME_LIMITS = ServerConfig().frame_limits
+
+
+def _is_header(body: bytes) -> bool:
+    try:
+        unpack_header(body)
+        return True
+    except ProtocolError:
+        return False
 
 
 def broken_frame(fz: Fuzzer) -> tuple[str, bytes, bool]:
@@ -242,9 +263,13 @@ def broken_frame(fz: Fuzzer) -> tuple[str, bytes, bool]:
             msgpack.packb({"op": "NOOP", "id": 1, "t": msgpack.Timestamp(1, 0)}, datetime=False),
             msgpack.packb({"op": "NOOP", "id": 1, "x": [msgpack.ExtType(0, b"")]}),
             b"\x91" * 5000 + b"\xc0", b"\x81\xa1k" * 5000 + b"\xc0",
+            msgpack.packb({"op": "NOOP", "id": 1, "x": [[]] * 2000}),  # more containers than its size allows
+            b"\x83\xa2op\xa4NOOP\xa2id\x01\xa1x" + b"\x91" * 1020 + b"\xc0",  # decodes to 80x its size
         ])
         if body and body[0] in (0x80, 0x81, 0x82, 0x83) and r.random() < 0.3:
-            body = body[: r.randrange(1, len(body))]  # a truncated map
+            cut = body[: r.randrange(1, len(body))]  # a truncated map...
+            if not _is_header(cut):  # ...unless cutting a trailing byte left a valid one
+                body = cut
         return "bad header", PREFIX.pack(b"TSHR", 1, 0, 0, len(body), 0) + body, True
     if kind in (3, 4):  # truncated: valid frames, the last one cut short
         prefix = b"".join(fz.framed(*fz.valid()) for _ in range(r.randint(0, 2)))

@@ -7,6 +7,7 @@ printed (``pytest -s``) and written to ``load.json`` in the test's tmp dir.
 
 from __future__ import annotations
 
+import pytest
 import json
 import multiprocessing
 import os
@@ -27,6 +28,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+@pytest.mark.process
 def test_32_processes_2000_mixed_ops_exactly_once(tmp_path):
     server = ServerProcess(log_path=tmp_path / "server.log")
     # One forkserver that has imported torch once: 32 fresh interpreters each

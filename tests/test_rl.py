@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import re
 import signal
 import subprocess
@@ -129,9 +130,9 @@ def test_staleness_filter_counts_drops(server):
         worker.add_data("old")
         worker.version = 1
         worker.add_data("one behind")
-        got = trainer.get_data(return_versions=True, timeout=10)
+        got = list(zip(*trainer.get_data(return_versions=True, timeout=10)))
         while len(got) + trainer.dropped < 3:
-            got += trainer.get_data(return_versions=True, timeout=10)
+            got += zip(*trainer.get_data(return_versions=True, timeout=10))
         assert sorted(got) == [("fresh", 2), ("one behind", 1)]
         assert trainer.dropped == 1
 
@@ -164,6 +165,7 @@ def test_experiments_do_not_mix(server):
         assert "a/parameters" in bins and "b/parameters" not in bins
 
 
+@pytest.mark.process
 def test_seed_readme_rl_scripts_run_unchanged(tmp_path):
     from serverproc import ServerProcess
 

@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 
@@ -77,9 +76,10 @@ def auth_frame(greeting: dict, token: str = TOKEN, rid: int = 1) -> bytes:
 
 def session(**settings):
     from tensorshare_server import ServerConfig
-    from tensorshare_server.protocol.session import ServerSession, ServerState
+    from tensorshare_server.protocol.session import ServerSession
+    from tensorshare_server.root import build_state
 
-    state = settings.pop("state", None) or ServerState.create(ServerConfig(**settings))
+    state = settings.pop("state", None) or build_state(ServerConfig(**settings))
     outbox = CollectingOutbox()
     s = ServerSession(state, outbox, "peer")
     s.connection_made()
@@ -201,7 +201,7 @@ def test_session_connection_limit():
 
 
 def test_keepalive_decisions():
-    from tensorshare._client.connection import DEAD, PROBE, Keepalive
+    from tensorshare._client.keepalive import DEAD, PROBE, Keepalive
 
     k = Keepalive(1.0)
     assert k.due(10.0, last_heard=9.5, last_sent=0.0) == (None, 10.5)
@@ -347,8 +347,8 @@ def test_callback_client_with_token(auth_server):
         ts.put("s-compat", torch.ones(2), callback=replies.append)
         ts.peek("s-compat", callback=lambda r: (replies.append(r), done.set()))
         assert done.wait(10)
-    assert replies[0] == {"status": "OK", "data": 1}
-    assert replies[1]["status"] == "OK" and torch.equal(replies[1]["data"][0], torch.ones(2))
+    assert replies[0] == {"status": "OK"}
+    assert replies[1]["status"] == "OK" and torch.equal(replies[1]["data"], torch.ones(2))
     with pytest.raises(NotAuthenticatedError):
         TensorShare("127.0.0.1", auth_server.port, token="not-the-token", connect_timeout=5)
 
@@ -367,6 +367,7 @@ def test_rl_peers_pass_the_token_on(auth_server):
             tensorshare.Client("127.0.0.1", trainer.server.port)
 
 
+@pytest.mark.process
 def test_reconnect_reauthenticates_and_a_changed_token_is_final(token_file, tmp_path):
     proc = ServerProcess("--token-file", token_file)
     try:
@@ -433,6 +434,7 @@ def test_tls_client_against_plaintext_server_fails_cleanly(auth_server, certs):
     assert time.monotonic() - start < 3
 
 
+@pytest.mark.process
 def test_tls_connections_never_take_the_direct_send_path(certs):
     """FrameWriter sends small replies straight to a plain TCP socket; on TLS that
     would bypass the encryption."""
@@ -474,6 +476,7 @@ def first_reply(port: int) -> tuple[dict, bool]:
         return frames[0].header, closed
 
 
+@pytest.mark.process
 def test_max_connections_gets_421():
     proc = ServerProcess("--max-connections", "2")
     try:
@@ -489,6 +492,7 @@ def test_max_connections_gets_421():
         proc.stop()
 
 
+@pytest.mark.process
 def test_idle_timeout_drops_idle_connections_but_keeps_listeners():
     proc = ServerProcess("--idle-timeout", "1")
     try:
@@ -556,112 +560,12 @@ def test_sender_detects_a_server_that_stopped_reading(fresh_server):
 
 # --------------------------------------------------------------- the AsyncClient
 
-ASYNC_SCRIPT = textwrap.dedent("""
-    import sys, time
-    import torch
-    from twisted.internet import defer, task
-    from tensorshare import AsyncClient
-    from tensorshare.errors import ConnectionLostError, NotAuthenticatedError, UntrustedServerError
 
-    async def expect(error, d, within=None):
-        start = time.monotonic()
-        try:
-            await d
-        except error:
-            assert within is None or time.monotonic() - start < within, time.monotonic() - start
-            return
-        raise AssertionError(f"no {error.__name__}")
-
-    async def tls(reactor, port, token, ca, pin, wrong_pin):
-        client = await AsyncClient.connect("127.0.0.1", port, reactor=reactor, token=token, tls_ca=ca)
-        seen = []
-        await client.listen("a-tls", seen.append)
-        big = torch.randint(0, 255, (64 << 20,), dtype=torch.uint8)
-        await client.put("a-tls", big)
-        [back] = await client.get("a-tls")
-        assert torch.equal(back, big)
-        await client.ping()  # answered after the GET's notification
-        assert [n.op for n in seen] == ["PUT", "GET"], seen
-        client.close()
-        pinned = await AsyncClient.connect("127.0.0.1", port, reactor=reactor, token=token, tls_fingerprint=pin)
-        assert await pinned.list() is not None
-        pinned.close()
-        await expect(NotAuthenticatedError, AsyncClient.connect("127.0.0.1", port, reactor=reactor,
-                                                                token="not-the-token", tls_ca=ca))
-        await expect(UntrustedServerError, AsyncClient.connect("127.0.0.1", port, reactor=reactor, token=token,
-                                                               tls_fingerprint=wrong_pin))
-        await expect(ConnectionLostError, AsyncClient.connect("127.0.0.1", port, reactor=reactor, token=token,
-                                                              connect_timeout=1), within=3)
-
-    async def plain(reactor, port, token, ca):
-        await expect(ConnectionLostError, AsyncClient.connect("127.0.0.1", port, reactor=reactor, token=token,
-                                                              tls_ca=ca), within=3)
-        await expect(NotAuthenticatedError, AsyncClient.connect("127.0.0.1", port, reactor=reactor))
-
-    async def close(reactor, _port, cert, key, ca):
-        # A server in this reactor, to see the connection end when the client closes
-        # (a TLS transport with a producer registered would stay open).
-        from tensorshare_server import ServerConfig
-        from tensorshare_server.app import listen
-
-        for tls in (False, True):
-            config = ServerConfig(port=0, tls_cert=cert if tls else None, tls_key=key if tls else None)
-            port = listen(config)
-            factory = getattr(port.factory, "wrappedFactory", port.factory)
-            client = await AsyncClient.connect("127.0.0.1", port.getHost().port, reactor=reactor,
-                                               tls_ca=ca if tls else None)
-            await client.ping()
-            assert len(factory.live) == 1
-            client.close()
-            for _ in range(100):
-                await task.deferLater(reactor, 0.02, lambda: None)
-                if not factory.live:
-                    break
-            assert not factory.live, f"tls={tls}: still open after close()"
-            await port.stopListening()
-
-    async def final(reactor, _port, token):
-        # Reconnection authenticates again; once the token is refused, no more tries.
-        from tensorshare_server import ServerConfig
-        from tensorshare_server.app import listen
-
-        port = listen(ServerConfig(port=0, token=token))
-        factory = port.factory
-        client = await AsyncClient.connect("127.0.0.1", port.getHost().port, reactor=reactor, token=token)
-        factory.disconnect_all()
-        for _ in range(200):
-            await task.deferLater(reactor, 0.02, lambda: None)
-            if client.connected:
-                break
-        assert await client.ping() is None  # authenticated again by itself
-        opened = []
-        factory.state.token = b"another token entirely"
-        real_build = factory.buildProtocol
-        factory.buildProtocol = lambda addr: opened.append(addr) or real_build(addr)
-        factory.disconnect_all()
-        await task.deferLater(reactor, 3.0, lambda: None)  # backoff tops out at 2 s: a loop would show
-        assert len(opened) == 1, opened
-        await expect(NotAuthenticatedError, client.ping())
-        client.close()
-        await port.stopListening()
-
-    async def silent(reactor, port):
-        client = await AsyncClient.connect("127.0.0.1", port, reactor=reactor, timeout=None, keepalive=0.3)
-        await expect(ConnectionLostError, client.ping(), within=3)
-        client.close()
-
-    def main(reactor, mode, port, *args):
-        modes = {"tls": tls, "plain": plain, "silent": silent, "close": close, "final": final}
-        coro = modes[mode](reactor, int(port), *args)
-        return defer.ensureDeferred(coro).addCallback(lambda _: print(mode, "ok"))
-
-    task.react(main, sys.argv[1:])
-""")
 
 
 def run_async(*args) -> None:
-    result = subprocess.run([sys.executable, "-c", ASYNC_SCRIPT, *map(str, args)], capture_output=True,
-                            text=True, timeout=120)
+    script = os.path.join(os.path.dirname(__file__), "async_procs.py")
+    result = subprocess.run([sys.executable, script, *map(str, args)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and f"{args[0]} ok" in result.stdout, result.stdout + result.stderr[-3000:]
 
 
@@ -670,22 +574,20 @@ def test_async_client_token_and_tls(tls_server, auth_server, certs):
     run_async("plain", auth_server.port, TOKEN, certs.ca)
 
 
+@pytest.mark.process
 def test_async_client_reauthenticates_and_stops_at_a_refusal():
     run_async("final", 0, TOKEN)
 
 
+@pytest.mark.process
 def test_async_client_close_ends_tls_connections(certs):
     run_async("close", 0, certs.cert, certs.key, certs.ca)
-
-
-def test_async_client_keepalive_detects_a_silent_server():
-    with FakeServer() as fake:
-        run_async("silent", fake.port)
 
 
 # --------------------------------------------------------------- the command line
 
 
+@pytest.mark.process
 def test_cli_security_options(certs, tmp_path):
     def server(*args):
         return subprocess.run([sys.executable, "-m", "tensorshare_server", "--port", "0", *args],

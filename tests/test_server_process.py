@@ -13,6 +13,7 @@ import tensorshare
 from serverproc import ServerProcess
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_clean_shutdown_on_signal(sig):
     if sig == signal.SIGINT and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
@@ -25,6 +26,7 @@ def test_clean_shutdown_on_signal(sig):
     assert proc.stop(sig) == 0
 
 
+@pytest.mark.process
 def test_binds_loopback_by_default():
     proc = ServerProcess()
     try:
@@ -34,6 +36,7 @@ def test_binds_loopback_by_default():
         proc.stop()
 
 
+@pytest.mark.process
 def test_cli_help_and_bad_size():
     out = subprocess.run([sys.executable, "-m", "tensorshare_server", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--port" in out.stdout and "--host" in out.stdout
@@ -42,6 +45,7 @@ def test_cli_help_and_bad_size():
     assert bad.returncode == 2 and "not a size" in bad.stderr
 
 
+@pytest.mark.process
 def test_embedded_server_in_process():
     from tensorshare_server import EmbeddedServer
 

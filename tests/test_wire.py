@@ -1272,3 +1272,76 @@ def test_walking_nested_values_makes_no_reference_cycles():
     assert torch.equal(copied["c"]["d"], value["c"]["d"]) and copied["b"][1][1] == "x"
     assert sorted(meta) == ["", "c/", "c/n/"]  # the nested level is walked too
     assert meta["c/"]["d"]["shape"] == [1] and meta[""]["c"] == {"type": "TensorDict"}
+
+
+# ---- the container rule (tensorshare/wire/unpacking.py): memory a small multiple of the bytes
+
+
+def _maps_header(count: int, pad: int = 0) -> bytes:
+    """A header ``{"op": "NOOP", "x": [{} * count], "p": b"..." (pad bytes)}``."""
+    return msgpack.packb({"op": "NOOP", "x": [{}] * count, "p": b"\0" * pad}, use_bin_type=True)
+
+
+def test_a_small_header_may_be_all_containers():
+    header = _maps_header(1000)  # ~1 KiB, 1001 containers: under the free 1024
+    assert len(header) <= 1024
+    assert len(frames.unpack_header(header)["x"]) == 1000
+
+
+def _padded_to(count: int, containers_allowed: int) -> bytes:
+    """A header of ``count`` empty maps, padded so that its size allows exactly
+    ``containers_allowed`` containers."""
+    from tensorshare.wire.unpacking import BYTES_PER_CONTAINER, container_limit
+
+    pad = BYTES_PER_CONTAINER * containers_allowed - len(_maps_header(count)) - 1
+    header = _maps_header(count, pad)
+    assert container_limit(len(header)) == containers_allowed
+    return header
+
+
+def test_a_large_header_holds_one_container_per_16_bytes():
+    count = 3000
+    assert len(frames.unpack_header(_padded_to(count, count + 2))["x"]) == count  # with the header and "x"
+    with pytest.raises(ProtocolError, match=f"more than {count + 1} maps and arrays"):
+        frames.unpack_header(_padded_to(count, count + 1))
+
+
+def test_a_description_of_empty_maps_is_refused_before_it_is_built():
+    blob = desc_blob([{}] * 100_000)  # 100 KB, 100,000 dicts (8 MB)
+    with pytest.raises(ProtocolError, match="value description holds more than"):
+        codec.parse_description(blob, 0)
+
+
+def test_nested_tuples_may_copy_out_four_times_the_description():
+    # Each level of tuple nesting is decoded from a copy of its bytes: 40 levels
+    # around 64 KiB would copy out 2.5 MiB for a description of 64 KiB.
+    inner = msgpack.packb(b"\0" * (64 << 10), use_bin_type=True)
+    deep = inner
+    for _ in range(40):
+        deep = msgpack.packb(msgpack.ExtType(2, b"\x91" + deep), use_bin_type=True)
+    blob = b"\x83\xa1v" + deep + b"\xa1t\x90\xa1n\x00"
+    with pytest.raises(ProtocolError, match="copy out more than 4 times its size"):
+        codec.parse_description(blob, 0)
+    shallow = inner
+    for _ in range(3):
+        shallow = msgpack.packb(msgpack.ExtType(2, b"\x91" + shallow), use_bin_type=True)
+    desc = codec.parse_description(b"\x83\xa1v" + shallow + b"\xa1t\x90\xa1n\x00", 0)
+    assert desc.arrays == []
+
+
+def test_ordinary_values_are_far_from_the_rule():
+    value = {"obs": torch.zeros(4, 84, 84), "info": [{"reward": 1.0, "done": False, "step": i} for i in range(5000)],
+             "pairs": [(i, i + 1) for i in range(300)]}
+    assert_same(value, wire.loads(wire.dumps(value)))
+
+
+def test_a_server_refuses_a_header_that_decodes_to_more_than_8_times_its_bytes():
+    # 2-character strings: 3 bytes each on the wire, 51 bytes each decoded.
+    header = msgpack.packb({"op": "NOOP", "x": ["ab"] * 1000}, use_bin_type=True)
+    assert len(frames.unpack_header(header)["x"]) == 1000  # a client keeps no request waiting: not measured
+    with pytest.raises(ProtocolError, match="decodes to .* bytes of objects, over 8 times its size"):
+        frames.unpack_header(header, FrameLimits(header_memory=8))
+    # What honest requests carry past 1 KiB: a value description (bytes), item references.
+    honest = msgpack.packb({"op": "PUT", "id": 7, "bin": "b", "value": b"\x83" * 4000, "ref": list(range(1000, 1200))},
+                           use_bin_type=True)
+    assert frames.unpack_header(honest, FrameLimits(header_memory=8))["id"] == 7

@@ -23,7 +23,6 @@ import tensorshare
 from serverproc import ServerProcess, small_tmpfs
 from tensorshare.protocol import messages as protocol
 from tensorshare.disk.areas import TOKEN_FILE, AreaError, inside, new_token, verify_area, write_token
-from tensorshare.client import _shared_fields
 from tensorshare.errors import ZeroCopyUnavailableError
 from tensorshare.disk.layout import RECORD
 from tensorshare.wire.codec import encode
@@ -35,6 +34,11 @@ SHM = "/dev/shm"
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM), reason="no /dev/shm on this host")
 
 
+
+def _shared_fields(enc, name: str) -> dict:
+    """Header fields of a PUT/APPEND whose value was written to shared memory as ``name``."""
+    return {"value": enc.description, "shm": name, "size": enc.nbytes}
+
 def _area(srv: ServerProcess, root: str = SHM) -> str | None:
     """The shared-memory area of a server process, if it has one."""
     found = glob.glob(os.path.join(root, f"tensorshare-{srv.pid}-*"))
@@ -43,6 +47,14 @@ def _area(srv: ServerProcess, root: str = SHM) -> str | None:
 
 def _files(root: str) -> list[str]:
     return [os.path.join(d, f) for d, _, files in os.walk(root) for f in files]
+
+
+def _size(path: str) -> int:
+    """The size of a file the server may be removing meanwhile (0 once gone)."""
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return 0
 
 
 def _backing_file(array) -> str | None:
@@ -148,11 +160,11 @@ def test_replaced_and_deleted_items_stay_intact_for_their_readers(every_item):
 def test_put_is_adopted_without_a_copy(every_item):
     area = _area(every_item)
     with _client(every_item) as c:
-        areas = c._conn.areas
+        areas = c._connection().areas
         enc = encode({"w": torch.ones(MiB)})
         name = areas.write(enc)
         inode = os.stat(os.path.join(areas.incoming, name, "w.memmap")).st_ino
-        assert c._call(protocol.PUT, "adopted", extra=_shared_fields(enc, name)) == 1
+        assert c._call(protocol.PUT, {"bin": "adopted", **_shared_fields(enc, name)}, zero_copy=False) == 1
         assert not os.listdir(areas.incoming)  # renamed away...
         stored = {os.stat(f).st_ino: f for f in _files(os.path.join(area, "items")) if f.endswith("w.memmap")}
         assert inode in stored  # ...into the items: the same file, not a copy
@@ -186,7 +198,7 @@ def _tamper(kind: str, item: str) -> object:
                                   "open_for_writing", "other_value", "bad_name", "missing"])
 def test_spoilt_incoming_items_are_refused_and_nothing_is_stored(every_item, kind):
     with _client(every_item) as c:
-        areas = c._conn.areas
+        areas = c._connection().areas
         enc = encode({"w": torch.ones(1000)})
         name = areas.write(enc)
         keep = _tamper(kind, os.path.join(areas.incoming, name))
@@ -198,7 +210,7 @@ def test_spoilt_incoming_items_are_refused_and_nothing_is_stored(every_item, kin
         elif kind == "missing":
             fields["shm"] = "nothing-here"
         with pytest.raises(ZeroCopyUnavailableError):
-            c._call(protocol.APPEND, f"spoilt-{kind}", extra=fields)
+            c._call(protocol.APPEND, {"bin": f"spoilt-{kind}", **fields}, zero_copy=False)
         if keep is not None:
             keep.close()
         assert f"spoilt-{kind}" not in c.list()
@@ -207,14 +219,15 @@ def test_spoilt_incoming_items_are_refused_and_nothing_is_stored(every_item, kin
         assert _equal(c.peek(f"spoilt-{kind}"), [{"w": torch.ones(1000)}])
 
 
+@pytest.mark.process
 def test_tcp_only_connections_refuse_shared_puts():
     srv = ServerProcess("--no-zero-copy")
     try:
         assert _area(srv) is None
         with _client(srv) as c:
-            assert not c.same_host and c._conn.greeting.get("shm") is None
+            assert not c.same_host and c._connection().greeting.get("shm") is None
             with pytest.raises(ZeroCopyUnavailableError):
-                c._call(protocol.PUT, "x", extra=_shared_fields(encode(torch.ones(3)), "abc"))
+                c._call(protocol.PUT, {"bin": "x", **_shared_fields(encode(torch.ones(3)), "abc")}, zero_copy=False)
             c.put("x", torch.ones(MiB))
             [back] = c.peek("x")
             assert torch.equal(back, torch.ones(MiB)) and (_backing_file(back) or "").find("tensorshare-") < 0
@@ -229,7 +242,7 @@ _WRITE_AND_WAIT = r"""
 import sys, time, torch, tensorshare
 from tensorshare.wire.codec import encode
 c = tensorshare.Client("127.0.0.1", int(sys.argv[1]), timeout=30)
-areas = c._conn.areas
+areas = c._connection().areas
 name = areas.write(encode(torch.ones(1 << 20)))  # written, never sent: killed first
 print(areas.incoming, name, flush=True)
 time.sleep(60)
@@ -250,6 +263,7 @@ def test_a_client_killed_before_its_put_leaves_nothing(every_item):
         writer.wait()
 
 
+@pytest.mark.process
 def test_areas_go_with_their_server_even_after_kill_9():
     first = ServerProcess()
     try:
@@ -302,6 +316,7 @@ def test_zero_copy_false_uses_tcp_only(every_item):
         assert not [f for f in items if os.stat(f).st_size == 4 * (MiB + 16)]  # not written to shared memory
 
 
+@pytest.mark.process
 def test_a_token_that_does_not_match_means_tcp(tmp_path):
     srv = ServerProcess("--shm-dir", str(tmp_path))  # an area of its own, to tamper with
     try:
@@ -321,6 +336,7 @@ def test_a_token_that_does_not_match_means_tcp(tmp_path):
         srv.stop()
 
 
+@pytest.mark.process
 def test_an_unusable_shm_dir_means_tcp(tmp_path):
     srv = ServerProcess("--shm-dir", str(tmp_path / "missing"))
     try:
@@ -342,7 +358,7 @@ value = {"w": torch.arange(1 << 20, dtype=torch.float32)}
 c.put("full", value)
 [back] = c.peek("full")
 assert torch.equal(back["w"], value["w"])
-import os; assert not os.listdir(c._conn.areas.incoming)
+import os; assert not os.listdir(c._connection().areas.incoming)
 print("ok")
 """
 
@@ -353,6 +369,7 @@ def test_a_full_shm_means_tcp_for_that_value(every_item):
     assert out.stdout.strip() == "ok", out.stderr
 
 
+@pytest.mark.process
 def test_tmpfs_shm_dir_full(tmp_path):
     with small_tmpfs(tmp_path / "small", "2m") as mount:
         srv = ServerProcess("--shm-dir", str(mount))
@@ -370,6 +387,7 @@ def test_tmpfs_shm_dir_full(tmp_path):
 # ------------------------------------------------------------------ memory budget
 
 
+@pytest.mark.process
 def test_items_in_shared_memory_count_against_the_memory_limit(tmp_path):
     srv = ServerProcess("--memory-limit", "8MiB", "--spill-dir", str(tmp_path / "spill"))
     try:
@@ -380,7 +398,7 @@ def test_items_in_shared_memory_count_against_the_memory_limit(tmp_path):
                 c.put(f"m{i}", v)
 
             def in_shm() -> int:
-                return sum(os.stat(f).st_size for f in _files(os.path.join(area, "items")) if f.endswith(".memmap"))
+                return sum(_size(f) for f in _files(os.path.join(area, "items")) if f.endswith(".memmap"))
 
             c.list()  # releases nothing, but lets the spills finish
             assert wait_for(lambda: in_shm() <= 8 * MiB)
@@ -407,13 +425,14 @@ def test_items_put_over_tcp_move_to_shared_memory_when_peeked(every_item):
         assert torch.equal(zc.peek("promoted")[0], torch.ones(MiB))
 
 
+@pytest.mark.process
 def test_data_dir_items_are_mapped_from_the_data_dir(tmp_path):
     data = str(tmp_path / "data")
     srv = ServerProcess("--data-dir", data)
     try:
         assert _area(srv) is None  # durable items are on disk: no shared-memory area
         with _client(srv) as c:
-            assert c.same_host and c._conn.areas.incoming is None
+            assert c.same_host and c._connection().areas.incoming is None
             c.put("d", {"w": torch.arange(MiB, dtype=torch.float32)})  # over TCP, to disk
             [back] = c.peek("d")
             assert _mapped_from(back, data) and torch.equal(back["w"], torch.arange(MiB, dtype=torch.float32))
@@ -431,9 +450,9 @@ def test_callback_api_and_non_blocking_calls_use_shared_memory(every_item):
         ts.put("cb", {"w": torch.ones(MiB)}, callback=got.append)
         ts.peek("cb", callback=lambda r: (got.append(r), done.set()))
         assert done.wait(30)
-        assert got[0] == {"status": "OK", "data": 1}
-        assert got[1]["status"] == "OK" and _mapped_from(got[1]["data"][0], area)
-        assert not os.listdir(ts.client._conn.areas.incoming)
+        assert got[0] == {"status": "OK"}
+        assert got[1]["status"] == "OK" and _mapped_from(got[1]["data"]["w"], area)
+        assert not os.listdir(ts.client._connection().areas.incoming)
     finally:
         ts.stop()
 
@@ -487,10 +506,11 @@ def test_paths_from_the_peer_cannot_leave_their_area(relative):
 
 def test_shared_memory_is_offered_to_same_host_peers_only(tmp_path):
     from tensorshare_server.config import ServerConfig
-    from tensorshare_server.protocol.session import ServerSession, ServerState
+    from tensorshare_server.protocol.session import ServerSession
+    from tensorshare_server.root import build_state
     from wiretools import CollectingOutbox
 
-    state = ServerState.create(ServerConfig(shm_dir=str(tmp_path)))
+    state = build_state(ServerConfig(shm_dir=str(tmp_path)))
     try:
         for same_host in (False, True):
             outbox = CollectingOutbox()
@@ -514,11 +534,11 @@ def test_a_shared_value_is_handed_over_without_a_copy_then_copy_on_write(every_i
                           "small": torch.arange(10)})
         assert torch.equal(value["obs"], torch.zeros(MiB)) and value["step"] == 3
         value["obs"].fill_(7.0)  # computed in place, in shared memory
-        drafts = {os.stat(os.path.join(c._conn.areas.incoming, f)).st_ino: f
-                  for f in os.listdir(c._conn.areas.incoming)}
+        drafts = {os.stat(os.path.join(c._connection().areas.incoming, f)).st_ino: f
+                  for f in os.listdir(c._connection().areas.incoming)}
         assert len(drafts) == 3
         c.put("handed", value)
-        assert not os.listdir(c._conn.areas.incoming)  # every draft moved into the item
+        assert not os.listdir(c._connection().areas.incoming)  # every draft moved into the item
         stored = {os.stat(f).st_ino for f in _files(os.path.join(area, "items")) if f.endswith(".memmap")}
         assert set(drafts) <= stored  # the very files: nothing was copied
         value["obs"][0] = -1.0  # copy-on-write now: the server's item does not change
@@ -534,10 +554,10 @@ def test_a_shared_value_is_handed_over_without_a_copy_then_copy_on_write(every_i
 def test_unused_drafts_go_with_their_tensors(every_item):
     with _client(every_item) as c:
         value = c.shared([torch.ones(1000), torch.ones(10)])
-        assert len(os.listdir(c._conn.areas.incoming)) == 2
+        assert len(os.listdir(c._connection().areas.incoming)) == 2
         del value
         gc.collect()
-        assert not os.listdir(c._conn.areas.incoming)
+        assert not os.listdir(c._connection().areas.incoming)
 
 
 def test_shared_without_zero_copy_is_the_value(every_item):
@@ -550,12 +570,13 @@ def test_shared_without_zero_copy_is_the_value(every_item):
 def test_session_refers_only_to_same_host_peers_and_pins_until_released(tmp_path):
     """The sans-IO session: references for a same-host peer that asks, bytes otherwise;
     referenced files stay until the reply is released."""
-    from tensorshare._client.connection import request_frame
+    from tensorshare._client.connection import NO_VALUE
     from tensorshare_server.config import ServerConfig
-    from wiretools import CollectingOutbox
-    from tensorshare_server.protocol.session import ServerSession, ServerState
+    from wiretools import CollectingOutbox, request_parts
+    from tensorshare_server.protocol.session import ServerSession
+    from tensorshare_server.root import build_state
 
-    state = ServerState.create(ServerConfig(shm_dir=str(tmp_path), zero_copy_min=0))
+    state = build_state(ServerConfig(shm_dir=str(tmp_path), zero_copy_min=0))
 
     def session(same_host: bool):
         out = CollectingOutbox()
@@ -564,7 +585,7 @@ def test_session_refers_only_to_same_host_peers_and_pins_until_released(tmp_path
         return s, out
 
     def request(s, out, rid, op, value=None, **extra):
-        parts = request_frame(rid, op, "b", *([value] if value is not None else []), extra=extra)
+        parts = request_parts(rid, op, "b", NO_VALUE if value is None else value, extra=extra)
         s.data_received(b"".join(bytes(p) for p in parts))
         return out.frames[-1].header
 

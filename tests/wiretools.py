@@ -7,9 +7,11 @@ import time
 
 from twisted.internet.address import IPv4Address
 
+from tensorshare._client.connection import NO_VALUE, request_frame
 from tensorshare.protocol import messages as protocol
-from tensorshare._client.connection import request_frame
-from tensorshare.wire.frames import FrameDecoder
+from tensorshare.protocol.messages import COMMANDS, Key
+from tensorshare.wire.codec import encode
+from tensorshare.wire.frames import FrameDecoder, frame_head
 
 
 def wait_for(predicate, timeout=10.0):
@@ -62,9 +64,28 @@ class RawConnection:
         self.sock.close()
 
 
-def raw_frame(rid, op, name=None, value=None, tag=None) -> bytes:
+def request_parts(rid, op, name=None, value=NO_VALUE, tag=None, extra=None) -> list:
+    """The parts of a request frame for verb ``op`` (any string: unknown verbs too),
+    built as the clients build them where the verb is known."""
+    fields = {} if name is None else {Key.BIN: name}
+    if tag is not None:
+        fields[Key.TAG] = tag
+    if extra:
+        fields.update(extra)
+    command = COMMANDS.get(op)
+    if command is not None:
+        return request_frame(rid, command, fields, value)
+    header = {Key.OP: op, Key.ID: rid, **fields}
+    if value is NO_VALUE:
+        return [frame_head(header, 0)]
+    enc = encode(value)
+    header[Key.VALUE] = enc.description
+    return [frame_head(header, enc.nbytes), *enc.buffers]
+
+
+def raw_frame(rid, op, name=None, value=None, tag=None, extra=None) -> bytes:
     """One request frame as bytes (``value=None``: no value)."""
-    parts = request_frame(rid, op, name, tag=tag) if value is None else request_frame(rid, op, name, value, tag)
+    parts = request_parts(rid, op, name, NO_VALUE if value is None else value, tag, extra)
     return b"".join(bytes(p) for p in parts)
 
 
@@ -83,11 +104,14 @@ class CollectingOutbox:
     def headers(self) -> list[dict]:
         return [frame.header for frame in self.frames]
 
-    def send(self, parts, on_abandon=None) -> None:
+    def send(self, parts, on_abandon=None, on_written=None):
         self.frames.extend(self._decoder.feed(b"".join(bytes(p) for p in parts)))
+        if on_written is not None:
+            on_written()
+        return None
 
-    def notify(self, name: str, frame: bytes) -> None:
-        self.send([frame])
+    def withdraw(self, ticket) -> bool:
+        return False
 
     def close(self) -> None:
         self.closed = True

@@ -5,8 +5,10 @@ Layout under the data directory::
     bins/<sha256 of the bin name, 32 hex digits>/
         bin.json                   {"name": the bin's name}
         floor                      items numbered below this were taken by a GET
-        00000000000000000042/      an APPENDed item (tensorshare.layout)
+        00000000000000000042/      an APPENDed item (tensorshare.disk.layout)
         00000000000000000057.put/  a PUT item: every lower-numbered item is superseded
+    bins/.swap-<same hash>/        a bin being rewritten (see put_back); "complete" once whole
+    held/<random>/                 items a GET took whose reply is not written yet, kept by a DELETE
     trash/                         deleted bins, removed in the background
 
 Item numbers come from one counter that only grows (restarted above the largest
@@ -34,10 +36,18 @@ from dataclasses import dataclass, field
 from tensorshare.disk.layout import LayoutError, StoredItem, fsync_dir, read_item, write_item
 from tensorshare.wire.description import DEFAULT_LIMITS, DecodeLimits
 
+from .spill import make_private_dir
+
 log = logging.getLogger("tensorshare.server")
 
 _PUT_SUFFIX = ".put"
 _NUMBER_DIGITS = 20
+_COMPLETE = "complete"  # in a rewritten bin not yet swapped in: every item is there
+
+
+def _link_tree(source: str, target: str) -> None:
+    """Recreate the directory tree ``source`` at ``target`` with hard links to its files."""
+    shutil.copytree(source, target, copy_function=os.link)
 
 
 @dataclass
@@ -76,6 +86,8 @@ class DataDir:
         self.limits = limits
         self.bins_dir = os.path.join(self.root, "bins")
         self.trash = os.path.join(self.root, "trash")
+        self.held = os.path.join(self.root, "held")
+        make_private_dir(self.root)  # stored tensors and bin names are nobody else's business
         os.makedirs(self.bins_dir, exist_ok=True)
         os.makedirs(self.trash, exist_ok=True)
 
@@ -89,15 +101,19 @@ class DataDir:
 
     # -- changes (each one atomic)
 
-    def commit(self, name: str, number: int, replace: bool, description: bytes, segments, nbytes: int,
-               tag) -> StoredItem:
-        """Write an item of bin ``name``; ``replace`` (a PUT) supersedes the older ones."""
+    def commit(self, name: str, next_number, replace: bool, description: bytes, segments, nbytes: int,
+               tag) -> tuple[StoredItem, int]:
+        """Write an item of bin ``name``; ``replace`` (a PUT) supersedes the older ones.
+        Its number comes from ``next_number()`` now, so numbers follow the order in
+        which the bin's changes reach the disk.  Returns the item and its number."""
         bin_path = self.bin_path(name)
         if not os.path.isdir(bin_path):
             self._create_bin(name, bin_path)
+        number = next_number()
         item_name = f"{number:0{_NUMBER_DIGITS}d}" + (_PUT_SUFFIX if replace else "")
-        return write_item(os.path.join(bin_path, item_name), description, segments, nbytes, tag,
-                          fsync=self.fsync, limits=self.limits)
+        stored = write_item(os.path.join(bin_path, item_name), description, segments, nbytes, tag,
+                            fsync=self.fsync, limits=self.limits)
+        return stored, number
 
     def _create_bin(self, name: str, bin_path: str) -> None:
         tmp = os.path.join(self.bins_dir, f".tmp-{uuid.uuid4().hex}")
@@ -118,16 +134,75 @@ class DataDir:
         if os.path.isdir(bin_path):
             _atomic_write(os.path.join(bin_path, "floor"), str(number), self.fsync)
 
-    def delete_bin(self, name: str) -> None:
-        """Remove bin ``name``: moved to the trash at once, its files deleted after."""
+    def delete_bin(self, name: str, keep: tuple = ()) -> dict[str, StoredItem]:
+        """Remove bin ``name``: moved to the trash at once, its files deleted after.
+
+        The item directories in ``keep`` (items a GET took whose reply is still
+        being written: they may yet go back into the bin) are first linked into
+        the held area; returns ``{old path: the item found there now}`` for them."""
         bin_path = self.bin_path(name)
         if not os.path.isdir(bin_path):
-            return
+            return {}
+        kept = {}
+        for path in keep:
+            if os.path.isdir(path) and os.path.dirname(path) == bin_path:
+                target = os.path.join(self.held, uuid.uuid4().hex)
+                _link_tree(path, target)
+                kept[path] = read_item(target, self.limits)
         doomed = os.path.join(self.trash, uuid.uuid4().hex)
         os.rename(bin_path, doomed)
         if self.fsync:
             fsync_dir(self.bins_dir)
         shutil.rmtree(doomed, ignore_errors=True)
+        return kept
+
+    def put_back(self, name: str, item_paths: list[str], next_number) -> dict[str, tuple[StoredItem, int]]:
+        """Put the items at ``item_paths`` (item directories anywhere in the data
+        directory: a GET took them, its reply was not delivered) back at the front of
+        bin ``name``, before the items it holds on disk now, whatever happened to it
+        meanwhile (a DELETE, a PUT).  The bin is rewritten: a new directory of hard
+        links (no data is copied), numbered by ``next_number()``, swapped in for the
+        old one; a crash leaves the old bin or the whole new one (finished at the next
+        start).  Returns ``{old path: (the item there now, its number)}``."""
+        bin_path = self.bin_path(name)
+        live = []
+        if os.path.isdir(bin_path):
+            found, _top = self._load_bin(bin_path, self.bin_key(name), [], clean=False)
+            live = [stored.path for _number, stored in found.items]
+        sources = [path for path in item_paths if os.path.isdir(path)] + live
+        return dict(zip(sources, self._rewrite_bin(name, sources, [next_number() for _ in sources])))
+
+    def _rewrite_bin(self, name: str, item_paths: list[str], numbers: list[int]) -> list[tuple[StoredItem, int]]:
+        """Make bin ``name`` hold exactly the items at ``item_paths``, in that order."""
+        bin_path = self.bin_path(name)
+        swap = os.path.join(self.bins_dir, f".swap-{self.bin_key(name)}")
+        shutil.rmtree(swap, ignore_errors=True)
+        os.mkdir(swap, 0o700)
+        try:
+            _atomic_write(os.path.join(swap, "bin.json"), json.dumps({"name": name}), self.fsync)
+            entries = []
+            for path, number in zip(item_paths, numbers):
+                entry = f"{number:0{_NUMBER_DIGITS}d}"
+                _link_tree(path, os.path.join(swap, entry))
+                entries.append(entry)
+            _atomic_write(os.path.join(swap, _COMPLETE), "", self.fsync)
+        except BaseException:
+            shutil.rmtree(swap, ignore_errors=True)
+            raise
+        if self.fsync:
+            fsync_dir(self.bins_dir)
+        doomed = None
+        if os.path.isdir(bin_path):
+            doomed = os.path.join(self.trash, uuid.uuid4().hex)
+            os.rename(bin_path, doomed)
+        os.rename(swap, bin_path)
+        os.unlink(os.path.join(bin_path, _COMPLETE))
+        if self.fsync:
+            fsync_dir(self.bins_dir)
+        if doomed is not None:
+            shutil.rmtree(doomed, ignore_errors=True)
+        return [(read_item(os.path.join(bin_path, entry), self.limits), number)
+                for entry, number in zip(entries, numbers)]
 
     # -- start-up
 
@@ -139,12 +214,14 @@ class DataDir:
         """
         shutil.rmtree(self.trash, ignore_errors=True)
         os.makedirs(self.trash, exist_ok=True)
+        shutil.rmtree(self.held, ignore_errors=True)  # taken items a DELETE kept: their GETs are over
+        self._finish_swaps()
         bins: dict[str, LoadedBin] = {}
         problems: list[str] = []
         highest = 0
         for entry in sorted(os.listdir(self.bins_dir)):
             path = os.path.join(self.bins_dir, entry)
-            if entry.startswith(".tmp-"):
+            if entry.startswith(".tmp-") or entry.startswith(".swap-"):
                 shutil.rmtree(path, ignore_errors=True)
                 continue
             try:
@@ -159,7 +236,22 @@ class DataDir:
             log.warning("data directory: skipped %s", problem)
         return Loaded(bins, highest + 1, problems)
 
-    def _load_bin(self, path: str, entry: str, problems: list[str]) -> tuple[LoadedBin | None, int]:
+    def _finish_swaps(self) -> None:
+        """Put in place the bins a crash left rewritten whole but not yet swapped in
+        (the disk jobs of one bin run in order, so a complete rewrite holds everything
+        the bin it replaces held: it wins over it)."""
+        for entry in os.listdir(self.bins_dir):
+            if entry.startswith(".swap-"):
+                path, target = os.path.join(self.bins_dir, entry), os.path.join(self.bins_dir, entry[len(".swap-"):])
+                if os.path.exists(os.path.join(path, _COMPLETE)):  # it supersedes the bin, if still there
+                    if os.path.exists(target):
+                        os.rename(target, os.path.join(self.trash, uuid.uuid4().hex))
+                    os.rename(path, target)
+                    os.unlink(os.path.join(target, _COMPLETE))
+
+    def _load_bin(self, path: str, entry: str, problems: list[str], clean: bool = True) -> tuple[LoadedBin | None, int]:
+        """The bin at ``path`` and its highest item number; with ``clean``, what a
+        crash left behind (half-written items, superseded or taken ones) is removed."""
         if not os.path.isdir(path):
             raise ValueError("not a bin directory")
         with open(os.path.join(path, "bin.json")) as f:
@@ -174,10 +266,11 @@ class DataDir:
         numbered = []
         for item_entry in os.listdir(path):
             item_path = os.path.join(path, item_entry)
-            if item_entry in ("bin.json", "floor"):
+            if item_entry in ("bin.json", "floor", _COMPLETE):
                 continue
             if item_entry.startswith(".tmp-") or item_entry.startswith("floor.tmp-"):
-                shutil.rmtree(item_path, ignore_errors=True) if os.path.isdir(item_path) else os.unlink(item_path)
+                if clean:
+                    shutil.rmtree(item_path, ignore_errors=True) if os.path.isdir(item_path) else os.unlink(item_path)
                 continue
             digits = item_entry[: -len(_PUT_SUFFIX)] if item_entry.endswith(_PUT_SUFFIX) else item_entry
             if len(digits) != _NUMBER_DIGITS or not digits.isdigit():
@@ -191,7 +284,8 @@ class DataDir:
         loaded = LoadedBin(name)
         for number, _is_put, item_path in numbered:
             if number < start:  # superseded by a PUT or taken by a GET: the removal was cut short
-                shutil.rmtree(item_path, ignore_errors=True)
+                if clean:
+                    shutil.rmtree(item_path, ignore_errors=True)
                 continue
             try:
                 loaded.items.append((number, read_item(item_path, self.limits)))

@@ -4,8 +4,8 @@ Layout (one directory per server run, private to the server's user)::
 
     <root>/tensorshare-<pid>-<random>/   root: --shm-dir, /dev/shm by default
         .lock                flock held while the server runs: a free lock means its server died
-        .tensorshare-token   the token the greeting advertises (tensorshare.areas)
-        items/<n>/           stored items, in the layout of tensorshare.layout, files read-only
+        .tensorshare-token   the token the greeting advertises (tensorshare.disk.areas)
+        items/<n>/           stored items, in the layout of tensorshare.disk.layout, files read-only
         incoming/<conn>/     one per same-host connection: its client writes PUT/APPEND values
                              here, and the server adopts them (a rename, no copy)
 
@@ -15,8 +15,8 @@ incoming directory goes when the connection closes, so a client that died before
 sending its PUT leaves nothing.  Items' files are removed once nothing refers to
 them (:mod:`.storage`); clients that still map them keep their pages.
 
-Everything here but :meth:`ShmArea.open_connection` blocks on the file system and
-runs on the server's disk threads.
+Everything here blocks on the file system and runs on the server's disk threads
+(set-up and clean-up at start and stop excepted).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Items whose payload lives in files: serving them from memory maps, and the spill area.
 
 An item on disk (spilled, or durable in the data directory) is a directory in the
-layout of :mod:`tensorshare.layout`.  :class:`ItemFiles` says where its arrays are;
+layout of :mod:`tensorshare.disk.layout`.  :class:`ItemFiles` says where its arrays are;
 :meth:`ItemFiles.open_parts` maps them read-only and cuts them into
 :class:`FileSpan` parts that the connection's writer copies out one chunk at a time,
 so a reply never holds a spilled item in RAM whole.  The functions here block on the
-file system: the server calls them from its disk thread pool (:mod:`.disk`), except
+file system: the server calls them from its disk thread pool (:mod:`.jobs`), except
 ``open_parts``, which only opens and maps (no reads: pages come in as the socket
 takes them, with read-ahead asked of the kernel).
 """
@@ -17,6 +17,7 @@ import itertools
 import mmap
 import os
 import shutil
+import stat
 import tempfile
 from dataclasses import dataclass, field
 
@@ -49,7 +50,7 @@ class FileSpan:
 
 @dataclass(frozen=True)
 class Area:
-    """A directory of items that same-host clients may map (see :mod:`tensorshare.areas`).
+    """A directory of items that same-host clients may map (see :mod:`tensorshare.disk.areas`).
 
     ``index`` is its place in the greeting's list; ``in_memory`` is True for the
     shared-memory area, whose files are RAM and count against the memory budget."""
@@ -119,17 +120,19 @@ def remove_dir(path: str) -> None:
 
 
 class SpillArea:
-    """A directory of spilled items, one subdirectory each; private and temporary by default.
+    """A directory of spilled items, one subdirectory each, private to the server's user.
 
-    In a shared ``root`` each server process works in its own ``spill-<pid>``
-    subdirectory and holds a lock on it; subdirectories whose lock is free belong
-    to servers that died, and are removed when the next server starts.
+    Each server process works in its own ``spill-<pid>`` subdirectory of ``root``
+    and holds a lock on it; subdirectories whose lock is free belong to servers
+    that died, and are removed when the next server starts.  The default root is
+    one directory per user in the temporary directory, so that the next server
+    finds what a killed one left.  The root is made private (0700): spilled items
+    hold tensors and bin names.
     """
 
     def __init__(self, root: str | None = None):
-        self.owned = root is None
-        self.root = tempfile.mkdtemp(prefix="tensorshare-spill-") if root is None else os.path.abspath(root)
-        os.makedirs(self.root, exist_ok=True)
+        self.root = default_root() if root is None else os.path.abspath(root)
+        make_private_dir(self.root)
         self._remove_orphans()
         self.items = os.path.join(self.root, f"spill-{os.getpid()}")
         shutil.rmtree(self.items, ignore_errors=True)
@@ -152,10 +155,28 @@ class SpillArea:
 
     def close(self) -> None:
         """Remove every spilled file (the server is stopping)."""
-        shutil.rmtree(self.root if self.owned else self.items, ignore_errors=True)
+        shutil.rmtree(self.items, ignore_errors=True)
         if self._lock is not None:
             os.close(self._lock)
             self._lock = None
+
+
+def default_root() -> str:
+    """The spill root shared by this user's servers: ``<tmp>/tensorshare-spill-<uid>``."""
+    return os.path.join(tempfile.gettempdir(), f"tensorshare-spill-{os.geteuid()}")
+
+
+def make_private_dir(path: str) -> None:
+    """Create ``path`` (with its parents) and make it private to this user (0700).
+
+    An existing directory must be a real directory of this user (not a link, not
+    someone else's): a server never writes into a directory another user prepared."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise PermissionError(f"{path} is not a directory of this user")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(path, 0o700)
 
 
 def _lock(directory: str, blocking: bool, create: bool = True) -> int | None:

@@ -1,10 +1,12 @@
-"""The bin store with its disk tier: spilling under a memory budget, and the durable directory.
+"""The one storage interface the verb handlers use: the bins, and their disk tiers.
 
-:class:`Storage` wraps the pure :class:`~.store.BinStore` for the sessions.  It
-decides when payloads move to disk and what a change must write before it is
-acknowledged; the blocking file work runs through a :class:`Jobs` runner (the
-server's thread pool, :mod:`.disk`; a synchronous one in tests), whose completion
-callbacks come back on the caller's (reactor) thread.
+:class:`Storage` wraps the pure :class:`~.store.BinStore` for the sessions, for
+reads (``state``, ``listing``, ``peek``, ``take``, ``restore``, ``read``) and writes
+(``add``, ``adopt``, ``delete``) alike.  It decides when payloads move to disk and
+what a change must write before it is acknowledged; every blocking file operation
+(writing, opening and mapping an item's files, adopting, spilling) runs through a
+:class:`Jobs` runner (the server's disk threads, :mod:`.jobs`; a synchronous one in
+tests), whose completion callbacks come back on the caller's (reactor) thread.
 
 * Memory only (no limit, no data directory): every call completes at once.
 * ``memory_limit``: past the budget, least recently used items are written to the
@@ -36,7 +38,10 @@ import weakref
 from typing import Callable, Protocol
 
 from tensorshare.disk.areas import write_token
-from tensorshare.errors import RemoteError, StorageFullError, ZeroCopyUnavailableError
+from tensorshare.disk.layout import StoredItem
+from tensorshare.errors import (
+    BadRequestError, RemoteError, ServerLocalError, StorageFullError, ZeroCopyUnavailableError,
+)
 from tensorshare.wire.description import DEFAULT_LIMITS, DecodeLimits
 
 from .durable import DataDir
@@ -79,14 +84,15 @@ class InlineJobs:
 
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _SHM_FULL_PAUSE_S = 5.0  # after shared memory ran full, no item is copied there for this long
-_ADOPT_AT_ONCE = 8  # arrays of a value whose adoption is checked on the caller's thread
 
 
 def _storage_error(exc: BaseException, what: str) -> RemoteError:
+    """The reply to a write that failed: 452 for the disk (trying again later may
+    work), 501 for a value that cannot be written at all."""
     if isinstance(exc, OSError):
         reason = "disk full" if exc.errno in _DISK_FULL else "disk error"
         return StorageFullError(f"{what}: {reason}: {exc.strerror or exc}")
-    return StorageFullError(f"{what}: {exc}")
+    return BadRequestError(f"{what}: this value cannot be stored: {exc}")
 
 
 class Storage:
@@ -109,6 +115,7 @@ class Storage:
         self.token: str | None = None
         self.shm_area = self.spill_area = self.data_area = None
         self._promoting: set[Item] = set()
+        self._taken: dict[str, list[Item]] = {}  # durable: items of GETs whose replies are not written yet
         self._shm_full_until = 0.0
         self._open = [True]  # cleared by close(): finalizers that run later leave the files alone
 
@@ -159,21 +166,24 @@ class Storage:
     def add(self, name: str, item: Item, replace: bool, done: Done) -> None:
         """PUT (``replace``) or APPEND ``item``; ``done(change, error)`` when it is stored."""
         store = self.store
-        store.check_add(name, replace)
+        limit = store.memory_limit
+        if limit is not None and store.unspillable_bytes + len(item.description) > limit:
+            raise StorageFullError(f"memory budget full: {store.description_bytes} bytes of descriptions and "
+                                   f"{store.in_flight_bytes} of replies not yet read, which spilling cannot free")
         if self.data_dir is None:
-            limit = store.memory_limit
             if self.spill_failed and limit is not None and store.resident_bytes + item.nbytes > limit:
                 raise StorageFullError(f"memory budget full and spilling failed: {self.spill_failed}")
-            done(store.put(name, item) if replace else store.append(name, item), None)
+            done(store.put(name, item) if replace else store.append(name, item), None)  # (they check the limits)
             self._enforce_budget()
             return
-        number = next(self._numbers)
+        store.check_add(name, replace)  # refused before anything is written
 
-        def committed(stored, error) -> None:
+        def committed(result, error) -> None:
             if error is not None:
                 log.warning("could not store an item of bin %r: %s", name, error)
                 done(None, _storage_error(error, "not stored"))
                 return
+            stored, number = result
             item.files = ItemFiles.of(stored, lane=name, number=number, area=self.data_area)
             self._watch(item)
             try:
@@ -186,18 +196,16 @@ class Storage:
             self._enforce_budget()
 
         self.jobs.run(name, self.data_dir.commit,
-                      (name, number, replace, item.description, item.segments, item.nbytes, item.tag), committed)
+                      (name, self._next_number, replace, item.description, item.segments, item.nbytes, item.tag),
+                      committed)
 
     def adopt(self, name: str, connection: str, shm_name: object, description: bytes, nbytes: int, tag,
-              replace: bool, done: Done, limits: DecodeLimits = DEFAULT_LIMITS, arrays: int | None = None) -> None:
+              replace: bool, done: Done, limits: DecodeLimits = DEFAULT_LIMITS) -> None:
         """PUT (``replace``) or APPEND of a value a same-host client wrote to
         ``incoming/<connection>/<shm_name>`` in the shared-memory area: checked and
-        taken over without a copy (:meth:`ShmArea.adopt`), then stored as :meth:`add`
-        does.  ``done(None, ZeroCopyUnavailableError)`` if it cannot be taken.
-
-        The checks cost a few system calls per file and read no data: for a value of
-        at most a few ``arrays`` they run at once (a trip through the disk threads
-        would cost more), for more on a disk thread."""
+        taken over without a copy (:meth:`ShmArea.adopt`, on a disk thread), then
+        stored as :meth:`add` does.  ``done(None, ZeroCopyUnavailableError)`` if it
+        cannot be taken."""
         if self.shm_area is None or self.data_dir is not None:
             raise ZeroCopyUnavailableError("this server takes values over TCP only")
         self.store.check_add(name, replace)
@@ -216,17 +224,19 @@ class Storage:
             except RemoteError as exc:  # limits or budget: the files go with the item
                 done(None, exc)
 
-        args = (connection, shm_name, description, nbytes, limits)
-        if arrays is not None and arrays <= _ADOPT_AT_ONCE:
-            try:
-                stored, error = self.shm.adopt(*args), None
-            except Exception as exc:
-                stored, error = None, exc
-            adopted(stored, error)
-        else:
-            self.jobs.run(None, self.shm.adopt, args, adopted)
+        self.jobs.run(None, self.shm.adopt, (connection, shm_name, description, nbytes, limits), adopted)
 
-    def close_connection(self, incoming: str) -> None:
+    @property
+    def takes_incoming(self) -> bool:
+        """Whether same-host clients may write values into the shared-memory area."""
+        return self.shm_area is not None and self.data_dir is None
+
+    def open_incoming(self, done: Callable[[str | None, BaseException | None], None]) -> None:
+        """Make an incoming directory for a same-host connection (on a disk thread);
+        ``done(name, error)``."""
+        self.jobs.run(None, self.shm.open_connection, (), done)
+
+    def close_incoming(self, incoming: str) -> None:
         """A same-host connection closed: remove its incoming directory (in the background)."""
         if self.shm is not None and self._open[0]:
             self.jobs.run(None, self.shm.close_connection, (incoming,))
@@ -256,28 +266,150 @@ class Storage:
         self.jobs.run(None, self.shm.write, (item.description, item.segments, item.nbytes, item.tag), written)
 
     def delete(self, name: str, done: Done) -> None:
-        """DELETE bin ``name``; ``done`` once it is gone (from disk too, if durable)."""
-        change = self.store.delete(name)
+        """DELETE bin ``name``; ``done`` once it is gone (from disk too, if durable).
+
+        With a data directory the bin leaves memory only once it has left the disk,
+        in the order of the bin's other changes there: an APPEND acknowledged before
+        the DELETE is deleted with it, one after it survives, on disk as in memory.
+        Items of the bin that a GET took and has not delivered yet are kept aside:
+        they may go back."""
         if self.data_dir is None:
-            done(change, None)
+            done(self.store.delete(name), None)
             return
+        self.store.peek(name)  # 550 at once for a bin that does not exist
 
-        def deleted(_result, error) -> None:
-            done(change, None if error is None else _storage_error(error, "deleted in memory, not on disk"))
+        def deleted(kept, error) -> None:
+            if error is not None:
+                done(None, _storage_error(error, "not deleted"))
+                return
+            for item in self._taken.get(name, ()):
+                moved = kept.get(item.files.path)
+                if moved is not None:
+                    _repoint(item.files, moved, None)
+            try:
+                done(self.store.delete(name), None)
+            except RemoteError as exc:  # deleted meanwhile, by an earlier DELETE
+                done(None, exc)
 
-        self.jobs.run(name, self.data_dir.delete_bin, (name,), deleted)
+        self.jobs.run(name, self._delete_bin, (name,), deleted)
 
-    def taken(self, name: str, items: list[Item]) -> None:
-        """A GET took ``items`` from bin ``name``: move the bin's floor on disk past them."""
-        numbers = [item.files.number for item in items if item.files is not None and item.files.number]
-        if self.data_dir is not None and numbers:
-            self.jobs.run(name, self.data_dir.set_floor, (name, max(numbers) + 1))
+    def _delete_bin(self, name: str) -> dict:
+        """The disk half of :meth:`delete` (a disk thread, in the bin's lane)."""
+        return self.data_dir.delete_bin(name, tuple(item.files.path for item in self._taken.get(name, ())))
 
-    def restored(self, name: str, items: list[Item]) -> None:
-        """A GET's reply was not delivered and ``items`` went back: lower the floor again."""
-        numbers = [item.files.number for item in items if item.files is not None and item.files.number]
-        if self.data_dir is not None and numbers:
-            self.jobs.run(name, self.data_dir.set_floor, (name, min(numbers)))
+    # -- reads
+
+    def state(self, name: str) -> tuple[bool, int, int, int | None]:
+        """``(exists, n_items, seq, tag)`` of bin ``name`` (see :meth:`BinStore.state`)."""
+        return self.store.state(name)
+
+    def listing(self) -> dict[str, int]:
+        """``{bin: n_items}`` for every bin."""
+        return self.store.listing()
+
+    def peek(self, name: str) -> list[Item]:
+        """The items of bin ``name``, which keeps them (NoSuchBinError if none)."""
+        return self.store.peek(name)
+
+    def take(self, name: str, limit: int | None = None) -> tuple[list[Item], Change]:
+        """GET: take every item (the first ``limit``) out of bin ``name``; with a data
+        directory the bin's floor moves past them on disk.  Their payload in memory
+        stays counted against the budget until :meth:`delivered` (or :meth:`restore`)."""
+        items, change = self.store.get(name, limit)
+        self.store.in_flight_bytes += _resident_bytes(items)
+        if self.data_dir is not None and items:
+            self._taken.setdefault(name, []).extend(items)
+            self.jobs.run(name, self._move_floor, (name, items))
+        return items, change
+
+    def _move_floor(self, name: str, items: list[Item]) -> None:
+        """Past the taken ``items`` (a disk thread, in the bin's lane: their numbers are
+        those the bin's earlier disk work gave them)."""
+        numbers = [item.files.number for item in items if item.files.number is not None]
+        if numbers:
+            self.data_dir.set_floor(name, max(numbers) + 1)
+
+    def delivered(self, name: str, items: list[Item]) -> None:
+        """The reply of a GET that took ``items`` from bin ``name`` has been written whole."""
+        self.store.in_flight_bytes -= _resident_bytes(items)
+        self._forget_taken(name, items)
+        self._wake()
+
+    def restore(self, name: str, items: list[Item]) -> Change | None:
+        """Put ``items`` that a GET took back at the front of bin ``name`` (its reply
+        was not delivered).  They count as stored again and the budget is enforced;
+        with a data directory they go back at the front of the bin on disk too,
+        whatever happened to it meanwhile."""
+        self.store.in_flight_bytes -= _resident_bytes(items)
+        self._forget_taken(name, items)
+        change = self.store.restore(name, items)
+        self._enforce_budget()
+        if self.data_dir is not None and items:
+            def put_back(moved, error) -> None:
+                if error is not None:
+                    log.error("could not put %d taken item(s) back into bin %r on disk: %s", len(items), name, error)
+                    return
+                for item in self.store.items_of(name):
+                    found = moved.get(item.files.path)
+                    if found is not None:
+                        _repoint(item.files, *found)
+
+            self.jobs.run(name, self._put_back, (name, items), put_back)
+        return change
+
+    def _put_back(self, name: str, items: list[Item]) -> dict:
+        """The disk half of :meth:`restore` (a disk thread, in the bin's lane)."""
+        return self.data_dir.put_back(name, [item.files.path for item in items], self._next_number)
+
+    def _next_number(self) -> int:
+        return next(self._numbers)
+
+    def _forget_taken(self, name: str, items: list[Item]) -> None:
+        taken = self._taken.get(name)
+        if taken:
+            gone = {id(item) for item in items}
+            taken[:] = [item for item in taken if id(item) not in gone]
+            if not taken:
+                del self._taken[name]
+
+    def parts_in_memory(self, items: list[Item], refs: list | None) -> list | None:
+        """The payload parts of a reply carrying ``items`` (those without a reference
+        in ``refs``) if every one is in memory, else None (:meth:`read` them)."""
+        parts = []
+        for i, item in enumerate(items):
+            if refs is None or refs[i] is None:
+                segments = item.segments
+                if segments is None:
+                    return None
+                parts.extend(segments)
+        return parts
+
+    def read(self, items: list[Item], refs: list | None,
+             done: Callable[[list | None, RemoteError | None], None]) -> None:
+        """``done(parts, None)`` with the payload parts of a reply carrying ``items``
+        (those without a reference in ``refs``), or ``done(None, error)`` (451) if
+        their files cannot be opened.
+
+        Payloads in memory are their parts at once; an item only on disk is opened
+        and mapped on a disk thread (no reads: pages come in as the socket takes
+        them).  What each item holds is taken now, so a spill that swaps an item's
+        chunks for files meanwhile changes nothing."""
+        parts = self.parts_in_memory(items, refs)
+        if parts is not None:
+            done(parts, None)
+            return
+        sources = [item.segments if item.segments is not None else item.files
+                   for i, item in enumerate(items) if refs is None or refs[i] is None]
+
+        def opened(parts, error) -> None:
+            if error is not None:
+                log.error("cannot read a stored item's files: %s", error)
+                reason = getattr(error, "strerror", None) or error
+                done(None, ServerLocalError(f"cannot read the stored item: {reason}"))
+            else:
+                done(parts, None)
+
+        self.jobs.run(None, _open_parts, (sources,), opened)
 
     # -- the memory budget and backpressure
 
@@ -309,7 +441,10 @@ class Storage:
             self._spills_in_flight -= 1
             try:
                 if error is not None:
-                    self.spill_failed = str(error)
+                    if isinstance(error, OSError):  # the disk: no spill can succeed for now
+                        self.spill_failed = str(error)
+                    else:  # this item: it stays in memory, and the next one is tried
+                        item.unspillable = True
                     log.warning("spilling %d bytes failed: %s", item.nbytes, error)
                     self.store.evict(item)  # ends its spilling state; it stays in memory
                 else:
@@ -319,7 +454,7 @@ class Storage:
                         self._watch(item)
                     else:  # the item left the store while it was written
                         self.jobs.run(None, remove, (files,))
-                if error is None:
+                if error is None or item.unspillable:
                     self._enforce_budget()
             finally:
                 self._wake()
@@ -355,6 +490,23 @@ class Storage:
             self.spill.close()
         if self.shm is not None:
             self.shm.close()
+
+
+def _repoint(files: ItemFiles, stored: StoredItem, number: int | None) -> None:
+    """An item's files moved (a bin rewritten, a taken item kept aside): say where they are now."""
+    files.path, files.spans, files.number, files._ref = stored.path, stored.files, number, None
+
+
+def _resident_bytes(items: list[Item]) -> int:
+    return sum(item.nbytes for item in items if item.resident)
+
+
+def _open_parts(sources: list) -> list:
+    """The frame parts of payloads held as chunks (a tuple) or as files (blocking)."""
+    parts = []
+    for source in sources:
+        parts.extend(source if type(source) is tuple else source.open_parts())
+    return parts
 
 
 def _collect(jobs: Jobs, files: ItemFiles, open_: list) -> None:

@@ -27,7 +27,8 @@ class Item:
     (a durable item still cached).
     """
 
-    __slots__ = ("description", "segments", "nbytes", "tag", "files", "stored", "spilling", "__weakref__")
+    __slots__ = ("description", "segments", "nbytes", "tag", "files", "stored", "spilling", "unspillable",
+                 "__weakref__")
 
     def __init__(self, description: bytes, segments: tuple | None, nbytes: int, tag: int | None = None,
                  files=None):
@@ -38,6 +39,7 @@ class Item:
         self.files = files  # spill.ItemFiles when the payload is also (or only) on disk
         self.stored = False  # in a bin of the store right now
         self.spilling = False  # being written to the spill area
+        self.unspillable = False  # writing it to disk failed for a reason of its own: it stays in memory
 
     @property
     def resident(self) -> bool:
@@ -67,7 +69,8 @@ class Change:
 @dataclass
 class _Bin:
     items: deque = field(default_factory=deque)
-    nbytes: int = 0
+    nbytes: int = 0  # payload bytes of its items
+    described: int = 0  # bytes of its items' descriptions
     seq: int = 0
 
 
@@ -83,6 +86,8 @@ class BinStore:
         self._seq = 0
         self.nbytes = 0  # payload bytes held by all bins
         self.resident_bytes = 0  # of which in memory
+        self.description_bytes = 0  # of the stored items' descriptions, always in memory
+        self.in_flight_bytes = 0  # payload in memory of items taken by GETs whose replies are still being written
         self._lru: OrderedDict[Item, None] = OrderedDict()  # resident items, least recently used first
         self._evicting_bytes = 0  # of resident_bytes, on their way to disk
 
@@ -96,6 +101,12 @@ class BinStore:
             if item.resident:
                 lru.move_to_end(item)
         return items
+
+    def items_of(self, name: str) -> list[Item]:
+        """The items of bin ``name`` ([] if there is none), as :meth:`peek` gives them
+        but without counting it as a use."""
+        b = self._bins.get(name)
+        return [] if b is None else list(b.items)
 
     def listing(self) -> dict[str, int]:
         """``{bin: n_items}`` for every bin."""
@@ -140,10 +151,11 @@ class BinStore:
         self._add(b, item)
         return self._changed(name, b, "APPEND")
 
-    def get(self, name: str) -> tuple[list[Item], Change]:
-        """Take every item out of bin ``name``; the bin stays, empty."""
+    def get(self, name: str, limit: int | None = None) -> tuple[list[Item], Change]:
+        """Take every item (the first ``limit``, if given) out of bin ``name``; the bin
+        stays, empty or with the rest."""
         b = self._bin(name)
-        items = self._clear(b)
+        items = self._clear(b, limit)
         return items, self._changed(name, b, "GET")
 
     def continue_from(self, seq: int) -> None:
@@ -182,10 +194,16 @@ class BinStore:
     # -- the memory budget
 
     def over_budget(self) -> int:
-        """Bytes of resident payload above ``memory_limit`` (0 if none or no limit)."""
+        """Bytes in memory above ``memory_limit`` (0 if none or no limit): resident
+        payload, descriptions, and taken items whose replies are still being written."""
         if self.memory_limit is None:
             return 0
-        return max(0, self.resident_bytes - self.memory_limit)
+        return max(0, self.resident_bytes + self.unspillable_bytes - self.memory_limit)
+
+    @property
+    def unspillable_bytes(self) -> int:
+        """Memory the budget counts that spilling cannot free (descriptions, replies in flight)."""
+        return self.description_bytes + self.in_flight_bytes
 
     def to_evict(self) -> list[Item]:
         """Resident items to move to disk, least recently used first, enough (with
@@ -196,7 +214,7 @@ class BinStore:
         for item in self._lru:
             if excess <= 0:
                 break
-            if not item.spilling:
+            if not item.spilling and not item.unspillable:
                 item.spilling = True
                 self._evicting_bytes += item.nbytes
                 excess -= item.nbytes
@@ -242,6 +260,9 @@ class BinStore:
             b.items.append(item)
         b.nbytes += item.nbytes
         self.nbytes += item.nbytes
+        described = len(item.description)
+        b.described += described
+        self.description_bytes += described
         item.stored = True
         if item.files is not None:
             item.files.dropped = False
@@ -249,12 +270,21 @@ class BinStore:
             self._lru[item] = None
             self.resident_bytes += item.nbytes
 
-    def _clear(self, b: _Bin) -> list[Item]:
-        """Empty bin ``b``; its items leave the store (their files may go once unused)."""
-        items = list(b.items)
-        b.items.clear()
-        self.nbytes -= b.nbytes
-        b.nbytes = 0
+    def _clear(self, b: _Bin, limit: int | None = None) -> list[Item]:
+        """Empty bin ``b`` (take its first ``limit`` items); those items leave the
+        store (their files may go once unused)."""
+        if limit is None or limit >= len(b.items):  # the usual case: the bin's totals go
+            items = list(b.items)
+            b.items.clear()
+            nbytes, described = b.nbytes, b.described
+        else:
+            items = [b.items.popleft() for _ in range(limit)]
+            nbytes = sum(item.nbytes for item in items)
+            described = sum(len(item.description) for item in items)
+        self.nbytes -= nbytes
+        b.nbytes -= nbytes
+        self.description_bytes -= described
+        b.described -= described
         for item in items:
             item.stored = False
             if item.files is not None:

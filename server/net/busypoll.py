@@ -2,9 +2,8 @@
 
 A reactor that sleeps in ``epoll_wait`` as soon as it has answered pays for being
 woken by the next request: the kernel must wake the thread and, on a virtual
-machine whose CPU went idle, the hypervisor must first resume that CPU.  Measured
-here (2-vCPU VM, loopback, a client in a loop of small requests), that came to
-about 90 us of a 290-320 us round trip.  Clients in such loops send their next
+machine whose CPU went idle, the hypervisor must first resume that CPU: a large
+part of a small round trip (docs/design.md).  Clients in such loops send their next
 request within a few hundred microseconds of the last reply, so a reactor that
 keeps polling (``epoll_wait`` with a zero timeout) for ``window`` seconds after
 a request sees it at once.

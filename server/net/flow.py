@@ -1,12 +1,14 @@
 """Outbound flow control of one connection, without I/O: what its unsent frames cost,
-when it counts as congested, and when its reader counts as stalled.
+when it counts as congested, and when its output counts as stalled.
 
 A client that does not read its replies or notifications must not make the server's
 memory grow.  :class:`OutboundBudget` keeps the account that the connection's
 :class:`~.service.FrameWriter` reports to, and the policy built on it:
 
 * **What is counted**: the bytes of every frame queued but not yet handed to the
-  transport.  Frame heads (replies, notifications) are counted per frame.  Large
+  transport, plus :data:`FRAME_COST` per frame for the objects that hold it in the
+  queue (so that many tiny notifications cost what they really take).  Frame heads
+  (replies, notifications) are counted per frame.  Large
   payload parts (``>= SHARED_PART`` bytes: the stored chunks an item is made of)
   are counted once however many queued frames refer to them, so a hundred
   pipelined PEEKs of one 64 MiB item count 64 MiB, not 6.4 GiB.  Such parts cost
@@ -21,37 +23,43 @@ memory grow.  :class:`OutboundBudget` keeps the account that the connection's
   writers), and a new notification replaces the one still waiting for the same bin
   (coalescing).  It stops being congested at ``limit / 2`` (hysteresis, so that it
   does not flip at every frame).
-* **Stalled**: congested, and for ``stall_timeout`` seconds neither a part left
-  the queue nor did the transport pass a byte on to the socket: the peer does not
-  read; the connection is closed.  A peer that reads slowly but steadily is never
-  stalled.
+* **Stalled** (:class:`StallWatch`): frames wait, congested or not, and for
+  ``stall_timeout`` seconds neither did a byte leave the queue nor did the socket
+  take one: the peer does not read, and the connection is dropped (a GET whose
+  reply it was puts its items back).  A connection that is closing gets a shorter
+  grace.
 """
 
 from __future__ import annotations
 
-import time
-from typing import Callable, Iterable
+from typing import Iterable
 
 SHARED_PART = 64 << 10  # parts this large are counted once per queue (stored item chunks)
+FRAME_COST = 256  # bytes of Python objects that keep one queued frame (entry, lists, the bytes object)
 
 
 class OutboundBudget:
     """The byte account and congestion state of one connection's outbound queue."""
 
-    def __init__(self, limit: int, stall_timeout: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, limit: int):
         if limit < 1:
             raise ValueError("the outbound limit must be at least 1 byte")
         self.limit = limit
         self.resume_below = limit // 2
-        self.stall_timeout = stall_timeout
-        self.clock = clock
-        self.queued = 0  # bytes the queued parts keep alive (see the module docstring)
+        self.queued = 0  # bytes the queued frames keep alive (see the module docstring)
         self.congested = False
-        self.last_progress = 0.0  # clock() when a part last left the queue while congested
         self._large: dict[int, list] = {}  # id(part) -> [references, size]; the queue holds the parts
 
-    def charge(self, parts: Iterable) -> bool:
-        """Count the parts of a frame just queued; True if that made the queue congested."""
+    def charge(self, parts: list) -> bool:
+        """Count a frame just queued (its parts and :data:`FRAME_COST`); True if that
+        made the queue congested."""
+        if len(parts) == 1 and len(parts[0]) < SHARED_PART:  # the usual frame: one small part
+            self.queued += FRAME_COST + len(parts[0])
+            if self.queued > self.limit and not self.congested:
+                self.congested = True
+                return True
+            return False
+        self.queued += FRAME_COST
         for part in parts:
             size = len(part)
             if size >= SHARED_PART:
@@ -63,13 +71,19 @@ class OutboundBudget:
             self.queued += size
         if not self.congested and self.queued > self.limit:
             self.congested = True
-            self.last_progress = self.clock()
             return True
         return False
 
-    def discharge(self, parts: Iterable, written: bool = True) -> bool:
-        """Uncount parts that left the queue, handed to the transport (``written``) or
-        dropped (a coalesced notification); True if that ended the congestion."""
+    def sent_small(self, nbytes: int, frames: int) -> bool:
+        """``frames`` whole frames of ``nbytes`` in small parts (none shared) left the
+        queue at once; True if that ended the congestion.  (:meth:`discharge` and
+        :meth:`frame_done` in one step, for the writer's direct send.)"""
+        self.queued -= nbytes + frames * FRAME_COST
+        return self.congested and self._eased()
+
+    def discharge(self, parts: Iterable) -> bool:
+        """Uncount parts that left the queue (handed to the transport, or dropped with a
+        withdrawn frame); True if that ended the congestion."""
         for part in parts:
             size = len(part)
             if size >= SHARED_PART:
@@ -80,22 +94,42 @@ class OutboundBudget:
                     continue
                 del self._large[key]
             self.queued -= size
-        if self.congested:
-            if written:
-                self.last_progress = self.clock()
-            if self.queued <= self.resume_below:
-                self.congested = False
-                return True
+        return self._eased()
+
+    def frame_done(self) -> bool:
+        """A frame left the queue whole (its parts were discharged); True if that
+        ended the congestion."""
+        return self.frame_done_many(1)
+
+    def frame_done_many(self, frames: int) -> bool:
+        """``frames`` frames left the queue whole (their parts discharged)."""
+        self.queued -= frames * FRAME_COST
+        return self._eased()
+
+    def _eased(self) -> bool:
+        if self.congested and self.queued <= self.resume_below:
+            self.congested = False
+            return True
         return False
 
-    def note_progress(self) -> None:
-        """The transport passed bytes on to the socket (progress the queue cannot see
-        while one large part drains)."""
-        if self.congested:
-            self.last_progress = self.clock()
 
-    def stalled_for(self) -> float:
-        """Seconds the congested queue has gone without progress (0 if not congested)."""
-        if not self.congested:
+class StallWatch:
+    """How long a connection's pending output has gone without progress.
+
+    The adapter calls :meth:`observe` on every tick with whether frames wait and a
+    marker of progress (bytes handed to the transport, bytes the socket still
+    holds): any change of the marker is progress.  A peer that reads slowly but
+    steadily is never stalled."""
+
+    def __init__(self):
+        self._since: float | None = None
+        self._marker = None
+
+    def observe(self, now: float, pending: bool, marker) -> float:
+        """Seconds without progress while output is pending (0 when none is)."""
+        if not pending:
+            self._since, self._marker = None, marker
             return 0.0
-        return max(0.0, self.clock() - self.last_progress)
+        if self._since is None or marker != self._marker:
+            self._since, self._marker = now, marker
+        return now - self._since

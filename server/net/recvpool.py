@@ -2,12 +2,11 @@
 
 A payload received with ``recv()`` lands in a new ``bytes`` object per read: fresh
 pages, which the kernel must fault in and zero before it copies a byte into them.
-Where first touching memory is dear (a virtual machine, say), that cut the rate at
-which the server took a 256 MiB PUT to 0.3-0.7 GB/s, against 1.2-1.6 GB/s for the
-same socket read into memory already touched.
+Where first touching memory is dear (a virtual machine, say), that costs a large
+put most of its rate (docs/design.md).
 
 So the server keeps the chunks (``bytearray``, ``CHUNK`` bytes each) that large
-payloads were read into in a :class:`~tensorshare.recycle.Recycler`, which hands a
+payloads were read into in a :class:`~tensorshare.wire.recycle.Recycler`, which hands a
 chunk out again once nothing refers to it any more: the item it held was replaced,
 taken, deleted or spilled, and every reply that sent it has been written.  A
 parameter vector put again and again, the common case in reinforcement learning,

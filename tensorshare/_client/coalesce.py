@@ -13,8 +13,8 @@ in request order, so a held request loses at most the one-way trip it waited for
 reply to come back, and a lone call, with nothing in flight, is sent at once.
 
 :class:`Coalescer` is the bookkeeping only (no socket calls, no locks): the client
-holds its send lock around every use, and ties what is held to the socket it is
-meant for, so frames of a connection that was lost are never sent on the next one
+holds its send lock around every use, and ties what is held to the connection it
+is meant for (its :class:`~.sockets.Link`), so frames of a connection that was lost are never sent on the next one
 (their calls have failed with the connection).
 """
 
@@ -41,7 +41,7 @@ class Coalescer:
         return bool(self._frames)
 
     def awaiting(self, sock: Any) -> bool:
-        """Whether a request sent on ``sock`` still awaits its reply."""
+        """Whether a request sent on ``sock`` (a connection) still awaits its reply."""
         return self._sock is sock and bool(self._in_flight)
 
     def hold(self, sock: Any, rid: int, data: bytes) -> bool:

@@ -1,12 +1,11 @@
-"""The client side of the protocol, without I/O: request frames in, results out.
+"""The client side of the protocol, without I/O: request frames in, replies out.
 
 Both clients use it: :class:`tensorshare.Client` over a plain socket and
 :class:`tensorshare.AsyncClient` over Twisted.  A :class:`ClientConnection` runs the
 opening handshake (greeting, then authentication when the server asks for it) and
-decodes incoming bytes into frames; the functions here build request frames (header
-bytes followed by zero-copy tensor buffers), sort frames into replies and
-notifications, and turn a reply into the value the API returns or the exception it
-raises.
+decodes incoming bytes into frames; :func:`request_frame` builds a request from a
+declared :class:`~tensorshare.protocol.messages.Command`; :func:`read_reply`
+checks a reply against its command and decodes the values it carries.
 """
 
 from __future__ import annotations
@@ -17,20 +16,22 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from ..protocol import auth
-from ..protocol import messages as protocol
 from ..errors import (
-    NotAuthenticatedError, ProtocolError, TensorShareError, UntrustedServerError, UsageError, ZeroCopyError,
-    error_for_code,
+    NotAuthenticatedError, ProtocolError, TensorShareError, UntrustedServerError, ZeroCopyError,
 )
-from ..wire.recycle import Recycler
+from ..protocol import auth
+from ..protocol.messages import (
+    AUTH, GREETING, GREETING_MESSAGE, ITEMS, KEEPALIVE, MAX_REPLY_HEADER, NOTIFICATION, NOTIFY, UNAVAILABLE,
+    Command, Key,
+    reply_error,
+)
 from ..wire.codec import Encoded, build, empty_payload, encode
 from ..wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
 from ..wire.frames import Frame, FrameDecoder, FrameLimits, buffer_sink, frame_head
+from ..wire.recycle import Recycler
 
-CLIENT_FRAME_LIMITS = FrameLimits(max_header=1 << 30, max_payload=1 << 42)
+CLIENT_FRAME_LIMITS = FrameLimits(max_header=MAX_REPLY_HEADER, max_payload=1 << 42)
 NO_VALUE = object()  # "this request carries no value" (None is a value)
-PROBE, DEAD = "probe", "dead"  # what Keepalive.due() asks for
 log = logging.getLogger("tensorshare.client")
 
 
@@ -63,13 +64,42 @@ class ListenSnapshot:
     seq: int
     tag: int | None = None  # tag of the bin's last item
 
+    @classmethod
+    def of(cls, header: dict) -> "ListenSnapshot":
+        """The snapshot a (checked) LISTEN reply carries."""
+        return cls(header[Key.EXISTS], header[Key.N], header[Key.SEQ], header.get(Key.TAG))
+
+    def as_notification(self, name: str) -> Notification:
+        """The locally made ``LISTEN`` notification that reports this snapshot."""
+        return Notification(name, self.n_items, self.seq, "LISTEN", self.tag)
+
+
+class Reply:
+    """A successful reply, checked against its command: the header, and the values
+    an items reply (226) carries, decoded (None if it carries none, or if it was
+    not decoded)."""
+
+    __slots__ = ("command", "header", "values", "frame")
+
+    def __init__(self, command: Command, header: dict, values: list | None, frame: Frame):
+        self.command, self.header, self.values, self.frame = command, header, values, frame
+
+    @property
+    def result(self) -> Any:
+        """What a call returns by default: the decoded values of an items reply, else
+        the field the command names as its result (None if it names none)."""
+        if self.values is not None:
+            return self.values
+        key = self.command.result
+        return None if key is None else self.header.get(key)
+
 
 DEFAULT_REUSE = 1 << 30  # bytes of received reply memory a client keeps for reuse
 REUSE_IDLE = 10.0  # seconds an unused array is kept
 
 
 def reply_buffers(max_bytes: int) -> Recycler | None:
-    """A client's :class:`~.recycle.Recycler` of reply arrays (None for 0: always new memory)."""
+    """A client's :class:`~..wire.recycle.Recycler` of reply arrays (None for 0: always new memory)."""
     if max_bytes < 0:
         raise ValueError("reuse must be 0 (off) or more bytes")
     return Recycler(max_bytes, _reply_array, REUSE_IDLE) if max_bytes else None
@@ -87,12 +117,12 @@ class ClientConnection:
     """Per-connection protocol state of a client: the opening handshake and the
     incoming frames.
 
-    ``token`` (the HMAC key, see :mod:`.auth`) is what the client proves it knows
-    when the server asks; a client with a token also requires the server to prove
-    that it knows the token, and refuses a server that does not ask for one.
-    ``reuse`` holds the arrays large replies were received into, for later replies
-    of the same size once the values built on them are dropped (see
-    :func:`~.wire.frames.buffer_sink`).
+    ``token`` (the HMAC key, see :mod:`..protocol.auth`) is what the client proves it
+    knows when the server asks; a client with a token also requires the server to
+    prove that it knows the token too, and refuses a server that does not ask for
+    one.  ``reuse`` holds the arrays large replies were received into, for later
+    replies of the same size once the values built on them are dropped (see
+    :func:`~..wire.frames.buffer_sink`).
     """
 
     def __init__(self, frame_limits: FrameLimits = CLIENT_FRAME_LIMITS, token: bytes | None = None,
@@ -118,25 +148,26 @@ class ClientConnection:
         none, :class:`UntrustedServerError` when it cannot prove that it knows ours,
         :class:`ProtocolError` for anything else.
         """
-        header = check_reply(frame)
+        header = frame.header
         if self.greeting is None:
-            if header.get("code") != protocol.GREETING:
-                raise ProtocolError(f"expected a 220 greeting, got {header!r:.200}")
-            self.greeting = header
+            if header.get(Key.CODE) != GREETING:
+                raise reply_error(header, "greeting")
+            self.greeting = GREETING_MESSAGE.check(header)
             return self._authenticate(header)
-        if self._auth is None or header.get("id") != self._auth[0] or header.get("code") != protocol.AUTHENTICATED:
+        if self._auth is None or header.get(Key.ID) != self._auth[0]:
             raise ProtocolError(f"unexpected frame while authenticating: {header!r:.200}")
-        if not auth.proof_matches(self._auth[1], header.get("proof")):
+        AUTH.check_reply(header)
+        if not auth.proof_matches(self._auth[1], header[Key.PROOF]):
             raise UntrustedServerError("the server's authentication proof is wrong: it does not know the token")
-        if protocol.SHM in header:  # a same-host offer comes only once authenticated (PROTOCOL.md §10.1)
-            self.greeting[protocol.SHM] = header[protocol.SHM]
+        if Key.SHM in header:  # a same-host offer comes only once authenticated (PROTOCOL.md §10.1)
+            self.greeting[Key.SHM] = header[Key.SHM]
         self._auth = None
         self.ready = True
         return None
 
     def _authenticate(self, greeting: dict) -> bytes | None:
         """The AUTH request answering ``greeting``'s challenge, or None if none is due."""
-        mechanism, server_nonce = greeting.get("auth"), greeting.get("nonce")
+        mechanism, server_nonce = greeting.get(Key.AUTH), greeting.get(Key.NONCE)
         if self._token is None:
             if mechanism is not None:
                 raise NotAuthenticatedError(f"the server requires a token: pass token=... or set {auth.TOKEN_ENV}")
@@ -150,88 +181,37 @@ class ClientConnection:
         client_proof, server_proof = auth.proofs(self._token, server_nonce, client_nonce)
         rid = next_request_id()
         self._auth = (rid, server_proof)
-        return frame_head({"op": protocol.AUTH, "id": rid, "mech": auth.MECHANISM, "nonce": client_nonce,
-                           "proof": client_proof}, 0)
-
-
-class Keepalive:
-    """When to probe a silent server and when to give up on it (both clients).
-
-    After ``interval`` seconds with nothing heard from the server (counted from the
-    later of the last bytes received and the last request sent) the client sends a
-    NOOP; if nothing at all arrives within ``interval`` seconds of that probe, the
-    connection is presumed dead.  The clients keep the clock and the socket.
-    """
-
-    def __init__(self, interval: float):
-        self.interval = interval
-        self.probe_at: float | None = None  # when the outstanding probe was sent
-
-    def due(self, now: float, last_heard: float, last_sent: float) -> tuple[str | None, float]:
-        """``(action, next_check)``: action is :data:`PROBE` (send a NOOP, then call
-        :meth:`probed`), :data:`DEAD` (drop the connection) or None."""
-        if self.probe_at is not None:
-            if last_heard <= self.probe_at:
-                if now - self.probe_at >= self.interval:
-                    return DEAD, now
-                return None, self.probe_at + self.interval
-            self.probe_at = None  # answered (or anything else heard)
-        quiet_since = max(last_heard, last_sent)
-        if now - quiet_since < self.interval:
-            return None, quiet_since + self.interval
-        return PROBE, now + self.interval
-
-    def probed(self, now: float) -> None:
-        self.probe_at = now
+        return frame_head(AUTH.request(rid, {Key.MECH: auth.MECHANISM, Key.NONCE: client_nonce,
+                                             Key.PROOF: client_proof}), 0)
 
 
 def report_unsolicited(frame: Frame, where: str) -> None:
-    """Log an id-0 frame that is neither a notification nor harmless: an error the
-    server could not tie to a request, or its 421 before it closes an idle
-    connection (a 110 keepalive passes silently).  If the connection cannot go on,
-    the server closes it next."""
-    try:
-        check_reply(frame)
-    except TensorShareError as exc:
-        level = logging.INFO if getattr(exc, "code", None) == protocol.UNAVAILABLE else logging.WARNING
-        log.log(level, "error reply from %s for no request: %s", where, exc)
-
-
-def request_frame(rid: int, op: str, name: str | None = None, value: Any = NO_VALUE,
-                  tag: int | None = None, extra: dict | None = None) -> list:
-    """The parts of a request frame: header bytes, then the value's payload buffers.
-
-    ``value`` may be given already encoded (an :class:`Encoded`); ``extra`` holds
-    more header fields (same-host zero-copy, PROTOCOL.md §10).  Raises
-    :class:`UsageError` for a bad bin name or tag and :class:`EncodeError` for a
-    value with no wire form, before anything is sent.
-    """
-    header: dict = {"op": op, "id": rid}
-    if name is not None:
-        if type(name) is not str or name not in _checked_names:
-            problem = protocol.check_bin_name(name)
-            if problem:
-                raise UsageError(problem)
-            if len(_checked_names) >= 4096:
-                _checked_names.clear()
-            _checked_names.add(name)
-        header["bin"] = name
-    if tag is not None:
-        problem = protocol.check_tag(tag)
-        if problem:
-            raise UsageError(problem)
-        header["tag"] = tag
-    if extra:
-        header.update(extra)
-    if value is NO_VALUE:
-        return [frame_head(header, 0)]
-    enc = value if type(value) is Encoded else encode(value)
-    header["value"] = enc.description
-    return [frame_head(header, enc.nbytes), *enc.buffers]
+    """Log an id-0 frame that is neither a notification nor a keepalive: an error
+    the server could not tie to a request, or its 421 before it closes an idle
+    connection.  If the connection cannot go on, the server closes it next."""
+    header = frame.header
+    code = header.get(Key.CODE)
+    if code == KEEPALIVE:
+        return
+    error = reply_error(header, "unsolicited frame")
+    level = logging.INFO if getattr(error, "code", None) == UNAVAILABLE else logging.WARNING
+    log.log(level, "error reply from %s for no request: %s", where, error)
 
 
 _ids = itertools.count(1)
 _checked_names: set = set()  # bin names already found valid (programs reuse a few)
+
+
+def check_fields(command: Command, fields: dict) -> None:
+    """Raise :class:`UsageError` for a bin name or tag the server would refuse (bin
+    names already found valid are remembered: programs reuse a few)."""
+    name = fields.get(Key.BIN)
+    if Key.BIN in fields and (type(name) is not str or name not in _checked_names) or Key.TAG in fields:
+        command.check_arguments(fields)
+        if type(name) is str:
+            if len(_checked_names) >= 4096:
+                _checked_names.clear()
+            _checked_names.add(name)
 
 
 def next_request_id() -> int:
@@ -239,70 +219,53 @@ def next_request_id() -> int:
     return next(_ids)
 
 
+def request_frame(rid: int, command: Command, fields: dict | None = None, value: Any = NO_VALUE) -> list:
+    """The parts of a request frame: header bytes, then the value's payload buffers.
+
+    ``fields`` are the command's header fields (a bin, a tag, same-host zero-copy
+    fields...); ``value`` may be given already encoded (an :class:`Encoded`).
+    Raises :class:`UsageError` for an argument the server would refuse (a bad bin
+    name or tag) and :class:`EncodeError` for a value with no wire form, before
+    anything is sent.
+    """
+    if fields:
+        check_fields(command, fields)
+    header = command.request(rid, fields)
+    if value is NO_VALUE:
+        return [frame_head(header, 0)]
+    enc = value if type(value) is Encoded else encode(value)
+    header[Key.VALUE] = enc.description
+    return [frame_head(header, enc.nbytes), *enc.buffers]
+
+
 def notification_of(frame: Frame) -> Notification | None:
     """The notification a frame carries, or None if it is not one."""
-    h = frame.header
-    if h.get("code") != protocol.NOTIFY:
-        return None
-    try:
-        return Notification(str(h["bin"]), int(h["n"]), int(h["seq"]), str(h["op"]), _tag(h))
-    except (KeyError, TypeError, ValueError):
-        raise ProtocolError(f"malformed notification header {h!r}") from None
-
-
-def int_field(header: dict, key: str) -> int:
-    """``header[key]``, which must be an integer; ProtocolError otherwise."""
-    value = header.get(key)
-    if type(value) is not int:
-        raise ProtocolError(f"reply field {key!r} must be an integer, got {value!r:.40}")
-    return value
-
-
-def _tag(header: dict) -> int | None:
-    tag = header.get("tag")
-    if tag is not None and type(tag) is not int:
-        raise ProtocolError(f"tag must be an integer, got {tag!r}")
-    return tag
-
-
-def check_reply(frame: Frame) -> dict:
-    """The reply header, or raise the :class:`RemoteError` its code stands for."""
     header = frame.header
-    code = header.get("code")
-    if type(code) is not int:
-        raise ProtocolError(f"reply without a code: {header!r}")
-    if code >= 400:
-        raise error_for_code(code, str(header.get("msg", "")))
-    return header
+    if header.get(Key.CODE) != NOTIFY:
+        return None
+    NOTIFICATION.check(header)
+    return Notification(header[Key.BIN], header[Key.N], header[Key.SEQ], header[Key.OP], header.get(Key.TAG))
 
 
-def reply_value(op: str, frame: Frame, device: Any = None, limits: DecodeLimits = DEFAULT_LIMITS,
-                areas: Any = None) -> Any:
-    """What the API returns for a successful reply to ``op`` (``areas``: the
-    connection's :class:`~tensorshare.zerocopy.SharedAreas`, to map referenced items)."""
-    header = check_reply(frame)
-    if op in (protocol.GET, protocol.PEEK):
-        return decode_items(header, frame.payload, frame.payload_len, device, limits, areas)
-    if op in (protocol.PUT, protocol.APPEND):
-        return int_field(header, "n")
-    if op == protocol.LIST:
-        bins = header.get("bins")
-        if not isinstance(bins, dict):
-            raise ProtocolError("LIST reply without a bins map")
-        return bins
-    if op == protocol.LISTEN:
-        return ListenSnapshot(bool(header.get("exists")), int_field(header, "n"), int_field(header, "seq"),
-                              _tag(header))
-    return None
+def read_reply(command: Command, frame: Frame, device: Any = None, limits: DecodeLimits = DEFAULT_LIMITS,
+               areas: Any = None, decode: bool = True) -> Reply:
+    """The checked reply to ``command`` (its values decoded if it carries items and
+    ``decode``); raises the :class:`RemoteError` of an error reply.  ``areas``: the
+    connection's :class:`~.zerocopy.SharedAreas`, to map items the reply refers to."""
+    header = command.check_reply(frame.header)
+    values = None
+    if decode and header.get(Key.CODE) == ITEMS:
+        values = decode_items(header, frame.payload, frame.payload_len, device, limits, areas)
+    return Reply(command, header, values, frame)
 
 
 def item_table(header: dict, payload_len: int) -> list[tuple[Any, int, Any]]:
     """``[(description blob, payload bytes, reference or None), ...]`` of an ITEMS (226)
     reply, checked: the items without a reference fill the payload."""
-    blobs, sizes = header.get("items"), header.get("sizes")
+    blobs, sizes = header.get(Key.ITEMS), header.get(Key.SIZES)
     if not (isinstance(blobs, list) and isinstance(sizes, list) and len(blobs) == len(sizes)):
         raise ProtocolError("items reply needs equally long 'items' and 'sizes' lists")
-    refs = header.get(protocol.REFS)
+    refs = header.get(Key.REFS)
     if refs is None:
         refs = [None] * len(sizes)
     elif not (isinstance(refs, list) and len(refs) == len(sizes)):
@@ -331,3 +294,11 @@ def decode_items(header: dict, payload, payload_len: int, device: Any = None,
             raise ProtocolError(f"cannot build item {len(values)}: {exc}") from None
         base += size
     return values
+
+
+def frame_error(frame: Frame) -> TensorShareError | None:
+    """The error an error reply stands for, or None for a success code."""
+    code = frame.header.get(Key.CODE)
+    if type(code) is int and code < 400:
+        return None
+    return reply_error(frame.header, "reply")

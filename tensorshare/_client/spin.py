@@ -2,9 +2,8 @@
 
 A thread that sleeps in ``poll()`` while its reply is on the way pays for being
 woken when the reply comes: the kernel must wake it, and on a virtual machine
-whose CPU went idle the hypervisor must first resume that CPU.  Measured here
-(2-vCPU VM, loopback), that wake-up was about 80 us of a 250-330 us small
-round trip.  A caller that polls without sleeping for a short while, instead,
+whose CPU went idle the hypervisor must first resume that CPU (a large part of a
+small round trip: docs/design.md).  A caller that polls without sleeping for a short while, instead,
 sees the reply as soon as it lands.  Between checks it yields the CPU, so that a
 process that needs it (the server, when both share a small machine) runs first.
 

@@ -1,14 +1,14 @@
 """Same-host zero-copy, client side: the server's shared areas as one connection sees them.
 
 A server's greeting may offer its shared areas (PROTOCOL.md §10).  :meth:`SharedAreas.of`
-trusts an area only after :func:`tensorshare.areas.verify_area` found this
+trusts an area only after :func:`tensorshare.disk.areas.verify_area` found this
 host's directory of that name to be the server's (the token check), so a server
 on another host, in another container, or one restarted since, is never trusted.
 Then:
 
 * a value to PUT/APPEND is written into this connection's incoming directory in
   the server's shared-memory area (:meth:`SharedAreas.write`, the layout of
-  :mod:`tensorshare.layout`), and the request names it instead of carrying bytes;
+  :mod:`tensorshare.disk.layout`), and the request names it instead of carrying bytes;
   the server adopts the directory without copying;
 * a GET/PEEK reply may refer to items' files instead of carrying their bytes:
   :meth:`SharedAreas.load` checks the reference and maps the files copy-on-write
@@ -49,7 +49,7 @@ _MAX_AREAS = 8
 DEFAULT_MIN_BYTES = 128 << 10
 # Writing a value costs more per file than mapping one (both sides create, check and
 # rename files): a value goes through shared memory from this many times the bar of
-# a reference (measured: puts of one tensor broke even near 0.6 MiB, of 16 near 2 MiB).
+# a reference (docs/design.md).
 PUT_FACTOR = 4
 
 
@@ -58,7 +58,7 @@ class SharedAreas:
 
     ``roots[i]`` is area ``i``'s directory, or None if it failed the check;
     ``incoming`` is this connection's incoming directory (None: puts go over TCP);
-    ``min_bytes`` the server's bar for references (:func:`~tensorshare.areas.worth_sharing`).
+    ``min_bytes`` the server's bar for references (:func:`~tensorshare.disk.areas.worth_sharing`).
     """
 
     def __init__(self, roots: list[str | None], incoming: str | None, min_bytes: int):
@@ -93,6 +93,14 @@ class SharedAreas:
         return cls(verified, incoming, min_bytes)
 
     # -- PUT / APPEND
+
+    def too_small(self, value: Any) -> bool:
+        """True when ``value`` is a lone tensor or array too small to gain from shared
+        memory (and no draft is waiting to be handed over): then :meth:`write`
+        would say so only after the value was encoded for it."""
+        kind = type(value)
+        return (not _drafts and (kind is torch.Tensor or kind is np.ndarray)
+                and value.nbytes < self.min_bytes * PUT_FACTOR)
 
     def write(self, enc: Encoded, tag: int | None = None) -> str | None:
         """Write an encoded value into the incoming directory; returns the name to send,

@@ -92,9 +92,7 @@ def worth_sharing(nbytes: int, arrays: int, min_bytes: int) -> bool:
     through shared memory rather than the socket.
 
     Each array is a file, which costs a few system calls on both sides, so the bar is
-    ``min_bytes`` for up to 4 arrays and rises in proportion beyond (measured on a
-    2-core VM: references to one tensor beat TCP from ~100 KiB, to 16 tensors from
-    ~0.5 MiB).
+    ``min_bytes`` for up to 4 arrays and rises in proportion beyond (docs/design.md).
     """
     return nbytes >= min_bytes * max(1.0, arrays / 4)
 

@@ -103,8 +103,8 @@ def _json_leaf(node: Any) -> bool:
     """True if ``node`` holds no arrays, bytes or tuples and survives JSON unchanged."""
     if node is None or isinstance(node, (bool, str)):
         return True
-    if isinstance(node, int):
-        return True
+    if isinstance(node, int):  # the record holds any int; JSON readers, 64-bit ones
+        return -(1 << 63) <= node < 1 << 64
     if isinstance(node, float):
         return math.isfinite(node)
     if isinstance(node, list) and not isinstance(node, _TupleNode):

@@ -1,6 +1,19 @@
-"""Verbs, reply codes and the header fields of requests, replies and notifications.
+"""The protocol's messages, declared once for both ends (PROTOCOL.md §4-§6, §8, §10).
 
-Shared by the server and every client; PROTOCOL.md is the normative description.
+PROTOCOL.md is the normative text; this module is its machine-readable half, in
+the manner of Twisted AMP's ``Command``.  Every verb is a :class:`Command` that
+declares its request fields, the code and fields of its success reply, whether the
+request carries a value payload, and which reply field is its result.  The server
+checks requests with :meth:`Command.parse_request` (the checks of PROTOCOL.md §4.2,
+in order) and answers with :meth:`Command.reply`; the clients check their
+arguments with :meth:`Command.check_arguments`, build requests with
+:meth:`Command.request` and check replies with :meth:`Command.check_reply`.  Frames
+nobody asked for (the greeting, notifications, keepalives) and error replies are
+:class:`Message` declarations.  Torch-free: the server imports it.
+
+Adding a verb: declare it here, handle it in ``server/protocol/handlers.py``, and
+give the clients a method in ``tensorshare/_client/methods.py``.
+
 Codes follow FTP's meaning: 1xx unsolicited/preliminary, 2xx success, 4xx refused
 for now (may succeed later), 5xx refused for good.
 """
@@ -8,22 +21,32 @@ for now (may succeed later), 5xx refused for good.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from typing import Any, Callable
 
-# Verbs (header key "op").
-PUT = "PUT"
-APPEND = "APPEND"
-GET = "GET"
-PEEK = "PEEK"
-LIST = "LIST"
-DELETE = "DELETE"
-LISTEN = "LISTEN"
-UNLISTEN = "UNLISTEN"
-NOOP = "NOOP"
-AUTH = "AUTH"  # prove knowledge of the server's token (only where the greeting asks for it)
+from ..errors import ProtocolError, RemoteError, UsageError, error_for_code
 
-VERBS = frozenset({PUT, APPEND, GET, PEEK, LIST, DELETE, LISTEN, UNLISTEN, NOOP, AUTH})
-VERBS_WITH_BIN = frozenset({PUT, APPEND, GET, PEEK, DELETE, LISTEN, UNLISTEN})
-VERBS_WITH_VALUE = frozenset({PUT, APPEND})
+PROTOCOL_VERSION = 1
+
+
+class Key:
+    """Every header key, by name (PROTOCOL.md §4.1)."""
+
+    OP, ID, CODE, MSG = "op", "id", "code", "msg"
+    BIN, TAG, VALUE = "bin", "tag", "value"
+    N, SEQ, EXISTS, BINS = "n", "seq", "exists", "bins"
+    ITEMS, SIZES = "items", "sizes"
+    SERVER, VERSION = "server", "version"
+    AUTH, MECH, NONCE, PROOF = "auth", "mech", "nonce", "proof"
+    # Same-host zero-copy (§10): the greeting's offer; a PUT/APPEND's item directory
+    # and size; a GET/PEEK's mappable areas; a 226's references; released replies.
+    SHM, SIZE, REF, REFS, RELEASE = "shm", "size", "ref", "refs", "release"
+    # LISTEN: skip APPENDs to a bin that already holds items (§5)
+    FIRST_APPEND = "first_append"
+    # GET: take at most this many items; APPEND: only while the bin holds fewer than
+    # ``below`` items, waiting up to ``wait`` seconds for room (§4.4)
+    MAX, BELOW, WAIT = "max", "below", "wait"
+
 
 # Reply codes (header key "code").
 KEEPALIVE = 110  # unsolicited: the server checks that an idle, listening connection is alive
@@ -36,6 +59,7 @@ AUTHENTICATED = 230  # AUTH accepted; the reply proves that the server knows the
 DONE = 250  # requested bin action completed
 UNAVAILABLE = 421  # shutting down / too many connections
 ZERO_COPY_REFUSED = 425  # a value named in shared memory was not taken: send it over TCP
+BUSY = 450  # what the request waits for (room in a bin...) did not come within its wait
 LOCAL_ERROR = 451  # the server could not read what it stores (a disk error)
 STORAGE_FULL = 452  # no room in the memory budget or on disk
 BAD_FRAME = 500  # syntax error: malformed frame or header
@@ -47,15 +71,10 @@ NO_SUCH_BIN = 550
 TOO_LARGE = 552  # exceeded a size or count limit
 BAD_NAME = 553  # bin name not allowed
 
-# Same-host zero-copy (PROTOCOL.md §10): header keys.
-SHM = "shm"  # greeting: the shared areas; PUT/APPEND: the item directory the value was written to
-REF = "ref"  # GET/PEEK: area indexes the client can map; 226: "refs", one per item
-REFS = "refs"
-RELEASE = "release"  # any request: ids of 226 replies whose references the client no longer needs
-
-PROTOCOL_VERSION = 1
 TAG_MIN, TAG_MAX = -(1 << 63), (1 << 63) - 1  # an item's optional tag is a signed 64-bit integer
+ID_MAX = (1 << 64) - 1
 MAX_BIN_NAME = 256
+MAX_REPLY_HEADER = 256 << 20  # the largest reply header a client decodes (a server sends no larger)
 _BIN_NAME = re.compile(r"[^\x00-\x1f\x7f]+")
 
 
@@ -79,3 +98,293 @@ def check_bin_name(name: object, max_len: int = MAX_BIN_NAME) -> str | None:
     if not _BIN_NAME.fullmatch(name):
         return "bin name must not contain control characters"
     return None
+
+
+# ------------------------------------------------------------------ field kinds
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What a field's value must be: ``problem(key, value, max_bin_name)`` says why
+    a value is not one (None if it is); ``accepts(value)`` is the quick yes."""
+
+    name: str
+    problem: Callable[[str, Any, int], str | None]
+    accepts: Callable[[Any], bool]
+
+
+_ABSENT = object()
+
+
+def _kind(name: str, accepts: Callable[[Any], bool]) -> Kind:
+    def problem(key: str, value: Any, _max_bin_name: int) -> str | None:
+        return None if accepts(value) else f"{key} must be {name}, not {value!r:.40}"
+    return Kind(name, problem, accepts)
+
+
+def _checked_kind(name: str, problem: Callable[[Any], str | None]) -> Kind:
+    return Kind(name, lambda key, value, limit: problem(value), lambda value: problem(value) is None)
+
+
+def _all_ints(value: Any) -> bool:
+    return type(value) is list and all(type(v) is int for v in value)
+
+
+def _counts(value: Any) -> bool:
+    return type(value) is dict and all(type(k) is str and type(v) is int for k, v in value.items())
+
+
+INT = _kind("an integer", lambda v: type(v) is int)
+BOOL = _kind("a boolean", lambda v: type(v) is bool)
+STR = _kind("a string", lambda v: type(v) is str)
+BYTES = _kind("bytes", lambda v: type(v) is bytes)
+INTS = _kind("a list of integers", _all_ints)
+LIST = _kind("a list", lambda v: type(v) is list)
+COUNTS = _kind("a map of strings to integers", _counts)
+MAP = _kind("a map", lambda v: type(v) is dict)
+ANY = _kind("anything", lambda value: True)
+TAG = _checked_kind("a tag", check_tag)
+BIN_NAME = Kind("a bin name", lambda key, value, limit: check_bin_name(value, limit),
+                lambda value: check_bin_name(value) is None)
+TAGS = _kind("a list of tags", lambda v: type(v) is list and all(check_tag(t) is None for t in v))
+COUNT = _kind("an integer of at least 1", lambda v: type(v) is int and v >= 1)
+MAX_WAIT = 86400.0  # seconds a request may ask the server to hold it
+SECONDS = _kind(f"a number of seconds, 0 to {MAX_WAIT:g}",
+                lambda v: type(v) in (int, float) and 0 <= v <= MAX_WAIT)
+
+
+@dataclass(frozen=True)
+class Field:
+    """One header field: its key, its kind, whether it must be present, and the
+    reply code a request gets when it is wrong (501 unless said otherwise)."""
+
+    key: str
+    kind: Kind
+    required: bool = True
+    code: int = BAD_ARGS
+    missing: str | None = None  # the refusal's text when a required field is absent
+
+    def problem(self, header: dict, max_bin_name: int = MAX_BIN_NAME) -> str | None:
+        """Why ``header`` does not hold this field right (None if it does)."""
+        if self.key not in header:
+            return (self.missing or f"missing {self.key}") if self.required else None
+        value = header[self.key]
+        if value is None and not self.required:
+            return None
+        return self.kind.problem(self.key, value, max_bin_name)
+
+
+def optional(key: str, kind: Kind, **kw) -> Field:
+    return Field(key, kind, required=False, **kw)
+
+
+BIN = Field(Key.BIN, BIN_NAME, code=BAD_NAME)
+RELEASE = optional(Key.RELEASE, INTS)  # any request may carry it (§10.3)
+
+
+class Request:
+    """A checked request, as handlers receive it: ``id``, the command, the payload
+    (as the receiver's sink made it) and one attribute per declared field (None
+    when an optional field was absent).  Each :class:`Command` has its own
+    subclass with slots for its fields."""
+
+    __slots__ = ("command", "id", "payload", "payload_len")
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{f.key}={getattr(self, f.key)!r:.40}" for f in self.command.fields)
+        return f"<{self.command.verb} id={self.id} {fields}>"
+
+
+class Message:
+    """A header whose fields are declared: a reply, or a frame nobody asked for."""
+
+    def __init__(self, code: int, fields: tuple[Field, ...] = ()):
+        self.code = code
+        self.fields = fields
+        # The usual case, checked without building messages: (key, required, kind).
+        self._fast = tuple((f.key, f.required, f.kind) for f in fields)
+
+    def build(self, rid: int = 0, **fields) -> dict:
+        """The header of this message (for request ``rid``; 0: unsolicited)."""
+        if not fields:
+            return {Key.CODE: self.code, Key.ID: rid}
+        header = {Key.CODE: self.code, Key.ID: rid}
+        header.update(fields)
+        return header
+
+    def check(self, header: dict) -> dict:
+        """``header``, once it is found to hold every declared field right;
+        :class:`ProtocolError` otherwise (the peer broke the protocol)."""
+        for key, required, kind in self._fast:
+            value = header.get(key, _ABSENT)
+            if value is _ABSENT or value is None:
+                if required:
+                    break
+                continue
+            if not kind.accepts(value):
+                break
+        else:
+            return header
+        for field in self.fields:
+            problem = field.problem(header)
+            if problem is not None:
+                raise ProtocolError(f"{self.code} reply: {problem}")
+        return header
+
+
+class Command:
+    """A verb: its request fields, its success reply, its payload and its result.
+
+    ``result`` names the reply field a client returns by default (None: nothing);
+    ``payload`` says whether the request carries a value payload (PUT, APPEND).
+    """
+
+    def __init__(self, verb: str, fields: tuple[Field, ...] = (), *, reply: Message, payload: bool = False,
+                 result: str | None = None, doc: str = ""):
+        self.verb = verb
+        self.fields = fields
+        self.success = reply
+        self.reply = reply.build  # reply(rid, **fields): the success reply header to request ``rid``
+        self.payload = payload
+        self.result = result
+        self.doc = doc
+        self.takes_bin = any(field.key == Key.BIN for field in fields)
+        # parse_request's usual case, every field right: (key, required, accepts).
+        self._fast = tuple((f.key, f.required, f.kind.accepts) for f in fields)
+        slots = tuple(field.key for field in fields)
+        self.Request = type(f"{verb.title()}Request", (Request,), {"__slots__": slots})
+        self._slots = slots
+
+    def __repr__(self) -> str:
+        return f"<Command {self.verb}>"
+
+    # -- the client's side
+
+    def check_arguments(self, fields: dict) -> None:
+        """Raise :class:`UsageError` for an argument the server would refuse (a bad
+        bin name or tag), before anything is sent."""
+        for field in self.fields:
+            if field.key in fields:
+                problem = field.problem(fields)
+                if problem is not None:
+                    raise UsageError(problem)
+
+    def request(self, rid: int, fields: dict | None = None) -> dict:
+        """The request header: ``op``, ``id`` and the given fields."""
+        header = {Key.OP: self.verb, Key.ID: rid}
+        if fields:
+            header.update(fields)
+        return header
+
+    def check_reply(self, header: dict) -> dict:
+        """The reply ``header`` if it is this command's success; the
+        :class:`RemoteError` of an error reply is raised, and anything else
+        (another code, a missing or ill-typed field) is a :class:`ProtocolError`."""
+        code = header.get(Key.CODE)
+        if code == self.success.code:
+            return self.success.check(header)
+        raise reply_error(header, f"{self.verb} reply")
+
+    # -- the server's side
+
+    def parse_request(self, header: dict, rid: int, payload: Any, payload_len: int,
+                      max_bin_name: int = MAX_BIN_NAME) -> Request:
+        """The typed request in ``header`` (whose ``op`` and ``id`` were checked);
+        raises the :class:`RemoteError` to answer with (PROTOCOL.md §4.2, steps 3-5)."""
+        if payload_len and not self.payload:
+            raise error_for_code(BAD_ARGS, f"{self.verb} takes no payload")
+        request = self.Request()
+        request.command, request.id, request.payload, request.payload_len = self, rid, payload, payload_len
+        if max_bin_name == MAX_BIN_NAME:  # (the fast test of a bin name assumes the default limit)
+            for key, required, accepts in self._fast:
+                value = header.get(key)
+                if value is None:
+                    if required:
+                        break
+                elif not accepts(value):
+                    break
+                setattr(request, key, value)
+            else:
+                return request
+        for field in self.fields:  # find what is wrong, and say it
+            problem = field.problem(header, max_bin_name)
+            if problem is not None:
+                raise error_for_code(field.code, problem)
+            setattr(request, field.key, header.get(field.key))
+        return request
+
+
+
+def reply_error(header: dict, what: str) -> TensorShareErrorLike:
+    """The exception for a reply that is not the success expected: the
+    :class:`RemoteError` of an error code, else a :class:`ProtocolError`."""
+    code = header.get(Key.CODE)
+    if type(code) is not int:
+        return ProtocolError(f"{what} without a code: {header!r:.200}")
+    if code >= 400:
+        return error_for_code(code, str(header.get(Key.MSG, "")))
+    return ProtocolError(f"unexpected {what} code {code}: {header!r:.200}")
+
+
+TensorShareErrorLike = ProtocolError | RemoteError
+
+
+# ------------------------------------------------------------------ the verbs
+
+_CHANGED = Message(DONE, (Field(Key.N, INT), Field(Key.SEQ, INT)))
+_DONE = Message(OK)
+_ITEMS = Message(ITEMS, (Field(Key.SEQ, INT), Field(Key.ITEMS, LIST), Field(Key.SIZES, LIST),
+                         optional(Key.REFS, LIST)))
+_STORE_FIELDS = (
+    BIN,
+    Field(Key.VALUE, BYTES, missing="missing value description"),
+    optional(Key.TAG, TAG),
+    optional(Key.SHM, ANY),  # the item directory a same-host client wrote (§10.4)
+    optional(Key.SIZE, INT),
+    RELEASE,
+)
+_READ_FIELDS = (BIN, optional(Key.REF, INTS), RELEASE)
+
+PUT = Command("PUT", _STORE_FIELDS, reply=_CHANGED, payload=True, result=Key.N,
+              doc="replace the bin's items with one item")
+APPEND = Command("APPEND", (*_STORE_FIELDS, optional(Key.BELOW, COUNT), optional(Key.WAIT, SECONDS)),
+                 reply=_CHANGED, payload=True, result=Key.N,
+                 doc="add one item at the end of the bin (with below: once it holds fewer items)")
+GET = Command("GET", (*_READ_FIELDS, optional(Key.MAX, COUNT)), reply=_ITEMS, result=Key.ITEMS,
+              doc="take the bin's items (at most max of them) out of it")
+PEEK = Command("PEEK", _READ_FIELDS, reply=_ITEMS, result=Key.ITEMS, doc="read every item of the bin")
+LIST = Command("LIST", (RELEASE,), reply=Message(LIST_OK, (Field(Key.BINS, COUNTS),)), result=Key.BINS,
+               doc="every bin and its item count")
+DELETE = Command("DELETE", (BIN, RELEASE), reply=_CHANGED, doc="remove the bin and its items")
+LISTEN = Command("LISTEN", (BIN, optional(Key.FIRST_APPEND, BOOL), RELEASE),
+                 reply=Message(OK, (Field(Key.EXISTS, BOOL), Field(Key.N, INT), Field(Key.SEQ, INT),
+                                    Field(Key.TAG, TAG))),
+                 doc="notify this connection of the bin's changes; the reply is a snapshot")
+UNLISTEN = Command("UNLISTEN", (BIN, RELEASE), reply=_DONE, doc="stop notifying this connection")
+NOOP = Command("NOOP", (RELEASE,), reply=_DONE, doc="nothing: liveness and round-trip timing")
+AUTH = Command("AUTH", (Field(Key.MECH, STR), Field(Key.NONCE, BYTES), Field(Key.PROOF, BYTES)),
+               reply=Message(AUTHENTICATED, (Field(Key.PROOF, BYTES), optional(Key.SHM, MAP))),
+               doc="prove knowledge of the server's token (§8.4)")
+
+COMMANDS: dict[str, Command] = {c.verb: c for c in (PUT, APPEND, GET, PEEK, LIST, DELETE, LISTEN, UNLISTEN,
+                                                    NOOP, AUTH)}
+VERBS = frozenset(COMMANDS)
+VERBS_WITH_BIN = frozenset(verb for verb, c in COMMANDS.items() if c.takes_bin)
+VERBS_WITH_VALUE = frozenset(verb for verb, c in COMMANDS.items() if c.payload)
+
+# ------------------------------------------------------------------ frames nobody asked for
+
+# The server always sends msg, server and version; they are informational, so a
+# receiver does not insist on them.
+GREETING_MESSAGE = Message(GREETING, (optional(Key.MSG, STR), optional(Key.SERVER, STR), optional(Key.VERSION, INT),
+                                      optional(Key.AUTH, STR), optional(Key.NONCE, BYTES),
+                                      optional(Key.SHM, MAP)))
+NOTIFICATION = Message(NOTIFY, (Field(Key.BIN, STR), Field(Key.N, INT), Field(Key.SEQ, INT), Field(Key.OP, STR),
+                                optional(Key.TAG, TAG)))
+KEEPALIVE_MESSAGE = Message(KEEPALIVE, (optional(Key.MSG, STR),))
+ERROR = Message(0, (optional(Key.MSG, STR),))  # any code >= 400; built with error_reply
+
+
+def error_reply(code: int, message: str, rid: int = 0) -> dict:
+    """The header of an error reply (any code >= 400)."""
+    return {Key.CODE: code, Key.ID: rid, Key.MSG: message}

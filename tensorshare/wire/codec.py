@@ -185,8 +185,7 @@ def _torch_bytes(t: torch.Tensor) -> tuple[int, str, list[int], memoryview]:
         # Fast path, the usual case: the tensor's own memory as bytes, no torch op.
         # numpy() refuses a tensor with its conjugate or negative bit set, so it is
         # the only check made for those: torch releases the GIL in each such call,
-        # and with other threads waiting for it each release costs a thread switch
-        # (measured: is_conj() and is_neg() took 36 us each beside a busy thread).
+        # and with other threads waiting for it each release costs a thread switch.
         try:
             array = t.numpy()
         except RuntimeError:
@@ -324,8 +323,7 @@ def payload_buffer(nbytes: int) -> np.ndarray:
 
     A small one is a slice of a numpy array ALIGN bytes longer: ``torch.empty`` and
     ``.numpy()`` cost several times as much, and each releases the GIL, which costs
-    a thread switch whenever another thread waits for it (decoding a 64-byte reply
-    took 59 us with them).  A large one views a tensor from :func:`empty_payload`.
+    a thread switch whenever another thread waits for it.  A large one views a tensor from :func:`empty_payload`.
     """
     if nbytes > _SMALL_PAYLOAD:
         return empty_payload(nbytes).numpy()
@@ -337,9 +335,8 @@ def payload_buffer(nbytes: int) -> np.ndarray:
 def empty_payload(nbytes: int) -> torch.Tensor:
     """A new 1-D uint8 tensor of ``nbytes``, ALIGN-aligned, for receiving a payload.
 
-    ``torch.empty`` aligns to 64 bytes.  (numpy's allocator, which asks for huge
-    pages, was measured here: receiving 256 MiB into it ran 4-5x slower, as the
-    kernel compacts memory on the first touch of each huge page.)
+    ``torch.empty`` aligns to 64 bytes.  (Not numpy's allocator: it asks for huge
+    pages, which the kernel compacts memory for on first touch: docs/design.md.)
     """
     return torch.empty(nbytes, dtype=torch.uint8)
 

@@ -15,10 +15,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 
 from ..errors import ProtocolError
 from .dtypes import NUMPY_WIDTHS, TORCH_WIDTHS
+from .unpacking import ContainerBudget, unpack_bounded
 
 ALIGN = 64
 """Every array starts at a multiple of this many bytes of its item's payload."""
@@ -83,7 +83,7 @@ class _TupleNode(list):
     """A tuple in the tree, kept as a list until its children are resolved."""
 
 
-def _unpack(blob: bytes, limits: DecodeLimits, depth: int) -> Any:
+def _unpack(blob: bytes, limits: DecodeLimits, depth: int, budget: ContainerBudget | None = None) -> Any:
     if depth > limits.max_depth:
         raise ProtocolError(f"value description nested deeper than {limits.max_depth} levels")
 
@@ -93,7 +93,8 @@ def _unpack(blob: bytes, limits: DecodeLimits, depth: int) -> Any:
                 raise ProtocolError("array reference must be 4 bytes")
             return _ArrayRef(int.from_bytes(data, "little"))
         if code == EXT_TUPLE:
-            inner = _unpack(data, limits, depth + 1)
+            budget.copied(data)
+            inner = _unpack(data, limits, depth + 1, budget)
             if not isinstance(inner, list):
                 raise ProtocolError("tuple extension must hold an array")
             return _TupleNode(inner)
@@ -103,17 +104,9 @@ def _unpack(blob: bytes, limits: DecodeLimits, depth: int) -> Any:
             return int.from_bytes(data, "big", signed=True)
         raise ProtocolError(f"unknown msgpack extension type {code}")
 
-    size = len(blob)
-    try:
-        return msgpack.unpackb(
-            blob, raw=False, use_list=True, strict_map_key=True, ext_hook=ext_hook,
-            max_str_len=size, max_bin_len=size,
-            max_array_len=size, max_map_len=size, max_ext_len=size,
-        )
-    except ProtocolError:
-        raise
-    except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
-        raise ProtocolError(f"malformed value description: {exc or type(exc).__name__}") from None
+    if budget is None:  # one count for the tuples inside too
+        budget = ContainerBudget(len(blob), "value description")
+    return unpack_bounded(blob, "value description", budget=budget, ext_hook=ext_hook)
 
 
 def _checked_spec(i: int, entry: Any, expected_offset: int) -> ArraySpec:
@@ -220,27 +213,40 @@ _SCALARS = (type(None), bool, int, float, str, bytes)
 
 def _check_tree(tree: Any, n_arrays: int, limits: DecodeLimits) -> None:
     """Bound the depth and size of the tree, allow only the format's types (msgpack
-    would also produce timestamps and bytes map keys), check every array reference."""
+    would also produce timestamps and bytes map keys), check every array reference.
+
+    Only containers wait on the stack (with their depth), so checking a long list
+    of scalars costs no memory beyond the list itself."""
+    nodes = 1
+    if type(tree) is not list and type(tree) is not _TupleNode and type(tree) is not dict:
+        _check_leaf(tree, n_arrays)
+        return
     stack = [(tree, 0)]
-    nodes = 0
     while stack:
         node, depth = stack.pop()
-        nodes += 1
-        if nodes > limits.max_nodes:
-            raise ProtocolError(f"value has more than {limits.max_nodes} nodes")
-        if depth > limits.max_depth:
+        if depth >= limits.max_depth and node:
             raise ProtocolError(f"value nested deeper than {limits.max_depth} levels")
-        if isinstance(node, list):
-            stack.extend((child, depth + 1) for child in node)
-        elif isinstance(node, dict):
-            for key, child in node.items():
+        if type(node) is dict:
+            for key in node:
                 if type(key) is not str:
                     raise ProtocolError(f"map keys must be str, got {type(key).__name__} {key!r:.40}")
+            children = node.values()
+        else:
+            children = node
+        nodes += len(children)
+        if nodes > limits.max_nodes:
+            raise ProtocolError(f"value has more than {limits.max_nodes} nodes")
+        for child in children:
+            kind = type(child)
+            if kind is list or kind is _TupleNode or kind is dict:
                 stack.append((child, depth + 1))
-        elif isinstance(node, _ArrayRef):
-            if node.index >= n_arrays:
-                raise ProtocolError(f"reference to array #{node.index}, table has {n_arrays}")
-        elif type(node) not in _SCALARS:
-            raise ProtocolError(f"value holds a {type(node).__name__}, which the format does not allow")
+            else:
+                _check_leaf(child, n_arrays)
 
 
+def _check_leaf(node: Any, n_arrays: int) -> None:
+    if type(node) is _ArrayRef:
+        if node.index >= n_arrays:
+            raise ProtocolError(f"reference to array #{node.index}, table has {n_arrays}")
+    elif type(node) not in _SCALARS:
+        raise ProtocolError(f"value holds a {type(node).__name__}, which the format does not allow")

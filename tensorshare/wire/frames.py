@@ -27,6 +27,7 @@ from typing import Any, Callable
 import msgpack
 
 from ..errors import ProtocolError
+from .unpacking import FREE_CONTAINERS, UNPACK_ERRORS, ContainerBudget, unpack_bounded
 
 MAGIC = b"TSHR"
 VERSION = 1
@@ -38,10 +39,15 @@ _LENGTHS = struct.Struct("<IQ")  # header_len, payload_len: the prefix's last 12
 
 @dataclass(frozen=True)
 class FrameLimits:
-    """Sizes a decoder refuses before allocating anything."""
+    """Sizes a decoder refuses before allocating anything, and what a decoded header
+    may cost."""
 
     max_header: int = 16 << 20
     max_payload: int = 1 << 40
+    # A header of more than FREE_CONTAINERS bytes that decodes to more than this many
+    # bytes of objects per byte is refused (None: not measured).  For servers, which
+    # may keep a decoded request waiting while its connection is congested.
+    header_memory: int | None = None
 
 
 DEFAULT_FRAME_LIMITS = FrameLimits()
@@ -184,11 +190,11 @@ REUSE_MIN = 1 << 20  # payloads from this size on may be received into a reused 
 def buffer_sink(header: dict, nbytes: int, reuse: Any = None) -> BufferSink:
     """Sink factory: every payload into its own preallocated array.
 
-    ``reuse``, a :class:`~tensorshare.recycle.Recycler` of ``payload_buffer``
+    ``reuse``, a :class:`~tensorshare.wire.recycle.Recycler` of ``payload_buffer``
     arrays, gives a payload of ``REUSE_MIN`` bytes or more an array of its size that
     an earlier reply was received into and that nothing refers to any more (its
     values were dropped): memory already touched, much quicker to receive into than
-    new pages.  Arrays come in size classes (:func:`~tensorshare.recycle.size_class`),
+    new pages.  Arrays come in size classes (:func:`~tensorshare.wire.recycle.size_class`),
     so payloads whose size varies a little share them."""
     try:
         if reuse is not None and nbytes >= REUSE_MIN:
@@ -275,9 +281,9 @@ class FrameDecoder:
                             self._need = PREFIX_SIZE + header_len
                             pos = end
                         elif payload_len:
-                            self._start_payload(unpack_header(memoryview(data)[start:pos]), frames)
+                            self._start_payload(unpack_header(memoryview(data)[start:pos], self.limits), frames)
                         else:  # no payload (most replies and many requests): done here
-                            header = unpack_header(memoryview(data)[start:pos])
+                            header = unpack_header(memoryview(data)[start:pos], self.limits)
                             frames.append(Frame(header, self.sink_factory(header, 0).finish(), 0))
                         continue
                     take = min(self._need - len(self._pending), end - pos)
@@ -350,7 +356,7 @@ class FrameDecoder:
             header_len, self._payload_len = self._check_prefix(PREFIX.unpack(self._pending))
             self._need = PREFIX_SIZE + header_len
             return
-        header = unpack_header(memoryview(self._pending)[PREFIX_SIZE:])
+        header = unpack_header(memoryview(self._pending)[PREFIX_SIZE:], self.limits)
         self._pending = bytearray()
         self._need = PREFIX_SIZE
         self._start_payload(header, frames)
@@ -384,20 +390,29 @@ class FrameDecoder:
         self._state = _HEADER
 
 
-def unpack_header(data: bytes | memoryview) -> dict:
-    """Decode and check a frame header: a msgpack map with str keys, nothing after it."""
+def unpack_header(data: bytes | memoryview, limits: FrameLimits = DEFAULT_FRAME_LIMITS) -> dict:
+    """Decode and check a frame header: a msgpack map with str keys, nothing after
+    it, within :mod:`.unpacking`'s rule on containers and ``limits.header_memory``."""
     size = len(data)
-    try:
-        header = msgpack.unpackb(
-            data, raw=False, strict_map_key=True, use_list=True,
-            max_str_len=size, max_bin_len=size,
-            max_array_len=size, max_map_len=size, max_ext_len=0,
-        )
-    except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
-        raise ProtocolError(f"malformed header: {exc or type(exc).__name__}") from None
+    factor = limits.header_memory
+    if size <= FREE_CONTAINERS:  # the usual header: nothing to count or measure (see .unpacking)
+        measured = None
+        try:
+            header = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True, max_str_len=size,
+                                     max_bin_len=size, max_array_len=size, max_map_len=size, max_ext_len=0)
+        except UNPACK_ERRORS as exc:
+            raise ProtocolError(f"malformed header: {exc or type(exc).__name__}") from None
+    else:
+        measured = None if factor is None else ContainerBudget(size, "header", measure=True)
+        header = unpack_bounded(data, "header", budget=measured)
     if not isinstance(header, dict):
         raise ProtocolError("header must be a msgpack map with str keys")
     _check_header_values(header)
+    if measured is not None:
+        held = measured.held_bytes(header)
+        if held > factor * size:
+            raise ProtocolError(f"header of {size} bytes decodes to {held} bytes of objects, "
+                                f"over {factor} times its size")
     return header
 
 

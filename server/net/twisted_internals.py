@@ -1,0 +1,170 @@
+"""Every use of Twisted's undocumented internals, in one place.
+
+The server goes past Twisted's public API in three places, each for speed:
+
+* **Direct sends** (``server/net/writer.py``): a small reply is sent with one
+  ``send()`` on the socket when the transport holds nothing unsent, instead of
+  waiting a reactor turn for ``transport.write``; a large stored chunk is sent from
+  its own memory, since ``transport.write`` takes only ``bytes``.  That needs to
+  see the transport's write buffers (``dataBuffer``, ``offset``,
+  ``_tempDataBuffer``) and to ask for a writable event (``producerPaused``,
+  ``startWriting``).
+* **Reads into lent memory** (:class:`ReceivingServer`): ``doRead`` is
+  overridden to ``recv_into`` the receive pool's chunks.
+* **Sizes**: ``SEND_LIMIT`` (bytes per ``send()``) and ``bufferSize`` (bytes per
+  ``recv()``), and the unsent byte count the stall check compares.
+
+:func:`check` says what of this is missing from the installed Twisted; the server
+logs it and then takes Twisted's public paths only (``direct_socket`` returns None,
+the port is a plain ``tcp.Port``).  A test runs :func:`check` against a real
+connection, so an incompatible Twisted fails loudly in CI.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from twisted.internet import main, reactor, tcp
+
+log = logging.getLogger("tensorshare.server")
+
+try:  # SIOCOUTQ: unsent bytes of a TCP socket (Linux); elsewhere only Twisted's buffer is watched
+    import fcntl
+    import termios
+
+    _OUTQ = termios.TIOCOUTQ if sys.platform.startswith("linux") else None
+except ImportError:
+    _OUTQ = None
+
+_BUFFERS = ("dataBuffer", "offset", "_tempDataBuffer", "_tempDataLen", "socket", "protocol")  # per connection
+_WRITING = ("producerPaused", "startWriting", "connected", "disconnecting")
+_SIZES = ("SEND_LIMIT", "bufferSize")
+_READING = ("doRead",)
+
+
+def check(transport=None) -> list[str]:
+    """The internals missing from ``transport`` (a connected ``tcp.Server``; default:
+    the class), or from Twisted itself; empty when everything the server uses is there."""
+    target = transport if transport is not None else tcp.Server
+    missing = [name for name in (*_WRITING, *_SIZES, *_READING) if not hasattr(target, name)]
+    if transport is not None:
+        missing += [name for name in _BUFFERS if not hasattr(transport, name)]
+    for name in ("CONNECTION_LOST", "CONNECTION_DONE"):
+        if not hasattr(main, name):
+            missing.append(f"twisted.internet.main.{name}")
+    return missing
+
+
+COMPATIBLE = not check()
+if not COMPATIBLE:  # pragma: no cover - depends on the installed Twisted
+    log.warning("this Twisted lacks %s: the server uses its public write and read paths only", check())
+
+
+def direct_socket(transport):
+    """The socket under ``transport`` if the writer may send on it directly (a plain
+    TCP connection whose buffers look as expected), else None.
+
+    A TLS connection's transport is a TLSMemoryBIOProtocol, which is no
+    tcp.Connection (hasattr alone would not do: it forwards unknown attributes to
+    the TCP transport beneath, and a direct send there would bypass encryption)."""
+    if not COMPATIBLE or not isinstance(transport, tcp.Connection):
+        return None
+    if any(not hasattr(transport, name) for name in _BUFFERS):
+        return None
+    return transport.getHandle()
+
+
+def transport_idle(transport) -> bool:
+    """True when the transport holds no unsent bytes (so a direct send keeps order)."""
+    t = transport
+    return (t.connected and not t.disconnecting and not getattr(t, "_aborting", False)
+            and not t._tempDataBuffer and t.offset == len(t.dataBuffer))
+
+
+def wake_when_writable(transport) -> None:
+    """Ask for a writable event; Twisted's ``doWrite`` then writes what it holds and,
+    its buffer empty and its producer marked paused, calls ``resumeProducing``."""
+    transport.producerPaused = True
+    transport.startWriting()
+
+
+def set_send_limit(transport, nbytes: int) -> None:
+    """Bytes Twisted hands to one ``send()`` (its default, 128 KiB, costs a reactor
+    turn per 128 KiB of a large reply)."""
+    transport.SEND_LIMIT = nbytes
+
+
+def set_read_size(transport, nbytes: int) -> None:
+    """Bytes Twisted asks of one ``recv()``."""
+    transport.bufferSize = nbytes
+
+
+def unsent(transport) -> tuple | None:
+    """What the Twisted socket transport under ``transport`` (a TLS transport wraps
+    one) still holds: bytes in its buffer and, where the OS tells (Linux), in the
+    kernel's send queue, which shrinks with every byte the peer acknowledges.  None
+    if there is nothing to look at.  Only compared with an earlier value."""
+    for _ in range(4):
+        if all(hasattr(transport, name) for name in ("dataBuffer", "offset", "_tempDataLen")):
+            buffered = len(transport.dataBuffer) - transport.offset + transport._tempDataLen
+            return buffered, _kernel_unsent(transport)
+        transport = getattr(transport, "transport", None)
+        if transport is None:
+            break
+    return None
+
+
+def _kernel_unsent(transport) -> int | None:
+    if _OUTQ is None:
+        return None
+    try:
+        raw = fcntl.ioctl(transport.getHandle().fileno(), _OUTQ, b"\0\0\0\0")
+    except (OSError, AttributeError, ValueError):
+        return None
+    return int.from_bytes(raw, sys.byteorder, signed=True)
+
+
+class ReceivingServer(tcp.Server):
+    """Twisted's TCP server transport, reading straight into lent memory when the
+    protocol lends some.
+
+    Twisted's ``doRead`` reads into a new ``bytes`` per ``recv()``.  While a large
+    payload arrives into the receive pool (``server/net/recvpool.py``), the session
+    lends the pool chunk it fills instead, and this reads into it with
+    ``recv_into``: no fresh memory and no copy.  Everything else (headers, small
+    payloads, TLS, which a TLS protocol wraps and this does not see) takes
+    Twisted's own path.
+    """
+
+    def doRead(self):
+        lend = getattr(self.protocol, "receive_buffer", None)
+        buf = lend() if lend is not None else None
+        if buf is None:
+            return super().doRead()
+        try:
+            n = self.socket.recv_into(buf)
+        except BlockingIOError:
+            return None
+        except OSError:
+            return main.CONNECTION_LOST
+        if not n:
+            return main.CONNECTION_DONE
+        self.protocol.received_into(n)
+        return None
+
+
+class ReceivingPort(tcp.Port):
+    """A TCP port whose connections are :class:`ReceivingServer` transports."""
+
+    transport = ReceivingServer
+
+
+def listen_tcp(port: int, factory, interface: str):
+    """``reactor.listenTCP``, with :class:`ReceivingServer` transports where this
+    Twisted allows."""
+    if not COMPATIBLE:  # pragma: no cover
+        return reactor.listenTCP(port, factory, interface=interface)
+    listening = ReceivingPort(port, factory, interface=interface, reactor=reactor)
+    listening.startListening()
+    return listening

@@ -1,0 +1,350 @@
+"""The outbound side of one connection: whole frames written in order, paced by the socket.
+
+One :class:`FrameWriter` per connection is the transport's only push producer: it
+writes queued frames part by part, stopping whenever the transport asks it to
+pause, so a large reply never sits in memory twice and replies and notifications
+never interleave.  What it queues is accounted in an :class:`~.flow.OutboundBudget`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Callable
+
+from twisted.internet import interfaces
+from zope.interface import implementer
+
+from . import twisted_internals
+from .flow import SHARED_PART, OutboundBudget
+
+log = logging.getLogger("tensorshare.server")
+
+_DIRECT_MAX = 64 << 10  # most bytes of small parts sent in one direct send()
+_HOLD_MAX = 32  # most frames held back while a read is handled (see FrameWriter)
+LARGE_SEND = 4 << 20  # most bytes passed to one send()
+_TURN_SEND = 16 << 20  # most bytes of view parts one connection sends per pump (one per writable event)
+
+
+class WriteBatch:
+    """The writers that got frames while one connection's read is handled.
+
+    Handling a read touches other connections too: a pipelined run of APPENDs from
+    one client makes a notification for each listener per APPEND.  Each such writer
+    joins the batch (holding its frames) and all write at its end, so a listener
+    gets one ``send()`` for the run, not one per change.  One batch per server,
+    used on the reactor thread only."""
+
+    def __init__(self):
+        self.open = False
+        self._joined: list = []
+
+    def begin(self) -> None:
+        self.open = True
+
+    def join(self, writer: "FrameWriter") -> None:
+        writer._holding = True
+        self._joined.append(writer)
+
+    def end(self) -> None:
+        """Let every writer that joined write what it holds."""
+        self.open = False
+        if self._joined:
+            joined, self._joined = self._joined, []
+            for writer in joined:
+                writer.release()
+
+
+class Queued:
+    """A frame in the queue: its parts, how many were written, and what to do if the
+    connection dies first.  :meth:`FrameWriter.send` returns it as a ticket."""
+
+    __slots__ = ("parts", "index", "on_abandon", "on_written", "written")
+
+    def __init__(self, parts: list, on_abandon: Callable[[], None] | None,
+                 on_written: Callable[[], None] | None = None):
+        self.parts = parts  # None once withdrawn
+        self.index = 0
+        self.on_abandon = on_abandon
+        self.on_written = on_written
+        self.written = False
+
+    def done(self) -> None:
+        """The frame was handed to the transport whole."""
+        self.written = True
+        if self.on_written is not None:
+            self.on_written()
+
+
+@implementer(interfaces.IPushProducer)
+class FrameWriter:
+    """Writes queued frames to a transport as fast as it accepts them.
+
+    Small replies skip Twisted's write buffer: ``transport.write`` only queues the
+    bytes and asks the reactor for a writable event, so the reply would leave one
+    reactor turn later.  When the transport has nothing buffered, the leading small
+    parts are sent at once with one ``send()`` on its socket; whatever the kernel
+    does not take, and every large ``bytes`` part, goes through ``transport.write``,
+    so order, backpressure and error handling stay Twisted's.  Parts that are
+    memoryviews (the pooled chunks of a stored item) are sent from their own memory
+    (:meth:`_send_view`), since ``transport.write`` would need them copied into new
+    ``bytes``.  While the protocol is inside ``dataReceived`` the writer holds its
+    frames (:meth:`hold`/:meth:`release`), so the replies to a pipelined batch of
+    requests leave together, ``_HOLD_MAX`` frames per system call at most: a client
+    starts on the first replies while the rest are handled (see docs/design.md).
+    Frames for other connections made meanwhile (notifications) wait for the end of
+    that read too (:class:`WriteBatch`).
+
+    ``on_congested``/``on_drained`` are told when the budget's congestion starts
+    and ends; they run inside the writer and must not send anything synchronously.
+    """
+
+    def __init__(self, transport, budget: OutboundBudget | None = None,
+                 on_congested: Callable[[], None] | None = None, on_drained: Callable[[], None] | None = None,
+                 batch: WriteBatch | None = None):
+        self.transport = transport
+        self.batch = batch  # the server's write batch, if frames may wait for the end of a read
+        self.budget = budget if budget is not None else OutboundBudget(1 << 62)
+        self.written = 0  # bytes handed to the transport so far: the stall watch's mark of progress
+        self._on_congested = on_congested or _nothing
+        self._on_drained = on_drained or _nothing
+        self._queue: deque[Queued] = deque()
+        self._withdrawn = 0  # withdrawn entries still in the queue
+        self._paused = False
+        self._closing = False
+        self._lost = False
+        self._holding = False
+        self._view_sent = 0  # bytes of the view part at the head of the queue already sent
+        self._turn_sent = 0
+        self._socket = twisted_internals.direct_socket(transport)
+
+    @property
+    def congested(self) -> bool:
+        """True while the unsent frames are over the budget (see :mod:`.flow`)."""
+        return self.budget.congested
+
+    def send(self, parts: list, on_abandon: Callable[[], None] | None = None,
+             on_written: Callable[[], None] | None = None) -> Queued | None:
+        """Queue one frame; returns its ticket (None if the connection is gone).
+        ``on_written`` runs once it is handed to the transport whole, ``on_abandon`` if
+        the connection dies first."""
+        if self._lost or self._closing:
+            if on_abandon is not None:
+                on_abandon()
+            return None
+        entry = Queued(parts, on_abandon, on_written)
+        queue = self._queue
+        queue.append(entry)
+        if self.budget.charge(parts):
+            self._on_congested()
+        if not self._holding and self.batch is not None and self.batch.open:
+            self.batch.join(self)  # another connection's read is being handled: write at its end
+        elif (not self._holding or len(queue) >= _HOLD_MAX) and not self._paused:
+            self._pump()
+        return entry
+
+    def withdraw(self, entry: Queued | None) -> bool:
+        """Take a queued frame back if none of it has been written (True if so)."""
+        if (entry is None or entry.written or entry.parts is None or entry.index
+                or (self._view_sent and self._queue and self._queue[0] is entry)):
+            return False
+        if self.budget.discharge(entry.parts) | self.budget.frame_done():
+            self._on_drained()
+        entry.parts = None
+        self._withdrawn += 1
+        queue = self._queue
+        if self._withdrawn > 32 and 2 * self._withdrawn > len(queue):
+            # Compact, so a peer that never reads cannot grow the queue with
+            # withdrawn entries.  The head is never a withdrawn one mid-write.
+            self._queue = deque(e for e in queue if e.parts is not None)
+            self._withdrawn = 0
+        return True
+
+    @property
+    def closing(self) -> bool:
+        """Whether the connection is to close once its frames are written."""
+        return self._closing
+
+    @property
+    def pending(self) -> bool:
+        """Whether frames wait that the transport has not taken whole yet (a reply in progress)."""
+        return bool(self._queue)
+
+    def hold(self) -> None:
+        """Queue frames without writing them until :meth:`release`."""
+        self._holding = True
+
+    def release(self) -> None:
+        """Write what was queued since :meth:`hold`."""
+        self._holding = False
+        if self._queue and not self._paused:
+            self._pump()
+
+    def close(self) -> None:
+        """Close the connection after the queued frames have been written."""
+        self._closing = True
+        if not self._queue:
+            self._finish_close()
+
+    def _pump(self) -> None:
+        queue, write, budget = self._queue, self.transport.write, self.budget
+        drained = False
+        self._turn_sent = 0  # bytes of view parts sent in this call (_TURN_SEND)
+        while queue and not self._paused:
+            if (self._socket is not None and not self._view_sent
+                    and twisted_internals.transport_idle(self.transport)):
+                sent = self._send_direct()
+                if sent is not None:
+                    drained |= sent
+                    continue
+            entry = queue[0]
+            parts, index = entry.parts, entry.index
+            if parts is None:  # withdrawn
+                queue.popleft()
+                self._withdrawn -= 1
+                continue
+            while index < len(parts) and not self._paused:
+                part = parts[index]
+                # Parts are bytes; memoryviews of pooled chunks (server/net/recvpool.py),
+                # sent from their own memory where we own the socket; or spans of a
+                # spilled item's mapping, copied out only now.
+                if type(part) is bytes:
+                    write(part)  # may call pauseProducing()
+                elif type(part) is not memoryview or self._socket is None:
+                    write(part.tobytes())
+                elif not self._send_view(part):
+                    break  # resumeProducing() goes on with it
+                index += 1
+                self.written += len(part)
+                drained |= budget.discharge((part,))
+            entry.index = index
+            if index == len(parts):
+                queue.popleft()
+                entry.done()
+                drained |= budget.frame_done()
+        if drained and not budget.congested:
+            self._on_drained()
+        if not queue and self._closing:
+            self._finish_close()
+
+    def _send_view(self, part: memoryview) -> bool:
+        """Send a memoryview part from its own memory (``transport.write`` takes only bytes:
+        a copy, into fresh memory); True once all of it has gone.
+
+        Otherwise, when the socket is full, Twisted still holds earlier bytes, or this
+        call's share (``_TURN_SEND``, so that one fast reader does not hold the
+        reactor for a whole large reply) is spent, the writer pauses and asks the
+        transport to wake it when writable; :meth:`resumeProducing` goes on from
+        ``_view_sent``.
+        """
+        t = self.transport
+        if not t.connected or t.disconnecting:  # closing: Twisted's own path decides what still goes
+            t.write(part[self._view_sent :].tobytes())
+            self._view_sent = 0
+            return True
+        if twisted_internals.transport_idle(t):
+            view = part[self._view_sent :]
+            try:
+                while view and self._turn_sent < _TURN_SEND:
+                    sent = self._socket.send(view[:LARGE_SEND])
+                    self.written += sent
+                    self._view_sent += sent
+                    self._turn_sent += sent
+                    view = view[sent:]
+            except BlockingIOError:
+                pass
+            except OSError as exc:  # the connection is gone: end it (Twisted reports the loss)
+                log.info("closing %s: sending failed: %s", t.getPeer(), exc)
+                self._paused = True
+                t.abortConnection()
+                return False
+            if not view:
+                self._view_sent = 0
+                return True
+        self._paused = True
+        twisted_internals.wake_when_writable(t)
+        return False
+
+    def _send_direct(self) -> bool | None:
+        """Send the leading small parts of the queue with one send(); None if none is
+        small, else whether that ended the congestion."""
+        queue = self._queue
+        chunks, originals, total = [], [], 0
+        shared = False
+        done = 0  # whole frames taken
+        cut = None  # (entry, index) where a partly taken frame stops
+        for entry in queue:
+            parts, index = entry.parts, entry.index
+            if parts is None:  # withdrawn
+                done += 1
+                continue
+            while index < len(parts) and total + len(parts[index]) <= _DIRECT_MAX:
+                part = parts[index]
+                if type(part) is bytes:
+                    chunks.append(part)
+                else:
+                    chunks.append(part.tobytes())
+                if len(part) >= SHARED_PART:
+                    shared = True  # counted by identity (flow.py): discharged part by part
+                originals.append(part)
+                total += len(part)
+                index += 1
+            if index < len(parts):
+                cut = (entry, index)
+                break
+            done += 1
+        if not chunks:
+            return None
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        try:
+            sent = self._socket.send(data)
+        except OSError:  # EAGAIN, or a dead socket: Twisted's own write path deals with it
+            sent = 0
+        frames = 0
+        for _ in range(done):
+            entry = queue.popleft()
+            if entry.parts is None:
+                self._withdrawn -= 1
+            else:
+                frames += 1
+                entry.written = True
+                if entry.on_written is not None:
+                    entry.on_written()
+        if cut is not None:
+            cut[0].index = cut[1]
+        if sent < len(data):
+            self.transport.write(data[sent:])  # may call pauseProducing() synchronously
+        self.written += total
+        if shared:
+            return self.budget.discharge(originals) | self.budget.frame_done_many(frames)
+        return self.budget.sent_small(total, frames)
+
+    def _finish_close(self) -> None:
+        if not self._lost:
+            self.transport.unregisterProducer()
+            self.transport.loseConnection()
+
+    # IPushProducer
+    def pauseProducing(self) -> None:
+        self._paused = True
+
+    def resumeProducing(self) -> None:
+        self._paused = False
+        self._pump()
+
+    def stopProducing(self) -> None:
+        self.connection_lost()
+
+    def connection_lost(self) -> None:
+        """Run the abandon hooks of every frame not yet handed to the transport whole."""
+        self._lost = True
+        self._view_sent = 0
+        self._on_congested = self._on_drained = _nothing  # they refer back to the protocol
+        queue, self._queue = self._queue, deque()
+        for entry in queue:
+            if entry.on_abandon is not None and entry.parts is not None:
+                entry.on_abandon()
+
+
+def _nothing() -> None:
+    pass

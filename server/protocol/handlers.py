@@ -1,0 +1,260 @@
+"""What the server does for each verb: one handler per declared command.
+
+A handler gets the :class:`~.session.ServerSession` and a request already checked
+against its :class:`~tensorshare.protocol.messages.Command` (PROTOCOL.md §4.2-4.3).
+It reaches bins only through ``session.storage``; a storage call that may wait for
+the disk goes through :meth:`~.session.ServerSession.wait_for`, which keeps replies
+in request order.  A handler refuses by raising the
+:class:`~tensorshare.errors.RemoteError` whose code is the reply.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from tensorshare.errors import BusyError, ProtocolError, RemoteError
+from tensorshare.protocol.messages import (
+    APPEND, AUTH, BAD_ARGS, BAD_SEQUENCE, DELETE, GET, LIST, LISTEN, NOOP, PEEK, PUT, TOO_LARGE, UNLISTEN, Command,
+    Key,
+)
+from tensorshare.wire.description import check_description
+from tensorshare.wire.frames import frame_head
+
+from ..bins.store import Change, Item
+
+log = logging.getLogger("tensorshare.server")
+
+HANDLERS: dict[Command, Callable] = {}
+
+
+def handles(*commands: Command) -> Callable:
+    """Register the decorated function as the handler of ``commands``."""
+    def register(handler: Callable) -> Callable:
+        for command in commands:
+            HANDLERS[command] = handler
+        return handler
+    return register
+
+
+# -- PUT, APPEND
+
+
+@handles(PUT, APPEND)
+def store(session, request) -> None:
+    """Replace the bin's items (PUT) or add one (APPEND): from the payload, or from
+    the item directory a same-host client wrote (PROTOCOL.md §10.4).  An APPEND
+    with ``below`` first waits for room (:func:`_when_room`)."""
+    storage, replace = session.storage, request.command is PUT
+    name, blob, tag = request.bin, request.value, request.tag
+    if request.shm is not None:
+        incoming, item_name, size = session.shared.adoption(request)
+        _check_value(session, blob, size)
+        limits = session.decode_limits
+
+        def add(done: Callable) -> None:
+            storage.adopt(name, incoming, item_name, blob, size, tag, replace, done, limits)
+    else:
+        _check_value(session, blob, request.payload_len)
+        item = Item(blob, tuple(request.payload), request.payload_len, tag)
+
+        def add(done: Callable) -> None:
+            storage.add(name, item, replace, done)
+    finish = _stored(session, request)
+    if not replace and request.below is not None:
+        session.wait_for(lambda done: _when_room(session, request, add, done), finish)
+    elif request.shm is None and not storage.durable:  # stored in memory at once: nothing to wait for
+        add(finish)
+    else:
+        session.wait_for(add, finish)
+
+
+def _when_room(session, request, add: Callable, done: Callable) -> None:
+    """Run ``add(done)`` once the bin holds fewer than ``request.below`` items (those
+    being stored count), waiting up to ``request.wait`` seconds (PROTOCOL.md §4.4)."""
+    storage, waits, name, below = session.storage, session.state.waits, request.bin, request.below
+    wait = request.wait or 0
+
+    def room() -> bool:
+        return storage.state(name)[1] + waits.going(name) < below
+
+    def stored(change, error) -> None:
+        done(change, error)  # published first: notifications keep the order of seq
+        waits.settled(name)
+
+    def go() -> None:
+        try:
+            add(stored)
+        except RemoteError as exc:  # a limit: refused like any APPEND
+            stored(None, exc)
+
+    def expire() -> None:
+        done(None, BusyError(f"bin {name!r} still held {storage.state(name)[1]} items (below {below} asked) "
+                             f"after waiting {wait:g}s; nothing stored"))
+
+    session.park(name, room, go, wait, expire)
+
+
+def _check_value(session, blob: bytes, nbytes: int) -> None:
+    """501 unless ``blob`` describes a value whose payload is ``nbytes`` long."""
+    try:  # cheap for a description seen before (the codec remembers them)
+        check_description(blob, nbytes, session.decode_limits)
+    except ProtocolError as exc:
+        raise RemoteError(f"bad value: {exc}", BAD_ARGS) from None
+
+
+def _stored(session, request) -> Callable:
+    """The reply to a PUT/APPEND once the storage is done with it."""
+    def finish(change: Change | None, error: RemoteError | None) -> None:
+        if error is not None:
+            session.refuse(request.id, error)
+            return
+        session.send_header(request.command.reply(request.id, n=change.n_items, seq=change.seq))
+        session.state.listeners.publish(change)
+    return finish
+
+
+# -- GET, PEEK
+
+
+@handles(GET)
+def get(session, request) -> None:
+    """Take every item out of the bin.  The take and its notification happen now;
+    the reply follows once the items' files are open (if any is only on disk), and
+    the items go back to the front of the bin if it cannot be delivered."""
+    storage, listeners, name = session.storage, session.state.listeners, request.bin
+    items = storage.peek(name)[: request.max]  # (max: None takes them all)
+    _check_reply_size(session, items)  # refused before anything is taken
+    refs = session.shared.refs(request.ref, items, taking=True)
+    items, change = storage.take(name, request.max)
+
+    def put_back() -> None:
+        listeners.publish(storage.restore(name, items))
+
+    def finish(parts: list | None, error: RemoteError | None) -> None:
+        if error is not None:
+            put_back()
+            session.refuse(request.id, error)
+            return
+        _send_items(session, request, items, parts, change.seq, refs, put_back,
+                    lambda: storage.delivered(name, items))
+        session.shared.pin(request.id, items, refs)
+
+    parts = storage.parts_in_memory(items, refs)
+    if parts is not None:  # the usual case: the reply, then the notifications
+        finish(parts, None)
+        listeners.publish(change)
+        return
+
+    def start(done: Callable) -> None:
+        listeners.publish(change)  # this connection's own notification follows the reply
+        storage.read(items, refs, done)
+
+    session.wait_for(start, finish)
+
+
+@handles(PEEK)
+def peek(session, request) -> None:
+    """Read every item of the bin, which keeps them."""
+    storage, name = session.storage, request.bin
+    items = storage.peek(name)
+    _check_reply_size(session, items)
+    refs = session.shared.refs(request.ref, items)
+    seq = storage.state(name)[2]
+
+    def finish(parts: list | None, error: RemoteError | None) -> None:
+        if error is not None:
+            session.refuse(request.id, error)
+            return
+        _send_items(session, request, items, parts, seq, refs)
+        session.shared.pin(request.id, items, refs)
+        session.shared.promote(request.ref, items, refs, session.decode_limits)
+
+    parts = storage.parts_in_memory(items, refs)
+    if parts is not None:  # the usual case: no disk, no wait
+        finish(parts, None)
+        return
+    session.wait_for(lambda done: storage.read(items, refs, done), finish)
+
+
+def _check_reply_size(session, items: list[Item]) -> None:
+    """552 for a reply whose header, holding every item's description, would be
+    larger than max_reply_header."""
+    limit = session.config.max_reply_header
+    size = sum(len(item.description) for item in items)
+    if size > limit:
+        raise RemoteError(f"the bin's {len(items)} item descriptions take {size} bytes, over the {limit} one "
+                          f"reply may carry", TOO_LARGE)
+
+
+def _send_items(session, request, items: list[Item], parts: list, seq: int, refs: list | None,
+                on_abandon: Callable[[], None] | None = None, on_written: Callable[[], None] | None = None) -> None:
+    sizes = [item.nbytes for item in items]
+    header = request.command.reply(request.id)
+    header[Key.SEQ], header[Key.ITEMS], header[Key.SIZES] = seq, [item.description for item in items], sizes
+    if refs is None:
+        payload_len = sum(sizes)
+    else:
+        header[Key.REFS] = [None if files is None else files.ref() for files in refs]
+        payload_len = sum(item.nbytes for item, files in zip(items, refs) if files is None)
+    parts.insert(0, frame_head(header, payload_len))
+    session.send(parts, on_abandon, on_written)
+
+
+# -- LIST, DELETE
+
+
+@handles(LIST)
+def listing(session, request) -> None:
+    session.send_header(LIST.reply(request.id, bins=session.storage.listing()))
+
+
+@handles(DELETE)
+def delete(session, request) -> None:
+    def finish(change: Change | None, error: RemoteError | None) -> None:
+        if error is not None:
+            session.refuse(request.id, error)
+            return
+        session.send_header(DELETE.reply(request.id, n=0, seq=change.seq))
+        session.state.listeners.publish(change)
+
+    session.wait_for(lambda done: session.storage.delete(request.bin, done), finish)
+
+
+# -- LISTEN, UNLISTEN
+
+
+@handles(LISTEN)
+def listen(session, request) -> None:
+    name, limit = request.bin, session.config.max_listens
+    if name not in session.listening and len(session.listening) >= limit:
+        raise RemoteError(f"a connection may listen to {limit} bins", TOO_LARGE)
+    session.listening.add(name)
+    session.state.listeners.add(name, session, bool(request.first_append))
+    exists, n_items, seq, tag = session.storage.state(name)
+    # Sent before any later notification: the snapshot and the stream are atomic.
+    session.send_header(LISTEN.reply(request.id, exists=exists, n=n_items, seq=seq, tag=tag))
+
+
+@handles(UNLISTEN)
+def unlisten(session, request) -> None:
+    session.listening.discard(request.bin)
+    session.state.listeners.discard(request.bin, session)
+    session.notifier.forget(request.bin)
+    session.send_header(UNLISTEN.reply(request.id))
+
+
+# -- NOOP, AUTH
+
+
+@handles(NOOP)
+def noop(session, request) -> None:
+    session.send_header(NOOP.reply(request.id))
+
+
+@handles(AUTH)
+def auth_again(session, request) -> None:
+    """AUTH once authenticated, or on a server without a token (PROTOCOL.md §4.3)."""
+    if session.state.token is None:
+        raise RemoteError("this server does not use authentication", BAD_SEQUENCE)
+    raise RemoteError("already authenticated", BAD_SEQUENCE)

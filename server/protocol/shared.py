@@ -1,0 +1,142 @@
+"""Same-host zero-copy, server side: the policy of one connection (PROTOCOL.md §10).
+
+A client on the server's host is offered the shared areas (in the greeting, or in
+the 230 reply when it must authenticate first: no offer before authentication).
+Its GET/PEEK may then be answered with references to items' files instead of
+their bytes (the files stay pinned until the client releases the reply), and its
+PUT/APPEND may name an item directory it wrote into its own incoming directory.
+What is decided here is *what* goes by reference; the files themselves are the
+storage's (``server/bins/storage.py``, ``server/bins/shm.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from tensorshare.disk.areas import worth_sharing
+from tensorshare.errors import RemoteError
+from tensorshare.protocol.messages import BAD_ARGS, ZERO_COPY_REFUSED, Key
+from tensorshare.wire.description import parse_description
+
+from ..bins.store import Item
+
+log = logging.getLogger("tensorshare.server")
+_MAX_PINS = 256  # unreleased 226 replies with references per connection; older ones are let go
+_MAX_AREAS = 8
+
+
+class SharedMemory:
+    """The zero-copy state of one session: its incoming directory and its pins."""
+
+    def __init__(self, storage, config, same_host: bool, peer: str = "?"):
+        # Not the session itself: a reference back would make a cycle that keeps a
+        # closed connection's memory until the cyclic garbage collector runs.
+        self.storage, self.config, self.peer = storage, config, peer
+        self.same_host = same_host  # the peer is on this host: zero-copy may be offered
+        self.incoming: str | None = None  # this connection's incoming directory in the shared-memory area
+        self._pins: dict[int, list] = {}  # id of a 226 with references -> [(item, files)] until released
+
+    # -- the offer (§10.1)
+
+    def offer(self, reply: dict, session) -> None:
+        """Send ``reply`` (the greeting, or the 230 of AUTH) through ``session`` with the
+        ``shm`` offer when the peer is on this host; making its incoming directory
+        waits for the disk."""
+        send = session.send_header
+        storage = self.storage
+        if not (self.same_host and storage.areas):
+            send(reply)
+            return
+        offer = {"token": storage.token, "areas": [area.root for area in storage.areas],
+                 "min_bytes": self.config.zero_copy_min}
+        reply[Key.SHM] = offer
+        if not storage.takes_incoming:
+            send(reply)
+            return
+
+        def opened(incoming: str | None, error: BaseException | None) -> None:
+            if error is not None:
+                log.warning("zero-copy: no incoming directory for %s: %s", self.peer, error)
+            elif session.closed:
+                storage.close_incoming(incoming)
+            else:
+                self.incoming = offer["incoming"] = incoming
+            send(reply)
+
+        session.wait_for(storage.open_incoming, opened)
+
+    def connection_lost(self) -> None:
+        self._pins.clear()  # the client's mappings outlive the files' names
+        if self.incoming is not None:  # whatever its client wrote and did not send goes too
+            self.storage.close_incoming(self.incoming)
+            self.incoming = None
+
+    # -- GET and PEEK by reference (§10.3)
+
+    def refs(self, wanted, items: list[Item], taking: bool = False) -> list | None:
+        """For a GET/PEEK asking for references (``wanted``: the areas it can map):
+        per item, the files to refer to (in an area the client can map, and not too
+        small to be worth it) or None (its bytes go in the payload).  None when no
+        item gets a reference.
+
+        A GET (``taking``) gets no references into the data directory, where a
+        DELETE of the bin removes every file at once, pinned or not (PROTOCOL.md
+        Appendix B): the taken items would be lost; a PEEK can be repeated."""
+        if not wanted or not self.same_host or len(wanted) > _MAX_AREAS:
+            return None
+        minimum = self.config.zero_copy_min
+        durable = self.storage.data_area if taking else None
+        refs = []
+        for item in items:
+            files = item.files
+            if (files is not None and files.area is not None and files.area.index in wanted
+                    and files.area is not durable and worth_sharing(item.nbytes, len(files.spans), minimum)):
+                refs.append(files)
+            else:
+                refs.append(None)
+        return refs if any(refs) else None
+
+    def promote(self, wanted, items: list[Item], refs: list | None, limits) -> None:
+        """After a PEEK asking for references: copy the items it had to send inline
+        (received over TCP, still in memory) into shared memory, for the next read."""
+        area = self.storage.shm_area
+        if not (self.same_host and area is not None and wanted and area.index in wanted):
+            return
+        minimum = self.config.zero_copy_min
+        for i, item in enumerate(items):
+            if (refs is None or refs[i] is None) and item.segments is not None and item.nbytes >= minimum:
+                arrays = len(parse_description(item.description, item.nbytes, limits).arrays)
+                if worth_sharing(item.nbytes, arrays, minimum):
+                    self.storage.promote(item)
+
+    def pin(self, rid: int, items: list[Item], refs: list | None) -> None:
+        """Keep the files a reply referred to until the client releases it (or leaves)."""
+        if refs is None:
+            return
+        pinned = [(item, files) for item, files in zip(items, refs) if files is not None]
+        if pinned:
+            pins = self._pins
+            pins[rid] = pinned
+            if len(pins) > _MAX_PINS:  # a client that never releases: let the oldest go
+                del pins[next(iter(pins))]
+
+    def release(self, ids: object) -> None:
+        """The client no longer needs the references of replies ``ids``."""
+        if type(ids) is list:
+            pins = self._pins
+            for rid in ids:
+                if type(rid) is int:
+                    pins.pop(rid, None)
+
+    # -- PUT and APPEND through shared memory (§10.4)
+
+    def adoption(self, request) -> tuple[str, str, int]:
+        """``(incoming directory, item name, size)`` of a PUT/APPEND naming a value
+        in shared memory; the :class:`RemoteError` to answer with if it cannot be."""
+        if self.incoming is None:
+            raise RemoteError("this connection has no shared-memory incoming directory", ZERO_COPY_REFUSED)
+        if request.payload_len:
+            raise RemoteError("a value in shared memory travels without payload", BAD_ARGS)
+        size, max_frame = request.size, self.config.max_frame
+        if type(size) is not int or not 0 <= size <= max_frame:
+            raise RemoteError(f"size must be an integer in 0..{max_frame}", BAD_ARGS)
+        return self.incoming, request.shm, size

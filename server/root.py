@@ -1,0 +1,84 @@
+"""The composition root: one server's shared parts, built from its configuration.
+
+:func:`build_state` makes the store, the disk tiers (spill area, data directory,
+shared-memory area) behind one :class:`~.bins.storage.Storage`, the listener
+registry and the receive pool, and loads the data directory.  Sessions get the
+resulting :class:`ServerState` and reach bins only through its ``storage``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from tensorshare.disk.areas import new_token
+from tensorshare.wire.recycle import Recycler
+
+from .bins.durable import DataDir
+from .bins.shm import ShmArea
+from .bins.spill import SpillArea
+from .bins.storage import InlineJobs, Jobs, Storage
+from .bins.store import BinStore
+from .config import ServerConfig
+from .net.recvpool import chunk_pool
+from .protocol.notify import ListenerRegistry
+from .protocol.waits import Waits
+
+log = logging.getLogger("tensorshare.server")
+
+
+@dataclass
+class ServerState:
+    """What all sessions of one server share."""
+
+    config: ServerConfig
+    storage: Storage
+    listeners: ListenerRegistry = field(default_factory=ListenerRegistry)
+    token: bytes | None = field(default=None, repr=False)  # clients must AUTH with it; None: no authentication
+    connections: int = 0  # connections admitted and still open (max_connections)
+    recv_pool: Recycler | None = None  # memory large payloads are received into (None: fresh memory)
+    waits: Waits | None = None  # requests parked until their bin changes (protocol/waits.py)
+
+    def __post_init__(self) -> None:
+        if self.waits is None:
+            self.waits = Waits(_NoClock())
+        self.listeners.watch(self.waits.changed)
+
+    @property
+    def store(self):
+        """The bin store under the storage, for tools and tests (sessions use ``storage``)."""
+        return self.storage.store
+
+
+class _NoClock:
+    """The clock of a state built without one: a request that asks to wait is refused."""
+
+    def callLater(self, delay, fn, *args):  # noqa: N802 - IReactorTime's name
+        raise RuntimeError("this server state has no clock: requests cannot wait")
+
+
+def build_state(config: ServerConfig, jobs: Jobs | None = None, clock=None) -> ServerState:
+    """The state of a new server: its store and disk tiers, the data directory loaded.
+
+    ``jobs`` runs the blocking file work (the server's disk threads; by default
+    everything runs at once on the calling thread, as tests and tools want);
+    ``clock`` (``IReactorTime``: the reactor, or a test's ``Clock``) times the
+    requests that wait in the server."""
+    store = BinStore(config.max_bins, config.max_items_per_bin, config.memory_limit)
+    data_dir = DataDir(config.data_dir, config.fsync, config.decode_limits) if config.data_dir else None
+    spill = SpillArea(config.spill_dir) if config.memory_limit is not None and data_dir is None else None
+    shm = None
+    if config.zero_copy and data_dir is None:  # durable items are on disk: clients map those
+        try:
+            shm = ShmArea(config.shm_dir)
+        except OSError as exc:
+            log.warning("zero-copy: no shared-memory area in %s (%s); values travel over TCP", config.shm_dir, exc)
+    storage = Storage(store, jobs or InlineJobs(), data_dir=data_dir, spill=spill, shm=shm)
+    if config.zero_copy:
+        storage.share(new_token())
+    if data_dir is not None:
+        count = storage.load()
+        log.info("data directory %s: %d items in %d bins", config.data_dir, count, len(store.listing()))
+    pool = chunk_pool(config.recv_pool_bytes, config.recv_pool_idle)
+    return ServerState(config, storage, token=config.auth_token(), recv_pool=pool,
+                       waits=Waits(clock if clock is not None else _NoClock()))

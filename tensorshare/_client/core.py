@@ -1,0 +1,242 @@
+"""What both clients do the same way, whatever carries their bytes.
+
+:class:`ClientCore` holds a client's options and its transport-free state: the
+one table of calls in flight (:mod:`.calls`), its listens (:mod:`.listens`), the
+replies whose shared-memory references it may release, and the reply memory it
+reuses.  It plans each request (:mod:`.routing`: over TCP or through shared
+memory), settles each attempt (a reply checked and decoded, or an error, with the
+fallback attempt a zero-copy refusal calls for), sorts incoming frames into
+replies and notifications, and listens again after a reconnection.
+
+A subclass supplies the transport: :meth:`_call` (a call as the client's style
+wants it: blocking, or a Deferred), :meth:`_submit` (a call whose outcome goes to a
+callback) and the current connection (:meth:`_connection`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+from ..errors import TensorShareError, ProtocolError
+from ..protocol.auth import resolve_token
+from ..protocol.messages import COMMANDS, LISTEN, UNLISTEN, Command, Key
+from ..protocol.tls import TLSSettings
+from ..wire.frames import Frame
+from .calls import Call, CallTable
+from .connection import (
+    NO_VALUE, ClientConnection, ListenSnapshot, Reply, next_request_id, notification_of,
+    read_reply, reply_buffers, report_unsolicited, request_frame,
+)
+from .listens import Subscriptions
+from .methods import DEFAULT, ClientMethods, bin_fields
+from .routing import finish, next_attempt, route
+
+log = logging.getLogger("tensorshare.client")
+
+
+class ClientCore(ClientMethods):
+    """The transport-free part of a client (see the module docstring)."""
+
+    def _init_core(self, host: str, port: int, *, timeout: float | None, device: Any, zero_copy: bool,
+                   reuse: int, token, tls: TLSSettings | None, keepalive: float | None, lock) -> None:
+        self.host, self.port = host, port
+        self.timeout = timeout
+        self.device = device
+        self.zero_copy = zero_copy
+        self.keepalive = keepalive or None
+        self._token = resolve_token(token)
+        self._tls = tls
+        self._buffers = reply_buffers(reuse)  # arrays large replies were received into
+        self._lock = lock  # guards the call table, the listens and the releases
+        self._calls = CallTable()
+        self._listens = Subscriptions()
+        self._releases: list[int] = []  # 226 replies whose references we mapped: told to the server
+        self._release_lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def _where(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def _new_connection(self) -> ClientConnection:
+        return ClientConnection(token=self._token, reuse=self._buffers)
+
+    def _connection(self) -> ClientConnection | None:
+        """The protocol state of the current connection (None while disconnected)."""
+        raise NotImplementedError
+
+    def _submit(self, command: Command, fields: dict | None, value: Any, callback: Callable, *,
+                zero_copy: bool = True, timeout=DEFAULT, then: Callable | None = None,
+                on_error: Callable | None = None, on_reply: Callable | None = None, decode: bool = True,
+                raw: bool = False) -> None:
+        """Send a call whose ``callback(result, error)`` runs when it is settled
+        (``then``, ``on_error``, ``on_reply``, ``decode``, ``raw``: see
+        :class:`~.calls.Call`)."""
+        raise NotImplementedError
+
+    # -- calls
+
+    def submit(self, op: str | Command, bin: str | None = None, value: Any = NO_VALUE,
+               callback: Callable[[Any, BaseException | None], Any] | None = None, *, tag: int | None = None,
+               zero_copy: bool = True, inline: bool = False, fields: dict | None = None) -> None:
+        """Send a request without waiting; ``callback(result, error)`` runs when the
+        reply arrives (the blocking client: on its dispatcher thread).  ``op`` is a
+        verb (``"PUT"``...) or its :class:`~tensorshare.protocol.messages.Command`;
+        the result is what the matching method returns.  The value has been copied
+        out when this returns, so later changes to it are not sent.
+        ``zero_copy=False``: over TCP only.  ``inline=True`` (the blocking client)
+        runs the callback on the thread that reads the socket, with no hand-off to
+        the dispatcher: for a quick callback that never calls the client.
+        ``fields``: more header fields of the verb (``{"below": 64, "wait": 10.0}``)."""
+        command = op if isinstance(op, Command) else COMMANDS[op]
+        extra = fields
+        fields = None if bin is None else bin_fields(bin, tag)
+        if extra:
+            fields = {**(fields or {}), **extra}
+        if inline:
+            self._submit(command, fields, value, callback or _ignore, zero_copy=zero_copy, inline=True)
+        else:
+            self._submit(command, fields, value, callback or _ignore, zero_copy=zero_copy)
+
+    def _new_call(self, command: Command, fields: dict | None, value: Any, areas, callback: Callable | None = None,
+                  then: Callable | None = None, on_error: Callable | None = None, on_reply: Callable | None = None,
+                  deadline: float | None = None, decode: bool = True, raw: bool = False) -> Call:
+        """A call of ``command``, routed for ``areas`` (see :mod:`.routing`).  (Its
+        arguments are checked as its frame is built; a value routed through shared
+        memory is removed again if they are wrong.)"""
+        call = Call(next_request_id(), command, fields, value, callback, then, on_error, on_reply, deadline, decode,
+                    raw)
+        if areas is not None:
+            route(call, areas)
+        return call
+
+    def _request_parts(self, call: Call) -> list:
+        """The frame of ``call``'s current attempt, telling the server which
+        references it may release.  The call lets go of the value then: a call in
+        flight must not keep its value alive (a fallback sends a copy of its own)."""
+        fields = self._with_releases(call.fields) if self._releases else call.fields
+        parts = request_frame(call.rid, call.command, fields, call.value)
+        call.value = NO_VALUE
+        return parts
+
+    def _settle(self, call: Call, outcome: Frame | BaseException) -> tuple[Reply | None, BaseException | None] | None:
+        """The end of one attempt of ``call``: ``(reply, None)`` or ``(None, error)``;
+        None when the error calls for another attempt (``call`` then holds it, under
+        a new request id: send it)."""
+        if isinstance(outcome, BaseException):
+            error = outcome
+        else:
+            try:
+                reply = self._read(call, outcome)
+            except TensorShareError as exc:
+                error = exc
+            else:
+                finish(call)
+                return reply, None
+        if next_attempt(call, error):
+            call.rid, call.outcome = next_request_id(), None
+            return None
+        finish(call)
+        return None, error
+
+    def _result(self, call: Call, reply: Reply | None, error: BaseException | None) -> tuple[Any, BaseException | None]:
+        """What the caller of a settled call gets: ``(result, None)`` or ``(None, error)``
+        (``then`` maps the reply; ``on_error`` may handle the error)."""
+        if error is not None:
+            if call.on_error is not None and call.on_error(error):
+                return None, None
+            return None, error
+        if call.raw:
+            return reply, None
+        try:
+            return (reply.result if call.then is None else call.then(reply)), None
+        except TensorShareError as exc:
+            return None, exc
+
+    def _call_back(self, call: Call, reply: Reply | None, error: BaseException | None) -> None:
+        """Run a settled non-blocking call's callback."""
+        call.callback(*self._result(call, reply, error))
+
+    def _read(self, call: Call, frame: Frame) -> Reply:
+        """The checked reply; items it refers to are mapped from the server's files."""
+        conn = frame.origin
+        areas = conn.areas if conn is not None and call.decode else None
+        try:
+            return read_reply(call.command, frame, self.device, areas=areas, decode=call.decode)
+        finally:
+            if areas is not None and frame.header.get(Key.REFS) and conn is self._connection():
+                with self._release_lock:  # mapped (or failed): the server may let the files go
+                    self._releases.append(frame.header[Key.ID])
+
+    def _with_releases(self, fields: dict | None) -> dict | None:
+        """``fields`` plus the ids of replies whose references we no longer need."""
+        if not self._releases:
+            return fields
+        with self._release_lock:
+            ids, self._releases = self._releases, []
+        return {**fields, Key.RELEASE: ids} if fields else {Key.RELEASE: ids}
+
+    def _shared_areas(self):
+        conn = self._connection()
+        return conn.areas if conn is not None else None
+
+    # -- incoming frames
+
+    def _sort(self, frame: Frame, conn: ClientConnection, jobs: list) -> Call | None:
+        """Sort one incoming frame (under the client's lock): the call it answers, taken
+        out of the table with its ``on_reply`` run (None if nobody waits for it any
+        more); or, for a notification, its listeners' callbacks added to ``jobs``."""
+        frame.origin = conn  # replies refer to what this connection's greeting offered
+        rid = frame.header.get(Key.ID)
+        if type(rid) is not int:
+            raise ProtocolError(f"reply id must be an integer, got {rid!r:.40}")
+        if rid:
+            call = self._calls.pop(rid)
+            if call is not None and call.on_reply is not None:
+                call.on_reply(frame)
+            return call
+        note = notification_of(frame)
+        if note is not None:
+            jobs.extend((handle.callback, (note,)) for handle in self._listens.handles(note.bin))
+        else:
+            report_unsolicited(frame, self._where)
+        return None
+
+    # -- listening again after a reconnection
+
+    def _relisten(self) -> None:
+        """Listen again, on a new connection, to the bins that have handles."""
+        with self._lock:
+            names = [(name, self._listens.first_append_only(name)) for name in self._listens.names()]
+        for name, first_append_only in names:
+            fields = bin_fields(name)
+            if first_append_only:
+                fields[Key.FIRST_APPEND] = True
+            self._submit(LISTEN, fields, NO_VALUE, self._relistened(name), raw=True)
+
+    def _relistened(self, name: str) -> Callable:
+        def deliver(reply: Reply | None, error: BaseException | None) -> None:
+            if error is not None:
+                log.warning("could not listen to %r again after reconnecting: %s", name, error)
+                return
+            note = ListenSnapshot.of(reply.header).as_notification(name)
+            with self._lock:
+                handles = self._listens.handles(name)
+            for handle in handles:
+                handle.callback(note)
+        return deliver
+
+    def _forget_listen(self, name: str) -> None:
+        try:
+            self._submit(UNLISTEN, bin_fields(name), NO_VALUE, _ignore)
+        except TensorShareError:
+            pass
+
+
+def _ignore(reply: Any, error: Any) -> None:
+    pass
+
+
+__all__ = ["ClientCore"]

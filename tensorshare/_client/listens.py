@@ -1,0 +1,79 @@
+"""What a client listens to: the handles of its listens, by bin.
+
+Listens belong to a connection on the server (PROTOCOL.md §5), so a client that
+reconnects listens again to every bin in :class:`Subscriptions` and reports the
+new snapshot to each handle's callback as a ``LISTEN`` notification.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .connection import ListenSnapshot, Notification
+
+
+class Listening:
+    """Handle of a listen: ``snapshot`` is the bin's state when it began, ``stop()``
+    ends it (for an :class:`~tensorshare.AsyncClient`, ``stop()`` returns a Deferred)."""
+
+    __slots__ = ("client", "bin", "callback", "snapshot", "every_append")
+
+    def __init__(self, client: Any, name: str, callback: Callable[[Notification], Any], every_append: bool = True):
+        self.client, self.bin, self.callback = client, name, callback
+        self.every_append = every_append
+        self.snapshot: ListenSnapshot | None = None
+
+    def stop(self, callback: Callable[[None, BaseException | None], Any] | None = None) -> Any:
+        """Stop listening.  With ``callback``, return at once and call it with
+        ``(None, error)`` once done (error None on success)."""
+        return self.client._unlisten(self, callback)
+
+    close = stop
+
+    def __repr__(self) -> str:
+        return f"<Listening {self.bin!r}>"
+
+
+class Subscriptions:
+    """The listen handles of one client, by bin (no locking: the client guards it)."""
+
+    def __init__(self):
+        self._by_bin: dict[str, list[Listening]] = {}
+
+    def add(self, handle: Listening) -> None:
+        self._by_bin.setdefault(handle.bin, []).append(handle)
+
+    def remove(self, handle: Listening) -> bool:
+        """Forget ``handle``; True if it was the last one of its bin (so the server
+        should stop notifying)."""
+        handles = self._by_bin.get(handle.bin)
+        if handles is None or handle not in handles:
+            return False
+        handles.remove(handle)
+        if handles:
+            return False
+        del self._by_bin[handle.bin]
+        return True
+
+    def handles(self, name: str) -> tuple[Listening, ...]:
+        return tuple(self._by_bin.get(name, ()))
+
+    def names(self) -> list[str]:
+        return list(self._by_bin)
+
+    def first_append_only(self, name: str, adding: Listening | None = None) -> bool:
+        """Whether the server may skip APPENDs to bin ``name`` that find it holding
+        items: no handle of it (``adding`` included) wants every append."""
+        handles = self._by_bin.get(name, [])
+        if adding is not None and adding.every_append:
+            return False
+        return (adding is not None or bool(handles)) and not any(h.every_append for h in handles)
+
+    def clear(self) -> None:
+        self._by_bin.clear()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._by_bin
+
+    def __bool__(self) -> bool:
+        return bool(self._by_bin)

@@ -1,0 +1,238 @@
+"""The verbs both clients offer, written once.
+
+Each method states what it sends and what it returns, in terms of
+``self._call(command, fields, ...)``: :class:`tensorshare.Client` answers a call
+with its result (blocking), :class:`tensorshare.AsyncClient` with a Deferred of
+it.  ``then`` turns the checked :class:`~.connection.Reply` into the result;
+``on_reply`` runs on the reading thread as the reply arrives, before any later
+frame; ``on_error(error)`` may handle an error (returning True) instead of
+letting it through.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from ..protocol.messages import APPEND, DELETE, GET, LIST, LISTEN, MAX_WAIT, NOOP, OK, PEEK, PUT, UNLISTEN, Key
+from .connection import NO_VALUE, ListenSnapshot, Notification, item_table
+from .listens import Listening
+
+DEFAULT = object()  # "use the client's timeout"
+
+
+def bin_fields(name: str, tag: int | None = None) -> dict:
+    """The header fields of a request about bin ``name`` (with an item's ``tag``)."""
+    return {Key.BIN: name} if tag is None else {Key.BIN: name, Key.TAG: tag}
+
+
+class ClientMethods:
+    """The public verbs of a tensorshare client (see the module docstring)."""
+
+    def _call(self, command, fields: dict | None = None, value: Any = NO_VALUE, *, timeout=DEFAULT,
+              then: Callable | None = None, on_reply: Callable | None = None, on_error: Callable | None = None,
+              decode: bool = True, zero_copy: bool = True) -> Any:
+        raise NotImplementedError
+
+    def _done(self, value: Any) -> Any:
+        """``value`` as a call's result (a Deferred of it for the AsyncClient)."""
+        raise NotImplementedError
+
+    def _shared_areas(self):
+        """The current connection's verified shared areas (None without zero-copy)."""
+        raise NotImplementedError
+
+    # -- storing
+
+    def put(self, bin: str, value: Any, *, tag: int | None = None, timeout=DEFAULT) -> Any:
+        """Replace the items of ``bin`` with ``value``; returns the bin's item count (1).
+
+        ``tag``, an optional 64-bit integer stored with the item, reaches listeners
+        in the notification (a version number, say), so they need not download it.
+        The value has been sent (or copied into the server's shared memory) when
+        this returns: changing it afterwards is safe.
+        """
+        return self._call(PUT, bin_fields(bin, tag), value, timeout=timeout)
+
+    def append(self, bin: str, value: Any, *, tag: int | None = None, below: int | None = None,
+               timeout=DEFAULT) -> Any:
+        """Add ``value`` as one more item of ``bin``; returns the bin's new item count.
+
+        With ``below``, the item is stored only once the bin holds fewer than
+        ``below`` items: the server holds the request until a reader takes some
+        (other clients are served meanwhile), up to ``timeout`` seconds (the
+        client's, by default), then refuses it with :class:`~tensorshare.errors.BusyError`
+        (a ``TimeoutError``), storing nothing.  Backpressure for producers that
+        must not outrun their consumer.
+        """
+        fields = bin_fields(bin, tag)
+        if below is not None:
+            timeout = self._wait_in_server(fields, below, timeout)
+        return self._call(APPEND, fields, value, timeout=timeout)
+
+    def _wait_in_server(self, fields: dict, below: int, timeout) -> float:
+        """Ask the server to hold a request up to the call's timeout (``fields`` get
+        ``below`` and ``wait``); returns the call's own timeout, a little longer, so
+        that the server's answer comes first."""
+        if timeout is DEFAULT:
+            timeout = self.timeout
+        wait = MAX_WAIT if timeout is None else min(max(float(timeout), 0.0), MAX_WAIT)
+        fields[Key.BELOW], fields[Key.WAIT] = below, wait
+        return wait + max(1.0, wait / 10)
+
+    # -- reading
+
+    def get(self, bin: str, timeout=DEFAULT, *, max_items: int | None = None, with_seq: bool = False) -> Any:
+        """Take all items out of ``bin`` (it stays, empty); returns them in order.
+
+        ``max_items``: take only the first that many (the rest stay).  With
+        ``with_seq=True`` returns ``(items, seq)``: seq is this take's sequence
+        number, so a listener can tell the notifications of later changes (higher
+        seq) from those of earlier ones.
+        """
+        fields = bin_fields(bin)
+        if max_items is not None:
+            fields[Key.MAX] = max_items
+        then = (lambda reply: (reply.values, reply.header[Key.SEQ])) if with_seq else None
+        return self._call(GET, fields, timeout=timeout, then=then)
+
+    def peek(self, bin: str, timeout=DEFAULT) -> Any:
+        """Return all items of ``bin`` without removing them."""
+        return self._call(PEEK, bin_fields(bin), timeout=timeout)
+
+    def save(self, bin: str, path, *, overwrite: bool = False, timeout=DEFAULT) -> Any:
+        """Write the items of ``bin`` (which keeps them) to the local directory ``path``.
+
+        The bytes the server sent go straight to memory-mappable files, one
+        numbered subdirectory per item (tensordict's layout); nothing is decoded or
+        pickled.  ``tensorshare.load_memmap(path)`` maps them back.  Returns the
+        number of items saved.
+        """
+        def write(reply) -> int:
+            from ..memmap import save_items
+
+            frame = reply.frame
+            payload = memoryview(frame.payload) if frame.payload_len else memoryview(b"")
+            items, base = [], 0
+            for blob, size, _ref in item_table(reply.header, frame.payload_len):
+                items.append((blob, payload[base : base + size], size))
+                base += size
+            save_items(path, items, overwrite=overwrite)
+            return len(items)
+
+        return self._call(PEEK, bin_fields(bin), timeout=timeout, then=write, decode=False, zero_copy=False)
+
+    def shared(self, value: Any) -> Any:
+        """A copy of ``value`` whose tensors and arrays live in the server's shared memory.
+
+        Compute into them as into any tensor; a ``put``/``append`` of a value holding
+        one of them (whole, as returned here) then hands its pages to the server
+        instead of copying them.  From then on the tensor is copy-on-write: later
+        changes copy the pages they touch and are not seen by the server, and the next
+        put copies it as any tensor.  A tensor on the ``meta`` device gives a
+        zero-filled tensor of its shape and dtype, with nothing copied.  Without
+        same-host zero-copy this returns ``value`` (meta tensors as zeros).
+        """
+        from .zerocopy import shared_copy
+
+        areas = self._shared_areas()
+        if areas is None or areas.incoming is None:
+            return shared_copy(value, None)
+        return areas.shared(value)
+
+    def list(self, timeout=DEFAULT) -> Any:
+        """``{bin: n_items}`` for every bin on the server."""
+        return self._call(LIST, timeout=timeout)
+
+    def delete(self, bin: str, timeout=DEFAULT) -> Any:
+        """Remove ``bin`` and its items."""
+        return self._call(DELETE, bin_fields(bin), timeout=timeout)
+
+    def ping(self, timeout=DEFAULT) -> Any:
+        """Round-trip a NOOP; returns the seconds it took."""
+        start = time.perf_counter()
+        return self._call(NOOP, timeout=timeout, then=lambda reply: time.perf_counter() - start)
+
+    # -- listening
+
+    def listen(self, bin: str, callback: Callable[[Notification], Any], timeout=DEFAULT, *,
+               every_append: bool = True) -> Any:
+        """Call ``callback(notification)`` on every change to ``bin``, from now on;
+        returns a :class:`Listening` handle once the server listens.
+
+        ``every_append=False`` skips the APPENDs to a bin that already holds items
+        (a reader that takes every item at once only needs to know that the bin is
+        no longer empty: one notification per batch instead of one per item).
+
+        No change after the call returns is missed.  ``handle.snapshot`` is the
+        bin's state at that moment; ``handle.stop()`` stops listening.  The
+        blocking client runs callbacks in order on its dispatcher thread, never on
+        a thread that reads the socket; the AsyncClient on the reactor thread.  A
+        client that falls far behind (PROTOCOL.md §8.7) gets only the latest
+        change per bin: ``seq`` always grows but may skip.  After a reconnection
+        the client listens again and calls back with a ``LISTEN`` notification of
+        the bin's state then.
+        """
+        handle = Listening(self, bin, callback, every_append)
+        fields = bin_fields(bin)
+        with self._lock:
+            if self._listens.first_append_only(bin, handle):
+                fields[Key.FIRST_APPEND] = True
+
+        def activate(frame) -> None:
+            # On the reading thread as the reply arrives, before any later frame: a
+            # notification right behind the reply must find the handle.
+            if frame.header.get(Key.CODE) == OK:
+                handle.snapshot = ListenSnapshot.of(LISTEN.check_reply(frame.header))
+                self._listens.add(handle)
+
+        def give_up(error: BaseException) -> bool:
+            from ..errors import TimeoutError
+
+            if isinstance(error, TimeoutError) and bin not in self._listens:
+                self._forget_listen(bin)  # the server may listen by now: ask it to stop
+            return False
+
+        return self._call(LISTEN, fields, timeout=timeout, on_reply=activate, on_error=give_up,
+                          then=lambda reply: self._listening(handle))
+
+    def unlisten(self, bin: str, callback: Callable | None = None) -> Any:
+        """Stop the listens of ``bin`` (only those calling ``callback``, if given)."""
+        results = [self._unlisten(handle) for handle in self._listens.handles(bin)
+                   if callback is None or handle.callback == callback]
+        return results[-1] if results else self._done(None)
+
+    def _unlisten(self, handle: Listening, callback: Callable | None = None) -> Any:
+        """Stop ``handle``; with ``callback``, without waiting: ``callback(None, error)``
+        once the server stopped notifying (if this was the bin's last handle)."""
+        with self._lock:
+            last = self._listens.remove(handle)
+        if callback is not None:
+            if not last or self._closed:
+                self._later(callback, None, None)
+            else:
+                self._submit(UNLISTEN, bin_fields(handle.bin), NO_VALUE,
+                             lambda reply, error: callback(None, None if _lost_connection(error) else error))
+            return None
+        if not last or self._closed:
+            return self._done(None)
+        return self._call(UNLISTEN, bin_fields(handle.bin), on_error=_lost_connection)
+
+    def _later(self, fn: Callable, *args) -> None:
+        """Run ``fn(*args)`` where the client runs callbacks, after this call returns."""
+        raise NotImplementedError
+
+    def _listening(self, handle: Listening) -> Listening:
+        """A listen has started (the blocking client makes sure a thread reads)."""
+        return handle
+
+    def _forget_listen(self, name: str) -> None:
+        """Ask the server, without waiting, to stop notifying of bin ``name``."""
+        raise NotImplementedError
+
+
+def _lost_connection(error: BaseException | None) -> bool:
+    """A lost connection ends an UNLISTEN's work anyway: the next one will not listen."""
+    from ..errors import ConnectionLostError
+
+    return isinstance(error, ConnectionLostError)

@@ -1,0 +1,102 @@
+"""The blocking client's background reader: a thread that keeps the socket drained.
+
+While a :class:`~tensorshare.Client` listens, or has non-blocking calls in
+flight, somebody must read the socket even when no caller waits for a reply:
+notifications and callbacks would otherwise sit unread.  The reader takes the
+client's leader role whenever no calling thread holds it, reconnects with
+backoff when the connection is lost (the client then listens again), and ends
+once there is nothing left to read for.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from ..errors import AuthenticationError, TensorShareError, TimeoutError
+from .retry import Backoff
+
+log = logging.getLogger("tensorshare.client")
+
+_LINGER = 2.0  # seconds an idle reader waits for more work before it ends
+
+
+class BackgroundReader:
+    """The reader thread of one client (started by :meth:`ensure`, on demand)."""
+
+    def __init__(self, client):
+        self.client = client
+        self.thread: threading.Thread | None = None
+        self._idle = False  # the thread waits for work (set under the client's lock)
+
+    def needed(self) -> bool:
+        c = self.client
+        return not c._closed and c._failure is None and bool(c._listens or c._calls.callbacks)
+
+    def ensure(self) -> None:
+        """Make sure a reader runs if one is needed (cheap when one does)."""
+        cond = self.client._cond
+        if self.thread is not None:  # unlocked fast path: an exiting reader re-checks
+            if self._idle:  # it waits for work: wake it for the new work
+                with cond:
+                    cond.notify_all()
+            return
+        with cond:
+            if self.thread is not None or not self.needed():
+                return
+            self.thread = threading.Thread(target=self._run, name="tensorshare-reader", daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        client, cond = self.client, self.client._cond
+        backoff = Backoff(0.05, client.max_backoff)
+        idle_since = None
+        try:
+            while True:
+                with cond:
+                    if not self.needed():
+                        # Linger: in a run of non-blocking calls, the calls in flight
+                        # often all complete before the next is made, and starting a
+                        # thread each time costs more than the calls.
+                        now = time.monotonic()
+                        idle_since = now if idle_since is None else idle_since
+                        if client._closed or client._failure is not None or now - idle_since >= _LINGER:
+                            return
+                        self._idle = True
+                        cond.wait(idle_since + _LINGER - now)
+                        self._idle = False
+                        continue
+                    idle_since = None
+                    if client._reading:
+                        cond.wait(1.0)
+                        continue
+                    client._reading = True
+                failure = None
+                try:
+                    if client._link is None:
+                        client._ensure_connected(None)
+                        backoff.reset()
+                    client._read_some(time.monotonic() + 1.0)
+                except TimeoutError:
+                    pass
+                except TensorShareError as exc:
+                    failure = exc
+                finally:
+                    with cond:
+                        client._reading = False
+                        cond.notify_all()
+                if failure is not None:
+                    if client._closed:
+                        return
+                    if isinstance(failure, AuthenticationError):
+                        log.error("tensorshare reader: %s; not reconnecting", failure)
+                        return
+                    delay = backoff.next()
+                    log.info("tensorshare reader: %s; retrying in %.2fs", failure, delay)
+                    time.sleep(delay)
+        finally:
+            with cond:
+                self.thread = None
+            if self.needed():  # a listen raced with our exit
+                self.ensure()

@@ -1,0 +1,162 @@
+"""The two ends of the protocol paired in memory, no socket, no reactor.
+
+:class:`Pair` joins the client's sans-IO protocol (``tensorshare._client.connection``)
+to a real :class:`ServerSession` over a real in-memory store: bytes the client
+sends go to ``session.data_received`` (whole, or split as a test likes), frames
+the session queues go to the client's decoder.  Microseconds per exchange, and
+every edge reachable, as h11's tests pair two connections.
+
+:func:`async_pair` does the same one level up: an :class:`~tensorshare.AsyncClient`
+connected through Twisted's ``iosim`` transports to the real server protocol,
+driven by a :class:`~twisted.internet.task.Clock`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.internet import defer
+from twisted.internet.address import IPv4Address
+from twisted.internet.task import Clock
+from twisted.test import iosim
+
+from tensorshare._client.connection import NO_VALUE, ClientConnection, next_request_id, read_reply, request_frame
+from tensorshare.protocol.messages import Command
+from tensorshare.wire.frames import Frame, FrameDecoder
+from tensorshare_server.config import ServerConfig
+from tensorshare_server.net.service import TensorShareFactory
+from tensorshare_server.protocol.session import ServerSession
+from tensorshare_server.root import build_state
+
+
+class Outbox:
+    """A session's outbox that keeps the bytes of every frame queued."""
+
+    def __init__(self):
+        self.congested = False
+        self.closed = False
+        self.data = bytearray()
+
+    def send(self, parts, on_abandon=None, on_written=None):
+        for part in parts:
+            self.data += part if type(part) is bytes else part.tobytes() if hasattr(part, "tobytes") else bytes(part)
+        if on_written is not None:
+            on_written()
+        return None
+
+    def withdraw(self, ticket) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Pair:
+    """A client protocol and a server session joined in memory."""
+
+    def __init__(self, token: bytes | str | None = None, *, same_host: bool = False, state=None, **config):
+        self.state = state or build_state(ServerConfig(token=token, **config), clock=Clock())
+        self.clock = self.state.waits.clock  # times requests that wait in the server: advance it
+        self.outbox = Outbox()
+        self.session = ServerSession(self.state, self.outbox, "pair", same_host=same_host)
+        self.client = ClientConnection(token=None if token is None else (token.encode() if isinstance(token, str)
+                                                                          else token))
+        self.session.connection_made()
+        for frame in self.receive():
+            request = self.client.opening(frame)
+            if request is not None:
+                self.session.data_received(request)
+                for reply in self.receive():
+                    self.client.opening(reply)
+
+    def send(self, data: bytes, *, split: int | None = None) -> None:
+        """Give the session ``data`` at once, or in pieces of ``split`` bytes."""
+        if split is None:
+            self.session.data_received(data)
+            return
+        for i in range(0, len(data), split):
+            self.session.data_received(data[i : i + split])
+
+    def send_request(self, command: Command, fields: dict | None = None, value: Any = NO_VALUE) -> int:
+        """Send one request without looking for its reply; returns its id."""
+        rid = next_request_id()
+        self.send(b"".join(bytes(p) for p in request_frame(rid, command, fields, value)))
+        return rid
+
+    def receive(self) -> list[Frame]:
+        """Frames the session queued since the last call, decoded by the client."""
+        data, self.outbox.data = bytes(self.outbox.data), bytearray()
+        return self.client.feed(data) if data else []
+
+    def call(self, command: Command, fields: dict | None = None, value: Any = NO_VALUE, *,
+             split: int | None = None):
+        """Send one request the way the clients do; its reply, checked and decoded
+        (the :class:`RemoteError` of an error reply is raised)."""
+        rid = next_request_id()
+        self.send(b"".join(bytes(p) for p in request_frame(rid, command, fields, value)), split=split)
+        replies = [f for f in self.receive() if f.header.get("id") == rid]
+        assert len(replies) == 1, replies
+        return read_reply(command, replies[0])
+
+    def close(self) -> None:
+        self.session.connection_lost()
+        self.state.storage.close()
+
+
+def headers(frames: list[Frame]) -> list[dict]:
+    return [frame.header for frame in frames]
+
+
+def decode(data: bytes) -> list[dict]:
+    return [frame.header for frame in FrameDecoder().feed(data)]
+
+
+def async_pair(clock: Clock | None = None, *, client_options: dict | None = None, **config):
+    """An AsyncClient connected in memory to a real server protocol.
+
+    Returns ``(client, pump, clock, state)``; ``pump.flush()`` moves bytes both ways
+    (advancing ``clock`` a little each time) until nothing is left to move.  The
+    client's connector connects every (re)connection the same way, so a test can
+    drop the connection (``client._wire.transport.loseConnection()``) and watch it
+    come back."""
+    from tensorshare import AsyncClient
+
+    clock = clock or Clock()
+    state = build_state(ServerConfig(**config))
+    factory = TensorShareFactory(state, clock=clock)
+    pumps: list = []
+
+    def connector(wire) -> defer.Deferred:
+        server = factory.buildProtocol(None)
+        client_address, server_address = IPv4Address("TCP", "127.0.0.1", 40000 + len(pumps)), IPv4Address(
+            "TCP", "127.0.0.1", 8000)
+        server_transport = iosim.FakeTransport(server, True, server_address, client_address)
+        client_transport = iosim.FakeTransport(wire, False, client_address, server_address)
+        pump = iosim.connect(server, server_transport, wire, client_transport, clock=clock, greet=False)
+        pumps.append(pump)
+        return defer.succeed(wire)
+
+    options = {"timeout": 10.0, "keepalive": None, **(client_options or {})}
+    client = AsyncClient(clock, "127.0.0.1", 0, options.pop("timeout"), None, 1.0, connector=connector, **options)
+    opened = client._open()
+    pump = _Pumps(pumps)
+    pump.flush()
+    result = []
+    opened.addBoth(result.append)
+    assert result and result[0] is None, result
+    return client, pump, clock, state
+
+
+class _Pumps:
+    """Pumps every connection made so far (a reconnection makes a new one)."""
+
+    def __init__(self, pumps: list):
+        self.pumps = pumps
+
+    def flush(self, rounds: int = 50) -> None:
+        for _ in range(rounds):
+            moved = False
+            for pump in list(self.pumps):
+                moved |= bool(pump.pump())
+            if not moved:
+                return
