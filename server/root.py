@@ -22,6 +22,7 @@ from .bins.store import BinStore
 from .config import ServerConfig
 from .net.recvpool import chunk_pool
 from .protocol.notify import ListenerRegistry
+from .protocol.tables import table_watcher
 from .protocol.waits import Waits
 
 log = logging.getLogger("tensorshare.server")
@@ -43,6 +44,7 @@ class ServerState:
         if self.waits is None:
             self.waits = Waits(_NoClock())
         self.listeners.watch(self.waits.changed)
+        self.listeners.watch(table_watcher(self.waits))  # a table's inserts and samples wait in queues of their own
 
     @property
     def store(self):

@@ -40,7 +40,7 @@ from typing import Callable, Protocol
 from tensorshare.disk.areas import write_token
 from tensorshare.disk.layout import StoredItem
 from tensorshare.errors import (
-    BadRequestError, RemoteError, ServerLocalError, StorageFullError, ZeroCopyUnavailableError,
+    BadNameError, BadRequestError, RemoteError, ServerLocalError, StorageFullError, ZeroCopyUnavailableError,
 )
 from tensorshare.wire.description import DEFAULT_LIMITS, DecodeLimits
 
@@ -48,6 +48,7 @@ from .durable import DataDir
 from .shm import ShmArea
 from .spill import Area, ItemFiles, SpillArea, remove, remove_dir
 from .store import BinStore, Change, Item
+from .tablestore import TableStore
 
 log = logging.getLogger("tensorshare.server")
 
@@ -118,6 +119,7 @@ class Storage:
         self._taken: dict[str, list[Item]] = {}  # durable: items of GETs whose replies are not written yet
         self._shm_full_until = 0.0
         self._open = [True]  # cleared by close(): finalizers that run later leave the files alone
+        self.tables = TableStore(store)  # tables share the bins' namespace (see _not_a_table)
 
     @property
     def durable(self) -> bool:
@@ -165,6 +167,7 @@ class Storage:
 
     def add(self, name: str, item: Item, replace: bool, done: Done) -> None:
         """PUT (``replace``) or APPEND ``item``; ``done(change, error)`` when it is stored."""
+        self._not_a_table(name)
         store = self.store
         limit = store.memory_limit
         if limit is not None and store.unspillable_bytes + len(item.description) > limit:
@@ -208,6 +211,7 @@ class Storage:
         cannot be taken."""
         if self.shm_area is None or self.data_dir is not None:
             raise ZeroCopyUnavailableError("this server takes values over TCP only")
+        self._not_a_table(name)
         self.store.check_add(name, replace)
 
         def adopted(stored, error) -> None:
@@ -273,6 +277,9 @@ class Storage:
         the DELETE is deleted with it, one after it survives, on disk as in memory.
         Items of the bin that a GET took and has not delivered yet are kept aside:
         they may go back."""
+        if name in self.tables:
+            done(self.tables.delete(name), None)
+            return
         if self.data_dir is None:
             done(self.store.delete(name), None)
             return
@@ -301,20 +308,26 @@ class Storage:
 
     def state(self, name: str) -> tuple[bool, int, int, int | None]:
         """``(exists, n_items, seq, tag)`` of bin ``name`` (see :meth:`BinStore.state`)."""
+        if name in self.tables:
+            return self.tables.state(name)
         return self.store.state(name)
 
     def listing(self) -> dict[str, int]:
-        """``{bin: n_items}`` for every bin."""
-        return self.store.listing()
+        """``{bin: n_items}`` for every bin (a table's: its rows)."""
+        listing = self.store.listing()
+        listing.update(self.tables.listing())
+        return listing
 
     def peek(self, name: str) -> list[Item]:
         """The items of bin ``name``, which keeps them (NoSuchBinError if none)."""
+        self._not_a_table(name)
         return self.store.peek(name)
 
     def take(self, name: str, limit: int | None = None) -> tuple[list[Item], Change]:
         """GET: take every item (the first ``limit``) out of bin ``name``; with a data
         directory the bin's floor moves past them on disk.  Their payload in memory
         stays counted against the budget until :meth:`delivered` (or :meth:`restore`)."""
+        self._not_a_table(name)
         items, change = self.store.get(name, limit)
         self.store.in_flight_bytes += _resident_bytes(items)
         if self.data_dir is not None and items:
@@ -360,6 +373,11 @@ class Storage:
     def _put_back(self, name: str, items: list[Item]) -> dict:
         """The disk half of :meth:`restore` (a disk thread, in the bin's lane)."""
         return self.data_dir.put_back(name, [item.files.path for item in items], self._next_number)
+
+    def _not_a_table(self, name: str) -> None:
+        """553 for a bin verb (PUT, APPEND, GET, PEEK) on a table's name."""
+        if name in self.tables:
+            raise BadNameError(f"{name!r} is a table: use its table verbs (insert, sample, read, write)")
 
     def _next_number(self) -> int:
         return next(self._numbers)
