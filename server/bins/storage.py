@@ -119,7 +119,9 @@ class Storage:
         self._taken: dict[str, list[Item]] = {}  # durable: items of GETs whose replies are not written yet
         self._shm_full_until = 0.0
         self._open = [True]  # cleared by close(): finalizers that run later leave the files alone
-        self.tables = TableStore(store)  # tables share the bins' namespace (see _not_a_table)
+        # Tables share the bins' namespace (see _not_a_table) and the disk tiers.
+        self.tables = TableStore(store, memory_limit=store.memory_limit, spill_root=spill and spill.items,
+                                 data_root=data_dir and data_dir.root)
 
     @property
     def durable(self) -> bool:
@@ -160,6 +162,8 @@ class Storage:
                 self._watch(item)
             self.store.load(name, items)
             count += len(items)
+        _, problems = self.tables.load()
+        self.problems += problems
         self.store.continue_from(loaded.next_number)  # sequence numbers keep growing across restarts
         return count
 
@@ -504,6 +508,7 @@ class Storage:
     def close(self) -> None:
         """The server is stopping: remove the spill and shared-memory areas (the data directory stays)."""
         self._open[0] = False
+        self.tables.close()
         if self.spill is not None:
             self.spill.close()
         if self.shm is not None:

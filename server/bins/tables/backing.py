@@ -71,6 +71,21 @@ class MemmapBacking:
         self.paths.append(path)
         return array
 
+    def state_array(self, name: str, dtype, capacity: int, fill) -> np.ndarray:
+        """A per-slot state array of the table (keys, priorities, sample counts) in
+        ``<directory>/_slots/<name>.bin``, so that a reopened table finds its rows
+        (tensordict's ``load_memmap`` ignores the directory)."""
+        directory = os.path.join(self.directory, "_slots")
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"{name}.bin")
+        if self.reopen and os.path.exists(path):
+            array = np.memmap(path, dtype, "r+", shape=(capacity,))
+        else:
+            array = np.memmap(path, dtype, "w+", shape=(capacity,))
+            array[:] = fill
+        self.paths.append(path)
+        return array
+
     def close(self) -> None:
         if not self.keep:
             for path in self.paths:

@@ -116,6 +116,12 @@ class Table:
         self.removals = 0  # rows that left (removed to make room, overwritten, sampled out, removed)
         self.version = 0
         self._allowance = 0  # with max_times_sampled: samples the rows held may still give
+        if hasattr(self._backing, "state_array"):  # per-slot state in files too: a reopened table finds its rows
+            state = self._slots
+            for attr, dtype, fill in (("key", np.int64, -1), ("priority", np.float64, 0.0),
+                                      ("times_sampled", np.int64, 0)):
+                setattr(state, attr, self._backing.state_array(attr, dtype, self.capacity, fill))
+            self._restore()
 
     # -- state
 
@@ -363,6 +369,29 @@ class Table:
         self._backing.close()
 
     # -- internals
+
+    def _restore(self) -> None:
+        """Take the rows the per-slot state names (a table reopened from its files):
+        with their keys, priorities and sample counts, oldest first.  The counters
+        start again (``inserts`` = the rows held) and the rate limiter's balance with
+        them, as after :meth:`set_limits`."""
+        state = self._slots
+        occupied = np.flatnonzero(np.asarray(state.key) >= 0)
+        if not occupied.size:
+            return
+        seqs = np.asarray(state.key[occupied]) // self.capacity
+        if (np.asarray(state.key[occupied]) % self.capacity != occupied).any():
+            raise TableSpecError("the table's files are not of this capacity")
+        slots = occupied[np.argsort(seqs, kind="stable")]
+        state._move(slots, into_live=True)
+        state.next_seq = int(seqs.max()) + 1
+        for index in self._indexes:
+            index.added(slots)
+        self.inserts = int(slots.size)
+        if self.max_times_sampled:
+            left = self.max_times_sampled - np.asarray(state.times_sampled[slots])
+            self._allowance = int(np.maximum(left, 0).sum())
+        self.set_limits()
 
     def _check_never_inserts(self, n: int) -> None:
         if self._limiter.never_inserts(n):
