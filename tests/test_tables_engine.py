@@ -780,19 +780,22 @@ def test_memmap_files_are_tensordicts_layout(tmp_path):
     obs = np.arange(24, dtype=np.uint8).reshape(4, 2, 3)
     w_bits = np.array([[0x3F80, 0x4000], [0x4040, 0x4080], [0xBF80, 0x0000], [0x7F80, 0x3F00]], np.uint16)
     r = np.array([0.5, 1.5, 2.5, 3.5], np.float32)
-    t.write([0, 3, 6, 9], {"obs": obs, "w": RawArray("bfloat16", (4, 2), w_bits.tobytes()), "r": r})
-    assert sorted(os.listdir(directory)) == ["obs.memmap", "r.memmap", "w.memmap"]
+    t_keys = t.write([0, 3, 6, 9], {"obs": obs, "w": RawArray("bfloat16", (4, 2), w_bits.tobytes()),
+                                    "r": r}).keys.tolist()
+    assert sorted(os.listdir(directory)) == ["_slots", "obs.memmap", "r.memmap", "w.memmap"]
+    assert sorted(os.listdir(os.path.join(directory, "_slots"))) == ["key.bin", "priority.bin", "times_sampled.bin"]
     assert os.path.getsize(os.path.join(directory, "obs.memmap")) == 10 * 6
     raw = np.fromfile(os.path.join(directory, "r.memmap"), np.float32)
     assert raw[[0, 3, 6, 9]].tolist() == r.tolist() and raw[[1, 2]].tolist() == [0.0, 0.0]
     with open(os.path.join(directory, "meta.json"), "w") as f:
         json.dump(tables.tensordict_metadata(t.columns, t.capacity), f)
     t.close()
-    assert sorted(os.listdir(directory)) == ["meta.json", "obs.memmap", "r.memmap", "w.memmap"]  # kept
+    assert sorted(os.listdir(directory)) == ["_slots", "meta.json", "obs.memmap", "r.memmap", "w.memmap"]  # kept
 
     again = Table(10, {"obs": ((2, 3), "uint8"), "w": ((2,), "bfloat16"), "r": ((), "float32")},
                   backing=tables.MemmapBacking(directory, keep=True, reopen=True))
-    assert again._data[0][[0, 3, 6, 9]].tobytes() == obs.tobytes()  # the bytes are there to rebuild from
+    assert again._data[0][[0, 3, 6, 9]].tobytes() == obs.tobytes()
+    assert again.size == 4 and again.read([0, 3, 6, 9]).keys.tolist() == t_keys  # the rows, with their keys
 
     tensordict = pytest.importorskip("tensordict")
     import torch

@@ -93,6 +93,10 @@ class MemmapBacking:
                     os.unlink(path)
                 except FileNotFoundError:
                     pass
+            try:
+                os.rmdir(os.path.join(self.directory, "_slots"))
+            except OSError:
+                pass
         self.paths = []
 
 
