@@ -23,6 +23,7 @@ from tensorshare.protocol.messages import (
     TCREATE, TINFO, TINSERT, TLIMITS, TPRIORITY, TREAD, TSAMPLE, TWRITE, Key, TableKey,
 )
 from tensorshare.wire.frames import frame_head
+from tensorshare.wire.recycle import Recycler
 
 from ..bins.tables import EmptyTableError, TableError, WouldBlockError
 from ..bins.tables.values import Gathered, columns_of, float64_array, float64_bytes, int64_array, int64_bytes
@@ -30,7 +31,10 @@ from ..bins.tablestore import LIMIT_KEYS, TableEntry
 from ..bins.store import Item
 from .handlers import _check_value, handles
 
-_QUEUES = ("\x00insert", "\x00sample")  # bin names hold no control characters: these keys are no bin's
+_QUEUES = ("\x00insert", "\x00sample")
+# Reply buffers of samples and reads, used again once written (a learner samples the
+# same size over and over): 64 MiB at most, let go after 10 s unused.
+_GATHER_BUFFERS = Recycler(64 << 20, bytearray, idle=10.0)  # bin names hold no control characters: these keys are no bin's
 
 
 def wait_key(name: str, sampling: bool) -> str:
@@ -173,7 +177,7 @@ def sample(session, request) -> None:
     table, n = entry.table, request.n
 
     def run():
-        gathered = Gathered(table.columns, n) if table.columns else None
+        gathered = Gathered(table.columns, n, _GATHER_BUFFERS.take) if table.columns else None
         drawn = table.sample(n, out=None if gathered is None else gathered.out)
         return drawn, gathered
 
@@ -196,7 +200,7 @@ def read(session, request) -> None:
     entry = session.storage.tables.get(request.bin)
     table = entry.table
     indices = int64_array(request.indices, "indices")
-    gathered = Gathered(table.columns, indices.size) if table.columns else None
+    gathered = Gathered(table.columns, indices.size, _GATHER_BUFFERS.take) if table.columns else None
     rows = table.read(indices, out=None if gathered is None else gathered.out)
     _send_rows(session, request, entry, rows, gathered, None)
 
@@ -222,6 +226,7 @@ def _send_rows(session, request, entry: TableEntry, rows, gathered: Gathered | N
         payload_len = sum(item.nbytes for item in items)
     parts.insert(0, frame_head(header, payload_len))
     session.send(parts)
+    _GATHER_BUFFERS.maybe_trim()
 
 
 @handles(TPRIORITY)

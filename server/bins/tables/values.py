@@ -63,7 +63,7 @@ class Gathered:
 
     __slots__ = ("description", "buffer", "out", "nbytes")
 
-    def __init__(self, specs: tuple[ColumnSpec, ...], n: int):
+    def __init__(self, specs: tuple[ColumnSpec, ...], n: int, take=None):
         table, refs, offset = [], {}, 0
         spans = []
         for i, spec in enumerate(specs):
@@ -75,7 +75,10 @@ class Gathered:
             offset += size
         self.nbytes = align_up(offset)
         self.description = msgpack.packb({"v": refs, "t": table, "n": self.nbytes}, use_bin_type=True)
-        self.buffer = np.empty(self.nbytes, np.uint8)
+        # A buffer a recycler hands out again (``take(nbytes)``: pages already touched,
+        # no faults while gathering), else fresh memory.
+        reused = take(self.nbytes) if take is not None and self.nbytes else None
+        self.buffer = np.empty(self.nbytes, np.uint8) if reused is None else np.frombuffer(reused, np.uint8)
         self.out = {name: self.buffer[start:start + size] for name, start, size in spans}
 
 
