@@ -47,7 +47,10 @@ def test_a_tensordict_batch(client):
     client.create_table("td", 100, {"x": ((3,), torch.float32), "done": ((), torch.bool)})
     td = tensordict.TensorDict({"x": torch.ones(4, 3), "done": torch.zeros(4, dtype=torch.bool)}, batch_size=[4])
     assert client.insert("td", td).shape == (4,)
-    assert client.sample("td", 2).value["x"].shape == (2, 3)
+    drawn = client.sample("td", 2).value
+    assert isinstance(drawn, tensordict.TensorDict) and drawn.batch_size == torch.Size([2])
+    assert drawn["x"].shape == (2, 3) and drawn["done"].dtype == torch.bool
+    assert isinstance(client.read("td", [0, 1, 2]), tensordict.TensorDict)
 
 
 def test_bad_input_gets_clear_errors_and_the_server_goes_on(client):

@@ -77,6 +77,7 @@ class TableEntry:
     seq: int = 0
     resident: int = 0  # column bytes it holds in memory (not in files)
     directory: str | None = None  # its files (spilled or durable)
+    tensordict: bool = False  # rows came as TensorDicts: replies say so (clients give TensorDicts back)
 
 
 class TableStore:

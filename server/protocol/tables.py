@@ -138,6 +138,8 @@ def _priorities(request):
 @handles(TINSERT)
 def insert(session, request) -> None:
     entry = session.storage.tables.get(request.bin)
+    if request.tensordict and entry.table.columns:
+        entry.tensordict = True
     batch, priorities = _rows(session, entry, request), _priorities(request)
 
     def run():
@@ -155,6 +157,8 @@ def insert(session, request) -> None:
 @handles(TWRITE)
 def write(session, request) -> None:
     entry = session.storage.tables.get(request.bin)
+    if request.tensordict and entry.table.columns:
+        entry.tensordict = True
     indices = int64_array(request.indices, "indices")
     written = entry.table.write(indices, _rows(session, entry, request), _priorities(request))
     _publish(session, entry, "WRITE")
@@ -216,6 +220,8 @@ def _send_rows(session, request, entry: TableEntry, rows, gathered: Gathered | N
     if gathered is not None:
         header[Key.ITEMS], header[Key.SIZES] = [gathered.description], [gathered.nbytes]
         header[TableKey.COLUMNS] = True
+        if entry.tensordict:
+            header[TableKey.TENSORDICT] = True
         parts = [memoryview(gathered.buffer)] if gathered.nbytes else []
         payload_len = gathered.nbytes
     else:

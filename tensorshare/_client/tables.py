@@ -89,17 +89,31 @@ def _column_spec(name: str, spec) -> dict:
     return {"shape": shape, "dtype": dtype}
 
 
-def _as_batch(batch: Any) -> Any:
-    """A TensorDict's columns as a plain dict (rows first); anything else as it is."""
-    if type(batch).__module__.startswith("tensordict") and hasattr(batch, "batch_size"):
+def _is_tensordict(batch: Any) -> bool:
+    return type(batch).__module__.startswith("tensordict") and hasattr(batch, "batch_size")
+
+
+def _as_batch(batch: Any, fields: dict) -> Any:
+    """A TensorDict's columns as a plain dict (rows first), the request marked so that
+    rows come back as a TensorDict; anything else as it is."""
+    if _is_tensordict(batch):
+        fields[TableKey.TENSORDICT] = True
         return {key: value for key, value in batch.items()}
     return batch
 
 
 def _rows_value(reply) -> Any:
-    """The value of a 226 rows reply: the stacked columns, or the list of items."""
+    """The value of a 226 rows reply: the stacked columns (a TensorDict of batch size
+    ``[n]`` if the table's rows came as TensorDicts), or the list of items."""
     values = reply.values
-    return values[0] if reply.header.get(TableKey.COLUMNS) else values
+    if not reply.header.get(TableKey.COLUMNS):
+        return values
+    if reply.header.get(TableKey.TENSORDICT):
+        from tensordict import TensorDict
+
+        n = len(reply.header[TableKey.KEYS]) // 8
+        return TensorDict(values[0], batch_size=[n])
+    return values[0]
 
 
 class TableMethods:
@@ -149,7 +163,7 @@ class TableMethods:
         if priorities is not None:
             fields[TableKey.PRIORITIES] = _float64_bytes(priorities, "priorities")
         call_timeout = self._server_wait(fields, timeout)
-        return self._call(TINSERT, fields, _as_batch(batch), timeout=call_timeout,
+        return self._call(TINSERT, fields, _as_batch(batch, fields), timeout=call_timeout,
                           then=lambda reply: _tensor(reply.header[TableKey.KEYS], "<i8"))
 
     def sample(self, name: str, n: int, *, timeout=DEFAULT) -> Any:
@@ -181,7 +195,7 @@ class TableMethods:
         fields = {Key.BIN: name, TableKey.INDICES: _int64_bytes(indices, "indices")}
         if priorities is not None:
             fields[TableKey.PRIORITIES] = _float64_bytes(priorities, "priorities")
-        return self._call(TWRITE, fields, _as_batch(batch), timeout=timeout,
+        return self._call(TWRITE, fields, _as_batch(batch, fields), timeout=timeout,
                           then=lambda reply: _tensor(reply.header[TableKey.KEYS], "<i8"))
 
     def read(self, name: str, indices, *, timeout=DEFAULT) -> Any:

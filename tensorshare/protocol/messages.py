@@ -376,23 +376,24 @@ class TableKey:
     SPEC, INFO, LIMITS = "spec", "info", "limits"
     KEYS, INDICES, PRIORITIES, PROBABILITIES = "keys", "indices", "priorities", "probabilities"
     COLUMNS = "columns"  # a rows reply: its one item is the stacked columns (else: one item per row)
+    TENSORDICT = "tensordict"  # rows came as a TensorDict: a client gives them back as one
 
 
 _TK = TableKey
 _TABLE_CHANGED = Message(DONE, (Field(Key.N, INT), Field(Key.SEQ, INT), Field(_TK.KEYS, BYTES)))
 _ROWS = Message(ITEMS, (*_ITEMS.fields, Field(_TK.KEYS, BYTES), Field(_TK.INDICES, BYTES), optional(_TK.PROBABILITIES, BYTES),
-                        optional(_TK.COLUMNS, BOOL)))
+                        optional(_TK.COLUMNS, BOOL), optional(_TK.TENSORDICT, BOOL)))
 _TABLE_INFO = Message(OK, (Field(_TK.INFO, MAP),))
 _TABLE_VALUE = (Field(Key.VALUE, BYTES, missing="missing value description"),)
 
 TCREATE = Command("TCREATE", (BIN, Field(_TK.SPEC, MAP), RELEASE), reply=_CHANGED, result=Key.N,
                   doc="make a table (kept as it is if one with the same settings exists)")
 TINSERT = Command("TINSERT", (BIN, *_TABLE_VALUE, optional(_TK.PRIORITIES, BYTES), optional(Key.WAIT, SECONDS),
-                              RELEASE),
+                              optional(_TK.TENSORDICT, BOOL), RELEASE),
                   reply=_TABLE_CHANGED, payload=True, result=_TK.KEYS,
                   doc="add rows (waiting up to wait seconds for the rate limiter)")
 TWRITE = Command("TWRITE", (BIN, *_TABLE_VALUE, Field(_TK.INDICES, BYTES), optional(_TK.PRIORITIES, BYTES),
-                            RELEASE),
+                            optional(_TK.TENSORDICT, BOOL), RELEASE),
                  reply=_TABLE_CHANGED, payload=True, result=_TK.KEYS, doc="put rows at the slot indices given")
 TSAMPLE = Command("TSAMPLE", (BIN, Field(Key.N, COUNT), optional(Key.WAIT, SECONDS), RELEASE), reply=_ROWS,
                   result=Key.ITEMS, doc="draw n rows with the table's sampler (waiting up to wait seconds)")
