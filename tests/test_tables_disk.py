@@ -77,7 +77,7 @@ def test_a_durable_table_survives_kill_9_and_opens_with_load_memmap(tmp_path):
             keys = torch.cat([c.insert("replay", {k: v[i:i + 40] for k, v in batch.items()},
                                        priorities=torch.arange(i, i + 40) + 1.0) for i in range(0, 120, 40)])
             c.update_priorities("replay", keys[-10:], torch.full((10,), 1000.0))
-            c.write("replay", [3], {k: v[:1] for k, v in batch.items()})
+            c.write("replay", [3], tensordict.TensorDict({k: v[:1] for k, v in batch.items()}, batch_size=[1]))
             before = c.read("replay", torch.arange(100))
             info = c.table_info("replay")
             drawn = c.sample("replay", 500)
@@ -87,6 +87,7 @@ def test_a_durable_table_survives_kill_9_and_opens_with_load_memmap(tmp_path):
         with tensorshare.Client("127.0.0.1", srv.port, timeout=30) as c:
             assert c.list() == {"replay": 100}
             after = c.read("replay", torch.arange(100))
+            assert isinstance(after, tensordict.TensorDict)  # rows written as TensorDicts, said so on disk
             assert torch.equal(after["id"], before["id"]) and torch.equal(after["obs"], before["obs"])
             again = c.table_info("replay")
             for key in ("capacity", "size", "sampler", "priority_exponent", "remover", "columns"):

@@ -180,6 +180,15 @@ def test_bad_table_settings_get_501(spec, match):
     assert pair.call(LIST).result == {}
 
 
+def test_a_table_too_large_for_its_slot_state_gets_552():
+    from tensorshare.errors import TooLargeError
+
+    pair = Pair()
+    with pytest.raises(TooLargeError, match="at most"):
+        pair.call(TCREATE, {Key.BIN: "t", K.SPEC: {"capacity": 1 << 40}})
+    assert pair.call(LIST).result == {}
+
+
 def test_a_name_is_a_bin_or_a_table_never_both():
     pair = Pair()
     pair.call(PUT, {Key.BIN: "b"}, torch.zeros(1))

@@ -49,6 +49,9 @@ SPEC_DEFAULTS: dict[str, Any] = {
     "max_times_sampled": 0, "min_size_to_sample": 1, "samples_per_insert": None, "error_buffer": None,
 }
 LIMIT_KEYS = ("min_size_to_sample", "samples_per_insert", "error_buffer")
+# Slots a table may have: each costs about 80 bytes of state in memory (key, priority,
+# count, order, the samplers' trees), whatever the columns hold.
+MAX_ROWS = 1 << 26
 
 
 def parse_spec(spec: dict) -> dict:
@@ -124,6 +127,8 @@ class TableStore:
             raise BadNameError(f"{name!r} is a bin: a table needs a name no bin uses")
         if len(self._tables) >= self.max_tables:
             raise TooLargeError(f"the server already holds {self.max_tables} tables")
+        if type(full["capacity"]) is int and full["capacity"] > MAX_ROWS:
+            raise TooLargeError(f"a table has at most {MAX_ROWS} rows, not {full['capacity']}")
         row_bytes = sum(math.prod(c["shape"]) * _width(c["dtype"]) for c in (full["columns"] or {}).values())
         if self.max_table_bytes is not None and full["capacity"] * row_bytes > self.max_table_bytes:
             raise TooLargeError(f"{full['capacity']} rows of {row_bytes} bytes are more than the "
@@ -184,10 +189,24 @@ class TableStore:
             except (OSError, ValueError, KeyError, TypeError, RemoteError) as exc:
                 problems.append(f"table directory {entry_name}: {exc}")
                 continue
-            self._tables[name] = TableEntry(name, full, table, directory=directory)
+            self._tables[name] = TableEntry(name, full, table, directory=directory,
+                                            tensordict=bool(saved.get("tensordict")))
         for problem in problems:
             log.warning("data directory: skipped %s", problem)
         return len(self._tables), problems
+
+    def mark_tensordict(self, entry: TableEntry) -> None:
+        """Rows of ``entry`` came as TensorDicts: replies say so from now on (and after a
+        restart, for a durable table)."""
+        if entry.tensordict:
+            return
+        entry.tensordict = True
+        if self.data_root is not None and entry.directory is not None:
+            try:
+                _write_json(os.path.join(entry.directory, "table.json"),
+                            {"name": entry.name, "spec": _json_spec(entry.spec), "tensordict": True})
+            except OSError as exc:
+                log.warning("could not note in table %r's files that it holds TensorDicts: %s", entry.name, exc)
 
     def changed(self, entry: TableEntry, op: str) -> Change:
         """A change of ``entry``'s table, numbered, for its listeners."""

@@ -139,7 +139,7 @@ def _priorities(request):
 def insert(session, request) -> None:
     entry = session.storage.tables.get(request.bin)
     if request.tensordict and entry.table.columns:
-        entry.tensordict = True
+        session.storage.tables.mark_tensordict(entry)
     batch, priorities = _rows(session, entry, request), _priorities(request)
 
     def run():
@@ -158,7 +158,7 @@ def insert(session, request) -> None:
 def write(session, request) -> None:
     entry = session.storage.tables.get(request.bin)
     if request.tensordict and entry.table.columns:
-        entry.tensordict = True
+        session.storage.tables.mark_tensordict(entry)
     indices = int64_array(request.indices, "indices")
     written = entry.table.write(indices, _rows(session, entry, request), _priorities(request))
     _publish(session, entry, "WRITE")
