@@ -108,11 +108,13 @@ def test_a_durable_table_survives_kill_9_and_opens_with_load_memmap(tmp_path):
         srv.stop()
 
 
-def test_deleting_a_durable_table_removes_it_for_good(tmp_path):
+def test_deleting_a_durable_table_removes_it_for_good_and_tables_of_items_are_not_kept(tmp_path):
     data = str(tmp_path / "data")
     srv = ServerProcess("--data-dir", data)
     try:
         with tensorshare.Client("127.0.0.1", srv.port, timeout=30) as c:
+            c.create_table("items", 10)  # a table of items: in memory only
+            c.insert("items", {"any": "value"})
             c.create_table("gone", 10, {"x": ((), torch.int64)})
             c.insert("gone", {"x": torch.arange(3)})
             c.delete("gone")

@@ -11,7 +11,8 @@ is the backing's, chosen here:
 * past it, in memory-mapped files in the spill area (``<spill>/tables/<n>/``),
   which the kernel pages in and out: a table far larger than the memory budget
   works, at the speed of the disk for rows not in the page cache;
-* with a data directory, always in files, durable: ``<data>/tables/<hash>/``
+* with a data directory, always in files, durable (a table of items, which has no
+  columns, is held in memory only and does not survive a restart): ``<data>/tables/<hash>/``
   holds ``table.json`` (name and settings), one ``<column>.memmap`` file per column
   and ``meta.json`` in tensordict's memmap layout (``TensorDict.load_memmap`` opens
   the columns), and ``_slots/`` (each slot's key, priority and sample count).
@@ -135,7 +136,9 @@ class TableStore:
                                 f"{self.max_table_bytes} bytes a table may take")
         nbytes = full["capacity"] * row_bytes
         directory = backing = None
-        if self.data_root is not None:
+        if not full["columns"]:
+            pass  # a table of items holds them in memory, as received: it is neither spilled nor durable
+        elif self.data_root is not None:
             directory = os.path.join(self.data_root, _dir_key(name))
             shutil.rmtree(directory, ignore_errors=True)  # a table deleted by a server killed meanwhile
             backing = MemmapBacking(directory, keep=True)
@@ -147,7 +150,7 @@ class TableStore:
             backing = MemmapBacking(directory, keep=False)
         try:
             table = self._table(full, backing)
-            if self.data_root is not None:
+            if directory is not None and self.data_root is not None:
                 _write_json(os.path.join(directory, "meta.json"), tensordict_metadata(table.columns, table.capacity))
                 _write_json(os.path.join(directory, "table.json"), {"name": name, "spec": _json_spec(full)})
         except OSError as exc:
