@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import importlib.util
+import glob
 import os
 import queue
 import re
@@ -121,6 +122,32 @@ def rss_bytes(pid: int) -> int:
     raise ChildError(f"no VmRSS for pid {pid}")
 
 
+def _status(pid: int) -> dict[str, int]:
+    """The memory lines of /proc/PID/status, in bytes."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if value.strip().endswith("kB"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def shm_area_bytes(pid: int, root: str = "/dev/shm") -> int:
+    """Bytes of memory held by the files of server ``pid``'s shared-memory area."""
+    from tensorshare_server.bins.shm import PREFIX
+
+    total = 0
+    for area in glob.glob(os.path.join(root, f"{PREFIX}{pid}-*")):
+        for folder, _, files in os.walk(area):
+            for name in files:
+                try:
+                    total += os.stat(os.path.join(folder, name)).st_blocks * 512
+                except FileNotFoundError:  # removed meanwhile
+                    pass
+    return total
+
+
 def _tail(path: str | None, n: int = 2000) -> str:
     if not path:
         return ""
@@ -161,6 +188,13 @@ class Server:
 
     def rss(self) -> int:
         return rss_bytes(self.pid)
+
+    def footprint(self) -> int:
+        """What the server holds in memory: its resident pages (less the shared-memory
+        pages it maps) plus the pages of its shared-memory area's files, mapped or not
+        (stored items move there, out of VmRSS, for same-host readers)."""
+        status = _status(self.pid)
+        return status["VmRSS"] - status.get("RssShmem", 0) + shm_area_bytes(self.pid)
 
     def alive(self) -> bool:
         return self.proc.poll() is None

@@ -60,7 +60,11 @@ class Profile:
     zc_reps: int = 3
     zc_fan_bytes: int = 256 * MiB      # the state dict (16 tensors) fanned out to zc_fan_workers RLWorkers
     zc_fan_workers: int = 8
-    # 8. tables (a replay buffer in the server)
+    # 8. actor-learner runs (CartPole, 4 actors, three transports)
+    al_warmup_s: float = 2.0           # seconds of each run not counted (processes start, caches warm)
+    al_run_s: float = 5.0              # seconds counted per run
+    al_runs: int = 1                   # runs per transport and configuration
+    # 9. tables (a replay buffer in the server)
     tables_rows: int = 100_000         # transitions of 28 KB (obs 4x84x84 uint8) the sampled table holds
     tables_reps: int = 20              # timed samples of 256
     tables_redis_keys: int = 20_000    # keys of the Redis baseline (the same bytes per key)
@@ -72,7 +76,7 @@ class Profile:
 
 
 QUICK = Profile(
-    name="quick", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "tables"), time_limit_s=900, warmup=1,
+    name="quick", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "actors", "tables"), time_limit_s=900, warmup=1,
     wire_tensor_bytes=64 * MiB, wire_reps=3, statedict_tensors=100, statedict_shape=(256, 256),
     large_sizes=(1 * MiB, 16 * MiB, 256 * MiB), large_reps=9, large_reps_big=3, large_reps_small=30,
     client_timeout_s=120,
@@ -86,7 +90,7 @@ QUICK = Profile(
 )
 
 FULL = Profile(
-    name="full", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "tables"), time_limit_s=3600, warmup=1,
+    name="full", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "actors", "tables"), time_limit_s=3600, warmup=1,
     wire_tensor_bytes=256 * MiB, wire_reps=5, statedict_tensors=100, statedict_shape=(256, 256),
     large_sizes=(1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB), large_reps=7, large_reps_big=5,
     large_reps_small=50,
@@ -98,7 +102,7 @@ FULL = Profile(
     rl_workers=8, rl_fan_tensors=16, rl_fan_tensor_elems=1 << 20, rl_fan_reps=9,
     rl_roll_cols=(64, 1024, 8192), rl_roll_run_s=3.0, rl_roll_runs=5, rl_worker_lifetime_s=900,
     disk_peek_bytes=1024 * MiB, disk_reps=7, disk_sd_side=512, disk_limit_bytes=256 * MiB,
-    zc_bytes=1024 * MiB, zc_reps=5,
+    zc_bytes=1024 * MiB, zc_reps=5, al_run_s=10.0, al_runs=3,
 )
 
 SMOKE = Profile(

@@ -12,7 +12,10 @@ from __future__ import annotations
 import os
 import time
 
-from . import client_bench, disk_bench, machine, rl_bench, small_ops, scaling, tables_bench, wire_bench, zerocopy_bench
+from . import (
+    actor_learner, client_bench, disk_bench, machine, rl_bench, small_ops, scaling, tables_bench, wire_bench,
+    zerocopy_bench,
+)
 from .baselines import RedisPeer, TCPStorePeer
 from .procs import ChildError, PeerMissing, stop_all
 from .profiles import Profile
@@ -26,6 +29,7 @@ SECTIONS = {
     "rl": rl_bench.run,
     "disk": disk_bench.run,
     "zerocopy": zerocopy_bench.run,
+    "actors": actor_learner.run,
     "tables": tables_bench.run,
 }
 

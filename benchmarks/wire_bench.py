@@ -84,14 +84,14 @@ def bench_value(rec: Recorder, p: Profile, tag: str, title: str, value, nbytes: 
     saved = None  # free it before the next measurement
 
     rec.figure(f"{k}.dumps", f"wire.dumps {title}", Sample.of(time_runs(lambda: wire.dumps(value), reps, warm)).map(ms),
-               "ms", better="lower", nbytes=nbytes, vs=[f"{k}.memcpy", f"{k}.fresh", f"{k}.save"], chart=chart("dumps"))
+               "ms", better="lower", nbytes=nbytes, vs=[f"{k}.fresh", f"{k}.memcpy", f"{k}.save"], chart=chart("dumps"))
     frame = wire.dumps(value)
     if not _equal(value, wire.loads(frame)):
         rec.note(f"wire.loads(wire.dumps({title})) does not equal the original")
 
     rec.figure(f"{k}.loads_bytes", f"wire.loads {title} from bytes (copies once)",
                Sample.of(time_runs(lambda: wire.loads(frame), reps, warm)).map(ms),
-               "ms", better="lower", nbytes=nbytes, vs=[f"{k}.load", f"{k}.memcpy", f"{k}.fresh_torch"],
+               "ms", better="lower", nbytes=nbytes, vs=[f"{k}.fresh_torch", f"{k}.load", f"{k}.memcpy"],
                chart=chart("loads (bytes)"))
 
     store, view = aligned_copy(frame)
@@ -135,10 +135,11 @@ def run(rec: Recorder, p: Profile) -> None:
     elif aligned is not None:
         rec.goal(f"wire.loads {big} from an aligned writable buffer makes no copy", PASS,
                  "every tensor of the result views the input buffer")
+    # dumps makes new bytes and loads (from bytes) new tensors: each must fill fresh
+    # memory once, and the limit is that fill (a memcpy into a warm buffer never
+    # touches new pages; torch.save/torch.load are shown beside them, not goals).
     for tag, title in (("tensor", big), ("sd", small)):
-        rec.goal_ratio(f"wire.dumps {title} within 1.5x of one memcpy", f"wire.{tag}.dumps", f"wire.{tag}.memcpy",
-                       "<=", 1.5)
-        rec.goal_ratio(f"wire.dumps {title} >= 5x faster than torch.save", f"wire.{tag}.dumps", f"wire.{tag}.save",
-                       "<=", 0.2)
-        rec.goal_ratio(f"wire.loads {title} (bytes) >= 5x faster than torch.load", f"wire.{tag}.loads_bytes",
-                       f"wire.{tag}.load", "<=", 0.2)
+        rec.goal_ratio(f"wire.dumps {title} within 1.2x of copying it into new bytes", f"wire.{tag}.dumps",
+                       f"wire.{tag}.fresh", "<=", 1.2)
+        rec.goal_ratio(f"wire.loads {title} (bytes) within 1.2x of copying it into a new torch.empty",
+                       f"wire.{tag}.loads_bytes", f"wire.{tag}.fresh_torch", "<=", 1.2)

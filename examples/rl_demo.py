@@ -36,7 +36,11 @@ def main() -> int:
         for seed in range(args.workers):
             procs.append(subprocess.Popen([sys.executable, str(HERE / "rl_worker.py"), *common, "--seed", str(seed)]))
         print(f"trainer and {args.workers} workers started", flush=True)
-        return trainer.wait(timeout=900)
+        code = trainer.wait(timeout=900)
+        for worker in procs[2:]:  # the trainer asked them to stop
+            worker.wait(timeout=30)
+        print("workers stopped", flush=True)
+        return code
     finally:
         for proc in reversed(procs):
             proc.terminate()

@@ -2,7 +2,8 @@
 
     python examples/rl_worker.py --port 8000 [--experiment corridor] [--seed 1]
 
-Workers can be started, killed and restarted at any time.
+Workers can be started, killed and restarted at any time; they stop when the
+trainer asks them to.
 """
 
 import argparse
@@ -24,12 +25,13 @@ def main() -> None:
     torch.set_num_threads(1)
     env = Corridor(torch.Generator().manual_seed(args.seed))
     policy = make_policy()
-    with RLWorker(args.host, args.port, experiment=args.experiment) as worker:
+    with RLWorker(args.host, args.port, experiment=args.experiment, worker_id=f"worker-{args.seed}") as worker:
         params = worker.get_parameters()
-        while params is None:
+        while params is None and not worker.stop_requested:
             params = worker.await_new_parameters(timeout=5)
-        policy.load_state_dict(params)
-        while True:
+        if params is not None:
+            policy.load_state_dict(params)
+        while not worker.stop_requested:  # until the trainer calls stop_workers()
             worker.add_data(run_episode(policy, env))
             newer = worker.get_parameters()  # downloads only when a newer version exists
             if newer is not params:

@@ -21,6 +21,7 @@ from .bins.storage import InlineJobs, Jobs, Storage
 from .bins.store import BinStore
 from .config import ServerConfig
 from .net.recvpool import chunk_pool
+from .protocol.ephemeral import EphemeralBins
 from .protocol.notify import ListenerRegistry
 from .protocol.tables import table_watcher
 from .protocol.waits import Waits
@@ -39,6 +40,7 @@ class ServerState:
     connections: int = 0  # connections admitted and still open (max_connections)
     recv_pool: Recycler | None = None  # memory large payloads are received into (None: fresh memory)
     waits: Waits | None = None  # requests parked until their bin changes (protocol/waits.py)
+    ephemeral: EphemeralBins = field(default_factory=EphemeralBins)  # bins that end with their connection
 
     def __post_init__(self) -> None:
         if self.waits is None:

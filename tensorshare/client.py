@@ -493,6 +493,11 @@ class Client(ClientCore):
             if woken:
                 self._cond.notify_all()
 
+    def _server_holds(self, wait: float) -> None:
+        state = self._keepalive_state
+        if state is not None:
+            state.hold(time.monotonic() + wait + 1.0)
+
     def _keepalive(self, link: Link) -> float | None:
         """Probe a server silent for ``keepalive`` seconds with a NOOP, and drop the
         connection (ConnectionLostError) if nothing comes for as long after the

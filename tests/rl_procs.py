@@ -24,7 +24,7 @@ def version_of(params: dict) -> int:
 
 
 def trainer(port: int, versions: int, per_version: int) -> None:
-    with RLTrainer("127.0.0.1", port, experiment="mp", filter_version=True) as t:
+    with RLTrainer("127.0.0.1", port, experiment="mp", filter_version=True, max_staleness=0) as t:
         for _ in range(versions):
             v = t.publish_parameters(state_for(t.version + 1))
             got = 0

@@ -214,6 +214,26 @@ def test_keepalive_decisions():
     k.probed(10.0)
     assert k.due(10.5, last_heard=10.2, last_sent=10.0) == (None, 11.2)  # answered: quiet again from 10.2
     assert k.probe_at is None
+    k = Keepalive(1.0)
+    k.probed(10.0)
+    k.hold(20.0)  # a request asked the server to hold it: the probe's reply waits behind it
+    assert k.due(11.5, last_heard=9.0, last_sent=10.0) == (None, 20.0)
+    assert k.due(20.0, last_heard=9.0, last_sent=10.0) == (PROBE, 21.0)  # past the hold: probe again
+    k.probed(20.0)
+    assert k.due(21.0, last_heard=9.0, last_sent=20.0) == (DEAD, 21.0)
+
+
+def test_a_request_waiting_in_the_server_outlasts_the_keepalive(server):
+    """The keepalive probe queues behind an APPEND held by the server: silence then
+    is no sign of a dead server."""
+    with tensorshare.Client("127.0.0.1", server.port, keepalive=0.3, timeout=10) as c:
+        c.delete("s-held") if "s-held" in c.list() else None
+        c.append("s-held", 1)
+        start = time.monotonic()
+        with pytest.raises(tensorshare.errors.BusyError):
+            c.append("s-held", 2, below=1, timeout=1.5)
+        assert time.monotonic() - start >= 1.4
+        assert c.peek("s-held") == [1]
 
 
 # --------------------------------------------------------------- authentication

@@ -169,15 +169,16 @@ class Storage:
 
     # -- changes
 
-    def add(self, name: str, item: Item, replace: bool, done: Done) -> None:
-        """PUT (``replace``) or APPEND ``item``; ``done(change, error)`` when it is stored."""
+    def add(self, name: str, item: Item, replace: bool, done: Done, lasting: bool = True) -> None:
+        """PUT (``replace``) or APPEND ``item``; ``done(change, error)`` when it is stored.
+        ``lasting=False``: kept in memory (or spilled) only, never in the data directory."""
         self._not_a_table(name)
         store = self.store
         limit = store.memory_limit
         if limit is not None and store.unspillable_bytes + len(item.description) > limit:
             raise StorageFullError(f"memory budget full: {store.description_bytes} bytes of descriptions and "
                                    f"{store.in_flight_bytes} of replies not yet read, which spilling cannot free")
-        if self.data_dir is None:
+        if self.data_dir is None or not lasting:
             if self.spill_failed and limit is not None and store.resident_bytes + item.nbytes > limit:
                 raise StorageFullError(f"memory budget full and spilling failed: {self.spill_failed}")
             done(store.put(name, item) if replace else store.append(name, item), None)  # (they check the limits)

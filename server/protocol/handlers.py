@@ -47,6 +47,12 @@ def store(session, request) -> None:
     with ``below`` first waits for room (:func:`_when_room`)."""
     storage, replace = session.storage, request.command is PUT
     name, blob, tag = request.bin, request.value, request.tag
+    ephemeral = replace and request.ephemeral is True
+    if ephemeral or session.state.ephemeral:
+        _check_ephemeral(session, request, ephemeral)
+    if ephemeral:
+        _store_ephemeral(session, request)
+        return
     if request.shm is not None:
         incoming, item_name, size = session.shared.adoption(request)
         _check_value(session, blob, size)
@@ -67,6 +73,30 @@ def store(session, request) -> None:
         add(finish)
     else:
         session.wait_for(add, finish)
+
+
+def _check_ephemeral(session, request, ephemeral: bool) -> None:
+    """501 for a store that would mix an ephemeral bin with lasting items
+    (:mod:`.ephemeral`)."""
+    if ephemeral and request.shm is not None:
+        raise RemoteError("an ephemeral value comes over TCP, not through shared memory", BAD_ARGS)
+    session.state.ephemeral.check_store(request.bin, ephemeral, session.storage.state(request.bin)[0])
+
+
+def _store_ephemeral(session, request) -> None:
+    """An ephemeral PUT: kept in memory only (stored at once), owned by this connection."""
+    if session.closed:  # run after its connection ended (§8.3): it would end with it
+        return
+    _check_value(session, request.value, request.payload_len)
+    item = Item(request.value, tuple(request.payload), request.payload_len, request.tag)
+    finish = _stored(session, request)
+
+    def stored(change: Change | None, error: RemoteError | None) -> None:
+        if error is None:
+            session.state.ephemeral.claim(request.bin, session)
+        finish(change, error)
+
+    session.storage.add(request.bin, item, True, stored, lasting=False)
 
 
 def _when_room(session, request, add: Callable, done: Callable) -> None:
@@ -215,6 +245,7 @@ def delete(session, request) -> None:
         if error is not None:
             session.refuse(request.id, error)
             return
+        session.state.ephemeral.forget(request.bin)
         session.send_header(DELETE.reply(request.id, n=0, seq=change.seq))
         session.state.listeners.publish(change)
 

@@ -119,6 +119,7 @@ class ServerSession:
         self.reads = reads or _NoReads()
         self.shared = SharedMemory(state.storage, state.config, same_host, peer)
         self.listening: set[str] = set()
+        self.owned: set[str] = set()  # the ephemeral bins this connection put last (.ephemeral)
         self.phase = Phase.OPENING
         self.closed = False  # nothing more is served (closing or closed): kept with the phase
         self._serving = False  # the phase handles requests (_SERVING): kept with the phase
@@ -235,7 +236,20 @@ class ServerSession:
         self.listening.clear()
         parked, self._parked = self._parked, None
         self.state.waits.cancel(parked)  # a request waiting for its bin to change is dropped
+        if self.owned:  # its ephemeral bins end with it
+            self.state.ephemeral.release(self, self._delete_ended)
         self.shared.connection_lost()
+
+    def _delete_ended(self, name: str) -> None:
+        """Delete an ephemeral bin whose connection ended; its listeners are told."""
+        def deleted(change, error) -> None:
+            if error is None:
+                self.state.listeners.publish(change)
+
+        try:
+            self.storage.delete(name, deleted)
+        except RemoteError:  # already gone
+            pass
 
     def tick(self, now: float, sending: bool = False) -> None:
         """Apply the time limits; the adapter calls this every ``tick_interval``

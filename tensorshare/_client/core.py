@@ -95,6 +95,8 @@ class ClientCore(ClientMethods):
         fields = None if bin is None else bin_fields(bin, tag)
         if extra:
             fields = {**(fields or {}), **extra}
+            if Key.WAIT in extra:
+                self._server_holds(extra[Key.WAIT])
         if inline:
             self._submit(command, fields, value, callback or _ignore, zero_copy=zero_copy, inline=True)
         else:

@@ -17,10 +17,20 @@ class Keepalive:
     def __init__(self, interval: float):
         self.interval = interval
         self.probe_at: float | None = None  # when the outstanding probe was sent
+        self.held_until = 0.0  # a request may wait in the server until then (PROTOCOL.md §4.5)
+
+    def hold(self, until: float) -> None:
+        """A request that asked the server to hold it until ``until`` (monotonic) was
+        sent: the connection's later replies, the probe's included, wait behind it,
+        so silence until then is no sign of a dead server."""
+        self.held_until = max(self.held_until, until)
 
     def due(self, now: float, last_heard: float, last_sent: float) -> tuple[str | None, float]:
         """``(action, next_check)``: action is :data:`PROBE` (send a NOOP, then call
         :meth:`probed`), :data:`DEAD` (drop the connection) or None."""
+        if now < self.held_until:
+            self.probe_at = None
+            return None, self.held_until
         if self.probe_at is not None:
             if last_heard <= self.probe_at:
                 if now - self.probe_at >= self.interval:

@@ -47,14 +47,24 @@ class ClientMethods(TableMethods):
 
     # -- storing
 
-    def put(self, bin: str, value: Any, *, tag: int | None = None, timeout=DEFAULT) -> Any:
+    def put(self, bin: str, value: Any, *, tag: int | None = None, ephemeral: bool = False,
+            timeout=DEFAULT) -> Any:
         """Replace the items of ``bin`` with ``value``; returns the bin's item count (1).
 
         ``tag``, an optional 64-bit integer stored with the item, reaches listeners
         in the notification (a version number, say), so they need not download it.
         The value has been sent (or copied into the server's shared memory) when
         this returns: changing it afterwards is safe.
+
+        ``ephemeral=True``: the bin lasts only as long as this connection (the
+        server deletes it, and tells its listeners, when the connection ends: a
+        presence marker).  It is kept in memory, never in the data directory; a
+        client that reconnects must put it again.
         """
+        if ephemeral:
+            fields = bin_fields(bin, tag)
+            fields[Key.EPHEMERAL] = True
+            return self._call(PUT, fields, value, timeout=timeout, zero_copy=False)
         return self._call(PUT, bin_fields(bin, tag), value, timeout=timeout)
 
     def append(self, bin: str, value: Any, *, tag: int | None = None, below: int | None = None,
@@ -81,7 +91,12 @@ class ClientMethods(TableMethods):
             timeout = self.timeout
         wait = MAX_WAIT if timeout is None else min(max(float(timeout), 0.0), MAX_WAIT)
         fields[Key.BELOW], fields[Key.WAIT] = below, wait
+        self._server_holds(wait)
         return wait + max(1.0, wait / 10)
+
+    def _server_holds(self, wait: float) -> None:
+        """A request is about to ask the server to hold it up to ``wait`` seconds: the
+        keepalive expects silence meanwhile."""
 
     # -- reading
 

@@ -46,6 +46,8 @@ class Key:
     # GET: take at most this many items; APPEND: only while the bin holds fewer than
     # ``below`` items, waiting up to ``wait`` seconds for room (§4.4)
     MAX, BELOW, WAIT = "max", "below", "wait"
+    # PUT: the bin lives only as long as this connection (§4.6: presence, membership)
+    EPHEMERAL = "ephemeral"
 
 
 # Reply codes (header key "code").
@@ -345,8 +347,8 @@ _STORE_FIELDS = (
 )
 _READ_FIELDS = (BIN, optional(Key.REF, INTS), RELEASE)
 
-PUT = Command("PUT", _STORE_FIELDS, reply=_CHANGED, payload=True, result=Key.N,
-              doc="replace the bin's items with one item")
+PUT = Command("PUT", (*_STORE_FIELDS, optional(Key.EPHEMERAL, BOOL)), reply=_CHANGED, payload=True,
+              result=Key.N, doc="replace the bin's items with one item (ephemeral: for as long as this connection lasts)")
 APPEND = Command("APPEND", (*_STORE_FIELDS, optional(Key.BELOW, COUNT), optional(Key.WAIT, SECONDS)),
                  reply=_CHANGED, payload=True, result=Key.N,
                  doc="add one item at the end of the bin (with below: once it holds fewer items)")

@@ -1,0 +1,215 @@
+"""What a real actor-learner run needs of RLTrainer / RLWorker (issue #24): batches,
+backpressure in the server, a bounded lag by default, publishing without waiting,
+membership and control.  Against a server process."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+import tensorshare
+from tensorshare import RLTrainer, RLWorker
+from tensorshare.errors import TimeoutError
+from tensorshare.rl import DEFAULT_MAX_STALENESS, Rollout
+
+
+def _until(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_get_data_returns_at_most_a_batch_in_order(server):
+    with RLTrainer("127.0.0.1", server.port, experiment="batch") as trainer, \
+            RLWorker("127.0.0.1", server.port, experiment="batch") as worker:
+        for i in range(10):
+            worker.add_data(i)
+        worker.flush(10)
+        assert trainer.get_data(max_items=4, timeout=10) == [0, 1, 2, 3]
+        assert trainer.get_data(max_items=4) == [4, 5, 6, 7]
+        assert trainer.get_data(max_items=4) == [8, 9]
+        assert trainer.get_data(max_items=4) == []
+        start = time.monotonic()
+        assert trainer.get_data(max_items=4, timeout=0.2) == []  # waits, then nothing
+        assert time.monotonic() - start >= 0.15
+
+
+def test_stale_rollouts_are_replaced_from_those_waiting_and_carry_worker_and_version(server):
+    with RLTrainer("127.0.0.1", server.port, experiment="fill", max_staleness=1) as trainer, \
+            RLWorker("127.0.0.1", server.port, experiment="fill", worker_id="w7") as worker:
+        for _ in range(3):
+            trainer.publish_parameters({"x": torch.zeros(1)})
+        assert _until(lambda: worker.await_new_parameters(0.05) is not None or worker.version == 2)
+        worker.version = 0  # pretend an old policy made the first three
+        for i in range(3):
+            worker.add_data(f"old {i}")
+        worker.version = 2
+        for i in range(3):
+            worker.add_data(f"new {i}")
+        worker.flush(10)
+        got = trainer.get_data(max_items=2, timeout=10, return_info=True)
+        assert got == [Rollout("new 0", 2, "w7", 0), Rollout("new 1", 2, "w7", 0)]
+        assert trainer.dropped == 3 and trainer.received == 5
+
+
+def test_the_default_lag_is_bounded_and_most_work_lost_is_warned_of(server, caplog):
+    assert DEFAULT_MAX_STALENESS == 4
+    with RLTrainer("127.0.0.1", server.port, experiment="lag") as trainer, \
+            RLWorker("127.0.0.1", server.port, experiment="lag") as worker:
+        assert trainer.max_staleness == 4
+        for _ in range(10):
+            trainer.publish_parameters({"x": torch.zeros(1)})
+        for version in range(10):
+            worker.version = version
+            for _ in range(12):
+                worker.add_data(version)
+        worker.flush(10)
+        with caplog.at_level(logging.WARNING, logger="tensorshare.rl"):
+            kept = trainer.get_data(timeout=10)
+            while trainer.received < 120:
+                kept += trainer.get_data(timeout=10)
+        assert sorted(set(kept)) == [5, 6, 7, 8, 9]  # at most 4 behind version 9
+        assert trainer.dropped == 60 and trainer.drop_rate == 0.5
+        assert not [r for r in caplog.records if "dropped as made with" in r.message]  # half is not most
+        worker.version = 0
+        for _ in range(100):
+            worker.add_data("stale")
+        worker.flush(10)
+        with caplog.at_level(logging.WARNING, logger="tensorshare.rl"):
+            while trainer.received < 220:
+                trainer.get_data(timeout=10)
+        assert trainer.drop_rate > 0.5
+        assert [r for r in caplog.records if "dropped as made with" in r.message]
+
+
+def test_a_capped_experiment_makes_add_data_wait_in_the_server(server):
+    with RLTrainer("127.0.0.1", server.port, experiment="cap", max_waiting=3, filter_version=False) as trainer, \
+            RLWorker("127.0.0.1", server.port, experiment="cap", max_pending=2, timeout=1.5) as worker:
+        probe = tensorshare.Client("127.0.0.1", server.port)
+        for i in range(5):  # 3 stored, 2 in flight, waiting in the server
+            worker.add_data(i)
+        assert _until(lambda: probe.list().get("cap/rollouts") == 3)
+        time.sleep(0.2)
+        assert probe.list()["cap/rollouts"] == 3  # never more than the cap
+        # Parameters still arrive while rollouts wait (they travel on another connection).
+        trainer.publish_parameters({"x": torch.ones(1)})
+        assert worker.await_new_parameters(timeout=5) is not None
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):  # the window is full and the server holds the rest
+            worker.add_data(5)
+        assert time.monotonic() - start >= 1.0
+        # The two that waited in the server were refused after the timeout, storing nothing.
+        with pytest.raises(TimeoutError, match="after waiting"):
+            worker.flush(5)
+        assert trainer.get_data(max_items=10, timeout=5) == [0, 1, 2]
+        # Room made: the worker goes on, and rollouts that wait go in as the trainer takes.
+        for i in range(6, 10):
+            worker.add_data(i)
+        got = []
+        assert _until(lambda: got.extend(trainer.get_data()) or got == [6, 7, 8, 9], timeout=10), got
+        worker.flush(5)
+        probe.close()
+
+
+def test_the_cap_can_be_lifted_while_workers_run(server):
+    with RLTrainer("127.0.0.1", server.port, experiment="lift", max_waiting=2) as trainer, \
+            RLWorker("127.0.0.1", server.port, experiment="lift", max_pending=4, timeout=10) as worker:
+        for i in range(4):
+            worker.add_data(i)
+        probe = tensorshare.Client("127.0.0.1", server.port)
+        assert _until(lambda: probe.list().get("lift/rollouts") == 2)
+        trainer.set_max_waiting(None)
+        # Those already waiting keep their cap; new ones are not capped.
+        assert trainer.get_data(timeout=5)[:2] == [0, 1]
+        for i in range(4, 20):
+            worker.add_data(i)
+        worker.flush(10)
+        assert _until(lambda: probe.list().get("lift/rollouts", 0) >= 16)
+        probe.close()
+
+
+def test_publish_without_waiting_returns_at_once_with_a_snapshot(server):
+    with RLTrainer("127.0.0.1", server.port, experiment="nowait") as trainer, \
+            RLWorker("127.0.0.1", server.port, experiment="nowait") as worker:
+        weights = torch.zeros(1 << 20)  # 4 MiB
+        versions = []
+        for step in range(5):
+            weights.fill_(step)
+            versions.append(trainer.publish_parameters({"w": weights}, wait=False))
+        weights.fill_(-1)  # what was published was copied at each call
+        assert versions == [0, 1, 2, 3, 4] and trainer.version == 4
+        trainer.flush(10)
+        assert _until(lambda: worker.await_new_parameters(0.05) is not None and worker.version == 4)
+        params = worker.get_parameters()
+        assert params["w"].unique().tolist() == [4.0]
+
+
+def test_membership_versions_and_join_leave_callbacks(server):
+    joined, left = [], []
+    with RLTrainer("127.0.0.1", server.port, experiment="members", on_join=joined.append,
+                   on_leave=left.append) as trainer:
+        assert trainer.workers == {}
+        trainer.publish_parameters({"x": torch.zeros(1)})
+        with RLWorker("127.0.0.1", server.port, experiment="members", worker_id="a") as a:
+            assert _until(lambda: "a" in trainer.workers)
+            assert [w.id for w in joined] == ["a"]
+            assert a.get_parameters() is not None
+            assert _until(lambda: trainer.workers["a"].version == 0)
+            for i in range(20):
+                a.add_data(i)
+            a.flush(10)
+            assert len(trainer.get_data(timeout=10)) == 20 or _until(lambda: trainer.get_data() == [])
+            info = trainer.workers["a"]
+            assert info.rollouts == 20 and info.rate > 0
+        assert _until(lambda: "a" not in trainer.workers)
+        assert [w.id for w in left] == ["a"]
+
+
+def test_a_trainer_started_after_its_workers_sees_them(server):
+    with RLWorker("127.0.0.1", server.port, experiment="late", worker_id="early"):
+        with RLTrainer("127.0.0.1", server.port, experiment="late") as trainer:
+            assert "early" in trainer.workers
+
+
+_WORKER = textwrap.dedent("""
+    import sys, time
+    from tensorshare import RLWorker
+    with RLWorker("127.0.0.1", int(sys.argv[1]), experiment="kill", worker_id=sys.argv[2]) as w:
+        print("up", flush=True)
+        while not w.stop_requested:
+            w.await_new_parameters(timeout=0.1)
+        print("stopping", flush=True)
+""")
+
+
+def test_a_killed_worker_leaves_and_stop_workers_reaches_the_others(server):
+    left = threading.Event()
+    with RLTrainer("127.0.0.1", server.port, experiment="kill",
+                   on_leave=lambda info: info.id == "victim" and left.set()) as trainer:
+        procs = {name: subprocess.Popen([sys.executable, "-c", _WORKER, str(server.port), name],
+                                        stdout=subprocess.PIPE, text=True) for name in ("victim", "other")}
+        try:
+            for proc in procs.values():
+                assert proc.stdout.readline().strip() == "up"
+            assert _until(lambda: set(trainer.workers) == {"victim", "other"})
+            procs["victim"].kill()
+            assert left.wait(10), "a killed worker was not seen to leave"
+            assert set(trainer.workers) == {"other"}
+            trainer.stop_workers()
+            assert procs["other"].stdout.readline().strip() == "stopping"
+            assert procs["other"].wait(20) == 0
+            assert _until(lambda: trainer.workers == {})
+        finally:
+            for proc in procs.values():
+                proc.kill()
+                proc.wait(10)
