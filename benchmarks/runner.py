@@ -12,10 +12,9 @@ from __future__ import annotations
 import os
 import time
 
-from . import (
-    actor_learner, client_bench, disk_bench, machine, rl_bench, small_ops, scaling, tables_bench, wire_bench,
-    zerocopy_bench,
-)
+from . import actor_learner, client_bench, disk_bench, machine, rl_bench, small_ops, scaling, wire_bench, zerocopy_bench
+from . import ops_bench
+from . import tables_bench
 from .baselines import RedisPeer, TCPStorePeer
 from .procs import ChildError, PeerMissing, stop_all
 from .profiles import Profile
@@ -30,6 +29,7 @@ SECTIONS = {
     "disk": disk_bench.run,
     "zerocopy": zerocopy_bench.run,
     "actors": actor_learner.run,
+    "ops": ops_bench.run,
     "tables": tables_bench.run,
 }
 

@@ -1,4 +1,4 @@
-"""Section 8: tables -- a replay buffer in the server (issue #19).
+"""Section 10: tables -- a replay buffer in the server (issue #19).
 
 * sample 256 transitions (``obs`` 4x84x84 uint8 + action + reward: 28,232 bytes
   each, 7.2 MB a sample) from a table of ``tables_rows`` rows over TCP loopback:

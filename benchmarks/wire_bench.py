@@ -1,5 +1,6 @@
-"""Section 1: the wire codec (``tensorshare.wire.dumps``/``loads``) on one large tensor
-and on a state dict, beside one memcpy and beside torch.save/torch.load to a BytesIO.
+"""Section 1: the wire codec (``tensorshare.wire.dumps``/``loads``) on one large tensor,
+on a state dict and on an RL checkpoint (Adam state, numpy scalars), beside one memcpy
+and beside torch.save/torch.load to a BytesIO.
 
 ``loads`` is measured three ways: on ``bytes`` (read-only, so it copies the payload
 once), on a writable buffer placed so the payload is 64-byte aligned (it should
@@ -114,6 +115,44 @@ def bench_value(rec: Recorder, p: Profile, tag: str, title: str, value, nbytes: 
     ba = frame = None  # noqa: F841 (frees them)
 
 
+def adam_checkpoint() -> dict:
+    """What an RL learner checkpoints: an 18.4 KB policy (4-64-64-2 MLP), its Adam
+    state after a few steps (int-keyed), and a gymnasium-style info dict of numpy
+    scalars."""
+    torch.manual_seed(0)
+    policy = torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
+                                 torch.nn.Linear(64, 2))
+    opt = torch.optim.Adam(policy.parameters())
+    for _ in range(3):
+        opt.zero_grad()
+        policy(torch.randn(32, 4)).pow(2).mean().backward()
+        opt.step()
+    info = {"episode": {"r": np.float64(21.0), "l": np.int64(21), "t": np.float32(0.5)},
+            "_episode": np.array([True, False]), "TimeLimit.truncated": np.bool_(False)}
+    return {"policy": policy.state_dict(), "optim": opt.state_dict(), "version": np.int64(30), "info": info}
+
+
+def bench_rl_values(rec: Recorder, p: Profile) -> None:
+    """wire.dumps + loads of an RL checkpoint (numpy scalars, int keys) beside
+    torch.save + torch.load of the same value, in the same run."""
+    value, reps = adam_checkpoint(), max(20, 20 * p.wire_reps)
+    us = lambda s: s * 1e6  # noqa: E731
+
+    def torch_roundtrip():
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=False)
+
+    rec.figure("wire.rl.torch", "torch.save + torch.load of an Adam checkpoint (BytesIO)",
+               Sample.of(time_runs(torch_roundtrip, reps, p.warmup)).map(us), "us", better="lower", baseline=True)
+    rec.figure("wire.rl.wire", "wire.dumps + wire.loads of an Adam checkpoint",
+               Sample.of(time_runs(lambda: wire.loads(wire.dumps(value)), reps, p.warmup)).map(us), "us",
+               better="lower", vs=["wire.rl.torch"])
+    rec.goal_ratio("wire round trip of an Adam checkpoint (int keys, numpy scalars) faster than torch.save + load",
+                   "wire.rl.wire", "wire.rl.torch", "<", 1.0)
+
+
 def run(rec: Recorder, p: Profile) -> None:
     rec.begin("1. Wire codec")
     n = p.wire_tensor_bytes
@@ -127,6 +166,8 @@ def run(rec: Recorder, p: Profile) -> None:
     sd_bytes = sum(t.nbytes for t in sd.values())
     small = f"state dict {p.statedict_tensors}x{h}x{w}"
     bench_value(rec, p, "sd", small, sd, sd_bytes)
+
+    bench_rl_values(rec, p)
 
     rec.goal_value(f"wire.loads {big} from an aligned writable buffer < 1 ms", "wire.tensor.loads_aligned", "<", 1.0)
     aligned = rec.get("wire.tensor.loads_aligned")

@@ -64,6 +64,18 @@ def listen(config: ServerConfig):
         raise
     port.jobs = jobs
     port.state = state
+    port.ops = None
+    if config.metrics_port is not None:
+        from .ops import web
+
+        try:
+            port.ops = web.start(state, reactor, config.metrics_port, config.metrics_host,
+                                 data_port=port.getHost().port)
+        except BaseException:
+            port.stopListening()
+            jobs.stop()
+            state.storage.close()
+            raise
     factory.busy_poll = port.busy_poll = busypoll.acquire(reactor, config.busy_poll)
     return port
 
@@ -71,6 +83,8 @@ def listen(config: ServerConfig):
 def _shut(port) -> None:
     """Stop listening on ``port``, drop its connections, finish its disk work (reactor thread)."""
     port.stopListening()
+    if port.ops is not None:
+        port.ops.stop()
     factory = getattr(port.factory, "wrappedFactory", port.factory)  # TLS wraps our factory
     factory.disconnect_all()
     port.jobs.stop()
@@ -111,6 +125,8 @@ def run_server(port: int = 8000, host: str = "127.0.0.1", *, start_reactor: bool
         print(f"tensorshare-server listening on {address.host}:{address.port}", flush=True)
         if bound.tls_fingerprint:
             print(f"tensorshare-server TLS certificate SHA-256 fingerprint {bound.tls_fingerprint}", flush=True)
+        if bound.ops is not None:
+            print(f"tensorshare-server status page http://{config.metrics_host}:{bound.ops.port}/", flush=True)
 
     reactor.callWhenRunning(announce)
     reactor.run()
@@ -163,6 +179,8 @@ class EmbeddedServer:
         self.host = host
         self.state = self._port.state  # bins, receive pool...: read it, do not change it
         self.tls_fingerprint: str | None = self._port.tls_fingerprint  # to pin (tls_fingerprint=)
+        ops = self._port.ops
+        self.metrics_port: int | None = ops.port if ops is not None else None  # /metrics, /status.json, /
 
     def stop(self) -> None:
         """Stop listening and drop the connections' state with the server."""
@@ -285,8 +303,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Na
     parser.add_argument("--recv-pool-idle", type=_seconds, default=ServerConfig.recv_pool_idle, metavar="SECONDS",
                         help="give receive-pool memory back to the system once it has been free this long "
                              "(default %(default)s)")
-    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING...")
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING... (INFO: a line per "
+                                                                "connection opened and closed)")
     _add_security_arguments(parser)
+    _add_ops_arguments(parser)
+    _read_config_file(parser, argv)
     args = parser.parse_args(argv)
     known = {f.name for f in fields(ServerConfig)}
     try:
@@ -319,11 +340,48 @@ def _add_security_arguments(parser: argparse.ArgumentParser) -> None:
                             "(default %(default)s; 0: no limit)")
 
 
+def _add_ops_arguments(parser: argparse.ArgumentParser) -> None:
+    """Issue #21's options: metrics, the status page, log format, config file."""
+    from .ops.logs import FORMATS
+
+    group = parser.add_argument_group("operations")
+    group.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                       help="serve Prometheus /metrics, /status.json and a status page at / on this HTTP port "
+                            "(0: pick a free one and print it; default: off). Token protected when the server "
+                            "has a token")
+    group.add_argument("--metrics-host", default=ServerConfig.metrics_host,
+                       help="address the metrics port binds (default %(default)s)")
+    group.add_argument("--log-format", choices=FORMATS, default="text",
+                       help="text (default) or json: one JSON object per line, for log shippers")
+    group.add_argument("--config", metavar="TOML",
+                       help="read options from this TOML file (keys are the long option names: "
+                            "memory-limit = \"8GB\"); the command line wins")
+
+
+def _read_config_file(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
+    """Make a ``--config`` file's options the parser's defaults (the command line wins)."""
+    from .ops.configfile import defaults_from, read_toml
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv)
+    if known.config:
+        try:
+            parser.set_defaults(**defaults_from(parser, read_toml(known.config), known.config))
+        except argparse.ArgumentTypeError as exc:
+            parser.error(str(exc))
+
+
 def main(argv: list[str] | None = None) -> int:
     """The ``tensorshare-server`` command."""
+    from .ops.logs import configure
+
     config, args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        configure(args.log_level, args.log_format)
+    except ValueError:
+        print(f"tensorshare-server: unknown --log-level {args.log_level!r}", file=sys.stderr)
+        return 2
     settings = {f.name: getattr(config, f.name) for f in fields(ServerConfig) if f.name not in ("host", "port")}
     try:
         run_server(config.port, config.host, **settings)

@@ -78,6 +78,11 @@ class ServerConfig:
     idle_timeout: float = 300.0  # seconds of silence before 421 and close, or a keepalive if listening (0: never)
     auth_timeout: float = 10.0  # seconds a connection may take to authenticate (0: no limit)
 
+    # -- operations (issue #21): Prometheus /metrics, /status.json and a status page
+    # on their own HTTP port (server/ops/); None: off, and nothing is counted.
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+
     def auth_token(self) -> bytes | None:
         """The token clients must prove: ``token``, else ``token_file``'s contents, else
         the ``TENSORSHARE_TOKEN`` environment variable, else None (no authentication)."""

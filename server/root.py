@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass, field
 
 from tensorshare.disk.areas import new_token
+from tensorshare.protocol.messages import COMMANDS
 from tensorshare.wire.recycle import Recycler
 
 from .bins.durable import DataDir
@@ -22,6 +23,7 @@ from .bins.store import BinStore
 from .config import ServerConfig
 from .net.recvpool import chunk_pool
 from .protocol.ephemeral import EphemeralBins
+from .ops.counters import Counters
 from .protocol.notify import ListenerRegistry
 from .protocol.tables import table_watcher
 from .protocol.waits import Waits
@@ -41,6 +43,7 @@ class ServerState:
     recv_pool: Recycler | None = None  # memory large payloads are received into (None: fresh memory)
     waits: Waits | None = None  # requests parked until their bin changes (protocol/waits.py)
     ephemeral: EphemeralBins = field(default_factory=EphemeralBins)  # bins that end with their connection
+    counters: Counters | None = None  # what it counts for metrics and the status page (None: metrics off)
 
     def __post_init__(self) -> None:
         if self.waits is None:
@@ -84,5 +87,6 @@ def build_state(config: ServerConfig, jobs: Jobs | None = None, clock=None) -> S
         count = storage.load()
         log.info("data directory %s: %d items in %d bins", config.data_dir, count, len(store.listing()))
     pool = chunk_pool(config.recv_pool_bytes, config.recv_pool_idle)
+    counters = Counters(COMMANDS) if config.metrics_port is not None else None
     return ServerState(config, storage, token=config.auth_token(), recv_pool=pool,
-                       waits=Waits(clock if clock is not None else _NoClock()))
+                       waits=Waits(clock if clock is not None else _NoClock()), counters=counters)

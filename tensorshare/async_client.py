@@ -125,7 +125,9 @@ class AsyncClient(ClientCore):
 
     def _call(self, command: Command, fields: dict | None = None, value: Any = NO_VALUE, *, timeout=DEFAULT,
               then: Callable | None = None, on_reply: Callable | None = None, on_error: Callable | None = None,
-              decode: bool = True, zero_copy: bool = True) -> defer.Deferred:
+              decode: bool = True, zero_copy: bool = True, progress: Callable | None = None) -> defer.Deferred:
+        if progress is not None:
+            raise UsageError("progress reports are for the blocking Client")
         d = defer.Deferred()
         try:
             self._submit(command, fields, value, d, zero_copy=zero_copy, timeout=timeout, then=then,

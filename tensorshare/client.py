@@ -26,6 +26,7 @@ from functools import partial
 from typing import Any, Callable
 
 from ._client.calls import Call
+from ._client.progress import Progress
 from ._client.coalesce import Coalescer
 from ._client.connection import (
     DEFAULT_REUSE, NO_VALUE, ListenSnapshot, Notification, next_request_id, request_frame,
@@ -172,8 +173,10 @@ class Client(ClientCore):
 
     def _call(self, command: Command, fields: dict | None = None, value: Any = NO_VALUE, *, timeout=DEFAULT,
               then: Callable | None = None, on_reply: Callable | None = None, on_error: Callable | None = None,
-              decode: bool = True, zero_copy: bool = True) -> Any:
-        """Send a request and wait for its reply (see :mod:`._client.methods`)."""
+              decode: bool = True, zero_copy: bool = True, progress: Callable | None = None) -> Any:
+        """Send a request and wait for its reply (see :mod:`._client.methods`);
+        ``progress(done, total)`` hears of the bytes of a large request sent and of
+        its reply received (:class:`._client.progress.Progress`)."""
         if timeout is DEFAULT:
             timeout = self.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -192,8 +195,13 @@ class Client(ClientCore):
                     self._before_request()
                     with self._cond:
                         self._calls.add(call)
-                    self._send(parts, deadline, call.rid)
-                    outcome = self._await(call, deadline)
+                    if progress is None:
+                        self._send(parts, deadline, call.rid)
+                        outcome = self._await(call, deadline)
+                    else:
+                        tracker = Progress(progress, call.rid)
+                        self._send(tracker.sending(parts), deadline, call.rid, progress=tracker)
+                        outcome = self._await(call, deadline, tracker)
                 except TensorShareError as exc:
                     outcome = exc
                 finally:
@@ -312,7 +320,8 @@ class Client(ClientCore):
 
     # ------------------------------------------------------------------ sending
 
-    def _send(self, parts: list, deadline: float | None, rid: int, may_hold: bool = False) -> None:
+    def _send(self, parts: list, deadline: float | None, rid: int, may_hold: bool = False,
+              progress: Progress | None = None) -> None:
         """Send request ``rid``'s frame; ``may_hold``: a small one may wait in the
         coalescer while an earlier request awaits its reply (see :mod:`._client.coalesce`)."""
         link = self._ensure_connected(deadline)
@@ -320,7 +329,12 @@ class Client(ClientCore):
             coalescer = self._coalescer
             if not (may_hold and not link.tls and coalescer.awaiting(link)
                     and sum(map(len, parts)) <= SMALL_FRAME and coalescer.hold(link, rid, b"".join(parts))):
-                self._send_locked(link, parts, deadline, rid)
+                if progress is None:
+                    self._send_locked(link, parts, deadline, rid)
+                else:  # piece by piece, reporting each
+                    for i, piece in enumerate(progress.pieces(parts)):
+                        self._send_locked(link, piece, deadline, rid if i == 0 else None)
+                        progress.sent(piece)
                 return
         # Held.  The replies it waits for may all have come while we held the lock,
         # and a reader that then found the lock taken did not send what is held: do.
@@ -398,7 +412,7 @@ class Client(ClientCore):
 
     # ------------------------------------------------------------------ reading
 
-    def _await(self, call: Call, deadline: float | None) -> Any:
+    def _await(self, call: Call, deadline: float | None, progress: Progress | None = None) -> Any:
         """Wait for ``call``'s outcome, reading the socket ourselves when nobody else is."""
         with self._cond:
             while True:
@@ -413,7 +427,13 @@ class Client(ClientCore):
                 self._cond.wait(remaining)
         try:
             while call.outcome is None:
-                self._read_some(deadline, spin=True)
+                self._read_some(deadline, spin=progress is None)
+                if progress is not None and call.outcome is None:
+                    link = self._link
+                    if link is not None:
+                        progress.received(link.conn.decoder.receiving)
+            if progress is not None:
+                progress.finished(call.outcome)
             return call.outcome
         finally:
             with self._cond:

@@ -49,7 +49,31 @@ class UsageError(TensorShareError, ValueError):
 
 
 class EncodeError(UsageError, TypeError):
-    """A value cannot be put on the wire (unsupported type, non-str dict key...)."""
+    """A value cannot be put on the wire (an unsupported type, an object array...).
+
+    ``path`` locates the part that cannot be sent inside the value: the dict keys
+    and list or tuple indexes leading to it, as in
+    ``value['info']['terminal_observation'][3]: numpy.ndarray of object dtype has no
+    wire form``; ``reason`` is the message without the path.
+    """
+
+    def __init__(self, reason: str, path: tuple = ()):
+        super().__init__(reason)
+        self.reason = reason
+        self.path = tuple(path)
+
+    def inside(self, segment: object) -> "EncodeError":
+        """This error, one level further down: ``segment`` (a key or index) leads to it."""
+        self.path = (segment, *self.path)
+        return self
+
+    def __str__(self) -> str:
+        if not self.path:
+            return self.reason
+        return "value" + "".join(f"[{segment!r}]" for segment in self.path) + ": " + self.reason
+
+    def __reduce__(self):
+        return type(self), (self.reason, self.path)
 
 
 class ProtocolError(TensorShareError):

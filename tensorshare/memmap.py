@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .disk.layout import RECORD, LayoutError, StoredItem, read_item, write_item
+from .disk.layout import BIN_RECORD, RECORD, LayoutError, StoredItem, read_item, write_bin_root, write_item
 from .wire.codec import array_view, assemble, encode
 from .wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
 
@@ -46,7 +46,9 @@ def save_items(path: str | os.PathLike, items: Sequence[tuple[bytes, Any, int]],
     """Write items given as ``(description, payload buffer, nbytes)`` to the new
     directory ``path``, as ``path/00000000``, ``path/00000001``...
 
-    The directory appears whole: it is written under a temporary name and renamed.
+    The directory is also a tensordict: ``TensorDict.load_memmap(path)`` opens it
+    with one entry per item that tensordict can hold (dicts, TensorDicts, tensors,
+    JSON-able values).  The directory appears whole: it is written under a temporary name and renamed.
     An existing ``path`` is replaced only with ``overwrite=True``.
     """
     path = os.path.abspath(os.fspath(path))
@@ -56,8 +58,9 @@ def save_items(path: str | os.PathLike, items: Sequence[tuple[bytes, Any, int]],
     tmp = os.path.join(parent, f".tmp-{name}-{uuid.uuid4().hex[:8]}")
     os.makedirs(tmp)
     try:
-        for i, (description, payload, nbytes) in enumerate(items):
-            write_item(os.path.join(tmp, f"{i:0{_ITEM_DIGITS}d}"), description, [payload], nbytes, fsync=fsync)
+        written = [write_item(os.path.join(tmp, f"{i:0{_ITEM_DIGITS}d}"), description, [payload], nbytes, fsync=fsync)
+                   for i, (description, payload, nbytes) in enumerate(items)]
+        write_bin_root(tmp, written, fsync=fsync)
         if os.path.exists(path):
             old = os.path.join(parent, f".old-{name}-{uuid.uuid4().hex[:8]}")
             os.rename(path, old)
@@ -175,11 +178,18 @@ def load_memmap(path: str | os.PathLike, *, writable: bool = False, device: Any 
     Tensors map the files copy-on-write: changing them changes memory, not the
     files, unless ``writable=True`` (then they write through to the files).
     ``device`` copies tensors there (reading them whole).  Raises
-    :class:`~tensorshare.disk.layout.LayoutError` for a directory that holds no whole item.
+    :class:`~tensorshare.disk.layout.LayoutError` for a directory that holds no whole
+    item, and for one neither wrote (a directory ``TensorDict.memmap()`` wrote, say:
+    open that with ``TensorDict.load_memmap``).
     """
     path = os.fspath(path)
     if os.path.exists(os.path.join(path, RECORD)):
         return load_item(read_item(path, limits), writable=writable, device=device, limits=limits)
     entries = sorted(e for e in os.listdir(path) if len(e) == _ITEM_DIGITS and e.isdigit())
+    # A root written by Client.save has its own record (older ones only their numbered
+    # items); anything else (a directory TensorDict.memmap() wrote, say) is not ours.
+    if not entries and not os.path.exists(os.path.join(path, BIN_RECORD)):
+        raise LayoutError(f"{path}: not written by save_memmap or Client.save (no {RECORD}, no {BIN_RECORD}, "
+                          f"no numbered item directories)")
     return [load_item(read_item(os.path.join(path, e), limits), writable=writable, device=device, limits=limits)
             for e in entries]

@@ -39,7 +39,7 @@ from .client import connect
 from .compat import StartStop
 from ._client.connection import Notification
 from .errors import ConnectionLostError, NoSuchBinError, TimeoutError
-from .protocol.messages import APPEND, MAX_WAIT, PUT, Key
+from .protocol.messages import APPEND, MAX_WAIT, PUT, Key, check_bin_name
 from .rl_members import StaleWatch, WorkerInfo
 
 log = logging.getLogger("tensorshare.rl")
@@ -424,7 +424,13 @@ class RLWorker(_RLPeer):
             raise ValueError("max_pending must be at least 1")
         super().__init__(host, port, experiment=experiment, timeout=timeout, connect_timeout=connect_timeout,
                          **client_options)
-        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.worker_id = worker_id or f"{socket.gethostname()[:32]}-{os.getpid()}-{secrets.token_hex(3)}"
+        problem = check_bin_name(self.workers_prefix + self.worker_id)
+        if problem:
+            self.client.close()
+            raise ValueError(f"worker {self.worker_id!r} of experiment {experiment!r}: its membership bin "
+                             f"{self.workers_prefix + self.worker_id!r:.60}...: {problem} (shorten the experiment "
+                             f"name or the worker id)")
         self.max_pending = max_pending
         self.stop_requested = False
         self._max_waiting: int | None = None  # the trainer's cap, from the control bin

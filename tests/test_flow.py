@@ -341,7 +341,7 @@ def test_clients_and_rl_wrappers_tolerate_coalesced_notifications(tmp_path):
 
     server = ServerProcess("--max-outbound", "64KiB", log_path=tmp_path / "server.log")
     proxy = PausableProxy(server.port)
-    experiment = "x" * 240  # long bin names: big notifications, so that fewer fill the kernel's buffers
+    experiment = "x" * 200  # long bin names: big notifications, so that fewer fill the kernel's buffers
     # Enough changes to fill the server's socket send buffer (its kernel limit) twice over.
     n = max(12_000, 2 * kernel_send_buffer_max() // (2 * 320))
     try:

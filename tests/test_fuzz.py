@@ -87,6 +87,10 @@ def sample_value(rng: random.Random):
     return rng.choice([
         tensor, {"x": tensor, "step": rng.randint(-10, 10)}, [tensor, np.arange(3)], (rng.random(), "s", None),
         rng.randbytes(rng.randint(0, 300)),
+        # the kinds beyond plain containers: int keys, numpy scalars, dtypes, sizes, sets
+        {"state": {0: {"exp_avg": tensor, "step": np.float32(rng.random())}}, "groups": [{"params": [0]}]},
+        {(1, "a"): np.bool_(rng.random() < 0.5), None: np.uint16(rng.randint(0, 9)), 2.5: tensor.dtype},
+        [tensor.shape, {1, "x", (2, 3)}, frozenset({rng.randint(0, 9)}), complex(rng.random(), 1), np.dtype("int8")],
     ])
 
 
@@ -149,7 +153,14 @@ class Fuzzer:
             doc["v"] = r.choice([self.junk.nested(), msgpack.ExtType(1, b"\xff\xff\xff\x7f"),
                                  msgpack.ExtType(1, b"\x00"), msgpack.ExtType(2, b"\x01"),
                                  msgpack.ExtType(3, b""), msgpack.Timestamp(1, 0),
-                                 msgpack.ExtType(9, b"x"), {1: 2}, {b"k": 1}])
+                                 msgpack.ExtType(99, b"x"), {1: 2}, {b"k": 1},
+                                 # the newer kinds, malformed: odd pairs, equal or unhashable keys,
+                                 # wrong lengths, unknown dtypes
+                                 msgpack.ExtType(4, b"\x93\x01\x02\x03"), msgpack.ExtType(4, b"\x94\x01\x00\x01\x00"),
+                                 msgpack.ExtType(4, b"\x92\x90\x00"), msgpack.ExtType(5, b"\x92\x01\x01"),
+                                 msgpack.ExtType(6, b"\x91\x80"), msgpack.ExtType(7, b"\x07float32\x00"),
+                                 msgpack.ExtType(7, b"\x04bool\x07"), msgpack.ExtType(8, b"\x00float128"),
+                                 msgpack.ExtType(9, b"\x91\xa1x"), msgpack.ExtType(10, b"\x00" * 15)])
         elif choice == 6:  # keys missing or extra
             doc.pop(r.choice(["v", "t", "n"])) if r.random() < 0.5 else doc.update(x=1)
         else:

@@ -213,3 +213,8 @@ def test_a_killed_worker_leaves_and_stop_workers_reaches_the_others(server):
             for proc in procs.values():
                 proc.kill()
                 proc.wait(10)
+
+
+def test_an_experiment_name_too_long_for_membership_is_refused_clearly(server):
+    with pytest.raises(ValueError, match="shorten the experiment name"):
+        RLWorker("127.0.0.1", server.port, experiment="x" * 240, worker_id="w" * 20)

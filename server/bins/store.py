@@ -112,6 +112,12 @@ class BinStore:
         """``{bin: n_items}`` for every bin."""
         return {name: len(b.items) for name, b in self._bins.items()}
 
+    def walk(self):
+        """``(name, items, seq)`` of every bin, for tools that report on the store
+        (the status page); the items are the bin's own deque: read it, do not change it."""
+        for name, b in self._bins.items():
+            yield name, b.items, b.seq
+
     def state(self, name: str) -> tuple[bool, int, int, int | None]:
         """``(exists, n_items, seq, tag)`` of bin ``name``: seq is its last change's
         number, tag its last item's tag."""

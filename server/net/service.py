@@ -126,10 +126,13 @@ class TensorShareProtocol(protocol.Protocol):
         limit = CLOSE_GRACE if writer.closing else self.state.config.outbound_stall_timeout
         if stalled < limit:
             return False
-        budget = writer.budget
-        log.warning("disconnecting %s: it took no byte for %.1f s while %d bytes waited for it%s "
-                    "(%d notifications coalesced)", self.session.peer, stalled, budget.queued,
-                    " after it was closed" if writer.closing else "", self.session.notifier.coalesced)
+        budget, session = writer.budget, self.session
+        log.warning("conn %d dropped (%s): it took no byte for %.1f s while %d bytes waited for it%s "
+                    "(%d notifications coalesced)", session.stats.id, session.peer, stalled, budget.queued,
+                    " after it was closed" if writer.closing else "", session.notifier.coalesced,
+                    extra={"conn": session.stats.id, "event": "drop"})
+        if session.counters is not None and not writer.closing:
+            session.counters.slow_readers_dropped += 1
         self.transport.abortConnection()
         return True
 

@@ -141,6 +141,8 @@ def _stored(session, request) -> Callable:
             return
         session.send_header(request.command.reply(request.id, n=change.n_items, seq=change.seq))
         session.state.listeners.publish(change)
+        if request.tag is not None and session.counters is not None:  # versions of RL experiments
+            session.counters.stored(session.stats, request.command.verb, request.bin, request.tag)
     return finish
 
 
@@ -229,6 +231,11 @@ def _send_items(session, request, items: list[Item], parts: list, seq: int, refs
         payload_len = sum(item.nbytes for item, files in zip(items, refs) if files is None)
     parts.insert(0, frame_head(header, payload_len))
     session.send(parts, on_abandon, on_written)
+    counters = session.counters
+    if counters is not None:
+        counters.verbs[request.command.verb].bytes_out += payload_len
+        if items and items[-1].tag is not None:  # the version a worker holds
+            counters.read(session.stats, request.bin, items[-1].tag)
 
 
 # -- LIST, DELETE

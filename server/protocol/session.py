@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
+from bisect import bisect_left
+from time import perf_counter
 from collections import deque
 from dataclasses import replace
 from typing import Callable, Protocol
@@ -32,6 +35,7 @@ from tensorshare.protocol.messages import (
 from tensorshare.wire.frames import DiscardSink, Frame, FrameDecoder, SegmentSink, frame_head
 
 from ..net.recvpool import CHUNK, PooledSink
+from ..ops.counters import LATENCY_BUCKETS, ConnStats
 from .handlers import HANDLERS
 from .notify import Notifier, Outbox
 from .shared import SharedMemory
@@ -116,6 +120,8 @@ class ServerSession:
         self.outbox = outbox
         self.notifier = Notifier(outbox)
         self.peer = peer
+        self.stats = ConnStats(peer)  # its id (in every log line about it), bytes, versions seen
+        self.counters = state.counters  # the server's totals (server/ops/counters.py); None: metrics off
         self.reads = reads or _NoReads()
         self.shared = SharedMemory(state.storage, state.config, same_host, peer)
         self.listening: set[str] = set()
@@ -155,11 +161,17 @@ class ServerSession:
     def connection_made(self) -> None:
         limit = self.config.max_connections
         if limit and self.state.connections >= limit:
-            log.warning("refusing %s: %d connections open (max_connections)", self.peer, self.state.connections)
+            log.warning("conn %d refused %s: %d connections open (max_connections)", self.stats.id, self.peer,
+                        self.state.connections, extra={"conn": self.stats.id, "event": "refused"})
+            if self.counters is not None:
+                self.counters.turned_away += 1
             self._close_with(UNAVAILABLE, "too many connections; try again later")
             return
         self.state.connections += 1
         self._admitted = True
+        log.info("conn %d open from %s", self.stats.id, self.peer, extra={"conn": self.stats.id, "event": "open"})
+        if self.counters is not None:
+            self.counters.opened(self)
         greeting = GREETING_MESSAGE.build(msg="tensorshare ready", server=f"tensorshare/{__version__}",
                                           version=PROTOCOL_VERSION)
         if not self.authenticated:
@@ -175,6 +187,7 @@ class ServerSession:
         if not self._serving or self._failure is not None:
             return
         self.timing.heard = True
+        self.stats.bytes_in += len(data)
         try:
             frames = self._decoder.feed(data)
         except ProtocolError as exc:
@@ -182,7 +195,7 @@ class ServerSession:
             if self.authenticated:
                 self._failure = (BAD_FRAME, str(exc))
             else:
-                log.warning("refused %s: a frame before authentication: %s", self.peer, exc)
+                self._auth_failed(f"a frame before authentication: {exc}")
                 self._failure = (NOT_AUTHENTICATED, f"authentication required (frame refused: {exc})")
         self._take(frames)
 
@@ -197,6 +210,7 @@ class ServerSession:
     def received_into(self, n: int) -> None:
         """``n`` bytes were read into the buffer :meth:`receive_buffer` returned."""
         self.timing.heard = True
+        self.stats.bytes_in += n
         self._take(self._decoder.buffer_updated(n))
 
     @property
@@ -223,6 +237,12 @@ class ServerSession:
         if self._admitted:
             self._admitted = False
             self.state.connections -= 1
+            stats = self.stats
+            log.info("conn %d closed (%s): %.1fs, %d bytes in, %d bytes out", stats.id, self.peer,
+                     time.time() - stats.opened, stats.bytes_in, getattr(self.outbox, "written", 0),
+                     extra={"conn": stats.id, "event": "close"})
+            if self.counters is not None:
+                self.counters.closed(self)
         if self.authenticated:
             for frame in backlog:
                 if frame.header.get(Key.OP) in _LASTING:
@@ -266,7 +286,7 @@ class ServerSession:
         config, timing = self.config, self.timing
         timing.observe(now, sending)
         if not self.authenticated and config.auth_timeout and now - timing.opened_at >= config.auth_timeout:
-            log.warning("closing %s: not authenticated within %gs", self.peer, config.auth_timeout)
+            self._auth_failed(f"not authenticated within {config.auth_timeout:g}s")
             self._close_with(NOT_AUTHENTICATED, "authentication timed out")
             return
         if not config.idle_timeout or now - timing.quiet_since < config.idle_timeout:
@@ -276,7 +296,8 @@ class ServerSession:
                 timing.pinged_at = now
                 self.send_header(KEEPALIVE_MESSAGE.build(msg="keepalive"))
             return
-        log.info("closing %s: idle for %gs", self.peer, config.idle_timeout)
+        log.info("conn %d closing (%s): idle for %gs", self.stats.id, self.peer, config.idle_timeout,
+                 extra={"conn": self.stats.id, "event": "idle"})
         self._close_with(UNAVAILABLE, f"idle for {config.idle_timeout:g}s; closing")
 
     # -- the Listener interface (notifications from any session)
@@ -334,7 +355,8 @@ class ServerSession:
             self._handle(backlog.popleft())
         if not backlog and not self._waiting and self._failure is not None and not self.closed:
             (code, message), self._failure = self._failure, None
-            log.info("closing %s: %s", self.peer, message)
+            log.info("conn %d closing (%s): %s", self.stats.id, self.peer, message,
+                     extra={"conn": self.stats.id, "event": "failing"})
             if self.phase is Phase.READY:
                 self._move(Phase.FAILING)
             self._close_with(code, message)
@@ -362,8 +384,22 @@ class ServerSession:
             if rid == 0:
                 raise RemoteError("request id must be an integer in 1..2**64-1", BAD_ARGS)
             request = command.parse_request(header, rid, frame.payload, frame.payload_len, self._max_bin_name)
-            HANDLERS[command](self, request)
+            counters = self.counters
+            if counters is None:
+                HANDLERS[command](self, request)
+            else:  # counted inline: this is the request path (server/ops/counters.py)
+                began = perf_counter()
+                HANDLERS[command](self, request)
+                elapsed = perf_counter() - began
+                verb = counters.verbs[op]
+                verb.requests += 1
+                verb.bytes_in += frame.payload_len
+                verb.seconds += elapsed
+                verb.buckets[bisect_left(LATENCY_BUCKETS, elapsed)] += 1
+                self.stats.requests += 1
         except RemoteError as exc:
+            if self.counters is not None:
+                self.counters.refusal(exc.code)
             self.send_header(error_reply(exc.code, exc.message, rid))
         except Exception:  # a bug: this request fails, the connection and the server go on
             log.exception("%s from %s failed", op, self.peer)
@@ -374,7 +410,7 @@ class ServerSession:
         the connection closes, as it does after a wrong proof."""
         header = frame.header
         if header.get(Key.OP) != AUTH.verb or rid == 0:
-            log.warning("refused %s: %.40r before authenticating", self.peer, header.get(Key.OP))
+            self._auth_failed(f"{header.get(Key.OP)!r:.40} before authenticating")
             self._close_with(NOT_AUTHENTICATED, "authentication required", rid)
             return
         try:
@@ -382,20 +418,27 @@ class ServerSession:
             if request.mech != auth.MECHANISM or not auth.is_nonce(request.nonce):
                 raise RemoteError("malformed AUTH")
         except RemoteError:
-            log.warning("authentication failed for %s: malformed AUTH", self.peer)
+            self._auth_failed("malformed AUTH")
             self._close_with(NOT_AUTHENTICATED, f"AUTH needs mech {auth.MECHANISM!r} and a "
                                                 f"{auth.NONCE_SIZE}-byte nonce", rid)
             return
         client_proof, server_proof = auth.proofs(self.state.token, self._nonce, request.nonce)
         if not auth.proof_matches(client_proof, request.proof):
-            log.warning("authentication failed for %s: wrong proof", self.peer)
+            self._auth_failed("wrong proof")
             self._close_with(NOT_AUTHENTICATED, "authentication failed", rid)
             return
         self._nonce = None
         self._decoder.limits = self.config.frame_limits
         self._move(Phase.READY)
-        log.info("%s authenticated", self.peer)
+        self.stats.authenticated = True
+        log.info("conn %d authenticated (%s)", self.stats.id, self.peer, extra={"conn": self.stats.id, "event": "auth"})
         self.shared.offer(AUTH.reply(rid, **{Key.PROOF: server_proof}), self)
+
+    def _auth_failed(self, reason: str) -> None:
+        log.warning("conn %d authentication failed (%s): %s", self.stats.id, self.peer, reason,
+                    extra={"conn": self.stats.id, "event": "auth_failed"})
+        if self.counters is not None:
+            self.counters.auth_failures += 1
 
     # -- waiting for the disk
 
@@ -475,6 +518,8 @@ class ServerSession:
 
     def refuse(self, rid: int, error: RemoteError) -> None:
         """Answer request ``rid`` with the error reply ``error`` stands for."""
+        if self.counters is not None:
+            self.counters.refusal(error.code)
         self.send_header(error_reply(error.code, error.message, rid))
 
     def _close_with(self, code: int, message: str, rid: int = 0) -> None:

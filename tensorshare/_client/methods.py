@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+from ..errors import UsageError
 from ..protocol.messages import APPEND, DELETE, GET, LIST, LISTEN, MAX_WAIT, NOOP, OK, PEEK, PUT, UNLISTEN, Key
 from .connection import NO_VALUE, ListenSnapshot, Notification, item_table
 from .listens import Listening
@@ -48,13 +49,14 @@ class ClientMethods(TableMethods):
     # -- storing
 
     def put(self, bin: str, value: Any, *, tag: int | None = None, ephemeral: bool = False,
-            timeout=DEFAULT) -> Any:
+            timeout=DEFAULT, progress: Callable[[int, int], Any] | None = None) -> Any:
         """Replace the items of ``bin`` with ``value``; returns the bin's item count (1).
 
         ``tag``, an optional 64-bit integer stored with the item, reaches listeners
         in the notification (a version number, say), so they need not download it.
         The value has been sent (or copied into the server's shared memory) when
-        this returns: changing it afterwards is safe.
+        this returns: changing it afterwards is safe.  ``progress(done, total)``
+        hears of the bytes sent (blocking ``Client`` only; ``_client/progress.py``).
 
         ``ephemeral=True``: the bin lasts only as long as this connection (the
         server deletes it, and tells its listeners, when the connection ends: a
@@ -64,12 +66,13 @@ class ClientMethods(TableMethods):
         if ephemeral:
             fields = bin_fields(bin, tag)
             fields[Key.EPHEMERAL] = True
-            return self._call(PUT, fields, value, timeout=timeout, zero_copy=False)
-        return self._call(PUT, bin_fields(bin, tag), value, timeout=timeout)
+            return self._call(PUT, fields, value, timeout=timeout, zero_copy=False, **_progress(progress))
+        return self._call(PUT, bin_fields(bin, tag), value, timeout=timeout, **_progress(progress))
 
     def append(self, bin: str, value: Any, *, tag: int | None = None, below: int | None = None,
-               timeout=DEFAULT) -> Any:
+               timeout=DEFAULT, progress: Callable[[int, int], Any] | None = None) -> Any:
         """Add ``value`` as one more item of ``bin``; returns the bin's new item count.
+        ``progress``: as for :meth:`put`.
 
         With ``below``, the item is stored only once the bin holds fewer than
         ``below`` items: the server holds the request until a reader takes some
@@ -81,7 +84,7 @@ class ClientMethods(TableMethods):
         fields = bin_fields(bin, tag)
         if below is not None:
             timeout = self._wait_in_server(fields, below, timeout)
-        return self._call(APPEND, fields, value, timeout=timeout)
+        return self._call(APPEND, fields, value, timeout=timeout, **_progress(progress))
 
     def _wait_in_server(self, fields: dict, below: int, timeout) -> float:
         """Ask the server to hold a request up to the call's timeout (``fields`` get
@@ -100,31 +103,35 @@ class ClientMethods(TableMethods):
 
     # -- reading
 
-    def get(self, bin: str, timeout=DEFAULT, *, max_items: int | None = None, with_seq: bool = False) -> Any:
+    def get(self, bin: str, timeout=DEFAULT, *, max_items: int | None = None, with_seq: bool = False,
+            progress: Callable[[int, int], Any] | None = None) -> Any:
         """Take all items out of ``bin`` (it stays, empty); returns them in order.
 
         ``max_items``: take only the first that many (the rest stay).  With
         ``with_seq=True`` returns ``(items, seq)``: seq is this take's sequence
         number, so a listener can tell the notifications of later changes (higher
-        seq) from those of earlier ones.
+        seq) from those of earlier ones.  ``progress(done, total)`` hears of the
+        reply's bytes as they arrive (blocking ``Client`` only).
         """
         fields = bin_fields(bin)
         if max_items is not None:
             fields[Key.MAX] = max_items
         then = (lambda reply: (reply.values, reply.header[Key.SEQ])) if with_seq else None
-        return self._call(GET, fields, timeout=timeout, then=then)
+        return self._call(GET, fields, timeout=timeout, then=then, **_progress(progress))
 
-    def peek(self, bin: str, timeout=DEFAULT) -> Any:
-        """Return all items of ``bin`` without removing them."""
-        return self._call(PEEK, bin_fields(bin), timeout=timeout)
+    def peek(self, bin: str, timeout=DEFAULT, *, progress: Callable[[int, int], Any] | None = None) -> Any:
+        """Return all items of ``bin`` without removing them (``progress``: as for :meth:`get`)."""
+        return self._call(PEEK, bin_fields(bin), timeout=timeout, **_progress(progress))
 
-    def save(self, bin: str, path, *, overwrite: bool = False, timeout=DEFAULT) -> Any:
+    def save(self, bin: str, path, *, overwrite: bool = False, timeout=DEFAULT,
+             progress: Callable[[int, int], Any] | None = None) -> Any:
         """Write the items of ``bin`` (which keeps them) to the local directory ``path``.
 
         The bytes the server sent go straight to memory-mappable files, one
         numbered subdirectory per item (tensordict's layout); nothing is decoded or
         pickled.  ``tensorshare.load_memmap(path)`` maps them back.  Returns the
-        number of items saved.
+        number of items saved.  ``progress(done, total)`` hears of the bytes as
+        they arrive (blocking ``Client`` only).
         """
         def write(reply) -> int:
             from ..memmap import save_items
@@ -138,7 +145,8 @@ class ClientMethods(TableMethods):
             save_items(path, items, overwrite=overwrite)
             return len(items)
 
-        return self._call(PEEK, bin_fields(bin), timeout=timeout, then=write, decode=False, zero_copy=False)
+        return self._call(PEEK, bin_fields(bin), timeout=timeout, then=write, decode=False, zero_copy=False,
+                          **_progress(progress))
 
     def shared(self, value: Any) -> Any:
         """A copy of ``value`` whose tensors and arrays live in the server's shared memory.
@@ -247,6 +255,16 @@ class ClientMethods(TableMethods):
     def _forget_listen(self, name: str) -> None:
         """Ask the server, without waiting, to stop notifying of bin ``name``."""
         raise NotImplementedError
+
+
+def _progress(progress: Callable | None) -> dict:
+    """The keyword that passes a progress callback on (none when there is none, so
+    that a client without progress reports keeps its signature)."""
+    if progress is None:
+        return {}
+    if not callable(progress):
+        raise UsageError("progress must be a callable taking (done, total)")
+    return {"progress": progress}
 
 
 def _lost_connection(error: BaseException | None) -> bool:

@@ -36,13 +36,16 @@ import msgpack
 
 from ..errors import ProtocolError
 from ..wire.description import (
-    DEFAULT_LIMITS, Description, DecodeLimits, _ArrayRef, _TupleNode, parse_description,
+    DEFAULT_LIMITS, KIND_TORCH, Description, DecodeLimits, _ArrayRef, _TensorDictNode, _TupleNode,
+    parse_description,
 )
 from ..wire.dtypes import TORCH_WIDTHS
 
-__all__ = ["LayoutError", "StoredItem", "write_item", "read_item", "array_paths", "mapped_parts", "RECORD", "FORMAT"]
+__all__ = ["LayoutError", "StoredItem", "write_item", "read_item", "write_bin_root", "array_paths", "mapped_parts",
+           "RECORD", "BIN_RECORD", "FORMAT"]
 
 RECORD = ".tensorshare.msgpack"
+BIN_RECORD = ".tensorshare-bin.msgpack"  # marks a directory of items written by Client.save
 FORMAT = 1
 _FALLBACK_DIR = ".arrays"
 # A key becomes a file or directory name only if it is short, starts with a letter,
@@ -85,8 +88,8 @@ def array_paths(desc: Description) -> list[str]:
     ``key/key/.../key.memmap``; any other array at ``.arrays/<index>.memmap``.
     """
     paths: list[str | None] = [None] * len(desc.arrays)
-    if isinstance(desc.tree, dict):
-        stack = [("", desc.tree)]
+    if _entries(desc.tree) is not None:
+        stack = [("", _entries(desc.tree))]
         while stack:
             prefix, node = stack.pop()
             for key, child in node.items():
@@ -94,9 +97,18 @@ def array_paths(desc: Description) -> list[str]:
                     continue
                 if isinstance(child, _ArrayRef) and paths[child.index] is None:
                     paths[child.index] = f"{prefix}{key}.memmap"
-                elif isinstance(child, dict):
-                    stack.append((f"{prefix}{key}/", child))
+                elif _entries(child) is not None:
+                    stack.append((f"{prefix}{key}/", _entries(child)))
     return [p if p is not None else f"{_FALLBACK_DIR}/{i}.memmap" for i, p in enumerate(paths)]
+
+
+def _entries(node: Any) -> dict | None:
+    """The str-keyed entries of a dict or TensorDict node (None for other nodes)."""
+    if isinstance(node, dict):
+        return node
+    if type(node) is _TensorDictNode:
+        return node.entries
+    return None
 
 
 def _json_leaf(node: Any) -> bool:
@@ -117,30 +129,76 @@ def _json_leaf(node: Any) -> bool:
 def _metadata(desc: Description, paths: list[str]) -> dict[str, dict]:
     """``{relative dir: meta.json content}`` giving tensordict the structure of a dict value."""
     out: dict[str, dict] = {}
-    if isinstance(desc.tree, dict):
+    if _entries(desc.tree) is not None:
         _level_metadata(desc, paths, "", desc.tree, out)
     return out
 
 
-def _level_metadata(desc: Description, paths: list[str], prefix: str, node: dict, out: dict) -> None:
-    """:func:`_metadata` of one dict level (``prefix``: its directory) and those below it."""
+def _non_tensor_meta(data: Any) -> dict:
+    return {"_type": _NON_TENSOR_TYPE, "data": data, "_metadata": None, "_is_non_tensor": True}
+
+
+def _tensor_meta(shape: Sequence[int], dtype: str) -> dict:
+    return {"device": "cpu", "shape": list(shape), "dtype": f"torch.{dtype}", "is_nested": False}
+
+
+def write_bin_root(root: str, items: Sequence[StoredItem], *, fsync: bool = False) -> None:
+    """Make ``root``, which holds the item directories ``items`` (named by number),
+    a tensordict too: a ``meta.json`` with one entry per item tensordict can open
+    (a dict or TensorDict: its directory; a lone tensor: a hard link to its file
+    beside the directory; a JSON-able value: its directory's NonTensorData), and
+    :data:`BIN_RECORD`, which marks the root as tensorshare's even when empty."""
     meta: dict[str, Any] = {}
-    for key, child in node.items():
+    for item in items:
+        name = os.path.basename(item.path)
+        desc = parse_description(item.description, item.nbytes)
+        tree = desc.tree
+        if _entries(tree) is not None:
+            meta[name] = {"type": "TensorDict"}
+        elif _json_leaf(tree):  # the item's directory becomes a NonTensorData (only here: the
+            # server's own item directories do without the extra file)
+            _write_json(os.path.join(item.path, "meta.json"), _non_tensor_meta(tree), fsync)
+            if fsync:
+                fsync_dir(item.path)
+            meta[name] = {"type": "NonTensorData"}
+        elif isinstance(tree, _ArrayRef) and desc.arrays[0].kind == KIND_TORCH:
+            spec, (_offset, _nbytes, file) = desc.arrays[0], item.files[0]
+            try:
+                os.link(file, os.path.join(root, f"{name}.memmap"))
+            except OSError:  # no hard links on this file system: tensordict does without it
+                continue
+            meta[name] = _tensor_meta(spec.shape, spec.dtype)
+    meta.update({"shape": [], "device": "cpu", "_type": _TENSORDICT_TYPE})
+    _write_json(os.path.join(root, "meta.json"), meta, fsync)
+    _write_file(os.path.join(root, BIN_RECORD),
+                [memoryview(msgpack.packb({"format": FORMAT, "items": len(items)}))], fsync)
+    if fsync:
+        fsync_dir(root)
+
+
+def _write_json(path: str, doc: Any, fsync: bool) -> None:
+    _write_file(path, [memoryview(json.dumps(doc).encode())], fsync)
+
+
+def _level_metadata(desc: Description, paths: list[str], prefix: str, node: Any, out: dict) -> None:
+    """:func:`_metadata` of one dict or TensorDict level (``prefix``: its directory)
+    and those below it; a TensorDict's batch size is the level's shape."""
+    meta: dict[str, Any] = {}
+    for key, child in _entries(node).items():
         if not _safe_key(key):
             continue
         if isinstance(child, _ArrayRef):
             spec = desc.arrays[child.index]
             if paths[child.index] == f"{prefix}{key}.memmap" and spec.dtype in TORCH_WIDTHS:
-                meta[key] = {"device": "cpu", "shape": list(spec.shape), "dtype": f"torch.{spec.dtype}",
-                             "is_nested": False}
-        elif isinstance(child, dict):
+                meta[key] = _tensor_meta(spec.shape, spec.dtype)
+        elif _entries(child) is not None:
             meta[key] = {"type": "TensorDict"}
             _level_metadata(desc, paths, f"{prefix}{key}/", child, out)
         elif _json_leaf(child):
             meta[key] = {"type": "NonTensorData"}
-            out[f"{prefix}{key}/"] = {"_type": _NON_TENSOR_TYPE, "data": child, "_metadata": None,
-                                      "_is_non_tensor": True}
-    meta.update({"shape": [], "device": "cpu", "_type": _TENSORDICT_TYPE})
+            out[f"{prefix}{key}/"] = _non_tensor_meta(child)
+    shape = list(node.batch) if type(node) is _TensorDictNode else []
+    meta.update({"shape": shape, "device": "cpu", "_type": _TENSORDICT_TYPE})
     out[prefix] = meta
 
 

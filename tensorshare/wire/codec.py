@@ -17,6 +17,7 @@ eval.  PROTOCOL.md ("Value description") is the normative text.
 
 from __future__ import annotations
 
+import struct
 import sys
 import threading
 import warnings
@@ -29,9 +30,10 @@ import torch
 
 from ..errors import EncodeError, ProtocolError
 from .description import (
-    ALIGN, DEFAULT_LIMITS, EXT_ARRAY, EXT_BIGINT, EXT_TUPLE, KIND_NUMPY, KIND_TORCH, MAX_DIMS,
-    ArraySpec, DecodeLimits, Description, _ArrayRef, _TupleNode, align_up, check_description,
-    parse_description,
+    ALIGN, DEFAULT_LIMITS, EXT_ARRAY, EXT_BIGINT, EXT_COMPLEX, EXT_DTYPE, EXT_FROZENSET, EXT_MAP, EXT_SCALAR,
+    EXT_SET, EXT_SIZE, EXT_TENSORDICT, EXT_TUPLE, KIND_NUMPY, KIND_TORCH, MAX_DIMS, ArraySpec, DecodeLimits, Description,
+    _ArrayRef, _DtypeNode, _MapNode, _ScalarNode, _SetNode, _SizeNode, _Special, _TensorDictNode, _TupleNode, align_up,
+    check_description, parse_description,
 )
 from .dtypes import NUMPY_WIDTHS, TORCH_WIDTHS
 
@@ -114,6 +116,8 @@ class Encoded:
 
 
 class _Encoder:
+    finding = False  # True in an encoder that only looks for the member that fails
+
     def __init__(self, max_depth: int):
         self.max_depth = max_depth
         self.table: list[list] = []
@@ -139,22 +143,128 @@ class _Encoder:
             nbytes = (obj.bit_length() + 8) // 8
             return msgpack.ExtType(EXT_BIGINT, obj.to_bytes(nbytes, "big", signed=True))
         if isinstance(obj, float):
+            if type(obj) is not float and isinstance(obj, np.generic):  # numpy.float64
+                return _numpy_scalar(obj)
             return float(obj)
         if isinstance(obj, (bytes, bytearray, memoryview)):
             return bytes(obj)
         if isinstance(obj, dict):
             out = {}
-            for key, value in obj.items():
-                if not isinstance(key, str):
-                    raise EncodeError(f"dict keys must be str, got {type(key).__name__}: {key!r}")
-                out[str(key)] = self.node(value, depth + 1)
-            return out
+            items = iter(obj.items())
+            try:
+                for key, value in items:
+                    if type(key) is not str:
+                        if not isinstance(key, str):  # then the dict travels as key, value pairs
+                            break
+                        key = str(key)
+                    out[key] = self.node(value, depth + 1)
+                else:
+                    return out
+            except EncodeError as exc:
+                raise exc.inside(key) from None
+            return self.keyed_map(out, key, value, items, depth)
         if isinstance(obj, list):
-            return [self.node(x, depth + 1) for x in obj]
+            try:
+                return [self.node(x, depth + 1) for x in obj]
+            except EncodeError as exc:
+                raise exc.inside(self.failing_index(obj, depth)) from None
         if isinstance(obj, tuple):
-            inner = [self.node(x, depth + 1) for x in obj]
+            if type(obj) is torch.Size:
+                if obj and depth >= self.max_depth:  # its sizes count one level deeper
+                    raise EncodeError(f"value nested deeper than {self.max_depth} levels")
+                return msgpack.ExtType(EXT_SIZE, _packb([int(d) for d in obj]))
+            try:
+                inner = [self.node(x, depth + 1) for x in obj]
+            except EncodeError as exc:
+                raise exc.inside(self.failing_index(obj, depth)) from None
             return msgpack.ExtType(EXT_TUPLE, _packb(inner))
-        raise EncodeError(f"cannot send a value of type {type(obj).__module__}.{type(obj).__qualname__}")
+        return self.other(obj, depth)
+
+    def other(self, obj: Any, depth: int) -> Any:
+        """The rarer kinds: numpy scalars, dtypes, sets, complex numbers."""
+        if isinstance(obj, np.generic):
+            return _numpy_scalar(obj)
+        if isinstance(obj, torch.dtype):
+            name = TORCH_NAMES.get(obj)
+            if name is None:
+                raise EncodeError(f"{obj} has no fixed-width wire form")
+            return msgpack.ExtType(EXT_DTYPE, bytes([KIND_TORCH]) + name.encode())
+        if isinstance(obj, np.dtype):
+            name = NUMPY_NAMES.get(obj)
+            if name is None:
+                raise EncodeError(f"numpy dtype {obj!r} has no wire form")
+            return msgpack.ExtType(EXT_DTYPE, bytes([KIND_NUMPY]) + name.encode())
+        if isinstance(obj, (set, frozenset)):
+            members = [self.hashable(x, depth + 1, "set member") for x in obj]
+            return msgpack.ExtType(EXT_FROZENSET if isinstance(obj, frozenset) else EXT_SET, _packb(members))
+        if isinstance(obj, complex):
+            return msgpack.ExtType(EXT_COMPLEX, struct.pack("<dd", obj.real, obj.imag))
+        if type(obj).__module__.startswith("tensordict."):
+            return self.tensordict(obj, depth)
+        raise EncodeError(f"cannot send a value of type {_type_name(obj)}")
+
+    def tensordict(self, td: Any, depth: int) -> msgpack.ExtType:
+        """A ``tensordict.TensorDict``: its batch size and entries (nested TensorDicts
+        and non-tensor data included), so that it comes back as one."""
+        from tensordict import TensorDict
+
+        if type(td) is not TensorDict:
+            raise EncodeError(f"cannot send a value of type {_type_name(td)} (a TensorDict can be sent: "
+                              f"convert it with .to_tensordict())")
+        entries = {}
+        try:
+            for key in td.keys():
+                entries[key] = self.node(td[key], depth + 1)
+        except EncodeError as exc:
+            raise exc.inside(key) from None
+        return msgpack.ExtType(EXT_TENSORDICT, _packb([list(td.batch_size), entries]))
+
+    def hashable(self, obj: Any, depth: int, what: str) -> Any:
+        """A dict key or set member: a scalar, or a tuple or frozenset of them."""
+        if depth > self.max_depth:
+            raise EncodeError(f"value nested deeper than {self.max_depth} levels")
+        frozen = isinstance(obj, frozenset)
+        if frozen or (isinstance(obj, tuple) and type(obj) is not torch.Size):  # named tuples too
+            inner = [self.hashable(x, depth + 1, what) for x in obj]
+            return msgpack.ExtType(EXT_FROZENSET if frozen else EXT_TUPLE, _packb(inner))
+        if isinstance(obj, _UNHASHABLE):
+            raise EncodeError(f"{what} of type {_type_name(obj)} cannot be sent (a {what} must be a scalar, "
+                              f"or a tuple or frozenset of them)")
+        return self.node(obj, depth)
+
+    def keyed_map(self, done: dict, key: Any, value: Any, rest, depth: int) -> msgpack.ExtType:
+        """A dict with a key that is not a str, as ``[key, value, ...]`` (``done``: its
+        str-keyed entries encoded so far, ``key``/``value`` the first other one)."""
+        pairs = [x for item in done.items() for x in item]
+        while True:
+            try:
+                pairs.append(self.hashable(key, depth + 1, "dict key"))
+            except EncodeError as exc:
+                raise EncodeError(f"dict key {key!r:.60}: {exc.reason}", exc.path) from None
+            try:
+                pairs.append(self.node(value, depth + 1))
+            except EncodeError as exc:
+                raise exc.inside(key) from None
+            try:
+                key, value = next(rest)
+            except StopIteration:
+                return msgpack.ExtType(EXT_MAP, _packb(pairs))
+
+    def failing_index(self, seq: Any, depth: int) -> int:
+        """The index of the first member of ``seq`` that cannot be sent (for the
+        error's path; found again on the error path so that the usual path stays a
+        comprehension).  The search encodes members with an encoder that finds no
+        paths itself, so each level of a deep failure scans its subtree once."""
+        if self.max_depth < 0 or self.finding:
+            return -1
+        probe = _Encoder(self.max_depth)
+        probe.finding = True
+        for i, x in enumerate(seq):
+            try:
+                probe.node(x, depth + 1)
+            except EncodeError:
+                return i
+        return -1
 
     def array(self, kind: int, dtype: str, shape: list[int], view: memoryview) -> msgpack.ExtType:
         start = align_up(self.offset)
@@ -169,6 +279,23 @@ class _Encoder:
         if index < len(_ARRAY_REFS):
             return _ARRAY_REFS[index]
         return msgpack.ExtType(EXT_ARRAY, index.to_bytes(4, "little"))
+
+
+def _type_name(obj: Any) -> str:
+    kind = type(obj)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+# What a dict key or set member must not be: containers and arrays (tensors hash by
+# identity, which means nothing in another process).
+_UNHASHABLE = (list, dict, set, bytearray, memoryview, np.ndarray, torch.Tensor)
+
+
+def _numpy_scalar(obj: np.generic) -> msgpack.ExtType:
+    name = NUMPY_NAMES.get(obj.dtype)
+    if name is None:
+        raise EncodeError(f"numpy scalar of dtype {obj.dtype} has no wire form")
+    return msgpack.ExtType(EXT_SCALAR, bytes([len(name)]) + name.encode() + obj.tobytes())
 
 
 def _torch_bytes(t: torch.Tensor) -> tuple[int, str, list[int], memoryview]:
@@ -212,7 +339,7 @@ def _numpy_bytes(a: np.ndarray) -> tuple[int, str, list[int], memoryview]:
     dtype = a.dtype.newbyteorder("=") if a.dtype.byteorder == ">" else a.dtype
     name = NUMPY_NAMES.get(dtype)
     if name is None:
-        raise EncodeError(f"numpy dtype {a.dtype} has no wire form")
+        raise EncodeError(f"numpy.ndarray of {a.dtype} dtype has no wire form")
     if a.ndim > MAX_DIMS:
         raise EncodeError(f"arrays may have at most {MAX_DIMS} dimensions, not {a.ndim}")
     shape = list(a.shape)  # before ascontiguousarray, which makes 0-d arrays 1-d
@@ -292,7 +419,61 @@ def _resolve(node: Any, arrays: list) -> Any:
         return [_resolve(x, arrays) for x in node]
     if isinstance(node, dict):
         return {k: _resolve(v, arrays) for k, v in node.items()}
+    if isinstance(node, _Special):
+        return _BUILDERS[type(node)](node, arrays)
     return node
+
+
+def _build_map(node: _MapNode, arrays: list) -> dict:
+    items = node.items
+    out = {_resolve(items[i], arrays): _resolve(items[i + 1], arrays) for i in range(0, len(items), 2)}
+    if 2 * len(out) != len(items):
+        raise ProtocolError("map extension holds equal keys")
+    return out
+
+
+def _build_set(node: _SetNode, arrays: list) -> set | frozenset:
+    out = (frozenset if node.frozen else set)(_resolve(x, arrays) for x in node.items)
+    if len(out) != len(node.items):
+        raise ProtocolError("set extension holds equal members")
+    return out
+
+
+def _build_scalar(node: _ScalarNode, arrays: list) -> np.generic:
+    return np.frombuffer(node.data, dtype=NUMPY_DTYPES[node.dtype])[0]
+
+
+def _build_dtype(node: _DtypeNode, arrays: list) -> torch.dtype | np.dtype:
+    if node.kind == KIND_NUMPY:
+        return NUMPY_DTYPES[node.name]
+    dtype = TORCH_DTYPES.get(node.name)
+    if dtype is None:
+        raise ProtocolError(f"dtype {node.name} is not supported by this torch build ({torch.__version__})")
+    return dtype
+
+
+def _build_tensordict(node: _TensorDictNode, arrays: list) -> Any:
+    entries = {key: _resolve(value, arrays) for key, value in node.entries.items()}
+    try:
+        from tensordict import TensorDict, TensorDictBase
+    except ImportError:  # optional: without it the entries arrive, as a dict
+        return entries
+    try:
+        td = TensorDict({}, batch_size=node.batch)
+        for key, value in entries.items():
+            if isinstance(value, (torch.Tensor, TensorDictBase)):
+                td.set(key, value)
+            else:
+                td.set_non_tensor(key, value)
+    except (RuntimeError, ValueError, TypeError, KeyError) as exc:  # shapes that do not match the batch size
+        raise ProtocolError(f"TensorDict extension: {exc}") from None
+    return td
+
+
+_BUILDERS = {
+    _MapNode: _build_map, _SetNode: _build_set, _ScalarNode: _build_scalar, _DtypeNode: _build_dtype,
+    _SizeNode: lambda node, arrays: torch.Size(node.dims), _TensorDictNode: _build_tensordict,
+}
 
 
 def array_view(spec: ArraySpec, flat: np.ndarray, start: int, device: Any = None) -> Any:

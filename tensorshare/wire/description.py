@@ -12,6 +12,7 @@ arrays.  PROTOCOL.md ("Value description") is the normative text.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,14 @@ ALIGN = 64
 EXT_ARRAY = 1  # data: u32 LE index into the array table
 EXT_TUPLE = 2  # data: msgpack array of nodes
 EXT_BIGINT = 3  # data: signed big-endian two's complement integer
+EXT_MAP = 4  # data: msgpack array [key, value, key, value...]: a dict with keys that are not all str
+EXT_SET = 5  # data: msgpack array of the members
+EXT_FROZENSET = 6  # data: msgpack array of the members
+EXT_SCALAR = 7  # data: u8 name length, numpy dtype name (ASCII), the value's bytes (little-endian)
+EXT_DTYPE = 8  # data: u8 kind (0 torch, 1 numpy), dtype name (ASCII)
+EXT_SIZE = 9  # data: msgpack array of ints (a torch.Size)
+EXT_COMPLEX = 10  # data: 16 bytes, real and imaginary parts as float64 little-endian
+EXT_TENSORDICT = 11  # data: msgpack array [batch size (array of ints), map of str keys to nodes]
 
 KIND_TORCH = 0
 KIND_NUMPY = 1
@@ -83,6 +92,114 @@ class _TupleNode(list):
     """A tuple in the tree, kept as a list until its children are resolved."""
 
 
+class _Special:
+    """Base of the tree nodes that only :mod:`.codec` can turn into values (it has
+    torch and numpy): one ``isinstance`` check lets the builder pass over plain
+    scalars.  Nodes are never mutated once parsed (parsed trees are cached)."""
+
+    __slots__ = ()
+
+
+class _MapNode(_Special):
+    """A dict whose keys are not all str: ``items`` is ``[key, value, key, value...]``."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: list):
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+class _SetNode(_Special):
+    """A set (``frozen=False``) or frozenset: ``items`` holds its members."""
+
+    __slots__ = ("items", "frozen")
+
+    def __init__(self, items: list, frozen: bool):
+        self.items = items
+        self.frozen = frozen
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+class _ScalarNode(_Special):
+    """A numpy scalar: its dtype's wire name and its bytes (checked to be one element)."""
+
+    __slots__ = ("dtype", "data")
+
+    def __init__(self, dtype: str, data: bytes):
+        self.dtype = dtype
+        self.data = data
+
+
+class _DtypeNode(_Special):
+    """A ``torch.dtype`` (kind :data:`KIND_TORCH`) or ``numpy.dtype`` (:data:`KIND_NUMPY`)."""
+
+    __slots__ = ("kind", "name")
+
+    def __init__(self, kind: int, name: str):
+        self.kind = kind
+        self.name = name
+
+
+class _SizeNode(_Special):
+    """A ``torch.Size``: ``dims`` is a tuple of ints."""
+
+    __slots__ = ("dims",)
+
+    def __init__(self, dims: tuple):
+        self.dims = dims
+
+
+class _TensorDictNode(_Special):
+    """A ``tensordict.TensorDict``: its batch size and its entries (str keys)."""
+
+    __slots__ = ("batch", "entries")
+
+    def __init__(self, batch: tuple, entries: dict):
+        self.batch = batch
+        self.entries = entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+def _tensordict_node(inner: Any) -> _TensorDictNode:
+    if not (isinstance(inner, list) and len(inner) == 2 and isinstance(inner[0], list)
+            and isinstance(inner[1], dict) and len(inner[0]) <= MAX_DIMS
+            and all(type(d) is int and 0 <= d <= MAX_DIM_SIZE for d in inner[0])):
+        raise ProtocolError(f"TensorDict extension must hold [batch size of at most {MAX_DIMS} sizes, map]")
+    return _TensorDictNode(tuple(inner[0]), inner[1])
+
+
+_CONTAINER_EXTS = {EXT_TENSORDICT: "TensorDict", EXT_MAP: "map", EXT_SET: "set", EXT_FROZENSET: "frozenset", EXT_SIZE: "torch.Size"}
+_INT64 = (-(1 << 63), 1 << 63)
+
+
+def _scalar_node(data: bytes) -> _ScalarNode:
+    n = data[0] if data else 0
+    name = data[1 : 1 + n].decode("ascii", "replace")
+    width = NUMPY_WIDTHS.get(name)
+    if width is None or len(data) != 1 + n + width:
+        raise ProtocolError(f"numpy scalar extension: unknown dtype {name!r:.40} or wrong length {len(data)}")
+    raw = data[1 + n :]
+    if name == "bool" and raw not in (b"\x00", b"\x01"):
+        raise ProtocolError("numpy scalar extension: a bool must be the byte 0 or 1")
+    return _ScalarNode(name, raw)
+
+
+def _dtype_node(data: bytes) -> _DtypeNode:
+    kind = data[0] if data else -1
+    name = data[1:].decode("ascii", "replace")
+    widths = NUMPY_WIDTHS if kind == KIND_NUMPY else TORCH_WIDTHS if kind == KIND_TORCH else {}
+    if name not in widths:
+        raise ProtocolError(f"dtype extension: unknown dtype {name!r:.40} of kind {kind}")
+    return _DtypeNode(kind, name)
+
+
 def _unpack(blob: bytes, limits: DecodeLimits, depth: int, budget: ContainerBudget | None = None) -> Any:
     if depth > limits.max_depth:
         raise ProtocolError(f"value description nested deeper than {limits.max_depth} levels")
@@ -102,6 +219,32 @@ def _unpack(blob: bytes, limits: DecodeLimits, depth: int, budget: ContainerBudg
             if not data:
                 raise ProtocolError("empty big integer")
             return int.from_bytes(data, "big", signed=True)
+        if code in _CONTAINER_EXTS:
+            budget.copied(data)
+            inner = _unpack(data, limits, depth + 1, budget)
+            if not isinstance(inner, list):
+                raise ProtocolError(f"{_CONTAINER_EXTS[code]} extension must hold an array")
+            if code == EXT_MAP:
+                if len(inner) % 2:
+                    raise ProtocolError("map extension must hold key, value pairs")
+                return _MapNode(inner)
+            if code == EXT_TENSORDICT:
+                return _tensordict_node(inner)
+            if code == EXT_SIZE:
+                if not all(type(d) is int and _INT64[0] <= d < _INT64[1] for d in inner):
+                    raise ProtocolError("torch.Size extension must hold 64-bit integers")
+                return budget(_SizeNode(tuple(inner)))
+            return _SetNode(inner, code == EXT_FROZENSET)
+        # The fixed-size kinds below turn a few bytes into an object: they count as
+        # containers, so the same rule bounds the memory they take.
+        if code == EXT_SCALAR:
+            return budget(_scalar_node(data))
+        if code == EXT_DTYPE:
+            return budget(_dtype_node(data))
+        if code == EXT_COMPLEX:
+            if len(data) != 16:
+                raise ProtocolError("complex extension must be 16 bytes")
+            return budget(complex(*struct.unpack("<dd", data)))
         raise ProtocolError(f"unknown msgpack extension type {code}")
 
     if budget is None:  # one count for the tuples inside too
@@ -208,7 +351,8 @@ def _parse_description(blob: Any, payload_nbytes: Any, limits: DecodeLimits) -> 
     return Description(doc["v"], arrays, total)
 
 
-_SCALARS = (type(None), bool, int, float, str, bytes)
+_SCALARS = (type(None), bool, int, float, str, bytes, complex, _ScalarNode, _DtypeNode, _SizeNode)
+_KEY_LEAVES = frozenset(_SCALARS)  # what a dict key or a set member may be, besides tuples and frozensets
 
 
 def _check_tree(tree: Any, n_arrays: int, limits: DecodeLimits) -> None:
@@ -218,7 +362,7 @@ def _check_tree(tree: Any, n_arrays: int, limits: DecodeLimits) -> None:
     Only containers wait on the stack (with their depth), so checking a long list
     of scalars costs no memory beyond the list itself."""
     nodes = 1
-    if type(tree) is not list and type(tree) is not _TupleNode and type(tree) is not dict:
+    if type(tree) not in _CONTAINERS:
         _check_leaf(tree, n_arrays)
         return
     stack = [(tree, 0)]
@@ -231,6 +375,17 @@ def _check_tree(tree: Any, n_arrays: int, limits: DecodeLimits) -> None:
                 if type(key) is not str:
                     raise ProtocolError(f"map keys must be str, got {type(key).__name__} {key!r:.40}")
             children = node.values()
+        elif type(node) is _MapNode:
+            _check_keys(node.items[::2], "map key")
+            children = node.items
+        elif type(node) is _SetNode:
+            _check_keys(node.items, "set member")
+            children = node.items
+        elif type(node) is _TensorDictNode:
+            for key in node.entries:
+                if type(key) is not str:
+                    raise ProtocolError(f"TensorDict keys must be str, got {type(key).__name__} {key!r:.40}")
+            children = node.entries.values()
         else:
             children = node
         nodes += len(children)
@@ -238,7 +393,7 @@ def _check_tree(tree: Any, n_arrays: int, limits: DecodeLimits) -> None:
             raise ProtocolError(f"value has more than {limits.max_nodes} nodes")
         for child in children:
             kind = type(child)
-            if kind is list or kind is _TupleNode or kind is dict:
+            if kind in _CONTAINERS:
                 stack.append((child, depth + 1))
             else:
                 _check_leaf(child, n_arrays)
@@ -250,3 +405,47 @@ def _check_leaf(node: Any, n_arrays: int) -> None:
             raise ProtocolError(f"reference to array #{node.index}, table has {n_arrays}")
     elif type(node) not in _SCALARS:
         raise ProtocolError(f"value holds a {type(node).__name__}, which the format does not allow")
+
+
+_CONTAINERS = frozenset((list, _TupleNode, dict, _MapNode, _SetNode, _TensorDictNode))
+
+
+def _check_keys(keys: list, what: str) -> None:
+    """Dict keys and set members must be hashable (scalars, tuples and frozensets of
+    them) and distinct: a receiver must not quietly drop entries.  Distinct here is
+    checked for plain scalars, which Python compares as it will in the dict
+    (1 == 1.0 == True); the builder checks the values it makes too."""
+    seen = set()
+    for key in keys:
+        _check_hashable(key, what)
+        if type(key) in _PLAIN_KEYS:
+            if key in seen:
+                raise ProtocolError(f"duplicate {what} {key!r:.40}")
+            seen.add(key)
+
+
+_PLAIN_KEYS = frozenset((type(None), bool, int, float, str, bytes, complex))
+
+
+def _check_hashable(node: Any, what: str) -> None:
+    kind = type(node)
+    if kind in _KEY_LEAVES:
+        return
+    if kind is _TupleNode or (kind is _SetNode and node.frozen):
+        for child in node if kind is _TupleNode else node.items:
+            _check_hashable(child, what)  # as deep as the tuples' own nesting limit
+        return
+    raise ProtocolError(f"a {what} must be a scalar, tuple or frozenset, not {_node_name(node)}")
+
+
+def _node_name(node: Any) -> str:
+    kind = type(node)
+    if kind is _ArrayRef:
+        return "an array"
+    if kind is _MapNode or kind is dict:
+        return "a dict"
+    if kind is _SetNode:
+        return "a set"
+    if kind is _TensorDictNode:
+        return "a TensorDict"
+    return f"a {kind.__name__}"

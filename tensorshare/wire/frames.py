@@ -253,6 +253,14 @@ class FrameDecoder:
         """Bytes still expected for the payload being received (0 between payloads)."""
         return self._remaining if self._state == _PAYLOAD else 0
 
+    @property
+    def receiving(self) -> tuple[dict, int, int] | None:
+        """``(header, payload bytes received, payload length)`` of the frame whose
+        payload is arriving, or None (progress reports of large replies)."""
+        if self._state != _PAYLOAD:
+            return None
+        return self._header, self._payload_len - self._remaining, self._payload_len
+
     def feed(self, data: bytes | memoryview) -> list[Frame]:
         """Consume ``data``; return the frames it completed, in order."""
         if self._state == _BROKEN:

@@ -7,9 +7,12 @@ peer sends (frame headers, value descriptions) is decoded here, under one rule:
 
     a document of ``n`` bytes holds at most ``max(1024, n // 8)`` containers
     (maps and arrays, those inside extensions included), and the extensions it
-    decodes recursively (a value description's tuples) copy out at most
-    ``max(64 KiB, 4 * n)`` bytes in all (msgpack hands each one its bytes as a new
-    ``bytes``, so nesting copies the inner ones once per level).
+    decodes recursively (a value description's tuples, maps with other keys, sets,
+    sizes and TensorDicts) copy out at most ``max(64 KiB, 4 * n)`` bytes in all
+    (msgpack hands each one its bytes as a new ``bytes``, so nesting copies the
+    inner ones once per level).  The description's fixed-size extensions that
+    become objects (numpy scalars, dtypes, complex numbers, sizes) count as
+    containers too.
 
 A document of 1 KiB or less cannot break the rule (a container takes at least one
 byte), so it is decoded without counting, which keeps the small headers of the

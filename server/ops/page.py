@@ -1,0 +1,141 @@
+"""The status page: one self-refreshing HTML document rendered from a :func:`~.status.snapshot`.
+
+No script, no external asset: tables and an inline SVG chart of throughput over
+the last minutes; the browser reloads it every few seconds (``<meta refresh>``).
+Every value that came from a client (bin names, peers) is HTML-escaped.
+"""
+
+from __future__ import annotations
+
+import time
+from html import escape
+
+REFRESH_SECONDS = 5
+MAX_ROWS = 200  # bins and clients shown on the page (status.json has more)
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def human_seconds(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = int(s)
+    if s < 120:
+        return f"{s}s"
+    if s < 7200:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s < 172800 else f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def _limit(name: str, value) -> str:
+    if name in ("max_frame", "max_outbound"):
+        return human_bytes(value)
+    if name.endswith("timeout"):
+        return f"{value:g}s" if value else "none"
+    return str(value)
+
+
+def _table(table_id: str, headers: list[str], rows: list[list], empty: str) -> str:
+    head = "".join(f"<th>{escape(h)}</th>" for h in headers) if any(headers) else ""
+    head_row = f"<tr>{head}</tr>" if head else ""
+    if not rows:
+        return f'<table id="{table_id}">{head_row}<tr><td colspan="{len(headers)}">{escape(empty)}</td></tr></table>'
+    body = "".join("<tr>" + "".join(f"<td>{escape(str(cell))}</td>" for cell in row) + "</tr>" for row in rows)
+    return f'<table id="{table_id}">{head_row}{body}</table>'
+
+
+def chart(points: list[dict], width: int = 640, height: int = 160) -> str:
+    """An SVG line chart of bytes in/out per second (left scale) over time."""
+    if len(points) < 2:
+        return (f'<svg id="throughput" width="{width}" height="{height}" role="img"><text x="10" y="20">'
+                'collecting samples...</text></svg>')
+    t0, t1 = points[0]["t"], points[-1]["t"]
+    top = max(max(p["bytes_in"], p["bytes_out"]) for p in points) or 1.0
+    pad = 40
+
+    def line(key: str, colour: str) -> str:
+        xy = " ".join(f"{pad + (p['t'] - t0) / max(t1 - t0, 1e-6) * (width - pad - 5):.1f},"
+                      f"{height - 20 - p[key] / top * (height - 30):.1f}" for p in points)
+        return f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{xy}"/>'
+
+    span = human_seconds(t1 - t0)
+    return (f'<svg id="throughput" width="{width}" height="{height}" role="img" '
+            f'aria-label="throughput over the last {span}">'
+            f'<rect x="{pad}" y="10" width="{width - pad - 5}" height="{height - 30}" fill="#fafafa" stroke="#ccc"/>'
+            f'{line("bytes_in", "#1f77b4")}{line("bytes_out", "#d62728")}'
+            f'<text x="2" y="18" font-size="10">{escape(human_bytes(top))}/s</text>'
+            f'<text x="2" y="{height - 20}" font-size="10">0</text>'
+            f'<text x="{pad}" y="{height - 5}" font-size="10">-{escape(span)}</text>'
+            f'<text x="{width - 40}" y="{height - 5}" font-size="10">now</text>'
+            f'<text x="{pad + 60}" y="{height - 5}" font-size="10" fill="#1f77b4">in</text>'
+            f'<text x="{pad + 80}" y="{height - 5}" font-size="10" fill="#d62728">out</text></svg>')
+
+
+def render(data: dict, query: str = "") -> str:
+    """The page for ``data``; ``query`` (``?token=...`` or empty) is kept on its links."""
+    server, memory, limits = data["server"], data["memory"], data["limits"]
+    bins = [[b["name"], b["items"], human_bytes(b["bytes"]),
+             ", ".join(f"{t} {human_bytes(n)}" for t, n in b["tiers"].items()) or "-",
+             "-" if b["tag"] is None else b["tag"], b["seq"]] for b in data["bins"][:MAX_ROWS]]
+    clients = []
+    for c in data["clients"][:MAX_ROWS]:
+        versions = ", ".join(f"{e or '(default)'}: v{v}" for e, v in c["versions"].items()) or "-"
+        lag = ", ".join(str(n) for n in c["lag"].values()) or "-"
+        clients.append([c["id"], c["peer"], "yes" if c["authenticated"] else "-", versions, lag,
+                        human_bytes(c["bytes_in"]), human_bytes(c["bytes_out"]), c["requests"],
+                        c["listening"], human_seconds(c["age"])])
+    experiments = [[e or "(default)", "-" if r["latest"] is None else r["latest"], r["rollouts"], r["stale"],
+                    len(r["workers"])] for e, r in data["experiments"].items()]
+    events = data.get("events", {})
+    traffic = data.get("traffic", {})
+    summary = [
+        ["bins", data["totals"]["bins"]], ["items", data["totals"]["items"]],
+        ["payload", human_bytes(data["totals"]["bytes"])],
+        *[[f"in {tier}", f"{row['items']} items, {human_bytes(row['bytes'])}"] for tier, row in data["tiers"].items()],
+        ["connections open", data["connections"]["open"]],
+        ["requests", traffic.get("requests", "-")],
+        ["received / sent", f"{human_bytes(traffic.get('bytes_in'))} / {human_bytes(traffic.get('bytes_out'))}"],
+        ["auth failures", events.get("auth_failures", "-")], ["storage full (452)", events.get("storage_full", "-")],
+        ["notifications coalesced", events.get("notifications_coalesced", "-")],
+        ["slow readers dropped", events.get("slow_readers_dropped", "-")],
+    ]
+    limit_rows = [
+        ["process RSS", human_bytes(memory["rss"])], ["payload in RAM", human_bytes(memory["payload_in_memory"])],
+        ["memory limit", human_bytes(memory["memory_limit"]) if memory["memory_limit"] else "none"],
+        ["receive pool", human_bytes(memory["receive_pool"])],
+        *[[k.replace("_", " "), _limit(k, v)] for k, v in limits.items() if k != "memory_limit"],
+    ]
+    title = f"tensorshare {server['host']}:{server['port']}"
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(server["time"]))
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><meta http-equiv="refresh" content="{REFRESH_SECONDS}">
+<title>{escape(title)}</title>
+<style>
+body{{font-family:system-ui,sans-serif;margin:1.2em;color:#222}} h1{{font-size:1.3em}} h2{{font-size:1.05em;margin-top:1.2em}}
+table{{border-collapse:collapse;font-size:.85em}} td,th{{border:1px solid #ddd;padding:2px 8px;text-align:left}}
+th{{background:#f0f0f0}} .cols{{display:flex;gap:2em;flex-wrap:wrap}} small{{color:#777}}
+</style></head><body>
+<h1>{escape(title)}</h1>
+<small>tensorshare {escape(server['version'])}, pid {server['pid']}, up {human_seconds(server['uptime'])},
+{stamp}; refreshes every {REFRESH_SECONDS}s &middot; <a href="status.json{escape(query)}">status.json</a>
+&middot; <a href="metrics{escape(query)}">metrics</a></small>
+<h2>Throughput</h2>
+{chart(data.get("throughput", []))}
+<div class="cols"><div><h2>Summary</h2>{_table("summary", ["", ""], summary, "")}</div>
+<div><h2>Limits and memory</h2>{_table("limits", ["", ""], limit_rows, "")}</div></div>
+<h2>Bins</h2>
+{_table("bins", ["bin", "items", "bytes", "where", "tag", "seq"], bins, "no bins")}
+<h2>Clients</h2>
+{_table("clients", ["conn", "address", "authenticated", "versions", "lag", "in", "out", "requests", "listens", "connected"], clients, "no clients")}
+<h2>RL experiments</h2>
+{_table("experiments", ["experiment", "latest version", "rollouts", "stale", "connections"], experiments, "none")}
+</body></html>
+"""

@@ -1,0 +1,164 @@
+"""The server's state as plain data: what ``/status.json``, the status page and ``/metrics`` show.
+
+:func:`snapshot` reads the store (bins, items and bytes by tier), the live
+connections and the counters (:mod:`.counters`) when someone asks, on the reactor
+thread.  Walking the store takes time per item (about a second per million items),
+paid by the scrape, never by requests.  :class:`Throughput` keeps the server's
+byte and request totals every few seconds for the page's chart.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+
+from tensorshare import __version__
+
+from .counters import LATENCY_BUCKETS, PARAMETERS, Counters, bytes_out, experiment_of
+
+TIERS = ("memory", "shm", "spilled", "durable")
+MAX_BINS_SHOWN = 10_000  # bins listed one by one (the largest first); totals count them all
+
+
+def tier_of(item) -> str:
+    """Where an item's payload lives: ``memory`` (received chunks), ``shm`` (the
+    shared-memory area), ``spilled`` (a spill file) or ``durable`` (the data
+    directory, whether or not also cached in memory)."""
+    files = item.files
+    if files is None:
+        return "memory"
+    if files.in_memory:
+        return "shm"
+    if files.number is not None:
+        return "durable"
+    return "memory" if item.segments is not None else "spilled"
+
+
+def rss_bytes() -> int | None:
+    """This process's resident memory (Linux), or None where unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class Throughput:
+    """The server's (bytes in, bytes out, requests) totals, sampled every ``interval``
+    seconds over the last ``span`` seconds; :meth:`rates` gives per-second rates."""
+
+    def __init__(self, counters: Counters, interval: float = 2.0, span: float = 600.0, clock=time.time):
+        self.counters = counters
+        self.interval = interval
+        self.clock = clock
+        self.samples: deque[tuple[float, int, int, int]] = deque(maxlen=int(span / interval) + 1)
+
+    def sample(self) -> None:
+        self.samples.append((self.clock(), *self.counters.totals()))
+
+    def rates(self) -> list[dict]:
+        """``[{t, bytes_in, bytes_out, requests}]`` per second between consecutive samples."""
+        out, samples = [], list(self.samples)
+        for (t0, i0, o0, r0), (t1, i1, o1, r1) in zip(samples, samples[1:]):
+            dt = max(t1 - t0, 1e-6)
+            out.append({"t": round(t1, 3), "bytes_in": (i1 - i0) / dt, "bytes_out": (o1 - o0) / dt,
+                        "requests": (r1 - r0) / dt})
+        return out
+
+
+def snapshot(state, throughput: Throughput | None = None, now: float | None = None,
+             data_port: int | None = None) -> dict:
+    """Everything the status page shows, as JSON-ready data (see the module docstring)."""
+    now = time.time() if now is None else now
+    config, store, counters = state.config, state.store, state.counters
+    tiers = {tier: {"items": 0, "bytes": 0} for tier in TIERS}
+    bins = []
+    for name, items, seq in store.walk():
+        row = {"name": name, "items": len(items), "bytes": 0, "seq": seq,
+               "tag": items[-1].tag if items else None, "tiers": {}}
+        for item in items:
+            tier = tier_of(item)
+            tiers[tier]["items"] += 1
+            tiers[tier]["bytes"] += item.nbytes
+            row["bytes"] += item.nbytes
+            row["tiers"][tier] = row["tiers"].get(tier, 0) + item.nbytes
+        bins.append(row)
+    bins.sort(key=lambda row: (-row["bytes"], row["name"]))
+    experiments = _experiments(state, counters)
+    data = {
+        "server": {"version": __version__, "pid": os.getpid(), "host": config.host, "port": config.port if data_port is None else data_port,
+                   "started": counters.started if counters else None,
+                   "uptime": now - counters.started if counters else None, "time": now,
+                   "authentication": state.token is not None, "tls": bool(config.tls_cert),
+                   "durable": config.data_dir is not None},
+        "limits": {"max_connections": config.max_connections, "max_bins": config.max_bins,
+                   "max_items_per_bin": config.max_items_per_bin, "max_frame": config.max_frame,
+                   "memory_limit": config.memory_limit, "max_outbound": config.max_outbound,
+                   "idle_timeout": config.idle_timeout, "outbound_stall_timeout": config.outbound_stall_timeout},
+        "memory": {"rss": rss_bytes(), "payload_in_memory": store.resident_bytes, "payload": store.nbytes,
+                   "descriptions": store.description_bytes, "replies_in_flight": store.in_flight_bytes,
+                   "memory_limit": config.memory_limit,
+                   "receive_pool": getattr(state.recv_pool, "_held", 0) if state.recv_pool is not None else 0},
+        "totals": {"bins": len(bins), "items": sum(t["items"] for t in tiers.values()),
+                   "bytes": sum(t["bytes"] for t in tiers.values())},
+        "tiers": tiers,
+        "bins": bins[:MAX_BINS_SHOWN],
+        "connections": {"open": state.connections},
+        "clients": [],
+        "experiments": experiments,
+    }
+    if counters is None:
+        return data
+    bytes_in, bytes_out_, requests = counters.totals()
+    data["connections"].update(accepted=counters.accepted, refused=counters.turned_away)
+    data["clients"] = [_client(session, experiments, now) for session in counters.live.values()]
+    data["traffic"] = {"bytes_in": bytes_in, "bytes_out": bytes_out_, "requests": requests}
+    data["verbs"] = {verb: {"requests": v.requests, "bytes_in": v.bytes_in, "bytes_out": v.bytes_out,
+                            "latency_mean": v.seconds / v.requests if v.requests else None,
+                            "latency_buckets": dict(zip([*map(str, LATENCY_BUCKETS), "+Inf"], v.buckets))}
+                     for verb, v in counters.verbs.items()}
+    data["refused"] = {str(code): n for code, n in sorted(counters.refused.items())}
+    data["events"] = {"auth_failures": counters.auth_failures, "storage_full": counters.refused.get(452, 0),
+                      "notifications_coalesced": counters.coalesced(),
+                      "slow_readers_dropped": counters.slow_readers_dropped}
+    data["throughput"] = throughput.rates() if throughput is not None else []
+    return data
+
+
+def _experiments(state, counters: Counters | None) -> dict:
+    """Per RL experiment: the latest version (the tag of its parameters bin), rollouts
+    received and stale, and the version each connection was last seen with."""
+    found: dict[str, dict] = {}
+    for name in list(state.store.listing()):
+        experiment = experiment_of(name, PARAMETERS)
+        if experiment is not None:
+            found[experiment] = {"latest": state.store.state(name)[3], "rollouts": 0, "stale": 0, "workers": {}}
+    if counters is not None:
+        for experiment, stats in counters.experiments.items():
+            row = found.setdefault(experiment, {"latest": None, "rollouts": 0, "stale": 0, "workers": {}})
+            if row["latest"] is None and stats.published >= 0:
+                row["latest"] = stats.published
+            row["rollouts"], row["stale"] = stats.rollouts, stats.stale
+        for session in counters.live.values():
+            for experiment, version in session.stats.versions.items():
+                if experiment in found:
+                    found[experiment]["workers"][str(session.stats.id)] = version
+    return found
+
+
+def _client(session, experiments: dict, now: float) -> dict:
+    stats = session.stats
+    versions = dict(stats.versions)
+    lag = {}
+    for experiment, version in versions.items():
+        latest = experiments.get(experiment, {}).get("latest")
+        if latest is not None:
+            lag[experiment] = latest - version
+    return {"id": stats.id, "peer": stats.peer, "authenticated": stats.authenticated,
+            "age": now - stats.opened, "bytes_in": stats.bytes_in, "bytes_out": bytes_out(session),
+            "requests": stats.requests, "listening": len(session.listening), "versions": versions, "lag": lag,
+            "coalesced": session.notifier.coalesced}

@@ -1,0 +1,121 @@
+"""The operations HTTP port: ``/metrics``, ``/status.json`` and ``/`` (the status page).
+
+Served by Twisted Web from the reactor that serves the data (``--metrics-port``);
+every response is computed on request from the store and the counters.  When the
+server has a token, each request must carry it (``Authorization: Bearer TOKEN``,
+or ``?token=TOKEN`` for a browser), compared in constant time; anything else gets
+401.  It binds 127.0.0.1 unless ``--metrics-host`` says otherwise, and speaks plain
+HTTP: put it behind a TLS proxy to expose it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from urllib.parse import quote
+
+from twisted.internet import task
+from twisted.web import resource, server
+
+from . import page, prom
+from .status import Throughput, snapshot
+
+log = logging.getLogger("tensorshare.server")
+
+
+class OpsResource(resource.Resource):
+    """The whole site: three paths, checked for the token first."""
+
+    isLeaf = True
+
+    def __init__(self, state, throughput: Throughput | None, data_port: int | None = None):
+        super().__init__()
+        self.state = state
+        self.throughput = throughput
+        self.data_port = data_port  # the port that serves the data (the config's may be 0)
+
+    def render_GET(self, request) -> bytes:  # noqa: N802 - Twisted's name
+        token = self.state.token
+        query = ""
+        if token is not None:
+            given = _given_token(request)
+            if given is None or not hmac.compare_digest(given, token):
+                request.setResponseCode(401)
+                request.setHeader(b"WWW-Authenticate", b'Bearer realm="tensorshare"')
+                request.setHeader(b"Content-Type", b"text/plain; charset=utf-8")
+                return b"401 the server's token is required (Authorization: Bearer TOKEN, or ?token=TOKEN)\n"
+            if request.args.get(b"token"):
+                query = "?token=" + quote(given.decode("utf-8", "replace"), safe="")
+        request.setHeader(b"Cache-Control", b"no-store")
+        path = request.path.rstrip(b"/") or b"/"
+        if path == b"/metrics":
+            if not prom.available():
+                request.setResponseCode(503)
+                request.setHeader(b"Content-Type", b"text/plain; charset=utf-8")
+                return b"503 /metrics needs prometheus_client: pip install 'tensorshare[metrics]'\n"
+            body, content_type = prom.exposition(snapshot(self.state, data_port=self.data_port))
+            request.setHeader(b"Content-Type", content_type.encode())
+            return body
+        if path == b"/status.json":
+            request.setHeader(b"Content-Type", b"application/json")
+            return json.dumps(snapshot(self.state, self.throughput, data_port=self.data_port)).encode()
+        if path == b"/":
+            request.setHeader(b"Content-Type", b"text/html; charset=utf-8")
+            return page.render(snapshot(self.state, self.throughput, data_port=self.data_port), query).encode()
+        request.setResponseCode(404)
+        request.setHeader(b"Content-Type", b"text/plain; charset=utf-8")
+        return b"404 try /, /status.json or /metrics\n"
+
+
+def _given_token(request) -> bytes | None:
+    header = request.getHeader(b"authorization")
+    if header is not None:
+        scheme, _, value = header.partition(b" ")
+        if scheme.lower() == b"bearer":
+            return value.strip()
+    values = request.args.get(b"token")
+    return values[0] if values else None
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+class OpsPort:
+    """The listening operations port and its throughput sampler; :meth:`stop` ends both."""
+
+    def __init__(self, listening, sampler):
+        self.listening = listening
+        self.sampler = sampler
+        self.port: int = listening.getHost().port
+
+    def stop(self) -> None:
+        if self.sampler.running:
+            self.sampler.stop()
+        self.listening.stopListening()
+
+
+def start(state, reactor, port: int, host: str = "127.0.0.1", sample_every: float = 2.0,
+          data_port: int | None = None) -> OpsPort:
+    """Serve the operations site on ``host:port`` (reactor thread)."""
+    throughput = Throughput(state.counters, interval=sample_every)
+    sampler = task.LoopingCall(throughput.sample)
+    sampler.clock = reactor
+    site = server.Site(OpsResource(state, throughput, data_port))
+    site.noisy = False
+    site.log = lambda request: None  # no access log lines for scrapes
+    listening = reactor.listenTCP(port, site, interface=host)
+    sampler.start(sample_every, now=True)
+    if state.token is None and not _loopback(host):
+        log.warning("metrics: the status port listens on %s without a token: anyone who reaches it sees the "
+                    "bins, the clients and their addresses (--token-file protects it)", host)
+    if not prom.available():
+        log.warning("metrics: prometheus_client is not installed, so /metrics answers 503 "
+                    "(pip install 'tensorshare[metrics]'); / and /status.json work")
+    return OpsPort(listening, sampler)

@@ -1,0 +1,494 @@
+"""``tensorshare``: look at and move bins from a shell.
+
+    tensorshare ls                      bins and their item counts
+    tensorshare stat BIN                items, sequence number, last tag (bytes and tiers with --metrics-port)
+    tensorshare peek BIN                shapes, dtypes and a few values of each item
+    tensorshare save BIN DIR            the bin's items to DIR (memory-mappable files, no pickle)
+    tensorshare load DIR BIN            what ``save`` (or ``save_memmap``) wrote, into BIN
+    tensorshare rm BIN                  delete BIN
+    tensorshare watch                   a live view of bins (and clients, with --metrics-port)
+
+Connection options are the server's: ``--host``, ``--port``, ``--token-file`` (else
+``TENSORSHARE_TOKEN``), ``--tls``/``--tls-ca``/``--tls-fingerprint``.  ``--json``
+prints data for scripts.  Exit status: 0 done, 1 failed, 2 bad usage, 3 no server
+there, 4 authentication failed, 5 no such bin.  Tables and live views use ``rich``
+when it is installed (``pip install tensorshare[cli]``), plain text otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from .errors import AuthenticationError, ConnectionLostError, NoSuchBinError, TensorShareError, UsageError
+
+OK, FAILED, USAGE, NO_SERVER, AUTH_FAILED, NO_BIN = 0, 1, 2, 3, 4, 5
+PEEK_VALUES = 6  # values shown per tensor
+
+
+class CliError(Exception):
+    def __init__(self, message: str, code: int = FAILED):
+        super().__init__(message)
+        self.code = code
+
+
+def _rich():
+    """rich's console, or None for plain text (not installed, or TENSORSHARE_PLAIN set)."""
+    if os.environ.get("TENSORSHARE_PLAIN"):
+        return None
+    try:
+        from rich.console import Console
+    except ImportError:
+        return None
+    return Console()
+
+
+# -- output
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def print_table(title: str, headers: list[str], rows: list[list], console=None) -> None:
+    if console is not None:
+        from rich.table import Table
+
+        console.print(title)
+        table = Table()
+        for h in headers:
+            table.add_column(h)
+        for row in rows:
+            table.add_row(*(str(c) for c in row))
+        console.print(table)
+        return
+    print(title)
+    print(plain_table(headers, rows))
+
+
+def plain_table(headers: list[str], rows: list[list]) -> str:
+    cells = [headers, *([str(c) for c in row] for row in rows)]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def describe(value: Any, indent: str = "") -> list[str]:
+    """Lines describing a value: structure, shapes, dtypes and a few values, never a wall of numbers."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        flat = value.detach().reshape(-1)
+        shown = flat[:PEEK_VALUES].tolist()
+        more = ", ..." if flat.numel() > PEEK_VALUES else ""
+        values = ", ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in shown)
+        return [f"{indent}tensor {str(value.dtype).replace('torch.', '')} {list(value.shape)} "
+                f"({human_bytes(value.numel() * value.element_size())}) [{values}{more}]"]
+    if isinstance(value, dict):
+        lines = [f"{indent}dict ({len(value)} keys)"]
+        for i, (k, v) in enumerate(value.items()):
+            if i == 20:
+                lines.append(f"{indent}  ... {len(value) - 20} more keys")
+                break
+            sub = describe(v, indent + "    ")
+            lines.append(f"{indent}  {k!r}: {sub[0].strip()}")
+            lines.extend(sub[1:])
+        return lines
+    if isinstance(value, (list, tuple)):
+        lines = [f"{indent}{type(value).__name__} ({len(value)} items)"]
+        for i, v in enumerate(value[:10]):
+            sub = describe(v, indent + "    ")
+            lines.append(f"{indent}  [{i}] {sub[0].strip()}")
+            lines.extend(sub[1:])
+        if len(value) > 10:
+            lines.append(f"{indent}  ... {len(value) - 10} more")
+        return lines
+    text = repr(value)
+    return [f"{indent}{type(value).__name__} {text[:80]}{'...' if len(text) > 80 else ''}"]
+
+
+def summary(value: Any) -> Any:
+    """A JSON-ready description of a value (for ``peek --json``)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        flat = value.detach().reshape(-1)
+        return {"tensor": str(value.dtype).replace("torch.", ""), "shape": list(value.shape),
+                "bytes": value.numel() * value.element_size(), "first": flat[:PEEK_VALUES].tolist()}
+    if isinstance(value, dict):
+        return {str(k): summary(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [summary(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)[:200]
+
+
+class Progress:
+    """Progress of one transfer on stderr: a rich bar with rate and ETA, or plain lines."""
+
+    def __init__(self, description: str, enabled: bool, console=None):
+        self.description, self.enabled = description, enabled
+        self._rich = self._task = None
+        self._started = time.monotonic()
+        self._last_print = 0.0
+        if enabled and console is not None:
+            from rich.progress import (BarColumn, DownloadColumn, Progress as RichProgress, TimeRemainingColumn,
+                                       TransferSpeedColumn)
+            from rich.console import Console
+
+            self._rich = RichProgress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                                      TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True),
+                                      transient=False)
+            self._rich.start()
+            self._task = self._rich.add_task(description, total=None)
+
+    def __call__(self, done: int, total: int | None) -> None:
+        if not self.enabled:
+            return
+        if self._rich is not None:
+            self._rich.update(self._task, completed=done, total=total)
+            return
+        now = time.monotonic()
+        if now - self._last_print < 0.5 and done != total:
+            return
+        self._last_print = now
+        rate = done / max(now - self._started, 1e-6)
+        eta = f", {(total - done) / rate:.0f}s left" if total and rate > 0 else ""
+        of = f" of {human_bytes(total)}" if total else ""
+        print(f"{self.description}: {human_bytes(done)}{of} ({human_bytes(rate)}/s{eta})", file=sys.stderr)
+
+    def close(self) -> None:
+        if self._rich is not None:
+            self._rich.stop()
+
+
+# -- talking to the server
+
+
+def connect(args):
+    from .client import Client
+    from .protocol.auth import resolve_token
+
+    try:
+        token = resolve_token(None, args.token_file)
+    except UsageError as exc:
+        raise CliError(str(exc), USAGE) from None
+    return Client(args.host, args.port, timeout=args.timeout, connect_timeout=args.timeout, reconnect=False,
+                  token=token, tls=True if args.tls else None, tls_ca=args.tls_ca,
+                  tls_fingerprint=args.tls_fingerprint, keepalive=None)
+
+
+def status_json(args) -> dict | None:
+    """The server's /status.json when ``--metrics-port`` is given, else None."""
+    if args.metrics_port is None:
+        return None
+    import urllib.error
+    import urllib.request
+
+    from .protocol.auth import resolve_token
+
+    headers = {}
+    token = resolve_token(None, args.token_file)
+    if token is not None:
+        headers["Authorization"] = "Bearer " + token.decode()
+    url = f"http://{args.host}:{args.metrics_port}/status.json"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=args.timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        raise CliError(f"{url}: {exc.code} {exc.reason}", AUTH_FAILED if exc.code == 401 else FAILED) from None
+    except OSError as exc:
+        raise CliError(f"cannot reach the status page at {url}: {exc}", NO_SERVER) from None
+
+
+# -- subcommands
+
+
+def cmd_ls(args, client, out) -> int:
+    listing = client.list()
+    status = status_json(args)
+    sizes = {b["name"]: b["bytes"] for b in status["bins"]} if status else {}
+    if args.json:
+        out.emit([{"bin": name, "items": n, **({"bytes": sizes.get(name)} if status else {})}
+                  for name, n in sorted(listing.items())])
+        return OK
+    headers = ["bin", "items"] + (["bytes"] if status else [])
+    rows = [[name, n] + ([human_bytes(sizes.get(name))] if status else []) for name, n in sorted(listing.items())]
+    print_table(f"{len(rows)} bins on {args.host}:{args.port}", headers, rows, out.console)
+    return OK
+
+
+def cmd_stat(args, client, out) -> int:
+    handle = client.listen(args.bin, lambda note: None)
+    snap = handle.snapshot
+    handle.stop()
+    if not snap.exists:
+        raise CliError(f"no bin named {args.bin!r}", NO_BIN)
+    data = {"bin": args.bin, "items": snap.n_items, "seq": snap.seq, "tag": snap.tag}
+    status = status_json(args)
+    if status:
+        row = next((b for b in status["bins"] if b["name"] == args.bin), None)
+        if row is not None:
+            data.update(bytes=row["bytes"], tiers=row["tiers"])
+    if args.json:
+        out.emit(data)
+        return OK
+    rows = [[k, human_bytes(v) if k == "bytes" else v] for k, v in data.items()]
+    print_table(f"bin {args.bin}", ["", ""], rows, out.console)
+    return OK
+
+
+def cmd_peek(args, client, out) -> int:
+    items = client.peek(args.bin)
+    if args.json:
+        out.emit({"bin": args.bin, "items": [summary(v) for v in items]})
+        return OK
+    print(f"{args.bin}: {len(items)} item{'s' if len(items) != 1 else ''}")
+    for i, value in enumerate(items):
+        lines = describe(value, "    ")
+        print(f"  [{i}] {lines[0].strip()}")
+        for line in lines[1:]:
+            print("  " + line)
+    return OK
+
+
+def cmd_save(args, client, out) -> int:
+    progress = Progress(f"save {args.bin}", not args.json and not args.quiet, out.console)
+    started = time.monotonic()
+    try:
+        count = client.save(args.bin, args.dir, overwrite=args.overwrite, progress=progress)
+    except FileExistsError:
+        raise CliError(f"{args.dir} exists (--overwrite replaces it)") from None
+    finally:
+        progress.close()
+    nbytes = _dir_bytes(args.dir)
+    if args.json:
+        out.emit({"bin": args.bin, "dir": args.dir, "items": count, "bytes": nbytes})
+    else:
+        print(f"saved {count} items of {args.bin} ({human_bytes(nbytes)}) to {args.dir} "
+              f"in {time.monotonic() - started:.2f}s")
+    return OK
+
+
+def cmd_load(args, client, out) -> int:
+    from .disk.layout import LayoutError
+    from .memmap import load_memmap
+
+    if not os.path.isdir(args.dir):
+        raise CliError(f"no directory {args.dir}")
+    try:
+        loaded = load_memmap(args.dir)
+    except LayoutError as exc:
+        raise CliError(f"{args.dir} holds no saved items: {exc}") from None
+    from .memmap import RECORD
+
+    items = [loaded] if os.path.exists(os.path.join(args.dir, RECORD)) else loaded
+    if not items:
+        raise CliError(f"{args.dir} holds no saved items")
+    total = _dir_bytes(args.dir)
+    progress = Progress(f"load {args.bin}", not args.json and not args.quiet, out.console)
+    done = 0
+    try:
+        for i, value in enumerate(items):
+            size = _nbytes(value)
+
+            def report(sent, _total, base=done):
+                progress(base + sent, total)
+
+            if i == 0:
+                client.put(args.bin, value, progress=report)
+            else:
+                client.append(args.bin, value, progress=report)
+            done += size
+            progress(min(done, total), total)
+    finally:
+        progress.close()
+    if args.json:
+        out.emit({"bin": args.bin, "dir": args.dir, "items": len(items), "bytes": total})
+    else:
+        print(f"loaded {len(items)} items ({human_bytes(total)}) from {args.dir} into {args.bin}")
+    return OK
+
+
+def cmd_rm(args, client, out) -> int:
+    client.delete(args.bin)
+    if args.json:
+        out.emit({"bin": args.bin, "deleted": True})
+    else:
+        print(f"deleted {args.bin}")
+    return OK
+
+
+def watch_view(args, client) -> tuple[list, list, dict | None]:
+    """(bin rows, client rows, status) for one refresh of ``watch``."""
+    status = status_json(args)
+    if status:
+        bins = [[b["name"], b["items"], human_bytes(b["bytes"]), "-" if b["tag"] is None else b["tag"]]
+                for b in status["bins"]]
+        clients = [[c["id"], c["peer"], ", ".join(f"{e or '(default)'}: v{v}" for e, v in c["versions"].items())
+                    or "-", human_bytes(c["bytes_in"]), human_bytes(c["bytes_out"]), c["requests"]]
+                   for c in status["clients"]]
+        return bins, clients, status
+    return [[name, n, "-", "-"] for name, n in sorted(client.list().items())], [], None
+
+
+def cmd_watch(args, client, out) -> int:
+    count = 0
+    bin_headers = ["bin", "items", "bytes", "tag"]
+    client_headers = ["conn", "address", "versions", "in", "out", "requests"]
+
+    def frames():
+        nonlocal count
+        while args.count is None or count < args.count:
+            if count:
+                time.sleep(args.interval)
+            count += 1
+            yield watch_view(args, client)
+
+    if args.json:
+        for bins, clients, status in frames():
+            out.emit({"time": time.time(), "bins": [dict(zip(bin_headers, r)) for r in bins],
+                      "clients": [dict(zip(client_headers, r)) for r in clients]})
+        return OK
+    console = out.console
+    if console is None:
+        for bins, clients, status in frames():
+            if sys.stdout.isatty():
+                print("\x1b[H\x1b[2J", end="")
+            print(time.strftime("%H:%M:%S"), f"{args.host}:{args.port}")
+            print(plain_table(bin_headers, bins))
+            if status:
+                print()
+                print(plain_table(client_headers, clients))
+            print(flush=True)
+        return OK
+    from rich.console import Group
+    from rich.live import Live
+    from rich.table import Table
+
+    def render(bins, clients, status):
+        def table(title, headers, rows):
+            t = Table(title=title)
+            for h in headers:
+                t.add_column(h)
+            for r in rows[:100]:
+                t.add_row(*(str(c) for c in r))
+            return t
+        parts = [table(f"bins on {args.host}:{args.port} at {time.strftime('%H:%M:%S')}", bin_headers, bins)]
+        if status:
+            parts.append(table("clients", client_headers, clients))
+        return Group(*parts)
+
+    with Live(console=console, auto_refresh=False) as live:
+        for view in frames():
+            live.update(render(*view), refresh=True)
+    return OK
+
+
+def _dir_bytes(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            if f.endswith(".memmap"):
+                total += os.path.getsize(os.path.join(root, f))
+    return total
+
+
+def _nbytes(value: Any) -> int:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+class Output:
+    def __init__(self, console):
+        self.console = console
+
+    def emit(self, data: Any) -> None:
+        print(json.dumps(data, default=str), flush=True)
+
+
+COMMANDS = {"ls": cmd_ls, "stat": cmd_stat, "peek": cmd_peek, "save": cmd_save, "load": cmd_load, "rm": cmd_rm,
+            "watch": cmd_watch}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tensorshare", description="Look at and move tensorshare bins.",
+                                epilog="Exit status: 0 done, 1 failed, 2 bad usage, 3 no server, "
+                                       "4 authentication failed, 5 no such bin.")
+    p.add_argument("--host", default=os.environ.get("TENSORSHARE_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(os.environ.get("TENSORSHARE_PORT", "8000")))
+    p.add_argument("--token-file", metavar="FILE", help="the server's token (default: $TENSORSHARE_TOKEN)")
+    p.add_argument("--tls", action="store_true", help="TLS, trusting the system's CAs")
+    p.add_argument("--tls-ca", metavar="PEM", help="TLS, trusting this CA")
+    p.add_argument("--tls-fingerprint", metavar="SHA256", help="TLS, pinning the server certificate")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="the server's --metrics-port: ls, stat and watch then show bytes and clients too")
+    p.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS")
+    p.add_argument("--json", action="store_true", help="print JSON (one document per line) for scripts")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("ls", help="bins and their item counts")
+    for name, text in (("stat", "a bin's items, sequence number and last tag"),
+                       ("peek", "shapes, dtypes and a few values of a bin's items"), ("rm", "delete a bin")):
+        sub.add_parser(name, help=text).add_argument("bin")
+    save = sub.add_parser("save", help="write a bin's items to a directory (memory-mappable, no pickle)")
+    save.add_argument("bin")
+    save.add_argument("dir")
+    save.add_argument("--overwrite", action="store_true")
+    load = sub.add_parser("load", help="put what save wrote into a bin (replacing its items)")
+    load.add_argument("dir")
+    load.add_argument("bin")
+    watch = sub.add_parser("watch", help="a live view of bins (and clients, with --metrics-port)")
+    watch.add_argument("--interval", type=float, default=1.0, metavar="SECONDS")
+    watch.add_argument("--count", type=int, default=None, help="stop after this many refreshes")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    out = Output(None if args.json else _rich())
+    client = None
+    try:
+        client = connect(args)
+        return COMMANDS[args.command](args, client, out)
+    except CliError as exc:
+        return _fail(str(exc), exc.code)
+    except NoSuchBinError as exc:
+        return _fail(exc.message if hasattr(exc, "message") else str(exc), NO_BIN)
+    except AuthenticationError as exc:
+        return _fail(f"authentication failed: {exc} (check --token-file or TENSORSHARE_TOKEN)", AUTH_FAILED)
+    except ConnectionLostError as exc:
+        return _fail(f"no tensorshare server at {args.host}:{args.port}: {exc}", NO_SERVER)
+    except (TensorShareError, OSError) as exc:
+        return _fail(str(exc), FAILED)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if client is not None:
+            client.close()
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"tensorshare: {message}", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

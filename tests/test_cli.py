@@ -1,0 +1,118 @@
+"""The ``tensorshare`` command line tool, end to end against real server processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tensorshare
+from opsproc import OpsServer
+from serverproc import ServerProcess
+
+TOKEN = "cli-token-0c9f3b2e7d614a58"
+pytestmark = pytest.mark.process
+
+
+def cli(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    environment = {k: v for k, v in os.environ.items() if k != "TENSORSHARE_TOKEN"}
+    environment.update(env or {})
+    return subprocess.run([sys.executable, "-m", "tensorshare.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=environment)
+
+
+@pytest.fixture(scope="module")
+def ops_server():
+    proc = OpsServer()
+    with tensorshare.Client("127.0.0.1", proc.port, timeout=30) as c:
+        c.put("cli/a", {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "name": "x"}, tag=7)
+        c.append("cli/r", torch.ones(2))
+        c.append("cli/r", torch.zeros(3, dtype=torch.int64))
+    yield proc
+    proc.stop()
+
+
+def run_json(server, *args: str) -> object:
+    out = cli("--port", str(server.port), "--json", *args)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_ls_stat_peek(ops_server):
+    listing = {row["bin"]: row["items"] for row in run_json(ops_server, "ls")}
+    assert listing["cli/a"] == 1 and listing["cli/r"] == 2
+    sized = run_json(ops_server, "--metrics-port", str(ops_server.metrics_port), "ls")
+    assert next(r for r in sized if r["bin"] == "cli/r")["bytes"] == 128  # 2 items, each padded to 64 bytes
+    stat = run_json(ops_server, "stat", "cli/a")
+    assert stat["items"] == 1 and stat["tag"] == 7 and stat["seq"] > 0
+    peek = run_json(ops_server, "peek", "cli/a")
+    [item] = peek["items"]
+    assert item["w"] == {"tensor": "float32", "shape": [3, 4], "bytes": 48, "first": [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]}
+    assert item["name"] == "x"
+    text = cli("--port", str(ops_server.port), "peek", "cli/r")
+    assert text.returncode == 0, text.stderr
+    assert "tensor float32 [2]" in text.stdout and "tensor int64 [3]" in text.stdout
+    table = cli("--port", str(ops_server.port), "ls")  # a rich table (rich is installed with the tests)
+    assert table.returncode == 0 and "cli/a" in table.stdout and "┃" in table.stdout
+
+
+def test_save_load_rm(ops_server, tmp_path):
+    value = torch.randn(300_000)
+    with tensorshare.Client("127.0.0.1", ops_server.port, timeout=30) as c:
+        c.put("cli/big", value)
+        saved = run_json(ops_server, "save", "cli/big", str(tmp_path / "big"))
+        assert saved["items"] == 1 and saved["bytes"] >= value.numel() * 4
+        again = cli("--port", str(ops_server.port), "save", "cli/big", str(tmp_path / "big"))
+        assert again.returncode == 1 and "--overwrite" in again.stderr
+        shown = cli("--port", str(ops_server.port), "load", str(tmp_path / "big"), "cli/copy")
+        assert shown.returncode == 0, shown.stderr
+        assert "load cli/copy" in shown.stderr  # the progress bar (on stderr)
+        assert torch.equal(c.peek("cli/copy")[0], value)
+        assert run_json(ops_server, "rm", "cli/copy") == {"bin": "cli/copy", "deleted": True}
+        assert "cli/copy" not in c.list()
+
+
+def test_errors_and_exit_codes(ops_server, tmp_path):
+    port = str(ops_server.port)
+    missing = cli("--port", port, "peek", "cli/none")
+    assert missing.returncode == 5 and "no bin named 'cli/none'" in missing.stderr
+    assert cli("--port", port, "stat", "cli/none").returncode == 5
+    assert cli("--port", port, "rm", "cli/none").returncode == 5
+    assert cli("--port", port, "load", str(tmp_path / "nowhere"), "x").returncode == 1
+    gone = ServerProcess()  # a port where nothing listens any more
+    free = str(gone.port)
+    gone.stop()
+    down = cli("--port", free, "ls")
+    assert down.returncode == 3 and "no tensorshare server" in down.stderr
+    assert cli("--port", port, "frobnicate").returncode == 2
+
+
+def test_token(tmp_path):
+    path = tmp_path / "token"
+    path.write_text(TOKEN)
+    server = ServerProcess("--token-file", str(path))
+    try:
+        port = str(server.port)
+        wrong = cli("--port", port, "ls", env={"TENSORSHARE_TOKEN": "not-the-right-token-at-all"})
+        assert wrong.returncode == 4 and "authentication failed" in wrong.stderr
+        none = cli("--port", port, "ls")
+        assert none.returncode == 4
+        assert cli("--port", port, "ls", env={"TENSORSHARE_TOKEN": TOKEN}).returncode == 0
+        assert cli("--port", port, "--token-file", str(path), "ls").returncode == 0
+    finally:
+        server.stop()
+
+
+def test_watch(ops_server):
+    lines = cli("--port", str(ops_server.port), "--metrics-port", str(ops_server.metrics_port), "--json", "watch",
+                "--count", "2", "--interval", "0.1").stdout.splitlines()
+    assert len(lines) == 2
+    view = json.loads(lines[-1])
+    assert {"bin": "cli/r", "items": 2, "bytes": "128 B", "tag": "-"} in view["bins"]
+    assert view["clients"] and all(c["address"].startswith("127.0.0.1:") for c in view["clients"])
+    plain = cli("--port", str(ops_server.port), "watch", "--count", "1", env={"TENSORSHARE_PLAIN": "1"})
+    assert plain.returncode == 0 and plain.stdout.splitlines()[1].split() == ["bin", "items", "bytes", "tag"]

@@ -1,0 +1,336 @@
+"""Operating a server (issue #21): /metrics, /status.json and the status page,
+against a real server process over HTTP; counters in memory."""
+
+from __future__ import annotations
+
+import json
+from html.parser import HTMLParser
+
+import pytest
+import torch
+
+import tensorshare
+from opsproc import OpsServer, http_get
+from pairing import Pair
+from tensorshare.protocol.messages import APPEND, GET, PEEK, PUT
+from tensorshare_server.ops.counters import experiment_of, worker_experiment
+from tensorshare_server.ops.status import snapshot
+
+parser = pytest.importorskip("prometheus_client.parser", reason="prometheus_client is a test dependency")
+
+TOKEN = "ops-token-5d1e0b7c92aa4f31"
+
+
+@pytest.fixture(scope="module")
+def ops_server():
+    proc = OpsServer()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def token_server(tmp_path_factory):
+    path = tmp_path_factory.mktemp("token") / "token"
+    path.write_text(TOKEN)
+    proc = OpsServer("--token-file", str(path))
+    yield proc
+    proc.stop()
+
+
+def metrics(server, headers=None) -> dict:
+    """``{(name, labels...): value}`` of every sample of /metrics, parsed by prometheus_client."""
+    status, _, body = http_get(server.url("/metrics"), headers)
+    assert status == 200, body
+    samples = {}
+    for family in parser.text_string_to_metric_families(body.decode()):
+        for sample in family.samples:
+            samples[(sample.name, *sorted(sample.labels.items()))] = sample.value
+    return samples
+
+
+def status_json(server, headers=None) -> dict:
+    status, head, body = http_get(server.url("/status.json"), headers)
+    assert status == 200, body
+    assert head["Content-Type"] == "application/json"
+    return json.loads(body)
+
+
+class Tables(HTMLParser):
+    """The page's tables: ``{id: [[cell, ...], ...]}`` (header rows included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables: dict[str, list[list[str]]] = {}
+        self._table = self._row = self._cell = None
+        self.links: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "table":
+            self._table = self.tables.setdefault(attrs.get("id", "?"), [])
+        elif tag == "tr" and self._table is not None:
+            self._row = []
+            self._table.append(self._row)
+        elif tag in ("td", "th") and self._row is not None:
+            self._cell = []
+        elif tag == "a":
+            self.links.append(attrs.get("href", ""))
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th") and self._cell is not None:
+            self._row.append("".join(self._cell))
+            self._cell = None
+        elif tag == "table":
+            self._table = None
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+@pytest.mark.process
+def test_metrics_count_known_activity(ops_server):
+    before = metrics(ops_server)
+    value = torch.arange(1024, dtype=torch.float32)  # 4096 payload bytes
+    with tensorshare.Client("127.0.0.1", ops_server.port, timeout=30, zero_copy=False) as c:
+        c.put("m/a", value)
+        for _ in range(3):
+            c.append("m/b", value)
+        c.peek("m/a")
+        assert len(c.get("m/b")) == 3
+        with pytest.raises(tensorshare.NoSuchBinError):
+            c.get("m/none")
+        after = metrics(ops_server)
+    def delta(*key):
+        return after.get(key, 0) - before.get(key, 0)
+    assert delta("tensorshare_requests_total", ("verb", "PUT")) == 1
+    assert delta("tensorshare_requests_total", ("verb", "APPEND")) == 3
+    assert delta("tensorshare_requests_total", ("verb", "GET")) == 1  # the refused one counts as refused only
+    assert delta("tensorshare_refusals_total", ("code", "550")) == 1
+    assert delta("tensorshare_request_payload_bytes_total", ("verb", "APPEND")) == 3 * 4096
+    assert delta("tensorshare_reply_payload_bytes_total", ("verb", "PEEK")) == 4096
+    assert delta("tensorshare_reply_payload_bytes_total", ("verb", "GET")) == 3 * 4096
+    assert delta("tensorshare_request_latency_seconds_count", ("verb", "APPEND")) == 3
+    assert after[("tensorshare_request_latency_seconds_bucket", ("le", "+Inf"), ("verb", "APPEND"))] == \
+        after[("tensorshare_request_latency_seconds_count", ("verb", "APPEND"))]
+    assert delta("tensorshare_connections_accepted_total") == 1
+    assert delta("tensorshare_received_bytes_total") > 4 * 4096
+    assert delta("tensorshare_sent_bytes_total") > 4 * 4096
+    assert after[("tensorshare_item_bytes", ("tier", "memory"))] >= 4096  # m/a is still there
+    assert after[("tensorshare_connections",)] >= 1
+    assert after[("tensorshare_process_resident_memory_bytes",)] > 1 << 20
+
+
+@pytest.mark.process
+def test_status_json_bins_clients_and_experiments(ops_server):
+    with tensorshare.Client("127.0.0.1", ops_server.port, timeout=30) as trainer, \
+            tensorshare.Client("127.0.0.1", ops_server.port, timeout=30) as worker:
+        trainer.put("exp1/parameters", {"version": 5, "parameters": torch.ones(4)}, tag=5)
+        worker.peek("exp1/parameters")  # holds version 5
+        worker.append("exp1/rollouts", {"version": 5, "data": torch.ones(2)}, tag=5)
+        worker.append("exp1/rollouts", {"version": 4, "data": torch.ones(2)}, tag=4)  # stale
+        trainer.put("exp1/parameters", {"version": 6, "parameters": torch.ones(4)}, tag=6)
+        data = status_json(ops_server)
+    bins = {b["name"]: b for b in data["bins"]}
+    assert bins["exp1/rollouts"]["items"] == 2 and bins["exp1/parameters"]["tag"] == 6
+    assert sum(bins["exp1/parameters"]["tiers"].values()) == bins["exp1/parameters"]["bytes"] > 0
+    experiment = data["experiments"]["exp1"]
+    assert experiment["latest"] == 6 and experiment["rollouts"] == 2 and experiment["stale"] == 1
+    clients = {c["id"]: c for c in data["clients"]}
+    assert len(clients) >= 2
+    versions = sorted(c["versions"].get("exp1") for c in clients.values() if "exp1" in c["versions"])
+    assert versions == [4, 6]  # the worker last stamped a rollout with 4; the trainer published 6
+    lags = sorted(c["lag"]["exp1"] for c in clients.values() if "exp1" in c["lag"])
+    assert lags == [0, 2]
+    assert data["connections"]["open"] >= 2
+    assert data["verbs"]["PUT"]["requests"] >= 2
+    assert data["server"]["port"] == ops_server.port
+
+
+@pytest.mark.process
+def test_status_page_tables(ops_server):
+    with tensorshare.Client("127.0.0.1", ops_server.port, timeout=30) as c:
+        c.put("page/<b>bold</b>", torch.zeros(16))  # a bin name is shown escaped
+        status, head, body = http_get(ops_server.url("/"))
+    assert status == 200 and head["Content-Type"].startswith("text/html")
+    html = body.decode()
+    assert "<b>bold</b>" not in html and "&lt;b&gt;bold&lt;/b&gt;" in html
+    assert '<meta http-equiv="refresh"' in html and "<svg" in html
+    page = Tables()
+    page.feed(html)
+    assert {"bins", "clients", "summary", "limits", "experiments"} <= set(page.tables)
+    bins = page.tables["bins"]
+    assert bins[0][:3] == ["bin", "items", "bytes"]
+    row = next(r for r in bins[1:] if r[0] == "page/<b>bold</b>")
+    assert row[1] == "1" and row[2] == "64 B"
+    clients = page.tables["clients"]
+    assert clients[0][:2] == ["conn", "address"] and any(r[1].startswith("127.0.0.1:") for r in clients[1:])
+    assert http_get(ops_server.url("/nothing"))[0] == 404
+
+
+@pytest.mark.process
+def test_auth_failures_are_counted(token_server):
+    ok = {"Authorization": f"Bearer {TOKEN}"}
+    before = metrics(token_server, ok)[("tensorshare_auth_failures_total",)]
+    with pytest.raises(tensorshare.AuthenticationError):
+        tensorshare.Client("127.0.0.1", token_server.port, token="not-the-token-at-all-xx", timeout=10,
+                           reconnect=False)
+    assert metrics(token_server, ok)[("tensorshare_auth_failures_total",)] == before + 1
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("path", ["/", "/metrics", "/status.json"])
+def test_token_protects_every_path(token_server, path):
+    url = token_server.url(path)
+    assert http_get(url)[0] == 401
+    status, head, _ = http_get(url, {"Authorization": "Bearer wrong-token"})
+    assert status == 401 and head["WWW-Authenticate"].startswith("Bearer")
+    assert http_get(url + "?token=wrong")[0] == 401
+    assert http_get(url, {"Authorization": f"Bearer {TOKEN}"})[0] == 200
+    status, _, body = http_get(url + f"?token={TOKEN}")
+    assert status == 200
+    if path == "/":  # the page's links keep the token
+        page = Tables()
+        page.feed(body.decode())
+        assert f"status.json?token={TOKEN}" in page.links
+
+
+# -- in memory
+
+
+def test_experiment_names():
+    assert experiment_of("parameters", "parameters") == ""
+    assert experiment_of("a/b/parameters", "parameters") == "a/b"
+    assert experiment_of("xparameters", "parameters") is None
+    assert experiment_of("a/rollouts", "parameters") is None
+    assert worker_experiment("workers/w1") == "" and worker_experiment("a/b/workers/w1") == "a/b"
+    assert worker_experiment("a/workersx/w1") is None and worker_experiment("/workers/x") is None
+
+
+def test_counters_and_tiers_in_memory(tmp_path):
+    pair = Pair(metrics_port=0, memory_limit=64 << 10, spill_dir=str(tmp_path), zero_copy=False)
+    try:
+        for i in range(4):  # 4 x 40 KB over a 64 KiB budget: the oldest spill
+            pair.call(APPEND, {"bin": "t"}, torch.zeros(10_000))
+        pair.call(PUT, {"bin": "rollouts", "tag": 2}, torch.ones(3))  # the default experiment's bins
+        pair.call(PEEK, {"bin": "t"})
+        with pytest.raises(tensorshare.NoSuchBinError):
+            pair.call(GET, {"bin": "missing"})
+        data = snapshot(pair.state)
+        tiers = data["tiers"]
+        assert tiers["memory"]["items"] + tiers["spilled"]["items"] == 5
+        assert tiers["spilled"]["items"] >= 1 and tiers["spilled"]["bytes"] >= 40_000
+        assert data["verbs"]["APPEND"]["requests"] == 4 and data["verbs"]["PEEK"]["bytes_out"] == 160_000
+        assert data["refused"] == {"550": 1}
+        assert data["clients"][0]["requests"] == 6
+        pair.call(APPEND, {"bin": "rollouts", "tag": 1}, torch.ones(3))
+        assert pair.session.stats.versions == {"": 1}
+        pair.call(PUT, {"bin": "exp/workers/w-1", "tag": 4}, {"id": "w-1"})  # an RLWorker's presence
+        assert pair.session.stats.versions == {"": 1, "exp": 4}
+    finally:
+        pair.close()
+
+
+def _chromium() -> str | None:
+    import shutil
+
+    return next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
+
+
+@pytest.mark.process
+def test_page_renders_in_headless_chromium(ops_server, tmp_path):
+    """The page as a browser builds it (scripts/status_screenshot.py makes docs/status-page.png the same way)."""
+    import subprocess
+
+    exe = _chromium()
+    if exe is None:
+        pytest.skip("no Chromium here (apt-get install chromium)")
+    with tensorshare.Client("127.0.0.1", ops_server.port, timeout=30) as c:
+        c.put("browser/bin", torch.ones(8))
+        flags = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1280,1000"]
+        dom = subprocess.run([*flags, "--dump-dom", ops_server.url("/")], capture_output=True, text=True,
+                             timeout=90)
+        shot = tmp_path / "page.png"
+        subprocess.run([*flags, f"--screenshot={shot}", ops_server.url("/")], capture_output=True, timeout=90)
+    page = Tables()
+    page.feed(dom.stdout)
+    assert any(row[0] == "browser/bin" for row in page.tables["bins"][1:]), dom.stderr[-2000:]
+    assert "<svg" in dom.stdout
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+
+
+@pytest.mark.process
+def test_rl_experiment_seen_through_the_wrappers(ops_server):
+    """A real RLTrainer and RLWorker: the status shows the latest version, the rollouts
+    received and the version the worker holds, and /metrics the same."""
+    from tensorshare import RLTrainer, RLWorker
+
+    trainer = RLTrainer("127.0.0.1", ops_server.port, experiment="rlview")
+    worker = RLWorker("127.0.0.1", ops_server.port, experiment="rlview")
+    try:
+        trainer.publish_parameters({"w": torch.ones(4)})  # version 0
+        assert worker.await_new_parameters(timeout=30) is not None and worker.version == 0
+        for _ in range(3):
+            worker.add_data({"obs": torch.ones(2)})
+        worker.flush(timeout=30)
+        trainer.publish_parameters({"w": torch.zeros(4)})  # version 1: the worker now lags by one
+        data = status_json(ops_server)
+        experiment = data["experiments"]["rlview"]
+        assert experiment["latest"] == 1 and experiment["rollouts"] == 3 and experiment["stale"] == 0
+        assert 0 in experiment["workers"].values()  # the worker's connection holds version 0
+        lags = [c["lag"].get("rlview") for c in data["clients"]]
+        assert 1 in lags
+        samples = metrics(ops_server)
+        assert samples[("tensorshare_rl_latest_version", ("experiment", "rlview"))] == 1
+        assert samples[("tensorshare_rl_rollouts_total", ("experiment", "rlview"))] == 3
+        versions = [v for k, v in samples.items() if k[0] == "tensorshare_rl_worker_version"
+                    and ("experiment", "rlview") in k]
+        assert 0 in versions
+    finally:
+        worker.stop()
+        trainer.stop()
+
+
+@pytest.mark.process
+def test_a_dropped_slow_reader_is_counted():
+    from wiretools import RawConnection, raw_frame, wait_for
+
+    server = OpsServer("--max-outbound", "1MiB", "--outbound-stall-timeout", "1")
+    try:
+        with tensorshare.Client("127.0.0.1", server.port, zero_copy=False, timeout=30) as client:
+            client.put("slow/item", torch.arange(1 << 20, dtype=torch.int32))  # 4 MiB
+            stuck = RawConnection(server.port, rcvbuf=4096)
+            stuck.send(raw_frame(1, "PEEK", "slow/item"))  # and never reads the reply
+
+            def dropped() -> float:
+                return metrics(server)[("tensorshare_slow_readers_dropped_total",)]
+
+            assert wait_for(lambda: dropped() == 1, timeout=15)
+            assert stuck.closed_by_peer(timeout=5)
+            assert client.ping() < 5
+    finally:
+        server.stop()
+
+
+@pytest.mark.process
+def test_disk_full_refusals_are_counted(tmp_path):
+    import resource
+    import signal
+
+    def file_size_limit() -> None:  # no file may pass 2 MiB: writes past it fail (EFBIG)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20))
+
+    server = OpsServer("--data-dir", str(tmp_path / "d"), preexec_fn=file_size_limit)
+    try:
+        with tensorshare.Client("127.0.0.1", server.port, timeout=30) as c:
+            refused = 0
+            for _ in range(2):
+                with pytest.raises(tensorshare.errors.StorageFullError):
+                    c.append("full/big", torch.ones(1 << 20))  # 4 MiB: cannot be written
+                refused += 1
+        samples = metrics(server)
+        assert samples[("tensorshare_storage_full_refusals_total",)] == refused
+        assert samples[("tensorshare_refusals_total", ("code", "452"))] == refused
+    finally:
+        server.stop()
