@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 
-from . import actor_learner, client_bench, disk_bench, machine, rl_bench, small_ops, scaling, wire_bench, zerocopy_bench
+from . import actor_learner, client_bench, disk_bench, machine, multihost_bench, rl_bench, small_ops, scaling, wire_bench, zerocopy_bench
 from . import ops_bench
 from . import tables_bench
 from .baselines import RedisPeer, TCPStorePeer
@@ -30,6 +30,7 @@ SECTIONS = {
     "zerocopy": zerocopy_bench.run,
     "actors": actor_learner.run,
     "ops": ops_bench.run,
+    "multihost": multihost_bench.run,
     "tables": tables_bench.run,
 }
 

@@ -47,6 +47,15 @@ def listen(config: ServerConfig):
     if state.token is not None and len(state.token) < MIN_TOKEN_CHARS:
         log.warning("the token has only %d characters: use a random one of %d or more "
                     "(python -c 'import secrets; print(secrets.token_urlsafe(32))')", len(state.token), MIN_TOKEN_CHARS)
+    if config.follow:
+        from .relay import start_relay
+
+        try:
+            start_relay(state, config, reactor)
+        except BaseException:
+            jobs.stop()
+            state.storage.close()
+            raise
     factory = TensorShareFactory(state)
     try:
         if not config.tls_cert:
@@ -85,6 +94,8 @@ def _shut(port) -> None:
     port.stopListening()
     if port.ops is not None:
         port.ops.stop()
+    if getattr(port.state, "relay", None) is not None:
+        port.state.relay.stop()
     factory = getattr(port.factory, "wrappedFactory", port.factory)  # TLS wraps our factory
     factory.disconnect_all()
     port.jobs.stop()
@@ -305,6 +316,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Na
                              "(default %(default)s)")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING... (INFO: a line per "
                                                                 "connection opened and closed)")
+    _add_relay_arguments(parser)
     _add_security_arguments(parser)
     _add_ops_arguments(parser)
     _read_config_file(parser, argv)
@@ -315,6 +327,23 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Na
     except ValueError as exc:
         parser.error(str(exc))
     return config, args
+
+
+def _add_relay_arguments(parser: argparse.ArgumentParser) -> None:
+    """Issue #20's options: a relay of another server (server/relay/)."""
+    group = parser.add_argument_group(
+        "relay", "Mirror another server's bins: reads, listens and same-host zero-copy are served here, each "
+                 "change crosses the network once; writes to followed bins are forwarded upstream.")
+    group.add_argument("--follow", metavar="HOST:PORT", help="the upstream server (or relay) to mirror")
+    group.add_argument("--follow-bins", default=ServerConfig.follow_bins, metavar="GLOB",
+                       help="bins to mirror and forward writes to (default %(default)s); others live here")
+    group.add_argument("--follow-token-file", metavar="FILE",
+                       help="token to prove upstream (default: this server's own token)")
+    group.add_argument("--follow-tls", action="store_true", help="TLS upstream, trusting the system's CAs")
+    group.add_argument("--follow-tls-ca", metavar="PEM", help="TLS upstream, trusting this CA")
+    group.add_argument("--follow-tls-fingerprint", metavar="SHA256", help="TLS upstream, pinning this certificate")
+    group.add_argument("--follow-timeout", type=_seconds, default=ServerConfig.follow_timeout, metavar="SECONDS",
+                       help="how long a read or forwarded write waits for the upstream (default %(default)s)")
 
 
 def _add_security_arguments(parser: argparse.ArgumentParser) -> None:

@@ -82,6 +82,14 @@ class ServerConfig:
     # on their own HTTP port (server/ops/); None: off, and nothing is counted.
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    # -- relaying (issue #20, server/relay/): mirror another server's bins, forward writes to it
+    follow: str | None = None  # HOST:PORT of the upstream server (None: not a relay)
+    follow_bins: str = "*"  # glob of the bin names mirrored and forwarded; others live on the relay itself
+    follow_token_file: str | None = None  # token proved upstream (default: this server's own token)
+    follow_tls: bool = False  # TLS upstream, trusting the system's CAs (follow_tls_ca/_fingerprint imply it)
+    follow_tls_ca: str | None = None
+    follow_tls_fingerprint: str | None = None
+    follow_timeout: float = 30.0  # seconds a read or forwarded write waits for the upstream
 
     def auth_token(self) -> bytes | None:
         """The token clients must prove: ``token``, else ``token_file``'s contents, else

@@ -44,6 +44,8 @@ class ServerState:
     waits: Waits | None = None  # requests parked until their bin changes (protocol/waits.py)
     ephemeral: EphemeralBins = field(default_factory=EphemeralBins)  # bins that end with their connection
     counters: Counters | None = None  # what it counts for metrics and the status page (None: metrics off)
+    handlers: dict = field(default_factory=dict)  # handlers that replace the usual ones (a relay's: server/relay/)
+    relay: object = None  # server/relay/follower.Follower when this server relays another
 
     def __post_init__(self) -> None:
         if self.waits is None:

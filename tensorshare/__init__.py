@@ -24,6 +24,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "Client": "client", "Listening": "_client.listens", "connect": "client",
     "AsyncClient": "async_client",
+    "ShardedClient": "sharded",
     "TensorShare": "compat",
     "RLTrainer": "rl", "RLWorker": "rl",
     "Notification": "_client.connection", "ListenSnapshot": "_client.connection",
@@ -63,7 +64,7 @@ def run_server(port: int = 8000, start_reactor: bool | str = True, host: str = "
 
 
 __all__ = [
-    "Client", "AsyncClient", "TensorShare", "RLTrainer", "RLWorker", "Listening", "Notification",
+    "Client", "AsyncClient", "ShardedClient", "TensorShare", "RLTrainer", "RLWorker", "Listening", "Notification",
     "ListenSnapshot", "connect", "run_server", "save_memmap", "load_memmap", "errors", "wire", "TensorShareError",
     "ConnectionLostError", "NoSuchBinError", "ProtocolError", "RemoteError", "TimeoutError", "AuthenticationError",
 ]

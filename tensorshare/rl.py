@@ -41,6 +41,7 @@ from ._client.connection import Notification
 from .errors import ConnectionLostError, NoSuchBinError, TimeoutError
 from .protocol.messages import APPEND, MAX_WAIT, PUT, Key, check_bin_name
 from .rl_members import StaleWatch, WorkerInfo
+from .sharded import parse_server, rendezvous
 
 log = logging.getLogger("tensorshare.rl")
 
@@ -107,9 +108,11 @@ class _RLPeer(StartStop):
         self._closing = False
         self._failure: BaseException | None = None  # the first error of a call not waited for
 
-    def _connect_again(self):
-        """A second connection to the same server, with the same options."""
+    def _connect_again(self, server: tuple[str, int] | None = None):
+        """Another connection, to the same server (or ``server``), with the same options."""
         host, port, timeout, connect_timeout, options = self._address
+        if server is not None:
+            host, port = server
         return connect(host, port, timeout=timeout, retry_for=connect_timeout, **options)
 
     def _failed(self, _result: Any, error: BaseException | None) -> None:
@@ -153,6 +156,12 @@ class RLTrainer(_RLPeer):
     :attr:`workers` lists the live workers; ``on_join(info)`` and
     ``on_leave(info)`` are called (on the client's callback thread) as they come
     and go.  :meth:`stop_workers` asks them all to stop.
+
+    ``servers`` (``["host:port", ...]``): rollouts are spread over these servers,
+    one rollouts bin on each (``max_waiting`` applies to each), and taken from
+    them in turn; workers given the same list send theirs to one of them.
+    Parameters, control and membership stay on ``host:port``, which workers may
+    read through relays (``tensorshare-server --follow``).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, host_server: bool = False,
@@ -160,7 +169,8 @@ class RLTrainer(_RLPeer):
                  max_waiting: int | None = DEFAULT_MAX_WAITING, experiment: str | None = None,
                  timeout: float | None = 60.0, connect_timeout: float = 30.0,
                  on_join: Callable[[WorkerInfo], Any] | None = None,
-                 on_leave: Callable[[WorkerInfo], Any] | None = None, **client_options):
+                 on_leave: Callable[[WorkerInfo], Any] | None = None,
+                 servers: list[str | tuple[str, int]] | None = None, **client_options):
         if max_waiting is not None and max_waiting < 1:
             raise ValueError("max_waiting must be at least 1 (or None: no cap)")
         super().__init__(host, port, experiment=experiment, timeout=timeout, connect_timeout=connect_timeout,
@@ -169,7 +179,6 @@ class RLTrainer(_RLPeer):
         self.max_staleness = max_staleness
         self.max_waiting = max_waiting
         self._stale = StaleWatch()
-        self._pending_rollouts = 0
         self._workers: dict[str, WorkerInfo] = {}
         self._watching: dict[str, Any] = {}  # worker id -> listen handle of its bin
         self.on_join, self.on_leave = on_join, on_leave
@@ -178,11 +187,11 @@ class RLTrainer(_RLPeer):
         self.version = probe.snapshot.tag if probe.snapshot.tag is not None else -1
         probe.stop()
         self._put_control(stop=False)
-        # Told when the rollouts bin stops being empty, not of every append: a take
-        # empties it (or takes a batch, and then looks again).
-        self._data_listen = self.client.listen(self.data_bin, self._on_data, every_append=False)
-        self._pending_rollouts = self._data_listen.snapshot.n_items
-        self._data_seq = self._data_listen.snapshot.seq  # newest change of the bin we know of
+        # The rollouts bin on this server, or one on each of ``servers``.
+        self._extra_clients = [self._connect_again(parse_server(server)) for server in servers or ()]
+        clients = self._extra_clients or [self.client]
+        self._sources = [_RolloutBin(client, self.data_bin, self._cond) for client in clients]
+        self._next_source = 0
         self._members_lock = threading.Lock()
         self.client.listen(self.roster_bin, lambda note: self._refresh_members())
         self._refresh_members()
@@ -235,15 +244,16 @@ class RLTrainer(_RLPeer):
         while True:
             with self._cond:
                 self._raise_failure()
-                while self._pending_rollouts == 0 and not self._closing and not kept and deadline is not None:
+                while not self._closing and not kept and deadline is not None and self._waiting() is None:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         break
                     self._cond.wait(remaining)
-                if self._pending_rollouts == 0 or self._closing:
+                source = None if self._closing else self._waiting()
+                if source is None:
                     break
             want = None if max_items is None else max_items - len(kept)
-            kept += self._take(want)
+            kept += self._take(source, want)
             if max_items is not None and len(kept) >= max_items:
                 break
         if return_info:
@@ -252,18 +262,19 @@ class RLTrainer(_RLPeer):
             return [r.data for r in kept], [r.version for r in kept]
         return [r.data for r in kept]
 
-    def _take(self, limit: int | None) -> list[Rollout]:
+    def _waiting(self) -> "_RolloutBin | None":
+        """A rollouts bin where rollouts wait, taking the servers in turn (under _cond)."""
+        sources = self._sources
+        for i in range(len(sources)):
+            source = sources[(self._next_source + i) % len(sources)]
+            if source.pending:
+                self._next_source = (self._next_source + i + 1) % len(sources)
+                return source
+        return None
+
+    def _take(self, source: "_RolloutBin", limit: int | None) -> list[Rollout]:
         """One GET of at most ``limit`` rollouts; the stale ones counted and dropped."""
-        try:
-            items, seq = self.client.get(self.data_bin, max_items=limit, with_seq=True)
-        except NoSuchBinError:
-            items, seq = [], self._data_seq
-        with self._cond:
-            if seq >= self._data_seq:  # no later change seen yet
-                self._data_seq = seq
-                # All taken: the bin is empty now.  A full batch: more may wait; the
-                # next take finds out (a notification of an append since says so too).
-                self._pending_rollouts = 0 if limit is None or len(items) < limit else 1
+        items = source.take(limit)
         kept, dropped, oldest = [], 0, self.version - self.max_staleness
         counts: dict[str, int] = {}
         for item in items:
@@ -300,13 +311,10 @@ class RLTrainer(_RLPeer):
         """The share of the last 200 rollouts dropped as stale."""
         return self._stale.drop_rate
 
-    def _on_data(self, note: Notification) -> None:
-        with self._cond:
-            if note.seq <= self._data_seq:  # older than a take we already made
-                return
-            self._data_seq, self._pending_rollouts = note.seq, note.n_items
-            if note.n_items:
-                self._cond.notify_all()
+    def _shut(self) -> None:
+        super()._shut()
+        for client in self._extra_clients:
+            client.close()
 
     # -- control
 
@@ -397,6 +405,39 @@ class RLTrainer(_RLPeer):
                 pass
 
 
+class _RolloutBin:
+    """A rollouts bin as the trainer reads it: how many rollouts wait there (from
+    notifications: only when it stops being empty, not of every append) and takes
+    of at most a batch."""
+
+    def __init__(self, client, name: str, cond: threading.Condition):
+        self.client, self.name, self._cond = client, name, cond
+        handle = client.listen(name, self._on_data, every_append=False)
+        self.pending = handle.snapshot.n_items  # rollouts known to wait (0: none; may be a guess of 1)
+        self.seq = handle.snapshot.seq  # newest change of the bin we know of
+
+    def take(self, limit: int | None) -> list:
+        try:
+            items, seq = self.client.get(self.name, max_items=limit, with_seq=True)
+        except NoSuchBinError:
+            items, seq = [], self.seq
+        with self._cond:
+            if seq >= self.seq:  # no later change seen yet
+                self.seq = seq
+                # All taken: the bin is empty now.  A full batch: more may wait; the
+                # next take finds out (a notification of an append since says so too).
+                self.pending = 0 if limit is None or len(items) < limit else 1
+        return items
+
+    def _on_data(self, note: Notification) -> None:
+        with self._cond:
+            if note.seq <= self.seq:  # older than a take we already made
+                return
+            self.seq, self.pending = note.seq, note.n_items
+            if note.n_items:
+                self._cond.notify_all()
+
+
 class RLWorker(_RLPeer):
     """Pulls the latest parameters (only when newer than its own) and adds rollouts.
 
@@ -415,11 +456,16 @@ class RLWorker(_RLPeer):
     suffix), which the trainer sees in :attr:`RLTrainer.workers` and in each
     rollout.  :attr:`stop_requested` turns true when the trainer calls
     :meth:`RLTrainer.stop_workers` (and :meth:`await_new_parameters` returns None).
+
+    ``servers``: the trainer's list of rollout servers; this worker sends its
+    rollouts to the one its id hashes to (on a connection of their own), and
+    reads parameters from ``host:port`` (the trainer's server, or a relay of it).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, *, experiment: str | None = None,
                  timeout: float | None = 60.0, connect_timeout: float = 30.0, max_pending: int = 64,
-                 worker_id: str | None = None, **client_options):
+                 worker_id: str | None = None, servers: list[str | tuple[str, int]] | None = None,
+                 **client_options):
         if max_pending < 1:
             raise ValueError("max_pending must be at least 1")
         super().__init__(host, port, experiment=experiment, timeout=timeout, connect_timeout=connect_timeout,
@@ -434,7 +480,13 @@ class RLWorker(_RLPeer):
         self.max_pending = max_pending
         self.stop_requested = False
         self._max_waiting: int | None = None  # the trainer's cap, from the control bin
-        self._rollouts = None  # the second connection rollouts take while capped
+        self._rollouts = None  # the second connection rollouts take while capped (or to their server)
+        # With several servers, this worker's rollouts go to one of them, the same for
+        # every run of a worker of this id (rendezvous hashing spreads workers evenly).
+        self._rollout_server = None
+        if servers:
+            addresses = [parse_server(server) for server in servers]
+            self._rollout_server = addresses[rendezvous(self.worker_id, [f"{h}:{p}" for h, p in addresses])]
         self._in_flight = 0  # rollouts sent whose reply has not come (under _cond)
         self.version = -1  # version of the parameters this worker holds
         self._latest = -1  # newest version announced by the server
@@ -514,8 +566,11 @@ class RLWorker(_RLPeer):
             cap = self._max_waiting
         item = {"version": self.version, "worker": self.worker_id, "data": obj}
         try:
-            if cap is None:
+            if cap is None and self._rollout_server is None:
                 self.client.submit(APPEND, self.data_bin, item, self._stored, tag=self.version, inline=True)
+            elif cap is None:
+                self._rollout_client().submit(APPEND, self.data_bin, item, self._stored, tag=self.version,
+                                              inline=True)
             else:
                 wait = MAX_WAIT if timeout is None else min(float(timeout), MAX_WAIT)
                 self._rollout_client().submit(APPEND, self.data_bin, item, self._stored, tag=self.version,
@@ -538,7 +593,7 @@ class RLWorker(_RLPeer):
 
     def _rollout_client(self):
         if self._rollouts is None:
-            self._rollouts = self._connect_again()
+            self._rollouts = self._connect_again(self._rollout_server)
         return self._rollouts
 
     def _stored(self, _count: Any, error: BaseException | None) -> None:

@@ -1,7 +1,7 @@
 """TorchRL storage backed by a tensorshare table: one replay buffer for many processes.
 
 ``TableStorage("replay", client)`` is a ``torchrl.data.Storage`` whose rows live in
-a table of a tensorshare server (PROTOCOL.md §11), so every process (and machine)
+a table of a tensorshare server (PROTOCOL.md §12), so every process (and machine)
 that makes a ``ReplayBuffer`` over the same table shares one buffer::
 
     from torchrl.data import ReplayBuffer

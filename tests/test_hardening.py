@@ -387,7 +387,7 @@ def test_3_tls_connections_that_never_handshake_are_closed_and_free_their_slot(t
         start = time.monotonic()
         closed = 0
         for sock in silent:  # each should be closed by the server after about 1 s
-            sock.settimeout(max(0.1, 3 - (time.monotonic() - start)))
+            sock.settimeout(max(0.1, 8 - (time.monotonic() - start)))  # generous: a loaded machine ticks late
             try:
                 closed += sock.recv(1) == b""
             except ConnectionResetError:

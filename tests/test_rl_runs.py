@@ -218,3 +218,60 @@ def test_a_killed_worker_leaves_and_stop_workers_reaches_the_others(server):
 def test_an_experiment_name_too_long_for_membership_is_refused_clearly(server):
     with pytest.raises(ValueError, match="shorten the experiment name"):
         RLWorker("127.0.0.1", server.port, experiment="x" * 240, worker_id="w" * 20)
+
+
+@pytest.mark.process
+def test_the_failover_example_resumes_a_killed_learner_with_the_same_workers():
+    """examples/rl_failover.py: checkpoint (policy and Adam state, int-keyed) into a
+    server with --data-dir, SIGKILL the learner, resume; the workers never restart."""
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "rl_failover.py"
+    done = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "[learner 1] checkpoint at version 10" in out
+    assert "killed with SIGKILL" in out
+    resumed = [line for line in out.splitlines() if "resumed from the checkpoint of version" in line]
+    assert resumed and "version 10;" in resumed[0]
+    latest = int(resumed[0].rsplit(" ", 1)[1])
+    assert latest in (11, 12)  # the last publish (wait=False) may not have left before the kill
+    versions = [int(line.split()[3]) for line in out.splitlines() if line.startswith("[learner 2] version ")]
+    assert versions[0] == latest + 2  # it published latest + 1 on starting: the version numbers go on
+    assert "[learner 2] checkpoint at version 30" in out
+    assert "workers stopped, never restarted: exit codes [0, 0]" in out
+
+
+def test_rollouts_spread_over_several_servers(server):
+    from serverproc import ServerProcess
+    from tensorshare.sharded import rendezvous
+
+    other = ServerProcess()
+    try:
+        servers = [f"127.0.0.1:{server.port}", f"127.0.0.1:{other.port}"]
+        ids = [f"w{i}" for i in range(12)]
+        by_server = {0: [], 1: []}
+        for worker_id in ids:
+            by_server[rendezvous(worker_id, servers)].append(worker_id)
+        chosen = by_server[0][:2] + by_server[1][:2]  # two workers on each server
+        with RLTrainer("127.0.0.1", server.port, experiment="spread", servers=servers,
+                       filter_version=False) as trainer:
+            workers = [RLWorker("127.0.0.1", server.port, experiment="spread", worker_id=w, servers=servers)
+                       for w in chosen]
+            try:
+                for worker in workers:
+                    for i in range(5):
+                        worker.add_data((worker.worker_id, i))
+                    worker.flush(10)
+                with tensorshare.Client("127.0.0.1", other.port) as probe:
+                    assert probe.list()["spread/rollouts"] == 10  # the second server's two workers
+                got = trainer.get_data(timeout=10, return_info=True)
+                assert _until(lambda: got.extend(trainer.get_data(return_info=True)) or len(got) >= 20)
+                assert sorted(r.data for r in got) == sorted((w, i) for w in chosen for i in range(5))
+                assert {r.worker for r in got} == set(chosen)
+                assert set(trainer.workers) == set(chosen)  # membership stays on the first server
+            finally:
+                for worker in workers:
+                    worker.stop()
+    finally:
+        other.stop()

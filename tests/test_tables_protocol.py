@@ -1,4 +1,4 @@
-"""The table verbs (PROTOCOL.md §11) between the real client protocol and real server
+"""The table verbs (PROTOCOL.md §12) between the real client protocol and real server
 sessions paired in memory: every verb, every refusal, and requests that wait for the
 rate limiter (parked with Waits, timed by a Clock), with no socket.  The engine's own
 rules are tested in test_tables_engine.py; here, what the wire and the server add."""

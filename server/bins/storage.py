@@ -169,6 +169,13 @@ class Storage:
 
     # -- changes
 
+    def mirror(self, name: str, items: list[Item], op: str) -> Change:
+        """Replace bin ``name``'s items with ``items`` (in memory) in one change: a
+        relay's copy of an upstream bin (server/relay/; a relay has no data directory)."""
+        change = self.store.mirror(name, items, op)
+        self._enforce_budget()
+        return change
+
     def add(self, name: str, item: Item, replace: bool, done: Done, lasting: bool = True) -> None:
         """PUT (``replace``) or APPEND ``item``; ``done(change, error)`` when it is stored.
         ``lasting=False``: kept in memory (or spilled) only, never in the data directory."""

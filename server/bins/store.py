@@ -194,6 +194,19 @@ class BinStore:
             self._add(b, item, front=True)
         return self._changed(name, b, "RESTORE")
 
+    def mirror(self, name: str, items: list[Item], op: str) -> Change:
+        """Make bin ``name`` hold exactly ``items`` (created if missing), in one change
+        named ``op``: a relay's copy of another server's bin (server/relay/)."""
+        b = self._bins.get(name)
+        if b is None:
+            self.check_add(name, True)
+            b = self._create(name)
+        else:
+            self._clear(b)
+        for item in items:
+            self._add(b, item)
+        return self._changed(name, b, op)
+
     def delete(self, name: str) -> Change:
         """Remove bin ``name`` and its items."""
         b = self._bin(name)

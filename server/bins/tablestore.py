@@ -44,7 +44,7 @@ from .tables.columns import parse_columns
 
 log = logging.getLogger("tensorshare.server")
 
-# The settings a table is made with: name -> default (PROTOCOL.md §11).
+# The settings a table is made with: name -> default (PROTOCOL.md §12).
 SPEC_DEFAULTS: dict[str, Any] = {
     "capacity": None, "columns": None, "sampler": "uniform", "priority_exponent": 1.0, "remover": "fifo",
     "max_times_sampled": 0, "min_size_to_sample": 1, "samples_per_insert": None, "error_buffer": None,

@@ -224,6 +224,8 @@ def _send_items(session, request, items: list[Item], parts: list, seq: int, refs
     sizes = [item.nbytes for item in items]
     header = request.command.reply(request.id)
     header[Key.SEQ], header[Key.ITEMS], header[Key.SIZES] = seq, [item.description for item in items], sizes
+    if getattr(request, "tags", None):  # asked for (relays): every item's tag
+        header[Key.TAGS] = [item.tag for item in items]
     if refs is None:
         payload_len = sum(sizes)
     else:
@@ -298,4 +300,4 @@ def auth_again(session, request) -> None:
     raise RemoteError("already authenticated", BAD_SEQUENCE)
 
 
-from . import tables as _tables  # noqa: E402,F401 - registers the table verbs (TCREATE...; PROTOCOL.md §11)
+from . import tables as _tables  # noqa: E402,F401 - registers the table verbs (TCREATE...; PROTOCOL.md §12)

@@ -262,6 +262,10 @@ class ServerSession:
 
     def _delete_ended(self, name: str) -> None:
         """Delete an ephemeral bin whose connection ended; its listeners are told."""
+        relay = self.state.relay
+        if relay is not None and relay.follows(name):  # a relay's: the bin lives upstream
+            relay.delete_upstream(name)
+            return
         def deleted(change, error) -> None:
             if error is None:
                 self.state.listeners.publish(change)
@@ -384,12 +388,13 @@ class ServerSession:
             if rid == 0:
                 raise RemoteError("request id must be an integer in 1..2**64-1", BAD_ARGS)
             request = command.parse_request(header, rid, frame.payload, frame.payload_len, self._max_bin_name)
+            handle = self.state.handlers.get(command) or HANDLERS[command]
             counters = self.counters
             if counters is None:
-                HANDLERS[command](self, request)
+                handle(self, request)
             else:  # counted inline: this is the request path (server/ops/counters.py)
                 began = perf_counter()
-                HANDLERS[command](self, request)
+                handle(self, request)
                 elapsed = perf_counter() - began
                 verb = counters.verbs[op]
                 verb.requests += 1

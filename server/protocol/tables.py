@@ -1,4 +1,4 @@
-"""What the server does for the table verbs (PROTOCOL.md §11): TCREATE, TINSERT,
+"""What the server does for the table verbs (PROTOCOL.md §12): TCREATE, TINSERT,
 TWRITE, TSAMPLE, TREAD, TPRIORITY, TINFO, TLIMITS.
 
 The tables are the storage's (:class:`~..bins.tablestore.TableStore`); the rows and

@@ -170,6 +170,12 @@ class ClientMethods(TableMethods):
         """``{bin: n_items}`` for every bin on the server."""
         return self._call(LIST, timeout=timeout)
 
+    def relay_status(self, timeout=DEFAULT) -> Any:
+        """A relay's state (PROTOCOL.md §11): ``{"upstream", "connected", "bins"
+        (mirrored), "behind" (of which with changes not yet mirrored), "lag" (seconds
+        the oldest of them waits)}``; None from a server that relays nothing."""
+        return self._call(LIST, timeout=timeout, then=lambda reply: reply.header.get(Key.RELAY))
+
     def delete(self, bin: str, timeout=DEFAULT) -> Any:
         """Remove ``bin`` and its items."""
         return self._call(DELETE, bin_fields(bin), timeout=timeout)

@@ -1,4 +1,4 @@
-"""The table verbs of both clients (PROTOCOL.md §11), written once.
+"""The table verbs of both clients (PROTOCOL.md §12), written once.
 
 A table is a bin of rows with fixed-shape columns (or of opaque items) that the
 server samples, prioritizes and rate-limits: a replay buffer, or a dataset read and

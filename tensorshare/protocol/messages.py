@@ -48,6 +48,8 @@ class Key:
     MAX, BELOW, WAIT = "max", "below", "wait"
     # PUT: the bin lives only as long as this connection (§4.6: presence, membership)
     EPHEMERAL = "ephemeral"
+    # GET/PEEK: the reply lists every item's tag; LIST: a relay's state (§11)
+    TAGS, RELAY = "tags", "relay"
 
 
 # Reply codes (header key "code").
@@ -336,7 +338,7 @@ TensorShareErrorLike = ProtocolError | RemoteError
 _CHANGED = Message(DONE, (Field(Key.N, INT), Field(Key.SEQ, INT)))
 _DONE = Message(OK)
 _ITEMS = Message(ITEMS, (Field(Key.SEQ, INT), Field(Key.ITEMS, LIST), Field(Key.SIZES, LIST),
-                         optional(Key.REFS, LIST)))
+                         optional(Key.REFS, LIST), optional(Key.TAGS, TAGS)))
 _STORE_FIELDS = (
     BIN,
     Field(Key.VALUE, BYTES, missing="missing value description"),
@@ -345,7 +347,7 @@ _STORE_FIELDS = (
     optional(Key.SIZE, INT),
     RELEASE,
 )
-_READ_FIELDS = (BIN, optional(Key.REF, INTS), RELEASE)
+_READ_FIELDS = (BIN, optional(Key.REF, INTS), RELEASE, optional(Key.TAGS, BOOL))
 
 PUT = Command("PUT", (*_STORE_FIELDS, optional(Key.EPHEMERAL, BOOL)), reply=_CHANGED, payload=True,
               result=Key.N, doc="replace the bin's items with one item (ephemeral: for as long as this connection lasts)")
@@ -355,7 +357,8 @@ APPEND = Command("APPEND", (*_STORE_FIELDS, optional(Key.BELOW, COUNT), optional
 GET = Command("GET", (*_READ_FIELDS, optional(Key.MAX, COUNT)), reply=_ITEMS, result=Key.ITEMS,
               doc="take the bin's items (at most max of them) out of it")
 PEEK = Command("PEEK", _READ_FIELDS, reply=_ITEMS, result=Key.ITEMS, doc="read every item of the bin")
-LIST = Command("LIST", (RELEASE,), reply=Message(LIST_OK, (Field(Key.BINS, COUNTS),)), result=Key.BINS,
+LIST = Command("LIST", (RELEASE,), reply=Message(LIST_OK, (Field(Key.BINS, COUNTS), optional(Key.RELAY, MAP))),
+               result=Key.BINS,
                doc="every bin and its item count")
 DELETE = Command("DELETE", (BIN, RELEASE), reply=_CHANGED, doc="remove the bin and its items")
 LISTEN = Command("LISTEN", (BIN, optional(Key.FIRST_APPEND, BOOL), RELEASE),
@@ -368,12 +371,12 @@ AUTH = Command("AUTH", (Field(Key.MECH, STR), Field(Key.NONCE, BYTES), Field(Key
                reply=Message(AUTHENTICATED, (Field(Key.PROOF, BYTES), optional(Key.SHM, MAP))),
                doc="prove knowledge of the server's token (§8.4)")
 
-# -- tables (§11): a table is a kind of bin; its verbs start with T.
+# -- tables (§12): a table is a kind of bin; its verbs start with T.
 # Keys, indices, priorities and probabilities travel as little-endian int64/float64
 # byte strings (one per row): 8 bytes a row, nothing to pack or check per element.
 
 class TableKey:
-    """The header keys of the table verbs (PROTOCOL.md §11)."""
+    """The header keys of the table verbs (PROTOCOL.md §12)."""
 
     SPEC, INFO, LIMITS = "spec", "info", "limits"
     KEYS, INDICES, PRIORITIES, PROBABILITIES = "keys", "indices", "priorities", "probabilities"

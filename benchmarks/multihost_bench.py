@@ -1,0 +1,332 @@
+"""Section 10: beyond one machine -- hosts as network namespaces on shaped 1 Gbit/s links.
+
+Every host is a network namespace with its own address and its own link to a
+switch (:mod:`benchmarks.netns`), shaped to ``mh_rate`` in both directions, so a
+server's NIC is a real bottleneck.  Needs root; skipped with the reason otherwise.
+
+* **Link-rate bound**, in this run: one raw TCP transfer of the state dict's bytes
+  from host 0 to host 1 (``socket.sendall`` to a receiver that acknowledges the
+  last byte).
+* **Fan-out** of a state dict (``mh_fan_bytes``, 16 tensors) published in host 0
+  until all ``mh_workers`` workers (one per host, each a process that listens and
+  peeks every new version) hold it, measured from just before the ``put`` to the
+  last worker's peek returning (one machine: one clock).  Three shapes: the
+  **star** (every worker reads the head server over its link, TCP), **flat
+  relays** (one relay per worker host following the head; workers read their
+  host's relay through same-host zero-copy), and a **relay tree** (relays follow
+  relays, two children each, so the head sends two copies and each relay at most
+  two).
+* **Rollout ingestion** from ``mh_workers`` hosts appending ``mh_roll_bytes``
+  rollouts into 1, 2 and 4 shards (``ShardedClient``, one server per shard host,
+  each producer appending to its own bin and taking it back every 16 items).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from .profiles import Profile
+from .record import Recorder
+from .stats import Sample, mib
+
+TENSORS = 16
+
+
+# ------------------------------------------------------------------ the processes in the hosts
+
+
+def _state(version: int, nbytes: int):
+    import torch
+
+    return {f"layer{i}": torch.full((nbytes // TENSORS // 4,), float(version)) for i in range(TENSORS)}
+
+
+def _publish(host: str, port: int, nbytes: int) -> None:
+    import tensorshare
+
+    with tensorshare.Client(host, port, timeout=300) as client:
+        for line in sys.stdin:
+            version = int(line)
+            state = _state(version, nbytes)
+            start = time.time()
+            client.put("params", state, tag=version)
+            print(f"{version} {start}", flush=True)
+
+
+def _hold() -> None:
+    """A worker host's reader: for each ``HOST PORT ZERO_COPY`` line on stdin, connect
+    there, listen to the parameters and print ``VERSION TIME`` for every version held
+    (until the next line)."""
+    import queue
+
+    import tensorshare
+
+    client = None
+    tags: queue.Queue = queue.Queue()
+    commands: queue.Queue = queue.Queue()
+
+    def read_commands() -> None:
+        for line in sys.stdin:
+            commands.put(line)
+        commands.put("")  # stdin closed: stop
+
+    threading.Thread(target=read_commands, daemon=True).start()
+    held = -1
+    while True:
+        try:
+            command = commands.get(timeout=0.001 if client is not None else None)
+        except queue.Empty:
+            command = None
+        if command is not None:
+            if client is not None:
+                client.close()
+            if not command.strip():
+                return
+            host, port, zero_copy = command.split()
+            tags = queue.Queue()
+            client = tensorshare.Client(host, int(port), timeout=300, zero_copy=bool(int(zero_copy)))
+            client.listen("params", lambda note, q=tags: q.put(note.tag))
+            held = -1
+            print("ready", flush=True)
+            continue
+        try:
+            tag = tags.get(timeout=0.05)
+        except queue.Empty:
+            continue
+        if tag is None or tag <= held:
+            continue
+        [state] = client.peek("params")
+        version = int(state["layer0"][0])
+        if float(state[f"layer{TENSORS - 1}"][-1]) != version:
+            print(f"torn {version}", flush=True)
+        done = time.time()
+        held = version
+        del state
+        print(f"{version} {done}", flush=True)
+
+
+def _raw_recv(host: str, nbytes: int) -> None:
+    with socket.socket() as listener:
+        listener.bind((host, 0))
+        listener.listen(1)
+        print(listener.getsockname()[1], flush=True)
+        while True:
+            conn, _ = listener.accept()
+            with conn:
+                buffer, got = bytearray(1 << 20), 0
+                while got < nbytes:
+                    n = conn.recv_into(buffer)
+                    if not n:
+                        break
+                    got += n
+                conn.sendall(b"k")
+
+
+def _raw_send(host: str, port: int, nbytes: int, reps: int) -> None:
+    data = bytes(nbytes)
+    times = []
+    for _ in range(reps):
+        with socket.create_connection((host, port)) as conn:
+            start = time.perf_counter()
+            conn.sendall(data)
+            conn.recv(1)
+            times.append(time.perf_counter() - start)
+    print(json.dumps(times), flush=True)
+
+
+def _produce(run_s: float, item_bytes: int, servers: list[str]) -> None:
+    import os
+
+    import torch
+
+    import tensorshare
+
+    rollout = {"obs": torch.ones(item_bytes // 4)}
+    name = f"rollouts-{os.getpid()}"
+    with tensorshare.ShardedClient(servers, timeout=120, zero_copy=False) as client:
+        client.ping()
+        print("ready", flush=True)
+        sys.stdin.readline()  # go
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < run_s:
+            client.append(name, rollout)
+            count += 1
+            if count % 16 == 0:
+                client.get(name)
+        elapsed = time.perf_counter() - start
+        client.delete(name)
+    print(json.dumps({"bytes": count * item_bytes, "items": count, "seconds": elapsed}), flush=True)
+
+
+def worker_main(argv: list[str]) -> None:
+    role, *args = argv
+    if role == "publish":
+        _publish(args[0], int(args[1]), int(args[2]))
+    elif role == "hold":
+        _hold()
+    elif role == "raw_recv":
+        _raw_recv(args[0], int(args[1]))
+    elif role == "raw_send":
+        _raw_send(args[0], int(args[1]), int(args[2]), int(args[3]))
+    elif role == "ingest":
+        _produce(float(args[0]), int(args[1]), args[2:])
+    else:
+        raise SystemExit(f"unknown role {role!r}")
+
+
+# ------------------------------------------------------------------ the measurements
+
+
+def _spawn(net, host: int, *args) -> subprocess.Popen:
+    return net.python(host, ["-m", "benchmarks.multihost_bench", *map(str, args)], stdin=subprocess.PIPE,
+                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
+
+
+def _line(proc: subprocess.Popen, timeout: float) -> str:
+    """The next stdout line of ``proc`` within ``timeout`` seconds."""
+    box: list = []
+    reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not box or not box[0]:
+        raise RuntimeError(f"no answer from a worker within {timeout:g}s")
+    return box[0].strip()
+
+
+def _bound(rec: Recorder, net, p: Profile) -> Sample:
+    nbytes = p.mh_fan_bytes
+    recv = _spawn(net, 1, "raw_recv", net.addresses[1], nbytes)
+    port = int(_line(recv, 60))
+    send = _spawn(net, 0, "raw_send", net.addresses[1], port, nbytes, p.mh_reps + 1)
+    times = json.loads(_line(send, 60 + 10 * (p.mh_reps + 1) * nbytes / 1e8))[1:]
+    sample = Sample.of(t * 1e3 for t in times)
+    rec.figure("mh.link", f"one link: raw TCP {mib(nbytes)} host 0 -> host 1 at {p.mh_rate}", sample, "ms",
+               better="lower", baseline=True,
+               note=f"{nbytes / (sample.median / 1e3) / 1e6:.0f} MB/s; netem delay {'on' if net.delayed else 'off'}")
+    return sample
+
+
+def _fan(rec: Recorder, net, p: Profile, holders: list, shape: str, label: str) -> None:
+    from .netns import start_server, start_servers
+
+    n, nbytes = p.mh_workers, p.mh_fan_bytes
+    head, port = start_server(net, 0)
+    servers: list = [head]
+    if shape == "star":
+        targets = [(net.addresses[0], port, 0)] * n
+    else:
+        relay_ports: dict[int, int] = {}
+        follow = ("--follow-timeout", "300")
+        # flat: every relay follows the head; tree: relays 1 and 2 follow the head, relay h
+        # follows relay h // 2 (two children each); each level starts side by side
+        levels = [list(range(1, n + 1))] if shape == "flat" else []
+        if shape == "tree":
+            level, h = [1, 2], 3
+            while level:
+                levels.append([x for x in level if x <= n])
+                level = [c for x in level for c in (2 * x, 2 * x + 1) if c <= n and c >= 3]
+        for level in levels:
+            specs = [(h, ("--follow", f"{net.addresses[0]}:{port}" if h <= 2 or shape == "flat"
+                          else f"{net.addresses[h // 2]}:{relay_ports[h // 2]}", *follow)) for h in level]
+            for h, (proc, relay_port) in zip(level, start_servers(net, specs)):
+                relay_ports[h] = relay_port
+                servers.append(proc)
+        targets = [(net.addresses[h], relay_ports[h], 1) for h in range(1, n + 1)]
+    for w, target in zip(holders, targets):
+        w.stdin.write(" ".join(map(str, target)) + "\n")
+        w.stdin.flush()
+    for w in holders:
+        if _line(w, 120) != "ready":
+            raise RuntimeError("a worker did not start")
+    publisher = _spawn(net, 0, "publish", net.addresses[0], port, nbytes)
+    limit = 60 + 30 * n * nbytes / 1e8
+    alls, torn = [], 0
+    for version in range(p.mh_reps + p.warmup):
+        publisher.stdin.write(f"{version}\n")
+        publisher.stdin.flush()
+        start = float(_line(publisher, limit).split()[1])
+        last = 0.0
+        for w in holders:
+            while True:
+                line = _line(w, limit).split()
+                if line[0] == "torn":
+                    torn += 1
+                    continue
+                if int(line[0]) == version:
+                    last = max(last, float(line[1]))
+                    break
+        if version >= p.warmup:
+            alls.append((last - start) * 1e3)
+    if torn:
+        rec.note(f"fan-out ({label}): {torn} torn state dict(s) seen")
+    rec.figure(f"mh.fan.{shape}", f"{label}: {mib(nbytes)} until all {n} worker hosts hold it", Sample.of(alls),
+               "ms", better="lower", vs=["mh.link"] + (["mh.fan.star"] if shape != "star" else []),
+               note="from just before put to the last worker's peek")
+    publisher.stdin.close()
+    for proc in [publisher, *servers]:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _ingest(rec: Recorder, net, p: Profile, shards: int) -> None:
+    from .netns import start_servers
+
+    n = p.mh_workers
+    # shard servers on hosts 0..shards-1, producers on the hosts after them
+    servers = [f"{net.addresses[h]}:{port}" for h, (_, port) in enumerate(start_servers(net, [(h, ()) for h in range(shards)]))]
+    producers = [_spawn(net, shards + i, "ingest", p.mh_roll_run_s, p.mh_roll_bytes, *servers) for i in range(n)]
+    for w in producers:
+        if _line(w, 120) != "ready":
+            raise RuntimeError("a producer did not start")
+    for w in producers:
+        w.stdin.write("go\n")
+        w.stdin.flush()
+    results = [json.loads(_line(w, p.mh_roll_run_s + 120)) for w in producers]
+    total = sum(r["bytes"] for r in results) / max(r["seconds"] for r in results) / 1e6
+    rec.figure(f"mh.ingest.{shards}", f"rollout ingestion from {n} hosts into {shards} shard(s), "
+                                      f"{mib(p.mh_roll_bytes)} rollouts", Sample.of([total]), "MB/s",
+               vs=["mh.ingest.1"] if shards > 1 else [],
+               note=f"{sum(r['items'] for r in results)} appends in {p.mh_roll_run_s:g}s")
+    net.stop_processes()
+
+
+def run(rec: Recorder, p: Profile, peers) -> None:
+    rec.begin("10. Beyond one machine (network namespaces, shaped links)")
+    from .netns import Network, unavailable
+
+    why = unavailable()
+    if why:
+        rec.skip("multi-host section", why)
+        return
+    n = p.mh_workers
+    with Network(n + 1, rate=p.mh_rate) as net:
+        rec.say(f"  {n + 1} hosts ({net.tag}), every link {p.mh_rate}"
+                f"{', netem delay ' + net.delay if net.delayed else ' (no netem in this kernel: no added delay)'}")
+        _bound(rec, net, p)
+        net.stop_processes()
+        holders = [_spawn(net, h, "hold") for h in range(1, n + 1)]  # one reader per worker host, kept
+        _fan(rec, net, p, holders, "star", "star (every worker reads the head, TCP)")
+        _fan(rec, net, p, holders, "flat", "flat relays (one per host, all following the head)")
+        _fan(rec, net, p, holders, "tree", "relay tree (two children per node)")
+    for shards in p.mh_roll_shards:
+        with Network(n + shards, rate=p.mh_rate) as net:
+            _ingest(rec, net, p, shards)
+    rec.goal_ratio(f"relays: all {n} worker hosts hold {mib(p.mh_fan_bytes)} within 2.5x one link's transfer",
+                   "mh.fan.tree", "mh.link", "<=", 2.5)
+    rec.goal_ratio("flat relays no slower than the star (1.2x slack for noise)", "mh.fan.flat", "mh.fan.star",
+                   "<=", 1.2)
+    if 4 in p.mh_roll_shards:
+        rec.goal_ratio("rollout ingestion into 4 shards >= 2x one shard", "mh.ingest.4", "mh.ingest.1", ">=", 2)
+
+
+if __name__ == "__main__":
+    worker_main(sys.argv[1:])

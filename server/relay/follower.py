@@ -1,0 +1,346 @@
+"""A relay's mirror of its upstream server's bins, kept on the reactor thread.
+
+:class:`Follower` holds one :class:`~tensorshare.AsyncClient` connection upstream
+(the real client library, Twisted-native, so nothing leaves the reactor thread).
+A followed bin is mirrored from the first time a client of the relay reads or
+listens to it: the follower listens to it upstream, and on every notification
+fetches the bin whole with one PEEK (raw descriptions and payload, never decoded,
+with every item's tag) and replaces the local copy in one store change.  So a
+mirrored bin always holds exactly what the upstream bin held at one moment: never
+a torn item, never a mix of two versions.  Notifications that come while a fetch
+is in flight are coalesced into one more fetch: each change is fetched at most
+once, and a reader far behind skips to the latest state.
+
+Sequence numbers on the relay are its own (its store's counter), so they only
+grow on the relay even when the upstream restarts without its data and numbers
+again from 1; the follower remembers, per bin, the upstream ``seq`` its copy
+reflects, for writes forwarded upstream that must see their change mirrored
+before they are acknowledged (:meth:`Follower.after`).
+
+When the upstream connection drops, the client reconnects with jittered backoff
+and listens again; each bin is then fetched again (an upstream restarted without
+its data directory may hold other items under the same numbers).  Meanwhile the
+relay keeps serving the last whole copies and says in :meth:`status` (LIST's
+``relay`` field) that it is disconnected and how far behind it is.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from typing import Callable
+
+from twisted.internet import defer
+
+from tensorshare.errors import (
+    AuthenticationError, ConnectionLostError, NoSuchBinError, RemoteError, ServerUnavailableError, TensorShareError,
+)
+from tensorshare.protocol.messages import PEEK, Key
+from tensorshare._client.connection import item_table
+
+from ..bins.store import Item
+
+log = logging.getLogger("tensorshare.server.relay")
+
+RECONNECT_MAX_S = 2.0  # longest pause between attempts to reach the upstream
+
+
+class _Mirror:
+    """What the follower knows of one followed bin."""
+
+    __slots__ = ("name", "synced", "fetching", "again", "noted", "applied", "noted_at", "op", "waiters", "handle")
+
+    def __init__(self, name: str):
+        self.name = name
+        self.synced = False  # the local copy reflects the upstream bin at some moment
+        self.fetching = False  # a PEEK is in flight
+        self.again = False  # a notification came while fetching: fetch once more
+        self.noted = -1  # the highest upstream seq notified
+        self.applied = -1  # the upstream seq the local copy reflects
+        self.noted_at: float | None = None  # when the oldest change not yet mirrored was notified
+        self.op = "PUT"  # the upstream verb of the last change notified
+        self.waiters: list[tuple[int, Callable]] = []  # (upstream seq, callback(error)) until applied reaches it
+        self.handle = None  # the upstream listen handle
+
+
+class Follower:
+    """Mirrors the upstream's followed bins into ``storage`` (see the module docstring).
+
+    ``publish(change)`` tells local listeners of a mirrored change; ``connect()``
+    opens a new upstream client (a Deferred of an AsyncClient)."""
+
+    def __init__(self, reactor, storage, publish: Callable, connect: Callable[[], defer.Deferred], where: str,
+                 pattern: str = "*", timeout: float = 30.0):
+        self.reactor = reactor
+        self.storage = storage
+        self.publish = publish
+        self._connect = connect
+        self.where = where
+        self.pattern = pattern
+        self.timeout = timeout  # how long a read waits for a bin's first copy
+        self.client = None
+        self.failure: str | None = None  # why the upstream cannot be used at all (a wrong token, say)
+        self.mirrors: dict[str, _Mirror] = {}
+        self._retry = None
+        self._delay = 0.05
+        self._stopped = False
+
+    # -- the upstream connection
+
+    def start(self) -> None:
+        """Connect upstream (retrying with backoff until it answers)."""
+        if self._stopped or self.client is not None:
+            return
+        self._retry = None
+
+        def connected(client) -> None:
+            if self._stopped:
+                client.close()
+                return
+            self.client = client
+            self._delay = 0.05
+            log.info("relay: following %s", self.where)
+            for mirror in self.mirrors.values():  # bins asked for while the upstream was away
+                if mirror.handle is None:
+                    self._listen(mirror)
+
+        def failed(failure) -> None:
+            if self._stopped:
+                return
+            if failure.check(AuthenticationError):
+                self.failure = f"upstream {self.where} refused us: {failure.getErrorMessage()}"
+                log.error("relay: %s; not following", self.failure)
+                self._fail_waiters(ServerUnavailableError(self.failure))
+                return
+            log.info("relay: upstream %s unreachable (%s); trying again", self.where, failure.getErrorMessage())
+            self._delay = min(self._delay * 2, RECONNECT_MAX_S)
+            self._retry = self.reactor.callLater(self._delay, self.start)
+
+        self._connect().addCallbacks(connected, failed)
+
+    def stop(self) -> None:
+        self._stopped = True
+        if self._retry is not None and self._retry.active():
+            self._retry.cancel()
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        self._fail_waiters(ServerUnavailableError("the relay is shutting down"))
+
+    def when_started(self, done: Callable[[BaseException | None], None]) -> None:
+        """``done(None)`` once the upstream connection is open, if it ever was; a relay
+        that has not reached its upstream yet (just started) waits up to ``timeout``
+        seconds for it, and one that lost it answers at once (``done(error)``)."""
+        if self.connected:
+            done(None)
+            return
+        if self.client is not None or self.failure or self._stopped:
+            done(ServerUnavailableError(self.failure or f"relay: upstream {self.where} is not connected; "
+                                                        f"try again"))
+            return
+        deadline = self.reactor.seconds() + self.timeout
+
+        def check() -> None:
+            if self.client is not None or self.failure or self._stopped:
+                self.when_started(done)
+            elif self.reactor.seconds() >= deadline:
+                done(ServerUnavailableError(f"relay: upstream {self.where} not reached within {self.timeout:g}s"))
+            else:
+                self.reactor.callLater(0.05, check)
+
+        self.reactor.callLater(0.05, check)
+
+    @property
+    def connected(self) -> bool:
+        return self.client is not None and self.client.connected
+
+    def follows(self, name: str) -> bool:
+        """True for a bin this relay mirrors (and forwards writes to)."""
+        return fnmatch.fnmatchcase(name, self.pattern)
+
+    # -- mirroring
+
+    def when_synced(self, name: str, done: Callable[[BaseException | None], None]) -> None:
+        """Mirror bin ``name`` from now on; ``done(None)`` once its local copy reflects
+        the upstream bin (at once if it does), ``done(error)`` if that takes longer
+        than ``timeout`` seconds."""
+        if self.failure:
+            done(ServerUnavailableError(self.failure))
+            return
+        mirror = self._mirror(name)
+        if mirror.synced:
+            done(None)
+            return
+        self._wait(mirror, 0, done)
+
+    def after(self, name: str, upstream_seq: int, done: Callable[[BaseException | None], None]) -> None:
+        """``done(None)`` once bin ``name``'s copy reflects upstream change
+        ``upstream_seq`` (at once for a bin not mirrored: nothing to wait for)."""
+        mirror = self.mirrors.get(name)
+        if mirror is None or (mirror.synced and mirror.applied >= upstream_seq):
+            done(None)
+            return
+        mirror.noted = max(mirror.noted, upstream_seq)
+        self._wait(mirror, upstream_seq, done)
+
+    def _wait(self, mirror: _Mirror, seq: int, done: Callable) -> None:
+        entry = (seq, done)
+        mirror.waiters.append(entry)
+
+        def expire() -> None:
+            if entry in mirror.waiters:
+                mirror.waiters.remove(entry)
+                state = "connected" if self.connected else "not connected"
+                done(ServerUnavailableError(f"relay: no copy of bin {mirror.name!r} from upstream {self.where} "
+                                            f"within {self.timeout:g}s ({state})"))
+
+        self.reactor.callLater(self.timeout, expire)
+
+    def _mirror(self, name: str) -> _Mirror:
+        mirror = self.mirrors.get(name)
+        if mirror is None:
+            mirror = self.mirrors[name] = _Mirror(name)
+            mirror.noted_at = self.reactor.seconds()
+            if self.client is not None:
+                self._listen(mirror)
+        return mirror
+
+    def _listen(self, mirror: _Mirror) -> None:
+        """Listen to the bin upstream; its snapshot starts the first fetch."""
+        def listening(handle) -> None:
+            mirror.handle = handle
+            self._noted(mirror, handle.snapshot.seq, "PUT")
+
+        def failed(failure) -> None:
+            if self._stopped:
+                return
+            log.info("relay: cannot listen to %r upstream yet: %s", mirror.name, failure.getErrorMessage())
+            self.reactor.callLater(0.2, again)
+
+        def again() -> None:
+            if mirror.handle is None and self.client is not None and not self._stopped:
+                self._listen(mirror)
+
+        try:
+            d = self.client.listen(mirror.name, lambda note: self._noted(mirror, note.seq, note.op))
+        except TensorShareError:
+            d = defer.fail()
+        d.addCallbacks(listening, failed)
+
+    def _noted(self, mirror: _Mirror, seq: int, op: str) -> None:
+        """An upstream change (or, ``op`` LISTEN, a listen begun again): fetch the bin."""
+        if op == "LISTEN":  # listening again after a reconnection: whatever is there now
+            mirror.applied = -1
+            op = "PUT"
+        mirror.noted = max(mirror.noted, seq)
+        mirror.op = op
+        if mirror.noted_at is None:
+            mirror.noted_at = self.reactor.seconds()
+        if mirror.fetching:
+            mirror.again = True
+            return
+        self._fetch(mirror)
+
+    def _fetch(self, mirror: _Mirror) -> None:
+        mirror.fetching, mirror.again = True, False
+        target, op = mirror.noted, mirror.op
+        if self.client is None:
+            mirror.fetching = False
+            return
+
+        def fetched(reply) -> None:
+            frame = reply.frame
+            payload = memoryview(frame.payload).cast("B") if frame.payload_len else memoryview(b"")
+            tags = reply.header.get(Key.TAGS) or []
+            items, base = [], 0
+            for i, (blob, size, _ref) in enumerate(item_table(reply.header, frame.payload_len)):
+                tag = tags[i] if i < len(tags) else None
+                segments = (payload[base : base + size],) if size else ()
+                items.append(Item(blob, segments, size, tag))
+                base += size
+            self._apply(mirror, items, op, max(target, reply.header[Key.SEQ]))
+
+        def failed(error) -> None:
+            if isinstance(error, NoSuchBinError):
+                self._apply(mirror, None, "DELETE", target)
+                return
+            mirror.fetching = False
+            log.info("relay: fetching %r from upstream failed: %s", mirror.name, error)
+            # A lost connection is followed by a new listen, whose snapshot fetches again.
+            if not isinstance(error, (ConnectionLostError, AuthenticationError)):
+                self.reactor.callLater(0.2, self._noted, mirror, target, op)
+
+        try:
+            d = self.client._call(PEEK, {Key.BIN: mirror.name, Key.TAGS: True}, decode=False, zero_copy=False,
+                                  then=lambda reply: reply, timeout=None)
+        except TensorShareError as exc:
+            failed(exc)
+            return
+        d.addCallbacks(fetched, lambda failure: failed(failure.value))
+
+    def _apply(self, mirror: _Mirror, items: list[Item] | None, op: str, upstream_seq: int) -> None:
+        """Replace the local copy in one change and tell local listeners."""
+        name, storage = mirror.name, self.storage
+        exists, before = storage.state(name)[:2]
+        if op == "APPEND" and items is not None and len(items) != before + 1:
+            # Several changes in one copy: to listeners it is a new content, not one
+            # more item (a first-append listener must hear of an empty bin filling up).
+            op = "PUT"
+        try:
+            if items is None:
+                change = storage.store.delete(name) if exists else None
+            else:
+                change = storage.mirror(name, items, op)
+        except RemoteError as exc:  # a limit of this relay (max_bins...)
+            log.warning("relay: cannot mirror bin %r: %s", name, exc)
+            change = None
+        if change is not None:
+            self.publish(change)
+        mirror.synced, mirror.fetching = True, False
+        mirror.applied = upstream_seq
+        if mirror.again:
+            self._fetch(mirror)
+        else:
+            mirror.noted_at = None
+        ready = [w for w in mirror.waiters if w[0] <= mirror.applied]
+        mirror.waiters = [w for w in mirror.waiters if w[0] > mirror.applied]
+        for _seq, done in ready:
+            done(None)
+
+    def _fail_waiters(self, error: BaseException) -> None:
+        for mirror in self.mirrors.values():
+            waiters, mirror.waiters = mirror.waiters, []
+            for _seq, done in waiters:
+                done(error)
+
+    def delete_upstream(self, name: str) -> None:
+        """Delete bin ``name`` upstream, without an answer to wait for: an ephemeral bin
+        forwarded for a client of this relay whose connection ended."""
+        from tensorshare.protocol.messages import DELETE
+
+        if not self.connected:
+            return  # the upstream dropped this relay's ephemeral bins with its connection
+        try:
+            d = self.client._call(DELETE, {Key.BIN: name}, decode=False, zero_copy=False)
+        except TensorShareError as exc:
+            log.info("relay: could not delete ephemeral bin %r upstream: %s", name, exc)
+            return
+        d.addErrback(lambda failure: log.info("relay: could not delete ephemeral bin %r upstream: %s", name,
+                                              failure.getErrorMessage()))
+
+    # -- status
+
+    def status(self) -> dict:
+        """How this relay stands (LIST's ``relay`` field, PROTOCOL.md §11)."""
+        now = self.reactor.seconds()
+        pending = [m.noted_at for m in self.mirrors.values() if m.noted_at is not None]
+        state = {
+            "upstream": self.where,
+            "connected": self.connected,
+            "bins": len(self.mirrors),  # bins mirrored
+            "behind": len(pending),  # of which with upstream changes not yet mirrored
+            "lag": round(now - min(pending), 6) if pending else 0.0,  # seconds the oldest of them waits
+        }
+        if self.failure:
+            state["error"] = self.failure
+        return state

@@ -1,0 +1,164 @@
+"""Bins spread over several servers: :class:`ShardedClient`, routed on the client side.
+
+Each bin lives on one server, chosen by rendezvous (highest random weight)
+hashing of the bin name with each server's address: every client that is given
+the same server list picks the same server for a bin, with no coordinator, and
+adding a server to a list of n moves only the bins that now hash highest to it
+(about 1/(n+1) of them); removing one moves only its own bins.  A bin's verbs go
+to its server unchanged, so every guarantee of one server (atomic items, ``seq``,
+listens, ``--data-dir`` durability) holds per bin; :meth:`ShardedClient.list`
+merges the listings of all servers.  Nothing spans two bins, as on one server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterable
+
+from .client import Client
+from .errors import UsageError
+
+_DEFAULT = object()
+
+
+def parse_server(server: str | tuple[str, int]) -> tuple[str, int]:
+    """``"host:port"`` or ``(host, port)`` as ``(host, port)``."""
+    if isinstance(server, tuple) and len(server) == 2:
+        host, port = server
+    elif isinstance(server, str):
+        host, sep, port = server.rpartition(":")
+        if not sep:
+            raise UsageError(f"a server is 'host:port', not {server!r}")
+        host = host.strip("[]")
+    else:
+        raise UsageError(f"a server is 'host:port' or (host, port), not {server!r}")
+    try:
+        port = int(port)
+    except (TypeError, ValueError):
+        raise UsageError(f"bad port in {server!r}") from None
+    if not host or not 0 < port < 65536:
+        raise UsageError(f"bad server address {server!r}")
+    return host, port
+
+
+def rendezvous(name: str, keys: list[str]) -> int:
+    """Index of the key that ``name`` hashes highest with (rendezvous hashing)."""
+    encoded = name.encode("utf-8", "surrogatepass")
+    best, best_index = b"", 0
+    for index, key in enumerate(keys):
+        weight = hashlib.blake2b(encoded, digest_size=8, key=key.encode()[:64]).digest()
+        if weight > best:
+            best, best_index = weight, index
+    return best_index
+
+
+class ShardedClient:
+    """A :class:`~tensorshare.Client` over several servers, each bin on one of them.
+
+    >>> client = ShardedClient(["host1:8000", "host2:8000"], timeout=30, token=...)
+    >>> client.put("params", state_dict)          # on the server "params" hashes to
+    >>> client.list()                             # every server's bins, merged
+
+    ``client_options`` go to each server's :class:`Client`.  A server that is
+    down fails the calls for its own bins (the others carry on); its client
+    reconnects as any :class:`Client` does.  The servers' order does not matter;
+    their addresses, as given, are the hash keys: give every client the same
+    spelling.
+    """
+
+    def __init__(self, servers: Iterable[str | tuple[str, int]], **client_options):
+        addresses = [parse_server(server) for server in servers]
+        if not addresses:
+            raise UsageError("ShardedClient needs at least one server")
+        self.keys = [f"{host}:{port}" for host, port in addresses]
+        if len(set(self.keys)) != len(self.keys):
+            raise UsageError(f"a server is listed twice: {self.keys}")
+        self.clients: list[Client] = []
+        try:
+            for host, port in addresses:
+                self.clients.append(Client(host, port, **client_options))
+        except BaseException:
+            self.close()
+            raise
+
+    def server_for(self, bin: str) -> str:
+        """The ``host:port`` that holds ``bin``."""
+        return self.keys[rendezvous(bin, self.keys)]
+
+    def client_for(self, bin: str) -> Client:
+        """The :class:`Client` of the server that holds ``bin``."""
+        return self.clients[rendezvous(bin, self.keys)]
+
+    # -- the verbs of one bin go to its server
+
+    def put(self, bin: str, value: Any, **options) -> Any:
+        return self.client_for(bin).put(bin, value, **options)
+
+    def append(self, bin: str, value: Any, **options) -> Any:
+        return self.client_for(bin).append(bin, value, **options)
+
+    def get(self, bin: str, *args, **options) -> Any:
+        return self.client_for(bin).get(bin, *args, **options)
+
+    def peek(self, bin: str, *args, **options) -> Any:
+        return self.client_for(bin).peek(bin, *args, **options)
+
+    def save(self, bin: str, path, **options) -> Any:
+        return self.client_for(bin).save(bin, path, **options)
+
+    def delete(self, bin: str, *args, **options) -> Any:
+        return self.client_for(bin).delete(bin, *args, **options)
+
+    def listen(self, bin: str, callback: Callable, *args, **options) -> Any:
+        return self.client_for(bin).listen(bin, callback, *args, **options)
+
+    def unlisten(self, bin: str, callback: Callable | None = None) -> Any:
+        return self.client_for(bin).unlisten(bin, callback)
+
+    def submit(self, op, bin: str, *args, **options) -> None:
+        """:meth:`Client.submit` on ``bin``'s server (every verb that names a bin)."""
+        if bin is None:
+            raise UsageError("ShardedClient.submit needs a bin (it picks the server)")
+        self.client_for(bin).submit(op, bin, *args, **options)
+
+    def shared(self, value: Any, bin: str) -> Any:
+        """:meth:`Client.shared` for a value that will be put into ``bin``."""
+        return self.client_for(bin).shared(value)
+
+    # -- all servers
+
+    def list(self, timeout=_DEFAULT) -> dict[str, int]:
+        """``{bin: n_items}`` of every server, merged (asked in parallel)."""
+        kwargs = {} if timeout is _DEFAULT else {"timeout": timeout}
+        merged: dict[str, int] = {}
+        for listing in self._each(lambda client: client.list(**kwargs)):
+            merged.update(listing)
+        return merged
+
+    def ping(self, timeout=_DEFAULT) -> list[float]:
+        """Round-trip times to each server, in the order given."""
+        kwargs = {} if timeout is _DEFAULT else {"timeout": timeout}
+        return self._each(lambda client: client.ping(**kwargs))
+
+    def _each(self, fn: Callable[[Client], Any]) -> list:
+        if len(self.clients) == 1:
+            return [fn(self.clients[0])]
+        with ThreadPoolExecutor(len(self.clients)) as pool:
+            return list(pool.map(fn, self.clients))
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+
+    def __enter__(self) -> "ShardedClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"ShardedClient({self.keys!r})"
+
+
+__all__ = ["ShardedClient", "rendezvous", "parse_server"]
