@@ -21,4 +21,6 @@ Modules, one job each:
 * :mod:`.runner`     -- runs the sections of a profile and returns the results dict
 * :mod:`.report`     -- writes ``results/latest.json``, ``latest.md`` and ``latest-*.png``
 * :mod:`.smoke`      -- ``run_smoke()``: the tiny profile, for the test suite
+* :mod:`.tables_engine_bench` -- the table engine alone (``python -m benchmarks.tables_engine_bench``):
+  prioritized sampling and row gathers beside plain numpy; not part of the profiles
 """

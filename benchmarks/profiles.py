@@ -72,10 +72,19 @@ class Profile:
     mh_roll_shards: tuple[int, ...] = (1, 2, 4)
     mh_roll_bytes: int = 256 << 10     # one rollout
     mh_roll_run_s: float = 2.0
+    # 11. tables (a replay buffer in the server)
+    tables_rows: int = 100_000         # transitions of 28 KB (obs 4x84x84 uint8) the sampled table holds
+    tables_reps: int = 20              # timed samples of 256
+    tables_redis_keys: int = 20_000    # keys of the Redis baseline (the same bytes per key)
+    tables_prio_rows: int = 1_000_000  # rows of the prioritized table (sample + update of 256)
+    tables_actors: int = 8             # actor processes inserting batches of 32
+    tables_actor_capacity: int = 10_000
+    tables_run_s: float = 2.0
+    tables_runs: int = 3
 
 
 QUICK = Profile(
-    name="quick", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "actors", "ops", "multihost"), time_limit_s=900, warmup=1,
+    name="quick", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "actors", "ops", "multihost", "tables"), time_limit_s=900, warmup=1,
     wire_tensor_bytes=64 * MiB, wire_reps=3, statedict_tensors=100, statedict_shape=(256, 256),
     large_sizes=(1 * MiB, 16 * MiB, 256 * MiB), large_reps=9, large_reps_big=3, large_reps_small=30,
     client_timeout_s=120,
@@ -85,10 +94,11 @@ QUICK = Profile(
     rss_total_bytes=256 * MiB, rss_bins=16, rss_runs=3,
     rl_workers=8, rl_fan_tensors=16, rl_fan_tensor_elems=1 << 20, rl_fan_reps=5,
     rl_roll_cols=(64, 8192), rl_roll_run_s=0.75, rl_roll_runs=3, rl_worker_lifetime_s=300,
+    tables_rows=20_000, tables_reps=15, tables_redis_keys=10_000, tables_run_s=1.0, tables_runs=2,
 )
 
 FULL = Profile(
-    name="full", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "actors", "ops", "multihost"), time_limit_s=3600, warmup=1,
+    name="full", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "actors", "ops", "multihost", "tables"), time_limit_s=3600, warmup=1,
     wire_tensor_bytes=256 * MiB, wire_reps=5, statedict_tensors=100, statedict_shape=(256, 256),
     large_sizes=(1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB), large_reps=7, large_reps_big=5,
     large_reps_small=50,
@@ -105,7 +115,7 @@ FULL = Profile(
 )
 
 SMOKE = Profile(
-    name="smoke", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "ops", "multihost"), time_limit_s=240, warmup=1,
+    name="smoke", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "ops", "multihost", "tables"), time_limit_s=240, warmup=1,
     wire_tensor_bytes=1 * MiB, wire_reps=1, statedict_tensors=4, statedict_shape=(16, 16),
     large_sizes=(64 << 10,), large_reps=1, large_reps_big=1, large_reps_small=1, client_timeout_s=30,
     small_ops=20, small_runs=1, pipelined_ops=200, pipelined_runs=1, async_window=16,
@@ -117,6 +127,8 @@ SMOKE = Profile(
     disk_peek_bytes=4 * MiB, disk_reps=1, disk_sd_side=16, disk_limit_bytes=8 * MiB,
     zc_bytes=4 * MiB, zc_reps=1, zc_fan_bytes=4 * MiB, zc_fan_workers=2,
     mh_workers=2, mh_fan_bytes=1 * MiB, mh_reps=1, mh_roll_shards=(1, 2), mh_roll_bytes=64 << 10, mh_roll_run_s=0.5,
+    tables_rows=512, tables_reps=1, tables_redis_keys=512, tables_prio_rows=10_000, tables_actors=2,
+    tables_actor_capacity=256, tables_run_s=0.3, tables_runs=1,
 )
 
 PROFILES = {p.name: p for p in (SMOKE, QUICK, FULL)}

@@ -14,6 +14,7 @@ import time
 
 from . import actor_learner, client_bench, disk_bench, machine, multihost_bench, rl_bench, small_ops, scaling, wire_bench, zerocopy_bench
 from . import ops_bench
+from . import tables_bench
 from .baselines import RedisPeer, TCPStorePeer
 from .procs import ChildError, PeerMissing, stop_all
 from .profiles import Profile
@@ -30,6 +31,7 @@ SECTIONS = {
     "actors": actor_learner.run,
     "ops": ops_bench.run,
     "multihost": multihost_bench.run,
+    "tables": tables_bench.run,
 }
 
 

@@ -76,8 +76,24 @@ def demo() -> None:
         proc.wait(10)
 
 
+# The torchrl extra, installed for the tests without dependency resolution: torchrl
+# 0.14 asks for tensordict<0.15, and works with the tensordict (and torch) installed.
+TORCHRL = ("torchrl==0.14.1", "pyvers", "hoptorch", "cloudpickle", "farama-notifications", "gymnasium")
+
+
+def ensure_torchrl() -> None:
+    """Install torchrl and gymnasium if missing, leaving torch and tensordict as they are
+    (their tests skip, saying so, if this fails)."""
+    if subprocess.run([str(PY), "-c", "import torchrl, gymnasium"], capture_output=True).returncode == 0:
+        return
+    print("+ pip install --no-deps " + " ".join(TORCHRL), flush=True)
+    subprocess.run([str(PY), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
+                    *TORCHRL], cwd=ROOT, check=False)
+
+
 def test(pytest_args: list[str]) -> None:
     ensure_env("test")
+    ensure_torchrl()
     os.execv(str(PY), [str(PY), "-m", "pytest", *pytest_args])
 
 

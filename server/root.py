@@ -25,6 +25,7 @@ from .net.recvpool import chunk_pool
 from .protocol.ephemeral import EphemeralBins
 from .ops.counters import Counters
 from .protocol.notify import ListenerRegistry
+from .protocol.tables import table_watcher
 from .protocol.waits import Waits
 
 log = logging.getLogger("tensorshare.server")
@@ -50,6 +51,7 @@ class ServerState:
         if self.waits is None:
             self.waits = Waits(_NoClock())
         self.listeners.watch(self.waits.changed)
+        self.listeners.watch(table_watcher(self.waits))  # a table's inserts and samples wait in queues of their own
 
     @property
     def store(self):

@@ -3,9 +3,12 @@ tests/test_original.py)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -26,3 +29,18 @@ def test_listen_example(server):
     assert result.returncode == 0, result.stderr
     assert "DELETE, now 0 item(s)" in result.stdout
     assert result.stdout.count("APPEND") == 2
+
+
+@pytest.mark.process
+def test_tables_dqn_example_trains_with_actor_processes():
+    """examples/tables_dqn.py: a server, two actor processes inserting into a table,
+    the learner sampling it, for 300 updates (learning CartPole takes minutes)."""
+    pytest.importorskip("gymnasium", reason="gymnasium is not installed (pip install tensorshare[torchrl])")
+    env = {**os.environ, "PYTHONPATH": str(EXAMPLES.parent)}
+    result = subprocess.run([sys.executable, str(EXAMPLES / "tables_dqn.py"), "--actors", "2", "--seconds", "100",
+                             "--max-updates", "300", "--report-every", "100"], capture_output=True, text=True,
+                            timeout=160, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "updates    300" in result.stdout and "done: 300 updates" in result.stdout, result.stdout
+    assert "episodes      0" not in result.stdout  # the actors played, and reported their returns
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]

@@ -40,7 +40,7 @@ from typing import Callable, Protocol
 from tensorshare.disk.areas import write_token
 from tensorshare.disk.layout import StoredItem
 from tensorshare.errors import (
-    BadRequestError, RemoteError, ServerLocalError, StorageFullError, ZeroCopyUnavailableError,
+    BadNameError, BadRequestError, RemoteError, ServerLocalError, StorageFullError, ZeroCopyUnavailableError,
 )
 from tensorshare.wire.description import DEFAULT_LIMITS, DecodeLimits
 
@@ -48,6 +48,7 @@ from .durable import DataDir
 from .shm import ShmArea
 from .spill import Area, ItemFiles, SpillArea, remove, remove_dir
 from .store import BinStore, Change, Item
+from .tablestore import TableStore
 
 log = logging.getLogger("tensorshare.server")
 
@@ -118,6 +119,9 @@ class Storage:
         self._taken: dict[str, list[Item]] = {}  # durable: items of GETs whose replies are not written yet
         self._shm_full_until = 0.0
         self._open = [True]  # cleared by close(): finalizers that run later leave the files alone
+        # Tables share the bins' namespace (see _not_a_table) and the disk tiers.
+        self.tables = TableStore(store, memory_limit=store.memory_limit, spill_root=spill and spill.items,
+                                 data_root=data_dir and data_dir.root)
 
     @property
     def durable(self) -> bool:
@@ -158,6 +162,8 @@ class Storage:
                 self._watch(item)
             self.store.load(name, items)
             count += len(items)
+        _, problems = self.tables.load()
+        self.problems += problems
         self.store.continue_from(loaded.next_number)  # sequence numbers keep growing across restarts
         return count
 
@@ -173,6 +179,7 @@ class Storage:
     def add(self, name: str, item: Item, replace: bool, done: Done, lasting: bool = True) -> None:
         """PUT (``replace``) or APPEND ``item``; ``done(change, error)`` when it is stored.
         ``lasting=False``: kept in memory (or spilled) only, never in the data directory."""
+        self._not_a_table(name)
         store = self.store
         limit = store.memory_limit
         if limit is not None and store.unspillable_bytes + len(item.description) > limit:
@@ -216,6 +223,7 @@ class Storage:
         cannot be taken."""
         if self.shm_area is None or self.data_dir is not None:
             raise ZeroCopyUnavailableError("this server takes values over TCP only")
+        self._not_a_table(name)
         self.store.check_add(name, replace)
 
         def adopted(stored, error) -> None:
@@ -281,6 +289,9 @@ class Storage:
         the DELETE is deleted with it, one after it survives, on disk as in memory.
         Items of the bin that a GET took and has not delivered yet are kept aside:
         they may go back."""
+        if name in self.tables:
+            done(self.tables.delete(name), None)
+            return
         if self.data_dir is None:
             done(self.store.delete(name), None)
             return
@@ -309,20 +320,26 @@ class Storage:
 
     def state(self, name: str) -> tuple[bool, int, int, int | None]:
         """``(exists, n_items, seq, tag)`` of bin ``name`` (see :meth:`BinStore.state`)."""
+        if name in self.tables:
+            return self.tables.state(name)
         return self.store.state(name)
 
     def listing(self) -> dict[str, int]:
-        """``{bin: n_items}`` for every bin."""
-        return self.store.listing()
+        """``{bin: n_items}`` for every bin (a table's: its rows)."""
+        listing = self.store.listing()
+        listing.update(self.tables.listing())
+        return listing
 
     def peek(self, name: str) -> list[Item]:
         """The items of bin ``name``, which keeps them (NoSuchBinError if none)."""
+        self._not_a_table(name)
         return self.store.peek(name)
 
     def take(self, name: str, limit: int | None = None) -> tuple[list[Item], Change]:
         """GET: take every item (the first ``limit``) out of bin ``name``; with a data
         directory the bin's floor moves past them on disk.  Their payload in memory
         stays counted against the budget until :meth:`delivered` (or :meth:`restore`)."""
+        self._not_a_table(name)
         items, change = self.store.get(name, limit)
         self.store.in_flight_bytes += _resident_bytes(items)
         if self.data_dir is not None and items:
@@ -368,6 +385,11 @@ class Storage:
     def _put_back(self, name: str, items: list[Item]) -> dict:
         """The disk half of :meth:`restore` (a disk thread, in the bin's lane)."""
         return self.data_dir.put_back(name, [item.files.path for item in items], self._next_number)
+
+    def _not_a_table(self, name: str) -> None:
+        """553 for a bin verb (PUT, APPEND, GET, PEEK) on a table's name."""
+        if name in self.tables:
+            raise BadNameError(f"{name!r} is a table: use its table verbs (insert, sample, read, write)")
 
     def _next_number(self) -> int:
         return next(self._numbers)
@@ -494,6 +516,7 @@ class Storage:
     def close(self) -> None:
         """The server is stopping: remove the spill and shared-memory areas (the data directory stays)."""
         self._open[0] = False
+        self.tables.close()
         if self.spill is not None:
             self.spill.close()
         if self.shm is not None:

@@ -164,6 +164,11 @@ class BinStore:
         items = self._clear(b, limit)
         return items, self._changed(name, b, "GET")
 
+    def next_seq(self) -> int:
+        """The number of a change made beside the bins (a table's, :mod:`.tablestore`)."""
+        self._seq += 1
+        return self._seq
+
     def continue_from(self, seq: int) -> None:
         """Number the next change above ``seq`` (a restarted store continues its numbering)."""
         self._seq = max(self._seq, seq)

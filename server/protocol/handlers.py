@@ -298,3 +298,6 @@ def auth_again(session, request) -> None:
     if session.state.token is None:
         raise RemoteError("this server does not use authentication", BAD_SEQUENCE)
     raise RemoteError("already authenticated", BAD_SEQUENCE)
+
+
+from . import tables as _tables  # noqa: E402,F401 - registers the table verbs (TCREATE...; PROTOCOL.md §12)

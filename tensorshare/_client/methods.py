@@ -21,14 +21,17 @@ from .listens import Listening
 
 DEFAULT = object()  # "use the client's timeout"
 
+from .tables import TableMethods  # noqa: E402 - the table verbs (it uses DEFAULT)
+
 
 def bin_fields(name: str, tag: int | None = None) -> dict:
     """The header fields of a request about bin ``name`` (with an item's ``tag``)."""
     return {Key.BIN: name} if tag is None else {Key.BIN: name, Key.TAG: tag}
 
 
-class ClientMethods:
-    """The public verbs of a tensorshare client (see the module docstring)."""
+class ClientMethods(TableMethods):
+    """The public verbs of a tensorshare client (see the module docstring); the table
+    verbs are :class:`~.tables.TableMethods`'."""
 
     def _call(self, command, fields: dict | None = None, value: Any = NO_VALUE, *, timeout=DEFAULT,
               then: Callable | None = None, on_reply: Callable | None = None, on_error: Callable | None = None,

@@ -371,8 +371,50 @@ AUTH = Command("AUTH", (Field(Key.MECH, STR), Field(Key.NONCE, BYTES), Field(Key
                reply=Message(AUTHENTICATED, (Field(Key.PROOF, BYTES), optional(Key.SHM, MAP))),
                doc="prove knowledge of the server's token (§8.4)")
 
+# -- tables (§12): a table is a kind of bin; its verbs start with T.
+# Keys, indices, priorities and probabilities travel as little-endian int64/float64
+# byte strings (one per row): 8 bytes a row, nothing to pack or check per element.
+
+class TableKey:
+    """The header keys of the table verbs (PROTOCOL.md §12)."""
+
+    SPEC, INFO, LIMITS = "spec", "info", "limits"
+    KEYS, INDICES, PRIORITIES, PROBABILITIES = "keys", "indices", "priorities", "probabilities"
+    COLUMNS = "columns"  # a rows reply: its one item is the stacked columns (else: one item per row)
+    TENSORDICT = "tensordict"  # rows came as a TensorDict: a client gives them back as one
+
+
+_TK = TableKey
+_TABLE_CHANGED = Message(DONE, (Field(Key.N, INT), Field(Key.SEQ, INT), Field(_TK.KEYS, BYTES)))
+_ROWS = Message(ITEMS, (*_ITEMS.fields, Field(_TK.KEYS, BYTES), Field(_TK.INDICES, BYTES), optional(_TK.PROBABILITIES, BYTES),
+                        optional(_TK.COLUMNS, BOOL), optional(_TK.TENSORDICT, BOOL)))
+_TABLE_INFO = Message(OK, (Field(_TK.INFO, MAP),))
+_TABLE_VALUE = (Field(Key.VALUE, BYTES, missing="missing value description"),)
+
+TCREATE = Command("TCREATE", (BIN, Field(_TK.SPEC, MAP), RELEASE), reply=_CHANGED, result=Key.N,
+                  doc="make a table (kept as it is if one with the same settings exists)")
+TINSERT = Command("TINSERT", (BIN, *_TABLE_VALUE, optional(_TK.PRIORITIES, BYTES), optional(Key.WAIT, SECONDS),
+                              optional(_TK.TENSORDICT, BOOL), RELEASE),
+                  reply=_TABLE_CHANGED, payload=True, result=_TK.KEYS,
+                  doc="add rows (waiting up to wait seconds for the rate limiter)")
+TWRITE = Command("TWRITE", (BIN, *_TABLE_VALUE, Field(_TK.INDICES, BYTES), optional(_TK.PRIORITIES, BYTES),
+                            optional(_TK.TENSORDICT, BOOL), RELEASE),
+                 reply=_TABLE_CHANGED, payload=True, result=_TK.KEYS, doc="put rows at the slot indices given")
+TSAMPLE = Command("TSAMPLE", (BIN, Field(Key.N, COUNT), optional(Key.WAIT, SECONDS), RELEASE), reply=_ROWS,
+                  result=Key.ITEMS, doc="draw n rows with the table's sampler (waiting up to wait seconds)")
+TREAD = Command("TREAD", (BIN, Field(_TK.INDICES, BYTES), RELEASE), reply=_ROWS, result=Key.ITEMS,
+                doc="read the rows at the slot indices given")
+TPRIORITY = Command("TPRIORITY", (BIN, Field(_TK.KEYS, BYTES), Field(_TK.PRIORITIES, BYTES), RELEASE),
+                    reply=Message(OK, (Field(Key.N, INT),)), result=Key.N,
+                    doc="set the priorities of the rows with these keys")
+TINFO = Command("TINFO", (BIN, RELEASE), reply=_TABLE_INFO, result=_TK.INFO,
+                doc="the table's settings, counters and rate-limiter state")
+TLIMITS = Command("TLIMITS", (BIN, Field(_TK.LIMITS, MAP), RELEASE), reply=_TABLE_INFO, result=_TK.INFO,
+                  doc="change the table's rate limits now")
+TABLE_COMMANDS = (TCREATE, TINSERT, TWRITE, TSAMPLE, TREAD, TPRIORITY, TINFO, TLIMITS)
+
 COMMANDS: dict[str, Command] = {c.verb: c for c in (PUT, APPEND, GET, PEEK, LIST, DELETE, LISTEN, UNLISTEN,
-                                                    NOOP, AUTH)}
+                                                    NOOP, AUTH, *TABLE_COMMANDS)}
 VERBS = frozenset(COMMANDS)
 VERBS_WITH_BIN = frozenset(verb for verb, c in COMMANDS.items() if c.takes_bin)
 VERBS_WITH_VALUE = frozenset(verb for verb, c in COMMANDS.items() if c.payload)

@@ -1,0 +1,35 @@
+"""The table engine: replay buffers and datasets held by the server (issue #19).
+
+Pure and synchronous, as the bin store is: no Twisted, no I/O but the column memory,
+no torch.  The server's storage layer wraps a :class:`Table` per table name and
+parks the requests it refuses for now.
+
+Modules, one job each:
+
+* :mod:`.table`       -- :class:`Table`: insert, write, sample, read, priorities, removal, info
+* :mod:`.slots`       -- slot occupancy and per-row state; how keys and slot indices relate
+* :mod:`.columns`     -- column specs, :class:`RawArray` (values in and out as bytes)
+* :mod:`.backing`     -- column memory: in RAM, or memory-mapped files in tensordict's layout
+* :mod:`.selectors`   -- the samplers and removers
+* :mod:`.sumtree`     -- batched sum tree (prioritized sampling)
+* :mod:`.mintree`     -- batched argmin tree (fifo/lifo order, the removers)
+* :mod:`.ratelimiter` -- Reverb's rate limiter, as decisions
+* :mod:`.errors`      -- the exceptions, each with its reply code
+"""
+
+from .backing import Backing, MemmapBacking, MemoryBacking, tensordict_metadata
+from .columns import ColumnSpec, RawArray, numpy_dtype
+from .errors import (
+    BadArgumentError, BatchTooLargeError, ColumnMismatchError, EmptySlotError, EmptyTableError, PriorityError,
+    SlotIndexError, TableError, TableFullError, TableSpecError, WouldBlockError,
+)
+from .ratelimiter import RateLimiter
+from .selectors import REMOVERS, SAMPLERS
+from .table import Removed, Rows, Sample, Table, Written
+
+__all__ = [
+    "Table", "Sample", "Rows", "Written", "Removed", "RateLimiter", "ColumnSpec", "RawArray", "numpy_dtype",
+    "Backing", "MemoryBacking", "MemmapBacking", "tensordict_metadata", "SAMPLERS", "REMOVERS",
+    "TableError", "TableSpecError", "BadArgumentError", "ColumnMismatchError", "SlotIndexError", "EmptySlotError",
+    "PriorityError", "TableFullError", "BatchTooLargeError", "EmptyTableError", "WouldBlockError",
+]

@@ -1,0 +1,195 @@
+"""Samplers (which rows a sample returns) and removers (which row makes room).
+
+Each keeps what it needs in step with the table: the table tells it of rows
+``added``, ``removed`` and ``reprioritized`` (slot arrays) and reads the rows' keys
+and priorities from :class:`~.slots.Slots`.
+
+* ``uniform``: every row equally likely; no index (a draw indexes the packed
+  occupied slots).
+* ``prioritized``: row ``i`` with probability ``p_i ** e / sum_j p_j ** e``
+  (``e = priority_exponent``), from a :class:`~.sumtree.SumTree`; if every weight is
+  zero, uniform.  Independent draws, or stratified (one per equal slice of the
+  total: each row's expected count in a batch is the same, its spread smaller).
+* ``fifo`` / ``lifo``: the oldest / newest row; a sample of ``n`` is ``n`` such
+  picks in a row (see :meth:`Table.sample` for how ``max_times_sampled`` makes them
+  move on).
+* removers ``fifo`` (oldest first) and ``lowest_priority`` (lowest priority, the
+  oldest of equals first), from a :class:`~.mintree.MinTree`.
+
+The fifo sampler and remover share one age index.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Real
+
+import numpy as np
+
+from .errors import PriorityError, TableSpecError
+from .mintree import MinTree
+from .slots import Slots
+from .sumtree import SumTree
+
+SAMPLERS = ("uniform", "prioritized", "fifo", "lifo")
+REMOVERS = ("fifo", "lowest_priority")
+
+
+class _Index:
+    """Default hooks: an index that needs to be told of nothing."""
+
+    def added(self, slots: np.ndarray) -> None:
+        pass
+
+    def removed(self, slots: np.ndarray) -> None:
+        pass
+
+    def reprioritized(self, slots: np.ndarray) -> None:
+        pass
+
+
+class OrderIndex(_Index):
+    """The rows in one order, kept in a :class:`MinTree`: ``"oldest"`` first,
+    ``"newest"`` first, or ``"lowest_priority"`` first (then oldest)."""
+
+    def __init__(self, slots: Slots, by: str):
+        self.slots = slots
+        self.by = by
+        self.tree = MinTree(slots.capacity, np.float64 if by == "lowest_priority" else np.int64)
+
+    def added(self, slots: np.ndarray) -> None:
+        keys = self.slots.key[slots]
+        if self.by == "oldest":
+            self.tree.set(slots, keys, keys)
+        elif self.by == "newest":
+            self.tree.set(slots, -keys, keys)
+        else:
+            self.tree.set(slots, self.slots.priority[slots], keys)
+
+    def removed(self, slots: np.ndarray) -> None:
+        self.tree.clear(slots)
+
+    def reprioritized(self, slots: np.ndarray) -> None:
+        if self.by == "lowest_priority":
+            self.tree.set(slots, self.slots.priority[slots], self.slots.key[slots])
+
+    def first(self, k: int) -> np.ndarray:
+        """The first ``k`` rows' slots in this order (fewer if the table holds fewer)."""
+        return self.tree.smallest(k)
+
+
+class UniformSampler(_Index):
+    name = "uniform"
+    ordered = False
+
+    def __init__(self, slots: Slots):
+        self.slots = slots
+
+    def check_priorities(self, priorities: np.ndarray) -> None:
+        pass
+
+    def draw(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """``n`` independent draws: ``(slots, probability of each)``."""
+        size = self.slots.size
+        return self.slots.order[rng.integers(0, size, n)], np.full(n, 1.0 / size)
+
+
+class PrioritizedSampler(UniformSampler):
+    name = "prioritized"
+
+    def __init__(self, slots: Slots, exponent: float, stratified: bool = False):
+        super().__init__(slots)
+        self.exponent = exponent
+        self.stratified = stratified
+        self.tree = SumTree(slots.capacity)
+
+    def weights(self, priorities: np.ndarray) -> np.ndarray:
+        return np.power(priorities, self.exponent)
+
+    def check_priorities(self, priorities: np.ndarray) -> None:
+        with np.errstate(over="ignore"):
+            weights = self.weights(priorities)
+        if not np.isfinite(weights).all():
+            bad = priorities[~np.isfinite(weights)][0]
+            raise PriorityError(f"priority {bad:g} ** priority_exponent {self.exponent:g} overflows")
+
+    def added(self, slots: np.ndarray) -> None:
+        self.tree.set(slots, self.weights(self.slots.priority[slots]))
+
+    def removed(self, slots: np.ndarray) -> None:
+        self.tree.set(slots, np.zeros(slots.size))
+
+    reprioritized = added
+
+    def draw(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        total = self.tree.total
+        if not total > 0.0:
+            return super().draw(n, rng)
+        if self.stratified:
+            targets = (np.arange(n) + rng.random(n)) * (total / n)
+        else:
+            targets = rng.random(n) * total
+        slots = self.tree.find(targets)
+        return slots, self.tree.get(slots) / total
+
+
+class OrderedSampler(_Index):
+    """fifo (oldest first) or lifo (newest first)."""
+
+    ordered = True
+
+    def __init__(self, name: str, index: OrderIndex):
+        self.name = name
+        self.index = index
+
+    def check_priorities(self, priorities: np.ndarray) -> None:
+        pass
+
+    def first(self, k: int) -> np.ndarray:
+        return self.index.first(k)
+
+
+class Remover:
+    """fifo or lowest_priority: the rows to remove to make room."""
+
+    def __init__(self, name: str, index: OrderIndex):
+        self.name = name
+        self.index = index
+
+    def victims(self, k: int) -> np.ndarray:
+        return self.index.first(k)
+
+
+def build(slots: Slots, sampler: str, remover: str | None, priority_exponent: float,
+          stratified: bool) -> tuple[object, Remover | None, list[_Index]]:
+    """The sampler and remover named, and every index the table must keep in step."""
+    if sampler not in SAMPLERS:
+        raise TableSpecError(f"unknown sampler {sampler!r} (one of {', '.join(SAMPLERS)})")
+    if remover is not None and remover not in REMOVERS:
+        raise TableSpecError(f"unknown remover {remover!r} (one of {', '.join(REMOVERS)}, or None)")
+    if (isinstance(priority_exponent, bool) or not isinstance(priority_exponent, Real)
+            or not math.isfinite(priority_exponent) or priority_exponent < 0):
+        raise TableSpecError(f"priority_exponent must be a finite number >= 0, not {priority_exponent!r}")
+    indexes: list[_Index] = []
+    oldest = None
+    if sampler == "fifo" or remover == "fifo":
+        oldest = OrderIndex(slots, "oldest")
+        indexes.append(oldest)
+    if sampler == "uniform":
+        chosen = UniformSampler(slots)
+    elif sampler == "prioritized":
+        chosen = PrioritizedSampler(slots, float(priority_exponent), stratified)
+        indexes.append(chosen)
+    elif sampler == "fifo":
+        chosen = OrderedSampler("fifo", oldest)
+    else:
+        newest = OrderIndex(slots, "newest")
+        indexes.append(newest)
+        chosen = OrderedSampler("lifo", newest)
+    if remover is None:
+        return chosen, None, indexes
+    if remover == "fifo":
+        return chosen, Remover("fifo", oldest), indexes
+    lowest = OrderIndex(slots, "lowest_priority")
+    indexes.append(lowest)
+    return chosen, Remover("lowest_priority", lowest), indexes

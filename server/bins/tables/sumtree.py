@@ -1,0 +1,85 @@
+"""A sum tree over a table's slots, in numpy, batched: the prioritized sampler's index.
+
+A complete binary tree in one float64 array: node 1 is the root, node ``i`` has
+children ``2i`` and ``2i + 1``, and slot ``s`` is the leaf ``leaves + s``.  Each inner
+node holds the sum of its children, recomputed from them (never adjusted by a
+difference), so rounding errors do not pile up over millions of updates.
+
+Updates and searches take whole batches: one numpy operation per tree level for the
+batch, O(log capacity) levels.  Batches of a few elements take a scalar path, where
+numpy's per-call cost would dominate.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_SCALAR_MAX = 4  # batches up to this size are updated one element at a time
+
+
+class SumTree:
+    """Non-negative weights of ``capacity`` slots, their total, and search by prefix sum."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.leaves = 1 << max(0, (capacity - 1).bit_length())
+        self.tree = np.zeros(2 * self.leaves, np.float64)
+
+    @property
+    def total(self) -> float:
+        return float(self.tree[1])
+
+    def get(self, slots: np.ndarray) -> np.ndarray:
+        return self.tree[self.leaves + slots]
+
+    def set(self, slots: np.ndarray, weights: np.ndarray) -> None:
+        """Give ``slots`` (distinct) their ``weights``, and update their ancestors."""
+        tree = self.tree
+        nodes = np.asarray(slots, np.int64) + self.leaves
+        tree[nodes] = weights
+        if nodes.size <= _SCALAR_MAX:
+            for node in nodes.tolist():
+                node >>= 1
+                while node:
+                    tree[node] = tree[2 * node] + tree[2 * node + 1]
+                    node >>= 1
+            return
+        nodes = np.unique(nodes)
+        while nodes[0] > 1:
+            nodes >>= 1
+            # nodes stay sorted as they are halved: dropping repeats needs no sort
+            keep = np.empty(nodes.size, bool)
+            keep[0] = True
+            np.not_equal(nodes[1:], nodes[:-1], out=keep[1:])
+            nodes = nodes[keep]
+            left = 2 * nodes
+            tree[nodes] = tree[left] + tree[left + 1]
+
+    def rebuild(self, weights: np.ndarray) -> None:
+        """Set every leaf from ``weights`` (``capacity`` of them) and every sum at once."""
+        tree = self.tree
+        tree[:] = 0.0
+        tree[self.leaves:self.leaves + self.capacity] = weights
+        level = self.leaves
+        while level > 1:
+            half = level // 2
+            tree[half:level] = tree[level:2 * level:2] + tree[level + 1:2 * level:2]
+            level = half
+
+    def find(self, targets: np.ndarray) -> np.ndarray:
+        """The slot whose prefix-sum interval holds each of ``targets`` (each in
+        ``[0, total)``): the first slot ``s`` with ``sum(weights[:s + 1]) > target``.
+
+        Never a slot of weight zero while the total is positive: a target that rounding
+        pushes past a subtree's sum stays on the side that has weight.
+        """
+        tree = self.tree
+        nodes = np.ones(targets.shape, np.int64)
+        u = np.array(targets, np.float64)
+        for _ in range(self.leaves.bit_length() - 1):
+            left = 2 * nodes
+            left_sum = tree[left]
+            right = (u >= left_sum) & (tree[left + 1] > 0.0)
+            u -= np.where(right, left_sum, 0.0)
+            nodes = left + right
+        return nodes - self.leaves

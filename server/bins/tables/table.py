@@ -1,0 +1,569 @@
+"""A table: rows in preallocated columns (or opaque items), sampled and removed by its
+selectors, paced by its rate limiter.
+
+Pure and synchronous: no I/O but the backing's memory, no threads, no locks (one
+thread, the server's, calls it).  Every operation checks everything before it
+changes anything, so an error leaves the table as it was.
+
+Rows are named by slot *index* or by *key* (see :mod:`.slots`): ``insert`` puts rows
+where the table chooses and returns their keys; ``write`` puts rows at the indices
+given (a row already there is replaced: it leaves the table, its key dies); ``read``
+takes indices; ``update_priorities`` and ``remove`` take keys, and ignore keys whose
+rows have left, as Reverb does (a learner's update often races a removal).
+
+Waiting is the caller's: :meth:`Table.can_insert` / :meth:`Table.can_sample` say
+whether an operation may proceed now (and raise at once for one that never could);
+the operation itself raises :class:`WouldBlockError` if called when it may not.
+:attr:`Table.version` grows with every change that can turn a refusal into a yes, so
+a caller holding parked requests re-asks only after it moved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .backing import Backing, MemoryBacking
+from .columns import ColumnSpec, RawArray, batch_rows, parse_columns
+from .errors import (
+    BadArgumentError, BatchTooLargeError, ColumnMismatchError, EmptySlotError, EmptyTableError, PriorityError,
+    TableFullError, TableSpecError, WouldBlockError,
+)
+from .ratelimiter import RateLimiter
+from .selectors import build
+from .slots import Slots, int_array
+
+MAX_CAPACITY = 1 << 40  # leaves keys 2**23 rows of history at the largest capacity
+_EMPTY = np.zeros(0, np.int64)
+_UNCHANGED: Any = object()
+
+
+@dataclass
+class Removed:
+    """Rows that left the table: their keys, and for a table of items the items (the
+    caller may release what they hold)."""
+
+    keys: np.ndarray = field(default_factory=lambda: _EMPTY)
+    items: list | None = None
+
+
+@dataclass
+class Written:
+    """What an insert or a write did: the new rows' keys and slot indices, and the rows
+    that left to make room (or were overwritten)."""
+
+    keys: np.ndarray
+    indices: np.ndarray
+    removed: Removed
+
+
+@dataclass
+class Rows:
+    """Rows read back (or sampled): per row its key, slot index, priority and how many
+    times it has been sampled, and its values: ``values`` (``{column: RawArray}`` of
+    ``[n, *shape]``) for a table of columns, ``items`` (a list) for a table of items."""
+
+    keys: np.ndarray
+    indices: np.ndarray
+    priorities: np.ndarray
+    times_sampled: np.ndarray
+    values: dict[str, RawArray] | None
+    items: list | None
+
+
+@dataclass
+class Sample(Rows):
+    """A sample: :class:`Rows` plus each row's probability of being drawn, the table's
+    size when sampled, and the rows it removed (those that reached
+    ``max_times_sampled``, after their values were taken)."""
+
+    probabilities: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    table_size: int = 0
+    removed: Removed = field(default_factory=Removed)
+
+
+class Table:
+    """One table of rows (see the module docstring)."""
+
+    def __init__(self, capacity: int, columns: Mapping[str, Any] | None = None, sampler: str = "uniform",
+                 priority_exponent: float = 1.0, remover: str | None = "fifo", max_times_sampled: int = 0,
+                 min_size_to_sample: int = 1, samples_per_insert: float | None = None,
+                 error_buffer: float | tuple[float, float] | None = None, *, stratified: bool = False,
+                 backing: Backing | None = None, rng: np.random.Generator | int | None = None):
+        if not _is_int(capacity) or not 1 <= capacity <= MAX_CAPACITY:
+            raise TableSpecError(f"capacity must be an int in [1, 2**40], not {capacity!r}")
+        if not _is_int(max_times_sampled) or max_times_sampled < 0:
+            raise TableSpecError(f"max_times_sampled must be an int >= 0 (0: no limit), not {max_times_sampled!r}")
+        self.capacity = int(capacity)
+        self.columns: tuple[ColumnSpec, ...] = parse_columns(columns)
+        self.max_times_sampled = int(max_times_sampled)
+        self._slots = Slots(self.capacity)
+        self._sampler, self._remover, self._indexes = build(self._slots, sampler, remover, priority_exponent,
+                                                            bool(stratified))
+        self._priority_exponent = float(priority_exponent)
+        self._limiter = RateLimiter(min_size_to_sample, samples_per_insert, error_buffer)
+        if min_size_to_sample > self.capacity:
+            raise TableSpecError(f"min_size_to_sample {min_size_to_sample} is above the capacity {capacity}: "
+                                 f"no sample could ever proceed")
+        self.rng = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+        self._backing = backing if backing is not None else MemoryBacking()
+        self._data = [self._backing.allocate(spec, self.capacity) for spec in self.columns]
+        self._items: list | None = None if self.columns else [None] * self.capacity
+        self.inserts = 0  # rows that entered the table (inserted or written)
+        self.samples = 0  # rows handed out by samples
+        self.removals = 0  # rows that left (removed to make room, overwritten, sampled out, removed)
+        self.version = 0
+        self._allowance = 0  # with max_times_sampled: samples the rows held may still give
+        if hasattr(self._backing, "state_array"):  # per-slot state in files too: a reopened table finds its rows
+            state = self._slots
+            for attr, dtype, fill in (("key", np.int64, -1), ("priority", np.float64, 0.0),
+                                      ("times_sampled", np.int64, 0)):
+                setattr(state, attr, self._backing.state_array(attr, dtype, self.capacity, fill))
+            self._restore()
+
+    # -- state
+
+    @property
+    def size(self) -> int:
+        return self._slots.size
+
+    @property
+    def sampler(self) -> str:
+        return self._sampler.name
+
+    @property
+    def remover(self) -> str | None:
+        return None if self._remover is None else self._remover.name
+
+    def occupied(self) -> np.ndarray:
+        """The slot indices that hold a row, in increasing order."""
+        return np.flatnonzero(self._slots.key >= 0)
+
+    def can_insert(self, n: int) -> bool:
+        """May an insert of ``n`` rows proceed now?  Raises :class:`BatchTooLargeError`
+        or :class:`TableFullError` for an insert that never could."""
+        _check_count(n)
+        if n > self.capacity:
+            raise BatchTooLargeError(f"{n} rows is more than the table's capacity {self.capacity}")
+        self._check_never_inserts(n)
+        self._slots.check_keys_left(n)
+        if self._remover is None and self.size + n > self.capacity:
+            if self.max_times_sampled == 0:
+                raise TableFullError(f"the table holds {self.size} of {self.capacity} rows and has no remover: "
+                                     f"no room for {n} more")
+            return False  # rows leave as they reach max_times_sampled
+        return n == 0 or self._limiter.can_insert(n, self.size)
+
+    def can_write(self, n: int) -> bool:
+        """May a write of ``n`` rows proceed now?  Raises as :meth:`can_insert` does."""
+        _check_count(n)
+        self._check_never_inserts(n)
+        self._slots.check_keys_left(n)
+        return n == 0 or self._limiter.can_insert(n, self.size)
+
+    def can_sample(self, n: int) -> bool:
+        """May a sample of ``n`` rows proceed now (False from an empty table)?  Raises
+        :class:`BatchTooLargeError` for a sample that never could."""
+        _check_count(n)
+        if self._limiter.never_samples(n):
+            raise BatchTooLargeError(f"a sample of {n} rows is more than the rate limiter's window "
+                                     f"({self._limiter.min_diff:g}, {self._limiter.max_diff:g}) ever lets through")
+        m = self.max_times_sampled
+        if m and n > self.capacity * m:
+            raise BatchTooLargeError(f"a sample of {n} rows is more than {self.capacity} rows sampled at most "
+                                     f"{m} times each can give")
+        if n == 0:
+            return True
+        if self.size == 0 or (m and self._allowance < n):
+            return False
+        return self._limiter.can_sample(n, self.size)
+
+    def inserts_allowed(self) -> int | None:
+        """The largest insert that may proceed now (None: no limit but the capacity)."""
+        k = self._limiter.inserts_allowed(self.size)
+        if self._remover is None:
+            room = self.capacity - self.size
+            k = room if k is None else min(k, room)
+        return k
+
+    def samples_allowed(self) -> int | None:
+        """The largest sample that may proceed now (None: no limit)."""
+        if self.size == 0:
+            return 0
+        k = self._limiter.samples_allowed(self.size)
+        if self.max_times_sampled:
+            k = self._allowance if k is None else min(k, self._allowance)
+        return k
+
+    def info(self) -> dict:
+        """The table's settings and counters, as plain Python values."""
+        return {
+            "capacity": self.capacity,
+            "size": self.size,
+            "inserts": self.inserts,
+            "samples": self.samples,
+            "removals": self.removals,
+            "sampler": self.sampler,
+            "priority_exponent": self._priority_exponent if self.sampler == "prioritized" else None,
+            "remover": self.remover,
+            "max_times_sampled": self.max_times_sampled,
+            "columns": {spec.name: spec.as_dict() for spec in self.columns} if self.columns else None,
+            "rate_limiter": self._limiter.info(self.size),
+            "inserts_allowed": self.inserts_allowed(),
+            "samples_allowed": self.samples_allowed(),
+            "version": self.version,
+        }
+
+    # -- changes
+
+    def set_limits(self, min_size_to_sample: int = _UNCHANGED, samples_per_insert: float | None = _UNCHANGED,
+                   error_buffer: float | tuple[float, float] | None = _UNCHANGED) -> None:
+        """Change the rate limiter's limits (those not given stay), at once; see
+        :mod:`.ratelimiter` for what happens to the balance."""
+        lim = self._limiter
+        if min_size_to_sample is _UNCHANGED:
+            min_size_to_sample = lim.min_size_to_sample
+        if samples_per_insert is _UNCHANGED:
+            samples_per_insert = lim.samples_per_insert
+        if error_buffer is _UNCHANGED:
+            error_buffer = None if samples_per_insert is None else lim.error_buffer
+        if _is_int(min_size_to_sample) and min_size_to_sample > self.capacity:
+            raise TableSpecError(f"min_size_to_sample {min_size_to_sample} is above the capacity {self.capacity}")
+        lim.set_limits(min_size_to_sample, samples_per_insert, error_buffer, size=self.size)
+        self.version += 1
+
+    def insert(self, batch: Mapping[str, Any] | Sequence, priorities=None) -> Written:
+        """Add rows: ``batch`` is ``{column: RawArray or numpy array}`` with the rows along
+        the first dimension (a list of items for a table of items).  Rows go to free
+        slots; when there are too few, the remover removes as many rows as needed
+        first.  ``priorities``: one per row, one for all, or None (1.0)."""
+        n, views, items = self._batch(batch)
+        priorities = self._priorities(priorities, n)
+        if n == 0:
+            return Written(_EMPTY, _EMPTY, Removed(_EMPTY, [] if self._items is not None else None))
+        if not self.can_insert(n):
+            raise WouldBlockError(f"an insert of {n} rows may not proceed now "
+                                  f"(inserts allowed now: {self.inserts_allowed()})")
+        room = self.capacity - self.size
+        slots = self._slots.free(min(n, room))
+        if n > room:
+            victims = self._remover.victims(n - room)
+            removed = self._remove(victims)
+            # free slots first, then those just freed: a fifo table fills as a ring buffer
+            slots = np.concatenate((slots, victims))
+        else:
+            removed = self._nothing_removed()
+        keys = self._put(slots, views, items, priorities)
+        return Written(keys, slots, removed)
+
+    def write(self, indices, batch: Mapping[str, Any] | Sequence, priorities=None) -> Written:
+        """Put rows at the slot ``indices`` given (distinct), as new rows with new keys;
+        rows already there leave the table first.  ``batch`` and ``priorities`` as for
+        :meth:`insert`."""
+        slots = self._slots.check_indices(indices, unique=True)
+        n, views, items = self._batch(batch)
+        if n != slots.size:
+            raise ColumnMismatchError(f"{slots.size} indices for a batch of {n} rows")
+        priorities = self._priorities(priorities, n)
+        if n == 0:
+            return Written(_EMPTY, _EMPTY, Removed(_EMPTY, [] if self._items is not None else None))
+        if not self.can_write(n):
+            raise WouldBlockError(f"a write of {n} rows may not proceed now "
+                                  f"(inserts allowed now: {self.inserts_allowed()})")
+        occupied = slots[self._slots.key[slots] >= 0]
+        removed = self._remove(occupied)
+        keys = self._put(slots, views, items, priorities)
+        return Written(keys, slots, removed)
+
+    def sample(self, n: int, rng: np.random.Generator | None = None, out: Mapping[str, Any] | None = None) -> Sample:
+        """Draw ``n`` rows with the table's sampler (``rng``: the table's own if None).
+
+        As ``n`` single samples in a row would: each drawn row's count grows by one,
+        and with ``max_times_sampled`` a row that reaches it leaves at once, so no
+        later pick of the same sample can return it (a prioritized or uniform sample
+        redraws the picks beyond a row's allowance; fifo moves on to the next row).
+
+        Each column is gathered in one ``numpy.take``, into ``out[column]`` when given
+        (a writable C-contiguous buffer of at least ``n * row_bytes`` bytes).
+        """
+        _check_count(n)
+        if self.size == 0 and n > 0:
+            raise EmptyTableError("the table holds no rows")
+        if not self.can_sample(n):
+            raise WouldBlockError(f"a sample of {n} rows may not proceed now "
+                                  f"(samples allowed now: {self.samples_allowed()})")
+        buffers = self._out_buffers(out, n)  # checked before anything changes
+        rng = self.rng if rng is None else rng
+        size = self.size
+        if n == 0:
+            slots, probabilities = _EMPTY, np.zeros(0)
+        elif self._sampler.ordered:
+            slots, probabilities = self._pick_in_order(n)
+        else:
+            slots, probabilities = self._draw(n, rng)
+        state = self._slots
+        m = self.max_times_sampled
+        uniq, counts = np.unique(slots, return_counts=True)
+        state.times_sampled[uniq] += counts
+        if m:
+            self._allowance -= n
+            done = uniq[state.times_sampled[uniq] >= m]
+            self._unlink(done[state.position[done] < state.size])  # those _draw has not taken out yet
+        else:
+            done = _EMPTY
+        values, items = self._gather(slots, buffers)
+        sample = Sample(state.key[slots], slots, state.priority[slots], state.times_sampled[slots], values, items,
+                        probabilities=probabilities, table_size=size)
+        sample.removed = Removed(state.key[done], self._forget(done))
+        self.samples += n
+        self._limiter.sampled(n)
+        self.version += 1
+        return sample
+
+    def read(self, indices, out: Mapping[str, Any] | None = None) -> Rows:
+        """The rows at slot ``indices`` (any, repeats allowed), each column in one
+        gather (into ``out`` as for :meth:`sample`).  Not a sample: counts nothing."""
+        slots = self._slots.check_indices(indices, unique=False)
+        state = self._slots
+        keys = state.key[slots]
+        empty = slots[keys < 0]
+        if empty.size:
+            raise EmptySlotError(f"slot {int(empty[0])} holds no row"
+                                 + (f" ({empty.size} such slots)" if empty.size > 1 else ""))
+        values, items = self._gather(slots, self._out_buffers(out, slots.size))
+        return Rows(keys, slots, state.priority[slots], state.times_sampled[slots], values, items)
+
+    def update_priorities(self, keys, priorities) -> int:
+        """Set the priorities of the rows ``keys`` (of a key given twice, the last wins);
+        keys whose rows have left are ignored.  Returns how many rows were updated."""
+        keys = int_array(keys, "keys")
+        if priorities is None:
+            raise PriorityError("update_priorities needs priorities")
+        priorities = self._priorities(priorities, keys.size)
+        slots = self._slots.find(keys)
+        found = slots >= 0
+        slots, priorities = slots[found], priorities[found]
+        if slots.size > 1:
+            _, last = np.unique(slots[::-1], return_index=True)
+            last = slots.size - 1 - last
+            slots, priorities = slots[last], priorities[last]
+        if slots.size:
+            self._slots.priority[slots] = priorities
+            for index in self._indexes:
+                index.reprioritized(slots)
+        return int(slots.size)
+
+    def remove(self, keys) -> Removed:
+        """Remove the rows ``keys``; keys whose rows have left are ignored."""
+        slots = self._slots.find(int_array(keys, "keys"))
+        slots = np.unique(slots[slots >= 0])
+        if not slots.size:
+            return self._nothing_removed()
+        return self._remove(slots)
+
+    def close(self) -> None:
+        """The table is gone: its backing lets go of the column memory (files)."""
+        self._data = []
+        self._backing.close()
+
+    # -- internals
+
+    def _restore(self) -> None:
+        """Take the rows the per-slot state names (a table reopened from its files):
+        with their keys, priorities and sample counts, oldest first.  The counters
+        start again (``inserts`` = the rows held) and the rate limiter's balance with
+        them, as after :meth:`set_limits`."""
+        state = self._slots
+        occupied = np.flatnonzero(np.asarray(state.key) >= 0)
+        if not occupied.size:
+            return
+        seqs = np.asarray(state.key[occupied]) // self.capacity
+        if (np.asarray(state.key[occupied]) % self.capacity != occupied).any():
+            raise TableSpecError("the table's files are not of this capacity")
+        slots = occupied[np.argsort(seqs, kind="stable")]
+        state._move(slots, into_live=True)
+        state.next_seq = int(seqs.max()) + 1
+        for index in self._indexes:
+            index.added(slots)
+        self.inserts = int(slots.size)
+        if self.max_times_sampled:
+            left = self.max_times_sampled - np.asarray(state.times_sampled[slots])
+            self._allowance = int(np.maximum(left, 0).sum())
+        self.set_limits()
+
+    def _check_never_inserts(self, n: int) -> None:
+        if self._limiter.never_inserts(n):
+            raise BatchTooLargeError(f"an insert of {n} rows is more than the rate limiter's window "
+                                     f"({self._limiter.min_diff:g}, {self._limiter.max_diff:g}) ever lets through")
+
+    def _batch(self, batch) -> tuple[int, list[np.ndarray], list | None]:
+        if self.columns:
+            n, views = batch_rows(self.columns, batch)
+            return n, views, None
+        if not isinstance(batch, (list, tuple)):
+            raise ColumnMismatchError(f"a table of items takes a list of items, not {type(batch).__name__}")
+        return len(batch), [], list(batch)
+
+    def _priorities(self, priorities, n: int) -> np.ndarray:
+        if priorities is None:
+            return np.ones(n)
+        try:
+            p = np.asarray(priorities, np.float64).reshape(-1)
+        except (TypeError, ValueError) as exc:
+            raise PriorityError(f"priorities must be numbers: {exc}") from None
+        if p.size == 1 and n != 1:
+            p = np.full(n, p[0])
+        if p.size != n:
+            raise PriorityError(f"{p.size} priorities for {n} rows")
+        bad = ~(np.isfinite(p) & (p >= 0))
+        if bad.any():
+            raise PriorityError(f"priority {p[bad][0]!r} is not a finite number >= 0")
+        self._sampler.check_priorities(p)
+        return p
+
+    def _put(self, slots: np.ndarray, views: list[np.ndarray], items: list | None, priorities: np.ndarray):
+        """Fill the free ``slots`` with new rows; returns their keys."""
+        for column, view in zip(self._data, views):
+            column[slots] = view
+        if items is not None:
+            store = self._items
+            for slot, item in zip(slots.tolist(), items):
+                store[slot] = item
+        keys = self._slots.fill(slots, priorities)
+        for index in self._indexes:
+            index.added(slots)
+        n = slots.size
+        self.inserts += n
+        self._limiter.inserted(n)
+        self._allowance += n * self.max_times_sampled
+        self.version += 1
+        return keys
+
+    def _remove(self, slots: np.ndarray) -> Removed:
+        """Take the occupied ``slots`` (distinct) out of the table."""
+        keys = self._slots.key[slots]
+        self._unlink(slots)
+        return Removed(keys, self._forget(slots))
+
+    def _unlink(self, slots: np.ndarray) -> None:
+        """Out of the occupied set and every index: no sampler or remover sees them."""
+        if slots.size:
+            self._slots.vacate(slots)
+            for index in self._indexes:
+                index.removed(slots)
+
+    def _forget(self, slots: np.ndarray) -> list | None:
+        """Clear unlinked ``slots``; returns their items (for a table of items)."""
+        items = None
+        if self._items is not None:
+            store = self._items
+            items = [store[s] for s in slots.tolist()]
+            for s in slots.tolist():
+                store[s] = None
+        if slots.size:
+            m = self.max_times_sampled
+            if m:
+                self._allowance -= int(np.sum(m - self._slots.times_sampled[slots]))
+            self._slots.forget(slots)
+            self.removals += slots.size
+            self.version += 1
+        return items
+
+    def _nothing_removed(self) -> Removed:
+        return Removed(_EMPTY, [] if self._items is not None else None)
+
+    def _pick_in_order(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """fifo/lifo: the first row in order as often as it may be sampled, then the next."""
+        m = self.max_times_sampled
+        if m == 0:
+            slots = np.repeat(self._sampler.first(1), n)
+        else:
+            candidates = self._sampler.first(min(n, self.size))
+            allowed = m - self._slots.times_sampled[candidates]
+            reach = np.cumsum(allowed)
+            last = int(np.searchsorted(reach, n))
+            counts = allowed[:last + 1].copy()
+            counts[-1] -= reach[last] - n
+            slots = np.repeat(candidates[:last + 1], counts)
+        return slots, np.ones(n)
+
+    def _draw(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """uniform/prioritized: ``n`` independent draws; with ``max_times_sampled``, the
+        draws beyond a row's allowance are redrawn once the rows that reached it are
+        taken out of the draw (the sampler's probabilities change as they would
+        between single samples)."""
+        slots, probabilities = self._sampler.draw(n, rng)
+        m = self.max_times_sampled
+        if m == 0:
+            return slots, probabilities
+        state = self._slots
+        accepted, accepted_p = _EMPTY, np.zeros(0)
+        while True:
+            every = np.concatenate((accepted, slots))
+            order = np.argsort(every, kind="stable")  # earlier picks first among equals
+            ranked = every[order]
+            first = np.ones(ranked.size, bool)
+            np.not_equal(ranked[1:], ranked[:-1], out=first[1:])
+            starts = np.maximum.accumulate(np.where(first, np.arange(ranked.size), 0))
+            within = np.empty(ranked.size, bool)
+            within[order] = np.arange(ranked.size) - starts < m - state.times_sampled[ranked]
+            fresh = within[accepted.size:]
+            accepted = np.concatenate((accepted, slots[fresh]))
+            accepted_p = np.concatenate((accepted_p, probabilities[fresh]))
+            if accepted.size == n:
+                return accepted, accepted_p
+            uniq, counts = np.unique(accepted, return_counts=True)
+            spent = uniq[counts >= m - state.times_sampled[uniq]]
+            self._unlink(spent[state.position[spent] < state.size])
+            slots, probabilities = self._sampler.draw(n - accepted.size, rng)
+
+    def _out_buffers(self, out: Mapping[str, Any] | None, n: int) -> list[np.ndarray] | None:
+        """Per column, a ``[n, row_bytes]`` uint8 array to gather into: a view of the
+        caller's ``out[column]``, or a new one."""
+        if self._items is not None:
+            return None
+        if out is not None:
+            unknown = [name for name in out if name not in {spec.name for spec in self.columns}]
+            if unknown:
+                raise ColumnMismatchError(f"out names no column {unknown[0]!r}")
+        buffers = []
+        for spec in self.columns:
+            given = None if out is None else out.get(spec.name)
+            buffers.append(np.empty((n, spec.row_bytes), np.uint8) if given is None else _out_buffer(given, n, spec))
+        return buffers
+
+    def _gather(self, slots: np.ndarray, buffers: list[np.ndarray] | None) -> tuple[dict | None, list | None]:
+        """The rows at ``slots``: one ``numpy.take`` per column into ``buffers``, or the items."""
+        if self._items is not None:
+            store = self._items
+            return None, [store[s] for s in slots.tolist()]
+        values = {}
+        for spec, column, buf in zip(self.columns, self._data, buffers):
+            # mode="clip": the slots are valid, and "raise" would gather into a temporary first
+            np.take(column, slots, axis=0, out=buf, mode="clip")
+            values[spec.name] = RawArray(spec.dtype, (slots.size, *spec.shape), buf)
+        return values, None
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _check_count(n) -> None:
+    if not _is_int(n) or n < 0:
+        raise BadArgumentError(f"a row count must be an int >= 0, not {n!r}")
+
+
+def _out_buffer(given, n: int, spec: ColumnSpec) -> np.ndarray:
+    """A ``[n, row_bytes]`` uint8 view of the start of the caller's buffer ``given``."""
+    try:
+        flat = given.reshape(-1).view(np.uint8) if isinstance(given, np.ndarray) and given.flags.c_contiguous \
+            else np.frombuffer(given, np.uint8)
+    except (TypeError, ValueError) as exc:
+        raise ColumnMismatchError(f"out[{spec.name!r}] is not a contiguous buffer: {exc}") from None
+    need = n * spec.row_bytes
+    if flat.size < need or not flat.flags.writeable:
+        raise ColumnMismatchError(f"out[{spec.name!r}] must be a writable buffer of at least {need} bytes")
+    return flat[:need].reshape(n, spec.row_bytes)

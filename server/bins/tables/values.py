@@ -1,0 +1,104 @@
+"""Table rows <-> the wire's value format, without torch.
+
+An insert or write carries one value (PROTOCOL.md "Value description"): for a
+table of columns, a map of column name to array whose first dimension is the rows.
+:func:`columns_of` checks its description against the payload and gives the
+arrays as :class:`~.columns.RawArray` views of the received bytes, for
+:meth:`~.table.Table.insert`.  A sample or read goes back as one value of the same
+shape, ``{column: [n, *shape]}``: :func:`gather_target` lays out its payload (each
+column at its aligned offset in one buffer, which the table gathers into) and
+writes its description.  Keys, indices and probabilities travel beside it as
+little-endian byte strings (:func:`int64_bytes`, :func:`float64_bytes`).
+"""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+
+from tensorshare.errors import BadRequestError, ProtocolError
+from tensorshare.wire.description import (
+    EXT_ARRAY, KIND_TORCH, DecodeLimits, _ArrayRef, align_up, parse_description,
+)
+
+from .columns import ColumnSpec, RawArray
+
+
+def payload_array(segments, nbytes: int) -> np.ndarray:
+    """The payload as one contiguous uint8 array: a view of a lone segment, else one copy."""
+    if not nbytes:
+        return np.zeros(0, np.uint8)
+    if len(segments) == 1:
+        return np.frombuffer(segments[0], np.uint8)
+    out = np.empty(nbytes, np.uint8)
+    at = 0
+    for segment in segments:
+        n = len(segment)
+        out[at:at + n] = np.frombuffer(segment, np.uint8)
+        at += n
+    return out
+
+
+def columns_of(blob: bytes, segments, nbytes: int, limits: DecodeLimits) -> dict[str, RawArray]:
+    """``{column: RawArray}`` of a value that is a map of column names to arrays
+    (501 for anything else); the arrays view the payload."""
+    try:
+        desc = parse_description(blob, nbytes, limits)
+    except ProtocolError as exc:
+        raise BadRequestError(f"bad value: {exc}") from None
+    tree = desc.tree
+    if type(tree) is not dict or not all(type(v) is _ArrayRef for v in tree.values()):
+        raise BadRequestError("a table of columns takes a dict of column name -> tensor (rows first)")
+    payload = payload_array(segments, nbytes)
+    batch = {}
+    for name, ref in tree.items():
+        spec = desc.arrays[ref.index]
+        batch[name] = RawArray(spec.dtype, spec.shape, payload[spec.offset:spec.offset + spec.nbytes])
+    return batch
+
+
+class Gathered:
+    """The value of ``n`` rows of every column, ready to send: its description, and
+    ``out`` (per column, where the table gathers into) inside one ``buffer``."""
+
+    __slots__ = ("description", "buffer", "out", "nbytes")
+
+    def __init__(self, specs: tuple[ColumnSpec, ...], n: int, take=None):
+        table, refs, offset = [], {}, 0
+        spans = []
+        for i, spec in enumerate(specs):
+            offset = align_up(offset)
+            size = n * spec.row_bytes
+            table.append([KIND_TORCH, spec.dtype, [n, *spec.shape], offset, size])
+            refs[spec.name] = msgpack.ExtType(EXT_ARRAY, i.to_bytes(4, "little"))
+            spans.append((spec.name, offset, size))
+            offset += size
+        self.nbytes = align_up(offset)
+        self.description = msgpack.packb({"v": refs, "t": table, "n": self.nbytes}, use_bin_type=True)
+        # A buffer a recycler hands out again (``take(nbytes)``: pages already touched,
+        # no faults while gathering), else fresh memory.
+        reused = take(self.nbytes) if take is not None and self.nbytes else None
+        self.buffer = np.empty(self.nbytes, np.uint8) if reused is None else np.frombuffer(reused, np.uint8)
+        self.out = {name: self.buffer[start:start + size] for name, start, size in spans}
+
+
+def int64_bytes(values: np.ndarray) -> bytes:
+    return np.ascontiguousarray(values, "<i8").tobytes()
+
+
+def float64_bytes(values: np.ndarray) -> bytes:
+    return np.ascontiguousarray(values, "<f8").tobytes()
+
+
+def int64_array(blob: bytes, what: str) -> np.ndarray:
+    """The little-endian int64s of ``blob`` (501 if its length is not a multiple of 8)."""
+    if len(blob) % 8:
+        raise BadRequestError(f"{what} must be little-endian int64s: {len(blob)} bytes")
+    return np.frombuffer(blob, "<i8")
+
+
+def float64_array(blob: bytes, what: str) -> np.ndarray:
+    """The little-endian float64s of ``blob`` (501 if its length is not a multiple of 8)."""
+    if len(blob) % 8:
+        raise BadRequestError(f"{what} must be little-endian float64s: {len(blob)} bytes")
+    return np.frombuffer(blob, "<f8")

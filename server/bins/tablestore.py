@@ -1,0 +1,270 @@
+"""The server's tables by name: made, found, listed, deleted, reloaded (issue #19).
+
+A table is a kind of bin: its name is in the one namespace of bins (a name is a
+bin or a table, never both), it shows in LIST with its row count, its changes get
+sequence numbers from the bin store's counter and reach listeners like a bin's.
+The rows themselves are the pure :class:`~.tables.Table`'s; where its columns live
+is the backing's, chosen here:
+
+* in memory, while the preallocated columns of every table held in memory fit
+  under ``memory_limit``;
+* past it, in memory-mapped files in the spill area (``<spill>/tables/<n>/``),
+  which the kernel pages in and out: a table far larger than the memory budget
+  works, at the speed of the disk for rows not in the page cache;
+* with a data directory, always in files, durable (a table of items, which has no
+  columns, is held in memory only and does not survive a restart): ``<data>/tables/<hash>/``
+  holds ``table.json`` (name and settings), one ``<column>.memmap`` file per column
+  and ``meta.json`` in tensordict's memmap layout (``TensorDict.load_memmap`` opens
+  the columns), and ``_slots/`` (each slot's key, priority and sample count).
+  Rows are in the files as soon as they are in the table (shared mappings: the
+  page cache keeps what a killed server wrote), and a restarted server reopens
+  every table with its rows, keys and priorities (:meth:`TableStore.load`).
+
+Making a table creates sparse files (no data is written) and runs on the
+caller's thread, as the rest of a table's work does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any
+
+from tensorshare.errors import BadNameError, NoSuchBinError, RemoteError, StorageFullError, TooLargeError
+
+from .store import BinStore, Change
+from .tables import MemmapBacking, MemoryBacking, Table, TableSpecError, tensordict_metadata
+from .tables.columns import parse_columns
+
+log = logging.getLogger("tensorshare.server")
+
+# The settings a table is made with: name -> default (PROTOCOL.md §12).
+SPEC_DEFAULTS: dict[str, Any] = {
+    "capacity": None, "columns": None, "sampler": "uniform", "priority_exponent": 1.0, "remover": "fifo",
+    "max_times_sampled": 0, "min_size_to_sample": 1, "samples_per_insert": None, "error_buffer": None,
+}
+LIMIT_KEYS = ("min_size_to_sample", "samples_per_insert", "error_buffer")
+# Slots a table may have: each costs about 80 bytes of state in memory (key, priority,
+# count, order, the samplers' trees), whatever the columns hold.
+MAX_ROWS = 1 << 26
+
+
+def parse_spec(spec: dict) -> dict:
+    """The full settings of a table from a TCREATE's ``spec`` (defaults filled in);
+    501 (:class:`TableSpecError`) for an unknown key or a value of the wrong kind."""
+    unknown = [k for k in spec if k not in SPEC_DEFAULTS]
+    if unknown:
+        raise TableSpecError(f"unknown table setting {unknown[0]!r:.60} (known: {', '.join(SPEC_DEFAULTS)})")
+    full = {**SPEC_DEFAULTS, **spec}
+    if full["capacity"] is None:
+        raise TableSpecError("a table needs a capacity")
+    eb = full["error_buffer"]
+    if isinstance(eb, list):
+        full["error_buffer"] = tuple(eb)
+    full["columns"] = {s.name: s.as_dict() for s in parse_columns(full["columns"])} or None
+    return full
+
+
+@dataclass
+class TableEntry:
+    """One table of the server: its settings as made, the table, its last change's seq."""
+
+    name: str
+    spec: dict
+    table: Table
+    seq: int = 0
+    resident: int = 0  # column bytes it holds in memory (not in files)
+    directory: str | None = None  # its files (spilled or durable)
+    tensordict: bool = False  # rows came as TensorDicts: replies say so (clients give TensorDicts back)
+
+
+class TableStore:
+    """The tables of one server, beside the bins of ``store`` (one namespace)."""
+
+    def __init__(self, store: BinStore, max_tables: int = 10_000, max_table_bytes: int | None = None, *,
+                 memory_limit: int | None = None, spill_root: str | None = None, data_root: str | None = None):
+        self.store = store
+        self.max_tables = max_tables
+        self.max_table_bytes = max_table_bytes  # column bytes a table may preallocate (None: no bound)
+        self.memory_limit = memory_limit  # column bytes of all tables held in memory
+        self.spill_root = None if spill_root is None else os.path.join(spill_root, "tables")
+        self.data_root = None if data_root is None else os.path.join(data_root, "tables")
+        self.resident = 0  # column bytes of the tables held in memory
+        self._spilled = itertools.count()
+        self._tables: dict[str, TableEntry] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tables
+
+    def current(self, name: str) -> TableEntry | None:
+        """The table named ``name`` now, or None."""
+        return self._tables.get(name)
+
+    def get(self, name: str) -> TableEntry:
+        entry = self._tables.get(name)
+        if entry is None:
+            if self.store.state(name)[0]:
+                raise BadNameError(f"{name!r} is a bin, not a table")
+            raise NoSuchBinError(f"no table named {name!r}")
+        return entry
+
+    def create(self, name: str, spec: dict) -> tuple[TableEntry, Change | None]:
+        """Make table ``name`` with ``spec`` (see :func:`parse_spec`).  A table already
+        there with the same settings is kept as it is (change None); with other
+        settings, or a bin of that name, 553."""
+        full = parse_spec(spec)
+        entry = self._tables.get(name)
+        if entry is not None:  # (the rate limits may have been changed since: they do not count)
+            if _fixed(entry.spec) != _fixed(full):
+                raise BadNameError(f"table {name!r} exists with other settings: delete it first")
+            return entry, None
+        if self.store.state(name)[0]:
+            raise BadNameError(f"{name!r} is a bin: a table needs a name no bin uses")
+        if len(self._tables) >= self.max_tables:
+            raise TooLargeError(f"the server already holds {self.max_tables} tables")
+        if type(full["capacity"]) is int and full["capacity"] > MAX_ROWS:
+            raise TooLargeError(f"a table has at most {MAX_ROWS} rows, not {full['capacity']}")
+        row_bytes = sum(math.prod(c["shape"]) * _width(c["dtype"]) for c in (full["columns"] or {}).values())
+        if self.max_table_bytes is not None and full["capacity"] * row_bytes > self.max_table_bytes:
+            raise TooLargeError(f"{full['capacity']} rows of {row_bytes} bytes are more than the "
+                                f"{self.max_table_bytes} bytes a table may take")
+        nbytes = full["capacity"] * row_bytes
+        directory = backing = None
+        if not full["columns"]:
+            pass  # a table of items holds them in memory, as received: it is neither spilled nor durable
+        elif self.data_root is not None:
+            directory = os.path.join(self.data_root, _dir_key(name))
+            shutil.rmtree(directory, ignore_errors=True)  # a table deleted by a server killed meanwhile
+            backing = MemmapBacking(directory, keep=True)
+        elif (self.memory_limit is not None and nbytes
+              and self.store.resident_bytes + self.resident + nbytes > self.memory_limit):
+            if self.spill_root is None:
+                raise StorageFullError(f"a table of {nbytes} bytes does not fit in the memory budget")
+            directory = os.path.join(self.spill_root, str(next(self._spilled)))
+            backing = MemmapBacking(directory, keep=False)
+        try:
+            table = self._table(full, backing)
+            if directory is not None and self.data_root is not None:
+                _write_json(os.path.join(directory, "meta.json"), tensordict_metadata(table.columns, table.capacity))
+                _write_json(os.path.join(directory, "table.json"), {"name": name, "spec": _json_spec(full)})
+        except OSError as exc:
+            if backing is not None:
+                backing.close()
+                if directory is not None:
+                    shutil.rmtree(directory, ignore_errors=True)
+            raise StorageFullError(f"cannot make the table's files: {exc.strerror or exc}") from None
+        resident = nbytes if backing is None else 0
+        self.resident += resident
+        entry = self._tables[name] = TableEntry(name, full, table, resident=resident, directory=directory)
+        return entry, self.changed(entry, "CREATE")
+
+    @staticmethod
+    def _table(full: dict, backing) -> Table:
+        try:
+            return Table(full["capacity"], full["columns"], full["sampler"], full["priority_exponent"],
+                         full["remover"], full["max_times_sampled"], full["min_size_to_sample"],
+                         full["samples_per_insert"], full["error_buffer"], backing=backing or MemoryBacking())
+        except MemoryError:
+            raise StorageFullError(f"no memory for a table of {full['capacity']} rows") from None
+        except (TypeError, ValueError) as exc:  # a setting of the wrong kind the engine did not name
+            raise TableSpecError(f"bad table settings: {exc}") from None
+
+    def load(self) -> tuple[int, list[str]]:
+        """Reopen the tables of the data directory; returns ``(tables, problems)``."""
+        if self.data_root is None or not os.path.isdir(self.data_root):
+            return 0, []
+        problems = []
+        for entry_name in sorted(os.listdir(self.data_root)):
+            directory = os.path.join(self.data_root, entry_name)
+            try:
+                with open(os.path.join(directory, "table.json")) as f:
+                    saved = json.load(f)
+                name, full = saved["name"], parse_spec(saved["spec"])
+                if _dir_key(name) != entry_name or name in self._tables:
+                    raise ValueError("its name does not match its directory")
+                table = self._table(full, MemmapBacking(directory, keep=True, reopen=True))
+            except (OSError, ValueError, KeyError, TypeError, RemoteError) as exc:
+                problems.append(f"table directory {entry_name}: {exc}")
+                continue
+            self._tables[name] = TableEntry(name, full, table, directory=directory,
+                                            tensordict=bool(saved.get("tensordict")))
+        for problem in problems:
+            log.warning("data directory: skipped %s", problem)
+        return len(self._tables), problems
+
+    def mark_tensordict(self, entry: TableEntry) -> None:
+        """Rows of ``entry`` came as TensorDicts: replies say so from now on (and after a
+        restart, for a durable table)."""
+        if entry.tensordict:
+            return
+        entry.tensordict = True
+        if self.data_root is not None and entry.directory is not None:
+            try:
+                _write_json(os.path.join(entry.directory, "table.json"),
+                            {"name": entry.name, "spec": _json_spec(entry.spec), "tensordict": True})
+            except OSError as exc:
+                log.warning("could not note in table %r's files that it holds TensorDicts: %s", entry.name, exc)
+
+    def changed(self, entry: TableEntry, op: str) -> Change:
+        """A change of ``entry``'s table, numbered, for its listeners."""
+        entry.seq = self.store.next_seq()
+        return Change(entry.name, entry.table.size, entry.seq, op)
+
+    def delete(self, name: str) -> Change:
+        entry = self._tables.pop(name, None)
+        if entry is None:
+            raise NoSuchBinError(f"no table named {name!r}")
+        entry.table.close()
+        self.resident -= entry.resident
+        if entry.directory is not None:
+            shutil.rmtree(entry.directory, ignore_errors=True)
+        return Change(name, 0, self.store.next_seq(), "DELETE")
+
+    def close(self) -> None:
+        """The server stops: spilled tables' files go (durable ones stay)."""
+        for entry in self._tables.values():
+            if self.data_root is None:
+                entry.table.close()
+
+    def listing(self) -> dict[str, int]:
+        return {name: entry.table.size for name, entry in self._tables.items()}
+
+    def state(self, name: str) -> tuple[bool, int, int, None]:
+        entry = self._tables[name]
+        return True, entry.table.size, entry.seq, None
+
+
+def _dir_key(name: str) -> str:
+    """A table's directory name: names are data, never paths."""
+    return hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def _json_spec(full: dict) -> dict:
+    spec = dict(full)
+    if isinstance(spec["error_buffer"], tuple):
+        spec["error_buffer"] = list(spec["error_buffer"])
+    return spec
+
+
+def _write_json(path: str, value) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(value, f)
+    os.replace(tmp, path)
+
+
+def _fixed(spec: dict) -> dict:
+    """The settings of a table that cannot change while it lives."""
+    return {k: v for k, v in spec.items() if k not in LIMIT_KEYS}
+
+
+def _width(dtype: str) -> int:
+    from tensorshare.wire.dtypes import TORCH_WIDTHS
+
+    return TORCH_WIDTHS[dtype]

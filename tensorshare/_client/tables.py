@@ -1,0 +1,233 @@
+"""The table verbs of both clients (PROTOCOL.md §12), written once.
+
+A table is a bin of rows with fixed-shape columns (or of opaque items) that the
+server samples, prioritizes and rate-limits: a replay buffer, or a dataset read and
+written at indices.  :class:`TableMethods` is mixed into
+:class:`~.methods.ClientMethods`, so :class:`tensorshare.Client` answers with the
+result and :class:`tensorshare.AsyncClient` with a Deferred of it.
+
+Keys, indices, priorities and probabilities travel as little-endian int64/float64
+bytes and come back as torch tensors.  A ``tensordict.TensorDict`` batch is sent
+as its dict of columns (tensordict stays optional).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import UsageError
+from .methods import DEFAULT
+from ..protocol.messages import (
+    MAX_WAIT, TCREATE, TINFO, TINSERT, TLIMITS, TPRIORITY, TREAD, TSAMPLE, TWRITE, Key, TableKey,
+)
+
+
+@dataclass
+class TableSample:
+    """What :meth:`TableMethods.sample` returns.
+
+    ``value``: for a table of columns ``{column: tensor [n, *shape]}`` (one gather in
+    the server, one reply), for a table of items the list of the ``n`` items.
+    ``keys`` (int64, for :meth:`~TableMethods.update_priorities`), ``indices`` (the
+    rows' slots, for :meth:`~TableMethods.read`/``write``) and ``probabilities``
+    (float64, each row's chance of being drawn, for importance weights) are ``[n]``
+    tensors."""
+
+    value: Any
+    keys: torch.Tensor
+    indices: torch.Tensor
+    probabilities: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.keys.numel())
+
+
+def _int64_bytes(values, what: str) -> bytes:
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    try:
+        array = np.asarray(values)
+        if array.dtype.kind not in "iu" and array.size:
+            raise UsageError(f"{what} must be integers, not {array.dtype}")
+        return np.ascontiguousarray(array.reshape(-1), "<i8").tobytes()
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"{what} must be integers: {exc}") from None
+
+
+def _float64_bytes(values, what: str) -> bytes:
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().to(torch.float64).numpy()
+    try:
+        return np.ascontiguousarray(np.asarray(values, np.float64).reshape(-1), "<f8").tobytes()
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"{what} must be numbers: {exc}") from None
+
+
+def _tensor(blob: bytes | None, dtype: str) -> torch.Tensor:
+    if not blob:
+        return torch.zeros(0, dtype=torch.int64 if dtype == "<i8" else torch.float64)
+    return torch.from_numpy(np.frombuffer(blob, dtype).copy())
+
+
+def _column_spec(name: str, spec) -> dict:
+    if isinstance(spec, dict):
+        shape, dtype = spec.get("shape"), spec.get("dtype")
+    else:
+        try:
+            shape, dtype = spec
+        except (TypeError, ValueError):
+            raise UsageError(f"column {name!r}: expected (shape, dtype), got {spec!r:.60}") from None
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    elif isinstance(dtype, np.dtype) or (isinstance(dtype, type) and issubclass(dtype, np.generic)):
+        dtype = np.dtype(dtype).name
+    shape = [shape] if isinstance(shape, int) else [int(d) for d in shape]
+    return {"shape": shape, "dtype": dtype}
+
+
+def _is_tensordict(batch: Any) -> bool:
+    return type(batch).__module__.startswith("tensordict") and hasattr(batch, "batch_size")
+
+
+def _as_batch(batch: Any, fields: dict) -> Any:
+    """A TensorDict's columns as a plain dict (rows first), the request marked so that
+    rows come back as a TensorDict; anything else as it is."""
+    if _is_tensordict(batch):
+        fields[TableKey.TENSORDICT] = True
+        return {key: value for key, value in batch.items()}
+    return batch
+
+
+def _rows_value(reply) -> Any:
+    """The value of a 226 rows reply: the stacked columns (a TensorDict of batch size
+    ``[n]`` if the table's rows came as TensorDicts), or the list of items."""
+    values = reply.values
+    if not reply.header.get(TableKey.COLUMNS):
+        return values
+    if reply.header.get(TableKey.TENSORDICT):
+        from tensordict import TensorDict
+
+        n = len(reply.header[TableKey.KEYS]) // 8
+        return TensorDict(values[0], batch_size=[n])
+    return values[0]
+
+
+class TableMethods:
+    """Replay buffers and datasets held by the server (see the module docstring)."""
+
+    def create_table(self, name: str, capacity: int, columns: dict | None = None, *, sampler: str = "uniform",
+                     priority_exponent: float = 1.0, remover: str | None = "fifo", max_times_sampled: int = 0,
+                     min_size_to_sample: int = 1, samples_per_insert: float | None = None,
+                     error_buffer: float | tuple[float, float] | None = None, timeout=DEFAULT) -> Any:
+        """Make table ``name`` of ``capacity`` rows; returns its row count (0, or more if
+        a table with the same settings is there already: it is kept as it is).
+
+        ``columns``: ``{column: (shape, dtype)}``, fixed-shape columns preallocated in
+        the server (a sample is one gather per column); None: a table of items (any
+        value, one per insert; samples return lists).  ``sampler``: ``"uniform"``,
+        ``"prioritized"`` (proportional to ``priority ** priority_exponent``),
+        ``"fifo"`` or ``"lifo"``; ``remover`` (which row goes when an insert finds the
+        table full): ``"fifo"``, ``"lowest_priority"`` or None (the insert waits for a
+        row to leave, with ``max_times_sampled``, or is refused).  A row sampled
+        ``max_times_sampled`` times leaves (0: never).  Rate limits (Reverb's):
+        samples wait until the table holds ``min_size_to_sample`` rows; with
+        ``samples_per_insert`` inserts and samples keep that ratio within
+        ``error_buffer``, each waiting for the other (see :meth:`set_table_limits`).
+        """
+        spec: dict = {"capacity": capacity, "sampler": sampler, "priority_exponent": priority_exponent,
+                      "remover": remover, "max_times_sampled": max_times_sampled,
+                      "min_size_to_sample": min_size_to_sample, "samples_per_insert": samples_per_insert,
+                      "error_buffer": list(error_buffer) if isinstance(error_buffer, tuple) else error_buffer}
+        if columns is not None:
+            spec["columns"] = {str(k): _column_spec(k, v) for k, v in dict(columns).items()}
+        for key in ("priority_exponent", "samples_per_insert"):
+            if isinstance(spec[key], int) and not isinstance(spec[key], bool):
+                spec[key] = float(spec[key])
+        return self._call(TCREATE, {Key.BIN: name, TableKey.SPEC: spec}, timeout=timeout)
+
+    def insert(self, name: str, batch: Any, priorities=None, *, timeout=DEFAULT) -> Any:
+        """Add rows to table ``name``; returns their keys (an int64 tensor).
+
+        ``batch``: for a table of columns a dict (or TensorDict) of tensors with the
+        rows along the first dimension; for a table of items, one item.
+        ``priorities``: one per row, one for all, or None (1.0).  When the rate limiter
+        holds inserts back, the server keeps the request (serving others) until it
+        may proceed or ``timeout`` seconds (the client's by default) have passed:
+        then :class:`~tensorshare.errors.BusyError`, a ``TimeoutError``, and nothing
+        was inserted."""
+        fields = {Key.BIN: name}
+        if priorities is not None:
+            fields[TableKey.PRIORITIES] = _float64_bytes(priorities, "priorities")
+        call_timeout = self._server_wait(fields, timeout)
+        return self._call(TINSERT, fields, _as_batch(batch, fields), timeout=call_timeout,
+                          then=lambda reply: _tensor(reply.header[TableKey.KEYS], "<i8"))
+
+    def sample(self, name: str, n: int, *, timeout=DEFAULT) -> Any:
+        """Draw ``n`` rows from table ``name`` with its sampler; returns a
+        :class:`TableSample`.  Waits in the server as :meth:`insert` does (an empty
+        table, ``min_size_to_sample``, the rate limiter), up to ``timeout``."""
+        fields = {Key.BIN: name, Key.N: n}
+        call_timeout = self._server_wait(fields, timeout)
+
+        def then(reply) -> TableSample:
+            header = reply.header
+            return TableSample(_rows_value(reply), _tensor(header[TableKey.KEYS], "<i8"),
+                               _tensor(header[TableKey.INDICES], "<i8"),
+                               _tensor(header.get(TableKey.PROBABILITIES), "<f8"))
+
+        return self._call(TSAMPLE, fields, timeout=call_timeout, then=then)
+
+    def update_priorities(self, name: str, keys, priorities, *, timeout=DEFAULT) -> Any:
+        """Set the priorities of the rows ``keys`` (from :meth:`insert` or a sample);
+        rows that left meanwhile are skipped.  Returns how many were updated."""
+        fields = {Key.BIN: name, TableKey.KEYS: _int64_bytes(keys, "keys"),
+                  TableKey.PRIORITIES: _float64_bytes(priorities, "priorities")}
+        return self._call(TPRIORITY, fields, timeout=timeout)
+
+    def write(self, name: str, indices, batch: Any, priorities=None, *, timeout=DEFAULT) -> Any:
+        """Put rows at the slot ``indices`` (distinct, in ``[0, capacity)``) of table
+        ``name``, replacing what was there (a dataset written at indices); returns
+        the new rows' keys."""
+        fields = {Key.BIN: name, TableKey.INDICES: _int64_bytes(indices, "indices")}
+        if priorities is not None:
+            fields[TableKey.PRIORITIES] = _float64_bytes(priorities, "priorities")
+        return self._call(TWRITE, fields, _as_batch(batch, fields), timeout=timeout,
+                          then=lambda reply: _tensor(reply.header[TableKey.KEYS], "<i8"))
+
+    def read(self, name: str, indices, *, timeout=DEFAULT) -> Any:
+        """The rows at slot ``indices`` (any, repeats allowed) of table ``name``:
+        ``{column: tensor [len(indices), *shape]}``, or a list of items.  Counts as no
+        sample."""
+        fields = {Key.BIN: name, TableKey.INDICES: _int64_bytes(indices, "indices")}
+        return self._call(TREAD, fields, timeout=timeout, then=_rows_value)
+
+    def table_info(self, name: str, *, timeout=DEFAULT) -> Any:
+        """Table ``name``'s settings and counters: size, capacity, inserts, samples,
+        removals, the rate limiter's state, requests waiting..."""
+        return self._call(TINFO, {Key.BIN: name}, timeout=timeout)
+
+    def set_table_limits(self, name: str, *, timeout=DEFAULT, **limits) -> Any:
+        """Change table ``name``'s rate limits now (``min_size_to_sample``,
+        ``samples_per_insert``, ``error_buffer``; those not given stay); requests
+        waiting on it are tested again at once.  Returns :meth:`table_info`."""
+        if isinstance(limits.get("error_buffer"), tuple):
+            limits["error_buffer"] = list(limits["error_buffer"])
+        if isinstance(limits.get("samples_per_insert"), int):
+            limits["samples_per_insert"] = float(limits["samples_per_insert"])
+        return self._call(TLIMITS, {Key.BIN: name, TableKey.LIMITS: limits}, timeout=timeout)
+
+    def _server_wait(self, fields: dict, timeout) -> float | None:
+        """Ask the server to hold the request up to ``timeout`` (``fields`` get
+        ``wait``); returns the call's own timeout, a little longer, so that the
+        server's answer comes first."""
+        if timeout is DEFAULT:
+            timeout = self.timeout
+        wait = MAX_WAIT if timeout is None else min(max(float(timeout), 0.0), MAX_WAIT)
+        fields[Key.WAIT] = wait
+        return wait + max(1.0, wait / 10)
+
+

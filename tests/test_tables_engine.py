@@ -1,0 +1,810 @@
+"""The table engine (server/bins/tables): columns, slots and keys, samplers, removers,
+the rate limiter, the trees under them, memory-mapped columns.  Pure code, tested
+directly: no server, no torch (but for the tensordict check)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from tensorshare.errors import BadRequestError, RemoteError, TooLargeError, TransientError
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "server" / "bins" / "tables"
+_NAME = "_tables_engine_under_test"
+# Loads the package from this checkout by its path: ``tensorshare_server`` may be
+# installed from another one, and importing it would start the whole server package.
+_LOADER = f"""
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location({_NAME!r}, {str(PACKAGE / "__init__.py")!r},
+                                              submodule_search_locations=[{str(PACKAGE)!r}])
+module = importlib.util.module_from_spec(spec)
+sys.modules[{_NAME!r}] = module
+spec.loader.exec_module(module)
+"""
+
+
+def _load():
+    if _NAME not in sys.modules:
+        exec(_LOADER, {})
+    return sys.modules[_NAME]
+
+
+tables = _load()
+Table, RawArray = tables.Table, tables.RawArray
+SumTree = sys.modules[f"{_NAME}.sumtree"].SumTree
+MinTree = sys.modules[f"{_NAME}.mintree"].MinTree
+Slots = sys.modules[f"{_NAME}.slots"].Slots
+
+
+def chi2_critical(df: int, z: float = 3.719) -> float:
+    """Upper critical value of chi-square with ``df`` degrees of freedom at the normal
+    quantile ``z`` (3.719: tail 1e-4), by the Wilson-Hilferty approximation."""
+    h = 2.0 / (9.0 * df)
+    return df * (1.0 - h + z * math.sqrt(h)) ** 3
+
+
+def chi2(counts: np.ndarray, probabilities: np.ndarray) -> float:
+    expected = probabilities / probabilities.sum() * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def scalars(n: int, start: int = 0) -> dict:
+    return {"x": np.arange(start, start + n, dtype=np.int64)}
+
+
+def x_table(capacity: int, **kw) -> Table:
+    return Table(capacity, {"x": ((), "int64")}, rng=kw.pop("rng", 0), **kw)
+
+
+def xs(rows) -> list[int]:
+    return rows.values["x"].to_numpy().tolist()
+
+
+# -- the boundary
+
+
+def test_importing_the_engine_loads_neither_torch_nor_twisted():
+    code = _LOADER + "print(sorted(m for m in ('torch', 'twisted', 'tensorshare_server') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_errors_carry_reply_codes():
+    assert issubclass(tables.ColumnMismatchError, BadRequestError) and tables.ColumnMismatchError.code == 501
+    assert issubclass(tables.TableFullError, TooLargeError) and tables.TableFullError.code == 552
+    assert issubclass(tables.WouldBlockError, TransientError) and tables.WouldBlockError.code == 450
+    assert issubclass(tables.SlotIndexError, IndexError)
+    for name in ("TableSpecError", "BadArgumentError", "ColumnMismatchError", "SlotIndexError", "EmptySlotError",
+                 "PriorityError", "TableFullError", "BatchTooLargeError", "EmptyTableError", "WouldBlockError"):
+        cls = getattr(tables, name)
+        assert issubclass(cls, tables.TableError) and issubclass(cls, RemoteError)
+    assert str(tables.EmptyTableError("empty")) == "450 empty"
+
+
+# -- specs and clear errors
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"capacity": 0}, "capacity"),
+    ({"sampler": "random"}, "unknown sampler"),
+    ({"remover": "lifo"}, "unknown remover"),
+    ({"priority_exponent": -1}, "priority_exponent"),
+    ({"max_times_sampled": -1}, "max_times_sampled"),
+    ({"columns": {"x": ((), "float128")}}, "unknown dtype"),
+    ({"columns": {"a b": ((), "int8")}}, "identifier"),
+    ({"columns": {".hidden": ((), "int8")}}, "identifier"),
+    ({"columns": {"x": ((-1,), "int8")}}, "shape"),
+    ({"columns": {"x": "int8"}}, "expected"),
+    ({"min_size_to_sample": 0}, "min_size_to_sample"),
+    ({"min_size_to_sample": 11}, "above the capacity"),
+    ({"samples_per_insert": 2.0}, "needs an error_buffer"),
+    ({"error_buffer": 5}, "needs samples_per_insert"),
+    ({"samples_per_insert": 4.0, "error_buffer": 3}, "at least"),
+    ({"samples_per_insert": 1.0, "min_size_to_sample": 5, "error_buffer": (6, 20)}, "no sample could follow"),
+])
+def test_bad_specs_are_refused(kwargs, match):
+    kwargs = {"capacity": 10, **kwargs}
+    with pytest.raises(tables.TableSpecError, match=match):
+        Table(**kwargs)
+
+
+def test_columns_accept_torch_names_and_report_their_spec():
+    t = Table(4, {"obs": ((4, 84, 84), "torch.uint8"), "r": ((), "float32")})
+    assert t.info()["columns"] == {"obs": {"shape": [4, 84, 84], "dtype": "uint8"},
+                                   "r": {"shape": [], "dtype": "float32"}}
+    assert [c.row_bytes for c in t.columns] == [4 * 84 * 84, 4]
+
+
+def test_batches_that_do_not_match_the_columns_are_refused_and_change_nothing():
+    t = Table(8, {"a": ((2,), "float32"), "b": ((), "int64")})
+    good = {"a": np.zeros((3, 2), np.float32), "b": np.zeros(3, np.int64)}
+    bad = [
+        ({**good, "c": np.zeros(3, np.int64)}, "no column named 'c'"),
+        ({"a": good["a"]}, "'b' is missing"),
+        ({**good, "a": np.zeros((3, 2), np.float64)}, "holds float32, not float64"),
+        ({**good, "a": np.zeros((3, 3), np.float32)}, "rows of shape"),
+        ({**good, "b": np.zeros(2, np.int64)}, "has 2 rows"),
+        ({**good, "b": np.array(1, np.int64)}, "leading dimension"),
+        ({**good, "a": RawArray("float32", (3, 2), b"\0" * 23)}, "23 bytes"),
+        ({**good, "a": np.zeros((3, 2), ">f4")}, "cannot be stored"),
+        ({**good, "a": [[0.0, 0.0]] * 3}, "expected a RawArray"),
+    ]
+    for batch, match in bad:
+        with pytest.raises(tables.ColumnMismatchError, match=match):
+            t.insert(batch)
+    with pytest.raises(tables.ColumnMismatchError, match="3 indices for a batch of 2"):
+        t.write([0, 1, 2], {"a": np.zeros((2, 2), np.float32), "b": np.zeros(2, np.int64)})
+    assert t.size == 0 and t.inserts == 0 and t.version == 0
+    t.insert(good)
+    assert t.size == 3
+
+
+def test_index_errors():
+    t = x_table(5)
+    t.insert(scalars(2))
+    with pytest.raises(tables.SlotIndexError, match="index 5 out of range"):
+        t.read([0, 5])
+    with pytest.raises(tables.SlotIndexError, match="out of range"):
+        t.read([-1])
+    with pytest.raises(tables.BadArgumentError, match="must be integers"):
+        t.read([0.5])
+    with pytest.raises(tables.BadArgumentError, match="must be integers"):
+        t.update_priorities(["a"], [1.0])
+    with pytest.raises(tables.BadArgumentError, match="row count"):
+        t.sample(-1)
+    with pytest.raises(tables.BadArgumentError, match="row count"):
+        t.can_insert(1.5)
+    with pytest.raises(tables.SlotIndexError, match="more than once"):
+        t.write([3, 3], scalars(2))
+    with pytest.raises(tables.EmptySlotError, match="slot 3 holds no row"):
+        t.read([1, 3])
+    with pytest.raises(tables.PriorityError):
+        t.update_priorities([0], [-1.0])
+    with pytest.raises(tables.PriorityError):
+        t.insert(scalars(2), priorities=[1.0, math.nan])
+    with pytest.raises(tables.PriorityError, match="3 priorities for 2 rows"):
+        t.insert(scalars(2), priorities=[1, 2, 3])
+    assert t.size == 2
+
+
+def test_sampling_an_empty_table_raises_and_can_sample_says_no():
+    t = x_table(5)
+    assert not t.can_sample(1)
+    with pytest.raises(tables.EmptyTableError):
+        t.sample(1)
+    assert t.sample(0).keys.size == 0
+
+
+# -- rows: keys, indices, bytes
+
+
+TWO_BYTE_AND_OTHERS = [("bfloat16", 2), ("float16", 2), ("int16", 2), ("uint8", 1), ("bool", 1),
+                       ("float32", 4), ("int64", 8), ("complex64", 8), ("float8_e4m3fn", 1), ("complex128", 16)]
+
+
+def test_write_and_read_at_arbitrary_indices_round_trip_bytes_exactly():
+    rng = np.random.default_rng(7)
+    shape = (3, 5)
+    columns = {f"c_{dtype}": (shape, dtype) for dtype, _ in TWO_BYTE_AND_OTHERS}
+    t = Table(64, columns, rng=0)
+    expected: dict[int, dict[str, bytes]] = {}
+    for _ in range(6):
+        idx = rng.choice(64, size=int(rng.integers(1, 20)), replace=False)
+        batch, rows = {}, [{} for _ in idx]
+        for dtype, width in TWO_BYTE_AND_OTHERS:
+            raw = rng.integers(0, 256, size=(idx.size, *shape, width), dtype=np.uint8)
+            batch[f"c_{dtype}"] = RawArray(dtype, (idx.size, *shape), raw.tobytes())
+            for i in range(idx.size):
+                rows[i][f"c_{dtype}"] = raw[i].tobytes()
+        t.write(idx, batch)
+        expected.update(zip(idx.tolist(), rows))
+    assert t.size == len(expected)
+    order = rng.permutation(sorted(expected))
+    back = t.read(np.concatenate([order, order[:3]]))  # any order, repeats allowed
+    for name, arr in back.values.items():
+        assert arr.dtype == name[2:] and arr.shape == (order.size + 3, *shape)
+        for i, slot in enumerate(np.concatenate([order, order[:3]]).tolist()):
+            assert arr.data[i].tobytes() == expected[slot][name]
+    assert back.values["c_float16"].to_numpy().dtype == np.float16
+    with pytest.raises(TypeError):
+        back.values["c_bfloat16"].to_numpy()
+
+
+def test_keys_grow_name_one_row_for_good_and_give_its_index():
+    t = x_table(4, remover="fifo")
+    first = t.insert(scalars(3))
+    assert first.indices.tolist() == [0, 1, 2]
+    assert (first.keys % 4 == first.indices).all() and (np.diff(first.keys) > 0).all()
+    again = t.write([1], scalars(1, 100))  # replaces the row at index 1: new key, old key dead
+    assert again.removed.keys.tolist() == [first.keys[1]] and again.keys[0] > first.keys[-1]
+    assert t.update_priorities([first.keys[1]], [5.0]) == 0  # stale key: ignored
+    assert t.update_priorities(again.keys, [5.0]) == 1
+    assert t.remove([first.keys[1], 10**15, -3]).keys.size == 0
+    assert xs(t.read([0, 1, 2])) == [0, 100, 2]
+    assert t.size == 3 and t.inserts == 4 and t.removals == 1
+
+
+def test_a_dataset_fills_slots_by_index_and_size_counts_written_slots():
+    t = x_table(1000, remover=None)
+    t.write([999, 0, 500], scalars(3))
+    assert t.size == 3
+    t.write([0], scalars(1, 7))  # overwrite: still 3
+    assert t.size == 3 and xs(t.read([0, 500, 999])) == [7, 2, 0]
+    with pytest.raises(tables.EmptySlotError):
+        t.read([1])
+
+
+def test_insert_into_a_full_table_without_remover():
+    t = x_table(3, remover=None)
+    t.insert(scalars(3))
+    with pytest.raises(tables.TableFullError):
+        t.can_insert(1)
+    with pytest.raises(tables.TableFullError):
+        t.insert(scalars(1))
+    with pytest.raises(tables.BatchTooLargeError):
+        x_table(3).insert(scalars(4))
+    # rows leave as they are sampled out: then a full table means wait
+    q = x_table(3, remover=None, sampler="fifo", max_times_sampled=1)
+    q.insert(scalars(3))
+    assert not q.can_insert(1) and q.inserts_allowed() == 0
+    with pytest.raises(tables.WouldBlockError):
+        q.insert(scalars(1))
+    version = q.version
+    assert xs(q.sample(2)) == [0, 1]
+    assert q.version > version and q.can_insert(2) and not q.can_insert(3)
+
+
+def test_a_table_of_items():
+    t = Table(3, sampler="fifo", remover="fifo", rng=0)
+    items = [object() for _ in range(5)]
+    first = t.insert(items[:3])
+    assert first.removed.items == []
+    second = t.insert(items[3:])
+    assert second.removed.items == items[:2]  # the oldest made room, handed back for release
+    assert t.sample(2).items == [items[2], items[2]]
+    assert t.read([2, 0]).items == [items[2], items[3]]
+    with pytest.raises(tables.ColumnMismatchError):
+        t.insert({"x": 1})
+    gone = t.remove(second.keys[:1])
+    assert gone.items == [items[3]]
+    assert t.info()["columns"] is None
+
+
+def test_sample_and_read_gather_into_given_buffers():
+    t = Table(16, {"obs": ((2, 3), "uint8"), "r": ((), "float32")}, rng=1)
+    t.insert({"obs": np.arange(96, dtype=np.uint8).reshape(16, 2, 3), "r": np.arange(16, dtype=np.float32)})
+    obs, r = bytearray(8 * 6), np.zeros(10, np.float32)  # r larger than needed: its start is used
+    s = t.sample(8, out={"obs": obs, "r": r})
+    assert np.shares_memory(s.values["r"].data, r)
+    assert bytes(obs) == s.values["obs"].data.tobytes()
+    assert (r[:8] == s.indices).all()
+    assert (s.values["obs"].to_numpy()[:, 0, 0] == s.indices * 6).all()
+    with pytest.raises(tables.ColumnMismatchError, match="at least 48 bytes"):
+        t.read([0] * 8, out={"obs": bytearray(47)})
+    with pytest.raises(tables.ColumnMismatchError, match="writable"):
+        t.read([0] * 8, out={"obs": bytes(48)})
+    with pytest.raises(tables.ColumnMismatchError, match="no column 'x'"):
+        t.read([0], out={"x": bytearray(8)})
+    # a bad buffer fails a sample before it counts or removes anything
+    q = Table(4, {"r": ((), "float32")}, max_times_sampled=1, rng=0)
+    q.insert({"r": np.ones(4, np.float32)})
+    with pytest.raises(tables.ColumnMismatchError):
+        q.sample(4, out={"r": bytearray(3)})
+    assert q.size == 4 and q.samples == 0 and q.sample(4).removed.keys.size == 4
+
+
+# -- samplers
+
+
+def test_uniform_sampler_distribution():
+    t = x_table(50, sampler="uniform", rng=12345)
+    t.insert(scalars(10))
+    s = t.sample(100_000)
+    counts = np.bincount(s.indices, minlength=10)
+    assert chi2(counts, np.ones(10)) < chi2_critical(9)
+    assert np.allclose(s.probabilities, 0.1)
+
+
+@pytest.mark.parametrize("stratified", [False, True])
+def test_prioritized_sampler_distribution_follows_the_exponent(stratified):
+    t = x_table(64, sampler="prioritized", priority_exponent=0.6, stratified=stratified, rng=2024)
+    priorities = np.arange(1.0, 11.0)
+    t.insert(scalars(10), priorities=priorities)
+    s = t.sample(200_000)
+    counts = np.bincount(s.indices, minlength=10)
+    expected = priorities ** 0.6
+    assert chi2(counts, expected) < chi2_critical(9)
+    assert np.allclose(s.probabilities, (expected / expected.sum())[s.indices])
+    # narrow enough to catch a wrong exponent
+    assert chi2(counts, priorities ** 0.5) > 10 * chi2_critical(9)
+    assert chi2(counts, priorities ** 0.7) > 10 * chi2_critical(9)
+
+
+def test_updated_priorities_are_reflected_in_sampling():
+    t = x_table(100, sampler="prioritized", priority_exponent=1.0, rng=99)
+    keys = t.insert(scalars(4)).keys
+    assert t.update_priorities(keys, [0.0, 1.0, 3.0, 0.0]) == 4
+    counts = np.bincount(t.sample(40_000).indices, minlength=4)
+    assert counts[0] == 0 and counts[3] == 0
+    assert chi2(counts[1:3], np.array([1.0, 3.0])) < chi2_critical(1, z=4.0) + 1
+    # a key given twice: the last priority wins; the sampler sees it
+    t.update_priorities([keys[0], keys[0], keys[1]], [50.0, 2.0, 0.0])
+    counts = np.bincount(t.sample(40_000).indices, minlength=4)
+    assert counts[1] == 0 and counts[3] == 0
+    assert chi2(counts[[0, 2]], np.array([2.0, 3.0])) < chi2_critical(1, z=4.0) + 1
+    assert t.read([0, 1, 2]).priorities.tolist() == [2.0, 0.0, 3.0]
+    # all weights zero: uniform over the rows
+    t.update_priorities(keys, [0, 0, 0, 0])
+    s = t.sample(1000)
+    assert set(s.indices.tolist()) == {0, 1, 2, 3} and np.allclose(s.probabilities, 0.25)
+
+
+def test_priority_overflowing_the_exponent_is_refused():
+    t = x_table(4, sampler="prioritized", priority_exponent=4.0)
+    with pytest.raises(tables.PriorityError, match="overflows"):
+        t.insert(scalars(1), priorities=[1e100])
+
+
+def test_fifo_and_lifo_samplers():
+    fifo = x_table(10, sampler="fifo")
+    fifo.insert(scalars(5))
+    assert xs(fifo.sample(3)) == [0, 0, 0]  # as Reverb: the oldest, as long as it stays
+    assert np.allclose(fifo.sample(1).probabilities, 1.0)
+    lifo = x_table(10, sampler="lifo")
+    lifo.insert(scalars(5))
+    lifo.insert(scalars(1, 9))
+    assert xs(lifo.sample(2)) == [9, 9]
+
+
+def test_fifo_with_max_times_sampled_moves_on_as_rows_leave():
+    q = x_table(10, sampler="fifo", max_times_sampled=1)
+    q.insert(scalars(6))
+    s = q.sample(4)
+    assert xs(s) == [0, 1, 2, 3] and q.size == 2
+    assert s.removed.keys.tolist() == s.keys.tolist() and (s.times_sampled == 1).all()
+    assert not q.can_sample(3)  # only 2 rows left to give
+    with pytest.raises(tables.WouldBlockError):
+        q.sample(3)
+    twice = x_table(10, sampler="fifo", max_times_sampled=2)
+    twice.insert(scalars(4))
+    assert xs(twice.sample(3)) == [0, 0, 1]
+    assert xs(twice.sample(3)) == [1, 2, 2]
+    assert twice.size == 1 and twice.samples_allowed() == 2
+    stack = x_table(10, sampler="lifo", max_times_sampled=1)
+    stack.insert(scalars(4))
+    assert xs(stack.sample(3)) == [3, 2, 1]
+
+
+@pytest.mark.parametrize("sampler", ["uniform", "prioritized"])
+def test_max_times_sampled_with_random_samplers(sampler):
+    t = x_table(50, sampler=sampler, max_times_sampled=2, rng=5)
+    t.insert(scalars(20), priorities=np.linspace(0.1, 5, 20))
+    s = t.sample(30)
+    seen = np.bincount(s.indices, minlength=20)
+    assert seen.max() <= 2
+    assert t.size == 20 - int((seen == 2).sum())
+    assert set(s.removed.keys.tolist()) == set(s.keys[seen[s.indices] == 2].tolist())
+    assert t.samples_allowed() == 40 - 30
+    rest = t.sample(10)  # exactly what is left
+    assert t.size == 0 and np.bincount(np.concatenate([s.indices, rest.indices]), minlength=20).tolist() == [2] * 20
+    assert t.removals == 20
+
+
+def test_max_times_sampled_one_samples_without_replacement_in_proportion():
+    # sampled one at a time, each row at most once: the first pick follows the priorities
+    firsts = np.zeros(3, int)
+    t = x_table(8, sampler="prioritized", max_times_sampled=1, rng=3)
+    for _ in range(3000):
+        t.insert(scalars(3), priorities=[1.0, 2.0, 7.0])
+        s = t.sample(3)
+        assert sorted(s.indices.tolist()) == sorted(set(s.indices.tolist()))
+        firsts[s.values["x"].to_numpy()[0]] += 1
+    assert chi2(firsts, np.array([1.0, 2.0, 7.0])) < chi2_critical(2)
+
+
+# -- removers
+
+
+def test_fifo_remover_evicts_the_oldest():
+    t = x_table(4, remover="fifo", sampler="uniform")
+    keys = t.insert(scalars(4)).keys
+    newest = t.write([1], scalars(1, 50)).keys  # index 1 now holds the newest row
+    w = t.insert(scalars(2, 10))
+    assert w.removed.keys.tolist() == [keys[0], keys[2]] and sorted(w.indices.tolist()) == [0, 2]
+    w = t.insert(scalars(2, 20))
+    assert w.removed.keys.tolist() == [keys[3], newest[0]]
+    assert sorted(xs(t.read(range(4)))) == [10, 11, 20, 21]
+    assert t.removals == 5 and t.size == 4
+
+
+def test_lowest_priority_remover_evicts_lowest_then_oldest():
+    t = x_table(5, remover="lowest_priority", sampler="uniform")
+    keys = t.insert(scalars(5), priorities=[3.0, 1.0, 2.0, 1.0, 5.0]).keys
+    low = t.insert(scalars(1, 10), priorities=[0.5])
+    assert low.removed.keys.tolist() == [keys[1]]  # priority 1, older than row 3
+    w = t.insert(scalars(2, 20), priorities=[9.0, 9.0])
+    assert w.removed.keys.tolist() == [low.keys[0], keys[3]]  # chosen among the rows already there
+    assert sorted(xs(t.read(range(5)))) == [0, 2, 4, 20, 21]
+    t2 = x_table(4, remover="lowest_priority")
+    keys = t2.insert(scalars(4), priorities=[1.0, 1.0, 1.0, 1.0]).keys
+    t2.update_priorities(keys[:2], [4.0, 4.0])
+    w = t2.insert(scalars(2, 10), priorities=[0.1, 0.1])
+    assert w.removed.keys.tolist() == keys[2:].tolist()
+    assert t2.insert(scalars(1, 20)).removed.keys.tolist() == [w.keys[0]]
+
+
+def test_a_full_fifo_table_is_a_ring_buffer():
+    t = x_table(5, remover="fifo")
+    for start, n in [(0, 3), (3, 4), (7, 1), (8, 5)]:
+        w = t.insert(scalars(n, start))
+        assert w.indices.tolist() == [i % 5 for i in range(start, start + n)]
+    assert xs(t.read(range(5))) == [10, 11, 12, 8, 9]
+
+
+# -- the rate limiter
+
+
+def test_rate_limiter_blocks_both_ways():
+    t = x_table(100, samples_per_insert=2.0, min_size_to_sample=10, error_buffer=4)  # window [16, 24]
+    assert not t.can_sample(1) and t.samples_allowed() == 0
+    assert t.can_insert(12)  # as Reverb: the balance starts at 0, and 12 rows earn 24
+    with pytest.raises(tables.BatchTooLargeError):
+        t.can_insert(13)  # 26: more than the balance can ever be below the window's top
+    t.insert(scalars(10))
+    assert t.can_sample(4) and not t.can_sample(5) and t.samples_allowed() == 4
+    assert t.can_insert(2) and not t.can_insert(3) and t.inserts_allowed() == 2
+    t.insert(scalars(2))
+    assert not t.can_insert(1)
+    with pytest.raises(tables.WouldBlockError):
+        t.insert(scalars(1))
+    version = t.version
+    t.sample(8)
+    assert t.version > version
+    assert t.can_insert(4) and not t.can_insert(5) and not t.can_sample(1)
+    with pytest.raises(tables.WouldBlockError):
+        t.sample(1)
+    info = t.info()["rate_limiter"]
+    assert (info["min_diff"], info["max_diff"], info["diff"]) == (16.0, 24.0, 16.0)
+    assert info["inserts_allowed"] == 4 and info["samples_allowed"] == 0
+
+
+def test_rate_limiter_refuses_at_once_what_it_could_never_allow():
+    t = x_table(100, samples_per_insert=1.0, min_size_to_sample=1, error_buffer=3)  # window 6 wide
+    t.insert(scalars(1))
+    assert not t.can_sample(6)
+    with pytest.raises(tables.BatchTooLargeError):
+        t.can_sample(7)
+    with pytest.raises(tables.BatchTooLargeError):
+        t.sample(7)
+    with pytest.raises(tables.BatchTooLargeError):
+        t.can_insert(7)
+    q = x_table(4, max_times_sampled=2)
+    with pytest.raises(tables.BatchTooLargeError):
+        q.can_sample(9)
+
+
+def test_limits_change_at_run_time_and_apply_at_once():
+    t = x_table(100, min_size_to_sample=5)
+    t.insert(scalars(3))
+    assert not t.can_sample(1)
+    version = t.version
+    t.set_limits(min_size_to_sample=2)
+    assert t.version > version and t.can_sample(100)
+    # a ratio starts balanced: at the centre of its window, min_size_to_sample * 1.0 = 2
+    t.set_limits(samples_per_insert=1.0, error_buffer=2)  # window [0, 4]
+    assert t.can_sample(2) and not t.can_sample(3)
+    assert t.can_insert(2) and not t.can_insert(3)
+    with pytest.raises(tables.TableSpecError):
+        t.set_limits(error_buffer=0.5)  # too narrow: refused, limits unchanged
+    assert t.can_insert(2) and not t.can_insert(3)
+    t.set_limits(error_buffer=(0, 10))
+    assert t.can_insert(8) and not t.can_insert(9)
+    t.set_limits(samples_per_insert=None)
+    assert t.can_insert(100) and t.can_sample(10_000)
+    assert t.info()["rate_limiter"]["error_buffer"] is None
+    with pytest.raises(tables.TableSpecError):
+        t.set_limits(min_size_to_sample=101)
+
+
+@settings(max_examples=60, deadline=None)
+@given(spi=st.sampled_from([0.25, 0.5, 1.0, 1.5, 3.0]), min_size=st.integers(1, 8), buffer=st.integers(3, 12),
+       ops=st.lists(st.tuples(st.sampled_from(["insert", "sample", "remove"]), st.integers(1, 5)), max_size=60))
+def test_rate_limiter_decides_as_reverbs_rule(spi, min_size, buffer, ops):
+    """Against a transcription of Reverb's RateLimiter::CanInsert / CanSample, with
+    its counters: inserts, samples, deletes."""
+    t = x_table(1000, samples_per_insert=spi, min_size_to_sample=min_size, error_buffer=buffer)
+    min_diff, max_diff = spi * min_size - buffer, spi * min_size + buffer
+    inserts = samples = deletes = 0
+    for op, n in ops:
+        reverb_insert = inserts + n - deletes <= min_size or (inserts + n) * spi - samples <= max_diff
+        reverb_sample = inserts - deletes >= min_size and inserts * spi - samples - n >= min_diff
+        assert decision(t.can_insert, n) in ((True,) if reverb_insert else (False, "never"))
+        assert decision(t.can_sample, n) in ((True,) if reverb_sample else (False, "never"))
+        if op == "insert" and reverb_insert:
+            t.insert(scalars(n))
+            inserts += n
+        elif op == "sample" and reverb_sample:
+            t.sample(n)
+            samples += n
+        elif op == "remove" and t.size:
+            deletes += t.remove(t.read(t.occupied()[:n]).keys).keys.size
+
+
+def decision(can, n: int):
+    try:
+        return can(n)
+    except tables.BatchTooLargeError:
+        return "never"
+
+
+# -- the trees under the selectors
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), capacity=st.integers(1, 70))
+def test_sum_tree_sums_and_searches_under_random_batched_updates(data, capacity):
+    tree = SumTree(capacity)
+    model = np.zeros(capacity)
+    for _ in range(data.draw(st.integers(1, 8))):
+        slots = np.array(data.draw(st.lists(st.integers(0, capacity - 1), unique=True, min_size=1)), np.int64)
+        weights = np.array(data.draw(st.lists(st.integers(0, 100), min_size=slots.size, max_size=slots.size)),
+                           np.float64)  # integers: every sum is exact, so is the search
+        tree.set(slots, weights)
+        model[slots] = weights
+        inner = np.arange(1, tree.leaves)
+        assert (tree.tree[inner] == tree.tree[2 * inner] + tree.tree[2 * inner + 1]).all()
+        assert (tree.get(np.arange(capacity)) == model).all() and tree.total == model.sum()
+    if model.sum() > 0:
+        targets = np.concatenate([np.arange(0, model.sum(), 0.5), [model.sum() - 1e-9]])
+        found = tree.find(targets)
+        assert (found == np.searchsorted(np.cumsum(model), targets, side="right")).all()
+        assert (model[found] > 0).all()
+    rebuilt = SumTree(capacity)
+    rebuilt.rebuild(model)
+    assert np.array_equal(rebuilt.tree, tree.tree)
+
+
+def test_sum_tree_never_lands_on_a_zero_weight_slot_past_the_total():
+    tree = SumTree(8)
+    tree.set(np.arange(8), np.array([0.1, 0.2, 0.0, 0.3, 0.0, 0.0, 0.0, 0.0]))
+    found = tree.find(np.array([tree.total, tree.total * (1 + 1e-12), 0.0]))
+    assert found.tolist() == [3, 3, 0]
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), capacity=st.integers(1, 40))
+def test_min_tree_orders_by_value_then_tie(data, capacity):
+    tree = MinTree(capacity, np.float64)
+    values = np.full(capacity, np.inf)
+    ties = np.full(capacity, np.iinfo(np.int64).max)
+    tie_source = iter(range(10_000))
+    for _ in range(data.draw(st.integers(1, 8))):
+        slots = np.array(data.draw(st.lists(st.integers(0, capacity - 1), unique=True, min_size=1)), np.int64)
+        if data.draw(st.booleans()):
+            new = np.array(data.draw(st.lists(st.integers(0, 3), min_size=slots.size, max_size=slots.size)),
+                           np.float64)  # few values: many ties
+            new_ties = np.array([next(tie_source) for _ in slots], np.int64)
+            tree.set(slots, new, new_ties)
+            values[slots], ties[slots] = new, new_ties
+        else:
+            tree.clear(slots)
+            values[slots], ties[slots] = np.inf, np.iinfo(np.int64).max
+        live = np.flatnonzero(values < np.inf)
+        expected = live[np.lexsort((ties[live], values[live]))]
+        for k in {1, 2, 3, capacity, capacity + 5}:
+            assert tree.smallest(k).tolist() == expected[:k].tolist()
+        assert tree.first == (expected[0] if expected.size else -1)
+
+
+class TableAgainstAModel(RuleBasedStateMachine):
+    """Random inserts, writes, removals, priority updates and samples; after each, the
+    table's rows, keys and indexes agree with a plain dictionary of rows."""
+
+    @initialize(sampler=st.sampled_from(tables.SAMPLERS), remover=st.sampled_from(tables.REMOVERS),
+                m=st.sampled_from([0, 1, 3]))
+    def make(self, sampler, remover, m):
+        self.capacity = 9
+        self.t = Table(self.capacity, {"x": ((), "int64"), "h": ((2,), "bfloat16")}, sampler=sampler,
+                       remover=remover, max_times_sampled=m, priority_exponent=0.5, rng=4)
+        self.m = m
+        self.rows: dict[int, tuple[int, int, float]] = {}  # key -> (slot, x, priority)
+        self.counter = 0
+
+    def batch(self, n: int) -> dict:
+        x = np.arange(self.counter, self.counter + n, dtype=np.int64)
+        self.counter += n
+        h = (np.repeat(x, 2) % 65536).astype(np.uint16)
+        return {"x": x, "h": RawArray("bfloat16", (n, 2), h.tobytes())}
+
+    def oldest_first(self) -> list[int]:
+        return sorted(self.rows)
+
+    @rule(n=st.integers(1, 5), p=st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0]), min_size=5, max_size=5))
+    def insert(self, n, p):
+        short = n - (self.capacity - len(self.rows))
+        if short > 0:
+            if self.remover_name == "fifo":
+                expected = self.oldest_first()[:short]
+            else:
+                expected = sorted(self.rows, key=lambda k: (self.rows[k][2], k))[:short]
+        else:
+            expected = []
+        batch = self.batch(n)
+        w = self.t.insert(batch, priorities=p[:n])
+        assert w.removed.keys.tolist() == expected
+        for key in expected:
+            del self.rows[key]
+        for key, slot, x, prio in zip(w.keys.tolist(), w.indices.tolist(), batch["x"].tolist(), p[:n]):
+            assert key % self.capacity == slot and all(key > k for k in self.rows)
+            self.rows[key] = (slot, x, prio)
+
+    @property
+    def remover_name(self):
+        return self.t.remover
+
+    @rule(data=st.data())
+    def write(self, data):
+        idx = data.draw(st.lists(st.integers(0, self.capacity - 1), unique=True, min_size=1, max_size=4))
+        batch = self.batch(len(idx))
+        replaced = sorted(k for k, row in self.rows.items() if row[0] in idx)
+        w = self.t.write(idx, batch, priorities=1.0)
+        assert sorted(w.removed.keys.tolist()) == replaced
+        for key in replaced:
+            del self.rows[key]
+        for key, slot, x in zip(w.keys.tolist(), idx, batch["x"].tolist()):
+            self.rows[key] = (slot, x, 1.0)
+
+    @rule(data=st.data())
+    def remove(self, data):
+        if not self.rows:
+            return
+        keys = data.draw(st.lists(st.sampled_from(sorted(self.rows)), max_size=3))
+        gone = self.t.remove(keys + [10**12])
+        assert sorted(gone.keys.tolist()) == sorted(set(keys))
+        for key in set(keys):
+            del self.rows[key]
+
+    @rule(data=st.data())
+    def update(self, data):
+        if not self.rows:
+            return
+        keys = data.draw(st.lists(st.sampled_from(sorted(self.rows)), min_size=1, max_size=4, unique=True))
+        p = data.draw(st.lists(st.sampled_from([0.0, 0.25, 3.0]), min_size=len(keys), max_size=len(keys)))
+        assert self.t.update_priorities(keys, p) == len(keys)
+        for key, prio in zip(keys, p):
+            slot, x, _ = self.rows[key]
+            self.rows[key] = (slot, x, prio)
+
+    @rule(n=st.integers(1, 6))
+    def sample(self, n):
+        if not self.t.can_sample(n):
+            return
+        before = dict(self.rows)
+        s = self.t.sample(n)
+        for key, slot, x in zip(s.keys.tolist(), s.indices.tolist(), s.values["x"].to_numpy().tolist()):
+            assert before[key][:2] == (slot, x)
+        if self.t.sampler == "prioritized" and any(p > 0 for _, _, p in before.values()):
+            assert all(before[k][2] > 0 for k in s.keys.tolist()) or self.m
+        if self.m:
+            counts = {}
+            for key in s.keys.tolist():
+                counts[key] = counts.get(key, 0) + 1
+            assert max(counts.values()) <= self.m
+            for key in s.removed.keys.tolist():
+                del self.rows[key]
+        else:
+            assert s.removed.keys.size == 0
+
+    @invariant()
+    def agrees(self):
+        if not hasattr(self, "t"):
+            return
+        t, state = self.t, self.t._slots
+        assert t.size == len(self.rows)
+        live = sorted(state.order[:state.size].tolist())
+        assert live == sorted(row[0] for row in self.rows.values())
+        assert (state.position[state.order] == np.arange(self.capacity)).all()
+        assert sorted(np.flatnonzero(state.key >= 0).tolist()) == live
+        if self.rows:
+            keys = sorted(self.rows)
+            back = t.read([self.rows[k][0] for k in keys])
+            assert back.keys.tolist() == keys
+            assert back.values["x"].to_numpy().tolist() == [self.rows[k][1] for k in keys]
+            assert back.priorities.tolist() == [self.rows[k][2] for k in keys]
+            h = back.values["h"].data.view(np.uint16).reshape(-1, 2)
+            assert (h[:, 0] == h[:, 1]).all() and (h[:, 0] == np.array([self.rows[k][1] for k in keys])).all()
+        if t.sampler == "prioritized":
+            weights = np.zeros(self.capacity)
+            for slot, _, prio in self.rows.values():
+                weights[slot] = prio ** 0.5
+            assert np.allclose(t._sampler.tree.get(np.arange(self.capacity)), weights)
+
+
+TableAgainstAModel.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+test_table_against_a_model = TableAgainstAModel.TestCase
+
+
+# -- memory-mapped columns
+
+
+def _workload(backing) -> list:
+    """A fixed sequence of inserts, writes, samples and priority updates; what they
+    returned, as comparable values."""
+    t = Table(64, {"obs": ((4, 6), "uint8"), "a": ((), "int64"), "v": ((3,), "bfloat16")}, sampler="prioritized",
+              priority_exponent=0.6, remover="lowest_priority", max_times_sampled=3, backing=backing, rng=11)
+    rng = np.random.default_rng(5)
+
+    def batch(n: int) -> dict:
+        return {"obs": rng.integers(0, 256, (n, 4, 6), dtype=np.uint8), "a": rng.integers(0, 1 << 40, n),
+                "v": RawArray("bfloat16", (n, 3), rng.integers(0, 256, n * 6, dtype=np.uint8).tobytes())}
+
+    seen = []
+    for step in range(12):
+        n = int(rng.integers(1, 16))
+        w = t.insert(batch(n), priorities=rng.random(n) * 3)
+        seen.append(("insert", w.keys.tolist(), w.removed.keys.tolist()))
+        if step % 3 == 2:
+            w = t.write(rng.choice(64, size=5, replace=False), batch(5))
+            seen.append(("write", w.keys.tolist(), w.removed.keys.tolist()))
+        if t.can_sample(8):
+            s = t.sample(8)
+            t.update_priorities(s.keys, rng.random(8))
+            seen.append(("sample", s.keys.tolist(), s.probabilities.tolist(),
+                         {k: v.data.tobytes() for k, v in s.values.items()}, s.removed.keys.tolist()))
+    back = t.read(t.occupied())
+    seen.append(("read", back.keys.tolist(), {k: v.data.tobytes() for k, v in back.values.items()}))
+    t.close()
+    return seen
+
+
+def test_memmap_backed_table_gives_the_same_results_as_in_memory(tmp_path):
+    assert _workload(tables.MemoryBacking()) == _workload(tables.MemmapBacking(str(tmp_path / "t")))
+    assert os.listdir(tmp_path / "t") == []  # not kept: closing deleted the files
+
+
+def test_memmap_files_are_tensordicts_layout(tmp_path):
+    directory = str(tmp_path / "replay")
+    backing = tables.MemmapBacking(directory, keep=True)
+    t = Table(10, {"obs": ((2, 3), "uint8"), "w": ((2,), "bfloat16"), "r": ((), "float32")}, backing=backing)
+    obs = np.arange(24, dtype=np.uint8).reshape(4, 2, 3)
+    w_bits = np.array([[0x3F80, 0x4000], [0x4040, 0x4080], [0xBF80, 0x0000], [0x7F80, 0x3F00]], np.uint16)
+    r = np.array([0.5, 1.5, 2.5, 3.5], np.float32)
+    t_keys = t.write([0, 3, 6, 9], {"obs": obs, "w": RawArray("bfloat16", (4, 2), w_bits.tobytes()),
+                                    "r": r}).keys.tolist()
+    assert sorted(os.listdir(directory)) == ["_slots", "obs.memmap", "r.memmap", "w.memmap"]
+    assert sorted(os.listdir(os.path.join(directory, "_slots"))) == ["key.bin", "priority.bin", "times_sampled.bin"]
+    assert os.path.getsize(os.path.join(directory, "obs.memmap")) == 10 * 6
+    raw = np.fromfile(os.path.join(directory, "r.memmap"), np.float32)
+    assert raw[[0, 3, 6, 9]].tolist() == r.tolist() and raw[[1, 2]].tolist() == [0.0, 0.0]
+    with open(os.path.join(directory, "meta.json"), "w") as f:
+        json.dump(tables.tensordict_metadata(t.columns, t.capacity), f)
+    t.close()
+    assert sorted(os.listdir(directory)) == ["_slots", "meta.json", "obs.memmap", "r.memmap", "w.memmap"]  # kept
+
+    again = Table(10, {"obs": ((2, 3), "uint8"), "w": ((2,), "bfloat16"), "r": ((), "float32")},
+                  backing=tables.MemmapBacking(directory, keep=True, reopen=True))
+    assert again._data[0][[0, 3, 6, 9]].tobytes() == obs.tobytes()
+    assert again.size == 4 and again.read([0, 3, 6, 9]).keys.tolist() == t_keys  # the rows, with their keys
+
+    tensordict = pytest.importorskip("tensordict")
+    import torch
+
+    td = tensordict.TensorDict.load_memmap(directory)
+    assert td.batch_size == torch.Size([10])
+    assert td["obs"].dtype == torch.uint8 and td["obs"].shape == (10, 2, 3)
+    assert td["obs"][[0, 3, 6, 9]].numpy().tobytes() == obs.tobytes()
+    assert td["w"].dtype == torch.bfloat16
+    assert td["w"][[0, 3, 6, 9]].view(torch.int16).numpy().view(np.uint16).tolist() == w_bits.tolist()
+    assert td["w"][0].tolist() == [1.0, 2.0]
+    assert td["r"][[0, 3, 6, 9]].tolist() == r.tolist()

@@ -1,0 +1,385 @@
+"""The table verbs (PROTOCOL.md §12) between the real client protocol and real server
+sessions paired in memory: every verb, every refusal, and requests that wait for the
+rate limiter (parked with Waits, timed by a Clock), with no socket.  The engine's own
+rules are tested in test_tables_engine.py; here, what the wire and the server add."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pairing import Pair
+from tensorshare.errors import BadNameError, BadRequestError, BusyError, NoSuchBinError, RemoteError, TimeoutError
+from tensorshare.protocol.messages import (
+    GET, LIST, LISTEN, NOOP, PUT, TCREATE, TINFO, TINSERT, TLIMITS, TPRIORITY, TREAD, TSAMPLE, TWRITE, Key,
+    TableKey,
+)
+
+K = TableKey
+COLUMNS = {"obs": {"shape": [2, 3], "dtype": "uint8"}, "reward": {"shape": [], "dtype": "float32"}}
+
+
+def i64(values) -> bytes:
+    return np.asarray(values, "<i8").tobytes()
+
+
+def f64(values) -> bytes:
+    return np.asarray(values, "<f8").tobytes()
+
+
+def keys_of(header: dict, key: str = K.KEYS) -> list[int]:
+    return np.frombuffer(header[key], "<i8").tolist()
+
+
+def batch(first: int, n: int) -> dict:
+    rows = torch.arange(first, first + n)
+    return {"obs": (rows.view(n, 1, 1) % 256).to(torch.uint8).expand(n, 2, 3).contiguous(),
+            "reward": rows.to(torch.float32)}
+
+
+def make(pair: Pair, name: str = "t", seed: int = 0, **spec) -> None:
+    spec.setdefault("capacity", 100)
+    spec.setdefault("columns", COLUMNS)
+    pair.call(TCREATE, {Key.BIN: name, K.SPEC: spec})
+    pair.state.storage.tables.get(name).table.rng = np.random.default_rng(seed)  # statistics on a fixed seed
+
+
+def insert(pair: Pair, first: int, n: int, name: str = "t", **fields):
+    return pair.call(TINSERT, {Key.BIN: name, **fields}, batch(first, n))
+
+
+def sample(pair: Pair, n: int, name: str = "t", **fields):
+    return pair.call(TSAMPLE, {Key.BIN: name, Key.N: n, **fields})
+
+
+def rewards(reply) -> list[int]:
+    return reply.values[0]["reward"].to(torch.int64).tolist()
+
+
+def _replies(pair: Pair, rid: int) -> list[dict]:
+    return [f.header for f in pair.receive() if f.header.get("id") == rid]
+
+
+# ---------------------------------------------------------------- every verb
+
+
+@pytest.mark.parametrize("split", [None, 1, 7])
+def test_every_table_verb_round_trips(split):
+    pair = Pair()
+    assert pair.call(TCREATE, {Key.BIN: "t", K.SPEC: {"capacity": 8, "columns": COLUMNS}}, split=split).result == 0
+    reply = pair.call(TINSERT, {Key.BIN: "t", K.PRIORITIES: f64([1, 2, 3])}, batch(0, 3), split=split)
+    assert keys_of(reply.header) == [0, 9, 18] and reply.header["n"] == 3  # seq * capacity + index
+    got = pair.call(TREAD, {Key.BIN: "t", K.INDICES: i64([2, 0, 2])}, split=split)
+    assert got.header[K.COLUMNS] is True
+    value = got.values[0]
+    assert value["reward"].tolist() == [2.0, 0.0, 2.0] and value["obs"].shape == (3, 2, 3)
+    assert value["obs"].dtype == torch.uint8 and value["obs"][0].eq(2).all()
+    drawn = pair.call(TSAMPLE, {Key.BIN: "t", Key.N: 4}, split=split)
+    probs = np.frombuffer(drawn.header[K.PROBABILITIES], "<f8")
+    assert drawn.values[0]["reward"].shape == (4,) and np.allclose(probs, 1 / 3)
+    assert [k % 8 for k in keys_of(drawn.header)] == keys_of(drawn.header, K.INDICES)
+    assert pair.call(TPRIORITY, {Key.BIN: "t", K.KEYS: i64([0, 9, 99]), K.PRIORITIES: f64([5, 6, 7])},
+                     split=split).result == 2
+    written = pair.call(TWRITE, {Key.BIN: "t", K.INDICES: i64([1, 5])}, batch(50, 2), split=split)
+    assert keys_of(written.header) == [25, 37]  # new rows, new keys
+    info = pair.call(TINFO, {Key.BIN: "t"}, split=split).result
+    assert (info["size"], info["inserts"], info["samples"], info["removals"]) == (4, 5, 4, 1)
+    info = pair.call(TLIMITS, {Key.BIN: "t", K.LIMITS: {"min_size_to_sample": 2}}, split=split).result
+    assert info["rate_limiter"]["min_size_to_sample"] == 2
+    assert pair.call(LIST).result == {"t": 4}
+
+
+def test_a_table_of_items_holds_any_value_and_samples_return_lists():
+    pair = Pair()
+    pair.call(TCREATE, {Key.BIN: "items", K.SPEC: {"capacity": 4, "sampler": "fifo"}})
+    for value in ({"a": torch.arange(3)}, "text", [1, 2.5]):
+        pair.call(TINSERT, {Key.BIN: "items"}, value)
+    got = pair.call(TSAMPLE, {Key.BIN: "items", Key.N: 2})
+    assert K.COLUMNS not in got.header
+    assert [v["a"].tolist() for v in got.values] == [[0, 1, 2], [0, 1, 2]]  # fifo: the oldest, twice
+    assert pair.call(TREAD, {Key.BIN: "items", K.INDICES: i64([1, 2])}).values == ["text", [1, 2.5]]
+
+
+def test_creating_again_with_the_same_settings_keeps_the_table_and_other_settings_are_refused():
+    pair = Pair()
+    make(pair)
+    insert(pair, 0, 3)
+    pair.call(TLIMITS, {Key.BIN: "t", K.LIMITS: {"min_size_to_sample": 3}})  # limits do not count
+    assert pair.call(TCREATE, {Key.BIN: "t", K.SPEC: {"capacity": 100, "columns": COLUMNS}}).result == 3
+    with pytest.raises(BadNameError, match="other settings"):
+        pair.call(TCREATE, {Key.BIN: "t", K.SPEC: {"capacity": 101, "columns": COLUMNS}})
+
+
+# ---------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize("value, match", [
+    ({"obs": torch.zeros(2, 2, 4, dtype=torch.uint8), "reward": torch.zeros(2)}, "rows of shape"),
+    ({"obs": torch.zeros(2, 2, 3, dtype=torch.int32), "reward": torch.zeros(2)}, "holds uint8, not int32"),
+    ({"obs": torch.zeros(2, 2, 3, dtype=torch.uint8)}, "missing"),
+    ({"obs": torch.zeros(2, 2, 3, dtype=torch.uint8), "reward": torch.zeros(3)}, "rows"),
+    ({"obs": torch.zeros(2, 2, 3, dtype=torch.uint8), "reward": torch.zeros(2), "x": torch.zeros(2)}, "no column"),
+    (torch.zeros(3), "dict of column name"),
+    ({"obs": {"nested": torch.zeros(1)}, "reward": torch.zeros(1)}, "dict of column name"),
+])
+def test_a_batch_that_does_not_match_the_columns_gets_501_and_changes_nothing(value, match):
+    pair = Pair()
+    make(pair)
+    insert(pair, 0, 2)
+    with pytest.raises(BadRequestError, match=match):
+        pair.call(TINSERT, {Key.BIN: "t"}, value)
+    assert pair.call(TINFO, {Key.BIN: "t"}).result["inserts"] == 2
+
+
+@pytest.mark.parametrize("command, fields, error, match", [
+    (TREAD, {K.INDICES: i64([100])}, BadRequestError, "out of range"),
+    (TREAD, {K.INDICES: i64([-1])}, BadRequestError, "out of range"),
+    (TREAD, {K.INDICES: i64([7])}, BadRequestError, "holds no row"),
+    (TREAD, {K.INDICES: b"\x00" * 7}, BadRequestError, "int64"),
+    (TPRIORITY, {K.KEYS: i64([0]), K.PRIORITIES: f64([-1])}, BadRequestError, "priority"),
+    (TPRIORITY, {K.KEYS: i64([0, 1]), K.PRIORITIES: f64([1, 2, 3])}, BadRequestError, "3 priorities for 2"),
+    (TLIMITS, {K.LIMITS: {"samples_per_insert": -1.0}}, BadRequestError, "samples_per_insert"),
+    (TLIMITS, {K.LIMITS: {"capacity": 3}}, BadRequestError, "unknown limit"),
+    (TSAMPLE, {Key.N: 0}, BadRequestError, "n must be"),
+])
+def test_bad_arguments_get_clear_codes(command, fields, error, match):
+    pair = Pair()
+    make(pair)
+    insert(pair, 0, 2)
+    with pytest.raises(error, match=match):
+        pair.call(command, {Key.BIN: "t", **fields})
+
+
+def test_an_index_out_of_range_in_a_write_changes_nothing():
+    pair = Pair()
+    make(pair, capacity=4)
+    with pytest.raises(BadRequestError, match="out of range"):
+        pair.call(TWRITE, {Key.BIN: "t", K.INDICES: i64([0, 4])}, batch(0, 2))
+    with pytest.raises(BadRequestError, match="2 indices for a batch of 3"):
+        pair.call(TWRITE, {Key.BIN: "t", K.INDICES: i64([0, 1])}, batch(0, 3))
+    assert pair.call(LIST).result == {"t": 0}
+
+
+@pytest.mark.parametrize("spec, match", [
+    ({"columns": COLUMNS}, "needs a capacity"),
+    ({"capacity": 0}, "capacity"),
+    ({"capacity": 10, "sampler": "random"}, "unknown sampler"),
+    ({"capacity": 10, "remover": "lifo"}, "unknown remover"),
+    ({"capacity": 10, "colums": {}}, "unknown table setting"),
+    ({"capacity": 10, "columns": {"a b": {"shape": [1], "dtype": "uint8"}}}, "identifier"),
+    ({"capacity": 10, "columns": {"a": {"shape": [1], "dtype": "uint9"}}}, "unknown dtype"),
+    ({"capacity": 10, "priority_exponent": "high"}, "priority_exponent"),
+    ({"capacity": 10, "min_size_to_sample": 11}, "above the capacity"),
+    ({"capacity": 10, "error_buffer": 1.0}, "needs samples_per_insert"),
+])
+def test_bad_table_settings_get_501(spec, match):
+    pair = Pair()
+    with pytest.raises(BadRequestError, match=match):
+        pair.call(TCREATE, {Key.BIN: "t", K.SPEC: spec})
+    assert pair.call(LIST).result == {}
+
+
+def test_a_table_too_large_for_its_slot_state_gets_552():
+    from tensorshare.errors import TooLargeError
+
+    pair = Pair()
+    with pytest.raises(TooLargeError, match="at most"):
+        pair.call(TCREATE, {Key.BIN: "t", K.SPEC: {"capacity": 1 << 40}})
+    assert pair.call(LIST).result == {}
+
+
+def test_a_name_is_a_bin_or_a_table_never_both():
+    pair = Pair()
+    pair.call(PUT, {Key.BIN: "b"}, torch.zeros(1))
+    with pytest.raises(BadNameError, match="is a bin"):
+        pair.call(TCREATE, {Key.BIN: "b", K.SPEC: {"capacity": 4}})
+    with pytest.raises(BadNameError, match="is a bin, not a table"):
+        pair.call(TSAMPLE, {Key.BIN: "b", Key.N: 1})
+    make(pair)
+    for command in (PUT, GET):
+        with pytest.raises(BadNameError, match="is a table"):
+            pair.call(command, {Key.BIN: "t"}, torch.zeros(1)) if command is PUT else pair.call(command,
+                                                                                               {Key.BIN: "t"})
+    with pytest.raises(NoSuchBinError, match="no table named"):
+        pair.call(TINFO, {Key.BIN: "nothing"})
+
+
+def test_sampling_an_empty_table_without_waiting_gets_450():
+    pair = Pair()
+    make(pair)
+    with pytest.raises(BusyError) as info:
+        sample(pair, 1)
+    assert isinstance(info.value, TimeoutError) and "holds no rows" in str(info.value)
+
+
+def test_a_table_is_listed_listened_to_and_deleted_like_a_bin():
+    from tensorshare.protocol.messages import DELETE
+
+    pair = Pair()
+    other = Pair(state=pair.state)
+    other.call(LISTEN, {Key.BIN: "t"})
+    make(pair)
+    insert(pair, 0, 3)
+    notes = [f.header for f in other.receive()]
+    assert [(h["op"], h["n"]) for h in notes] == [("CREATE", 0), ("INSERT", 3)]
+    assert notes[1]["seq"] > notes[0]["seq"]
+    pair.call(DELETE, {Key.BIN: "t"})
+    assert [h["op"] for h in (f.header for f in other.receive())] == ["DELETE"]
+    assert pair.call(LIST).result == {}
+    make(pair)  # the name is free again
+    assert pair.call(LIST).result == {"t": 0}
+
+
+# ---------------------------------------------------------------- through the server: the engine's rules
+
+
+def test_prioritized_sampling_through_the_server_follows_updated_priorities():
+    pair = Pair()
+    make(pair, sampler="prioritized", priority_exponent=1.0, capacity=4)
+    keys = keys_of(insert(pair, 0, 4, **{K.PRIORITIES: f64([1, 1, 1, 1])}).header)
+    pair.call(TPRIORITY, {Key.BIN: "t", K.KEYS: i64(keys), K.PRIORITIES: f64([1, 2, 3, 4])})
+    counts = np.zeros(4)
+    for _ in range(40):
+        counts += np.bincount(rewards(sample(pair, 250)), minlength=4)
+    expected = 10_000 * np.array([1, 2, 3, 4]) / 10
+    assert ((counts - expected) ** 2 / expected).sum() < 16.3  # chi-square, 3 dof, p = 0.001
+    drawn = sample(pair, 8)
+    assert np.allclose(np.frombuffer(drawn.header[K.PROBABILITIES], "<f8"), (np.array(rewards(drawn)) + 1) / 10)
+
+
+def test_uniform_sampling_through_the_server_is_uniform():
+    pair = Pair()
+    make(pair, capacity=10)
+    insert(pair, 0, 10)
+    counts = np.bincount(rewards(sample(pair, 20_000)), minlength=10)
+    assert ((counts - 2000) ** 2 / 2000).sum() < 27.9  # chi-square, 9 dof, p = 0.001
+
+
+def test_fifo_remover_evicts_the_oldest_and_max_times_sampled_removes_rows():
+    pair = Pair()
+    make(pair, capacity=3, sampler="fifo", max_times_sampled=2)
+    insert(pair, 0, 3)
+    insert(pair, 3, 2)  # rows 0 and 1 go
+    assert rewards(pair.call(TREAD, {Key.BIN: "t", K.INDICES: i64([0, 1, 2])})) == [3, 4, 2]
+    assert rewards(sample(pair, 3)) == [2, 2, 3]  # the oldest twice, then the next
+    assert pair.call(LIST).result == {"t": 2}
+    with pytest.raises(BadRequestError, match="holds no row"):
+        pair.call(TREAD, {Key.BIN: "t", K.INDICES: i64([2])})
+
+
+# ---------------------------------------------------------------- waiting for the rate limiter
+
+
+def _pairs(n: int = 2):
+    first = Pair()
+    return [first] + [Pair(state=first.state) for _ in range(n - 1)]
+
+
+def test_a_sample_waits_for_min_size_while_other_connections_are_served():
+    learner, actor = _pairs()
+    make(learner, min_size_to_sample=4)
+    rid = learner.send_request(TSAMPLE, {Key.BIN: "t", Key.N: 2, Key.WAIT: 5.0})
+    noop = learner.send_request(NOOP)
+    insert(actor, 0, 3)  # served while the learner waits
+    learner.clock.advance(0)
+    assert learner.receive() == []
+    info = actor.call(TINFO, {Key.BIN: "t"}).result
+    assert info["waiting_samples"] == 1 and info["size"] == 3
+    insert(actor, 3, 1)
+    learner.clock.advance(0)
+    replies = [f for f in learner.receive()]
+    assert [(f.header["id"], f.header["code"]) for f in replies] == [(rid, 226), (noop, 200)]
+
+
+def test_samples_per_insert_blocks_and_releases_both_ways():
+    learner, actor = _pairs()
+    make(learner, min_size_to_sample=2, samples_per_insert=2.0, error_buffer=4.0)
+    insert(actor, 0, 2)  # filling up to min_size is never limited
+    # diff = inserts * 2 - samples stays in [c - 4, c + 4] = [0, 8] around c = 2 * min_size
+    assert len(rewards(sample(learner, 4))) == 4  # diff 4 -> 0
+    rid = learner.send_request(TSAMPLE, {Key.BIN: "t", Key.N: 2, Key.WAIT: 5.0})
+    learner.clock.advance(0)
+    assert learner.receive() == []  # blocked until an insert
+    insert(actor, 2, 1)  # diff 2: the sample goes, diff 0
+    learner.clock.advance(0)
+    assert [h["code"] for h in _replies(learner, rid)] == [226]
+    insert(actor, 3, 4)  # diff 8: the top of the window
+    rid = actor.send_request(TINSERT, {Key.BIN: "t", Key.WAIT: 5.0}, batch(7, 1))
+    actor.clock.advance(0)
+    assert actor.receive() == []  # blocked until samples
+    sample(learner, 2)
+    actor.clock.advance(0)
+    [reply] = _replies(actor, rid)
+    assert reply["code"] == 250 and reply["n"] == 8
+
+
+def test_a_waiting_insert_expires_with_450_and_inserts_nothing():
+    actor, learner = _pairs()
+    make(actor, min_size_to_sample=1, samples_per_insert=1.0, error_buffer=2.0)
+    insert(actor, 0, 3)
+    rid = actor.send_request(TINSERT, {Key.BIN: "t", Key.WAIT: 2.0}, batch(3, 1))
+    actor.clock.advance(1.9)
+    assert actor.receive() == []
+    actor.clock.advance(0.2)
+    [reply] = _replies(actor, rid)
+    assert reply["code"] == 450 and "within 2s" in reply["msg"]
+    assert learner.call(TINFO, {Key.BIN: "t"}).result["inserts"] == 3
+
+
+def test_a_waiting_sample_does_not_hold_back_the_insert_it_waits_for():
+    learner, actor = _pairs()
+    make(learner, min_size_to_sample=5)
+    rid = learner.send_request(TSAMPLE, {Key.BIN: "t", Key.N: 1, Key.WAIT: 5.0})
+    for i in range(5):  # each insert is served at once
+        assert insert(actor, i, 1).header["n"] == i + 1
+    learner.clock.advance(0)
+    assert [h["code"] for h in _replies(learner, rid)] == [226]
+
+
+def test_changing_limits_releases_waiting_requests():
+    learner, admin = _pairs()
+    make(learner, min_size_to_sample=10)
+    insert(admin, 0, 3)
+    rid = learner.send_request(TSAMPLE, {Key.BIN: "t", Key.N: 1, Key.WAIT: 5.0})
+    admin.call(TLIMITS, {Key.BIN: "t", K.LIMITS: {"min_size_to_sample": 3}})
+    learner.clock.advance(0)
+    assert [h["code"] for h in _replies(learner, rid)] == [226]
+
+
+def test_deleting_a_table_refuses_its_waiting_requests_with_550():
+    from tensorshare.protocol.messages import DELETE
+
+    learner, admin = _pairs()
+    make(learner, min_size_to_sample=10)
+    rid = learner.send_request(TSAMPLE, {Key.BIN: "t", Key.N: 1, Key.WAIT: 5.0})
+    admin.call(DELETE, {Key.BIN: "t"})
+    learner.clock.advance(0)
+    [reply] = _replies(learner, rid)
+    assert reply["code"] == 550 and "deleted" in reply["msg"]
+
+
+def test_a_connection_that_closes_while_waiting_changes_nothing():
+    actor, learner = _pairs()
+    make(actor, samples_per_insert=1.0, error_buffer=2.0)
+    insert(actor, 0, 3)
+    actor.send_request(TINSERT, {Key.BIN: "t", Key.WAIT: 10.0}, batch(3, 1))
+    actor.session.connection_lost()
+    sample(learner, 3)
+    learner.clock.advance(0)
+    assert learner.call(TINFO, {Key.BIN: "t"}).result["inserts"] == 3
+
+
+def test_the_async_client_has_the_table_methods():
+    from pairing import async_pair
+
+    client, pump, clock, state = async_pair()
+    results = []
+    client.create_table("t", 10, {"x": ((2,), torch.float32)}).addBoth(results.append)
+    client.insert("t", {"x": torch.ones(3, 2)}).addBoth(results.append)
+    client.sample("t", 4).addBoth(results.append)
+    pump.flush()
+    assert results[0] == 0 and results[1].tolist() == [0, 11, 22]
+    assert results[2].value["x"].shape == (4, 2) and len(results[2]) == 4
+    client.close()
+    pump.flush()
