@@ -99,6 +99,7 @@ def test(pytest_args: list[str]) -> None:
 
 def bench(profile: str) -> None:
     ensure_env("bench")
+    ensure_torchrl()  # the tables section's in-process baseline
     if shutil.which("redis-server") is None:
         install_redis()
     os.execv(str(PY), [str(PY), "-m", "benchmarks", "--profile", profile])
