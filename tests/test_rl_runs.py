@@ -128,7 +128,9 @@ def test_the_cap_can_be_lifted_while_workers_run(server):
             worker.add_data(i)
         probe = tensorshare.Client("127.0.0.1", server.port)
         assert _until(lambda: probe.list().get("lift/rollouts") == 2)
+        assert worker.max_waiting == 2
         trainer.set_max_waiting(None)
+        assert _until(lambda: worker.max_waiting is None)  # told through the control bin
         # Those already waiting keep their cap; new ones are not capped.
         assert trainer.get_data(timeout=5)[:2] == [0, 1]
         for i in range(4, 20):

@@ -20,7 +20,7 @@ from bisect import bisect_left
 LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.25, 1.0)
 MAX_EXPERIMENTS = 1000  # RL experiments tracked (names come from clients: bounded)
 MAX_VERSIONS_PER_CONNECTION = 64
-PARAMETERS, ROLLOUTS = "parameters", "rollouts"  # an RL experiment's bins (tensorshare/rl.py's bin_names)
+PARAMETERS, ROLLOUTS = "parameters", "rollouts"  # an RL experiment's bins (tensorshare/rl/peer.py: bin_names)
 
 _connection_ids = itertools.count(1)
 
@@ -42,7 +42,7 @@ def experiment_of(name: str, kind: str) -> str | None:
 
 def worker_experiment(name: str) -> str | None:
     """The experiment of a worker's presence bin ``<experiment>/workers/<id>`` (whose
-    tag is the version the worker holds, tensorshare/rl_members.py), else None."""
+    tag is the version the worker holds, tensorshare/rl/members.py), else None."""
     if name.startswith("workers/"):
         return ""
     i = name.rfind("/workers/")
@@ -64,7 +64,7 @@ class VerbStats:
 
 
 class ExperimentStats:
-    """What the server saw of one RL experiment (tensorshare/rl.py's two bins)."""
+    """What the server saw of one RL experiment (tensorshare/rl/: its parameters and rollouts bins)."""
 
     __slots__ = ("published", "rollouts", "stale")
 

@@ -1,7 +1,7 @@
 """What an RL trainer knows of its workers: who is alive, which version each holds,
 how fast each sends rollouts, and how much work goes to waste.
 
-Workers register themselves (see :mod:`tensorshare.rl`): each puts an *ephemeral*
+Workers register themselves (see :mod:`tensorshare.rl.worker`): each puts an *ephemeral*
 bin ``<experiment>/workers/<id>`` (PROTOCOL.md §4.6) whose tag is the version of
 the parameters it holds, and appends its id to ``<experiment>/roster``.  The
 server deletes a worker's bin when its connection ends, so the trainer hears of a

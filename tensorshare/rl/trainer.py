@@ -1,0 +1,330 @@
+"""RLTrainer: publishes parameters, takes rollouts in batches, watches its workers."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, NamedTuple
+
+from .._client.connection import Notification
+from ..errors import ConnectionLostError, NoSuchBinError
+from ..protocol.messages import PUT
+from ..sharded import parse_server
+from .members import StaleWatch, WorkerInfo
+from .peer import RLPeer, snapshot_state
+
+log = logging.getLogger("tensorshare.rl")
+
+DEFAULT_MAX_STALENESS = 4  # versions a rollout may lag behind and still be used
+DEFAULT_MAX_WAITING = 256  # rollouts the server holds for the trainer before workers wait
+
+
+class Rollout(NamedTuple):
+    """A rollout as :meth:`RLTrainer.get_data` gives it with ``return_info=True``."""
+
+    data: Any
+    version: int  # the version of the parameters that produced it (-1: unknown)
+    worker: str | None  # the id of the worker that sent it
+    staleness: int  # how many versions older than the trainer's latest it is
+
+
+class RLTrainer(RLPeer):
+    """Publishes parameters, collects the workers' rollouts, and watches the workers.
+
+    ``filter_version=True`` drops rollouts made with parameters more than
+    ``max_staleness`` versions older than the latest published one (0: only the
+    current version is kept; the default, 4, suits asynchronous actors);
+    :attr:`dropped` counts them, :attr:`drop_rate` says what share of the recent
+    ones went, and a warning is logged when most of them do.
+
+    ``max_waiting``: at most this many rollouts wait in the server; past it a
+    worker's :meth:`RLWorker.add_data` waits (None: no cap).  Workers learn it
+    through the experiment's control bin, so it can be changed at any time
+    (:meth:`set_max_waiting`).
+
+    :attr:`workers` lists the live workers; ``on_join(info)`` and
+    ``on_leave(info)`` are called (on the client's callback thread) as they come
+    and go.  :meth:`stop_workers` asks them all to stop.
+
+    ``servers`` (``["host:port", ...]``): rollouts are spread over these servers,
+    one rollouts bin on each (``max_waiting`` applies to each), and taken from
+    them in turn; workers given the same list send theirs to one of them.
+    Parameters, control and membership stay on ``host:port``, which workers may
+    read through relays (``tensorshare-server --follow``).
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 8000, host_server: bool = False,
+                 filter_version: bool = True, *, max_staleness: int = DEFAULT_MAX_STALENESS,
+                 max_waiting: int | None = DEFAULT_MAX_WAITING, experiment: str | None = None,
+                 timeout: float | None = 60.0, connect_timeout: float = 30.0,
+                 on_join: Callable[[WorkerInfo], Any] | None = None,
+                 on_leave: Callable[[WorkerInfo], Any] | None = None,
+                 servers: list[str | tuple[str, int]] | None = None, **client_options):
+        if max_waiting is not None and max_waiting < 1:
+            raise ValueError("max_waiting must be at least 1 (or None: no cap)")
+        super().__init__(host, port, experiment=experiment, timeout=timeout, connect_timeout=connect_timeout,
+                         host_server=host_server, **client_options)
+        self.filter_version = filter_version
+        self.max_staleness = max_staleness
+        self.max_waiting = max_waiting
+        self._stale = StaleWatch()
+        self._workers: dict[str, WorkerInfo] = {}
+        self._watching: dict[str, Any] = {}  # worker id -> listen handle of its bin
+        self.on_join, self.on_leave = on_join, on_leave
+        # Continue the versions a previous trainer left on the server.
+        probe = self.client.listen(self.params_bin, lambda note: None)
+        self.version = probe.snapshot.tag if probe.snapshot.tag is not None else -1
+        probe.stop()
+        self._put_control(stop=False)
+        # The rollouts bin on this server, or one on each of ``servers``.
+        self._extra_clients = [self._connect_again(parse_server(server)) for server in servers or ()]
+        clients = self._extra_clients or [self.client]
+        self._sources = [_RolloutBin(client, self.data_bin, self._cond) for client in clients]
+        self._next_source = 0
+        self._members_lock = threading.Lock()
+        self.client.listen(self.roster_bin, lambda note: self._refresh_members())
+        self._refresh_members()
+
+    # -- parameters
+
+    def publish_parameters(self, state_dict: dict, wait: bool = True) -> int:
+        """Publish ``state_dict`` as the next version and return that version.
+
+        The tensors are copied out at the call: training on afterwards cannot
+        change what workers receive.  ``wait=False`` returns without waiting for
+        the server (the learner's step is not held up by the network); an error
+        then surfaces on the next call (or :meth:`flush`).
+        """
+        with self._cond:
+            self._raise_failure()
+        version = self.version + 1
+        value = {"version": version, "parameters": snapshot_state(state_dict)}
+        if wait:
+            self.client.put(self.params_bin, value, tag=version)
+        else:
+            self.client.submit(PUT, self.params_bin, value, self._failed, tag=version)
+        self.version = version
+        return version
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every parameter version published with ``wait=False`` is stored
+        (raise the error of one that was not)."""
+        self.client.ping(timeout=timeout)  # replies come in request order: those before it are done
+        with self._cond:
+            self._raise_failure()
+
+    # -- rollouts
+
+    def get_data(self, return_versions: bool = False, timeout: float | None = None, *,
+                 max_items: int | None = None, return_info: bool = False):
+        """Take the rollouts collected so far (``[]`` if none), at most ``max_items``.
+
+        With ``timeout``, wait up to that long for at least one to arrive.  With
+        ``return_versions`` (as in the original), ``(data, versions)``: the rollouts
+        and, in the same order, the version of the parameters each was made with.
+        With ``return_info``, a list of :class:`Rollout` (data, version, worker,
+        staleness).  Stale rollouts (see the class) are dropped, and more are taken
+        in their place while more wait.
+        """
+        if max_items is not None and max_items < 1:
+            raise ValueError("max_items must be at least 1")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        kept: list[Rollout] = []
+        while True:
+            with self._cond:
+                self._raise_failure()
+                while not self._closing and not kept and deadline is not None and self._waiting() is None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._cond.wait(remaining)
+                source = None if self._closing else self._waiting()
+                if source is None:
+                    break
+            want = None if max_items is None else max_items - len(kept)
+            kept += self._take(source, want)
+            if max_items is not None and len(kept) >= max_items:
+                break
+        if return_info:
+            return kept
+        if return_versions:
+            return [r.data for r in kept], [r.version for r in kept]
+        return [r.data for r in kept]
+
+    def _waiting(self) -> "_RolloutBin | None":
+        """A rollouts bin where rollouts wait, taking the servers in turn (under _cond)."""
+        sources = self._sources
+        for i in range(len(sources)):
+            source = sources[(self._next_source + i) % len(sources)]
+            if source.pending:
+                self._next_source = (self._next_source + i + 1) % len(sources)
+                return source
+        return None
+
+    def _take(self, source: "_RolloutBin", limit: int | None) -> list[Rollout]:
+        """One GET of at most ``limit`` rollouts; the stale ones counted and dropped."""
+        items = source.take(limit)
+        kept, dropped, oldest = [], 0, self.version - self.max_staleness
+        counts: dict[str, int] = {}
+        for item in items:
+            if isinstance(item, dict) and "version" in item:
+                version, worker, data = item["version"], item.get("worker"), item.get("data")
+            else:
+                version, worker, data = -1, None, item
+            if worker is not None:
+                counts[worker] = counts.get(worker, 0) + 1
+            if self.filter_version and version < oldest:
+                dropped += 1
+                continue
+            kept.append(Rollout(data, version, worker, self.version - version))
+        self._stale.count(len(kept), dropped, self.max_staleness)
+        with self._members_lock:
+            for worker, count in counts.items():
+                info = self._workers.get(worker)
+                if info is not None:
+                    info.took(count)
+        return kept
+
+    @property
+    def dropped(self) -> int:
+        """Rollouts dropped as stale so far."""
+        return self._stale.dropped
+
+    @property
+    def received(self) -> int:
+        """Rollouts taken from the server so far (kept and dropped)."""
+        return self._stale.received
+
+    @property
+    def drop_rate(self) -> float:
+        """The share of the last 200 rollouts dropped as stale."""
+        return self._stale.drop_rate
+
+    def _shut(self) -> None:
+        super()._shut()
+        for client in self._extra_clients:
+            client.close()
+
+    # -- control
+
+    def set_max_waiting(self, max_waiting: int | None) -> None:
+        """Change the cap on rollouts waiting in the server (None: no cap); workers
+        apply it to their next rollouts."""
+        if max_waiting is not None and max_waiting < 1:
+            raise ValueError("max_waiting must be at least 1 (or None: no cap)")
+        self.max_waiting = max_waiting
+        self._put_control(stop=False)
+
+    def stop_workers(self) -> None:
+        """Ask every worker, present and future, to stop (:attr:`RLWorker.stop_requested`)."""
+        self._put_control(stop=True)
+
+    def _put_control(self, stop: bool) -> None:
+        self.client.put(self.control_bin, {"stop": stop, "max_waiting": self.max_waiting})
+
+    # -- membership
+
+    @property
+    def workers(self) -> dict[str, WorkerInfo]:
+        """The live workers by id (a copy)."""
+        with self._members_lock:
+            return dict(self._workers)
+
+    def _refresh_members(self) -> None:
+        """Watch the bins of workers that joined (listed in the roster, or found on
+        the server by a trainer that starts after them)."""
+        with self._members_lock:
+            if self._closing:
+                return
+            try:
+                try:
+                    joined = self.client.get(self.roster_bin)
+                except NoSuchBinError:
+                    joined = []
+                if not self._watching:  # first time: workers that registered before this trainer
+                    joined += [name[len(self.workers_prefix):] for name in self.client.list()
+                               if name.startswith(self.workers_prefix)]
+                for worker_id in joined:
+                    if isinstance(worker_id, str) and worker_id not in self._watching:
+                        self._watch(worker_id)
+            except ConnectionLostError:
+                if not self._closing:
+                    raise
+
+    def _watch(self, worker_id: str) -> None:
+        name = self.workers_prefix + worker_id
+        handle = self.client.listen(name, lambda note: self._on_worker(worker_id, note))
+        self._watching[worker_id] = handle
+        if handle.snapshot.exists:
+            self._joined(worker_id, handle.snapshot.tag)
+        else:  # gone again before we looked
+            self._forget(worker_id)
+
+    def _joined(self, worker_id: str, version: int | None) -> None:
+        try:
+            [about] = self.client.peek(self.workers_prefix + worker_id)
+        except (NoSuchBinError, ValueError):
+            about = {}
+        info = WorkerInfo(worker_id, -1 if version is None else version, str(about.get("host", "")),
+                          int(about.get("pid", 0)))
+        self._workers[worker_id] = info
+        if self.on_join is not None:
+            self.on_join(info)
+
+    def _on_worker(self, worker_id: str, note: Notification) -> None:
+        with self._members_lock:
+            info = self._workers.get(worker_id)
+            if note.op == "DELETE" or (note.op == "LISTEN" and not note.n_items):
+                if info is not None:
+                    del self._workers[worker_id]
+                    self._forget(worker_id)
+                    if self.on_leave is not None:
+                        self.on_leave(info)
+            elif info is None:
+                self._joined(worker_id, note.tag)
+            elif note.tag is not None:
+                info.version = note.tag
+
+    def _forget(self, worker_id: str) -> None:
+        handle = self._watching.pop(worker_id, None)
+        if handle is not None:
+            try:
+                handle.stop()
+            except Exception:  # the connection is closing: nothing to stop
+                pass
+
+
+class _RolloutBin:
+    """A rollouts bin as the trainer reads it: how many rollouts wait there (from
+    notifications: only when it stops being empty, not of every append) and takes
+    of at most a batch."""
+
+    def __init__(self, client, name: str, cond: threading.Condition):
+        self.client, self.name, self._cond = client, name, cond
+        handle = client.listen(name, self._on_data, every_append=False)
+        self.pending = handle.snapshot.n_items  # rollouts known to wait (0: none; may be a guess of 1)
+        self.seq = handle.snapshot.seq  # newest change of the bin we know of
+
+    def take(self, limit: int | None) -> list:
+        try:
+            items, seq = self.client.get(self.name, max_items=limit, with_seq=True)
+        except NoSuchBinError:
+            items, seq = [], self.seq
+        with self._cond:
+            if seq >= self.seq:  # no later change seen yet
+                self.seq = seq
+                # All taken: the bin is empty now.  A full batch: more may wait; the
+                # next take finds out (a notification of an append since says so too).
+                self.pending = 0 if limit is None or len(items) < limit else 1
+        return items
+
+    def _on_data(self, note: Notification) -> None:
+        with self._cond:
+            if note.seq <= self.seq:  # older than a take we already made
+                return
+            self.seq, self.pending = note.seq, note.n_items
+            if note.n_items:
+                self._cond.notify_all()
+
+

@@ -1,0 +1,251 @@
+"""RLWorker: pulls the newest parameters, sends rollouts without waiting, registers
+itself (membership) and obeys the trainer's control bin."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import time
+from typing import Any
+
+from .._client.connection import Notification
+from ..errors import NoSuchBinError, TimeoutError
+from ..protocol.messages import APPEND, MAX_WAIT, PUT, Key, check_bin_name
+from ..sharded import parse_server, rendezvous
+from .peer import RLPeer
+
+log = logging.getLogger("tensorshare.rl")
+
+CAPPED_PENDING = 2  # rollouts a worker has in flight while its experiment is capped
+
+
+class RLWorker(RLPeer):
+    """Pulls the latest parameters (only when newer than its own) and adds rollouts.
+
+    :meth:`add_data` does not wait for the server (as the original promised): up to
+    ``max_pending`` rollouts are in flight at once, sent in order on one
+    connection; past that it waits for the oldest to be stored.  When the trainer
+    caps the rollouts waiting in the server (``max_waiting``), a rollout waits in
+    the server for room and at most two are in flight, so :meth:`add_data` waits
+    too, up to the client's timeout; rollouts then travel on a second connection,
+    so that parameters still arrive meanwhile.  Once the trainer asked the workers
+    to stop, :meth:`add_data` discards what it is given.  A rollout the server did not store makes the next
+    :meth:`add_data` (or :meth:`flush`) raise its error.  :meth:`flush` waits until
+    every rollout sent is stored; ``stop()`` flushes first.
+
+    The worker registers under ``worker_id`` (default: host, pid and a random
+    suffix), which the trainer sees in :attr:`RLTrainer.workers` and in each
+    rollout.  :attr:`stop_requested` turns true when the trainer calls
+    :meth:`RLTrainer.stop_workers` (and :meth:`await_new_parameters` returns None).
+
+    ``servers``: the trainer's list of rollout servers; this worker sends its
+    rollouts to the one its id hashes to (on a connection of their own), and
+    reads parameters from ``host:port`` (the trainer's server, or a relay of it).
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 8000, *, experiment: str | None = None,
+                 timeout: float | None = 60.0, connect_timeout: float = 30.0, max_pending: int = 64,
+                 worker_id: str | None = None, servers: list[str | tuple[str, int]] | None = None,
+                 **client_options):
+        if max_pending < 1:
+            raise ValueError("max_pending must be at least 1")
+        super().__init__(host, port, experiment=experiment, timeout=timeout, connect_timeout=connect_timeout,
+                         **client_options)
+        self.worker_id = worker_id or f"{socket.gethostname()[:32]}-{os.getpid()}-{secrets.token_hex(3)}"
+        problem = check_bin_name(self.workers_prefix + self.worker_id)
+        if problem:
+            self.client.close()
+            raise ValueError(f"worker {self.worker_id!r} of experiment {experiment!r}: its membership bin "
+                             f"{self.workers_prefix + self.worker_id!r:.60}...: {problem} (shorten the experiment "
+                             f"name or the worker id)")
+        self.max_pending = max_pending
+        self.stop_requested = False
+        self._max_waiting: int | None = None  # the trainer's cap, from the control bin
+        self._rollouts = None  # the second connection rollouts take while capped (or to their server)
+        # With several servers, this worker's rollouts go to one of them, the same for
+        # every run of a worker of this id (rendezvous hashing spreads workers evenly).
+        self._rollout_server = None
+        if servers:
+            addresses = [parse_server(server) for server in servers]
+            self._rollout_server = addresses[rendezvous(self.worker_id, [f"{h}:{p}" for h, p in addresses])]
+        self._in_flight = 0  # rollouts sent whose reply has not come (under _cond)
+        self.version = -1  # version of the parameters this worker holds
+        self._latest = -1  # newest version announced by the server
+        self._parameters = None
+        control = self.client.listen(self.control_bin, self._on_control)
+        if control.snapshot.exists:
+            self._read_control()
+        handle = self.client.listen(self.params_bin, self._on_parameters)
+        self._note_version(handle.snapshot.tag)
+        self._register()
+        self.client.append(self.roster_bin, self.worker_id)
+
+    @property
+    def max_waiting(self) -> int | None:
+        """The trainer's cap on rollouts waiting in the server, as this worker last
+        heard it (None: no cap)."""
+        return self._max_waiting
+
+    # -- parameters
+
+    def get_parameters(self) -> dict | None:
+        """The latest published parameters (None before the first publish).
+
+        Downloads only if a newer version than the one held has been announced.
+        """
+        with self._cond:
+            if self._latest <= self.version:
+                return self._parameters
+        try:
+            [item] = self.client.peek(self.params_bin)
+        except NoSuchBinError:
+            return self._parameters
+        with self._cond:
+            newer = item["version"] > self.version
+            if newer:
+                self.version, self._parameters = item["version"], item["parameters"]
+                self._latest = max(self._latest, self.version)
+            parameters = self._parameters
+        if newer:  # the trainer sees which version each worker holds
+            self._register(wait=False)
+        return parameters
+
+    def await_new_parameters(self, timeout: float | None = None) -> dict | None:
+        """Wait for parameters newer than those held and return them (None on timeout,
+        or once the trainer asked the workers to stop)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._latest <= self.version:
+                if self._closing or self.stop_requested:
+                    return None
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                self._cond.wait(remaining)
+        return self.get_parameters()
+
+    # -- rollouts
+
+    def add_data(self, obj: Any) -> None:
+        """Send a rollout, stamped with the version of the parameters held and this
+        worker's id, without waiting for the server.  ``obj`` has been copied out
+        when this returns, so changing it afterwards is safe."""
+        timeout = self.client.timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            self._raise_failure()
+            # While capped, a rollout waits in the server; more than a couple queued
+            # behind it would only be staler by the time they get in.
+            window = self.max_pending if self._max_waiting is None else min(self.max_pending, CAPPED_PENDING)
+            while self._in_flight >= window:  # the window is full: backpressure
+                if self.stop_requested:  # nobody will read it
+                    return
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"{self.max_pending} rollouts still unacknowledged after {timeout:g}s"
+                                       + (f" (the trainer holds at most {self._max_waiting} waiting)"
+                                          if self._max_waiting else ""))
+                self._cond.wait(remaining)
+                self._raise_failure()
+            if self.stop_requested:
+                return
+            self._in_flight += 1
+            cap = self._max_waiting
+        item = {"version": self.version, "worker": self.worker_id, "data": obj}
+        try:
+            if cap is None and self._rollout_server is None:
+                self.client.submit(APPEND, self.data_bin, item, self._stored, tag=self.version, inline=True)
+            elif cap is None:
+                self._rollout_client().submit(APPEND, self.data_bin, item, self._stored, tag=self.version,
+                                              inline=True)
+            else:
+                wait = MAX_WAIT if timeout is None else min(float(timeout), MAX_WAIT)
+                self._rollout_client().submit(APPEND, self.data_bin, item, self._stored, tag=self.version,
+                                              inline=True, fields={Key.BELOW: cap, Key.WAIT: wait})
+        except BaseException:
+            self._stored(None, None)
+            raise
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every rollout :meth:`add_data` sent is stored; raise the error of
+        one that was not (TimeoutError after ``timeout`` seconds)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._in_flight:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"{self._in_flight} rollouts still unacknowledged after {timeout:g}s")
+                self._cond.wait(remaining)
+            self._raise_failure()
+
+    def _rollout_client(self):
+        if self._rollouts is None:
+            self._rollouts = self._connect_again(self._rollout_server)
+        return self._rollouts
+
+    def _stored(self, _count: Any, error: BaseException | None) -> None:
+        with self._cond:
+            self._in_flight -= 1
+            if error is not None and self._failure is None:
+                self._failure = error
+            self._cond.notify_all()
+
+    # -- membership and control
+
+    def _register(self, wait: bool = True) -> None:
+        """Put (again) this worker's ephemeral bin, tagged with the version it holds."""
+        about = {"id": self.worker_id, "host": socket.gethostname(), "pid": os.getpid()}
+        name = self.workers_prefix + self.worker_id
+        if wait:
+            self.client.put(name, about, tag=self.version, ephemeral=True)
+        else:
+            self.client.submit(PUT, name, about, self._failed, tag=self.version, zero_copy=False,
+                               fields={Key.EPHEMERAL: True})
+
+    def _on_control(self, note: Notification) -> None:
+        if note.op in ("PUT", "LISTEN", "RESTORE") and note.n_items:
+            self._read_control()
+
+    def _read_control(self) -> None:
+        try:
+            [control] = self.client.peek(self.control_bin)
+        except (NoSuchBinError, ValueError):
+            return
+        with self._cond:
+            cap = control.get("max_waiting") if isinstance(control, dict) else None
+            self._max_waiting = cap if isinstance(cap, int) and cap >= 1 else None
+            self.stop_requested = bool(control.get("stop")) if isinstance(control, dict) else False
+            self._cond.notify_all()
+
+    def _shut(self) -> None:
+        try:
+            # Asked to stop, the trainer reads no more: rollouts waiting for room never get it.
+            self.flush(timeout=0.5 if self.stop_requested else 5.0)
+        except Exception as exc:  # stopping anyway: say what was lost
+            (log.info if self.stop_requested else log.warning)("rollouts not stored before stopping: %s", exc)
+        if self._rollouts is not None:
+            self._rollouts.close()
+        super()._shut()
+
+    def _on_parameters(self, note: Notification) -> None:
+        if note.op == "LISTEN":  # listening again after a reconnect
+            with self._cond:
+                if note.tag is None or note.tag < self.version:
+                    # The server lost its state (it was restarted):
+                    # what we hold is from before; take whatever is published next.
+                    self.version = self._latest = -1
+            # The old connection's end deleted this worker's bin: register again.
+            self._register(wait=False)
+        if note.op in ("PUT", "LISTEN", "RESTORE"):
+            self._note_version(note.tag)
+
+    def _note_version(self, tag: int | None) -> None:
+        if tag is None:
+            return
+        with self._cond:
+            if tag > self._latest:
+                self._latest = tag
+                self._cond.notify_all()
+
