@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import tensorshare
+from tensorshare.errors import BusyError
 from pairing import Pair
 from serverproc import ServerProcess, small_tmpfs
 from tensorshare._client.connection import read_reply
@@ -104,6 +105,29 @@ def test_a_table_of_items_and_a_server_without_shared_memory_answer_over_tcp(tmp
             assert Key.REFS not in frame.header and frame.payload_len > 0
         finally:
             pair.close()
+
+
+def test_samples_that_wait_are_gathered_into_shared_memory_and_refused_ones_leave_nothing(tmp_path):
+    pair = Pair(same_host=True, shm_dir=str(tmp_path))
+    try:
+        pair.call(TCREATE, {Key.BIN: "t", TableKey.SPEC: {"capacity": 64, "columns": COLUMNS}})
+        items = pair.state.storage.shm.items
+        with pytest.raises(BusyError):  # an empty table, no wait: refused after its files were made
+            pair.call(TSAMPLE, {Key.BIN: "t", Key.N: 16, Key.REF: [0]})
+        gc.collect()
+        assert not os.listdir(items)
+        waiting = pair.send_request(TSAMPLE, {Key.BIN: "t", Key.N: 16, Key.WAIT: 5.0, Key.REF: [0]})
+        pair.clock.advance(0)
+        assert not pair.receive()  # parked until rows come
+        Pair(state=pair.state).call(TINSERT, {Key.BIN: "t"}, rows(0, 32))  # another connection
+        pair.clock.advance(0)
+        [frame] = [f for f in pair.receive() if f.header.get("id") == waiting]
+        reply = read_reply(TSAMPLE, frame, areas=SharedAreas.of(pair.client.greeting))
+        slots = torch.from_numpy(np.frombuffer(frame.header[TableKey.INDICES], "<i8").copy())
+        assert frame.payload_len == 0 and torch.equal(reply.values[0]["obs"], rows(0, 32)["obs"][slots])
+        assert os.listdir(items) == [os.path.basename(_item_dir(pair, frame.header))]  # no leftovers
+    finally:
+        pair.close()
 
 
 def _pinned_ids(pair: Pair) -> list[int]:
