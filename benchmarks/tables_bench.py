@@ -7,6 +7,9 @@
   where torchrl is not installed, a plain ``torch`` gather of 256 random rows
   stands in, labelled so) and Redis pipelined GETs of 256 random keys holding
   the same bytes.  Goals: at least 1 GB/s, and within 3x of the in-process time.
+  Then the same sample by a same-host client through shared memory (the server
+  writes the gathered rows into its shared-memory area, the client maps them:
+  PROTOCOL.md §10.3), beside the TCP figure of this run.
 * inserts/s from ``tables_actors`` actor processes (batches of 32 transitions)
   into a full table (fifo remover), beside the same processes doing Redis RPUSH of
   the same bytes (32 values per RPUSH, the list trimmed to the table's capacity in
@@ -54,8 +57,10 @@ def run(rec: Recorder, p: Profile, peers) -> None:
     rec.say(f"  a transition is {ROW_BYTES} bytes; samples of {BATCH}")
     server = Server()
     try:
-        with Client("127.0.0.1", server.port, timeout=p.client_timeout_s) as client:
-            _sample(rec, p, client, peers)
+        # zero_copy=False: these figures are over TCP even on one host (the same-host
+        # sample has its own figure, beside the TCP one)
+        with Client("127.0.0.1", server.port, timeout=p.client_timeout_s, zero_copy=False) as client:
+            _sample(rec, p, client, peers, server.port)
             _prioritized(rec, p, client)
         _inserts(rec, p, server.port, peers)
     finally:
@@ -69,7 +74,7 @@ def _fill(client: Client, name: str, rows: int, chunk: dict) -> None:
         client.insert(name, {c: v[:k] for c, v in chunk.items()})
 
 
-def _sample(rec: Recorder, p: Profile, client: Client, peers) -> None:
+def _sample(rec: Recorder, p: Profile, client: Client, peers, port: int) -> None:
     rows, reps, warm = p.tables_rows, p.tables_reps, p.warmup
     nbytes = BATCH * ROW_BYTES
     rate, per_s = gbps(nbytes), (lambda t: BATCH / t)
@@ -121,11 +126,28 @@ def _sample(rec: Recorder, p: Profile, client: Client, peers) -> None:
                "GB/s", vs=vs)
     rec.figure("tables.sample256_rate", f"table sample {BATCH} from {rows} rows over TCP, transitions/s",
                Sample.of(times).map(per_s), "samples/s")
+    _sample_shm(rec, p, port, rate, [k for k in ("tables.sample256", local_key) if k])
     client.delete("bench-replay")
     rec.goal_value("table sample of 256 x 28 KB over TCP >= 1 GB/s", "tables.sample256", ">=", 1.0)
     if local_key:
         rec.goal_ratio("table sample within 3x of the in-process buffer's time", "tables.sample256", local_key,
                        ">=", 1 / 3)
+
+
+def _sample_shm(rec: Recorder, p: Profile, port: int, rate, vs: list[str]) -> None:
+    """The same sample by a same-host client: the rows come through shared memory."""
+    with Client("127.0.0.1", port, timeout=p.client_timeout_s) as local:
+        if not local.same_host:
+            rec.note("no shared memory offered to this client: no same-host table sample figure")
+            return
+        holder: list = []
+        times = time_runs(lambda: holder.append(local.sample("bench-replay", BATCH)), p.tables_reps, p.warmup,
+                          setup=holder.clear)
+        if holder[-1].value["obs"].shape != (BATCH, *OBS):
+            rec.note("a same-host table sample came back with the wrong shape")
+        holder.clear()
+    rec.figure("tables.sample256_shm", f"table sample {BATCH} from {p.tables_rows} rows, same host "
+               "(shared memory)", Sample.of(times).map(rate), "GB/s", vs=vs)
 
 
 def _local_sample(rec: Recorder, rows: int, reps: int, warm: int, chunk: dict, rate) -> str | None:

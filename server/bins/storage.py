@@ -281,6 +281,25 @@ class Storage:
 
         self.jobs.run(None, self.shm.write, (item.description, item.segments, item.nbytes, item.tag), written)
 
+    def share_rows(self, description: bytes, buffer, nbytes: int) -> ItemFiles | None:
+        """Write the rows a TSAMPLE/TREAD gathered into the shared-memory area as one
+        item, for a same-host reader to map; its files, removed once nothing refers to
+        them (the reply's pin).  None while shared memory is full.
+
+        Runs on the caller's thread: the area is RAM (tmpfs), so this is a copy into
+        the page cache, as the gather itself, with no disk to wait for."""
+        if self.shm_area is None or time.monotonic() < self._shm_full_until:
+            return None
+        try:
+            stored = self.shm.write(description, [buffer], nbytes, None)
+        except OSError as exc:
+            log.info("could not write sampled rows to shared memory: %s", exc)
+            self._shm_full_until = time.monotonic() + _SHM_FULL_PAUSE_S
+            return None
+        files = ItemFiles.of(stored, area=self.shm_area)
+        self._watch_shared(files)
+        return files
+
     def delete(self, name: str, done: Done) -> None:
         """DELETE bin ``name``; ``done`` once it is gone (from disk too, if durable).
 

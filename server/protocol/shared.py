@@ -108,6 +108,19 @@ class SharedMemory:
                 if worth_sharing(item.nbytes, arrays, minimum):
                     self.storage.promote(item)
 
+    def rows_ref(self, wanted, gathered):
+        """For a TSAMPLE/TREAD asking for references (``wanted``): the stacked rows
+        ``gathered`` (:class:`~..bins.tables.values.Gathered`) written as one item into
+        the shared-memory area, its :class:`~..bins.spill.ItemFiles` to refer to; None
+        when they go in the payload (a remote peer, an area the client cannot map,
+        rows too small to gain, or shared memory full)."""
+        area = self.storage.shm_area
+        if not (wanted and self.same_host and area is not None and len(wanted) <= _MAX_AREAS
+                and area.index in wanted
+                and worth_sharing(gathered.nbytes, len(gathered.out), self.config.zero_copy_min)):
+            return None
+        return self.storage.share_rows(gathered.description, gathered.buffer, gathered.nbytes)
+
     def pin(self, rid: int, items: list[Item], refs: list | None) -> None:
         """Keep the files a reply referred to until the client releases it (or leaves)."""
         if refs is None:

@@ -210,7 +210,9 @@ def read(session, request) -> None:
 
 
 def _send_rows(session, request, entry: TableEntry, rows, gathered: Gathered | None, probabilities) -> None:
-    """A 226 reply: one value of stacked columns, or the items one by one."""
+    """A 226 reply: one value of stacked columns, or the items one by one.  A
+    same-host client that asked for references (``ref``) may get the stacked columns
+    as a reference to a copy in the shared-memory area instead (PROTOCOL.md §10.3)."""
     header = request.command.reply(request.id)
     header[Key.SEQ] = entry.seq
     header[TableKey.KEYS] = int64_bytes(rows.keys)
@@ -222,8 +224,14 @@ def _send_rows(session, request, entry: TableEntry, rows, gathered: Gathered | N
         header[TableKey.COLUMNS] = True
         if entry.tensordict:
             header[TableKey.TENSORDICT] = True
-        parts = [memoryview(gathered.buffer)] if gathered.nbytes else []
-        payload_len = gathered.nbytes
+        files = session.shared.rows_ref(request.ref, gathered)  # same host: through shared memory (§10.3)
+        if files is not None:
+            header[Key.REFS] = [files.ref()]
+            session.shared.pin(request.id, [None], [files])
+            parts, payload_len = [], 0
+        else:
+            parts = [memoryview(gathered.buffer)] if gathered.nbytes else []
+            payload_len = gathered.nbytes
     else:
         items = rows.items
         header[Key.ITEMS] = [item.description for item in items]

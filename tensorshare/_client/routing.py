@@ -7,9 +7,10 @@ shared areas the connection verified (:mod:`.zerocopy`; None when it has none):
   incoming directory, and the request names it instead of carrying its bytes.  If
   the server does not take it (425), the fallback sends the written copy over TCP
   (the caller may have changed the original since);
-* a GET/PEEK asks for references to the items' files.  If those cannot be mapped
-  (:class:`ZeroCopyError`), a PEEK is sent again over TCP; a GET's items were
-  taken, so its error stands;
+* a GET/PEEK asks for references to the items' files, a TSAMPLE/TREAD for a
+  reference to the stacked rows.  If those cannot be mapped
+  (:class:`ZeroCopyError`), a PEEK or TREAD is sent again over TCP; a GET's items
+  were taken and a TSAMPLE counted, so their error stands;
 * anything else travels over TCP as it is.
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 import logging
 
 from ..errors import ZeroCopyError, ZeroCopyUnavailableError
-from ..protocol.messages import APPEND, GET, PEEK, PUT, Key
+from ..protocol.messages import APPEND, GET, PEEK, PUT, TREAD, TSAMPLE, Key
 from ..wire.codec import encode
 from .calls import Call
 from .connection import NO_VALUE
@@ -35,10 +36,10 @@ def route(call: Call, areas) -> None:
     if command is PUT or command is APPEND:
         if call.value is not NO_VALUE and areas.incoming is not None and not areas.too_small(call.value):
             _through_shared_memory(call, areas)
-    elif command is GET or command is PEEK:
+    elif command is GET or command is PEEK or command is TSAMPLE or command is TREAD:
         fields = call.fields
         call.fields = {**fields, Key.REF: areas.usable} if fields else {Key.REF: areas.usable}
-        if command is PEEK:
+        if command is PEEK or command is TREAD:
             call.fallback = _peek_over_tcp
 
 

@@ -400,9 +400,10 @@ TINSERT = Command("TINSERT", (BIN, *_TABLE_VALUE, optional(_TK.PRIORITIES, BYTES
 TWRITE = Command("TWRITE", (BIN, *_TABLE_VALUE, Field(_TK.INDICES, BYTES), optional(_TK.PRIORITIES, BYTES),
                             optional(_TK.TENSORDICT, BOOL), RELEASE),
                  reply=_TABLE_CHANGED, payload=True, result=_TK.KEYS, doc="put rows at the slot indices given")
-TSAMPLE = Command("TSAMPLE", (BIN, Field(Key.N, COUNT), optional(Key.WAIT, SECONDS), RELEASE), reply=_ROWS,
+TSAMPLE = Command("TSAMPLE", (BIN, Field(Key.N, COUNT), optional(Key.WAIT, SECONDS), optional(Key.REF, INTS), RELEASE),
+                  reply=_ROWS,
                   result=Key.ITEMS, doc="draw n rows with the table's sampler (waiting up to wait seconds)")
-TREAD = Command("TREAD", (BIN, Field(_TK.INDICES, BYTES), RELEASE), reply=_ROWS, result=Key.ITEMS,
+TREAD = Command("TREAD", (BIN, Field(_TK.INDICES, BYTES), optional(Key.REF, INTS), RELEASE), reply=_ROWS, result=Key.ITEMS,
                 doc="read the rows at the slot indices given")
 TPRIORITY = Command("TPRIORITY", (BIN, Field(_TK.KEYS, BYTES), Field(_TK.PRIORITIES, BYTES), RELEASE),
                     reply=Message(OK, (Field(Key.N, INT),)), result=Key.N,
