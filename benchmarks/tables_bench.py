@@ -141,13 +141,14 @@ def _sample_shm(rec: Recorder, p: Profile, port: int, rate, vs: list[str]) -> No
             rec.note("no shared memory offered to this client: no same-host table sample figure")
             return
         holder: list = []
-        times = time_runs(lambda: holder.append(local.sample("bench-replay", BATCH)), p.tables_reps, p.warmup,
+        times = time_runs(lambda: holder.append(local.sample("bench-replay", BATCH, shared=True)), p.tables_reps,
+                          p.warmup,
                           setup=holder.clear)
         if holder[-1].value["obs"].shape != (BATCH, *OBS):
             rec.note("a same-host table sample came back with the wrong shape")
         holder.clear()
     rec.figure("tables.sample256_shm", f"table sample {BATCH} from {p.tables_rows} rows, same host "
-               "(shared memory)", Sample.of(times).map(rate), "GB/s", vs=vs)
+               "(shared memory, sample(shared=True))", Sample.of(times).map(rate), "GB/s", vs=vs)
 
 
 def _local_sample(rec: Recorder, rows: int, reps: int, warm: int, chunk: dict, rate) -> str | None:

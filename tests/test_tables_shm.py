@@ -181,18 +181,23 @@ def test_a_same_host_sample_is_mapped_equals_tcp_and_leaves_nothing(server):
         assert frames["local"][0] == 0 and frames["local"][1]  # mapped: nothing came over TCP
         assert frames["tcp"][0] >= 256 * 28224 and frames["tcp"][1] is None
         del reply
-        s = local.sample("replay", 256)  # its request releases the first sample
+        s = local.sample("replay", 256, shared=True)  # its request releases the first sample
         assert _wait(lambda: first not in os.listdir(items)) and len(os.listdir(items)) == 1
         assert s.value["obs"].shape == (256, *OBS)
         assert torch.equal(s.value["reward"], s.indices.to(torch.float32))
         read_tcp = tcp.read("replay", s.indices)
         assert torch.equal(read_tcp["obs"], s.value["obs"]) and torch.equal(read_tcp["reward"], s.value["reward"])
-        read_local = local.read("replay", s.indices)
+        before = set(os.listdir(items))
+        read_local = local.read("replay", s.indices, shared=True)
+        after = set(os.listdir(items))
+        assert after and after != before  # that read came by reference too (its request released the sample's)
+        assert local.sample("replay", 256).value["obs"].shape == (256, *OBS)  # by default: over TCP
+        assert not set(os.listdir(items)) - after
         assert torch.equal(read_local["obs"], read_tcp["obs"])
         local.ping()  # carries the last releases
         assert _wait(lambda: not os.listdir(items))  # released: gone
         # one more, never released: the connection's end removes it
-        held = local.sample("replay", 256)
+        held = local.sample("replay", 256, shared=True)
         assert len(os.listdir(items)) == 1
     assert _wait(lambda: not os.listdir(items))
     assert held.value["obs"].shape == (256, *OBS)  # the mapping outlives the file's name
