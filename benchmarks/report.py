@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from .machine import one_line
@@ -57,7 +58,26 @@ def write_all(results: dict, out_dir: Path = RESULTS_DIR, say=print) -> list[Pat
     path = out_dir / "latest.md"
     _write(path, markdown(results))
     written.append(path)
+    path = out_dir / "latest-goals.md"  # README's table of goals
+    _write(path, readme_goals(results))
+    written.append(path)
     return written + plots
+
+
+def readme_goals(results: dict) -> str:
+    """The goals of a run as README's table: goal, status, and the ratio (or the
+    figure) that decided it."""
+    m = results.get("machine", {})
+    lines = [f"Quick run of {results.get('started', '?')}, {one_line(m) if m else '?'}, commit "
+             f"{m.get('git_commit', '?')}.", "", "| Goal | Result | Ratio or figure |", "|---|---|---|"]
+    for g in results.get("goals", []):
+        mark = {"PASS": "**PASS**", "MISS": "**MISS**"}.get(g["status"], g["status"])
+        detail = g["detail"]
+        ratio = re.search(r"= ([0-9.,]+x)", detail)
+        figure = re.search(r" ([0-9.,]+ [^ (]+) \(need", detail)
+        short = ratio.group(1) if ratio else figure.group(1) if figure else detail[:60]
+        lines.append(f"| {_cell(g['goal'])} | {mark} | {_cell(short)} |")
+    return "\n".join(lines) + "\n"
 
 
 # ------------------------------------------------------------------ Markdown
