@@ -67,7 +67,7 @@ def store(session, request) -> None:
         def add(done: Callable) -> None:
             storage.add(name, item, replace, done)
     finish = _stored(session, request)
-    if not replace and request.below is not None:
+    if not replace and request.below is not None and not _room_now(session, request):
         session.wait_for(lambda done: _when_room(session, request, add, done), finish)
     elif request.shm is None and not storage.durable:  # stored in memory at once: nothing to wait for
         add(finish)
@@ -97,6 +97,15 @@ def _store_ephemeral(session, request) -> None:
         finish(change, error)
 
     session.storage.add(request.bin, item, True, stored, lasting=False)
+
+
+def _room_now(session, request) -> bool:
+    """Whether an APPEND with ``below`` can be stored at once, as any APPEND: in
+    memory, nobody waiting on its bin before it, and room (the usual case of a
+    producer that is not ahead; it then keeps the pipelined path)."""
+    name, waits, storage = request.bin, session.state.waits, session.storage
+    return (request.shm is None and not storage.durable and not waits.waiting(name)
+            and storage.state(name)[1] + waits.going(name) < request.below)
 
 
 def _when_room(session, request, add: Callable, done: Callable) -> None:

@@ -18,7 +18,7 @@ from .peer import RLPeer
 
 log = logging.getLogger("tensorshare.rl")
 
-CAPPED_PENDING = 2  # rollouts a worker has in flight while its experiment is capped
+CAPPED_PENDING = 2  # the fewest rollouts a worker keeps in flight while its experiment is capped
 
 
 class RLWorker(RLPeer):
@@ -28,7 +28,8 @@ class RLWorker(RLPeer):
     ``max_pending`` rollouts are in flight at once, sent in order on one
     connection; past that it waits for the oldest to be stored.  When the trainer
     caps the rollouts waiting in the server (``max_waiting``), a rollout waits in
-    the server for room and at most two are in flight, so :meth:`add_data` waits
+    the server for room and at most an eighth of the cap (at least two) are in
+    flight (more would only get staler while they wait), so :meth:`add_data` waits
     too, up to the client's timeout; rollouts then travel on a second connection,
     so that parameters still arrive meanwhile.  Once the trainer asked the workers
     to stop, :meth:`add_data` discards what it is given.  A rollout the server did not store makes the next
@@ -136,9 +137,10 @@ class RLWorker(RLPeer):
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             self._raise_failure()
-            # While capped, a rollout waits in the server; more than a couple queued
-            # behind it would only be staler by the time they get in.
-            window = self.max_pending if self._max_waiting is None else min(self.max_pending, CAPPED_PENDING)
+            # Capped, rollouts may wait in the server and get staler meanwhile: keep an
+            # eighth of the cap in flight (at least two), not max_pending.
+            cap = self._max_waiting
+            window = self.max_pending if cap is None else min(self.max_pending, max(CAPPED_PENDING, cap // 8))
             while self._in_flight >= window:  # the window is full: backpressure
                 if self.stop_requested:  # nobody will read it
                     return
