@@ -115,11 +115,10 @@ def free_port() -> int:
 
 def rss_bytes(pid: int) -> int:
     """Resident set size of process ``pid`` (VmRSS in /proc/PID/status)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise ChildError(f"no VmRSS for pid {pid}")
+    rss = _status(pid).get("VmRSS")
+    if rss is None:
+        raise ChildError(f"no VmRSS for pid {pid}")
+    return rss
 
 
 def _status(pid: int) -> dict[str, int]:

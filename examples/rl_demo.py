@@ -7,10 +7,11 @@ the trainer's progress, then stops everything.
 """
 
 import argparse
-import re
 import subprocess
 import sys
 from pathlib import Path
+
+from launch import server_and_processes
 
 HERE = Path(__file__).resolve().parent
 
@@ -22,14 +23,8 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=32)
     args = parser.parse_args()
 
-    server = subprocess.Popen([sys.executable, "-m", "tensorshare_server", "--port", "0"],
-                              stdout=subprocess.PIPE, text=True)
-    procs = [server]
-    try:
-        line = server.stdout.readline()
-        port = re.search(r":(\d+)$", line.strip()).group(1)
-        print(line.strip(), flush=True)
-        common = ["--port", port, "--experiment", "corridor"]
+    with server_and_processes() as (port, procs):
+        common = ["--port", str(port), "--experiment", "corridor"]
         trainer = subprocess.Popen([sys.executable, str(HERE / "rl_trainer.py"), *common,
                                     "--versions", str(args.versions), "--batch", str(args.batch)])
         procs.append(trainer)
@@ -41,15 +36,6 @@ def main() -> int:
             worker.wait(timeout=30)
         print("workers stopped", flush=True)
         return code
-    finally:
-        for proc in reversed(procs):
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,12 +11,13 @@ noticed.
 """
 
 import argparse
-import re
 import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from launch import server_and_processes
 
 HERE = Path(__file__).resolve().parent
 
@@ -26,48 +27,34 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory() as data:
-        server = subprocess.Popen([sys.executable, "-m", "tensorshare_server", "--port", "0", "--data-dir", data],
-                                  stdout=subprocess.PIPE, text=True)
-        procs = [server]
-        try:
-            line = server.stdout.readline()
-            port = re.search(r":(\d+)$", line.strip()).group(1)
-            common = ["--port", port, "--experiment", "failover"]
-            workers = [subprocess.Popen([sys.executable, str(HERE / "rl_worker.py"), *common, "--seed", str(seed)])
-                       for seed in range(args.workers)]
-            procs += workers
-            learner = [sys.executable, str(HERE / "rl_trainer.py"), *common, "--batch", "16",
-                       "--checkpoint-every", "5"]
-            first = subprocess.Popen([*learner, "--versions", "1000", "--no-stop"], stdout=subprocess.PIPE,
-                                     text=True)
-            procs.append(first)
-            for line in first.stdout:
-                print(f"[learner 1] {line.rstrip()}", flush=True)
-                if line.startswith("version  12"):
-                    first.send_signal(signal.SIGKILL)
-                    break
-            first.wait(30)
-            print("[learner 1] killed with SIGKILL; starting learner 2", flush=True)
-            second = subprocess.Popen([*learner, "--versions", "30", "--resume"], stdout=subprocess.PIPE,
-                                      text=True)
-            procs.append(second)
-            for line in second.stdout:
-                print(f"[learner 2] {line.rstrip()}", flush=True)
-            code = second.wait(300)
-            for worker in workers:  # the same processes all along; the learner asked them to stop
-                worker.wait(30)
-            print(f"workers stopped, never restarted: exit codes {[w.returncode for w in workers]}", flush=True)
-            return code
-        finally:
-            for proc in reversed(procs):
-                if proc.poll() is None:
-                    proc.terminate()
-            for proc in procs:
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+    with tempfile.TemporaryDirectory() as data, \
+            server_and_processes("--data-dir", data, announce=False) as (port, procs):
+        common = ["--port", str(port), "--experiment", "failover"]
+        workers = [subprocess.Popen([sys.executable, str(HERE / "rl_worker.py"), *common, "--seed", str(seed)])
+                   for seed in range(args.workers)]
+        procs += workers
+        learner = [sys.executable, str(HERE / "rl_trainer.py"), *common, "--batch", "16",
+                   "--checkpoint-every", "5"]
+        first = subprocess.Popen([*learner, "--versions", "1000", "--no-stop"], stdout=subprocess.PIPE,
+                                 text=True)
+        procs.append(first)
+        for line in first.stdout:
+            print(f"[learner 1] {line.rstrip()}", flush=True)
+            if line.startswith("version  12"):
+                first.send_signal(signal.SIGKILL)
+                break
+        first.wait(30)
+        print("[learner 1] killed with SIGKILL; starting learner 2", flush=True)
+        second = subprocess.Popen([*learner, "--versions", "30", "--resume"], stdout=subprocess.PIPE,
+                                  text=True)
+        procs.append(second)
+        for line in second.stdout:
+            print(f"[learner 2] {line.rstrip()}", flush=True)
+        code = second.wait(300)
+        for worker in workers:  # the same processes all along; the learner asked them to stop
+            worker.wait(30)
+        print(f"workers stopped, never restarted: exit codes {[w.returncode for w in workers]}", flush=True)
+        return code
 
 
 if __name__ == "__main__":

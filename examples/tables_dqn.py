@@ -19,7 +19,6 @@ Needs ``gymnasium`` (and ``torchrl`` for ``--torchrl``): ``pip install tensorsha
 from __future__ import annotations
 
 import argparse
-import re
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import torch
 from torch import nn
 
 import tensorshare
+from launch import server_and_processes
 
 TABLE, PARAMS, RETURNS = "dqn/replay", "dqn/params", "dqn/returns"
 COLUMNS = {"obs": ((4,), torch.float32), "action": ((), torch.int64), "reward": ((), torch.float32),
@@ -177,30 +177,14 @@ def main() -> int:
         actor(args.port, args.seed, args.seconds)
         return 0
 
-    server = subprocess.Popen([sys.executable, "-m", "tensorshare_server", "--port", "0"], stdout=subprocess.PIPE,
-                              text=True)
-    procs = [server]
-    try:
-        line = server.stdout.readline()
-        port = int(re.search(r":(\d+)$", line.strip()).group(1))
-        print(line.strip(), flush=True)
-        with tensorshare.Client("127.0.0.1", port, timeout=60) as client:
-            net = setup(client, args)
-            for seed in range(args.actors):
-                procs.append(subprocess.Popen([sys.executable, __file__, "--role", "actor", "--port", str(port),
-                                               "--seed", str(seed), "--seconds", str(args.seconds + 30)]))
-            print(f"{args.actors} actor processes started", flush=True)
-            learn(client, net, args)
-        return 0
-    finally:
-        for proc in reversed(procs):
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
+    with server_and_processes() as (port, procs), tensorshare.Client("127.0.0.1", port, timeout=60) as client:
+        net = setup(client, args)
+        for seed in range(args.actors):
+            procs.append(subprocess.Popen([sys.executable, __file__, "--role", "actor", "--port", str(port),
+                                           "--seed", str(seed), "--seconds", str(args.seconds + 30)]))
+        print(f"{args.actors} actor processes started", flush=True)
+        learn(client, net, args)
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -326,6 +326,11 @@ class AsyncClient(ClientCore):
 
         self._retry = self.reactor.callLater(self._backoff.next(), attempt)
 
+    def _server_holds(self, wait: float) -> None:
+        wire = self._wire
+        if wire is not None and wire.keepalive is not None:
+            wire.keepalive.hold(self.reactor.seconds() + wait + 1.0)
+
     def _check_alive(self) -> None:
         """Probe a server silent for ``keepalive`` seconds with a NOOP; abort the
         connection (and so reconnect) if nothing comes for as long after it."""

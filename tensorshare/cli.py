@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 from .errors import AuthenticationError, ConnectionLostError, NoSuchBinError, TensorShareError, UsageError
+from .humanize import human_bytes
 
 OK, FAILED, USAGE, NO_SERVER, AUTH_FAILED, NO_BIN = 0, 1, 2, 3, 4, 5
 PEEK_VALUES = 6  # values shown per tensor
@@ -48,16 +49,6 @@ def _rich():
 
 
 # -- output
-
-
-def human_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def print_table(title: str, headers: list[str], rows: list[list], console=None) -> None:

@@ -130,7 +130,7 @@ def async_pair(clock: Clock | None = None, *, client_options: dict | None = None
         server = factory.buildProtocol(None)
         client_address, server_address = IPv4Address("TCP", "127.0.0.1", 40000 + len(pumps)), IPv4Address(
             "TCP", "127.0.0.1", 8000)
-        server_transport = iosim.FakeTransport(server, True, server_address, client_address)
+        server_transport = _ServerTransport(server, True, server_address, client_address)
         client_transport = iosim.FakeTransport(wire, False, client_address, server_address)
         pump = iosim.connect(server, server_transport, wire, client_transport, clock=clock, greet=False)
         pumps.append(pump)
@@ -145,6 +145,15 @@ def async_pair(clock: Clock | None = None, *, client_options: dict | None = None
     opened.addBoth(result.append)
     assert result and result[0] is None, result
     return client, pump, clock, state
+
+
+class _ServerTransport(iosim.FakeTransport):
+    """Twisted's fake transport with the ``connected`` flag a real TCP transport has
+    (the server checks it before resuming reads)."""
+
+    @property
+    def connected(self) -> bool:
+        return not self.disconnected
 
 
 class _Pumps:

@@ -12,7 +12,7 @@ from twisted.internet import defer
 from twisted.python.failure import Failure
 
 from pairing import async_pair
-from tensorshare.errors import ConnectionLostError, NoSuchBinError, TimeoutError
+from tensorshare.errors import BusyError, ConnectionLostError, NoSuchBinError, TimeoutError
 
 
 def result_of(d: defer.Deferred, pump) -> object:
@@ -85,6 +85,26 @@ def test_keepalive_drops_a_silent_server_and_the_client_reconnects():
         pump.flush()
         assert client._wire is not None and client._wire is not first
         assert result_of(client.put("after", 1), pump) == 1
+    finally:
+        client.close()
+        state.storage.close()
+
+
+def test_a_request_held_by_the_server_outlasts_the_keepalive():
+    """The keepalive probe queues behind an APPEND the server holds: the silence
+    meanwhile is no sign of a dead server."""
+    client, pump, clock, state = async_pair(client_options={"keepalive": 0.3, "timeout": 10.0})
+    try:
+        result_of(client.append("held", 1), pump)
+        first = client._wire
+        outcome = []
+        client.append("held", 2, below=1, timeout=2.0).addBoth(outcome.append)
+        for _ in range(15):  # 3 s: five keepalive periods, and past the wait
+            clock.advance(0.2)
+            pump.flush()
+        assert len(outcome) == 1 and outcome[0].check(BusyError)  # the server's answer, not a dropped connection
+        assert client._wire is first
+        assert result_of(client.peek("held"), pump) == [1]
     finally:
         client.close()
         state.storage.close()

@@ -18,15 +18,7 @@ import tensorshare
 from tensorshare import RLTrainer, RLWorker
 from tensorshare.errors import TimeoutError
 from tensorshare.rl import DEFAULT_MAX_STALENESS, Rollout
-
-
-def _until(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
+from wiretools import wait_for
 
 
 def test_get_data_returns_at_most_a_batch_in_order(server):
@@ -49,7 +41,7 @@ def test_stale_rollouts_are_replaced_from_those_waiting_and_carry_worker_and_ver
             RLWorker("127.0.0.1", server.port, experiment="fill", worker_id="w7") as worker:
         for _ in range(3):
             trainer.publish_parameters({"x": torch.zeros(1)})
-        assert _until(lambda: worker.await_new_parameters(0.05) is not None or worker.version == 2)
+        assert wait_for(lambda: worker.await_new_parameters(0.05) is not None or worker.version == 2)
         worker.version = 0  # pretend an old policy made the first three
         for i in range(3):
             worker.add_data(f"old {i}")
@@ -98,7 +90,7 @@ def test_a_capped_experiment_makes_add_data_wait_in_the_server(server):
         probe = tensorshare.Client("127.0.0.1", server.port)
         for i in range(5):  # 3 stored, 2 in flight, waiting in the server
             worker.add_data(i)
-        assert _until(lambda: probe.list().get("cap/rollouts") == 3)
+        assert wait_for(lambda: probe.list().get("cap/rollouts") == 3)
         time.sleep(0.2)
         assert probe.list()["cap/rollouts"] == 3  # never more than the cap
         # Parameters still arrive while rollouts wait (they travel on another connection).
@@ -116,7 +108,7 @@ def test_a_capped_experiment_makes_add_data_wait_in_the_server(server):
         for i in range(6, 10):
             worker.add_data(i)
         got = []
-        assert _until(lambda: got.extend(trainer.get_data()) or got == [6, 7, 8, 9], timeout=10), got
+        assert wait_for(lambda: got.extend(trainer.get_data()) or got == [6, 7, 8, 9], timeout=10), got
         worker.flush(5)
         probe.close()
 
@@ -127,16 +119,16 @@ def test_the_cap_can_be_lifted_while_workers_run(server):
         for i in range(4):
             worker.add_data(i)
         probe = tensorshare.Client("127.0.0.1", server.port)
-        assert _until(lambda: probe.list().get("lift/rollouts") == 2)
+        assert wait_for(lambda: probe.list().get("lift/rollouts") == 2)
         assert worker.max_waiting == 2
         trainer.set_max_waiting(None)
-        assert _until(lambda: worker.max_waiting is None)  # told through the control bin
+        assert wait_for(lambda: worker.max_waiting is None)  # told through the control bin
         # Those already waiting keep their cap; new ones are not capped.
         assert trainer.get_data(timeout=5)[:2] == [0, 1]
         for i in range(4, 20):
             worker.add_data(i)
         worker.flush(10)
-        assert _until(lambda: probe.list().get("lift/rollouts", 0) >= 16)
+        assert wait_for(lambda: probe.list().get("lift/rollouts", 0) >= 16)
         probe.close()
 
 
@@ -151,7 +143,7 @@ def test_publish_without_waiting_returns_at_once_with_a_snapshot(server):
         weights.fill_(-1)  # what was published was copied at each call
         assert versions == [0, 1, 2, 3, 4] and trainer.version == 4
         trainer.flush(10)
-        assert _until(lambda: worker.await_new_parameters(0.05) is not None and worker.version == 4)
+        assert wait_for(lambda: worker.await_new_parameters(0.05) is not None and worker.version == 4)
         params = worker.get_parameters()
         assert params["w"].unique().tolist() == [4.0]
 
@@ -163,17 +155,19 @@ def test_membership_versions_and_join_leave_callbacks(server):
         assert trainer.workers == {}
         trainer.publish_parameters({"x": torch.zeros(1)})
         with RLWorker("127.0.0.1", server.port, experiment="members", worker_id="a") as a:
-            assert _until(lambda: "a" in trainer.workers)
+            assert wait_for(lambda: "a" in trainer.workers)
             assert [w.id for w in joined] == ["a"]
             assert a.get_parameters() is not None
-            assert _until(lambda: trainer.workers["a"].version == 0)
+            assert wait_for(lambda: trainer.workers["a"].version == 0)
             for i in range(20):
                 a.add_data(i)
             a.flush(10)
-            assert len(trainer.get_data(timeout=10)) == 20 or _until(lambda: trainer.get_data() == [])
+            got = trainer.get_data(timeout=10)
+            assert wait_for(lambda: got.extend(trainer.get_data()) or len(got) >= 20)
+            assert sorted(got) == list(range(20))
             info = trainer.workers["a"]
             assert info.rollouts == 20 and info.rate > 0
-        assert _until(lambda: "a" not in trainer.workers)
+        assert wait_for(lambda: "a" not in trainer.workers)
         assert [w.id for w in left] == ["a"]
 
 
@@ -203,14 +197,14 @@ def test_a_killed_worker_leaves_and_stop_workers_reaches_the_others(server):
         try:
             for proc in procs.values():
                 assert proc.stdout.readline().strip() == "up"
-            assert _until(lambda: set(trainer.workers) == {"victim", "other"})
+            assert wait_for(lambda: set(trainer.workers) == {"victim", "other"})
             procs["victim"].kill()
             assert left.wait(10), "a killed worker was not seen to leave"
             assert set(trainer.workers) == {"other"}
             trainer.stop_workers()
             assert procs["other"].stdout.readline().strip() == "stopping"
             assert procs["other"].wait(20) == 0
-            assert _until(lambda: trainer.workers == {})
+            assert wait_for(lambda: trainer.workers == {})
         finally:
             for proc in procs.values():
                 proc.kill()
@@ -268,7 +262,7 @@ def test_rollouts_spread_over_several_servers(server):
                 with tensorshare.Client("127.0.0.1", other.port) as probe:
                     assert probe.list()["spread/rollouts"] == 10  # the second server's two workers
                 got = trainer.get_data(timeout=10, return_info=True)
-                assert _until(lambda: got.extend(trainer.get_data(return_info=True)) or len(got) >= 20)
+                assert wait_for(lambda: got.extend(trainer.get_data(return_info=True)) or len(got) >= 20)
                 assert sorted(r.data for r in got) == sorted((w, i) for w in chosen for i in range(5))
                 assert {r.worker for r in got} == set(chosen)
                 assert set(trainer.workers) == set(chosen)  # membership stays on the first server

@@ -9,7 +9,6 @@ from __future__ import annotations
 import gc
 import glob
 import os
-import time
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ import tensorshare
 from tensorshare.errors import BusyError
 from pairing import Pair
 from serverproc import ServerProcess, small_tmpfs
+from wiretools import wait_for
 from tensorshare._client.connection import read_reply
 from tensorshare._client.zerocopy import SharedAreas
 from tensorshare.disk.areas import inside
@@ -154,15 +154,6 @@ def _area_items(srv: ServerProcess) -> str:
     return os.path.join(area, "items")
 
 
-def _wait(predicate, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
-
-
 @pytest.mark.process
 def test_a_same_host_sample_is_mapped_equals_tcp_and_leaves_nothing(server):
     items = _area_items(server)
@@ -182,7 +173,7 @@ def test_a_same_host_sample_is_mapped_equals_tcp_and_leaves_nothing(server):
         assert frames["tcp"][0] >= 256 * 28224 and frames["tcp"][1] is None
         del reply
         s = local.sample("replay", 256, shared=True)  # its request releases the first sample
-        assert _wait(lambda: first not in os.listdir(items)) and len(os.listdir(items)) == 1
+        assert wait_for(lambda: first not in os.listdir(items)) and len(os.listdir(items)) == 1
         assert s.value["obs"].shape == (256, *OBS)
         assert torch.equal(s.value["reward"], s.indices.to(torch.float32))
         read_tcp = tcp.read("replay", s.indices)
@@ -195,11 +186,11 @@ def test_a_same_host_sample_is_mapped_equals_tcp_and_leaves_nothing(server):
         assert not set(os.listdir(items)) - after
         assert torch.equal(read_local["obs"], read_tcp["obs"])
         local.ping()  # carries the last releases
-        assert _wait(lambda: not os.listdir(items))  # released: gone
+        assert wait_for(lambda: not os.listdir(items))  # released: gone
         # one more, never released: the connection's end removes it
         held = local.sample("replay", 256, shared=True)
         assert len(os.listdir(items)) == 1
-    assert _wait(lambda: not os.listdir(items))
+    assert wait_for(lambda: not os.listdir(items))
     assert held.value["obs"].shape == (256, *OBS)  # the mapping outlives the file's name
 
 

@@ -10,18 +10,10 @@ from __future__ import annotations
 import time
 from html import escape
 
+from tensorshare.humanize import human_bytes
+
 REFRESH_SECONDS = 5
 MAX_ROWS = 200  # bins and clients shown on the page (status.json has more)
-
-
-def human_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def human_seconds(s: float | None) -> str:

@@ -50,9 +50,6 @@ def store(session, request) -> None:
     ephemeral = replace and request.ephemeral is True
     if ephemeral or session.state.ephemeral:
         _check_ephemeral(session, request, ephemeral)
-    if ephemeral:
-        _store_ephemeral(session, request)
-        return
     if request.shm is not None:
         incoming, item_name, size = session.shared.adoption(request)
         _check_value(session, blob, size)
@@ -65,11 +62,15 @@ def store(session, request) -> None:
         item = Item(blob, tuple(request.payload), request.payload_len, tag)
 
         def add(done: Callable) -> None:
-            storage.add(name, item, replace, done)
+            storage.add(name, item, replace, done, lasting=not ephemeral)  # ephemeral: in memory only
     finish = _stored(session, request)
+    if ephemeral:
+        if session.closed:  # run after its connection ended (§8.3): it would end with it
+            return
+        finish = _claiming(session, name, finish)
     if not replace and request.below is not None and not _room_now(session, request):
         session.wait_for(lambda done: _when_room(session, request, add, done), finish)
-    elif request.shm is None and not storage.durable:  # stored in memory at once: nothing to wait for
+    elif request.shm is None and (ephemeral or not storage.durable):  # stored in memory at once
         add(finish)
     else:
         session.wait_for(add, finish)
@@ -83,20 +84,13 @@ def _check_ephemeral(session, request, ephemeral: bool) -> None:
     session.state.ephemeral.check_store(request.bin, ephemeral, session.storage.state(request.bin)[0])
 
 
-def _store_ephemeral(session, request) -> None:
-    """An ephemeral PUT: kept in memory only (stored at once), owned by this connection."""
-    if session.closed:  # run after its connection ended (§8.3): it would end with it
-        return
-    _check_value(session, request.value, request.payload_len)
-    item = Item(request.value, tuple(request.payload), request.payload_len, request.tag)
-    finish = _stored(session, request)
-
+def _claiming(session, name: str, finish: Callable) -> Callable:
+    """``finish``, once this connection owns the ephemeral bin it stored."""
     def stored(change: Change | None, error: RemoteError | None) -> None:
         if error is None:
-            session.state.ephemeral.claim(request.bin, session)
+            session.state.ephemeral.claim(name, session)
         finish(change, error)
-
-    session.storage.add(request.bin, item, True, stored, lasting=False)
+    return stored
 
 
 def _room_now(session, request) -> bool:
@@ -105,7 +99,12 @@ def _room_now(session, request) -> bool:
     producer that is not ahead; it then keeps the pipelined path)."""
     name, waits, storage = request.bin, session.state.waits, session.storage
     return (request.shm is None and not storage.durable and not waits.waiting(name)
-            and storage.state(name)[1] + waits.going(name) < request.below)
+            and _has_room(session, name, request.below))
+
+
+def _has_room(session, name: str, below: int) -> bool:
+    """Whether bin ``name`` holds fewer than ``below`` items, those being stored included."""
+    return session.storage.state(name)[1] + session.state.waits.going(name) < below
 
 
 def _when_room(session, request, add: Callable, done: Callable) -> None:
@@ -113,9 +112,6 @@ def _when_room(session, request, add: Callable, done: Callable) -> None:
     being stored count), waiting up to ``request.wait`` seconds (PROTOCOL.md §4.4)."""
     storage, waits, name, below = session.storage, session.state.waits, request.bin, request.below
     wait = request.wait or 0
-
-    def room() -> bool:
-        return storage.state(name)[1] + waits.going(name) < below
 
     def stored(change, error) -> None:
         done(change, error)  # published first: notifications keep the order of seq
@@ -131,7 +127,7 @@ def _when_room(session, request, add: Callable, done: Callable) -> None:
         done(None, BusyError(f"bin {name!r} still held {storage.state(name)[1]} items (below {below} asked) "
                              f"after waiting {wait:g}s; nothing stored"))
 
-    session.park(name, room, go, wait, expire)
+    session.park(name, lambda: _has_room(session, name, below), go, wait, expire)
 
 
 def _check_value(session, blob: bytes, nbytes: int) -> None:

@@ -95,8 +95,6 @@ class ClientCore(ClientMethods):
         fields = None if bin is None else bin_fields(bin, tag)
         if extra:
             fields = {**(fields or {}), **extra}
-            if Key.WAIT in extra:
-                self._server_holds(extra[Key.WAIT])
         if inline:
             self._submit(command, fields, value, callback or _ignore, zero_copy=zero_copy, inline=True)
         else:
@@ -108,11 +106,17 @@ class ClientCore(ClientMethods):
         """A call of ``command``, routed for ``areas`` (see :mod:`.routing`).  (Its
         arguments are checked as its frame is built; a value routed through shared
         memory is removed again if they are wrong.)"""
+        if fields and Key.WAIT in fields:  # the server may hold it: silence until then is expected
+            self._server_holds(fields[Key.WAIT])
         call = Call(next_request_id(), command, fields, value, callback, then, on_error, on_reply, deadline, decode,
                     raw)
         if areas is not None:
             route(call, areas)
         return call
+
+    def _server_holds(self, wait: float) -> None:
+        """A request that asks the server to hold it up to ``wait`` seconds is about
+        to go: the keepalive (if any) expects silence meanwhile."""
 
     def _request_parts(self, call: Call) -> list:
         """The frame of ``call``'s current attempt, telling the server which

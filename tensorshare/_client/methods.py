@@ -15,7 +15,7 @@ import time
 from typing import Any, Callable
 
 from ..errors import UsageError
-from ..protocol.messages import APPEND, DELETE, GET, LIST, LISTEN, MAX_WAIT, NOOP, OK, PEEK, PUT, UNLISTEN, Key
+from ..protocol.messages import APPEND, DELETE, GET, LIST, LISTEN, NOOP, OK, PEEK, PUT, UNLISTEN, Key
 from .connection import NO_VALUE, ListenSnapshot, Notification, item_table
 from .listens import Listening
 
@@ -83,23 +83,9 @@ class ClientMethods(TableMethods):
         """
         fields = bin_fields(bin, tag)
         if below is not None:
-            timeout = self._wait_in_server(fields, below, timeout)
+            fields[Key.BELOW] = below
+            timeout = self._server_wait(fields, timeout)
         return self._call(APPEND, fields, value, timeout=timeout, **_progress(progress))
-
-    def _wait_in_server(self, fields: dict, below: int, timeout) -> float:
-        """Ask the server to hold a request up to the call's timeout (``fields`` get
-        ``below`` and ``wait``); returns the call's own timeout, a little longer, so
-        that the server's answer comes first."""
-        if timeout is DEFAULT:
-            timeout = self.timeout
-        wait = MAX_WAIT if timeout is None else min(max(float(timeout), 0.0), MAX_WAIT)
-        fields[Key.BELOW], fields[Key.WAIT] = below, wait
-        self._server_holds(wait)
-        return wait + max(1.0, wait / 10)
-
-    def _server_holds(self, wait: float) -> None:
-        """A request is about to ask the server to hold it up to ``wait`` seconds: the
-        keepalive expects silence meanwhile."""
 
     # -- reading
 

@@ -228,7 +228,7 @@ class TableMethods:
     def _server_wait(self, fields: dict, timeout) -> float | None:
         """Ask the server to hold the request up to ``timeout`` (``fields`` get
         ``wait``); returns the call's own timeout, a little longer, so that the
-        server's answer comes first."""
+        server's answer comes first.  (Also APPEND ``below``'s.)"""
         if timeout is DEFAULT:
             timeout = self.timeout
         wait = MAX_WAIT if timeout is None else min(max(float(timeout), 0.0), MAX_WAIT)

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-_SCALAR_MAX = 4  # batches up to this size are updated one element at a time
+from .sumtree import SCALAR_MAX, ancestor_levels
+
 INT_EMPTY = np.iinfo(np.int64).max
 
 
@@ -86,7 +87,7 @@ class MinTree:
     def _fix(self, slots: np.ndarray) -> None:
         tree, values, ties = self.tree, self.values, self.ties
         nodes = slots + self.leaves
-        if nodes.size <= _SCALAR_MAX:
+        if nodes.size <= SCALAR_MAX:
             for node in nodes.tolist():
                 node >>= 1
                 while node:
@@ -95,13 +96,7 @@ class MinTree:
                     tree[node] = a if va < vb or (va == vb and ties[a] <= ties[b]) else b
                     node >>= 1
             return
-        nodes = np.unique(nodes)
-        while nodes[0] > 1:
-            nodes >>= 1
-            keep = np.empty(nodes.size, bool)
-            keep[0] = True
-            np.not_equal(nodes[1:], nodes[:-1], out=keep[1:])
-            nodes = nodes[keep]
+        for nodes in ancestor_levels(nodes):
             a, b = tree[2 * nodes], tree[2 * nodes + 1]
             tree[nodes] = np.where(self._smaller(a, b), a, b)
 

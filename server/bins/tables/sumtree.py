@@ -14,7 +14,21 @@ from __future__ import annotations
 
 import numpy as np
 
-_SCALAR_MAX = 4  # batches up to this size are updated one element at a time
+SCALAR_MAX = 4  # batches up to this size are updated one element at a time
+
+
+def ancestor_levels(nodes: np.ndarray):
+    """The distinct ancestors of ``nodes`` (all on one level), a level at a time from
+    their parents up to the root: what a batched update recomputes, in that order."""
+    nodes = np.unique(nodes)
+    while nodes[0] > 1:
+        nodes >>= 1
+        # nodes stay sorted as they are halved: dropping repeats needs no sort
+        keep = np.empty(nodes.size, bool)
+        keep[0] = True
+        np.not_equal(nodes[1:], nodes[:-1], out=keep[1:])
+        nodes = nodes[keep]
+        yield nodes
 
 
 class SumTree:
@@ -37,21 +51,14 @@ class SumTree:
         tree = self.tree
         nodes = np.asarray(slots, np.int64) + self.leaves
         tree[nodes] = weights
-        if nodes.size <= _SCALAR_MAX:
+        if nodes.size <= SCALAR_MAX:
             for node in nodes.tolist():
                 node >>= 1
                 while node:
                     tree[node] = tree[2 * node] + tree[2 * node + 1]
                     node >>= 1
             return
-        nodes = np.unique(nodes)
-        while nodes[0] > 1:
-            nodes >>= 1
-            # nodes stay sorted as they are halved: dropping repeats needs no sort
-            keep = np.empty(nodes.size, bool)
-            keep[0] = True
-            np.not_equal(nodes[1:], nodes[:-1], out=keep[1:])
-            nodes = nodes[keep]
+        for nodes in ancestor_levels(nodes):
             left = 2 * nodes
             tree[nodes] = tree[left] + tree[left + 1]
 
