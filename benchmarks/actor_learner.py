@@ -177,7 +177,8 @@ def _run_tensorshare(hidden: int, sync: bool, warmup_s: float, run_s: float) -> 
             while meter.running():
                 batch = []
                 while len(batch) < _BATCH:
-                    got = trainer.get_data(max_items=_BATCH - len(batch), timeout=30, return_info=True)
+                    want = _BATCH - len(batch)
+                    got = trainer.get_data(max_items=want, min_items=want, timeout=30, return_info=True)
                     batch += [r for r in got if not sync or r.version == version]
                 learner.step([r.data for r in batch])
                 meter.took(version, [r.version for r in batch])

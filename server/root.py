@@ -25,7 +25,8 @@ from .net.recvpool import chunk_pool
 from .protocol.ephemeral import EphemeralBins
 from .ops.counters import Counters
 from .protocol.notify import ListenerRegistry
-from .protocol.tables import table_watcher
+from .protocol.longpoll import LANES as read_lanes
+from .protocol.tables import LANES as table_lanes
 from .protocol.waits import Waits
 
 log = logging.getLogger("tensorshare.server")
@@ -50,8 +51,9 @@ class ServerState:
     def __post_init__(self) -> None:
         if self.waits is None:
             self.waits = Waits(_NoClock())
-        self.listeners.watch(self.waits.changed)
-        self.listeners.watch(table_watcher(self.waits))  # a table's inserts and samples wait in queues of their own
+        # Every change tests what waits on its bin: APPENDs with below, a table's inserts
+        # and samples, reads that wait (each kind in a lane of its own).
+        self.listeners.watch(self.waits.watcher(*table_lanes, *read_lanes))
 
     @property
     def store(self):

@@ -95,8 +95,8 @@ def test_worker_downloads_only_newer_versions(server):
         trainer.publish_parameters({"x": torch.zeros(4)})
         first = worker.await_new_parameters(timeout=10)
         peeks = []
-        original = worker.client.peek
-        worker.client.peek = lambda *a, **k: peeks.append(a) or original(*a, **k)
+        for client in (worker.client, worker._poller()):  # (the second: where it long-polls)
+            client.peek = lambda *a, _original=client.peek, **k: peeks.append(a) or _original(*a, **k)
         for _ in range(20):
             assert worker.get_parameters() is first  # no new version: no download
         assert peeks == []

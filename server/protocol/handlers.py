@@ -22,6 +22,7 @@ from tensorshare.wire.description import check_description
 from tensorshare.wire.frames import frame_head
 
 from ..bins.store import Change, Item
+from . import longpoll
 
 log = logging.getLogger("tensorshare.server")
 
@@ -156,9 +157,22 @@ def _stored(session, request) -> Callable:
 
 @handles(GET)
 def get(session, request) -> None:
-    """Take every item out of the bin.  The take and its notification happen now;
+    """Take the bin's items (at most ``max``); with ``wait``, once it holds ``least``
+    of them (:mod:`.longpoll`)."""
+    if request.least is not None and request.max is not None and request.least > request.max:
+        raise RemoteError(f"least ({request.least}) must not exceed max ({request.max})", BAD_ARGS)
+    if request.wait and not longpoll.enough_items(session, request):
+        longpoll.hold(session, request, longpoll.enough_items, _take)
+        return
+    _take(session, request, None)
+
+
+def _take(session, request, done: Callable[[], None] | None) -> None:
+    """Take the items out of the bin.  The take and its notification happen now;
     the reply follows once the items' files are open (if any is only on disk), and
-    the items go back to the front of the bin if it cannot be delivered."""
+    the items go back to the front of the bin if it cannot be delivered.
+    ``done``: called once the reply is queued (a request that waited); None: a
+    wait for the disk holds the connection as usual."""
     storage, listeners, name = session.storage, session.state.listeners, request.bin
     items = storage.peek(name)[: request.max]  # (max: None takes them all)
     _check_reply_size(session, items)  # refused before anything is taken
@@ -172,10 +186,12 @@ def get(session, request) -> None:
         if error is not None:
             put_back()
             session.refuse(request.id, error)
-            return
-        _send_items(session, request, items, parts, change.seq, refs, put_back,
-                    lambda: storage.delivered(name, items))
-        session.shared.pin(request.id, items, refs)
+        else:
+            _send_items(session, request, items, parts, change.seq, refs, put_back,
+                        lambda: storage.delivered(name, items))
+            session.shared.pin(request.id, items, refs)
+        if done is not None:
+            done()
 
     parts = storage.parts_in_memory(items, refs)
     if parts is not None:  # the usual case: the reply, then the notifications
@@ -183,16 +199,28 @@ def get(session, request) -> None:
         listeners.publish(change)
         return
 
-    def start(done: Callable) -> None:
+    def start(read_done: Callable) -> None:
         listeners.publish(change)  # this connection's own notification follows the reply
-        storage.read(items, refs, done)
+        storage.read(items, refs, read_done)
 
-    session.wait_for(start, finish)
+    if done is not None:  # already holding the connection (it waited)
+        start(finish)
+    else:
+        session.wait_for(start, finish)
 
 
 @handles(PEEK)
 def peek(session, request) -> None:
-    """Read every item of the bin, which keeps them."""
+    """Read every item of the bin, which keeps them; with ``since`` and ``wait``,
+    once the bin is no longer at seq ``since`` (:mod:`.longpoll`)."""
+    if request.wait and not longpoll.moved_on(session, request):
+        longpoll.hold(session, request, longpoll.moved_on, _read)
+        return
+    _read(session, request, None)
+
+
+def _read(session, request, done: Callable[[], None] | None) -> None:
+    """Send the bin's items (``done``: as for :func:`_take`)."""
     storage, name = session.storage, request.bin
     items = storage.peek(name)
     _check_reply_size(session, items)
@@ -202,16 +230,20 @@ def peek(session, request) -> None:
     def finish(parts: list | None, error: RemoteError | None) -> None:
         if error is not None:
             session.refuse(request.id, error)
-            return
-        _send_items(session, request, items, parts, seq, refs)
-        session.shared.pin(request.id, items, refs)
-        session.shared.promote(request.ref, items, refs, session.decode_limits)
+        else:
+            _send_items(session, request, items, parts, seq, refs)
+            session.shared.pin(request.id, items, refs)
+            session.shared.promote(request.ref, items, refs, session.decode_limits)
+        if done is not None:
+            done()
 
     parts = storage.parts_in_memory(items, refs)
     if parts is not None:  # the usual case: no disk, no wait
         finish(parts, None)
-        return
-    session.wait_for(lambda done: storage.read(items, refs, done), finish)
+    elif done is not None:
+        storage.read(items, refs, finish)
+    else:
+        session.wait_for(lambda read_done: storage.read(items, refs, read_done), finish)
 
 
 def _check_reply_size(session, items: list[Item]) -> None:

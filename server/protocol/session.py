@@ -467,9 +467,9 @@ class ServerSession:
         call.started()
 
     def park(self, name: str, ready: Callable[[], bool], go: Callable[[], None], timeout: float,
-             expire: Callable[[], None]) -> None:
+             expire: Callable[[], None], ordered: bool = True) -> None:
         """Run ``go()`` once ``ready()`` holds for bin ``name``, or ``expire()`` after
-        ``timeout`` seconds (:class:`~.waits.Waits`).  Call it from the ``start`` of
+        ``timeout`` seconds (:class:`~.waits.Waits`; ``ordered``: see there).  Call it from the ``start`` of
         :meth:`wait_for`: this connection's later requests wait meanwhile, its
         notifications do not; a connection that closes drops its parked request."""
         def went() -> None:
@@ -482,7 +482,7 @@ class ServerSession:
             self._parked = None
             expire()
 
-        self._parked = self.state.waits.park(name, ready, went, timeout, expired)
+        self._parked = self.state.waits.park(name, ready, went, timeout, expired, ordered)
         if self._parked is not None:
             # While it waits, notifications of others' changes go out as usual (a worker
             # whose rollout waits for room still hears of new parameters).

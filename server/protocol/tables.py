@@ -31,24 +31,17 @@ from ..bins.tablestore import LIMIT_KEYS, TableEntry
 from ..bins.store import Item
 from .handlers import _check_value, handles
 
-_QUEUES = ("\x00insert", "\x00sample")
+# The Waits lanes of a table's inserts and samples (bin names hold no control
+# characters: these keys are no bin's).
+LANES = _QUEUES = ("\x00insert", "\x00sample")
 # Reply buffers of samples and reads, used again once written (a learner samples the
 # same size over and over): 64 MiB at most, let go after 10 s unused.
-_GATHER_BUFFERS = Recycler(64 << 20, bytearray, idle=10.0)  # bin names hold no control characters: these keys are no bin's
+_GATHER_BUFFERS = Recycler(64 << 20, bytearray, idle=10.0)
 
 
 def wait_key(name: str, sampling: bool) -> str:
     """The :class:`~.waits.Waits` key under which a table's inserts (or samples) wait."""
     return name + _QUEUES[sampling]
-
-
-def table_watcher(waits) -> Callable[[str], None]:
-    """A listener-registry watcher: any change of ``name`` (a DELETE too) tests the
-    inserts and samples waiting on it again."""
-    def changed(name: str) -> None:
-        waits.changed(name + _QUEUES[0])
-        waits.changed(name + _QUEUES[1])
-    return changed
 
 
 def _publish(session, entry: TableEntry, op: str) -> None:

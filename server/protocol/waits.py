@@ -31,10 +31,11 @@ log = logging.getLogger("tensorshare.server")
 class Parked:
     """One waiting request (see :meth:`Waits.park`)."""
 
-    __slots__ = ("name", "ready", "go", "expire", "timer", "done")
+    __slots__ = ("name", "ready", "go", "expire", "ordered", "timer", "done")
 
-    def __init__(self, name: str, ready: Callable[[], bool], go: Callable[[], None], expire: Callable[[], None]):
-        self.name, self.ready, self.go, self.expire = name, ready, go, expire
+    def __init__(self, name: str, ready: Callable[[], bool], go: Callable[[], None], expire: Callable[[], None],
+                 ordered: bool = True):
+        self.name, self.ready, self.go, self.expire, self.ordered = name, ready, go, expire, ordered
         self.timer: Any = None
         self.done = False
 
@@ -52,22 +53,36 @@ class Waits:
         self._scheduled: set[str] = set()  # bins whose parked requests are tested on the next turn
 
     def park(self, name: str, ready: Callable[[], bool], go: Callable[[], None], timeout: float,
-             expire: Callable[[], None]) -> Parked | None:
+             expire: Callable[[], None], ordered: bool = True) -> Parked | None:
         """Run ``go()`` once ``ready()`` is true, testing it now and after each change
         to bin ``name``; or ``expire()`` after ``timeout`` seconds (0: at once if
-        not ready now).  Requests parked under one bin go on in the order they came.
-        Once ``go()`` has run, the caller owes a :meth:`settled` call.  Returns the
-        parked request (for :meth:`cancel`), or None if it went on or expired at once."""
-        if not self._by_bin.get(name) and ready():
+        not ready now).  Requests parked under one bin go on in the order they came;
+        an ``ordered=False`` one goes on whenever it is ready, whatever waits before
+        it (each reader waiting for its own version).  Once ``go()`` has run, the
+        caller owes a :meth:`settled` call.  Returns the parked request (for
+        :meth:`cancel`), or None if it went on or expired at once."""
+        if (not ordered or not self._by_bin.get(name)) and ready():
             self._go(name, go)
             return None
         if timeout <= 0:
             expire()
             return None
-        parked = Parked(name, ready, go, expire)
+        parked = Parked(name, ready, go, expire, ordered)
         self._by_bin.setdefault(name, deque()).append(parked)
         parked.timer = self.clock.callLater(timeout, self._expire, parked)
         return parked
+
+    def watcher(self, *lanes: str) -> Callable[[str], None]:
+        """A listener-registry watcher: a change of bin ``name`` tests the requests
+        parked under ``name`` and under ``name + lane`` for each of ``lanes`` (kinds
+        of request that wait in queues of their own: a table's samples, held reads)."""
+        keys, parked = ("", *lanes), self._by_bin
+
+        def changed(name: str) -> None:
+            if parked:  # (the usual case: nothing waits anywhere)
+                for lane in keys:
+                    self.changed(name + lane)
+        return changed
 
     def going(self, name: str) -> int:
         """Requests on bin ``name`` that went on and have not settled yet."""
@@ -96,9 +111,11 @@ class Waits:
 
     def _run(self, name: str) -> None:
         """Let the requests parked on bin ``name`` go on, oldest first, while they
-        are ready (each one's ``go`` may change the bin again)."""
+        are ready (each one's ``go`` may change the bin again); unordered ones that
+        are not ready hold back nobody."""
         self._scheduled.discard(name)
         queue = self._by_bin.get(name)
+        skipped: list[Parked] = []  # unordered requests not ready yet, in order
         while queue:
             parked = queue[0]
             try:
@@ -110,10 +127,18 @@ class Waits:
                 parked.expire()
                 continue
             if not ready:
-                break
+                if parked.ordered:
+                    break
+                skipped.append(queue.popleft())
+                continue
             queue.popleft()
             self._finish(parked)
             self._go(name, parked.go)  # may change the bin: the loop tests the next one with that
+        skipped = [parked for parked in skipped if not parked.done]  # (one may have been cancelled meanwhile)
+        if skipped:
+            if queue is None or self._by_bin.get(name) is not queue:
+                queue = self._by_bin.setdefault(name, deque())
+            queue.extendleft(reversed(skipped))
         if queue is not None and not queue and self._by_bin.get(name) is queue:
             del self._by_bin[name]
 

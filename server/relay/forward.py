@@ -13,7 +13,7 @@ the relay does not follow, which live on the relay as on any server.
   forwarded write is never stored twice by the relay.
 * PEEK and LISTEN of a followed bin start mirroring it and wait for its first
   copy; then they are answered from the mirror, like any bin (same-host zero-copy
-  included).
+  included; a PEEK that waits for a change waits for the mirror's).
 * LIST merges the upstream's followed bins with the relay's own, and carries the
   relay's state (``relay``: upstream, connected, how far behind).
 """
@@ -148,8 +148,12 @@ def get(session, request) -> None:
     if not relay.follows(name):
         return local.get(session, request)
     fields = {Key.BIN: name, Key.TAGS: True}
-    if request.max is not None:
-        fields[Key.MAX] = request.max
+    timeout = relay.timeout
+    for key in (Key.MAX, Key.LEAST, Key.WAIT):  # a take that waits, waits upstream
+        if getattr(request, key) is not None:
+            fields[key] = getattr(request, key)
+    if request.wait:
+        timeout = request.wait + MARGIN_S
 
     def taken(reply) -> None:
         frame = reply.frame
@@ -164,7 +168,7 @@ def get(session, request) -> None:
             base += size
         local._send_items(session, request, items, parts, _local_seq(session, name, reply.header[Key.SEQ])[2], None)
 
-    _forward(session, request.id, GET, fields, None, relay.timeout, taken, name)
+    _forward(session, request.id, GET, fields, None, timeout, taken, name)
 
 
 def read(handler: Callable) -> Callable:

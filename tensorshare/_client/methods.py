@@ -15,7 +15,7 @@ import time
 from typing import Any, Callable
 
 from ..errors import UsageError
-from ..protocol.messages import APPEND, DELETE, GET, LIST, LISTEN, NOOP, OK, PEEK, PUT, UNLISTEN, Key
+from ..protocol.messages import APPEND, DELETE, GET, LIST, LISTEN, MAX_WAIT, NOOP, OK, PEEK, PUT, UNLISTEN, Key
 from .connection import NO_VALUE, ListenSnapshot, Notification, item_table
 from .listens import Listening
 
@@ -90,6 +90,7 @@ class ClientMethods(TableMethods):
     # -- reading
 
     def get(self, bin: str, timeout=DEFAULT, *, max_items: int | None = None, with_seq: bool = False,
+            wait: float | None = None, least: int | None = None,
             progress: Callable[[int, int], Any] | None = None) -> Any:
         """Take all items out of ``bin`` (it stays, empty); returns them in order.
 
@@ -98,16 +99,52 @@ class ClientMethods(TableMethods):
         number, so a listener can tell the notifications of later changes (higher
         seq) from those of earlier ones.  ``progress(done, total)`` hears of the
         reply's bytes as they arrive (blocking ``Client`` only).
+
+        ``wait``: while the bin holds fewer than ``least`` items (default 1; a bin
+        that does not exist holds none), the server holds the request up to that
+        many seconds and answers as soon as they are there: a consumer's blocking
+        take, with no notification or polling in between.  When ``wait`` runs out
+        the take goes ahead with what there is (perhaps nothing; a bin that still
+        does not exist raises :class:`~tensorshare.errors.NoSuchBinError`).
         """
         fields = bin_fields(bin)
         if max_items is not None:
             fields[Key.MAX] = max_items
+        if least is not None:
+            fields[Key.LEAST] = least
+        if wait is not None:
+            timeout = self._hold_for(fields, wait, timeout)
         then = (lambda reply: (reply.values, reply.header[Key.SEQ])) if with_seq else None
         return self._call(GET, fields, timeout=timeout, then=then, **_progress(progress))
 
-    def peek(self, bin: str, timeout=DEFAULT, *, progress: Callable[[int, int], Any] | None = None) -> Any:
-        """Return all items of ``bin`` without removing them (``progress``: as for :meth:`get`)."""
-        return self._call(PEEK, bin_fields(bin), timeout=timeout, **_progress(progress))
+    def peek(self, bin: str, timeout=DEFAULT, *, with_seq: bool = False, since: int | None = None,
+             wait: float | None = None, progress: Callable[[int, int], Any] | None = None) -> Any:
+        """Return all items of ``bin`` without removing them (``progress``,
+        ``with_seq``: as for :meth:`get`).
+
+        ``since`` and ``wait``: a long poll for the bin's next change.  While the
+        bin is still at sequence number ``since`` (from an earlier ``with_seq``
+        reply or a notification), the server holds the request up to ``wait``
+        seconds and answers as soon as it changes: a reader gets the next version
+        in the reply itself.  When ``wait`` runs out the bin is read as it is.
+        """
+        fields = bin_fields(bin)
+        if since is not None:
+            fields[Key.SINCE] = since
+        if wait is not None:
+            timeout = self._hold_for(fields, wait, timeout)
+        then = (lambda reply: (reply.values, reply.header[Key.SEQ])) if with_seq else None
+        return self._call(PEEK, fields, timeout=timeout, then=then, **_progress(progress))
+
+    def _hold_for(self, fields: dict, wait: float, timeout) -> float | None:
+        """Ask the server to hold a read up to ``wait`` seconds; returns the call's
+        timeout, long enough for the server's answer to come first."""
+        wait = min(max(float(wait), 0.0), MAX_WAIT)
+        fields[Key.WAIT] = wait
+        if timeout is DEFAULT:
+            timeout = self.timeout
+        held = wait + max(1.0, wait / 10)
+        return None if timeout is None else max(float(timeout), held)
 
     def save(self, bin: str, path, *, overwrite: bool = False, timeout=DEFAULT,
              progress: Callable[[int, int], Any] | None = None) -> Any:

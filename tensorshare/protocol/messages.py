@@ -46,6 +46,9 @@ class Key:
     # GET: take at most this many items; APPEND: only while the bin holds fewer than
     # ``below`` items, waiting up to ``wait`` seconds for room (§4.4)
     MAX, BELOW, WAIT = "max", "below", "wait"
+    # GET with wait: held until the bin holds ``least`` items; PEEK with wait: held
+    # while the bin is still at seq ``since`` (§4.5: reads that wait)
+    LEAST, SINCE = "least", "since"
     # PUT: the bin lives only as long as this connection (§4.6: presence, membership)
     EPHEMERAL = "ephemeral"
     # GET/PEEK: the reply lists every item's tag; LIST: a relay's state (§11)
@@ -354,9 +357,11 @@ PUT = Command("PUT", (*_STORE_FIELDS, optional(Key.EPHEMERAL, BOOL)), reply=_CHA
 APPEND = Command("APPEND", (*_STORE_FIELDS, optional(Key.BELOW, COUNT), optional(Key.WAIT, SECONDS)),
                  reply=_CHANGED, payload=True, result=Key.N,
                  doc="add one item at the end of the bin (with below: once it holds fewer items)")
-GET = Command("GET", (*_READ_FIELDS, optional(Key.MAX, COUNT)), reply=_ITEMS, result=Key.ITEMS,
-              doc="take the bin's items (at most max of them) out of it")
-PEEK = Command("PEEK", _READ_FIELDS, reply=_ITEMS, result=Key.ITEMS, doc="read every item of the bin")
+GET = Command("GET", (*_READ_FIELDS, optional(Key.MAX, COUNT), optional(Key.WAIT, SECONDS),
+                     optional(Key.LEAST, COUNT)), reply=_ITEMS, result=Key.ITEMS,
+              doc="take the bin's items (at most max of them) out of it (with wait: once it holds least)")
+PEEK = Command("PEEK", (*_READ_FIELDS, optional(Key.WAIT, SECONDS), optional(Key.SINCE, INT)), reply=_ITEMS,
+               result=Key.ITEMS, doc="read every item of the bin (with wait: once its seq is no longer since)")
 LIST = Command("LIST", (RELEASE,), reply=Message(LIST_OK, (Field(Key.BINS, COUNTS), optional(Key.RELAY, MAP))),
                result=Key.BINS,
                doc="every bin and its item count")

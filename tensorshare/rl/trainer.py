@@ -79,11 +79,16 @@ class RLTrainer(RLPeer):
         self._put_control(stop=False)
         # The rollouts bin on this server, or one on each of ``servers``.
         self._extra_clients = [self._connect_again(parse_server(server)) for server in servers or ()]
-        clients = self._extra_clients or [self.client]
+        # One server: the rollouts are taken on a connection of their own, so that a take
+        # that waits there for rollouts holds back no publish or membership call.
+        clients = self._extra_clients or [self._connect_again()]
+        self._extra_clients = clients
         self._sources = [_RolloutBin(client, self.data_bin, self._cond) for client in clients]
         self._next_source = 0
         self._members_lock = threading.Lock()
-        self.client.listen(self.roster_bin, lambda note: self._refresh_members())
+        # Workers append their ids to the roster; the trainer's own takes of it (n = 0)
+        # are no news (reading the roster again for them would only take again: a loop).
+        self.client.listen(self.roster_bin, lambda note: self._refresh_members() if note.n_items else None)
         self._refresh_members()
 
     # -- parameters
@@ -103,7 +108,7 @@ class RLTrainer(RLPeer):
         if wait:
             self.client.put(self.params_bin, value, tag=version)
         else:
-            self.client.submit(PUT, self.params_bin, value, self._failed, tag=version)
+            self.client.submit(PUT, self.params_bin, value, self._failed, tag=version, inline=True)
         self.version = version
         return version
 
@@ -117,24 +122,50 @@ class RLTrainer(RLPeer):
     # -- rollouts
 
     def get_data(self, return_versions: bool = False, timeout: float | None = None, *,
-                 max_items: int | None = None, return_info: bool = False):
+                 max_items: int | None = None, min_items: int | None = None, return_info: bool = False):
         """Take the rollouts collected so far (``[]`` if none), at most ``max_items``.
 
-        With ``timeout``, wait up to that long for at least one to arrive.  With
-        ``return_versions`` (as in the original), ``(data, versions)``: the rollouts
-        and, in the same order, the version of the parameters each was made with.
-        With ``return_info``, a list of :class:`Rollout` (data, version, worker,
+        With ``timeout``, wait up to that long for at least ``min_items`` (default
+        1) to arrive: ``get_data(max_items=64, min_items=64, timeout=30)`` is a
+        batch of exactly 64, or what came within 30 s.  With ``return_versions``
+        (as in the original), ``(data, versions)``: the rollouts and, in the same
+        order, the version of the parameters each was made with.  With
+        ``return_info``, a list of :class:`Rollout` (data, version, worker,
         staleness).  Stale rollouts (see the class) are dropped, and more are taken
         in their place while more wait.
+
+        On one server the wait happens in the server (a GET that waits: the reply
+        comes as soon as the rollouts do, with no notification in between).
         """
         if max_items is not None and max_items < 1:
             raise ValueError("max_items must be at least 1")
+        if min_items is not None and (min_items < 1 or (max_items is not None and min_items > max_items)):
+            raise ValueError("min_items must be at least 1 and at most max_items")
         deadline = None if timeout is None else time.monotonic() + timeout
+        least = min_items or 1
         kept: list[Rollout] = []
         while True:
+            want = None if max_items is None else max_items - len(kept)
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if len(self._sources) == 1 and remaining is not None and remaining > 0 and len(kept) < least:
+                with self._cond:  # one server: the take itself waits there
+                    self._raise_failure()
+                    if self._closing:
+                        break
+                try:
+                    items = self._sources[0].take(want, wait=remaining, least=least - len(kept))
+                except ConnectionLostError:
+                    if self._closing:  # stopped from another thread meanwhile
+                        break
+                    raise
+                kept += self._sort(items)
+                if (max_items is not None and len(kept) >= max_items) or \
+                        (len(kept) >= least and (want is None or len(items) < want)):
+                    break  # a full batch; or enough, and the bin was emptied: nothing more waits
+                continue
             with self._cond:
                 self._raise_failure()
-                while not self._closing and not kept and deadline is not None and self._waiting() is None:
+                while not self._closing and len(kept) < least and deadline is not None and self._waiting() is None:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         break
@@ -142,8 +173,7 @@ class RLTrainer(RLPeer):
                 source = None if self._closing else self._waiting()
                 if source is None:
                     break
-            want = None if max_items is None else max_items - len(kept)
-            kept += self._take(source, want)
+            kept += self._sort(source.take(want))
             if max_items is not None and len(kept) >= max_items:
                 break
         if return_info:
@@ -162,28 +192,31 @@ class RLTrainer(RLPeer):
                 return source
         return None
 
-    def _take(self, source: "_RolloutBin", limit: int | None) -> list[Rollout]:
-        """One GET of at most ``limit`` rollouts; the stale ones counted and dropped."""
-        items = source.take(limit)
+    def _sort(self, items: list) -> list[Rollout]:
+        """The rollouts of one take, the stale ones counted and dropped; each worker's
+        count and version noted."""
         kept, dropped, oldest = [], 0, self.version - self.max_staleness
-        counts: dict[str, int] = {}
+        seen: dict[str, list[int]] = {}  # worker -> [rollouts, newest version]
         for item in items:
             if isinstance(item, dict) and "version" in item:
                 version, worker, data = item["version"], item.get("worker"), item.get("data")
             else:
                 version, worker, data = -1, None, item
             if worker is not None:
-                counts[worker] = counts.get(worker, 0) + 1
+                counts = seen.setdefault(worker, [0, version])
+                counts[0] += 1
+                counts[1] = max(counts[1], version)
             if self.filter_version and version < oldest:
                 dropped += 1
                 continue
             kept.append(Rollout(data, version, worker, self.version - version))
         self._stale.count(len(kept), dropped, self.max_staleness)
         with self._members_lock:
-            for worker, count in counts.items():
+            for worker, (count, version) in seen.items():
                 info = self._workers.get(worker)
                 if info is not None:
                     info.took(count)
+                    info.version = max(info.version, version)  # it held at least that one
         return kept
 
     @property
@@ -306,9 +339,12 @@ class _RolloutBin:
         self.pending = handle.snapshot.n_items  # rollouts known to wait (0: none; may be a guess of 1)
         self.seq = handle.snapshot.seq  # newest change of the bin we know of
 
-    def take(self, limit: int | None) -> list:
+    def take(self, limit: int | None, wait: float | None = None, least: int | None = None) -> list:
+        """At most ``limit`` rollouts; with ``wait``, once ``least`` wait (or what
+        there is after ``wait`` seconds)."""
         try:
-            items, seq = self.client.get(self.name, max_items=limit, with_seq=True)
+            items, seq = self.client.get(self.name, max_items=limit, with_seq=True, wait=wait,
+                                         least=least if wait else None)
         except NoSuchBinError:
             items, seq = [], self.seq
         with self._cond:

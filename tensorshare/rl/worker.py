@@ -7,11 +7,12 @@ import logging
 import os
 import secrets
 import socket
+import threading
 import time
 from typing import Any
 
 from .._client.connection import Notification
-from ..errors import NoSuchBinError, TimeoutError
+from ..errors import ConnectionLostError, NoSuchBinError, TimeoutError
 from ..protocol.messages import APPEND, MAX_WAIT, PUT, Key, check_bin_name
 from ..sharded import parse_server, rendezvous
 from .peer import RLPeer
@@ -19,6 +20,8 @@ from .peer import RLPeer
 log = logging.getLogger("tensorshare.rl")
 
 CAPPED_PENDING = 2  # the fewest rollouts a worker keeps in flight while its experiment is capped
+POLL_S = 0.5  # the longest one long poll for parameters waits (a stop request is seen between two)
+REPORT_EVERY = 0.2  # seconds: how often at most a worker tells the trainer which version it holds
 
 
 class RLWorker(RLPeer):
@@ -75,6 +78,10 @@ class RLWorker(RLPeer):
         self.version = -1  # version of the parameters this worker holds
         self._latest = -1  # newest version announced by the server
         self._parameters = None
+        self._seq: int | None = None  # seq of the parameters bin when this worker last read it
+        self._poll = None  # the connection parameters are long-polled on (await_new_parameters)
+        self._reported = (-1, 0.0)  # (version, monotonic time) last put in this worker's bin
+        self._report_timer: threading.Timer | None = None  # a report that follows one made a moment ago
         control = self.client.listen(self.control_bin, self._on_control)
         if control.snapshot.exists:
             self._read_control()
@@ -100,32 +107,69 @@ class RLWorker(RLPeer):
             if self._latest <= self.version:
                 return self._parameters
         try:
-            [item] = self.client.peek(self.params_bin)
+            items, seq = self.client.peek(self.params_bin, with_seq=True)
         except NoSuchBinError:
             return self._parameters
-        with self._cond:
-            newer = item["version"] > self.version
-            if newer:
-                self.version, self._parameters = item["version"], item["parameters"]
-                self._latest = max(self._latest, self.version)
-            parameters = self._parameters
-        if newer:  # the trainer sees which version each worker holds
-            self._register(wait=False)
-        return parameters
+        return self._adopt(items, seq)
 
     def await_new_parameters(self, timeout: float | None = None) -> dict | None:
         """Wait for parameters newer than those held and return them (None on timeout,
-        or once the trainer asked the workers to stop)."""
+        or once the trainer asked the workers to stop).
+
+        Once this worker has read a version, the wait is a long poll: a PEEK that
+        the server holds until the next version is stored, on a connection of its
+        own, so the new parameters come in its reply (no notification, no second
+        round trip)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while self._latest <= self.version:
+        while True:
+            with self._cond:
                 if self._closing or self.stop_requested:
                     return None
+                if self._latest > self.version:  # a newer one is known already: fetch it
+                    break
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return None
-                self._cond.wait(remaining)
+                if self._seq is None:  # nothing read yet: wait to hear of a first version
+                    self._cond.wait(remaining)
+                    continue
+                seq = self._seq
+            wait = POLL_S if remaining is None else min(remaining, POLL_S)
+            try:
+                items, seq = self._poller().peek(self.params_bin, with_seq=True, since=seq, wait=wait)
+            except NoSuchBinError:  # deleted meanwhile: wait to hear of the next one
+                with self._cond:
+                    self._seq = None
+                continue
+            except ConnectionLostError:
+                if self._closing:
+                    return None
+                raise
+            held = self.version
+            parameters = self._adopt(items, seq)
+            if self.version > held:
+                return parameters
         return self.get_parameters()
+
+    def _adopt(self, items: list, seq: int) -> dict | None:
+        """Take the parameters of a PEEK of the parameters bin if they are newer than
+        those held; the parameters held."""
+        with self._cond:
+            self._seq = seq
+            newer = bool(items) and items[0]["version"] > self.version
+            if newer:
+                self.version, self._parameters = items[0]["version"], items[0]["parameters"]
+                self._latest = max(self._latest, self.version)
+            parameters = self._parameters
+        if newer:
+            self._report_version()
+        return parameters
+
+    def _poller(self):
+        """The connection parameters are long-polled on (made on first use)."""
+        if self._poll is None:
+            self._poll = self._connect_again()
+        return self._poll
 
     # -- rollouts
 
@@ -155,6 +199,8 @@ class RLWorker(RLPeer):
                 return
             self._in_flight += 1
             cap = self._max_waiting
+        if self._reported[0] != self.version:  # a version it skipped reporting (see _report_version)
+            self._report_version()
         item = {"version": self.version, "worker": self.worker_id, "data": obj}
         try:
             if cap is None and self._rollout_server is None:
@@ -200,11 +246,39 @@ class RLWorker(RLPeer):
         """Put (again) this worker's ephemeral bin, tagged with the version it holds."""
         about = {"id": self.worker_id, "host": socket.gethostname(), "pid": os.getpid()}
         name = self.workers_prefix + self.worker_id
+        self._reported = (self.version, time.monotonic())
         if wait:
             self.client.put(name, about, tag=self.version, ephemeral=True)
         else:
-            self.client.submit(PUT, name, about, self._failed, tag=self.version, zero_copy=False,
+            self.client.submit(PUT, name, about, self._failed, tag=self.version, zero_copy=False, inline=True,
                                fields={Key.EPHEMERAL: True})
+
+    def _report_version(self) -> None:
+        """Tell the trainer the version held (its bin's tag), at most every
+        REPORT_EVERY seconds: a worker of a fast loop does not send a PUT per
+        version.  (The trainer also learns it from each rollout's stamp.)"""
+        with self._cond:
+            version, when = self._reported
+            if version == self.version or self._closing:
+                return
+            due = when + REPORT_EVERY - time.monotonic()
+            if due > 0:
+                if self._report_timer is None:  # reported a moment ago: this one follows shortly
+                    self._report_timer = timer = threading.Timer(due, self._report_due)
+                    timer.daemon = True
+                    timer.start()
+                return
+        self._register(wait=False)
+
+    def _report_due(self) -> None:
+        with self._cond:
+            self._report_timer = None
+            if self._closing:
+                return
+        try:
+            self._report_version()
+        except Exception as exc:  # the connection is going: the next report says it
+            log.debug("version report not sent: %s", exc)
 
     def _on_control(self, note: Notification) -> None:
         if note.op in ("PUT", "LISTEN", "RESTORE") and note.n_items:
@@ -227,8 +301,12 @@ class RLWorker(RLPeer):
             self.flush(timeout=0.5 if self.stop_requested else 5.0)
         except Exception as exc:  # stopping anyway: say what was lost
             (log.info if self.stop_requested else log.warning)("rollouts not stored before stopping: %s", exc)
-        if self._rollouts is not None:
-            self._rollouts.close()
+        timer = self._report_timer
+        if timer is not None:
+            timer.cancel()
+        for extra in (self._rollouts, self._poll):
+            if extra is not None:
+                extra.close()
         super()._shut()
 
     def _on_parameters(self, note: Notification) -> None:
