@@ -271,3 +271,24 @@ def test_rollouts_spread_over_several_servers(server):
                     worker.stop()
     finally:
         other.stop()
+
+
+def test_a_quiet_run_makes_no_traffic(server):
+    """Nothing happens while nothing happens: the trainer's own take of the roster
+    once re-triggered its roster listener (a GET notifies), which took again, forever.
+    A worker's version reports come at most every 0.2 s, however fast versions come."""
+    with RLTrainer("127.0.0.1", server.port, experiment="quiet") as trainer, \
+            RLWorker("127.0.0.1", server.port, experiment="quiet", worker_id="w") as worker, \
+            tensorshare.Client("127.0.0.1", server.port) as probe:
+        assert wait_for(lambda: "w" in trainer.workers)
+        time.sleep(0.3)
+        changes = {"quiet/roster": [], "quiet/workers/w": []}
+        for name, seen in changes.items():
+            probe.listen(name, seen.append)
+        for _ in range(30):  # 30 versions as fast as they go
+            trainer.publish_parameters({"x": torch.zeros(1)})
+            worker.await_new_parameters(timeout=5)
+        assert wait_for(lambda: trainer.workers["w"].version == 29)  # the last report follows
+        time.sleep(0.5)
+        assert changes["quiet/roster"] == []
+        assert 1 <= len(changes["quiet/workers/w"]) <= 12, changes
