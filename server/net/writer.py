@@ -276,6 +276,13 @@ class FrameWriter:
         out with one ``sendmsg()`` straight from the parts (a GET of a few 64 KiB
         items is one system call and no copy, not a ``send()`` per item)."""
         queue = self._queue
+        if len(queue) == 1:  # the usual case, one reply of one small part: no gathering
+            entry = queue[0]
+            parts = entry.parts
+            if parts is not None and len(parts) == 1 and not entry.index:
+                data = parts[0]
+                if type(data) is bytes and len(data) < SHARED_PART:
+                    return self._send_one(entry, data)
         chunks, originals, total = [], [], 0
         shared = False
         done = 0  # whole frames taken
@@ -332,6 +339,21 @@ class FrameWriter:
         if shared:
             return self.budget.discharge(originals) | self.budget.frame_done_many(frames)
         return self.budget.sent_small(total, frames)
+
+    def _send_one(self, entry: Queued, data: bytes) -> bool:
+        """:meth:`_send_direct` of a queue that is one frame of one small part."""
+        try:
+            sent = self._socket.send(data)
+        except OSError:  # EAGAIN, or a dead socket: Twisted's own write path deals with it
+            sent = 0
+        self._queue.popleft()
+        entry.written = True
+        if entry.on_written is not None:
+            entry.on_written()
+        if sent < len(data):
+            self.transport.write(data[sent:])  # may call pauseProducing() synchronously
+        self.written += len(data)
+        return self.budget.sent_small(len(data), 1)
 
     def _finish_close(self) -> None:
         if not self._lost:
