@@ -74,9 +74,12 @@ def concurrent_clients(rec: Recorder, p: Profile, peers, server: Server) -> None
         rec.figure(f"scale.{k}.ts.p99", f"tensorshare mixed, {_plural(k, 'client')}: p99 latency", q, "ms", better="lower",
                    vs=vs_p99, chart={"name": "scaling-p99", "series": "tensorshare", "x": k})
     if 8 in p.scale_clients and 1 in p.scale_clients:
-        # The server runs one reactor thread: it can use one core.
-        rec.goal_ratio(f"8 concurrent clients >= 0.8x single-client ops/s x {SERVER_CORES} server core(s)",
-                       "scale.8.ts.ops", "scale.1.ts.ops", ">=", 0.8 * SERVER_CORES)
+        # The server runs one reactor thread: it can use one core.  Issue #22: 8 clients
+        # keep at least 0.9x one client's rate, and match Redis at 8 clients.
+        rec.goal_ratio(f"8 concurrent clients >= 0.9x single-client ops/s x {SERVER_CORES} server core(s)",
+                       "scale.8.ts.ops", "scale.1.ts.ops", ">=", 0.9 * SERVER_CORES)
+        rec.goal_ratio("8 concurrent clients >= 1.0x Redis with 8 clients (mixed put/append/get)",
+                       "scale.8.ts.ops", "scale.8.redis.ops", ">=", 1.0)
 
 
 def _fanout_times(p: Profile, peer: str, port: int, listeners: int, publish) -> Sample:

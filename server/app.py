@@ -21,7 +21,7 @@ from .bins.jobs import ThreadJobs
 from .config import ServerConfig
 from .net import busypoll
 from .net.service import TensorShareFactory
-from .net.twisted_internals import listen_tcp
+from .net.twisted_internals import dispatch_directly, listen_tcp
 from .root import build_state
 
 log = logging.getLogger("tensorshare.server")
@@ -121,6 +121,7 @@ def run_server(port: int = 8000, host: str = "127.0.0.1", *, start_reactor: bool
     settings.setdefault("busy_poll", busypoll.DEFAULT_WINDOW)  # this process is the server's own
     config = ServerConfig(host=host, port=port, **settings)
     _tune_malloc()
+    dispatch_directly(reactor)  # this process is the server's own (before listen: busy-polling wraps it)
     bound = listen(config)
     reactor.addSystemEventTrigger("after", "shutdown", _shut, bound)
     # A SIGTERM/SIGINT that comes before reactor.run() installs Twisted's handlers

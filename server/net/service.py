@@ -43,6 +43,10 @@ class ReadGate:
             self.transport.pauseProducing()
         self._reasons.add(reason)
 
+    @property
+    def paused(self) -> bool:
+        return bool(self._reasons)
+
     def resume(self, reason: str) -> None:
         if reason in self._reasons:
             self._reasons.discard(reason)
@@ -57,6 +61,7 @@ class TensorShareProtocol(protocol.Protocol):
         self.state = state
         self.writer: FrameWriter | None = None
         self.session: ServerSession | None = None
+        self.gate: ReadGate | None = None
         self._read_size = 0
         self._stall = StallWatch()  # how long pending output has gone without progress
         self._resume_call = None  # DelayedCall that resumes the session after a drain
@@ -71,7 +76,8 @@ class TensorShareProtocol(protocol.Protocol):
         self.writer = FrameWriter(self.transport, budget, None, self._outbound_drained, self.factory.write_batch)
         self.transport.registerProducer(self.writer, True)
         peer = self.transport.getPeer()
-        self.session = ServerSession(self.state, self.writer, f"{peer.host}:{peer.port}", ReadGate(self.transport),
+        self.gate = ReadGate(self.transport)
+        self.session = ServerSession(self.state, self.writer, f"{peer.host}:{peer.port}", self.gate,
                                      same_host=_same_host(peer, self.transport.getHost()))
         self.session.connection_made()
 
@@ -85,6 +91,11 @@ class TensorShareProtocol(protocol.Protocol):
     def received_into(self, n: int) -> None:
         """``n`` bytes were read into :meth:`receive_buffer`'s memory."""
         self._received(self.session.received_into, n)
+
+    def read_more(self) -> bool:
+        """Whether to read again at once (:class:`ReceivingServer`): a frame's payload
+        is still coming, and nothing holds reading back."""
+        return self.session.receiving_payload > 0 and not self.gate.paused
 
     def _received(self, deliver: Callable, what) -> None:
         busy = self.factory.busy_poll

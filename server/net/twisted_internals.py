@@ -10,7 +10,11 @@ The server goes past Twisted's public API in three places, each for speed:
   ``_tempDataBuffer``) and to ask for a writable event (``producerPaused``,
   ``startWriting``).
 * **Reads into lent memory** (:class:`ReceivingServer`): ``doRead`` is
-  overridden to ``recv_into`` the receive pool's chunks.
+  overridden to ``recv_into`` the receive pool's chunks, and to read again in the
+  same event while a frame is incomplete.
+* **Event dispatch** (:func:`dispatch_directly`): the epoll reactor's ``doPoll``
+  is replaced by one that calls each ready connection's handler without Twisted's
+  per-event logging context (``callWithLogger``), a server process only.
 * **Sizes**: ``SEND_LIMIT`` (bytes per ``send()``) and ``bufferSize`` (bytes per
   ``recv()``), and the unsent byte count the stall check compares.
 
@@ -26,6 +30,7 @@ import logging
 import sys
 
 from twisted.internet import main, reactor, tcp
+from twisted.python import log as twisted_log
 
 log = logging.getLogger("tensorshare.server")
 
@@ -59,6 +64,40 @@ def check(transport=None) -> list[str]:
 COMPATIBLE = not check()
 if not COMPATIBLE:  # pragma: no cover - depends on the installed Twisted
     log.warning("this Twisted lacks %s: the server uses its public write and read paths only", check())
+
+
+def dispatch_directly(target=reactor) -> bool:
+    """Make an epoll reactor dispatch each ready descriptor to its handler directly;
+    False (and nothing changed) for any other reactor.
+
+    Twisted's ``doPoll`` wraps every event in ``log.callWithLogger``, which asks the
+    connection for its log prefix and pushes a context dict for Twisted's legacy
+    log, a dozen Python calls per event: a few per cent of the server's time per
+    small request (docs/design.md).  The server logs through :mod:`logging` and
+    never reads that context.  Errors are handled as before: ``_doReadOrWrite``
+    logs and disconnects a connection whose handler raised, and what escapes it is
+    logged here.  For a process that is a server and nothing else: other code on
+    the same reactor would lose the context of its Twisted log lines."""
+    names = ("_poller", "_selectables", "_doReadOrWrite", "doPoll")
+    if not COMPATIBLE or type(target).__name__ != "EPollReactor" or any(not hasattr(target, n) for n in names):
+        return False
+    selectables, dispatch = target._selectables, target._doReadOrWrite
+
+    def do_poll(timeout):
+        try:
+            events = target._poller.poll(-1 if timeout is None else timeout, len(selectables))
+        except InterruptedError:
+            return
+        for fd, event in events:
+            selectable = selectables.get(fd)
+            if selectable is not None:
+                try:
+                    dispatch(selectable, fd, event)
+                except Exception:
+                    twisted_log.err(None, "dispatching a reactor event failed")
+
+    target.doPoll = target.doIteration = do_poll
+    return True
 
 
 def direct_socket(transport):
@@ -125,32 +164,55 @@ def _kernel_unsent(transport) -> int | None:
     return int.from_bytes(raw, sys.byteorder, signed=True)
 
 
+READS_PER_EVENT = 4  # most reads of one connection per readable event while a frame is incomplete
+
+
 class ReceivingServer(tcp.Server):
     """Twisted's TCP server transport, reading straight into lent memory when the
-    protocol lends some.
+    protocol lends some, and reading again at once while a frame is incomplete.
 
     Twisted's ``doRead`` reads into a new ``bytes`` per ``recv()``.  While a large
     payload arrives into the receive pool (``server/net/recvpool.py``), the session
     lends the pool chunk it fills instead, and this reads into it with
     ``recv_into``: no fresh memory and no copy.  Everything else (headers, small
-    payloads, TLS, which a TLS protocol wraps and this does not see) takes
-    Twisted's own path.
+    payloads, TLS, which a TLS protocol wraps and this does not see) is read as
+    Twisted's own ``doRead`` does.
+
+    Twisted reads once per readable event.  A request a little larger than one
+    read (a 64 KiB tensor and its header) would then take two reactor turns, one
+    ``epoll_wait`` each; while the protocol says it is in the middle of a frame
+    (``read_more()``), this reads again in the same event, up to
+    ``READS_PER_EVENT`` reads, and stops at the first that finds nothing.
     """
 
     def doRead(self):
-        lend = getattr(self.protocol, "receive_buffer", None)
-        buf = lend() if lend is not None else None
-        if buf is None:
+        protocol = self.protocol
+        lend = getattr(protocol, "receive_buffer", None)
+        more = getattr(protocol, "read_more", None)
+        if lend is None or more is None:
             return super().doRead()
-        try:
-            n = self.socket.recv_into(buf)
-        except BlockingIOError:
-            return None
-        except OSError:
-            return main.CONNECTION_LOST
-        if not n:
-            return main.CONNECTION_DONE
-        self.protocol.received_into(n)
+        sock = self.socket
+        for _ in range(READS_PER_EVENT):
+            buf = lend()
+            try:
+                if buf is None:
+                    data = sock.recv(self.bufferSize)
+                else:
+                    n = sock.recv_into(buf)
+            except BlockingIOError:
+                return None
+            except OSError:
+                return main.CONNECTION_LOST
+            if buf is None:
+                if not data:
+                    return main.CONNECTION_DONE
+                protocol.dataReceived(data)
+            else:
+                if not n:
+                    return main.CONNECTION_DONE
+                protocol.received_into(n)
+            if not self.connected or self.disconnecting or not more():
+                return None
         return None
 
 

@@ -20,7 +20,9 @@ from .flow import SHARED_PART, OutboundBudget
 
 log = logging.getLogger("tensorshare.server")
 
-_DIRECT_MAX = 64 << 10  # most bytes of small parts sent in one direct send()
+_DIRECT_MAX = 256 << 10  # most bytes of leading parts sent in one direct send()/sendmsg()
+_JOIN_MAX = 4 << 10  # leading parts up to this many bytes in all are joined into one send()
+_GATHER_PARTS = 64  # most parts in one sendmsg() (the system allows 1024)
 _HOLD_MAX = 32  # most frames held back while a read is handled (see FrameWriter)
 LARGE_SEND = 4 << 20  # most bytes passed to one send()
 _TURN_SEND = 16 << 20  # most bytes of view parts one connection sends per pump (one per writable event)
@@ -266,9 +268,21 @@ class FrameWriter:
         return False
 
     def _send_direct(self) -> bool | None:
-        """Send the leading small parts of the queue with one send(); None if none is
-        small, else whether that ended the congestion."""
+        """Send the leading parts of the queue that fit in ``_DIRECT_MAX`` with one
+        system call; None if the first does not fit, else whether that ended the
+        congestion.
+
+        A few small parts are joined into one ``send()``; more bytes than that go
+        out with one ``sendmsg()`` straight from the parts (a GET of a few 64 KiB
+        items is one system call and no copy, not a ``send()`` per item)."""
         queue = self._queue
+        if len(queue) == 1:  # the usual case, one reply of one small part: no gathering
+            entry = queue[0]
+            parts = entry.parts
+            if parts is not None and len(parts) == 1 and not entry.index:
+                data = parts[0]
+                if type(data) is bytes and len(data) < SHARED_PART:
+                    return self._send_one(entry, data)
         chunks, originals, total = [], [], 0
         shared = False
         done = 0  # whole frames taken
@@ -278,12 +292,13 @@ class FrameWriter:
             if parts is None:  # withdrawn
                 done += 1
                 continue
-            while index < len(parts) and total + len(parts[index]) <= _DIRECT_MAX:
+            while (index < len(parts) and total + len(parts[index]) <= _DIRECT_MAX
+                   and len(chunks) < _GATHER_PARTS):
                 part = parts[index]
-                if type(part) is bytes:
-                    chunks.append(part)
-                else:
-                    chunks.append(part.tobytes())
+                kind = type(part)
+                # bytes and memoryviews (pooled chunks) go from their own memory; spans of
+                # a spilled item's mapping are copied out only now.
+                chunks.append(part if kind is bytes or kind is memoryview else part.tobytes())
                 if len(part) >= SHARED_PART:
                     shared = True  # counted by identity (flow.py): discharged part by part
                 originals.append(part)
@@ -295,9 +310,15 @@ class FrameWriter:
             done += 1
         if not chunks:
             return None
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        sock = self._socket
+        if len(chunks) == 1:
+            data = chunks[0]
+        elif total <= _JOIN_MAX:
+            data = b"".join(chunks)
+        else:
+            data = None
         try:
-            sent = self._socket.send(data)
+            sent = sock.send(data) if data is not None else sock.sendmsg(chunks)
         except OSError:  # EAGAIN, or a dead socket: Twisted's own write path deals with it
             sent = 0
         frames = 0
@@ -312,12 +333,27 @@ class FrameWriter:
                     entry.on_written()
         if cut is not None:
             cut[0].index = cut[1]
-        if sent < len(data):
-            self.transport.write(data[sent:])  # may call pauseProducing() synchronously
+        if sent < total:  # the kernel took part of it: Twisted writes the rest (bytes only)
+            self.transport.write(_unsent(chunks if data is None else (data,), sent))  # may pause us
         self.written += total
         if shared:
             return self.budget.discharge(originals) | self.budget.frame_done_many(frames)
         return self.budget.sent_small(total, frames)
+
+    def _send_one(self, entry: Queued, data: bytes) -> bool:
+        """:meth:`_send_direct` of a queue that is one frame of one small part."""
+        try:
+            sent = self._socket.send(data)
+        except OSError:  # EAGAIN, or a dead socket: Twisted's own write path deals with it
+            sent = 0
+        self._queue.popleft()
+        entry.written = True
+        if entry.on_written is not None:
+            entry.on_written()
+        if sent < len(data):
+            self.transport.write(data[sent:])  # may call pauseProducing() synchronously
+        self.written += len(data)
+        return self.budget.sent_small(len(data), 1)
 
     def _finish_close(self) -> None:
         if not self._lost:
@@ -348,3 +384,13 @@ class FrameWriter:
 
 def _nothing() -> None:
     pass
+
+
+def _unsent(chunks, sent: int) -> bytes:
+    """The bytes of ``chunks`` after the first ``sent``, as one ``bytes``."""
+    for i, chunk in enumerate(chunks):
+        if sent < len(chunk):
+            rest = [memoryview(chunk)[sent:], *chunks[i + 1 :]]
+            return b"".join(rest)
+        sent -= len(chunk)
+    return b""
