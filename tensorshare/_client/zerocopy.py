@@ -36,7 +36,7 @@ import torch
 
 from ..disk.areas import AreaError, inside, verify_area, worth_sharing
 from ..errors import ZeroCopyError
-from ..disk.layout import LayoutError, mapped_parts, read_item, write_item
+from ..disk.layout import LayoutError, StoredItem, mapped_parts, read_item, write_item
 from ..memmap import load_item, new_shared_file
 from ..wire.codec import TORCH_NAMES, Encoded
 from ..wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
@@ -157,6 +157,17 @@ class SharedAreas:
         Raises :class:`ZeroCopyError` if the reference is malformed, names an area
         not verified, leaves its area, or finds no whole item with exactly that
         description and size."""
+        stored = self.item(ref, description, size, limits)
+        try:
+            return load_item(stored, device=device, limits=limits, follow_symlinks=False)
+        except LayoutError as exc:
+            raise ZeroCopyError(f"cannot map a referenced item: {exc}") from None
+        except OSError as exc:
+            raise ZeroCopyError(f"cannot map a referenced item: {exc.strerror or exc}") from None
+
+    def item(self, ref: Any, description: bytes, size: int, limits: DecodeLimits = DEFAULT_LIMITS) -> StoredItem:
+        """Where the files of an item a 226 reply refers to are (checked as :meth:`load`
+        checks them), to copy them (``Client.save``)."""
         if not (type(ref) is list and len(ref) == 2 and type(ref[0]) is int and 0 <= ref[0] < len(self.roots)):
             raise ZeroCopyError(f"malformed item reference {ref!r:.80}")
         root = self.roots[ref[0]]
@@ -164,13 +175,13 @@ class SharedAreas:
             raise ZeroCopyError(f"reference into area {ref[0]}, which this client could not verify")
         try:
             stored = read_item(inside(root, ref[1]), limits)
-            if stored.description != description or stored.nbytes != size:
-                raise ZeroCopyError(f"{stored.path} does not hold the item the reply describes")
-            return load_item(stored, device=device, limits=limits, follow_symlinks=False)
         except (AreaError, LayoutError) as exc:
             raise ZeroCopyError(f"cannot map a referenced item: {exc}") from None
         except OSError as exc:
             raise ZeroCopyError(f"cannot map a referenced item: {exc.strerror or exc}") from None
+        if stored.description != description or stored.nbytes != size:
+            raise ZeroCopyError(f"{stored.path} does not hold the item the reply describes")
+        return stored
 
 
 # Drafts not yet handed over: address of their mapping -> (file, weak mapping, bytes).
