@@ -265,3 +265,20 @@ def test_tls_connections_keep_the_copying_path(tmp_path):
             assert _sendfile_bytes(server) == 0
     finally:
         server.stop()
+
+
+@pytest.mark.process
+def test_a_server_stops_promptly_while_it_sends_a_spilled_reply():
+    server = OpsServer("--memory-limit", "1MiB")
+    try:
+        with tensorshare.Client("127.0.0.1", server.port, zero_copy=False, timeout=30) as client:
+            _spill(server, client, "sf/stop", torch.randn(32 * MiB // 4))
+        reader = RawConnection(server.port, rcvbuf=64 << 10)
+        reader.send(raw_frame(1, "PEEK", "sf/stop"))
+        assert reader.sock.recv(64 << 10)
+        started = time.monotonic()
+        assert server.stop(timeout=15) == 0
+        assert time.monotonic() - started < 5
+        reader.close()
+    finally:
+        server.stop()

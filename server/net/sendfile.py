@@ -116,11 +116,14 @@ class SpanSender:
         self.counters = counters  # the server's counters (sendfile_bytes), or None
         self.bytes_sent = 0
         self._pool: ThreadPool | None = None
+        self._active: set[SpanSend] = set()  # sends under way (cancelled when the server stops)
 
     def start(self, sock, spans: list, offset: int, done: Callable[[SpanSend], None]) -> SpanSend:
         """Send ``spans`` from ``offset`` on ``sock`` on a thread; ``done(job)`` on the
-        reactor thread afterwards (also if the connection was cancelled meanwhile)."""
+        reactor thread afterwards (also if the connection was cancelled meanwhile).
+        Raises ``OSError`` if the socket cannot be duplicated (no descriptor left)."""
         job = SpanSend(os.dup(sock.fileno()), spans, offset)
+        self._active.add(job)
         pool = self._pool
         if pool is None:
             pool = self._pool = ThreadPool(minthreads=0, maxthreads=self.max_threads, name="tensorshare-send")
@@ -136,6 +139,8 @@ class SpanSender:
         except BaseException as exc:  # pragma: no cover - a bug: still report, so the writer ends the connection
             job.error = exc
             log.exception("sending stored spans failed")
+        finally:
+            self._active.discard(job)
         self.reactor.callFromThread(self._finished, job, done)
 
     def _finished(self, job: SpanSend, done: Callable[[SpanSend], None]) -> None:
@@ -145,8 +150,10 @@ class SpanSender:
         done(job)
 
     def stop(self) -> None:
-        """Stop the threads (they finish the sends under way, which end within
-        :data:`PATIENCE` or when cancelled)."""
+        """Stop the threads: the sends under way are cancelled (their connections are
+        closing with the server), so each thread ends within a poll."""
         pool, self._pool = self._pool, None
+        for job in list(self._active):
+            job.cancelled = True
         if pool is not None:
             pool.stop()

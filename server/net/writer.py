@@ -234,7 +234,7 @@ class FrameWriter:
                         write(part.tobytes())
                     elif not self._send_view(part):
                         break  # resumeProducing() goes on with it
-                elif self._sender is not None and self._hand_over(entry, index):
+                elif self._sender is not None and hasattr(part, "fileno") and self._hand_over(entry, index):
                     handed = True
                     break  # _spans_sent() or resumeProducing() goes on with it
                 else:
@@ -307,10 +307,14 @@ class FrameWriter:
             return True
         spans = []
         for part in entry.parts[index:]:
-            if type(part) is bytes or type(part) is memoryview:
+            if type(part) is bytes or type(part) is memoryview or not hasattr(part, "fileno"):
                 break
             spans.append(part)
-        self._offload = self._sender.start(self._socket, spans, self._view_sent, self._spans_sent)
+        try:
+            self._offload = self._sender.start(self._socket, spans, self._view_sent, self._spans_sent)
+        except OSError as exc:  # no descriptor left for the thread: copy this part out instead
+            log.warning("sending a stored item without sendfile: %s", exc)
+            return False
         return True
 
     def _spans_sent(self, job) -> None:
