@@ -226,10 +226,19 @@ class _Payload:
             yield seg[max(start, seg_start) - seg_start : min(end, seg_end) - seg_start]
 
 
-def _write_file(path: str, views, fsync: bool) -> None:
+def _write_file(path: str, views, fsync: bool, existing: int | None = None) -> None:
+    """Write ``views`` into the new file ``path`` (or, with ``existing``, into the file
+    there, which must hold exactly that many bytes: its pages are overwritten)."""
     # os-level calls: a buffered open() costs more system calls than the write itself
     # for the many small files of a state dict.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    if existing is None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    else:
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != existing:
+            os.close(fd)
+            raise OSError(errno.EINVAL, f"{path} is not a file of {existing} bytes")
     try:
         for view in views:
             for i in range(0, view.nbytes, _WRITE_CHUNK):
@@ -312,7 +321,7 @@ def fsync_dir(path: str) -> None:
 def write_item(path: str, description: bytes, segments: Sequence, nbytes: int, tag: int | None = None, *,
                fsync: bool = False, threads: int | None = None, make_parents: bool = True,
                sources: dict[int, str] | None = None, copies: dict[int, str] | None = None,
-               limits: DecodeLimits = DEFAULT_LIMITS) -> StoredItem:
+               fills: dict[int, str] | None = None, limits: DecodeLimits = DEFAULT_LIMITS) -> StoredItem:
     """Write one item into the new directory ``path``, whole or not at all; returns it.
 
     ``segments`` are buffers whose concatenation is the payload.  Files are written
@@ -327,8 +336,12 @@ def write_item(path: str, description: bytes, segments: Sequence, nbytes: int, t
     fails).  ``copies`` maps array indexes to files (regular files, not links)
     whose first bytes are those arrays': the kernel copies them into the item
     (``copy_file_range`` or ``sendfile``; written from ``segments`` where it cannot).
-    Raises ``OSError`` (disk full, permissions...) after removing the temporary
-    directory.
+    ``fills`` maps array indexes to files of exactly those arrays' sizes made
+    earlier (allocated, never referred to): they are moved into the item and the
+    arrays written into their pages, which costs less than allocating new ones
+    (in shared memory, see docs/design.md); a new file is written if the move
+    fails.  Raises ``OSError`` (disk full, permissions...) after removing the
+    temporary directory.
     """
     desc = parse_description(description, nbytes, limits)
     payload = _Payload(segments)
@@ -343,12 +356,12 @@ def write_item(path: str, description: bytes, segments: Sequence, nbytes: int, t
         for d in sorted(dirs):
             if d:
                 os.makedirs(os.path.join(tmp, d), exist_ok=True)
-        sources, copies = sources or {}, copies or {}
-        jobs = [(os.path.join(tmp, p), spec.offset, spec.nbytes, sources.get(i), copies.get(i))
+        sources, copies, fills = sources or {}, copies or {}, fills or {}
+        jobs = [(os.path.join(tmp, p), spec.offset, spec.nbytes, sources.get(i), copies.get(i), fills.get(i))
                 for i, (p, spec) in enumerate(zip(paths, desc.arrays))]
 
         def write(job) -> None:
-            file, offset, length, source, copy = job
+            file, offset, length, source, copy, fill = job
             if source is not None:
                 try:
                     os.rename(source, file)
@@ -357,6 +370,14 @@ def write_item(path: str, description: bytes, segments: Sequence, nbytes: int, t
                     pass
             if copy is not None and _copy_file(copy, file, length, fsync):
                 return
+            if fill is not None:
+                try:
+                    os.rename(fill, file)
+                except OSError:
+                    pass
+                else:
+                    _write_file(file, payload.views(offset, length), fsync, length)
+                    return
             _write_file(file, payload.views(offset, length), fsync)
 
         if threads is None:
