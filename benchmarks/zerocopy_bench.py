@@ -20,6 +20,7 @@ import os
 import torch
 
 from tensorshare import Client, RLTrainer
+from tensorshare._client.zerocopy import SharedAreas
 
 from .baselines import RawLoopback
 from .procs import Server, Worker, Workers
@@ -121,18 +122,29 @@ def _fan(rec: Recorder, p: Profile) -> None:
             rec.say(f"  -- fan-out of a {size} state dict ({tensors} tensors) to {n} RLWorker processes, {label}")
             trainer = RLTrainer("127.0.0.1", server.port, experiment=f"bench-zc-{key}-{os.getpid()}", timeout=wait,
                                 zero_copy=zero_copy)
+            # Same host: first without files prepared for the next version (the baseline of
+            # that change), then as by default; the same trainer and workers.
+            runs = [("shm_fresh", " (no files prepared ahead)", 0), (key, "", SharedAreas.prepare_bytes)] \
+                if zero_copy else [(key, "", None)]
+            default = SharedAreas.prepare_bytes
             try:
-                publish, _first, last, bad = fan_runs(trainer, workers[key], state, p.zc_reps, p.warmup, wait)
+                for run_key, suffix, prepare in runs:
+                    if prepare is not None:
+                        SharedAreas.prepare_bytes = prepare
+                    publish, _first, last, bad = fan_runs(trainer, workers[key], state, p.zc_reps, p.warmup, wait)
+                    if bad:
+                        rec.note(f"zero-copy fan-out ({label}{suffix}): {bad} received state dict(s) had the "
+                                 "wrong size or values")
+                    rec.figure(f"zc.fan.{run_key}.publish", f"{label}{suffix}: RLTrainer.publish_parameters {size} "
+                               "(returns)", Sample.of(publish), "ms", better="lower")
+                    rec.figure(f"zc.fan.{run_key}.all", f"{label}{suffix}: fan-out of {size} until all {n} workers "
+                               "hold it", Sample.of(last), "ms", better="lower",
+                               vs=["zc.fan.bound"] + (["zc.fan.tcp.all"] if zero_copy else [])
+                               + (["zc.fan.shm_fresh.all"] if run_key == "shm" else []),
+                               note="from just before publish_parameters")
             finally:
+                SharedAreas.prepare_bytes = default
                 trainer.stop()
-            if bad:
-                rec.note(f"zero-copy fan-out ({label}): {bad} received state dict(s) had the wrong size or values")
-            rec.figure(f"zc.fan.{key}.publish", f"{label}: RLTrainer.publish_parameters {size} (returns)",
-                       Sample.of(publish), "ms", better="lower")
-            rec.figure(f"zc.fan.{key}.all", f"{label}: fan-out of {size} until all {n} workers hold it",
-                       Sample.of(last), "ms", better="lower",
-                       vs=["zc.fan.bound"] + (["zc.fan.tcp.all"] if zero_copy else []),
-                       note="from just before publish_parameters")
             for w in workers[key]:  # done: they let go of what they hold
                 w.send("quit")
 
