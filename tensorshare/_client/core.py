@@ -19,7 +19,7 @@ import logging
 import threading
 from typing import Any, Callable
 
-from ..errors import TensorShareError, ProtocolError
+from ..errors import TensorShareError, ProtocolError, ZeroCopyError
 from ..protocol.auth import resolve_token
 from ..protocol.messages import COMMANDS, LISTEN, UNLISTEN, Command, Key
 from ..protocol.tls import TLSSettings
@@ -175,6 +175,8 @@ class ClientCore(ClientMethods):
         conn = frame.origin
         areas = conn.areas if conn is not None else None
         refs = areas is not None and frame.header.get(Key.REFS) and conn is self._connection()
+        if not call.decode and frame.header.get(Key.REFS) and not refs:  # a connection since replaced
+            raise ZeroCopyError("the reply refers to files of a connection that is gone")
         if refs and not call.decode:
             try:
                 reply = read_reply(call.command, frame, self.device, decode=False)
