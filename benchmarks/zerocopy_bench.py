@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -122,19 +123,59 @@ def _fan(rec: Recorder, p: Profile) -> None:
             trainer = RLTrainer("127.0.0.1", server.port, experiment=f"bench-zc-{key}-{os.getpid()}", timeout=wait,
                                 zero_copy=zero_copy)
             try:
-                publish, _first, last, bad = fan_runs(trainer, workers[key], state, p.zc_reps, p.warmup, wait)
+                if zero_copy:  # publishes alternate between with and without files prepared ahead
+                    runs = _alternating(trainer, workers[key], state, p, wait)
+                else:
+                    runs = [(key, "", fan_runs(trainer, workers[key], state, p.zc_reps, p.warmup, wait))]
             finally:
                 trainer.stop()
-            if bad:
-                rec.note(f"zero-copy fan-out ({label}): {bad} received state dict(s) had the wrong size or values")
-            rec.figure(f"zc.fan.{key}.publish", f"{label}: RLTrainer.publish_parameters {size} (returns)",
-                       Sample.of(publish), "ms", better="lower")
-            rec.figure(f"zc.fan.{key}.all", f"{label}: fan-out of {size} until all {n} workers hold it",
-                       Sample.of(last), "ms", better="lower",
-                       vs=["zc.fan.bound"] + (["zc.fan.tcp.all"] if zero_copy else []),
-                       note="from just before publish_parameters")
+            for run_key, suffix, (publish, _first, last, bad) in runs:
+                if bad:
+                    rec.note(f"zero-copy fan-out ({label}{suffix}): {bad} received state dict(s) had the "
+                             "wrong size or values")
+                rec.figure(f"zc.fan.{run_key}.publish", f"{label}{suffix}: RLTrainer.publish_parameters {size} "
+                           "(returns)", Sample.of(publish), "ms", better="lower")
+                rec.figure(f"zc.fan.{run_key}.all", f"{label}{suffix}: fan-out of {size} until all {n} workers "
+                           "hold it", Sample.of(last), "ms", better="lower",
+                           vs=["zc.fan.bound"] + (["zc.fan.tcp.all"] if zero_copy else [])
+                           + (["zc.fan.shm_fresh.all"] if run_key == "shm" else []),
+                           note="from just before publish_parameters"
+                           + ("; publishes alternated with those of the line above" if run_key == "shm" else ""))
             for w in workers[key]:  # done: they let go of what they hold
                 w.send("quit")
+
+
+def _alternating(trainer: RLTrainer, workers: list, state: dict, p: Profile, wait: float) -> list:
+    """Same-host fan-out, publishes alternating between files prepared ahead (the
+    default) and fresh files (the baseline of that change: the prepared files are
+    set aside and none are made), with the same trainer and workers; the two
+    figures' runs as ``[(key, label suffix, fan_runs result), ...]``."""
+    warmup = p.warmup + 2  # two puts of the same shapes before files are prepared
+    areas = trainer.client._shared_areas()
+    calls, set_aside = [0], {}
+
+    def between(timed: bool) -> None:
+        i = calls[0]
+        calls[0] += 1
+        if areas is None:
+            return
+        deadline = time.monotonic() + 10
+        while areas._preparing and time.monotonic() < deadline:  # untimed: let the last preparation end
+            time.sleep(0.01)
+        with areas._spare_lock:
+            if timed and (i - warmup) % 2 == 1:  # fresh files for this one
+                set_aside.update(areas._spares)
+                areas._spares = {}
+                areas.prepare_bytes = 0
+            else:
+                for size, paths in set_aside.items():
+                    areas._spares.setdefault(size, []).extend(paths)
+                set_aside.clear()
+                areas.__dict__.pop("prepare_bytes", None)
+
+    publish, first, last, bad = fan_runs(trainer, workers, state, 2 * p.zc_reps, warmup, wait, between)
+    return [("shm_fresh", " (no files prepared ahead)", (publish[1::2], first[1::2], last[1::2], bad)),
+            ("shm", "", (publish[::2], first[::2], last[::2], bad))]
 
 
 def run(rec: Recorder, p: Profile, peers) -> None:

@@ -291,6 +291,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Na
                       help="with --data-dir: flush every change to stable storage before acknowledging it "
                            "(survives power loss, not only a crash of the server)")
     disk.add_argument("--disk-threads", type=int, default=ServerConfig.disk_threads)
+    disk.add_argument("--no-sendfile", dest="sendfile", action="store_false",
+                      help="copy spilled and durable items' bytes through the server instead of having the "
+                           "kernel send them from their files (sendfile)")
     flow = parser.add_argument_group("flow control (a client that does not read its replies)")
     flow.add_argument("--max-outbound", type=_size, default=ServerConfig.max_outbound,
                       help="bytes of unsent replies and notifications one connection may keep alive before the "

@@ -34,6 +34,7 @@ class ServerConfig:
     data_dir: str | None = None  # durable storage: every acknowledged item is on disk here
     fsync: bool = False  # flush each change to stable storage before acknowledging it
     disk_threads: int = 4
+    sendfile: bool = True  # send stored files' bytes with os.sendfile on threads (server/net/sendfile.py)
     # Same-host zero-copy (server/bins/shm.py, PROTOCOL.md §10).
     zero_copy: bool = True  # offer shared memory to clients on this host
     shm_dir: str = "/dev/shm"  # where the shared-memory area is made (a tmpfs)

@@ -22,7 +22,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .disk.layout import BIN_RECORD, RECORD, LayoutError, StoredItem, read_item, write_bin_root, write_item
+from .disk.layout import (
+    BIN_RECORD, RECORD, LayoutError, StoredItem, mapped_parts, read_item, write_bin_root, write_item,
+)
 from .wire.codec import array_view, assemble, encode
 from .wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
 
@@ -44,7 +46,10 @@ def save_memmap(value: Any, path: str | os.PathLike, *, fsync: bool = False, thr
 def save_items(path: str | os.PathLike, items: Sequence[tuple[bytes, Any, int]], *, overwrite: bool = False,
                fsync: bool = False) -> None:
     """Write items given as ``(description, payload buffer, nbytes)`` to the new
-    directory ``path``, as ``path/00000000``, ``path/00000001``...
+    directory ``path``, as ``path/00000000``, ``path/00000001``...  A payload may
+    also be a :class:`~tensorshare.disk.layout.StoredItem` of that description
+    (another item directory, checked by ``read_item``): its array files are then
+    copied by the kernel, file to file.
 
     The directory is also a tensordict: ``TensorDict.load_memmap(path)`` opens it
     with one entry per item that tensordict can hold (dicts, TensorDicts, tensors,
@@ -58,7 +63,7 @@ def save_items(path: str | os.PathLike, items: Sequence[tuple[bytes, Any, int]],
     tmp = os.path.join(parent, f".tmp-{name}-{uuid.uuid4().hex[:8]}")
     os.makedirs(tmp)
     try:
-        written = [write_item(os.path.join(tmp, f"{i:0{_ITEM_DIGITS}d}"), description, [payload], nbytes, fsync=fsync)
+        written = [_save_item(os.path.join(tmp, f"{i:0{_ITEM_DIGITS}d}"), description, payload, nbytes, fsync)
                    for i, (description, payload, nbytes) in enumerate(items)]
         write_bin_root(tmp, written, fsync=fsync)
         if os.path.exists(path):
@@ -71,6 +76,16 @@ def save_items(path: str | os.PathLike, items: Sequence[tuple[bytes, Any, int]],
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _save_item(path: str, description: bytes, payload: Any, nbytes: int, fsync: bool) -> StoredItem:
+    if not isinstance(payload, StoredItem):
+        return write_item(path, description, [payload], nbytes, fsync=fsync)
+    if payload.description != description or payload.nbytes != nbytes:
+        raise ValueError(f"{payload.path} does not hold the item to save")
+    # The mappings are only the fallback where the kernel cannot copy (nothing is read otherwise).
+    copies = {i: file for i, (_offset, length, file) in enumerate(payload.files) if length}
+    return write_item(path, description, mapped_parts(payload.files, nbytes), nbytes, fsync=fsync, copies=copies)
 
 
 def _libc():

@@ -2,19 +2,18 @@
 
 An item on disk (spilled, or durable in the data directory) is a directory in the
 layout of :mod:`tensorshare.disk.layout`.  :class:`ItemFiles` says where its arrays are;
-:meth:`ItemFiles.open_parts` maps them read-only and cuts them into
-:class:`FileSpan` parts that the connection's writer copies out one chunk at a time,
+:meth:`ItemFiles.open_parts` opens them and cuts them into :class:`FileSpan` parts
+that the connection's writer has the kernel send (or copies out) one span at a time,
 so a reply never holds a spilled item in RAM whole.  The functions here block on the
-file system: the server calls them from its disk thread pool (:mod:`.jobs`), except
-``open_parts``, which only opens and maps (no reads: pages come in as the socket
-takes them, with read-ahead asked of the kernel).
+file system: the server calls them from its disk thread pool (:mod:`.jobs`);
+``open_parts`` only opens (no reads: the kernel sends or reads the spans' pages as
+the socket takes them, with read-ahead asked for).
 """
 
 from __future__ import annotations
 
 import fcntl
 import itertools
-import mmap
 import os
 import shutil
 import stat
@@ -23,28 +22,35 @@ from dataclasses import dataclass, field
 
 from tensorshare.disk.layout import StoredItem, mapped_parts, write_item
 
-SPAN = 4 << 20  # bytes copied out of a mapping per part (the writer's send size)
+SPAN = 4 << 20  # bytes of a file per part (what the TLS path copies out at once)
 
 
 class FileSpan:
-    """``length`` bytes of a read-only mapping, copied out when the socket wants them."""
+    """``length`` bytes of an open file, sent by the kernel when the socket wants them.
 
-    __slots__ = ("mapping", "start", "stop")
+    On a plain TCP connection the writer hands spans to :mod:`server.net.sendfile`,
+    which passes them from the page cache to the socket (``os.sendfile``) on a
+    thread; elsewhere (TLS) :meth:`tobytes` reads them with one ``pread``.  The
+    span keeps its file open, so a span stays valid after the item's directory is
+    removed (an item taken or deleted while its reply is being sent)."""
 
-    def __init__(self, mapping: mmap.mmap, start: int, stop: int):
-        self.mapping, self.start, self.stop = mapping, start, stop
+    __slots__ = ("file", "start", "stop")
+
+    def __init__(self, file, start: int, stop: int):
+        self.file, self.start, self.stop = file, start, stop  # file: an open, unbuffered binary file
 
     def __len__(self) -> int:
         return self.stop - self.start
 
+    def fileno(self) -> int:
+        return self.file.fileno()
+
     def tobytes(self) -> bytes:
-        """The span's bytes; the mapping's pages are then dropped from this process
-        (the page cache keeps them), so serving a spilled item does not grow RSS."""
-        data = self.mapping[self.start : self.stop]
-        try:
-            self.mapping.madvise(mmap.MADV_DONTNEED, self.start, self.stop - self.start)
-        except (OSError, ValueError, AttributeError):  # pragma: no cover - platforms without madvise
-            pass
+        """The span's bytes (one copy out of the page cache, no mapping: the server's
+        RSS does not grow with the spilled items it serves)."""
+        data = os.pread(self.file.fileno(), self.stop - self.start, self.start)
+        if len(data) != self.stop - self.start:
+            raise OSError(f"stored file {self.file.name} is shorter than its item says")
         return data
 
 
@@ -91,17 +97,27 @@ class ItemFiles:
         return ref
 
     def open_parts(self) -> list:
-        """The payload as frame parts: zero padding as ``bytes``, array bytes as spans."""
-        parts = []
-        for part in mapped_parts(self.spans, self.nbytes):
-            if type(part) is bytes:
-                parts.append(part)
-                continue
-            try:
-                part.madvise(mmap.MADV_WILLNEED)  # start reading ahead, without waiting
-            except (OSError, AttributeError):  # pragma: no cover
-                pass
-            parts.extend(FileSpan(part, i, min(i + SPAN, len(part))) for i in range(0, len(part), SPAN))
+        """The payload as frame parts: zero padding as ``bytes``, array bytes as
+        :class:`FileSpan` parts of their open files (blocking: opens, reads nothing;
+        the kernel is asked to start reading ahead)."""
+        parts, pos = [], 0
+        for offset, length, path in self.spans:
+            if offset > pos:
+                parts.append(bytes(offset - pos))
+            if length:
+                file = open(path, "rb", buffering=0)
+                try:
+                    if os.fstat(file.fileno()).st_size < length:
+                        raise OSError(f"stored file {path} is shorter than its item says")
+                    if hasattr(os, "posix_fadvise"):
+                        os.posix_fadvise(file.fileno(), 0, length, os.POSIX_FADV_WILLNEED)
+                except BaseException:
+                    file.close()
+                    raise
+                parts.extend(FileSpan(file, i, min(i + SPAN, length)) for i in range(0, length, SPAN))
+            pos = offset + length
+        if self.nbytes > pos:
+            parts.append(bytes(self.nbytes - pos))
         return parts
 
     def buffers(self) -> list:

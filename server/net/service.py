@@ -18,6 +18,7 @@ from ..protocol.session import ServerSession
 from . import twisted_internals
 from .busypoll import BusyPoll
 from .flow import OutboundBudget, StallWatch
+from .sendfile import SpanSender
 from .writer import LARGE_SEND, FrameWriter, WriteBatch
 
 log = logging.getLogger("tensorshare.server")
@@ -73,7 +74,8 @@ class TensorShareProtocol(protocol.Protocol):
         twisted_internals.set_send_limit(self.transport, LARGE_SEND)
         config = self.state.config
         budget = OutboundBudget(config.max_outbound)
-        self.writer = FrameWriter(self.transport, budget, None, self._outbound_drained, self.factory.write_batch)
+        self.writer = FrameWriter(self.transport, budget, None, self._outbound_drained, self.factory.write_batch,
+                                  self.factory.span_sender)
         self.transport.registerProducer(self.writer, True)
         peer = self.transport.getPeer()
         self.gate = ReadGate(self.transport)
@@ -196,6 +198,8 @@ class TensorShareFactory(protocol.Factory):
         self._ticker: task.LoopingCall | None = None  # applies the sessions' time limits
         self._trimmer: task.LoopingCall | None = None  # releases long-free receive pool memory
         self.busy_poll: BusyPoll | None = None  # told of each read of requests (server/net/busypoll.py)
+        # Stored files' spans go to the kernel on these threads (server/net/sendfile.py).
+        self.span_sender = SpanSender(reactor, counters=state.counters) if state.config.sendfile else None
 
     def startFactory(self) -> None:
         interval = self.state.config.tick_interval

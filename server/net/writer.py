@@ -17,6 +17,7 @@ from zope.interface import implementer
 
 from . import twisted_internals
 from .flow import SHARED_PART, OutboundBudget
+from .sendfile import AVAILABLE as SENDFILE_AVAILABLE
 
 log = logging.getLogger("tensorshare.server")
 
@@ -97,17 +98,23 @@ class FrameWriter:
     Frames for other connections made meanwhile (notifications) wait for the end of
     that read too (:class:`WriteBatch`).
 
+    Parts that are spans of stored files (a spilled or durable item) go to
+    ``sender`` (:mod:`.sendfile`: the kernel sends them from the page cache, on a
+    thread) when the connection is plain TCP; the writer sends nothing else until
+    that hand-off is back (:meth:`_spans_sent`).  Without a sender, or on TLS,
+    they are copied out (``tobytes``).
+
     ``on_congested``/``on_drained`` are told when the budget's congestion starts
     and ends; they run inside the writer and must not send anything synchronously.
     """
 
     def __init__(self, transport, budget: OutboundBudget | None = None,
                  on_congested: Callable[[], None] | None = None, on_drained: Callable[[], None] | None = None,
-                 batch: WriteBatch | None = None):
+                 batch: WriteBatch | None = None, sender=None):
         self.transport = transport
         self.batch = batch  # the server's write batch, if frames may wait for the end of a read
         self.budget = budget if budget is not None else OutboundBudget(1 << 62)
-        self.written = 0  # bytes handed to the transport so far: the stall watch's mark of progress
+        self._written = 0  # bytes handed to the transport (or the kernel) so far
         self._on_congested = on_congested or _nothing
         self._on_drained = on_drained or _nothing
         self._queue: deque[Queued] = deque()
@@ -119,6 +126,16 @@ class FrameWriter:
         self._view_sent = 0  # bytes of the view part at the head of the queue already sent
         self._turn_sent = 0
         self._socket = twisted_internals.direct_socket(transport)
+        # Spans of stored files go to the kernel through this (server/net/sendfile.py).
+        self._sender = sender if self._socket is not None and SENDFILE_AVAILABLE else None
+        self._offload = None  # the SpanSend under way, if any: nothing else is written meanwhile
+
+    @property
+    def written(self) -> int:
+        """Bytes handed to the transport so far, counting a hand-off's progress: the
+        stall watch's mark of progress."""
+        offload = self._offload
+        return self._written + (offload.sent if offload is not None else 0)
 
     @property
     def congested(self) -> bool:
@@ -148,7 +165,7 @@ class FrameWriter:
     def withdraw(self, entry: Queued | None) -> bool:
         """Take a queued frame back if none of it has been written (True if so)."""
         if (entry is None or entry.written or entry.parts is None or entry.index
-                or (self._view_sent and self._queue and self._queue[0] is entry)):
+                or ((self._view_sent or self._offload is not None) and self._queue and self._queue[0] is entry)):
             return False
         if self.budget.discharge(entry.parts) | self.budget.frame_done():
             self._on_drained()
@@ -189,8 +206,10 @@ class FrameWriter:
             self._finish_close()
 
     def _pump(self) -> None:
+        if self._offload is not None:  # the kernel is sending spans: _spans_sent() goes on
+            return
         queue, write, budget = self._queue, self.transport.write, self.budget
-        drained = False
+        drained = handed = False
         self._turn_sent = 0  # bytes of view parts sent in this call (_TURN_SEND)
         while queue and not self._paused:
             if (self._socket is not None and not self._view_sent
@@ -209,17 +228,26 @@ class FrameWriter:
                 part = parts[index]
                 # Parts are bytes; memoryviews of pooled chunks (server/net/recvpool.py),
                 # sent from their own memory where we own the socket; or spans of a
-                # spilled item's mapping, copied out only now.
+                # stored item's files, sent by the kernel or else copied out only now.
                 if type(part) is bytes:
                     write(part)  # may call pauseProducing()
-                elif type(part) is not memoryview or self._socket is None:
-                    write(part.tobytes())
-                elif not self._send_view(part):
-                    break  # resumeProducing() goes on with it
+                elif type(part) is memoryview:
+                    if self._socket is None:
+                        write(part.tobytes())
+                    elif not self._send_view(part):
+                        break  # resumeProducing() goes on with it
+                elif self._sender is not None and hasattr(part, "fileno") and self._hand_over(entry, index):
+                    handed = True
+                    break  # _spans_sent() or resumeProducing() goes on with it
+                else:
+                    write(part.tobytes()[self._view_sent :])
+                    self._view_sent = 0
                 index += 1
-                self.written += len(part)
+                self._written += len(part)
                 drained |= budget.discharge((part,))
             entry.index = index
+            if handed:
+                break
             if index == len(parts):
                 queue.popleft()
                 entry.done()
@@ -249,7 +277,7 @@ class FrameWriter:
             try:
                 while view and self._turn_sent < _TURN_SEND:
                     sent = self._socket.send(view[:LARGE_SEND])
-                    self.written += sent
+                    self._written += sent
                     self._view_sent += sent
                     self._turn_sent += sent
                     view = view[sent:]
@@ -266,6 +294,69 @@ class FrameWriter:
         self._paused = True
         twisted_internals.wake_when_writable(t)
         return False
+
+    def _hand_over(self, entry: Queued, index: int) -> bool:
+        """Hand the run of file spans from ``entry.parts[index]`` (``_view_sent`` bytes
+        into it) to the sender (see :mod:`.sendfile`), or wait for Twisted to send
+        what it holds first; False if the transport is closing (copy it out instead)."""
+        t = self.transport
+        if not t.connected or t.disconnecting:
+            return False
+        entry.index = index
+        if not twisted_internals.transport_idle(t):  # earlier bytes go first; doWrite resumes us
+            self._paused = True
+            twisted_internals.wake_when_writable(t)
+            return True
+        spans = []
+        for part in entry.parts[index:]:
+            if type(part) is bytes or type(part) is memoryview or not hasattr(part, "fileno"):
+                break
+            spans.append(part)
+        try:
+            self._offload = self._sender.start(self._socket, spans, self._view_sent, self._spans_sent)
+        except OSError as exc:  # no descriptor left for the thread: copy this part out instead
+            log.warning("sending a stored item without sendfile: %s", exc)
+            return False
+        return True
+
+    def _spans_sent(self, job) -> None:
+        """A hand-off is back (on the reactor thread): account for what went, then go on."""
+        if self._offload is not job:  # the connection was lost meanwhile
+            return
+        self._offload = None
+        self._written += job.sent
+        if self._lost:
+            return
+        entry = self._queue[0]
+        for _ in range(job.parts_done):
+            self._finish_part(entry)
+        self._view_sent = job.offset
+        t = self.transport
+        if job.error is not None:
+            log.info("closing %s: sending a stored item failed: %s", t.getPeer(), job.error)
+            self._paused = True
+            t.abortConnection()
+            return
+        if not job.finished and not job.cancelled:  # the socket stayed full: wait for it on the reactor
+            self._paused = True
+            twisted_internals.wake_when_writable(t)
+            return
+        if not self._paused:
+            self._pump()
+
+    def _finish_part(self, entry: Queued) -> None:
+        """The part at ``entry.index`` is sent whole (and the frame, if it was its last)."""
+        part = entry.parts[entry.index]
+        entry.index += 1
+        self._view_sent = 0
+        budget = self.budget
+        drained = budget.discharge((part,))
+        if entry.index == len(entry.parts):
+            self._queue.popleft()
+            entry.done()
+            drained |= budget.frame_done()
+        if drained and not budget.congested:
+            self._on_drained()
 
     def _send_direct(self) -> bool | None:
         """Send the leading parts of the queue that fit in ``_DIRECT_MAX`` with one
@@ -335,7 +426,7 @@ class FrameWriter:
             cut[0].index = cut[1]
         if sent < total:  # the kernel took part of it: Twisted writes the rest (bytes only)
             self.transport.write(_unsent(chunks if data is None else (data,), sent))  # may pause us
-        self.written += total
+        self._written += total
         if shared:
             return self.budget.discharge(originals) | self.budget.frame_done_many(frames)
         return self.budget.sent_small(total, frames)
@@ -352,7 +443,7 @@ class FrameWriter:
             entry.on_written()
         if sent < len(data):
             self.transport.write(data[sent:])  # may call pauseProducing() synchronously
-        self.written += len(data)
+        self._written += len(data)
         return self.budget.sent_small(len(data), 1)
 
     def _finish_close(self) -> None:
@@ -375,6 +466,8 @@ class FrameWriter:
         """Run the abandon hooks of every frame not yet handed to the transport whole."""
         self._lost = True
         self._view_sent = 0
+        if self._offload is not None:
+            self._offload.cancelled = True  # its thread stops within a poll; _spans_sent() then ignores it
         self._on_congested = self._on_drained = _nothing  # they refer back to the protocol
         queue, self._queue = self._queue, deque()
         for entry in queue:

@@ -107,6 +107,7 @@ class Counters:
         self.turned_away = 0  # connections refused (max_connections)
         self.auth_failures = 0
         self.slow_readers_dropped = 0  # disconnected: took no byte of their replies for the stall timeout
+        self.sendfile_bytes = 0  # reply bytes the kernel sent from stored files (server/net/sendfile.py)
         self.closed_coalesced = 0  # notifications coalesced on connections now closed
         self.closed_bytes_in = 0  # bytes received on connections now closed
         self.closed_bytes_out = 0

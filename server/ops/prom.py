@@ -68,6 +68,8 @@ class _Families:
                                   value=data["traffic"]["bytes_in"])
         yield CounterMetricFamily("tensorshare_sent_bytes", "Bytes sent on all connections",
                                   value=data["traffic"]["bytes_out"])
+        yield CounterMetricFamily("tensorshare_sendfile_bytes", "Reply bytes the kernel sent from spilled or "
+                                  "durable items' files (sendfile)", value=data["traffic"]["sendfile_bytes"])
         requests = CounterMetricFamily("tensorshare_requests", "Requests handled, by verb", labels=["verb"])
         bytes_in = CounterMetricFamily("tensorshare_request_payload_bytes", "Request payload bytes, by verb",
                                        labels=["verb"])

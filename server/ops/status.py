@@ -116,7 +116,8 @@ def snapshot(state, throughput: Throughput | None = None, now: float | None = No
     bytes_in, bytes_out_, requests = counters.totals()
     data["connections"].update(accepted=counters.accepted, refused=counters.turned_away)
     data["clients"] = [_client(session, experiments, now) for session in counters.live.values()]
-    data["traffic"] = {"bytes_in": bytes_in, "bytes_out": bytes_out_, "requests": requests}
+    data["traffic"] = {"bytes_in": bytes_in, "bytes_out": bytes_out_, "requests": requests,
+                       "sendfile_bytes": counters.sendfile_bytes}
     data["verbs"] = {verb: {"requests": v.requests, "bytes_in": v.bytes_in, "bytes_out": v.bytes_out,
                             "latency_mean": v.seconds / v.requests if v.requests else None,
                             "latency_buckets": dict(zip([*map(str, LATENCY_BUCKETS), "+Inf"], v.buckets))}

@@ -77,12 +77,17 @@ class ListenSnapshot:
 class Reply:
     """A successful reply, checked against its command: the header, and the values
     an items reply (226) carries, decoded (None if it carries none, or if it was
-    not decoded)."""
+    not decoded).  An undecoded reply that refers to items' files has ``stored``:
+    per item, its checked files (a ``StoredItem``) or None (its bytes are in the
+    payload); ``held`` is then the reply's id, told to the server as released once
+    the caller is done with the files."""
 
-    __slots__ = ("command", "header", "values", "frame")
+    __slots__ = ("command", "header", "values", "frame", "stored", "held")
 
     def __init__(self, command: Command, header: dict, values: list | None, frame: Frame):
         self.command, self.header, self.values, self.frame = command, header, values, frame
+        self.stored: list | None = None
+        self.held: int | None = None
 
     @property
     def result(self) -> Any:

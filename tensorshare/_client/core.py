@@ -19,14 +19,14 @@ import logging
 import threading
 from typing import Any, Callable
 
-from ..errors import TensorShareError, ProtocolError
+from ..errors import TensorShareError, ProtocolError, ZeroCopyError
 from ..protocol.auth import resolve_token
 from ..protocol.messages import COMMANDS, LISTEN, UNLISTEN, Command, Key
 from ..protocol.tls import TLSSettings
 from ..wire.frames import Frame
 from .calls import Call, CallTable
 from .connection import (
-    NO_VALUE, ClientConnection, ListenSnapshot, Reply, next_request_id, notification_of,
+    NO_VALUE, ClientConnection, ListenSnapshot, Reply, item_table, next_request_id, notification_of,
     read_reply, reply_buffers, report_unsolicited, request_frame,
 )
 from .listens import Subscriptions
@@ -160,19 +160,39 @@ class ClientCore(ClientMethods):
             return (reply.result if call.then is None else call.then(reply)), None
         except TensorShareError as exc:
             return None, exc
+        finally:
+            if reply.held is not None:  # done with the files it refers to: the server may let them go
+                with self._release_lock:
+                    self._releases.append(reply.held)
 
     def _call_back(self, call: Call, reply: Reply | None, error: BaseException | None) -> None:
         """Run a settled non-blocking call's callback."""
         call.callback(*self._result(call, reply, error))
 
     def _read(self, call: Call, frame: Frame) -> Reply:
-        """The checked reply; items it refers to are mapped from the server's files."""
+        """The checked reply; items it refers to are mapped from the server's files
+        (or, undecoded, located: :attr:`Reply.stored`, released after ``then``)."""
         conn = frame.origin
-        areas = conn.areas if conn is not None and call.decode else None
+        areas = conn.areas if conn is not None else None
+        refs = areas is not None and frame.header.get(Key.REFS) and conn is self._connection()
+        if not call.decode and frame.header.get(Key.REFS) and not refs:  # a connection since replaced
+            raise ZeroCopyError("the reply refers to files of a connection that is gone")
+        if refs and not call.decode:
+            try:
+                reply = read_reply(call.command, frame, self.device, decode=False)
+                reply.stored = [None if ref is None else areas.item(ref, blob, size)
+                                for blob, size, ref in item_table(reply.header, frame.payload_len)]
+            except BaseException:
+                with self._release_lock:
+                    self._releases.append(frame.header[Key.ID])
+                raise
+            reply.held = frame.header[Key.ID]
+            return reply
         try:
-            return read_reply(call.command, frame, self.device, areas=areas, decode=call.decode)
+            return read_reply(call.command, frame, self.device, areas=areas if call.decode else None,
+                              decode=call.decode)
         finally:
-            if areas is not None and frame.header.get(Key.REFS) and conn is self._connection():
+            if refs:
                 with self._release_lock:  # mapped (or failed): the server may let the files go
                     self._releases.append(frame.header[Key.ID])
 

@@ -152,24 +152,29 @@ class ClientMethods(TableMethods):
 
         The bytes the server sent go straight to memory-mappable files, one
         numbered subdirectory per item (tensordict's layout); nothing is decoded or
-        pickled.  ``tensorshare.load_memmap(path)`` maps them back.  Returns the
-        number of items saved.  ``progress(done, total)`` hears of the bytes as
-        they arrive (blocking ``Client`` only).
+        pickled.  On the server's host, items the server keeps in files it shares
+        (shared memory, spill files) are copied file to file by the kernel instead
+        of travelling over TCP.  ``tensorshare.load_memmap(path)`` maps them back.
+        Returns the number of items saved.  ``progress(done, total)`` hears of the
+        bytes as they arrive (blocking ``Client`` only).
         """
         def write(reply) -> int:
             from ..memmap import save_items
 
             frame = reply.frame
             payload = memoryview(frame.payload) if frame.payload_len else memoryview(b"")
+            stored = reply.stored
             items, base = [], 0
-            for blob, size, _ref in item_table(reply.header, frame.payload_len):
+            for i, (blob, size, ref) in enumerate(item_table(reply.header, frame.payload_len)):
+                if ref is not None:  # checked files in a shared area (core._read): the kernel copies them
+                    items.append((blob, stored[i], size))
+                    continue
                 items.append((blob, payload[base : base + size], size))
                 base += size
             save_items(path, items, overwrite=overwrite)
             return len(items)
 
-        return self._call(PEEK, bin_fields(bin), timeout=timeout, then=write, decode=False, zero_copy=False,
-                          **_progress(progress))
+        return self._call(PEEK, bin_fields(bin), timeout=timeout, then=write, decode=False, **_progress(progress))
 
     def shared(self, value: Any) -> Any:
         """A copy of ``value`` whose tensors and arrays live in the server's shared memory.

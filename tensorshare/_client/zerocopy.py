@@ -36,7 +36,7 @@ import torch
 
 from ..disk.areas import AreaError, inside, verify_area, worth_sharing
 from ..errors import ZeroCopyError
-from ..disk.layout import LayoutError, mapped_parts, read_item, write_item
+from ..disk.layout import LayoutError, StoredItem, mapped_parts, read_item, write_item
 from ..memmap import load_item, new_shared_file
 from ..wire.codec import TORCH_NAMES, Encoded
 from ..wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
@@ -51,6 +51,7 @@ DEFAULT_MIN_BYTES = 128 << 10
 # rename files): a value goes through shared memory from this many times the bar of
 # a reference (docs/design.md).
 PUT_FACTOR = 4
+_SPARE_MIN = 1 << 20  # arrays from this size get files prepared for the next put (SharedAreas.prepare_bytes)
 
 
 class SharedAreas:
@@ -59,13 +60,28 @@ class SharedAreas:
     ``roots[i]`` is area ``i``'s directory, or None if it failed the check;
     ``incoming`` is this connection's incoming directory (None: puts go over TCP);
     ``min_bytes`` the server's bar for references (:func:`~tensorshare.disk.areas.worth_sharing`).
+
+    Once two values in a row had arrays of the same sizes, files of those sizes are
+    prepared (allocated) in the incoming directory on a background thread of the
+    lowest priority, and the next value with arrays of those sizes is written into them (``write_item``'s ``fills``): writing into
+    allocated pages of shared memory is cheaper than allocating them on the way, and
+    an RL trainer publishes the same shapes again and again (docs/design.md).  At most
+    ``prepare_bytes`` (one value's worth) are kept prepared; 0 turns this off.  They
+    live in the connection's incoming directory, which the server removes with the
+    connection.
     """
+
+    prepare_bytes = 1 << 30
 
     def __init__(self, roots: list[str | None], incoming: str | None, min_bytes: int):
         self.roots = roots
         self.usable = [i for i, root in enumerate(roots) if root is not None]
         self.incoming = incoming
         self.min_bytes = min_bytes
+        self._spares: dict[int, list[str]] = {}  # array bytes -> prepared files in the incoming directory
+        self._spare_lock = threading.Lock()
+        self._preparing = False
+        self._last_sizes: list[int] | None = None  # the array sizes of the value written last
 
     @classmethod
     def of(cls, greeting: dict) -> "SharedAreas | None":
@@ -113,8 +129,18 @@ class SharedAreas:
         if not drafts and not worth_sharing(enc.nbytes, enc.arrays, self.min_bytes * PUT_FACTOR):
             return None
         name = uuid.uuid4().hex
-        stored = write_item(os.path.join(self.incoming, name), enc.description, enc.buffers, enc.nbytes, tag,
-                            make_parents=False, sources={i: draft[0] for i, draft in drafts.items()})
+        sizes = [spec.nbytes for spec in parse_description(enc.description, enc.nbytes).arrays]
+        fills = self._take_spares(sizes, drafts)
+        try:
+            stored = write_item(os.path.join(self.incoming, name), enc.description, enc.buffers, enc.nbytes, tag,
+                                make_parents=False, sources={i: draft[0] for i, draft in drafts.items()},
+                                fills=fills)
+        finally:
+            for path in fills.values():  # those not moved into the item (it failed)
+                _unlink(path)
+        if sizes == self._last_sizes:  # the same shapes again (parameters): the next one will be too
+            self._prepare(sizes, drafts)
+        self._last_sizes = sizes
         for i, (_path, mapping) in drafts.items():
             with _drafts_lock:
                 _drafts.pop(mapping.address, None)
@@ -123,6 +149,65 @@ class SharedAreas:
             except OSError as exc:  # then the server finds the file still open for writing: 425, TCP
                 log.warning("could not make a handed-over tensor copy-on-write: %s", exc)
         return name
+
+    def _take_spares(self, sizes: list[int], drafts: dict) -> dict[int, str]:
+        """Prepared files for the arrays of ``sizes`` (not drafts), taken: ``{index: path}``."""
+        if not self._spares:
+            return {}
+        fills = {}
+        with self._spare_lock:
+            for i, size in enumerate(sizes):
+                spares = self._spares.get(size)
+                if spares and i not in drafts:
+                    fills[i] = spares.pop()
+        return fills
+
+    def _prepare(self, sizes: list[int], drafts: dict) -> None:
+        """Prepare files for a next value like the one just written, on a background thread."""
+        want: dict[int, int] = {}
+        for i, size in enumerate(sizes):
+            if size >= _SPARE_MIN and i not in drafts:
+                want[size] = want.get(size, 0) + 1
+        if (not want or sum(size * n for size, n in want.items()) > self.prepare_bytes
+                or not hasattr(os, "posix_fallocate")):
+            return
+        with self._spare_lock:
+            if self._preparing:
+                return
+            self._preparing = True
+        threading.Thread(target=self._make_spares, args=(want,), name="tensorshare-prepare", daemon=True).start()
+
+    def _make_spares(self, want: dict[int, int]) -> None:
+        try:  # lowest priority (Linux: per thread): it must not slow the readers of what was just put
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (OSError, AttributeError):
+            pass
+        try:
+            with self._spare_lock:  # those of sizes no longer written go
+                unwanted = [p for size, paths in self._spares.items() if size not in want for p in paths]
+                self._spares = {size: paths for size, paths in self._spares.items() if size in want}
+            for path in unwanted:
+                _unlink(path)
+            for size, count in want.items():
+                with self._spare_lock:
+                    missing = count - len(self._spares.get(size, ()))
+                for _ in range(missing):
+                    path = os.path.join(self.incoming, f"spare-{uuid.uuid4().hex}")
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                    try:
+                        os.posix_fallocate(fd, 0, size)
+                    except BaseException:
+                        os.close(fd)
+                        _unlink(path)
+                        raise
+                    os.close(fd)
+                    with self._spare_lock:
+                        self._spares.setdefault(size, []).append(path)
+        except OSError as exc:  # shared memory full, or the connection (and its directory) gone
+            log.debug("zero-copy: preparing files for the next value stopped: %s", exc)
+        finally:
+            with self._spare_lock:
+                self._preparing = False
 
     def shared(self, value: Any) -> Any:
         """``value`` with its tensors and arrays copied into drafts in the incoming directory."""
@@ -157,6 +242,17 @@ class SharedAreas:
         Raises :class:`ZeroCopyError` if the reference is malformed, names an area
         not verified, leaves its area, or finds no whole item with exactly that
         description and size."""
+        stored = self.item(ref, description, size, limits)
+        try:
+            return load_item(stored, device=device, limits=limits, follow_symlinks=False)
+        except LayoutError as exc:
+            raise ZeroCopyError(f"cannot map a referenced item: {exc}") from None
+        except OSError as exc:
+            raise ZeroCopyError(f"cannot map a referenced item: {exc.strerror or exc}") from None
+
+    def item(self, ref: Any, description: bytes, size: int, limits: DecodeLimits = DEFAULT_LIMITS) -> StoredItem:
+        """Where the files of an item a 226 reply refers to are (checked as :meth:`load`
+        checks them), to copy them (``Client.save``)."""
         if not (type(ref) is list and len(ref) == 2 and type(ref[0]) is int and 0 <= ref[0] < len(self.roots)):
             raise ZeroCopyError(f"malformed item reference {ref!r:.80}")
         root = self.roots[ref[0]]
@@ -164,18 +260,25 @@ class SharedAreas:
             raise ZeroCopyError(f"reference into area {ref[0]}, which this client could not verify")
         try:
             stored = read_item(inside(root, ref[1]), limits)
-            if stored.description != description or stored.nbytes != size:
-                raise ZeroCopyError(f"{stored.path} does not hold the item the reply describes")
-            return load_item(stored, device=device, limits=limits, follow_symlinks=False)
         except (AreaError, LayoutError) as exc:
             raise ZeroCopyError(f"cannot map a referenced item: {exc}") from None
         except OSError as exc:
             raise ZeroCopyError(f"cannot map a referenced item: {exc.strerror or exc}") from None
+        if stored.description != description or stored.nbytes != size:
+            raise ZeroCopyError(f"{stored.path} does not hold the item the reply describes")
+        return stored
 
 
 # Drafts not yet handed over: address of their mapping -> (file, weak mapping, bytes).
 _drafts: dict[int, tuple] = {}
 _drafts_lock = threading.Lock()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _forget_draft(address: int, path: str) -> None:

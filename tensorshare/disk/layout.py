@@ -21,12 +21,14 @@ file names, and every path read back is checked to stay inside the item director
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import mmap
 import os
 import re
 import shutil
+import stat
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -224,10 +226,19 @@ class _Payload:
             yield seg[max(start, seg_start) - seg_start : min(end, seg_end) - seg_start]
 
 
-def _write_file(path: str, views, fsync: bool) -> None:
+def _write_file(path: str, views, fsync: bool, existing: int | None = None) -> None:
+    """Write ``views`` into the new file ``path`` (or, with ``existing``, into the file
+    there, which must hold exactly that many bytes: its pages are overwritten)."""
     # os-level calls: a buffered open() costs more system calls than the write itself
     # for the many small files of a state dict.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    if existing is None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    else:
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != existing:
+            os.close(fd)
+            raise OSError(errno.EINVAL, f"{path} is not a file of {existing} bytes")
     try:
         for view in views:
             for i in range(0, view.nbytes, _WRITE_CHUNK):
@@ -238,6 +249,64 @@ def _write_file(path: str, views, fsync: bool) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_NO_KERNEL_COPY = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
+_COPY_CALL = 1 << 30  # most bytes asked of one copy_file_range()/sendfile()
+
+
+def _copy_file(source: str, path: str, length: int, fsync: bool) -> bool:
+    """Make ``path`` a new file holding the first ``length`` bytes of ``source``, copied
+    by the kernel: ``copy_file_range`` (a reflink or an in-kernel copy, on file systems
+    that have one), else ``sendfile``; the bytes never pass through this process.
+    False, having made nothing, where the kernel can do neither (the caller writes
+    the bytes itself).  ``source`` must be a regular file, not a link."""
+    src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(src)
+        if not stat.S_ISREG(st.st_mode) or st.st_size < length:
+            raise OSError(errno.EIO, f"{source} does not hold the {length} bytes of its array")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        try:
+            copied = _kernel_copy(src, fd, length)
+            if copied and fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
+        if not copied:
+            os.unlink(path)
+        return copied
+    finally:
+        os.close(src)
+
+
+def _kernel_copy(src: int, dst: int, length: int) -> bool:
+    pos = 0
+    ranged = hasattr(os, "copy_file_range")
+    while pos < length:
+        count = min(length - pos, _COPY_CALL)
+        try:
+            if ranged:
+                n = os.copy_file_range(src, dst, count, pos, pos)
+            else:
+                n = os.sendfile(dst, src, pos, count)
+        except OSError as exc:
+            if exc.errno not in _NO_KERNEL_COPY:
+                raise
+            if ranged:  # across file systems (tmpfs to disk, say): sendfile copies in the kernel too
+                ranged = False
+                os.lseek(dst, pos, os.SEEK_SET)
+                continue
+            if pos:
+                raise
+            return False
+        if not n:
+            raise OSError(errno.EIO, "the source file ended before its array")
+        pos += n
+    return True
 
 
 def fsync_dir(path: str) -> None:
@@ -251,7 +320,8 @@ def fsync_dir(path: str) -> None:
 
 def write_item(path: str, description: bytes, segments: Sequence, nbytes: int, tag: int | None = None, *,
                fsync: bool = False, threads: int | None = None, make_parents: bool = True,
-               sources: dict[int, str] | None = None, limits: DecodeLimits = DEFAULT_LIMITS) -> StoredItem:
+               sources: dict[int, str] | None = None, copies: dict[int, str] | None = None,
+               fills: dict[int, str] | None = None, limits: DecodeLimits = DEFAULT_LIMITS) -> StoredItem:
     """Write one item into the new directory ``path``, whole or not at all; returns it.
 
     ``segments`` are buffers whose concatenation is the payload.  Files are written
@@ -263,7 +333,14 @@ def write_item(path: str, description: bytes, segments: Sequence, nbytes: int, t
     parent's removal cannot re-create it).  ``sources`` maps array indexes to files
     on the same file system that already hold exactly those arrays' bytes: they are
     moved into the item (renamed, not copied; written from ``segments`` if that
-    fails).  Raises ``OSError`` (disk full, permissions...) after removing the
+    fails).  ``copies`` maps array indexes to files (regular files, not links)
+    whose first bytes are those arrays': the kernel copies them into the item
+    (``copy_file_range`` or ``sendfile``; written from ``segments`` where it cannot).
+    ``fills`` maps array indexes to files of exactly those arrays' sizes made
+    earlier (allocated, never referred to): they are moved into the item and the
+    arrays written into their pages, which costs less than allocating new ones
+    (in shared memory, see docs/design.md); a new file is written if the move
+    fails.  Raises ``OSError`` (disk full, permissions...) after removing the
     temporary directory.
     """
     desc = parse_description(description, nbytes, limits)
@@ -279,18 +356,28 @@ def write_item(path: str, description: bytes, segments: Sequence, nbytes: int, t
         for d in sorted(dirs):
             if d:
                 os.makedirs(os.path.join(tmp, d), exist_ok=True)
-        sources = sources or {}
-        jobs = [(os.path.join(tmp, p), spec.offset, spec.nbytes, sources.get(i))
+        sources, copies, fills = sources or {}, copies or {}, fills or {}
+        jobs = [(os.path.join(tmp, p), spec.offset, spec.nbytes, sources.get(i), copies.get(i), fills.get(i))
                 for i, (p, spec) in enumerate(zip(paths, desc.arrays))]
 
         def write(job) -> None:
-            file, offset, length, source = job
+            file, offset, length, source, copy, fill = job
             if source is not None:
                 try:
                     os.rename(source, file)
                     return
                 except OSError:
                     pass
+            if copy is not None and _copy_file(copy, file, length, fsync):
+                return
+            if fill is not None:
+                try:
+                    os.rename(fill, file)
+                except OSError:
+                    pass
+                else:
+                    _write_file(file, payload.views(offset, length), fsync, length)
+                    return
             _write_file(file, payload.views(offset, length), fsync)
 
         if threads is None:

@@ -1,0 +1,62 @@
+"""Files prepared in shared memory for the next put of the same shapes
+(``tensorshare/_client/zerocopy.py``: ``SharedAreas.prepare_bytes``), against a real
+server process: they are used, what is stored is right, unused ones go, and the
+server removes them with the connection."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import tensorshare
+from wiretools import wait_for
+
+MiB = 1 << 20
+
+
+def _spares(areas) -> list[str]:
+    return sorted(name for name in os.listdir(areas.incoming) if name.startswith("spare-"))
+
+
+def _state(version: float, sizes=(MiB, 2 * MiB, 3)) -> dict:
+    return {f"w{i}": torch.full((n,), version) for i, n in enumerate(sizes)}
+
+
+def test_a_repeated_shape_is_written_into_prepared_files(fresh_server):
+    with tensorshare.Client("127.0.0.1", fresh_server.port, timeout=30) as client:
+        assert client.same_host
+        areas = client._connection().areas
+        client.put("params", _state(1.0))
+        assert _spares(areas) == []  # one value says nothing about the next
+        client.put("params", _state(2.0))
+        assert wait_for(lambda: len(_spares(areas)) == 2, timeout=10)  # the two arrays of 1 MiB and more
+        prepared = {os.stat(os.path.join(areas.incoming, name)).st_ino for name in _spares(areas)}
+        client.put("params", _state(3.0))
+        [back] = client.peek("params")
+        assert all(torch.equal(back[k], v) for k, v in _state(3.0).items())
+        area = os.path.dirname(os.path.dirname(areas.incoming))
+        stored = set()
+        for folder, _dirs, files in os.walk(os.path.join(area, "items")):
+            stored |= {os.stat(os.path.join(folder, f)).st_ino for f in files if f.endswith(".memmap")}
+        assert prepared <= stored  # the prepared files became the stored item's
+        assert wait_for(lambda: len(_spares(areas)) == 2, timeout=10)  # and the next ones are ready
+        client.put("other", _state(4.0, sizes=(5 * MiB,)))
+        client.put("other", _state(5.0, sizes=(5 * MiB,)))
+        assert wait_for(lambda: [os.path.getsize(os.path.join(areas.incoming, n)) for n in _spares(areas)]
+                        == [20 * MiB], timeout=10)  # those of the old shapes went
+        assert torch.equal(client.peek("params")[0]["w1"], torch.full((2 * MiB,), 3.0))
+        incoming = areas.incoming
+    assert wait_for(lambda: not os.path.exists(incoming), timeout=10)  # gone with the connection
+
+
+def test_preparing_can_be_turned_off(fresh_server, monkeypatch):
+    from tensorshare._client.zerocopy import SharedAreas
+
+    monkeypatch.setattr(SharedAreas, "prepare_bytes", 0)
+    with tensorshare.Client("127.0.0.1", fresh_server.port, timeout=30) as client:
+        areas = client._connection().areas
+        for version in range(3):
+            client.put("params", _state(float(version)))
+        assert _spares(areas) == []
+        assert torch.equal(client.peek("params")[0]["w0"], torch.full((MiB,), 2.0))
