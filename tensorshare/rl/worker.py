@@ -15,6 +15,7 @@ from ..errors import NoSuchBinError, TimeoutError
 from ..protocol.messages import APPEND, MAX_WAIT, PUT, Key, check_bin_name
 from ..sharded import parse_server, rendezvous
 from .peer import RLPeer
+from .versions import Reader, chain_bin
 
 log = logging.getLogger("tensorshare.rl")
 
@@ -75,6 +76,8 @@ class RLWorker(RLPeer):
         self.version = -1  # version of the parameters this worker holds
         self._latest = -1  # newest version announced by the server
         self._parameters = None
+        self._versions = Reader()  # whole versions from deltas and the keyframe chain (versions.py)
+        self.chain_bin = chain_bin(experiment)
         control = self.client.listen(self.control_bin, self._on_control)
         if control.snapshot.exists:
             self._read_control()
@@ -82,6 +85,12 @@ class RLWorker(RLPeer):
         self._note_version(handle.snapshot.tag)
         self._register()
         self.client.append(self.roster_bin, self.worker_id)
+
+    @property
+    def parameter_bytes(self) -> int:
+        """Tensor bytes of the parameters read so far (deltas and keyframe chains
+        included): what lighter versions save shows here."""
+        return self._versions.bytes_read
 
     @property
     def max_waiting(self) -> int | None:
@@ -104,7 +113,14 @@ class RLWorker(RLPeer):
         except NoSuchBinError:
             return self._parameters
         with self._cond:
-            newer = item["version"] > self.version
+            held = (self.version, self._parameters) if item["version"] > self.version else None
+        if held is not None and "parameters" not in item:  # a delta or a keyframe marker
+            got = self._versions.resolve(item, *held, read_chain=lambda: self.client.peek(self.chain_bin))
+            item = item if got is None else {"version": got[0], "parameters": got[1]}
+        else:
+            self._versions.count(item)
+        with self._cond:
+            newer = "parameters" in item and item["version"] > self.version
             if newer:
                 self.version, self._parameters = item["version"], item["parameters"]
                 self._latest = max(self._latest, self.version)
