@@ -153,8 +153,10 @@ def patch(state: dict, changed: list, removed: list) -> dict:
 
     for path in removed:
         path = tuple(path)
-        parent = node(path[:-1])
-        parent.pop(path[-1], None)
+        node(path[:-1]).pop(path[-1], None)
+        while len(path) > 1 and not node(path[:-1]):  # a dict left empty goes too (flatten had no leaf for it)
+            path = path[:-1]
+            node(path[:-1]).pop(path[-1], None)
     for path, value in changed:
         path = tuple(path)
         node(path[:-1])[path[-1]] = value
@@ -221,13 +223,14 @@ class Encoder:
     def forget(self) -> None:
         """Start over: the next delta publish sends a keyframe (after a full publish,
         a failed write, or a chain found broken)."""
-        with getattr(self, "_lock", threading.Lock()):
+        with self._lock:
             self._last: dict[Path, Any] | None = None  # leaves of the last version published with delta
             self._version = None
             self._dtype = None
             self._keyframe: int | None = None
             self._since = 0  # deltas in the chain after its keyframe
             self._chain_bytes = 0  # their tensor bytes
+            self._broken = False  # a write not waited for failed: the next delta publish makes a keyframe
 
     def writes(self, state: Any, version: int, dtype: torch.dtype | None, delta: bool, chain_bin: str,
                params_bin: str) -> tuple[list[Write], PublishStats]:
@@ -243,7 +246,8 @@ class Encoder:
             raise ValueError(f"delta=True needs a dict of parameters (a state dict), not {type(state).__name__}")
         originals, leaves = flatten(state), flatten(cast)  # leaves not copied yet: only the changed ones will be
         with self._lock:
-            last, fresh = self._last, (self._last is None or self._version != version - 1 or self._dtype != dtype)
+            fresh = self._broken or self._last is None or self._version != version - 1 or self._dtype != dtype
+            last, self._broken = self._last, False
         total = tensor_bytes(list(leaves.values()))
         if fresh:
             leaves = {path: _own(value, originals[path]) for path, value in leaves.items()}
@@ -287,8 +291,11 @@ class Encoder:
         return Write(PUT, chain_bin, {"version": version, "parameters": unflatten(leaves)})
 
     def broken(self) -> None:
-        """A chain write not waited for failed or left another count: keyframe next."""
-        self.forget()
+        """A write not waited for failed, or an append left another count: the next
+        delta publish makes a keyframe (a flag, so that a publish being encoded on
+        another thread meanwhile cannot lose it)."""
+        with self._lock:
+            self._broken = True
 
 
 def publish(encoder: Encoder, client, params_bin: str, chain_bin: str, state: Any, version: int,
@@ -320,11 +327,14 @@ def publish(encoder: Encoder, client, params_bin: str, chain_bin: str, state: An
             encoder.broken()
         failed(result, error)
 
+    # inline: the callbacks run in reply order on the reading thread, so a flush()
+    # (a ping after them) returns only once the encoder heard of a broken chain.
     for write in writes:
         if write.op is APPEND:
-            client.submit(APPEND, write.bin, write.value, lambda r, e, x=write.expect: done(r, e, x), tag=version)
+            client.submit(APPEND, write.bin, write.value, lambda r, e, x=write.expect: done(r, e, x), tag=version,
+                          inline=True)
         else:
-            client.submit(PUT, write.bin, write.value, done, tag=version)
+            client.submit(PUT, write.bin, write.value, done, tag=version, inline=True)
     return stats
 
 
