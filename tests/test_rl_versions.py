@@ -45,6 +45,15 @@ def test_same_value_is_bitwise():
     assert same_value(torch.arange(3), torch.arange(3)) and not same_value(torch.arange(3), torch.arange(1, 4))
     assert same_value(3, 3) and not same_value(3, 3.0) and not same_value(torch.zeros(1), 0.0)
     assert not same_value([torch.zeros(2)], [torch.zeros(2)])  # no plain ==: counted as changed, never lost
+    odd = torch.arange(12, dtype=torch.uint8)
+    assert same_value(odd[1:4], odd[1:4].clone()) and not same_value(odd[1:4], odd[2:5])  # 3 bytes, unaligned
+    wide = torch.randn(4, 6)
+    assert same_value(wide.t(), wide.t().contiguous()) and not same_value(wide.t(), wide)  # strides, shapes
+    half = torch.randn(5, dtype=torch.float16)
+    assert same_value(half[1:], half[1:].clone())  # 8 bytes at an offset of 2
+    flags = torch.tensor([True, False, True])
+    assert same_value(flags, flags.clone()) and not same_value(flags, ~flags)
+    assert same_value(torch.tensor(2.5), torch.tensor(2.5)) and not same_value(torch.tensor(2.5), torch.tensor(2.25))
 
 
 def test_cast_touches_only_floating_point_tensors():

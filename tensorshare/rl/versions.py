@@ -114,9 +114,7 @@ def same_value(a: Any, b: Any) -> bool:
             return False
         if a.dtype != b.dtype or a.shape != b.shape:
             return False
-        if a.dtype.is_floating_point or a.dtype.is_complex:  # bitwise: NaN == NaN, 0.0 != -0.0
-            return torch.equal(_bytes_of(a), _bytes_of(b))
-        return torch.equal(a, b)
+        return _same_bytes(a, b)  # bitwise: NaN == NaN, 0.0 != -0.0
     if type(a) is not type(b):
         return False
     try:
@@ -125,8 +123,18 @@ def same_value(a: Any, b: Any) -> bool:
         return False
 
 
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).view(torch.uint8)
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one dtype and shape hold the same bytes, compared as the
+    widest integers that tile both (int64s compare about 4x faster than uint8s, and
+    2x faster than float32s, whose == also has to test for NaN)."""
+    a, b = a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8)
+    for dtype, width in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if a.numel() % width == 0:
+            try:
+                return torch.equal(a.view(dtype), b.view(dtype))
+            except RuntimeError:  # a storage offset not aligned for it
+                continue
+    return torch.equal(a, b)
 
 
 def diff(old: dict[Path, Any], new: dict[Path, Any]) -> tuple[list[tuple[Path, Any]], list[Path]]:
