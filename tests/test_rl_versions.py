@@ -186,6 +186,38 @@ def test_a_broken_chain_is_not_replayed():
     assert replay([keyframe])[0] == 3
 
 
+def test_a_worker_takes_no_version_beyond_the_announced_one_nor_a_delta_of_another_run():
+    encoder, bins = Encoder(keyframe_fraction=10), Bins()
+    states = [{"w": torch.full((3,), float(v))} for v in range(4)]
+    for version in range(3):
+        bins.apply(encoder.writes(states[version], version, None, True, "chain", "params")[0])
+    [announced] = bins.bins["params"]  # version 2
+    writes, _ = encoder.writes(states[3], 3, None, True, "chain", "params")
+    bins.apply(writes[:1])  # the chain got version 3, then the trainer died before announcing it
+    reader = Reader()
+    version, state = reader.resolve(announced, -1, None, lambda: bins.bins["chain"])
+    assert version == 2 and bitwise_equal(state, states[2])
+    assert replay(bins.bins["chain"])[0] == 3 and replay(bins.bins["chain"][:1], upto=2)[0] == 0
+    assert replay([{"version": 3, "parameters": {}}], upto=2) is None  # a keyframe not announced yet
+    # A restarted trainer publishes another version 3 (a new run: a keyframe)...
+    other = Encoder(keyframe_fraction=10)
+    bins.apply(other.writes({"w": torch.full((3,), 30.0), "u": torch.ones(1)}, 3, None, True, "chain", "params")[0])
+    # ...and its version 4 is a delta with base 3: not the 3 of the old run, which
+    # a reader that had taken it (without the rule above) would have patched.
+    newest = {"w": torch.full((3,), 40.0), "u": torch.ones(1)}
+    bins.apply(other.writes(newest, 4, None, True, "chain", "params")[0])
+    [delta] = bins.bins["params"]
+    assert delta["base"] == 3 and len(delta["changed"]) == 1
+    stale = Reader()
+    stale._made = (3, announced["lineage"])  # it holds the old run's 3 (which has no "u")
+    version, state = stale.resolve(delta, 3, states[3], lambda: bins.bins["chain"])
+    assert version == 4 and bitwise_equal(state, newest)  # from the chain, not a patch
+    follower = Reader()
+    follower._made = (3, delta["lineage"])  # it holds the new run's 3: patches
+    assert bitwise_equal(follower.resolve(delta, 3, {"w": torch.full((3,), 30.0), "u": torch.ones(1)},
+                                          lambda: pytest.fail("read the chain"))[1], newest)
+
+
 def test_delta_needs_a_dict_and_dtype_a_floating_point_dtype(server):
     with RLTrainer("127.0.0.1", server.port, experiment="vbad") as trainer:
         with pytest.raises(ValueError, match="dict"):

@@ -26,6 +26,10 @@ chain in one PEEK, which is atomic, and rebuilds the state from its keyframe.
 Each read is whole and self-consistent, so a worker never holds a mix of two
 versions: at worst (the chain lost with a restarted server, or behind on a relay)
 it keeps what it holds, or takes an older whole version, until the next one.
+Every item carries a ``lineage``, a random number drawn at each fresh start of the
+chain: a version number alone may name two states (a trainer restarted, or one
+whose failed publish had been stored), so a delta patches only a state of its own
+lineage, and a chain is replayed only up to the version announced.
 
 Exactness: a leaf counts as unchanged only if it is *bitwise* equal to the one
 last published (same dtype, shape and bytes: NaNs compare equal to themselves,
@@ -39,6 +43,7 @@ values; integer and bool tensors and non-tensor values go as they are.
 
 from __future__ import annotations
 
+import secrets
 import threading
 from typing import Any, Callable, NamedTuple
 
@@ -239,6 +244,7 @@ class Encoder:
             self._since = 0  # deltas in the chain after its keyframe
             self._chain_bytes = 0  # their tensor bytes
             self._broken = False  # a write not waited for failed: the next delta publish makes a keyframe
+            self._lineage: int | None = None  # names this unbroken run of versions (new at each fresh start)
 
     def writes(self, state: Any, version: int, dtype: torch.dtype | None, delta: bool, chain_bin: str,
                params_bin: str) -> tuple[list[Write], PublishStats]:
@@ -259,13 +265,17 @@ class Encoder:
         total = tensor_bytes(list(leaves.values()))
         if fresh:
             leaves = {path: _own(value, originals[path]) for path, value in leaves.items()}
+            with self._lock:
+                self._lineage = lineage = secrets.randbits(62)
             self._remember(leaves, version, dtype, keyframe=version)
-            return ([Write(PUT, chain_bin, {"version": version, "parameters": unflatten(leaves)}),
-                     Write(PUT, params_bin, {"version": version, "keyframe": version})],
+            return ([Write(PUT, chain_bin, {"version": version, "lineage": lineage, "parameters": unflatten(leaves)}),
+                     Write(PUT, params_bin, {"version": version, "lineage": lineage, "keyframe": version})],
                     PublishStats(version, "keyframe", len(leaves), total, total, version))
         changed, removed = diff(last, leaves)
         changed = [(path, _own(value, originals[path])) for path, value in changed]
-        delta_item = {"version": version, "base": version - 1, "changed": changed, "removed": removed}
+        lineage = self._lineage
+        delta_item = {"version": version, "base": version - 1, "lineage": lineage, "changed": changed,
+                      "removed": removed}
         changed_bytes = tensor_bytes([value for _, value in changed])
         updated = dict(last)
         for path in removed:
@@ -274,7 +284,7 @@ class Encoder:
         with self._lock:
             since, chain_bytes, keyframe = self._since + 1, self._chain_bytes + changed_bytes, self._keyframe
         if since >= self.keyframe_every or chain_bytes > self.keyframe_fraction * total:
-            chain = Write(PUT, chain_bin, {"version": version, "parameters": unflatten(updated)})
+            chain = Write(PUT, chain_bin, {"version": version, "lineage": lineage, "parameters": unflatten(updated)})
             self._remember(updated, version, dtype, keyframe=version)
             uploaded, keyframe = changed_bytes + total, version
         else:
@@ -294,9 +304,9 @@ class Encoder:
         """A keyframe of the last version published, to put in place of a chain found
         broken (an APPEND that did not leave the count expected: the server lost it)."""
         with self._lock:
-            version, leaves = self._version, self._last
+            version, leaves, lineage = self._version, self._last, self._lineage
             self._keyframe, self._since, self._chain_bytes = version, 0, 0
-        return Write(PUT, chain_bin, {"version": version, "parameters": unflatten(leaves)})
+        return Write(PUT, chain_bin, {"version": version, "lineage": lineage, "parameters": unflatten(leaves)})
 
     def broken(self) -> None:
         """A write not waited for failed, or an append left another count: the next
@@ -337,12 +347,16 @@ def publish(encoder: Encoder, client, params_bin: str, chain_bin: str, state: An
 
     # inline: the callbacks run in reply order on the reading thread, so a flush()
     # (a ping after them) returns only once the encoder heard of a broken chain.
-    for write in writes:
-        if write.op is APPEND:
-            client.submit(APPEND, write.bin, write.value, lambda r, e, x=write.expect: done(r, e, x), tag=version,
-                          inline=True)
-        else:
-            client.submit(PUT, write.bin, write.value, done, tag=version, inline=True)
+    try:
+        for write in writes:
+            if write.op is APPEND:
+                client.submit(APPEND, write.bin, write.value, lambda r, e, x=write.expect: done(r, e, x),
+                              tag=version, inline=True)
+            else:
+                client.submit(PUT, write.bin, write.value, done, tag=version, inline=True)
+    except BaseException:
+        encoder.forget()
+        raise
     return stats
 
 
@@ -356,6 +370,7 @@ class Reader:
     def __init__(self):
         self.bytes_read = 0  # tensor bytes of the parameters items and chains read
         self._lock = threading.Lock()
+        self._made = (-1, None)  # (version, lineage) of the last state this reader made
 
     def resolve(self, item: dict, held_version: int, held: Any,
                 read_chain: Callable[[], list]) -> tuple[int, Any] | None:
@@ -363,18 +378,25 @@ class Reader:
         ``held`` (version ``held_version``), reading the chain if needed; None when no
         whole version newer than the one held can be made (keep what is held)."""
         self.count(item)
+        version, lineage = item["version"], item.get("lineage")
         if "parameters" in item:
-            return item["version"], item["parameters"]
-        if "changed" in item and item.get("base") == held_version and isinstance(held, dict):
-            return item["version"], patch(held, item["changed"], item["removed"])
+            self._made = (version, None)
+            return version, item["parameters"]
+        # A delta applies to the state it was made from: the same version of the same
+        # run of versions (a trainer that failed or restarted may reuse a number).
+        if ("changed" in item and item.get("base") == held_version and isinstance(held, dict)
+                and self._made == (held_version, lineage)):
+            self._made = (version, lineage)
+            return version, patch(held, item["changed"], item["removed"])
         try:
             chain = read_chain()
         except NoSuchBinError:  # no chain (yet, or any more): nothing to build from
             return None
         self.count(chain)
-        got = replay(chain)
+        got = replay(chain, upto=version, lineage=lineage)
         if got is None or got[0] <= held_version:
             return None
+        self._made = (got[0], lineage)
         return got
 
     def count(self, value: Any) -> None:
@@ -384,14 +406,21 @@ class Reader:
             self.bytes_read += n
 
 
-def replay(chain: list) -> tuple[int, dict] | None:
-    """The version a chain ends at and its state (keyframe, then every delta in
-    order); None if the chain is not one (empty, no keyframe first, a gap)."""
+def replay(chain: list, upto: int | None = None, lineage: int | None = None) -> tuple[int, dict] | None:
+    """The version a chain ends at (or ``upto``, if it gets there: later versions may
+    not be announced yet, and a trainer that died before announcing them may never
+    do so) and its state: keyframe, then the deltas in order.  None if the chain is
+    not one (empty, no keyframe first, a gap) or not of run ``lineage`` (if given)."""
     if not chain or not isinstance(chain[0], dict) or "parameters" not in chain[0]:
         return None
     version, state = chain[0]["version"], chain[0]["parameters"]
+    if (lineage is not None and chain[0].get("lineage") != lineage) or (upto is not None and version > upto):
+        return None
     for item in chain[1:]:
-        if not isinstance(item, dict) or item.get("base") != version or "changed" not in item:
+        if upto is not None and version >= upto:
+            break
+        if (not isinstance(item, dict) or item.get("base") != version or "changed" not in item
+                or item.get("lineage") != chain[0].get("lineage")):
             return None
         version, state = item["version"], patch(state, item["changed"], item["removed"])
     return version, state
