@@ -364,6 +364,9 @@ def test_a_lost_chain_is_replaced_by_a_keyframe(server):
         late = RLWorker("127.0.0.1", server.port, experiment="vlost")
         try:
             assert late.get_parameters() is None  # a chain of a lone delta: no whole version to make
+            read = late.parameter_bytes
+            assert late.await_new_parameters(timeout=0.3) is None  # waits for the next version...
+            assert late.parameter_bytes == read  # ...instead of reading the broken chain again and again
             assert bitwise_equal(worker.await_new_parameters(timeout=10), state)  # held 3: patches
             state = mutate(rng, state)
             trainer.publish_parameters(state, delta=True)

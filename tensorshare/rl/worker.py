@@ -116,6 +116,10 @@ class RLWorker(RLPeer):
             held = (self.version, self._parameters) if item["version"] > self.version else None
         if held is not None and "parameters" not in item:  # a delta or a keyframe marker
             got = self._versions.resolve(item, *held, read_chain=lambda: self.client.peek(self.chain_bin))
+            if got is None:  # no whole version to make yet (the chain is behind): wait for the next one
+                with self._cond:
+                    if self._latest <= item["version"]:
+                        self._latest = self.version
             item = item if got is None else {"version": got[0], "parameters": got[1]}
         else:
             self._versions.count(item)
