@@ -8,6 +8,8 @@ version, missed some, joined late, or outlived its trainer or the chain."""
 from __future__ import annotations
 
 import random
+import threading
+import time
 
 import pytest
 import torch
@@ -395,3 +397,45 @@ def test_without_options_nothing_changes_on_the_wire(server):
         trainer.publish_parameters(state, delta=True)
         assert trainer.last_publish.kind == "keyframe"
         assert bitwise_equal(worker.await_new_parameters(timeout=10), state)
+
+
+def test_a_worker_reading_while_versions_stream_in_never_holds_a_mix(server):
+    """Versions published without waiting, as fast as the trainer can, while a worker
+    reads concurrently: every version it ends up holding is one the trainer published."""
+    rng = random.Random(8)
+    torch.manual_seed(8)
+    state = {f"w{i}": torch.randn(2000) for i in range(20)}
+    published = {}
+    with RLTrainer("127.0.0.1", server.port, experiment="vstream") as trainer, \
+            RLWorker("127.0.0.1", server.port, experiment="vstream") as worker:
+        trainer.set_keyframes(every=5, fraction=0.3)
+        held = []
+        stop = threading.Event()
+
+        def read() -> None:
+            while not stop.is_set():
+                params = worker.await_new_parameters(timeout=0.5)
+                if params is not None:
+                    held.append((worker.version, params))
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        try:
+            for version in range(60):
+                for name in rng.sample(sorted(state), 3):
+                    state[name] = torch.randn(2000)
+                dtype = torch.bfloat16 if version % 20 >= 10 else None
+                trainer.publish_parameters(state, delta=True, dtype=dtype, wait=False)
+                published[version] = expected(state, dtype)
+            trainer.flush(timeout=30)
+            deadline = time.monotonic() + 30
+            while (not held or held[-1][0] < 59) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        finally:
+            stop.set()
+            reader.join(10)
+    assert held and held[-1][0] == 59
+    versions = [v for v, _ in held]
+    assert versions == sorted(versions)
+    for version, params in held:
+        assert bitwise_equal(params, published[version]), version

@@ -29,7 +29,8 @@ kept its bins continues the version numbers found there.
 from .members import WorkerInfo
 from .peer import bin_names, snapshot_state
 from .trainer import DEFAULT_MAX_STALENESS, DEFAULT_MAX_WAITING, Rollout, RLTrainer
+from .versions import PublishStats
 from .worker import CAPPED_PENDING, RLWorker
 
 __all__ = ["RLTrainer", "RLWorker", "Rollout", "WorkerInfo", "bin_names", "snapshot_state",
-           "DEFAULT_MAX_STALENESS", "DEFAULT_MAX_WAITING", "CAPPED_PENDING"]
+           "DEFAULT_MAX_STALENESS", "DEFAULT_MAX_WAITING", "CAPPED_PENDING", "PublishStats"]
