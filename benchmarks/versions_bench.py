@@ -17,8 +17,10 @@ before ``publish_parameters`` (diff and cast included) until the last worker hol
 the version (workers stamp ``time.monotonic()``, one clock for the machine, when
 ``await_new_parameters`` returns).  Each worker's checksum of what it holds is
 compared with the trainer's of what it published: a wrong one is reported.  The
-first version of each way is untimed (a delta way starts with a keyframe), and a
-keyframe that comes within the timed versions is counted where it falls.  Beside:
+first version of each block is untimed (a delta way starts with a keyframe), and a
+keyframe that comes within the timed versions is counted where it falls.  The ways
+take turns, in two blocks each (after the untimed first version of a block, six
+timed ones in quick: a delta way makes its periodic keyframe within them).  Beside:
 what a worker that missed versions reads (the chain, at the end of a delta way).
 """
 
@@ -38,6 +40,7 @@ from .profiles import Profile
 from .record import Recorder
 from .stats import Sample
 
+_ROUNDS = 2  # each way's timed versions come in this many blocks, the ways taking turns
 _WAYS = (  # key, label, publish options
     ("full", "full float32", {}),
     ("bf16", "bf16", {"dtype": torch.bfloat16}),
@@ -56,20 +59,27 @@ def _checksum(state: dict, dtype) -> float:
     return total
 
 
-def _way(rec: Recorder, p: Profile, trainer: RLTrainer, workers: list[Worker], state: dict, rng: random.Random,
-         key: str, label: str, options: dict, prefix: str) -> None:
+class _Samples:
+    """One way's timed versions, gathered over its blocks."""
+
+    def __init__(self):
+        self.times, self.worker_bytes, self.uploaded, self.publish = [], [], [], []
+        self.bad = 0
+
+
+def _block(p: Profile, trainer: RLTrainer, workers: list[Worker], state: dict, rng: random.Random,
+           options: dict, reps: int, got: _Samples) -> None:
+    """``1 + reps`` versions published one way (the first untimed: after another way,
+    a delta way starts with a keyframe), each awaited by every worker."""
     tensors = [k for k in state if k.startswith("layer")]
     changing = max(1, round(len(tensors) * p.versions_change))
     noise = torch.randn(p.versions_tensor_elems) * 1e-2
-    reps = 1 + p.versions_reps  # the first: untimed
     for w in workers:
-        w.send(f"hold {reps} {p.client_timeout_s}")
+        w.send(f"hold {1 + reps} {p.client_timeout_s}")
     for w in workers:
         w.expect(p.client_timeout_s, "holding")
-    read: dict[int, int] = {i: None for i in range(len(workers))}
-    times, worker_bytes, uploaded, publish = [], [], [], []
-    bad = 0
-    for rep in range(reps):
+    read: dict[int, int | None] = {i: None for i in range(len(workers))}
+    for rep in range(1 + reps):
         for name in rng.sample(tensors, changing):  # a training step (untimed)
             state[name].add_(noise)
         state["step"] += 1
@@ -87,38 +97,40 @@ def _way(rec: Recorder, p: Profile, trainer: RLTrainer, workers: list[Worker], s
             _, v, t, checksum, nbytes = line.split()
             if int(v) != version:
                 raise ChildError(f"a worker got version {v}, expected {version}")
-            bad += abs(float(checksum) - expected) > 1e-9 * max(1.0, abs(expected))  # summation order may differ
+            got.bad += abs(float(checksum) - expected) > 1e-9 * max(1.0, abs(expected))  # summation order may differ
             done.append(float(t))
             if read[i] is not None:
                 got_bytes.append(int(nbytes) - read[i])
             read[i] = int(nbytes)
         if rep >= 1:
-            times.append((max(done) - start) * 1e3)
-            publish.append((published - start) * 1e3)
-            worker_bytes.append(sum(got_bytes) / len(got_bytes) / 1e6)
-            uploaded.append(trainer.last_publish.uploaded_bytes / 1e6)
-    if bad:
-        rec.note(f"RL versions, {label}: {bad} worker checksum(s) differed from the trainer's")
-    n = len(workers)
+            got.times.append((max(done) - start) * 1e3)
+            got.publish.append((published - start) * 1e3)
+            got.worker_bytes.append(sum(got_bytes) / len(got_bytes) / 1e6)
+            got.uploaded.append(trainer.last_publish.uploaded_bytes / 1e6)
+
+
+def _record(rec: Recorder, n: int, key: str, label: str, prefix: str, got: _Samples) -> None:
+    if got.bad:
+        rec.note(f"RL versions, {label}: {got.bad} worker checksum(s) differed from the trainer's")
     baseline = key == "full"
     vs = [] if baseline else [f"versions.{prefix}full"]
     if prefix:
         label += ", TCP"
     key = prefix + key
     rec.figure(f"versions.{key}.worker_mb", f"RL versions, {label}: MB each worker reads per version",
-               Sample.of(worker_bytes), "MB", better="lower", baseline=baseline,
+               Sample.of(got.worker_bytes), "MB", better="lower", baseline=baseline,
                vs=[f"{v}.worker_mb" for v in vs], note="tensor bytes (RLWorker.parameter_bytes)")
     rec.figure(f"versions.{key}.upload_mb", f"RL versions, {label}: MB the trainer uploads per version",
-               Sample.of(uploaded), "MB", better="lower", baseline=baseline, vs=[f"{v}.upload_mb" for v in vs],
-               note=f"mean {sum(uploaded) / len(uploaded):.2f} MB (keyframes included)")
-    rec.figure(f"versions.{key}.publish", f"RL versions, {label}: publish_parameters returns", Sample.of(publish),
-               "ms", better="lower", baseline=baseline, vs=[f"{v}.publish" for v in vs],
+               Sample.of(got.uploaded), "MB", better="lower", baseline=baseline, vs=[f"{v}.upload_mb" for v in vs],
+               note=f"mean {sum(got.uploaded) / len(got.uploaded):.2f} MB (keyframes included)")
+    rec.figure(f"versions.{key}.publish", f"RL versions, {label}: publish_parameters returns",
+               Sample.of(got.publish), "ms", better="lower", baseline=baseline, vs=[f"{v}.publish" for v in vs],
                note="cast and diff included")
     rec.figure(f"versions.{key}.all", f"RL versions, {label}: until all {n} workers hold a version",
-               Sample.of(times), "ms", better="lower", baseline=baseline, vs=[f"{v}.all" for v in vs],
+               Sample.of(got.times), "ms", better="lower", baseline=baseline, vs=[f"{v}.all" for v in vs],
                chart={"name": "rl-versions", "series": label.replace(", TCP", ""),
                       "x": f"{n} workers, {'TCP' if prefix else 'same host'}"},
-               note=f"mean {sum(times) / len(times):.1f} ms")
+               note=f"mean {sum(got.times) / len(got.times):.1f} ms")
 
 
 def _transport(rec: Recorder, p: Profile, server: Server, state: dict, rng: random.Random, zero_copy: bool,
@@ -135,14 +147,23 @@ def _transport(rec: Recorder, p: Profile, server: Server, state: dict, rng: rand
         try:
             trainer = RLTrainer("127.0.0.1", server.port, experiment=experiment, timeout=p.client_timeout_s,
                                 zero_copy=zero_copy)
-            for key, label, options in _WAYS:
-                _way(rec, p, trainer, workers, state, rng, key, label, options, prefix)
-                if options.get("delta"):  # what a worker that missed versions reads: the chain
-                    with Client("127.0.0.1", server.port, timeout=p.client_timeout_s) as c:
-                        chain = c.peek(trainer.chain_bin)
-                    nbytes = tensor_bytes(chain)
-                    rec.note(f"RL versions, {label}: a worker that missed versions reads the chain, "
-                             f"{nbytes / 1e6:.1f} MB ({len(chain)} items) = {nbytes / whole:.2f}x the float32 state")
+            # The ways take turns in blocks, so that a machine whose load drifts
+            # (a shared one) weighs on each alike.
+            got = {key: _Samples() for key, _, _ in _WAYS}
+            rounds = max(1, min(_ROUNDS, p.versions_reps // 3))
+            for round_ in range(rounds):
+                reps = p.versions_reps // rounds + (round_ < p.versions_reps % rounds)
+                for key, label, options in _WAYS:
+                    _block(p, trainer, workers, state, rng, options, reps, got[key])
+                    if options.get("delta") and round_ == rounds - 1:  # what a worker that missed versions reads
+                        with Client("127.0.0.1", server.port, timeout=p.client_timeout_s) as c:
+                            chain = c.peek(trainer.chain_bin)
+                        nbytes = tensor_bytes(chain)
+                        rec.note(f"RL versions, {label}: a worker that missed versions reads the chain, "
+                                 f"{nbytes / 1e6:.1f} MB ({len(chain)} items) = {nbytes / whole:.2f}x the float32 "
+                                 "state")
+            for key, label, _ in _WAYS:
+                _record(rec, n, key, label, prefix, got[key])
         finally:
             if trainer is not None:
                 try:
