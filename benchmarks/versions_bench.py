@@ -20,7 +20,9 @@ compared with the trainer's of what it published: a wrong one is reported.  The
 first version of each block is untimed (a delta way starts with a keyframe), and a
 keyframe that comes within the timed versions is counted where it falls.  The ways
 take turns, in two blocks each (after the untimed first version of a block, six
-timed ones in quick: a delta way makes its periodic keyframe within them).  Beside:
+timed ones in quick: a delta way makes its periodic keyframe within them).  The
+trainer (this process) runs torch ops on one intra-op thread during the section
+(see ``run``).  Beside:
 what a worker that missed versions reads (the chain, at the end of a delta way).
 """
 
@@ -182,6 +184,13 @@ def run(rec: Recorder, p: Profile, peers) -> None:
     torch.manual_seed(12)
     state = {f"layer{i}.weight": torch.randn(p.versions_tensor_elems) for i in range(p.versions_tensors)}
     state["step"] = torch.tensor(0)
+    # The trainer's cast and compare run on one intra-op thread: on a shared 2-core
+    # machine torch's second OpenMP thread is often descheduled, and each parallel op
+    # then waits for it (measured at load 19-31: a bf16 cast of the state 9 ms on one
+    # thread, 250 ms on two; docs/design.md).  The full way does no torch op.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rec.note(f"RL versions: the trainer runs torch ops on 1 thread here (torch.set_num_threads; was {threads})")
     server = Server()
     try:
         for zero_copy, prefix, what in ((True, "", "same host (shared memory)"),
@@ -190,6 +199,7 @@ def run(rec: Recorder, p: Profile, peers) -> None:
             _transport(rec, p, server, state, rng, zero_copy, prefix)
     finally:
         server.stop()
+        torch.set_num_threads(threads)
     for prefix, what in (("", ""), ("tcp.", ", over TCP")):
         rec.goal_ratio(f"RL delta version (10% of tensors changed){what}: bytes per worker <= 0.15x full",
                        f"versions.{prefix}delta.worker_mb", f"versions.{prefix}full.worker_mb", "<=", 0.15)
