@@ -15,6 +15,7 @@ import time
 from . import actor_learner, client_bench, disk_bench, machine, multihost_bench, rl_bench, small_ops, scaling, wire_bench, zerocopy_bench
 from . import ops_bench
 from . import tables_bench
+from . import versions_bench
 from .baselines import RedisPeer, TCPStorePeer
 from .procs import ChildError, PeerMissing, stop_all
 from .profiles import Profile
@@ -32,6 +33,7 @@ SECTIONS = {
     "ops": ops_bench.run,
     "multihost": multihost_bench.run,
     "tables": tables_bench.run,
+    "versions": versions_bench.run,
 }
 
 

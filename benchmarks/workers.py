@@ -18,7 +18,8 @@ Kinds:
                         -- waits for notifications of a bin and fetches it (fan-out)
 * ``rl PORT EXPERIMENT LIFETIME [ZERO_COPY]``
                         -- an RLWorker: ``fan REPS TIMEOUT NBYTES`` awaits REPS new versions of
-                           the parameters, ``roll COLS T0 SECONDS`` appends rollouts (sections 5, 7);
+                           the parameters, ``roll COLS T0 SECONDS`` appends rollouts (sections 5, 7),
+                           ``hold REPS TIMEOUT`` awaits versions and says what it holds (section 12);
                            ZERO_COPY 0: over TCP only (default 1: same-host zero-copy when it can)
 * ``redis-roll PORT KEY LIFETIME``
                         -- the same rollouts' bytes RPUSHed to a Redis list (section 5's baseline)
@@ -402,9 +403,26 @@ def rl(port: str, experiment: str, lifetime: str, zero_copy: str = "1") -> None:
         worker.get_parameters()  # rollouts carry the version held (untimed: before T0)
         return lambda: worker.add_data(rollout)
 
+    def hold(cmd: list[str]) -> None:
+        """``hold REPS TIMEOUT``: say ``holding``, then REPS times await a new version and
+        say ``held VERSION MONOTONIC_TIME CHECKSUM PARAMETER_BYTES`` (section 12)."""
+        reps, timeout = int(cmd[1]), float(cmd[2])
+        _say("holding")
+        for _ in range(reps):
+            deadline = time.monotonic() + timeout
+            params = None
+            while params is None and not stop.is_set() and time.monotonic() < deadline:
+                params = worker.await_new_parameters(timeout=min(0.5, max(deadline - time.monotonic(), 0)))
+            now = time.monotonic()
+            if params is None:
+                _say("timeout")
+                break
+            checksum = sum(float(params[k].double().sum()) for k in sorted(params))
+            _say(f"held {worker.version} {now!r} {checksum!r} {worker.parameter_bytes}")
+
     _say("ready")
     try:
-        _obey(commands, roll, fan=fan)
+        _obey(commands, roll, fan=fan, hold=hold)
     finally:
         worker.stop()
 

@@ -12,6 +12,9 @@ The bins of an experiment (``<experiment>/`` prefixes every name):
   the bin holds that many (PROTOCOL.md §4.5): producers slow down to the learner's
   pace instead of filling memory with work that will be stale when it is read.
   Notifications tell the trainer that rollouts wait; it takes at most a batch.
+* ``parameter-chain`` (only with ``publish_parameters(delta=True)``): a keyframe and
+  the deltas since, for workers that missed versions; the ``parameters`` item is then
+  the delta from the version before (see :mod:`tensorshare.rl.versions`).
 * ``control`` holds one item the trainer puts, ``{"stop": bool, "max_waiting": n}``;
   workers listen to it.
 * ``workers/<id>`` (ephemeral: the server deletes it when the worker's connection
@@ -26,7 +29,8 @@ kept its bins continues the version numbers found there.
 from .members import WorkerInfo
 from .peer import bin_names, snapshot_state
 from .trainer import DEFAULT_MAX_STALENESS, DEFAULT_MAX_WAITING, Rollout, RLTrainer
+from .versions import PublishStats
 from .worker import CAPPED_PENDING, RLWorker
 
 __all__ = ["RLTrainer", "RLWorker", "Rollout", "WorkerInfo", "bin_names", "snapshot_state",
-           "DEFAULT_MAX_STALENESS", "DEFAULT_MAX_WAITING", "CAPPED_PENDING"]
+           "DEFAULT_MAX_STALENESS", "DEFAULT_MAX_WAITING", "CAPPED_PENDING", "PublishStats"]

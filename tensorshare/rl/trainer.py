@@ -13,6 +13,7 @@ from ..protocol.messages import PUT
 from ..sharded import parse_server
 from .members import StaleWatch, WorkerInfo
 from .peer import RLPeer, snapshot_state
+from .versions import Encoder, PublishStats, chain_bin, check_dtype, flatten, publish, tensor_bytes
 
 log = logging.getLogger("tensorshare.rl")
 
@@ -69,6 +70,9 @@ class RLTrainer(RLPeer):
         self.max_staleness = max_staleness
         self.max_waiting = max_waiting
         self._stale = StaleWatch()
+        self._versions = Encoder()  # what delta publishes compare with (versions.py)
+        self.chain_bin = chain_bin(experiment)
+        self.last_publish: PublishStats | None = None
         self._workers: dict[str, WorkerInfo] = {}
         self._watching: dict[str, Any] = {}  # worker id -> listen handle of its bin
         self.on_join, self.on_leave = on_join, on_leave
@@ -93,24 +97,48 @@ class RLTrainer(RLPeer):
 
     # -- parameters
 
-    def publish_parameters(self, state_dict: dict, wait: bool = True) -> int:
+    def publish_parameters(self, state_dict: dict, wait: bool = True, *, dtype=None, delta: bool = False) -> int:
         """Publish ``state_dict`` as the next version and return that version.
 
         The tensors are copied out at the call: training on afterwards cannot
         change what workers receive.  ``wait=False`` returns without waiting for
         the server (the learner's step is not held up by the network); an error
         then surfaces on the next call (or :meth:`flush`).
+
+        ``dtype`` (``torch.bfloat16``...): send the floating-point tensors cast to
+        it (workers receive the rounded values; ``load_state_dict`` casts them back
+        into their model).  ``delta=True``: send only the leaves that changed since
+        the version published before (workers that hold it patch their copy; others
+        read the keyframe chain).  :attr:`last_publish` says what was sent.  See
+        :mod:`tensorshare.rl.versions`.
         """
         with self._cond:
             self._raise_failure()
+        check_dtype(dtype)
         version = self.version + 1
+        if dtype is not None or delta:
+            self.last_publish = publish(self._versions, self.client, self.params_bin, self.chain_bin, state_dict,
+                                        version, dtype, delta, wait, self._failed)
+            self.version = version
+            return version
+        self._versions.forget()  # the next delta publish starts with a keyframe
         value = {"version": version, "parameters": snapshot_state(state_dict)}
         if wait:
             self.client.put(self.params_bin, value, tag=version)
         else:
             self.client.submit(PUT, self.params_bin, value, self._failed, tag=version, inline=True)
+        nbytes = tensor_bytes(value)
+        leaves = len(flatten(state_dict)) if isinstance(state_dict, dict) else 1
+        self.last_publish = PublishStats(version, "full", leaves, nbytes, nbytes, None)
         self.version = version
         return version
+
+    def set_keyframes(self, every: int = 100, fraction: float = 0.5) -> None:
+        """When ``delta`` publishes put a new keyframe in the chain: every ``every``
+        versions, or once the deltas since the last one weigh more than ``fraction``
+        of the whole state (a worker that missed versions reads at most
+        ``1 + fraction`` times the state)."""
+        self._versions = Encoder(every, fraction)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every parameter version published with ``wait=False`` is stored

@@ -16,6 +16,7 @@ from ..errors import ConnectionLostError, NoSuchBinError, TimeoutError
 from ..protocol.messages import APPEND, MAX_WAIT, PUT, Key, check_bin_name
 from ..sharded import parse_server, rendezvous
 from .peer import RLPeer
+from .versions import Reader, chain_bin
 
 log = logging.getLogger("tensorshare.rl")
 
@@ -82,6 +83,8 @@ class RLWorker(RLPeer):
         self._poll = None  # the connection parameters are long-polled on (await_new_parameters)
         self._reported = (-1, 0.0)  # (version, monotonic time) last put in this worker's bin
         self._report_timer: threading.Timer | None = None  # a report that follows one made a moment ago
+        self._versions = Reader()  # whole versions from deltas and the keyframe chain (versions.py)
+        self.chain_bin = chain_bin(experiment)
         control = self.client.listen(self.control_bin, self._on_control)
         if control.snapshot.exists:
             self._read_control()
@@ -89,6 +92,12 @@ class RLWorker(RLPeer):
         self._note_version(handle.snapshot.tag)
         self._register()
         self.client.append(self.roster_bin, self.worker_id)
+
+    @property
+    def parameter_bytes(self) -> int:
+        """Tensor bytes of the parameters read so far (deltas and keyframe chains
+        included): what lighter versions save shows here."""
+        return self._versions.bytes_read
 
     @property
     def max_waiting(self) -> int | None:
@@ -153,15 +162,28 @@ class RLWorker(RLPeer):
 
     def _adopt(self, items: list, seq: int) -> dict | None:
         """Take the parameters of a PEEK of the parameters bin if they are newer than
-        those held; the parameters held."""
+        those held (a delta is patched onto them, :mod:`.versions`); the parameters
+        held."""
         with self._cond:
             self._seq = seq
-            newer = bool(items) and items[0]["version"] > self.version
+            item = items[0] if items else None
+            held = (self.version, self._parameters) if item is not None and item["version"] > self.version else None
+        if held is not None and "parameters" not in item:  # a delta or a keyframe marker
+            got = self._versions.resolve(item, *held, read_chain=lambda: self.client.peek(self.chain_bin))
+            if got is None:  # no whole version to make yet (the chain is behind): wait for the next one
+                with self._cond:
+                    if self._latest <= item["version"]:
+                        self._latest = self.version
+            item = item if got is None else {"version": got[0], "parameters": got[1]}
+        elif item is not None:
+            self._versions.count(item)
+        with self._cond:
+            newer = item is not None and "parameters" in item and item["version"] > self.version
             if newer:
-                self.version, self._parameters = items[0]["version"], items[0]["parameters"]
+                self.version, self._parameters = item["version"], item["parameters"]
                 self._latest = max(self._latest, self.version)
             parameters = self._parameters
-        if newer:
+        if newer:  # the trainer sees which version each worker holds
             self._report_version()
         return parameters
 
