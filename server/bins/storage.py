@@ -169,10 +169,11 @@ class Storage:
 
     # -- changes
 
-    def mirror(self, name: str, items: list[Item], op: str) -> Change:
+    def mirror(self, name: str, items: list[Item], op: str, seq: int | None = None) -> Change:
         """Replace bin ``name``'s items with ``items`` (in memory) in one change: a
-        relay's copy of an upstream bin (server/relay/; a relay has no data directory)."""
-        change = self.store.mirror(name, items, op)
+        relay's copy of an upstream bin (server/relay/; a relay has no data directory).
+        ``seq``: a number reserved for it earlier (``store.next_seq()``)."""
+        change = self.store.mirror(name, items, op, seq)
         self._enforce_budget()
         return change
 

@@ -136,6 +136,7 @@ class ServerSession:
         self._waiting = False  # a request waits for the disk
         self._held_notes: dict[str, bytes] | None = None  # notifications held while waiting, per bin
         self._parked = None  # this connection's request waiting for a bin to change (waits.py)
+        self.streams = 0  # replies whose payload is being streamed as it arrives (server/relay/stream.py)
         self.timing = TimeLimits()
         frame_limits = state.config.frame_limits
         if self._nonce is not None:
@@ -285,7 +286,7 @@ class ServerSession:
         silence) and keeps it.  One that has not authenticated within
         ``auth_timeout`` seconds is closed with 530.
         """
-        if self.closed:
+        if self.closed or self.streams:  # (a keepalive would land inside the streamed payload)
             return
         config, timing = self.config, self.timing
         timing.observe(now, sending)
@@ -526,6 +527,18 @@ class ServerSession:
         if self.counters is not None:
             self.counters.refusal(error.code)
         self.send_header(error_reply(error.code, error.message, rid))
+
+    def cut_off(self, reason: str) -> None:
+        """Close after what is queued, with no last reply: a reply streamed as it arrived
+        (a relay's, server/relay/stream.py) cannot be finished, and the peer must see its
+        frame cut short, never completed by other bytes."""
+        if self.closed:
+            return
+        log.info("conn %d cut off (%s): %s", self.stats.id, self.peer, reason,
+                 extra={"conn": self.stats.id, "event": "cut_off"})
+        self._move(Phase.CLOSING)
+        self.reads.pause("closing")
+        self.outbox.close()
 
     def _close_with(self, code: int, message: str, rid: int = 0) -> None:
         """Send a last error reply, then close; nothing more is read or served."""

@@ -11,6 +11,11 @@ a torn item, never a mix of two versions.  Notifications that come while a fetch
 is in flight are coalesced into one more fetch: each change is fetched at most
 once, and a reader far behind skips to the latest state.
 
+Relays may follow this one: a fetch asks for a copy that is still arriving upstream
+(PEEK ``incoming``), and a copy this relay receives is passed on to its followers
+as it arrives (cut-through, :mod:`.stream`): each is told at once with an
+``INCOMING`` notification, and answered, if it asks, with the copy streamed.
+
 Sequence numbers on the relay are its own (its store's counter), so they only
 grow on the relay even when the upstream restarts without its data and numbers
 again from 1; the follower remembers, per bin, the upstream ``seq`` its copy
@@ -28,17 +33,20 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import weakref
 from typing import Callable
 
 from twisted.internet import defer
 
 from tensorshare.errors import (
-    AuthenticationError, ConnectionLostError, NoSuchBinError, RemoteError, ServerUnavailableError, TensorShareError,
+    AuthenticationError, ConnectionLostError, NoSuchBinError, ProtocolError, RemoteError, ServerUnavailableError,
+    TensorShareError,
 )
 from tensorshare.protocol.messages import PEEK, Key
 from tensorshare._client.connection import item_table
 
 from ..bins.store import Item
+from .stream import INCOMING, Incoming
 
 log = logging.getLogger("tensorshare.server.relay")
 
@@ -48,7 +56,8 @@ RECONNECT_MAX_S = 2.0  # longest pause between attempts to reach the upstream
 class _Mirror:
     """What the follower knows of one followed bin."""
 
-    __slots__ = ("name", "synced", "fetching", "again", "noted", "applied", "noted_at", "op", "waiters", "handle")
+    __slots__ = ("name", "synced", "fetching", "again", "noted", "applied", "noted_at", "op", "waiters", "handle",
+                 "incoming", "watchers")
 
     def __init__(self, name: str):
         self.name = name
@@ -61,6 +70,8 @@ class _Mirror:
         self.op = "PUT"  # the upstream verb of the last change notified
         self.waiters: list[tuple[int, Callable]] = []  # (upstream seq, callback(error)) until applied reaches it
         self.handle = None  # the upstream listen handle
+        self.incoming: Incoming | None = None  # the copy arriving now, passed on as it arrives
+        self.watchers = weakref.WeakSet()  # connections of relays following this one that are told of it
 
 
 class Follower:
@@ -98,6 +109,7 @@ class Follower:
                 client.close()
                 return
             self.client = client
+            client.arriving = self._arriving
             self._delay = 0.05
             log.info("relay: following %s", self.where)
             for mirror in self.mirrors.values():  # bins asked for while the upstream was away
@@ -120,6 +132,8 @@ class Follower:
 
     def stop(self) -> None:
         self._stopped = True
+        for mirror in self.mirrors.values():
+            self._lost_incoming(mirror, "the relay is shutting down")
         if self._retry is not None and self._retry.active():
             self._retry.cancel()
         if self.client is not None:
@@ -232,8 +246,11 @@ class Follower:
         if op == "LISTEN":  # listening again after a reconnection: whatever is there now
             mirror.applied = -1
             op = "PUT"
+        elif mirror.synced and seq <= mirror.applied:  # the copy already shows it (it was passed on to us)
+            return
         mirror.noted = max(mirror.noted, seq)
-        mirror.op = op
+        if op != INCOMING:  # (an arriving copy's reply names its change)
+            mirror.op = op
         if mirror.noted_at is None:
             mirror.noted_at = self.reactor.seconds()
         if mirror.fetching:
@@ -249,6 +266,12 @@ class Follower:
             return
 
         def fetched(reply) -> None:
+            try:
+                took(reply)
+            except ProtocolError as exc:  # items that do not add up: a broken upstream
+                failed(exc)
+
+        def took(reply) -> None:
             frame = reply.frame
             payload = memoryview(frame.payload).cast("B") if frame.payload_len else memoryview(b"")
             tags = reply.header.get(Key.TAGS) or []
@@ -258,9 +281,15 @@ class Follower:
                 segments = (payload[base : base + size],) if size else ()
                 items.append(Item(blob, segments, size, tag))
                 base += size
-            self._apply(mirror, items, op, max(target, reply.header[Key.SEQ]))
+            incoming, mirror.incoming = mirror.incoming, None
+            change = incoming.op if incoming is not None else reply.header.get(Key.CHANGE, op)
+            self._apply(mirror, items, change, max(target, reply.header[Key.SEQ]),
+                        incoming.seq if incoming is not None else None)
+            if incoming is not None:
+                incoming.complete()
 
         def failed(error) -> None:
+            self._lost_incoming(mirror, str(error))
             if isinstance(error, NoSuchBinError):
                 self._apply(mirror, None, "DELETE", target)
                 return
@@ -271,26 +300,26 @@ class Follower:
                 self.reactor.callLater(0.2, self._noted, mirror, target, op)
 
         try:
-            d = self.client._call(PEEK, {Key.BIN: mirror.name, Key.TAGS: True}, decode=False, zero_copy=False,
-                                  then=lambda reply: reply, timeout=None)
+            d = self.client._call(PEEK, {Key.BIN: mirror.name, Key.TAGS: True, Key.INCOMING: True}, decode=False,
+                                  zero_copy=False, then=lambda reply: reply, timeout=None)
         except TensorShareError as exc:
             failed(exc)
             return
         d.addCallbacks(fetched, lambda failure: failed(failure.value))
 
-    def _apply(self, mirror: _Mirror, items: list[Item] | None, op: str, upstream_seq: int) -> None:
-        """Replace the local copy in one change and tell local listeners."""
+    def _apply(self, mirror: _Mirror, items: list[Item] | None, op: str, upstream_seq: int,
+               seq: int | None = None) -> None:
+        """Replace the local copy in one change (numbered ``seq`` if one was reserved
+        for it) and tell local listeners."""
         name, storage = mirror.name, self.storage
         exists, before = storage.state(name)[:2]
-        if op == "APPEND" and items is not None and len(items) != before + 1:
-            # Several changes in one copy: to listeners it is a new content, not one
-            # more item (a first-append listener must hear of an empty bin filling up).
-            op = "PUT"
+        if items is not None:
+            op = _as_one_change(op, len(items), before)
         try:
             if items is None:
                 change = storage.store.delete(name) if exists else None
             else:
-                change = storage.mirror(name, items, op)
+                change = storage.mirror(name, items, op, seq)
         except RemoteError as exc:  # a limit of this relay (max_bins...)
             log.warning("relay: cannot mirror bin %r: %s", name, exc)
             change = None
@@ -306,6 +335,54 @@ class Follower:
         mirror.waiters = [w for w in mirror.waiters if w[0] > mirror.applied]
         for _seq, done in ready:
             done(None)
+
+    # -- cut-through: passing a copy on while it arrives (.stream)
+
+    def watch(self, name: str, session) -> None:
+        """Tell ``session`` (a relay following this one) of every copy of bin ``name``
+        that starts arriving here, with an ``INCOMING`` notification."""
+        self._mirror(name).watchers.add(session)
+
+    def arriving_copy(self, name: str) -> Incoming | None:
+        """The copy of bin ``name`` arriving now, if any."""
+        mirror = self.mirrors.get(name)
+        return None if mirror is None else mirror.incoming
+
+    def _arriving(self, name: str, header: dict, nbytes: int):
+        """A fetched copy's reply header is in (the upstream client asks): the sink to
+        receive its payload into, passing it on as it arrives, or None (as usual)."""
+        mirror = self.mirrors.get(name)
+        if mirror is None or not mirror.synced or not mirror.fetching or mirror.incoming is not None:
+            return None
+        exists, before = self.storage.state(name)[:2]
+        if not exists:  # a first copy takes a fresh number when it is in (see PROTOCOL.md §11)
+            return None
+        try:
+            table = item_table(header, nbytes)
+        except ProtocolError:
+            return None  # the fetch fails with it
+        if any(ref is not None for _blob, _size, ref in table):
+            return None
+        tags = header.get(Key.TAGS)
+        tags = tags if isinstance(tags, list) and len(tags) == len(table) else [None] * len(table)
+        op = _as_one_change(header.get(Key.CHANGE, mirror.op), len(table), before)
+        incoming = Incoming(name, [blob for blob, _, _ in table], [size for _, size, _ in table], tags, nbytes,
+                            self.storage.store.next_seq(), op)
+        mirror.incoming = incoming
+        frame = incoming.notification()
+        for session in list(mirror.watchers):
+            if session.closed or name not in session.listening:
+                mirror.watchers.discard(session)
+            else:
+                session.notify(name, frame)
+        return incoming.sink
+
+    def _lost_incoming(self, mirror: _Mirror, reason: str) -> None:
+        incoming, mirror.incoming = mirror.incoming, None
+        if incoming is not None:
+            log.info("relay: copy of %r lost mid-way (%d of %d bytes): %s", mirror.name, incoming.received,
+                     incoming.total, reason)
+            incoming.fail(reason)
 
     def _fail_waiters(self, error: BaseException) -> None:
         for mirror in self.mirrors.values():
@@ -341,6 +418,17 @@ class Follower:
             "behind": len(pending),  # of which with upstream changes not yet mirrored
             "lag": round(now - min(pending), 6) if pending else 0.0,  # seconds the oldest of them waits
         }
+        arriving = {m.name: [m.incoming.received, m.incoming.total] for m in self.mirrors.values()
+                    if m.incoming is not None}
+        if arriving:
+            state["arriving"] = arriving  # copies being received (and passed on): [bytes in, bytes]
         if self.failure:
             state["error"] = self.failure
         return state
+
+
+def _as_one_change(op: str, n_items: int, before: int) -> str:
+    """The verb a mirrored copy's change is told with: several upstream APPENDs in one
+    copy are a new content to listeners, not one more item (a first-append listener
+    must hear of an empty bin filling up)."""
+    return "PUT" if op == "APPEND" and n_items != before + 1 else op

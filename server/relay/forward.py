@@ -13,7 +13,9 @@ the relay does not follow, which live on the relay as on any server.
   forwarded write is never stored twice by the relay.
 * PEEK and LISTEN of a followed bin start mirroring it and wait for its first
   copy; then they are answered from the mirror, like any bin (same-host zero-copy
-  included).
+  included).  A PEEK with ``incoming`` (a relay following this one) is answered
+  with the copy arriving now, if one is, streamed as it arrives (:mod:`.stream`),
+  and its connection is told of later ones.
 * LIST merges the upstream's followed bins with the relay's own, and carries the
   relay's state (``relay``: upstream, connected, how far behind).
 """
@@ -31,14 +33,15 @@ from tensorshare._client.connection import item_table
 
 from ..bins.store import Item
 from ..protocol import handlers as local
+from .stream import stream_reply
 
 MARGIN_S = 5.0  # a forwarded call's timeout beyond what the request itself may wait in the upstream
 
 
 def relay_handlers() -> dict:
     """The handlers a relay uses instead of the usual ones."""
-    return {PUT: store, APPEND: store, DELETE: delete, GET: get, PEEK: read(local.peek),
-            LISTEN: read(local.listen), LIST: listing}
+    return {PUT: store, APPEND: store, DELETE: delete, GET: get, PEEK: peek, LISTEN: read(local.listen),
+            LIST: listing}
 
 
 def _as_remote(error: BaseException) -> RemoteError:
@@ -190,6 +193,21 @@ def read(handler: Callable) -> Callable:
 
     relayed.__name__ = handler.__name__
     return relayed
+
+
+_peek_mirror = read(local.peek)
+
+
+def peek(session, request) -> None:
+    """PEEK: from the mirror; with ``incoming``, the copy arriving now if there is one."""
+    relay, name = session.state.relay, request.bin
+    if request.incoming and relay.follows(name):
+        relay.watch(name, session)
+        incoming = relay.arriving_copy(name)
+        if incoming is not None:
+            stream_reply(session, request, incoming)
+            return
+    _peek_mirror(session, request)
 
 
 def listing(session, request) -> None:

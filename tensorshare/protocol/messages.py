@@ -50,6 +50,9 @@ class Key:
     EPHEMERAL = "ephemeral"
     # GET/PEEK: the reply lists every item's tag; LIST: a relay's state (§11)
     TAGS, RELAY = "tags", "relay"
+    # PEEK (to a relay): a copy of the bin arriving at the relay may be the answer,
+    # streamed as it arrives; its 226 names the upstream change it is (§11)
+    INCOMING, CHANGE = "incoming", "change"
 
 
 # Reply codes (header key "code").
@@ -338,7 +341,7 @@ TensorShareErrorLike = ProtocolError | RemoteError
 _CHANGED = Message(DONE, (Field(Key.N, INT), Field(Key.SEQ, INT)))
 _DONE = Message(OK)
 _ITEMS = Message(ITEMS, (Field(Key.SEQ, INT), Field(Key.ITEMS, LIST), Field(Key.SIZES, LIST),
-                         optional(Key.REFS, LIST), optional(Key.TAGS, TAGS)))
+                         optional(Key.REFS, LIST), optional(Key.TAGS, TAGS), optional(Key.CHANGE, STR)))
 _STORE_FIELDS = (
     BIN,
     Field(Key.VALUE, BYTES, missing="missing value description"),
@@ -356,7 +359,8 @@ APPEND = Command("APPEND", (*_STORE_FIELDS, optional(Key.BELOW, COUNT), optional
                  doc="add one item at the end of the bin (with below: once it holds fewer items)")
 GET = Command("GET", (*_READ_FIELDS, optional(Key.MAX, COUNT)), reply=_ITEMS, result=Key.ITEMS,
               doc="take the bin's items (at most max of them) out of it")
-PEEK = Command("PEEK", _READ_FIELDS, reply=_ITEMS, result=Key.ITEMS, doc="read every item of the bin")
+PEEK = Command("PEEK", (*_READ_FIELDS, optional(Key.INCOMING, BOOL)), reply=_ITEMS, result=Key.ITEMS,
+               doc="read every item of the bin")
 LIST = Command("LIST", (RELEASE,), reply=Message(LIST_OK, (Field(Key.BINS, COUNTS), optional(Key.RELAY, MAP))),
                result=Key.BINS,
                doc="every bin and its item count")
