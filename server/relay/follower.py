@@ -42,7 +42,7 @@ from tensorshare.errors import (
     AuthenticationError, ConnectionLostError, NoSuchBinError, ProtocolError, RemoteError, ServerUnavailableError,
     TensorShareError,
 )
-from tensorshare.protocol.messages import PEEK, Key
+from tensorshare.protocol.messages import NOTIFY, PEEK, Key
 from tensorshare._client.connection import item_table
 
 from ..bins.store import Item
@@ -57,7 +57,7 @@ class _Mirror:
     """What the follower knows of one followed bin."""
 
     __slots__ = ("name", "synced", "fetching", "again", "noted", "applied", "noted_at", "op", "waiters", "handle",
-                 "incoming", "watchers")
+                 "incoming", "watchers", "have")
 
     def __init__(self, name: str):
         self.name = name
@@ -66,6 +66,7 @@ class _Mirror:
         self.again = False  # a notification came while fetching: fetch once more
         self.noted = -1  # the highest upstream seq notified
         self.applied = -1  # the upstream seq the local copy reflects
+        self.have = -1  # the upstream's seq of the copy installed (a copy not newer is not installed)
         self.noted_at: float | None = None  # when the oldest change not yet mirrored was notified
         self.op = "PUT"  # the upstream verb of the last change notified
         self.waiters: list[tuple[int, Callable]] = []  # (upstream seq, callback(error)) until applied reaches it
@@ -109,7 +110,7 @@ class Follower:
                 client.close()
                 return
             self.client = client
-            client.arriving = self._arriving
+            client.arriving, client.lost = self._arriving, self._upstream_lost
             self._delay = 0.05
             log.info("relay: following %s", self.where)
             for mirror in self.mirrors.values():  # bins asked for while the upstream was away
@@ -244,13 +245,23 @@ class Follower:
     def _noted(self, mirror: _Mirror, seq: int, op: str) -> None:
         """An upstream change (or, ``op`` LISTEN, a listen begun again): fetch the bin."""
         if op == "LISTEN":  # listening again after a reconnection: whatever is there now
-            mirror.applied = -1
+            self._lost_incoming(mirror, "listening again")
+            mirror.applied = mirror.have = -1
             op = "PUT"
-        elif mirror.synced and seq <= mirror.applied:  # the copy already shows it (it was passed on to us)
-            return
+        else:
+            incoming = mirror.incoming
+            if (op == INCOMING and incoming is not None and incoming.pushed and incoming.upstream_seq == seq
+                    and incoming.whole):  # a copy pushed to us is in
+                mirror.incoming = None
+                self._install(mirror, incoming.items(), incoming.op, seq, incoming.seq, seq)
+                incoming.complete()
+                return
+            if op == INCOMING:  # announced without its bytes: its ordinary notification follows when it is in
+                return
+            if mirror.synced and seq <= mirror.applied:  # the copy already shows it (it was passed on to us)
+                return
         mirror.noted = max(mirror.noted, seq)
-        if op != INCOMING:  # (an arriving copy's reply names its change)
-            mirror.op = op
+        mirror.op = op
         if mirror.noted_at is None:
             mirror.noted_at = self.reactor.seconds()
         if mirror.fetching:
@@ -272,7 +283,15 @@ class Follower:
                 failed(exc)
 
         def took(reply) -> None:
-            frame = reply.frame
+            frame, copy_seq = reply.frame, reply.header[Key.SEQ]
+            incoming = mirror.incoming
+            if incoming is not None and not incoming.pushed:  # ours, passed on as it arrived
+                mirror.incoming = None
+            else:
+                incoming = None
+                if mirror.synced and 0 <= mirror.have and copy_seq <= mirror.have:
+                    self._fetched(mirror, None, op, max(target, copy_seq), stale=True)  # we hold it, or newer
+                    return
             payload = memoryview(frame.payload).cast("B") if frame.payload_len else memoryview(b"")
             tags = reply.header.get(Key.TAGS) or []
             items, base = [], 0
@@ -281,17 +300,17 @@ class Follower:
                 segments = (payload[base : base + size],) if size else ()
                 items.append(Item(blob, segments, size, tag))
                 base += size
-            incoming, mirror.incoming = mirror.incoming, None
             change = incoming.op if incoming is not None else reply.header.get(Key.CHANGE, op)
-            self._apply(mirror, items, change, max(target, reply.header[Key.SEQ]),
-                        incoming.seq if incoming is not None else None)
+            self._fetched(mirror, items, change, max(target, copy_seq), incoming.seq if incoming is not None else None,
+                          copy_seq)
             if incoming is not None:
                 incoming.complete()
 
         def failed(error) -> None:
-            self._lost_incoming(mirror, str(error))
+            if mirror.incoming is not None and not mirror.incoming.pushed:
+                self._lost_incoming(mirror, str(error))
             if isinstance(error, NoSuchBinError):
-                self._apply(mirror, None, "DELETE", target)
+                self._fetched(mirror, None, "DELETE", target)
                 return
             mirror.fetching = False
             log.info("relay: fetching %r from upstream failed: %s", mirror.name, error)
@@ -307,10 +326,24 @@ class Follower:
             return
         d.addCallbacks(fetched, lambda failure: failed(failure.value))
 
-    def _apply(self, mirror: _Mirror, items: list[Item] | None, op: str, upstream_seq: int,
-               seq: int | None = None) -> None:
+    def _fetched(self, mirror: _Mirror, items: list[Item] | None, op: str, upstream_seq: int,
+                 seq: int | None = None, copy_seq: int = -1, stale: bool = False) -> None:
+        """A fetch is over: install its copy (unless ``stale``: one not newer than the
+        copy held) and fetch again if changes were noted meanwhile."""
+        if not stale:
+            self._install(mirror, items, op, upstream_seq, seq, copy_seq)
+        else:
+            self._settle(mirror, upstream_seq)
+        mirror.fetching = False
+        if mirror.again:
+            self._fetch(mirror)
+        else:
+            mirror.noted_at = None
+
+    def _install(self, mirror: _Mirror, items: list[Item] | None, op: str, upstream_seq: int,
+                 seq: int | None = None, copy_seq: int = -1) -> None:
         """Replace the local copy in one change (numbered ``seq`` if one was reserved
-        for it) and tell local listeners."""
+        for it; ``items`` None: the bin is gone upstream) and tell local listeners."""
         name, storage = mirror.name, self.storage
         exists, before = storage.state(name)[:2]
         if items is not None:
@@ -325,12 +358,15 @@ class Follower:
             change = None
         if change is not None:
             self.publish(change)
-        mirror.synced, mirror.fetching = True, False
-        mirror.applied = upstream_seq
-        if mirror.again:
-            self._fetch(mirror)
-        else:
+        mirror.synced = True
+        mirror.have = copy_seq
+        self._settle(mirror, upstream_seq)
+        if not mirror.fetching:
             mirror.noted_at = None
+
+    def _settle(self, mirror: _Mirror, upstream_seq: int) -> None:
+        """The copy reflects upstream change ``upstream_seq``: release who waited for it."""
+        mirror.applied = max(mirror.applied, upstream_seq)
         ready = [w for w in mirror.waiters if w[0] <= mirror.applied]
         mirror.waiters = [w for w in mirror.waiters if w[0] > mirror.applied]
         for _seq, done in ready:
@@ -339,20 +375,20 @@ class Follower:
     # -- cut-through: passing a copy on while it arrives (.stream)
 
     def watch(self, name: str, session) -> None:
-        """Tell ``session`` (a relay following this one) of every copy of bin ``name``
-        that starts arriving here, with an ``INCOMING`` notification."""
+        """Push to ``session`` (a relay following this one) every copy of bin ``name``
+        that starts arriving here, as it arrives (an ``INCOMING`` notification)."""
         self._mirror(name).watchers.add(session)
 
-    def arriving_copy(self, name: str) -> Incoming | None:
-        """The copy of bin ``name`` arriving now, if any."""
-        mirror = self.mirrors.get(name)
-        return None if mirror is None else mirror.incoming
-
     def _arriving(self, name: str, header: dict, nbytes: int):
-        """A fetched copy's reply header is in (the upstream client asks): the sink to
-        receive its payload into, passing it on as it arrives, or None (as usual)."""
+        """The header of a copy of bin ``name`` is in (a fetch's 226, or a copy pushed
+        to us): the sink to receive its payload into, passing it on to the relays
+        that follow this one as it arrives; None: received as usual."""
         mirror = self.mirrors.get(name)
-        if mirror is None or not mirror.synced or not mirror.fetching or mirror.incoming is not None:
+        if mirror is None or not mirror.synced or mirror.incoming is not None:
+            return None
+        pushed = header.get(Key.CODE) == NOTIFY
+        upstream_seq = header.get(Key.SEQ)
+        if (not pushed and not mirror.fetching) or type(upstream_seq) is not int or upstream_seq <= mirror.have:
             return None
         exists, before = self.storage.state(name)[:2]
         if not exists:  # a first copy takes a fresh number when it is in (see PROTOCOL.md §11)
@@ -360,22 +396,26 @@ class Follower:
         try:
             table = item_table(header, nbytes)
         except ProtocolError:
-            return None  # the fetch fails with it
+            return None  # a fetch fails with it; a pushed copy is fetched instead
         if any(ref is not None for _blob, _size, ref in table):
             return None
         tags = header.get(Key.TAGS)
         tags = tags if isinstance(tags, list) and len(tags) == len(table) else [None] * len(table)
-        op = _as_one_change(header.get(Key.CHANGE, mirror.op), len(table), before)
+        change = header.get(Key.CHANGE)
+        op = _as_one_change(change if type(change) is str else mirror.op, len(table), before)
         incoming = Incoming(name, [blob for blob, _, _ in table], [size for _, size, _ in table], tags, nbytes,
-                            self.storage.store.next_seq(), op)
+                            upstream_seq, self.storage.store.next_seq(), op, pushed)
         mirror.incoming = incoming
-        frame = incoming.notification()
         for session in list(mirror.watchers):
             if session.closed or name not in session.listening:
                 mirror.watchers.discard(session)
             else:
-                session.notify(name, frame)
+                incoming.push_to(session)
         return incoming.sink
+
+    def _upstream_lost(self, reason: str) -> None:
+        for mirror in self.mirrors.values():
+            self._lost_incoming(mirror, reason)
 
     def _lost_incoming(self, mirror: _Mirror, reason: str) -> None:
         incoming, mirror.incoming = mirror.incoming, None

@@ -13,9 +13,8 @@ the relay does not follow, which live on the relay as on any server.
   forwarded write is never stored twice by the relay.
 * PEEK and LISTEN of a followed bin start mirroring it and wait for its first
   copy; then they are answered from the mirror, like any bin (same-host zero-copy
-  included).  A PEEK with ``incoming`` (a relay following this one) is answered
-  with the copy arriving now, if one is, streamed as it arrives (:mod:`.stream`),
-  and its connection is told of later ones.
+  included).  A PEEK with ``incoming`` (a relay following this one) also asks
+  for every later copy to be pushed to its connection as it arrives (:mod:`.stream`).
 * LIST merges the upstream's followed bins with the relay's own, and carries the
   relay's state (``relay``: upstream, connected, how far behind).
 """
@@ -33,7 +32,6 @@ from tensorshare._client.connection import item_table
 
 from ..bins.store import Item
 from ..protocol import handlers as local
-from .stream import stream_reply
 
 MARGIN_S = 5.0  # a forwarded call's timeout beyond what the request itself may wait in the upstream
 
@@ -199,14 +197,11 @@ _peek_mirror = read(local.peek)
 
 
 def peek(session, request) -> None:
-    """PEEK: from the mirror; with ``incoming``, the copy arriving now if there is one."""
+    """PEEK: from the mirror; ``incoming`` (a relay following this one) also asks for
+    the copies that start arriving here from now on, pushed as they arrive."""
     relay, name = session.state.relay, request.bin
     if request.incoming and relay.follows(name):
         relay.watch(name, session)
-        incoming = relay.arriving_copy(name)
-        if incoming is not None:
-            stream_reply(session, request, incoming)
-            return
     _peek_mirror(session, request)
 
 

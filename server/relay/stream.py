@@ -26,9 +26,10 @@ import logging
 from typing import Callable
 
 from tensorshare.async_client import AsyncClient
-from tensorshare.errors import RemoteError
-from tensorshare.protocol.messages import ITEMS, NOTIFICATION, PEEK, UNAVAILABLE, Key
+from tensorshare.protocol.messages import ITEMS, NOTIFICATION, NOTIFY, PEEK, Key
 from tensorshare.wire.frames import BufferSink, frame_head
+
+from ..bins.store import Item
 
 log = logging.getLogger("tensorshare.server.relay")
 
@@ -63,21 +64,23 @@ class TeeSink(BufferSink):
 
 
 class StreamingClient(AsyncClient):
-    """The relay's upstream client: a PEEK sent with ``incoming`` has its reply payload
-    received into the sink ``arriving(bin, header, nbytes)`` returns (None: as usual)."""
+    """The relay's upstream client: the payload of a PEEK ``incoming`` reply, or of an
+    ``INCOMING`` notification, is received into the sink ``arriving(bin, header,
+    nbytes)`` returns (None: as usual); ``lost(reason)`` is told when the connection
+    drops (a copy arriving on it is then lost)."""
 
     arriving: Callable | None = None
+    lost: Callable | None = None
 
     def _new_connection(self):
         conn = super()._new_connection()
         plain = conn.decoder.sink_factory
 
         def sinks(header: dict, nbytes: int):
-            rid = header.get(Key.ID)
-            if nbytes and self.arriving is not None and header.get(Key.CODE) == ITEMS and type(rid) is int:
-                call = self._calls.get(rid)
-                if call is not None and call.command is PEEK and call.fields and call.fields.get(Key.INCOMING):
-                    sink = self.arriving(call.fields[Key.BIN], header, nbytes)
+            if nbytes and self.arriving is not None:
+                name = self._copy_of(header)
+                if name is not None:
+                    sink = self.arriving(name, header, nbytes)
                     if sink is not None:
                         return sink
             return plain(header, nbytes)
@@ -85,18 +88,41 @@ class StreamingClient(AsyncClient):
         conn.decoder.sink_factory = sinks
         return conn
 
+    def _copy_of(self, header: dict) -> str | None:
+        """The bin whose copy a frame carries: a 226 answering our PEEK ``incoming``, or
+        an ``INCOMING`` notification; None for any other frame."""
+        code, rid = header.get(Key.CODE), header.get(Key.ID)
+        if code == NOTIFY and rid == 0 and header.get(Key.OP) == INCOMING and type(header.get(Key.BIN)) is str:
+            return header[Key.BIN]
+        if code == ITEMS and type(rid) is int:
+            call = self._calls.get(rid)
+            if call is not None and call.command is PEEK and call.fields and call.fields.get(Key.INCOMING):
+                return call.fields[Key.BIN]
+        return None
+
+    def _connection_lost(self, wire, reason) -> None:
+        current = wire is self._wire
+        super()._connection_lost(wire, reason)
+        if current and self.lost is not None:
+            self.lost(reason.getErrorMessage())
+
 
 class Incoming:
-    """A copy of bin ``name`` arriving from upstream: the reply header's item table,
-    the number (``seq``) and verb (``op``) its change will have here, and the
-    streams passing it on."""
+    """A copy of bin ``name`` arriving from upstream: the item table its frame header
+    carried, the upstream's number for it (``upstream_seq``), the number (``seq``)
+    and verb (``op``) its change will have here, whether upstream pushed it
+    (``pushed``: an ``INCOMING`` notification) or we fetched it, and the streams
+    passing it on."""
 
-    def __init__(self, name: str, blobs: list, sizes: list, tags: list, total: int, seq: int, op: str):
+    def __init__(self, name: str, blobs: list, sizes: list, tags: list, total: int, upstream_seq: int, seq: int,
+                 op: str, pushed: bool):
         self.name = name
         self.blobs, self.sizes, self.tags = blobs, sizes, tags
         self.total = total
+        self.upstream_seq = upstream_seq
         self.seq = seq
         self.op = op
+        self.pushed = pushed
         self.sink = TeeSink(total, self._progress)
         self.streams: list[Stream] = []
 
@@ -104,18 +130,38 @@ class Incoming:
     def received(self) -> int:
         return self.sink._filled
 
-    def notification(self) -> bytes:
-        """The 151 ``INCOMING`` frame that announces this copy."""
-        tag = self.tags[-1] if self.tags else None
-        return frame_head(NOTIFICATION.build(bin=self.name, n=len(self.sizes), seq=self.seq, op=INCOMING,
-                                             tag=tag), 0)
+    @property
+    def whole(self) -> bool:
+        return self.sink._filled == self.total
 
-    def stream_to(self, session, request, done: Callable[[BaseException | None], None]) -> None:
-        """Answer ``request`` (a PEEK ``incoming``) with this copy, as it arrives;
-        ``done(None)`` once all of it is queued, ``done(error)`` if it never will be."""
-        stream = Stream(self, session, request, done)
-        self.streams.append(stream)
-        stream.start()
+    def items(self) -> list[Item]:
+        """The copy's items, once it is whole (their bytes are views of the one array)."""
+        view, base, items = self.sink.view, 0, []
+        for blob, size, tag in zip(self.blobs, self.sizes, self.tags):
+            items.append(Item(blob, (view[base:base + size],) if size else (), size, tag))
+            base += size
+        return items
+
+    def header(self) -> dict:
+        """The 151 ``INCOMING`` header that announces this copy (its payload follows)."""
+        return NOTIFICATION.build(bin=self.name, n=len(self.sizes), seq=self.seq, op=INCOMING,
+                                  tag=self.tags[-1] if self.tags else None,
+                                  **{Key.ITEMS: self.blobs, Key.SIZES: self.sizes, Key.TAGS: self.tags,
+                                     Key.CHANGE: self.op})
+
+    def push_to(self, session) -> None:
+        """Send this copy to ``session`` (a relay following this one) as it arrives; if
+        another copy is being streamed to it, announce this one without its bytes
+        (the follower fetches it)."""
+        if session.open_stream():
+            stream = Stream(self, session)
+            self.streams.append(stream)
+            stream.start()
+        else:
+            header = self.header()
+            for key in (Key.ITEMS, Key.SIZES, Key.TAGS, Key.CHANGE):
+                del header[key]
+            session.notify(self.name, frame_head(header, 0))
 
     def _progress(self, filled: int) -> None:
         for stream in self.streams:
@@ -131,55 +177,30 @@ class Incoming:
         """It will never be whole: every stream's connection is cut off."""
         streams, self.streams = self.streams, []
         for stream in streams:
-            stream.cut(reason)
+            stream.session.cut_off(f"relay: the copy of bin {self.name!r} being passed on was lost upstream: "
+                                   f"{reason}")
 
 
 class Stream:
-    """One streamed 226 reply to a PEEK ``incoming``: the header at once (the
-    payload's length is known), then the payload as it arrives."""
+    """One copy pushed to one connection: the 151 ``INCOMING`` header at once (the
+    payload's length is known), then the payload in pieces as it arrives."""
 
-    def __init__(self, incoming: Incoming, session, request, done: Callable):
-        self.incoming, self.session, self.request, self.done = incoming, session, request, done
+    def __init__(self, incoming: Incoming, session):
+        self.incoming, self.session = incoming, session
         self.sent = 0
 
     def start(self) -> None:
-        incoming, request = self.incoming, self.request
-        header = PEEK.reply(request.id)
-        header[Key.SEQ], header[Key.ITEMS], header[Key.SIZES] = incoming.seq, incoming.blobs, incoming.sizes
-        if request.tags:
-            header[Key.TAGS] = incoming.tags
-        header[Key.CHANGE] = incoming.op
-        self.session.streams += 1  # no keepalive may come between its pieces
-        self.session.send([frame_head(header, incoming.total)])
-        self.more(incoming.received)
+        self.session.stream_piece([frame_head(self.incoming.header(), self.incoming.total)])
+        self.more(self.incoming.received)
 
     def more(self, filled: int) -> None:
         if filled - self.sent >= PIECE or (filled == self.incoming.total and filled > self.sent):
-            self.session.send([self.incoming.sink.view[self.sent:filled]])
+            self.session.stream_piece([self.incoming.sink.view[self.sent:filled]])
             self.sent = filled
 
     def finish(self) -> None:
         self.more(self.incoming.total)
-        self._end(None)
-
-    def cut(self, reason: str) -> None:
-        self._end(RemoteError(f"relay: the copy of bin {self.incoming.name!r} being passed on was lost "
-                              f"upstream: {reason}", UNAVAILABLE))
-
-    def _end(self, error: BaseException | None) -> None:
-        self.session.streams -= 1
-        self.done(error)
+        self.session.close_stream()
 
 
-def stream_reply(session, request, incoming: Incoming) -> None:
-    """Answer a PEEK ``incoming`` with ``incoming``, holding the connection's later
-    requests and notifications until it is all queued (they follow it); if the copy
-    is lost, the connection is cut off mid-frame."""
-    def finish(error) -> None:
-        if error is not None:
-            session.cut_off(str(error))
-
-    session.wait_for(lambda done: incoming.stream_to(session, request, done), finish)
-
-
-__all__ = ["INCOMING", "Incoming", "StreamingClient", "TeeSink", "stream_reply"]
+__all__ = ["INCOMING", "Incoming", "StreamingClient", "TeeSink"]
