@@ -113,3 +113,21 @@ def test_a_copy_lost_mid_way_upstream_is_never_seen(chain):
         wait_until(lambda: version_of(reader.peek("params")) == 2, what="version 2 at r2 after the restart")
         wait_until(lambda: seen and seen[-1][1] == 2, what="r2's listeners hearing of version 2")
     assert all(tag in (1, 2) for _op, tag in seen)
+
+
+def test_a_copy_same_host_readers_map_is_in_shared_memory_before_they_hear_of_it(chain):
+    gate, r1, r2, up, reader = chain
+
+    def tiers() -> dict:
+        status, _, body = http_get(r2.url("/status.json"))
+        return next(row["tiers"] for row in json.loads(body)["bins"] if row["name"] == "params")
+
+    assert reader.same_host
+    reader.peek("params")  # a same-host read of version 1: copied to shared memory after it
+    wait_until(lambda: "shm" in tiers(), what="version 1 in r2's shared memory")
+    heard = []
+    reader.listen("params", lambda note: heard.append((note.tag, tiers()["shm"] if "shm" in tiers() else 0)))
+    up.put("params", state(2), tag=2)
+    wait_until(lambda: any(tag == 2 for tag, _ in heard), what="version 2 at r2")
+    assert [shm for tag, shm in heard if tag == 2][0] == 2 * 4 * FLOATS  # there when its listeners heard of it
+    assert version_of(reader.peek("params")) == 2

@@ -44,6 +44,7 @@ def start_relay(state, config, reactor) -> Follower:
 
     follower = Follower(reactor, state.storage, state.listeners.publish, connect, f"{host}:{port}",
                         config.follow_bins, config.follow_timeout)
+    follower.zero_copy_min = config.zero_copy_min
     state.relay = follower
     state.handlers = relay_handlers()
     follower.start()

@@ -90,6 +90,7 @@ class Follower:
         self.where = where
         self.pattern = pattern
         self.timeout = timeout  # how long a read waits for a bin's first copy
+        self.zero_copy_min = 128 << 10  # an item this large is worth putting in shared memory (the config's)
         self.client = None
         self.failure: str | None = None  # why the upstream cannot be used at all (a wrong token, say)
         self.mirrors: dict[str, _Mirror] = {}
@@ -253,8 +254,8 @@ class Follower:
             if (op == INCOMING and incoming is not None and incoming.pushed and incoming.upstream_seq == seq
                     and incoming.whole):  # a copy pushed to us is in
                 mirror.incoming = None
+                incoming.complete()  # (the streams pass it on whole before we install it)
                 self._install(mirror, incoming.items(), incoming.op, seq, incoming.seq, seq)
-                incoming.complete()
                 return
             if op == INCOMING:  # announced without its bytes: its ordinary notification follows when it is in
                 return
@@ -301,10 +302,10 @@ class Follower:
                 items.append(Item(blob, segments, size, tag))
                 base += size
             change = incoming.op if incoming is not None else reply.header.get(Key.CHANGE, op)
-            self._fetched(mirror, items, change, max(target, copy_seq), incoming.seq if incoming is not None else None,
-                          copy_seq)
             if incoming is not None:
                 incoming.complete()
+            self._fetched(mirror, items, change, max(target, copy_seq), incoming.seq if incoming is not None else None,
+                          copy_seq)
 
         def failed(error) -> None:
             if mirror.incoming is not None and not mirror.incoming.pushed:
@@ -348,11 +349,19 @@ class Follower:
         exists, before = storage.state(name)[:2]
         if items is not None:
             op = _as_one_change(op, len(items), before)
+        # A bin whose copy same-host readers mapped gets each new copy in shared memory
+        # before they hear of it: their first read maps it instead of receiving it.
+        shared = items is not None and exists and any(
+            item.files is not None and item.files.in_memory for item in storage.store.peek(name))
         try:
             if items is None:
                 change = storage.store.delete(name) if exists else None
             else:
                 change = storage.mirror(name, items, op, seq)
+                if shared:
+                    for item in items:
+                        if item.nbytes >= self.zero_copy_min:
+                            storage.promote_now(item)
         except RemoteError as exc:  # a limit of this relay (max_bins...)
             log.warning("relay: cannot mirror bin %r: %s", name, exc)
             change = None
