@@ -10,12 +10,14 @@ server's NIC is a real bottleneck.  Needs root; skipped with the reason otherwis
 * **Fan-out** of a state dict (``mh_fan_bytes``, 16 tensors) published in host 0
   until all ``mh_workers`` workers (one per host, each a process that listens and
   peeks every new version) hold it, measured from just before the ``put`` to the
-  last worker's peek returning (one machine: one clock).  Three shapes: the
+  last worker's peek returning (one machine: one clock).  Four shapes: the
   **star** (every worker reads the head server over its link, TCP), **flat
   relays** (one relay per worker host following the head; workers read their
-  host's relay through same-host zero-copy), and a **relay tree** (relays follow
+  host's relay through same-host zero-copy), a **relay tree** (relays follow
   relays, two children each, so the head sends two copies and each relay at most
-  two).
+  two) and a **relay chain** (relay h follows relay h - 1: every link carries one
+  copy, and each relay passes a copy on while it arrives, so the last host holds it
+  about one link's transfer time after the put).
 * **Rollout ingestion** from ``mh_workers`` hosts appending ``mh_roll_bytes``
   rollouts into 1, 2 and 4 shards (``ShardedClient``, one server per shard host,
   each producer appending to its own bin and taking it back every 16 items).
@@ -35,6 +37,7 @@ from .record import Recorder
 from .stats import Sample, mib
 
 TENSORS = 16
+CHAIN_PORT = 18100  # the chain's relays listen here, each in its own host, so all start side by side
 
 
 # ------------------------------------------------------------------ the processes in the hosts
@@ -236,6 +239,12 @@ def _fan(rec: Recorder, net, p: Profile, holders: list, shape: str, label: str) 
             for h, (proc, relay_port) in zip(level, start_servers(net, specs)):
                 relay_ports[h] = relay_port
                 servers.append(proc)
+        if shape == "chain":  # relay h follows relay h - 1 (relay 1 the head)
+            specs = [(h, ("--follow", f"{net.addresses[0]}:{port}" if h == 1
+                          else f"{net.addresses[h - 1]}:{CHAIN_PORT}", *follow)) for h in range(1, n + 1)]
+            for h, (proc, relay_port) in zip(range(1, n + 1), start_servers(net, specs, port=CHAIN_PORT)):
+                relay_ports[h] = relay_port
+                servers.append(proc)
         targets = [(net.addresses[h], relay_ports[h], 1) for h in range(1, n + 1)]
     for w, target in zip(holders, targets):
         w.stdin.write(" ".join(map(str, target)) + "\n")
@@ -245,12 +254,12 @@ def _fan(rec: Recorder, net, p: Profile, holders: list, shape: str, label: str) 
             raise RuntimeError("a worker did not start")
     publisher = _spawn(net, 0, "publish", net.addresses[0], port, nbytes)
     limit = 60 + 30 * n * nbytes / 1e8
-    alls, torn = [], 0
+    alls, firsts, torn = [], [], 0
     for version in range(p.mh_reps + p.warmup):
         publisher.stdin.write(f"{version}\n")
         publisher.stdin.flush()
         start = float(_line(publisher, limit).split()[1])
-        last = 0.0
+        last, first = 0.0, float("inf")
         for w in holders:
             while True:
                 line = _line(w, limit).split()
@@ -259,14 +268,17 @@ def _fan(rec: Recorder, net, p: Profile, holders: list, shape: str, label: str) 
                     continue
                 if int(line[0]) == version:
                     last = max(last, float(line[1]))
+                    first = min(first, float(line[1]))
                     break
         if version >= p.warmup:
             alls.append((last - start) * 1e3)
+            firsts.append((first - start) * 1e3)
     if torn:
         rec.note(f"fan-out ({label}): {torn} torn state dict(s) seen")
     rec.figure(f"mh.fan.{shape}", f"{label}: {mib(nbytes)} until all {n} worker hosts hold it", Sample.of(alls),
                "ms", better="lower", vs=["mh.link"] + (["mh.fan.star"] if shape != "star" else []),
-               note="from just before put to the last worker's peek")
+               note=f"from just before put to the last worker's peek; the first worker: "
+                    f"{Sample.of(firsts).median:,.0f} ms")
     publisher.stdin.close()
     for proc in [publisher, *servers]:
         proc.terminate()
@@ -317,11 +329,12 @@ def run(rec: Recorder, p: Profile, peers) -> None:
         _fan(rec, net, p, holders, "star", "star (every worker reads the head, TCP)")
         _fan(rec, net, p, holders, "flat", "flat relays (one per host, all following the head)")
         _fan(rec, net, p, holders, "tree", "relay tree (two children per node)")
+        _fan(rec, net, p, holders, "chain", "relay chain (each relay follows the one before, cut-through)")
     for shards in p.mh_roll_shards:
         with Network(n + shards, rate=p.mh_rate) as net:
             _ingest(rec, net, p, shards)
     rec.goal_ratio(f"relays: all {n} worker hosts hold {mib(p.mh_fan_bytes)} within 2.5x one link's transfer",
-                   "mh.fan.tree", "mh.link", "<=", 2.5)
+                   "mh.fan.chain", "mh.link", "<=", 2.5)
     rec.goal_ratio("flat relays no slower than the star (1.2x slack for noise)", "mh.fan.flat", "mh.fan.star",
                    "<=", 1.2)
     if 4 in p.mh_roll_shards:

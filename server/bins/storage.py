@@ -169,10 +169,11 @@ class Storage:
 
     # -- changes
 
-    def mirror(self, name: str, items: list[Item], op: str) -> Change:
+    def mirror(self, name: str, items: list[Item], op: str, seq: int | None = None) -> Change:
         """Replace bin ``name``'s items with ``items`` (in memory) in one change: a
-        relay's copy of an upstream bin (server/relay/; a relay has no data directory)."""
-        change = self.store.mirror(name, items, op)
+        relay's copy of an upstream bin (server/relay/; a relay has no data directory).
+        ``seq``: a number reserved for it earlier (``store.next_seq()``)."""
+        change = self.store.mirror(name, items, op, seq)
         self._enforce_budget()
         return change
 
@@ -280,6 +281,24 @@ class Storage:
             # else the item changed meanwhile: the new files go when `files` does
 
         self.jobs.run(None, self.shm.write, (item.description, item.segments, item.nbytes, item.tag), written)
+
+    def promote_now(self, item: Item) -> bool:
+        """:meth:`promote` on the caller's thread (a copy into tmpfs, as :meth:`share_rows`):
+        for a relay's new copy of a bin its same-host readers map, so that their first
+        read of it is already by reference.  True if the item is in shared memory now."""
+        if (self.shm_area is None or item.segments is None or item.files is not None or item.spilling
+                or time.monotonic() < self._shm_full_until):
+            return False
+        try:
+            stored = self.shm.write(item.description, item.segments, item.nbytes, item.tag)
+        except OSError as exc:
+            log.info("could not copy an item to shared memory: %s", exc)
+            self._shm_full_until = time.monotonic() + _SHM_FULL_PAUSE_S
+            return False
+        files = ItemFiles.of(stored, area=self.shm_area)
+        self._watch_shared(files)
+        item.files, item.segments = files, None  # still resident: the accounting stays
+        return True
 
     def share_rows(self, description: bytes, buffer, nbytes: int) -> ItemFiles | None:
         """Write the rows a TSAMPLE/TREAD gathered into the shared-memory area as one

@@ -165,7 +165,8 @@ class BinStore:
         return items, self._changed(name, b, "GET")
 
     def next_seq(self) -> int:
-        """The number of a change made beside the bins (a table's, :mod:`.tablestore`)."""
+        """The number of a change made beside the bins (a table's, :mod:`.tablestore`),
+        or reserved for one (a relay's copy announced while it arrives)."""
         self._seq += 1
         return self._seq
 
@@ -194,9 +195,11 @@ class BinStore:
             self._add(b, item, front=True)
         return self._changed(name, b, "RESTORE")
 
-    def mirror(self, name: str, items: list[Item], op: str) -> Change:
+    def mirror(self, name: str, items: list[Item], op: str, seq: int | None = None) -> Change:
         """Make bin ``name`` hold exactly ``items`` (created if missing), in one change
-        named ``op``: a relay's copy of another server's bin (server/relay/)."""
+        named ``op``: a relay's copy of another server's bin (server/relay/).  ``seq``:
+        the change's number, taken earlier with :meth:`next_seq` (a copy announced
+        while it was still arriving), above the bin's last."""
         b = self._bins.get(name)
         if b is None:
             self.check_add(name, True)
@@ -205,6 +208,9 @@ class BinStore:
             self._clear(b)
         for item in items:
             self._add(b, item)
+        if seq is not None and seq > b.seq:
+            b.seq = seq
+            return Change(name, len(b.items), seq, op, b.items[-1].tag if b.items else None)
         return self._changed(name, b, op)
 
     def delete(self, name: str) -> Change:

@@ -111,6 +111,8 @@ def snapshot(state, throughput: Throughput | None = None, now: float | None = No
         "clients": [],
         "experiments": experiments,
     }
+    if getattr(state, "relay", None) is not None:  # a relay's upstream and copies arriving (PROTOCOL.md §11)
+        data["relay"] = state.relay.status()
     if counters is None:
         return data
     bytes_in, bytes_out_, requests = counters.totals()

@@ -136,6 +136,10 @@ class ServerSession:
         self._waiting = False  # a request waits for the disk
         self._held_notes: dict[str, bytes] | None = None  # notifications held while waiting, per bin
         self._parked = None  # this connection's request waiting for a bin to change (waits.py)
+        # A frame streamed in pieces as its payload arrives (a relay's, server/relay/stream.py):
+        # until it is whole, other frames wait here (and notifications, latest per bin).
+        self._gate: list | None = None
+        self._gate_notes: dict[str, bytes] = {}
         self.timing = TimeLimits()
         frame_limits = state.config.frame_limits
         if self._nonce is not None:
@@ -234,6 +238,7 @@ class ServerSession:
         # the connection (the others would only have produced their reply).
         backlog, self._backlog = self._backlog, deque()
         self._move(Phase.CLOSED)
+        self._drop_gate()
         if self._admitted:
             self._admitted = False
             self.state.connections -= 1
@@ -310,6 +315,8 @@ class ServerSession:
         if self.closed:
             return
         held = self._held_notes
+        if held is None and self._gate is not None:
+            held = self._gate_notes  # after the frame being streamed
         if held is not None:  # after the reply of the request that waits (see wait_for)
             held.pop(name, None)  # the latest per bin, in the order of their last change
             held[name] = frame
@@ -510,16 +517,17 @@ class ServerSession:
     def send(self, parts: list, on_abandon: Callable[[], None] | None = None,
              on_written: Callable[[], None] | None = None) -> None:
         """Queue a frame (a list of parts), unless the connection is closed (then
-        ``on_abandon`` runs at once)."""
-        if not self.closed:
+        ``on_abandon`` runs at once); while a frame is being streamed, after it."""
+        if self._gate is not None and not self.closed:
+            self._gate.append((parts, on_abandon, on_written))
+        elif not self.closed:
             self.outbox.send(parts, on_abandon, on_written)
         elif on_abandon is not None:
             on_abandon()
 
     def send_header(self, header: dict) -> None:
         """Queue a frame that is only a header."""
-        if not self.closed:
-            self.outbox.send([frame_head(header, 0)])
+        self.send([frame_head(header, 0)])
 
     def refuse(self, rid: int, error: RemoteError) -> None:
         """Answer request ``rid`` with the error reply ``error`` stands for."""
@@ -527,8 +535,57 @@ class ServerSession:
             self.counters.refusal(error.code)
         self.send_header(error_reply(error.code, error.message, rid))
 
+    def open_stream(self) -> bool:
+        """Begin a frame whose pieces come with :meth:`stream_piece` as its payload
+        arrives; until :meth:`close_stream`, every other frame of this connection waits
+        (and its requests are not read).  False if one is already going out (or the
+        connection is closed): then none is begun."""
+        if self.closed or self._gate is not None:
+            return False
+        self._gate = []
+        self.reads.pause("stream")
+        return True
+
+    def stream_piece(self, parts: list) -> None:
+        """Queue the next piece of the frame being streamed."""
+        if not self.closed:
+            self.outbox.send(parts)
+
+    def close_stream(self) -> None:
+        """The streamed frame is whole: what waited goes out after it."""
+        gate, self._gate = self._gate, None
+        notes, self._gate_notes = self._gate_notes, {}
+        self.reads.resume("stream")
+        for parts, on_abandon, on_written in gate or ():
+            self.send(parts, on_abandon, on_written)
+        for name, frame in notes.items():
+            self.notify(name, frame)
+
+    def cut_off(self, reason: str) -> None:
+        """Close after what is queued, with no last reply: a reply streamed as it arrived
+        (a relay's, server/relay/stream.py) cannot be finished, and the peer must see its
+        frame cut short, never completed by other bytes."""
+        if self.closed:
+            return
+        log.info("conn %d cut off (%s): %s", self.stats.id, self.peer, reason,
+                 extra={"conn": self.stats.id, "event": "cut_off"})
+        self._move(Phase.CLOSING)
+        self.reads.pause("closing")
+        self._drop_gate()
+        self.outbox.close()
+
+    def _drop_gate(self) -> None:
+        """The frames waiting behind a streamed one will never go: run their abandon hooks."""
+        gate, self._gate = self._gate, None
+        for _parts, on_abandon, _written in gate or ():
+            if on_abandon is not None:
+                on_abandon()
+
     def _close_with(self, code: int, message: str, rid: int = 0) -> None:
         """Send a last error reply, then close; nothing more is read or served."""
+        if self._gate is not None:  # a frame is being streamed: it cannot be followed by another
+            self.cut_off(message)
+            return
         self.send_header(error_reply(code, message, rid))
         self._move(Phase.CLOSING)
         self.reads.pause("closing")  # whatever the peer sends now would only be read and dropped

@@ -3,7 +3,8 @@
 ``tensorshare-server --follow HOST:PORT`` (``ServerConfig.follow``) starts one:
 :mod:`.follower` keeps the mirror through an upstream client connection,
 :mod:`.forward` holds the verb handlers that send writes upstream and answer reads
-from the mirror.  Imported only by a server that follows another (it uses the
+from the mirror, :mod:`.stream` passes a copy on to the relays that follow this one
+while it still arrives.  Imported only by a server that follows another (it uses the
 client library, which an ordinary server never loads).
 """
 
@@ -27,7 +28,7 @@ def split_address(text: str) -> tuple[str, int]:
 
 def start_relay(state, config, reactor) -> Follower:
     """Make ``state``'s server a relay of ``config.follow``: its handlers and its follower."""
-    from tensorshare.async_client import AsyncClient
+    from .stream import StreamingClient
 
     if config.data_dir:
         raise UsageError("a relay keeps no data directory: it fetches its bins again from upstream")
@@ -37,12 +38,13 @@ def start_relay(state, config, reactor) -> Follower:
     tls = True if config.follow_tls else None
 
     def connect():
-        return AsyncClient.connect(host, port, reactor=reactor, timeout=None, token=token, tls=tls,
+        return StreamingClient.connect(host, port, reactor=reactor, timeout=None, token=token, tls=tls,
                                    tls_ca=config.follow_tls_ca, tls_fingerprint=config.follow_tls_fingerprint,
                                    zero_copy=False, reuse=0)
 
     follower = Follower(reactor, state.storage, state.listeners.publish, connect, f"{host}:{port}",
                         config.follow_bins, config.follow_timeout)
+    follower.zero_copy_min = config.zero_copy_min
     state.relay = follower
     state.handlers = relay_handlers()
     follower.start()

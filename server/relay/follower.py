@@ -11,6 +11,11 @@ a torn item, never a mix of two versions.  Notifications that come while a fetch
 is in flight are coalesced into one more fetch: each change is fetched at most
 once, and a reader far behind skips to the latest state.
 
+Relays may follow this one: a fetch asks for a copy that is still arriving upstream
+(PEEK ``incoming``), and a copy this relay receives is passed on to its followers
+as it arrives (cut-through, :mod:`.stream`): each is told at once with an
+``INCOMING`` notification, and answered, if it asks, with the copy streamed.
+
 Sequence numbers on the relay are its own (its store's counter), so they only
 grow on the relay even when the upstream restarts without its data and numbers
 again from 1; the follower remembers, per bin, the upstream ``seq`` its copy
@@ -28,17 +33,20 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import weakref
 from typing import Callable
 
 from twisted.internet import defer
 
 from tensorshare.errors import (
-    AuthenticationError, ConnectionLostError, NoSuchBinError, RemoteError, ServerUnavailableError, TensorShareError,
+    AuthenticationError, ConnectionLostError, NoSuchBinError, ProtocolError, RemoteError, ServerUnavailableError,
+    TensorShareError,
 )
-from tensorshare.protocol.messages import PEEK, Key
+from tensorshare.protocol.messages import NOTIFY, PEEK, Key
 from tensorshare._client.connection import item_table
 
 from ..bins.store import Item
+from .stream import INCOMING, Incoming
 
 log = logging.getLogger("tensorshare.server.relay")
 
@@ -48,7 +56,8 @@ RECONNECT_MAX_S = 2.0  # longest pause between attempts to reach the upstream
 class _Mirror:
     """What the follower knows of one followed bin."""
 
-    __slots__ = ("name", "synced", "fetching", "again", "noted", "applied", "noted_at", "op", "waiters", "handle")
+    __slots__ = ("name", "synced", "fetching", "again", "noted", "applied", "noted_at", "op", "waiters", "handle",
+                 "incoming", "watchers", "have")
 
     def __init__(self, name: str):
         self.name = name
@@ -57,10 +66,13 @@ class _Mirror:
         self.again = False  # a notification came while fetching: fetch once more
         self.noted = -1  # the highest upstream seq notified
         self.applied = -1  # the upstream seq the local copy reflects
+        self.have = -1  # the upstream's seq of the copy installed (a copy not newer is not installed)
         self.noted_at: float | None = None  # when the oldest change not yet mirrored was notified
         self.op = "PUT"  # the upstream verb of the last change notified
         self.waiters: list[tuple[int, Callable]] = []  # (upstream seq, callback(error)) until applied reaches it
         self.handle = None  # the upstream listen handle
+        self.incoming: Incoming | None = None  # the copy arriving now, passed on as it arrives
+        self.watchers = weakref.WeakSet()  # connections of relays following this one that are told of it
 
 
 class Follower:
@@ -78,6 +90,7 @@ class Follower:
         self.where = where
         self.pattern = pattern
         self.timeout = timeout  # how long a read waits for a bin's first copy
+        self.zero_copy_min = 128 << 10  # an item this large is worth putting in shared memory (the config's)
         self.client = None
         self.failure: str | None = None  # why the upstream cannot be used at all (a wrong token, say)
         self.mirrors: dict[str, _Mirror] = {}
@@ -98,6 +111,7 @@ class Follower:
                 client.close()
                 return
             self.client = client
+            client.arriving, client.lost = self._arriving, self._upstream_lost
             self._delay = 0.05
             log.info("relay: following %s", self.where)
             for mirror in self.mirrors.values():  # bins asked for while the upstream was away
@@ -120,6 +134,8 @@ class Follower:
 
     def stop(self) -> None:
         self._stopped = True
+        for mirror in self.mirrors.values():
+            self._lost_incoming(mirror, "the relay is shutting down")
         if self._retry is not None and self._retry.active():
             self._retry.cancel()
         if self.client is not None:
@@ -230,8 +246,21 @@ class Follower:
     def _noted(self, mirror: _Mirror, seq: int, op: str) -> None:
         """An upstream change (or, ``op`` LISTEN, a listen begun again): fetch the bin."""
         if op == "LISTEN":  # listening again after a reconnection: whatever is there now
-            mirror.applied = -1
+            self._lost_incoming(mirror, "listening again")
+            mirror.applied = mirror.have = -1
             op = "PUT"
+        else:
+            incoming = mirror.incoming
+            if (op == INCOMING and incoming is not None and incoming.pushed and incoming.upstream_seq == seq
+                    and incoming.whole):  # a copy pushed to us is in
+                mirror.incoming = None
+                incoming.complete()  # (the streams pass it on whole before we install it)
+                self._install(mirror, incoming.items(), incoming.op, seq, incoming.seq, seq)
+                return
+            if op == INCOMING:  # announced without its bytes: its ordinary notification follows when it is in
+                return
+            if mirror.synced and seq <= mirror.applied:  # the copy already shows it (it was passed on to us)
+                return
         mirror.noted = max(mirror.noted, seq)
         mirror.op = op
         if mirror.noted_at is None:
@@ -249,7 +278,21 @@ class Follower:
             return
 
         def fetched(reply) -> None:
-            frame = reply.frame
+            try:
+                took(reply)
+            except ProtocolError as exc:  # items that do not add up: a broken upstream
+                failed(exc)
+
+        def took(reply) -> None:
+            frame, copy_seq = reply.frame, reply.header[Key.SEQ]
+            incoming = mirror.incoming
+            if incoming is not None and not incoming.pushed:  # ours, passed on as it arrived
+                mirror.incoming = None
+            else:
+                incoming = None
+                if mirror.synced and 0 <= mirror.have and copy_seq <= mirror.have:
+                    self._fetched(mirror, None, op, max(target, copy_seq), stale=True)  # we hold it, or newer
+                    return
             payload = memoryview(frame.payload).cast("B") if frame.payload_len else memoryview(b"")
             tags = reply.header.get(Key.TAGS) or []
             items, base = [], 0
@@ -258,11 +301,17 @@ class Follower:
                 segments = (payload[base : base + size],) if size else ()
                 items.append(Item(blob, segments, size, tag))
                 base += size
-            self._apply(mirror, items, op, max(target, reply.header[Key.SEQ]))
+            change = incoming.op if incoming is not None else reply.header.get(Key.CHANGE, op)
+            if incoming is not None:
+                incoming.complete()
+            self._fetched(mirror, items, change, max(target, copy_seq), incoming.seq if incoming is not None else None,
+                          copy_seq)
 
         def failed(error) -> None:
+            if mirror.incoming is not None and not mirror.incoming.pushed:
+                self._lost_incoming(mirror, str(error))
             if isinstance(error, NoSuchBinError):
-                self._apply(mirror, None, "DELETE", target)
+                self._fetched(mirror, None, "DELETE", target)
                 return
             mirror.fetching = False
             log.info("relay: fetching %r from upstream failed: %s", mirror.name, error)
@@ -271,41 +320,118 @@ class Follower:
                 self.reactor.callLater(0.2, self._noted, mirror, target, op)
 
         try:
-            d = self.client._call(PEEK, {Key.BIN: mirror.name, Key.TAGS: True}, decode=False, zero_copy=False,
-                                  then=lambda reply: reply, timeout=None)
+            d = self.client._call(PEEK, {Key.BIN: mirror.name, Key.TAGS: True, Key.INCOMING: True}, decode=False,
+                                  zero_copy=False, then=lambda reply: reply, timeout=None)
         except TensorShareError as exc:
             failed(exc)
             return
         d.addCallbacks(fetched, lambda failure: failed(failure.value))
 
-    def _apply(self, mirror: _Mirror, items: list[Item] | None, op: str, upstream_seq: int) -> None:
-        """Replace the local copy in one change and tell local listeners."""
+    def _fetched(self, mirror: _Mirror, items: list[Item] | None, op: str, upstream_seq: int,
+                 seq: int | None = None, copy_seq: int = -1, stale: bool = False) -> None:
+        """A fetch is over: install its copy (unless ``stale``: one not newer than the
+        copy held) and fetch again if changes were noted meanwhile."""
+        if not stale:
+            self._install(mirror, items, op, upstream_seq, seq, copy_seq)
+        else:
+            self._settle(mirror, upstream_seq)
+        mirror.fetching = False
+        if mirror.again:
+            self._fetch(mirror)
+        else:
+            mirror.noted_at = None
+
+    def _install(self, mirror: _Mirror, items: list[Item] | None, op: str, upstream_seq: int,
+                 seq: int | None = None, copy_seq: int = -1) -> None:
+        """Replace the local copy in one change (numbered ``seq`` if one was reserved
+        for it; ``items`` None: the bin is gone upstream) and tell local listeners."""
         name, storage = mirror.name, self.storage
         exists, before = storage.state(name)[:2]
-        if op == "APPEND" and items is not None and len(items) != before + 1:
-            # Several changes in one copy: to listeners it is a new content, not one
-            # more item (a first-append listener must hear of an empty bin filling up).
-            op = "PUT"
+        if items is not None:
+            op = _as_one_change(op, len(items), before)
+        # A bin whose copy same-host readers mapped gets each new copy in shared memory
+        # before they hear of it: their first read maps it instead of receiving it.
+        shared = items is not None and exists and any(
+            item.files is not None and item.files.in_memory for item in storage.store.peek(name))
         try:
             if items is None:
                 change = storage.store.delete(name) if exists else None
             else:
-                change = storage.mirror(name, items, op)
+                change = storage.mirror(name, items, op, seq)
+                if shared:
+                    for item in items:
+                        if item.nbytes >= self.zero_copy_min:
+                            storage.promote_now(item)
         except RemoteError as exc:  # a limit of this relay (max_bins...)
             log.warning("relay: cannot mirror bin %r: %s", name, exc)
             change = None
         if change is not None:
             self.publish(change)
-        mirror.synced, mirror.fetching = True, False
-        mirror.applied = upstream_seq
-        if mirror.again:
-            self._fetch(mirror)
-        else:
+        mirror.synced = True
+        mirror.have = copy_seq
+        self._settle(mirror, upstream_seq)
+        if not mirror.fetching:
             mirror.noted_at = None
+
+    def _settle(self, mirror: _Mirror, upstream_seq: int) -> None:
+        """The copy reflects upstream change ``upstream_seq``: release who waited for it."""
+        mirror.applied = max(mirror.applied, upstream_seq)
         ready = [w for w in mirror.waiters if w[0] <= mirror.applied]
         mirror.waiters = [w for w in mirror.waiters if w[0] > mirror.applied]
         for _seq, done in ready:
             done(None)
+
+    # -- cut-through: passing a copy on while it arrives (.stream)
+
+    def watch(self, name: str, session) -> None:
+        """Push to ``session`` (a relay following this one) every copy of bin ``name``
+        that starts arriving here, as it arrives (an ``INCOMING`` notification)."""
+        self._mirror(name).watchers.add(session)
+
+    def _arriving(self, name: str, header: dict, nbytes: int):
+        """The header of a copy of bin ``name`` is in (a fetch's 226, or a copy pushed
+        to us): the sink to receive its payload into, passing it on to the relays
+        that follow this one as it arrives; None: received as usual."""
+        mirror = self.mirrors.get(name)
+        if mirror is None or not mirror.synced or mirror.incoming is not None:
+            return None
+        pushed = header.get(Key.CODE) == NOTIFY
+        upstream_seq = header.get(Key.SEQ)
+        if (not pushed and not mirror.fetching) or type(upstream_seq) is not int or upstream_seq <= mirror.have:
+            return None
+        exists, before = self.storage.state(name)[:2]
+        if not exists:  # a first copy takes a fresh number when it is in (see PROTOCOL.md §11)
+            return None
+        try:
+            table = item_table(header, nbytes)
+        except ProtocolError:
+            return None  # a fetch fails with it; a pushed copy is fetched instead
+        if any(ref is not None for _blob, _size, ref in table):
+            return None
+        tags = header.get(Key.TAGS)
+        tags = tags if isinstance(tags, list) and len(tags) == len(table) else [None] * len(table)
+        change = header.get(Key.CHANGE)
+        op = _as_one_change(change if type(change) is str else mirror.op, len(table), before)
+        incoming = Incoming(name, [blob for blob, _, _ in table], [size for _, size, _ in table], tags, nbytes,
+                            upstream_seq, self.storage.store.next_seq(), op, pushed)
+        mirror.incoming = incoming
+        for session in list(mirror.watchers):
+            if session.closed or name not in session.listening:
+                mirror.watchers.discard(session)
+            else:
+                incoming.push_to(session)
+        return incoming.sink
+
+    def _upstream_lost(self, reason: str) -> None:
+        for mirror in self.mirrors.values():
+            self._lost_incoming(mirror, reason)
+
+    def _lost_incoming(self, mirror: _Mirror, reason: str) -> None:
+        incoming, mirror.incoming = mirror.incoming, None
+        if incoming is not None:
+            log.info("relay: copy of %r lost mid-way (%d of %d bytes): %s", mirror.name, incoming.received,
+                     incoming.total, reason)
+            incoming.fail(reason)
 
     def _fail_waiters(self, error: BaseException) -> None:
         for mirror in self.mirrors.values():
@@ -341,6 +467,17 @@ class Follower:
             "behind": len(pending),  # of which with upstream changes not yet mirrored
             "lag": round(now - min(pending), 6) if pending else 0.0,  # seconds the oldest of them waits
         }
+        arriving = {m.name: [m.incoming.received, m.incoming.total] for m in self.mirrors.values()
+                    if m.incoming is not None}
+        if arriving:
+            state["arriving"] = arriving  # copies being received (and passed on): [bytes in, bytes]
         if self.failure:
             state["error"] = self.failure
         return state
+
+
+def _as_one_change(op: str, n_items: int, before: int) -> str:
+    """The verb a mirrored copy's change is told with: several upstream APPENDs in one
+    copy are a new content to listeners, not one more item (a first-append listener
+    must hear of an empty bin filling up)."""
+    return "PUT" if op == "APPEND" and n_items != before + 1 else op

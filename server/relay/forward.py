@@ -13,7 +13,9 @@ the relay does not follow, which live on the relay as on any server.
   forwarded write is never stored twice by the relay.
 * PEEK and LISTEN of a followed bin start mirroring it and wait for its first
   copy; then they are answered from the mirror, like any bin (same-host zero-copy
-  included; a PEEK that waits for a change waits for the mirror's).
+  included; a PEEK that waits for a change waits for the mirror's).  A PEEK with
+  ``incoming`` (a relay following this one) also asks for every later copy to be
+  pushed to its connection as it arrives (:mod:`.stream`).
 * LIST merges the upstream's followed bins with the relay's own, and carries the
   relay's state (``relay``: upstream, connected, how far behind).
 """
@@ -37,8 +39,8 @@ MARGIN_S = 5.0  # a forwarded call's timeout beyond what the request itself may 
 
 def relay_handlers() -> dict:
     """The handlers a relay uses instead of the usual ones."""
-    return {PUT: store, APPEND: store, DELETE: delete, GET: get, PEEK: read(local.peek),
-            LISTEN: read(local.listen), LIST: listing}
+    return {PUT: store, APPEND: store, DELETE: delete, GET: get, PEEK: peek, LISTEN: read(local.listen),
+            LIST: listing}
 
 
 def _as_remote(error: BaseException) -> RemoteError:
@@ -194,6 +196,18 @@ def read(handler: Callable) -> Callable:
 
     relayed.__name__ = handler.__name__
     return relayed
+
+
+_peek_mirror = read(local.peek)
+
+
+def peek(session, request) -> None:
+    """PEEK: from the mirror; ``incoming`` (a relay following this one) also asks for
+    the copies that start arriving here from now on, pushed as they arrive."""
+    relay, name = session.state.relay, request.bin
+    if request.incoming and relay.follows(name):
+        relay.watch(name, session)
+    _peek_mirror(session, request)
 
 
 def listing(session, request) -> None:

@@ -73,6 +73,10 @@ class CallTable:
             self.callbacks -= 1
         return call
 
+    def get(self, rid: int) -> Call | None:
+        """The call in flight with id ``rid``, left in the table (None if none)."""
+        return self._calls.get(rid)
+
     def take_all(self) -> list[Call]:
         """Every call in flight, removed (the connection they were sent on is gone)."""
         calls, self._calls, self.callbacks = list(self._calls.values()), {}, 0

@@ -53,6 +53,9 @@ class Key:
     EPHEMERAL = "ephemeral"
     # GET/PEEK: the reply lists every item's tag; LIST: a relay's state (§11)
     TAGS, RELAY = "tags", "relay"
+    # PEEK (to a relay): a copy of the bin arriving at the relay may be the answer,
+    # streamed as it arrives; its 226 names the upstream change it is (§11)
+    INCOMING, CHANGE = "incoming", "change"
 
 
 # Reply codes (header key "code").
@@ -341,7 +344,7 @@ TensorShareErrorLike = ProtocolError | RemoteError
 _CHANGED = Message(DONE, (Field(Key.N, INT), Field(Key.SEQ, INT)))
 _DONE = Message(OK)
 _ITEMS = Message(ITEMS, (Field(Key.SEQ, INT), Field(Key.ITEMS, LIST), Field(Key.SIZES, LIST),
-                         optional(Key.REFS, LIST), optional(Key.TAGS, TAGS)))
+                         optional(Key.REFS, LIST), optional(Key.TAGS, TAGS), optional(Key.CHANGE, STR)))
 _STORE_FIELDS = (
     BIN,
     Field(Key.VALUE, BYTES, missing="missing value description"),
@@ -360,8 +363,9 @@ APPEND = Command("APPEND", (*_STORE_FIELDS, optional(Key.BELOW, COUNT), optional
 GET = Command("GET", (*_READ_FIELDS, optional(Key.MAX, COUNT), optional(Key.WAIT, SECONDS),
                      optional(Key.LEAST, COUNT)), reply=_ITEMS, result=Key.ITEMS,
               doc="take the bin's items (at most max of them) out of it (with wait: once it holds least)")
-PEEK = Command("PEEK", (*_READ_FIELDS, optional(Key.WAIT, SECONDS), optional(Key.SINCE, INT)), reply=_ITEMS,
-               result=Key.ITEMS, doc="read every item of the bin (with wait: once its seq is no longer since)")
+PEEK = Command("PEEK", (*_READ_FIELDS, optional(Key.WAIT, SECONDS), optional(Key.SINCE, INT),
+                       optional(Key.INCOMING, BOOL)), reply=_ITEMS, result=Key.ITEMS,
+               doc="read every item of the bin (with wait: once its seq is no longer since)")
 LIST = Command("LIST", (RELEASE,), reply=Message(LIST_OK, (Field(Key.BINS, COUNTS), optional(Key.RELAY, MAP))),
                result=Key.BINS,
                doc="every bin and its item count")

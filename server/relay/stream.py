@@ -1,0 +1,206 @@
+"""Cut-through forwarding: a copy of a bin passed on to the relays that follow this one while it still arrives.
+
+A relay that fetched each copy whole before its followers could start made a chain
+of relays cost one transfer time per hop.  Here the relay's upstream connection
+(:class:`StreamingClient`) receives a fetched copy into a :class:`TeeSink`, which
+reports every read; the copy becomes an :class:`Incoming` the moment its reply
+header is in.  Relays that follow this one and asked for it (a PEEK with
+``incoming``, PROTOCOL.md §11) hear of it at once (an ``INCOMING`` notification
+carrying the number the copy will have here), and a PEEK ``incoming`` of theirs is
+answered with it, streamed: the 226 header first, then the payload in pieces of
+:data:`PIECE` bytes as they arrive (:class:`Stream`).  So the last relay of a chain
+holds a version about one transfer time plus a few pieces' latency after the first
+began to receive it.
+
+Readers never see part of a copy: the relay's own bin changes only when the copy is
+complete (:meth:`~.follower.Follower._apply`), and a follower applies the streamed
+reply only once its frame is whole.  A copy whose upstream fails mid-way is dropped
+here, and every connection it was being streamed to is closed without another byte
+(:meth:`~server.protocol.session.ServerSession.cut_off`), so the follower sees its
+frame cut short, drops it too and fetches again once reconnected.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from tensorshare.async_client import AsyncClient
+from tensorshare.protocol.messages import ITEMS, NOTIFICATION, NOTIFY, PEEK, Key
+from tensorshare.wire.frames import BufferSink, frame_head
+
+from ..bins.store import Item
+
+log = logging.getLogger("tensorshare.server.relay")
+
+PIECE = 128 << 10  # bytes of a streamed copy sent on together (each piece delays the next hop this much)
+INCOMING = "INCOMING"  # the op of the notification that announces a copy arriving (§11)
+
+
+class TeeSink(BufferSink):
+    """A reply payload received into one array, reporting how much is in after each read."""
+
+    def __init__(self, nbytes: int, on_bytes: Callable[[int], None]):
+        super().__init__(nbytes)
+        self.on_bytes = on_bytes
+
+    @property
+    def view(self) -> memoryview:
+        return self._view
+
+    def write(self, data) -> None:
+        super().write(data)
+        self._report()
+
+    def buffer_updated(self, n: int) -> None:
+        super().buffer_updated(n)
+        self._report()
+
+    def _report(self) -> None:
+        try:
+            self.on_bytes(self._filled)
+        except Exception:  # a bug in passing it on must not break the upstream connection
+            log.exception("relay: passing on a copy as it arrives failed")
+
+
+class StreamingClient(AsyncClient):
+    """The relay's upstream client: the payload of a PEEK ``incoming`` reply, or of an
+    ``INCOMING`` notification, is received into the sink ``arriving(bin, header,
+    nbytes)`` returns (None: as usual); ``lost(reason)`` is told when the connection
+    drops (a copy arriving on it is then lost)."""
+
+    arriving: Callable | None = None
+    lost: Callable | None = None
+
+    def _new_connection(self):
+        conn = super()._new_connection()
+        plain = conn.decoder.sink_factory
+
+        def sinks(header: dict, nbytes: int):
+            if nbytes and self.arriving is not None:
+                name = self._copy_of(header)
+                if name is not None:
+                    sink = self.arriving(name, header, nbytes)
+                    if sink is not None:
+                        return sink
+            return plain(header, nbytes)
+
+        conn.decoder.sink_factory = sinks
+        return conn
+
+    def _copy_of(self, header: dict) -> str | None:
+        """The bin whose copy a frame carries: a 226 answering our PEEK ``incoming``, or
+        an ``INCOMING`` notification; None for any other frame."""
+        code, rid = header.get(Key.CODE), header.get(Key.ID)
+        if code == NOTIFY and rid == 0 and header.get(Key.OP) == INCOMING and type(header.get(Key.BIN)) is str:
+            return header[Key.BIN]
+        if code == ITEMS and type(rid) is int:
+            call = self._calls.get(rid)
+            if call is not None and call.command is PEEK and call.fields and call.fields.get(Key.INCOMING):
+                return call.fields[Key.BIN]
+        return None
+
+    def _connection_lost(self, wire, reason) -> None:
+        current = wire is self._wire
+        super()._connection_lost(wire, reason)
+        if current and self.lost is not None:
+            self.lost(reason.getErrorMessage())
+
+
+class Incoming:
+    """A copy of bin ``name`` arriving from upstream: the item table its frame header
+    carried, the upstream's number for it (``upstream_seq``), the number (``seq``)
+    and verb (``op``) its change will have here, whether upstream pushed it
+    (``pushed``: an ``INCOMING`` notification) or we fetched it, and the streams
+    passing it on."""
+
+    def __init__(self, name: str, blobs: list, sizes: list, tags: list, total: int, upstream_seq: int, seq: int,
+                 op: str, pushed: bool):
+        self.name = name
+        self.blobs, self.sizes, self.tags = blobs, sizes, tags
+        self.total = total
+        self.upstream_seq = upstream_seq
+        self.seq = seq
+        self.op = op
+        self.pushed = pushed
+        self.sink = TeeSink(total, self._progress)
+        self.streams: list[Stream] = []
+
+    @property
+    def received(self) -> int:
+        return self.sink._filled
+
+    @property
+    def whole(self) -> bool:
+        return self.sink._filled == self.total
+
+    def items(self) -> list[Item]:
+        """The copy's items, once it is whole (their bytes are views of the one array)."""
+        view, base, items = self.sink.view, 0, []
+        for blob, size, tag in zip(self.blobs, self.sizes, self.tags):
+            items.append(Item(blob, (view[base:base + size],) if size else (), size, tag))
+            base += size
+        return items
+
+    def header(self) -> dict:
+        """The 151 ``INCOMING`` header that announces this copy (its payload follows)."""
+        return NOTIFICATION.build(bin=self.name, n=len(self.sizes), seq=self.seq, op=INCOMING,
+                                  tag=self.tags[-1] if self.tags else None,
+                                  **{Key.ITEMS: self.blobs, Key.SIZES: self.sizes, Key.TAGS: self.tags,
+                                     Key.CHANGE: self.op})
+
+    def push_to(self, session) -> None:
+        """Send this copy to ``session`` (a relay following this one) as it arrives; if
+        another copy is being streamed to it, announce this one without its bytes
+        (the follower fetches it)."""
+        if session.open_stream():
+            stream = Stream(self, session)
+            self.streams.append(stream)
+            stream.start()
+        else:
+            header = self.header()
+            for key in (Key.ITEMS, Key.SIZES, Key.TAGS, Key.CHANGE):
+                del header[key]
+            session.notify(self.name, frame_head(header, 0))
+
+    def _progress(self, filled: int) -> None:
+        for stream in self.streams:
+            stream.more(filled)
+
+    def complete(self) -> None:
+        """All of it is in: every stream sends the rest and ends."""
+        streams, self.streams = self.streams, []
+        for stream in streams:
+            stream.finish()
+
+    def fail(self, reason: str) -> None:
+        """It will never be whole: every stream's connection is cut off."""
+        streams, self.streams = self.streams, []
+        for stream in streams:
+            stream.session.cut_off(f"relay: the copy of bin {self.name!r} being passed on was lost upstream: "
+                                   f"{reason}")
+
+
+class Stream:
+    """One copy pushed to one connection: the 151 ``INCOMING`` header at once (the
+    payload's length is known), then the payload in pieces as it arrives."""
+
+    def __init__(self, incoming: Incoming, session):
+        self.incoming, self.session = incoming, session
+        self.sent = 0
+
+    def start(self) -> None:
+        self.session.stream_piece([frame_head(self.incoming.header(), self.incoming.total)])
+        self.more(self.incoming.received)
+
+    def more(self, filled: int) -> None:
+        if filled - self.sent >= PIECE or (filled == self.incoming.total and filled > self.sent):
+            self.session.stream_piece([self.incoming.sink.view[self.sent:filled]])
+            self.sent = filled
+
+    def finish(self) -> None:
+        self.more(self.incoming.total)
+        self.session.close_stream()
+
+
+__all__ = ["INCOMING", "Incoming", "StreamingClient", "TeeSink"]
