@@ -211,13 +211,15 @@ def test_a_worker_takes_no_version_beyond_the_announced_one_nor_a_delta_of_anoth
     [delta] = bins.bins["params"]
     assert delta["base"] == 3 and len(delta["changed"]) == 1
     stale = Reader()
-    stale._made = (3, announced["lineage"])  # it holds the old run's 3 (which has no "u")
+    stale._made = (announced["lineage"], states[3])  # it holds the old run's 3 (which has no "u")
     version, state = stale.resolve(delta, 3, states[3], lambda: bins.bins["chain"])
     assert version == 4 and bitwise_equal(state, newest)  # from the chain, not a patch
     follower = Reader()
-    follower._made = (3, delta["lineage"])  # it holds the new run's 3: patches
-    assert bitwise_equal(follower.resolve(delta, 3, {"w": torch.full((3,), 30.0), "u": torch.ones(1)},
-                                          lambda: pytest.fail("read the chain"))[1], newest)
+    three = {"w": torch.full((3,), 30.0), "u": torch.ones(1)}
+    follower._made = (delta["lineage"], three)  # it holds the new run's 3: patches
+    assert bitwise_equal(follower.resolve(delta, 3, three, lambda: pytest.fail("read the chain"))[1], newest)
+    # The same numbers and lineage, but not the state this reader made: the chain.
+    assert bitwise_equal(follower.resolve(delta, 3, dict(three), lambda: bins.bins["chain"])[1], newest)
 
 
 def test_delta_needs_a_dict_and_dtype_a_floating_point_dtype(server):

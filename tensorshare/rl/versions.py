@@ -370,7 +370,9 @@ class Reader:
     def __init__(self):
         self.bytes_read = 0  # tensor bytes of the parameters items and chains read
         self._lock = threading.Lock()
-        self._made = (-1, None)  # (version, lineage) of the last state this reader made
+        # (lineage, state) of the last state this reader made: a delta patches only that
+        # very object (the worker's, checked by identity), so the lineage is the held state's.
+        self._made: tuple[int | None, Any] = (None, None)
 
     def resolve(self, item: dict, held_version: int, held: Any,
                 read_chain: Callable[[], list]) -> tuple[int, Any] | None:
@@ -380,14 +382,16 @@ class Reader:
         self.count(item)
         version, lineage = item["version"], item.get("lineage")
         if "parameters" in item:
-            self._made = (version, None)
+            self._made = (None, item["parameters"])
             return version, item["parameters"]
         # A delta applies to the state it was made from: the same version of the same
         # run of versions (a trainer that failed or restarted may reuse a number).
+        made_lineage, made = self._made
         if ("changed" in item and item.get("base") == held_version and isinstance(held, dict)
-                and self._made == (held_version, lineage)):
-            self._made = (version, lineage)
-            return version, patch(held, item["changed"], item["removed"])
+                and made is held and made_lineage == lineage):
+            state = patch(held, item["changed"], item["removed"])
+            self._made = (lineage, state)
+            return version, state
         try:
             chain = read_chain()
         except NoSuchBinError:  # no chain (yet, or any more): nothing to build from
@@ -396,7 +400,7 @@ class Reader:
         got = replay(chain, upto=version, lineage=lineage)
         if got is None or got[0] <= held_version:
             return None
-        self._made = (got[0], lineage)
+        self._made = (lineage, got[1])
         return got
 
     def count(self, value: Any) -> None:
