@@ -188,7 +188,7 @@ def test_others_are_answered_while_a_large_spilled_reply_is_sent_and_it_arrives_
             for _ in range(5):  # the reactor is not held by the reply in progress
                 started = time.monotonic()
                 client.ping()
-                assert time.monotonic() - started < 2
+                assert time.monotonic() - started < 5  # a held reactor: no answer at all
             time.sleep(sendfile.PATIENCE + 0.3)  # the thread gave the connection back: resume on writable
             slow.sock.settimeout(20)
             assert not slow.decoder.feed(first)
@@ -221,7 +221,7 @@ def test_a_reply_cut_short_loses_nothing():
                 assert gone.sock.recv(64 << 10)
                 gone.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
                 gone.close()  # a reset in the middle of the reply
-            assert client.ping() < 2
+            assert client.ping() < 5
             assert torch.equal(client.peek("sf/cut")[0], value)
             assert torch.equal(client.get("sf/cut")[0], value)
     finally:
