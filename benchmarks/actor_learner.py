@@ -4,7 +4,7 @@ A policy-gradient learner on gymnasium's ``CartPole-v1`` with 4 actor processes
 (one torch thread each), run for a fixed time per configuration over:
 
 * **tensorshare**: ``RLTrainer`` / ``RLWorker`` against a server process
-  (``publish_parameters(wait=False)``, ``get_data(max_items=...)``, the
+  (``publish_parameters(wait=False)``, ``get_data(max_items=n, min_items=n)``, the
   experiment capped at ``_CAP`` waiting rollouts);
 * **torch.multiprocessing Queues**: one parameter queue per actor (the newest
   version replaces an unread one) and one bounded rollout queue (``_CAP``);

@@ -250,3 +250,21 @@ def test_wait_arguments_are_checked_before_sending(server):
             client.get("lp-x", wait=1.0, least=0)
         with pytest.raises(UsageError):
             client.peek("lp-x", since="3", wait=1.0)
+
+
+def test_the_async_client_waits_in_the_server_too():
+    from pairing import async_pair
+
+    client, pump, clock, state = async_pair(client_options={"keepalive": 0.3})
+    producer = Pair(state=state)
+    results = []
+    client.get("ar", wait=30, least=2).addBoth(results.append)
+    for _ in range(5):  # longer than two keepalive periods: a held read is no dead server
+        clock.advance(0.3)
+        pump.flush()
+    assert results == [] and client.connected
+    producer.call(APPEND, {Key.BIN: "ar"}, torch.tensor([0]))
+    producer.call(APPEND, {Key.BIN: "ar"}, torch.tensor([1]))
+    clock.advance(0)
+    pump.flush()
+    assert [[t.item() for t in r] for r in results] == [[0, 1]]

@@ -323,3 +323,17 @@ def test_an_ephemeral_bin_put_through_a_relay_ends_with_its_client(pair):
         member.append("members/w1", 1)
     member.close()  # the worker goes: the relay deletes its bin upstream
     wait_until(lambda: "members/w1" not in up.list(), what="the ephemeral bin deleted upstream")
+
+
+def test_reads_that_wait_through_a_relay(pair):
+    """A GET that waits is forwarded with its wait (taken upstream once enough
+    items are there); a PEEK that waits for a change waits for the mirror's."""
+    _, _, up, rel = pair
+    threading.Timer(0.2, lambda: [up.append("wq", torch.tensor([i])) for i in range(3)]).start()
+    assert [t.item() for t in rel.get("wq", wait=10, least=3)] == [0, 1, 2]
+    assert up.list()["wq"] == 0
+    up.put("wp", torch.tensor([1]), tag=1)
+    [value], seq = rel.peek("wp", with_seq=True)
+    threading.Timer(0.2, lambda: up.put("wp", torch.tensor([2]), tag=2)).start()
+    [value], later = rel.peek("wp", with_seq=True, since=seq, wait=10)
+    assert value.item() == 2 and later != seq
