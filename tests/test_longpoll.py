@@ -165,13 +165,17 @@ def test_a_peek_since_a_seq_the_bin_never_had_is_answered_at_once():
     assert [t.item() for t in reply.result] == [1]
 
 
-def test_a_peek_whose_wait_runs_out_reads_the_bin_as_it_is_and_a_delete_ends_the_wait():
+def test_a_peek_whose_wait_runs_out_sends_nothing_new_and_a_delete_ends_the_wait():
     trainer, worker = _two_sessions()
     trainer.call(PUT, {Key.BIN: "p"}, torch.tensor([1]))
     seq = worker.call(PEEK, {Key.BIN: "p"}).header[Key.SEQ]
     rid = worker.send_request(PEEK, {Key.BIN: "p", Key.SINCE: seq, Key.WAIT: 1.0})
     worker.clock.advance(1.1)
-    assert _values(_replies(worker, rid)[0]) == [1]
+    [frame] = _replies(worker, rid)  # still at seq: no items (an idle reader re-reads nothing)
+    assert frame.header["code"] == 226 and frame.header[Key.ITEMS] == [] and frame.header[Key.SEQ] == seq
+    assert frame.payload_len == 0
+    reply = worker.call(PEEK, {Key.BIN: "p", Key.SINCE: seq})  # without wait: a conditional read
+    assert reply.result == [] and reply.header[Key.SEQ] == seq
     rid = worker.send_request(PEEK, {Key.BIN: "p", Key.SINCE: seq, Key.WAIT: 5.0})
     trainer.call(DELETE, {Key.BIN: "p"})
     worker.clock.advance(0)
@@ -238,10 +242,10 @@ def test_a_blocking_take_and_a_long_poll_end_to_end(server):
         start = time.monotonic()
         [value], later = learner.peek("lp-p", with_seq=True, since=seq, wait=10)
         assert value.item() == 2 and later > seq and time.monotonic() - start < 5
-        # The wait may outlast the client's own timeout: the call waits for the server.
+        # The wait may outlast the client's own timeout: the call waits for the server,
+        # which sends nothing new when nothing changed.
         with tensorshare.Client("127.0.0.1", server.port, timeout=0.2) as short:
-            [value] = short.peek("lp-p", since=later, wait=0.5)
-            assert value.item() == 2
+            assert short.peek("lp-p", since=later, wait=0.5, with_seq=True) == ([], later)
 
 
 def test_wait_arguments_are_checked_before_sending(server):

@@ -211,8 +211,9 @@ def _take(session, request, done: Callable[[], None] | None) -> None:
 
 @handles(PEEK)
 def peek(session, request) -> None:
-    """Read every item of the bin, which keeps them; with ``since`` and ``wait``,
-    once the bin is no longer at seq ``since`` (:mod:`.longpoll`)."""
+    """Read every item of the bin, which keeps them; with ``since``, none while the
+    bin is still at that seq, and with ``wait`` too, once it has moved on
+    (:mod:`.longpoll`)."""
     if request.wait and not longpoll.moved_on(session, request):
         longpoll.hold(session, request, longpoll.moved_on, _read)
         return
@@ -220,12 +221,13 @@ def peek(session, request) -> None:
 
 
 def _read(session, request, done: Callable[[], None] | None) -> None:
-    """Send the bin's items (``done``: as for :func:`_take`)."""
+    """Send the bin's items, or none if it is still at seq ``since`` (nothing new;
+    ``done``: as for :func:`_take`)."""
     storage, name = session.storage, request.bin
-    items = storage.peek(name)
+    seq = storage.state(name)[2]
+    items = [] if request.since is not None and seq == request.since else storage.peek(name)
     _check_reply_size(session, items)
     refs = session.shared.refs(request.ref, items)
-    seq = storage.state(name)[2]
 
     def finish(parts: list | None, error: RemoteError | None) -> None:
         if error is not None:

@@ -7,7 +7,8 @@ than ``least`` items and answers it as soon as enough are there.  Likewise a PEE
 with ``since`` (a seq the reader saw) and ``wait`` is held while the bin is still
 at that seq: the reader gets the next version in the reply itself, a long poll
 (PROTOCOL.md §4.5).  When ``wait`` runs out the request is answered as it stands
-then (fewer items, or the same version): waiting for data is not an error.
+then (fewer items; for the PEEK, no items, as nothing changed): waiting for data
+is not an error.
 
 Held reads are parked with :class:`~.waits.Waits` under keys of their own, one
 per bin and kind (so a waiting GET never holds back an APPEND waiting for room,

@@ -122,11 +122,12 @@ class ClientMethods(TableMethods):
         """Return all items of ``bin`` without removing them (``progress``,
         ``with_seq``: as for :meth:`get`).
 
-        ``since`` and ``wait``: a long poll for the bin's next change.  While the
-        bin is still at sequence number ``since`` (from an earlier ``with_seq``
-        reply or a notification), the server holds the request up to ``wait``
-        seconds and answers as soon as it changes: a reader gets the next version
-        in the reply itself.  When ``wait`` runs out the bin is read as it is.
+        ``since``: a conditional read.  While the bin is still at sequence number
+        ``since`` (from an earlier ``with_seq`` reply or a notification) nothing new
+        is sent: the result is ``[]``.  With ``wait`` too, a long poll for the
+        bin's next change: the server holds the request up to ``wait`` seconds and
+        answers as soon as the bin changes, so a reader gets the next version in
+        the reply itself (and ``[]`` if nothing changed within ``wait``).
         """
         fields = bin_fields(bin)
         if since is not None:
