@@ -131,3 +131,20 @@ def test_a_copy_same_host_readers_map_is_in_shared_memory_before_they_hear_of_it
     wait_until(lambda: any(tag == 2 for tag, _ in heard), what="version 2 at r2")
     assert [shm for tag, shm in heard if tag == 2][0] == 2 * 4 * FLOATS  # there when its listeners heard of it
     assert version_of(reader.peek("params")) == 2
+
+
+def test_a_relay_passes_a_copy_on_to_each_relay_following_it(chain):
+    gate, r1, r2, up, reader = chain
+    sibling = OpsServer("--follow", f"127.0.0.1:{r1.port}", "--follow-timeout", "10")
+    try:
+        with tensorshare.Client("127.0.0.1", sibling.port, timeout=15) as other:
+            assert version_of(other.peek("params")) == 1
+            held_mid_copy(gate, up, r2)
+            got = wait_until(lambda: (lambda a: a if a and a[0] > 0 else None)(arriving(sibling)),
+                             what="the second follower receiving the copy")
+            assert got[0] <= arriving(r1)[0] < got[1]  # both streams while r1 has part of it
+            gate.release()
+            for client in (reader, other):
+                wait_until(lambda c=client: version_of(c.peek("params")) == 2, what="version 2 at both followers")
+    finally:
+        sibling.stop()

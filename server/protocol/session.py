@@ -562,9 +562,9 @@ class ServerSession:
             self.notify(name, frame)
 
     def cut_off(self, reason: str) -> None:
-        """Close after what is queued, with no last reply: a reply streamed as it arrived
-        (a relay's, server/relay/stream.py) cannot be finished, and the peer must see its
-        frame cut short, never completed by other bytes."""
+        """Close after what is queued, with no last reply: a frame streamed as its payload
+        arrived (a relay's, server/relay/stream.py) cannot be finished, and the peer must
+        see it cut short, never completed by other bytes."""
         if self.closed:
             return
         log.info("conn %d cut off (%s): %s", self.stats.id, self.peer, reason,

@@ -11,10 +11,12 @@ a torn item, never a mix of two versions.  Notifications that come while a fetch
 is in flight are coalesced into one more fetch: each change is fetched at most
 once, and a reader far behind skips to the latest state.
 
-Relays may follow this one: a fetch asks for a copy that is still arriving upstream
-(PEEK ``incoming``), and a copy this relay receives is passed on to its followers
-as it arrives (cut-through, :mod:`.stream`): each is told at once with an
-``INCOMING`` notification, and answered, if it asks, with the copy streamed.
+Relays may follow this one (cut-through, :mod:`.stream`): a fetch asks upstream
+for later copies to be pushed as they arrive (PEEK ``incoming``), a pushed copy is
+installed once its frame is whole, and every copy this relay receives, fetched or
+pushed, is pushed on to the relays following it while it arrives.  A copy is
+installed only if it is newer than the one held (the upstream's ``seq``), so a
+fetch answered after a push never takes the mirror back.
 
 Sequence numbers on the relay are its own (its store's counter), so they only
 grow on the relay even when the upstream restarts without its data and numbers
@@ -301,7 +303,7 @@ class Follower:
                 segments = (payload[base : base + size],) if size else ()
                 items.append(Item(blob, segments, size, tag))
                 base += size
-            change = incoming.op if incoming is not None else reply.header.get(Key.CHANGE, op)
+            change = incoming.op if incoming is not None else op
             if incoming is not None:
                 incoming.complete()
             self._fetched(mirror, items, change, max(target, copy_seq), incoming.seq if incoming is not None else None,

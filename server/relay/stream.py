@@ -2,24 +2,25 @@
 
 A relay that fetched each copy whole before its followers could start made a chain
 of relays cost one transfer time per hop.  Here the relay's upstream connection
-(:class:`StreamingClient`) receives a fetched copy into a :class:`TeeSink`, which
-reports every read; the copy becomes an :class:`Incoming` the moment its reply
-header is in.  Relays that follow this one and asked for it (a PEEK with
-``incoming``, PROTOCOL.md §11) hear of it at once (an ``INCOMING`` notification
-carrying the number the copy will have here), and a PEEK ``incoming`` of theirs is
-answered with it, streamed: the 226 header first, then the payload in pieces of
-:data:`PIECE` bytes as they arrive (:class:`Stream`).  So the last relay of a chain
-holds a version about one transfer time plus a few pieces' latency after the first
-began to receive it.
+(:class:`StreamingClient`) receives a copy (a fetch's 226, or a copy pushed to it)
+into a :class:`TeeSink`, which reports every read; the copy becomes an
+:class:`Incoming` the moment its frame header is in.  Each connection of a relay
+following this one that asked for it (a PEEK with ``incoming``, PROTOCOL.md §11)
+gets it pushed at once, in the same reactor turn (:class:`Stream`): a 151
+``INCOMING`` notification whose header names the items and the number the copy
+will have here, and whose payload follows in pieces of :data:`PIECE` bytes as they
+arrive, views of the one receive array.  So the last relay of a chain holds a
+version about one transfer time plus a few pieces' latency after the first began
+to receive it.  A connection already being streamed another copy is told of this
+one without its bytes (it gets it once it is whole here).
 
 Readers never see part of a copy: the relay's own bin changes only when the copy is
-complete (:meth:`~.follower.Follower._apply`), and a follower applies the streamed
-reply only once its frame is whole.  A copy whose upstream fails mid-way is dropped
+complete (:meth:`~.follower.Follower._install`), and a follower installs a pushed
+copy only once its frame is whole.  A copy whose upstream fails mid-way is dropped
 here, and every connection it was being streamed to is closed without another byte
 (:meth:`~server.protocol.session.ServerSession.cut_off`), so the follower sees its
 frame cut short, drops it too and fetches again once reconnected.
 """
-
 from __future__ import annotations
 
 import logging

@@ -53,8 +53,8 @@ class Key:
     EPHEMERAL = "ephemeral"
     # GET/PEEK: the reply lists every item's tag; LIST: a relay's state (§11)
     TAGS, RELAY = "tags", "relay"
-    # PEEK (to a relay): a copy of the bin arriving at the relay may be the answer,
-    # streamed as it arrives; its 226 names the upstream change it is (§11)
+    # PEEK (to a relay): push later copies of the bin as they arrive; an INCOMING
+    # notification carrying one names the upstream change it is (§11)
     INCOMING, CHANGE = "incoming", "change"
 
 
@@ -157,6 +157,7 @@ TAG = _checked_kind("a tag", check_tag)
 BIN_NAME = Kind("a bin name", lambda key, value, limit: check_bin_name(value, limit),
                 lambda value: check_bin_name(value) is None)
 TAGS = _kind("a list of tags", lambda v: type(v) is list and all(check_tag(t) is None for t in v))
+_A_LIST = LIST  # (the name LIST is the verb's further down)
 COUNT = _kind("an integer of at least 1", lambda v: type(v) is int and v >= 1)
 MAX_WAIT = 86400.0  # seconds a request may ask the server to hold it
 SECONDS = _kind(f"a number of seconds, 0 to {MAX_WAIT:g}",
@@ -344,7 +345,7 @@ TensorShareErrorLike = ProtocolError | RemoteError
 _CHANGED = Message(DONE, (Field(Key.N, INT), Field(Key.SEQ, INT)))
 _DONE = Message(OK)
 _ITEMS = Message(ITEMS, (Field(Key.SEQ, INT), Field(Key.ITEMS, LIST), Field(Key.SIZES, LIST),
-                         optional(Key.REFS, LIST), optional(Key.TAGS, TAGS), optional(Key.CHANGE, STR)))
+                         optional(Key.REFS, LIST), optional(Key.TAGS, TAGS)))
 _STORE_FIELDS = (
     BIN,
     Field(Key.VALUE, BYTES, missing="missing value description"),
@@ -437,7 +438,10 @@ GREETING_MESSAGE = Message(GREETING, (optional(Key.MSG, STR), optional(Key.SERVE
                                       optional(Key.AUTH, STR), optional(Key.NONCE, BYTES),
                                       optional(Key.SHM, MAP)))
 NOTIFICATION = Message(NOTIFY, (Field(Key.BIN, STR), Field(Key.N, INT), Field(Key.SEQ, INT), Field(Key.OP, STR),
-                                optional(Key.TAG, TAG)))
+                                optional(Key.TAG, TAG),
+                                # a relay's INCOMING carrying the copy as its payload (§11)
+                                optional(Key.ITEMS, _A_LIST), optional(Key.SIZES, _A_LIST),
+                                optional(Key.TAGS, TAGS), optional(Key.CHANGE, STR)))
 KEEPALIVE_MESSAGE = Message(KEEPALIVE, (optional(Key.MSG, STR),))
 ERROR = Message(0, (optional(Key.MSG, STR),))  # any code >= 400; built with error_reply
 
