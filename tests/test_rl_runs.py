@@ -125,6 +125,9 @@ def test_the_cap_can_be_lifted_while_workers_run(server):
         assert wait_for(lambda: worker.max_waiting is None)  # told through the control bin
         # Those already waiting keep their cap; new ones are not capped.
         assert trainer.get_data(timeout=5)[:2] == [0, 1]
+        # The two that waited go in with the room made (uncapped ones sent before they
+        # did would fill the bin past their cap: they would wait for the next take).
+        worker.flush(5)
         for i in range(4, 20):
             worker.add_data(i)
         worker.flush(10)
