@@ -7,8 +7,16 @@ import torch
 
 import tensorshare_server.net.busypoll as busypoll
 from tensorshare._client.spin import ReplySpin
+from tensorshare.protocol import pacing
+from tensorshare.protocol.pacing import BACKOFF, Contention
 from tensorshare_server import ServerConfig
 from tensorshare_server.net.busypoll import BusyPoll
+
+
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch):
+    """The pollers' unit tests see a machine with CPUs to spare, however loaded this one is."""
+    monkeypatch.setattr(pacing, "runnable_tasks", lambda: None)
 
 
 class FakeClock:
@@ -97,6 +105,43 @@ def test_client_polls_for_its_replies_and_can_be_told_not_to(server, monkeypatch
     with tensorshare.Client("127.0.0.1", server.port, timeout=10, spin=0) as c:
         assert not c._spin.active
         assert torch.equal(c.get("spin")[0], torch.arange(4))
+
+
+def test_reply_spin_stops_polling_for_a_while_once_it_loses_the_cpu():
+    clock = FakeClock(step=10e-6)
+    s = ReplySpin(0.005, cpus=2)
+    assert s.poll(iter([False, True]).__next__, clock=clock) is None  # a quiet CPU: polls
+    clock.step = 0.001  # each yield now comes back 1 ms later: another task had the CPU
+    calls = []
+    assert s.poll(lambda: calls.append(1), clock=clock) is not None
+    assert len(calls) == 1 and s.contention.times == 1  # one check, then straight to sleep
+    clock.step = 10e-6
+    calls.clear()
+    assert s.poll(lambda: calls.append(1), clock=clock) is not None
+    assert calls == []  # backing off: not even one check
+    clock.now += BACKOFF
+    assert s.poll(iter([False, True]).__next__, clock=clock) is None  # polls again afterwards
+
+
+def test_contention_is_a_long_check_and_yield_or_more_tasks_than_cpus():
+    wanting = [2]
+    c = Contention(lost=0.0002, backoff=0.5, cpus=2, runnable=lambda: wanting[0])
+    assert c.calm(0.0)  # two tasks (this one too) on two CPUs: none waits
+    assert not c.check(1.0, 1.0001)  # a yield that came straight back
+    assert c.check(2.0, 2.001) and c.times == 1
+    assert not c.calm(2.3) and c.calm(2.501)
+    wanting[0] = 3
+    assert c.calm(2.55)  # looked at every LOAD_LOOK seconds only
+    assert not c.calm(2.7)  # a task waits for a CPU: no polling
+    wanting[0] = 1
+    assert not c.calm(2.75) and c.calm(2.81)
+    assert Contention(cpus=1, runnable=lambda: None).calm(0.0)  # nothing to look at: the other sign only
+
+
+def test_runnable_tasks_counts_this_one(monkeypatch):
+    monkeypatch.undo()
+    wanting = pacing.runnable_tasks()
+    assert wanting is None or wanting >= 1  # this test runs
 
 
 # -------------------------------------------------------------- BusyPoll
@@ -193,6 +238,25 @@ def test_busy_poll_never_polls_past_a_due_timed_call():
     bp.do_iteration(0.0003)  # a timed call is due in 0.3 ms
     assert 2 <= len(reactor.calls) - 1 <= 4
     assert reactor.calls[-1] == 0.0  # nothing left to wait
+
+
+def test_busy_poll_sleeps_once_its_polling_loses_the_cpu_and_polls_again_later():
+    clock = FakeClock(step=0.001)  # each poll-and-yield takes 1 ms: another task had the CPU
+    reactor = FakeReactor()
+    bp = BusyPoll(reactor, 0.005, clock)
+    _busy(bp, clock)
+    bp.do_iteration(None)
+    assert reactor.calls == [0, None] and bp.contention.times == 1  # one poll, then sleeps
+    reactor.calls.clear()
+    clock.step = 0.00001
+    bp.note_request()
+    bp.do_iteration(None)
+    assert reactor.calls == [None]  # backing off: sleeps at once
+    clock.now += BACKOFF
+    _busy(bp, clock)
+    reactor.calls.clear()
+    bp.do_iteration(None)
+    assert len(reactor.calls) > 2 and set(reactor.calls[:-1]) == {0}  # a calm CPU again: polls
 
 
 def test_busy_poll_acquire_and_release_restore_the_reactor(monkeypatch):

@@ -12,7 +12,8 @@ The cost is CPU: after each burst of requests the reactor thread polls for up
 to ``window`` seconds before it sleeps.  So it polls only while it pays: it keeps
 a running estimate of the time between requests and polls while that estimate is
 within the window (requests that come further apart, or an idle server, sleep as
-before).  It is for a server in its own process (``tensorshare-server`` and
+before), and so does one whose polling lost the CPU to another task a moment
+ago (:class:`~tensorshare.protocol.pacing.Contention`).  It is for a server in its own process (``tensorshare-server`` and
 ``run_server`` turn it on); a server embedded in a process whose other threads
 need the GIL leaves it off, and so does a process that may use a single CPU,
 where polling would take the CPU from the very client it waits for.
@@ -28,7 +29,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from tensorshare.protocol.pacing import moving_average, usable_cpus, yield_cpu
+from tensorshare.protocol.pacing import Contention, moving_average, usable_cpus, yield_cpu
 
 DEFAULT_WINDOW = 0.0005  # seconds: covers a client's time between one reply and its next request
 _GAP_CAP = 10  # one long pause counts as at most this many windows (so a few quick requests resume polling)
@@ -50,6 +51,7 @@ class BusyPoll:
         self._requests = 0
         self._users = 0
         self.gap = 0.0  # seconds between requests (moving average)
+        self.contention = Contention()  # polling pauses while it takes the CPU from others
 
     def note_request(self) -> None:
         """Request bytes arrived: keep polling for ``window`` from now, if they come
@@ -65,17 +67,22 @@ class BusyPoll:
         clock = self._clock
         start = clock()
         until = self._last + self.window
-        if start < until and self.gap <= self.window:
+        if start < until and self.gap <= self.window and self.contention.calm(start):
             if timeout is not None:
                 until = min(until, start + timeout)
-            seen, queued, poll = self._requests, self._reactor.threadCallQueue, self._sleep
-            now = start
+            seen, queued, poll, contention = self._requests, self._reactor.threadCallQueue, self._sleep, self.contention
+            last = now = start
             while now < until:
                 poll(0)
                 if self._requests != seen or queued:
                     return  # back to the reactor's loop, which runs what is due
-                yield_cpu()  # clients on this CPU go first: they are what it waits for
                 now = clock()
+                # (checked after the poll: a client that ran on this CPU and sent its
+                # request meanwhile is what polling is for, not a rival)
+                if contention.check(last, now):
+                    break  # a rival task needed this CPU: sleep, and poll again only later
+                yield_cpu()  # clients on this CPU go first: they are what it waits for
+                last = now
             if timeout is not None:
                 timeout = max(0.0, timeout - (now - start))
         self._sleep(timeout)

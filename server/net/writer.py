@@ -85,10 +85,10 @@ class FrameWriter:
 
     Small replies skip Twisted's write buffer: ``transport.write`` only queues the
     bytes and asks the reactor for a writable event, so the reply would leave one
-    reactor turn later.  When the transport has nothing buffered, the leading small
-    parts are sent at once with one ``send()`` on its socket; whatever the kernel
-    does not take, and every large ``bytes`` part, goes through ``transport.write``,
-    so order, backpressure and error handling stay Twisted's.  Parts that are
+    reactor turn later.  When the transport has nothing buffered, the leading
+    parts (up to ``_DIRECT_MAX`` bytes) are sent at once with one ``send()`` or
+    ``sendmsg()`` on its socket; whatever the kernel does not take, and every
+    larger ``bytes`` part, goes through ``transport.write``, so order, backpressure and error handling stay Twisted's.  Parts that are
     memoryviews (the pooled chunks of a stored item) are sent from their own memory
     (:meth:`_send_view`), since ``transport.write`` would need them copied into new
     ``bytes``.  While the protocol is inside ``dataReceived`` the writer holds its

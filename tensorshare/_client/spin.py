@@ -11,7 +11,8 @@ Polling burns the CPU it waits on, so :class:`ReplySpin` only does it while it
 pays: it keeps a running estimate of how long replies have taken to come and
 polls (for at most ``limit`` seconds) only while that estimate is within the
 limit.  Replies that take longer (large transfers, a slow network, a busy
-server) make it fall back to sleeping at once, and the estimate, still updated
+server) make it fall back to sleeping at once, as does polling that just lost the
+CPU to another task (:class:`~tensorshare.protocol.pacing.Contention`), and the estimate, still updated
 from the sleeping waits, brings polling back when replies are quick again.  It
 never polls on a machine that lets this process use a single CPU, where polling
 would take the CPU from the very server it waits for.
@@ -22,7 +23,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from ..protocol.pacing import moving_average, usable_cpus, yield_cpu
+from ..protocol.pacing import Contention, moving_average, usable_cpus, yield_cpu
 
 DEFAULT_LIMIT = 0.0005  # seconds: a loopback or LAN round trip of a small request fits well within it
 
@@ -42,6 +43,7 @@ class ReplySpin:
             limit = 0.0
         self.limit = limit
         self.estimate = 0.0  # seconds recent replies took to come (moving average)
+        self.contention = Contention()  # polling pauses while it takes the CPU from others
 
     @property
     def active(self) -> bool:
@@ -57,15 +59,19 @@ class ReplySpin:
         polling is off), else None; pass that time to :meth:`waited` once the
         sleeping wait is over."""
         start = clock()
-        if self.active and (within is None or within > 0):
+        if self.active and (within is None or within > 0) and self.contention.calm(start):
             end = start + (self.limit if within is None else min(self.limit, within))
+            contention, last = self.contention, start
             while True:
                 if ready():
                     self._note(clock() - start)
                     return None
-                if clock() >= end:
-                    break
+                now = clock()
+                # (checked after ready(): a server that ran on this CPU meanwhile is no rival)
+                if now >= end or contention.check(last, now):
+                    break  # a rival task needed this CPU: sleep, and poll again only later
                 yield_cpu()  # let whatever else waits for this CPU run (the server, say)
+                last = now
         return start
 
     def waited(self, start: float, clock: Callable[[], float] = time.perf_counter) -> None:
