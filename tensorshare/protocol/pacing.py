@@ -5,7 +5,6 @@ noticing when polling takes the CPU from other work (:class:`Contention`)."""
 from __future__ import annotations
 
 import os
-from typing import Callable
 
 yield_cpu = getattr(os, "sched_yield", lambda: None)  # give the CPU to whatever else may run
 
@@ -27,58 +26,36 @@ def usable_cpus() -> int:
 
 CPU_LOST = 0.0002  # seconds: one poll-and-yield that took this long lost the CPU to another task
 BACKOFF = 0.5  # seconds a poller that lost the CPU sleeps at once before it polls again
-LOAD_LOOK = 0.1  # seconds between looks at how many tasks want a CPU
-
-
-def runnable_tasks() -> int | None:
-    """Tasks running or waiting for a CPU now, machine-wide (Linux), or None."""
-    try:
-        with open("/proc/loadavg", "rb") as f:
-            return int(f.read().split()[3].split(b"/")[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 class Contention:
-    """Tells a poller not to poll while the CPUs are contended.
+    """Tells a poller not to poll while it takes the CPU from other work.
 
     Polling pays only with a CPU to spare: otherwise it burns CPU time that others
     need (on a loaded 2-core machine, the very peer it waits for, or the other
     clients of the server), and the scheduler counts that time against the poller,
     so it waits longer for a CPU when work comes.  On such a machine a single
-    client's put/append/get loop ran at a fraction of its rate with polling off
-    (docs/design.md).  Two signs say the CPUs are contended:
+    client's put/append/get loop ran at a fraction of its rate with polling on
+    (docs/design.md).  The sign: one check-and-yield of the poller took longer than
+    ``lost``.  With a CPU to spare the yield comes straight back (a microsecond or
+    two), so another task was waiting for this CPU and ran meanwhile; polling then
+    pauses for ``backoff`` seconds.
 
-    * more tasks want a CPU than the machine has (``runnable()``, looked at every
-      ``LOAD_LOOK`` seconds; the caller, running, counts itself);
-    * one check-and-yield of the poller took longer than ``lost``: with a CPU to
-      spare the yield comes straight back (a microsecond or two), so another task
-      was waiting for this CPU and ran meanwhile.  Polling then pauses for
-      ``backoff`` seconds.
+    (Counting runnable tasks in ``/proc/loadavg`` as well was tried and dropped: in
+    a quick exchange the poller and the peer it polls for are both runnable, and on a
+    quiet 2-core machine any stray task besides them switched polling off, a small
+    put taking 104 us instead of 54 us.)
     """
 
-    __slots__ = ("lost", "backoff", "until", "times", "cpus", "_runnable", "_looked", "_crowded")
+    __slots__ = ("lost", "backoff", "until", "times")
 
-    def __init__(self, lost: float = CPU_LOST, backoff: float = BACKOFF, cpus: int | None = None,
-                 runnable: Callable[[], int | None] | None = None):
+    def __init__(self, lost: float = CPU_LOST, backoff: float = BACKOFF):
         self.lost = lost
         self.backoff = backoff
         self.until = float("-inf")  # no polling before this time
         self.times = 0  # how often polling lost the CPU
-        self.cpus = cpus if cpus is not None else (os.cpu_count() or 1)  # (runnable() is machine-wide too)
-        self._runnable = runnable  # None: runnable_tasks()
-        self._looked = float("-inf")
-        self._crowded = False
 
     def calm(self, now: float) -> bool:
         """Whether polling may go on at time ``now``."""
-        if now < self.until:
-            return False
-        if now - self._looked >= LOAD_LOOK:
-            self._looked = now
-            wanting = (self._runnable or runnable_tasks)()
-            self._crowded = wanting is not None and wanting > self.cpus
-        return not self._crowded
+        return now >= self.until
 
     def check(self, before: float, after: float) -> bool:
         """One check-and-yield ran from ``before`` to ``after``: True (and polling
