@@ -19,6 +19,15 @@ def _spares(areas) -> list[str]:
     return sorted(name for name in os.listdir(areas.incoming) if name.startswith("spare-"))
 
 
+def _ready(areas) -> list[str]:
+    """The prepared files a put may take: made whole and handed over (a file is on
+    disk, being allocated, a moment before it is ready)."""
+    with areas._spare_lock:
+        if areas._preparing:
+            return []
+        return sorted(os.path.basename(path) for paths in areas._spares.values() for path in paths)
+
+
 def _state(version: float, sizes=(MiB, 2 * MiB, 3)) -> dict:
     return {f"w{i}": torch.full((n,), version) for i, n in enumerate(sizes)}
 
@@ -30,8 +39,9 @@ def test_a_repeated_shape_is_written_into_prepared_files(fresh_server):
         client.put("params", _state(1.0))
         assert _spares(areas) == []  # one value says nothing about the next
         client.put("params", _state(2.0))
-        assert wait_for(lambda: len(_spares(areas)) == 2, timeout=10)  # the two arrays of 1 MiB and more
-        prepared = {os.stat(os.path.join(areas.incoming, name)).st_ino for name in _spares(areas)}
+        assert wait_for(lambda: len(_ready(areas)) == 2, timeout=10)  # the two arrays of 1 MiB and more
+        assert _spares(areas) == _ready(areas)
+        prepared = {os.stat(os.path.join(areas.incoming, name)).st_ino for name in _ready(areas)}
         client.put("params", _state(3.0))
         [back] = client.peek("params")
         assert all(torch.equal(back[k], v) for k, v in _state(3.0).items())
