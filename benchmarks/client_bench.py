@@ -168,12 +168,7 @@ def run(rec: Recorder, p: Profile, peers) -> None:
         rec.say("  -- state dict")
         _state_dict_run(rec, p, peers, client, raw, original)
     finally:
-        for thing in (client, raw, original, server):
-            if thing is not None:
-                try:
-                    (thing.close if hasattr(thing, "close") else thing.stop)()
-                except Exception as exc:  # cleanup must go on
-                    rec.say(f"  cleanup of {type(thing).__name__} failed: {exc}")
+        rec.release(client, raw, original, server)
     goal_size = 256 * MiB if 256 * MiB in sizes else max(sizes)
     title, key = mib(goal_size), f"large.{goal_size}"
     for op in ("put", "peek", "get"):

@@ -55,6 +55,16 @@ class Recorder:
 
     # -- output
 
+    def release(self, *things) -> None:
+        """Close (or stop) each of ``things`` that is not None, in order; a failure is
+        said and the others are still released (a section's cleanup must go on)."""
+        for thing in things:
+            if thing is not None:
+                try:
+                    (thing.close if hasattr(thing, "close") else thing.stop)()
+                except Exception as exc:
+                    self.say(f"  cleanup of {type(thing).__name__} failed: {exc}")
+
     def say(self, text: str) -> None:
         elapsed = time.time() - self.started
         print(f"[{elapsed:6.1f}s] {text}", file=self.stream, flush=True)

@@ -305,11 +305,7 @@ def run(rec: Recorder, p: Profile, peers) -> None:
             raw = None
             _rollouts(rec, p, peers, trainer, workers)
     finally:
-        if trainer is not None:
-            try:
-                trainer.stop()
-            except Exception as exc:  # cleanup must go on
-                rec.say(f"  cleanup of RLTrainer failed: {exc}")
+        rec.release(trainer)
         if raw is not None:
             raw.close()
         if server is not None:

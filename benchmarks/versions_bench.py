@@ -167,11 +167,7 @@ def _transport(rec: Recorder, p: Profile, server: Server, state: dict, rng: rand
             for key, label, _ in _WAYS:
                 _record(rec, n, key, label, prefix, got[key])
         finally:
-            if trainer is not None:
-                try:
-                    trainer.stop()
-                except Exception as exc:  # cleanup must go on
-                    rec.say(f"  cleanup of RLTrainer failed: {exc}")
+            rec.release(trainer)
 
 
 def run(rec: Recorder, p: Profile, peers) -> None:

@@ -380,15 +380,20 @@ def rl(port: str, experiment: str, lifetime: str, zero_copy: str = "1") -> None:
     worker = RLWorker("127.0.0.1", int(port), experiment=experiment, timeout=120, connect_timeout=30,
                       zero_copy=zero_copy == "1")
 
+    def next_version(timeout: float) -> tuple:
+        """``(parameters, monotonic time they came)`` of the next version, or
+        ``(None, ...)`` after ``timeout`` seconds or a stop."""
+        deadline = time.monotonic() + timeout
+        params = None
+        while params is None and not stop.is_set() and time.monotonic() < deadline:
+            params = worker.await_new_parameters(timeout=min(0.5, max(deadline - time.monotonic(), 0)))
+        return params, time.monotonic()
+
     def fan(cmd: list[str]) -> None:
         reps, timeout, nbytes = int(cmd[1]), float(cmd[2]), int(cmd[3])
         _say("fanning")
         for _ in range(reps):
-            deadline = time.monotonic() + timeout
-            params = None
-            while params is None and not stop.is_set() and time.monotonic() < deadline:
-                params = worker.await_new_parameters(timeout=min(0.5, max(deadline - time.monotonic(), 0)))
-            now = time.monotonic()
+            params, now = next_version(timeout)
             if params is None:
                 _say("timeout")
                 break
@@ -409,11 +414,7 @@ def rl(port: str, experiment: str, lifetime: str, zero_copy: str = "1") -> None:
         reps, timeout = int(cmd[1]), float(cmd[2])
         _say("holding")
         for _ in range(reps):
-            deadline = time.monotonic() + timeout
-            params = None
-            while params is None and not stop.is_set() and time.monotonic() < deadline:
-                params = worker.await_new_parameters(timeout=min(0.5, max(deadline - time.monotonic(), 0)))
-            now = time.monotonic()
+            params, now = next_version(timeout)
             if params is None:
                 _say("timeout")
                 break

@@ -271,11 +271,9 @@ class Storage:
         def written(stored, error) -> None:
             self._promoting.discard(item)
             if error is not None:
-                log.info("could not copy an item to shared memory: %s", error)
-                self._shm_full_until = time.monotonic() + _SHM_FULL_PAUSE_S
+                self._shm_failed("copy an item to", error)
                 return
-            files = ItemFiles.of(stored, area=self.shm_area)
-            self._watch_shared(files)
+            files = self._shared_files(stored)
             if item.stored and item.segments is not None and item.files is None and not item.spilling:
                 item.files, item.segments = files, None  # still resident: the accounting stays
             # else the item changed meanwhile: the new files go when `files` does
@@ -289,14 +287,9 @@ class Storage:
         if (self.shm_area is None or item.segments is None or item.files is not None or item.spilling
                 or time.monotonic() < self._shm_full_until):
             return False
-        try:
-            stored = self.shm.write(item.description, item.segments, item.nbytes, item.tag)
-        except OSError as exc:
-            log.info("could not copy an item to shared memory: %s", exc)
-            self._shm_full_until = time.monotonic() + _SHM_FULL_PAUSE_S
+        files = self._write_shared("copy an item to", item.description, item.segments, item.nbytes, item.tag)
+        if files is None:
             return False
-        files = ItemFiles.of(stored, area=self.shm_area)
-        self._watch_shared(files)
         item.files, item.segments = files, None  # still resident: the accounting stays
         return True
 
@@ -309,12 +302,26 @@ class Storage:
         the page cache, as the gather itself, with no disk to wait for."""
         if self.shm_area is None or time.monotonic() < self._shm_full_until:
             return None
+        return self._write_shared("write sampled rows to", description, [buffer], nbytes, None)
+
+    def _write_shared(self, what: str, description: bytes, segments, nbytes: int,
+                      tag: int | None) -> ItemFiles | None:
+        """Write an item into the shared-memory area on the caller's thread (tmpfs: a
+        copy into RAM); its watched files, or None if shared memory is full."""
         try:
-            stored = self.shm.write(description, [buffer], nbytes, None)
+            stored = self.shm.write(description, segments, nbytes, tag)
         except OSError as exc:
-            log.info("could not write sampled rows to shared memory: %s", exc)
-            self._shm_full_until = time.monotonic() + _SHM_FULL_PAUSE_S
+            self._shm_failed(what, exc)
             return None
+        return self._shared_files(stored)
+
+    def _shm_failed(self, what: str, error: BaseException) -> None:
+        """A write into shared memory failed (full): say so, and pause writing there."""
+        log.info("could not %s shared memory: %s", what, error)
+        self._shm_full_until = time.monotonic() + _SHM_FULL_PAUSE_S
+
+    def _shared_files(self, stored) -> ItemFiles:
+        """The files of an item just written into the shared-memory area, watched."""
         files = ItemFiles.of(stored, area=self.shm_area)
         self._watch_shared(files)
         return files

@@ -15,13 +15,18 @@ import time
 from typing import Any, Callable
 
 from ..errors import UsageError
-from ..protocol.messages import APPEND, DELETE, GET, LIST, LISTEN, MAX_WAIT, NOOP, OK, PEEK, PUT, UNLISTEN, Key
+from ..protocol.messages import APPEND, DELETE, GET, LIST, LISTEN, NOOP, OK, PEEK, PUT, UNLISTEN, Key
 from .connection import NO_VALUE, ListenSnapshot, Notification, item_table
 from .listens import Listening
 
 DEFAULT = object()  # "use the client's timeout"
 
 from .tables import TableMethods  # noqa: E402 - the table verbs (it uses DEFAULT)
+
+
+def _items_and_seq(reply) -> tuple:
+    """A GET/PEEK's result with ``with_seq=True``: ``(items, seq)``."""
+    return reply.values, reply.header[Key.SEQ]
 
 
 def bin_fields(name: str, tag: int | None = None) -> dict:
@@ -114,7 +119,7 @@ class ClientMethods(TableMethods):
             fields[Key.LEAST] = least
         if wait is not None:
             timeout = self._hold_for(fields, wait, timeout)
-        then = (lambda reply: (reply.values, reply.header[Key.SEQ])) if with_seq else None
+        then = _items_and_seq if with_seq else None
         return self._call(GET, fields, timeout=timeout, then=then, **_progress(progress))
 
     def peek(self, bin: str, timeout=DEFAULT, *, with_seq: bool = False, since: int | None = None,
@@ -134,18 +139,8 @@ class ClientMethods(TableMethods):
             fields[Key.SINCE] = since
         if wait is not None:
             timeout = self._hold_for(fields, wait, timeout)
-        then = (lambda reply: (reply.values, reply.header[Key.SEQ])) if with_seq else None
+        then = _items_and_seq if with_seq else None
         return self._call(PEEK, fields, timeout=timeout, then=then, **_progress(progress))
-
-    def _hold_for(self, fields: dict, wait: float, timeout) -> float | None:
-        """Ask the server to hold a read up to ``wait`` seconds; returns the call's
-        timeout, long enough for the server's answer to come first."""
-        wait = min(max(float(wait), 0.0), MAX_WAIT)
-        fields[Key.WAIT] = wait
-        if timeout is DEFAULT:
-            timeout = self.timeout
-        held = wait + max(1.0, wait / 10)
-        return None if timeout is None else max(float(timeout), held)
 
     def save(self, bin: str, path, *, overwrite: bool = False, timeout=DEFAULT,
              progress: Callable[[int, int], Any] | None = None) -> Any:

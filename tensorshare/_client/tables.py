@@ -231,8 +231,18 @@ class TableMethods:
         server's answer comes first.  (Also APPEND ``below``'s.)"""
         if timeout is DEFAULT:
             timeout = self.timeout
-        wait = MAX_WAIT if timeout is None else min(max(float(timeout), 0.0), MAX_WAIT)
+        wait = MAX_WAIT if timeout is None else timeout
+        return self._hold_for(fields, wait, wait)
+
+    def _hold_for(self, fields: dict, wait: float, timeout) -> float | None:
+        """Ask the server to hold a request up to ``wait`` seconds (``fields`` get
+        ``wait``); returns the call's timeout (``timeout``, the client's by default),
+        made long enough for the server's answer to come first."""
+        wait = min(max(float(wait), 0.0), MAX_WAIT)
         fields[Key.WAIT] = wait
-        return wait + max(1.0, wait / 10)
+        if timeout is DEFAULT:
+            timeout = self.timeout
+        held = wait + max(1.0, wait / 10)
+        return None if timeout is None else max(float(timeout), held)
 
 
