@@ -36,6 +36,7 @@ __all__ = [
     "ServerUnavailableError",
     "ZeroCopyError",
     "ZeroCopyUnavailableError",
+    "WrongWorkerError",
     "error_for_code",
 ]
 
@@ -148,6 +149,15 @@ class ZeroCopyUnavailableError(TransientError):
     code = 425
 
 
+class WrongWorkerError(TransientError):
+    """427: another worker of this multi-worker server owns the bin (PROTOCOL.md §13);
+    nothing changed.  A client whose map of the workers is out of date (the server
+    restarted with other workers) gets it; the clients map the workers again and
+    send the request to its owner by themselves."""
+
+    code = 427
+
+
 class BusyError(TransientError, TimeoutError):
     """450: what the request waited for in the server (room in a bin for an APPEND
     with ``below``...) did not come within its wait; nothing changed.  Also a
@@ -216,6 +226,7 @@ _BY_CODE: dict[int, type[RemoteError]] = {
     for cls in (
         ServerUnavailableError,
         ZeroCopyUnavailableError,
+        WrongWorkerError,
         BusyError,
         ServerLocalError,
         StorageFullError,

@@ -178,6 +178,8 @@ class ServerSession:
             self.counters.opened(self)
         greeting = GREETING_MESSAGE.build(msg="tensorshare ready", server=f"tensorshare/{__version__}",
                                           version=PROTOCOL_VERSION)
+        if self.state.workers is not None:  # one worker of several: the map clients route by (§13)
+            greeting[Key.WORKERS] = self.state.workers.field()
         if not self.authenticated:
             self._move(Phase.AUTHENTICATING)
             greeting.update({Key.MSG: "tensorshare ready; authenticate", Key.AUTH: auth.MECHANISM,

@@ -56,6 +56,8 @@ class Key:
     # PEEK (to a relay): push later copies of the bin as they arrive; an INCOMING
     # notification carrying one names the upstream change it is (§11)
     INCOMING, CHANGE = "incoming", "change"
+    # the greeting of a worker of a multi-worker server: the map of its workers (§13)
+    WORKERS = "workers"
 
 
 # Reply codes (header key "code").
@@ -69,6 +71,7 @@ AUTHENTICATED = 230  # AUTH accepted; the reply proves that the server knows the
 DONE = 250  # requested bin action completed
 UNAVAILABLE = 421  # shutting down / too many connections
 ZERO_COPY_REFUSED = 425  # a value named in shared memory was not taken: send it over TCP
+WRONG_WORKER = 427  # another worker of this server owns the bin: map the workers again (§13)
 BUSY = 450  # what the request waits for (room in a bin...) did not come within its wait
 LOCAL_ERROR = 451  # the server could not read what it stores (a disk error)
 STORAGE_FULL = 452  # no room in the memory budget or on disk
@@ -436,7 +439,7 @@ VERBS_WITH_VALUE = frozenset(verb for verb, c in COMMANDS.items() if c.payload)
 # receiver does not insist on them.
 GREETING_MESSAGE = Message(GREETING, (optional(Key.MSG, STR), optional(Key.SERVER, STR), optional(Key.VERSION, INT),
                                       optional(Key.AUTH, STR), optional(Key.NONCE, BYTES),
-                                      optional(Key.SHM, MAP)))
+                                      optional(Key.SHM, MAP), optional(Key.WORKERS, MAP)))
 NOTIFICATION = Message(NOTIFY, (Field(Key.BIN, STR), Field(Key.N, INT), Field(Key.SEQ, INT), Field(Key.OP, STR),
                                 optional(Key.TAG, TAG),
                                 # a relay's INCOMING carrying the copy as its payload (§11)
