@@ -42,11 +42,14 @@ from ._client.routing import finish
 from ._client.sockets import SMALL_FRAME, Link, open_link, wait
 from ._client.spin import DEFAULT_LIMIT as DEFAULT_SPIN
 from ._client.spin import ReplySpin
+from ._client.workers import StaleMapError, Workers, finish_merged, same_reply
 from ._client.zerocopy import SharedAreas
 from .errors import (
     AuthenticationError, ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UsageError,
+    WrongWorkerError,
 )
-from .protocol.messages import NOOP, Command
+from .protocol.messages import LIST, NOOP, Command
+from .protocol.placement import WorkerMap
 from .protocol.tls import TLSSettings
 
 log = logging.getLogger("tensorshare.client")
@@ -102,6 +105,28 @@ class Client(ClientCore):
                  max_backoff: float = 2.0, token: str | bytes | None = None, tls: bool | None = None,
                  tls_ca: str | None = None, tls_fingerprint: str | None = None, keepalive: float | None = 15.0,
                  zero_copy: bool = True, spin: float = DEFAULT_SPIN, reuse: int = DEFAULT_REUSE):
+        self._options = dict(timeout=timeout, connect_timeout=connect_timeout, device=device, reconnect=reconnect,
+                             max_backoff=max_backoff, token=token, tls=tls, tls_ca=tls_ca,
+                             tls_fingerprint=tls_fingerprint, keepalive=keepalive, zero_copy=zero_copy, spin=spin,
+                             reuse=reuse)  # (a multi-worker server's members get the same)
+        self._configure(host, port, **self._options)
+        link = self._connect()
+        try:
+            workers = WorkerMap.of(link.conn.greeting)
+        except ProtocolError as exc:
+            self._drop_connection(link, ConnectionLostError(f"bad greeting from {self._where}: {exc}"))
+            raise ConnectionLostError(f"bad greeting from {self._where}: {exc}") from None
+        if workers is not None:  # several workers: route each call to its bin's (_client/workers.py)
+            with self._cond:
+                self._link = None  # the home member's from now on
+            self._workers = Workers(self, workers)
+            self._workers.members[workers.index] = self._workers.home = self._worker_client(workers.index, link)
+
+    def _configure(self, host: str, port: int, *, timeout: float | None, connect_timeout: float, device: Any,
+                   reconnect: bool, max_backoff: float, token: str | bytes | None, tls: bool | None,
+                   tls_ca: str | None, tls_fingerprint: str | None, keepalive: float | None, zero_copy: bool,
+                   spin: float, reuse: int) -> None:
+        """Everything of :meth:`__init__` but connecting."""
         self._cond = threading.Condition()
         settings = TLSSettings.from_options(tls, tls_ca, tls_fingerprint)
         self._init_core(host, port, timeout=timeout, device=device, zero_copy=zero_copy, reuse=reuse, token=token,
@@ -122,7 +147,8 @@ class Client(ClientCore):
         self._ever_connected = False
         self._reader = BackgroundReader(self)  # keeps the socket drained while callbacks wait
         self._dispatcher: Dispatcher | None = None
-        self._connect()
+        self._workers: Workers | None = None  # the members, when the server runs several workers
+        self._front: Client | None = None  # the client this one is a member of (it routes to us)
 
     def close(self) -> None:
         """Close the connection; calls in flight fail, later calls raise UsageError."""
@@ -132,6 +158,8 @@ class Client(ClientCore):
             self._closed = True
             self._listens.clear()
             self._cond.notify_all()  # an idle reader ends now
+        if self._workers is not None:
+            self._workers.close()
         self._drop_connection(self._link, ConnectionLostError("client closed"))
         if self._dispatcher is not None:
             self._dispatcher.stop(timeout=0)
@@ -144,20 +172,32 @@ class Client(ClientCore):
         calling thread), so that none still runs user or torch code when the
         interpreter exits, which can abort the process."""
         me = threading.current_thread()
+        for member in self._workers.made() if self._workers is not None else ():
+            member.join(timeout)
         for thread in (self._reader.thread, self._dispatcher and self._dispatcher.thread):
             if thread is not None and thread is not me:
                 thread.join(timeout)
 
     @property
     def connected(self) -> bool:
+        if self._workers is not None:
+            return self._workers.home.connected
         return self._link is not None
 
     @property
     def same_host(self) -> bool:
         """True while the connection uses same-host zero-copy (the server's shared
         memory was offered and verified to be on this host)."""
+        if self._workers is not None:
+            return self._workers.home.same_host
         link = self._link
         return link is not None and link.conn.areas is not None
+
+    @property
+    def workers(self) -> int:
+        """How many workers the server runs (``--workers``): this client connects to
+        each whose bins it uses (PROTOCOL.md §13)."""
+        return 1 if self._workers is None else self._workers.map.count
 
     def __enter__(self) -> "Client":
         return self
@@ -177,6 +217,26 @@ class Client(ClientCore):
         """Send a request and wait for its reply (see :mod:`._client.methods`);
         ``progress(done, total)`` hears of the bytes of a large request sent and of
         its reply received (:class:`._client.progress.Progress`)."""
+        workers = self._workers
+        if workers is not None:  # a member sends it (see _client/workers.py)
+            if command.takes_bin:
+                for again in (False, True):
+                    try:
+                        return workers.owner(fields)._call(
+                            command, fields, value, timeout=timeout, then=then, on_reply=on_reply,
+                            on_error=on_error, decode=decode, zero_copy=zero_copy, progress=progress)
+                    except StaleMapError:  # not sent, and the workers were mapped again: once more
+                        if again:
+                            raise
+                    except WrongWorkerError as exc:  # nothing was done: map the workers again, and once more
+                        if again or not self._remap(exc):
+                            raise
+            if command is LIST:
+                replies = [member._call(command, fields, value, timeout=timeout, then=same_reply, on_error=on_error,
+                                        decode=decode, zero_copy=zero_copy) for member in workers.all()]
+                return finish_merged(Workers.merged(replies), then)
+            return workers.home._call(command, fields, value, timeout=timeout, then=then, on_reply=on_reply,
+                                      on_error=on_error, decode=decode, zero_copy=zero_copy, progress=progress)
         if timeout is DEFAULT:
             timeout = self.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -233,6 +293,11 @@ class Client(ClientCore):
                 raw: bool = False, inline: bool = False) -> None:
         if self._closed:
             raise UsageError("the client is closed")
+        if self._workers is not None:  # its bin's member sends it (a LIST too goes to one worker: use list())
+            self._workers.owner(fields)._submit(command, fields, value, callback, zero_copy=zero_copy,
+                                                timeout=timeout, then=then, on_error=on_error, on_reply=on_reply,
+                                                decode=decode, raw=raw, inline=inline)
+            return
         areas = self._areas(DEFAULT) if zero_copy and self.zero_copy else None
         call = self._new_call(command, fields, value, areas, callback, then, on_error, on_reply, None, decode, raw)
         call.inline = inline
@@ -312,6 +377,8 @@ class Client(ClientCore):
         return link.conn.areas
 
     def _shared_areas(self) -> SharedAreas | None:
+        if self._workers is not None:  # any worker's will do: its drafts move to whichever takes the put
+            return self._workers.home._shared_areas()
         return self._areas(self._deadline(DEFAULT)) if self.zero_copy else None
 
     def _listening(self, handle: Listening) -> Listening:
@@ -544,6 +611,42 @@ class Client(ClientCore):
             state.probed(now)  # its reply has an id nobody waits for: it is dropped on arrival
         return wake
 
+    # ------------------------------------------------------------------ workers (_client/workers.py)
+
+    def _worker_client(self, index: int, link: Link | None = None) -> "Client":
+        """The member of worker ``index``: a client like this one on that worker's port,
+        taking ``link`` (already open to that worker) or connecting."""
+        workers = self._workers
+        member = type(self).__new__(type(self))
+        port = self.port if not workers.map.id else workers.map.ports[index]
+        member._configure(self.host, port, **self._options)
+        member._front, member._worker_index = self, index
+        member._callbacks = self._callbacks  # one dispatcher thread runs every member's callbacks, in order
+        if link is None:
+            member._connect()
+        else:
+            member._take(link)
+        return member
+
+    def _remap(self, error: BaseException) -> bool:
+        """Map the workers again from the public address; True if the map changed."""
+        workers = self._workers
+        try:
+            link = open_link(self.host, self.port, self.connect_timeout, self._tls, self._ssl_context,
+                             self._new_connection())
+        except TensorShareError as exc:
+            log.info("cannot map the workers of %s again (%s): %s", self._where, error, exc)
+            return False
+        try:
+            fresh = WorkerMap.of(link.conn.greeting)
+        except ProtocolError:
+            fresh = None
+        if not workers.changed(fresh):
+            link.close()  # the same workers: the members reconnect by themselves
+            return False
+        workers.replace(fresh, lambda index: self._worker_client(index, link), error)
+        return True
+
     def _callbacks(self) -> Dispatcher:
         if self._dispatcher is None:
             with self._cond:
@@ -555,9 +658,23 @@ class Client(ClientCore):
 
     def _connect(self) -> Link:
         """Open a connection (see :func:`._client.sockets.open_link`) and make it current."""
-        link = open_link(self.host, self.port, self.connect_timeout, self._tls, self._ssl_context,
-                         self._new_connection())
         try:
+            link = open_link(self.host, self.port, self.connect_timeout, self._tls, self._ssl_context,
+                             self._new_connection())
+        except ConnectionLostError as exc:
+            if self._front is not None and self._front._remap(exc):  # the server moved its workers
+                raise StaleMapError(str(exc)) from None
+            raise
+        return self._take(link)
+
+    def _take(self, link: Link) -> Link:
+        """Make the opened ``link`` current."""
+        try:
+            front = self._front
+            if front is not None and not front._workers.fits(self._worker_index, link.conn.greeting):
+                link.close()
+                front._remap(ConnectionLostError(f"{self._where} greeted as another worker"))
+                raise StaleMapError(f"{front._where} now runs other workers than this client mapped")
             if self.zero_copy:
                 link.conn.areas = SharedAreas.of(link.conn.greeting)
         except BaseException:

@@ -51,6 +51,10 @@ class ClientMethods(TableMethods):
         """The current connection's verified shared areas (None without zero-copy)."""
         raise NotImplementedError
 
+    def _owner_of(self, name: str) -> "ClientMethods":
+        """The client that serves bin ``name`` (see ``core.ClientCore._owner_of``)."""
+        return self
+
     # -- storing
 
     def put(self, bin: str, value: Any, *, tag: int | None = None, ephemeral: bool = False,
@@ -229,6 +233,9 @@ class ClientMethods(TableMethods):
         the client listens again and calls back with a ``LISTEN`` notification of
         the bin's state then.
         """
+        owner = self._owner_of(bin)
+        if owner is not self:  # the member of a multi-worker server's worker that owns the bin
+            return owner.listen(bin, callback, timeout, every_append=every_append)
         handle = Listening(self, bin, callback, every_append)
         fields = bin_fields(bin)
         with self._lock:
@@ -254,6 +261,9 @@ class ClientMethods(TableMethods):
 
     def unlisten(self, bin: str, callback: Callable | None = None) -> Any:
         """Stop the listens of ``bin`` (only those calling ``callback``, if given)."""
+        owner = self._owner_of(bin)
+        if owner is not self:
+            return owner.unlisten(bin, callback)
         results = [self._unlisten(handle) for handle in self._listens.handles(bin)
                    if callback is None or handle.callback == callback]
         return results[-1] if results else self._done(None)
