@@ -76,6 +76,7 @@ class AsyncClient(ClientCore):
         # Connects a new Wire to the server (a Deferred firing once connected):
         # Twisted's TCP or TLS endpoints unless given (tests pair the two ends in memory).
         self._connector = connector or self._connect_endpoint
+        self._given_connector = connector  # (its members connect the same way: tests pair them in memory)
         self._front: AsyncClient | None = None  # the client this one is a member of (it routes to us)
         self._reuse = reuse  # (its members keep as much reply memory)
         self._opening: defer.Deferred | None = None  # a member's first connection, while it opens
@@ -403,7 +404,8 @@ class AsyncClient(ClientCore):
         port = self.port if not workers.map.id else workers.map.ports[index]
         member = type(self)(self.reactor, self.host, port, self.timeout, self.device, self.max_backoff,
                             connect_timeout=self.connect_timeout, token=self._token, tls=self._tls,
-                            keepalive=self.keepalive, reuse=self._reuse, zero_copy=self.zero_copy)
+                            keepalive=self.keepalive, reuse=self._reuse, zero_copy=self.zero_copy,
+                            connector=self._given_connector)
         member._front, member._worker_index = self, index
         if wire is None:
             member._opening = member._open()

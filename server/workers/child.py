@@ -19,6 +19,7 @@ import os
 import sys
 import threading
 
+from tensorshare.errors import UsageError
 from tensorshare.protocol.placement import WorkerMap
 
 PUBLIC_FD, OWN_FD = 3, 4
@@ -49,7 +50,11 @@ def main() -> int:
                 "tls_fingerprint": bound.tls_fingerprint}
         print("ready " + json.dumps(info), flush=True)
 
-    serve(config, ready, sockets=(PUBLIC_FD, OWN_FD), workers=workers)
+    try:
+        serve(config, ready, sockets=(PUBLIC_FD, OWN_FD), workers=workers)
+    except UsageError as exc:  # a setting that cannot be used: the parent reports the failed start
+        print(f"tensorshare-server worker {index}: {exc}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 
