@@ -412,6 +412,7 @@ class AsyncClient(ClientCore):
             member._opening.addBoth(member._opened_now)
         else:
             wire.client = member
+            wire.conn.decoder.sink_factory = member._new_connection().decoder.sink_factory  # (its replies are its)
             member._opened(wire)
         return member
 

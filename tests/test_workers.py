@@ -456,3 +456,28 @@ def test_workers_end_with_their_parent(tmp_path):
 def test_a_worker_that_cannot_start_stops_the_server(tmp_path):
     with pytest.raises(RuntimeError, match="worker 0 failed to start"):
         ServerProcess("--workers", "2", "--tls-cert", str(tmp_path / "missing.pem"), start_timeout=20)
+
+
+@pytest.mark.process
+def test_a_relay_follows_a_multi_worker_server(tmp_path):
+    head = ServerProcess("--workers", "2")
+    relay = ServerProcess("--follow", f"127.0.0.1:{head.port}", "--follow-timeout", "10")
+    try:
+        with tensorshare.Client("127.0.0.1", head.port, timeout=20) as upstream, \
+                tensorshare.Client("127.0.0.1", relay.port, timeout=20) as client:
+            workers = upstream._workers.map
+            names = [owned_names(workers, k, 1, "params")[0] for k in range(2)]
+            heard = {name: [] for name in names}
+            for name in names:
+                client.listen(name, heard[name].append)
+            for version in range(3):
+                for name in names:  # written through the relay (forwarded to the owner), read back there
+                    client.put(name, torch.full((4,), float(version)), tag=version)
+                    assert client.peek(name)[0].tolist() == [float(version)] * 4
+            for name in names:
+                upstream.put(name, torch.full((4,), 9.0), tag=9)  # changes upstream reach the relay's copy
+                wait_until(lambda: heard[name] and heard[name][-1].tag == 9, what=f"{name} mirrored")
+                assert client.peek(name)[0].tolist() == [9.0] * 4
+    finally:
+        relay.stop()
+        head.stop()

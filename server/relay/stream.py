@@ -70,8 +70,25 @@ class StreamingClient(AsyncClient):
     nbytes)`` returns (None: as usual); ``lost(reason)`` is told when the connection
     drops (a copy arriving on it is then lost)."""
 
-    arriving: Callable | None = None
-    lost: Callable | None = None
+    _arriving: Callable | None = None
+    _lost: Callable | None = None
+
+    # A multi-worker upstream's members (tensorshare/_client/workers.py) use their front's hooks.
+    @property
+    def arriving(self) -> Callable | None:
+        return self._arriving if self._front is None else self._front.arriving
+
+    @arriving.setter
+    def arriving(self, hook: Callable | None) -> None:
+        self._arriving = hook
+
+    @property
+    def lost(self) -> Callable | None:
+        return self._lost if self._front is None else self._front.lost
+
+    @lost.setter
+    def lost(self, hook: Callable | None) -> None:
+        self._lost = hook
 
     def _new_connection(self):
         conn = super()._new_connection()
@@ -106,6 +123,7 @@ class StreamingClient(AsyncClient):
         super()._connection_lost(wire, reason)
         if current and self.lost is not None:
             self.lost(reason.getErrorMessage())
+
 
 
 class Incoming:
