@@ -235,6 +235,10 @@ class Client(ClientCore):
                 replies = [member._call(command, fields, value, timeout=timeout, then=same_reply, on_error=on_error,
                                         decode=decode, zero_copy=zero_copy) for member in workers.all()]
                 return finish_merged(Workers.merged(replies), then)
+            if command is NOOP:  # every connection in use: a ping after calls returns once all are answered
+                for member in workers.made()[:-1]:
+                    member._call(command, fields, value, timeout=timeout, on_error=on_error)
+                return workers.made()[-1]._call(command, fields, value, timeout=timeout, then=then, on_error=on_error)
             return workers.home._call(command, fields, value, timeout=timeout, then=then, on_reply=on_reply,
                                       on_error=on_error, decode=decode, zero_copy=zero_copy, progress=progress)
         if timeout is DEFAULT:

@@ -49,7 +49,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from ..errors import NoSuchBinError
+from ..errors import NoSuchBinError, TensorShareError
 from ..protocol.messages import APPEND, PUT
 from .peer import prefix, snapshot_state
 
@@ -347,9 +347,18 @@ def publish(encoder: Encoder, client, params_bin: str, chain_bin: str, state: An
 
     # inline: the callbacks run in reply order on the reading thread, so a flush()
     # (a ping after them) returns only once the encoder heard of a broken chain.
+    # Bins on two workers of one server travel on two connections, whose order is not
+    # kept: the chain is then stored before the parameters announce it (one round trip).
+    apart = len({client._owner_of(write.bin) for write in writes}) > 1
     try:
         for write in writes:
-            if write.op is APPEND:
+            if write.op is APPEND and apart:
+                try:
+                    result, error = client.append(write.bin, write.value, tag=version), None
+                except TensorShareError as exc:
+                    result, error = None, exc
+                done(result, error, write.expect)
+            elif write.op is APPEND:
                 client.submit(APPEND, write.bin, write.value, lambda r, e, x=write.expect: done(r, e, x),
                               tag=version, inline=True)
             else:
