@@ -145,7 +145,8 @@ def _stored(session, request) -> Callable:
         if error is not None:
             session.refuse(request.id, error)
             return
-        session.send_header(request.command.reply(request.id, n=change.n_items, seq=change.seq))
+        reply = request.command.reply(request.id, n=change.n_items, seq=change.seq)
+        session.send_header(session.shared.stored_reply(reply, request.bin))
         session.state.listeners.publish(change)
         if request.tag is not None and session.counters is not None:  # versions of RL experiments
             session.counters.stored(session.stats, request.command.verb, request.bin, request.tag)
@@ -176,7 +177,7 @@ def _take(session, request, done: Callable[[], None] | None) -> None:
     storage, listeners, name = session.storage, session.state.listeners, request.bin
     items = storage.peek(name)[: request.max]  # (max: None takes them all)
     _check_reply_size(session, items)  # refused before anything is taken
-    refs = session.shared.refs(request.ref, items, taking=True)
+    refs = session.shared.refs(request.bin, request.ref, items, taking=True)
     items, change = storage.take(name, request.max)
 
     def put_back() -> None:
@@ -227,7 +228,7 @@ def _read(session, request, done: Callable[[], None] | None) -> None:
     seq = storage.state(name)[2]
     items = [] if request.since is not None and seq == request.since else storage.peek(name)
     _check_reply_size(session, items)
-    refs = session.shared.refs(request.ref, items)
+    refs = session.shared.refs(name, request.ref, items)
 
     def finish(parts: list | None, error: RemoteError | None) -> None:
         if error is not None:

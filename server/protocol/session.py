@@ -123,7 +123,7 @@ class ServerSession:
         self.stats = ConnStats(peer)  # its id (in every log line about it), bytes, versions seen
         self.counters = state.counters  # the server's totals (server/ops/counters.py); None: metrics off
         self.reads = reads or _NoReads()
-        self.shared = SharedMemory(state.storage, state.config, same_host, peer)
+        self.shared = SharedMemory(state.storage, state.config, same_host, peer, state.mapped)
         self.listening: set[str] = set()
         self.owned: set[str] = set()  # the ephemeral bins this connection put last (.ephemeral)
         self.phase = Phase.OPENING

@@ -3,10 +3,14 @@
 Written once for both clients.  :func:`route` decides for one call, given the
 shared areas the connection verified (:mod:`.zerocopy`; None when it has none):
 
-* a PUT/APPEND of a value large enough to gain is written into this connection's
-  incoming directory, and the request names it instead of carrying its bytes.  If
-  the server does not take it (425), the fallback sends the written copy over TCP
-  (the caller may have changed the original since);
+* a PUT/APPEND of a value holding :meth:`~.zerocopy.SharedAreas.shared` tensors
+  (their pages are handed over), or of a large value of a bin that readers on
+  this host map (the server says so in its replies: a value over TCP would reach
+  them inline first), is written into this connection's incoming directory, and
+  the request names it instead of carrying its bytes; any other value goes over
+  TCP, which is faster than writing it into new shared-memory pages.  If the
+  server does not take it (425), the fallback sends the written copy over TCP (the
+  caller may have changed the original since);
 * a GET/PEEK asks for references to the items' files, a TSAMPLE/TREAD for a
   reference to the stacked rows.  If those cannot be mapped
   (:class:`ZeroCopyError`), a PEEK or TREAD is sent again over TCP; a GET's items
@@ -34,7 +38,8 @@ def route(call: Call, areas) -> None:
         return
     command = call.command
     if command is PUT or command is APPEND:
-        if call.value is not NO_VALUE and areas.incoming is not None and not areas.too_small(call.value):
+        if call.value is not NO_VALUE and areas.incoming is not None and areas.may_take(call.value,
+                                                                                       call.fields.get(Key.BIN)):
             _through_shared_memory(call, areas)
     elif command is GET or command is PEEK or command is TSAMPLE or command is TREAD:
         fields = call.fields
@@ -64,7 +69,7 @@ def _through_shared_memory(call: Call, areas) -> None:
     fields = call.fields
     enc = call.value = encode(call.value)
     try:
-        name = areas.write(enc, fields.get(Key.TAG))
+        name = areas.write(enc, fields.get(Key.TAG), fields.get(Key.BIN) in areas.mapped)
     except (OSError, ValueError) as exc:  # shared memory full, or a value its layout cannot hold
         log.info("cannot write a value to shared memory (%s): sending it over TCP", exc)
         name = None

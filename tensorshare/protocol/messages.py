@@ -58,6 +58,8 @@ class Key:
     INCOMING, CHANGE = "incoming", "change"
     # the greeting of a worker of a multi-worker server: the map of its workers (§13)
     WORKERS = "workers"
+    # PUT/APPEND reply to a same-host client: the bin is read by reference here (§10.4)
+    MAPPED = "mapped"
 
 
 # Reply codes (header key "code").
@@ -346,6 +348,7 @@ TensorShareErrorLike = ProtocolError | RemoteError
 # ------------------------------------------------------------------ the verbs
 
 _CHANGED = Message(DONE, (Field(Key.N, INT), Field(Key.SEQ, INT)))
+_STORED = Message(DONE, (*_CHANGED.fields, optional(Key.MAPPED, BOOL)))
 _DONE = Message(OK)
 _ITEMS = Message(ITEMS, (Field(Key.SEQ, INT), Field(Key.ITEMS, LIST), Field(Key.SIZES, LIST),
                          optional(Key.REFS, LIST), optional(Key.TAGS, TAGS)))
@@ -359,10 +362,10 @@ _STORE_FIELDS = (
 )
 _READ_FIELDS = (BIN, optional(Key.REF, INTS), RELEASE, optional(Key.TAGS, BOOL))
 
-PUT = Command("PUT", (*_STORE_FIELDS, optional(Key.EPHEMERAL, BOOL)), reply=_CHANGED, payload=True,
+PUT = Command("PUT", (*_STORE_FIELDS, optional(Key.EPHEMERAL, BOOL)), reply=_STORED, payload=True,
               result=Key.N, doc="replace the bin's items with one item (ephemeral: for as long as this connection lasts)")
 APPEND = Command("APPEND", (*_STORE_FIELDS, optional(Key.BELOW, COUNT), optional(Key.WAIT, SECONDS)),
-                 reply=_CHANGED, payload=True, result=Key.N,
+                 reply=_STORED, payload=True, result=Key.N,
                  doc="add one item at the end of the bin (with below: once it holds fewer items)")
 GET = Command("GET", (*_READ_FIELDS, optional(Key.MAX, COUNT), optional(Key.WAIT, SECONDS),
                      optional(Key.LEAST, COUNT)), reply=_ITEMS, result=Key.ITEMS,
