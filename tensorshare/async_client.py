@@ -187,6 +187,14 @@ class AsyncClient(ClientCore):
         (``inline`` changes nothing here: callbacks run on the reactor thread)."""
         if self._closed:
             raise UsageError("the client is closed")
+        if self._workers is not None and command is LIST:  # every worker's, merged
+            d = self._call(LIST, fields, timeout=timeout, then=same_reply if raw else then, on_error=on_error,
+                           decode=decode)
+            if type(callback) is defer.Deferred:
+                d.chainDeferred(callback)
+            else:
+                d.addCallbacks(lambda result: callback(result, None), lambda failure: callback(None, failure.value))
+            return
         if self._workers is not None:  # its bin's member sends it
             self._workers.owner(fields)._submit(command, fields, value, callback, zero_copy=zero_copy, timeout=timeout,
                                                 then=then, on_error=on_error, on_reply=on_reply, decode=decode, raw=raw)

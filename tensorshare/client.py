@@ -149,6 +149,7 @@ class Client(ClientCore):
         self._dispatcher: Dispatcher | None = None
         self._workers: Workers | None = None  # the members, when the server runs several workers
         self._front: Client | None = None  # the client this one is a member of (it routes to us)
+        self._remap_lock = threading.Lock()
 
     def close(self) -> None:
         """Close the connection; calls in flight fail, later calls raise UsageError."""
@@ -221,6 +222,7 @@ class Client(ClientCore):
         if workers is not None:  # a member sends it (see _client/workers.py)
             if command.takes_bin:
                 for again in (False, True):
+                    seen = workers.map
                     try:
                         return workers.owner(fields)._call(
                             command, fields, value, timeout=timeout, then=then, on_reply=on_reply,
@@ -229,7 +231,7 @@ class Client(ClientCore):
                         if again:
                             raise
                     except WrongWorkerError as exc:  # nothing was done: map the workers again, and once more
-                        if again or not self._remap(exc):
+                        if again or not self._remap(exc, seen):
                             raise
             if command is LIST:
                 replies = [member._call(command, fields, value, timeout=timeout, then=same_reply, on_error=on_error,
@@ -297,7 +299,17 @@ class Client(ClientCore):
                 raw: bool = False, inline: bool = False) -> None:
         if self._closed:
             raise UsageError("the client is closed")
-        if self._workers is not None:  # its bin's member sends it (a LIST too goes to one worker: use list())
+        if self._workers is not None and command is LIST:  # every worker's: asked in turn on the dispatcher thread
+            def listed() -> None:
+                try:
+                    result, error = self._call(LIST, fields, timeout=timeout, then=same_reply if raw else then,
+                                               on_error=on_error, decode=decode), None
+                except TensorShareError as exc:
+                    result, error = None, exc
+                callback(result, error)
+            self._later(listed)
+            return
+        if self._workers is not None:  # its bin's member sends it
             self._workers.owner(fields)._submit(command, fields, value, callback, zero_copy=zero_copy,
                                                 timeout=timeout, then=then, on_error=on_error, on_reply=on_reply,
                                                 decode=decode, raw=raw, inline=inline)
@@ -624,7 +636,7 @@ class Client(ClientCore):
         member = type(self).__new__(type(self))
         port = self.port if not workers.map.id else workers.map.ports[index]
         member._configure(self.host, port, **self._options)
-        member._front, member._worker_index = self, index
+        member._front, member._worker_index, member._map = self, index, workers.map
         member._callbacks = self._callbacks  # one dispatcher thread runs every member's callbacks, in order
         if link is None:
             member._connect()
@@ -632,8 +644,16 @@ class Client(ClientCore):
             member._take(link)
         return member
 
-    def _remap(self, error: BaseException) -> bool:
-        """Map the workers again from the public address; True if the map changed."""
+    def _remap(self, error: BaseException, seen=None) -> bool:
+        """Map the workers again from the public address; True if the map changed
+        (since ``seen``, the map the caller routed by, if given: one thread at a time
+        maps, and the others find the new map in place)."""
+        with self._remap_lock:
+            if seen is not None and self._workers.map is not seen:
+                return True
+            return self._remap_now(error)
+
+    def _remap_now(self, error: BaseException) -> bool:
         workers = self._workers
         try:
             link = open_link(self.host, self.port, self.connect_timeout, self._tls, self._ssl_context,
@@ -666,7 +686,7 @@ class Client(ClientCore):
             link = open_link(self.host, self.port, self.connect_timeout, self._tls, self._ssl_context,
                              self._new_connection())
         except ConnectionLostError as exc:
-            if self._front is not None and self._front._remap(exc):  # the server moved its workers
+            if self._front is not None and self._front._remap(exc, self._map):  # the server moved its workers
                 raise StaleMapError(str(exc)) from None
             raise
         return self._take(link)
@@ -677,7 +697,7 @@ class Client(ClientCore):
             front = self._front
             if front is not None and not front._workers.fits(self._worker_index, link.conn.greeting):
                 link.close()
-                front._remap(ConnectionLostError(f"{self._where} greeted as another worker"))
+                front._remap(ConnectionLostError(f"{self._where} greeted as another worker"), self._map)
                 raise StaleMapError(f"{front._where} now runs other workers than this client mapped")
             if self.zero_copy:
                 link.conn.areas = SharedAreas.of(link.conn.greeting)

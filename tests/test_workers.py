@@ -481,3 +481,67 @@ def test_a_relay_follows_a_multi_worker_server(tmp_path):
     finally:
         relay.stop()
         head.stop()
+
+
+@pytest.mark.process
+def test_rl_wrappers_and_the_callback_api_over_workers():
+    from tensorshare import RLTrainer, RLWorker, TensorShare
+
+    server = ServerProcess("--workers", "3")
+    try:
+        with RLTrainer("127.0.0.1", server.port, experiment="multi") as trainer, \
+                RLWorker("127.0.0.1", server.port, experiment="multi") as worker:
+            state = {f"w{i}": torch.zeros(64) for i in range(4)}
+            for version in range(4):  # deltas that do not wait: the chain is in place before the announcement
+                state = {k: v + (1.0 if i == version else 0.0) for i, (k, v) in enumerate(state.items())}
+                assert trainer.publish_parameters(state, wait=False, delta=True) == version
+                got = worker.await_new_parameters(timeout=10)
+                assert all(torch.equal(got[k], state[k]) for k in state)
+            for i in range(5):
+                worker.add_data({"step": torch.tensor([i])})
+            data = trainer.get_data(max_items=5, min_items=5, timeout=10)
+            assert sorted(int(d["step"]) for d in data) == list(range(5))
+        ts = TensorShare("127.0.0.1", server.port)
+        try:
+            replies = []
+            done = threading.Event()
+
+            def heard(reply) -> None:
+                replies.append(reply)
+                if len(replies) == 7:
+                    done.set()
+
+            names = [f"cb-{i}" for i in range(6)]  # on every worker
+            for name in names:
+                ts.put(name, torch.ones(2), callback=heard)
+            ts.list(callback=heard)  # after the puts, on one connection each: it sees them all
+            assert done.wait(10) and all(r["status"] == "OK" for r in replies)
+            [listing] = [r["data"] for r in replies if "data" in r]
+            assert set(names) <= set(listing)
+        finally:
+            ts.stop()
+    finally:
+        server.stop()
+
+
+@pytest.mark.process
+def test_workers_with_a_token_and_tls(tmp_path):
+    from certs import make_certificates
+
+    certs = make_certificates(tmp_path)
+    token = "w" * 40
+    (tmp_path / "token").write_text(token)
+    server = ServerProcess("--workers", "2", "--token-file", str(tmp_path / "token"), "--tls-cert", certs.cert,
+                           "--tls-key", certs.key)
+    try:
+        with tensorshare.Client("127.0.0.1", server.port, token=token, tls_ca=certs.ca, timeout=20) as client:
+            assert client.workers == 2
+            names = [owned_names(client._workers.map, k, 1)[0] for k in range(2)]
+            for name in names:  # every member authenticates, over TLS
+                client.put(name, torch.ones(3))
+                assert client.peek(name)[0].tolist() == [1.0] * 3
+            assert set(names) <= set(client.list())
+        with pytest.raises(tensorshare.errors.AuthenticationError):
+            tensorshare.Client("127.0.0.1", server.port, token="x" * 40, tls_ca=certs.ca, connect_timeout=10)
+    finally:
+        server.stop()
