@@ -48,7 +48,7 @@ from .errors import (
     AuthenticationError, ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UsageError,
     WrongWorkerError,
 )
-from .protocol.messages import LIST, NOOP, Command
+from .protocol.messages import LIST, NOOP, Command, Key
 from .protocol.placement import WorkerMap
 from .protocol.tls import TLSSettings
 
@@ -695,6 +695,10 @@ class Client(ClientCore):
         """Make the opened ``link`` current."""
         try:
             front = self._front
+            if front is None and self._workers is None and Key.WORKERS in link.conn.greeting and self._ever_connected:
+                log.warning("%s runs several workers since this client connected: it keeps to the one it reached "
+                            "(requests for other workers' bins get 427); make a new client to use them all",
+                            self._where)
             if front is not None and not front._workers.fits(self._worker_index, link.conn.greeting):
                 link.close()
                 front._remap(ConnectionLostError(f"{self._where} greeted as another worker"), self._map)
