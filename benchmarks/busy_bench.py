@@ -17,7 +17,6 @@ how much more each loses on a busy host than its peers do.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 
@@ -26,7 +25,7 @@ import torch
 from tensorshare import Client
 
 from .baselines import RawEcho, RawLoopback
-from .procs import Server
+from .procs import Server, spawn, stop
 from .profiles import Profile
 from .record import Recorder
 from .stats import Sample, gbps, interleaved_latency_runs, mib, time_runs
@@ -36,17 +35,15 @@ _HOG = "while True: pass"
 
 
 class Hogs:
-    """``n`` CPU-bound processes, stopped on exit."""
+    """``n`` CPU-bound processes (tracked: they die with this process whatever happens)."""
 
     def __init__(self, n: int):
-        self.procs = [subprocess.Popen([sys.executable, "-c", _HOG]) for _ in range(n)]
+        self.procs = [spawn([sys.executable, "-c", _HOG]) for _ in range(n)]
         time.sleep(0.3)  # let them reach the CPUs
 
     def close(self) -> None:
         for proc in self.procs:
-            proc.kill()
-        for proc in self.procs:
-            proc.wait()
+            stop(proc, timeout=1.0)
 
 
 def _measure(rec: Recorder, p: Profile, peers, server: Server, raw: RawLoopback, where: str, label: str) -> None:
