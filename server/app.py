@@ -34,12 +34,10 @@ log = logging.getLogger("tensorshare.server")
 def listen(config: ServerConfig, sockets: Sequence[int] = (), workers=None):
     """Start listening (on the reactor thread); returns the Twisted port object.
 
-    With a data directory its lock is taken (``server/bins/dirlock.py``) and its
-    bins are loaded first (item records only: the arrays stay on disk, so this takes
-    time per item, not per byte).  Its ``tls_fingerprint`` attribute is the
+    With a data directory its bins are loaded first (item records only: the arrays
+    stay on disk, so this takes time per item, not per byte).  Its ``tls_fingerprint`` attribute is the
     certificate's SHA-256 fingerprint when it serves TLS, else None.  Raises
-    :class:`UsageError` for a token or TLS file that cannot be used, or a data
-    directory another server holds.
+    :class:`UsageError` for a token or TLS file that cannot be used.
 
     ``sockets`` are listening sockets (descriptors) to serve instead of binding
     ``config.host:config.port`` (the first is the port reported); ``workers`` the
@@ -48,16 +46,16 @@ def listen(config: ServerConfig, sockets: Sequence[int] = (), workers=None):
     """
     if config.tls_key and not config.tls_cert:
         raise UsageError("tls_key needs tls_cert")
-    lock = DirLock(config.data_dir).acquire() if config.data_dir else None
     jobs = ThreadJobs(reactor, config.disk_threads)
     try:
         if workers is None and config.data_dir:
-            place(config.data_dir, 1)  # bins a multi-worker server left in its workers' directories
+            # Bins a multi-worker server left in its workers' directories come back to the
+            # root: only while no other server uses the directory (it refuses us here).
+            with DirLock(config.data_dir):
+                place(config.data_dir, 1)
         state = build_state(config, jobs)
     except BaseException:
         jobs.stop()
-        if lock is not None:
-            lock.release()
         raise
     if workers is not None:
         own_bins_only(state, workers)
@@ -68,8 +66,6 @@ def listen(config: ServerConfig, sockets: Sequence[int] = (), workers=None):
     def undo() -> None:
         jobs.stop()
         state.storage.close()
-        if lock is not None:
-            lock.release()
 
     if config.follow:
         from .relay import start_relay
@@ -87,7 +83,6 @@ def listen(config: ServerConfig, sockets: Sequence[int] = (), workers=None):
         raise
     port.jobs = jobs
     port.state = state
-    port.lock = lock
     port.ops = None
     if config.metrics_port is not None:
         from .ops import web
@@ -139,8 +134,6 @@ def _shut(port) -> None:
     factory.state.storage.close()
     busypoll.release(port.busy_poll)
     factory.busy_poll = None
-    if port.lock is not None:
-        port.lock.release()
 
 
 def run_server(port: int = 8000, host: str = "127.0.0.1", *, start_reactor: bool = True, **settings):
