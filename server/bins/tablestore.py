@@ -20,8 +20,10 @@ is the backing's, chosen here:
   page cache keeps what a killed server wrote), and a restarted server reopens
   every table with its rows, keys and priorities (:meth:`TableStore.load`).
 
-Making a table creates sparse files (no data is written) and runs on the
-caller's thread, as the rest of a table's work does.
+Making a table creates its files with their blocks reserved (``posix_fallocate``:
+no data is written, and a file system without room refuses the table with 452
+rather than killing the server with SIGBUS on a later write into a mapped page) and
+runs on the caller's thread, as the rest of a table's work does.
 """
 
 from __future__ import annotations

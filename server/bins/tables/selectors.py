@@ -107,11 +107,19 @@ class PrioritizedSampler(UniformSampler):
         return np.power(priorities, self.exponent)
 
     def check_priorities(self, priorities: np.ndarray) -> None:
+        """Refuse a weight past :attr:`SumTree.max_weight`: each is finite on its own,
+        and the sum of every row's (the tree's total) stays finite too."""
         with np.errstate(over="ignore"):
             weights = self.weights(priorities)
         if not np.isfinite(weights).all():
             bad = priorities[~np.isfinite(weights)][0]
             raise PriorityError(f"priority {bad:g} ** priority_exponent {self.exponent:g} overflows")
+        limit = self.tree.max_weight
+        if weights.size and weights.max() > limit:
+            bad = priorities[weights > limit][0]
+            raise PriorityError(f"priority {bad:g} ** priority_exponent {self.exponent:g} is over {limit:g}, the "
+                                f"largest weight a table of {self.tree.capacity} rows takes (so that the sum of "
+                                f"all weights stays a finite float)")
 
     def added(self, slots: np.ndarray) -> None:
         self.tree.set(slots, self.weights(self.slots.priority[slots]))
