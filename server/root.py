@@ -85,6 +85,7 @@ def build_state(config: ServerConfig, jobs: Jobs | None = None, clock=None) -> S
         except OSError as exc:
             log.warning("zero-copy: no shared-memory area in %s (%s); values travel over TCP", config.shm_dir, exc)
     storage = Storage(store, jobs or InlineJobs(), data_dir=data_dir, spill=spill, shm=shm)
+    storage.tables.max_rows = config.max_table_rows
     if config.zero_copy:
         storage.share(new_token())
     if data_dir is not None:

@@ -3,8 +3,8 @@ real ``tensorshare-server`` processes on loopback, real files and file systems.
 
 Each test failed on the code the issue was filed against and states the behaviour
 the fix gives (the findings and their figures are in docs/reliability.md, "Third
-round").  The cases the protocol alone decides are tested in memory beside the code
-they exercise (``tests/test_tables_engine.py``, ``tests/test_tables_protocol.py``...).
+round").  The cases the protocol alone decides are tested in memory, in
+``tests/test_hardening_three_paired.py`` (the table engine's in ``tests/test_tables_engine.py``).
 
 Bounded: small sizes, small file systems, every wait with a timeout.
 """

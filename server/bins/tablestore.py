@@ -7,7 +7,7 @@ The rows themselves are the pure :class:`~.tables.Table`'s; where its columns li
 is the backing's, chosen here:
 
 * in memory, while the preallocated columns of every table held in memory fit
-  under ``memory_limit``;
+  under ``memory_limit`` beside the bins' resident bytes;
 * past it, in memory-mapped files in the spill area (``<spill>/tables/<n>/``),
   which the kernel pages in and out: a table far larger than the memory budget
   works, at the speed of the disk for rows not in the page cache;
@@ -41,7 +41,7 @@ from typing import Any
 from tensorshare.errors import BadNameError, NoSuchBinError, RemoteError, StorageFullError, TooLargeError
 
 from .store import BinStore, Change
-from .tables import MemmapBacking, MemoryBacking, Table, TableSpecError, tensordict_metadata
+from .tables import MemmapBacking, MemoryBacking, Table, TableSpecError, state_bytes, tensordict_metadata
 from .tables.columns import parse_columns
 
 log = logging.getLogger("tensorshare.server")
@@ -52,8 +52,9 @@ SPEC_DEFAULTS: dict[str, Any] = {
     "max_times_sampled": 0, "min_size_to_sample": 1, "samples_per_insert": None, "error_buffer": None,
 }
 LIMIT_KEYS = ("min_size_to_sample", "samples_per_insert", "error_buffer")
-# Slots a table may have: each costs about 80 bytes of state in memory (key, priority,
-# count, order, the samplers' trees), whatever the columns hold.
+# Slots a table may have, and all tables of a server together by default: each
+# costs 41-137 bytes of state in memory (key, priority, count, order, the samplers'
+# trees: tables.state_bytes), whatever the columns hold.
 MAX_ROWS = 1 << 26
 
 
@@ -81,7 +82,7 @@ class TableEntry:
     spec: dict
     table: Table
     seq: int = 0
-    resident: int = 0  # column bytes it holds in memory (not in files)
+    resident: int = 0  # bytes it holds in memory beside its items: its per-slot state, columns not in files
     directory: str | None = None  # its files (spilled or durable)
     tensordict: bool = False  # rows came as TensorDicts: replies say so (clients give TensorDicts back)
 
@@ -90,14 +91,17 @@ class TableStore:
     """The tables of one server, beside the bins of ``store`` (one namespace)."""
 
     def __init__(self, store: BinStore, max_tables: int = 10_000, max_table_bytes: int | None = None, *,
-                 memory_limit: int | None = None, spill_root: str | None = None, data_root: str | None = None):
+                 memory_limit: int | None = None, spill_root: str | None = None, data_root: str | None = None,
+                 max_rows: int = MAX_ROWS, on_grow=None):
         self.store = store
         self.max_tables = max_tables
         self.max_table_bytes = max_table_bytes  # column bytes a table may preallocate (None: no bound)
-        self.memory_limit = memory_limit  # column bytes of all tables held in memory
+        self.max_rows = max_rows  # slots of all tables together
+        self.memory_limit = memory_limit  # of the bins and the tables' memory together (store.table_bytes)
         self.spill_root = None if spill_root is None else os.path.join(spill_root, "tables")
         self.data_root = None if data_root is None else os.path.join(data_root, "tables")
-        self.resident = 0  # column bytes of the tables held in memory
+        self.rows = 0  # slots of all tables
+        self.on_grow = on_grow or (lambda: None)  # tables took memory: the bins may have to spill to make room
         self._spilled = itertools.count()
         self._tables: dict[str, TableEntry] = {}
 
@@ -130,22 +134,36 @@ class TableStore:
             raise BadNameError(f"{name!r} is a bin: a table needs a name no bin uses")
         if len(self._tables) >= self.max_tables:
             raise TooLargeError(f"the server already holds {self.max_tables} tables")
-        if type(full["capacity"]) is int and full["capacity"] > MAX_ROWS:
-            raise TooLargeError(f"a table has at most {MAX_ROWS} rows, not {full['capacity']}")
+        capacity = full["capacity"]
+        if type(capacity) is int and capacity > MAX_ROWS:
+            raise TooLargeError(f"a table has at most {MAX_ROWS} rows, not {capacity}")
         row_bytes = sum(math.prod(c["shape"]) * _width(c["dtype"]) for c in (full["columns"] or {}).values())
-        if self.max_table_bytes is not None and full["capacity"] * row_bytes > self.max_table_bytes:
-            raise TooLargeError(f"{full['capacity']} rows of {row_bytes} bytes are more than the "
+        if self.max_table_bytes is not None and capacity * row_bytes > self.max_table_bytes:
+            raise TooLargeError(f"{capacity} rows of {row_bytes} bytes are more than the "
                                 f"{self.max_table_bytes} bytes a table may take")
-        nbytes = full["capacity"] * row_bytes
+        if type(capacity) is int and self.rows + capacity > self.max_rows:
+            raise TooLargeError(f"the server's tables already have {self.rows} of the {self.max_rows} rows "
+                                f"they may have together: no room for {capacity} more")
+        state = 0
+        if type(capacity) is int and capacity > 0 and isinstance(full["sampler"], str):
+            state = state_bytes(capacity, full["sampler"], full["remover"], items=not full["columns"])
+        store, limit = self.store, self.memory_limit
+        if limit is not None and store.unspillable_bytes + state > limit:
+            raise StorageFullError(f"a table of {capacity} rows keeps {state} bytes of state in memory, and the "
+                                   f"memory budget has {max(0, limit - store.unspillable_bytes)} that spilling "
+                                   f"bins cannot take")
+        nbytes = capacity * row_bytes
         directory = backing = None
         if not full["columns"]:
-            pass  # a table of items holds them in memory, as received: it is neither spilled nor durable
+            # A table of items holds them in memory, as received (counted: _CountedItems);
+            # it is neither spilled nor durable.
+            backing = _ItemsBacking(store)
         elif self.data_root is not None:
             directory = os.path.join(self.data_root, _dir_key(name))
             shutil.rmtree(directory, ignore_errors=True)  # a table deleted by a server killed meanwhile
             backing = MemmapBacking(directory, keep=True)
-        elif (self.memory_limit is not None and nbytes
-              and self.store.resident_bytes + self.resident + nbytes > self.memory_limit):
+        elif (limit is not None and nbytes
+              and store.resident_bytes + store.unspillable_bytes + state + nbytes > limit):
             if self.spill_root is None:
                 raise StorageFullError(f"a table of {nbytes} bytes does not fit in the memory budget")
             directory = os.path.join(self.spill_root, str(next(self._spilled)))
@@ -161,10 +179,24 @@ class TableStore:
                 if directory is not None:
                     shutil.rmtree(directory, ignore_errors=True)
             raise StorageFullError(f"cannot make the table's files: {exc.strerror or exc}") from None
-        resident = nbytes if backing is None else 0
-        self.resident += resident
-        entry = self._tables[name] = TableEntry(name, full, table, resident=resident, directory=directory)
+        entry = self._tables[name] = TableEntry(name, full, table, directory=directory)
+        self._count(entry, state + (nbytes if backing is None else 0))
         return entry, self.changed(entry, "CREATE")
+
+    def _count(self, entry: TableEntry, resident: int) -> None:
+        """``entry``'s table is made: its slots and memory count from now on."""
+        entry.resident = resident
+        self.rows += entry.table.capacity
+        self.store.table_bytes += resident
+        self.on_grow()
+
+    def check_room(self, nbytes: int) -> None:
+        """452 unless ``nbytes`` more (an item for a table of items) fit in the memory
+        budget beside what spilling the bins cannot free."""
+        limit = self.memory_limit
+        if limit is not None and self.store.unspillable_bytes + nbytes > limit:
+            raise StorageFullError(f"memory budget full: tables hold {self.store.table_bytes} bytes, and "
+                                   f"{self.store.unspillable_bytes - self.store.table_bytes} more cannot be spilled")
 
     @staticmethod
     def _table(full: dict, backing) -> Table:
@@ -194,8 +226,9 @@ class TableStore:
             except (OSError, ValueError, KeyError, TypeError, RemoteError) as exc:
                 problems.append(f"table directory {entry_name}: {exc}")
                 continue
-            self._tables[name] = TableEntry(name, full, table, directory=directory,
-                                            tensordict=bool(saved.get("tensordict")))
+            entry = self._tables[name] = TableEntry(name, full, table, directory=directory,
+                                                    tensordict=bool(saved.get("tensordict")))
+            self._count(entry, state_bytes(table.capacity, full["sampler"], full["remover"]))
         for problem in problems:
             log.warning("data directory: skipped %s", problem)
         return len(self._tables), problems
@@ -223,7 +256,8 @@ class TableStore:
         if entry is None:
             raise NoSuchBinError(f"no table named {name!r}")
         entry.table.close()
-        self.resident -= entry.resident
+        self.store.table_bytes -= entry.resident
+        self.rows -= entry.table.capacity
         if entry.directory is not None:
             shutil.rmtree(entry.directory, ignore_errors=True)
         return Change(name, 0, self.store.next_seq(), "DELETE")
@@ -240,6 +274,46 @@ class TableStore:
     def state(self, name: str) -> tuple[bool, int, int, None]:
         entry = self._tables[name]
         return True, entry.table.size, entry.seq, None
+
+
+class _CountedItems(list):
+    """The slots of a table of items, whose items' bytes (payload and description,
+    all in memory) the bin store counts in ``table_bytes`` while the table holds them."""
+
+    def __init__(self, capacity: int, store: BinStore):
+        super().__init__([None] * capacity)
+        self.store = store
+        self.held = 0  # bytes of the items it holds
+
+    def __setitem__(self, slot: int, item) -> None:
+        old = self[slot]
+        change = (0 if item is None else item.nbytes + len(item.description)) - \
+            (0 if old is None else old.nbytes + len(old.description))
+        self.held += change
+        self.store.table_bytes += change
+        super().__setitem__(slot, item)
+
+    def let_go(self) -> None:
+        """The table is gone: its items count no more."""
+        self.store.table_bytes -= self.held
+        self.held = 0
+
+
+class _ItemsBacking(MemoryBacking):
+    """A table of items' backing: its slots count what they hold (:class:`_CountedItems`)."""
+
+    def __init__(self, store: BinStore):
+        self.store = store
+        self.slots: _CountedItems | None = None
+
+    def item_slots(self, capacity: int) -> list:
+        self.slots = _CountedItems(capacity, self.store)
+        return self.slots
+
+    def close(self) -> None:
+        if self.slots is not None:
+            self.slots.let_go()
+            self.slots = None
 
 
 def _dir_key(name: str) -> str:

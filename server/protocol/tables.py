@@ -120,6 +120,7 @@ def _rows(session, entry: TableEntry, request):
     if entry.table.columns:
         return columns_of(request.value, request.payload, request.payload_len, session.decode_limits)
     _check_value(session, request.value, request.payload_len)
+    session.storage.tables.check_room(request.payload_len + len(request.value))  # items are held in memory
     return [Item(request.value, tuple(request.payload), request.payload_len)]
 
 

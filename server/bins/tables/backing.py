@@ -33,6 +33,9 @@ class Backing(Protocol):
     def allocate(self, spec: ColumnSpec, capacity: int) -> np.ndarray:
         """A writable uint8 array of shape ``[capacity, spec.row_bytes]``."""
 
+    def item_slots(self, capacity: int) -> list:
+        """The ``capacity`` slots (None: empty) of a table of items, which has no columns."""
+
     def close(self) -> None:
         """The table is gone: let go of what :meth:`allocate` gave."""
 
@@ -43,6 +46,9 @@ class MemoryBacking:
 
     def allocate(self, spec: ColumnSpec, capacity: int) -> np.ndarray:
         return np.zeros((capacity, spec.row_bytes), np.uint8)
+
+    def item_slots(self, capacity: int) -> list:
+        return [None] * capacity
 
     def close(self) -> None:
         pass
@@ -62,6 +68,8 @@ class MemmapBacking:
         self.keep = keep
         self.reopen = reopen
         self.paths: list[str] = []
+
+    item_slots = MemoryBacking.item_slots  # items are never in files
 
     def path(self, column: str) -> str:
         return os.path.join(self.directory, f"{column}.memmap")

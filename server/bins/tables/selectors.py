@@ -168,6 +168,15 @@ class Remover:
         return self.index.first(k)
 
 
+def index_bytes(capacity: int, sampler: str, remover: str | None) -> int:
+    """The memory the indexes :func:`build` makes for these take (their arrays'
+    bytes), before they are made: a :class:`MinTree` holds 32 bytes a leaf, a
+    :class:`SumTree` 16, over the next power of two of ``capacity``."""
+    leaves = 1 << max(0, (capacity - 1).bit_length())
+    orders = int(sampler == "fifo" or remover == "fifo") + (sampler == "lifo") + (remover == "lowest_priority")
+    return leaves * (32 * orders + 16 * (sampler == "prioritized"))
+
+
 def build(slots: Slots, sampler: str, remover: str | None, priority_exponent: float,
           stratified: bool) -> tuple[object, Remover | None, list[_Index]]:
     """The sampler and remover named, and every index the table must keep in step."""

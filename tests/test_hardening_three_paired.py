@@ -1,0 +1,81 @@
+"""Issue #31, the third hardening round, where the protocol decides: the real client
+protocol and real server sessions paired in memory (tests/pairing.py), no socket.
+
+Each test failed on the code the issue was filed against; the findings and their
+figures are in docs/reliability.md, "Third round".  The cases a process, a disk or
+a signal decides are in tests/test_hardening_three.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pairing import Pair
+from tensorshare.errors import StorageFullError, TooLargeError
+from tensorshare.protocol.messages import DELETE, PUT, TCREATE, TINSERT, Key, TableKey
+
+K = TableKey
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def _create(pair: Pair, name: str, capacity: int, columns: dict | None = None) -> None:
+    spec = {"capacity": capacity, "sampler": "uniform", "remover": "fifo"}
+    if columns:
+        spec["columns"] = columns
+    pair.call(TCREATE, {Key.BIN: name, K.SPEC: spec})
+
+
+# -- 6: TCREATE's per-slot state is bounded and counted
+
+
+def test_6_a_table_whose_slot_state_does_not_fit_the_memory_budget_gets_452(tmp_path):
+    """Two ~100-byte TCREATEs of 2**26 rows each took +1.9 GiB beside a memory limit."""
+    pair = Pair(memory_limit=4 * MiB, spill_dir=str(tmp_path), zero_copy=False)
+    with pytest.raises(StorageFullError, match="state"):
+        _create(pair, "huge", 1 << 20)  # 41 bytes a row and two trees: about 75 MiB
+    _create(pair, "fits", 1 << 12)
+    store = pair.state.store
+    assert 41 << 12 < store.table_bytes < 1 * MiB
+    pair.call(DELETE, {Key.BIN: "fits"})
+    assert store.table_bytes == 0
+
+
+def test_6_the_rows_of_all_tables_together_are_bounded():
+    pair = Pair(max_table_rows=1000)
+    _create(pair, "a", 600)
+    with pytest.raises(TooLargeError, match="1000 rows"):
+        _create(pair, "b", 600)
+    pair.call(DELETE, {Key.BIN: "a"})
+    _create(pair, "b", 600)
+
+
+# -- 7: tables count in the memory budget
+
+
+def test_7_columns_in_memory_count_and_the_bins_spill_to_make_room(tmp_path):
+    """Columns held in memory were not counted with the bins: bins and tables could
+    each fill the limit (about twice the limit in all)."""
+    pair = Pair(memory_limit=1 * MiB, spill_dir=str(tmp_path), zero_copy=False)
+    _create(pair, "t", 1024, {"x": {"shape": [512], "dtype": "uint8"}})  # 512 KiB of columns, in memory
+    store = pair.state.store
+    assert store.table_bytes > 512 * KiB
+    for i in range(4):
+        pair.call(PUT, {Key.BIN: f"b{i}"}, torch.zeros(256 * KiB, dtype=torch.uint8))
+    assert store.resident_bytes + store.unspillable_bytes <= 1 * MiB
+    assert store.resident_bytes <= 1 * MiB - 512 * KiB
+
+
+def test_7_items_of_a_table_of_items_count_and_are_refused_past_the_budget(tmp_path):
+    """A table of items was never counted: inserts went on past the memory limit."""
+    pair = Pair(memory_limit=1 * MiB, spill_dir=str(tmp_path), zero_copy=False)
+    _create(pair, "items", 64)
+    store = pair.state.store
+    held = []
+    with pytest.raises(StorageFullError, match="memory budget"):
+        for i in range(8):
+            pair.call(TINSERT, {Key.BIN: "items"}, torch.zeros(256 * KiB, dtype=torch.uint8))
+            held.append(store.table_bytes)
+    assert len(held) == 3 and held[-1] > 3 * 256 * KiB
+    pair.call(DELETE, {Key.BIN: "items"})
+    assert store.table_bytes == 0
