@@ -11,16 +11,22 @@ Bounded: small sizes, small file systems, every wait with a timeout.
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import socket
+import time
 
 import pytest
 import torch
 
 import tensorshare
+from opsproc import OpsServer, http_get
 from serverproc import ServerProcess, small_tmpfs
 from tensorshare.errors import StorageFullError
+from tensorshare_server.ops.web import MAX_CONNECTIONS
 
 MiB = 1 << 20
+TOKEN = "round-three-token-8f3c61d2e0b94a57"
 pytestmark = pytest.mark.process
 
 COLUMNS = {"id": ((), torch.int64), "obs": ((1024,), torch.uint8)}  # 1 KiB + 8 bytes a row
@@ -67,3 +73,87 @@ def test_2_a_table_larger_than_its_disk_is_refused_with_452_never_a_sigbus(tmp_p
         finally:
             code = srv.stop()
         assert code != -signal.SIGBUS
+
+
+# -- 8: the metrics port's own limits
+
+
+def _http_head(port: int, head: bytes, timeout: float = 5.0) -> bytes:
+    """Send ``head`` (request line and headers, no body) and read what comes back
+    until the server closes (or ``timeout``)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(head)
+        got = b""
+        with contextlib.suppress(socket.timeout):
+            while chunk := sock.recv(65536):
+                got += chunk
+        return got
+
+
+def test_8_a_request_body_is_refused_before_a_byte_of_it_is_read(tmp_path):
+    """A body was spooled to disk before the token was checked (300 MiB accepted
+    without a token): now the headers alone get the answer, and the socket closes."""
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    srv = OpsServer("--token-file", str(token), log_path=tmp_path / "server.log")
+    try:
+        head = b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (300 * MiB)
+        began = time.monotonic()
+        assert _http_head(srv.metrics_port, head).startswith(b"HTTP/1.1 401")
+        authorized = head.replace(b"Host: x", b"Host: x\r\nAuthorization: Bearer " + TOKEN.encode())
+        assert _http_head(srv.metrics_port, authorized).startswith(b"HTTP/1.1 413")
+        chunked = b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        assert _http_head(srv.metrics_port, chunked).startswith(b"HTTP/1.1 401")
+        assert time.monotonic() - began < 10
+        assert http_get(srv.url("/status.json"), {"Authorization": f"Bearer {TOKEN}"})[0] == 200
+    finally:
+        srv.stop()
+
+
+def test_8_half_sent_http_requests_are_bounded_and_leave_the_data_port_alone(tmp_path):
+    """HTTP connections were not counted: half-sent requests could take every
+    descriptor the data port needs.  Past MAX_CONNECTIONS they are closed as they come."""
+    srv = OpsServer(log_path=tmp_path / "server.log")
+    socks = []
+    try:
+        for _ in range(MAX_CONNECTIONS + 8):
+            sock = socket.create_connection(("127.0.0.1", srv.metrics_port), timeout=5)
+            sock.sendall(b"GET /status.json HTTP/1.1\r\nHost: x\r\n")  # never finished
+            socks.append(sock)
+        assert all(_closed(sock, wait=5) for sock in socks[MAX_CONNECTIONS:])
+        assert not any(_closed(sock) for sock in socks[:MAX_CONNECTIONS])
+        with tensorshare.Client("127.0.0.1", srv.port, timeout=10) as c:
+            c.put("still", torch.arange(3))
+        for sock in socks:
+            sock.close()
+        deadline = time.monotonic() + 10
+        while True:  # the server notices the closes
+            status = http_get(srv.url("/status.json"))[0] if _accepts(srv.metrics_port) else None
+            if status == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert status == 200
+    finally:
+        for sock in socks:
+            sock.close()
+        srv.stop()
+
+
+def _accepts(port: int) -> bool:
+    """The status port answers a GET (it is not at its connection limit)."""
+    try:
+        return _http_head(port, b"GET /status.json HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+                          timeout=2).startswith(b"HTTP/1.1 200")
+    except OSError:
+        return False
+
+
+def _closed(sock: socket.socket, wait: float = 0.0) -> bool:
+    """The server has closed (or reset) ``sock``, or does within ``wait`` seconds."""
+    sock.settimeout(wait)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except (BlockingIOError, socket.timeout):
+        return False
