@@ -79,3 +79,44 @@ def test_7_items_of_a_table_of_items_count_and_are_refused_past_the_budget(tmp_p
     assert len(held) == 3 and held[-1] > 3 * 256 * KiB
     pair.call(DELETE, {Key.BIN: "items"})
     assert store.table_bytes == 0
+
+
+# -- 11: a listener hears every change made while it listened
+
+
+@pytest.mark.parametrize("others", [False, True])
+def test_11_stopping_a_listen_keeps_delivering_until_the_server_has_stopped(others):
+    """The original's callback flow (listen, append, delete, ignore, back to back):
+    the handle was forgotten when stop() was called, so the notifications of the
+    append and the delete, already on their way, were dropped.  ``others``: another
+    handle of the bin listens on (the server is not told to stop: a NOOP is the fence)."""
+    from twisted.internet import defer
+
+    from pairing import async_pair
+
+    client, pump, clock, state = async_pair()
+    try:
+        heard, kept = [], []
+        handle = _settled(client.listen("flow", heard.append), pump)
+        if others:
+            _settled(client.listen("flow", kept.append), pump)
+        calls = [client.append("flow", torch.arange(3)), client.delete("flow"), handle.stop()]
+        _settled(defer.gatherResults(calls), pump)
+        assert [n.op for n in heard] == ["APPEND", "DELETE"]
+        _settled(client.append("flow", torch.arange(3)), pump)
+        assert [n.op for n in heard] == ["APPEND", "DELETE"]  # nothing after the stop was answered
+        assert [n.op for n in kept] == (["APPEND", "DELETE", "APPEND"] if others else [])
+    finally:
+        client.close()
+        pump.flush()
+        state.storage.close()
+
+
+def _settled(deferred, pump):
+    out = []
+    deferred.addBoth(out.append)
+    pump.flush()
+    assert out, "not settled"
+    if hasattr(out[0], "raiseException"):
+        out[0].raiseException()
+    return out[0]
