@@ -422,5 +422,5 @@ def main(argv: list[str] | None = None) -> int:
         run_server(config.port, config.host, **settings)
     except UsageError as exc:
         print(f"tensorshare-server: {exc}", file=sys.stderr)
-        return 2
+        return getattr(exc, "exit_code", 2)
     return 0

@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -157,3 +159,28 @@ def _closed(sock: socket.socket, wait: float = 0.0) -> bool:
         return True
     except (BlockingIOError, socket.timeout):
         return False
+
+
+# -- 12: a data directory is locked by the server using it
+
+
+def test_12_a_second_server_on_a_data_directory_stops_at_once_naming_the_holder(tmp_path):
+    """The second server started, and its writes failed later with a misleading 452."""
+    data = tmp_path / "data"
+    first = ServerProcess("--data-dir", str(data), log_path=tmp_path / "first.log")
+    try:
+        second = subprocess.run([sys.executable, "-m", "tensorshare_server", "--port", "0", "--data-dir", str(data)],
+                                capture_output=True, text=True, timeout=60)
+        assert second.returncode == 75, second
+        lines = second.stderr.strip().splitlines()
+        assert len(lines) == 1 and f"pid {first.pid} " in lines[0] and "in use" in lines[0], second.stderr
+        with tensorshare.Client("127.0.0.1", first.port, timeout=10) as c:
+            c.put("kept", torch.arange(3))
+    finally:
+        first.stop()
+    again = ServerProcess("--data-dir", str(data), log_path=tmp_path / "again.log")  # the lock went with it
+    try:
+        with tensorshare.Client("127.0.0.1", again.port, timeout=10) as c:
+            assert torch.equal(c.peek("kept")[0], torch.arange(3))
+    finally:
+        again.stop()

@@ -567,6 +567,8 @@ class Storage:
             self.spill.close()
         if self.shm is not None:
             self.shm.close()
+        if self.data_dir is not None:
+            self.data_dir.close()  # its lock: another server may use it now
 
 
 def _repoint(files: ItemFiles, stored: StoredItem, number: int | None) -> None:
