@@ -12,6 +12,7 @@ Bounded: small sizes, small file systems, every wait with a timeout.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import subprocess
@@ -24,7 +25,7 @@ import torch
 import tensorshare
 from opsproc import OpsServer, http_get
 from serverproc import ServerProcess, small_tmpfs
-from tensorshare.errors import StorageFullError
+from tensorshare.errors import StorageFullError, TooLargeError
 from tensorshare_server.ops.web import MAX_CONNECTIONS
 
 MiB = 1 << 20
@@ -184,3 +185,36 @@ def test_12_a_second_server_on_a_data_directory_stops_at_once_naming_the_holder(
             assert torch.equal(c.peek("kept")[0], torch.arange(3))
     finally:
         again.stop()
+
+
+# -- 14: smaller ones
+
+
+def test_14_a_value_over_max_frame_raises_too_large_on_both_routes(tmp_path):
+    """A TCP client got a broken pipe, a same-host client 501; both now raise
+    TooLargeError (552) before sending, and the connection goes on."""
+    srv = ServerProcess("--max-frame", "64KiB", "--zero-copy-min", "4KiB", log_path=tmp_path / "server.log")
+    try:
+        for zero_copy in (False, True):
+            with tensorshare.Client("127.0.0.1", srv.port, timeout=10, zero_copy=zero_copy) as c:
+                assert c.same_host == zero_copy
+                with pytest.raises(TooLargeError, match="max-frame"):
+                    c.put("big", torch.zeros(1 << 15))  # 128 KiB
+                c.put("small", torch.zeros(1 << 12))  # 16 KiB: the same connection goes on
+        assert srv.proc.poll() is None
+    finally:
+        srv.stop()
+
+
+def test_14_a_token_file_that_cannot_be_written_leaves_no_temporary_file(tmp_path):
+    from tensorshare.disk.areas import TOKEN_FILE, write_token
+
+    with small_tmpfs(tmp_path / "small", "64k") as mount:
+        filler = mount / "filler"
+        with contextlib.suppress(OSError), open(filler, "wb") as f:
+            while True:
+                f.write(bytes(4096))
+                f.flush()
+        with pytest.raises(OSError):
+            write_token(str(mount), "ab" * 16)
+        assert sorted(os.listdir(mount)) == ["filler"], TOKEN_FILE

@@ -8,12 +8,19 @@ a signal decides are in tests/test_hardening_three.py.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 from pairing import Pair
+from tensorshare._client.connection import next_request_id, request_frame
 from tensorshare.errors import StorageFullError, TooLargeError
-from tensorshare.protocol.messages import DELETE, PUT, TCREATE, TINSERT, Key, TableKey
+from tensorshare.protocol.messages import (
+    AUTH, DELETE, MAX_RELEASE_IDS, NOOP, PUT, TCREATE, TINSERT, Key, TableKey,
+)
+from tensorshare.wire.codec import encode
+from tensorshare.wire.frames import frame_head
 
 K = TableKey
 KiB, MiB = 1 << 10, 1 << 20
@@ -120,3 +127,55 @@ def _settled(deferred, pump):
     if hasattr(out[0], "raiseException"):
         out[0].raiseException()
     return out[0]
+
+
+# -- 14: smaller ones
+
+
+def test_14_auth_on_a_server_without_a_token_gets_503_whatever_it_holds():
+    """§4.3: AUTH when none is due is 503 and the connection goes on; one without its
+    fields was answered 501 (its fields were checked first)."""
+    pair = Pair()
+    rid = pair.send_request(AUTH)
+    assert [(f.header["id"], f.header["code"]) for f in pair.receive()] == [(rid, 503)]
+    assert pair.call(NOOP) is not None and not pair.outbox.closed
+
+
+def test_14_a_release_of_100k_ids_is_refused_as_a_request_and_the_connection_goes_on():
+    """It was answered 500 and the connection closed: a framing error for a request
+    whose header decodes to more than the server lets a header hold."""
+    pair = Pair()
+    rid = next_request_id()
+    pair.send(frame_head({"op": "PUT", "id": rid, "bin": "b", "value": encode(torch.arange(4)).description,
+                          "release": list(range(1, 100_001))}, 32) + bytes(32))
+    [reply] = pair.receive()
+    assert (reply.header["id"], reply.header["code"]) == (rid, 501) and "decodes to" in reply.header["msg"]
+    assert not pair.outbox.closed and pair.state.storage.listing() == {}  # nothing stored
+    pair.call(PUT, {Key.BIN: "b"}, torch.arange(4))
+    assert pair.state.storage.listing() == {"b": 1}
+
+
+def test_14_the_clients_send_release_ids_a_few_at_a_time():
+    """What the clients send stays far from that limit: at most MAX_RELEASE_IDS a request."""
+    from tensorshare._client.core import ClientCore
+
+    core = ClientCore.__new__(ClientCore)
+    core._releases, core._release_lock = list(range(1, 150)), threading.Lock()
+    sent = [core._with_releases({Key.BIN: "b"})[Key.RELEASE] for _ in range(3)]
+    assert [len(ids) for ids in sent] == [MAX_RELEASE_IDS, MAX_RELEASE_IDS, 149 - 2 * MAX_RELEASE_IDS]
+    assert sum(sent, []) == list(range(1, 150)) and core._with_releases(None) is None
+
+
+def test_14_a_value_over_max_frame_is_too_large_on_both_routes(tmp_path):
+    """README promises TooLargeError (552): a TCP client got a broken pipe (the server
+    closed on the frame's prefix), a same-host one 501."""
+    pair = Pair(max_frame=1024, same_host=True)
+    assert pair.client.greeting[Key.MAX_FRAME] == 1024
+    rid = pair.send_request(PUT, {Key.BIN: "b", Key.VALUE: encode(torch.zeros(512)).description,
+                                  Key.SHM: "x", Key.SIZE: 2048})  # named in shared memory
+    [reply] = pair.receive()
+    assert (reply.header["id"], reply.header["code"]) == (rid, 552)
+    with pytest.raises(TooLargeError, match="max-frame"):
+        request_frame(next_request_id(), PUT, {Key.BIN: "b"}, torch.zeros(512), max_payload=1024)
+    with pytest.raises(TooLargeError, match="max-frame"):  # named in shared memory: checked alike
+        request_frame(next_request_id(), PUT, {Key.BIN: "b", Key.SIZE: 2048}, max_payload=1024)

@@ -177,7 +177,7 @@ class ServerSession:
         if self.counters is not None:
             self.counters.opened(self)
         greeting = GREETING_MESSAGE.build(msg="tensorshare ready", server=f"tensorshare/{__version__}",
-                                          version=PROTOCOL_VERSION)
+                                          version=PROTOCOL_VERSION, max_frame=self.config.max_frame)
         if not self.authenticated:
             self._move(Phase.AUTHENTICATING)
             greeting.update({Key.MSG: "tensorshare ready; authenticate", Key.AUTH: auth.MECHANISM,
@@ -390,11 +390,15 @@ class ServerSession:
         op = header.get(Key.OP)
         command = COMMANDS.get(op) if type(op) is str else None
         try:
+            if frame.refused is not None:  # a header over a limit of what it may decode to
+                raise RemoteError(frame.refused, BAD_ARGS)
             if command is None:
                 raise RemoteError(f"unknown verb {op!r:.60}", UNKNOWN_VERB)
             if rid == 0:
                 raise RemoteError("request id must be an integer in 1..2**64-1", BAD_ARGS)
-            request = command.parse_request(header, rid, frame.payload, frame.payload_len, self._max_bin_name)
+            # AUTH when none is due is answered 503 whatever its fields (§4.3): its handler says so
+            request = None if command is AUTH else \
+                command.parse_request(header, rid, frame.payload, frame.payload_len, self._max_bin_name)
             handle = self.state.handlers.get(command) or HANDLERS[command]
             counters = self.counters
             if counters is None:

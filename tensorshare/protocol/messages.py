@@ -37,6 +37,7 @@ class Key:
     N, SEQ, EXISTS, BINS = "n", "seq", "exists", "bins"
     ITEMS, SIZES = "items", "sizes"
     SERVER, VERSION = "server", "version"
+    MAX_FRAME = "max_frame"  # the greeting: the largest request payload the server reads (§7)
     AUTH, MECH, NONCE, PROOF = "auth", "mech", "nonce", "proof"
     # Same-host zero-copy (§10): the greeting's offer; a PUT/APPEND's item directory
     # and size; a GET/PEEK's mappable areas; a 226's references; released replies.
@@ -191,6 +192,10 @@ def optional(key: str, kind: Kind, **kw) -> Field:
 
 BIN = Field(Key.BIN, BIN_NAME, code=BAD_NAME)
 RELEASE = optional(Key.RELEASE, INTS)  # any request may carry it (§10.3)
+# Release ids a client puts in one request: small ids are 1-3 bytes on the wire and
+# 28 as objects, so a long list alone would pass the server's header_memory rule
+# (PROTOCOL.md §7) and the request would be refused; 64 keep any header within it.
+MAX_RELEASE_IDS = 64
 
 
 class Request:
@@ -436,7 +441,7 @@ VERBS_WITH_VALUE = frozenset(verb for verb, c in COMMANDS.items() if c.payload)
 # receiver does not insist on them.
 GREETING_MESSAGE = Message(GREETING, (optional(Key.MSG, STR), optional(Key.SERVER, STR), optional(Key.VERSION, INT),
                                       optional(Key.AUTH, STR), optional(Key.NONCE, BYTES),
-                                      optional(Key.SHM, MAP)))
+                                      optional(Key.SHM, MAP), optional(Key.MAX_FRAME, INT)))
 NOTIFICATION = Message(NOTIFY, (Field(Key.BIN, STR), Field(Key.N, INT), Field(Key.SEQ, INT), Field(Key.OP, STR),
                                 optional(Key.TAG, TAG),
                                 # a relay's INCOMING carrying the copy as its payload (§11)
