@@ -86,6 +86,7 @@ def build_state(config: ServerConfig, jobs: Jobs | None = None, clock=None) -> S
             log.warning("zero-copy: no shared-memory area in %s (%s); values travel over TCP", config.shm_dir, exc)
     storage = Storage(store, jobs or InlineJobs(), data_dir=data_dir, spill=spill, shm=shm)
     storage.tables.max_rows = config.max_table_rows
+    storage.tables.max_reply_bytes, storage.tables.max_reply_header = config.max_outbound, config.max_reply_header
     if config.zero_copy:
         storage.share(new_token())
     if data_dir is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,7 +18,7 @@ from pairing import Pair
 from tensorshare._client.connection import next_request_id, request_frame
 from tensorshare.errors import StorageFullError, TooLargeError
 from tensorshare.protocol.messages import (
-    AUTH, DELETE, MAX_RELEASE_IDS, NOOP, PUT, TCREATE, TINSERT, Key, TableKey,
+    AUTH, DELETE, MAX_RELEASE_IDS, NOOP, PUT, TCREATE, TINSERT, TREAD, TSAMPLE, Key, TableKey,
 )
 from tensorshare.wire.codec import encode
 from tensorshare.wire.frames import frame_head
@@ -179,3 +180,59 @@ def test_14_a_value_over_max_frame_is_too_large_on_both_routes(tmp_path):
         request_frame(next_request_id(), PUT, {Key.BIN: "b"}, torch.zeros(512), max_payload=1024)
     with pytest.raises(TooLargeError, match="max-frame"):  # named in shared memory: checked alike
         request_frame(next_request_id(), PUT, {Key.BIN: "b", Key.SIZE: 2048}, max_payload=1024)
+
+
+# -- 5: TSAMPLE's n and TREAD's indices are bounded and counted
+
+
+def _i64(values) -> bytes:
+    return np.asarray(values, "<i8").tobytes()
+
+
+def test_5_a_sample_or_read_larger_than_one_reply_may_carry_gets_552():
+    """The reply was built before any check: two unread requests held +1 GiB
+    beside a 4 MiB table."""
+    pair = Pair(max_outbound=64 * KiB)
+    _create(pair, "t", 256, {"x": {"shape": [1024], "dtype": "uint8"}})  # 1 KiB rows
+    pair.call(TINSERT, {Key.BIN: "t"}, {"x": torch.zeros(256, 1024, dtype=torch.uint8)})
+    with pytest.raises(TooLargeError, match="max_outbound"):
+        pair.call(TSAMPLE, {Key.BIN: "t", Key.N: 1 << 16})  # 64 MiB of rows
+    with pytest.raises(TooLargeError, match="max_outbound"):
+        pair.call(TREAD, {Key.BIN: "t", K.INDICES: _i64(np.zeros(1000))})
+    assert pair.state.storage.tables.get("t").table.samples == 0  # nothing drawn
+    assert pair.call(TSAMPLE, {Key.BIN: "t", Key.N: 32}).values[0]["x"].shape == (32, 1024)
+
+
+def test_5_the_header_of_a_reply_is_bounded_too():
+    pair = Pair(max_reply_header=4096)
+    _create(pair, "t", 8, {"x": {"shape": [], "dtype": "uint8"}})
+    pair.call(TINSERT, {Key.BIN: "t"}, {"x": torch.zeros(8, dtype=torch.uint8)})
+    with pytest.raises(TooLargeError, match="max_reply_header"):
+        pair.call(TSAMPLE, {Key.BIN: "t", Key.N: 1000})  # 24 bytes a row of keys, indices, probabilities
+    _create(pair, "items", 8)
+    pair.call(TINSERT, {Key.BIN: "items"}, {"k" * 1000: 1})  # a description of about 1 KiB
+    with pytest.raises(TooLargeError, match="max_reply_header"):
+        pair.call(TSAMPLE, {Key.BIN: "items", Key.N: 8})
+    assert len(pair.call(TSAMPLE, {Key.BIN: "items", Key.N: 2}).values) == 2
+
+
+def test_5_gathered_rows_count_in_the_memory_budget_until_written(tmp_path):
+    pair = Pair(memory_limit=1 * MiB, spill_dir=str(tmp_path), zero_copy=False)
+    _create(pair, "t", 1024, {"x": {"shape": [1024], "dtype": "uint8"}})  # 1 MiB of columns: in files
+    pair.call(TINSERT, {Key.BIN: "t"}, {"x": torch.zeros(1024, 1024, dtype=torch.uint8)})
+    with pytest.raises(StorageFullError, match="memory budget"):
+        pair.call(TREAD, {Key.BIN: "t", K.INDICES: _i64(np.arange(1024))})  # 1 MiB gathered: no room
+    held = []
+    pair.outbox.send = _holding(pair.outbox.send, held)  # a reply not yet written
+    rid = pair.send_request(TREAD, {Key.BIN: "t", K.INDICES: _i64(np.arange(256))})
+    assert pair.state.store.in_flight_bytes >= 256 * KiB
+    held.pop()()  # written
+    assert pair.state.store.in_flight_bytes == 0 and rid
+
+
+def _holding(send, held: list):
+    def hold(parts, on_abandon=None, on_written=None):
+        if on_written is not None:
+            held.append(on_written)
+        return send(parts, on_abandon, None)
+    return hold

@@ -43,6 +43,7 @@ from tensorshare.errors import BadNameError, NoSuchBinError, RemoteError, Storag
 from .store import BinStore, Change
 from .tables import MemmapBacking, MemoryBacking, Table, TableSpecError, state_bytes, tensordict_metadata
 from .tables.columns import parse_columns
+from .tables.values import gathered_bytes
 
 log = logging.getLogger("tensorshare.server")
 
@@ -85,6 +86,7 @@ class TableEntry:
     resident: int = 0  # bytes it holds in memory beside its items: its per-slot state, columns not in files
     directory: str | None = None  # its files (spilled or durable)
     tensordict: bool = False  # rows came as TensorDicts: replies say so (clients give TensorDicts back)
+    items: Any = None  # a table of items' slots (_CountedItems)
 
 
 class TableStore:
@@ -101,6 +103,10 @@ class TableStore:
         self.spill_root = None if spill_root is None else os.path.join(spill_root, "tables")
         self.data_root = None if data_root is None else os.path.join(data_root, "tables")
         self.rows = 0  # slots of all tables
+        # What one TSAMPLE/TREAD reply may carry (the server's max_outbound and
+        # max_reply_header): the rows are gathered into new memory before any byte goes.
+        self.max_reply_bytes: int | None = None
+        self.max_reply_header: int | None = None
         self.on_grow = on_grow or (lambda: None)  # tables took memory: the bins may have to spill to make room
         self._spilled = itertools.count()
         self._tables: dict[str, TableEntry] = {}
@@ -179,7 +185,8 @@ class TableStore:
                 if directory is not None:
                     shutil.rmtree(directory, ignore_errors=True)
             raise StorageFullError(f"cannot make the table's files: {exc.strerror or exc}") from None
-        entry = self._tables[name] = TableEntry(name, full, table, directory=directory)
+        entry = self._tables[name] = TableEntry(name, full, table, directory=directory,
+                                                items=backing.slots if isinstance(backing, _ItemsBacking) else None)
         self._count(entry, state + (nbytes if backing is None else 0))
         return entry, self.changed(entry, "CREATE")
 
@@ -189,6 +196,39 @@ class TableStore:
         self.rows += entry.table.capacity
         self.store.table_bytes += resident
         self.on_grow()
+
+    def check_reply(self, entry: TableEntry, n: int) -> int:
+        """The payload bytes of a TSAMPLE/TREAD reply of ``n`` rows of ``entry``'s table,
+        checked before anything is drawn or gathered: 552 past ``max_reply_bytes``
+        (its gathered columns) or ``max_reply_header`` (8 bytes a row for each of keys,
+        indices and probabilities, and a table of items' descriptions), 452 if the
+        memory budget cannot take the gathered rows."""
+        table = entry.table
+        per_row = 24
+        if entry.items is not None:
+            per_row += entry.items.largest
+        if self.max_reply_header is not None and n * per_row > self.max_reply_header:
+            raise TooLargeError(f"a reply of {n} rows would have a header of {n * per_row} bytes, more than the "
+                                f"{self.max_reply_header} one may have (max_reply_header): ask for fewer rows")
+        nbytes = gathered_bytes(table.columns, n)
+        if self.max_reply_bytes is not None and nbytes > self.max_reply_bytes:
+            raise TooLargeError(f"{n} rows are {nbytes} bytes, more than the {self.max_reply_bytes} one reply may "
+                                f"carry (max_outbound): ask for at most {self.max_reply_bytes // max(1, nbytes // n)}")
+        self.check_room(nbytes)
+        return nbytes
+
+    def hold_reply(self, nbytes: int):
+        """``nbytes`` of gathered rows are in a reply being written: the memory budget
+        counts them until the returned callable is called (written, or abandoned)."""
+        store = self.store
+        store.in_flight_bytes += nbytes
+        done = []
+
+        def release() -> None:
+            if not done:
+                done.append(True)
+                store.in_flight_bytes -= nbytes
+        return release
 
     def check_room(self, nbytes: int) -> None:
         """452 unless ``nbytes`` more (an item for a table of items) fit in the memory
@@ -284,6 +324,7 @@ class _CountedItems(list):
         super().__init__([None] * capacity)
         self.store = store
         self.held = 0  # bytes of the items it holds
+        self.largest = 0  # the longest description it ever held (bounds a reply's header)
 
     def __setitem__(self, slot: int, item) -> None:
         old = self[slot]
@@ -291,6 +332,8 @@ class _CountedItems(list):
             (0 if old is None else old.nbytes + len(old.description))
         self.held += change
         self.store.table_bytes += change
+        if item is not None and len(item.description) > self.largest:
+            self.largest = len(item.description)
         super().__setitem__(slot, item)
 
     def let_go(self) -> None:
