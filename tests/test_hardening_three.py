@@ -12,6 +12,7 @@ Bounded: small sizes, small file systems, every wait with a timeout.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -26,6 +27,8 @@ import tensorshare
 from opsproc import OpsServer, http_get
 from serverproc import ServerProcess, small_tmpfs
 from tensorshare.errors import StorageFullError, TooLargeError
+from tensorshare.protocol.messages import Key
+from wiretools import RawConnection, raw_frame, wait_for
 from tensorshare_server.ops.web import MAX_CONNECTIONS
 
 MiB = 1 << 20
@@ -218,3 +221,37 @@ def test_14_a_token_file_that_cannot_be_written_leaves_no_temporary_file(tmp_pat
         with pytest.raises(OSError):
             write_token(str(mount), "ab" * 16)
         assert sorted(os.listdir(mount)) == ["filler"], TOKEN_FILE
+
+
+# -- 1: a held read notices its peer's close and takes nothing
+
+
+def _clients(srv: OpsServer) -> int:
+    status, _, body = http_get(srv.url("/status.json"))
+    assert status == 200
+    return len(json.loads(body)["clients"])
+
+
+def test_1_a_held_get_or_sample_whose_client_closed_takes_nothing_and_frees_its_slot(tmp_path):
+    """While a GET (or TSAMPLE) waited the server read nothing of its connection, so
+    it did not see the close: the next acknowledged APPEND went to the dead GET and
+    was lost, and 4 such connections locked every client out of --max-connections 4."""
+    srv = OpsServer("--max-connections", "5", log_path=tmp_path / "server.log")
+    try:
+        with tensorshare.Client("127.0.0.1", srv.port, timeout=10) as setup:
+            setup.create_table("t", 8, {"x": ((), torch.int64)}, max_times_sampled=1)
+        dead = [RawConnection(srv.port) for _ in range(4)]
+        for i, conn in enumerate(dead):
+            if i % 2:
+                conn.send(raw_frame(1, "TSAMPLE", "t", extra={Key.N: 1, Key.WAIT: 60.0}))
+            else:
+                conn.send(raw_frame(1, "GET", "q", extra={Key.WAIT: 60.0}))
+            conn.close()
+        assert wait_for(lambda: _clients(srv) == 0, timeout=10), "the server kept the closed connections"
+        with tensorshare.Client("127.0.0.1", srv.port, timeout=10) as c:  # a slot is free
+            c.append("q", torch.arange(3))
+            c.insert("t", {"x": torch.arange(1)})
+            assert [v.tolist() for v in c.get("q")] == [[0, 1, 2]]  # not taken by a dead GET
+            assert c.sample("t", 1).value["x"].tolist() == [0]  # nor sampled out by a dead TSAMPLE
+    finally:
+        srv.stop()

@@ -482,11 +482,16 @@ class ServerSession:
         """Run ``go()`` once ``ready()`` holds for bin ``name``, or ``expire()`` after
         ``timeout`` seconds (:class:`~.waits.Waits`; ``ordered``: see there).  Call it from the ``start`` of
         :meth:`wait_for`: this connection's later requests wait meanwhile, its
-        notifications do not; a connection that closes drops its parked request."""
+        notifications do not; a connection that closes drops its parked request.
+
+        While it is parked the connection is still read (its later requests are held
+        in the backlog, which stops reading again), so a peer that closes is seen at
+        once and its request takes nothing (nor keeps a connection slot)."""
         def went() -> None:
             if self._parked is not None:  # it waited: hold notifications again until its reply
                 self._parked = None
                 self._held_notes = {}
+                self.reads.pause("disk")  # (until its reply: it may wait for the disk now)
             go()
 
         def expired() -> None:
@@ -501,7 +506,8 @@ class ServerSession:
 
     def _wait_began(self) -> None:
         self._waiting = True
-        self.reads.pause("disk")
+        if self._parked is None:  # a parked request keeps reading: see park()
+            self.reads.pause("disk")
 
     def _wait_ended(self) -> None:
         self._waiting = False
