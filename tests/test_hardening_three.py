@@ -255,3 +255,26 @@ def test_1_a_held_get_or_sample_whose_client_closed_takes_nothing_and_frees_its_
             assert c.sample("t", 1).value["x"].tolist() == [0]  # nor sampled out by a dead TSAMPLE
     finally:
         srv.stop()
+
+
+# -- 9: a relay never deletes an ephemeral bin someone else now owns
+
+
+def test_9_a_relay_spares_an_ephemeral_bin_its_client_no_longer_owns(tmp_path):
+    """When the relay's client disconnected, a plain DELETE went upstream, deleting
+    the bin another worker had put (ephemeral) since, against PROTOCOL.md §4.6."""
+    head = ServerProcess(log_path=tmp_path / "head.log")
+    relay = ServerProcess("--follow", f"127.0.0.1:{head.port}", log_path=tmp_path / "relay.log")
+    try:
+        with tensorshare.Client("127.0.0.1", head.port, timeout=15) as direct:
+            via_relay = tensorshare.Client("127.0.0.1", relay.port, timeout=15)
+            via_relay.put("members/w1", {"host": "old"}, ephemeral=True)
+            via_relay.put("members/only-mine", {"host": "old"}, ephemeral=True)
+            direct.put("members/w1", {"host": "new"}, ephemeral=True)  # a new worker under the same name
+            via_relay.close()
+            # The relay ends both of its client's bins in one go: once its own is gone, it is done.
+            assert wait_for(lambda: "members/only-mine" not in direct.list(), timeout=15)
+            assert direct.peek("members/w1") == [{"host": "new"}]
+    finally:
+        relay.stop()
+        head.stop()

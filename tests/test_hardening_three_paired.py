@@ -236,3 +236,17 @@ def _holding(send, held: list):
             held.append(on_written)
         return send(parts, on_abandon, None)
     return hold
+
+
+# -- 9: a DELETE for one client of a connection spares a bin another has put since
+
+
+def test_9_a_delete_with_an_owner_ends_only_that_owners_ephemeral_bin():
+    pair = Pair()
+    bins = {Key.BIN: "members/w"}
+    pair.call(PUT, {**bins, Key.EPHEMERAL: True, Key.OWNER: b"client-a"}, 1)
+    pair.call(PUT, {**bins, Key.EPHEMERAL: True, Key.OWNER: b"client-b"}, 2)  # the latest put owns it
+    assert pair.call(DELETE, {**bins, Key.OWNER: b"client-a"}).header[Key.N] == 1  # not a's any more
+    assert pair.state.storage.listing() == {"members/w": 1}
+    pair.call(DELETE, {**bins, Key.OWNER: b"client-b"})
+    assert pair.state.storage.listing() == {}

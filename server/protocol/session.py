@@ -265,11 +265,11 @@ class ServerSession:
             self.state.ephemeral.release(self, self._delete_ended)
         self.shared.connection_lost()
 
-    def _delete_ended(self, name: str) -> None:
+    def _delete_ended(self, name: str, owner: bytes | None) -> None:
         """Delete an ephemeral bin whose connection ended; its listeners are told."""
         relay = self.state.relay
-        if relay is not None and relay.follows(name):  # a relay's: the bin lives upstream
-            relay.delete_upstream(name)
+        if relay is not None and relay.follows(name):  # a relay's: the bin lives upstream, for this client
+            relay.delete_upstream(name, owner)
             return
         def deleted(change, error) -> None:
             if error is None:

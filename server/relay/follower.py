@@ -34,7 +34,9 @@ relay keeps serving the last whole copies and says in :meth:`status` (LIST's
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import logging
+import secrets
 import weakref
 from typing import Callable
 
@@ -99,6 +101,7 @@ class Follower:
         self._retry = None
         self._delay = 0.05
         self._stopped = False
+        self._owner_key = secrets.token_bytes(16)  # makes this run's owner values its own (owner_value)
 
     # -- the upstream connection
 
@@ -441,15 +444,24 @@ class Follower:
             for _seq, done in waiters:
                 done(error)
 
-    def delete_upstream(self, name: str) -> None:
+    def owner_value(self, session, given: bytes | None) -> bytes:
+        """The ``owner`` an ephemeral PUT of ``session`` (a client of this relay) carries
+        upstream: one per client connection of this relay run, and, for a relay
+        following this one, per client of that relay (``given``) too (PROTOCOL.md §4.6)."""
+        key = self._owner_key + session.stats.id.to_bytes(8, "little") + (given or b"")
+        return hashlib.sha256(key).digest()[:16]
+
+    def delete_upstream(self, name: str, owner: bytes | None) -> None:
         """Delete bin ``name`` upstream, without an answer to wait for: an ephemeral bin
-        forwarded for a client of this relay whose connection ended."""
+        forwarded for a client of this relay whose connection ended.  With ``owner``
+        (its PUT's), the upstream deletes it only if no other client has put it since."""
         from tensorshare.protocol.messages import DELETE
 
         if not self.connected:
             return  # the upstream dropped this relay's ephemeral bins with its connection
+        fields = {Key.BIN: name} if owner is None else {Key.BIN: name, Key.OWNER: owner}
         try:
-            d = self.client._call(DELETE, {Key.BIN: name}, decode=False, zero_copy=False)
+            d = self.client._call(DELETE, fields, decode=False, zero_copy=False)
         except TensorShareError as exc:
             log.info("relay: could not delete ephemeral bin %r upstream: %s", name, exc)
             return

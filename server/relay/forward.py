@@ -117,15 +117,17 @@ def store(session, request) -> None:
         timeout = (request.wait or 0) + MARGIN_S
     value = Encoded(request.value, list(request.payload or ()), request.payload_len)
     command = request.command
-    # An ephemeral PUT (PROTOCOL.md §4.6) is owned upstream by the relay's connection;
-    # the relay owns it for the client's and deletes it upstream when that one ends.
+    # An ephemeral PUT (PROTOCOL.md §4.6) is owned upstream by the relay's connection
+    # with an owner value of this client's; the relay owns it for the client's and
+    # deletes it upstream, with that value, when that one ends.
     ephemeral = command is PUT and getattr(request, "ephemeral", None) is True
     if ephemeral:
-        fields[Key.EPHEMERAL] = True
+        owner = relay.owner_value(session, request.owner)
+        fields[Key.EPHEMERAL], fields[Key.OWNER] = True, owner
 
     def stored(reply) -> None:
         if ephemeral:
-            session.state.ephemeral.claim(name, session)
+            session.state.ephemeral.claim(name, session, owner)
         mirrored, n, seq = _local_seq(session, name, reply.header[Key.SEQ])
         session.send_header(command.reply(request.id, n=n if mirrored else reply.header[Key.N], seq=seq))
 
@@ -137,11 +139,21 @@ def delete(session, request) -> None:
     if not relay.follows(name):
         return local.delete(session, request)
 
+    fields = {Key.BIN: name}
+    if request.owner is not None:  # a relay following this one: its client's bin, if still that one's
+        owner = relay.owner_value(session, request.owner)
+        if not session.state.ephemeral.owns(name, session, owner):  # nothing changes (§4.6)
+            _exists, n, seq, _tag = session.storage.state(name)
+            session.send_header(DELETE.reply(request.id, n=n, seq=seq))
+            return
+        fields[Key.OWNER] = owner
+
     def deleted(reply) -> None:
         session.state.ephemeral.forget(name)
-        session.send_header(DELETE.reply(request.id, n=0, seq=_local_seq(session, name, reply.header[Key.SEQ])[2]))
+        session.send_header(DELETE.reply(request.id, n=reply.header[Key.N],
+                                         seq=_local_seq(session, name, reply.header[Key.SEQ])[2]))
 
-    _forward(session, request.id, DELETE, {Key.BIN: name}, None, relay.timeout, deleted, name)
+    _forward(session, request.id, DELETE, fields, None, relay.timeout, deleted, name)
 
 
 def get(session, request) -> None:
