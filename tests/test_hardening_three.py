@@ -26,8 +26,8 @@ import torch
 import tensorshare
 from opsproc import OpsServer, http_get
 from serverproc import ServerProcess, small_tmpfs
-from tensorshare.errors import StorageFullError, TooLargeError
-from tensorshare.protocol.messages import Key
+from tensorshare.errors import StorageFullError, TensorShareError, TooLargeError
+from tensorshare.protocol.messages import PEEK, Key
 from wiretools import RawConnection, raw_frame, wait_for
 from tensorshare_server.ops.web import MAX_CONNECTIONS
 
@@ -275,6 +275,45 @@ def test_9_a_relay_spares_an_ephemeral_bin_its_client_no_longer_owns(tmp_path):
             # The relay ends both of its client's bins in one go: once its own is gone, it is done.
             assert wait_for(lambda: "members/only-mine" not in direct.list(), timeout=15)
             assert direct.peek("members/w1") == [{"host": "new"}]
+    finally:
+        relay.stop()
+        head.stop()
+
+
+# -- 3: a relay resets its view of the upstream when it reconnects
+
+
+def _relay_tag(port: int, name: str):
+    with tensorshare.Client("127.0.0.1", port, timeout=15) as c:
+        try:
+            return c._call(PEEK, {Key.BIN: name, Key.TAGS: True}, then=lambda reply: reply.header.get(Key.TAGS))
+        except TensorShareError:
+            return None
+
+
+def test_3_a_relay_serves_a_restarted_upstreams_new_numbering(tmp_path):
+    """Without a data dir a restarted head numbers its changes from 1 again; the relay
+    kept the old run's highest seq, ignored the new copies and said it was not
+    behind, and answered 550 for a bin the new head holds."""
+    head = ServerProcess(log_path=tmp_path / "head.log")
+    relay = ServerProcess("--follow", f"127.0.0.1:{head.port}", "--follow-timeout", "10",
+                          log_path=tmp_path / "relay.log")
+    try:
+        with tensorshare.Client("127.0.0.1", head.port, timeout=15) as up:
+            for version in range(40):  # seq 40 and more on the old head
+                up.put("params", torch.tensor([version]), tag=version)
+        assert wait_for(lambda: _relay_tag(relay.port, "params") == [39], timeout=15)
+        assert _relay_tag(relay.port, "later") is None  # mirrored: it does not exist yet
+        head.kill()
+        head.start()  # the same port, nothing kept: numbering starts again
+        with tensorshare.Client("127.0.0.1", relay.port, timeout=15) as rel:  # it has listened again
+            assert wait_for(lambda: rel.relay_status()["connected"], timeout=15)
+            assert wait_for(lambda: rel.relay_status()["behind"] == 0, timeout=15)
+        with tensorshare.Client("127.0.0.1", head.port, timeout=15) as up:
+            up.put("params", torch.tensor([100]), tag=100)
+            up.put("later", torch.tensor([1]), tag=1)
+        assert wait_for(lambda: _relay_tag(relay.port, "params") == [100], timeout=15), "stale after the restart"
+        assert wait_for(lambda: _relay_tag(relay.port, "later") == [1], timeout=15), "550 for a bin the head holds"
     finally:
         relay.stop()
         head.stop()

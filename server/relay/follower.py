@@ -25,8 +25,10 @@ reflects, for writes forwarded upstream that must see their change mirrored
 before they are acknowledged (:meth:`Follower.after`).
 
 When the upstream connection drops, the client reconnects with jittered backoff
-and listens again; each bin is then fetched again (an upstream restarted without
-its data directory may hold other items under the same numbers).  Meanwhile the
+and listens again; each bin is then fetched again and everything the follower knew
+of the upstream's numbering is forgotten (an upstream restarted without its data
+directory numbers its changes from 1 again, and may hold other items under the
+same numbers).  Meanwhile the
 relay keeps serving the last whole copies and says in :meth:`status` (LIST's
 ``relay`` field) that it is disconnected and how far behind it is.
 """
@@ -205,12 +207,12 @@ class Follower:
         self._wait(mirror, upstream_seq, done)
 
     def _wait(self, mirror: _Mirror, seq: int, done: Callable) -> None:
-        entry = (seq, done)
-        mirror.waiters.append(entry)
+        mirror.waiters.append((seq, done))
 
         def expire() -> None:
-            if entry in mirror.waiters:
-                mirror.waiters.remove(entry)
+            waiting = [w for w in mirror.waiters if w[1] is done]  # (its seq may have been reset)
+            if waiting:
+                mirror.waiters.remove(waiting[0])
                 state = "connected" if self.connected else "not connected"
                 done(ServerUnavailableError(f"relay: no copy of bin {mirror.name!r} from upstream {self.where} "
                                             f"within {self.timeout:g}s ({state})"))
@@ -251,8 +253,13 @@ class Follower:
     def _noted(self, mirror: _Mirror, seq: int, op: str) -> None:
         """An upstream change (or, ``op`` LISTEN, a listen begun again): fetch the bin."""
         if op == "LISTEN":  # listening again after a reconnection: whatever is there now
+            # The upstream may have restarted without its data and numbers its changes
+            # from 1 again: nothing of the old numbering may stand (a copy not newer than
+            # an old seq would be taken for one already held).  Who waits for a change
+            # of the old numbering is answered by the copy fetched now.
             self._lost_incoming(mirror, "listening again")
-            mirror.applied = mirror.have = -1
+            mirror.applied = mirror.have = mirror.noted = -1
+            mirror.waiters = [(0, done) for _seq, done in mirror.waiters]
             op = "PUT"
         else:
             incoming = mirror.incoming
