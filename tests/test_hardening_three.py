@@ -26,7 +26,7 @@ import torch
 import tensorshare
 from opsproc import OpsServer, http_get
 from serverproc import ServerProcess, small_tmpfs
-from tensorshare.errors import StorageFullError, TensorShareError, TooLargeError
+from tensorshare.errors import NoSuchBinError, StorageFullError, TensorShareError, TooLargeError
 from tensorshare.protocol.messages import PEEK, Key
 from wiretools import RawConnection, raw_frame, wait_for
 from tensorshare_server.ops.web import MAX_CONNECTIONS
@@ -61,7 +61,7 @@ def test_2_a_table_larger_than_its_disk_is_refused_with_452_never_a_sigbus(tmp_p
     blocks are now reserved when the table is made: 452, the server serves on."""
     with small_tmpfs(tmp_path / "small", "4m") as mount:
         args = (["--data-dir", str(mount)] if mode != "spill-dir"
-                else ["--memory-limit", "64KiB", "--spill-dir", str(mount)])
+                else ["--memory-limit", "1MiB", "--spill-dir", str(mount)])
         srv = ServerProcess(*args, log_path=tmp_path / "server.log")
         try:
             with tensorshare.Client("127.0.0.1", srv.port, timeout=30) as c:
@@ -314,6 +314,39 @@ def test_3_a_relay_serves_a_restarted_upstreams_new_numbering(tmp_path):
             up.put("later", torch.tensor([1]), tag=1)
         assert wait_for(lambda: _relay_tag(relay.port, "params") == [100], timeout=15), "stale after the restart"
         assert wait_for(lambda: _relay_tag(relay.port, "later") == [1], timeout=15), "550 for a bin the head holds"
+    finally:
+        relay.stop()
+        head.stop()
+
+
+# -- 4: made-up names do not lock bins out of a relay
+
+
+def test_4_made_up_names_read_through_a_relay_do_not_use_up_its_upstream_listens(tmp_path):
+    """Every name read through a relay became a permanent mirror and an upstream
+    LISTEN, also names the head lacks: past the head's quota of listens for the
+    relay's connection, new bins were unreadable through the relay until it restarted."""
+    head = ServerProcess("--max-listens", "40", log_path=tmp_path / "head.log")
+    relay = ServerProcess("--follow", f"127.0.0.1:{head.port}", "--follow-timeout", "10", "--max-listens", "40",
+                          log_path=tmp_path / "relay.log")
+    try:
+        with tensorshare.Client("127.0.0.1", head.port, timeout=15) as up, \
+                tensorshare.Client("127.0.0.1", relay.port, timeout=15) as rel:
+            for i in range(120):  # 3 times the quota, none of them on the head
+                with pytest.raises(NoSuchBinError):
+                    rel.peek(f"made-up/{i}")
+            for i in range(60):  # more real bins than the quota: the least recently read give way
+                up.put(f"real/{i}", torch.tensor([i]))
+            for i in range(60):
+                assert rel.peek(f"real/{i}")[0].tolist() == [i]
+            listened = []
+            with pytest.raises(TooLargeError, match="may listen to 10"):  # a quarter of 40 per connection
+                for i in range(40):
+                    listened.append(rel.listen(f"waited/{i}", lambda note: None))
+            assert len(listened) == 10
+            up.put("after", torch.tensor([7]))
+            assert rel.peek("after")[0].tolist() == [7]  # still room for a new bin
+            assert rel.relay_status()["bins"] <= 40
     finally:
         relay.stop()
         head.stop()

@@ -18,6 +18,14 @@ pushed, is pushed on to the relays following it while it arrives.  A copy is
 installed only if it is newer than the one held (the upstream's ``seq``), so a
 fetch answered after a push never takes the mirror back.
 
+Mirrors are bounded (``max_mirrors``, the relay's ``--max-listens``: its one
+upstream connection listens to each, and the upstream allows a connection as many).
+A mirror nobody needs is dropped: one whose bin the upstream lacks, once no client
+of the relay listens to it or waits on it (a name read once costs nothing
+after), and, when a new bin must be mirrored past the bound, the least recently read
+mirror no client listens to.  Only a relay whose every mirror is listened to
+refuses a new one (552).
+
 Sequence numbers on the relay are its own (its store's counter), so they only
 grow on the relay even when the upstream restarts without its data and numbers
 again from 1; the follower remembers, per bin, the upstream ``seq`` its copy
@@ -46,7 +54,7 @@ from twisted.internet import defer
 
 from tensorshare.errors import (
     AuthenticationError, ConnectionLostError, NoSuchBinError, ProtocolError, RemoteError, ServerUnavailableError,
-    TensorShareError,
+    TensorShareError, TooLargeError,
 )
 from tensorshare.protocol.messages import NOTIFY, PEEK, Key
 from tensorshare._client.connection import item_table
@@ -63,7 +71,7 @@ class _Mirror:
     """What the follower knows of one followed bin."""
 
     __slots__ = ("name", "synced", "fetching", "again", "noted", "applied", "noted_at", "op", "waiters", "handle",
-                 "incoming", "watchers", "have")
+                 "incoming", "watchers", "have", "used_at", "dropped")
 
     def __init__(self, name: str):
         self.name = name
@@ -79,6 +87,8 @@ class _Mirror:
         self.handle = None  # the upstream listen handle
         self.incoming: Incoming | None = None  # the copy arriving now, passed on as it arrives
         self.watchers = weakref.WeakSet()  # connections of relays following this one that are told of it
+        self.used_at = 0.0  # when a client of the relay last asked for it (the least recent is evicted first)
+        self.dropped = False  # no longer mirrored (its upstream listen stopped)
 
 
 class Follower:
@@ -88,7 +98,8 @@ class Follower:
     opens a new upstream client (a Deferred of an AsyncClient)."""
 
     def __init__(self, reactor, storage, publish: Callable, connect: Callable[[], defer.Deferred], where: str,
-                 pattern: str = "*", timeout: float = 30.0):
+                 pattern: str = "*", timeout: float = 30.0, max_mirrors: int = 10_000,
+                 needed: Callable[[str], bool] = lambda name: False):
         self.reactor = reactor
         self.storage = storage
         self.publish = publish
@@ -100,6 +111,8 @@ class Follower:
         self.client = None
         self.failure: str | None = None  # why the upstream cannot be used at all (a wrong token, say)
         self.mirrors: dict[str, _Mirror] = {}
+        self.max_mirrors = max_mirrors
+        self.needed = needed  # whether a client of the relay listens to (or waits on) a bin
         self._retry = None
         self._delay = 0.05
         self._stopped = False
@@ -222,26 +235,67 @@ class Follower:
     def _mirror(self, name: str) -> _Mirror:
         mirror = self.mirrors.get(name)
         if mirror is None:
+            if len(self.mirrors) >= self.max_mirrors and not self._evict():
+                raise TooLargeError(f"relay: {len(self.mirrors)} bins are mirrored, the most it may (--max-listens), "
+                                    f"and clients listen to each of them")
             mirror = self.mirrors[name] = _Mirror(name)
             mirror.noted_at = self.reactor.seconds()
             if self.client is not None:
                 self._listen(mirror)
+        mirror.used_at = self.reactor.seconds()
         return mirror
+
+    def _idle(self, mirror: _Mirror) -> bool:
+        """Nobody needs ``mirror`` now: no client listens to or waits on its bin, and no
+        copy of it is on its way."""
+        return (not mirror.waiters and not mirror.fetching and mirror.incoming is None
+                and not self.needed(mirror.name))
+
+    def _evict(self) -> bool:
+        """Drop the least recently read idle mirror; False if every one is needed."""
+        idle = [m for m in self.mirrors.values() if self._idle(m)]
+        if not idle:
+            return False
+        self._drop(min(idle, key=lambda m: m.used_at))
+        return True
+
+    def _drop(self, mirror: _Mirror) -> None:
+        """Mirror the bin no more: stop listening upstream, and remove the local copy
+        (it would go stale)."""
+        mirror.dropped = True
+        del self.mirrors[mirror.name]
+        handle, mirror.handle = mirror.handle, None
+        if handle is not None and self.client is not None:
+            try:
+                handle.stop().addErrback(lambda failure: None)
+            except TensorShareError:
+                pass
+        if self.storage.state(mirror.name)[0]:
+            self.publish(self.storage.store.delete(mirror.name))
 
     def _listen(self, mirror: _Mirror) -> None:
         """Listen to the bin upstream; its snapshot starts the first fetch."""
         def listening(handle) -> None:
+            if mirror.dropped:
+                handle.stop().addErrback(lambda failure: None)
+                return
             mirror.handle = handle
             self._noted(mirror, handle.snapshot.seq, "PUT")
 
         def failed(failure) -> None:
-            if self._stopped:
+            if self._stopped or mirror.dropped:
                 return
             log.info("relay: cannot listen to %r upstream yet: %s", mirror.name, failure.getErrorMessage())
+            if failure.check(TooLargeError) and not self._evict():  # the upstream's quota of listens: make room
+                waiters, mirror.waiters = mirror.waiters, []
+                self._drop(mirror)
+                for _seq, done in waiters:
+                    done(failure.value)
+                return
             self.reactor.callLater(0.2, again)
 
         def again() -> None:
-            if mirror.handle is None and self.client is not None and not self._stopped:
+            if mirror.handle is None and self.client is not None and not self._stopped and not mirror.dropped:
                 self._listen(mirror)
 
         try:
@@ -352,6 +406,8 @@ class Follower:
             self._fetch(mirror)
         else:
             mirror.noted_at = None
+            if not self.storage.state(mirror.name)[0] and self._idle(mirror) and not mirror.dropped:
+                self._drop(mirror)  # the upstream lacks it and nobody waits for it: a made-up name costs nothing
 
     def _install(self, mirror: _Mirror, items: list[Item] | None, op: str, upstream_seq: int,
                  seq: int | None = None, copy_seq: int = -1) -> None:

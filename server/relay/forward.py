@@ -26,7 +26,7 @@ from typing import Callable
 
 from tensorshare.errors import RemoteError, TensorShareError
 from tensorshare.protocol.messages import (
-    APPEND, DELETE, GET, LIST, LISTEN, PEEK, PUT, UNAVAILABLE, ZERO_COPY_REFUSED, Key,
+    APPEND, DELETE, GET, LIST, LISTEN, PEEK, PUT, TOO_LARGE, UNAVAILABLE, ZERO_COPY_REFUSED, Key,
 )
 from tensorshare.wire.codec import Encoded
 from tensorshare._client.connection import item_table
@@ -39,8 +39,7 @@ MARGIN_S = 5.0  # a forwarded call's timeout beyond what the request itself may 
 
 def relay_handlers() -> dict:
     """The handlers a relay uses instead of the usual ones."""
-    return {PUT: store, APPEND: store, DELETE: delete, GET: get, PEEK: peek, LISTEN: read(local.listen),
-            LIST: listing}
+    return {PUT: store, APPEND: store, DELETE: delete, GET: get, PEEK: peek, LISTEN: listen, LIST: listing}
 
 
 def _as_remote(error: BaseException) -> RemoteError:
@@ -211,6 +210,20 @@ def read(handler: Callable) -> Callable:
 
 
 _peek_mirror = read(local.peek)
+_listen_mirror = read(local.listen)
+SHARE = 4  # one connection may hold by listening at most this fraction of a relay's mirrors
+
+
+def listen(session, request) -> None:
+    """LISTEN: from the mirror.  A mirror a client listens to is kept for it, so one
+    connection may listen to at most a quarter of the bins the relay may mirror:
+    the rest stays for others (made-up names read once are not kept at all)."""
+    relay, name = session.state.relay, request.bin
+    if relay.follows(name) and name not in session.listening:
+        share = max(1, relay.max_mirrors // SHARE)
+        if sum(1 for n in session.listening if relay.follows(n)) >= share:
+            raise RemoteError(f"relay: a connection may listen to {share} of the bins it mirrors", TOO_LARGE)
+    _listen_mirror(session, request)
 
 
 def peek(session, request) -> None:
