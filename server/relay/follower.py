@@ -306,6 +306,8 @@ class Follower:
 
     def _noted(self, mirror: _Mirror, seq: int, op: str) -> None:
         """An upstream change (or, ``op`` LISTEN, a listen begun again): fetch the bin."""
+        if mirror.dropped:  # (notifications sent before the upstream stopped listening)
+            return
         if op == "LISTEN":  # listening again after a reconnection: whatever is there now
             # The upstream may have restarted without its data and numbers its changes
             # from 1 again: nothing of the old numbering may stand (a copy not newer than
