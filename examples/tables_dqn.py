@@ -61,7 +61,7 @@ def actor(port: int, seed: int, seconds: float) -> None:
                         net.load_state_dict(published["params"])
                 except tensorshare.NoSuchBinError:
                     pass
-            epsilon = max(0.05, 1.0 - max(version, 0) / 40)  # a version every 50 updates
+            epsilon = max(0.05, 1.0 - max(version, 0) / 10)  # a version every 50 updates
             if torch.rand(1, generator=rng).item() < epsilon:
                 action = int(torch.randint(0, 2, (1,), generator=rng).item())
             else:
@@ -150,11 +150,14 @@ def _sampler(client: tensorshare.Client, args):
 
     from tensorshare.torchrl import TableStorage
 
+    # TorchRL's own sampler draws the indices here; the rows it reads count as samples
+    # of the table, so the table's rate limiter paces this learner and the actors alike
+    # (and its min_size_to_sample holds the first reads back in the server).
     rb = ReplayBuffer(storage=TableStorage(TABLE, client), sampler=RandomSampler(), batch_size=128)
 
     def sample():
-        while len(rb) < 1000:  # (a local sampler does not wait in the server)
-            time.sleep(0.1)
+        while not len(rb):  # (known without a round trip: the server tells of inserts)
+            time.sleep(0.05)
         return rb.sample()
 
     return sample

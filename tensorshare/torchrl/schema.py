@@ -162,6 +162,11 @@ class Schema:
         raise UsageError(f"a TableStorage stores tensors, TensorDicts, tensorclasses and pytrees of tensors, "
                          f"not {type(data).__name__}")
 
+    @staticmethod
+    def lead_shape(data: Any, lead: int) -> tuple:
+        """The first ``lead`` dimensions of ``data`` (those that index elements)."""
+        return tuple(_shape(data)[:lead])
+
     @classmethod
     def _of_tensordict(cls, td: TensorDictBase, lead: int, ndim: int, inner: tuple) -> "Schema":
         item_shape = tuple(td.batch_size[lead:])

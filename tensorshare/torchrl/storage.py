@@ -66,6 +66,8 @@ class TableStorage(TensorStorage):
         self.name = name
         self._client_obj = client
         self._token_file = token_file
+        if client is not None:
+            self._token_source = _token_source(client, token_file)
         self._settings = table_settings
         self._state_lock = threading.Lock()
         self._size, self._seq = 0, -1
@@ -245,6 +247,7 @@ class TableStorage(TensorStorage):
             except Exception as exc:
                 raise RuntimeError(f"Stacking the elements of the list resulted in an error: {exc}") from exc
         single = _is_int(cursor)
+        data = self._as_table_holds(data, self.ndim - 1 if single else self.ndim)
         schema = Schema.infer(data, self.ndim, batched=not single)
         self._fit(schema)
         slots, _ = indexing.slots(cursor, self._grid(full=True))
@@ -273,6 +276,7 @@ class TableStorage(TensorStorage):
                              "of elements) needs TorchRL's RoundRobinWriter")
         if isinstance(data, list):
             data = _flip_list(data)
+        data = self._as_table_holds(data, 1)
         schema = Schema.infer(data, 1, batched=True)
         self._fit(schema)
         rows = self._schema.rows(data, 1)
@@ -288,6 +292,16 @@ class TableStorage(TensorStorage):
         if kept < n:
             slots = slots[(torch.arange(n) - (n - kept)) % kept]
         return slots
+
+    def _as_table_holds(self, data, lead: int):
+        """A dict of tensors for a table of TensorDicts (one made by ``create_table``,
+        say) as a TensorDict; anything else as it is."""
+        if (isinstance(data, dict) and self._schema is not None and self._schema.kind == "tensordict"
+                and all(isinstance(k, str) for k in data)):
+            from tensordict import TensorDict
+
+            return TensorDict(data, batch_size=Schema.lead_shape(data, lead))
+        return data
 
     def _call_retrying(self, call):
         """``call()`` (a write or insert with its size), once more after making the
@@ -431,7 +445,7 @@ class TableStorage(TensorStorage):
         return _unpickle, (type(self), self._pickled())
 
     def _pickled(self) -> dict:
-        address = getattr(self, "_address", None) or _address_of(self._client_obj, self._token_file)
+        address = getattr(self, "_address", None) or _address_of(self._client_obj, self._token_source)
         return {"name": self.name, "address": address, "max_size": self.max_size, "ndim": self.ndim,
                 "device": str(self.device), "settings": dict(self._settings), "token_file": self._token_file}
 
@@ -481,18 +495,27 @@ def _same_index(a, b) -> bool:
     return False
 
 
-def _address_of(client, token_file: str | None) -> dict:
-    """How another process reaches ``client``'s server: address, TLS options, and
-    where the token comes from (never the token)."""
+_UNKNOWN = "unknown"
+
+
+def _token_source(client, token_file: str | None):
+    """Where another process finds ``client``'s token (looked at when the storage is
+    made): None (no token), ``"env"`` or ``{"file": path}``; ``_UNKNOWN`` if neither holds it."""
     token = getattr(client, "_token", None)
     if token is None:
-        source = None
-    elif token_file is not None and resolve_token(None, token_file) == token:
-        source = {"file": str(token_file)}
-    elif resolve_token(None) == token:
-        source = "env"
-    else:
-        raise UsageError("this storage's client was given a token that TENSORSHARE_TOKEN does not hold: give "
+        return None
+    if token_file is not None and resolve_token(None, token_file) == token:
+        return {"file": str(token_file)}
+    if resolve_token(None) == token:
+        return "env"
+    return _UNKNOWN
+
+
+def _address_of(client, source) -> dict:
+    """How another process reaches ``client``'s server: address, TLS options, and
+    where the token comes from (never the token)."""
+    if source == _UNKNOWN:
+        raise UsageError("this storage's client was given a token that TENSORSHARE_TOKEN did not hold: give "
                          "TableStorage token_file= so that another process can find it (a token is never pickled)")
     tls = getattr(client, "_tls", None)
     options = {"timeout": client.timeout}
