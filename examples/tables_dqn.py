@@ -92,6 +92,7 @@ def actor(port: int, seed: int, seconds: float) -> None:
 def setup(client: tensorshare.Client, args) -> nn.Module:
     """The table and the first parameters, before any actor starts."""
     torch.manual_seed(0)
+    torch.set_num_threads(1)  # a small network: more threads only contend with the actors
     client.create_table(TABLE, 50_000, COLUMNS, sampler="uniform", remover="fifo", min_size_to_sample=1000,
                         samples_per_insert=float(args.samples_per_insert), error_buffer=50_000.0)
     net = q_network()

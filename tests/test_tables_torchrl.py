@@ -338,3 +338,53 @@ def test_a_prioritized_table_sampler_makes_the_table_and_updates_its_priorities(
     with pytest.raises(UsageError, match="prioritized"):
         client.create_table("trl-uniform", 4, {"x": ((), torch.int64)})
         ReplayBuffer(storage=TableStorage("trl-uniform", client), sampler=TablePrioritizedSampler()).sample(1)
+
+
+# -- prioritized replay through a table trains
+
+
+@pytest.fixture
+def one_thread():
+    """Small networks: torch's thread pool only contends with the server (and other work)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_a_prioritized_torchrl_buffer_over_a_table_trains(client, one_thread):
+    """TorchRL's prioritized replay (TensorDictReplayBuffer, priority_key, importance
+    weights, update_tensordict_priority), drawn and reprioritized by the table: a
+    small network learns a function whose hard part is a few percent of the rows."""
+    torch.manual_seed(0)
+    n = 2048
+    x = torch.rand(n, 1)
+    y = torch.where(x > 0.95, torch.sin(60 * x), 0.3 * x)  # the last 5% is where the error is
+    rb = TensorDictReplayBuffer(storage=TableStorage("trl-per-train", client, max_size=n),
+                                sampler=TablePrioritizedSampler(alpha=0.7, beta=0.5), writer=TableWriter(),
+                                priority_key="td_error", batch_size=64)
+    rb.extend(TensorDict({"x": x, "y": y}, [n]))
+    net = torch.nn.Sequential(torch.nn.Linear(1, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                              torch.nn.Linear(32, 1))
+    optimizer = torch.optim.Adam(net.parameters(), lr=3e-3)
+
+    def loss_on_all() -> float:
+        with torch.no_grad():
+            return float(torch.nn.functional.mse_loss(net(x), y))
+
+    before = loss_on_all()
+    for _ in range(400):
+        batch = rb.sample()
+        error = net(batch["x"]) - batch["y"]
+        loss = (batch["priority_weight"].unsqueeze(1) * error.pow(2)).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        batch.set("td_error", error.detach().abs().squeeze(1))
+        rb.update_tensordict_priority(batch)
+    after = loss_on_all()
+    assert after < before / 5, (before, after)
+    priorities = client.table_info("trl-per-train", slots=0)["slots"]["priorities"]
+    hard = (x > 0.95).squeeze(1)
+    assert priorities[hard].mean() > 3 * priorities[~hard].mean()  # the server holds where the error is
+    assert client.table_info("trl-per-train")["samples"] == 400 * 64
