@@ -13,8 +13,6 @@ The connection options and exit statuses are ``tensorshare``'s (:mod:`.cli`).
 
 from __future__ import annotations
 
-import time
-
 from .errors import BadNameError, NoSuchBinError
 from .humanize import human_bytes
 
@@ -139,21 +137,11 @@ def _sample(args, client, out) -> int:
 
 
 def _save(args, client, out) -> int:
-    from .cli import OK, CliError, _dir_bytes
+    from .cli import cmd_save
 
-    _info(client, args.name)
-    started = time.monotonic()
-    try:
-        rows = client.save(args.name, args.dir, overwrite=args.overwrite)
-    except FileExistsError:
-        raise CliError(f"{args.dir} exists (--overwrite replaces it)") from None
-    nbytes = _dir_bytes(args.dir)
-    if args.json:
-        out.emit({"table": args.name, "dir": args.dir, "rows": rows, "bytes": nbytes})
-    else:
-        print(f"saved {rows} rows of table {args.name} ({human_bytes(nbytes)}) to {args.dir} "
-              f"in {time.monotonic() - started:.2f}s")
-    return OK
+    _info(client, args.name)  # a table, not a bin
+    args.bin = args.name
+    return cmd_save(args, client, out)
 
 
 def load_checkpoint(args, client, out, name: str | None) -> int:
