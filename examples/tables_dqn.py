@@ -11,7 +11,9 @@ Q-network against a target network and puts its parameters back every 50 updates
 The table's rate limiter (``samples_per_insert``) keeps the learner from replaying
 the same transitions too often when the actors are slow, and the actors from
 running far ahead.  With ``--torchrl`` the learner samples through a TorchRL
-``ReplayBuffer`` over the same table (``tensorshare.torchrl.TableStorage``).
+``ReplayBuffer`` over the same table (``tensorshare.torchrl.TableStorage``, with
+TorchRL's own ``RandomSampler``): the rows it reads count as samples of the table,
+so the rate limiter paces it as it paces the native path.
 
 Needs ``gymnasium`` (and ``torchrl`` for ``--torchrl``): ``pip install tensorshare[torchrl]``.
 """
