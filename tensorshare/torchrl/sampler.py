@@ -34,7 +34,7 @@ class TableSampler(Sampler):
         schema = storage._require_schema()
         drawn = storage.client.sample(storage.name, batch_size)
         columns = drawn.value if isinstance(drawn.value, dict) else dict(drawn.value.items())
-        value = schema.value(columns, (len(drawn),), storage.device)
+        value = schema.value(columns, (len(drawn),), storage._device())
         slots = drawn.indices
         storage._remember(slots, drawn.keys)
         index = slots if storage.ndim == 1 else torch.unravel_index(slots, tuple(storage._total_shape))

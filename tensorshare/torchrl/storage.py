@@ -333,6 +333,7 @@ class TableStorage(TensorStorage):
             state = occupied(self.client, self.name)
             found = dict(zip(state["indices"].tolist(), state["keys"].tolist()))
             keys = [key if key >= 0 else found.get(slot, -1) for key, slot in zip(keys, slots.tolist())]
+            self._remember(state["indices"], state["keys"])
         return torch.tensor(keys, dtype=torch.int64)
 
     def _row_priority(self, n: int):
@@ -368,7 +369,11 @@ class TableStorage(TensorStorage):
                 values = dict(values.items())
         else:
             values = {c.name: torch.empty((0, *c.shape), dtype=c.dtype) for c in schema.columns}
-        return schema.value(values, shape, self.device)
+        return schema.value(values, shape, self._device())
+
+    def _device(self):
+        """Where values come back (None: as received, on the CPU)."""
+        return None if self.device in (None, "auto") else self.device
 
     def _sampled(self, index, value) -> None:
         """The table's sampler drew ``value`` at ``index`` (TableSampler): the
