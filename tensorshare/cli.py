@@ -1,7 +1,8 @@
 """``tensorshare``: look at and move bins from a shell.
 
     tensorshare ls                      bins and their item counts
-    tensorshare stat BIN                items, sequence number, last tag (bytes and tiers with --metrics-port)
+    tensorshare stat BIN                items, sequence number, last tag (bytes and tiers with --metrics-port);
+                                        of a table: its settings, counters and rate limiter
     tensorshare peek BIN                shapes, dtypes and a few values of each item
     tensorshare save BIN DIR            the bin's items to DIR (memory-mappable files, no pickle)
     tensorshare load DIR BIN            what ``save`` (or ``save_memmap``) wrote, into BIN
@@ -222,6 +223,9 @@ def cmd_ls(args, client, out) -> int:
 
 
 def cmd_stat(args, client, out) -> int:
+    table = cli_tables.info_if_table(client, args.bin)
+    if table is not None:  # capacity, sampler, rate limits...
+        return cli_tables.show_info(args, client, out, args.bin, table)
     handle = client.listen(args.bin, lambda note: None)
     snap = handle.snapshot
     handle.stop()

@@ -52,6 +52,14 @@ def _info(client, name: str) -> dict:
         raise CliError(f"{name!r} is a bin, not a table", NO_BIN) from None
 
 
+def info_if_table(client, name: str) -> dict | None:
+    """Table ``name``'s info, or None if ``name`` is a bin (or nothing)."""
+    try:
+        return client.table_info(name)
+    except (BadNameError, NoSuchBinError):
+        return None
+
+
 def table_rows(client) -> list[dict]:
     """One summary per table on the server."""
     rows = []
@@ -81,11 +89,17 @@ def _ls(args, client, out) -> int:
 
 
 def _show_info(args, client, out) -> int:
+    return show_info(args, client, out, args.name)
+
+
+def show_info(args, client, out, name: str, info: dict | None = None) -> int:
+    """A table's settings, counters, rate limiter and columns (``table info``, and
+    ``stat`` of a table)."""
     from .cli import OK, print_table
 
-    info = _info(client, args.name)
+    info = _info(client, name) if info is None else info
     if args.json:
-        out.emit({"table": args.name, **info})
+        out.emit({"table": name, **info})
         return OK
     limiter = info["rate_limiter"]
     rows = [["rows", f"{info['size']} of {info['capacity']}"], ["bytes", human_bytes(info.get("bytes"))],
@@ -101,7 +115,7 @@ def _show_info(args, client, out) -> int:
             ["waiting inserts / samples", f"{info['waiting_inserts']} / {info['waiting_samples']}"],
             ["rate limiter waited (inserts / samples)",
              " / ".join(f"{s:.1f}s" for s in info.get("blocked_seconds", {}).values()) or "-"]]
-    print_table(f"table {args.name}", ["", ""], rows, out.console)
+    print_table(f"table {name}", ["", ""], rows, out.console)
     columns = [[name, list(spec["shape"]), spec["dtype"]] for name, spec in (info["columns"] or {}).items()]
     if columns:
         print_table("columns", ["column", "shape of a row", "dtype"], columns, out.console)

@@ -127,7 +127,7 @@ def test_table_commands(ops_server, tmp_path):
                  priorities=[1, 2, 3, 4, 5])
         [row] = [r for r in run_json(ops_server, "table", "ls") if r["table"] == "cli/replay"]
         assert row["rows"] == 5 and row["capacity"] == 16 and row["sampler"] == "prioritized" and row["bytes"] == 256
-        info = cli("--port", port, "table", "info", "cli/replay")
+        info = cli("--port", port, "stat", "cli/replay")  # stat of a table: what `table info` shows
         assert info.returncode == 0, info.stderr
         assert "5 of 16" in info.stdout and "prioritized" in info.stdout and "obs" in info.stdout
         drawn = run_json(ops_server, "table", "sample", "cli/replay", "-n", "2")
