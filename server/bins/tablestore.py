@@ -35,7 +35,7 @@ import logging
 import math
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tensorshare.errors import BadNameError, NoSuchBinError, RemoteError, StorageFullError, TooLargeError
@@ -51,7 +51,11 @@ log = logging.getLogger("tensorshare.server")
 SPEC_DEFAULTS: dict[str, Any] = {
     "capacity": None, "columns": None, "sampler": "uniform", "priority_exponent": 1.0, "remover": "fifo",
     "max_times_sampled": 0, "min_size_to_sample": 1, "samples_per_insert": None, "error_buffer": None,
+    "meta": None,
 }
+# ``meta``: what a client says of the rows (how its values map to columns), kept and
+# given back as it came (TINFO), never read by the server: a JSON-able map this large at most.
+MAX_META = 64 << 10
 LIMIT_KEYS = ("min_size_to_sample", "samples_per_insert", "error_buffer")
 # Slots a table may have, and all tables of a server together by default: each
 # costs 41-137 bytes of state in memory (key, priority, count, order, the samplers'
@@ -72,6 +76,14 @@ def parse_spec(spec: dict) -> dict:
     if isinstance(eb, list):
         full["error_buffer"] = tuple(eb)
     full["columns"] = {s.name: s.as_dict() for s in parse_columns(full["columns"])} or None
+    meta = full["meta"]
+    if meta is not None:
+        try:
+            size = len(json.dumps(meta)) if isinstance(meta, dict) else -1
+        except (TypeError, ValueError):
+            size = -1
+        if not 0 <= size <= MAX_META:
+            raise TableSpecError(f"meta must be a map of JSON values of at most {MAX_META} bytes")
     return full
 
 
@@ -87,6 +99,25 @@ class TableEntry:
     directory: str | None = None  # its files (spilled or durable)
     tensordict: bool = False  # rows came as TensorDicts: replies say so (clients give TensorDicts back)
     items: Any = None  # a table of items' slots (_CountedItems)
+    # seconds requests waited for the rate limiter, inserts and samples (ended waits)
+    blocked: dict = field(default_factory=lambda: {"insert": 0.0, "sample": 0.0})
+
+    @property
+    def nbytes(self) -> int:
+        """The column bytes the table holds (its capacity's worth: columns are preallocated)."""
+        return self.table.capacity * sum(spec.row_bytes for spec in self.table.columns)
+
+    def info(self) -> dict:
+        """The table's settings, counters and rate-limiter state (:meth:`Table.info`),
+        with what the server adds: the client's ``meta``, its bytes and where they
+        live, and the seconds requests waited for the rate limiter."""
+        info = self.table.info()
+        info["meta"] = self.spec.get("meta")
+        info["bytes"] = self.nbytes
+        info["in_files"] = self.directory is not None
+        info["blocked_seconds"] = dict(self.blocked)
+        info["seq"] = self.seq
+        return info
 
 
 class TableStore:
@@ -126,14 +157,18 @@ class TableStore:
             raise NoSuchBinError(f"no table named {name!r}")
         return entry
 
-    def create(self, name: str, spec: dict) -> tuple[TableEntry, Change | None]:
+    def create(self, name: str, spec: dict, add_columns: bool = False) -> tuple[TableEntry, Change | None]:
         """Make table ``name`` with ``spec`` (see :func:`parse_spec`).  A table already
         there with the same settings is kept as it is (change None); with other
-        settings, or a bin of that name, 553."""
+        settings, or a bin of that name, 553.  ``add_columns``: a table there whose
+        settings differ only by lacking some of ``spec``'s columns gains them
+        (:meth:`add_columns`)."""
         full = parse_spec(spec)
         entry = self._tables.get(name)
         if entry is not None:  # (the rate limits may have been changed since: they do not count)
             if _fixed(entry.spec) != _fixed(full):
+                if add_columns and _fixed(entry.spec, "columns") == _fixed(full, "columns") and full["columns"]:
+                    return entry, self.add_columns(entry, full["columns"])
                 raise BadNameError(f"table {name!r} exists with other settings: delete it first")
             return entry, None
         if self.store.state(name)[0]:
@@ -168,25 +203,27 @@ class TableStore:
             directory = os.path.join(self.data_root, _dir_key(name))
             shutil.rmtree(directory, ignore_errors=True)  # a table deleted by a server killed meanwhile
             backing = MemmapBacking(directory, keep=True)
-        elif (limit is not None and nbytes
-              and store.resident_bytes + store.unspillable_bytes + state + nbytes > limit):
+        elif self._over_budget(state + nbytes):
             if self.spill_root is None:
-                raise StorageFullError(f"a table of {nbytes} bytes does not fit in the memory budget")
+                raise StorageFullError(f"a table of {nbytes} bytes ({full['capacity']} rows of {row_bytes}) does "
+                                       f"not fit in the memory budget (--memory-limit {self.memory_limit}, "
+                                       f"{store.resident_bytes + store.unspillable_bytes} in use) and the "
+                                       f"server has no spill directory")
             directory = os.path.join(self.spill_root, str(next(self._spilled)))
             backing = MemmapBacking(directory, keep=False)
         try:
             table = self._table(full, backing)
+            entry = TableEntry(name, full, table, directory=directory)
             if directory is not None and self.data_root is not None:
-                _write_json(os.path.join(directory, "meta.json"), tensordict_metadata(table.columns, table.capacity))
-                _write_json(os.path.join(directory, "table.json"), {"name": name, "spec": _json_spec(full)})
+                self._write_files(entry)
         except OSError as exc:
             if backing is not None:
                 backing.close()
                 if directory is not None:
                     shutil.rmtree(directory, ignore_errors=True)
             raise StorageFullError(f"cannot make the table's files: {exc.strerror or exc}") from None
-        entry = self._tables[name] = TableEntry(name, full, table, directory=directory,
-                                                items=backing.slots if isinstance(backing, _ItemsBacking) else None)
+        entry.items = backing.slots if isinstance(backing, _ItemsBacking) else None
+        self._tables[name] = entry
         self._count(entry, state + (nbytes if backing is None else 0))
         return entry, self.changed(entry, "CREATE")
 
@@ -238,6 +275,55 @@ class TableStore:
             raise StorageFullError(f"memory budget full: tables hold {self.store.table_bytes} bytes, and "
                                    f"{self.store.unspillable_bytes - self.store.table_bytes} more cannot be spilled")
 
+    def add_columns(self, entry: TableEntry, columns: dict) -> Change | None:
+        """Give ``entry``'s table the columns of ``columns`` it lacks (those it has
+        must be the same, else 553); None if it lacks none."""
+        have = entry.spec["columns"] or {}
+        if not have:
+            raise BadNameError(f"table {entry.name!r} holds items, not columns")
+        changed = [k for k in have if k in columns and columns[k] != have[k]]
+        if changed:
+            raise BadNameError(f"table {entry.name!r} has a column {changed[0]!r} of {have[changed[0]]}, "
+                               f"not {columns[changed[0]]}")
+        new = {k: v for k, v in columns.items() if k not in have}
+        if not new:
+            return None
+        nbytes = entry.table.capacity * sum(math.prod(c["shape"]) * _width(c["dtype"]) for c in new.values())
+        if self.max_table_bytes is not None and entry.nbytes + nbytes > self.max_table_bytes:
+            raise TooLargeError(f"{entry.nbytes + nbytes} bytes are more than the {self.max_table_bytes} "
+                                f"bytes a table may take")
+        if entry.directory is None and self._over_budget(nbytes):
+            raise StorageFullError(f"{nbytes} more bytes of columns in memory are over the memory budget "
+                                   f"(--memory-limit {self.memory_limit})")
+        try:
+            entry.table.add_columns(new)
+        except OSError as exc:
+            raise StorageFullError(f"cannot make the columns' files: {exc.strerror or exc}") from None
+        entry.spec["columns"] = {**have, **new}
+        if entry.directory is None:
+            entry.resident += nbytes
+            self.store.table_bytes += nbytes
+            self.on_grow()
+        elif self.data_root is not None:
+            self._write_files(entry)
+        return self.changed(entry, "CREATE")
+
+    def _over_budget(self, nbytes: int) -> bool:
+        """Would ``nbytes`` more in memory pass ``memory_limit``, beside the bins'
+        resident bytes and what spilling them cannot free?"""
+        store = self.store
+        return (self.memory_limit is not None and nbytes > 0
+                and store.resident_bytes + store.unspillable_bytes + nbytes > self.memory_limit)
+
+    def _write_files(self, entry: TableEntry) -> None:
+        """A durable table's description: tensordict's ``meta.json``, and ``table.json``."""
+        _write_json(os.path.join(entry.directory, "meta.json"),
+                    tensordict_metadata(entry.table.columns, entry.table.capacity))
+        saved = {"name": entry.name, "spec": _json_spec(entry.spec)}
+        if entry.tensordict:
+            saved["tensordict"] = True
+        _write_json(os.path.join(entry.directory, "table.json"), saved)
+
     @staticmethod
     def _table(full: dict, backing) -> Table:
         try:
@@ -281,8 +367,7 @@ class TableStore:
         entry.tensordict = True
         if self.data_root is not None and entry.directory is not None:
             try:
-                _write_json(os.path.join(entry.directory, "table.json"),
-                            {"name": entry.name, "spec": _json_spec(entry.spec), "tensordict": True})
+                self._write_files(entry)
             except OSError as exc:
                 log.warning("could not note in table %r's files that it holds TensorDicts: %s", entry.name, exc)
 
@@ -378,9 +463,9 @@ def _write_json(path: str, value) -> None:
     os.replace(tmp, path)
 
 
-def _fixed(spec: dict) -> dict:
-    """The settings of a table that cannot change while it lives."""
-    return {k: v for k, v in spec.items() if k not in LIMIT_KEYS}
+def _fixed(spec: dict, *but: str) -> dict:
+    """The settings of a table that cannot change while it lives (less ``but``)."""
+    return {k: v for k, v in spec.items() if k not in LIMIT_KEYS and k not in but}
 
 
 def _width(dtype: str) -> int:

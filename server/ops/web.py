@@ -178,7 +178,7 @@ class OpsPort:
 def start(state, reactor, port: int, host: str = "127.0.0.1", sample_every: float = 2.0,
           data_port: int | None = None) -> OpsPort:
     """Serve the operations site on ``host:port`` (reactor thread)."""
-    throughput = Throughput(state.counters, interval=sample_every)
+    throughput = Throughput(state.counters, interval=sample_every, state=state)
     sampler = task.LoopingCall(throughput.sample)
     sampler.clock = reactor
     site = _OpsSite(OpsResource(state, throughput, data_port), timeout=IDLE_TIMEOUT)

@@ -61,7 +61,7 @@ def _wake(session, name: str) -> None:
 
 @handles(TCREATE)
 def create(session, request) -> None:
-    entry, change = session.storage.tables.create(request.bin, request.spec)
+    entry, change = session.storage.tables.create(request.bin, request.spec, bool(request.add_columns))
     session.send_header(TCREATE.reply(request.id, n=entry.table.size, seq=entry.seq))
     session.state.listeners.publish(change)
 
@@ -69,7 +69,7 @@ def create(session, request) -> None:
 @handles(TINFO)
 def info(session, request) -> None:
     entry = session.storage.tables.get(request.bin)
-    session.send_header(TINFO.reply(request.id, info=_info(session, entry)))
+    session.send_header(TINFO.reply(request.id, info=_info(session, entry, request.slots)))
 
 
 @handles(TLIMITS)
@@ -90,11 +90,17 @@ def limits(session, request) -> None:
     _wake(session, entry.name)
 
 
-def _info(session, entry: TableEntry) -> dict:
-    info = entry.table.info()
+def _info(session, entry: TableEntry, slots: int | None = None) -> dict:
+    """TINFO's map; with ``slots``, a page of the occupied slots from that index on
+    (indices, keys, priorities and sample counts as bytes, and the index to ask from next)."""
+    info = entry.info()
     info["waiting_inserts"] = session.state.waits.waiting(wait_key(entry.name, False))
     info["waiting_samples"] = session.state.waits.waiting(wait_key(entry.name, True))
-    info["seq"] = entry.seq
+    if slots is not None:
+        page = entry.table.slots(slots)
+        info["slots"] = {"indices": int64_bytes(page["indices"]), "keys": int64_bytes(page["keys"]),
+                         "priorities": float64_bytes(page["priorities"]),
+                         "times_sampled": int64_bytes(page["times_sampled"]), "next": page["next"]}
     return _plain(info)
 
 
@@ -182,10 +188,7 @@ def sample(session, request) -> None:
 
     def reply(result) -> None:
         drawn, gathered = result
-        if drawn.removed.keys.size:  # rows that reached max_times_sampled left
-            _publish(session, entry, "SAMPLE")
-        else:
-            _wake(session, entry.name)
+        _after_sample(session, entry, drawn)
         _send_rows(session, request, entry, drawn, gathered, drawn.probabilities)
 
     def ready() -> bool:
@@ -200,9 +203,29 @@ def read(session, request) -> None:
     table = entry.table
     indices = int64_array(request.indices, "indices")
     session.storage.tables.check_reply(entry, indices.size)  # bounded and counted before anything is gathered
-    gathered = Gathered(table.columns, indices.size, _GATHER_BUFFERS.take) if table.columns else None
-    rows = table.read(indices, out=None if gathered is None else gathered.out)
-    _send_rows(session, request, entry, rows, gathered, None)
+
+    def run():
+        gathered = Gathered(table.columns, indices.size, _GATHER_BUFFERS.take) if table.columns else None
+        rows = table.read(indices, out=None if gathered is None else gathered.out, sampled=bool(request.sample))
+        return rows, gathered
+
+    if not request.sample:
+        _send_rows(session, request, entry, *run(), None)
+        return
+
+    def reply(result) -> None:  # rows the reader drew itself, counted as a sample (TorchRL's samplers)
+        rows, gathered = result
+        _after_sample(session, entry, rows)
+        _send_rows(session, request, entry, rows, gathered, None)
+
+    _run_or_wait(session, request, entry, True, run, reply, lambda: table.can_read_sampled(indices.size))
+
+
+def _after_sample(session, entry: TableEntry, drawn) -> None:
+    if drawn.removed.keys.size:  # rows that reached max_times_sampled left
+        _publish(session, entry, "SAMPLE")
+    else:
+        _wake(session, entry.name)
 
 
 def _send_rows(session, request, entry: TableEntry, rows, gathered: Gathered | None, probabilities) -> None:
@@ -272,6 +295,7 @@ def _run_or_wait(session, request, entry: TableEntry, sampling: bool, run: Calla
             reply(result)
             return
     wait = request.wait or 0
+    lane = "sample" if sampling else "insert"
 
     def finish(result, error: RemoteError | None) -> None:
         if error is not None:
@@ -280,6 +304,11 @@ def _run_or_wait(session, request, entry: TableEntry, sampling: bool, run: Calla
             reply(result)
 
     def start(done: Callable) -> None:
+        parked_at = waits.clock.seconds()
+
+        def blocked() -> None:  # the table's rate-limiter wait figure (ops)
+            entry.blocked[lane] += waits.clock.seconds() - parked_at
+
         def still_ready() -> bool:
             if tables.current(name) is not entry:
                 return True  # deleted (or made anew): go() says so
@@ -289,6 +318,7 @@ def _run_or_wait(session, request, entry: TableEntry, sampling: bool, run: Calla
                 return True  # it never could: go() says why
 
         def go() -> None:
+            blocked()
             try:  # (an EmptyTableError now is a table emptied by a DELETE and a new table: said as is)
                 if tables.current(name) is not entry:
                     raise RemoteError(f"table {name!r} was deleted while this request waited", 550)
@@ -301,8 +331,8 @@ def _run_or_wait(session, request, entry: TableEntry, sampling: bool, run: Calla
                 waits.settled(key)
 
         def expire() -> None:
-            what = "sample" if sampling else "insert"
-            done(None, BusyError(f"table {name!r}: the {what} was not let through within {wait:g}s "
+            blocked()
+            done(None, BusyError(f"table {name!r}: the {lane} was not let through within {wait:g}s "
                                  f"(size {entry.table.size}, inserts {entry.table.inserts}, "
                                  f"samples {entry.table.samples}); nothing changed"))
 

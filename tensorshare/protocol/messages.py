@@ -400,6 +400,9 @@ class TableKey:
     KEYS, INDICES, PRIORITIES, PROBABILITIES = "keys", "indices", "priorities", "probabilities"
     COLUMNS = "columns"  # a rows reply: its one item is the stacked columns (else: one item per row)
     TENSORDICT = "tensordict"  # rows came as a TensorDict: a client gives them back as one
+    ADD_COLUMNS = "add_columns"  # TCREATE: a table there that lacks some of the columns gains them
+    SAMPLE = "sample"  # TREAD: the rows were drawn by the reader: count (and rate-limit) them as a sample
+    SLOTS = "slots"  # TINFO: the occupied slots from this index on (a page of them)
 
 
 _TK = TableKey
@@ -409,7 +412,8 @@ _ROWS = Message(ITEMS, (*_ITEMS.fields, Field(_TK.KEYS, BYTES), Field(_TK.INDICE
 _TABLE_INFO = Message(OK, (Field(_TK.INFO, MAP),))
 _TABLE_VALUE = (Field(Key.VALUE, BYTES, missing="missing value description"),)
 
-TCREATE = Command("TCREATE", (BIN, Field(_TK.SPEC, MAP), RELEASE), reply=_CHANGED, result=Key.N,
+TCREATE = Command("TCREATE", (BIN, Field(_TK.SPEC, MAP), optional(_TK.ADD_COLUMNS, BOOL), RELEASE),
+                  reply=_CHANGED, result=Key.N,
                   doc="make a table (kept as it is if one with the same settings exists)")
 TINSERT = Command("TINSERT", (BIN, *_TABLE_VALUE, optional(_TK.PRIORITIES, BYTES), optional(Key.WAIT, SECONDS),
                               optional(_TK.TENSORDICT, BOOL), RELEASE),
@@ -421,13 +425,14 @@ TWRITE = Command("TWRITE", (BIN, *_TABLE_VALUE, Field(_TK.INDICES, BYTES), optio
 TSAMPLE = Command("TSAMPLE", (BIN, Field(Key.N, COUNT), optional(Key.WAIT, SECONDS), optional(Key.REF, INTS), RELEASE),
                   reply=_ROWS,
                   result=Key.ITEMS, doc="draw n rows with the table's sampler (waiting up to wait seconds)")
-TREAD = Command("TREAD", (BIN, Field(_TK.INDICES, BYTES), optional(Key.REF, INTS), RELEASE), reply=_ROWS, result=Key.ITEMS,
-                doc="read the rows at the slot indices given")
+TREAD = Command("TREAD", (BIN, Field(_TK.INDICES, BYTES), optional(Key.REF, INTS), optional(_TK.SAMPLE, BOOL),
+                          optional(Key.WAIT, SECONDS), RELEASE), reply=_ROWS, result=Key.ITEMS,
+                doc="read the rows at the slot indices given (with sample: as a sample the reader drew)")
 TPRIORITY = Command("TPRIORITY", (BIN, Field(_TK.KEYS, BYTES), Field(_TK.PRIORITIES, BYTES), RELEASE),
                     reply=Message(OK, (Field(Key.N, INT),)), result=Key.N,
                     doc="set the priorities of the rows with these keys")
-TINFO = Command("TINFO", (BIN, RELEASE), reply=_TABLE_INFO, result=_TK.INFO,
-                doc="the table's settings, counters and rate-limiter state")
+TINFO = Command("TINFO", (BIN, optional(_TK.SLOTS, INT), RELEASE), reply=_TABLE_INFO, result=_TK.INFO,
+                doc="the table's settings, counters and rate-limiter state (with slots: its occupied slots)")
 TLIMITS = Command("TLIMITS", (BIN, Field(_TK.LIMITS, MAP), RELEASE), reply=_TABLE_INFO, result=_TK.INFO,
                   doc="change the table's rate limits now")
 TABLE_COMMANDS = (TCREATE, TINSERT, TWRITE, TSAMPLE, TREAD, TPRIORITY, TINFO, TLIMITS)

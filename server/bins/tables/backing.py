@@ -22,9 +22,9 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from .columns import ColumnSpec
+from tensorshare.disk.tables import table_metadata
 
-_TENSORDICT_TYPE = "<class 'tensordict._td.TensorDict'>"  # as tensorshare.disk.layout writes it
+from .columns import ColumnSpec
 
 
 class Backing(Protocol):
@@ -140,10 +140,4 @@ def tensordict_metadata(columns: Sequence[ColumnSpec], capacity: int) -> dict:
     """The ``meta.json`` content that lets ``TensorDict.load_memmap`` open the files of a
     :class:`MemmapBacking`: one tensor ``[capacity, *shape]`` per column, batch size
     ``[capacity]``."""
-    meta: dict = {}
-    for spec in columns:
-        meta[spec.name] = {"device": "cpu", "shape": [capacity, *spec.shape], "dtype": f"torch.{spec.dtype}",
-                           "is_nested": False}
-    meta.update({"shape": [capacity], "device": "cpu", "_type": _TENSORDICT_TYPE})
-    return meta
-
+    return table_metadata(columns, capacity)
