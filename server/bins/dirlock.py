@@ -50,6 +50,8 @@ def lock_file(directory: str, blocking: bool, create: bool = True) -> int | None
 class DirLockedError(UsageError):
     """Another process holds the directory's lock."""
 
+    exit_code = 75  # EX_TEMPFAIL: it may work once the other server has stopped
+
 
 _held: dict[str, list] = {}  # path -> [descriptor, users] of the locks this process holds
 _held_lock = threading.Lock()
@@ -89,8 +91,9 @@ class DirLock:
                 os.makedirs(self.directory, mode=0o700, exist_ok=True)
                 fd = lock_file(self.directory, blocking=False)
                 if fd is None:
-                    raise DirLockedError(f"the {self.what} {self.directory} is in use by another server: "
-                                         f"{_holder(self.path) or 'a process that left no name'}")
+                    raise DirLockedError(f"the {self.what} {self.directory} is in use by "
+                                         f"{_holder(self.path) or 'another server'}: stop that server first, "
+                                         f"or give this one another --data-dir")
                 try:
                     os.ftruncate(fd, 0)
                     os.pwrite(fd, _holder_text().encode(), 0)

@@ -10,6 +10,11 @@ Layout under the data directory::
     bins/.swap-<same hash>/        a bin being rewritten (see put_back); "complete" once whole
     held/<random>/                 items a GET took whose reply is not written yet, kept by a DELETE
     trash/                         deleted bins, removed in the background
+    .lock                          locked (flock) by the server using the directory; says which one
+
+One server uses a data directory at a time: a second one started on it stops at
+once (:class:`~.dirlock.DirLockedError`, naming the holder) instead of serving a
+state the first one changes under it.
 
 Item numbers come from one counter that only grows (restarted above the largest
 number found), so the order of a bin's directories is the order of its items.
@@ -36,6 +41,7 @@ from dataclasses import dataclass, field
 from tensorshare.disk.layout import LayoutError, StoredItem, fsync_dir, read_item, write_item
 from tensorshare.wire.description import DEFAULT_LIMITS, DecodeLimits
 
+from .dirlock import DirLock
 from .spill import make_private_dir
 
 log = logging.getLogger("tensorshare.server")
@@ -88,8 +94,15 @@ class DataDir:
         self.trash = os.path.join(self.root, "trash")
         self.held = os.path.join(self.root, "held")
         make_private_dir(self.root)  # stored tensors and bin names are nobody else's business
+        self._lock: DirLock | None = DirLock(self.root).acquire()
         os.makedirs(self.bins_dir, exist_ok=True)
         os.makedirs(self.trash, exist_ok=True)
+
+    def close(self) -> None:
+        """The server stops using the directory: another may take it."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     @staticmethod
     def bin_key(name: str) -> str:

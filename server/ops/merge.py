@@ -5,8 +5,8 @@ Each worker of ``tensorshare-server --workers N`` takes its own
 same shape, so the status page, ``/status.json`` and ``/metrics`` render it as
 they render one process's.  Sizes, counts, traffic, per-verb counters and
 histograms add up (each bin and each connection is one worker's); the memory
-limit is the whole budget (each worker has its share); bins and clients are
-listed together, each client with its ``worker``; an RL experiment's latest
+limit is the whole budget (each worker has its share); bins, tables and clients
+are listed together, each table and client with its ``worker``; an RL experiment's latest
 version is the highest any worker has seen.  ``workers`` lists each worker's
 summary: whether it answered, its process, bins, items, bytes, connections,
 requests and memory.
@@ -63,6 +63,10 @@ def merge(snapshots: list[dict | None], server: dict, memory_limit: int | None) 
     bins = [row for snap in answered for row in snap["bins"]]
     bins.sort(key=lambda row: (-row["bytes"], row["name"]))
     data["bins"] = bins[:MAX_BINS_SHOWN]
+    tables = [{**row, "worker": k} for k, snap in enumerate(snapshots) if snap is not None
+              for row in snap.get("tables", [])]  # (each table is one worker's)
+    tables.sort(key=lambda row: (-row["bytes"], row["name"]))
+    data["tables"] = tables
     data["clients"] = [{**client, "id": f"{k}.{client['id']}", "worker": k}  # (connection ids are per worker)
                        for k, snap in enumerate(snapshots) if snap is not None for client in snap["clients"]]
     data["experiments"] = _experiments(snapshots)
