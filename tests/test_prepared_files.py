@@ -54,7 +54,8 @@ def test_a_repeated_shape_is_written_into_prepared_files(fresh_server):
         for folder, _dirs, files in os.walk(os.path.join(area, "items")):
             stored |= {os.stat(os.path.join(folder, f)).st_ino for f in files if f.endswith(".memmap")}
         assert prepared <= stored  # the prepared files became the stored item's
-        assert wait_for(lambda: len(_spares(areas)) == 2, timeout=10)  # and the next ones are ready
+        assert wait_for(lambda: len(_ready(areas)) == 2, timeout=10)  # and the next ones are ready (the
+        # preparing thread done too: a put while it runs prepares nothing for its own shapes)
         client.put("other", _state(3.5, sizes=(5 * MiB,)))
         client.peek("other")
         for version in (3.75, 4.0, 5.0):
