@@ -13,7 +13,7 @@ the same transitions too often when the actors are slow, and the actors from
 running far ahead.  With ``--torchrl`` the learner samples through a TorchRL
 ``ReplayBuffer`` over the same table (``tensorshare.torchrl.TableStorage``).
 
-Needs ``gymnasium`` (and ``torchrl`` for ``--torchrl``): ``pip install tensorshare[torchrl]``.
+Needs ``gymnasium`` (and ``torchrl`` for ``--torchrl``): ``pip install gymnasium torchrl`` (the ``torchrl`` extra).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Connection options are the server's: ``--host``, ``--port``, ``--token-file`` (e
 ``TENSORSHARE_TOKEN``), ``--tls``/``--tls-ca``/``--tls-fingerprint``.  ``--json``
 prints data for scripts.  Exit status: 0 done, 1 failed, 2 bad usage, 3 no server
 there, 4 authentication failed, 5 no such bin.  Tables and live views use ``rich``
-when it is installed (``pip install tensorshare[cli]``), plain text otherwise.
+when it is installed (the ``cli`` extra: ``pip install rich``), plain text otherwise.
 """
 
 from __future__ import annotations

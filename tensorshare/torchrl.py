@@ -21,7 +21,7 @@ from the batch's shapes and dtypes (as ``LazyTensorStorage`` does), or may exist
 already (``client.create_table``: then its own sampler, remover and rate limits
 serve ``client.sample``, which draws in the server in one round trip).
 
-Needs ``torchrl`` (``pip install tensorshare[torchrl]``).
+Needs ``torchrl`` (the ``torchrl`` extra: ``pip install torchrl``).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ def test_listen_example(server):
 def test_tables_dqn_example_trains_with_actor_processes():
     """examples/tables_dqn.py: a server, two actor processes inserting into a table,
     the learner sampling it, for 300 updates (learning CartPole takes minutes)."""
-    pytest.importorskip("gymnasium", reason="gymnasium is not installed (pip install tensorshare[torchrl])")
+    pytest.importorskip("gymnasium", reason="gymnasium is not installed (pip install gymnasium)")
     env = {**os.environ, "PYTHONPATH": str(EXAMPLES.parent)}
     result = subprocess.run([sys.executable, str(EXAMPLES / "tables_dqn.py"), "--actors", "2", "--seconds", "100",
                              "--max-updates", "300", "--report-every", "100"], capture_output=True, text=True,

@@ -1,6 +1,6 @@
 """tensorshare.torchrl: a TorchRL ReplayBuffer over a table of a real server process,
 shared by several clients (as by several processes).  Skips where torchrl is not
-installed (the tensorshare[torchrl] extra; CI installs it)."""
+installed (the torchrl extra; CI installs it)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 import tensorshare
 
-torchrl = pytest.importorskip("torchrl", reason="torchrl is not installed (pip install tensorshare[torchrl])")
+torchrl = pytest.importorskip("torchrl", reason="torchrl is not installed (pip install torchrl)")
 
 from tensordict import TensorDict  # noqa: E402
 from torchrl.data import ReplayBuffer  # noqa: E402

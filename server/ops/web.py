@@ -53,7 +53,7 @@ class OpsResource(resource.Resource):
             if not prom.available():
                 request.setResponseCode(503)
                 request.setHeader(b"Content-Type", b"text/plain; charset=utf-8")
-                return b"503 /metrics needs prometheus_client: pip install 'tensorshare[metrics]'\n"
+                return b"503 /metrics needs prometheus_client: the metrics extra: pip install prometheus_client\n"
             body, content_type = prom.exposition(snapshot(self.state, data_port=self.data_port))
             request.setHeader(b"Content-Type", content_type.encode())
             return body
@@ -117,5 +117,5 @@ def start(state, reactor, port: int, host: str = "127.0.0.1", sample_every: floa
                     "bins, the clients and their addresses (--token-file protects it)", host)
     if not prom.available():
         log.warning("metrics: prometheus_client is not installed, so /metrics answers 503 "
-                    "(pip install 'tensorshare[metrics]'); / and /status.json work")
+                    "(the metrics extra: pip install prometheus_client); / and /status.json work")
     return OpsPort(listening, sampler)
