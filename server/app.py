@@ -12,6 +12,7 @@ import threading
 from dataclasses import fields
 
 from twisted.internet import reactor
+from twisted.internet.error import CannotListenError
 from twisted.internet.threads import blockingCallFromThread
 
 from tensorshare.errors import UsageError
@@ -19,6 +20,7 @@ from tensorshare.protocol.auth import MIN_TOKEN_CHARS
 
 from .bins.jobs import ThreadJobs
 from .config import ServerConfig
+from .failures import EXIT_CANNOT_LISTEN, EXIT_FAILED, EXIT_STOPPED, EXIT_USAGE, cannot_listen
 from .net import busypoll
 from .net.service import TensorShareFactory
 from .net.twisted_internals import dispatch_directly, listen_tcp
@@ -262,9 +264,23 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _port(text: str) -> int:
+    """A TCP port to listen on, 0 (any free one) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"not a TCP port (0 to 65535): {text!r}")
+    return port
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Namespace]:
-    parser = argparse.ArgumentParser(prog="tensorshare-server", description="Serve tensorshare bins over TCP.")
-    parser.add_argument("--port", type=int, default=8000, help="TCP port (0: pick a free one and print it)")
+    parser = argparse.ArgumentParser(prog="tensorshare-server", description="Serve tensorshare bins over TCP.",
+                                     usage="%(prog)s [OPTIONS]   (--help lists them)",
+                                     epilog="Exit status: 0 stopped (SIGINT, SIGTERM), 1 failed, 2 bad usage or "
+                                            "config file, 3 cannot listen (port taken, address not of this host).")
+    parser.add_argument("--port", type=_port, default=8000, help="TCP port (0: pick a free one and print it)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default 127.0.0.1; 0.0.0.0 for all interfaces)")
     parser.add_argument("--max-frame", type=_size, default=ServerConfig.max_frame, help="largest payload of one request")
@@ -378,7 +394,7 @@ def _add_ops_arguments(parser: argparse.ArgumentParser) -> None:
     from .ops.logs import FORMATS
 
     group = parser.add_argument_group("operations")
-    group.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+    group.add_argument("--metrics-port", type=_port, default=None, metavar="PORT",
                        help="serve Prometheus /metrics, /status.json and a status page at / on this HTTP port "
                             "(0: pick a free one and print it; default: off). Token protected when the server "
                             "has a token")
@@ -402,7 +418,8 @@ def _read_config_file(parser: argparse.ArgumentParser, argv: list[str] | None) -
         try:
             parser.set_defaults(**defaults_from(parser, read_toml(known.config), known.config))
         except argparse.ArgumentTypeError as exc:
-            parser.error(str(exc))
+            print(f"tensorshare-server: {exc}", file=sys.stderr)  # one line: the usage would not help
+            raise SystemExit(EXIT_USAGE) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -413,12 +430,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         configure(args.log_level, args.log_format)
     except ValueError:
-        print(f"tensorshare-server: unknown --log-level {args.log_level!r}", file=sys.stderr)
-        return 2
+        return _fail(f"unknown --log-level {args.log_level!r} (DEBUG, INFO, WARNING, ERROR)", EXIT_USAGE)
     settings = {f.name: getattr(config, f.name) for f in fields(ServerConfig) if f.name not in ("host", "port")}
     try:
         run_server(config.port, config.host, **settings)
     except UsageError as exc:
-        print(f"tensorshare-server: {exc}", file=sys.stderr)
-        return 2
-    return 0
+        return _fail(str(exc), EXIT_USAGE)
+    except CannotListenError as exc:
+        metrics = config.metrics_port is not None and exc.port == config.metrics_port and exc.port != config.port
+        host = config.metrics_host if metrics else config.host
+        return _fail(cannot_listen(exc.socketError, host, exc.port, "--metrics-port" if metrics else "--port"),
+                     EXIT_CANNOT_LISTEN)
+    except OverflowError as exc:  # an address Twisted could not bind at all
+        return _fail(f"cannot listen on {config.host}:{config.port}: {exc}", EXIT_CANNOT_LISTEN)
+    except OSError as exc:  # a directory or file it was given cannot be used
+        return _fail(f"cannot start: {exc}", EXIT_FAILED)
+    return EXIT_STOPPED
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"tensorshare-server: {message}", file=sys.stderr)
+    return code
