@@ -27,7 +27,7 @@ from typing import Any
 from .errors import (
     AuthenticationError, ConnectionLostError, NoSuchBinError, TensorShareError, UsageError, WrongServerError,
 )
-from .humanize import human_bytes
+from .humanize import human_bytes, rl_roles
 
 OK, FAILED, USAGE, NO_SERVER, AUTH_FAILED, NO_BIN = 0, 1, 2, 3, 4, 5
 PEEK_VALUES = 6  # values shown per tensor
@@ -332,9 +332,8 @@ def watch_view(args, client) -> tuple[list, list, dict | None]:
     if status:
         bins = [[b["name"], b["items"], human_bytes(b["bytes"]), "-" if b["tag"] is None else b["tag"]]
                 for b in status["bins"]]
-        clients = [[c["id"], c["peer"], ", ".join(f"{e or '(default)'}: v{v}" for e, v in c["versions"].items())
-                    or "-", human_bytes(c["bytes_in"]), human_bytes(c["bytes_out"]), c["requests"]]
-                   for c in status["clients"]]
+        clients = [[c["id"], c["peer"], rl_roles(c), human_bytes(c["bytes_in"]), human_bytes(c["bytes_out"]),
+                    c["requests"]] for c in status["clients"]]
         return bins, clients, status
     return [[name, n, "-", "-"] for name, n in sorted(client.list().items())], [], None
 
@@ -342,7 +341,7 @@ def watch_view(args, client) -> tuple[list, list, dict | None]:
 def cmd_watch(args, client, out) -> int:
     count = 0
     bin_headers = ["bin", "items", "bytes", "tag"]
-    client_headers = ["conn", "address", "versions", "in", "out", "requests"]
+    client_headers = ["conn", "address", "experiments", "in", "out", "requests"]
 
     def frames():
         nonlocal count

@@ -13,7 +13,7 @@ import tensorshare
 from opsproc import OpsServer, http_get
 from pairing import Pair
 from tensorshare.protocol.messages import APPEND, GET, PEEK, PUT
-from tensorshare_server.ops.counters import experiment_of, worker_experiment
+from tensorshare_server.ops.counters import experiment_of, worker_of
 from tensorshare_server.ops.status import snapshot
 
 parser = pytest.importorskip("prometheus_client.parser", reason="prometheus_client is a test dependency")
@@ -203,8 +203,8 @@ def test_experiment_names():
     assert experiment_of("a/b/parameters", "parameters") == "a/b"
     assert experiment_of("xparameters", "parameters") is None
     assert experiment_of("a/rollouts", "parameters") is None
-    assert worker_experiment("workers/w1") == "" and worker_experiment("a/b/workers/w1") == "a/b"
-    assert worker_experiment("a/workersx/w1") is None and worker_experiment("/workers/x") is None
+    assert worker_of("workers/w1") == ("", "w1") and worker_of("a/b/workers/w1") == ("a/b", "w1")
+    assert worker_of("a/workersx/w1") is None and worker_of("/workers/x") is None
 
 
 def test_counters_and_tiers_in_memory(tmp_path):
