@@ -356,7 +356,8 @@ def cmd_watch(args, client, out) -> int:
             out.emit({"time": time.time(), "bins": [dict(zip(bin_headers, r)) for r in bins],
                       "clients": [dict(zip(client_headers, r)) for r in clients]})
         return OK
-    console = out.console
+    # A live view updates in place on a terminal; into a pipe or a file each refresh is printed.
+    console = out.console if sys.stdout.isatty() else None
     if console is None:
         for bins, clients, status in frames():
             if sys.stdout.isatty():
@@ -551,6 +552,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"TENSORSHARE_PORT, say where it is)", NO_SERVER)
     except UsageError as exc:
         return _fail(str(exc), USAGE)
+    except BrokenPipeError:  # the reader went away (| head): stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return OK
     except (TensorShareError, OSError) as exc:
         return _fail(str(exc), FAILED)
     except KeyboardInterrupt:
