@@ -24,6 +24,7 @@ import sys
 import time
 from typing import Any
 
+from .argtypes import count, port_number, seconds
 from .errors import (
     AuthenticationError, ConnectionLostError, NoSuchBinError, TensorShareError, UsageError, WrongServerError,
 )
@@ -426,39 +427,6 @@ COMMANDS = {"ls": cmd_ls, "stat": cmd_stat, "peek": cmd_peek, "save": cmd_save, 
 
 
 # -- the command line
-
-
-def port_number(text: str) -> int:
-    """A TCP port, 1 to 65535 (an argparse type)."""
-    try:
-        port = int(text)
-    except ValueError:
-        port = 0
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"not a TCP port (1 to 65535): {text!r}")
-    return port
-
-
-def seconds(text: str) -> float:
-    """A positive number of seconds (an argparse type)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
-    return value
-
-
-def count(text: str) -> int:
-    """A whole number, 1 or more (an argparse type)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"not a count of 1 or more: {text!r}")
-    return value
 
 
 def common_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -111,8 +111,11 @@ def messages(path: Path = README) -> list[tuple[str, str]]:
 
 
 def message_pattern(message: str) -> re.Pattern:
-    """A README message as a pattern: its ``...`` match anything, the rest itself."""
-    return re.compile(".*?".join(re.escape(part) for part in message.split("...")), re.DOTALL)
+    """A README message as a pattern: its ``...`` match anything, a loopback address
+    any port on it, the rest itself."""
+    parts = [re.escape(part).replace(re.escape("127.0.0.1:"), "@") for part in message.split("...")]
+    return re.compile(".*?".join(re.sub(r"@\d+", r"127\\.0\\.0\\.1:\\d+", p).replace("@", re.escape("127.0.0.1:"))
+                                 for p in parts), re.DOTALL)
 
 
 def strip_comment(line: str) -> str:
@@ -136,3 +139,18 @@ def localize(text: str, ports: dict[str, int], paths: dict[str, str]) -> str:
     for readme in PATHS:
         text = text.replace(readme, paths[readme])
     return text
+
+
+def expect_raises(code: str) -> str:
+    """``stmt  # raises NoSuchBinError ...`` becomes a check that ``stmt`` raises it."""
+    out = []
+    for line in code.splitlines():
+        match = re.match(r"^(\s*)(\S.*?)\s*# raises (\w+)", line)
+        if not match:
+            out.append(line)
+            continue
+        indent, statement, error = match.groups()
+        out += [f"{indent}try:", f"{indent}    {statement}", f"{indent}except tensorshare.errors.{error}:",
+                f"{indent}    pass", f"{indent}else:",
+                f"{indent}    raise AssertionError({statement!r} + ' did not raise {error}')"]
+    return "\n".join(out) + "\n"

@@ -280,6 +280,14 @@ def test_rl_experiment_seen_through_the_wrappers(ops_server):
         assert 0 in experiment["workers"].values()  # the worker's connection holds version 0
         lags = [c["lag"].get("rlview") for c in data["clients"]]
         assert 1 in lags
+        # each client is named by what it is in the experiment: the trainer, or the worker by its id
+        roles = sorted(c["roles"]["rlview"] for c in data["clients"] if "rlview" in c.get("roles", {}))
+        assert roles == sorted(["trainer", worker.worker_id])
+        assert sorted(experiment["roles"].values()) == roles
+        page = Tables()
+        page.feed(http_get(ops_server.url("/"))[2].decode())
+        cells = [row[3] for row in page.tables["clients"][1:]]
+        assert f"rlview: worker {worker.worker_id} at v0 (1 behind)" in cells and "rlview: trainer at v1" in cells
         samples = metrics(ops_server)
         assert samples[("tensorshare_rl_latest_version", ("experiment", "rlview"))] == 1
         assert samples[("tensorshare_rl_rollouts_total", ("experiment", "rlview"))] == 3

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import tensorshare
-from readme import PATHS, Block, blocks, localize
+from readme import PATHS, Block, blocks, expect_raises, localize
 from serverproc import ServerProcess
 
 pytestmark = pytest.mark.process
@@ -187,21 +187,6 @@ def python_source(block: Block, world) -> str:
     fill = lambda text: text.replace("{SERVER}", str(ports["SERVER"])).replace("{RELAY}", str(ports["RELAY"]))
     body = expect_raises(localize(block.text, world["ports"], world["paths"]))
     return fill(before) + body + fill(after)
-
-
-def expect_raises(code: str) -> str:
-    """``stmt  # raises NoSuchBinError ...`` becomes a check that ``stmt`` raises it."""
-    out = []
-    for line in code.splitlines():
-        match = re.match(r"^(\s*)(\S.*?)\s*# raises (\w+)", line)
-        if not match:
-            out.append(line)
-            continue
-        indent, statement, error = match.groups()
-        out += [f"{indent}try:", f"{indent}    {statement}", f"{indent}except tensorshare.errors.{error}:",
-                f"{indent}    pass", f"{indent}else:",
-                f"{indent}    raise AssertionError({statement!r} + ' did not raise {error}')"]
-    return "\n".join(out) + "\n"
 
 
 RUNNER = """
