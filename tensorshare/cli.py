@@ -9,8 +9,9 @@
     tensorshare watch                   a live view of bins (and clients, with --metrics-port)
 
 Connection options are the server's: ``--host``, ``--port``, ``--token-file`` (else
-``TENSORSHARE_TOKEN``), ``--tls``/``--tls-ca``/``--tls-fingerprint``.  ``--json``
-prints data for scripts.  Exit status: 0 done, 1 failed, 2 bad usage, 3 no server
+``TENSORSHARE_TOKEN``), ``--tls``/``--tls-ca``/``--tls-fingerprint``, before or after
+the command (a command added here takes them through :func:`add_command`).
+``--json`` prints data for scripts.  Exit status: 0 done, 1 failed, 2 bad usage, 3 no server
 there, 4 authentication failed, 5 no such bin.  Tables and live views use ``rich``
 when it is installed (the ``cli`` extra: ``pip install rich``), plain text otherwise.
 """
