@@ -255,3 +255,14 @@ def test_a_bad_config_file_is_one_line(toml, words, tmp_path):
     out = run([*SERVER, "--config", "server.toml"], cwd=tmp_path)
     assert out.returncode == 2 and out.stderr.startswith(f"tensorshare-server: {words}"), out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_a_wrong_server_is_not_tried_again(world):
+    """connect() and the RL peers retry a server that is not up yet, never one that
+    answered as something else: that would only meet it again until the timeout."""
+    from tensorshare import RLWorker
+
+    started = time.monotonic()
+    with pytest.raises(WrongServerError, match="is a TLS server"):
+        RLWorker("127.0.0.1", world["tls"].port, timeout=30)
+    assert time.monotonic() - started < 5
