@@ -28,13 +28,13 @@ from ._client.core import ClientCore
 from ._client.keepalive import DEAD, PROBE
 from ._client.methods import DEFAULT
 from ._client.options import DEFAULT_CONNECT_TIMEOUT, check_address, connect_timeout_for
-from .protocol.peers import PROBE_AFTER
 from ._client.retry import Backoff
 from ._client.routing import finish
 from ._client.twisted_wire import Wire
 from ._client.zerocopy import SharedAreas
 from .errors import AuthenticationError, ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UsageError
 from .protocol.messages import NOOP, Command
+from .protocol.peers import PROBE_AFTER
 from .protocol.tls import TLSSettings
 from .wire.frames import Frame
 
@@ -54,9 +54,8 @@ class AsyncClient(ClientCore):
 
     def __init__(self, reactor, host: str, port: int, timeout: float | None, device: Any, max_backoff: float, *,
                  connect_timeout: float | None = None, token: str | bytes | None = None,
-                 tls: TLSSettings | None = None,
-                 keepalive: float | None = 15.0, reuse: int = DEFAULT_REUSE, zero_copy: bool = True,
-                 connector: Callable[[Wire], defer.Deferred] | None = None):
+                 tls: TLSSettings | None = None, keepalive: float | None = 15.0, reuse: int = DEFAULT_REUSE,
+                 zero_copy: bool = True, connector: Callable[[Wire], defer.Deferred] | None = None):
         self._init_core(host, port, timeout=timeout, device=device, zero_copy=zero_copy, reuse=reuse, token=token,
                         tls=tls, keepalive=keepalive, lock=contextlib.nullcontext())  # one thread: the reactor's
         self.reactor = reactor

@@ -70,8 +70,9 @@ class Client(ClientCore):
     Opening a connection (TCP, TLS, greeting, authentication) takes at most
     ``connect_timeout`` seconds (default: 10, or ``timeout`` if that is shorter);
     a peer that turns out not to be a tensorshare server (a TLS server reached
-    without TLS, an HTTP server...) raises :class:`~tensorshare.errors.WrongServerError`
-    as soon as that shows (about a second when it says nothing first).  ``token`` (default: the ``TENSORSHARE_TOKEN``
+    without TLS, an HTTP server...) raises
+    :class:`~tensorshare.errors.WrongServerError` as soon as that shows (about a
+    second when it says nothing first).  ``token`` (default: the ``TENSORSHARE_TOKEN``
     environment variable) authenticates to a server that requires it and makes the
     client require the server to prove it knows the token too; it is never sent.
     ``tls=True`` speaks TLS, verifying the server against the system's CAs and the
@@ -646,7 +647,9 @@ def connect(host: str = "127.0.0.1", port: int = 8000, *, retry_for: float | Non
     backoff = Backoff(0.05, 1.0)
     while True:
         try:
-            return Client(host, port, connect_timeout=max(min(each, deadline - time.monotonic()), 0.01), **options)
+            client = Client(host, port, connect_timeout=max(min(each, deadline - time.monotonic()), 0.01), **options)
+            client.connect_timeout = each  # for its reconnections: the retry's remaining time was this one's
+            return client
         except WrongServerError:
             raise
         except ConnectionLostError as exc:

@@ -22,8 +22,8 @@ import threading
 import time
 
 from ..errors import ConnectionLostError, TimeoutError, UntrustedServerError, WrongServerError
-from ..protocol.tls import TLSSettings
 from ..protocol import peers
+from ..protocol.tls import TLSSettings
 from .connection import ClientConnection
 
 log = logging.getLogger("tensorshare.client")
