@@ -272,6 +272,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Na
     parser.add_argument("--max-bin-name", type=count, default=ServerConfig.max_bin_name, help="characters")
     parser.add_argument("--max-listens", type=count, default=ServerConfig.max_listens, help="per connection")
     parser.add_argument("--max-depth", type=count, default=ServerConfig.max_depth, help="nesting of a value")
+    parser.add_argument("--max-table-rows", type=count, default=ServerConfig.max_table_rows,
+                        help="rows of all tables together (each row keeps 41-137 bytes of state in memory)")
     parser.add_argument("--max-nodes", type=count, default=ServerConfig.max_nodes, help="nodes of a value's structure")
     disk = parser.add_argument_group("disk tier")
     disk.add_argument("--memory-limit", type=_size, default=None,
@@ -413,8 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = {f.name: getattr(config, f.name) for f in fields(ServerConfig) if f.name not in ("host", "port")}
     try:
         run_server(config.port, config.host, **settings)
-    except UsageError as exc:
-        return _fail(str(exc), EXIT_USAGE)
+    except UsageError as exc:  # a data directory another server holds says so with its own status (75)
+        return _fail(str(exc), getattr(exc, "exit_code", EXIT_USAGE))
     except CannotListenError as exc:
         metrics = config.metrics_port is not None and exc.port == config.metrics_port and exc.port != config.port
         host = config.metrics_host if metrics else config.host

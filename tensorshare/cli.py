@@ -1,12 +1,14 @@
 """``tensorshare``: look at and move bins from a shell.
 
     tensorshare ls                      bins and their item counts
-    tensorshare stat BIN                items, sequence number, last tag (bytes and tiers with --metrics-port)
+    tensorshare stat BIN                items, sequence number, last tag (bytes and tiers with --metrics-port);
+                                        of a table: its settings, counters and rate limiter
     tensorshare peek BIN                shapes, dtypes and a few values of each item
     tensorshare save BIN DIR            the bin's items to DIR (memory-mappable files, no pickle)
     tensorshare load DIR BIN            what ``save`` (or ``save_memmap``) wrote, into BIN
     tensorshare rm BIN                  delete BIN
     tensorshare watch                   a live view of bins (and clients, with --metrics-port)
+    tensorshare table ls|info|sample|save|load|drop   the server's tables (replay buffers): see cli_tables.py
 
 Connection options are the server's: ``--host``, ``--port``, ``--token-file`` (else
 ``TENSORSHARE_TOKEN``), ``--tls``/``--tls-ca``/``--tls-fingerprint``, before or after
@@ -25,6 +27,7 @@ import sys
 import time
 from typing import Any
 
+from . import cli_tables
 from .argtypes import count, port_number, seconds
 from .errors import (
     AuthenticationError, ConnectionLostError, NoSuchBinError, TensorShareError, UsageError, WrongServerError,
@@ -228,6 +231,9 @@ def cmd_ls(args, client, out) -> int:
 
 
 def cmd_stat(args, client, out) -> int:
+    table = cli_tables.info_if_table(client, args.bin)
+    if table is not None:  # capacity, sampler, rate limits...
+        return cli_tables.show_info(args, client, out, args.bin, table)
     handle = client.listen(args.bin, lambda note: None)
     snap = handle.snapshot
     handle.stop()
@@ -281,10 +287,13 @@ def cmd_save(args, client, out) -> int:
 
 def cmd_load(args, client, out) -> int:
     from .disk.layout import LayoutError
+    from .disk.tables import is_checkpoint
     from .memmap import load_memmap
 
     if not os.path.isdir(args.dir):
         raise CliError(f"no directory {args.dir}")
+    if is_checkpoint(args.dir):  # Client.save of a table: the table made again
+        return cli_tables.load_checkpoint(args, client, out, args.bin)
     try:
         loaded = load_memmap(args.dir)
     except LayoutError as exc:
@@ -424,7 +433,7 @@ class Output:
 
 
 COMMANDS = {"ls": cmd_ls, "stat": cmd_stat, "peek": cmd_peek, "save": cmd_save, "load": cmd_load, "rm": cmd_rm,
-            "watch": cmd_watch}
+            "watch": cmd_watch, "table": cli_tables.cmd_table}
 
 
 # -- the command line
@@ -481,6 +490,7 @@ def parser() -> argparse.ArgumentParser:
     watch = add_command(sub, "watch", "a live view of bins (and clients, with --metrics-port)")
     watch.add_argument("--interval", type=seconds, default=1.0, metavar="SECONDS")
     watch.add_argument("--count", type=count, default=None, help="stop after this many refreshes")
+    cli_tables.add_parser(sub, add_command)
     return p
 
 

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .disk.tables import is_checkpoint
 from .disk.layout import (
     BIN_RECORD, RECORD, LayoutError, StoredItem, mapped_parts, read_item, write_bin_root, write_item,
 )
@@ -189,7 +190,8 @@ def load_memmap(path: str | os.PathLike, *, writable: bool = False, device: Any 
     """Map back what :func:`save_memmap` or ``Client.save`` wrote.
 
     A directory written by ``save_memmap`` gives its value; one written by
-    ``Client.save`` gives the list of the bin's items, as ``peek`` would.
+    ``Client.save`` gives the list of the bin's items, as ``peek`` would (of a
+    table: ``{column: tensor [rows, *shape]}``, copy-on-write whatever ``writable``).
     Tensors map the files copy-on-write: changing them changes memory, not the
     files, unless ``writable=True`` (then they write through to the files).
     ``device`` copies tensors there (reading them whole).  Raises
@@ -198,6 +200,11 @@ def load_memmap(path: str | os.PathLike, *, writable: bool = False, device: Any 
     open that with ``TensorDict.load_memmap``).
     """
     path = os.fspath(path)
+    if is_checkpoint(path):  # Client.save of a table: its columns, [rows, *shape] each
+        from ._client.table_copy import mapped_columns
+
+        columns = mapped_columns(path)
+        return columns if device is None else {k: v.to(device) for k, v in columns.items()}
     if os.path.exists(os.path.join(path, RECORD)):
         return load_item(read_item(path, limits), writable=writable, device=device, limits=limits)
     entries = sorted(e for e in os.listdir(path) if len(e) == _ITEM_DIGITS and e.isdigit())

@@ -160,3 +160,30 @@ def test_watch_into_a_pipe_prints_each_refresh_and_stops_quietly_when_the_reader
                            f"| head -3", shell=True, capture_output=True, text=True, timeout=60)
     assert shown.stdout.splitlines()[1].split() == ["bin", "items", "bytes", "tag"]
     assert shown.stderr == ""
+
+
+def test_table_commands(ops_server, tmp_path):
+    port = str(ops_server.port)
+    with tensorshare.Client("127.0.0.1", ops_server.port, timeout=30) as c:
+        c.create_table("cli/replay", 16, {"obs": ((2,), torch.float32), "step": ((), torch.int64)},
+                       sampler="prioritized", samples_per_insert=2.0, error_buffer=8.0)
+        c.insert("cli/replay", {"obs": torch.arange(10.0).view(5, 2), "step": torch.arange(5)},
+                 priorities=[1, 2, 3, 4, 5])
+        [row] = [r for r in run_json(ops_server, "table", "ls") if r["table"] == "cli/replay"]
+        assert row["rows"] == 5 and row["capacity"] == 16 and row["sampler"] == "prioritized" and row["bytes"] == 256
+        info = cli("--port", port, "stat", "cli/replay")  # stat of a table: what `table info` shows
+        assert info.returncode == 0, info.stderr
+        assert "5 of 16" in info.stdout and "prioritized" in info.stdout and "obs" in info.stdout
+        drawn = run_json(ops_server, "table", "sample", "cli/replay", "-n", "2")
+        assert len(drawn["slots"]) == 2 and drawn["rows"]["obs"]["shape"] == [2, 2]
+        assert c.table_info("cli/replay")["samples"] == 0  # shown, not sampled
+        saved = run_json(ops_server, "save", "cli/replay", str(tmp_path / "replay"))  # save knows tables
+        assert saved["items"] == 5
+        assert cli("--port", port, "table", "drop", "cli/replay").returncode == 0
+        assert "cli/replay" not in c.list()
+        loaded = run_json(ops_server, "table", "load", str(tmp_path / "replay"))
+        assert loaded == {"dir": str(tmp_path / "replay"), "table": "cli/replay", "rows": 5}
+        again = c.table_info("cli/replay", slots=0)
+        assert again["sampler"] == "prioritized" and again["rate_limiter"]["samples_per_insert"] == 2.0
+        assert again["slots"]["priorities"].tolist() == [1, 2, 3, 4, 5]
+        assert c.read("cli/replay", [4])["step"].tolist() == [4]

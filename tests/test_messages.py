@@ -155,6 +155,25 @@ def bad_config(world) -> str:
     return out.stderr.strip()
 
 
+def too_large(world) -> str:
+    with tensorshare.Client("127.0.0.1", world["small"].port, timeout=30) as client:
+        with pytest.raises(tensorshare.errors.TooLargeError) as caught:
+            client.put("messages/large", torch.zeros(1 << 20, dtype=torch.uint8))
+        assert "messages/large" not in client.list()  # nothing was sent
+    return said(caught.value)
+
+
+def data_dir_in_use(world) -> str:
+    data = Path(world["tmp"], "data")
+    first = ServerProcess("--data-dir", str(data))
+    try:
+        out = run([*SERVER, "--port", "0", "--data-dir", str(data)])
+    finally:
+        first.stop()
+    assert out.returncode == 75 and out.stdout == ""
+    return out.stderr.strip()
+
+
 def cli_tls(world) -> str:
     out = run([sys.executable, "-m", "tensorshare.cli", "ls", "--port", str(world["tls"].port)])
     assert out.returncode == 3 and out.stdout == ""
@@ -164,12 +183,20 @@ def cli_tls(world) -> str:
 SITUATIONS = {"is a TLS server: connect": tls_without_tls, "is an HTTP server": http_port,
               "cannot connect to": nothing_listens, "no tensorshare greeting": says_nothing,
               "port must be a TCP port": bad_port, "nested tensors": nested_tensor, "(a namedtuple)": namedtuple,
-              "the port is taken": port_taken, "unknown option": bad_config, "add --tls": cli_tls}
+              "the port is taken": port_taken, "unknown option": bad_config, "add --tls": cli_tls,
+              "its --max-frame": too_large, "is in use by": data_dir_in_use}
 
 
 @pytest.fixture(scope="module")
-def world(tls_server, ops_server, tmp_path_factory):
-    return {"tls": tls_server, "ops": ops_server, "tmp": tmp_path_factory.mktemp("messages")}
+def small_frames():
+    proc = ServerProcess("--max-frame", "64KiB")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def world(tls_server, ops_server, small_frames, tmp_path_factory):
+    return {"tls": tls_server, "ops": ops_server, "small": small_frames, "tmp": tmp_path_factory.mktemp("messages")}
 
 
 def situation_of(message: str):

@@ -69,13 +69,18 @@ worker.stop(); trainer.stop()
     "tables": ("""
 import torch, tensorshare
 client = tensorshare.Client("127.0.0.1", {SERVER}, timeout=60)
-batch = {"obs": torch.randint(0, 255, (1000, 4, 84, 84), dtype=torch.uint8),
-         "action": torch.zeros(1000, dtype=torch.int64), "reward": torch.ones(1000)}
-td_errors = torch.rand(256)
-indices = torch.arange(1000)
 """, """
-assert s.value["obs"].shape == (256, 4, 84, 84)
-client.delete("replay"); client.close()
+assert s.value["obs"].shape == (256, 4, 84, 84) and rows["reward"].shape == (3,)
+assert client.table_info("replay-copy")["size"] == 64
+client.delete("replay"); client.delete("replay-copy"); client.close()
+"""),
+    "torchrl": ("""
+import torch, tensorshare
+client = tensorshare.Client("127.0.0.1", {SERVER}, timeout=60)
+""", """
+assert data.batch_size == (256,) and sample["priority_weight"].shape == (64,)
+assert client.table_info("per")["sampler"] == "prioritized"
+client.delete("transitions"); client.delete("per"); client.close()
 """),
     "checkpoints": ("""
 import torch, tensorshare
@@ -260,7 +265,7 @@ def free_port() -> int:
 
 def run_shell(block: Block, world) -> None:
     """Run a shell block's commands: servers serve until they say they listen and stop
-    cleanly (those of one block at once, as on their hosts); ``tensorshare ...
+    cleanly (one after another: a block's servers are alternatives); ``tensorshare ...
     watch`` shows a view and is stopped; other ``tensorshare`` commands must
     succeed, in order.  Anything else has no check here and fails."""
     cwd = workdir(block, world)
@@ -275,12 +280,15 @@ def run_shell(block: Block, world) -> None:
         with tensorshare.Client("127.0.0.1", world["ports"]["server"], timeout=30) as client:
             client.put("cartpole/parameters", {"weight": torch.randn(4, 2), "step": 7}, tag=7)
             client.put("replay/buffer", {"obs": torch.randn(64, 4)})
+            client.create_table("replay", 64, {"obs": ((4,), torch.float32)})
+            client.insert("replay", {"obs": torch.randn(8, 4)})
     servers, commands = [], []
     for line in block.lines():
         if line.startswith("pip install"):
             continue  # tests/test_install.py runs these
         if line.startswith(("tensorshare-server", "python -m tensorshare_server")):
-            servers.append(start(server_line(line, world), world, cwd))
+            # one at a time: a block's server lines are alternatives (two may name one data directory)
+            stop(*start(server_line(line, world), world, cwd), LISTENING)
         elif line.startswith("tensorshare ") and line.endswith(" watch"):
             servers.append(start(localize(line, world["ports"], world["paths"]), world, cwd))
         elif line.startswith("tensorshare "):
@@ -296,7 +304,7 @@ def run_shell(block: Block, world) -> None:
                              text=True, timeout=120, cwd=cwd, env=_env(world))
         assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-2000:])
     for proc, line in servers:
-        stop(proc, line, LISTENING if "tensorshare-server" in line else re.compile(r"\S"))
+        stop(proc, line, re.compile(r"\S"))
 
 
 CLI_RUNNER = """

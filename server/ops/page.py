@@ -35,6 +35,10 @@ def _limit(name: str, value) -> str:
     return str(value)
 
 
+def _rate(per_second: float | None) -> str:
+    return "-" if per_second is None else f"{per_second:,.0f}"
+
+
 def _table(table_id: str, headers: list[str], rows: list[list], empty: str) -> str:
     head = "".join(f"<th>{escape(h)}</th>" for h in headers) if any(headers) else ""
     head_row = f"<tr>{head}</tr>" if head else ""
@@ -84,6 +88,11 @@ def render(data: dict, query: str = "") -> str:
                         c["listening"], human_seconds(c["age"])])
     experiments = [[e or "(default)", "-" if r["latest"] is None else r["latest"], r["rollouts"], r["stale"],
                     len(r["workers"])] for e, r in data["experiments"].items()]
+    tables = [[t["name"], f"{t['size']} / {t['capacity']}", human_bytes(t["bytes"]), t["where"], t["sampler"],
+               t["remover"] or "-", t["inserts"], t["samples"], _rate(t["inserts_per_s"]), _rate(t["samples_per_s"]),
+               "-" if t["samples_per_insert"] is None else f"{t['samples_per_insert']:g}",
+               f"{t['blocked_seconds']['insert']:.1f}s / {t['blocked_seconds']['sample']:.1f}s",
+               f"{t['waiting']['insert']} / {t['waiting']['sample']}"] for t in data.get("tables", [])[:MAX_ROWS]]
     events = data.get("events", {})
     traffic = data.get("traffic", {})
     summary = [
@@ -123,6 +132,10 @@ th{{background:#f0f0f0}} .cols{{display:flex;gap:2em;flex-wrap:wrap}} small{{col
 <div><h2>Limits and memory</h2>{_table("limits", ["", ""], limit_rows, "")}</div></div>
 <h2>Bins</h2>
 {_table("bins", ["bin", "items", "bytes", "where", "tag", "seq"], bins, "no bins")}
+<h2>Tables</h2>
+{_table("tables", ["table", "rows", "bytes", "where", "sampler", "remover", "inserted", "sampled", "inserts/s",
+                   "samples/s", "samples per insert", "rate limiter waited (inserts / samples)",
+                   "waiting (inserts / samples)"], tables, "no tables")}
 <h2>Clients</h2>
 {_table("clients", ["conn", "address", "authenticated", "RL experiment: role, version", "in", "out", "requests", "listens", "connected"], clients, "no clients")}
 <h2>RL experiments</h2>

@@ -61,7 +61,7 @@ def _wake(session, name: str) -> None:
 
 @handles(TCREATE)
 def create(session, request) -> None:
-    entry, change = session.storage.tables.create(request.bin, request.spec)
+    entry, change = session.storage.tables.create(request.bin, request.spec, bool(request.add_columns))
     session.send_header(TCREATE.reply(request.id, n=entry.table.size, seq=entry.seq))
     session.state.listeners.publish(change)
 
@@ -69,7 +69,7 @@ def create(session, request) -> None:
 @handles(TINFO)
 def info(session, request) -> None:
     entry = session.storage.tables.get(request.bin)
-    session.send_header(TINFO.reply(request.id, info=_info(session, entry)))
+    session.send_header(TINFO.reply(request.id, info=_info(session, entry, request.slots)))
 
 
 @handles(TLIMITS)
@@ -90,11 +90,17 @@ def limits(session, request) -> None:
     _wake(session, entry.name)
 
 
-def _info(session, entry: TableEntry) -> dict:
-    info = entry.table.info()
+def _info(session, entry: TableEntry, slots: int | None = None) -> dict:
+    """TINFO's map; with ``slots``, a page of the occupied slots from that index on
+    (indices, keys, priorities and sample counts as bytes, and the index to ask from next)."""
+    info = entry.info()
     info["waiting_inserts"] = session.state.waits.waiting(wait_key(entry.name, False))
     info["waiting_samples"] = session.state.waits.waiting(wait_key(entry.name, True))
-    info["seq"] = entry.seq
+    if slots is not None:
+        page = entry.table.slots(slots)
+        info["slots"] = {"indices": int64_bytes(page["indices"]), "keys": int64_bytes(page["keys"]),
+                         "priorities": float64_bytes(page["priorities"]),
+                         "times_sampled": int64_bytes(page["times_sampled"]), "next": page["next"]}
     return _plain(info)
 
 
@@ -120,6 +126,7 @@ def _rows(session, entry: TableEntry, request):
     if entry.table.columns:
         return columns_of(request.value, request.payload, request.payload_len, session.decode_limits)
     _check_value(session, request.value, request.payload_len)
+    session.storage.tables.check_room(request.payload_len + len(request.value))  # items are held in memory
     return [Item(request.value, tuple(request.payload), request.payload_len)]
 
 
@@ -172,6 +179,7 @@ def _count(batch) -> int:
 def sample(session, request) -> None:
     entry = session.storage.tables.get(request.bin)
     table, n = entry.table, request.n
+    session.storage.tables.check_reply(entry, n)  # bounded and counted before anything is drawn
 
     def run():
         gathered = Gathered(table.columns, n, _GATHER_BUFFERS.take) if table.columns else None
@@ -180,10 +188,7 @@ def sample(session, request) -> None:
 
     def reply(result) -> None:
         drawn, gathered = result
-        if drawn.removed.keys.size:  # rows that reached max_times_sampled left
-            _publish(session, entry, "SAMPLE")
-        else:
-            _wake(session, entry.name)
+        _after_sample(session, entry, drawn)
         _send_rows(session, request, entry, drawn, gathered, drawn.probabilities)
 
     def ready() -> bool:
@@ -197,9 +202,30 @@ def read(session, request) -> None:
     entry = session.storage.tables.get(request.bin)
     table = entry.table
     indices = int64_array(request.indices, "indices")
-    gathered = Gathered(table.columns, indices.size, _GATHER_BUFFERS.take) if table.columns else None
-    rows = table.read(indices, out=None if gathered is None else gathered.out)
-    _send_rows(session, request, entry, rows, gathered, None)
+    session.storage.tables.check_reply(entry, indices.size)  # bounded and counted before anything is gathered
+
+    def run():
+        gathered = Gathered(table.columns, indices.size, _GATHER_BUFFERS.take) if table.columns else None
+        rows = table.read(indices, out=None if gathered is None else gathered.out, sampled=bool(request.sample))
+        return rows, gathered
+
+    if not request.sample:
+        _send_rows(session, request, entry, *run(), None)
+        return
+
+    def reply(result) -> None:  # rows the reader drew itself, counted as a sample (TorchRL's samplers)
+        rows, gathered = result
+        _after_sample(session, entry, rows)
+        _send_rows(session, request, entry, rows, gathered, None)
+
+    _run_or_wait(session, request, entry, True, run, reply, lambda: table.can_read_sampled(indices.size))
+
+
+def _after_sample(session, entry: TableEntry, drawn) -> None:
+    if drawn.removed.keys.size:  # rows that reached max_times_sampled left
+        _publish(session, entry, "SAMPLE")
+    else:
+        _wake(session, entry.name)
 
 
 def _send_rows(session, request, entry: TableEntry, rows, gathered: Gathered | None, probabilities) -> None:
@@ -207,6 +233,7 @@ def _send_rows(session, request, entry: TableEntry, rows, gathered: Gathered | N
     same-host client that asked for references (``ref``) may get the stacked columns
     as a reference to a copy in the shared-memory area instead (PROTOCOL.md §10.3)."""
     header = request.command.reply(request.id)
+    release = None
     header[Key.SEQ] = entry.seq
     header[TableKey.KEYS] = int64_bytes(rows.keys)
     header[TableKey.INDICES] = int64_bytes(rows.indices)
@@ -225,6 +252,8 @@ def _send_rows(session, request, entry: TableEntry, rows, gathered: Gathered | N
         else:
             parts = [memoryview(gathered.buffer)] if gathered.nbytes else []
             payload_len = gathered.nbytes
+            if payload_len:  # counted in the memory budget until written
+                release = session.storage.tables.hold_reply(payload_len)
     else:
         items = rows.items
         header[Key.ITEMS] = [item.description for item in items]
@@ -232,7 +261,7 @@ def _send_rows(session, request, entry: TableEntry, rows, gathered: Gathered | N
         parts = [segment for item in items for segment in item.segments]
         payload_len = sum(item.nbytes for item in items)
     parts.insert(0, frame_head(header, payload_len))
-    session.send(parts)
+    session.send(parts, on_abandon=release, on_written=release)
     _GATHER_BUFFERS.maybe_trim()
 
 
@@ -266,6 +295,7 @@ def _run_or_wait(session, request, entry: TableEntry, sampling: bool, run: Calla
             reply(result)
             return
     wait = request.wait or 0
+    lane = "sample" if sampling else "insert"
 
     def finish(result, error: RemoteError | None) -> None:
         if error is not None:
@@ -274,6 +304,11 @@ def _run_or_wait(session, request, entry: TableEntry, sampling: bool, run: Calla
             reply(result)
 
     def start(done: Callable) -> None:
+        parked_at = waits.clock.seconds()
+
+        def blocked() -> None:  # the table's rate-limiter wait figure (ops)
+            entry.blocked[lane] += waits.clock.seconds() - parked_at
+
         def still_ready() -> bool:
             if tables.current(name) is not entry:
                 return True  # deleted (or made anew): go() says so
@@ -283,6 +318,7 @@ def _run_or_wait(session, request, entry: TableEntry, sampling: bool, run: Calla
                 return True  # it never could: go() says why
 
         def go() -> None:
+            blocked()
             try:  # (an EmptyTableError now is a table emptied by a DELETE and a new table: said as is)
                 if tables.current(name) is not entry:
                     raise RemoteError(f"table {name!r} was deleted while this request waited", 550)
@@ -295,8 +331,8 @@ def _run_or_wait(session, request, entry: TableEntry, sampling: bool, run: Calla
                 waits.settled(key)
 
         def expire() -> None:
-            what = "sample" if sampling else "insert"
-            done(None, BusyError(f"table {name!r}: the {what} was not let through within {wait:g}s "
+            blocked()
+            done(None, BusyError(f"table {name!r}: the {lane} was not let through within {wait:g}s "
                                  f"(size {entry.table.size}, inserts {entry.table.inserts}, "
                                  f"samples {entry.table.samples}); nothing changed"))
 

@@ -37,6 +37,7 @@ class Key:
     N, SEQ, EXISTS, BINS = "n", "seq", "exists", "bins"
     ITEMS, SIZES = "items", "sizes"
     SERVER, VERSION = "server", "version"
+    MAX_FRAME = "max_frame"  # the greeting: the largest request payload the server reads (§7)
     AUTH, MECH, NONCE, PROOF = "auth", "mech", "nonce", "proof"
     # Same-host zero-copy (§10): the greeting's offer; a PUT/APPEND's item directory
     # and size; a GET/PEEK's mappable areas; a 226's references; released replies.
@@ -49,8 +50,9 @@ class Key:
     # GET with wait: held until the bin holds ``least`` items; PEEK with wait: held
     # while the bin is still at seq ``since`` (§4.5: reads that wait)
     LEAST, SINCE = "least", "since"
-    # PUT: the bin lives only as long as this connection (§4.6: presence, membership)
-    EPHEMERAL = "ephemeral"
+    # PUT: the bin lives only as long as this connection (§4.6: presence, membership);
+    # PUT/DELETE: which of the connection's clients owns it (a relay's, §4.6)
+    EPHEMERAL, OWNER = "ephemeral", "owner"
     # GET/PEEK: the reply lists every item's tag; LIST: a relay's state (§11)
     TAGS, RELAY = "tags", "relay"
     # PEEK (to a relay): push later copies of the bin as they arrive; an INCOMING
@@ -191,6 +193,10 @@ def optional(key: str, kind: Kind, **kw) -> Field:
 
 BIN = Field(Key.BIN, BIN_NAME, code=BAD_NAME)
 RELEASE = optional(Key.RELEASE, INTS)  # any request may carry it (§10.3)
+# Release ids a client puts in one request: small ids are 1-3 bytes on the wire and
+# 28 as objects, so a long list alone would pass the server's header_memory rule
+# (PROTOCOL.md §7) and the request would be refused; 64 keep any header within it.
+MAX_RELEASE_IDS = 64
 
 
 class Request:
@@ -356,7 +362,8 @@ _STORE_FIELDS = (
 )
 _READ_FIELDS = (BIN, optional(Key.REF, INTS), RELEASE, optional(Key.TAGS, BOOL))
 
-PUT = Command("PUT", (*_STORE_FIELDS, optional(Key.EPHEMERAL, BOOL)), reply=_CHANGED, payload=True,
+OWNER = optional(Key.OWNER, _kind("bytes of at most 64", lambda v: type(v) is bytes and len(v) <= 64))
+PUT = Command("PUT", (*_STORE_FIELDS, optional(Key.EPHEMERAL, BOOL), OWNER), reply=_CHANGED, payload=True,
               result=Key.N, doc="replace the bin's items with one item (ephemeral: for as long as this connection lasts)")
 APPEND = Command("APPEND", (*_STORE_FIELDS, optional(Key.BELOW, COUNT), optional(Key.WAIT, SECONDS)),
                  reply=_CHANGED, payload=True, result=Key.N,
@@ -370,7 +377,8 @@ PEEK = Command("PEEK", (*_READ_FIELDS, optional(Key.WAIT, SECONDS), optional(Key
 LIST = Command("LIST", (RELEASE,), reply=Message(LIST_OK, (Field(Key.BINS, COUNTS), optional(Key.RELAY, MAP))),
                result=Key.BINS,
                doc="every bin and its item count")
-DELETE = Command("DELETE", (BIN, RELEASE), reply=_CHANGED, doc="remove the bin and its items")
+DELETE = Command("DELETE", (BIN, RELEASE, OWNER), reply=_CHANGED,
+                 doc="remove the bin and its items (with owner: only while that owns the ephemeral bin)")
 LISTEN = Command("LISTEN", (BIN, optional(Key.FIRST_APPEND, BOOL), RELEASE),
                  reply=Message(OK, (Field(Key.EXISTS, BOOL), Field(Key.N, INT), Field(Key.SEQ, INT),
                                     Field(Key.TAG, TAG))),
@@ -392,6 +400,9 @@ class TableKey:
     KEYS, INDICES, PRIORITIES, PROBABILITIES = "keys", "indices", "priorities", "probabilities"
     COLUMNS = "columns"  # a rows reply: its one item is the stacked columns (else: one item per row)
     TENSORDICT = "tensordict"  # rows came as a TensorDict: a client gives them back as one
+    ADD_COLUMNS = "add_columns"  # TCREATE: a table there that lacks some of the columns gains them
+    SAMPLE = "sample"  # TREAD: the rows were drawn by the reader: count (and rate-limit) them as a sample
+    SLOTS = "slots"  # TINFO: the occupied slots from this index on (a page of them)
 
 
 _TK = TableKey
@@ -401,7 +412,8 @@ _ROWS = Message(ITEMS, (*_ITEMS.fields, Field(_TK.KEYS, BYTES), Field(_TK.INDICE
 _TABLE_INFO = Message(OK, (Field(_TK.INFO, MAP),))
 _TABLE_VALUE = (Field(Key.VALUE, BYTES, missing="missing value description"),)
 
-TCREATE = Command("TCREATE", (BIN, Field(_TK.SPEC, MAP), RELEASE), reply=_CHANGED, result=Key.N,
+TCREATE = Command("TCREATE", (BIN, Field(_TK.SPEC, MAP), optional(_TK.ADD_COLUMNS, BOOL), RELEASE),
+                  reply=_CHANGED, result=Key.N,
                   doc="make a table (kept as it is if one with the same settings exists)")
 TINSERT = Command("TINSERT", (BIN, *_TABLE_VALUE, optional(_TK.PRIORITIES, BYTES), optional(Key.WAIT, SECONDS),
                               optional(_TK.TENSORDICT, BOOL), RELEASE),
@@ -413,13 +425,14 @@ TWRITE = Command("TWRITE", (BIN, *_TABLE_VALUE, Field(_TK.INDICES, BYTES), optio
 TSAMPLE = Command("TSAMPLE", (BIN, Field(Key.N, COUNT), optional(Key.WAIT, SECONDS), optional(Key.REF, INTS), RELEASE),
                   reply=_ROWS,
                   result=Key.ITEMS, doc="draw n rows with the table's sampler (waiting up to wait seconds)")
-TREAD = Command("TREAD", (BIN, Field(_TK.INDICES, BYTES), optional(Key.REF, INTS), RELEASE), reply=_ROWS, result=Key.ITEMS,
-                doc="read the rows at the slot indices given")
+TREAD = Command("TREAD", (BIN, Field(_TK.INDICES, BYTES), optional(Key.REF, INTS), optional(_TK.SAMPLE, BOOL),
+                          optional(Key.WAIT, SECONDS), RELEASE), reply=_ROWS, result=Key.ITEMS,
+                doc="read the rows at the slot indices given (with sample: as a sample the reader drew)")
 TPRIORITY = Command("TPRIORITY", (BIN, Field(_TK.KEYS, BYTES), Field(_TK.PRIORITIES, BYTES), RELEASE),
                     reply=Message(OK, (Field(Key.N, INT),)), result=Key.N,
                     doc="set the priorities of the rows with these keys")
-TINFO = Command("TINFO", (BIN, RELEASE), reply=_TABLE_INFO, result=_TK.INFO,
-                doc="the table's settings, counters and rate-limiter state")
+TINFO = Command("TINFO", (BIN, optional(_TK.SLOTS, INT), RELEASE), reply=_TABLE_INFO, result=_TK.INFO,
+                doc="the table's settings, counters and rate-limiter state (with slots: its occupied slots)")
 TLIMITS = Command("TLIMITS", (BIN, Field(_TK.LIMITS, MAP), RELEASE), reply=_TABLE_INFO, result=_TK.INFO,
                   doc="change the table's rate limits now")
 TABLE_COMMANDS = (TCREATE, TINSERT, TWRITE, TSAMPLE, TREAD, TPRIORITY, TINFO, TLIMITS)
@@ -436,7 +449,7 @@ VERBS_WITH_VALUE = frozenset(verb for verb, c in COMMANDS.items() if c.payload)
 # receiver does not insist on them.
 GREETING_MESSAGE = Message(GREETING, (optional(Key.MSG, STR), optional(Key.SERVER, STR), optional(Key.VERSION, INT),
                                       optional(Key.AUTH, STR), optional(Key.NONCE, BYTES),
-                                      optional(Key.SHM, MAP)))
+                                      optional(Key.SHM, MAP), optional(Key.MAX_FRAME, INT)))
 NOTIFICATION = Message(NOTIFY, (Field(Key.BIN, STR), Field(Key.N, INT), Field(Key.SEQ, INT), Field(Key.OP, STR),
                                 optional(Key.TAG, TAG),
                                 # a relay's INCOMING carrying the copy as its payload (§11)
