@@ -15,7 +15,7 @@ running far ahead.  With ``--torchrl`` the learner samples through a TorchRL
 TorchRL's own ``RandomSampler``): the rows it reads count as samples of the table,
 so the rate limiter paces it as it paces the native path.
 
-Needs ``gymnasium`` (and ``torchrl`` for ``--torchrl``): ``pip install tensorshare[torchrl]``.
+Needs ``gymnasium`` (and ``torchrl`` for ``--torchrl``): ``pip install gymnasium torchrl`` (the ``torchrl`` extra).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from ._client.connection import DEFAULT_REUSE, NO_VALUE, next_request_id, reques
 from ._client.core import ClientCore
 from ._client.keepalive import DEAD, PROBE
 from ._client.methods import DEFAULT
+from ._client.options import DEFAULT_CONNECT_TIMEOUT, check_address, connect_timeout_for
 from ._client.retry import Backoff
 from ._client.routing import finish
 from ._client.twisted_wire import Wire
@@ -38,6 +39,7 @@ from .errors import (
     WrongWorkerError,
 )
 from .protocol.messages import LIST, NOOP, Command
+from .protocol.peers import PROBE_AFTER
 from .protocol.placement import WorkerMap
 from .protocol.tls import TLSSettings
 from .wire.frames import Frame
@@ -57,14 +59,14 @@ class AsyncClient(ClientCore):
     """
 
     def __init__(self, reactor, host: str, port: int, timeout: float | None, device: Any, max_backoff: float, *,
-                 connect_timeout: float = 10.0, token: str | bytes | None = None, tls: TLSSettings | None = None,
-                 keepalive: float | None = 15.0, reuse: int = DEFAULT_REUSE, zero_copy: bool = True,
-                 connector: Callable[[Wire], defer.Deferred] | None = None):
+                 connect_timeout: float | None = None, token: str | bytes | None = None,
+                 tls: TLSSettings | None = None, keepalive: float | None = 15.0, reuse: int = DEFAULT_REUSE,
+                 zero_copy: bool = True, connector: Callable[[Wire], defer.Deferred] | None = None):
         self._init_core(host, port, timeout=timeout, device=device, zero_copy=zero_copy, reuse=reuse, token=token,
                         tls=tls, keepalive=keepalive, lock=contextlib.nullcontext())  # one thread: the reactor's
         self.reactor = reactor
         self.max_backoff = max_backoff
-        self.connect_timeout = connect_timeout
+        self.connect_timeout = connect_timeout_for(connect_timeout, timeout, DEFAULT_CONNECT_TIMEOUT)
         self._tls_options = None if tls is None else tls.twisted_options(host)
         self._failure: AuthenticationError | None = None  # final: no more connections after it
         self._keepalive_timer = None
@@ -84,14 +86,15 @@ class AsyncClient(ClientCore):
 
     @classmethod
     def connect(cls, host: str = "127.0.0.1", port: int = 8000, *, reactor=None, timeout: float | None = 60.0,
-                device: Any = None, max_backoff: float = 2.0, connect_timeout: float = 10.0,
+                device: Any = None, max_backoff: float = 2.0, connect_timeout: float | None = None,
                 token: str | bytes | None = None, tls: bool | None = None, tls_ca: str | None = None,
                 tls_fingerprint: str | None = None, keepalive: float | None = 15.0,
                 reuse: int = DEFAULT_REUSE, zero_copy: bool = True) -> defer.Deferred:
         """Connect, authenticate if the server asks, and fire with the client.
 
         The options mean what they mean for :class:`tensorshare.Client`: opening a
-        connection takes at most ``connect_timeout`` seconds; ``token`` defaults to
+        connection takes at most ``connect_timeout`` seconds (default: 10, or
+        ``timeout`` if that is shorter); ``token`` defaults to
         the ``TENSORSHARE_TOKEN`` environment variable; ``tls``/``tls_ca``/
         ``tls_fingerprint`` choose TLS and whom to trust (needs the ``tls`` extra);
         ``reuse`` bounds the reply memory kept for reuse; ``zero_copy`` passes large
@@ -101,6 +104,7 @@ class AsyncClient(ClientCore):
         if reactor is None:
             from twisted.internet import reactor
         try:
+            check_address(host, port)
             settings = TLSSettings.from_options(tls, tls_ca, tls_fingerprint)
             client = cls(reactor, host, port, timeout, device, max_backoff, connect_timeout=connect_timeout,
                          token=token, tls=settings, keepalive=keepalive, reuse=reuse, zero_copy=zero_copy)
@@ -321,11 +325,14 @@ class AsyncClient(ClientCore):
     def _open(self) -> defer.Deferred:
         wire = Wire(self)
         # The endpoint bounds the TCP connect; this bounds TLS, greeting and AUTH too.
-        timer = self.reactor.callLater(self.connect_timeout, wire.abandon_opening)
+        timers = [self.reactor.callLater(self.connect_timeout, wire.abandon_opening)]
+        if self._tls is None and self._connector == self._connect_endpoint:  # a real socket: probe a silent peer
+            timers.append(self.reactor.callLater(min(PROBE_AFTER, self.connect_timeout / 2), wire.probe_peer))
 
         def stop_timer(result):
-            if timer.active():
-                timer.cancel()
+            for timer in timers:
+                if timer.active():
+                    timer.cancel()
             return result
 
         d = self._connector(wire)

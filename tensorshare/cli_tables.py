@@ -17,25 +17,29 @@ from .errors import BadNameError, NoSuchBinError
 from .humanize import human_bytes
 
 
-def add_parser(sub) -> None:
-    """The ``table`` command and its subcommands, on ``tensorshare``'s parser."""
-    table = sub.add_parser("table", help="list, inspect, sample, save, load and drop tables (replay buffers)")
+def add_parser(sub, add_command) -> None:
+    """The ``table`` command and its subcommands, on ``tensorshare``'s parser
+    (``add_command``: :func:`.cli.add_command`, so the connection options may follow
+    any of them)."""
+    from .argtypes import count
+
+    table = add_command(sub, "table", "list, inspect, sample, save, load and drop tables (replay buffers)")
     tsub = table.add_subparsers(dest="table_command", required=True, metavar="TABLE_COMMAND")
-    tsub.add_parser("ls", help="tables: rows, capacity, sampler, rows inserted and sampled")
-    tsub.add_parser("info", help="a table's settings, counters, rate limiter and columns").add_argument("name")
-    sample = tsub.add_parser("sample", help="rows at random: shapes, dtypes and a few values")
+    add_command(tsub, "ls", "tables: rows, capacity, sampler, rows inserted and sampled")
+    add_command(tsub, "info", "a table's settings, counters, rate limiter and columns").add_argument("name")
+    sample = add_command(tsub, "sample", "rows at random: shapes, dtypes and a few values")
     sample.add_argument("name")
-    sample.add_argument("-n", type=int, default=4, help="rows (default 4)")
+    sample.add_argument("-n", type=count, default=4, help="rows (default 4)")
     sample.add_argument("--draw", action="store_true",
                         help="draw with the table's own sampler (counted as a sample, waits for its rate limiter)")
-    save = tsub.add_parser("save", help="write a table checkpoint (rows and settings) to a directory")
+    save = add_command(tsub, "save", "write a table checkpoint (rows and settings) to a directory")
     save.add_argument("name")
     save.add_argument("dir")
     save.add_argument("--overwrite", action="store_true")
-    load = tsub.add_parser("load", help="make a table again from a checkpoint (replacing one of that name)")
+    load = add_command(tsub, "load", "make a table again from a checkpoint (replacing one of that name)")
     load.add_argument("dir")
     load.add_argument("name", nargs="?", help="default: the saved table's name")
-    tsub.add_parser("drop", help="delete a table and its rows").add_argument("name")
+    add_command(tsub, "drop", "delete a table and its rows").add_argument("name")
 
 
 def cmd_table(args, client, out) -> int:

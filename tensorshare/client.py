@@ -37,6 +37,7 @@ from ._client.keepalive import DEAD, PROBE, Keepalive
 from ._client.listens import Listening
 from ._client.reader import BackgroundReader
 from ._client.methods import DEFAULT
+from ._client.options import DEFAULT_CONNECT_TIMEOUT, DEFAULT_RETRY_FOR, check_address, connect_timeout_for
 from ._client.retry import Backoff
 from ._client.routing import finish
 from ._client.sockets import SMALL_FRAME, Link, open_link, wait
@@ -46,7 +47,7 @@ from ._client.workers import StaleMapError, Workers, finish_merged, same_reply
 from ._client.zerocopy import SharedAreas
 from .errors import (
     AuthenticationError, BadNameError, ConnectionLostError, NoSuchBinError, ProtocolError, TensorShareError,
-    TimeoutError, UsageError, WrongWorkerError,
+    TimeoutError, UsageError, WrongServerError, WrongWorkerError,
 )
 from .protocol.messages import LIST, NOOP, Command, Key
 from .protocol.placement import WorkerMap
@@ -69,7 +70,11 @@ class Client(ClientCore):
     flight with :class:`ConnectionLostError`; the next call reconnects.
 
     Opening a connection (TCP, TLS, greeting, authentication) takes at most
-    ``connect_timeout`` seconds.  ``token`` (default: the ``TENSORSHARE_TOKEN``
+    ``connect_timeout`` seconds (default: 10, or ``timeout`` if that is shorter);
+    a peer that turns out not to be a tensorshare server (a TLS server reached
+    without TLS, an HTTP server...) raises
+    :class:`~tensorshare.errors.WrongServerError` as soon as that shows (about a
+    second when it says nothing first).  ``token`` (default: the ``TENSORSHARE_TOKEN``
     environment variable) authenticates to a server that requires it and makes the
     client require the server to prove it knows the token too; it is never sent.
     ``tls=True`` speaks TLS, verifying the server against the system's CAs and the
@@ -101,10 +106,11 @@ class Client(ClientCore):
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, timeout: float | None = 60.0, *,
-                 connect_timeout: float = 10.0, device: Any = None, reconnect: bool = True,
+                 connect_timeout: float | None = None, device: Any = None, reconnect: bool = True,
                  max_backoff: float = 2.0, token: str | bytes | None = None, tls: bool | None = None,
                  tls_ca: str | None = None, tls_fingerprint: str | None = None, keepalive: float | None = 15.0,
                  zero_copy: bool = True, spin: float = DEFAULT_SPIN, reuse: int = DEFAULT_REUSE):
+        check_address(host, port)
         self._options = dict(timeout=timeout, connect_timeout=connect_timeout, device=device, reconnect=reconnect,
                              max_backoff=max_backoff, token=token, tls=tls, tls_ca=tls_ca,
                              tls_fingerprint=tls_fingerprint, keepalive=keepalive, zero_copy=zero_copy, spin=spin,
@@ -122,7 +128,7 @@ class Client(ClientCore):
             self._workers = Workers(self, workers)
             self._workers.members[workers.index] = self._workers.home = self._worker_client(workers.index, link)
 
-    def _configure(self, host: str, port: int, *, timeout: float | None, connect_timeout: float, device: Any,
+    def _configure(self, host: str, port: int, *, timeout: float | None, connect_timeout: float | None, device: Any,
                    reconnect: bool, max_backoff: float, token: str | bytes | None, tls: bool | None,
                    tls_ca: str | None, tls_fingerprint: str | None, keepalive: float | None, zero_copy: bool,
                    spin: float, reuse: int) -> None:
@@ -131,7 +137,7 @@ class Client(ClientCore):
         settings = TLSSettings.from_options(tls, tls_ca, tls_fingerprint)
         self._init_core(host, port, timeout=timeout, device=device, zero_copy=zero_copy, reuse=reuse, token=token,
                         tls=settings, keepalive=keepalive, lock=self._cond)
-        self.connect_timeout = connect_timeout
+        self.connect_timeout = connect_timeout_for(connect_timeout, timeout, DEFAULT_CONNECT_TIMEOUT)
         self.reconnect = reconnect
         self.max_backoff = max_backoff
         self._ssl_context = None if settings is None else settings.ssl_context()
@@ -150,6 +156,8 @@ class Client(ClientCore):
         self._workers: Workers | None = None  # the members, when the server runs several workers
         self._front: Client | None = None  # the client this one is a member of (it routes to us)
         self._remap_lock = threading.Lock()
+
+    _blocking = True
 
     def close(self) -> None:
         """Close the connection; calls in flight fail, later calls raise UsageError."""
@@ -713,11 +721,14 @@ class Client(ClientCore):
 
     # ------------------------------------------------------------------ connections
 
-    def _connect(self) -> Link:
-        """Open a connection (see :func:`._client.sockets.open_link`) and make it current."""
+    def _connect(self, deadline: float | None = None) -> Link:
+        """Open a connection (see :func:`._client.sockets.open_link`) and make it current,
+        within ``connect_timeout`` and the calling request's ``deadline``."""
+        within = self.connect_timeout
+        if deadline is not None:
+            within = max(min(within, deadline - time.monotonic()), 0.001)
         try:
-            link = open_link(self.host, self.port, self.connect_timeout, self._tls, self._ssl_context,
-                             self._new_connection())
+            link = open_link(self.host, self.port, within, self._tls, self._ssl_context, self._new_connection())
         except ConnectionLostError as exc:
             if self._front is not None and self._front._remap(exc, self._map):  # the server moved its workers
                 raise StaleMapError(str(exc)) from None
@@ -767,7 +778,7 @@ class Client(ClientCore):
             if self._failure is not None:
                 raise self._failure.with_traceback(None)
             try:
-                link = self._connect()
+                link = self._connect(deadline)
             except AuthenticationError as exc:
                 self._failure = exc  # a wrong token or an untrusted server stays so: do not hammer it
                 raise
@@ -798,21 +809,31 @@ class Client(ClientCore):
             self._callbacks().submit(self._complete, call, error)
 
 
-def connect(host: str = "127.0.0.1", port: int = 8000, *, retry_for: float = 30.0, **options) -> Client:
+def connect(host: str = "127.0.0.1", port: int = 8000, *, retry_for: float | None = None, **options) -> Client:
     """A :class:`Client`, retrying with backoff for up to ``retry_for`` seconds while the
     server is not up yet (processes of a job often start in any order).
 
-    ``options`` are :class:`Client`'s (``token``, ``tls``, ``timeout``...).  Raises
-    :class:`ConnectionLostError` if the server still cannot be reached; any other
-    error, such as an :class:`AuthenticationError`, at once.
+    ``options`` are :class:`Client`'s (``token``, ``tls``, ``timeout``...).
+    ``retry_for`` defaults to 30 s, or the ``timeout`` option if that is shorter; no
+    attempt outlasts it.  Raises :class:`ConnectionLostError` if the server still
+    cannot be reached; any other error, such as an :class:`AuthenticationError` or a
+    :class:`WrongServerError`, at once.
     """
+    timeout = options.get("timeout", 60.0)
+    retry_for = connect_timeout_for(retry_for, timeout, DEFAULT_RETRY_FOR)
+    each = connect_timeout_for(options.pop("connect_timeout", None), timeout, DEFAULT_CONNECT_TIMEOUT)
     deadline = time.monotonic() + retry_for
     backoff = Backoff(0.05, 1.0)
     while True:
         try:
-            return Client(host, port, **options)
-        except ConnectionLostError:
-            delay = backoff.next()
-            if time.monotonic() + delay > deadline:
-                raise
-            time.sleep(delay)
+            client = Client(host, port, connect_timeout=max(min(each, deadline - time.monotonic()), 0.01), **options)
+            client.connect_timeout = each  # for its reconnections: the retry's remaining time was this one's
+            return client
+        except WrongServerError:
+            raise
+        except ConnectionLostError as exc:
+            left = deadline - time.monotonic()
+            if left < 0.01:
+                raise ConnectionLostError(f"{exc} (tried for {retry_for:g}s)") from None
+            time.sleep(min(backoff.next(), left))
+

@@ -19,6 +19,7 @@ __all__ = [
     "EncodeError",
     "ProtocolError",
     "ConnectionLostError",
+    "WrongServerError",
     "TimeoutError",
     "RemoteError",
     "TransientError",
@@ -83,6 +84,18 @@ class ProtocolError(TensorShareError):
 
 class ConnectionLostError(TensorShareError, ConnectionError):
     """The connection to the peer closed or failed before the reply arrived."""
+
+
+class WrongServerError(ConnectionLostError):
+    """What answered at the address is not a tensorshare server (as this client was
+    told to speak to it): a TLS server reached without TLS, an HTTP server (a
+    server's metrics port), anything else.  ``speaks`` is ``"TLS"``, ``"HTTP"`` or
+    None (unknown).  Connecting again would meet the same peer: the clients do not
+    retry it."""
+
+    def __init__(self, message: str, speaks: str | None = None):
+        super().__init__(message)
+        self.speaks = speaks
 
 
 class TimeoutError(TensorShareError, builtins.TimeoutError):  # noqa: A001 - deliberate

@@ -1,6 +1,6 @@
 """Deployment on Ray: a head server and one relay per node, as Ray actors.
 
-``pip install tensorshare[ray]``, then, in the driver::
+the ``ray`` extra (``pip install 'ray[default]'``), then, in the driver::
 
     import ray, tensorshare.ray
     ray.init()
@@ -52,7 +52,7 @@ def _ray():
     try:
         import ray
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("tensorshare.ray needs Ray: pip install 'tensorshare[ray]'") from exc
+        raise ImportError("tensorshare.ray needs Ray: the ray extra: pip install 'ray[default]'") from exc
     return ray
 
 

@@ -118,6 +118,50 @@ def test_watch(ops_server):
     assert plain.returncode == 0 and plain.stdout.splitlines()[1].split() == ["bin", "items", "bytes", "tag"]
 
 
+def test_options_go_before_or_after_the_command(ops_server):
+    port = str(ops_server.port)
+    after = cli("ls", "--port", port, "--json")
+    assert after.returncode == 0, after.stderr
+    mixed = cli("--json", "stat", "cli/a", "--port", port)
+    assert mixed.returncode == 0 and json.loads(mixed.stdout)["tag"] == 7
+    # given on both sides, the one after the command wins, as it was said last
+    both = cli("--port", "1", "ls", "--port", port, "--json")
+    assert both.returncode == 0 and any(row["bin"] == "cli/a" for row in json.loads(both.stdout))
+    env = cli("ls", "--json", env={"TENSORSHARE_PORT": port})
+    assert env.returncode == 0
+
+
+@pytest.mark.parametrize("args, words", [
+    (["ls", "--port", "70000"], "argument --port: not a TCP port (1 to 65535): '70000'"),
+    (["--port", "0", "ls"], "argument --port: not a TCP port (1 to 65535): '0'"),
+    (["ls", "--timeout", "0"], "argument --timeout: not a positive number of seconds: '0'"),
+    (["ls", "--metrics-port", "x"], "argument --metrics-port: not a TCP port (1 to 65535): 'x'"),
+    (["watch", "--count", "0"], "argument --count: not a count of 1 or more: '0'"),
+    (["watch", "--interval", "-1"], "argument --interval: not a positive number of seconds: '-1'"),
+])
+def test_bad_options_are_usage_errors(args, words):
+    out = cli(*args)
+    assert out.returncode == 2 and words in out.stderr, out.stderr
+    bad_env = cli("ls", env={"TENSORSHARE_PORT": "http"})
+    assert bad_env.returncode == 2 and "TENSORSHARE_PORT: not a TCP port" in bad_env.stderr
+
+
+def test_what_answers_is_named(ops_server):
+    """The data port taken for the status page's, and the status page's for the data port."""
+    swapped = cli("--port", str(ops_server.metrics_port), "ls")
+    assert swapped.returncode == 3
+    assert "is an HTTP server, not a tensorshare server: --port is the server's data port" in swapped.stderr
+    status = cli("--port", str(ops_server.port), "--metrics-port", str(ops_server.port), "ls")
+    assert status.returncode == 3 and "no status page at" in status.stderr, status.stderr
+
+
+def test_watch_into_a_pipe_prints_each_refresh_and_stops_quietly_when_the_reader_goes(ops_server):
+    shown = subprocess.run(f"{sys.executable} -m tensorshare.cli --port {ops_server.port} watch --interval 0.05 "
+                           f"| head -3", shell=True, capture_output=True, text=True, timeout=60)
+    assert shown.stdout.splitlines()[1].split() == ["bin", "items", "bytes", "tag"]
+    assert shown.stderr == ""
+
+
 def test_table_commands(ops_server, tmp_path):
     port = str(ops_server.port)
     with tensorshare.Client("127.0.0.1", ops_server.port, timeout=30) as c:

@@ -13,7 +13,7 @@ import tensorshare
 from opsproc import OpsServer, http_get
 from pairing import Pair
 from tensorshare.protocol.messages import APPEND, GET, PEEK, PUT, TCREATE, TINSERT, TSAMPLE, Key, TableKey
-from tensorshare_server.ops.counters import experiment_of, worker_experiment
+from tensorshare_server.ops.counters import experiment_of, worker_of
 from tensorshare_server.ops import page, prom
 from tensorshare_server.ops.status import Throughput, snapshot
 
@@ -204,8 +204,8 @@ def test_experiment_names():
     assert experiment_of("a/b/parameters", "parameters") == "a/b"
     assert experiment_of("xparameters", "parameters") is None
     assert experiment_of("a/rollouts", "parameters") is None
-    assert worker_experiment("workers/w1") == "" and worker_experiment("a/b/workers/w1") == "a/b"
-    assert worker_experiment("a/workersx/w1") is None and worker_experiment("/workers/x") is None
+    assert worker_of("workers/w1") == ("", "w1") and worker_of("a/b/workers/w1") == ("a/b", "w1")
+    assert worker_of("a/workersx/w1") is None and worker_of("/workers/x") is None
 
 
 def test_counters_and_tiers_in_memory(tmp_path):
@@ -281,6 +281,14 @@ def test_rl_experiment_seen_through_the_wrappers(ops_server):
         assert 0 in experiment["workers"].values()  # the worker's connection holds version 0
         lags = [c["lag"].get("rlview") for c in data["clients"]]
         assert 1 in lags
+        # each client is named by what it is in the experiment: the trainer, or the worker by its id
+        roles = sorted(c["roles"]["rlview"] for c in data["clients"] if "rlview" in c.get("roles", {}))
+        assert roles == sorted(["trainer", worker.worker_id])
+        assert sorted(experiment["roles"].values()) == roles
+        page = Tables()
+        page.feed(http_get(ops_server.url("/"))[2].decode())
+        cells = [row[3] for row in page.tables["clients"][1:]]
+        assert f"rlview: worker {worker.worker_id} at v0 (1 behind)" in cells and "rlview: trainer at v1" in cells
         samples = metrics(ops_server)
         assert samples[("tensorshare_rl_latest_version", ("experiment", "rlview"))] == 1
         assert samples[("tensorshare_rl_rollouts_total", ("experiment", "rlview"))] == 3

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'tensorshare[ray]')")
+ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'ray[default]')")
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 

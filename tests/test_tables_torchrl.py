@@ -1,7 +1,7 @@
 """tensorshare.torchrl: TorchRL replay buffers over tables of a real server process,
 shared by several clients (as by several processes, and by real child processes
-where pickling is the point).  Skips where torchrl is not installed (the
-tensorshare[torchrl] extra; CI installs it).  TorchRL's own replay-buffer suite runs
+where pickling is the point).  Skips where torchrl is not installed (the torchrl
+extra; CI installs it).  TorchRL's own replay-buffer suite runs
 over tables with ``python -m benchmarks.torchrl_suite`` (README, "Tables")."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 import tensorshare
 
-torchrl = pytest.importorskip("torchrl", reason="torchrl is not installed (pip install tensorshare[torchrl])")
+torchrl = pytest.importorskip("torchrl", reason="torchrl is not installed (pip install torchrl)")
 
 from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict, tensorclass  # noqa: E402
 from torchrl.data import ReplayBuffer, TensorDictReplayBuffer  # noqa: E402

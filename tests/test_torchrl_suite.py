@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torchrl", reason="torchrl is not installed (pip install tensorshare[torchrl])")
+pytest.importorskip("torchrl", reason="torchrl is not installed (pip install torchrl)")
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE = '''

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from html import escape
 
-from tensorshare.humanize import human_bytes
+from tensorshare.humanize import human_bytes, rl_roles
 
 REFRESH_SECONDS = 5
 MAX_ROWS = 200  # bins and clients shown on the page (status.json has more)
@@ -83,9 +83,7 @@ def render(data: dict, query: str = "") -> str:
              "-" if b["tag"] is None else b["tag"], b["seq"]] for b in data["bins"][:MAX_ROWS]]
     clients = []
     for c in data["clients"][:MAX_ROWS]:
-        versions = ", ".join(f"{e or '(default)'}: v{v}" for e, v in c["versions"].items()) or "-"
-        lag = ", ".join(str(n) for n in c["lag"].values()) or "-"
-        clients.append([c["id"], c["peer"], "yes" if c["authenticated"] else "-", versions, lag,
+        clients.append([c["id"], c["peer"], "yes" if c["authenticated"] else "-", rl_roles(c),
                         human_bytes(c["bytes_in"]), human_bytes(c["bytes_out"]), c["requests"],
                         c["listening"], human_seconds(c["age"])])
     experiments = [[e or "(default)", "-" if r["latest"] is None else r["latest"], r["rollouts"], r["stale"],
@@ -147,7 +145,7 @@ th{{background:#f0f0f0}} .cols{{display:flex;gap:2em;flex-wrap:wrap}} small{{col
                    "samples/s", "samples per insert", "rate limiter waited (inserts / samples)",
                    "waiting (inserts / samples)"], tables, "no tables")}
 <h2>Clients</h2>
-{_table("clients", ["conn", "address", "authenticated", "versions", "lag", "in", "out", "requests", "listens", "connected"], clients, "no clients")}
+{_table("clients", ["conn", "address", "authenticated", "RL experiment: role, version", "in", "out", "requests", "listens", "connected"], clients, "no clients")}
 <h2>RL experiments</h2>
 {_table("experiments", ["experiment", "latest version", "rollouts", "stale", "connections"], experiments, "none")}
 </body></html>

@@ -3,7 +3,7 @@
 A custom collector (the pattern of Prometheus exporters): nothing of
 ``prometheus_client`` is touched while requests are served; each scrape turns one
 :func:`~.status.snapshot` into metric families.  ``prometheus_client`` is an
-optional dependency (``pip install tensorshare[metrics]``): :func:`available` says
+optional dependency (the ``metrics`` extra: ``pip install prometheus_client``): :func:`available` says
 whether it is installed.
 """
 

@@ -185,15 +185,19 @@ def tables(state, throughput: Throughput | None = None) -> list[dict]:
 
 def _experiments(state, counters: Counters | None) -> dict:
     """Per RL experiment: the latest version (the tag of its parameters bin), rollouts
-    received and stale, and the version each connection was last seen with."""
+    received and stale, the version each connection was last seen with (``workers``)
+    and what each is in it (``roles``: ``"trainer"``, or the id of the worker whose
+    presence bin it put), by connection id."""
     found: dict[str, dict] = {}
     for name in list(state.store.listing()):
         experiment = experiment_of(name, PARAMETERS)
         if experiment is not None:
-            found[experiment] = {"latest": state.store.state(name)[3], "rollouts": 0, "stale": 0, "workers": {}}
+            found[experiment] = {"latest": state.store.state(name)[3], "rollouts": 0, "stale": 0, "workers": {},
+                                 "roles": {}}
     if counters is not None:
         for experiment, stats in counters.experiments.items():
-            row = found.setdefault(experiment, {"latest": None, "rollouts": 0, "stale": 0, "workers": {}})
+            row = found.setdefault(experiment, {"latest": None, "rollouts": 0, "stale": 0, "workers": {},
+                                                "roles": {}})
             if row["latest"] is None and stats.published >= 0:
                 row["latest"] = stats.published
             row["rollouts"], row["stale"] = stats.rollouts, stats.stale
@@ -201,6 +205,9 @@ def _experiments(state, counters: Counters | None) -> dict:
             for experiment, version in session.stats.versions.items():
                 if experiment in found:
                     found[experiment]["workers"][str(session.stats.id)] = version
+            for experiment, role in session.stats.roles.items():
+                if experiment in found:
+                    found[experiment]["roles"][str(session.stats.id)] = role
     return found
 
 
@@ -215,4 +222,5 @@ def _client(session, experiments: dict, now: float) -> dict:
     return {"id": stats.id, "peer": stats.peer, "authenticated": stats.authenticated,
             "age": now - stats.opened, "bytes_in": stats.bytes_in, "bytes_out": bytes_out(session),
             "requests": stats.requests, "listening": len(session.listening), "versions": versions, "lag": lag,
+            "roles": dict(stats.roles),
             "coalesced": session.notifier.coalesced}

@@ -65,7 +65,8 @@ class OpsResource(resource.Resource):
         if path not in (b"/metrics", b"/status.json", b"/"):
             return _plain(request, 404, b"404 try /, /status.json or /metrics\n")
         if path == b"/metrics" and not prom.available():
-            return _plain(request, 503, b"503 /metrics needs prometheus_client: pip install 'tensorshare[metrics]'\n")
+            return _plain(request, 503, b"503 /metrics needs prometheus_client: the metrics extra: pip install "
+                                        b"prometheus_client\n")
         if self.gather is None:
             return self._render(request, path, snapshot(self.state, self.throughput, data_port=self.data_port), query)
 
@@ -214,5 +215,5 @@ def start(state, reactor, port: int, host: str = "127.0.0.1", sample_every: floa
                     "bins, the clients and their addresses (--token-file protects it)", host)
     if not prom.available():
         log.warning("metrics: prometheus_client is not installed, so /metrics answers 503 "
-                    "(pip install 'tensorshare[metrics]'); / and /status.json work")
+                    "(the metrics extra: pip install prometheus_client); / and /status.json work")
     return OpsPort(listening, sampler)

@@ -38,6 +38,7 @@ import time
 from dataclasses import asdict, replace
 
 from twisted.internet import defer, protocol
+from twisted.internet.error import CannotListenError
 
 from tensorshare.errors import UsageError
 
@@ -80,7 +81,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
         sock.setblocking(False)
     except OSError as exc:
         sock.close()
-        raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        raise CannotListenError(host, port, exc) from None  # (the command line says why, as for one process)
     return sock
 
 

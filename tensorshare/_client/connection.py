@@ -20,6 +20,7 @@ from ..errors import (
     NotAuthenticatedError, ProtocolError, TensorShareError, TooLargeError, UntrustedServerError, ZeroCopyError,
 )
 from ..protocol import auth
+from ..protocol import peers
 from ..protocol.messages import (
     AUTH, GREETING, GREETING_MESSAGE, ITEMS, KEEPALIVE, MAX_REPLY_HEADER, NOTIFICATION, NOTIFY, UNAVAILABLE,
     Command, Key,
@@ -27,7 +28,7 @@ from ..protocol.messages import (
 )
 from ..wire.codec import Encoded, build, empty_payload, encode
 from ..wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
-from ..wire.frames import Frame, FrameDecoder, FrameLimits, buffer_sink, frame_head
+from ..wire.frames import MAGIC, Frame, FrameDecoder, FrameLimits, buffer_sink, frame_head
 from ..wire.recycle import Recycler
 
 CLIENT_FRAME_LIMITS = FrameLimits(max_header=MAX_REPLY_HEADER, max_payload=1 << 42)
@@ -131,7 +132,7 @@ class ClientConnection:
     """
 
     def __init__(self, frame_limits: FrameLimits = CLIENT_FRAME_LIMITS, token: bytes | None = None,
-                 reuse: Recycler | None = None):
+                 reuse: Recycler | None = None, where: str = "the server"):
         sinks = buffer_sink if reuse is None else partial(buffer_sink, reuse=reuse)
         self.decoder = FrameDecoder(sinks, frame_limits)
         self.greeting: dict | None = None
@@ -139,8 +140,17 @@ class ClientConnection:
         self._token = token
         self._auth: tuple[int, bytes] | None = None  # (AUTH request id, the server proof expected)
         self.areas = None  # zerocopy.SharedAreas: what the greeting offered and this client verified
+        self.where = where  # host:port, for messages
+        self.first = b""  # the first bytes the server sent, until they showed its magic
 
     def feed(self, data: bytes) -> list[Frame]:
+        """The frames ``data`` completes.  Raises :class:`WrongServerError` when the
+        first bytes show that the peer is not a tensorshare server."""
+        if len(self.first) < len(MAGIC):
+            self.first += bytes(data[:64])
+            speaks = peers.recognise(self.first)
+            if speaks != peers.TENSORSHARE:
+                raise peers.wrong_server(self.where, self.first, speaks)
         return self.decoder.feed(data)
 
     def opening(self, frame: Frame) -> bytes | None:

@@ -63,7 +63,7 @@ class ClientCore(ClientMethods):
         return f"{self.host}:{self.port}"
 
     def _new_connection(self) -> ClientConnection:
-        return ClientConnection(token=self._token, reuse=self._buffers)
+        return ClientConnection(token=self._token, reuse=self._buffers, where=self._where)
 
     def _connection(self) -> ClientConnection | None:
         """The protocol state of the current connection (None while disconnected)."""

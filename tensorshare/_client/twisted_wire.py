@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from twisted.internet import defer, interfaces, protocol as twisted_protocol
+from twisted.internet import defer, interfaces, protocol as twisted_protocol, threads
 from zope.interface import implementer
 
-from ..errors import ConnectionLostError, ProtocolError, TensorShareError, UntrustedServerError
+from ..errors import ConnectionLostError, ProtocolError, TensorShareError, UntrustedServerError, WrongServerError
+from ..protocol import peers
 from .keepalive import Keepalive
 
 log = logging.getLogger("tensorshare.client")
@@ -35,6 +36,7 @@ class Wire(twisted_protocol.Protocol):
         self._outgoing: list[bytes] = []
         self._flush_scheduled = False
         self._certificate_checked = client._tls is None
+        self._speaks = None  # what a probe found the peer to be (peers.probe), if one ran
         self.write_blocked = False
 
     def connectionMade(self) -> None:
@@ -60,6 +62,9 @@ class Wire(twisted_protocol.Protocol):
                 return
         try:
             frames = self.conn.feed(data)
+        except WrongServerError as exc:
+            self._fail_opening(exc)
+            return
         except ProtocolError as exc:
             log.warning("bad data from server: %s", exc)
             self.transport.abortConnection()
@@ -98,10 +103,30 @@ class Wire(twisted_protocol.Protocol):
     def abandon_opening(self) -> None:
         """Give up on a connection whose handshake did not finish in time."""
         if not self.greeted.called and self.transport is not None:
-            hint = "" if self.client._tls else " (a TLS server? then pass tls=True)"
-            self.greeted.errback(ConnectionLostError(
+            hint = "" if self.client._tls else peers.silence_hint(self._speaks)
+            self._fail_opening(ConnectionLostError(
                 f"no tensorshare greeting from {self.client._where} within "
                 f"{self.client.connect_timeout:g}s{hint}"))
+
+    def probe_peer(self) -> None:
+        """The peer has said nothing yet: find out what it is on a second connection
+        (:func:`.peers.probe`, on a thread), and fail the opening if that tells."""
+        if self.greeted.called or self.conn.first or self.transport is None:
+            return
+        reactor = self.client.reactor
+        d = threads.deferToThreadPool(reactor, reactor.getThreadPool(), peers.probe, self.client.host,
+                                      self.client.port, 1.0)
+        d.addCallback(self._probed)
+
+    def _probed(self, found: tuple) -> None:
+        self._speaks, first = found
+        if self._speaks in (peers.TLS, peers.HTTP) and not self.greeted.called and self.transport is not None:
+            self._fail_opening(peers.wrong_server(self.client._where, first, self._speaks))
+
+    def _fail_opening(self, error: TensorShareError) -> None:
+        if not self.greeted.called:
+            self.greeted.errback(error)
+        if self.transport is not None:
             self.transport.abortConnection()
 
     def connectionLost(self, reason) -> None:

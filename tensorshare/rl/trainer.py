@@ -58,7 +58,7 @@ class RLTrainer(RLPeer):
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, host_server: bool = False,
                  filter_version: bool = True, *, max_staleness: int = DEFAULT_MAX_STALENESS,
                  max_waiting: int | None = DEFAULT_MAX_WAITING, experiment: str | None = None,
-                 timeout: float | None = 60.0, connect_timeout: float = 30.0,
+                 timeout: float | None = 60.0, connect_timeout: float | None = None,
                  on_join: Callable[[WorkerInfo], Any] | None = None,
                  on_leave: Callable[[WorkerInfo], Any] | None = None,
                  servers: list[str | tuple[str, int]] | None = None, **client_options):

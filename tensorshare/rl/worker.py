@@ -51,7 +51,7 @@ class RLWorker(RLPeer):
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, *, experiment: str | None = None,
-                 timeout: float | None = 60.0, connect_timeout: float = 30.0, max_pending: int = 64,
+                 timeout: float | None = 60.0, connect_timeout: float | None = None, max_pending: int = 64,
                  worker_id: str | None = None, servers: list[str | tuple[str, int]] | None = None,
                  **client_options):
         if max_pending < 1:

@@ -22,7 +22,7 @@ table.  Modules, one job each:
 * :mod:`.writer`  -- :class:`TableWriter`: inserts, the server choosing the slots
 * :mod:`.sampler` -- :class:`TableSampler`, :class:`TablePrioritizedSampler`: the table draws
 
-Needs ``torchrl`` (``pip install tensorshare[torchrl]``).
+Needs ``torchrl`` (the ``torchrl`` extra: ``pip install torchrl``).
 """
 
 from .sampler import TablePrioritizedSampler, TableSampler

@@ -173,6 +173,8 @@ class _Encoder:
                 if obj and depth >= self.max_depth:  # its sizes count one level deeper
                     raise EncodeError(f"value nested deeper than {self.max_depth} levels")
                 return msgpack.ExtType(EXT_SIZE, _packb([int(d) for d in obj]))
+            if type(obj) is not tuple:
+                _plain_tuple_warning(type(obj))
             try:
                 inner = [self.node(x, depth + 1) for x in obj]
             except EncodeError as exc:
@@ -281,6 +283,21 @@ class _Encoder:
         return msgpack.ExtType(EXT_ARRAY, index.to_bytes(4, "little"))
 
 
+def _nested_error() -> EncodeError:
+    return EncodeError("nested tensors cannot be sent: send a list of its tensors (t.unbind()), or a padded "
+                       "dense tensor (t.to_padded_tensor(0))")
+
+
+def _plain_tuple_warning(cls: type) -> None:
+    """Tell once per type that a tuple subclass (a namedtuple, torch.return_types...)
+    comes back as a plain tuple: the wire carries no classes (nothing received may
+    choose what code runs)."""
+    named = hasattr(cls, "_asdict")
+    warnings.warn(f"{cls.__module__}.{cls.__qualname__} ({'a namedtuple' if named else 'a tuple subclass'}) is "
+                  f"sent as a plain tuple: its type and field names do not travel (send "
+                  f"{'value._asdict()' if named else 'a dict'} to keep the names)", stacklevel=2)
+
+
 def _type_name(obj: Any) -> str:
     kind = type(obj)
     return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
@@ -303,7 +320,10 @@ def _torch_bytes(t: torch.Tensor) -> tuple[int, str, list[int], memoryview]:
     if name is None:
         raise EncodeError(f"tensor dtype {t.dtype} has no fixed-width wire form")
     if t.layout != torch.strided:
-        raise EncodeError(f"only strided (dense) tensors can be sent, not {t.layout}")
+        if t.is_nested:
+            raise _nested_error()
+        raise EncodeError(f"only strided (dense) tensors can be sent, not {t.layout}: send t.to_dense(), or its "
+                          f"parts as dense tensors")
     if t.dim() > MAX_DIMS:
         raise EncodeError(f"tensors may have at most {MAX_DIMS} dimensions, not {t.dim()}")
     if t.requires_grad:
@@ -320,6 +340,8 @@ def _torch_bytes(t: torch.Tensor) -> tuple[int, str, list[int], memoryview]:
         else:
             if array.size:
                 return KIND_TORCH, name, list(t.shape), memoryview(array).cast("B")
+    if t.is_nested:  # strided layout, but no one flat view of its memory
+        raise _nested_error()
     if t.device.type != "cpu":
         try:
             t = t.to("cpu")
