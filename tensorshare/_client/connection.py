@@ -139,6 +139,7 @@ class ClientConnection:
         self._token = token
         self._auth: tuple[int, bytes] | None = None  # (AUTH request id, the server proof expected)
         self.areas = None  # zerocopy.SharedAreas: what the greeting offered and this client verified
+        self.device_sinks = False  # large replies may go straight to device memory (devices.receive_on_device)
 
     def feed(self, data: bytes) -> list[Frame]:
         return self.decoder.feed(data)
@@ -228,8 +229,9 @@ def request_frame(rid: int, command: Command, fields: dict | None = None, value:
     """The parts of a request frame: header bytes, then the value's payload buffers.
 
     ``fields`` are the command's header fields (a bin, a tag, same-host zero-copy
-    fields...); ``value`` may be given already encoded (an :class:`Encoded`).
-    Raises :class:`UsageError` for an argument the server would refuse (a bad bin
+    fields...); ``value`` may be given already encoded (an :class:`Encoded`).  A
+    value holding device arrays gives a :class:`~..device.engine.StagedParts`,
+    which the sender sends through its engine.  Raises :class:`UsageError` for an argument the server would refuse (a bad bin
     name or tag) and :class:`EncodeError` for a value with no wire form, before
     anything is sent.
     """
@@ -240,6 +242,10 @@ def request_frame(rid: int, command: Command, fields: dict | None = None, value:
         return [frame_head(header, 0)]
     enc = value if type(value) is Encoded else encode(value)
     header[Key.VALUE] = enc.description
+    if enc.engine is not None:  # device arrays: senders stage them (tensorshare.device)
+        from ..device.engine import StagedParts
+
+        return StagedParts([frame_head(header, enc.nbytes), *enc.buffers], enc.engine)
     return [frame_head(header, enc.nbytes), *enc.buffers]
 
 
@@ -253,14 +259,15 @@ def notification_of(frame: Frame) -> Notification | None:
 
 
 def read_reply(command: Command, frame: Frame, device: Any = None, limits: DecodeLimits = DEFAULT_LIMITS,
-               areas: Any = None, decode: bool = True) -> Reply:
+               areas: Any = None, decode: bool = True, into: Any = None) -> Reply:
     """The checked reply to ``command`` (its values decoded if it carries items and
     ``decode``); raises the :class:`RemoteError` of an error reply.  ``areas``: the
-    connection's :class:`~.zerocopy.SharedAreas`, to map items the reply refers to."""
+    connection's :class:`~.zerocopy.SharedAreas`, to map items the reply refers to;
+    ``into``: destination tensors of the arrays (:mod:`.devices`)."""
     header = command.check_reply(frame.header)
     values = None
     if decode and header.get(Key.CODE) == ITEMS:
-        values = decode_items(header, frame.payload, frame.payload_len, device, limits, areas)
+        values = decode_items(header, frame.payload, frame.payload_len, device, limits, areas, into)
     return Reply(command, header, values, frame)
 
 
@@ -282,15 +289,16 @@ def item_table(header: dict, payload_len: int) -> list[tuple[Any, int, Any]]:
 
 
 def decode_items(header: dict, payload, payload_len: int, device: Any = None,
-                 limits: DecodeLimits = DEFAULT_LIMITS, areas: Any = None) -> list:
+                 limits: DecodeLimits = DEFAULT_LIMITS, areas: Any = None, into: Any = None) -> list:
     """The values of an ITEMS (226) reply; their arrays view the one payload buffer, or,
-    for items the reply refers to, the server's files mapped copy-on-write (``areas``)."""
+    for items the reply refers to, the server's files mapped copy-on-write (``areas``;
+    on a ``device``: copied there, into ``into``'s tensors where given)."""
     values, base = [], 0
-    for blob, size, ref in item_table(header, payload_len):
+    for i, (blob, size, ref) in enumerate(item_table(header, payload_len)):
         if ref is not None:
             if areas is None:
                 raise ZeroCopyError("the reply refers to shared memory this connection cannot map")
-            values.append(areas.load(ref, blob, size, device, limits))
+            values.append(areas.load(ref, blob, size, device, limits, None if into is None else partial(into, i)))
             continue
         desc = parse_description(blob, size, limits)
         try:

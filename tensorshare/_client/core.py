@@ -29,6 +29,7 @@ from .connection import (
     NO_VALUE, ClientConnection, ListenSnapshot, Reply, item_table, next_request_id, notification_of,
     read_reply, reply_buffers, report_unsolicited, request_frame,
 )
+from .devices import as_into, receive_on_device
 from .listens import Subscriptions
 from .methods import DEFAULT, ClientMethods, bin_fields
 from .routing import finish, next_attempt, route
@@ -55,13 +56,18 @@ class ClientCore(ClientMethods):
         self._releases: list[int] = []  # 226 replies whose references we mapped: told to the server
         self._release_lock = threading.Lock()
         self._closed = False
+        # Large replies go straight to device memory once a call may want a device (devices.py).
+        self._device_calls = device is not None and _has_engine(device)
 
     @property
     def _where(self) -> str:
         return f"{self.host}:{self.port}"
 
     def _new_connection(self) -> ClientConnection:
-        return ClientConnection(token=self._token, reuse=self._buffers)
+        conn = ClientConnection(token=self._token, reuse=self._buffers)
+        if self._device_calls:
+            receive_on_device(conn, self)
+        return conn
 
     def _connection(self) -> ClientConnection | None:
         """The protocol state of the current connection (None while disconnected)."""
@@ -102,17 +108,29 @@ class ClientCore(ClientMethods):
 
     def _new_call(self, command: Command, fields: dict | None, value: Any, areas, callback: Callable | None = None,
                   then: Callable | None = None, on_error: Callable | None = None, on_reply: Callable | None = None,
-                  deadline: float | None = None, decode: bool = True, raw: bool = False) -> Call:
-        """A call of ``command``, routed for ``areas`` (see :mod:`.routing`).  (Its
-        arguments are checked as its frame is built; a value routed through shared
-        memory is removed again if they are wrong.)"""
+                  deadline: float | None = None, decode: bool = True, raw: bool = False, device: Any = None,
+                  into: Any = None) -> Call:
+        """A call of ``command``, routed for ``areas`` (see :mod:`.routing`); its reply's
+        tensors go to ``device`` (the client's if None), into ``into``'s tensors where
+        given (:mod:`.devices`).  (Its arguments are checked as its frame is built; a
+        value routed through shared memory is removed again if they are wrong.)"""
         if fields and Key.WAIT in fields:  # the server may hold it: silence until then is expected
             self._server_holds(fields[Key.WAIT])
         call = Call(next_request_id(), command, fields, value, callback, then, on_error, on_reply, deadline, decode,
                     raw)
+        if device is not None or into is not None:
+            self._wants_device(call, device, into)
         if areas is not None:
             route(call, areas)
         return call
+
+    def _wants_device(self, call: Call, device: Any, into: Any) -> None:
+        call.device, call.into = device, as_into(into)
+        if not self._device_calls and _has_engine(device if device is not None else self.device):
+            self._device_calls = True  # from now on, and on later connections
+            conn = self._connection()
+            if conn is not None:
+                receive_on_device(conn, self)
 
     def _server_holds(self, wait: float) -> None:
         """A request that asks the server to hold it up to ``wait`` seconds is about
@@ -177,9 +195,10 @@ class ClientCore(ClientMethods):
         refs = areas is not None and frame.header.get(Key.REFS) and conn is self._connection()
         if not call.decode and frame.header.get(Key.REFS) and not refs:  # a connection since replaced
             raise ZeroCopyError("the reply refers to files of a connection that is gone")
+        device = self.device if call.device is None else call.device
         if refs and not call.decode:
             try:
-                reply = read_reply(call.command, frame, self.device, decode=False)
+                reply = read_reply(call.command, frame, device, decode=False)
                 reply.stored = [None if ref is None else areas.item(ref, blob, size)
                                 for blob, size, ref in item_table(reply.header, frame.payload_len)]
             except BaseException:
@@ -189,8 +208,8 @@ class ClientCore(ClientMethods):
             reply.held = frame.header[Key.ID]
             return reply
         try:
-            return read_reply(call.command, frame, self.device, areas=areas if call.decode else None,
-                              decode=call.decode)
+            return read_reply(call.command, frame, device, areas=areas if call.decode else None,
+                              decode=call.decode, into=call.into)
         finally:
             if refs:
                 with self._release_lock:  # mapped (or failed): the server may let the files go
@@ -263,6 +282,15 @@ class ClientCore(ClientMethods):
 
 def _ignore(reply: Any, error: Any) -> None:
     pass
+
+
+def _has_engine(device: Any) -> bool:
+    """Whether replies can go straight to ``device`` (a transfer engine serves it)."""
+    if device is None:
+        return False
+    from ..device import engine_for
+
+    return engine_for(device) is not None
 
 
 __all__ = ["ClientCore"]

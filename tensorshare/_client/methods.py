@@ -96,7 +96,7 @@ class ClientMethods(TableMethods):
 
     def get(self, bin: str, timeout=DEFAULT, *, max_items: int | None = None, with_seq: bool = False,
             wait: float | None = None, least: int | None = None,
-            progress: Callable[[int, int], Any] | None = None) -> Any:
+            progress: Callable[[int, int], Any] | None = None, device: Any = None) -> Any:
         """Take all items out of ``bin`` (it stays, empty); returns them in order.
 
         ``max_items``: take only the first that many (the rest stay).  With
@@ -111,6 +111,10 @@ class ClientMethods(TableMethods):
         take, with no notification or polling in between.  When ``wait`` runs out
         the take goes ahead with what there is (perhaps nothing; a bin that still
         does not exist raises :class:`~tensorshare.errors.NoSuchBinError`).
+
+        ``device`` (``"cuda"``...): the items' tensors arrive there, instead of on the
+        client's ``device`` (a large reply is copied to the device as it arrives,
+        through pinned buffers: docs/design.md, "GPU data path").
         """
         fields = bin_fields(bin)
         if max_items is not None:
@@ -120,10 +124,11 @@ class ClientMethods(TableMethods):
         if wait is not None:
             timeout = self._hold_for(fields, wait, timeout)
         then = _items_and_seq if with_seq else None
-        return self._call(GET, fields, timeout=timeout, then=then, **_progress(progress))
+        return self._call(GET, fields, timeout=timeout, then=then, **_progress(progress), **_placing(device, None))
 
     def peek(self, bin: str, timeout=DEFAULT, *, with_seq: bool = False, since: int | None = None,
-             wait: float | None = None, progress: Callable[[int, int], Any] | None = None) -> Any:
+             wait: float | None = None, progress: Callable[[int, int], Any] | None = None, device: Any = None,
+             into: Any = None) -> Any:
         """Return all items of ``bin`` without removing them (``progress``,
         ``with_seq``: as for :meth:`get`).
 
@@ -133,6 +138,14 @@ class ClientMethods(TableMethods):
         bin's next change: the server holds the request up to ``wait`` seconds and
         answers as soon as the bin changes, so a reader gets the next version in
         the reply itself (and ``[]`` if nothing changed within ``wait``).
+
+        ``device``: as for :meth:`get`.  ``into``: tensors to receive the items'
+        arrays in place, a value shaped like the items (``{"w": model.weight}``
+        receives an item ``{"w": tensor}`` into ``model.weight``); an array goes
+        into the tensor at its place if that one has its dtype and shape, is
+        contiguous and is on the device the items go to, and the result holds
+        that tensor itself.  If the read fails midway, such a tensor may hold part
+        of the new bytes.
         """
         fields = bin_fields(bin)
         if since is not None:
@@ -140,7 +153,7 @@ class ClientMethods(TableMethods):
         if wait is not None:
             timeout = self._hold_for(fields, wait, timeout)
         then = _items_and_seq if with_seq else None
-        return self._call(PEEK, fields, timeout=timeout, then=then, **_progress(progress))
+        return self._call(PEEK, fields, timeout=timeout, then=then, **_progress(progress), **_placing(device, into))
 
     def save(self, bin: str, path, *, overwrite: bool = False, timeout=DEFAULT,
              progress: Callable[[int, int], Any] | None = None) -> Any:
@@ -295,6 +308,14 @@ def _progress(progress: Callable | None) -> dict:
     if not callable(progress):
         raise UsageError("progress must be a callable taking (done, total)")
     return {"progress": progress}
+
+
+def _placing(device: Any, into: Any) -> dict:
+    """The keywords that say where a reply's tensors go (none by default, so that a
+    plain call keeps its signature)."""
+    if device is None and into is None:
+        return {}
+    return {"device": device, "into": into}
 
 
 def _lost_connection(error: BaseException | None) -> bool:

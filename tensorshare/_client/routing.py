@@ -20,7 +20,7 @@ import logging
 
 from ..errors import ZeroCopyError, ZeroCopyUnavailableError
 from ..protocol.messages import APPEND, GET, PEEK, PUT, TREAD, TSAMPLE, Key
-from ..wire.codec import encode
+from ..wire.codec import Encoded, encode
 from .calls import Call
 from .connection import NO_VALUE
 
@@ -62,7 +62,7 @@ def finish(call: Call) -> None:
 
 def _through_shared_memory(call: Call, areas) -> None:
     fields = call.fields
-    enc = call.value = encode(call.value)
+    enc = call.value = call.value if type(call.value) is Encoded else encode(call.value)
     try:
         name = areas.write(enc, fields.get(Key.TAG))
     except (OSError, ValueError) as exc:  # shared memory full, or a value its layout cannot hold

@@ -41,6 +41,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from ..wire.description import KIND_TORCH
 from .buckets import Bucket, Ranges, plan, windows
 from .pool import Pool
 
@@ -61,6 +62,7 @@ class DeviceSpan:
     read (the caller's stream at encoding, :meth:`Engine.prepare`)."""
 
     __slots__ = ("engine", "index", "start", "nbytes", "mark", "_source")
+    staged = True  # what writers test for (tensorshare.disk.layout, which imports no torch)
 
     def __init__(self, tensor: torch.Tensor, engine: "Engine", index: int, start: int = 0,
                  nbytes: int | None = None, source: list | None = None):
@@ -263,27 +265,37 @@ class Engine:
         return buffer, [streams.record(side) for side in sides.values()]
 
     def write_fd(self, fd: int, span: DeviceSpan, writers: int = WRITERS) -> None:
-        """Write ``span``'s bytes into file ``fd`` at its current position (then past
-        them): each bucket copied down while earlier ones are written by up to
+        """Write ``span``'s bytes into file ``fd`` at its current position (and move
+        past them): each bucket copied down while earlier ones are written by up to
         ``writers`` threads (one writing thread rarely keeps up with the device)."""
         position = os.lseek(fd, 0, os.SEEK_CUR)
-        pending: deque = deque()  # (future, buffer)
-        with ThreadPoolExecutor(max(1, writers), thread_name_prefix="tensorshare-devwrite") as threads:
-            try:
-                for step, buffer, view in self._buckets([span]):
-                    if len(pending) >= writers:
-                        future, done = pending.popleft()
-                        future.result()
-                        self.pool.give(done)
-                    pending.append((threads.submit(_pwrite_all, fd, view, position), buffer))
-                    position += step.nbytes
-                while pending:
+        if span.nbytes <= self.bucket or writers <= 1:
+            for step, buffer, view in self._buckets([span]):
+                try:
+                    _pwrite_all(fd, view, position)
+                finally:
+                    self.pool.give(buffer)
+                position += step.nbytes
+            os.lseek(fd, position, os.SEEK_SET)
+            return
+        pending: deque = deque()  # (future, buffer) of buckets being written
+        threads = _writer_threads()
+        try:
+            for step, buffer, view in self._buckets([span]):
+                if len(pending) >= writers:
                     future, done = pending.popleft()
+                    try:
+                        future.result()
+                    finally:
+                        self.pool.give(done)
+                pending.append((threads.submit(_pwrite_all, fd, view, position), buffer))
+                position += step.nbytes
+        finally:  # (on an error too: no buffer goes back while a thread still reads it)
+            while pending:
+                future, done = pending.popleft()
+                try:
                     future.result()
-                    self.pool.give(done)
-            finally:
-                for future, done in pending:  # an error: let the others finish, then give their buffers back
-                    future.exception()
+                finally:
                     self.pool.give(done)
         os.lseek(fd, position, os.SEEK_SET)
 
@@ -544,6 +556,37 @@ class DevicePayload:
         """The destination tensor the array at payload offset ``start`` went into (None: new memory)."""
         entry = self.starts.get(start)
         return None if entry is None else entry[2]
+
+
+def item_layout(desc, base: int, targets: dict, engine: Engine, index: int) -> list | None:
+    """The :meth:`Engine.incoming` layout entries of one item's arrays (its payload at
+    ``base``), each going into ``targets[array index]`` where that tensor can take it
+    in place (same dtype and shape, contiguous, on device ``index``); None when an
+    array cannot live in device memory (a numpy array)."""
+    from ..wire.codec import TORCH_DTYPES
+
+    streams, entries = engine.streams, []
+    for j, spec in enumerate(desc.arrays):
+        if spec.kind != KIND_TORCH:
+            return None
+        target = targets.get(j)
+        if target is not None and not (
+                TORCH_DTYPES.get(spec.dtype) == target.dtype and tuple(target.shape) == tuple(spec.shape)
+                and target.is_contiguous() and streams.owns(target) and streams.index(target.device) == index):
+            target = None
+        entries.append((base + spec.offset, spec.nbytes, target))
+    return entries
+
+
+_writers: ThreadPoolExecutor | None = None
+
+
+def _writer_threads() -> ThreadPoolExecutor:
+    """The threads that write staged buckets into files (made on first use, shared)."""
+    global _writers
+    if _writers is None:
+        _writers = ThreadPoolExecutor(WRITERS * 2, thread_name_prefix="tensorshare-device-write")
+    return _writers
 
 
 def _pwrite_all(fd: int, view: memoryview, position: int) -> None:
