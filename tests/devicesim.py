@@ -130,6 +130,13 @@ class DeferredStreams:
             self._run(stream, stream.queued)
         return fn()
 
+    def caller_waits(self, index: int, event: Event) -> None:
+        current = self.current()
+        if current.immediate:  # the host is the caller: what it does next comes after
+            self.synchronize(event)
+        else:
+            self.wait(current, event)
+
     def hand_over(self, event: Event, tensor: torch.Tensor) -> None:
         self.handed.append(tensor)
         self.synchronize(event)  # the caller here is the host: it reads at once

@@ -157,3 +157,82 @@ def test_same_host_put_into_shared_memory_and_peek_onto_the_device(same_host, en
         [into] = c.peek("dev-shm", device="cpu", into={"params": model})
         assert all(into["params"][name] is model[name] and torch.equal(model[name], t)
                    for name, t in value["params"].items())
+
+
+# ------------------------------------------------------------------ RL and tables
+
+
+def test_a_device_version_is_snapshotted_and_sent_in_the_background(server, engine):
+    from tensorshare.protocol.messages import PUT
+    from tensorshare.rl.staging import Sender, snapshot
+
+    state = state_dict(20, 30_000)
+    expected = {k: v.clone() for k, v in state.items()}
+    results = []
+    with tensorshare.Client("127.0.0.1", server.port, timeout=30, zero_copy=False) as c:
+        sender = Sender(c)
+        enc = snapshot(encode({"version": 1, "parameters": state}, stage=engine))
+        for t in state.values():  # training goes on: the snapshot does not see it
+            t.add_(1)
+        sender.send(PUT, "dev-sender", enc, 1, lambda result, error: results.append((result, error)))
+        assert sender.flush(10)
+        c.ping()  # its reply follows the PUT's
+        assert results == [(1, None)]
+        [back] = c.peek("dev-sender")
+        sender.close()
+    assert back["version"] == 1 and same(back["parameters"], expected)
+
+
+def test_a_sender_reports_what_it_could_not_send(engine):
+    from tensorshare.protocol.messages import PUT
+    from tensorshare.rl.staging import Sender, snapshot
+
+    class Gone:
+        def submit(self, *args, **kw):
+            raise tensorshare.errors.ConnectionLostError("gone")
+
+    errors = []
+    sender = Sender(Gone())
+    sender.send(PUT, "x", snapshot(encode(torch.randn(100_000), stage=engine)), 1,
+                lambda result, error: errors.append(error))
+    assert sender.flush(10)
+    sender.close()
+    assert len(errors) == 1 and isinstance(errors[0], tensorshare.errors.ConnectionLostError)
+
+
+def test_a_worker_loads_a_version_straight_into_its_model(server, engine):
+    from tensorshare import RLTrainer, RLWorker
+
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 256))
+    with RLTrainer("127.0.0.1", server.port, experiment="dev-load") as trainer, \
+            RLWorker("127.0.0.1", server.port, experiment="dev-load", device="cpu", zero_copy=False) as worker:
+        assert worker.load_into(model) == -1  # nothing published yet
+        source = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 256))
+        version = trainer.publish_parameters(source.state_dict())
+        worker._note_version(version)
+        allocated = engine.streams.devices
+        assert worker.load_into(model) == version
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), source.state_dict().values()))
+        assert engine.streams.devices == allocated  # every array arrived into the model's own tensors
+        pointers = {p.data_ptr() for p in model.parameters()}
+        assert {t.data_ptr() for t in worker.get_parameters().values()} == pointers
+        # a cast version cannot arrive in place: it is copied in
+        trainer.publish_parameters(source.state_dict(), dtype=torch.bfloat16)
+        worker._note_version(version + 1)
+        assert worker.load_into(model) == version + 1
+        assert all(torch.equal(a, b.to(torch.bfloat16).to(torch.float32))
+                   for a, b in zip(model.state_dict().values(), source.state_dict().values()))
+
+
+def test_a_table_sample_arrives_on_the_device(server, engine):
+    with tensorshare.Client("127.0.0.1", server.port, timeout=30, zero_copy=False) as c:
+        c.create_table("dev-table", 64, {"obs": ((8192,), torch.float32), "act": ((), torch.int64)})
+        obs = torch.randn(64, 8192)
+        c.insert("dev-table", {"obs": obs, "act": torch.arange(64)})
+        copies = engine.streams.copies
+        sample = c.sample("dev-table", 48, device="cpu")  # 1.5 MiB: over DEVICE_MIN
+        assert engine.streams.copies > copies and sample.keys.dtype == torch.int64
+        rows = sample.indices
+        assert torch.equal(sample.value["obs"], obs[rows]) and torch.equal(sample.value["act"], rows)
+        read = c.read("dev-table", [3, 5], device="cpu")
+        assert torch.equal(read["obs"], obs[[3, 5]])

@@ -89,6 +89,12 @@ class CudaStreams:
         with torch.cuda.stream(stream):
             return fn()
 
+    def caller_waits(self, index: int, event: torch.cuda.Event) -> None:
+        """The caller's current stream of device ``index`` runs its later work only after
+        ``event`` (the host does not wait): a kernel queued after the call cannot
+        change a tensor the engine is still reading."""
+        torch.cuda.current_stream(index).wait_event(event)
+
     def hand_over(self, event: torch.cuda.Event, tensor: torch.Tensor) -> None:
         """The caller's current stream waits for ``event`` before it uses ``tensor``, and
         the caching allocator will not reuse ``tensor``'s memory before that stream is

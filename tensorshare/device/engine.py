@@ -305,7 +305,8 @@ class Engine:
         """``(flat, event)``: the payload ``parts`` make, in one new block of device
         memory on device ``index`` (device bytes copied device to device, host bytes
         copied up), complete at ``event``: a version that later changes to the
-        tensors do not reach.  The host does not wait."""
+        tensors do not reach (the caller's streams run their later work after the
+        copies).  The host does not wait."""
         streams = self.streams
         side = streams.side(index)
         total = sum(len(p) if type(p) is DeviceSpan else memoryview(p).nbytes for p in parts)
@@ -337,6 +338,8 @@ class Engine:
         event = streams.record(side)
         for held in staging:
             self.pool.give(held, event)
+        for source in {part.index for part in parts if type(part) is DeviceSpan}:
+            streams.caller_waits(source, event)
         return flat, event
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, index: int, after: Any = None) -> Any:
