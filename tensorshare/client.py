@@ -124,6 +124,8 @@ class Client(ClientCore):
         self._dispatcher: Dispatcher | None = None
         self._connect()
 
+    _blocking = True
+
     def close(self) -> None:
         """Close the connection; calls in flight fail, later calls raise UsageError."""
         with self._cond:
@@ -133,6 +135,8 @@ class Client(ClientCore):
             self._listens.clear()
             self._cond.notify_all()  # an idle reader ends now
         self._drop_connection(self._link, ConnectionLostError("client closed"))
+        if self._exports is not None:
+            self._exports.close()
         if self._dispatcher is not None:
             self._dispatcher.stop(timeout=0)
         if self._buffers is not None:
@@ -640,6 +644,8 @@ class Client(ClientCore):
                     failed.append(call)
             self._cond.notify_all()
         link.close()
+        if self._exports is not None:  # the server let go of this connection's device references
+            self._exports.lost()
         for call in failed:
             self._callbacks().submit(self._complete, call, error)
 

@@ -17,6 +17,7 @@ there, such as a write to a tensor just before ``put``).
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections import deque
 from typing import Callable
@@ -24,6 +25,7 @@ from typing import Callable
 import torch
 
 POISON = 0xA5  # what new device memory and new pinned buffers hold until written
+SHARED: dict = {}  # handle -> block, for blocks "shared" by IPC (a publisher "dies" when its handles go)
 
 
 class Stream:
@@ -65,6 +67,7 @@ class DeferredStreams:
         self.registered: dict[int, int] = {}  # address -> bytes, while registered
         self.register_ok = True  # what register() answers
         self.handed: list = []  # tensors handed over to the caller
+        self.opened = 0  # shared blocks opened
 
     # -- the caller's side
 
@@ -156,6 +159,26 @@ class DeferredStreams:
 
     def unregister(self, address: int) -> None:
         del self.registered[address]
+
+    # -- CUDA IPC: blocks "shared" through a registry of this process
+
+    def uuid(self, index: int) -> str:
+        return f"standin-{index}"
+
+    def local_index(self, uuid: str) -> int | None:
+        return int(uuid.rsplit("-", 1)[1]) if uuid.startswith("standin-") else None
+
+    def share(self, flat: torch.Tensor) -> list:
+        handle = os.urandom(16)
+        SHARED[handle] = flat
+        return [0, handle, flat.numel(), 0, b"counter", 0, b"", False]
+
+    def open_shared(self, fields: list, index: int) -> torch.Tensor:
+        flat = SHARED.get(fields[1])
+        if flat is None:
+            raise RuntimeError("invalid resource handle (the publisher is gone)")
+        self.opened += 1
+        return flat
 
     # -- internals
 

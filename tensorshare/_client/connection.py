@@ -273,7 +273,8 @@ def read_reply(command: Command, frame: Frame, device: Any = None, limits: Decod
 
 def item_table(header: dict, payload_len: int) -> list[tuple[Any, int, Any]]:
     """``[(description blob, payload bytes, reference or None), ...]`` of an ITEMS (226)
-    reply, checked: the items without a reference fill the payload."""
+    reply, checked: the items without a reference fill the payload.  A reference is
+    ``[area, path]`` (the server's files) or a dict (a device reference)."""
     blobs, sizes = header.get(Key.ITEMS), header.get(Key.SIZES)
     if not (isinstance(blobs, list) and isinstance(sizes, list) and len(blobs) == len(sizes)):
         raise ProtocolError("items reply needs equally long 'items' and 'sizes' lists")
@@ -282,6 +283,12 @@ def item_table(header: dict, payload_len: int) -> list[tuple[Any, int, Any]]:
         refs = [None] * len(sizes)
     elif not (isinstance(refs, list) and len(refs) == len(sizes)):
         raise ProtocolError("items reply needs a 'refs' list as long as 'items'")
+    cuda = header.get(Key.CUDA)
+    if cuda is not None:  # device references (a dict each, PROTOCOL.md §13.2)
+        if not (isinstance(cuda, list) and len(cuda) == len(sizes)
+                and all(c is None or (type(c) is dict and r is None) for c, r in zip(cuda, refs))):
+            raise ProtocolError("items reply needs a 'cuda' list as long as 'items', beside no file reference")
+        refs = [r if c is None else c for r, c in zip(refs, cuda)]
     if (not all(type(s) is int and s >= 0 for s in sizes)
             or sum(s for s, ref in zip(sizes, refs) if ref is None) != payload_len):
         raise ProtocolError(f"item sizes {sizes!r} do not add up to the payload's {payload_len} bytes")
@@ -296,6 +303,11 @@ def decode_items(header: dict, payload, payload_len: int, device: Any = None,
     values, base = [], 0
     for i, (blob, size, ref) in enumerate(item_table(header, payload_len)):
         if ref is not None:
+            if type(ref) is dict:  # in a publisher's GPU memory: copied device to device
+                from ..device.ipc import load
+
+                values.append(load(ref, blob, size, device, limits, None if into is None else partial(into, i)))
+                continue
             if areas is None:
                 raise ZeroCopyError("the reply refers to shared memory this connection cannot map")
             values.append(areas.load(ref, blob, size, device, limits, None if into is None else partial(into, i)))

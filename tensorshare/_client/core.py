@@ -58,6 +58,8 @@ class ClientCore(ClientMethods):
         self._closed = False
         # Large replies go straight to device memory once a call may want a device (devices.py).
         self._device_calls = device is not None and _has_engine(device)
+        self._uuids: dict = {}  # device -> its UUID where it opens device references, else None
+        self._exports = None  # exports.Exports: snapshots this client put by device reference
 
     @property
     def _where(self) -> str:
@@ -121,8 +123,36 @@ class ClientCore(ClientMethods):
         if device is not None or into is not None:
             self._wants_device(call, device, into)
         if areas is not None:
-            route(call, areas)
+            route(call, areas, self._device_uuid(call) if self._device_calls else None)
         return call
+
+    def _device_uuid(self, call: Call) -> str | None:
+        """The UUID of the device ``call``'s reply goes to, if that device opens device
+        references (CUDA IPC), else None."""
+        device = self.device if call.device is None else call.device
+        if device is None:
+            return None
+        try:
+            return self._uuids[device]
+        except (KeyError, TypeError):
+            from ..device import engine_for
+            from ..device.ipc import shares
+
+            engine = engine_for(device)
+            uuid = engine.streams.uuid(engine.streams.index(device)) if shares(engine) else None
+            try:
+                self._uuids[device] = uuid
+            except TypeError:  # an unhashable device: asked each time
+                pass
+            return uuid
+
+    def _exported(self):
+        """This client's :class:`~.exports.Exports` (made on first use)."""
+        if self._exports is None:
+            from .exports import Exports
+
+            self._exports = Exports()
+        return self._exports
 
     def _wants_device(self, call: Call, device: Any, into: Any) -> None:
         call.device, call.into = device, as_into(into)
@@ -192,7 +222,12 @@ class ClientCore(ClientMethods):
         (or, undecoded, located: :attr:`Reply.stored`, released after ``then``)."""
         conn = frame.origin
         areas = conn.areas if conn is not None else None
-        refs = areas is not None and frame.header.get(Key.REFS) and conn is self._connection()
+        if self._exports is not None:
+            freed = frame.header.get(Key.FREED)
+            if freed:  # snapshots this client put by device reference that the server holds no more
+                self._exports.freed(freed)
+        refs = (areas is not None and (frame.header.get(Key.REFS) or frame.header.get(Key.CUDA))
+                and conn is self._connection())
         if not call.decode and frame.header.get(Key.REFS) and not refs:  # a connection since replaced
             raise ZeroCopyError("the reply refers to files of a connection that is gone")
         device = self.device if call.device is None else call.device

@@ -53,8 +53,10 @@ class ClientMethods(TableMethods):
 
     # -- storing
 
+    _blocking = False  # the blocking Client's calls return their results (put by_reference needs that)
+
     def put(self, bin: str, value: Any, *, tag: int | None = None, ephemeral: bool = False,
-            timeout=DEFAULT, progress: Callable[[int, int], Any] | None = None) -> Any:
+            timeout=DEFAULT, progress: Callable[[int, int], Any] | None = None, by_reference: bool = False) -> Any:
         """Replace the items of ``bin`` with ``value``; returns the bin's item count (1).
 
         ``tag``, an optional 64-bit integer stored with the item, reaches listeners
@@ -67,7 +69,20 @@ class ClientMethods(TableMethods):
         server deletes it, and tells its listeners, when the connection ends: a
         presence marker).  It is kept in memory, never in the data directory; a
         client that reconnects must put it again.
+
+        ``by_reference=True`` (blocking ``Client``), for a value in GPU memory on the
+        server's host: the value is copied once on the GPU and the server keeps a
+        reference to that copy (CUDA IPC) instead of its bytes.  Readers on this
+        host that read onto a CUDA device copy it device to device; the client
+        sends the bytes in the background for everyone else.  The copy is freed
+        once the server says no reader holds it.  Elsewhere, as any put.
         """
+        if by_reference:
+            if not self._blocking:
+                raise UsageError("by_reference is for the blocking Client")
+            from .exports import put_by_reference
+
+            return put_by_reference(self, bin, value, tag, timeout)
         if ephemeral:
             fields = bin_fields(bin, tag)
             fields[Key.EPHEMERAL] = True

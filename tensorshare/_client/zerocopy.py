@@ -74,8 +74,9 @@ class SharedAreas:
 
     prepare_bytes = 1 << 30
 
-    def __init__(self, roots: list[str | None], incoming: str | None, min_bytes: int):
+    def __init__(self, roots: list[str | None], incoming: str | None, min_bytes: int, device_refs: bool = False):
         self.roots = roots
+        self.device_refs = device_refs  # the server stores values by device reference (CUDA IPC, §13)
         self.usable = [i for i, root in enumerate(roots) if root is not None]
         self.incoming = incoming
         self.min_bytes = min_bytes
@@ -107,7 +108,7 @@ class SharedAreas:
         min_bytes = offer.get("min_bytes")
         if type(min_bytes) is not int or min_bytes < 0:
             min_bytes = DEFAULT_MIN_BYTES
-        return cls(verified, incoming, min_bytes)
+        return cls(verified, incoming, min_bytes, offer.get("cuda") is True)
 
     # -- PUT / APPEND
 

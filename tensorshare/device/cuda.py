@@ -7,7 +7,10 @@ engine is a method here, each a line or two of PyTorch's public API (torch 2.1 t
 2.x): :class:`torch.cuda.Stream` and :class:`torch.cuda.Event`,
 ``Tensor.copy_(..., non_blocking=True)``, ``torch.empty(..., pin_memory=True)``,
 ``Tensor.record_stream`` and, for :meth:`register`, the runtime's
-``cudaHostRegister`` through ``torch.cuda.cudart()``.  The rest of the engine is
+``cudaHostRegister`` through ``torch.cuda.cudart()``; CUDA IPC (:meth:`share`,
+:meth:`open_shared`) uses what ``torch.multiprocessing`` uses to pass CUDA tensors
+between processes (``UntypedStorage._share_cuda_`` and ``_new_shared_cuda``),
+without its pickling.  The rest of the engine is
 plain Python over these calls, so that the tests run it on the CPU with a stand-in
 that keeps CUDA's ordering rules (``tests/devicesim.py``).
 
@@ -124,6 +127,43 @@ class CudaStreams:
 
     def unregister(self, address: int) -> None:
         torch.cuda.cudart().cudaHostUnregister(address)
+
+    # -- CUDA IPC
+
+    def uuid(self, index: int) -> str:
+        """The UUID of device ``index``: it names one GPU in every process of the host,
+        whatever ``CUDA_VISIBLE_DEVICES`` numbers it."""
+        return str(torch.cuda.get_device_properties(index).uuid)
+
+    def local_index(self, uuid: str) -> int | None:
+        """This process's index of the device with ``uuid`` (None if it sees none)."""
+        for index in range(torch.cuda.device_count()):
+            if self.uuid(index) == uuid:
+                return index
+        return None
+
+    def share(self, flat: torch.Tensor) -> list:
+        """The CUDA IPC fields of ``flat`` (a whole block of device memory: its storage
+        starts at its first byte) for another process of this host to open.
+
+        torch counts the opens of a shared block to keep it from being freed under a
+        reader; the server keeps that count here (PROTOCOL.md §13.3), and a block
+        that no reader ever opens would stay allocated after this process let it
+        go, so the count torch starts is given back at once."""
+        fields = list(flat.untyped_storage()._share_cuda_())
+        if fields[4]:  # (a storage of no bytes has no counter)
+            torch.UntypedStorage._release_ipc_counter_cuda(fields[4], fields[5])
+        fields[6] = fields[6] or b""  # (no event when torch had none left to give)
+        fields[7] = bool(fields[7])
+        return fields
+
+    def open_shared(self, fields: list, index: int) -> torch.Tensor:
+        """The block another process shared (:meth:`share`'s fields), mapped into this
+        one on device ``index``, as a 1-D uint8 tensor: read it and let it go."""
+        torch.cuda._lazy_init()
+        storage = torch.UntypedStorage._new_shared_cuda(index, *fields[1:])
+        flat = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index))
+        return flat.set_(storage, 0, (storage.nbytes(),), (1,))
 
 
 _streams: CudaStreams | None = None

@@ -351,6 +351,20 @@ class Engine:
         self.streams.copy(dst, src, side)
         return self.streams.record(side)
 
+    def copy_in(self, source: torch.Tensor, nbytes: int, index: int, layout: list | None = None) -> "DevicePayload":
+        """A payload laid out in device memory (``source``, uint8: another process's
+        block, opened by CUDA IPC) copied into memory of device ``index``, placed as
+        :meth:`incoming` places one.  The copies are done when this returns: the
+        source may be let go."""
+        streams = self.streams
+        side = streams.side(index)
+        places = _Places(self, nbytes, index, side, layout)
+        for key, offset, length, at in places.ranges.cut(0, nbytes):
+            streams.copy(places.destination(key, offset, length), source[at : at + length], side)
+        event = streams.record(side)
+        streams.synchronize(event)
+        return places.payload(event)
+
     # -- in: host to device
 
     def incoming(self, nbytes: int, index: int, layout: list | None = None) -> "Incoming":

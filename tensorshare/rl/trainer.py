@@ -7,15 +7,19 @@ import threading
 import time
 from typing import Any, Callable, NamedTuple
 
+import torch
+
 from .._client.connection import Notification
+from .._client.exports import put_by_reference
+from .._client.methods import DEFAULT
 from ..errors import ConnectionLostError, NoSuchBinError
 from ..protocol.messages import PUT
 from ..sharded import parse_server
-from .members import StaleWatch, WorkerInfo
 from ..wire.codec import encode
+from .members import StaleWatch, WorkerInfo
 from .peer import RLPeer, snapshot_state
 from .staging import Sender, snapshot
-from .versions import Encoder, PublishStats, chain_bin, check_dtype, flatten, publish, tensor_bytes
+from .versions import Encoder, PublishStats, cast_state, chain_bin, check_dtype, flatten, publish, tensor_bytes
 
 log = logging.getLogger("tensorshare.rl")
 
@@ -121,6 +125,10 @@ class RLTrainer(RLPeer):
             self._raise_failure()
         check_dtype(dtype)
         version = self.version + 1
+        if not delta and self._by_reference(state_dict):
+            self.last_publish = self._publish_by_reference(state_dict, version, dtype, wait)
+            self.version = version
+            return version
         if dtype is not None or delta:
             self.last_publish = publish(self._versions, self.client, self.params_bin, self.chain_bin, state_dict,
                                         version, dtype, delta, wait, self._failed, self._sender)
@@ -141,6 +149,27 @@ class RLTrainer(RLPeer):
         self.last_publish = PublishStats(version, "full", leaves, nbytes, nbytes, None)
         self.version = version
         return version
+
+    def _by_reference(self, state: Any) -> bool:
+        """Whether a whole version of ``state`` goes by device reference: a state in
+        CUDA memory, on the server's host, which takes references (PROTOCOL.md §13)."""
+        areas = self.client._shared_areas()
+        if areas is None or not areas.device_refs:
+            return False
+        first = next((leaf for leaf in flatten(state).values() if isinstance(leaf, torch.Tensor)), None) \
+            if isinstance(state, dict) else state
+        return isinstance(first, torch.Tensor) and first.is_cuda
+
+    def _publish_by_reference(self, state: Any, version: int, dtype, wait: bool) -> PublishStats:
+        """A whole version put by device reference: one snapshot on the GPU (cast there),
+        which same-host CUDA workers copy device to device; its bytes follow in the
+        background for the others (``_client/exports.py``)."""
+        self._versions.forget()  # the next delta publish starts with a keyframe
+        value = {"version": version, "parameters": cast_state(state, dtype)}
+        put_by_reference(self.client, self.params_bin, value, version, DEFAULT, wait=wait, callback=self._failed)
+        nbytes = tensor_bytes(value)
+        leaves = len(flatten(state)) if isinstance(state, dict) else 1
+        return PublishStats(version, "full", leaves, nbytes, nbytes, None)
 
     def set_keyframes(self, every: int = 100, fraction: float = 0.5) -> None:
         """When ``delta`` publishes put a new keyframe in the chain: every ``every``
