@@ -243,6 +243,15 @@ def hold_for_bytes(session, request, answer: Callable, done: Callable | None) ->
                                                    f"within {BYTES_WAIT:g}s"))
 
 
+def besides(refs: list | None, cuda: list | None) -> list | None:
+    """File references ``refs`` for the items that get no device reference (one
+    reference per item: the device's, where the reader can open it)."""
+    if refs is None or cuda is None:
+        return refs
+    refs = [None if c is not None else r for r, c in zip(refs, cuda)]
+    return refs if any(refs) else None
+
+
 def merged(refs: list | None, cuda: list | None) -> list | None:
     """Per item, what stands for its bytes in a reply (a file reference or a device
     reference), None where the payload carries them."""

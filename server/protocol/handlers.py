@@ -238,7 +238,7 @@ def _read(session, request, done: Callable[[], None] | None) -> None:
         devices.hold_for_bytes(session, request, _read, done)
         return
     _check_reply_size(session, items)
-    refs = session.shared.refs(request.ref, items)
+    refs = devices.besides(session.shared.refs(request.ref, items), cuda)
     away = devices.merged(refs, cuda)  # items whose bytes the payload does not carry
 
     def finish(parts: list | None, error: RemoteError | None) -> None:
