@@ -7,6 +7,7 @@ wrong bytes here.  What only a GPU can check is in ``test_gpu.py`` (marked ``cud
 
 from __future__ import annotations
 
+import mmap
 import os
 import random
 
@@ -338,8 +339,11 @@ def test_upload_of_mapped_arrays_with_gaps():
     value = {"a": torch.randn(300), "b": torch.randn(1000), "c": torch.arange(7)}
     description, payload = payload_of(value)
     desc = parse_description(description, len(payload))
-    writable = bytearray(payload)  # (the server's files are mapped writable, copy-on-write)
-    arrays = [(spec.offset, np.frombuffer(writable, np.uint8, spec.nbytes, spec.offset)) for spec in desc.arrays]
+    arrays = []
+    for spec in desc.arrays:  # each in pages of its own, as the server's files are mapped
+        pages = mmap.mmap(-1, spec.nbytes)
+        pages[:] = payload[spec.offset : spec.offset + spec.nbytes]
+        arrays.append((spec.offset, np.frombuffer(pages, np.uint8)))
     for register in (False, True):
         eng = engine(register_host=register)
         out = build(desc, eng.upload(arrays, len(payload), 0))

@@ -51,6 +51,7 @@ DEFAULT_KEEP = 8  # pinned buffers kept for reuse (DEFAULT_KEEP * DEFAULT_BUCKET
 INLINE_MAX = 256 << 10  # a value with at most this many device bytes is staged at once, when encoded
 WRITERS = 4  # threads writing one array's buckets into a file (Engine.write_fd)
 ALIGN = 64  # array alignment in a compact device buffer (the payload's, PROTOCOL.md §3)
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 class DeviceSpan:
@@ -149,6 +150,7 @@ class Engine:
         self.pool = Pool(streams, bucket, keep)
         self.register_host = register_host
         self.inline_max = inline_max
+        self.registered_uploads = 0  # uploads made from registered pages (the runtime may refuse)
 
     # -- what the codec asks
 
@@ -409,7 +411,8 @@ class Engine:
                 if not array.size:
                     continue
                 address = array.__array_interface__["data"][0]
-                if not streams.register(address, array.size, True):
+                length = -(-array.size // _PAGE) * _PAGE  # whole pages (a mapping's always are)
+                if address % _PAGE or not streams.register(address, length, True):
                     return None
                 registered.append(address)
                 host = torch.from_numpy(array)
@@ -417,6 +420,7 @@ class Engine:
                     streams.copy(places.destination(key, start, length), host[at : at + length], side)
             event = streams.record(side)
             streams.synchronize(event)  # the pages are unlocked next: the copies must be done
+            self.registered_uploads += 1
             return places.payload(event)
         finally:
             for address in registered:
