@@ -374,3 +374,29 @@ def test_the_pool_hands_out_the_oldest_buffer_and_never_blocks():
     assert again is a and a[:4].tolist() == [1, 1, 1, 1]  # its copy ran before it came back
     assert pool.take() is b and pool.take() is not None and pool.made == 4
     assert POISON == 0xA5
+
+
+# ------------------------------------------------------------------ checks that run on the device
+
+
+def test_digests_do_not_depend_on_where_the_bytes_lie():
+    from tensorshare.device.ipc import digests
+
+    data = torch.randint(0, 256, (1003,), dtype=torch.uint8)
+    shifted = torch.empty(1010, dtype=torch.uint8)[3:1006]  # the same bytes at an odd offset
+    shifted.copy_(data)
+    assert digests([data, data[:8], data[:0]]) == digests([shifted, shifted[:8], shifted[:0]])
+    changed = data.clone()
+    changed[500] ^= 1
+    assert digests([changed]) != digests([data])
+    words = data[:1000].view(torch.int64).sum() + data[1000:].to(torch.int64).sum()
+    assert digests([data]) == [int(words)]
+
+
+def test_device_compares_answer_in_one_wait_and_bitwise():
+    from tensorshare.rl.versions import differing
+
+    a = torch.tensor([0.0, float("nan"), 1.0])
+    assert differing([(a, a.clone()), (a, torch.tensor([-0.0, float("nan"), 1.0])), (torch.ones(3), torch.ones(3))]) \
+        == [False, True, False]
+    assert differing([(torch.arange(7, dtype=torch.int8), torch.arange(7, dtype=torch.int8).flip(0))]) == [True]

@@ -95,6 +95,7 @@ class Exports:
         self._jobs: OrderedDict = OrderedDict()  # bin -> job: the newest upload per bin, oldest bin first
         self._cond = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
+        self._busy = False  # an upload is running
         self._closed = False
 
     def keep(self, ident: int, snapshot: Encoded) -> None:
@@ -153,8 +154,6 @@ class Exports:
         """Wait until no upload waits or runs; False on timeout."""
         with self._cond:
             return self._cond.wait_for(lambda: not self._jobs and not self._busy, timeout)
-
-    _busy = False
 
     def _run(self, client) -> None:
         while True:

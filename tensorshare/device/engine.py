@@ -344,15 +344,6 @@ class Engine:
             streams.caller_waits(source, event)
         return flat, event
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, index: int, after: Any = None) -> Any:
-        """Queue ``dst.copy_(src)`` (device memory) on the engine's stream of device
-        ``index``, after event ``after`` if given; the event of its end."""
-        side = self.streams.side(index)
-        if after is not None:
-            self.streams.wait(side, after)
-        self.streams.copy(dst, src, side)
-        return self.streams.record(side)
-
     def copy_in(self, source: torch.Tensor, nbytes: int, index: int, layout: list | None = None) -> "DevicePayload":
         """A payload laid out in device memory (``source``, uint8: another process's
         block, opened by CUDA IPC) copied into memory of device ``index``, placed as

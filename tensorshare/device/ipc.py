@@ -28,16 +28,19 @@ from .engine import DeviceSpan, Engine, item_layout
 
 def digests(arrays: list[torch.Tensor]) -> list[int]:
     """A 64-bit checksum of each array (a 1-D uint8 tensor), computed where the arrays
-    are, with one wait for all: the wrapping sum of its 8-byte words, or of its bytes
-    when their count is not a multiple of 8.  Enough to tell a copy of freed or
-    reused memory from the snapshot; not a defence against a forger."""
+    are, with one wait for all: the wrapping sum of its whole 8-byte words (as
+    little-endian int64) and of each of its last ``n % 8`` bytes.  Enough to tell a
+    copy of freed or reused memory from the snapshot; not a defence against a forger."""
     sums = []
     for array in arrays:
-        if array.numel() % 8 == 0:
-            words = array if array.storage_offset() % 8 == 0 else array.clone()
-            sums.append(words.view(torch.int64).sum())
-        else:
-            sums.append(array.to(torch.int64).sum())
+        whole = array.numel() // 8 * 8
+        words = array[:whole]
+        if words.storage_offset() % 8:  # (a destination tensor at an odd offset: rare)
+            words = words.clone()
+        total = words.view(torch.int64).sum()
+        if whole != array.numel():
+            total = total + array[whole:].to(torch.int64).sum()
+        sums.append(total)
     return torch.stack(sums).tolist() if sums else []
 
 
