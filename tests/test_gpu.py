@@ -20,8 +20,8 @@ import torch
 import tensorshare
 from serverproc import ServerProcess
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is false)")]
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                   reason="needs a CUDA device (torch.cuda.is_available() is false)")]
 
 HERE = Path(__file__).resolve().parent
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,

@@ -231,9 +231,9 @@ def request_frame(rid: int, command: Command, fields: dict | None = None, value:
     ``fields`` are the command's header fields (a bin, a tag, same-host zero-copy
     fields...); ``value`` may be given already encoded (an :class:`Encoded`).  A
     value holding device arrays gives a :class:`~..device.engine.StagedParts`,
-    which the sender sends through its engine.  Raises :class:`UsageError` for an argument the server would refuse (a bad bin
-    name or tag) and :class:`EncodeError` for a value with no wire form, before
-    anything is sent.
+    which the sender sends through its engine.  Raises :class:`UsageError` for an
+    argument the server would refuse (a bad bin name or tag) and
+    :class:`EncodeError` for a value with no wire form, before anything is sent.
     """
     if fields:
         check_fields(command, fields)

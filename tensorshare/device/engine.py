@@ -124,10 +124,6 @@ class StagedParts(list):
         self.engine = engine
 
 
-def has_spans(parts) -> bool:
-    return type(parts) is StagedParts
-
-
 class Engine:
     """Transfers between one kind of device memory and host bytes, through pinned
     buckets on the engine's streams (see the module docstring).
@@ -216,24 +212,23 @@ class Engine:
         sizes = [len(p) if type(p) is DeviceSpan else memoryview(p).nbytes for p in parts]
         steps = plan(sizes, [type(p) is DeviceSpan for p in parts], self.bucket)
         queued = [i for i, step in enumerate(steps) if type(step) is Bucket]
-        ahead: deque = deque()  # (step index, buffer, events) of buckets whose copies are queued
+        ahead: deque = deque()  # (buffer, events) of the next buckets, their copies queued
         waited: set = set()
         launched = 0
         try:
-            for k, step in enumerate(steps):
+            for step in steps:
                 while launched < len(queued) and len(ahead) < self.depth:
-                    j = queued[launched]
-                    ahead.append((j, *self._launch(steps[j], parts, waited)))
+                    ahead.append(self._launch(steps[queued[launched]], parts, waited))
                     launched += 1
                 if type(step) is not Bucket:
                     yield step, None, parts[step]
                     continue
-                j, buffer, events = ahead.popleft()
+                buffer, events = ahead.popleft()
                 for event in events:
                     streams.synchronize(event)
                 yield step, buffer, memoryview(buffer.numpy())[: step.nbytes]
         finally:  # stopped early (a send failed): the buckets queued ahead go back once copied
-            for _j, buffer, events in ahead:
+            for buffer, events in ahead:
                 for event in events:
                     streams.synchronize(event)
                 self.pool.give(buffer)
@@ -319,6 +314,8 @@ class Engine:
         for part in parts:
             if type(part) is DeviceSpan:
                 source = part.flat(waited)
+                if part.index != index:  # made on its own device's stream: done before this one reads it
+                    streams.synchronize(streams.record(streams.side(part.index)))
                 self._wait_for_mark(part, side, waited)
                 streams.copy(flat[position : position + part.nbytes], source[part.start : part.start + part.nbytes],
                              side)

@@ -1,4 +1,4 @@
-"""CUDA memory shared by reference on one host: a publisher's snapshot, opened by a reader and copied out (PROTOCOL.md §13).
+"""CUDA memory shared by reference on one host: a snapshot exported, opened and copied out (PROTOCOL.md §13).
 
 :func:`export` snapshots a value's payload into one new block of device memory
 (:meth:`~.engine.Engine.snapshot`), waits for it, computes a digest of each array
