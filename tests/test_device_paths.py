@@ -146,6 +146,7 @@ def test_same_host_put_into_shared_memory_and_peek_onto_the_device(same_host, en
     sim = engine.streams
     with tensorshare.Client("127.0.0.1", same_host.port, timeout=30) as c:
         assert c.same_host
+        draft = c.shared(torch.zeros(100_000))  # a draft waiting to be put: puts look for drafts among their arrays
         c.put("dev-shm", encode(value, stage=engine))  # device -> pinned buckets -> the server's files
         staged = sim.copies
         assert staged >= 13
@@ -157,6 +158,7 @@ def test_same_host_put_into_shared_memory_and_peek_onto_the_device(same_host, en
         [into] = c.peek("dev-shm", device="cpu", into={"params": model})
         assert all(into["params"][name] is model[name] and torch.equal(model[name], t)
                    for name, t in value["params"].items())
+        del draft
 
 
 # ------------------------------------------------------------------ RL and tables

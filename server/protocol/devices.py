@@ -16,7 +16,7 @@ every reply that carried the reference was released (as shared-memory
 references are, §10.3: the pins of :mod:`.shared` hold the item).  The server learns
 that when the item object is freed (a weak reference's callback, on whatever
 thread drops it last) and tells the publisher in the ``freed`` field of the next
-reply to a PUT or NOOP of its connection.  A publisher whose connection ends takes
+reply to a PUT, APPEND or NOOP of its connection.  A publisher whose connection ends takes
 its references with it: items that have their bytes keep them, the others cannot
 be read any more (451), and reads held for them are answered so.
 

@@ -300,6 +300,9 @@ def _drafts_in(enc: Encoded) -> dict[int, tuple]:
     """``{array index: (draft file, mapping)}`` for the arrays of ``enc`` that are whole drafts."""
     starts, pos = {}, 0
     for buffer in enc.buffers:
+        if getattr(buffer, "staged", False):  # in device memory: never a draft
+            pos += buffer.nbytes
+            continue
         size = memoryview(buffer).nbytes
         if type(buffer) is not bytes and size:  # bytes are padding; arrays are views
             starts[pos] = buffer

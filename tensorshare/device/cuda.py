@@ -132,8 +132,13 @@ class CudaStreams:
 
     def uuid(self, index: int) -> str:
         """The UUID of device ``index``: it names one GPU in every process of the host,
-        whatever ``CUDA_VISIBLE_DEVICES`` numbers it."""
-        return str(torch.cuda.get_device_properties(index).uuid)
+        whatever ``CUDA_VISIBLE_DEVICES`` numbers it (its PCI address where this torch
+        tells no UUID)."""
+        properties = torch.cuda.get_device_properties(index)
+        uuid = getattr(properties, "uuid", None)
+        if uuid is not None:
+            return str(uuid)
+        return "pci-{}:{}:{}".format(*(getattr(properties, f"pci_{k}_id", "?") for k in ("domain", "bus", "device")))
 
     def local_index(self, uuid: str) -> int | None:
         """This process's index of the device with ``uuid`` (None if it sees none)."""
