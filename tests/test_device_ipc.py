@@ -146,8 +146,9 @@ def test_malformed_references_are_refused_and_nothing_is_stored(bad):
         pair.close()
 
 
-def test_references_are_taken_only_on_the_servers_host():
-    pair = Pair(same_host=False)
+@pytest.mark.parametrize("where", ["another host", "a data directory"])
+def test_references_are_taken_only_on_the_servers_host_and_without_a_data_directory(where, tmp_path):
+    pair = Pair(same_host=False) if where == "another host" else Pair(same_host=True, data_dir=str(tmp_path))
     try:
         with pytest.raises(ZeroCopyUnavailableError):
             by_reference(pair, "v", VALUE, reference())
@@ -316,13 +317,8 @@ def _outcome(fn, *args):
         return exc
 
 
-def test_a_server_with_a_data_directory_takes_the_bytes(engine, tmp_path):
-    srv = ServerProcess("--data-dir", str(tmp_path / "data"))
-    try:
-        with tensorshare.Client("127.0.0.1", srv.port, timeout=30) as c:
-            state = state_dict(7)
-            assert c.put("ipc-g", encode(state, stage=engine), by_reference=True) == 1
-            assert c._exports is None or c._exports.held() == 0
-            assert equal(c.peek("ipc-g")[0], state)
-    finally:
-        srv.stop()
+def test_where_references_cannot_be_taken_the_bytes_are(same_host, engine):
+    with tensorshare.Client("127.0.0.1", same_host.port, timeout=30, zero_copy=False) as c:  # as from another host
+        state = state_dict(7)
+        assert c.put("ipc-g", encode(state, stage=engine), by_reference=True) == 1
+        assert c._exports is None and equal(c.peek("ipc-g")[0], state)

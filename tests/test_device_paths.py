@@ -142,7 +142,7 @@ def same_host():
 
 
 def test_same_host_put_into_shared_memory_and_peek_onto_the_device(same_host, engine):
-    value = {"params": state_dict(12, 100_000), "big": torch.arange(2_000_000, dtype=torch.float32)}
+    value = {"params": state_dict(12, 50_000), "big": torch.arange(500_000, dtype=torch.float32)}
     sim = engine.streams
     with tensorshare.Client("127.0.0.1", same_host.port, timeout=30) as c:
         assert c.same_host
