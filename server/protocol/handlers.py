@@ -238,8 +238,11 @@ def _read(session, request, done: Callable[[], None] | None) -> None:
         devices.hold_for_bytes(session, request, _read, done)
         return
     _check_reply_size(session, items)
-    refs = devices.besides(session.shared.refs(request.ref, items), cuda)
-    away = devices.merged(refs, cuda)  # items whose bytes the payload does not carry
+    refs = session.shared.refs(request.ref, items)
+    away = refs
+    if cuda is not None:  # items whose bytes the payload does not carry: by file or by device reference
+        refs = devices.besides(refs, cuda)
+        away = devices.merged(refs, cuda)
 
     def finish(parts: list | None, error: RemoteError | None) -> None:
         if error is not None:

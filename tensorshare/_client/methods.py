@@ -139,7 +139,9 @@ class ClientMethods(TableMethods):
         if wait is not None:
             timeout = self._hold_for(fields, wait, timeout)
         then = _items_and_seq if with_seq else None
-        return self._call(GET, fields, timeout=timeout, then=then, **_progress(progress), **_placing(device, None))
+        if device is None:
+            return self._call(GET, fields, timeout=timeout, then=then, **_progress(progress))
+        return self._call(GET, fields, timeout=timeout, then=then, device=device, **_progress(progress))
 
     def peek(self, bin: str, timeout=DEFAULT, *, with_seq: bool = False, since: int | None = None,
              wait: float | None = None, progress: Callable[[int, int], Any] | None = None, device: Any = None,
@@ -168,7 +170,9 @@ class ClientMethods(TableMethods):
         if wait is not None:
             timeout = self._hold_for(fields, wait, timeout)
         then = _items_and_seq if with_seq else None
-        return self._call(PEEK, fields, timeout=timeout, then=then, **_progress(progress), **_placing(device, into))
+        if device is None and into is None:
+            return self._call(PEEK, fields, timeout=timeout, then=then, **_progress(progress))
+        return self._call(PEEK, fields, timeout=timeout, then=then, device=device, into=into, **_progress(progress))
 
     def save(self, bin: str, path, *, overwrite: bool = False, timeout=DEFAULT,
              progress: Callable[[int, int], Any] | None = None) -> Any:
@@ -323,14 +327,6 @@ def _progress(progress: Callable | None) -> dict:
     if not callable(progress):
         raise UsageError("progress must be a callable taking (done, total)")
     return {"progress": progress}
-
-
-def _placing(device: Any, into: Any) -> dict:
-    """The keywords that say where a reply's tensors go (none by default, so that a
-    plain call keeps its signature)."""
-    if device is None and into is None:
-        return {}
-    return {"device": device, "into": into}
 
 
 def _lost_connection(error: BaseException | None) -> bool:
