@@ -277,6 +277,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Na
     parser.add_argument("--max-bin-name", type=int, default=ServerConfig.max_bin_name, help="characters")
     parser.add_argument("--max-listens", type=int, default=ServerConfig.max_listens, help="per connection")
     parser.add_argument("--max-depth", type=int, default=ServerConfig.max_depth, help="nesting of a value")
+    parser.add_argument("--max-table-rows", type=int, default=ServerConfig.max_table_rows,
+                        help="rows of all tables together (each row keeps 41-137 bytes of state in memory)")
     parser.add_argument("--max-nodes", type=int, default=ServerConfig.max_nodes, help="nodes of a value's structure")
     disk = parser.add_argument_group("disk tier")
     disk.add_argument("--memory-limit", type=_size, default=None,
@@ -420,5 +422,5 @@ def main(argv: list[str] | None = None) -> int:
         run_server(config.port, config.host, **settings)
     except UsageError as exc:
         print(f"tensorshare-server: {exc}", file=sys.stderr)
-        return 2
+        return getattr(exc, "exit_code", 2)
     return 0

@@ -356,6 +356,24 @@ def test_priority_overflowing_the_exponent_is_refused():
         t.insert(scalars(1), priorities=[1e100])
 
 
+def test_priorities_whose_sum_would_overflow_are_refused_and_the_largest_allowed_sample_soundly():
+    """Issue #31, item 10: each of [1, 1, 1e308, 1e308] is finite, their sum is not;
+    the tree's total became inf, every draw landed on one slot and the probabilities
+    were 0 (infinite importance weights)."""
+    t = x_table(4, sampler="prioritized", rng=5)
+    with pytest.raises(tables.PriorityError, match="largest weight"):
+        t.insert(scalars(4), priorities=[1.0, 1.0, 1e308, 1e308])
+    assert t.size == 0
+    top = SumTree(4).max_weight
+    t.insert(scalars(4), priorities=[1.0, 1.0, top, top])
+    s = t.sample(2000)
+    assert np.isfinite(s.probabilities).all() and (s.probabilities > 0).all()
+    drawn = np.bincount(s.indices, minlength=4)
+    assert drawn[2] > 800 and drawn[3] > 800, drawn
+    with pytest.raises(tables.PriorityError, match="largest weight"):
+        t.update_priorities(s.keys[:1], [1e308])
+
+
 def test_fifo_and_lifo_samplers():
     fifo = x_table(10, sampler="fifo")
     fifo.insert(scalars(5))

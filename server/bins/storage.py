@@ -121,7 +121,7 @@ class Storage:
         self._open = [True]  # cleared by close(): finalizers that run later leave the files alone
         # Tables share the bins' namespace (see _not_a_table) and the disk tiers.
         self.tables = TableStore(store, memory_limit=store.memory_limit, spill_root=spill and spill.items,
-                                 data_root=data_dir and data_dir.root)
+                                 data_root=data_dir and data_dir.root, on_grow=self._enforce_budget)
 
     @property
     def durable(self) -> bool:
@@ -184,8 +184,9 @@ class Storage:
         store = self.store
         limit = store.memory_limit
         if limit is not None and store.unspillable_bytes + len(item.description) > limit:
-            raise StorageFullError(f"memory budget full: {store.description_bytes} bytes of descriptions and "
-                                   f"{store.in_flight_bytes} of replies not yet read, which spilling cannot free")
+            raise StorageFullError(f"memory budget full: {store.description_bytes} bytes of descriptions, "
+                                   f"{store.in_flight_bytes} of replies not yet read and {store.table_bytes} held "
+                                   f"by tables, which spilling cannot free")
         if self.data_dir is None or not lasting:
             if self.spill_failed and limit is not None and store.resident_bytes + item.nbytes > limit:
                 raise StorageFullError(f"memory budget full and spilling failed: {self.spill_failed}")
@@ -600,6 +601,8 @@ class Storage:
             self.spill.close()
         if self.shm is not None:
             self.shm.close()
+        if self.data_dir is not None:
+            self.data_dir.close()  # its lock: another server may use it now
 
 
 def _repoint(files: ItemFiles, stored: StoredItem, number: int | None) -> None:

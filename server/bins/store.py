@@ -90,6 +90,7 @@ class BinStore:
         self.resident_bytes = 0  # of which in memory
         self.description_bytes = 0  # of the stored items' descriptions, always in memory
         self.in_flight_bytes = 0  # payload in memory of items taken by GETs whose replies are still being written
+        self.table_bytes = 0  # memory the tables hold (.tablestore: per-slot state, columns in memory, items)
         self._lru: OrderedDict[Item, None] = OrderedDict()  # resident items, least recently used first
         self._evicting_bytes = 0  # of resident_bytes, on their way to disk
 
@@ -233,15 +234,17 @@ class BinStore:
 
     def over_budget(self) -> int:
         """Bytes in memory above ``memory_limit`` (0 if none or no limit): resident
-        payload, descriptions, and taken items whose replies are still being written."""
+        payload, descriptions, taken items whose replies are still being written, and
+        the tables' memory."""
         if self.memory_limit is None:
             return 0
         return max(0, self.resident_bytes + self.unspillable_bytes - self.memory_limit)
 
     @property
     def unspillable_bytes(self) -> int:
-        """Memory the budget counts that spilling cannot free (descriptions, replies in flight)."""
-        return self.description_bytes + self.in_flight_bytes
+        """Memory the budget counts that spilling bins cannot free (descriptions,
+        replies in flight, tables)."""
+        return self.description_bytes + self.in_flight_bytes + self.table_bytes
 
     def to_evict(self) -> list[Item]:
         """Resident items to move to disk, least recently used first, enough (with

@@ -47,13 +47,13 @@ def store(session, request) -> None:
     the item directory a same-host client wrote (PROTOCOL.md §10.4).  An APPEND
     with ``below`` first waits for room (:func:`_when_room`)."""
     storage, replace = session.storage, request.command is PUT
-    if replace and (request.cuda is not None or request.fill is not None):  # by device reference (§13)
-        devices.store(session, request, _check_value, _stored(session, request))
-        return
     name, blob, tag = request.bin, request.value, request.tag
     ephemeral = replace and request.ephemeral is True
     if ephemeral or session.state.ephemeral:
         _check_ephemeral(session, request, ephemeral)
+    if replace and (request.cuda is not None or request.fill is not None):  # by device reference (§13)
+        devices.store(session, request, _check_value, _stored(session, request))
+        return
     if request.shm is not None:
         incoming, item_name, size = session.shared.adoption(request)
         _check_value(session, blob, size)
@@ -71,7 +71,7 @@ def store(session, request) -> None:
     if ephemeral:
         if session.closed:  # run after its connection ended (§8.3): it would end with it
             return
-        finish = _claiming(session, name, finish)
+        finish = _claiming(session, name, finish, request.owner)
     if not replace and request.below is not None and not _room_now(session, request):
         session.wait_for(lambda done: _when_room(session, request, add, done), finish)
     elif request.shm is None and (ephemeral or not storage.durable):  # stored in memory at once
@@ -88,11 +88,11 @@ def _check_ephemeral(session, request, ephemeral: bool) -> None:
     session.state.ephemeral.check_store(request.bin, ephemeral, session.storage.state(request.bin)[0])
 
 
-def _claiming(session, name: str, finish: Callable) -> Callable:
+def _claiming(session, name: str, finish: Callable, owner: bytes | None) -> Callable:
     """``finish``, once this connection owns the ephemeral bin it stored."""
     def stored(change: Change | None, error: RemoteError | None) -> None:
         if error is None:
-            session.state.ephemeral.claim(name, session)
+            session.state.ephemeral.claim(name, session, owner)
         finish(change, error)
     return stored
 
@@ -309,6 +309,12 @@ def listing(session, request) -> None:
 
 @handles(DELETE)
 def delete(session, request) -> None:
+    if request.owner is not None and not session.state.ephemeral.owns(request.bin, session, request.owner):
+        # Not (any more) the ephemeral bin of that client of this connection: nothing changes (§4.6).
+        _exists, n, seq, _tag = session.storage.state(request.bin)
+        session.send_header(DELETE.reply(request.id, n=n, seq=seq))
+        return
+
     def finish(change: Change | None, error: RemoteError | None) -> None:
         if error is not None:
             session.refuse(request.id, error)

@@ -177,7 +177,7 @@ class ServerSession:
         if self.counters is not None:
             self.counters.opened(self)
         greeting = GREETING_MESSAGE.build(msg="tensorshare ready", server=f"tensorshare/{__version__}",
-                                          version=PROTOCOL_VERSION)
+                                          version=PROTOCOL_VERSION, max_frame=self.config.max_frame)
         if not self.authenticated:
             self._move(Phase.AUTHENTICATING)
             greeting.update({Key.MSG: "tensorshare ready; authenticate", Key.AUTH: auth.MECHANISM,
@@ -265,11 +265,11 @@ class ServerSession:
             self.state.ephemeral.release(self, self._delete_ended)
         self.shared.connection_lost()
 
-    def _delete_ended(self, name: str) -> None:
+    def _delete_ended(self, name: str, owner: bytes | None) -> None:
         """Delete an ephemeral bin whose connection ended; its listeners are told."""
         relay = self.state.relay
-        if relay is not None and relay.follows(name):  # a relay's: the bin lives upstream
-            relay.delete_upstream(name)
+        if relay is not None and relay.follows(name):  # a relay's: the bin lives upstream, for this client
+            relay.delete_upstream(name, owner)
             return
         def deleted(change, error) -> None:
             if error is None:
@@ -390,11 +390,15 @@ class ServerSession:
         op = header.get(Key.OP)
         command = COMMANDS.get(op) if type(op) is str else None
         try:
+            if frame.refused is not None:  # a header over a limit of what it may decode to
+                raise RemoteError(frame.refused, BAD_ARGS)
             if command is None:
                 raise RemoteError(f"unknown verb {op!r:.60}", UNKNOWN_VERB)
             if rid == 0:
                 raise RemoteError("request id must be an integer in 1..2**64-1", BAD_ARGS)
-            request = command.parse_request(header, rid, frame.payload, frame.payload_len, self._max_bin_name)
+            # AUTH when none is due is answered 503 whatever its fields (§4.3): its handler says so
+            request = None if command is AUTH else \
+                command.parse_request(header, rid, frame.payload, frame.payload_len, self._max_bin_name)
             handle = self.state.handlers.get(command) or HANDLERS[command]
             counters = self.counters
             if counters is None:
@@ -478,11 +482,16 @@ class ServerSession:
         """Run ``go()`` once ``ready()`` holds for bin ``name``, or ``expire()`` after
         ``timeout`` seconds (:class:`~.waits.Waits`; ``ordered``: see there).  Call it from the ``start`` of
         :meth:`wait_for`: this connection's later requests wait meanwhile, its
-        notifications do not; a connection that closes drops its parked request."""
+        notifications do not; a connection that closes drops its parked request.
+
+        While it is parked the connection is still read (its later requests are held
+        in the backlog, which stops reading again), so a peer that closes is seen at
+        once and its request takes nothing (nor keeps a connection slot)."""
         def went() -> None:
             if self._parked is not None:  # it waited: hold notifications again until its reply
                 self._parked = None
                 self._held_notes = {}
+                self.reads.pause("disk")  # (until its reply: it may wait for the disk now)
             go()
 
         def expired() -> None:
@@ -497,7 +506,8 @@ class ServerSession:
 
     def _wait_began(self) -> None:
         self._waiting = True
-        self.reads.pause("disk")
+        if self._parked is None:  # a parked request keeps reading: see park()
+            self.reads.pause("disk")
 
     def _wait_ended(self) -> None:
         self._waiting = False

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from tensorshare.disk.areas import worth_sharing
-from tensorshare.errors import RemoteError
+from tensorshare.errors import RemoteError, TooLargeError
 from tensorshare.protocol.messages import BAD_ARGS, ZERO_COPY_REFUSED, Key
 from tensorshare.wire.description import parse_description
 
@@ -153,6 +153,9 @@ class SharedMemory:
         if request.payload_len:
             raise RemoteError("a value in shared memory travels without payload", BAD_ARGS)
         size, max_frame = request.size, self.config.max_frame
-        if type(size) is not int or not 0 <= size <= max_frame:
+        if type(size) is not int or size < 0:
             raise RemoteError(f"size must be an integer in 0..{max_frame}", BAD_ARGS)
+        if size > max_frame:  # as over TCP: more than one request may carry
+            raise TooLargeError(f"a value of {size} bytes is more than the {max_frame} bytes the server takes in "
+                                f"one request (its --max-frame)")
         return self.incoming, request.shm, size

@@ -120,6 +120,7 @@ def _rows(session, entry: TableEntry, request):
     if entry.table.columns:
         return columns_of(request.value, request.payload, request.payload_len, session.decode_limits)
     _check_value(session, request.value, request.payload_len)
+    session.storage.tables.check_room(request.payload_len + len(request.value))  # items are held in memory
     return [Item(request.value, tuple(request.payload), request.payload_len)]
 
 
@@ -172,6 +173,7 @@ def _count(batch) -> int:
 def sample(session, request) -> None:
     entry = session.storage.tables.get(request.bin)
     table, n = entry.table, request.n
+    session.storage.tables.check_reply(entry, n)  # bounded and counted before anything is drawn
 
     def run():
         gathered = Gathered(table.columns, n, _GATHER_BUFFERS.take) if table.columns else None
@@ -197,6 +199,7 @@ def read(session, request) -> None:
     entry = session.storage.tables.get(request.bin)
     table = entry.table
     indices = int64_array(request.indices, "indices")
+    session.storage.tables.check_reply(entry, indices.size)  # bounded and counted before anything is gathered
     gathered = Gathered(table.columns, indices.size, _GATHER_BUFFERS.take) if table.columns else None
     rows = table.read(indices, out=None if gathered is None else gathered.out)
     _send_rows(session, request, entry, rows, gathered, None)
@@ -207,6 +210,7 @@ def _send_rows(session, request, entry: TableEntry, rows, gathered: Gathered | N
     same-host client that asked for references (``ref``) may get the stacked columns
     as a reference to a copy in the shared-memory area instead (PROTOCOL.md §10.3)."""
     header = request.command.reply(request.id)
+    release = None
     header[Key.SEQ] = entry.seq
     header[TableKey.KEYS] = int64_bytes(rows.keys)
     header[TableKey.INDICES] = int64_bytes(rows.indices)
@@ -225,6 +229,8 @@ def _send_rows(session, request, entry: TableEntry, rows, gathered: Gathered | N
         else:
             parts = [memoryview(gathered.buffer)] if gathered.nbytes else []
             payload_len = gathered.nbytes
+            if payload_len:  # counted in the memory budget until written
+                release = session.storage.tables.hold_reply(payload_len)
     else:
         items = rows.items
         header[Key.ITEMS] = [item.description for item in items]
@@ -232,7 +238,7 @@ def _send_rows(session, request, entry: TableEntry, rows, gathered: Gathered | N
         parts = [segment for item in items for segment in item.segments]
         payload_len = sum(item.nbytes for item in items)
     parts.insert(0, frame_head(header, payload_len))
-    session.send(parts)
+    session.send(parts, on_abandon=release, on_written=release)
     _GATHER_BUFFERS.maybe_trim()
 
 

@@ -26,6 +26,13 @@ def split_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def _waited_on(waits, name: str) -> bool:
+    """Whether a request of a client waits on bin ``name`` (a PEEK for its next change...)."""
+    from ..protocol.longpoll import LANES
+
+    return any(waits.waiting(name + lane) for lane in LANES)
+
+
 def start_relay(state, config, reactor) -> Follower:
     """Make ``state``'s server a relay of ``config.follow``: its handlers and its follower."""
     from .stream import StreamingClient
@@ -43,7 +50,8 @@ def start_relay(state, config, reactor) -> Follower:
                                    zero_copy=False, reuse=0)
 
     follower = Follower(reactor, state.storage, state.listeners.publish, connect, f"{host}:{port}",
-                        config.follow_bins, config.follow_timeout)
+                        config.follow_bins, config.follow_timeout, max_mirrors=config.max_listens,
+                        needed=lambda name: state.listeners.listened(name) or _waited_on(state.waits, name))
     follower.zero_copy_min = config.zero_copy_min
     state.relay = follower
     state.handlers = relay_handlers()

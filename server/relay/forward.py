@@ -26,7 +26,7 @@ from typing import Callable
 
 from tensorshare.errors import RemoteError, TensorShareError
 from tensorshare.protocol.messages import (
-    APPEND, DELETE, GET, LIST, LISTEN, PEEK, PUT, UNAVAILABLE, ZERO_COPY_REFUSED, Key,
+    APPEND, DELETE, GET, LIST, LISTEN, PEEK, PUT, TOO_LARGE, UNAVAILABLE, ZERO_COPY_REFUSED, Key,
 )
 from tensorshare.wire.codec import Encoded
 from tensorshare._client.connection import item_table
@@ -39,8 +39,7 @@ MARGIN_S = 5.0  # a forwarded call's timeout beyond what the request itself may 
 
 def relay_handlers() -> dict:
     """The handlers a relay uses instead of the usual ones."""
-    return {PUT: store, APPEND: store, DELETE: delete, GET: get, PEEK: peek, LISTEN: read(local.listen),
-            LIST: listing}
+    return {PUT: store, APPEND: store, DELETE: delete, GET: get, PEEK: peek, LISTEN: listen, LIST: listing}
 
 
 def _as_remote(error: BaseException) -> RemoteError:
@@ -117,15 +116,17 @@ def store(session, request) -> None:
         timeout = (request.wait or 0) + MARGIN_S
     value = Encoded(request.value, list(request.payload or ()), request.payload_len)
     command = request.command
-    # An ephemeral PUT (PROTOCOL.md §4.6) is owned upstream by the relay's connection;
-    # the relay owns it for the client's and deletes it upstream when that one ends.
+    # An ephemeral PUT (PROTOCOL.md §4.6) is owned upstream by the relay's connection
+    # with an owner value of this client's; the relay owns it for the client's and
+    # deletes it upstream, with that value, when that one ends.
     ephemeral = command is PUT and getattr(request, "ephemeral", None) is True
     if ephemeral:
-        fields[Key.EPHEMERAL] = True
+        owner = relay.owner_value(session, request.owner)
+        fields[Key.EPHEMERAL], fields[Key.OWNER] = True, owner
 
     def stored(reply) -> None:
         if ephemeral:
-            session.state.ephemeral.claim(name, session)
+            session.state.ephemeral.claim(name, session, owner)
         mirrored, n, seq = _local_seq(session, name, reply.header[Key.SEQ])
         session.send_header(command.reply(request.id, n=n if mirrored else reply.header[Key.N], seq=seq))
 
@@ -137,11 +138,21 @@ def delete(session, request) -> None:
     if not relay.follows(name):
         return local.delete(session, request)
 
+    fields = {Key.BIN: name}
+    if request.owner is not None:  # a relay following this one: its client's bin, if still that one's
+        owner = relay.owner_value(session, request.owner)
+        if not session.state.ephemeral.owns(name, session, owner):  # nothing changes (§4.6)
+            _exists, n, seq, _tag = session.storage.state(name)
+            session.send_header(DELETE.reply(request.id, n=n, seq=seq))
+            return
+        fields[Key.OWNER] = owner
+
     def deleted(reply) -> None:
         session.state.ephemeral.forget(name)
-        session.send_header(DELETE.reply(request.id, n=0, seq=_local_seq(session, name, reply.header[Key.SEQ])[2]))
+        session.send_header(DELETE.reply(request.id, n=reply.header[Key.N],
+                                         seq=_local_seq(session, name, reply.header[Key.SEQ])[2]))
 
-    _forward(session, request.id, DELETE, {Key.BIN: name}, None, relay.timeout, deleted, name)
+    _forward(session, request.id, DELETE, fields, None, relay.timeout, deleted, name)
 
 
 def get(session, request) -> None:
@@ -199,6 +210,20 @@ def read(handler: Callable) -> Callable:
 
 
 _peek_mirror = read(local.peek)
+_listen_mirror = read(local.listen)
+SHARE = 4  # one connection may hold by listening at most this fraction of a relay's mirrors
+
+
+def listen(session, request) -> None:
+    """LISTEN: from the mirror.  A mirror a client listens to is kept for it, so one
+    connection may listen to at most a quarter of the bins the relay may mirror:
+    the rest stays for others (made-up names read once are not kept at all)."""
+    relay, name = session.state.relay, request.bin
+    if relay.follows(name) and name not in session.listening:
+        share = max(1, relay.max_mirrors // SHARE)
+        if sum(1 for n in session.listening if relay.follows(n)) >= share:
+            raise RemoteError(f"relay: a connection may listen to {share} of the bins it mirrors", TOO_LARGE)
+    _listen_mirror(session, request)
 
 
 def peek(session, request) -> None:

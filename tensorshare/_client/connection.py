@@ -17,7 +17,7 @@ from functools import partial
 from typing import Any
 
 from ..errors import (
-    NotAuthenticatedError, ProtocolError, TensorShareError, UntrustedServerError, ZeroCopyError,
+    NotAuthenticatedError, ProtocolError, TensorShareError, TooLargeError, UntrustedServerError, ZeroCopyError,
 )
 from ..protocol import auth
 from ..protocol.messages import (
@@ -225,28 +225,41 @@ def next_request_id() -> int:
     return next(_ids)
 
 
-def request_frame(rid: int, command: Command, fields: dict | None = None, value: Any = NO_VALUE) -> list:
+def request_frame(rid: int, command: Command, fields: dict | None = None, value: Any = NO_VALUE,
+                  max_payload: int | None = None) -> list:
     """The parts of a request frame: header bytes, then the value's payload buffers.
 
     ``fields`` are the command's header fields (a bin, a tag, same-host zero-copy
     fields...); ``value`` may be given already encoded (an :class:`Encoded`).  A
     value holding device arrays gives a :class:`~..device.engine.StagedParts`,
     which the sender sends through its engine.  Raises :class:`UsageError` for an
-    argument the server would refuse (a bad bin name or tag) and
-    :class:`EncodeError` for a value with no wire form, before anything is sent.
+    argument the server would refuse (a bad bin name or tag), :class:`EncodeError`
+    for a value with no wire form and :class:`TooLargeError` for one of more than
+    ``max_payload`` bytes (the server's ``max_frame``, from its greeting), sent or
+    named in shared memory, before anything is sent.
     """
     if fields:
         check_fields(command, fields)
     header = command.request(rid, fields)
     if value is NO_VALUE:
+        if max_payload is not None and fields and type(fields.get(Key.SIZE)) is int:
+            _check_size(fields[Key.SIZE], max_payload)
         return [frame_head(header, 0)]
     enc = value if type(value) is Encoded else encode(value)
+    if max_payload is not None:
+        _check_size(enc.nbytes, max_payload)
     header[Key.VALUE] = enc.description
     if enc.engine is not None:  # device arrays: senders stage them (tensorshare.device)
         from ..device.engine import StagedParts
 
         return StagedParts([frame_head(header, enc.nbytes), *enc.buffers], enc.engine)
     return [frame_head(header, enc.nbytes), *enc.buffers]
+
+
+def _check_size(nbytes: int, max_payload: int) -> None:
+    if nbytes > max_payload:
+        raise TooLargeError(f"a value of {nbytes} bytes is more than the {max_payload} bytes the server takes "
+                            f"in one request (its --max-frame)")
 
 
 def notification_of(frame: Frame) -> Notification | None:

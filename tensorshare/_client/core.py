@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from ..errors import TensorShareError, ProtocolError, ZeroCopyError
 from ..protocol.auth import resolve_token
-from ..protocol.messages import COMMANDS, LISTEN, UNLISTEN, Command, Key
+from ..protocol.messages import COMMANDS, LISTEN, MAX_RELEASE_IDS, UNLISTEN, Command, Key
 from ..protocol.tls import TLSSettings
 from ..wire.frames import Frame
 from .calls import Call, CallTable
@@ -171,7 +171,10 @@ class ClientCore(ClientMethods):
         references it may release.  The call lets go of the value then: a call in
         flight must not keep its value alive (a fallback sends a copy of its own)."""
         fields = self._with_releases(call.fields) if self._releases else call.fields
-        parts = request_frame(call.rid, call.command, fields, call.value)
+        conn = self._connection()
+        greeting = None if conn is None else conn.greeting
+        parts = request_frame(call.rid, call.command, fields, call.value,
+                              max_payload=None if greeting is None else greeting.get(Key.MAX_FRAME))
         call.value = NO_VALUE
         return parts
 
@@ -254,8 +257,8 @@ class ClientCore(ClientMethods):
         """``fields`` plus the ids of replies whose references we no longer need."""
         if not self._releases:
             return fields
-        with self._release_lock:
-            ids, self._releases = self._releases, []
+        with self._release_lock:  # (the rest go with the next requests)
+            ids, self._releases = self._releases[:MAX_RELEASE_IDS], self._releases[MAX_RELEASE_IDS:]
         return {**fields, Key.RELEASE: ids} if fields else {Key.RELEASE: ids}
 
     def _shared_areas(self):

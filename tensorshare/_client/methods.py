@@ -292,19 +292,33 @@ class ClientMethods(TableMethods):
 
     def _unlisten(self, handle: Listening, callback: Callable | None = None) -> Any:
         """Stop ``handle``; with ``callback``, without waiting: ``callback(None, error)``
-        once the server stopped notifying (if this was the bin's last handle)."""
+        once done.  It hears every notification the server sends before it answers
+        the request that ends this listen: UNLISTEN if this was the bin's last
+        handle, else a NOOP (changes made before the server read it are all told)."""
         with self._lock:
-            last = self._listens.remove(handle)
-        if callback is not None:
-            if not last or self._closed:
-                self._later(callback, None, None)
-            else:
-                self._submit(UNLISTEN, bin_fields(handle.bin), NO_VALUE,
-                             lambda reply, error: callback(None, None if _lost_connection(error) else error))
+            last = self._listens.stop(handle)
+            if last is None or self._closed:
+                self._listens.remove(handle)
+        if last is None or self._closed:
+            if callback is None:
+                return self._done(None)
+            self._later(callback, None, None)
             return None
-        if not last or self._closed:
-            return self._done(None)
-        return self._call(UNLISTEN, bin_fields(handle.bin), on_error=_lost_connection)
+        command, fields = (UNLISTEN, bin_fields(handle.bin)) if last else (NOOP, None)
+
+        def ended(frame) -> None:  # on the reading thread, after every notification before the reply
+            self._listens.remove(handle)
+
+        def failed(error: BaseException) -> bool:
+            with self._lock:
+                self._listens.remove(handle)
+            return _lost_connection(error)
+
+        if callback is None:
+            return self._call(command, fields, on_reply=ended, on_error=failed)
+        self._submit(command, fields, NO_VALUE, lambda reply, error: callback(None, error), on_reply=ended,
+                     on_error=failed)
+        return None
 
     def _later(self, fn: Callable, *args) -> None:
         """Run ``fn(*args)`` where the client runs callbacks, after this call returns."""

@@ -37,6 +37,7 @@ class Key:
     N, SEQ, EXISTS, BINS = "n", "seq", "exists", "bins"
     ITEMS, SIZES = "items", "sizes"
     SERVER, VERSION = "server", "version"
+    MAX_FRAME = "max_frame"  # the greeting: the largest request payload the server reads (§7)
     AUTH, MECH, NONCE, PROOF = "auth", "mech", "nonce", "proof"
     # Same-host zero-copy (§10): the greeting's offer; a PUT/APPEND's item directory
     # and size; a GET/PEEK's mappable areas; a 226's references; released replies.
@@ -49,8 +50,9 @@ class Key:
     # GET with wait: held until the bin holds ``least`` items; PEEK with wait: held
     # while the bin is still at seq ``since`` (§4.5: reads that wait)
     LEAST, SINCE = "least", "since"
-    # PUT: the bin lives only as long as this connection (§4.6: presence, membership)
-    EPHEMERAL = "ephemeral"
+    # PUT: the bin lives only as long as this connection (§4.6: presence, membership);
+    # PUT/DELETE: which of the connection's clients owns it (a relay's, §4.6)
+    EPHEMERAL, OWNER = "ephemeral", "owner"
     # GET/PEEK: the reply lists every item's tag; LIST: a relay's state (§11)
     TAGS, RELAY = "tags", "relay"
     # PEEK (to a relay): push later copies of the bin as they arrive; an INCOMING
@@ -194,6 +196,10 @@ def optional(key: str, kind: Kind, **kw) -> Field:
 
 BIN = Field(Key.BIN, BIN_NAME, code=BAD_NAME)
 RELEASE = optional(Key.RELEASE, INTS)  # any request may carry it (§10.3)
+# Release ids a client puts in one request: small ids are 1-3 bytes on the wire and
+# 28 as objects, so a long list alone would pass the server's header_memory rule
+# (PROTOCOL.md §7) and the request would be refused; 64 keep any header within it.
+MAX_RELEASE_IDS = 64
 
 
 class Request:
@@ -360,7 +366,9 @@ _STORE_FIELDS = (
 )
 _READ_FIELDS = (BIN, optional(Key.REF, INTS), RELEASE, optional(Key.TAGS, BOOL))
 
-PUT = Command("PUT", (*_STORE_FIELDS, optional(Key.EPHEMERAL, BOOL), optional(Key.CUDA, MAP), optional(Key.FILL, INT)),
+OWNER = optional(Key.OWNER, _kind("bytes of at most 64", lambda v: type(v) is bytes and len(v) <= 64))
+PUT = Command("PUT", (*_STORE_FIELDS, optional(Key.EPHEMERAL, BOOL), OWNER, optional(Key.CUDA, MAP),
+                      optional(Key.FILL, INT)),
               reply=_CHANGED, payload=True, result=Key.N,
               doc="replace the bin's items with one item (ephemeral: for as long as this connection lasts; "
                   "cuda: by reference to the client's device memory; fill: that item's bytes)")
@@ -377,7 +385,8 @@ PEEK = Command("PEEK", (*_READ_FIELDS, optional(Key.WAIT, SECONDS), optional(Key
 LIST = Command("LIST", (RELEASE,), reply=Message(LIST_OK, (Field(Key.BINS, COUNTS), optional(Key.RELAY, MAP))),
                result=Key.BINS,
                doc="every bin and its item count")
-DELETE = Command("DELETE", (BIN, RELEASE), reply=_CHANGED, doc="remove the bin and its items")
+DELETE = Command("DELETE", (BIN, RELEASE, OWNER), reply=_CHANGED,
+                 doc="remove the bin and its items (with owner: only while that owns the ephemeral bin)")
 LISTEN = Command("LISTEN", (BIN, optional(Key.FIRST_APPEND, BOOL), RELEASE),
                  reply=Message(OK, (Field(Key.EXISTS, BOOL), Field(Key.N, INT), Field(Key.SEQ, INT),
                                     Field(Key.TAG, TAG))),
@@ -443,7 +452,7 @@ VERBS_WITH_VALUE = frozenset(verb for verb, c in COMMANDS.items() if c.payload)
 # receiver does not insist on them.
 GREETING_MESSAGE = Message(GREETING, (optional(Key.MSG, STR), optional(Key.SERVER, STR), optional(Key.VERSION, INT),
                                       optional(Key.AUTH, STR), optional(Key.NONCE, BYTES),
-                                      optional(Key.SHM, MAP)))
+                                      optional(Key.SHM, MAP), optional(Key.MAX_FRAME, INT)))
 NOTIFICATION = Message(NOTIFY, (Field(Key.BIN, STR), Field(Key.N, INT), Field(Key.SEQ, INT), Field(Key.OP, STR),
                                 optional(Key.TAG, TAG),
                                 # a relay's INCOMING carrying the copy as its payload (§11)

@@ -32,7 +32,7 @@ from .errors import (
     TableFullError, TableSpecError, WouldBlockError,
 )
 from .ratelimiter import RateLimiter
-from .selectors import build
+from .selectors import build, index_bytes
 from .slots import Slots, int_array
 
 MAX_CAPACITY = 1 << 40  # leaves keys 2**23 rows of history at the largest capacity
@@ -110,7 +110,7 @@ class Table:
         self.rng = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
         self._backing = backing if backing is not None else MemoryBacking()
         self._data = [self._backing.allocate(spec, self.capacity) for spec in self.columns]
-        self._items: list | None = None if self.columns else [None] * self.capacity
+        self._items: list | None = None if self.columns else self._backing.item_slots(self.capacity)
         self.inserts = 0  # rows that entered the table (inserted or written)
         self.samples = 0  # rows handed out by samples
         self.removals = 0  # rows that left (removed to make room, overwritten, sampled out, removed)
@@ -545,6 +545,14 @@ class Table:
             np.take(column, slots, axis=0, out=buf, mode="clip")
             values[spec.name] = RawArray(spec.dtype, (slots.size, *spec.shape), buf)
         return values, None
+
+
+def state_bytes(capacity: int, sampler: str = "uniform", remover: str | None = "fifo", items: bool = False) -> int:
+    """The memory a table of ``capacity`` rows keeps beside its columns, whatever they
+    hold: its per-slot state and its sampler's and remover's indexes (and, for a
+    table of ``items``, the list that refers to them).  Known before it is made, so a
+    server can refuse a table whose state alone would not fit."""
+    return capacity * (Slots.BYTES_PER_SLOT + 8 * items) + index_bytes(capacity, sampler, remover)
 
 
 def _is_int(value) -> bool:
