@@ -131,6 +131,8 @@ class Client(ClientCore):
         self._dispatcher: Dispatcher | None = None
         self._connect()
 
+    _blocking = True
+
     def close(self) -> None:
         """Close the connection; calls in flight fail, later calls raise UsageError."""
         with self._cond:
@@ -140,6 +142,8 @@ class Client(ClientCore):
             self._listens.clear()
             self._cond.notify_all()  # an idle reader ends now
         self._drop_connection(self._link, ConnectionLostError("client closed"))
+        if self._exports is not None:
+            self._exports.close()
         if self._dispatcher is not None:
             self._dispatcher.stop(timeout=0)
         if self._buffers is not None:
@@ -213,7 +217,8 @@ class Client(ClientCore):
 
     def _call(self, command: Command, fields: dict | None = None, value: Any = NO_VALUE, *, timeout=DEFAULT,
               then: Callable | None = None, on_reply: Callable | None = None, on_error: Callable | None = None,
-              decode: bool = True, zero_copy: bool = True, progress: Callable | None = None) -> Any:
+              decode: bool = True, zero_copy: bool = True, progress: Callable | None = None, device: Any = None,
+              into: Any = None) -> Any:
         """Send a request and wait for its reply (see :mod:`._client.methods`);
         ``progress(done, total)`` hears of the bytes of a large request sent and of
         its reply received (:class:`._client.progress.Progress`)."""
@@ -227,7 +232,8 @@ class Client(ClientCore):
             areas = link.conn.areas if zero_copy and self.zero_copy else None
         else:
             areas = self._areas(deadline) if zero_copy and self.zero_copy else None
-        call = self._new_call(command, fields, value, areas, None, then, on_error, on_reply, None, decode)
+        call = self._new_call(command, fields, value, areas, None, then, on_error, on_reply, None, decode,
+                              device=device, into=into)
         try:
             while True:
                 try:
@@ -270,11 +276,12 @@ class Client(ClientCore):
     def _submit(self, command: Command, fields: dict | None, value: Any, callback: Callable, *,
                 zero_copy: bool = True, timeout=DEFAULT, then: Callable | None = None,
                 on_error: Callable | None = None, on_reply: Callable | None = None, decode: bool = True,
-                raw: bool = False, inline: bool = False) -> None:
+                raw: bool = False, inline: bool = False, device: Any = None, into: Any = None) -> None:
         if self._closed:
             raise UsageError("the client is closed")
         areas = self._areas(DEFAULT) if zero_copy and self.zero_copy else None
-        call = self._new_call(command, fields, value, areas, callback, then, on_error, on_reply, None, decode, raw)
+        call = self._new_call(command, fields, value, areas, callback, then, on_error, on_reply, None, decode, raw,
+                              device=device, into=into)
         call.inline = inline
         try:
             parts = self._request_parts(call)
@@ -367,6 +374,9 @@ class Client(ClientCore):
         link = self._ensure_connected(deadline)
         with self._send_lock:
             coalescer = self._coalescer
+            if type(parts) is not list:  # StagedParts: device arrays, staged bucket by bucket as they go
+                self._send_staged(link, parts, deadline, rid, progress)
+                return
             if not (may_hold and not link.tls and coalescer.awaiting(link)
                     and sum(map(len, parts)) <= SMALL_FRAME and coalescer.hold(link, rid, b"".join(parts))):
                 if progress is None:
@@ -382,6 +392,24 @@ class Client(ClientCore):
             with self._send_lock:
                 if coalescer and link is self._link:
                     self._send_locked(link, [], deadline)
+
+    def _send_staged(self, link: Link, parts, deadline: float | None, rid: int,
+                     progress: Progress | None) -> None:
+        """Send a frame holding device arrays (the caller holds the send lock): each
+        bucket the engine stages goes out before the next is asked for (its buffer
+        is then reused), while the buckets after it are being copied."""
+        pending, first = [], True
+        for view, staged in parts.engine.pieces(parts):
+            pending.append(view)
+            if staged:
+                self._send_locked(link, pending, deadline, rid if first else None)
+                if progress is not None:
+                    progress.sent(pending)
+                pending, first = [], False
+        if pending or first:
+            self._send_locked(link, pending, deadline, rid if first else None)
+            if progress is not None:
+                progress.sent(pending)
 
     def _send_held(self, link: Link) -> None:
         """Send what the coalescer holds, as far as the socket takes it now (a reader:
@@ -659,6 +687,8 @@ class Client(ClientCore):
                     failed.append(call)
             self._cond.notify_all()
         link.close()
+        if self._exports is not None:  # the server let go of this connection's device references
+            self._exports.lost()
         for call in failed:
             self._callbacks().submit(self._complete, call, error)
 

@@ -36,6 +36,7 @@ __all__ = [
     "UntrustedServerError",
     "ServerUnavailableError",
     "ZeroCopyError",
+    "DeviceReferenceError",
     "ZeroCopyUnavailableError",
     "error_for_code",
 ]
@@ -151,6 +152,13 @@ class ZeroCopyError(ProtocolError):
     """A value could not be read from the server's shared memory (files gone or not
     trusted).  The clients then fall back to TCP by themselves where they can; a GET
     whose items were taken but could not be mapped raises it."""
+
+
+class DeviceReferenceError(ZeroCopyError):
+    """An item the server referred to in another process's GPU memory (CUDA IPC)
+    could not be read from there (a device this process does not see, a publisher
+    that is gone, a copy that does not match its digest).  The clients then read
+    the item's bytes instead, by themselves."""
 
 
 class ZeroCopyUnavailableError(TransientError):

@@ -58,6 +58,9 @@ class Key:
     # PEEK (to a relay): push later copies of the bin as they arrive; an INCOMING
     # notification carrying one names the upstream change it is (§11)
     INCOMING, CHANGE = "incoming", "change"
+    # CUDA IPC on one host (§13): a PUT's device reference, or the reference whose
+    # bytes it brings; a PEEK's devices and a 226's references; a reply's freed references
+    CUDA, FILL, FREED = "cuda", "fill", "freed"
 
 
 # Reply codes (header key "code").
@@ -348,10 +351,11 @@ TensorShareErrorLike = ProtocolError | RemoteError
 
 # ------------------------------------------------------------------ the verbs
 
-_CHANGED = Message(DONE, (Field(Key.N, INT), Field(Key.SEQ, INT)))
-_DONE = Message(OK)
+_FREED = optional(Key.FREED, INTS)  # a publisher's device references no item holds any more (§13.3)
+_CHANGED = Message(DONE, (Field(Key.N, INT), Field(Key.SEQ, INT), _FREED))
+_DONE = Message(OK, (_FREED,))
 _ITEMS = Message(ITEMS, (Field(Key.SEQ, INT), Field(Key.ITEMS, LIST), Field(Key.SIZES, LIST),
-                         optional(Key.REFS, LIST), optional(Key.TAGS, TAGS)))
+                         optional(Key.REFS, LIST), optional(Key.TAGS, TAGS), optional(Key.CUDA, LIST)))
 _STORE_FIELDS = (
     BIN,
     Field(Key.VALUE, BYTES, missing="missing value description"),
@@ -363,8 +367,11 @@ _STORE_FIELDS = (
 _READ_FIELDS = (BIN, optional(Key.REF, INTS), RELEASE, optional(Key.TAGS, BOOL))
 
 OWNER = optional(Key.OWNER, _kind("bytes of at most 64", lambda v: type(v) is bytes and len(v) <= 64))
-PUT = Command("PUT", (*_STORE_FIELDS, optional(Key.EPHEMERAL, BOOL), OWNER), reply=_CHANGED, payload=True,
-              result=Key.N, doc="replace the bin's items with one item (ephemeral: for as long as this connection lasts)")
+PUT = Command("PUT", (*_STORE_FIELDS, optional(Key.EPHEMERAL, BOOL), OWNER, optional(Key.CUDA, MAP),
+                      optional(Key.FILL, INT)),
+              reply=_CHANGED, payload=True, result=Key.N,
+              doc="replace the bin's items with one item (ephemeral: for as long as this connection lasts; "
+                  "cuda: by reference to the client's device memory; fill: that item's bytes)")
 APPEND = Command("APPEND", (*_STORE_FIELDS, optional(Key.BELOW, COUNT), optional(Key.WAIT, SECONDS)),
                  reply=_CHANGED, payload=True, result=Key.N,
                  doc="add one item at the end of the bin (with below: once it holds fewer items)")
@@ -372,8 +379,9 @@ GET = Command("GET", (*_READ_FIELDS, optional(Key.MAX, COUNT), optional(Key.WAIT
                      optional(Key.LEAST, COUNT)), reply=_ITEMS, result=Key.ITEMS,
               doc="take the bin's items (at most max of them) out of it (with wait: once it holds least)")
 PEEK = Command("PEEK", (*_READ_FIELDS, optional(Key.WAIT, SECONDS), optional(Key.SINCE, INT),
-                       optional(Key.INCOMING, BOOL)), reply=_ITEMS, result=Key.ITEMS,
-               doc="read every item of the bin (with wait: once its seq is no longer since)")
+                       optional(Key.INCOMING, BOOL), optional(Key.CUDA, LIST)), reply=_ITEMS, result=Key.ITEMS,
+               doc="read every item of the bin (with wait: once its seq is no longer since; "
+                   "cuda: device references where this client can open them)")
 LIST = Command("LIST", (RELEASE,), reply=Message(LIST_OK, (Field(Key.BINS, COUNTS), optional(Key.RELAY, MAP))),
                result=Key.BINS,
                doc="every bin and its item count")
