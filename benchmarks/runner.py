@@ -16,6 +16,7 @@ from . import actor_learner, busy_bench, client_bench, disk_bench, machine, mult
 from . import ops_bench
 from . import tables_bench
 from . import versions_bench
+from . import gpu_bench
 from .baselines import RedisPeer, TCPStorePeer
 from .procs import ChildError, PeerMissing, stop_all
 from .profiles import Profile
@@ -35,6 +36,7 @@ SECTIONS = {
     "tables": tables_bench.run,
     "versions": versions_bench.run,
     "busy": busy_bench.run,
+    "gpu": gpu_bench.run,
 }
 
 

@@ -144,14 +144,15 @@ class AsyncClient(ClientCore):
 
     @property
     def workers(self) -> int:
-        """How many workers the server runs (``--workers``; PROTOCOL.md §13)."""
+        """How many workers the server runs (``--workers``; PROTOCOL.md §14)."""
         return 1 if self._workers is None else self._workers.map.count
 
     # -- calls
 
     def _call(self, command: Command, fields: dict | None = None, value: Any = NO_VALUE, *, timeout=DEFAULT,
               then: Callable | None = None, on_reply: Callable | None = None, on_error: Callable | None = None,
-              decode: bool = True, zero_copy: bool = True, progress: Callable | None = None) -> defer.Deferred:
+              decode: bool = True, zero_copy: bool = True, progress: Callable | None = None, device: Any = None,
+              into: Any = None) -> defer.Deferred:
         if progress is not None:
             raise UsageError("progress reports are for the blocking Client")
         workers = self._workers
@@ -172,7 +173,7 @@ class AsyncClient(ClientCore):
         d = defer.Deferred()
         try:
             self._submit(command, fields, value, d, zero_copy=zero_copy, timeout=timeout, then=then,
-                         on_reply=on_reply, on_error=on_error, decode=decode)
+                         on_reply=on_reply, on_error=on_error, decode=decode, device=device, into=into)
         except TensorShareError:
             return defer.fail()
         return d
@@ -186,7 +187,7 @@ class AsyncClient(ClientCore):
     def _submit(self, command: Command, fields: dict | None, value: Any, callback, *,
                 zero_copy: bool = True, timeout=DEFAULT, then: Callable | None = None,
                 on_error: Callable | None = None, on_reply: Callable | None = None, decode: bool = True,
-                raw: bool = False, inline: bool = False) -> None:
+                raw: bool = False, inline: bool = False, device: Any = None, into: Any = None) -> None:
         """Send a call; ``callback`` is a ``callback(result, error)`` or a Deferred
         (``inline`` changes nothing here: callbacks run on the reactor thread)."""
         if self._closed:
@@ -212,7 +213,8 @@ class AsyncClient(ClientCore):
         areas = self._wire.conn.areas if zero_copy and decode and self.zero_copy else None
         timeout = self.timeout if timeout is DEFAULT else timeout
         deadline = None if timeout is None else self.reactor.seconds() + timeout
-        call = self._new_call(command, fields, value, areas, callback, then, on_error, on_reply, deadline, decode, raw)
+        call = self._new_call(command, fields, value, areas, callback, then, on_error, on_reply, deadline, decode, raw,
+                              device=device, into=into)
         try:
             self._transmit(call, deadline)
         except BaseException:

@@ -159,6 +159,8 @@ class Client(ClientCore):
 
     _blocking = True
 
+    _blocking = True
+
     def close(self) -> None:
         """Close the connection; calls in flight fail, later calls raise UsageError."""
         with self._cond:
@@ -170,6 +172,8 @@ class Client(ClientCore):
         if self._workers is not None:
             self._workers.close()
         self._drop_connection(self._link, ConnectionLostError("client closed"))
+        if self._exports is not None:
+            self._exports.close()
         if self._dispatcher is not None:
             self._dispatcher.stop(timeout=0)
         if self._buffers is not None:
@@ -205,7 +209,7 @@ class Client(ClientCore):
     @property
     def workers(self) -> int:
         """How many workers the server runs (``--workers``): this client connects to
-        each whose bins it uses (PROTOCOL.md §13)."""
+        each whose bins it uses (PROTOCOL.md §14)."""
         return 1 if self._workers is None else self._workers.map.count
 
     def __enter__(self) -> "Client":
@@ -255,7 +259,8 @@ class Client(ClientCore):
 
     def _call(self, command: Command, fields: dict | None = None, value: Any = NO_VALUE, *, timeout=DEFAULT,
               then: Callable | None = None, on_reply: Callable | None = None, on_error: Callable | None = None,
-              decode: bool = True, zero_copy: bool = True, progress: Callable | None = None) -> Any:
+              decode: bool = True, zero_copy: bool = True, progress: Callable | None = None, device: Any = None,
+              into: Any = None) -> Any:
         """Send a request and wait for its reply (see :mod:`._client.methods`);
         ``progress(done, total)`` hears of the bytes of a large request sent and of
         its reply received (:class:`._client.progress.Progress`)."""
@@ -294,7 +299,8 @@ class Client(ClientCore):
             areas = link.conn.areas if zero_copy and self.zero_copy else None
         else:
             areas = self._areas(deadline) if zero_copy and self.zero_copy else None
-        call = self._new_call(command, fields, value, areas, None, then, on_error, on_reply, None, decode)
+        call = self._new_call(command, fields, value, areas, None, then, on_error, on_reply, None, decode,
+                              device=device, into=into)
         try:
             while True:
                 try:
@@ -337,7 +343,7 @@ class Client(ClientCore):
     def _submit(self, command: Command, fields: dict | None, value: Any, callback: Callable, *,
                 zero_copy: bool = True, timeout=DEFAULT, then: Callable | None = None,
                 on_error: Callable | None = None, on_reply: Callable | None = None, decode: bool = True,
-                raw: bool = False, inline: bool = False) -> None:
+                raw: bool = False, inline: bool = False, device: Any = None, into: Any = None) -> None:
         if self._closed:
             raise UsageError("the client is closed")
         if self._workers is not None and command is LIST:  # every worker's: asked in turn on the dispatcher thread
@@ -356,7 +362,8 @@ class Client(ClientCore):
                                                 decode=decode, raw=raw, inline=inline)
             return
         areas = self._areas(DEFAULT) if zero_copy and self.zero_copy else None
-        call = self._new_call(command, fields, value, areas, callback, then, on_error, on_reply, None, decode, raw)
+        call = self._new_call(command, fields, value, areas, callback, then, on_error, on_reply, None, decode, raw,
+                              device=device, into=into)
         call.inline = inline
         try:
             parts = self._request_parts(call)
@@ -451,6 +458,9 @@ class Client(ClientCore):
         link = self._ensure_connected(deadline)
         with self._send_lock:
             coalescer = self._coalescer
+            if type(parts) is not list:  # StagedParts: device arrays, staged bucket by bucket as they go
+                self._send_staged(link, parts, deadline, rid, progress)
+                return
             if not (may_hold and not link.tls and coalescer.awaiting(link)
                     and sum(map(len, parts)) <= SMALL_FRAME and coalescer.hold(link, rid, b"".join(parts))):
                 if progress is None:
@@ -466,6 +476,24 @@ class Client(ClientCore):
             with self._send_lock:
                 if coalescer and link is self._link:
                     self._send_locked(link, [], deadline)
+
+    def _send_staged(self, link: Link, parts, deadline: float | None, rid: int,
+                     progress: Progress | None) -> None:
+        """Send a frame holding device arrays (the caller holds the send lock): each
+        bucket the engine stages goes out before the next is asked for (its buffer
+        is then reused), while the buckets after it are being copied."""
+        pending, first = [], True
+        for view, staged in parts.engine.pieces(parts):
+            pending.append(view)
+            if staged:
+                self._send_locked(link, pending, deadline, rid if first else None)
+                if progress is not None:
+                    progress.sent(pending)
+                pending, first = [], False
+        if pending or first:
+            self._send_locked(link, pending, deadline, rid if first else None)
+            if progress is not None:
+                progress.sent(pending)
 
     def _send_held(self, link: Link) -> None:
         """Send what the coalescer holds, as far as the socket takes it now (a reader:
@@ -805,6 +833,8 @@ class Client(ClientCore):
                     failed.append(call)
             self._cond.notify_all()
         link.close()
+        if self._exports is not None:  # the server let go of this connection's device references
+            self._exports.lost()
         for call in failed:
             self._callbacks().submit(self._complete, call, error)
 

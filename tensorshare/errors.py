@@ -36,6 +36,7 @@ __all__ = [
     "UntrustedServerError",
     "ServerUnavailableError",
     "ZeroCopyError",
+    "DeviceReferenceError",
     "ZeroCopyUnavailableError",
     "WrongWorkerError",
     "error_for_code",
@@ -154,6 +155,13 @@ class ZeroCopyError(ProtocolError):
     whose items were taken but could not be mapped raises it."""
 
 
+class DeviceReferenceError(ZeroCopyError):
+    """An item the server referred to in another process's GPU memory (CUDA IPC)
+    could not be read from there (a device this process does not see, a publisher
+    that is gone, a copy that does not match its digest).  The clients then read
+    the item's bytes instead, by themselves."""
+
+
 class ZeroCopyUnavailableError(TransientError):
     """425: the server did not take a value through shared memory (zero-copy off for
     this connection, or the files it was pointed to were refused); the value must
@@ -163,7 +171,7 @@ class ZeroCopyUnavailableError(TransientError):
 
 
 class WrongWorkerError(TransientError):
-    """427: another worker of this multi-worker server owns the bin (PROTOCOL.md §13);
+    """427: another worker of this multi-worker server owns the bin (PROTOCOL.md §14);
     nothing changed.  A client whose map of the workers is out of date (the server
     restarted with other workers) gets it; the clients map the workers again and
     send the request to its owner by themselves."""

@@ -244,6 +244,36 @@ class Storage:
 
         self.jobs.run(None, self.shm.adopt, (connection, shm_name, description, nbytes, limits), adopted)
 
+    def fill(self, item: Item, segments: tuple) -> None:
+        """Give ``item`` (stored by device reference) the payload that came for it."""
+        if item.segments is None and item.files is None:
+            item.segments = segments
+            self.store.attach(item)
+            self._enforce_budget()
+
+    def fill_shared(self, item: Item, connection: str, shm_name: object, done: Callable,
+                    limits: DecodeLimits = DEFAULT_LIMITS) -> None:
+        """:meth:`fill` from the item directory a same-host client wrote (taken over as
+        :meth:`adopt` takes one, on a disk thread); ``done(None, error)`` after."""
+        if self.shm_area is None:
+            raise ZeroCopyUnavailableError("this server takes values over TCP only")
+
+        def adopted(stored, error) -> None:
+            if error is not None:
+                if not isinstance(error, RemoteError):
+                    error = ZeroCopyUnavailableError(f"incoming item not taken: {error}")
+                done(None, error)
+                return
+            files = ItemFiles.of(stored, area=self.shm_area)
+            self._watch_shared(files)  # (removed again if the item went meanwhile: nothing holds them)
+            if item.segments is None and item.files is None:
+                item.files = files
+                self.store.attach(item)
+                self._enforce_budget()
+            done(None, None)
+
+        self.jobs.run(None, self.shm.adopt, (connection, shm_name, item.description, item.nbytes, limits), adopted)
+
     @property
     def takes_incoming(self) -> bool:
         """Whether same-host clients may write values into the shared-memory area."""
@@ -380,6 +410,10 @@ class Storage:
         """The items of bin ``name``, which keeps them (NoSuchBinError if none)."""
         self._not_a_table(name)
         return self.store.peek(name)
+
+    def items_of(self, name: str) -> list[Item]:
+        """The items of bin ``name`` ([] if there is none), not counted as a use."""
+        return self.store.items_of(name)
 
     def take(self, name: str, limit: int | None = None) -> tuple[list[Item], Change]:
         """GET: take every item (the first ``limit``) out of bin ``name``; with a data

@@ -24,11 +24,12 @@ class Item:
 
     The payload is in memory (``segments``, the received chunks), in files
     (``files``: spilled or durable on disk, or in the shared-memory area), or both
-    (a durable item still cached).
+    (a durable item still cached).  An item put by reference to a client's device
+    memory (``device``, PROTOCOL.md §13) has neither until its bytes come.
     """
 
     __slots__ = ("description", "segments", "nbytes", "tag", "files", "stored", "spilling", "unspillable",
-                 "__weakref__")
+                 "device", "__weakref__")
 
     def __init__(self, description: bytes, segments: tuple | None, nbytes: int, tag: int | None = None,
                  files=None):
@@ -40,6 +41,7 @@ class Item:
         self.stored = False  # in a bin of the store right now
         self.spilling = False  # being written to the spill area
         self.unspillable = False  # writing it to disk failed for a reason of its own: it stays in memory
+        self.device = None  # a device reference (server/protocol/devices.py); False: its publisher left first
 
     @property
     def resident(self) -> bool:
@@ -128,6 +130,12 @@ class BinStore:
         return True, len(b.items), b.seq, b.items[-1].tag if b.items else None
 
     # -- mutations
+
+    def attach(self, item: Item) -> None:
+        """``item``, stored without its payload (a device reference), holds it now."""
+        if item.stored and item.resident and item not in self._lru:
+            self._lru[item] = None
+            self.resident_bytes += item.nbytes
 
     def check_add(self, name: str, replace: bool) -> None:
         """Raise what :meth:`put` (``replace``) or :meth:`append` would for the count limits."""

@@ -22,7 +22,7 @@ from tensorshare.wire.description import check_description
 from tensorshare.wire.frames import frame_head
 
 from ..bins.store import Change, Item
-from . import longpoll
+from . import devices, longpoll
 
 log = logging.getLogger("tensorshare.server")
 
@@ -51,6 +51,9 @@ def store(session, request) -> None:
     ephemeral = replace and request.ephemeral is True
     if ephemeral or session.state.ephemeral:
         _check_ephemeral(session, request, ephemeral)
+    if replace and (request.cuda is not None or request.fill is not None):  # by device reference (§13)
+        devices.store(session, request, _check_value, _stored(session, request))
+        return
     if request.shm is not None:
         incoming, item_name, size = session.shared.adoption(request)
         _check_value(session, blob, size)
@@ -145,8 +148,9 @@ def _stored(session, request) -> Callable:
         if error is not None:
             session.refuse(request.id, error)
             return
-        reply = request.command.reply(request.id, n=change.n_items, seq=change.seq)
-        session.send_header(session.shared.stored_reply(reply, request.bin))
+        header = session.shared.stored_reply(request.command.reply(request.id, n=change.n_items, seq=change.seq),
+                                             request.bin)
+        session.send_header(header if session.shared.devices is None else devices.with_freed(session, header))
         session.state.listeners.publish(change)
         if request.tag is not None and session.counters is not None:  # versions of RL experiments
             session.counters.stored(session.stats, request.command.verb, request.bin, request.tag)
@@ -176,6 +180,9 @@ def _take(session, request, done: Callable[[], None] | None) -> None:
     wait for the disk holds the connection as usual."""
     storage, listeners, name = session.storage, session.state.listeners, request.bin
     items = storage.peek(name)[: request.max]  # (max: None takes them all)
+    if devices.unready(items, None):  # bytes still in a publisher's device memory (§13)
+        devices.hold_for_bytes(session, request, _take, done)
+        return
     _check_reply_size(session, items)  # refused before anything is taken
     refs = session.shared.refs(request.bin, request.ref, items, taking=True)
     items, change = storage.take(name, request.max)
@@ -227,26 +234,34 @@ def _read(session, request, done: Callable[[], None] | None) -> None:
     storage, name = session.storage, request.bin
     seq = storage.state(name)[2]
     items = [] if request.since is not None and seq == request.since else storage.peek(name)
+    cuda = devices.refs(session, request.cuda, items) if request.cuda is not None else None
+    if devices.unready(items, cuda):  # bytes still in a publisher's device memory (§13)
+        devices.hold_for_bytes(session, request, _read, done)
+        return
     _check_reply_size(session, items)
     refs = session.shared.refs(name, request.ref, items)
+    away = refs
+    if cuda is not None:  # items whose bytes the payload does not carry: by file or by device reference
+        refs = devices.besides(refs, cuda)
+        away = devices.merged(refs, cuda)
 
     def finish(parts: list | None, error: RemoteError | None) -> None:
         if error is not None:
             session.refuse(request.id, error)
         else:
-            _send_items(session, request, items, parts, seq, refs)
-            session.shared.pin(request.id, items, refs)
-            session.shared.promote(request.ref, items, refs, session.decode_limits)
+            _send_items(session, request, items, parts, seq, refs, cuda=cuda)
+            session.shared.pin(request.id, items, away)
+            session.shared.promote(request.ref, items, away, session.decode_limits)
         if done is not None:
             done()
 
-    parts = storage.parts_in_memory(items, refs)
+    parts = storage.parts_in_memory(items, away)
     if parts is not None:  # the usual case: no disk, no wait
         finish(parts, None)
     elif done is not None:
-        storage.read(items, refs, finish)
+        storage.read(items, away, finish)
     else:
-        session.wait_for(lambda read_done: storage.read(items, refs, read_done), finish)
+        session.wait_for(lambda read_done: storage.read(items, away, read_done), finish)
 
 
 def _check_reply_size(session, items: list[Item]) -> None:
@@ -260,17 +275,22 @@ def _check_reply_size(session, items: list[Item]) -> None:
 
 
 def _send_items(session, request, items: list[Item], parts: list, seq: int, refs: list | None,
-                on_abandon: Callable[[], None] | None = None, on_written: Callable[[], None] | None = None) -> None:
+                on_abandon: Callable[[], None] | None = None, on_written: Callable[[], None] | None = None,
+                cuda: list | None = None) -> None:
     sizes = [item.nbytes for item in items]
     header = request.command.reply(request.id)
     header[Key.SEQ], header[Key.ITEMS], header[Key.SIZES] = seq, [item.description for item in items], sizes
     if getattr(request, "tags", None):  # asked for (relays): every item's tag
         header[Key.TAGS] = [item.tag for item in items]
-    if refs is None:
+    if refs is None and cuda is None:
         payload_len = sum(sizes)
     else:
-        header[Key.REFS] = [None if files is None else files.ref() for files in refs]
-        payload_len = sum(item.nbytes for item, files in zip(items, refs) if files is None)
+        if refs is not None:
+            header[Key.REFS] = [None if files is None else files.ref() for files in refs]
+        if cuda is not None:  # device references (§13.2)
+            header[Key.CUDA] = cuda
+        away = devices.merged(refs, cuda)
+        payload_len = sum(item.nbytes for item, files in zip(items, away) if files is None)
     parts.insert(0, frame_head(header, payload_len))
     session.send(parts, on_abandon, on_written)
     counters = session.counters
@@ -335,7 +355,8 @@ def unlisten(session, request) -> None:
 
 @handles(NOOP)
 def noop(session, request) -> None:
-    session.send_header(NOOP.reply(request.id))
+    header = NOOP.reply(request.id)
+    session.send_header(header if session.shared.devices is None else devices.with_freed(session, header))
 
 
 @handles(AUTH)

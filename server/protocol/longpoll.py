@@ -26,6 +26,13 @@ from tensorshare.errors import RemoteError
 LANES = _TAKES, _PEEKS = "\x00take", "\x00peek"  # bin names hold no control characters: no bin has these keys
 
 
+def retest(waits, name: str) -> None:
+    """Test the reads held on bin ``name`` again: what they wait for came without a
+    change of the bin (the bytes of an item put by device reference)."""
+    for lane in LANES:
+        waits.changed(name + lane)
+
+
 def enough_items(session, request) -> bool:
     """Whether a GET need not wait: its bin holds at least ``least`` (default 1) items."""
     return session.storage.state(request.bin)[1] >= (request.least or 1)
@@ -36,13 +43,17 @@ def moved_on(session, request) -> bool:
     return request.since is None or session.storage.state(request.bin)[2] != request.since
 
 
-def hold(session, request, ready: Callable, answer: Callable) -> None:
+def hold(session, request, ready: Callable, answer: Callable, *, timeout: float | None = None,
+         refusal: Callable[[], RemoteError] | None = None, held: Callable[[], None] | None = None) -> None:
     """Answer ``request`` with ``answer(session, request, done)`` once ``ready(session,
     request)`` holds, or when its ``wait`` runs out, whichever comes first.
 
     ``answer`` queues the reply (or raises the :class:`RemoteError` to refuse with)
     and calls ``done()`` once it has; meanwhile the connection's later requests
-    wait behind this one, as for every request that waits (replies keep order)."""
+    wait behind this one, as for every request that waits (replies keep order).
+    ``timeout`` (instead of ``wait``) with ``refusal``: what runs out refuses the
+    request with ``refusal()`` instead of answering it.  ``held``: the request holds
+    its connection already (it waited before): call ``held()`` once answered."""
     waits, takes = session.state.waits, request.command.verb == "GET"
     key = request.bin + (_TAKES if takes else _PEEKS)
 
@@ -58,7 +69,17 @@ def hold(session, request, ready: Callable, answer: Callable) -> None:
                 session.refuse(request.id, exc)
                 answered()
 
-        session.park(key, lambda: ready(session, request), lambda: run(True), request.wait,
-                     lambda: run(False), ordered=takes)
+        def expire() -> None:
+            if refusal is None:
+                run(False)
+            else:
+                session.refuse(request.id, refusal())
+                done()
 
-    session.wait_for(start, lambda: None)
+        session.park(key, lambda: ready(session, request), lambda: run(True),
+                     request.wait if timeout is None else timeout, expire, ordered=takes)
+
+    if held is None:
+        session.wait_for(start, lambda: None)
+    else:
+        start(held)

@@ -178,7 +178,7 @@ class ServerSession:
             self.counters.opened(self)
         greeting = GREETING_MESSAGE.build(msg="tensorshare ready", server=f"tensorshare/{__version__}",
                                           version=PROTOCOL_VERSION, max_frame=self.config.max_frame)
-        if self.state.workers is not None:  # one worker of several: the map clients route by (§13)
+        if self.state.workers is not None:  # one worker of several: the map clients route by (§14)
             greeting[Key.WORKERS] = self.state.workers.field()
         if not self.authenticated:
             self._move(Phase.AUTHENTICATING)

@@ -40,6 +40,7 @@ class SharedMemory:
         self.same_host = same_host  # the peer is on this host: zero-copy may be offered
         self.incoming: str | None = None  # this connection's incoming directory in the shared-memory area
         self._pins: dict[int, list] = {}  # id of a 226 with references -> [(item, files)] until released
+        self.devices = None  # devices.DeviceItems: what this connection put by device reference (§13)
 
     # -- the offer (§10.1)
 
@@ -53,7 +54,7 @@ class SharedMemory:
             send(reply)
             return
         offer = {"token": storage.token, "areas": [area.root for area in storage.areas],
-                 "min_bytes": self.config.zero_copy_min}
+                 "min_bytes": self.config.zero_copy_min, "cuda": not storage.durable}  # device references (§13)
         reply[Key.SHM] = offer
         if not storage.takes_incoming:
             send(reply)
@@ -72,6 +73,8 @@ class SharedMemory:
 
     def connection_lost(self) -> None:
         self._pins.clear()  # the client's mappings outlive the files' names
+        if self.devices is not None:  # its device references go with it (§13.3)
+            self.devices.connection_lost()
         if self.incoming is not None:  # whatever its client wrote and did not send goes too
             self.storage.close_incoming(self.incoming)
             self.incoming = None

@@ -1,6 +1,6 @@
 """A worker serves only the bins it owns: every verb that names a bin is checked first.
 
-Clients route each request to the worker that owns its bin (PROTOCOL.md §13), so
+Clients route each request to the worker that owns its bin (PROTOCOL.md §14), so
 a request for another worker's bin comes only from a client whose map of the
 workers is out of date (the server restarted with other workers or ports) or one
 that does not route at all.  Serving it here would make a second bin of that name,

@@ -10,7 +10,7 @@ itself.  It
   public one (``--port``), which every worker accepts connections on, and one per
   worker (``--worker-ports``, free ports by default), which only that worker
   accepts on.  Clients learn the worker ports from the greeting and open a
-  connection to each worker whose bins they use (PROTOCOL.md §13);
+  connection to each worker whose bins they use (PROTOCOL.md §14);
 * starts the workers (``python -m tensorshare_server.workers``: ``child.py``),
   handing each its sockets and its settings (its share of the memory budget, its
   data directory) on its standard input;

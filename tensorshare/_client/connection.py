@@ -142,6 +142,7 @@ class ClientConnection:
         self.areas = None  # zerocopy.SharedAreas: what the greeting offered and this client verified
         self.where = where  # host:port, for messages
         self.first = b""  # the first bytes the server sent, until they showed its magic
+        self.device_sinks = False  # large replies may go straight to device memory (devices.receive_on_device)
 
     def feed(self, data: bytes) -> list[Frame]:
         """The frames ``data`` completes.  Raises :class:`WrongServerError` when the
@@ -239,12 +240,13 @@ def request_frame(rid: int, command: Command, fields: dict | None = None, value:
     """The parts of a request frame: header bytes, then the value's payload buffers.
 
     ``fields`` are the command's header fields (a bin, a tag, same-host zero-copy
-    fields...); ``value`` may be given already encoded (an :class:`Encoded`).
-    Raises :class:`UsageError` for an argument the server would refuse (a bad bin
-    name or tag), :class:`EncodeError` for a value with no wire form and
-    :class:`TooLargeError` for one of more than ``max_payload`` bytes (the server's
-    ``max_frame``, from its greeting), sent or named in shared memory, before
-    anything is sent.
+    fields...); ``value`` may be given already encoded (an :class:`Encoded`).  A
+    value holding device arrays gives a :class:`~..device.engine.StagedParts`,
+    which the sender sends through its engine.  Raises :class:`UsageError` for an
+    argument the server would refuse (a bad bin name or tag), :class:`EncodeError`
+    for a value with no wire form and :class:`TooLargeError` for one of more than
+    ``max_payload`` bytes (the server's ``max_frame``, from its greeting), sent or
+    named in shared memory, before anything is sent.
     """
     if fields:
         check_fields(command, fields)
@@ -257,6 +259,10 @@ def request_frame(rid: int, command: Command, fields: dict | None = None, value:
     if max_payload is not None:
         _check_size(enc.nbytes, max_payload)
     header[Key.VALUE] = enc.description
+    if enc.engine is not None:  # device arrays: senders stage them (tensorshare.device)
+        from ..device.engine import StagedParts
+
+        return StagedParts([frame_head(header, enc.nbytes), *enc.buffers], enc.engine)
     return [frame_head(header, enc.nbytes), *enc.buffers]
 
 
@@ -276,20 +282,22 @@ def notification_of(frame: Frame) -> Notification | None:
 
 
 def read_reply(command: Command, frame: Frame, device: Any = None, limits: DecodeLimits = DEFAULT_LIMITS,
-               areas: Any = None, decode: bool = True) -> Reply:
+               areas: Any = None, decode: bool = True, into: Any = None) -> Reply:
     """The checked reply to ``command`` (its values decoded if it carries items and
     ``decode``); raises the :class:`RemoteError` of an error reply.  ``areas``: the
-    connection's :class:`~.zerocopy.SharedAreas`, to map items the reply refers to."""
+    connection's :class:`~.zerocopy.SharedAreas`, to map items the reply refers to;
+    ``into``: destination tensors of the arrays (:mod:`.devices`)."""
     header = command.check_reply(frame.header)
     values = None
     if decode and header.get(Key.CODE) == ITEMS:
-        values = decode_items(header, frame.payload, frame.payload_len, device, limits, areas)
+        values = decode_items(header, frame.payload, frame.payload_len, device, limits, areas, into)
     return Reply(command, header, values, frame)
 
 
 def item_table(header: dict, payload_len: int) -> list[tuple[Any, int, Any]]:
     """``[(description blob, payload bytes, reference or None), ...]`` of an ITEMS (226)
-    reply, checked: the items without a reference fill the payload."""
+    reply, checked: the items without a reference fill the payload.  A reference is
+    ``[area, path]`` (the server's files) or a dict (a device reference)."""
     blobs, sizes = header.get(Key.ITEMS), header.get(Key.SIZES)
     if not (isinstance(blobs, list) and isinstance(sizes, list) and len(blobs) == len(sizes)):
         raise ProtocolError("items reply needs equally long 'items' and 'sizes' lists")
@@ -298,6 +306,12 @@ def item_table(header: dict, payload_len: int) -> list[tuple[Any, int, Any]]:
         refs = [None] * len(sizes)
     elif not (isinstance(refs, list) and len(refs) == len(sizes)):
         raise ProtocolError("items reply needs a 'refs' list as long as 'items'")
+    cuda = header.get(Key.CUDA)
+    if cuda is not None:  # device references (a dict each, PROTOCOL.md §13.2)
+        if not (isinstance(cuda, list) and len(cuda) == len(sizes)
+                and all(c is None or (type(c) is dict and r is None) for c, r in zip(cuda, refs))):
+            raise ProtocolError("items reply needs a 'cuda' list as long as 'items', beside no file reference")
+        refs = [r if c is None else c for r, c in zip(refs, cuda)]
     if (not all(type(s) is int and s >= 0 for s in sizes)
             or sum(s for s, ref in zip(sizes, refs) if ref is None) != payload_len):
         raise ProtocolError(f"item sizes {sizes!r} do not add up to the payload's {payload_len} bytes")
@@ -305,15 +319,21 @@ def item_table(header: dict, payload_len: int) -> list[tuple[Any, int, Any]]:
 
 
 def decode_items(header: dict, payload, payload_len: int, device: Any = None,
-                 limits: DecodeLimits = DEFAULT_LIMITS, areas: Any = None) -> list:
+                 limits: DecodeLimits = DEFAULT_LIMITS, areas: Any = None, into: Any = None) -> list:
     """The values of an ITEMS (226) reply; their arrays view the one payload buffer, or,
-    for items the reply refers to, the server's files mapped copy-on-write (``areas``)."""
+    for items the reply refers to, the server's files mapped copy-on-write (``areas``;
+    on a ``device``: copied there, into ``into``'s tensors where given)."""
     values, base = [], 0
-    for blob, size, ref in item_table(header, payload_len):
+    for i, (blob, size, ref) in enumerate(item_table(header, payload_len)):
         if ref is not None:
+            if type(ref) is dict:  # in a publisher's GPU memory: copied device to device
+                from ..device.ipc import load
+
+                values.append(load(ref, blob, size, device, limits, None if into is None else partial(into, i)))
+                continue
             if areas is None:
                 raise ZeroCopyError("the reply refers to shared memory this connection cannot map")
-            values.append(areas.load(ref, blob, size, device, limits))
+            values.append(areas.load(ref, blob, size, device, limits, None if into is None else partial(into, i)))
             continue
         desc = parse_description(blob, size, limits)
         try:

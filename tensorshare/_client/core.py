@@ -29,6 +29,7 @@ from .connection import (
     NO_VALUE, ClientConnection, ListenSnapshot, Reply, item_table, next_request_id, notification_of,
     read_reply, reply_buffers, report_unsolicited, request_frame,
 )
+from .devices import as_into, receive_on_device
 from .listens import Subscriptions
 from .methods import DEFAULT, ClientMethods, bin_fields
 from .routing import finish, next_attempt, route
@@ -57,13 +58,20 @@ class ClientCore(ClientMethods):
         self._releases: list[int] = []  # 226 replies whose references we mapped: told to the server
         self._release_lock = threading.Lock()
         self._closed = False
+        # Large replies go straight to device memory once a call may want a device (devices.py).
+        self._device_calls = device is not None and _has_engine(device)
+        self._uuids: dict = {}  # device -> its UUID where it opens device references, else None
+        self._exports = None  # exports.Exports: snapshots this client put by device reference
 
     @property
     def _where(self) -> str:
         return f"{self.host}:{self.port}"
 
     def _new_connection(self) -> ClientConnection:
-        return ClientConnection(token=self._token, reuse=self._buffers, where=self._where)
+        conn = ClientConnection(token=self._token, reuse=self._buffers, where=self._where)
+        if self._device_calls:
+            receive_on_device(conn, self)
+        return conn
 
     def _connection(self) -> ClientConnection | None:
         """The protocol state of the current connection (None while disconnected)."""
@@ -104,17 +112,57 @@ class ClientCore(ClientMethods):
 
     def _new_call(self, command: Command, fields: dict | None, value: Any, areas, callback: Callable | None = None,
                   then: Callable | None = None, on_error: Callable | None = None, on_reply: Callable | None = None,
-                  deadline: float | None = None, decode: bool = True, raw: bool = False) -> Call:
-        """A call of ``command``, routed for ``areas`` (see :mod:`.routing`).  (Its
-        arguments are checked as its frame is built; a value routed through shared
-        memory is removed again if they are wrong.)"""
+                  deadline: float | None = None, decode: bool = True, raw: bool = False, device: Any = None,
+                  into: Any = None) -> Call:
+        """A call of ``command``, routed for ``areas`` (see :mod:`.routing`); its reply's
+        tensors go to ``device`` (the client's if None), into ``into``'s tensors where
+        given (:mod:`.devices`).  (Its arguments are checked as its frame is built; a
+        value routed through shared memory is removed again if they are wrong.)"""
         if fields and Key.WAIT in fields:  # the server may hold it: silence until then is expected
             self._server_holds(fields[Key.WAIT])
         call = Call(next_request_id(), command, fields, value, callback, then, on_error, on_reply, deadline, decode,
                     raw)
+        if device is not None or into is not None:
+            self._wants_device(call, device, into)
         if areas is not None:
-            route(call, areas)
+            route(call, areas, self._device_uuid(call) if self._device_calls else None)
         return call
+
+    def _device_uuid(self, call: Call) -> str | None:
+        """The UUID of the device ``call``'s reply goes to, if that device opens device
+        references (CUDA IPC), else None."""
+        device = self.device if call.device is None else call.device
+        if device is None:
+            return None
+        try:
+            return self._uuids[device]
+        except (KeyError, TypeError):
+            from ..device import engine_for
+            from ..device.ipc import shares
+
+            engine = engine_for(device)
+            uuid = engine.streams.uuid(engine.streams.index(device)) if shares(engine) else None
+            try:
+                self._uuids[device] = uuid
+            except TypeError:  # an unhashable device: asked each time
+                pass
+            return uuid
+
+    def _exported(self):
+        """This client's :class:`~.exports.Exports` (made on first use)."""
+        if self._exports is None:
+            from .exports import Exports
+
+            self._exports = Exports()
+        return self._exports
+
+    def _wants_device(self, call: Call, device: Any, into: Any) -> None:
+        call.device, call.into = device, as_into(into)
+        if not self._device_calls and _has_engine(device if device is not None else self.device):
+            self._device_calls = True  # from now on, and on later connections
+            conn = self._connection()
+            if conn is not None:
+                receive_on_device(conn, self)
 
     def _server_holds(self, wait: float) -> None:
         """A request that asks the server to hold it up to ``wait`` seconds is about
@@ -179,12 +227,18 @@ class ClientCore(ClientMethods):
         (or, undecoded, located: :attr:`Reply.stored`, released after ``then``)."""
         conn = frame.origin
         areas = conn.areas if conn is not None else None
-        refs = areas is not None and frame.header.get(Key.REFS) and conn is self._connection()
+        if self._exports is not None:
+            freed = frame.header.get(Key.FREED)
+            if freed:  # snapshots this client put by device reference that the server holds no more
+                self._exports.freed(freed)
+        refs = (areas is not None and (frame.header.get(Key.REFS) or frame.header.get(Key.CUDA))
+                and conn is self._connection())
         if not call.decode and frame.header.get(Key.REFS) and not refs:  # a connection since replaced
             raise ZeroCopyError("the reply refers to files of a connection that is gone")
+        device = self.device if call.device is None else call.device
         if refs and not call.decode:
             try:
-                reply = read_reply(call.command, frame, self.device, decode=False)
+                reply = read_reply(call.command, frame, device, decode=False)
                 reply.stored = [None if ref is None else areas.item(ref, blob, size)
                                 for blob, size, ref in item_table(reply.header, frame.payload_len)]
             except BaseException:
@@ -196,8 +250,8 @@ class ClientCore(ClientMethods):
         if areas is not None and (call.command is PUT or call.command is APPEND):
             areas.note_put(call.fields.get(Key.BIN), frame.header)  # readers map the bin, or no longer
         try:
-            return read_reply(call.command, frame, self.device, areas=areas if call.decode else None,
-                              decode=call.decode)
+            return read_reply(call.command, frame, device, areas=areas if call.decode else None,
+                              decode=call.decode, into=call.into)
         finally:
             if refs:
                 with self._release_lock:  # mapped (or failed): the server may let the files go
@@ -296,6 +350,15 @@ class ClientCore(ClientMethods):
 
 def _ignore(reply: Any, error: Any) -> None:
     pass
+
+
+def _has_engine(device: Any) -> bool:
+    """Whether replies can go straight to ``device`` (a transfer engine serves it)."""
+    if device is None:
+        return False
+    from ..device import engine_for
+
+    return engine_for(device) is not None
 
 
 __all__ = ["ClientCore"]

@@ -15,6 +15,10 @@ shared areas the connection verified (:mod:`.zerocopy`; None when it has none):
   reference to the stacked rows.  If those cannot be mapped
   (:class:`ZeroCopyError`), a PEEK or TREAD is sent again over TCP; a GET's items
   were taken and a TSAMPLE counted, so their error stands;
+* a PEEK whose tensors go to a CUDA device also names that device: items put by
+  device reference come as references, copied device to device (PROTOCOL.md §13).
+  If one cannot be read (:class:`DeviceReferenceError`), the PEEK is sent again
+  for the bytes;
 * anything else travels over TCP as it is.
 """
 
@@ -22,18 +26,20 @@ from __future__ import annotations
 
 import logging
 
-from ..errors import ZeroCopyError, ZeroCopyUnavailableError
+from ..errors import DeviceReferenceError, ZeroCopyError, ZeroCopyUnavailableError
 from ..protocol.messages import APPEND, GET, PEEK, PUT, TREAD, TSAMPLE, Key
-from ..wire.codec import encode
+from ..wire.codec import Encoded, encode
 from .calls import Call
 from .connection import NO_VALUE
 
 log = logging.getLogger("tensorshare.client")
 
 
-def route(call: Call, areas) -> None:
+def route(call: Call, areas, device_uuid: str | None = None) -> None:
     """Set ``call``'s first attempt (its ``fields``, ``value``, ``fallback`` and
-    ``cleanup``) for the connection's :class:`~.zerocopy.SharedAreas` ``areas``."""
+    ``cleanup``) for the connection's :class:`~.zerocopy.SharedAreas` ``areas``;
+    ``device_uuid``: the device the reply's tensors go to, where it can open
+    device references."""
     if areas is None:
         return
     command = call.command
@@ -46,15 +52,18 @@ def route(call: Call, areas) -> None:
         call.fields = {**fields, Key.REF: areas.usable} if fields else {Key.REF: areas.usable}
         if command is PEEK or command is TREAD:
             call.fallback = _peek_over_tcp
+        if command is PEEK and device_uuid is not None:
+            call.fields[Key.CUDA] = [device_uuid]
 
 
 def next_attempt(call: Call, error: BaseException) -> bool:
-    """Make ``call``'s next attempt the one ``error`` calls for; False if none does."""
-    following = None if call.fallback is None else call.fallback(call, error)
+    """Make ``call``'s next attempt the one ``error`` calls for; False if none does.
+    (A fallback may set the one after it.)"""
+    fallback, call.fallback = call.fallback, None
+    following = None if fallback is None else fallback(call, error)
     if following is None:
         return False
     call.fields, call.value = following
-    call.fallback = None
     return True
 
 
@@ -67,7 +76,7 @@ def finish(call: Call) -> None:
 
 def _through_shared_memory(call: Call, areas) -> None:
     fields = call.fields
-    enc = call.value = encode(call.value)
+    enc = call.value = call.value if type(call.value) is Encoded else encode(call.value)
     try:
         name = areas.write(enc, fields.get(Key.TAG), fields.get(Key.BIN) in areas.mapped)
     except (OSError, ValueError) as exc:  # shared memory full, or a value its layout cannot hold
@@ -94,5 +103,9 @@ def _through_shared_memory(call: Call, areas) -> None:
 def _peek_over_tcp(call: Call, error: BaseException) -> tuple | None:
     if not isinstance(error, ZeroCopyError):
         return None
+    if isinstance(error, DeviceReferenceError) and Key.CUDA in call.fields:
+        log.info("cannot read an item by device reference (%s): reading its bytes", error)
+        call.fallback = _peek_over_tcp  # (mapping them may fail in turn)
+        return {key: value for key, value in call.fields.items() if key != Key.CUDA}, NO_VALUE
     log.warning("cannot map what the server referred to (%s): reading it over TCP", error)
-    return {key: value for key, value in call.fields.items() if key != Key.REF}, NO_VALUE
+    return {key: value for key, value in call.fields.items() if key != Key.REF and key != Key.CUDA}, NO_VALUE

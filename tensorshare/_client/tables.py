@@ -191,7 +191,7 @@ class TableMethods:
         call_timeout = self._server_wait(fields, timeout)
         return self._call(TINSERT, fields, _as_batch(batch, fields), timeout=call_timeout, then=_keys(with_size))
 
-    def sample(self, name: str, n: int, *, timeout=DEFAULT, shared: bool = False) -> Any:
+    def sample(self, name: str, n: int, *, timeout=DEFAULT, shared: bool = False, device: Any = None) -> Any:
         """Draw ``n`` rows from table ``name`` with its sampler; returns a
         :class:`TableSample`.  Waits in the server as :meth:`insert` does (an empty
         table, ``min_size_to_sample``, the rate limiter), up to ``timeout``.
@@ -199,7 +199,11 @@ class TableMethods:
         ``shared=True``, on the server's host: large rows come through the server's
         shared memory (written there, mapped here) instead of the socket.  Off by
         default: writing a new file per sample costs the server more than the send
-        it saves on a quiet machine (docs/design.md, "Tables")."""
+        it saves on a quiet machine (docs/design.md, "Tables").
+
+        ``device`` (``"cuda"``): the batch arrives there (a large one is copied to
+        the device as it arrives, through the client's transfer engine); keys,
+        indices and probabilities stay CPU tensors."""
         fields = {Key.BIN: name, Key.N: n}
         call_timeout = self._server_wait(fields, timeout)
 
@@ -209,7 +213,8 @@ class TableMethods:
                                _tensor(header[TableKey.INDICES], "<i8"),
                                _tensor(header.get(TableKey.PROBABILITIES), "<f8"))
 
-        return self._call(TSAMPLE, fields, timeout=call_timeout, then=then, zero_copy=shared)
+        return self._call(TSAMPLE, fields, timeout=call_timeout, then=then, zero_copy=shared,
+                          **({} if device is None else {"device": device}))
 
     def update_priorities(self, name: str, keys, priorities, *, timeout=DEFAULT) -> Any:
         """Set the priorities of the rows ``keys`` (from :meth:`insert` or a sample);
@@ -228,19 +233,22 @@ class TableMethods:
             fields[TableKey.PRIORITIES] = _float64_bytes(priorities, "priorities")
         return self._call(TWRITE, fields, _as_batch(batch, fields), timeout=timeout, then=_keys(with_size))
 
-    def read(self, name: str, indices, *, sample: bool = False, timeout=DEFAULT, shared: bool = False) -> Any:
+    def read(self, name: str, indices, *, sample: bool = False, timeout=DEFAULT, shared: bool = False,
+             device: Any = None) -> Any:
         """The rows at slot ``indices`` (any, repeats allowed) of table ``name``:
         ``{column: tensor [len(indices), *shape]}``, or a list of items.  Counts as no
         sample, unless ``sample=True``: rows the caller drew itself (a sampler of its
         own, TorchRL's), counted as a sample of that many rows by the table (its rate
         limiter, each row's count, ``max_times_sampled``) and waiting in the server
-        for the rate limiter as :meth:`sample` does.  ``shared``: as for :meth:`sample`."""
+        for the rate limiter as :meth:`sample` does.  ``shared``, ``device``: as for
+        :meth:`sample`."""
         fields = {Key.BIN: name, TableKey.INDICES: _int64_bytes(indices, "indices")}
         call_timeout = timeout
         if sample:
             fields[TableKey.SAMPLE] = True
             call_timeout = self._server_wait(fields, timeout)
-        return self._call(TREAD, fields, timeout=call_timeout, then=_rows_value, zero_copy=shared)
+        return self._call(TREAD, fields, timeout=call_timeout, then=_rows_value, zero_copy=shared,
+                          **({} if device is None else {"device": device}))
 
     def table_info(self, name: str, *, slots: int | None = None, timeout=DEFAULT) -> Any:
         """Table ``name``'s settings and counters: size, capacity, inserts, samples,

@@ -148,10 +148,13 @@ class Wire(twisted_protocol.Protocol):
     def send(self, parts: list) -> None:
         """Queue a frame; the frames of one reactor turn go out in one write.
 
-        Twisted transports take bytes only; the copy also snapshots the value.
-        (One write per turn instead of one per request: each write costs a
-        buffer join and an epoll registration.)
+        Twisted transports take bytes only; the copy also snapshots the value
+        (device arrays too: they are copied down through the engine's pinned
+        buckets now).  (One write per turn instead of one per request: each write
+        costs a buffer join and an epoll registration.)
         """
+        if type(parts) is not list:  # StagedParts: device arrays
+            parts = [bytes(view) for view, _staged in parts.engine.pieces(parts)]
         self._outgoing.extend(p if type(p) is bytes else bytes(p) for p in parts)
         if not self._flush_scheduled:
             self._flush_scheduled = True

@@ -1,7 +1,7 @@
 """A client of a multi-worker server: one connection per worker, each call sent to its bin's owner.
 
 A server started with ``--workers N`` names its workers in its greeting
-(PROTOCOL.md §13, :class:`~tensorshare.protocol.placement.WorkerMap`).  A client
+(PROTOCOL.md §14, :class:`~tensorshare.protocol.placement.WorkerMap`).  A client
 whose first connection brings such a greeting routes from then on: the object the
 user holds (the *front*) keeps no connection of its own; each worker gets a
 *member*, a client of the same class and options connected to that worker's own

@@ -58,7 +58,10 @@ class Key:
     # PEEK (to a relay): push later copies of the bin as they arrive; an INCOMING
     # notification carrying one names the upstream change it is (§11)
     INCOMING, CHANGE = "incoming", "change"
-    # the greeting of a worker of a multi-worker server: the map of its workers (§13)
+    # CUDA IPC on one host (§13): a PUT's device reference, or the reference whose
+    # bytes it brings; a PEEK's devices and a 226's references; a reply's freed references
+    CUDA, FILL, FREED = "cuda", "fill", "freed"
+    # the greeting of a worker of a multi-worker server: the map of its workers (§14)
     WORKERS = "workers"
     # PUT/APPEND reply to a same-host client: the bin is read by reference here (§10.4)
     MAPPED = "mapped"
@@ -75,7 +78,7 @@ AUTHENTICATED = 230  # AUTH accepted; the reply proves that the server knows the
 DONE = 250  # requested bin action completed
 UNAVAILABLE = 421  # shutting down / too many connections
 ZERO_COPY_REFUSED = 425  # a value named in shared memory was not taken: send it over TCP
-WRONG_WORKER = 427  # another worker of this server owns the bin: map the workers again (§13)
+WRONG_WORKER = 427  # another worker of this server owns the bin: map the workers again (§14)
 BUSY = 450  # what the request waits for (room in a bin...) did not come within its wait
 LOCAL_ERROR = 451  # the server could not read what it stores (a disk error)
 STORAGE_FULL = 452  # no room in the memory budget or on disk
@@ -353,11 +356,12 @@ TensorShareErrorLike = ProtocolError | RemoteError
 
 # ------------------------------------------------------------------ the verbs
 
-_CHANGED = Message(DONE, (Field(Key.N, INT), Field(Key.SEQ, INT)))
+_FREED = optional(Key.FREED, INTS)  # a publisher's device references no item holds any more (§13.3)
+_CHANGED = Message(DONE, (Field(Key.N, INT), Field(Key.SEQ, INT), _FREED))
+_DONE = Message(OK, (_FREED,))
 _STORED = Message(DONE, (*_CHANGED.fields, optional(Key.MAPPED, BOOL)))
-_DONE = Message(OK)
 _ITEMS = Message(ITEMS, (Field(Key.SEQ, INT), Field(Key.ITEMS, LIST), Field(Key.SIZES, LIST),
-                         optional(Key.REFS, LIST), optional(Key.TAGS, TAGS)))
+                         optional(Key.REFS, LIST), optional(Key.TAGS, TAGS), optional(Key.CUDA, LIST)))
 _STORE_FIELDS = (
     BIN,
     Field(Key.VALUE, BYTES, missing="missing value description"),
@@ -369,8 +373,11 @@ _STORE_FIELDS = (
 _READ_FIELDS = (BIN, optional(Key.REF, INTS), RELEASE, optional(Key.TAGS, BOOL))
 
 OWNER = optional(Key.OWNER, _kind("bytes of at most 64", lambda v: type(v) is bytes and len(v) <= 64))
-PUT = Command("PUT", (*_STORE_FIELDS, optional(Key.EPHEMERAL, BOOL), OWNER), reply=_STORED, payload=True,
-              result=Key.N, doc="replace the bin's items with one item (ephemeral: for as long as this connection lasts)")
+PUT = Command("PUT", (*_STORE_FIELDS, optional(Key.EPHEMERAL, BOOL), OWNER, optional(Key.CUDA, MAP),
+                      optional(Key.FILL, INT)),
+              reply=_STORED, payload=True, result=Key.N,
+              doc="replace the bin's items with one item (ephemeral: for as long as this connection lasts; "
+                  "cuda: by reference to the client's device memory; fill: that item's bytes)")
 APPEND = Command("APPEND", (*_STORE_FIELDS, optional(Key.BELOW, COUNT), optional(Key.WAIT, SECONDS)),
                  reply=_STORED, payload=True, result=Key.N,
                  doc="add one item at the end of the bin (with below: once it holds fewer items)")
@@ -378,8 +385,9 @@ GET = Command("GET", (*_READ_FIELDS, optional(Key.MAX, COUNT), optional(Key.WAIT
                      optional(Key.LEAST, COUNT)), reply=_ITEMS, result=Key.ITEMS,
               doc="take the bin's items (at most max of them) out of it (with wait: once it holds least)")
 PEEK = Command("PEEK", (*_READ_FIELDS, optional(Key.WAIT, SECONDS), optional(Key.SINCE, INT),
-                       optional(Key.INCOMING, BOOL)), reply=_ITEMS, result=Key.ITEMS,
-               doc="read every item of the bin (with wait: once its seq is no longer since)")
+                       optional(Key.INCOMING, BOOL), optional(Key.CUDA, LIST)), reply=_ITEMS, result=Key.ITEMS,
+               doc="read every item of the bin (with wait: once its seq is no longer since; "
+                   "cuda: device references where this client can open them)")
 LIST = Command("LIST", (RELEASE,), reply=Message(LIST_OK, (Field(Key.BINS, COUNTS), optional(Key.RELAY, MAP))),
                result=Key.BINS,
                doc="every bin and its item count")

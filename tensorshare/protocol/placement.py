@@ -6,7 +6,7 @@ the same one with no coordinator, and adding a key to a list of n moves only the
 names that now hash highest to it (about 1/(n+1) of them).  It places bins on the
 servers of a :class:`~tensorshare.ShardedClient` (keyed by address) and on the
 workers of one server started with ``--workers N`` (keyed by worker number,
-:class:`WorkerMap`: PROTOCOL.md §13).
+:class:`WorkerMap`: PROTOCOL.md §14).
 """
 
 from __future__ import annotations
