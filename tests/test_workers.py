@@ -469,7 +469,7 @@ def test_workers_end_with_their_parent(tmp_path):
 
 @pytest.mark.process
 def test_a_worker_that_cannot_start_stops_the_server(tmp_path):
-    with pytest.raises(RuntimeError, match="worker 0 failed to start"):
+    with pytest.raises(RuntimeError, match=r"worker \d failed to start"):  # (whichever fails first)
         ServerProcess("--workers", "2", "--tls-cert", str(tmp_path / "missing.pem"), start_timeout=20)
 
 
