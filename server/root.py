@@ -18,7 +18,8 @@ from tensorshare.wire.recycle import Recycler
 from .bins.durable import DataDir
 from .bins.shm import ShmArea
 from .bins.spill import SpillArea
-from .bins.storage import InlineJobs, Jobs, Storage
+from .bins.jobs import InlineJobs, Jobs
+from .bins.storage import Storage
 from .bins.store import BinStore
 from .config import ServerConfig
 from .net.recvpool import chunk_pool

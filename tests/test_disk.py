@@ -25,7 +25,8 @@ from tensorshare.disk.layout import RECORD, LayoutError, read_item, write_item
 from tensorshare.memmap import load_memmap, save_memmap
 from tensorshare.wire.codec import encode
 from tensorshare_server.bins.spill import SpillArea
-from tensorshare_server.bins.storage import InlineJobs, Storage
+from tensorshare_server.bins.jobs import InlineJobs
+from tensorshare_server.bins.storage import Storage
 from tensorshare_server.bins.store import BinStore, Item
 
 MiB = 1 << 20

@@ -25,7 +25,8 @@ from tensorshare_server.net.writer import FrameWriter
 from tensorshare_server.protocol.notify import ListenerRegistry, Notifier, notification_frame
 from tensorshare_server.protocol.session import ServerSession
 from tensorshare_server.root import ServerState
-from tensorshare_server.bins.storage import InlineJobs, Storage
+from tensorshare_server.bins.jobs import InlineJobs
+from tensorshare_server.bins.storage import Storage
 from tensorshare_server.bins.store import BinStore, Change, Item
 
 

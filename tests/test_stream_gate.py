@@ -53,5 +53,5 @@ def test_a_stream_cut_off_ends_the_connection_with_its_frame_short():
     assert pair.receive() == []  # three bytes short: never a whole frame, and nothing after it
     assert pair.client.decoder.payload_remaining == 3
     assert rid  # (its PUT took effect: §8.3; only its reply is lost with the connection)
-    assert pair.state.storage.state("other")[0]
+    assert pair.state.storage.state("other").exists
     pair.close()

@@ -204,28 +204,7 @@ def test_a_connection_that_closes_while_parked_stores_nothing():
 
 
 def test_a_durable_append_being_written_counts_against_below(tmp_path):
-    class HeldJobs:
-        """Disk jobs (server/bins/storage.py's Jobs) that run when the test says."""
-
-        def __init__(self):
-            self.queued = []
-
-        def run(self, lane, fn, args=(), done=None):
-            self.queued.append((fn, args, done))
-
-        def run_threadsafe(self, lane, fn, args):
-            self.run(lane, fn, args)
-
-        def release(self):
-            queued, self.queued = self.queued, []
-            for fn, args, done in queued:
-                try:
-                    result, error = fn(*args), None
-                except Exception as exc:  # noqa: BLE001 - handed to done, as the real jobs do
-                    result, error = None, exc
-                if done is not None:
-                    done(result, error)
-
+    from pairing import HeldJobs
     from tensorshare_server.config import ServerConfig
     from tensorshare_server.root import build_state
 

@@ -139,7 +139,7 @@ def _experiments(state, counters: Counters | None) -> dict:
     for name in list(state.store.listing()):
         experiment = experiment_of(name, PARAMETERS)
         if experiment is not None:
-            found[experiment] = {"latest": state.store.state(name)[3], "rollouts": 0, "stale": 0, "workers": {}}
+            found[experiment] = {"latest": state.store.state(name).tag, "rollouts": 0, "stale": 0, "workers": {}}
     if counters is not None:
         for experiment, stats in counters.experiments.items():
             row = found.setdefault(experiment, {"latest": None, "rollouts": 0, "stale": 0, "workers": {}})

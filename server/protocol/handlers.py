@@ -82,7 +82,7 @@ def _check_ephemeral(session, request, ephemeral: bool) -> None:
     (:mod:`.ephemeral`)."""
     if ephemeral and request.shm is not None:
         raise RemoteError("an ephemeral value comes over TCP, not through shared memory", BAD_ARGS)
-    session.state.ephemeral.check_store(request.bin, ephemeral, session.storage.state(request.bin)[0])
+    session.state.ephemeral.check_store(request.bin, ephemeral, session.storage.state(request.bin).exists)
 
 
 def _claiming(session, name: str, finish: Callable) -> Callable:
@@ -105,7 +105,7 @@ def _room_now(session, request) -> bool:
 
 def _has_room(session, name: str, below: int) -> bool:
     """Whether bin ``name`` holds fewer than ``below`` items, those being stored included."""
-    return session.storage.state(name)[1] + session.state.waits.going(name) < below
+    return session.storage.count(name) + session.state.waits.going(name) < below
 
 
 def _when_room(session, request, add: Callable, done: Callable) -> None:
@@ -125,7 +125,7 @@ def _when_room(session, request, add: Callable, done: Callable) -> None:
             stored(None, exc)
 
     def expire() -> None:
-        done(None, BusyError(f"bin {name!r} still held {storage.state(name)[1]} items (below {below} asked) "
+        done(None, BusyError(f"bin {name!r} still held {storage.count(name)} items (below {below} asked) "
                              f"after waiting {wait:g}s; nothing stored"))
 
     session.park(name, lambda: _has_room(session, name, below), go, wait, expire)
@@ -224,7 +224,7 @@ def _read(session, request, done: Callable[[], None] | None) -> None:
     """Send the bin's items, or none if it is still at seq ``since`` (nothing new;
     ``done``: as for :func:`_take`)."""
     storage, name = session.storage, request.bin
-    seq = storage.state(name)[2]
+    seq = storage.seq(name)
     items = [] if request.since is not None and seq == request.since else storage.peek(name)
     _check_reply_size(session, items)
     refs = session.shared.refs(request.ref, items)
@@ -310,9 +310,9 @@ def listen(session, request) -> None:
         raise RemoteError(f"a connection may listen to {limit} bins", TOO_LARGE)
     session.listening.add(name)
     session.state.listeners.add(name, session, bool(request.first_append))
-    exists, n_items, seq, tag = session.storage.state(name)
+    state = session.storage.state(name)
     # Sent before any later notification: the snapshot and the stream are atomic.
-    session.send_header(LISTEN.reply(request.id, exists=exists, n=n_items, seq=seq, tag=tag))
+    session.send_header(LISTEN.reply(request.id, exists=state.exists, n=state.n_items, seq=state.seq, tag=state.tag))
 
 
 @handles(UNLISTEN)

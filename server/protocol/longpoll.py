@@ -28,12 +28,12 @@ LANES = _TAKES, _PEEKS = "\x00take", "\x00peek"  # bin names hold no control cha
 
 def enough_items(session, request) -> bool:
     """Whether a GET need not wait: its bin holds at least ``least`` (default 1) items."""
-    return session.storage.state(request.bin)[1] >= (request.least or 1)
+    return session.storage.count(request.bin) >= (request.least or 1)
 
 
 def moved_on(session, request) -> bool:
     """Whether a PEEK need not wait: its bin is no longer at the seq it names."""
-    return request.since is None or session.storage.state(request.bin)[2] != request.since
+    return request.since is None or session.storage.seq(request.bin) != request.since
 
 
 def hold(session, request, ready: Callable, answer: Callable) -> None:

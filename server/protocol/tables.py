@@ -16,37 +16,24 @@ from __future__ import annotations
 
 from typing import Callable
 
-import numpy as np
-
-from tensorshare.errors import BadRequestError, BusyError, RemoteError
+from tensorshare.errors import BusyError, RemoteError
 from tensorshare.protocol.messages import (
     TCREATE, TINFO, TINSERT, TLIMITS, TPRIORITY, TREAD, TSAMPLE, TWRITE, Key, TableKey,
 )
 from tensorshare.wire.frames import frame_head
-from tensorshare.wire.recycle import Recycler
 
-from ..bins.tables import EmptyTableError, TableError, WouldBlockError
-from ..bins.tables.values import Gathered, columns_of, float64_array, float64_bytes, int64_array, int64_bytes
-from ..bins.tablestore import LIMIT_KEYS, TableEntry
-from ..bins.store import Item
-from .handlers import _check_value, handles
+from ..bins.tables import EmptyTableError, WouldBlockError
+from ..bins.tables.values import float64_array, float64_bytes, int64_array, int64_bytes
+from .handlers import handles
 
 # The Waits lanes of a table's inserts and samples (bin names hold no control
 # characters: these keys are no bin's).
 LANES = _QUEUES = ("\x00insert", "\x00sample")
-# Reply buffers of samples and reads, used again once written (a learner samples the
-# same size over and over): 64 MiB at most, let go after 10 s unused.
-_GATHER_BUFFERS = Recycler(64 << 20, bytearray, idle=10.0)
 
 
 def wait_key(name: str, sampling: bool) -> str:
     """The :class:`~.waits.Waits` key under which a table's inserts (or samples) wait."""
     return name + _QUEUES[sampling]
-
-
-def _publish(session, entry: TableEntry, op: str) -> None:
-    """Tell listeners (and, through the registry's watchers, waiting requests)."""
-    session.state.listeners.publish(session.storage.tables.changed(entry, op))
 
 
 def _wake(session, name: str) -> None:
@@ -61,66 +48,47 @@ def _wake(session, name: str) -> None:
 
 @handles(TCREATE)
 def create(session, request) -> None:
-    entry, change = session.storage.tables.create(request.bin, request.spec)
-    session.send_header(TCREATE.reply(request.id, n=entry.table.size, seq=entry.seq))
-    session.state.listeners.publish(change)
+    def finish(made, error) -> None:
+        if error is not None:
+            session.refuse(request.id, error)
+            return
+        table, change = made
+        session.send_header(TCREATE.reply(request.id, n=session.storage.count(request.bin),
+                                          seq=session.storage.seq(request.bin)))
+        session.state.listeners.publish(change)
+
+    session.wait_for(lambda done: session.storage.create_table(request.bin, request.spec, done), finish)
 
 
 @handles(TINFO)
 def info(session, request) -> None:
-    entry = session.storage.tables.get(request.bin)
-    session.send_header(TINFO.reply(request.id, info=_info(session, entry)))
+    table = session.storage.table(request.bin)
+    session.send_header(TINFO.reply(request.id, info=_info(session, request.bin, table)))
 
 
 @handles(TLIMITS)
 def limits(session, request) -> None:
     """Change the rate limits at once; requests waiting on the table are tested again."""
-    entry = session.storage.tables.get(request.bin)
-    unknown = [k for k in request.limits if k not in LIMIT_KEYS]
-    if unknown:
-        raise BadRequestError(f"unknown limit {unknown[0]!r:.60} (known: {', '.join(LIMIT_KEYS)})")
-    given = dict(request.limits)
-    if isinstance(given.get("error_buffer"), list):
-        given["error_buffer"] = tuple(given["error_buffer"])
-    try:
-        entry.table.set_limits(**given)
-    except (TypeError, ValueError) as exc:
-        raise BadRequestError(f"bad limits: {exc}") from None
-    session.send_header(TLIMITS.reply(request.id, info=_info(session, entry)))
-    _wake(session, entry.name)
+    storage = session.storage
+    table = storage.table(request.bin)
+    storage.set_table_limits(table, request.limits)
+    session.send_header(TLIMITS.reply(request.id, info=_info(session, request.bin, table)))
+    _wake(session, request.bin)
 
 
-def _info(session, entry: TableEntry) -> dict:
-    info = entry.table.info()
-    info["waiting_inserts"] = session.state.waits.waiting(wait_key(entry.name, False))
-    info["waiting_samples"] = session.state.waits.waiting(wait_key(entry.name, True))
-    info["seq"] = entry.seq
-    return _plain(info)
-
-
-def _plain(value):
-    """``value`` with numpy scalars and tuples made msgpack's plain types; inf as None."""
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, np.generic):
-        value = value.item()
-    if isinstance(value, float) and not np.isfinite(value):
-        return None
-    return value
+def _info(session, name: str, table) -> dict:
+    info = session.storage.table_info(table)
+    info["waiting_inserts"] = session.state.waits.waiting(wait_key(name, False))
+    info["waiting_samples"] = session.state.waits.waiting(wait_key(name, True))
+    return info
 
 
 # -- TINSERT, TWRITE
 
 
-def _rows(session, entry: TableEntry, request):
-    """The request's value as rows: ``{column: RawArray}``, or a list of one item
-    for a table of items (each insert adds one)."""
-    if entry.table.columns:
-        return columns_of(request.value, request.payload, request.payload_len, session.decode_limits)
-    _check_value(session, request.value, request.payload_len)
-    return [Item(request.value, tuple(request.payload), request.payload_len)]
+def _rows(session, table, request):
+    return session.storage.table_rows(table, request.value, request.payload, request.payload_len,
+                                      session.decode_limits, bool(request.tensordict))
 
 
 def _priorities(request):
@@ -128,41 +96,28 @@ def _priorities(request):
     return None if blob is None else float64_array(blob, "priorities")
 
 
+def _changed(session, request, result) -> None:
+    """The reply of an insert or write, and its notification."""
+    keys, change = result
+    session.state.listeners.publish(change)
+    session.send_header(request.command.reply(request.id, n=change.n_items, seq=change.seq, keys=int64_bytes(keys)))
+
+
 @handles(TINSERT)
 def insert(session, request) -> None:
-    entry = session.storage.tables.get(request.bin)
-    if request.tensordict and entry.table.columns:
-        session.storage.tables.mark_tensordict(entry)
-    batch, priorities = _rows(session, entry, request), _priorities(request)
-
-    def run():
-        written = entry.table.insert(batch, priorities)
-        return written
-
-    def reply(written) -> None:
-        _publish(session, entry, "INSERT")
-        session.send_header(TINSERT.reply(request.id, n=entry.table.size, seq=entry.seq,
-                                          keys=int64_bytes(written.keys)))
-
-    _run_or_wait(session, request, entry, False, run, reply, lambda: entry.table.can_insert(_count(batch)))
+    storage = session.storage
+    table = storage.table(request.bin)
+    rows, priorities = _rows(session, table, request), _priorities(request)
+    _run_or_wait(session, request, table, False, lambda: storage.insert_rows(table, rows, priorities),
+                 lambda result: _changed(session, request, result), lambda: storage.can_insert(table, rows))
 
 
 @handles(TWRITE)
 def write(session, request) -> None:
-    entry = session.storage.tables.get(request.bin)
-    if request.tensordict and entry.table.columns:
-        session.storage.tables.mark_tensordict(entry)
+    storage = session.storage
+    table = storage.table(request.bin)
     indices = int64_array(request.indices, "indices")
-    written = entry.table.write(indices, _rows(session, entry, request), _priorities(request))
-    _publish(session, entry, "WRITE")
-    session.send_header(TWRITE.reply(request.id, n=entry.table.size, seq=entry.seq, keys=int64_bytes(written.keys)))
-
-
-def _count(batch) -> int:
-    if isinstance(batch, list):
-        return len(batch)
-    first = next(iter(batch.values()), None)
-    return 0 if first is None or not first.shape else int(first.shape[0])
+    _changed(session, request, storage.write_rows(table, indices, _rows(session, table, request), _priorities(request)))
 
 
 # -- TSAMPLE, TREAD, TPRIORITY
@@ -170,52 +125,43 @@ def _count(batch) -> int:
 
 @handles(TSAMPLE)
 def sample(session, request) -> None:
-    entry = session.storage.tables.get(request.bin)
-    table, n = entry.table, request.n
-
-    def run():
-        gathered = Gathered(table.columns, n, _GATHER_BUFFERS.take) if table.columns else None
-        drawn = table.sample(n, out=None if gathered is None else gathered.out)
-        return drawn, gathered
+    storage, n = session.storage, request.n
+    table = storage.table(request.bin)
 
     def reply(result) -> None:
-        drawn, gathered = result
-        if drawn.removed.keys.size:  # rows that reached max_times_sampled left
-            _publish(session, entry, "SAMPLE")
+        drawn, change = result
+        if change is not None:  # rows that reached max_times_sampled left
+            session.state.listeners.publish(change)
         else:
-            _wake(session, entry.name)
-        _send_rows(session, request, entry, drawn, gathered, drawn.probabilities)
+            _wake(session, request.bin)
+        _send_rows(session, request, drawn)
 
-    def ready() -> bool:
-        return table.size > 0 and table.can_sample(n)
-
-    _run_or_wait(session, request, entry, True, run, reply, ready)
+    _run_or_wait(session, request, table, True, lambda: storage.sample_rows(table, n), reply,
+                 lambda: storage.can_sample(table, n))
 
 
 @handles(TREAD)
 def read(session, request) -> None:
-    entry = session.storage.tables.get(request.bin)
-    table = entry.table
-    indices = int64_array(request.indices, "indices")
-    gathered = Gathered(table.columns, indices.size, _GATHER_BUFFERS.take) if table.columns else None
-    rows = table.read(indices, out=None if gathered is None else gathered.out)
-    _send_rows(session, request, entry, rows, gathered, None)
+    storage = session.storage
+    table = storage.table(request.bin)
+    _send_rows(session, request, storage.read_rows(table, int64_array(request.indices, "indices")))
 
 
-def _send_rows(session, request, entry: TableEntry, rows, gathered: Gathered | None, probabilities) -> None:
+def _send_rows(session, request, drawn) -> None:
     """A 226 reply: one value of stacked columns, or the items one by one.  A
     same-host client that asked for references (``ref``) may get the stacked columns
     as a reference to a copy in the shared-memory area instead (PROTOCOL.md §10.3)."""
     header = request.command.reply(request.id)
-    header[Key.SEQ] = entry.seq
-    header[TableKey.KEYS] = int64_bytes(rows.keys)
-    header[TableKey.INDICES] = int64_bytes(rows.indices)
-    if probabilities is not None:
-        header[TableKey.PROBABILITIES] = float64_bytes(probabilities)
+    header[Key.SEQ] = drawn.seq
+    header[TableKey.KEYS] = int64_bytes(drawn.keys)
+    header[TableKey.INDICES] = int64_bytes(drawn.indices)
+    if drawn.probabilities is not None:
+        header[TableKey.PROBABILITIES] = float64_bytes(drawn.probabilities)
+    gathered = drawn.gathered
     if gathered is not None:
         header[Key.ITEMS], header[Key.SIZES] = [gathered.description], [gathered.nbytes]
         header[TableKey.COLUMNS] = True
-        if entry.tensordict:
+        if drawn.tensordict:
             header[TableKey.TENSORDICT] = True
         files = session.shared.rows_ref(request.ref, gathered)  # same host: through shared memory (§10.3)
         if files is not None:
@@ -226,35 +172,34 @@ def _send_rows(session, request, entry: TableEntry, rows, gathered: Gathered | N
             parts = [memoryview(gathered.buffer)] if gathered.nbytes else []
             payload_len = gathered.nbytes
     else:
-        items = rows.items
+        items = drawn.items
         header[Key.ITEMS] = [item.description for item in items]
         header[Key.SIZES] = [item.nbytes for item in items]
         parts = [segment for item in items for segment in item.segments]
         payload_len = sum(item.nbytes for item in items)
     parts.insert(0, frame_head(header, payload_len))
     session.send(parts)
-    _GATHER_BUFFERS.maybe_trim()
 
 
 @handles(TPRIORITY)
 def update_priorities(session, request) -> None:
-    entry = session.storage.tables.get(request.bin)
+    storage = session.storage
+    table = storage.table(request.bin)
     keys = int64_array(request.keys, "keys")
-    updated = entry.table.update_priorities(keys, float64_array(request.priorities, "priorities"))
+    updated = storage.update_priorities(table, keys, float64_array(request.priorities, "priorities"))
     session.send_header(TPRIORITY.reply(request.id, n=updated))
     if updated:
-        _wake(session, entry.name)
+        _wake(session, request.bin)
 
 
 # -- waiting for the rate limiter
 
 
-def _run_or_wait(session, request, entry: TableEntry, sampling: bool, run: Callable, reply: Callable,
-                 ready: Callable[[], bool]) -> None:
+def _run_or_wait(session, request, table, sampling: bool, run: Callable, reply: Callable, ready: Callable[[], bool]) -> None:
     """``reply(run())`` now, or once ``ready()`` (the rate limiter lets it through),
     waiting up to ``request.wait`` seconds behind the requests of its queue that came
     first; 450 (:class:`~tensorshare.errors.BusyError`, a TimeoutError) when the wait ends."""
-    waits, tables, name = session.state.waits, session.storage.tables, entry.name
+    waits, name = session.state.waits, request.bin
     key = wait_key(name, sampling)
     if not waits.waiting(key):
         try:
@@ -274,18 +219,8 @@ def _run_or_wait(session, request, entry: TableEntry, sampling: bool, run: Calla
             reply(result)
 
     def start(done: Callable) -> None:
-        def still_ready() -> bool:
-            if tables.current(name) is not entry:
-                return True  # deleted (or made anew): go() says so
-            try:
-                return ready()
-            except TableError:
-                return True  # it never could: go() says why
-
         def go() -> None:
             try:  # (an EmptyTableError now is a table emptied by a DELETE and a new table: said as is)
-                if tables.current(name) is not entry:
-                    raise RemoteError(f"table {name!r} was deleted while this request waited", 550)
                 result = run()
             except RemoteError as exc:
                 done(None, exc)
@@ -296,10 +231,11 @@ def _run_or_wait(session, request, entry: TableEntry, sampling: bool, run: Calla
 
         def expire() -> None:
             what = "sample" if sampling else "insert"
+            info = session.storage.table_info(table)
             done(None, BusyError(f"table {name!r}: the {what} was not let through within {wait:g}s "
-                                 f"(size {entry.table.size}, inserts {entry.table.inserts}, "
-                                 f"samples {entry.table.samples}); nothing changed"))
+                                 f"(size {info['size']}, inserts {info['inserts']}, "
+                                 f"samples {info['samples']}); nothing changed"))
 
-        session.park(key, still_ready, go, wait, expire)
+        session.park(key, ready, go, wait, expire)
 
     session.wait_for(start, finish)

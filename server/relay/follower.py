@@ -348,22 +348,12 @@ class Follower:
         """Replace the local copy in one change (numbered ``seq`` if one was reserved
         for it; ``items`` None: the bin is gone upstream) and tell local listeners."""
         name, storage = mirror.name, self.storage
-        exists, before = storage.state(name)[:2]
-        if items is not None:
-            op = _as_one_change(op, len(items), before)
-        # A bin whose copy same-host readers mapped gets each new copy in shared memory
-        # before they hear of it: their first read maps it instead of receiving it.
-        shared = items is not None and exists and any(
-            item.files is not None and item.files.in_memory for item in storage.store.peek(name))
         try:
             if items is None:
-                change = storage.store.delete(name) if exists else None
+                change = storage.unmirror(name)
             else:
-                change = storage.mirror(name, items, op, seq)
-                if shared:
-                    for item in items:
-                        if item.nbytes >= self.zero_copy_min:
-                            storage.promote_now(item)
+                op = _as_one_change(op, len(items), storage.count(name))
+                change = storage.mirror(name, items, op, seq, share_from=self.zero_copy_min)
         except RemoteError as exc:  # a limit of this relay (max_bins...)
             log.warning("relay: cannot mirror bin %r: %s", name, exc)
             change = None
@@ -401,8 +391,8 @@ class Follower:
         upstream_seq = header.get(Key.SEQ)
         if (not pushed and not mirror.fetching) or type(upstream_seq) is not int or upstream_seq <= mirror.have:
             return None
-        exists, before = self.storage.state(name)[:2]
-        if not exists:  # a first copy takes a fresh number when it is in (see PROTOCOL.md §11)
+        state = self.storage.state(name)
+        if not state.exists:  # a first copy takes a fresh number when it is in (see PROTOCOL.md §11)
             return None
         try:
             table = item_table(header, nbytes)
@@ -413,9 +403,9 @@ class Follower:
         tags = header.get(Key.TAGS)
         tags = tags if isinstance(tags, list) and len(tags) == len(table) else [None] * len(table)
         change = header.get(Key.CHANGE)
-        op = _as_one_change(change if type(change) is str else mirror.op, len(table), before)
+        op = _as_one_change(change if type(change) is str else mirror.op, len(table), state.n_items)
         incoming = Incoming(name, [blob for blob, _, _ in table], [size for _, size, _ in table], tags, nbytes,
-                            upstream_seq, self.storage.store.next_seq(), op, pushed)
+                            upstream_seq, self.storage.reserve_seq(), op, pushed)
         mirror.incoming = incoming
         for session in list(mirror.watchers):
             if session.closed or name not in session.listening:

@@ -94,9 +94,9 @@ def _forward(session, rid: int, command, fields: dict, value=None, timeout: floa
 
 def _local_seq(session, name: str, upstream_seq: int) -> tuple[bool, int, int]:
     """``(mirrored, n_items, seq)``: the mirror's state of ``name`` if the relay mirrors it."""
-    exists, n, seq, _ = session.storage.state(name)
     if name in session.state.relay.mirrors:
-        return True, n, seq
+        state = session.storage.state(name)
+        return True, state.n_items, state.seq
     return False, 0, upstream_seq
 
 
