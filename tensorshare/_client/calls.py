@@ -19,6 +19,8 @@ from typing import Any, Callable, Iterator
 
 from ..protocol.messages import Command
 
+DEFAULT = object()  # a method's timeout argument when not given: "use the client's timeout"
+
 
 class Call:
     """One request: its command and its current attempt (header ``fields`` and

@@ -1,16 +1,17 @@
 """How a request travels: over TCP, or through the server's shared memory.
 
 Written once for both clients.  :func:`route` decides for one call, given the
-shared areas the connection verified (:mod:`.zerocopy`; None when it has none):
+shared areas the connection verified (:mod:`.zerocopy`; None when it has none) and
+the zero-copy role its command declares (``Command.zero_copy``):
 
-* a PUT/APPEND of a value large enough to gain is written into this connection's
-  incoming directory, and the request names it instead of carrying its bytes.  If
-  the server does not take it (425), the fallback sends the written copy over TCP
-  (the caller may have changed the original since);
-* a GET/PEEK asks for references to the items' files, a TSAMPLE/TREAD for a
-  reference to the stacked rows.  If those cannot be mapped
-  (:class:`ZeroCopyError`), a PEEK or TREAD is sent again over TCP; a GET's items
-  were taken and a TSAMPLE counted, so their error stands;
+* ``STORE`` (PUT, APPEND): a value large enough to gain is written into this
+  connection's incoming directory, and the request names it instead of carrying
+  its bytes.  If the server does not take it (425), the fallback sends the written
+  copy over TCP (the caller may have changed the original since);
+* ``READ`` and ``TAKE`` (PEEK, TREAD; GET, TSAMPLE): the request asks for
+  references to the items' files (or to the stacked rows).  If those cannot be
+  mapped (:class:`ZeroCopyError`), a ``READ`` is sent again over TCP; a ``TAKE``'s
+  items were taken (its rows counted), so its error stands;
 * anything else travels over TCP as it is.
 """
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 import logging
 
 from ..errors import ZeroCopyError, ZeroCopyUnavailableError
-from ..protocol.messages import APPEND, GET, PEEK, PUT, TREAD, TSAMPLE, Key
+from ..protocol.messages import Key, ZeroCopy
 from ..wire.codec import encode
 from .calls import Call
 from .connection import NO_VALUE
@@ -32,15 +33,15 @@ def route(call: Call, areas) -> None:
     ``cleanup``) for the connection's :class:`~.zerocopy.SharedAreas` ``areas``."""
     if areas is None:
         return
-    command = call.command
-    if command is PUT or command is APPEND:
+    role = call.command.zero_copy
+    if role is ZeroCopy.STORE:
         if call.value is not NO_VALUE and areas.incoming is not None and not areas.too_small(call.value):
             _through_shared_memory(call, areas)
-    elif command is GET or command is PEEK or command is TSAMPLE or command is TREAD:
+    elif role is not None:  # READ or TAKE
         fields = call.fields
         call.fields = {**fields, Key.REF: areas.usable} if fields else {Key.REF: areas.usable}
-        if command is PEEK or command is TREAD:
-            call.fallback = _peek_over_tcp
+        if role is ZeroCopy.READ:
+            call.fallback = _read_over_tcp
 
 
 def next_attempt(call: Call, error: BaseException) -> bool:
@@ -86,7 +87,7 @@ def _through_shared_memory(call: Call, areas) -> None:
     call.cleanup = lambda: areas.discard(name)
 
 
-def _peek_over_tcp(call: Call, error: BaseException) -> tuple | None:
+def _read_over_tcp(call: Call, error: BaseException) -> tuple | None:
     if not isinstance(error, ZeroCopyError):
         return None
     log.warning("cannot map what the server referred to (%s): reading it over TCP", error)
