@@ -22,12 +22,10 @@ from .bins.jobs import InlineJobs, Jobs
 from .bins.storage import Storage
 from .bins.store import BinStore
 from .config import ServerConfig
-from .net.recvpool import chunk_pool
+from .protocol.recvpool import chunk_pool
 from .protocol.ephemeral import EphemeralBins
 from .ops.counters import Counters
 from .protocol.notify import ListenerRegistry
-from .protocol.longpoll import LANES as read_lanes
-from .protocol.tables import LANES as table_lanes
 from .protocol.waits import Waits
 
 log = logging.getLogger("tensorshare.server")
@@ -54,7 +52,7 @@ class ServerState:
             self.waits = Waits(_NoClock())
         # Every change tests what waits on its bin: APPENDs with below, a table's inserts
         # and samples, reads that wait (each kind in a lane of its own).
-        self.listeners.watch(self.waits.watcher(*table_lanes, *read_lanes))
+        self.listeners.watch(self.waits.changed)
 
     @property
     def store(self):

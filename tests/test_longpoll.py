@@ -70,7 +70,7 @@ def test_a_get_whose_wait_runs_out_takes_what_there_is():
     trainer.clock.advance(0.2)
     [frame] = _replies(trainer, rid)
     assert frame.header["code"] == 226 and _values(frame) == [7]
-    assert trainer.state.waits.waiting("r\x00take") == 0
+    assert trainer.state.waits.waiting(("r", "take")) == 0
 
 
 def test_a_get_that_waits_on_a_bin_that_never_comes_gets_550():
@@ -120,7 +120,7 @@ def test_a_connection_that_closes_while_its_get_waits_takes_nothing():
     worker.call(APPEND, {Key.BIN: "r"}, torch.tensor([0]))
     worker.clock.advance(0)
     assert worker.call(LIST).result == {"r": 1}
-    assert worker.state.waits.waiting("r\x00take") == 0
+    assert worker.state.waits.waiting(("r", "take")) == 0
 
 
 @pytest.mark.parametrize("fields", [{Key.LEAST: 0}, {Key.LEAST: "2"}, {Key.WAIT: -1}, {Key.LEAST: 3, Key.MAX: 2}])
@@ -203,15 +203,15 @@ def test_unordered_requests_hold_back_nobody_and_keep_their_place():
     waits = Waits(clock)
     state = {"a": False, "b": False}
     for name in ("a", "b"):
-        waits.park("k", lambda n=name: state[n], lambda n=name: log.append(n), 10.0, lambda: None, ordered=False)
+        waits.park(("k", "peek"), lambda n=name: state[n], lambda n=name: log.append(n), 10.0, lambda: None, ordered=False)
     state["b"] = True
     waits.changed("k")
     clock.advance(0)
-    assert log == ["b"] and waits.waiting("k") == 1
+    assert log == ["b"] and waits.waiting(("k", "peek")) == 1
     state["a"] = True
     waits.changed("k")
     clock.advance(0)
-    assert log == ["b", "a"] and waits.waiting("k") == 0
+    assert log == ["b", "a"] and waits.waiting(("k", "peek")) == 0
 
 
 # ---------------------------------------------------------------- the clients, against a server process

@@ -1,5 +1,5 @@
 """Reused receive memory: tensorshare/wire/recycle.py, the server's receive pool
-(server/net/recvpool.py) and the clients' reply arrays."""
+(server/protocol/recvpool.py) and the clients' reply arrays."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from tensorshare._client.connection import decode_items
 from tensorshare.wire.frames import FrameDecoder, frame_head
 from tensorshare_server import EmbeddedServer, ServerConfig
 from tensorshare.wire.recycle import Recycler, size_class
-from tensorshare_server.net.recvpool import CHUNK, PooledSink, chunk_pool
+from tensorshare_server.protocol.recvpool import CHUNK, PooledSink, chunk_pool
 from wiretools import RawConnection, raw_frame
 
 MiB = 1 << 20

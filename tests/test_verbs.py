@@ -81,7 +81,8 @@ def test_the_clients_route_each_verb_as_its_zero_copy_role_says(command):
 
 
 def test_the_server_handles_every_verb_and_waits_in_each_declared_lane():
-    from tensorshare_server.protocol.handlers import HANDLERS
+    from tensorshare_server.protocol import session  # noqa: F401 - loads the handler modules
+    from tensorshare_server.protocol.registry import HANDLERS
 
     assert set(HANDLERS) == set(COMMANDS.values())
     assert set(LANES) == {c.lane for c in COMMANDS.values() if c.lane is not None}

@@ -155,22 +155,36 @@ class Storage:
 
     # -- writes
 
+    def add_now(self, name: str, item: Item, replace: bool) -> Change:
+        """PUT (``replace``) or APPEND ``item`` in memory, at once (spilled later if the
+        budget says so), never in the data directory; the change."""
+        self._not_a_table(name)
+        store = self.store
+        limit = store.memory_limit
+        if limit is not None:
+            if store.unspillable_bytes + len(item.description) > limit:
+                raise StorageFullError(f"memory budget full: {store.description_bytes} bytes of descriptions and "
+                                       f"{store.in_flight_bytes} of replies not yet read, which spilling cannot free")
+            failed = self.budget.spill_failed
+            if failed and store.resident_bytes + item.nbytes > limit:
+                raise StorageFullError(f"memory budget full and spilling failed: {failed}")
+        change = store.put(name, item) if replace else store.append(name, item)  # (they check the limits)
+        self.budget.enforce()
+        return change
+
     def add(self, name: str, item: Item, replace: bool, done: Done, lasting: bool = True) -> None:
-        """PUT (``replace``) or APPEND ``item``; ``done(change, error)`` when it is stored.
-        ``lasting=False``: kept in memory (or spilled) only, never in the data directory."""
+        """PUT (``replace``) or APPEND ``item``; ``done(change, error)`` when it is stored:
+        with a data directory once it is on disk (unless ``lasting`` is False: then it
+        is kept in memory only, as :meth:`add_now` keeps it), else at once."""
+        if self.data_dir is None or not lasting:
+            done(self.add_now(name, item, replace), None)
+            return
         self._not_a_table(name)
         store = self.store
         limit = store.memory_limit
         if limit is not None and store.unspillable_bytes + len(item.description) > limit:
             raise StorageFullError(f"memory budget full: {store.description_bytes} bytes of descriptions and "
                                    f"{store.in_flight_bytes} of replies not yet read, which spilling cannot free")
-        if self.data_dir is None or not lasting:
-            failed = self.budget.spill_failed
-            if failed and limit is not None and store.resident_bytes + item.nbytes > limit:
-                raise StorageFullError(f"memory budget full and spilling failed: {failed}")
-            done(store.put(name, item) if replace else store.append(name, item), None)  # (they check the limits)
-            self.budget.enforce()
-            return
         store.check_add(name, replace)  # refused before anything is written
 
         def committed(result, error) -> None:

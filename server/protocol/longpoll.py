@@ -10,20 +10,19 @@ at that seq: the reader gets the next version in the reply itself, a long poll
 then (fewer items; for the PEEK, no items, as nothing changed): waiting for data
 is not an error.
 
-Held reads are parked with :class:`~.waits.Waits` under keys of their own, one
-per bin and kind (so a waiting GET never holds back an APPEND waiting for room,
-nor the other way round): takes go on in the order they came, peeks each as soon
-as its own bin has moved on.  The registry's watcher (``Waits.watcher(*LANES)``)
-tests them after every change.
+Held reads wait in the lanes their verbs declare (``take``, ``peek``), apart from
+the other kinds of request waiting on a bin (a waiting GET never holds back an
+APPEND waiting for room, nor the other way round): takes go on in the order they
+came, peeks each as soon as its own bin has moved on.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from tensorshare.errors import RemoteError
+from tensorshare.protocol.messages import GET
 
-LANES = _TAKES, _PEEKS = "\x00take", "\x00peek"  # bin names hold no control characters: no bin has these keys
+from .outcome import Pending, in_lane
 
 
 def enough_items(session, request) -> bool:
@@ -36,29 +35,13 @@ def moved_on(session, request) -> bool:
     return request.since is None or session.storage.seq(request.bin) != request.since
 
 
-def hold(session, request, ready: Callable, answer: Callable) -> None:
-    """Answer ``request`` with ``answer(session, request, done)`` once ``ready(session,
-    request)`` holds, or when its ``wait`` runs out, whichever comes first.
+def _now(done: Callable) -> None:
+    done()
 
-    ``answer`` queues the reply (or raises the :class:`RemoteError` to refuse with)
-    and calls ``done()`` once it has; meanwhile the connection's later requests
-    wait behind this one, as for every request that waits (replies keep order)."""
-    waits, takes = session.state.waits, request.command.verb == "GET"
-    key = request.bin + (_TAKES if takes else _PEEKS)
 
-    def start(done: Callable) -> None:
-        def run(settle: bool) -> None:
-            def answered() -> None:
-                if settle:
-                    waits.settled(key)  # the next take in line is tested with this one's result
-                done()
-            try:
-                answer(session, request, answered)
-            except RemoteError as exc:
-                session.refuse(request.id, exc)
-                answered()
-
-        session.park(key, lambda: ready(session, request), lambda: run(True), request.wait,
-                     lambda: run(False), ordered=takes)
-
-    session.wait_for(start, lambda: None)
+def hold(session, request, ready: Callable, answer: Callable) -> Pending:
+    """Answered with ``answer(session, request)`` (an outcome) once ``ready(session,
+    request)`` holds, or when its ``wait`` runs out, whichever comes first."""
+    takes = request.command is GET
+    return in_lane(request.bin, request.command.lane, lambda: ready(session, request), _now,
+                   lambda: answer(session, request), request.wait, _now, ordered=takes)

@@ -45,7 +45,7 @@ from tensorshare.errors import (
     TensorShareError,
 )
 from tensorshare.protocol.messages import NOTIFY, PEEK, Key
-from tensorshare._client.connection import item_table
+from tensorshare.protocol.items import item_table
 
 from ..bins.store import Item
 from .stream import INCOMING, Incoming
@@ -171,6 +171,21 @@ class Follower:
     @property
     def connected(self) -> bool:
         return self.client is not None and self.client.connected
+
+    @property
+    def started(self) -> bool:
+        """Whether the upstream was reached since the relay started (it may be lost since)."""
+        return self.client is not None
+
+    def forward(self, command, fields: dict, value=None, timeout: float | None = None) -> defer.Deferred:
+        """Send a request upstream as it came: ``value`` is ``(description, payload
+        segments, payload bytes)`` for a verb that carries one; a Deferred of the raw
+        reply (its header and undecoded frame)."""
+        from tensorshare.wire.codec import Encoded
+
+        kwargs = {} if value is None else {"value": Encoded(value[0], list(value[1]), value[2])}
+        return self.client._call(command, fields, decode=False, zero_copy=False, then=lambda reply: reply,
+                                 timeout=timeout, **kwargs)
 
     def follows(self, name: str) -> bool:
         """True for a bin this relay mirrors (and forwards writes to)."""

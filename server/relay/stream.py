@@ -31,6 +31,7 @@ from tensorshare.protocol.messages import ITEMS, NOTIFICATION, NOTIFY, PEEK, Key
 from tensorshare.wire.frames import BufferSink, frame_head
 
 from ..bins.store import Item
+from ..protocol.gate import open_stream
 
 log = logging.getLogger("tensorshare.server.relay")
 
@@ -154,8 +155,9 @@ class Incoming:
         """Send this copy to ``session`` (a relay following this one) as it arrives; if
         another copy is being streamed to it, announce this one without its bytes
         (the follower fetches it)."""
-        if session.open_stream():
-            stream = Stream(self, session)
+        gate = open_stream(session)
+        if gate is not None:
+            stream = Stream(self, gate)
             self.streams.append(stream)
             stream.start()
         else:
@@ -178,30 +180,31 @@ class Incoming:
         """It will never be whole: every stream's connection is cut off."""
         streams, self.streams = self.streams, []
         for stream in streams:
-            stream.session.cut_off(f"relay: the copy of bin {self.name!r} being passed on was lost upstream: "
+            stream.gate.session.cut_off(f"relay: the copy of bin {self.name!r} being passed on was lost upstream: "
                                    f"{reason}")
 
 
 class Stream:
-    """One copy pushed to one connection: the 151 ``INCOMING`` header at once (the
-    payload's length is known), then the payload in pieces as it arrives."""
+    """One copy pushed to one connection, through its gate: the 151 ``INCOMING``
+    header at once (the payload's length is known), then the payload in pieces as
+    it arrives."""
 
-    def __init__(self, incoming: Incoming, session):
-        self.incoming, self.session = incoming, session
+    def __init__(self, incoming: Incoming, gate):
+        self.incoming, self.gate = incoming, gate
         self.sent = 0
 
     def start(self) -> None:
-        self.session.stream_piece([frame_head(self.incoming.header(), self.incoming.total)])
+        self.gate.piece([frame_head(self.incoming.header(), self.incoming.total)])
         self.more(self.incoming.received)
 
     def more(self, filled: int) -> None:
         if filled - self.sent >= PIECE or (filled == self.incoming.total and filled > self.sent):
-            self.session.stream_piece([self.incoming.sink.view[self.sent:filled]])
+            self.gate.piece([self.incoming.sink.view[self.sent:filled]])
             self.sent = filled
 
     def finish(self) -> None:
         self.more(self.incoming.total)
-        self.session.close_stream()
+        self.gate.close()
 
 
 __all__ = ["INCOMING", "Incoming", "StreamingClient", "TeeSink"]

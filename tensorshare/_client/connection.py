@@ -20,6 +20,7 @@ from ..errors import (
     NotAuthenticatedError, ProtocolError, TensorShareError, UntrustedServerError, ZeroCopyError,
 )
 from ..protocol import auth
+from ..protocol.items import item_table
 from ..protocol.messages import (
     AUTH, GREETING, GREETING_MESSAGE, ITEMS, KEEPALIVE, MAX_REPLY_HEADER, NOTIFICATION, NOTIFY, UNAVAILABLE,
     Command, Key,
@@ -262,23 +263,6 @@ def read_reply(command: Command, frame: Frame, device: Any = None, limits: Decod
     if decode and header.get(Key.CODE) == ITEMS:
         values = decode_items(header, frame.payload, frame.payload_len, device, limits, areas)
     return Reply(command, header, values, frame)
-
-
-def item_table(header: dict, payload_len: int) -> list[tuple[Any, int, Any]]:
-    """``[(description blob, payload bytes, reference or None), ...]`` of an ITEMS (226)
-    reply, checked: the items without a reference fill the payload."""
-    blobs, sizes = header.get(Key.ITEMS), header.get(Key.SIZES)
-    if not (isinstance(blobs, list) and isinstance(sizes, list) and len(blobs) == len(sizes)):
-        raise ProtocolError("items reply needs equally long 'items' and 'sizes' lists")
-    refs = header.get(Key.REFS)
-    if refs is None:
-        refs = [None] * len(sizes)
-    elif not (isinstance(refs, list) and len(refs) == len(sizes)):
-        raise ProtocolError("items reply needs a 'refs' list as long as 'items'")
-    if (not all(type(s) is int and s >= 0 for s in sizes)
-            or sum(s for s, ref in zip(sizes, refs) if ref is None) != payload_len):
-        raise ProtocolError(f"item sizes {sizes!r} do not add up to the payload's {payload_len} bytes")
-    return list(zip(blobs, sizes, refs))
 
 
 def decode_items(header: dict, payload, payload_len: int, device: Any = None,

@@ -25,8 +25,9 @@ from ..protocol.messages import COMMANDS, LISTEN, UNLISTEN, Command, Key
 from ..protocol.tls import TLSSettings
 from ..wire.frames import Frame
 from .calls import Call, CallTable
+from ..protocol.items import item_table
 from .connection import (
-    NO_VALUE, ClientConnection, ListenSnapshot, Reply, item_table, next_request_id, notification_of,
+    NO_VALUE, ClientConnection, ListenSnapshot, Reply, next_request_id, notification_of,
     read_reply, reply_buffers, report_unsolicited, request_frame,
 )
 from .listens import Subscriptions

@@ -17,7 +17,8 @@ from typing import Any, Callable
 from ..errors import UsageError
 from ..protocol.messages import APPEND, DELETE, GET, LIST, LISTEN, MAX_WAIT, NOOP, OK, PEEK, PUT, UNLISTEN, Key
 from .calls import DEFAULT
-from .connection import NO_VALUE, ListenSnapshot, Notification, item_table
+from ..protocol.items import item_table
+from .connection import NO_VALUE, ListenSnapshot, Notification
 from .listens import Listening
 from .tables import TableMethods
 
