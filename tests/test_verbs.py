@@ -127,3 +127,15 @@ def test_every_verb_round_trips_through_both_ends():
     assert with_token.client.ready and with_token.session.authenticated
     assert with_token.call(TCREATE, {Key.BIN: "t", TableKey.SPEC: {"capacity": 1}}).result == 0
     with_token.close()
+
+
+def test_a_relay_answers_each_verb_as_its_declaration_says():
+    """A relay has a handler of its own for every verb it does not answer as any
+    server does (forwarded, mirrored, merged); table verbs through a relay reach the
+    head (tests/test_relay.py)."""
+    from tensorshare_server.protocol.registry import HANDLERS
+    from tensorshare_server.relay.forward import relay_handlers
+
+    handlers = relay_handlers()
+    assert set(handlers) == {c for c in COMMANDS.values() if c.relay != Relay.LOCAL}
+    assert all(handler is not HANDLERS[command] for command, handler in handlers.items())
