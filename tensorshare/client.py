@@ -33,11 +33,11 @@ from ._client.connection import (
 )
 from ._client.core import ClientCore
 from ._client.dispatch import Dispatcher
-from ._client.keepalive import DEAD, PROBE, Keepalive
+from .protocol.keepalive import DEAD, PROBE, Keepalive
 from ._client.listens import Listening
 from ._client.reader import BackgroundReader
 from ._client.methods import DEFAULT
-from ._client.retry import Backoff
+from .protocol.retry import Backoff
 from ._client.routing import finish
 from ._client.sockets import SMALL_FRAME, Link, open_link, wait
 from ._client.spin import DEFAULT_LIMIT as DEFAULT_SPIN

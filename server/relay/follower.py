@@ -1,8 +1,8 @@
 """A relay's mirror of its upstream server's bins, kept on the reactor thread.
 
-:class:`Follower` holds one :class:`~tensorshare.AsyncClient` connection upstream
-(the real client library, Twisted-native, so nothing leaves the reactor thread).
-A followed bin is mirrored from the first time a client of the relay reads or
+:class:`Follower` holds one connection upstream (:class:`~.upstream.Upstream`, a
+small torch-free Twisted client on the relay's own reactor, so nothing leaves the
+reactor thread).  A followed bin is mirrored from the first time a client of the relay reads or
 listens to it: the follower listens to it upstream, and on every notification
 fetches the bin whole with one PEEK (raw descriptions and payload, never decoded,
 with every item's tag) and replaces the local copy in one store change.  So a
@@ -24,8 +24,8 @@ again from 1; the follower remembers, per bin, the upstream ``seq`` its copy
 reflects, for writes forwarded upstream that must see their change mirrored
 before they are acknowledged (:meth:`Follower.after`).
 
-When the upstream connection drops, the client reconnects with jittered backoff
-and listens again; each bin is then fetched again (an upstream restarted without
+When the upstream connection drops, it reconnects with jittered backoff and
+listens again; each bin is then fetched again (an upstream restarted without
 its data directory may hold other items under the same numbers).  Meanwhile the
 relay keeps serving the last whole copies and says in :meth:`status` (LIST's
 ``relay`` field) that it is disconnected and how far behind it is.
@@ -44,22 +44,21 @@ from tensorshare.errors import (
     AuthenticationError, ConnectionLostError, NoSuchBinError, ProtocolError, RemoteError, ServerUnavailableError,
     TensorShareError,
 )
-from tensorshare.protocol.messages import NOTIFY, PEEK, Key
-from tensorshare.protocol.items import item_table
+from tensorshare.protocol.items import item_table, item_tags
+from tensorshare.protocol.messages import DELETE, NOTIFY, PEEK, Key
 
 from ..bins.store import Item
-from .stream import INCOMING, Incoming
+from .stream import Incoming
+from .upstream import INCOMING, Upstream
 
 log = logging.getLogger("tensorshare.server.relay")
-
-RECONNECT_MAX_S = 2.0  # longest pause between attempts to reach the upstream
 
 
 class _Mirror:
     """What the follower knows of one followed bin."""
 
-    __slots__ = ("name", "synced", "fetching", "again", "noted", "applied", "noted_at", "op", "waiters", "handle",
-                 "incoming", "watchers", "have")
+    __slots__ = ("name", "synced", "fetching", "again", "noted", "applied", "noted_at", "op", "waiters", "incoming",
+                 "watchers", "have")
 
     def __init__(self, name: str):
         self.name = name
@@ -72,77 +71,56 @@ class _Mirror:
         self.noted_at: float | None = None  # when the oldest change not yet mirrored was notified
         self.op = "PUT"  # the upstream verb of the last change notified
         self.waiters: list[tuple[int, Callable]] = []  # (upstream seq, callback(error)) until applied reaches it
-        self.handle = None  # the upstream listen handle
         self.incoming: Incoming | None = None  # the copy arriving now, passed on as it arrives
         self.watchers = weakref.WeakSet()  # connections of relays following this one that are told of it
 
 
 class Follower:
-    """Mirrors the upstream's followed bins into ``storage`` (see the module docstring).
+    """Mirrors the upstream's followed bins into ``storage`` through ``upstream`` (see
+    the module docstring).  ``publish(change)`` tells local listeners of a mirrored
+    change."""
 
-    ``publish(change)`` tells local listeners of a mirrored change; ``connect()``
-    opens a new upstream client (a Deferred of an AsyncClient)."""
-
-    def __init__(self, reactor, storage, publish: Callable, connect: Callable[[], defer.Deferred], where: str,
-                 pattern: str = "*", timeout: float = 30.0):
+    def __init__(self, reactor, storage, publish: Callable, upstream: Upstream, pattern: str = "*",
+                 timeout: float = 30.0):
         self.reactor = reactor
         self.storage = storage
         self.publish = publish
-        self._connect = connect
-        self.where = where
+        self.upstream = upstream
+        self.where = upstream.where
         self.pattern = pattern
         self.timeout = timeout  # how long a read waits for a bin's first copy
         self.zero_copy_min = 128 << 10  # an item this large is worth putting in shared memory (the config's)
-        self.client = None
         self.failure: str | None = None  # why the upstream cannot be used at all (a wrong token, say)
         self.mirrors: dict[str, _Mirror] = {}
-        self._retry = None
-        self._delay = 0.05
+        self.started = False  # the upstream was reached since the relay started (it may be lost since)
         self._stopped = False
+        upstream.on_ready, upstream.on_lost, upstream.on_refused = self._ready, self._upstream_lost, self._refused
+        upstream.arriving = self._arriving
 
     # -- the upstream connection
 
     def start(self) -> None:
-        """Connect upstream (retrying with backoff until it answers)."""
-        if self._stopped or self.client is not None:
-            return
-        self._retry = None
+        """Connect upstream (retrying with backoff until it answers, and again whenever it drops)."""
+        self.upstream.start()
 
-        def connected(client) -> None:
-            if self._stopped:
-                client.close()
-                return
-            self.client = client
-            client.arriving, client.lost = self._arriving, self._upstream_lost
-            self._delay = 0.05
+    def _ready(self) -> None:
+        if not self.started:
             log.info("relay: following %s", self.where)
-            for mirror in self.mirrors.values():  # bins asked for while the upstream was away
-                if mirror.handle is None:
-                    self._listen(mirror)
+        self.started = True
+        for mirror in self.mirrors.values():  # bins asked for while the upstream was away
+            if not self.upstream.listening(mirror.name):
+                self._listen(mirror)
 
-        def failed(failure) -> None:
-            if self._stopped:
-                return
-            if failure.check(AuthenticationError):
-                self.failure = f"upstream {self.where} refused us: {failure.getErrorMessage()}"
-                log.error("relay: %s; not following", self.failure)
-                self._fail_waiters(ServerUnavailableError(self.failure))
-                return
-            log.info("relay: upstream %s unreachable (%s); trying again", self.where, failure.getErrorMessage())
-            self._delay = min(self._delay * 2, RECONNECT_MAX_S)
-            self._retry = self.reactor.callLater(self._delay, self.start)
-
-        self._connect().addCallbacks(connected, failed)
+    def _refused(self, error: BaseException) -> None:
+        self.failure = f"upstream {self.where} refused us: {error}"
+        log.error("relay: %s; not following", self.failure)
+        self._fail_waiters(ServerUnavailableError(self.failure))
 
     def stop(self) -> None:
         self._stopped = True
         for mirror in self.mirrors.values():
             self._lost_incoming(mirror, "the relay is shutting down")
-        if self._retry is not None and self._retry.active():
-            self._retry.cancel()
-        if self.client is not None:
-            self.client.close()
-            self.client = None
+        self.upstream.close()
         self._fail_waiters(ServerUnavailableError("the relay is shutting down"))
 
     def when_started(self, done: Callable[[BaseException | None], None]) -> None:
@@ -152,14 +130,14 @@ class Follower:
         if self.connected:
             done(None)
             return
-        if self.client is not None or self.failure or self._stopped:
+        if self.started or self.failure or self._stopped:
             done(ServerUnavailableError(self.failure or f"relay: upstream {self.where} is not connected; "
                                                         f"try again"))
             return
         deadline = self.reactor.seconds() + self.timeout
 
         def check() -> None:
-            if self.client is not None or self.failure or self._stopped:
+            if self.started or self.failure or self._stopped:
                 self.when_started(done)
             elif self.reactor.seconds() >= deadline:
                 done(ServerUnavailableError(f"relay: upstream {self.where} not reached within {self.timeout:g}s"))
@@ -170,22 +148,13 @@ class Follower:
 
     @property
     def connected(self) -> bool:
-        return self.client is not None and self.client.connected
-
-    @property
-    def started(self) -> bool:
-        """Whether the upstream was reached since the relay started (it may be lost since)."""
-        return self.client is not None
+        return self.upstream.connected
 
     def forward(self, command, fields: dict, value=None, timeout: float | None = None) -> defer.Deferred:
         """Send a request upstream as it came: ``value`` is ``(description, payload
-        segments, payload bytes)`` for a verb that carries one; a Deferred of the raw
-        reply (its header and undecoded frame)."""
-        from tensorshare.wire.codec import Encoded
-
-        kwargs = {} if value is None else {"value": Encoded(value[0], list(value[1]), value[2])}
-        return self.client._call(command, fields, decode=False, zero_copy=False, then=lambda reply: reply,
-                                 timeout=timeout, **kwargs)
+        parts, payload bytes)`` for a verb that carries one; a Deferred of the raw
+        reply (:class:`~.upstream.Reply`)."""
+        return self.upstream.call(command, fields, value, timeout)
 
     def follows(self, name: str) -> bool:
         """True for a bin this relay mirrors (and forwards writes to)."""
@@ -234,50 +203,49 @@ class Follower:
         if mirror is None:
             mirror = self.mirrors[name] = _Mirror(name)
             mirror.noted_at = self.reactor.seconds()
-            if self.client is not None:
+            if self.connected:
                 self._listen(mirror)
         return mirror
 
     def _listen(self, mirror: _Mirror) -> None:
         """Listen to the bin upstream; its snapshot starts the first fetch."""
-        def listening(handle) -> None:
-            mirror.handle = handle
-            self._noted(mirror, handle.snapshot.seq, "PUT")
+        def listening(snapshot: dict) -> None:
+            self._noted(mirror, snapshot[Key.SEQ], "PUT")
 
         def failed(failure) -> None:
             if self._stopped:
                 return
             log.info("relay: cannot listen to %r upstream yet: %s", mirror.name, failure.getErrorMessage())
-            self.reactor.callLater(0.2, again)
+            if not failure.check(ConnectionLostError):  # (a new connection listens to every bin asked for)
+                self.reactor.callLater(0.2, again)
 
         def again() -> None:
-            if mirror.handle is None and self.client is not None and not self._stopped:
+            if not self.upstream.listening(mirror.name) and self.connected and not self._stopped:
                 self._listen(mirror)
 
         try:
-            d = self.client.listen(mirror.name, lambda note: self._noted(mirror, note.seq, note.op))
+            d = self.upstream.listen(mirror.name, lambda header, payload: self._noted(mirror, header[Key.SEQ],
+                                                                                       header[Key.OP], payload))
         except TensorShareError:
             d = defer.fail()
         d.addCallbacks(listening, failed)
 
-    def _noted(self, mirror: _Mirror, seq: int, op: str) -> None:
-        """An upstream change (or, ``op`` LISTEN, a listen begun again): fetch the bin."""
+    def _noted(self, mirror: _Mirror, seq: int, op: str, payload=None) -> None:
+        """An upstream change (or, ``op`` LISTEN, a listen begun again): fetch the bin.
+        A copy pushed to us arrives whole as the payload of its ``INCOMING``: installed."""
         if op == "LISTEN":  # listening again after a reconnection: whatever is there now
             self._lost_incoming(mirror, "listening again")
             mirror.applied = mirror.have = -1
             op = "PUT"
-        else:
-            incoming = mirror.incoming
-            if (op == INCOMING and incoming is not None and incoming.pushed and incoming.upstream_seq == seq
-                    and incoming.whole):  # a copy pushed to us is in
-                mirror.incoming = None
-                incoming.complete()  # (the streams pass it on whole before we install it)
-                self._install(mirror, incoming.items(), incoming.op, seq, incoming.seq, seq)
-                return
-            if op == INCOMING:  # announced without its bytes: its ordinary notification follows when it is in
-                return
-            if mirror.synced and seq <= mirror.applied:  # the copy already shows it (it was passed on to us)
-                return
+        elif op == INCOMING:
+            if isinstance(payload, Incoming) and payload.pushed and payload.whole:  # a copy pushed to us is in
+                if mirror.incoming is payload:
+                    mirror.incoming = None
+                payload.complete()  # (the streams pass it on whole before we install it)
+                self._install(mirror, payload.items(), payload.op, seq, payload.seq, seq)
+            return  # (announced without its bytes: its ordinary notification follows when it is in)
+        elif mirror.synced and seq <= mirror.applied:  # the copy already shows it (it was passed on to us)
+            return
         mirror.noted = max(mirror.noted, seq)
         mirror.op = op
         if mirror.noted_at is None:
@@ -290,7 +258,7 @@ class Follower:
     def _fetch(self, mirror: _Mirror) -> None:
         mirror.fetching, mirror.again = True, False
         target, op = mirror.noted, mirror.op
-        if self.client is None:
+        if not self.connected:
             mirror.fetching = False
             return
 
@@ -302,27 +270,17 @@ class Follower:
 
         def took(reply) -> None:
             frame, copy_seq = reply.frame, reply.header[Key.SEQ]
-            incoming = mirror.incoming
-            if incoming is not None and not incoming.pushed:  # ours, passed on as it arrived
-                mirror.incoming = None
-            else:
-                incoming = None
-                if mirror.synced and 0 <= mirror.have and copy_seq <= mirror.have:
-                    self._fetched(mirror, None, op, max(target, copy_seq), stale=True)  # we hold it, or newer
-                    return
-            payload = memoryview(frame.payload).cast("B") if frame.payload_len else memoryview(b"")
-            tags = reply.header.get(Key.TAGS) or []
-            items, base = [], 0
-            for i, (blob, size, _ref) in enumerate(item_table(reply.header, frame.payload_len)):
-                tag = tags[i] if i < len(tags) else None
-                segments = (payload[base : base + size],) if size else ()
-                items.append(Item(blob, segments, size, tag))
-                base += size
-            change = incoming.op if incoming is not None else op
+            incoming = frame.payload if isinstance(frame.payload, Incoming) else None  # ours, passed on as it arrived
             if incoming is not None:
+                if mirror.incoming is incoming:
+                    mirror.incoming = None
                 incoming.complete()
-            self._fetched(mirror, items, change, max(target, copy_seq), incoming.seq if incoming is not None else None,
-                          copy_seq)
+                self._fetched(mirror, incoming.items(), incoming.op, max(target, copy_seq), incoming.seq, copy_seq)
+                return
+            if mirror.synced and 0 <= mirror.have and copy_seq <= mirror.have:
+                self._fetched(mirror, None, op, max(target, copy_seq), stale=True)  # we hold it, or newer
+                return
+            self._fetched(mirror, _items(reply.header, frame), op, max(target, copy_seq), None, copy_seq)
 
         def failed(error) -> None:
             if mirror.incoming is not None and not mirror.incoming.pushed:
@@ -337,8 +295,7 @@ class Follower:
                 self.reactor.callLater(0.2, self._noted, mirror, target, op)
 
         try:
-            d = self.client._call(PEEK, {Key.BIN: mirror.name, Key.TAGS: True, Key.INCOMING: True}, decode=False,
-                                  zero_copy=False, then=lambda reply: reply, timeout=None)
+            d = self.upstream.call(PEEK, {Key.BIN: mirror.name, Key.TAGS: True, Key.INCOMING: True})
         except TensorShareError as exc:
             failed(exc)
             return
@@ -415,8 +372,7 @@ class Follower:
             return None  # a fetch fails with it; a pushed copy is fetched instead
         if any(ref is not None for _blob, _size, ref in table):
             return None
-        tags = header.get(Key.TAGS)
-        tags = tags if isinstance(tags, list) and len(tags) == len(table) else [None] * len(table)
+        tags = item_tags(header, len(table))
         change = header.get(Key.CHANGE)
         op = _as_one_change(change if type(change) is str else mirror.op, len(table), state.n_items)
         incoming = Incoming(name, [blob for blob, _, _ in table], [size for _, size, _ in table], tags, nbytes,
@@ -449,17 +405,11 @@ class Follower:
     def delete_upstream(self, name: str) -> None:
         """Delete bin ``name`` upstream, without an answer to wait for: an ephemeral bin
         forwarded for a client of this relay whose connection ended."""
-        from tensorshare.protocol.messages import DELETE
-
         if not self.connected:
             return  # the upstream dropped this relay's ephemeral bins with its connection
-        try:
-            d = self.client._call(DELETE, {Key.BIN: name}, decode=False, zero_copy=False)
-        except TensorShareError as exc:
-            log.info("relay: could not delete ephemeral bin %r upstream: %s", name, exc)
-            return
-        d.addErrback(lambda failure: log.info("relay: could not delete ephemeral bin %r upstream: %s", name,
-                                              failure.getErrorMessage()))
+        self.upstream.call(DELETE, {Key.BIN: name}).addErrback(
+            lambda failure: log.info("relay: could not delete ephemeral bin %r upstream: %s", name,
+                                     failure.getErrorMessage()))
 
     # -- status
 
@@ -481,6 +431,17 @@ class Follower:
         if self.failure:
             state["error"] = self.failure
         return state
+
+
+def _items(header: dict, frame) -> list[Item]:
+    """The items of a fetched copy (raw: descriptions and payload bytes as received, with their tags)."""
+    payload = frame.payload if frame.payload_len else memoryview(b"")
+    table = item_table(header, frame.payload_len)
+    items, base = [], 0
+    for (blob, size, _ref), tag in zip(table, item_tags(header, len(table))):
+        items.append(Item(blob, (payload[base:base + size],) if size else (), size, tag))
+        base += size
+    return items
 
 
 def _as_one_change(op: str, n_items: int, before: int) -> str:

@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import Callable
 
 from tensorshare.errors import RemoteError, TensorShareError
-from tensorshare.protocol.items import item_table
+from tensorshare.protocol.items import item_table, item_tags
 from tensorshare.protocol.messages import (
     APPEND, COMMANDS, DELETE, GET, LIST, PEEK, PUT, UNAVAILABLE, ZERO_COPY_REFUSED, Key, Relay,
 )
@@ -128,7 +128,7 @@ def _forwarding(command) -> Callable:
             frame = reply.frame
             if not frame.payload_len:
                 return [frame_head(header, 0)]
-            return [frame_head(header, frame.payload_len), memoryview(frame.payload).cast("B")]
+            return [frame_head(header, frame.payload_len), frame.payload]
 
         return _forward(session, command, fields, value, timeout, answered)
 
@@ -195,12 +195,12 @@ def get(session, request):
 
     def taken(reply) -> list:
         frame = reply.frame
-        payload = memoryview(frame.payload).cast("B") if frame.payload_len else memoryview(b"")
-        tags = reply.header.get(Key.TAGS) or []
+        payload = frame.payload if frame.payload_len else memoryview(b"")
+        table = item_table(reply.header, frame.payload_len)
         items, parts, base = [], [], 0
-        for i, (blob, size, _ref) in enumerate(item_table(reply.header, frame.payload_len)):
+        for (blob, size, _ref), tag in zip(table, item_tags(reply.header, len(table))):
             segment = payload[base: base + size]
-            items.append(Item(blob, (segment,) if size else (), size, tags[i] if i < len(tags) else None))
+            items.append(Item(blob, (segment,) if size else (), size, tag))
             if size:
                 parts.append(segment)
             base += size

@@ -16,22 +16,15 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from ..errors import (
-    NotAuthenticatedError, ProtocolError, TensorShareError, UntrustedServerError, ZeroCopyError,
-)
-from ..protocol import auth
+from ..errors import ProtocolError, TensorShareError, ZeroCopyError
+from ..protocol.handshake import CLIENT_FRAME_LIMITS, Handshake
 from ..protocol.items import item_table
-from ..protocol.messages import (
-    AUTH, GREETING, GREETING_MESSAGE, ITEMS, KEEPALIVE, MAX_REPLY_HEADER, NOTIFICATION, NOTIFY, UNAVAILABLE,
-    Command, Key,
-    reply_error,
-)
+from ..protocol.messages import ITEMS, KEEPALIVE, NOTIFICATION, NOTIFY, UNAVAILABLE, Command, Key, reply_error
 from ..wire.codec import Encoded, build, empty_payload, encode
 from ..wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
 from ..wire.frames import Frame, FrameDecoder, FrameLimits, buffer_sink, frame_head
 from ..wire.recycle import Recycler
 
-CLIENT_FRAME_LIMITS = FrameLimits(max_header=MAX_REPLY_HEADER, max_payload=1 << 42)
 NO_VALUE = object()  # "this request carries no value" (None is a value)
 log = logging.getLogger("tensorshare.client")
 
@@ -119,76 +112,25 @@ def _reply_array(nbytes: int):
     return empty_payload(nbytes).numpy()
 
 
-class ClientConnection:
-    """Per-connection protocol state of a client: the opening handshake and the
-    incoming frames.
+class ClientConnection(Handshake):
+    """Per-connection protocol state of a client: the opening handshake
+    (:class:`~..protocol.handshake.Handshake`) and the incoming frames.
 
     ``token`` (the HMAC key, see :mod:`..protocol.auth`) is what the client proves it
-    knows when the server asks; a client with a token also requires the server to
-    prove that it knows the token too, and refuses a server that does not ask for
-    one.  ``reuse`` holds the arrays large replies were received into, for later
-    replies of the same size once the values built on them are dropped (see
-    :func:`~..wire.frames.buffer_sink`).
+    knows when the server asks.  ``reuse`` holds the arrays large replies were
+    received into, for later replies of the same size once the values built on them
+    are dropped (see :func:`~..wire.frames.buffer_sink`).
     """
 
     def __init__(self, frame_limits: FrameLimits = CLIENT_FRAME_LIMITS, token: bytes | None = None,
                  reuse: Recycler | None = None):
+        super().__init__(token, next_request_id)
         sinks = buffer_sink if reuse is None else partial(buffer_sink, reuse=reuse)
         self.decoder = FrameDecoder(sinks, frame_limits)
-        self.greeting: dict | None = None
-        self.ready = False  # the handshake is over: requests may be sent
-        self._token = token
-        self._auth: tuple[int, bytes] | None = None  # (AUTH request id, the server proof expected)
         self.areas = None  # zerocopy.SharedAreas: what the greeting offered and this client verified
 
     def feed(self, data: bytes) -> list[Frame]:
         return self.decoder.feed(data)
-
-    def opening(self, frame: Frame) -> bytes | None:
-        """Advance the opening handshake with a frame from the server.
-
-        Returns a frame to send (the AUTH request) or None; :attr:`ready` turns True
-        once requests may be sent.  Raises the :class:`RemoteError` of an error
-        reply (421 when the server has too many connections, 530),
-        :class:`NotAuthenticatedError` when the server asks for a token and we have
-        none, :class:`UntrustedServerError` when it cannot prove that it knows ours,
-        :class:`ProtocolError` for anything else.
-        """
-        header = frame.header
-        if self.greeting is None:
-            if header.get(Key.CODE) != GREETING:
-                raise reply_error(header, "greeting")
-            self.greeting = GREETING_MESSAGE.check(header)
-            return self._authenticate(header)
-        if self._auth is None or header.get(Key.ID) != self._auth[0]:
-            raise ProtocolError(f"unexpected frame while authenticating: {header!r:.200}")
-        AUTH.check_reply(header)
-        if not auth.proof_matches(self._auth[1], header[Key.PROOF]):
-            raise UntrustedServerError("the server's authentication proof is wrong: it does not know the token")
-        if Key.SHM in header:  # a same-host offer comes only once authenticated (PROTOCOL.md §10.1)
-            self.greeting[Key.SHM] = header[Key.SHM]
-        self._auth = None
-        self.ready = True
-        return None
-
-    def _authenticate(self, greeting: dict) -> bytes | None:
-        """The AUTH request answering ``greeting``'s challenge, or None if none is due."""
-        mechanism, server_nonce = greeting.get(Key.AUTH), greeting.get(Key.NONCE)
-        if self._token is None:
-            if mechanism is not None:
-                raise NotAuthenticatedError(f"the server requires a token: pass token=... or set {auth.TOKEN_ENV}")
-            self.ready = True
-            return None
-        if mechanism is None:
-            raise UntrustedServerError("the server asks for no token, so it cannot prove that it knows ours")
-        if mechanism != auth.MECHANISM or not auth.is_nonce(server_nonce):
-            raise ProtocolError(f"unsupported authentication {mechanism!r:.40} or a bad nonce in the greeting")
-        client_nonce = auth.new_nonce()
-        client_proof, server_proof = auth.proofs(self._token, server_nonce, client_nonce)
-        rid = next_request_id()
-        self._auth = (rid, server_proof)
-        return frame_head(AUTH.request(rid, {Key.MECH: auth.MECHANISM, Key.NONCE: client_nonce,
-                                             Key.PROOF: client_proof}), 0)
 
 
 def report_unsolicited(frame: Frame, where: str) -> None:
