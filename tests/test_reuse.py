@@ -366,7 +366,7 @@ def test_the_deferred_client_reuses_reply_arrays_too():
 
 
 def test_recv_pool_option_on_the_command_line():
-    from tensorshare_server.app import parse_args
+    from tensorshare_server.cli import parse_args
 
     assert parse_args(["--recv-pool", "256MiB"])[0].recv_pool == 256 * MiB
     assert parse_args(["--recv-pool", "0"])[0].recv_pool_bytes == 0
