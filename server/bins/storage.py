@@ -155,9 +155,14 @@ class Storage:
 
     # -- writes
 
-    def add_now(self, name: str, item: Item, replace: bool) -> Change:
-        """PUT (``replace``) or APPEND ``item`` in memory, at once (spilled later if the
-        budget says so), never in the data directory; the change."""
+    def add_now(self, name: str, description: bytes, segments: tuple, nbytes: int, tag: int | None,
+                replace: bool) -> Change:
+        """PUT (``replace``) or APPEND a value (its description blob, its payload
+        segments as received, their bytes, its tag) in memory, at once (spilled later
+        if the budget says so), never in the data directory; the change."""
+        return self._add_now(name, Item(description, segments, nbytes, tag), replace)
+
+    def _add_now(self, name: str, item: Item, replace: bool) -> Change:
         self._not_a_table(name)
         store = self.store
         limit = store.memory_limit
@@ -172,12 +177,16 @@ class Storage:
         self.budget.enforce()
         return change
 
-    def add(self, name: str, item: Item, replace: bool, done: Done, lasting: bool = True) -> None:
-        """PUT (``replace``) or APPEND ``item``; ``done(change, error)`` when it is stored:
-        with a data directory once it is on disk (unless ``lasting`` is False: then it
-        is kept in memory only, as :meth:`add_now` keeps it), else at once."""
+    def add(self, name: str, description: bytes, segments: tuple, nbytes: int, tag: int | None, replace: bool,
+            done: Done, lasting: bool = True) -> None:
+        """PUT (``replace``) or APPEND a value (as for :meth:`add_now`); ``done(change,
+        error)`` when it is stored: with a data directory once it is on disk (unless
+        ``lasting`` is False: then it is kept in memory only), else at once."""
+        self._add(name, Item(description, segments, nbytes, tag), replace, done, lasting)
+
+    def _add(self, name: str, item: Item, replace: bool, done: Done, lasting: bool = True) -> None:
         if self.data_dir is None or not lasting:
-            done(self.add_now(name, item, replace), None)
+            done(self._add_now(name, item, replace), None)
             return
         self._not_a_table(name)
         store = self.store
@@ -224,7 +233,7 @@ class Storage:
                 done(None, error)
                 return
             try:
-                self.add(name, Item(description, None, nbytes, tag, files), replace, done)
+                self._add(name, Item(description, None, nbytes, tag, files), replace, done)
             except RemoteError as exc:  # limits or budget: the files go with the item
                 done(None, exc)
 
@@ -267,15 +276,17 @@ class Storage:
 
     # -- a relay's mirror of another server's bins (server/relay/; a relay has no data directory)
 
-    def mirror(self, name: str, items: list[Item], op: str, seq: int | None = None,
+    def mirror(self, name: str, copy: list[tuple], op: str, seq: int | None = None,
                share_from: int | None = None) -> Change:
-        """Replace bin ``name``'s items with ``items`` (in memory) in one change.
+        """Replace bin ``name``'s items with ``copy`` (in memory) in one change: its
+        items as ``(description, payload segments, payload bytes, tag)``, as received.
         ``seq``: a number reserved for it earlier (:meth:`reserve_seq`).  With
         ``share_from``, a bin whose last copy same-host readers mapped (in shared
         memory) gets the new items of at least that many bytes there too, before
         anyone hears of the change: their first read maps it instead of receiving it."""
         shared = share_from is not None and any(
             item.files is not None and item.files.in_memory for item in self.store.items_of(name))
+        items = [Item(description, segments, nbytes, tag) for description, segments, nbytes, tag in copy]
         change = self.store.mirror(name, items, op, seq)
         if shared:
             for item in items:

@@ -52,19 +52,20 @@ def store(session, request):
         def add(done: Callable) -> None:
             storage.adopt(name, incoming, item_name, blob, size, tag, replace, done, limits)
     else:
-        check_value(session, blob, request.payload_len)
-        item = Item(blob, tuple(request.payload), request.payload_len, tag)
+        nbytes = request.payload_len
+        check_value(session, blob, nbytes)
+        segments = tuple(request.payload)
         if ephemeral:
             if session.closed:  # run after its connection ended (§8.3): it would end with it
                 return None
-            reply = stored(session, request, storage.add_now(name, item, replace))  # ephemeral: in memory only
+            change = storage.add_now(name, blob, segments, nbytes, tag, replace)  # ephemeral: in memory only
             session.state.ephemeral.claim(name, session)
-            return reply
+            return stored(session, request, change)
         if not waits_for_room and not storage.durable:  # the usual case: stored in memory at once
-            return stored(session, request, storage.add_now(name, item, replace))
+            return stored(session, request, storage.add_now(name, blob, segments, nbytes, tag, replace))
 
         def add(done: Callable) -> None:
-            storage.add(name, item, replace, done)
+            storage.add(name, blob, segments, nbytes, tag, replace, done)
 
     def finish(change: Change | None, error: RemoteError | None):
         if error is not None:

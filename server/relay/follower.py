@@ -47,7 +47,6 @@ from tensorshare.errors import (
 from tensorshare.protocol.items import item_table, item_tags
 from tensorshare.protocol.messages import DELETE, NOTIFY, PEEK, Key
 
-from ..bins.store import Item
 from .stream import Incoming
 from .upstream import INCOMING, Upstream
 
@@ -242,7 +241,7 @@ class Follower:
                 if mirror.incoming is payload:
                     mirror.incoming = None
                 payload.complete()  # (the streams pass it on whole before we install it)
-                self._install(mirror, payload.items(), payload.op, seq, payload.seq, seq)
+                self._install(mirror, payload.copy(), payload.op, seq, payload.seq, seq)
             return  # (announced without its bytes: its ordinary notification follows when it is in)
         elif mirror.synced and seq <= mirror.applied:  # the copy already shows it (it was passed on to us)
             return
@@ -275,12 +274,12 @@ class Follower:
                 if mirror.incoming is incoming:
                     mirror.incoming = None
                 incoming.complete()
-                self._fetched(mirror, incoming.items(), incoming.op, max(target, copy_seq), incoming.seq, copy_seq)
+                self._fetched(mirror, incoming.copy(), incoming.op, max(target, copy_seq), incoming.seq, copy_seq)
                 return
             if mirror.synced and 0 <= mirror.have and copy_seq <= mirror.have:
                 self._fetched(mirror, None, op, max(target, copy_seq), stale=True)  # we hold it, or newer
                 return
-            self._fetched(mirror, _items(reply.header, frame), op, max(target, copy_seq), None, copy_seq)
+            self._fetched(mirror, _copy(reply.header, frame), op, max(target, copy_seq), None, copy_seq)
 
         def failed(error) -> None:
             if mirror.incoming is not None and not mirror.incoming.pushed:
@@ -301,12 +300,12 @@ class Follower:
             return
         d.addCallbacks(fetched, lambda failure: failed(failure.value))
 
-    def _fetched(self, mirror: _Mirror, items: list[Item] | None, op: str, upstream_seq: int,
+    def _fetched(self, mirror: _Mirror, copy: list[tuple] | None, op: str, upstream_seq: int,
                  seq: int | None = None, copy_seq: int = -1, stale: bool = False) -> None:
         """A fetch is over: install its copy (unless ``stale``: one not newer than the
         copy held) and fetch again if changes were noted meanwhile."""
         if not stale:
-            self._install(mirror, items, op, upstream_seq, seq, copy_seq)
+            self._install(mirror, copy, op, upstream_seq, seq, copy_seq)
         else:
             self._settle(mirror, upstream_seq)
         mirror.fetching = False
@@ -315,17 +314,17 @@ class Follower:
         else:
             mirror.noted_at = None
 
-    def _install(self, mirror: _Mirror, items: list[Item] | None, op: str, upstream_seq: int,
+    def _install(self, mirror: _Mirror, copy: list[tuple] | None, op: str, upstream_seq: int,
                  seq: int | None = None, copy_seq: int = -1) -> None:
         """Replace the local copy in one change (numbered ``seq`` if one was reserved
-        for it; ``items`` None: the bin is gone upstream) and tell local listeners."""
+        for it; ``copy`` None: the bin is gone upstream) and tell local listeners."""
         name, storage = mirror.name, self.storage
         try:
-            if items is None:
+            if copy is None:
                 change = storage.unmirror(name)
             else:
-                op = _as_one_change(op, len(items), storage.count(name))
-                change = storage.mirror(name, items, op, seq, share_from=self.zero_copy_min)
+                op = _as_one_change(op, len(copy), storage.count(name))
+                change = storage.mirror(name, copy, op, seq, share_from=self.zero_copy_min)
         except RemoteError as exc:  # a limit of this relay (max_bins...)
             log.warning("relay: cannot mirror bin %r: %s", name, exc)
             change = None
@@ -433,15 +432,16 @@ class Follower:
         return state
 
 
-def _items(header: dict, frame) -> list[Item]:
-    """The items of a fetched copy (raw: descriptions and payload bytes as received, with their tags)."""
+def _copy(header: dict, frame) -> list[tuple]:
+    """A fetched copy's items, as :meth:`~..bins.storage.Storage.mirror` takes them
+    (raw: descriptions and payload bytes as received, with their tags)."""
     payload = frame.payload if frame.payload_len else memoryview(b"")
     table = item_table(header, frame.payload_len)
-    items, base = [], 0
+    copy, base = [], 0
     for (blob, size, _ref), tag in zip(table, item_tags(header, len(table))):
-        items.append(Item(blob, (payload[base:base + size],) if size else (), size, tag))
+        copy.append((blob, (payload[base:base + size],) if size else (), size, tag))
         base += size
-    return items
+    return copy
 
 
 def _as_one_change(op: str, n_items: int, before: int) -> str:

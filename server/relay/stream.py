@@ -32,7 +32,6 @@ from typing import Callable
 from tensorshare.protocol.messages import NOTIFICATION, Key
 from tensorshare.wire.frames import frame_head
 
-from ..bins.store import Item
 from ..protocol.gate import open_stream
 from .upstream import INCOMING, ArraySink
 
@@ -87,13 +86,14 @@ class Incoming:
     def whole(self) -> bool:
         return self.sink.filled == self.total
 
-    def items(self) -> list[Item]:
-        """The copy's items, once it is whole (their bytes are read-only views of the one array)."""
-        view, base, items = self.sink.view.toreadonly(), 0, []
+    def copy(self) -> list[tuple]:
+        """The copy's items once it is whole, as ``(description, payload segments,
+        payload bytes, tag)`` (their bytes are read-only views of the one array)."""
+        view, base, copy = self.sink.view.toreadonly(), 0, []
         for blob, size, tag in zip(self.blobs, self.sizes, self.tags):
-            items.append(Item(blob, (view[base:base + size],) if size else (), size, tag))
+            copy.append((blob, (view[base:base + size],) if size else (), size, tag))
             base += size
-        return items
+        return copy
 
     def header(self) -> dict:
         """The 151 ``INCOMING`` header that announces this copy (its payload follows)."""
