@@ -272,3 +272,33 @@ def test_the_async_client_waits_in_the_server_too():
     clock.advance(0)
     pump.flush()
     assert [[t.item() for t in r] for r in results] == [[0, 1]]
+
+
+def test_a_get_that_waited_then_reads_from_the_disk_answers_in_order(tmp_path):
+    """One request answered later in two steps, as the session carries it out: it
+    waits in its bin's take lane, goes when the item comes, then waits for the disk
+    (the item only has its files: over a tiny memory budget); the connection's next
+    request is answered after it, and its lane is told once it is answered."""
+    from pairing import HeldJobs
+    from tensorshare._client.connection import read_reply
+    from tensorshare_server.config import ServerConfig
+    from tensorshare_server.root import build_state
+
+    jobs, clock = HeldJobs(), Clock()
+    state = build_state(ServerConfig(data_dir=str(tmp_path / "data"), memory_limit=4096), jobs, clock=clock)
+    jobs.release()
+    reader, writer = Pair(state=state), Pair(state=state)
+    taking = reader.send_request(GET, {Key.BIN: "r", Key.WAIT: 5.0})
+    after = reader.send_request(NOOP)
+    writer.send_request(APPEND, {Key.BIN: "r"}, torch.arange(16384))  # 128 KiB, over the budget
+    jobs.release()  # written: stored, then only on disk
+    assert [item.resident for item in state.store.items_of("r")] == [False]
+    clock.advance(0)  # the GET goes on, and waits for the item's files to open
+    assert reader.receive() == [] and state.waits.going(("r", "take")) == 1
+    jobs.release()
+    frames = reader.receive()
+    assert [f.header["id"] for f in frames] == [taking, after]
+    assert torch.equal(read_reply(GET, frames[0]).result[0], torch.arange(16384))
+    assert state.waits.going(("r", "take")) == 0
+    reader.close()
+    writer.close()

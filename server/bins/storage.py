@@ -450,10 +450,16 @@ class Storage:
         """TCREATE: ``done((table, change or None), None)`` once made (files on a disk thread), or ``done(None, error)``."""
         self.tables.create(name, spec, done)
 
-    def table_rows(self, table: TableEntry, description: bytes, payload, nbytes: int, limits,
-                   tensordict: bool = False):
+    def table_rows(self, table: TableEntry, description: bytes, payload, nbytes: int, limits):
         """A request's value as rows of ``table`` (see :meth:`TableStore.rows`)."""
-        return self.tables.rows(table, description, payload, nbytes, limits, tensordict)
+        return self.tables.rows(table, description, payload, nbytes, limits)
+
+    def says_tensordict(self, table: TableEntry) -> bool:
+        return self.tables.says_tensordict(table)
+
+    def mark_tensordict(self, table: TableEntry, done: Callable[[], None]) -> None:
+        """Rows of ``table`` came as TensorDicts: ``done()`` once it says so (in its files, if durable)."""
+        self.tables.mark_tensordict(table, done)
 
     def insert_rows(self, table: TableEntry, rows, priorities):
         """TINSERT: ``(keys, change)``; raises WouldBlockError while the rate limiter holds it."""

@@ -298,13 +298,10 @@ class TableStore:
 
     # -- rows in
 
-    def rows(self, entry: TableEntry, description: bytes, payload, nbytes: int, limits, tensordict: bool = False):
+    def rows(self, entry: TableEntry, description: bytes, payload, nbytes: int, limits):
         """A request's value as rows of ``entry``: ``{column: RawArray}`` viewing the
         payload, or, for a table of items, a list of the one item it is (501 for a
-        value that is neither).  ``tensordict``: they came as a TensorDict, and replies
-        say so from now on (after a restart too, for a durable table)."""
-        if tensordict and entry.table.columns:
-            self._mark_tensordict(entry)
+        value that is neither)."""
         if entry.table.columns:
             return columns_of(description, payload, nbytes, limits)
         try:
@@ -313,12 +310,21 @@ class TableStore:
             raise BadRequestError(f"bad value: {exc}") from None
         return [Item(description, tuple(payload), nbytes)]
 
-    def _mark_tensordict(self, entry: TableEntry) -> None:
-        if entry.tensordict:
-            return
+    def says_tensordict(self, entry: TableEntry) -> bool:
+        """Whether ``entry``'s replies say its rows come as TensorDicts already (or,
+        for a table of items, never can)."""
+        return entry.tensordict or not entry.table.columns
+
+    def mark_tensordict(self, entry: TableEntry, done: Callable[[], None]) -> None:
+        """Rows of ``entry`` came as TensorDicts: its replies say so from now on, and,
+        for a durable table, after a restart too; ``done()`` once its files say so
+        (written on a disk thread)."""
         entry.tensordict = True
-        if self.data_root is not None and entry.directory is not None:
-            self.jobs.run(entry.name, _note_tensordict, (entry.directory, entry.name, _json_spec(entry.spec)))
+        if self.data_root is None or entry.directory is None:
+            done()
+            return
+        self.jobs.run(entry.name, _note_tensordict, (entry.directory, entry.name, _json_spec(entry.spec)),
+                      lambda _result, _error: done())
 
     def insert(self, entry: TableEntry, rows, priorities) -> tuple[np.ndarray, Change]:
         """Add ``rows`` (from :meth:`rows`): their keys, and the change.  Raises the

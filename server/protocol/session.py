@@ -394,9 +394,13 @@ class ServerSession:
             counters = self.counters
             if counters is None:
                 outcome = handle(self, request)
+                if type(outcome) is dict:  # (the usual case, without answer()'s call)
+                    self.send([frame_head(outcome, 0)])
+                else:
+                    self.answer(rid, outcome)
             else:  # counted inline: this is the request path (server/ops/counters.py)
                 began = perf_counter()
-                outcome = handle(self, request)
+                self.answer(rid, handle(self, request))
                 elapsed = perf_counter() - began
                 verb = counters.verbs[op]
                 verb.requests += 1
@@ -404,10 +408,6 @@ class ServerSession:
                 verb.seconds += elapsed
                 verb.buckets[bisect_left(LATENCY_BUCKETS, elapsed)] += 1
                 self.stats.requests += 1
-            if type(outcome) is dict:  # (the usual case, without answer()'s call)
-                self.send([frame_head(outcome, 0)])
-            else:
-                self.answer(rid, outcome)
         except RemoteError as exc:
             self.refuse(rid, exc)
         except Exception:  # a bug: this request fails, the connection and the server go on

@@ -76,7 +76,16 @@ def _info(session, name: str, table) -> dict:
 
 def _rows(session, table, request):
     return session.storage.table_rows(table, request.value, request.payload, request.payload_len,
-                                      session.decode_limits, bool(request.tensordict))
+                                      session.decode_limits)
+
+
+def _said_tensordict(session, request, table, then: Callable):
+    """``then()``'s outcome, once a table whose rows came as TensorDicts (``tensordict``)
+    says so: at once, or, for a durable table not marked yet, once its files say so."""
+    storage = session.storage
+    if not request.tensordict or storage.says_tensordict(table):
+        return then()
+    return later(lambda done: storage.mark_tensordict(table, done), lambda: then())
 
 
 def _priorities(request):
@@ -96,17 +105,19 @@ def insert(session, request):
     storage = session.storage
     table = storage.table(request.bin)
     rows, priorities = _rows(session, table, request), _priorities(request)
-    return _run_or_wait(session, request, table, lambda: storage.insert_rows(table, rows, priorities),
-                        lambda result: _changed(session, request, result), lambda: storage.can_insert(table, rows))
+    return _said_tensordict(session, request, table, lambda: _run_or_wait(
+        session, request, table, lambda: storage.insert_rows(table, rows, priorities),
+        lambda result: _changed(session, request, result), lambda: storage.can_insert(table, rows)))
 
 
 @handles(TWRITE)
-def write(session, request) -> dict:
+def write(session, request):
     storage = session.storage
     table = storage.table(request.bin)
     indices = int64_array(request.indices, "indices")
-    return _changed(session, request, storage.write_rows(table, indices, _rows(session, table, request),
-                                                         _priorities(request)))
+    rows, priorities = _rows(session, table, request), _priorities(request)
+    return _said_tensordict(session, request, table, lambda: _changed(
+        session, request, storage.write_rows(table, indices, rows, priorities)))
 
 
 # -- TSAMPLE, TREAD, TPRIORITY
