@@ -84,6 +84,8 @@ print(loaded)
 SHARED_IMPORT = """
 import sys
 import tensorshare.protocol.messages, tensorshare.protocol.auth, tensorshare.wire.frames
+import tensorshare.protocol.handshake, tensorshare.protocol.items, tensorshare.protocol.retry
+import tensorshare.protocol.keepalive, tensorshare.protocol.tls
 import tensorshare.wire.description, tensorshare.disk.layout
 loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith(("tensorshare_server", "tensorshare._client",
                                                                        "twisted")))
