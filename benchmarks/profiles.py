@@ -87,10 +87,14 @@ class Profile:
     versions_tensor_elems: int = 1 << 18
     versions_change: float = 0.1       # the share of the tensors that change per version
     versions_reps: int = 12            # timed versions per way of publishing
+    # 13. the GPU data path (skipped without CUDA)
+    gpu_bytes: int = 1024 * MiB        # the CUDA tensor and the bf16 state dict
+    gpu_tensors: int = 96              # tensors of the state dict
+    gpu_reps: int = 3
 
 
 QUICK = Profile(
-    name="quick", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "actors", "ops", "multihost", "tables", "versions"), time_limit_s=1800, warmup=1,
+    name="quick", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "actors", "ops", "multihost", "tables", "versions", "gpu"), time_limit_s=1800, warmup=1,
     wire_tensor_bytes=64 * MiB, wire_reps=3, statedict_tensors=100, statedict_shape=(256, 256),
     large_sizes=(1 * MiB, 16 * MiB, 256 * MiB), large_reps=9, large_reps_big=3, large_reps_small=30,
     client_timeout_s=120,
@@ -104,7 +108,7 @@ QUICK = Profile(
 )
 
 FULL = Profile(
-    name="full", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "actors", "ops", "multihost", "tables", "versions"), time_limit_s=3600, warmup=1,
+    name="full", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "actors", "ops", "multihost", "tables", "versions", "gpu"), time_limit_s=3600, warmup=1,
     wire_tensor_bytes=256 * MiB, wire_reps=5, statedict_tensors=100, statedict_shape=(256, 256),
     large_sizes=(1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB), large_reps=7, large_reps_big=5,
     large_reps_small=50,
@@ -121,7 +125,7 @@ FULL = Profile(
 )
 
 SMOKE = Profile(
-    name="smoke", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "ops", "multihost", "tables", "versions"), time_limit_s=240, warmup=1,
+    name="smoke", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "ops", "multihost", "tables", "versions", "gpu"), time_limit_s=240, warmup=1,
     wire_tensor_bytes=1 * MiB, wire_reps=1, statedict_tensors=4, statedict_shape=(16, 16),
     large_sizes=(64 << 10,), large_reps=1, large_reps_big=1, large_reps_small=1, client_timeout_s=30,
     small_ops=20, small_runs=1, pipelined_ops=200, pipelined_runs=1, async_window=16,
@@ -136,6 +140,7 @@ SMOKE = Profile(
     tables_rows=512, tables_reps=1, tables_redis_keys=512, tables_prio_rows=10_000, tables_actors=2,
     tables_actor_capacity=256, tables_run_s=0.3, tables_runs=1,
     versions_workers=2, versions_tensors=10, versions_tensor_elems=1 << 12, versions_reps=2,
+    gpu_bytes=64 * MiB, gpu_tensors=8, gpu_reps=1,
 )
 
 PROFILES = {p.name: p for p in (SMOKE, QUICK, FULL)}

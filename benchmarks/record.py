@@ -20,6 +20,19 @@ PASS, MISS, SKIP = "PASS", "MISS", "SKIP"
 _OPS = {"<": float.__lt__, "<=": float.__le__, ">": float.__gt__, ">=": float.__ge__}
 
 
+def reads_as(unit: str, op: str) -> str:
+    """How a ratio of two figures in ``unit`` reads in a goal: ``the rate`` (per
+    second), ``the time``, or ``faster`` (times compared with ``>=``: a baseline's
+    time over ours), ``the bytes`` (sizes)."""
+    if unit.endswith("/s"):
+        return "the rate"
+    if unit in ("s", "ms", "us", "ns"):
+        return "faster" if op in (">", ">=") else "the time"
+    if unit in ("B", "KB", "MB", "GB", "KiB", "MiB", "GiB"):
+        return "the bytes"
+    return ""
+
+
 def fmt(value: float) -> str:
     """A number with about three significant digits."""
     if value == 0:
@@ -116,18 +129,29 @@ class Recorder:
         self.goals.append({"goal": name, "status": status, "detail": detail, "section": self.section})
         self.say(f"  GOAL {status}: {name} -- {detail}")
 
-    def goal_ratio(self, name: str, key: str, base_key: str, op: str, threshold: float) -> None:
-        """Goal on ``figure(key) / figure(base_key)``; ``op`` is one of < <= > >=."""
+    def goal_ratio(self, name: str, key: str, base_key: str, op: str, threshold: float, *,
+                   time_of_rates: bool = False) -> None:
+        """Goal on ``figure(key) / figure(base_key)``; ``op`` is one of < <= > >=.
+
+        The ratio is said as what it measures (:func:`reads_as`): "1.84x the rate",
+        "0.81x the time", "4.5x faster" (a baseline's time over ours).  A goal on
+        time whose figures are rates gives ``time_of_rates``: the ratio is then
+        ``base / figure``, the time ours takes over the baseline's."""
         fig, base = self._by_key.get(key), self._by_key.get(base_key)
         if fig is None or base is None:
             missing = key if fig is None else base_key
             self.goal(name, SKIP, f"{missing} was not measured")
             return
-        ratio = fig["median"] / base["median"]
+        if time_of_rates:
+            ratio, what = base["median"] / fig["median"], "the time"
+        else:
+            ratio, what = fig["median"] / base["median"], reads_as(fig["unit"], op)
         ok = _OPS[op](float(ratio), float(threshold))
-        self.goal(name, PASS if ok else MISS,
-                  f"{fig['label']} {fmt(fig['median'])} {fig['unit']} = {fmt(ratio)}x "
-                  f"{base['label']} {fmt(base['median'])} {base['unit']} (need {op} {threshold}x)")
+        ours, theirs = f"{fig['label']} {fmt(fig['median'])} {fig['unit']}", \
+            f"{base['label']} {fmt(base['median'])} {base['unit']}"
+        said = (f"{theirs} = {fmt(ratio)}x faster than {ours}" if what == "faster"
+                else f"{ours} against {theirs} = {fmt(ratio)}x {what}".rstrip())
+        self.goal(name, PASS if ok else MISS, f"{said} (need {op} {fmt(threshold)}x)")
 
     def goal_value(self, name: str, key: str, op: str, threshold: float) -> None:
         """Goal on a figure's median itself."""

@@ -73,7 +73,7 @@ def readme_goals(results: dict) -> str:
     for g in results.get("goals", []):
         mark = {"PASS": "**PASS**", "MISS": "**MISS**"}.get(g["status"], g["status"])
         detail = g["detail"]
-        ratio = re.search(r"= ([0-9.,]+x)", detail)
+        ratio = re.search(r"= ([0-9.,]+x(?: the \w+| faster)?)", detail)
         figure = re.search(r" ([0-9.,]+ [^ (]+) \(need", detail)
         short = ratio.group(1) if ratio else figure.group(1) if figure else detail[:60]
         lines.append(f"| {_cell(g['goal'])} | {mark} | {_cell(short)} |")

@@ -16,6 +16,7 @@ from . import actor_learner, client_bench, disk_bench, machine, multihost_bench,
 from . import ops_bench
 from . import tables_bench
 from . import versions_bench
+from . import gpu_bench
 from .baselines import RedisPeer, TCPStorePeer
 from .procs import ChildError, PeerMissing, stop_all
 from .profiles import Profile
@@ -34,6 +35,7 @@ SECTIONS = {
     "multihost": multihost_bench.run,
     "tables": tables_bench.run,
     "versions": versions_bench.run,
+    "gpu": gpu_bench.run,
 }
 
 

@@ -366,8 +366,8 @@ def _obey(commands, roll, **others) -> None:
             others[cmd[0]](cmd)
 
 
-def rl(port: str, experiment: str, lifetime: str, zero_copy: str = "1") -> None:
-    """An RLWorker.  ``fan REPS TIMEOUT NBYTES``: say ``fanning``, then REPS times await a new
+def rl(port: str, experiment: str, lifetime: str, zero_copy: str = "1", device: str = "") -> None:
+    """An RLWorker (on ``device``, if given).  ``fan REPS TIMEOUT NBYTES``: say ``fanning``, then REPS times await a new
     version and say ``done VERSION MONOTONIC_TIME OK`` (OK: 1 if the state dict has NBYTES bytes
     and every tensor's first and last element equal the version).  ``roll COLS T0 SECONDS``:
     append ``{"obs": float32 [32, COLS], "reward": float32 [32]}`` from T0 for SECONDS."""
@@ -378,7 +378,7 @@ def rl(port: str, experiment: str, lifetime: str, zero_copy: str = "1") -> None:
 
     commands, stop = _commands()
     worker = RLWorker("127.0.0.1", int(port), experiment=experiment, timeout=120, connect_timeout=30,
-                      zero_copy=zero_copy == "1")
+                      zero_copy=zero_copy == "1", device=device or None)
 
     def next_version(timeout: float) -> tuple:
         """``(parameters, monotonic time they came)`` of the next version, or

@@ -1,6 +1,6 @@
 """The RL demo on Ray: trainer and workers are Ray actors, parameters go through a relay per node.
 
-    pip install 'tensorshare[ray]'
+    pip install 'ray[default]'   # the ray extra
     python examples/ray_rl.py [--workers 4] [--versions 20] [--address auto]
 
 ``tensorshare.ray.start()`` runs the head server (on the driver's node) and one relay

@@ -11,9 +11,11 @@ Q-network against a target network and puts its parameters back every 50 updates
 The table's rate limiter (``samples_per_insert``) keeps the learner from replaying
 the same transitions too often when the actors are slow, and the actors from
 running far ahead.  With ``--torchrl`` the learner samples through a TorchRL
-``ReplayBuffer`` over the same table (``tensorshare.torchrl.TableStorage``).
+``ReplayBuffer`` over the same table (``tensorshare.torchrl.TableStorage``, with
+TorchRL's own ``RandomSampler``): the rows it reads count as samples of the table,
+so the rate limiter paces it as it paces the native path.
 
-Needs ``gymnasium`` (and ``torchrl`` for ``--torchrl``): ``pip install tensorshare[torchrl]``.
+Needs ``gymnasium`` (and ``torchrl`` for ``--torchrl``): ``pip install gymnasium torchrl`` (the ``torchrl`` extra).
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def actor(port: int, seed: int, seconds: float) -> None:
                         net.load_state_dict(published["params"])
                 except tensorshare.NoSuchBinError:
                     pass
-            epsilon = max(0.05, 1.0 - max(version, 0) / 40)  # a version every 50 updates
+            epsilon = max(0.05, 1.0 - max(version, 0) / 10)  # a version every 50 updates
             if torch.rand(1, generator=rng).item() < epsilon:
                 action = int(torch.randint(0, 2, (1,), generator=rng).item())
             else:
@@ -92,6 +94,7 @@ def actor(port: int, seed: int, seconds: float) -> None:
 def setup(client: tensorshare.Client, args) -> nn.Module:
     """The table and the first parameters, before any actor starts."""
     torch.manual_seed(0)
+    torch.set_num_threads(1)  # a small network: more threads only contend with the actors
     client.create_table(TABLE, 50_000, COLUMNS, sampler="uniform", remover="fifo", min_size_to_sample=1000,
                         samples_per_insert=float(args.samples_per_insert), error_buffer=50_000.0)
     net = q_network()
@@ -150,11 +153,14 @@ def _sampler(client: tensorshare.Client, args):
 
     from tensorshare.torchrl import TableStorage
 
+    # TorchRL's own sampler draws the indices here; the rows it reads count as samples
+    # of the table, so the table's rate limiter paces this learner and the actors alike
+    # (and its min_size_to_sample holds the first reads back in the server).
     rb = ReplayBuffer(storage=TableStorage(TABLE, client), sampler=RandomSampler(), batch_size=128)
 
     def sample():
-        while len(rb) < 1000:  # (a local sampler does not wait in the server)
-            time.sleep(0.1)
+        while not len(rb):  # (known without a round trip: the server tells of inserts)
+            time.sleep(0.05)
         return rb.sample()
 
     return sample

@@ -6,8 +6,8 @@
     python3 scripts/dev.py bench   # set up with the bench extra, run the quick benchmark
     python3 scripts/dev.py bench-full
 
-The environment lives in ``.venv`` and is re-installed only when setup.cfg or
-pyproject.toml change.  torch is installed pinned (``torch==2.13.0``, a CPU build)
+The environment lives in ``.venv`` and is re-installed only when setup.cfg,
+setup.py or pyproject.toml change.  torch is installed pinned (``torch==2.13.0``, a CPU build)
 when missing, so that the package's range does not pull a CUDA build.
 """
 
@@ -26,6 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv"
 PY = VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 TORCH_PIN = "torch==2.13.0"
+PACKAGING = ("setup.cfg", "setup.py", "pyproject.toml")  # a change to these re-installs
+OLD_NAME = "tensorshare"  # the distribution name this project had (taken on the package index by another)
 
 
 def sh(*cmd: str, **kw) -> None:
@@ -38,13 +40,16 @@ def ensure_env(extra: str | None) -> None:
     if not PY.exists():
         venv.EnvBuilder(with_pip=True).create(VENV)
     stamp = VENV / f".installed-{extra or 'base'}"
-    digest = hashlib.sha256(b"".join((ROOT / f).read_bytes() for f in ("setup.cfg", "pyproject.toml"))).hexdigest()
+    digest = hashlib.sha256(b"".join((ROOT / f).read_bytes() for f in PACKAGING)).hexdigest()
     if stamp.exists() and stamp.read_text() == digest:
         return
     quiet = ["--quiet", "--disable-pip-version-check"]
     has_torch = subprocess.run([str(PY), "-c", "import torch"], capture_output=True).returncode == 0
     if not has_torch:
         sh(str(PY), "-m", "pip", "install", *quiet, TORCH_PIN)
+    old = subprocess.run([str(PY), "-m", "pip", "show", OLD_NAME], capture_output=True, text=True)
+    if old.returncode == 0 and str(ROOT) in old.stdout:  # our own earlier install, under the old name
+        sh(str(PY), "-m", "pip", "uninstall", *quiet, "--yes", OLD_NAME)
     target = f".[{extra}]" if extra else "."
     sh(str(PY), "-m", "pip", "install", *quiet, "-e", target)
     stamp.write_text(digest)

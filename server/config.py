@@ -27,6 +27,7 @@ class ServerConfig:
     max_items_per_bin: int = 1_000_000
     max_listens: int = 10_000  # per connection
     max_depth: int = 64  # nesting of a stored value
+    max_table_rows: int = 1 << 26  # slots of all tables together (each keeps 41-137 bytes of state in memory)
     max_nodes: int = 1_000_000  # nodes of a stored value's structure
     # The disk tier (server/bins/storage.py).
     memory_limit: int | None = None  # payload bytes kept in RAM; past it items spill to disk
@@ -57,6 +58,10 @@ class ServerConfig:
     recv_pool_idle: float = 10.0  # seconds a free chunk stays in the pool before it goes back to the system
 
     def __post_init__(self) -> None:
+        for name in ("port", "metrics_port"):
+            port = getattr(self, name)
+            if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
+                raise ValueError(f"{name} must be a TCP port, 0 (any free one) to 65535, not {port!r}")
         if not 0 < self.max_reply_header <= MAX_REPLY_HEADER:
             raise ValueError(f"max_reply_header must be 1 byte to {MAX_REPLY_HEADER >> 20} MiB (what clients accept)")
         if self.max_outbound < 1:

@@ -84,10 +84,15 @@ def build_state(config: ServerConfig, jobs: Jobs | None = None, clock=None) -> S
         except OSError as exc:
             log.warning("zero-copy: no shared-memory area in %s (%s); values travel over TCP", config.shm_dir, exc)
     storage = Storage(store, jobs or InlineJobs(), data_dir=data_dir, spill=spill, shm=shm)
+    storage.tables.bound(config.max_table_rows, config.max_outbound, config.max_reply_header)
     if config.zero_copy:
         storage.share(new_token())
     if data_dir is not None:
-        count = storage.load()
+        try:
+            count = storage.load()
+        except BaseException:
+            storage.close()  # (lets go of the directory's lock)
+            raise
         log.info("data directory %s: %d items in %d bins", config.data_dir, count, len(store.listing()))
     pool = chunk_pool(config.recv_pool_bytes, config.recv_pool_idle)
     counters = Counters(COMMANDS) if config.metrics_port is not None else None

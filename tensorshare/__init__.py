@@ -16,7 +16,7 @@ import importlib
 from . import errors
 from .errors import (
     AuthenticationError, ConnectionLostError, NoSuchBinError, ProtocolError, RemoteError, TensorShareError,
-    TimeoutError,
+    TimeoutError, WrongServerError,
 )
 
 __version__ = "0.1.0"
@@ -67,4 +67,5 @@ __all__ = [
     "Client", "AsyncClient", "ShardedClient", "TensorShare", "RLTrainer", "RLWorker", "Listening", "Notification",
     "ListenSnapshot", "connect", "run_server", "save_memmap", "load_memmap", "errors", "wire", "TensorShareError",
     "ConnectionLostError", "NoSuchBinError", "ProtocolError", "RemoteError", "TimeoutError", "AuthenticationError",
+    "WrongServerError",
 ]

@@ -26,12 +26,14 @@ from ._client.calls import Call
 from ._client.connection import DEFAULT_REUSE, NO_VALUE, next_request_id, request_frame
 from ._client.core import ClientCore
 from ._client.methods import DEFAULT
+from ._client.options import DEFAULT_CONNECT_TIMEOUT, check_address, connect_timeout_for
 from .protocol.retry import Backoff
 from ._client.routing import finish
 from ._client.twisted_wire import Wire
 from ._client.zerocopy import SharedAreas
 from .errors import AuthenticationError, ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UsageError
 from .protocol.messages import NOOP, Command
+from .protocol.peers import PROBE_AFTER
 from .protocol.tls import TLSSettings
 from .wire.frames import Frame
 
@@ -50,14 +52,14 @@ class AsyncClient(ClientCore):
     """
 
     def __init__(self, reactor, host: str, port: int, timeout: float | None, device: Any, max_backoff: float, *,
-                 connect_timeout: float = 10.0, token: str | bytes | None = None, tls: TLSSettings | None = None,
-                 keepalive: float | None = 15.0, reuse: int = DEFAULT_REUSE, zero_copy: bool = True,
-                 connector: Callable[[Wire], defer.Deferred] | None = None):
+                 connect_timeout: float | None = None, token: str | bytes | None = None,
+                 tls: TLSSettings | None = None, keepalive: float | None = 15.0, reuse: int = DEFAULT_REUSE,
+                 zero_copy: bool = True, connector: Callable[[Wire], defer.Deferred] | None = None):
         self._init_core(host, port, timeout=timeout, device=device, zero_copy=zero_copy, reuse=reuse, token=token,
                         tls=tls, keepalive=keepalive, lock=contextlib.nullcontext())  # one thread: the reactor's
         self.reactor = reactor
         self.max_backoff = max_backoff
-        self.connect_timeout = connect_timeout
+        self.connect_timeout = connect_timeout_for(connect_timeout, timeout, DEFAULT_CONNECT_TIMEOUT)
         self._tls_options = None if tls is None else tls.twisted_options(host)
         self._failure: AuthenticationError | None = None  # final: no more connections after it
         self._keepalive_timer = None
@@ -72,14 +74,15 @@ class AsyncClient(ClientCore):
 
     @classmethod
     def connect(cls, host: str = "127.0.0.1", port: int = 8000, *, reactor=None, timeout: float | None = 60.0,
-                device: Any = None, max_backoff: float = 2.0, connect_timeout: float = 10.0,
+                device: Any = None, max_backoff: float = 2.0, connect_timeout: float | None = None,
                 token: str | bytes | None = None, tls: bool | None = None, tls_ca: str | None = None,
                 tls_fingerprint: str | None = None, keepalive: float | None = 15.0,
                 reuse: int = DEFAULT_REUSE, zero_copy: bool = True) -> defer.Deferred:
         """Connect, authenticate if the server asks, and fire with the client.
 
         The options mean what they mean for :class:`tensorshare.Client`: opening a
-        connection takes at most ``connect_timeout`` seconds; ``token`` defaults to
+        connection takes at most ``connect_timeout`` seconds (default: 10, or
+        ``timeout`` if that is shorter); ``token`` defaults to
         the ``TENSORSHARE_TOKEN`` environment variable; ``tls``/``tls_ca``/
         ``tls_fingerprint`` choose TLS and whom to trust (needs the ``tls`` extra);
         ``reuse`` bounds the reply memory kept for reuse; ``zero_copy`` passes large
@@ -89,6 +92,7 @@ class AsyncClient(ClientCore):
         if reactor is None:
             from twisted.internet import reactor
         try:
+            check_address(host, port)
             settings = TLSSettings.from_options(tls, tls_ca, tls_fingerprint)
             client = cls(reactor, host, port, timeout, device, max_backoff, connect_timeout=connect_timeout,
                          token=token, tls=settings, keepalive=keepalive, reuse=reuse, zero_copy=zero_copy)
@@ -124,13 +128,14 @@ class AsyncClient(ClientCore):
 
     def _call(self, command: Command, fields: dict | None = None, value: Any = NO_VALUE, *, timeout=DEFAULT,
               then: Callable | None = None, on_reply: Callable | None = None, on_error: Callable | None = None,
-              decode: bool = True, zero_copy: bool = True, progress: Callable | None = None) -> defer.Deferred:
+              decode: bool = True, zero_copy: bool = True, progress: Callable | None = None, device: Any = None,
+              into: Any = None) -> defer.Deferred:
         if progress is not None:
             raise UsageError("progress reports are for the blocking Client")
         d = defer.Deferred()
         try:
             self._submit(command, fields, value, d, zero_copy=zero_copy, timeout=timeout, then=then,
-                         on_reply=on_reply, on_error=on_error, decode=decode)
+                         on_reply=on_reply, on_error=on_error, decode=decode, device=device, into=into)
         except TensorShareError:
             return defer.fail()
         return d
@@ -144,7 +149,7 @@ class AsyncClient(ClientCore):
     def _submit(self, command: Command, fields: dict | None, value: Any, callback, *,
                 zero_copy: bool = True, timeout=DEFAULT, then: Callable | None = None,
                 on_error: Callable | None = None, on_reply: Callable | None = None, decode: bool = True,
-                raw: bool = False, inline: bool = False) -> None:
+                raw: bool = False, inline: bool = False, device: Any = None, into: Any = None) -> None:
         """Send a call; ``callback`` is a ``callback(result, error)`` or a Deferred
         (``inline`` changes nothing here: callbacks run on the reactor thread)."""
         if self._closed:
@@ -158,7 +163,8 @@ class AsyncClient(ClientCore):
         areas = self._wire.conn.areas if zero_copy and decode and self.zero_copy else None
         timeout = self.timeout if timeout is DEFAULT else timeout
         deadline = None if timeout is None else self.reactor.seconds() + timeout
-        call = self._new_call(command, fields, value, areas, callback, then, on_error, on_reply, deadline, decode, raw)
+        call = self._new_call(command, fields, value, areas, callback, then, on_error, on_reply, deadline, decode, raw,
+                              device=device, into=into)
         try:
             self._transmit(call, deadline)
         except BaseException:
@@ -271,11 +277,14 @@ class AsyncClient(ClientCore):
     def _open(self) -> defer.Deferred:
         wire = Wire(self)
         # The endpoint bounds the TCP connect; this bounds TLS, greeting and AUTH too.
-        timer = self.reactor.callLater(self.connect_timeout, wire.abandon_opening)
+        timers = [self.reactor.callLater(self.connect_timeout, wire.abandon_opening)]
+        if self._tls is None and self._connector == self._connect_endpoint:  # a real socket: probe a silent peer
+            timers.append(self.reactor.callLater(min(PROBE_AFTER, self.connect_timeout / 2), wire.probe_peer))
 
         def stop_timer(result):
-            if timer.active():
-                timer.cancel()
+            for timer in timers:
+                if timer.active():
+                    timer.cancel()
             return result
 
         d = self._connector(wire)

@@ -1,18 +1,21 @@
 """``tensorshare``: look at and move bins from a shell.
 
     tensorshare ls                      bins and their item counts
-    tensorshare stat BIN                items, sequence number, last tag (bytes and tiers with --metrics-port)
+    tensorshare stat BIN                items, sequence number, last tag (bytes and tiers with --metrics-port);
+                                        of a table: its settings, counters and rate limiter
     tensorshare peek BIN                shapes, dtypes and a few values of each item
     tensorshare save BIN DIR            the bin's items to DIR (memory-mappable files, no pickle)
     tensorshare load DIR BIN            what ``save`` (or ``save_memmap``) wrote, into BIN
     tensorshare rm BIN                  delete BIN
     tensorshare watch                   a live view of bins (and clients, with --metrics-port)
+    tensorshare table ls|info|sample|save|load|drop   the server's tables (replay buffers): see cli_tables.py
 
 Connection options are the server's: ``--host``, ``--port``, ``--token-file`` (else
-``TENSORSHARE_TOKEN``), ``--tls``/``--tls-ca``/``--tls-fingerprint``.  ``--json``
-prints data for scripts.  Exit status: 0 done, 1 failed, 2 bad usage, 3 no server
+``TENSORSHARE_TOKEN``), ``--tls``/``--tls-ca``/``--tls-fingerprint``, before or after
+the command (a command added here takes them through :func:`add_command`).
+``--json`` prints data for scripts.  Exit status: 0 done, 1 failed, 2 bad usage, 3 no server
 there, 4 authentication failed, 5 no such bin.  Tables and live views use ``rich``
-when it is installed (``pip install tensorshare[cli]``), plain text otherwise.
+when it is installed (the ``cli`` extra: ``pip install rich``), plain text otherwise.
 """
 
 from __future__ import annotations
@@ -24,8 +27,12 @@ import sys
 import time
 from typing import Any
 
-from .errors import AuthenticationError, ConnectionLostError, NoSuchBinError, TensorShareError, UsageError
-from .humanize import human_bytes
+from . import cli_tables
+from .argtypes import count, port_number, seconds
+from .errors import (
+    AuthenticationError, ConnectionLostError, NoSuchBinError, TensorShareError, UsageError, WrongServerError,
+)
+from .humanize import human_bytes, rl_roles
 
 OK, FAILED, USAGE, NO_SERVER, AUTH_FAILED, NO_BIN = 0, 1, 2, 3, 4, 5
 PEEK_VALUES = 6  # values shown per tensor
@@ -183,6 +190,7 @@ def status_json(args) -> dict | None:
     """The server's /status.json when ``--metrics-port`` is given, else None."""
     if args.metrics_port is None:
         return None
+    import http.client
     import urllib.error
     import urllib.request
 
@@ -200,6 +208,9 @@ def status_json(args) -> dict | None:
         raise CliError(f"{url}: {exc.code} {exc.reason}", AUTH_FAILED if exc.code == 401 else FAILED) from None
     except OSError as exc:
         raise CliError(f"cannot reach the status page at {url}: {exc}", NO_SERVER) from None
+    except (http.client.HTTPException, ValueError) as exc:  # not HTTP, or not JSON
+        raise CliError(f"no status page at {url} ({type(exc).__name__}: {exc}): --metrics-port is the port "
+                       f"the server printed for its status page", NO_SERVER) from None
 
 
 # -- subcommands
@@ -220,6 +231,9 @@ def cmd_ls(args, client, out) -> int:
 
 
 def cmd_stat(args, client, out) -> int:
+    table = cli_tables.info_if_table(client, args.bin)
+    if table is not None:  # capacity, sampler, rate limits...
+        return cli_tables.show_info(args, client, out, args.bin, table)
     handle = client.listen(args.bin, lambda note: None)
     snap = handle.snapshot
     handle.stop()
@@ -273,10 +287,13 @@ def cmd_save(args, client, out) -> int:
 
 def cmd_load(args, client, out) -> int:
     from .disk.layout import LayoutError
+    from .disk.tables import is_checkpoint
     from .memmap import load_memmap
 
     if not os.path.isdir(args.dir):
         raise CliError(f"no directory {args.dir}")
+    if is_checkpoint(args.dir):  # Client.save of a table: the table made again
+        return cli_tables.load_checkpoint(args, client, out, args.bin)
     try:
         loaded = load_memmap(args.dir)
     except LayoutError as exc:
@@ -326,9 +343,8 @@ def watch_view(args, client) -> tuple[list, list, dict | None]:
     if status:
         bins = [[b["name"], b["items"], human_bytes(b["bytes"]), "-" if b["tag"] is None else b["tag"]]
                 for b in status["bins"]]
-        clients = [[c["id"], c["peer"], ", ".join(f"{e or '(default)'}: v{v}" for e, v in c["versions"].items())
-                    or "-", human_bytes(c["bytes_in"]), human_bytes(c["bytes_out"]), c["requests"]]
-                   for c in status["clients"]]
+        clients = [[c["id"], c["peer"], rl_roles(c), human_bytes(c["bytes_in"]), human_bytes(c["bytes_out"]),
+                    c["requests"]] for c in status["clients"]]
         return bins, clients, status
     return [[name, n, "-", "-"] for name, n in sorted(client.list().items())], [], None
 
@@ -336,7 +352,7 @@ def watch_view(args, client) -> tuple[list, list, dict | None]:
 def cmd_watch(args, client, out) -> int:
     count = 0
     bin_headers = ["bin", "items", "bytes", "tag"]
-    client_headers = ["conn", "address", "versions", "in", "out", "requests"]
+    client_headers = ["conn", "address", "experiments", "in", "out", "requests"]
 
     def frames():
         nonlocal count
@@ -351,7 +367,8 @@ def cmd_watch(args, client, out) -> int:
             out.emit({"time": time.time(), "bins": [dict(zip(bin_headers, r)) for r in bins],
                       "clients": [dict(zip(client_headers, r)) for r in clients]})
         return OK
-    console = out.console
+    # A live view updates in place on a terminal; into a pipe or a file each refresh is printed.
+    console = out.console if sys.stdout.isatty() else None
     if console is None:
         for bins, clients, status in frames():
             if sys.stdout.isatty():
@@ -416,46 +433,86 @@ class Output:
 
 
 COMMANDS = {"ls": cmd_ls, "stat": cmd_stat, "peek": cmd_peek, "save": cmd_save, "load": cmd_load, "rm": cmd_rm,
-            "watch": cmd_watch}
+            "watch": cmd_watch, "table": cli_tables.cmd_table}
+
+
+# -- the command line
+
+
+def common_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the options every command takes: where the server is, how to reach it, how to print."""
+    parser.add_argument("--host", help="the server's address (default $TENSORSHARE_HOST, else 127.0.0.1)")
+    parser.add_argument("--port", type=port_number, help="the server's port (default $TENSORSHARE_PORT, else 8000)")
+    parser.add_argument("--token-file", metavar="FILE", help="the server's token (default: $TENSORSHARE_TOKEN)")
+    parser.add_argument("--tls", action="store_true", help="TLS, trusting the system's CAs")
+    parser.add_argument("--tls-ca", metavar="PEM", help="TLS, trusting this CA")
+    parser.add_argument("--tls-fingerprint", metavar="SHA256", help="TLS, pinning the server certificate")
+    parser.add_argument("--metrics-port", type=port_number, metavar="PORT",
+                        help="the server's --metrics-port: ls, stat and watch then show bytes and clients too")
+    parser.add_argument("--timeout", type=seconds, metavar="SECONDS", help="for each request (default 30)")
+    parser.add_argument("--json", action="store_true", help="print JSON (one document per line) for scripts")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    return parser
+
+
+DEFAULTS = {"host": None, "port": None, "token_file": None, "tls": False, "tls_ca": None, "tls_fingerprint": None,
+            "metrics_port": None, "timeout": 30.0, "json": False, "quiet": False}
+
+
+def add_command(commands, name: str, text: str) -> argparse.ArgumentParser:
+    """A subcommand's parser, taking the common options too, so that they may come
+    before or after the command (``tensorshare ls --port 8001``)."""
+    # argument_default=SUPPRESS: an option not given after the command leaves what
+    # was given before it (or the default) in place.
+    common = common_options(argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS))
+    return commands.add_parser(name, help=text, description=text, parents=[common])
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tensorshare", description="Look at and move tensorshare bins.",
-                                epilog="Exit status: 0 done, 1 failed, 2 bad usage, 3 no server, "
-                                       "4 authentication failed, 5 no such bin.")
-    p.add_argument("--host", default=os.environ.get("TENSORSHARE_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(os.environ.get("TENSORSHARE_PORT", "8000")))
-    p.add_argument("--token-file", metavar="FILE", help="the server's token (default: $TENSORSHARE_TOKEN)")
-    p.add_argument("--tls", action="store_true", help="TLS, trusting the system's CAs")
-    p.add_argument("--tls-ca", metavar="PEM", help="TLS, trusting this CA")
-    p.add_argument("--tls-fingerprint", metavar="SHA256", help="TLS, pinning the server certificate")
-    p.add_argument("--metrics-port", type=int, metavar="PORT",
-                   help="the server's --metrics-port: ls, stat and watch then show bytes and clients too")
-    p.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS")
-    p.add_argument("--json", action="store_true", help="print JSON (one document per line) for scripts")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+                                epilog="Options may come before or after the command. Exit status: 0 done, "
+                                       "1 failed, 2 bad usage, 3 no server, 4 authentication failed, "
+                                       "5 no such bin.")
+    common_options(p)
+    p.set_defaults(**DEFAULTS)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sub.add_parser("ls", help="bins and their item counts")
+    add_command(sub, "ls", "bins and their item counts")
     for name, text in (("stat", "a bin's items, sequence number and last tag"),
                        ("peek", "shapes, dtypes and a few values of a bin's items"), ("rm", "delete a bin")):
-        sub.add_parser(name, help=text).add_argument("bin")
-    save = sub.add_parser("save", help="write a bin's items to a directory (memory-mappable, no pickle)")
+        add_command(sub, name, text).add_argument("bin")
+    save = add_command(sub, "save", "write a bin's items to a directory (memory-mappable, no pickle)")
     save.add_argument("bin")
     save.add_argument("dir")
     save.add_argument("--overwrite", action="store_true")
-    load = sub.add_parser("load", help="put what save wrote into a bin (replacing its items)")
+    load = add_command(sub, "load", "put what save wrote into a bin (replacing its items)")
     load.add_argument("dir")
     load.add_argument("bin")
-    watch = sub.add_parser("watch", help="a live view of bins (and clients, with --metrics-port)")
-    watch.add_argument("--interval", type=float, default=1.0, metavar="SECONDS")
-    watch.add_argument("--count", type=int, default=None, help="stop after this many refreshes")
+    watch = add_command(sub, "watch", "a live view of bins (and clients, with --metrics-port)")
+    watch.add_argument("--interval", type=seconds, default=1.0, metavar="SECONDS")
+    watch.add_argument("--count", type=count, default=None, help="stop after this many refreshes")
+    cli_tables.add_parser(sub, add_command)
     return p
 
 
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with the address taken from the environment where it does not say."""
+    p = parser()
+    args = p.parse_args(argv)
+    if args.host is None:
+        args.host = os.environ.get("TENSORSHARE_HOST") or "127.0.0.1"
+    if args.port is None:
+        try:
+            args.port = port_number(os.environ.get("TENSORSHARE_PORT") or "8000")
+        except argparse.ArgumentTypeError as exc:
+            p.error(f"TENSORSHARE_PORT: {exc}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args = parse(argv)
     out = Output(None if args.json else _rich())
     client = None
+    where = f"{args.host}:{args.port}"
     try:
         client = connect(args)
         return COMMANDS[args.command](args, client, out)
@@ -465,8 +522,18 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(exc.message if hasattr(exc, "message") else str(exc), NO_BIN)
     except AuthenticationError as exc:
         return _fail(f"authentication failed: {exc} (check --token-file or TENSORSHARE_TOKEN)", AUTH_FAILED)
+    except WrongServerError as exc:
+        return _fail(wrong_server_message(where, exc), NO_SERVER)
     except ConnectionLostError as exc:
-        return _fail(f"no tensorshare server at {args.host}:{args.port}: {exc}", NO_SERVER)
+        if client is not None:  # it was there, and went away
+            return _fail(str(exc), FAILED)
+        return _fail(f"{exc} (no tensorshare server there? --host and --port, or TENSORSHARE_HOST and "
+                     f"TENSORSHARE_PORT, say where it is)", NO_SERVER)
+    except UsageError as exc:
+        return _fail(str(exc), USAGE)
+    except BrokenPipeError:  # the reader went away (| head): stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return OK
     except (TensorShareError, OSError) as exc:
         return _fail(str(exc), FAILED)
     except KeyboardInterrupt:
@@ -474,6 +541,16 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if client is not None:
             client.close()
+
+
+def wrong_server_message(where: str, exc: WrongServerError) -> str:
+    """What to tell a user whose --host/--port reached something other than a tensorshare server."""
+    if exc.speaks == "TLS":
+        return f"{where} is a TLS server: add --tls (or --tls-ca PEM, or --tls-fingerprint SHA256 to pin it)"
+    if exc.speaks == "HTTP":
+        return (f"{where} is an HTTP server, not a tensorshare server: --port is the server's data port "
+                f"(its status page's port goes in --metrics-port)")
+    return str(exc)
 
 
 def _fail(message: str, code: int) -> int:

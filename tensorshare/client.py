@@ -38,13 +38,17 @@ from .protocol.keepalive import DEAD, PROBE, Keepalive
 from ._client.listens import Listening
 from ._client.reader import BackgroundReader
 from ._client.methods import DEFAULT
+from ._client.options import DEFAULT_CONNECT_TIMEOUT, DEFAULT_RETRY_FOR, check_address, connect_timeout_for
 from .protocol.retry import Backoff
 from ._client.routing import finish
 from ._client.sockets import SMALL_FRAME, Link, open_link
 from ._client.spin import DEFAULT_LIMIT as DEFAULT_SPIN
 from ._client.spin import ReplySpin
 from ._client.zerocopy import SharedAreas
-from .errors import AuthenticationError, ConnectionLostError, TensorShareError, TimeoutError, UsageError
+from .errors import (
+    AuthenticationError, BadNameError, ConnectionLostError, NoSuchBinError, ProtocolError, TensorShareError,
+    TimeoutError, UsageError, WrongServerError,
+)
 from .protocol.messages import NOOP, Command
 from .protocol.tls import TLSSettings
 
@@ -65,7 +69,11 @@ class Client(LeaderFollower, ClientCore):
     flight with :class:`ConnectionLostError`; the next call reconnects.
 
     Opening a connection (TCP, TLS, greeting, authentication) takes at most
-    ``connect_timeout`` seconds.  ``token`` (default: the ``TENSORSHARE_TOKEN``
+    ``connect_timeout`` seconds (default: 10, or ``timeout`` if that is shorter);
+    a peer that turns out not to be a tensorshare server (a TLS server reached
+    without TLS, an HTTP server...) raises
+    :class:`~tensorshare.errors.WrongServerError` as soon as that shows (about a
+    second when it says nothing first).  ``token`` (default: the ``TENSORSHARE_TOKEN``
     environment variable) authenticates to a server that requires it and makes the
     client require the server to prove it knows the token too; it is never sent.
     ``tls=True`` speaks TLS, verifying the server against the system's CAs and the
@@ -97,15 +105,16 @@ class Client(LeaderFollower, ClientCore):
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, timeout: float | None = 60.0, *,
-                 connect_timeout: float = 10.0, device: Any = None, reconnect: bool = True,
+                 connect_timeout: float | None = None, device: Any = None, reconnect: bool = True,
                  max_backoff: float = 2.0, token: str | bytes | None = None, tls: bool | None = None,
                  tls_ca: str | None = None, tls_fingerprint: str | None = None, keepalive: float | None = 15.0,
                  zero_copy: bool = True, spin: float = DEFAULT_SPIN, reuse: int = DEFAULT_REUSE):
+        check_address(host, port)
         self._cond = threading.Condition()
         settings = TLSSettings.from_options(tls, tls_ca, tls_fingerprint)
         self._init_core(host, port, timeout=timeout, device=device, zero_copy=zero_copy, reuse=reuse, token=token,
                         tls=settings, keepalive=keepalive, lock=self._cond)
-        self.connect_timeout = connect_timeout
+        self.connect_timeout = connect_timeout_for(connect_timeout, timeout, DEFAULT_CONNECT_TIMEOUT)
         self.reconnect = reconnect
         self.max_backoff = max_backoff
         self._ssl_context = None if settings is None else settings.ssl_context()
@@ -123,6 +132,8 @@ class Client(LeaderFollower, ClientCore):
         self._dispatcher: Dispatcher | None = None
         self._connect()
 
+    _blocking = True
+
     def close(self) -> None:
         """Close the connection; calls in flight fail, later calls raise UsageError."""
         with self._cond:
@@ -132,6 +143,8 @@ class Client(LeaderFollower, ClientCore):
             self._listens.clear()
             self._cond.notify_all()  # an idle reader ends now
         self._drop_connection(self._link, ConnectionLostError("client closed"))
+        if self._exports is not None:
+            self._exports.close()
         if self._dispatcher is not None:
             self._dispatcher.stop(timeout=0)
         if self._buffers is not None:
@@ -164,6 +177,39 @@ class Client(LeaderFollower, ClientCore):
     def __exit__(self, *exc) -> None:
         self.close()
 
+    # -- tables whole (several calls in a row: the blocking client's)
+
+    def save(self, bin: str, path, *, overwrite: bool = False, timeout=DEFAULT,
+             progress: Callable[[int, int], Any] | None = None) -> Any:
+        """Write bin ``bin``'s items to the directory ``path`` (see
+        :meth:`ClientMethods.save`); for a table, a table checkpoint of its rows and
+        settings (:mod:`tensorshare.disk.tables`, which :meth:`load_table` makes the
+        table again from).  Returns the number of items (or rows) saved."""
+        try:
+            return super().save(bin, path, overwrite=overwrite, timeout=timeout, progress=progress)
+        except BadNameError:
+            if not self._is_table(bin):
+                raise
+        from ._client.table_copy import save_table
+
+        return save_table(self, bin, path, overwrite=overwrite)
+
+    def load_table(self, path, name: str | None = None, *, replace: bool = True) -> int:
+        """Make table ``name`` (the saved one's name by default) from the table
+        checkpoint ``path`` that :meth:`save` wrote: the same settings and rows, each
+        at its slot with its priority.  A table there is replaced (``replace=False``:
+        refused).  Returns the number of rows."""
+        from ._client.table_copy import load_table
+
+        return load_table(self, path, name, replace=replace)
+
+    def _is_table(self, name: str) -> bool:
+        try:
+            self.table_info(name)
+        except (BadNameError, NoSuchBinError):
+            return False
+        return True
+
     def __repr__(self) -> str:
         state = "closed" if self._closed else "connected" if self._link else "disconnected"
         return f"<tensorshare.Client {self._where} {state}>"
@@ -172,7 +218,8 @@ class Client(LeaderFollower, ClientCore):
 
     def _call(self, command: Command, fields: dict | None = None, value: Any = NO_VALUE, *, timeout=DEFAULT,
               then: Callable | None = None, on_reply: Callable | None = None, on_error: Callable | None = None,
-              decode: bool = True, zero_copy: bool = True, progress: Callable | None = None) -> Any:
+              decode: bool = True, zero_copy: bool = True, progress: Callable | None = None, device: Any = None,
+              into: Any = None) -> Any:
         """Send a request and wait for its reply (see :mod:`._client.methods`);
         ``progress(done, total)`` hears of the bytes of a large request sent and of
         its reply received (:class:`._client.progress.Progress`)."""
@@ -186,7 +233,8 @@ class Client(LeaderFollower, ClientCore):
             areas = link.conn.areas if zero_copy and self.zero_copy else None
         else:
             areas = self._areas(deadline) if zero_copy and self.zero_copy else None
-        call = self._new_call(command, fields, value, areas, None, then, on_error, on_reply, None, decode)
+        call = self._new_call(command, fields, value, areas, None, then, on_error, on_reply, None, decode,
+                              device=device, into=into)
         try:
             while True:
                 try:
@@ -229,11 +277,12 @@ class Client(LeaderFollower, ClientCore):
     def _submit(self, command: Command, fields: dict | None, value: Any, callback: Callable, *,
                 zero_copy: bool = True, timeout=DEFAULT, then: Callable | None = None,
                 on_error: Callable | None = None, on_reply: Callable | None = None, decode: bool = True,
-                raw: bool = False, inline: bool = False) -> None:
+                raw: bool = False, inline: bool = False, device: Any = None, into: Any = None) -> None:
         if self._closed:
             raise UsageError("the client is closed")
         areas = self._areas(DEFAULT) if zero_copy and self.zero_copy else None
-        call = self._new_call(command, fields, value, areas, callback, then, on_error, on_reply, None, decode, raw)
+        call = self._new_call(command, fields, value, areas, callback, then, on_error, on_reply, None, decode, raw,
+                              device=device, into=into)
         call.inline = inline
         try:
             parts = self._request_parts(call)
@@ -326,6 +375,9 @@ class Client(LeaderFollower, ClientCore):
         link = self._ensure_connected(deadline)
         with self._send_lock:
             coalescer = self._coalescer
+            if type(parts) is not list:  # StagedParts: device arrays, staged bucket by bucket as they go
+                self._send_staged(link, parts, deadline, rid, progress)
+                return
             if not (may_hold and not link.tls and coalescer.awaiting(link)
                     and sum(map(len, parts)) <= SMALL_FRAME and coalescer.hold(link, rid, b"".join(parts))):
                 if progress is None:
@@ -341,6 +393,24 @@ class Client(LeaderFollower, ClientCore):
             with self._send_lock:
                 if coalescer and link is self._link:
                     self._send_locked(link, [], deadline)
+
+    def _send_staged(self, link: Link, parts, deadline: float | None, rid: int,
+                     progress: Progress | None) -> None:
+        """Send a frame holding device arrays (the caller holds the send lock): each
+        bucket the engine stages goes out before the next is asked for (its buffer
+        is then reused), while the buckets after it are being copied."""
+        pending, first = [], True
+        for view, staged in parts.engine.pieces(parts):
+            pending.append(view)
+            if staged:
+                self._send_locked(link, pending, deadline, rid if first else None)
+                if progress is not None:
+                    progress.sent(pending)
+                pending, first = [], False
+        if pending or first:
+            self._send_locked(link, pending, deadline, rid if first else None)
+            if progress is not None:
+                progress.sent(pending)
 
     def _send_held(self, link: Link) -> None:
         """Send what the coalescer holds, as far as the socket takes it now (a reader:
@@ -449,10 +519,13 @@ class Client(LeaderFollower, ClientCore):
 
     # ------------------------------------------------------------------ connections
 
-    def _connect(self) -> Link:
-        """Open a connection (see :func:`._client.sockets.open_link`) and make it current."""
-        link = open_link(self.host, self.port, self.connect_timeout, self._tls, self._ssl_context,
-                         self._new_connection())
+    def _connect(self, deadline: float | None = None) -> Link:
+        """Open a connection (see :func:`._client.sockets.open_link`) and make it current,
+        within ``connect_timeout`` and the calling request's ``deadline``."""
+        within = self.connect_timeout
+        if deadline is not None:
+            within = max(min(within, deadline - time.monotonic()), 0.001)
+        link = open_link(self.host, self.port, within, self._tls, self._ssl_context, self._new_connection())
         try:
             if self.zero_copy:
                 link.conn.areas = SharedAreas.of(link.conn.greeting)
@@ -485,7 +558,7 @@ class Client(LeaderFollower, ClientCore):
             if self._failure is not None:
                 raise self._failure.with_traceback(None)
             try:
-                link = self._connect()
+                link = self._connect(deadline)
             except AuthenticationError as exc:
                 self._failure = exc  # a wrong token or an untrusted server stays so: do not hammer it
                 raise
@@ -512,25 +585,37 @@ class Client(LeaderFollower, ClientCore):
                     failed.append(call)
             self._cond.notify_all()
         link.close()
+        if self._exports is not None:  # the server let go of this connection's device references
+            self._exports.lost()
         for call in failed:
             self._callbacks().submit(self._complete, call, error)
 
 
-def connect(host: str = "127.0.0.1", port: int = 8000, *, retry_for: float = 30.0, **options) -> Client:
+def connect(host: str = "127.0.0.1", port: int = 8000, *, retry_for: float | None = None, **options) -> Client:
     """A :class:`Client`, retrying with backoff for up to ``retry_for`` seconds while the
     server is not up yet (processes of a job often start in any order).
 
-    ``options`` are :class:`Client`'s (``token``, ``tls``, ``timeout``...).  Raises
-    :class:`ConnectionLostError` if the server still cannot be reached; any other
-    error, such as an :class:`AuthenticationError`, at once.
+    ``options`` are :class:`Client`'s (``token``, ``tls``, ``timeout``...).
+    ``retry_for`` defaults to 30 s, or the ``timeout`` option if that is shorter; no
+    attempt outlasts it.  Raises :class:`ConnectionLostError` if the server still
+    cannot be reached; any other error, such as an :class:`AuthenticationError` or a
+    :class:`WrongServerError`, at once.
     """
+    timeout = options.get("timeout", 60.0)
+    retry_for = connect_timeout_for(retry_for, timeout, DEFAULT_RETRY_FOR)
+    each = connect_timeout_for(options.pop("connect_timeout", None), timeout, DEFAULT_CONNECT_TIMEOUT)
     deadline = time.monotonic() + retry_for
     backoff = Backoff(0.05, 1.0)
     while True:
         try:
-            return Client(host, port, **options)
-        except ConnectionLostError:
-            delay = backoff.next()
-            if time.monotonic() + delay > deadline:
-                raise
-            time.sleep(delay)
+            client = Client(host, port, connect_timeout=max(min(each, deadline - time.monotonic()), 0.01), **options)
+            client.connect_timeout = each  # for its reconnections: the retry's remaining time was this one's
+            return client
+        except WrongServerError:
+            raise
+        except ConnectionLostError as exc:
+            left = deadline - time.monotonic()
+            if left < 0.01:
+                raise ConnectionLostError(f"{exc} (tried for {retry_for:g}s)") from None
+            time.sleep(min(backoff.next(), left))
+

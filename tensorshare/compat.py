@@ -90,7 +90,7 @@ class TensorShare(StartStop):
     STATUS_ERR = "ERR"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, *, timeout: float = 60.0,
-                 connect_timeout: float = 30.0, **client_options):
+                 connect_timeout: float | None = None, **client_options):
         super().__init__()
         self._client = connect(host, port, timeout=timeout, retry_for=connect_timeout, **client_options)
         self._listening: dict[str, Listening] = {}

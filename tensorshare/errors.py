@@ -19,6 +19,7 @@ __all__ = [
     "EncodeError",
     "ProtocolError",
     "ConnectionLostError",
+    "WrongServerError",
     "TimeoutError",
     "RemoteError",
     "TransientError",
@@ -35,6 +36,7 @@ __all__ = [
     "UntrustedServerError",
     "ServerUnavailableError",
     "ZeroCopyError",
+    "DeviceReferenceError",
     "ZeroCopyUnavailableError",
     "error_for_code",
 ]
@@ -82,6 +84,18 @@ class ProtocolError(TensorShareError):
 
 class ConnectionLostError(TensorShareError, ConnectionError):
     """The connection to the peer closed or failed before the reply arrived."""
+
+
+class WrongServerError(ConnectionLostError):
+    """What answered at the address is not a tensorshare server (as this client was
+    told to speak to it): a TLS server reached without TLS, an HTTP server (a
+    server's metrics port), anything else.  ``speaks`` is ``"TLS"``, ``"HTTP"`` or
+    None (unknown).  Connecting again would meet the same peer: the clients do not
+    retry it."""
+
+    def __init__(self, message: str, speaks: str | None = None):
+        super().__init__(message)
+        self.speaks = speaks
 
 
 class TimeoutError(TensorShareError, builtins.TimeoutError):  # noqa: A001 - deliberate
@@ -138,6 +152,13 @@ class ZeroCopyError(ProtocolError):
     """A value could not be read from the server's shared memory (files gone or not
     trusted).  The clients then fall back to TCP by themselves where they can; a GET
     whose items were taken but could not be mapped raises it."""
+
+
+class DeviceReferenceError(ZeroCopyError):
+    """An item the server referred to in another process's GPU memory (CUDA IPC)
+    could not be read from there (a device this process does not see, a publisher
+    that is gone, a copy that does not match its digest).  The clients then read
+    the item's bytes instead, by themselves."""
 
 
 class ZeroCopyUnavailableError(TransientError):

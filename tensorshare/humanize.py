@@ -1,4 +1,4 @@
-"""Sizes as people read them, for what both ends show (the status page, the CLI)."""
+"""Sizes and roles as people read them, for what both ends show (the status page, the CLI)."""
 
 from __future__ import annotations
 
@@ -12,3 +12,22 @@ def human_bytes(n: float | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def rl_roles(client: dict) -> str:
+    """What a status-page client row (``/status.json``'s ``clients``) is in each RL
+    experiment: ``"corridor: worker actor-3 at v5 (1 behind)"``, ``"corridor: trainer
+    at v6"``; ``"-"`` for none."""
+    versions, roles, lag = client.get("versions", {}), client.get("roles", {}), client.get("lag", {})
+    parts = []
+    for experiment in sorted({*versions, *roles}):
+        role = roles.get(experiment)
+        text = f"{experiment or '(default)'}:"
+        if role is not None:
+            text += " trainer" if role == "trainer" else f" worker {role}"
+        if experiment in versions:
+            text += f" at v{versions[experiment]}"
+            if lag.get(experiment):
+                text += f" ({lag[experiment]} behind)"
+        parts.append(text)
+    return ", ".join(parts) or "-"

@@ -22,10 +22,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .disk.tables import is_checkpoint
 from .disk.layout import (
     BIN_RECORD, RECORD, LayoutError, StoredItem, mapped_parts, read_item, write_bin_root, write_item,
 )
-from .wire.codec import array_view, assemble, encode
+from .wire.codec import array_view, assemble, build, encode
 from .wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
 
 __all__ = ["save_memmap", "load_memmap", "save_items"]
@@ -112,8 +113,10 @@ class _Mapping:
 
     __slots__ = ("address", "size", "__array_interface__", "__weakref__")
 
-    def __init__(self, fd: int, size: int, shared: bool):
+    def __init__(self, fd: int, size: int, shared: bool, populate: bool = False):
         flags = mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE
+        if populate:  # the kernel maps every page now, far quicker than a fault per page on first read
+            flags |= getattr(mmap, "MAP_POPULATE", 0)
         address = _LIBC.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
         if address is None or address == _MAP_FAILED:
             err = ctypes.get_errno()
@@ -155,9 +158,10 @@ def new_shared_file(path: str, nbytes: int) -> np.ndarray:
         os.close(fd)
 
 
-def _map(file: str, nbytes: int, writable: bool, follow_symlinks: bool = True) -> np.ndarray:
+def _map(file: str, nbytes: int, writable: bool, follow_symlinks: bool = True, populate: bool = False) -> np.ndarray:
     """The file's bytes as a uint8 array over a mapping: shared if ``writable``, else
-    copy-on-write (private; writes stay in memory).  Pages are read when touched."""
+    copy-on-write (private; writes stay in memory).  Pages are read when touched
+    (all at once with ``populate``: the whole file is about to be read)."""
     if not nbytes:
         return np.empty(0, np.uint8)
     flags = (os.O_RDWR if writable else os.O_RDONLY) | (0 if follow_symlinks else os.O_NOFOLLOW)
@@ -167,7 +171,7 @@ def _map(file: str, nbytes: int, writable: bool, follow_symlinks: bool = True) -
         if not stat.S_ISREG(st.st_mode) or st.st_size < nbytes:
             raise LayoutError(f"{file} is not a regular file of at least {nbytes} bytes")
         if _LIBC is not None:
-            return np.asarray(_Mapping(fd, nbytes, writable))
+            return np.asarray(_Mapping(fd, nbytes, writable, populate))
         mapping = mmap.mmap(fd, nbytes, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_COPY)
     finally:
         os.close(fd)
@@ -175,13 +179,39 @@ def _map(file: str, nbytes: int, writable: bool, follow_symlinks: bool = True) -
 
 
 def load_item(stored: StoredItem, *, writable: bool = False, device: Any = None,
-              limits: DecodeLimits = DEFAULT_LIMITS, follow_symlinks: bool = True) -> Any:
+              limits: DecodeLimits = DEFAULT_LIMITS, follow_symlinks: bool = True, into: Any = None) -> Any:
     """The value of one item found by :func:`~tensorshare.disk.layout.read_item`, its arrays
-    mapping the item's files (copy-on-write unless ``writable``)."""
+    mapping the item's files (copy-on-write unless ``writable``).  On a ``device`` with
+    a transfer engine (CUDA) the files are copied there through it in buckets
+    (:meth:`~tensorshare.device.engine.Engine.upload`); ``into(description)`` may give
+    destination tensors by array index."""
     desc = parse_description(stored.description, stored.nbytes, limits)
+    if device is not None and not writable:
+        value = _load_on_device(stored, desc, device, follow_symlinks, into)
+        if value is not None:
+            return value
     arrays = [array_view(spec, _map(file, nbytes, writable, follow_symlinks), 0, device)
               for spec, (_offset, nbytes, file) in zip(desc.arrays, stored.files)]
     return assemble(desc, arrays)
+
+
+def _load_on_device(stored: StoredItem, desc, device: Any, follow_symlinks: bool, into: Any) -> Any:
+    """:func:`load_item` into device memory through the transfer engine; None where
+    there is none for ``device`` (or an array it cannot hold: numpy's)."""
+    from .device import engine_for
+    from .device.engine import item_layout
+
+    engine = engine_for(device)
+    if engine is None:
+        return None
+    index = engine.streams.index(device)
+    layout = item_layout(desc, 0, into(desc) if into is not None else {}, engine, index)
+    if layout is None:
+        return None
+    arrays = [(offset, _map(file, nbytes, False, follow_symlinks, populate=True))
+              for offset, nbytes, file in stored.files]
+    targeted = any(target is not None for _o, _n, target in layout)
+    return build(desc, engine.upload(arrays, stored.nbytes, index, layout if targeted else None))
 
 
 def load_memmap(path: str | os.PathLike, *, writable: bool = False, device: Any = None,
@@ -189,7 +219,8 @@ def load_memmap(path: str | os.PathLike, *, writable: bool = False, device: Any 
     """Map back what :func:`save_memmap` or ``Client.save`` wrote.
 
     A directory written by ``save_memmap`` gives its value; one written by
-    ``Client.save`` gives the list of the bin's items, as ``peek`` would.
+    ``Client.save`` gives the list of the bin's items, as ``peek`` would (of a
+    table: ``{column: tensor [rows, *shape]}``, copy-on-write whatever ``writable``).
     Tensors map the files copy-on-write: changing them changes memory, not the
     files, unless ``writable=True`` (then they write through to the files).
     ``device`` copies tensors there (reading them whole).  Raises
@@ -198,6 +229,11 @@ def load_memmap(path: str | os.PathLike, *, writable: bool = False, device: Any 
     open that with ``TensorDict.load_memmap``).
     """
     path = os.fspath(path)
+    if is_checkpoint(path):  # Client.save of a table: its columns, [rows, *shape] each
+        from ._client.table_copy import mapped_columns
+
+        columns = mapped_columns(path)
+        return columns if device is None else {k: v.to(device) for k, v in columns.items()}
     if os.path.exists(os.path.join(path, RECORD)):
         return load_item(read_item(path, limits), writable=writable, device=device, limits=limits)
     entries = sorted(e for e in os.listdir(path) if len(e) == _ITEM_DIGITS and e.isdigit())

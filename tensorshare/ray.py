@@ -1,6 +1,6 @@
 """Deployment on Ray: a head server and one relay per node, as Ray actors.
 
-``pip install tensorshare[ray]``, then, in the driver::
+the ``ray`` extra (``pip install 'ray[default]'``), then, in the driver::
 
     import ray, tensorshare.ray
     ray.init()
@@ -20,15 +20,28 @@ head.  :func:`local_address` finds this node's relay by its actor name, so
 workers read parameters through same-host zero-copy and each version crosses the
 network once per node.  Nodes that join after :func:`start` get a relay from
 :meth:`Deployment.refresh`.
+
+The servers listen on the node's address, which every host that reaches the node
+reaches too: :func:`start` needs a token (``token=``, or ``TENSORSHARE_TOKEN`` in the
+driver's environment, which Ray's workers usually share) unless the servers listen
+on loopback only (``host="127.0.0.1"``, a one-node cluster) or ``allow_anyone=True``
+says that serving anyone who reaches the port is meant (logged as a warning).
 """
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import os
 import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from .errors import UsageError
+from .protocol.auth import resolve_token
+
+log = logging.getLogger("tensorshare")
 
 NAMESPACE = "tensorshare"
 _HEAD = "tensorshare-head-{deployment}"
@@ -39,7 +52,7 @@ def _ray():
     try:
         import ray
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("tensorshare.ray needs Ray: pip install 'tensorshare[ray]'") from exc
+        raise ImportError("tensorshare.ray needs Ray: the ray extra: pip install 'ray[default]'") from exc
     return ray
 
 
@@ -134,14 +147,18 @@ def _relay_actor(deployment: Deployment, node_id: str):
 
 
 def start(name: str = "default", *, head_node: str | None = None, follow_bins: str = "*",
-          token: str | bytes | None = None, relays: bool = True, **settings) -> Deployment:
+          token: str | bytes | None = None, relays: bool = True, allow_anyone: bool = False,
+          **settings) -> Deployment:
     """Start the head server (on ``head_node``, default: this driver's node) and a
     relay on every live node, following it; returns the :class:`Deployment`.
 
     ``settings`` are :class:`tensorshare_server.ServerConfig` fields for the head
-    (``data_dir``, ``memory_limit``, ``tls_cert``...); ``token`` guards every server
-    and is what the relays prove upstream.  Several deployments may run side by
-    side under different ``name``s."""
+    (``data_dir``, ``memory_limit``, ``tls_cert``, ``host``...); ``token`` (default:
+    ``TENSORSHARE_TOKEN``) guards every server and is what the relays prove upstream.
+    Without one, :class:`~tensorshare.errors.UsageError` unless ``host`` is a loopback
+    address or ``allow_anyone=True`` (see the module docstring).  Several deployments
+    may run side by side under different ``name``s."""
+    token = _token(token, settings.get("host"), allow_anyone)
     ray = _ray()
     if not ray.is_initialized():
         ray.init()
@@ -153,7 +170,7 @@ def start(name: str = "default", *, head_node: str | None = None, follow_bins: s
     head_info = ray.get(head_actor.info.remote())
     head = tuple(head_info["address"])
     relay_settings = {"token": token, "follow_bins": follow_bins}
-    for key in ("tls_cert", "tls_key", "zero_copy", "memory_limit"):
+    for key in ("tls_cert", "tls_key", "zero_copy", "memory_limit", "host"):
         if key in settings:
             relay_settings[key] = settings[key]
     if head_info["tls_fingerprint"]:  # the relays pin the head's certificate
@@ -162,6 +179,30 @@ def start(name: str = "default", *, head_node: str | None = None, follow_bins: s
     if relays:
         deployment.refresh()
     return deployment
+
+
+def _token(token: str | bytes | None, host: str | None, allow_anyone: bool) -> bytes | None:
+    """The deployment's token; refuses none where the servers listen beyond loopback."""
+    token = resolve_token(token)
+    if token is not None or _loopback(host):
+        return token
+    if not allow_anyone:
+        raise UsageError("tensorshare.ray.start() needs a token: its servers listen on the node's address, "
+                         "where anyone who reaches the node could read and change every bin. Pass token=... "
+                         "(or set TENSORSHARE_TOKEN), host='127.0.0.1' for a one-node cluster, or "
+                         "allow_anyone=True to serve everyone who reaches the port")
+    log.warning("tensorshare.ray: the servers listen on the nodes' addresses without a token "
+                "(allow_anyone=True): anyone who reaches a node can read and change every bin")
+    return None
+
+
+def _loopback(host: str | None) -> bool:
+    if host is None:
+        return False  # the node's address
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def local_address(name: str = "default", timeout: float = 60.0) -> tuple[str, int]:

@@ -18,11 +18,12 @@ STARTED: set[int] = set()  # pids of every server process the tests started
 
 
 class ServerProcess:
-    """Start ``python -m tensorshare_server`` and learn its port from its first line."""
+    """Start ``python -m tensorshare_server`` (or ``command``) and learn its port from its first line."""
 
     def __init__(self, *args: str, port: int = 0, start_timeout: float = 30.0, log_path=None, env=None,
-                 preexec_fn=None):
+                 preexec_fn=None, command: list[str] | None = None):
         self.args = list(args)
+        self.command = command or [sys.executable, "-m", "tensorshare_server"]  # or the tensorshare-server script
         self.env = None if env is None else {**os.environ, **env}  # extra environment variables
         self.port = port
         self.start_timeout = start_timeout
@@ -33,7 +34,7 @@ class ServerProcess:
         self.start()
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "tensorshare_server", "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+        cmd = [*self.command, "--host", "127.0.0.1", "--port", str(self.port), *self.args]
         stderr = open(self.log_path, "a") if self.log_path is not None else subprocess.PIPE
         try:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=self.env,

@@ -9,3 +9,31 @@ def test_benchmark_suite_smoke():
     results = smoke.run_smoke()
     assert results["errors"] == [], results["errors"]
     assert results["figures"], "the smoke run produced no figures"
+
+
+def test_goal_lines_say_what_their_ratio_compares():
+    """A goal's ratio reads the way the goal means it: "the rate", "the time",
+    "faster", "the bytes"; a goal on time over figures that are rates is computed
+    as the time ratio (a rate ratio of 0.150x once read as a time goal's MISS)."""
+    import io
+
+    from benchmarks.record import MISS, PASS, Recorder
+    from benchmarks.report import readme_goals
+    from benchmarks.stats import Sample
+
+    rec = Recorder("quick", stream=io.StringIO())
+    rec.figure("tcp", "sample over TCP", Sample.of([0.3]), "GB/s")
+    rec.figure("local", "in-process sample", Sample.of([2.0]), "GB/s")
+    rec.figure("slow", "torch.save", Sample.of([80.0]), "ms", better="lower")
+    rec.figure("quick", "save_memmap", Sample.of([20.0]), "ms", better="lower")
+    rec.figure("delta", "delta", Sample.of([4.0]), "MB", better="lower")
+    rec.figure("full", "full", Sample.of([40.0]), "MB", better="lower")
+    rec.goal_ratio("sample takes <= 3x the in-process time", "tcp", "local", "<=", 3, time_of_rates=True)
+    rec.goal_ratio("sample >= 0.5x the in-process rate", "tcp", "local", ">=", 0.5)
+    rec.goal_ratio("save_memmap >= 3x faster than torch.save", "slow", "quick", ">=", 3)
+    rec.goal_ratio("delta <= 0.15x full", "delta", "full", "<=", 0.15)
+    rec.goal_ratio("save_memmap within 1.2x of torch.save", "quick", "slow", "<=", 1.2)
+    assert [g["status"] for g in rec.goals] == [MISS, MISS, PASS, PASS, PASS]
+    cells = [line.rsplit("|", 2)[1].strip() for line in readme_goals({"goals": rec.goals}).splitlines()[4:]]
+    assert cells == ["6.67x the time", "0.150x the rate", "4.00x faster", "0.100x the bytes", "0.250x the time"]
+    assert rec.goals[2]["detail"].startswith("save_memmap 20.0 ms = 4.00x faster than torch.save 80.0 ms")

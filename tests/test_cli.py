@@ -116,3 +116,74 @@ def test_watch(ops_server):
     assert view["clients"] and all(c["address"].startswith("127.0.0.1:") for c in view["clients"])
     plain = cli("--port", str(ops_server.port), "watch", "--count", "1", env={"TENSORSHARE_PLAIN": "1"})
     assert plain.returncode == 0 and plain.stdout.splitlines()[1].split() == ["bin", "items", "bytes", "tag"]
+
+
+def test_options_go_before_or_after_the_command(ops_server):
+    port = str(ops_server.port)
+    after = cli("ls", "--port", port, "--json")
+    assert after.returncode == 0, after.stderr
+    mixed = cli("--json", "stat", "cli/a", "--port", port)
+    assert mixed.returncode == 0 and json.loads(mixed.stdout)["tag"] == 7
+    # given on both sides, the one after the command wins, as it was said last
+    both = cli("--port", "1", "ls", "--port", port, "--json")
+    assert both.returncode == 0 and any(row["bin"] == "cli/a" for row in json.loads(both.stdout))
+    env = cli("ls", "--json", env={"TENSORSHARE_PORT": port})
+    assert env.returncode == 0
+
+
+@pytest.mark.parametrize("args, words", [
+    (["ls", "--port", "70000"], "argument --port: not a TCP port (1 to 65535): '70000'"),
+    (["--port", "0", "ls"], "argument --port: not a TCP port (1 to 65535): '0'"),
+    (["ls", "--timeout", "0"], "argument --timeout: not a positive number of seconds: '0'"),
+    (["ls", "--metrics-port", "x"], "argument --metrics-port: not a TCP port (1 to 65535): 'x'"),
+    (["watch", "--count", "0"], "argument --count: not a count of 1 or more: '0'"),
+    (["watch", "--interval", "-1"], "argument --interval: not a positive number of seconds: '-1'"),
+])
+def test_bad_options_are_usage_errors(args, words):
+    out = cli(*args)
+    assert out.returncode == 2 and words in out.stderr, out.stderr
+    bad_env = cli("ls", env={"TENSORSHARE_PORT": "http"})
+    assert bad_env.returncode == 2 and "TENSORSHARE_PORT: not a TCP port" in bad_env.stderr
+
+
+def test_what_answers_is_named(ops_server):
+    """The data port taken for the status page's, and the status page's for the data port."""
+    swapped = cli("--port", str(ops_server.metrics_port), "ls")
+    assert swapped.returncode == 3
+    assert "is an HTTP server, not a tensorshare server: --port is the server's data port" in swapped.stderr
+    status = cli("--port", str(ops_server.port), "--metrics-port", str(ops_server.port), "ls")
+    assert status.returncode == 3 and "no status page at" in status.stderr, status.stderr
+
+
+def test_watch_into_a_pipe_prints_each_refresh_and_stops_quietly_when_the_reader_goes(ops_server):
+    shown = subprocess.run(f"{sys.executable} -m tensorshare.cli --port {ops_server.port} watch --interval 0.05 "
+                           f"| head -3", shell=True, capture_output=True, text=True, timeout=60)
+    assert shown.stdout.splitlines()[1].split() == ["bin", "items", "bytes", "tag"]
+    assert shown.stderr == ""
+
+
+def test_table_commands(ops_server, tmp_path):
+    port = str(ops_server.port)
+    with tensorshare.Client("127.0.0.1", ops_server.port, timeout=30) as c:
+        c.create_table("cli/replay", 16, {"obs": ((2,), torch.float32), "step": ((), torch.int64)},
+                       sampler="prioritized", samples_per_insert=2.0, error_buffer=8.0)
+        c.insert("cli/replay", {"obs": torch.arange(10.0).view(5, 2), "step": torch.arange(5)},
+                 priorities=[1, 2, 3, 4, 5])
+        [row] = [r for r in run_json(ops_server, "table", "ls") if r["table"] == "cli/replay"]
+        assert row["rows"] == 5 and row["capacity"] == 16 and row["sampler"] == "prioritized" and row["bytes"] == 256
+        info = cli("--port", port, "stat", "cli/replay")  # stat of a table: what `table info` shows
+        assert info.returncode == 0, info.stderr
+        assert "5 of 16" in info.stdout and "prioritized" in info.stdout and "obs" in info.stdout
+        drawn = run_json(ops_server, "table", "sample", "cli/replay", "-n", "2")
+        assert len(drawn["slots"]) == 2 and drawn["rows"]["obs"]["shape"] == [2, 2]
+        assert c.table_info("cli/replay")["samples"] == 0  # shown, not sampled
+        saved = run_json(ops_server, "save", "cli/replay", str(tmp_path / "replay"))  # save knows tables
+        assert saved["items"] == 5
+        assert cli("--port", port, "table", "drop", "cli/replay").returncode == 0
+        assert "cli/replay" not in c.list()
+        loaded = run_json(ops_server, "table", "load", str(tmp_path / "replay"))
+        assert loaded == {"dir": str(tmp_path / "replay"), "table": "cli/replay", "rows": 5}
+        again = c.table_info("cli/replay", slots=0)
+        assert again["sampler"] == "prioritized" and again["rate_limiter"]["samples_per_insert"] == 2.0
+        assert again["slots"]["priorities"].tolist() == [1, 2, 3, 4, 5]
+        assert c.read("cli/replay", [4])["step"].tolist() == [4]

@@ -24,10 +24,16 @@ def _commit(data: DataDir, name: str, value: float, counter, replace: bool = Fal
     return stored.path
 
 
+def _reopen(data: DataDir) -> DataDir:
+    """The directory as a restarted server opens it (the first lets go of its lock)."""
+    data.close()
+    return DataDir(data.root)
+
+
 def _values(data: DataDir, name: str) -> list[float]:
     """The first element of each live item of bin ``name``, as a fresh start finds
     them (a start removes what is below the floor: call it last)."""
-    loaded = DataDir(data.root).load()
+    loaded = _reopen(data).load()
     assert loaded.problems == []
     if name not in loaded.bins:
         return []
@@ -71,7 +77,7 @@ def test_a_start_clears_the_held_area(tmp_path):
     data.set_floor("b", 2)
     data.delete_bin("b", keep=(taken,))
     assert os.listdir(data.held)
-    DataDir(data.root).load()  # the GET that held them is over: its connection died with the server
+    _reopen(data).load()  # the GET that held them is over: its connection died with the server
     assert not os.path.exists(data.held) or os.listdir(data.held) == []
 
 
@@ -121,10 +127,11 @@ def test_a_crash_during_put_back_leaves_the_old_bin_or_the_new_one(tmp_path, ste
     _commit(data, "b", 3, counter)
     data.set_floor("b", 2)
     data.delete_bin("b", keep=(taken,))  # held/ now has item 1
-    data = DataDir(data.root)
+    data = _reopen(data)
     counter = itertools.count(4)
     _commit(data, "b", 2, counter)
     _commit(data, "b", 3, counter)
+    data.close()  # the crashing process is the server now
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", _CRASH, data.root, step], cwd=repo, capture_output=True,
                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": repo})

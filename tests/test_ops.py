@@ -12,9 +12,10 @@ import torch
 import tensorshare
 from opsproc import OpsServer, http_get
 from pairing import Pair
-from tensorshare.protocol.messages import APPEND, GET, PEEK, PUT
-from tensorshare_server.ops.counters import experiment_of, worker_experiment
-from tensorshare_server.ops.status import snapshot
+from tensorshare.protocol.messages import APPEND, GET, PEEK, PUT, TCREATE, TINSERT, TSAMPLE, Key, TableKey
+from tensorshare_server.ops.counters import experiment_of, worker_of
+from tensorshare_server.ops import page, prom
+from tensorshare_server.ops.status import Throughput, snapshot
 
 parser = pytest.importorskip("prometheus_client.parser", reason="prometheus_client is a test dependency")
 
@@ -203,8 +204,8 @@ def test_experiment_names():
     assert experiment_of("a/b/parameters", "parameters") == "a/b"
     assert experiment_of("xparameters", "parameters") is None
     assert experiment_of("a/rollouts", "parameters") is None
-    assert worker_experiment("workers/w1") == "" and worker_experiment("a/b/workers/w1") == "a/b"
-    assert worker_experiment("a/workersx/w1") is None and worker_experiment("/workers/x") is None
+    assert worker_of("workers/w1") == ("", "w1") and worker_of("a/b/workers/w1") == ("a/b", "w1")
+    assert worker_of("a/workersx/w1") is None and worker_of("/workers/x") is None
 
 
 def test_counters_and_tiers_in_memory(tmp_path):
@@ -280,6 +281,14 @@ def test_rl_experiment_seen_through_the_wrappers(ops_server):
         assert 0 in experiment["workers"].values()  # the worker's connection holds version 0
         lags = [c["lag"].get("rlview") for c in data["clients"]]
         assert 1 in lags
+        # each client is named by what it is in the experiment: the trainer, or the worker by its id
+        roles = sorted(c["roles"]["rlview"] for c in data["clients"] if "rlview" in c.get("roles", {}))
+        assert roles == sorted(["trainer", worker.worker_id])
+        assert sorted(experiment["roles"].values()) == roles
+        page = Tables()
+        page.feed(http_get(ops_server.url("/"))[2].decode())
+        cells = [row[3] for row in page.tables["clients"][1:]]
+        assert f"rlview: worker {worker.worker_id} at v0 (1 behind)" in cells and "rlview: trainer at v1" in cells
         samples = metrics(ops_server)
         assert samples[("tensorshare_rl_latest_version", ("experiment", "rlview"))] == 1
         assert samples[("tensorshare_rl_rollouts_total", ("experiment", "rlview"))] == 3
@@ -334,3 +343,55 @@ def test_disk_full_refusals_are_counted(tmp_path):
         assert samples[("tensorshare_refusals_total", ("code", "452"))] == refused
     finally:
         server.stop()
+
+
+def test_tables_in_status_json_metrics_and_the_page_in_memory():
+    """Rows, capacity, bytes, rows inserted and sampled and their rates, the seconds
+    requests waited for the rate limiter: in the snapshot, /metrics and the page."""
+    pair = Pair(metrics_port=0)
+    learner = Pair(state=pair.state)
+    now = [100.0]
+    throughput = Throughput(pair.state.counters, state=pair.state, clock=lambda: now[0])
+    try:
+        spec = {"capacity": 64, "columns": {"x": {"shape": [4], "dtype": "float32"}}, "min_size_to_sample": 8,
+                "samples_per_insert": 1.0, "error_buffer": 16.0}
+        pair.call(TCREATE, {Key.BIN: "replay/<i>", TableKey.SPEC: spec})
+        throughput.sample()
+        pair.call(TINSERT, {Key.BIN: "replay/<i>"}, {"x": torch.zeros(4, 4)})
+        rid = learner.send_request(TSAMPLE, {Key.BIN: "replay/<i>", Key.N: 2, Key.WAIT: 5.0})
+        learner.clock.advance(2.5)  # waits for min_size_to_sample
+        pair.call(TINSERT, {Key.BIN: "replay/<i>"}, {"x": torch.zeros(6, 4)})
+        learner.clock.advance(0)
+        assert [f.header["code"] for f in learner.receive() if f.header["id"] == rid] == [226]
+        now[0] += 2.0
+        throughput.sample()
+        [row] = snapshot(pair.state, throughput)["tables"]
+        assert row["name"] == "replay/<i>" and row["size"] == 10 and row["capacity"] == 64
+        assert row["bytes"] == 64 * 16 and row["where"] == "memory" and row["sampler"] == "uniform"
+        assert row["inserts"] == 10 and row["samples"] == 2 and row["removals"] == 0
+        assert row["inserts_per_s"] == 5.0 and row["samples_per_s"] == 1.0
+        assert row["blocked_seconds"] == {"insert": 0.0, "sample": 2.5}
+        assert row["waiting"] == {"insert": 0, "sample": 0} and row["samples_per_insert"] == 1.0
+        data = snapshot(pair.state, throughput)
+        body, _ = prom.exposition(data)
+        samples = {(s.name, *sorted(s.labels.items())): s.value
+                   for family in parser.text_string_to_metric_families(body.decode()) for s in family.samples}
+        label = ("table", "replay/<i>")
+        assert samples[("tensorshare_table_rows", label)] == 10
+        assert samples[("tensorshare_table_capacity_rows", label)] == 64
+        assert samples[("tensorshare_table_bytes", label, ("where", "memory"))] == 1024
+        assert samples[("tensorshare_table_inserted_rows_total", label)] == 10
+        assert samples[("tensorshare_table_sampled_rows_total", label)] == 2
+        assert samples[("tensorshare_table_rate_limiter_blocked_seconds_total", ("op", "sample"), label)] == 2.5
+        assert samples[("tensorshare_table_waiting_requests", ("op", "insert"), label)] == 0
+        html = page.render(data)
+        assert "replay/<i>" not in html  # a name from a client is escaped
+        tables = Tables()
+        tables.feed(html)
+        head, table_row = tables.tables["tables"]
+        assert head[:4] == ["table", "rows", "bytes", "where"]
+        assert table_row[:4] == ["replay/<i>", "10 / 64", "1.0 KiB", "memory"]
+        assert table_row[8:10] == ["5", "1"] and table_row[11] == "0.0s / 2.5s"
+    finally:
+        learner.close()
+        pair.close()

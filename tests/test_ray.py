@@ -10,20 +10,40 @@ import time
 import pytest
 import torch
 
-ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'tensorshare[ray]')")
+ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'ray[default]')")
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
 import tensorshare  # noqa: E402
 import tensorshare.ray as tsray  # noqa: E402
+from tensorshare.errors import UsageError  # noqa: E402
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(240)]
+
+
+TOKEN = "ray-deployment-token-2b7e90c4d1f35a68"
+
+
+def test_a_deployment_without_a_token_beyond_loopback_is_refused(monkeypatch):
+    """Issue #31, item 13: start() bound the head and the relays to the node's address
+    with no token and no warning.  Refused before Ray is even started."""
+    monkeypatch.delenv("TENSORSHARE_TOKEN", raising=False)
+    with pytest.raises(UsageError, match="needs a token"):
+        tsray.start("refused")
+    with pytest.raises(UsageError, match="needs a token"):
+        tsray.start("refused", host="10.1.2.3")
+    assert tsray._token(None, "127.0.0.1", False) is None  # loopback only: a one-node cluster
+    assert tsray._token(None, None, True) is None  # meant
+    monkeypatch.setenv("TENSORSHARE_TOKEN", TOKEN)
+    assert tsray._token(None, None, False) == TOKEN.encode()
 
 
 @pytest.fixture(scope="module")
 def cluster():
     # A loaded 2-core machine starts raylets slowly (Ray's default wait is 30 s).
     os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
+    # The servers and every worker's client (which inherit the environment) use it.
+    os.environ["TENSORSHARE_TOKEN"] = TOKEN
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     for _ in range(2):
         cluster.add_node(num_cpus=1)
@@ -32,6 +52,7 @@ def cluster():
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+    del os.environ["TENSORSHARE_TOKEN"]
 
 
 @ray.remote(num_cpus=0)

@@ -56,6 +56,7 @@ def test_embedded_server_in_process():
             assert torch.equal(c.peek("e")[0]["t"], torch.arange(3))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_tensors_round_trip(server):
     src = torch.randn(1000, device="cuda")

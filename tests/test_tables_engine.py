@@ -356,6 +356,24 @@ def test_priority_overflowing_the_exponent_is_refused():
         t.insert(scalars(1), priorities=[1e100])
 
 
+def test_priorities_whose_sum_would_overflow_are_refused_and_the_largest_allowed_sample_soundly():
+    """Issue #31, item 10: each of [1, 1, 1e308, 1e308] is finite, their sum is not;
+    the tree's total became inf, every draw landed on one slot and the probabilities
+    were 0 (infinite importance weights)."""
+    t = x_table(4, sampler="prioritized", rng=5)
+    with pytest.raises(tables.PriorityError, match="largest weight"):
+        t.insert(scalars(4), priorities=[1.0, 1.0, 1e308, 1e308])
+    assert t.size == 0
+    top = SumTree(4).max_weight
+    t.insert(scalars(4), priorities=[1.0, 1.0, top, top])
+    s = t.sample(2000)
+    assert np.isfinite(s.probabilities).all() and (s.probabilities > 0).all()
+    drawn = np.bincount(s.indices, minlength=4)
+    assert drawn[2] > 800 and drawn[3] > 800, drawn
+    with pytest.raises(tables.PriorityError, match="largest weight"):
+        t.update_priorities(s.keys[:1], [1e308])
+
+
 def test_fifo_and_lifo_samplers():
     fifo = x_table(10, sampler="fifo")
     fifo.insert(scalars(5))
@@ -808,3 +826,75 @@ def test_memmap_files_are_tensordicts_layout(tmp_path):
     assert td["w"][[0, 3, 6, 9]].view(torch.int16).numpy().view(np.uint16).tolist() == w_bits.tolist()
     assert td["w"][0].tolist() == [1.0, 2.0]
     assert td["r"][[0, 3, 6, 9]].tolist() == r.tolist()
+
+
+# -- rows a caller drew itself, new columns, pages of slots (TorchRL over a table)
+
+
+def test_a_read_as_a_sample_counts_like_one_and_is_refused_like_one():
+    t = x_table(8, samples_per_insert=1.0, error_buffer=2.0, min_size_to_sample=2)
+    t.insert(scalars(4))
+    before = t.info()["rate_limiter"]["diff"]
+    read = t.read([3, 3, 1], sampled=True)
+    assert xs(read) == [3, 3, 1] and read.times_sampled.tolist() == [2, 2, 1]
+    assert t.samples == 3 and t.info()["rate_limiter"]["diff"] == before - 3
+    assert xs(t.read([3])) == [3] and t.samples == 3  # a plain read counts nothing
+    assert not t.can_read_sampled(2)  # the balance is at the bottom of the window
+    with pytest.raises(tables.WouldBlockError):
+        t.read([0, 1], sampled=True)
+    assert t.samples == 3  # refused: nothing changed
+    with pytest.raises(tables.BatchTooLargeError):
+        t.can_read_sampled(9)
+
+
+def test_a_read_as_a_sample_removes_rows_that_reach_max_times_sampled():
+    t = x_table(8, max_times_sampled=2)
+    t.insert(scalars(3))
+    read = t.read([0, 0, 1], sampled=True)
+    assert read.removed.keys.tolist() == [0] and t.size == 2 and t.removals == 1
+    assert not t.can_sample(5)  # allowance: row 1 once more, row 2 twice
+    assert t.can_sample(3)
+
+
+def test_added_columns_read_zeros_in_old_rows_and_are_written_by_new_ones():
+    t = x_table(4)
+    t.insert(scalars(2))
+    specs = t.add_columns({"y": ((2,), "float32")})
+    assert [s.name for s in specs] == ["y"] and [c.name for c in t.columns] == ["x", "y"]
+    assert t.read([1]).values["y"].to_numpy().tolist() == [[0.0, 0.0]]
+    with pytest.raises(tables.ColumnMismatchError, match="'y' is missing"):
+        t.insert(scalars(1, 2))
+    t.insert({"x": np.array([7]), "y": np.ones((1, 2), np.float32)})
+    assert t.read([2]).values["y"].to_numpy().tolist() == [[1.0, 1.0]]
+    with pytest.raises(tables.TableSpecError, match="has a column 'x'"):
+        t.add_columns({"x": ((), "int64")})
+    with pytest.raises(tables.TableSpecError, match="items"):
+        Table(4).add_columns({"z": ((), "int8")})
+
+
+def test_added_columns_of_a_table_in_files_are_files(tmp_path):
+    t = Table(4, {"x": ((), "int64")}, backing=tables.MemmapBacking(str(tmp_path / "t"), keep=True))
+    t.insert(scalars(2))
+    t.add_columns({"y": ((), "int16")})
+    assert (tmp_path / "t" / "y.memmap").stat().st_size == 4 * 2
+    reopened = Table(4, {"x": ((), "int64"), "y": ((), "int16")},
+                     backing=tables.MemmapBacking(str(tmp_path / "t"), keep=True, reopen=True))
+    assert xs(reopened.read([0, 1])) == [0, 1]
+    reopened.add_columns({"z": ((), "int8")})  # a table reopened from its files gains new files
+    assert (tmp_path / "t" / "z.memmap").exists()
+
+
+def test_slots_come_in_pages_in_index_order_with_their_state():
+    t = x_table(10, remover=None)
+    t.insert(scalars(6), priorities=[1, 2, 3, 4, 5, 6])
+    t.remove([t.slots()["keys"][2]])  # a hole at slot 2
+    t.read([4, 4], sampled=True)
+    page = t.slots(0, limit=3)
+    assert page["indices"].tolist() == [0, 1, 3] and page["next"] == 4
+    assert page["priorities"].tolist() == [1, 2, 4]
+    rest = t.slots(page["next"], limit=3)
+    assert rest["indices"].tolist() == [4, 5] and rest["next"] is None
+    assert rest["times_sampled"].tolist() == [2, 0] and rest["keys"].tolist() == [44, 55]  # seq * 10 + index
+    assert t.slots(6)["indices"].tolist() == [] and t.slots(6)["next"] is None
+    with pytest.raises(tables.BadArgumentError):
+        t.slots(-1)

@@ -417,3 +417,74 @@ def test_a_durable_tables_files_are_made_and_removed_by_disk_jobs(tmp_path):
     jobs.release()
     assert [h["code"] for h in _replies(pair, gone)] == [250] and not any(tables.iterdir())
     pair.close()
+
+
+# ---------------------------------------------------------------- TorchRL's needs: reads counted, columns, slots
+
+
+def test_a_read_as_a_sample_waits_for_the_rate_limiter_and_the_wait_is_counted():
+    learner, actor = _pairs()
+    make(learner, min_size_to_sample=2, samples_per_insert=1.0, error_buffer=2.0)
+    insert(actor, 0, 4)  # diff = 2 (min size's credit) + 2 (past it)
+    got = learner.call(TREAD, {Key.BIN: "t", K.INDICES: i64([0, 1, 2]), K.SAMPLE: True, Key.WAIT: 0})
+    assert rewards(got) == [0, 1, 2]
+    assert learner.call(TINFO, {Key.BIN: "t"}).result["samples"] == 3
+    with pytest.raises(BusyError, match="asked to wait 0s"):  # diff 1: a read of 2 may not go now
+        learner.call(TREAD, {Key.BIN: "t", K.INDICES: i64([0, 1]), K.SAMPLE: True})
+    rid = learner.send_request(TREAD, {Key.BIN: "t", K.INDICES: i64([3, 0]), K.SAMPLE: True, Key.WAIT: 5.0})
+    learner.clock.advance(1.5)
+    assert learner.receive() == []
+    info = actor.call(TINFO, {Key.BIN: "t"}).result
+    assert info["waiting_samples"] == 1 and info["blocked_seconds"] == {"insert": 0.0, "sample": 0.0}
+    insert(actor, 4, 1)
+    learner.clock.advance(0)
+    assert [h["code"] for h in _replies(learner, rid)] == [226]
+    info = actor.call(TINFO, {Key.BIN: "t"}).result
+    assert info["samples"] == 5 and info["blocked_seconds"]["sample"] == pytest.approx(1.5)
+    # a plain read is not paced (nor counted)
+    assert rewards(learner.call(TREAD, {Key.BIN: "t", K.INDICES: i64([1] * 10)})) == [1] * 10
+
+
+def test_a_table_gains_columns_with_add_columns_and_keeps_its_rows():
+    pair = Pair()
+    make(pair, capacity=10)
+    insert(pair, 0, 3)
+    wider = {**COLUMNS, "done": {"shape": [], "dtype": "bool"}}
+    with pytest.raises(BadNameError, match="other settings"):  # without add_columns: refused as before
+        pair.call(TCREATE, {Key.BIN: "t", K.SPEC: {"capacity": 10, "columns": wider}})
+    assert pair.call(TCREATE, {Key.BIN: "t", K.SPEC: {"capacity": 10, "columns": wider}, K.ADD_COLUMNS: True}).result == 3
+    got = pair.call(TREAD, {Key.BIN: "t", K.INDICES: i64([2])}).values[0]
+    assert got["done"].tolist() == [False] and got["reward"].tolist() == [2.0]
+    assert pair.call(TINFO, {Key.BIN: "t"}).result["columns"]["done"] == {"shape": [], "dtype": "bool"}
+    changed = {**wider, "reward": {"shape": [2], "dtype": "float32"}}
+    with pytest.raises(BadNameError, match="column 'reward'"):
+        pair.call(TCREATE, {Key.BIN: "t", K.SPEC: {"capacity": 10, "columns": changed}, K.ADD_COLUMNS: True})
+    with pytest.raises(BadNameError, match="other settings"):  # other settings than columns: refused
+        pair.call(TCREATE, {Key.BIN: "t", K.SPEC: {"capacity": 11, "columns": wider}, K.ADD_COLUMNS: True})
+
+
+def test_a_tables_meta_is_kept_and_given_back_and_bad_meta_is_refused():
+    pair = Pair()
+    meta = {"torchrl": {"kind": "pytree", "leaves": ["a", "b"], "inner": []}}
+    make(pair, meta=meta)
+    assert pair.call(TINFO, {Key.BIN: "t"}).result["meta"] == meta
+    with pytest.raises(BadNameError, match="other settings"):
+        make(pair, meta={"torchrl": {"kind": "tensor"}})
+    for bad in ([1, 2], {"blob": b"\x00" * 10}, {"big": "x" * (65 << 10)}):
+        with pytest.raises(BadRequestError, match="meta"):
+            make(pair, name="u", meta=bad)
+
+
+def test_the_occupied_slots_come_in_pages():
+    pair = Pair()
+    n = (1 << 18) + 5  # more than a page
+    make(pair, capacity=n + 3, columns={"x": {"shape": [], "dtype": "int8"}})
+    pair.call(TWRITE, {Key.BIN: "t", K.INDICES: i64(np.arange(n) + 3)}, {"x": torch.zeros(n, dtype=torch.int8)})
+    first = pair.call(TINFO, {Key.BIN: "t", K.SLOTS: 0}).result["slots"]
+    got = np.frombuffer(first["indices"], "<i8")
+    assert got.size == 1 << 18 and got[0] == 3 and first["next"] == got[-1] + 1 == (1 << 18) + 3
+    rest = pair.call(TINFO, {Key.BIN: "t", K.SLOTS: first["next"]}).result["slots"]
+    assert np.frombuffer(rest["indices"], "<i8").tolist() == list(range((1 << 18) + 3, n + 3))
+    assert rest["next"] is None and np.frombuffer(rest["priorities"], "<f8").tolist() == [1.0] * 5
+    with pytest.raises(BadRequestError):
+        pair.call(TINFO, {Key.BIN: "t", K.SLOTS: -1})

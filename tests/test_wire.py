@@ -469,6 +469,12 @@ def _sparse_csr() -> torch.Tensor:
         return torch.eye(3).to_sparse_csr()
 
 
+def _nested(layout) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "The PyTorch API of nested tensors is in prototype stage"
+        return torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=layout)
+
+
 @pytest.mark.parametrize("value, message", [
     (object(), "^cannot send a value of type object$"),
     (_Thing(), r"^cannot send a value of type (tests\.)?test_wire\._Thing$"),
@@ -485,13 +491,33 @@ def _sparse_csr() -> torch.Tensor:
     ({"info": {"terminal_observation": [0, 1, 2, np.array([object()])]}},
      r"^value\['info'\]\['terminal_observation'\]\[3\]: numpy.ndarray of object dtype has no wire form$"),
     (np.zeros(2, dtype=[("a", "i4")]), "numpy.ndarray of .* dtype"),
-    (torch.zeros(3).to_sparse(), "only strided"),
+    (torch.zeros(3).to_sparse(), r"^only strided \(dense\) tensors can be sent, not torch.sparse_coo: send "
+                                 r"t.to_dense\(\), or its parts as dense tensors$"),
     (_sparse_csr(), "only strided"),
+    ({"x": [_nested(torch.strided)]}, r"^value\['x'\]\[0\]: nested tensors cannot be sent: send a list of its "
+                                      r"tensors \(t.unbind\(\)\), or a padded dense tensor"),
+    (_nested(torch.jagged), "^nested tensors cannot be sent"),
 ], ids=repr)
 def test_encode_errors(value, message):
     with pytest.raises(EncodeError, match=message) as info:
         wire.dumps(value)
     assert isinstance(info.value, (TypeError, ValueError))
+
+
+def test_a_tuple_subclass_comes_back_a_plain_tuple_and_says_so():
+    import collections
+
+    Point = collections.namedtuple("Point", "x y")
+    with pytest.warns(UserWarning, match=r"Point \(a namedtuple\) is sent as a plain tuple: its type and field "
+                                         r"names do not travel \(send value._asdict\(\) to keep the names\)"):
+        blob = wire.dumps({"p": Point(1, torch.ones(2))})
+    back = wire.loads(blob)["p"]
+    assert type(back) is tuple and back[0] == 1 and torch.equal(back[1], torch.ones(2))
+    with pytest.warns(UserWarning, match=r"torch.return_types.max \(a tuple subclass\) .* \(send a dict"):
+        wire.dumps(torch.ones(3).max(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # plain tuples and torch.Size say nothing
+        wire.dumps((1, (2, 3), torch.Size([2])))
 
 
 def test_encode_error_path_and_reason():

@@ -10,6 +10,11 @@ Layout under the data directory::
     bins/.swap-<same hash>/        a bin being rewritten (see put_back); "complete" once whole
     held/<random>/                 items a GET took whose reply is not written yet, kept by a DELETE
     trash/                         deleted bins, removed in the background
+    .lock                          locked (flock) by the server using the directory; says which one
+
+One server uses a data directory at a time: a second one started on it stops at
+once with :class:`DataDirInUse`, naming the holder, instead of serving a state the
+first one changes under it.
 
 Item numbers come from one counter that only grows (restarted above the largest
 number found), so the order of a bin's directories is the order of its items.
@@ -25,15 +30,19 @@ Everything here blocks on the file system: the server runs it on its disk thread
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import shutil
+import socket
+import time
 import uuid
 from dataclasses import dataclass, field
 
 from tensorshare.disk.layout import LayoutError, StoredItem, fsync_dir, read_item, write_item
+from tensorshare.errors import UsageError
 from tensorshare.wire.description import DEFAULT_LIMITS, DecodeLimits
 
 from .spill import make_private_dir
@@ -77,6 +86,29 @@ def _atomic_write(path: str, text: str, fsync: bool) -> None:
     os.replace(tmp, path)
 
 
+class DataDirInUse(UsageError):
+    """Another server holds the data directory's lock."""
+
+    exit_code = 75  # EX_TEMPFAIL: it may work once the other server has stopped
+
+
+def _hold(root: str) -> int:
+    """Lock ``root`` for this process (the descriptor holds the lock) and say who holds
+    it in the lock file; :class:`DataDirInUse` if another process does."""
+    fd = os.open(os.path.join(root, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another server"
+        os.close(fd)
+        raise DataDirInUse(f"the data directory {root} is in use by {holder}: stop that server first, "
+                           f"or give this one another --data-dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n".encode(), 0)
+    return fd
+
+
 class DataDir:
     """Blocking operations on one data directory (see the module docstring)."""
 
@@ -88,8 +120,15 @@ class DataDir:
         self.trash = os.path.join(self.root, "trash")
         self.held = os.path.join(self.root, "held")
         make_private_dir(self.root)  # stored tensors and bin names are nobody else's business
+        self._lock: int | None = _hold(self.root)
         os.makedirs(self.bins_dir, exist_ok=True)
         os.makedirs(self.trash, exist_ok=True)
+
+    def close(self) -> None:
+        """The server stops using the directory: another may take it."""
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     @staticmethod
     def bin_key(name: str) -> str:

@@ -46,7 +46,8 @@ from .sharing import SharedTier
 from .shm import ShmArea
 from .spill import ItemFiles, SpillArea
 from .store import BinState, BinStore, Change, Item
-from .tablestore import Drawn, TableEntry, TableStore
+from .tablestore import TableStore
+from .tableverbs import TableVerbs
 
 log = logging.getLogger("tensorshare.server")
 
@@ -64,8 +65,9 @@ def _storage_error(exc: BaseException, what: str) -> RemoteError:
     return BadRequestError(f"{what}: this value cannot be stored: {exc}")
 
 
-class Storage:
-    """The bins and tables as the sessions use them (see the module docstring)."""
+class Storage(TableVerbs):
+    """The bins and tables as the sessions use them (see the module docstring); the
+    table verbs' operations are :class:`~.tableverbs.TableVerbs`'."""
 
     def __init__(self, store: BinStore, jobs: Jobs, *, data_dir: DataDir | None = None,
                  spill: SpillArea | None = None, shm: ShmArea | None = None):
@@ -85,7 +87,7 @@ class Storage:
                                   takes_incoming=data_dir is None)
         # Tables share the bins' namespace (see _not_a_table) and the disk tiers.
         self.tables = TableStore(store, jobs, memory_limit=store.memory_limit, spill_root=spill and spill.items,
-                                 data_root=data_dir and data_dir.root)
+                                 data_root=data_dir and data_dir.root, on_grow=self.budget.enforce)
         self._table_names = self.tables.by_name  # (`in` on the dict itself: the request path asks every time)
 
     @property
@@ -168,8 +170,7 @@ class Storage:
         limit = store.memory_limit
         if limit is not None:
             if store.unspillable_bytes + len(item.description) > limit:
-                raise StorageFullError(f"memory budget full: {store.description_bytes} bytes of descriptions and "
-                                       f"{store.in_flight_bytes} of replies not yet read, which spilling cannot free")
+                raise _unspillable_full(store)
             failed = self.budget.spill_failed
             if failed and store.resident_bytes + item.nbytes > limit:
                 raise StorageFullError(f"memory budget full and spilling failed: {failed}")
@@ -192,8 +193,7 @@ class Storage:
         store = self.store
         limit = store.memory_limit
         if limit is not None and store.unspillable_bytes + len(item.description) > limit:
-            raise StorageFullError(f"memory budget full: {store.description_bytes} bytes of descriptions and "
-                                   f"{store.in_flight_bytes} of replies not yet read, which spilling cannot free")
+            raise _unspillable_full(store)
         store.check_add(name, replace)  # refused before anything is written
 
         def committed(result, error) -> None:
@@ -238,6 +238,46 @@ class Storage:
                 done(None, exc)
 
         self.sharing.adopt(connection, shm_name, description, nbytes, limits, adopted)
+
+    # -- values put by reference to a client's device memory (PROTOCOL.md §13; no data directory)
+
+    def add_reference(self, name: str, description: bytes, nbytes: int, tag: int | None,
+                      ref: dict) -> tuple[Item, Change]:
+        """PUT of a value by device reference ``ref``: stored without its bytes (they
+        come later, :meth:`fill`), in memory; the item (the handle of the reference)
+        and the change."""
+        item = Item(description, None, nbytes, tag)
+        item.device = ref
+        return item, self._add_now(name, item, True)
+
+    def fill(self, item: Item, segments: tuple) -> None:
+        """Give ``item`` (stored by device reference) the payload that came for it."""
+        if item.segments is None and item.files is None:
+            item.segments = segments
+            self.store.attach(item)
+            self.budget.enforce()
+
+    def fill_shared(self, item: Item, connection: str, shm_name: object, done: Callable[[RemoteError | None], None],
+                    limits: DecodeLimits = DEFAULT_LIMITS) -> None:
+        """:meth:`fill` from the item directory a same-host client wrote (taken over as
+        :meth:`adopt` takes one, on a disk thread); ``done(error or None)`` after."""
+        if not self.sharing.takes_incoming:
+            raise ZeroCopyUnavailableError("this server takes values over TCP only")
+
+        def adopted(files, error) -> None:
+            if error is None and item.segments is None and item.files is None:
+                item.files = files  # (else dropped: nothing holds them)
+                self.store.attach(item)
+                self.budget.enforce()
+            done(error)
+
+        self.sharing.adopt(connection, shm_name, item.description, item.nbytes, limits, adopted)
+
+    @staticmethod
+    def lose_reference(item: Item) -> None:
+        """``item``'s publisher went away: it keeps its bytes if they came, else it
+        cannot be read any more."""
+        item.device = None if item.segments is not None or item.files is not None else False
 
     def delete(self, name: str, done: Done) -> None:
         """DELETE bin (or table) ``name``; ``done`` once it is gone (from disk too, if durable).
@@ -333,6 +373,10 @@ class Storage:
         if name in self._table_names:
             raise _is_a_table(name)
         return self.store.peek(name)
+
+    def items_of(self, name: str) -> list[Item]:
+        """The items of bin ``name`` ([] if there is none), not counted as a use."""
+        return self.store.items_of(name)
 
     def take(self, name: str, limit: int | None = None) -> tuple[list[Item], Change]:
         """GET: take every item (the first ``limit``) out of bin ``name``; with a data
@@ -440,61 +484,6 @@ class Storage:
 
         self.jobs.run(None, _open_parts, (sources,), opened)
 
-    # -- tables (.tablestore): a table is named, then passed back as the handle found
-
-    def table(self, name: str) -> TableEntry:
-        """The table named ``name`` (550 if none, 553 if a bin has the name)."""
-        return self.tables.get(name)
-
-    def create_table(self, name: str, spec: dict, done: Callable) -> None:
-        """TCREATE: ``done((table, change or None), None)`` once made (files on a disk thread), or ``done(None, error)``."""
-        self.tables.create(name, spec, done)
-
-    def table_rows(self, table: TableEntry, description: bytes, payload, nbytes: int, limits):
-        """A request's value as rows of ``table`` (see :meth:`TableStore.rows`)."""
-        return self.tables.rows(table, description, payload, nbytes, limits)
-
-    def says_tensordict(self, table: TableEntry) -> bool:
-        return self.tables.says_tensordict(table)
-
-    def mark_tensordict(self, table: TableEntry, done: Callable[[], None]) -> None:
-        """Rows of ``table`` came as TensorDicts: ``done()`` once it says so (in its files, if durable)."""
-        self.tables.mark_tensordict(table, done)
-
-    def insert_rows(self, table: TableEntry, rows, priorities):
-        """TINSERT: ``(keys, change)``; raises WouldBlockError while the rate limiter holds it."""
-        return self.tables.insert(table, rows, priorities)
-
-    def can_insert(self, table: TableEntry, rows) -> bool:
-        return self.tables.can_insert(table, rows)
-
-    def write_rows(self, table: TableEntry, indices, rows, priorities):
-        """TWRITE: ``(keys, change)``."""
-        return self.tables.write(table, indices, rows, priorities)
-
-    def sample_rows(self, table: TableEntry, n: int) -> tuple[Drawn, Change | None]:
-        """TSAMPLE: ``(rows, change or None)``; raises WouldBlockError or EmptyTableError for now."""
-        return self.tables.sample(table, n)
-
-    def can_sample(self, table: TableEntry, n: int) -> bool:
-        return self.tables.can_sample(table, n)
-
-    def read_rows(self, table: TableEntry, indices) -> Drawn:
-        """TREAD: the rows at the slot indices."""
-        return self.tables.read(table, indices)
-
-    def update_priorities(self, table: TableEntry, keys, priorities) -> int:
-        """TPRIORITY: how many rows were updated."""
-        return self.tables.update_priorities(table, keys, priorities)
-
-    def set_table_limits(self, table: TableEntry, limits: dict) -> None:
-        """TLIMITS."""
-        self.tables.set_limits(table, limits)
-
-    def table_info(self, table: TableEntry) -> dict:
-        """TINFO's settings and counters."""
-        return self.tables.info(table)
-
     # -- the memory budget and backpressure (.budget)
 
     def room(self) -> bool:
@@ -517,6 +506,14 @@ class Storage:
             self.spill.close()
         if self.shm is not None:
             self.shm.close()
+        if self.data_dir is not None:
+            self.data_dir.close()  # its lock: another server may use it now
+
+
+def _unspillable_full(store: BinStore) -> StorageFullError:
+    return StorageFullError(f"memory budget full: {store.description_bytes} bytes of descriptions, "
+                            f"{store.in_flight_bytes} of replies not yet read and {store.table_bytes} held "
+                            f"by tables, which spilling cannot free")
 
 
 def _is_a_table(name: str) -> BadNameError:

@@ -25,11 +25,12 @@ class Item:
 
     The payload is in memory (``segments``, the received chunks), in files
     (``files``: spilled or durable on disk, or in the shared-memory area), or both
-    (a durable item still cached).
+    (a durable item still cached).  An item put by reference to a client's device
+    memory (``device``, PROTOCOL.md §13) has neither until its bytes come.
     """
 
     __slots__ = ("description", "segments", "nbytes", "tag", "files", "stored", "spilling", "unspillable",
-                 "__weakref__")
+                 "device", "__weakref__")
 
     def __init__(self, description: bytes, segments: tuple | None, nbytes: int, tag: int | None = None,
                  files=None):
@@ -41,6 +42,7 @@ class Item:
         self.stored = False  # in a bin of the store right now
         self.spilling = False  # being written to the spill area
         self.unspillable = False  # writing it to disk failed for a reason of its own: it stays in memory
+        self.device = None  # a device reference (server/protocol/devices.py); False: its publisher left first
 
     @property
     def resident(self) -> bool:
@@ -103,6 +105,7 @@ class BinStore:
         self.resident_bytes = 0  # of which in memory
         self.description_bytes = 0  # of the stored items' descriptions, always in memory
         self.in_flight_bytes = 0  # payload in memory of items taken by GETs whose replies are still being written
+        self.table_bytes = 0  # memory the tables hold (.tablestore: per-slot state, columns in memory, items)
         self._lru: OrderedDict[Item, None] = OrderedDict()  # resident items, least recently used first
         self._evicting_bytes = 0  # of resident_bytes, on their way to disk
 
@@ -154,6 +157,12 @@ class BinStore:
         return name in self._bins
 
     # -- mutations
+
+    def attach(self, item: Item) -> None:
+        """``item``, stored without its payload (a device reference), holds it now."""
+        if item.stored and item.resident and item not in self._lru:
+            self._lru[item] = None
+            self.resident_bytes += item.nbytes
 
     def check_add(self, name: str, replace: bool) -> None:
         """Raise what :meth:`put` (``replace``) or :meth:`append` would for the count limits."""
@@ -252,15 +261,17 @@ class BinStore:
 
     def over_budget(self) -> int:
         """Bytes in memory above ``memory_limit`` (0 if none or no limit): resident
-        payload, descriptions, and taken items whose replies are still being written."""
+        payload, descriptions, taken items whose replies are still being written, and
+        the tables' memory."""
         if self.memory_limit is None:
             return 0
         return max(0, self.resident_bytes + self.unspillable_bytes - self.memory_limit)
 
     @property
     def unspillable_bytes(self) -> int:
-        """Memory the budget counts that spilling cannot free (descriptions, replies in flight)."""
-        return self.description_bytes + self.in_flight_bytes
+        """Memory the budget counts that spilling bins cannot free (descriptions,
+        replies in flight, tables)."""
+        return self.description_bytes + self.in_flight_bytes + self.table_bytes
 
     def to_evict(self) -> list[Item]:
         """Resident items to move to disk, least recently used first, enough (with

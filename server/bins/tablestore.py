@@ -8,7 +8,7 @@ runs each table operation on it and returns the :class:`~.store.Change` it made
 (for the caller to publish), and chooses where a table's columns live:
 
 * in memory, while the preallocated columns of every table held in memory fit
-  under ``memory_limit``;
+  under ``memory_limit`` beside the bins' resident bytes;
 * past it, in memory-mapped files in the spill area (``<spill>/tables/<n>/``),
   which the kernel pages in and out: a table far larger than the memory budget
   works, at the speed of the disk for rows not in the page cache;
@@ -21,21 +21,23 @@ runs each table operation on it and returns the :class:`~.store.Change` it made
   page cache keeps what a killed server wrote), and a restarted server reopens
   every table with its rows, keys and priorities (:meth:`TableStore.load`).
 
-A table's files are made, rewritten and removed on the disk threads (jobs in the
-table's lane, so a table deleted and made again under one name finds its old
-files gone); its rows are gathered and scattered where the request is handled.
+A table's files are made (their blocks reserved with ``posix_fallocate``: a file
+system without room refuses the table with 452 rather than killing the server
+with SIGBUS on a later write into a mapped page), given new columns, rewritten and
+removed on the disk threads (jobs in the table's lane, so a table deleted and made
+again under one name finds its old files gone); its rows are gathered and
+scattered where the request is handled.  Its settings are :mod:`.tablespec`'s, what
+it takes of the memory budget :mod:`.tablememory`'s.
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import logging
-import math
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -47,40 +49,18 @@ from tensorshare.wire.description import check_description
 from tensorshare.wire.recycle import Recycler
 
 from .store import BinState, BinStore, Change, Item
-from .tables import MemmapBacking, MemoryBacking, Table, TableError, TableSpecError, tensordict_metadata
-from .tables.columns import parse_columns
-from .tables.values import Gathered, columns_of
+from .tablememory import CountedItems, ItemsBacking, TableMemory
+from .tables import MemmapBacking, MemoryBacking, Table, TableError, TableSpecError, state_bytes
+from .tables.values import Gathered, columns_of, float64_bytes, int64_bytes
+from .tablespec import (
+    LIMIT_KEYS, MAX_ROWS, column_bytes, dir_key, fixed, json_spec, parse_spec, plain, write_files,
+)
 
 log = logging.getLogger("tensorshare.server")
 
-# The settings a table is made with: name -> default (PROTOCOL.md §12).
-SPEC_DEFAULTS: dict[str, Any] = {
-    "capacity": None, "columns": None, "sampler": "uniform", "priority_exponent": 1.0, "remover": "fifo",
-    "max_times_sampled": 0, "min_size_to_sample": 1, "samples_per_insert": None, "error_buffer": None,
-}
-LIMIT_KEYS = ("min_size_to_sample", "samples_per_insert", "error_buffer")
-# Slots a table may have: each costs about 80 bytes of state in memory (key, priority,
-# count, order, the samplers' trees), whatever the columns hold.
-MAX_ROWS = 1 << 26
 # Reply buffers of samples and reads, used again once written (a learner samples the
 # same size over and over): 64 MiB at most, let go after 10 s unused.
 _GATHER_BUFFERS = Recycler(64 << 20, bytearray, idle=10.0)
-
-
-def parse_spec(spec: dict) -> dict:
-    """The full settings of a table from a TCREATE's ``spec`` (defaults filled in);
-    501 (:class:`TableSpecError`) for an unknown key or a value of the wrong kind."""
-    unknown = [k for k in spec if k not in SPEC_DEFAULTS]
-    if unknown:
-        raise TableSpecError(f"unknown table setting {unknown[0]!r:.60} (known: {', '.join(SPEC_DEFAULTS)})")
-    full = {**SPEC_DEFAULTS, **spec}
-    if full["capacity"] is None:
-        raise TableSpecError("a table needs a capacity")
-    eb = full["error_buffer"]
-    if isinstance(eb, list):
-        full["error_buffer"] = tuple(eb)
-    full["columns"] = {s.name: s.as_dict() for s in parse_columns(full["columns"])} or None
-    return full
 
 
 @dataclass(eq=False)
@@ -93,9 +73,29 @@ class TableEntry:
     spec: dict
     table: Table
     seq: int = 0
-    resident: int = 0  # column bytes it holds in memory (not in files)
+    resident: int = 0  # bytes it holds in memory beside its items: its per-slot state, columns not in files
     directory: str | None = None  # its files (spilled or durable)
     tensordict: bool = False  # rows came as TensorDicts: replies say so (clients give TensorDicts back)
+    items: CountedItems | None = None  # a table of items' slots
+    # seconds requests waited for the rate limiter, inserts and samples (ended waits)
+    blocked: dict = field(default_factory=lambda: {"insert": 0.0, "sample": 0.0})
+
+    @property
+    def nbytes(self) -> int:
+        """The column bytes the table holds (its capacity's worth: columns are preallocated)."""
+        return self.table.capacity * sum(spec.row_bytes for spec in self.table.columns)
+
+    def info(self) -> dict:
+        """The table's settings, counters and rate-limiter state (:meth:`Table.info`),
+        with what the server adds: the client's ``meta``, its bytes and where they
+        live, the seconds requests waited for the rate limiter, and its ``seq``."""
+        info = self.table.info()
+        info["meta"] = self.spec.get("meta")
+        info["bytes"] = self.nbytes
+        info["in_files"] = self.directory is not None
+        info["blocked_seconds"] = dict(self.blocked)
+        info["seq"] = self.seq
+        return info
 
 
 class Drawn:
@@ -117,18 +117,26 @@ class TableStore:
     file work goes to ``jobs`` (a :class:`~.jobs.Jobs`)."""
 
     def __init__(self, store: BinStore, jobs, max_tables: int = 10_000, max_table_bytes: int | None = None, *,
-                 memory_limit: int | None = None, spill_root: str | None = None, data_root: str | None = None):
+                 memory_limit: int | None = None, spill_root: str | None = None, data_root: str | None = None,
+                 max_rows: int = MAX_ROWS, on_grow: Callable[[], None] = lambda: None):
         self.store = store
         self.jobs = jobs
         self.max_tables = max_tables
         self.max_table_bytes = max_table_bytes  # column bytes a table may preallocate (None: no bound)
-        self.memory_limit = memory_limit  # column bytes of all tables held in memory
+        self.max_rows = max_rows  # slots of all tables together
+        self.memory = TableMemory(store, memory_limit, on_grow)
         self.spill_root = None if spill_root is None else os.path.join(spill_root, "tables")
         self.data_root = None if data_root is None else os.path.join(data_root, "tables")
-        self.resident = 0  # column bytes of the tables held in memory
+        self.total_rows = 0  # slots of all tables (those being made included)
         self._spilled = itertools.count()
         self.by_name: dict[str, TableEntry] = {}  # read it (``name in``), do not change it
         self._making: dict[str, list[Callable[[], None]]] = {}  # name -> creates waiting for its files
+
+    def bound(self, max_rows: int, max_reply_bytes: int | None, max_reply_header: int | None) -> None:
+        """The server's limits: rows of all tables together, and what one TSAMPLE/TREAD
+        reply may carry (its max_outbound and max_reply_header)."""
+        self.max_rows = max_rows
+        self.memory.max_reply_bytes, self.memory.max_reply_header = max_reply_bytes, max_reply_header
 
     def __contains__(self, name: str) -> bool:
         return name in self.by_name
@@ -148,76 +156,101 @@ class TableStore:
 
     # -- making and removing tables
 
-    def create(self, name: str, spec: dict, done: Callable) -> None:
-        """Make table ``name`` with ``spec`` (see :func:`parse_spec`); ``done((entry,
-        change), None)`` once made, or ``done(None, error)``.  A table already there
-        with the same settings is kept as it is (change None); with other settings,
-        or a bin of that name, 553.  A table in files is made on a disk thread (its
+    def create(self, name: str, spec: dict, done: Callable, add_columns: bool = False) -> None:
+        """Make table ``name`` with ``spec`` (see :func:`~.tablespec.parse_spec`);
+        ``done((entry, change), None)`` once made, or ``done(None, error)``.  A table
+        already there with the same settings is kept as it is (change None); with
+        other settings, or a bin of that name, 553.  ``add_columns``: a table there
+        whose settings differ only by lacking some of ``spec``'s columns gains them
+        (:meth:`_add_columns`).  A table in files is made on a disk thread (its
         directory cleared first: a table deleted by a server killed meanwhile)."""
         full = parse_spec(spec)
         if name in self._making:  # its files are being made: answered once they are
-            self._making[name].append(lambda: self._create_again(name, spec, done))
+            self._making[name].append(lambda: self._create_again(name, spec, done, add_columns))
             return
         entry = self.by_name.get(name)
         if entry is not None:  # (the rate limits may have been changed since: they do not count)
-            if _fixed(entry.spec) != _fixed(full):
+            if fixed(entry.spec) != fixed(full):
+                if add_columns and fixed(entry.spec, "columns") == fixed(full, "columns") and full["columns"]:
+                    self._add_columns(entry, full["columns"], done)
+                    return
                 raise BadNameError(f"table {name!r} exists with other settings: delete it first")
             done((entry, None), None)
             return
-        nbytes, directory, keep = self._placement(name, full)
+        nbytes, directory, keep, state = self._placement(name, full)
+        capacity = full["capacity"]
         if directory is None:
-            table = self._table(full, None)
-            done(self._add(name, full, table, nbytes, None), None)
+            backing = None if full["columns"] else ItemsBacking(self.store)
+            table = self._table(full, backing)
+            self.total_rows += capacity
+            done(self._add(name, full, table, state + nbytes, None, backing and backing.slots), None)
             return
         self._making[name] = []
+        self.total_rows += capacity  # (counted while its files are made: creates meanwhile see them)
 
         def made(table, error) -> None:
             waiting = self._making.pop(name)
             try:
                 if error is not None:
+                    self.total_rows -= capacity
                     if not isinstance(error, RemoteError):
-                        error = StorageFullError(f"cannot make the table's files: {getattr(error, 'strerror', None) or error}")
+                        error = StorageFullError(f"cannot make the table's files: "
+                                                 f"{getattr(error, 'strerror', None) or error}")
                     done(None, error)
                 elif self.store.exists(name):  # a bin took the name meanwhile
+                    self.total_rows -= capacity
                     self.jobs.run(name, _remove_files, (table, directory))
                     done(None, BadNameError(f"{name!r} is a bin: a table needs a name no bin uses"))
                 else:
-                    done(self._add(name, full, table, 0, directory), None)
+                    done(self._add(name, full, table, state, directory), None)
             finally:
                 for again in waiting:
                     again()
 
         self.jobs.run(name, self._make_files, (name, full, directory, keep), made)
 
-    def _create_again(self, name: str, spec: dict, done: Callable) -> None:
+    def _create_again(self, name: str, spec: dict, done: Callable, add_columns: bool) -> None:
         try:
-            self.create(name, spec, done)
+            self.create(name, spec, done, add_columns)
         except RemoteError as exc:
             done(None, exc)
 
-    def _placement(self, name: str, full: dict) -> tuple[int, str | None, bool]:
-        """``(column bytes, directory or None, keep)`` of a new table: where its
-        columns live; the limits that refuse it first."""
+    def _placement(self, name: str, full: dict) -> tuple[int, str | None, bool, int]:
+        """``(column bytes in memory, directory or None, keep, state bytes)`` of a new
+        table: where its columns live, and the memory its per-slot state takes; the
+        limits that refuse it first."""
         if self.store.exists(name):
             raise BadNameError(f"{name!r} is a bin: a table needs a name no bin uses")
         if len(self.by_name) + len(self._making) >= self.max_tables:
             raise TooLargeError(f"the server already holds {self.max_tables} tables")
-        if type(full["capacity"]) is int and full["capacity"] > MAX_ROWS:
-            raise TooLargeError(f"a table has at most {MAX_ROWS} rows, not {full['capacity']}")
-        row_bytes = sum(math.prod(c["shape"]) * _width(c["dtype"]) for c in (full["columns"] or {}).values())
-        nbytes = full["capacity"] * row_bytes
+        capacity = full["capacity"]
+        if type(capacity) is int and capacity > MAX_ROWS:
+            raise TooLargeError(f"a table has at most {MAX_ROWS} rows, not {capacity}")
+        nbytes = column_bytes(full["columns"], capacity)
         if self.max_table_bytes is not None and nbytes > self.max_table_bytes:
-            raise TooLargeError(f"{full['capacity']} rows of {row_bytes} bytes are more than the "
+            raise TooLargeError(f"{capacity} rows of {nbytes // max(1, capacity)} bytes are more than the "
                                 f"{self.max_table_bytes} bytes a table may take")
+        if type(capacity) is int and self.total_rows + capacity > self.max_rows:
+            raise TooLargeError(f"the server's tables already have {self.total_rows} of the {self.max_rows} rows "
+                                f"they may have together: no room for {capacity} more")
+        state = 0
+        if type(capacity) is int and capacity > 0 and isinstance(full["sampler"], str):
+            state = state_bytes(capacity, full["sampler"], full["remover"], items=not full["columns"])
+        self.memory.check_state(capacity, state)
         if not full["columns"]:
-            return nbytes, None, False  # a table of items holds them in memory: neither spilled nor durable
+            # A table of items holds them in memory, as received (counted: CountedItems);
+            # it is neither spilled nor durable.
+            return 0, None, False, state
         if self.data_root is not None:
-            return nbytes, os.path.join(self.data_root, _dir_key(name)), True
-        if self.memory_limit is not None and nbytes and self.store.resident_bytes + self.resident + nbytes > self.memory_limit:
+            return 0, os.path.join(self.data_root, dir_key(name)), True, state
+        if self.memory.over_budget(state + nbytes):
             if self.spill_root is None:
-                raise StorageFullError(f"a table of {nbytes} bytes does not fit in the memory budget")
-            return nbytes, os.path.join(self.spill_root, str(next(self._spilled))), False
-        return nbytes, None, False
+                raise StorageFullError(f"a table of {nbytes} bytes ({capacity} rows of {nbytes // max(1, capacity)}) "
+                                       f"does not fit in the memory budget (--memory-limit "
+                                       f"{self.memory.memory_limit}, {self.memory.in_use()} in use) and the server "
+                                       f"has no spill directory")
+            return 0, os.path.join(self.spill_root, str(next(self._spilled))), False, state
+        return nbytes, None, False, state
 
     def _make_files(self, name: str, full: dict, directory: str, keep: bool) -> Table:
         """A new table whose columns are files in ``directory`` (a disk thread)."""
@@ -226,18 +259,87 @@ class TableStore:
         try:
             table = self._table(full, backing)
             if keep:
-                _write_json(os.path.join(directory, "meta.json"), tensordict_metadata(table.columns, table.capacity))
-                _write_json(os.path.join(directory, "table.json"), {"name": name, "spec": _json_spec(full)})
+                write_files(directory, name, json_spec(full), table.columns, table.capacity, False)
         except BaseException:
             backing.close()
             shutil.rmtree(directory, ignore_errors=True)
             raise
         return table
 
-    def _add(self, name: str, full: dict, table: Table, resident: int, directory: str | None):
-        self.resident += resident
-        entry = self.by_name[name] = TableEntry(name, full, table, resident=resident, directory=directory)
+    def _add(self, name: str, full: dict, table: Table, resident: int, directory: str | None,
+             items: CountedItems | None = None):
+        entry = self.by_name[name] = TableEntry(name, full, table, resident=resident, directory=directory,
+                                                items=items)
+        self.memory.took(resident)
         return entry, self._changed(entry, "CREATE")
+
+    def _add_columns(self, entry: TableEntry, columns: dict, done: Callable) -> None:
+        """Give ``entry``'s table the columns of ``columns`` it lacks (those it has must
+        be the same, else 553); ``done((entry, change or None), None)``: None if it
+        lacks none.  A table in files gets their files on a disk thread."""
+        have = entry.spec["columns"] or {}
+        if not have:
+            raise BadNameError(f"table {entry.name!r} holds items, not columns")
+        changed = [k for k in have if k in columns and columns[k] != have[k]]
+        if changed:
+            raise BadNameError(f"table {entry.name!r} has a column {changed[0]!r} of {have[changed[0]]}, "
+                               f"not {columns[changed[0]]}")
+        new = {k: v for k, v in columns.items() if k not in have}
+        if not new:
+            done((entry, None), None)
+            return
+        nbytes = column_bytes(new, entry.table.capacity)
+        if self.max_table_bytes is not None and entry.nbytes + nbytes > self.max_table_bytes:
+            raise TooLargeError(f"{entry.nbytes + nbytes} bytes are more than the {self.max_table_bytes} "
+                                f"bytes a table may take")
+        if entry.directory is None and self.memory.over_budget(nbytes):
+            raise StorageFullError(f"{nbytes} more bytes of columns in memory are over the memory budget "
+                                   f"(--memory-limit {self.memory.memory_limit})")
+        if entry.directory is None:  # in memory: no file to make
+            self._attach_columns(entry, new, entry.table.new_columns(new), nbytes, done)
+            return
+        name = entry.name
+        self._making[name] = []
+
+        def made(result, error) -> None:
+            waiting = self._making.pop(name)
+            try:
+                if error is not None:
+                    if not isinstance(error, RemoteError):
+                        error = StorageFullError(f"cannot make the columns' files: "
+                                                 f"{getattr(error, 'strerror', None) or error}")
+                    done(None, error)
+                elif self.by_name.get(name) is not entry:
+                    done(None, NoSuchBinError(f"table {name!r} was deleted while its columns were made"))
+                else:
+                    self._attach_columns(entry, new, result, 0, done)
+            finally:
+                for again in waiting:
+                    again()
+
+        self.jobs.run(name, entry.table.new_columns, (new,), made)
+
+    def _attach_columns(self, entry: TableEntry, new: dict, made: tuple, resident: int, done: Callable) -> None:
+        try:
+            entry.table.attach_columns(*made)
+        except TableSpecError as exc:
+            done(None, exc)
+            return
+        entry.spec["columns"] = {**(entry.spec["columns"] or {}), **new}
+        entry.resident += resident
+        self.memory.took(resident)
+        change = self._changed(entry, "CREATE")
+        if entry.directory is None or self.data_root is None:
+            done((entry, change), None)
+            return
+        self.jobs.run(entry.name, write_files, self._files_of(entry),
+                      lambda _result, error: done((entry, change), None) if error is None else done(
+                          None, StorageFullError(f"cannot write the table's files: {error}")))
+
+    def _files_of(self, entry: TableEntry) -> tuple:
+        """:func:`~.tablespec.write_files`' arguments for ``entry`` (taken on the reactor thread)."""
+        return (entry.directory, entry.name, json_spec(entry.spec), entry.table.columns, entry.table.capacity,
+                entry.tensordict)
 
     @staticmethod
     def _table(full: dict, backing) -> Table:
@@ -256,7 +358,10 @@ class TableStore:
         entry = self.by_name.pop(name, None)
         if entry is None:
             raise NoSuchBinError(f"no table named {name!r}")
-        self.resident -= entry.resident
+        self.memory.took(-entry.resident)
+        if entry.items is not None:  # (on this thread: the counts are the reactor's)
+            entry.items.let_go()
+        self.total_rows -= entry.table.capacity
         change = Change(name, 0, self.store.next_seq(), "DELETE")
 
         def removed(_result, error) -> None:
@@ -278,7 +383,7 @@ class TableStore:
                 with open(os.path.join(directory, "table.json")) as f:
                     saved = json.load(f)
                 name, full = saved["name"], parse_spec(saved["spec"])
-                if _dir_key(name) != entry_name or name in self.by_name:
+                if dir_key(name) != entry_name or name in self.by_name:
                     raise ValueError("its name does not match its directory")
                 table = self._table(full, MemmapBacking(directory, keep=True, reopen=True))
             except (OSError, ValueError, KeyError, TypeError, RemoteError) as exc:
@@ -286,6 +391,10 @@ class TableStore:
                 continue
             self.by_name[name] = TableEntry(name, full, table, directory=directory,
                                             tensordict=bool(saved.get("tensordict")))
+            self.total_rows += table.capacity
+            resident = state_bytes(table.capacity, full["sampler"], full["remover"])
+            self.by_name[name].resident = resident
+            self.memory.took(resident)
         for problem in problems:
             log.warning("data directory: skipped %s", problem)
         return len(self.by_name), problems
@@ -308,6 +417,7 @@ class TableStore:
             check_description(description, nbytes, limits)
         except ProtocolError as exc:
             raise BadRequestError(f"bad value: {exc}") from None
+        self.memory.check_room(nbytes + len(description))  # a table of items holds them in memory
         return [Item(description, tuple(payload), nbytes)]
 
     def says_tensordict(self, entry: TableEntry) -> bool:
@@ -323,8 +433,13 @@ class TableStore:
         if self.data_root is None or entry.directory is None:
             done()
             return
-        self.jobs.run(entry.name, _note_tensordict, (entry.directory, entry.name, _json_spec(entry.spec)),
-                      lambda _result, _error: done())
+
+        def noted(_result, error) -> None:
+            if error is not None:
+                log.warning("could not note in table %r's files that it holds TensorDicts: %s", entry.name, error)
+            done()
+
+        self.jobs.run(entry.name, write_files, self._files_of(entry), noted)
 
     def insert(self, entry: TableEntry, rows, priorities) -> tuple[np.ndarray, Change]:
         """Add ``rows`` (from :meth:`rows`): their keys, and the change.  Raises the
@@ -371,12 +486,34 @@ class TableStore:
         except TableError:
             return True
 
-    def read(self, entry: TableEntry, indices: np.ndarray) -> Drawn:
-        """The rows at slot ``indices`` (no sample is counted)."""
+    def read(self, entry: TableEntry, indices: np.ndarray, sampled: bool = False) -> tuple[Drawn, Change | None]:
+        """The rows at slot ``indices``, and the change if rows left.  No sample is
+        counted, unless ``sampled``: rows the reader drew itself, counted (and
+        rate-limited: :class:`~.tables.WouldBlockError` for now) as a sample is."""
         table = self._live(entry).table
         gathered = self._gathered(table, indices.size)
-        rows = table.read(indices, out=None if gathered is None else gathered.out)
-        return Drawn(rows, None, gathered, entry)
+        rows = table.read(indices, out=None if gathered is None else gathered.out, sampled=sampled)
+        change = self._changed(entry, "SAMPLE") if sampled and rows.removed.keys.size else None
+        return Drawn(rows, None, gathered, entry), change
+
+    def can_read(self, entry: TableEntry, n: int) -> bool:
+        """Whether :meth:`read` of ``n`` rows counted as a sample may go on now (True
+        too when it never could, or the table is gone: the read then says why)."""
+        if self.by_name.get(entry.name) is not entry:
+            return True
+        try:
+            return entry.table.can_read_sampled(n)
+        except TableError:
+            return True
+
+    def check_reply(self, entry: TableEntry, n: int) -> None:
+        """A TSAMPLE/TREAD reply of ``n`` rows of ``entry`` is bounded and its memory
+        counted before anything is drawn (:meth:`TableMemory.check_reply`)."""
+        self.memory.check_reply(entry.table.columns, n, 0 if entry.items is None else entry.items.largest)
+
+    def hold_reply(self, nbytes: int) -> Callable[[], None]:
+        """Count ``nbytes`` of gathered rows in a reply until the callable returned is called."""
+        return self.memory.hold_reply(nbytes)
 
     @staticmethod
     def _gathered(table: Table, n: int) -> Gathered | None:
@@ -405,12 +542,22 @@ class TableStore:
         except (TypeError, ValueError) as exc:
             raise BadRequestError(f"bad limits: {exc}") from None
 
-    def info(self, entry: TableEntry) -> dict:
+    def info(self, entry: TableEntry, slots: int | None = None) -> dict:
         """The table's settings, counters and rate-limiter state as msgpack's plain
-        types, with its ``seq``."""
-        info = entry.table.info()
-        info["seq"] = entry.seq
-        return _plain(info)
+        types (:meth:`TableEntry.info`); with ``slots``, a page of the occupied slots
+        from that index on (indices, keys, priorities and sample counts as bytes, and
+        the index to ask from next)."""
+        info = entry.info()
+        if slots is not None:
+            page = entry.table.slots(slots)
+            info["slots"] = {"indices": int64_bytes(page["indices"]), "keys": int64_bytes(page["keys"]),
+                             "priorities": float64_bytes(page["priorities"]),
+                             "times_sampled": int64_bytes(page["times_sampled"]), "next": page["next"]}
+        return plain(info)
+
+    def note_blocked(self, entry: TableEntry, what: str, seconds: float) -> None:
+        """A request waited ``seconds`` for the rate limiter (``what``: insert or sample)."""
+        entry.blocked[what] += seconds
 
     def listing(self) -> dict[str, int]:
         return {name: entry.table.size for name, entry in self.by_name.items()}
@@ -442,54 +589,3 @@ def _remove_files(table: Table, directory: str | None) -> None:
     table.close()
     if directory is not None:
         shutil.rmtree(directory, ignore_errors=True)
-
-
-def _note_tensordict(directory: str, name: str, spec: dict) -> None:
-    """Note in a durable table's files that its rows come as TensorDicts (a disk thread)."""
-    try:
-        _write_json(os.path.join(directory, "table.json"), {"name": name, "spec": spec, "tensordict": True})
-    except OSError as exc:
-        log.warning("could not note in table %r's files that it holds TensorDicts: %s", name, exc)
-
-
-def _plain(value):
-    """``value`` with numpy scalars and tuples made msgpack's plain types; inf as None."""
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, np.generic):
-        value = value.item()
-    if isinstance(value, float) and not np.isfinite(value):
-        return None
-    return value
-
-
-def _dir_key(name: str) -> str:
-    """A table's directory name: names are data, never paths."""
-    return hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-
-
-def _json_spec(full: dict) -> dict:
-    spec = dict(full)
-    if isinstance(spec["error_buffer"], tuple):
-        spec["error_buffer"] = list(spec["error_buffer"])
-    return spec
-
-
-def _write_json(path: str, value) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(value, f)
-    os.replace(tmp, path)
-
-
-def _fixed(spec: dict) -> dict:
-    """The settings of a table that cannot change while it lives."""
-    return {k: v for k, v in spec.items() if k not in LIMIT_KEYS}
-
-
-def _width(dtype: str) -> int:
-    from tensorshare.wire.dtypes import TORCH_WIDTHS
-
-    return TORCH_WIDTHS[dtype]

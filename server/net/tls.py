@@ -18,7 +18,7 @@ def server_tls_options(cert_file: str, key_file: str | None = None):
         from cryptography.hazmat.primitives import serialization
         from twisted.internet import ssl
     except ImportError as exc:
-        raise UsageError(f"TLS needs pyOpenSSL (pip install tensorshare[tls]): {exc}") from None
+        raise UsageError(f"TLS needs pyOpenSSL (the tls extra: pip install pyOpenSSL service_identity): {exc}") from None
     blocks = pem_certificates(cert_file)
     try:
         with open(key_file or cert_file, "rb") as f:

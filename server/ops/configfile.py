@@ -55,7 +55,12 @@ def defaults_from(parser: argparse.ArgumentParser, table: dict, path: str) -> di
             continue
         if isinstance(value, (dict, list)) or isinstance(value, bool):
             raise argparse.ArgumentTypeError(f"{path}: {key} must be a string or a number")
-        if action.type is not None and not isinstance(value, str):
-            value = str(value)  # read as the command line would read it (sizes, seconds)
+        if action.type is not None:
+            try:  # read as the command line would read it (sizes, seconds), and said wrong here
+                value = action.type(str(value))
+            except (argparse.ArgumentTypeError, ValueError) as exc:
+                raise argparse.ArgumentTypeError(f"{path}: {key} = {value!r}: {exc}") from None
+        if action.choices is not None and value not in action.choices:
+            raise argparse.ArgumentTypeError(f"{path}: {key} = {value!r}: one of {', '.join(action.choices)}")
         out[action.dest] = value
     return out

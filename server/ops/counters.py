@@ -21,6 +21,7 @@ LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1
 MAX_EXPERIMENTS = 1000  # RL experiments tracked (names come from clients: bounded)
 MAX_VERSIONS_PER_CONNECTION = 64
 PARAMETERS, ROLLOUTS = "parameters", "rollouts"  # an RL experiment's bins (tensorshare/rl/peer.py: bin_names)
+TRAINER = "trainer"  # the role of a connection that publishes an experiment's parameters
 
 _connection_ids = itertools.count(1)
 
@@ -40,13 +41,13 @@ def experiment_of(name: str, kind: str) -> str | None:
     return None
 
 
-def worker_experiment(name: str) -> str | None:
-    """The experiment of a worker's presence bin ``<experiment>/workers/<id>`` (whose
-    tag is the version the worker holds, tensorshare/rl/members.py), else None."""
+def worker_of(name: str) -> tuple[str, str] | None:
+    """``(experiment, worker id)`` of a worker's presence bin ``<experiment>/workers/<id>``
+    (whose tag is the version the worker holds, tensorshare/rl/members.py), else None."""
     if name.startswith("workers/"):
-        return ""
+        return "", name[len("workers/"):]
     i = name.rfind("/workers/")
-    return name[:i] if i > 0 else None
+    return (name[:i], name[i + len("/workers/"):]) if i > 0 else None
 
 
 class VerbStats:
@@ -77,7 +78,7 @@ class ExperimentStats:
 class ConnStats:
     """One connection's numbers (kept for every connection: logs and the status page use them)."""
 
-    __slots__ = ("id", "peer", "opened", "bytes_in", "requests", "authenticated", "versions")
+    __slots__ = ("id", "peer", "opened", "bytes_in", "requests", "authenticated", "versions", "roles")
 
     def __init__(self, peer: str):
         self.id = next_connection_id()
@@ -87,11 +88,19 @@ class ConnStats:
         self.requests = 0  # requests handled (counted with metrics on)
         self.authenticated = False
         self.versions: dict[str, int] = {}  # experiment -> version of the parameters it was seen with
+        # experiment -> what this connection is in it: TRAINER (it publishes the
+        # parameters) or the id of the worker whose presence bin it put
+        self.roles: dict[str, str] = {}
 
     def saw_version(self, experiment: str, version: int) -> None:
         versions = self.versions
         if experiment in versions or len(versions) < MAX_VERSIONS_PER_CONNECTION:
             versions[experiment] = version
+
+    def saw_role(self, experiment: str, role: str) -> None:
+        roles = self.roles
+        if experiment in roles or len(roles) < MAX_VERSIONS_PER_CONNECTION:
+            roles[experiment] = role
 
 
 class Counters:
@@ -154,14 +163,16 @@ class Counters:
         else:
             experiment = experiment_of(bin_name, PARAMETERS)
             if experiment is None:
-                experiment = worker_experiment(bin_name)  # a worker saying which version it holds
-                if experiment is not None:
-                    conn.saw_version(experiment, tag)
+                worker = worker_of(bin_name)  # a worker saying who it is and which version it holds
+                if worker is not None:
+                    conn.saw_version(worker[0], tag)
+                    conn.saw_role(*worker)
                 return
             stats = self._experiment(experiment)
             if stats is not None:
                 stats.published = tag
             conn.saw_version(experiment, tag)
+            conn.saw_role(experiment, TRAINER)
 
     def read(self, conn: ConnStats, bin_name: str, tag: int) -> None:
         """A GET/PEEK returned ``bin_name``'s items, the last tagged ``tag``."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from html import escape
 
-from tensorshare.humanize import human_bytes
+from tensorshare.humanize import human_bytes, rl_roles
 
 REFRESH_SECONDS = 5
 MAX_ROWS = 200  # bins and clients shown on the page (status.json has more)
@@ -33,6 +33,10 @@ def _limit(name: str, value) -> str:
     if name.endswith("timeout"):
         return f"{value:g}s" if value else "none"
     return str(value)
+
+
+def _rate(per_second: float | None) -> str:
+    return "-" if per_second is None else f"{per_second:,.0f}"
 
 
 def _table(table_id: str, headers: list[str], rows: list[list], empty: str) -> str:
@@ -79,13 +83,16 @@ def render(data: dict, query: str = "") -> str:
              "-" if b["tag"] is None else b["tag"], b["seq"]] for b in data["bins"][:MAX_ROWS]]
     clients = []
     for c in data["clients"][:MAX_ROWS]:
-        versions = ", ".join(f"{e or '(default)'}: v{v}" for e, v in c["versions"].items()) or "-"
-        lag = ", ".join(str(n) for n in c["lag"].values()) or "-"
-        clients.append([c["id"], c["peer"], "yes" if c["authenticated"] else "-", versions, lag,
+        clients.append([c["id"], c["peer"], "yes" if c["authenticated"] else "-", rl_roles(c),
                         human_bytes(c["bytes_in"]), human_bytes(c["bytes_out"]), c["requests"],
                         c["listening"], human_seconds(c["age"])])
     experiments = [[e or "(default)", "-" if r["latest"] is None else r["latest"], r["rollouts"], r["stale"],
                     len(r["workers"])] for e, r in data["experiments"].items()]
+    tables = [[t["name"], f"{t['size']} / {t['capacity']}", human_bytes(t["bytes"]), t["where"], t["sampler"],
+               t["remover"] or "-", t["inserts"], t["samples"], _rate(t["inserts_per_s"]), _rate(t["samples_per_s"]),
+               "-" if t["samples_per_insert"] is None else f"{t['samples_per_insert']:g}",
+               f"{t['blocked_seconds']['insert']:.1f}s / {t['blocked_seconds']['sample']:.1f}s",
+               f"{t['waiting']['insert']} / {t['waiting']['sample']}"] for t in data.get("tables", [])[:MAX_ROWS]]
     events = data.get("events", {})
     traffic = data.get("traffic", {})
     summary = [
@@ -125,8 +132,12 @@ th{{background:#f0f0f0}} .cols{{display:flex;gap:2em;flex-wrap:wrap}} small{{col
 <div><h2>Limits and memory</h2>{_table("limits", ["", ""], limit_rows, "")}</div></div>
 <h2>Bins</h2>
 {_table("bins", ["bin", "items", "bytes", "where", "tag", "seq"], bins, "no bins")}
+<h2>Tables</h2>
+{_table("tables", ["table", "rows", "bytes", "where", "sampler", "remover", "inserted", "sampled", "inserts/s",
+                   "samples/s", "samples per insert", "rate limiter waited (inserts / samples)",
+                   "waiting (inserts / samples)"], tables, "no tables")}
 <h2>Clients</h2>
-{_table("clients", ["conn", "address", "authenticated", "versions", "lag", "in", "out", "requests", "listens", "connected"], clients, "no clients")}
+{_table("clients", ["conn", "address", "authenticated", "RL experiment: role, version", "in", "out", "requests", "listens", "connected"], clients, "no clients")}
 <h2>RL experiments</h2>
 {_table("experiments", ["experiment", "latest version", "rollouts", "stale", "connections"], experiments, "none")}
 </body></html>

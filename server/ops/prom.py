@@ -3,7 +3,7 @@
 A custom collector (the pattern of Prometheus exporters): nothing of
 ``prometheus_client`` is touched while requests are served; each scrape turns one
 :func:`~.status.snapshot` into metric families.  ``prometheus_client`` is an
-optional dependency (``pip install tensorshare[metrics]``): :func:`available` says
+optional dependency (the ``metrics`` extra: ``pip install prometheus_client``): :func:`available` says
 whether it is installed.
 """
 
@@ -58,6 +58,7 @@ class _Families:
         if memory["memory_limit"] is not None:
             yield GaugeMetricFamily("tensorshare_memory_limit_bytes", "--memory-limit", value=memory["memory_limit"])
         yield GaugeMetricFamily("tensorshare_connections", "Connections open", value=data["connections"]["open"])
+        yield from _tables(data["tables"])
         if "verbs" not in data:  # nothing counted
             return
         yield CounterMetricFamily("tensorshare_connections_accepted", "Connections admitted",
@@ -120,3 +121,36 @@ class _Families:
             for conn, version in row["workers"].items():
                 worker.add_metric([experiment, conn, peers.get(conn, "?")], version)
         yield from (latest, rollouts, stale, worker)
+
+
+def _tables(rows: list[dict]):
+    """Per table: rows, capacity, bytes; rows inserted, sampled and removed (rates:
+    Prometheus's ``rate()``); seconds requests waited for the rate limiter, and
+    requests waiting now (Reverb exports the like)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    size = GaugeMetricFamily("tensorshare_table_rows", "Rows a table holds", labels=["table"])
+    capacity = GaugeMetricFamily("tensorshare_table_capacity_rows", "Rows a table can hold", labels=["table"])
+    nbytes = GaugeMetricFamily("tensorshare_table_bytes", "Column bytes a table holds (preallocated)",
+                               labels=["table", "where"])
+    inserts = CounterMetricFamily("tensorshare_table_inserted_rows", "Rows inserted into (or written to) a table",
+                                  labels=["table"])
+    samples = CounterMetricFamily("tensorshare_table_sampled_rows", "Rows sampled from a table (and reads counted "
+                                  "as samples)", labels=["table"])
+    removals = CounterMetricFamily("tensorshare_table_removed_rows", "Rows that left a table", labels=["table"])
+    blocked = CounterMetricFamily("tensorshare_table_rate_limiter_blocked_seconds", "Seconds requests waited for a "
+                                  "table's rate limiter (ended waits)", labels=["table", "op"])
+    waiting = GaugeMetricFamily("tensorshare_table_waiting_requests", "Requests waiting for a table's rate limiter "
+                                "now", labels=["table", "op"])
+    for row in rows:
+        name = row["name"]
+        size.add_metric([name], row["size"])
+        capacity.add_metric([name], row["capacity"])
+        nbytes.add_metric([name, row["where"]], row["bytes"])
+        inserts.add_metric([name], row["inserts"])
+        samples.add_metric([name], row["samples"])
+        removals.add_metric([name], row["removals"])
+        for op in ("insert", "sample"):
+            blocked.add_metric([name, op], row["blocked_seconds"][op])
+            waiting.add_metric([name, op], row["waiting"][op])
+    yield from (size, capacity, nbytes, inserts, samples, removals, blocked, waiting)

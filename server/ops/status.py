@@ -14,6 +14,7 @@ import time
 from collections import deque
 
 from tensorshare import __version__
+from tensorshare.protocol.messages import TINSERT, TSAMPLE
 
 from .counters import LATENCY_BUCKETS, PARAMETERS, Counters, bytes_out, experiment_of
 
@@ -49,16 +50,34 @@ def rss_bytes() -> int | None:
 
 class Throughput:
     """The server's (bytes in, bytes out, requests) totals, sampled every ``interval``
-    seconds over the last ``span`` seconds; :meth:`rates` gives per-second rates."""
+    seconds over the last ``span`` seconds; :meth:`rates` gives per-second rates.
+    With ``state``, each table's rows inserted and sampled too (:meth:`table_rates`)."""
 
-    def __init__(self, counters: Counters, interval: float = 2.0, span: float = 600.0, clock=time.time):
+    def __init__(self, counters: Counters, interval: float = 2.0, span: float = 600.0, clock=time.time,
+                 state=None):
         self.counters = counters
         self.interval = interval
         self.clock = clock
         self.samples: deque[tuple[float, int, int, int]] = deque(maxlen=int(span / interval) + 1)
+        self.state = state
+        self.table_samples: deque[tuple[float, dict]] = deque(maxlen=2)
 
     def sample(self) -> None:
-        self.samples.append((self.clock(), *self.counters.totals()))
+        now = self.clock()
+        self.samples.append((now, *self.counters.totals()))
+        if self.state is not None:
+            self.table_samples.append((now, {entry.name: (entry.table.inserts, entry.table.samples)
+                                             for entry in _table_entries(self.state)}))
+
+    def table_rates(self) -> dict[str, tuple[float, float]]:
+        """``{table: (rows inserted per second, rows sampled per second)}`` between the
+        last two samples (tables made since are left out)."""
+        if len(self.table_samples) < 2:
+            return {}
+        (t0, old), (t1, new) = self.table_samples
+        dt = max(t1 - t0, 1e-6)
+        return {name: ((i1 - old[name][0]) / dt, (s1 - old[name][1]) / dt)
+                for name, (i1, s1) in new.items() if name in old}
 
     def rates(self) -> list[dict]:
         """``[{t, bytes_in, bytes_out, requests}]`` per second between consecutive samples."""
@@ -110,6 +129,7 @@ def snapshot(state, throughput: Throughput | None = None, now: float | None = No
         "connections": {"open": state.connections},
         "clients": [],
         "experiments": experiments,
+        "tables": tables(state, throughput),
     }
     if getattr(state, "relay", None) is not None:  # a relay's upstream and copies arriving (PROTOCOL.md §11)
         data["relay"] = state.relay.status()
@@ -132,17 +152,51 @@ def snapshot(state, throughput: Throughput | None = None, now: float | None = No
     return data
 
 
+def _table_entries(state) -> list:
+    store = getattr(getattr(state, "storage", None), "tables", None)
+    return [] if store is None else list(store.by_name.values())
+
+
+def tables(state, throughput: Throughput | None = None) -> list[dict]:
+    """Per table (replay buffers, datasets): rows and capacity, bytes, the counts of
+    rows inserted, sampled and removed, their rates (with ``throughput``), the
+    seconds requests waited for its rate limiter and the requests waiting now."""
+    rates = throughput.table_rates() if throughput is not None else {}
+    waits = state.waits
+    rows = []
+    for entry in _table_entries(state):
+        table, limiter = entry.table, entry.table.info()["rate_limiter"]
+        inserts_per_s, samples_per_s = rates.get(entry.name, (None, None))
+        rows.append({
+            "name": entry.name, "size": table.size, "capacity": table.capacity, "sampler": table.sampler,
+            "remover": table.remover, "columns": len(table.columns), "bytes": entry.nbytes,
+            "where": "files" if entry.directory is not None else "memory" if table.columns else "items",
+            "inserts": table.inserts, "samples": table.samples, "removals": table.removals,
+            "inserts_per_s": inserts_per_s, "samples_per_s": samples_per_s,
+            "blocked_seconds": dict(entry.blocked),
+            "waiting": {"insert": waits.waiting((entry.name, TINSERT.lane)),
+                        "sample": waits.waiting((entry.name, TSAMPLE.lane))},
+            "samples_per_insert": limiter["samples_per_insert"], "min_size_to_sample": limiter["min_size_to_sample"],
+        })
+    rows.sort(key=lambda row: (-row["bytes"], row["name"]))
+    return rows
+
+
 def _experiments(state, counters: Counters | None) -> dict:
     """Per RL experiment: the latest version (the tag of its parameters bin), rollouts
-    received and stale, and the version each connection was last seen with."""
+    received and stale, the version each connection was last seen with (``workers``)
+    and what each is in it (``roles``: ``"trainer"``, or the id of the worker whose
+    presence bin it put), by connection id."""
     found: dict[str, dict] = {}
     for name in list(state.store.listing()):
         experiment = experiment_of(name, PARAMETERS)
         if experiment is not None:
-            found[experiment] = {"latest": state.store.state(name).tag, "rollouts": 0, "stale": 0, "workers": {}}
+            found[experiment] = {"latest": state.store.state(name).tag, "rollouts": 0, "stale": 0, "workers": {},
+                                 "roles": {}}
     if counters is not None:
         for experiment, stats in counters.experiments.items():
-            row = found.setdefault(experiment, {"latest": None, "rollouts": 0, "stale": 0, "workers": {}})
+            row = found.setdefault(experiment, {"latest": None, "rollouts": 0, "stale": 0, "workers": {},
+                                                "roles": {}})
             if row["latest"] is None and stats.published >= 0:
                 row["latest"] = stats.published
             row["rollouts"], row["stale"] = stats.rollouts, stats.stale
@@ -150,6 +204,9 @@ def _experiments(state, counters: Counters | None) -> dict:
             for experiment, version in session.stats.versions.items():
                 if experiment in found:
                     found[experiment]["workers"][str(session.stats.id)] = version
+            for experiment, role in session.stats.roles.items():
+                if experiment in found:
+                    found[experiment]["roles"][str(session.stats.id)] = role
     return found
 
 
@@ -164,4 +221,5 @@ def _client(session, experiments: dict, now: float) -> dict:
     return {"id": stats.id, "peer": stats.peer, "authenticated": stats.authenticated,
             "age": now - stats.opened, "bytes_in": stats.bytes_in, "bytes_out": bytes_out(session),
             "requests": stats.requests, "listening": len(session.listening), "versions": versions, "lag": lag,
+            "roles": dict(stats.roles),
             "coalesced": session.notifier.coalesced}

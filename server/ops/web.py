@@ -6,6 +6,14 @@ server has a token, each request must carry it (``Authorization: Bearer TOKEN``,
 or ``?token=TOKEN`` for a browser), compared in constant time; anything else gets
 401.  It binds 127.0.0.1 unless ``--metrics-host`` says otherwise, and speaks plain
 HTTP: put it behind a TLS proxy to expose it.
+
+Its limits are its own, apart from the data port's: at most
+:data:`MAX_CONNECTIONS` connections at once (more are closed as they come, so the
+port cannot take the descriptors the data port needs), each closed after
+:data:`IDLE_TIMEOUT` seconds without a byte, headers of at most 16 KiB (Twisted's),
+and no request body: a request that announces one is answered (401 without the
+token, else 413) and closed as soon as its headers are in, before a byte of the
+body is read.
 """
 
 from __future__ import annotations
@@ -23,6 +31,9 @@ from .status import Throughput, snapshot
 
 log = logging.getLogger("tensorshare.server")
 
+MAX_CONNECTIONS = 32  # HTTP connections open at once
+IDLE_TIMEOUT = 30  # seconds an HTTP connection may stay silent (a request half sent included)
+
 
 class OpsResource(resource.Resource):
     """The whole site: three paths, checked for the token first."""
@@ -39,21 +50,20 @@ class OpsResource(resource.Resource):
         token = self.state.token
         query = ""
         if token is not None:
-            given = _given_token(request)
-            if given is None or not hmac.compare_digest(given, token):
+            if not _authorized(request, token):
                 request.setResponseCode(401)
                 request.setHeader(b"WWW-Authenticate", b'Bearer realm="tensorshare"')
                 request.setHeader(b"Content-Type", b"text/plain; charset=utf-8")
-                return b"401 the server's token is required (Authorization: Bearer TOKEN, or ?token=TOKEN)\n"
+                return _UNAUTHORIZED
             if request.args.get(b"token"):
-                query = "?token=" + quote(given.decode("utf-8", "replace"), safe="")
+                query = "?token=" + quote(_given_token(request).decode("utf-8", "replace"), safe="")
         request.setHeader(b"Cache-Control", b"no-store")
         path = request.path.rstrip(b"/") or b"/"
         if path == b"/metrics":
             if not prom.available():
                 request.setResponseCode(503)
                 request.setHeader(b"Content-Type", b"text/plain; charset=utf-8")
-                return b"503 /metrics needs prometheus_client: pip install 'tensorshare[metrics]'\n"
+                return b"503 /metrics needs prometheus_client: the metrics extra: pip install prometheus_client\n"
             body, content_type = prom.exposition(snapshot(self.state, data_port=self.data_port))
             request.setHeader(b"Content-Type", content_type.encode())
             return body
@@ -68,13 +78,77 @@ class OpsResource(resource.Resource):
         return b"404 try /, /status.json or /metrics\n"
 
 
+_UNAUTHORIZED = b"401 the server's token is required (Authorization: Bearer TOKEN, or ?token=TOKEN)\n"
+
+
+def _authorized(request, token: bytes) -> bool:
+    given = _given_token(request)
+    return given is not None and hmac.compare_digest(given, token)
+
+
+class _Discard:
+    """Where the bytes of a refused request's body go (those already read with its headers)."""
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def seek(self, *args) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _OpsRequest(server.Request):
+    """A request of the operations port: one that announces a body is answered and
+    closed once its headers are in (see the module docstring)."""
+
+    def gotLength(self, length) -> None:  # noqa: N802 - Twisted's name
+        if length == 0:
+            super().gotLength(length)
+            return
+        self.content = _Discard()
+        token = self.channel.site.resource.state.token
+        if token is not None and not _authorized(self, token):
+            status, body = b"401 Unauthorized", _UNAUTHORIZED
+        else:
+            status, body = b"413 Content Too Large", b"413 this port takes no request body\n"
+        self.channel.transport.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: text/plain; charset=utf-8\r\n"
+                                     b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+        self.channel.loseConnection()  # (stops reading the socket)
+
+
+class _OpsSite(server.Site):
+    """The site, counting its connections: past :data:`MAX_CONNECTIONS` a new one is
+    closed at once."""
+
+    requestFactory = _OpsRequest
+    open_connections = 0
+
+    def buildProtocol(self, addr):  # noqa: N802 - Twisted's name
+        if self.open_connections >= MAX_CONNECTIONS:
+            log.warning("metrics: %d HTTP connections are open (the most the status port takes); closing one "
+                        "from %s", self.open_connections, getattr(addr, "host", addr))
+            return None
+        protocol = super().buildProtocol(addr)
+        self.open_connections += 1
+        lost = protocol.connectionLost
+
+        def connection_lost(reason) -> None:
+            self.open_connections -= 1
+            lost(reason)
+
+        protocol.connectionLost = connection_lost
+        return protocol
+
+
 def _given_token(request) -> bytes | None:
     header = request.getHeader(b"authorization")
     if header is not None:
         scheme, _, value = header.partition(b" ")
         if scheme.lower() == b"bearer":
             return value.strip()
-    values = request.args.get(b"token")
+    values = request.args.get(b"token") if request.args is not None else None  # (None: the query is not read yet)
     return values[0] if values else None
 
 
@@ -104,10 +178,10 @@ class OpsPort:
 def start(state, reactor, port: int, host: str = "127.0.0.1", sample_every: float = 2.0,
           data_port: int | None = None) -> OpsPort:
     """Serve the operations site on ``host:port`` (reactor thread)."""
-    throughput = Throughput(state.counters, interval=sample_every)
+    throughput = Throughput(state.counters, interval=sample_every, state=state)
     sampler = task.LoopingCall(throughput.sample)
     sampler.clock = reactor
-    site = server.Site(OpsResource(state, throughput, data_port))
+    site = _OpsSite(OpsResource(state, throughput, data_port), timeout=IDLE_TIMEOUT)
     site.noisy = False
     site.log = lambda request: None  # no access log lines for scrapes
     listening = reactor.listenTCP(port, site, interface=host)
@@ -117,5 +191,5 @@ def start(state, reactor, port: int, host: str = "127.0.0.1", sample_every: floa
                     "bins, the clients and their addresses (--token-file protects it)", host)
     if not prom.available():
         log.warning("metrics: prometheus_client is not installed, so /metrics answers 503 "
-                    "(pip install 'tensorshare[metrics]'); / and /status.json work")
+                    "(the metrics extra: pip install prometheus_client); / and /status.json work")
     return OpsPort(listening, sampler)

@@ -15,7 +15,11 @@ Rules, so that an ephemeral bin is never half lasting:
   ephemeral;
 * its items are never written to the data directory (a restarted server has no
   connections, so it has no ephemeral bins either);
-* DELETE by anyone ends it.
+* DELETE by anyone ends it; a DELETE with ``owner`` only while the bin's latest
+  ephemeral PUT came from this connection with that ``owner`` (a relay puts ephemeral
+  bins upstream for many clients over one connection, each with an owner value of
+  its own, and deletes one when its client ends without deleting a bin another
+  client has put since).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class EphemeralBins:
 
     def __init__(self) -> None:
         self._owners: dict[str, object] = {}
+        self._values: dict[str, bytes | None] = {}  # the owner value each was put with (PUT's ``owner``)
 
     def __contains__(self, name: str) -> bool:
         return name in self._owners
@@ -45,17 +50,24 @@ class EphemeralBins:
         elif ephemeral and exists:
             raise RemoteError(f"bin {name!r} exists and is not ephemeral; delete it first", BAD_ARGS)
 
-    def claim(self, name: str, session) -> None:
-        """``session`` stored the bin's item: it owns the bin from now on."""
+    def claim(self, name: str, session, owner: bytes | None = None) -> None:
+        """``session`` stored the bin's item (for its client ``owner``, if given): it
+        owns the bin from now on."""
         previous = self._owners.get(name)
         if previous is not None and previous is not session:
             previous.owned.discard(name)
         self._owners[name] = session
+        self._values[name] = owner
         session.owned.add(name)
+
+    def owns(self, name: str, session, owner: bytes | None) -> bool:
+        """Whether ``session`` owns ephemeral bin ``name`` with the value ``owner``."""
+        return self._owners.get(name) is session and self._values.get(name) == owner
 
     def forget(self, name: str) -> None:
         """The bin was deleted."""
         owner = self._owners.pop(name, None)
+        self._values.pop(name, None)
         if owner is not None:
             owner.owned.discard(name)
 
@@ -66,13 +78,13 @@ class EphemeralBins:
         for name in owned:
             if self._owners.get(name) is session:
                 del self._owners[name]
-                _delete(state, name)
+                _delete(state, name, self._values.pop(name, None))
 
 
-def _delete(state, name: str) -> None:
+def _delete(state, name: str, owner: bytes | None) -> None:
     relay = state.relay
-    if relay is not None and relay.follows(name):  # a relay's: the bin lives upstream
-        relay.delete_upstream(name)
+    if relay is not None and relay.follows(name):  # a relay's: the bin lives upstream, for this client
+        relay.delete_upstream(name, owner)
         return
 
     def deleted(change, error) -> None:

@@ -23,7 +23,7 @@ from tensorshare.wire.description import check_description
 from tensorshare.wire.frames import frame_head
 
 from ..bins.store import Change, Item
-from . import longpoll
+from . import devices, longpoll
 from .outcome import in_lane, later
 from .registry import handles
 
@@ -43,6 +43,8 @@ def store(session, request):
     ephemeral = replace and request.ephemeral is True
     if ephemeral or session.state.ephemeral:
         _check_ephemeral(session, request, ephemeral)
+    if replace and (request.cuda is not None or request.fill is not None):  # by device reference (§13)
+        return devices.store(session, request, check_value, stored)
     waits_for_room = not replace and request.below is not None and not _room_now(session, request)
     if request.shm is not None:
         incoming, item_name, size = session.shared.adoption(request)
@@ -59,7 +61,7 @@ def store(session, request):
             if session.closed:  # run after its connection ended (§8.3): it would end with it
                 return None
             change = storage.add_now(name, blob, segments, nbytes, tag, replace)  # ephemeral: in memory only
-            session.state.ephemeral.claim(name, session)
+            session.state.ephemeral.claim(name, session, request.owner)
             return stored(session, request, change)
         if not waits_for_room and not storage.durable:  # the usual case: stored in memory at once
             return stored(session, request, storage.add_now(name, blob, segments, nbytes, tag, replace))
@@ -125,7 +127,8 @@ def stored(session, request, change: Change) -> dict:
     session.state.listeners.publish(change)
     if request.tag is not None and session.counters is not None:  # versions of RL experiments
         session.counters.stored(session.stats, request.command.verb, request.bin, request.tag)
-    return request.command.reply(request.id, n=change.n_items, seq=change.seq)
+    header = request.command.reply(request.id, n=change.n_items, seq=change.seq)
+    return header if session.shared.devices is None else devices.with_freed(session, header)
 
 
 # -- GET, PEEK
@@ -148,6 +151,8 @@ def take(session, request):
     disk), and the items go back to the front of the bin if it cannot be delivered."""
     storage, listeners, name = session.storage, session.state.listeners, request.bin
     items = storage.peek(name)[: request.max]  # (max: None takes them all)
+    if devices.unready(items, None):  # bytes still in a publisher's device memory (§13)
+        return devices.hold_for_bytes(session, request, take)
     _check_reply_size(session, items)  # refused before anything is taken
     refs = session.shared.refs(request.ref, items, taking=True)
     items, change = storage.take(name, request.max)
@@ -190,16 +195,22 @@ def read(session, request):
     storage, name = session.storage, request.bin
     seq = storage.seq(name)
     items = [] if request.since is not None and seq == request.since else storage.peek(name)
+    cuda = devices.refs(session, request.cuda, items) if request.cuda is not None else None
+    if devices.unready(items, cuda):  # bytes still in a publisher's device memory (§13)
+        return devices.hold_for_bytes(session, request, read)
     _check_reply_size(session, items)
-    refs = session.shared.refs(request.ref, items)
+    refs = away = session.shared.refs(request.ref, items)
+    if cuda is not None:  # items whose bytes the payload does not carry: by file or by device reference
+        refs = devices.besides(refs, cuda)
+        away = devices.merged(refs, cuda)
 
     def reply(parts: list):
-        out = items_reply(session, request, items, parts, seq, refs)
-        session.shared.pin(request.id, items, refs)
-        session.shared.promote(request.ref, items, refs, session.decode_limits)
+        out = items_reply(session, request, items, parts, seq, refs, cuda=cuda)
+        session.shared.pin(request.id, items, away)
+        session.shared.promote(request.ref, items, away, session.decode_limits)
         return out
 
-    parts = storage.parts_in_memory(items, refs)
+    parts = storage.parts_in_memory(items, away)
     if parts is not None:  # the usual case: no disk, no wait
         return reply(parts)
 
@@ -208,7 +219,7 @@ def read(session, request):
             raise error
         return reply(parts)
 
-    return later(lambda done: storage.read(items, refs, done), opened)
+    return later(lambda done: storage.read(items, away, done), opened)
 
 
 def _check_reply_size(session, items: list[Item]) -> None:
@@ -222,18 +233,25 @@ def _check_reply_size(session, items: list[Item]) -> None:
 
 
 def items_reply(session, request, items: list[Item], parts: list, seq: int, refs: list | None,
-                 on_abandon: Callable[[], None] | None = None, on_written: Callable[[], None] | None = None):
-    """A 226 reply carrying ``items``: its frame parts (with the hooks of a GET's)."""
+                on_abandon: Callable[[], None] | None = None, on_written: Callable[[], None] | None = None,
+                cuda: list | None = None):
+    """A 226 reply carrying ``items``: its frame parts (with the hooks of a GET's);
+    ``refs`` and ``cuda``: per item, a reference to its files or to its device
+    memory standing for its bytes (PROTOCOL.md §10.3, §13.2)."""
     sizes = [item.nbytes for item in items]
     header = request.command.reply(request.id)
     header[Key.SEQ], header[Key.ITEMS], header[Key.SIZES] = seq, [item.description for item in items], sizes
     if getattr(request, "tags", None):  # asked for (relays): every item's tag
         header[Key.TAGS] = [item.tag for item in items]
-    if refs is None:
+    if refs is None and cuda is None:
         payload_len = sum(sizes)
     else:
-        header[Key.REFS] = [None if files is None else files.ref() for files in refs]
-        payload_len = sum(item.nbytes for item, files in zip(items, refs) if files is None)
+        if refs is not None:
+            header[Key.REFS] = [None if files is None else files.ref() for files in refs]
+        if cuda is not None:  # device references (§13.2)
+            header[Key.CUDA] = cuda
+        away = devices.merged(refs, cuda)
+        payload_len = sum(item.nbytes for item, files in zip(items, away) if files is None)
     parts.insert(0, frame_head(header, payload_len))
     counters = session.counters
     if counters is not None:
@@ -255,6 +273,11 @@ def listing(session, request) -> dict:
 
 @handles(DELETE)
 def delete(session, request):
+    if request.owner is not None and not session.state.ephemeral.owns(request.bin, session, request.owner):
+        # Not (any more) the ephemeral bin of that client of this connection: nothing changes (§4.6).
+        state = session.storage.state(request.bin)
+        return DELETE.reply(request.id, n=state.n_items, seq=state.seq)
+
     def deleted(change: Change | None, error: RemoteError | None) -> dict:
         if error is not None:
             raise error
@@ -293,7 +316,8 @@ def unlisten(session, request) -> dict:
 
 @handles(NOOP)
 def noop(session, request) -> dict:
-    return NOOP.reply(request.id)
+    header = NOOP.reply(request.id)
+    return header if session.shared.devices is None else devices.with_freed(session, header)
 
 
 @handles(AUTH)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from tensorshare.errors import RemoteError
 from tensorshare.protocol.messages import GET
 
 from .outcome import Pending, in_lane
@@ -39,9 +40,19 @@ def _now(done: Callable) -> None:
     done()
 
 
-def hold(session, request, ready: Callable, answer: Callable) -> Pending:
+def hold(session, request, ready: Callable, answer: Callable, timeout: float | None = None,
+         refusal: Callable[[], RemoteError] | None = None) -> Pending:
     """Answered with ``answer(session, request)`` (an outcome) once ``ready(session,
-    request)`` holds, or when its ``wait`` runs out, whichever comes first."""
+    request)`` holds, or when its ``wait`` runs out, whichever comes first.
+    ``timeout`` (instead of ``wait``) with ``refusal``: what runs out refuses the
+    request with ``refusal()`` instead of answering it."""
     takes = request.command is GET
+
+    def expire(done: Callable) -> None:
+        if refusal is not None:
+            raise refusal()
+        done()
+
     return in_lane(request.bin, request.command.lane, lambda: ready(session, request), _now,
-                   lambda: answer(session, request), request.wait, _now, ordered=takes)
+                   lambda: answer(session, request), request.wait if timeout is None else timeout, expire,
+                   ordered=takes)

@@ -47,6 +47,10 @@ class ListenerRegistry:
     def add(self, name: str, listener: Listener, first_append: bool = False) -> None:
         self._by_bin[name][listener] = first_append
 
+    def listened(self, name: str) -> bool:
+        """Whether any connection listens to bin ``name``."""
+        return name in self._by_bin
+
     def discard(self, name: str, listener: Listener) -> None:
         listeners = self._by_bin.get(name)
         if listeners is not None:

@@ -29,7 +29,7 @@ from typing import Callable, Protocol
 from tensorshare import __version__
 from tensorshare.errors import ProtocolError, RemoteError
 from tensorshare.protocol.messages import (
-    APPEND, BAD_ARGS, BAD_FRAME, COMMANDS, DELETE, GREETING_MESSAGE, ID_MAX, KEEPALIVE_MESSAGE, LOCAL_ERROR,
+    APPEND, AUTH, BAD_ARGS, BAD_FRAME, COMMANDS, DELETE, GREETING_MESSAGE, ID_MAX, KEEPALIVE_MESSAGE, LOCAL_ERROR,
     NOT_AUTHENTICATED, PROTOCOL_VERSION, PUT, UNAVAILABLE, UNKNOWN_VERB, Key, error_reply,
 )
 from tensorshare.wire.frames import DiscardSink, Frame, FrameDecoder, SegmentSink, frame_head
@@ -170,7 +170,7 @@ class ServerSession:
         if self.counters is not None:
             self.counters.opened(self)
         greeting = GREETING_MESSAGE.build(msg="tensorshare ready", server=f"tensorshare/{__version__}",
-                                          version=PROTOCOL_VERSION)
+                                          version=PROTOCOL_VERSION, max_frame=self.config.max_frame)
         if self.login is not None:
             self._move(Phase.AUTHENTICATING)
             self.send_header(self.login.greeting(greeting))
@@ -385,11 +385,15 @@ class ServerSession:
         holding = self.holding
         holding.holds += 1  # notifications of what the handler changes follow its reply
         try:
+            if frame.refused is not None:  # a header over a limit of what it may decode to
+                raise RemoteError(frame.refused, BAD_ARGS)
             if command is None:
                 raise RemoteError(f"unknown verb {op!r:.60}", UNKNOWN_VERB)
             if rid == 0:
                 raise RemoteError("request id must be an integer in 1..2**64-1", BAD_ARGS)
-            request = command.parse_request(header, rid, frame.payload, frame.payload_len, self._max_bin_name)
+            # AUTH when none is due is answered 503 whatever its fields (§4.3): its handler says so
+            request = None if command is AUTH else \
+                command.parse_request(header, rid, frame.payload, frame.payload_len, self._max_bin_name)
             handle = self.state.handlers.get(command) or HANDLERS[command]
             counters = self.counters
             if counters is None:
@@ -458,19 +462,26 @@ class ServerSession:
         self._proceed(answering)
 
     def _proceed(self, answering: Answering) -> None:
-        """Start what ``answering`` waits for, or park it in its lane first."""
+        """Start what ``answering`` waits for, or park it in its lane first.
+
+        While it is parked the connection is still read (its later requests are held
+        in the backlog, which stops reading again), so a peer that closes is seen at
+        once and its request takes nothing (nor keeps a connection slot); once it
+        goes on, reading stops until it is answered (it may wait for the disk)."""
         pending = answering.pending
         if pending.key is None:
             self._start(answering)
             return
+        if answering.went:  # it waited in a lane before (a read, then for its bytes): that wait is over
+            answering.went = False
+            self.state.waits.settled(answering.key)
         answering.key = pending.key
         parked = self.state.waits.park(pending.key, pending.ready, lambda: self._went(answering),
                                        pending.timeout, lambda: self._expired(answering), pending.ordered)
         if parked is not None:  # it waits: others' changes are told meanwhile
             answering.parked = parked
-            if not answering.returned:
-                answering.returned = True
-                self.reads.pause("answering")
+            answering.returned = True
+            self.reads.resume("answering")  # (it may have waited for the disk before)
             self.release_notes()
 
     def _went(self, answering: Answering) -> None:
@@ -487,6 +498,7 @@ class ServerSession:
         if answering.parked is not None:  # it waited: hold notifications again until its reply
             answering.parked = None
             self.holding.holds += 1
+            self.reads.pause("answering")  # (until its reply: it may wait for the disk now)
 
     def _start(self, answering: Answering, expired: bool = False) -> None:
         pending = answering.pending

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from tensorshare.disk.areas import worth_sharing
-from tensorshare.errors import RemoteError
+from tensorshare.errors import RemoteError, TooLargeError
 from tensorshare.protocol.messages import BAD_ARGS, ZERO_COPY_REFUSED, Key
 from tensorshare.wire.description import parse_description
 
@@ -35,6 +35,7 @@ class SharedMemory:
         self.same_host = same_host  # the peer is on this host: zero-copy may be offered
         self.incoming: str | None = None  # this connection's incoming directory in the shared-memory area
         self._pins: dict[int, list] = {}  # id of a 226 with references -> [(item, files)] until released
+        self.devices = None  # devices.DeviceItems: what this connection put by device reference (§13)
 
     # -- the offer (§10.1)
 
@@ -46,7 +47,7 @@ class SharedMemory:
         if not (self.same_host and storage.areas):
             return reply
         offer = {"token": storage.token, "areas": [area.root for area in storage.areas],
-                 "min_bytes": self.config.zero_copy_min}
+                 "min_bytes": self.config.zero_copy_min, "cuda": not storage.durable}  # device references (§13)
         reply[Key.SHM] = offer
         if not storage.takes_incoming:
             return reply
@@ -64,6 +65,8 @@ class SharedMemory:
 
     def connection_lost(self) -> None:
         self._pins.clear()  # the client's mappings outlive the files' names
+        if self.devices is not None:  # its device references go with it (§13.3)
+            self.devices.connection_lost()
         if self.incoming is not None:  # whatever its client wrote and did not send goes too
             self.storage.close_incoming(self.incoming)
             self.incoming = None
@@ -148,6 +151,9 @@ class SharedMemory:
         if request.payload_len:
             raise RemoteError("a value in shared memory travels without payload", BAD_ARGS)
         size, max_frame = request.size, self.config.max_frame
-        if type(size) is not int or not 0 <= size <= max_frame:
+        if type(size) is not int or size < 0:
             raise RemoteError(f"size must be an integer in 0..{max_frame}", BAD_ARGS)
+        if size > max_frame:  # as over TCP: more than one request may carry
+            raise TooLargeError(f"a value of {size} bytes is more than the {max_frame} bytes the server takes in "
+                                f"one request (its --max-frame)")
         return self.incoming, request.shm, size

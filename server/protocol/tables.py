@@ -9,7 +9,9 @@ table's rate limiter does not let through now (the engine's ``WouldBlockError``)
 waits in its lane (``insert``, ``sample``: as its verb declares) for up to the
 request's ``wait`` seconds: other connections are served meanwhile, each change of
 the table tests it again, and a sample waiting for rows never holds back the
-insert that would give them.
+insert that would give them; a read counted as a sample (TREAD ``sample``) waits
+as a sample does.  A sample's or read's reply is bounded before anything is drawn,
+and its gathered rows count in the memory budget until it is written.
 """
 
 from __future__ import annotations
@@ -45,12 +47,14 @@ def create(session, request):
         session.state.listeners.publish(change)
         return TCREATE.reply(request.id, n=session.storage.count(request.bin), seq=session.storage.seq(request.bin))
 
-    return later(lambda done: session.storage.create_table(request.bin, request.spec, done), made)
+    return later(lambda done: session.storage.create_table(request.bin, request.spec, done, bool(request.add_columns)),
+                 made)
 
 
 @handles(TINFO)
 def info(session, request) -> dict:
-    return TINFO.reply(request.id, info=_info(session, request.bin, session.storage.table(request.bin)))
+    return TINFO.reply(request.id, info=_info(session, request.bin, session.storage.table(request.bin),
+                                              request.slots))
 
 
 @handles(TLIMITS)
@@ -63,8 +67,8 @@ def limits(session, request) -> dict:
     return TLIMITS.reply(request.id, info=_info(session, request.bin, table))
 
 
-def _info(session, name: str, table) -> dict:
-    info = session.storage.table_info(table)
+def _info(session, name: str, table, slots: int | None = None) -> dict:
+    info = session.storage.table_info(table, slots)
     waits = session.state.waits
     info["waiting_inserts"] = waits.waiting((name, TINSERT.lane))
     info["waiting_samples"] = waits.waiting((name, TSAMPLE.lane))
@@ -127,31 +131,42 @@ def write(session, request):
 def sample(session, request):
     storage, n = session.storage, request.n
     table = storage.table(request.bin)
-
-    def reply(result) -> list:
-        drawn, change = result
-        if change is not None:  # rows that reached max_times_sampled left
-            session.state.listeners.publish(change)
-        else:
-            _wake(session, request.bin)
-        return _rows_reply(session, request, drawn)
-
-    return _run_or_wait(session, request, table, lambda: storage.sample_rows(table, n), reply,
-                        lambda: storage.can_sample(table, n))
+    storage.check_rows_reply(table, n)  # bounded and counted before anything is drawn
+    return _run_or_wait(session, request, table, lambda: storage.sample_rows(table, n),
+                        lambda result: _sampled(session, request, result), lambda: storage.can_sample(table, n))
 
 
 @handles(TREAD)
-def read(session, request) -> list:
+def read(session, request):
     storage = session.storage
     table = storage.table(request.bin)
-    return _rows_reply(session, request, storage.read_rows(table, int64_array(request.indices, "indices")))
+    indices = int64_array(request.indices, "indices")
+    storage.check_rows_reply(table, indices.size)  # bounded and counted before anything is gathered
+    if not request.sample:
+        return _rows_reply(session, request, storage.read_rows(table, indices)[0])
+    # rows the reader drew itself (TorchRL's samplers), counted as a sample
+    return _run_or_wait(session, request, table, lambda: storage.read_rows(table, indices, True),
+                        lambda result: _sampled(session, request, result),
+                        lambda: storage.can_read_rows(table, indices.size))
 
 
-def _rows_reply(session, request, drawn) -> list:
+def _sampled(session, request, result):
+    """The reply of rows counted as a sample; its change is published, if rows left."""
+    drawn, change = result
+    if change is not None:  # rows that reached max_times_sampled left
+        session.state.listeners.publish(change)
+    else:
+        _wake(session, request.bin)
+    return _rows_reply(session, request, drawn)
+
+
+def _rows_reply(session, request, drawn):
     """A 226 reply: one value of stacked columns, or the items one by one.  A
     same-host client that asked for references (``ref``) may get the stacked columns
-    as a reference to a copy in the shared-memory area instead (PROTOCOL.md §10.3)."""
+    as a reference to a copy in the shared-memory area instead (PROTOCOL.md §10.3).
+    Stacked columns sent as the payload count in the memory budget until written."""
     header = request.command.reply(request.id)
+    release = None
     header[Key.SEQ] = drawn.seq
     header[TableKey.KEYS] = int64_bytes(drawn.keys)
     header[TableKey.INDICES] = int64_bytes(drawn.indices)
@@ -171,6 +186,8 @@ def _rows_reply(session, request, drawn) -> list:
         else:
             parts = [memoryview(gathered.buffer)] if gathered.nbytes else []
             payload_len = gathered.nbytes
+            if payload_len:
+                release = session.storage.hold_reply(payload_len)
     else:
         items = drawn.items
         header[Key.ITEMS] = [item.description for item in items]
@@ -178,7 +195,7 @@ def _rows_reply(session, request, drawn) -> list:
         parts = [segment for item in items for segment in item.segments]
         payload_len = sum(item.nbytes for item in items)
     parts.insert(0, frame_head(header, payload_len))
-    return parts
+    return parts if release is None else (parts, release, release)
 
 
 @handles(TPRIORITY)
@@ -207,12 +224,19 @@ def _run_or_wait(session, request, table, run: Callable, reply: Callable, ready:
             if not request.wait:
                 raise BusyError(f"table {name!r}: {exc.message} (asked to wait 0s)") from None
     wait = request.wait or 0
+    clock = session.state.waits.clock
+    began = clock.seconds()
+
+    def blocked() -> None:  # the table's rate-limiter wait figure (ops)
+        session.storage.note_blocked(table, lane, clock.seconds() - began)
 
     def go(done: Callable) -> None:
+        blocked()
         # (an EmptyTableError now is a table emptied by a DELETE and a new table: said as is)
         done(run(), None)
 
     def expire(done: Callable) -> None:
+        blocked()
         info = session.storage.table_info(table)
         done(None, BusyError(f"table {name!r}: the {lane} was not let through within {wait:g}s "
                              f"(size {info['size']}, inserts {info['inserts']}, "

@@ -151,6 +151,10 @@ class Waits:
         self._remove(parked)
         self.changed(parked.key[0])  # it may have held back others that are ready
 
+    def waiting_on(self, name: str) -> bool:
+        """Whether any request waits on bin ``name``, in any lane."""
+        return name in self._by_bin
+
     def waiting(self, key: Key) -> int:
         """How many requests wait in the lane of a bin (``key``: ``(bin, lane)``)."""
         lanes = self._by_bin.get(key[0])

@@ -18,6 +18,14 @@ pushed, is pushed on to the relays following it while it arrives.  A copy is
 installed only if it is newer than the one held (the upstream's ``seq``), so a
 fetch answered after a push never takes the mirror back.
 
+Mirrors are bounded (``max_mirrors``, the relay's ``--max-listens``: its one
+upstream connection listens to each, and the upstream allows a connection as many).
+A mirror nobody needs is dropped: one whose bin the upstream lacks, once no client
+of the relay listens to it or waits on it (a name read once costs nothing
+after), and, when a new bin must be mirrored past the bound, the least recently read
+mirror no client listens to.  Only a relay whose every mirror is listened to
+refuses a new one (552).
+
 Sequence numbers on the relay are its own (its store's counter), so they only
 grow on the relay even when the upstream restarts without its data and numbers
 again from 1; the follower remembers, per bin, the upstream ``seq`` its copy
@@ -25,8 +33,10 @@ reflects, for writes forwarded upstream that must see their change mirrored
 before they are acknowledged (:meth:`Follower.after`).
 
 When the upstream connection drops, it reconnects with jittered backoff and
-listens again; each bin is then fetched again (an upstream restarted without
-its data directory may hold other items under the same numbers).  Meanwhile the
+listens again; each bin is then fetched again and everything the follower knew
+of the upstream's numbering is forgotten (an upstream restarted without its data
+directory numbers its changes from 1 again, and may hold other items under the
+same numbers).  Meanwhile the
 relay keeps serving the last whole copies and says in :meth:`status` (LIST's
 ``relay`` field) that it is disconnected and how far behind it is.
 """
@@ -34,7 +44,9 @@ relay keeps serving the last whole copies and says in :meth:`status` (LIST's
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import logging
+import secrets
 import weakref
 from typing import Callable
 
@@ -42,7 +54,7 @@ from twisted.internet import defer
 
 from tensorshare.errors import (
     AuthenticationError, ConnectionLostError, NoSuchBinError, ProtocolError, RemoteError, ServerUnavailableError,
-    TensorShareError,
+    TensorShareError, TooLargeError,
 )
 from tensorshare.protocol.items import item_table, item_tags
 from tensorshare.protocol.messages import DELETE, NOTIFY, PEEK, Key
@@ -57,7 +69,7 @@ class _Mirror:
     """What the follower knows of one followed bin."""
 
     __slots__ = ("name", "synced", "fetching", "again", "noted", "applied", "noted_at", "op", "waiters", "incoming",
-                 "watchers", "have")
+                 "watchers", "have", "used_at", "dropped")
 
     def __init__(self, name: str):
         self.name = name
@@ -72,15 +84,18 @@ class _Mirror:
         self.waiters: list[tuple[int, Callable]] = []  # (upstream seq, callback(error)) until applied reaches it
         self.incoming: Incoming | None = None  # the copy arriving now, passed on as it arrives
         self.watchers = weakref.WeakSet()  # connections of relays following this one that are told of it
+        self.used_at = 0.0  # when a client of the relay last asked for it (the least recent is evicted first)
+        self.dropped = False  # no longer mirrored (its upstream listen stopped)
 
 
 class Follower:
     """Mirrors the upstream's followed bins into ``storage`` through ``upstream`` (see
     the module docstring).  ``publish(change)`` tells local listeners of a mirrored
-    change."""
+    change; ``needed(name)`` says whether a client of the relay listens to (or
+    waits on) a bin."""
 
     def __init__(self, reactor, storage, publish: Callable, upstream: Upstream, pattern: str = "*",
-                 timeout: float = 30.0):
+                 timeout: float = 30.0, max_mirrors: int = 10_000, needed: Callable[[str], bool] = lambda name: False):
         self.reactor = reactor
         self.storage = storage
         self.publish = publish
@@ -91,6 +106,9 @@ class Follower:
         self.zero_copy_min = 128 << 10  # an item this large is worth putting in shared memory (the config's)
         self.failure: str | None = None  # why the upstream cannot be used at all (a wrong token, say)
         self.mirrors: dict[str, _Mirror] = {}
+        self.max_mirrors = max_mirrors
+        self.needed = needed
+        self._owner_key = secrets.token_bytes(16)  # makes this run's owner values its own (owner_value)
         self.started = False  # the upstream was reached since the relay started (it may be lost since)
         self._stopped = False
         upstream.on_ready, upstream.on_lost, upstream.on_refused = self._ready, self._upstream_lost, self._refused
@@ -185,12 +203,12 @@ class Follower:
         self._wait(mirror, upstream_seq, done)
 
     def _wait(self, mirror: _Mirror, seq: int, done: Callable) -> None:
-        entry = (seq, done)
-        mirror.waiters.append(entry)
+        mirror.waiters.append((seq, done))
 
         def expire() -> None:
-            if entry in mirror.waiters:
-                mirror.waiters.remove(entry)
+            waiting = [w for w in mirror.waiters if w[1] is done]  # (its seq may have been reset)
+            if waiting:
+                mirror.waiters.remove(waiting[0])
                 state = "connected" if self.connected else "not connected"
                 done(ServerUnavailableError(f"relay: no copy of bin {mirror.name!r} from upstream {self.where} "
                                             f"within {self.timeout:g}s ({state})"))
@@ -200,26 +218,66 @@ class Follower:
     def _mirror(self, name: str) -> _Mirror:
         mirror = self.mirrors.get(name)
         if mirror is None:
+            if len(self.mirrors) >= self.max_mirrors and not self._evict():
+                raise TooLargeError(f"relay: {len(self.mirrors)} bins are mirrored, the most it may (--max-listens), "
+                                    f"and clients listen to each of them")
             mirror = self.mirrors[name] = _Mirror(name)
             mirror.noted_at = self.reactor.seconds()
             if self.connected:
                 self._listen(mirror)
+        mirror.used_at = self.reactor.seconds()
         return mirror
+
+    def _idle(self, mirror: _Mirror) -> bool:
+        """Nobody needs ``mirror`` now: no client listens to or waits on its bin, and no
+        copy of it is on its way."""
+        return (not mirror.waiters and not mirror.fetching and mirror.incoming is None
+                and not self.needed(mirror.name))
+
+    def _evict(self) -> bool:
+        """Drop the least recently read idle mirror; False if every one is needed."""
+        idle = [m for m in self.mirrors.values() if self._idle(m)]
+        if not idle:
+            return False
+        self._drop(min(idle, key=lambda m: m.used_at))
+        return True
+
+    def _drop(self, mirror: _Mirror) -> None:
+        """Mirror the bin no more: stop listening upstream, and remove the local copy
+        (it would go stale)."""
+        mirror.dropped = True
+        del self.mirrors[mirror.name]
+        if self.upstream.listening(mirror.name):
+            self.upstream.unlisten(mirror.name)
+        change = self.storage.unmirror(mirror.name)
+        if change is not None:
+            self.publish(change)
 
     def _listen(self, mirror: _Mirror) -> None:
         """Listen to the bin upstream; its snapshot starts the first fetch."""
         def listening(snapshot: dict) -> None:
+            if mirror.dropped:
+                if mirror.name not in self.mirrors and self.upstream.listening(mirror.name):
+                    self.upstream.unlisten(mirror.name)
+                return
             self._noted(mirror, snapshot[Key.SEQ], "PUT")
 
         def failed(failure) -> None:
-            if self._stopped:
+            if self._stopped or mirror.dropped:
                 return
             log.info("relay: cannot listen to %r upstream yet: %s", mirror.name, failure.getErrorMessage())
+            if failure.check(TooLargeError) and not self._evict():  # the upstream's quota of listens: make room
+                waiters, mirror.waiters = mirror.waiters, []
+                self._drop(mirror)
+                for _seq, done in waiters:
+                    done(failure.value)
+                return
             if not failure.check(ConnectionLostError):  # (a new connection listens to every bin asked for)
                 self.reactor.callLater(0.2, again)
 
         def again() -> None:
-            if not self.upstream.listening(mirror.name) and self.connected and not self._stopped:
+            if not self.upstream.listening(mirror.name) and self.connected and not self._stopped \
+                    and not mirror.dropped:
                 self._listen(mirror)
 
         try:
@@ -232,9 +290,16 @@ class Follower:
     def _noted(self, mirror: _Mirror, seq: int, op: str, payload=None) -> None:
         """An upstream change (or, ``op`` LISTEN, a listen begun again): fetch the bin.
         A copy pushed to us arrives whole as the payload of its ``INCOMING``: installed."""
+        if mirror.dropped:  # (notifications sent before the upstream stopped listening)
+            return
         if op == "LISTEN":  # listening again after a reconnection: whatever is there now
+            # The upstream may have restarted without its data and numbers its changes
+            # from 1 again: nothing of the old numbering may stand (a copy not newer than
+            # an old seq would be taken for one already held).  Who waits for a change
+            # of the old numbering is answered by the copy fetched now.
             self._lost_incoming(mirror, "listening again")
-            mirror.applied = mirror.have = -1
+            mirror.applied = mirror.have = mirror.noted = -1
+            mirror.waiters = [(0, done) for _seq, done in mirror.waiters]
             op = "PUT"
         elif op == INCOMING:
             if isinstance(payload, Incoming) and payload.pushed and payload.whole:  # a copy pushed to us is in
@@ -313,6 +378,8 @@ class Follower:
             self._fetch(mirror)
         else:
             mirror.noted_at = None
+            if not self.storage.state(mirror.name).exists and self._idle(mirror) and not mirror.dropped:
+                self._drop(mirror)  # the upstream lacks it and nobody waits for it: a made-up name costs nothing
 
     def _install(self, mirror: _Mirror, copy: list[tuple] | None, op: str, upstream_seq: int,
                  seq: int | None = None, copy_seq: int = -1) -> None:
@@ -401,12 +468,21 @@ class Follower:
             for _seq, done in waiters:
                 done(error)
 
-    def delete_upstream(self, name: str) -> None:
+    def owner_value(self, session, given: bytes | None) -> bytes:
+        """The ``owner`` an ephemeral PUT of ``session`` (a client of this relay) carries
+        upstream: one per client connection of this relay run, and, for a relay
+        following this one, per client of that relay (``given``) too (PROTOCOL.md §4.6)."""
+        key = self._owner_key + session.stats.id.to_bytes(8, "little") + (given or b"")
+        return hashlib.sha256(key).digest()[:16]
+
+    def delete_upstream(self, name: str, owner: bytes | None) -> None:
         """Delete bin ``name`` upstream, without an answer to wait for: an ephemeral bin
-        forwarded for a client of this relay whose connection ended."""
+        forwarded for a client of this relay whose connection ended.  With ``owner``
+        (its PUT's), the upstream deletes it only if no other client has put it since."""
         if not self.connected:
             return  # the upstream dropped this relay's ephemeral bins with its connection
-        self.upstream.call(DELETE, {Key.BIN: name}).addErrback(
+        fields = {Key.BIN: name} if owner is None else {Key.BIN: name, Key.OWNER: owner}
+        self.upstream.call(DELETE, fields).addErrback(
             lambda failure: log.info("relay: could not delete ephemeral bin %r upstream: %s", name,
                                      failure.getErrorMessage()))
 

@@ -19,6 +19,9 @@ any server.  Each returns an outcome (``server/protocol/outcome.py``).
   bin (same-host zero-copy included; a PEEK that waits for a change waits for the
   mirror's).  A PEEK with ``incoming`` (a relay following this one) also asks for
   every later copy to be pushed to its connection as it arrives (:mod:`.stream`).
+  A mirror a client listens to is kept for it, so one connection may listen to at
+  most a quarter of the bins the relay may mirror (:data:`SHARE`): the rest stays
+  for others (made-up names read once are not kept at all).
 * ``MERGE`` (LIST): the upstream's followed bins with the relay's own, and the
   relay's state (``relay``: upstream, connected, how far behind).
 * ``LOCAL`` (NOOP, UNLISTEN, AUTH): as on any server.
@@ -31,7 +34,7 @@ from typing import Callable
 from tensorshare.errors import RemoteError, TensorShareError
 from tensorshare.protocol.items import item_table, item_tags
 from tensorshare.protocol.messages import (
-    APPEND, COMMANDS, DELETE, GET, LIST, PEEK, PUT, UNAVAILABLE, ZERO_COPY_REFUSED, Key, Relay,
+    APPEND, COMMANDS, DELETE, GET, LIST, LISTEN, PEEK, PUT, TOO_LARGE, UNAVAILABLE, ZERO_COPY_REFUSED, Key, Relay,
 )
 from tensorshare.wire.frames import frame_head
 
@@ -41,6 +44,7 @@ from ..protocol.outcome import later
 from ..protocol.registry import HANDLERS
 
 MARGIN_S = 5.0  # a forwarded call's timeout beyond what the request itself may wait in the upstream
+SHARE = 4  # one connection may hold by listening at most this fraction of a relay's mirrors
 _NOT_FORWARDED = (Key.RELEASE, Key.REF)  # about this connection only (§10.3): never sent upstream
 
 
@@ -153,15 +157,18 @@ def store(session, request):
         timeout = (request.wait or 0) + MARGIN_S
     value = (request.value, request.payload or (), request.payload_len)
     command = request.command
-    # An ephemeral PUT (PROTOCOL.md §4.6) is owned upstream by the relay's connection;
-    # the relay owns it for the client's and deletes it upstream when that one ends.
+    # An ephemeral PUT (PROTOCOL.md §4.6) is owned upstream by the relay's connection
+    # with an owner value of this client's; the relay owns it for the client's and
+    # deletes it upstream, with that value, when that one ends.
     ephemeral = command is PUT and getattr(request, "ephemeral", None) is True
+    owner = None
     if ephemeral:
-        fields[Key.EPHEMERAL] = True
+        owner = relay.owner_value(session, request.owner)
+        fields[Key.EPHEMERAL], fields[Key.OWNER] = True, owner
 
     def stored(reply) -> dict:
         if ephemeral:
-            session.state.ephemeral.claim(name, session)
+            session.state.ephemeral.claim(name, session, owner)
         mirrored, n, seq = _local_seq(session, name, reply.header[Key.SEQ])
         return command.reply(request.id, n=n if mirrored else reply.header[Key.N], seq=seq)
 
@@ -172,12 +179,20 @@ def delete(session, request):
     relay, name = session.state.relay, request.bin
     if not relay.follows(name):
         return local.delete(session, request)
+    fields = {Key.BIN: name}
+    if request.owner is not None:  # a relay following this one: its client's bin, if still that one's
+        owner = relay.owner_value(session, request.owner)
+        if not session.state.ephemeral.owns(name, session, owner):  # nothing changes (§4.6)
+            state = session.storage.state(name)
+            return DELETE.reply(request.id, n=state.n_items, seq=state.seq)
+        fields[Key.OWNER] = owner
 
     def deleted(reply) -> dict:
         session.state.ephemeral.forget(name)
-        return DELETE.reply(request.id, n=0, seq=_local_seq(session, name, reply.header[Key.SEQ])[2])
+        return DELETE.reply(request.id, n=reply.header[Key.N],
+                            seq=_local_seq(session, name, reply.header[Key.SEQ])[2])
 
-    return _forward(session, DELETE, {Key.BIN: name}, None, relay.timeout, deleted, name)
+    return _forward(session, DELETE, fields, None, relay.timeout, deleted, name)
 
 
 def get(session, request):
@@ -219,6 +234,10 @@ def _mirroring(command) -> Callable:
         relay, name = session.state.relay, request.bin
         if not relay.follows(name):
             return handler(session, request)
+        if command is LISTEN and name not in session.listening:
+            share = max(1, relay.max_mirrors // SHARE)
+            if sum(1 for n in session.listening if relay.follows(n)) >= share:
+                raise RemoteError(f"relay: a connection may listen to {share} of the bins it mirrors", TOO_LARGE)
         if pushes and request.incoming:
             relay.watch(name, session)
         mirror = relay.mirrors.get(name)

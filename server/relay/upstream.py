@@ -35,7 +35,7 @@ from tensorshare.errors import (
 from tensorshare.protocol.handshake import CLIENT_FRAME_LIMITS, Handshake
 from tensorshare.protocol.keepalive import Traffic
 from tensorshare.protocol.messages import (
-    ITEMS, KEEPALIVE, LISTEN, NOOP, NOTIFICATION, NOTIFY, PEEK, Command, Key, reply_error,
+    ITEMS, KEEPALIVE, LISTEN, NOOP, NOTIFICATION, NOTIFY, PEEK, UNLISTEN, Command, Key, reply_error,
 )
 from tensorshare.protocol.retry import Backoff
 from tensorshare.protocol.tls import TLSSettings
@@ -264,6 +264,14 @@ class Upstream:
         d = self.call(LISTEN, {Key.BIN: name})
         d.addErrback(self._unlisten_on_error, name)
         return d.addCallback(lambda reply: reply.header)
+
+    def unlisten(self, name: str) -> None:
+        """Listen to bin ``name`` no more (here at once; upstream once its UNLISTEN is in)."""
+        self._listens.pop(name, None)
+        if self._wire is not None:
+            self.call(UNLISTEN, {Key.BIN: name}).addErrback(
+                lambda failure: log.info("relay: could not stop listening to %r upstream: %s", name,
+                                         failure.getErrorMessage()))
 
     def listening(self, name: str) -> bool:
         """Whether bin ``name`` is listened to (or being: each new connection listens again)."""

@@ -31,10 +31,11 @@ class Call:
     ``callback(result, error)`` receives the reply mapped by ``then`` (by default
     the reply's result; with ``raw``, the :class:`~.connection.Reply` itself);
     without a callback a caller waits for ``outcome``.  ``on_error(error)`` may
-    handle an error (returning True: the result is then None)."""
+    handle an error (returning True: the result is then None).  ``device`` and
+    ``into``: where the reply's tensors go (:mod:`.devices`)."""
 
     __slots__ = ("rid", "command", "fields", "value", "fallback", "cleanup", "callback", "then", "on_error",
-                 "on_reply", "outcome", "deadline", "decode", "raw", "inline")
+                 "on_reply", "outcome", "deadline", "decode", "raw", "inline", "device", "into")
 
     def __init__(self, rid: int, command: Command, fields: dict | None, value: Any, callback: Callable | None = None,
                  then: Callable | None = None, on_error: Callable | None = None, on_reply: Callable | None = None,
@@ -52,6 +53,8 @@ class Call:
         self.decode = decode  # decode the values an items reply carries
         self.raw = raw  # the callback wants the Reply, not the result
         self.inline = False  # the callback is quick and safe on the reading thread (blocking client)
+        self.device = None  # where the reply's tensors go (None: the client's device)
+        self.into = None  # destination tensors of the reply's arrays (_client/devices.py)
 
     def __repr__(self) -> str:
         return f"<Call {self.command.verb} id={self.rid}>"

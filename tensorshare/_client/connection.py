@@ -16,13 +16,14 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from ..errors import ProtocolError, TensorShareError, ZeroCopyError
+from ..errors import ProtocolError, TensorShareError, TooLargeError, ZeroCopyError
+from ..protocol import peers
 from ..protocol.handshake import CLIENT_FRAME_LIMITS, Handshake
 from ..protocol.items import item_table
 from ..protocol.messages import ITEMS, KEEPALIVE, NOTIFICATION, NOTIFY, UNAVAILABLE, Command, Key, reply_error
 from ..wire.codec import Encoded, build, empty_payload, encode
 from ..wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
-from ..wire.frames import Frame, FrameDecoder, FrameLimits, buffer_sink, frame_head
+from ..wire.frames import MAGIC, Frame, FrameDecoder, FrameLimits, buffer_sink, frame_head
 from ..wire.recycle import Recycler
 
 NO_VALUE = object()  # "this request carries no value" (None is a value)
@@ -123,13 +124,23 @@ class ClientConnection(Handshake):
     """
 
     def __init__(self, frame_limits: FrameLimits = CLIENT_FRAME_LIMITS, token: bytes | None = None,
-                 reuse: Recycler | None = None):
+                 reuse: Recycler | None = None, where: str = "the server"):
         super().__init__(token, next_request_id)
         sinks = buffer_sink if reuse is None else partial(buffer_sink, reuse=reuse)
         self.decoder = FrameDecoder(sinks, frame_limits)
         self.areas = None  # zerocopy.SharedAreas: what the greeting offered and this client verified
+        self.where = where  # host:port, for messages
+        self.first = b""  # the first bytes the server sent, until they showed its magic
+        self.device_sinks = False  # large replies may go straight to device memory (devices.receive_on_device)
 
     def feed(self, data: bytes) -> list[Frame]:
+        """The frames ``data`` completes.  Raises :class:`WrongServerError` when the
+        first bytes show that the peer is not a tensorshare server."""
+        if len(self.first) < len(MAGIC):
+            self.first += bytes(data[:64])
+            speaks = peers.recognise(self.first)
+            if speaks != peers.TENSORSHARE:
+                raise peers.wrong_server(self.where, self.first, speaks)
         return self.decoder.feed(data)
 
 
@@ -167,23 +178,41 @@ def next_request_id() -> int:
     return next(_ids)
 
 
-def request_frame(rid: int, command: Command, fields: dict | None = None, value: Any = NO_VALUE) -> list:
+def request_frame(rid: int, command: Command, fields: dict | None = None, value: Any = NO_VALUE,
+                  max_payload: int | None = None) -> list:
     """The parts of a request frame: header bytes, then the value's payload buffers.
 
     ``fields`` are the command's header fields (a bin, a tag, same-host zero-copy
-    fields...); ``value`` may be given already encoded (an :class:`Encoded`).
-    Raises :class:`UsageError` for an argument the server would refuse (a bad bin
-    name or tag) and :class:`EncodeError` for a value with no wire form, before
-    anything is sent.
+    fields...); ``value`` may be given already encoded (an :class:`Encoded`).  A
+    value holding device arrays gives a :class:`~..device.engine.StagedParts`,
+    which the sender sends through its engine.  Raises :class:`UsageError` for an
+    argument the server would refuse (a bad bin name or tag), :class:`EncodeError`
+    for a value with no wire form and :class:`TooLargeError` for one of more than
+    ``max_payload`` bytes (the server's ``max_frame``, from its greeting), sent or
+    named in shared memory, before anything is sent.
     """
     if fields:
         check_fields(command, fields)
     header = command.request(rid, fields)
     if value is NO_VALUE:
+        if max_payload is not None and fields and type(fields.get(Key.SIZE)) is int:
+            _check_size(fields[Key.SIZE], max_payload)
         return [frame_head(header, 0)]
     enc = value if type(value) is Encoded else encode(value)
+    if max_payload is not None:
+        _check_size(enc.nbytes, max_payload)
     header[Key.VALUE] = enc.description
+    if enc.engine is not None:  # device arrays: senders stage them (tensorshare.device)
+        from ..device.engine import StagedParts
+
+        return StagedParts([frame_head(header, enc.nbytes), *enc.buffers], enc.engine)
     return [frame_head(header, enc.nbytes), *enc.buffers]
+
+
+def _check_size(nbytes: int, max_payload: int) -> None:
+    if nbytes > max_payload:
+        raise TooLargeError(f"a value of {nbytes} bytes is more than the {max_payload} bytes the server takes "
+                            f"in one request (its --max-frame)")
 
 
 def notification_of(frame: Frame) -> Notification | None:
@@ -196,27 +225,34 @@ def notification_of(frame: Frame) -> Notification | None:
 
 
 def read_reply(command: Command, frame: Frame, device: Any = None, limits: DecodeLimits = DEFAULT_LIMITS,
-               areas: Any = None, decode: bool = True) -> Reply:
+               areas: Any = None, decode: bool = True, into: Any = None) -> Reply:
     """The checked reply to ``command`` (its values decoded if it carries items and
     ``decode``); raises the :class:`RemoteError` of an error reply.  ``areas``: the
-    connection's :class:`~.zerocopy.SharedAreas`, to map items the reply refers to."""
+    connection's :class:`~.zerocopy.SharedAreas`, to map items the reply refers to;
+    ``into``: destination tensors of the arrays (:mod:`.devices`)."""
     header = command.check_reply(frame.header)
     values = None
     if decode and header.get(Key.CODE) == ITEMS:
-        values = decode_items(header, frame.payload, frame.payload_len, device, limits, areas)
+        values = decode_items(header, frame.payload, frame.payload_len, device, limits, areas, into)
     return Reply(command, header, values, frame)
 
 
 def decode_items(header: dict, payload, payload_len: int, device: Any = None,
-                 limits: DecodeLimits = DEFAULT_LIMITS, areas: Any = None) -> list:
+                 limits: DecodeLimits = DEFAULT_LIMITS, areas: Any = None, into: Any = None) -> list:
     """The values of an ITEMS (226) reply; their arrays view the one payload buffer, or,
-    for items the reply refers to, the server's files mapped copy-on-write (``areas``)."""
+    for items the reply refers to, the server's files mapped copy-on-write (``areas``;
+    on a ``device``: copied there, into ``into``'s tensors where given)."""
     values, base = [], 0
-    for blob, size, ref in item_table(header, payload_len):
+    for i, (blob, size, ref) in enumerate(item_table(header, payload_len)):
         if ref is not None:
+            if type(ref) is dict:  # in a publisher's GPU memory: copied device to device
+                from ..device.ipc import load
+
+                values.append(load(ref, blob, size, device, limits, None if into is None else partial(into, i)))
+                continue
             if areas is None:
                 raise ZeroCopyError("the reply refers to shared memory this connection cannot map")
-            values.append(areas.load(ref, blob, size, device, limits))
+            values.append(areas.load(ref, blob, size, device, limits, None if into is None else partial(into, i)))
             continue
         desc = parse_description(blob, size, limits)
         try:

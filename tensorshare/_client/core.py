@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from ..errors import TensorShareError, ProtocolError, ZeroCopyError
 from ..protocol.auth import resolve_token
-from ..protocol.messages import COMMANDS, LISTEN, UNLISTEN, Command, Key
+from ..protocol.messages import COMMANDS, LISTEN, MAX_RELEASE_IDS, UNLISTEN, Command, Key
 from ..protocol.tls import TLSSettings
 from ..wire.frames import Frame
 from .calls import Call, CallTable
@@ -30,6 +30,7 @@ from .connection import (
     NO_VALUE, ClientConnection, ListenSnapshot, Reply, next_request_id, notification_of,
     read_reply, reply_buffers, report_unsolicited, request_frame,
 )
+from .devices import as_into, receive_on_device
 from .listens import Subscriptions
 from .methods import DEFAULT, ClientMethods, bin_fields
 from .routing import finish, next_attempt, route
@@ -56,13 +57,20 @@ class ClientCore(ClientMethods):
         self._releases: list[int] = []  # 226 replies whose references we mapped: told to the server
         self._release_lock = threading.Lock()
         self._closed = False
+        # Large replies go straight to device memory once a call may want a device (devices.py).
+        self._device_calls = device is not None and _has_engine(device)
+        self._uuids: dict = {}  # device -> its UUID where it opens device references, else None
+        self._exports = None  # exports.Exports: snapshots this client put by device reference
 
     @property
     def _where(self) -> str:
         return f"{self.host}:{self.port}"
 
     def _new_connection(self) -> ClientConnection:
-        return ClientConnection(token=self._token, reuse=self._buffers)
+        conn = ClientConnection(token=self._token, reuse=self._buffers, where=self._where)
+        if self._device_calls:
+            receive_on_device(conn, self)
+        return conn
 
     def _connection(self) -> ClientConnection | None:
         """The protocol state of the current connection (None while disconnected)."""
@@ -103,17 +111,57 @@ class ClientCore(ClientMethods):
 
     def _new_call(self, command: Command, fields: dict | None, value: Any, areas, callback: Callable | None = None,
                   then: Callable | None = None, on_error: Callable | None = None, on_reply: Callable | None = None,
-                  deadline: float | None = None, decode: bool = True, raw: bool = False) -> Call:
-        """A call of ``command``, routed for ``areas`` (see :mod:`.routing`).  (Its
-        arguments are checked as its frame is built; a value routed through shared
-        memory is removed again if they are wrong.)"""
+                  deadline: float | None = None, decode: bool = True, raw: bool = False, device: Any = None,
+                  into: Any = None) -> Call:
+        """A call of ``command``, routed for ``areas`` (see :mod:`.routing`); its reply's
+        tensors go to ``device`` (the client's if None), into ``into``'s tensors where
+        given (:mod:`.devices`).  (Its arguments are checked as its frame is built; a
+        value routed through shared memory is removed again if they are wrong.)"""
         if fields and Key.WAIT in fields:  # the server may hold it: silence until then is expected
             self._server_holds(fields[Key.WAIT])
         call = Call(next_request_id(), command, fields, value, callback, then, on_error, on_reply, deadline, decode,
                     raw)
+        if device is not None or into is not None:
+            self._wants_device(call, device, into)
         if areas is not None:
-            route(call, areas)
+            route(call, areas, self._device_uuid(call) if self._device_calls else None)
         return call
+
+    def _device_uuid(self, call: Call) -> str | None:
+        """The UUID of the device ``call``'s reply goes to, if that device opens device
+        references (CUDA IPC), else None."""
+        device = self.device if call.device is None else call.device
+        if device is None:
+            return None
+        try:
+            return self._uuids[device]
+        except (KeyError, TypeError):
+            from ..device import engine_for
+            from ..device.ipc import shares
+
+            engine = engine_for(device)
+            uuid = engine.streams.uuid(engine.streams.index(device)) if shares(engine) else None
+            try:
+                self._uuids[device] = uuid
+            except TypeError:  # an unhashable device: asked each time
+                pass
+            return uuid
+
+    def _exported(self):
+        """This client's :class:`~.exports.Exports` (made on first use)."""
+        if self._exports is None:
+            from .exports import Exports
+
+            self._exports = Exports()
+        return self._exports
+
+    def _wants_device(self, call: Call, device: Any, into: Any) -> None:
+        call.device, call.into = device, as_into(into)
+        if not self._device_calls and _has_engine(device if device is not None else self.device):
+            self._device_calls = True  # from now on, and on later connections
+            conn = self._connection()
+            if conn is not None:
+                receive_on_device(conn, self)
 
     def _server_holds(self, wait: float) -> None:
         """A request that asks the server to hold it up to ``wait`` seconds is about
@@ -124,7 +172,10 @@ class ClientCore(ClientMethods):
         references it may release.  The call lets go of the value then: a call in
         flight must not keep its value alive (a fallback sends a copy of its own)."""
         fields = self._with_releases(call.fields) if self._releases else call.fields
-        parts = request_frame(call.rid, call.command, fields, call.value)
+        conn = self._connection()
+        greeting = None if conn is None else conn.greeting
+        parts = request_frame(call.rid, call.command, fields, call.value,
+                              max_payload=None if greeting is None else greeting.get(Key.MAX_FRAME))
         call.value = NO_VALUE
         return parts
 
@@ -175,12 +226,18 @@ class ClientCore(ClientMethods):
         (or, undecoded, located: :attr:`Reply.stored`, released after ``then``)."""
         conn = frame.origin
         areas = conn.areas if conn is not None else None
-        refs = areas is not None and frame.header.get(Key.REFS) and conn is self._connection()
+        if self._exports is not None:
+            freed = frame.header.get(Key.FREED)
+            if freed:  # snapshots this client put by device reference that the server holds no more
+                self._exports.freed(freed)
+        refs = (areas is not None and (frame.header.get(Key.REFS) or frame.header.get(Key.CUDA))
+                and conn is self._connection())
         if not call.decode and frame.header.get(Key.REFS) and not refs:  # a connection since replaced
             raise ZeroCopyError("the reply refers to files of a connection that is gone")
+        device = self.device if call.device is None else call.device
         if refs and not call.decode:
             try:
-                reply = read_reply(call.command, frame, self.device, decode=False)
+                reply = read_reply(call.command, frame, device, decode=False)
                 reply.stored = [None if ref is None else areas.item(ref, blob, size)
                                 for blob, size, ref in item_table(reply.header, frame.payload_len)]
             except BaseException:
@@ -190,8 +247,8 @@ class ClientCore(ClientMethods):
             reply.held = frame.header[Key.ID]
             return reply
         try:
-            return read_reply(call.command, frame, self.device, areas=areas if call.decode else None,
-                              decode=call.decode)
+            return read_reply(call.command, frame, device, areas=areas if call.decode else None,
+                              decode=call.decode, into=call.into)
         finally:
             if refs:
                 with self._release_lock:  # mapped (or failed): the server may let the files go
@@ -201,8 +258,8 @@ class ClientCore(ClientMethods):
         """``fields`` plus the ids of replies whose references we no longer need."""
         if not self._releases:
             return fields
-        with self._release_lock:
-            ids, self._releases = self._releases, []
+        with self._release_lock:  # (the rest go with the next requests)
+            ids, self._releases = self._releases[:MAX_RELEASE_IDS], self._releases[MAX_RELEASE_IDS:]
         return {**fields, Key.RELEASE: ids} if fields else {Key.RELEASE: ids}
 
     def _shared_areas(self):
@@ -264,6 +321,15 @@ class ClientCore(ClientMethods):
 
 def _ignore(reply: Any, error: Any) -> None:
     pass
+
+
+def _has_engine(device: Any) -> bool:
+    """Whether replies can go straight to ``device`` (a transfer engine serves it)."""
+    if device is None:
+        return False
+    from ..device import engine_for
+
+    return engine_for(device) is not None
 
 
 __all__ = ["ClientCore"]

@@ -52,8 +52,10 @@ class ClientMethods(TableMethods):
 
     # -- storing
 
+    _blocking = False  # the blocking Client's calls return their results (put by_reference needs that)
+
     def put(self, bin: str, value: Any, *, tag: int | None = None, ephemeral: bool = False,
-            timeout=DEFAULT, progress: Callable[[int, int], Any] | None = None) -> Any:
+            timeout=DEFAULT, progress: Callable[[int, int], Any] | None = None, by_reference: bool = False) -> Any:
         """Replace the items of ``bin`` with ``value``; returns the bin's item count (1).
 
         ``tag``, an optional 64-bit integer stored with the item, reaches listeners
@@ -66,7 +68,20 @@ class ClientMethods(TableMethods):
         server deletes it, and tells its listeners, when the connection ends: a
         presence marker).  It is kept in memory, never in the data directory; a
         client that reconnects must put it again.
+
+        ``by_reference=True`` (blocking ``Client``), for a value in GPU memory on the
+        server's host: the value is copied once on the GPU and the server keeps a
+        reference to that copy (CUDA IPC) instead of its bytes.  Readers on this
+        host that read onto a CUDA device copy it device to device; the client
+        sends the bytes in the background for everyone else.  The copy is freed
+        once the server says no reader holds it.  Elsewhere, as any put.
         """
+        if by_reference:
+            if not self._blocking:
+                raise UsageError("by_reference is for the blocking Client")
+            from .exports import put_by_reference
+
+            return put_by_reference(self, bin, value, tag, timeout)
         if ephemeral:
             fields = bin_fields(bin, tag)
             fields[Key.EPHEMERAL] = True
@@ -95,7 +110,7 @@ class ClientMethods(TableMethods):
 
     def get(self, bin: str, timeout=DEFAULT, *, max_items: int | None = None, with_seq: bool = False,
             wait: float | None = None, least: int | None = None,
-            progress: Callable[[int, int], Any] | None = None) -> Any:
+            progress: Callable[[int, int], Any] | None = None, device: Any = None) -> Any:
         """Take all items out of ``bin`` (it stays, empty); returns them in order.
 
         ``max_items``: take only the first that many (the rest stay).  With
@@ -110,6 +125,10 @@ class ClientMethods(TableMethods):
         take, with no notification or polling in between.  When ``wait`` runs out
         the take goes ahead with what there is (perhaps nothing; a bin that still
         does not exist raises :class:`~tensorshare.errors.NoSuchBinError`).
+
+        ``device`` (``"cuda"``...): the items' tensors arrive there, instead of on the
+        client's ``device`` (a large reply is copied to the device as it arrives,
+        through pinned buffers: docs/design.md, "GPU data path").
         """
         fields = bin_fields(bin)
         if max_items is not None:
@@ -119,10 +138,13 @@ class ClientMethods(TableMethods):
         if wait is not None:
             timeout = self._hold_for(fields, wait, timeout)
         then = _items_and_seq if with_seq else None
-        return self._call(GET, fields, timeout=timeout, then=then, **_progress(progress))
+        if device is None:
+            return self._call(GET, fields, timeout=timeout, then=then, **_progress(progress))
+        return self._call(GET, fields, timeout=timeout, then=then, device=device, **_progress(progress))
 
     def peek(self, bin: str, timeout=DEFAULT, *, with_seq: bool = False, since: int | None = None,
-             wait: float | None = None, progress: Callable[[int, int], Any] | None = None) -> Any:
+             wait: float | None = None, progress: Callable[[int, int], Any] | None = None, device: Any = None,
+             into: Any = None) -> Any:
         """Return all items of ``bin`` without removing them (``progress``,
         ``with_seq``: as for :meth:`get`).
 
@@ -132,6 +154,14 @@ class ClientMethods(TableMethods):
         bin's next change: the server holds the request up to ``wait`` seconds and
         answers as soon as the bin changes, so a reader gets the next version in
         the reply itself (and ``[]`` if nothing changed within ``wait``).
+
+        ``device``: as for :meth:`get`.  ``into``: tensors to receive the items'
+        arrays in place, a value shaped like the items (``{"w": model.weight}``
+        receives an item ``{"w": tensor}`` into ``model.weight``); an array goes
+        into the tensor at its place if that one has its dtype and shape, is
+        contiguous and is on the device the items go to, and the result holds
+        that tensor itself.  If the read fails midway, such a tensor may hold part
+        of the new bytes.
         """
         fields = bin_fields(bin)
         if since is not None:
@@ -139,7 +169,9 @@ class ClientMethods(TableMethods):
         if wait is not None:
             timeout = self._hold_for(fields, wait, timeout)
         then = _items_and_seq if with_seq else None
-        return self._call(PEEK, fields, timeout=timeout, then=then, **_progress(progress))
+        if device is None and into is None:
+            return self._call(PEEK, fields, timeout=timeout, then=then, **_progress(progress))
+        return self._call(PEEK, fields, timeout=timeout, then=then, device=device, into=into, **_progress(progress))
 
     def save(self, bin: str, path, *, overwrite: bool = False, timeout=DEFAULT,
              progress: Callable[[int, int], Any] | None = None) -> Any:
@@ -259,19 +291,33 @@ class ClientMethods(TableMethods):
 
     def _unlisten(self, handle: Listening, callback: Callable | None = None) -> Any:
         """Stop ``handle``; with ``callback``, without waiting: ``callback(None, error)``
-        once the server stopped notifying (if this was the bin's last handle)."""
+        once done.  It hears every notification the server sends before it answers
+        the request that ends this listen: UNLISTEN if this was the bin's last
+        handle, else a NOOP (changes made before the server read it are all told)."""
         with self._lock:
-            last = self._listens.remove(handle)
-        if callback is not None:
-            if not last or self._closed:
-                self._later(callback, None, None)
-            else:
-                self._submit(UNLISTEN, bin_fields(handle.bin), NO_VALUE,
-                             lambda reply, error: callback(None, None if _lost_connection(error) else error))
+            last = self._listens.stop(handle)
+            if last is None or self._closed:
+                self._listens.remove(handle)
+        if last is None or self._closed:
+            if callback is None:
+                return self._done(None)
+            self._later(callback, None, None)
             return None
-        if not last or self._closed:
-            return self._done(None)
-        return self._call(UNLISTEN, bin_fields(handle.bin), on_error=_lost_connection)
+        command, fields = (UNLISTEN, bin_fields(handle.bin)) if last else (NOOP, None)
+
+        def ended(frame) -> None:  # on the reading thread, after every notification before the reply
+            self._listens.remove(handle)
+
+        def failed(error: BaseException) -> bool:
+            with self._lock:
+                self._listens.remove(handle)
+            return _lost_connection(error)
+
+        if callback is None:
+            return self._call(command, fields, on_reply=ended, on_error=failed)
+        self._submit(command, fields, NO_VALUE, lambda reply, error: callback(None, error), on_reply=ended,
+                     on_error=failed)
+        return None
 
     def _server_wait(self, fields: dict, timeout) -> float | None:
         """Ask the server to hold the request up to ``timeout`` (``fields`` get

@@ -12,6 +12,10 @@ the zero-copy role its command declares (``Command.zero_copy``):
   references to the items' files (or to the stacked rows).  If those cannot be
   mapped (:class:`ZeroCopyError`), a ``READ`` is sent again over TCP; a ``TAKE``'s
   items were taken (its rows counted), so its error stands;
+* a read whose verb takes devices (``cuda``: PEEK) and whose tensors go to a CUDA
+  device also names that device: items put by device reference come as
+  references, copied device to device (PROTOCOL.md §13).  If one cannot be read
+  (:class:`DeviceReferenceError`), the read is sent again for the bytes;
 * anything else travels over TCP as it is.
 """
 
@@ -19,18 +23,20 @@ from __future__ import annotations
 
 import logging
 
-from ..errors import ZeroCopyError, ZeroCopyUnavailableError
+from ..errors import DeviceReferenceError, ZeroCopyError, ZeroCopyUnavailableError
 from ..protocol.messages import Key, ZeroCopy
-from ..wire.codec import encode
+from ..wire.codec import Encoded, encode
 from .calls import Call
 from .connection import NO_VALUE
 
 log = logging.getLogger("tensorshare.client")
 
 
-def route(call: Call, areas) -> None:
+def route(call: Call, areas, device_uuid: str | None = None) -> None:
     """Set ``call``'s first attempt (its ``fields``, ``value``, ``fallback`` and
-    ``cleanup``) for the connection's :class:`~.zerocopy.SharedAreas` ``areas``."""
+    ``cleanup``) for the connection's :class:`~.zerocopy.SharedAreas` ``areas``;
+    ``device_uuid``: the device the reply's tensors go to, where it can open
+    device references."""
     if areas is None:
         return
     role = call.command.zero_copy
@@ -42,15 +48,18 @@ def route(call: Call, areas) -> None:
         call.fields = {**fields, Key.REF: areas.usable} if fields else {Key.REF: areas.usable}
         if role is ZeroCopy.READ:
             call.fallback = _read_over_tcp
+        if device_uuid is not None and Key.CUDA in call.command.keys:
+            call.fields[Key.CUDA] = [device_uuid]
 
 
 def next_attempt(call: Call, error: BaseException) -> bool:
-    """Make ``call``'s next attempt the one ``error`` calls for; False if none does."""
-    following = None if call.fallback is None else call.fallback(call, error)
+    """Make ``call``'s next attempt the one ``error`` calls for; False if none does.
+    (A fallback may set the one after it.)"""
+    fallback, call.fallback = call.fallback, None
+    following = None if fallback is None else fallback(call, error)
     if following is None:
         return False
     call.fields, call.value = following
-    call.fallback = None
     return True
 
 
@@ -63,7 +72,7 @@ def finish(call: Call) -> None:
 
 def _through_shared_memory(call: Call, areas) -> None:
     fields = call.fields
-    enc = call.value = encode(call.value)
+    enc = call.value = call.value if type(call.value) is Encoded else encode(call.value)
     try:
         name = areas.write(enc, fields.get(Key.TAG))
     except (OSError, ValueError) as exc:  # shared memory full, or a value its layout cannot hold
@@ -90,5 +99,9 @@ def _through_shared_memory(call: Call, areas) -> None:
 def _read_over_tcp(call: Call, error: BaseException) -> tuple | None:
     if not isinstance(error, ZeroCopyError):
         return None
+    if isinstance(error, DeviceReferenceError) and Key.CUDA in call.fields:
+        log.info("cannot read an item by device reference (%s): reading its bytes", error)
+        call.fallback = _read_over_tcp  # (mapping them may fail in turn)
+        return {key: value for key, value in call.fields.items() if key != Key.CUDA}, NO_VALUE
     log.warning("cannot map what the server referred to (%s): reading it over TCP", error)
-    return {key: value for key, value in call.fields.items() if key != Key.REF}, NO_VALUE
+    return {key: value for key, value in call.fields.items() if key != Key.REF and key != Key.CUDA}, NO_VALUE

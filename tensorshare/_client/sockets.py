@@ -21,7 +21,8 @@ import ssl
 import threading
 import time
 
-from ..errors import ConnectionLostError, TimeoutError, UntrustedServerError
+from ..errors import ConnectionLostError, TimeoutError, UntrustedServerError, WrongServerError
+from ..protocol import peers
 from ..protocol.tls import TLSSettings
 from .connection import ClientConnection
 
@@ -140,16 +141,36 @@ def _start_tls(sock: socket.socket, host: str, context: ssl.SSLContext, tls: TLS
 
 def _handshake(sock: socket.socket, conn: ClientConnection, where: str, deadline: float,
                connect_timeout: float, tls: bool) -> None:
-    """Read the greeting and authenticate if the server asks (blocking, until ``deadline``)."""
+    """Read the greeting and authenticate if the server asks (blocking, until ``deadline``).
+
+    A plaintext peer silent for :data:`~.peers.PROBE_AFTER` seconds is probed on a
+    second connection (:func:`.peers.probe`): a TLS or HTTP server is told at once
+    instead of after the whole timeout."""
+    probe_at = None if tls else time.monotonic() + min(peers.PROBE_AFTER, connect_timeout / 2)
+    speaks = None  # what the probe found, if it ran
     try:
         while not conn.ready:
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            remaining = deadline - now
             if remaining <= 0:
                 raise socket.timeout("timed out")
-            sock.settimeout(remaining)
-            data = sock.recv(1 << 16)
+            if probe_at is not None and now >= probe_at:
+                probe_at = None
+                host, port = sock.getpeername()[:2]
+                speaks, first = peers.probe(host, port, min(remaining, 1.0))
+                if speaks in (peers.TLS, peers.HTTP):
+                    raise peers.wrong_server(where, first, speaks)
+                continue
+            sock.settimeout(remaining if probe_at is None else min(remaining, probe_at - now))
+            try:
+                data = sock.recv(1 << 16)
+            except socket.timeout:
+                if probe_at is not None and time.monotonic() < deadline:
+                    continue  # time to probe
+                raise
             if not data:
                 raise ConnectionResetError("closed before the handshake was over")
+            probe_at = None  # it speaks: what it says tells
             for frame in conn.feed(data):
                 if conn.ready:  # the server sends nothing unasked before a request
                     log.debug("dropping a frame that followed the handshake: %r", frame.header)
@@ -157,10 +178,11 @@ def _handshake(sock: socket.socket, conn: ClientConnection, where: str, deadline
                 request = conn.opening(frame)
                 if request is not None:
                     sock.sendall(request)
+    except WrongServerError:
+        raise
     except socket.timeout:
-        hint = "" if tls else " (a TLS server? then pass tls=True)"
-        raise ConnectionLostError(f"no tensorshare greeting from {where} within "
-                                  f"{connect_timeout:g}s{hint}") from None
+        raise ConnectionLostError(f"no tensorshare greeting from {where} within {connect_timeout:g}s"
+                                  f"{'' if tls else peers.silence_hint(speaks)}") from None
     except OSError as exc:
         raise ConnectionLostError(f"no tensorshare greeting from {where}: {exc}") from None
 

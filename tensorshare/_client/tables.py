@@ -89,6 +89,22 @@ def _column_spec(name: str, spec) -> dict:
     return {"shape": shape, "dtype": dtype}
 
 
+def _keys(with_size: bool):
+    """The result of an insert or a write: the keys, or ``(keys, size, seq)``."""
+    if with_size:
+        return lambda reply: (_tensor(reply.header[TableKey.KEYS], "<i8"), reply.header[Key.N], reply.header[Key.SEQ])
+    return lambda reply: _tensor(reply.header[TableKey.KEYS], "<i8")
+
+
+def _with_slots(info: dict) -> dict:
+    """TINFO's map with its page of slots as tensors."""
+    page = info["slots"]
+    info["slots"] = {"indices": _tensor(page["indices"], "<i8"), "keys": _tensor(page["keys"], "<i8"),
+                     "priorities": _tensor(page["priorities"], "<f8"),
+                     "times_sampled": _tensor(page["times_sampled"], "<i8"), "next": page["next"]}
+    return info
+
+
 def _is_tensordict(batch: Any) -> bool:
     return type(batch).__module__.startswith("tensordict") and hasattr(batch, "batch_size")
 
@@ -122,7 +138,8 @@ class TableMethods:
     def create_table(self, name: str, capacity: int, columns: dict | None = None, *, sampler: str = "uniform",
                      priority_exponent: float = 1.0, remover: str | None = "fifo", max_times_sampled: int = 0,
                      min_size_to_sample: int = 1, samples_per_insert: float | None = None,
-                     error_buffer: float | tuple[float, float] | None = None, timeout=DEFAULT) -> Any:
+                     error_buffer: float | tuple[float, float] | None = None, meta: dict | None = None,
+                     add_columns: bool = False, timeout=DEFAULT) -> Any:
         """Make table ``name`` of ``capacity`` rows; returns its row count (0, or more if
         a table with the same settings is there already: it is kept as it is).
 
@@ -137,6 +154,10 @@ class TableMethods:
         samples wait until the table holds ``min_size_to_sample`` rows; with
         ``samples_per_insert`` inserts and samples keep that ratio within
         ``error_buffer``, each waiting for the other (see :meth:`set_table_limits`).
+        ``meta``: a JSON-able map the server keeps with the table and gives back in
+        :meth:`table_info` (``tensorshare.torchrl`` notes there how values map to
+        columns).  ``add_columns=True``: a table there whose settings differ only by
+        lacking some of ``columns`` gains them (zeros in the rows it holds).
         """
         spec: dict = {"capacity": capacity, "sampler": sampler, "priority_exponent": priority_exponent,
                       "remover": remover, "max_times_sampled": max_times_sampled,
@@ -144,12 +165,17 @@ class TableMethods:
                       "error_buffer": list(error_buffer) if isinstance(error_buffer, tuple) else error_buffer}
         if columns is not None:
             spec["columns"] = {str(k): _column_spec(k, v) for k, v in dict(columns).items()}
+        if meta is not None:
+            spec["meta"] = meta
         for key in ("priority_exponent", "samples_per_insert"):
             if isinstance(spec[key], int) and not isinstance(spec[key], bool):
                 spec[key] = float(spec[key])
-        return self._call(TCREATE, {Key.BIN: name, TableKey.SPEC: spec}, timeout=timeout)
+        fields = {Key.BIN: name, TableKey.SPEC: spec}
+        if add_columns:
+            fields[TableKey.ADD_COLUMNS] = True
+        return self._call(TCREATE, fields, timeout=timeout)
 
-    def insert(self, name: str, batch: Any, priorities=None, *, timeout=DEFAULT) -> Any:
+    def insert(self, name: str, batch: Any, priorities=None, *, timeout=DEFAULT, with_size: bool = False) -> Any:
         """Add rows to table ``name``; returns their keys (an int64 tensor).
 
         ``batch``: for a table of columns a dict (or TensorDict) of tensors with the
@@ -158,15 +184,14 @@ class TableMethods:
         holds inserts back, the server keeps the request (serving others) until it
         may proceed or ``timeout`` seconds (the client's by default) have passed:
         then :class:`~tensorshare.errors.BusyError`, a ``TimeoutError``, and nothing
-        was inserted."""
+        was inserted.  ``with_size``: returns ``(keys, rows in the table, its seq)``."""
         fields = {Key.BIN: name}
         if priorities is not None:
             fields[TableKey.PRIORITIES] = _float64_bytes(priorities, "priorities")
         call_timeout = self._server_wait(fields, timeout)
-        return self._call(TINSERT, fields, _as_batch(batch, fields), timeout=call_timeout,
-                          then=lambda reply: _tensor(reply.header[TableKey.KEYS], "<i8"))
+        return self._call(TINSERT, fields, _as_batch(batch, fields), timeout=call_timeout, then=_keys(with_size))
 
-    def sample(self, name: str, n: int, *, timeout=DEFAULT, shared: bool = False) -> Any:
+    def sample(self, name: str, n: int, *, timeout=DEFAULT, shared: bool = False, device: Any = None) -> Any:
         """Draw ``n`` rows from table ``name`` with its sampler; returns a
         :class:`TableSample`.  Waits in the server as :meth:`insert` does (an empty
         table, ``min_size_to_sample``, the rate limiter), up to ``timeout``.
@@ -174,7 +199,11 @@ class TableMethods:
         ``shared=True``, on the server's host: large rows come through the server's
         shared memory (written there, mapped here) instead of the socket.  Off by
         default: writing a new file per sample costs the server more than the send
-        it saves on a quiet machine (docs/design.md, "Tables")."""
+        it saves on a quiet machine (docs/design.md, "Tables").
+
+        ``device`` (``"cuda"``): the batch arrives there (a large one is copied to
+        the device as it arrives, through the client's transfer engine); keys,
+        indices and probabilities stay CPU tensors."""
         fields = {Key.BIN: name, Key.N: n}
         call_timeout = self._server_wait(fields, timeout)
 
@@ -184,7 +213,8 @@ class TableMethods:
                                _tensor(header[TableKey.INDICES], "<i8"),
                                _tensor(header.get(TableKey.PROBABILITIES), "<f8"))
 
-        return self._call(TSAMPLE, fields, timeout=call_timeout, then=then, zero_copy=shared)
+        return self._call(TSAMPLE, fields, timeout=call_timeout, then=then, zero_copy=shared,
+                          **({} if device is None else {"device": device}))
 
     def update_priorities(self, name: str, keys, priorities, *, timeout=DEFAULT) -> Any:
         """Set the priorities of the rows ``keys`` (from :meth:`insert` or a sample);
@@ -193,27 +223,46 @@ class TableMethods:
                   TableKey.PRIORITIES: _float64_bytes(priorities, "priorities")}
         return self._call(TPRIORITY, fields, timeout=timeout)
 
-    def write(self, name: str, indices, batch: Any, priorities=None, *, timeout=DEFAULT) -> Any:
+    def write(self, name: str, indices, batch: Any, priorities=None, *, timeout=DEFAULT,
+              with_size: bool = False) -> Any:
         """Put rows at the slot ``indices`` (distinct, in ``[0, capacity)``) of table
         ``name``, replacing what was there (a dataset written at indices); returns
-        the new rows' keys."""
+        the new rows' keys (``with_size``: as :meth:`insert`)."""
         fields = {Key.BIN: name, TableKey.INDICES: _int64_bytes(indices, "indices")}
         if priorities is not None:
             fields[TableKey.PRIORITIES] = _float64_bytes(priorities, "priorities")
-        return self._call(TWRITE, fields, _as_batch(batch, fields), timeout=timeout,
-                          then=lambda reply: _tensor(reply.header[TableKey.KEYS], "<i8"))
+        return self._call(TWRITE, fields, _as_batch(batch, fields), timeout=timeout, then=_keys(with_size))
 
-    def read(self, name: str, indices, *, timeout=DEFAULT, shared: bool = False) -> Any:
+    def read(self, name: str, indices, *, sample: bool = False, timeout=DEFAULT, shared: bool = False,
+             device: Any = None) -> Any:
         """The rows at slot ``indices`` (any, repeats allowed) of table ``name``:
         ``{column: tensor [len(indices), *shape]}``, or a list of items.  Counts as no
-        sample.  ``shared``: as for :meth:`sample`."""
+        sample, unless ``sample=True``: rows the caller drew itself (a sampler of its
+        own, TorchRL's), counted as a sample of that many rows by the table (its rate
+        limiter, each row's count, ``max_times_sampled``) and waiting in the server
+        for the rate limiter as :meth:`sample` does.  ``shared``, ``device``: as for
+        :meth:`sample`."""
         fields = {Key.BIN: name, TableKey.INDICES: _int64_bytes(indices, "indices")}
-        return self._call(TREAD, fields, timeout=timeout, then=_rows_value, zero_copy=shared)
+        call_timeout = timeout
+        if sample:
+            fields[TableKey.SAMPLE] = True
+            call_timeout = self._server_wait(fields, timeout)
+        return self._call(TREAD, fields, timeout=call_timeout, then=_rows_value, zero_copy=shared,
+                          **({} if device is None else {"device": device}))
 
-    def table_info(self, name: str, *, timeout=DEFAULT) -> Any:
+    def table_info(self, name: str, *, slots: int | None = None, timeout=DEFAULT) -> Any:
         """Table ``name``'s settings and counters: size, capacity, inserts, samples,
-        removals, the rate limiter's state, requests waiting..."""
-        return self._call(TINFO, {Key.BIN: name}, timeout=timeout)
+        removals, the rate limiter's state, requests waiting, seconds requests waited
+        for it (``blocked_seconds``), ``meta``...  With ``slots=i``, also
+        ``info["slots"]``: the occupied slots from index ``i`` on (at most 2**18 of
+        them), as int64/float64 tensors ``indices``, ``keys``, ``priorities`` and
+        ``times_sampled``, and ``next``, the index to ask from for the rest (None: no
+        more)."""
+        fields = {Key.BIN: name}
+        if slots is None:
+            return self._call(TINFO, fields, timeout=timeout)
+        fields[TableKey.SLOTS] = slots
+        return self._call(TINFO, fields, timeout=timeout, then=lambda reply: _with_slots(reply.header[TableKey.INFO]))
 
     def set_table_limits(self, name: str, *, timeout=DEFAULT, **limits) -> Any:
         """Change table ``name``'s rate limits now (``min_size_to_sample``,

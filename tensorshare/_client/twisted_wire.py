@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from twisted.internet import defer, protocol as twisted_protocol
+from twisted.internet import defer, protocol as twisted_protocol, threads
 
-from ..errors import ConnectionLostError, ProtocolError, TensorShareError, UntrustedServerError
+from ..errors import ConnectionLostError, ProtocolError, TensorShareError, UntrustedServerError, WrongServerError
+from ..protocol import peers
 from ..protocol.keepalive import Traffic
 
 log = logging.getLogger("tensorshare.client")
@@ -31,6 +32,7 @@ class Wire(twisted_protocol.Protocol):
         self._outgoing: list[bytes] = []
         self._flush_scheduled = False
         self._certificate_checked = client._tls is None
+        self._speaks = None  # what a probe found the peer to be (peers.probe), if one ran
 
     def connectionMade(self) -> None:
         self.transport.setTcpNoDelay(True)
@@ -44,6 +46,9 @@ class Wire(twisted_protocol.Protocol):
                 return
         try:
             frames = self.conn.feed(data)
+        except WrongServerError as exc:
+            self._fail_opening(exc)
+            return
         except ProtocolError as exc:
             log.warning("bad data from server: %s", exc)
             self.transport.abortConnection()
@@ -79,10 +84,30 @@ class Wire(twisted_protocol.Protocol):
     def abandon_opening(self) -> None:
         """Give up on a connection whose handshake did not finish in time."""
         if not self.greeted.called and self.transport is not None:
-            hint = "" if self.client._tls else " (a TLS server? then pass tls=True)"
-            self.greeted.errback(ConnectionLostError(
+            hint = "" if self.client._tls else peers.silence_hint(self._speaks)
+            self._fail_opening(ConnectionLostError(
                 f"no tensorshare greeting from {self.client._where} within "
                 f"{self.client.connect_timeout:g}s{hint}"))
+
+    def probe_peer(self) -> None:
+        """The peer has said nothing yet: find out what it is on a second connection
+        (:func:`.peers.probe`, on a thread), and fail the opening if that tells."""
+        if self.greeted.called or self.conn.first or self.transport is None:
+            return
+        reactor = self.client.reactor
+        d = threads.deferToThreadPool(reactor, reactor.getThreadPool(), peers.probe, self.client.host,
+                                      self.client.port, 1.0)
+        d.addCallback(self._probed)
+
+    def _probed(self, found: tuple) -> None:
+        self._speaks, first = found
+        if self._speaks in (peers.TLS, peers.HTTP) and not self.greeted.called and self.transport is not None:
+            self._fail_opening(peers.wrong_server(self.client._where, first, self._speaks))
+
+    def _fail_opening(self, error: TensorShareError) -> None:
+        if not self.greeted.called:
+            self.greeted.errback(error)
+        if self.transport is not None:
             self.transport.abortConnection()
 
     def connectionLost(self, reason) -> None:
@@ -104,10 +129,13 @@ class Wire(twisted_protocol.Protocol):
     def send(self, parts: list) -> None:
         """Queue a frame; the frames of one reactor turn go out in one write.
 
-        Twisted transports take bytes only; the copy also snapshots the value.
-        (One write per turn instead of one per request: each write costs a
-        buffer join and an epoll registration.)
+        Twisted transports take bytes only; the copy also snapshots the value
+        (device arrays too: they are copied down through the engine's pinned
+        buckets now).  (One write per turn instead of one per request: each write
+        costs a buffer join and an epoll registration.)
         """
+        if type(parts) is not list:  # StagedParts: device arrays
+            parts = [bytes(view) for view, _staged in parts.engine.pieces(parts)]
         self._outgoing.extend(p if type(p) is bytes else bytes(p) for p in parts)
         if not self._flush_scheduled:
             self._flush_scheduled = True

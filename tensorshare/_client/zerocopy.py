@@ -74,8 +74,9 @@ class SharedAreas:
 
     prepare_bytes = 1 << 30
 
-    def __init__(self, roots: list[str | None], incoming: str | None, min_bytes: int):
+    def __init__(self, roots: list[str | None], incoming: str | None, min_bytes: int, device_refs: bool = False):
         self.roots = roots
+        self.device_refs = device_refs  # the server stores values by device reference (CUDA IPC, §13)
         self.usable = [i for i, root in enumerate(roots) if root is not None]
         self.incoming = incoming
         self.min_bytes = min_bytes
@@ -107,7 +108,7 @@ class SharedAreas:
         min_bytes = offer.get("min_bytes")
         if type(min_bytes) is not int or min_bytes < 0:
             min_bytes = DEFAULT_MIN_BYTES
-        return cls(verified, incoming, min_bytes)
+        return cls(verified, incoming, min_bytes, offer.get("cuda") is True)
 
     # -- PUT / APPEND
 
@@ -237,15 +238,17 @@ class SharedAreas:
     # -- GET / PEEK
 
     def load(self, ref: Any, description: bytes, size: int, device: Any = None,
-             limits: DecodeLimits = DEFAULT_LIMITS) -> Any:
-        """The value of an item a 226 reply refers to (``[area, path]``), mapped copy-on-write.
+             limits: DecodeLimits = DEFAULT_LIMITS, into: Any = None) -> Any:
+        """The value of an item a 226 reply refers to (``[area, path]``), mapped copy-on-write
+        (on a ``device``: copied there, into the tensors ``into`` gives, see
+        :func:`~tensorshare.memmap.load_item`).
 
         Raises :class:`ZeroCopyError` if the reference is malformed, names an area
         not verified, leaves its area, or finds no whole item with exactly that
         description and size."""
         stored = self.item(ref, description, size, limits)
         try:
-            return load_item(stored, device=device, limits=limits, follow_symlinks=False)
+            return load_item(stored, device=device, limits=limits, follow_symlinks=False, into=into)
         except LayoutError as exc:
             raise ZeroCopyError(f"cannot map a referenced item: {exc}") from None
         except OSError as exc:
@@ -297,6 +300,9 @@ def _drafts_in(enc: Encoded) -> dict[int, tuple]:
     """``{array index: (draft file, mapping)}`` for the arrays of ``enc`` that are whole drafts."""
     starts, pos = {}, 0
     for buffer in enc.buffers:
+        if getattr(buffer, "staged", False):  # in device memory: never a draft
+            pos += buffer.nbytes
+            continue
         size = memoryview(buffer).nbytes
         if type(buffer) is not bytes and size:  # bytes are padding; arrays are views
             starts[pos] = buffer

@@ -50,10 +50,16 @@ def write_token(root: str, token: str) -> None:
     tmp = os.path.join(root, f"{TOKEN_FILE}.tmp-{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        os.write(fd, token.encode("ascii"))
-    finally:
-        os.close(fd)
-    os.replace(tmp, os.path.join(root, TOKEN_FILE))
+        try:
+            data = token.encode("ascii")
+            if os.write(fd, data) != len(data):  # (a full file system may take part of it)
+                raise OSError(errno.ENOSPC, "the token file was written in part")
+        finally:
+            os.close(fd)
+        os.replace(tmp, os.path.join(root, TOKEN_FILE))
+    except BaseException:
+        os.unlink(tmp)  # a full disk must not keep the half-written file
+        raise
 
 
 def verify_area(root: object, token: object) -> str | None:

@@ -205,10 +205,14 @@ def _level_metadata(desc: Description, paths: list[str], prefix: str, node: Any,
 
 
 class _Payload:
-    """Random access to a payload given as a sequence of buffers (the received segments)."""
+    """Random access to a payload given as a sequence of buffers (the received segments).
+
+    A segment may also stand for bytes in device memory (a
+    :class:`~tensorshare.device.engine.DeviceSpan`, which says so with ``staged``):
+    its slices are spans too, which :func:`_write_file` has the device engine write."""
 
     def __init__(self, segments: Sequence):
-        self.segments = [memoryview(s).cast("B") for s in segments]
+        self.segments = [s if getattr(s, "staged", False) else memoryview(s).cast("B") for s in segments]
         self.starts = []
         pos = 0
         for s in self.segments:
@@ -223,7 +227,8 @@ class _Payload:
             seg_end = seg_start + seg.nbytes
             if seg_end <= start or seg_start >= end:
                 continue
-            yield seg[max(start, seg_start) - seg_start : min(end, seg_end) - seg_start]
+            lo, hi = max(start, seg_start) - seg_start, min(end, seg_end) - seg_start
+            yield seg[lo:hi] if type(seg) is memoryview else seg.slice(lo, hi - lo)
 
 
 def _write_file(path: str, views, fsync: bool, existing: int | None = None) -> None:
@@ -241,6 +246,9 @@ def _write_file(path: str, views, fsync: bool, existing: int | None = None) -> N
             raise OSError(errno.EINVAL, f"{path} is not a file of {existing} bytes")
     try:
         for view in views:
+            if type(view) is not memoryview:  # bytes in device memory: staged down by their engine
+                view.engine.write_fd(fd, view)
+                continue
             for i in range(0, view.nbytes, _WRITE_CHUNK):
                 chunk = view[i : i + _WRITE_CHUNK]
                 while chunk.nbytes:

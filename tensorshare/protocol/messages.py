@@ -25,14 +25,16 @@ from .codes import (  # noqa: F401 - the codes are part of what this module decl
 )
 from .schema import (  # noqa: F401 - the machinery, for those that import it from here
     A_LIST, ANY, ANY_REQUEST_ERRORS, BIN, BOOL, BYTES, COUNT, COUNTS, ID_MAX, INT, INTS, MAP, MAX_BIN_NAME,
-    MAX_REPLY_HEADER, MAX_WAIT, PROTOCOL_VERSION, RELEASE, SECONDS, STR, TAG, TAG_MAX, TAG_MIN, TAGS, Command, Field,
-    Key, Message, Relay, Request, ZeroCopy, check_bin_name, check_tag, optional, reply_error,
+    MAX_RELEASE_IDS, MAX_REPLY_HEADER, MAX_WAIT, PROTOCOL_VERSION, RELEASE, SECONDS, SHORT_BYTES, STR, TAG, TAG_MAX,
+    TAG_MIN, TAGS, Command, Field, Key, Message, Relay, Request, ZeroCopy, check_bin_name, check_tag, optional,
+    reply_error,
 )
 
-_CHANGED = Message(DONE, (Field(Key.N, INT), Field(Key.SEQ, INT)))
-_DONE = Message(OK)
+_FREED = optional(Key.FREED, INTS)  # a publisher's device references no item holds any more (§13.3)
+_CHANGED = Message(DONE, (Field(Key.N, INT), Field(Key.SEQ, INT), _FREED))
+_DONE = Message(OK, (_FREED,))
 _ITEMS = Message(ITEMS, (Field(Key.SEQ, INT), Field(Key.ITEMS, A_LIST), Field(Key.SIZES, A_LIST),
-                         optional(Key.REFS, A_LIST), optional(Key.TAGS, TAGS)))
+                         optional(Key.REFS, A_LIST), optional(Key.TAGS, TAGS), optional(Key.CUDA, A_LIST)))
 _STORE_FIELDS = (
     BIN,
     Field(Key.VALUE, BYTES, missing="missing value description"),
@@ -43,12 +45,16 @@ _STORE_FIELDS = (
 )
 _READ_FIELDS = (BIN, optional(Key.REF, INTS), RELEASE, optional(Key.TAGS, BOOL))
 _STORE_ERRORS = (BAD_NAME, TOO_LARGE, STORAGE_FULL, ZERO_COPY_REFUSED)
+OWNER = optional(Key.OWNER, SHORT_BYTES)  # which client of a relay's connection owns an ephemeral bin (§4.6)
 
 # -- bins (§4.3)
 
-PUT = Command("PUT", (*_STORE_FIELDS, optional(Key.EPHEMERAL, BOOL)), reply=_CHANGED, payload=True,
-              result=Key.N, method="put", zero_copy=ZeroCopy.STORE, relay=Relay.FORWARD, errors=_STORE_ERRORS,
-              doc="replace the bin's items with one item (ephemeral: for as long as this connection lasts)")
+PUT = Command("PUT", (*_STORE_FIELDS, optional(Key.EPHEMERAL, BOOL), OWNER, optional(Key.CUDA, MAP),
+                      optional(Key.FILL, INT)),
+              reply=_CHANGED, payload=True, result=Key.N, method="put", zero_copy=ZeroCopy.STORE,
+              relay=Relay.FORWARD, errors=_STORE_ERRORS,
+              doc="replace the bin's items with one item (ephemeral: for as long as this connection lasts; "
+                  "cuda: by reference to the client's device memory; fill: that item's bytes)")
 APPEND = Command("APPEND", (*_STORE_FIELDS, optional(Key.BELOW, COUNT), optional(Key.WAIT, SECONDS)),
                  reply=_CHANGED, payload=True, result=Key.N, method="append", zero_copy=ZeroCopy.STORE,
                  relay=Relay.FORWARD, lane="room", errors=(*_STORE_ERRORS, BUSY),
@@ -58,14 +64,16 @@ GET = Command("GET", (*_READ_FIELDS, optional(Key.MAX, COUNT), optional(Key.WAIT
               zero_copy=ZeroCopy.TAKE, relay=Relay.FORWARD, lane="take", errors=(BAD_NAME, NO_SUCH_BIN),
               doc="take the bin's items (at most max of them) out of it (with wait: once it holds least)")
 PEEK = Command("PEEK", (*_READ_FIELDS, optional(Key.WAIT, SECONDS), optional(Key.SINCE, INT),
-                       optional(Key.INCOMING, BOOL)), reply=_ITEMS, result=Key.ITEMS, method="peek",
-               zero_copy=ZeroCopy.READ, relay=Relay.MIRROR, lane="peek", errors=(BAD_NAME, NO_SUCH_BIN),
-               doc="read every item of the bin (with wait: once its seq is no longer since)")
+                       optional(Key.INCOMING, BOOL), optional(Key.CUDA, A_LIST)), reply=_ITEMS, result=Key.ITEMS,
+               method="peek", zero_copy=ZeroCopy.READ, relay=Relay.MIRROR, lane="peek", errors=(BAD_NAME, NO_SUCH_BIN),
+               doc="read every item of the bin (with wait: once its seq is no longer since; "
+                   "cuda: device references where this client can open them)")
 LIST = Command("LIST", (RELEASE,), reply=Message(LIST_OK, (Field(Key.BINS, COUNTS), optional(Key.RELAY, MAP))),
                result=Key.BINS, method="list", zero_copy=None, relay=Relay.MERGE,
                doc="every bin and its item count")
-DELETE = Command("DELETE", (BIN, RELEASE), reply=_CHANGED, method="delete", zero_copy=None, relay=Relay.FORWARD,
-                 errors=(BAD_NAME, NO_SUCH_BIN, STORAGE_FULL), doc="remove the bin and its items")
+DELETE = Command("DELETE", (BIN, RELEASE, OWNER), reply=_CHANGED, method="delete", zero_copy=None,
+                 relay=Relay.FORWARD, errors=(BAD_NAME, NO_SUCH_BIN, STORAGE_FULL),
+                 doc="remove the bin and its items (with owner: only while that owns the ephemeral bin)")
 LISTEN = Command("LISTEN", (BIN, optional(Key.FIRST_APPEND, BOOL), RELEASE),
                  reply=Message(OK, (Field(Key.EXISTS, BOOL), Field(Key.N, INT), Field(Key.SEQ, INT),
                                     Field(Key.TAG, TAG))),
@@ -92,6 +100,9 @@ class TableKey:
     KEYS, INDICES, PRIORITIES, PROBABILITIES = "keys", "indices", "priorities", "probabilities"
     COLUMNS = "columns"  # a rows reply: its one item is the stacked columns (else: one item per row)
     TENSORDICT = "tensordict"  # rows came as a TensorDict: a client gives them back as one
+    ADD_COLUMNS = "add_columns"  # TCREATE: a table there that lacks some of the columns gains them
+    SAMPLE = "sample"  # TREAD: the rows were drawn by the reader: count (and rate-limit) them as a sample
+    SLOTS = "slots"  # TINFO: the occupied slots from this index on (a page of them)
 
 
 _TK = TableKey
@@ -103,14 +114,15 @@ _TABLE_INFO = Message(OK, (Field(_TK.INFO, MAP),))
 _TABLE_VALUE = (Field(Key.VALUE, BYTES, missing="missing value description"),)
 _TABLE_ERRORS = (NO_SUCH_BIN, BAD_NAME)
 
-TCREATE = Command("TCREATE", (BIN, Field(_TK.SPEC, MAP), RELEASE), reply=_CHANGED, result=Key.N,
+TCREATE = Command("TCREATE", (BIN, Field(_TK.SPEC, MAP), optional(_TK.ADD_COLUMNS, BOOL), RELEASE),
+                  reply=_CHANGED, result=Key.N,
                   method="create_table", zero_copy=None, relay=Relay.FORWARD,
                   errors=(BAD_NAME, TOO_LARGE, STORAGE_FULL),
                   doc="make a table (kept as it is if one with the same settings exists)")
 TINSERT = Command("TINSERT", (BIN, *_TABLE_VALUE, optional(_TK.PRIORITIES, BYTES), optional(Key.WAIT, SECONDS),
                               optional(_TK.TENSORDICT, BOOL), RELEASE),
                   reply=_TABLE_CHANGED, payload=True, result=_TK.KEYS, method="insert", zero_copy=None,
-                  relay=Relay.FORWARD, lane="insert", errors=(*_TABLE_ERRORS, TOO_LARGE, BUSY),
+                  relay=Relay.FORWARD, lane="insert", errors=(*_TABLE_ERRORS, TOO_LARGE, STORAGE_FULL, BUSY),
                   doc="add rows (waiting up to wait seconds for the rate limiter)")
 TWRITE = Command("TWRITE", (BIN, *_TABLE_VALUE, Field(_TK.INDICES, BYTES), optional(_TK.PRIORITIES, BYTES),
                             optional(_TK.TENSORDICT, BOOL), RELEASE),
@@ -119,17 +131,20 @@ TWRITE = Command("TWRITE", (BIN, *_TABLE_VALUE, Field(_TK.INDICES, BYTES), optio
 TSAMPLE = Command("TSAMPLE", (BIN, Field(Key.N, COUNT), optional(Key.WAIT, SECONDS), optional(Key.REF, INTS),
                               RELEASE),
                   reply=_ROWS, result=Key.ITEMS, method="sample", zero_copy=ZeroCopy.TAKE, relay=Relay.FORWARD,
-                  lane="sample", errors=(*_TABLE_ERRORS, TOO_LARGE, BUSY),
+                  lane="sample", errors=(*_TABLE_ERRORS, TOO_LARGE, STORAGE_FULL, BUSY),
                   doc="draw n rows with the table's sampler (waiting up to wait seconds)")
-TREAD = Command("TREAD", (BIN, Field(_TK.INDICES, BYTES), optional(Key.REF, INTS), RELEASE), reply=_ROWS,
-                result=Key.ITEMS, method="read", zero_copy=ZeroCopy.READ, relay=Relay.FORWARD, errors=_TABLE_ERRORS,
-                doc="read the rows at the slot indices given")
+TREAD = Command("TREAD", (BIN, Field(_TK.INDICES, BYTES), optional(Key.REF, INTS), optional(_TK.SAMPLE, BOOL),
+                          optional(Key.WAIT, SECONDS), RELEASE), reply=_ROWS, result=Key.ITEMS, method="read",
+                zero_copy=ZeroCopy.READ, relay=Relay.FORWARD, lane="sample",
+                errors=(*_TABLE_ERRORS, TOO_LARGE, STORAGE_FULL, BUSY),
+                doc="read the rows at the slot indices given (with sample: as a sample the reader drew)")
 TPRIORITY = Command("TPRIORITY", (BIN, Field(_TK.KEYS, BYTES), Field(_TK.PRIORITIES, BYTES), RELEASE),
                     reply=Message(OK, (Field(Key.N, INT),)), result=Key.N, method="update_priorities",
                     zero_copy=None, relay=Relay.FORWARD, errors=_TABLE_ERRORS,
                     doc="set the priorities of the rows with these keys")
-TINFO = Command("TINFO", (BIN, RELEASE), reply=_TABLE_INFO, result=_TK.INFO, method="table_info", zero_copy=None,
-                relay=Relay.FORWARD, errors=_TABLE_ERRORS, doc="the table's settings, counters and rate-limiter state")
+TINFO = Command("TINFO", (BIN, optional(_TK.SLOTS, INT), RELEASE), reply=_TABLE_INFO, result=_TK.INFO,
+                method="table_info", zero_copy=None, relay=Relay.FORWARD, errors=_TABLE_ERRORS,
+                doc="the table's settings, counters and rate-limiter state (with slots: its occupied slots)")
 TLIMITS = Command("TLIMITS", (BIN, Field(_TK.LIMITS, MAP), RELEASE), reply=_TABLE_INFO, result=_TK.INFO,
                   method="set_table_limits", zero_copy=None, relay=Relay.FORWARD, errors=_TABLE_ERRORS,
                   doc="change the table's rate limits now")
@@ -148,7 +163,7 @@ LANES = tuple(sorted({c.lane for c in COMMANDS.values() if c.lane is not None}))
 # receiver does not insist on them.
 GREETING_MESSAGE = Message(GREETING, (optional(Key.MSG, STR), optional(Key.SERVER, STR), optional(Key.VERSION, INT),
                                       optional(Key.AUTH, STR), optional(Key.NONCE, BYTES),
-                                      optional(Key.SHM, MAP)))
+                                      optional(Key.SHM, MAP), optional(Key.MAX_FRAME, INT)))
 NOTIFICATION = Message(NOTIFY, (Field(Key.BIN, STR), Field(Key.N, INT), Field(Key.SEQ, INT), Field(Key.OP, STR),
                                 optional(Key.TAG, TAG),
                                 # a relay's INCOMING carrying the copy as its payload (§11)

@@ -36,6 +36,7 @@ class Key:
     N, SEQ, EXISTS, BINS = "n", "seq", "exists", "bins"
     ITEMS, SIZES = "items", "sizes"
     SERVER, VERSION = "server", "version"
+    MAX_FRAME = "max_frame"  # the greeting: the largest request payload the server reads (§7)
     AUTH, MECH, NONCE, PROOF = "auth", "mech", "nonce", "proof"
     # Same-host zero-copy (§10): the greeting's offer; a PUT/APPEND's item directory
     # and size; a GET/PEEK's mappable areas; a 226's references; released replies.
@@ -48,13 +49,17 @@ class Key:
     # GET with wait: held until the bin holds ``least`` items; PEEK with wait: held
     # while the bin is still at seq ``since`` (§4.5: reads that wait)
     LEAST, SINCE = "least", "since"
-    # PUT: the bin lives only as long as this connection (§4.6: presence, membership)
-    EPHEMERAL = "ephemeral"
+    # PUT: the bin lives only as long as this connection (§4.6: presence, membership);
+    # PUT/DELETE: which of the connection's clients owns it (a relay's, §4.6)
+    EPHEMERAL, OWNER = "ephemeral", "owner"
     # GET/PEEK: the reply lists every item's tag; LIST: a relay's state (§11)
     TAGS, RELAY = "tags", "relay"
     # PEEK (to a relay): push later copies of the bin as they arrive; an INCOMING
     # notification carrying one names the upstream change it is (§11)
     INCOMING, CHANGE = "incoming", "change"
+    # CUDA IPC on one host (§13): a PUT's device reference, or the reference whose
+    # bytes it brings; a PEEK's devices and a 226's references; a reply's freed references
+    CUDA, FILL, FREED = "cuda", "fill", "freed"
 
 
 TAG_MIN, TAG_MAX = -(1 << 63), (1 << 63) - 1  # an item's optional tag is a signed 64-bit integer
@@ -134,6 +139,7 @@ BIN_NAME = Kind("a bin name", lambda key, value, limit: check_bin_name(value, li
                 lambda value: check_bin_name(value) is None)
 TAGS = _kind("a list of tags", lambda v: type(v) is list and all(check_tag(t) is None for t in v))
 COUNT = _kind("an integer of at least 1", lambda v: type(v) is int and v >= 1)
+SHORT_BYTES = _kind("bytes of at most 64", lambda v: type(v) is bytes and len(v) <= 64)
 MAX_WAIT = 86400.0  # seconds a request may ask the server to hold it
 SECONDS = _kind(f"a number of seconds, 0 to {MAX_WAIT:g}",
                 lambda v: type(v) in (int, float) and 0 <= v <= MAX_WAIT)
@@ -166,6 +172,10 @@ def optional(key: str, kind: Kind, **kw) -> Field:
 
 BIN = Field(Key.BIN, BIN_NAME, code=BAD_NAME)
 RELEASE = optional(Key.RELEASE, INTS)  # any request may carry it (§10.3)
+# Release ids a client puts in one request: small ids are 1-3 bytes on the wire and
+# 28 as objects, so a long list alone would pass the server's header_memory rule
+# (PROTOCOL.md §7) and the request would be refused; 64 keep any header within it.
+MAX_RELEASE_IDS = 64
 
 
 class Request:
@@ -275,6 +285,7 @@ class Command:
         self.result = result
         self.doc = doc
         self.takes_bin = any(field.key == Key.BIN for field in fields)
+        self.keys = frozenset(field.key for field in fields)  # the request fields it declares
         # parse_request's usual case, every field right: (key, required, accepts).
         self._fast = tuple((f.key, f.required, f.kind.accepts) for f in fields)
         slots = tuple(field.key for field in fields)

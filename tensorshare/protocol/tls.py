@@ -114,7 +114,8 @@ class TLSSettings:
         try:
             from twisted.internet import ssl as twisted_ssl
         except ImportError as exc:  # pragma: no cover - depends on the installation
-            raise UsageError(f"TLS in the AsyncClient needs pyOpenSSL (pip install tensorshare[tls]): {exc}") from None
+            raise UsageError(f"TLS in the AsyncClient needs pyOpenSSL (the tls extra: pip install pyOpenSSL "
+                             f"service_identity): {exc}") from None
         if self.pinned_only:
             return twisted_ssl.CertificateOptions(verify=False, raiseMinimumTo=twisted_ssl.TLSVersion.TLSv1_2)
         trust = None

@@ -7,13 +7,19 @@ import threading
 import time
 from typing import Any, Callable, NamedTuple
 
+import torch
+
 from .._client.connection import Notification
+from .._client.exports import put_by_reference
+from .._client.methods import DEFAULT
 from ..errors import ConnectionLostError, NoSuchBinError
 from ..protocol.messages import PUT
 from ..sharded import parse_server
+from ..wire.codec import encode
 from .members import StaleWatch, WorkerInfo
 from .peer import RLPeer, snapshot_state
-from .versions import Encoder, PublishStats, chain_bin, check_dtype, flatten, publish, tensor_bytes
+from .staging import Sender, snapshot
+from .versions import Encoder, PublishStats, cast_state, chain_bin, check_dtype, flatten, publish, tensor_bytes
 
 log = logging.getLogger("tensorshare.rl")
 
@@ -58,7 +64,7 @@ class RLTrainer(RLPeer):
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, host_server: bool = False,
                  filter_version: bool = True, *, max_staleness: int = DEFAULT_MAX_STALENESS,
                  max_waiting: int | None = DEFAULT_MAX_WAITING, experiment: str | None = None,
-                 timeout: float | None = 60.0, connect_timeout: float = 30.0,
+                 timeout: float | None = 60.0, connect_timeout: float | None = None,
                  on_join: Callable[[WorkerInfo], Any] | None = None,
                  on_leave: Callable[[WorkerInfo], Any] | None = None,
                  servers: list[str | tuple[str, int]] | None = None, **client_options):
@@ -71,6 +77,7 @@ class RLTrainer(RLPeer):
         self.max_waiting = max_waiting
         self._stale = StaleWatch()
         self._versions = Encoder()  # what delta publishes compare with (versions.py)
+        self._device_sender: Sender | None = None  # sends versions in device memory (staging.py)
         self.chain_bin = chain_bin(experiment)
         self.last_publish: PublishStats | None = None
         self._workers: dict[str, WorkerInfo] = {}
@@ -103,7 +110,9 @@ class RLTrainer(RLPeer):
         The tensors are copied out at the call: training on afterwards cannot
         change what workers receive.  ``wait=False`` returns without waiting for
         the server (the learner's step is not held up by the network); an error
-        then surfaces on the next call (or :meth:`flush`).
+        then surfaces on the next call (or :meth:`flush`).  A state in GPU memory
+        is copied once on the GPU and sent from there by a background thread
+        (at most two publishes wait for it; see :mod:`tensorshare.rl.staging`).
 
         ``dtype`` (``torch.bfloat16``...): send the floating-point tensors cast to
         it (workers receive the rounded values; ``load_state_dict`` casts them back
@@ -116,9 +125,13 @@ class RLTrainer(RLPeer):
             self._raise_failure()
         check_dtype(dtype)
         version = self.version + 1
+        if not delta and self._by_reference(state_dict):
+            self.last_publish = self._publish_by_reference(state_dict, version, dtype, wait)
+            self.version = version
+            return version
         if dtype is not None or delta:
             self.last_publish = publish(self._versions, self.client, self.params_bin, self.chain_bin, state_dict,
-                                        version, dtype, delta, wait, self._failed)
+                                        version, dtype, delta, wait, self._failed, self._sender)
             self.version = version
             return version
         self._versions.forget()  # the next delta publish starts with a keyframe
@@ -126,12 +139,37 @@ class RLTrainer(RLPeer):
         if wait:
             self.client.put(self.params_bin, value, tag=version)
         else:
-            self.client.submit(PUT, self.params_bin, value, self._failed, tag=version, inline=True)
+            enc = encode(value)
+            if enc.engine is None:
+                self.client.submit(PUT, self.params_bin, enc, self._failed, tag=version, inline=True)
+            else:  # device tensors: one snapshot on the device, sent by the sender thread (rl/staging.py)
+                self._sender().send(PUT, self.params_bin, snapshot(enc), version, self._failed)
         nbytes = tensor_bytes(value)
         leaves = len(flatten(state_dict)) if isinstance(state_dict, dict) else 1
         self.last_publish = PublishStats(version, "full", leaves, nbytes, nbytes, None)
         self.version = version
         return version
+
+    def _by_reference(self, state: Any) -> bool:
+        """Whether a whole version of ``state`` goes by device reference: a state in
+        CUDA memory, on the server's host, which takes references (PROTOCOL.md §13)."""
+        areas = self.client._shared_areas()
+        if areas is None or not areas.device_refs:
+            return False
+        first = next((leaf for leaf in flatten(state).values() if isinstance(leaf, torch.Tensor)), None) \
+            if isinstance(state, dict) else state
+        return isinstance(first, torch.Tensor) and first.is_cuda
+
+    def _publish_by_reference(self, state: Any, version: int, dtype, wait: bool) -> PublishStats:
+        """A whole version put by device reference: one snapshot on the GPU (cast there),
+        which same-host CUDA workers copy device to device; its bytes follow in the
+        background for the others (``_client/exports.py``)."""
+        self._versions.forget()  # the next delta publish starts with a keyframe
+        value = {"version": version, "parameters": cast_state(state, dtype)}
+        put_by_reference(self.client, self.params_bin, value, version, DEFAULT, wait=wait, callback=self._failed)
+        nbytes = tensor_bytes(value)
+        leaves = len(flatten(state)) if isinstance(state, dict) else 1
+        return PublishStats(version, "full", leaves, nbytes, nbytes, None)
 
     def set_keyframes(self, every: int = 100, fraction: float = 0.5) -> None:
         """When ``delta`` publishes put a new keyframe in the chain: every ``every``
@@ -143,6 +181,8 @@ class RLTrainer(RLPeer):
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every parameter version published with ``wait=False`` is stored
         (raise the error of one that was not)."""
+        if self._device_sender is not None:  # device versions still to hand to the client
+            self._device_sender.flush(timeout)
         self.client.ping(timeout=timeout)  # replies come in request order: those before it are done
         with self._cond:
             self._raise_failure()
@@ -262,7 +302,15 @@ class RLTrainer(RLPeer):
         """The share of the last 200 rollouts dropped as stale."""
         return self._stale.drop_rate
 
+    def _sender(self) -> Sender:
+        """The thread that sends device versions (made on first use)."""
+        if self._device_sender is None:
+            self._device_sender = Sender(self.client)
+        return self._device_sender
+
     def _shut(self) -> None:
+        if self._device_sender is not None:
+            self._device_sender.close()
         super()._shut()
         for client in self._extra_clients:
             client.close()

@@ -51,6 +51,7 @@ import torch
 
 from ..errors import NoSuchBinError
 from ..protocol.messages import APPEND, PUT
+from ..wire.codec import encode
 from .peer import prefix, snapshot_state
 
 CHAIN = "parameter-chain"  # the chain bin's name in the experiment
@@ -132,21 +133,49 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors of one dtype and shape hold the same bytes, compared as the
     widest integers that tile both (int64s compare about 4x faster than uint8s, and
     2x faster than float32s, whose == also has to test for NaN)."""
+    return torch.equal(*_words(a, b))
+
+
+def _words(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bytes of ``a`` and ``b`` (one dtype and shape) as the widest integers that tile both."""
     a, b = a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8)
     for dtype, width in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
         if a.numel() % width == 0:
             try:
-                return torch.equal(a.view(dtype), b.view(dtype))
+                return a.view(dtype), b.view(dtype)
             except RuntimeError:  # a storage offset not aligned for it
                 continue
-    return torch.equal(a, b)
+    return a, b
+
+
+def differing(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
+    """Whether the tensors of each pair (one dtype, shape and device) differ bitwise:
+    compared where they are, with one wait for all the answers."""
+    return torch.stack([torch.ne(*_words(a, b)).any() for a, b in pairs]).tolist()
 
 
 def diff(old: dict[Path, Any], new: dict[Path, Any]) -> tuple[list[tuple[Path, Any]], list[Path]]:
     """``(changed, removed)``: the leaves of ``new`` that are not the same in ``old``
-    (:func:`same_value`) and the paths of ``old`` that ``new`` lacks."""
-    changed = [(path, value) for path, value in new.items()
-               if path not in old or not same_value(old[path], value)]
+    (:func:`same_value`) and the paths of ``old`` that ``new`` lacks.
+
+    Tensors in device memory are compared there, all of them before the host waits
+    once for the answers (a wait per tensor would cost more than the compares)."""
+    changed, on_device = [], []
+    for path, value in new.items():
+        if path not in old:
+            changed.append((path, value))
+            continue
+        before = old[path]
+        if (isinstance(value, torch.Tensor) and isinstance(before, torch.Tensor) and value.is_cuda
+                and before.device == value.device and before.dtype == value.dtype and before.shape == value.shape):
+            on_device.append((path, value, before))
+        elif not same_value(before, value):
+            changed.append((path, value))
+    if on_device:  # in the order of ``new``, as without them
+        flags = differing([(before, value) for _path, value, before in on_device])
+        differ = {path for path, _value in changed}
+        differ.update(path for (path, _v, _b), flag in zip(on_device, flags) if flag)
+        changed = [(path, value) for path, value in new.items() if path in differ]
     removed = [path for path in old if path not in new]
     return changed, removed
 
@@ -318,10 +347,12 @@ class Encoder:
 
 def publish(encoder: Encoder, client, params_bin: str, chain_bin: str, state: Any, version: int,
             dtype: torch.dtype | None, delta: bool, wait: bool,
-            failed: Callable[[Any, BaseException | None], Any]) -> PublishStats:
+            failed: Callable[[Any, BaseException | None], Any], sender: Callable | None = None) -> PublishStats:
     """Publish ``state`` as ``version`` through ``client`` (see the module).  With
     ``wait``, a failure raises (and the next delta publish starts with a keyframe);
-    without, ``failed(result, error)`` hears of it."""
+    without, ``failed(result, error)`` hears of it, and writes holding device
+    tensors go through ``sender()`` (a :class:`~.staging.Sender`: they are the
+    encoder's own copies, which training does not change)."""
     writes, stats = encoder.writes(state, version, dtype, delta, chain_bin, params_bin)
     if wait:
         try:
@@ -348,12 +379,14 @@ def publish(encoder: Encoder, client, params_bin: str, chain_bin: str, state: An
     # inline: the callbacks run in reply order on the reading thread, so a flush()
     # (a ping after them) returns only once the encoder heard of a broken chain.
     try:
-        for write in writes:
-            if write.op is APPEND:
-                client.submit(APPEND, write.bin, write.value, lambda r, e, x=write.expect: done(r, e, x),
-                              tag=version, inline=True)
+        encoded = [encode(write.value) for write in writes]
+        send = sender().send if sender is not None and any(enc.engine is not None for enc in encoded) else None
+        for write, enc in zip(writes, encoded):
+            callback = (lambda r, e, x=write.expect: done(r, e, x)) if write.op is APPEND else done
+            if send is not None:
+                send(write.op, write.bin, enc, version, callback)
             else:
-                client.submit(PUT, write.bin, write.value, done, tag=version, inline=True)
+                client.submit(write.op, write.bin, enc, callback, tag=version, inline=True)
     except BaseException:
         encoder.forget()
         raise

@@ -51,7 +51,7 @@ class RLWorker(RLPeer):
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, *, experiment: str | None = None,
-                 timeout: float | None = 60.0, connect_timeout: float = 30.0, max_pending: int = 64,
+                 timeout: float | None = 60.0, connect_timeout: float | None = None, max_pending: int = 64,
                  worker_id: str | None = None, servers: list[str | tuple[str, int]] | None = None,
                  **client_options):
         if max_pending < 1:
@@ -112,14 +112,68 @@ class RLWorker(RLPeer):
 
         Downloads only if a newer version than the one held has been announced.
         """
+        return self._fetch(None)
+
+    def load_into(self, model) -> int:
+        """Write the latest published parameters into ``model`` (a ``torch.nn.Module``,
+        or a dict of tensors) in place; returns their version (-1 before the first
+        publish).  Downloads only if a newer version has been announced.
+
+        On a worker made with a device (``RLWorker(device="cuda")``), a whole version
+        whose tensors match the model's own (dtype, shape, device, contiguous)
+        arrives straight into them: over TCP bucket by bucket, on the trainer's
+        host device to device from its memory, with no copy in between.  Anything
+        else (a cast, a delta, a version rebuilt from the keyframe chain, a CPU
+        model) is copied in once it has arrived.  If a read fails midway the model
+        may hold part of a version: load again.  Afterwards the parameters this
+        worker holds (:meth:`get_parameters`) are the model's own tensors where
+        they arrived into them."""
+        targets = model.state_dict() if hasattr(model, "state_dict") else model
+        state = self._fetch(targets)
+        if state is None:
+            return -1
+        import torch
+
+        with torch.no_grad():
+            for name, tensor in state.items():
+                dest = targets.get(name)
+                if dest is None:
+                    raise KeyError(f"the published parameters hold {name!r}, which the model has not")
+                if not isinstance(tensor, torch.Tensor):
+                    raise TypeError(f"the published parameter {name!r} is a {type(tensor).__name__}, not a tensor")
+                if not (isinstance(tensor, torch.Tensor) and tensor.data_ptr() == dest.data_ptr()
+                        and tensor.shape == dest.shape and tensor.dtype == dest.dtype):
+                    dest.copy_(tensor)
+        return self.version
+
+    def _fetch(self, into: dict | None) -> dict | None:
+        """The latest parameters, read if a newer version was announced (``into``: tensors
+        a whole newer version may arrive into, by name)."""
         with self._cond:
             if self._latest <= self.version:
                 return self._parameters
+        placing = {} if into is None else {"into": self._placer(into)}
         try:
-            items, seq = self.client.peek(self.params_bin, with_seq=True)
+            items, seq = self.client.peek(self.params_bin, with_seq=True, **placing)
         except NoSuchBinError:
             return self._parameters
         return self._adopt(items, seq)
+
+    def _placer(self, targets: dict):
+        """``into`` for a read of the parameters bin: ``targets`` receive a whole version
+        newer than the one held (never a delta, nor an older version: the model
+        would then hold a mix that this worker does not know of)."""
+        from .._client.devices import template_targets
+
+        match = template_targets({"parameters": targets})
+
+        def place(item: int, desc) -> dict:
+            tree = desc.tree
+            version = tree.get("version") if isinstance(tree, dict) else None
+            if type(version) is not int or version <= self.version:
+                return {}
+            return match(item, desc)
+        return place
 
     def await_new_parameters(self, timeout: float | None = None) -> dict | None:
         """Wait for parameters newer than those held and return them (None on timeout,

@@ -106,9 +106,10 @@ class Encoded:
     """An encoded value: its description and the buffers of its payload, in order."""
 
     description: bytes
-    buffers: list  # memoryview | bytes, concatenated they form the payload
+    buffers: list  # memoryview | bytes (| device spans), concatenated they form the payload
     nbytes: int  # total payload length, a multiple of ALIGN
     arrays: int = 0  # entries of the array table
+    engine: Any = None  # the device engine whose spans some buffers are (tensorshare.device), or None
 
     def payload_bytes(self) -> bytes:
         """The payload as one bytes object (a copy; for tools and tests)."""
@@ -173,6 +174,8 @@ class _Encoder:
                 if obj and depth >= self.max_depth:  # its sizes count one level deeper
                     raise EncodeError(f"value nested deeper than {self.max_depth} levels")
                 return msgpack.ExtType(EXT_SIZE, _packb([int(d) for d in obj]))
+            if type(obj) is not tuple:
+                _plain_tuple_warning(type(obj))
             try:
                 inner = [self.node(x, depth + 1) for x in obj]
             except EncodeError as exc:
@@ -281,6 +284,21 @@ class _Encoder:
         return msgpack.ExtType(EXT_ARRAY, index.to_bytes(4, "little"))
 
 
+def _nested_error() -> EncodeError:
+    return EncodeError("nested tensors cannot be sent: send a list of its tensors (t.unbind()), or a padded "
+                       "dense tensor (t.to_padded_tensor(0))")
+
+
+def _plain_tuple_warning(cls: type) -> None:
+    """Tell once per type that a tuple subclass (a namedtuple, torch.return_types...)
+    comes back as a plain tuple: the wire carries no classes (nothing received may
+    choose what code runs)."""
+    named = hasattr(cls, "_asdict")
+    warnings.warn(f"{cls.__module__}.{cls.__qualname__} ({'a namedtuple' if named else 'a tuple subclass'}) is "
+                  f"sent as a plain tuple: its type and field names do not travel (send "
+                  f"{'value._asdict()' if named else 'a dict'} to keep the names)", stacklevel=2)
+
+
 def _type_name(obj: Any) -> str:
     kind = type(obj)
     return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
@@ -303,7 +321,10 @@ def _torch_bytes(t: torch.Tensor) -> tuple[int, str, list[int], memoryview]:
     if name is None:
         raise EncodeError(f"tensor dtype {t.dtype} has no fixed-width wire form")
     if t.layout != torch.strided:
-        raise EncodeError(f"only strided (dense) tensors can be sent, not {t.layout}")
+        if t.is_nested:
+            raise _nested_error()
+        raise EncodeError(f"only strided (dense) tensors can be sent, not {t.layout}: send t.to_dense(), or its "
+                          f"parts as dense tensors")
     if t.dim() > MAX_DIMS:
         raise EncodeError(f"tensors may have at most {MAX_DIMS} dimensions, not {t.dim()}")
     if t.requires_grad:
@@ -320,7 +341,11 @@ def _torch_bytes(t: torch.Tensor) -> tuple[int, str, list[int], memoryview]:
         else:
             if array.size:
                 return KIND_TORCH, name, list(t.shape), memoryview(array).cast("B")
+    if t.is_nested:  # strided layout, but no one flat view of its memory
+        raise _nested_error()
     if t.device.type != "cpu":
+        if t.is_cuda:  # its bytes stay where they are: the device engine stages them when sent
+            return KIND_TORCH, name, list(t.shape), _device_span(t)
         try:
             t = t.to("cpu")
         except (NotImplementedError, RuntimeError) as exc:  # meta tensors have no data
@@ -335,6 +360,49 @@ def _torch_bytes(t: torch.Tensor) -> tuple[int, str, list[int], memoryview]:
     return KIND_TORCH, name, list(t.shape), memoryview(flat.numpy())
 
 
+_SPANS = [0]  # device spans made so far (an encode that made none skips looking for them)
+
+
+def _device_span(t: torch.Tensor, engine: Any = None) -> Any:
+    """A :class:`~tensorshare.device.engine.DeviceSpan` standing for ``t``'s bytes (the
+    device package is imported only once a device tensor is sent)."""
+    if engine is None:
+        from ..device import engine_of
+
+        engine = engine_of(t)
+    _SPANS[0] += 1
+    return engine.span(t)
+
+
+def _with_spans(enc: Encoded) -> Encoded:
+    """``enc`` once its device spans are prepared (:meth:`Engine.prepare`): marked on the
+    caller's streams, or staged at once when small."""
+    from ..device.engine import DeviceSpan
+
+    spans = [b for b in enc.buffers if type(b) is DeviceSpan]
+    if not spans:
+        return enc
+    engine = spans[0].engine
+    enc.buffers = engine.prepare(enc.buffers)
+    if any(type(b) is DeviceSpan for b in enc.buffers):
+        enc.engine = engine
+    return enc
+
+
+class _StagingEncoder(_Encoder):
+    """An encoder that sends the tensors ``stage`` (an engine) owns through it."""
+
+    def __init__(self, max_depth: int, stage: Any):
+        super().__init__(max_depth)
+        self.stage = stage
+
+    def node(self, obj: Any, depth: int) -> Any:
+        if isinstance(obj, torch.Tensor) and self.stage.streams.owns(obj) and depth <= self.max_depth:
+            kind, name, shape, _view = _torch_bytes(obj)  # (its checks; the bytes are the engine's to move)
+            return self.array(kind, name, shape, _device_span(obj, self.stage))
+        return super().node(obj, depth)
+
+
 def _numpy_bytes(a: np.ndarray) -> tuple[int, str, list[int], memoryview]:
     dtype = a.dtype.newbyteorder("=") if a.dtype.byteorder == ">" else a.dtype
     name = NUMPY_NAMES.get(dtype)
@@ -347,13 +415,23 @@ def _numpy_bytes(a: np.ndarray) -> tuple[int, str, list[int], memoryview]:
     return KIND_NUMPY, name, shape, memoryview(a.reshape(-1).view(np.uint8))
 
 
-def encode(value: Any, *, limits: DecodeLimits = DEFAULT_LIMITS) -> Encoded:
+def encode(value: Any, *, limits: DecodeLimits = DEFAULT_LIMITS, stage: Any = None) -> Encoded:
     """Split ``value`` into a description blob and zero-copy payload buffers.
 
     Raises :class:`EncodeError` for values that have no wire form.  Contiguous CPU
     tensors are not copied: the payload buffers view their memory, so the caller
-    must not modify them until the buffers have been written out.
+    must not modify them until the buffers have been written out.  CUDA tensors are
+    not read here: their buffers are device spans that the sender stages through
+    the device engine (:mod:`tensorshare.device`), reading the tensors after the
+    work queued on the caller's current stream until now; ``Encoded.engine`` is then
+    set.  ``stage``: an engine whose tensors (``stage.streams.owns``) go that way
+    too (tests run the engine on CPU tensors so).
     """
+    if stage is not None:
+        enc = _StagingEncoder(limits.max_depth, stage)
+        tree = enc.node(value, 0)
+        return _finish(enc, tree, 0)
+    spans = _SPANS[0]
     if type(value) is torch.Tensor and limits.max_depth >= 0:
         # A lone tensor, the most common value: what the general path below makes,
         # without building the encoder and walking a tree.
@@ -373,14 +451,20 @@ def encode(value: Any, *, limits: DecodeLimits = DEFAULT_LIMITS) -> Encoded:
             if len(_LONE_DESCRIPTIONS) >= _LONE_DESCRIPTIONS_MAX:
                 _LONE_DESCRIPTIONS.clear()
             _LONE_DESCRIPTIONS[key] = description
-        return Encoded(description, buffers, total, 1)
+        encoded = Encoded(description, buffers, total, 1)
+        return encoded if _SPANS[0] == spans else _with_spans(encoded)
     enc = _Encoder(limits.max_depth)
     tree = enc.node(value, 0)
+    return _finish(enc, tree, spans)
+
+
+def _finish(enc: _Encoder, tree: Any, spans: int) -> Encoded:
     total = align_up(enc.offset)
     if total != enc.offset:
         enc.buffers.append(_PAD[: total - enc.offset])
     description = _packb({"v": tree, "t": enc.table, "n": total})
-    return Encoded(description, enc.buffers, total, len(enc.table))
+    encoded = Encoded(description, enc.buffers, total, len(enc.table))
+    return encoded if _SPANS[0] == spans else _with_spans(encoded)
 
 
 # --------------------------------------------------------------------------- decode
@@ -391,14 +475,44 @@ def build(desc: Description, payload: np.ndarray | torch.Tensor, base: int = 0, 
 
     ``payload`` is a 1-D uint8 numpy array or CPU tensor, ALIGN-aligned at ``base``.
     Tensors are moved to ``device`` if one is given; numpy arrays stay on the CPU.
+    A payload that arrived into device memory (a
+    :class:`~tensorshare.device.engine.DevicePayload`) gives tensors viewing it
+    there, handed to the caller's current stream.
     """
     if desc.arrays:
         # Slicing and viewing a numpy twin of the payload costs a fraction of the
         # same torch ops; the arrays still view the payload's memory.
-        flat = payload if isinstance(payload, np.ndarray) else payload.numpy()
+        if isinstance(payload, np.ndarray):
+            flat = payload
+        elif isinstance(payload, torch.Tensor):
+            flat = payload.numpy()
+        else:
+            return _build_on_device(desc, payload, base)
         arrays = [array_view(spec, flat, base + spec.offset, device) for spec in desc.arrays]
     else:
         arrays = []
+    return assemble(desc, arrays)
+
+
+def _build_on_device(desc: Description, payload: Any, base: int) -> Any:
+    """The value of ``desc`` over a device payload: each array a view of its bytes
+    there, or the destination tensor they were received into."""
+    payload.deliver()
+    arrays = []
+    for spec in desc.arrays:
+        start = base + spec.offset
+        target = payload.target(start)
+        if target is not None:
+            arrays.append(target)
+            continue
+        dtype = TORCH_DTYPES.get(spec.dtype)
+        if dtype is None or spec.kind != KIND_TORCH:
+            raise ProtocolError(f"array of {spec.dtype} cannot be built in device memory")
+        data = payload.bytes_at(start, spec.nbytes)
+        if spec.nbytes:
+            arrays.append(data.view(dtype).reshape(spec.shape))
+        else:
+            arrays.append(torch.empty(spec.shape, dtype=dtype, device=data.device))
     return assemble(desc, arrays)
 
 

@@ -80,6 +80,21 @@ class Frame:
     payload: Any
     payload_len: int
     origin: Any = None  # a client may note here the connection the frame arrived on
+    # Why the request is refused whole (its header decoded to more than the limits
+    # allow: :class:`CostlyHeader`); its header then holds only its op and id, and
+    # its payload was read and dropped.
+    refused: str | None = None
+
+
+class CostlyHeader(ProtocolError):
+    """A well-formed header that decodes to more memory than ``header_memory``
+    allows.  The frame's bounds are known, so the stream goes on: a decoder turns it
+    into a :class:`Frame` whose ``refused`` says why (the receiver answers it as a
+    bad request), with ``stand_in`` (the header's op and id) as its header."""
+
+    def __init__(self, message: str, stand_in: dict):
+        super().__init__(message)
+        self.stand_in = stand_in
 
 
 # ------------------------------------------------------------------- payload sinks
@@ -242,6 +257,7 @@ class FrameDecoder:
         self._sink: Any = None
         self._scratch: bytearray | None = None  # made on the first get_buffer()
         self._lent = False  # the last buffer handed out was the sink's own memory
+        self._refused: str | None = None  # the frame being read is refused whole (CostlyHeader)
 
     @property
     def idle(self) -> bool:
@@ -289,10 +305,14 @@ class FrameDecoder:
                             self._need = PREFIX_SIZE + header_len
                             pos = end
                         elif payload_len:
-                            self._start_payload(unpack_header(memoryview(data)[start:pos], self.limits), frames)
+                            self._start_payload(self._header_of(memoryview(data)[start:pos]), frames)
                         else:  # no payload (most replies and many requests): done here
-                            header = unpack_header(memoryview(data)[start:pos], self.limits)
-                            frames.append(Frame(header, self.sink_factory(header, 0).finish(), 0))
+                            header = self._header_of(memoryview(data)[start:pos])
+                            if self._refused is None:
+                                frames.append(Frame(header, self.sink_factory(header, 0).finish(), 0))
+                            else:
+                                self._header = header
+                                self._finish(frames)
                         continue
                     take = min(self._need - len(self._pending), end - pos)
                     self._pending += data[pos : pos + take]
@@ -364,7 +384,7 @@ class FrameDecoder:
             header_len, self._payload_len = self._check_prefix(PREFIX.unpack(self._pending))
             self._need = PREFIX_SIZE + header_len
             return
-        header = unpack_header(memoryview(self._pending)[PREFIX_SIZE:], self.limits)
+        header = self._header_of(memoryview(self._pending)[PREFIX_SIZE:])
         self._pending = bytearray()
         self._need = PREFIX_SIZE
         self._start_payload(header, frames)
@@ -384,16 +404,30 @@ class FrameDecoder:
             raise ProtocolError(f"payload of {payload_len} bytes over the limit of {self.limits.max_payload}")
         return header_len, payload_len
 
+    def _header_of(self, data: memoryview) -> dict:
+        """The frame's header; for a :class:`CostlyHeader`, its stand-in (the frame is
+        then refused: ``_refused`` says why until it is finished)."""
+        try:
+            return unpack_header(data, self.limits)
+        except CostlyHeader as exc:
+            self._refused = str(exc)
+            return exc.stand_in
+
     def _start_payload(self, header: dict, frames: list[Frame]) -> None:
         self._header = header
-        self._sink = self.sink_factory(header, self._payload_len)
+        self._sink = discard_sink(header, self._payload_len) if self._refused is not None \
+            else self.sink_factory(header, self._payload_len)
         self._remaining = self._payload_len
         self._state = _PAYLOAD
         if not self._remaining:
             self._finish(frames)
 
     def _finish(self, frames: list[Frame]) -> None:
-        frames.append(Frame(self._header, self._sink.finish(), self._payload_len))
+        if self._refused is not None:
+            frames.append(Frame(self._header, None, self._payload_len, refused=self._refused))
+            self._refused = None
+        else:
+            frames.append(Frame(self._header, self._sink.finish(), self._payload_len))
         self._header = self._sink = None
         self._state = _HEADER
 
@@ -419,8 +453,10 @@ def unpack_header(data: bytes | memoryview, limits: FrameLimits = DEFAULT_FRAME_
     if measured is not None:
         held = measured.held_bytes(header)
         if held > factor * size:
-            raise ProtocolError(f"header of {size} bytes decodes to {held} bytes of objects, "
-                                f"over {factor} times its size")
+            op, rid = header.get("op"), header.get("id")
+            stand_in = {"op": op if type(op) is str and len(op) <= 64 else None, "id": rid if type(rid) is int else 0}
+            raise CostlyHeader(f"header of {size} bytes decodes to {held} bytes of objects, over {factor} times "
+                               f"its size", stand_in)
     return header
 
 

@@ -25,10 +25,10 @@ from .errors import (
 )
 from .ratelimiter import RateLimiter
 from .selectors import REMOVERS, SAMPLERS
-from .table import Removed, Rows, Sample, Table, Written
+from .table import Removed, Rows, Sample, Table, Written, state_bytes
 
 __all__ = [
-    "Table", "Sample", "Rows", "Written", "Removed", "RateLimiter", "ColumnSpec", "RawArray", "numpy_dtype",
+    "Table", "state_bytes", "Sample", "Rows", "Written", "Removed", "RateLimiter", "ColumnSpec", "RawArray", "numpy_dtype",
     "Backing", "MemoryBacking", "MemmapBacking", "tensordict_metadata", "SAMPLERS", "REMOVERS",
     "TableError", "TableSpecError", "BadArgumentError", "ColumnMismatchError", "SlotIndexError", "EmptySlotError",
     "PriorityError", "TableFullError", "BatchTooLargeError", "EmptyTableError", "WouldBlockError",

@@ -8,6 +8,11 @@ column, ``<directory>/<column>.memmap``, rows contiguous, exactly the column's b
 (a ``[capacity, *shape]`` tensor of its dtype).  With a ``meta.json`` from
 :func:`tensordict_metadata` beside them, ``TensorDict.load_memmap(directory)`` opens
 the table's columns (rows never written read as zeros).
+
+Every file is given its blocks when it is made (``posix_fallocate``), not when a page
+of its mapping is first written: a store into a mapped page the file system has no
+room for is a SIGBUS that kills the server, while a reservation that finds no room
+is an ``OSError`` (ENOSPC) the caller turns into a refusal (452).
 """
 
 from __future__ import annotations
@@ -17,9 +22,9 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from .columns import ColumnSpec
+from tensorshare.disk.tables import table_metadata
 
-_TENSORDICT_TYPE = "<class 'tensordict._td.TensorDict'>"  # as tensorshare.disk.layout writes it
+from .columns import ColumnSpec
 
 
 class Backing(Protocol):
@@ -27,6 +32,9 @@ class Backing(Protocol):
 
     def allocate(self, spec: ColumnSpec, capacity: int) -> np.ndarray:
         """A writable uint8 array of shape ``[capacity, spec.row_bytes]``."""
+
+    def item_slots(self, capacity: int) -> list:
+        """The ``capacity`` slots (None: empty) of a table of items, which has no columns."""
 
     def close(self) -> None:
         """The table is gone: let go of what :meth:`allocate` gave."""
@@ -38,6 +46,9 @@ class MemoryBacking:
 
     def allocate(self, spec: ColumnSpec, capacity: int) -> np.ndarray:
         return np.zeros((capacity, spec.row_bytes), np.uint8)
+
+    def item_slots(self, capacity: int) -> list:
+        return [None] * capacity
 
     def close(self) -> None:
         pass
@@ -58,6 +69,8 @@ class MemmapBacking:
         self.reopen = reopen
         self.paths: list[str] = []
 
+    item_slots = MemoryBacking.item_slots  # items are never in files
+
     def path(self, column: str) -> str:
         return os.path.join(self.directory, f"{column}.memmap")
 
@@ -67,7 +80,7 @@ class MemmapBacking:
             return np.zeros(shape, np.uint8)
         os.makedirs(self.directory, exist_ok=True)
         path = self.path(spec.name)
-        array = np.memmap(path, np.uint8, "r+" if self.reopen else "w+", shape=shape)
+        array = _mapped(path, np.uint8, shape, create=not self.reopen)
         self.paths.append(path)
         return array
 
@@ -79,9 +92,9 @@ class MemmapBacking:
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"{name}.bin")
         if self.reopen and os.path.exists(path):
-            array = np.memmap(path, dtype, "r+", shape=(capacity,))
+            array = _mapped(path, dtype, (capacity,), create=False)
         else:
-            array = np.memmap(path, dtype, "w+", shape=(capacity,))
+            array = _mapped(path, dtype, (capacity,), create=True)
             array[:] = fill
         self.paths.append(path)
         return array
@@ -100,14 +113,31 @@ class MemmapBacking:
         self.paths = []
 
 
+def _mapped(path: str, dtype, shape: tuple, create: bool) -> np.ndarray:
+    """A shared mapping of the file ``path`` as an array of ``shape``, its blocks
+    reserved first (see the module docstring).  ``create``: a new file (one already
+    there is replaced), removed again if its blocks cannot be had; else the file must
+    be there, and a reopened one too has all its blocks before it is mapped (one
+    written by an older server may be sparse)."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC if create else os.O_RDWR
+    fd = os.open(path, flags, 0o600)
+    try:
+        size = os.fstat(fd).st_size
+        if not create and size != nbytes:
+            raise ValueError(f"{path}: {size} bytes, not the {nbytes} its array needs")
+        os.posix_fallocate(fd, 0, nbytes)
+        return np.memmap(path, dtype, "r+", shape=shape)
+    except BaseException:
+        if create:
+            os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
 def tensordict_metadata(columns: Sequence[ColumnSpec], capacity: int) -> dict:
     """The ``meta.json`` content that lets ``TensorDict.load_memmap`` open the files of a
     :class:`MemmapBacking`: one tensor ``[capacity, *shape]`` per column, batch size
     ``[capacity]``."""
-    meta: dict = {}
-    for spec in columns:
-        meta[spec.name] = {"device": "cpu", "shape": [capacity, *spec.shape], "dtype": f"torch.{spec.dtype}",
-                           "is_nested": False}
-    meta.update({"shape": [capacity], "device": "cpu", "_type": _TENSORDICT_TYPE})
-    return meta
-
+    return table_metadata(columns, capacity)

@@ -107,11 +107,19 @@ class PrioritizedSampler(UniformSampler):
         return np.power(priorities, self.exponent)
 
     def check_priorities(self, priorities: np.ndarray) -> None:
+        """Refuse a weight past :attr:`SumTree.max_weight`: each is finite on its own,
+        and the sum of every row's (the tree's total) stays finite too."""
         with np.errstate(over="ignore"):
             weights = self.weights(priorities)
         if not np.isfinite(weights).all():
             bad = priorities[~np.isfinite(weights)][0]
             raise PriorityError(f"priority {bad:g} ** priority_exponent {self.exponent:g} overflows")
+        limit = self.tree.max_weight
+        if weights.size and weights.max() > limit:
+            bad = priorities[weights > limit][0]
+            raise PriorityError(f"priority {bad:g} ** priority_exponent {self.exponent:g} is over {limit:g}, the "
+                                f"largest weight a table of {self.tree.capacity} rows takes (so that the sum of "
+                                f"all weights stays a finite float)")
 
     def added(self, slots: np.ndarray) -> None:
         self.tree.set(slots, self.weights(self.slots.priority[slots]))
@@ -158,6 +166,15 @@ class Remover:
 
     def victims(self, k: int) -> np.ndarray:
         return self.index.first(k)
+
+
+def index_bytes(capacity: int, sampler: str, remover: str | None) -> int:
+    """The memory the indexes :func:`build` makes for these take (their arrays'
+    bytes), before they are made: a :class:`MinTree` holds 32 bytes a leaf, a
+    :class:`SumTree` 16, over the next power of two of ``capacity``."""
+    leaves = 1 << max(0, (capacity - 1).bit_length())
+    orders = int(sampler == "fifo" or remover == "fifo") + (sampler == "lifo") + (remover == "lowest_priority")
+    return leaves * (32 * orders + 16 * (sampler == "prioritized"))
 
 
 def build(slots: Slots, sampler: str, remover: str | None, priority_exponent: float,

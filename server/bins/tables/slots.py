@@ -30,6 +30,8 @@ KEY_LIMIT = np.iinfo(np.int64).max
 class Slots:
     """Occupancy and per-row state of ``capacity`` slots."""
 
+    BYTES_PER_SLOT = 41  # key, priority, times_sampled, order, position (8 bytes each) and a mark
+
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.key = np.full(capacity, -1, np.int64)  # -1: empty

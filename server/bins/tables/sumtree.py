@@ -38,6 +38,10 @@ class SumTree:
         self.capacity = capacity
         self.leaves = 1 << max(0, (capacity - 1).bit_length())
         self.tree = np.zeros(2 * self.leaves, np.float64)
+        # The largest weight a leaf may hold: every sum in the tree (each rounded up at
+        # most half an ulp per level) then stays below the float maximum, so the total
+        # is finite and a target never lands on a slot by overflow.
+        self.max_weight = float(np.finfo(np.float64).max) / (2 * self.leaves)
 
     @property
     def total(self) -> float:

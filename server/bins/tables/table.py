@@ -32,7 +32,7 @@ from .errors import (
     TableFullError, TableSpecError, WouldBlockError,
 )
 from .ratelimiter import RateLimiter
-from .selectors import build
+from .selectors import build, index_bytes
 from .slots import Slots, int_array
 
 MAX_CAPACITY = 1 << 40  # leaves keys 2**23 rows of history at the largest capacity
@@ -110,7 +110,7 @@ class Table:
         self.rng = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
         self._backing = backing if backing is not None else MemoryBacking()
         self._data = [self._backing.allocate(spec, self.capacity) for spec in self.columns]
-        self._items: list | None = None if self.columns else [None] * self.capacity
+        self._items: list | None = None if self.columns else self._backing.item_slots(self.capacity)
         self.inserts = 0  # rows that entered the table (inserted or written)
         self.samples = 0  # rows handed out by samples
         self.removals = 0  # rows that left (removed to make room, overwritten, sampled out, removed)
@@ -140,6 +140,21 @@ class Table:
     def occupied(self) -> np.ndarray:
         """The slot indices that hold a row, in increasing order."""
         return np.flatnonzero(self._slots.key >= 0)
+
+    def slots(self, start: int = 0, limit: int = 1 << 18) -> dict:
+        """The occupied slots from index ``start`` on, in index order, at most
+        ``limit`` of them: ``indices``, ``keys``, ``priorities``, ``times_sampled``
+        (arrays) and ``next``, the index to ask from for the rest (None: no more).
+        What a copy of the table's rows needs besides their values."""
+        if not _is_int(start) or start < 0 or not _is_int(limit) or limit < 1:
+            raise BadArgumentError(f"slots from {start!r}, at most {limit!r}: ints >= 0 and >= 1 expected")
+        state = self._slots
+        key = state.key[start:]
+        found = np.flatnonzero(key >= 0)[:limit] + start
+        after = int(found[-1]) + 1 if found.size == limit else self.capacity
+        more = after < self.capacity and bool((state.key[after:] >= 0).any())
+        return {"indices": found, "keys": state.key[found], "priorities": state.priority[found],
+                "times_sampled": state.times_sampled[found], "next": after if more else None}
 
     def can_insert(self, n: int) -> bool:
         """May an insert of ``n`` rows proceed now?  Raises :class:`BatchTooLargeError`
@@ -304,27 +319,20 @@ class Table:
         else:
             slots, probabilities = self._draw(n, rng)
         state = self._slots
-        m = self.max_times_sampled
-        uniq, counts = np.unique(slots, return_counts=True)
-        state.times_sampled[uniq] += counts
-        if m:
-            self._allowance -= n
-            done = uniq[state.times_sampled[uniq] >= m]
-            self._unlink(done[state.position[done] < state.size])  # those _draw has not taken out yet
-        else:
-            done = _EMPTY
+        done = self._count_samples(slots)
         values, items = self._gather(slots, buffers)
         sample = Sample(state.key[slots], slots, state.priority[slots], state.times_sampled[slots], values, items,
                         probabilities=probabilities, table_size=size)
         sample.removed = Removed(state.key[done], self._forget(done))
-        self.samples += n
-        self._limiter.sampled(n)
-        self.version += 1
         return sample
 
-    def read(self, indices, out: Mapping[str, Any] | None = None) -> Rows:
+    def read(self, indices, out: Mapping[str, Any] | None = None, *, sampled: bool = False) -> Rows | Sample:
         """The rows at slot ``indices`` (any, repeats allowed), each column in one
-        gather (into ``out`` as for :meth:`sample`).  Not a sample: counts nothing."""
+        gather (into ``out`` as for :meth:`sample`).  Counts nothing, unless
+        ``sampled``: rows a caller drew itself (a sampler of its own over the
+        slots), counted as a sample of as many rows is -- the rate limiter's balance,
+        each row's count, ``max_times_sampled`` -- and refused as one would be
+        (:meth:`can_read_sampled`).  Then a :class:`Sample` (its ``removed``)."""
         slots = self._slots.check_indices(indices, unique=False)
         state = self._slots
         keys = state.key[slots]
@@ -332,8 +340,29 @@ class Table:
         if empty.size:
             raise EmptySlotError(f"slot {int(empty[0])} holds no row"
                                  + (f" ({empty.size} such slots)" if empty.size > 1 else ""))
-        values, items = self._gather(slots, self._out_buffers(out, slots.size))
-        return Rows(keys, slots, state.priority[slots], state.times_sampled[slots], values, items)
+        buffers = self._out_buffers(out, slots.size)
+        if not sampled:
+            values, items = self._gather(slots, buffers)
+            return Rows(keys, slots, state.priority[slots], state.times_sampled[slots], values, items)
+        if not self.can_read_sampled(slots.size):
+            raise WouldBlockError(f"a sample of {slots.size} rows may not proceed now "
+                                  f"(samples allowed now: {self.samples_allowed()})")
+        size = self.size
+        done = self._count_samples(slots)
+        values, items = self._gather(slots, buffers)
+        read = Sample(keys, slots, state.priority[slots], state.times_sampled[slots], values, items,
+                      probabilities=np.zeros(0), table_size=size)
+        read.removed = Removed(state.key[done], self._forget(done))
+        return read
+
+    def can_read_sampled(self, n: int) -> bool:
+        """May ``n`` rows be read as a sample now (:meth:`read` with ``sampled``)?  As
+        :meth:`can_sample` asks, but for rows already chosen: the rate limiter only."""
+        _check_count(n)
+        if self._limiter.never_samples(n):
+            raise BatchTooLargeError(f"a sample of {n} rows is more than the rate limiter's window "
+                                     f"({self._limiter.min_diff:g}, {self._limiter.max_diff:g}) ever lets through")
+        return n == 0 or (self.size > 0 and self._limiter.can_sample(n, self.size))
 
     def update_priorities(self, keys, priorities) -> int:
         """Set the priorities of the rows ``keys`` (of a key given twice, the last wins);
@@ -362,6 +391,36 @@ class Table:
         if not slots.size:
             return self._nothing_removed()
         return self._remove(slots)
+
+    def add_columns(self, columns: Mapping[str, Any]) -> tuple[ColumnSpec, ...]:
+        """Add the columns ``columns`` (``{name: (shape, dtype)}``, names the table lacks);
+        the rows held read zeros there until written.  Returns the new specs.  A
+        table of items has no columns to add to."""
+        return self.attach_columns(*self.new_columns(columns))
+
+    def new_columns(self, columns: Mapping[str, Any]) -> tuple[tuple[ColumnSpec, ...], list]:
+        """The specs and the storage (zeros: fresh pages or files) of columns
+        ``columns`` for :meth:`attach_columns`; the table does not use them yet, so a
+        table in files may have them made on another thread while it serves."""
+        if self._items is not None:
+            raise TableSpecError("a table of items has no columns to add to")
+        specs = parse_columns(columns)
+        clash = [spec.name for spec in specs if spec.name in {c.name for c in self.columns}]
+        if clash:
+            raise TableSpecError(f"the table has a column {clash[0]!r} already")
+        if getattr(self._backing, "reopen", False):
+            self._backing.reopen = False  # the files found at start-up are mapped; these are new
+        return specs, [self._backing.allocate(spec, self.capacity) for spec in specs]
+
+    def attach_columns(self, specs: tuple[ColumnSpec, ...], data: list) -> tuple[ColumnSpec, ...]:
+        """The table has the columns :meth:`new_columns` made from now on."""
+        clash = [spec.name for spec in specs if spec.name in {c.name for c in self.columns}]
+        if clash:
+            raise TableSpecError(f"the table has a column {clash[0]!r} already")
+        self.columns += specs
+        self._data += data
+        self.version += 1
+        return specs
 
     def close(self) -> None:
         """The table is gone: its backing lets go of the column memory (files)."""
@@ -392,6 +451,25 @@ class Table:
             left = self.max_times_sampled - np.asarray(state.times_sampled[slots])
             self._allowance = int(np.maximum(left, 0).sum())
         self.set_limits()
+
+    def _count_samples(self, slots: np.ndarray) -> np.ndarray:
+        """The rows at ``slots`` were handed out as a sample: their counts grow, the
+        rate limiter hears of it, and with ``max_times_sampled`` the rows that reached
+        it leave every index (returned: :meth:`_forget` them once their values are read)."""
+        state = self._slots
+        uniq, counts = np.unique(slots, return_counts=True)
+        state.times_sampled[uniq] += counts
+        m, n = self.max_times_sampled, int(slots.size)
+        if m:
+            self._allowance -= n
+            done = uniq[state.times_sampled[uniq] >= m]
+            self._unlink(done[state.position[done] < state.size])  # those _draw has not taken out yet
+        else:
+            done = _EMPTY
+        self.samples += n
+        self._limiter.sampled(n)
+        self.version += 1
+        return done
 
     def _check_never_inserts(self, n: int) -> None:
         if self._limiter.never_inserts(n):
@@ -545,6 +623,14 @@ class Table:
             np.take(column, slots, axis=0, out=buf, mode="clip")
             values[spec.name] = RawArray(spec.dtype, (slots.size, *spec.shape), buf)
         return values, None
+
+
+def state_bytes(capacity: int, sampler: str = "uniform", remover: str | None = "fifo", items: bool = False) -> int:
+    """The memory a table of ``capacity`` rows keeps beside its columns, whatever they
+    hold: its per-slot state and its sampler's and remover's indexes (and, for a
+    table of ``items``, the list that refers to them).  Known before it is made, so a
+    server can refuse a table whose state alone would not fit."""
+    return capacity * (Slots.BYTES_PER_SLOT + 8 * items) + index_bytes(capacity, sampler, remover)
 
 
 def _is_int(value) -> bool:

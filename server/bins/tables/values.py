@@ -64,22 +64,37 @@ class Gathered:
     __slots__ = ("description", "buffer", "out", "nbytes")
 
     def __init__(self, specs: tuple[ColumnSpec, ...], n: int, take=None):
-        table, refs, offset = [], {}, 0
-        spans = []
-        for i, spec in enumerate(specs):
-            offset = align_up(offset)
-            size = n * spec.row_bytes
+        table, refs = [], {}
+        spans = _layout(specs, n)
+        for i, (spec, (_name, offset, size)) in enumerate(zip(specs, spans)):
             table.append([KIND_TORCH, spec.dtype, [n, *spec.shape], offset, size])
             refs[spec.name] = msgpack.ExtType(EXT_ARRAY, i.to_bytes(4, "little"))
-            spans.append((spec.name, offset, size))
-            offset += size
-        self.nbytes = align_up(offset)
+        self.nbytes = gathered_bytes(specs, n)
         self.description = msgpack.packb({"v": refs, "t": table, "n": self.nbytes}, use_bin_type=True)
         # A buffer a recycler hands out again (``take(nbytes)``: pages already touched,
         # no faults while gathering), else fresh memory.
         reused = take(self.nbytes) if take is not None and self.nbytes else None
         self.buffer = np.empty(self.nbytes, np.uint8) if reused is None else np.frombuffer(reused, np.uint8)
         self.out = {name: self.buffer[start:start + size] for name, start, size in spans}
+
+
+def _layout(specs: tuple[ColumnSpec, ...], n: int) -> list[tuple[str, int, int]]:
+    """``(column, offset, size)`` of each column's ``n`` rows in a gathered buffer."""
+    spans, offset = [], 0
+    for spec in specs:
+        offset = align_up(offset)
+        size = n * spec.row_bytes
+        spans.append((spec.name, offset, size))
+        offset += size
+    return spans
+
+
+def gathered_bytes(specs: tuple[ColumnSpec, ...], n: int) -> int:
+    """The size of the buffer ``n`` rows of ``specs`` are gathered into (a reply's payload)."""
+    if not specs:
+        return 0
+    _name, offset, size = _layout(specs, n)[-1]
+    return align_up(offset + size)
 
 
 def int64_bytes(values: np.ndarray) -> bytes:

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The GPU checks of tensorshare's GPU data path: the `cuda` tests and the benchmark's `gpu` section.
+#
+# For a machine with Python 3.12, torch with CUDA, numpy, msgpack and pytest, but no Twisted,
+# no Redis and no package index.  Copy the gpu-machine tools (wheels/, debs/: see their
+# README) into .device/ of the checkout first; this installs what the machine lacks from
+# there (into /tmp, nothing system-wide), then runs, within about six minutes in all:
+#
+#   pytest -m cuda                                     every test marked `cuda`
+#   python -m benchmarks --profile quick --sections gpu   the section's figures and goals
+#
+# Logs and results go to $OUT when it is set (else .device/out): cuda-tests.log,
+# cuda-tests.xml, bench.log and bench/latest.{json,md}.  Exit status: 0 when both ran and
+# every test passed (goals may miss: a benchmark is not a test), 1 when something failed,
+# 2 when this machine has no CUDA device (nothing was run; GPU_CHECK_WITHOUT_CUDA=1 runs the
+# flow anyway, every check skipping: how it is checked on a machine without a GPU).
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT="${OUT:-$ROOT/.device/out}"
+SITE=/tmp/tensorshare-gpu-site
+LINKS=/tmp/tensorshare-gpu-links
+mkdir -p "$OUT"
+
+PY=${PYTHON:-python3}
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    if [ "${GPU_CHECK_WITHOUT_CUDA:-0}" != 1 ]; then
+        echo "gpu_check: no CUDA device here (torch.cuda.is_available() is false, or no torch): nothing to check"
+        exit 2
+    fi
+    echo "gpu_check: no CUDA device; going on as asked (GPU_CHECK_WITHOUT_CUDA=1): the checks skip"
+fi
+
+# What the machine lacks: Twisted and its dependencies, from the wheels beside the checkout.
+if ! "$PY" -c 'import twisted' 2>/dev/null; then
+    if ! ls .device/wheels/*.whl >/dev/null 2>&1; then
+        echo "gpu_check: Twisted is not installed and there are no wheels in .device/wheels" \
+             "(copy the gpu-machine tools there)"
+        exit 1
+    fi
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .device/wheels/*.whl || exit 1
+fi
+# server/ imports as tensorshare_server once installed: a link stands in for pip install.
+mkdir -p "$LINKS" && ln -sfn "$ROOT/server" "$LINKS/tensorshare_server"
+export PYTHONPATH="$SITE:$ROOT:$LINKS${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+"$PY" -c 'import tensorshare, tensorshare_server, twisted' || exit 1
+"$PY" - <<'PY'
+import torch
+where = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
+print(f"gpu_check: {where}, torch {torch.__version__}", flush=True)
+PY
+
+status=0
+# The test files holding `cuda` tests (collecting every file would import optional
+# packages this machine lacks).
+files=$(grep -l "pytest.mark.cuda" tests/test_*.py)
+timeout 240 "$PY" -m pytest -m cuda $files -q -rs -p no:cacheprovider --junitxml "$OUT/cuda-tests.xml" \
+    2>&1 | tee "$OUT/cuda-tests.log" || status=1
+timeout 150 "$PY" -m benchmarks --profile quick --sections gpu --out "$OUT/bench" \
+    2>&1 | tee "$OUT/bench.log" || status=1
+echo "gpu_check: done (status $status); results in $OUT"
+exit $status

@@ -1,0 +1,121 @@
+"""Replies into device memory: a large reply to a call that wants its tensors on a device goes there as it arrives.
+
+A call wants a device when the client was made with one (``Client(device="cuda")``)
+or the call names one (``sample(..., device="cuda")``).  Its connection's decoder
+then receives a large items reply (226) through the device engine
+(:class:`~tensorshare.device.engine.Incoming`): the socket reads into pinned
+windows, and each full window is copied to device memory while the next one
+arrives, instead of the whole reply landing in host memory first and moving
+tensor by tensor.  ``into`` (``peek(..., into=...)``) names destination tensors,
+a model's own parameters say: the arrays that match one (dtype, shape, device,
+contiguous) are received straight into it.
+
+Replies that hold numpy arrays, and small ones, are received as before and moved.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+from ..errors import ProtocolError
+from ..protocol.messages import ITEMS, Key
+from ..wire.description import DEFAULT_LIMITS, Description, _ArrayRef, _TupleNode, parse_description
+from .connection import item_table
+
+DEVICE_MIN = 1 << 20  # replies from this many payload bytes arrive into device memory directly
+
+
+def receive_on_device(conn, client) -> None:
+    """Make ``conn``'s decoder ask ``client`` where each large reply's payload goes
+    (once per connection; the client is held weakly: no reference cycle)."""
+    if conn.device_sinks:
+        return
+    plain = conn.decoder.sink_factory
+    owner = weakref.ref(client)
+
+    def sink(header: dict, nbytes: int):
+        if nbytes >= DEVICE_MIN:
+            client = owner()
+            made = None if client is None else device_sink(client, header, nbytes)
+            if made is not None:
+                return made
+        return plain(header, nbytes)
+
+    conn.decoder.sink_factory = sink
+    conn.device_sinks = True
+
+
+def device_sink(client, header: dict, nbytes: int):
+    """The engine's sink for a reply whose call wants a device, or None (the plain
+    sink: not an items reply, no device wanted, or arrays the device cannot hold)."""
+    if header.get(Key.CODE) != ITEMS:
+        return None
+    call = client._calls.get(header.get(Key.ID))
+    if call is None:
+        return None
+    device = call.device if call.device is not None else client.device
+    from ..device import engine_for
+
+    engine = engine_for(device)
+    if engine is None:
+        return None
+    index = engine.streams.index(device)
+    try:
+        layout = payload_layout(header, nbytes, call.into, engine, index)
+    except ProtocolError:  # the reply is malformed: decoding it says so
+        return None
+    if layout is False:
+        return None
+    return engine.incoming(nbytes, index, layout)
+
+
+def payload_layout(header: dict, nbytes: int, into: Callable | None, engine, index: int):
+    """The layout (:meth:`Engine.incoming`) of an items reply's payload: None (one
+    buffer laid out as the payload) unless ``into`` gives destinations; False when
+    an array cannot go to the device (a numpy array)."""
+    from ..device.engine import item_layout
+
+    entries, base = [], 0
+    for i, (blob, size, ref) in enumerate(item_table(header, nbytes)):
+        if ref is not None:  # not in the payload (shared memory, CUDA IPC)
+            continue
+        desc = parse_description(blob, size, DEFAULT_LIMITS)
+        found = item_layout(desc, base, into(i, desc) if into is not None else {}, engine, index)
+        if found is None:
+            return False
+        entries += found
+        base += size
+    return entries if any(target is not None for _o, _n, target in entries) else None
+
+
+def template_targets(template: Any) -> Callable[[int, Description], dict]:
+    """``into`` for a value shaped like the items: the tensors of ``template`` where
+    the item has an array at the same place (dict keys, list and tuple positions)."""
+    def targets(item: int, desc: Description) -> dict:
+        found: dict = {}
+        _match(desc.tree, template, found)
+        return found
+    return targets
+
+
+def _match(node: Any, template: Any, found: dict) -> None:
+    if isinstance(node, _ArrayRef):
+        if hasattr(template, "is_contiguous"):  # a tensor
+            found[node.index] = template
+        return
+    if isinstance(node, dict) and isinstance(template, dict):
+        for key, value in node.items():
+            if key in template:
+                _match(value, template[key], found)
+    elif isinstance(node, (list, _TupleNode)) and isinstance(template, (list, tuple)):
+        for value, slot in zip(node, template):
+            _match(value, slot, found)
+
+
+def as_into(into: Any) -> Callable | None:
+    """A call's ``into``: a callable ``(item index, description) -> {array index: tensor}``
+    as it is, or a template value (:func:`template_targets`)."""
+    if into is None or callable(into):
+        return into
+    return template_targets(into)

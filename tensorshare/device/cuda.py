@@ -1,0 +1,185 @@
+"""The CUDA calls of the device transfer engine, and nothing else.
+
+:class:`CudaStreams` is what :class:`~.engine.Engine` asks of a device: side
+streams, events, copies that do not block the host, pinned host memory, and the
+hand-over of finished memory to the caller's stream.  Every CUDA call of the
+engine is a method here, each a line or two of PyTorch's public API (torch 2.1 to
+2.x): :class:`torch.cuda.Stream` and :class:`torch.cuda.Event`,
+``Tensor.copy_(..., non_blocking=True)``, ``torch.empty(..., pin_memory=True)``,
+``Tensor.record_stream`` and, for :meth:`register`, the runtime's
+``cudaHostRegister`` through ``torch.cuda.cudart()``; CUDA IPC (:meth:`share`,
+:meth:`open_shared`) uses what ``torch.multiprocessing`` uses to pass CUDA tensors
+between processes (``UntypedStorage._share_cuda_`` and ``_new_shared_cuda``),
+without its pickling.  The rest of the engine is
+plain Python over these calls, so that the tests run it on the CPU with a stand-in
+that keeps CUDA's ordering rules (``tests/devicesim.py``).
+
+Importing this module imports no CUDA state; the first call initialises CUDA.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly (CUDA 11.1+): pages the device only reads
+
+
+class CudaStreams:
+    """CUDA's streams and events, as the engine uses them (see the module docstring)."""
+
+    kind = "cuda"
+
+    def __init__(self):
+        self._side: dict[int, torch.cuda.Stream] = {}
+        self._lock = threading.Lock()
+
+    # -- what lives where
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is in this kind of device memory."""
+        return tensor.is_cuda
+
+    def index(self, device: Any) -> int | None:
+        """The device index ``device`` names (a ``torch.device``, ``"cuda"``, ``"cuda:1"``,
+        or a tensor's ``.device``), or None when it names no CUDA device."""
+        device = torch.device(device)
+        if device.type != "cuda":
+            return None
+        return torch.cuda.current_device() if device.index is None else device.index
+
+    # -- streams and events
+
+    def side(self, index: int) -> torch.cuda.Stream:
+        """The engine's own stream on device ``index`` (made once)."""
+        stream = self._side.get(index)
+        if stream is None:
+            with self._lock:
+                stream = self._side.get(index)
+                if stream is None:
+                    stream = self._side[index] = torch.cuda.Stream(device=index)
+        return stream
+
+    def mark(self, index: int) -> torch.cuda.Event:
+        """An event at the end of the work queued so far on the caller's current stream
+        of device ``index``: what the engine must wait for before it reads tensors."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(index))
+        return event
+
+    def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+        """Work queued on ``stream`` from now on starts after ``event`` (the host does not wait)."""
+        stream.wait_event(event)
+
+    def record(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def synchronize(self, event: torch.cuda.Event) -> None:
+        """The host waits until ``event`` has happened."""
+        event.synchronize()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        """Queue ``dst.copy_(src)`` on ``stream``; the host does not wait (pinned or device memory)."""
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def run(self, stream: torch.cuda.Stream, fn):
+        """``fn()`` with ``stream`` current: the torch ops it launches are queued there."""
+        with torch.cuda.stream(stream):
+            return fn()
+
+    def caller_waits(self, index: int, event: torch.cuda.Event) -> None:
+        """The caller's current stream of device ``index`` runs its later work only after
+        ``event`` (the host does not wait): a kernel queued after the call cannot
+        change a tensor the engine is still reading."""
+        torch.cuda.current_stream(index).wait_event(event)
+
+    def hand_over(self, event: torch.cuda.Event, tensor: torch.Tensor) -> None:
+        """The caller's current stream waits for ``event`` before it uses ``tensor``, and
+        the caching allocator will not reuse ``tensor``'s memory before that stream is
+        done with it (it was allocated on the engine's stream)."""
+        stream = torch.cuda.current_stream(tensor.device)
+        stream.wait_event(event)
+        tensor.record_stream(stream)
+
+    # -- memory
+
+    def host(self, nbytes: int) -> torch.Tensor:
+        """Page-locked host memory: copies to and from it run at the link's speed and
+        do not block the host."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def empty(self, nbytes: int, index: int, stream: torch.cuda.Stream) -> torch.Tensor:
+        """Device memory for the engine's stream to fill."""
+        with torch.cuda.stream(stream):
+            return torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", index))
+
+    def register(self, address: int, nbytes: int, read_only: bool) -> bool:
+        """Page-lock ``nbytes`` of host memory at ``address`` (a mapping of the server's
+        files) so the device copies it directly; False where the runtime refuses."""
+        cudart = torch.cuda.cudart()
+        error = cudart.cudaHostRegister(address, nbytes, _REGISTER_READ_ONLY if read_only else 0)
+        return int(error) == 0
+
+    def unregister(self, address: int) -> None:
+        torch.cuda.cudart().cudaHostUnregister(address)
+
+    # -- CUDA IPC
+
+    def uuid(self, index: int) -> str:
+        """The UUID of device ``index``: it names one GPU in every process of the host,
+        whatever ``CUDA_VISIBLE_DEVICES`` numbers it (its PCI address where this torch
+        tells no UUID)."""
+        properties = torch.cuda.get_device_properties(index)
+        uuid = getattr(properties, "uuid", None)
+        if uuid is not None:
+            return str(uuid)
+        return "pci-{}:{}:{}".format(*(getattr(properties, f"pci_{k}_id", "?") for k in ("domain", "bus", "device")))
+
+    def local_index(self, uuid: str) -> int | None:
+        """This process's index of the device with ``uuid`` (None if it sees none)."""
+        for index in range(torch.cuda.device_count()):
+            if self.uuid(index) == uuid:
+                return index
+        return None
+
+    def share(self, flat: torch.Tensor) -> list:
+        """The CUDA IPC fields of ``flat`` (a whole block of device memory: its storage
+        starts at its first byte) for another process of this host to open.
+
+        torch counts the opens of a shared block to keep it from being freed under a
+        reader; the server keeps that count here (PROTOCOL.md §13.3), and a block
+        that no reader ever opens would stay allocated after this process let it
+        go, so the count torch starts is given back at once."""
+        fields = list(flat.untyped_storage()._share_cuda_())
+        if fields[4]:  # (a storage of no bytes has no counter)
+            torch.UntypedStorage._release_ipc_counter_cuda(fields[4], fields[5])
+        fields[6] = fields[6] or b""  # (no event when torch had none left to give)
+        fields[7] = bool(fields[7])
+        return fields
+
+    def open_shared(self, fields: list, index: int) -> torch.Tensor:
+        """The block another process shared (:meth:`share`'s fields), mapped into this
+        one on device ``index``, as a 1-D uint8 tensor: read it and let it go."""
+        torch.cuda._lazy_init()
+        storage = torch.UntypedStorage._new_shared_cuda(index, *fields[1:])
+        flat = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index))
+        return flat.set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+_streams: CudaStreams | None = None
+_streams_lock = threading.Lock()
+
+
+def streams() -> CudaStreams:
+    """The process's :class:`CudaStreams`."""
+    global _streams
+    if _streams is None:
+        with _streams_lock:
+            if _streams is None:
+                _streams = CudaStreams()
+    return _streams

@@ -1,0 +1,174 @@
+"""A table's rows in files: tensordict's memmap layout, the table's settings and each row's slot state.
+
+Both ends use it, torch-free.  The server keeps a durable table's columns so (rows
+at their slots, ``[capacity]``); ``Client.save`` of a table writes a *table
+checkpoint* so (the rows it held, in slot order, ``[rows]``), and
+``Client.load_table`` makes the table again from one::
+
+    table.json           {"name", "spec": the table's settings, "rows": n, "format"}
+    meta.json            tensordict's: a tensor [rows, *shape] per column, batch size [rows]
+    <column>.memmap      the column's bytes, C order, little-endian
+    _slots/<state>.bin   a checkpoint's per-row state: index, key (int64), priority (float64), times_sampled (int64)
+
+``TensorDict.load_memmap(directory)`` and ``tensorshare.load_memmap(directory)``
+open the columns; nothing in the files is ever executed.  A checkpoint is
+written under a hidden temporary name and renamed into place whole.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+
+from ..wire.dtypes import TORCH_WIDTHS
+from .layout import LayoutError, _TENSORDICT_TYPE, _tensor_meta
+
+TABLE_RECORD = "table.json"
+CHECKPOINT_FORMAT = 1
+SLOT_STATE = {"index": "<i8", "key": "<i8", "priority": "<f8", "times_sampled": "<i8"}
+
+
+def table_metadata(columns: Iterable, rows: int) -> dict:
+    """tensordict's ``meta.json`` for columns (objects with ``name``, ``shape`` and
+    ``dtype``, a wire dtype name) of ``rows`` rows: batch size ``[rows]``."""
+    meta: dict = {c.name: _tensor_meta([rows, *c.shape], c.dtype) for c in columns}
+    meta.update({"shape": [rows], "device": "cpu", "_type": _TENSORDICT_TYPE})
+    return meta
+
+
+@dataclass(frozen=True)
+class ColumnFile:
+    name: str
+    shape: tuple
+    dtype: str  # wire dtype name
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.shape) * TORCH_WIDTHS[self.dtype]
+
+
+def columns_of(spec: dict) -> list[ColumnFile]:
+    """The columns of a table's settings (``spec["columns"]``), checked."""
+    columns = spec.get("columns") or {}
+    if not isinstance(columns, dict):
+        raise LayoutError("a table checkpoint's columns are not a map")
+    out = []
+    for name, column in columns.items():
+        if (not isinstance(column, dict) or column.get("dtype") not in TORCH_WIDTHS
+                or not all(type(d) is int and d >= 0 for d in column.get("shape", [None]))):
+            raise LayoutError(f"a table checkpoint's column {name!r:.60} is not (shape, dtype)")
+        if os.sep in name or name.startswith("."):
+            raise LayoutError(f"a table checkpoint's column name {name!r:.60} is not a file name")
+        out.append(ColumnFile(name, tuple(column["shape"]), column["dtype"]))
+    return out
+
+
+class CheckpointWriter:
+    """Writes a table checkpoint of ``rows`` rows to ``path``: fill :meth:`column`'s
+    and :meth:`state`'s arrays, then :meth:`finish` (or :meth:`abort`)."""
+
+    def __init__(self, path: str | os.PathLike, name: str, spec: dict, rows: int, *, overwrite: bool = False):
+        self.path = os.path.abspath(os.fspath(path))
+        if os.path.exists(self.path) and not overwrite:
+            raise FileExistsError(f"{self.path} exists (overwrite=True replaces it)")
+        self.name, self.spec, self.rows = name, spec, rows
+        self.columns = columns_of(spec)
+        parent = os.path.dirname(self.path)
+        os.makedirs(parent, exist_ok=True)
+        self._tmp = os.path.join(parent, f".{os.path.basename(self.path)}.{uuid.uuid4().hex}.tmp")
+        os.makedirs(os.path.join(self._tmp, "_slots"))
+        self._arrays: list[np.memmap] = []
+
+    def column(self, column: ColumnFile) -> np.ndarray:
+        """A writable uint8 ``[rows, row_bytes]`` array backed by the column's file."""
+        return self._array(os.path.join(self._tmp, f"{column.name}.memmap"), np.uint8, (self.rows, column.row_bytes))
+
+    def state(self, what: str) -> np.ndarray:
+        """A writable ``[rows]`` array of the per-row state ``what`` (a key of SLOT_STATE)."""
+        return self._array(os.path.join(self._tmp, "_slots", f"{what}.bin"), np.dtype(SLOT_STATE[what]), (self.rows,))
+
+    def _array(self, path: str, dtype, shape: tuple) -> np.ndarray:
+        if math.prod(shape) == 0:
+            open(path, "wb").close()
+            return np.zeros(shape, dtype)
+        array = np.memmap(path, dtype, "w+", shape=shape)
+        self._arrays.append(array)
+        return array
+
+    def finish(self) -> None:
+        for array in self._arrays:
+            array.flush()
+        self._arrays = []
+        _write_json(os.path.join(self._tmp, "meta.json"), table_metadata(self.columns, self.rows))
+        _write_json(os.path.join(self._tmp, TABLE_RECORD), {"name": self.name, "spec": self.spec, "rows": self.rows,
+                                                            "format": CHECKPOINT_FORMAT})
+        if os.path.exists(self.path):
+            old = self._tmp + ".old"
+            os.rename(self.path, old)
+            os.rename(self._tmp, self.path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(self._tmp, self.path)
+
+    def abort(self) -> None:
+        self._arrays = []
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+@dataclass
+class Checkpoint:
+    """A table checkpoint, mapped: its name and settings, each column as a read-only
+    uint8 ``[rows, row_bytes]`` array, each per-row state as an array."""
+
+    name: str
+    spec: dict
+    rows: int
+    columns: dict[str, tuple[ColumnFile, np.ndarray]]
+    state: dict[str, np.ndarray]
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    return os.path.isfile(os.path.join(os.fspath(path), TABLE_RECORD))
+
+
+def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Map the table checkpoint at ``path`` (copy-on-write); LayoutError if it is not one, or not whole."""
+    path = os.fspath(path)
+    try:
+        with open(os.path.join(path, TABLE_RECORD)) as f:
+            record = json.load(f)
+        name, spec, rows = record["name"], record["spec"], record["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise LayoutError(f"{path}: not a table checkpoint ({exc})") from None
+    if record.get("format") != CHECKPOINT_FORMAT or type(rows) is not int or rows < 0 or not isinstance(spec, dict):
+        raise LayoutError(f"{path}: a table checkpoint of another format, or a table's own directory")
+    columns = {c.name: (c, _map(os.path.join(path, f"{c.name}.memmap"), np.uint8, (rows, c.row_bytes)))
+               for c in columns_of(spec)}
+    state = {what: _map(os.path.join(path, "_slots", f"{what}.bin"), np.dtype(dtype), (rows,))
+             for what, dtype in SLOT_STATE.items()}
+    return Checkpoint(name, spec, rows, columns, state)
+
+
+def _map(path: str, dtype, shape: tuple) -> np.ndarray:
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    try:
+        size = os.path.getsize(path)
+    except OSError as exc:
+        raise LayoutError(f"{path}: missing from the table checkpoint ({exc.strerror})") from None
+    if size != nbytes:
+        raise LayoutError(f"{path}: {size} bytes, {nbytes} expected")
+    if nbytes == 0:
+        return np.zeros(shape, dtype)
+    return np.memmap(path, dtype, "c", shape=shape)
+
+
+def _write_json(path: str, value) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f)
