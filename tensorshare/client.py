@@ -44,10 +44,11 @@ from ._client.routing import finish
 from ._client.sockets import SMALL_FRAME, Link, open_link
 from ._client.spin import DEFAULT_LIMIT as DEFAULT_SPIN
 from ._client.spin import ReplySpin
+from ._client.table_copy import TableCopies
 from ._client.zerocopy import SharedAreas
 from .errors import (
-    AuthenticationError, BadNameError, ConnectionLostError, NoSuchBinError, ProtocolError, TensorShareError,
-    TimeoutError, UsageError, WrongServerError,
+    AuthenticationError, ConnectionLostError, TensorShareError, TimeoutError, UsageError,
+    WrongServerError,
 )
 from .protocol.messages import NOOP, Command
 from .protocol.tls import TLSSettings
@@ -59,7 +60,7 @@ __all__ = ["Client", "Listening", "ListenSnapshot", "Notification", "connect"]
 _IDLE_CHECK = 1.0  # seconds of quiet after which a request first reads what the server sent meanwhile
 
 
-class Client(LeaderFollower, ClientCore):
+class Client(TableCopies, LeaderFollower, ClientCore):
     """A blocking, thread-safe tensorshare client.
 
     ``put``, ``append``, ``get``, ``peek``, ``list``, ``delete`` and ``listen`` block
@@ -176,39 +177,6 @@ class Client(LeaderFollower, ClientCore):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    # -- tables whole (several calls in a row: the blocking client's)
-
-    def save(self, bin: str, path, *, overwrite: bool = False, timeout=DEFAULT,
-             progress: Callable[[int, int], Any] | None = None) -> Any:
-        """Write bin ``bin``'s items to the directory ``path`` (see
-        :meth:`ClientMethods.save`); for a table, a table checkpoint of its rows and
-        settings (:mod:`tensorshare.disk.tables`, which :meth:`load_table` makes the
-        table again from).  Returns the number of items (or rows) saved."""
-        try:
-            return super().save(bin, path, overwrite=overwrite, timeout=timeout, progress=progress)
-        except BadNameError:
-            if not self._is_table(bin):
-                raise
-        from ._client.table_copy import save_table
-
-        return save_table(self, bin, path, overwrite=overwrite)
-
-    def load_table(self, path, name: str | None = None, *, replace: bool = True) -> int:
-        """Make table ``name`` (the saved one's name by default) from the table
-        checkpoint ``path`` that :meth:`save` wrote: the same settings and rows, each
-        at its slot with its priority.  A table there is replaced (``replace=False``:
-        refused).  Returns the number of rows."""
-        from ._client.table_copy import load_table
-
-        return load_table(self, path, name, replace=replace)
-
-    def _is_table(self, name: str) -> bool:
-        try:
-            self.table_info(name)
-        except (BadNameError, NoSuchBinError):
-            return False
-        return True
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "connected" if self._link else "disconnected"

@@ -38,7 +38,7 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 

@@ -74,7 +74,7 @@ def payload_layout(header: dict, nbytes: int, into: Callable | None, engine, ind
     """The layout (:meth:`Engine.incoming`) of an items reply's payload: None (one
     buffer laid out as the payload) unless ``into`` gives destinations; False when
     an array cannot go to the device (a numpy array)."""
-    from ..device.engine import item_layout
+    from ..device.payload import item_layout
 
     entries, base = [], 0
     for i, (blob, size, ref) in enumerate(item_table(header, nbytes)):

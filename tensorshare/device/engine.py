@@ -15,7 +15,7 @@ holds the whole value.
   shared memory) with a few writer threads.
 * **In** (:class:`Incoming`): a payload received straight into pinned windows
   (the socket reads into them), each full window copied to device memory while the
-  next fills; the result (:class:`DevicePayload`) is handed to the caller's stream.
+  next fills; the result (:class:`~.payload.DevicePayload`) is handed to the caller's stream.
   A window's bytes may go straight into destination tensors (a model's own
   parameters) instead of new memory.
 * **On the device** (:meth:`Engine.snapshot`): a whole payload copied into one new
@@ -26,7 +26,7 @@ Ordering, as CUDA requires it: the engine waits (on its stream, without blocking
 the host) for the work queued on the caller's current stream before it reads a
 tensor (:meth:`Engine.prepare` marks that point when the value is encoded), and the
 caller's stream waits for the copies into memory it is handed
-(:meth:`DevicePayload.deliver`).  The CUDA calls themselves are
+(:meth:`~.payload.DevicePayload.deliver`).  The CUDA calls themselves are
 :class:`~.cuda.CudaStreams`'; everything here runs on the CPU with a stand-in
 for them (``tests/devicesim.py``).
 """
@@ -41,8 +41,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from ..wire.description import KIND_TORCH
 from .buckets import Bucket, Ranges, plan, windows
+from .payload import DevicePayload
 from .pool import Pool
 
 DEFAULT_BUCKET = 16 << 20  # bytes per staging buffer: a copy of 0.3 ms at 55 GB/s, 4 ms of loopback TCP
@@ -526,65 +526,6 @@ class Incoming:
         if self.k != len(self.windows):
             raise RuntimeError(f"payload incomplete: {self.k} of {len(self.windows)} windows")
         return self.places.payload(self.streams.record(self.side))
-
-
-class DevicePayload:
-    """A payload that arrived into device memory (a reply's, or an item uploaded from
-    the server's files), complete once ``event`` has happened on the engine's stream.
-
-    An array is a view of ``buffer`` (laid out as the payload when no layout was
-    given, else compact) or the destination tensor the layout gave for it.
-    :meth:`deliver` makes the caller's current stream wait for the copies before
-    anything uses them; the codec's :func:`~tensorshare.wire.codec.build` does so."""
-
-    __slots__ = ("streams", "buffer", "starts", "event", "delivered")
-
-    def __init__(self, streams, buffer, starts: dict, event):
-        self.streams, self.buffer, self.starts, self.event = streams, buffer, starts, event
-        self.delivered = False
-
-    def deliver(self) -> None:
-        """Hand the memory to the caller's current stream (once)."""
-        if self.delivered:
-            return
-        self.delivered = True
-        if self.buffer is not None:
-            self.streams.hand_over(self.event, self.buffer)
-        for _flat, _at, target in self.starts.values():
-            if target is not None:
-                self.streams.hand_over(self.event, target)
-
-    def bytes_at(self, start: int, nbytes: int) -> torch.Tensor:
-        """The 1-D uint8 device tensor of the array at payload offset ``start``."""
-        if not self.starts:
-            return self.buffer[start : start + nbytes]
-        tensor, base, _target = self.starts[start]
-        return tensor[base : base + nbytes]
-
-    def target(self, start: int) -> torch.Tensor | None:
-        """The destination tensor the array at payload offset ``start`` went into (None: new memory)."""
-        entry = self.starts.get(start)
-        return None if entry is None else entry[2]
-
-
-def item_layout(desc, base: int, targets: dict, engine: Engine, index: int) -> list | None:
-    """The :meth:`Engine.incoming` layout entries of one item's arrays (its payload at
-    ``base``), each going into ``targets[array index]`` where that tensor can take it
-    in place (same dtype and shape, contiguous, on device ``index``); None when an
-    array cannot live in device memory (a numpy array)."""
-    from ..wire.codec import TORCH_DTYPES
-
-    streams, entries = engine.streams, []
-    for j, spec in enumerate(desc.arrays):
-        if spec.kind != KIND_TORCH:
-            return None
-        target = targets.get(j)
-        if target is not None and not (
-                TORCH_DTYPES.get(spec.dtype) == target.dtype and tuple(target.shape) == tuple(spec.shape)
-                and target.is_contiguous() and streams.owns(target) and streams.index(target.device) == index):
-            target = None
-        entries.append((base + spec.offset, spec.nbytes, target))
-    return entries
 
 
 _writers: ThreadPoolExecutor | None = None
