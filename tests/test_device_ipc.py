@@ -22,7 +22,7 @@ from pairing import Pair
 from serverproc import ServerProcess
 from tensorshare.device.engine import Engine
 from tensorshare.errors import BadRequestError, ServerLocalError, ZeroCopyUnavailableError
-from tensorshare.protocol.messages import NOOP, PEEK, PUT, Key
+from tensorshare.protocol.messages import GET, NOOP, PEEK, PUT, Key
 from tensorshare.wire.codec import encode
 
 # ------------------------------------------------------------------ the server, paired in memory
@@ -125,6 +125,28 @@ def test_a_read_waits_for_the_bytes_only_so_long():
         pair.clock.advance(61)
         [refused] = [f for f in reader.receive() if f.header.get("id") == rid]
         assert refused.header[Key.CODE] == ServerLocalError.code
+    finally:
+        reader.close()
+        pair.close()
+
+
+def test_a_take_that_waited_for_items_then_for_their_bytes_is_answered_and_leaves_its_lane():
+    """A GET waiting in its lane for items goes on when an item put by reference
+    comes, waits in that lane again for the item's bytes, and is answered once they
+    are in; nothing of either wait is left behind."""
+    pair = Pair(same_host=True)
+    reader = Pair(same_host=True, state=pair.state)
+    try:
+        rid = reader.send_request(GET, {Key.BIN: "v", Key.WAIT: 30})
+        _, enc = by_reference(pair, "v", VALUE, reference())
+        pair.clock.advance(0)
+        assert not [f for f in reader.receive() if f.header.get("id") == rid]  # the item came, its bytes not
+        pair.call(PUT, {Key.BIN: "v", Key.VALUE: enc.description, Key.FILL: 7}, enc)
+        pair.clock.advance(0)
+        [taken] = [f for f in reader.receive() if f.header.get("id") == rid]
+        assert taken.header[Key.SIZES] == [enc.nbytes] and taken.payload_len == enc.nbytes
+        waits = pair.state.waits
+        assert waits.going(("v", GET.lane)) == 0 and not waits.waiting_on("v")
     finally:
         reader.close()
         pair.close()

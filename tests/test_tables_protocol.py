@@ -419,6 +419,41 @@ def test_a_durable_tables_files_are_made_and_removed_by_disk_jobs(tmp_path):
     pair.close()
 
 
+def test_the_new_columns_of_a_durable_table_are_made_by_disk_jobs(tmp_path):
+    """TCREATE with ``add_columns`` on a table in files makes the new columns' files
+    on a disk thread and notes them in its JSON there too: answered once both are
+    done; the table serves meanwhile, with the columns it had."""
+    import json
+
+    from pairing import HeldJobs
+    from tensorshare_server.config import ServerConfig
+    from tensorshare_server.root import build_state
+    from twisted.internet.task import Clock
+
+    jobs = HeldJobs()
+    state = build_state(ServerConfig(data_dir=str(tmp_path / "data")), jobs, clock=Clock())
+    jobs.release()
+    pair = Pair(state=state)
+    made = pair.send_request(TCREATE, {Key.BIN: "t", K.SPEC: {"capacity": 8, "columns": COLUMNS}})
+    jobs.release()
+    assert [h["code"] for h in _replies(pair, made)] == [250]
+    directory = next((tmp_path / "data" / "tables").iterdir())
+    wider = {**COLUMNS, "done": {"shape": [], "dtype": "bool"}}
+    grown = pair.send_request(TCREATE, {Key.BIN: "t", K.SPEC: {"capacity": 8, "columns": wider}, K.ADD_COLUMNS: True})
+    other = Pair(state=state)
+    assert "done" not in other.call(TINFO, {Key.BIN: "t"}).result["columns"]  # served meanwhile, as it was
+    assert _replies(pair, grown) == [] and not (directory / "done.memmap").exists()
+    jobs.release()  # the new column's file
+    assert (directory / "done.memmap").exists() and _replies(pair, grown) == []
+    jobs.release()  # the table's JSON
+    assert [h["code"] for h in _replies(pair, grown)] == [250]
+    assert json.loads((directory / "table.json").read_text())["spec"]["columns"]["done"] == {"shape": [],
+                                                                                             "dtype": "bool"}
+    assert other.call(TINFO, {Key.BIN: "t"}).result["columns"]["done"] == {"shape": [], "dtype": "bool"}
+    other.close()
+    pair.close()
+
+
 # ---------------------------------------------------------------- TorchRL's needs: reads counted, columns, slots
 
 
