@@ -28,8 +28,11 @@ from tensorshare.wire.codec import encode
 # ------------------------------------------------------------------ the server, paired in memory
 
 
+TORCH_HANDLE = b"\x02c" + b"h" * 64  # the handle of a block as torch >= 2.5 gives it: version, kind, cudaIpcMemHandle_t
+
+
 def reference(ident: int = 7, dev: str = "GPU-1") -> dict:
-    return {"id": ident, "dev": dev, "ipc": [0, b"h" * 64, 4096, 0, b"/torch_counter", 3, b"e" * 64, True],
+    return {"id": ident, "dev": dev, "ipc": [0, TORCH_HANDLE, 4096, 0, b"/torch_counter", 3, b"e" * 64, True],
             "digest": [1, 2]}
 
 
@@ -133,7 +136,8 @@ def test_a_read_waits_for_the_bytes_only_so_long():
 @pytest.mark.parametrize("bad", [
     "x", {**reference(), "id": 0}, {**reference(), "id": "7"}, {**reference(), "dev": ""},
     {**reference(), "ipc": [0, b"h", 4096]}, {**reference(), "ipc": [0, "h", 4096, 0, b"c", 3, b"e", True]},
-    {**reference(), "ipc": [0, b"h" * 65, 4096, 0, b"c", 3, b"e", True]}, {**reference(), "digest": [1.5]},
+    {**reference(), "ipc": [0, b"h" * (64 << 10) + b"h", 4096, 0, b"c", 3, b"e", True]},
+    {**reference(), "ipc": [0, b"h", 4096, 0, b"c", 3, b"e" * 65, True]}, {**reference(), "digest": [1.5]},
     {**reference(), "digest": [(1 << 64) - 1]},
 ])
 def test_malformed_references_are_refused_and_nothing_is_stored(bad):
