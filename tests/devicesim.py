@@ -66,6 +66,7 @@ class DeferredStreams:
         self.devices = 0  # device buffers allocated
         self.registered: dict[int, int] = {}  # address -> bytes, while registered
         self.register_ok = True  # what register() answers
+        self.register_limit: int | None = None  # registrations accepted before it refuses (None: no limit)
         self.handed: list = []  # tensors handed over to the caller
         self.opened = 0  # shared blocks opened
 
@@ -153,11 +154,14 @@ class DeferredStreams:
         return torch.full((nbytes,), POISON, dtype=torch.uint8)
 
     def register(self, address: int, nbytes: int, read_only: bool) -> bool:
-        if self.register_ok:
+        ok = self.register_ok and (self.register_limit is None or len(self.registered) < self.register_limit)
+        if ok:
             self.registered[address] = nbytes
-        return self.register_ok
+        return ok
 
     def unregister(self, address: int) -> None:
+        if self.pending():  # a copy from the pages may still be in flight: CUDA does not wait for it
+            raise AssertionError("pages unregistered while copies are queued")
         del self.registered[address]
 
     # -- CUDA IPC: blocks "shared" through a registry of this process

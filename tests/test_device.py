@@ -354,6 +354,10 @@ def test_upload_of_mapped_arrays_with_gaps():
     eng.streams.register_ok = False  # the runtime refuses: staged instead
     assert_same(value, build(desc, eng.upload(arrays, len(payload), 0)))
     assert eng.streams.hosts > 0
+    eng = engine(register_host=True)
+    eng.streams.register_limit = 1  # refused at the second array: nothing was copied from the first
+    assert_same(value, build(desc, eng.upload(arrays, len(payload), 0)))
+    assert eng.streams.hosts > 0 and not eng.streams.registered and eng.registered_uploads == 0
 
 
 # ------------------------------------------------------------------ pool

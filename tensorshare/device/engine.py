@@ -391,11 +391,11 @@ class Engine:
         """:meth:`upload` by page-locking the arrays where they are (None, having
         done nothing that lasts, where the runtime refuses one)."""
         streams = self.streams
-        side = streams.side(index)
-        places = _Places(self, nbytes, index, side, layout)
         registered = []
         try:
-            for offset, array in arrays:
+            # Every array is registered before any copy is queued: pages are never
+            # unregistered under a copy still in flight.
+            for _offset, array in arrays:
                 if not array.size:
                     continue
                 address = array.__array_interface__["data"][0]
@@ -403,11 +403,18 @@ class Engine:
                 if address % _PAGE or not streams.register(address, length, True):
                     return None
                 registered.append(address)
-                host = torch.from_numpy(array)
-                for key, start, length, at in places.ranges.cut(offset, array.size):
-                    streams.copy(places.destination(key, start, length), host[at : at + length], side)
-            event = streams.record(side)
-            streams.synchronize(event)  # the pages are unlocked next: the copies must be done
+            side = streams.side(index)
+            places = _Places(self, nbytes, index, side, layout)
+            try:
+                for offset, array in arrays:
+                    if not array.size:
+                        continue
+                    host = torch.from_numpy(array)
+                    for key, start, length, at in places.ranges.cut(offset, array.size):
+                        streams.copy(places.destination(key, start, length), host[at : at + length], side)
+            finally:
+                event = streams.record(side)
+                streams.synchronize(event)  # the pages are unlocked next: the copies must be done
             self.registered_uploads += 1
             return places.payload(event)
         finally:
