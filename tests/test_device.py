@@ -16,7 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from devicesim import POISON, DeferredStreams
+from devicesim import POISON, DeferredStreams, Stream
 from tensorshare.device.buckets import Bucket, Piece, Ranges, plan, windows
 from tensorshare.device.engine import DeviceSpan, Engine, StagedParts
 from tensorshare.device.pool import Pool
@@ -309,6 +309,36 @@ def test_arrays_may_land_in_destination_tensors():
     assert out["a"] is dest_a and out["b"] is dest_b
     assert torch.equal(dest_a, value["a"]) and torch.equal(dest_b, value["b"]) and torch.equal(out["c"], value["c"])
     assert out["c"].untyped_storage().nbytes() < 128  # only c's bytes were allocated
+
+
+@pytest.mark.parametrize("way", ["incoming", "upload", "copy_in"])
+def test_destinations_are_written_only_after_the_callers_earlier_kernels(way):
+    """A kernel the caller queued before the call (a forward pass reading a model's
+    parameters) sees them as they were: the engine's writes into them wait for it."""
+    value = {"a": torch.randn(3000), "b": torch.arange(5)}
+    description, payload = payload_of(value)
+    desc = parse_description(description, len(payload))
+    eng = engine()
+    sim = eng.streams
+    dest = torch.zeros(3000)
+    layout = [(spec.offset, spec.nbytes, target) for spec, target in zip(desc.arrays, (dest, None))]
+    caller, seen = Stream("caller"), []
+    with sim.using(caller):
+        sim.later(caller, lambda: seen.append(dest.clone()))
+        if way == "incoming":  # the reply is read on another thread: the mark made at the call is given
+            sink = eng.incoming(len(payload), 0, layout, sim.mark(0))
+        elif way == "upload":  # the server's files, on the caller's thread
+            arrays = [(spec.offset, np.frombuffer(payload, np.uint8, spec.nbytes, spec.offset)) for spec in desc.arrays]
+            arrived = eng.upload(arrays, len(payload), 0, layout)
+        else:  # another process's device memory (CUDA IPC), on the caller's thread
+            arrived = eng.copy_in(torch.frombuffer(bytearray(payload), dtype=torch.uint8), len(payload), 0, layout)
+    if way == "incoming":
+        feed(sink, payload, random.Random(7))
+        arrived = sink.finish()
+    out = build(desc, arrived)
+    sim.flush(caller)
+    assert torch.equal(seen[0], torch.zeros(3000))
+    assert out["a"] is dest and torch.equal(dest, value["a"]) and torch.equal(out["b"], value["b"])
 
 
 def test_a_window_is_reused_only_once_its_copy_ran():

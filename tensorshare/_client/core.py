@@ -29,7 +29,7 @@ from .connection import (
     NO_VALUE, ClientConnection, ListenSnapshot, Reply, item_table, next_request_id, notification_of,
     read_reply, reply_buffers, report_unsolicited, request_frame,
 )
-from .devices import as_into, receive_on_device
+from .devices import as_into, caller_mark, receive_on_device
 from .listens import Subscriptions
 from .methods import DEFAULT, ClientMethods, bin_fields
 from .routing import finish, next_attempt, route
@@ -156,6 +156,8 @@ class ClientCore(ClientMethods):
 
     def _wants_device(self, call: Call, device: Any, into: Any) -> None:
         call.device, call.into = device, as_into(into)
+        if into is not None:  # (on the caller's thread: its current stream)
+            call.after = caller_mark(device if device is not None else self.device)
         if not self._device_calls and _has_engine(device if device is not None else self.device):
             self._device_calls = True  # from now on, and on later connections
             conn = self._connection()

@@ -67,7 +67,19 @@ def device_sink(client, header: dict, nbytes: int):
         return None
     if layout is False:
         return None
-    return engine.incoming(nbytes, index, layout)
+    return engine.incoming(nbytes, index, layout, call.after)
+
+
+def caller_mark(device: Any) -> Any:
+    """The point the caller's current stream of ``device`` has reached (an event), for
+    writes into its tensors to wait for; None where ``device`` has no engine.  Made
+    at the call, on the caller's thread: the reply may be read on another."""
+    from ..device import engine_for
+
+    engine = engine_for(device)
+    if engine is None:
+        return None
+    return engine.streams.mark(engine.streams.index(device))
 
 
 def payload_layout(header: dict, nbytes: int, into: Callable | None, engine, index: int):
