@@ -341,6 +341,14 @@ def test_destinations_are_written_only_after_the_callers_earlier_kernels(way):
     assert out["a"] is dest and torch.equal(dest, value["a"]) and torch.equal(out["b"], value["b"])
 
 
+def test_a_window_fills_while_the_one_before_is_copied():
+    eng = engine()
+    _, payload = payload_of(torch.randn(4 * BUCKET // 4))
+    sink = eng.incoming(len(payload), 0)
+    sink.write(payload[: BUCKET + 1])
+    assert eng.streams.pending() > 0 and eng.pool.made == 2  # the first window's copy is not waited for yet
+
+
 def test_a_window_is_reused_only_once_its_copy_ran():
     eng = engine(keep=1)  # one buffer: each window must wait for the copy of the one before
     t = torch.randn(10 * BUCKET // 4)

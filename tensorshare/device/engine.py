@@ -526,15 +526,17 @@ class Incoming:
         for key, offset, size, at in places.ranges.cut(start, length):
             streams.copy(places.destination(key, offset, size), buffer[at : at + size], self.side)
         event = streams.record(self.side)
-        self.engine.pool.give(buffer, event)
         self.shipped += 1
         self.k += 1
         self.filled = 0
+        # The next window is taken before this one goes back: taken after, it would
+        # be this very buffer, and the next bytes would wait for its copy.
         if self.k < len(self.windows):
             self.buffer = self.engine.pool.take()
             self._host = self.buffer.numpy()
         else:
             self.buffer = self._host = None
+        self.engine.pool.give(buffer, event)
 
     def finish(self) -> "DevicePayload":
         """The payload in device memory (all of it has arrived)."""
