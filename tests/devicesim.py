@@ -69,6 +69,7 @@ class DeferredStreams:
         self.register_limit: int | None = None  # registrations accepted before it refuses (None: no limit)
         self.handed: list = []  # tensors handed over to the caller
         self.opened = 0  # shared blocks opened
+        self.share_ok = True  # whether share() can share (torch cannot share every block: RuntimeError)
 
     # -- the caller's side
 
@@ -173,6 +174,8 @@ class DeferredStreams:
         return int(uuid.rsplit("-", 1)[1]) if uuid.startswith("standin-") else None
 
     def share(self, flat: torch.Tensor) -> list:
+        if not self.share_ok:
+            raise RuntimeError("Tensors allocated with expandable_segments:True cannot be shared between processes")
         handle = os.urandom(16)
         SHARED[handle] = flat
         return [0, handle, flat.numel(), 0, b"counter", 0, b"", False]

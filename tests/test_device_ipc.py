@@ -326,3 +326,8 @@ def test_where_references_cannot_be_taken_the_bytes_are(same_host, engine):
         state = state_dict(7)
         assert c.put("ipc-g", encode(state, stage=engine), by_reference=True) == 1
         assert c._exports is None and equal(c.peek("ipc-g")[0], state)
+    engine.streams.share_ok = False  # memory torch cannot share (an expandable segment, torch < 2.5)
+    with tensorshare.Client("127.0.0.1", same_host.port, timeout=30) as c:
+        state = state_dict(8)
+        assert c.put("ipc-h", encode(state, stage=engine), by_reference=True) == 1
+        assert not c._exported().held() and equal(c.peek("ipc-h")[0], state)
