@@ -244,6 +244,20 @@ def test_a_cast_version_sent_in_the_background_is_the_state_at_the_call(srv):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_replies_go_to_the_callers_current_device(srv):
+    value = torch.randn(1 << 20, device="cuda:1")
+    with tensorshare.Client("127.0.0.1", srv.port, zero_copy=False) as c:
+        c.listen("two-gpus-heard", lambda note: None)  # a reading thread: the reply may arrive there
+        c.put("two-gpus", value)
+        with torch.cuda.device(1):
+            [back] = c.peek("two-gpus", device="cuda")
+            into = torch.zeros_like(value)
+            [placed] = c.peek("two-gpus", device="cuda", into=into)
+    assert back.device == torch.device("cuda", 1) and torch.equal(back, value)
+    assert placed is into and torch.equal(into, value)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_delta_compares_of_a_state_on_two_gpus():
     from tensorshare.rl.versions import differing
 

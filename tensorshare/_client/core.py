@@ -29,7 +29,7 @@ from .connection import (
     NO_VALUE, ClientConnection, ListenSnapshot, Reply, item_table, next_request_id, notification_of,
     read_reply, reply_buffers, report_unsolicited, request_frame,
 )
-from .devices import as_into, caller_mark, receive_on_device
+from .devices import as_into, caller_mark, pinned, receive_on_device
 from .listens import Subscriptions
 from .methods import DEFAULT, ClientMethods, bin_fields
 from .routing import finish, next_attempt, route
@@ -122,6 +122,8 @@ class ClientCore(ClientMethods):
                     raw)
         if device is not None or into is not None:
             self._wants_device(call, device, into)
+        if self._device_calls:
+            call.device = pinned(self.device if call.device is None else call.device)
         if areas is not None:
             route(call, areas, self._device_uuid(call) if self._device_calls else None)
         return call
