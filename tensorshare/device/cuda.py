@@ -26,7 +26,7 @@ import torch
 
 _REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device's context, not the current one's
 _REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly (CUDA 11.1+): pages the device only reads
-_IPC_HANDLE = 64  # bytes of a cudaIpcMemHandle_t (newer torch puts a version and a kind before it)
+_IPC_HANDLE = 64  # bytes of a cudaIpcMemHandle_t (torch >= 2.5 puts a version and a kind byte before it)
 _NO_COUNTER = b"/tensorshare/no-counter"  # shm_open refuses a name with a second slash (EINVAL)
 
 
@@ -186,7 +186,7 @@ class CudaStreams:
 
         Opened without the publisher's counter and event.  torch's reader takes one
         off the counter when it lets the mapping go, and :meth:`share` already gave
-        the only count back: below zero, read as unsigned by newer torch, the
+        the only count back: below zero, read as unsigned (torch keeps it in a uint64), the
         publisher would keep the block in torch's IPC limbo for good, a snapshot's
         worth of GPU memory lost per version read.  A name no shared-memory file
         can have (a second slash) makes that decrement fail, which torch ignores
