@@ -68,6 +68,9 @@ def read(port: int, name: str, seconds: float) -> None:
         while time.monotonic() < deadline:
             try:
                 items = c.peek(name)
+            except tensorshare.errors.NoSuchBinError:  # nothing published yet
+                time.sleep(0.01)
+                continue
             except tensorshare.errors.TensorShareError as exc:  # a clear error, never garbage
                 errors.append(type(exc).__name__)
                 continue
