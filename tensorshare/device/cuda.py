@@ -126,16 +126,17 @@ class CudaStreams:
         files) so the device copies it directly; False where the runtime refuses.
 
         A refusal (``cudaHostRegisterReadOnly`` needs a device attribute that some
-        hosts lack) also stays as the thread's "last CUDA error", which torch reads after its
-        next kernel launch and raises there; torch binds no ``cudaGetLastError``,
-        so one tiny kernel, whose launch check reads (and so clears) it, takes it."""
+        hosts lack) also stays as the thread's "last CUDA error", which torch reads
+        after its next kernel launch and raises there; torch binds no
+        ``cudaGetLastError``, so one tiny kernel, whose launch check reads (and so
+        clears) it, takes it."""
         cudart = torch.cuda.cudart()
         flags = _REGISTER_PORTABLE | (_REGISTER_READ_ONLY if read_only else 0)
         error = cudart.cudaHostRegister(address, nbytes, flags)
         if int(error) == 0:
             return True
         try:
-            torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+            torch.ones(1, device=torch.device("cuda", torch.cuda.current_device()))  # (a fill kernel, not a memset)
         except RuntimeError:  # the refusal, read and cleared by the launch check
             pass
         return False
@@ -186,9 +187,9 @@ class CudaStreams:
 
         Opened without the publisher's counter and event.  torch's reader takes one
         off the counter when it lets the mapping go, and :meth:`share` already gave
-        the only count back: below zero, read as unsigned (torch keeps it in a uint64), the
-        publisher would keep the block in torch's IPC limbo for good, a snapshot's
-        worth of GPU memory lost per version read.  A name no shared-memory file
+        the only count back: below zero, read as unsigned (torch keeps it in a
+        uint64), the publisher would keep the block in torch's IPC limbo for good,
+        a snapshot's worth of GPU memory lost per version read.  A name no shared-memory file
         can have (a second slash) makes that decrement fail, which torch ignores
         (as it does for a publisher that is gone).  The event is not needed (the
         publisher waits for its snapshot before sharing it), and opening it would
