@@ -5,7 +5,7 @@
 # no Redis and no package index.  Copy the gpu-machine tools (wheels/, debs/: see their
 # README) into .device/ of the checkout first; this installs what the machine lacks from
 # there as that README says (into /tmp, nothing system-wide), then runs, in under six
-# minutes in all (each step is stopped at its limit: 190 s and 115 s, 15 s more to end):
+# minutes in all (each step is ended at its limit: 190 s and 115 s, 15 s more to end):
 #
 #   pytest -m cuda                                     every test marked `cuda`
 #   python -m benchmarks --profile quick --sections gpu   the section's figures and goals
@@ -64,7 +64,7 @@ status=0
 # The test files holding `cuda` tests (collecting every file would import optional
 # packages this machine lacks).
 files=$(grep -l "pytest.mark.cuda" tests/test_*.py)
-# SIGINT first: pytest then tears its fixtures down (servers, helper processes) before it exits.
+# SIGINT first: pytest then tears its fixtures down (servers, the processes tests started) and exits.
 timeout -s INT -k 15 190 "$PY" -m pytest -m cuda $files -q -rs -p no:cacheprovider \
     --junitxml "$OUT/cuda-tests.xml" 2>&1 | tee "$OUT/cuda-tests.log" || status=1
 timeout -k 15 115 "$PY" -m benchmarks --profile quick --sections gpu --out "$OUT/bench" \
