@@ -40,7 +40,9 @@ from . import longpoll
 from .outcome import Pending, later
 
 BYTES_WAIT = 60.0  # seconds a read waits for the bytes of an item put by reference before 451
-_HANDLE = 64  # bytes of a CUDA IPC memory or event handle
+_MEMORY_HANDLE = 64 << 10  # bytes of torch's handle of a block: 64 (torch < 2.5), 66 (a version and a kind
+# before the 64), more for an expandable segment (a few per 20 MiB of it)
+_EVENT_HANDLE = 64  # bytes of a cudaIpcEventHandle_t
 _COUNTER = 256  # bytes of the name of the publisher's reference counter
 _MAX_DEVICES = 16  # UUIDs a PEEK may list
 _MAX_DIGESTS = 1 << 20
@@ -62,7 +64,7 @@ def check_reference(ref: object) -> dict:
     if type(dev) is not str or not 0 < len(dev) <= 100:
         raise bad("dev must be a device UUID")
     kinds = (int, bytes, int, int, bytes, int, bytes, bool)
-    limits = (None, _HANDLE, None, None, _COUNTER, None, _HANDLE, None)
+    limits = (None, _MEMORY_HANDLE, None, None, _COUNTER, None, _EVENT_HANDLE, None)
     if type(ipc) is not list or len(ipc) != len(kinds) or any(type(v) is not k for v, k in zip(ipc, kinds)):
         raise bad("ipc must be [int, bytes, int, int, bytes, int, bytes, bool]")
     if any(limit is not None and len(v) > limit for v, limit in zip(ipc, limits)) or \
