@@ -53,7 +53,7 @@ class ServerConfig:
     # here (an embedded server shares its process); run_server turns it on.
     busy_poll: float = 0.0
     # Bytes of memory that large payloads are received into and that is reused once
-    # the items in it are gone (server/net/recvpool.py; at most a quarter of
+    # the items in it are gone (server/protocol/recvpool.py; at most a quarter of
     # memory_limit when that is set); 0: every payload into fresh memory.
     recv_pool: int = 1 << 30
     recv_pool_idle: float = 10.0  # seconds a free chunk stays in the pool before it goes back to the system

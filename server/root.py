@@ -18,15 +18,14 @@ from tensorshare.wire.recycle import Recycler
 from .bins.durable import DataDir
 from .bins.shm import ShmArea
 from .bins.spill import SpillArea
-from .bins.storage import InlineJobs, Jobs, Storage
+from .bins.jobs import InlineJobs, Jobs
+from .bins.storage import Storage
 from .bins.store import BinStore
 from .config import ServerConfig
-from .net.recvpool import chunk_pool
+from .protocol.recvpool import chunk_pool
 from .protocol.ephemeral import EphemeralBins
 from .ops.counters import Counters
 from .protocol.notify import ListenerRegistry
-from .protocol.longpoll import LANES as read_lanes
-from .protocol.tables import LANES as table_lanes
 from .protocol.waits import Waits
 
 log = logging.getLogger("tensorshare.server")
@@ -55,7 +54,7 @@ class ServerState:
             self.waits = Waits(_NoClock())
         # Every change tests what waits on its bin: APPENDs with below, a table's inserts
         # and samples, reads that wait (each kind in a lane of its own).
-        self.listeners.watch(self.waits.watcher(*table_lanes, *read_lanes))
+        self.listeners.watch(self.waits.changed)
 
     @property
     def store(self):
@@ -87,8 +86,7 @@ def build_state(config: ServerConfig, jobs: Jobs | None = None, clock=None) -> S
         except OSError as exc:
             log.warning("zero-copy: no shared-memory area in %s (%s); values travel over TCP", config.shm_dir, exc)
     storage = Storage(store, jobs or InlineJobs(), data_dir=data_dir, spill=spill, shm=shm)
-    storage.tables.max_rows = config.max_table_rows
-    storage.tables.max_reply_bytes, storage.tables.max_reply_header = config.max_outbound, config.max_reply_header
+    storage.tables.bound(config.max_table_rows, config.max_outbound, config.max_reply_header)
     if config.zero_copy:
         storage.share(new_token())
     if data_dir is not None:

@@ -4,7 +4,7 @@ It runs on the reactor the application already runs (nothing is started for you)
 and shares everything but its transport with the blocking client: the verbs
 (``_client/methods.py``), the call table, zero-copy routing, listen handles and
 relistening (``_client/core.py``), the sans-IO protocol (``_client/connection.py``)
-and the jittered backoff (``_client/retry.py``).  Requests are pipelined on one
+and the jittered backoff (``tensorshare/protocol/retry.py``).  Requests are pipelined on one
 connection; listen callbacks run on the reactor thread, as Twisted code expects.
 When the connection drops, pending Deferreds fail with
 :class:`ConnectionLostError` at once, and the client reconnects with backoff
@@ -26,10 +26,9 @@ from twisted.internet.endpoints import SSL4ClientEndpoint, TCP4ClientEndpoint, c
 from ._client.calls import Call
 from ._client.connection import DEFAULT_REUSE, NO_VALUE, next_request_id, request_frame
 from ._client.core import ClientCore
-from ._client.keepalive import DEAD, PROBE
 from ._client.methods import DEFAULT
 from ._client.options import DEFAULT_CONNECT_TIMEOUT, check_address, connect_timeout_for
-from ._client.retry import Backoff
+from .protocol.retry import Backoff
 from ._client.routing import finish
 from ._client.twisted_wire import Wire
 from ._client.workers import StaleMapError, Workers, finish_merged, same_reply
@@ -480,8 +479,8 @@ class AsyncClient(ClientCore):
 
     def _server_holds(self, wait: float) -> None:
         wire = self._wire
-        if wire is not None and wire.keepalive is not None:
-            wire.keepalive.hold(self.reactor.seconds() + wait + 1.0)
+        if wire is not None and wire.traffic.keepalive is not None:
+            wire.traffic.keepalive.hold(self.reactor.seconds() + wait + 1.0)
 
     def _check_alive(self) -> None:
         """Probe a server silent for ``keepalive`` seconds with a NOOP; abort the
@@ -490,17 +489,12 @@ class AsyncClient(ClientCore):
         wire = self._wire
         if self._closed or wire is None:
             return  # the next connection starts the timer again
-        now = self.reactor.seconds()
-        if wire.write_blocked:  # our own bytes are still going out: nothing to judge yet
-            self._keepalive_timer = self.reactor.callLater(self.keepalive, self._check_alive)
-            return
-        action, wake = wire.keepalive.due(now, wire.last_heard, wire.last_sent)
-        if action == DEAD:
+
+        def drop() -> None:
             log.warning("%s sent nothing for %gs after a keepalive probe: dropping the connection",
                         self._where, self.keepalive)
             wire.transport.abortConnection()
-            return
-        if action == PROBE:
-            wire.send(request_frame(next_request_id(), NOOP))  # its reply is dropped on arrival
-            wire.keepalive.probed(now)
-        self._keepalive_timer = self.reactor.callLater(max(wake - now, 0.01), self._check_alive)
+
+        delay = wire.traffic.check(lambda: wire.send(request_frame(next_request_id(), NOOP)), drop)
+        if delay is not None:
+            self._keepalive_timer = self.reactor.callLater(delay, self._check_alive)

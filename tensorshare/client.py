@@ -10,7 +10,8 @@ reader keeps the socket drained, reconnects with backoff when the server goes
 away and restores the listens.  A reading thread probes a server that has gone
 silent with NOOP (``keepalive``) and drops a connection that stays silent.
 
-What this module owns is that threading; the rest is shared: the verbs
+What this module owns is that threading (the reading itself, who reads and where
+each frame goes, is ``_client/leader.py``); the rest is shared: the verbs
 (``_client/methods.py``), the call table, planning and settling
 (``_client/core.py``), the socket (``_client/sockets.py``), coalescing of
 pipelined small requests (``_client/coalesce.py``) and reply polling
@@ -22,7 +23,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from functools import partial
 from typing import Any, Callable
 
 from ._client.calls import Call
@@ -33,21 +33,23 @@ from ._client.connection import (
 )
 from ._client.core import ClientCore
 from ._client.dispatch import Dispatcher
-from ._client.keepalive import DEAD, PROBE, Keepalive
+from ._client.leader import LeaderFollower
+from .protocol.keepalive import DEAD, PROBE, Keepalive
 from ._client.listens import Listening
 from ._client.reader import BackgroundReader
 from ._client.methods import DEFAULT
 from ._client.options import DEFAULT_CONNECT_TIMEOUT, DEFAULT_RETRY_FOR, check_address, connect_timeout_for
-from ._client.retry import Backoff
+from .protocol.retry import Backoff
 from ._client.routing import finish
-from ._client.sockets import SMALL_FRAME, Link, open_link, wait
+from ._client.sockets import SMALL_FRAME, Link, open_link
 from ._client.spin import DEFAULT_LIMIT as DEFAULT_SPIN
 from ._client.spin import ReplySpin
+from ._client.table_copy import TableCopies
 from ._client.workers import StaleMapError, Workers, finish_merged, same_reply
 from ._client.zerocopy import SharedAreas
 from .errors import (
-    AuthenticationError, BadNameError, ConnectionLostError, NoSuchBinError, ProtocolError, TensorShareError,
-    TimeoutError, UsageError, WrongServerError, WrongWorkerError,
+    AuthenticationError, ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UsageError,
+    WrongServerError, WrongWorkerError,
 )
 from .protocol.messages import LIST, NOOP, Command, Key
 from .protocol.placement import WorkerMap
@@ -60,7 +62,7 @@ __all__ = ["Client", "Listening", "ListenSnapshot", "Notification", "connect"]
 _IDLE_CHECK = 1.0  # seconds of quiet after which a request first reads what the server sent meanwhile
 
 
-class Client(ClientCore):
+class Client(TableCopies, LeaderFollower, ClientCore):
     """A blocking, thread-safe tensorshare client.
 
     ``put``, ``append``, ``get``, ``peek``, ``list``, ``delete`` and ``listen`` block
@@ -217,39 +219,6 @@ class Client(ClientCore):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    # -- tables whole (several calls in a row: the blocking client's)
-
-    def save(self, bin: str, path, *, overwrite: bool = False, timeout=DEFAULT,
-             progress: Callable[[int, int], Any] | None = None) -> Any:
-        """Write bin ``bin``'s items to the directory ``path`` (see
-        :meth:`ClientMethods.save`); for a table, a table checkpoint of its rows and
-        settings (:mod:`tensorshare.disk.tables`, which :meth:`load_table` makes the
-        table again from).  Returns the number of items (or rows) saved."""
-        try:
-            return super().save(bin, path, overwrite=overwrite, timeout=timeout, progress=progress)
-        except BadNameError:
-            if not self._is_table(bin):
-                raise
-        from ._client.table_copy import save_table
-
-        return save_table(self, bin, path, overwrite=overwrite)
-
-    def load_table(self, path, name: str | None = None, *, replace: bool = True) -> int:
-        """Make table ``name`` (the saved one's name by default) from the table
-        checkpoint ``path`` that :meth:`save` wrote: the same settings and rows, each
-        at its slot with its priority.  A table there is replaced (``replace=False``:
-        refused).  Returns the number of rows."""
-        from ._client.table_copy import load_table
-
-        return load_table(self, path, name, replace=replace)
-
-    def _is_table(self, name: str) -> bool:
-        try:
-            self.table_info(name)
-        except (BadNameError, NoSuchBinError):
-            return False
-        return True
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "connected" if self._link else "disconnected"
@@ -560,109 +529,6 @@ class Client(ClientCore):
         finally:
             with self._cond:
                 self._reading = False
-                self._cond.notify_all()
-
-    # ------------------------------------------------------------------ reading
-
-    def _await(self, call: Call, deadline: float | None, progress: Progress | None = None) -> Any:
-        """Wait for ``call``'s outcome, reading the socket ourselves when nobody else is."""
-        with self._cond:
-            while True:
-                if call.outcome is not None:
-                    return call.outcome
-                if not self._reading:
-                    self._reading = True
-                    break
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise TimeoutError(f"no reply from {self._where} in time")
-                self._cond.wait(remaining)
-        try:
-            while call.outcome is None:
-                self._read_some(deadline, spin=progress is None)
-                if progress is not None and call.outcome is None:
-                    link = self._link
-                    if link is not None:
-                        progress.received(link.conn.decoder.receiving)
-            if progress is not None:
-                progress.finished(call.outcome)
-            return call.outcome
-        finally:
-            with self._cond:
-                self._reading = False
-                self._cond.notify_all()
-
-    def _read_some(self, deadline: float | None, spin: bool = False) -> None:
-        """Read once from the socket and dispatch the frames it completes (leader only;
-        ``spin``: a caller waiting for its own reply, who may poll before sleeping)."""
-        link = self._link
-        if link is None:
-            raise ConnectionLostError(f"not connected to {self._where}")
-        poller = link.readable
-        if self._coalescer:  # requests held while earlier ones awaited the replies we read
-            self._send_held(link)
-            if self._coalescer.partial:  # the socket is full: wake when it takes more, too
-                poller, spin = link.readwrite, False
-        wake = self._keepalive(link)
-        until = deadline if wake is None or (deadline is not None and deadline <= wake) else wake
-        conn = link.conn
-        try:
-            if spin and not link.tls:
-                within = None if until is None else until - time.monotonic()
-                started = self._spin.poll(partial(poller.poll, 0), within)
-                if started is not None:  # not there yet: sleep until it is
-                    wait(poller, until)
-                    self._spin.waited(started)
-                n = link.recv_ready(conn.decoder.get_buffer())
-            else:
-                n = link.recv_into(conn.decoder.get_buffer(), until, poller)
-            if n == 0:
-                raise ConnectionResetError("server closed the connection")
-            self._last_heard = time.monotonic()
-            frames = conn.decoder.buffer_updated(n)
-        except BlockingIOError:
-            return
-        except TimeoutError:  # our TimeoutError is an OSError too: the connection is fine
-            if until is deadline:
-                raise
-            return  # time for the next keepalive check, not the caller's deadline
-        except (OSError, ValueError, ProtocolError) as exc:
-            raise self._lost(link, exc) from None
-        jobs: list = []  # callbacks of this read, handed to the dispatcher in one go
-        inline: list = []  # calls whose callbacks run here, on the reading thread
-        try:
-            self._dispatch(frames, conn, jobs, inline)
-        except ProtocolError as exc:  # the server sent nonsense: nothing it says can be trusted
-            err = ConnectionLostError(f"bad reply from {self._where}: {exc}")
-            self._drop_connection(link, err)
-            raise err from None
-        if jobs:
-            self._callbacks().submit_all(jobs)
-        for call, frame in inline:
-            self._complete_inline(call, frame)
-
-    def _dispatch(self, frames: list, conn, jobs: list, inline: list) -> None:
-        """Hand each frame of a read to the thread waiting for it, or queue its
-        callbacks in ``jobs`` (the dispatcher's) or ``inline`` (under one hold of
-        the lock for the whole read)."""
-        woken = False
-        coalescer = self._coalescer
-        with self._cond:
-            for frame in frames:
-                rid = frame.header.get("id")
-                if rid and type(rid) is int:
-                    coalescer.answered(rid)
-                call = self._sort(frame, conn, jobs)
-                if call is None:
-                    continue
-                if call.callback is None:
-                    call.outcome = frame
-                    woken = True
-                elif call.inline:
-                    inline.append((call, frame))
-                else:
-                    jobs.append((self._complete, (call, frame)))
-            if woken:
                 self._cond.notify_all()
 
     def _server_holds(self, wait: float) -> None:

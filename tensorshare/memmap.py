@@ -199,7 +199,7 @@ def _load_on_device(stored: StoredItem, desc, device: Any, follow_symlinks: bool
     """:func:`load_item` into device memory through the transfer engine; None where
     there is none for ``device`` (or an array it cannot hold: numpy's)."""
     from .device import engine_for
-    from .device.engine import item_layout
+    from .device.payload import item_layout
 
     engine = engine_for(device)
     if engine is None:

@@ -6,8 +6,14 @@ the same server list picks the same server for a bin, with no coordinator, and
 adding a server to a list of n moves only the bins that now hash highest to it
 (about 1/(n+1) of them); removing one moves only its own bins.  A bin's verbs go
 to its server unchanged, so every guarantee of one server (atomic items, ``seq``,
-listens, ``--data-dir`` durability) holds per bin; :meth:`ShardedClient.list`
-merges the listings of all servers.  Nothing spans two bins, as on one server.
+listens, ``--data-dir`` durability) holds per bin; a table is a bin, so its verbs
+go to its server the same way.  :meth:`ShardedClient.list` merges the listings of
+all servers.  Nothing spans two bins, as on one server.
+
+The per-bin methods are derived from the verbs' declarations
+(``tensorshare/protocol/messages.py``): every verb that names a bin gives
+``ShardedClient`` the method its declaration names, which calls that method of the
+bin's server's :class:`~tensorshare.Client`.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import Any, Callable, Iterable
 
 from .client import Client
 from .errors import UsageError
+from .protocol.messages import COMMANDS
 from .protocol.placement import rendezvous
 
 _DEFAULT = object()
@@ -79,31 +86,10 @@ class ShardedClient:
         """The :class:`Client` of the server that holds ``bin``."""
         return self.clients[rendezvous(bin, self.keys)]
 
-    # -- the verbs of one bin go to its server
-
-    def put(self, bin: str, value: Any, **options) -> Any:
-        return self.client_for(bin).put(bin, value, **options)
-
-    def append(self, bin: str, value: Any, **options) -> Any:
-        return self.client_for(bin).append(bin, value, **options)
-
-    def get(self, bin: str, *args, **options) -> Any:
-        return self.client_for(bin).get(bin, *args, **options)
-
-    def peek(self, bin: str, *args, **options) -> Any:
-        return self.client_for(bin).peek(bin, *args, **options)
+    # -- the verbs of one bin go to its server (and the methods derived from the declarations, below)
 
     def save(self, bin: str, path, **options) -> Any:
         return self.client_for(bin).save(bin, path, **options)
-
-    def delete(self, bin: str, *args, **options) -> Any:
-        return self.client_for(bin).delete(bin, *args, **options)
-
-    def listen(self, bin: str, callback: Callable, *args, **options) -> Any:
-        return self.client_for(bin).listen(bin, callback, *args, **options)
-
-    def unlisten(self, bin: str, callback: Callable | None = None) -> Any:
-        return self.client_for(bin).unlisten(bin, callback)
 
     def submit(self, op, bin: str, *args, **options) -> None:
         """:meth:`Client.submit` on ``bin``'s server (every verb that names a bin)."""
@@ -148,6 +134,20 @@ class ShardedClient:
 
     def __repr__(self) -> str:
         return f"ShardedClient({self.keys!r})"
+
+
+def _on_the_bins_server(method: str) -> Callable:
+    def call(self: ShardedClient, bin: str, *args, **options) -> Any:
+        return getattr(self.client_for(bin), method)(bin, *args, **options)
+
+    call.__name__ = call.__qualname__ = method
+    call.__doc__ = f":meth:`Client.{method}` on the server that holds ``bin``."
+    return call
+
+
+for _command in COMMANDS.values():
+    if _command.takes_bin and _command.method is not None:
+        setattr(ShardedClient, _command.method, _on_the_bins_server(_command.method))
 
 
 __all__ = ["ShardedClient", "rendezvous", "parse_server"]

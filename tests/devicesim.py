@@ -66,8 +66,10 @@ class DeferredStreams:
         self.devices = 0  # device buffers allocated
         self.registered: dict[int, int] = {}  # address -> bytes, while registered
         self.register_ok = True  # what register() answers
+        self.register_limit: int | None = None  # registrations accepted before it refuses (None: no limit)
         self.handed: list = []  # tensors handed over to the caller
         self.opened = 0  # shared blocks opened
+        self.share_ok = True  # whether share() can share (torch cannot share every block: RuntimeError)
 
     # -- the caller's side
 
@@ -153,11 +155,14 @@ class DeferredStreams:
         return torch.full((nbytes,), POISON, dtype=torch.uint8)
 
     def register(self, address: int, nbytes: int, read_only: bool) -> bool:
-        if self.register_ok:
+        ok = self.register_ok and (self.register_limit is None or len(self.registered) < self.register_limit)
+        if ok:
             self.registered[address] = nbytes
-        return self.register_ok
+        return ok
 
     def unregister(self, address: int) -> None:
+        if self.pending():  # a copy from the pages may still be in flight: CUDA does not wait for it
+            raise AssertionError("pages unregistered while copies are queued")
         del self.registered[address]
 
     # -- CUDA IPC: blocks "shared" through a registry of this process
@@ -169,6 +174,8 @@ class DeferredStreams:
         return int(uuid.rsplit("-", 1)[1]) if uuid.startswith("standin-") else None
 
     def share(self, flat: torch.Tensor) -> list:
+        if not self.share_ok:
+            raise RuntimeError("Tensors allocated with expandable_segments:True cannot be shared between processes")
         handle = os.urandom(16)
         SHARED[handle] = flat
         return [0, handle, flat.numel(), 0, b"counter", 0, b"", False]

@@ -51,6 +51,29 @@ class Outbox:
         self.closed = True
 
 
+class HeldJobs:
+    """Disk jobs (server/bins/jobs.py's Jobs) that run when the test says (:meth:`release`)."""
+
+    def __init__(self):
+        self.queued = []
+
+    def run(self, lane, fn, args=(), done=None):
+        self.queued.append((fn, args, done))
+
+    def run_threadsafe(self, lane, fn, args):
+        self.run(lane, fn, args)
+
+    def release(self):
+        queued, self.queued = self.queued, []
+        for fn, args, done in queued:
+            try:
+                result, error = fn(*args), None
+            except Exception as exc:  # noqa: BLE001 - handed to done, as the real jobs do
+                result, error = None, exc
+            if done is not None:
+                done(result, error)
+
+
 class Pair:
     """A client protocol and a server session joined in memory."""
 

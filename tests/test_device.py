@@ -16,7 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from devicesim import POISON, DeferredStreams
+from devicesim import POISON, DeferredStreams, Stream
 from tensorshare.device.buckets import Bucket, Piece, Ranges, plan, windows
 from tensorshare.device.engine import DeviceSpan, Engine, StagedParts
 from tensorshare.device.pool import Pool
@@ -311,6 +311,44 @@ def test_arrays_may_land_in_destination_tensors():
     assert out["c"].untyped_storage().nbytes() < 128  # only c's bytes were allocated
 
 
+@pytest.mark.parametrize("way", ["incoming", "upload", "copy_in"])
+def test_destinations_are_written_only_after_the_callers_earlier_kernels(way):
+    """A kernel the caller queued before the call (a forward pass reading a model's
+    parameters) sees them as they were: the engine's writes into them wait for it."""
+    value = {"a": torch.randn(3000), "b": torch.arange(5)}
+    description, payload = payload_of(value)
+    desc = parse_description(description, len(payload))
+    eng = engine()
+    sim = eng.streams
+    dest = torch.zeros(3000)
+    layout = [(spec.offset, spec.nbytes, target) for spec, target in zip(desc.arrays, (dest, None))]
+    caller, seen = Stream("caller"), []
+    with sim.using(caller):
+        sim.later(caller, lambda: seen.append(dest.clone()))
+        if way == "incoming":  # the reply is read on another thread: the mark made at the call is given
+            sink = eng.incoming(len(payload), 0, layout, sim.mark(0))
+        elif way == "upload":  # the server's files, on the caller's thread
+            arrays = [(spec.offset, np.frombuffer(payload, np.uint8, spec.nbytes, spec.offset)) for spec in desc.arrays]
+            arrived = eng.upload(arrays, len(payload), 0, layout)
+        else:  # another process's device memory (CUDA IPC), on the caller's thread
+            arrived = eng.copy_in(torch.frombuffer(bytearray(payload), dtype=torch.uint8), len(payload), 0, layout)
+    if way == "incoming":
+        feed(sink, payload, random.Random(7))
+        arrived = sink.finish()
+    out = build(desc, arrived)
+    sim.flush(caller)
+    assert torch.equal(seen[0], torch.zeros(3000))
+    assert out["a"] is dest and torch.equal(dest, value["a"]) and torch.equal(out["b"], value["b"])
+
+
+def test_a_window_fills_while_the_one_before_is_copied():
+    eng = engine()
+    _, payload = payload_of(torch.randn(4 * BUCKET // 4))
+    sink = eng.incoming(len(payload), 0)
+    sink.write(payload[: BUCKET + 1])
+    assert eng.streams.pending() > 0 and eng.pool.made == 2  # the first window's copy is not waited for yet
+
+
 def test_a_window_is_reused_only_once_its_copy_ran():
     eng = engine(keep=1)  # one buffer: each window must wait for the copy of the one before
     t = torch.randn(10 * BUCKET // 4)
@@ -354,6 +392,10 @@ def test_upload_of_mapped_arrays_with_gaps():
     eng.streams.register_ok = False  # the runtime refuses: staged instead
     assert_same(value, build(desc, eng.upload(arrays, len(payload), 0)))
     assert eng.streams.hosts > 0
+    eng = engine(register_host=True)
+    eng.streams.register_limit = 1  # refused at the second array: nothing was copied from the first
+    assert_same(value, build(desc, eng.upload(arrays, len(payload), 0)))
+    assert eng.streams.hosts > 0 and not eng.streams.registered and eng.registered_uploads == 0
 
 
 # ------------------------------------------------------------------ pool

@@ -22,14 +22,17 @@ from pairing import Pair
 from serverproc import ServerProcess
 from tensorshare.device.engine import Engine
 from tensorshare.errors import BadRequestError, ServerLocalError, ZeroCopyUnavailableError
-from tensorshare.protocol.messages import NOOP, PEEK, PUT, Key
+from tensorshare.protocol.messages import GET, NOOP, PEEK, PUT, Key
 from tensorshare.wire.codec import encode
 
 # ------------------------------------------------------------------ the server, paired in memory
 
 
+TORCH_HANDLE = b"\x02c" + b"h" * 64  # the handle of a block as torch >= 2.5 gives it: version, kind, cudaIpcMemHandle_t
+
+
 def reference(ident: int = 7, dev: str = "GPU-1") -> dict:
-    return {"id": ident, "dev": dev, "ipc": [0, b"h" * 64, 4096, 0, b"/torch_counter", 3, b"e" * 64, True],
+    return {"id": ident, "dev": dev, "ipc": [0, TORCH_HANDLE, 4096, 0, b"/torch_counter", 3, b"e" * 64, True],
             "digest": [1, 2]}
 
 
@@ -130,10 +133,33 @@ def test_a_read_waits_for_the_bytes_only_so_long():
         pair.close()
 
 
+def test_a_take_that_waited_for_items_then_for_their_bytes_is_answered_and_leaves_its_lane():
+    """A GET waiting in its lane for items goes on when an item put by reference
+    comes, waits in that lane again for the item's bytes, and is answered once they
+    are in; nothing of either wait is left behind."""
+    pair = Pair(same_host=True)
+    reader = Pair(same_host=True, state=pair.state)
+    try:
+        rid = reader.send_request(GET, {Key.BIN: "v", Key.WAIT: 30})
+        _, enc = by_reference(pair, "v", VALUE, reference())
+        pair.clock.advance(0)
+        assert not [f for f in reader.receive() if f.header.get("id") == rid]  # the item came, its bytes not
+        pair.call(PUT, {Key.BIN: "v", Key.VALUE: enc.description, Key.FILL: 7}, enc)
+        pair.clock.advance(0)
+        [taken] = [f for f in reader.receive() if f.header.get("id") == rid]
+        assert taken.header[Key.SIZES] == [enc.nbytes] and taken.payload_len == enc.nbytes
+        waits = pair.state.waits
+        assert waits.going(("v", GET.lane)) == 0 and not waits.waiting_on("v")
+    finally:
+        reader.close()
+        pair.close()
+
+
 @pytest.mark.parametrize("bad", [
     "x", {**reference(), "id": 0}, {**reference(), "id": "7"}, {**reference(), "dev": ""},
     {**reference(), "ipc": [0, b"h", 4096]}, {**reference(), "ipc": [0, "h", 4096, 0, b"c", 3, b"e", True]},
-    {**reference(), "ipc": [0, b"h" * 65, 4096, 0, b"c", 3, b"e", True]}, {**reference(), "digest": [1.5]},
+    {**reference(), "ipc": [0, b"h" * (64 << 10) + b"h", 4096, 0, b"c", 3, b"e", True]},
+    {**reference(), "ipc": [0, b"h", 4096, 0, b"c", 3, b"e" * 65, True]}, {**reference(), "digest": [1.5]},
     {**reference(), "digest": [(1 << 64) - 1]},
 ])
 def test_malformed_references_are_refused_and_nothing_is_stored(bad):
@@ -322,3 +348,8 @@ def test_where_references_cannot_be_taken_the_bytes_are(same_host, engine):
         state = state_dict(7)
         assert c.put("ipc-g", encode(state, stage=engine), by_reference=True) == 1
         assert c._exports is None and equal(c.peek("ipc-g")[0], state)
+    engine.streams.share_ok = False  # memory torch cannot share (an expandable segment, torch < 2.5)
+    with tensorshare.Client("127.0.0.1", same_host.port, timeout=30) as c:
+        state = state_dict(8)
+        assert c.put("ipc-h", encode(state, stage=engine), by_reference=True) == 1
+        assert not c._exported().held() and equal(c.peek("ipc-h")[0], state)

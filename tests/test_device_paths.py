@@ -19,7 +19,7 @@ from twisted.python.failure import Failure
 
 import tensorshare
 import tensorshare.device as device_engines
-from devicesim import DeferredStreams
+from devicesim import DeferredStreams, Stream
 from pairing import async_pair
 from serverproc import ServerProcess
 from tensorshare.device.engine import Engine
@@ -87,10 +87,16 @@ def test_peek_into_destination_tensors(server, engine):
     value = {"version": 3, "parameters": state_dict(8, 50_000)}
     model = {name: torch.zeros_like(t) for name, t in value["parameters"].items()}
     model["layer0.weight"] = torch.zeros(3)  # a shape that does not match: that array gets new memory
+    caller, seen = Stream("caller"), []
     with tensorshare.Client("127.0.0.1", server.port, timeout=30, zero_copy=False) as c:
         c.put("dev-into", value)
+        c.listen("dev-into-heard", lambda note: None)  # a reading thread: the reply may arrive there
         before = engine.streams.devices
-        [back] = c.peek("dev-into", device="cpu", into={"parameters": model})
+        with engine.streams.using(caller):  # a kernel reading the model, queued before the peek
+            engine.streams.later(caller, lambda: seen.append(model["layer1.weight"].clone()))
+            [back] = c.peek("dev-into", device="cpu", into={"parameters": model})
+    engine.streams.flush(caller)
+    assert not seen[0].any()  # it read the model as it was: the writes into it waited for it
     params = back["parameters"]
     for name, t in value["parameters"].items():
         assert torch.equal(params[name], t)

@@ -25,7 +25,8 @@ from tensorshare.disk.layout import RECORD, LayoutError, read_item, write_item
 from tensorshare.memmap import load_memmap, save_memmap
 from tensorshare.wire.codec import encode
 from tensorshare_server.bins.spill import SpillArea
-from tensorshare_server.bins.storage import InlineJobs, Storage
+from tensorshare_server.bins.jobs import InlineJobs
+from tensorshare_server.bins.storage import Storage
 from tensorshare_server.bins.store import BinStore, Item
 
 MiB = 1 << 20
@@ -149,9 +150,10 @@ def test_failed_write_leaves_nothing(tmp_path):
 # ------------------------------------------------- the storage, driven inline
 
 
-def _item(value, tag=None) -> Item:
+def _item(value, tag=None) -> tuple:
+    """A value as the storage takes it: ``(description, payload segments, payload bytes, tag)``."""
     enc = encode(value)
-    return Item(enc.description, (enc.payload_bytes(),), enc.nbytes, tag)
+    return enc.description, (enc.payload_bytes(),), enc.nbytes, tag
 
 
 def _payload(item: Item) -> bytes:
@@ -166,20 +168,22 @@ def _storage(tmp_path, limit):
     return Storage(BinStore(memory_limit=limit + DESCRIPTIONS), InlineJobs(), spill=SpillArea(str(tmp_path / "spill")))
 
 
-def _add(storage, name, item, replace=False):
+def _add(storage, name, value, replace=False) -> Item:
+    """Store ``value`` (:func:`_item`) in bin ``name``: the item the storage made of it."""
     out = []
-    storage.add(name, item, replace, lambda change, error: out.append((change, error)))
+    storage.add(name, *value, replace, lambda change, error: out.append((change, error)))
     (change, error), = out
     assert error is None
-    return change
+    return storage.store.items_of(name)[-1]
 
 
 def test_spill_keeps_memory_under_the_limit_lru_first(tmp_path):
     storage = _storage(tmp_path, 3 * MiB)
-    items = [_item(torch.full((MiB // 4,), float(i))) for i in range(8)]  # 1 MiB each
-    payloads = [_payload(i) for i in items]
-    for i, item in enumerate(items):
-        _add(storage, f"b{i}", item)
+    values = [_item(torch.full((MiB // 4,), float(i))) for i in range(8)]  # 1 MiB each
+    payloads = [b"".join(value[1]) for value in values]
+    items = []
+    for i, value in enumerate(values):
+        items.append(_add(storage, f"b{i}", value))
         if i == 2:
             storage.store.peek("b0")  # b0 recently used: b1 goes first
         if i == 3:
@@ -212,14 +216,13 @@ def test_files_of_items_that_leave_are_deleted(tmp_path):
 
 def test_failed_spill_refuses_growth_not_stored_items(tmp_path):
     storage = _storage(tmp_path, MiB)
-    kept = _item(torch.ones(MiB // 4))
-    _add(storage, "a", kept)
+    kept = _add(storage, "a", _item(torch.ones(MiB // 4)))
     os.rename(storage.spill.items, storage.spill.items + "-gone")
     open(storage.spill.items, "w").close()  # a file where the directory was: every spill write fails
     _add(storage, "b", _item(torch.ones(MiB // 4)))  # over budget: the spill fails, the item stays
     assert storage.spill_failed
     with pytest.raises(StorageFullError):
-        storage.add("c", _item(torch.ones(MiB // 4)), False, lambda *a: None)
+        storage.add("c", *_item(torch.ones(MiB // 4)), False, lambda *a: None)
     assert [_payload(i) for i in storage.store.peek("a")] == [_payload(kept)]
     assert storage.store.listing() == {"a": 1, "b": 1}
 

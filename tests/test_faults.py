@@ -209,7 +209,7 @@ def test_a_connection_lost_mid_put_frees_its_partial_payload_at_once():
 
     from tensorshare.wire.frames import SegmentSink, frame_head
     from tensorshare_server.config import ServerConfig
-    from tensorshare_server.net.recvpool import PooledSink
+    from tensorshare_server.protocol.recvpool import PooledSink
     from tensorshare_server.net.service import TensorShareFactory
     from tensorshare_server.root import build_state
 

@@ -25,7 +25,8 @@ from tensorshare_server.net.writer import FrameWriter
 from tensorshare_server.protocol.notify import ListenerRegistry, Notifier, notification_frame
 from tensorshare_server.protocol.session import ServerSession
 from tensorshare_server.root import ServerState
-from tensorshare_server.bins.storage import InlineJobs, Storage
+from tensorshare_server.bins.jobs import InlineJobs
+from tensorshare_server.bins.storage import Storage
 from tensorshare_server.bins.store import BinStore, Change, Item
 
 
@@ -500,7 +501,7 @@ def test_a_reader_that_reads_nothing_is_disconnected_and_a_slow_one_is_not(tmp_p
 def test_flow_control_options_on_the_command_line():
     import subprocess
 
-    from tensorshare_server.app import parse_args
+    from tensorshare_server.cli import parse_args
 
     config, _ = parse_args(["--max-outbound", "8MiB", "--outbound-stall-timeout", "2.5"])
     assert (config.max_outbound, config.outbound_stall_timeout) == (8 << 20, 2.5)

@@ -148,7 +148,7 @@ def test_the_wheel_holds_every_module_and_says_what_it_needs(wheel):
     entry_points = configparser.ConfigParser()
     [ep_name] = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     entry_points.read_string(zipfile.ZipFile(wheel).read(ep_name).decode())
-    assert dict(entry_points["console_scripts"]) == {"tensorshare-server": "tensorshare_server.app:main",
+    assert dict(entry_points["console_scripts"]) == {"tensorshare-server": "tensorshare_server.cli:main",
                                                      "tensorshare": "tensorshare.cli:main"}
 
 

@@ -1,10 +1,14 @@
-"""The layering holds: the server never loads torch or the client's internals, and
-the protocol and wire-format modules both ends share load neither end."""
+"""The layering holds: the server never loads torch or the client's internals (a
+relay neither: it has a small client of its own), no server module imports another
+that imports it back, and the protocol and wire-format modules both ends share load
+neither end."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -38,9 +42,50 @@ loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith(("torch."
 print(loaded)
 """
 
+RELAY_RUN = """
+import socket, sys, time
+import msgpack
+from tensorshare_server.app import EmbeddedServer
+from tensorshare.wire.frames import FrameDecoder, discard_sink, frame_head
+
+head = EmbeddedServer(port=0, zero_copy=False)
+relay = EmbeddedServer(port=0, follow=f"127.0.0.1:{head.port}", follow_timeout=10, zero_copy=False)
+sock = socket.create_connection(("127.0.0.1", relay.port), timeout=20)
+decoder, frames = FrameDecoder(discard_sink), []
+
+def reply(rid):
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        for frame in frames:
+            if frame.header.get("id") == rid:
+                frames.remove(frame)
+                return frame.header
+        frames.extend(decoder.feed(sock.recv(1 << 16)))
+    raise AssertionError(f"no reply to {rid}")
+
+assert reply(0)["code"] == 220
+blob = msgpack.packb({"v": None, "t": [], "n": 0})
+requests = [{"op": "PUT", "bin": "p", "value": blob, "tag": 3},  # forwarded upstream
+            {"op": "PEEK", "bin": "p", "tags": True, "incoming": True},  # mirrored, and copies pushed
+            {"op": "LISTEN", "bin": "p"},
+            {"op": "TCREATE", "bin": "t", "spec": {"capacity": 4}},  # a table verb: at the head
+            {"op": "TINFO", "bin": "t"}, {"op": "LIST"}, {"op": "GET", "bin": "p", "tags": True}]
+codes = []
+for rid, request in enumerate(requests, 1):
+    sock.sendall(frame_head({"id": rid, **request}, 0))
+    codes.append(reply(rid)["code"])
+assert codes == [250, 226, 200, 250, 200, 212, 226], codes
+assert head.state.storage.table("t") is not None
+loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith(("torch.", "tensorshare._client",
+                                                                       "tensorshare.client", "tensorshare.async_client")))
+print(loaded)
+"""
+
 SHARED_IMPORT = """
 import sys
 import tensorshare.protocol.messages, tensorshare.protocol.auth, tensorshare.wire.frames
+import tensorshare.protocol.handshake, tensorshare.protocol.items, tensorshare.protocol.retry
+import tensorshare.protocol.keepalive, tensorshare.protocol.tls
 import tensorshare.wire.description, tensorshare.disk.layout
 loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith(("tensorshare_server", "tensorshare._client",
                                                                        "twisted")))
@@ -48,9 +93,53 @@ print(loaded)
 """
 
 
-@pytest.mark.parametrize("script", [SERVER_RUN, SHARED_IMPORT], ids=["server", "shared-modules"])
+@pytest.mark.parametrize("script", [SERVER_RUN, RELAY_RUN, SHARED_IMPORT], ids=["server", "relay", "shared-modules"])
 @pytest.mark.process
 def test_modules_load_only_their_own_layer(script):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def _imports(name: str, path: Path, is_package: bool, known: set[str]) -> set[str]:
+    """The modules of ours that module ``name`` imports when it is loaded (its top-level
+    imports: one inside a function runs later, when the modules are loaded)."""
+    base = name if is_package else name.rpartition(".")[0]
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in known)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = base.split(".")
+                target = ".".join(parts[: len(parts) - node.level + 1]) + (f".{node.module}" if node.module else "")
+            else:
+                target = node.module
+            for alias in node.names:  # `from package import module` imports the module
+                found.add(f"{target}.{alias.name}" if f"{target}.{alias.name}" in known else target)
+    return (found & known) - {name}
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    root = Path(__file__).resolve().parent.parent
+    modules = {}
+    for package, directory in (("tensorshare", root / "tensorshare"), ("tensorshare_server", root / "server")):
+        for path in directory.rglob("*.py"):
+            parts = path.relative_to(directory).with_suffix("").parts
+            name = ".".join((package, *parts))
+            modules[name.removesuffix(".__init__")] = (path, parts[-1] == "__init__")
+    graph = {name: _imports(name, path, is_package, set(modules)) for name, (path, is_package) in modules.items()}
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), list(graph[start])
+        while todo:
+            name = todo.pop()
+            if name == goal:
+                return True
+            if name not in seen:
+                seen.add(name)
+                todo.extend(graph[name])
+        return False
+
+    circles = sorted({tuple(sorted((a, b))) for a in graph for b in graph[a] if reaches(b, a)})
+    assert circles == [], circles

@@ -70,7 +70,7 @@ def test_a_get_whose_wait_runs_out_takes_what_there_is():
     trainer.clock.advance(0.2)
     [frame] = _replies(trainer, rid)
     assert frame.header["code"] == 226 and _values(frame) == [7]
-    assert trainer.state.waits.waiting("r\x00take") == 0
+    assert trainer.state.waits.waiting(("r", "take")) == 0
 
 
 def test_a_get_that_waits_on_a_bin_that_never_comes_gets_550():
@@ -120,7 +120,7 @@ def test_a_connection_that_closes_while_its_get_waits_takes_nothing():
     worker.call(APPEND, {Key.BIN: "r"}, torch.tensor([0]))
     worker.clock.advance(0)
     assert worker.call(LIST).result == {"r": 1}
-    assert worker.state.waits.waiting("r\x00take") == 0
+    assert worker.state.waits.waiting(("r", "take")) == 0
 
 
 @pytest.mark.parametrize("fields", [{Key.LEAST: 0}, {Key.LEAST: "2"}, {Key.WAIT: -1}, {Key.LEAST: 3, Key.MAX: 2}])
@@ -203,15 +203,15 @@ def test_unordered_requests_hold_back_nobody_and_keep_their_place():
     waits = Waits(clock)
     state = {"a": False, "b": False}
     for name in ("a", "b"):
-        waits.park("k", lambda n=name: state[n], lambda n=name: log.append(n), 10.0, lambda: None, ordered=False)
+        waits.park(("k", "peek"), lambda n=name: state[n], lambda n=name: log.append(n), 10.0, lambda: None, ordered=False)
     state["b"] = True
     waits.changed("k")
     clock.advance(0)
-    assert log == ["b"] and waits.waiting("k") == 1
+    assert log == ["b"] and waits.waiting(("k", "peek")) == 1
     state["a"] = True
     waits.changed("k")
     clock.advance(0)
-    assert log == ["b", "a"] and waits.waiting("k") == 0
+    assert log == ["b", "a"] and waits.waiting(("k", "peek")) == 0
 
 
 # ---------------------------------------------------------------- the clients, against a server process
@@ -272,3 +272,33 @@ def test_the_async_client_waits_in_the_server_too():
     clock.advance(0)
     pump.flush()
     assert [[t.item() for t in r] for r in results] == [[0, 1]]
+
+
+def test_a_get_that_waited_then_reads_from_the_disk_answers_in_order(tmp_path):
+    """One request answered later in two steps, as the session carries it out: it
+    waits in its bin's take lane, goes when the item comes, then waits for the disk
+    (the item only has its files: over a tiny memory budget); the connection's next
+    request is answered after it, and its lane is told once it is answered."""
+    from pairing import HeldJobs
+    from tensorshare._client.connection import read_reply
+    from tensorshare_server.config import ServerConfig
+    from tensorshare_server.root import build_state
+
+    jobs, clock = HeldJobs(), Clock()
+    state = build_state(ServerConfig(data_dir=str(tmp_path / "data"), memory_limit=4096), jobs, clock=clock)
+    jobs.release()
+    reader, writer = Pair(state=state), Pair(state=state)
+    taking = reader.send_request(GET, {Key.BIN: "r", Key.WAIT: 5.0})
+    after = reader.send_request(NOOP)
+    writer.send_request(APPEND, {Key.BIN: "r"}, torch.arange(16384))  # 128 KiB, over the budget
+    jobs.release()  # written: stored, then only on disk
+    assert [item.resident for item in state.store.items_of("r")] == [False]
+    clock.advance(0)  # the GET goes on, and waits for the item's files to open
+    assert reader.receive() == [] and state.waits.going(("r", "take")) == 1
+    jobs.release()
+    frames = reader.receive()
+    assert [f.header["id"] for f in frames] == [taking, after]
+    assert torch.equal(read_reply(GET, frames[0]).result[0], torch.arange(16384))
+    assert state.waits.going(("r", "take")) == 0
+    reader.close()
+    writer.close()

@@ -9,7 +9,7 @@ import pytest
 import tensorshare
 from opsproc import OpsServer, http_get
 from serverproc import ServerProcess
-from tensorshare_server.app import parse_args
+from tensorshare_server.cli import parse_args
 
 TOKEN = "log-token-7a3c9e1f0b2d4c68"
 
@@ -116,7 +116,7 @@ def test_text_log_lines_carry_the_connection_id(tmp_path):
 
 
 def test_bad_log_level(capsys):
-    from tensorshare_server.app import main
+    from tensorshare_server.cli import main
 
     assert main(["--log-level", "LOUD", "--port", "0"]) == 2
     assert "unknown --log-level" in capsys.readouterr().err

@@ -103,6 +103,30 @@ def test_writes_are_forwarded_and_read_back_at_once(pair):
     assert up.relay_status() is None
 
 
+def test_table_verbs_through_a_relay_reach_the_head(pair):
+    """A table is made, filled, sampled and changed at the head through the relay: every
+    table verb is forwarded (its declared treatment), and its answer is the head's."""
+    _, _, up, rel = pair
+    assert rel.create_table("replay", 16, {"x": ((2,), torch.float32)}, sampler="prioritized") == 0
+    assert up.table_info("replay")["capacity"] == 16  # it lives at the head
+    keys = rel.insert("replay", {"x": torch.arange(8.0).view(4, 2)})
+    assert len(keys) == 4
+    assert up.table_info("replay")["size"] == 4 and rel.table_info("replay")["size"] == 4
+    assert rel.update_priorities("replay", keys[:1], [0.0]) == 1
+    drawn = rel.sample("replay", 3)
+    assert len(drawn) == 3 and 0 not in drawn.keys.tolist()  # priority 0: never drawn
+    rel.write("replay", [5], {"x": torch.full((1, 2), 9.0)})
+    assert torch.equal(up.read("replay", [5])["x"], torch.full((1, 2), 9.0))
+    assert torch.equal(rel.read("replay", [0, 5])["x"], up.read("replay", [0, 5])["x"])
+    assert rel.set_table_limits("replay", min_size_to_sample=2)["rate_limiter"]["min_size_to_sample"] == 2
+    assert up.list()["replay"] == 5 and rel.list()["replay"] == 5
+    up.put("plain", 1)
+    with pytest.raises(errors.BadNameError):  # the head's refusal, as it came
+        rel.insert("plain", {"x": torch.ones(1, 2)})
+    rel.delete("replay")
+    assert "replay" not in up.list()
+
+
 def test_large_values_and_same_host_zero_copy_on_the_relay(pair):
     _, _, up, rel = pair
     state = {f"layer{i}": torch.randn(256, 1024) for i in range(4)}  # 4 MiB

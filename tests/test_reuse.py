@@ -1,5 +1,5 @@
 """Reused receive memory: tensorshare/wire/recycle.py, the server's receive pool
-(server/net/recvpool.py) and the clients' reply arrays."""
+(server/protocol/recvpool.py) and the clients' reply arrays."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from tensorshare._client.connection import decode_items
 from tensorshare.wire.frames import FrameDecoder, frame_head
 from tensorshare_server import EmbeddedServer, ServerConfig
 from tensorshare.wire.recycle import Recycler, size_class
-from tensorshare_server.net.recvpool import CHUNK, PooledSink, chunk_pool
+from tensorshare_server.protocol.recvpool import CHUNK, PooledSink, chunk_pool
 from wiretools import RawConnection, raw_frame
 
 MiB = 1 << 20
@@ -366,7 +366,7 @@ def test_the_deferred_client_reuses_reply_arrays_too():
 
 
 def test_recv_pool_option_on_the_command_line():
-    from tensorshare_server.app import parse_args
+    from tensorshare_server.cli import parse_args
 
     assert parse_args(["--recv-pool", "256MiB"])[0].recv_pool == 256 * MiB
     assert parse_args(["--recv-pool", "0"])[0].recv_pool_bytes == 0

@@ -201,7 +201,7 @@ def test_session_connection_limit():
 
 
 def test_keepalive_decisions():
-    from tensorshare._client.keepalive import DEAD, PROBE, Keepalive
+    from tensorshare.protocol.keepalive import DEAD, PROBE, Keepalive
 
     k = Keepalive(1.0)
     assert k.due(10.0, last_heard=9.5, last_sent=0.0) == (None, 10.5)

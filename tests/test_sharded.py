@@ -91,3 +91,29 @@ def test_sharded_bins_survive_one_shards_restart(tmp_path):
     finally:
         for shard in shards:
             shard.stop()
+
+
+@pytest.mark.process
+def test_sharded_tables_live_on_their_servers_and_sample_there():
+    """Tables are bins: each on the server its name hashes to, with every table verb
+    (derived from the declarations) sent there."""
+    shards = [ServerProcess() for _ in range(2)]
+    try:
+        addresses = [f"127.0.0.1:{s.port}" for s in shards]
+        with tensorshare.ShardedClient(addresses, timeout=10) as sharded:
+            names = [f"replay-{i}" for i in range(24)]  # (on both servers, but for a 2**-23 chance)
+            assert len({sharded.server_for(name) for name in names}) == 2
+            for i, name in enumerate(names):
+                assert sharded.create_table(name, 16, {"x": ((2,), torch.float32)}) == 0
+                keys = sharded.insert(name, {"x": torch.full((4, 2), float(i))})
+                assert sharded.update_priorities(name, keys, [2.0] * 4) == 4
+            for i, name in enumerate(names):
+                drawn = sharded.sample(name, 3)
+                assert len(drawn) == 3 and torch.equal(drawn.value["x"], torch.full((3, 2), float(i)))
+                assert sharded.table_info(name)["size"] == 4
+            for address, shard in zip(addresses, shards):
+                with tensorshare.Client("127.0.0.1", shard.port, timeout=10) as direct:
+                    assert set(direct.list()) == {n for n in names if sharded.server_for(n) == address}
+    finally:
+        for shard in shards:
+            shard.stop()

@@ -257,7 +257,7 @@ def test_busy_poll_acquire_and_release_restore_the_reactor(monkeypatch):
 
 
 def test_busy_poll_settings():
-    from tensorshare_server.app import parse_args
+    from tensorshare_server.cli import parse_args
 
     config, _ = parse_args([])
     assert config.busy_poll == busypoll.DEFAULT_WINDOW  # the command serves and does nothing else

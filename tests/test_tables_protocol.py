@@ -5,6 +5,8 @@ rules are tested in test_tables_engine.py; here, what the wire and the server ad
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -42,7 +44,7 @@ def make(pair: Pair, name: str = "t", seed: int = 0, **spec) -> None:
     spec.setdefault("capacity", 100)
     spec.setdefault("columns", COLUMNS)
     pair.call(TCREATE, {Key.BIN: name, K.SPEC: spec})
-    pair.state.storage.tables.get(name).table.rng = np.random.default_rng(seed)  # statistics on a fixed seed
+    pair.state.storage.table(name).table.rng = np.random.default_rng(seed)  # statistics on a fixed seed
 
 
 def insert(pair: Pair, first: int, n: int, name: str = "t", **fields):
@@ -383,6 +385,73 @@ def test_the_async_client_has_the_table_methods():
     assert results[2].value["x"].shape == (4, 2) and len(results[2]) == 4
     client.close()
     pump.flush()
+
+
+def test_a_durable_tables_files_are_made_and_removed_by_disk_jobs(tmp_path):
+    """Making and removing a table's files (sparse columns, JSON, a tree that may
+    hold gigabytes) runs as disk jobs, never in the handler: TCREATE is answered
+    once the files are made, DELETE once they are gone, and the session serves
+    what follows in order meanwhile."""
+    from pairing import HeldJobs
+    from tensorshare.protocol.messages import DELETE
+    from tensorshare_server.config import ServerConfig
+    from tensorshare_server.root import build_state
+    from twisted.internet.task import Clock
+
+    jobs = HeldJobs()
+    state = build_state(ServerConfig(data_dir=str(tmp_path / "data")), jobs, clock=Clock())
+    jobs.release()
+    pair = Pair(state=state)
+    tables = tmp_path / "data" / "tables"
+    made = pair.send_request(TCREATE, {Key.BIN: "t", K.SPEC: {"capacity": 8, "columns": COLUMNS}})
+    noop = pair.send_request(NOOP)
+    assert _replies(pair, made) == [] and not tables.exists()  # nothing on disk yet, nothing answered
+    jobs.release()
+    frames = pair.receive()
+    assert [(f.header["id"], f.header["code"]) for f in frames] == [(made, 250), (noop, 200)]
+    assert sorted(os.listdir(next(tables.iterdir()))) == ["_slots", "meta.json", "obs.memmap", "reward.memmap",
+                                                          "table.json"]
+    gone = pair.send_request(DELETE, {Key.BIN: "t"})
+    assert _replies(pair, gone) == [] and any(tables.iterdir())
+    assert Pair(state=state).call(LIST).result == {}  # out of the namespace at once
+    jobs.release()
+    assert [h["code"] for h in _replies(pair, gone)] == [250] and not any(tables.iterdir())
+    pair.close()
+
+
+def test_the_new_columns_of_a_durable_table_are_made_by_disk_jobs(tmp_path):
+    """TCREATE with ``add_columns`` on a table in files makes the new columns' files
+    on a disk thread and notes them in its JSON there too: answered once both are
+    done; the table serves meanwhile, with the columns it had."""
+    import json
+
+    from pairing import HeldJobs
+    from tensorshare_server.config import ServerConfig
+    from tensorshare_server.root import build_state
+    from twisted.internet.task import Clock
+
+    jobs = HeldJobs()
+    state = build_state(ServerConfig(data_dir=str(tmp_path / "data")), jobs, clock=Clock())
+    jobs.release()
+    pair = Pair(state=state)
+    made = pair.send_request(TCREATE, {Key.BIN: "t", K.SPEC: {"capacity": 8, "columns": COLUMNS}})
+    jobs.release()
+    assert [h["code"] for h in _replies(pair, made)] == [250]
+    directory = next((tmp_path / "data" / "tables").iterdir())
+    wider = {**COLUMNS, "done": {"shape": [], "dtype": "bool"}}
+    grown = pair.send_request(TCREATE, {Key.BIN: "t", K.SPEC: {"capacity": 8, "columns": wider}, K.ADD_COLUMNS: True})
+    other = Pair(state=state)
+    assert "done" not in other.call(TINFO, {Key.BIN: "t"}).result["columns"]  # served meanwhile, as it was
+    assert _replies(pair, grown) == [] and not (directory / "done.memmap").exists()
+    jobs.release()  # the new column's file
+    assert (directory / "done.memmap").exists() and _replies(pair, grown) == []
+    jobs.release()  # the table's JSON
+    assert [h["code"] for h in _replies(pair, grown)] == [250]
+    assert json.loads((directory / "table.json").read_text())["spec"]["columns"]["done"] == {"shape": [],
+                                                                                             "dtype": "bool"}
+    assert other.call(TINFO, {Key.BIN: "t"}).result["columns"]["done"] == {"shape": [], "dtype": "bool"}
+    other.close()
+    pair.close()
 
 
 # ---------------------------------------------------------------- TorchRL's needs: reads counted, columns, slots

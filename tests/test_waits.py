@@ -40,16 +40,19 @@ class Gate:
         self.log.append(("expired", self.name))
 
 
-def _park(waits: Waits, gate: Gate, timeout: float = 10.0, bin: str = "b"):
-    return waits.park(bin, gate.ready, gate.go, timeout, gate.expire)
+KEY = ("b", "room")  # (bin, lane)
+
+
+def _park(waits: Waits, gate: Gate, timeout: float = 10.0, key: tuple = KEY):
+    return waits.park(key, gate.ready, gate.go, timeout, gate.expire)
 
 
 def test_a_ready_request_goes_at_once_and_counts_as_going_until_settled():
     waits, log = Waits(Clock()), []
     assert _park(waits, Gate(log, "a", True)) is None
-    assert log == [("go", "a")] and waits.going("b") == 1
-    waits.settled("b")
-    assert waits.going("b") == 0
+    assert log == [("go", "a")] and waits.going(KEY) == 1
+    waits.settled(KEY)
+    assert waits.going(KEY) == 0
 
 
 def test_parked_requests_go_in_order_on_the_turn_after_a_change():
@@ -67,7 +70,7 @@ def test_parked_requests_go_in_order_on_the_turn_after_a_change():
     assert log == []  # not inside the handler of whatever changed the bin
     clock.advance(0)
     assert log == [("go", "first"), ("go", "second")]
-    assert waits.waiting("b") == 0
+    assert waits.waiting(KEY) == 0
 
 
 def test_a_ready_request_does_not_overtake_parked_ones():
@@ -200,32 +203,11 @@ def test_a_connection_that_closes_while_parked_stores_nothing():
     assert [t.item() for t in trainer.call(GET, {Key.BIN: "r"}).result] == [0]
     trainer.clock.advance(20)
     assert trainer.call(LIST).result == {"r": 0}
-    assert trainer.state.waits.waiting("r") == 0
+    assert trainer.state.waits.waiting(("r", "room")) == 0
 
 
 def test_a_durable_append_being_written_counts_against_below(tmp_path):
-    class HeldJobs:
-        """Disk jobs (server/bins/storage.py's Jobs) that run when the test says."""
-
-        def __init__(self):
-            self.queued = []
-
-        def run(self, lane, fn, args=(), done=None):
-            self.queued.append((fn, args, done))
-
-        def run_threadsafe(self, lane, fn, args):
-            self.run(lane, fn, args)
-
-        def release(self):
-            queued, self.queued = self.queued, []
-            for fn, args, done in queued:
-                try:
-                    result, error = fn(*args), None
-                except Exception as exc:  # noqa: BLE001 - handed to done, as the real jobs do
-                    result, error = None, exc
-                if done is not None:
-                    done(result, error)
-
+    from pairing import HeldJobs
     from tensorshare_server.config import ServerConfig
     from tensorshare_server.root import build_state
 
@@ -236,7 +218,7 @@ def test_a_durable_append_being_written_counts_against_below(tmp_path):
     first = one.send_request(APPEND, {Key.BIN: "r", Key.BELOW: 1, Key.WAIT: 5.0}, torch.tensor([1]))
     second = two.send_request(APPEND, {Key.BIN: "r", Key.BELOW: 1, Key.WAIT: 5.0}, torch.tensor([2]))
     state.waits.clock.advance(0)
-    assert state.waits.going("r") == 1 and state.waits.waiting("r") == 1  # the first is being written
+    assert state.waits.going(("r", "room")) == 1 and state.waits.waiting(("r", "room")) == 1  # one is being written
     jobs.release()
     state.waits.clock.advance(0)
     assert [h["code"] for h in _replies(one, first)] == [250]

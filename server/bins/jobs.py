@@ -1,7 +1,9 @@
 """Disk work off the reactor thread: a thread pool whose jobs of one lane run in order.
 
 The server's :class:`~.storage.Storage` hands blocking file work (writing an item,
-moving a floor, deleting a bin) to :class:`ThreadJobs`.  Jobs of the same lane (a
+moving a floor, deleting a bin, making or removing a table's files) to a
+:class:`Jobs` runner: :class:`ThreadJobs` in a server, :class:`InlineJobs` (at once,
+on the calling thread) in tests and tools.  Jobs of the same lane (a
 bin, for the data directory) run one after the other in submission order, so the
 files of a bin change in the order the store does; jobs of different lanes, and
 lane-less jobs (spills), run in parallel.  Completion callbacks run on the reactor
@@ -14,7 +16,7 @@ import functools
 import logging
 import threading
 from collections import deque
-from typing import Callable
+from typing import Callable, Protocol
 
 from twisted.internet import threads
 from twisted.python.failure import Failure
@@ -23,8 +25,36 @@ from twisted.python.threadpool import ThreadPool
 log = logging.getLogger("tensorshare.server")
 
 
+class Jobs(Protocol):
+    """Runs blocking functions; jobs of one lane run one at a time, in order."""
+
+    def run(self, lane: str | None, fn: Callable, args: tuple,
+            on_done: Callable[[object, BaseException | None], None] | None = None) -> None:
+        """Run ``fn(*args)``; then ``on_done(result, error)`` on the caller's thread."""
+
+    def run_threadsafe(self, lane: str | None, fn: Callable, args: tuple) -> None:
+        """:meth:`run` with no callback, callable from any thread."""
+
+
+class InlineJobs:
+    """A :class:`Jobs` that runs everything at once on the calling thread (tests, tools)."""
+
+    def run(self, lane, fn, args, on_done=None) -> None:
+        try:
+            result, error = fn(*args), None
+        except Exception as exc:
+            result, error = None, exc
+        if on_done is not None:
+            on_done(result, error)
+        elif error is not None:
+            log.error("disk job %s failed: %s", getattr(fn, "__name__", fn), error)
+
+    def run_threadsafe(self, lane, fn, args) -> None:
+        self.run(lane, fn, args)
+
+
 class ThreadJobs:
-    """The :class:`~.storage.Jobs` of a running server."""
+    """The :class:`Jobs` of a running server."""
 
     def __init__(self, reactor, max_threads: int = 4):
         self.reactor = reactor

@@ -1,31 +1,28 @@
-"""The one storage interface the verb handlers use: the bins, and their disk tiers.
+"""The one interface to a server's bins and tables: the handlers' and the relay's way in.
 
-:class:`Storage` wraps the pure :class:`~.store.BinStore` for the sessions, for
-reads (``state``, ``listing``, ``peek``, ``take``, ``restore``, ``read``) and writes
-(``add``, ``adopt``, ``delete``) alike.  It decides when payloads move to disk and
-what a change must write before it is acknowledged; every blocking file operation
-(writing, opening and mapping an item's files, adopting, spilling) runs through a
-:class:`Jobs` runner (the server's disk threads, :mod:`.jobs`; a synchronous one in
-tests), whose completion callbacks come back on the caller's (reactor) thread.
+:class:`Storage` wraps the pure :class:`~.store.BinStore` and the
+:class:`~.tablestore.TableStore` (one namespace of names) for the sessions: reads
+(``state``, ``count``, ``seq``, ``listing``, ``peek``, ``take``, ``restore``,
+``read``), writes (``add``, ``adopt``, ``delete``), a relay's mirror of another
+server's bins (``mirror``, ``unmirror``, ``reserve_seq``) and the table verbs
+(``create_table``, ``insert_rows``, ``sample_rows``...).  Every operation that
+changes something returns (or calls back with) the :class:`~.store.Change` it
+made, for the caller to publish.  Storage decides what must touch the disk first;
+every blocking file operation runs through a :class:`~.jobs.Jobs` runner (the
+server's disk threads; a synchronous one in tests), whose completion callbacks
+come back on the caller's (reactor) thread.
 
 * Memory only (no limit, no data directory): every call completes at once.
 * ``memory_limit``: past the budget, least recently used items are written to the
-  spill area and then served from their files.  While spills are on their way and
-  memory is still over budget, :meth:`room` is False: sessions stop reading payloads
-  (backpressure) until :meth:`wait_for_room` calls them back.  When a spill write
-  fails (disk full), writes that would grow memory further get 452.
+  spill area and then served from their files (:mod:`.budget`: backpressure,
+  452 once spilling fails).
 * ``data_dir``: a PUT/APPEND is acknowledged only once its item is on disk; a
   DELETE once its bin is gone from disk; a GET moves the bin's floor.  Every item
   has its files, so going over budget only drops the in-memory copy.
-* ``shm`` (same-host zero-copy, :mod:`.shm`): items a client wrote into the
-  shared-memory area are adopted (:meth:`adopt`), and items held in memory that a
-  same-host client reads are copied there once (:meth:`promote`).  Their files are
-  RAM, so they count as resident: past the budget they are spilled like chunks.
+* ``shm`` (same-host zero-copy, :mod:`.sharing`): the areas offered to clients on
+  this host, values they wrote into shared memory, copies made there for readers.
 
-Files of items that left the store are deleted once nothing refers to the item
-any more (a GET reply in flight may still put it back), through a finalizer.
-Files in shared memory are deleted once nothing refers to their :class:`ItemFiles`
-(an item, or a reply whose client has not mapped them yet).
+Files of items that left the store go once nothing refers to them (:mod:`.lifetimes`).
 """
 
 from __future__ import annotations
@@ -33,58 +30,30 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
-import time
-import weakref
-from typing import Callable, Protocol
+from typing import Callable
 
-from tensorshare.disk.areas import write_token
 from tensorshare.disk.layout import StoredItem
 from tensorshare.errors import (
     BadNameError, BadRequestError, RemoteError, ServerLocalError, StorageFullError, ZeroCopyUnavailableError,
 )
 from tensorshare.wire.description import DEFAULT_LIMITS, DecodeLimits
 
+from .budget import MemoryBudget
 from .durable import DataDir
+from .jobs import Jobs
+from .lifetimes import FileLifetimes
+from .sharing import SharedTier
 from .shm import ShmArea
-from .spill import Area, ItemFiles, SpillArea, remove, remove_dir
-from .store import BinStore, Change, Item
+from .spill import ItemFiles, SpillArea
+from .store import BinState, BinStore, Change, Item
 from .tablestore import TableStore
+from .tableverbs import TableVerbs
 
 log = logging.getLogger("tensorshare.server")
 
 Done = Callable[[Change | None, RemoteError | None], None]
 
-
-class Jobs(Protocol):
-    """Runs blocking functions; jobs of one lane run one at a time, in order."""
-
-    def run(self, lane: str | None, fn: Callable, args: tuple,
-            on_done: Callable[[object, BaseException | None], None] | None = None) -> None:
-        """Run ``fn(*args)``; then ``on_done(result, error)`` on the caller's thread."""
-
-    def run_threadsafe(self, lane: str | None, fn: Callable, args: tuple) -> None:
-        """:meth:`run` with no callback, callable from any thread."""
-
-
-class InlineJobs:
-    """A :class:`Jobs` that runs everything at once on the calling thread (tests, tools)."""
-
-    def run(self, lane, fn, args, on_done=None) -> None:
-        try:
-            result, error = fn(*args), None
-        except Exception as exc:
-            result, error = None, exc
-        if on_done is not None:
-            on_done(result, error)
-        elif error is not None:
-            log.error("disk job %s failed: %s", getattr(fn, "__name__", fn), error)
-
-    def run_threadsafe(self, lane, fn, args) -> None:
-        self.run(lane, fn, args)
-
-
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-_SHM_FULL_PAUSE_S = 5.0  # after shared memory ran full, no item is copied there for this long
 
 
 def _storage_error(exc: BaseException, what: str) -> RemoteError:
@@ -96,8 +65,9 @@ def _storage_error(exc: BaseException, what: str) -> RemoteError:
     return BadRequestError(f"{what}: this value cannot be stored: {exc}")
 
 
-class Storage:
-    """The store as the sessions use it (see the module docstring)."""
+class Storage(TableVerbs):
+    """The bins and tables as the sessions use them (see the module docstring); the
+    table verbs' operations are :class:`~.tableverbs.TableVerbs`'."""
 
     def __init__(self, store: BinStore, jobs: Jobs, *, data_dir: DataDir | None = None,
                  spill: SpillArea | None = None, shm: ShmArea | None = None):
@@ -107,44 +77,62 @@ class Storage:
         self.spill = spill
         self.shm = shm
         self._numbers = itertools.count(1)
-        self._spills_in_flight = 0
-        self._room_waiters: list[Callable[[], None]] = []
-        self.spill_failed: str | None = None  # why the last spill write failed, until one succeeds
         self.problems: list[str] = []  # what loading the data directory skipped
-        # Same-host zero-copy (see share()): the areas clients may map, in greeting order.
-        self.areas: list[Area] = []
-        self.token: str | None = None
-        self.shm_area = self.spill_area = self.data_area = None
-        self._promoting: set[Item] = set()
         self._taken: dict[str, list[Item]] = {}  # durable: items of GETs whose replies are not written yet
-        self._shm_full_until = 0.0
-        self._open = [True]  # cleared by close(): finalizers that run later leave the files alone
+        self.lifetimes = FileLifetimes(jobs)
+        self.budget = MemoryBudget(store, jobs, spill, self.lifetimes)
+        self.sharing = SharedTier(jobs, self.lifetimes, shm,
+                                  (("shm_area", shm and shm.path, True), ("spill_area", spill and spill.items, False),
+                                   ("data_area", data_dir and data_dir.root, False)),
+                                  takes_incoming=data_dir is None)
         # Tables share the bins' namespace (see _not_a_table) and the disk tiers.
-        self.tables = TableStore(store, memory_limit=store.memory_limit, spill_root=spill and spill.items,
-                                 data_root=data_dir and data_dir.root, on_grow=self._enforce_budget)
+        self.tables = TableStore(store, jobs, memory_limit=store.memory_limit, spill_root=spill and spill.items,
+                                 data_root=data_dir and data_dir.root, on_grow=self.budget.enforce)
+        self._table_names = self.tables.by_name  # (`in` on the dict itself: the request path asks every time)
 
     @property
     def durable(self) -> bool:
         return self.data_dir is not None
 
+    # -- the areas same-host clients may map (.sharing)
+
     def share(self, token: str) -> None:
-        """Offer this store's directories to same-host clients: write ``token`` into each
-        (the shared-memory area first, then the spill and data directories).  An area
-        whose token cannot be written is not offered."""
-        self.token = token
-        for attr, root, in_memory in (("shm_area", self.shm and self.shm.path, True),
-                                      ("spill_area", self.spill and self.spill.items, False),
-                                      ("data_area", self.data_dir and self.data_dir.root, False)):
-            if root is None:
-                continue
-            try:
-                write_token(root, token)
-            except OSError as exc:
-                log.warning("zero-copy: cannot offer %s to same-host clients: %s", root, exc)
-                continue
-            area = Area(len(self.areas), root, in_memory)
-            self.areas.append(area)
-            setattr(self, attr, area)
+        """Offer this store's directories to same-host clients (see :meth:`SharedTier.share`)."""
+        self.sharing.share(token)
+        self.budget.area = self.sharing.spill_area
+
+    @property
+    def areas(self):
+        return self.sharing.areas
+
+    @property
+    def token(self) -> str | None:
+        return self.sharing.token
+
+    @property
+    def shm_area(self):
+        return self.sharing.shm_area
+
+    @property
+    def data_area(self):
+        return self.sharing.data_area
+
+    @property
+    def takes_incoming(self) -> bool:
+        return self.sharing.takes_incoming
+
+    def open_incoming(self, done: Callable[[str | None, BaseException | None], None]) -> None:
+        self.sharing.open_incoming(done)
+
+    def close_incoming(self, incoming: str) -> None:
+        self.sharing.close_incoming(incoming)
+
+    def promote(self, item: Item) -> None:
+        self.sharing.promote(item)
+
+    def share_rows(self, description: bytes, buffer, nbytes: int) -> ItemFiles | None:
+        return self.sharing.share_rows(description, buffer, nbytes)
+
     # -- start-up
 
     def load(self) -> int:
@@ -159,7 +147,7 @@ class Storage:
                 item = Item(stored.description, None, stored.nbytes, stored.tag,
                             ItemFiles.of(stored, lane=name, number=number, area=self.data_area))
                 items.append(item)
-                self._watch(item)
+                self.lifetimes.watch(item)
             self.store.load(name, items)
             count += len(items)
         _, problems = self.tables.load()
@@ -167,32 +155,45 @@ class Storage:
         self.store.continue_from(loaded.next_number)  # sequence numbers keep growing across restarts
         return count
 
-    # -- changes
+    # -- writes
 
-    def mirror(self, name: str, items: list[Item], op: str, seq: int | None = None) -> Change:
-        """Replace bin ``name``'s items with ``items`` (in memory) in one change: a
-        relay's copy of an upstream bin (server/relay/; a relay has no data directory).
-        ``seq``: a number reserved for it earlier (``store.next_seq()``)."""
-        change = self.store.mirror(name, items, op, seq)
-        self._enforce_budget()
+    def add_now(self, name: str, description: bytes, segments: tuple, nbytes: int, tag: int | None,
+                replace: bool) -> Change:
+        """PUT (``replace``) or APPEND a value (its description blob, its payload
+        segments as received, their bytes, its tag) in memory, at once (spilled later
+        if the budget says so), never in the data directory; the change."""
+        return self._add_now(name, Item(description, segments, nbytes, tag), replace)
+
+    def _add_now(self, name: str, item: Item, replace: bool) -> Change:
+        self._not_a_table(name)
+        store = self.store
+        limit = store.memory_limit
+        if limit is not None:
+            if store.unspillable_bytes + len(item.description) > limit:
+                raise _unspillable_full(store)
+            failed = self.budget.spill_failed
+            if failed and store.resident_bytes + item.nbytes > limit:
+                raise StorageFullError(f"memory budget full and spilling failed: {failed}")
+        change = store.put(name, item) if replace else store.append(name, item)  # (they check the limits)
+        self.budget.enforce()
         return change
 
-    def add(self, name: str, item: Item, replace: bool, done: Done, lasting: bool = True) -> None:
-        """PUT (``replace``) or APPEND ``item``; ``done(change, error)`` when it is stored.
-        ``lasting=False``: kept in memory (or spilled) only, never in the data directory."""
+    def add(self, name: str, description: bytes, segments: tuple, nbytes: int, tag: int | None, replace: bool,
+            done: Done, lasting: bool = True) -> None:
+        """PUT (``replace``) or APPEND a value (as for :meth:`add_now`); ``done(change,
+        error)`` when it is stored: with a data directory once it is on disk (unless
+        ``lasting`` is False: then it is kept in memory only), else at once."""
+        self._add(name, Item(description, segments, nbytes, tag), replace, done, lasting)
+
+    def _add(self, name: str, item: Item, replace: bool, done: Done, lasting: bool = True) -> None:
+        if self.data_dir is None or not lasting:
+            done(self._add_now(name, item, replace), None)
+            return
         self._not_a_table(name)
         store = self.store
         limit = store.memory_limit
         if limit is not None and store.unspillable_bytes + len(item.description) > limit:
-            raise StorageFullError(f"memory budget full: {store.description_bytes} bytes of descriptions, "
-                                   f"{store.in_flight_bytes} of replies not yet read and {store.table_bytes} held "
-                                   f"by tables, which spilling cannot free")
-        if self.data_dir is None or not lasting:
-            if self.spill_failed and limit is not None and store.resident_bytes + item.nbytes > limit:
-                raise StorageFullError(f"memory budget full and spilling failed: {self.spill_failed}")
-            done(store.put(name, item) if replace else store.append(name, item), None)  # (they check the limits)
-            self._enforce_budget()
-            return
+            raise _unspillable_full(store)
         store.check_add(name, replace)  # refused before anything is written
 
         def committed(result, error) -> None:
@@ -202,7 +203,7 @@ class Storage:
                 return
             stored, number = result
             item.files = ItemFiles.of(stored, lane=name, number=number, area=self.data_area)
-            self._watch(item)
+            self.lifetimes.watch(item)
             try:
                 change = store.put(name, item) if replace else store.append(name, item)
             except RemoteError as exc:  # a limit reached while the item was being written
@@ -210,7 +211,7 @@ class Storage:
                 done(None, exc)
                 return
             done(change, None)
-            self._enforce_budget()
+            self.budget.enforce()
 
         self.jobs.run(name, self.data_dir.commit,
                       (name, self._next_number, replace, item.description, item.segments, item.nbytes, item.tag),
@@ -220,153 +221,74 @@ class Storage:
               replace: bool, done: Done, limits: DecodeLimits = DEFAULT_LIMITS) -> None:
         """PUT (``replace``) or APPEND of a value a same-host client wrote to
         ``incoming/<connection>/<shm_name>`` in the shared-memory area: checked and
-        taken over without a copy (:meth:`ShmArea.adopt`, on a disk thread), then
-        stored as :meth:`add` does.  ``done(None, ZeroCopyUnavailableError)`` if it
-        cannot be taken."""
-        if self.shm_area is None or self.data_dir is not None:
+        taken over without a copy (on a disk thread), then stored as :meth:`add`
+        does.  ``done(None, ZeroCopyUnavailableError)`` if it cannot be taken."""
+        if not self.sharing.takes_incoming:
             raise ZeroCopyUnavailableError("this server takes values over TCP only")
         self._not_a_table(name)
         self.store.check_add(name, replace)
 
-        def adopted(stored, error) -> None:
+        def adopted(files, error) -> None:
             if error is not None:
-                if not isinstance(error, RemoteError):
-                    log.warning("could not adopt an incoming item: %s", error)
-                    error = ZeroCopyUnavailableError(f"incoming item not taken: {error}")
                 done(None, error)
                 return
-            files = ItemFiles.of(stored, area=self.shm_area)
-            self._watch_shared(files)
             try:
-                self.add(name, Item(description, None, nbytes, tag, files), replace, done)
+                self._add(name, Item(description, None, nbytes, tag, files), replace, done)
             except RemoteError as exc:  # limits or budget: the files go with the item
                 done(None, exc)
 
-        self.jobs.run(None, self.shm.adopt, (connection, shm_name, description, nbytes, limits), adopted)
+        self.sharing.adopt(connection, shm_name, description, nbytes, limits, adopted)
+
+    # -- values put by reference to a client's device memory (PROTOCOL.md §13; no data directory)
+
+    def add_reference(self, name: str, description: bytes, nbytes: int, tag: int | None,
+                      ref: dict) -> tuple[Item, Change]:
+        """PUT of a value by device reference ``ref``: stored without its bytes (they
+        come later, :meth:`fill`), in memory; the item (the handle of the reference)
+        and the change."""
+        item = Item(description, None, nbytes, tag)
+        item.device = ref
+        return item, self._add_now(name, item, True)
 
     def fill(self, item: Item, segments: tuple) -> None:
         """Give ``item`` (stored by device reference) the payload that came for it."""
         if item.segments is None and item.files is None:
             item.segments = segments
             self.store.attach(item)
-            self._enforce_budget()
+            self.budget.enforce()
 
-    def fill_shared(self, item: Item, connection: str, shm_name: object, done: Callable,
+    def fill_shared(self, item: Item, connection: str, shm_name: object, done: Callable[[RemoteError | None], None],
                     limits: DecodeLimits = DEFAULT_LIMITS) -> None:
         """:meth:`fill` from the item directory a same-host client wrote (taken over as
-        :meth:`adopt` takes one, on a disk thread); ``done(None, error)`` after."""
-        if self.shm_area is None:
+        :meth:`adopt` takes one, on a disk thread); ``done(error or None)`` after."""
+        if not self.sharing.takes_incoming:
             raise ZeroCopyUnavailableError("this server takes values over TCP only")
 
-        def adopted(stored, error) -> None:
-            if error is not None:
-                if not isinstance(error, RemoteError):
-                    error = ZeroCopyUnavailableError(f"incoming item not taken: {error}")
-                done(None, error)
-                return
-            files = ItemFiles.of(stored, area=self.shm_area)
-            self._watch_shared(files)  # (removed again if the item went meanwhile: nothing holds them)
-            if item.segments is None and item.files is None:
-                item.files = files
+        def adopted(files, error) -> None:
+            if error is None and item.segments is None and item.files is None:
+                item.files = files  # (else dropped: nothing holds them)
                 self.store.attach(item)
-                self._enforce_budget()
-            done(None, None)
+                self.budget.enforce()
+            done(error)
 
-        self.jobs.run(None, self.shm.adopt, (connection, shm_name, item.description, item.nbytes, limits), adopted)
+        self.sharing.adopt(connection, shm_name, item.description, item.nbytes, limits, adopted)
 
-    @property
-    def takes_incoming(self) -> bool:
-        """Whether same-host clients may write values into the shared-memory area."""
-        return self.shm_area is not None and self.data_dir is None
-
-    def open_incoming(self, done: Callable[[str | None, BaseException | None], None]) -> None:
-        """Make an incoming directory for a same-host connection (on a disk thread);
-        ``done(name, error)``."""
-        self.jobs.run(None, self.shm.open_connection, (), done)
-
-    def close_incoming(self, incoming: str) -> None:
-        """A same-host connection closed: remove its incoming directory (in the background)."""
-        if self.shm is not None and self._open[0]:
-            self.jobs.run(None, self.shm.close_connection, (incoming,))
-
-    def promote(self, item: Item) -> None:
-        """Copy an item held in memory into the shared-memory area, in the background, so
-        that same-host readers map it from then on (its chunks are freed once it is
-        there; it stays resident).  Does nothing for items that have files, are on
-        their way to disk, or while shared memory is full."""
-        if (self.shm_area is None or item.segments is None or item.files is not None or item.spilling
-                or item in self._promoting or time.monotonic() < self._shm_full_until):
-            return
-        self._promoting.add(item)
-
-        def written(stored, error) -> None:
-            self._promoting.discard(item)
-            if error is not None:
-                self._shm_failed("copy an item to", error)
-                return
-            files = self._shared_files(stored)
-            if item.stored and item.segments is not None and item.files is None and not item.spilling:
-                item.files, item.segments = files, None  # still resident: the accounting stays
-            # else the item changed meanwhile: the new files go when `files` does
-
-        self.jobs.run(None, self.shm.write, (item.description, item.segments, item.nbytes, item.tag), written)
-
-    def promote_now(self, item: Item) -> bool:
-        """:meth:`promote` on the caller's thread (a copy into tmpfs, as :meth:`share_rows`):
-        for a relay's new copy of a bin its same-host readers map, so that their first
-        read of it is already by reference.  True if the item is in shared memory now."""
-        if (self.shm_area is None or item.segments is None or item.files is not None or item.spilling
-                or time.monotonic() < self._shm_full_until):
-            return False
-        files = self._write_shared("copy an item to", item.description, item.segments, item.nbytes, item.tag)
-        if files is None:
-            return False
-        item.files, item.segments = files, None  # still resident: the accounting stays
-        return True
-
-    def share_rows(self, description: bytes, buffer, nbytes: int) -> ItemFiles | None:
-        """Write the rows a TSAMPLE/TREAD gathered into the shared-memory area as one
-        item, for a same-host reader to map; its files, removed once nothing refers to
-        them (the reply's pin).  None while shared memory is full.
-
-        Runs on the caller's thread: the area is RAM (tmpfs), so this is a copy into
-        the page cache, as the gather itself, with no disk to wait for."""
-        if self.shm_area is None or time.monotonic() < self._shm_full_until:
-            return None
-        return self._write_shared("write sampled rows to", description, [buffer], nbytes, None)
-
-    def _write_shared(self, what: str, description: bytes, segments, nbytes: int,
-                      tag: int | None) -> ItemFiles | None:
-        """Write an item into the shared-memory area on the caller's thread (tmpfs: a
-        copy into RAM); its watched files, or None if shared memory is full."""
-        try:
-            stored = self.shm.write(description, segments, nbytes, tag)
-        except OSError as exc:
-            self._shm_failed(what, exc)
-            return None
-        return self._shared_files(stored)
-
-    def _shm_failed(self, what: str, error: BaseException) -> None:
-        """A write into shared memory failed (full): say so, and pause writing there."""
-        log.info("could not %s shared memory: %s", what, error)
-        self._shm_full_until = time.monotonic() + _SHM_FULL_PAUSE_S
-
-    def _shared_files(self, stored) -> ItemFiles:
-        """The files of an item just written into the shared-memory area, watched."""
-        files = ItemFiles.of(stored, area=self.shm_area)
-        self._watch_shared(files)
-        return files
+    @staticmethod
+    def lose_reference(item: Item) -> None:
+        """``item``'s publisher went away: it keeps its bytes if they came, else it
+        cannot be read any more."""
+        item.device = None if item.segments is not None or item.files is not None else False
 
     def delete(self, name: str, done: Done) -> None:
-        """DELETE bin ``name``; ``done`` once it is gone (from disk too, if durable).
+        """DELETE bin (or table) ``name``; ``done`` once it is gone (from disk too, if durable).
 
         With a data directory the bin leaves memory only once it has left the disk,
         in the order of the bin's other changes there: an APPEND acknowledged before
         the DELETE is deleted with it, one after it survives, on disk as in memory.
         Items of the bin that a GET took and has not delivered yet are kept aside:
         they may go back."""
-        if name in self.tables:
-            done(self.tables.delete(name), None)
+        if name in self._table_names:
+            self.tables.delete(name, done)
             return
         if self.data_dir is None:
             done(self.store.delete(name), None)
@@ -392,13 +314,53 @@ class Storage:
         """The disk half of :meth:`delete` (a disk thread, in the bin's lane)."""
         return self.data_dir.delete_bin(name, tuple(item.files.path for item in self._taken.get(name, ())))
 
+    # -- a relay's mirror of another server's bins (server/relay/; a relay has no data directory)
+
+    def mirror(self, name: str, copy: list[tuple], op: str, seq: int | None = None,
+               share_from: int | None = None) -> Change:
+        """Replace bin ``name``'s items with ``copy`` (in memory) in one change: its
+        items as ``(description, payload segments, payload bytes, tag)``, as received.
+        ``seq``: a number reserved for it earlier (:meth:`reserve_seq`).  With
+        ``share_from``, a bin whose last copy same-host readers mapped (in shared
+        memory) gets the new items of at least that many bytes there too, before
+        anyone hears of the change: their first read maps it instead of receiving it."""
+        shared = share_from is not None and any(
+            item.files is not None and item.files.in_memory for item in self.store.items_of(name))
+        items = [Item(description, segments, nbytes, tag) for description, segments, nbytes, tag in copy]
+        change = self.store.mirror(name, items, op, seq)
+        if shared:
+            for item in items:
+                if item.nbytes >= share_from:
+                    self.sharing.promote_now(item)
+        self.budget.enforce()
+        return change
+
+    def unmirror(self, name: str) -> Change | None:
+        """Drop the mirror of bin ``name`` (it is gone upstream); None if there was none."""
+        return self.store.delete(name) if self.store.exists(name) else None
+
+    def reserve_seq(self) -> int:
+        """A change number, reserved now for a mirror change made later (a copy that
+        is announced while it still arrives)."""
+        return self.store.next_seq()
+
     # -- reads
 
-    def state(self, name: str) -> tuple[bool, int, int, int | None]:
-        """``(exists, n_items, seq, tag)`` of bin ``name`` (see :meth:`BinStore.state`)."""
-        if name in self.tables:
+    def state(self, name: str) -> BinState:
+        """The :class:`~.store.BinState` of bin (or table) ``name``."""
+        if name in self._table_names:
             return self.tables.state(name)
         return self.store.state(name)
+
+    def count(self, name: str) -> int:
+        """Items in bin ``name`` (a table's rows; 0 if there is none)."""
+        entry = self._table_names.get(name)
+        return self.store.count(name) if entry is None else entry.table.size
+
+    def seq(self, name: str) -> int:
+        """Bin (or table) ``name``'s last change's number."""
+        entry = self._table_names.get(name)
+        return self.store.seq(name) if entry is None else entry.seq
 
     def listing(self) -> dict[str, int]:
         """``{bin: n_items}`` for every bin (a table's: its rows)."""
@@ -408,7 +370,8 @@ class Storage:
 
     def peek(self, name: str) -> list[Item]:
         """The items of bin ``name``, which keeps them (NoSuchBinError if none)."""
-        self._not_a_table(name)
+        if name in self._table_names:
+            raise _is_a_table(name)
         return self.store.peek(name)
 
     def items_of(self, name: str) -> list[Item]:
@@ -419,7 +382,8 @@ class Storage:
         """GET: take every item (the first ``limit``) out of bin ``name``; with a data
         directory the bin's floor moves past them on disk.  Their payload in memory
         stays counted against the budget until :meth:`delivered` (or :meth:`restore`)."""
-        self._not_a_table(name)
+        if name in self._table_names:
+            raise _is_a_table(name)
         items, change = self.store.get(name, limit)
         self.store.in_flight_bytes += _resident_bytes(items)
         if self.data_dir is not None and items:
@@ -438,7 +402,7 @@ class Storage:
         """The reply of a GET that took ``items`` from bin ``name`` has been written whole."""
         self.store.in_flight_bytes -= _resident_bytes(items)
         self._forget_taken(name, items)
-        self._wake()
+        self.budget.wake()
 
     def restore(self, name: str, items: list[Item]) -> Change | None:
         """Put ``items`` that a GET took back at the front of bin ``name`` (its reply
@@ -448,7 +412,7 @@ class Storage:
         self.store.in_flight_bytes -= _resident_bytes(items)
         self._forget_taken(name, items)
         change = self.store.restore(name, items)
-        self._enforce_budget()
+        self.budget.enforce()
         if self.data_dir is not None and items:
             def put_back(moved, error) -> None:
                 if error is not None:
@@ -467,9 +431,8 @@ class Storage:
         return self.data_dir.put_back(name, [item.files.path for item in items], self._next_number)
 
     def _not_a_table(self, name: str) -> None:
-        """553 for a bin verb (PUT, APPEND, GET, PEEK) on a table's name."""
-        if name in self.tables:
-            raise BadNameError(f"{name!r} is a table: use its table verbs (insert, sample, read, write)")
+        if name in self._table_names:
+            raise _is_a_table(name)
 
     def _next_number(self) -> int:
         return next(self._numbers)
@@ -521,81 +484,23 @@ class Storage:
 
         self.jobs.run(None, _open_parts, (sources,), opened)
 
-    # -- the memory budget and backpressure
+    # -- the memory budget and backpressure (.budget)
 
     def room(self) -> bool:
         """False while memory is over budget and spills that would free it are running."""
-        return not (self._spills_in_flight and self.store.over_budget())
+        return self.budget.room()
 
     def wait_for_room(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (once) when :meth:`room` is True again."""
-        if self.room():
-            callback()
-        else:
-            self._room_waiters.append(callback)
+        self.budget.wait_for_room(callback)
 
-    def _enforce_budget(self) -> None:
-        store = self.store
-        for item in store.to_evict():
-            if item.files is not None and not item.files.in_memory:  # durable: the files are there already
-                store.evict(item)
-            elif self.spill is not None:
-                self._spill(item)
-            else:
-                store.evict(item)  # nowhere to put it: stays in memory
-
-    def _spill(self, item: Item) -> None:
-        self._spills_in_flight += 1
-
-        def spilled(stored, error) -> None:
-            self._spills_in_flight -= 1
-            try:
-                if error is not None:
-                    if isinstance(error, OSError):  # the disk: no spill can succeed for now
-                        self.spill_failed = str(error)
-                    else:  # this item: it stays in memory, and the next one is tried
-                        item.unspillable = True
-                    log.warning("spilling %d bytes failed: %s", item.nbytes, error)
-                    self.store.evict(item)  # ends its spilling state; it stays in memory
-                else:
-                    self.spill_failed = None
-                    files = ItemFiles.of(stored, area=self.spill_area)
-                    if self.store.evict(item, files):
-                        self._watch(item)
-                    else:  # the item left the store while it was written
-                        self.jobs.run(None, remove, (files,))
-                if error is None or item.unspillable:
-                    self._enforce_budget()
-            finally:
-                self._wake()
-
-        # Chunks in memory, or files in shared memory (mapped on the disk thread).
-        source = item.segments if item.segments is not None else item.files
-        self.jobs.run(None, self._spill_write, (item.description, source, item.nbytes, item.tag), spilled)
-
-    def _spill_write(self, description: bytes, source, nbytes: int, tag):
-        buffers = source.buffers() if isinstance(source, ItemFiles) else source
-        return self.spill.write(description, buffers, nbytes, tag)
-
-    def _wake(self) -> None:
-        if self._room_waiters and self.room():
-            waiters, self._room_waiters = self._room_waiters, []
-            for callback in waiters:
-                callback()
-
-    # -- file lifetimes
-
-    def _watch(self, item: Item) -> None:
-        """Delete ``item``'s files once it is gone from the store and from every reply."""
-        weakref.finalize(item, _collect, self.jobs, item.files, self._open).atexit = False
-
-    def _watch_shared(self, files: ItemFiles) -> None:
-        """Delete files in shared memory once no item and no reply refers to them."""
-        weakref.finalize(files, _discard, self.jobs, files.path, self._open).atexit = False
+    @property
+    def spill_failed(self) -> str | None:
+        return self.budget.spill_failed
 
     def close(self) -> None:
         """The server is stopping: remove the spill and shared-memory areas (the data directory stays)."""
-        self._open[0] = False
+        self.lifetimes.close()
         self.tables.close()
         if self.spill is not None:
             self.spill.close()
@@ -603,6 +508,17 @@ class Storage:
             self.shm.close()
         if self.data_dir is not None:
             self.data_dir.close()  # its lock: another server may use it now
+
+
+def _unspillable_full(store: BinStore) -> StorageFullError:
+    return StorageFullError(f"memory budget full: {store.description_bytes} bytes of descriptions, "
+                            f"{store.in_flight_bytes} of replies not yet read and {store.table_bytes} held "
+                            f"by tables, which spilling cannot free")
+
+
+def _is_a_table(name: str) -> BadNameError:
+    """553 for a bin verb (PUT, APPEND, GET, PEEK) on a table's name."""
+    return BadNameError(f"{name!r} is a table: use its table verbs (insert, sample, read, write)")
 
 
 def _repoint(files: ItemFiles, stored: StoredItem, number: int | None) -> None:
@@ -620,13 +536,3 @@ def _open_parts(sources: list) -> list:
     for source in sources:
         parts.extend(source if type(source) is tuple else source.open_parts())
     return parts
-
-
-def _collect(jobs: Jobs, files: ItemFiles, open_: list) -> None:
-    if files.dropped and open_[0]:
-        jobs.run_threadsafe(files.lane, remove, (files,))
-
-
-def _discard(jobs: Jobs, path: str, open_: list) -> None:
-    if open_[0]:
-        jobs.run_threadsafe(None, remove_dir, (path,))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from tensorshare.errors import NoSuchBinError, TooLargeError
 
@@ -66,6 +67,20 @@ class Change:
     seq: int
     op: str
     tag: int | None = None  # tag of the bin's last item after the change
+
+
+class BinState(NamedTuple):
+    """What a listener's snapshot holds of a bin: whether it exists, its item count,
+    its last change's number (the store's last if it does not exist) and its last
+    item's tag."""
+
+    exists: bool
+    n_items: int
+    seq: int
+    tag: int | None
+
+
+_state = tuple.__new__  # BinState(...) without the Python-level __new__
 
 
 @dataclass
@@ -121,13 +136,25 @@ class BinStore:
         for name, b in self._bins.items():
             yield name, b.items, b.seq
 
-    def state(self, name: str) -> tuple[bool, int, int, int | None]:
-        """``(exists, n_items, seq, tag)`` of bin ``name``: seq is its last change's
-        number, tag its last item's tag."""
+    def state(self, name: str) -> BinState:
+        """The :class:`BinState` of bin ``name``."""
         b = self._bins.get(name)
         if b is None:
-            return False, 0, self._seq, None
-        return True, len(b.items), b.seq, b.items[-1].tag if b.items else None
+            return _state(BinState, (False, 0, self._seq, None))
+        return _state(BinState, (True, len(b.items), b.seq, b.items[-1].tag if b.items else None))
+
+    def count(self, name: str) -> int:
+        """Items in bin ``name`` (0 if there is none): the state's ``n_items``, for the request path."""
+        b = self._bins.get(name)
+        return 0 if b is None else len(b.items)
+
+    def seq(self, name: str) -> int:
+        """Bin ``name``'s last change's number (the store's last if there is none): the state's ``seq``."""
+        b = self._bins.get(name)
+        return self._seq if b is None else b.seq
+
+    def exists(self, name: str) -> bool:
+        return name in self._bins
 
     # -- mutations
 

@@ -1,10 +1,11 @@
-"""The server's tables by name: made, found, listed, deleted, reloaded (issue #19).
+"""The server's tables by name: made, found, changed, listed, deleted, reloaded (issue #19).
 
 A table is a kind of bin: its name is in the one namespace of bins (a name is a
 bin or a table, never both), it shows in LIST with its row count, its changes get
 sequence numbers from the bin store's counter and reach listeners like a bin's.
-The rows themselves are the pure :class:`~.tables.Table`'s; where its columns live
-is the backing's, chosen here:
+The rows themselves are the pure :class:`~.tables.Table`'s; :class:`TableStore`
+runs each table operation on it and returns the :class:`~.store.Change` it made
+(for the caller to publish), and chooses where a table's columns live:
 
 * in memory, while the preallocated columns of every table held in memory fit
   under ``memory_limit`` beside the bins' resident bytes;
@@ -20,76 +21,53 @@ is the backing's, chosen here:
   page cache keeps what a killed server wrote), and a restarted server reopens
   every table with its rows, keys and priorities (:meth:`TableStore.load`).
 
-Making a table creates its files with their blocks reserved (``posix_fallocate``:
-no data is written, and a file system without room refuses the table with 452
-rather than killing the server with SIGBUS on a later write into a mapped page) and
-runs on the caller's thread, as the rest of a table's work does.
+A table's files are made (their blocks reserved with ``posix_fallocate``: a file
+system without room refuses the table with 452 rather than killing the server
+with SIGBUS on a later write into a mapped page), given new columns, rewritten and
+removed on the disk threads (jobs in the table's lane, so a table deleted and made
+again under one name finds its old files gone); its rows are gathered and
+scattered where the request is handled.  Its settings are :mod:`.tablespec`'s, what
+it takes of the memory budget :mod:`.tablememory`'s.
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import logging
-import math
 import os
 import shutil
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Callable
 
-from tensorshare.errors import BadNameError, NoSuchBinError, RemoteError, StorageFullError, TooLargeError
+import numpy as np
 
-from .store import BinStore, Change
-from .tables import MemmapBacking, MemoryBacking, Table, TableSpecError, state_bytes, tensordict_metadata
-from .tables.columns import parse_columns
-from .tables.values import gathered_bytes
+from tensorshare.errors import (
+    BadNameError, BadRequestError, NoSuchBinError, ProtocolError, RemoteError, StorageFullError, TooLargeError,
+)
+from tensorshare.wire.description import check_description
+from tensorshare.wire.recycle import Recycler
+
+from .store import BinState, BinStore, Change, Item
+from .tablememory import CountedItems, ItemsBacking, TableMemory
+from .tables import MemmapBacking, MemoryBacking, Table, TableError, TableSpecError, state_bytes
+from .tables.values import Gathered, columns_of, float64_bytes, int64_bytes
+from .tablespec import (
+    LIMIT_KEYS, MAX_ROWS, column_bytes, dir_key, fixed, json_spec, parse_spec, plain, write_files,
+)
 
 log = logging.getLogger("tensorshare.server")
 
-# The settings a table is made with: name -> default (PROTOCOL.md §12).
-SPEC_DEFAULTS: dict[str, Any] = {
-    "capacity": None, "columns": None, "sampler": "uniform", "priority_exponent": 1.0, "remover": "fifo",
-    "max_times_sampled": 0, "min_size_to_sample": 1, "samples_per_insert": None, "error_buffer": None,
-    "meta": None,
-}
-# ``meta``: what a client says of the rows (how its values map to columns), kept and
-# given back as it came (TINFO), never read by the server: a JSON-able map this large at most.
-MAX_META = 64 << 10
-LIMIT_KEYS = ("min_size_to_sample", "samples_per_insert", "error_buffer")
-# Slots a table may have, and all tables of a server together by default: each
-# costs 41-137 bytes of state in memory (key, priority, count, order, the samplers'
-# trees: tables.state_bytes), whatever the columns hold.
-MAX_ROWS = 1 << 26
+# Reply buffers of samples and reads, used again once written (a learner samples the
+# same size over and over): 64 MiB at most, let go after 10 s unused.
+_GATHER_BUFFERS = Recycler(64 << 20, bytearray, idle=10.0)
 
 
-def parse_spec(spec: dict) -> dict:
-    """The full settings of a table from a TCREATE's ``spec`` (defaults filled in);
-    501 (:class:`TableSpecError`) for an unknown key or a value of the wrong kind."""
-    unknown = [k for k in spec if k not in SPEC_DEFAULTS]
-    if unknown:
-        raise TableSpecError(f"unknown table setting {unknown[0]!r:.60} (known: {', '.join(SPEC_DEFAULTS)})")
-    full = {**SPEC_DEFAULTS, **spec}
-    if full["capacity"] is None:
-        raise TableSpecError("a table needs a capacity")
-    eb = full["error_buffer"]
-    if isinstance(eb, list):
-        full["error_buffer"] = tuple(eb)
-    full["columns"] = {s.name: s.as_dict() for s in parse_columns(full["columns"])} or None
-    meta = full["meta"]
-    if meta is not None:
-        try:
-            size = len(json.dumps(meta)) if isinstance(meta, dict) else -1
-        except (TypeError, ValueError):
-            size = -1
-        if not 0 <= size <= MAX_META:
-            raise TableSpecError(f"meta must be a map of JSON values of at most {MAX_META} bytes")
-    return full
-
-
-@dataclass
+@dataclass(eq=False)
 class TableEntry:
-    """One table of the server: its settings as made, the table, its last change's seq."""
+    """One table of the server: its settings as made, the table, its last change's
+    seq.  Callers of :class:`TableStore` hold it as a handle (the table they found
+    under a name) and pass it back; only the store looks inside."""
 
     name: str
     spec: dict
@@ -98,7 +76,7 @@ class TableEntry:
     resident: int = 0  # bytes it holds in memory beside its items: its per-slot state, columns not in files
     directory: str | None = None  # its files (spilled or durable)
     tensordict: bool = False  # rows came as TensorDicts: replies say so (clients give TensorDicts back)
-    items: Any = None  # a table of items' slots (_CountedItems)
+    items: CountedItems | None = None  # a table of items' slots
     # seconds requests waited for the rate limiter, inserts and samples (ended waits)
     blocked: dict = field(default_factory=lambda: {"insert": 0.0, "sample": 0.0})
 
@@ -110,7 +88,7 @@ class TableEntry:
     def info(self) -> dict:
         """The table's settings, counters and rate-limiter state (:meth:`Table.info`),
         with what the server adds: the client's ``meta``, its bytes and where they
-        live, and the seconds requests waited for the rate limiter."""
+        live, the seconds requests waited for the rate limiter, and its ``seq``."""
         info = self.table.info()
         info["meta"] = self.spec.get("meta")
         info["bytes"] = self.nbytes
@@ -120,164 +98,185 @@ class TableEntry:
         return info
 
 
-class TableStore:
-    """The tables of one server, beside the bins of ``store`` (one namespace)."""
+class Drawn:
+    """Rows a sample or read took, ready for a reply: their keys, slot indices and
+    (a sample's) probabilities; the stacked columns (``gathered``, a
+    :class:`~.tables.values.Gathered`) or, for a table of items, the ``items``; the
+    table's ``seq``, and whether its rows came as TensorDicts."""
 
-    def __init__(self, store: BinStore, max_tables: int = 10_000, max_table_bytes: int | None = None, *,
+    __slots__ = ("keys", "indices", "probabilities", "gathered", "items", "seq", "tensordict")
+
+    def __init__(self, rows, probabilities, gathered: Gathered | None, entry: TableEntry):
+        self.keys, self.indices, self.probabilities = rows.keys, rows.indices, probabilities
+        self.gathered, self.items = gathered, rows.items
+        self.seq, self.tensordict = entry.seq, entry.tensordict
+
+
+class TableStore:
+    """The tables of one server, beside the bins of ``store`` (one namespace); their
+    file work goes to ``jobs`` (a :class:`~.jobs.Jobs`)."""
+
+    def __init__(self, store: BinStore, jobs, max_tables: int = 10_000, max_table_bytes: int | None = None, *,
                  memory_limit: int | None = None, spill_root: str | None = None, data_root: str | None = None,
-                 max_rows: int = MAX_ROWS, on_grow=None):
+                 max_rows: int = MAX_ROWS, on_grow: Callable[[], None] = lambda: None):
         self.store = store
+        self.jobs = jobs
         self.max_tables = max_tables
         self.max_table_bytes = max_table_bytes  # column bytes a table may preallocate (None: no bound)
         self.max_rows = max_rows  # slots of all tables together
-        self.memory_limit = memory_limit  # of the bins and the tables' memory together (store.table_bytes)
+        self.memory = TableMemory(store, memory_limit, on_grow)
         self.spill_root = None if spill_root is None else os.path.join(spill_root, "tables")
         self.data_root = None if data_root is None else os.path.join(data_root, "tables")
-        self.rows = 0  # slots of all tables
-        # What one TSAMPLE/TREAD reply may carry (the server's max_outbound and
-        # max_reply_header): the rows are gathered into new memory before any byte goes.
-        self.max_reply_bytes: int | None = None
-        self.max_reply_header: int | None = None
-        self.on_grow = on_grow or (lambda: None)  # tables took memory: the bins may have to spill to make room
+        self.total_rows = 0  # slots of all tables (those being made included)
         self._spilled = itertools.count()
-        self._tables: dict[str, TableEntry] = {}
+        self.by_name: dict[str, TableEntry] = {}  # read it (``name in``), do not change it
+        self._making: dict[str, list[Callable[[], None]]] = {}  # name -> creates waiting for its files
+
+    def bound(self, max_rows: int, max_reply_bytes: int | None, max_reply_header: int | None) -> None:
+        """The server's limits: rows of all tables together, and what one TSAMPLE/TREAD
+        reply may carry (its max_outbound and max_reply_header)."""
+        self.max_rows = max_rows
+        self.memory.max_reply_bytes, self.memory.max_reply_header = max_reply_bytes, max_reply_header
 
     def __contains__(self, name: str) -> bool:
-        return name in self._tables
+        return name in self.by_name
 
     def current(self, name: str) -> TableEntry | None:
         """The table named ``name`` now, or None."""
-        return self._tables.get(name)
+        return self.by_name.get(name)
 
     def get(self, name: str) -> TableEntry:
-        entry = self._tables.get(name)
+        """The table named ``name``: 550 if there is none, 553 if a bin has the name."""
+        entry = self.by_name.get(name)
         if entry is None:
-            if self.store.state(name)[0]:
+            if self.store.exists(name):
                 raise BadNameError(f"{name!r} is a bin, not a table")
             raise NoSuchBinError(f"no table named {name!r}")
         return entry
 
-    def create(self, name: str, spec: dict, add_columns: bool = False) -> tuple[TableEntry, Change | None]:
-        """Make table ``name`` with ``spec`` (see :func:`parse_spec`).  A table already
-        there with the same settings is kept as it is (change None); with other
-        settings, or a bin of that name, 553.  ``add_columns``: a table there whose
-        settings differ only by lacking some of ``spec``'s columns gains them
-        (:meth:`add_columns`)."""
+    # -- making and removing tables
+
+    def create(self, name: str, spec: dict, done: Callable, add_columns: bool = False) -> None:
+        """Make table ``name`` with ``spec`` (see :func:`~.tablespec.parse_spec`);
+        ``done((entry, change), None)`` once made, or ``done(None, error)``.  A table
+        already there with the same settings is kept as it is (change None); with
+        other settings, or a bin of that name, 553.  ``add_columns``: a table there
+        whose settings differ only by lacking some of ``spec``'s columns gains them
+        (:meth:`_add_columns`).  A table in files is made on a disk thread (its
+        directory cleared first: a table deleted by a server killed meanwhile)."""
         full = parse_spec(spec)
-        entry = self._tables.get(name)
+        if name in self._making:  # its files are being made: answered once they are
+            self._making[name].append(lambda: self._create_again(name, spec, done, add_columns))
+            return
+        entry = self.by_name.get(name)
         if entry is not None:  # (the rate limits may have been changed since: they do not count)
-            if _fixed(entry.spec) != _fixed(full):
-                if add_columns and _fixed(entry.spec, "columns") == _fixed(full, "columns") and full["columns"]:
-                    return entry, self.add_columns(entry, full["columns"])
+            if fixed(entry.spec) != fixed(full):
+                if add_columns and fixed(entry.spec, "columns") == fixed(full, "columns") and full["columns"]:
+                    self._add_columns(entry, full["columns"], done)
+                    return
                 raise BadNameError(f"table {name!r} exists with other settings: delete it first")
-            return entry, None
-        if self.store.state(name)[0]:
+            done((entry, None), None)
+            return
+        nbytes, directory, keep, state = self._placement(name, full)
+        capacity = full["capacity"]
+        if directory is None:
+            backing = None if full["columns"] else ItemsBacking(self.store)
+            table = self._table(full, backing)
+            self.total_rows += capacity
+            done(self._add(name, full, table, state + nbytes, None, backing and backing.slots), None)
+            return
+        self._making[name] = []
+        self.total_rows += capacity  # (counted while its files are made: creates meanwhile see them)
+
+        def made(table, error) -> None:
+            waiting = self._making.pop(name)
+            try:
+                if error is not None:
+                    self.total_rows -= capacity
+                    if not isinstance(error, RemoteError):
+                        error = StorageFullError(f"cannot make the table's files: "
+                                                 f"{getattr(error, 'strerror', None) or error}")
+                    done(None, error)
+                elif self.store.exists(name):  # a bin took the name meanwhile
+                    self.total_rows -= capacity
+                    self.jobs.run(name, _remove_files, (table, directory))
+                    done(None, BadNameError(f"{name!r} is a bin: a table needs a name no bin uses"))
+                else:
+                    done(self._add(name, full, table, state, directory), None)
+            finally:
+                for again in waiting:
+                    again()
+
+        self.jobs.run(name, self._make_files, (name, full, directory, keep), made)
+
+    def _create_again(self, name: str, spec: dict, done: Callable, add_columns: bool) -> None:
+        try:
+            self.create(name, spec, done, add_columns)
+        except RemoteError as exc:
+            done(None, exc)
+
+    def _placement(self, name: str, full: dict) -> tuple[int, str | None, bool, int]:
+        """``(column bytes in memory, directory or None, keep, state bytes)`` of a new
+        table: where its columns live, and the memory its per-slot state takes; the
+        limits that refuse it first."""
+        if self.store.exists(name):
             raise BadNameError(f"{name!r} is a bin: a table needs a name no bin uses")
-        if len(self._tables) >= self.max_tables:
+        if len(self.by_name) + len(self._making) >= self.max_tables:
             raise TooLargeError(f"the server already holds {self.max_tables} tables")
         capacity = full["capacity"]
         if type(capacity) is int and capacity > MAX_ROWS:
             raise TooLargeError(f"a table has at most {MAX_ROWS} rows, not {capacity}")
-        row_bytes = sum(math.prod(c["shape"]) * _width(c["dtype"]) for c in (full["columns"] or {}).values())
-        if self.max_table_bytes is not None and capacity * row_bytes > self.max_table_bytes:
-            raise TooLargeError(f"{capacity} rows of {row_bytes} bytes are more than the "
+        nbytes = column_bytes(full["columns"], capacity)
+        if self.max_table_bytes is not None and nbytes > self.max_table_bytes:
+            raise TooLargeError(f"{capacity} rows of {nbytes // max(1, capacity)} bytes are more than the "
                                 f"{self.max_table_bytes} bytes a table may take")
-        if type(capacity) is int and self.rows + capacity > self.max_rows:
-            raise TooLargeError(f"the server's tables already have {self.rows} of the {self.max_rows} rows "
+        if type(capacity) is int and self.total_rows + capacity > self.max_rows:
+            raise TooLargeError(f"the server's tables already have {self.total_rows} of the {self.max_rows} rows "
                                 f"they may have together: no room for {capacity} more")
         state = 0
         if type(capacity) is int and capacity > 0 and isinstance(full["sampler"], str):
             state = state_bytes(capacity, full["sampler"], full["remover"], items=not full["columns"])
-        store, limit = self.store, self.memory_limit
-        if limit is not None and store.unspillable_bytes + state > limit:
-            raise StorageFullError(f"a table of {capacity} rows keeps {state} bytes of state in memory, and the "
-                                   f"memory budget has {max(0, limit - store.unspillable_bytes)} that spilling "
-                                   f"bins cannot take")
-        nbytes = capacity * row_bytes
-        directory = backing = None
+        self.memory.check_state(capacity, state)
         if not full["columns"]:
-            # A table of items holds them in memory, as received (counted: _CountedItems);
+            # A table of items holds them in memory, as received (counted: CountedItems);
             # it is neither spilled nor durable.
-            backing = _ItemsBacking(store)
-        elif self.data_root is not None:
-            directory = os.path.join(self.data_root, _dir_key(name))
-            shutil.rmtree(directory, ignore_errors=True)  # a table deleted by a server killed meanwhile
-            backing = MemmapBacking(directory, keep=True)
-        elif self._over_budget(state + nbytes):
+            return 0, None, False, state
+        if self.data_root is not None:
+            return 0, os.path.join(self.data_root, dir_key(name)), True, state
+        if self.memory.over_budget(state + nbytes):
             if self.spill_root is None:
-                raise StorageFullError(f"a table of {nbytes} bytes ({full['capacity']} rows of {row_bytes}) does "
-                                       f"not fit in the memory budget (--memory-limit {self.memory_limit}, "
-                                       f"{store.resident_bytes + store.unspillable_bytes} in use) and the "
-                                       f"server has no spill directory")
-            directory = os.path.join(self.spill_root, str(next(self._spilled)))
-            backing = MemmapBacking(directory, keep=False)
+                raise StorageFullError(f"a table of {nbytes} bytes ({capacity} rows of {nbytes // max(1, capacity)}) "
+                                       f"does not fit in the memory budget (--memory-limit "
+                                       f"{self.memory.memory_limit}, {self.memory.in_use()} in use) and the server "
+                                       f"has no spill directory")
+            return 0, os.path.join(self.spill_root, str(next(self._spilled))), False, state
+        return nbytes, None, False, state
+
+    def _make_files(self, name: str, full: dict, directory: str, keep: bool) -> Table:
+        """A new table whose columns are files in ``directory`` (a disk thread)."""
+        shutil.rmtree(directory, ignore_errors=True)  # (durable: a table deleted by a server killed meanwhile)
+        backing = MemmapBacking(directory, keep=keep)
         try:
             table = self._table(full, backing)
-            entry = TableEntry(name, full, table, directory=directory)
-            if directory is not None and self.data_root is not None:
-                self._write_files(entry)
-        except OSError as exc:
-            if backing is not None:
-                backing.close()
-                if directory is not None:
-                    shutil.rmtree(directory, ignore_errors=True)
-            raise StorageFullError(f"cannot make the table's files: {exc.strerror or exc}") from None
-        entry.items = backing.slots if isinstance(backing, _ItemsBacking) else None
-        self._tables[name] = entry
-        self._count(entry, state + (nbytes if backing is None else 0))
-        return entry, self.changed(entry, "CREATE")
+            if keep:
+                write_files(directory, name, json_spec(full), table.columns, table.capacity, False)
+        except BaseException:
+            backing.close()
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        return table
 
-    def _count(self, entry: TableEntry, resident: int) -> None:
-        """``entry``'s table is made: its slots and memory count from now on."""
-        entry.resident = resident
-        self.rows += entry.table.capacity
-        self.store.table_bytes += resident
-        self.on_grow()
+    def _add(self, name: str, full: dict, table: Table, resident: int, directory: str | None,
+             items: CountedItems | None = None):
+        entry = self.by_name[name] = TableEntry(name, full, table, resident=resident, directory=directory,
+                                                items=items)
+        self.memory.took(resident)
+        return entry, self._changed(entry, "CREATE")
 
-    def check_reply(self, entry: TableEntry, n: int) -> int:
-        """The payload bytes of a TSAMPLE/TREAD reply of ``n`` rows of ``entry``'s table,
-        checked before anything is drawn or gathered: 552 past ``max_reply_bytes``
-        (its gathered columns) or ``max_reply_header`` (8 bytes a row for each of keys,
-        indices and probabilities, and a table of items' descriptions), 452 if the
-        memory budget cannot take the gathered rows."""
-        table = entry.table
-        per_row = 24
-        if entry.items is not None:
-            per_row += entry.items.largest
-        if self.max_reply_header is not None and n * per_row > self.max_reply_header:
-            raise TooLargeError(f"a reply of {n} rows would have a header of {n * per_row} bytes, more than the "
-                                f"{self.max_reply_header} one may have (max_reply_header): ask for fewer rows")
-        nbytes = gathered_bytes(table.columns, n)
-        if self.max_reply_bytes is not None and nbytes > self.max_reply_bytes:
-            raise TooLargeError(f"{n} rows are {nbytes} bytes, more than the {self.max_reply_bytes} one reply may "
-                                f"carry (max_outbound): ask for at most {self.max_reply_bytes // max(1, nbytes // n)}")
-        self.check_room(nbytes)
-        return nbytes
-
-    def hold_reply(self, nbytes: int):
-        """``nbytes`` of gathered rows are in a reply being written: the memory budget
-        counts them until the returned callable is called (written, or abandoned)."""
-        store = self.store
-        store.in_flight_bytes += nbytes
-        done = []
-
-        def release() -> None:
-            if not done:
-                done.append(True)
-                store.in_flight_bytes -= nbytes
-        return release
-
-    def check_room(self, nbytes: int) -> None:
-        """452 unless ``nbytes`` more (an item for a table of items) fit in the memory
-        budget beside what spilling the bins cannot free."""
-        limit = self.memory_limit
-        if limit is not None and self.store.unspillable_bytes + nbytes > limit:
-            raise StorageFullError(f"memory budget full: tables hold {self.store.table_bytes} bytes, and "
-                                   f"{self.store.unspillable_bytes - self.store.table_bytes} more cannot be spilled")
-
-    def add_columns(self, entry: TableEntry, columns: dict) -> Change | None:
-        """Give ``entry``'s table the columns of ``columns`` it lacks (those it has
-        must be the same, else 553); None if it lacks none."""
+    def _add_columns(self, entry: TableEntry, columns: dict, done: Callable) -> None:
+        """Give ``entry``'s table the columns of ``columns`` it lacks (those it has must
+        be the same, else 553); ``done((entry, change or None), None)``: None if it
+        lacks none.  A table in files gets their files on a disk thread."""
         have = entry.spec["columns"] or {}
         if not have:
             raise BadNameError(f"table {entry.name!r} holds items, not columns")
@@ -287,42 +286,60 @@ class TableStore:
                                f"not {columns[changed[0]]}")
         new = {k: v for k, v in columns.items() if k not in have}
         if not new:
-            return None
-        nbytes = entry.table.capacity * sum(math.prod(c["shape"]) * _width(c["dtype"]) for c in new.values())
+            done((entry, None), None)
+            return
+        nbytes = column_bytes(new, entry.table.capacity)
         if self.max_table_bytes is not None and entry.nbytes + nbytes > self.max_table_bytes:
             raise TooLargeError(f"{entry.nbytes + nbytes} bytes are more than the {self.max_table_bytes} "
                                 f"bytes a table may take")
-        if entry.directory is None and self._over_budget(nbytes):
+        if entry.directory is None and self.memory.over_budget(nbytes):
             raise StorageFullError(f"{nbytes} more bytes of columns in memory are over the memory budget "
-                                   f"(--memory-limit {self.memory_limit})")
+                                   f"(--memory-limit {self.memory.memory_limit})")
+        if entry.directory is None:  # in memory: no file to make
+            self._attach_columns(entry, new, entry.table.new_columns(new), nbytes, done)
+            return
+        name = entry.name
+        self._making[name] = []
+
+        def made(result, error) -> None:
+            waiting = self._making.pop(name)
+            try:
+                if error is not None:
+                    if not isinstance(error, RemoteError):
+                        error = StorageFullError(f"cannot make the columns' files: "
+                                                 f"{getattr(error, 'strerror', None) or error}")
+                    done(None, error)
+                elif self.by_name.get(name) is not entry:
+                    done(None, NoSuchBinError(f"table {name!r} was deleted while its columns were made"))
+                else:
+                    self._attach_columns(entry, new, result, 0, done)
+            finally:
+                for again in waiting:
+                    again()
+
+        self.jobs.run(name, entry.table.new_columns, (new,), made)
+
+    def _attach_columns(self, entry: TableEntry, new: dict, made: tuple, resident: int, done: Callable) -> None:
         try:
-            entry.table.add_columns(new)
-        except OSError as exc:
-            raise StorageFullError(f"cannot make the columns' files: {exc.strerror or exc}") from None
-        entry.spec["columns"] = {**have, **new}
-        if entry.directory is None:
-            entry.resident += nbytes
-            self.store.table_bytes += nbytes
-            self.on_grow()
-        elif self.data_root is not None:
-            self._write_files(entry)
-        return self.changed(entry, "CREATE")
+            entry.table.attach_columns(*made)
+        except TableSpecError as exc:
+            done(None, exc)
+            return
+        entry.spec["columns"] = {**(entry.spec["columns"] or {}), **new}
+        entry.resident += resident
+        self.memory.took(resident)
+        change = self._changed(entry, "CREATE")
+        if entry.directory is None or self.data_root is None:
+            done((entry, change), None)
+            return
+        self.jobs.run(entry.name, write_files, self._files_of(entry),
+                      lambda _result, error: done((entry, change), None) if error is None else done(
+                          None, StorageFullError(f"cannot write the table's files: {error}")))
 
-    def _over_budget(self, nbytes: int) -> bool:
-        """Would ``nbytes`` more in memory pass ``memory_limit``, beside the bins'
-        resident bytes and what spilling them cannot free?"""
-        store = self.store
-        return (self.memory_limit is not None and nbytes > 0
-                and store.resident_bytes + store.unspillable_bytes + nbytes > self.memory_limit)
-
-    def _write_files(self, entry: TableEntry) -> None:
-        """A durable table's description: tensordict's ``meta.json``, and ``table.json``."""
-        _write_json(os.path.join(entry.directory, "meta.json"),
-                    tensordict_metadata(entry.table.columns, entry.table.capacity))
-        saved = {"name": entry.name, "spec": _json_spec(entry.spec)}
-        if entry.tensordict:
-            saved["tensordict"] = True
-        _write_json(os.path.join(entry.directory, "table.json"), saved)
+    def _files_of(self, entry: TableEntry) -> tuple:
+        """:func:`~.tablespec.write_files`' arguments for ``entry`` (taken on the reactor thread)."""
+        return (entry.directory, entry.name, json_spec(entry.spec), entry.table.columns, entry.table.capacity,
+                entry.tensordict)
 
     @staticmethod
     def _table(full: dict, backing) -> Table:
@@ -335,8 +352,28 @@ class TableStore:
         except (TypeError, ValueError) as exc:  # a setting of the wrong kind the engine did not name
             raise TableSpecError(f"bad table settings: {exc}") from None
 
+    def delete(self, name: str, done: Callable) -> None:
+        """Remove table ``name`` from the namespace now, and its files on a disk thread
+        (a durable table's too); ``done(change, None)`` once they are gone."""
+        entry = self.by_name.pop(name, None)
+        if entry is None:
+            raise NoSuchBinError(f"no table named {name!r}")
+        self.memory.took(-entry.resident)
+        if entry.items is not None:  # (on this thread: the counts are the reactor's)
+            entry.items.let_go()
+        self.total_rows -= entry.table.capacity
+        change = Change(name, 0, self.store.next_seq(), "DELETE")
+
+        def removed(_result, error) -> None:
+            if error is not None:
+                log.warning("could not remove the files of table %r: %s", name, error)
+            done(change, None)
+
+        self.jobs.run(name, _remove_files, (entry.table, entry.directory), removed)
+
     def load(self) -> tuple[int, list[str]]:
-        """Reopen the tables of the data directory; returns ``(tables, problems)``."""
+        """Reopen the tables of the data directory (at start-up, before serving);
+        returns ``(tables, problems)``."""
         if self.data_root is None or not os.path.isdir(self.data_root):
             return 0, []
         problems = []
@@ -346,129 +383,209 @@ class TableStore:
                 with open(os.path.join(directory, "table.json")) as f:
                     saved = json.load(f)
                 name, full = saved["name"], parse_spec(saved["spec"])
-                if _dir_key(name) != entry_name or name in self._tables:
+                if dir_key(name) != entry_name or name in self.by_name:
                     raise ValueError("its name does not match its directory")
                 table = self._table(full, MemmapBacking(directory, keep=True, reopen=True))
             except (OSError, ValueError, KeyError, TypeError, RemoteError) as exc:
                 problems.append(f"table directory {entry_name}: {exc}")
                 continue
-            entry = self._tables[name] = TableEntry(name, full, table, directory=directory,
-                                                    tensordict=bool(saved.get("tensordict")))
-            self._count(entry, state_bytes(table.capacity, full["sampler"], full["remover"]))
+            self.by_name[name] = TableEntry(name, full, table, directory=directory,
+                                            tensordict=bool(saved.get("tensordict")))
+            self.total_rows += table.capacity
+            resident = state_bytes(table.capacity, full["sampler"], full["remover"])
+            self.by_name[name].resident = resident
+            self.memory.took(resident)
         for problem in problems:
             log.warning("data directory: skipped %s", problem)
-        return len(self._tables), problems
+        return len(self.by_name), problems
 
-    def mark_tensordict(self, entry: TableEntry) -> None:
-        """Rows of ``entry`` came as TensorDicts: replies say so from now on (and after a
-        restart, for a durable table)."""
-        if entry.tensordict:
-            return
+    def close(self) -> None:
+        """The server stops: spilled tables' files go (durable ones stay)."""
+        for entry in self.by_name.values():
+            if self.data_root is None:
+                entry.table.close()
+
+    # -- rows in
+
+    def rows(self, entry: TableEntry, description: bytes, payload, nbytes: int, limits):
+        """A request's value as rows of ``entry``: ``{column: RawArray}`` viewing the
+        payload, or, for a table of items, a list of the one item it is (501 for a
+        value that is neither)."""
+        if entry.table.columns:
+            return columns_of(description, payload, nbytes, limits)
+        try:
+            check_description(description, nbytes, limits)
+        except ProtocolError as exc:
+            raise BadRequestError(f"bad value: {exc}") from None
+        self.memory.check_room(nbytes + len(description))  # a table of items holds them in memory
+        return [Item(description, tuple(payload), nbytes)]
+
+    def says_tensordict(self, entry: TableEntry) -> bool:
+        """Whether ``entry``'s replies say its rows come as TensorDicts already (or,
+        for a table of items, never can)."""
+        return entry.tensordict or not entry.table.columns
+
+    def mark_tensordict(self, entry: TableEntry, done: Callable[[], None]) -> None:
+        """Rows of ``entry`` came as TensorDicts: its replies say so from now on, and,
+        for a durable table, after a restart too; ``done()`` once its files say so
+        (written on a disk thread)."""
         entry.tensordict = True
-        if self.data_root is not None and entry.directory is not None:
-            try:
-                self._write_files(entry)
-            except OSError as exc:
-                log.warning("could not note in table %r's files that it holds TensorDicts: %s", entry.name, exc)
+        if self.data_root is None or entry.directory is None:
+            done()
+            return
 
-    def changed(self, entry: TableEntry, op: str) -> Change:
+        def noted(_result, error) -> None:
+            if error is not None:
+                log.warning("could not note in table %r's files that it holds TensorDicts: %s", entry.name, error)
+            done()
+
+        self.jobs.run(entry.name, write_files, self._files_of(entry), noted)
+
+    def insert(self, entry: TableEntry, rows, priorities) -> tuple[np.ndarray, Change]:
+        """Add ``rows`` (from :meth:`rows`): their keys, and the change.  Raises the
+        engine's :class:`~.tables.WouldBlockError` when the rate limiter holds it back."""
+        written = self._live(entry).table.insert(rows, priorities)
+        return written.keys, self._changed(entry, "INSERT")
+
+    def write(self, entry: TableEntry, indices: np.ndarray, rows, priorities) -> tuple[np.ndarray, Change]:
+        """Put ``rows`` at slot ``indices``: their keys, and the change."""
+        written = self._live(entry).table.write(indices, rows, priorities)
+        return written.keys, self._changed(entry, "WRITE")
+
+    def can_insert(self, entry: TableEntry, rows) -> bool:
+        """Whether :meth:`insert` of ``rows`` may go on now (True too when it never
+        could, or the table is gone: the insert then says why)."""
+        if self.by_name.get(entry.name) is not entry:
+            return True
+        count = len(rows) if isinstance(rows, list) else _rows_in(rows)
+        try:
+            return entry.table.can_insert(count)
+        except TableError:
+            return True
+
+    # -- rows out
+
+    def sample(self, entry: TableEntry, n: int) -> tuple[Drawn, Change | None]:
+        """Draw ``n`` rows with the table's sampler: the rows, and the change if rows
+        left (those sampled ``max_times_sampled`` times).  Raises
+        :class:`~.tables.WouldBlockError` or :class:`~.tables.EmptyTableError` when it
+        cannot go on now."""
+        table = self._live(entry).table
+        gathered = self._gathered(table, n)
+        drawn = table.sample(n, out=None if gathered is None else gathered.out)
+        change = self._changed(entry, "SAMPLE") if drawn.removed.keys.size else None
+        return Drawn(drawn, drawn.probabilities, gathered, entry), change
+
+    def can_sample(self, entry: TableEntry, n: int) -> bool:
+        """Whether :meth:`sample` may go on now (True too when it never could, or the
+        table is gone: the sample then says why)."""
+        if self.by_name.get(entry.name) is not entry:
+            return True
+        try:
+            return entry.table.size > 0 and entry.table.can_sample(n)
+        except TableError:
+            return True
+
+    def read(self, entry: TableEntry, indices: np.ndarray, sampled: bool = False) -> tuple[Drawn, Change | None]:
+        """The rows at slot ``indices``, and the change if rows left.  No sample is
+        counted, unless ``sampled``: rows the reader drew itself, counted (and
+        rate-limited: :class:`~.tables.WouldBlockError` for now) as a sample is."""
+        table = self._live(entry).table
+        gathered = self._gathered(table, indices.size)
+        rows = table.read(indices, out=None if gathered is None else gathered.out, sampled=sampled)
+        change = self._changed(entry, "SAMPLE") if sampled and rows.removed.keys.size else None
+        return Drawn(rows, None, gathered, entry), change
+
+    def can_read(self, entry: TableEntry, n: int) -> bool:
+        """Whether :meth:`read` of ``n`` rows counted as a sample may go on now (True
+        too when it never could, or the table is gone: the read then says why)."""
+        if self.by_name.get(entry.name) is not entry:
+            return True
+        try:
+            return entry.table.can_read_sampled(n)
+        except TableError:
+            return True
+
+    def check_reply(self, entry: TableEntry, n: int) -> None:
+        """A TSAMPLE/TREAD reply of ``n`` rows of ``entry`` is bounded and its memory
+        counted before anything is drawn (:meth:`TableMemory.check_reply`)."""
+        self.memory.check_reply(entry.table.columns, n, 0 if entry.items is None else entry.items.largest)
+
+    def hold_reply(self, nbytes: int) -> Callable[[], None]:
+        """Count ``nbytes`` of gathered rows in a reply until the callable returned is called."""
+        return self.memory.hold_reply(nbytes)
+
+    @staticmethod
+    def _gathered(table: Table, n: int) -> Gathered | None:
+        if not table.columns:
+            return None
+        _GATHER_BUFFERS.maybe_trim()
+        return Gathered(table.columns, n, _GATHER_BUFFERS.take)
+
+    # -- settings and state
+
+    def update_priorities(self, entry: TableEntry, keys: np.ndarray, priorities: np.ndarray) -> int:
+        """Set the priorities of the rows ``keys`` (rows gone meanwhile are skipped);
+        returns how many were updated."""
+        return self._live(entry).table.update_priorities(keys, priorities)
+
+    def set_limits(self, entry: TableEntry, limits: dict) -> None:
+        """Change the rate limits now (501 for an unknown or bad one)."""
+        unknown = [k for k in limits if k not in LIMIT_KEYS]
+        if unknown:
+            raise BadRequestError(f"unknown limit {unknown[0]!r:.60} (known: {', '.join(LIMIT_KEYS)})")
+        given = dict(limits)
+        if isinstance(given.get("error_buffer"), list):
+            given["error_buffer"] = tuple(given["error_buffer"])
+        try:
+            self._live(entry).table.set_limits(**given)
+        except (TypeError, ValueError) as exc:
+            raise BadRequestError(f"bad limits: {exc}") from None
+
+    def info(self, entry: TableEntry, slots: int | None = None) -> dict:
+        """The table's settings, counters and rate-limiter state as msgpack's plain
+        types (:meth:`TableEntry.info`); with ``slots``, a page of the occupied slots
+        from that index on (indices, keys, priorities and sample counts as bytes, and
+        the index to ask from next)."""
+        info = entry.info()
+        if slots is not None:
+            page = entry.table.slots(slots)
+            info["slots"] = {"indices": int64_bytes(page["indices"]), "keys": int64_bytes(page["keys"]),
+                             "priorities": float64_bytes(page["priorities"]),
+                             "times_sampled": int64_bytes(page["times_sampled"]), "next": page["next"]}
+        return plain(info)
+
+    def note_blocked(self, entry: TableEntry, what: str, seconds: float) -> None:
+        """A request waited ``seconds`` for the rate limiter (``what``: insert or sample)."""
+        entry.blocked[what] += seconds
+
+    def listing(self) -> dict[str, int]:
+        return {name: entry.table.size for name, entry in self.by_name.items()}
+
+    def state(self, name: str) -> BinState:
+        entry = self.by_name[name]
+        return BinState(True, entry.table.size, entry.seq, None)
+
+    def _live(self, entry: TableEntry) -> TableEntry:
+        """``entry``, if it is still the table of its name (550 if it was deleted, say
+        while a request waited)."""
+        if self.by_name.get(entry.name) is not entry:
+            raise NoSuchBinError(f"table {entry.name!r} was deleted while this request waited")
+        return entry
+
+    def _changed(self, entry: TableEntry, op: str) -> Change:
         """A change of ``entry``'s table, numbered, for its listeners."""
         entry.seq = self.store.next_seq()
         return Change(entry.name, entry.table.size, entry.seq, op)
 
-    def delete(self, name: str) -> Change:
-        entry = self._tables.pop(name, None)
-        if entry is None:
-            raise NoSuchBinError(f"no table named {name!r}")
-        entry.table.close()
-        self.store.table_bytes -= entry.resident
-        self.rows -= entry.table.capacity
-        if entry.directory is not None:
-            shutil.rmtree(entry.directory, ignore_errors=True)
-        return Change(name, 0, self.store.next_seq(), "DELETE")
 
-    def close(self) -> None:
-        """The server stops: spilled tables' files go (durable ones stay)."""
-        for entry in self._tables.values():
-            if self.data_root is None:
-                entry.table.close()
-
-    def listing(self) -> dict[str, int]:
-        return {name: entry.table.size for name, entry in self._tables.items()}
-
-    def state(self, name: str) -> tuple[bool, int, int, None]:
-        entry = self._tables[name]
-        return True, entry.table.size, entry.seq, None
+def _rows_in(batch: dict) -> int:
+    first = next(iter(batch.values()), None)
+    return 0 if first is None or not first.shape else int(first.shape[0])
 
 
-class _CountedItems(list):
-    """The slots of a table of items, whose items' bytes (payload and description,
-    all in memory) the bin store counts in ``table_bytes`` while the table holds them."""
-
-    def __init__(self, capacity: int, store: BinStore):
-        super().__init__([None] * capacity)
-        self.store = store
-        self.held = 0  # bytes of the items it holds
-        self.largest = 0  # the longest description it ever held (bounds a reply's header)
-
-    def __setitem__(self, slot: int, item) -> None:
-        old = self[slot]
-        change = (0 if item is None else item.nbytes + len(item.description)) - \
-            (0 if old is None else old.nbytes + len(old.description))
-        self.held += change
-        self.store.table_bytes += change
-        if item is not None and len(item.description) > self.largest:
-            self.largest = len(item.description)
-        super().__setitem__(slot, item)
-
-    def let_go(self) -> None:
-        """The table is gone: its items count no more."""
-        self.store.table_bytes -= self.held
-        self.held = 0
-
-
-class _ItemsBacking(MemoryBacking):
-    """A table of items' backing: its slots count what they hold (:class:`_CountedItems`)."""
-
-    def __init__(self, store: BinStore):
-        self.store = store
-        self.slots: _CountedItems | None = None
-
-    def item_slots(self, capacity: int) -> list:
-        self.slots = _CountedItems(capacity, self.store)
-        return self.slots
-
-    def close(self) -> None:
-        if self.slots is not None:
-            self.slots.let_go()
-            self.slots = None
-
-
-def _dir_key(name: str) -> str:
-    """A table's directory name: names are data, never paths."""
-    return hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-
-
-def _json_spec(full: dict) -> dict:
-    spec = dict(full)
-    if isinstance(spec["error_buffer"], tuple):
-        spec["error_buffer"] = list(spec["error_buffer"])
-    return spec
-
-
-def _write_json(path: str, value) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(value, f)
-    os.replace(tmp, path)
-
-
-def _fixed(spec: dict, *but: str) -> dict:
-    """The settings of a table that cannot change while it lives (less ``but``)."""
-    return {k: v for k, v in spec.items() if k not in LIMIT_KEYS and k not in but}
-
-
-def _width(dtype: str) -> int:
-    from tensorshare.wire.dtypes import TORCH_WIDTHS
-
-    return TORCH_WIDTHS[dtype]
+def _remove_files(table: Table, directory: str | None) -> None:
+    """Let go of a deleted table's columns and remove its files (a disk thread)."""
+    table.close()
+    if directory is not None:
+        shutil.rmtree(directory, ignore_errors=True)

@@ -174,7 +174,7 @@ class ReceivingServer(tcp.Server):
     protocol lends some, and reading again at once while a frame is incomplete.
 
     Twisted's ``doRead`` reads into a new ``bytes`` per ``recv()``.  While a large
-    payload arrives into the receive pool (``server/net/recvpool.py``), the session
+    payload arrives into the receive pool (``server/protocol/recvpool.py``), the session
     lends the pool chunk it fills instead, and this reads into it with
     ``recv_into``: no fresh memory and no copy.  Everything else (headers, small
     payloads, TLS, which a TLS protocol wraps and this does not see) is read as

@@ -226,7 +226,7 @@ class FrameWriter:
                 continue
             while index < len(parts) and not self._paused:
                 part = parts[index]
-                # Parts are bytes; memoryviews of pooled chunks (server/net/recvpool.py),
+                # Parts are bytes; memoryviews of pooled chunks (server/protocol/recvpool.py),
                 # sent from their own memory where we own the socket; or spans of a
                 # stored item's files, sent by the kernel or else copied out only now.
                 if type(part) is bytes:

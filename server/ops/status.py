@@ -14,6 +14,7 @@ import time
 from collections import deque
 
 from tensorshare import __version__
+from tensorshare.protocol.messages import TINSERT, TSAMPLE
 
 from .counters import LATENCY_BUCKETS, PARAMETERS, Counters, bytes_out, experiment_of
 
@@ -153,15 +154,13 @@ def snapshot(state, throughput: Throughput | None = None, now: float | None = No
 
 def _table_entries(state) -> list:
     store = getattr(getattr(state, "storage", None), "tables", None)
-    return [] if store is None else [store.current(name) for name in store.listing()]
+    return [] if store is None else list(store.by_name.values())
 
 
 def tables(state, throughput: Throughput | None = None) -> list[dict]:
     """Per table (replay buffers, datasets): rows and capacity, bytes, the counts of
     rows inserted, sampled and removed, their rates (with ``throughput``), the
     seconds requests waited for its rate limiter and the requests waiting now."""
-    from ..protocol.tables import wait_key
-
     rates = throughput.table_rates() if throughput is not None else {}
     waits = state.waits
     rows = []
@@ -175,8 +174,8 @@ def tables(state, throughput: Throughput | None = None) -> list[dict]:
             "inserts": table.inserts, "samples": table.samples, "removals": table.removals,
             "inserts_per_s": inserts_per_s, "samples_per_s": samples_per_s,
             "blocked_seconds": dict(entry.blocked),
-            "waiting": {"insert": waits.waiting(wait_key(entry.name, False)),
-                        "sample": waits.waiting(wait_key(entry.name, True))},
+            "waiting": {"insert": waits.waiting((entry.name, TINSERT.lane)),
+                        "sample": waits.waiting((entry.name, TSAMPLE.lane))},
             "samples_per_insert": limiter["samples_per_insert"], "min_size_to_sample": limiter["min_size_to_sample"],
         })
     rows.sort(key=lambda row: (-row["bytes"], row["name"]))
@@ -192,7 +191,7 @@ def _experiments(state, counters: Counters | None) -> dict:
     for name in list(state.store.listing()):
         experiment = experiment_of(name, PARAMETERS)
         if experiment is not None:
-            found[experiment] = {"latest": state.store.state(name)[3], "rollouts": 0, "stale": 0, "workers": {},
+            found[experiment] = {"latest": state.store.state(name).tag, "rollouts": 0, "stale": 0, "workers": {},
                                  "roles": {}}
     if counters is not None:
         for experiment, stats in counters.experiments.items():

@@ -21,7 +21,9 @@ its references with it: items that have their bytes keep them, the others cannot
 be read any more (451), and reads held for them are answered so.
 
 The server never opens a reference: it only stores it, hands it out and checks
-its form.  Nothing here imports torch.
+its form; the items are the storage's (``Storage.add_reference``, ``fill``,
+``fill_shared``).  As every handler, these return outcomes (:mod:`.outcome`).
+Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -35,9 +37,12 @@ from tensorshare.protocol.messages import BAD_ARGS, PUT, ZERO_COPY_REFUSED, Key
 
 from ..bins.store import Item
 from . import longpoll
+from .outcome import Pending, later
 
 BYTES_WAIT = 60.0  # seconds a read waits for the bytes of an item put by reference before 451
-_HANDLE = 64  # bytes of a CUDA IPC memory or event handle
+_MEMORY_HANDLE = 64 << 10  # bytes of torch's handle of a block: 64 (torch < 2.5), 66 (a version and a kind
+# before the 64), more for an expandable segment (a few per 20 MiB of it)
+_EVENT_HANDLE = 64  # bytes of a cudaIpcEventHandle_t
 _COUNTER = 256  # bytes of the name of the publisher's reference counter
 _MAX_DEVICES = 16  # UUIDs a PEEK may list
 _MAX_DIGESTS = 1 << 20
@@ -59,7 +64,7 @@ def check_reference(ref: object) -> dict:
     if type(dev) is not str or not 0 < len(dev) <= 100:
         raise bad("dev must be a device UUID")
     kinds = (int, bytes, int, int, bytes, int, bytes, bool)
-    limits = (None, _HANDLE, None, None, _COUNTER, None, _HANDLE, None)
+    limits = (None, _MEMORY_HANDLE, None, None, _COUNTER, None, _EVENT_HANDLE, None)
     if type(ipc) is not list or len(ipc) != len(kinds) or any(type(v) is not k for v, k in zip(ipc, kinds)):
         raise bad("ipc must be [int, bytes, int, int, bytes, int, bytes, bool]")
     if any(limit is not None and len(v) > limit for v, limit in zip(ipc, limits)) or \
@@ -76,14 +81,14 @@ class DeviceItems:
     holds any more (told in its next reply).  Holds no session: the callbacks
     that feed :attr:`freed` may outlive it."""
 
-    def __init__(self, waits):
-        self.waits = waits
+    def __init__(self, storage, waits):
+        self.storage, self.waits = storage, waits
         self.published: dict[int, tuple] = {}  # reference id -> (weak item, bin name)
         self.freed: deque = deque()  # ids of references no item holds any more
 
     def publish(self, item: Item, ref: dict, name: str) -> None:
+        """``item`` (stored by reference ``ref`` in bin ``name``) is this connection's."""
         ident = ref["id"]
-        item.device = ref
         self.published[ident] = (weakref.ref(item), name)
         finalizer = weakref.finalize(item, _gone, self.freed, self.published, ident)
         finalizer.atexit = False
@@ -110,11 +115,11 @@ class DeviceItems:
             item = ref()
             if item is None:
                 continue
-            item.device = None if has_payload(item) else False
+            self.storage.lose_reference(item)
             bins.add(name)
         self.published.clear()
         for name in bins:  # reads held for those bytes are answered now
-            longpoll.retest(self.waits, name)
+            self.waits.changed(name)
 
 
 def _gone(freed: deque, published: dict, ident: int) -> None:
@@ -130,22 +135,23 @@ def items_of(session) -> DeviceItems:
     """The connection's :class:`DeviceItems` (made on first use)."""
     shared = session.shared
     if shared.devices is None:
-        shared.devices = DeviceItems(session.state.waits)
+        shared.devices = DeviceItems(session.storage, session.state.waits)
     return shared.devices
 
 
 # -- PUT by reference, and its bytes
 
 
-def store(session, request, check_value: Callable, finish: Callable) -> None:
-    """A PUT with ``cuda`` (store the item by reference) or ``fill`` (its bytes)."""
+def store(session, request, check_value: Callable, stored: Callable):
+    """A PUT with ``cuda`` (store the item by reference) or ``fill`` (its bytes): its
+    outcome.  ``check_value(session, description, nbytes)`` refuses a bad value;
+    ``stored(session, request, change)`` is the reply to a PUT stored."""
     storage = session.storage
     if not session.shared.same_host or storage.durable or request.ephemeral:
         raise RemoteError("device references are taken from clients on this host, by a server without a data "
                           "directory, for lasting bins", ZERO_COPY_REFUSED)
     if request.fill is not None:
-        _fill(session, request, check_value)
-        return
+        return _fill(session, request, check_value)
     if request.payload_len or request.shm is not None:
         raise RemoteError("a value put by device reference comes without bytes", BAD_ARGS)
     ref = check_reference(request.cuda)
@@ -153,12 +159,12 @@ def store(session, request, check_value: Callable, finish: Callable) -> None:
     if type(size) is not int or not 0 <= size <= session.config.max_frame:
         raise RemoteError(f"size must be an integer in 0..{session.config.max_frame}", BAD_ARGS)
     check_value(session, request.value, size)
-    item = Item(request.value, None, size, request.tag)
+    item, change = storage.add_reference(request.bin, request.value, size, request.tag, ref)
     items_of(session).publish(item, ref, request.bin)
-    storage.add(request.bin, item, True, finish)
+    return stored(session, request, change)
 
 
-def _fill(session, request, check_value: Callable) -> None:
+def _fill(session, request, check_value: Callable):
     """The bytes of an item put by reference: given to it if it is still there and
     has none (else dropped; the reply says the same either way)."""
     storage, name = session.storage, request.bin
@@ -167,30 +173,26 @@ def _fill(session, request, check_value: Callable) -> None:
     if item is not None and (where != name or request.value != item.description or size != item.nbytes):
         raise RemoteError("fill does not match the item put by that reference", BAD_ARGS)
     if item is None or has_payload(item) or not item.stored:
-        _reply(session, request)
-        return
+        return _reply(session, request)
     check_value(session, request.value, size)
     if request.shm is None:
         storage.fill(item, tuple(request.payload))
-        longpoll.retest(session.state.waits, name)
-        _reply(session, request)
-        return
+        session.state.waits.changed(name)
+        return _reply(session, request)
     incoming, item_name, _size = session.shared.adoption(request)
 
-    def filled(_result, error) -> None:
+    def filled(error: RemoteError | None) -> dict:
         if error is not None:
-            session.refuse(request.id, error)
-            return
-        longpoll.retest(session.state.waits, name)
-        _reply(session, request)
+            raise error
+        session.state.waits.changed(name)
+        return _reply(session, request)
 
-    session.wait_for(lambda done: storage.fill_shared(item, incoming, item_name, done, session.decode_limits),
-                     filled)
+    return later(lambda done: storage.fill_shared(item, incoming, item_name, done, session.decode_limits), filled)
 
 
-def _reply(session, request) -> None:
-    _exists, n, seq, _tag = session.storage.state(request.bin)
-    session.send_header(with_freed(session, PUT.reply(request.id, n=n, seq=seq)))
+def _reply(session, request) -> dict:
+    state = session.storage.state(request.bin)
+    return with_freed(session, PUT.reply(request.id, n=state.n_items, seq=state.seq))
 
 
 def with_freed(session, header: dict) -> dict:
@@ -228,9 +230,9 @@ def unready(items: list[Item], cuda: list | None) -> bool:
     return False
 
 
-def hold_for_bytes(session, request, answer: Callable, done: Callable | None) -> None:
-    """Answer ``request`` once its bin's items have their bytes (or are gone), up to
-    :data:`BYTES_WAIT` seconds (then 451)."""
+def hold_for_bytes(session, request, answer: Callable) -> Pending:
+    """Answered with ``answer(session, request)`` once its bin's items have their
+    bytes (or are gone), up to :data:`BYTES_WAIT` seconds (then 451)."""
     def ready(session, request) -> bool:
         items = session.storage.items_of(request.bin)
         try:
@@ -238,9 +240,9 @@ def hold_for_bytes(session, request, answer: Callable, done: Callable | None) ->
         except RemoteError:  # lost: answering refuses it
             return True
 
-    longpoll.hold(session, request, ready, answer, timeout=BYTES_WAIT, held=done,
-                  refusal=lambda: ServerLocalError(f"the bytes of an item put by device reference did not come "
-                                                   f"within {BYTES_WAIT:g}s"))
+    return longpoll.hold(session, request, ready, answer, timeout=BYTES_WAIT,
+                         refusal=lambda: ServerLocalError(f"the bytes of an item put by device reference did not "
+                                                          f"come within {BYTES_WAIT:g}s"))
 
 
 def besides(refs: list | None, cuda: list | None) -> list | None:

@@ -24,8 +24,6 @@ Rules, so that an ephemeral bin is never half lasting:
 
 from __future__ import annotations
 
-from typing import Callable
-
 from tensorshare.errors import RemoteError
 from tensorshare.protocol.messages import BAD_ARGS
 
@@ -73,10 +71,27 @@ class EphemeralBins:
         if owner is not None:
             owner.owned.discard(name)
 
-    def release(self, session, delete: Callable[[str, bytes | None], None]) -> None:
-        """``session``'s connection ended: ``delete(name, owner value)`` every bin it owns."""
+    def release(self, session, state) -> None:
+        """``session``'s connection ended: delete every bin it owns (``state``: the
+        server's ``ServerState``); their listeners are told."""
         owned, session.owned = session.owned, set()
         for name in owned:
             if self._owners.get(name) is session:
                 del self._owners[name]
-                delete(name, self._values.pop(name, None))
+                _delete(state, name, self._values.pop(name, None))
+
+
+def _delete(state, name: str, owner: bytes | None) -> None:
+    relay = state.relay
+    if relay is not None and relay.follows(name):  # a relay's: the bin lives upstream, for this client
+        relay.delete_upstream(name, owner)
+        return
+
+    def deleted(change, error) -> None:
+        if error is None:
+            state.listeners.publish(change)
+
+    try:
+        state.storage.delete(name, deleted)
+    except RemoteError:  # already gone
+        pass

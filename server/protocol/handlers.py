@@ -1,11 +1,13 @@
-"""What the server does for each verb: one handler per declared command.
+"""What the server does for each bin verb: one handler per declared command.
 
 A handler gets the :class:`~.session.ServerSession` and a request already checked
-against its :class:`~tensorshare.protocol.messages.Command` (PROTOCOL.md §4.2-4.3).
-It reaches bins only through ``session.storage``; a storage call that may wait for
-the disk goes through :meth:`~.session.ServerSession.wait_for`, which keeps replies
-in request order.  A handler refuses by raising the
-:class:`~tensorshare.errors.RemoteError` whose code is the reply.
+against its :class:`~tensorshare.protocol.messages.Command` (PROTOCOL.md §4.2-4.3),
+and returns the request's outcome (:mod:`.outcome`): its reply now, or a
+:class:`~.outcome.Pending` for one that waits for the disk or for its bin; a
+refusal is raised as the :class:`~tensorshare.errors.RemoteError` whose code is
+the reply.  It reaches bins only through ``session.storage`` and publishes the
+changes storage returns (this connection's own notifications follow its reply).
+The table verbs are in :mod:`.tables`.
 """
 
 from __future__ import annotations
@@ -15,34 +17,24 @@ from typing import Callable
 
 from tensorshare.errors import BusyError, ProtocolError, RemoteError
 from tensorshare.protocol.messages import (
-    APPEND, AUTH, BAD_ARGS, BAD_SEQUENCE, DELETE, GET, LIST, LISTEN, NOOP, PEEK, PUT, TOO_LARGE, UNLISTEN, Command,
-    Key,
+    APPEND, AUTH, BAD_ARGS, BAD_SEQUENCE, DELETE, GET, LIST, LISTEN, NOOP, PEEK, PUT, TOO_LARGE, UNLISTEN, Key,
 )
 from tensorshare.wire.description import check_description
 from tensorshare.wire.frames import frame_head
 
 from ..bins.store import Change, Item
 from . import devices, longpoll
+from .outcome import in_lane, later
+from .registry import handles
 
 log = logging.getLogger("tensorshare.server")
-
-HANDLERS: dict[Command, Callable] = {}
-
-
-def handles(*commands: Command) -> Callable:
-    """Register the decorated function as the handler of ``commands``."""
-    def register(handler: Callable) -> Callable:
-        for command in commands:
-            HANDLERS[command] = handler
-        return handler
-    return register
 
 
 # -- PUT, APPEND
 
 
 @handles(PUT, APPEND)
-def store(session, request) -> None:
+def store(session, request):
     """Replace the bin's items (PUT) or add one (APPEND): from the payload, or from
     the item directory a same-host client wrote (PROTOCOL.md §10.4).  An APPEND
     with ``below`` first waits for room (:func:`_when_room`)."""
@@ -52,32 +44,39 @@ def store(session, request) -> None:
     if ephemeral or session.state.ephemeral:
         _check_ephemeral(session, request, ephemeral)
     if replace and (request.cuda is not None or request.fill is not None):  # by device reference (§13)
-        devices.store(session, request, _check_value, _stored(session, request))
-        return
+        return devices.store(session, request, check_value, stored)
+    waits_for_room = not replace and request.below is not None and not _room_now(session, request)
     if request.shm is not None:
         incoming, item_name, size = session.shared.adoption(request)
-        _check_value(session, blob, size)
+        check_value(session, blob, size)
         limits = session.decode_limits
 
         def add(done: Callable) -> None:
             storage.adopt(name, incoming, item_name, blob, size, tag, replace, done, limits)
     else:
-        _check_value(session, blob, request.payload_len)
-        item = Item(blob, tuple(request.payload), request.payload_len, tag)
+        nbytes = request.payload_len
+        check_value(session, blob, nbytes)
+        segments = tuple(request.payload)
+        if ephemeral:
+            if session.closed:  # run after its connection ended (§8.3): it would end with it
+                return None
+            change = storage.add_now(name, blob, segments, nbytes, tag, replace)  # ephemeral: in memory only
+            session.state.ephemeral.claim(name, session, request.owner)
+            return stored(session, request, change)
+        if not waits_for_room and not storage.durable:  # the usual case: stored in memory at once
+            return stored(session, request, storage.add_now(name, blob, segments, nbytes, tag, replace))
 
         def add(done: Callable) -> None:
-            storage.add(name, item, replace, done, lasting=not ephemeral)  # ephemeral: in memory only
-    finish = _stored(session, request)
-    if ephemeral:
-        if session.closed:  # run after its connection ended (§8.3): it would end with it
-            return
-        finish = _claiming(session, name, finish, request.owner)
-    if not replace and request.below is not None and not _room_now(session, request):
-        session.wait_for(lambda done: _when_room(session, request, add, done), finish)
-    elif request.shm is None and (ephemeral or not storage.durable):  # stored in memory at once
-        add(finish)
-    else:
-        session.wait_for(add, finish)
+            storage.add(name, blob, segments, nbytes, tag, replace, done)
+
+    def finish(change: Change | None, error: RemoteError | None):
+        if error is not None:
+            raise error
+        return stored(session, request, change)
+
+    if waits_for_room:
+        return _when_room(session, request, add, finish)
+    return later(add, finish)
 
 
 def _check_ephemeral(session, request, ephemeral: bool) -> None:
@@ -85,56 +84,37 @@ def _check_ephemeral(session, request, ephemeral: bool) -> None:
     (:mod:`.ephemeral`)."""
     if ephemeral and request.shm is not None:
         raise RemoteError("an ephemeral value comes over TCP, not through shared memory", BAD_ARGS)
-    session.state.ephemeral.check_store(request.bin, ephemeral, session.storage.state(request.bin)[0])
-
-
-def _claiming(session, name: str, finish: Callable, owner: bytes | None) -> Callable:
-    """``finish``, once this connection owns the ephemeral bin it stored."""
-    def stored(change: Change | None, error: RemoteError | None) -> None:
-        if error is None:
-            session.state.ephemeral.claim(name, session, owner)
-        finish(change, error)
-    return stored
+    session.state.ephemeral.check_store(request.bin, ephemeral, session.storage.state(request.bin).exists)
 
 
 def _room_now(session, request) -> bool:
     """Whether an APPEND with ``below`` can be stored at once, as any APPEND: in
-    memory, nobody waiting on its bin before it, and room (the usual case of a
-    producer that is not ahead; it then keeps the pipelined path)."""
-    name, waits, storage = request.bin, session.state.waits, session.storage
-    return (request.shm is None and not storage.durable and not waits.waiting(name)
-            and _has_room(session, name, request.below))
+    memory, nobody waiting for room in its bin before it, and room (the usual case
+    of a producer that is not ahead; it then keeps the pipelined path)."""
+    key = (request.bin, APPEND.lane)
+    return (request.shm is None and not session.storage.durable and not session.state.waits.waiting(key)
+            and _has_room(session, request.bin, request.below))
 
 
 def _has_room(session, name: str, below: int) -> bool:
     """Whether bin ``name`` holds fewer than ``below`` items, those being stored included."""
-    return session.storage.state(name)[1] + session.state.waits.going(name) < below
+    return session.storage.count(name) + session.state.waits.going((name, APPEND.lane)) < below
 
 
-def _when_room(session, request, add: Callable, done: Callable) -> None:
-    """Run ``add(done)`` once the bin holds fewer than ``request.below`` items (those
+def _when_room(session, request, add: Callable, finish: Callable):
+    """``add(done)`` once the bin holds fewer than ``request.below`` items (those
     being stored count), waiting up to ``request.wait`` seconds (PROTOCOL.md §4.4)."""
-    storage, waits, name, below = session.storage, session.state.waits, request.bin, request.below
+    storage, name, below = session.storage, request.bin, request.below
     wait = request.wait or 0
 
-    def stored(change, error) -> None:
-        done(change, error)  # published first: notifications keep the order of seq
-        waits.settled(name)
-
-    def go() -> None:
-        try:
-            add(stored)
-        except RemoteError as exc:  # a limit: refused like any APPEND
-            stored(None, exc)
-
-    def expire() -> None:
-        done(None, BusyError(f"bin {name!r} still held {storage.state(name)[1]} items (below {below} asked) "
+    def expire(done: Callable) -> None:
+        done(None, BusyError(f"bin {name!r} still held {storage.count(name)} items (below {below} asked) "
                              f"after waiting {wait:g}s; nothing stored"))
 
-    session.park(name, lambda: _has_room(session, name, below), go, wait, expire)
+    return in_lane(name, APPEND.lane, lambda: _has_room(session, name, below), add, finish, wait, expire)
 
 
-def _check_value(session, blob: bytes, nbytes: int) -> None:
+def check_value(session, blob: bytes, nbytes: int) -> None:
     """501 unless ``blob`` describes a value whose payload is ``nbytes`` long."""
     try:  # cheap for a description seen before (the codec remembers them)
         check_description(blob, nbytes, session.decode_limits)
@@ -142,126 +122,105 @@ def _check_value(session, blob: bytes, nbytes: int) -> None:
         raise RemoteError(f"bad value: {exc}", BAD_ARGS) from None
 
 
-def _stored(session, request) -> Callable:
-    """The reply to a PUT/APPEND once the storage is done with it."""
-    def finish(change: Change | None, error: RemoteError | None) -> None:
-        if error is not None:
-            session.refuse(request.id, error)
-            return
-        header = session.shared.stored_reply(request.command.reply(request.id, n=change.n_items, seq=change.seq),
-                                             request.bin)
-        session.send_header(header if session.shared.devices is None else devices.with_freed(session, header))
-        session.state.listeners.publish(change)
-        if request.tag is not None and session.counters is not None:  # versions of RL experiments
-            session.counters.stored(session.stats, request.command.verb, request.bin, request.tag)
-    return finish
+def stored(session, request, change: Change) -> dict:
+    """The reply to a PUT/APPEND the storage is done with; its change is published."""
+    session.state.listeners.publish(change)
+    if request.tag is not None and session.counters is not None:  # versions of RL experiments
+        session.counters.stored(session.stats, request.command.verb, request.bin, request.tag)
+    header = session.shared.stored_reply(request.command.reply(request.id, n=change.n_items, seq=change.seq),
+                                         request.bin)
+    return header if session.shared.devices is None else devices.with_freed(session, header)
 
 
 # -- GET, PEEK
 
 
 @handles(GET)
-def get(session, request) -> None:
+def get(session, request):
     """Take the bin's items (at most ``max``); with ``wait``, once it holds ``least``
     of them (:mod:`.longpoll`)."""
     if request.least is not None and request.max is not None and request.least > request.max:
         raise RemoteError(f"least ({request.least}) must not exceed max ({request.max})", BAD_ARGS)
     if request.wait and not longpoll.enough_items(session, request):
-        longpoll.hold(session, request, longpoll.enough_items, _take)
-        return
-    _take(session, request, None)
+        return longpoll.hold(session, request, longpoll.enough_items, take)
+    return take(session, request)
 
 
-def _take(session, request, done: Callable[[], None] | None) -> None:
+def take(session, request):
     """Take the items out of the bin.  The take and its notification happen now;
-    the reply follows once the items' files are open (if any is only on disk), and
-    the items go back to the front of the bin if it cannot be delivered.
-    ``done``: called once the reply is queued (a request that waited); None: a
-    wait for the disk holds the connection as usual."""
+    the reply follows once any file the items live in is open (if any is only on
+    disk), and the items go back to the front of the bin if it cannot be delivered."""
     storage, listeners, name = session.storage, session.state.listeners, request.bin
     items = storage.peek(name)[: request.max]  # (max: None takes them all)
     if devices.unready(items, None):  # bytes still in a publisher's device memory (§13)
-        devices.hold_for_bytes(session, request, _take, done)
-        return
+        return devices.hold_for_bytes(session, request, take)
     _check_reply_size(session, items)  # refused before anything is taken
     refs = session.shared.refs(request.bin, request.ref, items, taking=True)
     items, change = storage.take(name, request.max)
+    listeners.publish(change)  # (this connection's own notification follows the reply)
 
     def put_back() -> None:
         listeners.publish(storage.restore(name, items))
 
-    def finish(parts: list | None, error: RemoteError | None) -> None:
-        if error is not None:
-            put_back()
-            session.refuse(request.id, error)
-        else:
-            _send_items(session, request, items, parts, change.seq, refs, put_back,
-                        lambda: storage.delivered(name, items))
-            session.shared.pin(request.id, items, refs)
-        if done is not None:
-            done()
+    def reply(parts: list):
+        out = items_reply(session, request, items, parts, change.seq, refs, put_back,
+                           lambda: storage.delivered(name, items))
+        session.shared.pin(request.id, items, refs)
+        return out
 
     parts = storage.parts_in_memory(items, refs)
-    if parts is not None:  # the usual case: the reply, then the notifications
-        finish(parts, None)
-        listeners.publish(change)
-        return
+    if parts is not None:  # the usual case
+        return reply(parts)
 
-    def start(read_done: Callable) -> None:
-        listeners.publish(change)  # this connection's own notification follows the reply
-        storage.read(items, refs, read_done)
+    def read(parts: list | None, error: RemoteError | None):
+        if error is not None:
+            put_back()
+            raise error
+        return reply(parts)
 
-    if done is not None:  # already holding the connection (it waited)
-        start(finish)
-    else:
-        session.wait_for(start, finish)
+    return later(lambda done: storage.read(items, refs, done), read)
 
 
 @handles(PEEK)
-def peek(session, request) -> None:
+def peek(session, request):
     """Read every item of the bin, which keeps them; with ``since``, none while the
     bin is still at that seq, and with ``wait`` too, once it has moved on
     (:mod:`.longpoll`)."""
     if request.wait and not longpoll.moved_on(session, request):
-        longpoll.hold(session, request, longpoll.moved_on, _read)
-        return
-    _read(session, request, None)
+        return longpoll.hold(session, request, longpoll.moved_on, read)
+    return read(session, request)
 
 
-def _read(session, request, done: Callable[[], None] | None) -> None:
-    """Send the bin's items, or none if it is still at seq ``since`` (nothing new;
-    ``done``: as for :func:`_take`)."""
+def read(session, request):
+    """Send the bin's items, or none if it is still at seq ``since`` (nothing new)."""
     storage, name = session.storage, request.bin
-    seq = storage.state(name)[2]
+    seq = storage.seq(name)
     items = [] if request.since is not None and seq == request.since else storage.peek(name)
     cuda = devices.refs(session, request.cuda, items) if request.cuda is not None else None
     if devices.unready(items, cuda):  # bytes still in a publisher's device memory (§13)
-        devices.hold_for_bytes(session, request, _read, done)
-        return
+        return devices.hold_for_bytes(session, request, read)
     _check_reply_size(session, items)
-    refs = session.shared.refs(name, request.ref, items)
-    away = refs
+    refs = away = session.shared.refs(name, request.ref, items)
     if cuda is not None:  # items whose bytes the payload does not carry: by file or by device reference
         refs = devices.besides(refs, cuda)
         away = devices.merged(refs, cuda)
 
-    def finish(parts: list | None, error: RemoteError | None) -> None:
-        if error is not None:
-            session.refuse(request.id, error)
-        else:
-            _send_items(session, request, items, parts, seq, refs, cuda=cuda)
-            session.shared.pin(request.id, items, away)
-            session.shared.promote(request.ref, items, away, session.decode_limits)
-        if done is not None:
-            done()
+    def reply(parts: list):
+        out = items_reply(session, request, items, parts, seq, refs, cuda=cuda)
+        session.shared.pin(request.id, items, away)
+        session.shared.promote(request.ref, items, away, session.decode_limits)
+        return out
 
     parts = storage.parts_in_memory(items, away)
     if parts is not None:  # the usual case: no disk, no wait
-        finish(parts, None)
-    elif done is not None:
-        storage.read(items, away, finish)
-    else:
-        session.wait_for(lambda read_done: storage.read(items, away, read_done), finish)
+        return reply(parts)
+
+    def opened(parts: list | None, error: RemoteError | None):
+        if error is not None:
+            raise error
+        return reply(parts)
+
+    return later(lambda done: storage.read(items, away, done), opened)
 
 
 def _check_reply_size(session, items: list[Item]) -> None:
@@ -274,9 +233,12 @@ def _check_reply_size(session, items: list[Item]) -> None:
                           f"reply may carry", TOO_LARGE)
 
 
-def _send_items(session, request, items: list[Item], parts: list, seq: int, refs: list | None,
+def items_reply(session, request, items: list[Item], parts: list, seq: int, refs: list | None,
                 on_abandon: Callable[[], None] | None = None, on_written: Callable[[], None] | None = None,
-                cuda: list | None = None) -> None:
+                cuda: list | None = None):
+    """A 226 reply carrying ``items``: its frame parts (with the hooks of a GET's);
+    ``refs`` and ``cuda``: per item, a reference to its files or to its device
+    memory standing for its bytes (PROTOCOL.md §10.3, §13.2)."""
     sizes = [item.nbytes for item in items]
     header = request.command.reply(request.id)
     header[Key.SEQ], header[Key.ITEMS], header[Key.SIZES] = seq, [item.description for item in items], sizes
@@ -292,79 +254,76 @@ def _send_items(session, request, items: list[Item], parts: list, seq: int, refs
         away = devices.merged(refs, cuda)
         payload_len = sum(item.nbytes for item, files in zip(items, away) if files is None)
     parts.insert(0, frame_head(header, payload_len))
-    session.send(parts, on_abandon, on_written)
     counters = session.counters
     if counters is not None:
         counters.verbs[request.command.verb].bytes_out += payload_len
         if items and items[-1].tag is not None:  # the version a worker holds
             counters.read(session.stats, request.bin, items[-1].tag)
+    if on_abandon is None and on_written is None:
+        return parts
+    return parts, on_abandon, on_written
 
 
 # -- LIST, DELETE
 
 
 @handles(LIST)
-def listing(session, request) -> None:
-    session.send_header(LIST.reply(request.id, bins=session.storage.listing()))
+def listing(session, request) -> dict:
+    return LIST.reply(request.id, bins=session.storage.listing())
 
 
 @handles(DELETE)
-def delete(session, request) -> None:
+def delete(session, request):
     if request.owner is not None and not session.state.ephemeral.owns(request.bin, session, request.owner):
         # Not (any more) the ephemeral bin of that client of this connection: nothing changes (§4.6).
-        _exists, n, seq, _tag = session.storage.state(request.bin)
-        session.send_header(DELETE.reply(request.id, n=n, seq=seq))
-        return
+        state = session.storage.state(request.bin)
+        return DELETE.reply(request.id, n=state.n_items, seq=state.seq)
 
-    def finish(change: Change | None, error: RemoteError | None) -> None:
+    def deleted(change: Change | None, error: RemoteError | None) -> dict:
         if error is not None:
-            session.refuse(request.id, error)
-            return
+            raise error
         session.state.ephemeral.forget(request.bin)
-        session.send_header(DELETE.reply(request.id, n=0, seq=change.seq))
         session.state.listeners.publish(change)
+        return DELETE.reply(request.id, n=0, seq=change.seq)
 
-    session.wait_for(lambda done: session.storage.delete(request.bin, done), finish)
+    return later(lambda done: session.storage.delete(request.bin, done), deleted)
 
 
 # -- LISTEN, UNLISTEN
 
 
 @handles(LISTEN)
-def listen(session, request) -> None:
+def listen(session, request) -> dict:
     name, limit = request.bin, session.config.max_listens
     if name not in session.listening and len(session.listening) >= limit:
         raise RemoteError(f"a connection may listen to {limit} bins", TOO_LARGE)
     session.listening.add(name)
     session.state.listeners.add(name, session, bool(request.first_append))
-    exists, n_items, seq, tag = session.storage.state(name)
-    # Sent before any later notification: the snapshot and the stream are atomic.
-    session.send_header(LISTEN.reply(request.id, exists=exists, n=n_items, seq=seq, tag=tag))
+    state = session.storage.state(name)
+    # Answered before any later notification: the snapshot and the stream are atomic.
+    return LISTEN.reply(request.id, exists=state.exists, n=state.n_items, seq=state.seq, tag=state.tag)
 
 
 @handles(UNLISTEN)
-def unlisten(session, request) -> None:
+def unlisten(session, request) -> dict:
     session.listening.discard(request.bin)
     session.state.listeners.discard(request.bin, session)
     session.notifier.forget(request.bin)
-    session.send_header(UNLISTEN.reply(request.id))
+    return UNLISTEN.reply(request.id)
 
 
 # -- NOOP, AUTH
 
 
 @handles(NOOP)
-def noop(session, request) -> None:
+def noop(session, request) -> dict:
     header = NOOP.reply(request.id)
-    session.send_header(header if session.shared.devices is None else devices.with_freed(session, header))
+    return header if session.shared.devices is None else devices.with_freed(session, header)
 
 
 @handles(AUTH)
-def auth_again(session, request) -> None:
+def auth_again(session, request):
     """AUTH once authenticated, or on a server without a token (PROTOCOL.md §4.3)."""
     if session.state.token is None:
         raise RemoteError("this server does not use authentication", BAD_SEQUENCE)
     raise RemoteError("already authenticated", BAD_SEQUENCE)
-
-
-from . import tables as _tables  # noqa: E402,F401 - registers the table verbs (TCREATE...; PROTOCOL.md §12)

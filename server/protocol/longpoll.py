@@ -10,11 +10,10 @@ at that seq: the reader gets the next version in the reply itself, a long poll
 then (fewer items; for the PEEK, no items, as nothing changed): waiting for data
 is not an error.
 
-Held reads are parked with :class:`~.waits.Waits` under keys of their own, one
-per bin and kind (so a waiting GET never holds back an APPEND waiting for room,
-nor the other way round): takes go on in the order they came, peeks each as soon
-as its own bin has moved on.  The registry's watcher (``Waits.watcher(*LANES)``)
-tests them after every change.
+Held reads wait in the lanes their verbs declare (``take``, ``peek``), apart from
+the other kinds of request waiting on a bin (a waiting GET never holds back an
+APPEND waiting for room, nor the other way round): takes go on in the order they
+came, peeks each as soon as its own bin has moved on.
 """
 
 from __future__ import annotations
@@ -22,64 +21,38 @@ from __future__ import annotations
 from typing import Callable
 
 from tensorshare.errors import RemoteError
+from tensorshare.protocol.messages import GET
 
-LANES = _TAKES, _PEEKS = "\x00take", "\x00peek"  # bin names hold no control characters: no bin has these keys
-
-
-def retest(waits, name: str) -> None:
-    """Test the reads held on bin ``name`` again: what they wait for came without a
-    change of the bin (the bytes of an item put by device reference)."""
-    for lane in LANES:
-        waits.changed(name + lane)
+from .outcome import Pending, in_lane
 
 
 def enough_items(session, request) -> bool:
     """Whether a GET need not wait: its bin holds at least ``least`` (default 1) items."""
-    return session.storage.state(request.bin)[1] >= (request.least or 1)
+    return session.storage.count(request.bin) >= (request.least or 1)
 
 
 def moved_on(session, request) -> bool:
     """Whether a PEEK need not wait: its bin is no longer at the seq it names."""
-    return request.since is None or session.storage.state(request.bin)[2] != request.since
+    return request.since is None or session.storage.seq(request.bin) != request.since
 
 
-def hold(session, request, ready: Callable, answer: Callable, *, timeout: float | None = None,
-         refusal: Callable[[], RemoteError] | None = None, held: Callable[[], None] | None = None) -> None:
-    """Answer ``request`` with ``answer(session, request, done)`` once ``ready(session,
+def _now(done: Callable) -> None:
+    done()
+
+
+def hold(session, request, ready: Callable, answer: Callable, timeout: float | None = None,
+         refusal: Callable[[], RemoteError] | None = None) -> Pending:
+    """Answered with ``answer(session, request)`` (an outcome) once ``ready(session,
     request)`` holds, or when its ``wait`` runs out, whichever comes first.
-
-    ``answer`` queues the reply (or raises the :class:`RemoteError` to refuse with)
-    and calls ``done()`` once it has; meanwhile the connection's later requests
-    wait behind this one, as for every request that waits (replies keep order).
     ``timeout`` (instead of ``wait``) with ``refusal``: what runs out refuses the
-    request with ``refusal()`` instead of answering it.  ``held``: the request holds
-    its connection already (it waited before): call ``held()`` once answered."""
-    waits, takes = session.state.waits, request.command.verb == "GET"
-    key = request.bin + (_TAKES if takes else _PEEKS)
+    request with ``refusal()`` instead of answering it."""
+    takes = request.command is GET
 
-    def start(done: Callable) -> None:
-        def run(settle: bool) -> None:
-            def answered() -> None:
-                if settle:
-                    waits.settled(key)  # the next take in line is tested with this one's result
-                done()
-            try:
-                answer(session, request, answered)
-            except RemoteError as exc:
-                session.refuse(request.id, exc)
-                answered()
+    def expire(done: Callable) -> None:
+        if refusal is not None:
+            raise refusal()
+        done()
 
-        def expire() -> None:
-            if refusal is None:
-                run(False)
-            else:
-                session.refuse(request.id, refusal())
-                done()
-
-        session.park(key, lambda: ready(session, request), lambda: run(True),
-                     request.wait if timeout is None else timeout, expire, ordered=takes)
-
-    if held is None:
-        session.wait_for(start, lambda: None)
-    else:
-        start(held)
+    return in_lane(request.bin, request.command.lane, lambda: ready(session, request), _now,
+                   lambda: answer(session, request), request.wait if timeout is None else timeout, expire,
+                   ordered=takes)

@@ -1,17 +1,20 @@
 """One client connection's protocol logic, without I/O (sans-IO).
 
 A :class:`ServerSession` takes the bytes a connection received, decodes frames,
-authenticates the peer, applies the limits and hands each request, checked and
-typed by its :class:`~tensorshare.protocol.messages.Command`, to its handler
-(:mod:`.handlers`).  Replies go to an :class:`~.notify.Outbox` as whole frames.
-The Twisted adapter (``server/net/service.py``) only moves bytes and keeps the
-clock (:meth:`ServerSession.tick`); tests drive a session directly.
+has the peer authenticate (:mod:`.login`), applies the limits and hands each
+request, checked and typed by its :class:`~tensorshare.protocol.messages.Command`,
+to its handler (:mod:`.handlers`), then carries out what the handler returns
+(:mod:`.outcome`: a reply now, a refusal, or an answer later).  Replies go to an
+:class:`~.notify.Outbox` as whole frames.  The Twisted adapter
+(``server/net/service.py``) only moves bytes and keeps the clock
+(:meth:`ServerSession.tick`); tests drive a session directly.
 
 The session is a state machine (:class:`Phase`, with the legal moves in
-``_MOVES``).  Apart from its phase, a session in ``READY`` may be *held*: requests
-wait in order while the outbox is congested (flow control) or while an earlier
-request waits for the disk (replies stay in request order); reading stops while any
-wait.
+``_MOVES``).  Apart from its phase, a session in ``READY`` may be *held*
+(:mod:`.holding`): requests wait in order while the outbox is congested (flow
+control) or while an earlier request is answered later (replies stay in request
+order); reading stops while any wait.  A relay may stream a frame to it as the
+frame's payload arrives (:mod:`.gate`).
 """
 
 from __future__ import annotations
@@ -21,32 +24,28 @@ import logging
 import time
 from bisect import bisect_left
 from time import perf_counter
-from collections import deque
-from dataclasses import replace
 from typing import Callable, Protocol
 
 from tensorshare import __version__
 from tensorshare.errors import ProtocolError, RemoteError
-from tensorshare.protocol import auth
 from tensorshare.protocol.messages import (
-    AUTH, BAD_ARGS, BAD_FRAME, COMMANDS, DELETE, GREETING_MESSAGE, ID_MAX, KEEPALIVE_MESSAGE, LOCAL_ERROR,
-    NOT_AUTHENTICATED, PROTOCOL_VERSION, UNAVAILABLE, UNKNOWN_VERB, APPEND, PUT, Key, error_reply,
+    APPEND, AUTH, BAD_ARGS, BAD_FRAME, COMMANDS, DELETE, GREETING_MESSAGE, ID_MAX, KEEPALIVE_MESSAGE, LOCAL_ERROR,
+    NOT_AUTHENTICATED, PROTOCOL_VERSION, PUT, UNAVAILABLE, UNKNOWN_VERB, Key, error_reply,
 )
 from tensorshare.wire.frames import DiscardSink, Frame, FrameDecoder, SegmentSink, frame_head
 
-from ..net.recvpool import CHUNK, PooledSink
 from ..ops.counters import LATENCY_BUCKETS, ConnStats
-from .handlers import HANDLERS
+from . import handlers, login, tables  # noqa: F401 - the handler modules register their verbs
+from .holding import Answering, Holding
 from .notify import Notifier, Outbox
+from .outcome import Pending
+from .recvpool import CHUNK, PooledSink
+from .registry import HANDLERS
 from .shared import SharedMemory
 
 log = logging.getLogger("tensorshare.server")
 _DISCARD = DiscardSink(0)  # stateless: one serves every request that takes no payload
 _LASTING = frozenset({PUT.verb, APPEND.verb, DELETE.verb})  # effects that outlive the connection
-# Until a connection has authenticated, its frames may carry no payload and only a
-# small header (an AUTH frame is about 150 bytes): an unauthenticated peer cannot
-# make the server buffer anything sizeable.
-PRE_AUTH_MAX_HEADER = 4096
 
 
 class Phase(enum.Enum):
@@ -130,20 +129,14 @@ class ServerSession:
         self.closed = False  # nothing more is served (closing or closed): kept with the phase
         self._serving = False  # the phase handles requests (_SERVING): kept with the phase
         self._admitted = False  # counted in state.connections
-        self._nonce = None if state.token is None else auth.new_nonce()  # the challenge of our greeting
+        self.login = None if state.token is None else login.Login(state.token)  # until authenticated
         self._failure: tuple[int, str] | None = None  # FAILING: the framing error to report
-        self._backlog: deque[Frame] = deque()  # whole requests held back (see the module docstring)
-        self._waiting = False  # a request waits for the disk
-        self._held_notes: dict[str, bytes] | None = None  # notifications held while waiting, per bin
-        self._parked = None  # this connection's request waiting for a bin to change (waits.py)
-        # A frame streamed in pieces as its payload arrives (a relay's, server/relay/stream.py):
-        # until it is whole, other frames wait here (and notifications, latest per bin).
-        self._gate: list | None = None
-        self._gate_notes: dict[str, bytes] = {}
+        self.holding = Holding()  # requests held back, the one answered later, notifications held
+        self.stream = None  # a frame streamed as its payload arrives (.gate), while one is
         self.timing = TimeLimits()
         frame_limits = state.config.frame_limits
-        if self._nonce is not None:
-            frame_limits = replace(frame_limits, max_header=min(PRE_AUTH_MAX_HEADER, frame_limits.max_header), max_payload=0)
+        if self.login is not None:
+            frame_limits = login.Login.frame_limits(frame_limits)
         self._decoder: FrameDecoder | None = FrameDecoder(self._payload_sink, frame_limits)
         # The config's limits are properties that build a new object per access.
         self.decode_limits = state.config.decode_limits
@@ -151,7 +144,7 @@ class ServerSession:
 
     @property
     def authenticated(self) -> bool:
-        return self._nonce is None
+        return self.login is None
 
     def _move(self, phase: Phase) -> None:
         if phase not in _MOVES[self.phase]:
@@ -180,14 +173,12 @@ class ServerSession:
                                           version=PROTOCOL_VERSION, max_frame=self.config.max_frame)
         if self.state.workers is not None:  # one worker of several: the map clients route by (§14)
             greeting[Key.WORKERS] = self.state.workers.field()
-        if not self.authenticated:
+        if self.login is not None:
             self._move(Phase.AUTHENTICATING)
-            greeting.update({Key.MSG: "tensorshare ready; authenticate", Key.AUTH: auth.MECHANISM,
-                             Key.NONCE: self._nonce})
-            self.send_header(greeting)
+            self.send_header(self.login.greeting(greeting))
             return
         self._move(Phase.READY)
-        self.shared.offer(greeting, self)  # the same-host offer (may wait for the disk)
+        self.answer(0, self.shared.offer(greeting, self))  # the same-host offer (may wait for the disk)
 
     def data_received(self, data: bytes) -> None:
         if not self._serving or self._failure is not None:
@@ -201,14 +192,14 @@ class ServerSession:
             if self.authenticated:
                 self._failure = (BAD_FRAME, str(exc))
             else:
-                self._auth_failed(f"a frame before authentication: {exc}")
+                login.failed(self, f"a frame before authentication: {exc}")
                 self._failure = (NOT_AUTHENTICATED, f"authentication required (frame refused: {exc})")
         self._take(frames)
 
     def receive_buffer(self) -> memoryview | None:
         """Memory to read the next bytes straight into (a large payload arriving into
-        the receive pool lends it: ``server/net/recvpool.py``), or None: read as
-        usual and call :meth:`data_received`."""
+        the receive pool lends it: :mod:`.recvpool`), or None: read as usual and
+        call :meth:`data_received`."""
         if not self._serving or self._failure is not None:
             return None
         return self._decoder.lent_buffer()
@@ -226,8 +217,8 @@ class ServerSession:
 
     @property
     def backlogged(self) -> bool:
-        """True while whole requests wait (for the outbox to drain, or the disk)."""
-        return bool(self._backlog)
+        """True while whole requests wait (for the outbox to drain, or an earlier answer)."""
+        return bool(self.holding.backlog)
 
     def resume(self) -> None:
         """Handle the requests held back while the outbox was congested."""
@@ -238,9 +229,12 @@ class ServerSession:
         # A request that arrived whole takes effect even if its reply cannot be sent
         # (PROTOCOL.md §8.3): of those held back, run the ones whose effect outlives
         # the connection (the others would only have produced their reply).
-        backlog, self._backlog = self._backlog, deque()
+        holding = self.holding
+        backlog, holding.backlog = holding.backlog, type(holding.backlog)()
         self._move(Phase.CLOSED)
-        self._drop_gate()
+        if self.stream is not None:
+            self.stream.abandon()
+            self.stream = None
         if self._admitted:
             self._admitted = False
             self.state.connections -= 1
@@ -261,26 +255,15 @@ class ServerSession:
         for name in self.listening:
             self.state.listeners.discard(name, self)
         self.listening.clear()
-        parked, self._parked = self._parked, None
-        self.state.waits.cancel(parked)  # a request waiting for its bin to change is dropped
+        answering = holding.answering
+        if answering is not None and answering.parked is not None:  # a request waiting in its lane is dropped
+            answering.closed = True
+            self.state.waits.cancel(answering.parked)
+            answering.parked = None
+            holding.answering = None
         if self.owned:  # its ephemeral bins end with it
-            self.state.ephemeral.release(self, self._delete_ended)
+            self.state.ephemeral.release(self, self.state)
         self.shared.connection_lost()
-
-    def _delete_ended(self, name: str, owner: bytes | None) -> None:
-        """Delete an ephemeral bin whose connection ended; its listeners are told."""
-        relay = self.state.relay
-        if relay is not None and relay.follows(name):  # a relay's: the bin lives upstream, for this client
-            relay.delete_upstream(name, owner)
-            return
-        def deleted(change, error) -> None:
-            if error is None:
-                self.state.listeners.publish(change)
-
-        try:
-            self.storage.delete(name, deleted)
-        except RemoteError:  # already gone
-            pass
 
     def tick(self, now: float, sending: bool = False) -> None:
         """Apply the time limits; the adapter calls this every ``tick_interval``
@@ -297,7 +280,7 @@ class ServerSession:
         config, timing = self.config, self.timing
         timing.observe(now, sending)
         if not self.authenticated and config.auth_timeout and now - timing.opened_at >= config.auth_timeout:
-            self._auth_failed(f"not authenticated within {config.auth_timeout:g}s")
+            login.failed(self, f"not authenticated within {config.auth_timeout:g}s")
             self._close_with(NOT_AUTHENTICATED, "authentication timed out")
             return
         if not config.idle_timeout or now - timing.quiet_since < config.idle_timeout:
@@ -316,14 +299,22 @@ class ServerSession:
     def notify(self, name: str, frame: bytes) -> None:
         if self.closed:
             return
-        held = self._held_notes
-        if held is None and self._gate is not None:
-            held = self._gate_notes  # after the frame being streamed
-        if held is not None:  # after the reply of the request that waits (see wait_for)
-            held.pop(name, None)  # the latest per bin, in the order of their last change
-            held[name] = frame
+        if self.holding.holds:  # after the reply (or streamed frame) that holds them
+            self.holding.hold(name, frame)
             return
         self.notifier.notify(name, frame)
+
+    def release_notes(self) -> None:
+        """One reason to hold this connection's notifications is gone: if it was the
+        last, they go out."""
+        holding = self.holding
+        holding.holds -= 1
+        if not holding.holds and holding.notes:
+            self._send_notes()
+
+    def _send_notes(self) -> None:
+        for name, frame in self.holding.take_notes().items():
+            self.notify(name, frame)
 
     # -- requests
 
@@ -343,30 +334,32 @@ class ServerSession:
         return SegmentSink(nbytes)
 
     def _take(self, frames: list[Frame]) -> None:
-        """Handle whole requests, in order, or queue them while the outbox or the disk
-        makes them wait."""
-        if not self._backlog:
+        """Handle whole requests, in order, or queue them while the outbox or an
+        earlier request makes them wait."""
+        holding = self.holding
+        if not holding.backlog:
             outbox = self.outbox
             for i, frame in enumerate(frames):
                 if self.closed:  # refused: nothing after it is served
                     return
-                if outbox.congested or self._waiting:  # hold the rest back
+                if outbox.congested or holding.answering is not None:  # hold the rest back
                     frames = frames[i:]
                     break
                 self._handle(frame)
             else:
                 frames = ()
-        if frames or self._waiting or self._failure is not None or self._backlog:
-            self._backlog.extend(frames)
+        if frames or holding.answering is not None or self._failure is not None or holding.backlog:
+            holding.backlog.extend(frames)
             self._work()
 
     def _work(self) -> None:
-        """Handle waiting requests while the outbox and the disk let us; read only
-        while none waits."""
-        backlog, outbox = self._backlog, self.outbox
-        while backlog and not outbox.congested and not self._waiting and not self.closed:
+        """Handle waiting requests while the outbox and earlier answers let us; read
+        only while none waits."""
+        holding, outbox = self.holding, self.outbox
+        backlog = holding.backlog
+        while backlog and not outbox.congested and holding.answering is None and not self.closed:
             self._handle(backlog.popleft())
-        if not backlog and not self._waiting and self._failure is not None and not self.closed:
+        if not backlog and holding.answering is None and self._failure is not None and not self.closed:
             (code, message), self._failure = self._failure, None
             log.info("conn %d closing (%s): %s", self.stats.id, self.peer, message,
                      extra={"conn": self.stats.id, "event": "failing"})
@@ -379,18 +372,20 @@ class ServerSession:
             self.reads.resume("backlog")
 
     def _handle(self, frame: Frame) -> None:
-        """Check one request (PROTOCOL.md §4.2) and run its handler."""
+        """Check one request (PROTOCOL.md §4.2), run its handler and carry out its outcome."""
         header = frame.header
         if Key.RELEASE in header:
             self.shared.release(header[Key.RELEASE])
         rid = header.get(Key.ID)
         if type(rid) is not int or not 0 < rid <= ID_MAX:
             rid = 0
-        if self._nonce is not None:  # not authenticated yet
-            self._authenticate(rid, frame)
+        if self.login is not None:  # not authenticated yet
+            self._authenticate(rid, header)
             return
         op = header.get(Key.OP)
         command = COMMANDS.get(op) if type(op) is str else None
+        holding = self.holding
+        holding.holds += 1  # notifications of what the handler changes follow its reply
         try:
             if frame.refused is not None:  # a header over a limit of what it may decode to
                 raise RemoteError(frame.refused, BAD_ARGS)
@@ -404,10 +399,14 @@ class ServerSession:
             handle = self.state.handlers.get(command) or HANDLERS[command]
             counters = self.counters
             if counters is None:
-                handle(self, request)
+                outcome = handle(self, request)
+                if type(outcome) is dict:  # (the usual case, without answer()'s call)
+                    self.send([frame_head(outcome, 0)])
+                else:
+                    self.answer(rid, outcome)
             else:  # counted inline: this is the request path (server/ops/counters.py)
                 began = perf_counter()
-                handle(self, request)
+                self.answer(rid, handle(self, request))
                 elapsed = perf_counter() - began
                 verb = counters.verbs[op]
                 verb.requests += 1
@@ -416,113 +415,137 @@ class ServerSession:
                 verb.buckets[bisect_left(LATENCY_BUCKETS, elapsed)] += 1
                 self.stats.requests += 1
         except RemoteError as exc:
-            if self.counters is not None:
-                self.counters.refusal(exc.code)
-            self.send_header(error_reply(exc.code, exc.message, rid))
+            self.refuse(rid, exc)
         except Exception:  # a bug: this request fails, the connection and the server go on
             log.exception("%s from %s failed", op, self.peer)
             self.send_header(error_reply(LOCAL_ERROR, "internal server error", rid))
+        holds = holding.holds = holding.holds - 1  # (release_notes(), inline)
+        if not holds and holding.notes:
+            self._send_notes()
 
-    def _authenticate(self, rid: int, frame: Frame) -> None:
-        """Check an AUTH request (PROTOCOL.md §8.4); anything else before it gets 530 and
-        the connection closes, as it does after a wrong proof."""
-        header = frame.header
-        if header.get(Key.OP) != AUTH.verb or rid == 0:
-            self._auth_failed(f"{header.get(Key.OP)!r:.40} before authenticating")
-            self._close_with(NOT_AUTHENTICATED, "authentication required", rid)
-            return
+    def _authenticate(self, rid: int, header: dict) -> None:
+        """Check the AUTH request of a connection that must authenticate (PROTOCOL.md
+        §8.4); anything else, or a wrong AUTH, gets 530 and the connection closes."""
         try:
-            request = AUTH.parse_request(header, rid, None, 0)
-            if request.mech != auth.MECHANISM or not auth.is_nonce(request.nonce):
-                raise RemoteError("malformed AUTH")
-        except RemoteError:
-            self._auth_failed("malformed AUTH")
-            self._close_with(NOT_AUTHENTICATED, f"AUTH needs mech {auth.MECHANISM!r} and a "
-                                                f"{auth.NONCE_SIZE}-byte nonce", rid)
+            reply = self.login.check(rid, header)
+        except login.Refused as exc:
+            login.failed(self, exc.reason)
+            self._close_with(NOT_AUTHENTICATED, exc.message, rid)
             return
-        client_proof, server_proof = auth.proofs(self.state.token, self._nonce, request.nonce)
-        if not auth.proof_matches(client_proof, request.proof):
-            self._auth_failed("wrong proof")
-            self._close_with(NOT_AUTHENTICATED, "authentication failed", rid)
-            return
-        self._nonce = None
+        self.login = None
         self._decoder.limits = self.config.frame_limits
         self._move(Phase.READY)
         self.stats.authenticated = True
         log.info("conn %d authenticated (%s)", self.stats.id, self.peer, extra={"conn": self.stats.id, "event": "auth"})
-        self.shared.offer(AUTH.reply(rid, **{Key.PROOF: server_proof}), self)
+        self.answer(rid, self.shared.offer(reply, self))
 
-    def _auth_failed(self, reason: str) -> None:
-        log.warning("conn %d authentication failed (%s): %s", self.stats.id, self.peer, reason,
-                    extra={"conn": self.stats.id, "event": "auth_failed"})
-        if self.counters is not None:
-            self.counters.auth_failures += 1
+    # -- outcomes (.outcome)
 
-    # -- waiting for the disk
+    def answer(self, rid: int, outcome) -> None:
+        """Carry out a handler's ``outcome`` for request ``rid`` (see :mod:`.outcome`)."""
+        kind = type(outcome)
+        if kind is dict:
+            self.send([frame_head(outcome, 0)])
+        elif kind is list:
+            self.send(outcome)
+        elif kind is tuple:
+            self.send(*outcome)
+        elif kind is Pending:
+            self._answer_later(Answering(rid, outcome))
+        elif outcome is not None:
+            raise TypeError(f"a handler returned {outcome!r:.80}, not an outcome")
 
-    def wait_for(self, start: Callable[[Callable], None], finish: Callable) -> None:
-        """Run ``start(done)``, a storage call, and ``finish(*result)`` once it calls
-        ``done(*result)``.
+    def _answer_later(self, answering: Answering) -> None:
+        """Hold the connection (later requests, notifications) until ``answering`` is answered."""
+        holding = self.holding
+        if not self.closed:
+            holding.answering = answering
+        holding.holds += 1
+        self._proceed(answering)
 
-        Storage calls in memory complete at once.  One that waits for the disk holds
-        this connection's later requests (and stops reading it) until it is done, so
-        replies keep request order.  Notifications for this connection that come
-        meanwhile (from ``start`` itself too) are held and follow the reply."""
-        call = _StorageCall(self, finish)
-        if self._held_notes is None:
-            self._held_notes = {}
-        try:
-            start(call.done)
-        except BaseException:
-            if not call.finished:  # refused before anything was started
-                self._release_notes()
-            raise
-        call.started()
-
-    def park(self, name: str, ready: Callable[[], bool], go: Callable[[], None], timeout: float,
-             expire: Callable[[], None], ordered: bool = True) -> None:
-        """Run ``go()`` once ``ready()`` holds for bin ``name``, or ``expire()`` after
-        ``timeout`` seconds (:class:`~.waits.Waits`; ``ordered``: see there).  Call it from the ``start`` of
-        :meth:`wait_for`: this connection's later requests wait meanwhile, its
-        notifications do not; a connection that closes drops its parked request.
+    def _proceed(self, answering: Answering) -> None:
+        """Start what ``answering`` waits for, or park it in its lane first.
 
         While it is parked the connection is still read (its later requests are held
         in the backlog, which stops reading again), so a peer that closes is seen at
-        once and its request takes nothing (nor keeps a connection slot)."""
-        def went() -> None:
-            if self._parked is not None:  # it waited: hold notifications again until its reply
-                self._parked = None
-                self._held_notes = {}
-                self.reads.pause("disk")  # (until its reply: it may wait for the disk now)
-            go()
+        once and its request takes nothing (nor keeps a connection slot); once it
+        goes on, reading stops until it is answered (it may wait for the disk)."""
+        pending = answering.pending
+        if pending.key is None:
+            self._start(answering)
+            return
+        if answering.went:  # it waited in a lane before (a read, then for its bytes): that wait is over
+            answering.went = False
+            self.state.waits.settled(answering.key)
+        answering.key = pending.key
+        parked = self.state.waits.park(pending.key, pending.ready, lambda: self._went(answering),
+                                       pending.timeout, lambda: self._expired(answering), pending.ordered)
+        if parked is not None:  # it waits: others' changes are told meanwhile
+            answering.parked = parked
+            answering.returned = True
+            self.reads.resume("answering")  # (it may have waited for the disk before)
+            self.release_notes()
 
-        def expired() -> None:
-            self._parked = None
-            expire()
+    def _went(self, answering: Answering) -> None:
+        """A request waiting in its lane may go on (its lane is told once it is answered)."""
+        answering.went = True
+        self._left_lane(answering)
+        self._start(answering)
 
-        self._parked = self.state.waits.park(name, ready, went, timeout, expired, ordered)
-        if self._parked is not None:
-            # While it waits, notifications of others' changes go out as usual (a worker
-            # whose rollout waits for room still hears of new parameters).
-            self._release_notes()
+    def _expired(self, answering: Answering) -> None:
+        self._left_lane(answering)
+        self._start(answering, expired=True)
 
-    def _wait_began(self) -> None:
-        self._waiting = True
-        if self._parked is None:  # a parked request keeps reading: see park()
-            self.reads.pause("disk")
+    def _left_lane(self, answering: Answering) -> None:
+        if answering.parked is not None:  # it waited: hold notifications again until its reply
+            answering.parked = None
+            self.holding.holds += 1
+            self.reads.pause("answering")  # (until its reply: it may wait for the disk now)
 
-    def _wait_ended(self) -> None:
-        self._waiting = False
-        self._release_notes()
-        self.reads.resume("disk")
-        if not self.closed:
-            self._work()
+    def _start(self, answering: Answering, expired: bool = False) -> None:
+        pending = answering.pending
+        start = pending.expire if expired else pending.start
+        try:
+            start(lambda *result: self._finished(answering, result))
+        except Exception as exc:  # refused (or failed) before anything was started
+            self._finished(answering, exc)
+            return
+        if self.holding.answering is answering and not answering.returned:
+            answering.returned = True
+            self.reads.pause("answering")
 
-    def _release_notes(self) -> None:
-        held, self._held_notes = self._held_notes, None
-        if held:
-            for name, frame in held.items():
-                self.notify(name, frame)
+    def _finished(self, answering: Answering, result) -> None:
+        """What ``answering`` waited for is done: carry out its outcome."""
+        if answering.closed:
+            return
+        try:
+            if isinstance(result, BaseException):
+                raise result
+            outcome = answering.pending.finish(*result)
+            if type(outcome) is Pending:  # it waits again (a read that waited, now from the disk)
+                answering.pending = outcome
+                self._proceed(answering)
+                return
+            self.answer(answering.rid, outcome)
+        except RemoteError as exc:
+            self.refuse(answering.rid, exc)
+        except Exception:  # a bug: this request fails, the connection and the server go on
+            log.exception("a request from %s failed", self.peer)
+            self.send_header(error_reply(LOCAL_ERROR, "internal server error", answering.rid))
+        self._answered(answering)
+
+    def _answered(self, answering: Answering) -> None:
+        answering.closed = True
+        holding = self.holding
+        if holding.answering is answering:
+            holding.answering = None
+        if answering.went:  # the requests behind it in its lane are tested with its result
+            self.state.waits.settled(answering.key)
+        self.release_notes()
+        if answering.returned:  # answered later than its handler: what it held goes on
+            self.reads.resume("answering")
+            if not self.closed:
+                self._work()
 
     # -- output
 
@@ -530,12 +553,13 @@ class ServerSession:
              on_written: Callable[[], None] | None = None) -> None:
         """Queue a frame (a list of parts), unless the connection is closed (then
         ``on_abandon`` runs at once); while a frame is being streamed, after it."""
-        if self._gate is not None and not self.closed:
-            self._gate.append((parts, on_abandon, on_written))
-        elif not self.closed:
+        if self.closed:
+            if on_abandon is not None:
+                on_abandon()
+        elif self.stream is not None:
+            self.stream.behind.append((parts, on_abandon, on_written))
+        else:
             self.outbox.send(parts, on_abandon, on_written)
-        elif on_abandon is not None:
-            on_abandon()
 
     def send_header(self, header: dict) -> None:
         """Queue a frame that is only a header."""
@@ -547,81 +571,27 @@ class ServerSession:
             self.counters.refusal(error.code)
         self.send_header(error_reply(error.code, error.message, rid))
 
-    def open_stream(self) -> bool:
-        """Begin a frame whose pieces come with :meth:`stream_piece` as its payload
-        arrives; until :meth:`close_stream`, every other frame of this connection waits
-        (and its requests are not read).  False if one is already going out (or the
-        connection is closed): then none is begun."""
-        if self.closed or self._gate is not None:
-            return False
-        self._gate = []
-        self.reads.pause("stream")
-        return True
-
-    def stream_piece(self, parts: list) -> None:
-        """Queue the next piece of the frame being streamed."""
-        if not self.closed:
-            self.outbox.send(parts)
-
-    def close_stream(self) -> None:
-        """The streamed frame is whole: what waited goes out after it."""
-        gate, self._gate = self._gate, None
-        notes, self._gate_notes = self._gate_notes, {}
-        self.reads.resume("stream")
-        for parts, on_abandon, on_written in gate or ():
-            self.send(parts, on_abandon, on_written)
-        for name, frame in notes.items():
-            self.notify(name, frame)
-
     def cut_off(self, reason: str) -> None:
         """Close after what is queued, with no last reply: a frame streamed as its payload
-        arrived (a relay's, server/relay/stream.py) cannot be finished, and the peer must
-        see it cut short, never completed by other bytes."""
+        arrived (:mod:`.gate`) cannot be finished, and the peer must see it cut short,
+        never completed by other bytes."""
         if self.closed:
             return
         log.info("conn %d cut off (%s): %s", self.stats.id, self.peer, reason,
                  extra={"conn": self.stats.id, "event": "cut_off"})
         self._move(Phase.CLOSING)
         self.reads.pause("closing")
-        self._drop_gate()
+        if self.stream is not None:
+            self.stream.abandon()
+            self.stream = None
         self.outbox.close()
-
-    def _drop_gate(self) -> None:
-        """The frames waiting behind a streamed one will never go: run their abandon hooks."""
-        gate, self._gate = self._gate, None
-        for _parts, on_abandon, _written in gate or ():
-            if on_abandon is not None:
-                on_abandon()
 
     def _close_with(self, code: int, message: str, rid: int = 0) -> None:
         """Send a last error reply, then close; nothing more is read or served."""
-        if self._gate is not None:  # a frame is being streamed: it cannot be followed by another
+        if self.stream is not None:  # a frame is being streamed: it cannot be followed by another
             self.cut_off(message)
             return
         self.send_header(error_reply(code, message, rid))
         self._move(Phase.CLOSING)
         self.reads.pause("closing")  # whatever the peer sends now would only be read and dropped
         self.outbox.close()
-
-
-class _StorageCall:
-    """One storage call of a session: replies when done, holding the session if that is later."""
-
-    __slots__ = ("session", "finish", "returned", "finished")
-
-    def __init__(self, session: ServerSession, finish: Callable):
-        self.session, self.finish = session, finish
-        self.returned = self.finished = False
-
-    def done(self, *result) -> None:
-        self.finished = True
-        self.finish(*result)
-        if self.returned:
-            self.session._wait_ended()
-
-    def started(self) -> None:
-        self.returned = True
-        if self.finished:
-            self.session._release_notes()
-        else:
-            self.session._wait_began()

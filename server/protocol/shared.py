@@ -18,6 +18,7 @@ from tensorshare.protocol.messages import BAD_ARGS, ZERO_COPY_REFUSED, Key
 from tensorshare.wire.description import parse_description
 
 from ..bins.store import Item
+from .outcome import later
 
 log = logging.getLogger("tensorshare.server")
 _MAX_PINS = 256  # unreleased 226 replies with references per connection; older ones are let go
@@ -44,32 +45,29 @@ class SharedMemory:
 
     # -- the offer (§10.1)
 
-    def offer(self, reply: dict, session) -> None:
-        """Send ``reply`` (the greeting, or the 230 of AUTH) through ``session`` with the
+    def offer(self, reply: dict, session):
+        """``reply`` (the greeting, or the 230 of AUTH) as the outcome to send, with the
         ``shm`` offer when the peer is on this host; making its incoming directory
-        waits for the disk."""
-        send = session.send_header
+        waits for the disk (a :class:`~.outcome.Pending`)."""
         storage = self.storage
         if not (self.same_host and storage.areas):
-            send(reply)
-            return
+            return reply
         offer = {"token": storage.token, "areas": [area.root for area in storage.areas],
                  "min_bytes": self.config.zero_copy_min, "cuda": not storage.durable}  # device references (§13)
         reply[Key.SHM] = offer
         if not storage.takes_incoming:
-            send(reply)
-            return
+            return reply
 
-        def opened(incoming: str | None, error: BaseException | None) -> None:
+        def opened(incoming: str | None, error: BaseException | None) -> dict:
             if error is not None:
                 log.warning("zero-copy: no incoming directory for %s: %s", self.peer, error)
             elif session.closed:
                 storage.close_incoming(incoming)
             else:
                 self.incoming = offer["incoming"] = incoming
-            send(reply)
+            return reply
 
-        session.wait_for(storage.open_incoming, opened)
+        return later(storage.open_incoming, opened)
 
     def connection_lost(self) -> None:
         self._pins.clear()  # the client's mappings outlive the files' names

@@ -1,133 +1,95 @@
 """What the server does for the table verbs (PROTOCOL.md §12): TCREATE, TINSERT,
 TWRITE, TSAMPLE, TREAD, TPRIORITY, TINFO, TLIMITS.
 
-The tables are the storage's (:class:`~..bins.tablestore.TableStore`); the rows and
-their rules are the pure engine's (:mod:`..bins.tables`).  Here: turning a request's
-value into rows and rows into a reply's value (:mod:`..bins.tables.values`), and the
-waiting.  An insert or sample that the table's rate limiter does not let through
-now (the engine's :class:`~..bins.tables.WouldBlockError`) is parked with
-:class:`~.waits.Waits` for up to the request's ``wait`` seconds: other connections
-are served meanwhile, and each change of the table tests it again.  Inserts and
-samples wait in two queues (:func:`wait_key`), each in arrival order, so a sample
-waiting for rows never holds back the insert that would give them.
+The tables are the storage's (``session.storage``: the table named, then its
+operations, each returning the change it made); the rows and their rules are the
+pure engine's (``server/bins/tables/``).  Here: a request's fields into a storage
+call, its result into a reply, and the waiting.  An insert or sample that the
+table's rate limiter does not let through now (the engine's ``WouldBlockError``)
+waits in its lane (``insert``, ``sample``: as its verb declares) for up to the
+request's ``wait`` seconds: other connections are served meanwhile, each change of
+the table tests it again, and a sample waiting for rows never holds back the
+insert that would give them; a read counted as a sample (TREAD ``sample``) waits
+as a sample does.  A sample's or read's reply is bounded before anything is drawn,
+and its gathered rows count in the memory budget until it is written.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-import numpy as np
-
-from tensorshare.errors import BadRequestError, BusyError, RemoteError
+from tensorshare.errors import BusyError, RemoteError
 from tensorshare.protocol.messages import (
     TCREATE, TINFO, TINSERT, TLIMITS, TPRIORITY, TREAD, TSAMPLE, TWRITE, Key, TableKey,
 )
 from tensorshare.wire.frames import frame_head
-from tensorshare.wire.recycle import Recycler
 
-from ..bins.tables import EmptyTableError, TableError, WouldBlockError
-from ..bins.tables.values import Gathered, columns_of, float64_array, float64_bytes, int64_array, int64_bytes
-from ..bins.tablestore import LIMIT_KEYS, TableEntry
-from ..bins.store import Item
-from .handlers import _check_value, handles
-
-# The Waits lanes of a table's inserts and samples (bin names hold no control
-# characters: these keys are no bin's).
-LANES = _QUEUES = ("\x00insert", "\x00sample")
-# Reply buffers of samples and reads, used again once written (a learner samples the
-# same size over and over): 64 MiB at most, let go after 10 s unused.
-_GATHER_BUFFERS = Recycler(64 << 20, bytearray, idle=10.0)
-
-
-def wait_key(name: str, sampling: bool) -> str:
-    """The :class:`~.waits.Waits` key under which a table's inserts (or samples) wait."""
-    return name + _QUEUES[sampling]
-
-
-def _publish(session, entry: TableEntry, op: str) -> None:
-    """Tell listeners (and, through the registry's watchers, waiting requests)."""
-    session.state.listeners.publish(session.storage.tables.changed(entry, op))
+from ..bins.tables import EmptyTableError, WouldBlockError
+from ..bins.tables.values import float64_array, float64_bytes, int64_array, int64_bytes
+from .outcome import in_lane, later
+from .registry import handles
 
 
 def _wake(session, name: str) -> None:
     """A change only waiting requests care about (a sample moved the rate limiter)."""
-    waits = session.state.waits
-    waits.changed(name + _QUEUES[0])
-    waits.changed(name + _QUEUES[1])
+    session.state.waits.changed(name)
 
 
 # -- TCREATE, TINFO, TLIMITS
 
 
 @handles(TCREATE)
-def create(session, request) -> None:
-    entry, change = session.storage.tables.create(request.bin, request.spec, bool(request.add_columns))
-    session.send_header(TCREATE.reply(request.id, n=entry.table.size, seq=entry.seq))
-    session.state.listeners.publish(change)
+def create(session, request):
+    def made(result, error: RemoteError | None) -> dict:
+        if error is not None:
+            raise error
+        table, change = result
+        session.state.listeners.publish(change)
+        return TCREATE.reply(request.id, n=session.storage.count(request.bin), seq=session.storage.seq(request.bin))
+
+    return later(lambda done: session.storage.create_table(request.bin, request.spec, done, bool(request.add_columns)),
+                 made)
 
 
 @handles(TINFO)
-def info(session, request) -> None:
-    entry = session.storage.tables.get(request.bin)
-    session.send_header(TINFO.reply(request.id, info=_info(session, entry, request.slots)))
+def info(session, request) -> dict:
+    return TINFO.reply(request.id, info=_info(session, request.bin, session.storage.table(request.bin),
+                                              request.slots))
 
 
 @handles(TLIMITS)
-def limits(session, request) -> None:
+def limits(session, request) -> dict:
     """Change the rate limits at once; requests waiting on the table are tested again."""
-    entry = session.storage.tables.get(request.bin)
-    unknown = [k for k in request.limits if k not in LIMIT_KEYS]
-    if unknown:
-        raise BadRequestError(f"unknown limit {unknown[0]!r:.60} (known: {', '.join(LIMIT_KEYS)})")
-    given = dict(request.limits)
-    if isinstance(given.get("error_buffer"), list):
-        given["error_buffer"] = tuple(given["error_buffer"])
-    try:
-        entry.table.set_limits(**given)
-    except (TypeError, ValueError) as exc:
-        raise BadRequestError(f"bad limits: {exc}") from None
-    session.send_header(TLIMITS.reply(request.id, info=_info(session, entry)))
-    _wake(session, entry.name)
+    storage = session.storage
+    table = storage.table(request.bin)
+    storage.set_table_limits(table, request.limits)
+    _wake(session, request.bin)
+    return TLIMITS.reply(request.id, info=_info(session, request.bin, table))
 
 
-def _info(session, entry: TableEntry, slots: int | None = None) -> dict:
-    """TINFO's map; with ``slots``, a page of the occupied slots from that index on
-    (indices, keys, priorities and sample counts as bytes, and the index to ask from next)."""
-    info = entry.info()
-    info["waiting_inserts"] = session.state.waits.waiting(wait_key(entry.name, False))
-    info["waiting_samples"] = session.state.waits.waiting(wait_key(entry.name, True))
-    if slots is not None:
-        page = entry.table.slots(slots)
-        info["slots"] = {"indices": int64_bytes(page["indices"]), "keys": int64_bytes(page["keys"]),
-                         "priorities": float64_bytes(page["priorities"]),
-                         "times_sampled": int64_bytes(page["times_sampled"]), "next": page["next"]}
-    return _plain(info)
-
-
-def _plain(value):
-    """``value`` with numpy scalars and tuples made msgpack's plain types; inf as None."""
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, np.generic):
-        value = value.item()
-    if isinstance(value, float) and not np.isfinite(value):
-        return None
-    return value
+def _info(session, name: str, table, slots: int | None = None) -> dict:
+    info = session.storage.table_info(table, slots)
+    waits = session.state.waits
+    info["waiting_inserts"] = waits.waiting((name, TINSERT.lane))
+    info["waiting_samples"] = waits.waiting((name, TSAMPLE.lane))
+    return info
 
 
 # -- TINSERT, TWRITE
 
 
-def _rows(session, entry: TableEntry, request):
-    """The request's value as rows: ``{column: RawArray}``, or a list of one item
-    for a table of items (each insert adds one)."""
-    if entry.table.columns:
-        return columns_of(request.value, request.payload, request.payload_len, session.decode_limits)
-    _check_value(session, request.value, request.payload_len)
-    session.storage.tables.check_room(request.payload_len + len(request.value))  # items are held in memory
-    return [Item(request.value, tuple(request.payload), request.payload_len)]
+def _rows(session, table, request):
+    return session.storage.table_rows(table, request.value, request.payload, request.payload_len,
+                                      session.decode_limits)
+
+
+def _said_tensordict(session, request, table, then: Callable):
+    """``then()``'s outcome, once a table whose rows came as TensorDicts (``tensordict``)
+    says so: at once, or, for a durable table not marked yet, once its files say so."""
+    storage = session.storage
+    if not request.tensordict or storage.says_tensordict(table):
+        return then()
+    return later(lambda done: storage.mark_tensordict(table, done), lambda: then())
 
 
 def _priorities(request):
@@ -135,114 +97,86 @@ def _priorities(request):
     return None if blob is None else float64_array(blob, "priorities")
 
 
+def _changed(session, request, result) -> dict:
+    """The reply of an insert or write; its change is published."""
+    keys, change = result
+    session.state.listeners.publish(change)
+    return request.command.reply(request.id, n=change.n_items, seq=change.seq, keys=int64_bytes(keys))
+
+
 @handles(TINSERT)
-def insert(session, request) -> None:
-    entry = session.storage.tables.get(request.bin)
-    if request.tensordict and entry.table.columns:
-        session.storage.tables.mark_tensordict(entry)
-    batch, priorities = _rows(session, entry, request), _priorities(request)
-
-    def run():
-        written = entry.table.insert(batch, priorities)
-        return written
-
-    def reply(written) -> None:
-        _publish(session, entry, "INSERT")
-        session.send_header(TINSERT.reply(request.id, n=entry.table.size, seq=entry.seq,
-                                          keys=int64_bytes(written.keys)))
-
-    _run_or_wait(session, request, entry, False, run, reply, lambda: entry.table.can_insert(_count(batch)))
+def insert(session, request):
+    storage = session.storage
+    table = storage.table(request.bin)
+    rows, priorities = _rows(session, table, request), _priorities(request)
+    return _said_tensordict(session, request, table, lambda: _run_or_wait(
+        session, request, table, lambda: storage.insert_rows(table, rows, priorities),
+        lambda result: _changed(session, request, result), lambda: storage.can_insert(table, rows)))
 
 
 @handles(TWRITE)
-def write(session, request) -> None:
-    entry = session.storage.tables.get(request.bin)
-    if request.tensordict and entry.table.columns:
-        session.storage.tables.mark_tensordict(entry)
+def write(session, request):
+    storage = session.storage
+    table = storage.table(request.bin)
     indices = int64_array(request.indices, "indices")
-    written = entry.table.write(indices, _rows(session, entry, request), _priorities(request))
-    _publish(session, entry, "WRITE")
-    session.send_header(TWRITE.reply(request.id, n=entry.table.size, seq=entry.seq, keys=int64_bytes(written.keys)))
-
-
-def _count(batch) -> int:
-    if isinstance(batch, list):
-        return len(batch)
-    first = next(iter(batch.values()), None)
-    return 0 if first is None or not first.shape else int(first.shape[0])
+    rows, priorities = _rows(session, table, request), _priorities(request)
+    return _said_tensordict(session, request, table, lambda: _changed(
+        session, request, storage.write_rows(table, indices, rows, priorities)))
 
 
 # -- TSAMPLE, TREAD, TPRIORITY
 
 
 @handles(TSAMPLE)
-def sample(session, request) -> None:
-    entry = session.storage.tables.get(request.bin)
-    table, n = entry.table, request.n
-    session.storage.tables.check_reply(entry, n)  # bounded and counted before anything is drawn
-
-    def run():
-        gathered = Gathered(table.columns, n, _GATHER_BUFFERS.take) if table.columns else None
-        drawn = table.sample(n, out=None if gathered is None else gathered.out)
-        return drawn, gathered
-
-    def reply(result) -> None:
-        drawn, gathered = result
-        _after_sample(session, entry, drawn)
-        _send_rows(session, request, entry, drawn, gathered, drawn.probabilities)
-
-    def ready() -> bool:
-        return table.size > 0 and table.can_sample(n)
-
-    _run_or_wait(session, request, entry, True, run, reply, ready)
+def sample(session, request):
+    storage, n = session.storage, request.n
+    table = storage.table(request.bin)
+    storage.check_rows_reply(table, n)  # bounded and counted before anything is drawn
+    return _run_or_wait(session, request, table, lambda: storage.sample_rows(table, n),
+                        lambda result: _sampled(session, request, result), lambda: storage.can_sample(table, n))
 
 
 @handles(TREAD)
-def read(session, request) -> None:
-    entry = session.storage.tables.get(request.bin)
-    table = entry.table
+def read(session, request):
+    storage = session.storage
+    table = storage.table(request.bin)
     indices = int64_array(request.indices, "indices")
-    session.storage.tables.check_reply(entry, indices.size)  # bounded and counted before anything is gathered
-
-    def run():
-        gathered = Gathered(table.columns, indices.size, _GATHER_BUFFERS.take) if table.columns else None
-        rows = table.read(indices, out=None if gathered is None else gathered.out, sampled=bool(request.sample))
-        return rows, gathered
-
+    storage.check_rows_reply(table, indices.size)  # bounded and counted before anything is gathered
     if not request.sample:
-        _send_rows(session, request, entry, *run(), None)
-        return
-
-    def reply(result) -> None:  # rows the reader drew itself, counted as a sample (TorchRL's samplers)
-        rows, gathered = result
-        _after_sample(session, entry, rows)
-        _send_rows(session, request, entry, rows, gathered, None)
-
-    _run_or_wait(session, request, entry, True, run, reply, lambda: table.can_read_sampled(indices.size))
+        return _rows_reply(session, request, storage.read_rows(table, indices)[0])
+    # rows the reader drew itself (TorchRL's samplers), counted as a sample
+    return _run_or_wait(session, request, table, lambda: storage.read_rows(table, indices, True),
+                        lambda result: _sampled(session, request, result),
+                        lambda: storage.can_read_rows(table, indices.size))
 
 
-def _after_sample(session, entry: TableEntry, drawn) -> None:
-    if drawn.removed.keys.size:  # rows that reached max_times_sampled left
-        _publish(session, entry, "SAMPLE")
+def _sampled(session, request, result):
+    """The reply of rows counted as a sample; its change is published, if rows left."""
+    drawn, change = result
+    if change is not None:  # rows that reached max_times_sampled left
+        session.state.listeners.publish(change)
     else:
-        _wake(session, entry.name)
+        _wake(session, request.bin)
+    return _rows_reply(session, request, drawn)
 
 
-def _send_rows(session, request, entry: TableEntry, rows, gathered: Gathered | None, probabilities) -> None:
+def _rows_reply(session, request, drawn):
     """A 226 reply: one value of stacked columns, or the items one by one.  A
     same-host client that asked for references (``ref``) may get the stacked columns
-    as a reference to a copy in the shared-memory area instead (PROTOCOL.md §10.3)."""
+    as a reference to a copy in the shared-memory area instead (PROTOCOL.md §10.3).
+    Stacked columns sent as the payload count in the memory budget until written."""
     header = request.command.reply(request.id)
     release = None
-    header[Key.SEQ] = entry.seq
-    header[TableKey.KEYS] = int64_bytes(rows.keys)
-    header[TableKey.INDICES] = int64_bytes(rows.indices)
-    if probabilities is not None:
-        header[TableKey.PROBABILITIES] = float64_bytes(probabilities)
+    header[Key.SEQ] = drawn.seq
+    header[TableKey.KEYS] = int64_bytes(drawn.keys)
+    header[TableKey.INDICES] = int64_bytes(drawn.indices)
+    if drawn.probabilities is not None:
+        header[TableKey.PROBABILITIES] = float64_bytes(drawn.probabilities)
+    gathered = drawn.gathered
     if gathered is not None:
         header[Key.ITEMS], header[Key.SIZES] = [gathered.description], [gathered.nbytes]
         header[TableKey.COLUMNS] = True
-        if entry.tensordict:
+        if drawn.tensordict:
             header[TableKey.TENSORDICT] = True
         files = session.shared.rows_ref(request.ref, gathered)  # same host: through shared memory (§10.3)
         if files is not None:
@@ -252,90 +186,65 @@ def _send_rows(session, request, entry: TableEntry, rows, gathered: Gathered | N
         else:
             parts = [memoryview(gathered.buffer)] if gathered.nbytes else []
             payload_len = gathered.nbytes
-            if payload_len:  # counted in the memory budget until written
-                release = session.storage.tables.hold_reply(payload_len)
+            if payload_len:
+                release = session.storage.hold_reply(payload_len)
     else:
-        items = rows.items
+        items = drawn.items
         header[Key.ITEMS] = [item.description for item in items]
         header[Key.SIZES] = [item.nbytes for item in items]
         parts = [segment for item in items for segment in item.segments]
         payload_len = sum(item.nbytes for item in items)
     parts.insert(0, frame_head(header, payload_len))
-    session.send(parts, on_abandon=release, on_written=release)
-    _GATHER_BUFFERS.maybe_trim()
+    return parts if release is None else (parts, release, release)
 
 
 @handles(TPRIORITY)
-def update_priorities(session, request) -> None:
-    entry = session.storage.tables.get(request.bin)
+def update_priorities(session, request) -> dict:
+    storage = session.storage
+    table = storage.table(request.bin)
     keys = int64_array(request.keys, "keys")
-    updated = entry.table.update_priorities(keys, float64_array(request.priorities, "priorities"))
-    session.send_header(TPRIORITY.reply(request.id, n=updated))
+    updated = storage.update_priorities(table, keys, float64_array(request.priorities, "priorities"))
     if updated:
-        _wake(session, entry.name)
+        _wake(session, request.bin)
+    return TPRIORITY.reply(request.id, n=updated)
 
 
 # -- waiting for the rate limiter
 
 
-def _run_or_wait(session, request, entry: TableEntry, sampling: bool, run: Callable, reply: Callable,
-                 ready: Callable[[], bool]) -> None:
+def _run_or_wait(session, request, table, run: Callable, reply: Callable, ready: Callable[[], bool]):
     """``reply(run())`` now, or once ``ready()`` (the rate limiter lets it through),
-    waiting up to ``request.wait`` seconds behind the requests of its queue that came
+    waiting up to ``request.wait`` seconds behind the requests of its lane that came
     first; 450 (:class:`~tensorshare.errors.BusyError`, a TimeoutError) when the wait ends."""
-    waits, tables, name = session.state.waits, session.storage.tables, entry.name
-    key = wait_key(name, sampling)
-    if not waits.waiting(key):
+    name, lane = request.bin, request.command.lane
+    if not session.state.waits.waiting((name, lane)):
         try:
-            result = run()
+            return reply(run())
         except (WouldBlockError, EmptyTableError) as exc:
             if not request.wait:
                 raise BusyError(f"table {name!r}: {exc.message} (asked to wait 0s)") from None
-        else:
-            reply(result)
-            return
     wait = request.wait or 0
-    lane = "sample" if sampling else "insert"
+    clock = session.state.waits.clock
+    began = clock.seconds()
 
-    def finish(result, error: RemoteError | None) -> None:
+    def blocked() -> None:  # the table's rate-limiter wait figure (ops)
+        session.storage.note_blocked(table, lane, clock.seconds() - began)
+
+    def go(done: Callable) -> None:
+        blocked()
+        # (an EmptyTableError now is a table emptied by a DELETE and a new table: said as is)
+        done(run(), None)
+
+    def expire(done: Callable) -> None:
+        blocked()
+        info = session.storage.table_info(table)
+        done(None, BusyError(f"table {name!r}: the {lane} was not let through within {wait:g}s "
+                             f"(size {info['size']}, inserts {info['inserts']}, "
+                             f"samples {info['samples']}); nothing changed"))
+
+    def finish(result, error: RemoteError | None):
         if error is not None:
-            session.refuse(request.id, error)
-        else:
-            reply(result)
+            raise error
+        return reply(result)
 
-    def start(done: Callable) -> None:
-        parked_at = waits.clock.seconds()
-
-        def blocked() -> None:  # the table's rate-limiter wait figure (ops)
-            entry.blocked[lane] += waits.clock.seconds() - parked_at
-
-        def still_ready() -> bool:
-            if tables.current(name) is not entry:
-                return True  # deleted (or made anew): go() says so
-            try:
-                return ready()
-            except TableError:
-                return True  # it never could: go() says why
-
-        def go() -> None:
-            blocked()
-            try:  # (an EmptyTableError now is a table emptied by a DELETE and a new table: said as is)
-                if tables.current(name) is not entry:
-                    raise RemoteError(f"table {name!r} was deleted while this request waited", 550)
-                result = run()
-            except RemoteError as exc:
-                done(None, exc)
-            else:
-                done(result, None)
-            finally:
-                waits.settled(key)
-
-        def expire() -> None:
-            blocked()
-            done(None, BusyError(f"table {name!r}: the {lane} was not let through within {wait:g}s "
-                                 f"(size {entry.table.size}, inserts {entry.table.inserts}, "
-                                 f"samples {entry.table.samples}); nothing changed"))
-
-        session.park(key, still_ready, go, wait, expire)
-
-    session.wait_for(start, finish)
+    return in_lane(name, lane, ready, go, finish, wait, expire)

@@ -1,8 +1,8 @@
 """A relay's mirror of its upstream server's bins, kept on the reactor thread.
 
-:class:`Follower` holds one :class:`~tensorshare.AsyncClient` connection upstream
-(the real client library, Twisted-native, so nothing leaves the reactor thread).
-A followed bin is mirrored from the first time a client of the relay reads or
+:class:`Follower` holds one connection upstream (:class:`~.upstream.Upstream`, a
+small torch-free Twisted client on the relay's own reactor, so nothing leaves the
+reactor thread).  A followed bin is mirrored from the first time a client of the relay reads or
 listens to it: the follower listens to it upstream, and on every notification
 fetches the bin whole with one PEEK (raw descriptions and payload, never decoded,
 with every item's tag) and replaces the local copy in one store change.  So a
@@ -32,8 +32,8 @@ again from 1; the follower remembers, per bin, the upstream ``seq`` its copy
 reflects, for writes forwarded upstream that must see their change mirrored
 before they are acknowledged (:meth:`Follower.after`).
 
-When the upstream connection drops, the client reconnects with jittered backoff
-and listens again; each bin is then fetched again and everything the follower knew
+When the upstream connection drops, it reconnects with jittered backoff and
+listens again; each bin is then fetched again and everything the follower knew
 of the upstream's numbering is forgotten (an upstream restarted without its data
 directory numbers its changes from 1 again, and may hold other items under the
 same numbers).  Meanwhile the
@@ -56,22 +56,20 @@ from tensorshare.errors import (
     AuthenticationError, ConnectionLostError, NoSuchBinError, ProtocolError, RemoteError, ServerUnavailableError,
     TensorShareError, TooLargeError,
 )
-from tensorshare.protocol.messages import NOTIFY, PEEK, Key
-from tensorshare._client.connection import item_table
+from tensorshare.protocol.items import item_table, item_tags
+from tensorshare.protocol.messages import DELETE, NOTIFY, PEEK, Key
 
-from ..bins.store import Item
-from .stream import INCOMING, Incoming
+from .stream import Incoming
+from .upstream import INCOMING, Upstream
 
 log = logging.getLogger("tensorshare.server.relay")
-
-RECONNECT_MAX_S = 2.0  # longest pause between attempts to reach the upstream
 
 
 class _Mirror:
     """What the follower knows of one followed bin."""
 
-    __slots__ = ("name", "synced", "fetching", "again", "noted", "applied", "noted_at", "op", "waiters", "handle",
-                 "incoming", "watchers", "have", "used_at", "dropped")
+    __slots__ = ("name", "synced", "fetching", "again", "noted", "applied", "noted_at", "op", "waiters", "incoming",
+                 "watchers", "have", "used_at", "dropped")
 
     def __init__(self, name: str):
         self.name = name
@@ -84,7 +82,6 @@ class _Mirror:
         self.noted_at: float | None = None  # when the oldest change not yet mirrored was notified
         self.op = "PUT"  # the upstream verb of the last change notified
         self.waiters: list[tuple[int, Callable]] = []  # (upstream seq, callback(error)) until applied reaches it
-        self.handle = None  # the upstream listen handle
         self.incoming: Incoming | None = None  # the copy arriving now, passed on as it arrives
         self.watchers = weakref.WeakSet()  # connections of relays following this one that are told of it
         self.used_at = 0.0  # when a client of the relay last asked for it (the least recent is evicted first)
@@ -92,75 +89,55 @@ class _Mirror:
 
 
 class Follower:
-    """Mirrors the upstream's followed bins into ``storage`` (see the module docstring).
+    """Mirrors the upstream's followed bins into ``storage`` through ``upstream`` (see
+    the module docstring).  ``publish(change)`` tells local listeners of a mirrored
+    change; ``needed(name)`` says whether a client of the relay listens to (or
+    waits on) a bin."""
 
-    ``publish(change)`` tells local listeners of a mirrored change; ``connect()``
-    opens a new upstream client (a Deferred of an AsyncClient)."""
-
-    def __init__(self, reactor, storage, publish: Callable, connect: Callable[[], defer.Deferred], where: str,
-                 pattern: str = "*", timeout: float = 30.0, max_mirrors: int = 10_000,
-                 needed: Callable[[str], bool] = lambda name: False):
+    def __init__(self, reactor, storage, publish: Callable, upstream: Upstream, pattern: str = "*",
+                 timeout: float = 30.0, max_mirrors: int = 10_000, needed: Callable[[str], bool] = lambda name: False):
         self.reactor = reactor
         self.storage = storage
         self.publish = publish
-        self._connect = connect
-        self.where = where
+        self.upstream = upstream
+        self.where = upstream.where
         self.pattern = pattern
         self.timeout = timeout  # how long a read waits for a bin's first copy
         self.zero_copy_min = 128 << 10  # an item this large is worth putting in shared memory (the config's)
-        self.client = None
         self.failure: str | None = None  # why the upstream cannot be used at all (a wrong token, say)
         self.mirrors: dict[str, _Mirror] = {}
         self.max_mirrors = max_mirrors
-        self.needed = needed  # whether a client of the relay listens to (or waits on) a bin
-        self._retry = None
-        self._delay = 0.05
-        self._stopped = False
+        self.needed = needed
         self._owner_key = secrets.token_bytes(16)  # makes this run's owner values its own (owner_value)
+        self.started = False  # the upstream was reached since the relay started (it may be lost since)
+        self._stopped = False
+        upstream.on_ready, upstream.on_lost, upstream.on_refused = self._ready, self._upstream_lost, self._refused
+        upstream.arriving = self._arriving
 
     # -- the upstream connection
 
     def start(self) -> None:
-        """Connect upstream (retrying with backoff until it answers)."""
-        if self._stopped or self.client is not None:
-            return
-        self._retry = None
+        """Connect upstream (retrying with backoff until it answers, and again whenever it drops)."""
+        self.upstream.start()
 
-        def connected(client) -> None:
-            if self._stopped:
-                client.close()
-                return
-            self.client = client
-            client.arriving, client.lost = self._arriving, self._upstream_lost
-            self._delay = 0.05
+    def _ready(self) -> None:
+        if not self.started:
             log.info("relay: following %s", self.where)
-            for mirror in self.mirrors.values():  # bins asked for while the upstream was away
-                if mirror.handle is None:
-                    self._listen(mirror)
+        self.started = True
+        for mirror in self.mirrors.values():  # bins asked for while the upstream was away
+            if not self.upstream.listening(mirror.name):
+                self._listen(mirror)
 
-        def failed(failure) -> None:
-            if self._stopped:
-                return
-            if failure.check(AuthenticationError):
-                self.failure = f"upstream {self.where} refused us: {failure.getErrorMessage()}"
-                log.error("relay: %s; not following", self.failure)
-                self._fail_waiters(ServerUnavailableError(self.failure))
-                return
-            log.info("relay: upstream %s unreachable (%s); trying again", self.where, failure.getErrorMessage())
-            self._delay = min(self._delay * 2, RECONNECT_MAX_S)
-            self._retry = self.reactor.callLater(self._delay, self.start)
-
-        self._connect().addCallbacks(connected, failed)
+    def _refused(self, error: BaseException) -> None:
+        self.failure = f"upstream {self.where} refused us: {error}"
+        log.error("relay: %s; not following", self.failure)
+        self._fail_waiters(ServerUnavailableError(self.failure))
 
     def stop(self) -> None:
         self._stopped = True
         for mirror in self.mirrors.values():
             self._lost_incoming(mirror, "the relay is shutting down")
-        if self._retry is not None and self._retry.active():
-            self._retry.cancel()
-        if self.client is not None:
-            self.client.close()
-            self.client = None
+        self.upstream.close()
         self._fail_waiters(ServerUnavailableError("the relay is shutting down"))
 
     def when_started(self, done: Callable[[BaseException | None], None]) -> None:
@@ -170,14 +147,14 @@ class Follower:
         if self.connected:
             done(None)
             return
-        if self.client is not None or self.failure or self._stopped:
+        if self.started or self.failure or self._stopped:
             done(ServerUnavailableError(self.failure or f"relay: upstream {self.where} is not connected; "
                                                         f"try again"))
             return
         deadline = self.reactor.seconds() + self.timeout
 
         def check() -> None:
-            if self.client is not None or self.failure or self._stopped:
+            if self.started or self.failure or self._stopped:
                 self.when_started(done)
             elif self.reactor.seconds() >= deadline:
                 done(ServerUnavailableError(f"relay: upstream {self.where} not reached within {self.timeout:g}s"))
@@ -188,7 +165,13 @@ class Follower:
 
     @property
     def connected(self) -> bool:
-        return self.client is not None and self.client.connected
+        return self.upstream.connected
+
+    def forward(self, command, fields: dict, value=None, timeout: float | None = None) -> defer.Deferred:
+        """Send a request upstream as it came: ``value`` is ``(description, payload
+        parts, payload bytes)`` for a verb that carries one; a Deferred of the raw
+        reply (:class:`~.upstream.Reply`)."""
+        return self.upstream.call(command, fields, value, timeout)
 
     def follows(self, name: str) -> bool:
         """True for a bin this relay mirrors (and forwards writes to)."""
@@ -240,7 +223,7 @@ class Follower:
                                     f"and clients listen to each of them")
             mirror = self.mirrors[name] = _Mirror(name)
             mirror.noted_at = self.reactor.seconds()
-            if self.client is not None:
+            if self.connected:
                 self._listen(mirror)
         mirror.used_at = self.reactor.seconds()
         return mirror
@@ -264,23 +247,20 @@ class Follower:
         (it would go stale)."""
         mirror.dropped = True
         del self.mirrors[mirror.name]
-        handle, mirror.handle = mirror.handle, None
-        if handle is not None and self.client is not None:
-            try:
-                handle.stop().addErrback(lambda failure: None)
-            except TensorShareError:
-                pass
-        if self.storage.state(mirror.name)[0]:
-            self.publish(self.storage.store.delete(mirror.name))
+        if self.upstream.listening(mirror.name):
+            self.upstream.unlisten(mirror.name)
+        change = self.storage.unmirror(mirror.name)
+        if change is not None:
+            self.publish(change)
 
     def _listen(self, mirror: _Mirror) -> None:
         """Listen to the bin upstream; its snapshot starts the first fetch."""
-        def listening(handle) -> None:
+        def listening(snapshot: dict) -> None:
             if mirror.dropped:
-                handle.stop().addErrback(lambda failure: None)
+                if mirror.name not in self.mirrors and self.upstream.listening(mirror.name):
+                    self.upstream.unlisten(mirror.name)
                 return
-            mirror.handle = handle
-            self._noted(mirror, handle.snapshot.seq, "PUT")
+            self._noted(mirror, snapshot[Key.SEQ], "PUT")
 
         def failed(failure) -> None:
             if self._stopped or mirror.dropped:
@@ -292,20 +272,24 @@ class Follower:
                 for _seq, done in waiters:
                     done(failure.value)
                 return
-            self.reactor.callLater(0.2, again)
+            if not failure.check(ConnectionLostError):  # (a new connection listens to every bin asked for)
+                self.reactor.callLater(0.2, again)
 
         def again() -> None:
-            if mirror.handle is None and self.client is not None and not self._stopped and not mirror.dropped:
+            if not self.upstream.listening(mirror.name) and self.connected and not self._stopped \
+                    and not mirror.dropped:
                 self._listen(mirror)
 
         try:
-            d = self.client.listen(mirror.name, lambda note: self._noted(mirror, note.seq, note.op))
+            d = self.upstream.listen(mirror.name, lambda header, payload: self._noted(mirror, header[Key.SEQ],
+                                                                                       header[Key.OP], payload))
         except TensorShareError:
             d = defer.fail()
         d.addCallbacks(listening, failed)
 
-    def _noted(self, mirror: _Mirror, seq: int, op: str) -> None:
-        """An upstream change (or, ``op`` LISTEN, a listen begun again): fetch the bin."""
+    def _noted(self, mirror: _Mirror, seq: int, op: str, payload=None) -> None:
+        """An upstream change (or, ``op`` LISTEN, a listen begun again): fetch the bin.
+        A copy pushed to us arrives whole as the payload of its ``INCOMING``: installed."""
         if mirror.dropped:  # (notifications sent before the upstream stopped listening)
             return
         if op == "LISTEN":  # listening again after a reconnection: whatever is there now
@@ -317,18 +301,15 @@ class Follower:
             mirror.applied = mirror.have = mirror.noted = -1
             mirror.waiters = [(0, done) for _seq, done in mirror.waiters]
             op = "PUT"
-        else:
-            incoming = mirror.incoming
-            if (op == INCOMING and incoming is not None and incoming.pushed and incoming.upstream_seq == seq
-                    and incoming.whole):  # a copy pushed to us is in
-                mirror.incoming = None
-                incoming.complete()  # (the streams pass it on whole before we install it)
-                self._install(mirror, incoming.items(), incoming.op, seq, incoming.seq, seq)
-                return
-            if op == INCOMING:  # announced without its bytes: its ordinary notification follows when it is in
-                return
-            if mirror.synced and seq <= mirror.applied:  # the copy already shows it (it was passed on to us)
-                return
+        elif op == INCOMING:
+            if isinstance(payload, Incoming) and payload.pushed and payload.whole:  # a copy pushed to us is in
+                if mirror.incoming is payload:
+                    mirror.incoming = None
+                payload.complete()  # (the streams pass it on whole before we install it)
+                self._install(mirror, payload.copy(), payload.op, seq, payload.seq, seq)
+            return  # (announced without its bytes: its ordinary notification follows when it is in)
+        elif mirror.synced and seq <= mirror.applied:  # the copy already shows it (it was passed on to us)
+            return
         mirror.noted = max(mirror.noted, seq)
         mirror.op = op
         if mirror.noted_at is None:
@@ -341,7 +322,7 @@ class Follower:
     def _fetch(self, mirror: _Mirror) -> None:
         mirror.fetching, mirror.again = True, False
         target, op = mirror.noted, mirror.op
-        if self.client is None:
+        if not self.connected:
             mirror.fetching = False
             return
 
@@ -353,27 +334,17 @@ class Follower:
 
         def took(reply) -> None:
             frame, copy_seq = reply.frame, reply.header[Key.SEQ]
-            incoming = mirror.incoming
-            if incoming is not None and not incoming.pushed:  # ours, passed on as it arrived
-                mirror.incoming = None
-            else:
-                incoming = None
-                if mirror.synced and 0 <= mirror.have and copy_seq <= mirror.have:
-                    self._fetched(mirror, None, op, max(target, copy_seq), stale=True)  # we hold it, or newer
-                    return
-            payload = memoryview(frame.payload).cast("B") if frame.payload_len else memoryview(b"")
-            tags = reply.header.get(Key.TAGS) or []
-            items, base = [], 0
-            for i, (blob, size, _ref) in enumerate(item_table(reply.header, frame.payload_len)):
-                tag = tags[i] if i < len(tags) else None
-                segments = (payload[base : base + size],) if size else ()
-                items.append(Item(blob, segments, size, tag))
-                base += size
-            change = incoming.op if incoming is not None else op
+            incoming = frame.payload if isinstance(frame.payload, Incoming) else None  # ours, passed on as it arrived
             if incoming is not None:
+                if mirror.incoming is incoming:
+                    mirror.incoming = None
                 incoming.complete()
-            self._fetched(mirror, items, change, max(target, copy_seq), incoming.seq if incoming is not None else None,
-                          copy_seq)
+                self._fetched(mirror, incoming.copy(), incoming.op, max(target, copy_seq), incoming.seq, copy_seq)
+                return
+            if mirror.synced and 0 <= mirror.have and copy_seq <= mirror.have:
+                self._fetched(mirror, None, op, max(target, copy_seq), stale=True)  # we hold it, or newer
+                return
+            self._fetched(mirror, _copy(reply.header, frame), op, max(target, copy_seq), None, copy_seq)
 
         def failed(error) -> None:
             if mirror.incoming is not None and not mirror.incoming.pushed:
@@ -388,19 +359,18 @@ class Follower:
                 self.reactor.callLater(0.2, self._noted, mirror, target, op)
 
         try:
-            d = self.client._call(PEEK, {Key.BIN: mirror.name, Key.TAGS: True, Key.INCOMING: True}, decode=False,
-                                  zero_copy=False, then=lambda reply: reply, timeout=None)
+            d = self.upstream.call(PEEK, {Key.BIN: mirror.name, Key.TAGS: True, Key.INCOMING: True})
         except TensorShareError as exc:
             failed(exc)
             return
         d.addCallbacks(fetched, lambda failure: failed(failure.value))
 
-    def _fetched(self, mirror: _Mirror, items: list[Item] | None, op: str, upstream_seq: int,
+    def _fetched(self, mirror: _Mirror, copy: list[tuple] | None, op: str, upstream_seq: int,
                  seq: int | None = None, copy_seq: int = -1, stale: bool = False) -> None:
         """A fetch is over: install its copy (unless ``stale``: one not newer than the
         copy held) and fetch again if changes were noted meanwhile."""
         if not stale:
-            self._install(mirror, items, op, upstream_seq, seq, copy_seq)
+            self._install(mirror, copy, op, upstream_seq, seq, copy_seq)
         else:
             self._settle(mirror, upstream_seq)
         mirror.fetching = False
@@ -408,30 +378,20 @@ class Follower:
             self._fetch(mirror)
         else:
             mirror.noted_at = None
-            if not self.storage.state(mirror.name)[0] and self._idle(mirror) and not mirror.dropped:
+            if not self.storage.state(mirror.name).exists and self._idle(mirror) and not mirror.dropped:
                 self._drop(mirror)  # the upstream lacks it and nobody waits for it: a made-up name costs nothing
 
-    def _install(self, mirror: _Mirror, items: list[Item] | None, op: str, upstream_seq: int,
+    def _install(self, mirror: _Mirror, copy: list[tuple] | None, op: str, upstream_seq: int,
                  seq: int | None = None, copy_seq: int = -1) -> None:
         """Replace the local copy in one change (numbered ``seq`` if one was reserved
-        for it; ``items`` None: the bin is gone upstream) and tell local listeners."""
+        for it; ``copy`` None: the bin is gone upstream) and tell local listeners."""
         name, storage = mirror.name, self.storage
-        exists, before = storage.state(name)[:2]
-        if items is not None:
-            op = _as_one_change(op, len(items), before)
-        # A bin whose copy same-host readers mapped gets each new copy in shared memory
-        # before they hear of it: their first read maps it instead of receiving it.
-        shared = items is not None and exists and any(
-            item.files is not None and item.files.in_memory for item in storage.store.peek(name))
         try:
-            if items is None:
-                change = storage.store.delete(name) if exists else None
+            if copy is None:
+                change = storage.unmirror(name)
             else:
-                change = storage.mirror(name, items, op, seq)
-                if shared:
-                    for item in items:
-                        if item.nbytes >= self.zero_copy_min:
-                            storage.promote_now(item)
+                op = _as_one_change(op, len(copy), storage.count(name))
+                change = storage.mirror(name, copy, op, seq, share_from=self.zero_copy_min)
         except RemoteError as exc:  # a limit of this relay (max_bins...)
             log.warning("relay: cannot mirror bin %r: %s", name, exc)
             change = None
@@ -469,8 +429,8 @@ class Follower:
         upstream_seq = header.get(Key.SEQ)
         if (not pushed and not mirror.fetching) or type(upstream_seq) is not int or upstream_seq <= mirror.have:
             return None
-        exists, before = self.storage.state(name)[:2]
-        if not exists:  # a first copy takes a fresh number when it is in (see PROTOCOL.md §11)
+        state = self.storage.state(name)
+        if not state.exists:  # a first copy takes a fresh number when it is in (see PROTOCOL.md §11)
             return None
         try:
             table = item_table(header, nbytes)
@@ -478,12 +438,11 @@ class Follower:
             return None  # a fetch fails with it; a pushed copy is fetched instead
         if any(ref is not None for _blob, _size, ref in table):
             return None
-        tags = header.get(Key.TAGS)
-        tags = tags if isinstance(tags, list) and len(tags) == len(table) else [None] * len(table)
+        tags = item_tags(header, len(table))
         change = header.get(Key.CHANGE)
-        op = _as_one_change(change if type(change) is str else mirror.op, len(table), before)
+        op = _as_one_change(change if type(change) is str else mirror.op, len(table), state.n_items)
         incoming = Incoming(name, [blob for blob, _, _ in table], [size for _, size, _ in table], tags, nbytes,
-                            upstream_seq, self.storage.store.next_seq(), op, pushed)
+                            upstream_seq, self.storage.reserve_seq(), op, pushed)
         mirror.incoming = incoming
         for session in list(mirror.watchers):
             if session.closed or name not in session.listening:
@@ -520,18 +479,12 @@ class Follower:
         """Delete bin ``name`` upstream, without an answer to wait for: an ephemeral bin
         forwarded for a client of this relay whose connection ended.  With ``owner``
         (its PUT's), the upstream deletes it only if no other client has put it since."""
-        from tensorshare.protocol.messages import DELETE
-
         if not self.connected:
             return  # the upstream dropped this relay's ephemeral bins with its connection
         fields = {Key.BIN: name} if owner is None else {Key.BIN: name, Key.OWNER: owner}
-        try:
-            d = self.client._call(DELETE, fields, decode=False, zero_copy=False)
-        except TensorShareError as exc:
-            log.info("relay: could not delete ephemeral bin %r upstream: %s", name, exc)
-            return
-        d.addErrback(lambda failure: log.info("relay: could not delete ephemeral bin %r upstream: %s", name,
-                                              failure.getErrorMessage()))
+        self.upstream.call(DELETE, fields).addErrback(
+            lambda failure: log.info("relay: could not delete ephemeral bin %r upstream: %s", name,
+                                     failure.getErrorMessage()))
 
     # -- status
 
@@ -553,6 +506,18 @@ class Follower:
         if self.failure:
             state["error"] = self.failure
         return state
+
+
+def _copy(header: dict, frame) -> list[tuple]:
+    """A fetched copy's items, as :meth:`~..bins.storage.Storage.mirror` takes them
+    (raw: descriptions and payload bytes as received, with their tags)."""
+    payload = frame.payload if frame.payload_len else memoryview(b"")
+    table = item_table(header, frame.payload_len)
+    copy, base = [], 0
+    for (blob, size, _ref), tag in zip(table, item_tags(header, len(table))):
+        copy.append((blob, (payload[base:base + size],) if size else (), size, tag))
+        base += size
+    return copy
 
 
 def _as_one_change(op: str, n_items: int, before: int) -> str:

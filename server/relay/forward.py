@@ -1,23 +1,30 @@
-"""A relay's verb handlers: writes to followed bins go upstream, reads wait for the mirror.
+"""A relay's verb handlers, one per verb from its declared relay treatment (``Command.relay``).
 
-They replace the usual handlers (:mod:`..protocol.handlers`) of a server started
-with ``--follow`` (through ``ServerState.handlers``) and fall back to them for bins
-the relay does not follow, which live on the relay as on any server.
+They replace the usual handlers (:mod:`..protocol.handlers`, :mod:`..protocol.tables`)
+of a server started with ``--follow`` (through ``ServerState.handlers``) and fall
+back to them for names the relay does not follow, which live on the relay as on
+any server.  Each returns an outcome (``server/protocol/outcome.py``).
 
-* PUT, APPEND, DELETE, GET of a followed bin are sent upstream as they came (the
-  value's description and payload bytes, never decoded) and answered only once the
-  upstream has answered, with its reply code; a change to a bin the relay mirrors
-  is answered once the mirror shows it too, so a client reads its own writes on
-  the relay.  Nothing is retried: a write whose upstream connection drops gets
-  421, and the client decides (the upstream may or may not have stored it), so a
-  forwarded write is never stored twice by the relay.
-* PEEK and LISTEN of a followed bin start mirroring it and wait for its first
-  copy; then they are answered from the mirror, like any bin (same-host zero-copy
-  included; a PEEK that waits for a change waits for the mirror's).  A PEEK with
-  ``incoming`` (a relay following this one) also asks for every later copy to be
-  pushed to its connection as it arrives (:mod:`.stream`).
-* LIST merges the upstream's followed bins with the relay's own, and carries the
+* ``FORWARD`` (PUT, APPEND, DELETE, GET, the table verbs): a request about a
+  followed name is sent upstream as it came (a value's description and payload
+  bytes, never decoded) and answered only once the upstream has answered, with its
+  reply code.  A change to a bin the relay mirrors is answered once the mirror
+  shows it too, so a client reads its own writes on the relay; a GET's items are
+  handed on; a table verb's reply is the upstream's as it came (tables live
+  upstream: a relay mirrors bins, not tables).  Nothing is retried: a request
+  whose upstream connection drops gets 421, and the client decides (the upstream
+  may or may not have made the change), so nothing is done twice by the relay.
+* ``MIRROR`` (PEEK, LISTEN): a followed bin is mirrored from then on and the
+  request waits for its first copy; then it is answered from the mirror, like any
+  bin (same-host zero-copy included; a PEEK that waits for a change waits for the
+  mirror's).  A PEEK with ``incoming`` (a relay following this one) also asks for
+  every later copy to be pushed to its connection as it arrives (:mod:`.stream`).
+  A mirror a client listens to is kept for it, so one connection may listen to at
+  most a quarter of the bins the relay may mirror (:data:`SHARE`): the rest stays
+  for others (made-up names read once are not kept at all).
+* ``MERGE`` (LIST): the upstream's followed bins with the relay's own, and the
   relay's state (``relay``: upstream, connected, how far behind).
+* ``LOCAL`` (NOOP, UNLISTEN, AUTH): as on any server.
 """
 
 from __future__ import annotations
@@ -25,21 +32,27 @@ from __future__ import annotations
 from typing import Callable
 
 from tensorshare.errors import RemoteError, TensorShareError
+from tensorshare.protocol.items import item_table, item_tags
 from tensorshare.protocol.messages import (
-    APPEND, DELETE, GET, LIST, LISTEN, PEEK, PUT, TOO_LARGE, UNAVAILABLE, ZERO_COPY_REFUSED, Key,
+    APPEND, COMMANDS, DELETE, GET, LIST, LISTEN, PEEK, PUT, TOO_LARGE, UNAVAILABLE, ZERO_COPY_REFUSED, Key, Relay,
 )
-from tensorshare.wire.codec import Encoded
-from tensorshare._client.connection import item_table
+from tensorshare.wire.frames import frame_head
 
 from ..bins.store import Item
 from ..protocol import handlers as local
+from ..protocol.outcome import later
+from ..protocol.registry import HANDLERS
 
 MARGIN_S = 5.0  # a forwarded call's timeout beyond what the request itself may wait in the upstream
+SHARE = 4  # one connection may hold by listening at most this fraction of a relay's mirrors
+_NOT_FORWARDED = (Key.RELEASE, Key.REF)  # about this connection only (§10.3): never sent upstream
 
 
 def relay_handlers() -> dict:
-    """The handlers a relay uses instead of the usual ones."""
-    return {PUT: store, APPEND: store, DELETE: delete, GET: get, PEEK: peek, LISTEN: listen, LIST: listing}
+    """The handlers a relay uses instead of the usual ones: one per verb whose declared
+    treatment is not ``LOCAL``."""
+    made = {Relay.FORWARD: _forwarding, Relay.MIRROR: _mirroring, Relay.MERGE: lambda command: listing}
+    return {command: made[command.relay](command) for command in COMMANDS.values() if command.relay != Relay.LOCAL}
 
 
 def _as_remote(error: BaseException) -> RemoteError:
@@ -50,22 +63,20 @@ def _as_remote(error: BaseException) -> RemoteError:
                        UNAVAILABLE)
 
 
-def _forward(session, rid: int, command, fields: dict, value=None, timeout: float | None = None,
-             on_reply: Callable | None = None, mirrored: str | None = None) -> None:
-    """Send ``command`` upstream; ``on_reply(reply)`` with its raw reply (once the
-    mirror of bin ``mirrored`` shows the change, if the relay mirrors it), or the
-    request refused with the upstream's error.  Later requests of this connection
-    wait meanwhile (their replies keep request order)."""
+def _forward(session, command, fields: dict, value=None, timeout: float | None = None,
+             on_reply: Callable | None = None, mirrored: str | None = None):
+    """A :class:`~..protocol.outcome.Pending`: ``command`` sent upstream; the request
+    answered with ``on_reply(reply)`` (the upstream's raw reply), once the mirror of
+    bin ``mirrored`` shows the change if the relay mirrors it, or refused with the
+    upstream's error."""
     relay = session.state.relay
 
     def start(done: Callable) -> None:
         relay.when_started(lambda error: send(done) if error is None else done(None, _as_remote(error)))
 
     def send(done: Callable) -> None:
-        kwargs = {} if value is None else {"value": value}
         try:
-            d = relay.client._call(command, fields, decode=False, zero_copy=False, then=lambda reply: reply,
-                                   timeout=timeout, **kwargs)
+            d = relay.forward(command, fields, value, timeout)
         except TensorShareError as exc:
             done(None, _as_remote(exc))
             return
@@ -79,34 +90,64 @@ def _forward(session, rid: int, command, fields: dict, value=None, timeout: floa
 
         d.addCallbacks(replied, lambda failure: done(None, _as_remote(failure.value)))
 
-    def finish(reply, error) -> None:
+    def finish(reply, error: RemoteError | None):
         if error is not None:
-            session.refuse(rid, error)
-            return
-        try:
-            on_reply(reply)
-        except RemoteError as exc:
-            session.refuse(rid, exc)
+            raise error
+        return on_reply(reply)
 
-    session.wait_for(start, finish)
+    return later(start, finish)
 
 
 def _local_seq(session, name: str, upstream_seq: int) -> tuple[bool, int, int]:
     """``(mirrored, n_items, seq)``: the mirror's state of ``name`` if the relay mirrors it."""
-    exists, n, seq, _ = session.storage.state(name)
     if name in session.state.relay.mirrors:
-        return True, n, seq
+        state = session.storage.state(name)
+        return True, state.n_items, state.seq
     return False, 0, upstream_seq
 
 
-def store(session, request) -> None:
+def _forwarding(command) -> Callable:
+    """The handler of a ``FORWARD`` verb: the changes of bins (which the relay may
+    mirror) have their own; a table verb is passed through."""
+    special = {PUT: store, APPEND: store, DELETE: delete, GET: get}.get(command)
+    if special is not None:
+        return special
+    plain = HANDLERS[command]
+
+    def passed(session, request):
+        relay, name = session.state.relay, request.bin
+        if not relay.follows(name):
+            return plain(session, request)
+        fields = {}
+        for field in command.fields:
+            value = getattr(request, field.key)
+            if value is not None and field.key not in _NOT_FORWARDED and field.key != Key.VALUE:
+                fields[field.key] = value
+        value = (request.value, request.payload or (), request.payload_len) if command.payload else None
+        timeout = relay.timeout + (getattr(request, Key.WAIT, None) or 0) + MARGIN_S
+
+        def answered(reply) -> list:
+            header = dict(reply.header)
+            header[Key.ID] = request.id
+            frame = reply.frame
+            if not frame.payload_len:
+                return [frame_head(header, 0)]
+            return [frame_head(header, frame.payload_len), frame.payload]
+
+        return _forward(session, command, fields, value, timeout, answered)
+
+    passed.__name__ = f"forward_{command.verb.lower()}"
+    return passed
+
+
+def store(session, request):
     """PUT/APPEND: forwarded upstream for a followed bin."""
     relay, name = session.state.relay, request.bin
     if not relay.follows(name):
         return local.store(session, request)
     if request.shm is not None:  # the client falls back to TCP (PROTOCOL.md §10.4)
         raise RemoteError("a relay forwards this bin's writes upstream: send the value over TCP", ZERO_COPY_REFUSED)
-    local._check_value(session, request.value, request.payload_len)
+    local.check_value(session, request.value, request.payload_len)
     fields = {Key.BIN: name}
     if request.tag is not None:
         fields[Key.TAG] = request.tag
@@ -114,48 +155,47 @@ def store(session, request) -> None:
     if request.command is APPEND and request.below is not None:
         fields[Key.BELOW], fields[Key.WAIT] = request.below, request.wait or 0
         timeout = (request.wait or 0) + MARGIN_S
-    value = Encoded(request.value, list(request.payload or ()), request.payload_len)
+    value = (request.value, request.payload or (), request.payload_len)
     command = request.command
     # An ephemeral PUT (PROTOCOL.md §4.6) is owned upstream by the relay's connection
     # with an owner value of this client's; the relay owns it for the client's and
     # deletes it upstream, with that value, when that one ends.
     ephemeral = command is PUT and getattr(request, "ephemeral", None) is True
+    owner = None
     if ephemeral:
         owner = relay.owner_value(session, request.owner)
         fields[Key.EPHEMERAL], fields[Key.OWNER] = True, owner
 
-    def stored(reply) -> None:
+    def stored(reply) -> dict:
         if ephemeral:
             session.state.ephemeral.claim(name, session, owner)
         mirrored, n, seq = _local_seq(session, name, reply.header[Key.SEQ])
-        session.send_header(command.reply(request.id, n=n if mirrored else reply.header[Key.N], seq=seq))
+        return command.reply(request.id, n=n if mirrored else reply.header[Key.N], seq=seq)
 
-    _forward(session, request.id, command, fields, value, timeout, stored, name)
+    return _forward(session, command, fields, value, timeout, stored, name)
 
 
-def delete(session, request) -> None:
+def delete(session, request):
     relay, name = session.state.relay, request.bin
     if not relay.follows(name):
         return local.delete(session, request)
-
     fields = {Key.BIN: name}
     if request.owner is not None:  # a relay following this one: its client's bin, if still that one's
         owner = relay.owner_value(session, request.owner)
         if not session.state.ephemeral.owns(name, session, owner):  # nothing changes (§4.6)
-            _exists, n, seq, _tag = session.storage.state(name)
-            session.send_header(DELETE.reply(request.id, n=n, seq=seq))
-            return
+            state = session.storage.state(name)
+            return DELETE.reply(request.id, n=state.n_items, seq=state.seq)
         fields[Key.OWNER] = owner
 
-    def deleted(reply) -> None:
+    def deleted(reply) -> dict:
         session.state.ephemeral.forget(name)
-        session.send_header(DELETE.reply(request.id, n=reply.header[Key.N],
-                                         seq=_local_seq(session, name, reply.header[Key.SEQ])[2]))
+        return DELETE.reply(request.id, n=reply.header[Key.N],
+                            seq=_local_seq(session, name, reply.header[Key.SEQ])[2])
 
-    _forward(session, request.id, DELETE, fields, None, relay.timeout, deleted, name)
+    return _forward(session, DELETE, fields, None, relay.timeout, deleted, name)
 
 
-def get(session, request) -> None:
+def get(session, request):
     """GET of a followed bin takes the items upstream and hands them on."""
     relay, name = session.state.relay, request.bin
     if not relay.follows(name):
@@ -168,83 +208,62 @@ def get(session, request) -> None:
     if request.wait:
         timeout = request.wait + MARGIN_S
 
-    def taken(reply) -> None:
+    def taken(reply) -> list:
         frame = reply.frame
-        payload = memoryview(frame.payload).cast("B") if frame.payload_len else memoryview(b"")
-        tags = reply.header.get(Key.TAGS) or []
+        payload = frame.payload if frame.payload_len else memoryview(b"")
+        table = item_table(reply.header, frame.payload_len)
         items, parts, base = [], [], 0
-        for i, (blob, size, _ref) in enumerate(item_table(reply.header, frame.payload_len)):
+        for (blob, size, _ref), tag in zip(table, item_tags(reply.header, len(table))):
             segment = payload[base: base + size]
-            items.append(Item(blob, (segment,) if size else (), size, tags[i] if i < len(tags) else None))
+            items.append(Item(blob, (segment,) if size else (), size, tag))
             if size:
                 parts.append(segment)
             base += size
-        local._send_items(session, request, items, parts, _local_seq(session, name, reply.header[Key.SEQ])[2], None)
+        return local.items_reply(session, request, items, parts,
+                                 _local_seq(session, name, reply.header[Key.SEQ])[2], None)
 
-    _forward(session, request.id, GET, fields, None, timeout, taken, name)
+    return _forward(session, GET, fields, None, timeout, taken, name)
 
 
-def read(handler: Callable) -> Callable:
-    """PEEK/LISTEN: answered from the mirror once it holds the bin."""
-    def relayed(session, request) -> None:
+def _mirroring(command) -> Callable:
+    """The handler of a ``MIRROR`` verb (PEEK, LISTEN): answered from the mirror once it holds the bin."""
+    handler = HANDLERS[command]
+    pushes = command is PEEK  # PEEK incoming: copies pushed as they arrive (a relay following this one)
+
+    def relayed(session, request):
         relay, name = session.state.relay, request.bin
         if not relay.follows(name):
             return handler(session, request)
+        if command is LISTEN and name not in session.listening:
+            share = max(1, relay.max_mirrors // SHARE)
+            if sum(1 for n in session.listening if relay.follows(n)) >= share:
+                raise RemoteError(f"relay: a connection may listen to {share} of the bins it mirrors", TOO_LARGE)
+        if pushes and request.incoming:
+            relay.watch(name, session)
         mirror = relay.mirrors.get(name)
         if mirror is not None and mirror.synced:  # the usual case: answered from the mirror now
             return handler(session, request)
 
-        def synced(error, _) -> None:
+        def synced(error, _):
             if error is not None:
-                session.refuse(request.id, _as_remote(error))
-                return
-            try:
-                handler(session, request)
-            except RemoteError as exc:
-                session.refuse(request.id, exc)
+                raise _as_remote(error)
+            return handler(session, request)
 
-        session.wait_for(lambda done: relay.when_synced(name, lambda e: done(e, None)), synced)
+        return later(lambda done: relay.when_synced(name, lambda e: done(e, None)), synced)
 
-    relayed.__name__ = handler.__name__
+    relayed.__name__ = f"mirror_{command.verb.lower()}"
     return relayed
 
 
-_peek_mirror = read(local.peek)
-_listen_mirror = read(local.listen)
-SHARE = 4  # one connection may hold by listening at most this fraction of a relay's mirrors
-
-
-def listen(session, request) -> None:
-    """LISTEN: from the mirror.  A mirror a client listens to is kept for it, so one
-    connection may listen to at most a quarter of the bins the relay may mirror:
-    the rest stays for others (made-up names read once are not kept at all)."""
-    relay, name = session.state.relay, request.bin
-    if relay.follows(name) and name not in session.listening:
-        share = max(1, relay.max_mirrors // SHARE)
-        if sum(1 for n in session.listening if relay.follows(n)) >= share:
-            raise RemoteError(f"relay: a connection may listen to {share} of the bins it mirrors", TOO_LARGE)
-    _listen_mirror(session, request)
-
-
-def peek(session, request) -> None:
-    """PEEK: from the mirror; ``incoming`` (a relay following this one) also asks for
-    the copies that start arriving here from now on, pushed as they arrive."""
-    relay, name = session.state.relay, request.bin
-    if request.incoming and relay.follows(name):
-        relay.watch(name, session)
-    _peek_mirror(session, request)
-
-
-def listing(session, request) -> None:
+def listing(session, request):
     """LIST: the upstream's followed bins and the relay's own, and the relay's state."""
     relay = session.state.relay
 
-    def merged(reply) -> None:
+    def merged(reply) -> dict:
         bins = {name: n for name, n in reply.header[Key.BINS].items() if relay.follows(name)}
         bins.update((name, n) for name, n in session.storage.listing().items() if not relay.follows(name))
-        session.send_header(LIST.reply(request.id, bins=bins, relay=relay.status()))
+        return LIST.reply(request.id, bins=bins, relay=relay.status())
 
-    if relay.failure or (relay.client is not None and not relay.client.connected):  # what the mirror holds, and why
-        session.send_header(LIST.reply(request.id, bins=session.storage.listing(), relay=relay.status()))
-        return
-    _forward(session, request.id, LIST, {}, None, relay.timeout, merged)
+    if relay.failure or (relay.started and not relay.connected):  # what the mirror holds, and why
+        return LIST.reply(request.id, bins=session.storage.listing(), relay=relay.status())
+    return _forward(session, LIST, {}, None, relay.timeout, merged)

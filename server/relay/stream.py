@@ -2,17 +2,20 @@
 
 A relay that fetched each copy whole before its followers could start made a chain
 of relays cost one transfer time per hop.  Here the relay's upstream connection
-(:class:`StreamingClient`) receives a copy (a fetch's 226, or a copy pushed to it)
-into a :class:`TeeSink`, which reports every read; the copy becomes an
-:class:`Incoming` the moment its frame header is in.  Each connection of a relay
+(:class:`~.upstream.Upstream`) receives a copy (a fetch's 226, or a copy pushed to
+it) into a :class:`TeeSink`, which reports every read; the copy becomes an
+:class:`Incoming` the moment its frame header is in, and the frame, once whole,
+carries that :class:`Incoming` as its payload (so the copy's bytes and the news
+that it is complete come to the follower together).  Each connection of a relay
 following this one that asked for it (a PEEK with ``incoming``, PROTOCOL.md §11)
-gets it pushed at once, in the same reactor turn (:class:`Stream`): a 151
-``INCOMING`` notification whose header names the items and the number the copy
-will have here, and whose payload follows in pieces of :data:`PIECE` bytes as they
-arrive, views of the one receive array.  So the last relay of a chain holds a
-version about one transfer time plus a few pieces' latency after the first began
-to receive it.  A connection already being streamed another copy is told of this
-one without its bytes (it gets it once it is whole here).
+gets it pushed at once, in the same reactor turn (:class:`Stream`, through the
+connection's :class:`~..protocol.gate.StreamGate`): a 151 ``INCOMING``
+notification whose header names the items and the number the copy will have here,
+and whose payload follows in pieces of :data:`PIECE` bytes as they arrive, views of
+the one receive array.  So the last relay of a chain holds a version about one
+transfer time plus a few pieces' latency after the first began to receive it.  A
+connection already being streamed another copy is told of this one without its
+bytes (it gets it once it is whole here).
 
 Readers never see part of a copy: the relay's own bin changes only when the copy is
 complete (:meth:`~.follower.Follower._install`), and a follower installs a pushed
@@ -26,104 +29,34 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from tensorshare.async_client import AsyncClient
-from tensorshare.protocol.messages import ITEMS, NOTIFICATION, NOTIFY, PEEK, Key
-from tensorshare.wire.frames import BufferSink, frame_head
+from tensorshare.protocol.messages import NOTIFICATION, Key
+from tensorshare.wire.frames import frame_head
 
-from ..bins.store import Item
+from ..protocol.gate import open_stream
+from .upstream import INCOMING, ArraySink
 
 log = logging.getLogger("tensorshare.server.relay")
 
 PIECE = 128 << 10  # bytes of a streamed copy sent on together (each piece delays the next hop this much)
-INCOMING = "INCOMING"  # the op of the notification that announces a copy arriving (§11)
 
 
-class TeeSink(BufferSink):
-    """A reply payload received into one array, reporting how much is in after each read."""
+class TeeSink(ArraySink):
+    """A copy's payload received into one array, reporting how much is in after each
+    read; the frame's payload, once whole, is the copy (``owner``)."""
 
-    def __init__(self, nbytes: int, on_bytes: Callable[[int], None]):
+    def __init__(self, nbytes: int, on_bytes: Callable[[int], None], owner):
         super().__init__(nbytes)
-        self.on_bytes = on_bytes
-
-    @property
-    def view(self) -> memoryview:
-        return self._view
+        self.on_bytes, self.owner = on_bytes, owner
 
     def write(self, data) -> None:
         super().write(data)
-        self._report()
-
-    def buffer_updated(self, n: int) -> None:
-        super().buffer_updated(n)
-        self._report()
-
-    def _report(self) -> None:
         try:
-            self.on_bytes(self._filled)
+            self.on_bytes(self.filled)
         except Exception:  # a bug in passing it on must not break the upstream connection
             log.exception("relay: passing on a copy as it arrives failed")
 
-
-class StreamingClient(AsyncClient):
-    """The relay's upstream client: the payload of a PEEK ``incoming`` reply, or of an
-    ``INCOMING`` notification, is received into the sink ``arriving(bin, header,
-    nbytes)`` returns (None: as usual); ``lost(reason)`` is told when the connection
-    drops (a copy arriving on it is then lost)."""
-
-    _arriving: Callable | None = None
-    _lost: Callable | None = None
-
-    # A multi-worker upstream's members (tensorshare/_client/workers.py) use their front's hooks.
-    @property
-    def arriving(self) -> Callable | None:
-        return self._arriving if self._front is None else self._front.arriving
-
-    @arriving.setter
-    def arriving(self, hook: Callable | None) -> None:
-        self._arriving = hook
-
-    @property
-    def lost(self) -> Callable | None:
-        return self._lost if self._front is None else self._front.lost
-
-    @lost.setter
-    def lost(self, hook: Callable | None) -> None:
-        self._lost = hook
-
-    def _new_connection(self):
-        conn = super()._new_connection()
-        plain = conn.decoder.sink_factory
-
-        def sinks(header: dict, nbytes: int):
-            if nbytes and self.arriving is not None:
-                name = self._copy_of(header)
-                if name is not None:
-                    sink = self.arriving(name, header, nbytes)
-                    if sink is not None:
-                        return sink
-            return plain(header, nbytes)
-
-        conn.decoder.sink_factory = sinks
-        return conn
-
-    def _copy_of(self, header: dict) -> str | None:
-        """The bin whose copy a frame carries: a 226 answering our PEEK ``incoming``, or
-        an ``INCOMING`` notification; None for any other frame."""
-        code, rid = header.get(Key.CODE), header.get(Key.ID)
-        if code == NOTIFY and rid == 0 and header.get(Key.OP) == INCOMING and type(header.get(Key.BIN)) is str:
-            return header[Key.BIN]
-        if code == ITEMS and type(rid) is int:
-            call = self._calls.get(rid)
-            if call is not None and call.command is PEEK and call.fields and call.fields.get(Key.INCOMING):
-                return call.fields[Key.BIN]
-        return None
-
-    def _connection_lost(self, wire, reason) -> None:
-        current = wire is self._wire
-        super()._connection_lost(wire, reason)
-        if current and self.lost is not None:
-            self.lost(reason.getErrorMessage())
-
+    def finish(self):
+        return self.owner
 
 
 class Incoming:
@@ -142,24 +75,25 @@ class Incoming:
         self.seq = seq
         self.op = op
         self.pushed = pushed
-        self.sink = TeeSink(total, self._progress)
+        self.sink = TeeSink(total, self._progress, self)
         self.streams: list[Stream] = []
 
     @property
     def received(self) -> int:
-        return self.sink._filled
+        return self.sink.filled
 
     @property
     def whole(self) -> bool:
-        return self.sink._filled == self.total
+        return self.sink.filled == self.total
 
-    def items(self) -> list[Item]:
-        """The copy's items, once it is whole (their bytes are views of the one array)."""
-        view, base, items = self.sink.view, 0, []
+    def copy(self) -> list[tuple]:
+        """The copy's items once it is whole, as ``(description, payload segments,
+        payload bytes, tag)`` (their bytes are read-only views of the one array)."""
+        view, base, copy = self.sink.view.toreadonly(), 0, []
         for blob, size, tag in zip(self.blobs, self.sizes, self.tags):
-            items.append(Item(blob, (view[base:base + size],) if size else (), size, tag))
+            copy.append((blob, (view[base:base + size],) if size else (), size, tag))
             base += size
-        return items
+        return copy
 
     def header(self) -> dict:
         """The 151 ``INCOMING`` header that announces this copy (its payload follows)."""
@@ -172,8 +106,9 @@ class Incoming:
         """Send this copy to ``session`` (a relay following this one) as it arrives; if
         another copy is being streamed to it, announce this one without its bytes
         (the follower fetches it)."""
-        if session.open_stream():
-            stream = Stream(self, session)
+        gate = open_stream(session)
+        if gate is not None:
+            stream = Stream(self, gate)
             self.streams.append(stream)
             stream.start()
         else:
@@ -196,30 +131,31 @@ class Incoming:
         """It will never be whole: every stream's connection is cut off."""
         streams, self.streams = self.streams, []
         for stream in streams:
-            stream.session.cut_off(f"relay: the copy of bin {self.name!r} being passed on was lost upstream: "
+            stream.gate.session.cut_off(f"relay: the copy of bin {self.name!r} being passed on was lost upstream: "
                                    f"{reason}")
 
 
 class Stream:
-    """One copy pushed to one connection: the 151 ``INCOMING`` header at once (the
-    payload's length is known), then the payload in pieces as it arrives."""
+    """One copy pushed to one connection, through its gate: the 151 ``INCOMING``
+    header at once (the payload's length is known), then the payload in pieces as
+    it arrives."""
 
-    def __init__(self, incoming: Incoming, session):
-        self.incoming, self.session = incoming, session
+    def __init__(self, incoming: Incoming, gate):
+        self.incoming, self.gate = incoming, gate
         self.sent = 0
 
     def start(self) -> None:
-        self.session.stream_piece([frame_head(self.incoming.header(), self.incoming.total)])
+        self.gate.piece([frame_head(self.incoming.header(), self.incoming.total)])
         self.more(self.incoming.received)
 
     def more(self, filled: int) -> None:
         if filled - self.sent >= PIECE or (filled == self.incoming.total and filled > self.sent):
-            self.session.stream_piece([self.incoming.sink.view[self.sent:filled]])
+            self.gate.piece([self.incoming.sink.view[self.sent:filled]])
             self.sent = filled
 
     def finish(self) -> None:
         self.more(self.incoming.total)
-        self.session.close_stream()
+        self.gate.close()
 
 
-__all__ = ["INCOMING", "Incoming", "StreamingClient", "TeeSink"]
+__all__ = ["INCOMING", "Incoming", "TeeSink"]

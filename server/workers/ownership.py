@@ -19,7 +19,7 @@ from tensorshare.errors import RemoteError
 from tensorshare.protocol.messages import COMMANDS, WRONG_WORKER
 from tensorshare.protocol.placement import WorkerMap
 
-from ..protocol.handlers import HANDLERS
+from ..protocol.registry import HANDLERS
 
 
 def own_bins_only(state, workers: WorkerMap) -> None:
@@ -39,6 +39,6 @@ def _owned(handler: Callable, workers: WorkerMap) -> Callable:
         if owner(request.bin) != me:
             raise RemoteError(f"worker {owner(request.bin)} of {workers.count} owns bin {request.bin!r:.80}, "
                               f"not worker {me}: map the workers again (greeting field 'workers')", WRONG_WORKER)
-        handler(session, request)
+        return handler(session, request)
 
     return handle_owned

@@ -19,6 +19,8 @@ from typing import Any, Callable, Iterator
 
 from ..protocol.messages import Command
 
+DEFAULT = object()  # a method's timeout argument when not given: "use the client's timeout"
+
 
 class Call:
     """One request: its command and its current attempt (header ``fields`` and
@@ -33,7 +35,8 @@ class Call:
     ``into``: where the reply's tensors go (:mod:`.devices`)."""
 
     __slots__ = ("rid", "command", "fields", "value", "fallback", "cleanup", "callback", "then", "on_error",
-                 "on_reply", "outcome", "deadline", "decode", "raw", "inline", "device", "into")
+                 "on_reply", "outcome", "deadline", "decode", "raw", "inline", "device", "into",
+                 "after")
 
     def __init__(self, rid: int, command: Command, fields: dict | None, value: Any, callback: Callable | None = None,
                  then: Callable | None = None, on_error: Callable | None = None, on_reply: Callable | None = None,
@@ -53,6 +56,7 @@ class Call:
         self.inline = False  # the callback is quick and safe on the reading thread (blocking client)
         self.device = None  # where the reply's tensors go (None: the client's device)
         self.into = None  # destination tensors of the reply's arrays (_client/devices.py)
+        self.after = None  # with ``into``: the caller's stream at the call, which writes into them wait for
 
     def __repr__(self) -> str:
         return f"<Call {self.command.verb} id={self.rid}>"

@@ -16,22 +16,16 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from ..errors import (
-    NotAuthenticatedError, ProtocolError, TensorShareError, TooLargeError, UntrustedServerError, ZeroCopyError,
-)
-from ..protocol import auth
+from ..errors import ProtocolError, TensorShareError, TooLargeError, ZeroCopyError
 from ..protocol import peers
-from ..protocol.messages import (
-    AUTH, GREETING, GREETING_MESSAGE, ITEMS, KEEPALIVE, MAX_REPLY_HEADER, NOTIFICATION, NOTIFY, UNAVAILABLE,
-    Command, Key,
-    reply_error,
-)
+from ..protocol.handshake import CLIENT_FRAME_LIMITS, Handshake
+from ..protocol.items import item_table
+from ..protocol.messages import ITEMS, KEEPALIVE, NOTIFICATION, NOTIFY, UNAVAILABLE, Command, Key, reply_error
 from ..wire.codec import Encoded, build, empty_payload, encode
 from ..wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
 from ..wire.frames import MAGIC, Frame, FrameDecoder, FrameLimits, buffer_sink, frame_head
 from ..wire.recycle import Recycler
 
-CLIENT_FRAME_LIMITS = FrameLimits(max_header=MAX_REPLY_HEADER, max_payload=1 << 42)
 NO_VALUE = object()  # "this request carries no value" (None is a value)
 log = logging.getLogger("tensorshare.client")
 
@@ -119,26 +113,21 @@ def _reply_array(nbytes: int):
     return empty_payload(nbytes).numpy()
 
 
-class ClientConnection:
-    """Per-connection protocol state of a client: the opening handshake and the
-    incoming frames.
+class ClientConnection(Handshake):
+    """Per-connection protocol state of a client: the opening handshake
+    (:class:`~..protocol.handshake.Handshake`) and the incoming frames.
 
     ``token`` (the HMAC key, see :mod:`..protocol.auth`) is what the client proves it
-    knows when the server asks; a client with a token also requires the server to
-    prove that it knows the token too, and refuses a server that does not ask for
-    one.  ``reuse`` holds the arrays large replies were received into, for later
-    replies of the same size once the values built on them are dropped (see
-    :func:`~..wire.frames.buffer_sink`).
+    knows when the server asks.  ``reuse`` holds the arrays large replies were
+    received into, for later replies of the same size once the values built on them
+    are dropped (see :func:`~..wire.frames.buffer_sink`).
     """
 
     def __init__(self, frame_limits: FrameLimits = CLIENT_FRAME_LIMITS, token: bytes | None = None,
                  reuse: Recycler | None = None, where: str = "the server"):
+        super().__init__(token, next_request_id)
         sinks = buffer_sink if reuse is None else partial(buffer_sink, reuse=reuse)
         self.decoder = FrameDecoder(sinks, frame_limits)
-        self.greeting: dict | None = None
-        self.ready = False  # the handshake is over: requests may be sent
-        self._token = token
-        self._auth: tuple[int, bytes] | None = None  # (AUTH request id, the server proof expected)
         self.areas = None  # zerocopy.SharedAreas: what the greeting offered and this client verified
         self.where = where  # host:port, for messages
         self.first = b""  # the first bytes the server sent, until they showed its magic
@@ -153,52 +142,6 @@ class ClientConnection:
             if speaks != peers.TENSORSHARE:
                 raise peers.wrong_server(self.where, self.first, speaks)
         return self.decoder.feed(data)
-
-    def opening(self, frame: Frame) -> bytes | None:
-        """Advance the opening handshake with a frame from the server.
-
-        Returns a frame to send (the AUTH request) or None; :attr:`ready` turns True
-        once requests may be sent.  Raises the :class:`RemoteError` of an error
-        reply (421 when the server has too many connections, 530),
-        :class:`NotAuthenticatedError` when the server asks for a token and we have
-        none, :class:`UntrustedServerError` when it cannot prove that it knows ours,
-        :class:`ProtocolError` for anything else.
-        """
-        header = frame.header
-        if self.greeting is None:
-            if header.get(Key.CODE) != GREETING:
-                raise reply_error(header, "greeting")
-            self.greeting = GREETING_MESSAGE.check(header)
-            return self._authenticate(header)
-        if self._auth is None or header.get(Key.ID) != self._auth[0]:
-            raise ProtocolError(f"unexpected frame while authenticating: {header!r:.200}")
-        AUTH.check_reply(header)
-        if not auth.proof_matches(self._auth[1], header[Key.PROOF]):
-            raise UntrustedServerError("the server's authentication proof is wrong: it does not know the token")
-        if Key.SHM in header:  # a same-host offer comes only once authenticated (PROTOCOL.md §10.1)
-            self.greeting[Key.SHM] = header[Key.SHM]
-        self._auth = None
-        self.ready = True
-        return None
-
-    def _authenticate(self, greeting: dict) -> bytes | None:
-        """The AUTH request answering ``greeting``'s challenge, or None if none is due."""
-        mechanism, server_nonce = greeting.get(Key.AUTH), greeting.get(Key.NONCE)
-        if self._token is None:
-            if mechanism is not None:
-                raise NotAuthenticatedError(f"the server requires a token: pass token=... or set {auth.TOKEN_ENV}")
-            self.ready = True
-            return None
-        if mechanism is None:
-            raise UntrustedServerError("the server asks for no token, so it cannot prove that it knows ours")
-        if mechanism != auth.MECHANISM or not auth.is_nonce(server_nonce):
-            raise ProtocolError(f"unsupported authentication {mechanism!r:.40} or a bad nonce in the greeting")
-        client_nonce = auth.new_nonce()
-        client_proof, server_proof = auth.proofs(self._token, server_nonce, client_nonce)
-        rid = next_request_id()
-        self._auth = (rid, server_proof)
-        return frame_head(AUTH.request(rid, {Key.MECH: auth.MECHANISM, Key.NONCE: client_nonce,
-                                             Key.PROOF: client_proof}), 0)
 
 
 def report_unsolicited(frame: Frame, where: str) -> None:
@@ -292,30 +235,6 @@ def read_reply(command: Command, frame: Frame, device: Any = None, limits: Decod
     if decode and header.get(Key.CODE) == ITEMS:
         values = decode_items(header, frame.payload, frame.payload_len, device, limits, areas, into)
     return Reply(command, header, values, frame)
-
-
-def item_table(header: dict, payload_len: int) -> list[tuple[Any, int, Any]]:
-    """``[(description blob, payload bytes, reference or None), ...]`` of an ITEMS (226)
-    reply, checked: the items without a reference fill the payload.  A reference is
-    ``[area, path]`` (the server's files) or a dict (a device reference)."""
-    blobs, sizes = header.get(Key.ITEMS), header.get(Key.SIZES)
-    if not (isinstance(blobs, list) and isinstance(sizes, list) and len(blobs) == len(sizes)):
-        raise ProtocolError("items reply needs equally long 'items' and 'sizes' lists")
-    refs = header.get(Key.REFS)
-    if refs is None:
-        refs = [None] * len(sizes)
-    elif not (isinstance(refs, list) and len(refs) == len(sizes)):
-        raise ProtocolError("items reply needs a 'refs' list as long as 'items'")
-    cuda = header.get(Key.CUDA)
-    if cuda is not None:  # device references (a dict each, PROTOCOL.md §13.2)
-        if not (isinstance(cuda, list) and len(cuda) == len(sizes)
-                and all(c is None or (type(c) is dict and r is None) for c, r in zip(cuda, refs))):
-            raise ProtocolError("items reply needs a 'cuda' list as long as 'items', beside no file reference")
-        refs = [r if c is None else c for r, c in zip(refs, cuda)]
-    if (not all(type(s) is int and s >= 0 for s in sizes)
-            or sum(s for s, ref in zip(sizes, refs) if ref is None) != payload_len):
-        raise ProtocolError(f"item sizes {sizes!r} do not add up to the payload's {payload_len} bytes")
-    return list(zip(blobs, sizes, refs))
 
 
 def decode_items(header: dict, payload, payload_len: int, device: Any = None,

@@ -25,11 +25,12 @@ from ..protocol.messages import APPEND, COMMANDS, LISTEN, MAX_RELEASE_IDS, PUT, 
 from ..protocol.tls import TLSSettings
 from ..wire.frames import Frame
 from .calls import Call, CallTable
+from ..protocol.items import item_table
 from .connection import (
-    NO_VALUE, ClientConnection, ListenSnapshot, Reply, item_table, next_request_id, notification_of,
+    NO_VALUE, ClientConnection, ListenSnapshot, Reply, next_request_id, notification_of,
     read_reply, reply_buffers, report_unsolicited, request_frame,
 )
-from .devices import as_into, receive_on_device
+from .devices import as_into, caller_mark, pinned, receive_on_device
 from .listens import Subscriptions
 from .methods import DEFAULT, ClientMethods, bin_fields
 from .routing import finish, next_attempt, route
@@ -124,6 +125,8 @@ class ClientCore(ClientMethods):
                     raw)
         if device is not None or into is not None:
             self._wants_device(call, device, into)
+        if self._device_calls:
+            call.device = pinned(self.device if call.device is None else call.device)
         if areas is not None:
             route(call, areas, self._device_uuid(call) if self._device_calls else None)
         return call
@@ -158,6 +161,8 @@ class ClientCore(ClientMethods):
 
     def _wants_device(self, call: Call, device: Any, into: Any) -> None:
         call.device, call.into = device, as_into(into)
+        if into is not None:  # (on the caller's thread: its current stream)
+            call.after = caller_mark(device if device is not None else self.device)
         if not self._device_calls and _has_engine(device if device is not None else self.device):
             self._device_calls = True  # from now on, and on later connections
             conn = self._connection()

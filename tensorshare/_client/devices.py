@@ -18,6 +18,8 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable
 
+import torch
+
 from ..errors import ProtocolError
 from ..protocol.messages import ITEMS, Key
 from ..wire.description import DEFAULT_LIMITS, Description, _ArrayRef, _TupleNode, parse_description
@@ -67,14 +69,41 @@ def device_sink(client, header: dict, nbytes: int):
         return None
     if layout is False:
         return None
-    return engine.incoming(nbytes, index, layout)
+    return engine.incoming(nbytes, index, layout, call.after)
+
+
+def pinned(device: Any) -> Any:
+    """``device`` with its index where it names a CUDA device without one (``"cuda"``):
+    the caller's current device (``torch.cuda.device(1)``), read on the caller's
+    thread, since the reply may be read on another, whose current device differs."""
+    if device is None or isinstance(device, torch.device) and device.index is not None:
+        return device
+    try:
+        where = torch.device(device)
+    except (TypeError, RuntimeError, ValueError):
+        return device  # (the call says what is wrong with it)
+    if where.type != "cuda" or where.index is not None:
+        return device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def caller_mark(device: Any) -> Any:
+    """The point the caller's current stream of ``device`` has reached (an event), for
+    writes into its tensors to wait for; None where ``device`` has no engine.  Made
+    at the call, on the caller's thread: the reply may be read on another."""
+    from ..device import engine_for
+
+    engine = engine_for(device)
+    if engine is None:
+        return None
+    return engine.streams.mark(engine.streams.index(device))
 
 
 def payload_layout(header: dict, nbytes: int, into: Callable | None, engine, index: int):
     """The layout (:meth:`Engine.incoming`) of an items reply's payload: None (one
     buffer laid out as the payload) unless ``into`` gives destinations; False when
     an array cannot go to the device (a numpy array)."""
-    from ..device.engine import item_layout
+    from ..device.payload import item_layout
 
     entries, base = [], 0
     for i, (blob, size, ref) in enumerate(item_table(header, nbytes)):

@@ -46,7 +46,11 @@ def put_by_reference(client, bin: str, value: Any, tag: int | None, timeout, *, 
     areas = client._shared_areas()
     if not (enc.nbytes and shares(enc.engine) and areas is not None and areas.device_refs):
         return _put(client, bin, enc, tag, timeout, wait, callback)
-    ref, snapshot = export(enc)
+    try:
+        ref, snapshot = export(enc)
+    except RuntimeError as exc:  # torch cannot share this memory (an expandable segment before torch 2.5...)
+        log.debug("putting %r by its bytes: its device memory cannot be shared (%s)", bin, exc)
+        return _put(client, bin, enc, tag, timeout, wait, callback)
     ident = ref["id"]
     exports = client._exported()
     exports.keep(ident, snapshot)

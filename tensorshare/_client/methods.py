@@ -15,13 +15,12 @@ import time
 from typing import Any, Callable
 
 from ..errors import UsageError
-from ..protocol.messages import APPEND, DELETE, GET, LIST, LISTEN, NOOP, OK, PEEK, PUT, UNLISTEN, Key
-from .connection import NO_VALUE, ListenSnapshot, Notification, item_table
+from ..protocol.messages import APPEND, DELETE, GET, LIST, LISTEN, MAX_WAIT, NOOP, OK, PEEK, PUT, UNLISTEN, Key
+from .calls import DEFAULT
+from ..protocol.items import item_table
+from .connection import NO_VALUE, ListenSnapshot, Notification
 from .listens import Listening
-
-DEFAULT = object()  # "use the client's timeout"
-
-from .tables import TableMethods  # noqa: E402 - the table verbs (it uses DEFAULT)
+from .tables import TableMethods
 
 
 def _items_and_seq(reply) -> tuple:
@@ -329,6 +328,26 @@ class ClientMethods(TableMethods):
         self._submit(command, fields, NO_VALUE, lambda reply, error: callback(None, error), on_reply=ended,
                      on_error=failed)
         return None
+
+    def _server_wait(self, fields: dict, timeout) -> float | None:
+        """Ask the server to hold the request up to ``timeout`` (``fields`` get
+        ``wait``); returns the call's own timeout, a little longer, so that the
+        server's answer comes first.  (Also APPEND ``below``'s.)"""
+        if timeout is DEFAULT:
+            timeout = self.timeout
+        wait = MAX_WAIT if timeout is None else timeout
+        return self._hold_for(fields, wait, wait)
+
+    def _hold_for(self, fields: dict, wait: float, timeout) -> float | None:
+        """Ask the server to hold a request up to ``wait`` seconds (``fields`` get
+        ``wait``); returns the call's timeout (``timeout``, the client's by default),
+        made long enough for the server's answer to come first."""
+        wait = min(max(float(wait), 0.0), MAX_WAIT)
+        fields[Key.WAIT] = wait
+        if timeout is DEFAULT:
+            timeout = self.timeout
+        held = wait + max(1.0, wait / 10)
+        return None if timeout is None else max(float(timeout), held)
 
     def _later(self, fn: Callable, *args) -> None:
         """Run ``fn(*args)`` where the client runs callbacks, after this call returns."""

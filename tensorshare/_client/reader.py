@@ -15,7 +15,7 @@ import threading
 import time
 
 from ..errors import AuthenticationError, TensorShareError, TimeoutError
-from .retry import Backoff
+from ..protocol.retry import Backoff
 
 log = logging.getLogger("tensorshare.client")
 

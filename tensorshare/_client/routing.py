@@ -1,24 +1,25 @@
 """How a request travels: over TCP, or through the server's shared memory.
 
 Written once for both clients.  :func:`route` decides for one call, given the
-shared areas the connection verified (:mod:`.zerocopy`; None when it has none):
+shared areas the connection verified (:mod:`.zerocopy`; None when it has none) and
+the zero-copy role its command declares (``Command.zero_copy``):
 
-* a PUT/APPEND of a value holding :meth:`~.zerocopy.SharedAreas.shared` tensors
-  (their pages are handed over), or of a large value of a bin that readers on
-  this host map (the server says so in its replies: a value over TCP would reach
-  them inline first), is written into this connection's incoming directory, and
-  the request names it instead of carrying its bytes; any other value goes over
-  TCP, which is faster than writing it into new shared-memory pages.  If the
-  server does not take it (425), the fallback sends the written copy over TCP (the
-  caller may have changed the original since);
-* a GET/PEEK asks for references to the items' files, a TSAMPLE/TREAD for a
-  reference to the stacked rows.  If those cannot be mapped
-  (:class:`ZeroCopyError`), a PEEK or TREAD is sent again over TCP; a GET's items
-  were taken and a TSAMPLE counted, so their error stands;
-* a PEEK whose tensors go to a CUDA device also names that device: items put by
-  device reference come as references, copied device to device (PROTOCOL.md §13).
-  If one cannot be read (:class:`DeviceReferenceError`), the PEEK is sent again
-  for the bytes;
+* ``STORE`` (PUT, APPEND): a value holding :meth:`~.zerocopy.SharedAreas.shared`
+  tensors (their pages are handed over), or a large value of a bin that readers on
+  this host map (the server says so in its replies, ``mapped``: a value over TCP
+  would reach them inline first), is written into this connection's incoming
+  directory, and the request names it instead of carrying its bytes; any other
+  value goes over TCP, which is faster than writing it into new shared-memory
+  pages.  If the server does not take it (425), the fallback sends the written
+  copy over TCP (the caller may have changed the original since);
+* ``READ`` and ``TAKE`` (PEEK, TREAD; GET, TSAMPLE): the request asks for
+  references to the items' files (or to the stacked rows).  If those cannot be
+  mapped (:class:`ZeroCopyError`), a ``READ`` is sent again over TCP; a ``TAKE``'s
+  items were taken (its rows counted), so its error stands;
+* a read whose verb takes devices (``cuda``: PEEK) and whose tensors go to a CUDA
+  device also names that device: items put by device reference come as
+  references, copied device to device (PROTOCOL.md §13).  If one cannot be read
+  (:class:`DeviceReferenceError`), the read is sent again for the bytes;
 * anything else travels over TCP as it is.
 """
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 import logging
 
 from ..errors import DeviceReferenceError, ZeroCopyError, ZeroCopyUnavailableError
-from ..protocol.messages import APPEND, GET, PEEK, PUT, TREAD, TSAMPLE, Key
+from ..protocol.messages import Key, ZeroCopy
 from ..wire.codec import Encoded, encode
 from .calls import Call
 from .connection import NO_VALUE
@@ -42,17 +43,17 @@ def route(call: Call, areas, device_uuid: str | None = None) -> None:
     device references."""
     if areas is None:
         return
-    command = call.command
-    if command is PUT or command is APPEND:
+    role = call.command.zero_copy
+    if role is ZeroCopy.STORE:
         if call.value is not NO_VALUE and areas.incoming is not None and areas.may_take(call.value,
                                                                                        call.fields.get(Key.BIN)):
             _through_shared_memory(call, areas)
-    elif command is GET or command is PEEK or command is TSAMPLE or command is TREAD:
+    elif role is not None:  # READ or TAKE
         fields = call.fields
         call.fields = {**fields, Key.REF: areas.usable} if fields else {Key.REF: areas.usable}
-        if command is PEEK or command is TREAD:
-            call.fallback = _peek_over_tcp
-        if command is PEEK and device_uuid is not None:
+        if role is ZeroCopy.READ:
+            call.fallback = _read_over_tcp
+        if device_uuid is not None and Key.CUDA in call.command.keys:
             call.fields[Key.CUDA] = [device_uuid]
 
 
@@ -100,12 +101,12 @@ def _through_shared_memory(call: Call, areas) -> None:
     call.cleanup = lambda: areas.discard(name)
 
 
-def _peek_over_tcp(call: Call, error: BaseException) -> tuple | None:
+def _read_over_tcp(call: Call, error: BaseException) -> tuple | None:
     if not isinstance(error, ZeroCopyError):
         return None
     if isinstance(error, DeviceReferenceError) and Key.CUDA in call.fields:
         log.info("cannot read an item by device reference (%s): reading its bytes", error)
-        call.fallback = _peek_over_tcp  # (mapping them may fail in turn)
+        call.fallback = _read_over_tcp  # (mapping them may fail in turn)
         return {key: value for key, value in call.fields.items() if key != Key.CUDA}, NO_VALUE
     log.warning("cannot map what the server referred to (%s): reading it over TCP", error)
     return {key: value for key, value in call.fields.items() if key != Key.REF and key != Key.CUDA}, NO_VALUE

@@ -8,18 +8,20 @@ restart).  Rows are read in pieces of about :data:`PIECE` bytes, so a table larg
 than memory is copied in the memory of one piece.  Rows inserted while a copy is
 made may or may not be in it; pause the writers for an exact copy.
 
-Blocking client only (several calls, each waiting for the last).
+Blocking client only (several calls, each waiting for the last): :class:`TableCopies`
+gives ``Client`` those two methods.
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 
 from ..disk.tables import CheckpointWriter, read_checkpoint
-from ..errors import UsageError
+from ..errors import BadNameError, NoSuchBinError, UsageError
+from .calls import DEFAULT
 
 PIECE = 32 << 20  # bytes of rows per read
 
@@ -132,3 +134,34 @@ def _bytes(tensor: torch.Tensor) -> np.ndarray:
 
 
 __all__ = ["save_table", "load_table", "occupied", "pieces", "write_rows", "table_spec", "mapped_columns"]
+
+
+class TableCopies:
+    """The blocking client's table checkpoints: ``save`` of a table, ``load_table``."""
+
+    def save(self, bin: str, path, *, overwrite: bool = False, timeout=DEFAULT,
+             progress: Callable[[int, int], Any] | None = None) -> Any:
+        """Write bin ``bin``'s items to the directory ``path`` (see
+        :meth:`ClientMethods.save`); for a table, a table checkpoint of its rows and
+        settings (:mod:`tensorshare.disk.tables`, which :meth:`load_table` makes the
+        table again from).  Returns the number of items (or rows) saved."""
+        try:
+            return super().save(bin, path, overwrite=overwrite, timeout=timeout, progress=progress)
+        except BadNameError:
+            if not self._is_table(bin):
+                raise
+        return save_table(self, bin, path, overwrite=overwrite)
+
+    def load_table(self, path, name: str | None = None, *, replace: bool = True) -> int:
+        """Make table ``name`` (the saved one's name by default) from the table
+        checkpoint ``path`` that :meth:`save` wrote: the same settings and rows, each
+        at its slot with its priority.  A table there is replaced (``replace=False``:
+        refused).  Returns the number of rows."""
+        return load_table(self, path, name, replace=replace)
+
+    def _is_table(self, name: str) -> bool:
+        try:
+            self.table_info(name)
+        except (BadNameError, NoSuchBinError):
+            return False
+        return True

@@ -2,9 +2,11 @@
 
 A table is a bin of rows with fixed-shape columns (or of opaque items) that the
 server samples, prioritizes and rate-limits: a replay buffer, or a dataset read and
-written at indices.  :class:`TableMethods` is mixed into
-:class:`~.methods.ClientMethods`, so :class:`tensorshare.Client` answers with the
-result and :class:`tensorshare.AsyncClient` with a Deferred of it.
+written at indices.  :class:`TableMethods` is a base of
+:class:`~.methods.ClientMethods` and sends through its ``_call`` (and its
+``_server_wait`` for requests that wait in the server), so
+:class:`tensorshare.Client` answers with the result and
+:class:`tensorshare.AsyncClient` with a Deferred of it.
 
 Keys, indices, priorities and probabilities travel as little-endian int64/float64
 bytes and come back as torch tensors.  A ``tensordict.TensorDict`` batch is sent
@@ -20,10 +22,8 @@ import numpy as np
 import torch
 
 from ..errors import UsageError
-from .methods import DEFAULT
-from ..protocol.messages import (
-    MAX_WAIT, TCREATE, TINFO, TINSERT, TLIMITS, TPRIORITY, TREAD, TSAMPLE, TWRITE, Key, TableKey,
-)
+from ..protocol.messages import TCREATE, TINFO, TINSERT, TLIMITS, TPRIORITY, TREAD, TSAMPLE, TWRITE, Key, TableKey
+from .calls import DEFAULT
 
 
 @dataclass
@@ -273,25 +273,3 @@ class TableMethods:
         if isinstance(limits.get("samples_per_insert"), int):
             limits["samples_per_insert"] = float(limits["samples_per_insert"])
         return self._call(TLIMITS, {Key.BIN: name, TableKey.LIMITS: limits}, timeout=timeout)
-
-    def _server_wait(self, fields: dict, timeout) -> float | None:
-        """Ask the server to hold the request up to ``timeout`` (``fields`` get
-        ``wait``); returns the call's own timeout, a little longer, so that the
-        server's answer comes first.  (Also APPEND ``below``'s.)"""
-        if timeout is DEFAULT:
-            timeout = self.timeout
-        wait = MAX_WAIT if timeout is None else timeout
-        return self._hold_for(fields, wait, wait)
-
-    def _hold_for(self, fields: dict, wait: float, timeout) -> float | None:
-        """Ask the server to hold a request up to ``wait`` seconds (``fields`` get
-        ``wait``); returns the call's timeout (``timeout``, the client's by default),
-        made long enough for the server's answer to come first."""
-        wait = min(max(float(wait), 0.0), MAX_WAIT)
-        fields[Key.WAIT] = wait
-        if timeout is DEFAULT:
-            timeout = self.timeout
-        held = wait + max(1.0, wait / 10)
-        return None if timeout is None else max(float(timeout), held)
-
-

@@ -5,57 +5,41 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from twisted.internet import defer, interfaces, protocol as twisted_protocol, threads
-from zope.interface import implementer
+from twisted.internet import defer, protocol as twisted_protocol, threads
 
 from ..errors import ConnectionLostError, ProtocolError, TensorShareError, UntrustedServerError, WrongServerError
 from ..protocol import peers
-from .keepalive import Keepalive
+from ..protocol.keepalive import Traffic
 
 log = logging.getLogger("tensorshare.client")
 
 
-@implementer(interfaces.IPushProducer)
 class Wire(twisted_protocol.Protocol):
     """One connection of an :class:`~tensorshare.AsyncClient`.
 
     It runs the opening handshake (``greeted`` fires with the wire once requests
     may be sent), hands later frames to the client, and sends queued frames once
-    per reactor turn.  It registers itself as the transport's producer only to
-    learn when writes are backed up (a large value still going out): the keepalive
-    waits meanwhile, since the server answers a probe only after reading everything
-    sent before it.
+    per reactor turn.  Its :class:`~..protocol.keepalive.Traffic` is what the
+    keepalive judges (and the transport's producer, to learn when writes are backed
+    up: the server answers a probe only after reading everything sent before it).
     """
 
     def __init__(self, client):
         self.client = client
         self.conn = client._new_connection()
         self.greeted: defer.Deferred = defer.Deferred()
-        self.last_heard = self.last_sent = client.reactor.seconds()  # for the keepalive
-        self.keepalive = None if client.keepalive is None else Keepalive(client.keepalive)
+        self.traffic = Traffic(client.reactor.seconds, client.keepalive)  # for the keepalive
         self._outgoing: list[bytes] = []
         self._flush_scheduled = False
         self._certificate_checked = client._tls is None
         self._speaks = None  # what a probe found the peer to be (peers.probe), if one ran
-        self.write_blocked = False
 
     def connectionMade(self) -> None:
         self.transport.setTcpNoDelay(True)
-        self.transport.registerProducer(self, True)
-
-    # IPushProducer: writes are not held back, only watched for the keepalive
-    def pauseProducing(self) -> None:
-        self.write_blocked = True
-
-    def resumeProducing(self) -> None:
-        self.write_blocked = False
-        self.last_sent = self.client.reactor.seconds()
-
-    def stopProducing(self) -> None:
-        pass
+        self.transport.registerProducer(self.traffic, True)
 
     def dataReceived(self, data: bytes) -> None:
-        self.last_heard = self.client.reactor.seconds()
+        self.traffic.heard()
         if not self._certificate_checked:  # data arrives only after the TLS handshake
             self._certificate_checked = True
             if not self._opening_step(self._check_certificate):
@@ -88,10 +72,7 @@ class Wire(twisted_protocol.Protocol):
         return True
 
     def _check_certificate(self) -> None:
-        from OpenSSL import crypto
-
-        x509 = self.transport.getPeerCertificate()
-        self.client._tls.check_certificate(None if x509 is None else crypto.dump_certificate(crypto.FILETYPE_ASN1, x509))
+        self.client._tls.check_transport(self.transport)
 
     def _open_with(self, frame) -> None:
         request = self.conn.opening(frame)
@@ -165,4 +146,4 @@ class Wire(twisted_protocol.Protocol):
         if self._outgoing and self.transport is not None and self.connected:
             data, self._outgoing = b"".join(self._outgoing), []
             self.transport.write(data)
-            self.last_sent = self.client.reactor.seconds()
+            self.traffic.sent()

@@ -3,7 +3,8 @@
 One engine per kind of device memory moves bytes between the device and what
 the wire and the server's shared memory carry: bucketed copies on its own
 streams through a small pool of pinned host buffers (:mod:`.engine`), planned by
-:mod:`.buckets`, over the device's calls (:mod:`.cuda`); on one host, CUDA
+:mod:`.buckets`, over the device's calls (:mod:`.cuda`), received into
+:mod:`.payload`'s device payloads; on one host, CUDA
 memory is also shared by reference (:mod:`.ipc`).  The codec hands it CUDA
 tensors; the clients, the RL wrappers and tables all move device memory through
 it.  Nothing here is imported until a device tensor is sent or a device is asked

@@ -24,7 +24,10 @@ from typing import Any
 
 import torch
 
+_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device's context, not the current one's
 _REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly (CUDA 11.1+): pages the device only reads
+_IPC_HANDLE = 64  # bytes of a cudaIpcMemHandle_t (torch >= 2.5 puts a version and a kind byte before it)
+_NO_COUNTER = b"/tensorshare/no-counter"  # shm_open refuses a name with a second slash (EINVAL)
 
 
 class CudaStreams:
@@ -120,10 +123,23 @@ class CudaStreams:
 
     def register(self, address: int, nbytes: int, read_only: bool) -> bool:
         """Page-lock ``nbytes`` of host memory at ``address`` (a mapping of the server's
-        files) so the device copies it directly; False where the runtime refuses."""
+        files) so the device copies it directly; False where the runtime refuses.
+
+        A refusal (``cudaHostRegisterReadOnly`` needs a device attribute that some
+        hosts lack) also stays as the thread's "last CUDA error", which torch reads
+        after its next kernel launch and raises there; torch binds no
+        ``cudaGetLastError``, so one tiny kernel, whose launch check reads (and so
+        clears) it, takes it."""
         cudart = torch.cuda.cudart()
-        error = cudart.cudaHostRegister(address, nbytes, _REGISTER_READ_ONLY if read_only else 0)
-        return int(error) == 0
+        flags = _REGISTER_PORTABLE | (_REGISTER_READ_ONLY if read_only else 0)
+        error = cudart.cudaHostRegister(address, nbytes, flags)
+        if int(error) == 0:
+            return True
+        try:
+            torch.ones(1, device=torch.device("cuda", torch.cuda.current_device()))  # (a fill kernel, not a memset)
+        except RuntimeError:  # the refusal, read and cleared by the launch check
+            pass
+        return False
 
     def unregister(self, address: int) -> None:
         torch.cuda.cudart().cudaHostUnregister(address)
@@ -148,13 +164,16 @@ class CudaStreams:
         return None
 
     def share(self, flat: torch.Tensor) -> list:
-        """The CUDA IPC fields of ``flat`` (a whole block of device memory: its storage
-        starts at its first byte) for another process of this host to open.
+        """The CUDA IPC fields of ``flat`` (the storage of a whole snapshot; torch gives
+        the handle of the caching allocator's block that holds it and the storage's
+        offset there) for another process of this host to open.  ``flat`` must be
+        complete: readers do not wait for the event torch records here.
 
         torch counts the opens of a shared block to keep it from being freed under a
         reader; the server keeps that count here (PROTOCOL.md §13.3), and a block
         that no reader ever opens would stay allocated after this process let it
-        go, so the count torch starts is given back at once."""
+        go, so the count torch starts (1) is given back at once, and readers never
+        touch it (:meth:`open_shared`)."""
         fields = list(flat.untyped_storage()._share_cuda_())
         if fields[4]:  # (a storage of no bytes has no counter)
             torch.UntypedStorage._release_ipc_counter_cuda(fields[4], fields[5])
@@ -164,9 +183,24 @@ class CudaStreams:
 
     def open_shared(self, fields: list, index: int) -> torch.Tensor:
         """The block another process shared (:meth:`share`'s fields), mapped into this
-        one on device ``index``, as a 1-D uint8 tensor: read it and let it go."""
+        one on device ``index``, as a 1-D uint8 tensor: read it and let it go.
+
+        Opened without the publisher's counter and event.  torch's reader takes one
+        off the counter when it lets the mapping go, and :meth:`share` already gave
+        the only count back: below zero, read as unsigned (torch keeps it in a
+        uint64), the publisher would keep the block in torch's IPC limbo for good,
+        a snapshot's worth of GPU memory lost per version read.  A name no shared-memory file
+        can have (a second slash) makes that decrement fail, which torch ignores
+        (as it does for a publisher that is gone).  The event is not needed (the
+        publisher waits for its snapshot before sharing it), and opening it would
+        make torch wait on this thread's current stream and leak one event handle
+        per read."""
+        handle = fields[1]
+        if type(handle) is not bytes or len(handle) < _IPC_HANDLE:  # torch would read past its end
+            raise ValueError(f"a CUDA IPC handle has at least {_IPC_HANDLE} bytes, not {len(handle)}")
         torch.cuda._lazy_init()
-        storage = torch.UntypedStorage._new_shared_cuda(index, *fields[1:])
+        storage = torch.UntypedStorage._new_shared_cuda(index, handle, fields[2], fields[3], _NO_COUNTER, 0,
+                                                        b"", False)
         flat = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index))
         return flat.set_(storage, 0, (storage.nbytes(),), (1,))
 

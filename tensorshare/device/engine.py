@@ -15,7 +15,7 @@ holds the whole value.
   shared memory) with a few writer threads.
 * **In** (:class:`Incoming`): a payload received straight into pinned windows
   (the socket reads into them), each full window copied to device memory while the
-  next fills; the result (:class:`DevicePayload`) is handed to the caller's stream.
+  next fills; the result (:class:`~.payload.DevicePayload`) is handed to the caller's stream.
   A window's bytes may go straight into destination tensors (a model's own
   parameters) instead of new memory.
 * **On the device** (:meth:`Engine.snapshot`): a whole payload copied into one new
@@ -26,7 +26,7 @@ Ordering, as CUDA requires it: the engine waits (on its stream, without blocking
 the host) for the work queued on the caller's current stream before it reads a
 tensor (:meth:`Engine.prepare` marks that point when the value is encoded), and the
 caller's stream waits for the copies into memory it is handed
-(:meth:`DevicePayload.deliver`).  The CUDA calls themselves are
+(:meth:`~.payload.DevicePayload.deliver`).  The CUDA calls themselves are
 :class:`~.cuda.CudaStreams`'; everything here runs on the CPU with a stand-in
 for them (``tests/devicesim.py``).
 """
@@ -41,8 +41,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from ..wire.description import KIND_TORCH
 from .buckets import Bucket, Ranges, plan, windows
+from .payload import DevicePayload
 from .pool import Pool
 
 DEFAULT_BUCKET = 16 << 20  # bytes per staging buffer: a copy of 0.3 ms at 55 GB/s, 4 ms of loopback TCP
@@ -357,14 +357,16 @@ class Engine:
 
     # -- in: host to device
 
-    def incoming(self, nbytes: int, index: int, layout: list | None = None) -> "Incoming":
+    def incoming(self, nbytes: int, index: int, layout: list | None = None, after: Any = None) -> "Incoming":
         """A payload sink (:class:`~tensorshare.wire.frames.FrameDecoder`'s protocol) that
         puts ``nbytes`` arriving bytes into memory of device ``index``.  ``layout``:
         ``[(payload offset, length, destination or None), ...]`` for the arrays: a
         destination is a contiguous uint8 device tensor their bytes go into
         (bytes no array covers are dropped); None (no layout): one buffer laid out
-        as the payload."""
-        return Incoming(self, nbytes, index, layout)
+        as the payload.  ``after``: the caller's mark (:meth:`~.cuda.CudaStreams.mark`,
+        made on the caller's thread) that writes into destinations wait for; None:
+        the current stream of the thread that makes the sink."""
+        return Incoming(self, nbytes, index, layout, after)
 
     def upload(self, arrays: list, nbytes: int, index: int, layout: list | None = None) -> "DevicePayload":
         """The payload made of host ``arrays`` (``(payload offset, uint8 array)``, in
@@ -391,11 +393,11 @@ class Engine:
         """:meth:`upload` by page-locking the arrays where they are (None, having
         done nothing that lasts, where the runtime refuses one)."""
         streams = self.streams
-        side = streams.side(index)
-        places = _Places(self, nbytes, index, side, layout)
         registered = []
         try:
-            for offset, array in arrays:
+            # Every array is registered before any copy is queued: pages are never
+            # unregistered under a copy still in flight.
+            for _offset, array in arrays:
                 if not array.size:
                     continue
                 address = array.__array_interface__["data"][0]
@@ -403,11 +405,18 @@ class Engine:
                 if address % _PAGE or not streams.register(address, length, True):
                     return None
                 registered.append(address)
-                host = torch.from_numpy(array)
-                for key, start, length, at in places.ranges.cut(offset, array.size):
-                    streams.copy(places.destination(key, start, length), host[at : at + length], side)
-            event = streams.record(side)
-            streams.synchronize(event)  # the pages are unlocked next: the copies must be done
+            side = streams.side(index)
+            places = _Places(self, nbytes, index, side, layout)
+            try:
+                for offset, array in arrays:
+                    if not array.size:
+                        continue
+                    host = torch.from_numpy(array)
+                    for key, start, length, at in places.ranges.cut(offset, array.size):
+                        streams.copy(places.destination(key, start, length), host[at : at + length], side)
+            finally:
+                event = streams.record(side)
+                streams.synchronize(event)  # the pages are unlocked next: the copies must be done
             self.registered_uploads += 1
             return places.payload(event)
         finally:
@@ -419,7 +428,8 @@ class _Places:
     """Where each byte of an incoming payload goes: the destinations of a layout, and
     one new device buffer for the rest (or for all of it, laid out as the payload)."""
 
-    def __init__(self, engine: Engine, nbytes: int, index: int, side: Any, layout: list | None):
+    def __init__(self, engine: Engine, nbytes: int, index: int, side: Any, layout: list | None,
+                 after: Any = None):
         streams = engine.streams
         self.streams = streams
         self.starts: dict[int, tuple] = {}  # payload offset of an array -> (flat tensor, offset, destination)
@@ -437,6 +447,11 @@ class _Places:
                 position += length
             else:
                 entries.append((offset, length, target, 0))
+        if any(target is not None for _o, _n, target, _a in entries):
+            # Destinations are the caller's tensors (a model's parameters): kernels it
+            # queued before the call may still read or write them, so the engine's
+            # stream waits for those before it writes there.
+            streams.wait(side, after if after is not None else streams.mark(index))
         self.buffer = streams.empty(position, index, side) if position else None
         self.flats = []
         ranges = []
@@ -462,11 +477,11 @@ class Incoming:
     (:meth:`write`); a full window is queued for the device and the next one is
     taken from the pool, whose oldest buffer is free again by then."""
 
-    def __init__(self, engine: Engine, nbytes: int, index: int, layout: list | None):
+    def __init__(self, engine: Engine, nbytes: int, index: int, layout: list | None, after: Any = None):
         self.engine = engine
         self.streams = engine.streams
         self.side = self.streams.side(index)
-        self.places = _Places(engine, nbytes, index, self.side, layout)
+        self.places = _Places(engine, nbytes, index, self.side, layout, after)
         self.windows = windows(nbytes, engine.bucket)
         self.k = 0
         self.filled = 0
@@ -511,80 +526,23 @@ class Incoming:
         for key, offset, size, at in places.ranges.cut(start, length):
             streams.copy(places.destination(key, offset, size), buffer[at : at + size], self.side)
         event = streams.record(self.side)
-        self.engine.pool.give(buffer, event)
         self.shipped += 1
         self.k += 1
         self.filled = 0
+        # The next window is taken before this one goes back: taken after, it would
+        # be this very buffer, and the next bytes would wait for its copy.
         if self.k < len(self.windows):
             self.buffer = self.engine.pool.take()
             self._host = self.buffer.numpy()
         else:
             self.buffer = self._host = None
+        self.engine.pool.give(buffer, event)
 
     def finish(self) -> "DevicePayload":
         """The payload in device memory (all of it has arrived)."""
         if self.k != len(self.windows):
             raise RuntimeError(f"payload incomplete: {self.k} of {len(self.windows)} windows")
         return self.places.payload(self.streams.record(self.side))
-
-
-class DevicePayload:
-    """A payload that arrived into device memory (a reply's, or an item uploaded from
-    the server's files), complete once ``event`` has happened on the engine's stream.
-
-    An array is a view of ``buffer`` (laid out as the payload when no layout was
-    given, else compact) or the destination tensor the layout gave for it.
-    :meth:`deliver` makes the caller's current stream wait for the copies before
-    anything uses them; the codec's :func:`~tensorshare.wire.codec.build` does so."""
-
-    __slots__ = ("streams", "buffer", "starts", "event", "delivered")
-
-    def __init__(self, streams, buffer, starts: dict, event):
-        self.streams, self.buffer, self.starts, self.event = streams, buffer, starts, event
-        self.delivered = False
-
-    def deliver(self) -> None:
-        """Hand the memory to the caller's current stream (once)."""
-        if self.delivered:
-            return
-        self.delivered = True
-        if self.buffer is not None:
-            self.streams.hand_over(self.event, self.buffer)
-        for _flat, _at, target in self.starts.values():
-            if target is not None:
-                self.streams.hand_over(self.event, target)
-
-    def bytes_at(self, start: int, nbytes: int) -> torch.Tensor:
-        """The 1-D uint8 device tensor of the array at payload offset ``start``."""
-        if not self.starts:
-            return self.buffer[start : start + nbytes]
-        tensor, base, _target = self.starts[start]
-        return tensor[base : base + nbytes]
-
-    def target(self, start: int) -> torch.Tensor | None:
-        """The destination tensor the array at payload offset ``start`` went into (None: new memory)."""
-        entry = self.starts.get(start)
-        return None if entry is None else entry[2]
-
-
-def item_layout(desc, base: int, targets: dict, engine: Engine, index: int) -> list | None:
-    """The :meth:`Engine.incoming` layout entries of one item's arrays (its payload at
-    ``base``), each going into ``targets[array index]`` where that tensor can take it
-    in place (same dtype and shape, contiguous, on device ``index``); None when an
-    array cannot live in device memory (a numpy array)."""
-    from ..wire.codec import TORCH_DTYPES
-
-    streams, entries = engine.streams, []
-    for j, spec in enumerate(desc.arrays):
-        if spec.kind != KIND_TORCH:
-            return None
-        target = targets.get(j)
-        if target is not None and not (
-                TORCH_DTYPES.get(spec.dtype) == target.dtype and tuple(target.shape) == tuple(spec.shape)
-                and target.is_contiguous() and streams.owns(target) and streams.index(target.device) == index):
-            target = None
-        entries.append((base + spec.offset, spec.nbytes, target))
-    return entries
 
 
 _writers: ThreadPoolExecutor | None = None

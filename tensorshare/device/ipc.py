@@ -23,7 +23,8 @@ import torch
 from ..errors import DeviceReferenceError
 from ..wire.codec import Encoded, build
 from ..wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
-from .engine import DeviceSpan, Engine, item_layout
+from .engine import DeviceSpan, Engine
+from .payload import item_layout
 
 
 def digests(arrays: list[torch.Tensor]) -> list[int]:

@@ -1,367 +1,41 @@
-"""The protocol's messages, declared once for both ends (PROTOCOL.md §4-§6, §8, §10).
+"""The protocol's messages, declared once for both ends (PROTOCOL.md §4-§6, §8, §10-§12).
 
-PROTOCOL.md is the normative text; this module is its machine-readable half, in
-the manner of Twisted AMP's ``Command``.  Every verb is a :class:`Command` that
-declares its request fields, the code and fields of its success reply, whether the
-request carries a value payload, and which reply field is its result.  The server
-checks requests with :meth:`Command.parse_request` (the checks of PROTOCOL.md §4.2,
-in order) and answers with :meth:`Command.reply`; the clients check their
-arguments with :meth:`Command.check_arguments`, build requests with
-:meth:`Command.request` and check replies with :meth:`Command.check_reply`.  Frames
-nobody asked for (the greeting, notifications, keepalives) and error replies are
-:class:`Message` declarations.  Torch-free: the server imports it.
+PROTOCOL.md is the normative text; this module is its machine-readable half.  Every
+verb is one :class:`~.schema.Command` (the machinery is :mod:`.schema`): its request
+fields, its success reply, its payload and result, the clients' method that sends
+it, what same-host zero-copy may do for it, how a relay answers it, the lane it
+waits in and its errors.  The rest is derived from these declarations: the
+clients' routing (``tensorshare/_client/routing.py``), the relay's handlers
+(``server/relay/forward.py``), ``ShardedClient``'s per-bin methods, the server's
+wait lanes, and the tests that go over every verb.  Frames nobody asked for (the
+greeting, notifications, keepalives) and error replies are
+:class:`~.schema.Message` declarations.  Torch-free: the server imports it.
 
-Adding a verb: declare it here, handle it in ``server/protocol/handlers.py``, and
-give the clients a method in ``tensorshare/_client/methods.py``.
-
-Codes follow FTP's meaning: 1xx unsolicited/preliminary, 2xx success, 4xx refused
-for now (may succeed later), 5xx refused for good.
+Adding a verb: declare it here, handle it in ``server/protocol/handlers.py`` (or
+``tables.py``), give the clients the method it names (``tensorshare/_client/methods.py``)
+and describe it in PROTOCOL.md.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-from typing import Any, Callable
-
-from ..errors import ProtocolError, RemoteError, UsageError, error_for_code
-
-PROTOCOL_VERSION = 1
-
-
-class Key:
-    """Every header key, by name (PROTOCOL.md §4.1)."""
-
-    OP, ID, CODE, MSG = "op", "id", "code", "msg"
-    BIN, TAG, VALUE = "bin", "tag", "value"
-    N, SEQ, EXISTS, BINS = "n", "seq", "exists", "bins"
-    ITEMS, SIZES = "items", "sizes"
-    SERVER, VERSION = "server", "version"
-    MAX_FRAME = "max_frame"  # the greeting: the largest request payload the server reads (§7)
-    AUTH, MECH, NONCE, PROOF = "auth", "mech", "nonce", "proof"
-    # Same-host zero-copy (§10): the greeting's offer; a PUT/APPEND's item directory
-    # and size; a GET/PEEK's mappable areas; a 226's references; released replies.
-    SHM, SIZE, REF, REFS, RELEASE = "shm", "size", "ref", "refs", "release"
-    # LISTEN: skip APPENDs to a bin that already holds items (§5)
-    FIRST_APPEND = "first_append"
-    # GET: take at most this many items; APPEND: only while the bin holds fewer than
-    # ``below`` items, waiting up to ``wait`` seconds for room (§4.4)
-    MAX, BELOW, WAIT = "max", "below", "wait"
-    # GET with wait: held until the bin holds ``least`` items; PEEK with wait: held
-    # while the bin is still at seq ``since`` (§4.5: reads that wait)
-    LEAST, SINCE = "least", "since"
-    # PUT: the bin lives only as long as this connection (§4.6: presence, membership);
-    # PUT/DELETE: which of the connection's clients owns it (a relay's, §4.6)
-    EPHEMERAL, OWNER = "ephemeral", "owner"
-    # GET/PEEK: the reply lists every item's tag; LIST: a relay's state (§11)
-    TAGS, RELAY = "tags", "relay"
-    # PEEK (to a relay): push later copies of the bin as they arrive; an INCOMING
-    # notification carrying one names the upstream change it is (§11)
-    INCOMING, CHANGE = "incoming", "change"
-    # CUDA IPC on one host (§13): a PUT's device reference, or the reference whose
-    # bytes it brings; a PEEK's devices and a 226's references; a reply's freed references
-    CUDA, FILL, FREED = "cuda", "fill", "freed"
-    # the greeting of a worker of a multi-worker server: the map of its workers (§14)
-    WORKERS = "workers"
-    # PUT/APPEND reply to a same-host client: the bin is read by reference here (§10.4)
-    MAPPED = "mapped"
-
-
-# Reply codes (header key "code").
-KEEPALIVE = 110  # unsolicited: the server checks that an idle, listening connection is alive
-NOTIFY = 151  # unsolicited: a bin changed
-OK = 200  # command okay
-LIST_OK = 212  # bin listing follows
-GREETING = 220  # service ready (sent once, on connect)
-ITEMS = 226  # items follow in the payload
-AUTHENTICATED = 230  # AUTH accepted; the reply proves that the server knows the token too
-DONE = 250  # requested bin action completed
-UNAVAILABLE = 421  # shutting down / too many connections
-ZERO_COPY_REFUSED = 425  # a value named in shared memory was not taken: send it over TCP
-WRONG_WORKER = 427  # another worker of this server owns the bin: map the workers again (§14)
-BUSY = 450  # what the request waits for (room in a bin...) did not come within its wait
-LOCAL_ERROR = 451  # the server could not read what it stores (a disk error)
-STORAGE_FULL = 452  # no room in the memory budget or on disk
-BAD_FRAME = 500  # syntax error: malformed frame or header
-BAD_ARGS = 501  # syntax error in parameters
-UNKNOWN_VERB = 502  # command not implemented
-BAD_SEQUENCE = 503  # AUTH when it is not expected (already authenticated, or the server has no token)
-NOT_AUTHENTICATED = 530  # authentication required or failed; the server closes the connection
-NO_SUCH_BIN = 550
-TOO_LARGE = 552  # exceeded a size or count limit
-BAD_NAME = 553  # bin name not allowed
-
-TAG_MIN, TAG_MAX = -(1 << 63), (1 << 63) - 1  # an item's optional tag is a signed 64-bit integer
-ID_MAX = (1 << 64) - 1
-MAX_BIN_NAME = 256
-MAX_REPLY_HEADER = 256 << 20  # the largest reply header a client decodes (a server sends no larger)
-_BIN_NAME = re.compile(r"[^\x00-\x1f\x7f]+")
-
-
-def check_tag(tag: object) -> str | None:
-    """Why ``tag`` is not a valid item tag (a signed 64-bit integer or None), or None."""
-    if tag is None or (type(tag) is int and TAG_MIN <= tag <= TAG_MAX):
-        return None
-    return f"tag must be a 64-bit signed integer, not {tag!r:.40}"
-
-
-def check_bin_name(name: object, max_len: int = MAX_BIN_NAME) -> str | None:
-    """Why ``name`` is not a valid bin name, or None if it is.
-
-    A bin name is a non-empty str of at most ``max_len`` characters with no control
-    characters.  Names are data: the server never uses one as a path.
-    """
-    if not isinstance(name, str):
-        return f"bin name must be a string, not {type(name).__name__}"
-    if not name or len(name) > max_len:
-        return f"bin name must have 1 to {max_len} characters"
-    if not _BIN_NAME.fullmatch(name):
-        return "bin name must not contain control characters"
-    return None
-
-
-# ------------------------------------------------------------------ field kinds
-
-
-@dataclass(frozen=True)
-class Kind:
-    """What a field's value must be: ``problem(key, value, max_bin_name)`` says why
-    a value is not one (None if it is); ``accepts(value)`` is the quick yes."""
-
-    name: str
-    problem: Callable[[str, Any, int], str | None]
-    accepts: Callable[[Any], bool]
-
-
-_ABSENT = object()
-
-
-def _kind(name: str, accepts: Callable[[Any], bool]) -> Kind:
-    def problem(key: str, value: Any, _max_bin_name: int) -> str | None:
-        return None if accepts(value) else f"{key} must be {name}, not {value!r:.40}"
-    return Kind(name, problem, accepts)
-
-
-def _checked_kind(name: str, problem: Callable[[Any], str | None]) -> Kind:
-    return Kind(name, lambda key, value, limit: problem(value), lambda value: problem(value) is None)
-
-
-def _all_ints(value: Any) -> bool:
-    return type(value) is list and all(type(v) is int for v in value)
-
-
-def _counts(value: Any) -> bool:
-    return type(value) is dict and all(type(k) is str and type(v) is int for k, v in value.items())
-
-
-INT = _kind("an integer", lambda v: type(v) is int)
-BOOL = _kind("a boolean", lambda v: type(v) is bool)
-STR = _kind("a string", lambda v: type(v) is str)
-BYTES = _kind("bytes", lambda v: type(v) is bytes)
-INTS = _kind("a list of integers", _all_ints)
-LIST = _kind("a list", lambda v: type(v) is list)
-COUNTS = _kind("a map of strings to integers", _counts)
-MAP = _kind("a map", lambda v: type(v) is dict)
-ANY = _kind("anything", lambda value: True)
-TAG = _checked_kind("a tag", check_tag)
-BIN_NAME = Kind("a bin name", lambda key, value, limit: check_bin_name(value, limit),
-                lambda value: check_bin_name(value) is None)
-TAGS = _kind("a list of tags", lambda v: type(v) is list and all(check_tag(t) is None for t in v))
-_A_LIST = LIST  # (the name LIST is the verb's further down)
-COUNT = _kind("an integer of at least 1", lambda v: type(v) is int and v >= 1)
-MAX_WAIT = 86400.0  # seconds a request may ask the server to hold it
-SECONDS = _kind(f"a number of seconds, 0 to {MAX_WAIT:g}",
-                lambda v: type(v) in (int, float) and 0 <= v <= MAX_WAIT)
-
-
-@dataclass(frozen=True)
-class Field:
-    """One header field: its key, its kind, whether it must be present, and the
-    reply code a request gets when it is wrong (501 unless said otherwise)."""
-
-    key: str
-    kind: Kind
-    required: bool = True
-    code: int = BAD_ARGS
-    missing: str | None = None  # the refusal's text when a required field is absent
-
-    def problem(self, header: dict, max_bin_name: int = MAX_BIN_NAME) -> str | None:
-        """Why ``header`` does not hold this field right (None if it does)."""
-        if self.key not in header:
-            return (self.missing or f"missing {self.key}") if self.required else None
-        value = header[self.key]
-        if value is None and not self.required:
-            return None
-        return self.kind.problem(self.key, value, max_bin_name)
-
-
-def optional(key: str, kind: Kind, **kw) -> Field:
-    return Field(key, kind, required=False, **kw)
-
-
-BIN = Field(Key.BIN, BIN_NAME, code=BAD_NAME)
-RELEASE = optional(Key.RELEASE, INTS)  # any request may carry it (§10.3)
-# Release ids a client puts in one request: small ids are 1-3 bytes on the wire and
-# 28 as objects, so a long list alone would pass the server's header_memory rule
-# (PROTOCOL.md §7) and the request would be refused; 64 keep any header within it.
-MAX_RELEASE_IDS = 64
-
-
-class Request:
-    """A checked request, as handlers receive it: ``id``, the command, the payload
-    (as the receiver's sink made it) and one attribute per declared field (None
-    when an optional field was absent).  Each :class:`Command` has its own
-    subclass with slots for its fields."""
-
-    __slots__ = ("command", "id", "payload", "payload_len")
-
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{f.key}={getattr(self, f.key)!r:.40}" for f in self.command.fields)
-        return f"<{self.command.verb} id={self.id} {fields}>"
-
-
-class Message:
-    """A header whose fields are declared: a reply, or a frame nobody asked for."""
-
-    def __init__(self, code: int, fields: tuple[Field, ...] = ()):
-        self.code = code
-        self.fields = fields
-        # The usual case, checked without building messages: (key, required, kind).
-        self._fast = tuple((f.key, f.required, f.kind) for f in fields)
-
-    def build(self, rid: int = 0, **fields) -> dict:
-        """The header of this message (for request ``rid``; 0: unsolicited)."""
-        if not fields:
-            return {Key.CODE: self.code, Key.ID: rid}
-        header = {Key.CODE: self.code, Key.ID: rid}
-        header.update(fields)
-        return header
-
-    def check(self, header: dict) -> dict:
-        """``header``, once it is found to hold every declared field right;
-        :class:`ProtocolError` otherwise (the peer broke the protocol)."""
-        for key, required, kind in self._fast:
-            value = header.get(key, _ABSENT)
-            if value is _ABSENT or value is None:
-                if required:
-                    break
-                continue
-            if not kind.accepts(value):
-                break
-        else:
-            return header
-        for field in self.fields:
-            problem = field.problem(header)
-            if problem is not None:
-                raise ProtocolError(f"{self.code} reply: {problem}")
-        return header
-
-
-class Command:
-    """A verb: its request fields, its success reply, its payload and its result.
-
-    ``result`` names the reply field a client returns by default (None: nothing);
-    ``payload`` says whether the request carries a value payload (PUT, APPEND).
-    """
-
-    def __init__(self, verb: str, fields: tuple[Field, ...] = (), *, reply: Message, payload: bool = False,
-                 result: str | None = None, doc: str = ""):
-        self.verb = verb
-        self.fields = fields
-        self.success = reply
-        self.reply = reply.build  # reply(rid, **fields): the success reply header to request ``rid``
-        self.payload = payload
-        self.result = result
-        self.doc = doc
-        self.takes_bin = any(field.key == Key.BIN for field in fields)
-        # parse_request's usual case, every field right: (key, required, accepts).
-        self._fast = tuple((f.key, f.required, f.kind.accepts) for f in fields)
-        slots = tuple(field.key for field in fields)
-        self.Request = type(f"{verb.title()}Request", (Request,), {"__slots__": slots})
-        self._slots = slots
-
-    def __repr__(self) -> str:
-        return f"<Command {self.verb}>"
-
-    # -- the client's side
-
-    def check_arguments(self, fields: dict) -> None:
-        """Raise :class:`UsageError` for an argument the server would refuse (a bad
-        bin name or tag), before anything is sent."""
-        for field in self.fields:
-            if field.key in fields:
-                problem = field.problem(fields)
-                if problem is not None:
-                    raise UsageError(problem)
-
-    def request(self, rid: int, fields: dict | None = None) -> dict:
-        """The request header: ``op``, ``id`` and the given fields."""
-        header = {Key.OP: self.verb, Key.ID: rid}
-        if fields:
-            header.update(fields)
-        return header
-
-    def check_reply(self, header: dict) -> dict:
-        """The reply ``header`` if it is this command's success; the
-        :class:`RemoteError` of an error reply is raised, and anything else
-        (another code, a missing or ill-typed field) is a :class:`ProtocolError`."""
-        code = header.get(Key.CODE)
-        if code == self.success.code:
-            return self.success.check(header)
-        raise reply_error(header, f"{self.verb} reply")
-
-    # -- the server's side
-
-    def parse_request(self, header: dict, rid: int, payload: Any, payload_len: int,
-                      max_bin_name: int = MAX_BIN_NAME) -> Request:
-        """The typed request in ``header`` (whose ``op`` and ``id`` were checked);
-        raises the :class:`RemoteError` to answer with (PROTOCOL.md §4.2, steps 3-5)."""
-        if payload_len and not self.payload:
-            raise error_for_code(BAD_ARGS, f"{self.verb} takes no payload")
-        request = self.Request()
-        request.command, request.id, request.payload, request.payload_len = self, rid, payload, payload_len
-        if max_bin_name == MAX_BIN_NAME:  # (the fast test of a bin name assumes the default limit)
-            for key, required, accepts in self._fast:
-                value = header.get(key)
-                if value is None:
-                    if required:
-                        break
-                elif not accepts(value):
-                    break
-                setattr(request, key, value)
-            else:
-                return request
-        for field in self.fields:  # find what is wrong, and say it
-            problem = field.problem(header, max_bin_name)
-            if problem is not None:
-                raise error_for_code(field.code, problem)
-            setattr(request, field.key, header.get(field.key))
-        return request
-
-
-
-def reply_error(header: dict, what: str) -> TensorShareErrorLike:
-    """The exception for a reply that is not the success expected: the
-    :class:`RemoteError` of an error code, else a :class:`ProtocolError`."""
-    code = header.get(Key.CODE)
-    if type(code) is not int:
-        return ProtocolError(f"{what} without a code: {header!r:.200}")
-    if code >= 400:
-        return error_for_code(code, str(header.get(Key.MSG, "")))
-    return ProtocolError(f"unexpected {what} code {code}: {header!r:.200}")
-
-
-TensorShareErrorLike = ProtocolError | RemoteError
-
-
-# ------------------------------------------------------------------ the verbs
+from .codes import (  # noqa: F401 - the codes are part of what this module declares
+    AUTHENTICATED, BAD_ARGS, BAD_FRAME, BAD_NAME, BAD_SEQUENCE, BUSY, DONE, GREETING, ITEMS, KEEPALIVE, LIST_OK,
+    LOCAL_ERROR, NO_SUCH_BIN, NOT_AUTHENTICATED, NOTIFY, OK, STORAGE_FULL, TOO_LARGE, UNAVAILABLE, UNKNOWN_VERB,
+    WRONG_WORKER, ZERO_COPY_REFUSED,
+)
+from .schema import (  # noqa: F401 - the machinery, for those that import it from here
+    A_LIST, ANY, ANY_REQUEST_ERRORS, BIN, BOOL, BYTES, COUNT, COUNTS, ID_MAX, INT, INTS, MAP, MAX_BIN_NAME,
+    MAX_RELEASE_IDS, MAX_REPLY_HEADER, MAX_WAIT, PROTOCOL_VERSION, RELEASE, SECONDS, SHORT_BYTES, STR, TAG, TAG_MAX,
+    TAG_MIN, TAGS, Command, Field, Key, Message, Relay, Request, ZeroCopy, check_bin_name, check_tag, optional,
+    reply_error,
+)
 
 _FREED = optional(Key.FREED, INTS)  # a publisher's device references no item holds any more (§13.3)
 _CHANGED = Message(DONE, (Field(Key.N, INT), Field(Key.SEQ, INT), _FREED))
 _DONE = Message(OK, (_FREED,))
-_STORED = Message(DONE, (*_CHANGED.fields, optional(Key.MAPPED, BOOL)))
-_ITEMS = Message(ITEMS, (Field(Key.SEQ, INT), Field(Key.ITEMS, LIST), Field(Key.SIZES, LIST),
-                         optional(Key.REFS, LIST), optional(Key.TAGS, TAGS), optional(Key.CUDA, LIST)))
+_STORED = Message(DONE, (*_CHANGED.fields, optional(Key.MAPPED, BOOL)))  # (§10.4: readers map the bin)
+_ITEMS = Message(ITEMS, (Field(Key.SEQ, INT), Field(Key.ITEMS, A_LIST), Field(Key.SIZES, A_LIST),
+                         optional(Key.REFS, A_LIST), optional(Key.TAGS, TAGS), optional(Key.CUDA, A_LIST)))
 _STORE_FIELDS = (
     BIN,
     Field(Key.VALUE, BYTES, missing="missing value description"),
@@ -371,41 +45,54 @@ _STORE_FIELDS = (
     RELEASE,
 )
 _READ_FIELDS = (BIN, optional(Key.REF, INTS), RELEASE, optional(Key.TAGS, BOOL))
+_STORE_ERRORS = (BAD_NAME, TOO_LARGE, STORAGE_FULL, ZERO_COPY_REFUSED)
+OWNER = optional(Key.OWNER, SHORT_BYTES)  # which client of a relay's connection owns an ephemeral bin (§4.6)
 
-OWNER = optional(Key.OWNER, _kind("bytes of at most 64", lambda v: type(v) is bytes and len(v) <= 64))
+# -- bins (§4.3)
+
 PUT = Command("PUT", (*_STORE_FIELDS, optional(Key.EPHEMERAL, BOOL), OWNER, optional(Key.CUDA, MAP),
                       optional(Key.FILL, INT)),
-              reply=_STORED, payload=True, result=Key.N,
+              reply=_STORED, payload=True, result=Key.N, method="put", zero_copy=ZeroCopy.STORE,
+              relay=Relay.FORWARD, errors=_STORE_ERRORS,
               doc="replace the bin's items with one item (ephemeral: for as long as this connection lasts; "
                   "cuda: by reference to the client's device memory; fill: that item's bytes)")
 APPEND = Command("APPEND", (*_STORE_FIELDS, optional(Key.BELOW, COUNT), optional(Key.WAIT, SECONDS)),
-                 reply=_STORED, payload=True, result=Key.N,
+                 reply=_STORED, payload=True, result=Key.N, method="append", zero_copy=ZeroCopy.STORE,
+                 relay=Relay.FORWARD, lane="room", errors=(*_STORE_ERRORS, BUSY),
                  doc="add one item at the end of the bin (with below: once it holds fewer items)")
 GET = Command("GET", (*_READ_FIELDS, optional(Key.MAX, COUNT), optional(Key.WAIT, SECONDS),
-                     optional(Key.LEAST, COUNT)), reply=_ITEMS, result=Key.ITEMS,
+                     optional(Key.LEAST, COUNT)), reply=_ITEMS, result=Key.ITEMS, method="get",
+              zero_copy=ZeroCopy.TAKE, relay=Relay.FORWARD, lane="take", errors=(BAD_NAME, NO_SUCH_BIN),
               doc="take the bin's items (at most max of them) out of it (with wait: once it holds least)")
 PEEK = Command("PEEK", (*_READ_FIELDS, optional(Key.WAIT, SECONDS), optional(Key.SINCE, INT),
-                       optional(Key.INCOMING, BOOL), optional(Key.CUDA, LIST)), reply=_ITEMS, result=Key.ITEMS,
+                       optional(Key.INCOMING, BOOL), optional(Key.CUDA, A_LIST)), reply=_ITEMS, result=Key.ITEMS,
+               method="peek", zero_copy=ZeroCopy.READ, relay=Relay.MIRROR, lane="peek", errors=(BAD_NAME, NO_SUCH_BIN),
                doc="read every item of the bin (with wait: once its seq is no longer since; "
                    "cuda: device references where this client can open them)")
 LIST = Command("LIST", (RELEASE,), reply=Message(LIST_OK, (Field(Key.BINS, COUNTS), optional(Key.RELAY, MAP))),
-               result=Key.BINS,
+               result=Key.BINS, method="list", zero_copy=None, relay=Relay.MERGE,
                doc="every bin and its item count")
-DELETE = Command("DELETE", (BIN, RELEASE, OWNER), reply=_CHANGED,
+DELETE = Command("DELETE", (BIN, RELEASE, OWNER), reply=_CHANGED, method="delete", zero_copy=None,
+                 relay=Relay.FORWARD, errors=(BAD_NAME, NO_SUCH_BIN, STORAGE_FULL),
                  doc="remove the bin and its items (with owner: only while that owns the ephemeral bin)")
 LISTEN = Command("LISTEN", (BIN, optional(Key.FIRST_APPEND, BOOL), RELEASE),
                  reply=Message(OK, (Field(Key.EXISTS, BOOL), Field(Key.N, INT), Field(Key.SEQ, INT),
                                     Field(Key.TAG, TAG))),
+                 method="listen", zero_copy=None, relay=Relay.MIRROR, errors=(BAD_NAME, TOO_LARGE),
                  doc="notify this connection of the bin's changes; the reply is a snapshot")
-UNLISTEN = Command("UNLISTEN", (BIN, RELEASE), reply=_DONE, doc="stop notifying this connection")
-NOOP = Command("NOOP", (RELEASE,), reply=_DONE, doc="nothing: liveness and round-trip timing")
+UNLISTEN = Command("UNLISTEN", (BIN, RELEASE), reply=_DONE, method="unlisten", zero_copy=None, relay=Relay.LOCAL,
+                   errors=(BAD_NAME,), doc="stop notifying this connection")
+NOOP = Command("NOOP", (RELEASE,), reply=_DONE, method="ping", zero_copy=None, relay=Relay.LOCAL,
+               doc="nothing: liveness and round-trip timing")
 AUTH = Command("AUTH", (Field(Key.MECH, STR), Field(Key.NONCE, BYTES), Field(Key.PROOF, BYTES)),
                reply=Message(AUTHENTICATED, (Field(Key.PROOF, BYTES), optional(Key.SHM, MAP))),
+               method=None, zero_copy=None, relay=Relay.LOCAL, errors=(BAD_SEQUENCE,),
                doc="prove knowledge of the server's token (§8.4)")
 
 # -- tables (§12): a table is a kind of bin; its verbs start with T.
 # Keys, indices, priorities and probabilities travel as little-endian int64/float64
 # byte strings (one per row): 8 bytes a row, nothing to pack or check per element.
+
 
 class TableKey:
     """The header keys of the table verbs (PROTOCOL.md §12)."""
@@ -421,33 +108,46 @@ class TableKey:
 
 _TK = TableKey
 _TABLE_CHANGED = Message(DONE, (Field(Key.N, INT), Field(Key.SEQ, INT), Field(_TK.KEYS, BYTES)))
-_ROWS = Message(ITEMS, (*_ITEMS.fields, Field(_TK.KEYS, BYTES), Field(_TK.INDICES, BYTES), optional(_TK.PROBABILITIES, BYTES),
-                        optional(_TK.COLUMNS, BOOL), optional(_TK.TENSORDICT, BOOL)))
+_ROWS = Message(ITEMS, (*_ITEMS.fields, Field(_TK.KEYS, BYTES), Field(_TK.INDICES, BYTES),
+                        optional(_TK.PROBABILITIES, BYTES), optional(_TK.COLUMNS, BOOL),
+                        optional(_TK.TENSORDICT, BOOL)))
 _TABLE_INFO = Message(OK, (Field(_TK.INFO, MAP),))
 _TABLE_VALUE = (Field(Key.VALUE, BYTES, missing="missing value description"),)
+_TABLE_ERRORS = (NO_SUCH_BIN, BAD_NAME)
 
 TCREATE = Command("TCREATE", (BIN, Field(_TK.SPEC, MAP), optional(_TK.ADD_COLUMNS, BOOL), RELEASE),
                   reply=_CHANGED, result=Key.N,
+                  method="create_table", zero_copy=None, relay=Relay.FORWARD,
+                  errors=(BAD_NAME, TOO_LARGE, STORAGE_FULL),
                   doc="make a table (kept as it is if one with the same settings exists)")
 TINSERT = Command("TINSERT", (BIN, *_TABLE_VALUE, optional(_TK.PRIORITIES, BYTES), optional(Key.WAIT, SECONDS),
                               optional(_TK.TENSORDICT, BOOL), RELEASE),
-                  reply=_TABLE_CHANGED, payload=True, result=_TK.KEYS,
+                  reply=_TABLE_CHANGED, payload=True, result=_TK.KEYS, method="insert", zero_copy=None,
+                  relay=Relay.FORWARD, lane="insert", errors=(*_TABLE_ERRORS, TOO_LARGE, STORAGE_FULL, BUSY),
                   doc="add rows (waiting up to wait seconds for the rate limiter)")
 TWRITE = Command("TWRITE", (BIN, *_TABLE_VALUE, Field(_TK.INDICES, BYTES), optional(_TK.PRIORITIES, BYTES),
                             optional(_TK.TENSORDICT, BOOL), RELEASE),
-                 reply=_TABLE_CHANGED, payload=True, result=_TK.KEYS, doc="put rows at the slot indices given")
-TSAMPLE = Command("TSAMPLE", (BIN, Field(Key.N, COUNT), optional(Key.WAIT, SECONDS), optional(Key.REF, INTS), RELEASE),
-                  reply=_ROWS,
-                  result=Key.ITEMS, doc="draw n rows with the table's sampler (waiting up to wait seconds)")
+                 reply=_TABLE_CHANGED, payload=True, result=_TK.KEYS, method="write", zero_copy=None,
+                 relay=Relay.FORWARD, errors=(*_TABLE_ERRORS, TOO_LARGE), doc="put rows at the slot indices given")
+TSAMPLE = Command("TSAMPLE", (BIN, Field(Key.N, COUNT), optional(Key.WAIT, SECONDS), optional(Key.REF, INTS),
+                              RELEASE),
+                  reply=_ROWS, result=Key.ITEMS, method="sample", zero_copy=ZeroCopy.TAKE, relay=Relay.FORWARD,
+                  lane="sample", errors=(*_TABLE_ERRORS, TOO_LARGE, STORAGE_FULL, BUSY),
+                  doc="draw n rows with the table's sampler (waiting up to wait seconds)")
 TREAD = Command("TREAD", (BIN, Field(_TK.INDICES, BYTES), optional(Key.REF, INTS), optional(_TK.SAMPLE, BOOL),
-                          optional(Key.WAIT, SECONDS), RELEASE), reply=_ROWS, result=Key.ITEMS,
+                          optional(Key.WAIT, SECONDS), RELEASE), reply=_ROWS, result=Key.ITEMS, method="read",
+                zero_copy=ZeroCopy.READ, relay=Relay.FORWARD, lane="sample",
+                errors=(*_TABLE_ERRORS, TOO_LARGE, STORAGE_FULL, BUSY),
                 doc="read the rows at the slot indices given (with sample: as a sample the reader drew)")
 TPRIORITY = Command("TPRIORITY", (BIN, Field(_TK.KEYS, BYTES), Field(_TK.PRIORITIES, BYTES), RELEASE),
-                    reply=Message(OK, (Field(Key.N, INT),)), result=Key.N,
+                    reply=Message(OK, (Field(Key.N, INT),)), result=Key.N, method="update_priorities",
+                    zero_copy=None, relay=Relay.FORWARD, errors=_TABLE_ERRORS,
                     doc="set the priorities of the rows with these keys")
 TINFO = Command("TINFO", (BIN, optional(_TK.SLOTS, INT), RELEASE), reply=_TABLE_INFO, result=_TK.INFO,
+                method="table_info", zero_copy=None, relay=Relay.FORWARD, errors=_TABLE_ERRORS,
                 doc="the table's settings, counters and rate-limiter state (with slots: its occupied slots)")
 TLIMITS = Command("TLIMITS", (BIN, Field(_TK.LIMITS, MAP), RELEASE), reply=_TABLE_INFO, result=_TK.INFO,
+                  method="set_table_limits", zero_copy=None, relay=Relay.FORWARD, errors=_TABLE_ERRORS,
                   doc="change the table's rate limits now")
 TABLE_COMMANDS = (TCREATE, TINSERT, TWRITE, TSAMPLE, TREAD, TPRIORITY, TINFO, TLIMITS)
 
@@ -456,6 +156,7 @@ COMMANDS: dict[str, Command] = {c.verb: c for c in (PUT, APPEND, GET, PEEK, LIST
 VERBS = frozenset(COMMANDS)
 VERBS_WITH_BIN = frozenset(verb for verb, c in COMMANDS.items() if c.takes_bin)
 VERBS_WITH_VALUE = frozenset(verb for verb, c in COMMANDS.items() if c.payload)
+LANES = tuple(sorted({c.lane for c in COMMANDS.values() if c.lane is not None}))  # where requests wait (§4.5)
 
 # ------------------------------------------------------------------ frames nobody asked for
 
@@ -468,7 +169,7 @@ GREETING_MESSAGE = Message(GREETING, (optional(Key.MSG, STR), optional(Key.SERVE
 NOTIFICATION = Message(NOTIFY, (Field(Key.BIN, STR), Field(Key.N, INT), Field(Key.SEQ, INT), Field(Key.OP, STR),
                                 optional(Key.TAG, TAG),
                                 # a relay's INCOMING carrying the copy as its payload (§11)
-                                optional(Key.ITEMS, _A_LIST), optional(Key.SIZES, _A_LIST),
+                                optional(Key.ITEMS, A_LIST), optional(Key.SIZES, A_LIST),
                                 optional(Key.TAGS, TAGS), optional(Key.CHANGE, STR)))
 KEEPALIVE_MESSAGE = Message(KEEPALIVE, (optional(Key.MSG, STR),))
 ERROR = Message(0, (optional(Key.MSG, STR),))  # any code >= 400; built with error_reply

@@ -89,6 +89,15 @@ class TLSSettings:
         if not hmac.compare_digest(hashlib.sha256(der).digest(), self.fingerprint):
             raise UntrustedServerError(f"the server's certificate {fingerprint_text(der)} is not the pinned one")
 
+    def check_transport(self, transport) -> None:
+        """:meth:`check_certificate` of a Twisted TLS transport's peer (once its handshake is over)."""
+        if self.fingerprint is None:
+            return
+        from OpenSSL import crypto
+
+        x509 = transport.getPeerCertificate()
+        self.check_certificate(None if x509 is None else crypto.dump_certificate(crypto.FILETYPE_ASN1, x509))
+
     def ssl_context(self) -> ssl.SSLContext:
         """A stdlib context for the blocking client."""
         if self.pinned_only:
@@ -101,7 +110,7 @@ class TLSSettings:
         return context
 
     def twisted_options(self, host: str):
-        """Twisted client connection options for the AsyncClient (needs pyOpenSSL)."""
+        """Twisted client connection options for the AsyncClient and a relay's upstream (needs pyOpenSSL)."""
         try:
             from twisted.internet import ssl as twisted_ssl
         except ImportError as exc:  # pragma: no cover - depends on the installation

@@ -53,6 +53,7 @@ from ..errors import NoSuchBinError, TensorShareError
 from ..protocol.messages import APPEND, PUT
 from ..wire.codec import encode
 from .peer import prefix, snapshot_state
+from .staging import snapshot
 
 CHAIN = "parameter-chain"  # the chain bin's name in the experiment
 DEFAULT_KEYFRAME_EVERY = 100  # versions between keyframes, at most
@@ -150,8 +151,17 @@ def _words(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 def differing(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
     """Whether the tensors of each pair (one dtype, shape and device) differ bitwise:
-    compared where they are, with one wait for all the answers."""
-    return torch.stack([torch.ne(*_words(a, b)).any() for a, b in pairs]).tolist()
+    compared where they are, with one wait for all the answers of each device (a
+    state spread over several GPUs cannot be stacked on one)."""
+    flags = [torch.ne(*_words(a, b)).any() for a, b in pairs]
+    by_device: dict = {}
+    for i, flag in enumerate(flags):
+        by_device.setdefault(flag.device, []).append(i)
+    answers = [False] * len(flags)
+    for where in by_device.values():
+        for i, answer in zip(where, torch.stack([flags[i] for i in where]).tolist()):
+            answers[i] = answer
+    return answers
 
 
 def diff(old: dict[Path, Any], new: dict[Path, Any]) -> tuple[list[tuple[Path, Any]], list[Path]]:
@@ -384,6 +394,11 @@ def publish(encoder: Encoder, client, params_bin: str, chain_bin: str, state: An
     try:
         encoded = [encode(write.value) for write in writes]
         send = sender().send if sender is not None and any(enc.engine is not None for enc in encoded) else None
+        if send is not None and stats.kind == "full":
+            # A cast leaves integer tensors, and tensors already of the dtype, as the
+            # caller's own: the sender thread reads them later, after training changed
+            # them.  (A delta's leaves, and a keyframe's, are the encoder's copies.)
+            encoded = [snapshot(enc) if enc.engine is not None else enc for enc in encoded]
         for write, enc in zip(writes, encoded):
             callback = (lambda r, e, x=write.expect: done(r, e, x)) if write.op is APPEND else done
             if send is not None:

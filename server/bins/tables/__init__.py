@@ -7,6 +7,7 @@ parks the requests it refuses for now.
 Modules, one job each:
 
 * :mod:`.table`       -- :class:`Table`: insert, write, sample, read, priorities, removal, info
+* :mod:`.rows`        -- what its operations hand back (rows read or sampled, written, removed)
 * :mod:`.slots`       -- slot occupancy and per-row state; how keys and slot indices relate
 * :mod:`.columns`     -- column specs, :class:`RawArray` (values in and out as bytes)
 * :mod:`.backing`     -- column memory: in RAM, or memory-mapped files in tensordict's layout
@@ -25,7 +26,8 @@ from .errors import (
 )
 from .ratelimiter import RateLimiter
 from .selectors import REMOVERS, SAMPLERS
-from .table import Removed, Rows, Sample, Table, Written, state_bytes
+from .rows import Removed, Rows, Sample, Written
+from .table import Table, state_bytes
 
 __all__ = [
     "Table", "state_bytes", "Sample", "Rows", "Written", "Removed", "RateLimiter", "ColumnSpec", "RawArray", "numpy_dtype",

@@ -20,7 +20,6 @@ a caller holding parked requests re-asks only after it moved.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -32,56 +31,12 @@ from .errors import (
     TableFullError, TableSpecError, WouldBlockError,
 )
 from .ratelimiter import RateLimiter
+from .rows import EMPTY, Removed, Rows, Sample, Written, out_buffer
 from .selectors import build, index_bytes
 from .slots import Slots, int_array
 
 MAX_CAPACITY = 1 << 40  # leaves keys 2**23 rows of history at the largest capacity
-_EMPTY = np.zeros(0, np.int64)
 _UNCHANGED: Any = object()
-
-
-@dataclass
-class Removed:
-    """Rows that left the table: their keys, and for a table of items the items (the
-    caller may release what they hold)."""
-
-    keys: np.ndarray = field(default_factory=lambda: _EMPTY)
-    items: list | None = None
-
-
-@dataclass
-class Written:
-    """What an insert or a write did: the new rows' keys and slot indices, and the rows
-    that left to make room (or were overwritten)."""
-
-    keys: np.ndarray
-    indices: np.ndarray
-    removed: Removed
-
-
-@dataclass
-class Rows:
-    """Rows read back (or sampled): per row its key, slot index, priority and how many
-    times it has been sampled, and its values: ``values`` (``{column: RawArray}`` of
-    ``[n, *shape]``) for a table of columns, ``items`` (a list) for a table of items."""
-
-    keys: np.ndarray
-    indices: np.ndarray
-    priorities: np.ndarray
-    times_sampled: np.ndarray
-    values: dict[str, RawArray] | None
-    items: list | None
-
-
-@dataclass
-class Sample(Rows):
-    """A sample: :class:`Rows` plus each row's probability of being drawn, the table's
-    size when sampled, and the rows it removed (those that reached
-    ``max_times_sampled``, after their values were taken)."""
-
-    probabilities: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    table_size: int = 0
-    removed: Removed = field(default_factory=Removed)
 
 
 class Table:
@@ -257,7 +212,7 @@ class Table:
         n, views, items = self._batch(batch)
         priorities = self._priorities(priorities, n)
         if n == 0:
-            return Written(_EMPTY, _EMPTY, Removed(_EMPTY, [] if self._items is not None else None))
+            return Written(EMPTY, EMPTY, Removed(EMPTY, [] if self._items is not None else None))
         if not self.can_insert(n):
             raise WouldBlockError(f"an insert of {n} rows may not proceed now "
                                   f"(inserts allowed now: {self.inserts_allowed()})")
@@ -283,7 +238,7 @@ class Table:
             raise ColumnMismatchError(f"{slots.size} indices for a batch of {n} rows")
         priorities = self._priorities(priorities, n)
         if n == 0:
-            return Written(_EMPTY, _EMPTY, Removed(_EMPTY, [] if self._items is not None else None))
+            return Written(EMPTY, EMPTY, Removed(EMPTY, [] if self._items is not None else None))
         if not self.can_write(n):
             raise WouldBlockError(f"a write of {n} rows may not proceed now "
                                   f"(inserts allowed now: {self.inserts_allowed()})")
@@ -313,7 +268,7 @@ class Table:
         rng = self.rng if rng is None else rng
         size = self.size
         if n == 0:
-            slots, probabilities = _EMPTY, np.zeros(0)
+            slots, probabilities = EMPTY, np.zeros(0)
         elif self._sampler.ordered:
             slots, probabilities = self._pick_in_order(n)
         else:
@@ -396,6 +351,12 @@ class Table:
         """Add the columns ``columns`` (``{name: (shape, dtype)}``, names the table lacks);
         the rows held read zeros there until written.  Returns the new specs.  A
         table of items has no columns to add to."""
+        return self.attach_columns(*self.new_columns(columns))
+
+    def new_columns(self, columns: Mapping[str, Any]) -> tuple[tuple[ColumnSpec, ...], list]:
+        """The specs and the storage (zeros: fresh pages or files) of columns
+        ``columns`` for :meth:`attach_columns`; the table does not use them yet, so a
+        table in files may have them made on another thread while it serves."""
         if self._items is not None:
             raise TableSpecError("a table of items has no columns to add to")
         specs = parse_columns(columns)
@@ -404,7 +365,13 @@ class Table:
             raise TableSpecError(f"the table has a column {clash[0]!r} already")
         if getattr(self._backing, "reopen", False):
             self._backing.reopen = False  # the files found at start-up are mapped; these are new
-        data = [self._backing.allocate(spec, self.capacity) for spec in specs]  # (zeros: fresh pages or files)
+        return specs, [self._backing.allocate(spec, self.capacity) for spec in specs]
+
+    def attach_columns(self, specs: tuple[ColumnSpec, ...], data: list) -> tuple[ColumnSpec, ...]:
+        """The table has the columns :meth:`new_columns` made from now on."""
+        clash = [spec.name for spec in specs if spec.name in {c.name for c in self.columns}]
+        if clash:
+            raise TableSpecError(f"the table has a column {clash[0]!r} already")
         self.columns += specs
         self._data += data
         self.version += 1
@@ -453,7 +420,7 @@ class Table:
             done = uniq[state.times_sampled[uniq] >= m]
             self._unlink(done[state.position[done] < state.size])  # those _draw has not taken out yet
         else:
-            done = _EMPTY
+            done = EMPTY
         self.samples += n
         self._limiter.sampled(n)
         self.version += 1
@@ -538,7 +505,7 @@ class Table:
         return items
 
     def _nothing_removed(self) -> Removed:
-        return Removed(_EMPTY, [] if self._items is not None else None)
+        return Removed(EMPTY, [] if self._items is not None else None)
 
     def _pick_in_order(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """fifo/lifo: the first row in order as often as it may be sampled, then the next."""
@@ -565,7 +532,7 @@ class Table:
         if m == 0:
             return slots, probabilities
         state = self._slots
-        accepted, accepted_p = _EMPTY, np.zeros(0)
+        accepted, accepted_p = EMPTY, np.zeros(0)
         while True:
             every = np.concatenate((accepted, slots))
             order = np.argsort(every, kind="stable")  # earlier picks first among equals
@@ -597,7 +564,7 @@ class Table:
         buffers = []
         for spec in self.columns:
             given = None if out is None else out.get(spec.name)
-            buffers.append(np.empty((n, spec.row_bytes), np.uint8) if given is None else _out_buffer(given, n, spec))
+            buffers.append(np.empty((n, spec.row_bytes), np.uint8) if given is None else out_buffer(given, n, spec))
         return buffers
 
     def _gather(self, slots: np.ndarray, buffers: list[np.ndarray] | None) -> tuple[dict | None, list | None]:
@@ -628,16 +595,3 @@ def _is_int(value) -> bool:
 def _check_count(n) -> None:
     if not _is_int(n) or n < 0:
         raise BadArgumentError(f"a row count must be an int >= 0, not {n!r}")
-
-
-def _out_buffer(given, n: int, spec: ColumnSpec) -> np.ndarray:
-    """A ``[n, row_bytes]`` uint8 view of the start of the caller's buffer ``given``."""
-    try:
-        flat = given.reshape(-1).view(np.uint8) if isinstance(given, np.ndarray) and given.flags.c_contiguous \
-            else np.frombuffer(given, np.uint8)
-    except (TypeError, ValueError) as exc:
-        raise ColumnMismatchError(f"out[{spec.name!r}] is not a contiguous buffer: {exc}") from None
-    need = n * spec.row_bytes
-    if flat.size < need or not flat.flags.writeable:
-        raise ColumnMismatchError(f"out[{spec.name!r}] must be a writable buffer of at least {need} bytes")
-    return flat[:need].reshape(n, spec.row_bytes)

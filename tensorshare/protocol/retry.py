@@ -1,9 +1,11 @@
-"""How often a client tries again: exponential backoff with jitter (both clients, and ``connect``).
+"""How often a connection is tried again: exponential backoff with jitter (both clients, ``connect`` and relays).
 
-After a server restart every worker of a job loses its connection at the same
-moment; retrying on a fixed schedule would bring them back in lockstep, all at
-once, again and again.  Each delay is drawn at random from its upper half
-("equal jitter"), so the retries spread out while still backing off.
+The one retry policy of every end that reconnects: the clients, ``connect``, and a
+relay reaching its upstream.  After a server restart every worker of a job (every
+relay of a tree) loses its connection at the same moment; retrying on a fixed
+schedule would bring them back in lockstep, all at once, again and again.  Each
+delay is drawn at random from its upper half ("equal jitter"), so the retries
+spread out while still backing off.
 """
 
 from __future__ import annotations

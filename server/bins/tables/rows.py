@@ -1,0 +1,74 @@
+"""What a table's operations hand back: rows read or sampled, rows written, rows removed.
+
+:class:`Rows` and :class:`Sample` carry the values of the rows handed out (columns
+gathered into ``[n, *shape]`` arrays, or a table of items' items), gathered into new
+memory or into the caller's buffers (:func:`out_buffer`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .columns import ColumnSpec, RawArray
+from .errors import ColumnMismatchError
+
+EMPTY = np.zeros(0, np.int64)
+
+
+@dataclass
+class Removed:
+    """Rows that left the table: their keys, and for a table of items the items (the
+    caller may release what they hold)."""
+
+    keys: np.ndarray = field(default_factory=lambda: EMPTY)
+    items: list | None = None
+
+
+@dataclass
+class Written:
+    """What an insert or a write did: the new rows' keys and slot indices, and the rows
+    that left to make room (or were overwritten)."""
+
+    keys: np.ndarray
+    indices: np.ndarray
+    removed: Removed
+
+
+@dataclass
+class Rows:
+    """Rows read back (or sampled): per row its key, slot index, priority and how many
+    times it has been sampled, and its values: ``values`` (``{column: RawArray}`` of
+    ``[n, *shape]``) for a table of columns, ``items`` (a list) for a table of items."""
+
+    keys: np.ndarray
+    indices: np.ndarray
+    priorities: np.ndarray
+    times_sampled: np.ndarray
+    values: dict[str, RawArray] | None
+    items: list | None
+
+
+@dataclass
+class Sample(Rows):
+    """A sample: :class:`Rows` plus each row's probability of being drawn, the table's
+    size when sampled, and the rows it removed (those that reached
+    ``max_times_sampled``, after their values were taken)."""
+
+    probabilities: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    table_size: int = 0
+    removed: Removed = field(default_factory=Removed)
+
+
+def out_buffer(given, n: int, spec: ColumnSpec) -> np.ndarray:
+    """A ``[n, row_bytes]`` uint8 view of the start of the caller's buffer ``given``."""
+    try:
+        flat = given.reshape(-1).view(np.uint8) if isinstance(given, np.ndarray) and given.flags.c_contiguous \
+            else np.frombuffer(given, np.uint8)
+    except (TypeError, ValueError) as exc:
+        raise ColumnMismatchError(f"out[{spec.name!r}] is not a contiguous buffer: {exc}") from None
+    need = n * spec.row_bytes
+    if flat.size < need or not flat.flags.writeable:
+        raise ColumnMismatchError(f"out[{spec.name!r}] must be a writable buffer of at least {need} bytes")
+    return flat[:need].reshape(n, spec.row_bytes)

@@ -1,0 +1,122 @@
+"""A table's settings: parsed from a TCREATE's ``spec``, compared, and kept in a durable table's files.
+
+A table is made with a ``spec`` (PROTOCOL.md §12): its capacity, its columns (or
+none: a table of items), its sampler and remover and their settings, its rate
+limits, and ``meta``, what a client says of its rows, kept and given back as it
+came.  :func:`parse_spec` fills in the defaults and refuses what is not a setting;
+:func:`fixed` is what cannot change while the table lives (the rate limits can,
+with TLIMITS).  A durable table's directory holds ``table.json`` (its name and
+settings) and tensordict's ``meta.json`` (:func:`write_files`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from .tables import TableSpecError, tensordict_metadata
+from .tables.columns import parse_columns
+
+# The settings a table is made with: name -> default (PROTOCOL.md §12).
+SPEC_DEFAULTS: dict[str, Any] = {
+    "capacity": None, "columns": None, "sampler": "uniform", "priority_exponent": 1.0, "remover": "fifo",
+    "max_times_sampled": 0, "min_size_to_sample": 1, "samples_per_insert": None, "error_buffer": None,
+    "meta": None,
+}
+# ``meta``: what a client says of the rows (how its values map to columns), kept and
+# given back as it came (TINFO), never read by the server: a JSON-able map this large at most.
+MAX_META = 64 << 10
+LIMIT_KEYS = ("min_size_to_sample", "samples_per_insert", "error_buffer")
+# Slots a table may have, and all tables of a server together by default: each
+# costs 41-137 bytes of state in memory (key, priority, count, order, the samplers'
+# trees: tables.state_bytes), whatever the columns hold.
+MAX_ROWS = 1 << 26
+
+
+def parse_spec(spec: dict) -> dict:
+    """The full settings of a table from a TCREATE's ``spec`` (defaults filled in);
+    501 (:class:`TableSpecError`) for an unknown key or a value of the wrong kind."""
+    unknown = [k for k in spec if k not in SPEC_DEFAULTS]
+    if unknown:
+        raise TableSpecError(f"unknown table setting {unknown[0]!r:.60} (known: {', '.join(SPEC_DEFAULTS)})")
+    full = {**SPEC_DEFAULTS, **spec}
+    if full["capacity"] is None:
+        raise TableSpecError("a table needs a capacity")
+    eb = full["error_buffer"]
+    if isinstance(eb, list):
+        full["error_buffer"] = tuple(eb)
+    full["columns"] = {s.name: s.as_dict() for s in parse_columns(full["columns"])} or None
+    meta = full["meta"]
+    if meta is not None:
+        try:
+            size = len(json.dumps(meta)) if isinstance(meta, dict) else -1
+        except (TypeError, ValueError):
+            size = -1
+        if not 0 <= size <= MAX_META:
+            raise TableSpecError(f"meta must be a map of JSON values of at most {MAX_META} bytes")
+    return full
+
+
+def fixed(spec: dict, *but: str) -> dict:
+    """The settings of a table that cannot change while it lives (less ``but``)."""
+    return {k: v for k, v in spec.items() if k not in LIMIT_KEYS and k not in but}
+
+
+def column_bytes(columns: dict | None, capacity: int) -> int:
+    """The bytes ``capacity`` rows of ``columns`` (``{name: {shape, dtype}}``) take."""
+    return capacity * sum(math.prod(c["shape"]) * _width(c["dtype"]) for c in (columns or {}).values())
+
+
+def dir_key(name: str) -> str:
+    """A table's directory name: names are data, never paths."""
+    return hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def json_spec(full: dict) -> dict:
+    """``full`` as ``table.json`` keeps it."""
+    spec = dict(full)
+    if isinstance(spec["error_buffer"], tuple):
+        spec["error_buffer"] = list(spec["error_buffer"])
+    return spec
+
+
+def write_files(directory: str, name: str, spec: dict, columns, capacity: int, tensordict: bool) -> None:
+    """A durable table's description (blocking: a disk thread): tensordict's
+    ``meta.json`` for its columns (``columns``: the table's ColumnSpecs), and
+    ``table.json`` (``spec`` as :func:`json_spec` gives it)."""
+    _write_json(os.path.join(directory, "meta.json"), tensordict_metadata(columns, capacity))
+    saved = {"name": name, "spec": spec}
+    if tensordict:
+        saved["tensordict"] = True
+    _write_json(os.path.join(directory, "table.json"), saved)
+
+
+def plain(value):
+    """``value`` with numpy scalars and tuples made msgpack's plain types; inf as None."""
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not np.isfinite(value):
+        return None
+    return value
+
+
+def _write_json(path: str, value) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(value, f)
+    os.replace(tmp, path)
+
+
+def _width(dtype: str) -> int:
+    from tensorshare.wire.dtypes import TORCH_WIDTHS
+
+    return TORCH_WIDTHS[dtype]

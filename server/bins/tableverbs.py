@@ -1,0 +1,94 @@
+"""The table half of :class:`~.storage.Storage`: the table verbs' one way into the tables.
+
+A handler names a table (:meth:`TableVerbs.table`: 550 if there is none, 553 for a
+bin's name) and passes the handle it found back to each operation, which returns
+the change it made for the caller to publish (PROTOCOL.md §12).  The tables
+themselves, their files and their memory are :class:`~.tablestore.TableStore`'s
+(``self.tables``); this only gives the sessions and the relay one interface for
+bins and tables alike.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .store import Change
+from .tablestore import Drawn, TableEntry
+
+
+class TableVerbs:
+    """The table operations of :class:`~.storage.Storage` (which sets ``self.tables``)."""
+
+    tables = None  # the TableStore
+
+    def table(self, name: str) -> TableEntry:
+        """The table named ``name`` (550 if none, 553 if a bin has the name)."""
+        return self.tables.get(name)
+
+    def create_table(self, name: str, spec: dict, done: Callable, add_columns: bool = False) -> None:
+        """TCREATE: ``done((table, change or None), None)`` once made (files on a disk
+        thread), or ``done(None, error)``; ``add_columns``: a table there may gain columns."""
+        self.tables.create(name, spec, done, add_columns)
+
+    def table_rows(self, table: TableEntry, description: bytes, payload, nbytes: int, limits):
+        """A request's value as rows of ``table`` (see :meth:`TableStore.rows`)."""
+        return self.tables.rows(table, description, payload, nbytes, limits)
+
+    def says_tensordict(self, table: TableEntry) -> bool:
+        return self.tables.says_tensordict(table)
+
+    def mark_tensordict(self, table: TableEntry, done: Callable[[], None]) -> None:
+        """Rows of ``table`` came as TensorDicts: ``done()`` once it says so (in its files, if durable)."""
+        self.tables.mark_tensordict(table, done)
+
+    def insert_rows(self, table: TableEntry, rows, priorities):
+        """TINSERT: ``(keys, change)``; raises WouldBlockError while the rate limiter holds it."""
+        return self.tables.insert(table, rows, priorities)
+
+    def can_insert(self, table: TableEntry, rows) -> bool:
+        return self.tables.can_insert(table, rows)
+
+    def write_rows(self, table: TableEntry, indices, rows, priorities):
+        """TWRITE: ``(keys, change)``."""
+        return self.tables.write(table, indices, rows, priorities)
+
+    def sample_rows(self, table: TableEntry, n: int) -> tuple[Drawn, Change | None]:
+        """TSAMPLE: ``(rows, change or None)``; raises WouldBlockError or EmptyTableError for now."""
+        return self.tables.sample(table, n)
+
+    def can_sample(self, table: TableEntry, n: int) -> bool:
+        return self.tables.can_sample(table, n)
+
+    def read_rows(self, table: TableEntry, indices, sampled: bool = False) -> tuple[Drawn, Change | None]:
+        """TREAD: ``(rows, change or None)`` at the slot indices (``sampled``: counted as
+        a sample; raises WouldBlockError for now)."""
+        return self.tables.read(table, indices, sampled)
+
+    def can_read_rows(self, table: TableEntry, n: int) -> bool:
+        return self.tables.can_read(table, n)
+
+    def check_rows_reply(self, table: TableEntry, n: int) -> None:
+        """552 or 452 for a TSAMPLE/TREAD of ``n`` rows whose reply would be too large
+        or not fit in memory, before anything is drawn."""
+        self.tables.check_reply(table, n)
+
+    def hold_reply(self, nbytes: int) -> Callable[[], None]:
+        """``nbytes`` of gathered rows are in a reply being written: counted in the
+        memory budget until the callable returned is called (written or abandoned)."""
+        return self.tables.hold_reply(nbytes)
+
+    def update_priorities(self, table: TableEntry, keys, priorities) -> int:
+        """TPRIORITY: how many rows were updated."""
+        return self.tables.update_priorities(table, keys, priorities)
+
+    def set_table_limits(self, table: TableEntry, limits: dict) -> None:
+        """TLIMITS."""
+        self.tables.set_limits(table, limits)
+
+    def table_info(self, table: TableEntry, slots: int | None = None) -> dict:
+        """TINFO's settings and counters (``slots``: a page of the occupied slots from that index)."""
+        return self.tables.info(table, slots)
+
+    def note_blocked(self, table: TableEntry, what: str, seconds: float) -> None:
+        """A request waited ``seconds`` for ``table``'s rate limiter (``what``: insert or sample)."""
+        self.tables.note_blocked(table, what, seconds)

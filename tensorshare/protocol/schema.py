@@ -1,0 +1,369 @@
+"""How the protocol's messages are declared: fields, their kinds, replies and verbs (PROTOCOL.md §4).
+
+The machinery of :mod:`.messages`, in the manner of Twisted AMP's ``Command``: a
+:class:`Command` declares a verb once, for both ends and for everything derived from
+it, with its request fields, its success reply, whether the request carries a value
+payload, which reply field is its result, and how the rest of the system treats it:
+the client method that sends it (``method``), what same-host zero-copy may do for it
+(``zero_copy``, :class:`ZeroCopy`), how a relay answers it (``relay``,
+:class:`Relay`), the lane a request of it waits in when it waits in the server
+(``lane``) and the error codes it may answer with besides those any request may get
+(``errors``).  The server checks requests with :meth:`Command.parse_request` (the
+checks of PROTOCOL.md §4.2, in order) and answers with :meth:`Command.reply`; the
+clients check their arguments with :meth:`Command.check_arguments`, build requests
+with :meth:`Command.request` and check replies with :meth:`Command.check_reply`.
+Frames nobody asked for and error replies are :class:`Message` declarations.
+Torch-free: the server imports it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..errors import ProtocolError, RemoteError, UsageError, error_for_code
+from .codes import BAD_ARGS, BAD_FRAME, BAD_NAME, LOCAL_ERROR, NOT_AUTHENTICATED, UNAVAILABLE, UNKNOWN_VERB
+
+PROTOCOL_VERSION = 1
+
+
+class Key:
+    """Every header key, by name (PROTOCOL.md §4.1)."""
+
+    OP, ID, CODE, MSG = "op", "id", "code", "msg"
+    BIN, TAG, VALUE = "bin", "tag", "value"
+    N, SEQ, EXISTS, BINS = "n", "seq", "exists", "bins"
+    ITEMS, SIZES = "items", "sizes"
+    SERVER, VERSION = "server", "version"
+    MAX_FRAME = "max_frame"  # the greeting: the largest request payload the server reads (§7)
+    AUTH, MECH, NONCE, PROOF = "auth", "mech", "nonce", "proof"
+    # Same-host zero-copy (§10): the greeting's offer; a PUT/APPEND's item directory
+    # and size; a GET/PEEK's mappable areas; a 226's references; released replies.
+    SHM, SIZE, REF, REFS, RELEASE = "shm", "size", "ref", "refs", "release"
+    # LISTEN: skip APPENDs to a bin that already holds items (§5)
+    FIRST_APPEND = "first_append"
+    # GET: take at most this many items; APPEND: only while the bin holds fewer than
+    # ``below`` items, waiting up to ``wait`` seconds for room (§4.4)
+    MAX, BELOW, WAIT = "max", "below", "wait"
+    # GET with wait: held until the bin holds ``least`` items; PEEK with wait: held
+    # while the bin is still at seq ``since`` (§4.5: reads that wait)
+    LEAST, SINCE = "least", "since"
+    # PUT: the bin lives only as long as this connection (§4.6: presence, membership);
+    # PUT/DELETE: which of the connection's clients owns it (a relay's, §4.6)
+    EPHEMERAL, OWNER = "ephemeral", "owner"
+    # GET/PEEK: the reply lists every item's tag; LIST: a relay's state (§11)
+    TAGS, RELAY = "tags", "relay"
+    # PEEK (to a relay): push later copies of the bin as they arrive; an INCOMING
+    # notification carrying one names the upstream change it is (§11)
+    INCOMING, CHANGE = "incoming", "change"
+    # CUDA IPC on one host (§13): a PUT's device reference, or the reference whose
+    # bytes it brings; a PEEK's devices and a 226's references; a reply's freed references
+    CUDA, FILL, FREED = "cuda", "fill", "freed"
+    # the greeting of a worker of a multi-worker server: the map of its workers (§14)
+    WORKERS = "workers"
+    # PUT/APPEND reply to a same-host client: the bin is read by reference here (§10.4)
+    MAPPED = "mapped"
+
+
+TAG_MIN, TAG_MAX = -(1 << 63), (1 << 63) - 1  # an item's optional tag is a signed 64-bit integer
+ID_MAX = (1 << 64) - 1
+MAX_BIN_NAME = 256
+MAX_REPLY_HEADER = 256 << 20  # the largest reply header a client decodes (a server sends no larger)
+_BIN_NAME = re.compile(r"[^\x00-\x1f\x7f]+")
+
+
+def check_tag(tag: object) -> str | None:
+    """Why ``tag`` is not a valid item tag (a signed 64-bit integer or None), or None."""
+    if tag is None or (type(tag) is int and TAG_MIN <= tag <= TAG_MAX):
+        return None
+    return f"tag must be a 64-bit signed integer, not {tag!r:.40}"
+
+
+def check_bin_name(name: object, max_len: int = MAX_BIN_NAME) -> str | None:
+    """Why ``name`` is not a valid bin name, or None if it is.
+
+    A bin name is a non-empty str of at most ``max_len`` characters with no control
+    characters.  Names are data: the server never uses one as a path.
+    """
+    if not isinstance(name, str):
+        return f"bin name must be a string, not {type(name).__name__}"
+    if not name or len(name) > max_len:
+        return f"bin name must have 1 to {max_len} characters"
+    if not _BIN_NAME.fullmatch(name):
+        return "bin name must not contain control characters"
+    return None
+
+
+# ------------------------------------------------------------------ field kinds
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What a field's value must be: ``problem(key, value, max_bin_name)`` says why
+    a value is not one (None if it is); ``accepts(value)`` is the quick yes."""
+
+    name: str
+    problem: Callable[[str, Any, int], str | None]
+    accepts: Callable[[Any], bool]
+
+
+_ABSENT = object()
+
+
+def _kind(name: str, accepts: Callable[[Any], bool]) -> Kind:
+    def problem(key: str, value: Any, _max_bin_name: int) -> str | None:
+        return None if accepts(value) else f"{key} must be {name}, not {value!r:.40}"
+    return Kind(name, problem, accepts)
+
+
+def _checked_kind(name: str, problem: Callable[[Any], str | None]) -> Kind:
+    return Kind(name, lambda key, value, limit: problem(value), lambda value: problem(value) is None)
+
+
+def _all_ints(value: Any) -> bool:
+    return type(value) is list and all(type(v) is int for v in value)
+
+
+def _counts(value: Any) -> bool:
+    return type(value) is dict and all(type(k) is str and type(v) is int for k, v in value.items())
+
+
+INT = _kind("an integer", lambda v: type(v) is int)
+BOOL = _kind("a boolean", lambda v: type(v) is bool)
+STR = _kind("a string", lambda v: type(v) is str)
+BYTES = _kind("bytes", lambda v: type(v) is bytes)
+INTS = _kind("a list of integers", _all_ints)
+A_LIST = _kind("a list", lambda v: type(v) is list)
+COUNTS = _kind("a map of strings to integers", _counts)
+MAP = _kind("a map", lambda v: type(v) is dict)
+ANY = _kind("anything", lambda value: True)
+TAG = _checked_kind("a tag", check_tag)
+BIN_NAME = Kind("a bin name", lambda key, value, limit: check_bin_name(value, limit),
+                lambda value: check_bin_name(value) is None)
+TAGS = _kind("a list of tags", lambda v: type(v) is list and all(check_tag(t) is None for t in v))
+COUNT = _kind("an integer of at least 1", lambda v: type(v) is int and v >= 1)
+SHORT_BYTES = _kind("bytes of at most 64", lambda v: type(v) is bytes and len(v) <= 64)
+MAX_WAIT = 86400.0  # seconds a request may ask the server to hold it
+SECONDS = _kind(f"a number of seconds, 0 to {MAX_WAIT:g}",
+                lambda v: type(v) in (int, float) and 0 <= v <= MAX_WAIT)
+
+
+@dataclass(frozen=True)
+class Field:
+    """One header field: its key, its kind, whether it must be present, and the
+    reply code a request gets when it is wrong (501 unless said otherwise)."""
+
+    key: str
+    kind: Kind
+    required: bool = True
+    code: int = BAD_ARGS
+    missing: str | None = None  # the refusal's text when a required field is absent
+
+    def problem(self, header: dict, max_bin_name: int = MAX_BIN_NAME) -> str | None:
+        """Why ``header`` does not hold this field right (None if it does)."""
+        if self.key not in header:
+            return (self.missing or f"missing {self.key}") if self.required else None
+        value = header[self.key]
+        if value is None and not self.required:
+            return None
+        return self.kind.problem(self.key, value, max_bin_name)
+
+
+def optional(key: str, kind: Kind, **kw) -> Field:
+    return Field(key, kind, required=False, **kw)
+
+
+BIN = Field(Key.BIN, BIN_NAME, code=BAD_NAME)
+RELEASE = optional(Key.RELEASE, INTS)  # any request may carry it (§10.3)
+# Release ids a client puts in one request: small ids are 1-3 bytes on the wire and
+# 28 as objects, so a long list alone would pass the server's header_memory rule
+# (PROTOCOL.md §7) and the request would be refused; 64 keep any header within it.
+MAX_RELEASE_IDS = 64
+
+
+class Request:
+    """A checked request, as handlers receive it: ``id``, the command, the payload
+    (as the receiver's sink made it) and one attribute per declared field (None
+    when an optional field was absent).  Each :class:`Command` has its own
+    subclass with slots for its fields."""
+
+    __slots__ = ("command", "id", "payload", "payload_len")
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{f.key}={getattr(self, f.key)!r:.40}" for f in self.command.fields)
+        return f"<{self.command.verb} id={self.id} {fields}>"
+
+
+class Message:
+    """A header whose fields are declared: a reply, or a frame nobody asked for."""
+
+    def __init__(self, code: int, fields: tuple[Field, ...] = ()):
+        self.code = code
+        self.fields = fields
+        # The usual case, checked without building messages: (key, required, kind).
+        self._fast = tuple((f.key, f.required, f.kind) for f in fields)
+
+    def build(self, rid: int = 0, **fields) -> dict:
+        """The header of this message (for request ``rid``; 0: unsolicited)."""
+        if not fields:
+            return {Key.CODE: self.code, Key.ID: rid}
+        header = {Key.CODE: self.code, Key.ID: rid}
+        header.update(fields)
+        return header
+
+    def check(self, header: dict) -> dict:
+        """``header``, once it is found to hold every declared field right;
+        :class:`ProtocolError` otherwise (the peer broke the protocol)."""
+        for key, required, kind in self._fast:
+            value = header.get(key, _ABSENT)
+            if value is _ABSENT or value is None:
+                if required:
+                    break
+                continue
+            if not kind.accepts(value):
+                break
+        else:
+            return header
+        for field in self.fields:
+            problem = field.problem(header)
+            if problem is not None:
+                raise ProtocolError(f"{self.code} reply: {problem}")
+        return header
+
+
+class ZeroCopy:
+    """What same-host zero-copy (PROTOCOL.md §10) may do for a verb (``Command.zero_copy``;
+    None: the request and its reply always travel over TCP)."""
+
+    STORE = "store"  # its value may be written into the server's shared memory and named (§10.4)
+    READ = "read"  # its reply may refer to files (§10.3); if they cannot be mapped, it is sent again over TCP
+    TAKE = "take"  # as READ, but never sent again: its items were taken, its rows counted
+
+
+class Relay:
+    """How a relay (PROTOCOL.md §11) answers a verb (``Command.relay``)."""
+
+    FORWARD = "forward"  # for a followed name: sent upstream as it came, answered with the upstream's answer
+    MIRROR = "mirror"  # for a followed bin: answered from the relay's mirror, once it holds a copy
+    MERGE = "merge"  # the upstream's answer and the relay's own, merged (LIST)
+    LOCAL = "local"  # answered by the relay itself, as by any server
+
+    ALL = frozenset({FORWARD, MIRROR, MERGE, LOCAL})
+
+
+# Error codes any request may get, whatever its verb (a relay whose upstream is gone,
+# a bug, framing, arguments, an unknown verb, no authentication): not declared per verb.
+ANY_REQUEST_ERRORS = frozenset({UNAVAILABLE, LOCAL_ERROR, BAD_FRAME, BAD_ARGS, UNKNOWN_VERB, NOT_AUTHENTICATED})
+
+
+class Command:
+    """A verb, declared once (see the module docstring).
+
+    ``result`` names the reply field a client returns by default (None: nothing);
+    ``payload`` says whether the request carries a value payload (PUT, APPEND).
+    ``method`` is the name of the clients' method that sends it (None: AUTH, which
+    the clients send while connecting).  ``zero_copy`` and ``relay`` must be
+    declared for every verb (:class:`ZeroCopy` or None, :class:`Relay`).  ``lane``:
+    the verb's requests that wait in the server (PROTOCOL.md §4.5) wait in the lane
+    of that name of their bin, in arrival order, apart from other kinds of request
+    waiting on the same bin (None: it never waits).  ``errors``: the error codes it
+    may answer with beyond :data:`ANY_REQUEST_ERRORS` (its PROTOCOL.md entry says when).
+    """
+
+    def __init__(self, verb: str, fields: tuple[Field, ...] = (), *, reply: Message, method: str | None,
+                 zero_copy: str | None, relay: str, lane: str | None = None, errors: tuple[int, ...] = (),
+                 payload: bool = False, result: str | None = None, doc: str = ""):
+        if relay not in Relay.ALL or zero_copy not in (None, ZeroCopy.STORE, ZeroCopy.READ, ZeroCopy.TAKE):
+            raise ValueError(f"{verb}: unknown relay treatment {relay!r} or zero-copy role {zero_copy!r}")
+        self.verb = verb
+        self.fields = fields
+        self.success = reply
+        self.reply = reply.build  # reply(rid, **fields): the success reply header to request ``rid``
+        self.method = method
+        self.zero_copy = zero_copy
+        self.relay = relay
+        self.lane = lane
+        self.errors = frozenset(errors)
+        self.payload = payload
+        self.result = result
+        self.doc = doc
+        self.takes_bin = any(field.key == Key.BIN for field in fields)
+        self.keys = frozenset(field.key for field in fields)  # the request fields it declares
+        # parse_request's usual case, every field right: (key, required, accepts).
+        self._fast = tuple((f.key, f.required, f.kind.accepts) for f in fields)
+        slots = tuple(field.key for field in fields)
+        self.Request = type(f"{verb.title()}Request", (Request,), {"__slots__": slots})
+        self._slots = slots
+
+    def __repr__(self) -> str:
+        return f"<Command {self.verb}>"
+
+    # -- the client's side
+
+    def check_arguments(self, fields: dict) -> None:
+        """Raise :class:`UsageError` for an argument the server would refuse (a bad
+        bin name or tag), before anything is sent."""
+        for field in self.fields:
+            if field.key in fields:
+                problem = field.problem(fields)
+                if problem is not None:
+                    raise UsageError(problem)
+
+    def request(self, rid: int, fields: dict | None = None) -> dict:
+        """The request header: ``op``, ``id`` and the given fields."""
+        header = {Key.OP: self.verb, Key.ID: rid}
+        if fields:
+            header.update(fields)
+        return header
+
+    def check_reply(self, header: dict) -> dict:
+        """The reply ``header`` if it is this command's success; the
+        :class:`RemoteError` of an error reply is raised, and anything else
+        (another code, a missing or ill-typed field) is a :class:`ProtocolError`."""
+        code = header.get(Key.CODE)
+        if code == self.success.code:
+            return self.success.check(header)
+        raise reply_error(header, f"{self.verb} reply")
+
+    # -- the server's side
+
+    def parse_request(self, header: dict, rid: int, payload: Any, payload_len: int,
+                      max_bin_name: int = MAX_BIN_NAME) -> Request:
+        """The typed request in ``header`` (whose ``op`` and ``id`` were checked);
+        raises the :class:`RemoteError` to answer with (PROTOCOL.md §4.2, steps 3-5)."""
+        if payload_len and not self.payload:
+            raise error_for_code(BAD_ARGS, f"{self.verb} takes no payload")
+        request = self.Request()
+        request.command, request.id, request.payload, request.payload_len = self, rid, payload, payload_len
+        if max_bin_name == MAX_BIN_NAME:  # (the fast test of a bin name assumes the default limit)
+            for key, required, accepts in self._fast:
+                value = header.get(key)
+                if value is None:
+                    if required:
+                        break
+                elif not accepts(value):
+                    break
+                setattr(request, key, value)
+            else:
+                return request
+        for field in self.fields:  # find what is wrong, and say it
+            problem = field.problem(header, max_bin_name)
+            if problem is not None:
+                raise error_for_code(field.code, problem)
+            setattr(request, field.key, header.get(field.key))
+        return request
+
+
+def reply_error(header: dict, what: str) -> TensorShareErrorLike:
+    """The exception for a reply that is not the success expected: the
+    :class:`RemoteError` of an error code, else a :class:`ProtocolError`."""
+    code = header.get(Key.CODE)
+    if type(code) is not int:
+        return ProtocolError(f"{what} without a code: {header!r:.200}")
+    if code >= 400:
+        return error_for_code(code, str(header.get(Key.MSG, "")))
+    return ProtocolError(f"unexpected {what} code {code}: {header!r:.200}")
+
+
+TensorShareErrorLike = ProtocolError | RemoteError
