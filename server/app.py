@@ -26,7 +26,6 @@ from .net.service import TensorShareFactory
 from .net.twisted_internals import adopt_tcp, dispatch_directly, listen_tcp
 from .root import build_state
 from .workers.layout import place
-from .workers.ownership import own_bins_only
 
 log = logging.getLogger("tensorshare.server")
 
@@ -58,8 +57,7 @@ def listen(config: ServerConfig, sockets: Sequence[int] = (), workers=None):
     except BaseException:
         jobs.stop()
         raise
-    if workers is not None:
-        own_bins_only(state, workers)
+    state.workers = workers  # (one worker of several: its sessions refuse others' bins, workers/ownership.py)
     if state.token is not None and len(state.token) < MIN_TOKEN_CHARS:
         log.warning("the token has only %d characters: use a random one of %d or more "
                     "(python -c 'import secrets; print(secrets.token_urlsafe(32))')", len(state.token), MIN_TOKEN_CHARS)

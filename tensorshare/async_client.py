@@ -37,7 +37,7 @@ from .errors import (
     AuthenticationError, ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UsageError,
     WrongWorkerError,
 )
-from .protocol.messages import LIST, NOOP, Command
+from .protocol.messages import NOOP, Command, Route
 from .protocol.peers import PROBE_AFTER
 from .protocol.placement import WorkerMap
 from .protocol.tls import TLSSettings
@@ -154,21 +154,10 @@ class AsyncClient(ClientCore):
               into: Any = None) -> defer.Deferred:
         if progress is not None:
             raise UsageError("progress reports are for the blocking Client")
-        workers = self._workers
-        if workers is not None:  # a member sends it (see _client/workers.py)
-            if command.takes_bin:
-                d = workers.owner(fields)._call(command, fields, value, timeout=timeout, then=then, on_reply=on_reply,
-                                                on_error=on_error, decode=decode, zero_copy=zero_copy)
-                return d.addErrback(self._remap_on)
-            if command is LIST:
-                d = defer.gatherResults([member._call(command, fields, value, timeout=timeout, then=same_reply,
-                                                      on_error=on_error, decode=decode, zero_copy=zero_copy)
-                                         for member in workers.all()], consumeErrors=True)
-                d.addCallback(lambda replies: finish_merged(Workers.merged(replies), then))
-                return d.addErrback(lambda failure: failure.value.subFailure
-                                    if isinstance(failure.value, defer.FirstError) else failure)
-            return workers.home._call(command, fields, value, timeout=timeout, then=then, on_reply=on_reply,
-                                      on_error=on_error, decode=decode, zero_copy=zero_copy)
+        if self._workers is not None:  # a member sends it, as the verb's declaration routes it (_client/workers.py)
+            return self._routed_call(command, fields, value, dict(
+                timeout=timeout, then=then, on_reply=on_reply, on_error=on_error, decode=decode, zero_copy=zero_copy,
+                device=device, into=into))
         d = defer.Deferred()
         try:
             self._submit(command, fields, value, d, zero_copy=zero_copy, timeout=timeout, then=then,
@@ -191,17 +180,18 @@ class AsyncClient(ClientCore):
         (``inline`` changes nothing here: callbacks run on the reactor thread)."""
         if self._closed:
             raise UsageError("the client is closed")
-        if self._workers is not None and command is LIST:  # every worker's, merged
-            d = self._call(LIST, fields, timeout=timeout, then=same_reply if raw else then, on_error=on_error,
-                           decode=decode)
+        if self._workers is not None:  # a member sends it, as the verb's declaration routes it (_client/workers.py)
+            if command.route is Route.OWNER:
+                self._workers.owner(fields)._submit(command, fields, value, callback, zero_copy=zero_copy,
+                                                    timeout=timeout, then=then, on_error=on_error, on_reply=on_reply,
+                                                    decode=decode, raw=raw, device=device, into=into)
+                return
+            d = self._routed_call(command, fields, value, dict(timeout=timeout, then=same_reply if raw else then,
+                                                               on_error=on_error, decode=decode))
             if type(callback) is defer.Deferred:
                 d.chainDeferred(callback)
             else:
                 d.addCallbacks(lambda result: callback(result, None), lambda failure: callback(None, failure.value))
-            return
-        if self._workers is not None:  # its bin's member sends it
-            self._workers.owner(fields)._submit(command, fields, value, callback, zero_copy=zero_copy, timeout=timeout,
-                                                then=then, on_error=on_error, on_reply=on_reply, decode=decode, raw=raw)
             return
         if self._failure is not None:
             raise self._failure.with_traceback(None)
@@ -407,11 +397,23 @@ class AsyncClient(ClientCore):
         self._workers.members[workers.index] = self._workers.home = self._worker_client(workers.index, wire)
         return self._members_connected()
 
+    def _routed_call(self, command: Command, fields: dict | None, value: Any, options: dict) -> defer.Deferred:
+        """A call sent where ``command``'s declaration routes it: to its bin's owner (a
+        427 maps the workers again), or to several members, their replies merged
+        (``MERGE``) or the last one's result once all are in (``EVERY``)."""
+        workers = self._workers
+        if command.route is Route.OWNER:
+            return workers.owner(fields)._call(command, fields, value, **options).addErrback(self._remap_on)
+        then = options.pop("then")
+        merge = command.route is Route.MERGE
+        d = defer.gatherResults([member._call(command, fields, value, then=same_reply if merge else then, **options)
+                                 for member in workers.targets(command)], consumeErrors=True)
+        d.addCallback(lambda replies: finish_merged(workers.merged(command, replies), then) if merge else replies[-1])
+        return d.addErrback(_first_error)
+
     def _members_connected(self) -> defer.Deferred:
         opening = [member._opening for member in self._workers.all() if member._opening is not None]
-        d = defer.gatherResults(opening, consumeErrors=True)
-        return d.addErrback(lambda failure: failure.value.subFailure
-                            if isinstance(failure.value, defer.FirstError) else failure)
+        return defer.gatherResults(opening, consumeErrors=True).addErrback(_first_error)
 
     def _worker_client(self, index: int, wire: Wire | None = None) -> "AsyncClient":
         """The member of worker ``index``: a client like this one on that worker's port,
@@ -498,3 +500,8 @@ class AsyncClient(ClientCore):
         delay = wire.traffic.check(lambda: wire.send(request_frame(next_request_id(), NOOP)), drop)
         if delay is not None:
             self._keepalive_timer = self.reactor.callLater(delay, self._check_alive)
+
+
+def _first_error(failure):
+    """The failure of the first of several calls that failed (gatherResults wraps it)."""
+    return failure.value.subFailure if isinstance(failure.value, defer.FirstError) else failure

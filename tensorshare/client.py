@@ -11,7 +11,9 @@ away and restores the listens.  A reading thread probes a server that has gone
 silent with NOOP (``keepalive``) and drops a connection that stays silent.
 
 What this module owns is that threading (the reading itself, who reads and where
-each frame goes, is ``_client/leader.py``); the rest is shared: the verbs
+each frame goes, is ``_client/leader.py``; the writing, ``_client/sending.py``;
+serving a multi-worker server through one connection per worker,
+``_client/front.py``); the rest is shared: the verbs
 (``_client/methods.py``), the call table, planning and settling
 (``_client/core.py``), the socket (``_client/sockets.py``), coalescing of
 pipelined small requests (``_client/coalesce.py``) and reply polling
@@ -28,41 +30,36 @@ from typing import Any, Callable
 from ._client.calls import Call
 from ._client.progress import Progress
 from ._client.coalesce import Coalescer
-from ._client.connection import (
-    DEFAULT_REUSE, NO_VALUE, ListenSnapshot, Notification, next_request_id, request_frame,
-)
+from ._client.connection import DEFAULT_REUSE, NO_VALUE, ListenSnapshot, Notification
 from ._client.core import ClientCore
 from ._client.dispatch import Dispatcher
+from ._client.front import Front
 from ._client.leader import LeaderFollower
-from .protocol.keepalive import DEAD, PROBE, Keepalive
+from .protocol.keepalive import Keepalive
 from ._client.listens import Listening
 from ._client.reader import BackgroundReader
 from ._client.methods import DEFAULT
 from ._client.options import DEFAULT_CONNECT_TIMEOUT, DEFAULT_RETRY_FOR, check_address, connect_timeout_for
 from .protocol.retry import Backoff
 from ._client.routing import finish
+from ._client.sending import Sender
 from ._client.sockets import SMALL_FRAME, Link, open_link
 from ._client.spin import DEFAULT_LIMIT as DEFAULT_SPIN
 from ._client.spin import ReplySpin
 from ._client.table_copy import TableCopies
-from ._client.workers import StaleMapError, Workers, finish_merged, same_reply
 from ._client.zerocopy import SharedAreas
 from .errors import (
-    AuthenticationError, ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UsageError,
-    WrongServerError, WrongWorkerError,
+    AuthenticationError, ConnectionLostError, TensorShareError, TimeoutError, UsageError, WrongServerError,
 )
-from .protocol.messages import LIST, NOOP, Command, Key
-from .protocol.placement import WorkerMap
+from .protocol.messages import Command
 from .protocol.tls import TLSSettings
 
 log = logging.getLogger("tensorshare.client")
 
 __all__ = ["Client", "Listening", "ListenSnapshot", "Notification", "connect"]
 
-_IDLE_CHECK = 1.0  # seconds of quiet after which a request first reads what the server sent meanwhile
 
-
-class Client(TableCopies, LeaderFollower, ClientCore):
+class Client(Front, TableCopies, LeaderFollower, Sender, ClientCore):
     """A blocking, thread-safe tensorshare client.
 
     ``put``, ``append``, ``get``, ``peek``, ``list``, ``delete`` and ``listen`` block
@@ -96,6 +93,11 @@ class Client(TableCopies, LeaderFollower, ClientCore):
     that map the server's files copy-on-write (changing them changes nothing
     stored).  ``zero_copy=False`` sends everything over TCP.
 
+    A server started with ``--workers N`` names its workers when the client
+    connects: the client then keeps one connection per worker whose bins it uses
+    and sends each call where its verb's declaration routes it (to the worker that
+    owns its bin; LIST to all, merged; PROTOCOL.md §14), as :attr:`workers` says.
+
     A call waiting for its reply polls the socket for up to ``spin`` seconds
     before it sleeps, while recent replies came within that time: a quick reply
     then costs no thread wake-up.  ``spin=0`` always sleeps at once.
@@ -118,17 +120,7 @@ class Client(TableCopies, LeaderFollower, ClientCore):
                              tls_fingerprint=tls_fingerprint, keepalive=keepalive, zero_copy=zero_copy, spin=spin,
                              reuse=reuse)  # (a multi-worker server's members get the same)
         self._configure(host, port, **self._options)
-        link = self._connect()
-        try:
-            workers = WorkerMap.of(link.conn.greeting)
-        except ProtocolError as exc:
-            self._drop_connection(link, ConnectionLostError(f"bad greeting from {self._where}: {exc}"))
-            raise ConnectionLostError(f"bad greeting from {self._where}: {exc}") from None
-        if workers is not None:  # several workers: route each call to its bin's (_client/workers.py)
-            with self._cond:
-                self._link = None  # the home member's from now on
-            self._workers = Workers(self, workers)
-            self._workers.members[workers.index] = self._workers.home = self._worker_client(workers.index, link)
+        self._become_front(self._connect())  # a multi-worker server's greeting: route by declaration (.front)
 
     def _configure(self, host: str, port: int, *, timeout: float | None, connect_timeout: float | None, device: Any,
                    reconnect: bool, max_backoff: float, token: str | bytes | None, tls: bool | None,
@@ -155,11 +147,7 @@ class Client(TableCopies, LeaderFollower, ClientCore):
         self._ever_connected = False
         self._reader = BackgroundReader(self)  # keeps the socket drained while callbacks wait
         self._dispatcher: Dispatcher | None = None
-        self._workers: Workers | None = None  # the members, when the server runs several workers
-        self._front: Client | None = None  # the client this one is a member of (it routes to us)
-        self._remap_lock = threading.Lock()
-
-    _blocking = True
+        self._remap_lock = threading.Lock()  # (a front's: _client/front.py)
 
     _blocking = True
 
@@ -233,31 +221,10 @@ class Client(TableCopies, LeaderFollower, ClientCore):
         """Send a request and wait for its reply (see :mod:`._client.methods`);
         ``progress(done, total)`` hears of the bytes of a large request sent and of
         its reply received (:class:`._client.progress.Progress`)."""
-        workers = self._workers
-        if workers is not None:  # a member sends it (see _client/workers.py)
-            if command.takes_bin:
-                for again in (False, True):
-                    seen = workers.map
-                    try:
-                        return workers.owner(fields)._call(
-                            command, fields, value, timeout=timeout, then=then, on_reply=on_reply,
-                            on_error=on_error, decode=decode, zero_copy=zero_copy, progress=progress)
-                    except StaleMapError:  # not sent, and the workers were mapped again: once more
-                        if again:
-                            raise
-                    except WrongWorkerError as exc:  # nothing was done: map the workers again, and once more
-                        if again or not self._remap(exc, seen):
-                            raise
-            if command is LIST:
-                replies = [member._call(command, fields, value, timeout=timeout, then=same_reply, on_error=on_error,
-                                        decode=decode, zero_copy=zero_copy) for member in workers.all()]
-                return finish_merged(Workers.merged(replies), then)
-            if command is NOOP:  # every connection in use: a ping after calls returns once all are answered
-                for member in workers.made()[:-1]:
-                    member._call(command, fields, value, timeout=timeout, on_error=on_error)
-                return workers.made()[-1]._call(command, fields, value, timeout=timeout, then=then, on_error=on_error)
-            return workers.home._call(command, fields, value, timeout=timeout, then=then, on_reply=on_reply,
-                                      on_error=on_error, decode=decode, zero_copy=zero_copy, progress=progress)
+        if self._workers is not None:  # a member sends it, as the verb's declaration routes it (_client/front.py)
+            return self._routed_call(command, fields, value, dict(
+                timeout=timeout, then=then, on_reply=on_reply, on_error=on_error, decode=decode, zero_copy=zero_copy,
+                progress=progress, device=device, into=into))
         if timeout is DEFAULT:
             timeout = self.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -315,20 +282,10 @@ class Client(TableCopies, LeaderFollower, ClientCore):
                 raw: bool = False, inline: bool = False, device: Any = None, into: Any = None) -> None:
         if self._closed:
             raise UsageError("the client is closed")
-        if self._workers is not None and command is LIST:  # every worker's: asked in turn on the dispatcher thread
-            def listed() -> None:
-                try:
-                    result, error = self._call(LIST, fields, timeout=timeout, then=same_reply if raw else then,
-                                               on_error=on_error, decode=decode), None
-                except TensorShareError as exc:
-                    result, error = None, exc
-                callback(result, error)
-            self._later(listed)
-            return
-        if self._workers is not None:  # its bin's member sends it
-            self._workers.owner(fields)._submit(command, fields, value, callback, zero_copy=zero_copy,
-                                                timeout=timeout, then=then, on_error=on_error, on_reply=on_reply,
-                                                decode=decode, raw=raw, inline=inline)
+        if self._workers is not None:  # a member sends it, as the verb's declaration routes it (_client/front.py)
+            self._routed_submit(command, fields, value, callback, dict(
+                zero_copy=zero_copy, timeout=timeout, then=then, on_error=on_error, on_reply=on_reply, decode=decode,
+                raw=raw, inline=inline, device=device, into=into))
             return
         areas = self._areas(DEFAULT) if zero_copy and self.zero_copy else None
         call = self._new_call(command, fields, value, areas, callback, then, on_error, on_reply, None, decode, raw,
@@ -418,194 +375,6 @@ class Client(TableCopies, LeaderFollower, ClientCore):
         self._reader.ensure()
         return handle
 
-    # ------------------------------------------------------------------ sending
-
-    def _send(self, parts: list, deadline: float | None, rid: int, may_hold: bool = False,
-              progress: Progress | None = None) -> None:
-        """Send request ``rid``'s frame; ``may_hold``: a small one may wait in the
-        coalescer while an earlier request awaits its reply (see :mod:`._client.coalesce`)."""
-        link = self._ensure_connected(deadline)
-        with self._send_lock:
-            coalescer = self._coalescer
-            if type(parts) is not list:  # StagedParts: device arrays, staged bucket by bucket as they go
-                self._send_staged(link, parts, deadline, rid, progress)
-                return
-            if not (may_hold and not link.tls and coalescer.awaiting(link)
-                    and sum(map(len, parts)) <= SMALL_FRAME and coalescer.hold(link, rid, b"".join(parts))):
-                if progress is None:
-                    self._send_locked(link, parts, deadline, rid)
-                else:  # piece by piece, reporting each
-                    for i, piece in enumerate(progress.pieces(parts)):
-                        self._send_locked(link, piece, deadline, rid if i == 0 else None)
-                        progress.sent(piece)
-                return
-        # Held.  The replies it waits for may all have come while we held the lock,
-        # and a reader that then found the lock taken did not send what is held: do.
-        if not coalescer.awaiting(link):
-            with self._send_lock:
-                if coalescer and link is self._link:
-                    self._send_locked(link, [], deadline)
-
-    def _send_staged(self, link: Link, parts, deadline: float | None, rid: int,
-                     progress: Progress | None) -> None:
-        """Send a frame holding device arrays (the caller holds the send lock): each
-        bucket the engine stages goes out before the next is asked for (its buffer
-        is then reused), while the buckets after it are being copied."""
-        pending, first = [], True
-        for view, staged in parts.engine.pieces(parts):
-            pending.append(view)
-            if staged:
-                self._send_locked(link, pending, deadline, rid if first else None)
-                if progress is not None:
-                    progress.sent(pending)
-                pending, first = [], False
-        if pending or first:
-            self._send_locked(link, pending, deadline, rid if first else None)
-            if progress is not None:
-                progress.sent(pending)
-
-    def _send_held(self, link: Link) -> None:
-        """Send what the coalescer holds, as far as the socket takes it now (a reader:
-        never waits for the socket, nor for a sender, which sends it first anyway)."""
-        if not self._send_lock.acquire(blocking=False):
-            return
-        try:
-            if link is not self._link or not self._coalescer:
-                return
-            frames = self._coalescer.take(link)
-            data = frames[0] if len(frames) == 1 else b"".join(frames)
-            try:
-                sent = link.send_now(data)
-            except OSError as exc:
-                raise self._lost(link, exc) from None
-            if sent < len(data):
-                self._coalescer.keep_rest(memoryview(data)[sent:])
-        finally:
-            self._send_lock.release()
-
-    def _send_locked(self, link: Link, parts: list, deadline: float | None, rid: int | None = None) -> None:
-        """Write what the coalescer holds, then request ``rid``'s whole frame (the caller
-        holds the send lock).  With keepalive on, a server that takes no byte for
-        twice ``keepalive`` seconds is presumed dead."""
-        if link is not self._link:
-            # Replaced since the caller picked it up: what the coalescer holds now is
-            # the new connection's, and must not be taken for this one.
-            raise ConnectionLostError(f"connection to {self._where} lost")
-        held = self._coalescer.take(link, rid)
-        if held:  # many small frames: one part (one iovec) for all of them
-            parts = [held[0] if len(held) == 1 else b"".join(held), *parts]
-        stall = None if self.keepalive is None else 2 * self.keepalive
-        try:
-            link.send_all(parts, deadline, stall)
-        except TimeoutError:
-            # A partly sent frame leaves the stream unusable: start afresh.
-            self._drop_connection(link, ConnectionLostError("send timed out; connection reset"))
-            raise
-        except (OSError, ValueError, AttributeError) as exc:  # ValueError/AttributeError: closed by another thread
-            raise self._lost(link, exc) from None
-
-    def _before_request(self) -> None:
-        """Note that a request is about to go out (the keepalive counts silence from
-        it) and, on a connection quiet for a while, first read what the server sent
-        meanwhile (late replies, or the 421 it sends before closing an idle
-        connection), so that a connection it has closed is replaced by the request
-        instead of failing it.  Called before the request is registered, so that
-        dropping the connection does not fail the request too."""
-        now = time.monotonic()
-        quiet = now - max(self._last_heard, self._last_sent)
-        self._last_sent = now
-        link = self._link
-        if quiet <= _IDLE_CHECK or link is None:
-            return
-        with self._cond:
-            if self._reading or link is not self._link:
-                return  # another thread reads: it will notice a close itself
-            self._reading = True
-        try:
-            while self._link is link and link.data_waiting():
-                self._read_some(time.monotonic() + 0.1)
-        except (TimeoutError, ConnectionLostError):
-            pass  # half a TLS record (read on later), or the connection is gone (the request reconnects)
-        finally:
-            with self._cond:
-                self._reading = False
-                self._cond.notify_all()
-
-    def _server_holds(self, wait: float) -> None:
-        state = self._keepalive_state
-        if state is not None:
-            state.hold(time.monotonic() + wait + 1.0)
-
-    def _keepalive(self, link: Link) -> float | None:
-        """Probe a server silent for ``keepalive`` seconds with a NOOP, and drop the
-        connection (ConnectionLostError) if nothing comes for as long after the
-        probe.  Returns when to check next (None: keepalive is off)."""
-        state = self._keepalive_state
-        if state is None:
-            return None
-        now = time.monotonic()
-        action, wake = state.due(now, self._last_heard, self._last_sent)
-        if action == DEAD:
-            err = ConnectionLostError(f"{self._where} sent nothing for {self.keepalive:g}s after a "
-                                      f"keepalive probe: connection presumed dead")
-            self._drop_connection(link, err)
-            raise err
-        if action == PROBE:
-            if not self._send_lock.acquire(blocking=False):
-                return now + 0.5  # a request is going out: the server has that to read first
-            try:
-                # No deadline: a probe that cannot go out trips the stall limit (ConnectionLostError).
-                probe = next_request_id()
-                self._send_locked(link, request_frame(probe, NOOP), None, probe)
-            finally:
-                self._send_lock.release()
-            state.probed(now)  # its reply has an id nobody waits for: it is dropped on arrival
-        return wake
-
-    # ------------------------------------------------------------------ workers (_client/workers.py)
-
-    def _worker_client(self, index: int, link: Link | None = None) -> "Client":
-        """The member of worker ``index``: a client like this one on that worker's port,
-        taking ``link`` (already open to that worker) or connecting."""
-        workers = self._workers
-        member = type(self).__new__(type(self))
-        port = self.port if not workers.map.id else workers.map.ports[index]
-        member._configure(self.host, port, **self._options)
-        member._front, member._worker_index, member._map = self, index, workers.map
-        member._callbacks = self._callbacks  # one dispatcher thread runs every member's callbacks, in order
-        if link is None:
-            member._connect()
-        else:
-            member._take(link)
-        return member
-
-    def _remap(self, error: BaseException, seen=None) -> bool:
-        """Map the workers again from the public address; True if the map changed
-        (since ``seen``, the map the caller routed by, if given: one thread at a time
-        maps, and the others find the new map in place)."""
-        with self._remap_lock:
-            if seen is not None and self._workers.map is not seen:
-                return True
-            return self._remap_now(error)
-
-    def _remap_now(self, error: BaseException) -> bool:
-        workers = self._workers
-        try:
-            link = open_link(self.host, self.port, self.connect_timeout, self._tls, self._ssl_context,
-                             self._new_connection())
-        except TensorShareError as exc:
-            log.info("cannot map the workers of %s again (%s): %s", self._where, error, exc)
-            return False
-        try:
-            fresh = WorkerMap.of(link.conn.greeting)
-        except ProtocolError:
-            fresh = None
-        if not workers.changed(fresh):
-            link.close()  # the same workers: the members reconnect by themselves
-            return False
-        workers.replace(fresh, lambda index: self._worker_client(index, link), error)
-        return True
-
     def _callbacks(self) -> Dispatcher:
         if self._dispatcher is None:
             with self._cond:
@@ -624,23 +393,14 @@ class Client(TableCopies, LeaderFollower, ClientCore):
         try:
             link = open_link(self.host, self.port, within, self._tls, self._ssl_context, self._new_connection())
         except ConnectionLostError as exc:
-            if self._front is not None and self._front._remap(exc, self._map):  # the server moved its workers
-                raise StaleMapError(str(exc)) from None
+            self._member_unreachable(exc)  # (a member whose server moved its workers: StaleMapError)
             raise
         return self._take(link)
 
     def _take(self, link: Link) -> Link:
         """Make the opened ``link`` current."""
         try:
-            front = self._front
-            if front is None and self._workers is None and Key.WORKERS in link.conn.greeting and self._ever_connected:
-                log.warning("%s runs several workers since this client connected: it keeps to the one it reached "
-                            "(requests for other workers' bins get 427); make a new client to use them all",
-                            self._where)
-            if front is not None and not front._workers.fits(self._worker_index, link.conn.greeting):
-                link.close()
-                front._remap(ConnectionLostError(f"{self._where} greeted as another worker"), self._map)
-                raise StaleMapError(f"{front._where} now runs other workers than this client mapped")
+            self._check_greeting(link)  # (.front: a member greeted by another worker than its own)
             if self.zero_copy:
                 link.conn.areas = SharedAreas.of(link.conn.greeting)
         except BaseException:

@@ -24,11 +24,7 @@ import urllib.request
 
 import pytest
 import torch
-from twisted.internet import defer
-from twisted.internet.address import IPv4Address
 from twisted.internet.task import Clock
-from twisted.python.failure import Failure
-from twisted.test import iosim
 
 import tensorshare
 from tensorshare.errors import ConnectionLostError, ProtocolError, WrongWorkerError
@@ -37,14 +33,12 @@ from tensorshare.protocol.placement import WorkerMap, rendezvous, worker_keys
 from tensorshare_server.bins.dirlock import DirLock, DirLockedError
 from tensorshare_server.bins.durable import DataDir
 from tensorshare_server.config import ServerConfig
-from tensorshare_server.net.service import TensorShareFactory
 from tensorshare_server.ops.merge import merge
 from tensorshare_server.ops.status import snapshot
 from tensorshare_server.root import build_state
 from tensorshare_server.workers.layout import place, worker_dir
-from tensorshare_server.workers.ownership import own_bins_only
 
-from pairing import Pair, _Pumps, _ServerTransport
+from pairing import Pair, PairedWorkers
 from serverproc import ServerProcess
 
 WAIT_S = 20.0
@@ -100,8 +94,9 @@ def test_a_malformed_worker_map_is_a_protocol_error(field):
 
 def test_a_worker_refuses_other_workers_bins_and_changes_nothing():
     workers = WorkerMap([9001, 9002], 1, "id")
-    pair = Pair()
-    own_bins_only(pair.state, workers)
+    state = build_state(ServerConfig())
+    state.workers = workers  # (as app.listen makes a worker's)
+    pair = Pair(state=state)
     mine, theirs = owned_names(workers, 1, 1)[0], owned_names(workers, 0, 1)[0]
     assert pair.call(PUT, {Key.BIN: mine}, torch.ones(2)).header[Key.N] == 1
     with pytest.raises(WrongWorkerError, match="worker 0 of 2 owns"):
@@ -115,66 +110,8 @@ def test_a_worker_refuses_other_workers_bins_and_changes_nothing():
 # ------------------------------------------------------------------ the AsyncClient over workers paired in memory
 
 
-class PairedWorkers:
-    """N real worker states, each behind its own port, and a connector that pairs an
-    AsyncClient's wires with the worker its port names (the public port: worker 0)."""
-
-    PUBLIC = 8000
-
-    def __init__(self, count: int, clock: Clock):
-        self.clock = clock
-        self.pumps: list = []
-        self.use(count)
-
-    def use(self, count: int, base: int = 8001) -> None:
-        """Serve with ``count`` workers on ports ``base``... from now on (a restart)."""
-        self.workers = WorkerMap([base + k for k in range(count)], 0, f"run-{base}-{count}")
-        self.states = []
-        self.factories = {}
-        for k in range(count):
-            state = build_state(ServerConfig(), clock=self.clock)
-            own_bins_only(state, WorkerMap(self.workers.ports, k, self.workers.id))
-            self.states.append(state)
-            self.factories[self.workers.ports[k]] = TensorShareFactory(state, clock=self.clock)
-        self.factories[self.PUBLIC] = self.factories[self.workers.ports[0]]
-
-    def connector(self, wire) -> defer.Deferred:
-        factory = self.factories.get(wire.client.port)
-        if factory is None:
-            from twisted.internet.error import ConnectionRefusedError
-
-            return defer.fail(ConnectionRefusedError())
-        server = factory.buildProtocol(None)
-        here, there = IPv4Address("TCP", "127.0.0.1", 40000 + len(self.pumps)), IPv4Address(
-            "TCP", "127.0.0.1", wire.client.port)
-        pump = iosim.connect(server, _ServerTransport(server, True, there, here), wire,
-                             iosim.FakeTransport(wire, False, here, there), clock=self.clock, greet=False)
-        self.pumps.append(pump)
-        return defer.succeed(wire)
-
-    def flush(self) -> None:
-        _Pumps(self.pumps).flush(200)
-
-    def run(self, d: defer.Deferred):
-        """Pump until ``d`` fires; its result (or raise its failure)."""
-        out = []
-        d.addBoth(out.append)
-        for _ in range(100):
-            self.flush()
-            if out:
-                break
-            self.clock.advance(0.05)
-        assert out, "the Deferred never fired"
-        if isinstance(out[0], Failure):
-            out[0].raiseException()
-        return out[0]
-
-
 def _async_client(paired: PairedWorkers):
-    client = tensorshare.AsyncClient(paired.clock, "127.0.0.1", PairedWorkers.PUBLIC, 10.0, None, 0.2,
-                                     keepalive=None, connector=paired.connector)
-    paired.run(client._open())
-    return client
+    return paired.client()
 
 
 def test_async_client_routes_every_bin_to_its_owner_and_merges_list():

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from ..errors import TensorShareError, ProtocolError, ZeroCopyError
 from ..protocol.auth import resolve_token
-from ..protocol.messages import APPEND, COMMANDS, LISTEN, MAX_RELEASE_IDS, PUT, UNLISTEN, Command, Key
+from ..protocol.messages import COMMANDS, LISTEN, MAX_RELEASE_IDS, UNLISTEN, Command, Key, ZeroCopy
 from ..protocol.tls import TLSSettings
 from ..wire.frames import Frame
 from .calls import Call, CallTable
@@ -252,7 +252,7 @@ class ClientCore(ClientMethods):
                 raise
             reply.held = frame.header[Key.ID]
             return reply
-        if areas is not None and (call.command is PUT or call.command is APPEND):
+        if areas is not None and call.command.zero_copy is ZeroCopy.STORE:
             areas.note_put(call.fields.get(Key.BIN), frame.header)  # readers map the bin, or no longer
         try:
             return read_reply(call.command, frame, device, areas=areas if call.decode else None,

@@ -5,19 +5,29 @@ A server started with ``--workers N`` names its workers in its greeting
 whose first connection brings such a greeting routes from then on: the object the
 user holds (the *front*) keeps no connection of its own; each worker gets a
 *member*, a client of the same class and options connected to that worker's own
-port, and every call goes to the member of the worker that owns its bin (its
-table: tables are bins).  Requests about one bin therefore travel on one
-connection, in order, as with one server.  Verbs over every bin (LIST) go to all
-members and their replies are merged; verbs about no bin (NOOP) go to the *home*
-member, the one the first connection became.  Listens are the owner member's
-(its reconnections listen again to its own bins only); callbacks of all members
-run on the front's one dispatcher thread, in order, as with one connection.
+port, and each call goes where its verb's declaration routes it
+(``Command.route``, :meth:`Workers.targets`):
+
+* ``OWNER`` (every verb that names a bin or table): to the member of the worker
+  that owns it.  Requests about one bin therefore travel on one connection, in
+  order, as with one server;
+* ``MERGE`` (LIST): to every member, their replies' result maps merged into one
+  (:meth:`Workers.merged`: each bin is on one worker);
+* ``EVERY`` (NOOP): to every member made so far, answered once all are (a ping
+  after calls returns once each of their connections has answered them);
+* ``CONNECTION`` (AUTH): each connection's own, sent while it opens; a call of
+  such a verb would go to the *home* member, the one the first connection became.
+
+Listens are the owner member's (its reconnections listen again to its own bins
+only); callbacks of all members run on the front's one dispatcher thread, in
+order, as with one connection.  The blocking client's side of this is
+:mod:`.front`; the AsyncClient's is in ``tensorshare/async_client.py``.
 
 The map can go out of date only when the whole server restarts with other
 workers or on other ports.  A member that finds another map in its worker's
 greeting, or cannot reach its worker at all, and a request refused with 427 (a
 worker that does not own the bin), make the front map the workers again from the
-public address (:meth:`Workers.remap`); listens move to their bins' new owners,
+public address (the front's ``_remap``); listens move to their bins' new owners,
 and a refused request is sent once more, to its owner (nothing changed on the 427).
 
 Routing a call costs one dictionary lookup (the map remembers each bin's owner)
@@ -33,7 +43,7 @@ import threading
 from typing import Any, Callable
 
 from ..errors import ConnectionLostError, ProtocolError
-from ..protocol.messages import LIST, Key
+from ..protocol.messages import Command, Key, Route
 from ..protocol.placement import WorkerMap
 from .connection import Reply
 
@@ -73,6 +83,18 @@ class Workers:
         index = self.map.owner(name)
         member = self.members[index]
         return member if member is not None else self._member(index)
+
+    def targets(self, command: Command) -> list:
+        """The members a request of ``command`` goes to when its declaration routes it to
+        more than its bin's owner (:meth:`owner` is that one): every member for
+        ``MERGE``, every member made so far for ``EVERY``, the home member for
+        ``CONNECTION``."""
+        route = command.route
+        if route is Route.MERGE:
+            return self.all()
+        if route is Route.EVERY:
+            return self.made()
+        return [self.home]
 
     def all(self) -> list:
         """Every member (creating those not made yet), in worker order."""
@@ -140,15 +162,16 @@ class Workers:
     # -- verbs over every bin
 
     @staticmethod
-    def merged(replies: list[Reply]) -> Reply:
-        """One LIST reply of the whole server from its workers' replies: their bins
-        together (each bin is on one worker), the rest of the first one's header."""
+    def merged(command: Command, replies: list[Reply]) -> Reply:
+        """One reply of the whole server to a ``MERGE`` verb from its workers' replies:
+        their result maps together (LIST's bins: each bin is on one worker), the rest
+        of the first one's header."""
         header = dict(replies[0].header)
-        bins: dict = {}
+        merged: dict = {}
         for reply in replies:
-            bins.update(reply.header.get(Key.BINS) or {})
-        header[Key.BINS] = bins
-        return Reply(LIST, header, None, replies[0].frame)
+            merged.update(reply.header.get(command.result) or {})
+        header[command.result] = merged
+        return Reply(command, header, None, replies[0].frame)
 
     def close(self) -> None:
         for member in self.made():
