@@ -27,7 +27,7 @@ import torch
 from twisted.internet.task import Clock
 
 import tensorshare
-from tensorshare.errors import ConnectionLostError, ProtocolError, WrongWorkerError
+from tensorshare.errors import ConnectionLostError, ProtocolError, ServerUnavailableError, WrongWorkerError
 from tensorshare.protocol.messages import LIST, PUT, Key
 from tensorshare.protocol.placement import WorkerMap, rendezvous, worker_keys
 from tensorshare_server.bins.dirlock import DirLock, DirLockedError
@@ -410,10 +410,20 @@ def test_a_worker_that_cannot_start_stops_the_server(tmp_path):
         ServerProcess("--workers", "2", "--tls-cert", str(tmp_path / "missing.pem"), start_timeout=20)
 
 
+def _accepted(call, *args, **kwargs) -> bool:
+    """Whether ``call`` was made (False: the server was unavailable, 421)."""
+    try:
+        call(*args, **kwargs)
+    except ServerUnavailableError:
+        return False
+    return True
+
+
 @pytest.mark.process
 def test_a_relay_follows_a_multi_worker_server(tmp_path):
     head = ServerProcess("--workers", "2")
-    relay = ServerProcess("--follow", f"127.0.0.1:{head.port}", "--follow-timeout", "10")
+    relay = ServerProcess("--follow", f"127.0.0.1:{head.port}", "--follow-timeout", "10", "--log-level", "INFO",
+                          log_path=tmp_path / "relay.log")
     try:
         with tensorshare.Client("127.0.0.1", head.port, timeout=20) as upstream, \
                 tensorshare.Client("127.0.0.1", relay.port, timeout=20) as client:
@@ -430,6 +440,14 @@ def test_a_relay_follows_a_multi_worker_server(tmp_path):
                 upstream.put(name, torch.full((4,), 9.0), tag=9)  # changes upstream reach the relay's copy
                 wait_until(lambda: heard[name] and heard[name][-1].tag == 9, what=f"{name} mirrored")
                 assert client.peek(name)[0].tolist() == [9.0] * 4
+            head.stop()  # the head comes back with three workers on other ports: the relay maps them again
+            head = ServerProcess("--workers", "3", port=head.port)
+            for name in names:  # (421 until the relay is connected again: the client decides to try again)
+                wait_until(lambda: _accepted(client.put, name, torch.full((2,), 5.0), tag=5), what="put")
+                wait_until(lambda: heard[name] and heard[name][-1].tag == 5, what=f"{name} listened to again")
+                assert client.peek(name)[0].tolist() == [5.0, 5.0]
+            assert set(client.list()) >= set(names)
+        assert "runs other workers now" in relay.log()
     finally:
         relay.stop()
         head.stop()

@@ -44,7 +44,7 @@ from typing import Any, Callable
 
 from ..errors import ConnectionLostError, ProtocolError
 from ..protocol.messages import Command, Key, Route
-from ..protocol.placement import WorkerMap
+from ..protocol.placement import WorkerMap, merged_header, routes_differently
 from .connection import Reply
 
 log = logging.getLogger("tensorshare.client")
@@ -127,19 +127,16 @@ class Workers:
     def fits(self, index: int, greeting: dict) -> bool:
         """Whether a member of worker ``index`` that got ``greeting`` on (re)connecting
         found the workers this map names (else the server restarted with others)."""
-        try:
-            found = WorkerMap.of(greeting)
-        except ProtocolError:
-            return False
         if not self.map.id:  # the server runs one process now (see replace)
-            return found is None
-        return found is not None and found.index == index and found.ports == self.map.ports
+            try:
+                return WorkerMap.of(greeting) is None
+            except ProtocolError:
+                return False
+        return self.map.greeted_by(index, greeting)
 
     def changed(self, fresh: WorkerMap | None) -> bool:
         """Whether ``fresh`` (None: one process) routes differently from this map."""
-        if fresh is None:
-            return bool(self.map.id)
-        return fresh.ports != self.map.ports
+        return routes_differently(self.map if self.map.id else None, fresh)
 
     def replace(self, fresh: WorkerMap | None, make_home: Callable[[int], Any], why: BaseException) -> None:
         """Route by ``fresh`` from now on (None: the server runs one process, served on
@@ -163,14 +160,9 @@ class Workers:
 
     @staticmethod
     def merged(command: Command, replies: list[Reply]) -> Reply:
-        """One reply of the whole server to a ``MERGE`` verb from its workers' replies:
-        their result maps together (LIST's bins: each bin is on one worker), the rest
-        of the first one's header."""
-        header = dict(replies[0].header)
-        merged: dict = {}
-        for reply in replies:
-            merged.update(reply.header.get(command.result) or {})
-        header[command.result] = merged
+        """One reply of the whole server to a ``MERGE`` verb from its workers' replies
+        (:func:`~tensorshare.protocol.placement.merged_header`)."""
+        header = merged_header(command.result, [reply.header for reply in replies])
         return Reply(command, header, None, replies[0].frame)
 
     def close(self) -> None:

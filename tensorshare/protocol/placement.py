@@ -71,9 +71,14 @@ class WorkerMap:
         """The greeting's ``workers`` field, as worker ``index`` (default: this map's) sends it."""
         return {"ports": list(self.ports), "index": self.index if index is None else index, "id": self.id}
 
-    def same_server(self, other: "WorkerMap | None") -> bool:
-        """Whether ``other`` maps the same server run with the same workers and ports."""
-        return other is not None and other.id == self.id and other.ports == self.ports
+    def greeted_by(self, index: int, greeting: dict) -> bool:
+        """Whether ``greeting``, on a connection opened to worker ``index``'s port, came
+        from that worker of these workers (else the server runs others now, §14.2)."""
+        try:
+            found = WorkerMap.of(greeting)
+        except ProtocolError:
+            return False
+        return found is not None and found.index == index and found.ports == self.ports
 
     @classmethod
     def of(cls, greeting: dict) -> "WorkerMap | None":
@@ -98,4 +103,24 @@ class WorkerMap:
         return f"<WorkerMap {self.id} worker {self.index} of {self.count}, ports {self.ports}>"
 
 
-__all__ = ["MAX_WORKERS", "WorkerMap", "rendezvous", "worker_keys"]
+def routes_differently(old: WorkerMap | None, fresh: WorkerMap | None) -> bool:
+    """Whether a client routing by ``old`` must route by ``fresh`` instead (None: one
+    process serves every bin on the public port): other workers, or other ports."""
+    if old is None or fresh is None:
+        return old is not fresh
+    return fresh.ports != old.ports
+
+
+def merged_header(result: str, headers: list[dict]) -> dict:
+    """The whole server's reply to a verb its declaration routes to every worker and
+    merges (``Route.MERGE``: LIST), from the workers' reply ``headers``: the maps in
+    their ``result`` field together (each bin is on one worker), the rest of the first."""
+    header = dict(headers[0])
+    merged: dict = {}
+    for each in headers:
+        merged.update(each.get(result) or {})
+    header[result] = merged
+    return header
+
+
+__all__ = ["MAX_WORKERS", "WorkerMap", "merged_header", "rendezvous", "routes_differently", "worker_keys"]
