@@ -47,11 +47,13 @@ from ._client.sockets import SMALL_FRAME, Link, open_link
 from ._client.spin import DEFAULT_LIMIT as DEFAULT_SPIN
 from ._client.spin import ReplySpin
 from ._client.table_copy import TableCopies
+from ._client.workers import StaleMapError
 from ._client.zerocopy import SharedAreas
 from .errors import (
     AuthenticationError, ConnectionLostError, TensorShareError, TimeoutError, UsageError, WrongServerError,
+    WrongWorkerError,
 )
-from .protocol.messages import Command
+from .protocol.messages import Command, Route
 from .protocol.tls import TLSSettings
 
 log = logging.getLogger("tensorshare.client")
@@ -221,10 +223,19 @@ class Client(Front, TableCopies, LeaderFollower, Sender, ClientCore):
         """Send a request and wait for its reply (see :mod:`._client.methods`);
         ``progress(done, total)`` hears of the bytes of a large request sent and of
         its reply received (:class:`._client.progress.Progress`)."""
-        if self._workers is not None:  # a member sends it, as the verb's declaration routes it (_client/front.py)
+        workers = self._workers
+        if workers is not None:  # a member sends it, as the verb's declaration routes it (_client/front.py)
+            seen, error = workers.map, None
+            if command.route is Route.OWNER:
+                try:  # (the usual case: its arguments passed on as they are, no dict of them made)
+                    return workers.owner(fields)._call(
+                        command, fields, value, timeout=timeout, then=then, on_reply=on_reply, on_error=on_error,
+                        decode=decode, zero_copy=zero_copy, progress=progress, device=device, into=into)
+                except (StaleMapError, WrongWorkerError) as exc:  # nothing was done: once more, if the map changed
+                    error = exc
             return self._routed_call(command, fields, value, dict(
                 timeout=timeout, then=then, on_reply=on_reply, on_error=on_error, decode=decode, zero_copy=zero_copy,
-                progress=progress, device=device, into=into))
+                progress=progress, device=device, into=into), error, seen)
         if timeout is DEFAULT:
             timeout = self.timeout
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -54,20 +54,23 @@ class Front:
 
     # -- calls
 
-    def _routed_call(self, command: Command, fields: dict | None, value: Any, options: dict) -> Any:
-        """A blocking call sent where ``command``'s declaration routes it."""
+    def _routed_call(self, command: Command, fields: dict | None, value: Any, options: dict,
+                     error: BaseException | None = None, seen: WorkerMap | None = None) -> Any:
+        """A blocking call sent where ``command``'s declaration routes it.  An ``OWNER``
+        call goes to its bin's owner; ``error``: the first attempt (by the map ``seen``)
+        was not sent because the map was stale, or was refused with 427 (nothing was
+        done either way): it goes once more if the workers were mapped again."""
         workers = self._workers
         if command.route is Route.OWNER:
-            for again in (False, True):
+            if error is None:
                 seen = workers.map
                 try:
                     return workers.owner(fields)._call(command, fields, value, **options)
-                except StaleMapError:  # not sent, and the workers were mapped again: once more
-                    if again:
-                        raise
-                except WrongWorkerError as exc:  # nothing was done: map the workers again, and once more
-                    if again or not self._remap(exc, seen):
-                        raise
+                except (StaleMapError, WrongWorkerError) as exc:
+                    error = exc
+            if isinstance(error, WrongWorkerError) and not self._remap(error, seen):
+                raise error
+            return self._workers.owner(fields)._call(command, fields, value, **options)
         members = workers.targets(command)
         if command.route is Route.MERGE:
             then = options.pop("then")
