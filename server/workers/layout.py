@@ -2,7 +2,7 @@
 
 A server of N workers keeps worker k's bins and tables under
 ``<data-dir>/worker-k/`` (each in the layout of ``server/bins/durable.py`` and
-``server/bins/tablestore.py``); a server of one process keeps them in
+``server/bins/tablestore.py``, whose names for it this module uses); a server of one process keeps them in
 ``<data-dir>/`` itself.  :func:`place` runs before any worker loads anything,
 under the data directory's lock: it moves every bin and table that is not in the
 directory of the worker that owns it now into that directory, so the same data
@@ -22,12 +22,15 @@ import os
 import re
 import shutil
 
+from tensorshare.disk.tables import TABLE_RECORD
 from tensorshare.protocol.placement import rendezvous, worker_keys
+
+from ..bins.durable import BIN_RECORD, BINS_DIR, HALF_MADE, SWAP_PREFIX
+from ..bins.tablestore import TABLES_DIR
 
 log = logging.getLogger("tensorshare.server")
 
 _WORKER_DIR = re.compile(r"worker-(\d+)")
-_SWAP = ".swap-"  # a bin being rewritten (server/bins/durable.py): it moves with its bin
 
 
 def worker_dir(root: str, index: int) -> str:
@@ -71,7 +74,7 @@ def place(root: str, count: int) -> int:
     keys = worker_keys(count)
     moved = 0
     for source in sources:
-        for kind, record in (("bins", "bin.json"), ("tables", "table.json")):
+        for kind, record in ((BINS_DIR, BIN_RECORD), (TABLES_DIR, TABLE_RECORD)):
             moved += _move_kind(source, kind, record, targets, keys)
     for source in sources:
         if source not in targets and source != root:
@@ -90,12 +93,13 @@ def _move_kind(source: str, kind: str, record: str, targets: list[str], keys: li
         return 0
     moved = 0
     for entry in entries:
-        if entry.startswith(".tmp-"):
+        if entry.startswith(HALF_MADE):
             continue  # half made: the loader removes it
-        key = entry[len(_SWAP):] if entry.startswith(_SWAP) else entry
+        swapping = entry.startswith(SWAP_PREFIX)  # a bin being rewritten: it moves with its bin
+        key = entry[len(SWAP_PREFIX):] if swapping else entry
         path = os.path.join(directory, entry)
         name = _named(path, record)
-        if name is None and entry.startswith(_SWAP):
+        if name is None and swapping:
             name = _named(os.path.join(directory, key), record)
         if name is None:
             continue  # not ours to judge: the loader reports it
@@ -116,9 +120,9 @@ def _move_kind(source: str, kind: str, record: str, targets: list[str], keys: li
 def _remove_if_spent(directory: str) -> None:
     """Remove the directory of a worker the server no longer has, once it holds no bin
     or table (its trash and its taken items were the old worker's to clean up)."""
-    for kind in ("bins", "tables"):
+    for kind in (BINS_DIR, TABLES_DIR):
         path = os.path.join(directory, kind)
-        if os.path.isdir(path) and any(not e.startswith(".tmp-") for e in os.listdir(path)):
+        if os.path.isdir(path) and any(not e.startswith(HALF_MADE) for e in os.listdir(path)):
             return  # something could not be moved: keep it for a person to see
     shutil.rmtree(directory, ignore_errors=True)
 
