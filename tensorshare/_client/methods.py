@@ -85,7 +85,8 @@ class ClientMethods(TableMethods):
                 raise UsageError("by_reference is for the blocking Client")
             from .exports import put_by_reference
 
-            return put_by_reference(self, bin, value, tag, timeout)
+            # (on the connection that serves the bin: its device references are that connection's)
+            return put_by_reference(self._owner_of(bin), bin, value, tag, timeout)
         if ephemeral:
             fields = bin_fields(bin, tag)
             fields[Key.EPHEMERAL] = True
