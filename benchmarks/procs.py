@@ -113,6 +113,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of process ``pid`` and of its live children (a
+    multi-worker server's workers)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+    except OSError:
+        children = []
+    for each in (pid, *children):
+        try:
+            with open(f"/proc/{each}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
 def rss_bytes(pid: int) -> int:
     """Resident set size of process ``pid`` (VmRSS in /proc/PID/status)."""
     rss = _status(pid).get("VmRSS")
@@ -187,6 +207,10 @@ class Server:
 
     def rss(self) -> int:
         return rss_bytes(self.pid)
+
+    def cpu_seconds(self) -> float:
+        """CPU time the server has used, its workers' included."""
+        return cpu_seconds(self.pid)
 
     def footprint(self) -> int:
         """What the server holds in memory: its resident pages (less the shared-memory
@@ -283,6 +307,10 @@ class RedisServer:
 
     def rss(self) -> int:
         return rss_bytes(self.pid)
+
+    def cpu_seconds(self) -> float:
+        """CPU time the server has used, its workers' included."""
+        return cpu_seconds(self.pid)
 
     def stop(self) -> None:
         stop(self.proc)

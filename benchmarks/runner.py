@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 
-from . import actor_learner, client_bench, disk_bench, machine, multihost_bench, rl_bench, small_ops, scaling, wire_bench, zerocopy_bench
+from . import actor_learner, busy_bench, client_bench, disk_bench, machine, multihost_bench, rl_bench, small_ops, scaling, wire_bench, zerocopy_bench
 from . import ops_bench
 from . import tables_bench
 from . import versions_bench
@@ -35,6 +35,7 @@ SECTIONS = {
     "multihost": multihost_bench.run,
     "tables": tables_bench.run,
     "versions": versions_bench.run,
+    "busy": busy_bench.run,
     "gpu": gpu_bench.run,
 }
 

@@ -3,6 +3,8 @@
 * N client processes each doing put/append/get of one value in a cycle for a fixed
   time: total ops/s, MB/s of payload moved, p99 latency; beside the same workload
   through Redis (DEL+RPUSH / RPUSH / LRANGE+DEL transactions) with N processes.
+* Workers: the most clients against servers of 1, 2, 4... workers (``--workers``),
+  beside Redis, with the server's CPU per request over all its workers.
 * Fan-out: one value put (PUT notification) and fetched (peek) by N listener
   processes: time from the put until the last listener has the value; beside
   Redis SET + PUBLISH with N subscribers that GET it.
@@ -32,8 +34,10 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
-def _mixed_runs(p: Profile, peer: str, port: int, clients: int) -> tuple[Sample, Sample, Sample]:
-    """(ops/s, MB/s, p99 ms) over the profile's runs, ``clients`` worker processes."""
+def _mixed_runs(p: Profile, peer: str, port: int, clients: int,
+                counted: list | None = None) -> tuple[Sample, Sample, Sample]:
+    """(ops/s, MB/s, p99 ms) over the profile's runs, ``clients`` worker processes
+    (``counted`` gets the ops of every run, warm-up included)."""
     run_s = p.scale_run_s
     ops, mbps, p99 = [], [], []
     with Workers() as ws:
@@ -45,6 +49,8 @@ def _mixed_runs(p: Profile, peer: str, port: int, clients: int) -> tuple[Sample,
             for w in workers:
                 w.send(f"go {duration}")
             results = [json.loads(w.expect(duration + 120, "result").split(" ", 1)[1]) for w in workers]
+            if counted is not None:
+                counted.append(sum(r["ops"] for r in results))
             if i < p.warmup:
                 continue
             ops.append(sum(r["ops"] / r["seconds"] for r in results))
@@ -80,6 +86,35 @@ def concurrent_clients(rec: Recorder, p: Profile, peers, server: Server) -> None
                        "scale.8.ts.ops", "scale.1.ts.ops", ">=", 0.9 * SERVER_CORES)
         rec.goal_ratio("8 concurrent clients >= 1.0x Redis with 8 clients (mixed put/append/get)",
                        "scale.8.ts.ops", "scale.8.redis.ops", ">=", 1.0)
+
+
+def workers_scaling(rec: Recorder, p: Profile, peers, server: Server) -> None:
+    """The most clients of the profile against servers of 1, 2, 4... workers (``--workers``),
+    beside Redis with as many clients; and the server's CPU per request per worker."""
+    k = max(p.scale_clients)
+    size = mib(p.scale_value_bytes)
+    redis = peers.redis(rec, f"Redis with {k} clients (workers scaling)")
+    vs = [f"scale.{k}.redis.ops"] if redis is not None else []
+    for workers in p.scale_workers:
+        rec.say(f"  -- {_plural(k, 'client')} against --workers {workers}, {size} values")
+        counted: list[int] = []
+        with Server("--workers", str(workers)) as multi:
+            before = multi.cpu_seconds()
+            o, m, q = _mixed_runs(p, "ts", multi.port, k, counted)
+            cpu = multi.cpu_seconds() - before
+        ops_key = f"scale.workers.{workers}.ops"
+        rec.figure(ops_key, f"tensorshare mixed, {_plural(k, 'client')}, --workers {workers}: ops/s", o, "ops/s",
+                   vs=vs + [f"scale.workers.{p.scale_workers[0]}.ops"] * (workers != p.scale_workers[0]),
+                   chart={"name": "scaling-workers", "series": "tensorshare", "x": workers})
+        rec.figure(f"scale.workers.{workers}.p99", f"tensorshare mixed, {_plural(k, 'client')}, --workers {workers}: "
+                   f"p99 latency", q, "ms", better="lower")
+        rec.figure(f"scale.workers.{workers}.cpu", f"server CPU per request, --workers {workers} (all workers)",
+                   Sample.of([cpu / max(sum(counted), 1) * 1e6]), "us", better="lower",
+                   note="the server processes' CPU time over the runs (warm-up too), divided by their requests")
+    if redis is not None:
+        best = max(p.scale_workers, key=lambda w: rec.get(f"scale.workers.{w}.ops")["median"])
+        rec.goal_ratio(f"{k} clients, the best --workers ({best}) >= 1.0x Redis (mixed put/append/get)",
+                       f"scale.workers.{best}.ops", f"scale.{k}.redis.ops", ">=", 1.0)
 
 
 def _fanout_times(p: Profile, peer: str, port: int, listeners: int, publish) -> Sample:
@@ -195,7 +230,7 @@ def run(rec: Recorder, p: Profile, peers) -> None:
     rec.begin("4. Scaling")
     server = Server()
     try:
-        for part in (concurrent_clients, fan_out):
+        for part in (concurrent_clients, workers_scaling, fan_out):
             try:
                 part(rec, p, peers, server)
             except Exception as exc:  # one part failing must not hide the others

@@ -10,6 +10,7 @@ import ctypes
 import logging
 import signal
 import threading
+from typing import Callable, Sequence
 
 from twisted.internet import reactor
 from twisted.internet.threads import blockingCallFromThread
@@ -17,17 +18,19 @@ from twisted.internet.threads import blockingCallFromThread
 from tensorshare.errors import UsageError
 from tensorshare.protocol.auth import MIN_TOKEN_CHARS
 
+from .bins.dirlock import DirLock
 from .bins.jobs import ThreadJobs
 from .config import ServerConfig
 from .net import busypoll
 from .net.service import TensorShareFactory
-from .net.twisted_internals import dispatch_directly, listen_tcp
+from .net.twisted_internals import adopt_tcp, dispatch_directly, listen_tcp
 from .root import build_state
+from .workers.layout import place
 
 log = logging.getLogger("tensorshare.server")
 
 
-def listen(config: ServerConfig):
+def listen(config: ServerConfig, sockets: Sequence[int] = (), workers=None):
     """Start listening (on the reactor thread); returns the Twisted port object.
 
     With a data directory its bins are loaded first (item records only: the
@@ -35,41 +38,47 @@ def listen(config: ServerConfig):
     ``tls_fingerprint`` attribute is the certificate's SHA-256 fingerprint when it
     serves TLS, else None.  Raises :class:`UsageError` for a token or TLS file that
     cannot be used.
+
+    ``sockets`` are listening sockets (descriptors) to serve instead of binding
+    ``config.host:config.port`` (the first is the port reported); ``workers`` the
+    :class:`~tensorshare.protocol.placement.WorkerMap` of a worker of a
+    multi-worker server (``server/workers/``), which then serves only its own bins.
     """
     if config.tls_key and not config.tls_cert:
         raise UsageError("tls_key needs tls_cert")
     jobs = ThreadJobs(reactor, config.disk_threads)
     try:
+        if workers is None and config.data_dir:
+            # Bins a multi-worker server left in its workers' directories come back to the
+            # root: only while no other server uses the directory (it refuses us here).
+            with DirLock(config.data_dir):
+                place(config.data_dir, 1)
         state = build_state(config, jobs)
     except BaseException:
         jobs.stop()
         raise
+    state.workers = workers  # (one worker of several: its sessions refuse others' bins, workers/ownership.py)
     if state.token is not None and len(state.token) < MIN_TOKEN_CHARS:
         log.warning("the token has only %d characters: use a random one of %d or more "
                     "(python -c 'import secrets; print(secrets.token_urlsafe(32))')", len(state.token), MIN_TOKEN_CHARS)
+
+    def undo() -> None:
+        jobs.stop()
+        state.storage.close()
+
     if config.follow:
         from .relay import start_relay
 
         try:
             start_relay(state, config, reactor)
         except BaseException:
-            jobs.stop()
-            state.storage.close()
+            undo()
             raise
     factory = TensorShareFactory(state)
     try:
-        if not config.tls_cert:
-            port = listen_tcp(config.port, factory, config.host)
-            port.tls_fingerprint = None
-        else:
-            from .net.tls import server_tls_options
-
-            options, fingerprint = server_tls_options(config.tls_cert, config.tls_key)
-            port = reactor.listenSSL(config.port, factory, options, interface=config.host)
-            port.tls_fingerprint = fingerprint
+        port = _bind(config, factory, sockets)
     except BaseException:
-        jobs.stop()
-        state.storage.close()
+        undo()
         raise
     port.jobs = jobs
     port.state = state
@@ -81,17 +90,39 @@ def listen(config: ServerConfig):
             port.ops = web.start(state, reactor, config.metrics_port, config.metrics_host,
                                  data_port=port.getHost().port)
         except BaseException:
-            port.stopListening()
-            jobs.stop()
-            state.storage.close()
+            for listening in port.all:
+                listening.stopListening()
+            undo()
             raise
     factory.busy_poll = port.busy_poll = busypoll.acquire(reactor, config.busy_poll)
     return port
 
 
+def _bind(config: ServerConfig, factory, sockets: Sequence[int]):
+    """Listen on ``config``'s address, or serve the listening ``sockets`` given; the first
+    port, with ``all`` (every port) and ``tls_fingerprint``."""
+    fingerprint = None
+    if config.tls_cert:
+        from twisted.protocols.tls import TLSMemoryBIOFactory
+
+        from .net.tls import server_tls_options
+
+        options, fingerprint = server_tls_options(config.tls_cert, config.tls_key)
+        factory = TLSMemoryBIOFactory(options, False, factory)  # what listenSSL does
+    if sockets:
+        ports = [adopt_tcp(fd, factory) for fd in sockets]
+    else:
+        ports = [listen_tcp(config.port, factory, config.host)]
+    port = ports[0]
+    port.all = ports
+    port.tls_fingerprint = fingerprint
+    return port
+
+
 def _shut(port) -> None:
     """Stop listening on ``port``, drop its connections, finish its disk work (reactor thread)."""
-    port.stopListening()
+    for listening in port.all:
+        listening.stopListening()
     if port.ops is not None:
         port.ops.stop()
     if getattr(port.state, "relay", None) is not None:
@@ -120,28 +151,40 @@ def run_server(port: int = 8000, host: str = "127.0.0.1", *, start_reactor: bool
         return serve_in_process(port, host, **settings)
     settings.setdefault("busy_poll", busypoll.DEFAULT_WINDOW)  # this process is the server's own
     config = ServerConfig(host=host, port=port, **settings)
+    if config.workers > 1:
+        from .workers.supervisor import supervise
+
+        return supervise(config)
+    serve(config, _announce)
+
+
+def serve(config: ServerConfig, announce: Callable, sockets: Sequence[int] = (), workers=None) -> None:
+    """Serve until SIGINT/SIGTERM (or the reactor stops) in this process, which is
+    the server's own; ``announce(port)`` runs once the reactor does (``sockets``,
+    ``workers``: see :func:`listen`)."""
     _tune_malloc()
     dispatch_directly(reactor)  # this process is the server's own (before listen: busy-polling wraps it)
-    bound = listen(config)
+    bound = listen(config, sockets, workers)
     reactor.addSystemEventTrigger("after", "shutdown", _shut, bound)
     # A SIGTERM/SIGINT that comes before reactor.run() installs Twisted's handlers
     # must still stop the server cleanly (removing its shared-memory and spill areas).
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: reactor.callFromThread(reactor.stop))
-    address = bound.getHost()
-
-    def announce() -> None:
-        # Only once the reactor runs: its SIGTERM/SIGINT handlers are installed by
-        # then, so a supervisor that signals as soon as it reads the line gets a
-        # clean shutdown (spill files removed, disk work finished), not a kill.
-        print(f"tensorshare-server listening on {address.host}:{address.port}", flush=True)
-        if bound.tls_fingerprint:
-            print(f"tensorshare-server TLS certificate SHA-256 fingerprint {bound.tls_fingerprint}", flush=True)
-        if bound.ops is not None:
-            print(f"tensorshare-server status page http://{config.metrics_host}:{bound.ops.port}/", flush=True)
-
-    reactor.callWhenRunning(announce)
+    # Only once the reactor runs: its SIGTERM/SIGINT handlers are installed by then,
+    # so a supervisor that signals as soon as it reads the announcement gets a clean
+    # shutdown (spill files removed, disk work finished), not a kill.
+    reactor.callWhenRunning(announce, bound)
     reactor.run()
+
+
+def _announce(bound) -> None:
+    address = bound.getHost()
+    print(f"tensorshare-server listening on {address.host}:{address.port}", flush=True)
+    if bound.tls_fingerprint:
+        print(f"tensorshare-server TLS certificate SHA-256 fingerprint {bound.tls_fingerprint}", flush=True)
+    if bound.ops is not None:
+        print(f"tensorshare-server status page http://{bound.state.config.metrics_host}:{bound.ops.port}/",
+              flush=True)
 
 
 def _tune_malloc() -> None:
@@ -185,6 +228,9 @@ class EmbeddedServer:
 
     def __init__(self, port: int = 0, host: str = "127.0.0.1", **settings):
         self.config = ServerConfig(host=host, port=port, **settings)
+        if self.config.workers > 1:
+            raise UsageError("an embedded server runs in this process: one worker (run_server or "
+                             "tensorshare-server --workers N for more)")
         ensure_reactor_thread()
         self._port = blockingCallFromThread(reactor, listen, self.config)
         self.port: int = self._port.getHost().port

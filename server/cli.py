@@ -98,6 +98,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Na
     parser.add_argument("--recv-pool-idle", type=seconds, default=ServerConfig.recv_pool_idle, metavar="SECONDS",
                         help="give receive-pool memory back to the system once it has been free this long "
                              "(default %(default)s)")
+    parser.add_argument("--workers", type=int, default=ServerConfig.workers, metavar="N",
+                        help="serve with N processes that share nothing, each owning the bins whose names hash "
+                             "to it; clients route each request to its owner (default %(default)s)")
+    parser.add_argument("--worker-ports", type=int, default=None, metavar="PORT",
+                        help="with --workers: worker k also listens on PORT+k, which clients connect to "
+                             "(default: free ports, named in the greeting)")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING... (INFO: a line per "
                                                                 "connection opened and closed)")
     _add_relay_arguments(parser)
@@ -197,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"unknown --log-level {args.log_level!r} (DEBUG, INFO, WARNING, ERROR)", EXIT_USAGE)
     settings = {f.name: getattr(config, f.name) for f in fields(ServerConfig) if f.name not in ("host", "port")}
     try:
-        run_server(config.port, config.host, **settings)
+        code = run_server(config.port, config.host, **settings)  # (a multi-worker server's parent returns one)
     except UsageError as exc:  # a data directory another server holds says so with its own status (75)
         return _fail(str(exc), getattr(exc, "exit_code", EXIT_USAGE))
     except CannotListenError as exc:
@@ -209,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"cannot listen on {config.host}:{config.port}: {exc}", EXIT_CANNOT_LISTEN)
     except OSError as exc:  # a directory or file it was given cannot be used
         return _fail(f"cannot start: {exc}", EXIT_FAILED)
-    return EXIT_STOPPED
+    return code or EXIT_STOPPED
 
 
 def _fail(message: str, code: int) -> int:

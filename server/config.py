@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from tensorshare.protocol.auth import resolve_token
 from tensorshare.protocol.messages import MAX_BIN_NAME, MAX_REPLY_HEADER
+from tensorshare.protocol.placement import MAX_WORKERS
 from tensorshare.wire.description import DecodeLimits
 from tensorshare.wire.frames import FrameLimits
 
@@ -74,6 +75,12 @@ class ServerConfig:
             raise ValueError("busy_poll must be 0 (off) to 0.1 seconds")
         if not self.outbound_stall_timeout > 0:
             raise ValueError("outbound_stall_timeout must be a positive number of seconds")
+        if not 1 <= self.workers <= MAX_WORKERS:
+            raise ValueError(f"workers must be 1 to {MAX_WORKERS}")
+        if self.workers > 1 and self.follow:
+            raise ValueError("a relay runs in one process: --follow takes no --workers")
+        if self.worker_ports is not None and not 0 < self.worker_ports <= 65536 - self.workers:
+            raise ValueError("worker_ports must leave room for one port per worker below 65536")
 
     # -- security (issue #7): authentication, TLS, connection and time limits
     token: str | bytes | None = field(default=None, repr=False)  # clients must prove they know it (AUTH)
@@ -96,6 +103,10 @@ class ServerConfig:
     follow_tls_ca: str | None = None
     follow_tls_fingerprint: str | None = None
     follow_timeout: float = 30.0  # seconds a read or forwarded write waits for the upstream
+    # -- workers (issue #32, server/workers/): processes that share nothing, each serving
+    # the bins whose names hash to it (PROTOCOL.md §13); 1: this process serves them all.
+    workers: int = 1
+    worker_ports: int | None = None  # the first of the workers' own ports (None: free ones)
 
     def auth_token(self) -> bytes | None:
         """The token clients must prove: ``token``, else ``token_file``'s contents, else

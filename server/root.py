@@ -46,6 +46,8 @@ class ServerState:
     counters: Counters | None = None  # what it counts for metrics and the status page (None: metrics off)
     handlers: dict = field(default_factory=dict)  # handlers that replace the usual ones (a relay's: server/relay/)
     relay: object = None  # server/relay/follower.Follower when this server relays another
+    workers: object = None  # tensorshare.protocol.placement.WorkerMap of a multi-worker server's worker
+    mapped: set = field(default_factory=set)  # bins same-host readers asked references to (protocol/shared.py)
 
     def __post_init__(self) -> None:
         if self.waits is None:

@@ -20,6 +20,7 @@ import logging
 from typing import Any, Callable
 
 from twisted.internet import defer
+from twisted.internet.error import ConnectError
 from twisted.internet.endpoints import SSL4ClientEndpoint, TCP4ClientEndpoint, connectProtocol
 
 from ._client.calls import Call
@@ -30,10 +31,15 @@ from ._client.options import DEFAULT_CONNECT_TIMEOUT, check_address, connect_tim
 from .protocol.retry import Backoff
 from ._client.routing import finish
 from ._client.twisted_wire import Wire
+from ._client.workers import StaleMapError, Workers, finish_merged, same_reply
 from ._client.zerocopy import SharedAreas
-from .errors import AuthenticationError, ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UsageError
-from .protocol.messages import NOOP, Command
+from .errors import (
+    AuthenticationError, ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UsageError,
+    WrongWorkerError,
+)
+from .protocol.messages import NOOP, Command, Route
 from .protocol.peers import PROBE_AFTER
+from .protocol.placement import WorkerMap
 from .protocol.tls import TLSSettings
 from .wire.frames import Frame
 
@@ -71,6 +77,11 @@ class AsyncClient(ClientCore):
         # Connects a new Wire to the server (a Deferred firing once connected):
         # Twisted's TCP or TLS endpoints unless given (tests pair the two ends in memory).
         self._connector = connector or self._connect_endpoint
+        self._given_connector = connector  # (its members connect the same way: tests pair them in memory)
+        self._front: AsyncClient | None = None  # the client this one is a member of (it routes to us)
+        self._reuse = reuse  # (its members keep as much reply memory)
+        self._opening: defer.Deferred | None = None  # a member's first connection, while it opens
+        self._remapping: defer.Deferred | None = None
 
     @classmethod
     def connect(cls, host: str = "127.0.0.1", port: int = 8000, *, reactor=None, timeout: float | None = 60.0,
@@ -104,6 +115,8 @@ class AsyncClient(ClientCore):
         """Close the connection; pending Deferreds fail with ConnectionLostError."""
         self._closed = True
         self._listens.clear()
+        if self._workers is not None:
+            self._workers.close()
         for timer in (self._retry, self._sweeper, self._keepalive_timer):
             if timer is not None and timer.active():
                 timer.cancel()
@@ -117,12 +130,21 @@ class AsyncClient(ClientCore):
 
     @property
     def connected(self) -> bool:
+        if self._workers is not None:
+            return self._workers.home.connected
         return self._wire is not None
 
     @property
     def same_host(self) -> bool:
         """True while the connection uses same-host zero-copy."""
+        if self._workers is not None:
+            return self._workers.home.same_host
         return self._wire is not None and self._wire.conn.areas is not None
+
+    @property
+    def workers(self) -> int:
+        """How many workers the server runs (``--workers``; PROTOCOL.md §14)."""
+        return 1 if self._workers is None else self._workers.map.count
 
     # -- calls
 
@@ -132,6 +154,10 @@ class AsyncClient(ClientCore):
               into: Any = None) -> defer.Deferred:
         if progress is not None:
             raise UsageError("progress reports are for the blocking Client")
+        if self._workers is not None:  # a member sends it, as the verb's declaration routes it (_client/workers.py)
+            return self._routed_call(command, fields, value, dict(
+                timeout=timeout, then=then, on_reply=on_reply, on_error=on_error, decode=decode, zero_copy=zero_copy,
+                device=device, into=into))
         d = defer.Deferred()
         try:
             self._submit(command, fields, value, d, zero_copy=zero_copy, timeout=timeout, then=then,
@@ -154,6 +180,19 @@ class AsyncClient(ClientCore):
         (``inline`` changes nothing here: callbacks run on the reactor thread)."""
         if self._closed:
             raise UsageError("the client is closed")
+        if self._workers is not None:  # a member sends it, as the verb's declaration routes it (_client/workers.py)
+            if command.route is Route.OWNER:
+                self._workers.owner(fields)._submit(command, fields, value, callback, zero_copy=zero_copy,
+                                                    timeout=timeout, then=then, on_error=on_error, on_reply=on_reply,
+                                                    decode=decode, raw=raw, device=device, into=into)
+                return
+            d = self._routed_call(command, fields, value, dict(timeout=timeout, then=same_reply if raw else then,
+                                                               on_error=on_error, decode=decode))
+            if type(callback) is defer.Deferred:
+                d.chainDeferred(callback)
+            else:
+                d.addCallbacks(lambda result: callback(result, None), lambda failure: callback(None, failure.value))
+            return
         if self._failure is not None:
             raise self._failure.with_traceback(None)
         if self._wire is None:
@@ -294,7 +333,20 @@ class AsyncClient(ClientCore):
         d.addErrback(self._open_failed)
         return d
 
-    def _opened(self, wire: Wire) -> None:
+    def _opened(self, wire: Wire) -> defer.Deferred | None:
+        front = self._front
+        if front is None and self._workers is None:
+            try:
+                workers = WorkerMap.of(wire.conn.greeting)
+            except ProtocolError as exc:
+                wire.transport.abortConnection()
+                raise ConnectionLostError(f"bad greeting from {self._where}: {exc}") from None
+            if workers is not None:  # several workers: route each call to its bin's (_client/workers.py)
+                return self._route(workers, wire)
+        elif front is not None and not front._workers.fits(self._worker_index, wire.conn.greeting):
+            wire.transport.abortConnection()
+            front._remap(ConnectionLostError(f"{self._where} greeted as another worker"))
+            raise StaleMapError(f"{front._where} now runs other workers than this client mapped")
         if self.zero_copy:
             wire.conn.areas = SharedAreas.of(wire.conn.greeting)
         self._wire = wire
@@ -304,6 +356,8 @@ class AsyncClient(ClientCore):
         self._relisten()
 
     def _open_failed(self, failure):
+        if self._front is not None and failure.check(ConnectError):  # gone, or moved: map the workers again
+            self._front._remap(failure.value)
         if failure.check(AuthenticationError):
             self._failure = failure.value  # a wrong token or an untrusted server stays so: do not hammer it
         if failure.check(TensorShareError):
@@ -334,6 +388,97 @@ class AsyncClient(ClientCore):
 
         self._retry = self.reactor.callLater(self._backoff.next(), attempt)
 
+    # -- workers (_client/workers.py)
+
+    def _route(self, workers: WorkerMap, wire: Wire) -> defer.Deferred:
+        """Become the front of one member per worker (``wire`` is the home member's);
+        fires once every member is connected."""
+        self._workers = Workers(self, workers)
+        self._workers.members[workers.index] = self._workers.home = self._worker_client(workers.index, wire)
+        return self._members_connected()
+
+    def _routed_call(self, command: Command, fields: dict | None, value: Any, options: dict) -> defer.Deferred:
+        """A call sent where ``command``'s declaration routes it: to its bin's owner (a
+        427 maps the workers again), or to several members, their replies merged
+        (``MERGE``) or the last one's result once all are in (``EVERY``)."""
+        workers = self._workers
+        if command.route is Route.OWNER:
+            return workers.owner(fields)._call(command, fields, value, **options).addErrback(self._remap_on)
+        then = options.pop("then")
+        merge = command.route is Route.MERGE
+        d = defer.gatherResults([member._call(command, fields, value, then=same_reply if merge else then, **options)
+                                 for member in workers.targets(command)], consumeErrors=True)
+        d.addCallback(lambda replies: finish_merged(workers.merged(command, replies), then) if merge else replies[-1])
+        return d.addErrback(_first_error)
+
+    def _members_connected(self) -> defer.Deferred:
+        opening = [member._opening for member in self._workers.all() if member._opening is not None]
+        return defer.gatherResults(opening, consumeErrors=True).addErrback(_first_error)
+
+    def _worker_client(self, index: int, wire: Wire | None = None) -> "AsyncClient":
+        """The member of worker ``index``: a client like this one on that worker's port,
+        taking ``wire`` (already open to that worker) or connecting (``_opening``)."""
+        workers = self._workers
+        port = self.port if not workers.map.id else workers.map.ports[index]
+        member = type(self)(self.reactor, self.host, port, self.timeout, self.device, self.max_backoff,
+                            connect_timeout=self.connect_timeout, token=self._token, tls=self._tls,
+                            keepalive=self.keepalive, reuse=self._reuse, zero_copy=self.zero_copy,
+                            connector=self._given_connector)
+        member._front, member._worker_index = self, index
+        if wire is None:
+            member._opening = member._open()
+            member._opening.addBoth(member._opened_now)
+        else:
+            wire.client = member
+            wire.conn.decoder.sink_factory = member._new_connection().decoder.sink_factory  # (its replies are its)
+            member._opened(wire)
+        return member
+
+    def _opened_now(self, result):
+        self._opening = None
+        return result
+
+    def _remap(self, error: BaseException) -> defer.Deferred:
+        """Map the workers again from the public address (once at a time); fires with
+        True if the map changed."""
+        if self._remapping is not None:
+            return self._remapping
+        wire = Wire(self)
+        timer = self.reactor.callLater(self.connect_timeout, wire.abandon_opening)
+        d = self._remapping = self._connector(wire)
+        d.addCallback(lambda _: wire.greeted)
+
+        def greeted(_) -> bool:
+            try:
+                fresh = WorkerMap.of(wire.conn.greeting)
+            except ProtocolError:
+                fresh = None
+            if not self._workers.changed(fresh):
+                wire.transport.loseConnection()  # the same workers: the members reconnect by themselves
+                return False
+            self._workers.replace(fresh, lambda index: self._worker_client(index, wire), error)
+            self._workers.all()  # the others connect now
+            return True
+
+        def failed(failure) -> bool:
+            log.info("cannot map the workers of %s again (%s): %s", self._where, error, failure.getErrorMessage())
+            return False
+
+        def done(result):
+            self._remapping = None
+            if timer.active():
+                timer.cancel()
+            return result
+
+        return d.addCallbacks(greeted, failed).addBoth(done)
+
+    def _remap_on(self, failure):
+        """A routed call's errback: a 427 means the map is out of date (the call itself is
+        not sent again: its value may have changed since it was made)."""
+        if failure.check(WrongWorkerError) and self._workers is not None:
+            self._remap(failure.value)
+        return failure
+
     def _server_holds(self, wait: float) -> None:
         wire = self._wire
         if wire is not None and wire.traffic.keepalive is not None:
@@ -355,3 +500,8 @@ class AsyncClient(ClientCore):
         delay = wire.traffic.check(lambda: wire.send(request_frame(next_request_id(), NOOP)), drop)
         if delay is not None:
             self._keepalive_timer = self.reactor.callLater(delay, self._check_alive)
+
+
+def _first_error(failure):
+    """The failure of the first of several calls that failed (gatherResults wraps it)."""
+    return failure.value.subFailure if isinstance(failure.value, defer.FirstError) else failure

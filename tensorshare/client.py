@@ -11,7 +11,9 @@ away and restores the listens.  A reading thread probes a server that has gone
 silent with NOOP (``keepalive``) and drops a connection that stays silent.
 
 What this module owns is that threading (the reading itself, who reads and where
-each frame goes, is ``_client/leader.py``); the rest is shared: the verbs
+each frame goes, is ``_client/leader.py``; the writing, ``_client/sending.py``;
+serving a multi-worker server through one connection per worker,
+``_client/front.py``); the rest is shared: the verbs
 (``_client/methods.py``), the call table, planning and settling
 (``_client/core.py``), the socket (``_client/sockets.py``), coalescing of
 pipelined small requests (``_client/coalesce.py``) and reply polling
@@ -28,39 +30,38 @@ from typing import Any, Callable
 from ._client.calls import Call
 from ._client.progress import Progress
 from ._client.coalesce import Coalescer
-from ._client.connection import (
-    DEFAULT_REUSE, NO_VALUE, ListenSnapshot, Notification, next_request_id, request_frame,
-)
+from ._client.connection import DEFAULT_REUSE, NO_VALUE, ListenSnapshot, Notification
 from ._client.core import ClientCore
 from ._client.dispatch import Dispatcher
+from ._client.front import Front
 from ._client.leader import LeaderFollower
-from .protocol.keepalive import DEAD, PROBE, Keepalive
+from .protocol.keepalive import Keepalive
 from ._client.listens import Listening
 from ._client.reader import BackgroundReader
 from ._client.methods import DEFAULT
 from ._client.options import DEFAULT_CONNECT_TIMEOUT, DEFAULT_RETRY_FOR, check_address, connect_timeout_for
 from .protocol.retry import Backoff
 from ._client.routing import finish
+from ._client.sending import Sender
 from ._client.sockets import SMALL_FRAME, Link, open_link
 from ._client.spin import DEFAULT_LIMIT as DEFAULT_SPIN
 from ._client.spin import ReplySpin
 from ._client.table_copy import TableCopies
+from ._client.workers import StaleMapError
 from ._client.zerocopy import SharedAreas
 from .errors import (
-    AuthenticationError, ConnectionLostError, TensorShareError, TimeoutError, UsageError,
-    WrongServerError,
+    AuthenticationError, ConnectionLostError, TensorShareError, TimeoutError, UsageError, WrongServerError,
+    WrongWorkerError,
 )
-from .protocol.messages import NOOP, Command
+from .protocol.messages import Command, Route
 from .protocol.tls import TLSSettings
 
 log = logging.getLogger("tensorshare.client")
 
 __all__ = ["Client", "Listening", "ListenSnapshot", "Notification", "connect"]
 
-_IDLE_CHECK = 1.0  # seconds of quiet after which a request first reads what the server sent meanwhile
 
-
-class Client(TableCopies, LeaderFollower, ClientCore):
+class Client(Front, TableCopies, LeaderFollower, Sender, ClientCore):
     """A blocking, thread-safe tensorshare client.
 
     ``put``, ``append``, ``get``, ``peek``, ``list``, ``delete`` and ``listen`` block
@@ -94,6 +95,11 @@ class Client(TableCopies, LeaderFollower, ClientCore):
     that map the server's files copy-on-write (changing them changes nothing
     stored).  ``zero_copy=False`` sends everything over TCP.
 
+    A server started with ``--workers N`` names its workers when the client
+    connects: the client then keeps one connection per worker whose bins it uses
+    and sends each call where its verb's declaration routes it (to the worker that
+    owns its bin; LIST to all, merged; PROTOCOL.md §14), as :attr:`workers` says.
+
     A call waiting for its reply polls the socket for up to ``spin`` seconds
     before it sleeps, while recent replies came within that time: a quick reply
     then costs no thread wake-up.  ``spin=0`` always sleeps at once.
@@ -111,6 +117,18 @@ class Client(TableCopies, LeaderFollower, ClientCore):
                  tls_ca: str | None = None, tls_fingerprint: str | None = None, keepalive: float | None = 15.0,
                  zero_copy: bool = True, spin: float = DEFAULT_SPIN, reuse: int = DEFAULT_REUSE):
         check_address(host, port)
+        self._options = dict(timeout=timeout, connect_timeout=connect_timeout, device=device, reconnect=reconnect,
+                             max_backoff=max_backoff, token=token, tls=tls, tls_ca=tls_ca,
+                             tls_fingerprint=tls_fingerprint, keepalive=keepalive, zero_copy=zero_copy, spin=spin,
+                             reuse=reuse)  # (a multi-worker server's members get the same)
+        self._configure(host, port, **self._options)
+        self._become_front(self._connect())  # a multi-worker server's greeting: route by declaration (.front)
+
+    def _configure(self, host: str, port: int, *, timeout: float | None, connect_timeout: float | None, device: Any,
+                   reconnect: bool, max_backoff: float, token: str | bytes | None, tls: bool | None,
+                   tls_ca: str | None, tls_fingerprint: str | None, keepalive: float | None, zero_copy: bool,
+                   spin: float, reuse: int) -> None:
+        """Everything of :meth:`__init__` but connecting."""
         self._cond = threading.Condition()
         settings = TLSSettings.from_options(tls, tls_ca, tls_fingerprint)
         self._init_core(host, port, timeout=timeout, device=device, zero_copy=zero_copy, reuse=reuse, token=token,
@@ -131,7 +149,7 @@ class Client(TableCopies, LeaderFollower, ClientCore):
         self._ever_connected = False
         self._reader = BackgroundReader(self)  # keeps the socket drained while callbacks wait
         self._dispatcher: Dispatcher | None = None
-        self._connect()
+        self._remap_lock = threading.Lock()  # (a front's: _client/front.py)
 
     _blocking = True
 
@@ -143,6 +161,8 @@ class Client(TableCopies, LeaderFollower, ClientCore):
             self._closed = True
             self._listens.clear()
             self._cond.notify_all()  # an idle reader ends now
+        if self._workers is not None:
+            self._workers.close()
         self._drop_connection(self._link, ConnectionLostError("client closed"))
         if self._exports is not None:
             self._exports.close()
@@ -157,20 +177,32 @@ class Client(TableCopies, LeaderFollower, ClientCore):
         calling thread), so that none still runs user or torch code when the
         interpreter exits, which can abort the process."""
         me = threading.current_thread()
+        for member in self._workers.made() if self._workers is not None else ():
+            member.join(timeout)
         for thread in (self._reader.thread, self._dispatcher and self._dispatcher.thread):
             if thread is not None and thread is not me:
                 thread.join(timeout)
 
     @property
     def connected(self) -> bool:
+        if self._workers is not None:
+            return self._workers.home.connected
         return self._link is not None
 
     @property
     def same_host(self) -> bool:
         """True while the connection uses same-host zero-copy (the server's shared
         memory was offered and verified to be on this host)."""
+        if self._workers is not None:
+            return self._workers.home.same_host
         link = self._link
         return link is not None and link.conn.areas is not None
+
+    @property
+    def workers(self) -> int:
+        """How many workers the server runs (``--workers``): this client connects to
+        each whose bins it uses (PROTOCOL.md §14)."""
+        return 1 if self._workers is None else self._workers.map.count
 
     def __enter__(self) -> "Client":
         return self
@@ -191,6 +223,19 @@ class Client(TableCopies, LeaderFollower, ClientCore):
         """Send a request and wait for its reply (see :mod:`._client.methods`);
         ``progress(done, total)`` hears of the bytes of a large request sent and of
         its reply received (:class:`._client.progress.Progress`)."""
+        workers = self._workers
+        if workers is not None:  # a member sends it, as the verb's declaration routes it (_client/front.py)
+            seen, error = workers.map, None
+            if command.route is Route.OWNER:
+                try:  # (the usual case: its arguments passed on as they are, no dict of them made)
+                    return workers.owner(fields)._call(
+                        command, fields, value, timeout=timeout, then=then, on_reply=on_reply, on_error=on_error,
+                        decode=decode, zero_copy=zero_copy, progress=progress, device=device, into=into)
+                except (StaleMapError, WrongWorkerError) as exc:  # nothing was done: once more, if the map changed
+                    error = exc
+            return self._routed_call(command, fields, value, dict(
+                timeout=timeout, then=then, on_reply=on_reply, on_error=on_error, decode=decode, zero_copy=zero_copy,
+                progress=progress, device=device, into=into), error, seen)
         if timeout is DEFAULT:
             timeout = self.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -248,6 +293,11 @@ class Client(TableCopies, LeaderFollower, ClientCore):
                 raw: bool = False, inline: bool = False, device: Any = None, into: Any = None) -> None:
         if self._closed:
             raise UsageError("the client is closed")
+        if self._workers is not None:  # a member sends it, as the verb's declaration routes it (_client/front.py)
+            self._routed_submit(command, fields, value, callback, dict(
+                zero_copy=zero_copy, timeout=timeout, then=then, on_error=on_error, on_reply=on_reply, decode=decode,
+                raw=raw, inline=inline, device=device, into=into))
+            return
         areas = self._areas(DEFAULT) if zero_copy and self.zero_copy else None
         call = self._new_call(command, fields, value, areas, callback, then, on_error, on_reply, None, decode, raw,
                               device=device, into=into)
@@ -328,155 +378,13 @@ class Client(TableCopies, LeaderFollower, ClientCore):
         return link.conn.areas
 
     def _shared_areas(self) -> SharedAreas | None:
+        if self._workers is not None:  # any worker's will do: its drafts move to whichever takes the put
+            return self._workers.home._shared_areas()
         return self._areas(self._deadline(DEFAULT)) if self.zero_copy else None
 
     def _listening(self, handle: Listening) -> Listening:
         self._reader.ensure()
         return handle
-
-    # ------------------------------------------------------------------ sending
-
-    def _send(self, parts: list, deadline: float | None, rid: int, may_hold: bool = False,
-              progress: Progress | None = None) -> None:
-        """Send request ``rid``'s frame; ``may_hold``: a small one may wait in the
-        coalescer while an earlier request awaits its reply (see :mod:`._client.coalesce`)."""
-        link = self._ensure_connected(deadline)
-        with self._send_lock:
-            coalescer = self._coalescer
-            if type(parts) is not list:  # StagedParts: device arrays, staged bucket by bucket as they go
-                self._send_staged(link, parts, deadline, rid, progress)
-                return
-            if not (may_hold and not link.tls and coalescer.awaiting(link)
-                    and sum(map(len, parts)) <= SMALL_FRAME and coalescer.hold(link, rid, b"".join(parts))):
-                if progress is None:
-                    self._send_locked(link, parts, deadline, rid)
-                else:  # piece by piece, reporting each
-                    for i, piece in enumerate(progress.pieces(parts)):
-                        self._send_locked(link, piece, deadline, rid if i == 0 else None)
-                        progress.sent(piece)
-                return
-        # Held.  The replies it waits for may all have come while we held the lock,
-        # and a reader that then found the lock taken did not send what is held: do.
-        if not coalescer.awaiting(link):
-            with self._send_lock:
-                if coalescer and link is self._link:
-                    self._send_locked(link, [], deadline)
-
-    def _send_staged(self, link: Link, parts, deadline: float | None, rid: int,
-                     progress: Progress | None) -> None:
-        """Send a frame holding device arrays (the caller holds the send lock): each
-        bucket the engine stages goes out before the next is asked for (its buffer
-        is then reused), while the buckets after it are being copied."""
-        pending, first = [], True
-        for view, staged in parts.engine.pieces(parts):
-            pending.append(view)
-            if staged:
-                self._send_locked(link, pending, deadline, rid if first else None)
-                if progress is not None:
-                    progress.sent(pending)
-                pending, first = [], False
-        if pending or first:
-            self._send_locked(link, pending, deadline, rid if first else None)
-            if progress is not None:
-                progress.sent(pending)
-
-    def _send_held(self, link: Link) -> None:
-        """Send what the coalescer holds, as far as the socket takes it now (a reader:
-        never waits for the socket, nor for a sender, which sends it first anyway)."""
-        if not self._send_lock.acquire(blocking=False):
-            return
-        try:
-            if link is not self._link or not self._coalescer:
-                return
-            frames = self._coalescer.take(link)
-            data = frames[0] if len(frames) == 1 else b"".join(frames)
-            try:
-                sent = link.send_now(data)
-            except OSError as exc:
-                raise self._lost(link, exc) from None
-            if sent < len(data):
-                self._coalescer.keep_rest(memoryview(data)[sent:])
-        finally:
-            self._send_lock.release()
-
-    def _send_locked(self, link: Link, parts: list, deadline: float | None, rid: int | None = None) -> None:
-        """Write what the coalescer holds, then request ``rid``'s whole frame (the caller
-        holds the send lock).  With keepalive on, a server that takes no byte for
-        twice ``keepalive`` seconds is presumed dead."""
-        if link is not self._link:
-            # Replaced since the caller picked it up: what the coalescer holds now is
-            # the new connection's, and must not be taken for this one.
-            raise ConnectionLostError(f"connection to {self._where} lost")
-        held = self._coalescer.take(link, rid)
-        if held:  # many small frames: one part (one iovec) for all of them
-            parts = [held[0] if len(held) == 1 else b"".join(held), *parts]
-        stall = None if self.keepalive is None else 2 * self.keepalive
-        try:
-            link.send_all(parts, deadline, stall)
-        except TimeoutError:
-            # A partly sent frame leaves the stream unusable: start afresh.
-            self._drop_connection(link, ConnectionLostError("send timed out; connection reset"))
-            raise
-        except (OSError, ValueError, AttributeError) as exc:  # ValueError/AttributeError: closed by another thread
-            raise self._lost(link, exc) from None
-
-    def _before_request(self) -> None:
-        """Note that a request is about to go out (the keepalive counts silence from
-        it) and, on a connection quiet for a while, first read what the server sent
-        meanwhile (late replies, or the 421 it sends before closing an idle
-        connection), so that a connection it has closed is replaced by the request
-        instead of failing it.  Called before the request is registered, so that
-        dropping the connection does not fail the request too."""
-        now = time.monotonic()
-        quiet = now - max(self._last_heard, self._last_sent)
-        self._last_sent = now
-        link = self._link
-        if quiet <= _IDLE_CHECK or link is None:
-            return
-        with self._cond:
-            if self._reading or link is not self._link:
-                return  # another thread reads: it will notice a close itself
-            self._reading = True
-        try:
-            while self._link is link and link.data_waiting():
-                self._read_some(time.monotonic() + 0.1)
-        except (TimeoutError, ConnectionLostError):
-            pass  # half a TLS record (read on later), or the connection is gone (the request reconnects)
-        finally:
-            with self._cond:
-                self._reading = False
-                self._cond.notify_all()
-
-    def _server_holds(self, wait: float) -> None:
-        state = self._keepalive_state
-        if state is not None:
-            state.hold(time.monotonic() + wait + 1.0)
-
-    def _keepalive(self, link: Link) -> float | None:
-        """Probe a server silent for ``keepalive`` seconds with a NOOP, and drop the
-        connection (ConnectionLostError) if nothing comes for as long after the
-        probe.  Returns when to check next (None: keepalive is off)."""
-        state = self._keepalive_state
-        if state is None:
-            return None
-        now = time.monotonic()
-        action, wake = state.due(now, self._last_heard, self._last_sent)
-        if action == DEAD:
-            err = ConnectionLostError(f"{self._where} sent nothing for {self.keepalive:g}s after a "
-                                      f"keepalive probe: connection presumed dead")
-            self._drop_connection(link, err)
-            raise err
-        if action == PROBE:
-            if not self._send_lock.acquire(blocking=False):
-                return now + 0.5  # a request is going out: the server has that to read first
-            try:
-                # No deadline: a probe that cannot go out trips the stall limit (ConnectionLostError).
-                probe = next_request_id()
-                self._send_locked(link, request_frame(probe, NOOP), None, probe)
-            finally:
-                self._send_lock.release()
-            state.probed(now)  # its reply has an id nobody waits for: it is dropped on arrival
-        return wake
 
     def _callbacks(self) -> Dispatcher:
         if self._dispatcher is None:
@@ -493,8 +401,17 @@ class Client(TableCopies, LeaderFollower, ClientCore):
         within = self.connect_timeout
         if deadline is not None:
             within = max(min(within, deadline - time.monotonic()), 0.001)
-        link = open_link(self.host, self.port, within, self._tls, self._ssl_context, self._new_connection())
         try:
+            link = open_link(self.host, self.port, within, self._tls, self._ssl_context, self._new_connection())
+        except ConnectionLostError as exc:
+            self._member_unreachable(exc)  # (a member whose server moved its workers: StaleMapError)
+            raise
+        return self._take(link)
+
+    def _take(self, link: Link) -> Link:
+        """Make the opened ``link`` current."""
+        try:
+            self._check_greeting(link)  # (.front: a member greeted by another worker than its own)
             if self.zero_copy:
                 link.conn.areas = SharedAreas.of(link.conn.greeting)
         except BaseException:

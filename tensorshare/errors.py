@@ -38,6 +38,7 @@ __all__ = [
     "ZeroCopyError",
     "DeviceReferenceError",
     "ZeroCopyUnavailableError",
+    "WrongWorkerError",
     "error_for_code",
 ]
 
@@ -169,6 +170,15 @@ class ZeroCopyUnavailableError(TransientError):
     code = 425
 
 
+class WrongWorkerError(TransientError):
+    """427: another worker of this multi-worker server owns the bin (PROTOCOL.md §14);
+    nothing changed.  A client whose map of the workers is out of date (the server
+    restarted with other workers) gets it; the clients map the workers again and
+    send the request to its owner by themselves."""
+
+    code = 427
+
+
 class BusyError(TransientError, TimeoutError):
     """450: what the request waited for in the server (room in a bin for an APPEND
     with ``below``...) did not come within its wait; nothing changed.  Also a
@@ -237,6 +247,7 @@ _BY_CODE: dict[int, type[RemoteError]] = {
     for cls in (
         ServerUnavailableError,
         ZeroCopyUnavailableError,
+        WrongWorkerError,
         BusyError,
         ServerLocalError,
         StorageFullError,

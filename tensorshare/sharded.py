@@ -18,13 +18,13 @@ bin's server's :class:`~tensorshare.Client`.
 
 from __future__ import annotations
 
-import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
 from .client import Client
 from .errors import UsageError
 from .protocol.messages import COMMANDS
+from .protocol.placement import rendezvous
 
 _DEFAULT = object()
 
@@ -47,17 +47,6 @@ def parse_server(server: str | tuple[str, int]) -> tuple[str, int]:
     if not host or not 0 < port < 65536:
         raise UsageError(f"bad server address {server!r}")
     return host, port
-
-
-def rendezvous(name: str, keys: list[str]) -> int:
-    """Index of the key that ``name`` hashes highest with (rendezvous hashing)."""
-    encoded = name.encode("utf-8", "surrogatepass")
-    best, best_index = b"", 0
-    for index, key in enumerate(keys):
-        weight = hashlib.blake2b(encoded, digest_size=8, key=key.encode()[:64]).digest()
-        if weight > best:
-            best, best_index = weight, index
-    return best_index
 
 
 class ShardedClient:

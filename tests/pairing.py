@@ -8,7 +8,8 @@ every edge reachable, as h11's tests pair two connections.
 
 :func:`async_pair` does the same one level up: an :class:`~tensorshare.AsyncClient`
 connected through Twisted's ``iosim`` transports to the real server protocol,
-driven by a :class:`~twisted.internet.task.Clock`.
+driven by a :class:`~twisted.internet.task.Clock`; :class:`PairedWorkers`, to the
+real sessions of the workers of a multi-worker server, each behind its own port.
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ from typing import Any
 
 from twisted.internet import defer
 from twisted.internet.address import IPv4Address
+from twisted.internet.error import ConnectionRefusedError
 from twisted.internet.task import Clock
+from twisted.python import failure
 from twisted.test import iosim
 
 from tensorshare._client.connection import NO_VALUE, ClientConnection, next_request_id, read_reply, request_frame
 from tensorshare.protocol.messages import Command
+from tensorshare.protocol.placement import WorkerMap
 from tensorshare.wire.frames import Frame, FrameDecoder
 from tensorshare_server.config import ServerConfig
 from tensorshare_server.net.service import TensorShareFactory
@@ -168,6 +172,69 @@ def async_pair(clock: Clock | None = None, *, client_options: dict | None = None
     opened.addBoth(result.append)
     assert result and result[0] is None, result
     return client, pump, clock, state
+
+
+class PairedWorkers:
+    """N real worker states, each behind its own port, and a connector that pairs an
+    AsyncClient's wires with the worker its port names (the public port: worker 0)."""
+
+    PUBLIC = 8000
+
+    def __init__(self, count: int, clock: Clock, **config):
+        self.clock = clock
+        self.config = config  # the workers' settings (ServerConfig's)
+        self.pumps: list = []
+        self.use(count)
+
+    def use(self, count: int, base: int = 8001) -> None:
+        """Serve with ``count`` workers on ports ``base``... from now on (a restart)."""
+        self.workers = WorkerMap([base + k for k in range(count)], 0, f"run-{base}-{count}")
+        self.states = []
+        self.factories = {}
+        for k in range(count):
+            state = build_state(ServerConfig(**self.config), clock=self.clock)
+            state.workers = WorkerMap(self.workers.ports, k, self.workers.id)  # (as app.listen makes a worker's)
+            self.states.append(state)
+            self.factories[self.workers.ports[k]] = TensorShareFactory(state, clock=self.clock)
+        self.factories[self.PUBLIC] = self.factories[self.workers.ports[0]]
+
+    def connector(self, wire) -> defer.Deferred:
+        factory = self.factories.get(wire.client.port)
+        if factory is None:
+            return defer.fail(ConnectionRefusedError())
+        server = factory.buildProtocol(None)
+        here, there = IPv4Address("TCP", "127.0.0.1", 40000 + len(self.pumps)), IPv4Address(
+            "TCP", "127.0.0.1", wire.client.port)
+        pump = iosim.connect(server, _ServerTransport(server, True, there, here), wire,
+                             iosim.FakeTransport(wire, False, here, there), clock=self.clock, greet=False)
+        self.pumps.append(pump)
+        return defer.succeed(wire)
+
+    def client(self):
+        """An AsyncClient of the public port, connected to every worker."""
+        from tensorshare import AsyncClient
+
+        client = AsyncClient(self.clock, "127.0.0.1", self.PUBLIC, 10.0, None, 0.2, keepalive=None,
+                             connector=self.connector)
+        self.run(client._open())
+        return client
+
+    def flush(self) -> None:
+        _Pumps(self.pumps).flush(200)
+
+    def run(self, d: defer.Deferred):
+        """Pump until ``d`` fires; its result (or raise its failure)."""
+        out = []
+        d.addBoth(out.append)
+        for _ in range(100):
+            self.flush()
+            if out:
+                break
+            self.clock.advance(0.05)
+        assert out, "the Deferred never fired"
+        if isinstance(out[0], failure.Failure):
+            out[0].raiseException()
+        return out[0]
 
 
 class _ServerTransport(iosim.FakeTransport):

@@ -132,8 +132,12 @@ def test_a_lost_connection_fails_calls_at_once_then_listens_again(paired):
 def test_large_values_go_through_shared_memory_on_the_servers_host(paired):
     client, pump, clock, state = paired
     assert client.same_host
-    value = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB: written once into shared memory
+    value = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB: over TCP while nobody maps the bin
     assert result_of(client.put("zc", value), pump) == 1
+    [back] = result_of(client.peek("zc"), pump)  # a same-host reader: copied to shared memory, mapped
+    assert torch.equal(back, value)
+    assert result_of(client.put("zc", value), pump) == 1  # the reply says readers map the bin...
+    assert result_of(client.put("zc", value), pump) == 1  # ...so this one is written into shared memory
     [item] = state.store.peek("zc")
     assert item.files is not None and item.files.in_memory  # adopted: no bytes crossed the transport
     [back] = result_of(client.peek("zc"), pump)

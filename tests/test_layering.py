@@ -46,10 +46,15 @@ RELAY_RUN = """
 import socket, sys, time
 import msgpack
 from tensorshare_server.app import EmbeddedServer
+from tensorshare.protocol.placement import rendezvous, worker_keys
 from tensorshare.wire.frames import FrameDecoder, discard_sink, frame_head
 
-head = EmbeddedServer(port=0, zero_copy=False)
-relay = EmbeddedServer(port=0, follow=f"127.0.0.1:{head.port}", follow_timeout=10, zero_copy=False)
+if len(sys.argv) > 1:  # a head of several workers (the test started it): the relay follows each
+    head, head_port, workers = None, int(sys.argv[1]), int(sys.argv[2])
+else:
+    head = EmbeddedServer(port=0, zero_copy=False)
+    head_port, workers = head.port, 1
+relay = EmbeddedServer(port=0, follow=f"127.0.0.1:{head_port}", follow_timeout=10, zero_copy=False)
 sock = socket.create_connection(("127.0.0.1", relay.port), timeout=20)
 decoder, frames = FrameDecoder(discard_sink), []
 
@@ -65,17 +70,24 @@ def reply(rid):
 
 assert reply(0)["code"] == 220
 blob = msgpack.packb({"v": None, "t": [], "n": 0})
-requests = [{"op": "PUT", "bin": "p", "value": blob, "tag": 3},  # forwarded upstream
-            {"op": "PEEK", "bin": "p", "tags": True, "incoming": True},  # mirrored, and copies pushed
-            {"op": "LISTEN", "bin": "p"},
-            {"op": "TCREATE", "bin": "t", "spec": {"capacity": 4}},  # a table verb: at the head
-            {"op": "TINFO", "bin": "t"}, {"op": "LIST"}, {"op": "GET", "bin": "p", "tags": True}]
-codes = []
+names = [next(n for n in (f"p{i}" for i in range(999)) if rendezvous(n, worker_keys(workers)) == k)
+         for k in range(workers)]  # a bin of each worker
+requests, expected = [], []
+for name in names:
+    requests += [{"op": "PUT", "bin": name, "value": blob, "tag": 3},  # forwarded upstream
+                 {"op": "PEEK", "bin": name, "tags": True, "incoming": True},  # mirrored, and copies pushed
+                 {"op": "LISTEN", "bin": name}]
+    expected += [250, 226, 200]
+requests += [{"op": "TCREATE", "bin": "t", "spec": {"capacity": 4}},  # a table verb: at the head
+             {"op": "TINFO", "bin": "t"}, {"op": "LIST"}, {"op": "GET", "bin": names[-1], "tags": True}]
+expected += [250, 200, 212, 226]
+headers = []
 for rid, request in enumerate(requests, 1):
     sock.sendall(frame_head({"id": rid, **request}, 0))
-    codes.append(reply(rid)["code"])
-assert codes == [250, 226, 200, 250, 200, 212, 226], codes
-assert head.state.storage.table("t") is not None
+    headers.append(reply(rid))
+assert [h["code"] for h in headers] == expected, headers
+assert set(headers[-2]["bins"]) == {*names, "t"}, headers[-2]  # every worker's, merged
+assert head is None or head.state.storage.table("t") is not None
 loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith(("torch.", "tensorshare._client",
                                                                        "tensorshare.client", "tensorshare.async_client")))
 print(loaded)
@@ -97,6 +109,21 @@ print(loaded)
 @pytest.mark.process
 def test_modules_load_only_their_own_layer(script):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.process
+def test_a_relay_of_a_multi_worker_server_loads_neither_torch_nor_the_client():
+    """The relay's one connection per worker is its own torch-free client too."""
+    from serverproc import ServerProcess
+
+    head = ServerProcess("--workers", "2", "--no-zero-copy")
+    try:
+        out = subprocess.run([sys.executable, "-c", RELAY_RUN, str(head.port), "2"], capture_output=True, text=True,
+                             timeout=60)
+    finally:
+        head.stop()
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", out.stdout
 

@@ -36,6 +36,10 @@ def test_a_repeated_shape_is_written_into_prepared_files(fresh_server):
     with tensorshare.Client("127.0.0.1", fresh_server.port, timeout=30) as client:
         assert client.same_host
         areas = client._connection().areas
+        client.put("params", _state(0.0))  # over TCP: nobody maps the bin yet...
+        client.peek("params")  # ...a reader on this host does now: the next values come through shared memory
+        client.put("params", _state(0.5))
+        assert "params" in areas.mapped
         client.put("params", _state(1.0))
         assert _spares(areas) == []  # one value says nothing about the next
         client.put("params", _state(2.0))
@@ -50,9 +54,12 @@ def test_a_repeated_shape_is_written_into_prepared_files(fresh_server):
         for folder, _dirs, files in os.walk(os.path.join(area, "items")):
             stored |= {os.stat(os.path.join(folder, f)).st_ino for f in files if f.endswith(".memmap")}
         assert prepared <= stored  # the prepared files became the stored item's
-        assert wait_for(lambda: len(_spares(areas)) == 2, timeout=10)  # and the next ones are ready
-        client.put("other", _state(4.0, sizes=(5 * MiB,)))
-        client.put("other", _state(5.0, sizes=(5 * MiB,)))
+        assert wait_for(lambda: len(_ready(areas)) == 2, timeout=10)  # and the next ones are ready (the
+        # preparing thread done too: a put while it runs prepares nothing for its own shapes)
+        client.put("other", _state(3.5, sizes=(5 * MiB,)))
+        client.peek("other")
+        for version in (3.75, 4.0, 5.0):
+            client.put("other", _state(version, sizes=(5 * MiB,)))
         assert wait_for(lambda: [os.path.getsize(os.path.join(areas.incoming, n)) for n in _spares(areas)]
                         == [20 * MiB], timeout=10)  # those of the old shapes went
         assert torch.equal(client.peek("params")[0]["w1"], torch.full((2 * MiB,), 3.0))

@@ -2,8 +2,9 @@
 derived from it is there for each one, and each one round-trips through both ends.
 
 A verb added to the declarations without its handler, its clients' method, its
-relay treatment, its zero-copy role, its errors in PROTOCOL.md or an example
-request here fails one of these tests."""
+relay treatment, its zero-copy role, its route to the workers of a multi-worker
+server, its errors in PROTOCOL.md or an example request here fails one of these
+tests."""
 
 from __future__ import annotations
 
@@ -14,15 +15,18 @@ import numpy as np
 import pytest
 import torch
 
-from pairing import Pair
+from twisted.internet.task import Clock
+
+from pairing import Pair, PairedWorkers
 from tensorshare import AsyncClient, Client, ShardedClient
 from tensorshare._client.calls import Call
 from tensorshare._client.connection import NO_VALUE
 from tensorshare._client.routing import route
-from tensorshare.errors import RemoteError, error_for_code
+from tensorshare.errors import RemoteError, WrongWorkerError, error_for_code
 from tensorshare.protocol.messages import (
-    ANY_REQUEST_ERRORS, AUTH, COMMANDS, LANES, TCREATE, Key, Relay, TableKey, ZeroCopy,
+    ANY_REQUEST_ERRORS, AUTH, COMMANDS, LANES, TCREATE, WRONG_WORKER, Key, Relay, Route, TableKey, ZeroCopy,
 )
+from tensorshare.protocol.placement import WorkerMap
 
 PROTOCOL = (Path(__file__).resolve().parent.parent / "PROTOCOL.md").read_text()
 ALL = sorted(COMMANDS.values(), key=lambda c: c.verb)
@@ -35,8 +39,11 @@ def test_every_verb_declares_its_treatment_and_has_its_methods(command):
     assert command.zero_copy in (None, ZeroCopy.STORE, ZeroCopy.READ, ZeroCopy.TAKE)
     assert command.zero_copy != ZeroCopy.STORE or command.payload  # only a value can go through shared memory
     assert command.lane is None or Key.WAIT in {field.key for field in command.fields}  # it waits: it says how long
+    assert command.route in Route.ALL
+    assert (command.route == Route.OWNER) == command.takes_bin  # a bin's verbs go to its owner, and only they
+    assert (WRONG_WORKER in command.errors) == (command.route == Route.OWNER)  # refused by a worker that is not
     if command is AUTH:  # sent by every client while it connects
-        assert command.method is None
+        assert command.method is None and command.route == Route.CONNECTION
         return
     for client in (Client, AsyncClient):
         assert callable(getattr(client, command.method, None)), (client, command.method)
@@ -139,3 +146,53 @@ def test_a_relay_answers_each_verb_as_its_declaration_says():
     handlers = relay_handlers()
     assert set(handlers) == {c for c in COMMANDS.values() if c.relay != Relay.LOCAL}
     assert all(handler is not HANDLERS[command] for command, handler in handlers.items())
+
+
+def _counted(states) -> list[dict]:
+    """Each worker's requests so far, by verb."""
+    return [{verb: stats.requests for verb, stats in state.counters.verbs.items()} for state in states]
+
+
+def test_a_multi_worker_client_sends_each_verb_where_its_route_says():
+    """Each verb's request from a routed AsyncClient reaches the workers its route
+    names (real worker sessions paired in memory) and its reply passes the client's
+    checks: its bin's owner alone, every worker for LIST (merged) and NOOP."""
+    paired = PairedWorkers(2, Clock(), metrics_port=0)
+    client = paired.client()
+    for verb in ORDER:
+        command = COMMANDS[verb]
+        fields, value = _example(verb)
+        before = _counted(paired.states)
+        paired.run(client._call(command, fields, value, decode=False))
+        after = _counted(paired.states)
+        reached = [k for k in range(2) if after[k].get(verb, 0) > before[k].get(verb, 0)]
+        if command.route == Route.OWNER:
+            assert reached == [paired.workers.owner(fields[Key.BIN])], verb
+        else:  # MERGE (LIST), EVERY (NOOP: both members are connected)
+            assert reached == [0, 1], verb
+    paired.run(client.put("b", 1.0))  # (deleted above)
+    assert set(paired.run(client.list())) == {"b", "t"}  # merged: the bins (and tables) of both workers
+    client.close()
+
+
+def test_a_worker_refuses_each_verb_naming_another_workers_bin_before_its_handler():
+    """A worker answers 427 to every verb routed to a bin's owner when another worker
+    owns the bin, with nothing changed; it answers the others itself."""
+    from tensorshare_server.config import ServerConfig
+    from tensorshare_server.root import build_state
+
+    workers = WorkerMap([9001, 9002, 9003], 0, "run")
+    assert workers.owner("b") == workers.owner("t") == 2  # (the example's names: another worker's)
+    state = build_state(ServerConfig())
+    state.workers = workers
+    pair = Pair(state=state)
+    for verb in ORDER:
+        command = COMMANDS[verb]
+        fields, value = _example(verb)
+        if command.route == Route.OWNER:
+            with pytest.raises(WrongWorkerError, match="worker 2 of 3 owns"):
+                pair.call(command, fields, value)
+        else:
+            assert pair.call(command, fields, value).header["code"] == command.success.code
+    assert pair.call(COMMANDS["LIST"]).header[Key.BINS] == {}  # nothing was made
+    pair.close()

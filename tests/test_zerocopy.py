@@ -290,10 +290,10 @@ def test_pins_are_let_go_when_the_client_goes(every_item):
     items = os.path.join(area, "items")
     with _client(every_item) as writer:
         before = set(os.listdir(items))
-        writer.put("pinned", torch.ones(MiB))
-        [mine] = set(os.listdir(items)) - before
+        writer.put("pinned", torch.ones(MiB))  # over TCP: nobody maps the bin yet
         reader = _client(every_item)
-        [held] = reader.peek("pinned")  # pinned on the server until released
+        [held] = reader.peek("pinned")  # copied into shared memory for it, and pinned until released
+        [mine] = set(os.listdir(items)) - before
         writer.delete("pinned")
         time.sleep(0.2)
         assert mine in os.listdir(items)  # still pinned by the reader
@@ -419,10 +419,31 @@ def test_items_put_over_tcp_move_to_shared_memory_when_peeked(every_item):
     area = _area(every_item)
     with _client(every_item, zero_copy=False) as tcp, _client(every_item) as zc:
         tcp.put("promoted", torch.ones(MiB))
-        [first] = zc.peek("promoted")  # inline, and copied to shared memory meanwhile
-        assert not _mapped_from(first, area)
-        assert wait_for(lambda: _mapped_from(zc.peek("promoted")[0], area))
+        [first] = zc.peek("promoted")  # copied to shared memory for this first reader, who maps it
+        assert _mapped_from(first, area) and torch.equal(first, torch.ones(MiB))
         assert torch.equal(zc.peek("promoted")[0], torch.ones(MiB))
+
+
+def test_puts_go_over_tcp_until_same_host_readers_map_the_bin(every_item):
+    """An ordinary value goes over TCP (faster than writing new shared-memory pages);
+    once readers on the host map the bin, the server says so and the next values
+    come through shared memory, where they map them at once."""
+    area = _area(every_item)
+    with _client(every_item) as writer, _client(every_item) as reader:
+        areas = writer._connection().areas
+        writer.put("routed", torch.ones(MiB))
+        assert "routed" not in areas.mapped and not os.listdir(areas.incoming)
+        assert _mapped_from(reader.peek("routed")[0], area)
+        writer.put("routed", torch.full((MiB,), 2.0))  # over TCP still; the reply says readers map it
+        assert "routed" in areas.mapped
+        written = []
+        write = areas.write
+        areas.write = lambda *args: written.append(write(*args)) or written[-1]
+        writer.put("routed", torch.full((MiB,), 3.0))
+        assert written and written[0] is not None  # through shared memory
+        [back] = reader.peek("routed")
+        assert _mapped_from(back, area) and torch.equal(back, torch.full((MiB,), 3.0))
+        writer.delete("routed")
 
 
 @pytest.mark.process
@@ -595,7 +616,8 @@ def test_session_refers_only_to_same_host_peers_and_pins_until_released(tmp_path
         assert "shm" in local_out.frames[0].header and "shm" not in remote_out.frames[0].header
         request(local, local_out, 1, "PUT", torch.ones(1000))  # over TCP: in memory
         assert "refs" not in request(remote, remote_out, 2, "PEEK", ref=[0])  # a remote peer gets bytes
-        assert "refs" not in request(local, local_out, 3, "PEEK", ref=[0])  # inline, and copied to shared memory
+        assert "refs" in request(local, local_out, 3, "PEEK", ref=[0])  # copied to shared memory for it
+        assert request(local, local_out, 7, "PUT", torch.ones(1000))["mapped"] is True  # readers map the bin
         reply = request(local, local_out, 4, "PEEK", ref=[0])
         [[area, path]] = reply["refs"]
         item_dir = inside(state.storage.areas[area].root, path)

@@ -13,8 +13,8 @@ Layout under the data directory::
     .lock                          locked (flock) by the server using the directory; says which one
 
 One server uses a data directory at a time: a second one started on it stops at
-once with :class:`DataDirInUse`, naming the holder, instead of serving a state the
-first one changes under it.
+once (:class:`~.dirlock.DirLockedError`, naming the holder) instead of serving a
+state the first one changes under it.
 
 Item numbers come from one counter that only grows (restarted above the largest
 number found), so the order of a bin's directories is the order of its items.
@@ -30,25 +30,26 @@ Everything here blocks on the file system: the server runs it on its disk thread
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
 import os
 import shutil
-import socket
-import time
 import uuid
 from dataclasses import dataclass, field
 
 from tensorshare.disk.layout import LayoutError, StoredItem, fsync_dir, read_item, write_item
-from tensorshare.errors import UsageError
 from tensorshare.wire.description import DEFAULT_LIMITS, DecodeLimits
 
+from .dirlock import DirLock
 from .spill import make_private_dir
 
 log = logging.getLogger("tensorshare.server")
 
+BINS_DIR = "bins"  # (the names of the layout above: a multi-worker server moves bins by them too)
+BIN_RECORD = "bin.json"
+SWAP_PREFIX = ".swap-"
+HALF_MADE = ".tmp-"  # a directory being written under a temporary name
 _PUT_SUFFIX = ".put"
 _NUMBER_DIGITS = 20
 _COMPLETE = "complete"  # in a rewritten bin not yet swapped in: every item is there
@@ -77,36 +78,13 @@ class Loaded:
 
 
 def _atomic_write(path: str, text: str, fsync: bool) -> None:
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp = f"{path}{HALF_MADE}{uuid.uuid4().hex[:8]}"
     with open(tmp, "w") as f:
         f.write(text)
         if fsync:
             f.flush()
             os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-class DataDirInUse(UsageError):
-    """Another server holds the data directory's lock."""
-
-    exit_code = 75  # EX_TEMPFAIL: it may work once the other server has stopped
-
-
-def _hold(root: str) -> int:
-    """Lock ``root`` for this process (the descriptor holds the lock) and say who holds
-    it in the lock file; :class:`DataDirInUse` if another process does."""
-    fd = os.open(os.path.join(root, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another server"
-        os.close(fd)
-        raise DataDirInUse(f"the data directory {root} is in use by {holder}: stop that server first, "
-                           f"or give this one another --data-dir") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
-                  f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n".encode(), 0)
-    return fd
 
 
 class DataDir:
@@ -116,18 +94,18 @@ class DataDir:
         self.root = os.path.abspath(root)
         self.fsync = fsync
         self.limits = limits
-        self.bins_dir = os.path.join(self.root, "bins")
+        self.bins_dir = os.path.join(self.root, BINS_DIR)
         self.trash = os.path.join(self.root, "trash")
         self.held = os.path.join(self.root, "held")
         make_private_dir(self.root)  # stored tensors and bin names are nobody else's business
-        self._lock: int | None = _hold(self.root)
+        self._lock: DirLock | None = DirLock(self.root).acquire()
         os.makedirs(self.bins_dir, exist_ok=True)
         os.makedirs(self.trash, exist_ok=True)
 
     def close(self) -> None:
         """The server stops using the directory: another may take it."""
         if self._lock is not None:
-            os.close(self._lock)
+            self._lock.release()
             self._lock = None
 
     @staticmethod
@@ -155,10 +133,10 @@ class DataDir:
         return stored, number
 
     def _create_bin(self, name: str, bin_path: str) -> None:
-        tmp = os.path.join(self.bins_dir, f".tmp-{uuid.uuid4().hex}")
+        tmp = os.path.join(self.bins_dir, f"{HALF_MADE}{uuid.uuid4().hex}")
         os.makedirs(tmp)
         try:
-            _atomic_write(os.path.join(tmp, "bin.json"), json.dumps({"name": name}), self.fsync)
+            _atomic_write(os.path.join(tmp, BIN_RECORD), json.dumps({"name": name}), self.fsync)
             os.rename(tmp, bin_path)
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -214,11 +192,11 @@ class DataDir:
     def _rewrite_bin(self, name: str, item_paths: list[str], numbers: list[int]) -> list[tuple[StoredItem, int]]:
         """Make bin ``name`` hold exactly the items at ``item_paths``, in that order."""
         bin_path = self.bin_path(name)
-        swap = os.path.join(self.bins_dir, f".swap-{self.bin_key(name)}")
+        swap = os.path.join(self.bins_dir, f"{SWAP_PREFIX}{self.bin_key(name)}")
         shutil.rmtree(swap, ignore_errors=True)
         os.mkdir(swap, 0o700)
         try:
-            _atomic_write(os.path.join(swap, "bin.json"), json.dumps({"name": name}), self.fsync)
+            _atomic_write(os.path.join(swap, BIN_RECORD), json.dumps({"name": name}), self.fsync)
             entries = []
             for path, number in zip(item_paths, numbers):
                 entry = f"{number:0{_NUMBER_DIGITS}d}"
@@ -260,7 +238,7 @@ class DataDir:
         highest = 0
         for entry in sorted(os.listdir(self.bins_dir)):
             path = os.path.join(self.bins_dir, entry)
-            if entry.startswith(".tmp-") or entry.startswith(".swap-"):
+            if entry.startswith(HALF_MADE) or entry.startswith(SWAP_PREFIX):
                 shutil.rmtree(path, ignore_errors=True)
                 continue
             try:
@@ -280,8 +258,8 @@ class DataDir:
         (the disk jobs of one bin run in order, so a complete rewrite holds everything
         the bin it replaces held: it wins over it)."""
         for entry in os.listdir(self.bins_dir):
-            if entry.startswith(".swap-"):
-                path, target = os.path.join(self.bins_dir, entry), os.path.join(self.bins_dir, entry[len(".swap-"):])
+            if entry.startswith(SWAP_PREFIX):
+                path, target = os.path.join(self.bins_dir, entry), os.path.join(self.bins_dir, entry[len(SWAP_PREFIX):])
                 if os.path.exists(os.path.join(path, _COMPLETE)):  # it supersedes the bin, if still there
                     if os.path.exists(target):
                         os.rename(target, os.path.join(self.trash, uuid.uuid4().hex))
@@ -293,7 +271,7 @@ class DataDir:
         crash left behind (half-written items, superseded or taken ones) is removed."""
         if not os.path.isdir(path):
             raise ValueError("not a bin directory")
-        with open(os.path.join(path, "bin.json")) as f:
+        with open(os.path.join(path, BIN_RECORD)) as f:
             name = json.load(f).get("name")
         if not isinstance(name, str) or self.bin_key(name) != entry:
             raise ValueError(f"bin.json names {name!r:.80}, which does not hash to this directory")
@@ -305,9 +283,9 @@ class DataDir:
         numbered = []
         for item_entry in os.listdir(path):
             item_path = os.path.join(path, item_entry)
-            if item_entry in ("bin.json", "floor", _COMPLETE):
+            if item_entry in (BIN_RECORD, "floor", _COMPLETE):
                 continue
-            if item_entry.startswith(".tmp-") or item_entry.startswith("floor.tmp-"):
+            if item_entry.startswith(HALF_MADE) or item_entry.startswith("floor" + HALF_MADE):
                 if clean:
                     shutil.rmtree(item_path, ignore_errors=True) if os.path.isdir(item_path) else os.unlink(item_path)
                 continue

@@ -33,7 +33,7 @@ from tensorshare.errors import ZeroCopyUnavailableError
 from tensorshare.disk.layout import RECORD, LayoutError, StoredItem, read_item, write_item
 from tensorshare.wire.description import DEFAULT_LIMITS, DecodeLimits
 
-from .spill import _lock
+from .dirlock import lock_file
 
 log = logging.getLogger("tensorshare.server")
 
@@ -56,7 +56,7 @@ class ShmArea:
         new = os.path.join(root, f"{_NEW_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
         os.mkdir(new, 0o700)
         try:
-            self._lock = _lock(new, blocking=True)
+            self._lock = lock_file(new, blocking=True)
             os.mkdir(os.path.join(new, "items"), 0o700)
             os.mkdir(os.path.join(new, "incoming"), 0o700)
             self.path = os.path.join(root, f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
@@ -174,7 +174,7 @@ def _remove_orphans(root: str, owner: int) -> None:
             continue
         if entry.startswith(_NEW_PREFIX) and time.time() - st.st_mtime < _STALE_NEW_S:
             continue  # another server is setting it up right now
-        lock = _lock(path, blocking=False, create=False)
+        lock = lock_file(path, blocking=False, create=False)
         if lock is None and (entry.startswith(PREFIX) or os.path.exists(os.path.join(path, ".lock"))):
             continue  # its server holds the lock: alive
         log.info("removing %s, left by a server that is gone", path)

@@ -12,7 +12,6 @@ the socket takes them, with read-ahead asked for).
 
 from __future__ import annotations
 
-import fcntl
 import itertools
 import os
 import shutil
@@ -21,6 +20,8 @@ import tempfile
 from dataclasses import dataclass, field
 
 from tensorshare.disk.layout import StoredItem, mapped_parts, write_item
+
+from .dirlock import lock_file
 
 SPAN = 4 << 20  # bytes of a file per part (what the TLS path copies out at once)
 
@@ -153,14 +154,14 @@ class SpillArea:
         self.items = os.path.join(self.root, f"spill-{os.getpid()}")
         shutil.rmtree(self.items, ignore_errors=True)
         os.makedirs(self.items)
-        self._lock = _lock(self.items, blocking=True)
+        self._lock = lock_file(self.items, blocking=True)
         self._names = itertools.count()
 
     def _remove_orphans(self) -> None:
         for entry in os.listdir(self.root):
             path = os.path.join(self.root, entry)
             if entry.startswith("spill-") and os.path.isdir(path):
-                lock = _lock(path, blocking=False)
+                lock = lock_file(path, blocking=False)
                 if lock is not None:  # nobody holds it: its server is gone
                     shutil.rmtree(path, ignore_errors=True)
                     os.close(lock)
@@ -194,19 +195,3 @@ def make_private_dir(path: str) -> None:
     if stat.S_IMODE(st.st_mode) & 0o077:
         os.chmod(path, 0o700)
 
-
-def _lock(directory: str, blocking: bool, create: bool = True) -> int | None:
-    """An open descriptor holding an exclusive lock on ``directory``'s lock file, or None
-    if taken (or, with ``create=False``, if there is no lock file)."""
-    try:
-        fd = os.open(os.path.join(directory, ".lock"), os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
-    except FileNotFoundError:
-        if create:
-            raise
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-    except OSError:
-        os.close(fd)
-        return None
-    return fd

@@ -130,6 +130,9 @@ class Storage(TableVerbs):
     def promote(self, item: Item) -> None:
         self.sharing.promote(item)
 
+    def promote_now(self, item: Item) -> bool:
+        return self.sharing.promote_now(item)
+
     def share_rows(self, description: bytes, buffer, nbytes: int) -> ItemFiles | None:
         return self.sharing.share_rows(description, buffer, nbytes)
 

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from tensorshare.disk.tables import TABLE_RECORD
+
 from .tables import TableSpecError, tensordict_metadata
 from .tables.columns import parse_columns
 
@@ -93,7 +95,7 @@ def write_files(directory: str, name: str, spec: dict, columns, capacity: int, t
     saved = {"name": name, "spec": spec}
     if tensordict:
         saved["tensordict"] = True
-    _write_json(os.path.join(directory, "table.json"), saved)
+    _write_json(os.path.join(directory, TABLE_RECORD), saved)
 
 
 def plain(value):

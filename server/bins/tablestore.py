@@ -45,6 +45,7 @@ import numpy as np
 from tensorshare.errors import (
     BadNameError, BadRequestError, NoSuchBinError, ProtocolError, RemoteError, StorageFullError, TooLargeError,
 )
+from tensorshare.disk.tables import TABLE_RECORD
 from tensorshare.wire.description import check_description
 from tensorshare.wire.recycle import Recycler
 
@@ -57,6 +58,7 @@ from .tablespec import (
 )
 
 log = logging.getLogger("tensorshare.server")
+TABLES_DIR = "tables"  # a data or spill directory's tables (a multi-worker server moves them by it too)
 
 # Reply buffers of samples and reads, used again once written (a learner samples the
 # same size over and over): 64 MiB at most, let go after 10 s unused.
@@ -125,8 +127,8 @@ class TableStore:
         self.max_table_bytes = max_table_bytes  # column bytes a table may preallocate (None: no bound)
         self.max_rows = max_rows  # slots of all tables together
         self.memory = TableMemory(store, memory_limit, on_grow)
-        self.spill_root = None if spill_root is None else os.path.join(spill_root, "tables")
-        self.data_root = None if data_root is None else os.path.join(data_root, "tables")
+        self.spill_root = None if spill_root is None else os.path.join(spill_root, TABLES_DIR)
+        self.data_root = None if data_root is None else os.path.join(data_root, TABLES_DIR)
         self.total_rows = 0  # slots of all tables (those being made included)
         self._spilled = itertools.count()
         self.by_name: dict[str, TableEntry] = {}  # read it (``name in``), do not change it
@@ -380,7 +382,7 @@ class TableStore:
         for entry_name in sorted(os.listdir(self.data_root)):
             directory = os.path.join(self.data_root, entry_name)
             try:
-                with open(os.path.join(directory, "table.json")) as f:
+                with open(os.path.join(directory, TABLE_RECORD)) as f:
                     saved = json.load(f)
                 name, full = saved["name"], parse_spec(saved["spec"])
                 if dir_key(name) != entry_name or name in self.by_name:

@@ -27,6 +27,8 @@ connection, so an incompatible Twisted fails loudly in CI.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import sys
 
 from twisted.internet import main, reactor, tcp
@@ -228,5 +230,20 @@ def listen_tcp(port: int, factory, interface: str):
     if not COMPATIBLE:  # pragma: no cover
         return reactor.listenTCP(port, factory, interface=interface)
     listening = ReceivingPort(port, factory, interface=interface, reactor=reactor)
+    listening.startListening()
+    return listening
+
+
+def adopt_tcp(fd: int, factory):
+    """``reactor.adoptStreamPort`` of the listening TCP socket ``fd`` (inherited from a
+    multi-worker server's parent, ``server/workers/``), with :class:`ReceivingServer`
+    transports where this Twisted allows.  The socket is duplicated: ``fd`` stays
+    open, so a worker that stops listening leaves it to its parent."""
+    with socket.socket(fileno=os.dup(fd)) as probe:  # (a duplicate: it learns the family, then closes)
+        family = probe.family
+    if not COMPATIBLE:  # pragma: no cover
+        return reactor.adoptStreamPort(fd, family, factory)
+    os.set_blocking(fd, False)
+    listening = ReceivingPort._fromListeningDescriptor(reactor, fd, family, factory)
     listening.startListening()
     return listening

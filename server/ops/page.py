@@ -112,6 +112,13 @@ def render(data: dict, query: str = "") -> str:
         ["receive pool", human_bytes(memory["receive_pool"])],
         *[[k.replace("_", " "), _limit(k, v)] for k, v in limits.items() if k != "memory_limit"],
     ]
+    workers = [[w["worker"], "up" if w["up"] else "not answering", w.get("pid", "-"), w.get("bins", "-"),
+                w.get("items", "-"), human_bytes(w.get("bytes")), w.get("connections", "-"),
+                w.get("requests", "-") if w.get("requests") is not None else "-", human_bytes(w.get("rss")),
+                human_seconds(w.get("uptime"))] for w in data.get("workers", [])]
+    workers_html = "" if not workers else (
+        "<h2>Workers</h2>" + _table("workers", ["worker", "state", "pid", "bins", "items", "bytes", "connections",
+                                                "requests", "RSS", "up"], workers, ""))
     title = f"tensorshare {server['host']}:{server['port']}"
     stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(server["time"]))
     return f"""<!doctype html>
@@ -130,6 +137,7 @@ th{{background:#f0f0f0}} .cols{{display:flex;gap:2em;flex-wrap:wrap}} small{{col
 {chart(data.get("throughput", []))}
 <div class="cols"><div><h2>Summary</h2>{_table("summary", ["", ""], summary, "")}</div>
 <div><h2>Limits and memory</h2>{_table("limits", ["", ""], limit_rows, "")}</div></div>
+{workers_html}
 <h2>Bins</h2>
 {_table("bins", ["bin", "items", "bytes", "where", "tag", "seq"], bins, "no bins")}
 <h2>Tables</h2>

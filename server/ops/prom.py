@@ -58,6 +58,8 @@ class _Families:
         if memory["memory_limit"] is not None:
             yield GaugeMetricFamily("tensorshare_memory_limit_bytes", "--memory-limit", value=memory["memory_limit"])
         yield GaugeMetricFamily("tensorshare_connections", "Connections open", value=data["connections"]["open"])
+        if "workers" in data:  # a multi-worker server: each worker too
+            yield from _worker_families(data["workers"])
         yield from _tables(data["tables"])
         if "verbs" not in data:  # nothing counted
             return
@@ -121,6 +123,33 @@ class _Families:
             for conn, version in row["workers"].items():
                 worker.add_metric([experiment, conn, peers.get(conn, "?")], version)
         yield from (latest, rollouts, stale, worker)
+
+
+def _worker_families(workers: list[dict]):
+    """Per worker of a multi-worker server (label ``worker``): up, bins, items, bytes,
+    connections, requests, memory."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    up = GaugeMetricFamily("tensorshare_worker_up", "1 if the worker answered the last scrape", labels=["worker"])
+    gauges = {key: GaugeMetricFamily(f"tensorshare_worker_{name}", text, labels=["worker"]) for key, name, text in (
+        ("bins", "bins", "Bins the worker holds"), ("items", "items", "Items the worker stores"),
+        ("bytes", "item_bytes", "Payload bytes the worker stores"),
+        ("connections", "connections", "Connections open to the worker"),
+        ("rss", "resident_memory_bytes", "The worker process's RSS"))}
+    requests = CounterMetricFamily("tensorshare_worker_requests", "Requests the worker handled", labels=["worker"])
+    for row in workers:
+        label = [str(row["worker"])]
+        up.add_metric(label, 1 if row["up"] else 0)
+        if not row["up"]:
+            continue
+        for key, family in gauges.items():
+            if row.get(key) is not None:
+                family.add_metric(label, row[key])
+        if row.get("requests") is not None:
+            requests.add_metric(label, row["requests"])
+    yield up
+    yield from gauges.values()
+    yield requests
 
 
 def _tables(rows: list[dict]):

@@ -40,11 +40,14 @@ class OpsResource(resource.Resource):
 
     isLeaf = True
 
-    def __init__(self, state, throughput: Throughput | None, data_port: int | None = None):
+    def __init__(self, state, throughput: Throughput | None, data_port: int | None = None, gather=None):
         super().__init__()
         self.state = state
         self.throughput = throughput
         self.data_port = data_port  # the port that serves the data (the config's may be 0)
+        # A multi-worker server's parent (server/workers/ops.py): gather() fires with the
+        # whole server's snapshot, or None if no worker answered; else this process's own.
+        self.gather = gather
 
     def render_GET(self, request) -> bytes:  # noqa: N802 - Twisted's name
         token = self.state.token
@@ -59,23 +62,44 @@ class OpsResource(resource.Resource):
                 query = "?token=" + quote(_given_token(request).decode("utf-8", "replace"), safe="")
         request.setHeader(b"Cache-Control", b"no-store")
         path = request.path.rstrip(b"/") or b"/"
+        if path not in (b"/metrics", b"/status.json", b"/"):
+            return _plain(request, 404, b"404 try /, /status.json or /metrics\n")
+        if path == b"/metrics" and not prom.available():
+            return _plain(request, 503, b"503 /metrics needs prometheus_client: the metrics extra: pip install "
+                                        b"prometheus_client\n")
+        if self.gather is None:
+            return self._render(request, path, snapshot(self.state, self.throughput, data_port=self.data_port), query)
+
+        def gathered(data) -> None:
+            if data is None:
+                body = _plain(request, 503, b"503 no worker of this server answered\n")
+            else:
+                body = self._render(request, path, data, query)
+            if not request.finished and not getattr(request, "_disconnected", False):
+                request.write(body)
+                request.finish()
+
+        self.gather().addCallback(gathered).addErrback(
+            lambda failure: log.error("metrics: gathering the workers' status failed: %s", failure.getErrorMessage()))
+        return server.NOT_DONE_YET
+
+    @staticmethod
+    def _render(request, path: bytes, data: dict, query: str) -> bytes:
         if path == b"/metrics":
-            if not prom.available():
-                request.setResponseCode(503)
-                request.setHeader(b"Content-Type", b"text/plain; charset=utf-8")
-                return b"503 /metrics needs prometheus_client: the metrics extra: pip install prometheus_client\n"
-            body, content_type = prom.exposition(snapshot(self.state, data_port=self.data_port))
+            body, content_type = prom.exposition(data)
             request.setHeader(b"Content-Type", content_type.encode())
             return body
         if path == b"/status.json":
             request.setHeader(b"Content-Type", b"application/json")
-            return json.dumps(snapshot(self.state, self.throughput, data_port=self.data_port)).encode()
-        if path == b"/":
-            request.setHeader(b"Content-Type", b"text/html; charset=utf-8")
-            return page.render(snapshot(self.state, self.throughput, data_port=self.data_port), query).encode()
-        request.setResponseCode(404)
-        request.setHeader(b"Content-Type", b"text/plain; charset=utf-8")
-        return b"404 try /, /status.json or /metrics\n"
+            return json.dumps(data).encode()
+        request.setHeader(b"Content-Type", b"text/html; charset=utf-8")
+        return page.render(data, query).encode()
+
+
+def _plain(request, code: int, text: bytes) -> bytes:
+    request.setResponseCode(code)
+    request.setHeader(b"Content-Type", b"text/plain; charset=utf-8")
+    return text
 
 
 _UNAUTHORIZED = b"401 the server's token is required (Authorization: Bearer TOKEN, or ?token=TOKEN)\n"

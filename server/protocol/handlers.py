@@ -127,7 +127,8 @@ def stored(session, request, change: Change) -> dict:
     session.state.listeners.publish(change)
     if request.tag is not None and session.counters is not None:  # versions of RL experiments
         session.counters.stored(session.stats, request.command.verb, request.bin, request.tag)
-    header = request.command.reply(request.id, n=change.n_items, seq=change.seq)
+    header = session.shared.stored_reply(request.command.reply(request.id, n=change.n_items, seq=change.seq),
+                                         request.bin)
     return header if session.shared.devices is None else devices.with_freed(session, header)
 
 
@@ -154,7 +155,7 @@ def take(session, request):
     if devices.unready(items, None):  # bytes still in a publisher's device memory (§13)
         return devices.hold_for_bytes(session, request, take)
     _check_reply_size(session, items)  # refused before anything is taken
-    refs = session.shared.refs(request.ref, items, taking=True)
+    refs = session.shared.refs(request.bin, request.ref, items, taking=True)
     items, change = storage.take(name, request.max)
     listeners.publish(change)  # (this connection's own notification follows the reply)
 
@@ -199,7 +200,7 @@ def read(session, request):
     if devices.unready(items, cuda):  # bytes still in a publisher's device memory (§13)
         return devices.hold_for_bytes(session, request, read)
     _check_reply_size(session, items)
-    refs = away = session.shared.refs(request.ref, items)
+    refs = away = session.shared.refs(name, request.ref, items)
     if cuda is not None:  # items whose bytes the payload does not carry: by file or by device reference
         refs = devices.besides(refs, cuda)
         away = devices.merged(refs, cuda)

@@ -30,11 +30,12 @@ from tensorshare import __version__
 from tensorshare.errors import ProtocolError, RemoteError
 from tensorshare.protocol.messages import (
     APPEND, AUTH, BAD_ARGS, BAD_FRAME, COMMANDS, DELETE, GREETING_MESSAGE, ID_MAX, KEEPALIVE_MESSAGE, LOCAL_ERROR,
-    NOT_AUTHENTICATED, PROTOCOL_VERSION, PUT, UNAVAILABLE, UNKNOWN_VERB, Key, error_reply,
+    NOT_AUTHENTICATED, PROTOCOL_VERSION, PUT, UNAVAILABLE, UNKNOWN_VERB, Key, Route, error_reply,
 )
 from tensorshare.wire.frames import DiscardSink, Frame, FrameDecoder, SegmentSink, frame_head
 
 from ..ops.counters import LATENCY_BUCKETS, ConnStats
+from ..workers.ownership import check_owner
 from . import handlers, login, tables  # noqa: F401 - the handler modules register their verbs
 from .holding import Answering, Holding
 from .notify import Notifier, Outbox
@@ -79,11 +80,9 @@ class Reads(Protocol):
 
 
 class _NoReads:
-    def pause(self, reason: str) -> None:
-        pass
+    def pause(self, reason: str) -> None: ...
 
-    def resume(self, reason: str) -> None:
-        pass
+    def resume(self, reason: str) -> None: ...
 
 
 class TimeLimits:
@@ -122,7 +121,8 @@ class ServerSession:
         self.stats = ConnStats(peer)  # its id (in every log line about it), bytes, versions seen
         self.counters = state.counters  # the server's totals (server/ops/counters.py); None: metrics off
         self.reads = reads or _NoReads()
-        self.shared = SharedMemory(state.storage, state.config, same_host, peer)
+        self._workers = state.workers  # the WorkerMap of one worker of several (None: it serves every bin)
+        self.shared = SharedMemory(state.storage, state.config, same_host, peer, state.mapped)
         self.listening: set[str] = set()
         self.owned: set[str] = set()  # the ephemeral bins this connection put last (.ephemeral)
         self.phase = Phase.OPENING
@@ -171,6 +171,8 @@ class ServerSession:
             self.counters.opened(self)
         greeting = GREETING_MESSAGE.build(msg="tensorshare ready", server=f"tensorshare/{__version__}",
                                           version=PROTOCOL_VERSION, max_frame=self.config.max_frame)
+        if self._workers is not None:  # one worker of several: the map clients route by (§14)
+            greeting[Key.WORKERS] = self._workers.field()
         if self.login is not None:
             self._move(Phase.AUTHENTICATING)
             self.send_header(self.login.greeting(greeting))
@@ -394,6 +396,8 @@ class ServerSession:
             # AUTH when none is due is answered 503 whatever its fields (§4.3): its handler says so
             request = None if command is AUTH else \
                 command.parse_request(header, rid, frame.payload, frame.payload_len, self._max_bin_name)
+            if self._workers is not None and command.route is Route.OWNER:  # one worker of several (§14.3)
+                check_owner(self._workers, request.bin)
             handle = self.state.handlers.get(command) or HANDLERS[command]
             counters = self.counters
             if counters is None:

@@ -23,15 +23,21 @@ from .outcome import later
 log = logging.getLogger("tensorshare.server")
 _MAX_PINS = 256  # unreleased 226 replies with references per connection; older ones are let go
 _MAX_AREAS = 8
+# Bytes a reference read may copy into shared memory on the reactor thread (tmpfs: a
+# memcpy into new pages, about 25 ms here); beyond, the copy is made in the background.
+PROMOTE_NOW_MAX = 64 << 20
 
 
 class SharedMemory:
     """The zero-copy state of one session: its incoming directory and its pins."""
 
-    def __init__(self, storage, config, same_host: bool, peer: str = "?"):
+    def __init__(self, storage, config, same_host: bool, peer: str = "?", mapped: set | None = None):
         # Not the session itself: a reference back would make a cycle that keeps a
         # closed connection's memory until the cyclic garbage collector runs.
         self.storage, self.config, self.peer = storage, config, peer
+        # The server's bins that same-host readers asked references to (ServerState.mapped): a
+        # same-host writer is told so, and puts their next values through shared memory.
+        self.mapped = set() if mapped is None else mapped
         self.same_host = same_host  # the peer is on this host: zero-copy may be offered
         self.incoming: str | None = None  # this connection's incoming directory in the shared-memory area
         self._pins: dict[int, list] = {}  # id of a 226 with references -> [(item, files)] until released
@@ -73,7 +79,7 @@ class SharedMemory:
 
     # -- GET and PEEK by reference (§10.3)
 
-    def refs(self, wanted, items: list[Item], taking: bool = False) -> list | None:
+    def refs(self, name: str, wanted, items: list[Item], taking: bool = False) -> list | None:
         """For a GET/PEEK asking for references (``wanted``: the areas it can map):
         per item, the files to refer to (in an area the client can map, and not too
         small to be worth it) or None (its bytes go in the payload).  None when no
@@ -85,6 +91,9 @@ class SharedMemory:
         if not wanted or not self.same_host or len(wanted) > _MAX_AREAS:
             return None
         minimum = self.config.zero_copy_min
+        if any(item.nbytes >= minimum for item in items):
+            self._read_by_reference(name)
+            self._promote_now(wanted, items)
         durable = self.storage.data_area if taking else None
         refs = []
         for item in items:
@@ -95,6 +104,38 @@ class SharedMemory:
             else:
                 refs.append(None)
         return refs if any(refs) else None
+
+    def _read_by_reference(self, name: str) -> None:
+        mapped = self.mapped
+        if name not in mapped:
+            if len(mapped) >= self.config.max_bins:  # (bounded: names of bins long gone go too)
+                mapped.clear()
+            mapped.add(name)
+
+    def stored_reply(self, reply: dict, name: str) -> dict:
+        """A PUT/APPEND's ``reply``, telling a same-host writer when readers map the bin
+        (``mapped``, PROTOCOL.md §10.4): its next value is best put through shared
+        memory, where those readers map it at once (over TCP it would reach them
+        inline, before its copy into shared memory)."""
+        if self.same_host and name in self.mapped:
+            reply[Key.MAPPED] = True
+        return reply
+
+    def _promote_now(self, wanted, items: list[Item]) -> None:
+        """Before a same-host reader's first reference read: copy the items that came
+        over TCP (still in memory) into shared memory now, up to ``PROMOTE_NOW_MAX``
+        bytes, so that this reader maps them too.  Same-host writers put ordinary
+        values over TCP (faster than writing new shared-memory pages); the copy into
+        tmpfs is then made once, here, and the bin's next values come through shared
+        memory (``stored_reply``).  Larger items go in the background (:meth:`promote`)."""
+        area = self.storage.shm_area
+        if area is None or area.index not in wanted:
+            return
+        minimum, left = self.config.zero_copy_min, PROMOTE_NOW_MAX
+        for item in items:
+            if item.segments is not None and item.files is None and minimum <= item.nbytes <= left:
+                if self.storage.promote_now(item):
+                    left -= item.nbytes
 
     def promote(self, wanted, items: list[Item], refs: list | None, limits) -> None:
         """After a PEEK asking for references: copy the items it had to send inline

@@ -2,7 +2,8 @@
 
 :class:`Follower` holds one connection upstream (:class:`~.upstream.Upstream`, a
 small torch-free Twisted client on the relay's own reactor, so nothing leaves the
-reactor thread).  A followed bin is mirrored from the first time a client of the relay reads or
+reactor thread; one per worker of a multi-worker upstream,
+:class:`~.upstreams.Upstreams`).  A followed bin is mirrored from the first time a client of the relay reads or
 listens to it: the follower listens to it upstream, and on every notification
 fetches the bin whole with one PEEK (raw descriptions and payload, never decoded,
 with every item's tag) and replaces the local copy in one store change.  So a
@@ -60,7 +61,8 @@ from tensorshare.protocol.items import item_table, item_tags
 from tensorshare.protocol.messages import DELETE, NOTIFY, PEEK, Key
 
 from .stream import Incoming
-from .upstream import INCOMING, Upstream
+from .upstream import INCOMING
+from .upstreams import Upstreams
 
 log = logging.getLogger("tensorshare.server.relay")
 
@@ -94,7 +96,7 @@ class Follower:
     change; ``needed(name)`` says whether a client of the relay listens to (or
     waits on) a bin."""
 
-    def __init__(self, reactor, storage, publish: Callable, upstream: Upstream, pattern: str = "*",
+    def __init__(self, reactor, storage, publish: Callable, upstream: Upstreams, pattern: str = "*",
                  timeout: float = 30.0, max_mirrors: int = 10_000, needed: Callable[[str], bool] = lambda name: False):
         self.reactor = reactor
         self.storage = storage
@@ -451,9 +453,11 @@ class Follower:
                 incoming.push_to(session)
         return incoming.sink
 
-    def _upstream_lost(self, reason: str) -> None:
+    def _upstream_lost(self, reason: str, serves: Callable[[str], bool]) -> None:
+        """A connection upstream dropped: the copies arriving on it (``serves(bin)``) are lost."""
         for mirror in self.mirrors.values():
-            self._lost_incoming(mirror, reason)
+            if serves(mirror.name):
+                self._lost_incoming(mirror, reason)
 
     def _lost_incoming(self, mirror: _Mirror, reason: str) -> None:
         incoming, mirror.incoming = mirror.incoming, None

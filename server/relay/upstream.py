@@ -17,7 +17,9 @@ in flight when it drops fail with :class:`ConnectionLostError`; nothing is sent
 twice.  A refused authentication is final (:attr:`Upstream.on_refused`): a relay
 does not hammer an upstream that will not have it.  A payload is received into one
 ``bytearray`` (:class:`ArraySink`), unless :attr:`Upstream.arriving` gives a sink
-for a copy of a bin (cut-through, :mod:`.stream`).
+for a copy of a bin (cut-through, :mod:`.stream`).  A multi-worker upstream gets
+one :class:`Upstream` per worker (:mod:`.upstreams`), each checking that its
+greeting comes from the worker it was opened for (:attr:`Upstream.fits`).
 """
 
 from __future__ import annotations
@@ -90,12 +92,15 @@ class _Call:
 
 
 class Upstream:
-    """The relay's one upstream connection (see the module docstring).
+    """One connection of the relay to its upstream (see the module docstring).
 
     Hooks the relay sets: ``on_ready()`` once a connection is up (the first and each
     next), ``on_lost(reason)`` when one drops, ``on_refused(error)`` when the
     upstream refuses the relay (then it stops trying), ``arriving(bin, header,
-    nbytes)`` for the sink of a copy of a bin (None: an :class:`ArraySink`)."""
+    nbytes)`` for the sink of a copy of a bin (None: an :class:`ArraySink`);
+    ``fits(greeting)``, whether a connection greeted so serves what this one is for
+    (if not, it is dropped and tried again later), and ``on_unreached()`` when an
+    attempt to connect fails (:mod:`.upstreams` uses both to follow workers)."""
 
     def __init__(self, reactor, host: str, port: int, *, token: bytes | None = None, tls: TLSSettings | None = None,
                  connect_timeout: float = 10.0, keepalive: float | None = 15.0, max_backoff: float = 2.0):
@@ -107,6 +112,8 @@ class Upstream:
         self.on_lost: Callable[[str], None] | None = None
         self.on_refused: Callable[[BaseException], None] | None = None
         self.arriving: Callable | None = None
+        self.fits: Callable[[dict], bool] | None = None
+        self.on_unreached: Callable[[], None] | None = None
         self._wire: _Wire | None = None
         self._calls: dict[int, _Call] = {}
         self._listens: dict[str, Callable] = {}  # bin -> callback(header, payload) of its notifications
@@ -129,6 +136,21 @@ class Upstream:
         self._timer = None
         if self._closed:
             return
+        self._open().addCallbacks(self._opened, self._not_opened)
+
+    def greeting_once(self) -> defer.Deferred:
+        """Connect once, to serve nothing: a Deferred of the upstream's greeting (the
+        connection then closes), or of why it could not be had."""
+        self._closed = True  # (no retrying, and the connection's loss is nobody's concern)
+
+        def greeted(wire: _Wire) -> dict:
+            wire.transport.loseConnection()
+            return wire.handshake.greeting
+
+        return self._open().addCallback(greeted)
+
+    def _open(self) -> defer.Deferred:
+        """Open a connection: a Deferred of its wire once greeted (and authenticated)."""
         wire = _Wire(self)
         if self.tls is None:
             endpoint = TCP4ClientEndpoint(self.reactor, self.host, self.port, timeout=self.connect_timeout)
@@ -144,12 +166,15 @@ class Upstream:
 
         d = connectProtocol(endpoint, wire)
         d.addCallback(lambda _: wire.greeted)
-        d.addBoth(stop_timer)
-        d.addCallbacks(self._opened, self._not_opened)
+        return d.addBoth(stop_timer)
 
     def _opened(self, wire: "_Wire") -> None:
         if self._closed:
             wire.transport.loseConnection()
+            return
+        if self.fits is not None and not self.fits(wire.handshake.greeting):  # not what this connection is for
+            wire.transport.loseConnection()
+            self._retry()
             return
         self._wire = wire
         self._backoff.reset()
@@ -169,6 +194,8 @@ class Upstream:
             return
         log.info("relay: upstream %s unreachable (%s); trying again", self.where, failure.getErrorMessage())
         self._retry()
+        if self.on_unreached is not None:
+            self.on_unreached()
 
     def _retry(self) -> None:
         if not self._closed:
@@ -276,6 +303,16 @@ class Upstream:
     def listening(self, name: str) -> bool:
         """Whether bin ``name`` is listened to (or being: each new connection listens again)."""
         return name in self._listens
+
+    def taken_listens(self) -> dict[str, Callable]:
+        """The listens of this connection (bin -> callback), forgotten here: they move to another."""
+        listens, self._listens = self._listens, {}
+        return listens
+
+    def adopt_listen(self, name: str, callback: Callable[[dict, object], None]) -> None:
+        """Listen to bin ``name`` from the next connection on (as after a reconnection:
+        ``callback`` first hears of the bin's state then, ``op`` ``LISTEN``)."""
+        self._listens[name] = callback
 
     def _unlisten_on_error(self, failure, name: str):
         if not failure.check(ConnectionLostError):  # (after a reconnection it is listened to again)

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from ..errors import TensorShareError, ProtocolError, ZeroCopyError
 from ..protocol.auth import resolve_token
-from ..protocol.messages import COMMANDS, LISTEN, MAX_RELEASE_IDS, UNLISTEN, Command, Key
+from ..protocol.messages import COMMANDS, LISTEN, MAX_RELEASE_IDS, UNLISTEN, Command, Key, ZeroCopy
 from ..protocol.tls import TLSSettings
 from ..wire.frames import Frame
 from .calls import Call, CallTable
@@ -40,6 +40,8 @@ log = logging.getLogger("tensorshare.client")
 
 class ClientCore(ClientMethods):
     """The transport-free part of a client (see the module docstring)."""
+
+    _workers = None  # _client/workers.Workers when the server runs several workers: calls go to members
 
     def _init_core(self, host: str, port: int, *, timeout: float | None, device: Any, zero_copy: bool,
                    reuse: int, token, tls: TLSSettings | None, keepalive: float | None, lock) -> None:
@@ -250,6 +252,8 @@ class ClientCore(ClientMethods):
                 raise
             reply.held = frame.header[Key.ID]
             return reply
+        if areas is not None and call.command.zero_copy is ZeroCopy.STORE:
+            areas.note_put(call.fields.get(Key.BIN), frame.header)  # readers map the bin, or no longer
         try:
             return read_reply(call.command, frame, device, areas=areas if call.decode else None,
                               decode=call.decode, into=call.into)
@@ -294,10 +298,11 @@ class ClientCore(ClientMethods):
 
     # -- listening again after a reconnection
 
-    def _relisten(self) -> None:
-        """Listen again, on a new connection, to the bins that have handles."""
+    def _relisten(self, only: list[str] | None = None) -> None:
+        """Listen again, on a new connection, to the bins that have handles (``only``
+        those named)."""
         with self._lock:
-            names = [(name, self._listens.first_append_only(name)) for name in self._listens.names()]
+            names = [(name, self._listens.first_append_only(name)) for name in only or self._listens.names()]
         for name, first_append_only in names:
             fields = bin_fields(name)
             if first_append_only:
@@ -315,6 +320,31 @@ class ClientCore(ClientMethods):
             for handle in handles:
                 handle.callback(note)
         return deliver
+
+    # -- a multi-worker server's members (_client/workers.py)
+
+    def _owner_of(self, name: str) -> "ClientCore":
+        """The client that serves bin ``name``: this one, or the member of its worker."""
+        workers = self._workers
+        return self if workers is None else workers.member_of(name)
+
+    def _listens_taken(self) -> list:
+        """Every listen handle of this client, forgotten here (they move to another)."""
+        with self._lock:
+            handles = [handle for name in self._listens.names() for handle in self._listens.handles(name)]
+            self._listens.clear()
+        return handles
+
+    def _adopt_listen(self, handle) -> None:
+        """Make ``handle`` (of another client that served its bin) one of this client's,
+        and listen to its bin here."""
+        handle.client = self
+        with self._lock:
+            first = handle.bin not in self._listens
+            self._listens.add(handle)
+        if first:
+            self._relisten([handle.bin])
+        self._listening(handle)
 
     def _forget_listen(self, name: str) -> None:
         try:

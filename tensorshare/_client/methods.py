@@ -50,6 +50,10 @@ class ClientMethods(TableMethods):
         """The current connection's verified shared areas (None without zero-copy)."""
         raise NotImplementedError
 
+    def _owner_of(self, name: str) -> "ClientMethods":
+        """The client that serves bin ``name`` (see ``core.ClientCore._owner_of``)."""
+        return self
+
     # -- storing
 
     _blocking = False  # the blocking Client's calls return their results (put by_reference needs that)
@@ -81,7 +85,8 @@ class ClientMethods(TableMethods):
                 raise UsageError("by_reference is for the blocking Client")
             from .exports import put_by_reference
 
-            return put_by_reference(self, bin, value, tag, timeout)
+            # (on the connection that serves the bin: its device references are that connection's)
+            return put_by_reference(self._owner_of(bin), bin, value, tag, timeout)
         if ephemeral:
             fields = bin_fields(bin, tag)
             fields[Key.EPHEMERAL] = True
@@ -260,6 +265,9 @@ class ClientMethods(TableMethods):
         the client listens again and calls back with a ``LISTEN`` notification of
         the bin's state then.
         """
+        owner = self._owner_of(bin)
+        if owner is not self:  # the member of a multi-worker server's worker that owns the bin
+            return owner.listen(bin, callback, timeout, every_append=every_append)
         handle = Listening(self, bin, callback, every_append)
         fields = bin_fields(bin)
         with self._lock:
@@ -285,6 +293,9 @@ class ClientMethods(TableMethods):
 
     def unlisten(self, bin: str, callback: Callable | None = None) -> Any:
         """Stop the listens of ``bin`` (only those calling ``callback``, if given)."""
+        owner = self._owner_of(bin)
+        if owner is not self:
+            return owner.unlisten(bin, callback)
         results = [self._unlisten(handle) for handle in self._listens.handles(bin)
                    if callback is None or handle.callback == callback]
         return results[-1] if results else self._done(None)

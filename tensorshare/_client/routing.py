@@ -4,9 +4,13 @@ Written once for both clients.  :func:`route` decides for one call, given the
 shared areas the connection verified (:mod:`.zerocopy`; None when it has none) and
 the zero-copy role its command declares (``Command.zero_copy``):
 
-* ``STORE`` (PUT, APPEND): a value large enough to gain is written into this
-  connection's incoming directory, and the request names it instead of carrying
-  its bytes.  If the server does not take it (425), the fallback sends the written
+* ``STORE`` (PUT, APPEND): a value holding :meth:`~.zerocopy.SharedAreas.shared`
+  tensors (their pages are handed over), or a large value of a bin that readers on
+  this host map (the server says so in its replies, ``mapped``: a value over TCP
+  would reach them inline first), is written into this connection's incoming
+  directory, and the request names it instead of carrying its bytes; any other
+  value goes over TCP, which is faster than writing it into new shared-memory
+  pages.  If the server does not take it (425), the fallback sends the written
   copy over TCP (the caller may have changed the original since);
 * ``READ`` and ``TAKE`` (PEEK, TREAD; GET, TSAMPLE): the request asks for
   references to the items' files (or to the stacked rows).  If those cannot be
@@ -41,7 +45,8 @@ def route(call: Call, areas, device_uuid: str | None = None) -> None:
         return
     role = call.command.zero_copy
     if role is ZeroCopy.STORE:
-        if call.value is not NO_VALUE and areas.incoming is not None and not areas.too_small(call.value):
+        if call.value is not NO_VALUE and areas.incoming is not None and areas.may_take(call.value,
+                                                                                       call.fields.get(Key.BIN)):
             _through_shared_memory(call, areas)
     elif role is not None:  # READ or TAKE
         fields = call.fields
@@ -74,7 +79,7 @@ def _through_shared_memory(call: Call, areas) -> None:
     fields = call.fields
     enc = call.value = call.value if type(call.value) is Encoded else encode(call.value)
     try:
-        name = areas.write(enc, fields.get(Key.TAG))
+        name = areas.write(enc, fields.get(Key.TAG), fields.get(Key.BIN) in areas.mapped)
     except (OSError, ValueError) as exc:  # shared memory full, or a value its layout cannot hold
         log.info("cannot write a value to shared memory (%s): sending it over TCP", exc)
         name = None

@@ -52,6 +52,7 @@ DEFAULT_MIN_BYTES = 128 << 10
 # a reference (docs/design.md).
 PUT_FACTOR = 4
 _SPARE_MIN = 1 << 20  # arrays from this size get files prepared for the next put (SharedAreas.prepare_bytes)
+_MAX_MAPPED = 10_000  # bins remembered as read by reference (then it starts afresh)
 
 
 class SharedAreas:
@@ -84,6 +85,7 @@ class SharedAreas:
         self._spare_lock = threading.Lock()
         self._preparing = False
         self._last_sizes: list[int] | None = None  # the array sizes of the value written last
+        self.mapped: set[str] = set()  # bins the server said same-host readers map (PUT reply's ``mapped``)
 
     @classmethod
     def of(cls, greeting: dict) -> "SharedAreas | None":
@@ -112,23 +114,41 @@ class SharedAreas:
 
     # -- PUT / APPEND
 
-    def too_small(self, value: Any) -> bool:
-        """True when ``value`` is a lone tensor or array too small to gain from shared
-        memory (and no draft is waiting to be handed over): then :meth:`write`
-        would say so only after the value was encoded for it."""
+    def may_take(self, value: Any, name: str | None) -> bool:
+        """Whether a put of ``value`` into bin ``name`` may go through shared memory
+        (:meth:`write` decides once it is encoded): when it may hold drafts, whose
+        pages are handed over, or when readers on this host map the bin and it is not a
+        lone tensor too small to gain.  An ordinary value of a bin nobody maps goes
+        over TCP: writing it into new shared-memory pages costs more than loopback
+        TCP into the server's reused memory (docs/design.md)."""
+        if _drafts:
+            return True
+        if name not in self.mapped:
+            return False
         kind = type(value)
-        return (not _drafts and (kind is torch.Tensor or kind is np.ndarray)
-                and value.nbytes < self.min_bytes * PUT_FACTOR)
+        return not ((kind is torch.Tensor or kind is np.ndarray) and value.nbytes < self.min_bytes * PUT_FACTOR)
 
-    def write(self, enc: Encoded, tag: int | None = None) -> str | None:
+    def note_put(self, name: object, reply: dict) -> None:
+        """A PUT/APPEND of bin ``name`` was answered with ``reply``: remember whether
+        same-host readers map the bin (PROTOCOL.md §10.4)."""
+        if reply.get("mapped"):
+            if name not in self.mapped:
+                if len(self.mapped) >= _MAX_MAPPED:
+                    self.mapped.clear()
+                self.mapped.add(name)
+        elif self.mapped:
+            self.mapped.discard(name)
+
+    def write(self, enc: Encoded, tag: int | None = None, mapped: bool = True) -> str | None:
         """Write an encoded value into the incoming directory; returns the name to send,
-        or None if the value is too small to be faster this way than over TCP.
+        or None if it is better sent over TCP: it holds no draft and is too small to be
+        faster this way, or nobody maps it (``mapped`` False).
 
         Arrays that are drafts (:meth:`shared`) are moved in, not written, and their
         tensors turn copy-on-write.  Raises ``OSError`` (shared memory full,
         directory gone...) having left nothing."""
         drafts = _drafts_in(enc) if _drafts else {}
-        if not drafts and not worth_sharing(enc.nbytes, enc.arrays, self.min_bytes * PUT_FACTOR):
+        if not drafts and not (mapped and worth_sharing(enc.nbytes, enc.arrays, self.min_bytes * PUT_FACTOR)):
             return None
         name = uuid.uuid4().hex
         sizes = [spec.nbytes for spec in parse_description(enc.description, enc.nbytes).arrays]

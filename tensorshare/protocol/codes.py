@@ -15,6 +15,7 @@ AUTHENTICATED = 230  # AUTH accepted; the reply proves that the server knows the
 DONE = 250  # requested bin action completed
 UNAVAILABLE = 421  # shutting down / too many connections
 ZERO_COPY_REFUSED = 425  # a value named in shared memory was not taken: send it over TCP
+WRONG_WORKER = 427  # another worker of this server owns the bin: map the workers again (§14)
 BUSY = 450  # what the request waits for (room in a bin...) did not come within its wait
 LOCAL_ERROR = 451  # the server could not read what it stores (a disk error)
 STORAGE_FULL = 452  # no room in the memory budget or on disk

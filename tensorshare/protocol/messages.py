@@ -3,11 +3,12 @@
 PROTOCOL.md is the normative text; this module is its machine-readable half.  Every
 verb is one :class:`~.schema.Command` (the machinery is :mod:`.schema`): its request
 fields, its success reply, its payload and result, the clients' method that sends
-it, what same-host zero-copy may do for it, how a relay answers it, the lane it
-waits in and its errors.  The rest is derived from these declarations: the
-clients' routing (``tensorshare/_client/routing.py``), the relay's handlers
-(``server/relay/forward.py``), ``ShardedClient``'s per-bin methods, the server's
-wait lanes, and the tests that go over every verb.  Frames nobody asked for (the
+it, what same-host zero-copy may do for it, how a relay answers it, which worker of
+a multi-worker server it goes to, the lane it waits in and its errors.  The rest is
+derived from these declarations: the clients' routing (``tensorshare/_client/routing.py``;
+to workers: ``_client/workers.py``), the relay's handlers (``server/relay/forward.py``),
+``ShardedClient``'s per-bin methods, the server's wait lanes and ownership check, and
+the tests that go over every verb.  Frames nobody asked for (the
 greeting, notifications, keepalives) and error replies are
 :class:`~.schema.Message` declarations.  Torch-free: the server imports it.
 
@@ -21,18 +22,19 @@ from __future__ import annotations
 from .codes import (  # noqa: F401 - the codes are part of what this module declares
     AUTHENTICATED, BAD_ARGS, BAD_FRAME, BAD_NAME, BAD_SEQUENCE, BUSY, DONE, GREETING, ITEMS, KEEPALIVE, LIST_OK,
     LOCAL_ERROR, NO_SUCH_BIN, NOT_AUTHENTICATED, NOTIFY, OK, STORAGE_FULL, TOO_LARGE, UNAVAILABLE, UNKNOWN_VERB,
-    ZERO_COPY_REFUSED,
+    WRONG_WORKER, ZERO_COPY_REFUSED,
 )
 from .schema import (  # noqa: F401 - the machinery, for those that import it from here
     A_LIST, ANY, ANY_REQUEST_ERRORS, BIN, BOOL, BYTES, COUNT, COUNTS, ID_MAX, INT, INTS, MAP, MAX_BIN_NAME,
     MAX_RELEASE_IDS, MAX_REPLY_HEADER, MAX_WAIT, PROTOCOL_VERSION, RELEASE, SECONDS, SHORT_BYTES, STR, TAG, TAG_MAX,
-    TAG_MIN, TAGS, Command, Field, Key, Message, Relay, Request, ZeroCopy, check_bin_name, check_tag, optional,
+    TAG_MIN, TAGS, Command, Field, Key, Message, Relay, Request, Route, ZeroCopy, check_bin_name, check_tag, optional,
     reply_error,
 )
 
 _FREED = optional(Key.FREED, INTS)  # a publisher's device references no item holds any more (§13.3)
 _CHANGED = Message(DONE, (Field(Key.N, INT), Field(Key.SEQ, INT), _FREED))
 _DONE = Message(OK, (_FREED,))
+_STORED = Message(DONE, (*_CHANGED.fields, optional(Key.MAPPED, BOOL)))  # (§10.4: readers map the bin)
 _ITEMS = Message(ITEMS, (Field(Key.SEQ, INT), Field(Key.ITEMS, A_LIST), Field(Key.SIZES, A_LIST),
                          optional(Key.REFS, A_LIST), optional(Key.TAGS, TAGS), optional(Key.CUDA, A_LIST)))
 _STORE_FIELDS = (
@@ -44,48 +46,51 @@ _STORE_FIELDS = (
     RELEASE,
 )
 _READ_FIELDS = (BIN, optional(Key.REF, INTS), RELEASE, optional(Key.TAGS, BOOL))
-_STORE_ERRORS = (BAD_NAME, TOO_LARGE, STORAGE_FULL, ZERO_COPY_REFUSED)
+_NAMED = (BAD_NAME, WRONG_WORKER)  # any verb that names a bin: a bad name; another worker's bin (§14.3)
+_STORE_ERRORS = (*_NAMED, TOO_LARGE, STORAGE_FULL, ZERO_COPY_REFUSED)
 OWNER = optional(Key.OWNER, SHORT_BYTES)  # which client of a relay's connection owns an ephemeral bin (§4.6)
 
 # -- bins (§4.3)
 
 PUT = Command("PUT", (*_STORE_FIELDS, optional(Key.EPHEMERAL, BOOL), OWNER, optional(Key.CUDA, MAP),
                       optional(Key.FILL, INT)),
-              reply=_CHANGED, payload=True, result=Key.N, method="put", zero_copy=ZeroCopy.STORE,
-              relay=Relay.FORWARD, errors=_STORE_ERRORS,
+              reply=_STORED, payload=True, result=Key.N, method="put", zero_copy=ZeroCopy.STORE,
+              relay=Relay.FORWARD, route=Route.OWNER, errors=_STORE_ERRORS,
               doc="replace the bin's items with one item (ephemeral: for as long as this connection lasts; "
                   "cuda: by reference to the client's device memory; fill: that item's bytes)")
 APPEND = Command("APPEND", (*_STORE_FIELDS, optional(Key.BELOW, COUNT), optional(Key.WAIT, SECONDS)),
-                 reply=_CHANGED, payload=True, result=Key.N, method="append", zero_copy=ZeroCopy.STORE,
-                 relay=Relay.FORWARD, lane="room", errors=(*_STORE_ERRORS, BUSY),
+                 reply=_STORED, payload=True, result=Key.N, method="append", zero_copy=ZeroCopy.STORE,
+                 relay=Relay.FORWARD, route=Route.OWNER, lane="room", errors=(*_STORE_ERRORS, BUSY),
                  doc="add one item at the end of the bin (with below: once it holds fewer items)")
 GET = Command("GET", (*_READ_FIELDS, optional(Key.MAX, COUNT), optional(Key.WAIT, SECONDS),
                      optional(Key.LEAST, COUNT)), reply=_ITEMS, result=Key.ITEMS, method="get",
-              zero_copy=ZeroCopy.TAKE, relay=Relay.FORWARD, lane="take", errors=(BAD_NAME, NO_SUCH_BIN),
+              zero_copy=ZeroCopy.TAKE, relay=Relay.FORWARD, route=Route.OWNER, lane="take",
+              errors=(*_NAMED, NO_SUCH_BIN),
               doc="take the bin's items (at most max of them) out of it (with wait: once it holds least)")
 PEEK = Command("PEEK", (*_READ_FIELDS, optional(Key.WAIT, SECONDS), optional(Key.SINCE, INT),
                        optional(Key.INCOMING, BOOL), optional(Key.CUDA, A_LIST)), reply=_ITEMS, result=Key.ITEMS,
-               method="peek", zero_copy=ZeroCopy.READ, relay=Relay.MIRROR, lane="peek", errors=(BAD_NAME, NO_SUCH_BIN),
+               method="peek", zero_copy=ZeroCopy.READ, relay=Relay.MIRROR, route=Route.OWNER, lane="peek",
+               errors=(*_NAMED, NO_SUCH_BIN),
                doc="read every item of the bin (with wait: once its seq is no longer since; "
                    "cuda: device references where this client can open them)")
 LIST = Command("LIST", (RELEASE,), reply=Message(LIST_OK, (Field(Key.BINS, COUNTS), optional(Key.RELAY, MAP))),
-               result=Key.BINS, method="list", zero_copy=None, relay=Relay.MERGE,
+               result=Key.BINS, method="list", zero_copy=None, relay=Relay.MERGE, route=Route.MERGE,
                doc="every bin and its item count")
 DELETE = Command("DELETE", (BIN, RELEASE, OWNER), reply=_CHANGED, method="delete", zero_copy=None,
-                 relay=Relay.FORWARD, errors=(BAD_NAME, NO_SUCH_BIN, STORAGE_FULL),
+                 relay=Relay.FORWARD, route=Route.OWNER, errors=(*_NAMED, NO_SUCH_BIN, STORAGE_FULL),
                  doc="remove the bin and its items (with owner: only while that owns the ephemeral bin)")
 LISTEN = Command("LISTEN", (BIN, optional(Key.FIRST_APPEND, BOOL), RELEASE),
                  reply=Message(OK, (Field(Key.EXISTS, BOOL), Field(Key.N, INT), Field(Key.SEQ, INT),
                                     Field(Key.TAG, TAG))),
-                 method="listen", zero_copy=None, relay=Relay.MIRROR, errors=(BAD_NAME, TOO_LARGE),
+                 method="listen", zero_copy=None, relay=Relay.MIRROR, route=Route.OWNER, errors=(*_NAMED, TOO_LARGE),
                  doc="notify this connection of the bin's changes; the reply is a snapshot")
 UNLISTEN = Command("UNLISTEN", (BIN, RELEASE), reply=_DONE, method="unlisten", zero_copy=None, relay=Relay.LOCAL,
-                   errors=(BAD_NAME,), doc="stop notifying this connection")
-NOOP = Command("NOOP", (RELEASE,), reply=_DONE, method="ping", zero_copy=None, relay=Relay.LOCAL,
+                   route=Route.OWNER, errors=_NAMED, doc="stop notifying this connection")
+NOOP = Command("NOOP", (RELEASE,), reply=_DONE, method="ping", zero_copy=None, relay=Relay.LOCAL, route=Route.EVERY,
                doc="nothing: liveness and round-trip timing")
 AUTH = Command("AUTH", (Field(Key.MECH, STR), Field(Key.NONCE, BYTES), Field(Key.PROOF, BYTES)),
                reply=Message(AUTHENTICATED, (Field(Key.PROOF, BYTES), optional(Key.SHM, MAP))),
-               method=None, zero_copy=None, relay=Relay.LOCAL, errors=(BAD_SEQUENCE,),
+               method=None, zero_copy=None, relay=Relay.LOCAL, route=Route.CONNECTION, errors=(BAD_SEQUENCE,),
                doc="prove knowledge of the server's token (§8.4)")
 
 # -- tables (§12): a table is a kind of bin; its verbs start with T.
@@ -112,41 +117,44 @@ _ROWS = Message(ITEMS, (*_ITEMS.fields, Field(_TK.KEYS, BYTES), Field(_TK.INDICE
                         optional(_TK.TENSORDICT, BOOL)))
 _TABLE_INFO = Message(OK, (Field(_TK.INFO, MAP),))
 _TABLE_VALUE = (Field(Key.VALUE, BYTES, missing="missing value description"),)
-_TABLE_ERRORS = (NO_SUCH_BIN, BAD_NAME)
+_TABLE_ERRORS = (NO_SUCH_BIN, *_NAMED)
 
 TCREATE = Command("TCREATE", (BIN, Field(_TK.SPEC, MAP), optional(_TK.ADD_COLUMNS, BOOL), RELEASE),
                   reply=_CHANGED, result=Key.N,
-                  method="create_table", zero_copy=None, relay=Relay.FORWARD,
-                  errors=(BAD_NAME, TOO_LARGE, STORAGE_FULL),
+                  method="create_table", zero_copy=None, relay=Relay.FORWARD, route=Route.OWNER,
+                  errors=(*_NAMED, TOO_LARGE, STORAGE_FULL),
                   doc="make a table (kept as it is if one with the same settings exists)")
 TINSERT = Command("TINSERT", (BIN, *_TABLE_VALUE, optional(_TK.PRIORITIES, BYTES), optional(Key.WAIT, SECONDS),
                               optional(_TK.TENSORDICT, BOOL), RELEASE),
                   reply=_TABLE_CHANGED, payload=True, result=_TK.KEYS, method="insert", zero_copy=None,
-                  relay=Relay.FORWARD, lane="insert", errors=(*_TABLE_ERRORS, TOO_LARGE, STORAGE_FULL, BUSY),
+                  relay=Relay.FORWARD, route=Route.OWNER, lane="insert",
+                  errors=(*_TABLE_ERRORS, TOO_LARGE, STORAGE_FULL, BUSY),
                   doc="add rows (waiting up to wait seconds for the rate limiter)")
 TWRITE = Command("TWRITE", (BIN, *_TABLE_VALUE, Field(_TK.INDICES, BYTES), optional(_TK.PRIORITIES, BYTES),
                             optional(_TK.TENSORDICT, BOOL), RELEASE),
                  reply=_TABLE_CHANGED, payload=True, result=_TK.KEYS, method="write", zero_copy=None,
-                 relay=Relay.FORWARD, errors=(*_TABLE_ERRORS, TOO_LARGE), doc="put rows at the slot indices given")
+                 relay=Relay.FORWARD, route=Route.OWNER, errors=(*_TABLE_ERRORS, TOO_LARGE),
+                 doc="put rows at the slot indices given")
 TSAMPLE = Command("TSAMPLE", (BIN, Field(Key.N, COUNT), optional(Key.WAIT, SECONDS), optional(Key.REF, INTS),
                               RELEASE),
                   reply=_ROWS, result=Key.ITEMS, method="sample", zero_copy=ZeroCopy.TAKE, relay=Relay.FORWARD,
-                  lane="sample", errors=(*_TABLE_ERRORS, TOO_LARGE, STORAGE_FULL, BUSY),
+                  route=Route.OWNER, lane="sample", errors=(*_TABLE_ERRORS, TOO_LARGE, STORAGE_FULL, BUSY),
                   doc="draw n rows with the table's sampler (waiting up to wait seconds)")
 TREAD = Command("TREAD", (BIN, Field(_TK.INDICES, BYTES), optional(Key.REF, INTS), optional(_TK.SAMPLE, BOOL),
                           optional(Key.WAIT, SECONDS), RELEASE), reply=_ROWS, result=Key.ITEMS, method="read",
-                zero_copy=ZeroCopy.READ, relay=Relay.FORWARD, lane="sample",
+                zero_copy=ZeroCopy.READ, relay=Relay.FORWARD, route=Route.OWNER, lane="sample",
                 errors=(*_TABLE_ERRORS, TOO_LARGE, STORAGE_FULL, BUSY),
                 doc="read the rows at the slot indices given (with sample: as a sample the reader drew)")
 TPRIORITY = Command("TPRIORITY", (BIN, Field(_TK.KEYS, BYTES), Field(_TK.PRIORITIES, BYTES), RELEASE),
                     reply=Message(OK, (Field(Key.N, INT),)), result=Key.N, method="update_priorities",
-                    zero_copy=None, relay=Relay.FORWARD, errors=_TABLE_ERRORS,
+                    zero_copy=None, relay=Relay.FORWARD, route=Route.OWNER, errors=_TABLE_ERRORS,
                     doc="set the priorities of the rows with these keys")
 TINFO = Command("TINFO", (BIN, optional(_TK.SLOTS, INT), RELEASE), reply=_TABLE_INFO, result=_TK.INFO,
-                method="table_info", zero_copy=None, relay=Relay.FORWARD, errors=_TABLE_ERRORS,
+                method="table_info", zero_copy=None, relay=Relay.FORWARD, route=Route.OWNER, errors=_TABLE_ERRORS,
                 doc="the table's settings, counters and rate-limiter state (with slots: its occupied slots)")
 TLIMITS = Command("TLIMITS", (BIN, Field(_TK.LIMITS, MAP), RELEASE), reply=_TABLE_INFO, result=_TK.INFO,
-                  method="set_table_limits", zero_copy=None, relay=Relay.FORWARD, errors=_TABLE_ERRORS,
+                  method="set_table_limits", zero_copy=None, relay=Relay.FORWARD, route=Route.OWNER,
+                  errors=_TABLE_ERRORS,
                   doc="change the table's rate limits now")
 TABLE_COMMANDS = (TCREATE, TINSERT, TWRITE, TSAMPLE, TREAD, TPRIORITY, TINFO, TLIMITS)
 
@@ -163,7 +171,8 @@ LANES = tuple(sorted({c.lane for c in COMMANDS.values() if c.lane is not None}))
 # receiver does not insist on them.
 GREETING_MESSAGE = Message(GREETING, (optional(Key.MSG, STR), optional(Key.SERVER, STR), optional(Key.VERSION, INT),
                                       optional(Key.AUTH, STR), optional(Key.NONCE, BYTES),
-                                      optional(Key.SHM, MAP), optional(Key.MAX_FRAME, INT)))
+                                      optional(Key.SHM, MAP), optional(Key.MAX_FRAME, INT),
+                                      optional(Key.WORKERS, MAP)))
 NOTIFICATION = Message(NOTIFY, (Field(Key.BIN, STR), Field(Key.N, INT), Field(Key.SEQ, INT), Field(Key.OP, STR),
                                 optional(Key.TAG, TAG),
                                 # a relay's INCOMING carrying the copy as its payload (§11)

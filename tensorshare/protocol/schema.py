@@ -6,7 +6,8 @@ it, with its request fields, its success reply, whether the request carries a va
 payload, which reply field is its result, and how the rest of the system treats it:
 the client method that sends it (``method``), what same-host zero-copy may do for it
 (``zero_copy``, :class:`ZeroCopy`), how a relay answers it (``relay``,
-:class:`Relay`), the lane a request of it waits in when it waits in the server
+:class:`Relay`), which worker of a multi-worker server a client sends it to
+(``route``, :class:`Route`), the lane a request of it waits in when it waits in the server
 (``lane``) and the error codes it may answer with besides those any request may get
 (``errors``).  The server checks requests with :meth:`Command.parse_request` (the
 checks of PROTOCOL.md §4.2, in order) and answers with :meth:`Command.reply`; the
@@ -23,7 +24,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import ProtocolError, RemoteError, UsageError, error_for_code
-from .codes import BAD_ARGS, BAD_FRAME, BAD_NAME, LOCAL_ERROR, NOT_AUTHENTICATED, UNAVAILABLE, UNKNOWN_VERB
+from .codes import (
+    BAD_ARGS, BAD_FRAME, BAD_NAME, LOCAL_ERROR, NOT_AUTHENTICATED, UNAVAILABLE, UNKNOWN_VERB, WRONG_WORKER,
+)
 
 PROTOCOL_VERSION = 1
 
@@ -60,6 +63,10 @@ class Key:
     # CUDA IPC on one host (§13): a PUT's device reference, or the reference whose
     # bytes it brings; a PEEK's devices and a 226's references; a reply's freed references
     CUDA, FILL, FREED = "cuda", "fill", "freed"
+    # the greeting of a worker of a multi-worker server: the map of its workers (§14)
+    WORKERS = "workers"
+    # PUT/APPEND reply to a same-host client: the bin is read by reference here (§10.4)
+    MAPPED = "mapped"
 
 
 TAG_MIN, TAG_MAX = -(1 << 63), (1 << 63) - 1  # an item's optional tag is a signed 64-bit integer
@@ -248,6 +255,18 @@ class Relay:
     ALL = frozenset({FORWARD, MIRROR, MERGE, LOCAL})
 
 
+class Route:
+    """Which worker of a multi-worker server (PROTOCOL.md §14) a client sends a verb to
+    (``Command.route``); with one server process every verb goes to it."""
+
+    OWNER = "owner"  # to the worker that owns its bin (or table); others refuse it with 427
+    MERGE = "merge"  # to every worker, their replies merged into one (LIST)
+    EVERY = "every"  # to every worker the client has a connection to, answered once all are (NOOP)
+    CONNECTION = "connection"  # a matter of the connection it is sent on (AUTH: each one's own opening)
+
+    ALL = frozenset({OWNER, MERGE, EVERY, CONNECTION})
+
+
 # Error codes any request may get, whatever its verb (a relay whose upstream is gone,
 # a bug, framing, arguments, an unknown verb, no authentication): not declared per verb.
 ANY_REQUEST_ERRORS = frozenset({UNAVAILABLE, LOCAL_ERROR, BAD_FRAME, BAD_ARGS, UNKNOWN_VERB, NOT_AUTHENTICATED})
@@ -260,7 +279,9 @@ class Command:
     ``payload`` says whether the request carries a value payload (PUT, APPEND).
     ``method`` is the name of the clients' method that sends it (None: AUTH, which
     the clients send while connecting).  ``zero_copy`` and ``relay`` must be
-    declared for every verb (:class:`ZeroCopy` or None, :class:`Relay`).  ``lane``:
+    declared for every verb (:class:`ZeroCopy` or None, :class:`Relay`), and so must
+    ``route`` (:class:`Route`: ``OWNER`` exactly for the verbs that name a bin, which
+    declare the 427 a worker that does not own the bin answers).  ``lane``:
     the verb's requests that wait in the server (PROTOCOL.md §4.5) wait in the lane
     of that name of their bin, in arrival order, apart from other kinds of request
     waiting on the same bin (None: it never waits).  ``errors``: the error codes it
@@ -268,10 +289,16 @@ class Command:
     """
 
     def __init__(self, verb: str, fields: tuple[Field, ...] = (), *, reply: Message, method: str | None,
-                 zero_copy: str | None, relay: str, lane: str | None = None, errors: tuple[int, ...] = (),
+                 zero_copy: str | None, relay: str, route: str, lane: str | None = None,
+                 errors: tuple[int, ...] = (),
                  payload: bool = False, result: str | None = None, doc: str = ""):
         if relay not in Relay.ALL or zero_copy not in (None, ZeroCopy.STORE, ZeroCopy.READ, ZeroCopy.TAKE):
             raise ValueError(f"{verb}: unknown relay treatment {relay!r} or zero-copy role {zero_copy!r}")
+        takes_bin = any(field.key == Key.BIN for field in fields)
+        if route not in Route.ALL or (route == Route.OWNER) != takes_bin \
+                or (WRONG_WORKER in errors) != (route == Route.OWNER):
+            raise ValueError(f"{verb}: route {route!r} must be {Route.OWNER!r} (with error {WRONG_WORKER}) exactly "
+                             f"when the verb names a bin")
         self.verb = verb
         self.fields = fields
         self.success = reply
@@ -279,12 +306,13 @@ class Command:
         self.method = method
         self.zero_copy = zero_copy
         self.relay = relay
+        self.route = route
         self.lane = lane
         self.errors = frozenset(errors)
         self.payload = payload
         self.result = result
         self.doc = doc
-        self.takes_bin = any(field.key == Key.BIN for field in fields)
+        self.takes_bin = takes_bin
         self.keys = frozenset(field.key for field in fields)  # the request fields it declares
         # parse_request's usual case, every field right: (key, required, accepts).
         self._fast = tuple((f.key, f.required, f.kind.accepts) for f in fields)

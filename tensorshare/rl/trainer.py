@@ -166,7 +166,8 @@ class RLTrainer(RLPeer):
         background for the others (``_client/exports.py``)."""
         self._versions.forget()  # the next delta publish starts with a keyframe
         value = {"version": version, "parameters": cast_state(state, dtype)}
-        put_by_reference(self.client, self.params_bin, value, version, DEFAULT, wait=wait, callback=self._failed)
+        put_by_reference(self.client._owner_of(self.params_bin), self.params_bin, value, version, DEFAULT, wait=wait,
+                         callback=self._failed)  # (by the connection that serves the bin: see Client.put)
         nbytes = tensor_bytes(value)
         leaves = len(flatten(state)) if isinstance(state, dict) else 1
         return PublishStats(version, "full", leaves, nbytes, nbytes, None)

@@ -49,7 +49,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from ..errors import NoSuchBinError
+from ..errors import NoSuchBinError, TensorShareError
 from ..protocol.messages import APPEND, PUT
 from ..wire.codec import encode
 from .peer import prefix, snapshot_state
@@ -388,6 +388,9 @@ def publish(encoder: Encoder, client, params_bin: str, chain_bin: str, state: An
 
     # inline: the callbacks run in reply order on the reading thread, so a flush()
     # (a ping after them) returns only once the encoder heard of a broken chain.
+    # Bins on two workers of one server travel on two connections, whose order is not
+    # kept: the chain is then stored before the parameters announce it (one round trip).
+    apart = len({client._owner_of(write.bin) for write in writes}) > 1
     try:
         encoded = [encode(write.value) for write in writes]
         send = sender().send if sender is not None and any(enc.engine is not None for enc in encoded) else None
@@ -400,6 +403,12 @@ def publish(encoder: Encoder, client, params_bin: str, chain_bin: str, state: An
             callback = (lambda r, e, x=write.expect: done(r, e, x)) if write.op is APPEND else done
             if send is not None:
                 send(write.op, write.bin, enc, version, callback)
+            elif write.op is APPEND and apart:  # stored before the parameters announce it
+                try:
+                    result, error = client.append(write.bin, enc, tag=version), None
+                except TensorShareError as exc:
+                    result, error = None, exc
+                callback(result, error)
             else:
                 client.submit(write.op, write.bin, enc, callback, tag=version, inline=True)
     except BaseException:
