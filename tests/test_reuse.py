@@ -15,7 +15,11 @@ from tensorshare._client.connection import decode_items
 from tensorshare.wire.frames import FrameDecoder, frame_head
 from tensorshare_server import EmbeddedServer, ServerConfig
 from tensorshare.wire.recycle import Recycler, size_class
-from tensorshare_server.protocol.recvpool import CHUNK, PooledSink, chunk_pool
+from tensorshare.protocol.schema import Payload
+from tensorshare.wire.frames import SegmentSink
+from tensorshare_server.protocol.recvpool import (
+    CHUNK, POOLED_MIN, ROWS_MIN, PooledSink, chunk_pool, payload_sink,
+)
 from wiretools import RawConnection, raw_frame
 
 MiB = 1 << 20
@@ -199,6 +203,36 @@ def test_a_pooled_sink_does_not_lend_for_less_than_a_chunk_nor_past_the_bound():
     assert b"".join(sink.finish()) == b"a" * 10 + b"b" * 70 + b"c" * 64 + b"d" * 56
 
 
+def test_a_tables_rows_arrive_in_one_buffer_even_after_bytes_read_with_the_header():
+    pool = Recycler(16 * MiB, bytearray)
+    payload = random.Random(3).randbytes(ROWS_MIN + 777)
+    sink = payload_sink(Payload.ROWS, len(payload), pool)
+    sink.write(payload[:1000])  # the read that brought the frame's header
+    lent = sink.get_buffer()
+    assert len(lent) == len(payload) - 1000  # the rest goes straight into the same buffer
+    lent[:] = payload[1000:]
+    del lent
+    sink.buffer_updated(len(payload) - 1000)
+    (whole,) = sink.finish()
+    assert whole.readonly and bytes(whole) == payload
+    del whole, sink  # the request is done with
+    again = payload_sink(Payload.ROWS, len(payload), pool)
+    again.write(payload)
+    assert [bytes(s) for s in again.finish()] == [payload] and pool.reused == 1  # the same memory, warm
+
+
+def test_which_payloads_the_pool_receives():
+    pool = Recycler(16 * MiB, bytearray)
+    assert type(payload_sink(Payload.ROWS, ROWS_MIN - 1, pool)) is SegmentSink
+    assert type(payload_sink(Payload.ITEM, ROWS_MIN, pool)) is SegmentSink  # a stored item holds its buffer
+    assert type(payload_sink(Payload.ITEM, POOLED_MIN, pool)) is PooledSink
+    assert type(payload_sink(Payload.ROWS, 5 * MiB, None)) is SegmentSink  # no pool (--recv-pool 0)
+    # an item's payload: whole chunks, then one buffer of exactly the tail when that is large
+    sink = payload_sink(Payload.ITEM, CHUNK + POOLED_MIN, pool)
+    sink.write(bytes(CHUNK + POOLED_MIN))
+    assert [s.nbytes for s in sink.finish()] == [CHUNK, POOLED_MIN]
+
+
 # ------------------------------------------------------- a real server
 
 
@@ -226,6 +260,24 @@ def test_repeated_puts_are_received_into_reused_memory_and_read_back_exactly():
         assert torch.equal(c.peek("params")[0], torch.full((size // 4,), -11.0))
         assert ServerConfig(recv_pool=0).recv_pool_bytes == 0
         assert ServerConfig(recv_pool=1 << 30, memory_limit=64 * MiB).recv_pool_bytes == 16 * MiB
+
+
+@pytest.mark.process
+def test_inserts_into_a_table_are_received_into_reused_memory_and_stored_exactly():
+    columns = {"obs": ((4, 84, 84), torch.uint8), "reward": ((), torch.float32)}
+    with EmbeddedServer(port=0) as server, tensorshare.Client("127.0.0.1", server.port, zero_copy=False) as c:
+        pool = server.state.recv_pool
+        c.create_table("replay", 64, columns, remover="fifo")
+        sent = []
+        for i in range(6):  # 32 rows of 28 KB: 900 KB a batch, one buffer of the pool each time
+            rows = {"obs": torch.randint(0, 256, (32, 4, 84, 84), dtype=torch.uint8),
+                    "reward": torch.full((32,), float(i))}
+            keys = c.insert("replay", rows)
+            sent.append((keys % 64, rows))
+        assert pool.made == 1 and pool.reused == 5  # the batch before's buffer, free once its rows were copied
+        for slots, rows in sent[-2:]:  # the table (64 rows) holds the last two batches
+            back = c.read("replay", slots)
+            assert torch.equal(back["obs"], rows["obs"]) and torch.equal(back["reward"], rows["reward"])
 
 
 @pytest.mark.process

@@ -14,18 +14,27 @@ is then received into the memory of the version before last.  The pool is bounde
 (``--recv-pool``; past it, payloads are read the usual way) and lets go of chunks
 free for ``--recv-pool-idle`` seconds.
 
-:class:`PooledSink` is the frame decoder's sink that uses it: whole chunks of a
-payload are read straight into pool memory (``recv_into``: no copy), and what does
-not fill a whole chunk arrives as ``bytes``, as with
+:class:`PooledSink` is the frame decoder's sink that uses it: a payload is read
+straight into pool memory (``recv_into``: no copy), in whole chunks and then one
+buffer of exactly what is left when that is ``POOLED_MIN`` or more; the bytes that
+came in the same read as the frame's header are copied into the first of them.  So
+a payload of a few hundred KiB (a batch of transitions for a table, say) lands in
+one reused buffer that a table reads in place, where it took three copies into
+fresh pages before (docs/design.md, "Memory").  Smaller payloads (a table's rows
+from ``ROWS_MIN`` on: their buffer is free again at once), and what is left when
+the pool is at its bound, arrive as ``bytes``, as with
 :class:`~tensorshare.wire.frames.SegmentSink`.  Stored segments are read-only views.
 """
 
 from __future__ import annotations
 
+from tensorshare.protocol.schema import Payload
 from tensorshare.wire.recycle import Recycler
 from tensorshare.wire.frames import SegmentSink
 
-CHUNK = 1 << 20  # bytes per pooled chunk: payloads from this size on are received into the pool
+CHUNK = 1 << 20  # bytes per pooled chunk
+POOLED_MIN = 256 << 10  # an item's payload from this size on is received into the pool
+ROWS_MIN = 64 << 10  # a table's rows from this size on (free again once the table copied them)
 
 
 def chunk_pool(max_bytes: int, idle: float) -> Recycler | None:
@@ -33,13 +42,25 @@ def chunk_pool(max_bytes: int, idle: float) -> Recycler | None:
     return Recycler(max_bytes, bytearray, idle) if max_bytes >= CHUNK else None
 
 
+def payload_sink(kind: str, nbytes: int, pool: Recycler | None) -> SegmentSink:
+    """Where a payload of ``nbytes`` of a verb's ``kind`` (``Command.payload``) is
+    received: a table's rows into one pool buffer, where the table views its columns
+    in place; an item's in whole chunks; small ones (or with no pool) as they come."""
+    if pool is not None:
+        if kind == Payload.ROWS and nbytes >= ROWS_MIN:
+            return PooledSink(nbytes, pool, nbytes)
+        if nbytes >= POOLED_MIN:
+            return PooledSink(nbytes, pool)
+    return SegmentSink(nbytes)
+
+
 class PooledSink(SegmentSink):
-    """A payload sink that lends pool chunks to read whole chunks of the payload into.
+    """A payload sink that lends pool buffers to read the payload into.
 
     The frame decoder calls :meth:`get_buffer`/:meth:`buffer_updated` for reads into
     lent memory and :meth:`write` for bytes that were read the usual way (a read
-    that held the frame's header too, and the payload's tail); segments stay in the
-    payload's order either way.
+    that held the frame's header too, a tail under ``POOLED_MIN``); segments stay in
+    the payload's order either way.
     """
 
     def __init__(self, nbytes: int, pool: Recycler, chunk: int = CHUNK):
@@ -47,23 +68,15 @@ class PooledSink(SegmentSink):
         self._pool = pool
         self._size = chunk
         self._left = nbytes  # payload bytes not received yet
-        self._chunk: bytearray | None = None  # the chunk being filled
+        self._chunk: bytearray | None = None  # the pool buffer being filled
         self._view: memoryview | None = None
         self._filled = 0
 
     def get_buffer(self) -> memoryview | None:
-        """The free part of the chunk being filled (a new one if a whole chunk of the
-        payload is still to come), or None: read the rest the usual way."""
-        if self._chunk is None:
-            if self._left < self._size:
-                return None
-            chunk = self._pool.take(self._size)
-            if chunk is None:  # the pool is at its bound and all in use
-                return None
-            self._flush_small()  # bytes written before the chunk come before it
-            self._chunk = chunk
-            self._view = memoryview(chunk)
-            self._filled = 0
+        """The free part of the buffer being filled (a new one if enough of the payload
+        is still to come: :meth:`_start`), or None: read the rest the usual way."""
+        if self._chunk is None and not self._start():
+            return None
         return self._view[self._filled :]
 
     def buffer_updated(self, n: int) -> None:
@@ -75,15 +88,31 @@ class PooledSink(SegmentSink):
 
     def write(self, data) -> None:
         n = len(data)
-        if self._chunk is not None:  # a chunk is half full: these bytes continue it
-            room = min(n, len(self._chunk) - self._filled)
-            self._view[self._filled : self._filled + room] = data[:room]
-            self.buffer_updated(room)
-            if room < n:
-                self.write(memoryview(data)[room:])
+        if self._chunk is None and not self._start():
+            self._left -= n
+            super().write(data)
             return
-        self._left -= n
-        super().write(data)
+        room = min(n, len(self._chunk) - self._filled)  # these bytes continue the buffer
+        self._view[self._filled : self._filled + room] = data[:room]
+        self.buffer_updated(room)
+        if room < n:
+            self.write(memoryview(data)[room:])
+
+    def _start(self) -> bool:
+        """Take the next buffer from the pool: a whole chunk while one is still to
+        come, else one of exactly the rest when that is ``POOLED_MIN`` or more.
+        False when there is none to take (too little left, or the pool is at its
+        bound and all in use)."""
+        left = self._left
+        size = self._size if left >= self._size else left if left >= POOLED_MIN else 0
+        chunk = self._pool.take(size) if size else None
+        if chunk is None:
+            return False
+        self._flush_small()  # bytes written before the buffer come before it
+        self._chunk = chunk
+        self._view = memoryview(chunk)
+        self._filled = 0
+        return True
 
     def _flush_small(self) -> None:
         if self._small:

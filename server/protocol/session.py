@@ -32,7 +32,7 @@ from tensorshare.protocol.messages import (
     APPEND, AUTH, BAD_ARGS, BAD_FRAME, COMMANDS, DELETE, GREETING_MESSAGE, ID_MAX, KEEPALIVE_MESSAGE, LOCAL_ERROR,
     NOT_AUTHENTICATED, PROTOCOL_VERSION, PUT, UNAVAILABLE, UNKNOWN_VERB, Key, Route, error_reply,
 )
-from tensorshare.wire.frames import DiscardSink, Frame, FrameDecoder, SegmentSink, frame_head
+from tensorshare.wire.frames import DiscardSink, Frame, FrameDecoder, frame_head
 
 from ..ops.counters import LATENCY_BUCKETS, ConnStats
 from ..workers.ownership import check_owner
@@ -40,7 +40,7 @@ from . import handlers, login, tables  # noqa: F401 - the handler modules regist
 from .holding import Answering, Holding
 from .notify import Notifier, Outbox
 from .outcome import Pending
-from .recvpool import CHUNK, PooledSink
+from .recvpool import payload_sink
 from .registry import HANDLERS
 from .shared import SharedMemory
 
@@ -328,10 +328,7 @@ class ServerSession:
             # payload from this client until it has.
             self.reads.pause("memory")
             storage.wait_for_room(lambda: self.reads.resume("memory"))
-        pool = self.state.recv_pool
-        if pool is not None and nbytes >= CHUNK:
-            return PooledSink(nbytes, pool)
-        return SegmentSink(nbytes)
+        return payload_sink(command.payload, nbytes, self.state.recv_pool)
 
     def _take(self, frames: list[Frame]) -> None:
         """Handle whole requests, in order, or queue them while the outbox or an

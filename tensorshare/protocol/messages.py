@@ -27,7 +27,7 @@ from .codes import (  # noqa: F401 - the codes are part of what this module decl
 from .schema import (  # noqa: F401 - the machinery, for those that import it from here
     A_LIST, ANY, ANY_REQUEST_ERRORS, BIN, BOOL, BYTES, COUNT, COUNTS, ID_MAX, INT, INTS, MAP, MAX_BIN_NAME,
     MAX_RELEASE_IDS, MAX_REPLY_HEADER, MAX_WAIT, PROTOCOL_VERSION, RELEASE, SECONDS, SHORT_BYTES, STR, TAG, TAG_MAX,
-    TAG_MIN, TAGS, Command, Field, Key, Message, Relay, Request, Route, ZeroCopy, check_bin_name, check_tag, optional,
+    TAG_MIN, TAGS, Command, Field, Key, Message, Payload, Relay, Request, Route, ZeroCopy, check_bin_name, check_tag, optional,
     reply_error,
 )
 
@@ -54,12 +54,12 @@ OWNER = optional(Key.OWNER, SHORT_BYTES)  # which client of a relay's connection
 
 PUT = Command("PUT", (*_STORE_FIELDS, optional(Key.EPHEMERAL, BOOL), OWNER, optional(Key.CUDA, MAP),
                       optional(Key.FILL, INT)),
-              reply=_STORED, payload=True, result=Key.N, method="put", zero_copy=ZeroCopy.STORE,
+              reply=_STORED, payload=Payload.ITEM, result=Key.N, method="put", zero_copy=ZeroCopy.STORE,
               relay=Relay.FORWARD, route=Route.OWNER, errors=_STORE_ERRORS,
               doc="replace the bin's items with one item (ephemeral: for as long as this connection lasts; "
                   "cuda: by reference to the client's device memory; fill: that item's bytes)")
 APPEND = Command("APPEND", (*_STORE_FIELDS, optional(Key.BELOW, COUNT), optional(Key.WAIT, SECONDS)),
-                 reply=_STORED, payload=True, result=Key.N, method="append", zero_copy=ZeroCopy.STORE,
+                 reply=_STORED, payload=Payload.ITEM, result=Key.N, method="append", zero_copy=ZeroCopy.STORE,
                  relay=Relay.FORWARD, route=Route.OWNER, lane="room", errors=(*_STORE_ERRORS, BUSY),
                  doc="add one item at the end of the bin (with below: once it holds fewer items)")
 GET = Command("GET", (*_READ_FIELDS, optional(Key.MAX, COUNT), optional(Key.WAIT, SECONDS),
@@ -126,13 +126,13 @@ TCREATE = Command("TCREATE", (BIN, Field(_TK.SPEC, MAP), optional(_TK.ADD_COLUMN
                   doc="make a table (kept as it is if one with the same settings exists)")
 TINSERT = Command("TINSERT", (BIN, *_TABLE_VALUE, optional(_TK.PRIORITIES, BYTES), optional(Key.WAIT, SECONDS),
                               optional(_TK.TENSORDICT, BOOL), RELEASE),
-                  reply=_TABLE_CHANGED, payload=True, result=_TK.KEYS, method="insert", zero_copy=None,
+                  reply=_TABLE_CHANGED, payload=Payload.ROWS, result=_TK.KEYS, method="insert", zero_copy=None,
                   relay=Relay.FORWARD, route=Route.OWNER, lane="insert",
                   errors=(*_TABLE_ERRORS, TOO_LARGE, STORAGE_FULL, BUSY),
                   doc="add rows (waiting up to wait seconds for the rate limiter)")
 TWRITE = Command("TWRITE", (BIN, *_TABLE_VALUE, Field(_TK.INDICES, BYTES), optional(_TK.PRIORITIES, BYTES),
                             optional(_TK.TENSORDICT, BOOL), RELEASE),
-                 reply=_TABLE_CHANGED, payload=True, result=_TK.KEYS, method="write", zero_copy=None,
+                 reply=_TABLE_CHANGED, payload=Payload.ROWS, result=_TK.KEYS, method="write", zero_copy=None,
                  relay=Relay.FORWARD, route=Route.OWNER, errors=(*_TABLE_ERRORS, TOO_LARGE),
                  doc="put rows at the slot indices given")
 TSAMPLE = Command("TSAMPLE", (BIN, Field(Key.N, COUNT), optional(Key.WAIT, SECONDS), optional(Key.REF, INTS),

@@ -3,7 +3,8 @@
 The machinery of :mod:`.messages`, in the manner of Twisted AMP's ``Command``: a
 :class:`Command` declares a verb once, for both ends and for everything derived from
 it, with its request fields, its success reply, whether the request carries a value
-payload, which reply field is its result, and how the rest of the system treats it:
+payload and how the server receives it (``payload``, :class:`Payload`), which reply
+field is its result, and how the rest of the system treats it:
 the client method that sends it (``method``), what same-host zero-copy may do for it
 (``zero_copy``, :class:`ZeroCopy`), how a relay answers it (``relay``,
 :class:`Relay`), which worker of a multi-worker server a client sends it to
@@ -244,6 +245,13 @@ class ZeroCopy:
     TAKE = "take"  # as READ, but never sent again: its items were taken, its rows counted
 
 
+class Payload:
+    """How a verb's value payload is received (``Command.payload``; None: it carries none)."""
+
+    ITEM = "item"  # kept as an item, in the pieces it arrived in (PUT, APPEND)
+    ROWS = "rows"  # read into one buffer, where a table views its columns in place (TINSERT, TWRITE)
+
+
 class Relay:
     """How a relay (PROTOCOL.md §11) answers a verb (``Command.relay``)."""
 
@@ -276,7 +284,8 @@ class Command:
     """A verb, declared once (see the module docstring).
 
     ``result`` names the reply field a client returns by default (None: nothing);
-    ``payload`` says whether the request carries a value payload (PUT, APPEND).
+    ``payload`` says whether the request carries a value payload and how the server
+    receives it (:class:`Payload`, or None).
     ``method`` is the name of the clients' method that sends it (None: AUTH, which
     the clients send while connecting).  ``zero_copy`` and ``relay`` must be
     declared for every verb (:class:`ZeroCopy` or None, :class:`Relay`), and so must
@@ -291,7 +300,9 @@ class Command:
     def __init__(self, verb: str, fields: tuple[Field, ...] = (), *, reply: Message, method: str | None,
                  zero_copy: str | None, relay: str, route: str, lane: str | None = None,
                  errors: tuple[int, ...] = (),
-                 payload: bool = False, result: str | None = None, doc: str = ""):
+                 payload: str | None = None, result: str | None = None, doc: str = ""):
+        if payload not in (None, Payload.ITEM, Payload.ROWS):
+            raise ValueError(f"{verb}: unknown payload {payload!r}")
         if relay not in Relay.ALL or zero_copy not in (None, ZeroCopy.STORE, ZeroCopy.READ, ZeroCopy.TAKE):
             raise ValueError(f"{verb}: unknown relay treatment {relay!r} or zero-copy role {zero_copy!r}")
         takes_bin = any(field.key == Key.BIN for field in fields)

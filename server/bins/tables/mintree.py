@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .sumtree import SCALAR_MAX, ancestor_levels
+from .sumtree import update_ancestors
 
 INT_EMPTY = np.iinfo(np.int64).max
 
@@ -86,19 +86,18 @@ class MinTree:
 
     def _fix(self, slots: np.ndarray) -> None:
         tree, values, ties = self.tree, self.values, self.ties
-        nodes = slots + self.leaves
-        if nodes.size <= SCALAR_MAX:
-            for node in nodes.tolist():
-                node >>= 1
-                while node:
-                    a, b = tree[2 * node], tree[2 * node + 1]
-                    va, vb = values[a], values[b]
-                    tree[node] = a if va < vb or (va == vb and ties[a] <= ties[b]) else b
-                    node >>= 1
-            return
-        for nodes in ancestor_levels(nodes):
-            a, b = tree[2 * nodes], tree[2 * nodes + 1]
-            tree[nodes] = np.where(self._smaller(a, b), a, b)
+
+        def batch(level: np.ndarray) -> None:
+            a, b = tree[2 * level], tree[2 * level + 1]
+            tree[level] = np.where(self._smaller(a, b), a, b)
+
+        def one(node: int) -> None:
+            a, b = tree[2 * node], tree[2 * node + 1]
+            va, vb = values[a], values[b]
+            tree[node] = a if va < vb or (va == vb and ties[a] <= ties[b]) else b
+
+        if slots.size:
+            update_ancestors(slots + self.leaves, batch, one)
 
     def _fix_all(self) -> None:
         tree = self.tree

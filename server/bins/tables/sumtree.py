@@ -6,29 +6,46 @@ node holds the sum of its children, recomputed from them (never adjusted by a
 difference), so rounding errors do not pile up over millions of updates.
 
 Updates and searches take whole batches: one numpy operation per tree level for the
-batch, O(log capacity) levels.  Batches of a few elements take a scalar path, where
-numpy's per-call cost would dominate.
+batch, O(log capacity) levels, until a level holds a few nodes: those take a
+scalar path, where numpy's per-call cost would dominate.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-SCALAR_MAX = 4  # batches up to this size are updated one element at a time
+SCALAR_MAX = 4  # levels of up to this many nodes are updated one node at a time
 
 
-def ancestor_levels(nodes: np.ndarray):
-    """The distinct ancestors of ``nodes`` (all on one level), a level at a time from
-    their parents up to the root: what a batched update recomputes, in that order."""
-    nodes = np.unique(nodes)
-    while nodes[0] > 1:
-        nodes >>= 1
+def update_ancestors(nodes: np.ndarray, batch, one) -> None:
+    """Recompute the distinct ancestors of leaf ``nodes``, a level at a time from their
+    parents up to the root: ``batch(level)`` (an int64 array) while a level holds more
+    than ``SCALAR_MAX`` nodes, one numpy operation per step for the level; then
+    ``one(node)`` for each node, where numpy's per-call cost would dominate.  A batch
+    of neighbouring slots (an insert's) meets in a few levels, so most levels of a
+    tree are a node or two."""
+    level = np.unique(nodes)
+    while level.size > SCALAR_MAX and level[0] > 1:
+        level >>= 1
         # nodes stay sorted as they are halved: dropping repeats needs no sort
-        keep = np.empty(nodes.size, bool)
+        keep = np.empty(level.size, bool)
         keep[0] = True
-        np.not_equal(nodes[1:], nodes[:-1], out=keep[1:])
-        nodes = nodes[keep]
-        yield nodes
+        np.not_equal(level[1:], level[:-1], out=keep[1:])
+        level = level[keep]
+        if level.size <= SCALAR_MAX:
+            few = level.tolist()
+            break
+        batch(level)
+    else:
+        if level[0] <= 1:  # the root is done (or is the only leaf)
+            return
+        few = list({node >> 1 for node in level.tolist()})
+    while True:
+        for node in few:
+            one(node)
+        if few[0] == 1:
+            return
+        few = list({node >> 1 for node in few})
 
 
 class SumTree:
@@ -55,16 +72,16 @@ class SumTree:
         tree = self.tree
         nodes = np.asarray(slots, np.int64) + self.leaves
         tree[nodes] = weights
-        if nodes.size <= SCALAR_MAX:
-            for node in nodes.tolist():
-                node >>= 1
-                while node:
-                    tree[node] = tree[2 * node] + tree[2 * node + 1]
-                    node >>= 1
-            return
-        for nodes in ancestor_levels(nodes):
-            left = 2 * nodes
-            tree[nodes] = tree[left] + tree[left + 1]
+
+        def batch(level: np.ndarray) -> None:
+            left = 2 * level
+            tree[level] = tree[left] + tree[left + 1]
+
+        def one(node: int) -> None:
+            tree[node] = tree[2 * node] + tree[2 * node + 1]
+
+        if nodes.size:
+            update_ancestors(nodes, batch, one)
 
     def rebuild(self, weights: np.ndarray) -> None:
         """Set every leaf from ``weights`` (``capacity`` of them) and every sum at once."""
