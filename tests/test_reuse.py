@@ -18,7 +18,7 @@ from tensorshare.wire.recycle import Recycler, size_class
 from tensorshare.protocol.schema import Payload
 from tensorshare.wire.frames import SegmentSink
 from tensorshare_server.protocol.recvpool import (
-    CHUNK, POOLED_MIN, ROWS_MIN, PooledSink, chunk_pool, payload_sink,
+    CHUNK, POOLED_MIN, PooledSink, chunk_pool, payload_sink,
 )
 from wiretools import RawConnection, raw_frame
 
@@ -80,6 +80,15 @@ def test_a_take_that_cannot_fit_keeps_what_is_kept():
     del busy
     big = pool.take(2 * CHUNK)  # letting the free 1 MiB go (oldest first) is enough
     assert big is not None and pool.held_bytes == 8 * CHUNK and pool.free_bytes == 6 * CHUNK
+
+
+def test_a_take_at_the_bound_looks_for_room_among_the_oldest_buffers_only():
+    pool = Recycler(400 * 64, bytearray)
+    held = [pool.take(64) for _ in range(400)]  # at the bound, each held (stored items, say)
+    held[300:] = []  # free, but newer than the 256 a take looks at for room
+    assert pool.take(128) is None  # read the usual way, without a look at all 400
+    held[0] = held[1] = None  # the two oldest come free: room for 128 bytes
+    assert len(pool.take(128)) == 128 and pool.held_bytes == 400 * 64
 
 
 def test_size_classes_waste_at_most_an_eighth():
@@ -205,7 +214,7 @@ def test_a_pooled_sink_does_not_lend_for_less_than_a_chunk_nor_past_the_bound():
 
 def test_a_tables_rows_arrive_in_one_buffer_even_after_bytes_read_with_the_header():
     pool = Recycler(16 * MiB, bytearray)
-    payload = random.Random(3).randbytes(ROWS_MIN + 777)
+    payload = random.Random(3).randbytes(POOLED_MIN + 777)
     sink = payload_sink(Payload.ROWS, len(payload), pool)
     sink.write(payload[:1000])  # the read that brought the frame's header
     lent = sink.get_buffer()
@@ -223,8 +232,7 @@ def test_a_tables_rows_arrive_in_one_buffer_even_after_bytes_read_with_the_heade
 
 def test_which_payloads_the_pool_receives():
     pool = Recycler(16 * MiB, bytearray)
-    assert type(payload_sink(Payload.ROWS, ROWS_MIN - 1, pool)) is SegmentSink
-    assert type(payload_sink(Payload.ITEM, ROWS_MIN, pool)) is SegmentSink  # a stored item holds its buffer
+    assert type(payload_sink(Payload.ROWS, POOLED_MIN - 1, pool)) is SegmentSink  # a read or two
     assert type(payload_sink(Payload.ITEM, POOLED_MIN, pool)) is PooledSink
     assert type(payload_sink(Payload.ROWS, 5 * MiB, None)) is SegmentSink  # no pool (--recv-pool 0)
     # an item's payload: whole chunks, then one buffer of exactly the tail when that is large

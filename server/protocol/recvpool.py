@@ -1,4 +1,4 @@
-"""Large payloads received into reused memory.
+"""Payloads received into reused memory.
 
 A payload received with ``recv()`` lands in a new ``bytes`` object per read: fresh
 pages, which the kernel must fault in and zero before it copies a byte into them.
@@ -15,14 +15,13 @@ is then received into the memory of the version before last.  The pool is bounde
 free for ``--recv-pool-idle`` seconds.
 
 :class:`PooledSink` is the frame decoder's sink that uses it: a payload is read
-straight into pool memory (``recv_into``: no copy), in whole chunks and then one
-buffer of exactly what is left when that is ``POOLED_MIN`` or more; the bytes that
-came in the same read as the frame's header are copied into the first of them.  So
-a payload of a few hundred KiB (a batch of transitions for a table, say) lands in
-one reused buffer that a table reads in place, where it took three copies into
-fresh pages before (docs/design.md, "Memory").  Smaller payloads (a table's rows
-from ``ROWS_MIN`` on: their buffer is free again at once), and what is left when
-the pool is at its bound, arrive as ``bytes``, as with
+straight into pool memory (``recv_into``: no copy), from ``POOLED_MIN`` on: an item's
+in whole chunks and then one buffer of exactly what is left, a table's rows
+(``Payload.ROWS``) in one buffer of their size, which the table reads in place; the
+bytes that came in the same read as the frame's header are copied into the first
+buffer.  A payload of a few hundred KiB took three copies into fresh pages before
+(docs/design.md, "Memory").  Smaller payloads, and what is left
+when the pool is at its bound, arrive as ``bytes``, as with
 :class:`~tensorshare.wire.frames.SegmentSink`.  Stored segments are read-only views.
 """
 
@@ -33,8 +32,7 @@ from tensorshare.wire.recycle import Recycler
 from tensorshare.wire.frames import SegmentSink
 
 CHUNK = 1 << 20  # bytes per pooled chunk
-POOLED_MIN = 256 << 10  # an item's payload from this size on is received into the pool
-ROWS_MIN = 64 << 10  # a table's rows from this size on (free again once the table copied them)
+POOLED_MIN = 64 << 10  # payloads from this size on are received into the pool (smaller: a read or two)
 
 
 def chunk_pool(max_bytes: int, idle: float) -> Recycler | None:
@@ -46,12 +44,9 @@ def payload_sink(kind: str, nbytes: int, pool: Recycler | None) -> SegmentSink:
     """Where a payload of ``nbytes`` of a verb's ``kind`` (``Command.payload``) is
     received: a table's rows into one pool buffer, where the table views its columns
     in place; an item's in whole chunks; small ones (or with no pool) as they come."""
-    if pool is not None:
-        if kind == Payload.ROWS and nbytes >= ROWS_MIN:
-            return PooledSink(nbytes, pool, nbytes)
-        if nbytes >= POOLED_MIN:
-            return PooledSink(nbytes, pool)
-    return SegmentSink(nbytes)
+    if pool is None or nbytes < POOLED_MIN:
+        return SegmentSink(nbytes)
+    return PooledSink(nbytes, pool, nbytes if kind == Payload.ROWS else CHUNK)
 
 
 class PooledSink(SegmentSink):

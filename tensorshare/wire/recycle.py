@@ -25,6 +25,7 @@ import time
 from typing import Any, Callable
 
 _SCAN = 64  # most buffers one take() looks at
+_SCAN_ROOM = 256  # most buffers a take() at the bound looks at to make room (oldest first)
 
 
 def _refs(slots: list, i: int) -> int:
@@ -84,8 +85,7 @@ class Recycler:
             self._cursor = (self._cursor + scan) % count  # the next take looks further on
         over = self._held + nbytes - self.max_bytes
         if over > 0:
-            other = [i for i in range(count) if slots[i][1] != nbytes and _free(slots, i)]
-            if nbytes > self.max_bytes or sum(slots[i][1] for i in other) < over:
+            if nbytes > self.max_bytes or not self._room(nbytes, over):
                 return None  # keep what is kept: it may serve the next reply
             self._drop_free(lambda slot: slot[1] != nbytes, over)
         buffer = self.make(nbytes)
@@ -93,6 +93,18 @@ class Recycler:
         self._held += nbytes
         slots.append([buffer, nbytes, None])
         return buffer
+
+    def _room(self, nbytes: int, over: int) -> bool:
+        """Do free buffers of sizes other than ``nbytes`` add up to ``over`` bytes among
+        the oldest ``_SCAN_ROOM``?  (Bounded: a pool at its bound, every buffer held by a
+        stored item, costs a take no more than that look.)"""
+        slots, found = self._slots, 0
+        for i in range(min(len(slots), _SCAN_ROOM)):
+            if slots[i][1] != nbytes and _free(slots, i):
+                found += slots[i][1]
+                if found >= over:
+                    return True
+        return False
 
     def trim(self) -> int:
         """Let go of the buffers free for ``idle`` seconds or more; returns their bytes.
