@@ -85,6 +85,10 @@ def test_the_clients_route_each_verb_as_its_zero_copy_role_says(command):
     assert asks_for_references == (command.zero_copy in (ZeroCopy.READ, ZeroCopy.TAKE))
     assert (call.fallback is not None) == (command.zero_copy == ZeroCopy.READ)  # sent again over TCP
     assert not asks_for_references or Key.REF in {field.key for field in command.fields}
+    if command.taken_with:  # a read that counts its rows (TREAD's sample) is never sent again
+        counting = Call(2, command, {Key.BIN: "b", command.taken_with: True}, NO_VALUE)
+        route(counting, _Areas())
+        assert Key.REF in counting.fields and counting.fallback is None
 
 
 def test_the_server_handles_every_verb_and_waits_in_each_declared_lane():

@@ -15,7 +15,8 @@ the zero-copy role its command declares (``Command.zero_copy``):
 * ``READ`` and ``TAKE`` (PEEK, TREAD; GET, TSAMPLE): the request asks for
   references to the items' files (or to the stacked rows).  If those cannot be
   mapped (:class:`ZeroCopyError`), a ``READ`` is sent again over TCP; a ``TAKE``'s
-  items were taken (its rows counted), so its error stands;
+  items were taken (its rows counted), so its error stands, as does that of a read
+  that counts its rows (TREAD with ``sample``: ``Command.taken_with``);
 * a read whose verb takes devices (``cuda``: PEEK) and whose tensors go to a CUDA
   device also names that device: items put by device reference come as
   references, copied device to device (PROTOCOL.md §13).  If one cannot be read
@@ -51,7 +52,8 @@ def route(call: Call, areas, device_uuid: str | None = None) -> None:
     elif role is not None:  # READ or TAKE
         fields = call.fields
         call.fields = {**fields, Key.REF: areas.usable} if fields else {Key.REF: areas.usable}
-        if role is ZeroCopy.READ:
+        taken_with = call.command.taken_with
+        if role is ZeroCopy.READ and not (taken_with and fields and fields.get(taken_with)):
             call.fallback = _read_over_tcp
         if device_uuid is not None and Key.CUDA in call.command.keys:
             call.fields[Key.CUDA] = [device_uuid]

@@ -142,8 +142,8 @@ TSAMPLE = Command("TSAMPLE", (BIN, Field(Key.N, COUNT), optional(Key.WAIT, SECON
                   doc="draw n rows with the table's sampler (waiting up to wait seconds)")
 TREAD = Command("TREAD", (BIN, Field(_TK.INDICES, BYTES), optional(Key.REF, INTS), optional(_TK.SAMPLE, BOOL),
                           optional(Key.WAIT, SECONDS), RELEASE), reply=_ROWS, result=Key.ITEMS, method="read",
-                zero_copy=ZeroCopy.READ, relay=Relay.FORWARD, route=Route.OWNER, lane="sample",
-                errors=(*_TABLE_ERRORS, TOO_LARGE, STORAGE_FULL, BUSY),
+                zero_copy=ZeroCopy.READ, taken_with=_TK.SAMPLE, relay=Relay.FORWARD, route=Route.OWNER,
+                lane="sample", errors=(*_TABLE_ERRORS, TOO_LARGE, STORAGE_FULL, BUSY),
                 doc="read the rows at the slot indices given (with sample: as a sample the reader drew)")
 TPRIORITY = Command("TPRIORITY", (BIN, Field(_TK.KEYS, BYTES), Field(_TK.PRIORITIES, BYTES), RELEASE),
                     reply=Message(OK, (Field(Key.N, INT),)), result=Key.N, method="update_priorities",

@@ -295,14 +295,21 @@ class Command:
     of that name of their bin, in arrival order, apart from other kinds of request
     waiting on the same bin (None: it never waits).  ``errors``: the error codes it
     may answer with beyond :data:`ANY_REQUEST_ERRORS` (its PROTOCOL.md entry says when).
+    ``taken_with``: for a ``READ`` verb, the request field that, when true, makes it
+    count what it reads (TREAD's ``sample``): such a request is a ``TAKE``, never sent
+    again.
     """
 
     def __init__(self, verb: str, fields: tuple[Field, ...] = (), *, reply: Message, method: str | None,
                  zero_copy: str | None, relay: str, route: str, lane: str | None = None,
                  errors: tuple[int, ...] = (),
-                 payload: str | None = None, result: str | None = None, doc: str = ""):
+                 payload: str | None = None, result: str | None = None, taken_with: str | None = None,
+                 doc: str = ""):
         if payload not in (None, Payload.ITEM, Payload.ROWS):
             raise ValueError(f"{verb}: unknown payload {payload!r}")
+        if taken_with is not None and (zero_copy != ZeroCopy.READ
+                                       or taken_with not in {field.key for field in fields}):
+            raise ValueError(f"{verb}: taken_with names a field of a READ verb")
         if relay not in Relay.ALL or zero_copy not in (None, ZeroCopy.STORE, ZeroCopy.READ, ZeroCopy.TAKE):
             raise ValueError(f"{verb}: unknown relay treatment {relay!r} or zero-copy role {zero_copy!r}")
         takes_bin = any(field.key == Key.BIN for field in fields)
@@ -322,6 +329,7 @@ class Command:
         self.errors = frozenset(errors)
         self.payload = payload
         self.result = result
+        self.taken_with = taken_with
         self.doc = doc
         self.takes_bin = takes_bin
         self.keys = frozenset(field.key for field in fields)  # the request fields it declares
