@@ -25,6 +25,10 @@ class TableVerbs:
         """The table named ``name`` (550 if none, 553 if a bin has the name)."""
         return self.tables.get(name)
 
+    def table_entries(self) -> list[TableEntry]:
+        """Every table, as the operations pages show them."""
+        return list(self.tables.by_name.values())
+
     def create_table(self, name: str, spec: dict, done: Callable, add_columns: bool = False) -> None:
         """TCREATE: ``done((table, change or None), None)`` once made (files on a disk
         thread), or ``done(None, error)``; ``add_columns``: a table there may gain columns."""

@@ -153,8 +153,8 @@ def snapshot(state, throughput: Throughput | None = None, now: float | None = No
 
 
 def _table_entries(state) -> list:
-    store = getattr(getattr(state, "storage", None), "tables", None)
-    return [] if store is None else list(store.by_name.values())
+    storage = getattr(state, "storage", None)
+    return [] if storage is None else storage.table_entries()
 
 
 def tables(state, throughput: Throughput | None = None) -> list[dict]:
