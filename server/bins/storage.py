@@ -329,7 +329,7 @@ class Storage(TableVerbs):
         anyone hears of the change: their first read maps it instead of receiving it."""
         shared = share_from is not None and any(
             item.files is not None and item.files.in_memory for item in self.store.items_of(name))
-        items = [Item(description, segments, nbytes, tag) for description, segments, nbytes, tag in copy]
+        items = self.as_items(copy)
         change = self.store.mirror(name, items, op, seq)
         if shared:
             for item in items:
@@ -337,6 +337,12 @@ class Storage(TableVerbs):
                     self.sharing.promote_now(item)
         self.budget.enforce()
         return change
+
+    @staticmethod
+    def as_items(copy: list[tuple]) -> list[Item]:
+        """Items as the store holds them, from ``(description, payload segments, payload
+        bytes, tag)`` as received from another server (a mirror's copy, a forwarded take)."""
+        return [Item(description, segments, nbytes, tag) for description, segments, nbytes, tag in copy]
 
     def unmirror(self, name: str) -> Change | None:
         """Drop the mirror of bin ``name`` (it is gone upstream); None if there was none."""

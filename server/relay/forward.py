@@ -38,7 +38,6 @@ from tensorshare.protocol.messages import (
 )
 from tensorshare.wire.frames import frame_head
 
-from ..bins.store import Item
 from ..protocol import handlers as local
 from ..protocol.outcome import later
 from ..protocol.registry import HANDLERS
@@ -212,14 +211,14 @@ def get(session, request):
         frame = reply.frame
         payload = frame.payload if frame.payload_len else memoryview(b"")
         table = item_table(reply.header, frame.payload_len)
-        items, parts, base = [], [], 0
+        copy, parts, base = [], [], 0
         for (blob, size, _ref), tag in zip(table, item_tags(reply.header, len(table))):
             segment = payload[base: base + size]
-            items.append(Item(blob, (segment,) if size else (), size, tag))
+            copy.append((blob, (segment,) if size else (), size, tag))
             if size:
                 parts.append(segment)
             base += size
-        return local.items_reply(session, request, items, parts,
+        return local.items_reply(session, request, session.storage.as_items(copy), parts,
                                  _local_seq(session, name, reply.header[Key.SEQ])[2], None)
 
     return _forward(session, GET, fields, None, timeout, taken, name)
