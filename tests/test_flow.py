@@ -253,6 +253,30 @@ def test_requests_held_back_by_a_lost_connection_keep_their_lasting_effect():
     assert state.store.listing() == {"a": 1, "p": 1}  # APPEND, DELETE and PUT ran; GET and PEEK did not
 
 
+def test_table_changes_held_back_by_a_lost_connection_are_carried_out_and_reads_are_not():
+    import numpy as np
+
+    session, outbox, state = make_session()
+    spec = {"capacity": 4, "columns": {"x": {"shape": [2], "dtype": "float32"}}, "sampler": "prioritized"}
+    outbox.congested = True  # every request is held back
+    held = (b"".join(bytes(p) for p in request_parts(2, "TCREATE", "t", extra={"spec": spec}))
+            + b"".join(bytes(p) for p in request_parts(3, "TINSERT", "t", {"x": torch.ones(3, 2)}))
+            + b"".join(bytes(p) for p in request_parts(4, "TWRITE", "t", {"x": torch.full((1, 2), 7.0)},
+                                                       extra={"indices": np.array([3], "<i8").tobytes()}))
+            + b"".join(bytes(p) for p in request_parts(5, "TSAMPLE", "t", extra={"n": 2}))
+            + b"".join(bytes(p) for p in request_parts(6, "TPRIORITY", "t", extra={
+                "keys": np.array([0], "<i8").tobytes(), "priorities": np.array([5.0], "<f8").tobytes()}))
+            + b"".join(bytes(p) for p in request_parts(7, "TLIMITS", "t", extra={"limits": {"min_size_to_sample": 3}})))
+    session.data_received(held)
+    assert not outbox.headers and session.backlogged
+    session.connection_lost()
+    table = state.storage.table("t").table
+    info = table.info()
+    assert table.size == 4 and table.inserts == 4 and table.samples == 0  # created, inserted, written; not sampled
+    assert info["rate_limiter"]["min_size_to_sample"] == 3
+    assert table.slots()["priorities"].tolist() == [5.0, 1.0, 1.0, 1.0]
+
+
 # ------------------------------------------------------ the real server, loopback
 
 

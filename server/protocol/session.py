@@ -29,8 +29,8 @@ from typing import Callable, Protocol
 from tensorshare import __version__
 from tensorshare.errors import ProtocolError, RemoteError
 from tensorshare.protocol.messages import (
-    APPEND, AUTH, BAD_ARGS, BAD_FRAME, COMMANDS, DELETE, GREETING_MESSAGE, ID_MAX, KEEPALIVE_MESSAGE, LOCAL_ERROR,
-    NOT_AUTHENTICATED, PROTOCOL_VERSION, PUT, UNAVAILABLE, UNKNOWN_VERB, Key, Route, error_reply,
+    AUTH, BAD_ARGS, BAD_FRAME, COMMANDS, GREETING_MESSAGE, ID_MAX, KEEPALIVE_MESSAGE, LOCAL_ERROR,
+    NOT_AUTHENTICATED, PROTOCOL_VERSION, UNAVAILABLE, UNKNOWN_VERB, Key, Route, error_reply,
 )
 from tensorshare.wire.frames import DiscardSink, Frame, FrameDecoder, frame_head
 
@@ -46,7 +46,7 @@ from .shared import SharedMemory
 
 log = logging.getLogger("tensorshare.server")
 _DISCARD = DiscardSink(0)  # stateless: one serves every request that takes no payload
-_LASTING = frozenset({PUT.verb, APPEND.verb, DELETE.verb})  # effects that outlive the connection
+_LASTING = frozenset(c.verb for c in COMMANDS.values() if c.lasting)  # effects that outlive the connection
 
 
 class Phase(enum.Enum):

@@ -55,12 +55,12 @@ OWNER = optional(Key.OWNER, SHORT_BYTES)  # which client of a relay's connection
 PUT = Command("PUT", (*_STORE_FIELDS, optional(Key.EPHEMERAL, BOOL), OWNER, optional(Key.CUDA, MAP),
                       optional(Key.FILL, INT)),
               reply=_STORED, payload=Payload.ITEM, result=Key.N, method="put", zero_copy=ZeroCopy.STORE,
-              relay=Relay.FORWARD, route=Route.OWNER, errors=_STORE_ERRORS,
+              lasting=True, relay=Relay.FORWARD, route=Route.OWNER, errors=_STORE_ERRORS,
               doc="replace the bin's items with one item (ephemeral: for as long as this connection lasts; "
                   "cuda: by reference to the client's device memory; fill: that item's bytes)")
 APPEND = Command("APPEND", (*_STORE_FIELDS, optional(Key.BELOW, COUNT), optional(Key.WAIT, SECONDS)),
                  reply=_STORED, payload=Payload.ITEM, result=Key.N, method="append", zero_copy=ZeroCopy.STORE,
-                 relay=Relay.FORWARD, route=Route.OWNER, lane="room", errors=(*_STORE_ERRORS, BUSY),
+                 lasting=True, relay=Relay.FORWARD, route=Route.OWNER, lane="room", errors=(*_STORE_ERRORS, BUSY),
                  doc="add one item at the end of the bin (with below: once it holds fewer items)")
 GET = Command("GET", (*_READ_FIELDS, optional(Key.MAX, COUNT), optional(Key.WAIT, SECONDS),
                      optional(Key.LEAST, COUNT)), reply=_ITEMS, result=Key.ITEMS, method="get",
@@ -77,7 +77,7 @@ LIST = Command("LIST", (RELEASE,), reply=Message(LIST_OK, (Field(Key.BINS, COUNT
                result=Key.BINS, method="list", zero_copy=None, relay=Relay.MERGE, route=Route.MERGE,
                doc="every bin and its item count")
 DELETE = Command("DELETE", (BIN, RELEASE, OWNER), reply=_CHANGED, method="delete", zero_copy=None,
-                 relay=Relay.FORWARD, route=Route.OWNER, errors=(*_NAMED, NO_SUCH_BIN, STORAGE_FULL),
+                 lasting=True, relay=Relay.FORWARD, route=Route.OWNER, errors=(*_NAMED, NO_SUCH_BIN, STORAGE_FULL),
                  doc="remove the bin and its items (with owner: only while that owns the ephemeral bin)")
 LISTEN = Command("LISTEN", (BIN, optional(Key.FIRST_APPEND, BOOL), RELEASE),
                  reply=Message(OK, (Field(Key.EXISTS, BOOL), Field(Key.N, INT), Field(Key.SEQ, INT),
@@ -121,19 +121,19 @@ _TABLE_ERRORS = (NO_SUCH_BIN, *_NAMED)
 
 TCREATE = Command("TCREATE", (BIN, Field(_TK.SPEC, MAP), optional(_TK.ADD_COLUMNS, BOOL), RELEASE),
                   reply=_CHANGED, result=Key.N,
-                  method="create_table", zero_copy=None, relay=Relay.FORWARD, route=Route.OWNER,
+                  method="create_table", zero_copy=None, lasting=True, relay=Relay.FORWARD, route=Route.OWNER,
                   errors=(*_NAMED, TOO_LARGE, STORAGE_FULL),
                   doc="make a table (kept as it is if one with the same settings exists)")
 TINSERT = Command("TINSERT", (BIN, *_TABLE_VALUE, optional(_TK.PRIORITIES, BYTES), optional(Key.WAIT, SECONDS),
                               optional(_TK.TENSORDICT, BOOL), RELEASE),
                   reply=_TABLE_CHANGED, payload=Payload.ROWS, result=_TK.KEYS, method="insert", zero_copy=None,
-                  relay=Relay.FORWARD, route=Route.OWNER, lane="insert",
+                  lasting=True, relay=Relay.FORWARD, route=Route.OWNER, lane="insert",
                   errors=(*_TABLE_ERRORS, TOO_LARGE, STORAGE_FULL, BUSY),
                   doc="add rows (waiting up to wait seconds for the rate limiter)")
 TWRITE = Command("TWRITE", (BIN, *_TABLE_VALUE, Field(_TK.INDICES, BYTES), optional(_TK.PRIORITIES, BYTES),
                             optional(_TK.TENSORDICT, BOOL), RELEASE),
                  reply=_TABLE_CHANGED, payload=Payload.ROWS, result=_TK.KEYS, method="write", zero_copy=None,
-                 relay=Relay.FORWARD, route=Route.OWNER, errors=(*_TABLE_ERRORS, TOO_LARGE),
+                 lasting=True, relay=Relay.FORWARD, route=Route.OWNER, errors=(*_TABLE_ERRORS, TOO_LARGE),
                  doc="put rows at the slot indices given")
 TSAMPLE = Command("TSAMPLE", (BIN, Field(Key.N, COUNT), optional(Key.WAIT, SECONDS), optional(Key.REF, INTS),
                               RELEASE),
@@ -147,13 +147,13 @@ TREAD = Command("TREAD", (BIN, Field(_TK.INDICES, BYTES), optional(Key.REF, INTS
                 doc="read the rows at the slot indices given (with sample: as a sample the reader drew)")
 TPRIORITY = Command("TPRIORITY", (BIN, Field(_TK.KEYS, BYTES), Field(_TK.PRIORITIES, BYTES), RELEASE),
                     reply=Message(OK, (Field(Key.N, INT),)), result=Key.N, method="update_priorities",
-                    zero_copy=None, relay=Relay.FORWARD, route=Route.OWNER, errors=_TABLE_ERRORS,
+                    zero_copy=None, lasting=True, relay=Relay.FORWARD, route=Route.OWNER, errors=_TABLE_ERRORS,
                     doc="set the priorities of the rows with these keys")
 TINFO = Command("TINFO", (BIN, optional(_TK.SLOTS, INT), RELEASE), reply=_TABLE_INFO, result=_TK.INFO,
                 method="table_info", zero_copy=None, relay=Relay.FORWARD, route=Route.OWNER, errors=_TABLE_ERRORS,
                 doc="the table's settings, counters and rate-limiter state (with slots: its occupied slots)")
 TLIMITS = Command("TLIMITS", (BIN, Field(_TK.LIMITS, MAP), RELEASE), reply=_TABLE_INFO, result=_TK.INFO,
-                  method="set_table_limits", zero_copy=None, relay=Relay.FORWARD, route=Route.OWNER,
+                  method="set_table_limits", zero_copy=None, lasting=True, relay=Relay.FORWARD, route=Route.OWNER,
                   errors=_TABLE_ERRORS,
                   doc="change the table's rate limits now")
 TABLE_COMMANDS = (TCREATE, TINSERT, TWRITE, TSAMPLE, TREAD, TPRIORITY, TINFO, TLIMITS)

@@ -295,6 +295,8 @@ class Command:
     of that name of their bin, in arrival order, apart from other kinds of request
     waiting on the same bin (None: it never waits).  ``errors``: the error codes it
     may answer with beyond :data:`ANY_REQUEST_ERRORS` (its PROTOCOL.md entry says when).
+    ``lasting``: its effect outlives the connection (PROTOCOL.md §8.3): held back by
+    flow control when the connection is lost, it is still carried out.
     ``taken_with``: for a ``READ`` verb, the request field that, when true, makes it
     count what it reads (TREAD's ``sample``): such a request is a ``TAKE``, never sent
     again.
@@ -304,7 +306,7 @@ class Command:
                  zero_copy: str | None, relay: str, route: str, lane: str | None = None,
                  errors: tuple[int, ...] = (),
                  payload: str | None = None, result: str | None = None, taken_with: str | None = None,
-                 doc: str = ""):
+                 lasting: bool = False, doc: str = ""):
         if payload not in (None, Payload.ITEM, Payload.ROWS):
             raise ValueError(f"{verb}: unknown payload {payload!r}")
         if taken_with is not None and (zero_copy != ZeroCopy.READ
@@ -330,6 +332,7 @@ class Command:
         self.payload = payload
         self.result = result
         self.taken_with = taken_with
+        self.lasting = lasting
         self.doc = doc
         self.takes_bin = takes_bin
         self.keys = frozenset(field.key for field in fields)  # the request fields it declares
