@@ -6,7 +6,8 @@ limits, and ``meta``, what a client says of its rows, kept and given back as it
 came.  :func:`parse_spec` fills in the defaults and refuses what is not a setting;
 :func:`fixed` is what cannot change while the table lives (the rate limits can,
 with TLIMITS).  A durable table's directory holds ``table.json`` (its name and
-settings) and tensordict's ``meta.json`` (:func:`write_files`).
+settings) and tensordict's ``meta.json`` (:func:`write_files`); :func:`make_table`
+makes a table to its settings.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import numpy as np
 
 from tensorshare.disk.tables import TABLE_RECORD
 
-from .tables import TableSpecError, tensordict_metadata
+from tensorshare.errors import StorageFullError
+
+from .tables import MemoryBacking, Table, TableSpecError, tensordict_metadata
 from .tables.columns import parse_columns
 
 # The settings a table is made with: name -> default (PROTOCOL.md §12).
@@ -122,3 +125,16 @@ def _width(dtype: str) -> int:
     from tensorshare.wire.dtypes import TORCH_WIDTHS
 
     return TORCH_WIDTHS[dtype]
+
+
+def make_table(full: dict, backing=None) -> Table:
+    """A table made to the settings ``full`` (:func:`parse_spec`'s), its columns in
+    ``backing`` (None: memory); 452 when there is no memory for it."""
+    try:
+        return Table(full["capacity"], full["columns"], full["sampler"], full["priority_exponent"],
+                     full["remover"], full["max_times_sampled"], full["min_size_to_sample"],
+                     full["samples_per_insert"], full["error_buffer"], backing=backing or MemoryBacking())
+    except MemoryError:
+        raise StorageFullError(f"no memory for a table of {full['capacity']} rows") from None
+    except (TypeError, ValueError) as exc:  # a setting of the wrong kind the engine did not name
+        raise TableSpecError(f"bad table settings: {exc}") from None
