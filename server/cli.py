@@ -93,8 +93,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Na
                         help="keep polling this long after a request before sleeping: a quicker answer to a "
                              "client's next request, for CPU time (default %(default)s; 0: sleep at once)")
     parser.add_argument("--recv-pool", type=_size, default=ServerConfig.recv_pool, metavar="SIZE",
-                        help="memory that large payloads are received into and reused once their items are "
-                             "gone (default 1GiB, at most a quarter of --memory-limit; 0: fresh memory each time)")
+                        help="memory that payloads of 64 KiB or more are received into and reused once their "
+                             "items are gone (default 1GiB, at most a quarter of --memory-limit; 0: fresh memory "
+                             "each time)")
     parser.add_argument("--recv-pool-idle", type=seconds, default=ServerConfig.recv_pool_idle, metavar="SECONDS",
                         help="give receive-pool memory back to the system once it has been free this long "
                              "(default %(default)s)")

@@ -52,7 +52,7 @@ class ServerConfig:
     # (server/net/busypoll.py): a quicker reply to the next request, for CPU.  Off
     # here (an embedded server shares its process); run_server turns it on.
     busy_poll: float = 0.0
-    # Bytes of memory that large payloads are received into and that is reused once
+    # Bytes of memory that payloads of 64 KiB or more are received into, reused once
     # the items in it are gone (server/protocol/recvpool.py; at most a quarter of
     # memory_limit when that is set); 0: every payload into fresh memory.
     recv_pool: int = 1 << 30
