@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 
 MiB = 1 << 20
 
@@ -153,4 +154,10 @@ SMOKE = Profile(
     gpu_bytes=64 * MiB, gpu_tensors=8, gpu_reps=1,
 )
 
-PROFILES = {p.name: p for p in (SMOKE, QUICK, FULL)}
+# Issue #32's many-core run (scripts/gpu_check.sh runs it on a 16-core machine): 14 client
+# processes of mixed 1 KiB put/append/get against --workers 1, 2, 4, 8 beside Redis's 14,
+# and the busy-host section with two CPU-bound processes per core (as 4 on 2 cores).
+CORES = replace(QUICK, name="cores", sections=("scaling", "busy"), scale_clients=(1, 14), scale_value_bytes=1 << 10,
+                scale_workers=(1, 2, 4, 8), busy_hogs=2 * (os.cpu_count() or 2))
+
+PROFILES = {p.name: p for p in (SMOKE, QUICK, FULL, CORES)}

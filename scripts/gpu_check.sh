@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
-# The GPU checks of tensorshare's GPU data path: the `cuda` tests and the benchmark's `gpu` section.
+# The GPU machine's checks: the `cuda` tests, the benchmark's `gpu` section, and its many cores
+# (the multi-worker server's scaling and a busy host).
 #
 # For a machine with Python 3.12, torch with CUDA, numpy, msgpack and pytest, but no Twisted,
 # no Redis and no package index.  Copy the gpu-machine tools (wheels/, debs/: see their
 # README) into .device/ of the checkout first; this installs what the machine lacks from
 # there as that README says (into /tmp, nothing system-wide), then runs, in under six
-# minutes in all (each step is ended at its limit: 190 s and 115 s, 15 s more to end):
+# minutes in all, eight with the cores step (each step is ended at its limit: 190 s, 115 s
+# and 150 s, 15 s more to end):
 #
 #   pytest -m cuda                                     every test marked `cuda`
 #   python -m benchmarks --profile quick --sections gpu   the section's figures and goals
+#   python -m benchmarks --profile cores                  the machine's cores: 14 clients against
+#                                                         --workers 1, 2, 4, 8 beside Redis, and a
+#                                                         busy host (GPU_CHECK_CORES=0 leaves it out)
 #
 # Logs and results go to $OUT when it is set (else .device/out): cuda-tests.log,
-# cuda-tests.xml, bench.log and bench/latest.{json,md}.  Exit status: 0 when both ran and
-# every test passed (goals may miss: a benchmark is not a test), 1 when something failed
-# or ran out of time, 2 when this machine has no CUDA device (nothing was run;
+# cuda-tests.xml, bench.log and bench/latest.{json,md}, cores.log and cores/latest.{json,md}.
+# Exit status: 0 when every step ran and every test passed (goals may miss: a benchmark is
+# not a test), 1 when something failed or ran out of time, 2 when this machine has no CUDA device (nothing was run;
 # GPU_CHECK_WITHOUT_CUDA=1 runs the flow anyway, every check skipping: how it is checked
 # on a machine without a GPU).
 set -u -o pipefail
@@ -69,5 +74,9 @@ timeout -s INT -k 15 190 "$PY" -m pytest -m cuda $files -q -rs -p no:cacheprovid
     --junitxml "$OUT/cuda-tests.xml" 2>&1 | tee "$OUT/cuda-tests.log" || status=1
 timeout -k 15 115 "$PY" -m benchmarks --profile quick --sections gpu --out "$OUT/bench" \
     2>&1 | tee "$OUT/bench.log" || status=1
+if [ "${GPU_CHECK_CORES:-1}" != 0 ]; then
+    timeout -k 15 150 "$PY" -m benchmarks --profile cores --out "$OUT/cores" \
+        2>&1 | tee "$OUT/cores.log" || status=1
+fi
 echo "gpu_check: done (status $status); results in $OUT"
 exit $status
