@@ -138,6 +138,17 @@ def decode(data: bytes) -> list[dict]:
     return [frame.header for frame in FrameDecoder().feed(data)]
 
 
+def result_of(d: defer.Deferred, pump) -> object:
+    """Pump until ``d`` fires; its result (a failure is raised)."""
+    out = []
+    d.addBoth(out.append)
+    pump.flush()
+    assert out, "the Deferred did not fire"
+    if isinstance(out[0], failure.Failure):
+        out[0].raiseException()
+    return out[0]
+
+
 def async_pair(clock: Clock | None = None, *, client_options: dict | None = None, **config):
     """An AsyncClient connected in memory to a real server protocol.
 

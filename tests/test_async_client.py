@@ -9,21 +9,9 @@ import os
 import pytest
 import torch
 from twisted.internet import defer
-from twisted.python.failure import Failure
 
-from pairing import async_pair
+from pairing import async_pair, result_of
 from tensorshare.errors import BusyError, ConnectionLostError, NoSuchBinError, TimeoutError
-
-
-def result_of(d: defer.Deferred, pump) -> object:
-    """Pump until ``d`` fires; its result (a failure is raised)."""
-    out = []
-    d.addBoth(out.append)
-    pump.flush()
-    assert out, "the Deferred did not fire"
-    if isinstance(out[0], Failure):
-        out[0].raiseException()
-    return out[0]
 
 
 @pytest.fixture

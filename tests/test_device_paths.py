@@ -14,13 +14,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from twisted.internet import defer
-from twisted.python.failure import Failure
 
 import tensorshare
 import tensorshare.device as device_engines
 from devicesim import DeferredStreams, Stream
-from pairing import async_pair
+from pairing import async_pair, result_of
 from serverproc import ServerProcess
 from tensorshare.device.engine import Engine
 from tensorshare.wire.codec import encode
@@ -114,16 +112,6 @@ def test_replies_with_numpy_arrays_are_received_as_before(server, engine):
         [back] = c.peek("dev-numpy", device="cpu")
     assert torch.equal(back["t"], value["t"]) and np.array_equal(back["a"], value["a"])
     assert engine.streams.copies == copies
-
-
-def result_of(d: defer.Deferred, pump):
-    out = []
-    d.addBoth(out.append)
-    pump.flush()
-    assert out, "the Deferred did not fire"
-    if isinstance(out[0], Failure):
-        out[0].raiseException()
-    return out[0]
 
 
 def test_the_async_client_sends_and_receives_through_the_engine(engine):

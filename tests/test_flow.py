@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -254,8 +255,6 @@ def test_requests_held_back_by_a_lost_connection_keep_their_lasting_effect():
 
 
 def test_table_changes_held_back_by_a_lost_connection_are_carried_out_and_reads_are_not():
-    import numpy as np
-
     session, outbox, state = make_session()
     spec = {"capacity": 4, "columns": {"x": {"shape": [2], "dtype": "float32"}}, "sampler": "prioritized"}
     outbox.congested = True  # every request is held back

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from pairing import Pair
+from pairing import HeldJobs, Pair
 from tensorshare._client.connection import next_request_id, request_frame
 from tensorshare.errors import StorageFullError, TooLargeError
 from tensorshare.protocol.messages import (
@@ -58,42 +58,27 @@ def test_6_the_rows_of_all_tables_together_are_bounded():
     _create(pair, "b", 600)
 
 
-class _HeldJobs:
-    """Disk jobs that wait until the test runs them (as a disk thread would, later)."""
-
-    def __init__(self):
-        self.held = []
-
-    def run(self, lane, fn, args, on_done=None) -> None:
-        self.held.append((fn, args, on_done))
-
-    def finish(self) -> None:
-        while self.held:
-            fn, args, on_done = self.held.pop(0)
-            on_done(fn(*args), None)
-
-
 def test_6_a_large_table_in_memory_is_made_off_the_reactor_and_counted_once_made():
     """A TCREATE of 4M rows filled its per-slot state on the reactor thread (0.24 s)."""
     from tensorshare_server.bins.store import BinStore, Item
     from tensorshare_server.bins.tablestore import MADE_INLINE, TableStore
 
-    jobs, store = _HeldJobs(), BinStore()
+    jobs, store = HeldJobs(), BinStore()
     tables = TableStore(store, jobs)
     made = []
     spec = {"capacity": MADE_INLINE, "columns": {"x": {"shape": [2], "dtype": "float32"}}}
     tables.create("small", spec, lambda result, error: made.append(("small", error)))
-    assert made == [("small", None)] and not jobs.held  # at once
+    assert made == [("small", None)] and not jobs.queued  # at once
     tables.create("large", {**spec, "capacity": MADE_INLINE + 1}, lambda result, error: made.append(("large", error)))
     tables.create("large", {**spec, "capacity": MADE_INLINE + 1}, lambda result, error: made.append(("again", error)))
-    assert len(jobs.held) == 1 and "large" not in tables and tables.total_rows == 2 * MADE_INLINE + 1
+    assert len(jobs.queued) == 1 and "large" not in tables and tables.total_rows == 2 * MADE_INLINE + 1
     counted = store.table_bytes
-    jobs.finish()
+    jobs.release()
     assert made[1:] == [("large", None), ("again", None)] and "large" in tables
     assert store.table_bytes - counted >= 8 * (MADE_INLINE + 1)  # its columns and state count once made
     tables.create("items", {"capacity": MADE_INLINE + 1}, lambda result, error: made.append(("items", error)))
     store.put("items", Item(encode(0).description, (), 0))  # a bin takes the name meanwhile
-    jobs.finish()
+    jobs.release()
     assert made[-1][0] == "items" and "is a bin" in str(made[-1][1]) and tables.total_rows == 2 * MADE_INLINE + 1
 
 
