@@ -43,6 +43,7 @@ tables = _load()
 Table, RawArray = tables.Table, tables.RawArray
 SumTree = sys.modules[f"{_NAME}.sumtree"].SumTree
 MinTree = sys.modules[f"{_NAME}.mintree"].MinTree
+CountTree = sys.modules[f"{_NAME}.occupancy"].CountTree
 Slots = sys.modules[f"{_NAME}.slots"].Slots
 
 
@@ -253,7 +254,7 @@ def test_insert_into_a_full_table_without_remover():
     with pytest.raises(tables.TableFullError):
         t.insert(scalars(1))
     with pytest.raises(tables.BatchTooLargeError):
-        x_table(3).insert(scalars(4))
+        x_table(3, remover="lowest_priority").insert(scalars(4))
     # rows leave as they are sampled out: then a full table means wait
     q = x_table(3, remover=None, sampler="fifo", max_times_sampled=1)
     q.insert(scalars(3))
@@ -364,7 +365,7 @@ def test_priorities_whose_sum_would_overflow_are_refused_and_the_largest_allowed
     with pytest.raises(tables.PriorityError, match="largest weight"):
         t.insert(scalars(4), priorities=[1.0, 1.0, 1e308, 1e308])
     assert t.size == 0
-    top = SumTree(4).max_weight
+    top = SumTree(4, np.zeros_like).max_weight
     t.insert(scalars(4), priorities=[1.0, 1.0, top, top])
     s = t.sample(2000)
     assert np.isfinite(s.probabilities).all() and (s.probabilities > 0).all()
@@ -570,59 +571,83 @@ def decision(can, n: int):
 
 
 @settings(max_examples=80, deadline=None)
-@given(data=st.data(), capacity=st.integers(1, 70))
-def test_sum_tree_sums_and_searches_under_random_batched_updates(data, capacity):
-    tree = SumTree(capacity)
+@given(data=st.data(), capacity=st.integers(1, 70), block=st.sampled_from([1, 2, 4, 16]))
+def test_sum_tree_sums_and_searches_under_random_batched_updates(data, capacity, block):
     model = np.zeros(capacity)
+    tree = SumTree(capacity, lambda slots: model[slots], block=block)
     for _ in range(data.draw(st.integers(1, 8))):
         slots = np.array(data.draw(st.lists(st.integers(0, capacity - 1), unique=True, min_size=1)), np.int64)
         weights = np.array(data.draw(st.lists(st.integers(0, 100), min_size=slots.size, max_size=slots.size)),
                            np.float64)  # integers: every sum is exact, so is the search
-        tree.set(slots, weights)
         model[slots] = weights
+        tree.changed(slots)
         inner = np.arange(1, tree.leaves)
         assert (tree.tree[inner] == tree.tree[2 * inner] + tree.tree[2 * inner + 1]).all()
-        assert (tree.get(np.arange(capacity)) == model).all() and tree.total == model.sum()
+        blocks = np.zeros(tree.leaves)
+        np.add.at(blocks, np.arange(capacity) // block, model)
+        assert (tree.tree[tree.leaves:] == blocks).all() and tree.total == model.sum()
     if model.sum() > 0:
         targets = np.concatenate([np.arange(0, model.sum(), 0.5), [model.sum() - 1e-9]])
         found = tree.find(targets)
         assert (found == np.searchsorted(np.cumsum(model), targets, side="right")).all()
         assert (model[found] > 0).all()
-    rebuilt = SumTree(capacity)
-    rebuilt.rebuild(model)
+    rebuilt = SumTree(capacity, lambda slots: model[slots], block=block)
+    rebuilt.rebuild()
     assert np.array_equal(rebuilt.tree, tree.tree)
 
 
-def test_sum_tree_never_lands_on_a_zero_weight_slot_past_the_total():
-    tree = SumTree(8)
-    tree.set(np.arange(8), np.array([0.1, 0.2, 0.0, 0.3, 0.0, 0.0, 0.0, 0.0]))
+@pytest.mark.parametrize("block", [1, 4])
+def test_sum_tree_never_lands_on_a_zero_weight_slot_past_the_total(block):
+    model = np.array([0.1, 0.2, 0.0, 0.3, 0.0, 0.0, 0.0, 0.0])
+    tree = SumTree(8, lambda slots: model[slots], block=block)
+    tree.changed(np.arange(8))
     found = tree.find(np.array([tree.total, tree.total * (1 + 1e-12), 0.0]))
     assert found.tolist() == [3, 3, 0]
 
 
 @settings(max_examples=80, deadline=None)
-@given(data=st.data(), capacity=st.integers(1, 40))
-def test_min_tree_orders_by_value_then_tie(data, capacity):
-    tree = MinTree(capacity, np.float64)
+@given(data=st.data(), capacity=st.integers(1, 40), block=st.sampled_from([1, 2, 8, 32]))
+def test_min_tree_orders_by_value_then_tie(data, capacity, block):
     values = np.full(capacity, np.inf)
     ties = np.full(capacity, np.iinfo(np.int64).max)
+    tree = MinTree(capacity, lambda slots: (values[slots], ties[slots]), np.inf, block=block)
     tie_source = iter(range(10_000))
     for _ in range(data.draw(st.integers(1, 8))):
         slots = np.array(data.draw(st.lists(st.integers(0, capacity - 1), unique=True, min_size=1)), np.int64)
         if data.draw(st.booleans()):
             new = np.array(data.draw(st.lists(st.integers(0, 3), min_size=slots.size, max_size=slots.size)),
                            np.float64)  # few values: many ties
-            new_ties = np.array([next(tie_source) for _ in slots], np.int64)
-            tree.set(slots, new, new_ties)
-            values[slots], ties[slots] = new, new_ties
+            values[slots], ties[slots] = new, [next(tie_source) for _ in slots]
         else:
-            tree.clear(slots)
             values[slots], ties[slots] = np.inf, np.iinfo(np.int64).max
+        tree.changed(slots)
         live = np.flatnonzero(values < np.inf)
         expected = live[np.lexsort((ties[live], values[live]))]
         for k in {1, 2, 3, capacity, capacity + 5}:
             assert tree.smallest(k).tolist() == expected[:k].tolist()
         assert tree.first == (expected[0] if expected.size else -1)
+    rebuilt = MinTree(capacity, lambda slots: (values[slots], ties[slots]), np.inf, block=block)
+    rebuilt.rebuild()
+    assert np.array_equal(rebuilt.tree, tree.tree)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), capacity=st.integers(1, 300), block=st.sampled_from([1, 4, 64]))
+def test_count_tree_finds_rows_and_free_slots_by_rank(data, capacity, block):
+    live = np.zeros(capacity, bool)
+    tree = CountTree(capacity, lambda slots: live[slots], block=block)
+    for _ in range(data.draw(st.integers(1, 6))):
+        slots = np.array(data.draw(st.lists(st.integers(0, capacity - 1), unique=True, min_size=1)), np.int64)
+        live[slots] = data.draw(st.booleans())
+        tree.changed(slots)
+        held, free = np.flatnonzero(live), np.flatnonzero(~live)
+        assert tree.total == held.size
+        if held.size:
+            assert tree.find(np.arange(held.size)).tolist() == held.tolist()
+        if free.size:
+            assert tree.find(np.arange(free.size), free=True).tolist() == free.tolist()
+        for position in {0, 1, capacity // 2, capacity - 1, capacity}:
+            assert tree.before(position) == int(live[:position].sum())
 
 
 class TableAgainstAModel(RuleBasedStateMachine):
@@ -730,10 +755,10 @@ class TableAgainstAModel(RuleBasedStateMachine):
             return
         t, state = self.t, self.t._slots
         assert t.size == len(self.rows)
-        live = sorted(state.order[:state.size].tolist())
+        live = np.flatnonzero(state.flags & 1).tolist()
         assert live == sorted(row[0] for row in self.rows.values())
-        assert (state.position[state.order] == np.arange(self.capacity)).all()
-        assert sorted(np.flatnonzero(state.key >= 0).tolist()) == live
+        assert state.count.total == len(live)
+        assert np.flatnonzero(state.key >= 0).tolist() == live
         if self.rows:
             keys = sorted(self.rows)
             back = t.read([self.rows[k][0] for k in keys])
@@ -801,7 +826,8 @@ def test_memmap_files_are_tensordicts_layout(tmp_path):
     t_keys = t.write([0, 3, 6, 9], {"obs": obs, "w": RawArray("bfloat16", (4, 2), w_bits.tobytes()),
                                     "r": r}).keys.tolist()
     assert sorted(os.listdir(directory)) == ["_slots", "obs.memmap", "r.memmap", "w.memmap"]
-    assert sorted(os.listdir(os.path.join(directory, "_slots"))) == ["key.bin", "priority.bin", "times_sampled.bin"]
+    assert sorted(os.listdir(os.path.join(directory, "_slots"))) == ["flags.bin", "key.bin", "priority.bin",
+                                                                     "times_sampled.bin"]
     assert os.path.getsize(os.path.join(directory, "obs.memmap")) == 10 * 6
     raw = np.fromfile(os.path.join(directory, "r.memmap"), np.float32)
     assert raw[[0, 3, 6, 9]].tolist() == r.tolist() and raw[[1, 2]].tolist() == [0.0, 0.0]

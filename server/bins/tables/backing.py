@@ -92,6 +92,7 @@ class MemmapBacking:
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"{name}.bin")
         if self.reopen and os.path.exists(path):
+            _widened_before(path, dtype, capacity)
             array = _mapped(path, dtype, (capacity,), create=False)
         else:
             array = _mapped(path, dtype, (capacity,), create=True)
@@ -111,6 +112,22 @@ class MemmapBacking:
             except OSError:
                 pass
         self.paths = []
+
+
+def _widened_before(path: str, dtype, capacity: int) -> None:
+    """A state file written wider by an older server (sample counts were int64, now
+    uint32, saturating) is narrowed in place of the old one, once."""
+    old = np.dtype(np.int64)
+    if np.dtype(dtype).kind != "u" or np.dtype(dtype).itemsize >= old.itemsize \
+            or os.path.getsize(path) != capacity * old.itemsize:
+        return
+    values = np.memmap(path, old, "r", shape=(capacity,))
+    tmp = path + ".narrow"
+    narrowed = np.memmap(tmp, dtype, "w+", shape=(capacity,))
+    narrowed[:] = np.clip(values, 0, np.iinfo(dtype).max)
+    narrowed.flush()
+    del values, narrowed
+    os.replace(tmp, path)
 
 
 def _mapped(path: str, dtype, shape: tuple, create: bool) -> np.ndarray:

@@ -1,109 +1,130 @@
-"""An argmin tree over a table's slots, in numpy, batched: the index of the fifo and
+"""An argmin tree over blocks of a table's slots, batched: the index of the fifo and
 lifo samplers and of the removers.
 
-Each slot has an order value (a number) and a tie-break (an int64: the row's key, so
-that of equal values the older row comes first); empty slots hold ``+inf`` / the
-largest int64 and come last.  A complete binary tree in one int64 array holds, at
-each node, the slot that is smallest (value, then tie-break) under it; the root is
-the smallest slot of all.  :meth:`smallest` finds the ``k`` smallest slots in order
-with one pass down the tree that keeps at most ``k`` nodes per level.
+Each slot has an order value and a tie-break (an int64: the row's key, so that of
+equal values the older row comes first), computed from the table's state by
+``order(slots)``; empty slots have the value ``empty`` and come last.  A complete
+binary tree in one int64 array (:class:`~.blocks.Blocks`) holds, at each node, the
+slot that is smallest (value, then tie-break) under it, -1 where every slot under
+it is empty; the root is the smallest slot of all.  :meth:`smallest` finds the
+``k`` smallest slots in order with one pass down the tree that keeps at most ``k``
+nodes per level.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
-from .sumtree import update_ancestors
+from .blocks import Blocks, build_levels, update_ancestors
 
 INT_EMPTY = np.iinfo(np.int64).max
+BLOCK = 32  # slots under a leaf: the tree costs half a byte a row
 
 
 class MinTree:
     """The slots of a table ordered by ``(value, tie)``, smallest first."""
 
-    def __init__(self, capacity: int, dtype=np.float64):
+    def __init__(self, capacity: int, order: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], empty,
+                 block: int = BLOCK, order_one: Callable[[int], tuple] | None = None):
         self.capacity = capacity
-        self.leaves = 1 << max(0, (capacity - 1).bit_length())
-        self.empty = np.inf if np.dtype(dtype).kind == "f" else INT_EMPTY
-        self.values = np.full(self.leaves, self.empty, dtype)
-        self.ties = np.full(self.leaves, INT_EMPTY, np.int64)
-        # node -> its smallest slot; leaf node leaves + s holds s
-        self.tree = np.empty(2 * self.leaves, np.int64)
-        self.tree[self.leaves:] = np.arange(self.leaves)
-        self._fix_all()
+        self.order = order  # slots -> (values, ties), ``empty`` values for empty slots
+        # one slot that holds a row -> (value, tie) as Python numbers: the few nodes near
+        # the root are compared one at a time, where numpy's per-call cost would dominate
+        self.order_one = order_one or (lambda slot: tuple(a[0] for a in order(np.array([slot], np.int64))))
+        self.empty = empty
+        self.layout = Blocks(capacity, block)
+        self.leaves = self.layout.leaves
+        self.tree = np.full(2 * self.leaves, -1, np.int64)
+
+    @staticmethod
+    def bytes_for(capacity: int, block: int = BLOCK) -> int:
+        return 2 * Blocks(capacity, block).leaves * 8
 
     @property
     def first(self) -> int:
         """The smallest slot, or -1 if every slot is empty."""
-        slot = int(self.tree[1])
-        return slot if self.values[slot] != self.empty else -1
+        return int(self.tree[1])
 
-    def set(self, slots: np.ndarray, values: np.ndarray, ties: np.ndarray) -> None:
-        """Give ``slots`` (distinct) their order ``values`` and ``ties``."""
-        self.values[slots] = values
-        self.ties[slots] = ties
-        self._fix(np.asarray(slots, np.int64))
+    def changed(self, slots: np.ndarray) -> None:
+        """The order values of ``slots`` changed (or they became empty)."""
+        if not np.size(slots):
+            return
+        layout, tree = self.layout, self.tree
+        blocks = layout.blocks_of(slots)
+        tree[layout.leaves + blocks] = self._block_best(blocks)
+        pick = self._pick
 
-    def clear(self, slots: np.ndarray) -> None:
-        """Empty ``slots`` (distinct): they go last."""
-        self.values[slots] = self.empty
-        self.ties[slots] = INT_EMPTY
-        self._fix(np.asarray(slots, np.int64))
+        def batch(level: np.ndarray) -> None:
+            tree[level] = pick(tree[2 * level], tree[2 * level + 1])
+
+        order_one = self.order_one
+
+        def one(node: int) -> None:
+            # a node holds a slot with a row or -1: every node above a changed block is redone
+            a, b = int(tree[2 * node]), int(tree[2 * node + 1])
+            tree[node] = a if b < 0 or (a >= 0 and order_one(a) <= order_one(b)) else b
+
+        update_ancestors(blocks + layout.leaves, batch, one)
+
+    def rebuild(self) -> None:
+        layout, tree = self.layout, self.tree
+        tree[:] = -1
+        for first, stop in layout.chunks():
+            tree[layout.leaves + first:layout.leaves + stop] = self._block_best(np.arange(first, stop, dtype=np.int64))
+        build_levels(tree, layout.leaves, self._pick)
 
     def smallest(self, k: int) -> np.ndarray:
         """The (at most) ``k`` smallest non-empty slots, smallest first.
 
-        Why one pass is enough: the ``k`` smallest leaves have at most ``k`` ancestors
-        on each level, and a node that is none of them has a minimum no smaller than
-        any of theirs; so keeping, level after level, the ``k`` children with the
-        smallest minima keeps every one of them.
+        Why one pass is enough: the ``k`` smallest slots lie under at most ``k``
+        nodes of each level, and a node that is none of those has a minimum no
+        smaller than any of theirs; so keeping, level after level, the ``k``
+        children with the smallest minima keeps every one of them.
         """
-        if k <= 0:
+        if k <= 0 or self.first < 0:
             return np.zeros(0, np.int64)
         if k == 1:
-            first = self.first
-            return np.array([first] if first >= 0 else [], np.int64)
-        tree, values, ties = self.tree, self.values, self.ties
+            return np.array([self.first], np.int64)
+        tree, leaves = self.tree, self.leaves
         nodes = np.ones(1, np.int64)
-        while nodes[0] < self.leaves:
+        while nodes[0] < leaves:
             children = np.concatenate((2 * nodes, 2 * nodes + 1))
+            children = children[tree[children] >= 0]
             if children.size > k:
-                best = tree[children]
-                order = np.lexsort((ties[best], values[best]))[:k]
-                children = children[order]
+                values, ties = self._keys(tree[children])
+                children = children[np.lexsort((ties, values))[:k]]
             nodes = children
-        slots = tree[nodes]
-        order = np.lexsort((ties[slots], values[slots]))
-        slots = slots[order]
-        return slots[values[slots] != self.empty][:k]
+        slots, valid = self.layout.slots_in(nodes - leaves)
+        values, ties = self.order(slots)
+        held = valid & (values != self.empty)
+        slots, values, ties = slots[held], values[held], ties[held]
+        return slots[np.lexsort((ties, values))[:k]]
 
     # -- internals
 
-    def _smaller(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """Elementwise: is slot ``a`` before slot ``b``?  (Ties: the left one, ``a``.)"""
-        va, vb = self.values[a], self.values[b]
-        return (va < vb) | ((va == vb) & (self.ties[a] <= self.ties[b]))
+    def _keys(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(values, ties)`` of ``slots``, where -1 (no slot) is empty."""
+        values, ties = self.order(np.maximum(slots, 0))
+        none = slots < 0
+        if none.any():
+            values = np.where(none, self.empty, values)
+            ties = np.where(none, INT_EMPTY, ties)
+        return values, ties
 
-    def _fix(self, slots: np.ndarray) -> None:
-        tree, values, ties = self.tree, self.values, self.ties
+    def _pick(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """Elementwise the smaller of slots ``a`` and ``b`` (ties: ``a``; -1: none)."""
+        va, ta = self._keys(a)
+        vb, tb = self._keys(b)
+        return np.where((va < vb) | ((va == vb) & (ta <= tb)), a, b)
 
-        def batch(level: np.ndarray) -> None:
-            a, b = tree[2 * level], tree[2 * level + 1]
-            tree[level] = np.where(self._smaller(a, b), a, b)
-
-        def one(node: int) -> None:
-            a, b = tree[2 * node], tree[2 * node + 1]
-            va, vb = values[a], values[b]
-            tree[node] = a if va < vb or (va == vb and ties[a] <= ties[b]) else b
-
-        if slots.size:
-            update_ancestors(slots + self.leaves, batch, one)
-
-    def _fix_all(self) -> None:
-        tree = self.tree
-        level = self.leaves
-        while level > 1:
-            half = level // 2
-            a, b = tree[level:2 * level:2], tree[level + 1:2 * level:2]
-            tree[half:level] = np.where(self._smaller(a, b), a, b)
-            level = half
+    def _block_best(self, blocks: np.ndarray) -> np.ndarray:
+        """The smallest slot of each of ``blocks`` (-1: all empty)."""
+        slots, valid = self.layout.slots_in(blocks)
+        values, ties = self.order(slots)
+        values = np.where(valid, values, self.empty)
+        low = values.min(axis=1)
+        ties = np.where(values == low[:, None], ties, INT_EMPTY)
+        best = slots[np.arange(slots.shape[0]), ties.argmin(axis=1)]
+        return np.where(low == self.empty, -1, best)

@@ -27,7 +27,7 @@ from numbers import Real
 import numpy as np
 
 from .errors import PriorityError, TableSpecError
-from .mintree import MinTree
+from .mintree import INT_EMPTY, MinTree
 from .slots import Slots
 from .sumtree import SumTree
 
@@ -47,6 +47,9 @@ class _Index:
     def reprioritized(self, slots: np.ndarray) -> None:
         pass
 
+    def rebuild(self) -> None:
+        pass
+
 
 class OrderIndex(_Index):
     """The rows in one order, kept in a :class:`MinTree`: ``"oldest"`` first,
@@ -55,27 +58,58 @@ class OrderIndex(_Index):
     def __init__(self, slots: Slots, by: str):
         self.slots = slots
         self.by = by
-        self.tree = MinTree(slots.capacity, np.float64 if by == "lowest_priority" else np.int64)
+        key, priority = slots.key, slots.priority
+        if by == "lowest_priority":
+            self.tree = MinTree(slots.capacity, self._by_priority, np.inf,
+                                order_one=lambda slot: (float(priority[slot]), int(key[slot])))
+        elif by == "oldest":
+            self.tree = MinTree(slots.capacity, self._by_age, INT_EMPTY, order_one=lambda slot: int(key[slot]))
+        else:
+            self.tree = MinTree(slots.capacity, self._by_age, INT_EMPTY, order_one=lambda slot: -int(key[slot]))
+
+    def _by_age(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        keys = self.slots.key[slots]
+        values = keys if self.by == "oldest" else -keys
+        return np.where(self.slots.live(slots), values, INT_EMPTY), keys
+
+    def _by_priority(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        state = self.slots
+        return np.where(state.live(slots), state.priority[slots], np.inf), state.key[slots]
 
     def added(self, slots: np.ndarray) -> None:
-        keys = self.slots.key[slots]
-        if self.by == "oldest":
-            self.tree.set(slots, keys, keys)
-        elif self.by == "newest":
-            self.tree.set(slots, -keys, keys)
-        else:
-            self.tree.set(slots, self.slots.priority[slots], keys)
+        self.tree.changed(slots)
 
-    def removed(self, slots: np.ndarray) -> None:
-        self.tree.clear(slots)
+    removed = added
 
     def reprioritized(self, slots: np.ndarray) -> None:
         if self.by == "lowest_priority":
-            self.tree.set(slots, self.slots.priority[slots], self.slots.key[slots])
+            self.tree.changed(slots)
+
+    def rebuild(self) -> None:
+        self.tree.rebuild()
 
     def first(self, k: int) -> np.ndarray:
         """The first ``k`` rows' slots in this order (fewer if the table holds fewer)."""
+        if self.by == "oldest" and k > 1:
+            ring = self._ring(k)
+            if ring is not None:
+                return ring
         return self.tree.smallest(k)
+
+    def _ring(self, k: int) -> np.ndarray | None:
+        """The ``k`` oldest rows when they follow the oldest in consecutive slots with
+        consecutive seqs (a table filled as a ring buffer): no other row can be older
+        than the last of them, since seqs are distinct.  None otherwise."""
+        state = self.slots
+        oldest = self.tree.first
+        if oldest < 0 or k > state.size:
+            return None
+        steps = np.arange(k, dtype=np.int64)
+        slots = (oldest + steps) % state.capacity
+        seqs = state.key[slots] // state.capacity
+        if state.live(slots).all() and (seqs == seqs[0] + steps).all():
+            return slots
+        return None
 
 
 class UniformSampler(_Index):
@@ -90,8 +124,7 @@ class UniformSampler(_Index):
 
     def draw(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """``n`` independent draws: ``(slots, probability of each)``."""
-        size = self.slots.size
-        return self.slots.order[rng.integers(0, size, n)], np.full(n, 1.0 / size)
+        return self.slots.draw(n, rng), np.full(n, 1.0 / self.slots.size)
 
 
 class PrioritizedSampler(UniformSampler):
@@ -101,10 +134,19 @@ class PrioritizedSampler(UniformSampler):
         super().__init__(slots)
         self.exponent = exponent
         self.stratified = stratified
-        self.tree = SumTree(slots.capacity)
+        self.tree = SumTree(slots.capacity, self._slot_weights)
 
     def weights(self, priorities: np.ndarray) -> np.ndarray:
-        return np.power(priorities, self.exponent)
+        e = self.exponent
+        if e == 1.0:
+            return np.asarray(priorities, np.float64)
+        if e == 0.5:
+            return np.sqrt(priorities)
+        return np.power(priorities, e)
+
+    def _slot_weights(self, slots: np.ndarray) -> np.ndarray:
+        state = self.slots
+        return np.where(state.live(slots), self.weights(state.priority[slots]), 0.0)
 
     def check_priorities(self, priorities: np.ndarray) -> None:
         """Refuse a weight past :attr:`SumTree.max_weight`: each is finite on its own,
@@ -122,12 +164,12 @@ class PrioritizedSampler(UniformSampler):
                                 f"all weights stays a finite float)")
 
     def added(self, slots: np.ndarray) -> None:
-        self.tree.set(slots, self.weights(self.slots.priority[slots]))
+        self.tree.changed(slots)
 
-    def removed(self, slots: np.ndarray) -> None:
-        self.tree.set(slots, np.zeros(slots.size))
+    removed = reprioritized = added
 
-    reprioritized = added
+    def rebuild(self) -> None:
+        self.tree.rebuild()
 
     def draw(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         total = self.tree.total
@@ -170,11 +212,9 @@ class Remover:
 
 def index_bytes(capacity: int, sampler: str, remover: str | None) -> int:
     """The memory the indexes :func:`build` makes for these take (their arrays'
-    bytes), before they are made: a :class:`MinTree` holds 32 bytes a leaf, a
-    :class:`SumTree` 16, over the next power of two of ``capacity``."""
-    leaves = 1 << max(0, (capacity - 1).bit_length())
+    bytes), before they are made: trees over blocks of slots, a byte a row or less."""
     orders = int(sampler == "fifo" or remover == "fifo") + (sampler == "lifo") + (remover == "lowest_priority")
-    return leaves * (32 * orders + 16 * (sampler == "prioritized"))
+    return orders * MinTree.bytes_for(capacity) + (sampler == "prioritized") * SumTree.bytes_for(capacity)
 
 
 def build(slots: Slots, sampler: str, remover: str | None, priority_exponent: float,

@@ -1,4 +1,4 @@
-"""A table's slots: which hold a row, and each row's key, priority and sample count.
+"""A table's slots: which hold a row, and each row's key, priority, sample count and marks.
 
 Slots and keys, the two ways to name a row:
 
@@ -12,10 +12,12 @@ Slots and keys, the two ways to name a row:
   (``update_priorities``, ``remove``).  Finding a key's slot is one modulo and one
   comparison, vectorised, with no dictionary.
 
-The occupied slots are kept packed at the front of one permutation of all slots
-(``order[:size]``, with each slot's place in ``position``): a uniform sample is an
-index into it, and free slots are found at ``order[size:]``.  Moving a batch of
-slots in or out swaps only the slots on the wrong side of the boundary.
+Per slot, 21 bytes (so that 10^8 rows keep about 2 GB of state): the key (int64),
+the priority (float64), the times sampled (uint32, saturating) and one byte of flags:
+``LIVE`` (the row is in the occupied set every sampler and remover sees) and
+``END`` (the row ends its episode: no sequence runs past it).  Which slots are live
+is counted over blocks (:class:`~.occupancy.CountTree`): a uniform draw, and the
+free slots an insert takes, are walks down it.
 """
 
 from __future__ import annotations
@@ -23,33 +25,94 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import BadArgumentError, SlotIndexError, TableFullError
+from .occupancy import CountTree
 
 KEY_LIMIT = np.iinfo(np.int64).max
+COUNT_LIMIT = np.iinfo(np.uint32).max  # times_sampled stays there once reached
+LIVE, END = np.uint8(1), np.uint8(2)
+RESTORE_CHUNK = 1 << 22
+# per-slot state: name -> (dtype, value of an empty slot); a durable table keeps each in a file
+STATE = {"key": (np.int64, -1), "priority": (np.float64, 0.0), "times_sampled": (np.uint32, 0),
+         "flags": (np.uint8, 0)}
 
 
 class Slots:
-    """Occupancy and per-row state of ``capacity`` slots."""
+    """Occupancy and per-row state of ``capacity`` slots; ``arrays`` (name -> array of
+    ``capacity``, as :data:`STATE` names them): where the state lives (files, for a
+    durable table), else new arrays in memory."""
 
-    BYTES_PER_SLOT = 41  # key, priority, times_sampled, order, position (8 bytes each) and a mark
+    BYTES_PER_SLOT = sum(np.dtype(dtype).itemsize for dtype, _ in STATE.values())
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, arrays: dict | None = None):
         self.capacity = capacity
-        self.key = np.full(capacity, -1, np.int64)  # -1: empty
-        self.priority = np.zeros(capacity, np.float64)
-        self.times_sampled = np.zeros(capacity, np.int64)
-        self.order = np.arange(capacity, dtype=np.int64)
-        self.position = np.arange(capacity, dtype=np.int64)
+        if arrays is None:
+            arrays = {name: np.full(capacity, fill, dtype) for name, (dtype, fill) in STATE.items()}
+        self.key = arrays["key"]
+        self.priority = arrays["priority"]
+        self.times_sampled = arrays["times_sampled"]
+        self.flags = arrays["flags"]
+        self.count = CountTree(capacity, self.live)
         self.size = 0
         self.next_seq = 0  # seq of the next row
         self._max_seq = (KEY_LIMIT - (capacity - 1)) // capacity  # past it a key would overflow int64
-        self._mark = np.zeros(capacity, bool)
+
+    @staticmethod
+    def bytes_for(capacity: int) -> int:
+        """The memory of the state of ``capacity`` slots (the arrays and the count tree)."""
+        return capacity * Slots.BYTES_PER_SLOT + CountTree.bytes_for(capacity)
 
     # -- queries
 
+    def live(self, slots: np.ndarray) -> np.ndarray:
+        """Which of ``slots`` hold a row of the occupied set."""
+        return (self.flags[slots] & LIVE).astype(bool)
+
+    def ends(self, slots: np.ndarray) -> np.ndarray:
+        """Which of ``slots`` end their episode."""
+        return (self.flags[slots] & END).astype(bool)
+
     def free(self, n: int) -> np.ndarray:
-        """``n`` free slots (there must be that many): the first of the free region, so a
+        """The first ``n`` free slots in index order (there must be that many), so a
         table that never lost a row fills its slots in index order."""
-        return self.order[self.size:self.size + n].copy()
+        found, got = [np.zeros(0, np.int64)], 0
+        while got < n:
+            first = int(self.count.find(np.array([got]), free=True)[0])
+            stop = min(self.capacity, first + max(2 * (n - got), 4096))
+            window = np.arange(first, stop, dtype=np.int64)
+            slots = window[~self.live(window)][:n - got]
+            found.append(slots)
+            got += slots.size
+        return found[-1] if len(found) <= 2 else np.concatenate(found)
+
+    def draw(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """``n`` independent uniform draws among the live slots (there must be some)."""
+        size, capacity = self.size, self.capacity
+        if size == capacity:
+            return rng.integers(0, capacity, n)
+        if 2 * size >= capacity:  # at least half the slots hold rows: draw slots, keep the live ones
+            taken, got = [], 0
+            for _ in range(64):
+                slots = rng.integers(0, capacity, 2 * (n - got) + 8)
+                slots = slots[self.live(slots)][:n - got]
+                taken.append(slots)
+                got += slots.size
+                if got == n:
+                    return np.concatenate(taken)
+            ranks = rng.integers(0, size, n - got)
+            return np.concatenate(taken + [self.count.find(ranks)])
+        return self.count.find(rng.integers(0, size, n))
+
+    def occupied_from(self, start: int, limit: int) -> np.ndarray:
+        """The (at most ``limit``) first live slots from index ``start`` on, in order."""
+        found, got, position = [], 0, start
+        step = max(limit, 1 << 16)
+        while got < limit and position < self.capacity:
+            window = np.arange(position, min(self.capacity, position + step), dtype=np.int64)
+            slots = window[self.live(window)][:limit - got]
+            found.append(slots)
+            got += slots.size
+            position += step
+        return np.concatenate(found) if found else np.zeros(0, np.int64)
 
     def find(self, keys) -> np.ndarray:
         """The slot of each of ``keys``, or -1 where no row has that key (any more)."""
@@ -78,57 +141,65 @@ class Slots:
 
     # -- changes
 
-    def fill(self, slots: np.ndarray, priorities: np.ndarray) -> np.ndarray:
-        """New rows in the free ``slots`` (distinct): give them keys; returns the keys."""
+    def fill(self, slots: np.ndarray, priorities: np.ndarray, ends: np.ndarray | None = None) -> np.ndarray:
+        """New rows in the free ``slots`` (distinct): give them keys; returns the keys.
+        ``ends``: which of them end their episode."""
         n = slots.size
         keys = (np.arange(self.next_seq, self.next_seq + n, dtype=np.int64) * self.capacity) + slots
         self.next_seq += n
         self.key[slots] = keys
         self.priority[slots] = priorities
         self.times_sampled[slots] = 0
-        self._move(slots, into_live=True)
+        self.flags[slots] = LIVE if ends is None else np.where(ends, LIVE | END, LIVE)
+        self.size += n
+        self.count.changed(slots)
         return keys
+
+    def skip(self, n: int) -> None:
+        """``n`` rows were taken and left at once (a ring buffer's overwritten rows):
+        their seqs are used."""
+        self.next_seq += n
 
     def vacate(self, slots: np.ndarray) -> None:
         """Take the occupied ``slots`` (distinct) out of the occupied set; their keys,
         priorities and counts stay readable until :meth:`forget`."""
-        self._move(slots, into_live=False)
+        if slots.size:
+            self.flags[slots] &= ~LIVE
+            self.size -= slots.size
+            self.count.changed(slots)
 
     def forget(self, slots: np.ndarray) -> None:
         """Clear the state of vacated ``slots``."""
         self.key[slots] = -1
         self.priority[slots] = 0.0
         self.times_sampled[slots] = 0
+        self.flags[slots] = 0
 
-    # -- internals
+    def sampled(self, slots: np.ndarray, counts: np.ndarray) -> None:
+        """The distinct ``slots`` were sampled ``counts`` times more (saturating)."""
+        total = self.times_sampled[slots].astype(np.int64) + counts
+        self.times_sampled[slots] = np.minimum(total, COUNT_LIMIT)
 
-    def _move(self, slots: np.ndarray, into_live: bool) -> None:
-        """Move ``slots`` (all on the other side) across the boundary at ``size``.
-
-        The region they must end in is ``order[size:size + k]`` (in) or
-        ``order[size - k:size]`` (out): the slots in it that are not theirs take the
-        places of those of them outside it, and they fill it.
-        """
-        k = slots.size
-        if k == 0:
-            return
-        lo, hi = (self.size, self.size + k) if into_live else (self.size - k, self.size)
-        pos = self.position[slots]
-        outside = slots[(pos < lo) | (pos >= hi)]
-        if outside.size:
-            mark = self._mark
-            mark[slots] = True
-            region = self.order[lo:hi]
-            others = region[~mark[region]]
-            mark[slots] = False
-            out_pos = self.position[outside]
-            self.order[out_pos] = others
-            self.position[others] = out_pos
-        # in the order given: the slots removed first are the first free() hands out,
-        # so a full fifo table puts row i at index i % capacity, as a ring buffer does
-        self.order[lo:hi] = slots
-        self.position[slots] = np.arange(lo, hi)
-        self.size += k if into_live else -k
+    def restore(self) -> None:
+        """Take the state found in the arrays (a table reopened from its files): every
+        slot with a key is live again (a row a killed server was removing included),
+        and the keys go on after the newest.  A piece at a time: no temporary of the
+        table's size."""
+        size, newest = 0, -1
+        for first in range(0, self.capacity, RESTORE_CHUNK):
+            key = np.asarray(self.key[first:first + RESTORE_CHUNK])
+            has_key = key >= 0
+            flags = self.flags[first:first + RESTORE_CHUNK]
+            fixed = np.where(has_key, flags | LIVE, flags & ~LIVE)
+            if (fixed != flags).any():  # (a clean table's flags are right: its pages stay clean)
+                flags[:] = fixed
+            held = int(np.count_nonzero(has_key))
+            if held:
+                size += held
+                newest = max(newest, int(key.max()))
+        self.size = size
+        self.next_seq = newest // self.capacity + 1 if newest >= 0 else 0
+        self.count.rebuild()
 
 
 def int_array(values, what: str) -> np.ndarray:

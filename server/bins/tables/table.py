@@ -33,7 +33,7 @@ from .errors import (
 from .ratelimiter import RateLimiter
 from .rows import EMPTY, Removed, Rows, Sample, Written, out_buffer
 from .selectors import build, index_bytes
-from .slots import Slots, int_array
+from .slots import STATE, Slots, int_array
 
 MAX_CAPACITY = 1 << 40  # leaves keys 2**23 rows of history at the largest capacity
 _UNCHANGED: Any = object()
@@ -54,7 +54,10 @@ class Table:
         self.capacity = int(capacity)
         self.columns: tuple[ColumnSpec, ...] = parse_columns(columns)
         self.max_times_sampled = int(max_times_sampled)
-        self._slots = Slots(self.capacity)
+        self._backing = backing if backing is not None else MemoryBacking()
+        state_array = getattr(self._backing, "state_array", None)  # per-slot state in files: a reopened table finds its rows
+        self._slots = Slots(self.capacity, None if state_array is None else
+                            {name: state_array(name, dtype, self.capacity, fill) for name, (dtype, fill) in STATE.items()})
         self._sampler, self._remover, self._indexes = build(self._slots, sampler, remover, priority_exponent,
                                                             bool(stratified))
         self._priority_exponent = float(priority_exponent)
@@ -63,7 +66,6 @@ class Table:
             raise TableSpecError(f"min_size_to_sample {min_size_to_sample} is above the capacity {capacity}: "
                                  f"no sample could ever proceed")
         self.rng = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
-        self._backing = backing if backing is not None else MemoryBacking()
         self._data = [self._backing.allocate(spec, self.capacity) for spec in self.columns]
         self._items: list | None = None if self.columns else self._backing.item_slots(self.capacity)
         self.inserts = 0  # rows that entered the table (inserted or written)
@@ -71,11 +73,7 @@ class Table:
         self.removals = 0  # rows that left (removed to make room, overwritten, sampled out, removed)
         self.version = 0
         self._allowance = 0  # with max_times_sampled: samples the rows held may still give
-        if hasattr(self._backing, "state_array"):  # per-slot state in files too: a reopened table finds its rows
-            state = self._slots
-            for attr, dtype, fill in (("key", np.int64, -1), ("priority", np.float64, 0.0),
-                                      ("times_sampled", np.int64, 0)):
-                setattr(state, attr, self._backing.state_array(attr, dtype, self.capacity, fill))
+        if state_array is not None:
             self._restore()
 
     # -- state
@@ -104,19 +102,20 @@ class Table:
         if not _is_int(start) or start < 0 or not _is_int(limit) or limit < 1:
             raise BadArgumentError(f"slots from {start!r}, at most {limit!r}: ints >= 0 and >= 1 expected")
         state = self._slots
-        key = state.key[start:]
-        found = np.flatnonzero(key >= 0)[:limit] + start
+        found = state.occupied_from(start, limit)
         after = int(found[-1]) + 1 if found.size == limit else self.capacity
-        more = after < self.capacity and bool((state.key[after:] >= 0).any())
+        more = after < self.capacity and state.count.before(after) < state.size
         return {"indices": found, "keys": state.key[found], "priorities": state.priority[found],
-                "times_sampled": state.times_sampled[found], "next": after if more else None}
+                "times_sampled": state.times_sampled[found].astype(np.int64), "ends": state.ends(found),
+                "next": after if more else None}
 
     def can_insert(self, n: int) -> bool:
         """May an insert of ``n`` rows proceed now?  Raises :class:`BatchTooLargeError`
         or :class:`TableFullError` for an insert that never could."""
         _check_count(n)
-        if n > self.capacity:
-            raise BatchTooLargeError(f"{n} rows is more than the table's capacity {self.capacity}")
+        if n > self.capacity and self.remover != "fifo":
+            raise BatchTooLargeError(f"{n} rows is more than the table's capacity {self.capacity} (a table with "
+                                     f"the fifo remover keeps the newest, as a ring buffer does)")
         self._check_never_inserts(n)
         self._slots.check_keys_left(n)
         if self._remover is None and self.size + n > self.capacity:
@@ -204,39 +203,64 @@ class Table:
         lim.set_limits(min_size_to_sample, samples_per_insert, error_buffer, size=self.size)
         self.version += 1
 
-    def insert(self, batch: Mapping[str, Any] | Sequence, priorities=None) -> Written:
+    def insert(self, batch: Mapping[str, Any] | Sequence, priorities=None, ends=None) -> Written:
         """Add rows: ``batch`` is ``{column: RawArray or numpy array}`` with the rows along
         the first dimension (a list of items for a table of items).  Rows go to free
         slots; when there are too few, the remover removes as many rows as needed
-        first.  ``priorities``: one per row, one for all, or None (1.0)."""
+        first.  ``priorities``: one per row, one for all, or None (1.0).  ``ends``:
+        which rows end their episode (one flag per row, or None: none do).
+
+        A batch larger than a fifo table keeps its newest ``capacity`` rows, as a ring
+        buffer does: the others take keys (and count as inserted) and leave at once."""
         n, views, items = self._batch(batch)
         priorities = self._priorities(priorities, n)
+        ends = _flags(ends, n)
         if n == 0:
             return Written(EMPTY, EMPTY, Removed(EMPTY, [] if self._items is not None else None))
         if not self.can_insert(n):
             raise WouldBlockError(f"an insert of {n} rows may not proceed now "
                                   f"(inserts allowed now: {self.inserts_allowed()})")
+        dropped = max(0, n - self.capacity)
+        if dropped:
+            views = [view[dropped:] for view in views]
+            gone_items, items = (None, None) if items is None else (items[:dropped], items[dropped:])
+            priorities = priorities[dropped:]
+            ends = None if ends is None else ends[dropped:]
+            first_seq = self._slots.next_seq
+            self._slots.skip(dropped)
         room = self.capacity - self.size
-        slots = self._slots.free(min(n, room))
-        if n > room:
-            victims = self._remover.victims(n - room)
+        slots = self._slots.free(min(n - dropped, room))
+        if n - dropped > room:
+            victims = self._remover.victims(n - dropped - room)
             removed = self._remove(victims)
             # free slots first, then those just freed: a fifo table fills as a ring buffer
             slots = np.concatenate((slots, victims))
         else:
             removed = self._nothing_removed()
-        keys = self._put(slots, views, items, priorities)
-        return Written(keys, slots, removed)
+        keys = self._put(slots, views, items, priorities, ends)
+        if not dropped:
+            return Written(keys, slots, removed)
+        # row i of those left out had the slot of the kept row that follows it by a
+        # multiple of the capacity: its key names that slot, and matches no row
+        their_slots = slots[(np.arange(dropped) - dropped) % self.capacity]
+        gone = (first_seq + np.arange(dropped, dtype=np.int64)) * self.capacity + their_slots
+        self.inserts += dropped
+        self.removals += dropped
+        self._limiter.inserted(dropped)
+        removed = Removed(np.concatenate((gone, removed.keys)),
+                          None if removed.items is None else gone_items + removed.items)
+        return Written(np.concatenate((gone, keys)), np.concatenate((their_slots, slots)), removed)
 
-    def write(self, indices, batch: Mapping[str, Any] | Sequence, priorities=None) -> Written:
+    def write(self, indices, batch: Mapping[str, Any] | Sequence, priorities=None, ends=None) -> Written:
         """Put rows at the slot ``indices`` given (distinct), as new rows with new keys;
-        rows already there leave the table first.  ``batch`` and ``priorities`` as for
-        :meth:`insert`."""
+        rows already there leave the table first.  ``batch``, ``priorities`` and
+        ``ends`` as for :meth:`insert`."""
         slots = self._slots.check_indices(indices, unique=True)
         n, views, items = self._batch(batch)
         if n != slots.size:
             raise ColumnMismatchError(f"{slots.size} indices for a batch of {n} rows")
         priorities = self._priorities(priorities, n)
+        ends = _flags(ends, n)
         if n == 0:
             return Written(EMPTY, EMPTY, Removed(EMPTY, [] if self._items is not None else None))
         if not self.can_write(n):
@@ -244,7 +268,7 @@ class Table:
                                   f"(inserts allowed now: {self.inserts_allowed()})")
         occupied = slots[self._slots.key[slots] >= 0]
         removed = self._remove(occupied)
-        keys = self._put(slots, views, items, priorities)
+        keys = self._put(slots, views, items, priorities, ends)
         return Written(keys, slots, removed)
 
     def sample(self, n: int, rng: np.random.Generator | None = None, out: Mapping[str, Any] | None = None) -> Sample:
@@ -386,25 +410,20 @@ class Table:
 
     def _restore(self) -> None:
         """Take the rows the per-slot state names (a table reopened from its files):
-        with their keys, priorities and sample counts, oldest first.  The counters
-        start again (``inserts`` = the rows held) and the rate limiter's balance with
-        them, as after :meth:`set_limits`."""
+        with their keys, priorities, sample counts and episode marks.  Nothing is
+        sorted or moved: the state is the files', and the indexes are rebuilt from
+        it.  The counters start again (``inserts`` = the rows held) and the rate
+        limiter's balance with them, as after :meth:`set_limits`."""
         state = self._slots
-        occupied = np.flatnonzero(np.asarray(state.key) >= 0)
-        if not occupied.size:
-            return
-        seqs = np.asarray(state.key[occupied]) // self.capacity
-        if (np.asarray(state.key[occupied]) % self.capacity != occupied).any():
+        state.restore()
+        head = np.asarray(state.key[:1 << 16])  # (a look at the first slots' keys: each names its own slot)
+        if ((head % self.capacity) != np.arange(head.size))[head >= 0].any():
             raise TableSpecError("the table's files are not of this capacity")
-        slots = occupied[np.argsort(seqs, kind="stable")]
-        state._move(slots, into_live=True)
-        state.next_seq = int(seqs.max()) + 1
         for index in self._indexes:
-            index.added(slots)
-        self.inserts = int(slots.size)
+            index.rebuild()
+        self.inserts = state.size
         if self.max_times_sampled:
-            left = self.max_times_sampled - np.asarray(state.times_sampled[slots])
-            self._allowance = int(np.maximum(left, 0).sum())
+            self._allowance = _allowance(state, self.max_times_sampled)
         self.set_limits()
 
     def _count_samples(self, slots: np.ndarray) -> np.ndarray:
@@ -413,12 +432,12 @@ class Table:
         it leave every index (returned: :meth:`_forget` them once their values are read)."""
         state = self._slots
         uniq, counts = np.unique(slots, return_counts=True)
-        state.times_sampled[uniq] += counts
+        state.sampled(uniq, counts)
         m, n = self.max_times_sampled, int(slots.size)
         if m:
             self._allowance -= n
             done = uniq[state.times_sampled[uniq] >= m]
-            self._unlink(done[state.position[done] < state.size])  # those _draw has not taken out yet
+            self._unlink(done[state.live(done)])  # those _draw has not taken out yet
         else:
             done = EMPTY
         self.samples += n
@@ -456,7 +475,8 @@ class Table:
         self._sampler.check_priorities(p)
         return p
 
-    def _put(self, slots: np.ndarray, views: list[np.ndarray], items: list | None, priorities: np.ndarray):
+    def _put(self, slots: np.ndarray, views: list[np.ndarray], items: list | None, priorities: np.ndarray,
+             ends: np.ndarray | None):
         """Fill the free ``slots`` with new rows; returns their keys."""
         for column, view in zip(self._data, views):
             column[slots] = view
@@ -464,7 +484,7 @@ class Table:
             store = self._items
             for slot, item in zip(slots.tolist(), items):
                 store[slot] = item
-        keys = self._slots.fill(slots, priorities)
+        keys = self._slots.fill(slots, priorities, ends)
         for index in self._indexes:
             index.added(slots)
         n = slots.size
@@ -498,7 +518,7 @@ class Table:
         if slots.size:
             m = self.max_times_sampled
             if m:
-                self._allowance -= int(np.sum(m - self._slots.times_sampled[slots]))
+                self._allowance -= int(np.sum(m - self._slots.times_sampled[slots].astype(np.int64)))
             self._slots.forget(slots)
             self.removals += slots.size
             self.version += 1
@@ -514,7 +534,7 @@ class Table:
             slots = np.repeat(self._sampler.first(1), n)
         else:
             candidates = self._sampler.first(min(n, self.size))
-            allowed = m - self._slots.times_sampled[candidates]
+            allowed = m - self._slots.times_sampled[candidates].astype(np.int64)
             reach = np.cumsum(allowed)
             last = int(np.searchsorted(reach, n))
             counts = allowed[:last + 1].copy()
@@ -541,15 +561,15 @@ class Table:
             np.not_equal(ranked[1:], ranked[:-1], out=first[1:])
             starts = np.maximum.accumulate(np.where(first, np.arange(ranked.size), 0))
             within = np.empty(ranked.size, bool)
-            within[order] = np.arange(ranked.size) - starts < m - state.times_sampled[ranked]
+            within[order] = np.arange(ranked.size) - starts < m - state.times_sampled[ranked].astype(np.int64)
             fresh = within[accepted.size:]
             accepted = np.concatenate((accepted, slots[fresh]))
             accepted_p = np.concatenate((accepted_p, probabilities[fresh]))
             if accepted.size == n:
                 return accepted, accepted_p
             uniq, counts = np.unique(accepted, return_counts=True)
-            spent = uniq[counts >= m - state.times_sampled[uniq]]
-            self._unlink(spent[state.position[spent] < state.size])
+            spent = uniq[counts >= m - state.times_sampled[uniq].astype(np.int64)]
+            self._unlink(spent[state.live(spent)])
             slots, probabilities = self._sampler.draw(n - accepted.size, rng)
 
     def _out_buffers(self, out: Mapping[str, Any] | None, n: int) -> list[np.ndarray] | None:
@@ -585,7 +605,32 @@ def state_bytes(capacity: int, sampler: str = "uniform", remover: str | None = "
     hold: its per-slot state and its sampler's and remover's indexes (and, for a
     table of ``items``, the list that refers to them).  Known before it is made, so a
     server can refuse a table whose state alone would not fit."""
-    return capacity * (Slots.BYTES_PER_SLOT + 8 * items) + index_bytes(capacity, sampler, remover)
+    return Slots.bytes_for(capacity) + 8 * items * capacity + index_bytes(capacity, sampler, remover)
+
+
+def _allowance(state: Slots, m: int) -> int:
+    """The samples the rows held may still give under ``max_times_sampled`` ``m``."""
+    total = 0
+    for first in range(0, state.capacity, 1 << 22):
+        part = slice(first, first + (1 << 22))
+        left = m - np.asarray(state.times_sampled[part]).astype(np.int64)
+        total += int(np.maximum(left, 0)[np.asarray(state.key[part]) >= 0].sum())
+    return total
+
+
+def _flags(values, n: int) -> np.ndarray | None:
+    """Per-row flags (``ends``) as a bool array of ``n``, or None."""
+    if values is None:
+        return None
+    try:
+        flags = np.asarray(values).reshape(-1)
+    except (TypeError, ValueError) as exc:
+        raise BadArgumentError(f"ends must be one flag per row: {exc}") from None
+    if flags.dtype.kind not in "biu":
+        raise BadArgumentError(f"ends must be flags (bool or integers), not {flags.dtype}")
+    if flags.size != n:
+        raise BadArgumentError(f"{flags.size} ends for {n} rows")
+    return flags.astype(bool)
 
 
 def _is_int(value) -> bool:

@@ -1,0 +1,91 @@
+"""Trees over blocks of a table's slots: the layout they share and their batched update.
+
+A table of 10^8 rows cannot keep a tree node per row beside its 24 bytes of state
+(a float64 sum tree alone is 16 bytes a row).  So the trees here have a leaf per
+*block* of ``block`` consecutive slots, and what a block holds is computed from the
+per-slot state when it changes (a sum of weights, the smallest slot, a count of
+rows): a tree costs ``16 / block`` bytes a row, and a search ends with one
+vectorised look at the ``block`` slots of the leaf it reached.
+
+Updates and searches take whole batches: one numpy operation per tree level for
+the batch, O(log capacity) levels, until a level holds a few nodes: those take a
+scalar path, where numpy's per-call cost would dominate.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+SCALAR_MAX = 4  # levels of up to this many nodes are updated one node at a time
+CHUNK = 1 << 20  # slots looked at per step when a whole tree is rebuilt (bounds its temporaries)
+
+
+class Blocks:
+    """``capacity`` slots in blocks of ``block``: leaf ``b`` of a tree of ``leaves``
+    (a power of two) is node ``leaves + b``; node 1 is the root, node ``i`` has
+    children ``2i`` and ``2i + 1``."""
+
+    def __init__(self, capacity: int, block: int):
+        self.capacity, self.block = capacity, block
+        self.nblocks = max(1, -(-capacity // block))
+        self.leaves = 1 << max(0, (self.nblocks - 1).bit_length())
+        self.depth = self.leaves.bit_length() - 1  # levels below the root
+        self._offsets = np.arange(block, dtype=np.int64)
+
+    def blocks_of(self, slots: np.ndarray) -> np.ndarray:
+        """The distinct blocks of ``slots``, sorted."""
+        return np.unique(np.asarray(slots, np.int64) // self.block)
+
+    def slots_in(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(slots, valid)``, both ``[len(blocks), block]``: every slot of each block
+        (past the capacity: the last slot, and ``valid`` False)."""
+        slots = blocks[:, None] * self.block + self._offsets
+        valid = slots < self.capacity
+        return np.minimum(slots, self.capacity - 1), valid
+
+    def chunks(self):
+        """``(first block, stop block)`` pieces of every block, CHUNK slots at a time."""
+        per = max(1, CHUNK // self.block)
+        for first in range(0, self.nblocks, per):
+            yield first, min(first + per, self.nblocks)
+
+
+def update_ancestors(nodes: np.ndarray, batch, one) -> None:
+    """Recompute the distinct ancestors of leaf ``nodes``, a level at a time from their
+    parents up to the root: ``batch(level)`` (an int64 array) while a level holds more
+    than ``SCALAR_MAX`` nodes, one numpy operation per step for the level; then
+    ``one(node)`` for each node, where numpy's per-call cost would dominate.  A batch
+    of neighbouring slots (an insert's) meets in a few levels, so most levels of a
+    tree are a node or two."""
+    level = np.unique(nodes)
+    while level.size > SCALAR_MAX and level[0] > 1:
+        level >>= 1
+        # nodes stay sorted as they are halved: dropping repeats needs no sort
+        keep = np.empty(level.size, bool)
+        keep[0] = True
+        np.not_equal(level[1:], level[:-1], out=keep[1:])
+        level = level[keep]
+        if level.size <= SCALAR_MAX:
+            few = level.tolist()
+            break
+        batch(level)
+    else:
+        if level[0] <= 1:  # the root is done (or is the only leaf)
+            return
+        few = list({node >> 1 for node in level.tolist()})
+    while True:
+        for node in few:
+            one(node)
+        if few[0] == 1:
+            return
+        few = list({node >> 1 for node in few})
+
+
+def build_levels(tree: np.ndarray, leaves: int, combine) -> None:
+    """Every inner node of ``tree`` from its children, level by level up to the root:
+    ``tree[parents] = combine(left children, right children)``."""
+    level = leaves
+    while level > 1:
+        half = level // 2
+        tree[half:level] = combine(tree[level:2 * level:2], tree[level + 1:2 * level:2])
+        level = half

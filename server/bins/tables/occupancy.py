@@ -1,0 +1,106 @@
+"""Which slots of a table hold a row, counted over blocks: uniform draws and free slots.
+
+A count tree (:class:`~.blocks.Blocks`, int64 counts) over the ``live`` flags of the
+slots: leaf ``b`` counts the rows of block ``b``, each inner node the rows under it.
+Finding the ``r``-th row (a uniform draw is a random ``r``) or the ``r``-th free slot
+(in index order) is one walk down it and a look at one block; a block's free slots
+are its slots within the capacity less its rows, so one tree serves both.  It
+replaces a permutation of every slot and its inverse (16 bytes a row) with an
+eighth of a byte a row.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from .blocks import Blocks, build_levels, update_ancestors
+
+BLOCK = 64
+
+
+class CountTree:
+    """The number of live slots of ``capacity``, under every node; ``live(slots)``
+    says which slots hold a row."""
+
+    def __init__(self, capacity: int, live: Callable[[np.ndarray], np.ndarray], block: int = BLOCK):
+        self.capacity = capacity
+        self.live = live
+        self.layout = Blocks(capacity, block)
+        self.tree = np.zeros(2 * self.layout.leaves, np.int64)
+
+    @staticmethod
+    def bytes_for(capacity: int, block: int = BLOCK) -> int:
+        return 2 * Blocks(capacity, block).leaves * 8
+
+    @property
+    def total(self) -> int:
+        return int(self.tree[1])
+
+    def changed(self, slots: np.ndarray) -> None:
+        if not np.size(slots):
+            return
+        layout, tree = self.layout, self.tree
+        blocks = layout.blocks_of(slots)
+        tree[layout.leaves + blocks] = self._counts(blocks)
+
+        def batch(level: np.ndarray) -> None:
+            tree[level] = tree[2 * level] + tree[2 * level + 1]
+
+        def one(node: int) -> None:
+            tree[node] = tree[2 * node] + tree[2 * node + 1]
+
+        update_ancestors(blocks + layout.leaves, batch, one)
+
+    def rebuild(self) -> None:
+        layout, tree = self.layout, self.tree
+        tree[:] = 0
+        for first, stop in layout.chunks():
+            tree[layout.leaves + first:layout.leaves + stop] = self._counts(np.arange(first, stop, dtype=np.int64))
+        build_levels(tree, layout.leaves, np.add)
+
+    def find(self, ranks: np.ndarray, free: bool = False) -> np.ndarray:
+        """The slot of each of ``ranks`` among the live slots (``free``: among the free
+        ones), in index order; each rank must be below their number."""
+        layout, tree = self.layout, self.tree
+        nodes = np.ones(np.shape(ranks), np.int64)
+        start = np.zeros(np.shape(ranks), np.int64)  # the first slot under each node
+        r = np.array(ranks, np.int64)
+        width = layout.leaves * layout.block  # slots under a node of this level
+        for _ in range(layout.depth):
+            width //= 2
+            left = 2 * nodes
+            below = tree[left]
+            if free:
+                below = np.clip(self.capacity - start, 0, width) - below
+            right = r >= below
+            r -= np.where(right, below, 0)
+            start += np.where(right, width, 0)
+            nodes = left + right
+        slots, valid = layout.slots_in(nodes - layout.leaves)
+        wanted = valid & (self.live(slots) != free)
+        within = (np.cumsum(wanted, axis=1) <= r[:, None]).sum(axis=1)
+        return slots[np.arange(slots.shape[0]), np.minimum(within, layout.block - 1)]
+
+    def before(self, position: int) -> int:
+        """The live slots below ``position``."""
+        if position >= self.capacity:
+            return self.total
+        layout, tree = self.layout, self.tree
+        block = position // layout.block
+        count = 0
+        first = block * layout.block
+        if first < position:
+            part = np.arange(first, position, dtype=np.int64)
+            count += int(np.count_nonzero(self.live(part)))
+        node = layout.leaves + block
+        while node > 1:
+            if node & 1:
+                count += int(tree[node - 1])
+            node >>= 1
+        return count
+
+    def _counts(self, blocks: np.ndarray) -> np.ndarray:
+        slots, valid = self.layout.slots_in(blocks)
+        return np.count_nonzero(valid & self.live(slots), axis=1)
