@@ -36,6 +36,9 @@ class Backing(Protocol):
     def item_slots(self, capacity: int) -> list:
         """The ``capacity`` slots (None: empty) of a table of items, which has no columns."""
 
+    def gather(self, column: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
+        """Copy the rows ``slots`` of ``column`` (an array :meth:`allocate` gave) into ``out``."""
+
     def close(self) -> None:
         """The table is gone: let go of what :meth:`allocate` gave."""
 
@@ -49,6 +52,10 @@ class MemoryBacking:
 
     def item_slots(self, capacity: int) -> list:
         return [None] * capacity
+
+    def gather(self, column: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
+        # mode="clip": the slots are valid, and "raise" would gather into a temporary first
+        np.take(column, slots, axis=0, out=out, mode="clip")
 
     def close(self) -> None:
         pass
@@ -70,6 +77,7 @@ class MemmapBacking:
         self.paths: list[str] = []
 
     item_slots = MemoryBacking.item_slots  # items are never in files
+    gather = MemoryBacking.gather
 
     def path(self, column: str) -> str:
         return os.path.join(self.directory, f"{column}.memmap")

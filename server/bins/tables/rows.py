@@ -54,11 +54,14 @@ class Rows:
 class Sample(Rows):
     """A sample: :class:`Rows` plus each row's probability of being drawn, the table's
     size when sampled, and the rows it removed (those that reached
-    ``max_times_sampled``, after their values were taken)."""
+    ``max_times_sampled``, after their values were taken).  A sample of sequences
+    has ``n * length`` rows, a probability per sequence (its start's) and each
+    sequence's real ``lengths`` (shorter when padded)."""
 
     probabilities: np.ndarray = field(default_factory=lambda: np.zeros(0))
     table_size: int = 0
     removed: Removed = field(default_factory=Removed)
+    lengths: np.ndarray | None = None
 
 
 def out_buffer(given, n: int, spec: ColumnSpec) -> np.ndarray:
@@ -72,3 +75,19 @@ def out_buffer(given, n: int, spec: ColumnSpec) -> np.ndarray:
     if flat.size < need or not flat.flags.writeable:
         raise ColumnMismatchError(f"out[{spec.name!r}] must be a writable buffer of at least {need} bytes")
     return flat[:need].reshape(n, spec.row_bytes)
+
+
+def out_buffers(columns: tuple[ColumnSpec, ...] | None, out, n: int) -> list[np.ndarray] | None:
+    """Per column, a ``[n, row_bytes]`` uint8 array to gather ``n`` rows into: a view
+    of the caller's ``out[column]``, or a new one (None for a table of items)."""
+    if columns is None:
+        return None
+    if out is not None:
+        unknown = [name for name in out if name not in {spec.name for spec in columns}]
+        if unknown:
+            raise ColumnMismatchError(f"out names no column {unknown[0]!r}")
+    buffers = []
+    for spec in columns:
+        given = None if out is None else out.get(spec.name)
+        buffers.append(np.empty((n, spec.row_bytes), np.uint8) if given is None else out_buffer(given, n, spec))
+    return buffers

@@ -180,6 +180,15 @@ class Slots:
         total = self.times_sampled[slots].astype(np.int64) + counts
         self.times_sampled[slots] = np.minimum(total, COUNT_LIMIT)
 
+    def allowance(self, m: int) -> int:
+        """The samples the rows held may still give under ``max_times_sampled`` ``m``."""
+        total = 0
+        for first in range(0, self.capacity, RESTORE_CHUNK):
+            part = slice(first, first + RESTORE_CHUNK)
+            left = m - np.asarray(self.times_sampled[part]).astype(np.int64)
+            total += int(np.maximum(left, 0)[(np.asarray(self.flags[part]) & LIVE) != 0].sum())
+        return total
+
     def restore(self) -> None:
         """Take the state found in the arrays (a table reopened from its files): every
         slot with a key is live again (a row a killed server was removing included),
@@ -200,6 +209,21 @@ class Slots:
         self.size = size
         self.next_seq = newest // self.capacity + 1 if newest >= 0 else 0
         self.count.rebuild()
+
+
+def flags_of(values, n: int) -> np.ndarray | None:
+    """Per-row flags (``ends``) as a bool array of ``n``, or None."""
+    if values is None:
+        return None
+    try:
+        flags = np.asarray(values).reshape(-1)
+    except (TypeError, ValueError) as exc:
+        raise BadArgumentError(f"ends must be one flag per row: {exc}") from None
+    if flags.dtype.kind not in "biu":
+        raise BadArgumentError(f"ends must be flags (bool or integers), not {flags.dtype}")
+    if flags.size != n:
+        raise BadArgumentError(f"{flags.size} ends for {n} rows")
+    return flags.astype(bool)
 
 
 def int_array(values, what: str) -> np.ndarray:

@@ -30,10 +30,11 @@ from .errors import (
     BadArgumentError, BatchTooLargeError, ColumnMismatchError, EmptySlotError, EmptyTableError, PriorityError,
     TableFullError, TableSpecError, WouldBlockError,
 )
+from . import picks, sequences
 from .ratelimiter import RateLimiter
-from .rows import EMPTY, Removed, Rows, Sample, Written, out_buffer
+from .rows import EMPTY, Removed, Rows, Sample, Written, out_buffers
 from .selectors import build, index_bytes
-from .slots import STATE, Slots, int_array
+from .slots import STATE, Slots, flags_of, int_array
 
 MAX_CAPACITY = 1 << 40  # leaves keys 2**23 rows of history at the largest capacity
 _UNCHANGED: Any = object()
@@ -214,7 +215,7 @@ class Table:
         buffer does: the others take keys (and count as inserted) and leave at once."""
         n, views, items = self._batch(batch)
         priorities = self._priorities(priorities, n)
-        ends = _flags(ends, n)
+        ends = flags_of(ends, n)
         if n == 0:
             return Written(EMPTY, EMPTY, Removed(EMPTY, [] if self._items is not None else None))
         if not self.can_insert(n):
@@ -260,7 +261,7 @@ class Table:
         if n != slots.size:
             raise ColumnMismatchError(f"{slots.size} indices for a batch of {n} rows")
         priorities = self._priorities(priorities, n)
-        ends = _flags(ends, n)
+        ends = flags_of(ends, n)
         if n == 0:
             return Written(EMPTY, EMPTY, Removed(EMPTY, [] if self._items is not None else None))
         if not self.can_write(n):
@@ -288,15 +289,16 @@ class Table:
         if not self.can_sample(n):
             raise WouldBlockError(f"a sample of {n} rows may not proceed now "
                                   f"(samples allowed now: {self.samples_allowed()})")
-        buffers = self._out_buffers(out, n)  # checked before anything changes
+        buffers = out_buffers(self.columns if self._items is None else None, out, n)  # checked before anything changes
         rng = self.rng if rng is None else rng
         size = self.size
         if n == 0:
             slots, probabilities = EMPTY, np.zeros(0)
         elif self._sampler.ordered:
-            slots, probabilities = self._pick_in_order(n)
+            slots, probabilities = picks.in_order(self._sampler, self._slots, self.max_times_sampled, n)
         else:
-            slots, probabilities = self._draw(n, rng)
+            slots, probabilities = picks.drawn(self._sampler, self._slots, self.max_times_sampled, n, rng,
+                                              self._unlink)
         state = self._slots
         done = self._count_samples(slots)
         values, items = self._gather(slots, buffers)
@@ -304,6 +306,38 @@ class Table:
                         probabilities=probabilities, table_size=size)
         sample.removed = Removed(state.key[done], self._forget(done))
         return sample
+
+    def sample_sequences(self, n: int, length: int, pad: bool = False, rng: np.random.Generator | None = None,
+                         out: Mapping[str, Any] | None = None) -> Sample:
+        """Draw ``n`` sequences of ``length`` consecutive rows of one episode
+        (:mod:`.sequences`), by their first row, with the table's sampler (uniform or
+        prioritized); ``pad``: also those cut short by an episode's end, padded with
+        their last row.  The ``n * length`` rows come in order, a sequence after the
+        other; each real row counts as sampled once, and the rate limiter lets the
+        sample through as one of ``n * length`` rows."""
+        _check_count(n)
+        if not _is_int(length) or not 1 <= length <= self.capacity:
+            raise BadArgumentError(f"a sequence's length must be an int in [1, {self.capacity}], not {length!r}")
+        if self._sampler.ordered:
+            raise BadArgumentError(f"sequences are drawn by a uniform or prioritized sampler, not {self.sampler!r}")
+        if self.max_times_sampled:
+            raise BadArgumentError("sequences are not drawn from a table with max_times_sampled (a row leaving "
+                                   "would cut the episodes it is in)")
+        if self.size == 0 and n > 0:
+            raise EmptyTableError("the table holds no rows")
+        if not self.can_sample(n * length):
+            raise WouldBlockError(f"a sample of {n} sequences of {length} rows may not proceed now "
+                                  f"(samples allowed now: {self.samples_allowed()})")
+        buffers = out_buffers(self.columns if self._items is None else None, out, n * length)
+        size = self.size
+        slots, probabilities, lengths = sequences.draw(self._sampler, self._slots, n, length, pad,
+                                                       self.rng if rng is None else rng)
+        real = (np.arange(length) < lengths[:, None]).reshape(-1)
+        self._count_samples(slots[real])
+        values, items = self._gather(slots, buffers)
+        state = self._slots
+        return Sample(state.key[slots], slots, state.priority[slots], state.times_sampled[slots], values, items,
+                      probabilities=probabilities, table_size=size, lengths=lengths)
 
     def read(self, indices, out: Mapping[str, Any] | None = None, *, sampled: bool = False) -> Rows | Sample:
         """The rows at slot ``indices`` (any, repeats allowed), each column in one
@@ -319,7 +353,7 @@ class Table:
         if empty.size:
             raise EmptySlotError(f"slot {int(empty[0])} holds no row"
                                  + (f" ({empty.size} such slots)" if empty.size > 1 else ""))
-        buffers = self._out_buffers(out, slots.size)
+        buffers = out_buffers(self.columns if self._items is None else None, out, slots.size)
         if not sampled:
             values, items = self._gather(slots, buffers)
             return Rows(keys, slots, state.priority[slots], state.times_sampled[slots], values, items)
@@ -423,7 +457,7 @@ class Table:
             index.rebuild()
         self.inserts = state.size
         if self.max_times_sampled:
-            self._allowance = _allowance(state, self.max_times_sampled)
+            self._allowance = state.allowance(self.max_times_sampled)
         self.set_limits()
 
     def _count_samples(self, slots: np.ndarray) -> np.ndarray:
@@ -527,75 +561,15 @@ class Table:
     def _nothing_removed(self) -> Removed:
         return Removed(EMPTY, [] if self._items is not None else None)
 
-    def _pick_in_order(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """fifo/lifo: the first row in order as often as it may be sampled, then the next."""
-        m = self.max_times_sampled
-        if m == 0:
-            slots = np.repeat(self._sampler.first(1), n)
-        else:
-            candidates = self._sampler.first(min(n, self.size))
-            allowed = m - self._slots.times_sampled[candidates].astype(np.int64)
-            reach = np.cumsum(allowed)
-            last = int(np.searchsorted(reach, n))
-            counts = allowed[:last + 1].copy()
-            counts[-1] -= reach[last] - n
-            slots = np.repeat(candidates[:last + 1], counts)
-        return slots, np.ones(n)
-
-    def _draw(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        """uniform/prioritized: ``n`` independent draws; with ``max_times_sampled``, the
-        draws beyond a row's allowance are redrawn once the rows that reached it are
-        taken out of the draw (the sampler's probabilities change as they would
-        between single samples)."""
-        slots, probabilities = self._sampler.draw(n, rng)
-        m = self.max_times_sampled
-        if m == 0:
-            return slots, probabilities
-        state = self._slots
-        accepted, accepted_p = EMPTY, np.zeros(0)
-        while True:
-            every = np.concatenate((accepted, slots))
-            order = np.argsort(every, kind="stable")  # earlier picks first among equals
-            ranked = every[order]
-            first = np.ones(ranked.size, bool)
-            np.not_equal(ranked[1:], ranked[:-1], out=first[1:])
-            starts = np.maximum.accumulate(np.where(first, np.arange(ranked.size), 0))
-            within = np.empty(ranked.size, bool)
-            within[order] = np.arange(ranked.size) - starts < m - state.times_sampled[ranked].astype(np.int64)
-            fresh = within[accepted.size:]
-            accepted = np.concatenate((accepted, slots[fresh]))
-            accepted_p = np.concatenate((accepted_p, probabilities[fresh]))
-            if accepted.size == n:
-                return accepted, accepted_p
-            uniq, counts = np.unique(accepted, return_counts=True)
-            spent = uniq[counts >= m - state.times_sampled[uniq].astype(np.int64)]
-            self._unlink(spent[state.live(spent)])
-            slots, probabilities = self._sampler.draw(n - accepted.size, rng)
-
-    def _out_buffers(self, out: Mapping[str, Any] | None, n: int) -> list[np.ndarray] | None:
-        """Per column, a ``[n, row_bytes]`` uint8 array to gather into: a view of the
-        caller's ``out[column]``, or a new one."""
-        if self._items is not None:
-            return None
-        if out is not None:
-            unknown = [name for name in out if name not in {spec.name for spec in self.columns}]
-            if unknown:
-                raise ColumnMismatchError(f"out names no column {unknown[0]!r}")
-        buffers = []
-        for spec in self.columns:
-            given = None if out is None else out.get(spec.name)
-            buffers.append(np.empty((n, spec.row_bytes), np.uint8) if given is None else out_buffer(given, n, spec))
-        return buffers
-
     def _gather(self, slots: np.ndarray, buffers: list[np.ndarray] | None) -> tuple[dict | None, list | None]:
         """The rows at ``slots``: one ``numpy.take`` per column into ``buffers``, or the items."""
         if self._items is not None:
             store = self._items
             return None, [store[s] for s in slots.tolist()]
         values = {}
+        gather = self._backing.gather
         for spec, column, buf in zip(self.columns, self._data, buffers):
-            # mode="clip": the slots are valid, and "raise" would gather into a temporary first
-            np.take(column, slots, axis=0, out=buf, mode="clip")
+            gather(column, slots, buf)
             values[spec.name] = RawArray(spec.dtype, (slots.size, *spec.shape), buf)
         return values, None
 
@@ -606,31 +580,6 @@ def state_bytes(capacity: int, sampler: str = "uniform", remover: str | None = "
     table of ``items``, the list that refers to them).  Known before it is made, so a
     server can refuse a table whose state alone would not fit."""
     return Slots.bytes_for(capacity) + 8 * items * capacity + index_bytes(capacity, sampler, remover)
-
-
-def _allowance(state: Slots, m: int) -> int:
-    """The samples the rows held may still give under ``max_times_sampled`` ``m``."""
-    total = 0
-    for first in range(0, state.capacity, 1 << 22):
-        part = slice(first, first + (1 << 22))
-        left = m - np.asarray(state.times_sampled[part]).astype(np.int64)
-        total += int(np.maximum(left, 0)[np.asarray(state.key[part]) >= 0].sum())
-    return total
-
-
-def _flags(values, n: int) -> np.ndarray | None:
-    """Per-row flags (``ends``) as a bool array of ``n``, or None."""
-    if values is None:
-        return None
-    try:
-        flags = np.asarray(values).reshape(-1)
-    except (TypeError, ValueError) as exc:
-        raise BadArgumentError(f"ends must be one flag per row: {exc}") from None
-    if flags.dtype.kind not in "biu":
-        raise BadArgumentError(f"ends must be flags (bool or integers), not {flags.dtype}")
-    if flags.size != n:
-        raise BadArgumentError(f"{flags.size} ends for {n} rows")
-    return flags.astype(bool)
 
 
 def _is_int(value) -> bool:

@@ -1,0 +1,217 @@
+"""Tables at scale, checked at small sizes: the compact per-row state, the fifo ring,
+sequences of rows (episode ends, padding, their priorities), and the compact state
+through a reopened table.  Pure engine code, tested directly (the sizes that make
+these matter are the benchmark's ``scale`` section)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from test_tables_engine import Table, chi2, chi2_critical, scalars, tables, x_table, xs
+
+
+def test_the_per_row_state_is_at_most_24_bytes_with_the_trees():
+    per_row = {(s, r): tables.state_bytes(1 << 24, s, r) / (1 << 24)
+               for s in ("uniform", "prioritized") for r in ("fifo", "lowest_priority")}
+    assert max(per_row.values()) <= 24, per_row
+    assert per_row[("prioritized", "fifo")] < 23
+
+
+# -- a fifo table is a ring buffer
+
+
+def test_a_batch_larger_than_a_fifo_table_keeps_its_newest_rows():
+    t = x_table(5)
+    first = t.insert(scalars(2, start=100)).keys.tolist()
+    w = t.insert(scalars(12))
+    assert sorted(xs(t.read(t.occupied()))) == [7, 8, 9, 10, 11]
+    assert w.keys.size == 12 and w.indices.size == 12
+    # each row's key names its slot; those overwritten at once match no row any more
+    assert (w.keys % 5 == w.indices).all()
+    assert (t._slots.find(w.keys[:7]) == -1).all() and (t._slots.find(w.keys[7:]) >= 0).all()
+    assert sorted(w.removed.keys.tolist()) == sorted(w.keys[:7].tolist() + first)
+    info = t.info()
+    assert (info["inserts"], info["removals"], info["size"]) == (14, 9, 5)
+    # and it goes on as a ring: the next row takes the oldest's slot
+    oldest = int(t.read(t.occupied()).indices[np.argmin(xs(t.read(t.occupied())))])
+    assert t.insert(scalars(1, start=50)).indices.tolist() == [oldest]
+
+
+def test_only_the_fifo_remover_makes_a_ring_of_a_large_batch():
+    for remover in ("lowest_priority", None):
+        with pytest.raises(tables.BatchTooLargeError):
+            x_table(3, remover=remover).insert(scalars(4))
+
+
+def test_a_ring_of_items_gives_back_the_items_left_out():
+    t = Table(2, None)
+    w = t.insert(["a", "b", "c"])
+    assert w.removed.items == ["a"] and sorted(t.read(t.occupied()).items) == ["b", "c"]
+
+
+# -- sequences
+
+
+def episodes(t: Table, lengths: list[int], start: int = 0) -> None:
+    """Insert episodes of these lengths, one insert each: x counts up, the last row ends it."""
+    for n in lengths:
+        ends = np.zeros(n, bool)
+        ends[-1] = True
+        t.insert(scalars(n, start), ends=ends)
+        start += n
+
+
+def episode_of(x: int, lengths: list[int]) -> int:
+    return int(np.searchsorted(np.cumsum(lengths), x, side="right"))
+
+
+def test_sequences_are_consecutive_rows_of_one_episode():
+    lengths = [2, 7, 3, 5, 1, 9]
+    t = x_table(64, rng=3)
+    episodes(t, lengths)
+    s = t.sample_sequences(200, 3)
+    x = np.array(xs(s)).reshape(200, 3)
+    assert (np.diff(x, axis=1) == 1).all()
+    assert all(len({episode_of(v, lengths) for v in row}) == 1 for row in x.tolist())
+    assert (s.lengths == 3).all() and s.keys.size == 600
+    # every whole start comes up: 5 + 1 + 3 + 7 of them
+    starts = {row[0] for row in x.tolist()}
+    valid = {x0 for x0 in range(sum(lengths)) if episode_of(x0, lengths) == episode_of(x0 + 2, lengths)
+             and x0 + 2 < sum(lengths)}
+    assert starts == valid
+
+
+def test_uniform_sequences_are_uniform_over_the_whole_ones():
+    lengths = [10, 4, 10]
+    t = x_table(64, rng=7)
+    episodes(t, lengths)
+    s = t.sample_sequences(6000, 4)
+    starts = np.array(xs(s)).reshape(-1, 4)[:, 0]
+    valid = [0, 1, 2, 3, 4, 5, 6, 10, 14, 15, 16, 17, 18, 19, 20]
+    counts = np.array([(starts == v).sum() for v in valid])
+    assert counts.sum() == 6000
+    assert chi2(counts, np.ones(len(valid))) < chi2_critical(len(valid) - 1)
+
+
+def test_prioritized_sequences_follow_their_start_rows_priority():
+    t = x_table(64, sampler="prioritized", priority_exponent=1.0, rng=11)
+    episodes(t, [12, 12])
+    keys = t.read(t.occupied()).keys
+    p = np.zeros(24)
+    p[[0, 3, 9, 12, 21]] = [1.0, 3.0, 5.0, 2.0, 4.0]  # start 9 and 21 have no whole sequence of 4
+    t.update_priorities(keys, p)
+    s = t.sample_sequences(5000, 4)
+    starts = np.array(xs(s)).reshape(-1, 4)[:, 0]
+    assert set(starts.tolist()) <= {0, 3, 12}
+    counts = np.array([(starts == v).sum() for v in (0, 3, 12)])
+    assert chi2(counts, np.array([1.0, 3.0, 2.0])) < chi2_critical(2)
+    # each sequence's probability is its start's share of the table's weight
+    assert np.allclose(s.probabilities, p[starts] / p.sum())
+    # a sequence's priority is its start row's, set by its key
+    assert t.update_priorities(s.keys.reshape(-1, 4)[:, 0][:1], [7.0]) == 1
+
+
+def test_padded_sequences_repeat_their_last_row_and_say_their_length():
+    t = x_table(64, rng=5)
+    episodes(t, [2, 6])
+    s = t.sample_sequences(400, 4, pad=True)
+    x = np.array(xs(s)).reshape(400, 4)
+    for row, length in zip(x.tolist(), s.lengths.tolist()):
+        real = row[:length]
+        assert real == list(range(real[0], real[0] + length))
+        assert row[length:] == [real[-1]] * (4 - length)
+        assert length == min(4, (2 if real[0] < 2 else 8) - real[0])
+    assert set(x[:, 0].tolist()) == set(range(8))  # every row starts one
+    # the padding is not counted: each real row once
+    assert t.info()["samples"] == int(s.lengths.sum())
+
+
+def test_sequences_run_on_across_the_ring_and_stop_at_a_break():
+    t = x_table(10, rng=2)
+    t.insert(scalars(7))
+    t.insert(scalars(8, start=7))  # slots 7, 8, 9, 0, 1 ... : one stream across the wrap
+    x = np.array(xs(t.sample_sequences(300, 5))).reshape(-1, 5)
+    assert (np.diff(x, axis=1) == 1).all() and x.min() >= 5
+    assert any(row[0] <= 9 <= row[-1] for row in x.tolist())  # some cross the wrap (slot 9 -> 0)
+    # a row written in place breaks the stream there: no sequence runs through it
+    t.write([2], scalars(1, start=1000))
+    x = np.array(xs(t.sample_sequences(300, 3))).reshape(-1, 3)
+    assert 1000 not in x and (np.diff(x, axis=1) == 1).all()
+
+
+def test_sequences_need_rows_that_form_them():
+    t = x_table(16, rng=1)
+    episodes(t, [2, 2, 2])
+    with pytest.raises(tables.EmptyTableError, match="no sequence of 3 rows"):
+        t.sample_sequences(4, 3)
+    assert t.info()["samples"] == 0
+    with pytest.raises(tables.BadArgumentError, match="length"):
+        t.sample_sequences(1, 17)
+    with pytest.raises(tables.BadArgumentError, match="fifo"):
+        x_table(4, sampler="fifo").sample_sequences(1, 1)
+    with pytest.raises(tables.BadArgumentError, match="max_times_sampled"):
+        x_table(4, max_times_sampled=2).sample_sequences(1, 1)
+    with pytest.raises(tables.BadArgumentError, match="ends"):
+        t.insert(scalars(2), ends=[True])
+
+
+def test_the_rate_limiter_counts_a_sequence_sample_as_its_rows():
+    t = x_table(64, samples_per_insert=1.0, error_buffer=(0, 40), rng=2)
+    episodes(t, [20])
+    assert t.samples_allowed() == 20
+    assert not t.can_sample(21) and t.can_sample(20)
+    t.sample_sequences(5, 4)
+    assert t.samples_allowed() == 0 and not t.can_sample(1)
+    with pytest.raises(tables.WouldBlockError):
+        t.sample_sequences(1, 1)
+
+
+# -- the compact state through a reopened table
+
+
+def test_the_compact_state_comes_back_when_a_table_is_reopened(tmp_path):
+    directory = str(tmp_path / "t")
+
+    def table(reopen=False):
+        return Table(40, {"x": ((), "int64")}, sampler="prioritized", remover="fifo", rng=1,
+                     backing=tables.MemmapBacking(directory, keep=True, reopen=reopen))
+
+    t = table()
+    episodes(t, [5, 30, 12])  # 47 rows into 40: the ring has wrapped
+    s = t.sample(50)
+    t.update_priorities(s.keys[:5], [0.5, 2.0, 3.0, 4.0, 5.0])
+    before = t.slots()
+    sequences = t.sample_sequences(1, 4)
+    del t
+    again = table(reopen=True)
+    after = again.slots()
+    for what in ("indices", "keys", "priorities", "ends"):
+        assert np.array_equal(before[what], after[what]), what
+    # (the sequence sample counted its rows; the reopened table has every count)
+    assert (after["times_sampled"] >= before["times_sampled"]).all()
+    assert after["times_sampled"].sum() == before["times_sampled"].sum() + 4
+    assert again.size == 40 and again.info()["inserts"] == 40
+    # new rows get keys after every key there, and go where the ring goes on
+    oldest = int(before["indices"][np.argmin(before["keys"])])
+    w = again.insert(scalars(1, start=99))
+    assert w.keys[0] > before["keys"].max() and w.indices.tolist() == [oldest]
+    # the episode marks hold: no sequence runs across an end
+    x = np.array(xs(again.sample_sequences(200, 6))).reshape(-1, 6)
+    assert (np.diff(x, axis=1) == 1).all()
+    assert sequences.lengths.tolist() == [4]
+
+
+def test_sample_counts_written_as_int64_by_an_older_server_are_narrowed(tmp_path):
+    directory = str(tmp_path / "t")
+    t = Table(8, {"x": ((), "int64")}, backing=tables.MemmapBacking(directory, keep=True))
+    t.insert(scalars(3))
+    del t
+    path = os.path.join(directory, "_slots", "times_sampled.bin")
+    np.array([5, 0, 7] + [0] * 5, np.int64).tofile(path)
+    os.unlink(os.path.join(directory, "_slots", "flags.bin"))
+    again = Table(8, {"x": ((), "int64")}, backing=tables.MemmapBacking(directory, keep=True, reopen=True))
+    assert os.path.getsize(path) == 8 * 4
+    assert again.slots()["times_sampled"].tolist() == [5, 0, 7] and again.size == 3
