@@ -109,10 +109,11 @@ class Drawn:
     :class:`~.tables.values.Gathered`) or, for a table of items, the ``items``; the
     table's ``seq``, and whether its rows came as TensorDicts."""
 
-    __slots__ = ("keys", "indices", "probabilities", "gathered", "items", "seq", "tensordict")
+    __slots__ = ("keys", "indices", "probabilities", "lengths", "gathered", "items", "seq", "tensordict")
 
     def __init__(self, rows, probabilities, gathered: Gathered | None, entry: TableEntry):
         self.keys, self.indices, self.probabilities = rows.keys, rows.indices, probabilities
+        self.lengths = getattr(rows, "lengths", None)  # a sample of sequences: each one's real length
         self.gathered, self.items = gathered, rows.items
         self.seq, self.tensordict = entry.seq, entry.tensordict
 
@@ -446,15 +447,16 @@ class TableStore:
 
         self.jobs.run(entry.name, write_files, self._files_of(entry), noted)
 
-    def insert(self, entry: TableEntry, rows, priorities) -> tuple[np.ndarray, Change]:
-        """Add ``rows`` (from :meth:`rows`): their keys, and the change.  Raises the
-        engine's :class:`~.tables.WouldBlockError` when the rate limiter holds it back."""
-        written = self._live(entry).table.insert(rows, priorities)
+    def insert(self, entry: TableEntry, rows, priorities, ends=None) -> tuple[np.ndarray, Change]:
+        """Add ``rows`` (from :meth:`rows`; ``ends``: which end their episode): their
+        keys, and the change.  Raises the engine's :class:`~.tables.WouldBlockError`
+        when the rate limiter holds it back."""
+        written = self._live(entry).table.insert(rows, priorities, ends)
         return written.keys, self._changed(entry, "INSERT")
 
-    def write(self, entry: TableEntry, indices: np.ndarray, rows, priorities) -> tuple[np.ndarray, Change]:
+    def write(self, entry: TableEntry, indices: np.ndarray, rows, priorities, ends=None) -> tuple[np.ndarray, Change]:
         """Put ``rows`` at slot ``indices``: their keys, and the change."""
-        written = self._live(entry).table.write(indices, rows, priorities)
+        written = self._live(entry).table.write(indices, rows, priorities, ends)
         return written.keys, self._changed(entry, "WRITE")
 
     def can_insert(self, entry: TableEntry, rows) -> bool:
@@ -470,14 +472,17 @@ class TableStore:
 
     # -- rows out
 
-    def sample(self, entry: TableEntry, n: int) -> tuple[Drawn, Change | None]:
-        """Draw ``n`` rows with the table's sampler: the rows, and the change if rows
-        left (those sampled ``max_times_sampled`` times).  Raises
+    def sample(self, entry: TableEntry, n: int, length: int | None = None,
+               pad: bool = False) -> tuple[Drawn, Change | None]:
+        """Draw ``n`` rows with the table's sampler (with ``length``: ``n`` sequences of
+        that many rows, ``pad``: padded when cut short): the rows, and the change if
+        rows left (those sampled ``max_times_sampled`` times).  Raises
         :class:`~.tables.WouldBlockError` or :class:`~.tables.EmptyTableError` when it
         cannot go on now."""
         table = self._live(entry).table
-        gathered = self._gathered(table, n)
-        drawn = table.sample(n, out=None if gathered is None else gathered.out)
+        gathered = self._gathered(table, n * (length or 1))
+        out = None if gathered is None else gathered.out
+        drawn = table.sample(n, out=out) if length is None else table.sample_sequences(n, length, pad, out=out)
         change = self._changed(entry, "SAMPLE") if drawn.removed.keys.size else None
         return Drawn(drawn, drawn.probabilities, gathered, entry), change
 
@@ -557,7 +562,8 @@ class TableStore:
             page = entry.table.slots(slots)
             info["slots"] = {"indices": int64_bytes(page["indices"]), "keys": int64_bytes(page["keys"]),
                              "priorities": float64_bytes(page["priorities"]),
-                             "times_sampled": int64_bytes(page["times_sampled"]), "next": page["next"]}
+                             "times_sampled": int64_bytes(page["times_sampled"]),
+                             "ends": np.asarray(page["ends"], np.uint8).tobytes(), "next": page["next"]}
         return plain(info)
 
     def note_blocked(self, entry: TableEntry, what: str, seconds: float) -> None:

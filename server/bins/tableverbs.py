@@ -45,20 +45,22 @@ class TableVerbs:
         """Rows of ``table`` came as TensorDicts: ``done()`` once it says so (in its files, if durable)."""
         self.tables.mark_tensordict(table, done)
 
-    def insert_rows(self, table: TableEntry, rows, priorities):
+    def insert_rows(self, table: TableEntry, rows, priorities, ends=None):
         """TINSERT: ``(keys, change)``; raises WouldBlockError while the rate limiter holds it."""
-        return self.tables.insert(table, rows, priorities)
+        return self.tables.insert(table, rows, priorities, ends)
 
     def can_insert(self, table: TableEntry, rows) -> bool:
         return self.tables.can_insert(table, rows)
 
-    def write_rows(self, table: TableEntry, indices, rows, priorities):
+    def write_rows(self, table: TableEntry, indices, rows, priorities, ends=None):
         """TWRITE: ``(keys, change)``."""
-        return self.tables.write(table, indices, rows, priorities)
+        return self.tables.write(table, indices, rows, priorities, ends)
 
-    def sample_rows(self, table: TableEntry, n: int) -> tuple[Drawn, Change | None]:
-        """TSAMPLE: ``(rows, change or None)``; raises WouldBlockError or EmptyTableError for now."""
-        return self.tables.sample(table, n)
+    def sample_rows(self, table: TableEntry, n: int, length: int | None = None,
+                    pad: bool = False) -> tuple[Drawn, Change | None]:
+        """TSAMPLE: ``(rows, change or None)`` (with ``length``: ``n`` sequences of that
+        many rows); raises WouldBlockError or EmptyTableError for now."""
+        return self.tables.sample(table, n, length, pad)
 
     def can_sample(self, table: TableEntry, n: int) -> bool:
         return self.tables.can_sample(table, n)

@@ -1,5 +1,5 @@
 """What the server does for the table verbs (PROTOCOL.md §12): TCREATE, TINSERT,
-TWRITE, TSAMPLE, TREAD, TPRIORITY, TINFO, TLIMITS.
+TWRITE, TSAMPLE (rows, or sequences of rows), TREAD, TPRIORITY, TINFO, TLIMITS.
 
 The tables are the storage's (``session.storage``: the table named, then its
 operations, each returning the change it made); the rows and their rules are the
@@ -17,6 +17,8 @@ and its gathered rows count in the memory budget until it is written.
 from __future__ import annotations
 
 from typing import Callable
+
+import numpy as np
 
 from tensorshare.errors import BusyError, RemoteError
 from tensorshare.protocol.messages import (
@@ -97,6 +99,12 @@ def _priorities(request):
     return None if blob is None else float64_array(blob, "priorities")
 
 
+def _ends(request):
+    """The rows' episode ends: one byte a row, nonzero where a row ends its episode."""
+    blob = request.ends
+    return None if blob is None else np.frombuffer(blob, np.uint8)
+
+
 def _changed(session, request, result) -> dict:
     """The reply of an insert or write; its change is published."""
     keys, change = result
@@ -108,9 +116,9 @@ def _changed(session, request, result) -> dict:
 def insert(session, request):
     storage = session.storage
     table = storage.table(request.bin)
-    rows, priorities = _rows(session, table, request), _priorities(request)
+    rows, priorities, ends = _rows(session, table, request), _priorities(request), _ends(request)
     return _said_tensordict(session, request, table, lambda: _run_or_wait(
-        session, request, table, lambda: storage.insert_rows(table, rows, priorities),
+        session, request, table, lambda: storage.insert_rows(table, rows, priorities, ends),
         lambda result: _changed(session, request, result), lambda: storage.can_insert(table, rows)))
 
 
@@ -119,9 +127,9 @@ def write(session, request):
     storage = session.storage
     table = storage.table(request.bin)
     indices = int64_array(request.indices, "indices")
-    rows, priorities = _rows(session, table, request), _priorities(request)
+    rows, priorities, ends = _rows(session, table, request), _priorities(request), _ends(request)
     return _said_tensordict(session, request, table, lambda: _changed(
-        session, request, storage.write_rows(table, indices, rows, priorities)))
+        session, request, storage.write_rows(table, indices, rows, priorities, ends)))
 
 
 # -- TSAMPLE, TREAD, TPRIORITY
@@ -129,11 +137,12 @@ def write(session, request):
 
 @handles(TSAMPLE)
 def sample(session, request):
-    storage, n = session.storage, request.n
+    storage, n, length, pad = session.storage, request.n, request.length, bool(request.pad)
     table = storage.table(request.bin)
-    storage.check_rows_reply(table, n)  # bounded and counted before anything is drawn
-    return _run_or_wait(session, request, table, lambda: storage.sample_rows(table, n),
-                        lambda result: _sampled(session, request, result), lambda: storage.can_sample(table, n))
+    rows = n * (length or 1)  # (n sequences of length rows)
+    storage.check_rows_reply(table, rows)  # bounded and counted before anything is drawn
+    return _run_or_wait(session, request, table, lambda: storage.sample_rows(table, n, length, pad),
+                        lambda result: _sampled(session, request, result), lambda: storage.can_sample(table, rows))
 
 
 @handles(TREAD)
@@ -172,6 +181,8 @@ def _rows_reply(session, request, drawn):
     header[TableKey.INDICES] = int64_bytes(drawn.indices)
     if drawn.probabilities is not None:
         header[TableKey.PROBABILITIES] = float64_bytes(drawn.probabilities)
+    if drawn.lengths is not None:
+        header[TableKey.LENGTHS] = int64_bytes(drawn.lengths)
     gathered = drawn.gathered
     if gathered is not None:
         header[Key.ITEMS], header[Key.SIZES] = [gathered.description], [gathered.nbytes]

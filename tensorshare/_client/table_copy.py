@@ -39,15 +39,26 @@ def table_spec(info: dict) -> dict:
     return spec
 
 
-def occupied(client, name: str) -> dict[str, torch.Tensor]:
-    """Every row's ``indices`` (slot order), ``keys``, ``priorities`` and ``times_sampled``."""
+def occupied(client, name: str, capacity: int | None = None) -> dict[str, torch.Tensor]:
+    """Every row's ``indices`` (slot order), ``keys``, ``priorities``, ``times_sampled``
+    and ``ends``: where no sequence runs past a row, because its episode ends (a
+    server without episode marks: none) or, given the table's ``capacity``, because
+    the row in the next slot does not follow it in the table's stream (PROTOCOL.md
+    §12.6).  Rows written back in slot order (:func:`write_rows`) so form the same
+    sequences: a ring's newest row is not followed by its oldest."""
     pages, start = [], 0
     while start is not None:
         page = client.table_info(name, slots=start)["slots"]
+        page.setdefault("ends", torch.zeros(page["indices"].numel(), dtype=torch.bool))
         pages.append(page)
         start = page["next"]
-    return {what: torch.cat([page[what] for page in pages]) for what in ("indices", "keys", "priorities",
-                                                                          "times_sampled")}
+    state = {what: torch.cat([page[what] for page in pages]) for what in ("indices", "keys", "priorities",
+                                                                           "times_sampled", "ends")}
+    if capacity is not None and state["indices"].numel():
+        index, seq = state["indices"], state["keys"] // capacity
+        follows = ((index + 1) % capacity == index.roll(-1)) & (seq.roll(-1) == seq + 1)
+        state["ends"] = state["ends"] | ~follows
+    return state
 
 
 def pieces(client, name: str, indices: torch.Tensor, row_bytes: int) -> Iterator[tuple[int, int, dict]]:
@@ -65,12 +76,12 @@ def save_table(client, name: str, path, *, overwrite: bool = False) -> int:
     if not info.get("columns"):
         raise UsageError(f"table {name!r} holds items, not columns: only tables of columns are saved")
     spec = table_spec(info)
-    state = occupied(client, name)
+    state = occupied(client, name, info["capacity"])
     rows = int(state["indices"].numel())
     writer = CheckpointWriter(path, name, spec, rows, overwrite=overwrite)
     try:
         for what, key in (("index", "indices"), ("key", "keys"), ("priority", "priorities"),
-                          ("times_sampled", "times_sampled")):
+                          ("times_sampled", "times_sampled"), ("ends", "ends")):
             writer.state(what)[:] = state[key].numpy()
         files = {c.name: (c, writer.column(c)) for c in writer.columns}
         row_bytes = sum(c.row_bytes for c in writer.columns)
@@ -96,12 +107,14 @@ def load_table(client, path, name: str | None = None, *, replace: bool = True) -
             raise UsageError(f"{name!r} exists (replace=True replaces it)")
         client.delete(name)
     client.create_table(name, **checkpoint.spec)
-    write_rows(client, name, checkpoint.state["index"], _columns(checkpoint), checkpoint.state["priority"])
+    write_rows(client, name, checkpoint.state["index"], _columns(checkpoint), checkpoint.state["priority"],
+               checkpoint.state.get("ends"))
     return checkpoint.rows
 
 
-def write_rows(client, name: str, indices, columns: dict[str, torch.Tensor], priorities=None) -> None:
-    """Write rows at their slot ``indices`` (with their ``priorities``), a piece at a time."""
+def write_rows(client, name: str, indices, columns: dict[str, torch.Tensor], priorities=None, ends=None) -> None:
+    """Write rows at their slot ``indices`` (with their ``priorities`` and episode
+    ``ends``), a piece at a time."""
     indices = torch.as_tensor(np.asarray(indices), dtype=torch.int64)
     n = indices.numel()
     if not n:
@@ -111,7 +124,8 @@ def write_rows(client, name: str, indices, columns: dict[str, torch.Tensor], pri
     for start in range(0, n, step):
         stop = min(start + step, n)
         client.write(name, indices[start:stop], {k: v[start:stop] for k, v in columns.items()},
-                     None if priorities is None else torch.as_tensor(np.asarray(priorities[start:stop])))
+                     None if priorities is None else torch.as_tensor(np.asarray(priorities[start:stop])),
+                     ends=None if ends is None else np.asarray(ends[start:stop]))
 
 
 def mapped_columns(path) -> dict[str, torch.Tensor]:

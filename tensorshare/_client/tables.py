@@ -35,12 +35,18 @@ class TableSample:
     ``keys`` (int64, for :meth:`~TableMethods.update_priorities`), ``indices`` (the
     rows' slots, for :meth:`~TableMethods.read`/``write``) and ``probabilities``
     (float64, each row's chance of being drawn, for importance weights) are ``[n]``
-    tensors."""
+    tensors.
+
+    A sample of ``n`` sequences of ``length`` rows (``sample(..., length=)``) has
+    ``[n, length, *shape]`` columns and ``[n, length]`` keys and indices, one
+    probability per sequence (its first row's) and ``lengths``, each sequence's real
+    length (shorter ones are padded with their last row when ``pad=True``)."""
 
     value: Any
     keys: torch.Tensor
     indices: torch.Tensor
     probabilities: torch.Tensor
+    lengths: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.keys.numel())
@@ -102,7 +108,29 @@ def _with_slots(info: dict) -> dict:
     info["slots"] = {"indices": _tensor(page["indices"], "<i8"), "keys": _tensor(page["keys"], "<i8"),
                      "priorities": _tensor(page["priorities"], "<f8"),
                      "times_sampled": _tensor(page["times_sampled"], "<i8"), "next": page["next"]}
+    if "ends" in page:
+        info["slots"]["ends"] = torch.from_numpy(np.frombuffer(page["ends"], np.uint8) != 0)
     return info
+
+
+def _ends_bytes(ends) -> bytes:
+    if isinstance(ends, torch.Tensor):
+        ends = ends.detach().cpu().numpy()
+    try:
+        return np.ascontiguousarray(np.asarray(ends).reshape(-1) != 0, np.uint8).tobytes()
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"ends must be one flag per row: {exc}") from None
+
+
+def _sequences(sample: TableSample, n: int, length: int) -> TableSample:
+    """A sample of ``n * length`` rows as ``n`` sequences: each tensor ``[n, length, ...]``."""
+    value = sample.value
+    if isinstance(value, dict):
+        value = {k: v.reshape(n, length, *v.shape[1:]) for k, v in value.items()}
+    elif hasattr(value, "batch_size"):  # a TensorDict
+        value = value.reshape(n, length)
+    return TableSample(value, sample.keys.reshape(n, length), sample.indices.reshape(n, length),
+                       sample.probabilities, sample.lengths)
 
 
 def _is_tensordict(batch: Any) -> bool:
@@ -175,7 +203,8 @@ class TableMethods:
             fields[TableKey.ADD_COLUMNS] = True
         return self._call(TCREATE, fields, timeout=timeout)
 
-    def insert(self, name: str, batch: Any, priorities=None, *, timeout=DEFAULT, with_size: bool = False) -> Any:
+    def insert(self, name: str, batch: Any, priorities=None, *, ends=None, timeout=DEFAULT,
+               with_size: bool = False) -> Any:
         """Add rows to table ``name``; returns their keys (an int64 tensor).
 
         ``batch``: for a table of columns a dict (or TensorDict) of tensors with the
@@ -184,14 +213,20 @@ class TableMethods:
         holds inserts back, the server keeps the request (serving others) until it
         may proceed or ``timeout`` seconds (the client's by default) have passed:
         then :class:`~tensorshare.errors.BusyError`, a ``TimeoutError``, and nothing
-        was inserted.  ``with_size``: returns ``(keys, rows in the table, its seq)``."""
+        was inserted.  ``with_size``: returns ``(keys, rows in the table, its seq)``.
+        ``ends``: one flag per row, true where the row ends its episode (no sequence
+        :meth:`sample` draws runs past it).  A batch larger than a table with the fifo
+        remover keeps its newest rows, as a ring buffer does."""
         fields = {Key.BIN: name}
         if priorities is not None:
             fields[TableKey.PRIORITIES] = _float64_bytes(priorities, "priorities")
+        if ends is not None:
+            fields[TableKey.ENDS] = _ends_bytes(ends)
         call_timeout = self._server_wait(fields, timeout)
         return self._call(TINSERT, fields, _as_batch(batch, fields), timeout=call_timeout, then=_keys(with_size))
 
-    def sample(self, name: str, n: int, *, timeout=DEFAULT, shared: bool = False, device: Any = None) -> Any:
+    def sample(self, name: str, n: int, *, length: int | None = None, pad: bool = False, timeout=DEFAULT,
+               shared: bool = False, device: Any = None) -> Any:
         """Draw ``n`` rows from table ``name`` with its sampler; returns a
         :class:`TableSample`.  Waits in the server as :meth:`insert` does (an empty
         table, ``min_size_to_sample``, the rate limiter), up to ``timeout``.
@@ -203,15 +238,29 @@ class TableMethods:
 
         ``device`` (``"cuda"``): the batch arrives there (a large one is copied to
         the device as it arrives, through the client's transfer engine); keys,
-        indices and probabilities stay CPU tensors."""
+        indices and probabilities stay CPU tensors.
+
+        ``length``: ``n`` sequences of ``length`` rows that follow each other within
+        one episode (see ``insert``'s ``ends``), each drawn by its first row with
+        the table's sampler (uniform, or by the first row's priority: a sequence's
+        priority is set by its first key); ``pad=True`` draws those cut short by an
+        episode's end too, padded with their last row (:class:`TableSample`)."""
         fields = {Key.BIN: name, Key.N: n}
+        if length is not None:
+            fields[TableKey.LENGTH] = length
+            if pad:
+                fields[TableKey.PAD] = True
         call_timeout = self._server_wait(fields, timeout)
 
         def then(reply) -> TableSample:
             header = reply.header
-            return TableSample(_rows_value(reply), _tensor(header[TableKey.KEYS], "<i8"),
-                               _tensor(header[TableKey.INDICES], "<i8"),
-                               _tensor(header.get(TableKey.PROBABILITIES), "<f8"))
+            drawn = TableSample(_rows_value(reply), _tensor(header[TableKey.KEYS], "<i8"),
+                                _tensor(header[TableKey.INDICES], "<i8"),
+                                _tensor(header.get(TableKey.PROBABILITIES), "<f8"))
+            if length is None:
+                return drawn
+            drawn.lengths = _tensor(header.get(TableKey.LENGTHS), "<i8")
+            return _sequences(drawn, n, length)
 
         return self._call(TSAMPLE, fields, timeout=call_timeout, then=then, zero_copy=shared,
                           **({} if device is None else {"device": device}))
@@ -223,14 +272,16 @@ class TableMethods:
                   TableKey.PRIORITIES: _float64_bytes(priorities, "priorities")}
         return self._call(TPRIORITY, fields, timeout=timeout)
 
-    def write(self, name: str, indices, batch: Any, priorities=None, *, timeout=DEFAULT,
+    def write(self, name: str, indices, batch: Any, priorities=None, *, ends=None, timeout=DEFAULT,
               with_size: bool = False) -> Any:
         """Put rows at the slot ``indices`` (distinct, in ``[0, capacity)``) of table
         ``name``, replacing what was there (a dataset written at indices); returns
-        the new rows' keys (``with_size``: as :meth:`insert`)."""
+        the new rows' keys (``with_size``, ``ends``: as :meth:`insert`)."""
         fields = {Key.BIN: name, TableKey.INDICES: _int64_bytes(indices, "indices")}
         if priorities is not None:
             fields[TableKey.PRIORITIES] = _float64_bytes(priorities, "priorities")
+        if ends is not None:
+            fields[TableKey.ENDS] = _ends_bytes(ends)
         return self._call(TWRITE, fields, _as_batch(batch, fields), timeout=timeout, then=_keys(with_size))
 
     def read(self, name: str, indices, *, sample: bool = False, timeout=DEFAULT, shared: bool = False,

@@ -8,7 +8,8 @@ checkpoint* so (the rows it held, in slot order, ``[rows]``), and
     table.json           {"name", "spec": the table's settings, "rows": n, "format"}
     meta.json            tensordict's: a tensor [rows, *shape] per column, batch size [rows]
     <column>.memmap      the column's bytes, C order, little-endian
-    _slots/<state>.bin   a checkpoint's per-row state: index, key (int64), priority (float64), times_sampled (int64)
+    _slots/<state>.bin   a checkpoint's per-row state: index, key (int64), priority (float64), times_sampled (int64),
+                         ends (a byte: 1 where the row ends its episode)
 
 ``TensorDict.load_memmap(directory)`` and ``tensorshare.load_memmap(directory)``
 open the columns; nothing in the files is ever executed.  A checkpoint is
@@ -33,6 +34,7 @@ from .layout import LayoutError, _TENSORDICT_TYPE, _tensor_meta
 TABLE_RECORD = "table.json"
 CHECKPOINT_FORMAT = 1
 SLOT_STATE = {"index": "<i8", "key": "<i8", "priority": "<f8", "times_sampled": "<i8"}
+OPTIONAL_STATE = {"ends": "u1"}  # (a checkpoint written before episode marks has none)
 
 
 def table_metadata(columns: Iterable, rows: int) -> dict:
@@ -91,8 +93,9 @@ class CheckpointWriter:
         return self._array(os.path.join(self._tmp, f"{column.name}.memmap"), np.uint8, (self.rows, column.row_bytes))
 
     def state(self, what: str) -> np.ndarray:
-        """A writable ``[rows]`` array of the per-row state ``what`` (a key of SLOT_STATE)."""
-        return self._array(os.path.join(self._tmp, "_slots", f"{what}.bin"), np.dtype(SLOT_STATE[what]), (self.rows,))
+        """A writable ``[rows]`` array of the per-row state ``what`` (a key of SLOT_STATE or OPTIONAL_STATE)."""
+        dtype = SLOT_STATE.get(what) or OPTIONAL_STATE[what]
+        return self._array(os.path.join(self._tmp, "_slots", f"{what}.bin"), np.dtype(dtype), (self.rows,))
 
     def _array(self, path: str, dtype, shape: tuple) -> np.ndarray:
         if math.prod(shape) == 0:
@@ -153,6 +156,9 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
                for c in columns_of(spec)}
     state = {what: _map(os.path.join(path, "_slots", f"{what}.bin"), np.dtype(dtype), (rows,))
              for what, dtype in SLOT_STATE.items()}
+    for what, dtype in OPTIONAL_STATE.items():
+        if os.path.exists(os.path.join(path, "_slots", f"{what}.bin")):
+            state[what] = _map(os.path.join(path, "_slots", f"{what}.bin"), np.dtype(dtype), (rows,))
     return Checkpoint(name, spec, rows, columns, state)
 
 

@@ -108,13 +108,16 @@ class TableKey:
     ADD_COLUMNS = "add_columns"  # TCREATE: a table there that lacks some of the columns gains them
     SAMPLE = "sample"  # TREAD: the rows were drawn by the reader: count (and rate-limit) them as a sample
     SLOTS = "slots"  # TINFO: the occupied slots from this index on (a page of them)
+    ENDS = "ends"  # TINSERT/TWRITE: one byte per row, nonzero where the row ends its episode
+    LENGTH, PAD = "length", "pad"  # TSAMPLE: sequences of this many rows (pad: short ones padded)
+    LENGTHS = "lengths"  # a sample of sequences: each one's real length (int64 bytes)
 
 
 _TK = TableKey
 _TABLE_CHANGED = Message(DONE, (Field(Key.N, INT), Field(Key.SEQ, INT), Field(_TK.KEYS, BYTES)))
 _ROWS = Message(ITEMS, (*_ITEMS.fields, Field(_TK.KEYS, BYTES), Field(_TK.INDICES, BYTES),
                         optional(_TK.PROBABILITIES, BYTES), optional(_TK.COLUMNS, BOOL),
-                        optional(_TK.TENSORDICT, BOOL)))
+                        optional(_TK.TENSORDICT, BOOL), optional(_TK.LENGTHS, BYTES)))
 _TABLE_INFO = Message(OK, (Field(_TK.INFO, MAP),))
 _TABLE_VALUE = (Field(Key.VALUE, BYTES, missing="missing value description"),)
 _TABLE_ERRORS = (NO_SUCH_BIN, *_NAMED)
@@ -125,21 +128,22 @@ TCREATE = Command("TCREATE", (BIN, Field(_TK.SPEC, MAP), optional(_TK.ADD_COLUMN
                   errors=(*_NAMED, TOO_LARGE, STORAGE_FULL),
                   doc="make a table (kept as it is if one with the same settings exists)")
 TINSERT = Command("TINSERT", (BIN, *_TABLE_VALUE, optional(_TK.PRIORITIES, BYTES), optional(Key.WAIT, SECONDS),
-                              optional(_TK.TENSORDICT, BOOL), RELEASE),
+                              optional(_TK.TENSORDICT, BOOL), optional(_TK.ENDS, BYTES), RELEASE),
                   reply=_TABLE_CHANGED, payload=Payload.ROWS, result=_TK.KEYS, method="insert", zero_copy=None,
                   lasting=True, relay=Relay.FORWARD, route=Route.OWNER, lane="insert",
                   errors=(*_TABLE_ERRORS, TOO_LARGE, STORAGE_FULL, BUSY),
                   doc="add rows (waiting up to wait seconds for the rate limiter)")
 TWRITE = Command("TWRITE", (BIN, *_TABLE_VALUE, Field(_TK.INDICES, BYTES), optional(_TK.PRIORITIES, BYTES),
-                            optional(_TK.TENSORDICT, BOOL), RELEASE),
+                            optional(_TK.TENSORDICT, BOOL), optional(_TK.ENDS, BYTES), RELEASE),
                  reply=_TABLE_CHANGED, payload=Payload.ROWS, result=_TK.KEYS, method="write", zero_copy=None,
                  lasting=True, relay=Relay.FORWARD, route=Route.OWNER, errors=(*_TABLE_ERRORS, TOO_LARGE),
                  doc="put rows at the slot indices given")
 TSAMPLE = Command("TSAMPLE", (BIN, Field(Key.N, COUNT), optional(Key.WAIT, SECONDS), optional(Key.REF, INTS),
-                              RELEASE),
+                              optional(_TK.LENGTH, COUNT), optional(_TK.PAD, BOOL), RELEASE),
                   reply=_ROWS, result=Key.ITEMS, method="sample", zero_copy=ZeroCopy.TAKE, relay=Relay.FORWARD,
                   route=Route.OWNER, lane="sample", errors=(*_TABLE_ERRORS, TOO_LARGE, STORAGE_FULL, BUSY),
-                  doc="draw n rows with the table's sampler (waiting up to wait seconds)")
+                  doc="draw n rows with the table's sampler (with length: n sequences of that many rows; "
+                      "waiting up to wait seconds)")
 TREAD = Command("TREAD", (BIN, Field(_TK.INDICES, BYTES), optional(Key.REF, INTS), optional(_TK.SAMPLE, BOOL),
                           optional(Key.WAIT, SECONDS), RELEASE), reply=_ROWS, result=Key.ITEMS, method="read",
                 zero_copy=ZeroCopy.READ, taken_with=_TK.SAMPLE, relay=Relay.FORWARD, route=Route.OWNER,

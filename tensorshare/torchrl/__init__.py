@@ -21,12 +21,15 @@ table.  Modules, one job each:
 * :mod:`.indexing` -- TorchRL's indices as the table's slots
 * :mod:`.writer`  -- :class:`TableWriter`: inserts, the server choosing the slots
 * :mod:`.sampler` -- :class:`TableSampler`, :class:`TablePrioritizedSampler`: the table draws
+* :mod:`.slices`  -- :class:`TableSliceSampler`, :class:`TablePrioritizedSliceSampler`: sequences
 
 Needs ``torchrl`` (the ``torchrl`` extra: ``pip install torchrl``).
 """
 
 from .sampler import TablePrioritizedSampler, TableSampler
+from .slices import TablePrioritizedSliceSampler, TableSliceSampler
 from .storage import TableStorage
 from .writer import TableWriter
 
-__all__ = ["TableStorage", "TableWriter", "TableSampler", "TablePrioritizedSampler"]
+__all__ = ["TableStorage", "TableWriter", "TableSampler", "TablePrioritizedSampler", "TableSliceSampler",
+           "TablePrioritizedSliceSampler"]

@@ -125,6 +125,11 @@ class TablePrioritizedSampler(TableSampler, PrioritizedSampler):
 
     def sample(self, storage, batch_size: int) -> tuple[Any, dict]:
         storage = _table_storage(storage)
+        self._check_prioritized(storage)
+        return super().sample(storage, batch_size)
+
+    def _check_prioritized(self, storage: TableStorage) -> None:
+        """The table is prioritized with this ``alpha`` (asked once per table)."""
         if self._checked != storage.name:
             info = storage.client.table_info(storage.name)
             if info["sampler"] != "prioritized" or abs((info["priority_exponent"] or 0) - self._alpha) > 1e-12:
@@ -133,7 +138,6 @@ class TablePrioritizedSampler(TableSampler, PrioritizedSampler):
                                  f"needs a table made prioritized with priority_exponent={self._alpha}")
             self._checked = storage.name
         self._touched = storage._tracks_keys = True
-        return super().sample(storage, batch_size)
 
     def _info(self, storage: TableStorage, drawn) -> dict:
         weight = (drawn.probabilities * len(storage)).clamp_min(1e-300).pow(-self._beta)

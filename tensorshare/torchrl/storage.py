@@ -253,17 +253,20 @@ class TableStorage(TensorStorage):
         slots, _ = indexing.slots(cursor, self._grid(full=True))
         rows = self._schema.rows(data, self.ndim - 1 if single else self.ndim)
         n = _count(rows)
+        ends = self._row_ends(data, n) if not single else None
         if n != slots.numel():
             if n != 1:
                 raise IndexError(f"{n} elements written at {slots.numel()} places of table {self.name!r}")
             rows = {k: v.expand(slots.numel(), *v.shape[1:]) for k, v in rows.items()}
+            ends = None if ends is None else ends.expand(slots.numel())
         keep = indexing.last_wins(slots)  # a writer lapping the table: the last row wins
         if keep.numel() != slots.numel():
             slots, rows = slots[keep], {k: v[keep] for k, v in rows.items()}
+            ends = None if ends is None else ends[keep]
         if set_cursor:
             self._set_last_cursor(cursor)
         self._call_retrying(lambda: self.client.write(self.name, slots, rows, self._row_priority(slots.numel()),
-                                                      with_size=True))
+                                                      ends=ends, with_size=True))
         self._bump_mutation_revision()
 
     def insert(self, data) -> torch.Tensor:
@@ -281,10 +284,12 @@ class TableStorage(TensorStorage):
         self._fit(schema)
         rows = self._schema.rows(data, 1)
         n = _count(rows)
+        ends = self._row_ends(data, n)
         kept = min(n, self.max_size)
         if kept < n:
             rows = {k: v[n - kept:] for k, v in rows.items()}
-        keys = self._call_retrying(lambda: self.client.insert(self.name, rows, self._row_priority(kept),
+            ends = None if ends is None else ends[n - kept:]
+        keys = self._call_retrying(lambda: self.client.insert(self.name, rows, self._row_priority(kept), ends=ends,
                                                               with_size=True))
         slots = keys % self.max_size
         self._set_last_cursor(slots)
@@ -335,6 +340,16 @@ class TableStorage(TensorStorage):
             keys = [key if key >= 0 else found.get(slot, -1) for key, slot in zip(keys, slots.tolist())]
             self._remember(state["indices"], state["keys"])
         return torch.tensor(keys, dtype=torch.int64)
+
+    def _row_ends(self, data, n: int):
+        """Which of the ``n`` rows of ``data`` end their episode, as a slice sampler of
+        a buffer over this storage finds them (``TableSliceSampler.table_ends``);
+        None without one."""
+        for entity in self._attached_entities:
+            find = getattr(getattr(entity, "_sampler", None), "table_ends", None)
+            if find is not None:
+                return find(data, n)
+        return None
 
     def _row_priority(self, n: int):
         """New rows' priority: what a TablePrioritizedSampler of a buffer over this
@@ -410,13 +425,14 @@ class TableStorage(TensorStorage):
         """The table's settings and rows (each at its slot, with its priority):
         :meth:`load_state_dict` makes the table so again."""
         info = self.client.table_info(self.name)
-        state = occupied(self.client, self.name)
+        state = occupied(self.client, self.name, info["capacity"])
         row_bytes = sum(math.prod(c["shape"]) * torch.empty(0, dtype=getattr(torch, c["dtype"])).element_size()
                         for c in (info.get("columns") or {}).values())
         parts = [values for _, _, values in pieces(self.client, self.name, state["indices"], row_bytes)]
         rows = {name: torch.cat([p[name] for p in parts]) for name in (info.get("columns") or {})} if parts else {}
         return {"table": self.name, "spec": table_spec(info), "indices": state["indices"],
-                "priorities": state["priorities"], "rows": rows, "_len": int(state["indices"].numel())}
+                "priorities": state["priorities"], "ends": state["ends"], "rows": rows,
+                "_len": int(state["indices"].numel())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Make the table what :meth:`state_dict` saw (its rows replace the table's)."""
@@ -428,7 +444,8 @@ class TableStorage(TensorStorage):
         except NoSuchBinError:
             pass
         self.client.create_table(self.name, **spec)
-        write_rows(self.client, self.name, state_dict["indices"], state_dict["rows"], state_dict["priorities"])
+        write_rows(self.client, self.name, state_dict["indices"], state_dict["rows"], state_dict["priorities"],
+                   state_dict.get("ends"))
         self._schema = None
         self._adopt(None, None)
         self._bump_mutation_revision()

@@ -1,0 +1,154 @@
+"""Sequences and the fifo ring end to end: the client's ``sample(length=)`` and
+``ends``, TorchRL's slice samplers served by a table, and episode marks through a
+checkpoint and a durable restart.  Real server processes, real sockets."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+import tensorshare
+from serverproc import ServerProcess
+
+pytestmark = pytest.mark.process
+
+
+def episode(first: int, n: int) -> tuple[dict, torch.Tensor]:
+    ends = torch.zeros(n, dtype=torch.bool)
+    ends[-1] = True
+    return {"x": torch.arange(first, first + n)}, ends
+
+
+def fill(client, name: str, lengths: list[int]) -> list[range]:
+    """Episodes of these lengths, x counting up; returns each one's x values."""
+    spans, first = [], 0
+    for n in lengths:
+        batch, ends = episode(first, n)
+        client.insert(name, batch, ends=ends)
+        spans.append(range(first, first + n))
+        first += n
+    return spans
+
+
+def within_one(row: list[int], spans: list[range]) -> bool:
+    return any(row[0] in span and row[-1] in span for span in spans) and row == list(range(row[0], row[-1] + 1))
+
+
+def test_a_client_samples_sequences_of_one_episode_padded_or_whole(client):
+    client.create_table("seq-c", 100, {"x": ((), torch.int64)}, sampler="prioritized")
+    spans = fill(client, "seq-c", [3, 10, 2, 8])
+    s = client.sample("seq-c", 50, length=4)
+    assert s.value["x"].shape == (50, 4) and s.keys.shape == (50, 4) and s.indices.shape == (50, 4)
+    assert s.probabilities.shape == (50,) and s.lengths.tolist() == [4] * 50
+    assert all(within_one(row, spans) for row in s.value["x"].tolist())
+    # a sequence's priority is its first row's: raise one, it comes up more often
+    start = s.keys[0, 0]
+    client.update_priorities("seq-c", start.reshape(1), [1000.0])
+    s = client.sample("seq-c", 50, length=4)
+    assert (s.keys[:, 0] == start).float().mean() > 0.8
+    padded = client.sample("seq-c", 200, length=5, pad=True)
+    for row, length in zip(padded.value["x"].tolist(), padded.lengths.tolist()):
+        assert within_one(row[:length], spans) and row[length:] == [row[length - 1]] * (5 - length)
+    assert min(padded.lengths.tolist()) < 5
+    with pytest.raises(tensorshare.errors.BusyError, match="no sequence of 11 rows"):
+        client.sample("seq-c", 1, length=11)
+    client.delete("seq-c")
+
+
+def test_a_batch_larger_than_a_fifo_table_keeps_the_newest_rows(client):
+    client.create_table("ring-c", 5, {"x": ((), torch.int64)})
+    keys = client.insert("ring-c", {"x": torch.arange(12)})
+    assert keys.numel() == 12
+    rows = client.read("ring-c", torch.arange(5))["x"]
+    assert sorted(rows.tolist()) == [7, 8, 9, 10, 11]
+    assert client.update_priorities("ring-c", keys, [2.0]) == 5  # the first 7 keys name no row
+    client.delete("ring-c")
+
+
+def test_episode_marks_survive_a_checkpoint_and_a_wrapped_ring_stays_apart(client, tmp_path):
+    client.create_table("seq-ck", 10, {"x": ((), torch.int64)})
+    client.insert("seq-ck", {"x": torch.arange(7)})
+    batch, ends = episode(7, 6)  # the ring wraps: slots 7, 8, 9, 0, 1, 2
+    ends[2] = True  # an episode ends at x = 9
+    client.insert("seq-ck", batch, ends=ends)
+    client.save("seq-ck", tmp_path / "ck")
+    client.delete("seq-ck")
+    client.load_table(tmp_path / "ck")
+    x = client.sample("seq-ck", 300, length=2).value["x"].tolist()
+    pairs = {tuple(row) for row in x}
+    assert all(b == a + 1 for a, b in pairs)
+    # neither across the episode's end (9 -> 10) nor from the newest row to the oldest (12 -> 3)
+    assert pairs == {(3, 4), (4, 5), (5, 6), (6, 7), (7, 8), (8, 9), (10, 11), (11, 12)}
+    client.delete("seq-ck")
+
+
+def test_a_durable_tables_compact_state_and_marks_survive_kill_9(tmp_path):
+    data = tmp_path / "data"
+    srv = ServerProcess("--data-dir", str(data))
+    try:
+        with tensorshare.Client("127.0.0.1", srv.port, timeout=30) as c:
+            c.create_table("seq-d", 64, {"x": ((), torch.int64)}, sampler="prioritized")
+            fill(c, "seq-d", [5, 30, 40])  # 75 rows into 64: wrapped, rows 11-74 held
+            drawn = c.sample("seq-d", 20)
+            c.update_priorities("seq-d", drawn.keys[:3], [0.25, 4.0, 9.0])
+            before = c.table_info("seq-d", slots=0)["slots"]
+        os.kill(srv.pid, signal.SIGKILL)
+        srv.proc.wait(10)
+        srv = ServerProcess("--data-dir", str(data))
+        with tensorshare.Client("127.0.0.1", srv.port, timeout=30) as c:
+            after = c.table_info("seq-d", slots=0)["slots"]
+            for what in ("indices", "keys", "priorities", "times_sampled", "ends"):
+                assert torch.equal(before[what], after[what]), what
+            x = c.sample("seq-d", 100, length=8).value["x"].tolist()
+            assert all(row == list(range(row[0], row[0] + 8)) for row in x)
+            assert all(within_one(row, [range(11, 35), range(35, 75)]) for row in x)  # (rows 0-10 were overwritten)
+    finally:
+        srv.stop()
+
+
+# -- TorchRL's slice samplers
+
+
+def test_torchrls_slice_samplers_are_served_by_the_table(client):
+    torchrl = pytest.importorskip("torchrl", reason="torchrl is not installed (pip install torchrl)")
+    del torchrl
+    from tensordict import TensorDict
+    from torchrl.data import TensorDictReplayBuffer
+
+    from tensorshare.torchrl import TablePrioritizedSliceSampler, TableSliceSampler, TableStorage, TableWriter
+
+    def steps(first: int, n: int) -> TensorDict:
+        done = torch.zeros(n, 1, dtype=torch.bool)
+        done[-1] = True
+        return TensorDict({"obs": torch.arange(first, first + n).float(), "episode": torch.full((n,), first),
+                           "next": TensorDict({"done": done}, [n])}, [n])
+
+    rb = TensorDictReplayBuffer(storage=TableStorage("trl-slices", client, max_size=200),
+                                sampler=TableSliceSampler(slice_len=4), writer=TableWriter(), batch_size=32)
+    for first, n in ((0, 6), (6, 3), (9, 12)):
+        rb.extend(steps(first, n))
+    s = rb.sample()
+    obs = s["obs"].reshape(8, 4)
+    assert (obs.diff(dim=1) == 1).all() and (s["episode"].reshape(8, 4) == s["episode"].reshape(8, 4)[:, :1]).all()
+    assert s[("next", "truncated")].reshape(8, 4)[:, -1].all() and not s[("next", "truncated")].reshape(8, 4)[:, :-1].any()
+    ragged = TensorDictReplayBuffer(storage=TableStorage("trl-slices", client),
+                                    sampler=TableSliceSampler(slice_len=4, strict_length=False, pad_output=True),
+                                    batch_size=64)
+    s = ragged.sample()
+    mask = s[("collector", "mask")].reshape(16, 4)
+    assert (mask.sum(1) >= 1).all() and (~mask).any()  # some start near an episode's end
+    # prioritized: a sequence by its first step's priority
+    per = TensorDictReplayBuffer(storage=TableStorage("trl-pslices", client, max_size=200),
+                                 sampler=TablePrioritizedSliceSampler(alpha=1.0, beta=0.5, slice_len=4),
+                                 writer=TableWriter(), batch_size=32)
+    for first, n in ((0, 6), (6, 3), (9, 12)):
+        per.extend(steps(first, n))
+    per.update_priority(torch.arange(21), torch.where(torch.arange(21) == 10, 100.0, 1e-6))
+    s = per.sample()
+    assert (s["obs"].reshape(8, 4)[:, 0] == 10).float().mean() > 0.9
+    assert s["priority_weight"].shape == (32,)
+    client.delete("trl-slices")
+    client.delete("trl-pslices")
