@@ -56,7 +56,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Na
     parser.add_argument("--max-listens", type=count, default=ServerConfig.max_listens, help="per connection")
     parser.add_argument("--max-depth", type=count, default=ServerConfig.max_depth, help="nesting of a value")
     parser.add_argument("--max-table-rows", type=count, default=ServerConfig.max_table_rows,
-                        help="rows of all tables together (each row keeps 41-137 bytes of state in memory)")
+                        help="rows of all tables together (each row keeps at most 24 bytes of state in memory; "
+                             "default: as many as --memory-limit holds, else the machine's memory)")
     parser.add_argument("--max-nodes", type=count, default=ServerConfig.max_nodes, help="nodes of a value's structure")
     disk = parser.add_argument_group("disk tier")
     disk.add_argument("--memory-limit", type=_size, default=None,

@@ -28,7 +28,9 @@ class ServerConfig:
     max_items_per_bin: int = 1_000_000
     max_listens: int = 10_000  # per connection
     max_depth: int = 64  # nesting of a stored value
-    max_table_rows: int = 1 << 26  # slots of all tables together (each keeps 41-137 bytes of state in memory)
+    # slots of all tables together (each keeps at most 24 bytes of state in memory);
+    # None: as many as the memory budget holds (--memory-limit, else the machine's memory)
+    max_table_rows: int | None = None
     max_nodes: int = 1_000_000  # nodes of a stored value's structure
     # The disk tier (server/bins/storage.py).
     memory_limit: int | None = None  # payload bytes kept in RAM; past it items spill to disk

@@ -39,12 +39,13 @@ def _create(pair: Pair, name: str, capacity: int, columns: dict | None = None) -
 
 def test_6_a_table_whose_slot_state_does_not_fit_the_memory_budget_gets_452(tmp_path):
     """Two ~100-byte TCREATEs of 2**26 rows each took +1.9 GiB beside a memory limit."""
-    pair = Pair(memory_limit=4 * MiB, spill_dir=str(tmp_path), zero_copy=False)
+    # (rows bounded only by the state's memory: by default the rows would be, at 24 bytes each)
+    pair = Pair(memory_limit=4 * MiB, spill_dir=str(tmp_path), zero_copy=False, max_table_rows=1 << 30)
     with pytest.raises(StorageFullError, match="state"):
-        _create(pair, "huge", 1 << 20)  # 41 bytes a row and two trees: about 75 MiB
+        _create(pair, "huge", 1 << 20)  # 21 bytes a row and the trees: about 22 MiB
     _create(pair, "fits", 1 << 12)
     store = pair.state.store
-    assert 41 << 12 < store.table_bytes < 1 * MiB
+    assert 21 << 12 < store.table_bytes < 1 * MiB
     pair.call(DELETE, {Key.BIN: "fits"})
     assert store.table_bytes == 0
 

@@ -215,3 +215,29 @@ def test_sample_counts_written_as_int64_by_an_older_server_are_narrowed(tmp_path
     again = Table(8, {"x": ((), "int64")}, backing=tables.MemmapBacking(directory, keep=True, reopen=True))
     assert os.path.getsize(path) == 8 * 4
     assert again.slots()["times_sampled"].tolist() == [5, 0, 7] and again.size == 3
+
+
+# -- the rows all tables may have follow the memory budget
+
+
+def test_the_rows_of_all_tables_follow_the_memory_budget_by_default():
+    from pairing import Pair
+    from tensorshare.errors import TooLargeError
+    from tensorshare.protocol.messages import DELETE, TCREATE, Key, TableKey
+
+    pair = Pair(memory_limit=24 * 1000)  # room for the state of 1,000 rows at 24 bytes
+    assert pair.state.storage.tables.max_rows == 1000
+
+    def create(name: str, capacity: int):
+        spec = {"capacity": capacity, "columns": {"x": {"shape": [], "dtype": "uint8"}}}
+        return pair.call(TCREATE, {Key.BIN: name, TableKey.SPEC: spec})
+
+    create("a", 600)
+    with pytest.raises(TooLargeError, match="1000 rows"):
+        create("b", 600)
+    pair.call(DELETE, {Key.BIN: "a"})
+    create("b", 1000)
+    # an explicit --max-table-rows wins; without a limit, the machine's memory counts
+    assert Pair(memory_limit=24 * 1000, max_table_rows=5).state.storage.tables.max_rows == 5
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert Pair().state.storage.tables.max_rows == physical // 24 > 1 << 26

@@ -37,10 +37,11 @@ SPEC_DEFAULTS: dict[str, Any] = {
 # given back as it came (TINFO), never read by the server: a JSON-able map this large at most.
 MAX_META = 64 << 10
 LIMIT_KEYS = ("min_size_to_sample", "samples_per_insert", "error_buffer")
-# Slots a table may have, and all tables of a server together by default: each
-# costs 41-137 bytes of state in memory (key, priority, count, order, the samplers'
-# trees: tables.state_bytes), whatever the columns hold.
-MAX_ROWS = 1 << 26
+# What a slot of a table keeps in memory at most, whatever its columns hold (key,
+# priority, count, flags and the samplers' trees over blocks: tables.state_bytes):
+# the server's tables have together, by default, as many slots as its memory budget
+# holds at this much each (default_max_rows).
+STATE_BYTES_PER_ROW = 24
 
 
 def parse_spec(spec: dict) -> dict:
@@ -75,6 +76,19 @@ def fixed(spec: dict, *but: str) -> dict:
 def column_bytes(columns: dict | None, capacity: int) -> int:
     """The bytes ``capacity`` rows of ``columns`` (``{name: {shape, dtype}}``) take."""
     return capacity * sum(math.prod(c["shape"]) * _width(c["dtype"]) for c in (columns or {}).values())
+
+
+def default_max_rows(memory_limit: int | None) -> int:
+    """The slots all tables of a server may have together when ``--max-table-rows`` is
+    not given: what ``memory_limit`` (without one, the machine's memory) holds at
+    :data:`STATE_BYTES_PER_ROW` each."""
+    budget = memory_limit
+    if budget is None:
+        try:
+            budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            budget = 16 << 30
+    return max(1, budget // STATE_BYTES_PER_ROW)
 
 
 def dir_key(name: str) -> str:

@@ -54,7 +54,7 @@ from .tablememory import CountedItems, ItemsBacking, TableMemory
 from .tables import MemmapBacking, Table, TableError, TableSpecError, state_bytes
 from .tables.values import Gathered, columns_of, float64_bytes, int64_bytes
 from .tablespec import (
-    LIMIT_KEYS, MAX_ROWS, column_bytes, dir_key, fixed, json_spec, make_table, parse_spec, plain, write_files,
+    LIMIT_KEYS, column_bytes, default_max_rows, dir_key, fixed, json_spec, make_table, parse_spec, plain, write_files,
 )
 
 log = logging.getLogger("tensorshare.server")
@@ -124,12 +124,12 @@ class TableStore:
 
     def __init__(self, store: BinStore, jobs, max_tables: int = 10_000, max_table_bytes: int | None = None, *,
                  memory_limit: int | None = None, spill_root: str | None = None, data_root: str | None = None,
-                 max_rows: int = MAX_ROWS, on_grow: Callable[[], None] = lambda: None):
+                 max_rows: int | None = None, on_grow: Callable[[], None] = lambda: None):
         self.store = store
         self.jobs = jobs
         self.max_tables = max_tables
         self.max_table_bytes = max_table_bytes  # column bytes a table may preallocate (None: no bound)
-        self.max_rows = max_rows  # slots of all tables together
+        self.max_rows = default_max_rows(memory_limit) if max_rows is None else max_rows  # of all tables together
         self.memory = TableMemory(store, memory_limit, on_grow)
         self.spill_root = None if spill_root is None else os.path.join(spill_root, TABLES_DIR)
         self.data_root = None if data_root is None else os.path.join(data_root, TABLES_DIR)
@@ -138,10 +138,11 @@ class TableStore:
         self.by_name: dict[str, TableEntry] = {}  # read it (``name in``), do not change it
         self._making: dict[str, list[Callable[[], None]]] = {}  # name -> creates waiting for its files
 
-    def bound(self, max_rows: int, max_reply_bytes: int | None, max_reply_header: int | None) -> None:
-        """The server's limits: rows of all tables together, and what one TSAMPLE/TREAD
+    def bound(self, max_rows: int | None, max_reply_bytes: int | None, max_reply_header: int | None) -> None:
+        """The server's limits: rows of all tables together (None: what the memory
+        budget holds, :func:`~.tablespec.default_max_rows`), and what one TSAMPLE/TREAD
         reply may carry (its max_outbound and max_reply_header)."""
-        self.max_rows = max_rows
+        self.max_rows = default_max_rows(self.memory.memory_limit) if max_rows is None else max_rows
         self.memory.max_reply_bytes, self.memory.max_reply_header = max_reply_bytes, max_reply_header
 
     def __contains__(self, name: str) -> bool:
@@ -241,8 +242,6 @@ class TableStore:
         if len(self.by_name) + len(self._making) >= self.max_tables:
             raise TooLargeError(f"the server already holds {self.max_tables} tables")
         capacity = full["capacity"]
-        if type(capacity) is int and capacity > MAX_ROWS:
-            raise TooLargeError(f"a table has at most {MAX_ROWS} rows, not {capacity}")
         nbytes = column_bytes(full["columns"], capacity)
         if self.max_table_bytes is not None and nbytes > self.max_table_bytes:
             raise TooLargeError(f"{capacity} rows of {nbytes // max(1, capacity)} bytes are more than the "
