@@ -6,6 +6,7 @@ these matter are the benchmark's ``scale`` section)."""
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -241,3 +242,53 @@ def test_the_rows_of_all_tables_follow_the_memory_budget_by_default():
     assert Pair(memory_limit=24 * 1000, max_table_rows=5).state.storage.tables.max_rows == 5
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert Pair().state.storage.tables.max_rows == physical // 24 > 1 << 26
+
+
+# -- gathers from mapped files hint the kernel while they fault pages in
+
+
+class _Mapping:
+    """Records the madvise calls a gather makes (the array's real mapping stays unhinted)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def madvise(self, option, start=0, length=0):
+        self.calls.append((start, length))
+
+
+class _Column(np.ndarray):
+    _mmap = None
+
+
+def test_a_gather_hints_its_rows_while_gathers_are_slow_and_stops_when_they_are_fast():
+    readahead = sys.modules["_tables_engine_under_test.readahead"]
+    column = np.arange(40 * 4096, dtype=np.uint8).reshape(40, 4096).view(_Column)
+    column._mmap = mapping = _Mapping()
+    now = [0.0]
+    slow = [True]
+
+    def clock():  # each gather "takes" 1 s (slow) or nothing (fast)
+        now[0] += 0.5 if slow[0] else 0.0
+        return now[0]
+
+    reads = readahead.ReadAhead(clock)
+    out = np.empty((4, 4096), np.uint8)
+    slots = np.array([7, 3, 4, 30])
+    reads.gather(column, slots, out)
+    assert (out == column[slots]).all() and mapping.calls == [] and reads.hinting
+    reads.gather(column, slots, out)  # one call per run of consecutive rows: 3-4, 7, 30
+    assert mapping.calls == [(3 * 4096, 2 * 4096), (7 * 4096, 4096), (30 * 4096, 4096)]
+    for _ in range(14):
+        reads.gather(column, slots, out)
+    mapping.calls.clear()
+    reads.gather(column, slots, out)  # the 16th: a probe without hints, still slow
+    assert mapping.calls == [] and reads.hinting and reads.probe == 32
+    slow[0] = False
+    for _ in range(31):
+        reads.gather(column, slots, out)
+    reads.gather(column, slots, out)  # a fast probe: hints off
+    assert not reads.hinting
+    mapping.calls.clear()
+    reads.gather(column, slots, out)
+    assert mapping.calls == [] and (out == column[slots]).all()

@@ -25,6 +25,7 @@ import numpy as np
 from tensorshare.disk.tables import table_metadata
 
 from .columns import ColumnSpec
+from .readahead import ReadAhead, random_access
 
 
 class Backing(Protocol):
@@ -75,9 +76,9 @@ class MemmapBacking:
         self.keep = keep
         self.reopen = reopen
         self.paths: list[str] = []
+        self._reads = ReadAhead()  # rows gathered at the disk's speed (.readahead)
 
     item_slots = MemoryBacking.item_slots  # items are never in files
-    gather = MemoryBacking.gather
 
     def path(self, column: str) -> str:
         return os.path.join(self.directory, f"{column}.memmap")
@@ -89,8 +90,12 @@ class MemmapBacking:
         os.makedirs(self.directory, exist_ok=True)
         path = self.path(spec.name)
         array = _mapped(path, np.uint8, shape, create=not self.reopen)
+        random_access(array)
         self.paths.append(path)
         return array
+
+    def gather(self, column: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
+        self._reads.gather(column, slots, out)
 
     def state_array(self, name: str, dtype, capacity: int, fill) -> np.ndarray:
         """A per-slot state array of the table (keys, priorities, sample counts) in

@@ -1,0 +1,92 @@
+"""Gathers from memory-mapped column files at the disk's speed: the kernel is told
+which rows a gather is about to read, and only when it helps.
+
+A row of a file-backed column that is not in the page cache faults in on first
+touch.  Measured here (virtio disk with ``read_ahead_kb`` 8192; 256 random rows of
+28,232 bytes from a 2.8 GB column evicted from the page cache, medians of 5):
+
+* a plain gather (``numpy.take``): 998 ms -- each fault reads up to 8 MB around it;
+* with ``MADV_RANDOM`` on the mapping: 178 ms -- no read-around, but one 4 KiB
+  page per fault, one fault at a time;
+* ``MADV_WILLNEED`` on each row's pages, then the gather: 13 ms (550 MB/s) -- the
+  kernel reads every row at once, as 16 threads of ``preadv`` do (12 ms, 588 MB/s;
+  one thread of them: 31 ms);
+* on rows already in the page cache the hints cost 256 ``madvise`` calls (0.96 ms
+  against 0.67 ms for the gather alone).
+
+So a column mapping gets ``MADV_RANDOM`` once, and :class:`ReadAhead` hints a
+gather's rows (one ``madvise`` per run of consecutive slots) while gathers are
+slow, that is, while they fault pages in from the disk: a gather that takes longer
+than rows in memory would turns hinting on; while on, one gather in ``probe``
+goes without hints, and turns them off if it was fast (else ``probe`` doubles, up
+to :data:`MAX_PROBE`).  The kernel's own paths, no threads: the gather runs where
+it did, and waits for the disk in parallel instead of in turn.
+"""
+
+from __future__ import annotations
+
+import mmap
+import time
+
+import numpy as np
+
+PAGE = mmap.PAGESIZE
+MAX_PROBE = 1024
+# A gather slower than this from memory is faulting pages in: a few us a row and a
+# few GB/s (the cached gathers measured here: 2.6 us a row of 28 KB, 0.04 us a row of 64 B).
+SLOW_SECONDS_PER_ROW = 5e-6
+SLOW_SECONDS_PER_BYTE = 1 / 4e9
+
+
+def random_access(array: np.ndarray) -> None:
+    """Tell the kernel the mapping under ``array`` (a ``numpy.memmap``) is read at random."""
+    mapping = getattr(array, "_mmap", None)
+    if mapping is not None and hasattr(mapping, "madvise"):
+        mapping.madvise(mmap.MADV_RANDOM)
+
+
+class ReadAhead:
+    """Gathers rows of mapped columns, hinting the rows first while that pays (see the module docstring)."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.hinting = False
+        self.probe = 16
+        self._since_probe = 0
+
+    def gather(self, column: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
+        mapping = getattr(column, "_mmap", None)
+        probing = False
+        if self.hinting and mapping is not None:
+            self._since_probe += 1
+            probing = self._since_probe >= self.probe
+            if not probing:
+                hint(mapping, slots, column.shape[1])
+        start = self.clock()
+        # mode="clip": the slots are valid, and "raise" would gather into a temporary first
+        np.take(column, slots, axis=0, out=out, mode="clip")
+        if mapping is None or (self.hinting and not probing):
+            return
+        slow = self.clock() - start > slots.size * SLOW_SECONDS_PER_ROW + out.nbytes * SLOW_SECONDS_PER_BYTE
+        if probing:
+            self._since_probe = 0
+            if slow:
+                self.probe = min(2 * self.probe, MAX_PROBE)
+            else:
+                self.hinting, self.probe = False, 16
+        elif slow:
+            self.hinting, self._since_probe = True, 0
+
+
+def hint(mapping: mmap.mmap, slots: np.ndarray, row_bytes: int) -> None:
+    """Ask the kernel to read the rows ``slots`` of a mapped ``[rows, row_bytes]``
+    column now (``MADV_WILLNEED``), one call per run of consecutive slots."""
+    if not row_bytes or not slots.size:
+        return
+    rows = np.unique(slots)
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    firsts = rows[np.concatenate(([0], breaks))] * row_bytes
+    stops = (rows[np.concatenate((breaks - 1, [rows.size - 1]))] + 1) * row_bytes
+    for first, stop in zip(firsts.tolist(), stops.tolist()):
+        aligned = first - first % PAGE
+        mapping.madvise(mmap.MADV_WILLNEED, aligned, stop - aligned)
