@@ -827,7 +827,8 @@ def test_memmap_files_are_tensordicts_layout(tmp_path):
                                     "r": r}).keys.tolist()
     assert sorted(os.listdir(directory)) == ["_slots", "obs.memmap", "r.memmap", "w.memmap"]
     assert sorted(os.listdir(os.path.join(directory, "_slots"))) == ["flags.bin", "key.bin", "priority.bin",
-                                                                     "times_sampled.bin"]
+                                                                     "times_sampled.bin", "tree_count.bin",
+                                                                     "tree_oldest.bin"]
     assert os.path.getsize(os.path.join(directory, "obs.memmap")) == 10 * 6
     raw = np.fromfile(os.path.join(directory, "r.memmap"), np.float32)
     assert raw[[0, 3, 6, 9]].tolist() == r.tolist() and raw[[1, 2]].tolist() == [0.0, 0.0]

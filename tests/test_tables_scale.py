@@ -292,3 +292,36 @@ def test_a_gather_hints_its_rows_while_gathers_are_slow_and_stops_when_they_are_
     mapping.calls.clear()
     reads.gather(column, slots, out)
     assert mapping.calls == [] and (out == column[slots]).all()
+
+
+def test_a_table_shut_cleanly_reopens_with_its_trees_and_one_killed_rebuilds_them(tmp_path, monkeypatch):
+    directory = str(tmp_path / "t")
+
+    def table(reopen=False):
+        return Table(40, {"x": ((), "int64")}, sampler="prioritized", priority_exponent=0.5,
+                     remover="lowest_priority", max_times_sampled=3, rng=1,
+                     backing=tables.MemmapBacking(directory, keep=True, reopen=reopen))
+
+    rebuilt = []
+    restore = Table._restore
+    monkeypatch.setattr(Table, "_restore", lambda self: rebuilt.append(1) or restore(self))
+    t = table()
+    episodes(t, [7, 30, 12])
+    t.update_priorities(t.sample(9).keys, np.linspace(0.5, 4, 9))
+    before = (t.size, t._slots.next_seq, t.samples_allowed(), t.slots()["keys"].tolist())
+    t.shut()
+    del t
+    again = table(reopen=True)
+    assert rebuilt == [] and not os.path.exists(os.path.join(directory, "_slots", "shut.json"))
+    assert (again.size, again._slots.next_seq, again.samples_allowed(), again.slots()["keys"].tolist()) == before
+    for index in again._indexes:  # the trees as they were are the trees the rows make
+        kept = index.tree.tree.copy()
+        index.tree.rebuild()
+        assert np.array_equal(kept, index.tree.tree)
+    kept = again._slots.count.tree.copy()
+    again._slots.count.rebuild()
+    assert np.array_equal(kept, again._slots.count.tree)
+    again.insert(scalars(3, start=500))
+    del again  # killed: no note, so the next start rebuilds
+    third = table(reopen=True)
+    assert rebuilt == [1] and third.size == 40 and 502 in xs(third.read(third.occupied()))

@@ -405,10 +405,16 @@ class TableStore:
         return len(self.by_name), problems
 
     def close(self) -> None:
-        """The server stops: spilled tables' files go (durable ones stay)."""
+        """The server stops: spilled tables' files go; durable ones stay, noted whole
+        (their trees are mapped as they are when the server starts again)."""
         for entry in self.by_name.values():
             if self.data_root is None:
                 entry.table.close()
+            elif entry.directory is not None:
+                try:
+                    entry.table.shut()
+                except OSError as exc:  # (then it is rebuilt from its rows when reopened)
+                    log.warning("could not note table %r's files whole: %s", entry.name, exc)
 
     # -- rows in
 

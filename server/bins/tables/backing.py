@@ -17,6 +17,8 @@ is an ``OSError`` (ENOSPC) the caller turns into a refusal (452).
 
 from __future__ import annotations
 
+import json
+import mmap
 import os
 from typing import Protocol, Sequence
 
@@ -26,6 +28,8 @@ from tensorshare.disk.tables import table_metadata
 
 from .columns import ColumnSpec
 from .readahead import ReadAhead, random_access
+
+SHUT_NOTE = "shut.json"  # in _slots/: the table's files are whole (a clean stop), and its counts
 
 
 class Backing(Protocol):
@@ -77,6 +81,8 @@ class MemmapBacking:
         self.reopen = reopen
         self.paths: list[str] = []
         self._reads = ReadAhead()  # rows gathered at the disk's speed (.readahead)
+        self._mapped: list[np.ndarray] = []
+        self._made_state = False
 
     item_slots = MemoryBacking.item_slots  # items are never in files
 
@@ -92,26 +98,64 @@ class MemmapBacking:
         array = _mapped(path, np.uint8, shape, create=not self.reopen)
         random_access(array)
         self.paths.append(path)
+        self._mapped.append(array)
         return array
 
     def gather(self, column: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
         self._reads.gather(column, slots, out)
 
-    def state_array(self, name: str, dtype, capacity: int, fill) -> np.ndarray:
-        """A per-slot state array of the table (keys, priorities, sample counts) in
-        ``<directory>/_slots/<name>.bin``, so that a reopened table finds its rows
-        (tensordict's ``load_memmap`` ignores the directory)."""
+    def state_array(self, name: str, dtype, length: int, fill) -> np.ndarray:
+        """An array of the table's state (per-slot keys, priorities, sample counts and
+        flags; its trees) in ``<directory>/_slots/<name>.bin``, so that a reopened
+        table finds its rows (tensordict's ``load_memmap`` ignores the directory)."""
         directory = os.path.join(self.directory, "_slots")
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"{name}.bin")
         if self.reopen and os.path.exists(path):
-            _widened_before(path, dtype, capacity)
-            array = _mapped(path, dtype, (capacity,), create=False)
+            _widened_before(path, dtype, length)
+            array = _mapped(path, dtype, (length,), create=False)
+            if name.startswith("tree"):  # (a byte a row or less, each sample walks it: read it in now)
+                array._mmap.madvise(mmap.MADV_WILLNEED)
         else:
-            array = _mapped(path, dtype, (capacity,), create=True)
+            array = _mapped(path, dtype, (length,), create=True)
             array[:] = fill
+            self._made_state = True  # (a note of a clean stop says nothing of a new file)
+        if not name.startswith("tree"):  # rows' state is read at random: no read-around per fault
+            random_access(array)
         self.paths.append(path)
+        self._mapped.append(array)
         return array
+
+    def take_shut(self) -> dict | None:
+        """What :meth:`note_shut` noted when the table's server stopped cleanly, if it
+        did since the files last changed; the note is gone once taken (and so it
+        is from the disk: a table changed after this may be killed at any moment)."""
+        path = os.path.join(self.directory, "_slots", SHUT_NOTE)
+        if not self.reopen or not os.path.exists(path):
+            return None
+        try:
+            with open(path) as f:
+                note = json.load(f)
+        except (OSError, ValueError):
+            note = None
+        os.unlink(path)
+        _sync_directory(os.path.dirname(path))
+        return note if isinstance(note, dict) and not self._made_state else None
+
+    def note_shut(self, note: dict) -> None:
+        """Every mapping is flushed to the files, then ``note`` is written: the files
+        are whole and need no rebuilding when reopened (:meth:`take_shut`)."""
+        for array in self._mapped:
+            if isinstance(array, np.memmap):
+                array.flush()
+        directory = os.path.join(self.directory, "_slots")
+        tmp = os.path.join(directory, SHUT_NOTE + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(note, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(directory, SHUT_NOTE))
+        _sync_directory(directory)
 
     def close(self) -> None:
         if not self.keep:
@@ -125,6 +169,15 @@ class MemmapBacking:
             except OSError:
                 pass
         self.paths = []
+        self._mapped = []
+
+
+def _sync_directory(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _widened_before(path: str, dtype, capacity: int) -> None:

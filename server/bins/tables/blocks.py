@@ -44,10 +44,27 @@ class Blocks:
         return np.minimum(slots, self.capacity - 1), valid
 
     def chunks(self):
-        """``(first block, stop block)`` pieces of every block, CHUNK slots at a time."""
+        """``(first block, stop block, slots)`` pieces of every block, CHUNK slots at a
+        time; ``slots`` is the slice of the slots in them (the last may be short)."""
         per = max(1, CHUNK // self.block)
         for first in range(0, self.nblocks, per):
-            yield first, min(first + per, self.nblocks)
+            stop = min(first + per, self.nblocks)
+            yield first, stop, slice(first * self.block, min(stop * self.block, self.capacity))
+
+    def by_block(self, values: np.ndarray, first: int, stop: int, fill) -> np.ndarray:
+        """``values`` of the slots of blocks ``first`` to ``stop`` as ``[blocks, block]``,
+        ``fill`` past the capacity."""
+        if values.size == (stop - first) * self.block:
+            return values.reshape(-1, self.block)
+        whole = np.full((stop - first) * self.block, fill, values.dtype)
+        whole[:values.size] = values
+        return whole.reshape(-1, self.block)
+
+
+def in_memory(name: str, dtype, length: int, fill) -> np.ndarray:
+    """A table's arrays where it keeps them by default: new memory (see ``Table``'s
+    ``arrays``: a durable table keeps them in files)."""
+    return np.full(length, fill, dtype)
 
 
 def update_ancestors(nodes: np.ndarray, batch, one) -> None:

@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from .blocks import Blocks, build_levels, update_ancestors
+from .blocks import Blocks, build_levels, in_memory, update_ancestors
 
 INT_EMPTY = np.iinfo(np.int64).max
 BLOCK = 32  # slots under a leaf: the tree costs half a byte a row
@@ -27,16 +27,18 @@ class MinTree:
     """The slots of a table ordered by ``(value, tie)``, smallest first."""
 
     def __init__(self, capacity: int, order: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], empty,
-                 block: int = BLOCK, order_one: Callable[[int], tuple] | None = None):
+                 block: int = BLOCK, order_one: Callable[[int], tuple] | None = None, arrays=in_memory,
+                 name: str = "tree_min", distinct: bool = False):
         self.capacity = capacity
         self.order = order  # slots -> (values, ties), ``empty`` values for empty slots
         # one slot that holds a row -> (value, tie) as Python numbers: the few nodes near
         # the root are compared one at a time, where numpy's per-call cost would dominate
         self.order_one = order_one or (lambda slot: tuple(a[0] for a in order(np.array([slot], np.int64))))
         self.empty = empty
+        self.distinct = distinct  # the values of rows are never equal (then ties never matter)
         self.layout = Blocks(capacity, block)
         self.leaves = self.layout.leaves
-        self.tree = np.full(2 * self.leaves, -1, np.int64)
+        self.tree = arrays(name, np.int64, 2 * self.leaves, -1)
 
     @staticmethod
     def bytes_for(capacity: int, block: int = BLOCK) -> int:
@@ -71,8 +73,12 @@ class MinTree:
     def rebuild(self) -> None:
         layout, tree = self.layout, self.tree
         tree[:] = -1
-        for first, stop in layout.chunks():
-            tree[layout.leaves + first:layout.leaves + stop] = self._block_best(np.arange(first, stop, dtype=np.int64))
+        for first, stop, slots in layout.chunks():
+            values, ties = self.order(slots)
+            values = layout.by_block(values, first, stop, self.empty)
+            ties = layout.by_block(ties, first, stop, INT_EMPTY)
+            tree[layout.leaves + first:layout.leaves + stop] = self._best(
+                values, ties, np.arange(first, stop, dtype=np.int64)[:, None] * layout.block + layout._offsets)
         build_levels(tree, layout.leaves, self._pick)
 
     def smallest(self, k: int) -> np.ndarray:
@@ -123,8 +129,15 @@ class MinTree:
         """The smallest slot of each of ``blocks`` (-1: all empty)."""
         slots, valid = self.layout.slots_in(blocks)
         values, ties = self.order(slots)
-        values = np.where(valid, values, self.empty)
+        return self._best(np.where(valid, values, self.empty), ties, slots)
+
+    def _best(self, values: np.ndarray, ties: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Per row of ``[blocks, block]`` values, ties and slots: the smallest slot (-1: none)."""
+        rows = np.arange(slots.shape[0])
+        if self.distinct:  # no two rows share a value (keys): the smallest value decides
+            at = values.argmin(axis=1)
+            return np.where(values[rows, at] == self.empty, -1, slots[rows, at])
         low = values.min(axis=1)
         ties = np.where(values == low[:, None], ties, INT_EMPTY)
-        best = slots[np.arange(slots.shape[0]), ties.argmin(axis=1)]
+        best = slots[rows, ties.argmin(axis=1)]
         return np.where(low == self.empty, -1, best)

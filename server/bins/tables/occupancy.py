@@ -15,7 +15,7 @@ from typing import Callable
 
 import numpy as np
 
-from .blocks import Blocks, build_levels, update_ancestors
+from .blocks import Blocks, build_levels, in_memory, update_ancestors
 
 BLOCK = 64
 
@@ -24,11 +24,12 @@ class CountTree:
     """The number of live slots of ``capacity``, under every node; ``live(slots)``
     says which slots hold a row."""
 
-    def __init__(self, capacity: int, live: Callable[[np.ndarray], np.ndarray], block: int = BLOCK):
+    def __init__(self, capacity: int, live: Callable[[np.ndarray], np.ndarray], block: int = BLOCK,
+                 arrays=in_memory, name: str = "tree_count"):
         self.capacity = capacity
         self.live = live
         self.layout = Blocks(capacity, block)
-        self.tree = np.zeros(2 * self.layout.leaves, np.int64)
+        self.tree = arrays(name, np.int64, 2 * self.layout.leaves, 0)
 
     @staticmethod
     def bytes_for(capacity: int, block: int = BLOCK) -> int:
@@ -56,8 +57,9 @@ class CountTree:
     def rebuild(self) -> None:
         layout, tree = self.layout, self.tree
         tree[:] = 0
-        for first, stop in layout.chunks():
-            tree[layout.leaves + first:layout.leaves + stop] = self._counts(np.arange(first, stop, dtype=np.int64))
+        for first, stop, slots in layout.chunks():
+            tree[layout.leaves + first:layout.leaves + stop] = np.count_nonzero(
+                layout.by_block(self.live(slots), first, stop, False), axis=1)
         build_levels(tree, layout.leaves, np.add)
 
     def find(self, ranks: np.ndarray, free: bool = False) -> np.ndarray:

@@ -27,6 +27,7 @@ from numbers import Real
 import numpy as np
 
 from .errors import PriorityError, TableSpecError
+from .blocks import in_memory
 from .mintree import INT_EMPTY, MinTree
 from .slots import Slots
 from .sumtree import SumTree
@@ -55,17 +56,17 @@ class OrderIndex(_Index):
     """The rows in one order, kept in a :class:`MinTree`: ``"oldest"`` first,
     ``"newest"`` first, or ``"lowest_priority"`` first (then oldest)."""
 
-    def __init__(self, slots: Slots, by: str):
+    def __init__(self, slots: Slots, by: str, arrays=in_memory):
         self.slots = slots
         self.by = by
         key, priority = slots.key, slots.priority
         if by == "lowest_priority":
-            self.tree = MinTree(slots.capacity, self._by_priority, np.inf,
-                                order_one=lambda slot: (float(priority[slot]), int(key[slot])))
-        elif by == "oldest":
-            self.tree = MinTree(slots.capacity, self._by_age, INT_EMPTY, order_one=lambda slot: int(key[slot]))
+            order, empty, one = self._by_priority, np.inf, lambda slot: (float(priority[slot]), int(key[slot]))
         else:
-            self.tree = MinTree(slots.capacity, self._by_age, INT_EMPTY, order_one=lambda slot: -int(key[slot]))
+            order, empty = self._by_age, INT_EMPTY
+            one = (lambda slot: int(key[slot])) if by == "oldest" else (lambda slot: -int(key[slot]))
+        self.tree = MinTree(slots.capacity, order, empty, order_one=one, arrays=arrays, name=f"tree_{by}",
+                            distinct=by != "lowest_priority")
 
     def _by_age(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         keys = self.slots.key[slots]
@@ -130,11 +131,11 @@ class UniformSampler(_Index):
 class PrioritizedSampler(UniformSampler):
     name = "prioritized"
 
-    def __init__(self, slots: Slots, exponent: float, stratified: bool = False):
+    def __init__(self, slots: Slots, exponent: float, stratified: bool = False, arrays=in_memory):
         super().__init__(slots)
         self.exponent = exponent
         self.stratified = stratified
-        self.tree = SumTree(slots.capacity, self._slot_weights)
+        self.tree = SumTree(slots.capacity, self._slot_weights, arrays=arrays)
 
     def weights(self, priorities: np.ndarray) -> np.ndarray:
         e = self.exponent
@@ -218,8 +219,9 @@ def index_bytes(capacity: int, sampler: str, remover: str | None) -> int:
 
 
 def build(slots: Slots, sampler: str, remover: str | None, priority_exponent: float,
-          stratified: bool) -> tuple[object, Remover | None, list[_Index]]:
-    """The sampler and remover named, and every index the table must keep in step."""
+          stratified: bool, arrays=in_memory) -> tuple[object, Remover | None, list[_Index]]:
+    """The sampler and remover named, and every index the table must keep in step
+    (their trees' arrays made by ``arrays``, as :class:`~.slots.Slots`' are)."""
     if sampler not in SAMPLERS:
         raise TableSpecError(f"unknown sampler {sampler!r} (one of {', '.join(SAMPLERS)})")
     if remover is not None and remover not in REMOVERS:
@@ -230,23 +232,23 @@ def build(slots: Slots, sampler: str, remover: str | None, priority_exponent: fl
     indexes: list[_Index] = []
     oldest = None
     if sampler == "fifo" or remover == "fifo":
-        oldest = OrderIndex(slots, "oldest")
+        oldest = OrderIndex(slots, "oldest", arrays)
         indexes.append(oldest)
     if sampler == "uniform":
         chosen = UniformSampler(slots)
     elif sampler == "prioritized":
-        chosen = PrioritizedSampler(slots, float(priority_exponent), stratified)
+        chosen = PrioritizedSampler(slots, float(priority_exponent), stratified, arrays)
         indexes.append(chosen)
     elif sampler == "fifo":
         chosen = OrderedSampler("fifo", oldest)
     else:
-        newest = OrderIndex(slots, "newest")
+        newest = OrderIndex(slots, "newest", arrays)
         indexes.append(newest)
         chosen = OrderedSampler("lifo", newest)
     if remover is None:
         return chosen, None, indexes
     if remover == "fifo":
         return chosen, Remover("fifo", oldest), indexes
-    lowest = OrderIndex(slots, "lowest_priority")
+    lowest = OrderIndex(slots, "lowest_priority", arrays)
     indexes.append(lowest)
     return chosen, Remover("lowest_priority", lowest), indexes

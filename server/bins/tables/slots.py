@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import BadArgumentError, SlotIndexError, TableFullError
+from .blocks import in_memory
 from .occupancy import CountTree
 
 KEY_LIMIT = np.iinfo(np.int64).max
@@ -37,21 +38,20 @@ STATE = {"key": (np.int64, -1), "priority": (np.float64, 0.0), "times_sampled": 
 
 
 class Slots:
-    """Occupancy and per-row state of ``capacity`` slots; ``arrays`` (name -> array of
-    ``capacity``, as :data:`STATE` names them): where the state lives (files, for a
-    durable table), else new arrays in memory."""
+    """Occupancy and per-row state of ``capacity`` slots; ``arrays(name, dtype, length,
+    fill)`` makes the arrays :data:`STATE` names and the count tree's (in memory, or in
+    files for a durable table)."""
 
     BYTES_PER_SLOT = sum(np.dtype(dtype).itemsize for dtype, _ in STATE.values())
 
-    def __init__(self, capacity: int, arrays: dict | None = None):
+    def __init__(self, capacity: int, arrays=in_memory):
         self.capacity = capacity
-        if arrays is None:
-            arrays = {name: np.full(capacity, fill, dtype) for name, (dtype, fill) in STATE.items()}
-        self.key = arrays["key"]
-        self.priority = arrays["priority"]
-        self.times_sampled = arrays["times_sampled"]
-        self.flags = arrays["flags"]
-        self.count = CountTree(capacity, self.live)
+        state = {name: arrays(name, dtype, capacity, fill) for name, (dtype, fill) in STATE.items()}
+        self.key = state["key"]
+        self.priority = state["priority"]
+        self.times_sampled = state["times_sampled"]
+        self.flags = state["flags"]
+        self.count = CountTree(capacity, self.live, arrays=arrays)
         self.size = 0
         self.next_seq = 0  # seq of the next row
         self._max_seq = (KEY_LIMIT - (capacity - 1)) // capacity  # past it a key would overflow int64

@@ -15,7 +15,7 @@ from typing import Callable
 
 import numpy as np
 
-from .blocks import Blocks, build_levels, update_ancestors
+from .blocks import Blocks, build_levels, in_memory, update_ancestors
 
 BLOCK = 16  # slots a leaf sums: a recomputed block costs 16 weights, the tree 1 byte a row
 
@@ -23,12 +23,13 @@ BLOCK = 16  # slots a leaf sums: a recomputed block costs 16 weights, the tree 1
 class SumTree:
     """Non-negative weights of ``capacity`` slots, their total, and search by prefix sum."""
 
-    def __init__(self, capacity: int, weights: Callable[[np.ndarray], np.ndarray], block: int = BLOCK):
+    def __init__(self, capacity: int, weights: Callable[[np.ndarray], np.ndarray], block: int = BLOCK,
+                 arrays=in_memory, name: str = "tree_sum"):
         self.capacity = capacity
-        self.weights = weights  # slots (int64, any shape) -> their float64 weights, same shape
+        self.weights = weights  # slots (int64, any shape, or a slice) -> their float64 weights, same shape
         self.layout = Blocks(capacity, block)
         self.leaves = self.layout.leaves
-        self.tree = np.zeros(2 * self.leaves, np.float64)
+        self.tree = arrays(name, np.float64, 2 * self.leaves, 0.0)
         # The largest weight a slot may hold: every sum in the tree (each rounded up at
         # most half an ulp per level) then stays below the float maximum, so the total
         # is finite and a target never lands on a slot by overflow.
@@ -66,9 +67,9 @@ class SumTree:
         """Every sum from the weights of every slot (a table reopened from its files)."""
         layout, tree = self.layout, self.tree
         tree[:] = 0.0
-        for first, stop in layout.chunks():
-            blocks = np.arange(first, stop, dtype=np.int64)
-            tree[layout.leaves + first:layout.leaves + stop] = self._block_sums(blocks)
+        for first, stop, slots in layout.chunks():  # (a slice of slots: views, no index arrays)
+            tree[layout.leaves + first:layout.leaves + stop] = layout.by_block(self.weights(slots), first, stop,
+                                                                               0.0).sum(axis=1)
         build_levels(tree, layout.leaves, np.add)
 
     def find(self, targets: np.ndarray) -> np.ndarray:

@@ -34,7 +34,8 @@ from . import picks, sequences
 from .ratelimiter import RateLimiter
 from .rows import EMPTY, Removed, Rows, Sample, Written, out_buffers
 from .selectors import build, index_bytes
-from .slots import STATE, Slots, flags_of, int_array
+from .blocks import in_memory
+from .slots import Slots, flags_of, int_array
 
 MAX_CAPACITY = 1 << 40  # leaves keys 2**23 rows of history at the largest capacity
 _UNCHANGED: Any = object()
@@ -56,11 +57,12 @@ class Table:
         self.columns: tuple[ColumnSpec, ...] = parse_columns(columns)
         self.max_times_sampled = int(max_times_sampled)
         self._backing = backing if backing is not None else MemoryBacking()
-        state_array = getattr(self._backing, "state_array", None)  # per-slot state in files: a reopened table finds its rows
-        self._slots = Slots(self.capacity, None if state_array is None else
-                            {name: state_array(name, dtype, self.capacity, fill) for name, (dtype, fill) in STATE.items()})
+        # per-slot state and trees in files (a durable table): a reopened table finds its rows
+        state_array = getattr(self._backing, "state_array", None)
+        arrays = in_memory if state_array is None else state_array
+        self._slots = Slots(self.capacity, arrays)
         self._sampler, self._remover, self._indexes = build(self._slots, sampler, remover, priority_exponent,
-                                                            bool(stratified))
+                                                            bool(stratified), arrays)
         self._priority_exponent = float(priority_exponent)
         self._limiter = RateLimiter(min_size_to_sample, samples_per_insert, error_buffer)
         if min_size_to_sample > self.capacity:
@@ -74,8 +76,10 @@ class Table:
         self.removals = 0  # rows that left (removed to make room, overwritten, sampled out, removed)
         self.version = 0
         self._allowance = 0  # with max_times_sampled: samples the rows held may still give
-        if state_array is not None:
-            self._restore()
+        if state_array is not None and self._backing.reopen:
+            shut = self._backing.take_shut()
+            if shut is None or not self._reopen(shut):
+                self._restore()
 
     # -- state
 
@@ -440,7 +444,30 @@ class Table:
         self._data = []
         self._backing.close()
 
+    def shut(self) -> None:
+        """The server stops: a table in files that stay notes that they are whole
+        (every mapping flushed), so that reopening them maps its trees as they are
+        instead of rebuilding them from every row (:meth:`_reopen`)."""
+        note = getattr(self._backing, "note_shut", None)
+        if note is not None:
+            state = self._slots
+            note({"capacity": self.capacity, "size": state.size, "next_seq": state.next_seq,
+                  "allowance": self._allowance})
+
     # -- internals
+
+    def _reopen(self, shut: dict) -> bool:
+        """Take the counts a clean :meth:`shut` noted, with the trees as its files hold
+        them: nothing is read but what a sample touches.  False for a note of another
+        table."""
+        if shut.get("capacity") != self.capacity:
+            return False
+        state = self._slots
+        state.size, state.next_seq = int(shut["size"]), int(shut["next_seq"])
+        self._allowance = int(shut["allowance"])
+        self.inserts = state.size
+        self.set_limits()
+        return True
 
     def _restore(self) -> None:
         """Take the rows the per-slot state names (a table reopened from its files):
