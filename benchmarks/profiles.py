@@ -82,6 +82,14 @@ class Profile:
     tables_actor_capacity: int = 10_000
     tables_run_s: float = 2.0
     tables_runs: int = 3
+    # 14. scale: tables of 10^7-10^8 rows, larger than RAM, sequences (issue #41)
+    big_rows: int = 10_000_000         # rows of 64 B in the large table (the goals are stated at 10^8: full)
+    big_side_rows: int = 10_000_000    # rows of the side-by-side run with TorchRL in process
+    big_ram_table_bytes: int = 2 << 30  # the table larger than RAM (0: twice the machine's memory, if the disk has it)
+    big_reps: int = 30
+    big_writers: int = 8
+    big_run_s: float = 2.0
+    big_dir: str = ""                  # where the scratch directory goes ("": the system's temporary directory)
     # 4. scaling over --workers (issue #32): the most clients of scale_clients against each count
     scale_workers: tuple[int, ...] = (1, 2, 4)
     # 13. a busy host: CPU-bound processes on every core while small ops and a large put run
@@ -103,7 +111,7 @@ class Profile:
 
 
 QUICK = Profile(
-    name="quick", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "actors", "ops", "multihost", "tables", "versions", "busy", "gpu"), time_limit_s=1800, warmup=1,
+    name="quick", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "actors", "ops", "multihost", "tables", "scale", "versions", "busy", "gpu"), time_limit_s=1800, warmup=1,
     wire_tensor_bytes=64 * MiB, wire_reps=3, statedict_tensors=100, statedict_shape=(256, 256),
     large_sizes=(1 * MiB, 16 * MiB, 256 * MiB), large_reps=9, large_reps_big=3, large_reps_small=30,
     client_timeout_s=120,
@@ -117,7 +125,7 @@ QUICK = Profile(
 )
 
 FULL = Profile(
-    name="full", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "actors", "ops", "multihost", "tables", "versions", "busy", "gpu"), time_limit_s=3600, warmup=1,
+    name="full", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "actors", "ops", "multihost", "tables", "scale", "versions", "busy", "gpu"), time_limit_s=5400, warmup=1,
     wire_tensor_bytes=256 * MiB, wire_reps=5, statedict_tensors=100, statedict_shape=(256, 256),
     large_sizes=(1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB), large_reps=7, large_reps_big=5,
     large_reps_small=50,
@@ -132,10 +140,11 @@ FULL = Profile(
     zc_bytes=1024 * MiB, zc_reps=5, al_run_s=10.0, al_runs=3, scale_workers=(1, 2, 4, 8, 16),
     busy_small_ops=2500, busy_runs=9, busy_put_reps=7,
     mh_fan_bytes=64 * MiB, mh_reps=5, mh_roll_run_s=4.0,
+    big_rows=100_000_000, big_ram_table_bytes=0, big_reps=50, big_run_s=4.0,
 )
 
 SMOKE = Profile(
-    name="smoke", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "ops", "multihost", "tables", "versions", "busy", "gpu"), time_limit_s=240, warmup=1,
+    name="smoke", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "ops", "multihost", "tables", "scale", "versions", "busy", "gpu"), time_limit_s=240, warmup=1,
     wire_tensor_bytes=1 * MiB, wire_reps=1, statedict_tensors=4, statedict_shape=(16, 16),
     large_sizes=(64 << 10,), large_reps=1, large_reps_big=1, large_reps_small=1, client_timeout_s=30,
     small_ops=20, small_runs=1, pipelined_ops=200, pipelined_runs=1, async_window=16,
@@ -152,6 +161,7 @@ SMOKE = Profile(
     versions_workers=2, versions_tensors=10, versions_tensor_elems=1 << 12, versions_reps=2,
     scale_workers=(1, 2), busy_hogs=2, busy_small_ops=20, busy_runs=1, busy_put_bytes=4 * MiB, busy_put_reps=1,
     gpu_bytes=64 * MiB, gpu_tensors=8, gpu_reps=1,
+    big_rows=20_000, big_side_rows=20_000, big_ram_table_bytes=8 * MiB, big_reps=2, big_writers=2, big_run_s=0.3,
 )
 
 # Issue #32's many-core run (scripts/gpu_check.sh runs it on a 16-core machine): 14 client

@@ -15,6 +15,7 @@ import time
 from . import actor_learner, busy_bench, client_bench, disk_bench, machine, multihost_bench, rl_bench, small_ops, scaling, wire_bench, zerocopy_bench
 from . import ops_bench
 from . import tables_bench
+from . import scale_bench
 from . import versions_bench
 from . import gpu_bench
 from .baselines import RedisPeer, TCPStorePeer
@@ -34,6 +35,7 @@ SECTIONS = {
     "ops": ops_bench.run,
     "multihost": multihost_bench.run,
     "tables": tables_bench.run,
+    "scale": scale_bench.run,
     "versions": versions_bench.run,
     "busy": busy_bench.run,
     "gpu": gpu_bench.run,

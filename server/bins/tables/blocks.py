@@ -34,7 +34,7 @@ class Blocks:
 
     def blocks_of(self, slots: np.ndarray) -> np.ndarray:
         """The distinct blocks of ``slots``, sorted."""
-        return np.unique(np.asarray(slots, np.int64) // self.block)
+        return distinct(np.asarray(slots, np.int64).reshape(-1) // self.block)
 
     def slots_in(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(slots, valid)``, both ``[len(blocks), block]``: every slot of each block
@@ -67,14 +67,26 @@ def in_memory(name: str, dtype, length: int, fill) -> np.ndarray:
     return np.full(length, fill, dtype)
 
 
+def distinct(values: np.ndarray) -> np.ndarray:
+    """The distinct ``values``, sorted; without a sort when they come sorted (an
+    insert's slots mostly do: ``numpy.unique`` took 0.4 ms for 16,384 of them)."""
+    if values.size > 1 and not (values[1:] >= values[:-1]).all():
+        values = np.sort(values)
+    keep = np.empty(values.size, bool)
+    if values.size:
+        keep[0] = True
+        np.not_equal(values[1:], values[:-1], out=keep[1:])
+    return values[keep]
+
+
 def update_ancestors(nodes: np.ndarray, batch, one) -> None:
-    """Recompute the distinct ancestors of leaf ``nodes``, a level at a time from their
+    """Recompute the distinct ancestors of leaf ``nodes`` (sorted, distinct), a level at a time from their
     parents up to the root: ``batch(level)`` (an int64 array) while a level holds more
     than ``SCALAR_MAX`` nodes, one numpy operation per step for the level; then
     ``one(node)`` for each node, where numpy's per-call cost would dominate.  A batch
     of neighbouring slots (an insert's) meets in a few levels, so most levels of a
     tree are a node or two."""
-    level = np.unique(nodes)
+    level = nodes
     while level.size > SCALAR_MAX and level[0] > 1:
         level >>= 1
         # nodes stay sorted as they are halved: dropping repeats needs no sort

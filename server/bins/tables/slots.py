@@ -160,13 +160,15 @@ class Slots:
         their seqs are used."""
         self.next_seq += n
 
-    def vacate(self, slots: np.ndarray) -> None:
+    def vacate(self, slots: np.ndarray, recount: bool = True) -> None:
         """Take the occupied ``slots`` (distinct) out of the occupied set; their keys,
-        priorities and counts stay readable until :meth:`forget`."""
+        priorities and counts stay readable until :meth:`forget`.  ``recount`` False:
+        :meth:`fill` gives them rows before anything is drawn, and recounts them."""
         if slots.size:
             self.flags[slots] &= ~LIVE
             self.size -= slots.size
-            self.count.changed(slots)
+            if recount:
+                self.count.changed(slots)
 
     def forget(self, slots: np.ndarray) -> None:
         """Clear the state of vacated ``slots``."""

@@ -237,7 +237,8 @@ class Table:
         slots = self._slots.free(min(n - dropped, room))
         if n - dropped > room:
             victims = self._remover.victims(n - dropped - room)
-            removed = self._remove(victims)
+            # (their slots are filled at once: the trees are redone once, for the new rows)
+            removed = self._remove(victims, reindex=False)
             # free slots first, then those just freed: a fifo table fills as a ring buffer
             slots = np.concatenate((slots, victims))
         else:
@@ -521,7 +522,7 @@ class Table:
 
     def _priorities(self, priorities, n: int) -> np.ndarray:
         if priorities is None:
-            return np.ones(n)
+            return np.ones(n)  # (1.0 is every sampler's to take)
         try:
             p = np.asarray(priorities, np.float64).reshape(-1)
         except (TypeError, ValueError) as exc:
@@ -555,18 +556,20 @@ class Table:
         self.version += 1
         return keys
 
-    def _remove(self, slots: np.ndarray) -> Removed:
-        """Take the occupied ``slots`` (distinct) out of the table."""
+    def _remove(self, slots: np.ndarray, reindex: bool = True) -> Removed:
+        """Take the occupied ``slots`` (distinct) out of the table (``reindex`` False:
+        new rows fill them before anything is drawn, and the indexes hear of those)."""
         keys = self._slots.key[slots]
-        self._unlink(slots)
+        self._unlink(slots, reindex)
         return Removed(keys, self._forget(slots))
 
-    def _unlink(self, slots: np.ndarray) -> None:
+    def _unlink(self, slots: np.ndarray, reindex: bool = True) -> None:
         """Out of the occupied set and every index: no sampler or remover sees them."""
         if slots.size:
-            self._slots.vacate(slots)
-            for index in self._indexes:
-                index.removed(slots)
+            self._slots.vacate(slots, reindex)
+            if reindex:
+                for index in self._indexes:
+                    index.removed(slots)
 
     def _forget(self, slots: np.ndarray) -> list | None:
         """Clear unlinked ``slots``; returns their items (for a table of items)."""

@@ -1,0 +1,434 @@
+"""Section: scale -- tables of 10^7-10^8 rows, tables larger than RAM, sequences (issue #41).
+
+Each part makes its files in one scratch directory on the disk, removed at the end,
+and checks the free disk first (a part that does not fit is shrunk or skipped, and
+says so).  Rows are 64-byte transitions (``obs`` 14 float32 + ``action`` int64),
+but for the table larger than RAM (28,232-byte Atari-like rows).
+
+* **A table of ``big_rows`` rows** (quick: 10^7; full: 10^8, the goals' size) whose
+  columns are files in the spill area and whose per-row state is in memory, under
+  ``--memory-limit`` 2.5 GiB: the server's anonymous RSS; a prioritized sample of
+  256 (server time: round trip less a NOOP's; and the round trip); priority updates
+  in batches of 1,024 (rows/s); 256 sequences of 32 rows; inserts of 1 MiB from
+  ``big_writers`` processes into the full table, beside raw loopback (one stream of
+  1 MiB messages, this run).  Then the same rows in a durable table: seconds from
+  starting the server to its first sample, after a clean stop and after kill -9.
+* **Side by side at ``big_side_rows``** (10^7): TorchRL's ``LazyMemmapStorage`` +
+  ``PrioritizedSampler`` in one process against the table over TCP, sample + update
+  of 256, and the memory of each (its process's, the server's).  Where TorchRL's
+  prioritized sampler cannot be made (its C++ extension does not load against
+  every torch), the table engine in that process stands in, said so.
+* **A table larger than RAM** (full: twice the machine's memory if the disk has the
+  room, else the most it has; quick: ``big_ram_table_bytes``): uniform samples of
+  256 rows from pages not in the page cache (the server restarted after its files
+  were evicted), beside random reads of 256 rows of the same file by 16 threads of
+  ``preadv`` (evicted before each), and the server's anonymous RSS against its
+  ``--memory-limit``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from tensorshare import Client
+
+from .baselines import RawLoopback
+from .procs import Server, _status
+from .profiles import Profile
+from .record import Recorder
+from .stats import Sample, median, time_runs
+
+BATCH, SEQ_LEN, UPDATE = 256, 32, 1024
+EPISODE = 1000  # rows of an episode in the filled tables
+ROW = 64
+GiB = 1 << 30
+DISK_RESERVE = 25 * GiB  # left free for everyone else on the disk
+
+
+def columns() -> dict:
+    return {"obs": ((14,), torch.float32), "action": ((), torch.int64)}
+
+
+def rows(first: int, n: int) -> tuple[dict, torch.Tensor]:
+    ids = torch.arange(first, first + n)
+    return {"obs": ids.view(n, 1).expand(n, 14).float(), "action": ids}, (ids % EPISODE) == EPISODE - 1
+
+
+def run(rec: Recorder, p: Profile, peers) -> None:
+    rec.begin("scale")
+    scratch = tempfile.mkdtemp(prefix="tensorshare-scale-", dir=p.big_dir or None)
+    try:
+        rec.say(f"  scratch directory {scratch}: {_free(scratch) / GiB:.1f} GiB free, "
+                f"{_ram() / GiB:.1f} GiB of memory, load average {os.getloadavg()[0]:.1f}")
+        _big_table(rec, p, scratch)
+        _restart(rec, p, scratch)
+        _side_by_side(rec, p, scratch)
+        _larger_than_ram(rec, p, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+# -- helpers
+
+
+def _free(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _ram() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _anon(server: Server) -> int:
+    return _status(server.pid)["RssAnon"]
+
+
+def _fill(client: Client, name: str, n: int, chunk: int = 1 << 18, priorities: bool = False) -> None:
+    g = torch.Generator().manual_seed(0)
+    for first in range(0, n, chunk):
+        k = min(chunk, n - first)
+        batch, ends = rows(first, k)
+        client.insert(name, batch, torch.rand(k, generator=g) + 0.01 if priorities else None, ends=ends)
+
+
+def _ms(s: float) -> float:
+    return s * 1e3
+
+
+def _label(n: int) -> str:
+    exp = int(round(np.log10(n))) if n > 0 else 0
+    return f"10^{exp}" if 10 ** exp == n else f"{n:,}"
+
+
+# -- 10^8 rows
+
+
+def _big_table(rec: Recorder, p: Profile, scratch: str) -> None:
+    n = p.big_rows
+    need = n * ROW + (1 << 30)
+    if _free(scratch) - need < DISK_RESERVE // 4:
+        rec.skip(f"scale: the table of {_label(n)} rows", f"{need / GiB:.1f} GiB of disk needed")
+        return
+    size = _label(n)
+    limit = max(256 << 20, int(n * 25.6))  # its per-row state (about 22.6 bytes a row) fits, its columns do not
+    server = Server("--memory-limit", str(limit), "--spill-dir", os.path.join(scratch, "spill"))
+    try:
+        with Client("127.0.0.1", server.port, timeout=600, zero_copy=False) as client:
+            client.create_table("big", n, columns(), sampler="prioritized", priority_exponent=0.6, remover="fifo")
+            started = time.perf_counter()
+            _fill(client, "big", n, priorities=True)
+            rec.say(f"  filled {size} rows of {ROW} B in {time.perf_counter() - started:.1f}s")
+            _prioritized(rec, p, client, size)
+            rec.figure("scale.anon_rss", f"server anonymous RSS, a table of {size} rows ({n * ROW / GiB:.1f} GiB "
+                       f"of columns in files, --memory-limit {limit / GiB:.2f} GiB)", Sample.of([_anon(server) / GiB]),
+                       "GiB", better="lower", note=f"VmRSS {_status(server.pid)['VmRSS'] / GiB:.2f} GiB")
+        _writers(rec, p, server.port, size)
+        rec.figure("scale.anon_rss_after_inserts", f"server anonymous RSS after the writers, {size} rows",
+                   Sample.of([_anon(server) / GiB]), "GiB", better="lower")
+    finally:
+        server.stop()
+    if n >= 10 ** 8:
+        rec.goal_value("10^8 rows of 64 B: server anonymous RSS <= 2.5 GiB", "scale.anon_rss", "<=", 2.5)
+        rec.goal_value("10^8 rows: prioritized sample of 256, p50 server time <= 2 ms", "scale.prio_server", "<=", 2.0)
+        rec.goal_value("10^8 rows: prioritized sample of 256, p50 round trip <= 5 ms", "scale.prio_rt", "<=", 5.0)
+        rec.goal_value("10^8 rows: priority updates in batches of 1,024 >= 1 M rows/s", "scale.updates", ">=", 1e6)
+        rec.goal_value("10^8 rows: 256 sequences of 32 steps, p50 <= 10 ms", "scale.sequences", "<=", 10.0)
+        rec.goal_ratio("10^8 rows: inserts from 8 writers >= 0.5x raw loopback", "scale.inserts", "scale.loopback",
+                       ">=", 0.5)
+    else:
+        rec.note(f"the scale goals are stated at 10^8 rows (make bench-full); this run measured {size}")
+
+
+def _prioritized(rec: Recorder, p: Profile, client: Client, size: str) -> None:
+    reps, warm = p.big_reps, p.warmup
+    pings = time_runs(client.ping, reps, warm)
+    noop = median(pings)
+    rec.figure("scale.noop", "a NOOP round trip", Sample.of(pings).map(_ms), "ms", better="lower", baseline=True)
+    times = time_runs(lambda: client.sample("big", BATCH), reps, warm)
+    rec.figure("scale.prio_rt", f"prioritized sample of {BATCH} from {size} rows, round trip",
+               Sample.of(times).map(_ms), "ms", better="lower", vs=["scale.noop"])
+    rec.figure("scale.prio_server", f"prioritized sample of {BATCH} from {size} rows, server time (less a NOOP)",
+               Sample.of([max(t - noop, 0.0) for t in times]).map(_ms), "ms", better="lower")
+    keys: list = []
+    new = torch.rand(UPDATE) + 0.01
+    times = time_runs(lambda: client.update_priorities("big", keys[-1], new), reps, warm,
+                      setup=lambda: keys.append(client.sample("big", UPDATE).keys))
+    rec.figure("scale.updates", f"priority updates in batches of {UPDATE} on {size} rows (round trips)",
+               Sample.of(times).map(lambda t: UPDATE / t), "rows/s")
+    times = time_runs(lambda: client.sample("big", BATCH, length=SEQ_LEN), reps, warm)
+    rec.figure("scale.sequences", f"{BATCH} sequences of {SEQ_LEN} rows (episodes of {EPISODE}) from {size} rows, "
+               f"prioritized, round trip", Sample.of(times).map(_ms), "ms", better="lower")
+
+
+def _writer(port: int, start: float, run_s: float, batch: int) -> int:
+    data, ends = rows(0, batch)
+    done = 0
+    with Client("127.0.0.1", port, timeout=120, zero_copy=False) as client:
+        time.sleep(max(0.0, start - time.time()))
+        while time.time() < start + run_s:
+            client.insert("big", data, ends=ends)
+            done += batch
+    return done
+
+
+def _writers(rec: Recorder, p: Profile, port: int, size: str) -> None:
+    batch = (1 << 20) // ROW
+    with RawLoopback(1 << 20) as raw:
+        times = raw.one_way(1 << 20, max(p.big_reps, 20), p.warmup)
+    rec.figure("scale.loopback", "raw loopback, one stream of 1 MiB messages", Sample.of(times).map(
+        lambda t: (1 << 20) / t / 1e9), "GB/s", baseline=True)
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "tensorshare.client", "benchmarks.scale_bench"])
+    rates = []
+    with ctx.Pool(p.big_writers) as pool:
+        pool.map(abs, range(p.big_writers))
+        for _ in range(p.tables_runs):
+            start = time.time() + 2.0
+            counts = pool.starmap(_writer, [(port, start, p.big_run_s, batch)] * p.big_writers)
+            rates.append(sum(counts) * ROW / p.big_run_s / 1e9)
+    rec.figure("scale.inserts", f"inserts of 1 MiB ({batch} rows) from {p.big_writers} processes into the full "
+               f"table of {size} rows", Sample.of(rates), "GB/s", vs=["scale.loopback"])
+
+
+# -- restart
+
+
+def _serving(*args: str) -> tuple[Server, float]:
+    """A server started with ``args``; the seconds until it answered a sample of its table."""
+    started = time.perf_counter()
+    server = Server(*args, start_timeout=600)
+    with Client("127.0.0.1", server.port, timeout=600, zero_copy=False) as client:
+        client.sample("durable", BATCH)
+    return server, time.perf_counter() - started
+
+
+def _restart(rec: Recorder, p: Profile, scratch: str) -> None:
+    n = p.big_rows
+    if _free(scratch) - n * 30 - (1 << 30) < DISK_RESERVE // 4:
+        rec.skip("scale: durable restart", "not enough disk")
+        return
+    data = os.path.join(scratch, "data")
+    size = _label(n)
+    server = Server("--data-dir", data)
+    try:
+        with Client("127.0.0.1", server.port, timeout=600, zero_copy=False) as client:
+            client.create_table("durable", n, columns(), sampler="prioritized", priority_exponent=0.6)
+            _fill(client, "durable", n, priorities=True)
+        server.stop()  # SIGTERM: a clean stop
+        server, clean = _serving("--data-dir", data)
+        os.kill(server.pid, signal.SIGKILL)
+        server.proc.wait(30)
+        server, killed = _serving("--data-dir", data)
+    finally:
+        server.stop()
+        shutil.rmtree(data, ignore_errors=True)
+    rec.figure("scale.restart", f"a durable table of {size} rows: from start to its first sample, after a clean stop",
+               Sample.of([clean]), "s", better="lower")
+    rec.figure("scale.restart_killed", f"a durable table of {size} rows: from start to its first sample, after "
+               f"kill -9 (its trees rebuilt from its rows)", Sample.of([killed]), "s", better="lower")
+    if n >= 10 ** 8:
+        rec.goal_value("a durable table of 10^8 rows serves within 5 s of start", "scale.restart", "<=", 5.0)
+
+
+# -- side by side with TorchRL, in process
+
+
+def _in_process(n: int, reps: int, warm: int, scratch: str, out) -> None:
+    """A child process: TorchRL's LazyMemmapStorage + PrioritizedSampler (or the table
+    engine standing in for the sampler) of ``n`` rows; sample + update of 256."""
+    torch.set_num_threads(1)
+    from tensordict import TensorDict
+    from torchrl.data import LazyMemmapStorage, PrioritizedSampler, ReplayBuffer
+
+    before = _status(os.getpid())
+    storage = LazyMemmapStorage(n, scratch_dir=scratch)
+    try:
+        sampler, what = PrioritizedSampler(n, alpha=0.6, beta=0.4), "TorchRL PrioritizedSampler"
+    except RuntimeError as exc:
+        sampler, what = None, f"the table engine in process (TorchRL's PrioritizedSampler: {str(exc)[:80]})"
+    rb = ReplayBuffer(storage=storage, sampler=sampler, batch_size=BATCH) if sampler else None
+    engine = None
+    if rb is None:
+        from .tables_engine_bench import load_engine
+
+        engine = load_engine().Table(n, {"i": ((), "int64")}, sampler="prioritized", priority_exponent=0.6)
+    g = torch.Generator().manual_seed(0)
+    chunk = 1 << 20
+    for first in range(0, n, chunk):
+        k = min(chunk, n - first)
+        batch, _ = rows(first, k)
+        td = TensorDict(batch, [k])
+        p = torch.rand(k, generator=g) + 0.01
+        if rb is not None:
+            rb.update_priority(rb.extend(td), p)
+        else:
+            storage.set(torch.arange(first, first + k), td)
+            engine.insert({"i": np.arange(first, first + k)}, priorities=p.numpy())
+    new = torch.rand(BATCH) + 0.01
+
+    def once():
+        if rb is not None:
+            _, info = rb.sample(return_info=True)
+            rb.update_priority(info["index"], new)
+        else:
+            s = engine.sample(BATCH)
+            storage.get(torch.from_numpy(s.indices))
+            engine.update_priorities(s.keys, new.numpy())
+
+    times = time_runs(once, reps, warm)
+    after = _status(os.getpid())
+    out.put((times, what, after["RssAnon"] - before["RssAnon"], after["VmRSS"] - before["VmRSS"]))
+
+
+def _side_by_side(rec: Recorder, p: Profile, scratch: str) -> None:
+    n = p.big_side_rows
+    size = _label(n)
+    try:
+        import torchrl  # noqa: F401
+    except ImportError as exc:
+        rec.skip("scale: side by side with TorchRL", f"torchrl is not installed ({exc})")
+        return
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    child = ctx.Process(target=_in_process, args=(n, p.big_reps, p.warmup, os.path.join(scratch, "torchrl"), out))
+    child.start()
+    try:
+        times, what, anon, rss = out.get(timeout=1800)
+    finally:
+        child.join(60)
+        shutil.rmtree(os.path.join(scratch, "torchrl"), ignore_errors=True)
+    rec.figure("scale.local_prio", f"in process, {size} rows: LazyMemmapStorage + {what}, sample + update of {BATCH}",
+               Sample.of(times).map(_ms), "ms", better="lower", baseline=True,
+               note=f"its memory: anonymous {anon / GiB:.2f} GiB, resident {rss / GiB:.2f} GiB")
+    server = Server()
+    try:
+        with Client("127.0.0.1", server.port, timeout=600, zero_copy=False) as client:
+            client.create_table("side", n, columns(), sampler="prioritized", priority_exponent=0.6)
+            _fill(client, "side", n, priorities=True)
+            new = torch.rand(BATCH) + 0.01
+
+            def once():
+                s = client.sample("side", BATCH)
+                client.update_priorities("side", s.keys, new)
+
+            times = time_runs(once, p.big_reps, p.warmup)
+            status = _status(server.pid)
+    finally:
+        server.stop()
+    rec.figure("scale.table_prio", f"the table over TCP, {size} rows: sample + update of {BATCH}",
+               Sample.of(times).map(_ms), "ms", better="lower", vs=["scale.local_prio"],
+               note=f"the server's memory: anonymous {status['RssAnon'] / GiB:.2f} GiB "
+                    f"(columns {n * ROW / GiB:.2f} GiB in it)")
+    rec.goal_ratio(f"{size} rows: sample + update of 256 through the table <= 1.0x the in-process time",
+                   "scale.table_prio", "scale.local_prio", "<=", 1.0)
+
+
+# -- larger than RAM
+
+
+OBS = (4, 84, 84)
+WIDE = 4 * 84 * 84 + 8 + 4
+
+
+def _wide(n: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"obs": torch.randint(0, 256, (n, *OBS), dtype=torch.uint8, generator=g),
+            "action": torch.randint(0, 6, (n,), generator=g), "reward": torch.rand(n, generator=g)}
+
+
+def _evict(directory: str) -> None:
+    """Drop the clean pages of every file under ``directory`` from the page cache."""
+    for root, _, files in os.walk(directory):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _preads(path: str, n: int, reps: int, warm: int, directory: str) -> list[float]:
+    """Seconds per read of 256 random rows of ``obs`` by 16 threads of preadv, evicted before each."""
+    out = np.empty((BATCH, 4 * 84 * 84), np.uint8)
+    rng = np.random.default_rng(3)
+    fd = os.open(path, os.O_RDONLY)
+    row = out.shape[1]
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            def once():
+                idx = rng.integers(0, n, BATCH)
+
+                def part(ks):
+                    for k in ks:
+                        os.preadv(fd, [memoryview(out[k])], int(idx[k]) * row)
+
+                list(pool.map(part, np.array_split(np.arange(BATCH), 16)))
+
+            return time_runs(once, reps, warm, setup=lambda: _evict(directory))
+    finally:
+        os.close(fd)
+
+
+def _larger_than_ram(rec: Recorder, p: Profile, scratch: str) -> None:
+    ram, free = _ram(), _free(scratch)
+    want = p.big_ram_table_bytes or 2 * ram
+    room = free - DISK_RESERVE
+    nbytes = min(want, room)
+    if nbytes < min(want, 256 << 20):
+        rec.skip("scale: the table larger than RAM", f"{free / GiB:.1f} GiB free, {DISK_RESERVE / GiB:.0f} GiB kept "
+                 "for others")
+        return
+    if nbytes < want:
+        rec.note(f"the table meant to be {want / GiB:.1f} GiB is {nbytes / GiB:.1f} GiB: the disk had "
+                 f"{free / GiB:.1f} GiB free and {DISK_RESERVE / GiB:.0f} GiB are left for others")
+    n = nbytes // WIDE
+    data = os.path.join(scratch, "wide")
+    limit = "512MiB"
+    name = "wide"
+    directory = os.path.join(data, "tables", hashlib.sha256(name.encode()).hexdigest()[:32])
+    server = Server("--data-dir", data, "--memory-limit", limit)
+    try:
+        with Client("127.0.0.1", server.port, timeout=600, zero_copy=False) as client:
+            client.create_table(name, n, {"obs": (OBS, torch.uint8), "action": ((), torch.int64),
+                                          "reward": ((), torch.float32)}, remover="fifo")
+            chunk = _wide(64, 0)
+            started = time.perf_counter()
+            for first in range(0, n, 64):
+                k = min(64, n - first)
+                client.insert(name, {c: v[:k] for c, v in chunk.items()} if k < 64 else chunk)
+            rec.say(f"  filled {n:,} rows of {WIDE} B ({n * WIDE / GiB:.1f} GiB, {n * WIDE / ram:.2f}x the memory) "
+                    f"in {time.perf_counter() - started:.0f}s")
+        server.stop()
+        _evict(data)
+        times = _preads(os.path.join(directory, "obs.memmap"), n, p.tables_reps, p.warmup, data)
+        rate = (lambda t: BATCH * 4 * 84 * 84 / t / 1e9)
+        rec.figure("scale.preads", f"random reads of {BATCH} rows of the same file, 16 threads of preadv, from disk",
+                   Sample.of(times).map(rate), "GB/s", baseline=True)
+        _evict(data)
+        server = Server("--data-dir", data, "--memory-limit", limit)
+        with Client("127.0.0.1", server.port, timeout=600, zero_copy=False) as client:
+            times = time_runs(lambda: client.sample(name, BATCH), p.tables_reps, p.warmup)
+            anon = _anon(server)
+        rec.figure("scale.ram_sample", f"uniform sample of {BATCH} from a table of {nbytes / ram:.2f}x the memory "
+                   f"({n:,} rows of {WIDE} B), from disk", Sample.of(times).map(rate), "GB/s", vs=["scale.preads"])
+        rec.figure("scale.ram_anon", f"server anonymous RSS serving it (--memory-limit {limit})",
+                   Sample.of([anon / (1 << 20)]), "MiB", better="lower")
+    finally:
+        server.stop()
+        shutil.rmtree(data, ignore_errors=True)
+    rec.goal_ratio("a table larger than RAM: uniform samples of 256 >= 0.8x the random-read rate of its file",
+                   "scale.ram_sample", "scale.preads", ">=", 0.8)
+    rec.goal_value("a table larger than RAM: server anonymous RSS within --memory-limit (512 MiB)", "scale.ram_anon",
+                   "<=", 512)
