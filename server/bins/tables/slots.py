@@ -147,10 +147,11 @@ class Slots:
         n = slots.size
         keys = (np.arange(self.next_seq, self.next_seq + n, dtype=np.int64) * self.capacity) + slots
         self.next_seq += n
-        self.key[slots] = keys
-        self.priority[slots] = priorities
-        self.times_sampled[slots] = 0
-        self.flags[slots] = LIVE if ends is None else np.where(ends, LIVE | END, LIVE)
+        at = as_index(slots)
+        self.key[at] = keys
+        self.priority[at] = priorities
+        self.times_sampled[at] = 0
+        self.flags[at] = LIVE if ends is None else np.where(ends, LIVE | END, LIVE)
         self.size += n
         self.count.changed(slots)
         return keys
@@ -172,10 +173,11 @@ class Slots:
 
     def forget(self, slots: np.ndarray) -> None:
         """Clear the state of vacated ``slots``."""
-        self.key[slots] = -1
-        self.priority[slots] = 0.0
-        self.times_sampled[slots] = 0
-        self.flags[slots] = 0
+        at = as_index(slots)
+        self.key[at] = -1
+        self.priority[at] = 0.0
+        self.times_sampled[at] = 0
+        self.flags[at] = 0
 
     def sampled(self, slots: np.ndarray, counts: np.ndarray) -> None:
         """The distinct ``slots`` were sampled ``counts`` times more (saturating)."""
@@ -211,6 +213,16 @@ class Slots:
         self.size = size
         self.next_seq = newest // self.capacity + 1 if newest >= 0 else 0
         self.count.rebuild()
+
+
+def as_index(slots: np.ndarray):
+    """``slots`` as a slice when they are consecutive and ascending (a ring buffer's
+    inserts mostly are), else as they are: a copy into a slice is a ``memcpy``, into
+    an index array a scatter (16,384 rows of 64 B: 0.05 ms against 0.4 ms)."""
+    n = slots.size
+    if n > 1 and slots[-1] - slots[0] == n - 1 and (slots[1:] > slots[:-1]).all():
+        return slice(int(slots[0]), int(slots[0]) + n)
+    return slots
 
 
 def flags_of(values, n: int) -> np.ndarray | None:

@@ -35,7 +35,7 @@ from .ratelimiter import RateLimiter
 from .rows import EMPTY, Removed, Rows, Sample, Written, out_buffers
 from .selectors import build, index_bytes
 from .blocks import in_memory
-from .slots import Slots, flags_of, int_array
+from .slots import Slots, as_index, flags_of, int_array
 
 MAX_CAPACITY = 1 << 40  # leaves keys 2**23 rows of history at the largest capacity
 _UNCHANGED: Any = object()
@@ -540,8 +540,9 @@ class Table:
     def _put(self, slots: np.ndarray, views: list[np.ndarray], items: list | None, priorities: np.ndarray,
              ends: np.ndarray | None):
         """Fill the free ``slots`` with new rows; returns their keys."""
+        at = as_index(slots)
         for column, view in zip(self._data, views):
-            column[slots] = view
+            column[at] = view
         if items is not None:
             store = self._items
             for slot, item in zip(slots.tolist(), items):
