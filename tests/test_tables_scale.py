@@ -261,37 +261,46 @@ class _Column(np.ndarray):
     _mmap = None
 
 
-def test_a_gather_hints_its_rows_while_gathers_are_slow_and_stops_when_they_are_fast():
+def test_rows_are_hinted_while_gathers_are_slow_and_no_longer_once_they_are_fast():
     readahead = sys.modules["_tables_engine_under_test.readahead"]
     column = np.arange(40 * 4096, dtype=np.uint8).reshape(40, 4096).view(_Column)
     column._mmap = mapping = _Mapping()
+    state = np.zeros(40, np.int64).view(_Column)
+    state._mmap = state_mapping = _Mapping()
     now = [0.0]
     slow = [True]
 
-    def clock():  # each gather "takes" 1 s (slow) or nothing (fast)
+    def clock():  # each gather "takes" 0.5 s (slow) or nothing (fast)
         now[0] += 0.5 if slow[0] else 0.0
         return now[0]
 
     reads = readahead.ReadAhead(clock)
     out = np.empty((4, 4096), np.uint8)
     slots = np.array([7, 3, 4, 30])
-    reads.gather(column, slots, out)
-    assert (out == column[slots]).all() and mapping.calls == [] and reads.hinting
-    reads.gather(column, slots, out)  # one call per run of consecutive rows: 3-4, 7, 30
-    assert mapping.calls == [(3 * 4096, 2 * 4096), (7 * 4096, 4096), (30 * 4096, 4096)]
-    for _ in range(14):
+
+    def operation():
+        reads.begin(slots, [column, state])
         reads.gather(column, slots, out)
+        assert (out == column[slots]).all()
+
+    operation()
+    assert mapping.calls == [] and reads.hinting
+    operation()  # every file's rows, one call per run of consecutive rows: 3-4, 7, 30
+    assert mapping.calls == [(3 * 4096, 2 * 4096), (7 * 4096, 4096), (30 * 4096, 4096)]
+    assert state_mapping.calls == [(0, 5 * 8), (0, 8 * 8), (0, 31 * 8)]  # (from the page each starts in)
+    for _ in range(14):
+        operation()
     mapping.calls.clear()
-    reads.gather(column, slots, out)  # the 16th: a probe without hints, still slow
+    operation()  # the 16th: a probe without hints, still slow
     assert mapping.calls == [] and reads.hinting and reads.probe == 32
     slow[0] = False
     for _ in range(31):
-        reads.gather(column, slots, out)
-    reads.gather(column, slots, out)  # a fast probe: hints off
+        operation()
+    operation()  # a fast probe: hints off
     assert not reads.hinting
     mapping.calls.clear()
-    reads.gather(column, slots, out)
-    assert mapping.calls == [] and (out == column[slots]).all()
+    operation()
+    assert mapping.calls == []
 
 
 def test_a_table_shut_cleanly_reopens_with_its_trees_and_one_killed_rebuilds_them(tmp_path, monkeypatch):

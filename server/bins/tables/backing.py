@@ -41,6 +41,9 @@ class Backing(Protocol):
     def item_slots(self, capacity: int) -> list:
         """The ``capacity`` slots (None: empty) of a table of items, which has no columns."""
 
+    def prefetch(self, slots: np.ndarray) -> None:
+        """The rows ``slots`` are about to be read (a backing in files may ask for them now)."""
+
     def gather(self, column: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
         """Copy the rows ``slots`` of ``column`` (an array :meth:`allocate` gave) into ``out``."""
 
@@ -57,6 +60,9 @@ class MemoryBacking:
 
     def item_slots(self, capacity: int) -> list:
         return [None] * capacity
+
+    def prefetch(self, slots: np.ndarray) -> None:
+        pass  # (in memory)
 
     def gather(self, column: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
         # mode="clip": the slots are valid, and "raise" would gather into a temporary first
@@ -82,6 +88,7 @@ class MemmapBacking:
         self.paths: list[str] = []
         self._reads = ReadAhead()  # rows gathered at the disk's speed (.readahead)
         self._mapped: list[np.ndarray] = []
+        self._rows: list[np.ndarray] = []  # those with a row per slot: the columns and the per-slot state
         self._made_state = False
 
     item_slots = MemoryBacking.item_slots  # items are never in files
@@ -99,7 +106,13 @@ class MemmapBacking:
         random_access(array)
         self.paths.append(path)
         self._mapped.append(array)
+        self._rows.append(array)
         return array
+
+    def prefetch(self, slots: np.ndarray) -> None:
+        """An operation is about to read rows ``slots``: their pages in every column
+        and state file are asked for at once, while gathers fault (:mod:`.readahead`)."""
+        self._reads.begin(slots, self._rows)
 
     def gather(self, column: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
         self._reads.gather(column, slots, out)
@@ -122,6 +135,7 @@ class MemmapBacking:
             self._made_state = True  # (a note of a clean stop says nothing of a new file)
         if not name.startswith("tree"):  # rows' state is read at random: no read-around per fault
             random_access(array)
+            self._rows.append(array)
         self.paths.append(path)
         self._mapped.append(array)
         return array
@@ -169,7 +183,7 @@ class MemmapBacking:
             except OSError:
                 pass
         self.paths = []
-        self._mapped = []
+        self._mapped, self._rows = [], []
 
 
 def _sync_directory(directory: str) -> None:

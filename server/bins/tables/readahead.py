@@ -14,13 +14,14 @@ touch.  Measured here (virtio disk with ``read_ahead_kb`` 8192; 256 random rows 
 * on rows already in the page cache the hints cost 256 ``madvise`` calls (0.96 ms
   against 0.67 ms for the gather alone).
 
-So a column mapping gets ``MADV_RANDOM`` once, and :class:`ReadAhead` hints a
-gather's rows (one ``madvise`` per run of consecutive slots) while gathers are
-slow, that is, while they fault pages in from the disk: a gather that takes longer
-than rows in memory would turns hinting on; while on, one gather in ``probe``
-goes without hints, and turns them off if it was fast (else ``probe`` doubles, up
-to :data:`MAX_PROBE`).  The kernel's own paths, no threads: the gather runs where
-it did, and waits for the disk in parallel instead of in turn.
+So a column mapping gets ``MADV_RANDOM`` once, and :class:`ReadAhead` hints the
+rows an operation is about to read, in every column and per-row state file (one
+``madvise`` per run of consecutive slots), while gathers are slow, that is, while
+they fault pages in from the disk: a gather that takes longer than rows in memory
+would turns hinting on; while on, one operation in ``probe`` goes without hints,
+and turns them off if its gathers were fast (else ``probe`` doubles, up to
+:data:`MAX_PROBE`).  The kernel's own paths, no threads: the gather runs where it
+did, and waits for the disk in parallel instead of in turn.
 """
 
 from __future__ import annotations
@@ -53,28 +54,39 @@ class ReadAhead:
         self.hinting = False
         self.probe = 16
         self._since_probe = 0
+        self._hinted = False  # the operation under way had its rows hinted
+        self._probing = False
+
+    def begin(self, slots: np.ndarray, arrays) -> None:
+        """An operation is about to read the rows ``slots`` of ``arrays`` (mapped
+        arrays, a row each along their first dimension): hint them, if hinting."""
+        self._hinted = self._probing = False
+        if not self.hinting:
+            return
+        self._since_probe += 1
+        if self._since_probe >= self.probe:
+            self._probing, self._since_probe = True, 0
+            return
+        for array in arrays:
+            mapping = getattr(array, "_mmap", None)
+            if mapping is not None:
+                hint(mapping, slots, array.strides[0])
+        self._hinted = True
 
     def gather(self, column: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
-        mapping = getattr(column, "_mmap", None)
-        probing = False
-        if self.hinting and mapping is not None:
-            self._since_probe += 1
-            probing = self._since_probe >= self.probe
-            if not probing:
-                hint(mapping, slots, column.shape[1])
         start = self.clock()
         # mode="clip": the slots are valid, and "raise" would gather into a temporary first
         np.take(column, slots, axis=0, out=out, mode="clip")
-        if mapping is None or (self.hinting and not probing):
+        if self._hinted or getattr(column, "_mmap", None) is None:
             return
         slow = self.clock() - start > slots.size * SLOW_SECONDS_PER_ROW + out.nbytes * SLOW_SECONDS_PER_BYTE
-        if probing:
-            self._since_probe = 0
+        if self._probing:
+            self._probing = False
             if slow:
                 self.probe = min(2 * self.probe, MAX_PROBE)
             else:
                 self.hinting, self.probe = False, 16
-        elif slow:
+        elif slow and not self.hinting:
             self.hinting, self._since_probe = True, 0
 
 

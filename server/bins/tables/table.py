@@ -304,6 +304,7 @@ class Table:
         else:
             slots, probabilities = picks.drawn(self._sampler, self._slots, self.max_times_sampled, n, rng,
                                               self._unlink)
+        self._backing.prefetch(slots)
         state = self._slots
         done = self._count_samples(slots)
         values, items = self._gather(slots, buffers)
@@ -337,6 +338,7 @@ class Table:
         size = self.size
         slots, probabilities, lengths = sequences.draw(self._sampler, self._slots, n, length, pad,
                                                        self.rng if rng is None else rng)
+        self._backing.prefetch(slots)
         real = (np.arange(length) < lengths[:, None]).reshape(-1)
         self._count_samples(slots[real])
         values, items = self._gather(slots, buffers)
@@ -352,6 +354,7 @@ class Table:
         each row's count, ``max_times_sampled`` -- and refused as one would be
         (:meth:`can_read_sampled`).  Then a :class:`Sample` (its ``removed``)."""
         slots = self._slots.check_indices(indices, unique=False)
+        self._backing.prefetch(slots)
         state = self._slots
         keys = state.key[slots]
         empty = slots[keys < 0]
