@@ -88,26 +88,27 @@ def prioritized(engine, rows: int = 1_000_000, batch: int = 256) -> None:
                          rng=1)
         for start in range(0, rows, 100_000):
             t.insert({"a": np.arange(start, start + 100_000)}, priorities=rng.random(100_000) + 0.01)
-        trees.append(t._sampler.tree)
+        trees.append((t._sampler.tree, t._slots))
 
         def step(t=t):
             s = t.sample(batch)
             t.update_priorities(s.keys, rng.random(batch))
 
         fns[f"Table.sample + update_priorities (remover {remover})"] = step
-    tree = trees[0]
+    tree, state = trees[0]
     weights = rng.random(rows) ** 0.6
 
-    def tree_only():
+    def tree_only():  # (the tree computes a block's weights from the rows' priorities)
         slots = np.unique(tree.find(rng.random(batch) * tree.total))
-        tree.set(slots, rng.random(slots.size))
+        state.priority[slots] = rng.random(slots.size)
+        tree.changed(slots)
 
     def no_tree():  # what a sampler without an index pays per sample
         cdf = np.cumsum(weights)
         slots = np.searchsorted(cdf, rng.random(batch) * cdf[-1], side="right")
         weights[slots] = rng.random(batch)
 
-    fns["SumTree.find + SumTree.set alone"] = tree_only
+    fns["SumTree.find + SumTree.changed alone"] = tree_only
     fns["baseline: cumsum + searchsorted + assign (no tree)"] = no_tree
     for label, s in turns(fns, rounds=5, reps=60).items():
         show_time(label, s)

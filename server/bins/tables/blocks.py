@@ -88,12 +88,13 @@ def update_ancestors(nodes: np.ndarray, batch, one) -> None:
     tree are a node or two."""
     level = nodes
     while level.size > SCALAR_MAX and level[0] > 1:
-        level >>= 1
-        # nodes stay sorted as they are halved: dropping repeats needs no sort
-        keep = np.empty(level.size, bool)
-        keep[0] = True
-        np.not_equal(level[1:], level[:-1], out=keep[1:])
-        level = level[keep]
+        level = level >> 1
+        span = int(level[-1] - level[0]) + 1
+        if span < level.size:  # repeats (sorted as halved: adjacent, found with no sort)
+            keep = np.empty(level.size, bool)
+            keep[0] = True
+            np.not_equal(level[1:], level[:-1], out=keep[1:])
+            level = level[keep]
         if level.size <= SCALAR_MAX:
             few = level.tolist()
             break

@@ -28,9 +28,12 @@ class MinTree:
 
     def __init__(self, capacity: int, order: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], empty,
                  block: int = BLOCK, order_one: Callable[[int], tuple] | None = None, arrays=in_memory,
-                 name: str = "tree_min", distinct: bool = False):
+                 name: str = "tree_min", distinct: bool = False, held_order=None):
         self.capacity = capacity
         self.order = order  # slots -> (values, ties), ``empty`` values for empty slots
+        # slots that hold rows -> (values, ties): what the nodes above the leaves compare
+        # (a node holds a slot with a row or -1), with no look at which are empty
+        self.held_order = held_order or order
         # one slot that holds a row -> (value, tie) as Python numbers: the few nodes near
         # the root are compared one at a time, where numpy's per-call cost would dominate
         self.order_one = order_one or (lambda slot: tuple(a[0] for a in order(np.array([slot], np.int64))))
@@ -112,8 +115,10 @@ class MinTree:
 
     def _keys(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(values, ties)`` of ``slots``, where -1 (no slot) is empty."""
-        values, ties = self.order(np.maximum(slots, 0))
         none = slots < 0
+        values, ties = self.held_order(np.where(none, 0, slots) if none.any() else slots)
+        if ties is None:  # (distinct values: they are their own tie-break)
+            ties = values
         if none.any():
             values = np.where(none, self.empty, values)
             ties = np.where(none, INT_EMPTY, ties)
@@ -123,6 +128,8 @@ class MinTree:
         """Elementwise the smaller of slots ``a`` and ``b`` (ties: ``a``; -1: none)."""
         va, ta = self._keys(a)
         vb, tb = self._keys(b)
+        if self.distinct:
+            return np.where(va <= vb, a, b)
         return np.where((va < vb) | ((va == vb) & (ta <= tb)), a, b)
 
     def _block_best(self, blocks: np.ndarray) -> np.ndarray:

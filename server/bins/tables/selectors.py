@@ -62,11 +62,14 @@ class OrderIndex(_Index):
         key, priority = slots.key, slots.priority
         if by == "lowest_priority":
             order, empty, one = self._by_priority, np.inf, lambda slot: (float(priority[slot]), int(key[slot]))
+            held = lambda held_slots: (priority[held_slots], key[held_slots])  # noqa: E731
         else:
             order, empty = self._by_age, INT_EMPTY
             one = (lambda slot: int(key[slot])) if by == "oldest" else (lambda slot: -int(key[slot]))
+            sign = 1 if by == "oldest" else -1
+            held = lambda held_slots: (sign * key[held_slots], None)  # noqa: E731  (keys are distinct: no ties)
         self.tree = MinTree(slots.capacity, order, empty, order_one=one, arrays=arrays, name=f"tree_{by}",
-                            distinct=by != "lowest_priority")
+                            distinct=by != "lowest_priority", held_order=held)
 
     def _by_age(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         keys = self.slots.key[slots]

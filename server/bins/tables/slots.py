@@ -65,7 +65,7 @@ class Slots:
 
     def live(self, slots: np.ndarray) -> np.ndarray:
         """Which of ``slots`` hold a row of the occupied set."""
-        return (self.flags[slots] & LIVE).astype(bool)
+        return (self.flags[slots] & LIVE).view(np.bool_)  # (LIVE is 1: the bytes are bools already)
 
     def ends(self, slots: np.ndarray) -> np.ndarray:
         """Which of ``slots`` end their episode."""
