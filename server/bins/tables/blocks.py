@@ -51,6 +51,24 @@ class Blocks:
             stop = min(first + per, self.nblocks)
             yield first, stop, slice(first * self.block, min(stop * self.block, self.capacity))
 
+    def redo(self, tree: np.ndarray, slots: np.ndarray, leaf_values, batch=None, one=None) -> None:
+        """The leaves of the blocks of ``slots`` from ``leaf_values(blocks)``, then every
+        node above them (:func:`update_ancestors`; by default a node is the sum of its
+        children)."""
+        if not np.size(slots):
+            return
+        blocks = self.blocks_of(slots)
+        tree[self.leaves + blocks] = leaf_values(blocks)
+        if batch is None:
+            def batch(level: np.ndarray) -> None:
+                left = 2 * level
+                tree[level] = tree[left] + tree[left + 1]
+
+            def one(node: int) -> None:
+                tree[node] = tree[2 * node] + tree[2 * node + 1]
+
+        update_ancestors(blocks + self.leaves, batch, one)
+
     def by_block(self, values: np.ndarray, first: int, stop: int, fill) -> np.ndarray:
         """``values`` of the slots of blocks ``first`` to ``stop`` as ``[blocks, block]``,
         ``fill`` past the capacity."""

@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from .blocks import Blocks, build_levels, in_memory, update_ancestors
+from .blocks import Blocks, build_levels, in_memory
 
 INT_EMPTY = np.iinfo(np.int64).max
 BLOCK = 32  # slots under a leaf: the tree costs half a byte a row
@@ -54,24 +54,17 @@ class MinTree:
 
     def changed(self, slots: np.ndarray) -> None:
         """The order values of ``slots`` changed (or they became empty)."""
-        if not np.size(slots):
-            return
-        layout, tree = self.layout, self.tree
-        blocks = layout.blocks_of(slots)
-        tree[layout.leaves + blocks] = self._block_best(blocks)
-        pick = self._pick
+        tree, pick, order_one = self.tree, self._pick, self.order_one
 
         def batch(level: np.ndarray) -> None:
             tree[level] = pick(tree[2 * level], tree[2 * level + 1])
-
-        order_one = self.order_one
 
         def one(node: int) -> None:
             # a node holds a slot with a row or -1: every node above a changed block is redone
             a, b = int(tree[2 * node]), int(tree[2 * node + 1])
             tree[node] = a if b < 0 or (a >= 0 and order_one(a) <= order_one(b)) else b
 
-        update_ancestors(blocks + layout.leaves, batch, one)
+        self.layout.redo(tree, slots, self._block_best, batch, one)
 
     def rebuild(self) -> None:
         layout, tree = self.layout, self.tree

@@ -15,7 +15,7 @@ from typing import Callable
 
 import numpy as np
 
-from .blocks import Blocks, build_levels, in_memory, update_ancestors
+from .blocks import Blocks, build_levels, in_memory
 
 BLOCK = 64
 
@@ -40,19 +40,8 @@ class CountTree:
         return int(self.tree[1])
 
     def changed(self, slots: np.ndarray) -> None:
-        if not np.size(slots):
-            return
-        layout, tree = self.layout, self.tree
-        blocks = layout.blocks_of(slots)
-        tree[layout.leaves + blocks] = self._counts(blocks)
-
-        def batch(level: np.ndarray) -> None:
-            tree[level] = tree[2 * level] + tree[2 * level + 1]
-
-        def one(node: int) -> None:
-            tree[node] = tree[2 * node] + tree[2 * node + 1]
-
-        update_ancestors(blocks + layout.leaves, batch, one)
+        """Which of ``slots`` hold rows changed."""
+        self.layout.redo(self.tree, slots, self._counts)
 
     def rebuild(self) -> None:
         layout, tree = self.layout, self.tree

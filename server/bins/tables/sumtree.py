@@ -15,7 +15,7 @@ from typing import Callable
 
 import numpy as np
 
-from .blocks import Blocks, build_levels, in_memory, update_ancestors
+from .blocks import Blocks, build_levels, in_memory
 
 BLOCK = 16  # slots a leaf sums: a recomputed block costs 16 weights, the tree 1 byte a row
 
@@ -48,20 +48,7 @@ class SumTree:
 
     def changed(self, slots: np.ndarray) -> None:
         """The weights of ``slots`` changed: their blocks' sums and those above them."""
-        if not np.size(slots):
-            return
-        layout, tree = self.layout, self.tree
-        blocks = layout.blocks_of(slots)
-        tree[layout.leaves + blocks] = self._block_sums(blocks)
-
-        def batch(level: np.ndarray) -> None:
-            left = 2 * level
-            tree[level] = tree[left] + tree[left + 1]
-
-        def one(node: int) -> None:
-            tree[node] = tree[2 * node] + tree[2 * node + 1]
-
-        update_ancestors(blocks + layout.leaves, batch, one)
+        self.layout.redo(self.tree, slots, self._block_sums)
 
     def rebuild(self) -> None:
         """Every sum from the weights of every slot (a table reopened from its files)."""
