@@ -52,7 +52,7 @@ BATCH, SEQ_LEN, UPDATE = 256, 32, 1024
 EPISODE = 1000  # rows of an episode in the filled tables
 ROW = 64
 GiB = 1 << 30
-DISK_RESERVE = 25 * GiB  # left free for everyone else on the disk
+DISK_RESERVE = 30 * GiB  # left free for everyone else on the disk
 
 
 def columns() -> dict:
