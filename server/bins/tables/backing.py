@@ -120,7 +120,15 @@ class MemmapBacking:
     def state_array(self, name: str, dtype, length: int, fill) -> np.ndarray:
         """An array of the table's state (per-slot keys, priorities, sample counts and
         flags; its trees) in ``<directory>/_slots/<name>.bin``, so that a reopened
-        table finds its rows (tensordict's ``load_memmap`` ignores the directory)."""
+        table finds its rows (tensordict's ``load_memmap`` ignores the directory).
+
+        A table whose files are not kept (spilled) keeps its state in memory: it is
+        written at random rows (a sample's counts, an update's priorities), and in a
+        file the first write to each clean page is a fault the file system serves
+        (a prioritized sample of 256 from 10^8 rows took 4.5 ms of the server's CPU
+        with its state in spill files, 0.6 ms in memory)."""
+        if not self.keep:
+            return np.full(length, fill, dtype)
         directory = os.path.join(self.directory, "_slots")
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"{name}.bin")
