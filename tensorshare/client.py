@@ -298,7 +298,8 @@ class Client(Front, TableCopies, LeaderFollower, Sender, ClientCore):
                 zero_copy=zero_copy, timeout=timeout, then=then, on_error=on_error, on_reply=on_reply, decode=decode,
                 raw=raw, inline=inline, device=device, into=into))
             return
-        areas = self._areas(DEFAULT) if zero_copy and self.zero_copy else None
+        deadline = self._deadline(timeout)  # for connecting and sending; the reply is awaited by no one
+        areas = self._areas(deadline) if zero_copy and self.zero_copy else None
         call = self._new_call(command, fields, value, areas, callback, then, on_error, on_reply, None, decode, raw,
                               device=device, into=into)
         call.inline = inline
@@ -307,12 +308,12 @@ class Client(Front, TableCopies, LeaderFollower, Sender, ClientCore):
         except BaseException:
             finish(call)
             raise
-        self._send_call(call, parts)
+        self._send_call(call, parts, deadline)
 
-    def _send_call(self, call: Call, parts: list) -> None:
-        """Send a non-blocking call's frame; its callback hears of a failure."""
+    def _send_call(self, call: Call, parts: list, deadline: float | None) -> None:
+        """Send a non-blocking call's frame within ``deadline``; its callback hears of a failure."""
         try:
-            self._deliver(call, parts, self._deadline(DEFAULT), may_hold=True)
+            self._deliver(call, parts, deadline, may_hold=True)
         except TensorShareError as exc:
             with self._cond:
                 mine = self._calls.pop(call.rid) is not None  # else the lost connection failed it already
@@ -350,7 +351,7 @@ class Client(Front, TableCopies, LeaderFollower, Sender, ClientCore):
             finish(call)
             self._call_back(call, None, exc)
             return
-        self._send_call(call, parts)
+        self._send_call(call, parts, self._deadline(DEFAULT))
 
     def _deliver(self, call: Call, parts: list, deadline: float | None, may_hold: bool = False) -> None:
         self._before_request()

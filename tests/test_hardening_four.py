@@ -11,10 +11,10 @@ Bounded: small sizes, every wait with a timeout.
 
 from __future__ import annotations
 
-import signal
-import socket
-import termios
 import fcntl
+import queue
+import signal
+import termios
 import time
 
 import pytest
@@ -22,7 +22,9 @@ import torch
 
 import tensorshare
 from serverproc import ServerProcess
-from tensorshare.protocol.messages import TWRITE, TableKey, Key
+from tensorshare import TensorShare
+from tensorshare.errors import TensorShareError
+from tensorshare.protocol.messages import Key, TableKey
 from wiretools import RawConnection, request_parts, wait_for
 
 MiB = 1 << 20
@@ -96,4 +98,64 @@ def test_1_a_twrite_cut_by_kill_9_leaves_the_old_rows_or_the_new_ones(tmp_path):
             assert set(versions) in ({version}, {new}), versions  # all or nothing
             version = versions[0]
     finally:
+        srv.stop()
+
+
+# ============================================================ 2. the callback API after a server restart
+
+
+def _submitted(client: tensorshare.Client, timeout: float = 15.0):
+    """PUT through ``client.submit``: the error its callback got (None: it worked)."""
+    heard = queue.Queue()
+    client.submit("PUT", "b", torch.ones(4), lambda result, error: heard.put(error))
+    return heard.get(timeout=timeout)
+
+
+def _until(attempt, seconds: float = 20.0):
+    """Call ``attempt()`` until it returns None (success), for ``seconds`` at most;
+    the last error if it never did."""
+    deadline = time.monotonic() + seconds
+    while True:
+        error = attempt()
+        if error is None or time.monotonic() > deadline:
+            return error
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_2_client_submit_reconnects_after_a_server_restart(workers):
+    """``submit`` passed the DEFAULT sentinel where a deadline goes: once the connection
+    was gone, every later call raised TypeError (``DEFAULT - time.monotonic()``)."""
+    srv = ServerProcess(*(("--workers", str(workers)) if workers > 1 else ()))
+    client = tensorshare.Client("127.0.0.1", srv.port, timeout=5)
+    try:
+        assert _submitted(client) is None
+        srv.stop(signal.SIGKILL)
+        assert isinstance(_submitted(client), TensorShareError)  # made while the server is down
+        srv.start()
+        assert _until(lambda: _submitted(client)) is None
+        assert client.peek("b")[0].tolist() == [1.0] * 4
+    finally:
+        client.close()
+        srv.stop()
+
+
+def test_2_tensorshare_callbacks_go_on_after_a_server_restart():
+    srv = ServerProcess()
+    ts = TensorShare("127.0.0.1", srv.port, timeout=5)
+
+    def put() -> str | None:
+        heard = queue.Queue()
+        ts.put("b", torch.ones(2), heard.put)
+        message = heard.get(timeout=15)
+        return None if message["status"] == "OK" else message["msg"]
+
+    try:
+        assert put() is None
+        srv.stop(signal.SIGKILL)
+        assert put() is not None
+        srv.start()
+        assert _until(put) is None
+    finally:
+        ts.stop()
         srv.stop()
