@@ -12,8 +12,11 @@ Bounded: small sizes, every wait with a timeout.
 from __future__ import annotations
 
 import fcntl
+import os
 import queue
+import resource
 import signal
+import socket
 import termios
 import time
 
@@ -21,6 +24,7 @@ import pytest
 import torch
 
 import tensorshare
+from opsproc import OpsServer
 from serverproc import ServerProcess
 from tensorshare import TensorShare
 from tensorshare.errors import TensorShareError
@@ -158,4 +162,60 @@ def test_2_tensorshare_callbacks_go_on_after_a_server_restart():
         assert _until(put) is None
     finally:
         ts.stop()
+        srv.stop()
+
+
+# ============================================================ 3. a multi-worker server's parent
+
+
+def _children(pid: int) -> list[int]:
+    """The pids of ``pid``'s child processes (its workers)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def _descriptors(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_3_a_killed_worker_is_started_again_after_descriptors_ran_out_once(tmp_path):
+    """With idle status connections holding the parent's descriptors, the restart of a
+    killed worker failed (EMFILE in a timed call) and nothing tried again: the worker
+    never came back.  Now a failed start is tried again with backoff.  The parent's
+    descriptor limit is lowered so that eight idle status connections use it up."""
+    srv = OpsServer("--workers", "2", log_path=tmp_path / "server.log")
+    parent = srv.pid
+    soft, hard = resource.prlimit(parent, resource.RLIMIT_NOFILE)
+    socks = []
+    try:
+        workers = _children(parent)
+        assert len(workers) == 2
+        limit = _descriptors(parent) + 8
+        resource.prlimit(parent, resource.RLIMIT_NOFILE, (limit, hard))
+        for _ in range(8):
+            socks.append(socket.create_connection(("127.0.0.1", srv.metrics_port), timeout=5))
+        assert wait_for(lambda: _descriptors(parent) >= limit, 10)
+        os.kill(workers[1], signal.SIGKILL)
+        assert wait_for(lambda: "Too many open files" in srv.log(), 10), srv.log()[-2000:]  # the restart failed
+        resource.prlimit(parent, resource.RLIMIT_NOFILE, (soft, hard))
+        for sock in socks:
+            sock.close()
+        assert wait_for(lambda: len(_children(parent)) == 2, 20), srv.log()[-2000:]
+        with tensorshare.Client("127.0.0.1", srv.port, timeout=10) as c:  # bins on every worker
+            for k in range(8):
+                c.put(f"b{k}", torch.tensor([k]))
+            assert [c.peek(f"b{k}")[0].item() for k in range(8)] == list(range(8))
+        assert "(pid None)" not in srv.log()  # item 12: the pid of a worker that ended is logged
+        assert f"worker 1 (pid {workers[1]}) was killed by SIGKILL" in srv.log()
+    finally:
+        for sock in socks:
+            sock.close()
         srv.stop()

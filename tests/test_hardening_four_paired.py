@@ -104,3 +104,38 @@ def test_1_a_durable_write_that_finds_no_room_for_its_record_changes_nothing(tmp
     with pytest.raises(StorageFullError):
         table.write(np.arange(8), _batch(2))
     assert table.size == 8 and _versions(table) == [1] * 8
+
+
+# ============================================================ 3. a multi-worker server's status port
+
+
+def test_3_the_parents_status_port_closes_a_silent_connection_and_counts_its_connections():
+    """The parent of a ``--workers`` server served its status port with none of round
+    three's limits: a half-sent request stayed open for good.  Its site is now the
+    one-process server's (30 s of silence, 32 connections, no body)."""
+    from twisted.internet.address import IPv4Address
+    from twisted.internet.testing import MemoryReactorClock, StringTransport
+
+    from tensorshare_server.config import ServerConfig
+    from tensorshare_server.ops.web import IDLE_TIMEOUT, MAX_CONNECTIONS
+    from tensorshare_server.workers.ops import start_ops
+    from tensorshare_server.workers.supervisor import Supervisor
+
+    reactor = MemoryReactorClock()
+    start_ops(Supervisor(ServerConfig(workers=2, metrics_port=0), reactor), reactor)
+    site = reactor.tcpServers[0][1]
+    peer = IPv4Address("TCP", "127.0.0.1", 40000)
+    transports = []
+    for _ in range(MAX_CONNECTIONS + 1):
+        protocol = site.buildProtocol(peer)
+        if protocol is None:  # past the limit: closed as it comes
+            break
+        transport = StringTransport()
+        protocol.makeConnection(transport)
+        protocol.dataReceived(b"GET /status.json HTTP/1.1\r\nHost: x\r\n")  # never finished
+        transports.append(transport)
+    assert len(transports) == MAX_CONNECTIONS
+    reactor.advance(IDLE_TIMEOUT - 1)
+    assert not any(t.disconnecting for t in transports)
+    reactor.advance(2)
+    assert all(t.disconnecting for t in transports)

@@ -16,7 +16,8 @@ itself.  It
   data directory) on its standard input;
 * restarts a worker that dies, with backoff, on the same sockets: connections made
   meanwhile wait in the socket's backlog, and the new worker loads its durable bins
-  before it accepts them.  A worker that fails before the server first became
+  before it accepts them.  A start that fails for want of descriptors or processes
+  is tried again the same way.  A worker that fails before the server first became
   ready stops the server instead (a bad setting would fail again);
 * stops the workers (SIGTERM, then SIGKILL after ``STOP_GRACE`` seconds) when it is
   told to stop; a worker whose parent dies sees its standard input close and stops.
@@ -95,10 +96,12 @@ class WorkerProcess(protocol.ProcessProtocol):
         self.index = index
         self.started_at = time.monotonic()
         self.info: dict | None = None  # what its ready line said, once it said it
+        self.pid: int | None = None  # (its transport forgets it once it has ended)
         self.ended = defer.Deferred()
         self._out = b""
 
     def connectionMade(self) -> None:  # noqa: N802 - Twisted's name
+        self.pid = self.transport.pid
         # The settings, then nothing: the pipe stays open, and closes when this process ends.
         self.transport.write(json.dumps(self.supervisor.spec(self.index)).encode() + b"\n")
 
@@ -177,13 +180,25 @@ class Supervisor:
             return
         process = self.workers[index] = WorkerProcess(self, index)
         fds = {0: "w", 1: "r", 2: 2, 3: self.public.fileno(), 4: self.private[index].fileno()}
-        self.reactor.spawnProcess(process, self.executable, [self.executable, "-m", "tensorshare_server.workers"],
-                                  env=dict(os.environ), childFDs=fds)
+        try:
+            self.reactor.spawnProcess(process, self.executable,
+                                      [self.executable, "-m", "tensorshare_server.workers"],
+                                      env=dict(os.environ), childFDs=fds)
+        except OSError as exc:  # no descriptors or processes left for now (EMFILE, EAGAIN): try again later
+            self.workers[index] = None
+            why = f"could not be started ({exc.strerror or exc})"
+            if not self.up.called:
+                self.failed = f"worker {index} {why}"
+                self.up.errback(UsageError(self.failed))
+                return
+            delay = self._backoff(index)
+            log.error("worker %d %s; trying again in %.1fs", index, why, delay)
+            self.reactor.callLater(delay, self.spawn, index)
 
     def ready(self, process: WorkerProcess) -> None:
         if self.workers[process.index] is not process:
             return
-        log.info("worker %d ready (pid %s)", process.index, process.transport.pid)
+        log.info("worker %d ready (pid %s)", process.index, process.pid)
         if not self.up.called and all(w is not None and w.info is not None for w in self.workers):
             self.up.callback(self)
 
@@ -200,11 +215,17 @@ class Supervisor:
             self.up.errback(UsageError(self.failed))
             return
         ran = time.monotonic() - process.started_at
-        delay = _FIRST_DELAY if ran > _STEADY else self.delays[index]
-        self.delays[index] = min(delay * 2, _MAX_DELAY)
-        log.error("worker %d (pid %s) %s after %.1fs; restarting it in %.1fs", index, process.transport.pid, why,
-                  ran, delay)
+        if ran > _STEADY:
+            self.delays[index] = _FIRST_DELAY
+        delay = self._backoff(index)
+        log.error("worker %d (pid %s) %s after %.1fs; restarting it in %.1fs", index, process.pid, why, ran, delay)
         self.reactor.callLater(delay, self.spawn, index)
+
+    def _backoff(self, index: int) -> float:
+        """Seconds to wait before starting worker ``index`` again (doubling, up to ``_MAX_DELAY``)."""
+        delay = self.delays[index]
+        self.delays[index] = min(delay * 2, _MAX_DELAY)
+        return delay
 
     # -- stopping
 
