@@ -12,11 +12,14 @@ Bounded: small sizes, every wait with a timeout.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import queue
 import resource
 import signal
 import socket
+import subprocess
+import sys
 import termios
 import time
 
@@ -24,7 +27,7 @@ import pytest
 import torch
 
 import tensorshare
-from opsproc import OpsServer
+from opsproc import OpsServer, http_get
 from serverproc import ServerProcess
 from tensorshare import TensorShare
 from tensorshare.errors import TensorShareError
@@ -219,3 +222,53 @@ def test_3_a_killed_worker_is_started_again_after_descriptors_ran_out_once(tmp_p
         for sock in socks:
             sock.close()
         srv.stop()
+
+
+# ============================================================ 5. a waiting get interrupted
+
+
+_INTERRUPTED_GET = """
+import sys, torch, tensorshare
+client = tensorshare.Client("127.0.0.1", int(sys.argv[1]), timeout=60)
+client.put("warm", torch.zeros(1))
+print("waiting", flush=True)
+try:
+    client.get("q", wait=60)
+except KeyboardInterrupt:  # a notebook's stop button
+    print("interrupted", flush=True)
+sys.stdin.readline()
+client.put("after", torch.ones(2))  # the client used on afterwards
+print("after", client.peek("after")[0].tolist(), flush=True)
+"""
+
+
+def test_5_a_waiting_get_interrupted_by_ctrl_c_takes_nothing_appended_later(tmp_path):
+    """A GET waiting in the server, interrupted by KeyboardInterrupt, stayed in the
+    server: the next item another client appended was taken by it, sent to a caller
+    who had left, and lost.  The interrupted call now resets its connection, and the
+    server drops the waiting GET (which takes nothing)."""
+    srv = OpsServer(log_path=tmp_path / "server.log")
+    child = subprocess.Popen([sys.executable, "-c", _INTERRUPTED_GET, str(srv.port)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "waiting"
+        time.sleep(0.5)  # the GET is in the server, waiting
+        child.send_signal(signal.SIGINT)
+        assert child.stdout.readline().strip() == "interrupted"
+        wait_for(lambda: _clients(srv) == 0, 5)  # the server has seen the reset (not asserted: the test is below)
+        with tensorshare.Client("127.0.0.1", srv.port, timeout=10) as other:
+            other.append("q", torch.arange(3))
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            assert child.stdout.readline().strip() == "after [1.0, 1.0]"
+            assert [v.tolist() for v in other.get("q")] == [[0, 1, 2]]  # not taken for the caller who left
+    finally:
+        child.kill()
+        child.wait(10)
+        srv.stop()
+
+
+def _clients(srv: OpsServer) -> int:
+    status, _, body = http_get(srv.url("/status.json"))
+    assert status == 200
+    return len(json.loads(body)["clients"])
