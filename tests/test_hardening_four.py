@@ -31,7 +31,10 @@ from opsproc import OpsServer, http_get
 from serverproc import ServerProcess
 from tensorshare import TensorShare
 from tensorshare.errors import TensorShareError
-from tensorshare.protocol.messages import Key, TableKey
+from tensorshare._client.connection import NO_VALUE, request_frame
+from tensorshare.protocol.messages import PUT, Key, TableKey
+from tensorshare.wire.codec import encode
+from test_device_ipc import reference
 from wiretools import RawConnection, request_parts, wait_for
 
 MiB = 1 << 20
@@ -272,3 +275,48 @@ def _clients(srv: OpsServer) -> int:
     status, _, body = http_get(srv.url("/status.json"))
     assert status == 200
     return len(json.loads(body)["clients"])
+
+
+# ============================================================ 6. a device-reference PUT whose bytes never come
+
+
+def test_6_a_put_by_reference_whose_bytes_never_come_does_not_freeze_a_relay():
+    """The relay's PEEK of a bin whose item was put by device reference, bytes not
+    sent, was held 60 s at a time at the head of its upstream connection: every later
+    request on it waited (another mirrored bin stale, a forwarded PUT unanswered).
+    The relay now asks with ``wait`` 0 (refused at once, 451) and fetches again."""
+    upstream = ServerProcess()
+    relay = ServerProcess("--follow", f"127.0.0.1:{upstream.port}", "--follow-timeout", "3")
+    publisher = RawConnection(upstream.port)  # on the upstream's host: it may put by reference
+    try:
+        value = encode(torch.arange(4.0))
+        fields = {Key.BIN: "ref", Key.VALUE: value.description, Key.SIZE: value.nbytes, Key.CUDA: reference(7)}
+        publisher.send(b"".join(bytes(p) for p in request_frame(1, PUT, fields, NO_VALUE)))
+        assert publisher.read_frame().header["code"] == 250  # stored, without its bytes
+        with tensorshare.Client("127.0.0.1", upstream.port, timeout=10) as up, \
+                tensorshare.Client("127.0.0.1", relay.port, timeout=10) as c:
+            up.put("other", torch.tensor([1]))
+            assert c.peek("other")[0].item() == 1  # mirrored
+            with pytest.raises(TensorShareError):  # its bytes are not there: no copy to serve yet
+                c.peek("ref", timeout=4)
+            up.put("other", torch.tensor([2]))
+            began = time.monotonic()
+            assert wait_for(lambda: c.peek("other")[0].item() == 2, 5), "the relay's mirror of 'other' is stale"
+            c.put("other", torch.tensor([3]))  # forwarded upstream on the same connection
+            assert time.monotonic() - began < 8
+            assert up.peek("other")[0].item() == 3
+            publisher.send(b"".join(bytes(p) for p in request_frame(
+                2, PUT, {Key.BIN: "ref", Key.VALUE: value.description, Key.FILL: 7}, value)))
+            assert publisher.read_frame().header["code"] == 250
+            assert wait_for(lambda: _peeked(c, "ref") == [0.0, 1.0, 2.0, 3.0], 10)  # the bytes came: mirrored
+    finally:
+        publisher.close()
+        relay.stop()
+        upstream.stop()
+
+
+def _peeked(client: tensorshare.Client, name: str):
+    try:
+        return client.peek(name, timeout=2)[0].tolist()
+    except TensorShareError:
+        return None

@@ -139,3 +139,37 @@ def test_3_the_parents_status_port_closes_a_silent_connection_and_counts_its_con
     assert not any(t.disconnecting for t in transports)
     reactor.advance(2)
     assert all(t.disconnecting for t in transports)
+
+
+# ============================================================ 6. a read of bytes still in a publisher's GPU
+
+
+def test_6_a_read_that_gives_wait_waits_for_missing_bytes_that_long_at_most():
+    """A read of an item put by device reference whose bytes never come was held 60 s
+    whatever it asked; a relay's fetch held so stopped its whole upstream connection.
+    A read's ``wait`` now bounds that wait too (0: refused at once, 451)."""
+    import torch
+
+    from pairing import Pair, headers
+    from tensorshare._client.connection import NO_VALUE
+    from tensorshare.errors import ServerLocalError
+    from tensorshare.protocol.messages import PEEK, PUT, Key
+    from tensorshare.wire.codec import encode
+    from test_device_ipc import reference
+
+    pair = Pair(same_host=True)
+    try:
+        value = encode(torch.arange(4.0))
+        pair.call(PUT, {Key.BIN: "ref", Key.VALUE: value.description, Key.SIZE: value.nbytes,
+                        Key.CUDA: reference(7)}, NO_VALUE)
+        with pytest.raises(ServerLocalError, match="within 0s"):
+            pair.call(PEEK, {Key.BIN: "ref", Key.WAIT: 0})
+        assert pair.call(PUT, {Key.BIN: "other"}, 1).header[Key.N] == 1  # the connection goes on
+        rid = pair.send_request(PEEK, {Key.BIN: "ref", Key.WAIT: 2.0})
+        pair.clock.advance(1.5)
+        assert not [h for h in headers(pair.receive()) if h.get("id") == rid]  # still held
+        pair.clock.advance(1.0)
+        [reply] = [h for h in headers(pair.receive()) if h.get("id") == rid]
+        assert reply["code"] == 451
+    finally:
+        pair.close()

@@ -8,7 +8,7 @@ client can open (``cuda``: their UUIDs) gets the reference in place of the item'
 bytes, and that client copies the item device to device.  The publisher then sends
 the bytes (a PUT with ``fill``: the reference's id), which every other reader gets
 as for any item (over TCP, or mapped on this host); until they arrive such a read
-waits in the server (:data:`BYTES_WAIT`, then 451).
+waits in the server (:data:`BYTES_WAIT`, or the read's ``wait``; then 451).
 
 Lifetimes (§13.3).  The publisher keeps a snapshot until the server says nothing
 holds its reference: the item has left its bin (replaced, taken, deleted) and
@@ -232,7 +232,9 @@ def unready(items: list[Item], cuda: list | None) -> bool:
 
 def hold_for_bytes(session, request, answer: Callable) -> Pending:
     """Answered with ``answer(session, request)`` once its bin's items have their
-    bytes (or are gone), up to :data:`BYTES_WAIT` seconds (then 451)."""
+    bytes (or are gone), up to :data:`BYTES_WAIT` seconds, or the request's own
+    ``wait`` if it gives one (0: not at all); then 451.  (A relay asks with 0: a
+    read held here holds every later request of its connection.)"""
     def ready(session, request) -> bool:
         items = session.storage.items_of(request.bin)
         try:
@@ -240,9 +242,14 @@ def hold_for_bytes(session, request, answer: Callable) -> Pending:
         except RemoteError:  # lost: answering refuses it
             return True
 
-    return longpoll.hold(session, request, ready, answer, timeout=BYTES_WAIT,
-                         refusal=lambda: ServerLocalError(f"the bytes of an item put by device reference did not "
-                                                          f"come within {BYTES_WAIT:g}s"))
+    bound = BYTES_WAIT if request.wait is None else min(request.wait, BYTES_WAIT)
+
+    def refusal() -> ServerLocalError:
+        return ServerLocalError(f"the bytes of an item put by device reference did not come within {bound:g}s")
+
+    if bound <= 0:
+        raise refusal()
+    return longpoll.hold(session, request, ready, answer, timeout=bound, refusal=refusal)
 
 
 def besides(refs: list | None, cuda: list | None) -> list | None:
