@@ -173,3 +173,34 @@ def test_6_a_read_that_gives_wait_waits_for_missing_bytes_that_long_at_most():
         assert reply["code"] == 451
     finally:
         pair.close()
+
+
+# ============================================================ 8. a huge sample of a one-item table
+
+
+def test_8_a_sample_of_many_copies_of_one_item_is_bounded_before_anything_is_drawn(tmp_path):
+    """A table of items' sample was bounded by its header alone: 2,000,000 copies of a
+    one-item table's item under a 16 MiB limit took +222 MiB and stalled another
+    client's NOOP 1.7 s.  Its payload is bounded by max_outbound (552) and what
+    building it takes counts in the memory budget (452), before anything is drawn."""
+    import torch
+
+    from pairing import Pair
+    from tensorshare.errors import StorageFullError, TooLargeError
+    from tensorshare.protocol.messages import TCREATE, TINSERT, TSAMPLE, Key, TableKey
+
+    pair = Pair(memory_limit=1 << 20, max_outbound=1 << 20, spill_dir=str(tmp_path), zero_copy=False)
+    try:
+        for name, item in (("tensor", torch.arange(8)), ("small", {"a": 1})):
+            pair.call(TCREATE, {Key.BIN: name, TableKey.SPEC: {"capacity": 1}})
+            pair.call(TINSERT, {Key.BIN: name}, item)
+        with pytest.raises(TooLargeError, match="max_outbound"):  # 20,000 x 64 bytes of payload
+            pair.call(TSAMPLE, {Key.BIN: "tensor", Key.N: 20_000})
+        with pytest.raises(StorageFullError, match="memory budget"):  # no payload, 20,000 rows of header
+            pair.call(TSAMPLE, {Key.BIN: "small", Key.N: 20_000})
+        tables = pair.state.storage.tables
+        assert tables.get("tensor").table.samples == tables.get("small").table.samples == 0  # nothing drawn
+        assert len(pair.call(TSAMPLE, {Key.BIN: "small", Key.N: 2000}).values) == 2000  # a header of 100 KiB
+        assert pair.state.store.in_flight_bytes == 0  # its header counted until written (here: at once)
+    finally:
+        pair.close()

@@ -514,7 +514,9 @@ class TableStore:
     def check_reply(self, entry: TableEntry, n: int) -> None:
         """A TSAMPLE/TREAD reply of ``n`` rows of ``entry`` is bounded and its memory
         counted before anything is drawn (:meth:`TableMemory.check_reply`)."""
-        self.memory.check_reply(entry.table.columns, n, 0 if entry.items is None else entry.items.largest)
+        items = entry.items
+        self.memory.check_reply(entry.table.columns, n, 0 if items is None else items.largest,
+                                0 if items is None else items.largest_payload)
 
     def hold_reply(self, nbytes: int) -> Callable[[], None]:
         """Count ``nbytes`` of gathered rows in a reply until the callable returned is called."""

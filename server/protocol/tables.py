@@ -30,6 +30,9 @@ from .outcome import in_lane, later
 from .registry import handles
 
 
+_COUNTED_HEADER = 64 << 10  # a reply header past this many bytes counts in the memory budget until written
+
+
 def _wake(session, name: str) -> None:
     """A change only waiting requests care about (a sample moved the rate limiter)."""
     session.state.waits.changed(name)
@@ -164,7 +167,8 @@ def _rows_reply(session, request, drawn):
     """A 226 reply: one value of stacked columns, or the items one by one.  A
     same-host client that asked for references (``ref``) may get the stacked columns
     as a reference to a copy in the shared-memory area instead (PROTOCOL.md §10.3).
-    Stacked columns sent as the payload count in the memory budget until written."""
+    Stacked columns sent as the payload, and a large header of items, count in the
+    memory budget until written."""
     header = request.command.reply(request.id)
     release = None
     header[Key.SEQ] = drawn.seq
@@ -194,7 +198,10 @@ def _rows_reply(session, request, drawn):
         header[Key.SIZES] = [item.nbytes for item in items]
         parts = [segment for item in items for segment in item.segments]
         payload_len = sum(item.nbytes for item in items)
-    parts.insert(0, frame_head(header, payload_len))
+    head = frame_head(header, payload_len)
+    parts.insert(0, head)
+    if gathered is None and len(head) > _COUNTED_HEADER:  # a table of items' many rows: its header counts too
+        release = session.storage.hold_reply(len(head))
     return parts if release is None else (parts, release, release)
 
 
