@@ -16,6 +16,7 @@ import json
 import os
 import queue
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -30,7 +31,7 @@ import tensorshare
 from opsproc import OpsServer, http_get
 from serverproc import ServerProcess
 from tensorshare import TensorShare
-from tensorshare.errors import TensorShareError
+from tensorshare.errors import BadRequestError, TensorShareError, TooLargeError
 from tensorshare._client.connection import NO_VALUE, request_frame
 from tensorshare.protocol.messages import PUT, Key, TableKey
 from tensorshare.wire.codec import encode
@@ -320,3 +321,45 @@ def _peeked(client: tensorshare.Client, name: str):
         return client.peek(name, timeout=2)[0].tolist()
     except TensorShareError:
         return None
+
+
+# ============================================================ 10. a refused load_table
+
+
+def _checkpoint_with(path, **settings) -> None:
+    """Change settings of the table checkpoint at ``path`` (as a hand-edited or foreign one may)."""
+    record = path / "table.json"
+    saved = json.loads(record.read_text())
+    saved["spec"].update(settings)
+    record.write_text(json.dumps(saved))
+
+
+def test_10_a_refused_load_table_leaves_the_live_table_as_it_was(tmp_path):
+    """load_table deleted the live table before the server had accepted the
+    checkpoint's settings: a refused load (sampler "bogus", capacity 2**40) left no
+    table.  The server now replaces the table (TCREATE ``replace``) only once the new
+    settings pass every check."""
+    srv = ServerProcess()
+    columns = {"x": ((), torch.int64)}
+    try:
+        with tensorshare.Client("127.0.0.1", srv.port, timeout=30) as c:
+            c.create_table("t", 8, columns)
+            c.insert("t", {"x": torch.arange(5)})
+            c.save("t", tmp_path / "good")
+            c.insert("t", {"x": torch.arange(5, 8)})  # the live table: 8 rows, the checkpoint 5
+            for bad, settings, error in (("bogus", {"sampler": "bogus"}, BadRequestError),
+                                         ("huge", {"capacity": 1 << 40}, TooLargeError)):
+                shutil.copytree(tmp_path / "good", tmp_path / bad)
+                _checkpoint_with(tmp_path / bad, **settings)
+                with pytest.raises(error):
+                    c.load_table(tmp_path / bad, "t")
+                assert c.table_info("t")["size"] == 8 and c.read("t", torch.arange(8))["x"].tolist() == list(range(8))
+            cli = subprocess.run([sys.executable, "-m", "tensorshare.cli", "--port", str(srv.port), "table", "load",
+                                  str(tmp_path / "bogus"), "t"], capture_output=True, text=True, timeout=60,
+                                 env={k: v for k, v in os.environ.items() if k != "TENSORSHARE_TOKEN"})
+            assert cli.returncode != 0 and "bogus" in cli.stderr
+            assert c.table_info("t")["size"] == 8
+            assert c.load_table(tmp_path / "good", "t") == 5  # an accepted one replaces it
+            assert c.table_info("t")["size"] == 5 and c.read("t", torch.arange(5))["x"].tolist() == list(range(5))
+    finally:
+        srv.stop()

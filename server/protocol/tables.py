@@ -43,15 +43,36 @@ def _wake(session, name: str) -> None:
 
 @handles(TCREATE)
 def create(session, request):
+    storage, name = session.storage, request.bin
+
     def made(result, error: RemoteError | None) -> dict:
         if error is not None:
             raise error
         table, change = result
         session.state.listeners.publish(change)
-        return TCREATE.reply(request.id, n=session.storage.count(request.bin), seq=session.storage.seq(request.bin))
+        return TCREATE.reply(request.id, n=storage.count(name), seq=storage.seq(name))
 
-    return later(lambda done: session.storage.create_table(request.bin, request.spec, done, bool(request.add_columns)),
-                 made)
+    def make(done: Callable) -> None:
+        storage.create_table(name, request.spec, done, bool(request.add_columns))
+
+    if not (request.replace and storage.is_table(name)):
+        return later(make, made)
+    storage.check_table_replacement(name, request.spec)  # a refused table leaves the old one as it was
+
+    def replace(done: Callable) -> None:
+        def deleted(change, error: RemoteError | None) -> None:
+            if error is not None:
+                done(None, error)
+                return
+            session.state.listeners.publish(change)
+            try:
+                make(done)
+            except RemoteError as exc:  # (a bin took the name meanwhile)
+                done(None, exc)
+
+        storage.delete(name, deleted)
+
+    return later(replace, made)
 
 
 @handles(TINFO)
