@@ -204,3 +204,35 @@ def test_8_a_sample_of_many_copies_of_one_item_is_bounded_before_anything_is_dra
         assert pair.state.store.in_flight_bytes == 0  # its header counted until written (here: at once)
     finally:
         pair.close()
+
+
+# ============================================================ 11. a table checkpoint's files are its own
+
+
+@pytest.mark.parametrize("link", ["x.memmap", "_slots/key.bin", "_slots", "table.json"])
+def test_11_a_checkpoint_file_that_is_a_symbolic_link_is_refused_not_followed(tmp_path, link):
+    """A checkpoint whose column file was a symbolic link uploaded the file it points
+    to (any file of the loading user whose size is known): its files must be its own."""
+    import shutil
+
+    from tensorshare.disk.layout import LayoutError
+    from tensorshare.disk.tables import CheckpointWriter, read_checkpoint
+
+    spec = {"capacity": 4, "columns": {"x": {"shape": [8], "dtype": "uint8"}}}
+    writer = CheckpointWriter(tmp_path / "ckpt", "t", spec, 2)
+    writer.column(writer.columns[0])[:] = 7
+    for what in ("index", "key", "priority", "times_sampled"):
+        writer.state(what)[:] = 0
+    writer.finish()
+    assert read_checkpoint(tmp_path / "ckpt").columns["x"][1].tolist() == [[7] * 8] * 2
+    secret = tmp_path / "secret"
+    target = tmp_path / "ckpt" / link
+    if target.is_dir():
+        shutil.copytree(target, secret)
+        shutil.rmtree(target)
+    else:
+        secret.write_bytes(target.read_bytes())  # a file the loading user may read, of the size expected
+        target.unlink()
+    os.symlink(secret, target)
+    with pytest.raises(LayoutError, match="symbolic link|not a table checkpoint|not a directory"):
+        read_checkpoint(tmp_path / "ckpt")
