@@ -236,3 +236,4 @@ def test_11_a_checkpoint_file_that_is_a_symbolic_link_is_refused_not_followed(tm
     os.symlink(secret, target)
     with pytest.raises(LayoutError, match="symbolic link|not a table checkpoint|not a directory"):
         read_checkpoint(tmp_path / "ckpt")
+

@@ -56,16 +56,23 @@ _STEADY = 30.0  # seconds a worker must have run for its next death to restart i
 
 
 def worker_config(config: ServerConfig, index: int) -> ServerConfig:
-    """The settings of worker ``index``: its share of the memory budget and of the
-    receive pool, its own data directory, its operations port on a free loopback
-    port (for this process to gather from) if the server has one.  (Spill and
-    shared-memory areas are per process already.)"""
+    """The settings of worker ``index``: its share of each of the whole server's limits
+    (the memory budget, the receive pool, connections, bins, table rows: a setting
+    is the server's, whatever its number of workers), its own data directory, its
+    operations port on a free loopback port (for this process to gather from) if the
+    server has one.  (Spill and shared-memory areas are per process already.)"""
     count = config.workers
+
+    def share(total: int) -> int:  # rounded up: N shares of a total >= N add up to at most total + N - 1
+        return -(-total // count)
+
     return replace(
         config, workers=1, worker_ports=None,
         data_dir=None if config.data_dir is None else worker_dir(config.data_dir, index),
         memory_limit=None if config.memory_limit is None else max(config.memory_limit // count, 1),
         recv_pool=config.recv_pool // count,
+        max_connections=share(config.max_connections),  # (0, no limit, stays 0)
+        max_bins=share(config.max_bins), max_table_rows=share(config.max_table_rows),
         metrics_port=None if config.metrics_port is None else 0, metrics_host="127.0.0.1",
         token=None, token_file=None,  # the resolved token travels apart (Supervisor._spec)
     )
