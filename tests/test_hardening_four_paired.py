@@ -237,3 +237,32 @@ def test_11_a_checkpoint_file_that_is_a_symbolic_link_is_refused_not_followed(tm
     with pytest.raises(LayoutError, match="symbolic link|not a table checkpoint|not a directory"):
         read_checkpoint(tmp_path / "ckpt")
 
+
+
+# ============================================================ 14. a declared size past max_frame
+
+
+@pytest.mark.parametrize("route", ["shm", "cuda"])
+def test_14_a_declared_size_past_max_frame_is_552_on_every_route_that_declares_one(route):
+    """PROTOCOL.md §10.4 said 501 for a shared-memory ``size`` past ``max_frame``, §7 and
+    the server 552; a PUT by device reference got 501.  Both are 552 now, as over TCP,
+    and a size that is not an int >= 0 is 501."""
+    import torch
+
+    from pairing import Pair
+    from tensorshare._client.connection import NO_VALUE
+    from tensorshare.errors import BadRequestError, TooLargeError
+    from tensorshare.protocol.messages import PUT, Key
+    from tensorshare.wire.codec import encode
+    from test_device_ipc import reference
+
+    pair = Pair(max_frame=1024, same_host=True)
+    try:
+        fields = {Key.BIN: "b", Key.VALUE: encode(torch.zeros(512)).description}
+        fields.update({Key.SHM: "x"} if route == "shm" else {Key.CUDA: reference(7)})
+        with pytest.raises(TooLargeError, match="max-frame"):
+            pair.call(PUT, {**fields, Key.SIZE: 2048}, NO_VALUE)
+        with pytest.raises(BadRequestError, match="size"):
+            pair.call(PUT, {**fields, Key.SIZE: -1}, NO_VALUE)
+    finally:
+        pair.close()

@@ -38,6 +38,7 @@ from tensorshare.protocol.messages import BAD_ARGS, PUT, ZERO_COPY_REFUSED, Key
 from ..bins.store import Item
 from . import longpoll
 from .outcome import Pending, later
+from .shared import declared_size
 
 BYTES_WAIT = 60.0  # seconds a read waits for the bytes of an item put by reference before 451
 _MEMORY_HANDLE = 64 << 10  # bytes of torch's handle of a block: 64 (torch < 2.5), 66 (a version and a kind
@@ -155,9 +156,7 @@ def store(session, request, check_value: Callable, stored: Callable):
     if request.payload_len or request.shm is not None:
         raise RemoteError("a value put by device reference comes without bytes", BAD_ARGS)
     ref = check_reference(request.cuda)
-    size = request.size
-    if type(size) is not int or not 0 <= size <= session.config.max_frame:
-        raise RemoteError(f"size must be an integer in 0..{session.config.max_frame}", BAD_ARGS)
+    size = declared_size(request.size, session.config.max_frame)
     check_value(session, request.value, size)
     item, change = storage.add_reference(request.bin, request.value, size, request.tag, ref)
     items_of(session).publish(item, ref, request.bin)
