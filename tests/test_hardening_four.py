@@ -105,7 +105,7 @@ def test_1_a_twrite_cut_by_kill_9_leaves_the_old_rows_or_the_new_ones(tmp_path):
             with tensorshare.Client("127.0.0.1", srv.port, timeout=30) as c:
                 assert c.table_info("t")["size"] == capacity
                 versions = _versions(c, capacity)
-            print(f"[1] killed {delay * 1000:g} ms after the last byte: every slot at version {versions}, was {version}")
+            print(f"[1] killed {delay * 1000:g} ms after the last byte: slots at {versions}, was {version}")
             assert set(versions) in ({version}, {new}), versions  # all or nothing
             version = versions[0]
     finally:

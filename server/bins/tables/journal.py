@@ -11,13 +11,15 @@ the old rows' keys and bytes go before the new ones are whole.
 So such a change is written here first, whole, before the table's files are
 touched: the new rows' bytes per column, their slots, keys and priorities, then
 (last) a header that makes the record count.  Once the change is applied the
-record is cleared (its header, kept mapped, zeroed).  A restart that finds a whole record
+record is cleared (its header zeroed).  A restart that finds a whole record
 applies it again (idempotent: the same bytes and state at the same slots); one
 without its header is ignored (the table's files were not touched yet).
 
-One file, ``_slots/journal.bin``: its header is kept mapped, its body written with
-``pwritev`` (the file opened for each change: no descriptor is held per table).  Without ``fsync`` this protects against the server process dying, as
-the rest of a durable table's files do (a power loss may lose recent rows).
+One file, ``_slots/journal.bin``: its header is kept mapped (set and cleared with
+no system call), its body written with ``pwritev`` (the file opened for each
+change: no descriptor is held per table).  Without ``fsync`` this protects against
+the server process dying, as the rest of a durable table's files do (a power loss
+may lose recent rows).
 
 File layout (little-endian)::
 
@@ -108,7 +110,7 @@ class Journal:
             self._head.close()
             self._head = None
 
-    def _mapped_head(self) -> np.ndarray:
+    def _mapped_head(self) -> mmap.mmap:
         if self._head is None:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
             try:
