@@ -1,9 +1,9 @@
 """Device tensors through the real clients and a real server, on the CPU.
 
 The device transfer engine runs over ``devicesim.DeferredStreams`` with CPU
-tensors standing in for device memory: values are encoded with ``stage=`` (their
-tensors become device spans) and replies to calls that ask for the ``cpu``
-device arrive through the engine (it is installed for that device type here).
+tensors standing in for device memory (``devicesim.DeviceTensor``: the codec sends
+them through the engine, as CUDA tensors) and replies to calls that ask for the
+``cpu`` device arrive through the engine (it is installed for that device type here).
 So the clients' staged sends (blocking and Twisted), their receives into device
 memory, ``into=`` destinations and the same-host paths (device to the server's
 shared memory, its files to the device) all run in CI.
@@ -17,7 +17,7 @@ import torch
 
 import tensorshare
 import tensorshare.device as device_engines
-from devicesim import DeferredStreams, Stream
+from devicesim import DeferredStreams, Stream, module_to_device, to_device
 from pairing import async_pair, result_of
 from serverproc import ServerProcess
 from tensorshare.device.engine import Engine
@@ -54,7 +54,7 @@ def test_tcp_put_and_peek_through_the_engine(server, engine):
     value = {"params": state_dict(), "step": 7, "big": torch.arange(300_000, dtype=torch.float32)}
     sim = engine.streams
     with tensorshare.Client("127.0.0.1", server.port, timeout=30, zero_copy=False) as c:
-        c.put("dev-tcp", encode(value, stage=engine))
+        c.put("dev-tcp", encode(to_device(value)))
         sent = sim.copies
         assert sent > 96 and engine.pool.made <= engine.depth  # staged, through a few reused buffers
         with tensorshare.Client("127.0.0.1", server.port, timeout=30, zero_copy=False, device="cpu") as reader:
@@ -74,7 +74,7 @@ def test_progress_is_reported_for_staged_puts(server, engine):
     seen = []
     value = torch.randn(1_000_000)
     with tensorshare.Client("127.0.0.1", server.port, timeout=30, zero_copy=False) as c:
-        c.put("dev-progress", encode(value, stage=engine), progress=lambda done, total: seen.append((done, total)))
+        c.put("dev-progress", encode(to_device(value)), progress=lambda done, total: seen.append((done, total)))
         assert same(c.peek("dev-progress"), [value])
     total = seen[-1][1]
     assert seen[-1][0] == total > 4_000_000 and len(seen) > 10
@@ -83,8 +83,8 @@ def test_progress_is_reported_for_staged_puts(server, engine):
 
 def test_peek_into_destination_tensors(server, engine):
     value = {"version": 3, "parameters": state_dict(8, 50_000)}
-    model = {name: torch.zeros_like(t) for name, t in value["parameters"].items()}
-    model["layer0.weight"] = torch.zeros(3)  # a shape that does not match: that array gets new memory
+    model = to_device({name: torch.zeros_like(t) for name, t in value["parameters"].items()})
+    model["layer0.weight"] = to_device(torch.zeros(3))  # a shape that does not match: that array gets new memory
     caller, seen = Stream("caller"), []
     with tensorshare.Client("127.0.0.1", server.port, timeout=30, zero_copy=False) as c:
         c.put("dev-into", value)
@@ -118,7 +118,7 @@ def test_the_async_client_sends_and_receives_through_the_engine(engine):
     client, pump, clock, state = async_pair()
     try:
         value = state_dict(40, 20_000)
-        assert result_of(client.put("dev-async", encode(value, stage=engine)), pump) == 1
+        assert result_of(client.put("dev-async", encode(to_device(value))), pump) == 1
         copies = engine.streams.copies
         [back] = result_of(client.peek("dev-async", device="cpu"), pump)
         assert same(back, value) and engine.streams.copies > copies
@@ -141,14 +141,14 @@ def test_same_host_put_into_shared_memory_and_peek_onto_the_device(same_host, en
     with tensorshare.Client("127.0.0.1", same_host.port, timeout=30) as c:
         assert c.same_host
         draft = c.shared(torch.zeros(100_000))  # a draft waiting to be put: puts look for drafts among their arrays
-        c.put("dev-shm", encode(value, stage=engine))  # device -> pinned buckets -> the server's files
+        c.put("dev-shm", encode(to_device(value)))  # device -> pinned buckets -> the server's files
         staged = sim.copies
         assert staged >= 13
         with tensorshare.Client("127.0.0.1", same_host.port, timeout=30) as tcp_check:
             assert same(tcp_check.peek("dev-shm"), [value])  # mapped on the host: what was written
         [back] = c.peek("dev-shm", device="cpu")  # the server's files -> pinned buckets -> device
         assert same(back, value) and sim.copies > staged
-        model = {name: torch.empty_like(t) for name, t in value["params"].items()}
+        model = to_device({name: torch.empty_like(t) for name, t in value["params"].items()})
         [into] = c.peek("dev-shm", device="cpu", into={"params": model})
         assert all(into["params"][name] is model[name] and torch.equal(model[name], t)
                    for name, t in value["params"].items())
@@ -167,7 +167,7 @@ def test_a_device_version_is_snapshotted_and_sent_in_the_background(server, engi
     results = []
     with tensorshare.Client("127.0.0.1", server.port, timeout=30, zero_copy=False) as c:
         sender = Sender(c)
-        enc = snapshot(encode({"version": 1, "parameters": state}, stage=engine))
+        enc = snapshot(encode(to_device({"version": 1, "parameters": state})))
         for t in state.values():  # training goes on: the snapshot does not see it
             t.add_(1)
         sender.send(PUT, "dev-sender", enc, 1, lambda result, error: results.append((result, error)))
@@ -189,7 +189,7 @@ def test_a_sender_reports_what_it_could_not_send(engine):
 
     errors = []
     sender = Sender(Gone())
-    sender.send(PUT, "x", snapshot(encode(torch.randn(100_000), stage=engine)), 1,
+    sender.send(PUT, "x", snapshot(encode(to_device(torch.randn(100_000)))), 1,
                 lambda result, error: errors.append(error))
     assert sender.flush(10)
     sender.close()
@@ -199,7 +199,7 @@ def test_a_sender_reports_what_it_could_not_send(engine):
 def test_a_worker_loads_a_version_straight_into_its_model(server, engine):
     from tensorshare import RLTrainer, RLWorker
 
-    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 256))
+    model = module_to_device(torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 256)))
     with RLTrainer("127.0.0.1", server.port, experiment="dev-load") as trainer, \
             RLWorker("127.0.0.1", server.port, experiment="dev-load", device="cpu", zero_copy=False) as worker:
         assert worker.load_into(model) == -1  # nothing published yet

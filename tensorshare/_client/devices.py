@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import ProtocolError
+from ..errors import ProtocolError, UsageError
 from ..protocol.messages import ITEMS, Key
 from ..wire.description import DEFAULT_LIMITS, Description, _ArrayRef, _TupleNode, parse_description
 from .connection import item_table
@@ -69,7 +69,31 @@ def device_sink(client, header: dict, nbytes: int):
         return None
     if layout is False:
         return None
-    return engine.incoming(nbytes, index, layout, call.after)
+    return engine.incoming(nbytes, index, layout, call.caller)
+
+
+def check_device(device: Any) -> Any:
+    """``device`` if replies can be built there, else :class:`UsageError` (before
+    anything is sent: a take whose items cannot be built would lose them)."""
+    if device is None:
+        return None
+    try:
+        where = torch.device(device)
+    except (TypeError, RuntimeError, ValueError) as exc:
+        raise UsageError(f"device {device!r} is not a torch device: {exc}") from None
+    if where.type == "cpu":
+        return device
+    from ..device import engine_for
+
+    if engine_for(where) is not None:
+        return device
+    if where.type == "cuda":
+        raise UsageError(f"device {device!r}: this torch sees no CUDA device")
+    module = getattr(torch, where.type, None)
+    available = getattr(module, "is_available", None)
+    if where.type == "meta" or available is None or not available():
+        raise UsageError(f"device {device!r} cannot hold the values of a reply")
+    return device
 
 
 def pinned(device: Any) -> Any:
@@ -84,19 +108,24 @@ def pinned(device: Any) -> Any:
         return device  # (the call says what is wrong with it)
     if where.type != "cuda" or where.index is not None:
         return device
-    return torch.device("cuda", torch.cuda.current_device())
+    from ..device import engine_for
+
+    engine = engine_for(where)
+    return device if engine is None else torch.device("cuda", engine.streams.index(where))
 
 
-def caller_mark(device: Any) -> Any:
-    """The point the caller's current stream of ``device`` has reached (an event), for
-    writes into its tensors to wait for; None where ``device`` has no engine.  Made
-    at the call, on the caller's thread: the reply may be read on another."""
+def caller_of(device: Any, with_mark: bool) -> Any:
+    """The :class:`~tensorshare.device.payload.Caller` of a call whose reply goes to
+    ``device`` (its current stream, and with ``with_mark`` the point that stream has
+    reached, for writes into its tensors to wait for); None where ``device`` has no
+    engine.  Taken at the call, on the caller's thread: the reply may be read on
+    another."""
     from ..device import engine_for
 
     engine = engine_for(device)
     if engine is None:
         return None
-    return engine.streams.mark(engine.streams.index(device))
+    return engine.caller(engine.streams.index(device), with_mark)
 
 
 def payload_layout(header: dict, nbytes: int, into: Callable | None, engine, index: int):
