@@ -210,6 +210,7 @@ class DeferredStreams:
         self.unmapped: list = []  # the stream synchronised when each opened block was let go
         self.share_ok = True  # whether share() can share (torch cannot share every block: RuntimeError)
         self.violations: list[str] = []  # uses after free, as they ran
+        self.memory_full = False  # allocations fail, as on a device out of memory
         self._pinned: dict[int, int] = {}  # address -> bytes of live pinned buffers
         self._held: dict[str, threading.Event] = {}  # thread name prefix -> released (see hold)
 
@@ -251,12 +252,15 @@ class DeferredStreams:
 
     def side(self, index: int) -> Stream:
         """The calling thread's own stream of the engine (one per thread, as CudaStreams)."""
-        key = (threading.get_ident(), index)
-        with _lock:
-            stream = self._side.get(key)
-            if stream is None:
-                stream = self._side[key] = Stream(f"side{len(self._side)}")
-            return stream
+        streams = getattr(self._local, "side", None)
+        if streams is None:
+            streams = self._local.side = {}
+        stream = streams.get(index)
+        if stream is None:
+            with _lock:
+                stream = streams[index] = Stream(f"side{len(self._side)}")
+                self._side[len(self._side)] = stream
+        return stream
 
     def mark(self, index: int) -> Event:
         return self.record(self.current())
@@ -336,6 +340,8 @@ class DeferredStreams:
         return buffer
 
     def empty(self, nbytes: int, index: int, stream: Stream) -> torch.Tensor:
+        if self.memory_full:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {nbytes} bytes")
         self.devices += 1
         tensor = _tensor_of(_Block(nbytes, stream), nbytes)
         tensor.fill_(POISON)
@@ -384,6 +390,10 @@ class DeferredStreams:
             raise RuntimeError("CUDA error: invalid device context (cudaIpcOpenMemHandle of memory this process "
                                "exported)")
         size, offset = fields[2], fields[3]
+        if not 0 <= offset <= offset + size <= DEVICE_MEMORY:  # torch maps what it is told: a fault, later
+            problem = f"illegal memory access: an IPC block of {size} bytes at {offset} was mapped"
+            self.violations.append(problem)
+            raise RuntimeError(f"CUDA error: {problem}")
         try:
             opened = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
         except OSError as exc:
@@ -392,7 +402,9 @@ class DeferredStreams:
             if os.fstat(opened).st_ino != inode:
                 raise RuntimeError("CUDA error: invalid resource handle (the block was freed)")
             if offset + size > nbytes:  # torch does not check: a read past the block is a fault on a GPU
-                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+                problem = f"illegal memory access: {size} bytes at {offset} of a block of {nbytes}"
+                self.violations.append(problem)
+                raise RuntimeError(f"CUDA error: {problem}")
             block = _Block.__new__(_Block)
             block.fd, block.mm = -1, mmap.mmap(opened, max(nbytes, 1))
             block.nbytes, block.owner, block.recorded, block.freed = nbytes, None, set(), False

@@ -10,6 +10,7 @@ from __future__ import annotations
 import mmap
 import os
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -476,3 +477,83 @@ def test_device_compares_answer_in_one_wait_and_bitwise():
     assert differing([(a, a.clone()), (a, torch.tensor([-0.0, float("nan"), 1.0])), (torch.ones(3), torch.ones(3))]) \
         == [False, True, False]
     assert differing([(torch.arange(7, dtype=torch.int8), torch.arange(7, dtype=torch.int8).flip(0))]) == [True]
+
+
+# ------------------------------------------------------------------ the caller's stream, failures, threads
+
+
+def test_a_receive_that_fails_stops_writing_into_the_callers_tensors_before_it_says_so():
+    """A reply cut midway: once the call's error is raised, nothing the engine
+    queued writes into the caller's tensors any more (they may hold part of the
+    reply, never change after)."""
+    eng = engine()
+    sim = eng.streams
+    value = torch.randn(8 * BUCKET // 4)
+    description, payload = payload_of(value)
+    desc = parse_description(description, len(payload))
+    dest = to_device(torch.zeros(8 * BUCKET // 4))
+    at_call = eng.caller(0, with_mark=True)
+    sink = eng.incoming(len(payload), 0, [(desc.arrays[0].offset, desc.arrays[0].nbytes, dest)], at_call)
+    sink.write(payload[: 5 * BUCKET + 17])  # the connection is lost here
+    at_call.abandon()  # (the call fails)
+    after_error = dest.cpu()
+    for stream in list(sim._side.values()):  # whatever the device still had to do
+        sim.flush(stream)
+    assert torch.equal(dest.cpu(), after_error)
+
+
+def test_a_value_staged_on_one_thread_and_sent_on_another():
+    """A tensor laid out otherwise (a transpose) is made contiguous on the first
+    thread's stream; a send from another thread's stream waits for it."""
+    eng = engine()
+    value = to_device(torch.arange(64 * 300, dtype=torch.float32).view(64, 300).t())
+    enc = encode(value)
+    span = next(b for b in enc.buffers if type(b) is DeviceSpan)
+    span.flat(eng.streams.side(0))  # made on this thread's stream, not run yet
+    out = []
+    thread = threading.Thread(target=lambda: out.append(sent_bytes(eng, enc.buffers)))
+    thread.start()
+    thread.join()
+    assert out[0] == payload_of(value.cpu())[1]
+
+
+def test_an_empty_tensor_beside_a_destination_gets_no_destination():
+    """An empty array has the offset of the array after it: it must not come back
+    as that array's destination tensor."""
+    value = {"empty": torch.zeros(0), "w": torch.randn(500)}
+    description, payload = payload_of(value)
+    desc = parse_description(description, len(payload))
+    eng = engine()
+    dest = to_device(torch.zeros(500))
+    targets = {i: dest for i, spec in enumerate(desc.arrays) if spec.nbytes} | \
+        {i: to_device(torch.zeros(0)) for i, spec in enumerate(desc.arrays) if not spec.nbytes}
+    from tensorshare.device.payload import item_layout
+
+    layout = item_layout(desc, 0, targets, eng, 0)
+    sink = eng.incoming(len(payload), 0, layout)
+    sink.write(payload)
+    out = build(desc, sink.finish())
+    assert out["w"] is dest and torch.equal(dest, value["w"])
+    assert out["empty"] is not dest and out["empty"].shape == (0,)
+
+
+def test_a_reader_hands_torch_no_ipc_block_beyond_its_device():
+    """A reference (from a server anyone on the host reaches) whose size or offset
+    lies beyond the device, or whose handle is of no size torch reads, is refused
+    before torch maps anything (a read past a block is a fault of the reader's
+    CUDA context)."""
+    from tensorshare.device.ipc import load
+    from tensorshare.errors import DeviceReferenceError
+
+    eng = engine()
+    value = torch.randn(100)
+    description, payload = payload_of(value)
+    handle = b"standin\0" + bytes(58)
+    for ipc in ([0, handle, 1 << 50, 0, b"", 0, b"", False], [0, handle, len(payload), (1 << 40) - 64, b"", 0, b"",
+                                                               False],
+                [0, b"h" * 16, len(payload), 0, b"", 0, b"", False], [0, b"h" * (1 << 17), len(payload), 0, b"", 0,
+                                                                       b"", False],
+                [0, handle, 16, 0, b"", 0, b"", False]):
+        with pytest.raises(DeviceReferenceError):
+            load({"dev": "standin-0", "ipc": ipc, "digest": [0]}, description, len(payload), "cpu")
+    assert not eng.streams.violations

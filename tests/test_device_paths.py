@@ -232,3 +232,76 @@ def test_a_table_sample_arrives_on_the_device(server, engine):
         assert torch.equal(sample.value["obs"], obs[rows]) and torch.equal(sample.value["act"], rows)
         read = c.read("dev-table", [3, 5], device="cpu")
         assert torch.equal(read["obs"], obs[[3, 5]])
+
+
+# ------------------------------------------------------------------ the caller's stream, on every path
+
+
+def test_the_async_client_hands_a_reply_into_tensors_to_the_callers_stream(engine):
+    """An AsyncClient's reply is read on the reactor thread: the writes into the
+    caller's tensors wait for the caller's stream as it was at the call, and the
+    result is handed to that stream, not to the reactor thread's."""
+    client, pump, clock, state = async_pair()
+    sim = engine.streams
+    try:
+        value = state_dict(12, 50_000)
+        result_of(client.put("dev-async-into", value), pump)
+        model = to_device({k: torch.zeros_like(v) for k, v in value.items()})
+        caller, seen = sim.stream(), []
+        with sim.using(caller):  # a kernel reading the model, queued before the call
+            sim.later(caller, lambda: seen.append(model["layer1.weight"].clone()))
+            called = client.peek("dev-async-into", device="cpu", into=model)
+        [back] = result_of(called, pump)  # read with another current stream
+        assert {stream for _tensor, stream in sim.handed} == {caller}
+        sim.flush(caller)
+        assert not seen[0].any() and all(back[k] is model[k] for k in model) and same(model, value)
+    finally:
+        client.close()
+        pump.flush()
+        state.storage.close()
+
+
+def test_same_host_reads_into_tensors_wait_for_the_callers_stream_whatever_thread_reads(same_host, engine):
+    """Mapped from the server's files on the thread that happens to read the reply:
+    the writes into the caller's tensors wait for its stream at the call, and what
+    is handed over goes to that stream."""
+    value = state_dict(10, 50_000)
+    sim = engine.streams
+    with tensorshare.Client("127.0.0.1", same_host.port, timeout=30) as c:
+        assert c.same_host
+        c.put("dev-shm-into", value)
+        c.listen("dev-shm-into-heard", lambda note: None)  # a reading thread: the reply may arrive there
+        model = to_device({k: torch.zeros_like(v) for k, v in value.items()})
+        caller, seen = sim.stream(), []
+        for _ in range(2):  # (the first read promotes the item into shared memory; the second maps it)
+            with sim.using(caller):
+                sim.later(caller, lambda: seen.append(model["layer1.weight"].clone()))
+                [back] = c.peek("dev-shm-into", device="cpu", into=model)
+            sim.flush(caller)
+    assert not seen[0].any() and all(back[k] is model[k] for k in model) and same(model, value)
+    assert {stream for _tensor, stream in sim.handed} == {caller}
+
+
+# ------------------------------------------------------------------ a device that cannot take the reply
+
+
+@pytest.mark.parametrize("device", ["gpu", "meta", *([] if torch.cuda.is_available() else ["cuda", "cuda:0"])])
+def test_a_take_onto_a_device_that_cannot_hold_it_is_refused_before_anything_is_taken(server, device):
+    with tensorshare.Client("127.0.0.1", server.port, timeout=30, zero_copy=False) as c:
+        for i in range(3):
+            c.append(f"dev-bad-{device}", torch.full((4,), float(i)))
+        with pytest.raises(tensorshare.errors.UsageError):
+            c.get(f"dev-bad-{device}", device=device)
+        with pytest.raises(tensorshare.errors.UsageError):
+            tensorshare.Client("127.0.0.1", server.port, device=device)
+        assert [float(t[0]) for t in c.get(f"dev-bad-{device}")] == [0.0, 1.0, 2.0]  # all still there
+
+
+def test_a_take_whose_items_do_not_fit_on_the_device_loses_none(server, engine):
+    value = torch.randn(600_000)  # over DEVICE_MIN: received straight into device memory, were there room
+    with tensorshare.Client("127.0.0.1", server.port, timeout=30, zero_copy=False) as c:
+        c.append("dev-full", value)
+        c.append("dev-full", value + 1)
+        engine.streams.memory_full = True
+        items = c.get("dev-full", device="cpu")
+    assert len(items) == 2 and torch.equal(items[0], value) and torch.equal(items[1], value + 1)

@@ -15,6 +15,7 @@ Replies that hold numpy arrays, and small ones, are received as before and moved
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any, Callable
 
@@ -24,6 +25,8 @@ from ..errors import ProtocolError, UsageError
 from ..protocol.messages import ITEMS, Key
 from ..wire.description import DEFAULT_LIMITS, Description, _ArrayRef, _TupleNode, parse_description
 from .connection import item_table
+
+log = logging.getLogger("tensorshare.client")
 
 DEVICE_MIN = 1 << 20  # replies from this many payload bytes arrive into device memory directly
 
@@ -39,7 +42,11 @@ def receive_on_device(conn, client) -> None:
     def sink(header: dict, nbytes: int):
         if nbytes >= DEVICE_MIN:
             client = owner()
-            made = None if client is None else device_sink(client, header, nbytes)
+            try:
+                made = None if client is None else device_sink(client, header, nbytes)
+            except RuntimeError as exc:  # no room on the device: received in host memory (a take loses nothing)
+                log.warning("a reply of %d bytes is received in host memory: %s", nbytes, exc)
+                made = None
             if made is not None:
                 return made
         return plain(header, nbytes)

@@ -163,7 +163,10 @@ def load(ref: dict, description: bytes, size: int, device: Any, limits: DecodeLi
                 raise DeviceReferenceError(f"cannot open the device reference: {exc}") from None
             if source[0].numel() < size:
                 raise DeviceReferenceError("the device reference holds fewer bytes than the item")
-        payload = engine.copy_in(source[0], size, index, layout if targeted else None, caller)
+        try:
+            payload = engine.copy_in(source[0], size, index, layout if targeted else None, caller)
+        except RuntimeError as exc:  # no room on the device, say: the bytes are read instead
+            raise DeviceReferenceError(f"cannot copy the item by device reference: {exc}") from None
         got = engine.on_side(index, lambda: digests([payload.bytes_at(s.offset, s.nbytes) for s in desc.arrays]))
     finally:
         # Let the mapping go with the engine's stream current: torch's clean-up of a
