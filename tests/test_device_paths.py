@@ -237,15 +237,21 @@ def test_a_table_sample_arrives_on_the_device(server, engine):
 # ------------------------------------------------------------------ the caller's stream, on every path
 
 
-def test_the_async_client_hands_a_reply_into_tensors_to_the_callers_stream(engine):
+@pytest.mark.parametrize("path", ["tcp", "shared memory"])
+def test_the_async_client_hands_a_reply_into_tensors_to_the_callers_stream(engine, path):
     """An AsyncClient's reply is read on the reactor thread: the writes into the
     caller's tensors wait for the caller's stream as it was at the call, and the
-    result is handed to that stream, not to the reactor thread's."""
-    client, pump, clock, state = async_pair()
+    result is handed to that stream, not to the reactor thread's; received over
+    TCP, or copied from the server's files."""
+    options = {"zero_copy": False} if path == "tcp" else {}
+    client, pump, clock, state = async_pair(client_options=options, zero_copy_min=0)
     sim = engine.streams
     try:
         value = state_dict(12, 50_000)
         result_of(client.put("dev-async-into", value), pump)
+        if path == "shared memory":
+            result_of(client.peek("dev-async-into"), pump)  # (a same-host read: the item moves to shared memory)
+            assert state.storage.items_of("dev-async-into")[0].files is not None
         model = to_device({k: torch.zeros_like(v) for k, v in value.items()})
         caller, seen = sim.stream(), []
         with sim.using(caller):  # a kernel reading the model, queued before the call
@@ -259,27 +265,6 @@ def test_the_async_client_hands_a_reply_into_tensors_to_the_callers_stream(engin
         client.close()
         pump.flush()
         state.storage.close()
-
-
-def test_same_host_reads_into_tensors_wait_for_the_callers_stream_whatever_thread_reads(same_host, engine):
-    """Mapped from the server's files on the thread that happens to read the reply:
-    the writes into the caller's tensors wait for its stream at the call, and what
-    is handed over goes to that stream."""
-    value = state_dict(10, 50_000)
-    sim = engine.streams
-    with tensorshare.Client("127.0.0.1", same_host.port, timeout=30) as c:
-        assert c.same_host
-        c.put("dev-shm-into", value)
-        c.listen("dev-shm-into-heard", lambda note: None)  # a reading thread: the reply may arrive there
-        model = to_device({k: torch.zeros_like(v) for k, v in value.items()})
-        caller, seen = sim.stream(), []
-        for _ in range(2):  # (the first read promotes the item into shared memory; the second maps it)
-            with sim.using(caller):
-                sim.later(caller, lambda: seen.append(model["layer1.weight"].clone()))
-                [back] = c.peek("dev-shm-into", device="cpu", into=model)
-            sim.flush(caller)
-    assert not seen[0].any() and all(back[k] is model[k] for k in model) and same(model, value)
-    assert {stream for _tensor, stream in sim.handed} == {caller}
 
 
 # ------------------------------------------------------------------ a device that cannot take the reply

@@ -124,10 +124,17 @@ def test_a_reader_in_the_publishers_own_process_copies_from_the_snapshot(same_ho
 
 def test_a_read_right_after_a_put_by_reference_on_the_same_connection(same_host, engine):
     """The publisher reads its item at once: the read waits in the server for the
-    bytes, which must not be queued behind it on that connection."""
+    bytes, which must not be queued behind it on that connection (nor behind
+    anything else there)."""
     with tensorshare.Client("127.0.0.1", same_host.port, timeout=10) as c, \
+            tensorshare.Client("127.0.0.1", same_host.port, timeout=10) as mapper, \
             tensorshare.Client("127.0.0.1", same_host.port, timeout=10, zero_copy=False) as elsewhere:
-        values = state(3)
+        c.put("ipc-same", to_device(state(3)), by_reference=True)
+        assert c._exports.idle(10)
+        mapper.peek("ipc-same")  # a same-host reader maps the bin: the bytes go through shared memory from now on
+        c.put("ipc-same", to_device(state(3)), by_reference=True)  # (its reply says so)
+        assert c._exports.idle(10)
+        values = state(4)
         got: list = []
         with engine.streams.hold("tensorshare-upload"):  # the bytes are slow to come down from the device
             c.put("ipc-same", to_device(values), by_reference=True)
@@ -135,7 +142,7 @@ def test_a_read_right_after_a_put_by_reference_on_the_same_connection(same_host,
                        for client in (c, elsewhere)]
             for thread in readers:
                 thread.start()
-            time.sleep(0.2)  # both reads wait in the server for the bytes
+            time.sleep(0.3)  # both reads wait in the server for the bytes
         for thread in readers:
             thread.join(30)
         assert len(got) == 2 and all(not isinstance(x, Exception) and equal(x[0], values) for x in got), got
