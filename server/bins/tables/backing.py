@@ -27,6 +27,7 @@ import numpy as np
 from tensorshare.disk.tables import table_metadata
 
 from .columns import ColumnSpec
+from .journal import Journal
 from .readahead import ReadAhead, random_access
 
 SHUT_NOTE = "shut.json"  # in _slots/: the table's files are whole (a clean stop), and its counts
@@ -50,10 +51,14 @@ class Backing(Protocol):
     def close(self) -> None:
         """The table is gone: let go of what :meth:`allocate` gave."""
 
+    # ``journal``: a durable backing's :class:`~.journal.Journal` (None: changes need none)
+
 
 class MemoryBacking:
     """Columns in ordinary memory.  ``numpy.zeros`` maps fresh pages lazily, so a large
     table costs memory only as its rows are written."""
+
+    journal = None
 
     def allocate(self, spec: ColumnSpec, capacity: int) -> np.ndarray:
         return np.zeros((capacity, spec.row_bytes), np.uint8)
@@ -90,6 +95,8 @@ class MemmapBacking:
         self._mapped: list[np.ndarray] = []
         self._rows: list[np.ndarray] = []  # those with a row per slot: the columns and the per-slot state
         self._made_state = False
+        # a durable table's changes that replace rows are recorded first (see .journal)
+        self.journal = Journal(os.path.join(directory, "_slots", "journal.bin")) if keep else None
 
     item_slots = MemoryBacking.item_slots  # items are never in files
 
@@ -180,6 +187,8 @@ class MemmapBacking:
         _sync_directory(directory)
 
     def close(self) -> None:
+        if self.journal is not None:
+            self.journal.close()
         if not self.keep:
             for path in self.paths:
                 try:

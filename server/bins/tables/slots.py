@@ -141,17 +141,22 @@ class Slots:
 
     # -- changes
 
+    def keys_for(self, slots: np.ndarray) -> np.ndarray:
+        """The keys :meth:`fill` will give new rows in ``slots``."""
+        return (np.arange(self.next_seq, self.next_seq + slots.size, dtype=np.int64) * self.capacity) + slots
+
     def fill(self, slots: np.ndarray, priorities: np.ndarray, ends: np.ndarray | None = None) -> np.ndarray:
         """New rows in the free ``slots`` (distinct): give them keys; returns the keys.
         ``ends``: which of them end their episode."""
+        keys = self.keys_for(slots)
         n = slots.size
-        keys = (np.arange(self.next_seq, self.next_seq + n, dtype=np.int64) * self.capacity) + slots
         self.next_seq += n
         at = as_index(slots)
-        self.key[at] = keys
+        # the key last: in a durable table's files a slot holds a row from then on
         self.priority[at] = priorities
         self.times_sampled[at] = 0
         self.flags[at] = LIVE if ends is None else np.where(ends, LIVE | END, LIVE)
+        self.key[at] = keys
         self.size += n
         self.count.changed(slots)
         return keys

@@ -71,12 +71,17 @@ class Table:
         self.rng = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
         self._data = [self._backing.allocate(spec, self.capacity) for spec in self.columns]
         self._items: list | None = None if self.columns else self._backing.item_slots(self.capacity)
+        self._journal = getattr(self._backing, "journal", None)  # a durable table's (see .journal)
+        self._journaled = False  # a change recorded there and not applied yet
         self.inserts = 0  # rows that entered the table (inserted or written)
         self.samples = 0  # rows handed out by samples
         self.removals = 0  # rows that left (removed to make room, overwritten, sampled out, removed)
         self.version = 0
         self._allowance = 0  # with max_times_sampled: samples the rows held may still give
         if state_array is not None and self._backing.reopen:
+            if self._journal is not None:  # a change a killed server had recorded but maybe not applied
+                self._journal.replay({spec.name: column for spec, column in zip(self.columns, self._data)},
+                                     self._slots)
             shut = self._backing.take_shut()
             if shut is None or not self._reopen(shut):
                 self._restore()
@@ -237,10 +242,11 @@ class Table:
         slots = self._slots.free(min(n - dropped, room))
         if n - dropped > room:
             victims = self._remover.victims(n - dropped - room)
-            # (their slots are filled at once: the trees are redone once, for the new rows)
-            removed = self._remove(victims, reindex=False)
             # free slots first, then those just freed: a fifo table fills as a ring buffer
             slots = np.concatenate((slots, victims))
+            self._journal_record(slots, views, priorities, ends)
+            # (their slots are filled at once: the trees are redone once, for the new rows)
+            removed = self._remove(victims, reindex=False)
         else:
             removed = self._nothing_removed()
         keys = self._put(slots, views, items, priorities, ends)
@@ -273,6 +279,8 @@ class Table:
             raise WouldBlockError(f"a write of {n} rows may not proceed now "
                                   f"(inserts allowed now: {self.inserts_allowed()})")
         occupied = slots[self._slots.key[slots] >= 0]
+        if occupied.size:
+            self._journal_record(slots, views, priorities, ends)
         removed = self._remove(occupied)
         keys = self._put(slots, views, items, priorities, ends)
         return Written(keys, slots, removed)
@@ -540,6 +548,16 @@ class Table:
         self._sampler.check_priorities(p)
         return p
 
+    def _journal_record(self, slots: np.ndarray, views: list[np.ndarray], priorities: np.ndarray,
+                        ends: np.ndarray | None) -> None:
+        """The rows about to replace others go to a durable table's journal first, so a
+        kill in the middle leaves the old rows or the new ones, never neither;
+        :meth:`_put` clears it once they are in."""
+        if self._journal is not None:
+            self._journal.record([spec.name for spec in self.columns], slots, self._slots.keys_for(slots),
+                                 priorities, views, ends)
+            self._journaled = True
+
     def _put(self, slots: np.ndarray, views: list[np.ndarray], items: list | None, priorities: np.ndarray,
              ends: np.ndarray | None):
         """Fill the free ``slots`` with new rows; returns their keys."""
@@ -551,6 +569,9 @@ class Table:
             for slot, item in zip(slots.tolist(), items):
                 store[slot] = item
         keys = self._slots.fill(slots, priorities, ends)
+        if self._journaled:
+            self._journal.clear()
+            self._journaled = False
         for index in self._indexes:
             index.added(slots)
         n = slots.size
