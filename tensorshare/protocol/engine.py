@@ -67,17 +67,18 @@ class Call:
     """One request in flight: its id, its command and header fields; once answered,
     the reply ``frame`` and, for an error reply (or a reply that breaks its
     declaration), ``error``.  ``handle`` is the listen handle a LISTEN activates or
-    a stopping request ends.  Drivers and the clients' value layer subclass it with
+    a stopping request ends; ``deadline``, when its caller gives up.  Drivers and the clients' value layer subclass it with
     what they need (slots only: thousands may be in flight, and every object per
     call is work for the garbage collector)."""
 
-    __slots__ = ("rid", "command", "fields", "frame", "error", "handle")
+    __slots__ = ("rid", "command", "fields", "frame", "error", "handle", "deadline")
 
     def __init__(self, rid: int, command: Command, fields: dict | None):
         self.rid, self.command, self.fields = rid, command, fields
         self.frame: Frame | None = None
         self.error: BaseException | None = None
         self.handle: Any = None
+        self.deadline: float | None = None  # when its caller gives up (a driver's clock)
 
     def __repr__(self) -> str:
         return f"<Call {self.command.verb} id={self.rid}>"
@@ -351,15 +352,10 @@ class Engine:
 
     # -- requests
 
-    def request(self, call: Call, value: RawValue | None = None) -> list:
-        """Track ``call`` and return its frame's parts: the header (``value``'s
-        description in it), then the payload buffers as they are."""
-        header = call.command.request(call.rid, call.fields)
-        self.track(call)
-        if value is None:
-            return [frame_head(header, 0)]
-        header[Key.VALUE] = value.description
-        return [frame_head(header, value.nbytes), *value.buffers]
+    def request(self, call: Call, value: RawValue | None = None, now: float | None = None) -> list:
+        """Track ``call`` and return its frame's parts (:func:`frame_of`)."""
+        self.track(call, now)
+        return frame_of(call, value)
 
     def track(self, call: Call, now: float | None = None) -> None:
         """``call``'s frame is going out (built by the caller): its reply is awaited.
@@ -485,6 +481,16 @@ class Engine:
         return out
 
 
+def frame_of(call: Call, value: RawValue | None = None) -> list:
+    """The parts of ``call``'s request frame: the header (``value``'s description in
+    it), then the value's payload buffers as they are."""
+    header = call.command.request(call.rid, call.fields)
+    if value is None:
+        return [frame_head(header, 0)]
+    header[Key.VALUE] = value.description
+    return [frame_head(header, value.nbytes), *value.buffers]
+
+
 _RESTORING = object()  # the handle of a LISTEN the engine sends to restore a bin's listens
 
 
@@ -497,5 +503,5 @@ def _report_unsolicited(header: dict, where: str) -> None:
     log.log(level, "error reply from %s for no request: %s", where, error)
 
 
-__all__ = ["Call", "DEAD", "Engine", "Listens", "Notice", "PROBE", "READY", "RawValue", "Restored",
-           "WrongServerError", "next_request_id"]
+__all__ = ["Call", "DEAD", "Engine", "Listens", "Notice", "PROBE", "READY", "RawValue", "Restored", "frame_of",
+           "next_request_id"]
