@@ -16,7 +16,7 @@ from tensorshare.errors import (
     ConnectionLostError, NoSuchBinError, NotAuthenticatedError, ProtocolError, WrongServerError,
 )
 from tensorshare.protocol.engine import DEAD, PROBE, READY, Call, Engine, Notice, RawValue, Restored, next_request_id
-from tensorshare.protocol.messages import APPEND, GET, LIST, NOOP, PEEK, PUT, Key
+from tensorshare.protocol.messages import APPEND, GET, LIST, LISTEN, NOOP, PEEK, PUT, Key
 from tensorshare.protocol.placement import WorkerMap
 from tensorshare.protocol.router import Router
 
@@ -96,7 +96,7 @@ def test_an_http_server_is_told_from_its_first_bytes():
 
 def test_a_listen_hears_a_change_made_right_after_its_reply(pair):
     handle = Handle("b")
-    listen = pair.engine.listen(handle)
+    listen = _listen(pair.engine, handle)
     pair.send(pair.engine.request(listen))
     pair.call(PUT, {Key.BIN: "b"}, raw())  # the notification follows in the same bytes as the PUT's reply
     assert listen.error is None and "b" in pair.engine.listens
@@ -107,7 +107,7 @@ def test_a_listen_hears_a_change_made_right_after_its_reply(pair):
 def test_listens_are_restored_on_the_next_connection():
     p = EnginePair()
     handle = Handle("b", every_append=False)
-    listen = p.engine.listen(handle)
+    listen = _listen(p.engine, handle)
     p.send(p.engine.request(listen))
     p.pump()
     p.call(APPEND, {Key.BIN: "b"}, raw())
@@ -128,14 +128,14 @@ def test_listens_are_restored_on_the_next_connection():
 def test_stopping_one_of_two_handles_sends_a_noop_and_the_last_an_unlisten(pair):
     first, second = Handle("b"), Handle("b")
     for handle in (first, second):
-        pair.send(pair.engine.request(pair.engine.listen(handle)))
+        pair.send(pair.engine.request(_listen(pair.engine, handle)))
     pair.pump()
-    stop = pair.engine.stop_listening(first)
+    stop = _stop(pair.engine, first)
     assert stop.command is NOOP
     pair.send(pair.engine.request(stop))
     pair.pump()
     assert pair.engine.listens.handles("b") == (second,)
-    stop = pair.engine.stop_listening(second)
+    stop = _stop(pair.engine, second)
     assert stop.command.verb == "UNLISTEN"
     pair.send(pair.engine.request(stop))
     pair.pump()
@@ -271,6 +271,19 @@ def test_a_new_map_moves_every_listen_to_its_bins_new_owner():
     assert router.fits(1, _greeting([9101, 9102, 9103], 1, "run-2"))
     assert not router.fits(1, _greeting([9101, 9102, 9103], 2, "run-2"))
     assert router.learn({"code": 220, "id": 0}) and router.count == 1  # back to one process
+
+
+def _listen(engine, handle) -> Call:
+    call = Call(next_request_id(), LISTEN, engine.listen_fields(handle))
+    call.handle = handle
+    return call
+
+
+def _stop(engine, handle) -> Call:
+    command, fields = engine.stop_listening(handle)
+    call = Call(next_request_id(), command, fields)
+    call.handle = handle
+    return call
 
 
 def _frame(header: dict) -> bytes:

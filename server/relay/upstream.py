@@ -35,7 +35,7 @@ from twisted.internet import defer
 from tensorshare.drivers.twisted import Options, TwistedMember, Wire, open_wire
 from tensorshare.errors import AuthenticationError, ConnectionLostError, ProtocolError, WrongWorkerError
 from tensorshare.protocol.engine import Call, Notice, RawValue, Restored, frame_of, next_request_id
-from tensorshare.protocol.messages import ITEMS, NOTIFY, PEEK, Command, Key, Route
+from tensorshare.protocol.messages import ITEMS, LISTEN, NOTIFY, PEEK, Command, Key, Route
 from tensorshare.protocol.placement import WorkerMap
 from tensorshare.protocol.router import Router
 from tensorshare.protocol.tls import TLSSettings
@@ -270,10 +270,10 @@ class Upstream:
         if member is None:
             raise ConnectionLostError(f"not connected to upstream {self.where}")
         handle = _Listen(name, callback)
-        call = member.engine.listen(handle)
+        fields = member.engine.listen_fields(handle)
         self._pending[name] = handle
         try:
-            d = self._send(member, call.command, call.fields, None, None, handle)
+            d = self._send(member, LISTEN, fields, None, None, handle)
         except ConnectionLostError:
             del self._pending[name]
             member.adopt(handle)  # listened to once connected
@@ -296,11 +296,11 @@ class Upstream:
         if member is None:
             return
         for handle in member.engine.listens.handles(name):
-            call = member.engine.stop_listening(handle)
-            if call is None or member.wire is None:
+            stop = member.engine.stop_listening(handle)
+            if stop is None or member.wire is None:
                 member.engine.listens.remove(handle)
                 continue
-            self._send(member, call.command, call.fields, None, None, handle).addErrback(
+            self._send(member, *stop, None, None, handle).addErrback(
                 lambda failure: log.info("relay: could not stop listening to %r upstream: %s", name,
                                          failure.getErrorMessage()))
 

@@ -39,7 +39,8 @@ def receive_on_device(conn, client) -> None:
     def sink(header: dict, nbytes: int):
         if nbytes >= DEVICE_MIN:
             client = owner()
-            made = None if client is None else device_sink(client, header, nbytes)
+            made = None if client is None else device_sink(client._calls.get(header.get(Key.ID)), client.device,
+                                                           header, nbytes)
             if made is not None:
                 return made
         return plain(header, nbytes)
@@ -48,15 +49,13 @@ def receive_on_device(conn, client) -> None:
     conn.device_sinks = True
 
 
-def device_sink(client, header: dict, nbytes: int):
-    """The engine's sink for a reply whose call wants a device, or None (the plain
-    sink: not an items reply, no device wanted, or arrays the device cannot hold)."""
-    if header.get(Key.CODE) != ITEMS:
+def device_sink(call, default_device: Any, header: dict, nbytes: int):
+    """The engine's sink for a reply to ``call`` (in flight; None: nobody waits for it)
+    if it wants a device (its own, else ``default_device``), or None (the plain sink:
+    not an items reply, no device wanted, or arrays the device cannot hold)."""
+    if header.get(Key.CODE) != ITEMS or call is None:
         return None
-    call = client._calls.get(header.get(Key.ID))
-    if call is None:
-        return None
-    device = call.device if call.device is not None else client.device
+    device = call.device if call.device is not None else default_device
     from ..device import engine_for
 
     engine = engine_for(device)

@@ -389,28 +389,25 @@ class Engine:
 
     # -- listening
 
-    def listen(self, handle, rid: int | None = None) -> Call:
-        """The LISTEN call that starts ``handle`` (active once it is answered, before any
-        later frame is read)."""
+    def listen_fields(self, handle) -> dict:
+        """The fields of the LISTEN that starts ``handle``; the call that sends them
+        carries the handle (``call.handle``), which is active once the LISTEN is
+        answered, before any later frame is looked at."""
         fields = {Key.BIN: handle.bin}
         if self.listens.first_append_only(handle.bin, handle):
             fields[Key.FIRST_APPEND] = True
-        call = Call(rid or next_request_id(), LISTEN, fields)
-        call.handle = handle
-        return call
+        return fields
 
-    def stop_listening(self, handle) -> Call | None:
-        """The call that ends ``handle``: UNLISTEN if it was its bin's last, else a NOOP
-        (it hears every notification the server sends before that is answered); None
-        when nothing is to be sent (it was not listening, or no connection is up)."""
+    def stop_listening(self, handle) -> tuple[Command, dict | None] | None:
+        """``(command, fields)`` of the call that ends ``handle`` (which carries it): UNLISTEN
+        if it was its bin's last, else a NOOP (it hears every notification the server
+        sends before that is answered); None when nothing is to be sent (it was not
+        listening, or no connection is up: it is forgotten at once)."""
         last = self.listens.stop(handle)
         if last is None or not self.ready:
             self.listens.remove(handle)
             return None
-        call = Call(next_request_id(), UNLISTEN, {Key.BIN: handle.bin}) if last else Call(next_request_id(), NOOP,
-                                                                                         None)
-        call.handle = handle
-        return call
+        return (UNLISTEN, {Key.BIN: handle.bin}) if last else (NOOP, None)
 
     def adopt(self, handle) -> bool:
         """Listen with ``handle`` (moved here from another connection's engine) from the
