@@ -238,7 +238,7 @@ def test_same_host_device_readers_copy_device_to_device_and_everyone_else_gets_t
     with publisher, device_reader, tcp_reader:
         state = state_dict(1)
         assert publisher.put("ipc-a", encode(state, stage=engine), by_reference=True) == 1
-        assert publisher._exports.held() == 1
+        assert publisher.values.exports.held() == 1
         [back] = device_reader.peek("ipc-a")
         assert equal(back, state) and engine.streams.opened == 1
         assert all(t.data_ptr() != s.data_ptr() for t, s in zip(back.values(), SHARED_BLOCKS()))  # a copy
@@ -260,11 +260,11 @@ def test_snapshots_are_freed_once_no_reader_holds_them(same_host, engine):
         publisher.put("ipc-b", encode(state_dict(2), stage=engine), by_reference=True)
         reader.peek("ipc-b")  # holds the reference until its next request
         publisher.put("ipc-b", encode(state_dict(3), stage=engine), by_reference=True)
-        publisher._exports.idle(10)
-        assert publisher._exports.held() == 2
+        publisher.values.exports.idle(10)
+        assert publisher.values.exports.held() == 2
         reader.ping()  # releases the first
         publisher.ping()
-        assert publisher._exports.held() == 1
+        assert publisher.values.exports.held() == 1
 
 
 def test_a_reader_never_sees_a_later_version(same_host, engine):
@@ -301,7 +301,7 @@ def test_a_reference_whose_publisher_is_gone_is_read_from_its_bytes(same_host, e
     with publisher, reader, _tcp:
         state = state_dict(4)
         publisher.put("ipc-d", encode(state, stage=engine), by_reference=True)
-        assert publisher._exports.idle(10)  # its bytes are on the server
+        assert publisher.values.exports.idle(10)  # its bytes are on the server
         SHARED.clear()  # the publisher's process "died": its handles open no more
         opened = engine.streams.opened
         [back] = reader.peek("ipc-d")
@@ -313,7 +313,7 @@ def test_a_reference_to_changed_memory_fails_its_digest_and_is_read_from_its_byt
     with publisher, reader, _tcp:
         state = state_dict(5)
         publisher.put("ipc-e", encode(state, stage=engine), by_reference=True)
-        assert publisher._exports.idle(10)
+        assert publisher.values.exports.idle(10)
         for flat in SHARED.values():
             flat[100:108] += 1  # the block was reused for something else
         [back] = reader.peek("ipc-e")
@@ -347,7 +347,7 @@ def test_where_references_cannot_be_taken_the_bytes_are(same_host, engine):
     with tensorshare.Client("127.0.0.1", same_host.port, timeout=30, zero_copy=False) as c:  # as from another host
         state = state_dict(7)
         assert c.put("ipc-g", encode(state, stage=engine), by_reference=True) == 1
-        assert c._exports is None and equal(c.peek("ipc-g")[0], state)
+        assert c.values.exports is None and equal(c.peek("ipc-g")[0], state)
     engine.streams.share_ok = False  # memory torch cannot share (an expandable segment, torch < 2.5)
     with tensorshare.Client("127.0.0.1", same_host.port, timeout=30) as c:
         state = state_dict(8)

@@ -80,6 +80,7 @@ class Member:
         self.link: Link | None = None
         self.areas: SharedAreas | None = None  # the current connection's verified same-host areas
         self.reading = False  # a thread is the leader: it reads the socket
+        self.waiting = 0  # threads asleep on cond (a lone caller wakes nobody: no notify to pay for)
         self.callbacks = 0  # non-blocking calls in flight: they need someone to read their replies
         self.closed = False
         self.reader = BackgroundReader(self)  # keeps the socket drained while callbacks wait
@@ -163,8 +164,9 @@ class Member:
         """Send ``call`` and wait for its reply (``call.frame``) or its error (``call.error``).
         A caller who leaves early (a timeout, an interrupt) abandons it: the connection
         is reset if the server could otherwise deliver to nobody."""
+        if self.link is not None:
+            self._before_request()
         link = self.link or self.connect(deadline)
-        self._before_request(link)
         cond = self.cond
         with cond:
             self.engine.track(call, time.monotonic())
@@ -188,8 +190,9 @@ class Member:
     def submit(self, call, parts: list, deadline: float | None) -> None:
         """Send a non-blocking call; the front's ``complete(call)`` (or its inline
         completion) hears of it."""
+        if self.link is not None:
+            self._before_request()
         link = self.link or self.connect(deadline)
-        self._before_request(link)
         with self.cond:
             self.engine.track(call, time.monotonic())
             self.callbacks += 1
@@ -296,7 +299,7 @@ class Member:
         except (OSError, ValueError, AttributeError) as exc:  # ValueError/AttributeError: closed by another thread
             raise self._lost(link, exc) from None
 
-    def _before_request(self, link: Link) -> None:
+    def _before_request(self) -> None:
         """On a connection quiet for a while, first read what the server sent meanwhile
         (late replies, or the 421 it sends before closing an idle connection), so that
         a connection it has closed is replaced by the request instead of failing it."""
@@ -305,6 +308,7 @@ class Member:
         if now - max(engine.last_heard, engine.last_sent) <= _IDLE_CHECK:
             return
         engine.last_sent = now
+        link = self.link
         with self.cond:
             if self.reading or link is not self.link:
                 return  # another thread reads: it will notice a close itself
@@ -334,7 +338,11 @@ class Member:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(f"no reply from {self.where} in time")
-                cond.wait(remaining)
+                self.waiting += 1
+                try:
+                    cond.wait(remaining)
+                finally:
+                    self.waiting -= 1
         try:
             while call.frame is None and call.error is None:
                 self.read_some(deadline, spin=progress is None)
@@ -345,7 +353,8 @@ class Member:
         finally:
             with cond:
                 self.reading = False
-                cond.notify_all()
+                if self.waiting:
+                    cond.notify_all()
 
     def read_some(self, deadline: float | None, spin: bool = False) -> None:
         """Read once from the socket and hand on the events it completes (leader only;
@@ -420,7 +429,7 @@ class Member:
                     inline.append(event)
                 else:
                     jobs.append((front.complete, (event,)))
-            if woken:
+            if woken and self.waiting:
                 self.cond.notify_all()
         if jobs:
             front.callbacks().submit_all(jobs)

@@ -62,12 +62,20 @@ class BackgroundReader:
                         if member.closed or member.engine.failure is not None or now - idle_since >= _LINGER:
                             return
                         self._idle = True
-                        cond.wait(idle_since + _LINGER - now)
+                        member.waiting += 1
+                        try:
+                            cond.wait(idle_since + _LINGER - now)
+                        finally:
+                            member.waiting -= 1
                         self._idle = False
                         continue
                     idle_since = None
                     if member.reading:
-                        cond.wait(1.0)
+                        member.waiting += 1
+                        try:
+                            cond.wait(1.0)
+                        finally:
+                            member.waiting -= 1
                         continue
                     member.reading = True
                 failure = None

@@ -9,7 +9,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from .._client.connection import Notification
+from ..client import Notification
 from .._client.exports import put_by_reference
 from .._client.methods import DEFAULT
 from ..errors import ConnectionLostError, NoSuchBinError

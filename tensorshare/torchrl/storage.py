@@ -38,7 +38,7 @@ from torchrl.data.replay_buffers.storages import TensorStorage
 from torchrl.data.replay_buffers.storages.tensor import _flip_list
 from torchrl.data.replay_buffers.utils import _is_int
 
-from .._client.table_copy import occupied, pieces, table_spec, write_rows
+from ..table_copy import occupied, pieces, table_spec, write_rows
 from ..errors import BadNameError, NoSuchBinError, UsageError
 from ..protocol.auth import resolve_token
 from . import indexing
