@@ -290,3 +290,31 @@ def _frame(header: dict) -> bytes:
     from tensorshare.wire.frames import frame_head
 
     return frame_head(header, 0)
+
+
+# -- the blocking client's driver, against a real server
+
+
+@pytest.mark.process
+def test_an_interrupted_waiting_get_leaves_the_next_item_to_another_reader(server):
+    """A notebook's stop button during ``get(wait=...)``: the server must not keep the
+    abandoned request and hand it the next item (the connection is reset)."""
+    import signal
+    import threading
+
+    import torch
+
+    import tensorshare
+
+    with tensorshare.Client("127.0.0.1", server.port, timeout=10) as c, \
+            tensorshare.Client("127.0.0.1", server.port, timeout=10) as other:
+        main = threading.get_ident()
+        timer = threading.Timer(0.5, lambda: signal.pthread_kill(main, signal.SIGINT))
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            c.get("engine-interrupted", wait=30)
+        timer.join()
+        other.append("engine-interrupted", torch.ones(1))
+        assert len(other.get("engine-interrupted")) == 1  # not taken by the request nobody waits for
+        c.put("engine-after", torch.ones(1))  # the client goes on
+        assert c.peek("engine-after")[0].item() == 1.0
