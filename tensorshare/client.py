@@ -206,6 +206,13 @@ class Client(TableCopies, ClientMethods):
         each whose bins it uses (PROTOCOL.md §14)."""
         return self.router.count
 
+    def worker_of(self, bin: str) -> int | None:
+        """The worker that serves ``bin`` (None: the server runs one process).  Requests
+        about bins of one worker travel on one connection, in order; about bins of two
+        workers, on two, whose relative order is not kept."""
+        workers = self.router.map
+        return None if workers is None else workers.owner(bin)
+
     def __enter__(self) -> "Client":
         return self
 
