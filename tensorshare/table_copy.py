@@ -87,15 +87,14 @@ def save_table(client, name: str, path, *, overwrite: bool = False) -> int:
 def load_table(client, path, name: str | None = None, *, replace: bool = True) -> int:
     """Make table ``name`` (the saved table's name by default) from the checkpoint at
     ``path``: the same settings, each row at its slot with its priority.  A table
-    already there is deleted first (``replace=False``: refused instead).  Returns
-    how many rows."""
+    already there is replaced once the server has accepted the checkpoint's settings
+    (a refusal leaves it as it was; ``replace=False``: refused instead).  Returns how
+    many rows."""
     checkpoint = read_checkpoint(path)
     name = checkpoint.name if name is None else name
-    if name in client.list():
-        if not replace:
-            raise UsageError(f"{name!r} exists (replace=True replaces it)")
-        client.delete(name)
-    client.create_table(name, **checkpoint.spec)
+    if not replace and name in client.list():
+        raise UsageError(f"{name!r} exists (replace=True replaces it)")
+    client.create_table(name, replace=True, **checkpoint.spec)
     write_rows(client, name, checkpoint.state["index"], _columns(checkpoint), checkpoint.state["priority"])
     return checkpoint.rows
 

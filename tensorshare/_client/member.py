@@ -162,8 +162,9 @@ class Member:
 
     def call(self, call, parts: list, deadline: float | None, progress: Progress | None = None) -> None:
         """Send ``call`` and wait for its reply (``call.frame``) or its error (``call.error``).
-        A caller who leaves early (a timeout, an interrupt) abandons it: the connection
-        is reset if the server could otherwise deliver to nobody."""
+        A caller who leaves early abandons it: the connection is reset if the server
+        could otherwise deliver to nobody (a call it may hold, or one that takes items)
+        and after any interrupt (KeyboardInterrupt...), which may leave a frame half sent."""
         if self.link is not None:
             self._before_request()
         link = self.link or self.connect(deadline)
@@ -177,12 +178,14 @@ class Member:
                 self._send(link, progress.sending(parts), deadline, call.rid, progress=progress)
             self._await(call, deadline, progress)
         except BaseException as exc:
+            interrupted = not isinstance(exc, TensorShareError)  # (KeyboardInterrupt...: its frame may be half sent)
             with cond:
-                reset = self.engine.abandon(call)
+                in_flight = call.rid in self.engine.calls
+                reset = self.engine.abandon(call) or (interrupted and in_flight)
             if reset:
-                self.drop(link, ConnectionLostError(f"connection to {self.where} reset: a call was given up "
+                self.drop(link, ConnectionLostError(f"connection to {self.where} reset: a call on it was given up "
                                                     f"while the server could still answer it"))
-            if isinstance(exc, TensorShareError):
+            if not interrupted:
                 call.error = exc
                 return
             raise
