@@ -347,7 +347,11 @@ class Client(TableCopies, ClientMethods):
         except BaseException:
             finish(call)
             raise
-        member.submit(call, parts, deadline)
+        try:
+            member.submit(call, parts, deadline)
+        except StaleMapError:  # the workers were mapped again: nothing was sent, its owner is another member
+            call.via = member = self.router.owner_of(call.fields)
+            member.submit(call, parts, deadline)
 
     def complete(self, call: Call) -> None:
         """Settle a non-blocking call (on the dispatcher thread) and call back, or send the

@@ -99,6 +99,8 @@ class Member:
         if link is not None:
             return link
         if self.closed:
+            if not self.front._closed:  # replaced by a new map's member: the front sends it there
+                raise StaleMapError(f"{self.where} serves other bins now: the server runs other workers")
             raise UsageError("the client is closed")
         engine = self.engine
         if engine.failure is not None:
@@ -195,11 +197,18 @@ class Member:
         completion) hears of it."""
         if self.link is not None:
             self._before_request()
-        link = self.link or self.connect(deadline)
-        with self.cond:
-            self.engine.track(call, time.monotonic())
-            self.callbacks += 1
         try:
+            link = self.link or self.connect(deadline)
+        except StaleMapError:
+            raise  # (the front sends it to its owner in the new map)
+        except TensorShareError as exc:
+            call.error = exc
+            self.front.callbacks().submit(self.front.complete, call)
+            return
+        try:
+            with self.cond:
+                self.engine.track(call, time.monotonic())
+                self.callbacks += 1
             self._send(link, parts, deadline, call.rid, may_hold=True)
         except TensorShareError as exc:
             with self.cond:
