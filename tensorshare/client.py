@@ -482,8 +482,8 @@ class Client(TableCopies, ClientMethods):
 
     def connection_lost(self, member: Member) -> None:
         exports = self.values.exports
-        if exports is not None:  # the server let go of this connection's device references
-            exports.lost()
+        if exports is not None and member not in self.router.companions.values():
+            exports.lost()  # the server let go of this connection's device references (an upload's holds none)
 
     def _remap(self, error: BaseException, seen) -> bool:
         """Map the workers again from the public address; True if the map changed since

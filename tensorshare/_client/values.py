@@ -14,17 +14,20 @@ device reference.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any, Callable
 
-from ..errors import TensorShareError, ZeroCopyError
+from ..errors import DeviceError, TensorShareError, ZeroCopyError
 from ..protocol.engine import Call as EngineCall
 from ..protocol.items import item_table
 from ..protocol.messages import ITEMS, MAX_RELEASE_IDS, Key, ZeroCopy
 from ..wire.frames import buffer_sink
 from .connection import NO_VALUE, Reply, decode_items, read_reply, reply_buffers, request_frame
-from .devices import DEVICE_MIN, as_into, caller_mark, pinned
+from .devices import DEVICE_MIN, as_into, caller_of, check_device, pinned
 from .routing import finish, next_attempt, route
+
+log = logging.getLogger("tensorshare.client")
 
 
 class Call(EngineCall):
@@ -41,21 +44,21 @@ class Call(EngineCall):
     reading thread; ``via``: the member (connection) it went on."""
 
     __slots__ = ("value", "fallback", "cleanup", "callback", "then", "on_error", "decode", "raw", "inline",
-                 "device", "into", "after", "areas", "via")
+                 "device", "into", "caller", "areas", "via")
 
     def __init__(self, rid: int, command, fields: dict | None, value: Any = NO_VALUE):
         EngineCall.__init__(self, rid, command, fields)
         self.value = value
         self.fallback = self.cleanup = self.callback = self.then = self.on_error = None
         self.decode, self.raw, self.inline = True, False, False
-        self.device = self.into = self.after = self.areas = self.via = None
+        self.device = self.into = self.caller = self.areas = self.via = None
 
 
 class Values:
     """The value layer of one client (see the module docstring)."""
 
     def __init__(self, device: Any, zero_copy: bool, reuse: int):
-        self.device = device
+        self.device = check_device(device)  # (a device it cannot build on fails here, not at a take)
         self.zero_copy = zero_copy
         self.buffers = reply_buffers(reuse)  # arrays large replies were received into
         self.sink = buffer_sink if self.buffers is None else _ReusingSink(self.buffers)
@@ -78,15 +81,14 @@ class Values:
             self.wants_device(call, device, into)
         if self.device_calls:
             call.device = pinned(self.device if call.device is None else call.device)
+            call.caller = caller_of(call.device, call.into is not None)
         if areas is not None:
             call.areas = areas
             route(call, areas, self.device_uuid(call) if self.device_calls else None)
         return call
 
     def wants_device(self, call: Call, device: Any, into: Any) -> None:
-        call.device, call.into = device, as_into(into)
-        if into is not None:  # (on the caller's thread: its current stream)
-            call.after = caller_mark(device if device is not None else self.device)
+        call.device, call.into = check_device(device), as_into(into)
         if not self.device_calls and has_engine(device if device is not None else self.device):
             self.device_calls = True  # from now on: large replies are received through the engine
 
@@ -146,6 +148,8 @@ class Values:
             else:
                 finish(call)
                 return reply, None
+        if call.caller is not None:  # nothing may write into its tensors once it failed
+            call.caller.abandon()
         if next_attempt(call, error):
             from ..protocol.engine import next_request_id
 
@@ -184,8 +188,15 @@ class Values:
         try:  # (checked against its declaration by the engine already)
             items = None
             if call.decode and header.get(Key.CODE) == ITEMS:
-                items = decode_items(header, frame.payload, frame.payload_len, device, areas=areas, into=call.into)
+                items = decode_items(header, frame.payload, frame.payload_len, device, areas=areas, into=call.into,
+                                     caller=call.caller)
             return Reply(call.command, header, items, frame)
+        except TensorShareError:
+            raise
+        except Exception as exc:  # torch could not put the values on the device (out of its memory, say)
+            if device is None or not call.decode:
+                raise
+            raise _unplaced(call, areas, device, exc) from exc
         finally:
             if refs:  # mapped (or failed): the server may let the files go
                 self.release(header[Key.ID])
@@ -217,7 +228,11 @@ class Values:
             if nbytes >= DEVICE_MIN and self.device_calls:
                 from .devices import device_sink
 
-                made = device_sink(engine.calls.get(header.get(Key.ID)), self.device, header, nbytes)
+                try:
+                    made = device_sink(engine.calls.get(header.get(Key.ID)), self.device, header, nbytes)
+                except RuntimeError as exc:  # no room on the device: received in host memory (a take loses nothing)
+                    log.warning("a reply of %d bytes is received in host memory: %s", nbytes, exc)
+                    made = None
                 if made is not None:
                     return made
             return plain(header, nbytes)
@@ -237,6 +252,18 @@ class Values:
             self.exports.close()
         if self.buffers is not None:
             self.buffers.clear()
+
+
+def _unplaced(call: Call, areas, device: Any, exc: Exception) -> DeviceError:
+    """The error of a reply whose values could not be put on ``device``: it holds them,
+    built in host memory, so that items a take removed from the server are not lost."""
+    try:
+        items = read_reply(call.command, call.frame, None, areas=areas).values
+    except Exception as again:  # (not even on the host: the reply itself is bad)
+        return DeviceError(f"the reply's values could not be built on {device!r} ({exc}), nor in host memory "
+                           f"({again})")
+    return DeviceError(f"the reply's {len(items or ())} values could not be built on {device!r}: {exc}; they are in "
+                       f"this error's .items, in host memory", items)
 
 
 class _ReusingSink:
