@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import BadArgumentError, SlotIndexError, TableFullError
+from .errors import BadArgumentError, SlotIndexError, TableFullError, TableSpecError
 from .blocks import in_memory
 from .occupancy import CountTree
 
@@ -113,6 +113,17 @@ class Slots:
             got += slots.size
             position += step
         return np.concatenate(found) if found else np.zeros(0, np.int64)
+
+    def page(self, start: int, limit: int) -> dict:
+        """The occupied slots from index ``start`` on, in index order, at most ``limit``
+        of them: ``indices``, ``keys``, ``priorities``, ``times_sampled``, ``ends``
+        (arrays) and ``next``, the index to ask from for the rest (None: no more)."""
+        found = self.occupied_from(start, limit)
+        after = int(found[-1]) + 1 if found.size == limit else self.capacity
+        more = after < self.capacity and self.count.before(after) < self.size
+        return {"indices": found, "keys": self.key[found], "priorities": self.priority[found],
+                "times_sampled": self.times_sampled[found].astype(np.int64), "ends": self.ends(found),
+                "next": after if more else None}
 
     def find(self, keys) -> np.ndarray:
         """The slot of each of ``keys``, or -1 where no row has that key (any more)."""
@@ -217,7 +228,18 @@ class Slots:
                 newest = max(newest, int(key.max()))
         self.size = size
         self.next_seq = newest // self.capacity + 1 if newest >= 0 else 0
+        head = np.asarray(self.key[:1 << 16])  # (a look at the first slots' keys: each names its own slot)
+        if ((head % self.capacity) != np.arange(head.size))[head >= 0].any():
+            raise TableSpecError("the table's files are not of this capacity")
         self.count.rebuild()
+
+    def adopt(self, note: dict) -> bool:
+        """Take the row count and next seq a clean stop noted (the count tree as its
+        file holds it); False for a note of another capacity."""
+        if note.get("capacity") != self.capacity:
+            return False
+        self.size, self.next_seq = int(note["size"]), int(note["next_seq"])
+        return True
 
 
 def as_index(slots: np.ndarray):

@@ -111,13 +111,7 @@ class Table:
         What a copy of the table's rows needs besides their values."""
         if not _is_int(start) or start < 0 or not _is_int(limit) or limit < 1:
             raise BadArgumentError(f"slots from {start!r}, at most {limit!r}: ints >= 0 and >= 1 expected")
-        state = self._slots
-        found = state.occupied_from(start, limit)
-        after = int(found[-1]) + 1 if found.size == limit else self.capacity
-        more = after < self.capacity and state.count.before(after) < state.size
-        return {"indices": found, "keys": state.key[found], "priorities": state.priority[found],
-                "times_sampled": state.times_sampled[found].astype(np.int64), "ends": state.ends(found),
-                "next": after if more else None}
+        return self._slots.page(start, limit)
 
     def can_insert(self, n: int) -> bool:
         """May an insert of ``n`` rows proceed now?  Raises :class:`BatchTooLargeError`
@@ -472,12 +466,10 @@ class Table:
         """Take the counts a clean :meth:`shut` noted, with the trees as its files hold
         them: nothing is read but what a sample touches.  False for a note of another
         table."""
-        if shut.get("capacity") != self.capacity:
+        if not self._slots.adopt(shut):
             return False
-        state = self._slots
-        state.size, state.next_seq = int(shut["size"]), int(shut["next_seq"])
         self._allowance = int(shut["allowance"])
-        self.inserts = state.size
+        self.inserts = self._slots.size
         self.set_limits()
         return True
 
@@ -489,9 +481,6 @@ class Table:
         limiter's balance with them, as after :meth:`set_limits`."""
         state = self._slots
         state.restore()
-        head = np.asarray(state.key[:1 << 16])  # (a look at the first slots' keys: each names its own slot)
-        if ((head % self.capacity) != np.arange(head.size))[head >= 0].any():
-            raise TableSpecError("the table's files are not of this capacity")
         for index in self._indexes:
             index.rebuild()
         self.inserts = state.size
