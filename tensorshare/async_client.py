@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from typing import Any, Callable
 
 from twisted.internet import defer
-from twisted.internet.error import ConnectError
+from twisted.internet.error import ConnectError, ConnectionRefusedError
 from twisted.internet.endpoints import SSL4ClientEndpoint, TCP4ClientEndpoint, connectProtocol
 
 from ._client.calls import Call
@@ -30,6 +31,7 @@ from ._client.methods import DEFAULT
 from ._client.options import DEFAULT_CONNECT_TIMEOUT, check_address, connect_timeout_for
 from .protocol.retry import Backoff
 from ._client.routing import finish
+from ._client.table_copy import loading
 from ._client.twisted_wire import Wire
 from ._client.workers import StaleMapError, Workers, finish_merged, same_reply
 from ._client.zerocopy import SharedAreas
@@ -38,6 +40,7 @@ from .errors import (
     WrongWorkerError,
 )
 from .protocol.messages import NOOP, Command, Route
+from .protocol import peers
 from .protocol.peers import PROBE_AFTER
 from .protocol.placement import WorkerMap
 from .protocol.tls import TLSSettings
@@ -57,7 +60,7 @@ class AsyncClient(ClientCore):
         handle = yield client.listen("bin", print)   # handle.snapshot; yield handle.stop()
     """
 
-    def __init__(self, reactor, host: str, port: int, timeout: float | None, device: Any, max_backoff: float, *,
+    def __init__(self, reactor: Any, host: str, port: int, timeout: float | None, device: Any, max_backoff: float, *,
                  connect_timeout: float | None = None, token: str | bytes | None = None,
                  tls: TLSSettings | None = None, keepalive: float | None = 15.0, reuse: int = DEFAULT_REUSE,
                  zero_copy: bool = True, connector: Callable[[Wire], defer.Deferred] | None = None):
@@ -84,11 +87,11 @@ class AsyncClient(ClientCore):
         self._remapping: defer.Deferred | None = None
 
     @classmethod
-    def connect(cls, host: str = "127.0.0.1", port: int = 8000, *, reactor=None, timeout: float | None = 60.0,
+    def connect(cls, host: str = "127.0.0.1", port: int = 8000, *, reactor: Any = None, timeout: float | None = 60.0,
                 device: Any = None, max_backoff: float = 2.0, connect_timeout: float | None = None,
                 token: str | bytes | None = None, tls: bool | None = None, tls_ca: str | None = None,
                 tls_fingerprint: str | None = None, keepalive: float | None = 15.0,
-                reuse: int = DEFAULT_REUSE, zero_copy: bool = True) -> defer.Deferred:
+                reuse: int = DEFAULT_REUSE, zero_copy: bool = True) -> defer.Deferred[AsyncClient]:
         """Connect, authenticate if the server asks, and fire with the client.
 
         The options mean what they mean for :class:`tensorshare.Client`: opening a
@@ -110,6 +113,13 @@ class AsyncClient(ClientCore):
         except TensorShareError:
             return defer.fail()
         return client._open().addCallback(lambda _: client)
+
+    def load_table(self, path: str | os.PathLike[str], name: str | None = None, *,
+                   replace: bool = True) -> defer.Deferred[int]:
+        """:meth:`tensorshare.Client.load_table`: make a table again from the checkpoint
+        ``path`` that ``Client.save`` (or ``tensorshare table save``) wrote; fires with
+        its number of rows."""
+        return defer.inlineCallbacks(lambda: loading(self, path, name, replace))()
 
     def close(self) -> None:
         """Close the connection; pending Deferreds fail with ConnectionLostError."""
@@ -362,7 +372,9 @@ class AsyncClient(ClientCore):
             self._failure = failure.value  # a wrong token or an untrusted server stays so: do not hammer it
         if failure.check(TensorShareError):
             return failure
-        raise ConnectionLostError(f"cannot connect to {self._where}: {failure.getErrorMessage()}")
+        refused = failure.check(ConnectionRefusedError) is not None
+        raise ConnectionLostError(f"cannot connect to {self._where}: {failure.getErrorMessage()}"
+                                  f"{peers.unreachable_hint(refused, self.port)}")
 
     def _connection_lost(self, wire: Wire, reason) -> None:
         if wire is not self._wire:

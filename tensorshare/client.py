@@ -207,7 +207,7 @@ class Client(Front, TableCopies, LeaderFollower, Sender, ClientCore):
     def __enter__(self) -> "Client":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
@@ -476,7 +476,8 @@ class Client(Front, TableCopies, LeaderFollower, Sender, ClientCore):
             self._callbacks().submit(self._complete, call, error)
 
 
-def connect(host: str = "127.0.0.1", port: int = 8000, *, retry_for: float | None = None, **options) -> Client:
+def connect(host: str = "127.0.0.1", port: int = 8000, *, retry_for: float | None = None,
+            **options: Any) -> Client:
     """A :class:`Client`, retrying with backoff for up to ``retry_for`` seconds while the
     server is not up yet (processes of a job often start in any order).
 
@@ -491,6 +492,7 @@ def connect(host: str = "127.0.0.1", port: int = 8000, *, retry_for: float | Non
     each = connect_timeout_for(options.pop("connect_timeout", None), timeout, DEFAULT_CONNECT_TIMEOUT)
     deadline = time.monotonic() + retry_for
     backoff = Backoff(0.05, 1.0)
+    told = False  # that we keep trying (a process waiting silently for 30 s looks hung)
     while True:
         try:
             client = Client(host, port, connect_timeout=max(min(each, deadline - time.monotonic()), 0.01), **options)
@@ -502,5 +504,8 @@ def connect(host: str = "127.0.0.1", port: int = 8000, *, retry_for: float | Non
             left = deadline - time.monotonic()
             if left < 0.01:
                 raise ConnectionLostError(f"{exc} (tried for {retry_for:g}s)") from None
+            if not told:
+                told = True
+                log.warning("%s; trying again for up to %.0fs more", exc, left)
             time.sleep(min(backoff.next(), left))
 

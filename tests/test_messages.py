@@ -6,6 +6,7 @@ what they name."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import subprocess
@@ -180,11 +181,56 @@ def cli_tls(world) -> str:
     return out.stderr.strip()
 
 
+def tls_at_plain(world) -> str:
+    with pytest.raises(WrongServerError) as caught:
+        tensorshare.Client("127.0.0.1", world["ops"].port, tls=True, timeout=10)
+    return said(caught.value)
+
+
+def wrong_token(world) -> str:
+    with pytest.raises(tensorshare.errors.NotAuthenticatedError) as caught:
+        tensorshare.Client("127.0.0.1", world["token"].port, token="not-the-token-0123456789", timeout=10)
+    return said(caught.value)
+
+
+def port_as_str(world) -> str:
+    with pytest.raises(UsageError) as caught:
+        tensorshare.Client("127.0.0.1", "8000")  # refused before it connects
+    return said(caught.value)
+
+
+def unsendable(value):
+    def situation(world) -> str:
+        with tensorshare.Client("127.0.0.1", world["ops"].port, timeout=30) as client:
+            with pytest.raises(tensorshare.errors.EncodeError) as caught:
+                client.put("messages/object", value())
+        return said(caught.value)
+
+    situation.__name__ = f"unsendable_{value.__name__}"
+    return situation
+
+
+@dataclasses.dataclass
+class Config:
+    lr: float = 0.1
+
+
+def a_dataclass():
+    return {"config": Config()}
+
+
+def a_module():
+    return torch.nn.Linear(2, 2)
+
+
 SITUATIONS = {"is a TLS server: connect": tls_without_tls, "is an HTTP server": http_port,
               "cannot connect to": nothing_listens, "no tensorshare greeting": says_nothing,
               "port must be a TCP port": bad_port, "nested tensors": nested_tensor, "(a namedtuple)": namedtuple,
               "the port is taken": port_taken, "unknown option": bad_config, "add --tls": cli_tls,
-              "its --max-frame": too_large, "is in use by": data_dir_in_use}
+              "its --max-frame": too_large, "is in use by": data_dir_in_use,
+              "a tensorshare server without TLS": tls_at_plain, "is not the server's": wrong_token,
+              "port must be an int": port_as_str, "dataclasses.asdict": unsendable(a_dataclass),
+              "module.state_dict()": unsendable(a_module)}
 
 
 @pytest.fixture(scope="module")
@@ -195,8 +241,18 @@ def small_frames():
 
 
 @pytest.fixture(scope="module")
-def world(tls_server, ops_server, small_frames, tmp_path_factory):
-    return {"tls": tls_server, "ops": ops_server, "small": small_frames, "tmp": tmp_path_factory.mktemp("messages")}
+def token_server(tmp_path_factory):
+    token = tmp_path_factory.mktemp("token") / "token"
+    token.write_text("the-servers-token-0123456789\n")
+    proc = ServerProcess("--token-file", str(token))
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def world(tls_server, ops_server, small_frames, token_server, tmp_path_factory):
+    return {"tls": tls_server, "ops": ops_server, "small": small_frames, "token": token_server,
+            "tmp": tmp_path_factory.mktemp("messages")}
 
 
 def situation_of(message: str):

@@ -15,11 +15,25 @@ and walks more.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+import enum
+from typing import Any, Callable, Iterator, Literal, Union
 
 from ..protocol.messages import Command
 
-DEFAULT = object()  # a method's timeout argument when not given: "use the client's timeout"
+
+class Default(enum.Enum):
+    """A method's ``timeout`` when not given: the client's own ``timeout``.  (An enum,
+    so that type checkers can tell it from a number and signatures show its name.)"""
+
+    DEFAULT = "the client's timeout"
+
+    def __repr__(self) -> str:
+        return "DEFAULT"
+
+
+DEFAULT = Default.DEFAULT
+# What a method's ``timeout`` takes: seconds, None (no limit), or DEFAULT.
+Timeout = Union[float, None, Literal[Default.DEFAULT]]
 
 
 class Call:

@@ -10,6 +10,7 @@ checks a reply against its command and decodes the values it carries.
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 from dataclasses import dataclass
@@ -26,7 +27,14 @@ from ..wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
 from ..wire.frames import MAGIC, Frame, FrameDecoder, FrameLimits, buffer_sink, frame_head
 from ..wire.recycle import Recycler
 
-NO_VALUE = object()  # "this request carries no value" (None is a value)
+class _NoValue(enum.Enum):
+    NO_VALUE = "no value"
+
+    def __repr__(self) -> str:
+        return "NO_VALUE"
+
+
+NO_VALUE = _NoValue.NO_VALUE  # "this request carries no value" (None is a value)
 log = logging.getLogger("tensorshare.client")
 
 

@@ -11,16 +11,18 @@ letting it through.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Callable
 
 from ..errors import UsageError
 from ..protocol.messages import APPEND, DELETE, GET, LIST, LISTEN, MAX_WAIT, NOOP, OK, PEEK, PUT, UNLISTEN, Key
-from .calls import DEFAULT
+from .calls import DEFAULT, Timeout
 from ..protocol.items import item_table
 from .connection import NO_VALUE, ListenSnapshot, Notification
 from .listens import Listening
 from .tables import TableMethods
+from .verb import verb
 
 
 def _items_and_seq(reply) -> tuple:
@@ -58,8 +60,10 @@ class ClientMethods(TableMethods):
 
     _blocking = False  # the blocking Client's calls return their results (put by_reference needs that)
 
+    @verb
     def put(self, bin: str, value: Any, *, tag: int | None = None, ephemeral: bool = False,
-            timeout=DEFAULT, progress: Callable[[int, int], Any] | None = None, by_reference: bool = False) -> Any:
+            timeout: Timeout = DEFAULT, progress: Callable[[int, int], Any] | None = None,
+            by_reference: bool = False) -> int:
         """Replace the items of ``bin`` with ``value``; returns the bin's item count (1).
 
         ``tag``, an optional 64-bit integer stored with the item, reaches listeners
@@ -93,8 +97,9 @@ class ClientMethods(TableMethods):
             return self._call(PUT, fields, value, timeout=timeout, zero_copy=False, **_progress(progress))
         return self._call(PUT, bin_fields(bin, tag), value, timeout=timeout, **_progress(progress))
 
+    @verb
     def append(self, bin: str, value: Any, *, tag: int | None = None, below: int | None = None,
-               timeout=DEFAULT, progress: Callable[[int, int], Any] | None = None) -> Any:
+               timeout: Timeout = DEFAULT, progress: Callable[[int, int], Any] | None = None) -> int:
         """Add ``value`` as one more item of ``bin``; returns the bin's new item count.
         ``progress``: as for :meth:`put`.
 
@@ -113,7 +118,8 @@ class ClientMethods(TableMethods):
 
     # -- reading
 
-    def get(self, bin: str, timeout=DEFAULT, *, max_items: int | None = None, with_seq: bool = False,
+    @verb
+    def get(self, bin: str, timeout: Timeout = DEFAULT, *, max_items: int | None = None, with_seq: bool = False,
             wait: float | None = None, least: int | None = None,
             progress: Callable[[int, int], Any] | None = None, device: Any = None) -> Any:
         """Take all items out of ``bin`` (it stays, empty); returns them in order.
@@ -147,7 +153,8 @@ class ClientMethods(TableMethods):
             return self._call(GET, fields, timeout=timeout, then=then, **_progress(progress))
         return self._call(GET, fields, timeout=timeout, then=then, device=device, **_progress(progress))
 
-    def peek(self, bin: str, timeout=DEFAULT, *, with_seq: bool = False, since: int | None = None,
+    @verb
+    def peek(self, bin: str, timeout: Timeout = DEFAULT, *, with_seq: bool = False, since: int | None = None,
              wait: float | None = None, progress: Callable[[int, int], Any] | None = None, device: Any = None,
              into: Any = None) -> Any:
         """Return all items of ``bin`` without removing them (``progress``,
@@ -178,8 +185,9 @@ class ClientMethods(TableMethods):
             return self._call(PEEK, fields, timeout=timeout, then=then, **_progress(progress))
         return self._call(PEEK, fields, timeout=timeout, then=then, device=device, into=into, **_progress(progress))
 
-    def save(self, bin: str, path, *, overwrite: bool = False, timeout=DEFAULT,
-             progress: Callable[[int, int], Any] | None = None) -> Any:
+    @verb
+    def save(self, bin: str, path: str | os.PathLike[str], *, overwrite: bool = False, timeout: Timeout = DEFAULT,
+             progress: Callable[[int, int], Any] | None = None) -> int:
         """Write the items of ``bin`` (which keeps them) to the local directory ``path``.
 
         The bytes the server sent go straight to memory-mappable files, one
@@ -226,29 +234,34 @@ class ClientMethods(TableMethods):
             return shared_copy(value, None)
         return areas.shared(value)
 
-    def list(self, timeout=DEFAULT) -> Any:
+    @verb
+    def list(self, timeout: Timeout = DEFAULT) -> dict[str, int]:
         """``{bin: n_items}`` for every bin on the server."""
         return self._call(LIST, timeout=timeout)
 
-    def relay_status(self, timeout=DEFAULT) -> Any:
+    @verb
+    def relay_status(self, timeout: Timeout = DEFAULT) -> dict[str, Any] | None:
         """A relay's state (PROTOCOL.md §11): ``{"upstream", "connected", "bins"
         (mirrored), "behind" (of which with changes not yet mirrored), "lag" (seconds
         the oldest of them waits)}``; None from a server that relays nothing."""
         return self._call(LIST, timeout=timeout, then=lambda reply: reply.header.get(Key.RELAY))
 
-    def delete(self, bin: str, timeout=DEFAULT) -> Any:
+    @verb
+    def delete(self, bin: str, timeout: Timeout = DEFAULT) -> None:
         """Remove ``bin`` and its items."""
         return self._call(DELETE, bin_fields(bin), timeout=timeout)
 
-    def ping(self, timeout=DEFAULT) -> Any:
+    @verb
+    def ping(self, timeout: Timeout = DEFAULT) -> float:
         """Round-trip a NOOP; returns the seconds it took."""
         start = time.perf_counter()
         return self._call(NOOP, timeout=timeout, then=lambda reply: time.perf_counter() - start)
 
     # -- listening
 
-    def listen(self, bin: str, callback: Callable[[Notification], Any], timeout=DEFAULT, *,
-               every_append: bool = True) -> Any:
+    @verb
+    def listen(self, bin: str, callback: Callable[[Notification], Any], timeout: Timeout = DEFAULT, *,
+               every_append: bool = True) -> Listening:
         """Call ``callback(notification)`` on every change to ``bin``, from now on;
         returns a :class:`Listening` handle once the server listens.
 
@@ -291,7 +304,8 @@ class ClientMethods(TableMethods):
         return self._call(LISTEN, fields, timeout=timeout, on_reply=activate, on_error=give_up,
                           then=lambda reply: self._listening(handle))
 
-    def unlisten(self, bin: str, callback: Callable | None = None) -> Any:
+    @verb
+    def unlisten(self, bin: str, callback: Callable[[Notification], Any] | None = None) -> None:
         """Stop the listens of ``bin`` (only those calling ``callback``, if given)."""
         owner = self._owner_of(bin)
         if owner is not self:

@@ -21,6 +21,8 @@ def check_address(host: object, port: object) -> None:
     """Raise UsageError unless ``host`` is a non-empty string and ``port`` a TCP port (1-65535)."""
     if not isinstance(host, str) or not host:
         raise UsageError(f"host must be a host name or address, not {host!r}")
+    if isinstance(port, str) and port.strip().isdigit():
+        raise UsageError(f"port must be an int, not the str {port!r}: pass int({port!r})")
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
         raise UsageError(f"port must be a TCP port, 1 to 65535, not {port!r}")
 

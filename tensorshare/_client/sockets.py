@@ -106,7 +106,8 @@ def open_link(host: str, port: int, connect_timeout: float, tls: TLSSettings | N
     try:
         sock = socket.create_connection((host, port), timeout=connect_timeout)
     except OSError as exc:
-        raise ConnectionLostError(f"cannot connect to {where}: {exc}") from None
+        hint = peers.unreachable_hint(isinstance(exc, ConnectionRefusedError), port)
+        raise ConnectionLostError(f"cannot connect to {where}: {exc}{hint}") from None
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if ssl_context is not None:
@@ -122,7 +123,8 @@ def open_link(host: str, port: int, connect_timeout: float, tls: TLSSettings | N
 def _start_tls(sock: socket.socket, host: str, context: ssl.SSLContext, tls: TLSSettings,
                deadline: float) -> ssl.SSLSocket:
     """The TLS handshake (blocking, until ``deadline``) and the certificate checks."""
-    where = f"{host}:{sock.getpeername()[1]}"
+    port = sock.getpeername()[1]
+    where = f"{host}:{port}"
     sock.settimeout(max(deadline - time.monotonic(), 0.001))
     try:
         tls_sock = context.wrap_socket(sock, server_hostname=host)
@@ -130,6 +132,8 @@ def _start_tls(sock: socket.socket, host: str, context: ssl.SSLContext, tls: TLS
         raise UntrustedServerError(f"the TLS certificate of {where} is not trusted: "
                                    f"{exc.verify_message or exc}") from None
     except OSError as exc:  # ssl.SSLError, a timeout, a reset
+        if isinstance(exc, ssl.SSLError) and peers.probe(host, port, 1.0)[0] == peers.TENSORSHARE:
+            raise peers.plain_server(where) from None  # it greets in plain text
         raise ConnectionLostError(f"TLS handshake with {where} failed (is it a TLS server?): {exc}") from None
     try:
         tls.check_certificate(tls_sock.getpeercert(binary_form=True))

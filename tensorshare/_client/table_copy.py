@@ -8,20 +8,21 @@ restart).  Rows are read in pieces of about :data:`PIECE` bytes, so a table larg
 than memory is copied in the memory of one piece.  Rows inserted while a copy is
 made may or may not be in it; pause the writers for an exact copy.
 
-Blocking client only (several calls, each waiting for the last): :class:`TableCopies`
-gives ``Client`` those two methods.
+:class:`TableCopies` gives ``Client`` those two methods; ``AsyncClient.load_table``
+runs the same steps (:func:`loading`) with Deferreds.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+import os
+from typing import Any, Callable, Generator, Iterator
 
 import numpy as np
 import torch
 
 from ..disk.tables import CheckpointWriter, read_checkpoint
 from ..errors import BadNameError, NoSuchBinError, UsageError
-from .calls import DEFAULT
+from .calls import DEFAULT, Timeout
 
 PIECE = 32 << 20  # bytes of rows per read
 
@@ -88,20 +89,41 @@ def load_table(client, path, name: str | None = None, *, replace: bool = True) -
     """Make table ``name`` (the saved table's name by default) from the checkpoint at
     ``path``: the same settings, each row at its slot with its priority.  A table
     already there is deleted first (``replace=False``: refused instead).  Returns
-    how many rows."""
+    how many rows.  (The blocking client's; the AsyncClient runs :func:`loading` as
+    inlineCallbacks.)"""
+    steps = loading(client, path, name, replace)
+    result = None
+    while True:  # each step is a call's result: hand it back
+        try:
+            result = steps.send(result)
+        except StopIteration as done:
+            return done.value
+
+
+def loading(client, path, name: str | None, replace: bool) -> Generator[Any, Any, int]:
+    """The calls of :func:`load_table`, each yielded: a blocking client's results are
+    sent back as they are, an AsyncClient's Deferreds by ``inlineCallbacks``."""
     checkpoint = read_checkpoint(path)
     name = checkpoint.name if name is None else name
-    if name in client.list():
+    if name in (yield client.list()):
         if not replace:
             raise UsageError(f"{name!r} exists (replace=True replaces it)")
-        client.delete(name)
-    client.create_table(name, **checkpoint.spec)
-    write_rows(client, name, checkpoint.state["index"], _columns(checkpoint), checkpoint.state["priority"])
+        yield client.delete(name)
+    yield client.create_table(name, **checkpoint.spec)
+    for indices, columns, priorities in row_pieces(checkpoint.state["index"], _columns(checkpoint),
+                                                   checkpoint.state["priority"]):
+        yield client.write(name, indices, columns, priorities)
     return checkpoint.rows
 
 
 def write_rows(client, name: str, indices, columns: dict[str, torch.Tensor], priorities=None) -> None:
     """Write rows at their slot ``indices`` (with their ``priorities``), a piece at a time."""
+    for piece in row_pieces(indices, columns, priorities):
+        client.write(name, *piece)
+
+
+def row_pieces(indices, columns: dict[str, torch.Tensor], priorities=None) -> Iterator[tuple]:
+    """``(indices, columns, priorities)`` of about :data:`PIECE` bytes of rows each."""
     indices = torch.as_tensor(np.asarray(indices), dtype=torch.int64)
     n = indices.numel()
     if not n:
@@ -110,8 +132,8 @@ def write_rows(client, name: str, indices, columns: dict[str, torch.Tensor], pri
     step = max(1, PIECE // max(row_bytes, 1))
     for start in range(0, n, step):
         stop = min(start + step, n)
-        client.write(name, indices[start:stop], {k: v[start:stop] for k, v in columns.items()},
-                     None if priorities is None else torch.as_tensor(np.asarray(priorities[start:stop])))
+        yield (indices[start:stop], {k: v[start:stop] for k, v in columns.items()},
+               None if priorities is None else torch.as_tensor(np.asarray(priorities[start:stop])))
 
 
 def mapped_columns(path) -> dict[str, torch.Tensor]:
@@ -133,14 +155,14 @@ def _bytes(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-__all__ = ["save_table", "load_table", "occupied", "pieces", "write_rows", "table_spec", "mapped_columns"]
+__all__ = ["save_table", "load_table", "loading", "row_pieces", "occupied", "pieces", "write_rows", "table_spec", "mapped_columns"]
 
 
 class TableCopies:
     """The blocking client's table checkpoints: ``save`` of a table, ``load_table``."""
 
-    def save(self, bin: str, path, *, overwrite: bool = False, timeout=DEFAULT,
-             progress: Callable[[int, int], Any] | None = None) -> Any:
+    def save(self, bin: str, path: str | os.PathLike[str], *, overwrite: bool = False, timeout: Timeout = DEFAULT,
+             progress: Callable[[int, int], Any] | None = None) -> int:
         """Write bin ``bin``'s items to the directory ``path`` (see
         :meth:`ClientMethods.save`); for a table, a table checkpoint of its rows and
         settings (:mod:`tensorshare.disk.tables`, which :meth:`load_table` makes the
@@ -152,7 +174,7 @@ class TableCopies:
                 raise
         return save_table(self, bin, path, overwrite=overwrite)
 
-    def load_table(self, path, name: str | None = None, *, replace: bool = True) -> int:
+    def load_table(self, path: str | os.PathLike[str], name: str | None = None, *, replace: bool = True) -> int:
         """Make table ``name`` (the saved one's name by default) from the table
         checkpoint ``path`` that :meth:`save` wrote: the same settings and rows, each
         at its slot with its priority.  A table there is replaced (``replace=False``:

@@ -18,6 +18,8 @@ PROTOCOL.md ("Value description") is the normative text.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import struct
 import sys
 import threading
@@ -178,7 +180,7 @@ class _Encoder:
             return msgpack.ExtType(EXT_COMPLEX, struct.pack("<dd", obj.real, obj.imag))
         if type(obj).__module__.startswith("tensordict."):
             return self.tensordict(obj, depth)
-        raise EncodeError(f"cannot send a value of type {_type_name(obj)}")
+        raise EncodeError(f"cannot send a value of type {_type_name(obj)}{_what_to_send(obj)}")
 
     def tensordict(self, td: Any, depth: int) -> msgpack.ExtType:
         """A ``tensordict.TensorDict``: its batch size and entries (nested TensorDicts
@@ -271,6 +273,18 @@ def _plain_tuple_warning(cls: type) -> None:
     warnings.warn(f"{cls.__module__}.{cls.__qualname__} ({'a namedtuple' if named else 'a tuple subclass'}) is "
                   f"sent as a plain tuple: its type and field names do not travel (send "
                   f"{'value._asdict()' if named else 'a dict'} to keep the names)", stacklevel=2)
+
+
+def _what_to_send(obj: Any) -> str:
+    """How to send what ``obj`` holds instead (the wire carries no classes)."""
+    if isinstance(obj, torch.nn.Module):
+        return ": send its parameters, module.state_dict()"
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return ": send its fields, dataclasses.asdict(value)"
+    if isinstance(obj, enum.Enum):
+        return ": send its .value or .name"
+    return (": the wire carries tensors, arrays, numbers, strings, bytes, None and dicts, lists, tuples and "
+            "sets of those, never classes (send the object's fields as a dict)")
 
 
 def _type_name(obj: Any) -> str:
