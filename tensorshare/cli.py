@@ -1,6 +1,6 @@
 """``tensorshare``: look at and move bins from a shell.
 
-    tensorshare ls                      bins and their item counts
+    tensorshare ls [PATTERN]            bins and tables (marked) and their item counts; PATTERN: a glob
     tensorshare stat BIN                items, sequence number, last tag (bytes and tiers with --metrics-port);
                                         of a table: its settings, counters and rate limiter
     tensorshare peek BIN                shapes, dtypes and a few values of each item
@@ -29,8 +29,10 @@ from typing import Any
 
 from . import cli_tables
 from .argtypes import count, port_number, seconds
+from . import __version__
 from .errors import (
-    AuthenticationError, ConnectionLostError, NoSuchBinError, TensorShareError, UsageError, WrongServerError,
+    AuthenticationError, BadNameError, ConnectionLostError, NoSuchBinError, TensorShareError, UsageError,
+    WrongServerError,
 )
 from .humanize import human_bytes, rl_roles
 
@@ -59,24 +61,32 @@ def _rich():
 
 
 def print_table(title: str, headers: list[str], rows: list[list], console=None) -> None:
-    if console is not None:
+    """``title``, then the rows under their headers (none: no header row), if any.
+    Nothing is cut: names (the first column) keep up to two thirds of the terminal's
+    width, and what does not fit folds onto more lines.  Plain text where the output
+    is not a terminal (a pipe, a file)."""
+    if console is not None and console.is_terminal:
         from rich.table import Table
 
         console.print(title)
-        table = Table()
-        for h in headers:
-            table.add_column(h)
+        if not rows:
+            return
+        table = Table(show_header=any(headers))
+        for i, h in enumerate(headers):
+            widest = max(len(str(row[i])) for row in rows)
+            table.add_column(h, overflow="fold", min_width=min(widest, console.width * 2 // 3) if i == 0 else None)
         for row in rows:
             table.add_row(*(str(c) for c in row))
         console.print(table)
         return
     print(title)
-    print(plain_table(headers, rows))
+    if rows:
+        print(plain_table(headers, rows))
 
 
 def plain_table(headers: list[str], rows: list[list]) -> str:
-    cells = [headers, *([str(c) for c in row] for row in rows)]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    cells = [*([headers] if any(headers) else []), *([str(c) for c in row] for row in rows)]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))] if cells else []
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
 
 
@@ -217,17 +227,26 @@ def status_json(args) -> dict | None:
 
 
 def cmd_ls(args, client, out) -> int:
-    listing = client.list()
+    listing = client.list(args.pattern)
+    tables = {name for name in listing if cli_tables.info_if_table(client, name) is not None}
     status = status_json(args)
     sizes = {b["name"]: b["bytes"] for b in status["bins"]} if status else {}
     if args.json:
-        out.emit([{"bin": name, "items": n, **({"bytes": sizes.get(name)} if status else {})}
-                  for name, n in sorted(listing.items())])
+        out.emit([{"bin": name, "items": n, "kind": "table" if name in tables else "bin",
+                   **({"bytes": sizes.get(name)} if status else {})} for name, n in sorted(listing.items())])
         return OK
-    headers = ["bin", "items"] + (["bytes"] if status else [])
-    rows = [[name, n] + ([human_bytes(sizes.get(name))] if status else []) for name, n in sorted(listing.items())]
-    print_table(f"{len(rows)} bins on {args.host}:{args.port}", headers, rows, out.console)
+    headers = ["name", "kind", "items (rows)"] + (["bytes"] if status else [])
+    rows = [[name, "table" if name in tables else "bin", n] + ([human_bytes(sizes.get(name))] if status else [])
+            for name, n in sorted(listing.items())]
+    matching = f" matching {args.pattern!r}" if args.pattern else ""
+    print_table(f"{plural(len(rows) - len(tables), 'bin')} and {plural(len(tables), 'table')}{matching} on "
+                f"{args.host}:{args.port}", headers, rows, out.console)
     return OK
+
+
+def plural(n: int, noun: str) -> str:
+    """``1 item``, ``2 items``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def cmd_stat(args, client, out) -> int:
@@ -254,11 +273,17 @@ def cmd_stat(args, client, out) -> int:
 
 
 def cmd_peek(args, client, out) -> int:
-    items = client.peek(args.bin)
+    try:
+        items = client.peek(args.bin)
+    except BadNameError:
+        if cli_tables.info_if_table(client, args.bin) is None:
+            raise
+        raise CliError(f"{args.bin!r} is a table: tensorshare table sample {args.bin} shows rows, "
+                       f"tensorshare table info {args.bin} its settings", USAGE) from None
     if args.json:
         out.emit({"bin": args.bin, "items": [summary(v) for v in items]})
         return OK
-    print(f"{args.bin}: {len(items)} item{'s' if len(items) != 1 else ''}")
+    print(f"{args.bin}: {plural(len(items), 'item')}")
     for i, value in enumerate(items):
         lines = describe(value, "    ")
         print(f"  [{i}] {lines[0].strip()}")
@@ -280,7 +305,8 @@ def cmd_save(args, client, out) -> int:
     if args.json:
         out.emit({"bin": args.bin, "dir": args.dir, "items": count, "bytes": nbytes})
     else:
-        print(f"saved {count} items of {args.bin} ({human_bytes(nbytes)}) to {args.dir} "
+        noun = "row" if cli_tables.info_if_table(client, args.bin) is not None else "item"
+        print(f"saved {plural(count, noun)} of {args.bin} ({human_bytes(nbytes)}) to {args.dir} "
               f"in {time.monotonic() - started:.2f}s")
     return OK
 
@@ -324,7 +350,7 @@ def cmd_load(args, client, out) -> int:
     if args.json:
         out.emit({"bin": args.bin, "dir": args.dir, "items": len(items), "bytes": total})
     else:
-        print(f"loaded {len(items)} items ({human_bytes(total)}) from {args.dir} into {args.bin}")
+        print(f"loaded {plural(len(items), 'item')} ({human_bytes(total)}) from {args.dir} into {args.bin}")
     return OK
 
 
@@ -474,9 +500,11 @@ def parser() -> argparse.ArgumentParser:
                                        "1 failed, 2 bad usage, 3 no server, 4 authentication failed, "
                                        "5 no such bin.")
     common_options(p)
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.set_defaults(**DEFAULTS)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    add_command(sub, "ls", "bins and their item counts")
+    add_command(sub, "ls", "bins and tables, with their item (row) counts").add_argument(
+        "pattern", nargs="?", help="only names matching this glob ('replay*'; quote it for the shell)")
     for name, text in (("stat", "a bin's items, sequence number and last tag"),
                        ("peek", "shapes, dtypes and a few values of a bin's items"), ("rm", "delete a bin")):
         add_command(sub, name, text).add_argument("bin")

@@ -85,7 +85,7 @@ def _ls(args, client, out) -> int:
     if args.json:
         out.emit(rows)
         return OK
-    print_table(f"{len(rows)} tables on {args.host}:{args.port}",
+    print_table(f"{len(rows)} table{'' if len(rows) == 1 else 's'} on {args.host}:{args.port}",
                 ["table", "rows", "capacity", "sampler", "remover", "inserted", "sampled", "bytes", "holds"],
                 [[r["table"], r["rows"], r["capacity"], r["sampler"], r["remover"] or "-", r["inserts"], r["samples"],
                   human_bytes(r["bytes"]), r["kind"]] for r in rows], out.console)
@@ -176,7 +176,7 @@ def load_checkpoint(args, client, out, name: str | None) -> int:
     if args.json:
         out.emit({"dir": args.dir, "table": name, "rows": rows})
     else:
-        print(f"loaded {rows} rows from {args.dir} into table {name}")
+        print(f"loaded {rows} row{'' if rows == 1 else 's'} from {args.dir} into table {name}")
     return OK
 
 
@@ -200,7 +200,8 @@ def _kind(info: dict) -> str:
     if not info.get("columns"):
         return "items"
     kind = ((info.get("meta") or {}).get("torchrl") or {}).get("kind")
-    return f"{len(info['columns'])} columns" + (f" (TorchRL {kind}s)" if kind else "")
+    n = len(info["columns"])
+    return f"{n} column{'' if n == 1 else 's'}" + (f" (TorchRL {kind}s)" if kind else "")
 
 
 def _allowed(n) -> str:

@@ -60,7 +60,7 @@ class EncodeError(UsageError, TypeError):
     wire form``; ``reason`` is the message without the path.
     """
 
-    def __init__(self, reason: str, path: tuple = ()):
+    def __init__(self, reason: str, path: tuple[object, ...] = ()):
         super().__init__(reason)
         self.reason = reason
         self.path = tuple(path)
@@ -75,7 +75,7 @@ class EncodeError(UsageError, TypeError):
             return self.reason
         return "value" + "".join(f"[{segment!r}]" for segment in self.path) + ": " + self.reason
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[EncodeError], tuple[str, tuple[object, ...]]]:
         return type(self), (self.reason, self.path)
 
 

@@ -18,6 +18,7 @@ bin's server's :class:`~tensorshare.Client`.
 
 from __future__ import annotations
 
+import builtins
 import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -122,15 +123,17 @@ class ShardedClient:
 
     # -- all servers
 
-    def list(self, timeout: Timeout = DEFAULT) -> dict[str, int]:
-        """``{bin: n_items}`` of every server, merged (asked in parallel)."""
-        kwargs = {} if timeout is DEFAULT else {"timeout": timeout}
+    def list(self, pattern: str | None = None, timeout: Timeout = DEFAULT) -> dict[str, int]:
+        """``{bin: n_items}`` of every server, merged (asked in parallel); ``pattern``:
+        as :meth:`Client.list`."""
+        kwargs: dict[str, Any] = {} if timeout is DEFAULT else {"timeout": timeout}
+        kwargs["pattern"] = pattern
         merged: dict[str, int] = {}
         for listing in self._each(lambda client: client.list(**kwargs)):
             merged.update(listing)
         return merged
 
-    def ping(self, timeout: Timeout = DEFAULT) -> list[float]:
+    def ping(self, timeout: Timeout = DEFAULT) -> builtins.list[float]:  # (list: the method above)
         """Round-trip times to each server, in the order given."""
         kwargs = {} if timeout is DEFAULT else {"timeout": timeout}
         return self._each(lambda client: client.ping(**kwargs))

@@ -11,6 +11,7 @@ letting it through.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import time
 from typing import Any, Callable
@@ -235,9 +236,15 @@ class ClientMethods(TableMethods):
         return areas.shared(value)
 
     @verb
-    def list(self, timeout: Timeout = DEFAULT) -> dict[str, int]:
-        """``{bin: n_items}`` for every bin on the server."""
-        return self._call(LIST, timeout=timeout)
+    def list(self, pattern: str | None = None, timeout: Timeout = DEFAULT) -> dict[str, int]:
+        """``{bin: n_items}`` for every bin on the server (tables included: a table's
+        count is its rows), or for those whose name matches ``pattern``, a shell-style
+        glob (``"replay*"``; ``fnmatch``'s rules, case-sensitive)."""
+        if pattern is None:
+            return self._call(LIST, timeout=timeout)
+        if not isinstance(pattern, str):
+            raise UsageError(f"pattern must be a str (a glob such as 'replay*'), not {pattern!r}")
+        return self._call(LIST, timeout=timeout, then=lambda reply: matching(reply.result, pattern))
 
     @verb
     def relay_status(self, timeout: Timeout = DEFAULT) -> dict[str, Any] | None:
@@ -375,6 +382,11 @@ class ClientMethods(TableMethods):
     def _forget_listen(self, name: str) -> None:
         """Ask the server, without waiting, to stop notifying of bin ``name``."""
         raise NotImplementedError
+
+
+def matching(bins: dict[str, int], pattern: str) -> dict[str, int]:
+    """The entries of a LIST result whose name matches the glob ``pattern``."""
+    return {name: count for name, count in bins.items() if fnmatch.fnmatchcase(name, pattern)}
 
 
 def _progress(progress: Callable | None) -> dict:
