@@ -131,3 +131,33 @@ def test_large_values_go_through_shared_memory_on_the_servers_host(paired):
     [back] = result_of(client.peek("zc"), pump)
     assert torch.equal(back, value)
     assert result_of(client.peek("zc"), pump)[0].data_ptr() != back.data_ptr()
+
+
+def test_a_table_checkpoint_loads_through_the_async_client(paired, tmp_path):
+    """``AsyncClient.load_table`` (it had none): a checkpoint written from one server by
+    the blocking client is made again on another, each row at its slot, with its
+    priority; ``list`` takes a glob."""
+    from serverproc import ServerProcess
+
+    import tensorshare
+
+    rows = {"obs": torch.arange(12, dtype=torch.float32).reshape(6, 2)}
+    server = ServerProcess()
+    try:
+        with tensorshare.Client("127.0.0.1", server.port, timeout=30) as blocking:
+            blocking.create_table("replay", 8, {"obs": ((2,), torch.float32)}, sampler="prioritized")
+            blocking.insert("replay", rows, priorities=[1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+            assert blocking.save("replay", tmp_path / "ckpt") == 6
+            slots = blocking.table_info("replay", slots=0)["slots"]
+    finally:
+        server.stop()
+    client, pump, clock, state = paired
+    assert result_of(client.load_table(tmp_path / "ckpt", "replay-copy"), pump) == 6
+    info = result_of(client.table_info("replay-copy", slots=0), pump)
+    assert info["size"] == 6 and info["sampler"] == "prioritized"
+    assert torch.equal(info["slots"]["indices"], slots["indices"])
+    assert torch.equal(info["slots"]["priorities"], slots["priorities"])
+    read = result_of(client.read("replay-copy", slots["indices"]), pump)
+    assert torch.equal(read["obs"], rows["obs"])
+    result_of(client.put("other", 1), pump)
+    assert result_of(client.list("replay*"), pump) == {"replay-copy": 6}

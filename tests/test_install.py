@@ -134,10 +134,13 @@ def test_the_wheel_holds_every_module_and_says_what_it_needs(wheel):
                for folder, top in (("tensorshare", "tensorshare"), ("server", "tensorshare_server"))
                for path in (ROOT / folder).rglob("*.py")}
     assert sources - set(names) == set(), "modules missing from the wheel"
+    assert "tensorshare/py.typed" in names  # type checkers read the installed package's annotations
     assert not [n for n in names if n.startswith(("tests/", "benchmarks/", "examples/"))]
     [meta_name] = [n for n in names if n.endswith(".dist-info/METADATA")]
     meta = email.message_from_string(zipfile.ZipFile(wheel).read(meta_name).decode())
     assert meta["Name"] == NAME and meta["Version"] == tensorshare.__version__
+    assert meta["Home-page"] and {url.split(",")[0] for url in meta.get_all("Project-URL")} >= {"Documentation",
+                                                                                               "Source", "Changelog"}
     needs: dict[str, set] = {}
     for requirement in meta.get_all("Requires-Dist"):
         match = re.match(r'^([A-Za-z0-9_.\-]+).*?(?:extra == "(\w+)")?$', requirement)
@@ -184,7 +187,7 @@ def test_the_wheel_installs_with_its_extras_and_runs_the_first_example(wheel, de
         first = next(b for b in all_blocks() if b.lang == "python" and "tensorshare.Client(" in b.text)
         run([str(python), "-c", expect_raises(first.text.replace("8000", port))], cwd=tmp_path, timeout=120)
         listing = run([str(python.parent / "tensorshare"), "--json", "ls", "--port", port], cwd=tmp_path)
-        assert {"bin": "rollouts", "items": 0} in json.loads(listing.stdout)
+        assert {"bin": "rollouts", "items": 0, "kind": "bin"} in json.loads(listing.stdout)
     finally:
         server.terminate()
         assert server.wait(30) == 0

@@ -127,6 +127,7 @@ def test_async_client_routes_every_bin_to_its_owner_and_merges_list():
     for k, state in enumerate(paired.states):  # each bin is on its owner, and only there
         assert set(state.store.listing()) == {n for n in names if paired.workers.owner(n) == k}
     assert paired.run(client.list()) == {name: 2 for name in names}
+    assert paired.run(client.list("bin-1*")) == {name: 2 for name in names if name.startswith("bin-1")}  # merged
     assert paired.run(client.peek(names[7]))[0].tolist() == [7.0, 7.0]
     assert [n.op for n in heard] == ["PUT", "APPEND"]
     paired.run(listened.stop())
