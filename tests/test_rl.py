@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pytest
 import re
 import signal
@@ -262,17 +263,28 @@ def test_a_worker_waiting_for_its_server_says_so(caplog):
     assert f"no server listens there (start one: tensorshare-server --port {port})" in told
 
 
-def test_add_data_timeout_names_the_rollouts_in_flight(server):
-    """Past its timeout with the trainer taking nothing, add_data names the rollouts
-    actually unacknowledged (it named max_pending, 64, whatever was in flight)."""
-    with RLTrainer("127.0.0.1", server.port, experiment="full", max_waiting=2) as trainer, \
-            RLWorker("127.0.0.1", server.port, experiment="full", timeout=1) as worker:
-        trainer.publish_parameters({"w": torch.zeros(1)})
-        worker.await_new_parameters(timeout=10)
-        with pytest.raises(tensorshare.errors.TimeoutError) as caught:
-            for _ in range(10):
-                worker.add_data({"obs": 1})
-        message = str(caught.value)
-        assert re.match(r"\d+ rollouts still unacknowledged after 1s \(the trainer holds at most 2 waiting", message)
-        assert not message.startswith("64 "), message
-        trainer.get_data(max_items=100)
+@pytest.mark.process
+def test_add_data_timeout_names_the_rollouts_in_flight():
+    """A capped experiment keeps two rollouts in flight, not ``max_pending`` (64): past
+    its timeout with the server silent (stopped here), add_data names the two
+    actually unacknowledged (it named 64)."""
+    from serverproc import ServerProcess
+
+    server = ServerProcess()
+    try:
+        with RLTrainer("127.0.0.1", server.port, experiment="full", max_waiting=16), \
+                RLWorker("127.0.0.1", server.port, experiment="full", timeout=1) as worker:
+            assert worker.max_waiting == 16
+            worker.add_data({"obs": 0})  # (capped, rollouts take a connection of their own: open it)
+            worker.flush(timeout=30)
+            os.kill(server.proc.pid, signal.SIGSTOP)  # nothing is acknowledged from now on
+            try:
+                with pytest.raises(tensorshare.errors.TimeoutError) as caught:
+                    for _ in range(3):
+                        worker.add_data({"obs": 1})
+            finally:
+                os.kill(server.proc.pid, signal.SIGCONT)
+            assert str(caught.value).startswith("2 rollouts still unacknowledged after 1s (the trainer holds at "
+                                                "most 16 waiting, and takes none"), str(caught.value)
+    finally:
+        server.stop()
