@@ -1,9 +1,9 @@
 """The public API as a type checker and an IDE see it.
 
-``mypy --strict`` over a user's program (tests/typing/uses.py) finds every public
+``mypy --strict`` over a user's program (tests/typed/uses.py) finds every public
 class and verb with the types it must have (not ``Any``: ``Client.put`` is ``int``,
 ``AsyncClient.put`` a ``Deferred[int]``), refuses the mistakes of
-tests/typing/mistakes.py (each line names the error it must get), and finds the
+tests/typed/mistakes.py (each line names the error it must get), and finds the
 package's own public faces (its ``__init__``, its errors, ``@verb``) clean.  At run
 time: every public callable is annotated, and no signature shows an
 ``<object object at 0x...>``.
@@ -27,7 +27,7 @@ import tensorshare.sharded
 from tensorshare.protocol.messages import COMMANDS
 
 ROOT = Path(__file__).resolve().parent.parent
-HERE = ROOT / "tests" / "typing"
+HERE = ROOT / "tests" / "typed"
 FACES = ("tensorshare/__init__.py", "tensorshare/errors.py", "tensorshare/_client/verb.py")
 
 
