@@ -248,6 +248,7 @@ class Client(Front, TableCopies, LeaderFollower, Sender, ClientCore):
             areas = self._areas(deadline) if zero_copy and self.zero_copy else None
         call = self._new_call(command, fields, value, areas, None, then, on_error, on_reply, None, decode,
                               device=device, into=into)
+        sent = set()  # request ids of the attempts that went out (or began to)
         try:
             while True:
                 try:
@@ -255,6 +256,7 @@ class Client(Front, TableCopies, LeaderFollower, Sender, ClientCore):
                     self._before_request()
                     with self._cond:
                         self._calls.add(call)
+                    sent.add(call.rid)
                     if progress is None:
                         self._send(parts, deadline, call.rid)
                         outcome = self._await(call, deadline)
@@ -272,6 +274,8 @@ class Client(Front, TableCopies, LeaderFollower, Sender, ClientCore):
                     break
         except BaseException:
             finish(call)
+            if call.outcome is None and call.rid in sent:
+                self._abandon()
             raise
         reply, error = settled
         if error is None and call.then is None and not call.raw:  # the usual case
@@ -280,6 +284,15 @@ class Client(Front, TableCopies, LeaderFollower, Sender, ClientCore):
         if error is not None:
             raise error
         return result
+
+    def _abandon(self) -> None:
+        """A call in flight was interrupted (KeyboardInterrupt...): nobody will take its
+        reply, and its frame may be half sent.  Reset the connection: the server drops
+        a request it holds (a waiting GET takes nothing), where it would otherwise
+        hand what it takes to a caller who left.  Other calls in flight on it fail
+        with ConnectionLostError; the next call connects again."""
+        self._drop_connection(self._link, ConnectionLostError(
+            f"connection to {self._where} reset: a call on it was interrupted"))
 
     def _done(self, value: Any) -> Any:
         return value
@@ -298,7 +311,8 @@ class Client(Front, TableCopies, LeaderFollower, Sender, ClientCore):
                 zero_copy=zero_copy, timeout=timeout, then=then, on_error=on_error, on_reply=on_reply, decode=decode,
                 raw=raw, inline=inline, device=device, into=into))
             return
-        areas = self._areas(DEFAULT) if zero_copy and self.zero_copy else None
+        deadline = self._deadline(timeout)  # for connecting and sending; the reply is awaited by no one
+        areas = self._areas(deadline) if zero_copy and self.zero_copy else None
         call = self._new_call(command, fields, value, areas, callback, then, on_error, on_reply, None, decode, raw,
                               device=device, into=into)
         call.inline = inline
@@ -307,12 +321,12 @@ class Client(Front, TableCopies, LeaderFollower, Sender, ClientCore):
         except BaseException:
             finish(call)
             raise
-        self._send_call(call, parts)
+        self._send_call(call, parts, deadline)
 
-    def _send_call(self, call: Call, parts: list) -> None:
-        """Send a non-blocking call's frame; its callback hears of a failure."""
+    def _send_call(self, call: Call, parts: list, deadline: float | None) -> None:
+        """Send a non-blocking call's frame within ``deadline``; its callback hears of a failure."""
         try:
-            self._deliver(call, parts, self._deadline(DEFAULT), may_hold=True)
+            self._deliver(call, parts, deadline, may_hold=True)
         except TensorShareError as exc:
             with self._cond:
                 mine = self._calls.pop(call.rid) is not None  # else the lost connection failed it already
@@ -350,7 +364,7 @@ class Client(Front, TableCopies, LeaderFollower, Sender, ClientCore):
             finish(call)
             self._call_back(call, None, exc)
             return
-        self._send_call(call, parts)
+        self._send_call(call, parts, self._deadline(DEFAULT))
 
     def _deliver(self, call: Call, parts: list, deadline: float | None, may_hold: bool = False) -> None:
         self._before_request()

@@ -181,12 +181,16 @@ def test_merged_status_adds_up_the_workers():
 
 
 def test_each_worker_gets_its_share_and_its_own_directory(tmp_path):
+    """Every limit of the whole server is divided (--max-connections, --max-bins and
+    --max-table-rows once applied per worker: N times the setting)."""
     from tensorshare_server.workers.supervisor import worker_config
 
     whole = ServerConfig(workers=4, memory_limit=8 << 30, recv_pool=1 << 30, data_dir=str(tmp_path), metrics_port=9000,
-                         token="t" * 40, worker_ports=9100)
+                         token="t" * 40, worker_ports=9100, max_connections=102, max_bins=10, max_table_rows=1 << 20)
     parts = [worker_config(whole, k) for k in range(4)]
     assert [p.memory_limit for p in parts] == [2 << 30] * 4 and [p.recv_pool for p in parts] == [256 << 20] * 4
+    assert [(p.max_connections, p.max_bins, p.max_table_rows) for p in parts] == [(26, 3, 1 << 18)] * 4  # rounded up
+    assert worker_config(ServerConfig(workers=4, max_connections=0), 0).max_connections == 0  # no limit stays so
     assert [p.data_dir for p in parts] == [worker_dir(str(tmp_path), k) for k in range(4)]
     assert all(p.workers == 1 and p.metrics_port == 0 and p.metrics_host == "127.0.0.1" and p.token is None
                for p in parts)  # (the token travels apart, on the worker's standard input)

@@ -8,7 +8,7 @@ client can open (``cuda``: their UUIDs) gets the reference in place of the item'
 bytes, and that client copies the item device to device.  The publisher then sends
 the bytes (a PUT with ``fill``: the reference's id), which every other reader gets
 as for any item (over TCP, or mapped on this host); until they arrive such a read
-waits in the server (:data:`BYTES_WAIT`, then 451).
+waits in the server (:data:`BYTES_WAIT`, or the read's ``wait``; then 451).
 
 Lifetimes (§13.3).  The publisher keeps a snapshot until the server says nothing
 holds its reference: the item has left its bin (replaced, taken, deleted) and
@@ -38,6 +38,7 @@ from tensorshare.protocol.messages import BAD_ARGS, PUT, ZERO_COPY_REFUSED, Key
 from ..bins.store import Item
 from . import longpoll
 from .outcome import Pending, later
+from .shared import declared_size
 
 BYTES_WAIT = 60.0  # seconds a read waits for the bytes of an item put by reference before 451
 _MEMORY_HANDLE = 64 << 10  # bytes of torch's handle of a block: 64 (torch < 2.5), 66 (a version and a kind
@@ -155,9 +156,7 @@ def store(session, request, check_value: Callable, stored: Callable):
     if request.payload_len or request.shm is not None:
         raise RemoteError("a value put by device reference comes without bytes", BAD_ARGS)
     ref = check_reference(request.cuda)
-    size = request.size
-    if type(size) is not int or not 0 <= size <= session.config.max_frame:
-        raise RemoteError(f"size must be an integer in 0..{session.config.max_frame}", BAD_ARGS)
+    size = declared_size(request.size, session.config.max_frame)
     check_value(session, request.value, size)
     item, change = storage.add_reference(request.bin, request.value, size, request.tag, ref)
     items_of(session).publish(item, ref, request.bin)
@@ -232,7 +231,9 @@ def unready(items: list[Item], cuda: list | None) -> bool:
 
 def hold_for_bytes(session, request, answer: Callable) -> Pending:
     """Answered with ``answer(session, request)`` once its bin's items have their
-    bytes (or are gone), up to :data:`BYTES_WAIT` seconds (then 451)."""
+    bytes (or are gone), up to :data:`BYTES_WAIT` seconds, or the request's own
+    ``wait`` if it gives one (0: not at all); then 451.  (A relay asks with 0: a
+    read held here holds every later request of its connection.)"""
     def ready(session, request) -> bool:
         items = session.storage.items_of(request.bin)
         try:
@@ -240,9 +241,14 @@ def hold_for_bytes(session, request, answer: Callable) -> Pending:
         except RemoteError:  # lost: answering refuses it
             return True
 
-    return longpoll.hold(session, request, ready, answer, timeout=BYTES_WAIT,
-                         refusal=lambda: ServerLocalError(f"the bytes of an item put by device reference did not "
-                                                          f"come within {BYTES_WAIT:g}s"))
+    bound = BYTES_WAIT if request.wait is None else min(request.wait, BYTES_WAIT)
+
+    def refusal() -> ServerLocalError:
+        return ServerLocalError(f"the bytes of an item put by device reference did not come within {bound:g}s")
+
+    if bound <= 0:
+        raise refusal()
+    return longpoll.hold(session, request, ready, answer, timeout=bound, refusal=refusal)
 
 
 def besides(refs: list | None, cuda: list | None) -> list | None:

@@ -54,8 +54,8 @@ from typing import Callable
 from twisted.internet import defer
 
 from tensorshare.errors import (
-    AuthenticationError, ConnectionLostError, NoSuchBinError, ProtocolError, RemoteError, ServerUnavailableError,
-    TensorShareError, TooLargeError,
+    AuthenticationError, ConnectionLostError, NoSuchBinError, ProtocolError, RemoteError, ServerLocalError,
+    ServerUnavailableError, TensorShareError, TooLargeError,
 )
 from tensorshare.protocol.items import item_table, item_tags
 from tensorshare.protocol.messages import DELETE, NOTIFY, PEEK, Key
@@ -66,17 +66,20 @@ from .upstreams import Upstreams
 
 log = logging.getLogger("tensorshare.server.relay")
 
+_RETRY_FIRST, _RETRY_MAX = 0.02, 1.0  # seconds before a failed fetch is tried again: doubling from, up to
+
 
 class _Mirror:
     """What the follower knows of one followed bin."""
 
     __slots__ = ("name", "synced", "fetching", "again", "noted", "applied", "noted_at", "op", "waiters", "incoming",
-                 "watchers", "have", "used_at", "dropped")
+                 "watchers", "have", "used_at", "dropped", "retry")
 
     def __init__(self, name: str):
         self.name = name
         self.synced = False  # the local copy reflects the upstream bin at some moment
         self.fetching = False  # a PEEK is in flight
+        self.retry = _RETRY_FIRST  # seconds before a failed fetch is tried again (doubling)
         self.again = False  # a notification came while fetching: fetch once more
         self.noted = -1  # the highest upstream seq notified
         self.applied = -1  # the upstream seq the local copy reflects
@@ -355,13 +358,20 @@ class Follower:
                 self._fetched(mirror, None, "DELETE", target)
                 return
             mirror.fetching = False
-            log.info("relay: fetching %r from upstream failed: %s", mirror.name, error)
             # A lost connection is followed by a new listen, whose snapshot fetches again.
             if not isinstance(error, (ConnectionLostError, AuthenticationError)):
-                self.reactor.callLater(0.2, self._noted, mirror, target, op)
+                delay, mirror.retry = mirror.retry, min(mirror.retry * 2, _RETRY_MAX)
+                (log.debug if isinstance(error, ServerLocalError) else log.info)(
+                    "relay: fetching %r from upstream failed: %s; again in %gs", mirror.name, error, delay)
+                self.reactor.callLater(delay, self._noted, mirror, target, op)
+            else:
+                log.info("relay: fetching %r from upstream failed: %s", mirror.name, error)
 
         try:
-            d = self.upstream.call(PEEK, {Key.BIN: mirror.name, Key.TAGS: True, Key.INCOMING: True})
+            # wait 0: an item whose bytes are still in its publisher's GPU (PROTOCOL.md
+            # §13.2) is refused at once (451, fetched again above), not held at the head
+            # of the one connection every other request of this relay goes on.
+            d = self.upstream.call(PEEK, {Key.BIN: mirror.name, Key.TAGS: True, Key.INCOMING: True, Key.WAIT: 0})
         except TensorShareError as exc:
             failed(exc)
             return
@@ -371,6 +381,7 @@ class Follower:
                  seq: int | None = None, copy_seq: int = -1, stale: bool = False) -> None:
         """A fetch is over: install its copy (unless ``stale``: one not newer than the
         copy held) and fetch again if changes were noted meanwhile."""
+        mirror.retry = _RETRY_FIRST
         if not stale:
             self._install(mirror, copy, op, upstream_seq, seq, copy_seq)
         else:

@@ -88,8 +88,9 @@ def save_table(client, name: str, path, *, overwrite: bool = False) -> int:
 def load_table(client, path, name: str | None = None, *, replace: bool = True) -> int:
     """Make table ``name`` (the saved table's name by default) from the checkpoint at
     ``path``: the same settings, each row at its slot with its priority.  A table
-    already there is deleted first (``replace=False``: refused instead).  Returns
-    how many rows.  (The blocking client's; the AsyncClient runs :func:`loading` as
+    already there is replaced once the server has accepted the checkpoint's settings
+    (a refusal leaves it as it was; ``replace=False``: refused instead).  Returns how
+    many rows.  (The blocking client's; the AsyncClient runs :func:`loading` as
     inlineCallbacks.)"""
     steps = loading(client, path, name, replace)
     result = None
@@ -105,11 +106,9 @@ def loading(client, path, name: str | None, replace: bool) -> Generator[Any, Any
     sent back as they are, an AsyncClient's Deferreds by ``inlineCallbacks``."""
     checkpoint = read_checkpoint(path)
     name = checkpoint.name if name is None else name
-    if name in (yield client.list()):
-        if not replace:
-            raise UsageError(f"{name!r} exists (replace=True replaces it)")
-        yield client.delete(name)
-    yield client.create_table(name, **checkpoint.spec)
+    if not replace and name in (yield client.list()):
+        raise UsageError(f"{name!r} exists (replace=True replaces it)")
+    yield client.create_table(name, replace=True, **checkpoint.spec)
     for indices, columns, priorities in row_pieces(checkpoint.state["index"], _columns(checkpoint),
                                                    checkpoint.state["priority"]):
         yield client.write(name, indices, columns, priorities)
