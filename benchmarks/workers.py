@@ -449,8 +449,35 @@ def redis_roll(port: str, key: str, lifetime: str) -> None:
         r.close()
 
 
+def cuda_peek(port: str, lifetime: str) -> None:
+    """``peek BIN REPS``: REPS times ``peek(BIN, device="cuda")`` until the device holds
+    it (by device reference on the server's host: another process than the
+    publisher's); says ``peeked MS...`` (section 13)."""
+    _watchdog(lifetime)
+    import torch
+
+    import tensorshare
+
+    commands, _stop = _commands()
+    with tensorshare.Client("127.0.0.1", int(port), timeout=120, device="cuda") as client:
+        torch.empty(1, device="cuda")  # CUDA up before the first read
+        _say("ready")
+        while True:
+            cmd = commands.get()
+            if cmd is None or cmd[0] == "quit":
+                return
+            times = []
+            for _ in range(int(cmd[2])):
+                start = time.perf_counter()
+                held = client.peek(cmd[1])
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - start) * 1e3)
+                del held
+            _say("peeked " + " ".join(f"{t:.3f}" for t in times))
+
+
 KINDS = {"raw-send": raw_send, "echo": echo, "torch-recv": torch_recv, "async-append": async_append,
-         "mixed": mixed, "listen": listen, "rl": rl, "redis-roll": redis_roll}
+         "mixed": mixed, "listen": listen, "rl": rl, "redis-roll": redis_roll, "cuda-peek": cuda_peek}
 
 
 def main(argv: list[str]) -> None:

@@ -291,7 +291,8 @@ def test_6_a_put_by_reference_whose_bytes_never_come_does_not_freeze_a_relay():
     publisher = RawConnection(upstream.port)  # on the upstream's host: it may put by reference
     try:
         value = encode(torch.arange(4.0))
-        fields = {Key.BIN: "ref", Key.VALUE: value.description, Key.SIZE: value.nbytes, Key.CUDA: reference(7)}
+        fields = {Key.BIN: "ref", Key.VALUE: value.description, Key.SIZE: value.nbytes,
+                  Key.CUDA: dict(reference(7), digest=[1])}  # one digest: one array
         publisher.send(b"".join(bytes(p) for p in request_frame(1, PUT, fields, NO_VALUE)))
         assert publisher.read_frame().header["code"] == 250  # stored, without its bytes
         with tensorshare.Client("127.0.0.1", upstream.port, timeout=10) as up, \

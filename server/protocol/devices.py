@@ -34,6 +34,7 @@ from typing import Callable
 
 from tensorshare.errors import RemoteError, ServerLocalError
 from tensorshare.protocol.messages import BAD_ARGS, PUT, ZERO_COPY_REFUSED, Key
+from tensorshare.wire.description import parse_description
 
 from ..bins.store import Item
 from . import longpoll
@@ -46,7 +47,9 @@ _MEMORY_HANDLE = 64 << 10  # bytes of torch's handle of a block: 64 (torch < 2.5
 _EVENT_HANDLE = 64  # bytes of a cudaIpcEventHandle_t
 _COUNTER = 256  # bytes of the name of the publisher's reference counter
 _MAX_DEVICES = 16  # UUIDs a PEEK may list
-_MAX_DIGESTS = 1 << 20
+_MAX_DIGESTS = 1 << 20  # (and exactly one per array of the value)
+_REFERENCE_OVERHEAD = 600  # bytes of the dicts, lists and ints a reference is held in
+_DIGEST_BYTES = 40  # bytes of one digest (an int object and its place in the list)
 
 
 def check_reference(ref: object) -> dict:
@@ -80,26 +83,27 @@ def check_reference(ref: object) -> dict:
 class DeviceItems:
     """One connection's items put by reference, and its references that nothing
     holds any more (told in its next reply).  Holds no session: the callbacks
-    that feed :attr:`freed` may outlive it."""
+    that feed :attr:`freed` may outlive it.  ``references`` is the server's
+    ``(id, bin) -> DeviceItems`` of every publisher, where a fill finds its item
+    whatever connection brings the bytes."""
 
-    def __init__(self, storage, waits):
-        self.storage, self.waits = storage, waits
-        self.published: dict[int, tuple] = {}  # reference id -> (weak item, bin name)
+    def __init__(self, storage, waits, references: dict):
+        self.storage, self.waits, self.references = storage, waits, references
+        self.published: dict[tuple, weakref.ref] = {}  # (reference id, bin) -> weak item
         self.freed: deque = deque()  # ids of references no item holds any more
 
-    def publish(self, item: Item, ref: dict, name: str) -> None:
-        """``item`` (stored by reference ``ref`` in bin ``name``) is this connection's."""
-        ident = ref["id"]
-        self.published[ident] = (weakref.ref(item), name)
-        finalizer = weakref.finalize(item, _gone, self.freed, self.published, ident)
+    def publish(self, item: Item, ident: int, name: str) -> None:
+        """``item`` (stored by reference ``ident`` in bin ``name``) is this connection's."""
+        key = (ident, name)
+        handle = self.published[key] = weakref.ref(item)
+        self.references[key] = self
+        finalizer = weakref.finalize(item, _gone, self, key, handle)
         finalizer.atexit = False
 
-    def item(self, ident: int) -> tuple[Item | None, str | None]:
-        """The item put with reference ``ident``, and its bin (None if it is gone)."""
-        entry = self.published.get(ident)
-        if entry is None:
-            return None, None
-        return entry[0](), entry[1]
+    def item(self, key: tuple) -> Item | None:
+        """The item put with reference ``key`` (``(id, bin)``; None if it is gone)."""
+        handle = self.published.get(key)
+        return None if handle is None else handle()
 
     def take_freed(self) -> list | None:
         if not self.freed:
@@ -112,20 +116,26 @@ class DeviceItems:
     def connection_lost(self) -> None:
         """The publisher is gone: its items keep their bytes or become unreadable."""
         bins = set()
-        for ident, (ref, name) in list(self.published.items()):
-            item = ref()
+        for key, handle in list(self.published.items()):
+            if self.references.get(key) is self:
+                del self.references[key]
+            item = handle()
             if item is None:
                 continue
             self.storage.lose_reference(item)
-            bins.add(name)
+            bins.add(key[1])
         self.published.clear()
         for name in bins:  # reads held for those bytes are answered now
             self.waits.changed(name)
 
 
-def _gone(freed: deque, published: dict, ident: int) -> None:
-    freed.append(ident)  # (deque.append is safe from any thread)
-    published.pop(ident, None)
+def _gone(owner: DeviceItems, key: tuple, handle: weakref.ref) -> None:
+    """An item put by reference was freed (on whatever thread dropped it last)."""
+    owner.freed.append(key[0])  # (deque.append is safe from any thread)
+    if owner.published.get(key) is handle:  # (not a newer item put with the same id to the same bin)
+        del owner.published[key]
+        if owner.references.get(key) is owner:
+            del owner.references[key]
 
 
 def has_payload(item: Item) -> bool:
@@ -136,8 +146,15 @@ def items_of(session) -> DeviceItems:
     """The connection's :class:`DeviceItems` (made on first use)."""
     shared = session.shared
     if shared.devices is None:
-        shared.devices = DeviceItems(session.storage, session.state.waits)
+        shared.devices = DeviceItems(session.storage, session.state.waits, session.state.references)
     return shared.devices
+
+
+def reference_bytes(ref: dict) -> int:
+    """The memory a checked reference takes in the server (its parts, as Python holds them)."""
+    ipc = ref["ipc"]
+    return _REFERENCE_OVERHEAD + len(ref["dev"]) + len(ipc[1]) + len(ipc[4]) + len(ipc[6]) + \
+        _DIGEST_BYTES * len(ref["digest"])
 
 
 # -- PUT by reference, and its bytes
@@ -158,18 +175,27 @@ def store(session, request, check_value: Callable, stored: Callable):
     ref = check_reference(request.cuda)
     size = declared_size(request.size, session.config.max_frame)
     check_value(session, request.value, size)
-    item, change = storage.add_reference(request.bin, request.value, size, request.tag, ref)
-    items_of(session).publish(item, ref, request.bin)
+    arrays = len(parse_description(request.value, size, session.decode_limits).arrays)
+    if len(ref["digest"]) != arrays:
+        raise RemoteError(f"bad device reference: {len(ref['digest'])} digests for {arrays} arrays", BAD_ARGS)
+    readers = {"dev": ref["dev"], "ipc": ref["ipc"], "digest": ref["digest"]}  # (the id is the publisher's)
+    item, change = storage.add_reference(request.bin, request.value, size, request.tag, readers,
+                                         reference_bytes(ref))
+    items_of(session).publish(item, ref["id"], request.bin)
     return stored(session, request, change)
 
 
 def _fill(session, request, check_value: Callable):
     """The bytes of an item put by reference: given to it if it is still there and
-    has none (else dropped; the reply says the same either way)."""
+    has none (else dropped; the reply says the same either way).  They may come on
+    any connection from the server's host that names the reference (its id is
+    known only to its publisher, who sends them on a connection of their own)."""
     storage, name = session.storage, request.bin
-    item, where = items_of(session).item(request.fill)
+    key = (request.fill, name)
+    owner = session.state.references.get(key)
+    item = None if owner is None else owner.item(key)
     size = request.size if request.shm is not None else request.payload_len
-    if item is not None and (where != name or request.value != item.description or size != item.nbytes):
+    if item is not None and (request.value != item.description or size != item.nbytes):
         raise RemoteError("fill does not match the item put by that reference", BAD_ARGS)
     if item is None or has_payload(item) or not item.stored:
         return _reply(session, request)
@@ -190,8 +216,11 @@ def _fill(session, request, check_value: Callable):
 
 
 def _reply(session, request) -> dict:
+    """A fill's 250: the bin's count and seq, ``mapped`` when same-host readers map
+    the bin (the next bytes are best sent through shared memory, §10.4)."""
     state = session.storage.state(request.bin)
-    return with_freed(session, PUT.reply(request.id, n=state.n_items, seq=state.seq))
+    header = session.shared.stored_reply(PUT.reply(request.id, n=state.n_items, seq=state.seq), request.bin)
+    return with_freed(session, header)
 
 
 def with_freed(session, header: dict) -> dict:
@@ -212,7 +241,8 @@ def refs(session, wanted: object, items: list[Item]) -> list | None:
         return None
     if type(wanted) is not list or len(wanted) > _MAX_DEVICES or any(type(u) is not str for u in wanted):
         raise RemoteError(f"cuda must list at most {_MAX_DEVICES} device UUIDs", BAD_ARGS)
-    out = [item.device if item.device and item.device["dev"] in wanted else None for item in items]
+    out = [None if item.device is None or item.device.value is None or item.device.value["dev"] not in wanted
+           else item.device.value for item in items]
     return out if any(out) else None
 
 
@@ -222,7 +252,7 @@ def unready(items: list[Item], cuda: list | None) -> bool:
     publisher left before sending them."""
     for i, item in enumerate(items):
         if item.device is not None and item.segments is None and item.files is None:
-            if item.device is False:
+            if item.device.lost:
                 raise ServerLocalError("the item's publisher went away before its bytes came: it cannot be read")
             if cuda is None or cuda[i] is None:
                 return True

@@ -112,6 +112,7 @@ class Front:
         member = type(self).__new__(type(self))
         port = self.port if not workers.map.id else workers.map.ports[index]
         member._configure(self.host, port, **self._options)
+        member._options = self._options
         member._front, member._worker_index, member._map = self, index, workers.map
         member._callbacks = self._callbacks  # one dispatcher thread runs every member's callbacks, in order
         if link is None:

@@ -186,6 +186,9 @@ class RLTrainer(RLPeer):
         (raise the error of one that was not)."""
         if self._device_sender is not None:  # device versions still to hand to the client
             self._device_sender.flush(timeout)
+        exports = self.client._owner_of(self.params_bin)._exports
+        if exports is not None:  # versions put by reference still to publish
+            exports.published(timeout)
         self.client.ping(timeout=timeout)  # replies come in request order: those before it are done
         with self._cond:
             self._raise_failure()
