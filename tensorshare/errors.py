@@ -85,7 +85,7 @@ class DeviceError(TensorShareError):
     say).  ``items`` holds them, built in host memory: what a ``get`` took from the
     server is never lost with the error."""
 
-    def __init__(self, message: str, items: list | None = None):
+    def __init__(self, message: str, items: list[object] | None = None):
         super().__init__(message)
         self.items = items
 
