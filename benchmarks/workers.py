@@ -235,6 +235,7 @@ def mixed(port: str, peer: str, size: str, wid: str) -> None:
             break
         duration = float(cmd[1])
         lat, moved, i = [], 0, 0
+        cpu = os.times()  # this process's CPU (every thread), for CPU per request
         end = clock() + duration
         while True:
             fn, b = ops[i % 3]
@@ -246,7 +247,10 @@ def mixed(port: str, peer: str, size: str, wid: str) -> None:
             i += 1
             if now >= end and i % 3 == 0:
                 break
-        _say("result " + json.dumps({"ops": i, "bytes": moved, "seconds": clock() - end + duration, "lat_us": lat}))
+        spent = os.times()
+        cpu_s = spent.user + spent.system - cpu.user - cpu.system
+        _say("result " + json.dumps({"ops": i, "bytes": moved, "seconds": clock() - end + duration, "lat_us": lat,
+                                     "cpu_s": cpu_s}))
 
 
 def listen(port: str, peer: str, bin_name: str) -> None:

@@ -31,7 +31,7 @@ from ._client.methods import DEFAULT
 from ._client.options import DEFAULT_CONNECT_TIMEOUT, check_address, connect_timeout_for
 from .protocol.retry import Backoff
 from ._client.routing import finish
-from ._client.table_copy import loading
+from .table_copy import loading
 from ._client.twisted_wire import Wire
 from ._client.workers import StaleMapError, Workers, finish_merged, same_reply
 from ._client.zerocopy import SharedAreas
@@ -155,6 +155,10 @@ class AsyncClient(ClientCore):
     def workers(self) -> int:
         """How many workers the server runs (``--workers``; PROTOCOL.md §14)."""
         return 1 if self._workers is None else self._workers.map.count
+
+    def worker_of(self, bin: str) -> int | None:
+        """The worker that serves ``bin`` (None: the server runs one process)."""
+        return None if self._workers is None else self._workers.map.owner(bin)
 
     # -- calls
 

@@ -232,7 +232,7 @@ def load_memmap(path: str | os.PathLike, *, writable: bool = False, device: Any 
     """
     path = os.fspath(path)
     if is_checkpoint(path):  # Client.save of a table: its columns, [rows, *shape] each
-        from ._client.table_copy import mapped_columns
+        from .table_copy import mapped_columns
 
         columns = mapped_columns(path)
         return columns if device is None else {k: v.to(device) for k, v in columns.items()}

@@ -96,7 +96,7 @@ def test_a_reader_in_another_process_copies_device_to_device_and_everyone_else_g
             tensorshare.Client("127.0.0.1", same_host.port, timeout=30, zero_copy=False) as tcp_reader:
         values = state(1)
         assert publisher.put("ipc-a", to_device(values), by_reference=True) == 1
-        assert publisher._exports.held() == 1
+        assert publisher.values.exports.held() == 1
         read = other.ask("peek ipc-a")
         assert read["sums"] == sums(values) and read["device"] and read["opened"] == 1
         # its IPC clean-up waited for the engine's stream, not for the caller's work
@@ -130,10 +130,10 @@ def test_a_read_right_after_a_put_by_reference_on_the_same_connection(same_host,
             tensorshare.Client("127.0.0.1", same_host.port, timeout=10) as mapper, \
             tensorshare.Client("127.0.0.1", same_host.port, timeout=10, zero_copy=False) as elsewhere:
         c.put("ipc-same", to_device(state(3)), by_reference=True)
-        assert c._exports.idle(10)
+        assert c.values.exports.idle(10)
         mapper.peek("ipc-same")  # a same-host reader maps the bin: the bytes go through shared memory from now on
         c.put("ipc-same", to_device(state(3)), by_reference=True)  # (its reply says so)
-        assert c._exports.idle(10)
+        assert c.values.exports.idle(10)
         values = state(4)
         got: list = []
         with engine.streams.hold("tensorshare-upload"):  # the bytes are slow to come down from the device
@@ -154,7 +154,7 @@ def test_a_ping_and_further_puts_do_not_wait_for_the_bytes_of_a_put_by_reference
             c.put("ipc-ping", to_device(state(4)), by_reference=True)
             assert c.ping() >= 0  # answered on the publisher's connection while the bytes still upload
             assert c.put("ipc-ping", to_device(state(5)), by_reference=True) == 1
-        assert c._exports.idle(30)
+        assert c.values.exports.idle(30)
         with tensorshare.Client("127.0.0.1", same_host.port, timeout=10, zero_copy=False) as reader:
             assert equal(reader.peek("ipc-ping")[0], state(5))  # the newest item's bytes came
 
@@ -210,7 +210,7 @@ def test_a_reference_to_changed_memory_fails_its_digest_and_is_read_from_its_byt
     with tensorshare.Client("127.0.0.1", same_host.port, timeout=30) as publisher:
         values = state(7)
         publisher.put("ipc-e", to_device(values), by_reference=True)
-        assert publisher._exports.idle(10)
+        assert publisher.values.exports.idle(10)
         for flat in list(ipc._exported.values()):
             flat[100:108] += 1  # the block was reused for something else
         read = other.ask("peek ipc-e")
@@ -242,7 +242,7 @@ def test_where_references_cannot_be_taken_the_bytes_are(same_host, engine):
     with tensorshare.Client("127.0.0.1", same_host.port, timeout=30, zero_copy=False) as c:  # as from another host
         values = state(9)
         assert c.put("ipc-g", to_device(values), by_reference=True) == 1
-        assert c._exports is None and equal(c.peek("ipc-g")[0], values)
+        assert c.values.exports is None and equal(c.peek("ipc-g")[0], values)
     engine.streams.share_ok = False  # memory torch cannot share (an expandable segment...)
     with tensorshare.Client("127.0.0.1", same_host.port, timeout=30) as c:
         values = state(10)

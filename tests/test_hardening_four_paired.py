@@ -161,7 +161,7 @@ def test_6_a_read_that_gives_wait_waits_for_missing_bytes_that_long_at_most():
     try:
         value = encode(torch.arange(4.0))
         pair.call(PUT, {Key.BIN: "ref", Key.VALUE: value.description, Key.SIZE: value.nbytes,
-                        Key.CUDA: reference(7)}, NO_VALUE)
+                        Key.CUDA: dict(reference(7), digest=[1])}, NO_VALUE)
         with pytest.raises(ServerLocalError, match="within 0s"):
             pair.call(PEEK, {Key.BIN: "ref", Key.WAIT: 0})
         assert pair.call(PUT, {Key.BIN: "other"}, 1).header[Key.N] == 1  # the connection goes on

@@ -284,16 +284,16 @@ def test_a_client_of_a_multi_worker_server_routes_every_verb(tmp_path):
     try:
         with tensorshare.Client("127.0.0.1", server.port, timeout=20) as client:
             assert client.workers == 3
-            workers = client._workers.map
+            workers = client.router.map
             names = [f"bin-{i}" for i in range(18)]
             for i, name in enumerate(names):  # pipelined appends to bins of every worker keep each bin's order
                 for j in range(5):
                     client.submit("APPEND", name, torch.tensor([i * 10 + j]))
             for i, name in enumerate(names):
                 assert [t.item() for t in client.get(name)] == [i * 10 + j for j in range(5)]
-            members = client._workers.all()
+            members = client.router.all()
             for k, member in enumerate(members):  # each worker lists its own bins only
-                assert set(member.list()) == {n for n in names if workers.owner(n) == k}
+                assert set(client._call(LIST, member=member)) == {n for n in names if workers.owner(n) == k}
             assert client.list() == {name: 0 for name in names}
             # a read that waits on one worker holds its connection, and nobody on another worker
             slow, quick = owned_names(workers, 0, 1, "slow")[0], owned_names(workers, 1, 1, "quick")[0]
@@ -346,7 +346,7 @@ def test_a_killed_worker_comes_back_with_its_durable_bins(tmp_path):
                            log_path=tmp_path / "log")
     try:
         with tensorshare.Client("127.0.0.1", server.port, timeout=20, max_backoff=0.2) as client:
-            workers = client._workers.map
+            workers = client.router.map
             kept = owned_names(workers, 1, 4)
             other = owned_names(workers, 0, 1)[0]
             for i, name in enumerate(kept):
@@ -432,7 +432,7 @@ def test_a_relay_follows_a_multi_worker_server(tmp_path):
     try:
         with tensorshare.Client("127.0.0.1", head.port, timeout=20) as upstream, \
                 tensorshare.Client("127.0.0.1", relay.port, timeout=20) as client:
-            workers = upstream._workers.map
+            workers = upstream.router.map
             names = [owned_names(workers, k, 1, "params")[0] for k in range(2)]
             heard = {name: [] for name in names}
             for name in names:
@@ -511,7 +511,7 @@ def test_workers_with_a_token_and_tls(tmp_path):
     try:
         with tensorshare.Client("127.0.0.1", server.port, token=token, tls_ca=certs.ca, timeout=20) as client:
             assert client.workers == 2
-            names = [owned_names(client._workers.map, k, 1)[0] for k in range(2)]
+            names = [owned_names(client.router.map, k, 1)[0] for k in range(2)]
             for name in names:  # every member authenticates, over TLS
                 client.put(name, torch.ones(3))
                 assert client.peek(name)[0].tolist() == [1.0] * 3

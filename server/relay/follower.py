@@ -1,9 +1,9 @@
 """A relay's mirror of its upstream server's bins, kept on the reactor thread.
 
-:class:`Follower` holds one connection upstream (:class:`~.upstream.Upstream`, a
-small torch-free Twisted client on the relay's own reactor, so nothing leaves the
-reactor thread; one per worker of a multi-worker upstream,
-:class:`~.upstreams.Upstreams`).  A followed bin is mirrored from the first time a client of the relay reads or
+:class:`Follower` talks to its upstream through :class:`~.upstream.Upstream` (the
+clients' engine and router, driven torch-free on the relay's own reactor, so
+nothing leaves the reactor thread; one connection per worker of a multi-worker
+upstream).  A followed bin is mirrored from the first time a client of the relay reads or
 listens to it: the follower listens to it upstream, and on every notification
 fetches the bin whole with one PEEK (raw descriptions and payload, never decoded,
 with every item's tag) and replaces the local copy in one store change.  So a
@@ -61,8 +61,8 @@ from tensorshare.protocol.items import item_table, item_tags
 from tensorshare.protocol.messages import DELETE, NOTIFY, PEEK, Key
 
 from .stream import Incoming
-from .upstream import INCOMING
-from .upstreams import Upstreams
+from .upstream import INCOMING, Upstream
+
 
 log = logging.getLogger("tensorshare.server.relay")
 
@@ -99,7 +99,7 @@ class Follower:
     change; ``needed(name)`` says whether a client of the relay listens to (or
     waits on) a bin."""
 
-    def __init__(self, reactor, storage, publish: Callable, upstream: Upstreams, pattern: str = "*",
+    def __init__(self, reactor, storage, publish: Callable, upstream: Upstream, pattern: str = "*",
                  timeout: float = 30.0, max_mirrors: int = 10_000, needed: Callable[[str], bool] = lambda name: False):
         self.reactor = reactor
         self.storage = storage

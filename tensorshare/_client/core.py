@@ -89,28 +89,6 @@ class ClientCore(ClientMethods):
 
     # -- calls
 
-    def submit(self, op: str | Command, bin: str | None = None, value: Any = NO_VALUE,
-               callback: Callable[[Any, BaseException | None], Any] | None = None, *, tag: int | None = None,
-               zero_copy: bool = True, inline: bool = False, fields: dict | None = None) -> None:
-        """Send a request without waiting; ``callback(result, error)`` runs when the
-        reply arrives (the blocking client: on its dispatcher thread).  ``op`` is a
-        verb (``"PUT"``...) or its :class:`~tensorshare.protocol.messages.Command`;
-        the result is what the matching method returns.  The value has been copied
-        out when this returns, so later changes to it are not sent.
-        ``zero_copy=False``: over TCP only.  ``inline=True`` (the blocking client)
-        runs the callback on the thread that reads the socket, with no hand-off to
-        the dispatcher: for a quick callback that never calls the client.
-        ``fields``: more header fields of the verb (``{"below": 64, "wait": 10.0}``)."""
-        command = op if isinstance(op, Command) else COMMANDS[op]
-        extra = fields
-        fields = None if bin is None else bin_fields(bin, tag)
-        if extra:
-            fields = {**(fields or {}), **extra}
-        if inline:
-            self._submit(command, fields, value, callback or _ignore, zero_copy=zero_copy, inline=True)
-        else:
-            self._submit(command, fields, value, callback or _ignore, zero_copy=zero_copy)
-
     def _new_call(self, command: Command, fields: dict | None, value: Any, areas, callback: Callable | None = None,
                   then: Callable | None = None, on_error: Callable | None = None, on_reply: Callable | None = None,
                   deadline: float | None = None, decode: bool = True, raw: bool = False, device: Any = None,

@@ -43,7 +43,8 @@ def receive_on_device(conn, client) -> None:
         if nbytes >= DEVICE_MIN:
             client = owner()
             try:
-                made = None if client is None else device_sink(client, header, nbytes)
+                made = None if client is None else device_sink(client._calls.get(header.get(Key.ID)), client.device,
+                                                               header, nbytes)
             except RuntimeError as exc:  # no room on the device: received in host memory (a take loses nothing)
                 log.warning("a reply of %d bytes is received in host memory: %s", nbytes, exc)
                 made = None
@@ -55,15 +56,13 @@ def receive_on_device(conn, client) -> None:
     conn.device_sinks = True
 
 
-def device_sink(client, header: dict, nbytes: int):
-    """The engine's sink for a reply whose call wants a device, or None (the plain
-    sink: not an items reply, no device wanted, or arrays the device cannot hold)."""
-    if header.get(Key.CODE) != ITEMS:
+def device_sink(call, default_device: Any, header: dict, nbytes: int):
+    """The engine's sink for a reply to ``call`` (in flight; None: nobody waits for it)
+    if it wants a device (its own, else ``default_device``), or None (the plain sink:
+    not an items reply, no device wanted, or arrays the device cannot hold)."""
+    if header.get(Key.CODE) != ITEMS or call is None:
         return None
-    call = client._calls.get(header.get(Key.ID))
-    if call is None:
-        return None
-    device = call.device if call.device is not None else client.device
+    device = call.device if call.device is not None else default_device
     from ..device import engine_for
 
     engine = engine_for(device)

@@ -10,7 +10,7 @@ is), each keeping its jobs in order:
   caller that publishes faster waits there).
 * :class:`Uploader` sends each snapshot's bytes (a PUT with ``fill``) for readers
   elsewhere or without CUDA, on a connection of its own to the worker that owns
-  the bin (:func:`sibling`): a value of a GiB takes a quarter of a second to send,
+  the bin (the router's ``companion`` member): a value of a GiB takes a quarter of a second to send,
   and on the publisher's connection its reads, pings and next publishes would
   wait behind it, a read of that very item waiting for bytes queued behind it.
   Only the newest upload per bin waits: no reader asks for an older item's bytes.
@@ -29,16 +29,6 @@ from ..protocol.messages import PUT, Key
 log = logging.getLogger("tensorshare.client")
 
 QUEUED = 2  # puts waiting for the publisher thread, at most
-
-
-def sibling(client):
-    """A client like ``client`` (the same options, the same worker), not yet connected:
-    a connection of its own to the server ``client`` talks to."""
-    other = type(client).__new__(type(client))
-    other._configure(client.host, client.port, **client._options)
-    other._options = client._options
-    other._front, other._worker_index, other._map = client._front, client._worker_index, client._map
-    return other
 
 
 class _Jobs:
@@ -131,7 +121,6 @@ class Uploader(_Jobs):
         super().__init__(self._fill)
         self._jobs: OrderedDict = OrderedDict()  # bin -> (ident, snapshot): the newest per bin, oldest bin first
         self._owner = owner  # the publishing client
-        self._link = None  # its sibling (made on the first upload)
 
     def add(self, bin: str, ident: int, snapshot) -> None:
         with self._cond:
@@ -146,15 +135,11 @@ class Uploader(_Jobs):
 
     def _fill(self, job: Any) -> None:
         bin, (ident, snapshot) = job
-        if self._link is None:
-            self._link = sibling(self._owner)
-        try:
-            self._link._call(PUT, {Key.BIN: bin, Key.VALUE: snapshot.description, Key.FILL: ident}, snapshot)
+        client = self._owner
+        try:  # on a second connection to the bin's worker: a read queued behind the fill on the first would hang
+            client._call(PUT, {Key.BIN: bin, Key.VALUE: snapshot.description, Key.FILL: ident}, snapshot,
+                         member=client.router.companion(bin))
         except TensorShareError as exc:  # readers without CUDA then wait, and may time out (451)
             (log.debug if self._closed else log.warning)(
                 "could not upload the bytes of an item of %r put by device reference: %s", bin, exc)
 
-    def close(self, timeout: float = 5.0) -> None:
-        super().close(timeout)
-        if self._link is not None:
-            self._link.close()
