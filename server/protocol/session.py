@@ -32,7 +32,7 @@ from tensorshare.protocol.messages import (
     AUTH, BAD_ARGS, BAD_FRAME, COMMANDS, GREETING_MESSAGE, ID_MAX, KEEPALIVE_MESSAGE, LOCAL_ERROR,
     NOT_AUTHENTICATED, PROTOCOL_VERSION, UNAVAILABLE, UNKNOWN_VERB, Key, Route, error_reply,
 )
-from tensorshare.wire.frames import DiscardSink, Frame, FrameDecoder, frame_head
+from tensorshare.wire.frames import DiscardSink, Frame, FrameDecoder, frame_head, whole_frames
 
 from ..ops.counters import LATENCY_BUCKETS, ConnStats
 from ..workers.ownership import check_owner
@@ -185,8 +185,18 @@ class ServerSession:
             return
         self.timing.heard = True
         self.stats.bytes_in += len(data)
+        decoder = self._decoder
+        if self.login is None and decoder.idle and self.stream is None and self.storage.room():
+            # The usual read: whole small requests, each parsed in one step here
+            # (frames.whole_frames); the decoder takes whatever follows them.
+            whole, end = whole_frames(data, decoder.limits)
+            if whole:
+                self._take_whole(whole)
+                if end == len(data) or not self._serving:
+                    return
+                data = memoryview(data)[end:]
         try:
-            frames = self._decoder.feed(data)
+            frames = decoder.feed(data)
         except ProtocolError as exc:
             frames = getattr(exc, "frames", [])  # whole requests before the bad bytes
             if self.authenticated:
@@ -330,6 +340,23 @@ class ServerSession:
             storage.wait_for_room(lambda: self.reads.resume("memory"))
         return payload_sink(command.payload, nbytes, self.state.recv_pool)
 
+    def _take_whole(self, whole: list[tuple[dict, bytes, int]]) -> None:
+        """:meth:`_take` for the frames of :func:`~tensorshare.wire.frames.whole_frames`:
+        each payload as the decoder's sink would have kept it (:meth:`_payload_sink`)."""
+        holding, outbox = self.holding, self.outbox
+        for i, (header, payload, payload_len) in enumerate(whole):
+            if self.closed:  # refused: nothing after it is served
+                return
+            op = header.get(Key.OP)
+            command = COMMANDS.get(op) if type(op) is str else None
+            payload = None if command is None or not command.payload else [payload] if payload_len else []
+            if outbox.congested or holding.answering is not None or holding.backlog:  # hold the rest back
+                holding.backlog.append(Frame(header, payload, payload_len))
+                continue
+            self._request(header, payload, payload_len)
+        if holding.answering is not None or holding.backlog:
+            self._work()
+
     def _take(self, frames: list[Frame]) -> None:
         """Handle whole requests, in order, or queue them while the outbox or an
         earlier request makes them wait."""
@@ -369,8 +396,10 @@ class ServerSession:
             self.reads.resume("backlog")
 
     def _handle(self, frame: Frame) -> None:
+        self._request(frame.header, frame.payload, frame.payload_len, frame.refused)
+
+    def _request(self, header: dict, payload, payload_len: int, refused: str | None = None) -> None:
         """Check one request (PROTOCOL.md §4.2), run its handler and carry out its outcome."""
-        header = frame.header
         if Key.RELEASE in header:
             self.shared.release(header[Key.RELEASE])
         rid = header.get(Key.ID)
@@ -384,15 +413,15 @@ class ServerSession:
         holding = self.holding
         holding.holds += 1  # notifications of what the handler changes follow its reply
         try:
-            if frame.refused is not None:  # a header over a limit of what it may decode to
-                raise RemoteError(frame.refused, BAD_ARGS)
+            if refused is not None:  # a header over a limit of what it may decode to
+                raise RemoteError(refused, BAD_ARGS)
             if command is None:
                 raise RemoteError(f"unknown verb {op!r:.60}", UNKNOWN_VERB)
             if rid == 0:
                 raise RemoteError("request id must be an integer in 1..2**64-1", BAD_ARGS)
             # AUTH when none is due is answered 503 whatever its fields (§4.3): its handler says so
             request = None if command is AUTH else \
-                command.parse_request(header, rid, frame.payload, frame.payload_len, self._max_bin_name)
+                command.parse_request(header, rid, payload, payload_len, self._max_bin_name)
             if self._workers is not None and command.route is Route.OWNER:  # one worker of several (§14.3)
                 check_owner(self._workers, request.bin)
             handle = self.state.handlers.get(command) or HANDLERS[command]
@@ -409,7 +438,7 @@ class ServerSession:
                 elapsed = perf_counter() - began
                 verb = counters.verbs[op]
                 verb.requests += 1
-                verb.bytes_in += frame.payload_len
+                verb.bytes_in += payload_len
                 verb.seconds += elapsed
                 verb.buckets[bisect_left(LATENCY_BUCKETS, elapsed)] += 1
                 self.stats.requests += 1
@@ -558,7 +587,7 @@ class ServerSession:
         elif self.stream is not None:
             self.stream.behind.append((parts, on_abandon, on_written))
         else:
-            self.outbox.send(parts, on_abandon, on_written)
+            self.outbox.send_reply(parts, on_abandon, on_written)
 
     def send_header(self, header: dict) -> None:
         """Queue a frame that is only a header."""

@@ -229,6 +229,45 @@ def discard_sink(header: dict, nbytes: int) -> DiscardSink:
     return DiscardSink(nbytes)
 
 
+# ---------------------------------------------------------------- whole small frames
+
+SMALL_FRAME = 64 << 10  # most bytes (prefix, header, payload) of a frame :func:`whole_frames` parses
+
+
+def whole_frames(data: bytes, limits: FrameLimits = DEFAULT_FRAME_LIMITS,
+                 most: int = SMALL_FRAME) -> tuple[list[tuple[dict, bytes, int]], int]:
+    """The whole small frames at the start of ``data`` (a read), each parsed in one
+    step where it arrives, prefix and header together: ``([(header, payload,
+    payload_len), ...], end)``, the payload a ``bytes`` slice of ``data``.
+
+    It stops at ``end``, the first frame that is not whole in ``data``, is over
+    ``most`` bytes, has a header longer than :data:`FREE_CONTAINERS` bytes or is
+    not a plain, well-formed frame within ``limits``: :class:`FrameDecoder` takes
+    the rest (and refuses what is wrong, with its reasons).  A frame it returns
+    is one that decoder would return with the same header, and its payload is the
+    bytes that decoder's sink would be given.
+    """
+    found = []
+    pos, end = 0, len(data)
+    max_header = min(limits.max_header, FREE_CONTAINERS)  # (larger headers are measured: the decoder's job)
+    if most > limits.max_payload:
+        most = limits.max_payload
+    while end - pos >= PREFIX_SIZE and data[pos : pos + 8] == _PLAIN_START:
+        header_len, payload_len = _LENGTHS.unpack_from(data, pos + 8)
+        start = pos + PREFIX_SIZE
+        body = start + header_len
+        stop = body + payload_len
+        if not 0 < header_len <= max_header or stop > end or stop - pos > most:
+            break
+        try:
+            header = unpack_header(data[start:body], limits)
+        except ProtocolError:  # (the decoder raises it again, once the frames before it are served)
+            break
+        found.append((header, data[body:stop], payload_len))
+        pos = stop
+    return found, pos
+
+
 # ------------------------------------------------------------------------- decoder
 
 _HEADER, _PAYLOAD, _BROKEN = range(3)
