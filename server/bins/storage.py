@@ -178,7 +178,8 @@ class Storage(TableVerbs):
             if failed and store.resident_bytes + item.nbytes > limit:
                 raise StorageFullError(f"memory budget full and spilling failed: {failed}")
         change = store.put(name, item) if replace else store.append(name, item)  # (they check the limits)
-        self.budget.enforce()
+        if limit is not None and store.over_limit():
+            self.budget.enforce()
         return change
 
     def add(self, name: str, description: bytes, segments: tuple, nbytes: int, tag: int | None, replace: bool,
@@ -536,7 +537,11 @@ def _repoint(files: ItemFiles, stored: StoredItem, number: int | None) -> None:
 
 
 def _resident_bytes(items: list[Item]) -> int:
-    return sum(item.nbytes for item in items if item.resident)
+    total = 0
+    for item in items:
+        if item.segments is not None or item.resident:  # (the usual case first: chunks in memory)
+            total += item.nbytes
+    return total
 
 
 def _open_parts(sources: list) -> list:
