@@ -122,14 +122,16 @@ def check_value(session, blob: bytes, nbytes: int) -> None:
         raise RemoteError(f"bad value: {exc}", BAD_ARGS) from None
 
 
-def stored(session, request, change: Change) -> dict:
+def stored(session, request, change: Change) -> dict | bytes:
     """The reply to a PUT/APPEND the storage is done with; its change is published."""
     session.state.listeners.publish(change)
     if request.tag is not None and session.counters is not None:  # versions of RL experiments
         session.counters.stored(session.stats, request.command.verb, request.bin, request.tag)
-    header = session.shared.stored_reply(request.command.reply(request.id, n=change.n_items, seq=change.seq),
-                                         request.bin)
-    return header if session.shared.devices is None else devices.with_freed(session, header)
+    shared = session.shared
+    if shared.devices is None and not shared.maps(request.bin):  # the usual reply: from its template
+        return request.command.success.head(request.id, change.n_items, change.seq)
+    header = shared.stored_reply(request.command.reply(request.id, n=change.n_items, seq=change.seq), request.bin)
+    return header if shared.devices is None else devices.with_freed(session, header)
 
 
 # -- GET, PEEK
@@ -316,9 +318,10 @@ def unlisten(session, request) -> dict:
 
 
 @handles(NOOP)
-def noop(session, request) -> dict:
-    header = NOOP.reply(request.id)
-    return header if session.shared.devices is None else devices.with_freed(session, header)
+def noop(session, request) -> dict | bytes:
+    if session.shared.devices is None:
+        return NOOP.success.head(request.id)
+    return devices.with_freed(session, NOOP.reply(request.id))
 
 
 @handles(AUTH)

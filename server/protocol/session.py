@@ -428,8 +428,8 @@ class ServerSession:
             counters = self.counters
             if counters is None:
                 outcome = handle(self, request)
-                if type(outcome) is dict:  # (the usual case, without answer()'s call)
-                    self.send([frame_head(outcome, 0)])
+                if type(outcome) is bytes:  # (the usual case, without answer()'s call)
+                    self.send([outcome])
                 else:
                     self.answer(rid, outcome)
             else:  # counted inline: this is the request path (server/ops/counters.py)
@@ -472,7 +472,9 @@ class ServerSession:
     def answer(self, rid: int, outcome) -> None:
         """Carry out a handler's ``outcome`` for request ``rid`` (see :mod:`.outcome`)."""
         kind = type(outcome)
-        if kind is dict:
+        if kind is bytes:
+            self.send([outcome])
+        elif kind is dict:
             self.send([frame_head(outcome, 0)])
         elif kind is list:
             self.send(outcome)

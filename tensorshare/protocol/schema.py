@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import ProtocolError, RemoteError, UsageError, error_for_code
+from ..wire.frames import head_template
 from .codes import (
     BAD_ARGS, BAD_FRAME, BAD_NAME, LOCAL_ERROR, NOT_AUTHENTICATED, UNAVAILABLE, UNKNOWN_VERB, WRONG_WORKER,
 )
@@ -236,6 +237,13 @@ class Message:
         self.fields = fields
         # The usual case, checked without building messages: (key, required, kind).
         self._fast = tuple((f.key, f.required, f.kind) for f in fields)
+        # head(rid, *values): the whole frame of this reply with its required fields
+        # (all integers, in order) and none of its optional ones, from a prepared
+        # template; None for a message with other required fields.
+        ints = tuple(f.key for f in fields if f.required)
+        self.head = None
+        if code and len(ints) <= 2 and all(f.kind is INT for f in fields if f.required):
+            self.head = head_template({Key.CODE: code}, (Key.ID, *ints))
 
     def build(self, rid: int = 0, **fields) -> dict:
         """The header of this message (for request ``rid``; 0: unsolicited)."""
