@@ -168,7 +168,8 @@ class Storage(TableVerbs):
         return self._add_now(name, Item(description, segments, nbytes, tag), replace)
 
     def _add_now(self, name: str, item: Item, replace: bool) -> Change:
-        self._not_a_table(name)
+        if name in self._table_names:
+            raise _is_a_table(name)
         store = self.store
         limit = store.memory_limit
         if limit is not None:

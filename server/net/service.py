@@ -105,7 +105,7 @@ class TensorShareProtocol(protocol.Protocol):
     def _received(self, deliver: Callable, what) -> None:
         busy = self.factory.busy_poll
         if busy is not None:
-            busy.note_request()
+            busy.note_request(self)
         writer, batch = self.writer, self.factory.write_batch
         writer.hold()
         batch.begin()
