@@ -24,7 +24,7 @@ import logging
 import time
 from bisect import bisect_left
 from time import perf_counter
-from typing import Callable, Protocol
+from typing import Callable
 
 from tensorshare import __version__
 from tensorshare.errors import ProtocolError, RemoteError
@@ -37,12 +37,13 @@ from tensorshare.wire.frames import DiscardSink, Frame, FrameDecoder, frame_head
 from ..ops.counters import LATENCY_BUCKETS, ConnStats
 from ..workers.ownership import check_owner
 from . import handlers, login, tables  # noqa: F401 - the handler modules register their verbs
-from .holding import Answering, Holding
+from .holding import Answering, Holding, NoReads, Reads
 from .notify import Notifier, Outbox
 from .outcome import Pending
 from .recvpool import payload_sink
 from .registry import HANDLERS
 from .shared import SharedMemory
+from .timelimits import TimeLimits
 
 log = logging.getLogger("tensorshare.server")
 _DISCARD = DiscardSink(0)  # stateless: one serves every request that takes no payload
@@ -71,42 +72,6 @@ _MOVES = {
 _SERVING = frozenset({Phase.AUTHENTICATING, Phase.READY, Phase.FAILING})  # phases that handle requests
 
 
-class Reads(Protocol):
-    """The reading side of a connection: a session pauses it while it cannot take more."""
-
-    def pause(self, reason: str) -> None: ...
-
-    def resume(self, reason: str) -> None: ...
-
-
-class _NoReads:
-    def pause(self, reason: str) -> None: ...
-
-    def resume(self, reason: str) -> None: ...
-
-
-class TimeLimits:
-    """The idle and authentication time limits of one connection (PROTOCOL.md §8.4-8.5),
-    as times given by :meth:`ServerSession.tick`."""
-
-    __slots__ = ("opened_at", "quiet_since", "pinged_at", "heard")
-
-    def __init__(self):
-        self.opened_at: float | None = None
-        self.quiet_since: float | None = None
-        self.pinged_at: float | None = None  # when the last keepalive went to a quiet listener
-        self.heard = False  # bytes arrived since the last tick
-
-    def observe(self, now: float, busy: bool) -> None:
-        """Start the quiet period afresh if bytes came or went since the last look."""
-        if self.opened_at is None:
-            self.opened_at = now
-        if self.heard or busy or self.quiet_since is None:
-            self.heard = False
-            self.quiet_since = now
-            self.pinged_at = None
-
-
 class ServerSession:
     """Request dispatch for one connection (see the module docstring)."""
 
@@ -120,7 +85,7 @@ class ServerSession:
         self.peer = peer
         self.stats = ConnStats(peer)  # its id (in every log line about it), bytes, versions seen
         self.counters = state.counters  # the server's totals (server/ops/counters.py); None: metrics off
-        self.reads = reads or _NoReads()
+        self.reads = reads or NoReads()
         self._workers = state.workers  # the WorkerMap of one worker of several (None: it serves every bin)
         self.shared = SharedMemory(state.storage, state.config, same_host, peer, state.mapped)
         self.listening: set[str] = set()
