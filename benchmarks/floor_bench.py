@@ -49,7 +49,7 @@ def counted_round(workers: list, count: int, target: int, pid: int) -> dict:
     seconds = max(r["seconds"] for r in results)
     return {"ops_s": ops / seconds,
             "server_user": (after[0] - before[0]) / ops * US, "server_sys": (after[1] - before[1]) / ops * US,
-            "client": sum(sum(r["cpu"]) for r in results) / ops * US}
+            "client": sum(r["cpu_s"] for r in results) / ops * US}
 
 
 def run(rec: Recorder, p: Profile, peers) -> None:

@@ -10,10 +10,16 @@ float32, and a state dict of ``gpu_tensors`` bf16 tensors of the same bytes):
   same-host ``peek`` into CUDA, staged through pinned buffers and with the mapping
   registered, against a pinned host-to-device copy;
 * the state dict against one tensor of the same bytes (TCP put);
+* same-host ``put(by_reference=True)`` of the state dict, once the previous
+  upload of its bytes is done and back to back (its bytes still uploading), and
+  same-host reads of it into CUDA in another process (device to device), against
+  the pinned copies;
 * ``RLTrainer.publish_parameters`` of the CUDA state until a same-host
-  ``RLWorker(device="cuda")`` holds it (by device reference), against
-  ``torch.multiprocessing`` passing the same dict by CUDA IPC to a process whose
-  CUDA is up; and how long ``publish_parameters(wait=False)`` holds the trainer.
+  ``RLWorker(device="cuda")`` holds it (by device reference), in another process
+  and in the trainer's own, against ``torch.multiprocessing`` passing the same
+  dict by CUDA IPC to a process whose CUDA is up; and how long
+  ``publish_parameters(wait=False)`` holds the trainer: by reference and staged
+  (over TCP), idle and with 50 ms of GPU work queued before the call.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ def run(rec: Recorder, p: Profile, peers) -> None:
         _tcp(rec, p, server, nbytes)
         _same_host(rec, p, server, nbytes)
         _state_dict(rec, p, server, nbytes)
+        _by_reference(rec, p, server, nbytes)
         _publish(rec, p, server, nbytes)
     finally:
         rec.release(raw, server)
@@ -182,10 +189,74 @@ def _ipc_baseline(state: dict, reps: int, warmup: int) -> list[float]:
             child.kill()
 
 
+def _bf16_state(n: int, nbytes: int) -> dict:
+    return {f"layer{i}.weight": torch.zeros(nbytes // 2 // n, device="cuda", dtype=torch.bfloat16) for i in range(n)}
+
+
+def _by_reference(rec: Recorder, p: Profile, server: Server, nbytes: int) -> None:
+    """Puts by device reference of the state dict, and reads of it in another process."""
+    n, size, rate = p.gpu_tensors, mib(nbytes), gbps(nbytes)
+    state = _bf16_state(n, nbytes)
+    name = "bench-gpu-ref"
+    reader = Worker("cuda-peek", server.port, 600)
+    try:
+        with Client("127.0.0.1", server.port, timeout=p.client_timeout_s) as client:
+            if not client.same_host:
+                rec.skip("by-reference rows", "the server's shared memory is not offered to this client")
+                return
+            exports = client._exported()
+
+            def idle_put() -> None:
+                client.put(name, state, by_reference=True)
+
+            rec.figure("gpu.ref.put", f"same-host put by reference of a {n}-tensor {size} bf16 state, its previous "
+                       f"upload done", Sample.of(time_runs(idle_put, p.gpu_reps, p.warmup,
+                                                          setup=lambda: exports.idle(120))).map(rate),
+                       "GB/s", vs=["gpu.d2h"])
+            rec.figure("gpu.ref.put_b2b", f"same-host puts by reference of that state back to back (uploads under way)",
+                       Sample.of(time_runs(idle_put, p.gpu_reps, p.warmup)).map(rate), "GB/s", vs=["gpu.ref.put"])
+            exports.idle(120)
+            reader.expect(120, "ready")
+            reader.send(f"peek {name} {p.warmup + p.gpu_reps}")
+            times = [float(t) for t in reader.expect(300, "peeked").split()[1:]][p.warmup:]
+            rec.figure("gpu.ref.peek", f"same-host peek into CUDA of that state in another process (by reference)",
+                       Sample.of(times).map(lambda ms: nbytes / ms / 1e6), "GB/s", vs=["gpu.h2d"])
+            client.delete(name)
+    finally:
+        rec.release(reader)
+
+
+def _busy_gpu(ms: float) -> None:
+    """Queue about ``ms`` milliseconds of work on the current stream (a backward pass still running)."""
+    rate = torch.cuda.get_device_properties(0).clock_rate or 1_500_000  # kHz
+    torch.cuda._sleep(int(ms * rate))
+
+
+def _blocked(trainer: RLTrainer, state: dict, p: Profile, busy_ms: float, back_to_back: bool) -> list[float]:
+    """Milliseconds ``publish_parameters(wait=False)`` held the trainer, with ``busy_ms``
+    of GPU work queued before each; ``back_to_back``: the previous publish still
+    sending (else each waits for the one before, untimed)."""
+    blocked = []
+    for rep in range(p.warmup + p.gpu_reps):
+        for t in state.values():
+            t.fill_(float(trainer.version + 1))
+        if busy_ms:
+            _busy_gpu(busy_ms)
+        else:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        trainer.publish_parameters(state, wait=False)
+        if rep >= p.warmup:
+            blocked.append((time.perf_counter() - start) * 1e3)
+        if not back_to_back:
+            trainer.flush(120)
+    trainer.flush(120)
+    return blocked
+
+
 def _publish(rec: Recorder, p: Profile, server: Server, nbytes: int) -> None:
     n = p.gpu_tensors
-    state = {f"layer{i}.weight": torch.zeros(nbytes // 2 // n, device="cuda", dtype=torch.bfloat16)
-             for i in range(n)}
+    state = _bf16_state(n, nbytes)
     size = mib(nbytes)
     rec.figure("gpu.ipc_baseline", f"torch.multiprocessing: a {n}-tensor {size} bf16 dict held by a CUDA process",
                Sample.of(_ipc_baseline(state, p.gpu_reps, p.warmup)), "ms", better="lower", baseline=True)
@@ -199,20 +270,43 @@ def _publish(rec: Recorder, p: Profile, server: Server, nbytes: int) -> None:
                        Sample.of(last), "ms", better="lower", vs=["gpu.ipc_baseline"])
             if bad:
                 rec.note(f"{bad} state dict(s) a worker received were wrong")
-            blocked = []
-            for rep in range(p.warmup + p.gpu_reps):
-                for t in state.values():
-                    t.fill_(float(trainer.version + 1))
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                trainer.publish_parameters(state, wait=False)
-                if rep >= p.warmup:
-                    blocked.append((time.perf_counter() - start) * 1e3)
-                trainer.flush(120)
-            rec.figure("gpu.publish_blocked", f"the trainer held by publish_parameters(wait=False) of that state",
-                       Sample.of(blocked), "ms", better="lower")
+            for key, busy in (("", 0.0), ("_busy", 50.0)):
+                rec.figure(f"gpu.publish_blocked{key}", f"the trainer held by publish_parameters(wait=False) of that "
+                           f"state, by reference, back to back{', 50 ms of GPU work queued' if busy else ''}",
+                           Sample.of(_blocked(trainer, state, p, busy, True)), "ms", better="lower")
+        _publish_own_process(rec, p, server, state)
+        with RLTrainer("127.0.0.1", server.port, experiment="gpu-staged", connect_timeout=30,
+                       zero_copy=False) as trainer:
+            for key, busy in (("", 0.0), ("_busy", 50.0)):
+                rec.figure(f"gpu.publish_blocked_staged{key}", f"the trainer held by publish_parameters(wait=False) "
+                           f"of that state, staged over TCP{', 50 ms of GPU work queued' if busy else ''}",
+                           Sample.of(_blocked(trainer, state, p, busy, False)), "ms", better="lower")
     finally:
         rec.release(worker)
+
+
+def _publish_own_process(rec: Recorder, p: Profile, server: Server, state: dict) -> None:
+    """publish_parameters until an RLWorker(device="cuda") in the trainer's own process holds it."""
+    from tensorshare import RLWorker
+
+    n, size = len(state), mib(sum(t.nbytes for t in state.values()))
+    held = []
+    with RLTrainer("127.0.0.1", server.port, experiment="gpu-own", connect_timeout=30) as trainer, \
+            RLWorker("127.0.0.1", server.port, experiment="gpu-own", device="cuda") as worker:
+        for rep in range(p.warmup + p.gpu_reps):
+            for t in state.values():
+                t.fill_(float(trainer.version + 1))
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            version = trainer.publish_parameters(state)
+            while worker.version < version:
+                worker.await_new_parameters(timeout=120)
+            torch.cuda.synchronize()
+            if rep >= p.warmup:
+                held.append((time.perf_counter() - start) * 1e3)
+    rec.figure("gpu.publish_held_own", f"publish_parameters of a {n}-tensor {size} bf16 CUDA state until an "
+               f"RLWorker(device=\"cuda\") in the trainer's process holds it",
+               Sample.of(held), "ms", better="lower", vs=["gpu.ipc_baseline"])
 
 
 def _goals(rec: Recorder) -> None:
@@ -226,4 +320,13 @@ def _goals(rec: Recorder) -> None:
                    "gpu.sd.put", "gpu.one.put", ">=", 1 / 1.2)
     rec.goal_ratio("a published CUDA state held by a same-host CUDA worker within 3x of CUDA IPC",
                    "gpu.publish_held", "gpu.ipc_baseline", "<=", 3.0)
-    rec.goal_value("the trainer held <= 20 ms by publish_parameters(wait=False)", "gpu.publish_blocked", "<=", 20.0)
+    rec.goal_ratio("a published CUDA state held by a CUDA worker in the trainer's process within 3x of CUDA IPC",
+                   "gpu.publish_held_own", "gpu.ipc_baseline", "<=", 3.0)
+    rec.goal_ratio("same-host put by reference >= 0.5x a pinned device-to-host copy", "gpu.ref.put", "gpu.d2h",
+                   ">=", 0.5)
+    rec.goal_ratio("same-host peek by reference in another process >= 0.5x a pinned host-to-device copy",
+                   "gpu.ref.peek", "gpu.h2d", ">=", 0.5)
+    for key, how in (("", "by reference"), ("_busy", "by reference, 50 ms of GPU work queued"),
+                     ("_staged", "staged"), ("_staged_busy", "staged, 50 ms of GPU work queued")):
+        rec.goal_value(f"the trainer held <= 20 ms by publish_parameters(wait=False), {how}",
+                       f"gpu.publish_blocked{key}", "<=", 20.0)

@@ -35,10 +35,11 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
-def _mixed_runs(p: Profile, peer: str, port: int, clients: int,
-                counted: list | None = None) -> tuple[Sample, Sample, Sample]:
+def _mixed_runs(p: Profile, peer: str, port: int, clients: int, counted: list | None = None,
+                cpu: list | None = None) -> tuple[Sample, Sample, Sample]:
     """(ops/s, MB/s, p99 ms) over the profile's runs, ``clients`` worker processes
-    (``counted`` gets the ops of every run, warm-up included)."""
+    (``counted`` gets the ops of every run, warm-up included; ``cpu``, each measured
+    run's client CPU seconds per request, all clients together)."""
     run_s = p.scale_run_s
     ops, mbps, p99 = [], [], []
     with Workers() as ws:
@@ -55,6 +56,8 @@ def _mixed_runs(p: Profile, peer: str, port: int, clients: int,
             if i < p.warmup:
                 continue
             ops.append(sum(r["ops"] / r["seconds"] for r in results))
+            if cpu is not None:
+                cpu.append(sum(r["cpu_s"] for r in results) / sum(r["ops"] for r in results))
             mbps.append(sum(r["bytes"] / r["seconds"] for r in results) / 1e6)
             p99.append(percentile([lat for r in results for lat in r["lat_us"]], 99) / 1e3)
     return Sample.of(ops), Sample.of(mbps), Sample.of(p99)
@@ -231,11 +234,33 @@ def server_memory(rec: Recorder, p: Profile) -> None:
                "per stored GiB", held, "GiB", better="lower", vs=vs_held)
 
 
+CLIENT_CPU_CLIENTS = 8  # client processes of the client-CPU figure (issue #39: 8 on 2 cores)
+
+
+def client_cpu(rec: Recorder, p: Profile, peers, server: Server) -> None:
+    """The clients' CPU per small request (mixed 1 KiB put/append/get, 8 processes),
+    tensorshare.Client beside redis-py in the same run: the client's half of the bill,
+    whatever the server costs (issue #39: <= 0.9x redis-py's)."""
+    redis = peers.redis(rec, "Redis client CPU per request")
+    if redis is None:
+        return
+    k = CLIENT_CPU_CLIENTS
+    for peer, port, key, label in (("redis", redis.server.port, "cpu.client.redis", "redis-py"),
+                                   ("ts", server.port, "cpu.client.ts", "tensorshare.Client")):
+        per_request: list[float] = []
+        _mixed_runs(p, peer, port, k, cpu=per_request)
+        rec.figure(key, f"{label} CPU per request, mixed {mib(p.scale_value_bytes)}, {k} client processes",
+                   Sample.of([s * 1e6 for s in per_request]), "us", better="lower", baseline=peer == "redis",
+                   vs=[] if peer == "redis" else ["cpu.client.redis"])
+    rec.goal_ratio("tensorshare.Client CPU per small request <= 0.9x redis-py's", "cpu.client.ts",
+                   "cpu.client.redis", "<=", 0.9)
+
+
 def run(rec: Recorder, p: Profile, peers) -> None:
     rec.begin("4. Scaling")
     server = Server()
     try:
-        for part in (concurrent_clients, workers_scaling, fan_out):
+        for part in (concurrent_clients, workers_scaling, fan_out, client_cpu):
             try:
                 part(rec, p, peers, server)
             except Exception as exc:  # one part failing must not hide the others

@@ -242,7 +242,7 @@ def mixed(port: str, peer: str, size: str, wid: str) -> None:
         duration, count = (float(cmd[1]), None) if cmd[0] == "go" else (float("inf"), int(cmd[1]))
         ops = targets[int(cmd[2]) if len(cmd) > 2 else 0]
         lat, moved, i = [], 0, 0
-        cpu, began = os.times(), clock()
+        cpu, began = os.times(), clock()  # this process's CPU (every thread), for CPU per request
         end = began + duration
         while True:
             fn, b = ops[i % 3]
@@ -255,8 +255,9 @@ def mixed(port: str, peer: str, size: str, wid: str) -> None:
             if (now >= end or i == count) and i % 3 == 0:
                 break
         spent = os.times()
+        cpu_s = spent.user + spent.system - cpu.user - cpu.system
         _say("result " + json.dumps({"ops": i, "bytes": moved, "seconds": clock() - began, "lat_us": lat,
-                                     "cpu": [spent.user - cpu.user, spent.system - cpu.system]}))
+                                     "cpu_s": cpu_s}))
 
 
 def listen(port: str, peer: str, bin_name: str) -> None:
@@ -459,8 +460,35 @@ def redis_roll(port: str, key: str, lifetime: str) -> None:
         r.close()
 
 
+def cuda_peek(port: str, lifetime: str) -> None:
+    """``peek BIN REPS``: REPS times ``peek(BIN, device="cuda")`` until the device holds
+    it (by device reference on the server's host: another process than the
+    publisher's); says ``peeked MS...`` (section 13)."""
+    _watchdog(lifetime)
+    import torch
+
+    import tensorshare
+
+    commands, _stop = _commands()
+    with tensorshare.Client("127.0.0.1", int(port), timeout=120, device="cuda") as client:
+        torch.empty(1, device="cuda")  # CUDA up before the first read
+        _say("ready")
+        while True:
+            cmd = commands.get()
+            if cmd is None or cmd[0] == "quit":
+                return
+            times = []
+            for _ in range(int(cmd[2])):
+                start = time.perf_counter()
+                held = client.peek(cmd[1])
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - start) * 1e3)
+                del held
+            _say("peeked " + " ".join(f"{t:.3f}" for t in times))
+
+
 KINDS = {"raw-send": raw_send, "echo": echo, "torch-recv": torch_recv, "async-append": async_append,
-         "mixed": mixed, "listen": listen, "rl": rl, "redis-roll": redis_roll}
+         "mixed": mixed, "listen": listen, "rl": rl, "redis-roll": redis_roll, "cuda-peek": cuda_peek}
 
 
 def main(argv: list[str]) -> None:

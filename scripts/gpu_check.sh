@@ -3,9 +3,10 @@
 # (the multi-worker server's scaling and a busy host).
 #
 # For a machine with Python 3.12, torch with CUDA, numpy, msgpack and pytest, but no Twisted,
-# no Redis and no package index.  Copy the gpu-machine tools (wheels/, debs/: see their
-# README) into .device/ of the checkout first; this installs what the machine lacks from
-# there as that README says (into /tmp, nothing system-wide), then runs, in under six
+# no Redis and no package index.  What the machine lacks is installed (into /tmp, nothing
+# system-wide) from the gpu-machine tools (wheels/: Twisted and every dependency it declares;
+# debs/: Redis), found in the first of: the folder $GPU_CHECK_TOOLS names,
+# ../shared/tools/gpu-machine beside the checkout, .device/ of the checkout.  Then it runs, in under six
 # minutes in all, eight with the cores step (each step is ended at its limit: 190 s, 115 s
 # and 150 s, 15 s more to end):
 #
@@ -38,21 +39,30 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
     echo "gpu_check: no CUDA device; going on as asked (GPU_CHECK_WITHOUT_CUDA=1): the checks skip"
 fi
 
-# What the machine lacks: Twisted and its dependencies, from the wheels beside the checkout.
+# Where the gpu-machine tools are (wheels/, debs/).
+TOOLS=""
+for candidate in "${GPU_CHECK_TOOLS:-}" "$ROOT/../shared/tools/gpu-machine" "$ROOT/.device"; do
+    if [ -n "$candidate" ] && ls "$candidate"/wheels/*.whl >/dev/null 2>&1; then
+        TOOLS=$(cd "$candidate" && pwd)
+        break
+    fi
+done
+# What the machine lacks: Twisted and its dependencies, from those wheels.
 if ! "$PY" -c 'import twisted' 2>/dev/null; then
-    if ! ls .device/wheels/*.whl >/dev/null 2>&1; then
-        echo "gpu_check: Twisted is not installed and there are no wheels in .device/wheels" \
-             "(copy the gpu-machine tools there)"
+    if [ -z "$TOOLS" ]; then
+        echo "gpu_check: Twisted is not installed and no wheels were found (GPU_CHECK_TOOLS," \
+             "../shared/tools/gpu-machine, .device: each a folder holding wheels/)"
         exit 1
     fi
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .device/wheels/*.whl || exit 1
+    echo "gpu_check: installing Twisted from $TOOLS/wheels"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$TOOLS"/wheels/*.whl || exit 1
 fi
 # server/ imports as tensorshare_server once installed: a link stands in for pip install.
 mkdir -p "$LINKS" && ln -sfn "$ROOT/server" "$LINKS/tensorshare_server"
 export PYTHONPATH="$SITE:$ROOT:$LINKS${PYTHONPATH:+:$PYTHONPATH}"
-# Redis, from the debs beside the wheels (no check here needs it; the README's machine has it).
-if ! command -v redis-server >/dev/null && ls .device/debs/*.deb >/dev/null 2>&1; then
-    for f in .device/debs/*.deb; do dpkg -x "$f" /tmp/rd || exit 1; done
+# Redis, from the debs beside the wheels (the cores step runs one beside the server).
+if ! command -v redis-server >/dev/null && [ -n "$TOOLS" ] && ls "$TOOLS"/debs/*.deb >/dev/null 2>&1; then
+    for f in "$TOOLS"/debs/*.deb; do dpkg -x "$f" /tmp/rd || exit 1; done
     export LD_LIBRARY_PATH="/tmp/rd/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     ln -sfn /tmp/rd/usr/bin/redis-check-rdb /tmp/rd/redis-server  # redis picks its role from its name
     export PATH="/tmp/rd:$PATH"

@@ -49,14 +49,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Na
     parser.add_argument("--max-header", type=_size, default=ServerConfig.max_header, help="largest request header")
     parser.add_argument("--max-reply-header", type=_size, default=ServerConfig.max_reply_header,
                         help="largest GET/PEEK reply header (item descriptions)")
-    parser.add_argument("--max-bins", type=count, default=ServerConfig.max_bins)
+    parser.add_argument("--max-bins", type=count, default=ServerConfig.max_bins,
+                        help="bins of the whole server (with --workers: divided among them)")
     parser.add_argument("--max-items-per-bin", type=count, default=ServerConfig.max_items_per_bin,
                         help="also bounds the header of a GET/PEEK reply")
     parser.add_argument("--max-bin-name", type=count, default=ServerConfig.max_bin_name, help="characters")
     parser.add_argument("--max-listens", type=count, default=ServerConfig.max_listens, help="per connection")
     parser.add_argument("--max-depth", type=count, default=ServerConfig.max_depth, help="nesting of a value")
     parser.add_argument("--max-table-rows", type=count, default=ServerConfig.max_table_rows,
-                        help="rows of all tables together (each row keeps 41-137 bytes of state in memory)")
+                        help="rows of all tables together (each row keeps 41-137 bytes of state in memory; with "
+                             "--workers: divided among them, so one table has at most a worker's share)")
     parser.add_argument("--max-nodes", type=count, default=ServerConfig.max_nodes, help="nodes of a value's structure")
     disk = parser.add_argument_group("disk tier")
     disk.add_argument("--memory-limit", type=_size, default=None,
@@ -102,7 +104,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Na
                              "(default %(default)s)")
     parser.add_argument("--workers", type=int, default=ServerConfig.workers, metavar="N",
                         help="serve with N processes that share nothing, each owning the bins whose names hash "
-                             "to it; clients route each request to its owner (default %(default)s)")
+                             "to it; clients route each request to its owner.  --memory-limit, --recv-pool, "
+                             "--max-connections, --max-bins and --max-table-rows stay the whole server's: each "
+                             "worker gets 1/N (default %(default)s)")
     parser.add_argument("--worker-ports", type=int, default=None, metavar="PORT",
                         help="with --workers: worker k also listens on PORT+k, which clients connect to "
                              "(default: free ports, named in the greeting)")
@@ -152,7 +156,8 @@ def _add_security_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tls-cert", metavar="PEM", help="serve TLS only, with this certificate (chain, leaf first)")
     group.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert (default: read from --tls-cert)")
     group.add_argument("--max-connections", type=count_or_zero, default=ServerConfig.max_connections, metavar="N",
-                       help="connections open at once; more get 421 and are closed (default %(default)s; 0: no limit)")
+                       help="connections open at once; more get 421 and are closed (default %(default)s; 0: no "
+                            "limit; with --workers: divided among them, a client holding one to each worker it uses)")
     group.add_argument("--idle-timeout", type=seconds_or_zero, default=ServerConfig.idle_timeout, metavar="SECONDS",
                        help="close a connection silent this long with 421; one that listens gets a 110 "
                             "keepalive frame instead and stays (default %(default)s; 0: never)")

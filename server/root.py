@@ -48,6 +48,7 @@ class ServerState:
     relay: object = None  # server/relay/follower.Follower when this server relays another
     workers: object = None  # tensorshare.protocol.placement.WorkerMap of a multi-worker server's worker
     mapped: set = field(default_factory=set)  # bins same-host readers asked references to (protocol/shared.py)
+    references: dict = field(default_factory=dict)  # (id, bin) -> publisher of a device reference (protocol/devices.py)
 
     def __post_init__(self) -> None:
         if self.waits is None:

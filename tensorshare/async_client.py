@@ -146,6 +146,10 @@ class AsyncClient(ClientCore):
         """How many workers the server runs (``--workers``; PROTOCOL.md §14)."""
         return 1 if self._workers is None else self._workers.map.count
 
+    def worker_of(self, bin: str) -> int | None:
+        """The worker that serves ``bin`` (None: the server runs one process)."""
+        return None if self._workers is None else self._workers.map.owner(bin)
+
     # -- calls
 
     def _call(self, command: Command, fields: dict | None = None, value: Any = NO_VALUE, *, timeout=DEFAULT,

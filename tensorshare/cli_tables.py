@@ -129,7 +129,7 @@ def show_info(args, client, out, name: str, info: dict | None = None) -> int:
 def _sample(args, client, out) -> int:
     import torch
 
-    from ._client.table_copy import occupied
+    from .table_copy import occupied
     from .cli import OK, CliError, USAGE, describe, summary
 
     if args.n < 1:

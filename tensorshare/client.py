@@ -1,23 +1,15 @@
 """The blocking client: plain method calls from any thread, no reactor to manage.
 
-The calling thread sends its request itself and, if no other thread is reading,
-reads the socket itself until its reply arrives ("leader/follower"): a round trip
-costs two system calls and no thread hand-off.  Replies for other threads are
-handed to them; notifications and callbacks of non-blocking calls go to one
-dispatcher thread, so user callbacks never run on a thread that reads the socket.
-While the client listens (or non-blocking calls are in flight) a background
-reader keeps the socket drained, reconnects with backoff when the server goes
-away and restores the listens.  A reading thread probes a server that has gone
-silent with NOOP (``keepalive``) and drops a connection that stays silent.
-
-What this module owns is that threading (the reading itself, who reads and where
-each frame goes, is ``_client/leader.py``; the writing, ``_client/sending.py``;
-serving a multi-worker server through one connection per worker,
-``_client/front.py``); the rest is shared: the verbs
-(``_client/methods.py``), the call table, planning and settling
-(``_client/core.py``), the socket (``_client/sockets.py``), coalescing of
-pipelined small requests (``_client/coalesce.py``) and reply polling
-(``_client/spin.py``).  See docs/design.md for why it is built this way.
+:class:`Client` is a front: the verbs (``_client/methods.py``), the value layer
+(``_client/values.py``: calls planned, encoded, settled, decoded) and a
+:class:`~tensorshare.protocol.router.Router` whose members carry the calls, one
+connection each (``_client/member.py``: a plain socket driven over the client
+engine, read by the thread that waits, no thread hand-off on the way).  A server of
+one process is one member; a server started with ``--workers N`` gets one member
+per worker used, and each call goes where its verb's declaration routes it.
+Notifications and callbacks of non-blocking calls run on one dispatcher thread,
+never on a thread that reads a socket.  See docs/design.md for why it is built
+this way.
 """
 
 from __future__ import annotations
@@ -27,33 +19,26 @@ import threading
 import time
 from typing import Any, Callable
 
-from ._client.calls import Call
-from ._client.progress import Progress
-from ._client.coalesce import Coalescer
 from ._client.connection import DEFAULT_REUSE, NO_VALUE, ListenSnapshot, Notification
-from ._client.core import ClientCore
 from ._client.dispatch import Dispatcher
-from ._client.front import Front
-from ._client.leader import LeaderFollower
-from .protocol.keepalive import Keepalive
 from ._client.listens import Listening
-from ._client.reader import BackgroundReader
-from ._client.methods import DEFAULT
+from ._client.member import Member, StaleMapError
+from ._client.methods import DEFAULT, ClientMethods, _lost_connection, bin_fields
 from ._client.options import DEFAULT_CONNECT_TIMEOUT, DEFAULT_RETRY_FOR, check_address, connect_timeout_for
-from .protocol.retry import Backoff
+from ._client.progress import Progress
 from ._client.routing import finish
-from ._client.sending import Sender
-from ._client.sockets import SMALL_FRAME, Link, open_link
+from ._client.sockets import open_link
 from ._client.spin import DEFAULT_LIMIT as DEFAULT_SPIN
-from ._client.spin import ReplySpin
 from ._client.table_copy import TableCopies
-from ._client.workers import StaleMapError
-from ._client.zerocopy import SharedAreas
+from ._client.values import Call, Values
 from .errors import (
-    AuthenticationError, ConnectionLostError, TensorShareError, TimeoutError, UsageError, WrongServerError,
-    WrongWorkerError,
+    ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UsageError, WrongServerError, WrongWorkerError,
 )
-from .protocol.messages import Command, Route
+from .protocol.auth import resolve_token
+from .protocol.engine import Engine, next_request_id
+from .protocol.messages import LISTEN, UNLISTEN, Command, Route
+from .protocol.retry import Backoff
+from .protocol.router import Router
 from .protocol.tls import TLSSettings
 
 log = logging.getLogger("tensorshare.client")
@@ -61,7 +46,29 @@ log = logging.getLogger("tensorshare.client")
 __all__ = ["Client", "Listening", "ListenSnapshot", "Notification", "connect"]
 
 
-class Client(Front, TableCopies, LeaderFollower, Sender, ClientCore):
+class Settings:
+    """How a blocking client's members connect and wait (checked once, shared by all)."""
+
+    def __init__(self, host: str, port: int, timeout: float | None, connect_timeout: float | None, reconnect: bool,
+                 max_backoff: float, token, tls: TLSSettings | None, keepalive: float | None, zero_copy: bool,
+                 spin: float):
+        self.host, self.port = host, port
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout_for(connect_timeout, timeout, DEFAULT_CONNECT_TIMEOUT)
+        self.reconnect = reconnect
+        self.max_backoff = max_backoff
+        self.token = resolve_token(token)
+        self.tls = tls
+        self.ssl_context = None if tls is None else tls.ssl_context()
+        self.keepalive = keepalive or None
+        self.zero_copy = zero_copy
+        self.spin = spin
+
+    def engine(self, port: int) -> Engine:
+        return Engine(self.token, f"{self.host}:{port}", keepalive=self.keepalive, max_backoff=self.max_backoff)
+
+
+class Client(TableCopies, ClientMethods):
     """A blocking, thread-safe tensorshare client.
 
     ``put``, ``append``, ``get``, ``peek``, ``list``, ``delete`` and ``listen`` block
@@ -111,98 +118,100 @@ class Client(Front, TableCopies, LeaderFollower, Sender, ClientCore):
     10 s are let go at its next call, all of them at :meth:`close`.
     """
 
+    _blocking = True
+
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, timeout: float | None = 60.0, *,
                  connect_timeout: float | None = None, device: Any = None, reconnect: bool = True,
                  max_backoff: float = 2.0, token: str | bytes | None = None, tls: bool | None = None,
                  tls_ca: str | None = None, tls_fingerprint: str | None = None, keepalive: float | None = 15.0,
                  zero_copy: bool = True, spin: float = DEFAULT_SPIN, reuse: int = DEFAULT_REUSE):
         check_address(host, port)
-        self._options = dict(timeout=timeout, connect_timeout=connect_timeout, device=device, reconnect=reconnect,
-                             max_backoff=max_backoff, token=token, tls=tls, tls_ca=tls_ca,
-                             tls_fingerprint=tls_fingerprint, keepalive=keepalive, zero_copy=zero_copy, spin=spin,
-                             reuse=reuse)  # (a multi-worker server's members get the same)
-        self._configure(host, port, **self._options)
-        self._become_front(self._connect())  # a multi-worker server's greeting: route by declaration (.front)
-
-    def _configure(self, host: str, port: int, *, timeout: float | None, connect_timeout: float | None, device: Any,
-                   reconnect: bool, max_backoff: float, token: str | bytes | None, tls: bool | None,
-                   tls_ca: str | None, tls_fingerprint: str | None, keepalive: float | None, zero_copy: bool,
-                   spin: float, reuse: int) -> None:
-        """Everything of :meth:`__init__` but connecting."""
-        self._cond = threading.Condition()
-        settings = TLSSettings.from_options(tls, tls_ca, tls_fingerprint)
-        self._init_core(host, port, timeout=timeout, device=device, zero_copy=zero_copy, reuse=reuse, token=token,
-                        tls=settings, keepalive=keepalive, lock=self._cond)
-        self.connect_timeout = connect_timeout_for(connect_timeout, timeout, DEFAULT_CONNECT_TIMEOUT)
-        self.reconnect = reconnect
-        self.max_backoff = max_backoff
-        self._ssl_context = None if settings is None else settings.ssl_context()
-        self._spin = ReplySpin(spin)  # used by the thread reading for its own reply
-        self._failure: AuthenticationError | None = None  # final: no more connections after it
-        self._last_heard = self._last_sent = 0.0  # time.monotonic() of the last bytes in / request out
-        self._keepalive_state: Keepalive | None = None  # of the current connection
-        self._send_lock = threading.Lock()
-        self._coalescer = Coalescer(SMALL_FRAME)  # requests in flight, small ones held back meanwhile (send lock)
-        self._connect_lock = threading.Lock()
-        self._link: Link | None = None
-        self._reading = False  # a thread is the leader: it reads the socket
-        self._ever_connected = False
-        self._reader = BackgroundReader(self)  # keeps the socket drained while callbacks wait
+        self.settings = settings = Settings(host, port, timeout, connect_timeout, reconnect, max_backoff, token,
+                                            TLSSettings.from_options(tls, tls_ca, tls_fingerprint), keepalive,
+                                            zero_copy, spin)
+        self.host, self.port, self.timeout, self.device = host, port, timeout, device
+        self.zero_copy = zero_copy
+        self.values = Values(device, zero_copy, reuse)
+        self.router = Router(self._member, port)
+        self._lock = threading.Lock()  # the dispatcher's making, and a new map's
         self._dispatcher: Dispatcher | None = None
-        self._remap_lock = threading.Lock()  # (a front's: _client/front.py)
+        self._closed = False
+        link = open_link(host, port, settings.connect_timeout, settings.tls, settings.ssl_context,
+                         settings.engine(port))
+        try:
+            self.router.start(link.engine.greeting, link)
+        except ProtocolError as exc:
+            link.close()
+            raise ConnectionLostError(f"bad greeting from {self._where}: {exc}") from None
 
-    _blocking = True
+    @property
+    def connect_timeout(self) -> float:
+        return self.settings.connect_timeout
+
+    @connect_timeout.setter
+    def connect_timeout(self, seconds: float) -> None:
+        self.settings.connect_timeout = seconds
+
+    @property
+    def reconnect(self) -> bool:
+        return self.settings.reconnect
+
+    @property
+    def keepalive(self) -> float | None:
+        return self.settings.keepalive
+
+    @property
+    def _where(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def _member(self, index: int | None, port: int, opened) -> Member:
+        return Member(self, index, port, opened)
 
     def close(self) -> None:
-        """Close the connection; calls in flight fail, later calls raise UsageError."""
-        with self._cond:
+        """Close the connections; calls in flight fail, later calls raise UsageError."""
+        with self._lock:
             if self._closed:
                 return
             self._closed = True
-            self._listens.clear()
-            self._cond.notify_all()  # an idle reader ends now
-        if self._workers is not None:
-            self._workers.close()
-        self._drop_connection(self._link, ConnectionLostError("client closed"))
-        if self._exports is not None:
-            self._exports.close()
+        for member in self.router.everyone():
+            member.close()
+        self.values.close()
         if self._dispatcher is not None:
             self._dispatcher.stop(timeout=0)
-        if self._buffers is not None:
-            self._buffers.clear()
         self.join()
 
     def join(self, timeout: float = 5.0) -> None:
         """Wait for the client's threads to end after :meth:`close` (skipping the
         calling thread), so that none still runs user or torch code when the
         interpreter exits, which can abort the process."""
-        me = threading.current_thread()
-        for member in self._workers.made() if self._workers is not None else ():
+        for member in self.router.everyone():
             member.join(timeout)
-        for thread in (self._reader.thread, self._dispatcher and self._dispatcher.thread):
-            if thread is not None and thread is not me:
-                thread.join(timeout)
+        thread = self._dispatcher and self._dispatcher.thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
 
     @property
     def connected(self) -> bool:
-        if self._workers is not None:
-            return self._workers.home.connected
-        return self._link is not None
+        return self.router.home.connected
 
     @property
     def same_host(self) -> bool:
         """True while the connection uses same-host zero-copy (the server's shared
         memory was offered and verified to be on this host)."""
-        if self._workers is not None:
-            return self._workers.home.same_host
-        link = self._link
-        return link is not None and link.conn.areas is not None
+        return self.router.home.areas is not None
 
     @property
     def workers(self) -> int:
         """How many workers the server runs (``--workers``): this client connects to
         each whose bins it uses (PROTOCOL.md §14)."""
-        return 1 if self._workers is None else self._workers.map.count
+        return self.router.count
+
+    def worker_of(self, bin: str) -> int | None:
+        """The worker that serves ``bin`` (None: the server runs one process).  Requests
+        about bins of one worker travel on one connection, in order; about bins of two
+        workers, on two, whose relative order is not kept."""
+        workers = self.router.map
+        return None if workers is None else workers.owner(bin)
 
     def __enter__(self) -> "Client":
         return self
@@ -211,269 +220,302 @@ class Client(Front, TableCopies, LeaderFollower, Sender, ClientCore):
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "connected" if self._link else "disconnected"
+        state = "closed" if self._closed else "connected" if self.connected else "disconnected"
         return f"<tensorshare.Client {self._where} {state}>"
 
     # ------------------------------------------------------------------ calls
-
-    def _call(self, command: Command, fields: dict | None = None, value: Any = NO_VALUE, *, timeout=DEFAULT,
-              then: Callable | None = None, on_reply: Callable | None = None, on_error: Callable | None = None,
-              decode: bool = True, zero_copy: bool = True, progress: Callable | None = None, device: Any = None,
-              into: Any = None) -> Any:
-        """Send a request and wait for its reply (see :mod:`._client.methods`);
-        ``progress(done, total)`` hears of the bytes of a large request sent and of
-        its reply received (:class:`._client.progress.Progress`)."""
-        workers = self._workers
-        if workers is not None:  # a member sends it, as the verb's declaration routes it (_client/front.py)
-            seen, error = workers.map, None
-            if command.route is Route.OWNER:
-                try:  # (the usual case: its arguments passed on as they are, no dict of them made)
-                    return workers.owner(fields)._call(
-                        command, fields, value, timeout=timeout, then=then, on_reply=on_reply, on_error=on_error,
-                        decode=decode, zero_copy=zero_copy, progress=progress, device=device, into=into)
-                except (StaleMapError, WrongWorkerError) as exc:  # nothing was done: once more, if the map changed
-                    error = exc
-            return self._routed_call(command, fields, value, dict(
-                timeout=timeout, then=then, on_reply=on_reply, on_error=on_error, decode=decode, zero_copy=zero_copy,
-                progress=progress, device=device, into=into), error, seen)
-        if timeout is DEFAULT:
-            timeout = self.timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if self._buffers is not None:
-            self._buffers.maybe_trim()  # reply arrays unused for a while go back to the system
-        link = self._link
-        if link is not None:
-            areas = link.conn.areas if zero_copy and self.zero_copy else None
-        else:
-            areas = self._areas(deadline) if zero_copy and self.zero_copy else None
-        call = self._new_call(command, fields, value, areas, None, then, on_error, on_reply, None, decode,
-                              device=device, into=into)
-        try:
-            while True:
-                try:
-                    parts = self._request_parts(call)
-                    self._before_request()
-                    with self._cond:
-                        self._calls.add(call)
-                    if progress is None:
-                        self._send(parts, deadline, call.rid)
-                        outcome = self._await(call, deadline)
-                    else:
-                        tracker = Progress(progress, call.rid)
-                        self._send(tracker.sending(parts), deadline, call.rid, progress=tracker)
-                        outcome = self._await(call, deadline, tracker)
-                except TensorShareError as exc:
-                    outcome = exc
-                finally:
-                    with self._cond:
-                        self._calls.pop(call.rid)
-                settled = self._settle(call, outcome)
-                if settled is not None:
-                    break
-        except BaseException:
-            finish(call)
-            raise
-        reply, error = settled
-        if error is None and call.then is None and not call.raw:  # the usual case
-            return reply.result
-        result, error = self._result(call, reply, error)
-        if error is not None:
-            raise error
-        return result
-
-    def _done(self, value: Any) -> Any:
-        return value
-
-    def _later(self, fn: Callable, *args) -> None:
-        self._callbacks().submit(fn, *args)
-
-    def _submit(self, command: Command, fields: dict | None, value: Any, callback: Callable, *,
-                zero_copy: bool = True, timeout=DEFAULT, then: Callable | None = None,
-                on_error: Callable | None = None, on_reply: Callable | None = None, decode: bool = True,
-                raw: bool = False, inline: bool = False, device: Any = None, into: Any = None) -> None:
-        if self._closed:
-            raise UsageError("the client is closed")
-        if self._workers is not None:  # a member sends it, as the verb's declaration routes it (_client/front.py)
-            self._routed_submit(command, fields, value, callback, dict(
-                zero_copy=zero_copy, timeout=timeout, then=then, on_error=on_error, on_reply=on_reply, decode=decode,
-                raw=raw, inline=inline, device=device, into=into))
-            return
-        areas = self._areas(DEFAULT) if zero_copy and self.zero_copy else None
-        call = self._new_call(command, fields, value, areas, callback, then, on_error, on_reply, None, decode, raw,
-                              device=device, into=into)
-        call.inline = inline
-        try:
-            parts = self._request_parts(call)
-        except BaseException:
-            finish(call)
-            raise
-        self._send_call(call, parts)
-
-    def _send_call(self, call: Call, parts: list) -> None:
-        """Send a non-blocking call's frame; its callback hears of a failure."""
-        try:
-            self._deliver(call, parts, self._deadline(DEFAULT), may_hold=True)
-        except TensorShareError as exc:
-            with self._cond:
-                mine = self._calls.pop(call.rid) is not None  # else the lost connection failed it already
-            if mine:
-                self._callbacks().submit(self._complete, call, exc)
-            return
-        self._reader.ensure()
-
-    def _complete(self, call: Call, outcome: Any) -> None:
-        """Settle a non-blocking call (on the dispatcher thread) and call back, or send
-        the attempt a zero-copy refusal calls for."""
-        settled = self._settle(call, outcome)
-        if settled is not None:
-            self._call_back(call, *settled)
-            return
-        self._complete_retry(call)
-
-    def _complete_inline(self, call: Call, frame) -> None:
-        """Settle an inline call on the reading thread (its callback is quick and does
-        not call the client); another attempt, if one is due, goes out from the
-        dispatcher thread, since sending may block."""
-        settled = self._settle(call, frame)
-        if settled is None:
-            self._callbacks().submit(self._complete_retry, call)
-            return
-        try:
-            self._call_back(call, *settled)
-        except Exception:
-            log.exception("tensorshare callback %r failed", call.callback)
-
-    def _complete_retry(self, call: Call) -> None:
-        try:
-            parts = self._request_parts(call)
-        except TensorShareError as exc:
-            finish(call)
-            self._call_back(call, None, exc)
-            return
-        self._send_call(call, parts)
-
-    def _deliver(self, call: Call, parts: list, deadline: float | None, may_hold: bool = False) -> None:
-        self._before_request()
-        with self._cond:
-            self._calls.add(call)
-        self._send(parts, deadline, call.rid, may_hold)
 
     def _deadline(self, timeout) -> float | None:
         if timeout is DEFAULT:
             timeout = self.timeout
         return None if timeout is None else time.monotonic() + timeout
 
-    def _connection(self):
-        link = self._link
-        return None if link is None else link.conn
+    def _call(self, command: Command, fields: dict | None = None, value: Any = NO_VALUE, *, timeout=DEFAULT,
+              then: Callable | None = None, on_reply: Callable | None = None, on_error: Callable | None = None,
+              decode: bool = True, zero_copy: bool = True, progress: Callable | None = None, device: Any = None,
+              into: Any = None, member: Member | None = None, listening: Listening | None = None) -> Any:
+        """Send a request where its declaration routes it and wait for its reply (see
+        :mod:`._client.methods`); ``progress(done, total)`` hears of the bytes of a
+        large request sent and of its reply received.  A request refused with 427, or
+        not sent because the map was stale, goes once more to its owner in the new map
+        (nothing was done either way)."""
+        if self._closed:
+            raise UsageError("the client is closed")
+        router = self.router
+        if member is None:
+            if router.map is not None and command.route is not Route.OWNER:
+                return self._fanned_out(command, fields, value, timeout, then, on_error, decode)
+            member = router.owner_of(fields)
+        deadline = self._deadline(timeout)
+        seen = router.map
+        try:
+            return self._on(member, command, fields, value, deadline, then, on_error, decode, zero_copy, progress,
+                            device, into, listening)
+        except (StaleMapError, WrongWorkerError) as exc:
+            if not self._remap(exc, seen):
+                raise
+        return self._on(router.owner_of(fields), command, fields, value, deadline, then, on_error, decode, zero_copy,
+                        progress, device, into, listening)
 
-    def _areas(self, deadline: float | None) -> SharedAreas | None:
-        """The shared areas of the current connection (connecting first if need be)."""
-        link = self._link
-        if link is None:
-            try:
-                link = self._ensure_connected(deadline)
-            except TensorShareError:
-                return None  # the request itself will say what is wrong
-        return link.conn.areas
+    def _on(self, member: Member, command: Command, fields: dict | None, value: Any, deadline: float | None,
+            then: Callable | None, on_error: Callable | None, decode: bool, zero_copy: bool,
+            progress: Callable | None, device: Any, into: Any, listening: Listening | None = None) -> Any:
+        """The result of a call on ``member``'s connection (trying again as a zero-copy
+        refusal says)."""
+        values = self.values
+        if values.buffers is not None:
+            values.buffers.maybe_trim()  # reply arrays unused for a while go back to the system
+        areas = (member.areas if member.link is not None else member.shared_areas(deadline)) \
+            if zero_copy and self.zero_copy else None
+        call = values.call(next_request_id(), command, fields, value, areas, device, into)
+        call.then, call.on_error, call.decode, call.handle = then, on_error, decode, listening
+        try:
+            while True:
+                parts = values.frame(call, member.engine.greeting)
+                member.call(call, parts, deadline, None if progress is None else Progress(progress, call.rid))
+                if call.error is None and call.fallback is None and call.cleanup is None and then is None \
+                        and on_error is None:  # the usual case: one attempt, the default result
+                    return values.read(call, member.areas).result
+                settled = values.settle(call, member.areas)
+                if settled is not None:
+                    break
+        except BaseException:
+            finish(call)
+            raise
+        result, error = values.result(call, *settled)
+        if error is not None:
+            raise error
+        return result
 
-    def _shared_areas(self) -> SharedAreas | None:
-        if self._workers is not None:  # any worker's will do: its drafts move to whichever takes the put
-            return self._workers.home._shared_areas()
-        return self._areas(self._deadline(DEFAULT)) if self.zero_copy else None
+    def _fanned_out(self, command: Command, fields: dict | None, value: Any, timeout, then, on_error,
+                    decode: bool) -> Any:
+        """A call whose route names several workers: to every member, their replies
+        merged (``MERGE``), or answered once all are (``EVERY``: the last one's result)."""
+        members = self.router.targets(command)
+        if command.route is Route.MERGE:
+            replies = [self._call(command, fields, value, timeout=timeout, then=_same_reply, on_error=on_error,
+                                  decode=decode, member=member) for member in members]
+            header = self.router.merged(command, [reply.header for reply in replies])
+            reply = replies[0]
+            reply.header = header
+            return reply.result if then is None else then(reply)
+        for member in members[:-1]:
+            self._call(command, fields, value, timeout=timeout, then=then, on_error=on_error, decode=decode,
+                       member=member)
+        return self._call(command, fields, value, timeout=timeout, then=then, on_error=on_error, decode=decode,
+                          member=members[-1])
 
-    def _listening(self, handle: Listening) -> Listening:
-        self._reader.ensure()
-        return handle
+    def _done(self, value: Any) -> Any:
+        return value
 
-    def _callbacks(self) -> Dispatcher:
+    def _later(self, fn: Callable, *args) -> None:
+        self.callbacks().submit(fn, *args)
+
+    def _submit(self, command: Command, fields: dict | None, value: Any, callback: Callable, *,
+                zero_copy: bool = True, timeout=DEFAULT, then: Callable | None = None,
+                on_error: Callable | None = None, decode: bool = True, raw: bool = False, inline: bool = False,
+                device: Any = None, into: Any = None) -> None:
+        """Send a call whose ``callback(result, error)`` runs when it is settled (on the
+        dispatcher thread; ``inline``: on the reading thread)."""
+        if self._closed:
+            raise UsageError("the client is closed")
+        router = self.router
+        if router.map is not None and command.route is not Route.OWNER:  # several members, made in turn
+            def fanned_out() -> None:
+                try:
+                    result, error = self._call(command, fields, value, timeout=timeout,
+                                               then=_same_reply if raw else then, on_error=on_error,
+                                               decode=decode), None
+                except TensorShareError as exc:
+                    result, error = None, exc
+                callback(result, error)
+
+            self._later(fanned_out)
+            return
+        member = router.owner_of(fields)
+        deadline = self._deadline(timeout)
+        areas = member.shared_areas(deadline) if zero_copy and self.zero_copy else None
+        call = self.values.call(next_request_id(), command, fields, value, areas, device, into)
+        call.callback, call.then, call.on_error, call.decode, call.raw, call.inline = (
+            callback, then, on_error, decode, raw, inline)
+        self._send_on(member, call, deadline)
+
+    def _send_on(self, member: Member, call: Call, deadline: float | None) -> None:
+        call.deadline, call.via = deadline, member
+        try:
+            parts = self.values.frame(call, member.engine.greeting)
+        except BaseException:
+            finish(call)
+            raise
+        try:
+            member.submit(call, parts, deadline)
+        except StaleMapError:  # the workers were mapped again: nothing was sent, its owner is another member
+            call.via = member = self.router.owner_of(call.fields)
+            member.submit(call, parts, deadline)
+
+    def complete(self, call: Call) -> None:
+        """Settle a non-blocking call (on the dispatcher thread) and call back, or send the
+        attempt a zero-copy refusal calls for."""
+        member = call.via
+        settled = self.values.settle(call, member.areas)
+        if settled is not None:
+            call.callback(*self.values.result(call, *settled))
+            return
+        self._retry(call, member)
+
+    def complete_inline(self, call: Call) -> None:
+        """Settle an inline call on the reading thread (its callback is quick and does
+        not call the client); another attempt, if one is due, goes out from the
+        dispatcher thread, since sending may block."""
+        member = call.via
+        settled = self.values.settle(call, member.areas)
+        if settled is None:
+            self.callbacks().submit(self._retry, call, member)
+            return
+        try:
+            call.callback(*self.values.result(call, *settled))
+        except Exception:
+            log.exception("tensorshare callback %r failed", call.callback)
+
+    def _retry(self, call: Call, member: Member) -> None:
+        try:
+            parts = self.values.frame(call, member.engine.greeting)
+        except TensorShareError as exc:
+            finish(call)
+            call.callback(*self.values.result(call, None, exc))
+            return
+        member.submit(call, parts, call.deadline)
+
+    def callbacks(self) -> Dispatcher:
+        """The one thread that runs every member's callbacks, in order."""
         if self._dispatcher is None:
-            with self._cond:
+            with self._lock:
                 if self._dispatcher is None:
                     self._dispatcher = Dispatcher(f"tensorshare-callbacks-{self.port}")
         return self._dispatcher
 
-    # ------------------------------------------------------------------ connections
+    def _shared_areas(self):
+        return self.router.home.shared_areas(self._deadline(DEFAULT)) if self.zero_copy else None
 
-    def _connect(self, deadline: float | None = None) -> Link:
-        """Open a connection (see :func:`._client.sockets.open_link`) and make it current,
-        within ``connect_timeout`` and the calling request's ``deadline``."""
-        within = self.connect_timeout
-        if deadline is not None:
-            within = max(min(within, deadline - time.monotonic()), 0.001)
+    def _owner_of(self, name: str) -> "Client":
+        return self
+
+    def _exported(self):
+        return self.values.exported()
+
+    # ------------------------------------------------------------------ listening
+
+    def listen(self, bin: str, callback: Callable[[Notification], Any], timeout=DEFAULT, *,
+               every_append: bool = True) -> Listening:
+        handle = Listening(self, bin, callback, every_append)
+        member = self.router.owner(bin)
         try:
-            link = open_link(self.host, self.port, within, self._tls, self._ssl_context, self._new_connection())
-        except ConnectionLostError as exc:
-            self._member_unreachable(exc)  # (a member whose server moved its workers: StaleMapError)
+            reply = self._call(LISTEN, member.engine.listen_fields(handle), timeout=timeout, then=_same_reply,
+                               member=member, listening=handle)
+        except TimeoutError:
+            if handle not in member.engine.listens.handles(bin):  # the server may listen by now: ask it to stop
+                self._forget_listen(member, bin)
             raise
-        return self._take(link)
+        handle.snapshot = ListenSnapshot.of(reply.header)
+        member.reader.ensure()
+        return handle
 
-    def _take(self, link: Link) -> Link:
-        """Make the opened ``link`` current."""
+    listen.__doc__ = ClientMethods.listen.__doc__
+
+    def unlisten(self, bin: str, callback: Callable | None = None) -> Any:
+        """Stop the listens of ``bin`` (only those calling ``callback``, if given)."""
+        member = self.router.owner(bin)
+        results = [self._unlisten(handle) for handle in member.engine.listens.handles(bin)
+                   if callback is None or handle.callback == callback]
+        return results[-1] if results else None
+
+    def _unlisten(self, handle: Listening, callback: Callable | None = None) -> Any:
+        """Stop ``handle``; with ``callback``, without waiting: ``callback(None, error)``
+        once done.  It hears every notification the server sends before it answers
+        the request that ends this listen."""
+        member = self.router.owner(handle.bin)
+        with member.cond:
+            stop = None if self._closed else member.engine.stop_listening(handle)
+            if stop is None:
+                member.engine.listens.remove(handle)
+        if stop is None:
+            if callback is not None:
+                self._later(callback, None, None)
+            return None
+        command, fields = stop
+
+        def failed(error: BaseException) -> bool:
+            with member.cond:
+                member.engine.listens.remove(handle)
+            return _lost_connection(error)
+
+        if callback is None:
+            return self._call(command, fields, on_error=failed, member=member, listening=handle)
+        call = self.values.call(next_request_id(), command, fields, NO_VALUE, None)
+        call.callback, call.on_error, call.handle = (lambda reply, error: callback(None, error)), failed, handle
+        self._send_on(member, call, self._deadline(DEFAULT))
+        return None
+
+    def _forget_listen(self, member: Member, name: str) -> None:
         try:
-            self._check_greeting(link)  # (.front: a member greeted by another worker than its own)
-            if self.zero_copy:
-                link.conn.areas = SharedAreas.of(link.conn.greeting)
-        except BaseException:
-            link.close()
-            raise
-        with self._cond:
-            if self._closed:  # closed while we connected: do not leave a socket behind
-                link.close()
-                raise UsageError("the client is closed")
-            self._link = link
-            self._ever_connected = True
-            self._last_heard = time.monotonic()
-            self._keepalive_state = None if self.keepalive is None else Keepalive(self.keepalive)
-        return link
+            self._submit(UNLISTEN, bin_fields(name), NO_VALUE, _ignore)
+        except TensorShareError:
+            pass
 
-    def _ensure_connected(self, deadline: float | None) -> Link:
-        link = self._link
-        if link is not None:
-            return link
-        if self._closed:
-            raise UsageError("the client is closed")
-        if self._failure is not None:
-            raise self._failure.with_traceback(None)
-        if not self.reconnect and self._ever_connected:
-            raise ConnectionLostError(f"connection to {self._where} lost (reconnect=False)")
-        with self._connect_lock:
-            if self._link is not None:
-                return self._link
-            if self._failure is not None:
-                raise self._failure.with_traceback(None)
+    def _listening(self, handle: Listening) -> Listening:
+        return handle
+
+    # ------------------------------------------------------------------ members and the map
+
+    def fits(self, member: Member, greeting: dict) -> bool:
+        """Whether ``member``'s new connection, greeted with ``greeting``, reached the
+        worker it was made for (if not, the workers are mapped again)."""
+        if self.router.fits(member.index, greeting):
+            return True
+        self._remap(ConnectionLostError(f"{member.where} greeted as another worker"), member.map)
+        return False
+
+    def unreachable(self, member: Member, error: ConnectionLostError) -> bool:
+        """``member`` could not connect: True if the server runs other workers now (the
+        workers were mapped again: the request goes to its new owner)."""
+        return member.map is not None and self._remap(error, member.map)
+
+    def connection_lost(self, member: Member) -> None:
+        exports = self.values.exports
+        if exports is not None and member not in self.router.companions.values():
+            exports.lost()  # the server let go of this connection's device references (an upload's holds none)
+
+    def _remap(self, error: BaseException, seen) -> bool:
+        """Map the workers again from the public address; True if the map changed since
+        ``seen`` (one thread at a time maps; the others find the new map in place)."""
+        router = self.router
+        with self._lock:
+            if router.stale(seen):
+                return True
+            settings = self.settings
             try:
-                link = self._connect(deadline)
-            except AuthenticationError as exc:
-                self._failure = exc  # a wrong token or an untrusted server stays so: do not hammer it
-                raise
-        self._relisten()  # outside the lock: these sends may need to reconnect
-        return link
+                link = open_link(self.host, self.port, settings.connect_timeout, settings.tls, settings.ssl_context,
+                                 settings.engine(self.port))
+            except TensorShareError as exc:
+                log.info("cannot map the workers of %s again (%s): %s", self._where, error, exc)
+                return False
+            old = router.learn(link.engine.greeting, link)
+            if old is None:
+                link.close()  # the same workers: the members reconnect by themselves
+                return False
+        log.warning("%s runs other workers now (%s): mapping them again", self._where, error)
+        for member in old:
+            member.close()
+        return True
 
-    def _lost(self, link: Link, exc: BaseException) -> ConnectionLostError:
-        """Drop ``link``, which failed with ``exc``; the error to raise."""
-        err = ConnectionLostError(f"connection to {self._where} lost: {exc}")
-        self._drop_connection(link, err)
-        return err
 
-    def _drop_connection(self, link: Link | None, error: BaseException) -> None:
-        """Close ``link`` (if still current) and fail every call in flight on it."""
-        with self._cond:
-            if link is None or link is not self._link:
-                return
-            self._link = None
-            failed = []
-            for call in self._calls.take_all():
-                if call.callback is None:
-                    call.outcome = error
-                else:
-                    failed.append(call)
-            self._cond.notify_all()
-        link.close()
-        if self._exports is not None:  # the server let go of this connection's device references
-            self._exports.lost()
-        for call in failed:
-            self._callbacks().submit(self._complete, call, error)
+def _same_reply(reply):
+    """``then`` that keeps a call's whole reply (to merge it with others)."""
+    return reply
+
+
+def _ignore(reply: Any, error: Any) -> None:
+    pass
 
 
 def connect(host: str = "127.0.0.1", port: int = 8000, *, retry_for: float | None = None, **options) -> Client:
@@ -503,4 +545,3 @@ def connect(host: str = "127.0.0.1", port: int = 8000, *, retry_for: float | Non
             if left < 0.01:
                 raise ConnectionLostError(f"{exc} (tried for {retry_for:g}s)") from None
             time.sleep(min(backoff.next(), left))
-

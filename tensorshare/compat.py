@@ -17,7 +17,7 @@ import sys
 import threading
 from typing import Any, Callable
 
-from ._client.connection import NO_VALUE
+from .client import NO_VALUE
 from .client import Client, Listening, connect
 from .errors import NoSuchBinError
 from .protocol import messages as protocol

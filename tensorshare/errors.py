@@ -37,6 +37,7 @@ __all__ = [
     "ServerUnavailableError",
     "ZeroCopyError",
     "DeviceReferenceError",
+    "DeviceError",
     "ZeroCopyUnavailableError",
     "WrongWorkerError",
     "error_for_code",
@@ -77,6 +78,16 @@ class EncodeError(UsageError, TypeError):
 
     def __reduce__(self):
         return type(self), (self.reason, self.path)
+
+
+class DeviceError(TensorShareError):
+    """A reply's values could not be put on the device asked for (out of its memory,
+    say).  ``items`` holds them, built in host memory: what a ``get`` took from the
+    server is never lost with the error."""
+
+    def __init__(self, message: str, items: list | None = None):
+        super().__init__(message)
+        self.items = items
 
 
 class ProtocolError(TensorShareError):

@@ -179,15 +179,17 @@ def _map(file: str, nbytes: int, writable: bool, follow_symlinks: bool = True, p
 
 
 def load_item(stored: StoredItem, *, writable: bool = False, device: Any = None,
-              limits: DecodeLimits = DEFAULT_LIMITS, follow_symlinks: bool = True, into: Any = None) -> Any:
+              limits: DecodeLimits = DEFAULT_LIMITS, follow_symlinks: bool = True, into: Any = None,
+              caller: Any = None) -> Any:
     """The value of one item found by :func:`~tensorshare.disk.layout.read_item`, its arrays
     mapping the item's files (copy-on-write unless ``writable``).  On a ``device`` with
     a transfer engine (CUDA) the files are copied there through it in buckets
     (:meth:`~tensorshare.device.engine.Engine.upload`); ``into(description)`` may give
-    destination tensors by array index."""
+    destination tensors by array index, ``caller`` (a
+    :class:`~tensorshare.device.payload.Caller`) the stream they are handed to."""
     desc = parse_description(stored.description, stored.nbytes, limits)
     if device is not None and not writable:
-        value = _load_on_device(stored, desc, device, follow_symlinks, into)
+        value = _load_on_device(stored, desc, device, follow_symlinks, into, caller)
         if value is not None:
             return value
     arrays = [array_view(spec, _map(file, nbytes, writable, follow_symlinks), 0, device)
@@ -195,7 +197,7 @@ def load_item(stored: StoredItem, *, writable: bool = False, device: Any = None,
     return assemble(desc, arrays)
 
 
-def _load_on_device(stored: StoredItem, desc, device: Any, follow_symlinks: bool, into: Any) -> Any:
+def _load_on_device(stored: StoredItem, desc, device: Any, follow_symlinks: bool, into: Any, caller: Any) -> Any:
     """:func:`load_item` into device memory through the transfer engine; None where
     there is none for ``device`` (or an array it cannot hold: numpy's)."""
     from .device import engine_for
@@ -211,7 +213,7 @@ def _load_on_device(stored: StoredItem, desc, device: Any, follow_symlinks: bool
     arrays = [(offset, _map(file, nbytes, False, follow_symlinks, populate=True))
               for offset, nbytes, file in stored.files]
     targeted = any(target is not None for _o, _n, target in layout)
-    return build(desc, engine.upload(arrays, stored.nbytes, index, layout if targeted else None))
+    return build(desc, engine.upload(arrays, stored.nbytes, index, layout if targeted else None, caller))
 
 
 def load_memmap(path: str | os.PathLike, *, writable: bool = False, device: Any = None,
@@ -230,7 +232,7 @@ def load_memmap(path: str | os.PathLike, *, writable: bool = False, device: Any 
     """
     path = os.fspath(path)
     if is_checkpoint(path):  # Client.save of a table: its columns, [rows, *shape] each
-        from ._client.table_copy import mapped_columns
+        from .table_copy import mapped_columns
 
         columns = mapped_columns(path)
         return columns if device is None else {k: v.to(device) for k, v in columns.items()}

@@ -273,3 +273,66 @@ class _Pumps:
                 moved |= bool(pump.pump())
             if not moved:
                 return
+
+
+class EnginePair:
+    """A client :class:`~tensorshare.protocol.engine.Engine` joined in memory to a real
+    server session over a real store (the engine's sans-IO life, byte for byte).
+
+    :meth:`pump` moves bytes both ways until neither side has more, feeding the
+    engine ``split`` bytes at a time if given, and returns the engine's events;
+    :meth:`reconnect` gives the engine a fresh session on the same state, as after
+    a lost connection."""
+
+    def __init__(self, token: bytes | str | None = None, *, state=None, keepalive: float | None = None,
+                 split: int | None = None, **config):
+        from tensorshare.protocol.engine import Engine
+
+        self.state = state or build_state(ServerConfig(token=token, **config), clock=Clock())
+        key = token.encode() if isinstance(token, str) else token
+        self.engine = Engine(key, "pair", keepalive=keepalive)
+        self.split = split
+        self.now = 0.0
+        self.events: list = []
+        self.reconnect()
+
+    def reconnect(self, state=None) -> list:
+        """A new connection (to ``state``'s server, if given); the opening's events."""
+        if state is not None:
+            self.state = state
+        self.outbox = Outbox()
+        self.session = ServerSession(self.state, self.outbox, "pair")
+        self.engine.connected(self.now)
+        self.session.connection_made()
+        return self.pump()
+
+    def send(self, parts) -> None:
+        self.session.data_received(b"".join(bytes(p) for p in parts))
+
+    def pump(self) -> list:
+        events = []
+        while True:
+            for data in self.engine.take_outbox():
+                self.session.data_received(data)
+            data, self.outbox.data = bytes(self.outbox.data), bytearray()
+            if not data:
+                return events
+            step = self.split or len(data)
+            for i in range(0, len(data), step):
+                events += self.engine.receive(data[i : i + step], self.now)
+
+    def call(self, command, fields=None, value=None):
+        """Send one call; the call, answered (its ``frame`` and ``error``)."""
+        from tensorshare.protocol.engine import Call, next_request_id
+
+        call = Call(next_request_id(), command, fields)
+        self.send(self.engine.request(call, value))
+        events = self.pump()
+        assert call in events, events
+        self.events += [e for e in events if e is not call]
+        return call
+
+    def lose(self) -> list:
+        """The connection drops: the calls it failed."""
+        self.session.connection_lost()
+        return self.engine.lost(ConnectionError("gone"))

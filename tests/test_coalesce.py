@@ -89,7 +89,7 @@ def _count(obj, method: str) -> list:
 def test_pipelined_calls_from_many_threads_keep_their_order(server):
     threads_n, per_thread = 3, 300
     with Client("127.0.0.1", server.port, timeout=30) as client:
-        holds = _count(client._coalescer, "hold")
+        holds = _count(client.router.home.coalescer, "hold")
         done = threading.Semaphore(0)
         errors = []
 
@@ -126,7 +126,7 @@ def test_pipelined_calls_from_many_threads_keep_their_order(server):
 
 def test_held_requests_fail_with_their_connection_and_are_never_sent_later(fresh_server):
     with Client("127.0.0.1", fresh_server.port, timeout=30, keepalive=None) as client:
-        holds = _count(client._coalescer, "hold")
+        holds = _count(client.router.home.coalescer, "hold")
         outcomes = []
         finished = threading.Semaphore(0)
 
@@ -142,7 +142,7 @@ def test_held_requests_fail_with_their_connection_and_are_never_sent_later(fresh
             for i in range(20):
                 client.submit(protocol.APPEND, "coalesce-held", torch.full((4,), float(i)), completed)
             assert sum(1 for _, held in holds if held) == 20
-            assert client._coalescer, "the held requests went out: the test would test nothing"
+            assert client.router.home.coalescer, "the held requests went out: the test would test nothing"
         finally:
             fresh_server.kill()  # SIGKILL also ends a stopped process
         for _ in range(21):
@@ -158,8 +158,8 @@ def test_a_thread_still_holding_the_old_socket_leaves_the_new_ones_requests_alon
     late: it must fail, not take (and lose) what is held for the new connection."""
     with Client("127.0.0.1", fresh_server.port, timeout=10, keepalive=None) as client:
         client.put("coalesce-stale", torch.zeros(1))
-        old = client._link
-        client._drop_connection(old, ConnectionLostError("lost"))  # as the reader would
+        old = client.router.home.link
+        client.router.home.drop(old, ConnectionLostError("lost"))  # as the reader would
         client.put("coalesce-stale", torch.zeros(1))  # reconnects
         done = threading.Semaphore(0)
         results = []
@@ -172,11 +172,9 @@ def test_a_thread_still_holding_the_old_socket_leaves_the_new_ones_requests_alon
         try:
             client.submit(protocol.APPEND, "coalesce-stale-x", torch.ones(2), completed)
             client.submit(protocol.APPEND, "coalesce-stale-x", torch.ones(2), completed)
-            assert client._coalescer, "the second request should be held"
-            client._ensure_connected = lambda deadline: old  # a thread that got the socket before
-            with pytest.raises(ConnectionLostError):
-                client.append("coalesce-stale-y", torch.ones(1))
-            del client._ensure_connected
+            assert client.router.home.coalescer, "the second request should be held"
+            with pytest.raises(ConnectionLostError):  # a thread that got the socket before
+                client.router.home._send(old, [b"never sent"], None, 0)
         finally:
             fresh_server.proc.send_signal(signal.SIGCONT)
         assert done.acquire(timeout=10) and done.acquire(timeout=10), "a held request was lost"
@@ -225,9 +223,9 @@ def test_a_held_batch_the_socket_takes_only_part_of_still_goes_out():
     gated = _GatedServer(pause=0.3)
     try:
         with Client("127.0.0.1", gated.port, timeout=30, zero_copy=False, keepalive=None) as client:
-            client._link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-            rests = _count(client._coalescer, "keep_rest")
-            holds = _count(client._coalescer, "hold")
+            client.router.home.link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            rests = _count(client.router.home.coalescer, "keep_rest")
+            holds = _count(client.router.home.coalescer, "hold")
             replies = []
             done = threading.Semaphore(0)
 
@@ -255,7 +253,7 @@ def test_a_request_held_as_the_last_reply_came_is_sent_at_once(server):
     read while the holder still has the send lock, so the reader cannot send what is
     held.  The holder sees that nothing awaits a reply any more and sends it."""
     with Client("127.0.0.1", server.port, timeout=30) as client:
-        box, real_hold = client._coalescer, client._coalescer.hold
+        box, real_hold = client.router.home.coalescer, client.router.home.coalescer.hold
 
         def hold_then_lose_the_race(sock, rid, data):
             held = real_hold(sock, rid, data)
@@ -280,7 +278,7 @@ def test_a_request_held_as_the_last_reply_came_is_sent_at_once(server):
 def test_a_lone_request_goes_out_at_once(server, n):
     """With nothing in flight nothing is held, so a single call is not delayed."""
     with Client("127.0.0.1", server.port, timeout=30) as client:
-        holds = _count(client._coalescer, "hold")
+        holds = _count(client.router.home.coalescer, "hold")
         got = threading.Event()
         for _ in range(n):
             got.clear()

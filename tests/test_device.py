@@ -10,15 +10,17 @@ from __future__ import annotations
 import mmap
 import os
 import random
+import threading
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from devicesim import POISON, DeferredStreams, Stream
+import tensorshare.device as device_engines
+from devicesim import POISON, DeferredStreams, DeviceTensor, Stream, to_device
 from tensorshare.device.buckets import Bucket, Piece, Ranges, plan, windows
-from tensorshare.device.engine import DeviceSpan, Engine, StagedParts
+from tensorshare.device.engine import INLINE_MAX, DeviceSpan, Engine, StagedParts
 from tensorshare.device.pool import Pool
 from tensorshare.wire.codec import build, encode, parse_description
 
@@ -26,9 +28,18 @@ BUCKET = 1024
 
 
 def engine(**kw) -> Engine:
+    """A stand-in engine, serving the stand-in's device tensors (the latest made serves them)."""
     kw.setdefault("bucket", BUCKET)
     kw.setdefault("inline_max", 0)
-    return Engine(DeferredStreams(), **kw)
+    eng = Engine(DeferredStreams(), **kw)
+    device_engines._ENGINES["cpu"] = eng
+    return eng
+
+
+@pytest.fixture(autouse=True)
+def _no_engine_left():
+    yield
+    device_engines._ENGINES.pop("cpu", None)
 
 
 def payload_of(value) -> tuple[bytes, bytes]:
@@ -155,7 +166,7 @@ VALUES = {
 def test_staged_sends_the_bytes_an_ordinary_encode_does(name):
     value = VALUES[name]
     eng = engine()
-    enc = encode(value, stage=eng)
+    enc = encode(to_device(value))
     assert enc.engine is eng and any(type(b) is DeviceSpan for b in enc.buffers)
     description, payload = payload_of(value)
     assert enc.description == description
@@ -169,7 +180,7 @@ def test_a_state_dict_of_many_tensors_costs_what_one_tensor_does():
     one = torch.randn(96 * 1000)
     sends = {}
     for key, eng, value in (("many", eng_many, many), ("one", eng_one, one)):
-        enc = encode(value, stage=eng)
+        enc = encode(to_device(value))
         sends[key] = sum(1 for _view, staged in eng.pieces(enc.buffers) if staged)
     assert sends["many"] == sends["one"] == 6  # 384 KB (plus padding) in buckets of 64 KiB
     assert eng_many.streams.syncs <= sends["many"] + 1  # one host wait per bucket, not per tensor
@@ -179,7 +190,7 @@ def test_buckets_are_copied_ahead_of_the_one_being_sent_through_a_few_reused_buf
     eng = engine(depth=3)
     value = torch.arange(20 * BUCKET // 4, dtype=torch.float32)
     for _ in range(3):
-        enc = encode(value, stage=eng)
+        enc = encode(to_device(value))
         seen = []
         for view, staged in eng.pieces(enc.buffers):
             if staged:
@@ -193,11 +204,11 @@ def test_buckets_are_copied_ahead_of_the_one_being_sent_through_a_few_reused_buf
 def test_a_tensor_written_on_the_caller_stream_just_before_encoding_is_sent_with_its_new_values():
     eng = engine()
     sim = eng.streams
-    t = torch.zeros(5000)
-    kernel_stream = sim.side(7)  # any stream but the engine's
+    t = to_device(torch.zeros(5000))
+    kernel_stream = sim.stream()  # any stream but the engine's
     with sim.using(kernel_stream):
         sim.later(kernel_stream, lambda: t.fill_(3.0))  # queued, not run: a kernel still in flight
-        enc = encode(t, stage=eng)
+        enc = encode(t)
     assert float(t[0]) == 0.0  # still pending when put reads it
     data = sent_bytes(eng, enc.buffers)
     assert np.frombuffer(data, np.float32)[:5000].tolist() == [3.0] * 5000
@@ -205,7 +216,7 @@ def test_a_tensor_written_on_the_caller_stream_just_before_encoding_is_sent_with
 
 def test_a_send_that_fails_mid_transfer_gives_every_buffer_back():
     eng = engine(depth=3)
-    enc = encode(torch.randn(30 * BUCKET // 4), stage=eng)
+    enc = encode(to_device(torch.randn(30 * BUCKET // 4)))
     pieces = eng.pieces(enc.buffers)
     for _ in range(4):
         next(pieces)
@@ -214,13 +225,13 @@ def test_a_send_that_fails_mid_transfer_gives_every_buffer_back():
     assert eng.streams.pending() == 0  # the copies queued ahead ran before their buffers went back
     # and the engine goes on working
     value = torch.randn(10_000)
-    assert sent_bytes(eng, encode(value, stage=eng).buffers) == payload_of(value)[1]
+    assert sent_bytes(eng, encode(to_device(value)).buffers) == payload_of(value)[1]
 
 
 def test_small_values_are_staged_when_encoded():
-    eng = Engine(DeferredStreams(), bucket=BUCKET)  # default inline_max
+    engine(inline_max=INLINE_MAX)  # the default inline_max
     value = {"w": torch.randn(100), "b": torch.randn(3)}
-    enc = encode(value, stage=eng)
+    enc = encode(to_device(value))
     assert enc.engine is None and not any(type(b) is DeviceSpan for b in enc.buffers)
     assert enc.payload_bytes() == payload_of(value)[1]
 
@@ -230,7 +241,7 @@ def test_request_frames_of_staged_values_are_marked():
     from tensorshare.protocol.messages import PUT
 
     eng = engine()
-    parts = request_frame(1, PUT, {"bin": "b"}, encode(torch.randn(2000), stage=eng))
+    parts = request_frame(1, PUT, {"bin": "b"}, encode(to_device(torch.randn(2000))))
     assert type(parts) is StagedParts and parts.engine is eng
     assert type(request_frame(2, PUT, {"bin": "b"}, torch.randn(2000))) is list
 
@@ -253,13 +264,34 @@ def test_write_fd_writes_one_array_with_several_writers(tmp_path):
 
 def test_a_snapshot_keeps_the_version_of_the_call():
     eng = engine()
-    value = {"w": torch.arange(4000.0), "meta": torch.arange(3), "host": np.arange(2000)}
-    enc = encode(value, stage=eng)
+    value = to_device({"w": torch.arange(4000.0), "meta": torch.arange(3)})
+    value["host"] = np.arange(2000)
+    enc = encode(value)
     flat, event = eng.snapshot(enc.buffers, 0)
     value["w"].add_(1)  # training goes on (after the snapshot's copies were queued)
     eng.streams.synchronize(event)
-    assert bytes(flat.numpy()) == payload_of({"w": torch.arange(4000.0), "meta": torch.arange(3),
-                                              "host": np.arange(2000)})[1]
+    assert bytes(flat.cpu().numpy()) == payload_of({"w": torch.arange(4000.0), "meta": torch.arange(3),
+                                                    "host": np.arange(2000)})[1]
+
+
+def test_a_snapshot_of_many_tensors_makes_the_host_wait_for_nothing():
+    """96 tensors with padding between them (host bytes): their copies are queued
+    behind the caller's work, and the host waits neither for that work nor for
+    pinned buffers (publish_parameters(wait=False) must not wait for a backward pass)."""
+    eng = engine()
+    sim = eng.streams
+    state = to_device({f"p{i}": torch.randn(1000 + i) for i in range(96)})
+    expected = {k: v.cpu() for k, v in state.items()}
+    expected["p0"].fill_(7.0)
+    caller = sim.stream()
+    with sim.using(caller):
+        sim.later(caller, lambda: state["p0"].fill_(7.0))  # the backward pass, still queued
+        enc = encode(state)
+        waits = sim.waits_here()
+        flat, event = eng.snapshot(enc.buffers, 0)
+        assert sim.waits_here() == waits and caller.done == 0
+    sim.synchronize(event)
+    assert bytes(flat.cpu().numpy()) == payload_of(expected)[1]
 
 
 # ------------------------------------------------------------------ in: host to device
@@ -299,7 +331,7 @@ def test_arrays_may_land_in_destination_tensors():
     value = {"a": torch.randn(700), "b": torch.randn(50, 20), "c": torch.arange(10)}
     description, payload = payload_of(value)
     desc = parse_description(description, len(payload))
-    dest_a, dest_b = torch.zeros(700), torch.zeros(50, 20)
+    dest_a, dest_b = to_device(torch.zeros(700)), to_device(torch.zeros(50, 20))
     # arrays in table order: a, b, c (c has no destination: it goes to new memory)
     layout = [(spec.offset, spec.nbytes, target) for spec, target in zip(desc.arrays, (dest_a, dest_b, None))]
     eng = engine()
@@ -320,22 +352,25 @@ def test_destinations_are_written_only_after_the_callers_earlier_kernels(way):
     desc = parse_description(description, len(payload))
     eng = engine()
     sim = eng.streams
-    dest = torch.zeros(3000)
+    dest = to_device(torch.zeros(3000))
     layout = [(spec.offset, spec.nbytes, target) for spec, target in zip(desc.arrays, (dest, None))]
-    caller, seen = Stream("caller"), []
+    caller, seen = sim.stream(), []
     with sim.using(caller):
         sim.later(caller, lambda: seen.append(dest.clone()))
-        if way == "incoming":  # the reply is read on another thread: the mark made at the call is given
-            sink = eng.incoming(len(payload), 0, layout, sim.mark(0))
-        elif way == "upload":  # the server's files, on the caller's thread
-            arrays = [(spec.offset, np.frombuffer(payload, np.uint8, spec.nbytes, spec.offset)) for spec in desc.arrays]
-            arrived = eng.upload(arrays, len(payload), 0, layout)
-        else:  # another process's device memory (CUDA IPC), on the caller's thread
-            arrived = eng.copy_in(torch.frombuffer(bytearray(payload), dtype=torch.uint8), len(payload), 0, layout)
+        at_call = eng.caller(0, with_mark=True)
+    # the reply is read (or the files mapped) on another thread, whose current stream is not the caller's
     if way == "incoming":
+        sink = eng.incoming(len(payload), 0, layout, at_call)
         feed(sink, payload, random.Random(7))
         arrived = sink.finish()
+    elif way == "upload":  # the server's files
+        arrays = [(spec.offset, np.frombuffer(payload, np.uint8, spec.nbytes, spec.offset)) for spec in desc.arrays]
+        arrived = eng.upload(arrays, len(payload), 0, layout, at_call)
+    else:  # another process's device memory (CUDA IPC)
+        source = to_device(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        arrived = eng.copy_in(source, len(payload), 0, layout, at_call)
     out = build(desc, arrived)
+    assert {stream for _tensor, stream in sim.handed} == {caller}  # handed to the caller's stream, whatever thread
     sim.flush(caller)
     assert torch.equal(seen[0], torch.zeros(3000))
     assert out["a"] is dest and torch.equal(dest, value["a"]) and torch.equal(out["b"], value["b"])
@@ -442,3 +477,83 @@ def test_device_compares_answer_in_one_wait_and_bitwise():
     assert differing([(a, a.clone()), (a, torch.tensor([-0.0, float("nan"), 1.0])), (torch.ones(3), torch.ones(3))]) \
         == [False, True, False]
     assert differing([(torch.arange(7, dtype=torch.int8), torch.arange(7, dtype=torch.int8).flip(0))]) == [True]
+
+
+# ------------------------------------------------------------------ the caller's stream, failures, threads
+
+
+def test_a_receive_that_fails_stops_writing_into_the_callers_tensors_before_it_says_so():
+    """A reply cut midway: once the call's error is raised, nothing the engine
+    queued writes into the caller's tensors any more (they may hold part of the
+    reply, never change after)."""
+    eng = engine()
+    sim = eng.streams
+    value = torch.randn(8 * BUCKET // 4)
+    description, payload = payload_of(value)
+    desc = parse_description(description, len(payload))
+    dest = to_device(torch.zeros(8 * BUCKET // 4))
+    at_call = eng.caller(0, with_mark=True)
+    sink = eng.incoming(len(payload), 0, [(desc.arrays[0].offset, desc.arrays[0].nbytes, dest)], at_call)
+    sink.write(payload[: 5 * BUCKET + 17])  # the connection is lost here
+    at_call.abandon()  # (the call fails)
+    after_error = dest.cpu()
+    for stream in list(sim._side.values()):  # whatever the device still had to do
+        sim.flush(stream)
+    assert torch.equal(dest.cpu(), after_error)
+
+
+def test_a_value_staged_on_one_thread_and_sent_on_another():
+    """A tensor laid out otherwise (a transpose) is made contiguous on the first
+    thread's stream; a send from another thread's stream waits for it."""
+    eng = engine()
+    value = to_device(torch.arange(64 * 300, dtype=torch.float32).view(64, 300).t())
+    enc = encode(value)
+    span = next(b for b in enc.buffers if type(b) is DeviceSpan)
+    span.flat(eng.streams.side(0))  # made on this thread's stream, not run yet
+    out = []
+    thread = threading.Thread(target=lambda: out.append(sent_bytes(eng, enc.buffers)))
+    thread.start()
+    thread.join()
+    assert out[0] == payload_of(value.cpu())[1]
+
+
+def test_an_empty_tensor_beside_a_destination_gets_no_destination():
+    """An empty array has the offset of the array after it: it must not come back
+    as that array's destination tensor."""
+    value = {"empty": torch.zeros(0), "w": torch.randn(500)}
+    description, payload = payload_of(value)
+    desc = parse_description(description, len(payload))
+    eng = engine()
+    dest = to_device(torch.zeros(500))
+    targets = {i: dest for i, spec in enumerate(desc.arrays) if spec.nbytes} | \
+        {i: to_device(torch.zeros(0)) for i, spec in enumerate(desc.arrays) if not spec.nbytes}
+    from tensorshare.device.payload import item_layout
+
+    layout = item_layout(desc, 0, targets, eng, 0)
+    sink = eng.incoming(len(payload), 0, layout)
+    sink.write(payload)
+    out = build(desc, sink.finish())
+    assert out["w"] is dest and torch.equal(dest, value["w"])
+    assert out["empty"] is not dest and out["empty"].shape == (0,)
+
+
+def test_a_reader_hands_torch_no_ipc_block_beyond_its_device():
+    """A reference (from a server anyone on the host reaches) whose size or offset
+    lies beyond the device, or whose handle is of no size torch reads, is refused
+    before torch maps anything (a read past a block is a fault of the reader's
+    CUDA context)."""
+    from tensorshare.device.ipc import load
+    from tensorshare.errors import DeviceReferenceError
+
+    eng = engine()
+    value = torch.randn(100)
+    description, payload = payload_of(value)
+    handle = b"standin\0" + bytes(58)
+    for ipc in ([0, handle, 1 << 50, 0, b"", 0, b"", False], [0, handle, len(payload), (1 << 40) - 64, b"", 0, b"",
+                                                               False],
+                [0, b"h" * 16, len(payload), 0, b"", 0, b"", False], [0, b"h" * (1 << 17), len(payload), 0, b"", 0,
+                                                                       b"", False],
+                [0, handle, 16, 0, b"", 0, b"", False]):
+        with pytest.raises(DeviceReferenceError):
+            load({"dev": "standin-0", "ipc": ipc, "digest": [0]}, description, len(payload), "cpu")
+    assert not eng.streams.violations

@@ -1,28 +1,18 @@
-"""Values put by device reference (CUDA IPC on one host, PROTOCOL.md §13), on the CPU.
+"""Values put by device reference (CUDA IPC on one host, PROTOCOL.md §13): the server's side, paired in memory.
 
-The server's side is tested paired in memory (``pairing.Pair``) with references
-of the protocol's form.  The clients' side runs with the device engine over
-``devicesim.DeferredStreams``, whose "shared" blocks are CPU tensors in a registry
-of this process: a reference opens to the publisher's very tensor (as a CUDA
-mapping would), a publisher that "dies" takes its handles with it, and a block
-changed after publishing fails the reader's digest.
+References of the protocol's form, stored, handed out, filled and let go by a
+real server protocol (``pairing.Pair``); the clients' side, with the stand-in
+device and a real server process, is ``test_device_refs.py``.
 """
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
-import tensorshare
-import tensorshare.device as device_engines
-from devicesim import SHARED, DeferredStreams
 from pairing import Pair
-from serverproc import ServerProcess
-from tensorshare.device.engine import Engine
-from tensorshare.errors import BadRequestError, ServerLocalError, ZeroCopyUnavailableError
-from tensorshare.protocol.messages import GET, NOOP, PEEK, PUT, Key
+from tensorshare.errors import BadRequestError, ServerLocalError, StorageFullError, ZeroCopyUnavailableError
+from tensorshare.protocol.messages import DELETE, GET, NOOP, PEEK, PUT, Key
 from tensorshare.wire.codec import encode
 
 # ------------------------------------------------------------------ the server, paired in memory
@@ -34,6 +24,11 @@ TORCH_HANDLE = b"\x02c" + b"h" * 64  # the handle of a block as torch >= 2.5 giv
 def reference(ident: int = 7, dev: str = "GPU-1") -> dict:
     return {"id": ident, "dev": dev, "ipc": [0, TORCH_HANDLE, 4096, 0, b"/torch_counter", 3, b"e" * 64, True],
             "digest": [1, 2]}
+
+
+def readers(ref: dict) -> dict:
+    """``ref`` as readers get it: without its id, which only its publisher knows."""
+    return {k: v for k, v in ref.items() if k != "id"}
 
 
 def by_reference(pair: Pair, name: str, value, ref: dict, tag: int | None = None):
@@ -62,7 +57,7 @@ def test_an_item_put_by_reference_is_read_by_reference_and_its_bytes_follow():
         assert reply.header[Key.N] == 1
         # a reader that opens the device gets the reference, no bytes
         frame = frame_of(pair, PEEK, {Key.BIN: "v", Key.CUDA: ["GPU-1"]})
-        assert frame.header[Key.CUDA] == [reference()] and frame.payload_len == 0
+        assert frame.header[Key.CUDA] == [readers(reference())] and frame.payload_len == 0
         assert frame.header[Key.SIZES] == [enc.nbytes]
         # one on another device waits for the bytes (its connection's later requests behind it)
         rid = other.send_request(PEEK, {Key.BIN: "v", Key.CUDA: ["GPU-2"]})
@@ -75,7 +70,7 @@ def test_an_item_put_by_reference_is_read_by_reference_and_its_bytes_follow():
         assert Key.CUDA not in held.header
         # later readers of the bytes get them at once; the reference stays for the others
         assert pair.call(PEEK, {Key.BIN: "v"}).frame.payload_len == enc.nbytes
-        assert frame_of(pair, PEEK, {Key.BIN: "v", Key.CUDA: ["GPU-1"]}).header[Key.CUDA] == [reference()]
+        assert frame_of(pair, PEEK, {Key.BIN: "v", Key.CUDA: ["GPU-1"]}).header[Key.CUDA] == [readers(reference())]
     finally:
         other.close()
         pair.close()
@@ -183,173 +178,86 @@ def test_references_are_taken_only_on_the_servers_host_and_without_a_data_direct
         pair.close()
 
 
-def test_only_the_publisher_fills_and_a_fill_must_match():
+def test_the_bytes_come_on_any_same_host_connection_that_names_the_reference_and_must_match():
+    """The publisher sends the bytes on a connection of their own (its reads and
+    pings never wait behind them): what names the item is its reference's id, which
+    readers are not given, and its bin."""
     state = Pair(same_host=True).state
-    publisher, other = Pair(same_host=True, state=state), Pair(same_host=True, state=state)
+    publisher, uploader = Pair(same_host=True, state=state), Pair(same_host=True, state=state)
     try:
         _, enc = by_reference(publisher, "v", VALUE, reference(9))
-        other.call(PUT, {Key.BIN: "v", Key.VALUE: enc.description, Key.FILL: 9}, enc)  # not its reference: dropped
+        uploader.call(PUT, {Key.BIN: "w", Key.VALUE: enc.description, Key.FILL: 9}, enc)  # another bin: dropped
         assert state.storage.items_of("v")[0].segments is None
         wrong = encode({"w": torch.arange(100.0), "b": torch.zeros(3), "x": 1})
         with pytest.raises(BadRequestError):
-            publisher.call(PUT, {Key.BIN: "v", Key.VALUE: wrong.description, Key.FILL: 9}, wrong)
-        publisher.call(PUT, {Key.BIN: "v", Key.VALUE: enc.description, Key.FILL: 9}, enc)
+            uploader.call(PUT, {Key.BIN: "v", Key.VALUE: wrong.description, Key.FILL: 9}, wrong)
+        uploader.call(PUT, {Key.BIN: "v", Key.VALUE: enc.description, Key.FILL: 9}, enc)
         assert state.storage.items_of("v")[0].segments is not None
     finally:
-        other.close()
+        uploader.close()
         publisher.close()
 
 
-# ------------------------------------------------------------------ the clients, with the stand-in
-
-
-@pytest.fixture
-def engine(monkeypatch):
-    eng = Engine(DeferredStreams(), bucket=256 << 10, inline_max=0)
-    monkeypatch.setitem(device_engines._ENGINES, "cpu", eng)
-    yield eng
-    SHARED.clear()
-
-
-@pytest.fixture(scope="module")
-def same_host():
-    srv = ServerProcess("--zero-copy-min", "0")
-    yield srv
-    srv.stop()
-
-
-def state_dict(seed: int, n: int = 24) -> dict:
-    torch.manual_seed(seed)
-    return {f"p{i}": torch.randn(20_000 + i) for i in range(n)}
-
-
-def equal(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def clients(srv):
-    return (tensorshare.Client("127.0.0.1", srv.port, timeout=30),
-            tensorshare.Client("127.0.0.1", srv.port, timeout=30, device="cpu"),
-            tensorshare.Client("127.0.0.1", srv.port, timeout=30, zero_copy=False))
-
-
-def test_same_host_device_readers_copy_device_to_device_and_everyone_else_gets_the_bytes(same_host, engine):
-    publisher, device_reader, tcp_reader = clients(same_host)
-    with publisher, device_reader, tcp_reader:
-        state = state_dict(1)
-        assert publisher.put("ipc-a", encode(state, stage=engine), by_reference=True) == 1
-        assert publisher._exports.held() == 1
-        [back] = device_reader.peek("ipc-a")
-        assert equal(back, state) and engine.streams.opened == 1
-        assert all(t.data_ptr() != s.data_ptr() for t, s in zip(back.values(), SHARED_BLOCKS()))  # a copy
-        [over_tcp] = tcp_reader.peek("ipc-a")  # waits for the upload
-        assert equal(over_tcp, state)
-        # a reader's destination tensors are filled device to device
-        model = {k: torch.empty_like(v) for k, v in state.items()}
-        [into] = device_reader.peek("ipc-a", into=model)
-        assert all(into[k] is model[k] for k in model) and equal(model, state)
-
-
-def SHARED_BLOCKS() -> list:
-    return [flat for flat in SHARED.values()]
-
-
-def test_snapshots_are_freed_once_no_reader_holds_them(same_host, engine):
-    publisher, reader, _tcp = clients(same_host)
-    with publisher, reader, _tcp:
-        publisher.put("ipc-b", encode(state_dict(2), stage=engine), by_reference=True)
-        reader.peek("ipc-b")  # holds the reference until its next request
-        publisher.put("ipc-b", encode(state_dict(3), stage=engine), by_reference=True)
-        publisher._exports.idle(10)
-        assert publisher._exports.held() == 2
-        reader.ping()  # releases the first
-        publisher.ping()
-        assert publisher._exports.held() == 1
-
-
-def test_a_reader_never_sees_a_later_version(same_host, engine):
-    publisher, reader, _tcp = clients(same_host)
-    with publisher, reader, _tcp:
-        versions = [state_dict(10 + v, 4) for v in range(6)]
-        stop = threading.Event()
-        seen = []
-
-        def read() -> None:
-            while not stop.is_set():
-                items = reader.peek("ipc-c")
-                if items:
-                    seen.append(items[0])
-
-        for v, state in enumerate(versions):
-            state["version"] = torch.tensor(v)
-        publisher.put("ipc-c", encode(versions[0], stage=engine), by_reference=True)
-        thread = threading.Thread(target=read)
-        thread.start()
-        try:
-            for state in versions[1:]:
-                publisher.put("ipc-c", encode(state, stage=engine), by_reference=True)
-        finally:
-            stop.set()
-            thread.join(30)
-        assert seen
-        for got in seen:
-            assert equal(got, versions[int(got["version"])])  # whole, one version's bytes
-
-
-def test_a_reference_whose_publisher_is_gone_is_read_from_its_bytes(same_host, engine):
-    publisher, reader, _tcp = clients(same_host)
-    with publisher, reader, _tcp:
-        state = state_dict(4)
-        publisher.put("ipc-d", encode(state, stage=engine), by_reference=True)
-        assert publisher._exports.idle(10)  # its bytes are on the server
-        SHARED.clear()  # the publisher's process "died": its handles open no more
-        opened = engine.streams.opened
-        [back] = reader.peek("ipc-d")
-        assert equal(back, state) and engine.streams.opened == opened  # from the bytes
-
-
-def test_a_reference_to_changed_memory_fails_its_digest_and_is_read_from_its_bytes(same_host, engine):
-    publisher, reader, _tcp = clients(same_host)
-    with publisher, reader, _tcp:
-        state = state_dict(5)
-        publisher.put("ipc-e", encode(state, stage=engine), by_reference=True)
-        assert publisher._exports.idle(10)
-        for flat in SHARED.values():
-            flat[100:108] += 1  # the block was reused for something else
-        [back] = reader.peek("ipc-e")
-        assert equal(back, state) and engine.streams.opened >= 1
-
-
-def test_a_publisher_that_closes_before_uploading_leaves_an_error_not_garbage(same_host, engine, monkeypatch):
-    from tensorshare._client.exports import Exports
-
-    monkeypatch.setattr(Exports, "upload", lambda self, client, bin, ident, snapshot: None)  # its bytes never leave
-    publisher, reader, tcp = clients(same_host)
-    with reader, tcp:
-        with publisher:
-            publisher.put("ipc-f", encode(state_dict(6), stage=engine), by_reference=True)
-            got = []
-            waiting = threading.Thread(target=lambda: got.append(_outcome(tcp.peek, "ipc-f")))
-            waiting.start()
-        waiting.join(30)
-        assert len(got) == 1 and isinstance(got[0], ServerLocalError)
-        assert isinstance(_outcome(reader.peek, "ipc-f"), ServerLocalError)
-
-
-def _outcome(fn, *args):
+def test_a_fill_says_when_same_host_readers_map_the_bin():
+    """The bytes of the next item go through shared memory once same-host readers
+    map the bin: the fill's reply tells the uploading connection so, as a PUT's does."""
+    state = Pair(same_host=True).state
+    publisher, uploader, reader = (Pair(same_host=True, state=state) for _ in range(3))
     try:
-        return fn(*args)
-    except Exception as exc:
-        return exc
+        _, enc = by_reference(publisher, "v", VALUE, reference(3))
+        state.mapped.add("v")  # (a same-host reader asked for references into it)
+        filled = uploader.call(PUT, {Key.BIN: "v", Key.VALUE: enc.description, Key.FILL: 3}, enc)
+        assert filled.header.get(Key.MAPPED) is True
+    finally:
+        for pair in (reader, uploader, publisher):
+            pair.close()
 
 
-def test_where_references_cannot_be_taken_the_bytes_are(same_host, engine):
-    with tensorshare.Client("127.0.0.1", same_host.port, timeout=30, zero_copy=False) as c:  # as from another host
-        state = state_dict(7)
-        assert c.put("ipc-g", encode(state, stage=engine), by_reference=True) == 1
-        assert c._exports is None and equal(c.peek("ipc-g")[0], state)
-    engine.streams.share_ok = False  # memory torch cannot share (an expandable segment, torch < 2.5)
-    with tensorshare.Client("127.0.0.1", same_host.port, timeout=30) as c:
-        state = state_dict(8)
-        assert c.put("ipc-h", encode(state, stage=engine), by_reference=True) == 1
-        assert not c._exported().held() and equal(c.peek("ipc-h")[0], state)
+def test_one_reference_id_in_two_bins_leaves_both_items_known():
+    """A publisher that uses one id in two bins: when it leaves, both items are
+    lost at once (a read is refused, not held 60 s), and each fill finds its own."""
+    state = Pair(same_host=True).state
+    publisher, reader = Pair(same_host=True, state=state), Pair(same_host=True, state=state)
+    try:
+        _, enc = by_reference(publisher, "a", VALUE, reference(5))
+        by_reference(publisher, "b", VALUE, reference(5))
+        publisher.call(PUT, {Key.BIN: "b", Key.VALUE: enc.description, Key.FILL: 5}, enc)
+        assert state.storage.items_of("a")[0].segments is None and state.storage.items_of("b")[0].segments is not None
+        publisher.close()
+        assert frame_of(reader, PEEK, {Key.BIN: "a"}).header[Key.CODE] == ServerLocalError.code
+        assert frame_of(reader, PEEK, {Key.BIN: "b"}).payload_len == enc.nbytes
+    finally:
+        reader.close()
+
+
+def test_a_reference_has_one_digest_per_array():
+    pair = Pair(same_host=True)
+    try:
+        for digest in ([1], [1, 2, 3], list(range(1 << 12))):
+            with pytest.raises(BadRequestError):
+                by_reference(pair, "v", VALUE, {**reference(), "digest": digest})
+        assert pair.state.storage.state("v")[0] is False
+    finally:
+        pair.close()
+
+
+def test_references_count_in_the_memory_limit():
+    """What a reference holds in the server (its handles and digests) is memory the
+    budget counts: puts of large references under a small limit are refused, not
+    stored beyond it."""
+    pair = Pair(same_host=True, memory_limit=1 << 20)
+    store = pair.state.store
+    try:
+        before = store.description_bytes
+        by_reference(pair, "v0", VALUE, {**reference(1), "ipc": [0, b"h" * (60 << 10), 4096, 0, b"c", 0, b"", False]})
+        assert store.description_bytes - before > 60 << 10
+        with pytest.raises(StorageFullError):
+            for i in range(1, 40):  # 40 references of 60 KiB would hold 2.4 MiB
+                by_reference(pair, f"v{i}", VALUE, {**reference(i + 1),
+                                                    "ipc": [0, b"h" * (60 << 10), 4096, 0, b"c", 0, b"", False]})
+        assert store.description_bytes <= 1 << 20
+        held = store.description_bytes
+        pair.call(DELETE, {Key.BIN: "v0"})
+        assert held - store.description_bytes > 60 << 10  # given back with the item
+    finally:
+        pair.close()

@@ -1,9 +1,9 @@
 """Device tensors through the real clients and a real server, on the CPU.
 
 The device transfer engine runs over ``devicesim.DeferredStreams`` with CPU
-tensors standing in for device memory: values are encoded with ``stage=`` (their
-tensors become device spans) and replies to calls that ask for the ``cpu``
-device arrive through the engine (it is installed for that device type here).
+tensors standing in for device memory (``devicesim.DeviceTensor``: the codec sends
+them through the engine, as CUDA tensors) and replies to calls that ask for the
+``cpu`` device arrive through the engine (it is installed for that device type here).
 So the clients' staged sends (blocking and Twisted), their receives into device
 memory, ``into=`` destinations and the same-host paths (device to the server's
 shared memory, its files to the device) all run in CI.
@@ -17,7 +17,7 @@ import torch
 
 import tensorshare
 import tensorshare.device as device_engines
-from devicesim import DeferredStreams, Stream
+from devicesim import DeferredStreams, Stream, module_to_device, to_device
 from pairing import async_pair, result_of
 from serverproc import ServerProcess
 from tensorshare.device.engine import Engine
@@ -54,7 +54,7 @@ def test_tcp_put_and_peek_through_the_engine(server, engine):
     value = {"params": state_dict(), "step": 7, "big": torch.arange(300_000, dtype=torch.float32)}
     sim = engine.streams
     with tensorshare.Client("127.0.0.1", server.port, timeout=30, zero_copy=False) as c:
-        c.put("dev-tcp", encode(value, stage=engine))
+        c.put("dev-tcp", encode(to_device(value)))
         sent = sim.copies
         assert sent > 96 and engine.pool.made <= engine.depth  # staged, through a few reused buffers
         with tensorshare.Client("127.0.0.1", server.port, timeout=30, zero_copy=False, device="cpu") as reader:
@@ -74,7 +74,7 @@ def test_progress_is_reported_for_staged_puts(server, engine):
     seen = []
     value = torch.randn(1_000_000)
     with tensorshare.Client("127.0.0.1", server.port, timeout=30, zero_copy=False) as c:
-        c.put("dev-progress", encode(value, stage=engine), progress=lambda done, total: seen.append((done, total)))
+        c.put("dev-progress", encode(to_device(value)), progress=lambda done, total: seen.append((done, total)))
         assert same(c.peek("dev-progress"), [value])
     total = seen[-1][1]
     assert seen[-1][0] == total > 4_000_000 and len(seen) > 10
@@ -83,8 +83,8 @@ def test_progress_is_reported_for_staged_puts(server, engine):
 
 def test_peek_into_destination_tensors(server, engine):
     value = {"version": 3, "parameters": state_dict(8, 50_000)}
-    model = {name: torch.zeros_like(t) for name, t in value["parameters"].items()}
-    model["layer0.weight"] = torch.zeros(3)  # a shape that does not match: that array gets new memory
+    model = to_device({name: torch.zeros_like(t) for name, t in value["parameters"].items()})
+    model["layer0.weight"] = to_device(torch.zeros(3))  # a shape that does not match: that array gets new memory
     caller, seen = Stream("caller"), []
     with tensorshare.Client("127.0.0.1", server.port, timeout=30, zero_copy=False) as c:
         c.put("dev-into", value)
@@ -118,7 +118,7 @@ def test_the_async_client_sends_and_receives_through_the_engine(engine):
     client, pump, clock, state = async_pair()
     try:
         value = state_dict(40, 20_000)
-        assert result_of(client.put("dev-async", encode(value, stage=engine)), pump) == 1
+        assert result_of(client.put("dev-async", encode(to_device(value))), pump) == 1
         copies = engine.streams.copies
         [back] = result_of(client.peek("dev-async", device="cpu"), pump)
         assert same(back, value) and engine.streams.copies > copies
@@ -141,14 +141,14 @@ def test_same_host_put_into_shared_memory_and_peek_onto_the_device(same_host, en
     with tensorshare.Client("127.0.0.1", same_host.port, timeout=30) as c:
         assert c.same_host
         draft = c.shared(torch.zeros(100_000))  # a draft waiting to be put: puts look for drafts among their arrays
-        c.put("dev-shm", encode(value, stage=engine))  # device -> pinned buckets -> the server's files
+        c.put("dev-shm", encode(to_device(value)))  # device -> pinned buckets -> the server's files
         staged = sim.copies
         assert staged >= 13
         with tensorshare.Client("127.0.0.1", same_host.port, timeout=30) as tcp_check:
             assert same(tcp_check.peek("dev-shm"), [value])  # mapped on the host: what was written
         [back] = c.peek("dev-shm", device="cpu")  # the server's files -> pinned buckets -> device
         assert same(back, value) and sim.copies > staged
-        model = {name: torch.empty_like(t) for name, t in value["params"].items()}
+        model = to_device({name: torch.empty_like(t) for name, t in value["params"].items()})
         [into] = c.peek("dev-shm", device="cpu", into={"params": model})
         assert all(into["params"][name] is model[name] and torch.equal(model[name], t)
                    for name, t in value["params"].items())
@@ -167,7 +167,7 @@ def test_a_device_version_is_snapshotted_and_sent_in_the_background(server, engi
     results = []
     with tensorshare.Client("127.0.0.1", server.port, timeout=30, zero_copy=False) as c:
         sender = Sender(c)
-        enc = snapshot(encode({"version": 1, "parameters": state}, stage=engine))
+        enc = snapshot(encode(to_device({"version": 1, "parameters": state})))
         for t in state.values():  # training goes on: the snapshot does not see it
             t.add_(1)
         sender.send(PUT, "dev-sender", enc, 1, lambda result, error: results.append((result, error)))
@@ -189,7 +189,7 @@ def test_a_sender_reports_what_it_could_not_send(engine):
 
     errors = []
     sender = Sender(Gone())
-    sender.send(PUT, "x", snapshot(encode(torch.randn(100_000), stage=engine)), 1,
+    sender.send(PUT, "x", snapshot(encode(to_device(torch.randn(100_000)))), 1,
                 lambda result, error: errors.append(error))
     assert sender.flush(10)
     sender.close()
@@ -199,7 +199,7 @@ def test_a_sender_reports_what_it_could_not_send(engine):
 def test_a_worker_loads_a_version_straight_into_its_model(server, engine):
     from tensorshare import RLTrainer, RLWorker
 
-    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 256))
+    model = module_to_device(torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 256)))
     with RLTrainer("127.0.0.1", server.port, experiment="dev-load") as trainer, \
             RLWorker("127.0.0.1", server.port, experiment="dev-load", device="cpu", zero_copy=False) as worker:
         assert worker.load_into(model) == -1  # nothing published yet
@@ -232,3 +232,61 @@ def test_a_table_sample_arrives_on_the_device(server, engine):
         assert torch.equal(sample.value["obs"], obs[rows]) and torch.equal(sample.value["act"], rows)
         read = c.read("dev-table", [3, 5], device="cpu")
         assert torch.equal(read["obs"], obs[[3, 5]])
+
+
+# ------------------------------------------------------------------ the caller's stream, on every path
+
+
+@pytest.mark.parametrize("path", ["tcp", "shared memory"])
+def test_the_async_client_hands_a_reply_into_tensors_to_the_callers_stream(engine, path):
+    """An AsyncClient's reply is read on the reactor thread: the writes into the
+    caller's tensors wait for the caller's stream as it was at the call, and the
+    result is handed to that stream, not to the reactor thread's; received over
+    TCP, or copied from the server's files."""
+    options = {"zero_copy": False} if path == "tcp" else {}
+    client, pump, clock, state = async_pair(client_options=options, zero_copy_min=0)
+    sim = engine.streams
+    try:
+        value = state_dict(12, 50_000)
+        result_of(client.put("dev-async-into", value), pump)
+        if path == "shared memory":
+            result_of(client.peek("dev-async-into"), pump)  # (a same-host read: the item moves to shared memory)
+            assert state.storage.items_of("dev-async-into")[0].files is not None
+        model = to_device({k: torch.zeros_like(v) for k, v in value.items()})
+        caller, seen = sim.stream(), []
+        with sim.using(caller):  # a kernel reading the model, queued before the call
+            sim.later(caller, lambda: seen.append(model["layer1.weight"].clone()))
+            called = client.peek("dev-async-into", device="cpu", into=model)
+        [back] = result_of(called, pump)  # read with another current stream
+        assert {stream for _tensor, stream in sim.handed} == {caller}
+        sim.flush(caller)
+        assert not seen[0].any() and all(back[k] is model[k] for k in model) and same(model, value)
+    finally:
+        client.close()
+        pump.flush()
+        state.storage.close()
+
+
+# ------------------------------------------------------------------ a device that cannot take the reply
+
+
+@pytest.mark.parametrize("device", ["gpu", "meta", *([] if torch.cuda.is_available() else ["cuda", "cuda:0"])])
+def test_a_take_onto_a_device_that_cannot_hold_it_is_refused_before_anything_is_taken(server, device):
+    with tensorshare.Client("127.0.0.1", server.port, timeout=30, zero_copy=False) as c:
+        for i in range(3):
+            c.append(f"dev-bad-{device}", torch.full((4,), float(i)))
+        with pytest.raises(tensorshare.errors.UsageError):
+            c.get(f"dev-bad-{device}", device=device)
+        with pytest.raises(tensorshare.errors.UsageError):
+            tensorshare.Client("127.0.0.1", server.port, device=device)
+        assert [float(t[0]) for t in c.get(f"dev-bad-{device}")] == [0.0, 1.0, 2.0]  # all still there
+
+
+def test_a_take_whose_items_do_not_fit_on_the_device_loses_none(server, engine):
+    value = torch.randn(600_000)  # over DEVICE_MIN: received straight into device memory, were there room
+    with tensorshare.Client("127.0.0.1", server.port, timeout=30, zero_copy=False) as c:
+        c.append("dev-full", value)
+        c.append("dev-full", value + 1)
+        engine.streams.memory_full = True
+        items = c.get("dev-full", device="cpu")
+    assert len(items) == 2 and torch.equal(items[0], value) and torch.equal(items[1], value + 1)

@@ -284,3 +284,17 @@ def test_bf16_and_delta_versions_on_the_gpu(srv, delta):
             assert all(params[k].is_cuda and torch.equal(params[k], state[k].to(torch.bfloat16)) for k in state)
         if delta:
             assert trainer.last_publish.kind == "delta" and trainer.last_publish.changed == 1
+
+
+def test_each_thread_transfers_on_a_stream_of_its_own():
+    import threading
+
+    from tensorshare.device.cuda import streams
+
+    sides = []
+    threads = [threading.Thread(target=lambda: sides.append(streams().side(0))) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len({s.cuda_stream for s in sides}) == 3 and streams().side(0) is streams().side(0)

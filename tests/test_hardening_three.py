@@ -96,12 +96,17 @@ def _http_head(port: int, head: bytes, timeout: float = 5.0) -> bytes:
         return got
 
 
-def test_8_a_request_body_is_refused_before_a_byte_of_it_is_read(tmp_path):
+def _workers(n: int) -> tuple:
+    return ("--workers", str(n)) if n > 1 else ()
+
+
+@pytest.mark.parametrize("workers", [1, 2])  # 2: the parent's port (issue #42, item 3)
+def test_8_a_request_body_is_refused_before_a_byte_of_it_is_read(tmp_path, workers):
     """A body was spooled to disk before the token was checked (300 MiB accepted
     without a token): now the headers alone get the answer, and the socket closes."""
     token = tmp_path / "token"
     token.write_text(TOKEN)
-    srv = OpsServer("--token-file", str(token), log_path=tmp_path / "server.log")
+    srv = OpsServer("--token-file", str(token), *_workers(workers), log_path=tmp_path / "server.log")
     try:
         head = b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (300 * MiB)
         began = time.monotonic()
@@ -116,10 +121,11 @@ def test_8_a_request_body_is_refused_before_a_byte_of_it_is_read(tmp_path):
         srv.stop()
 
 
-def test_8_half_sent_http_requests_are_bounded_and_leave_the_data_port_alone(tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_8_half_sent_http_requests_are_bounded_and_leave_the_data_port_alone(tmp_path, workers):
     """HTTP connections were not counted: half-sent requests could take every
     descriptor the data port needs.  Past MAX_CONNECTIONS they are closed as they come."""
-    srv = OpsServer(log_path=tmp_path / "server.log")
+    srv = OpsServer(*_workers(workers), log_path=tmp_path / "server.log")
     socks = []
     try:
         for _ in range(MAX_CONNECTIONS + 8):

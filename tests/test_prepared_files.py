@@ -35,7 +35,7 @@ def _state(version: float, sizes=(MiB, 2 * MiB, 3)) -> dict:
 def test_a_repeated_shape_is_written_into_prepared_files(fresh_server):
     with tensorshare.Client("127.0.0.1", fresh_server.port, timeout=30) as client:
         assert client.same_host
-        areas = client._connection().areas
+        areas = client.router.home.areas
         client.put("params", _state(0.0))  # over TCP: nobody maps the bin yet...
         client.peek("params")  # ...a reader on this host does now: the next values come through shared memory
         client.put("params", _state(0.5))
@@ -72,7 +72,7 @@ def test_preparing_can_be_turned_off(fresh_server, monkeypatch):
 
     monkeypatch.setattr(SharedAreas, "prepare_bytes", 0)
     with tensorshare.Client("127.0.0.1", fresh_server.port, timeout=30) as client:
-        areas = client._connection().areas
+        areas = client.router.home.areas
         for version in range(3):
             client.put("params", _state(float(version)))
         assert _spares(areas) == []

@@ -366,12 +366,12 @@ def test_a_client_receives_a_reply_into_an_array_only_once_its_values_are_droppe
         c.put("p", torch.full((MiB,), -1.0))
         second = c.peek("p")[0]
         assert torch.equal(kept, first) and torch.equal(second, torch.full((MiB,), -1.0))
-        assert kept.data_ptr() != second.data_ptr() and c._buffers.reused == 0
+        assert kept.data_ptr() != second.data_ptr() and c.values.buffers.reused == 0
         address = second.data_ptr()
         del second
         c.put("p", torch.full((MiB,), 7.0))
         third = c.peek("p")[0]  # the second's array was free
-        assert third.data_ptr() == address and c._buffers.reused == 1
+        assert third.data_ptr() == address and c.values.buffers.reused == 1
         assert torch.equal(third, torch.full((MiB,), 7.0)) and torch.equal(kept, first)
         small = c.peek("p")  # a list of tensors holding the reply: still one array
         view = small[0][10:20]
@@ -380,7 +380,7 @@ def test_a_client_receives_a_reply_into_an_array_only_once_its_values_are_droppe
         assert torch.equal(c.peek("p")[0], torch.full((MiB,), 8.0))
         assert torch.equal(view, torch.full((10,), 7.0))  # a view keeps its array too
         c.close()
-        assert c._buffers.held_bytes == 0
+        assert c.values.buffers.held_bytes == 0
     with EmbeddedServer(port=0) as server, tensorshare.Client("127.0.0.1", server.port, zero_copy=False) as c:
         for n in (MiB, MiB + 64, 3 * MiB + 4096):  # exactly at the threshold, and sizes between classes
             c.put("p", torch.full((n,), 1, dtype=torch.uint8))
@@ -394,7 +394,7 @@ def test_a_client_receives_a_reply_into_an_array_only_once_its_values_are_droppe
             assert int(kept.max()) == 1 and int(again.min()) == int(again.max()) == 3, n
             del kept, again
     with EmbeddedServer(port=0) as server, tensorshare.Client("127.0.0.1", server.port, reuse=0) as c:
-        assert c._buffers is None
+        assert c.values.buffers is None
         c.put("p", first)
         assert torch.equal(c.peek("p")[0], first)
     with pytest.raises(ValueError):

@@ -404,7 +404,7 @@ def test_reconnect_reauthenticates_and_a_changed_token_is_final(token_file, tmp_
         other.write_text("a-different-token-0123456789")
         proc.args = ["--token-file", str(other)]
         proc.restart()
-        assert wait_for(lambda: c._failure is not None, timeout=15)  # the reader tried and gave up
+        assert wait_for(lambda: c.router.home.engine.failure is not None, timeout=15)  # the reader tried and gave up
         with pytest.raises(NotAuthenticatedError):
             c.peek("s-re")
         time.sleep(1.0)  # no reconnect loop hammering the server meanwhile

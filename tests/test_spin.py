@@ -88,15 +88,15 @@ def test_client_polls_for_its_replies_and_can_be_told_not_to(server, monkeypatch
     import tensorshare
 
     with tensorshare.Client("127.0.0.1", server.port, timeout=10, spin=0.002) as c:
-        c._spin = ReplySpin(0.002, cpus=2)  # whatever this machine has
+        c.router.home.spin = ReplySpin(0.002, cpus=2)  # whatever this machine has
         polled = []
-        real = c._spin.poll
-        monkeypatch.setattr(c._spin, "poll", lambda *args: polled.append(1) or real(*args))
+        real = c.router.home.spin.poll
+        monkeypatch.setattr(c.router.home.spin, "poll", lambda *args: polled.append(1) or real(*args))
         c.put("spin", torch.arange(4))
         assert torch.equal(c.peek("spin")[0], torch.arange(4))
-        assert polled and c._spin.estimate > 0
+        assert polled and c.router.home.spin.estimate > 0
     with tensorshare.Client("127.0.0.1", server.port, timeout=10, spin=0) as c:
-        assert not c._spin.active
+        assert not c.router.home.spin.active
         assert torch.equal(c.get("spin")[0], torch.arange(4))
 
 

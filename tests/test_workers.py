@@ -180,12 +180,16 @@ def test_merged_status_adds_up_the_workers():
 
 
 def test_each_worker_gets_its_share_and_its_own_directory(tmp_path):
+    """Every limit of the whole server is divided (--max-connections, --max-bins and
+    --max-table-rows once applied per worker: N times the setting)."""
     from tensorshare_server.workers.supervisor import worker_config
 
     whole = ServerConfig(workers=4, memory_limit=8 << 30, recv_pool=1 << 30, data_dir=str(tmp_path), metrics_port=9000,
-                         token="t" * 40, worker_ports=9100)
+                         token="t" * 40, worker_ports=9100, max_connections=102, max_bins=10, max_table_rows=1 << 20)
     parts = [worker_config(whole, k) for k in range(4)]
     assert [p.memory_limit for p in parts] == [2 << 30] * 4 and [p.recv_pool for p in parts] == [256 << 20] * 4
+    assert [(p.max_connections, p.max_bins, p.max_table_rows) for p in parts] == [(26, 3, 1 << 18)] * 4  # rounded up
+    assert worker_config(ServerConfig(workers=4, max_connections=0), 0).max_connections == 0  # no limit stays so
     assert [p.data_dir for p in parts] == [worker_dir(str(tmp_path), k) for k in range(4)]
     assert all(p.workers == 1 and p.metrics_port == 0 and p.metrics_host == "127.0.0.1" and p.token is None
                for p in parts)  # (the token travels apart, on the worker's standard input)
@@ -279,16 +283,16 @@ def test_a_client_of_a_multi_worker_server_routes_every_verb(tmp_path):
     try:
         with tensorshare.Client("127.0.0.1", server.port, timeout=20) as client:
             assert client.workers == 3
-            workers = client._workers.map
+            workers = client.router.map
             names = [f"bin-{i}" for i in range(18)]
             for i, name in enumerate(names):  # pipelined appends to bins of every worker keep each bin's order
                 for j in range(5):
                     client.submit("APPEND", name, torch.tensor([i * 10 + j]))
             for i, name in enumerate(names):
                 assert [t.item() for t in client.get(name)] == [i * 10 + j for j in range(5)]
-            members = client._workers.all()
+            members = client.router.all()
             for k, member in enumerate(members):  # each worker lists its own bins only
-                assert set(member.list()) == {n for n in names if workers.owner(n) == k}
+                assert set(client._call(LIST, member=member)) == {n for n in names if workers.owner(n) == k}
             assert client.list() == {name: 0 for name in names}
             # a read that waits on one worker holds its connection, and nobody on another worker
             slow, quick = owned_names(workers, 0, 1, "slow")[0], owned_names(workers, 1, 1, "quick")[0]
@@ -341,7 +345,7 @@ def test_a_killed_worker_comes_back_with_its_durable_bins(tmp_path):
                            log_path=tmp_path / "log")
     try:
         with tensorshare.Client("127.0.0.1", server.port, timeout=20, max_backoff=0.2) as client:
-            workers = client._workers.map
+            workers = client.router.map
             kept = owned_names(workers, 1, 4)
             other = owned_names(workers, 0, 1)[0]
             for i, name in enumerate(kept):
@@ -427,7 +431,7 @@ def test_a_relay_follows_a_multi_worker_server(tmp_path):
     try:
         with tensorshare.Client("127.0.0.1", head.port, timeout=20) as upstream, \
                 tensorshare.Client("127.0.0.1", relay.port, timeout=20) as client:
-            workers = upstream._workers.map
+            workers = upstream.router.map
             names = [owned_names(workers, k, 1, "params")[0] for k in range(2)]
             heard = {name: [] for name in names}
             for name in names:
@@ -506,7 +510,7 @@ def test_workers_with_a_token_and_tls(tmp_path):
     try:
         with tensorshare.Client("127.0.0.1", server.port, token=token, tls_ca=certs.ca, timeout=20) as client:
             assert client.workers == 2
-            names = [owned_names(client._workers.map, k, 1)[0] for k in range(2)]
+            names = [owned_names(client.router.map, k, 1)[0] for k in range(2)]
             for name in names:  # every member authenticates, over TLS
                 client.put(name, torch.ones(3))
                 assert client.peek(name)[0].tolist() == [1.0] * 3

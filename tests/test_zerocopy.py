@@ -160,7 +160,7 @@ def test_replaced_and_deleted_items_stay_intact_for_their_readers(every_item):
 def test_put_is_adopted_without_a_copy(every_item):
     area = _area(every_item)
     with _client(every_item) as c:
-        areas = c._connection().areas
+        areas = c.router.home.areas
         enc = encode({"w": torch.ones(MiB)})
         name = areas.write(enc)
         inode = os.stat(os.path.join(areas.incoming, name, "w.memmap")).st_ino
@@ -198,7 +198,7 @@ def _tamper(kind: str, item: str) -> object:
                                   "open_for_writing", "other_value", "bad_name", "missing"])
 def test_spoilt_incoming_items_are_refused_and_nothing_is_stored(every_item, kind):
     with _client(every_item) as c:
-        areas = c._connection().areas
+        areas = c.router.home.areas
         enc = encode({"w": torch.ones(1000)})
         name = areas.write(enc)
         keep = _tamper(kind, os.path.join(areas.incoming, name))
@@ -225,7 +225,7 @@ def test_tcp_only_connections_refuse_shared_puts():
     try:
         assert _area(srv) is None
         with _client(srv) as c:
-            assert not c.same_host and c._connection().greeting.get("shm") is None
+            assert not c.same_host and c.router.home.engine.greeting.get("shm") is None
             with pytest.raises(ZeroCopyUnavailableError):
                 c._call(protocol.PUT, {"bin": "x", **_shared_fields(encode(torch.ones(3)), "abc")}, zero_copy=False)
             c.put("x", torch.ones(MiB))
@@ -242,7 +242,7 @@ _WRITE_AND_WAIT = r"""
 import sys, time, torch, tensorshare
 from tensorshare.wire.codec import encode
 c = tensorshare.Client("127.0.0.1", int(sys.argv[1]), timeout=30)
-areas = c._connection().areas
+areas = c.router.home.areas
 name = areas.write(encode(torch.ones(1 << 20)))  # written, never sent: killed first
 print(areas.incoming, name, flush=True)
 time.sleep(60)
@@ -358,7 +358,7 @@ value = {"w": torch.arange(1 << 20, dtype=torch.float32)}
 c.put("full", value)
 [back] = c.peek("full")
 assert torch.equal(back["w"], value["w"])
-import os; assert not os.listdir(c._connection().areas.incoming)
+import os; assert not os.listdir(c.router.home.areas.incoming)
 print("ok")
 """
 
@@ -430,7 +430,7 @@ def test_puts_go_over_tcp_until_same_host_readers_map_the_bin(every_item):
     come through shared memory, where they map them at once."""
     area = _area(every_item)
     with _client(every_item) as writer, _client(every_item) as reader:
-        areas = writer._connection().areas
+        areas = writer.router.home.areas
         writer.put("routed", torch.ones(MiB))
         assert "routed" not in areas.mapped and not os.listdir(areas.incoming)
         assert _mapped_from(reader.peek("routed")[0], area)
@@ -453,7 +453,7 @@ def test_data_dir_items_are_mapped_from_the_data_dir(tmp_path):
     try:
         assert _area(srv) is None  # durable items are on disk: no shared-memory area
         with _client(srv) as c:
-            assert c.same_host and c._connection().areas.incoming is None
+            assert c.same_host and c.router.home.areas.incoming is None
             c.put("d", {"w": torch.arange(MiB, dtype=torch.float32)})  # over TCP, to disk
             [back] = c.peek("d")
             assert _mapped_from(back, data) and torch.equal(back["w"], torch.arange(MiB, dtype=torch.float32))
@@ -473,7 +473,7 @@ def test_callback_api_and_non_blocking_calls_use_shared_memory(every_item):
         assert done.wait(30)
         assert got[0] == {"status": "OK"}
         assert got[1]["status"] == "OK" and _mapped_from(got[1]["data"]["w"], area)
-        assert not os.listdir(ts.client._connection().areas.incoming)
+        assert not os.listdir(ts.client.router.home.areas.incoming)
     finally:
         ts.stop()
 
@@ -555,11 +555,11 @@ def test_a_shared_value_is_handed_over_without_a_copy_then_copy_on_write(every_i
                           "small": torch.arange(10)})
         assert torch.equal(value["obs"], torch.zeros(MiB)) and value["step"] == 3
         value["obs"].fill_(7.0)  # computed in place, in shared memory
-        drafts = {os.stat(os.path.join(c._connection().areas.incoming, f)).st_ino: f
-                  for f in os.listdir(c._connection().areas.incoming)}
+        drafts = {os.stat(os.path.join(c.router.home.areas.incoming, f)).st_ino: f
+                  for f in os.listdir(c.router.home.areas.incoming)}
         assert len(drafts) == 3
         c.put("handed", value)
-        assert not os.listdir(c._connection().areas.incoming)  # every draft moved into the item
+        assert not os.listdir(c.router.home.areas.incoming)  # every draft moved into the item
         stored = {os.stat(f).st_ino for f in _files(os.path.join(area, "items")) if f.endswith(".memmap")}
         assert set(drafts) <= stored  # the very files: nothing was copied
         value["obs"][0] = -1.0  # copy-on-write now: the server's item does not change
@@ -575,10 +575,10 @@ def test_a_shared_value_is_handed_over_without_a_copy_then_copy_on_write(every_i
 def test_unused_drafts_go_with_their_tensors(every_item):
     with _client(every_item) as c:
         value = c.shared([torch.ones(1000), torch.ones(10)])
-        assert len(os.listdir(c._connection().areas.incoming)) == 2
+        assert len(os.listdir(c.router.home.areas.incoming)) == 2
         del value
         gc.collect()
-        assert not os.listdir(c._connection().areas.incoming)
+        assert not os.listdir(c.router.home.areas.incoming)
 
 
 def test_shared_without_zero_copy_is_the_value(every_item):

@@ -45,7 +45,7 @@ from .lifetimes import FileLifetimes
 from .sharing import SharedTier
 from .shm import ShmArea
 from .spill import ItemFiles, SpillArea
-from .store import BinState, BinStore, Change, Item
+from .store import BinState, BinStore, Change, Item, Reference
 from .tablestore import TableStore
 from .tableverbs import TableVerbs
 
@@ -173,7 +173,8 @@ class Storage(TableVerbs):
         store = self.store
         limit = store.memory_limit
         if limit is not None:
-            if store.unspillable_bytes + len(item.description) > limit:
+            held = len(item.description) if item.device is None else len(item.description) + item.device.nbytes
+            if store.unspillable_bytes + held > limit:
                 raise _unspillable_full(store)
             failed = self.budget.spill_failed
             if failed and store.resident_bytes + item.nbytes > limit:
@@ -247,12 +248,12 @@ class Storage(TableVerbs):
     # -- values put by reference to a client's device memory (PROTOCOL.md §13; no data directory)
 
     def add_reference(self, name: str, description: bytes, nbytes: int, tag: int | None,
-                      ref: dict) -> tuple[Item, Change]:
-        """PUT of a value by device reference ``ref``: stored without its bytes (they
-        come later, :meth:`fill`), in memory; the item (the handle of the reference)
-        and the change."""
+                      ref: dict, ref_bytes: int) -> tuple[Item, Change]:
+        """PUT of a value by device reference ``ref`` (what readers are given, taking
+        ``ref_bytes`` of memory, counted with the descriptions): stored without its
+        bytes (they come later, :meth:`fill`), in memory; the item and the change."""
         item = Item(description, None, nbytes, tag)
-        item.device = ref
+        item.device = Reference(ref, ref_bytes)
         return item, self._add_now(name, item, True)
 
     def fill(self, item: Item, segments: tuple) -> None:
@@ -281,8 +282,8 @@ class Storage(TableVerbs):
     @staticmethod
     def lose_reference(item: Item) -> None:
         """``item``'s publisher went away: it keeps its bytes if they came, else it
-        cannot be read any more."""
-        item.device = None if item.segments is not None or item.files is not None else False
+        cannot be read any more; its reference is given to readers no more."""
+        item.device.value = None
 
     def delete(self, name: str, done: Done) -> None:
         """DELETE bin (or table) ``name``; ``done`` once it is gone (from disk too, if durable).

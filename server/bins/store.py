@@ -20,6 +20,21 @@ from typing import NamedTuple
 from tensorshare.errors import NoSuchBinError, TooLargeError
 
 
+class Reference:
+    """What an item put by device reference (PROTOCOL.md §13) holds besides its
+    description: the reference readers are given (``value``; None once its
+    publisher left), and the memory that takes, counted with the descriptions."""
+
+    __slots__ = ("value", "nbytes")
+
+    def __init__(self, value: dict, nbytes: int):
+        self.value, self.nbytes = value, nbytes
+
+    @property
+    def lost(self) -> bool:
+        return self.value is None
+
+
 class Item:
     """One stored value: its description blob and its payload, kept as received.
 
@@ -42,7 +57,7 @@ class Item:
         self.stored = False  # in a bin of the store right now
         self.spilling = False  # being written to the spill area
         self.unspillable = False  # writing it to disk failed for a reason of its own: it stays in memory
-        self.device = None  # a device reference (server/protocol/devices.py); False: its publisher left first
+        self.device: Reference | None = None  # put by device reference (server/protocol/devices.py)
 
     @property
     def resident(self) -> bool:
@@ -336,7 +351,7 @@ class BinStore:
             b.items.append(item)
         b.nbytes += item.nbytes
         self.nbytes += item.nbytes
-        described = len(item.description)
+        described = len(item.description) if item.device is None else len(item.description) + item.device.nbytes
         b.described += described
         self.description_bytes += described
         item.stored = True
@@ -356,7 +371,8 @@ class BinStore:
         else:
             items = [b.items.popleft() for _ in range(limit)]
             nbytes = sum(item.nbytes for item in items)
-            described = sum(len(item.description) for item in items)
+            described = sum(len(item.description) + (item.device.nbytes if item.device is not None else 0)
+                            for item in items)
         self.nbytes -= nbytes
         b.nbytes -= nbytes
         self.description_bytes -= described

@@ -23,6 +23,12 @@ from .tables import MemoryBacking
 from .tables.values import gathered_bytes
 
 
+# Bytes of Python objects each row of a table of items' reply needs while it is made:
+# the slot as an int and the entries of the lists of items, descriptions, sizes and
+# payload parts that the reply's header and payload are built from.
+ITEM_ROW_BYTES = 80
+
+
 class CountedItems(list):
     """The slots of a table of items, whose items' bytes (payload and description,
     all in memory) the bin store counts in ``table_bytes`` while the table holds them."""
@@ -32,6 +38,7 @@ class CountedItems(list):
         self.store = store
         self.held = 0  # bytes of the items it holds
         self.largest = 0  # the longest description it ever held (bounds a reply's header)
+        self.largest_payload = 0  # the largest payload it ever held (bounds a reply's payload)
 
     def __setitem__(self, slot: int, item) -> None:
         old = self[slot]
@@ -39,8 +46,9 @@ class CountedItems(list):
             (0 if old is None else old.nbytes + len(old.description))
         self.held += change
         self.store.table_bytes += change
-        if item is not None and len(item.description) > self.largest:
-            self.largest = len(item.description)
+        if item is not None:
+            self.largest = max(self.largest, len(item.description))
+            self.largest_payload = max(self.largest_payload, item.nbytes)
         super().__setitem__(slot, item)
 
     def let_go(self) -> None:
@@ -109,23 +117,28 @@ class TableMemory:
             raise StorageFullError(f"memory budget full: tables hold {self.store.table_bytes} bytes, and "
                                    f"{self.store.unspillable_bytes - self.store.table_bytes} more cannot be spilled")
 
-    def check_reply(self, columns, n: int, longest_description: int) -> int:
-        """The payload bytes of a TSAMPLE/TREAD reply of ``n`` rows of a table with
-        ``columns`` (a table of items: none, its longest item description given),
-        checked before anything is drawn or gathered: 552 past ``max_reply_bytes``
-        (its gathered columns) or ``max_reply_header`` (8 bytes a row for each of keys,
-        indices and probabilities, and a table of items' descriptions), 452 if the
-        memory budget cannot take the gathered rows."""
-        per_row = 24 + longest_description
+    def check_reply(self, columns, n: int, longest_description: int, largest_payload: int = 0) -> int:
+        """The memory a TSAMPLE/TREAD reply of ``n`` rows of a table with ``columns``
+        takes while it is made and written, checked before anything is drawn or
+        gathered: 552 past ``max_reply_bytes`` (its payload: gathered columns, or
+        for a table of items, of which its largest description and payload are
+        given, as many copies of the largest item) or ``max_reply_header`` (8 bytes a
+        row for each of keys, indices and probabilities, and a table of items'
+        descriptions and sizes), 452 if the memory budget cannot take it (gathered
+        columns; for a table of items, whose payload refers to the items held, its
+        header and the objects that list its rows, :data:`ITEM_ROW_BYTES` a row)."""
+        per_row = 24 + (longest_description + 9 if not columns else 0)
         if self.max_reply_header is not None and n * per_row > self.max_reply_header:
             raise TooLargeError(f"a reply of {n} rows would have a header of {n * per_row} bytes, more than the "
                                 f"{self.max_reply_header} one may have (max_reply_header): ask for fewer rows")
-        nbytes = gathered_bytes(columns, n)
-        if self.max_reply_bytes is not None and nbytes > self.max_reply_bytes:
-            raise TooLargeError(f"{n} rows are {nbytes} bytes, more than the {self.max_reply_bytes} one reply may "
-                                f"carry (max_outbound): ask for at most {self.max_reply_bytes // max(1, nbytes // n)}")
-        self.check_room(nbytes)
-        return nbytes
+        payload = gathered_bytes(columns, n) if columns else n * largest_payload
+        if self.max_reply_bytes is not None and payload > self.max_reply_bytes:
+            raise TooLargeError(f"{n} rows are up to {payload} bytes, more than the {self.max_reply_bytes} one reply "
+                                f"may carry (max_outbound): ask for at most "
+                                f"{self.max_reply_bytes // max(1, payload // n)}")
+        held = payload if columns else n * (per_row + ITEM_ROW_BYTES)
+        self.check_room(held)
+        return held
 
     def hold_reply(self, nbytes: int) -> Callable[[], None]:
         """``nbytes`` of gathered rows are in a reply being written: the memory budget

@@ -24,7 +24,8 @@ from tensorshare.disk.tables import TABLE_RECORD
 
 from tensorshare.errors import StorageFullError
 
-from .tables import MemoryBacking, Table, TableSpecError, tensordict_metadata
+from .tables import MemoryBacking, RateLimiter, Table, TableSpecError, tensordict_metadata
+from .tables.table import MAX_CAPACITY
 from .tables.columns import parse_columns
 
 # The settings a table is made with: name -> default (PROTOCOL.md §12).
@@ -125,6 +126,22 @@ def _width(dtype: str) -> int:
     from tensorshare.wire.dtypes import TORCH_WIDTHS
 
     return TORCH_WIDTHS[dtype]
+
+
+def check_settings(full: dict) -> None:
+    """Raise what :func:`make_table` would raise for the settings ``full`` (501), without
+    making a table of their capacity: the engine makes one of a single row with them
+    (its rate limits checked apart, as they may need more rows than one)."""
+    capacity = full["capacity"]
+    if not isinstance(capacity, int) or isinstance(capacity, bool) or not 1 <= capacity <= MAX_CAPACITY:
+        raise TableSpecError(f"capacity must be an int in [1, 2**40], not {capacity!r}")
+    make_table({**full, "capacity": 1, "min_size_to_sample": 1, "samples_per_insert": None,
+                "error_buffer": None}).close()
+    min_size = full["min_size_to_sample"]
+    RateLimiter(min_size, full["samples_per_insert"], full["error_buffer"])
+    if min_size > capacity:
+        raise TableSpecError(f"min_size_to_sample {min_size} is above the capacity {capacity}: "
+                             f"no sample could ever proceed")
 
 
 def make_table(full: dict, backing=None) -> Table:

@@ -54,7 +54,8 @@ from .tablememory import CountedItems, ItemsBacking, TableMemory
 from .tables import MemmapBacking, Table, TableError, TableSpecError, state_bytes
 from .tables.values import Gathered, columns_of, float64_bytes, int64_bytes
 from .tablespec import (
-    LIMIT_KEYS, MAX_ROWS, column_bytes, dir_key, fixed, json_spec, make_table, parse_spec, plain, write_files,
+    LIMIT_KEYS, MAX_ROWS, check_settings, column_bytes, dir_key, fixed, json_spec, make_table, parse_spec, plain,
+    write_files,
 )
 
 log = logging.getLogger("tensorshare.server")
@@ -218,6 +219,23 @@ class TableStore:
             self.jobs.run(name, self._make_in_memory, (full,), made)
         else:
             self.jobs.run(name, self._make_files, (name, full, directory, keep), made)
+
+    def check_replacement(self, name: str, spec: dict) -> None:
+        """Raise what :meth:`create` of ``spec`` would raise for its settings and the
+        server's limits if table ``name`` were gone (its rows and memory free), and
+        allocate nothing: what a replacement checks before the table is deleted."""
+        full = parse_spec(spec)
+        check_settings(full)
+        entry = self.by_name.pop(name)
+        released = entry.resident + (entry.items.held if entry.items is not None else 0)
+        self.total_rows -= entry.table.capacity
+        self.store.table_bytes -= released
+        try:
+            self._placement(name, full)
+        finally:
+            self.by_name[name] = entry
+            self.total_rows += entry.table.capacity
+            self.store.table_bytes += released
 
     def _make_in_memory(self, full: dict) -> tuple[Table, CountedItems | None]:
         """A new table in memory, and the counted slots of a table of items (None for one
@@ -514,7 +532,9 @@ class TableStore:
     def check_reply(self, entry: TableEntry, n: int) -> None:
         """A TSAMPLE/TREAD reply of ``n`` rows of ``entry`` is bounded and its memory
         counted before anything is drawn (:meth:`TableMemory.check_reply`)."""
-        self.memory.check_reply(entry.table.columns, n, 0 if entry.items is None else entry.items.largest)
+        items = entry.items
+        self.memory.check_reply(entry.table.columns, n, 0 if items is None else items.largest,
+                                0 if items is None else items.largest_payload)
 
     def hold_reply(self, nbytes: int) -> Callable[[], None]:
         """Count ``nbytes`` of gathered rows in a reply until the callable returned is called."""

@@ -25,6 +25,14 @@ class TableVerbs:
         """The table named ``name`` (550 if none, 553 if a bin has the name)."""
         return self.tables.get(name)
 
+    def is_table(self, name: str) -> bool:
+        return name in self.tables.by_name
+
+    def check_table_replacement(self, name: str, spec: dict) -> None:
+        """Refuse (501, 552, 452) a table made with ``spec`` to replace table ``name``
+        as TCREATE would refuse it were ``name`` gone; nothing changes either way."""
+        self.tables.check_replacement(name, spec)
+
     def table_entries(self) -> list[TableEntry]:
         """Every table, as the operations pages show them."""
         return list(self.tables.by_name.values())

@@ -166,6 +166,15 @@ class _OpsSite(server.Site):
         return protocol
 
 
+def ops_site(resource: OpsResource, reactor=None) -> _OpsSite:
+    """The operations site serving ``resource``, with the port's limits (see the
+    module docstring): a one-process server's, and a multi-worker server's parent's."""
+    site = _OpsSite(resource, timeout=IDLE_TIMEOUT, reactor=reactor)
+    site.noisy = False
+    site.log = lambda request: None  # no access log lines for scrapes
+    return site
+
+
 def _given_token(request) -> bytes | None:
     header = request.getHeader(b"authorization")
     if header is not None:
@@ -205,10 +214,8 @@ def start(state, reactor, port: int, host: str = "127.0.0.1", sample_every: floa
     throughput = Throughput(state.counters, interval=sample_every, state=state)
     sampler = task.LoopingCall(throughput.sample)
     sampler.clock = reactor
-    site = _OpsSite(OpsResource(state, throughput, data_port), timeout=IDLE_TIMEOUT)
-    site.noisy = False
-    site.log = lambda request: None  # no access log lines for scrapes
-    listening = reactor.listenTCP(port, site, interface=host)
+    listening = reactor.listenTCP(port, ops_site(OpsResource(state, throughput, data_port), reactor),
+                                  interface=host)
     sampler.start(sample_every, now=True)
     if state.token is None and not _loopback(host):
         log.warning("metrics: the status port listens on %s without a token: anyone who reaches it sees the "

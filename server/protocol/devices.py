@@ -8,7 +8,7 @@ client can open (``cuda``: their UUIDs) gets the reference in place of the item'
 bytes, and that client copies the item device to device.  The publisher then sends
 the bytes (a PUT with ``fill``: the reference's id), which every other reader gets
 as for any item (over TCP, or mapped on this host); until they arrive such a read
-waits in the server (:data:`BYTES_WAIT`, then 451).
+waits in the server (:data:`BYTES_WAIT`, or the read's ``wait``; then 451).
 
 Lifetimes (§13.3).  The publisher keeps a snapshot until the server says nothing
 holds its reference: the item has left its bin (replaced, taken, deleted) and
@@ -34,10 +34,12 @@ from typing import Callable
 
 from tensorshare.errors import RemoteError, ServerLocalError
 from tensorshare.protocol.messages import BAD_ARGS, PUT, ZERO_COPY_REFUSED, Key
+from tensorshare.wire.description import parse_description
 
 from ..bins.store import Item
 from . import longpoll
 from .outcome import Pending, later
+from .shared import declared_size
 
 BYTES_WAIT = 60.0  # seconds a read waits for the bytes of an item put by reference before 451
 _MEMORY_HANDLE = 64 << 10  # bytes of torch's handle of a block: 64 (torch < 2.5), 66 (a version and a kind
@@ -45,7 +47,9 @@ _MEMORY_HANDLE = 64 << 10  # bytes of torch's handle of a block: 64 (torch < 2.5
 _EVENT_HANDLE = 64  # bytes of a cudaIpcEventHandle_t
 _COUNTER = 256  # bytes of the name of the publisher's reference counter
 _MAX_DEVICES = 16  # UUIDs a PEEK may list
-_MAX_DIGESTS = 1 << 20
+_MAX_DIGESTS = 1 << 20  # (and exactly one per array of the value)
+_REFERENCE_OVERHEAD = 600  # bytes of the dicts, lists and ints a reference is held in
+_DIGEST_BYTES = 40  # bytes of one digest (an int object and its place in the list)
 
 
 def check_reference(ref: object) -> dict:
@@ -79,26 +83,27 @@ def check_reference(ref: object) -> dict:
 class DeviceItems:
     """One connection's items put by reference, and its references that nothing
     holds any more (told in its next reply).  Holds no session: the callbacks
-    that feed :attr:`freed` may outlive it."""
+    that feed :attr:`freed` may outlive it.  ``references`` is the server's
+    ``(id, bin) -> DeviceItems`` of every publisher, where a fill finds its item
+    whatever connection brings the bytes."""
 
-    def __init__(self, storage, waits):
-        self.storage, self.waits = storage, waits
-        self.published: dict[int, tuple] = {}  # reference id -> (weak item, bin name)
+    def __init__(self, storage, waits, references: dict):
+        self.storage, self.waits, self.references = storage, waits, references
+        self.published: dict[tuple, weakref.ref] = {}  # (reference id, bin) -> weak item
         self.freed: deque = deque()  # ids of references no item holds any more
 
-    def publish(self, item: Item, ref: dict, name: str) -> None:
-        """``item`` (stored by reference ``ref`` in bin ``name``) is this connection's."""
-        ident = ref["id"]
-        self.published[ident] = (weakref.ref(item), name)
-        finalizer = weakref.finalize(item, _gone, self.freed, self.published, ident)
+    def publish(self, item: Item, ident: int, name: str) -> None:
+        """``item`` (stored by reference ``ident`` in bin ``name``) is this connection's."""
+        key = (ident, name)
+        handle = self.published[key] = weakref.ref(item)
+        self.references[key] = self
+        finalizer = weakref.finalize(item, _gone, self, key, handle)
         finalizer.atexit = False
 
-    def item(self, ident: int) -> tuple[Item | None, str | None]:
-        """The item put with reference ``ident``, and its bin (None if it is gone)."""
-        entry = self.published.get(ident)
-        if entry is None:
-            return None, None
-        return entry[0](), entry[1]
+    def item(self, key: tuple) -> Item | None:
+        """The item put with reference ``key`` (``(id, bin)``; None if it is gone)."""
+        handle = self.published.get(key)
+        return None if handle is None else handle()
 
     def take_freed(self) -> list | None:
         if not self.freed:
@@ -111,20 +116,26 @@ class DeviceItems:
     def connection_lost(self) -> None:
         """The publisher is gone: its items keep their bytes or become unreadable."""
         bins = set()
-        for ident, (ref, name) in list(self.published.items()):
-            item = ref()
+        for key, handle in list(self.published.items()):
+            if self.references.get(key) is self:
+                del self.references[key]
+            item = handle()
             if item is None:
                 continue
             self.storage.lose_reference(item)
-            bins.add(name)
+            bins.add(key[1])
         self.published.clear()
         for name in bins:  # reads held for those bytes are answered now
             self.waits.changed(name)
 
 
-def _gone(freed: deque, published: dict, ident: int) -> None:
-    freed.append(ident)  # (deque.append is safe from any thread)
-    published.pop(ident, None)
+def _gone(owner: DeviceItems, key: tuple, handle: weakref.ref) -> None:
+    """An item put by reference was freed (on whatever thread dropped it last)."""
+    owner.freed.append(key[0])  # (deque.append is safe from any thread)
+    if owner.published.get(key) is handle:  # (not a newer item put with the same id to the same bin)
+        del owner.published[key]
+        if owner.references.get(key) is owner:
+            del owner.references[key]
 
 
 def has_payload(item: Item) -> bool:
@@ -135,8 +146,15 @@ def items_of(session) -> DeviceItems:
     """The connection's :class:`DeviceItems` (made on first use)."""
     shared = session.shared
     if shared.devices is None:
-        shared.devices = DeviceItems(session.storage, session.state.waits)
+        shared.devices = DeviceItems(session.storage, session.state.waits, session.state.references)
     return shared.devices
+
+
+def reference_bytes(ref: dict) -> int:
+    """The memory a checked reference takes in the server (its parts, as Python holds them)."""
+    ipc = ref["ipc"]
+    return _REFERENCE_OVERHEAD + len(ref["dev"]) + len(ipc[1]) + len(ipc[4]) + len(ipc[6]) + \
+        _DIGEST_BYTES * len(ref["digest"])
 
 
 # -- PUT by reference, and its bytes
@@ -155,22 +173,29 @@ def store(session, request, check_value: Callable, stored: Callable):
     if request.payload_len or request.shm is not None:
         raise RemoteError("a value put by device reference comes without bytes", BAD_ARGS)
     ref = check_reference(request.cuda)
-    size = request.size
-    if type(size) is not int or not 0 <= size <= session.config.max_frame:
-        raise RemoteError(f"size must be an integer in 0..{session.config.max_frame}", BAD_ARGS)
+    size = declared_size(request.size, session.config.max_frame)
     check_value(session, request.value, size)
-    item, change = storage.add_reference(request.bin, request.value, size, request.tag, ref)
-    items_of(session).publish(item, ref, request.bin)
+    arrays = len(parse_description(request.value, size, session.decode_limits).arrays)
+    if len(ref["digest"]) != arrays:
+        raise RemoteError(f"bad device reference: {len(ref['digest'])} digests for {arrays} arrays", BAD_ARGS)
+    readers = {"dev": ref["dev"], "ipc": ref["ipc"], "digest": ref["digest"]}  # (the id is the publisher's)
+    item, change = storage.add_reference(request.bin, request.value, size, request.tag, readers,
+                                         reference_bytes(ref))
+    items_of(session).publish(item, ref["id"], request.bin)
     return stored(session, request, change)
 
 
 def _fill(session, request, check_value: Callable):
     """The bytes of an item put by reference: given to it if it is still there and
-    has none (else dropped; the reply says the same either way)."""
+    has none (else dropped; the reply says the same either way).  They may come on
+    any connection from the server's host that names the reference (its id is
+    known only to its publisher, who sends them on a connection of their own)."""
     storage, name = session.storage, request.bin
-    item, where = items_of(session).item(request.fill)
+    key = (request.fill, name)
+    owner = session.state.references.get(key)
+    item = None if owner is None else owner.item(key)
     size = request.size if request.shm is not None else request.payload_len
-    if item is not None and (where != name or request.value != item.description or size != item.nbytes):
+    if item is not None and (request.value != item.description or size != item.nbytes):
         raise RemoteError("fill does not match the item put by that reference", BAD_ARGS)
     if item is None or has_payload(item) or not item.stored:
         return _reply(session, request)
@@ -191,8 +216,11 @@ def _fill(session, request, check_value: Callable):
 
 
 def _reply(session, request) -> dict:
+    """A fill's 250: the bin's count and seq, ``mapped`` when same-host readers map
+    the bin (the next bytes are best sent through shared memory, §10.4)."""
     state = session.storage.state(request.bin)
-    return with_freed(session, PUT.reply(request.id, n=state.n_items, seq=state.seq))
+    header = session.shared.stored_reply(PUT.reply(request.id, n=state.n_items, seq=state.seq), request.bin)
+    return with_freed(session, header)
 
 
 def with_freed(session, header: dict) -> dict:
@@ -213,7 +241,8 @@ def refs(session, wanted: object, items: list[Item]) -> list | None:
         return None
     if type(wanted) is not list or len(wanted) > _MAX_DEVICES or any(type(u) is not str for u in wanted):
         raise RemoteError(f"cuda must list at most {_MAX_DEVICES} device UUIDs", BAD_ARGS)
-    out = [item.device if item.device and item.device["dev"] in wanted else None for item in items]
+    out = [None if item.device is None or item.device.value is None or item.device.value["dev"] not in wanted
+           else item.device.value for item in items]
     return out if any(out) else None
 
 
@@ -223,7 +252,7 @@ def unready(items: list[Item], cuda: list | None) -> bool:
     publisher left before sending them."""
     for i, item in enumerate(items):
         if item.device is not None and item.segments is None and item.files is None:
-            if item.device is False:
+            if item.device.lost:
                 raise ServerLocalError("the item's publisher went away before its bytes came: it cannot be read")
             if cuda is None or cuda[i] is None:
                 return True
@@ -232,7 +261,9 @@ def unready(items: list[Item], cuda: list | None) -> bool:
 
 def hold_for_bytes(session, request, answer: Callable) -> Pending:
     """Answered with ``answer(session, request)`` once its bin's items have their
-    bytes (or are gone), up to :data:`BYTES_WAIT` seconds (then 451)."""
+    bytes (or are gone), up to :data:`BYTES_WAIT` seconds, or the request's own
+    ``wait`` if it gives one (0: not at all); then 451.  (A relay asks with 0: a
+    read held here holds every later request of its connection.)"""
     def ready(session, request) -> bool:
         items = session.storage.items_of(request.bin)
         try:
@@ -240,9 +271,14 @@ def hold_for_bytes(session, request, answer: Callable) -> Pending:
         except RemoteError:  # lost: answering refuses it
             return True
 
-    return longpoll.hold(session, request, ready, answer, timeout=BYTES_WAIT,
-                         refusal=lambda: ServerLocalError(f"the bytes of an item put by device reference did not "
-                                                          f"come within {BYTES_WAIT:g}s"))
+    bound = BYTES_WAIT if request.wait is None else min(request.wait, BYTES_WAIT)
+
+    def refusal() -> ServerLocalError:
+        return ServerLocalError(f"the bytes of an item put by device reference did not come within {bound:g}s")
+
+    if bound <= 0:
+        raise refusal()
+    return longpoll.hold(session, request, ready, answer, timeout=bound, refusal=refusal)
 
 
 def besides(refs: list | None, cuda: list | None) -> list | None:

@@ -196,10 +196,16 @@ class SharedMemory:
             raise RemoteError("this connection has no shared-memory incoming directory", ZERO_COPY_REFUSED)
         if request.payload_len:
             raise RemoteError("a value in shared memory travels without payload", BAD_ARGS)
-        size, max_frame = request.size, self.config.max_frame
-        if type(size) is not int or size < 0:
-            raise RemoteError(f"size must be an integer in 0..{max_frame}", BAD_ARGS)
-        if size > max_frame:  # as over TCP: more than one request may carry
-            raise TooLargeError(f"a value of {size} bytes is more than the {max_frame} bytes the server takes in "
-                                f"one request (its --max-frame)")
-        return self.incoming, request.shm, size
+        return self.incoming, request.shm, declared_size(request.size, self.config.max_frame)
+
+
+def declared_size(size: object, max_frame: int) -> int:
+    """The payload size a value sent without its bytes declares (in shared memory,
+    §10.4, or by device reference, §13.1): 501 unless an int >= 0, 552 past
+    ``max_frame``, as the same value over TCP would be (§7)."""
+    if type(size) is not int or size < 0:
+        raise RemoteError(f"size must be an integer in 0..{max_frame}", BAD_ARGS)
+    if size > max_frame:
+        raise TooLargeError(f"a value of {size} bytes is more than the {max_frame} bytes the server takes in "
+                            f"one request (its --max-frame)")
+    return size

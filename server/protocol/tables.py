@@ -30,6 +30,9 @@ from .outcome import in_lane, later
 from .registry import handles
 
 
+_COUNTED_HEADER = 64 << 10  # a reply header past this many bytes counts in the memory budget until written
+
+
 def _wake(session, name: str) -> None:
     """A change only waiting requests care about (a sample moved the rate limiter)."""
     session.state.waits.changed(name)
@@ -40,15 +43,36 @@ def _wake(session, name: str) -> None:
 
 @handles(TCREATE)
 def create(session, request):
+    storage, name = session.storage, request.bin
+
     def made(result, error: RemoteError | None) -> dict:
         if error is not None:
             raise error
         table, change = result
         session.state.listeners.publish(change)
-        return TCREATE.reply(request.id, n=session.storage.count(request.bin), seq=session.storage.seq(request.bin))
+        return TCREATE.reply(request.id, n=storage.count(name), seq=storage.seq(name))
 
-    return later(lambda done: session.storage.create_table(request.bin, request.spec, done, bool(request.add_columns)),
-                 made)
+    def make(done: Callable) -> None:
+        storage.create_table(name, request.spec, done, bool(request.add_columns))
+
+    if not (request.replace and storage.is_table(name)):
+        return later(make, made)
+    storage.check_table_replacement(name, request.spec)  # a refused table leaves the old one as it was
+
+    def replace(done: Callable) -> None:
+        def deleted(change, error: RemoteError | None) -> None:
+            if error is not None:
+                done(None, error)
+                return
+            session.state.listeners.publish(change)
+            try:
+                make(done)
+            except RemoteError as exc:  # (a bin took the name meanwhile)
+                done(None, exc)
+
+        storage.delete(name, deleted)
+
+    return later(replace, made)
 
 
 @handles(TINFO)
@@ -164,7 +188,8 @@ def _rows_reply(session, request, drawn):
     """A 226 reply: one value of stacked columns, or the items one by one.  A
     same-host client that asked for references (``ref``) may get the stacked columns
     as a reference to a copy in the shared-memory area instead (PROTOCOL.md §10.3).
-    Stacked columns sent as the payload count in the memory budget until written."""
+    Stacked columns sent as the payload, and a large header of items, count in the
+    memory budget until written."""
     header = request.command.reply(request.id)
     release = None
     header[Key.SEQ] = drawn.seq
@@ -194,7 +219,10 @@ def _rows_reply(session, request, drawn):
         header[Key.SIZES] = [item.nbytes for item in items]
         parts = [segment for item in items for segment in item.segments]
         payload_len = sum(item.nbytes for item in items)
-    parts.insert(0, frame_head(header, payload_len))
+    head = frame_head(header, payload_len)
+    parts.insert(0, head)
+    if gathered is None and len(head) > _COUNTED_HEADER:  # a table of items' many rows: its header counts too
+        release = session.storage.hold_reply(len(head))
     return parts if release is None else (parts, release, release)
 
 

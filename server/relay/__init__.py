@@ -4,9 +4,9 @@
 :mod:`.follower` keeps the mirror through an upstream client connection,
 :mod:`.forward` holds the verb handlers that send writes upstream and answer reads
 from the mirror, :mod:`.stream` passes a copy on to the relays that follow this one
-while it still arrives, and :mod:`.upstream` is the relay's own small client of its
-upstream (torch-free: no server process loads torch or the client library), one
-connection per worker of a multi-worker upstream (:mod:`.upstreams`).
+while it still arrives, and :mod:`.upstream` drives the clients' engine and router
+to its upstream (torch-free: no server process loads torch or the client library),
+one connection per worker of a multi-worker upstream.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from tensorshare.protocol.tls import TLSSettings
 
 from .follower import Follower
 from .forward import relay_handlers
-from .upstreams import Upstreams
+from .upstream import Upstream
 
 
 def split_address(text: str) -> tuple[str, int]:
@@ -38,7 +38,7 @@ def start_relay(state, config, reactor) -> Follower:
     token = resolve_token(None, config.follow_token_file) if config.follow_token_file else config.auth_token()
     tls = TLSSettings.from_options(True if config.follow_tls else None, config.follow_tls_ca,
                                    config.follow_tls_fingerprint)
-    upstream = Upstreams(reactor, host, port, token=token, tls=tls)
+    upstream = Upstream(reactor, host, port, token=token, tls=tls)
     follower = Follower(reactor, state.storage, state.listeners.publish, upstream, config.follow_bins,
                         config.follow_timeout, max_mirrors=config.max_listens,
                         needed=lambda name: state.listeners.listened(name) or state.waits.waiting_on(name))

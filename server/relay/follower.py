@@ -1,9 +1,9 @@
 """A relay's mirror of its upstream server's bins, kept on the reactor thread.
 
-:class:`Follower` holds one connection upstream (:class:`~.upstream.Upstream`, a
-small torch-free Twisted client on the relay's own reactor, so nothing leaves the
-reactor thread; one per worker of a multi-worker upstream,
-:class:`~.upstreams.Upstreams`).  A followed bin is mirrored from the first time a client of the relay reads or
+:class:`Follower` talks to its upstream through :class:`~.upstream.Upstream` (the
+clients' engine and router, driven torch-free on the relay's own reactor, so
+nothing leaves the reactor thread; one connection per worker of a multi-worker
+upstream).  A followed bin is mirrored from the first time a client of the relay reads or
 listens to it: the follower listens to it upstream, and on every notification
 fetches the bin whole with one PEEK (raw descriptions and payload, never decoded,
 with every item's tag) and replaces the local copy in one store change.  So a
@@ -54,29 +54,32 @@ from typing import Callable
 from twisted.internet import defer
 
 from tensorshare.errors import (
-    AuthenticationError, ConnectionLostError, NoSuchBinError, ProtocolError, RemoteError, ServerUnavailableError,
-    TensorShareError, TooLargeError,
+    AuthenticationError, ConnectionLostError, NoSuchBinError, ProtocolError, RemoteError, ServerLocalError,
+    ServerUnavailableError, TensorShareError, TooLargeError,
 )
 from tensorshare.protocol.items import item_table, item_tags
 from tensorshare.protocol.messages import DELETE, NOTIFY, PEEK, Key
 
 from .stream import Incoming
-from .upstream import INCOMING
-from .upstreams import Upstreams
+from .upstream import INCOMING, Upstream
+
 
 log = logging.getLogger("tensorshare.server.relay")
+
+_RETRY_FIRST, _RETRY_MAX = 0.02, 1.0  # seconds before a failed fetch is tried again: doubling from, up to
 
 
 class _Mirror:
     """What the follower knows of one followed bin."""
 
     __slots__ = ("name", "synced", "fetching", "again", "noted", "applied", "noted_at", "op", "waiters", "incoming",
-                 "watchers", "have", "used_at", "dropped")
+                 "watchers", "have", "used_at", "dropped", "retry")
 
     def __init__(self, name: str):
         self.name = name
         self.synced = False  # the local copy reflects the upstream bin at some moment
         self.fetching = False  # a PEEK is in flight
+        self.retry = _RETRY_FIRST  # seconds before a failed fetch is tried again (doubling)
         self.again = False  # a notification came while fetching: fetch once more
         self.noted = -1  # the highest upstream seq notified
         self.applied = -1  # the upstream seq the local copy reflects
@@ -96,7 +99,7 @@ class Follower:
     change; ``needed(name)`` says whether a client of the relay listens to (or
     waits on) a bin."""
 
-    def __init__(self, reactor, storage, publish: Callable, upstream: Upstreams, pattern: str = "*",
+    def __init__(self, reactor, storage, publish: Callable, upstream: Upstream, pattern: str = "*",
                  timeout: float = 30.0, max_mirrors: int = 10_000, needed: Callable[[str], bool] = lambda name: False):
         self.reactor = reactor
         self.storage = storage
@@ -355,13 +358,20 @@ class Follower:
                 self._fetched(mirror, None, "DELETE", target)
                 return
             mirror.fetching = False
-            log.info("relay: fetching %r from upstream failed: %s", mirror.name, error)
             # A lost connection is followed by a new listen, whose snapshot fetches again.
             if not isinstance(error, (ConnectionLostError, AuthenticationError)):
-                self.reactor.callLater(0.2, self._noted, mirror, target, op)
+                delay, mirror.retry = mirror.retry, min(mirror.retry * 2, _RETRY_MAX)
+                (log.debug if isinstance(error, ServerLocalError) else log.info)(
+                    "relay: fetching %r from upstream failed: %s; again in %gs", mirror.name, error, delay)
+                self.reactor.callLater(delay, self._noted, mirror, target, op)
+            else:
+                log.info("relay: fetching %r from upstream failed: %s", mirror.name, error)
 
         try:
-            d = self.upstream.call(PEEK, {Key.BIN: mirror.name, Key.TAGS: True, Key.INCOMING: True})
+            # wait 0: an item whose bytes are still in its publisher's GPU (PROTOCOL.md
+            # §13.2) is refused at once (451, fetched again above), not held at the head
+            # of the one connection every other request of this relay goes on.
+            d = self.upstream.call(PEEK, {Key.BIN: mirror.name, Key.TAGS: True, Key.INCOMING: True, Key.WAIT: 0})
         except TensorShareError as exc:
             failed(exc)
             return
@@ -371,6 +381,7 @@ class Follower:
                  seq: int | None = None, copy_seq: int = -1, stale: bool = False) -> None:
         """A fetch is over: install its copy (unless ``stale``: one not newer than the
         copy held) and fetch again if changes were noted meanwhile."""
+        mirror.retry = _RETRY_FIRST
         if not stale:
             self._install(mirror, copy, op, upstream_seq, seq, copy_seq)
         else:

@@ -1,7 +1,8 @@
 """The operations port of a multi-worker server: the whole server's status and each worker's.
 
 The parent serves ``--metrics-port`` (``/metrics``, ``/status.json``, ``/``) with the
-same resource and token check as a one-process server (``server/ops/web.py``);
+same resource, token check and limits as a one-process server (``server/ops/web.py``:
+connections, idle time, no request body);
 each worker serves its own on a free loopback port.  A request to the parent asks
 every worker's ``/status.json`` at once (with the server's token), waits at most
 ``ASK_TIMEOUT`` seconds, and answers with :func:`~tensorshare_server.ops.merge.merge`
@@ -17,11 +18,11 @@ import os
 import time
 
 from twisted.internet import defer
-from twisted.web import client, server
+from twisted.web import client
 from twisted.web.http_headers import Headers
 
 from ..ops.merge import merge
-from ..ops.web import OpsPort, OpsResource, _loopback
+from ..ops.web import OpsPort, OpsResource, _loopback, ops_site
 
 log = logging.getLogger("tensorshare.server")
 
@@ -82,10 +83,7 @@ def start_ops(supervisor, reactor) -> OpsPort:
 
     config = supervisor.config
     resource = OpsResource(_Parent(supervisor.token), None, gather=Gatherer(supervisor, reactor))
-    site = server.Site(resource)
-    site.noisy = False
-    site.log = lambda request: None  # no access log lines for scrapes
-    listening = reactor.listenTCP(config.metrics_port, site, interface=config.metrics_host)
+    listening = reactor.listenTCP(config.metrics_port, ops_site(resource, reactor), interface=config.metrics_host)
     if supervisor.token is None and not _loopback(config.metrics_host):
         log.warning("metrics: the status port listens on %s without a token: anyone who reaches it sees the "
                     "bins, the clients and their addresses (--token-file protects it)", config.metrics_host)

@@ -16,7 +16,8 @@ itself.  It
   data directory) on its standard input;
 * restarts a worker that dies, with backoff, on the same sockets: connections made
   meanwhile wait in the socket's backlog, and the new worker loads its durable bins
-  before it accepts them.  A worker that fails before the server first became
+  before it accepts them.  A start that fails for want of descriptors or processes
+  is tried again the same way.  A worker that fails before the server first became
   ready stops the server instead (a bad setting would fail again);
 * stops the workers (SIGTERM, then SIGKILL after ``STOP_GRACE`` seconds) when it is
   told to stop; a worker whose parent dies sees its standard input close and stops.
@@ -55,16 +56,23 @@ _STEADY = 30.0  # seconds a worker must have run for its next death to restart i
 
 
 def worker_config(config: ServerConfig, index: int) -> ServerConfig:
-    """The settings of worker ``index``: its share of the memory budget and of the
-    receive pool, its own data directory, its operations port on a free loopback
-    port (for this process to gather from) if the server has one.  (Spill and
-    shared-memory areas are per process already.)"""
+    """The settings of worker ``index``: its share of each of the whole server's limits
+    (the memory budget, the receive pool, connections, bins, table rows: a setting
+    is the server's, whatever its number of workers), its own data directory, its
+    operations port on a free loopback port (for this process to gather from) if the
+    server has one.  (Spill and shared-memory areas are per process already.)"""
     count = config.workers
+
+    def share(total: int) -> int:  # rounded up: N shares of a total >= N add up to at most total + N - 1
+        return -(-total // count)
+
     return replace(
         config, workers=1, worker_ports=None,
         data_dir=None if config.data_dir is None else worker_dir(config.data_dir, index),
         memory_limit=None if config.memory_limit is None else max(config.memory_limit // count, 1),
         recv_pool=config.recv_pool // count,
+        max_connections=share(config.max_connections),  # (0, no limit, stays 0)
+        max_bins=share(config.max_bins), max_table_rows=share(config.max_table_rows),
         metrics_port=None if config.metrics_port is None else 0, metrics_host="127.0.0.1",
         token=None, token_file=None,  # the resolved token travels apart (Supervisor._spec)
     )
@@ -95,10 +103,12 @@ class WorkerProcess(protocol.ProcessProtocol):
         self.index = index
         self.started_at = time.monotonic()
         self.info: dict | None = None  # what its ready line said, once it said it
+        self.pid: int | None = None  # (its transport forgets it once it has ended)
         self.ended = defer.Deferred()
         self._out = b""
 
     def connectionMade(self) -> None:  # noqa: N802 - Twisted's name
+        self.pid = self.transport.pid
         # The settings, then nothing: the pipe stays open, and closes when this process ends.
         self.transport.write(json.dumps(self.supervisor.spec(self.index)).encode() + b"\n")
 
@@ -177,13 +187,25 @@ class Supervisor:
             return
         process = self.workers[index] = WorkerProcess(self, index)
         fds = {0: "w", 1: "r", 2: 2, 3: self.public.fileno(), 4: self.private[index].fileno()}
-        self.reactor.spawnProcess(process, self.executable, [self.executable, "-m", "tensorshare_server.workers"],
-                                  env=dict(os.environ), childFDs=fds)
+        try:
+            self.reactor.spawnProcess(process, self.executable,
+                                      [self.executable, "-m", "tensorshare_server.workers"],
+                                      env=dict(os.environ), childFDs=fds)
+        except OSError as exc:  # no descriptors or processes left for now (EMFILE, EAGAIN): try again later
+            self.workers[index] = None
+            why = f"could not be started ({exc.strerror or exc})"
+            if not self.up.called:
+                self.failed = f"worker {index} {why}"
+                self.up.errback(UsageError(self.failed))
+                return
+            delay = self._backoff(index)
+            log.error("worker %d %s; trying again in %.1fs", index, why, delay)
+            self.reactor.callLater(delay, self.spawn, index)
 
     def ready(self, process: WorkerProcess) -> None:
         if self.workers[process.index] is not process:
             return
-        log.info("worker %d ready (pid %s)", process.index, process.transport.pid)
+        log.info("worker %d ready (pid %s)", process.index, process.pid)
         if not self.up.called and all(w is not None and w.info is not None for w in self.workers):
             self.up.callback(self)
 
@@ -200,11 +222,17 @@ class Supervisor:
             self.up.errback(UsageError(self.failed))
             return
         ran = time.monotonic() - process.started_at
-        delay = _FIRST_DELAY if ran > _STEADY else self.delays[index]
-        self.delays[index] = min(delay * 2, _MAX_DELAY)
-        log.error("worker %d (pid %s) %s after %.1fs; restarting it in %.1fs", index, process.transport.pid, why,
-                  ran, delay)
+        if ran > _STEADY:
+            self.delays[index] = _FIRST_DELAY
+        delay = self._backoff(index)
+        log.error("worker %d (pid %s) %s after %.1fs; restarting it in %.1fs", index, process.pid, why, ran, delay)
         self.reactor.callLater(delay, self.spawn, index)
+
+    def _backoff(self, index: int) -> float:
+        """Seconds to wait before starting worker ``index`` again (doubling, up to ``_MAX_DELAY``)."""
+        delay = self.delays[index]
+        self.delays[index] = min(delay * 2, _MAX_DELAY)
+        return delay
 
     # -- stopping
 

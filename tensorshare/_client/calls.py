@@ -36,7 +36,7 @@ class Call:
 
     __slots__ = ("rid", "command", "fields", "value", "fallback", "cleanup", "callback", "then", "on_error",
                  "on_reply", "outcome", "deadline", "decode", "raw", "inline", "device", "into",
-                 "after")
+                 "caller")
 
     def __init__(self, rid: int, command: Command, fields: dict | None, value: Any, callback: Callable | None = None,
                  then: Callable | None = None, on_error: Callable | None = None, on_reply: Callable | None = None,
@@ -56,7 +56,7 @@ class Call:
         self.inline = False  # the callback is quick and safe on the reading thread (blocking client)
         self.device = None  # where the reply's tensors go (None: the client's device)
         self.into = None  # destination tensors of the reply's arrays (_client/devices.py)
-        self.after = None  # with ``into``: the caller's stream at the call, which writes into them wait for
+        self.caller = None  # device.payload.Caller: the caller's stream at the call (gets the reply's tensors)
 
     def __repr__(self) -> str:
         return f"<Call {self.command.verb} id={self.rid}>"

@@ -225,20 +225,21 @@ def notification_of(frame: Frame) -> Notification | None:
 
 
 def read_reply(command: Command, frame: Frame, device: Any = None, limits: DecodeLimits = DEFAULT_LIMITS,
-               areas: Any = None, decode: bool = True, into: Any = None) -> Reply:
+               areas: Any = None, decode: bool = True, into: Any = None, caller: Any = None) -> Reply:
     """The checked reply to ``command`` (its values decoded if it carries items and
     ``decode``); raises the :class:`RemoteError` of an error reply.  ``areas``: the
     connection's :class:`~.zerocopy.SharedAreas`, to map items the reply refers to;
-    ``into``: destination tensors of the arrays (:mod:`.devices`)."""
+    ``into``: destination tensors of the arrays, ``caller``: whose stream gets
+    them (:mod:`.devices`)."""
     header = command.check_reply(frame.header)
     values = None
     if decode and header.get(Key.CODE) == ITEMS:
-        values = decode_items(header, frame.payload, frame.payload_len, device, limits, areas, into)
+        values = decode_items(header, frame.payload, frame.payload_len, device, limits, areas, into, caller)
     return Reply(command, header, values, frame)
 
 
 def decode_items(header: dict, payload, payload_len: int, device: Any = None,
-                 limits: DecodeLimits = DEFAULT_LIMITS, areas: Any = None, into: Any = None) -> list:
+                 limits: DecodeLimits = DEFAULT_LIMITS, areas: Any = None, into: Any = None, caller: Any = None) -> list:
     """The values of an ITEMS (226) reply; their arrays view the one payload buffer, or,
     for items the reply refers to, the server's files mapped copy-on-write (``areas``;
     on a ``device``: copied there, into ``into``'s tensors where given)."""
@@ -248,11 +249,12 @@ def decode_items(header: dict, payload, payload_len: int, device: Any = None,
             if type(ref) is dict:  # in a publisher's GPU memory: copied device to device
                 from ..device.ipc import load
 
-                values.append(load(ref, blob, size, device, limits, None if into is None else partial(into, i)))
+                values.append(load(ref, blob, size, device, limits, None if into is None else partial(into, i), caller))
                 continue
             if areas is None:
                 raise ZeroCopyError("the reply refers to shared memory this connection cannot map")
-            values.append(areas.load(ref, blob, size, device, limits, None if into is None else partial(into, i)))
+            values.append(areas.load(ref, blob, size, device, limits, None if into is None else partial(into, i),
+                                     caller))
             continue
         desc = parse_description(blob, size, limits)
         try:

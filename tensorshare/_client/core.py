@@ -19,7 +19,7 @@ import logging
 import threading
 from typing import Any, Callable
 
-from ..errors import TensorShareError, ProtocolError, ZeroCopyError
+from ..errors import DeviceError, TensorShareError, ProtocolError, ZeroCopyError
 from ..protocol.auth import resolve_token
 from ..protocol.messages import COMMANDS, LISTEN, MAX_RELEASE_IDS, UNLISTEN, Command, Key, ZeroCopy
 from ..protocol.tls import TLSSettings
@@ -30,7 +30,7 @@ from .connection import (
     NO_VALUE, ClientConnection, ListenSnapshot, Reply, next_request_id, notification_of,
     read_reply, reply_buffers, report_unsolicited, request_frame,
 )
-from .devices import as_into, caller_mark, pinned, receive_on_device
+from .devices import as_into, caller_of, check_device, pinned, receive_on_device
 from .listens import Subscriptions
 from .methods import DEFAULT, ClientMethods, bin_fields
 from .routing import finish, next_attempt, route
@@ -47,7 +47,7 @@ class ClientCore(ClientMethods):
                    reuse: int, token, tls: TLSSettings | None, keepalive: float | None, lock) -> None:
         self.host, self.port = host, port
         self.timeout = timeout
-        self.device = device
+        self.device = check_device(device)  # (a device it cannot build on fails here, not at a take)
         self.zero_copy = zero_copy
         self.keepalive = keepalive or None
         self._token = resolve_token(token)
@@ -89,28 +89,6 @@ class ClientCore(ClientMethods):
 
     # -- calls
 
-    def submit(self, op: str | Command, bin: str | None = None, value: Any = NO_VALUE,
-               callback: Callable[[Any, BaseException | None], Any] | None = None, *, tag: int | None = None,
-               zero_copy: bool = True, inline: bool = False, fields: dict | None = None) -> None:
-        """Send a request without waiting; ``callback(result, error)`` runs when the
-        reply arrives (the blocking client: on its dispatcher thread).  ``op`` is a
-        verb (``"PUT"``...) or its :class:`~tensorshare.protocol.messages.Command`;
-        the result is what the matching method returns.  The value has been copied
-        out when this returns, so later changes to it are not sent.
-        ``zero_copy=False``: over TCP only.  ``inline=True`` (the blocking client)
-        runs the callback on the thread that reads the socket, with no hand-off to
-        the dispatcher: for a quick callback that never calls the client.
-        ``fields``: more header fields of the verb (``{"below": 64, "wait": 10.0}``)."""
-        command = op if isinstance(op, Command) else COMMANDS[op]
-        extra = fields
-        fields = None if bin is None else bin_fields(bin, tag)
-        if extra:
-            fields = {**(fields or {}), **extra}
-        if inline:
-            self._submit(command, fields, value, callback or _ignore, zero_copy=zero_copy, inline=True)
-        else:
-            self._submit(command, fields, value, callback or _ignore, zero_copy=zero_copy)
-
     def _new_call(self, command: Command, fields: dict | None, value: Any, areas, callback: Callable | None = None,
                   then: Callable | None = None, on_error: Callable | None = None, on_reply: Callable | None = None,
                   deadline: float | None = None, decode: bool = True, raw: bool = False, device: Any = None,
@@ -127,6 +105,7 @@ class ClientCore(ClientMethods):
             self._wants_device(call, device, into)
         if self._device_calls:
             call.device = pinned(self.device if call.device is None else call.device)
+            call.caller = caller_of(call.device, call.into is not None)
         if areas is not None:
             route(call, areas, self._device_uuid(call) if self._device_calls else None)
         return call
@@ -160,9 +139,7 @@ class ClientCore(ClientMethods):
         return self._exports
 
     def _wants_device(self, call: Call, device: Any, into: Any) -> None:
-        call.device, call.into = device, as_into(into)
-        if into is not None:  # (on the caller's thread: its current stream)
-            call.after = caller_mark(device if device is not None else self.device)
+        call.device, call.into = check_device(device), as_into(into)
         if not self._device_calls and _has_engine(device if device is not None else self.device):
             self._device_calls = True  # from now on, and on later connections
             conn = self._connection()
@@ -199,6 +176,8 @@ class ClientCore(ClientMethods):
             else:
                 finish(call)
                 return reply, None
+        if call.caller is not None:  # nothing may write into its tensors once it failed
+            call.caller.abandon()
         if next_attempt(call, error):
             call.rid, call.outcome = next_request_id(), None
             return None
@@ -256,7 +235,13 @@ class ClientCore(ClientMethods):
             areas.note_put(call.fields.get(Key.BIN), frame.header)  # readers map the bin, or no longer
         try:
             return read_reply(call.command, frame, device, areas=areas if call.decode else None,
-                              decode=call.decode, into=call.into)
+                              decode=call.decode, into=call.into, caller=call.caller)
+        except TensorShareError:
+            raise
+        except Exception as exc:  # torch could not put the values on the device (out of its memory, say)
+            if device is None or not call.decode:
+                raise
+            raise _unplaced(call, frame, areas, device, exc) from exc
         finally:
             if refs:
                 with self._release_lock:  # mapped (or failed): the server may let the files go
@@ -355,6 +340,18 @@ class ClientCore(ClientMethods):
 
 def _ignore(reply: Any, error: Any) -> None:
     pass
+
+
+def _unplaced(call: Call, frame: Frame, areas, device: Any, exc: Exception) -> DeviceError:
+    """The error of a reply whose values could not be put on ``device``: it holds them,
+    built in host memory, so that items a take removed from the server are not lost."""
+    try:
+        items = read_reply(call.command, frame, None, areas=areas).values
+    except Exception as again:  # (not even on the host: the reply itself is bad)
+        return DeviceError(f"the reply's values could not be built on {device!r} ({exc}), nor in host memory "
+                           f"({again})")
+    return DeviceError(f"the reply's {len(items or ())} values could not be built on {device!r}: {exc}; they are in "
+                       f"this error's .items, in host memory", items)
 
 
 def _has_engine(device: Any) -> bool:

@@ -15,15 +15,18 @@ Replies that hold numpy arrays, and small ones, are received as before and moved
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any, Callable
 
 import torch
 
-from ..errors import ProtocolError
+from ..errors import ProtocolError, UsageError
 from ..protocol.messages import ITEMS, Key
 from ..wire.description import DEFAULT_LIMITS, Description, _ArrayRef, _TupleNode, parse_description
 from .connection import item_table
+
+log = logging.getLogger("tensorshare.client")
 
 DEVICE_MIN = 1 << 20  # replies from this many payload bytes arrive into device memory directly
 
@@ -39,7 +42,12 @@ def receive_on_device(conn, client) -> None:
     def sink(header: dict, nbytes: int):
         if nbytes >= DEVICE_MIN:
             client = owner()
-            made = None if client is None else device_sink(client, header, nbytes)
+            try:
+                made = None if client is None else device_sink(client._calls.get(header.get(Key.ID)), client.device,
+                                                               header, nbytes)
+            except RuntimeError as exc:  # no room on the device: received in host memory (a take loses nothing)
+                log.warning("a reply of %d bytes is received in host memory: %s", nbytes, exc)
+                made = None
             if made is not None:
                 return made
         return plain(header, nbytes)
@@ -48,15 +56,13 @@ def receive_on_device(conn, client) -> None:
     conn.device_sinks = True
 
 
-def device_sink(client, header: dict, nbytes: int):
-    """The engine's sink for a reply whose call wants a device, or None (the plain
-    sink: not an items reply, no device wanted, or arrays the device cannot hold)."""
-    if header.get(Key.CODE) != ITEMS:
+def device_sink(call, default_device: Any, header: dict, nbytes: int):
+    """The engine's sink for a reply to ``call`` (in flight; None: nobody waits for it)
+    if it wants a device (its own, else ``default_device``), or None (the plain sink:
+    not an items reply, no device wanted, or arrays the device cannot hold)."""
+    if header.get(Key.CODE) != ITEMS or call is None:
         return None
-    call = client._calls.get(header.get(Key.ID))
-    if call is None:
-        return None
-    device = call.device if call.device is not None else client.device
+    device = call.device if call.device is not None else default_device
     from ..device import engine_for
 
     engine = engine_for(device)
@@ -69,7 +75,31 @@ def device_sink(client, header: dict, nbytes: int):
         return None
     if layout is False:
         return None
-    return engine.incoming(nbytes, index, layout, call.after)
+    return engine.incoming(nbytes, index, layout, call.caller)
+
+
+def check_device(device: Any) -> Any:
+    """``device`` if replies can be built there, else :class:`UsageError` (before
+    anything is sent: a take whose items cannot be built would lose them)."""
+    if device is None:
+        return None
+    try:
+        where = torch.device(device)
+    except (TypeError, RuntimeError, ValueError) as exc:
+        raise UsageError(f"device {device!r} is not a torch device: {exc}") from None
+    if where.type == "cpu":
+        return device
+    from ..device import engine_for
+
+    if engine_for(where) is not None:
+        return device
+    if where.type == "cuda":
+        raise UsageError(f"device {device!r}: this torch sees no CUDA device")
+    module = getattr(torch, where.type, None)
+    available = getattr(module, "is_available", None)
+    if where.type == "meta" or available is None or not available():
+        raise UsageError(f"device {device!r} cannot hold the values of a reply")
+    return device
 
 
 def pinned(device: Any) -> Any:
@@ -84,19 +114,24 @@ def pinned(device: Any) -> Any:
         return device  # (the call says what is wrong with it)
     if where.type != "cuda" or where.index is not None:
         return device
-    return torch.device("cuda", torch.cuda.current_device())
+    from ..device import engine_for
+
+    engine = engine_for(where)
+    return device if engine is None else torch.device("cuda", engine.streams.index(where))
 
 
-def caller_mark(device: Any) -> Any:
-    """The point the caller's current stream of ``device`` has reached (an event), for
-    writes into its tensors to wait for; None where ``device`` has no engine.  Made
-    at the call, on the caller's thread: the reply may be read on another."""
+def caller_of(device: Any, with_mark: bool) -> Any:
+    """The :class:`~tensorshare.device.payload.Caller` of a call whose reply goes to
+    ``device`` (its current stream, and with ``with_mark`` the point that stream has
+    reached, for writes into its tensors to wait for); None where ``device`` has no
+    engine.  Taken at the call, on the caller's thread: the reply may be read on
+    another."""
     from ..device import engine_for
 
     engine = engine_for(device)
     if engine is None:
         return None
-    return engine.streams.mark(engine.streams.index(device))
+    return engine.caller(engine.streams.index(device), with_mark)
 
 
 def payload_layout(header: dict, nbytes: int, into: Callable | None, engine, index: int):

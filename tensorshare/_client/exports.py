@@ -1,20 +1,21 @@
 """Puts by device reference: the publisher's side of CUDA IPC on one host (PROTOCOL.md §13).
 
 ``Client.put(bin, value, by_reference=True)`` of a value in GPU memory, on the
-server's host: the value is snapshotted into one block of device memory and shared
-(:func:`tensorshare.device.ipc.export`); the PUT carries the reference, not the
-bytes, so the server stores the item at once and same-host CUDA readers copy it
-device to device.  Then this client's uploader thread sends the snapshot's bytes
-(a PUT with ``fill``), for readers elsewhere or without CUDA; an upload still
-waiting when a newer value is put by reference to the same bin is dropped (no
-reader will ask for the older item's bytes).
+server's host: the value is snapshotted into one block of device memory
+(:func:`tensorshare.device.ipc.snapshot`) and shared (:func:`~tensorshare.device.ipc.share`);
+the PUT carries the reference, not the bytes, so the server stores the item at
+once and same-host CUDA readers copy it device to device.  Then the snapshot's
+bytes follow (a PUT with ``fill``) on a connection of their own, for readers
+elsewhere or without CUDA (:mod:`.uploads`).  With ``wait=False`` the caller's
+thread only queues the snapshot's copies: a thread of the client waits for them
+and sends the PUT.
 
 :class:`Exports` keeps each snapshot until a reply says the server no longer holds
 its reference (``freed``: the item left its bin and every reader released it).
 When the connection is lost the server lets go of them all; they are kept a few
 seconds more for readers still copying, then dropped.  A server that does not take
-references (one with a data directory, or one from before them) gets the value as
-any put.
+references (one with a data directory, or one from before them), and memory torch
+cannot share, get the value as any put.
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from typing import Any, Callable
 
 from ..errors import TensorShareError, ZeroCopyUnavailableError
 from ..protocol.messages import PUT, Key
 from ..wire.codec import Encoded, encode
-from .connection import NO_VALUE
+from .uploads import Publisher, Uploader
 
 log = logging.getLogger("tensorshare.client")
 
@@ -38,47 +39,21 @@ RETIRE_S = 10.0  # seconds the snapshots of a lost connection are kept for reade
 def put_by_reference(client, bin: str, value: Any, tag: int | None, timeout, *, wait: bool = True,
                      callback: Callable[[Any, BaseException | None], Any] | None = None) -> Any:
     """``client.put(bin, value, tag=tag)`` by device reference where it can be (see the
-    module); the bin's item count.  ``wait=False``: returns at once and
-    ``callback(result, error)`` hears of the reply (inline, on the reading thread)."""
-    from ..device.ipc import export, shares
+    module); the bin's item count.  ``wait=False``: returns once the snapshot's
+    copies are queued, and ``callback(result, error)`` hears of the reply (on a
+    thread of the client: keep it quick)."""
+    from ..device.ipc import shares, snapshot
 
     enc = value if type(value) is Encoded else encode(value)
     areas = client._shared_areas()
     if not (enc.nbytes and shares(enc.engine) and areas is not None and areas.device_refs):
         return _put(client, bin, enc, tag, timeout, wait, callback)
-    try:
-        ref, snapshot = export(enc)
-    except RuntimeError as exc:  # torch cannot share this memory (an expandable segment before torch 2.5...)
-        log.debug("putting %r by its bytes: its device memory cannot be shared (%s)", bin, exc)
-        return _put(client, bin, enc, tag, timeout, wait, callback)
-    ident = ref["id"]
     exports = client._exported()
-    exports.keep(ident, snapshot)
-    fields = {Key.VALUE: enc.description, Key.SIZE: enc.nbytes, Key.CUDA: ref}
+    taken = snapshot(enc)  # the copies are queued behind the caller's work; the host does not wait
     if wait:
-        try:
-            n = client._call(PUT, {Key.BIN: bin, **({} if tag is None else {Key.TAG: tag}), **fields},
-                             timeout=timeout, zero_copy=False)
-        except ZeroCopyUnavailableError:  # a server that takes no references: the bytes, as any put
-            exports.forget(ident)
-            return client.put(bin, snapshot, tag=tag, timeout=timeout)
-        except BaseException:
-            exports.forget(ident)
-            raise
-        exports.upload(client, bin, ident, snapshot)
-        return n
-
-    def stored(result: Any, error: BaseException | None) -> None:
-        if error is None:
-            exports.upload(client, bin, ident, snapshot)
-        else:
-            exports.forget(ident)
-            if isinstance(error, ZeroCopyUnavailableError):
-                exports.send(client, bin, snapshot, tag, callback)
-                return
-        callback(result, error)
-
-    client.submit(PUT, bin, NO_VALUE, stored, tag=tag, zero_copy=False, inline=True, fields=fields)
+        exports.published(10.0)  # after the puts made before it without waiting
+        return exports.publish(client, bin, taken, tag, timeout)
+    exports.publish_later(client, bin, taken, tag, callback)
     return None
 
 
@@ -90,17 +65,75 @@ def _put(client, bin: str, enc: Encoded, tag: int | None, timeout, wait: bool, c
 
 
 class Exports:
-    """A client's snapshots shared by reference, and the thread that uploads their bytes."""
+    """A client's snapshots shared by reference, and the threads that publish them and upload their bytes."""
 
     def __init__(self):
         self._held: dict[int, Encoded] = {}  # reference id -> snapshot, until freed
         self._retired: deque = deque()  # (time, [snapshots]) of lost connections
         self._lock = threading.Lock()
-        self._jobs: OrderedDict = OrderedDict()  # bin -> job: the newest upload per bin, oldest bin first
-        self._cond = threading.Condition(self._lock)
-        self._thread: threading.Thread | None = None
-        self._busy = False  # an upload is running
-        self._closed = False
+        self._publisher = Publisher(self._publish_job)
+        self._uploader: Uploader | None = None
+
+    # -- publishing
+
+    def publish(self, client, bin: str, taken, tag: int | None, timeout=None) -> Any:
+        """Share ``taken`` (a :class:`~tensorshare.device.ipc.Snapshot`, waiting for its
+        copies), put it by reference, and queue its bytes; the bin's item count."""
+        from ..device.ipc import Unshareable, cannot_share, share
+
+        try:
+            ref, snapshot = share(taken)
+        except Unshareable as exc:  # torch cannot share this memory (an expandable segment...)
+            cannot_share(exc)
+            return client.put(bin, taken.enc, tag=tag, timeout=timeout)
+        ident = ref["id"]
+        self.keep(ident, snapshot)
+        fields = {Key.BIN: bin, Key.VALUE: snapshot.description, Key.SIZE: snapshot.nbytes, Key.CUDA: ref}
+        if tag is not None:
+            fields[Key.TAG] = tag
+        try:
+            n = client._call(PUT, fields, timeout=timeout, zero_copy=False)
+        except ZeroCopyUnavailableError:  # a server that takes no references: the bytes, as any put
+            self.forget(ident)
+            return client.put(bin, snapshot, tag=tag, timeout=timeout)
+        except BaseException:
+            self.forget(ident)
+            raise
+        self._uploads(client).add(bin, ident, snapshot)
+        return n
+
+    def publish_later(self, client, bin: str, taken, tag: int | None, callback: Callable | None) -> None:
+        """:meth:`publish` on the publisher thread; ``callback(result, error)`` hears of it."""
+        self._publisher.add((client, bin, taken, tag, callback))
+
+    def _publish_job(self, job: tuple) -> None:
+        client, bin, taken, tag, callback = job
+        try:
+            result, error = self.publish(client, bin, taken, tag), None
+        except TensorShareError as exc:
+            result, error = None, exc
+        if callback is not None:
+            callback(result, error)
+
+    def published(self, timeout: float | None = None) -> bool:
+        """Wait until the puts made with ``wait=False`` are answered; False on timeout."""
+        return self._publisher.idle(timeout)
+
+    def _uploads(self, client) -> Uploader:
+        with self._lock:
+            if self._uploader is None:
+                self._uploader = Uploader(client)
+            return self._uploader
+
+    def idle(self, timeout: float | None = None) -> bool:
+        """Wait until every put is answered and every upload sent; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._publisher.idle(timeout):
+            return False
+        uploader = self._uploader
+        return uploader is None or uploader.idle(None if deadline is None else max(deadline - time.monotonic(), 0))
+
+    # -- the snapshots held
 
     def keep(self, ident: int, snapshot: Encoded) -> None:
         with self._lock:
@@ -130,73 +163,14 @@ class Exports:
             if self._held:
                 self._retired.append((time.monotonic(), list(self._held.values())))
                 self._held.clear()
-            self._jobs.clear()  # their items went with the connection
-
-    # -- the uploader
-
-    def upload(self, client, bin: str, ident: int, snapshot: Encoded) -> None:
-        """Send the bytes of the item put with reference ``ident`` (in the background)."""
-        self._queue(client, bin, ("fill", ident, snapshot))
-
-    def send(self, client, bin: str, snapshot: Encoded, tag: int | None, callback: Callable) -> None:
-        """Put ``snapshot`` as any value (in the background, in order with the uploads)."""
-        self._queue(client, bin, ("put", snapshot, tag, callback))
-
-    def _queue(self, client, bin: str, job: tuple) -> None:
-        with self._cond:
-            if self._closed:
-                return
-            self._jobs.pop(bin, None)  # an older upload to the same bin is no longer wanted
-            self._jobs[bin] = job
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, args=(client,), name="tensorshare-upload",
-                                                daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
-
-    def idle(self, timeout: float | None = None) -> bool:
-        """Wait until no upload waits or runs; False on timeout."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._jobs and not self._busy, timeout)
-
-    def _run(self, client) -> None:
-        while True:
-            with self._cond:
-                while not self._jobs and not self._closed:
-                    self._cond.wait()
-                if self._closed:
-                    return
-                bin, job = self._jobs.popitem(last=False)
-                self._busy = True
-            try:
-                if job[0] == "fill":
-                    _, ident, snapshot = job
-                    client._call(PUT, {Key.BIN: bin, Key.VALUE: snapshot.description, Key.FILL: ident}, snapshot)
-                else:
-                    _, snapshot, tag, callback = job
-                    try:
-                        result = client.put(bin, snapshot, tag=tag)
-                    except TensorShareError as exc:
-                        callback(None, exc)
-                    else:
-                        callback(result, None)
-            except TensorShareError as exc:  # readers without CUDA then wait, and may time out (451)
-                (log.debug if self._closed else log.warning)(
-                    "could not upload the bytes of an item of %r put by device reference: %s", bin, exc)
-            except Exception:
-                log.exception("uploading the bytes of an item of %r failed", bin)
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
+            uploader = self._uploader
+        if uploader is not None:
+            uploader.clear()  # their items went with the connection
 
     def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._jobs.clear()
+        self._publisher.close()
+        if self._uploader is not None:
+            self._uploader.close()
+        with self._lock:
             self._held.clear()
             self._retired.clear()
-            self._cond.notify_all()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(5.0)

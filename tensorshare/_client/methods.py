@@ -15,7 +15,9 @@ import time
 from typing import Any, Callable
 
 from ..errors import UsageError
-from ..protocol.messages import APPEND, DELETE, GET, LIST, LISTEN, MAX_WAIT, NOOP, OK, PEEK, PUT, UNLISTEN, Key
+from ..protocol.messages import (
+    APPEND, COMMANDS, DELETE, GET, LIST, LISTEN, MAX_WAIT, NOOP, OK, PEEK, PUT, UNLISTEN, Command, Key,
+)
 from .calls import DEFAULT
 from ..protocol.items import item_table
 from .connection import NO_VALUE, ListenSnapshot, Notification
@@ -53,6 +55,28 @@ class ClientMethods(TableMethods):
     def _owner_of(self, name: str) -> "ClientMethods":
         """The client that serves bin ``name`` (see ``core.ClientCore._owner_of``)."""
         return self
+
+    def submit(self, op: "str | Command", bin: str | None = None, value: Any = NO_VALUE,
+               callback: Callable[[Any, BaseException | None], Any] | None = None, *, tag: int | None = None,
+               zero_copy: bool = True, inline: bool = False, fields: dict | None = None) -> None:
+        """Send a request without waiting; ``callback(result, error)`` runs when the
+        reply arrives (the blocking client: on its dispatcher thread).  ``op`` is a
+        verb (``"PUT"``...) or its :class:`~tensorshare.protocol.messages.Command`;
+        the result is what the matching method returns.  The value has been copied
+        out when this returns, so later changes to it are not sent.
+        ``zero_copy=False``: over TCP only.  ``inline=True`` (the blocking client)
+        runs the callback on the thread that reads the socket, with no hand-off to
+        the dispatcher: for a quick callback that never calls the client.
+        ``fields``: more header fields of the verb (``{"below": 64, "wait": 10.0}``)."""
+        command = op if isinstance(op, Command) else COMMANDS[op]
+        extra = fields
+        fields = None if bin is None else bin_fields(bin, tag)
+        if extra:
+            fields = {**(fields or {}), **extra}
+        if inline:
+            self._submit(command, fields, value, callback or _ignore, zero_copy=zero_copy, inline=True)
+        else:
+            self._submit(command, fields, value, callback or _ignore, zero_copy=zero_copy)
 
     # -- storing
 
@@ -361,6 +385,10 @@ class ClientMethods(TableMethods):
     def _forget_listen(self, name: str) -> None:
         """Ask the server, without waiting, to stop notifying of bin ``name``."""
         raise NotImplementedError
+
+
+def _ignore(result: Any, error: Any) -> None:
+    pass
 
 
 def _progress(progress: Callable | None) -> dict:

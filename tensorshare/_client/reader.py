@@ -1,11 +1,11 @@
-"""The blocking client's background reader: a thread that keeps the socket drained.
+"""The blocking client's background reader: a thread that keeps one member's socket drained.
 
 While a :class:`~tensorshare.Client` listens, or has non-blocking calls in
 flight, somebody must read the socket even when no caller waits for a reply:
 notifications and callbacks would otherwise sit unread.  The reader takes the
-client's leader role whenever no calling thread holds it, reconnects with
-backoff when the connection is lost (the client then listens again), and ends
-once there is nothing left to read for.
+member's leader role whenever no calling thread holds it, reconnects after the
+engine's backoff when the connection is lost (the engine then listens again), and
+ends once there is nothing left to read for.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import threading
 import time
 
 from ..errors import AuthenticationError, TensorShareError, TimeoutError
-from ..protocol.retry import Backoff
 
 log = logging.getLogger("tensorshare.client")
 
@@ -23,20 +22,20 @@ _LINGER = 2.0  # seconds an idle reader waits for more work before it ends
 
 
 class BackgroundReader:
-    """The reader thread of one client (started by :meth:`ensure`, on demand)."""
+    """The reader thread of one member (started by :meth:`ensure`, on demand)."""
 
-    def __init__(self, client):
-        self.client = client
+    def __init__(self, member):
+        self.member = member
         self.thread: threading.Thread | None = None
         self._idle = False  # the thread waits for work (set under the client's lock)
 
     def needed(self) -> bool:
-        c = self.client
-        return not c._closed and c._failure is None and bool(c._listens or c._calls.callbacks)
+        m = self.member
+        return not m.closed and m.engine.failure is None and bool(m.engine.listens or m.callbacks)
 
     def ensure(self) -> None:
         """Make sure a reader runs if one is needed (cheap when one does)."""
-        cond = self.client._cond
+        cond = self.member.cond
         if self.thread is not None:  # unlocked fast path: an exiting reader re-checks
             if self._idle:  # it waits for work: wake it for the new work
                 with cond:
@@ -49,8 +48,7 @@ class BackgroundReader:
             self.thread.start()
 
     def _run(self) -> None:
-        client, cond = self.client, self.client._cond
-        backoff = Backoff(0.05, client.max_backoff)
+        member, cond = self.member, self.member.cond
         idle_since = None
         try:
             while True:
@@ -61,38 +59,47 @@ class BackgroundReader:
                         # thread each time costs more than the calls.
                         now = time.monotonic()
                         idle_since = now if idle_since is None else idle_since
-                        if client._closed or client._failure is not None or now - idle_since >= _LINGER:
+                        if member.closed or member.engine.failure is not None or now - idle_since >= _LINGER:
                             return
                         self._idle = True
-                        cond.wait(idle_since + _LINGER - now)
+                        member.waiting += 1
+                        try:
+                            cond.wait(idle_since + _LINGER - now)
+                        finally:
+                            member.waiting -= 1
                         self._idle = False
                         continue
                     idle_since = None
-                    if client._reading:
-                        cond.wait(1.0)
+                    if member.reading:
+                        member.waiting += 1
+                        try:
+                            cond.wait(1.0)
+                        finally:
+                            member.waiting -= 1
                         continue
-                    client._reading = True
+                    member.reading = True
                 failure = None
                 try:
-                    if client._link is None:
-                        client._ensure_connected(None)
-                        backoff.reset()
-                    client._read_some(time.monotonic() + 1.0)
+                    if member.link is None:
+                        member.connect(None)
+                    member.read_some(time.monotonic() + 1.0)
                 except TimeoutError:
                     pass
                 except TensorShareError as exc:
                     failure = exc
                 finally:
                     with cond:
-                        client._reading = False
+                        member.reading = False
                         cond.notify_all()
                 if failure is not None:
-                    if client._closed:
+                    if member.closed:
                         return
                     if isinstance(failure, AuthenticationError):
                         log.error("tensorshare reader: %s; not reconnecting", failure)
                         return
-                    delay = backoff.next()
+                    delay = member.engine.retry_delay()
+                    if delay is None:
+                        return
                     log.info("tensorshare reader: %s; retrying in %.2fs", failure, delay)
                     time.sleep(delay)
         finally:

@@ -23,8 +23,8 @@ import time
 
 from ..errors import ConnectionLostError, TimeoutError, UntrustedServerError, WrongServerError
 from ..protocol import peers
+from ..protocol.engine import Engine
 from ..protocol.tls import TLSSettings
-from .connection import ClientConnection
 
 log = logging.getLogger("tensorshare.client")
 
@@ -34,11 +34,11 @@ _TLS_CHUNK = 1 << 20  # bytes handed to one SSL write (a retry after want-write 
 
 
 class Link:
-    """One open connection of a blocking client: the socket, its protocol state
-    (``conn``) and poll objects for reading, writing and both."""
+    """One open connection of a blocking client: the socket, the engine whose
+    connection it is, and poll objects for reading, writing and both."""
 
-    def __init__(self, sock: socket.socket, conn: ClientConnection, tls: bool):
-        self.sock, self.conn, self.tls = sock, conn, tls
+    def __init__(self, sock: socket.socket, engine: Engine, tls: bool):
+        self.sock, self.engine, self.tls = sock, engine, tls
         self.readable = _poller(sock, select.POLLIN)
         self.writable = _poller(sock, select.POLLOUT)
         self.readwrite = _poller(sock, select.POLLIN | select.POLLOUT)
@@ -98,9 +98,10 @@ class Link:
 
 
 def open_link(host: str, port: int, connect_timeout: float, tls: TLSSettings | None,
-              ssl_context: ssl.SSLContext | None, conn: ClientConnection) -> Link:
-    """Open a connection: TCP, TLS if asked, the server's greeting and, if it asks,
-    authentication.  Blocking, within ``connect_timeout`` in all."""
+              ssl_context: ssl.SSLContext | None, engine: Engine) -> Link:
+    """Open a connection for ``engine``: TCP, TLS if asked, the server's greeting and,
+    if it asks, authentication (and the listens the engine restores, sent).
+    Blocking, within ``connect_timeout`` in all."""
     deadline = time.monotonic() + connect_timeout
     where = f"{host}:{port}"
     try:
@@ -111,12 +112,13 @@ def open_link(host: str, port: int, connect_timeout: float, tls: TLSSettings | N
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if ssl_context is not None:
             sock = _start_tls(sock, host, ssl_context, tls, deadline)
-        _handshake(sock, conn, where, deadline, connect_timeout, tls is not None)
+        _handshake(sock, engine, where, deadline, connect_timeout, tls is not None)
         sock.setblocking(False)
-    except BaseException:
+    except BaseException as exc:
         sock.close()
+        engine.refused(exc)
         raise
-    return Link(sock, conn, ssl_context is not None)
+    return Link(sock, engine, ssl_context is not None)
 
 
 def _start_tls(sock: socket.socket, host: str, context: ssl.SSLContext, tls: TLSSettings,
@@ -139,7 +141,7 @@ def _start_tls(sock: socket.socket, host: str, context: ssl.SSLContext, tls: TLS
     return tls_sock
 
 
-def _handshake(sock: socket.socket, conn: ClientConnection, where: str, deadline: float,
+def _handshake(sock: socket.socket, engine: Engine, where: str, deadline: float,
                connect_timeout: float, tls: bool) -> None:
     """Read the greeting and authenticate if the server asks (blocking, until ``deadline``).
 
@@ -148,8 +150,9 @@ def _handshake(sock: socket.socket, conn: ClientConnection, where: str, deadline
     instead of after the whole timeout."""
     probe_at = None if tls else time.monotonic() + min(peers.PROBE_AFTER, connect_timeout / 2)
     speaks = None  # what the probe found, if it ran
+    engine.connected(time.monotonic())
     try:
-        while not conn.ready:
+        while not engine.ready:
             now = time.monotonic()
             remaining = deadline - now
             if remaining <= 0:
@@ -171,13 +174,9 @@ def _handshake(sock: socket.socket, conn: ClientConnection, where: str, deadline
             if not data:
                 raise ConnectionResetError("closed before the handshake was over")
             probe_at = None  # it speaks: what it says tells
-            for frame in conn.feed(data):
-                if conn.ready:  # the server sends nothing unasked before a request
-                    log.debug("dropping a frame that followed the handshake: %r", frame.header)
-                    continue
-                request = conn.opening(frame)
-                if request is not None:
-                    sock.sendall(request)
+            engine.receive(data, time.monotonic())  # (the server sends nothing unasked after its opening)
+            if engine.outbox:  # AUTH; once ready, the listens restored
+                sock.sendall(b"".join(engine.take_outbox()))
     except WrongServerError:
         raise
     except socket.timeout:

@@ -139,7 +139,7 @@ class TableMethods:
                      priority_exponent: float = 1.0, remover: str | None = "fifo", max_times_sampled: int = 0,
                      min_size_to_sample: int = 1, samples_per_insert: float | None = None,
                      error_buffer: float | tuple[float, float] | None = None, meta: dict | None = None,
-                     add_columns: bool = False, timeout=DEFAULT) -> Any:
+                     add_columns: bool = False, replace: bool = False, timeout=DEFAULT) -> Any:
         """Make table ``name`` of ``capacity`` rows; returns its row count (0, or more if
         a table with the same settings is there already: it is kept as it is).
 
@@ -158,6 +158,8 @@ class TableMethods:
         :meth:`table_info` (``tensorshare.torchrl`` notes there how values map to
         columns).  ``add_columns=True``: a table there whose settings differ only by
         lacking some of ``columns`` gains them (zeros in the rows it holds).
+        ``replace=True``: a table there is replaced by the new, empty one, once the
+        server has accepted the new settings (a refused one leaves it as it was).
         """
         spec: dict = {"capacity": capacity, "sampler": sampler, "priority_exponent": priority_exponent,
                       "remover": remover, "max_times_sampled": max_times_sampled,
@@ -173,6 +175,8 @@ class TableMethods:
         fields = {Key.BIN: name, TableKey.SPEC: spec}
         if add_columns:
             fields[TableKey.ADD_COLUMNS] = True
+        if replace:
+            fields[TableKey.REPLACE] = True
         return self._call(TCREATE, fields, timeout=timeout)
 
     def insert(self, name: str, batch: Any, priorities=None, *, timeout=DEFAULT, with_size: bool = False) -> Any:

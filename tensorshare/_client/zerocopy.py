@@ -258,17 +258,17 @@ class SharedAreas:
     # -- GET / PEEK
 
     def load(self, ref: Any, description: bytes, size: int, device: Any = None,
-             limits: DecodeLimits = DEFAULT_LIMITS, into: Any = None) -> Any:
+             limits: DecodeLimits = DEFAULT_LIMITS, into: Any = None, caller: Any = None) -> Any:
         """The value of an item a 226 reply refers to (``[area, path]``), mapped copy-on-write
-        (on a ``device``: copied there, into the tensors ``into`` gives, see
-        :func:`~tensorshare.memmap.load_item`).
+        (on a ``device``: copied there, into the tensors ``into`` gives, handed to
+        ``caller``'s stream, see :func:`~tensorshare.memmap.load_item`).
 
         Raises :class:`ZeroCopyError` if the reference is malformed, names an area
         not verified, leaves its area, or finds no whole item with exactly that
         description and size."""
         stored = self.item(ref, description, size, limits)
         try:
-            return load_item(stored, device=device, limits=limits, follow_symlinks=False, into=into)
+            return load_item(stored, device=device, limits=limits, follow_symlinks=False, into=into, caller=caller)
         except LayoutError as exc:
             raise ZeroCopyError(f"cannot map a referenced item: {exc}") from None
         except OSError as exc:

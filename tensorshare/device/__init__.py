@@ -17,6 +17,7 @@ import threading
 from typing import Any
 
 _ENGINES: dict[str, Any] = {}  # device type -> Engine (made on first use)
+_CUDA: list = [None]  # whether a CUDA device is there (asked once)
 _lock = threading.Lock()
 
 
@@ -32,15 +33,27 @@ def engine_for(device: Any):
     except (TypeError, RuntimeError, ValueError):
         return None
     engine = _ENGINES.get(kind)
-    if engine is None and kind == "cuda" and torch.cuda.is_available():
+    if engine is None and kind == "cuda" and _cuda_present():
         engine = _cuda_engine()
     return engine
 
 
 def engine_of(tensor: Any):
-    """The engine that sends ``tensor`` (a CUDA tensor)."""
+    """The engine that sends ``tensor`` (a CUDA tensor, or another kind of device
+    memory an engine was installed for)."""
     engine = _ENGINES.get(tensor.device.type)
     return engine if engine is not None else _cuda_engine()
+
+
+def _cuda_present() -> bool:
+    """Whether this torch sees a CUDA device, asked without initialising CUDA where
+    it can be (NVML): a parent that asks and forks later keeps usable children
+    (``torch.cuda.is_available()`` initialises the driver).  Remembered."""
+    if _CUDA[0] is None:
+        import torch
+
+        _CUDA[0] = torch.cuda.is_initialized() or (torch.cuda._is_compiled() and torch.cuda.device_count() > 0)
+    return _CUDA[0]
 
 
 def _cuda_engine():

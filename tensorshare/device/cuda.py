@@ -36,8 +36,7 @@ class CudaStreams:
     kind = "cuda"
 
     def __init__(self):
-        self._side: dict[int, torch.cuda.Stream] = {}
-        self._lock = threading.Lock()
+        self._local = threading.local()
 
     # -- what lives where
 
@@ -56,14 +55,20 @@ class CudaStreams:
     # -- streams and events
 
     def side(self, index: int) -> torch.cuda.Stream:
-        """The engine's own stream on device ``index`` (made once)."""
-        stream = self._side.get(index)
+        """The calling thread's own engine stream on device ``index`` (made once per
+        thread, from torch's pool of streams): one thread's transfers never queue
+        behind another's."""
+        streams = getattr(self._local, "side", None)
+        if streams is None:
+            streams = self._local.side = {}
+        stream = streams.get(index)
         if stream is None:
-            with self._lock:
-                stream = self._side.get(index)
-                if stream is None:
-                    stream = self._side[index] = torch.cuda.Stream(device=index)
+            stream = streams[index] = torch.cuda.Stream(device=index)
         return stream
+
+    def current(self, index: int) -> torch.cuda.Stream:
+        """The calling thread's current stream of device ``index`` (the caller's)."""
+        return torch.cuda.current_stream(index)
 
     def mark(self, index: int) -> torch.cuda.Event:
         """An event at the end of the work queued so far on the caller's current stream
@@ -81,6 +86,10 @@ class CudaStreams:
         event.record(stream)
         return event
 
+    def happened(self, event: torch.cuda.Event) -> bool:
+        """Whether the work before ``event`` is done (the host does not wait)."""
+        return event.query()
+
     def synchronize(self, event: torch.cuda.Event) -> None:
         """The host waits until ``event`` has happened."""
         event.synchronize()
@@ -95,17 +104,10 @@ class CudaStreams:
         with torch.cuda.stream(stream):
             return fn()
 
-    def caller_waits(self, index: int, event: torch.cuda.Event) -> None:
-        """The caller's current stream of device ``index`` runs its later work only after
-        ``event`` (the host does not wait): a kernel queued after the call cannot
-        change a tensor the engine is still reading."""
-        torch.cuda.current_stream(index).wait_event(event)
-
-    def hand_over(self, event: torch.cuda.Event, tensor: torch.Tensor) -> None:
-        """The caller's current stream waits for ``event`` before it uses ``tensor``, and
+    def hand_over(self, event: torch.cuda.Event, tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        """``stream`` (the caller's) waits for ``event`` before it uses ``tensor``, and
         the caching allocator will not reuse ``tensor``'s memory before that stream is
         done with it (it was allocated on the engine's stream)."""
-        stream = torch.cuda.current_stream(tensor.device)
         stream.wait_event(event)
         tensor.record_stream(stream)
 
@@ -155,6 +157,10 @@ class CudaStreams:
         if uuid is not None:
             return str(uuid)
         return "pci-{}:{}:{}".format(*(getattr(properties, f"pci_{k}_id", "?") for k in ("domain", "bus", "device")))
+
+    def total_memory(self, index: int) -> int:
+        """The bytes of device ``index``'s memory: no IPC block lies beyond them."""
+        return torch.cuda.get_device_properties(index).total_memory
 
     def local_index(self, uuid: str) -> int | None:
         """This process's index of the device with ``uuid`` (None if it sees none)."""

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from .buckets import Bucket, Ranges, plan, windows
-from .payload import DevicePayload
+from .payload import Caller, DevicePayload
 from .pool import Pool
 
 DEFAULT_BUCKET = 16 << 20  # bytes per staging buffer: a copy of 0.3 ms at 55 GB/s, 4 ms of loopback TCP
@@ -87,16 +87,27 @@ class DeviceSpan:
         part.mark = self.mark
         return part
 
-    def flat(self, waited: set | None = None) -> torch.Tensor:
-        """The tensor's bytes as a contiguous 1-D uint8 device tensor (made on the
-        engine's stream, after the mark, when the tensor is not laid out so already)."""
+    def flat(self, side: Any, waited: set | None = None) -> torch.Tensor:
+        """The tensor's bytes as a contiguous 1-D uint8 device tensor, for work about to
+        be queued on ``side`` (an engine stream): a view when the tensor is laid out
+        so, else made on an engine stream after the mark (``side`` then waits for
+        it, when another thread's stream made it)."""
         source = self._source
         if source[1] is None:
-            streams = self.engine.streams
-            side = streams.side(self.index)
-            self.engine._wait_for_mark(self, side, waited)
-            source[1] = streams.run(side, lambda: contiguous_bytes(source[0]))
-        return source[1]
+            tensor = source[0]
+            if tensor.is_contiguous() and tensor.numel() != 1 and not tensor.is_conj() and not tensor.is_neg():
+                source[1] = (tensor.reshape(-1).view(torch.uint8), None, None)  # (no kernel: nothing to wait for)
+            else:
+                self.engine._wait_for_mark(self, side, waited)
+                made = self.engine.streams.run(side, lambda: contiguous_bytes(tensor))
+                source[1] = (made, side, None)
+        flat, made_on, made = source[1]
+        if made_on is not None and made_on is not side:
+            if made is None:
+                made = self.engine.streams.record(made_on)
+                source[1] = (flat, made_on, made)
+            self.engine.streams.wait(side, made)
+        return flat
 
 
 def contiguous_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -243,10 +254,10 @@ class Engine:
             for piece in bucket.pieces:
                 part = parts[piece.part]
                 if type(part) is DeviceSpan:
-                    source = part.flat(waited)
                     side = sides.get(part.index)
                     if side is None:
                         side = sides[part.index] = streams.side(part.index)
+                    source = part.flat(side, waited)
                     self._wait_for_mark(part, side, waited)
                     begin = part.start + piece.start
                     streams.copy(buffer[piece.at : piece.at + piece.length], source[begin : begin + piece.length],
@@ -303,17 +314,20 @@ class Engine:
         memory on device ``index`` (device bytes copied device to device, host bytes
         copied up), complete at ``event``: a version that later changes to the
         tensors do not reach (the caller's streams run their later work after the
-        copies).  The host does not wait."""
+        copies).  The host does not wait, behind the caller's queued work or
+        anything else: host parts up to a bucket (alignment padding, small CPU
+        tensors) are gathered into one new pinned buffer, whose memory the runtime
+        reuses only once the copies from it are done."""
         streams = self.streams
         side = streams.side(index)
         total = sum(len(p) if type(p) is DeviceSpan else memoryview(p).nbytes for p in parts)
         flat = streams.empty(total, index, side)
         waited: set = set()
+        small = []  # (payload offset, host bytes) of the host parts gathered
         position = 0
-        staging: list = []  # pinned buffers of host parts, given back once the copies are done
         for part in parts:
             if type(part) is DeviceSpan:
-                source = part.flat(waited)
+                source = part.flat(streams.side(part.index), waited)
                 if part.index != index:  # made on its own device's stream: done before this one reads it
                     streams.synchronize(streams.record(streams.side(part.index)))
                 self._wait_for_mark(part, side, waited)
@@ -322,63 +336,94 @@ class Engine:
                 position += part.nbytes
                 continue
             view = memoryview(part).cast("B")
-            for start in range(0, view.nbytes, self.bucket):
-                chunk = view[start : start + self.bucket]
-                buffer = self.pool.take()
-                buffer.numpy()[: chunk.nbytes] = np.frombuffer(chunk, np.uint8)
-                streams.copy(flat[position : position + chunk.nbytes], buffer[: chunk.nbytes], side)
-                staging.append(buffer)
-                position += chunk.nbytes
-                if len(staging) >= self.depth:  # bound the pinned memory a large host part holds
-                    event = streams.record(side)
-                    for held in staging:
-                        self.pool.give(held, event)
-                    staging = []
+            if view.nbytes <= self.bucket:
+                if view.nbytes:
+                    small.append((position, view))
+            else:
+                self._snapshot_large(flat, position, view, side)
+            position += view.nbytes
+        if small:
+            gathered = streams.host(sum(view.nbytes for _p, view in small))
+            host, at = gathered.numpy(), 0
+            for position, view in small:
+                host[at : at + view.nbytes] = np.frombuffer(view, np.uint8)
+                streams.copy(flat[position : position + view.nbytes], gathered[at : at + view.nbytes], side)
+                at += view.nbytes
+        event = streams.record(side)
+        for source in {part.index for part in parts if type(part) is DeviceSpan}:
+            streams.wait(streams.current(source), event)
+        return flat, event
+
+    def _snapshot_large(self, flat: torch.Tensor, position: int, view: memoryview, side: Any) -> None:
+        """A host part larger than a bucket copied up into ``flat`` at ``position``,
+        through a few pooled pinned buffers (a large CPU tensor in a device value: rare)."""
+        streams = self.streams
+        staging: list = []
+        for start in range(0, view.nbytes, self.bucket):
+            chunk = view[start : start + self.bucket]
+            buffer = self.pool.take()
+            buffer.numpy()[: chunk.nbytes] = np.frombuffer(chunk, np.uint8)
+            streams.copy(flat[position + start : position + start + chunk.nbytes], buffer[: chunk.nbytes], side)
+            staging.append(buffer)
+            if len(staging) >= self.depth:  # bound the pinned memory it holds
+                event = streams.record(side)
+                for held in staging:
+                    self.pool.give(held, event)
+                staging = []
         event = streams.record(side)
         for held in staging:
             self.pool.give(held, event)
-        for source in {part.index for part in parts if type(part) is DeviceSpan}:
-            streams.caller_waits(source, event)
-        return flat, event
 
-    def copy_in(self, source: torch.Tensor, nbytes: int, index: int, layout: list | None = None) -> "DevicePayload":
+    def copy_in(self, source: torch.Tensor, nbytes: int, index: int, layout: list | None = None,
+                caller: Caller | None = None) -> "DevicePayload":
         """A payload laid out in device memory (``source``, uint8: another process's
-        block, opened by CUDA IPC) copied into memory of device ``index``, placed as
-        :meth:`incoming` places one.  The copies are done when this returns: the
-        source may be let go."""
-        streams = self.streams
-        side = streams.side(index)
-        places = _Places(self, nbytes, index, side, layout)
+        block, opened by CUDA IPC, or a snapshot of this one) copied into memory of
+        device ``index`` on this thread's engine stream, placed as :meth:`incoming`
+        places one; the copies are queued (the host does not wait): keep ``source``
+        until they are done (:meth:`on_side`)."""
+        side = self.streams.side(index)
+        places = _Places(self, nbytes, index, side, layout, caller)
         for key, offset, length, at in places.ranges.cut(0, nbytes):
-            streams.copy(places.destination(key, offset, length), source[at : at + length], side)
-        event = streams.record(side)
-        streams.synchronize(event)
-        return places.payload(event)
+            self.streams.copy(places.destination(key, offset, length), source[at : at + length], side)
+        return places.payload(self.streams.record(side))
+
+    def on_side(self, index: int, fn):
+        """``fn()`` with this thread's engine stream of device ``index`` current (the
+        torch ops it launches are queued after the engine's copies there)."""
+        return self.streams.run(self.streams.side(index), fn)
+
+    def caller(self, index: int, with_mark: bool = False) -> Caller:
+        """The :class:`~.payload.Caller` of a receive into device ``index``, taken now (on
+        the caller's thread); ``with_mark`` when it names destination tensors."""
+        return Caller(self.streams, index, with_mark)
 
     # -- in: host to device
 
-    def incoming(self, nbytes: int, index: int, layout: list | None = None, after: Any = None) -> "Incoming":
+    def incoming(self, nbytes: int, index: int, layout: list | None = None,
+                 caller: Caller | None = None) -> "Incoming":
         """A payload sink (:class:`~tensorshare.wire.frames.FrameDecoder`'s protocol) that
         puts ``nbytes`` arriving bytes into memory of device ``index``.  ``layout``:
         ``[(payload offset, length, destination or None), ...]`` for the arrays: a
         destination is a contiguous uint8 device tensor their bytes go into
         (bytes no array covers are dropped); None (no layout): one buffer laid out
-        as the payload.  ``after``: the caller's mark (:meth:`~.cuda.CudaStreams.mark`,
-        made on the caller's thread) that writes into destinations wait for; None:
-        the current stream of the thread that makes the sink."""
-        return Incoming(self, nbytes, index, layout, after)
+        as the payload.  ``caller`` (:meth:`caller`, taken on the caller's thread):
+        the stream the result is handed to, and the mark that writes into
+        destinations wait for; None: the current stream of the thread that makes
+        the sink."""
+        return Incoming(self, nbytes, index, layout, caller)
 
-    def upload(self, arrays: list, nbytes: int, index: int, layout: list | None = None) -> "DevicePayload":
+    def upload(self, arrays: list, nbytes: int, index: int, layout: list | None = None,
+               caller: Caller | None = None) -> "DevicePayload":
         """The payload made of host ``arrays`` (``(payload offset, uint8 array)``, in
         order; the gaps are padding), put into memory of device ``index`` as
         :meth:`incoming` would: the server's mapped files of an item, on its host.
         Staged through pinned buckets, or, with ``register_host``, copied straight
         from the registered pages."""
         if self.register_host:
-            payload = self._upload_registered(arrays, nbytes, index, layout)
+            payload = self._upload_registered(arrays, nbytes, index, layout, caller)
             if payload is not None:
                 return payload
-        sink = self.incoming(nbytes, index, layout)
+        sink = self.incoming(nbytes, index, layout, caller)
         position = 0
         for offset, array in arrays:
             if offset > position:
@@ -389,7 +434,7 @@ class Engine:
             sink.skip(nbytes - position)
         return sink.finish()
 
-    def _upload_registered(self, arrays: list, nbytes: int, index: int, layout: list | None):
+    def _upload_registered(self, arrays: list, nbytes: int, index: int, layout: list | None, caller: Caller | None):
         """:meth:`upload` by page-locking the arrays where they are (None, having
         done nothing that lasts, where the runtime refuses one)."""
         streams = self.streams
@@ -406,7 +451,7 @@ class Engine:
                     return None
                 registered.append(address)
             side = streams.side(index)
-            places = _Places(self, nbytes, index, side, layout)
+            places = _Places(self, nbytes, index, side, layout, caller)
             try:
                 for offset, array in arrays:
                     if not array.size:
@@ -429,9 +474,9 @@ class _Places:
     one new device buffer for the rest (or for all of it, laid out as the payload)."""
 
     def __init__(self, engine: Engine, nbytes: int, index: int, side: Any, layout: list | None,
-                 after: Any = None):
+                 caller: Caller | None = None):
         streams = engine.streams
-        self.streams = streams
+        self.streams, self.index, self.caller = streams, index, caller
         self.starts: dict[int, tuple] = {}  # payload offset of an array -> (flat tensor, offset, destination)
         if layout is None:
             self.buffer = streams.empty(nbytes, index, side)
@@ -441,6 +486,8 @@ class _Places:
         position = 0
         entries = []
         for offset, length, target in layout:
+            if not length:  # (an empty array: no bytes, no place; the next array may share its offset)
+                continue
             if target is None:
                 position = -(-position // ALIGN) * ALIGN
                 entries.append((offset, length, None, position))
@@ -451,7 +498,8 @@ class _Places:
             # Destinations are the caller's tensors (a model's parameters): kernels it
             # queued before the call may still read or write them, so the engine's
             # stream waits for those before it writes there.
-            streams.wait(side, after if after is not None else streams.mark(index))
+            mark = caller.mark if caller is not None else None
+            streams.wait(side, mark if mark is not None else streams.mark(index))
         self.buffer = streams.empty(position, index, side) if position else None
         self.flats = []
         ranges = []
@@ -467,7 +515,7 @@ class _Places:
         return tensor[base + start : base + start + length]
 
     def payload(self, event: Any) -> "DevicePayload":
-        return DevicePayload(self.streams, self.buffer, self.starts, event)
+        return DevicePayload(self.streams, self.index, self.buffer, self.starts, event, self.caller)
 
 
 class Incoming:
@@ -477,11 +525,13 @@ class Incoming:
     (:meth:`write`); a full window is queued for the device and the next one is
     taken from the pool, whose oldest buffer is free again by then."""
 
-    def __init__(self, engine: Engine, nbytes: int, index: int, layout: list | None, after: Any = None):
+    def __init__(self, engine: Engine, nbytes: int, index: int, layout: list | None, caller: Caller | None = None):
         self.engine = engine
         self.streams = engine.streams
         self.side = self.streams.side(index)
-        self.places = _Places(engine, nbytes, index, self.side, layout, after)
+        self.places = _Places(engine, nbytes, index, self.side, layout, caller)
+        if caller is not None:
+            caller.receiving(self)
         self.windows = windows(nbytes, engine.bucket)
         self.k = 0
         self.filled = 0
@@ -537,6 +587,12 @@ class Incoming:
         else:
             self.buffer = self._host = None
         self.engine.pool.give(buffer, event)
+
+    def abandon(self) -> None:
+        """The receive will not finish (its connection is gone): wait until the copies
+        queued so far are done, so that nothing writes into the caller's tensors
+        once the call has failed."""
+        self.streams.synchronize(self.streams.record(self.side))
 
     def finish(self) -> "DevicePayload":
         """The payload in device memory (all of it has arrived)."""

@@ -17,9 +17,11 @@ written under a hidden temporary name and renamed into place whole.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import stat
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -139,10 +141,13 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
 
 
 def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Map the table checkpoint at ``path`` (copy-on-write); LayoutError if it is not one, or not whole."""
+    """Map the table checkpoint at ``path`` (copy-on-write); LayoutError if it is not one, or not whole.
+
+    Its files must be regular files in it: a symbolic link (to a file of whoever loads
+    the checkpoint, which would be uploaded as a column) is refused, never followed."""
     path = os.fspath(path)
     try:
-        with open(os.path.join(path, TABLE_RECORD)) as f:
+        with os.fdopen(_open_in(os.path.join(path, TABLE_RECORD)), "r") as f:
             record = json.load(f)
         name, spec, rows = record["name"], record["spec"], record["rows"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -151,22 +156,38 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
         raise LayoutError(f"{path}: a table checkpoint of another format, or a table's own directory")
     columns = {c.name: (c, _map(os.path.join(path, f"{c.name}.memmap"), np.uint8, (rows, c.row_bytes)))
                for c in columns_of(spec)}
-    state = {what: _map(os.path.join(path, "_slots", f"{what}.bin"), np.dtype(dtype), (rows,))
+    slots = os.path.join(path, "_slots")
+    if not os.path.isdir(slots) or os.path.islink(slots):
+        raise LayoutError(f"{slots}: not a directory of the table checkpoint")
+    state = {what: _map(os.path.join(slots, f"{what}.bin"), np.dtype(dtype), (rows,))
              for what, dtype in SLOT_STATE.items()}
     return Checkpoint(name, spec, rows, columns, state)
+
+
+def _open_in(path: str) -> int:
+    """A descriptor of the regular file ``path`` of a checkpoint, read-only; OSError
+    for a symbolic link (ELOOP) or anything but a regular file."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file")
+    return fd
 
 
 def _map(path: str, dtype, shape: tuple) -> np.ndarray:
     nbytes = math.prod(shape) * np.dtype(dtype).itemsize
     try:
-        size = os.path.getsize(path)
+        fd = _open_in(path)
     except OSError as exc:
-        raise LayoutError(f"{path}: missing from the table checkpoint ({exc.strerror})") from None
-    if size != nbytes:
-        raise LayoutError(f"{path}: {size} bytes, {nbytes} expected")
-    if nbytes == 0:
-        return np.zeros(shape, dtype)
-    return np.memmap(path, dtype, "c", shape=shape)
+        why = "a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
+        raise LayoutError(f"{path}: not a file of the table checkpoint ({why})") from None
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size != nbytes:
+            raise LayoutError(f"{path}: {size} bytes, {nbytes} expected")
+        if nbytes == 0:
+            return np.zeros(shape, dtype)
+        return np.memmap(f, dtype, "c", shape=shape)
 
 
 def _write_json(path: str, value) -> None:

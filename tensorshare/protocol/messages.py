@@ -106,6 +106,7 @@ class TableKey:
     COLUMNS = "columns"  # a rows reply: its one item is the stacked columns (else: one item per row)
     TENSORDICT = "tensordict"  # rows came as a TensorDict: a client gives them back as one
     ADD_COLUMNS = "add_columns"  # TCREATE: a table there that lacks some of the columns gains them
+    REPLACE = "replace"  # TCREATE: a table there is replaced by a new one, once its settings are accepted
     SAMPLE = "sample"  # TREAD: the rows were drawn by the reader: count (and rate-limit) them as a sample
     SLOTS = "slots"  # TINFO: the occupied slots from this index on (a page of them)
 
@@ -119,11 +120,13 @@ _TABLE_INFO = Message(OK, (Field(_TK.INFO, MAP),))
 _TABLE_VALUE = (Field(Key.VALUE, BYTES, missing="missing value description"),)
 _TABLE_ERRORS = (NO_SUCH_BIN, *_NAMED)
 
-TCREATE = Command("TCREATE", (BIN, Field(_TK.SPEC, MAP), optional(_TK.ADD_COLUMNS, BOOL), RELEASE),
+TCREATE = Command("TCREATE", (BIN, Field(_TK.SPEC, MAP), optional(_TK.ADD_COLUMNS, BOOL), optional(_TK.REPLACE, BOOL),
+                              RELEASE),
                   reply=_CHANGED, result=Key.N,
                   method="create_table", zero_copy=None, lasting=True, relay=Relay.FORWARD, route=Route.OWNER,
                   errors=(*_NAMED, TOO_LARGE, STORAGE_FULL),
-                  doc="make a table (kept as it is if one with the same settings exists)")
+                  doc="make a table (kept as it is if one with the same settings exists; with replace: a "
+                      "table there is replaced, once the new settings are accepted)")
 TINSERT = Command("TINSERT", (BIN, *_TABLE_VALUE, optional(_TK.PRIORITIES, BYTES), optional(Key.WAIT, SECONDS),
                               optional(_TK.TENSORDICT, BOOL), RELEASE),
                   reply=_TABLE_CHANGED, payload=Payload.ROWS, result=_TK.KEYS, method="insert", zero_copy=None,

@@ -9,7 +9,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from .._client.connection import Notification
+from ..client import Notification
 from .._client.exports import put_by_reference
 from .._client.methods import DEFAULT
 from ..errors import ConnectionLostError, NoSuchBinError
@@ -184,6 +184,9 @@ class RLTrainer(RLPeer):
         (raise the error of one that was not)."""
         if self._device_sender is not None:  # device versions still to hand to the client
             self._device_sender.flush(timeout)
+        exports = self.client.values.exports
+        if exports is not None:  # versions put by reference still to publish
+            exports.published(timeout)
         self.client.ping(timeout=timeout)  # replies come in request order: those before it are done
         with self._cond:
             self._raise_failure()

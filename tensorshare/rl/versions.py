@@ -390,7 +390,7 @@ def publish(encoder: Encoder, client, params_bin: str, chain_bin: str, state: An
     # (a ping after them) returns only once the encoder heard of a broken chain.
     # Bins on two workers of one server travel on two connections, whose order is not
     # kept: the chain is then stored before the parameters announce it (one round trip).
-    apart = len({client._owner_of(write.bin) for write in writes}) > 1
+    apart = len({client.worker_of(write.bin) for write in writes}) > 1
     try:
         encoded = [encode(write.value) for write in writes]
         send = sender().send if sender is not None and any(enc.engine is not None for enc in encoded) else None

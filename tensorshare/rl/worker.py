@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any
 
-from .._client.connection import Notification
+from ..client import Notification
 from ..errors import ConnectionLostError, NoSuchBinError, TimeoutError
 from ..protocol.messages import APPEND, MAX_WAIT, PUT, Key, check_bin_name
 from ..sharded import parse_server, rendezvous

@@ -38,7 +38,7 @@ from torchrl.data.replay_buffers.storages import TensorStorage
 from torchrl.data.replay_buffers.storages.tensor import _flip_list
 from torchrl.data.replay_buffers.utils import _is_int
 
-from .._client.table_copy import occupied, pieces, table_spec, write_rows
+from ..table_copy import occupied, pieces, table_spec, write_rows
 from ..errors import BadNameError, NoSuchBinError, UsageError
 from ..protocol.auth import resolve_token
 from . import indexing
@@ -506,7 +506,7 @@ _UNKNOWN = "unknown"
 def _token_source(client, token_file: str | None):
     """Where another process finds ``client``'s token (looked at when the storage is
     made): None (no token), ``"env"`` or ``{"file": path}``; ``_UNKNOWN`` if neither holds it."""
-    token = getattr(client, "_token", None)
+    token = getattr(getattr(client, "settings", None), "token", None)  # (what the client proves, as resolved)
     if token is None:
         return None
     if token_file is not None and resolve_token(None, token_file) == token:
@@ -522,7 +522,7 @@ def _address_of(client, source) -> dict:
     if source == _UNKNOWN:
         raise UsageError("this storage's client was given a token that TENSORSHARE_TOKEN did not hold: give "
                          "TableStorage token_file= so that another process can find it (a token is never pickled)")
-    tls = getattr(client, "_tls", None)
+    tls = getattr(getattr(client, "settings", None), "tls", None)
     options = {"timeout": client.timeout}
     if tls is not None:
         options.update(tls=True, tls_ca=tls.ca, tls_fingerprint=None if tls.fingerprint is None else tls.fingerprint.hex())

@@ -30,7 +30,7 @@ def build(desc: Description, payload: np.ndarray | torch.Tensor, base: int = 0, 
     Tensors are moved to ``device`` if one is given; numpy arrays stay on the CPU.
     A payload that arrived into device memory (a
     :class:`~tensorshare.device.payload.DevicePayload`) gives tensors viewing it
-    there, handed to the caller's current stream.
+    there, handed to the caller's stream.
     """
     if desc.arrays:
         # Slicing and viewing a numpy twin of the payload costs a fraction of the
@@ -54,7 +54,7 @@ def _build_on_device(desc: Description, payload: Any, base: int) -> Any:
     arrays = []
     for spec in desc.arrays:
         start = base + spec.offset
-        target = payload.target(start)
+        target = payload.target(start) if spec.nbytes else None  # (an empty array shares the next one's offset)
         if target is not None:
             arrays.append(target)
             continue
@@ -65,7 +65,7 @@ def _build_on_device(desc: Description, payload: Any, base: int) -> Any:
         if spec.nbytes:
             arrays.append(data.view(dtype).reshape(spec.shape))
         else:
-            arrays.append(torch.empty(spec.shape, dtype=dtype, device=data.device))
+            arrays.append(data.new_empty(spec.shape, dtype=dtype))
     return assemble(desc, arrays)
 
 

@@ -317,7 +317,7 @@ def _torch_bytes(t: torch.Tensor) -> tuple[int, str, list[int], memoryview]:
                 return KIND_TORCH, name, list(t.shape), memoryview(array).cast("B")
     if t.is_nested:  # strided layout, but no one flat view of its memory
         raise _nested_error()
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         if t.is_cuda:  # its bytes stay where they are: the device engine stages them when sent
             return KIND_TORCH, name, list(t.shape), _device_span(t)
         try:
@@ -337,15 +337,13 @@ def _torch_bytes(t: torch.Tensor) -> tuple[int, str, list[int], memoryview]:
 _SPANS = [0]  # device spans made so far (an encode that made none skips looking for them)
 
 
-def _device_span(t: torch.Tensor, engine: Any = None) -> Any:
+def _device_span(t: torch.Tensor) -> Any:
     """A :class:`~tensorshare.device.engine.DeviceSpan` standing for ``t``'s bytes (the
     device package is imported only once a device tensor is sent)."""
-    if engine is None:
-        from ..device import engine_of
+    from ..device import engine_of
 
-        engine = engine_of(t)
     _SPANS[0] += 1
-    return engine.span(t)
+    return engine_of(t).span(t)
 
 
 def _with_spans(enc: Encoded) -> Encoded:
@@ -363,20 +361,6 @@ def _with_spans(enc: Encoded) -> Encoded:
     return enc
 
 
-class _StagingEncoder(_Encoder):
-    """An encoder that sends the tensors ``stage`` (an engine) owns through it."""
-
-    def __init__(self, max_depth: int, stage: Any):
-        super().__init__(max_depth)
-        self.stage = stage
-
-    def node(self, obj: Any, depth: int) -> Any:
-        if isinstance(obj, torch.Tensor) and self.stage.streams.owns(obj) and depth <= self.max_depth:
-            kind, name, shape, _view = _torch_bytes(obj)  # (its checks; the bytes are the engine's to move)
-            return self.array(kind, name, shape, _device_span(obj, self.stage))
-        return super().node(obj, depth)
-
-
 def _numpy_bytes(a: np.ndarray) -> tuple[int, str, list[int], memoryview]:
     dtype = a.dtype.newbyteorder("=") if a.dtype.byteorder == ">" else a.dtype
     name = NUMPY_NAMES.get(dtype)
@@ -389,7 +373,7 @@ def _numpy_bytes(a: np.ndarray) -> tuple[int, str, list[int], memoryview]:
     return KIND_NUMPY, name, shape, memoryview(a.reshape(-1).view(np.uint8))
 
 
-def encode(value: Any, *, limits: DecodeLimits = DEFAULT_LIMITS, stage: Any = None) -> Encoded:
+def encode(value: Any, *, limits: DecodeLimits = DEFAULT_LIMITS) -> Encoded:
     """Split ``value`` into a description blob and zero-copy payload buffers.
 
     Raises :class:`EncodeError` for values that have no wire form.  Contiguous CPU
@@ -398,13 +382,8 @@ def encode(value: Any, *, limits: DecodeLimits = DEFAULT_LIMITS, stage: Any = No
     not read here: their buffers are device spans that the sender stages through
     the device engine (:mod:`tensorshare.device`), reading the tensors after the
     work queued on the caller's current stream until now; ``Encoded.engine`` is then
-    set.  ``stage``: an engine whose tensors (``stage.streams.owns``) go that way
-    too (tests run the engine on CPU tensors so).
+    set.
     """
-    if stage is not None:
-        enc = _StagingEncoder(limits.max_depth, stage)
-        tree = enc.node(value, 0)
-        return _finish(enc, tree, 0)
     spans = _SPANS[0]
     if type(value) is torch.Tensor and limits.max_depth >= 0:
         # A lone tensor, the most common value: what the general path below makes,

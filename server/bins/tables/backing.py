@@ -25,6 +25,7 @@ import numpy as np
 from tensorshare.disk.tables import table_metadata
 
 from .columns import ColumnSpec
+from .journal import Journal
 
 
 class Backing(Protocol):
@@ -39,10 +40,14 @@ class Backing(Protocol):
     def close(self) -> None:
         """The table is gone: let go of what :meth:`allocate` gave."""
 
+    # ``journal``: a durable backing's :class:`~.journal.Journal` (None: changes need none)
+
 
 class MemoryBacking:
     """Columns in ordinary memory.  ``numpy.zeros`` maps fresh pages lazily, so a large
     table costs memory only as its rows are written."""
+
+    journal = None
 
     def allocate(self, spec: ColumnSpec, capacity: int) -> np.ndarray:
         return np.zeros((capacity, spec.row_bytes), np.uint8)
@@ -68,6 +73,8 @@ class MemmapBacking:
         self.keep = keep
         self.reopen = reopen
         self.paths: list[str] = []
+        # a durable table's changes that replace rows are recorded first (see .journal)
+        self.journal = Journal(os.path.join(directory, "_slots", "journal.bin")) if keep else None
 
     item_slots = MemoryBacking.item_slots  # items are never in files
 
@@ -100,6 +107,8 @@ class MemmapBacking:
         return array
 
     def close(self) -> None:
+        if self.journal is not None:
+            self.journal.close()
         if not self.keep:
             for path in self.paths:
                 try:

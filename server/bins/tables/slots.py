@@ -78,14 +78,18 @@ class Slots:
 
     # -- changes
 
+    def keys_for(self, slots: np.ndarray) -> np.ndarray:
+        """The keys :meth:`fill` will give new rows in ``slots``."""
+        return (np.arange(self.next_seq, self.next_seq + slots.size, dtype=np.int64) * self.capacity) + slots
+
     def fill(self, slots: np.ndarray, priorities: np.ndarray) -> np.ndarray:
         """New rows in the free ``slots`` (distinct): give them keys; returns the keys."""
-        n = slots.size
-        keys = (np.arange(self.next_seq, self.next_seq + n, dtype=np.int64) * self.capacity) + slots
-        self.next_seq += n
-        self.key[slots] = keys
+        keys = self.keys_for(slots)
+        self.next_seq += slots.size
+        # the key last: in a durable table's files a slot holds a row from then on
         self.priority[slots] = priorities
         self.times_sampled[slots] = 0
+        self.key[slots] = keys
         self._move(slots, into_live=True)
         return keys
 

@@ -66,6 +66,8 @@ class Table:
         self._backing = backing if backing is not None else MemoryBacking()
         self._data = [self._backing.allocate(spec, self.capacity) for spec in self.columns]
         self._items: list | None = None if self.columns else self._backing.item_slots(self.capacity)
+        self._journal = getattr(self._backing, "journal", None)  # a durable table's (see .journal)
+        self._journaled = False  # a change recorded there and not applied yet
         self.inserts = 0  # rows that entered the table (inserted or written)
         self.samples = 0  # rows handed out by samples
         self.removals = 0  # rows that left (removed to make room, overwritten, sampled out, removed)
@@ -76,6 +78,9 @@ class Table:
             for attr, dtype, fill in (("key", np.int64, -1), ("priority", np.float64, 0.0),
                                       ("times_sampled", np.int64, 0)):
                 setattr(state, attr, self._backing.state_array(attr, dtype, self.capacity, fill))
+            if self._journal is not None:  # a change a killed server had recorded but maybe not applied
+                self._journal.replay({spec.name: column for spec, column in zip(self.columns, self._data)},
+                                     state.key, state.priority, state.times_sampled)
             self._restore()
 
     # -- state
@@ -220,9 +225,10 @@ class Table:
         slots = self._slots.free(min(n, room))
         if n > room:
             victims = self._remover.victims(n - room)
-            removed = self._remove(victims)
             # free slots first, then those just freed: a fifo table fills as a ring buffer
             slots = np.concatenate((slots, victims))
+            self._journal_record(slots, views, priorities)
+            removed = self._remove(victims)
         else:
             removed = self._nothing_removed()
         keys = self._put(slots, views, items, priorities)
@@ -243,6 +249,8 @@ class Table:
             raise WouldBlockError(f"a write of {n} rows may not proceed now "
                                   f"(inserts allowed now: {self.inserts_allowed()})")
         occupied = slots[self._slots.key[slots] >= 0]
+        if occupied.size:
+            self._journal_record(slots, views, priorities)
         removed = self._remove(occupied)
         keys = self._put(slots, views, items, priorities)
         return Written(keys, slots, removed)
@@ -456,6 +464,15 @@ class Table:
         self._sampler.check_priorities(p)
         return p
 
+    def _journal_record(self, slots: np.ndarray, views: list[np.ndarray], priorities: np.ndarray) -> None:
+        """The rows about to replace others go to a durable table's journal first, so a
+        kill in the middle leaves the old rows or the new ones, never neither;
+        :meth:`_put` clears it once they are in."""
+        if self._journal is not None:
+            self._journal.record([spec.name for spec in self.columns], slots, self._slots.keys_for(slots),
+                                 priorities, views)
+            self._journaled = True
+
     def _put(self, slots: np.ndarray, views: list[np.ndarray], items: list | None, priorities: np.ndarray):
         """Fill the free ``slots`` with new rows; returns their keys."""
         for column, view in zip(self._data, views):
@@ -465,6 +482,9 @@ class Table:
             for slot, item in zip(slots.tolist(), items):
                 store[slot] = item
         keys = self._slots.fill(slots, priorities)
+        if self._journaled:
+            self._journal.clear()
+            self._journaled = False
         for index in self._indexes:
             index.added(slots)
         n = slots.size

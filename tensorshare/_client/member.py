@@ -1,0 +1,537 @@
+"""The blocking client's driver of the engine: one connection, a plain socket, read by whichever thread waits.
+
+A :class:`Member` is one connection of a :class:`tensorshare.Client` (of the worker
+its :class:`~tensorshare.protocol.router.Router` made it for).  Its
+:class:`~tensorshare.protocol.engine.Engine` knows the protocol (calls in flight,
+replies checked, notifications, listens restored, keepalive, backoff); the member
+moves the bytes:
+
+* **writing**: a request's frame goes out whole under the send lock, behind the
+  small requests the :class:`~.coalesce.Coalescer` held while earlier ones awaited
+  their replies, or bucket by bucket as the device engine stages it; what the engine
+  wants sent (a keepalive probe) goes first;
+* **reading** ("leader/follower"): a thread waiting for its reply becomes the reader
+  when no other thread reads, reads once at a time (polling a little before sleeping
+  while that pays, :mod:`.spin`) and hands each event on: a waiting thread is woken,
+  an inline callback runs on the reading thread, every other callback and every
+  notification goes to the front's dispatcher thread, in order;
+* **staying connected**: a call connects when it finds no connection (at once); a
+  background reader (:mod:`.reader`) keeps the socket drained while listens or
+  non-blocking calls wait, and reconnects with the engine's backoff.
+
+A round trip on the fast path is two system calls on the caller's thread: no thread
+hand-off.  What the member needs of its client it is handed at birth: the front's
+hooks (completing a callback call, the dispatcher, whether a greeting fits the map,
+what to do when the worker cannot be reached).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from functools import partial
+from typing import Any
+
+from ..errors import (
+    AuthenticationError, ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UsageError,
+)
+from ..protocol.engine import DEAD, Engine, Notice, Restored
+from ..protocol.messages import Key
+from .coalesce import Coalescer
+from .connection import ListenSnapshot, Notification
+from .progress import Progress
+from .reader import BackgroundReader
+from .sockets import SMALL_FRAME, Link, open_link, wait
+from .spin import ReplySpin
+from .zerocopy import SharedAreas
+
+log = logging.getLogger("tensorshare.client")
+
+_IDLE_CHECK = 1.0  # seconds of quiet after which a request first reads what the server sent meanwhile
+
+
+class StaleMapError(ConnectionLostError):
+    """A member could not reach its worker, or found other workers there, and the
+    front mapped the workers again: the request was not sent (the front sends it
+    once more, to its bin's owner in the new map)."""
+
+
+class Member:
+    """One connection of a blocking client (see the module docstring).  ``front`` is the
+    client's side of it (:class:`tensorshare.Client`): its settings, dispatcher and
+    hooks; ``index``: the worker (None: a server of one process); ``opened``: a
+    :class:`~.sockets.Link` already open to that worker, taken over."""
+
+    def __init__(self, front, index: int | None, port: int, opened: Link | None = None):
+        self.front = front
+        self.settings = settings = front.settings
+        self.index, self.port = index, port
+        self.where = f"{settings.host}:{port}"
+        self.map = front.router.map  # the map it was made by
+        self.engine = opened.engine if opened is not None else Engine(
+            settings.token, self.where, keepalive=settings.keepalive, max_backoff=settings.max_backoff)
+        self.engine.sinks = self.engine.decoder.sink_factory = front.values.sinks(self.engine)
+        self.cond = threading.Condition()  # guards the engine's calls and listens, and who reads
+        self.send_lock = threading.Lock()
+        self.connect_lock = threading.Lock()
+        self.coalescer = Coalescer(SMALL_FRAME)  # requests in flight, small ones held back meanwhile (send lock)
+        self.spin = ReplySpin(settings.spin)  # used by the thread reading for its own reply
+        self.link: Link | None = None
+        self.areas: SharedAreas | None = None  # the current connection's verified same-host areas
+        self.reading = False  # a thread is the leader: it reads the socket
+        self.waiting = 0  # threads asleep on cond (a lone caller wakes nobody: no notify to pay for)
+        self.callbacks = 0  # non-blocking calls in flight: they need someone to read their replies
+        self.closed = False
+        self.reader = BackgroundReader(self)  # keeps the socket drained while callbacks wait
+        if opened is not None:
+            self.take(opened)
+
+    def __repr__(self) -> str:
+        return f"<Member {self.where} worker {self.index}>"
+
+    # -- connecting
+
+    def connect(self, deadline: float | None) -> Link:
+        """The current connection, opened first if there is none (within the settings'
+        connect timeout and ``deadline``)."""
+        link = self.link
+        if link is not None:
+            return link
+        if self.closed:
+            if not self.front._closed:  # replaced by a new map's member: the front sends it there
+                raise StaleMapError(f"{self.where} serves other bins now: the server runs other workers")
+            raise UsageError("the client is closed")
+        engine = self.engine
+        if engine.failure is not None:
+            raise engine.failure.with_traceback(None)
+        if not self.settings.reconnect and engine.ever_ready:
+            raise ConnectionLostError(f"connection to {self.where} lost (reconnect=False)")
+        with self.connect_lock:
+            if self.link is not None:
+                return self.link
+            if engine.failure is not None:
+                raise engine.failure.with_traceback(None)
+            within = self.settings.connect_timeout
+            if deadline is not None:
+                within = max(min(within, deadline - time.monotonic()), 0.001)
+            try:
+                link = open_link(self.settings.host, self.port, within, self.settings.tls,
+                                 self.settings.ssl_context, engine)
+            except ConnectionLostError as exc:
+                if self.front.unreachable(self, exc):  # the server moved its workers: not sent here
+                    raise StaleMapError(str(exc)) from None
+                raise
+            return self.take(link)
+
+    def take(self, link: Link) -> Link:
+        """Make the opened ``link`` current (if its greeting is what this member expects)."""
+        greeting = self.engine.greeting
+        if not self.front.fits(self, greeting):
+            link.close()
+            raise StaleMapError(f"{self.where} now runs other workers than this client mapped")
+        try:
+            areas = SharedAreas.of(greeting) if self.settings.zero_copy else None
+        except BaseException:
+            link.close()
+            raise
+        with self.cond:
+            if self.closed:  # closed while we connected: do not leave a socket behind
+                link.close()
+                raise UsageError("the client is closed")
+            self.link, self.areas = link, areas
+        if self.engine.outbox:  # (listens moved here before this connection was taken)
+            with self.send_lock:
+                self._send_locked(link, [], None)
+        if self.engine.listens:
+            self.reader.ensure()
+        return link
+
+    def shared_areas(self, deadline: float | None) -> SharedAreas | None:
+        """The current connection's areas (connecting first if need be)."""
+        if self.link is None:
+            try:
+                self.connect(deadline)
+            except TensorShareError:
+                return None  # the request itself will say what is wrong
+        return self.areas
+
+    @property
+    def connected(self) -> bool:
+        return self.link is not None
+
+    # -- calls
+
+    def call(self, call, parts: list, deadline: float | None, progress: Progress | None = None) -> None:
+        """Send ``call`` and wait for its reply (``call.frame``) or its error (``call.error``).
+        A caller who leaves early abandons it: the connection is reset if the server
+        could otherwise deliver to nobody (a call it may hold, or one that takes items)
+        and after any interrupt (KeyboardInterrupt...), which may leave a frame half sent."""
+        if self.link is not None:
+            self._before_request()
+        link = self.link or self.connect(deadline)
+        cond = self.cond
+        with cond:
+            self.engine.track(call, time.monotonic())
+        try:
+            if progress is None:
+                self._send(link, parts, deadline, call.rid)
+            else:
+                self._send(link, progress.sending(parts), deadline, call.rid, progress=progress)
+            self._await(call, deadline, progress)
+        except BaseException as exc:
+            interrupted = not isinstance(exc, TensorShareError)  # (KeyboardInterrupt...: its frame may be half sent)
+            with cond:
+                in_flight = call.rid in self.engine.calls
+                reset = self.engine.abandon(call) or (interrupted and in_flight)
+            if reset:
+                self.drop(link, ConnectionLostError(f"connection to {self.where} reset: a call on it was given up "
+                                                    f"while the server could still answer it"))
+            if not interrupted:
+                call.error = exc
+                return
+            raise
+
+    def submit(self, call, parts: list, deadline: float | None) -> None:
+        """Send a non-blocking call; the front's ``complete(call)`` (or its inline
+        completion) hears of it."""
+        if self.link is not None:
+            self._before_request()
+        try:
+            link = self.link or self.connect(deadline)
+        except StaleMapError:
+            raise  # (the front sends it to its owner in the new map)
+        except TensorShareError as exc:
+            call.error = exc
+            self.front.callbacks().submit(self.front.complete, call)
+            return
+        try:
+            with self.cond:
+                self.engine.track(call, time.monotonic())
+                self.callbacks += 1
+            self._send(link, parts, deadline, call.rid, may_hold=True)
+        except TensorShareError as exc:
+            with self.cond:
+                mine = self.engine.calls.pop(call.rid, None) is not None  # else the lost connection failed it already
+                if mine:
+                    self.callbacks -= 1
+            if mine:
+                call.error = exc
+                self.front.callbacks().submit(self.front.complete, call)
+            return
+        self.reader.ensure()
+
+    def hold(self, wait: float) -> None:
+        """A request that asks the server to hold it ``wait`` seconds is about to go."""
+        self.engine.hold(time.monotonic() + wait + 1.0)
+
+    # -- writing
+
+    def _send(self, link: Link, parts, deadline: float | None, rid: int, may_hold: bool = False,
+              progress: Progress | None = None) -> None:
+        """Send request ``rid``'s frame; ``may_hold``: a small one may wait in the
+        coalescer while an earlier request awaits its reply."""
+        coalescer = self.coalescer
+        with self.send_lock:
+            if type(parts) is not list:  # StagedParts: device arrays, staged bucket by bucket as they go
+                self._send_staged(link, parts, deadline, rid, progress)
+                return
+            if not (may_hold and not link.tls and coalescer.awaiting(link)
+                    and sum(map(len, parts)) <= SMALL_FRAME and coalescer.hold(link, rid, b"".join(parts))):
+                if progress is None:
+                    self._send_locked(link, parts, deadline, rid)
+                else:  # piece by piece, reporting each
+                    for i, piece in enumerate(progress.pieces(parts)):
+                        self._send_locked(link, piece, deadline, rid if i == 0 else None)
+                        progress.sent(piece)
+                return
+        # Held.  The replies it waits for may all have come while we held the lock,
+        # and a reader that then found the lock taken did not send what is held: do.
+        if not coalescer.awaiting(link):
+            with self.send_lock:
+                if coalescer and link is self.link:
+                    self._send_locked(link, [], deadline)
+
+    def _send_staged(self, link: Link, parts, deadline: float | None, rid: int, progress: Progress | None) -> None:
+        """Send a frame holding device arrays: each bucket the engine stages goes out
+        before the next is asked for (its buffer is then reused)."""
+        pending, first = [], True
+        for view, staged in parts.engine.pieces(parts):
+            pending.append(view)
+            if staged:
+                self._send_locked(link, pending, deadline, rid if first else None)
+                if progress is not None:
+                    progress.sent(pending)
+                pending, first = [], False
+        if pending or first:
+            self._send_locked(link, pending, deadline, rid if first else None)
+            if progress is not None:
+                progress.sent(pending)
+
+    def _send_held(self, link: Link) -> None:
+        """Send what the coalescer holds, as far as the socket takes it now (a reader:
+        never waits for the socket, nor for a sender, which sends it first anyway)."""
+        if not self.send_lock.acquire(blocking=False):
+            return
+        try:
+            if link is not self.link or not self.coalescer:
+                return
+            frames = self.coalescer.take(link)
+            data = frames[0] if len(frames) == 1 else b"".join(frames)
+            try:
+                sent = link.send_now(data)
+            except OSError as exc:
+                raise self._lost(link, exc) from None
+            if sent < len(data):
+                self.coalescer.keep_rest(memoryview(data)[sent:])
+        finally:
+            self.send_lock.release()
+
+    def _send_locked(self, link: Link, parts: list, deadline: float | None, rid: int | None = None) -> None:
+        """Write what the engine wants sent and what the coalescer holds, then request
+        ``rid``'s whole frame (the caller holds the send lock).  With keepalive on, a
+        server that takes no byte for twice ``keepalive`` seconds is presumed dead."""
+        if link is not self.link:
+            # Replaced since the caller picked it up: what the coalescer holds now is
+            # the new connection's, and must not be taken for this one.
+            raise ConnectionLostError(f"connection to {self.where} lost")
+        held = self.coalescer.take(link, rid)
+        engine = self.engine
+        if engine.outbox:
+            held = engine.take_outbox() + held
+        if held:  # many small frames: one part (one iovec) for all of them
+            parts = [held[0] if len(held) == 1 else b"".join(held), *parts]
+        keepalive = self.settings.keepalive
+        try:
+            link.send_all(parts, deadline, None if keepalive is None else 2 * keepalive)
+        except TimeoutError:
+            # A partly sent frame leaves the stream unusable: start afresh.
+            self.drop(link, ConnectionLostError("send timed out; connection reset"))
+            raise
+        except (OSError, ValueError, AttributeError) as exc:  # ValueError/AttributeError: closed by another thread
+            raise self._lost(link, exc) from None
+
+    def _before_request(self) -> None:
+        """On a connection quiet for a while, first read what the server sent meanwhile
+        (late replies, or the 421 it sends before closing an idle connection), so that
+        a connection it has closed is replaced by the request instead of failing it."""
+        engine = self.engine
+        now = time.monotonic()
+        if now - max(engine.last_heard, engine.last_sent) <= _IDLE_CHECK:
+            return
+        engine.last_sent = now
+        link = self.link
+        with self.cond:
+            if self.reading or link is not self.link:
+                return  # another thread reads: it will notice a close itself
+            self.reading = True
+        try:
+            while self.link is link and link.data_waiting():
+                self.read_some(time.monotonic() + 0.1)
+        except (TimeoutError, ConnectionLostError):
+            pass  # half a TLS record (read on later), or the connection is gone (the request reconnects)
+        finally:
+            with self.cond:
+                self.reading = False
+                self.cond.notify_all()
+
+    # -- reading
+
+    def _await(self, call, deadline: float | None, progress: Progress | None = None) -> None:
+        """Wait for ``call``'s outcome, reading the socket ourselves when nobody else is."""
+        cond = self.cond
+        with cond:
+            while True:
+                if call.frame is not None or call.error is not None:
+                    return
+                if not self.reading:
+                    self.reading = True
+                    break
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"no reply from {self.where} in time")
+                self.waiting += 1
+                try:
+                    cond.wait(remaining)
+                finally:
+                    self.waiting -= 1
+        try:
+            while call.frame is None and call.error is None:
+                self.read_some(deadline, spin=progress is None)
+                if progress is not None and call.frame is None:
+                    progress.received(self.engine.decoder.receiving)
+            if progress is not None:
+                progress.finished(call.frame)
+        finally:
+            with cond:
+                self.reading = False
+                if self.waiting:
+                    cond.notify_all()
+
+    def read_some(self, deadline: float | None, spin: bool = False) -> None:
+        """Read once from the socket and hand on the events it completes (leader only;
+        ``spin``: a caller waiting for its own reply, who may poll before sleeping)."""
+        link = self.link
+        if link is None:
+            raise ConnectionLostError(f"not connected to {self.where}")
+        poller = link.readable
+        if self.coalescer:  # requests held while earlier ones awaited the replies we read
+            self._send_held(link)
+            if self.coalescer.partial:  # the socket is full: wake when it takes more, too
+                poller, spin = link.readwrite, False
+        wake = self._keepalive(link)
+        until = deadline if wake is None or (deadline is not None and deadline <= wake) else wake
+        engine = self.engine
+        try:
+            if spin and not link.tls:
+                within = None if until is None else until - time.monotonic()
+                started = self.spin.poll(partial(poller.poll, 0), within)
+                if started is not None:  # not there yet: sleep until it is
+                    wait(poller, until)
+                    self.spin.waited(started)
+                n = link.recv_ready(engine.buffer())
+            else:
+                n = link.recv_into(engine.buffer(), until, poller)
+            if n == 0:
+                raise ConnectionResetError("server closed the connection")
+            events = engine.received(n, time.monotonic())
+        except BlockingIOError:
+            return
+        except TimeoutError:  # our TimeoutError is an OSError too: the connection is fine
+            if until is deadline:
+                raise
+            return  # time for the next keepalive check, not the caller's deadline
+        except ProtocolError as exc:  # the server sent nonsense: nothing it says can be trusted
+            err = ConnectionLostError(f"bad reply from {self.where}: {exc}")
+            self.drop(link, err)
+            raise err from None
+        except (OSError, ValueError) as exc:
+            raise self._lost(link, exc) from None
+        if events:
+            self._dispatch(events)
+
+    def _dispatch(self, events: list) -> None:
+        """Hand each event of a read on: wake the threads waiting for theirs, queue the
+        callbacks for the dispatcher (one hand-off for the read), run inline ones here."""
+        front = self.front
+        jobs: list = []
+        inline: list = []
+        woken = False
+        coalescer = self.coalescer
+        with self.cond:
+            for event in events:
+                kind = type(event)
+                if kind is Notice:
+                    header = event.header
+                    note = Notification(event.bin, header[Key.N], header[Key.SEQ], header[Key.OP],
+                                        header.get(Key.TAG))
+                    jobs.extend((handle.callback, (note,)) for handle in event.handles)
+                    continue
+                if kind is Restored:
+                    jobs.append((_restored, (event, self.where)))
+                    continue
+                if kind is str:  # READY (an opening is over: nothing to hand on)
+                    continue
+                coalescer.answered(event.rid)
+                if event.callback is None:
+                    woken = True
+                    continue
+                self.callbacks -= 1
+                if event.inline:
+                    inline.append(event)
+                else:
+                    jobs.append((front.complete, (event,)))
+            if woken and self.waiting:
+                self.cond.notify_all()
+        if jobs:
+            front.callbacks().submit_all(jobs)
+        for call in inline:
+            front.complete_inline(call)
+
+    def _keepalive(self, link: Link) -> float | None:
+        """Do what the engine's keepalive asks: a probe, or dropping a connection that
+        stays silent (ConnectionLostError).  Returns when to check next (None: off)."""
+        engine = self.engine
+        if engine.keepalive is None:
+            return None
+        now = time.monotonic()
+        action, wake = engine.tick(now)
+        if action == DEAD:
+            err = engine.dead_error()
+            self.drop(link, err)
+            raise err
+        if engine.outbox:
+            if not self.send_lock.acquire(blocking=False):
+                return now + 0.5  # a request is going out: the probe goes with it
+            try:
+                self._send_locked(link, [], None)  # no deadline: a probe that cannot go out trips the stall limit
+            finally:
+                self.send_lock.release()
+        return wake
+
+    # -- losing the connection
+
+    def _lost(self, link: Link, exc: BaseException) -> ConnectionLostError:
+        """Drop ``link``, which failed with ``exc``; the error to raise."""
+        err = ConnectionLostError(f"connection to {self.where} lost: {exc}")
+        self.drop(link, err)
+        return err
+
+    def drop(self, link: Link | None, error: BaseException) -> None:
+        """Close ``link`` (if still current) and fail every call in flight on it."""
+        with self.cond:
+            if link is None or link is not self.link:
+                return
+            self.link = self.areas = None
+            failed = [call for call in self.engine.lost(error) if call.callback is not None]
+            self.callbacks = 0
+            self.cond.notify_all()
+        link.close()
+        self.front.connection_lost(self)
+        if failed:
+            front = self.front
+            front.callbacks().submit_all([(front.complete, (call,)) for call in failed])
+
+    def close(self) -> None:
+        with self.cond:
+            if self.closed:
+                return
+            self.closed = True
+            self.cond.notify_all()  # an idle reader ends now
+        self.drop(self.link, ConnectionLostError("client closed"))
+        with self.cond:
+            self.engine.close()
+
+    def join(self, timeout: float) -> None:
+        thread = self.reader.thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def adopt(self, handle) -> None:
+        """Listen with ``handle`` (moved here from another member) from now on."""
+        with self.cond:
+            restore = self.engine.adopt(handle)
+            if restore:
+                self.engine.restore_one(handle.bin)
+        handle.client = self.front
+        link = self.link
+        if restore and link is not None:
+            with self.send_lock:
+                self._send_locked(link, [], None)
+        self.reader.ensure()
+
+
+def _restored(event: Restored, where: str) -> None:
+    """A bin listened to again after a reconnection: each handle hears of its state then."""
+    if event.error is not None:
+        log.warning("could not listen to %r again after reconnecting to %s: %s", event.bin, where, event.error)
+        return
+    note = ListenSnapshot.of(event.header).as_notification(event.bin)
+    for handle in event.handles:
+        try:
+            handle.callback(note)
+        except Exception:
+            log.exception("tensorshare listen callback %r failed", handle.callback)
+
+
+__all__ = ["Member", "StaleMapError"]

@@ -1,0 +1,135 @@
+"""A table's rows copied whole: read page by page, written to a table checkpoint, made again from one.
+
+``Client.save`` of a table writes its checkpoint (:mod:`tensorshare.disk.tables`:
+tensordict's memmap layout, the table's settings and each row's slot, key,
+priority and sample count); ``Client.load_table`` makes the table again from one,
+each row at its slot with its priority (sample counts start again, as after a
+restart).  Rows are read in pieces of about :data:`PIECE` bytes, so a table larger
+than memory is copied in the memory of one piece.  Rows inserted while a copy is
+made may or may not be in it; pause the writers for an exact copy.
+
+Blocking client only (several calls, each waiting for the last): the client's
+``TableCopies`` (``tensorshare/_client/table_copy.py``) gives ``Client`` those two
+methods; TorchRL's storage, the command line tool and checkpoints use the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+from .disk.tables import CheckpointWriter, read_checkpoint
+from .errors import UsageError
+
+PIECE = 32 << 20  # bytes of rows per read
+
+
+def table_spec(info: dict) -> dict:
+    """``create_table``'s keywords for a table like the one ``info`` (``table_info``) describes."""
+    limiter = info.get("rate_limiter") or {}
+    spec = {"capacity": info["capacity"], "columns": info.get("columns"), "sampler": info["sampler"],
+            "remover": info["remover"], "max_times_sampled": info["max_times_sampled"],
+            "min_size_to_sample": limiter.get("min_size_to_sample", 1),
+            "samples_per_insert": limiter.get("samples_per_insert"), "error_buffer": limiter.get("error_buffer"),
+            "meta": info.get("meta")}
+    if info.get("priority_exponent") is not None:
+        spec["priority_exponent"] = info["priority_exponent"]
+    return spec
+
+
+def occupied(client, name: str) -> dict[str, torch.Tensor]:
+    """Every row's ``indices`` (slot order), ``keys``, ``priorities`` and ``times_sampled``."""
+    pages, start = [], 0
+    while start is not None:
+        page = client.table_info(name, slots=start)["slots"]
+        pages.append(page)
+        start = page["next"]
+    return {what: torch.cat([page[what] for page in pages]) for what in ("indices", "keys", "priorities",
+                                                                          "times_sampled")}
+
+
+def pieces(client, name: str, indices: torch.Tensor, row_bytes: int) -> Iterator[tuple[int, int, dict]]:
+    """``(start, stop, {column: tensor})``: the rows at ``indices[start:stop]``, a piece at a time."""
+    step = max(1, PIECE // max(row_bytes, 1))
+    for start in range(0, indices.numel(), step):
+        stop = min(start + step, indices.numel())
+        yield start, stop, client.read(name, indices[start:stop])
+
+
+def save_table(client, name: str, path, *, overwrite: bool = False) -> int:
+    """Write table ``name``'s rows and settings to the checkpoint directory ``path``;
+    returns how many rows."""
+    info = client.table_info(name)
+    if not info.get("columns"):
+        raise UsageError(f"table {name!r} holds items, not columns: only tables of columns are saved")
+    spec = table_spec(info)
+    state = occupied(client, name)
+    rows = int(state["indices"].numel())
+    writer = CheckpointWriter(path, name, spec, rows, overwrite=overwrite)
+    try:
+        for what, key in (("index", "indices"), ("key", "keys"), ("priority", "priorities"),
+                          ("times_sampled", "times_sampled")):
+            writer.state(what)[:] = state[key].numpy()
+        files = {c.name: (c, writer.column(c)) for c in writer.columns}
+        row_bytes = sum(c.row_bytes for c in writer.columns)
+        for start, stop, values in pieces(client, name, state["indices"], row_bytes):
+            for column, (spec_, array) in files.items():
+                array[start:stop] = _bytes(values[column]).reshape(stop - start, spec_.row_bytes)
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    return rows
+
+
+def load_table(client, path, name: str | None = None, *, replace: bool = True) -> int:
+    """Make table ``name`` (the saved table's name by default) from the checkpoint at
+    ``path``: the same settings, each row at its slot with its priority.  A table
+    already there is replaced once the server has accepted the checkpoint's settings
+    (a refusal leaves it as it was; ``replace=False``: refused instead).  Returns how
+    many rows."""
+    checkpoint = read_checkpoint(path)
+    name = checkpoint.name if name is None else name
+    if not replace and name in client.list():
+        raise UsageError(f"{name!r} exists (replace=True replaces it)")
+    client.create_table(name, replace=True, **checkpoint.spec)
+    write_rows(client, name, checkpoint.state["index"], _columns(checkpoint), checkpoint.state["priority"])
+    return checkpoint.rows
+
+
+def write_rows(client, name: str, indices, columns: dict[str, torch.Tensor], priorities=None) -> None:
+    """Write rows at their slot ``indices`` (with their ``priorities``), a piece at a time."""
+    indices = torch.as_tensor(np.asarray(indices), dtype=torch.int64)
+    n = indices.numel()
+    if not n:
+        return
+    row_bytes = sum(t[:1].numel() * t.element_size() for t in columns.values())
+    step = max(1, PIECE // max(row_bytes, 1))
+    for start in range(0, n, step):
+        stop = min(start + step, n)
+        client.write(name, indices[start:stop], {k: v[start:stop] for k, v in columns.items()},
+                     None if priorities is None else torch.as_tensor(np.asarray(priorities[start:stop])))
+
+
+def mapped_columns(path) -> dict[str, torch.Tensor]:
+    """A checkpoint's columns as tensors ``[rows, *shape]`` mapping its files (copy-on-write)."""
+    return _columns(read_checkpoint(path))
+
+
+def _columns(checkpoint) -> dict[str, torch.Tensor]:
+    return {name: _tensor(array, column.shape, column.dtype, checkpoint.rows)
+            for name, (column, array) in checkpoint.columns.items()}
+
+
+def _tensor(array: np.ndarray, shape: tuple, dtype: str, rows: int) -> torch.Tensor:
+    flat = torch.from_numpy(np.asarray(array).reshape(-1)) if array.size else torch.zeros(0, dtype=torch.uint8)
+    return flat.view(getattr(torch, dtype)).reshape(rows, *shape)
+
+
+def _bytes(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+__all__ = ["save_table", "load_table", "occupied", "pieces", "write_rows", "table_spec", "mapped_columns"]
