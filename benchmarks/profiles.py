@@ -156,7 +156,7 @@ SMOKE = Profile(
     tables_actor_capacity=256, tables_run_s=0.3, tables_runs=1,
     versions_workers=2, versions_tensors=10, versions_tensor_elems=1 << 12, versions_reps=2,
     scale_workers=(1, 2), busy_hogs=2, busy_small_ops=20, busy_runs=1, busy_put_bytes=4 * MiB, busy_put_reps=1,
-    floor_clients=2, floor_ops=30, floor_runs=1,
+    floor_clients=1, floor_ops=30, floor_runs=1,
     gpu_bytes=64 * MiB, gpu_tensors=8, gpu_reps=1,
 )
 
