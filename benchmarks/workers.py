@@ -252,7 +252,7 @@ def mixed(port: str, peer: str, size: str, wid: str) -> None:
             lat.append(round((now - t) * 1e6))
             moved += b
             i += 1
-            if (now >= end or i == count) and i % 3 == 0:
+            if (now >= end or (count is not None and i >= count)) and i % 3 == 0:
                 break
         spent = os.times()
         cpu_s = spent.user + spent.system - cpu.user - cpu.system
