@@ -87,11 +87,7 @@ def _delete(state, name: str, owner: bytes | None) -> None:
         relay.delete_upstream(name, owner)
         return
 
-    def deleted(change, error) -> None:
-        if error is None:
-            state.listeners.publish(change)
-
     try:
-        state.storage.delete(name, deleted)
+        state.storage.delete(name, lambda change, error: None)  # (its listeners are told by the storage)
     except RemoteError:  # already gone
         pass

@@ -26,12 +26,12 @@ from bisect import bisect_left
 from time import perf_counter
 from typing import Callable
 
-from tensorshare import __version__
 from tensorshare.errors import ProtocolError, RemoteError
 from tensorshare.protocol.messages import (
     AUTH, BAD_ARGS, BAD_FRAME, COMMANDS, GREETING_MESSAGE, ID_MAX, KEEPALIVE_MESSAGE, LOCAL_ERROR,
     NOT_AUTHENTICATED, PROTOCOL_VERSION, UNAVAILABLE, UNKNOWN_VERB, Key, Route, error_reply,
 )
+from tensorshare.version import __version__
 from tensorshare.wire.frames import DiscardSink, Frame, FrameDecoder, frame_head, whole_frames
 
 from ..ops.counters import LATENCY_BUCKETS, ConnStats
