@@ -40,8 +40,18 @@ def store(session, request):
     with ``below`` first waits for room (:func:`_when_room`)."""
     storage, replace = session.storage, request.command is PUT
     name, blob, tag = request.bin, request.value, request.tag
-    ephemeral = replace and request.ephemeral is True
-    if ephemeral or session.state.ephemeral:
+    if replace:
+        ephemeral = request.ephemeral is True
+        usual = not ephemeral and request.cuda is None and request.fill is None
+    else:
+        ephemeral = False
+        usual = request.below is None
+    if usual and request.shm is None and storage.data_dir is None and not session.state.ephemeral.owners:
+        # the usual store: over TCP, into memory at once, no bin that ends with a connection
+        nbytes = request.payload_len
+        check_value(session, blob, nbytes)
+        return stored(session, request, storage.add_now(name, blob, tuple(request.payload), nbytes, tag, replace))
+    if ephemeral or session.state.ephemeral.owners:
         _check_ephemeral(session, request, ephemeral)
     if replace and (request.cuda is not None or request.fill is not None):  # by device reference (§13)
         return devices.store(session, request, check_value, stored)
@@ -127,8 +137,8 @@ def stored(session, request, change: Change) -> dict | bytes:
     if request.tag is not None and session.counters is not None:  # versions of RL experiments
         session.counters.stored(session.stats, request.command.verb, request.bin, request.tag)
     shared = session.shared
-    if shared.devices is None and not shared.maps(request.bin):  # the usual reply: from its template
-        return request.command.success.head(request.id, change.n_items, change.seq)
+    if shared.devices is None and not (shared.same_host and request.bin in shared.mapped):  # (not shared.maps())
+        return request.command.success.head(request.id, change.n_items, change.seq)  # the usual reply
     header = shared.stored_reply(request.command.reply(request.id, n=change.n_items, seq=change.seq), request.bin)
     return header if shared.devices is None else devices.with_freed(session, header)
 

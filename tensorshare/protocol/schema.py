@@ -390,8 +390,11 @@ class Command:
         slots = tuple(field.key for field in fields)
         self.Request = type(f"{verb.title()}Request", (Request,), {"__slots__": slots})
         self._slots = slots
-        # parse_request's usual case, every field right, compiled from the fields once.
-        self._parse_right = _compile_parser(self)
+        # parse_right(header, rid, payload, payload_len): parse_request's usual case, every
+        # field right (and a payload only where one is declared; bin names within the
+        # default limit), compiled from the fields once; None when anything is not:
+        # parse_request then finds what and says it.
+        self.parse_right = _compile_parser(self)
 
     def __repr__(self) -> str:
         return f"<Command {self.verb}>"
@@ -429,12 +432,12 @@ class Command:
                       max_bin_name: int = MAX_BIN_NAME) -> Request:
         """The typed request in ``header`` (whose ``op`` and ``id`` were checked);
         raises the :class:`RemoteError` to answer with (PROTOCOL.md §4.2, steps 3-5)."""
-        if payload_len and not self.payload:
-            raise error_for_code(BAD_ARGS, f"{self.verb} takes no payload")
         if max_bin_name == MAX_BIN_NAME:  # (the compiled test of a bin name assumes the default limit)
-            request = self._parse_right(header, rid, payload, payload_len)
+            request = self.parse_right(header, rid, payload, payload_len)
             if request is not None:
                 return request
+        if payload_len and not self.payload:
+            raise error_for_code(BAD_ARGS, f"{self.verb} takes no payload")
         request = self.Request()
         request.command, request.id, request.payload, request.payload_len = self, rid, payload, payload_len
         for field in self.fields:  # find what is wrong, and say it
@@ -453,6 +456,7 @@ def _compile_parser(command: Command) -> Callable[[dict, int, Any, int], Request
     instead of a loop over the fields per request."""
     names: dict[str, Any] = {"Request": command.Request, "command": command}
     body = ["def parse(header, rid, payload, payload_len):",
+            *(() if command.payload else ["    if payload_len: return None"]),
             "    get = header.get",
             "    request = Request()",
             "    request.command, request.id, request.payload, request.payload_len = command, rid, payload, payload_len"]
