@@ -458,7 +458,8 @@ class Storage(TableVerbs):
     def delivered(self, name: str, items: list[Item]) -> None:
         """The reply of a GET that took ``items`` from bin ``name`` has been written whole."""
         self.store.in_flight_bytes -= _resident_bytes(items)
-        self._forget_taken(name, items)
+        if self._taken:  # (a data directory's)
+            self._forget_taken(name, items)
         self.budget.wake()
 
     def restore(self, name: str, items: list[Item]) -> Change | None:
