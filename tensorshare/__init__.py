@@ -19,8 +19,7 @@ from .errors import (
     AuthenticationError, ConnectionLostError, NoSuchBinError, ProtocolError, RemoteError, TensorShareError,
     TimeoutError, WrongServerError,
 )
-
-__version__ = "0.1.0"
+from .version import __version__
 
 _LAZY = {
     "Client": "client", "Listening": "_client.listens", "connect": "client",

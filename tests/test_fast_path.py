@@ -24,12 +24,13 @@ from twisted.internet.testing import MemoryReactor
 
 from pairing import HeldJobs, Outbox, Pair
 from tensorshare._client.connection import NO_VALUE, request_frame
+from tensorshare.errors import ProtocolError
 from tensorshare.protocol.messages import (
     APPEND, BAD_ARGS, BAD_FRAME, COMMANDS, DELETE, GET, LISTEN, NOOP, NOT_AUTHENTICATED, PEEK, PUT, TOO_LARGE,
     UNKNOWN_VERB,
 )
 from tensorshare.wire.frames import (
-    FREE_CONTAINERS, SMALL_FRAME, FrameDecoder, SegmentSink, discard_sink, frame_head, whole_frames,
+    FREE_CONTAINERS, SMALL_FRAME, FrameDecoder, SegmentSink, discard_sink, frame_head, unpack_header, whole_frames,
 )
 from tensorshare_server.config import ServerConfig
 from tensorshare_server.net import twisted_internals
@@ -110,6 +111,19 @@ def test_whole_frames_leave_what_is_wrong_to_the_decoder():
     for wrong in (bad_header, bytes_key[:20] + bytes_key[20:], long_header, b"HTTP/1.1 200 OK\r\n" + good):
         found, end = whole_frames(good + wrong + good)
         assert found == _decoded(good) and end == len(good)
+
+
+@pytest.mark.parametrize("declared", [b"\xdd", b"\xdf", b"\xdb", b"\xc6"], ids=["array", "map", "str", "bin"])
+def test_a_small_header_declaring_more_than_it_holds_is_refused_before_anything_is_made(declared):
+    """A length of 10**9 in a header of a dozen bytes: refused by its own size (the
+    decoder bounds every declared length by the header's bytes), never allocated."""
+    header = b"\x82\xa2op\xa4NOOP\xa2id" + declared + (10**9).to_bytes(4, "big")
+    with pytest.raises(ProtocolError, match="malformed header"):
+        unpack_header(header)
+    frame = frame_head({"op": "NOOP", "id": 1}, 0)[:8] + len(header).to_bytes(4, "little") + bytes(8) + header
+    assert whole_frames(frame) == ([], 0)  # the decoder's, which refuses it with its reason
+    with pytest.raises(ProtocolError, match="malformed header"):
+        FrameDecoder(discard_sink).feed(frame)
 
 
 # ------------------------------------------------- a session, whole or split
@@ -196,12 +210,16 @@ def test_compiled_parsers_agree_with_the_declared_checks():
         right = {field.key: _right(field.kind.name) for field in command.fields}
         request = command.parse_request({"op": command.verb, "id": 5, **right}, 5, None, 0)
         assert [getattr(request, key) for key in command.keys] == [right[key] for key in command.keys]
-        assert command._parse_right({"op": command.verb, "id": 5, **right}, 5, None, 0) is not None
+        assert command.parse_right({"op": command.verb, "id": 5, **right}, 5, None, 0) is not None
+        if not command.payload:  # a payload where none is declared: 501 from either way in
+            assert command.parse_right({"op": command.verb, "id": 5, **right}, 5, [b"x"], 1) is None
+            with pytest.raises(Exception, match="takes no payload"):
+                command.parse_request({"op": command.verb, "id": 5, **right}, 5, [b"x"], 1)
         for field in command.fields:  # each field wrong in turn: the compiled parser says no, the checks say why
             if field.kind.name == "anything":
                 continue
             wrong = {**right, field.key: _wrong(field.kind.name)}
-            assert command._parse_right(wrong, 5, None, 0) is None, (command, field.key)
+            assert command.parse_right(wrong, 5, None, 0) is None, (command, field.key)
             with pytest.raises(Exception) as raised:
                 command.parse_request(wrong, 5, None, 0)
             assert getattr(raised.value, "code", None) == field.code

@@ -82,16 +82,16 @@ class TensorShareProtocol(protocol.Protocol):
         self.gate = ReadGate(self.transport)
         self.session = ServerSession(self.state, self.writer, f"{peer.host}:{peer.port}", self.gate,
                                      same_host=_same_host(peer, self.transport.getHost()))
-        self.receive_buffer = self.session.receive_buffer  # (one call fewer per read)
         self.session.connection_made()
 
     def dataReceived(self, data: bytes) -> None:
         self._received(self.session.data_received, data)
 
     def receive_buffer(self) -> memoryview | None:
-        """Memory the session lends for the next read (see :class:`ReceivingServer`);
-        once connected, the session's own method."""
-        return None
+        """Memory the session lends for the next read (see :class:`ReceivingServer`):
+        only while a frame's payload is arriving (as the last read left it) can there
+        be any, so between frames, the usual read of small requests, nothing is asked."""
+        return self.session.receive_buffer() if self._receiving else None
 
     def received_into(self, n: int) -> None:
         """``n`` bytes were read into :meth:`receive_buffer`'s memory."""
@@ -106,14 +106,12 @@ class TensorShareProtocol(protocol.Protocol):
         busy = self.factory.busy_poll
         if busy is not None:
             busy.note_request(self)
-        writer, batch = self.writer, self.factory.write_batch
-        writer.hold()
-        batch.begin()
+        writer = self.writer
+        writer.begin_read()
         try:
             deliver(what)
         finally:
-            batch.end()
-            writer.release()
+            writer.end_read()
         # Read large payloads in big gulps: fewer reactor turns per byte.
         receiving = self._receiving = self.session.receiving_payload
         size = _LARGE_READ if receiving > _LARGE_READ else _SMALL_READ
@@ -162,14 +160,12 @@ class TensorShareProtocol(protocol.Protocol):
         self._resume_call = None
         if self.session.closed or self.writer.congested:
             return
-        writer, batch = self.writer, self.factory.write_batch
-        writer.hold()
-        batch.begin()
+        writer = self.writer
+        writer.begin_read()
         try:
             self.session.resume()  # it stops and starts reading (through its ReadGate) as it goes
         finally:
-            batch.end()
-            writer.release()
+            writer.end_read()
 
     def tick(self, now: float) -> None:
         if self.session is not None and not self._check_stall(now):

@@ -35,15 +35,13 @@ class WriteBatch:
     Handling a read touches other connections too: a pipelined run of APPENDs from
     one client makes a notification for each listener per APPEND.  Each such writer
     joins the batch (holding its frames) and all write at its end, so a listener
-    gets one ``send()`` for the run, not one per change.  One batch per server,
-    used on the reactor thread only."""
+    gets one ``send()`` for the run, not one per change.  The writer of the
+    connection being read opens it (:meth:`FrameWriter.begin_read`) and ends it.
+    One batch per server, used on the reactor thread only."""
 
     def __init__(self):
         self.open = False
         self._joined: list = []
-
-    def begin(self) -> None:
-        self.open = True
 
     def join(self, writer: "FrameWriter") -> None:
         writer._holding = True
@@ -254,6 +252,26 @@ class FrameWriter:
     def hold(self) -> None:
         """Queue frames without writing them until :meth:`release`."""
         self._holding = True
+
+    def begin_read(self) -> None:
+        """A read of this writer's connection is being handled: :meth:`hold` its
+        frames, and open the server's batch (frames for other connections wait for
+        the end of the read too).  One call per read: this is the request path."""
+        self._holding = True
+        if self.batch is not None:
+            self.batch.open = True
+
+    def end_read(self) -> None:
+        """The read is handled: the batch's other writers write, then this one
+        (:meth:`WriteBatch.end`, then :meth:`release`)."""
+        batch = self.batch
+        if batch is not None:
+            batch.end()
+        self._holding = False
+        if self._held:
+            self._send_held()
+        if self._queue and not self._paused:
+            self._pump()
 
     def release(self) -> None:
         """Write what was queued since :meth:`hold`."""

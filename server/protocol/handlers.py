@@ -5,8 +5,8 @@ against its :class:`~tensorshare.protocol.messages.Command` (PROTOCOL.md §4.2-4
 and returns the request's outcome (:mod:`.outcome`): its reply now, or a
 :class:`~.outcome.Pending` for one that waits for the disk or for its bin; a
 refusal is raised as the :class:`~tensorshare.errors.RemoteError` whose code is
-the reply.  It reaches bins only through ``session.storage`` and publishes the
-changes storage returns (this connection's own notifications follow its reply).
+the reply.  It reaches bins only through ``session.storage``, which publishes
+every change it makes (this connection's own notifications follow its reply).
 The table verbs are in :mod:`.tables`.
 """
 
@@ -40,8 +40,18 @@ def store(session, request):
     with ``below`` first waits for room (:func:`_when_room`)."""
     storage, replace = session.storage, request.command is PUT
     name, blob, tag = request.bin, request.value, request.tag
-    ephemeral = replace and request.ephemeral is True
-    if ephemeral or session.state.ephemeral:
+    if replace:
+        ephemeral = request.ephemeral is True
+        usual = not ephemeral and request.cuda is None and request.fill is None
+    else:
+        ephemeral = False
+        usual = request.below is None
+    if usual and request.shm is None and storage.data_dir is None and not session.state.ephemeral.owners:
+        # the usual store: over TCP, into memory at once, no bin that ends with a connection
+        nbytes = request.payload_len
+        check_value(session, blob, nbytes)
+        return stored(session, request, storage.add_now(name, blob, tuple(request.payload), nbytes, tag, replace))
+    if ephemeral or session.state.ephemeral.owners:
         _check_ephemeral(session, request, ephemeral)
     if replace and (request.cuda is not None or request.fill is not None):  # by device reference (§13)
         return devices.store(session, request, check_value, stored)
@@ -111,7 +121,7 @@ def _when_room(session, request, add: Callable, finish: Callable):
         done(None, BusyError(f"bin {name!r} still held {storage.count(name)} items (below {below} asked) "
                              f"after waiting {wait:g}s; nothing stored"))
 
-    return in_lane(name, APPEND.lane, lambda: _has_room(session, name, below), add, finish, wait, expire)
+    return in_lane(name, APPEND, lambda: _has_room(session, name, below), add, finish, wait, expire)
 
 
 def check_value(session, blob: bytes, nbytes: int) -> None:
@@ -123,13 +133,12 @@ def check_value(session, blob: bytes, nbytes: int) -> None:
 
 
 def stored(session, request, change: Change) -> dict | bytes:
-    """The reply to a PUT/APPEND the storage is done with; its change is published."""
-    session.state.listeners.publish(change)
+    """The reply to a PUT/APPEND the storage is done with (and has published)."""
     if request.tag is not None and session.counters is not None:  # versions of RL experiments
         session.counters.stored(session.stats, request.command.verb, request.bin, request.tag)
     shared = session.shared
-    if shared.devices is None and not shared.maps(request.bin):  # the usual reply: from its template
-        return request.command.success.head(request.id, change.n_items, change.seq)
+    if shared.devices is None and not (shared.same_host and request.bin in shared.mapped):  # (not shared.maps())
+        return request.command.success.head(request.id, change.n_items, change.seq)  # the usual reply
     header = shared.stored_reply(request.command.reply(request.id, n=change.n_items, seq=change.seq), request.bin)
     return header if shared.devices is None else devices.with_freed(session, header)
 
@@ -152,7 +161,7 @@ def take(session, request):
     """Take the items out of the bin.  The take and its notification happen now;
     the reply follows once any file the items live in is open (if any is only on
     disk), and the items go back to the front of the bin if it cannot be delivered."""
-    storage, listeners, name = session.storage, session.state.listeners, request.bin
+    storage, name = session.storage, request.bin
     items = storage.peek(name)
     if request.max is not None:
         items = items[: request.max]
@@ -160,11 +169,10 @@ def take(session, request):
         return devices.hold_for_bytes(session, request, take)
     _check_reply_size(session, items)  # refused before anything is taken
     refs = None if request.ref is None else session.shared.refs(request.bin, request.ref, items, taking=True)
-    items, change = storage.take(name, request.max)
-    listeners.publish(change)  # (this connection's own notification follows the reply)
+    items, change = storage.take(name, request.max)  # (this connection's own notification follows the reply)
 
     def put_back() -> None:
-        listeners.publish(storage.restore(name, items))
+        storage.restore(name, items)
 
     def reply(parts: list):
         out = items_reply(session, request, items, parts, change.seq, refs, put_back,
@@ -295,7 +303,6 @@ def delete(session, request):
         if error is not None:
             raise error
         session.state.ephemeral.forget(request.bin)
-        session.state.listeners.publish(change)
         return DELETE.reply(request.id, n=0, seq=change.seq)
 
     return later(lambda done: session.storage.delete(request.bin, done), deleted)

@@ -26,12 +26,12 @@ from bisect import bisect_left
 from time import perf_counter
 from typing import Callable
 
-from tensorshare import __version__
 from tensorshare.errors import ProtocolError, RemoteError
 from tensorshare.protocol.messages import (
-    AUTH, BAD_ARGS, BAD_FRAME, COMMANDS, GREETING_MESSAGE, ID_MAX, KEEPALIVE_MESSAGE, LOCAL_ERROR,
+    AUTH, BAD_ARGS, BAD_FRAME, COMMANDS, GREETING_MESSAGE, ID_MAX, KEEPALIVE_MESSAGE, LOCAL_ERROR, MAX_BIN_NAME,
     NOT_AUTHENTICATED, PROTOCOL_VERSION, UNAVAILABLE, UNKNOWN_VERB, Key, Route, error_reply,
 )
+from tensorshare.version import __version__
 from tensorshare.wire.frames import DiscardSink, Frame, FrameDecoder, frame_head, whole_frames
 
 from ..ops.counters import LATENCY_BUCKETS, ConnStats
@@ -48,6 +48,7 @@ from .timelimits import TimeLimits
 log = logging.getLogger("tensorshare.server")
 _DISCARD = DiscardSink(0)  # stateless: one serves every request that takes no payload
 _LASTING = frozenset(c.verb for c in COMMANDS.values() if c.lasting)  # effects that outlive the connection
+_OP, _ID, _RELEASE = Key.OP, Key.ID, Key.RELEASE  # (module constants: read per request)
 
 
 class Phase(enum.Enum):
@@ -106,6 +107,13 @@ class ServerSession:
         # The config's limits are properties that build a new object per access.
         self.decode_limits = state.config.decode_limits
         self._max_bin_name = state.config.max_bin_name
+        # verb -> (command, handler, compiled parser or None): what _request looks up per
+        # request, made once (a relay's handlers replace the usual ones before any
+        # connection opens; the compiled parsers assume the default bin name limit).
+        default_names = self._max_bin_name == MAX_BIN_NAME
+        self._verbs = {verb: (command, state.handlers.get(command) or HANDLERS[command],
+                              command.parse_right if default_names and command is not AUTH else None)
+                       for verb, command in COMMANDS.items()}
 
     @property
     def authenticated(self) -> bool:
@@ -308,17 +316,17 @@ class ServerSession:
     def _take_whole(self, whole: list[tuple[dict, bytes, int]]) -> None:
         """:meth:`_take` for the frames of :func:`~tensorshare.wire.frames.whole_frames`:
         each payload as the decoder's sink would have kept it (:meth:`_payload_sink`)."""
-        holding, outbox = self.holding, self.outbox
-        for i, (header, payload, payload_len) in enumerate(whole):
+        holding, outbox, verbs = self.holding, self.outbox, self._verbs
+        for header, payload, payload_len in whole:
             if self.closed:  # refused: nothing after it is served
                 return
-            op = header.get(Key.OP)
-            command = COMMANDS.get(op) if type(op) is str else None
-            payload = None if command is None or not command.payload else [payload] if payload_len else []
+            op = header.get(_OP)
+            entry = verbs.get(op) if type(op) is str else None
+            payload = None if entry is None or not entry[0].payload else [payload] if payload_len else []
             if outbox.congested or holding.answering is not None or holding.backlog:  # hold the rest back
                 holding.backlog.append(Frame(header, payload, payload_len))
                 continue
-            self._request(header, payload, payload_len)
+            self._request(header, payload, payload_len, None, entry)
         if holding.answering is not None or holding.backlog:
             self._work()
 
@@ -363,38 +371,42 @@ class ServerSession:
     def _handle(self, frame: Frame) -> None:
         self._request(frame.header, frame.payload, frame.payload_len, frame.refused)
 
-    def _request(self, header: dict, payload, payload_len: int, refused: str | None = None) -> None:
-        """Check one request (PROTOCOL.md §4.2), run its handler and carry out its outcome."""
-        if Key.RELEASE in header:
-            self.shared.release(header[Key.RELEASE])
-        rid = header.get(Key.ID)
+    def _request(self, header: dict, payload, payload_len: int, refused: str | None = None,
+                 entry: tuple | None = False) -> None:
+        """Check one request (PROTOCOL.md §4.2), run its handler and carry out its outcome.
+        ``entry``: its verb's ``(command, handler, parser)`` if the caller looked it up already."""
+        if _RELEASE in header:
+            self.shared.release(header[_RELEASE])
+        rid = header.get(_ID)
         if type(rid) is not int or not 0 < rid <= ID_MAX:
             rid = 0
         if self.login is not None:  # not authenticated yet
             self._authenticate(rid, header)
             return
-        op = header.get(Key.OP)
-        command = COMMANDS.get(op) if type(op) is str else None
+        op = header.get(_OP)
+        if entry is False:
+            entry = self._verbs.get(op) if type(op) is str else None
         holding = self.holding
         holding.holds += 1  # notifications of what the handler changes follow its reply
         try:
             if refused is not None:  # a header over a limit of what it may decode to
                 raise RemoteError(refused, BAD_ARGS)
-            if command is None:
+            if entry is None:
                 raise RemoteError(f"unknown verb {op!r:.60}", UNKNOWN_VERB)
             if rid == 0:
                 raise RemoteError("request id must be an integer in 1..2**64-1", BAD_ARGS)
+            command, handle, parse = entry
+            request = None if parse is None else parse(header, rid, payload, payload_len)
             # AUTH when none is due is answered 503 whatever its fields (§4.3): its handler says so
-            request = None if command is AUTH else \
-                command.parse_request(header, rid, payload, payload_len, self._max_bin_name)
+            if request is None and command is not AUTH:
+                request = command.parse_request(header, rid, payload, payload_len, self._max_bin_name)
             if self._workers is not None and command.route is Route.OWNER:  # one worker of several (§14.3)
                 check_owner(self._workers, request.bin)
-            handle = self.state.handlers.get(command) or HANDLERS[command]
             counters = self.counters
             if counters is None:
                 outcome = handle(self, request)
-                if type(outcome) is bytes:  # (the usual case, without answer()'s call)
-                    self.send([outcome])
+                if type(outcome) is bytes and not self.closed and self.stream is None:  # (the usual case)
+                    self.outbox.send_reply([outcome])
                 else:
                     self.answer(rid, outcome)
             else:  # counted inline: this is the request path (server/ops/counters.py)

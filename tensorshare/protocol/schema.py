@@ -9,7 +9,7 @@ the client method that sends it (``method``), what same-host zero-copy may do fo
 (``zero_copy``, :class:`ZeroCopy`), how a relay answers it (``relay``,
 :class:`Relay`), which worker of a multi-worker server a client sends it to
 (``route``, :class:`Route`), the lane a request of it waits in when it waits in the server
-(``lane``) and the error codes it may answer with besides those any request may get
+(``lane``) and in which order (``waits_in_order``) and the error codes it may answer with besides those any request may get
 (``errors``).  The server checks requests with :meth:`Command.parse_request` (the
 checks of PROTOCOL.md §4.2, in order) and answers with :meth:`Command.reply`; the
 clients check their arguments with :meth:`Command.check_arguments`, build requests
@@ -292,12 +292,16 @@ class Payload:
 class Relay:
     """How a relay (PROTOCOL.md §11) answers a verb (``Command.relay``)."""
 
-    FORWARD = "forward"  # for a followed name: sent upstream as it came, answered with the upstream's answer
+    # A change of a followed bin: sent upstream as it came, answered with the upstream's
+    # answer once the relay's mirror of the bin shows the change (read-your-writes; its
+    # reply must say the change's seq, which the relay waits for).
+    FORWARD = "forward"
+    PASS = "pass"  # about a followed name a relay never mirrors (a table): sent upstream, its reply passed back
     MIRROR = "mirror"  # for a followed bin: answered from the relay's mirror, once it holds a copy
     MERGE = "merge"  # the upstream's answer and the relay's own, merged (LIST)
     LOCAL = "local"  # answered by the relay itself, as by any server
 
-    ALL = frozenset({FORWARD, MIRROR, MERGE, LOCAL})
+    ALL = frozenset({FORWARD, PASS, MIRROR, MERGE, LOCAL})
 
 
 class Route:
@@ -330,7 +334,9 @@ class Command:
     declare the 427 a worker that does not own the bin answers).  ``lane``:
     the verb's requests that wait in the server (PROTOCOL.md §4.5) wait in the lane
     of that name of their bin, in arrival order, apart from other kinds of request
-    waiting on the same bin (None: it never waits).  ``errors``: the error codes it
+    waiting on the same bin (None: it never waits); ``waits_in_order``: they go on in
+    the order they came (False: each as soon as it may, as readers each waiting for
+    their own version do).  ``errors``: the error codes it
     may answer with beyond :data:`ANY_REQUEST_ERRORS` (its PROTOCOL.md entry says when).
     ``lasting``: its effect outlives the connection (PROTOCOL.md §8.3): held back by
     flow control when the connection is lost, it is still carried out.
@@ -341,7 +347,7 @@ class Command:
 
     def __init__(self, verb: str, fields: tuple[Field, ...] = (), *, reply: Message, method: str | None,
                  zero_copy: str | None, relay: str, route: str, lane: str | None = None,
-                 errors: tuple[int, ...] = (),
+                 waits_in_order: bool = True, errors: tuple[int, ...] = (),
                  payload: str | None = None, result: str | None = None, taken_with: str | None = None,
                  lasting: bool = False, doc: str = ""):
         if payload not in (None, Payload.ITEM, Payload.ROWS):
@@ -352,6 +358,13 @@ class Command:
         if relay not in Relay.ALL or zero_copy not in (None, ZeroCopy.STORE, ZeroCopy.READ, ZeroCopy.TAKE):
             raise ValueError(f"{verb}: unknown relay treatment {relay!r} or zero-copy role {zero_copy!r}")
         takes_bin = any(field.key == Key.BIN for field in fields)
+        if relay in (Relay.FORWARD, Relay.PASS, Relay.MIRROR) and not takes_bin:
+            raise ValueError(f"{verb}: a relay forwards or mirrors only what names a bin (or table)")
+        if relay == Relay.FORWARD and not any(f.key == Key.SEQ and f.required for f in reply.fields):
+            raise ValueError(f"{verb}: a FORWARD verb's reply says the seq of its change (the relay waits for "
+                             f"its mirror to reach it)")
+        if not waits_in_order and lane is None:
+            raise ValueError(f"{verb}: only a verb that waits in a lane waits in an order")
         if route not in Route.ALL or (route == Route.OWNER) != takes_bin \
                 or (WRONG_WORKER in errors) != (route == Route.OWNER):
             raise ValueError(f"{verb}: route {route!r} must be {Route.OWNER!r} (with error {WRONG_WORKER}) exactly "
@@ -365,6 +378,7 @@ class Command:
         self.relay = relay
         self.route = route
         self.lane = lane
+        self.waits_in_order = waits_in_order
         self.errors = frozenset(errors)
         self.payload = payload
         self.result = result
@@ -376,8 +390,11 @@ class Command:
         slots = tuple(field.key for field in fields)
         self.Request = type(f"{verb.title()}Request", (Request,), {"__slots__": slots})
         self._slots = slots
-        # parse_request's usual case, every field right, compiled from the fields once.
-        self._parse_right = _compile_parser(self)
+        # parse_right(header, rid, payload, payload_len): parse_request's usual case, every
+        # field right (and a payload only where one is declared; bin names within the
+        # default limit), compiled from the fields once; None when anything is not:
+        # parse_request then finds what and says it.
+        self.parse_right = _compile_parser(self)
 
     def __repr__(self) -> str:
         return f"<Command {self.verb}>"
@@ -415,12 +432,12 @@ class Command:
                       max_bin_name: int = MAX_BIN_NAME) -> Request:
         """The typed request in ``header`` (whose ``op`` and ``id`` were checked);
         raises the :class:`RemoteError` to answer with (PROTOCOL.md §4.2, steps 3-5)."""
-        if payload_len and not self.payload:
-            raise error_for_code(BAD_ARGS, f"{self.verb} takes no payload")
         if max_bin_name == MAX_BIN_NAME:  # (the compiled test of a bin name assumes the default limit)
-            request = self._parse_right(header, rid, payload, payload_len)
+            request = self.parse_right(header, rid, payload, payload_len)
             if request is not None:
                 return request
+        if payload_len and not self.payload:
+            raise error_for_code(BAD_ARGS, f"{self.verb} takes no payload")
         request = self.Request()
         request.command, request.id, request.payload, request.payload_len = self, rid, payload, payload_len
         for field in self.fields:  # find what is wrong, and say it
@@ -439,6 +456,7 @@ def _compile_parser(command: Command) -> Callable[[dict, int, Any, int], Request
     instead of a loop over the fields per request."""
     names: dict[str, Any] = {"Request": command.Request, "command": command}
     body = ["def parse(header, rid, payload, payload_len):",
+            *(() if command.payload else ["    if payload_len: return None"]),
             "    get = header.get",
             "    request = Request()",
             "    request.command, request.id, request.payload, request.payload_len = command, rid, payload, payload_len"]

@@ -518,10 +518,11 @@ def unpack_header(data: bytes | memoryview, limits: FrameLimits = DEFAULT_FRAME_
     if size <= FREE_CONTAINERS:  # the usual header: nothing to count or measure (see .unpacking)
         # Checked as it is decoded: every map's keys by _str_keys, extension types by
         # _no_extension (max_ext_len=0 lets only empty ones through), no walk after.
+        # unpackb bounds every other declared length by the size of what it decodes
+        # (its max_*_len default to that): nothing larger is ever allocated.
         try:
-            header = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True, max_str_len=size,
-                                     max_bin_len=size, max_array_len=size, max_map_len=size, max_ext_len=0,
-                                     object_hook=_str_keys, ext_hook=_no_extension)
+            header = msgpack.unpackb(data, raw=False, strict_map_key=True, max_ext_len=0, object_hook=_str_keys,
+                                     ext_hook=_no_extension)
         except UNPACK_ERRORS as exc:
             raise ProtocolError(f"malformed header: {exc or type(exc).__name__}") from None
         if type(header) is not dict:
