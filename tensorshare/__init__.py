@@ -19,7 +19,7 @@ from .errors import (
     AuthenticationError, ConnectionLostError, NoSuchBinError, ProtocolError, RemoteError, TensorShareError,
     TimeoutError, WrongServerError,
 )
-from .version import __version__
+from .version import __version__ as __version__
 
 _LAZY = {
     "Client": "client", "Listening": "_client.listens", "connect": "client",
