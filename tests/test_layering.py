@@ -170,3 +170,60 @@ def test_no_module_imports_one_that_imports_it_back():
 
     circles = sorted({tuple(sorted((a, b))) for a in graph for b in graph[a] if reaches(b, a)})
     assert circles == [], circles
+
+
+# The modules outside a private package that may import it: the package's public faces.
+PRIVATE_FACES = {"tensorshare._client": {"tensorshare.client", "tensorshare.async_client"}}
+
+
+def _all_imports(name: str, path: Path, is_package: bool, known: set[str]) -> set[str]:
+    """Every module name module ``name`` imports, anywhere in it (in functions too)."""
+    base = name if is_package else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = base.split(".")
+                target = ".".join(parts[: len(parts) - node.level + 1]) + (f".{node.module}" if node.module else "")
+            else:
+                target = node.module
+            found.add(target)
+            found.update(f"{target}.{alias.name}" for alias in node.names if f"{target}.{alias.name}" in known)
+    return found
+
+
+def _private_root(module: str) -> str | None:
+    """``a.b._c`` for a module at or under a private ``a.b._c``; None for a public one."""
+    parts = module.split(".")
+    for i, part in enumerate(parts):
+        if part.startswith("_") and not part.startswith("__"):
+            return ".".join(parts[: i + 1])
+    return None
+
+
+def test_no_module_imports_another_packages_private_module():
+    """A private module (a name part starting with ``_``) is imported only by its own
+    package's modules, and ``tensorshare._client`` only by the clients that are its
+    public faces: everything else uses their public names."""
+    root = Path(__file__).resolve().parent.parent
+    modules = {}
+    for package, directory in (("tensorshare", root / "tensorshare"), ("tensorshare_server", root / "server")):
+        for path in directory.rglob("*.py"):
+            parts = path.relative_to(directory).with_suffix("").parts
+            modules[".".join((package, *parts)).removesuffix(".__init__")] = (path, parts[-1] == "__init__")
+    offences = []
+    for name, (path, is_package) in modules.items():
+        for imported in _all_imports(name, path, is_package, set(modules)):
+            if not imported.startswith(("tensorshare.", "tensorshare_server.")):
+                continue
+            private = _private_root(imported)
+            if private is None or name == private or name.startswith(private + "."):
+                continue
+            owner = private.rpartition(".")[0]
+            faces = PRIVATE_FACES.get(private)
+            allowed = name in faces if faces is not None else name.rpartition(".")[0] == owner
+            if not allowed:
+                offences.append(f"{name} imports {imported}")
+    assert offences == [], "\n".join(sorted(offences))

@@ -23,8 +23,8 @@ import torch
 
 from ..errors import ProtocolError, UsageError
 from ..protocol.messages import ITEMS, Key
-from ..wire.description import DEFAULT_LIMITS, Description, _ArrayRef, _TupleNode, parse_description
-from .connection import item_table
+from ..wire.description import DEFAULT_LIMITS, parse_description, template_targets
+from ..protocol.items import item_table
 
 log = logging.getLogger("tensorshare.client")
 
@@ -151,30 +151,6 @@ def payload_layout(header: dict, nbytes: int, into: Callable | None, engine, ind
         entries += found
         base += size
     return entries if any(target is not None for _o, _n, target in entries) else None
-
-
-def template_targets(template: Any) -> Callable[[int, Description], dict]:
-    """``into`` for a value shaped like the items: the tensors of ``template`` where
-    the item has an array at the same place (dict keys, list and tuple positions)."""
-    def targets(item: int, desc: Description) -> dict:
-        found: dict = {}
-        _match(desc.tree, template, found)
-        return found
-    return targets
-
-
-def _match(node: Any, template: Any, found: dict) -> None:
-    if isinstance(node, _ArrayRef):
-        if hasattr(template, "is_contiguous"):  # a tensor
-            found[node.index] = template
-        return
-    if isinstance(node, dict) and isinstance(template, dict):
-        for key, value in node.items():
-            if key in template:
-                _match(value, template[key], found)
-    elif isinstance(node, (list, _TupleNode)) and isinstance(template, (list, tuple)):
-        for value, slot in zip(node, template):
-            _match(value, slot, found)
 
 
 def as_into(into: Any) -> Callable | None:

@@ -37,9 +37,8 @@ from ..errors import (
     AuthenticationError, ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UsageError,
 )
 from ..protocol.engine import DEAD, Engine, Notice, Restored
-from ..protocol.messages import Key
 from .coalesce import Coalescer
-from .connection import ListenSnapshot, Notification
+from .listens import notification, tell_restored
 from .progress import Progress
 from .reader import BackgroundReader
 from .sockets import SMALL_FRAME, Link, open_link, wait
@@ -422,13 +421,11 @@ class Member:
             for event in events:
                 kind = type(event)
                 if kind is Notice:
-                    header = event.header
-                    note = Notification(event.bin, header[Key.N], header[Key.SEQ], header[Key.OP],
-                                        header.get(Key.TAG))
+                    note = notification(event)
                     jobs.extend((handle.callback, (note,)) for handle in event.handles)
                     continue
                 if kind is Restored:
-                    jobs.append((_restored, (event, self.where)))
+                    jobs.append((tell_restored, (event, self.where)))
                     continue
                 if kind is str:  # READY (an opening is over: nothing to hand on)
                     continue
@@ -502,6 +499,16 @@ class Member:
         with self.cond:
             self.engine.close()
 
+    def stop_listening(self, handle):
+        """``(command, fields)`` of the call that ends ``handle`` (:meth:`Engine.stop_listening`)."""
+        with self.cond:
+            return self.engine.stop_listening(handle)
+
+    def forget_listen(self, handle) -> None:
+        """``handle`` hears nothing more here (its stopping call failed)."""
+        with self.cond:
+            self.engine.listens.remove(handle)
+
     def join(self, timeout: float) -> None:
         thread = self.reader.thread
         if thread is not None and thread is not threading.current_thread():
@@ -519,19 +526,6 @@ class Member:
             with self.send_lock:
                 self._send_locked(link, [], None)
         self.reader.ensure()
-
-
-def _restored(event: Restored, where: str) -> None:
-    """A bin listened to again after a reconnection: each handle hears of its state then."""
-    if event.error is not None:
-        log.warning("could not listen to %r again after reconnecting to %s: %s", event.bin, where, event.error)
-        return
-    note = ListenSnapshot.of(event.header).as_notification(event.bin)
-    for handle in event.handles:
-        try:
-            handle.callback(note)
-        except Exception:
-            log.exception("tensorshare listen callback %r failed", handle.callback)
 
 
 __all__ = ["Member", "StaleMapError"]

@@ -13,6 +13,7 @@ import math
 
 from ..errors import UsageError
 
+DEFAULT = object()  # a method's timeout argument when not given: "use the client's timeout"
 DEFAULT_CONNECT_TIMEOUT = 10.0  # seconds to open one connection, unless the call timeout is shorter
 DEFAULT_RETRY_FOR = 30.0  # seconds connect() keeps trying a server that is not up yet, likewise
 

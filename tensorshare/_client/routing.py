@@ -27,12 +27,15 @@ the zero-copy role its command declares (``Command.zero_copy``):
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from ..errors import DeviceReferenceError, ZeroCopyError, ZeroCopyUnavailableError
 from ..protocol.messages import Key, ZeroCopy
 from ..wire.codec import Encoded, encode
-from .calls import Call
 from .connection import NO_VALUE
+
+if TYPE_CHECKING:
+    from .values import Call
 
 log = logging.getLogger("tensorshare.client")
 

@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 from ..errors import BadNameError, NoSuchBinError
 from ..table_copy import load_table, save_table
-from .calls import DEFAULT
+from .options import DEFAULT
 
 
 class TableCopies:

@@ -19,9 +19,10 @@ import threading
 from typing import Any, Callable
 
 from ..errors import DeviceError, TensorShareError, ZeroCopyError
-from ..protocol.engine import Call as EngineCall
+from ..protocol.engine import Call as EngineCall, next_request_id
 from ..protocol.items import item_table
 from ..protocol.messages import ITEMS, MAX_RELEASE_IDS, Key, ZeroCopy
+from ..protocol.placement import merged_header
 from ..wire.frames import buffer_sink
 from .connection import NO_VALUE, Reply, decode_items, read_reply, reply_buffers, request_frame
 from .devices import DEVICE_MIN, as_into, caller_of, check_device, pinned
@@ -151,8 +152,6 @@ class Values:
         if call.caller is not None:  # nothing may write into its tensors once it failed
             call.caller.abandon()
         if next_attempt(call, error):
-            from ..protocol.engine import next_request_id
-
             call.rid, call.frame, call.error = next_request_id(), None, None
             return None
         finish(call)
@@ -254,6 +253,20 @@ class Values:
             self.buffers.clear()
 
 
+def same_reply(reply: Reply) -> Reply:
+    """``then`` that keeps a call's whole reply (to merge it with others)."""
+    return reply
+
+
+def merged_result(command, replies: list[Reply], then: Callable | None) -> Any:
+    """What a ``MERGE`` call returns, given its workers' ``replies``: ``then`` of the one
+    reply of the whole server (:func:`~tensorshare.protocol.placement.merged_header`),
+    or its result."""
+    reply = Reply(command, merged_header(command.result, [reply.header for reply in replies]), None,
+                  replies[0].frame)
+    return reply.result if then is None else then(reply)
+
+
 def _unplaced(call: Call, areas, device: Any, exc: Exception) -> DeviceError:
     """The error of a reply whose values could not be put on ``device``: it holds them,
     built in host memory, so that items a take removed from the server are not lost."""
@@ -287,4 +300,4 @@ def has_engine(device: Any) -> bool:
     return engine_for(device) is not None
 
 
-__all__ = ["Call", "Values", "has_engine"]
+__all__ = ["Call", "Values", "has_engine", "merged_result", "same_reply"]
