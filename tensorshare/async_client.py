@@ -32,7 +32,7 @@ from ._client.zerocopy import SharedAreas
 from .drivers.twisted import Options, Remapper, TwistedMember, Wire, first_error, open_wire, start_members
 from .errors import ConnectionLostError, ProtocolError, TensorShareError, UsageError, WrongWorkerError
 from .protocol.auth import resolve_token
-from .protocol.engine import Notice, Restored, next_request_id
+from .protocol.engine import Notice, next_request_id
 from .protocol.messages import Command, Route
 from .protocol.router import Router
 from .protocol.tls import TLSSettings

@@ -32,7 +32,7 @@ from ._client.spin import DEFAULT_LIMIT as DEFAULT_SPIN
 from ._client.table_copy import TableCopies
 from ._client.values import Call, Values, merged_result, same_reply
 from .errors import (
-    ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UsageError, WrongServerError, WrongWorkerError,
+    ConnectionLostError, ProtocolError, TensorShareError, UsageError, WrongServerError, WrongWorkerError,
 )
 from .protocol.auth import resolve_token
 from .protocol.engine import Engine, next_request_id

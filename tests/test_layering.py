@@ -128,12 +128,14 @@ def test_a_relay_of_a_multi_worker_server_loads_neither_torch_nor_the_client():
     assert out.stdout.strip() == "[]", out.stdout
 
 
-def _imports(name: str, path: Path, is_package: bool, known: set[str]) -> set[str]:
+def _imports(name: str, path: Path, is_package: bool, known: set[str], everywhere: bool = False) -> set[str]:
     """The modules of ours that module ``name`` imports when it is loaded (its top-level
-    imports: one inside a function runs later, when the modules are loaded)."""
+    imports: one inside a function runs later, when the modules are loaded), or with
+    ``everywhere``, anywhere in it."""
     base = name if is_package else name.rpartition(".")[0]
     found = set()
-    for node in ast.parse(path.read_text()).body:
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree) if everywhere else tree.body:
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names if alias.name in known)
         elif isinstance(node, ast.ImportFrom):
@@ -176,24 +178,6 @@ def test_no_module_imports_one_that_imports_it_back():
 PRIVATE_FACES = {"tensorshare._client": {"tensorshare.client", "tensorshare.async_client"}}
 
 
-def _all_imports(name: str, path: Path, is_package: bool, known: set[str]) -> set[str]:
-    """Every module name module ``name`` imports, anywhere in it (in functions too)."""
-    base = name if is_package else name.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = base.split(".")
-                target = ".".join(parts[: len(parts) - node.level + 1]) + (f".{node.module}" if node.module else "")
-            else:
-                target = node.module
-            found.add(target)
-            found.update(f"{target}.{alias.name}" for alias in node.names if f"{target}.{alias.name}" in known)
-    return found
-
-
 def _private_root(module: str) -> str | None:
     """``a.b._c`` for a module at or under a private ``a.b._c``; None for a public one."""
     parts = module.split(".")
@@ -215,9 +199,7 @@ def test_no_module_imports_another_packages_private_module():
             modules[".".join((package, *parts)).removesuffix(".__init__")] = (path, parts[-1] == "__init__")
     offences = []
     for name, (path, is_package) in modules.items():
-        for imported in _all_imports(name, path, is_package, set(modules)):
-            if not imported.startswith(("tensorshare.", "tensorshare_server.")):
-                continue
+        for imported in _imports(name, path, is_package, set(modules), everywhere=True):
             private = _private_root(imported)
             if private is None or name == private or name.startswith(private + "."):
                 continue

@@ -17,8 +17,9 @@ from typing import Any
 from ..errors import ProtocolError, TooLargeError, ZeroCopyError
 from ..protocol.items import item_table
 from ..protocol.messages import ITEMS, Command, Key
-from ..wire.codec import Encoded, build, empty_payload, encode
-from ..wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
+from ..wire.build import build_item
+from ..wire.codec import Encoded, empty_payload, encode
+from ..wire.description import DEFAULT_LIMITS, DecodeLimits
 from ..wire.frames import Frame, frame_head
 from ..wire.recycle import Recycler
 
@@ -192,9 +193,8 @@ def decode_items(header: dict, payload, payload_len: int, device: Any = None,
             values.append(areas.load(ref, blob, size, device, limits, None if into is None else partial(into, i),
                                      caller))
             continue
-        desc = parse_description(blob, size, limits)
         try:
-            values.append(build(desc, payload, base, device))
+            values.append(build_item(blob, size, payload, base, device, limits))
         except (ValueError, TypeError, RuntimeError) as exc:  # e.g. a shape numpy cannot hold
             raise ProtocolError(f"cannot build item {len(values)}: {exc}") from None
         base += size

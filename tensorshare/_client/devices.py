@@ -16,7 +16,6 @@ Replies that hold numpy arrays, and small ones, are received as before and moved
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import Any, Callable
 
 import torch
@@ -29,31 +28,6 @@ from ..protocol.items import item_table
 log = logging.getLogger("tensorshare.client")
 
 DEVICE_MIN = 1 << 20  # replies from this many payload bytes arrive into device memory directly
-
-
-def receive_on_device(conn, client) -> None:
-    """Make ``conn``'s decoder ask ``client`` where each large reply's payload goes
-    (once per connection; the client is held weakly: no reference cycle)."""
-    if conn.device_sinks:
-        return
-    plain = conn.decoder.sink_factory
-    owner = weakref.ref(client)
-
-    def sink(header: dict, nbytes: int):
-        if nbytes >= DEVICE_MIN:
-            client = owner()
-            try:
-                made = None if client is None else device_sink(client._calls.get(header.get(Key.ID)), client.device,
-                                                               header, nbytes)
-            except RuntimeError as exc:  # no room on the device: received in host memory (a take loses nothing)
-                log.warning("a reply of %d bytes is received in host memory: %s", nbytes, exc)
-                made = None
-            if made is not None:
-                return made
-        return plain(header, nbytes)
-
-    conn.decoder.sink_factory = sink
-    conn.device_sinks = True
 
 
 def device_sink(call, default_device: Any, header: dict, nbytes: int):

@@ -82,7 +82,7 @@ def finish(call: Call) -> None:
 
 def _through_shared_memory(call: Call, areas) -> None:
     fields = call.fields
-    enc = call.value = call.value if type(call.value) is Encoded else encode(call.value)
+    enc = call.value = call.value if type(call.value) is Encoded else encode(call.value, views=True)
     try:
         name = areas.write(enc, fields.get(Key.TAG), fields.get(Key.BIN) in areas.mapped)
     except (OSError, ValueError) as exc:  # shared memory full, or a value its layout cannot hold

@@ -48,7 +48,9 @@ class Call(EngineCall):
                  "device", "into", "caller", "areas", "via")
 
     def __init__(self, rid: int, command, fields: dict | None, value: Any = NO_VALUE):
-        EngineCall.__init__(self, rid, command, fields)
+        # (the engine's fields set here too: one __init__ per call, not two)
+        self.rid, self.command, self.fields = rid, command, fields
+        self.frame = self.error = self.handle = self.deadline = None
         self.value = value
         self.fallback = self.cleanup = self.callback = self.then = self.on_error = None
         self.decode, self.raw, self.inline = True, False, False
@@ -85,7 +87,8 @@ class Values:
             call.caller = caller_of(call.device, call.into is not None)
         if areas is not None:
             call.areas = areas
-            route(call, areas, self.device_uuid(call) if self.device_calls else None)
+            if command.zero_copy is not None:
+                route(call, areas, self.device_uuid(call) if self.device_calls else None)
         return call
 
     def wants_device(self, call: Call, device: Any, into: Any) -> None:
@@ -224,6 +227,8 @@ class Values:
         plain = self.sink
 
         def sink(header: dict, nbytes: int):
+            if not nbytes:  # most replies: one shared sink, no object per frame
+                return _NO_PAYLOAD
             if nbytes >= DEVICE_MIN and self.device_calls:
                 from .devices import device_sink
 
@@ -277,6 +282,23 @@ def _unplaced(call: Call, areas, device: Any, exc: Exception) -> DeviceError:
                            f"({again})")
     return DeviceError(f"the reply's {len(items or ())} values could not be built on {device!r}: {exc}; they are in "
                        f"this error's .items, in host memory", items)
+
+
+class _NoPayload:
+    """The sink of every frame without a payload (its payload: the one shared empty array)."""
+
+    __slots__ = ("array",)
+
+    def __init__(self):
+        self.array = None
+
+    def finish(self):
+        if self.array is None:
+            self.array = buffer_sink({}, 0).finish()
+        return self.array
+
+
+_NO_PAYLOAD = _NoPayload()
 
 
 class _ReusingSink:

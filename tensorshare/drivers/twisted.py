@@ -33,8 +33,7 @@ from twisted.internet import defer, protocol, threads
 from twisted.internet.endpoints import SSL4ClientEndpoint, TCP4ClientEndpoint, connectProtocol
 
 from ..errors import (
-    AuthenticationError, ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UntrustedServerError,
-    WrongServerError,
+    AuthenticationError, ConnectionLostError, TensorShareError, TimeoutError, UntrustedServerError, WrongServerError,
 )
 from ..protocol import peers
 from ..protocol.engine import DEAD, READY, Call, Engine, Notice, Restored
