@@ -17,6 +17,7 @@ from . import ops_bench
 from . import tables_bench
 from . import versions_bench
 from . import gpu_bench
+from . import floor_bench
 from .baselines import RedisPeer, TCPStorePeer
 from .procs import ChildError, PeerMissing, stop_all
 from .profiles import Profile
@@ -36,6 +37,7 @@ SECTIONS = {
     "tables": tables_bench.run,
     "versions": versions_bench.run,
     "busy": busy_bench.run,
+    "floor": floor_bench.run,
     "gpu": gpu_bench.run,
 }
 

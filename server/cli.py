@@ -92,8 +92,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Na
                      help="smallest item (payload bytes, more for items of many arrays) passed by reference; "
                           "clients put values through shared memory from 4x this; smaller ones travel over TCP")
     parser.add_argument("--busy-poll", type=float, default=busypoll.DEFAULT_WINDOW, metavar="SECONDS",
-                        help="keep polling this long after a request before sleeping: a quicker answer to a "
-                             "client's next request, for CPU time (default %(default)s; 0: sleep at once)")
+                        help="keep polling this long after a request before sleeping, while one client alone "
+                             "sends requests: a quicker answer to its next one, for CPU time (default "
+                             "%(default)s; 0: sleep at once)")
     parser.add_argument("--recv-pool", type=_size, default=ServerConfig.recv_pool, metavar="SIZE",
                         help="memory that payloads of 64 KiB or more are received into and reused once their "
                              "items are gone (default 1GiB, at most a quarter of --memory-limit; 0: fresh memory "

@@ -25,6 +25,7 @@ class Outbox:
     def __init__(self): self.data = bytearray()
     def send(self, parts, on_abandon=None, on_written=None):
         for p in parts: self.data += bytes(p)
+    send_reply = send
     def withdraw(self, ticket): return False
     def close(self): pass
 

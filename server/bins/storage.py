@@ -168,7 +168,8 @@ class Storage(TableVerbs):
         return self._add_now(name, Item(description, segments, nbytes, tag), replace)
 
     def _add_now(self, name: str, item: Item, replace: bool) -> Change:
-        self._not_a_table(name)
+        if name in self._table_names:
+            raise _is_a_table(name)
         store = self.store
         limit = store.memory_limit
         if limit is not None:
@@ -179,7 +180,8 @@ class Storage(TableVerbs):
             if failed and store.resident_bytes + item.nbytes > limit:
                 raise StorageFullError(f"memory budget full and spilling failed: {failed}")
         change = store.put(name, item) if replace else store.append(name, item)  # (they check the limits)
-        self.budget.enforce()
+        if limit is not None and store.over_limit():
+            self.budget.enforce()
         return change
 
     def add(self, name: str, description: bytes, segments: tuple, nbytes: int, tag: int | None, replace: bool,
@@ -537,7 +539,11 @@ def _repoint(files: ItemFiles, stored: StoredItem, number: int | None) -> None:
 
 
 def _resident_bytes(items: list[Item]) -> int:
-    return sum(item.nbytes for item in items if item.resident)
+    total = 0
+    for item in items:
+        if item.segments is not None or item.resident:  # (the usual case first: chunks in memory)
+            total += item.nbytes
+    return total
 
 
 def _open_parts(sources: list) -> list:

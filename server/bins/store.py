@@ -73,9 +73,10 @@ class Item:
         return f"Item({self.nbytes} bytes in {where}, tag={self.tag})"
 
 
-@dataclass(frozen=True)
-class Change:
-    """What a mutation did to a bin; the store's listeners are told of it."""
+class Change(NamedTuple):
+    """What a mutation did to a bin; the store's listeners are told of it.  (A named
+    tuple: one is made per request, and a frozen dataclass costs several times more
+    to make.)"""
 
     bin: str
     n_items: int
@@ -129,10 +130,11 @@ class BinStore:
     def peek(self, name: str) -> list[Item]:
         """The items of bin ``name`` (which keeps them)."""
         items = list(self._bin(name).items)
-        lru = self._lru
-        for item in items:
-            if item.resident:
-                lru.move_to_end(item)
+        if self.memory_limit is not None:  # (without a limit the order is never asked for)
+            lru = self._lru
+            for item in items:
+                if item.resident:
+                    lru.move_to_end(item)
         return items
 
     def items_of(self, name: str) -> list[Item]:
@@ -274,6 +276,12 @@ class BinStore:
 
     # -- the memory budget
 
+    def over_limit(self) -> bool:
+        """Whether memory is over ``memory_limit`` (the store's fast path does no budget
+        work otherwise)."""
+        limit = self.memory_limit
+        return limit is not None and self.resident_bytes + self.unspillable_bytes > limit
+
     def over_budget(self) -> int:
         """Bytes in memory above ``memory_limit`` (0 if none or no limit): resident
         payload, descriptions, taken items whose replies are still being written, and
@@ -379,6 +387,6 @@ class BinStore:
         return items
 
     def _changed(self, name: str, b: _Bin, op: str) -> Change:
-        self._seq += 1
-        b.seq = self._seq
-        return Change(name, len(b.items), self._seq, op, b.items[-1].tag if b.items else None)
+        seq = self._seq = b.seq = self._seq + 1
+        items = b.items
+        return _state(Change, (name, len(items), seq, op, items[-1].tag if items else None))

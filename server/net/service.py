@@ -64,6 +64,7 @@ class TensorShareProtocol(protocol.Protocol):
         self.session: ServerSession | None = None
         self.gate: ReadGate | None = None
         self._read_size = 0
+        self._receiving = 0  # payload bytes still to come after the last read
         self._stall = StallWatch()  # how long pending output has gone without progress
         self._resume_call = None  # DelayedCall that resumes the session after a drain
 
@@ -81,14 +82,16 @@ class TensorShareProtocol(protocol.Protocol):
         self.gate = ReadGate(self.transport)
         self.session = ServerSession(self.state, self.writer, f"{peer.host}:{peer.port}", self.gate,
                                      same_host=_same_host(peer, self.transport.getHost()))
+        self.receive_buffer = self.session.receive_buffer  # (one call fewer per read)
         self.session.connection_made()
 
     def dataReceived(self, data: bytes) -> None:
         self._received(self.session.data_received, data)
 
     def receive_buffer(self) -> memoryview | None:
-        """Memory the session lends for the next read (see :class:`ReceivingServer`)."""
-        return self.session.receive_buffer() if self.session is not None else None
+        """Memory the session lends for the next read (see :class:`ReceivingServer`);
+        once connected, the session's own method."""
+        return None
 
     def received_into(self, n: int) -> None:
         """``n`` bytes were read into :meth:`receive_buffer`'s memory."""
@@ -96,13 +99,13 @@ class TensorShareProtocol(protocol.Protocol):
 
     def read_more(self) -> bool:
         """Whether to read again at once (:class:`ReceivingServer`): a frame's payload
-        is still coming, and nothing holds reading back."""
-        return self.session.receiving_payload > 0 and not self.gate.paused
+        is still coming (as the last read left it), and nothing holds reading back."""
+        return self._receiving > 0 and not self.gate.paused
 
     def _received(self, deliver: Callable, what) -> None:
         busy = self.factory.busy_poll
         if busy is not None:
-            busy.note_request()
+            busy.note_request(self)
         writer, batch = self.writer, self.factory.write_batch
         writer.hold()
         batch.begin()
@@ -112,7 +115,8 @@ class TensorShareProtocol(protocol.Protocol):
             batch.end()
             writer.release()
         # Read large payloads in big gulps: fewer reactor turns per byte.
-        size = _LARGE_READ if self.session.receiving_payload > _LARGE_READ else _SMALL_READ
+        receiving = self._receiving = self.session.receiving_payload
+        size = _LARGE_READ if receiving > _LARGE_READ else _SMALL_READ
         if size != self._read_size:
             self._read_size = size
             twisted_internals.set_read_size(self.transport, size)

@@ -122,14 +122,16 @@ def check_value(session, blob: bytes, nbytes: int) -> None:
         raise RemoteError(f"bad value: {exc}", BAD_ARGS) from None
 
 
-def stored(session, request, change: Change) -> dict:
+def stored(session, request, change: Change) -> dict | bytes:
     """The reply to a PUT/APPEND the storage is done with; its change is published."""
     session.state.listeners.publish(change)
     if request.tag is not None and session.counters is not None:  # versions of RL experiments
         session.counters.stored(session.stats, request.command.verb, request.bin, request.tag)
-    header = session.shared.stored_reply(request.command.reply(request.id, n=change.n_items, seq=change.seq),
-                                         request.bin)
-    return header if session.shared.devices is None else devices.with_freed(session, header)
+    shared = session.shared
+    if shared.devices is None and not shared.maps(request.bin):  # the usual reply: from its template
+        return request.command.success.head(request.id, change.n_items, change.seq)
+    header = shared.stored_reply(request.command.reply(request.id, n=change.n_items, seq=change.seq), request.bin)
+    return header if shared.devices is None else devices.with_freed(session, header)
 
 
 # -- GET, PEEK
@@ -151,11 +153,13 @@ def take(session, request):
     the reply follows once any file the items live in is open (if any is only on
     disk), and the items go back to the front of the bin if it cannot be delivered."""
     storage, listeners, name = session.storage, session.state.listeners, request.bin
-    items = storage.peek(name)[: request.max]  # (max: None takes them all)
+    items = storage.peek(name)
+    if request.max is not None:
+        items = items[: request.max]
     if devices.unready(items, None):  # bytes still in a publisher's device memory (§13)
         return devices.hold_for_bytes(session, request, take)
     _check_reply_size(session, items)  # refused before anything is taken
-    refs = session.shared.refs(request.bin, request.ref, items, taking=True)
+    refs = None if request.ref is None else session.shared.refs(request.bin, request.ref, items, taking=True)
     items, change = storage.take(name, request.max)
     listeners.publish(change)  # (this connection's own notification follows the reply)
 
@@ -165,7 +169,8 @@ def take(session, request):
     def reply(parts: list):
         out = items_reply(session, request, items, parts, change.seq, refs, put_back,
                            lambda: storage.delivered(name, items))
-        session.shared.pin(request.id, items, refs)
+        if refs is not None:
+            session.shared.pin(request.id, items, refs)
         return out
 
     parts = storage.parts_in_memory(items, refs)
@@ -200,15 +205,17 @@ def read(session, request):
     if devices.unready(items, cuda):  # bytes still in a publisher's device memory (§13)
         return devices.hold_for_bytes(session, request, read)
     _check_reply_size(session, items)
-    refs = away = session.shared.refs(name, request.ref, items)
+    refs = away = None if request.ref is None else session.shared.refs(name, request.ref, items)
     if cuda is not None:  # items whose bytes the payload does not carry: by file or by device reference
         refs = devices.besides(refs, cuda)
         away = devices.merged(refs, cuda)
 
     def reply(parts: list):
         out = items_reply(session, request, items, parts, seq, refs, cuda=cuda)
-        session.shared.pin(request.id, items, away)
-        session.shared.promote(request.ref, items, away, session.decode_limits)
+        if away is not None:
+            session.shared.pin(request.id, items, away)
+        if request.ref is not None:
+            session.shared.promote(request.ref, items, away, session.decode_limits)
         return out
 
     parts = storage.parts_in_memory(items, away)
@@ -227,7 +234,9 @@ def _check_reply_size(session, items: list[Item]) -> None:
     """552 for a reply whose header, holding every item's description, would be
     larger than max_reply_header."""
     limit = session.config.max_reply_header
-    size = sum(len(item.description) for item in items)
+    size = 0
+    for item in items:
+        size += len(item.description)
     if size > limit:
         raise RemoteError(f"the bin's {len(items)} item descriptions take {size} bytes, over the {limit} one "
                           f"reply may carry", TOO_LARGE)
@@ -239,9 +248,12 @@ def items_reply(session, request, items: list[Item], parts: list, seq: int, refs
     """A 226 reply carrying ``items``: its frame parts (with the hooks of a GET's);
     ``refs`` and ``cuda``: per item, a reference to its files or to its device
     memory standing for its bytes (PROTOCOL.md §10.3, §13.2)."""
-    sizes = [item.nbytes for item in items]
-    header = request.command.reply(request.id)
-    header[Key.SEQ], header[Key.ITEMS], header[Key.SIZES] = seq, [item.description for item in items], sizes
+    sizes, descriptions = [], []
+    for item in items:
+        sizes.append(item.nbytes)
+        descriptions.append(item.description)
+    header = {Key.CODE: request.command.success.code, Key.ID: request.id, Key.SEQ: seq, Key.ITEMS: descriptions,
+              Key.SIZES: sizes}
     if getattr(request, "tags", None):  # asked for (relays): every item's tag
         header[Key.TAGS] = [item.tag for item in items]
     if refs is None and cuda is None:
@@ -316,9 +328,10 @@ def unlisten(session, request) -> dict:
 
 
 @handles(NOOP)
-def noop(session, request) -> dict:
-    header = NOOP.reply(request.id)
-    return header if session.shared.devices is None else devices.with_freed(session, header)
+def noop(session, request) -> dict | bytes:
+    if session.shared.devices is None:
+        return NOOP.success.head(request.id)
+    return devices.with_freed(session, NOOP.reply(request.id))
 
 
 @handles(AUTH)

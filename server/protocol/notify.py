@@ -83,6 +83,9 @@ class Outbox(Protocol):
         """Queue one frame; returns a ticket for :meth:`withdraw`.  ``on_written`` runs
         once it is written whole, ``on_abandon`` if the connection dies first."""
 
+    def send_reply(self, parts: list, on_abandon: Any = None, on_written: Any = None) -> None:
+        """Queue one frame that will never be withdrawn (a reply): the outbox may send it at once."""
+
     def withdraw(self, ticket: Any) -> bool:
         """Take a queued frame back if none of it has been written yet (True if so)."""
 

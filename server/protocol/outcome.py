@@ -6,6 +6,8 @@ out (:meth:`~.session.ServerSession.answer`), so a handler never writes to the
 connection itself:
 
 * a ``dict``: the reply, a frame that is only a header;
+* ``bytes``: such a frame already made (the usual replies, from their message's
+  prepared template: ``Message.head``);
 * a ``list``: the reply's frame parts (the frame head first, then the payload);
 * a ``tuple`` ``(parts, on_abandon, on_written)``: such a frame with what to run if
   the connection dies before it is written whole (a GET's items go back) and once
