@@ -15,7 +15,7 @@ from dataclasses import fields
 from twisted.internet.error import CannotListenError
 
 from tensorshare.argtypes import count, count_or_zero, listen_port, seconds, seconds_or_zero
-from tensorshare import __version__
+from tensorshare.version import __version__
 from tensorshare.errors import UsageError
 
 from .app import run_server

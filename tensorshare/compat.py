@@ -139,7 +139,7 @@ class TensorShare(StartStop):
         handle = self._listening.pop(bin, None)
         reply = _replier(callback, _done)
         if handle is None:
-            self._client._later(reply, None, None)
+            self._client.callbacks().submit(reply, None, None)
         else:
             handle.stop(callback=reply)
 

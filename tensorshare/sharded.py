@@ -24,8 +24,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from ._client.calls import DEFAULT, Timeout
-from .client import Client
+from .client import DEFAULT, Client, Timeout
 from .errors import UsageError
 from .protocol.messages import COMMANDS, Command
 from .protocol.placement import rendezvous

@@ -15,7 +15,7 @@ with Deferreds; TorchRL's storage, the command line tool and checkpoints use the
 
 from __future__ import annotations
 
-from typing import Any, Callable, Generator, Iterator
+from typing import Any, Generator, Iterator
 
 import numpy as np
 import torch

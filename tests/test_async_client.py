@@ -64,14 +64,14 @@ def test_keepalive_drops_a_silent_server_and_the_client_reconnects():
         silent.dataReceived = lambda data: None  # the server reads nothing and answers nothing
         pending = []
         client.ping().addBoth(pending.append)
-        first = client._wire
+        first = client.router.home.wire
         for _ in range(10):
             clock.advance(0.2)
             pump.flush()
         assert len(pending) == 1 and pending[0].check(ConnectionLostError)
         clock.advance(2.0)  # the backoff's first delay is at most 0.05 s
         pump.flush()
-        assert client._wire is not None and client._wire is not first
+        assert client.router.home.wire is not None and client.router.home.wire is not first
         assert result_of(client.put("after", 1), pump) == 1
     finally:
         client.close()
@@ -84,14 +84,14 @@ def test_a_request_held_by_the_server_outlasts_the_keepalive():
     client, pump, clock, state = async_pair(client_options={"keepalive": 0.3, "timeout": 10.0})
     try:
         result_of(client.append("held", 1), pump)
-        first = client._wire
+        first = client.router.home.wire
         outcome = []
         client.append("held", 2, below=1, timeout=2.0).addBoth(outcome.append)
         for _ in range(15):  # 3 s: five keepalive periods, and past the wait
             clock.advance(0.2)
             pump.flush()
         assert len(outcome) == 1 and outcome[0].check(BusyError)  # the server's answer, not a dropped connection
-        assert client._wire is first
+        assert client.router.home.wire is first
         assert result_of(client.peek("held"), pump) == [1]
     finally:
         client.close()
@@ -105,7 +105,7 @@ def test_a_lost_connection_fails_calls_at_once_then_listens_again(paired):
     result_of(client.put("r", 1), pump)
     pending = []
     client.ping().addBoth(pending.append)
-    client._wire.transport.loseConnection()
+    client.router.home.wire.transport.loseConnection()
     pump.flush()
     assert len(pending) == 1 and pending[0].check(ConnectionLostError)
     clock.advance(1.0)

@@ -19,7 +19,7 @@ from twisted.internet.task import Clock
 
 from pairing import Pair, PairedWorkers
 from tensorshare import AsyncClient, Client, ShardedClient
-from tensorshare._client.calls import Call
+from tensorshare._client.values import Call
 from tensorshare._client.connection import NO_VALUE
 from tensorshare._client.routing import route
 from tensorshare.errors import RemoteError, WrongWorkerError, error_for_code

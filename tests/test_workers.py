@@ -150,7 +150,7 @@ def test_async_client_maps_the_workers_again_when_the_server_runs_others():
         paired.flush()
         if client.workers == 3 and client.connected:
             break
-    assert client.workers == 3 and client._workers.map.ports == [8101, 8102, 8103]
+    assert client.workers == 3 and client.router.map.ports == [8101, 8102, 8103]
     paired.run(client.put(name, torch.zeros(1)))
     owner = paired.workers.owner(name)
     assert name in paired.states[owner].store.listing()

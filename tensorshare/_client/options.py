@@ -9,10 +9,26 @@ who says ``timeout=3`` and no ``connect_timeout`` waits at most 3 s to connect t
 
 from __future__ import annotations
 
+import enum
 import math
+from typing import Literal, Union
 
 from ..errors import UsageError
 
+
+class Default(enum.Enum):
+    """A method's ``timeout`` when not given: the client's own ``timeout``.  (An enum,
+    so that type checkers can tell it from a number and signatures show its name.)"""
+
+    DEFAULT = "the client's timeout"
+
+    def __repr__(self) -> str:
+        return "DEFAULT"
+
+
+DEFAULT = Default.DEFAULT
+# What a method's ``timeout`` takes: seconds, None (no limit), or DEFAULT.
+Timeout = Union[float, None, Literal[Default.DEFAULT]]
 DEFAULT_CONNECT_TIMEOUT = 10.0  # seconds to open one connection, unless the call timeout is shorter
 DEFAULT_RETRY_FOR = 30.0  # seconds connect() keeps trying a server that is not up yet, likewise
 

@@ -20,6 +20,7 @@ import socket
 import ssl
 import threading
 import time
+from functools import partial
 
 from ..errors import ConnectionLostError, TimeoutError, UntrustedServerError, WrongServerError
 from ..protocol import peers
@@ -42,6 +43,7 @@ class Link:
         self.readable = _poller(sock, select.POLLIN)
         self.writable = _poller(sock, select.POLLOUT)
         self.readwrite = _poller(sock, select.POLLIN | select.POLLOUT)
+        self.ready_now = partial(self.readable.poll, 0)  # whether bytes wait, without waiting (one per link)
         self.ssl_lock = threading.Lock()  # an SSL object serves one call at a time; never held while waiting
 
     def send_all(self, parts: list, deadline: float | None, stall: float | None = None) -> None:

@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 from ..errors import BadNameError, NoSuchBinError
 from ..table_copy import load_table, save_table
-from .calls import DEFAULT, Timeout
+from .options import DEFAULT, Timeout
 
 
 class TableCopies:

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import UsageError
 from ..protocol.messages import TCREATE, TINFO, TINSERT, TLIMITS, TPRIORITY, TREAD, TSAMPLE, TWRITE, Key, TableKey
-from .calls import DEFAULT, Timeout
+from .options import DEFAULT, Timeout
 from .verb import verb
 
 

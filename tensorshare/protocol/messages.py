@@ -7,7 +7,7 @@ it, what same-host zero-copy may do for it, how a relay answers it (a change of 
 bin waits for the relay's mirror: ``Relay.FORWARD``), which worker of a multi-worker
 server it goes to, the lane it waits in (and in which order) and its errors.  The rest is
 derived from these declarations: the clients' routing (``tensorshare/_client/routing.py``;
-to workers: ``_client/workers.py``), the relay's handlers (``server/relay/forward.py``),
+to workers: ``protocol/router.py``), the relay's handlers (``server/relay/forward.py``),
 ``ShardedClient``'s per-bin methods, the server's wait lanes and ownership check, and
 the tests that go over every verb.  Frames nobody asked for (the
 greeting, notifications, keepalives) and error replies are

@@ -10,8 +10,6 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from ..client import Notification
-from .._client.exports import put_by_reference
-from .._client.methods import DEFAULT
 from ..errors import ConnectionLostError, NoSuchBinError, TimeoutError
 from ..protocol.messages import PUT
 from ..sharded import parse_server
@@ -155,8 +153,7 @@ class RLTrainer(RLPeer):
     def _by_reference(self, state: Any) -> bool:
         """Whether a whole version of ``state`` goes by device reference: a state in
         CUDA memory, on the server's host, which takes references (PROTOCOL.md §13)."""
-        areas = self.client._shared_areas()
-        if areas is None or not areas.device_refs:
+        if not self.client.device_references:
             return False
         first = next((leaf for leaf in flatten(state).values() if isinstance(leaf, torch.Tensor)), None) \
             if isinstance(state, dict) else state
@@ -165,11 +162,13 @@ class RLTrainer(RLPeer):
     def _publish_by_reference(self, state: Any, version: int, dtype, wait: bool) -> PublishStats:
         """A whole version put by device reference: one snapshot on the GPU (cast there),
         which same-host CUDA workers copy device to device; its bytes follow in the
-        background for the others (``_client/exports.py``)."""
+        background for the others (``Client.put``'s ``by_reference``)."""
         self._versions.forget()  # the next delta publish starts with a keyframe
         value = {"version": version, "parameters": cast_state(state, dtype)}
-        put_by_reference(self.client._owner_of(self.params_bin), self.params_bin, value, version, DEFAULT, wait=wait,
-                         callback=self._failed)  # (by the connection that serves the bin: see Client.put)
+        if wait:
+            self.client.put(self.params_bin, value, tag=version, by_reference=True)
+        else:
+            self.client.submit(PUT, self.params_bin, value, self._failed, tag=version, by_reference=True)
         nbytes = tensor_bytes(value)
         leaves = len(flatten(state)) if isinstance(state, dict) else 1
         return PublishStats(version, "full", leaves, nbytes, nbytes, None)
@@ -186,10 +185,7 @@ class RLTrainer(RLPeer):
         (raise the error of one that was not)."""
         if self._device_sender is not None:  # device versions still to hand to the client
             self._device_sender.flush(timeout)
-        exports = self.client.values.exports
-        if exports is not None:  # versions put by reference still to publish
-            exports.published(timeout)
-        self.client.ping(timeout=timeout)  # replies come in request order: those before it are done
+        self.client.flush(timeout=timeout)  # (versions put by reference included)
         with self._cond:
             self._raise_failure()
 

@@ -167,7 +167,7 @@ class RLWorker(RLPeer):
         """``into`` for a read of the parameters bin: ``targets`` receive a whole version
         newer than the one held (never a delta, nor an older version: the model
         would then hold a mix that this worker does not know of)."""
-        from .._client.devices import template_targets
+        from ..wire.description import template_targets
 
         match = template_targets({"parameters": targets})
 
