@@ -1,13 +1,16 @@
 # Every target sets up .venv itself (see scripts/dev.py); only python3 is needed.
 PYTHON ?= python3
 
-.PHONY: demo test bench bench-full clean
+.PHONY: demo test docs bench bench-full clean
 
 demo:
 	$(PYTHON) scripts/dev.py demo
 
 test:
 	$(PYTHON) scripts/dev.py test
+
+docs:
+	$(PYTHON) scripts/dev.py docs
 
 bench:
 	$(PYTHON) scripts/dev.py bench
@@ -16,4 +19,4 @@ bench-full:
 	$(PYTHON) scripts/dev.py bench-full
 
 clean:
-	rm -rf .venv build *.egg-info .pytest_cache .hypothesis
+	rm -rf .venv build site *.egg-info .pytest_cache .hypothesis

@@ -192,9 +192,11 @@ def _stop_and_drop_log(proc: subprocess.Popen | None, errfile) -> None:
 class Server:
     """``python -m tensorshare_server --port 0`` on loopback; learns its port from line one."""
 
+    command = ("-m", "tensorshare_server", "--host", "127.0.0.1", "--port", "0")
+
     def __init__(self, *args: str, start_timeout: float = 60.0):
         self._errfile = tempfile.NamedTemporaryFile(prefix="tensorshare-bench-server-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "tensorshare_server", "--host", "127.0.0.1", "--port", "0", *args]
+        cmd = [sys.executable, *self.command, *args]
         self.proc = spawn(cmd, stdout=subprocess.PIPE, stderr=self._errfile, stdin=subprocess.DEVNULL)
         line = _read_line(self.proc, start_timeout)
         match = _LISTENING.search(line)
@@ -233,6 +235,12 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class FloorServer(Server):
+    """The stack's floor (:mod:`benchmarks.floor_server`): a minimal Twisted server of the same framing."""
+
+    command = ("-m", "benchmarks.floor_server")
 
 
 def _read_line(proc: subprocess.Popen, timeout: float) -> bytes:

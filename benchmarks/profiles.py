@@ -98,6 +98,11 @@ class Profile:
     busy_runs: int = 5
     busy_put_bytes: int = 256 * MiB
     busy_put_reps: int = 5
+    # 14. the floor: a small request's CPU beside a minimal server of the same framing, and Redis
+    floor_clients: int = 8             # client processes of mixed put/append/get
+    floor_value_bytes: int = 1 << 10
+    floor_ops: int = 1500              # ops per client per run (CPU per request is counted around them)
+    floor_runs: int = 3
     # 12. RL parameter versions (bf16 casts, deltas)
     versions_workers: int = 4          # RLWorker processes holding each version
     versions_tensors: int = 40         # the state dict: N float32 tensors of M elements (and a step counter)
@@ -111,7 +116,7 @@ class Profile:
 
 
 QUICK = Profile(
-    name="quick", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "actors", "ops", "multihost", "tables", "scale", "versions", "busy", "gpu"), time_limit_s=1800, warmup=1,
+    name="quick", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "actors", "ops", "multihost", "tables", "scale", "versions", "busy", "floor", "gpu"), time_limit_s=1800, warmup=1,
     wire_tensor_bytes=64 * MiB, wire_reps=3, statedict_tensors=100, statedict_shape=(256, 256),
     large_sizes=(1 * MiB, 16 * MiB, 256 * MiB), large_reps=9, large_reps_big=3, large_reps_small=30,
     client_timeout_s=120,
@@ -125,7 +130,7 @@ QUICK = Profile(
 )
 
 FULL = Profile(
-    name="full", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "actors", "ops", "multihost", "tables", "scale", "versions", "busy", "gpu"), time_limit_s=5400, warmup=1,
+    name="full", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "actors", "ops", "multihost", "tables", "scale", "versions", "busy", "floor", "gpu"), time_limit_s=5400, warmup=1,
     wire_tensor_bytes=256 * MiB, wire_reps=5, statedict_tensors=100, statedict_shape=(256, 256),
     large_sizes=(1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB), large_reps=7, large_reps_big=5,
     large_reps_small=50,
@@ -138,13 +143,13 @@ FULL = Profile(
     rl_roll_cols=(64, 1024, 8192), rl_roll_run_s=3.0, rl_roll_runs=5, rl_worker_lifetime_s=900,
     disk_peek_bytes=1024 * MiB, disk_reps=7, disk_sd_side=512, disk_limit_bytes=256 * MiB,
     zc_bytes=1024 * MiB, zc_reps=5, al_run_s=10.0, al_runs=3, scale_workers=(1, 2, 4, 8, 16),
-    busy_small_ops=2500, busy_runs=9, busy_put_reps=7,
+    busy_small_ops=2500, busy_runs=9, busy_put_reps=7, floor_ops=4000, floor_runs=5,
     mh_fan_bytes=64 * MiB, mh_reps=5, mh_roll_run_s=4.0,
     big_rows=100_000_000, big_ram_table_bytes=0, big_reps=50, big_run_s=4.0,
 )
 
 SMOKE = Profile(
-    name="smoke", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "ops", "multihost", "tables", "scale", "versions", "busy", "gpu"), time_limit_s=240, warmup=1,
+    name="smoke", sections=("wire", "large", "small", "scaling", "rl", "disk", "zerocopy", "ops", "multihost", "tables", "scale", "versions", "busy", "floor", "gpu"), time_limit_s=240, warmup=1,
     wire_tensor_bytes=1 * MiB, wire_reps=1, statedict_tensors=4, statedict_shape=(16, 16),
     large_sizes=(64 << 10,), large_reps=1, large_reps_big=1, large_reps_small=1, client_timeout_s=30,
     small_ops=20, small_runs=1, pipelined_ops=200, pipelined_runs=1, async_window=16,
@@ -160,6 +165,7 @@ SMOKE = Profile(
     tables_actor_capacity=256, tables_run_s=0.3, tables_runs=1,
     versions_workers=2, versions_tensors=10, versions_tensor_elems=1 << 12, versions_reps=2,
     scale_workers=(1, 2), busy_hogs=2, busy_small_ops=20, busy_runs=1, busy_put_bytes=4 * MiB, busy_put_reps=1,
+    floor_clients=1, floor_ops=30, floor_runs=1,
     gpu_bytes=64 * MiB, gpu_tensors=8, gpu_reps=1,
     big_rows=20_000, big_side_rows=20_000, big_ram_table_bytes=8 * MiB, big_reps=2, big_writers=2, big_run_s=0.3,
 )

@@ -18,6 +18,7 @@ from . import tables_bench
 from . import scale_bench
 from . import versions_bench
 from . import gpu_bench
+from . import floor_bench
 from .baselines import RedisPeer, TCPStorePeer
 from .procs import ChildError, PeerMissing, stop_all
 from .profiles import Profile
@@ -38,6 +39,7 @@ SECTIONS = {
     "scale": scale_bench.run,
     "versions": versions_bench.run,
     "busy": busy_bench.run,
+    "floor": floor_bench.run,
     "gpu": gpu_bench.run,
 }
 

@@ -13,7 +13,9 @@ Kinds:
 * ``async-append PORT N WINDOW RUNS WARMUP``
                         -- pipelined appends through AsyncClient, with its own reactor
 * ``mixed PORT PEER SIZE ID``
-                        -- a client doing put/append/get (PEER ts) or the same through Redis
+                        -- a client doing put/append/get (PEER ts) or the same through Redis,
+                           for ``go SECONDS`` or ``count N`` ops; says its ops, time, latencies and CPU
+                           (PEER ts: PORT may list servers, P1,P2, and a command name the K-th: ``count N K``)
 * ``listen PORT PEER BIN``
                         -- waits for notifications of a bin and fetches it (fan-out)
 * ``rl PORT EXPERIMENT LIFETIME [ZERO_COPY]``
@@ -203,11 +205,13 @@ def mixed(port: str, peer: str, size: str, wid: str) -> None:
 
         from tensorshare import Client
 
-        client = Client("127.0.0.1", int(port), timeout=60)
         value = torch.ones(nbytes // 4)
-        ops = [(lambda: client.put(name, value), nbytes),
-               (lambda: client.append(name, value), nbytes),
-               (lambda: client.get(name), 2 * nbytes)]
+        targets = []
+        for each in port.split(","):  # servers of the same protocol (the floor's, benchmarks/floor_server.py)
+            client = Client("127.0.0.1", int(each), timeout=60)
+            targets.append([(lambda c=client: c.put(name, value), nbytes),
+                            (lambda c=client: c.append(name, value), nbytes),
+                            (lambda c=client: c.get(name), 2 * nbytes)])
     else:
         import redis
 
@@ -226,17 +230,20 @@ def mixed(port: str, peer: str, size: str, wid: str) -> None:
             pipe.delete(name)
             pipe.execute()
 
-        ops = [(put, nbytes), (lambda: r.rpush(name, value), nbytes), (get, 2 * nbytes)]
+        targets = [[(put, nbytes), (lambda: r.rpush(name, value), nbytes), (get, 2 * nbytes)]]
     _say("ready")
     clock = time.perf_counter
     for line in sys.stdin:
         cmd = line.split()
         if not cmd or cmd[0] == "quit":
             break
-        duration = float(cmd[1])
+        # ``go SECONDS [K]``: for that long; ``count N [K]``: N ops (CPU per request around a
+        # fixed count); K: to the K-th of the ports given (default the first)
+        duration, count = (float(cmd[1]), None) if cmd[0] == "go" else (float("inf"), int(cmd[1]))
+        ops = targets[int(cmd[2]) if len(cmd) > 2 else 0]
         lat, moved, i = [], 0, 0
-        cpu = os.times()  # this process's CPU (every thread), for CPU per request
-        end = clock() + duration
+        cpu, began = os.times(), clock()  # this process's CPU (every thread), for CPU per request
+        end = began + duration
         while True:
             fn, b = ops[i % 3]
             t = clock()
@@ -245,11 +252,11 @@ def mixed(port: str, peer: str, size: str, wid: str) -> None:
             lat.append(round((now - t) * 1e6))
             moved += b
             i += 1
-            if now >= end and i % 3 == 0:
+            if (now >= end or (count is not None and i >= count)) and i % 3 == 0:
                 break
         spent = os.times()
         cpu_s = spent.user + spent.system - cpu.user - cpu.system
-        _say("result " + json.dumps({"ops": i, "bytes": moved, "seconds": clock() - end + duration, "lat_us": lat,
+        _say("result " + json.dumps({"ops": i, "bytes": moved, "seconds": clock() - began, "lat_us": lat,
                                      "cpu_s": cpu_s}))
 
 

@@ -1,7 +1,12 @@
-"""The client example of the original tensorshare README, unchanged.
+"""The client example of the original tensorshare README.
 
 Start a server first (``tensorshare-server --port 8000``), then run this script.
+
+(Unchanged but for the port: ``--port``, 8000 by default; ``--help``.)
 """
+from original_args import port
+
+PORT = port(__doc__)
 from tensorshare import TensorShare
 from threading import Thread
 import torch
@@ -32,6 +37,6 @@ def do_something(ts):
     ts.list(cb_print_and_exit)  # List the number of items in all bins 
 
     
-tmp = TensorShare('localhost', 8000)
+tmp = TensorShare('localhost', PORT)
 Thread(target=do_something, args=(tmp, ), daemon=True).start()
 tmp.start() # This is blocking and must be started in the main thread.

@@ -3,7 +3,12 @@ the client's own process with ``run_server(8000, start_reactor=False)``.
 
 Its text, with the docstring's two typos fixed (``args(tmp, )`` for
 ``args=(tmp, )``, which is a NameError as printed) and nothing else changed.
+
+(Unchanged but for the port: ``--port``, 8000 by default; ``--help``.)
 """
+from original_args import port
+
+PORT = port(__doc__)
 from tensorshare import TensorShare, run_server
 from threading import Thread
 
@@ -29,8 +34,8 @@ def example(ts):
     # Request to put data, calling cb_put with the result
     ts.put('bin1', list(range(5)), cb_put)
 
-run_server(8000, start_reactor=False)
-tmp = TensorShare('localhost', 8000)
+run_server(PORT, start_reactor=False)
+tmp = TensorShare('localhost', PORT)
 Thread(target=example, args=(tmp, ), daemon=True).start()
 try:
     tmp.start()

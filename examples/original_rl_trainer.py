@@ -1,4 +1,10 @@
-"""The trainer example of the original tensorshare README, unchanged."""
+"""The trainer example of the original tensorshare README.
+
+(Unchanged but for the port: ``--port``, 8000 by default; ``--help``.)
+"""
+from original_args import port
+
+PORT = port(__doc__)
 from tensorshare import RLTrainer
 import torch
 from threading import Thread
@@ -38,6 +44,6 @@ def train(ts):
         ts.stop()
     
 # Also host the server. In a real application it's better to have a dedicated process host the server.
-tmp = RLTrainer('localhost', 8000, host_server=True, filter_version=False)
+tmp = RLTrainer('localhost', PORT, host_server=True, filter_version=False)
 Thread(target=train, args=(tmp, ), daemon=True).start()
 tmp.start()

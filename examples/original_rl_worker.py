@@ -1,4 +1,10 @@
-"""The worker example of the original tensorshare README, unchanged."""
+"""The worker example of the original tensorshare README.
+
+(Unchanged but for the port: ``--port``, 8000 by default; ``--help``.)
+"""
+from original_args import port
+
+PORT = port(__doc__)
 from tensorshare import RLWorker
 import torch
 from threading import Thread
@@ -26,6 +32,6 @@ def generate_rollouts(ts):
         ts.stop()
     
 
-tmp = RLWorker('localhost', 8000)
+tmp = RLWorker('localhost', PORT)
 Thread(target=generate_rollouts, args=(tmp, ), daemon=True).start()
 tmp.start()

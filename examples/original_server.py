@@ -1,4 +1,10 @@
-"""The server example of the original tensorshare README, unchanged."""
+"""The server example of the original tensorshare README.
+
+(Unchanged but for the port: ``--port``, 8000 by default; ``--help``.)
+"""
+from original_args import port
+
+PORT = port(__doc__)
 from tensorshare import run_server
 
-run_server(8000)
+run_server(PORT)

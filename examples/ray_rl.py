@@ -15,7 +15,10 @@ import argparse
 import os
 import time
 
-import ray
+from extras import need
+
+need("ray", "ray")
+import ray  # noqa: E402  (after the check that says which extra it is)
 import torch
 
 import tensorshare.ray

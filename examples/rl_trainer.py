@@ -2,8 +2,9 @@
 
     python examples/rl_trainer.py --port 8000 [--versions 40] [--batch 32]
 
-Prints, per version: mean episode reward, rollouts per second, and how many
-rollouts were dropped for being made with an older policy; every ten versions, the
+Prints, per version: mean episode reward, rollouts per second (all workers together,
+over the whole loop), and how many rollouts were dropped for being made with a
+policy more than ``max_staleness`` versions old; every ten versions, the
 live workers (the version each holds, its rollouts/s). Workers that join or leave
 are announced; at the end the trainer asks them to stop.
 """
@@ -59,11 +60,17 @@ def main() -> None:
                   f"the server's latest version is {trainer.version}", flush=True)
         version = trainer.publish_parameters(policy.state_dict())
         first_reward = None
+        last = time.monotonic()
         while version < args.versions:
-            start, batch = time.monotonic(), []
+            batch = []
             while len(batch) < args.batch:  # wakes on arrival; never polls
                 batch.extend(trainer.get_data(max_items=args.batch - len(batch), timeout=30))
-            elapsed = time.monotonic() - start
+            # The rate of the whole loop (waiting, training, publishing), which is what the
+            # workers sustain together: rollouts wait in the server while the learner trains,
+            # so the wait for one batch alone says how fast the learner takes, not how fast
+            # they come.
+            now = time.monotonic()
+            elapsed, last = now - last, now
             mean_reward = float(torch.stack([r["rewards"].sum() for r in batch]).mean())
             first_reward = mean_reward if first_reward is None else first_reward
             optimizer.zero_grad()
@@ -71,7 +78,8 @@ def main() -> None:
             optimizer.step()
             version = trainer.publish_parameters(policy.state_dict(), wait=False)  # the learner goes on at once
             print(f"version {version:3d}  mean reward {mean_reward:+.3f}  "
-                  f"{len(batch) / elapsed:7.1f} rollouts/s  dropped as stale {trainer.dropped}", flush=True)
+                  f"{len(batch) / elapsed:7.1f} rollouts/s  dropped (older than max_staleness) {trainer.dropped}",
+                  flush=True)
             if args.checkpoint_every and version % args.checkpoint_every == 0:
                 # Optimizer state too (its int-keyed dicts travel as they are); with the server's
                 # --data-dir it outlives both this process and the server.

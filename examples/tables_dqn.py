@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 import tensorshare
+from extras import need
 from launch import server_and_processes
 
 TABLE, PARAMS, RETURNS = "dqn/replay", "dqn/params", "dqn/returns"
@@ -179,6 +180,7 @@ def main() -> int:
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    need("torchrl", "gymnasium", *(["torchrl"] if args.torchrl else []))
     if args.role == "actor":
         actor(args.port, args.seed, args.seconds)
         return 0

@@ -2,7 +2,8 @@
 """Set up a virtual environment and run the project's jobs; needs only Python 3.10+.
 
     python3 scripts/dev.py demo    # set up, run the RL demo (server + trainer + 4 workers), then the examples
-    python3 scripts/dev.py test    # set up with the test extra, run the test suite
+    python3 scripts/dev.py test    # set up with the test and docs extras, run the test suite
+    python3 scripts/dev.py docs    # set up with the docs extra, build the documentation site into site/
     python3 scripts/dev.py bench   # set up with the bench extra, run the quick benchmark
     python3 scripts/dev.py bench-full
 
@@ -97,9 +98,15 @@ def ensure_torchrl() -> None:
 
 
 def test(pytest_args: list[str]) -> None:
-    ensure_env("test")
+    ensure_env("test,docs")  # the suite builds the documentation site too
     ensure_torchrl()
     os.execv(str(PY), [str(PY), "-m", "pytest", *pytest_args])
+
+
+def docs() -> None:
+    """Build the documentation site into site/, warnings as errors (as the tests do)."""
+    ensure_env("docs")
+    os.execv(str(PY), [str(PY), "-m", "mkdocs", "build", "--strict", "--site-dir", str(ROOT / "site")])
 
 
 def bench(profile: str) -> None:
@@ -121,13 +128,15 @@ def install_redis() -> None:
 
 
 def main() -> None:
-    if len(sys.argv) < 2 or sys.argv[1] not in ("demo", "test", "bench", "bench-full"):
+    if len(sys.argv) < 2 or sys.argv[1] not in ("demo", "test", "docs", "bench", "bench-full"):
         raise SystemExit(__doc__)
     job, rest = sys.argv[1], sys.argv[2:]
     if job == "demo":
         demo()
     elif job == "test":
         test(rest or ["-q"])
+    elif job == "docs":
+        docs()
     else:
         bench("full" if job == "bench-full" else "quick")
 

@@ -33,7 +33,7 @@ def browser() -> str | None:
     return None
 
 
-def screenshot(url: str, out: Path, size: str = "1280,1100", timeout: float = 60) -> None:
+def screenshot(url: str, out: Path, size: str = "1280,1500", timeout: float = 60) -> None:
     """Screenshot ``url`` with headless Chromium into ``out`` (a PNG)."""
     exe = browser()
     if exe is None:
@@ -84,12 +84,21 @@ def main() -> None:
                         c.append("cartpole/rollouts", {"version": version, "obs": torch.randn(32, 512)}, tag=version)
                     time.sleep(0.2)
 
+        def learner():  # a replay table: an actor inserts, a learner samples
+            with tensorshare.Client("127.0.0.1", port) as c:
+                c.create_table("cartpole/replay", 50_000, {"obs": ((4,), torch.float32), "reward": ((), torch.float32)},
+                               min_size_to_sample=64)
+                while not stop.is_set():
+                    c.insert("cartpole/replay", {"obs": torch.randn(64, 4), "reward": torch.rand(64)})
+                    c.sample("cartpole/replay", 256)
+                    time.sleep(0.05)
+
         with tensorshare.Client("127.0.0.1", port) as c:
             for i in range(6):
                 c.append("replay/buffer", torch.randn(4 << 20))  # 16 MiB each: past the limit, some spill
             c.put("eval/scores", torch.arange(100.0))
-        threads = [threading.Thread(target=trainer)] + [threading.Thread(target=worker, args=(lag,))
-                                                        for lag in (0, 0, 2)]
+        threads = [threading.Thread(target=trainer), threading.Thread(target=learner)] + \
+            [threading.Thread(target=worker, args=(lag,)) for lag in (0, 0, 2)]
         for t in threads:
             t.start()
         time.sleep(args.seconds)

@@ -8,19 +8,23 @@ from __future__ import annotations
 import atexit
 import ctypes
 import logging
+import os
+import shutil
 import signal
 import threading
 from typing import Callable, Sequence
 
 from twisted.internet import reactor
+from twisted.internet.error import CannotListenError
 from twisted.internet.threads import blockingCallFromThread
 
 from tensorshare.errors import UsageError
 from tensorshare.protocol.auth import MIN_TOKEN_CHARS
 
-from .bins.dirlock import DirLock
+from .bins.dirlock import DirLock, DirLockedError
 from .bins.jobs import ThreadJobs
 from .config import ServerConfig
+from .failures import listen_failure
 from .net import busypoll
 from .net.service import TensorShareFactory
 from .net.twisted_internals import adopt_tcp, dispatch_directly, listen_tcp
@@ -44,8 +48,30 @@ def listen(config: ServerConfig, sockets: Sequence[int] = (), workers=None):
     :class:`~tensorshare.protocol.placement.WorkerMap` of a worker of a
     multi-worker server (``server/workers/``), which then serves only its own bins.
     """
+    tls = _tls_options(config)  # first: a certificate that cannot be used changes nothing
+    made = config.data_dir is not None and not os.path.exists(config.data_dir)
+    try:
+        return _listen(config, sockets, workers, tls)
+    except DirLockedError:  # another server made it meanwhile, and uses it
+        raise
+    except BaseException:
+        if made:  # a start that failed (its port taken...) leaves no new data directory behind
+            shutil.rmtree(config.data_dir, ignore_errors=True)
+        raise
+
+
+def _tls_options(config: ServerConfig) -> tuple | None:
+    """``(options, fingerprint)`` for ``--tls-cert`` (None without it)."""
     if config.tls_key and not config.tls_cert:
         raise UsageError("tls_key needs tls_cert")
+    if not config.tls_cert:
+        return None
+    from .net.tls import server_tls_options  # (says which extra it needs, before Twisted's TLS is imported)
+
+    return server_tls_options(config.tls_cert, config.tls_key)
+
+
+def _listen(config: ServerConfig, sockets: Sequence[int], workers, tls: tuple | None):
     jobs = ThreadJobs(reactor, config.disk_threads)
     try:
         if workers is None and config.data_dir:
@@ -76,7 +102,7 @@ def listen(config: ServerConfig, sockets: Sequence[int] = (), workers=None):
             raise
     factory = TensorShareFactory(state)
     try:
-        port = _bind(config, factory, sockets)
+        port = _bind(config, factory, sockets, tls)
     except BaseException:
         undo()
         raise
@@ -98,16 +124,14 @@ def listen(config: ServerConfig, sockets: Sequence[int] = (), workers=None):
     return port
 
 
-def _bind(config: ServerConfig, factory, sockets: Sequence[int]):
+def _bind(config: ServerConfig, factory, sockets: Sequence[int], tls: tuple | None):
     """Listen on ``config``'s address, or serve the listening ``sockets`` given; the first
     port, with ``all`` (every port) and ``tls_fingerprint``."""
     fingerprint = None
-    if config.tls_cert:
+    if tls is not None:
         from twisted.protocols.tls import TLSMemoryBIOFactory
 
-        from .net.tls import server_tls_options
-
-        options, fingerprint = server_tls_options(config.tls_cert, config.tls_key)
+        options, fingerprint = tls
         factory = TLSMemoryBIOFactory(options, False, factory)  # what listenSSL does
     if sockets:
         ports = [adopt_tcp(fd, factory) for fd in sockets]
@@ -232,7 +256,10 @@ class EmbeddedServer:
             raise UsageError("an embedded server runs in this process: one worker (run_server or "
                              "tensorshare-server --workers N for more)")
         ensure_reactor_thread()
-        self._port = blockingCallFromThread(reactor, listen, self.config)
+        try:
+            self._port = blockingCallFromThread(reactor, listen, self.config)
+        except CannotListenError as exc:  # one line, as tensorshare-server says it
+            raise UsageError(listen_failure(exc, self.config)) from None
         self.port: int = self._port.getHost().port
         self.host = host
         self.state = self._port.state  # bins, receive pool...: read it, do not change it

@@ -15,11 +15,12 @@ from dataclasses import fields
 from twisted.internet.error import CannotListenError
 
 from tensorshare.argtypes import count, count_or_zero, listen_port, seconds, seconds_or_zero
+from tensorshare.version import __version__
 from tensorshare.errors import UsageError
 
 from .app import run_server
 from .config import ServerConfig
-from .failures import EXIT_CANNOT_LISTEN, EXIT_FAILED, EXIT_STOPPED, EXIT_USAGE, cannot_listen
+from .failures import EXIT_CANNOT_LISTEN, EXIT_FAILED, EXIT_STOPPED, EXIT_USAGE, listen_failure
 from .net import busypoll
 
 
@@ -42,6 +43,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Na
                                      usage="%(prog)s [OPTIONS]   (--help lists them)",
                                      epilog="Exit status: 0 stopped (SIGINT, SIGTERM), 1 failed, 2 bad usage or "
                                             "config file, 3 cannot listen (port taken, address not of this host).")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--port", type=listen_port, default=8000, help="TCP port (0: pick a free one and print it)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default 127.0.0.1; 0.0.0.0 for all interfaces)")
@@ -93,8 +95,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Na
                      help="smallest item (payload bytes, more for items of many arrays) passed by reference; "
                           "clients put values through shared memory from 4x this; smaller ones travel over TCP")
     parser.add_argument("--busy-poll", type=float, default=busypoll.DEFAULT_WINDOW, metavar="SECONDS",
-                        help="keep polling this long after a request before sleeping: a quicker answer to a "
-                             "client's next request, for CPU time (default %(default)s; 0: sleep at once)")
+                        help="keep polling this long after a request before sleeping, while one client alone "
+                             "sends requests: a quicker answer to its next one, for CPU time (default "
+                             "%(default)s; 0: sleep at once)")
     parser.add_argument("--recv-pool", type=_size, default=ServerConfig.recv_pool, metavar="SIZE",
                         help="memory that payloads of 64 KiB or more are received into and reused once their "
                              "items are gone (default 1GiB, at most a quarter of --memory-limit; 0: fresh memory "
@@ -214,10 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:  # a data directory another server holds says so with its own status (75)
         return _fail(str(exc), getattr(exc, "exit_code", EXIT_USAGE))
     except CannotListenError as exc:
-        metrics = config.metrics_port is not None and exc.port == config.metrics_port and exc.port != config.port
-        host = config.metrics_host if metrics else config.host
-        return _fail(cannot_listen(exc.socketError, host, exc.port, "--metrics-port" if metrics else "--port"),
-                     EXIT_CANNOT_LISTEN)
+        return _fail(listen_failure(exc, config), EXIT_CANNOT_LISTEN)
     except OverflowError as exc:  # an address Twisted could not bind at all
         return _fail(f"cannot listen on {config.host}:{config.port}: {exc}", EXIT_CANNOT_LISTEN)
     except OSError as exc:  # a directory or file it was given cannot be used

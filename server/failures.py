@@ -32,6 +32,14 @@ def cannot_listen(error: OSError, host: str, port: int, option: str) -> str:
     return f"cannot listen on {where}: {getattr(error, 'strerror', None) or error}"
 
 
+def listen_failure(error, config) -> str:
+    """One line for a ``CannotListenError`` of a server started with ``config``: its
+    data port or its ``--metrics-port``."""
+    metrics = config.metrics_port is not None and error.port == config.metrics_port and error.port != config.port
+    host = config.metrics_host if metrics else config.host
+    return cannot_listen(error.socketError, host, error.port, "--metrics-port" if metrics else "--port")
+
+
 def held_by(host: str, port: int) -> str:
     """`` by a tensorshare server (pid 12, python -m tensorshare_server ...)``, as far as
     this host lets us tell; empty if nothing can be told."""

@@ -37,7 +37,7 @@ class ServerState:
 
     config: ServerConfig
     storage: Storage
-    listeners: ListenerRegistry = field(default_factory=ListenerRegistry)
+    listeners: ListenerRegistry | None = None  # the storage's sink (None: take it from the storage)
     token: bytes | None = field(default=None, repr=False)  # clients must AUTH with it; None: no authentication
     connections: int = 0  # connections admitted and still open (max_connections)
     recv_pool: Recycler | None = None  # memory large payloads are received into (None: fresh memory)
@@ -51,6 +51,11 @@ class ServerState:
     references: dict = field(default_factory=dict)  # (id, bin) -> publisher of a device reference (protocol/devices.py)
 
     def __post_init__(self) -> None:
+        if self.listeners is None:
+            self.listeners = self.storage.sink
+        if not isinstance(self.listeners, ListenerRegistry) or self.storage.sink is not self.listeners:
+            raise ValueError("the storage must publish its changes to the server's listeners: "
+                             "Storage(..., sink=listeners)")
         if self.waits is None:
             self.waits = Waits(_NoClock())
         # Every change tests what waits on its bin: APPENDs with below, a table's inserts
@@ -86,7 +91,8 @@ def build_state(config: ServerConfig, jobs: Jobs | None = None, clock=None) -> S
             shm = ShmArea(config.shm_dir)
         except OSError as exc:
             log.warning("zero-copy: no shared-memory area in %s (%s); values travel over TCP", config.shm_dir, exc)
-    storage = Storage(store, jobs or InlineJobs(), data_dir=data_dir, spill=spill, shm=shm)
+    listeners = ListenerRegistry()
+    storage = Storage(store, jobs or InlineJobs(), data_dir=data_dir, spill=spill, shm=shm, sink=listeners)
     storage.tables.bound(config.max_table_rows, config.max_outbound, config.max_reply_header)
     if config.zero_copy:
         storage.share(new_token())
@@ -99,5 +105,5 @@ def build_state(config: ServerConfig, jobs: Jobs | None = None, clock=None) -> S
         log.info("data directory %s: %d items in %d bins", config.data_dir, count, len(store.listing()))
     pool = chunk_pool(config.recv_pool_bytes, config.recv_pool_idle)
     counters = Counters(COMMANDS) if config.metrics_port is not None else None
-    return ServerState(config, storage, token=config.auth_token(), recv_pool=pool,
+    return ServerState(config, storage, listeners, token=config.auth_token(), recv_pool=pool,
                        waits=Waits(clock if clock is not None else _NoClock()), counters=counters)

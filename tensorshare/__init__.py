@@ -12,14 +12,14 @@ only the protocol modules, starts without loading torch.
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING, Any
 
 from . import errors
 from .errors import (
     AuthenticationError, ConnectionLostError, NoSuchBinError, ProtocolError, RemoteError, TensorShareError,
     TimeoutError, WrongServerError,
 )
-
-__version__ = "0.1.0"
+from .version import __version__ as __version__
 
 _LAZY = {
     "Client": "client", "Listening": "_client.listens", "connect": "client",
@@ -33,20 +33,32 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'tensorshare' has no attribute {name!r}")
-    module = importlib.import_module(f".{_LAZY[name] or name}", __name__)
-    value = module if _LAZY[name] is None else getattr(module, name)
-    globals()[name] = value
-    return value
+if TYPE_CHECKING:  # what the lazy imports below give, as type checkers and the API reference see it
+    from . import wire
+    from ._client.connection import ListenSnapshot, Notification
+    from ._client.listens import Listening
+    from .async_client import AsyncClient
+    from .client import Client, connect
+    from .compat import TensorShare
+    from .memmap import load_memmap, save_memmap
+    from .rl import RLTrainer, RLWorker
+    from .sharded import ShardedClient
+else:
+    def __getattr__(name: str) -> Any:
+        if name not in _LAZY:
+            raise AttributeError(f"module 'tensorshare' has no attribute {name!r}")
+        module = importlib.import_module(f".{_LAZY[name] or name}", __name__)
+        value = module if _LAZY[name] is None else getattr(module, name)
+        globals()[name] = value
+        return value
 
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-def run_server(port: int = 8000, start_reactor: bool | str = True, host: str = "127.0.0.1", **settings):
+def run_server(port: int = 8000, start_reactor: bool | str = True, host: str = "127.0.0.1",
+               **settings: Any) -> Any:
     """Serve bins on ``host:port``, blocking until SIGINT/SIGTERM (see ``tensorshare-server``).
 
     With ``start_reactor=False`` (as in the original tensorshare) the server starts

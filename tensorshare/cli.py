@@ -1,6 +1,6 @@
 """``tensorshare``: look at and move bins from a shell.
 
-    tensorshare ls                      bins and their item counts
+    tensorshare ls [PATTERN]            bins and tables (marked) and their item counts; PATTERN: a glob
     tensorshare stat BIN                items, sequence number, last tag (bytes and tiers with --metrics-port);
                                         of a table: its settings, counters and rate limiter
     tensorshare peek BIN                shapes, dtypes and a few values of each item
@@ -29,146 +29,16 @@ from typing import Any
 
 from . import cli_tables
 from .argtypes import count, port_number, seconds
+from . import __version__
+from .cli_common import (
+    AUTH_FAILED, FAILED, NO_BIN, NO_SERVER, OK, USAGE, CliError, Progress, cmd_save, describe, dir_bytes,
+    info_if_table, plain_table, plural, print_table, rich_console, summary,
+)
 from .errors import (
-    AuthenticationError, ConnectionLostError, NoSuchBinError, TensorShareError, UsageError, WrongServerError,
+    AuthenticationError, BadNameError, ConnectionLostError, NoSuchBinError, TensorShareError, UsageError,
+    WrongServerError,
 )
 from .humanize import human_bytes, rl_roles
-
-OK, FAILED, USAGE, NO_SERVER, AUTH_FAILED, NO_BIN = 0, 1, 2, 3, 4, 5
-PEEK_VALUES = 6  # values shown per tensor
-
-
-class CliError(Exception):
-    def __init__(self, message: str, code: int = FAILED):
-        super().__init__(message)
-        self.code = code
-
-
-def _rich():
-    """rich's console, or None for plain text (not installed, or TENSORSHARE_PLAIN set)."""
-    if os.environ.get("TENSORSHARE_PLAIN"):
-        return None
-    try:
-        from rich.console import Console
-    except ImportError:
-        return None
-    return Console()
-
-
-# -- output
-
-
-def print_table(title: str, headers: list[str], rows: list[list], console=None) -> None:
-    if console is not None:
-        from rich.table import Table
-
-        console.print(title)
-        table = Table()
-        for h in headers:
-            table.add_column(h)
-        for row in rows:
-            table.add_row(*(str(c) for c in row))
-        console.print(table)
-        return
-    print(title)
-    print(plain_table(headers, rows))
-
-
-def plain_table(headers: list[str], rows: list[list]) -> str:
-    cells = [headers, *([str(c) for c in row] for row in rows)]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
-
-
-def describe(value: Any, indent: str = "") -> list[str]:
-    """Lines describing a value: structure, shapes, dtypes and a few values, never a wall of numbers."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        flat = value.detach().reshape(-1)
-        shown = flat[:PEEK_VALUES].tolist()
-        more = ", ..." if flat.numel() > PEEK_VALUES else ""
-        values = ", ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in shown)
-        return [f"{indent}tensor {str(value.dtype).replace('torch.', '')} {list(value.shape)} "
-                f"({human_bytes(value.numel() * value.element_size())}) [{values}{more}]"]
-    if isinstance(value, dict):
-        lines = [f"{indent}dict ({len(value)} keys)"]
-        for i, (k, v) in enumerate(value.items()):
-            if i == 20:
-                lines.append(f"{indent}  ... {len(value) - 20} more keys")
-                break
-            sub = describe(v, indent + "    ")
-            lines.append(f"{indent}  {k!r}: {sub[0].strip()}")
-            lines.extend(sub[1:])
-        return lines
-    if isinstance(value, (list, tuple)):
-        lines = [f"{indent}{type(value).__name__} ({len(value)} items)"]
-        for i, v in enumerate(value[:10]):
-            sub = describe(v, indent + "    ")
-            lines.append(f"{indent}  [{i}] {sub[0].strip()}")
-            lines.extend(sub[1:])
-        if len(value) > 10:
-            lines.append(f"{indent}  ... {len(value) - 10} more")
-        return lines
-    text = repr(value)
-    return [f"{indent}{type(value).__name__} {text[:80]}{'...' if len(text) > 80 else ''}"]
-
-
-def summary(value: Any) -> Any:
-    """A JSON-ready description of a value (for ``peek --json``)."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        flat = value.detach().reshape(-1)
-        return {"tensor": str(value.dtype).replace("torch.", ""), "shape": list(value.shape),
-                "bytes": value.numel() * value.element_size(), "first": flat[:PEEK_VALUES].tolist()}
-    if isinstance(value, dict):
-        return {str(k): summary(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [summary(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return repr(value)[:200]
-
-
-class Progress:
-    """Progress of one transfer on stderr: a rich bar with rate and ETA, or plain lines."""
-
-    def __init__(self, description: str, enabled: bool, console=None):
-        self.description, self.enabled = description, enabled
-        self._rich = self._task = None
-        self._started = time.monotonic()
-        self._last_print = 0.0
-        if enabled and console is not None:
-            from rich.progress import (BarColumn, DownloadColumn, Progress as RichProgress, TimeRemainingColumn,
-                                       TransferSpeedColumn)
-            from rich.console import Console
-
-            self._rich = RichProgress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                                      TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True),
-                                      transient=False)
-            self._rich.start()
-            self._task = self._rich.add_task(description, total=None)
-
-    def __call__(self, done: int, total: int | None) -> None:
-        if not self.enabled:
-            return
-        if self._rich is not None:
-            self._rich.update(self._task, completed=done, total=total)
-            return
-        now = time.monotonic()
-        if now - self._last_print < 0.5 and done != total:
-            return
-        self._last_print = now
-        rate = done / max(now - self._started, 1e-6)
-        eta = f", {(total - done) / rate:.0f}s left" if total and rate > 0 else ""
-        of = f" of {human_bytes(total)}" if total else ""
-        print(f"{self.description}: {human_bytes(done)}{of} ({human_bytes(rate)}/s{eta})", file=sys.stderr)
-
-    def close(self) -> None:
-        if self._rich is not None:
-            self._rich.stop()
-
 
 # -- talking to the server
 
@@ -217,21 +87,25 @@ def status_json(args) -> dict | None:
 
 
 def cmd_ls(args, client, out) -> int:
-    listing = client.list()
+    listing = client.list(args.pattern)
+    tables = {name for name in listing if info_if_table(client, name) is not None}
     status = status_json(args)
     sizes = {b["name"]: b["bytes"] for b in status["bins"]} if status else {}
     if args.json:
-        out.emit([{"bin": name, "items": n, **({"bytes": sizes.get(name)} if status else {})}
-                  for name, n in sorted(listing.items())])
+        out.emit([{"bin": name, "items": n, "kind": "table" if name in tables else "bin",
+                   **({"bytes": sizes.get(name)} if status else {})} for name, n in sorted(listing.items())])
         return OK
-    headers = ["bin", "items"] + (["bytes"] if status else [])
-    rows = [[name, n] + ([human_bytes(sizes.get(name))] if status else []) for name, n in sorted(listing.items())]
-    print_table(f"{len(rows)} bins on {args.host}:{args.port}", headers, rows, out.console)
+    headers = ["name", "kind", "items (rows)"] + (["bytes"] if status else [])
+    rows = [[name, "table" if name in tables else "bin", n] + ([human_bytes(sizes.get(name))] if status else [])
+            for name, n in sorted(listing.items())]
+    matching = f" matching {args.pattern!r}" if args.pattern else ""
+    print_table(f"{plural(len(rows) - len(tables), 'bin')} and {plural(len(tables), 'table')}{matching} on "
+                f"{args.host}:{args.port}", headers, rows, out.console)
     return OK
 
 
 def cmd_stat(args, client, out) -> int:
-    table = cli_tables.info_if_table(client, args.bin)
+    table = info_if_table(client, args.bin)
     if table is not None:  # capacity, sampler, rate limits...
         return cli_tables.show_info(args, client, out, args.bin, table)
     handle = client.listen(args.bin, lambda note: None)
@@ -254,34 +128,22 @@ def cmd_stat(args, client, out) -> int:
 
 
 def cmd_peek(args, client, out) -> int:
-    items = client.peek(args.bin)
+    try:
+        items = client.peek(args.bin)
+    except BadNameError:
+        if info_if_table(client, args.bin) is None:
+            raise
+        raise CliError(f"{args.bin!r} is a table: tensorshare table sample {args.bin} shows rows, "
+                       f"tensorshare table info {args.bin} its settings", USAGE) from None
     if args.json:
         out.emit({"bin": args.bin, "items": [summary(v) for v in items]})
         return OK
-    print(f"{args.bin}: {len(items)} item{'s' if len(items) != 1 else ''}")
+    print(f"{args.bin}: {plural(len(items), 'item')}")
     for i, value in enumerate(items):
         lines = describe(value, "    ")
         print(f"  [{i}] {lines[0].strip()}")
         for line in lines[1:]:
             print("  " + line)
-    return OK
-
-
-def cmd_save(args, client, out) -> int:
-    progress = Progress(f"save {args.bin}", not args.json and not args.quiet, out.console)
-    started = time.monotonic()
-    try:
-        count = client.save(args.bin, args.dir, overwrite=args.overwrite, progress=progress)
-    except FileExistsError:
-        raise CliError(f"{args.dir} exists (--overwrite replaces it)") from None
-    finally:
-        progress.close()
-    nbytes = _dir_bytes(args.dir)
-    if args.json:
-        out.emit({"bin": args.bin, "dir": args.dir, "items": count, "bytes": nbytes})
-    else:
-        print(f"saved {count} items of {args.bin} ({human_bytes(nbytes)}) to {args.dir} "
-              f"in {time.monotonic() - started:.2f}s")
     return OK
 
 
@@ -303,7 +165,7 @@ def cmd_load(args, client, out) -> int:
     items = [loaded] if os.path.exists(os.path.join(args.dir, RECORD)) else loaded
     if not items:
         raise CliError(f"{args.dir} holds no saved items")
-    total = _dir_bytes(args.dir)
+    total = dir_bytes(args.dir)
     progress = Progress(f"load {args.bin}", not args.json and not args.quiet, out.console)
     done = 0
     try:
@@ -324,7 +186,7 @@ def cmd_load(args, client, out) -> int:
     if args.json:
         out.emit({"bin": args.bin, "dir": args.dir, "items": len(items), "bytes": total})
     else:
-        print(f"loaded {len(items)} items ({human_bytes(total)}) from {args.dir} into {args.bin}")
+        print(f"loaded {plural(len(items), 'item')} ({human_bytes(total)}) from {args.dir} into {args.bin}")
     return OK
 
 
@@ -403,15 +265,6 @@ def cmd_watch(args, client, out) -> int:
     return OK
 
 
-def _dir_bytes(path: str) -> int:
-    total = 0
-    for root, _, files in os.walk(path):
-        for f in files:
-            if f.endswith(".memmap"):
-                total += os.path.getsize(os.path.join(root, f))
-    return total
-
-
 def _nbytes(value: Any) -> int:
     import torch
 
@@ -474,9 +327,11 @@ def parser() -> argparse.ArgumentParser:
                                        "1 failed, 2 bad usage, 3 no server, 4 authentication failed, "
                                        "5 no such bin.")
     common_options(p)
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.set_defaults(**DEFAULTS)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    add_command(sub, "ls", "bins and their item counts")
+    add_command(sub, "ls", "bins and tables, with their item (row) counts").add_argument(
+        "pattern", nargs="?", help="only names matching this glob ('replay*'; quote it for the shell)")
     for name, text in (("stat", "a bin's items, sequence number and last tag"),
                        ("peek", "shapes, dtypes and a few values of a bin's items"), ("rm", "delete a bin")):
         add_command(sub, name, text).add_argument("bin")
@@ -510,7 +365,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    out = Output(None if args.json else _rich())
+    out = Output(None if args.json else rich_console())
     client = None
     where = f"{args.host}:{args.port}"
     try:

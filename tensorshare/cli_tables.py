@@ -8,11 +8,13 @@
     tensorshare table load DIR [NAME]     make the table again from a checkpoint (``load`` does the same)
     tensorshare table drop NAME           delete the table and its rows
 
-The connection options and exit statuses are ``tensorshare``'s (:mod:`.cli`).
+The connection options are ``tensorshare``'s (:mod:`.cli`), its exit statuses and
+output :mod:`.cli_common`'s.
 """
 
 from __future__ import annotations
 
+from .cli_common import NO_BIN, OK, USAGE, CliError, cmd_save, describe, print_table, summary
 from .errors import BadNameError, NoSuchBinError
 from .humanize import human_bytes
 
@@ -48,20 +50,10 @@ def cmd_table(args, client, out) -> int:
 
 def _info(client, name: str) -> dict:
     """A table's info; exit status 5 (no such bin) for a bin or a missing name."""
-    from .cli import NO_BIN, CliError
-
     try:
         return client.table_info(name)
     except BadNameError:
         raise CliError(f"{name!r} is a bin, not a table", NO_BIN) from None
-
-
-def info_if_table(client, name: str) -> dict | None:
-    """Table ``name``'s info, or None if ``name`` is a bin (or nothing)."""
-    try:
-        return client.table_info(name)
-    except (BadNameError, NoSuchBinError):
-        return None
 
 
 def table_rows(client) -> list[dict]:
@@ -79,13 +71,11 @@ def table_rows(client) -> list[dict]:
 
 
 def _ls(args, client, out) -> int:
-    from .cli import OK, print_table
-
     rows = table_rows(client)
     if args.json:
         out.emit(rows)
         return OK
-    print_table(f"{len(rows)} tables on {args.host}:{args.port}",
+    print_table(f"{len(rows)} table{'' if len(rows) == 1 else 's'} on {args.host}:{args.port}",
                 ["table", "rows", "capacity", "sampler", "remover", "inserted", "sampled", "bytes", "holds"],
                 [[r["table"], r["rows"], r["capacity"], r["sampler"], r["remover"] or "-", r["inserts"], r["samples"],
                   human_bytes(r["bytes"]), r["kind"]] for r in rows], out.console)
@@ -99,8 +89,6 @@ def _show_info(args, client, out) -> int:
 def show_info(args, client, out, name: str, info: dict | None = None) -> int:
     """A table's settings, counters, rate limiter and columns (``table info``, and
     ``stat`` of a table)."""
-    from .cli import OK, print_table
-
     info = _info(client, name) if info is None else info
     if args.json:
         out.emit({"table": name, **info})
@@ -130,7 +118,6 @@ def _sample(args, client, out) -> int:
     import torch
 
     from .table_copy import occupied
-    from .cli import OK, CliError, USAGE, describe, summary
 
     if args.n < 1:
         raise CliError("-n must be at least 1", USAGE)
@@ -155,8 +142,6 @@ def _sample(args, client, out) -> int:
 
 
 def _save(args, client, out) -> int:
-    from .cli import cmd_save
-
     _info(client, args.name)  # a table, not a bin
     args.bin = args.name
     return cmd_save(args, client, out)
@@ -164,7 +149,6 @@ def _save(args, client, out) -> int:
 
 def load_checkpoint(args, client, out, name: str | None) -> int:
     """Make a table from the checkpoint ``args.dir`` (``table load``, and ``load`` of one)."""
-    from .cli import OK, CliError
     from .disk.layout import LayoutError
     from .disk.tables import read_checkpoint
 
@@ -176,7 +160,7 @@ def load_checkpoint(args, client, out, name: str | None) -> int:
     if args.json:
         out.emit({"dir": args.dir, "table": name, "rows": rows})
     else:
-        print(f"loaded {rows} rows from {args.dir} into table {name}")
+        print(f"loaded {rows} row{'' if rows == 1 else 's'} from {args.dir} into table {name}")
     return OK
 
 
@@ -185,8 +169,6 @@ def _load(args, client, out) -> int:
 
 
 def _drop(args, client, out) -> int:
-    from .cli import OK
-
     _info(client, args.name)
     client.delete(args.name)
     if args.json:
@@ -200,7 +182,8 @@ def _kind(info: dict) -> str:
     if not info.get("columns"):
         return "items"
     kind = ((info.get("meta") or {}).get("torchrl") or {}).get("kind")
-    return f"{len(info['columns'])} columns" + (f" (TorchRL {kind}s)" if kind else "")
+    n = len(info["columns"])
+    return f"{n} column{'' if n == 1 else 's'}" + (f" (TorchRL {kind}s)" if kind else "")
 
 
 def _allowed(n) -> str:

@@ -23,27 +23,29 @@ from ._client.connection import DEFAULT_REUSE, NO_VALUE, ListenSnapshot, Notific
 from ._client.dispatch import Dispatcher
 from ._client.listens import Listening
 from ._client.member import Member, StaleMapError
-from ._client.methods import DEFAULT, ClientMethods, _lost_connection, bin_fields
-from ._client.options import DEFAULT_CONNECT_TIMEOUT, DEFAULT_RETRY_FOR, check_address, connect_timeout_for
+from ._client.methods import ClientMethods
+from ._client.options import (
+    DEFAULT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_RETRY_FOR, Timeout, check_address, connect_timeout_for,
+)
 from ._client.progress import Progress
 from ._client.routing import finish
 from ._client.sockets import open_link
 from ._client.spin import DEFAULT_LIMIT as DEFAULT_SPIN
 from ._client.table_copy import TableCopies
-from ._client.values import Call, Values
+from ._client.values import Call, Values, merged_result, same_reply
 from .errors import (
-    ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UsageError, WrongServerError, WrongWorkerError,
+    ConnectionLostError, ProtocolError, TensorShareError, UsageError, WrongServerError, WrongWorkerError,
 )
 from .protocol.auth import resolve_token
 from .protocol.engine import Engine, next_request_id
-from .protocol.messages import LISTEN, UNLISTEN, Command, Route
+from .protocol.messages import Command, Route
 from .protocol.retry import Backoff
 from .protocol.router import Router
 from .protocol.tls import TLSSettings
 
 log = logging.getLogger("tensorshare.client")
 
-__all__ = ["Client", "Listening", "ListenSnapshot", "Notification", "connect"]
+__all__ = ["Client", "Listening", "ListenSnapshot", "Notification", "connect", "DEFAULT", "Timeout"]
 
 
 class Settings:
@@ -201,6 +203,18 @@ class Client(TableCopies, ClientMethods):
         return self.router.home.areas is not None
 
     @property
+    def device_references(self) -> bool:
+        """True while the server, on this host, takes puts by device reference
+        (``put(..., by_reference=True)`` then shares GPU memory: PROTOCOL.md §13)."""
+        areas = self._shared_areas()
+        return areas is not None and bool(areas.device_refs)
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
+        return self._closed
+
+    @property
     def workers(self) -> int:
         """How many workers the server runs (``--workers``): this client connects to
         each whose bins it uses (PROTOCOL.md §14)."""
@@ -216,7 +230,7 @@ class Client(TableCopies, ClientMethods):
     def __enter__(self) -> "Client":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
@@ -293,12 +307,9 @@ class Client(TableCopies, ClientMethods):
         merged (``MERGE``), or answered once all are (``EVERY``: the last one's result)."""
         members = self.router.targets(command)
         if command.route is Route.MERGE:
-            replies = [self._call(command, fields, value, timeout=timeout, then=_same_reply, on_error=on_error,
+            replies = [self._call(command, fields, value, timeout=timeout, then=same_reply, on_error=on_error,
                                   decode=decode, member=member) for member in members]
-            header = self.router.merged(command, [reply.header for reply in replies])
-            reply = replies[0]
-            reply.header = header
-            return reply.result if then is None else then(reply)
+            return merged_result(command, replies, then)
         for member in members[:-1]:
             self._call(command, fields, value, timeout=timeout, then=then, on_error=on_error, decode=decode,
                        member=member)
@@ -314,17 +325,18 @@ class Client(TableCopies, ClientMethods):
     def _submit(self, command: Command, fields: dict | None, value: Any, callback: Callable, *,
                 zero_copy: bool = True, timeout=DEFAULT, then: Callable | None = None,
                 on_error: Callable | None = None, decode: bool = True, raw: bool = False, inline: bool = False,
-                device: Any = None, into: Any = None) -> None:
+                device: Any = None, into: Any = None, member: Member | None = None,
+                listening: Listening | None = None) -> None:
         """Send a call whose ``callback(result, error)`` runs when it is settled (on the
         dispatcher thread; ``inline``: on the reading thread)."""
         if self._closed:
             raise UsageError("the client is closed")
         router = self.router
-        if router.map is not None and command.route is not Route.OWNER:  # several members, made in turn
+        if member is None and router.map is not None and command.route is not Route.OWNER:  # several members
             def fanned_out() -> None:
                 try:
                     result, error = self._call(command, fields, value, timeout=timeout,
-                                               then=_same_reply if raw else then, on_error=on_error,
+                                               then=same_reply if raw else then, on_error=on_error,
                                                decode=decode), None
                 except TensorShareError as exc:
                     result, error = None, exc
@@ -332,12 +344,13 @@ class Client(TableCopies, ClientMethods):
 
             self._later(fanned_out)
             return
-        member = router.owner_of(fields)
+        if member is None:
+            member = router.owner_of(fields)
         deadline = self._deadline(timeout)
         areas = member.shared_areas(deadline) if zero_copy and self.zero_copy else None
         call = self.values.call(next_request_id(), command, fields, value, areas, device, into)
-        call.callback, call.then, call.on_error, call.decode, call.raw, call.inline = (
-            callback, then, on_error, decode, raw, inline)
+        call.callback, call.then, call.on_error, call.decode, call.raw, call.inline, call.handle = (
+            callback, then, on_error, decode, raw, inline, listening)
         self._send_on(member, call, deadline)
 
     def _send_on(self, member: Member, call: Call, deadline: float | None) -> None:
@@ -397,72 +410,11 @@ class Client(TableCopies, ClientMethods):
     def _shared_areas(self):
         return self.router.home.shared_areas(self._deadline(DEFAULT)) if self.zero_copy else None
 
-    def _owner_of(self, name: str) -> "Client":
-        return self
-
     def _exported(self):
         return self.values.exported()
 
-    # ------------------------------------------------------------------ listening
-
-    def listen(self, bin: str, callback: Callable[[Notification], Any], timeout=DEFAULT, *,
-               every_append: bool = True) -> Listening:
-        handle = Listening(self, bin, callback, every_append)
-        member = self.router.owner(bin)
-        try:
-            reply = self._call(LISTEN, member.engine.listen_fields(handle), timeout=timeout, then=_same_reply,
-                               member=member, listening=handle)
-        except TimeoutError:
-            if handle not in member.engine.listens.handles(bin):  # the server may listen by now: ask it to stop
-                self._forget_listen(member, bin)
-            raise
-        handle.snapshot = ListenSnapshot.of(reply.header)
-        member.reader.ensure()
-        return handle
-
-    listen.__doc__ = ClientMethods.listen.__doc__
-
-    def unlisten(self, bin: str, callback: Callable | None = None) -> Any:
-        """Stop the listens of ``bin`` (only those calling ``callback``, if given)."""
-        member = self.router.owner(bin)
-        results = [self._unlisten(handle) for handle in member.engine.listens.handles(bin)
-                   if callback is None or handle.callback == callback]
-        return results[-1] if results else None
-
-    def _unlisten(self, handle: Listening, callback: Callable | None = None) -> Any:
-        """Stop ``handle``; with ``callback``, without waiting: ``callback(None, error)``
-        once done.  It hears every notification the server sends before it answers
-        the request that ends this listen."""
-        member = self.router.owner(handle.bin)
-        with member.cond:
-            stop = None if self._closed else member.engine.stop_listening(handle)
-            if stop is None:
-                member.engine.listens.remove(handle)
-        if stop is None:
-            if callback is not None:
-                self._later(callback, None, None)
-            return None
-        command, fields = stop
-
-        def failed(error: BaseException) -> bool:
-            with member.cond:
-                member.engine.listens.remove(handle)
-            return _lost_connection(error)
-
-        if callback is None:
-            return self._call(command, fields, on_error=failed, member=member, listening=handle)
-        call = self.values.call(next_request_id(), command, fields, NO_VALUE, None)
-        call.callback, call.on_error, call.handle = (lambda reply, error: callback(None, error)), failed, handle
-        self._send_on(member, call, self._deadline(DEFAULT))
-        return None
-
-    def _forget_listen(self, member: Member, name: str) -> None:
-        try:
-            self._submit(UNLISTEN, bin_fields(name), NO_VALUE, _ignore)
-        except TensorShareError:
-            pass
-
-    def _listening(self, handle: Listening) -> Listening:
+    def _listening(self, member: Member, handle: Listening) -> Listening:
+        member.reader.ensure()  # a thread reads while nobody calls
         return handle
 
     # ------------------------------------------------------------------ members and the map
@@ -509,16 +461,7 @@ class Client(TableCopies, ClientMethods):
         return True
 
 
-def _same_reply(reply):
-    """``then`` that keeps a call's whole reply (to merge it with others)."""
-    return reply
-
-
-def _ignore(reply: Any, error: Any) -> None:
-    pass
-
-
-def connect(host: str = "127.0.0.1", port: int = 8000, *, retry_for: float | None = None, **options) -> Client:
+def connect(host: str = "127.0.0.1", port: int = 8000, *, retry_for: float | None = None, **options: Any) -> Client:
     """A :class:`Client`, retrying with backoff for up to ``retry_for`` seconds while the
     server is not up yet (processes of a job often start in any order).
 
@@ -533,6 +476,7 @@ def connect(host: str = "127.0.0.1", port: int = 8000, *, retry_for: float | Non
     each = connect_timeout_for(options.pop("connect_timeout", None), timeout, DEFAULT_CONNECT_TIMEOUT)
     deadline = time.monotonic() + retry_for
     backoff = Backoff(0.05, 1.0)
+    told = False  # that we keep trying (a process waiting silently for 30 s looks hung)
     while True:
         try:
             client = Client(host, port, connect_timeout=max(min(each, deadline - time.monotonic()), 0.01), **options)
@@ -544,4 +488,7 @@ def connect(host: str = "127.0.0.1", port: int = 8000, *, retry_for: float | Non
             left = deadline - time.monotonic()
             if left < 0.01:
                 raise ConnectionLostError(f"{exc} (tried for {retry_for:g}s)") from None
+            if not told:
+                told = True
+                log.warning("%s; trying again for up to %.0fs more", exc, left)
             time.sleep(min(backoff.next(), left))

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from .client import NO_VALUE
 from .client import Client, Listening, connect
 from .errors import NoSuchBinError
 from .protocol import messages as protocol
 
+_Self = TypeVar("_Self", bound="StartStop")
 Callback = Callable[[dict], Any] | None
 
 
@@ -68,10 +69,10 @@ class StartStop:
     def _shut(self) -> None:
         raise NotImplementedError
 
-    def __enter__(self):
+    def __enter__(self: _Self) -> _Self:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
@@ -90,7 +91,7 @@ class TensorShare(StartStop):
     STATUS_ERR = "ERR"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, *, timeout: float = 60.0,
-                 connect_timeout: float | None = None, **client_options):
+                 connect_timeout: float | None = None, **client_options: Any) -> None:
         super().__init__()
         self._client = connect(host, port, timeout=timeout, retry_for=connect_timeout, **client_options)
         self._listening: dict[str, Listening] = {}
@@ -138,7 +139,7 @@ class TensorShare(StartStop):
         handle = self._listening.pop(bin, None)
         reply = _replier(callback, _done)
         if handle is None:
-            self._client._later(reply, None, None)
+            self._client.callbacks().submit(reply, None, None)
         else:
             handle.stop(callback=reply)
 

@@ -61,7 +61,7 @@ class EncodeError(UsageError, TypeError):
     wire form``; ``reason`` is the message without the path.
     """
 
-    def __init__(self, reason: str, path: tuple = ()):
+    def __init__(self, reason: str, path: tuple[object, ...] = ()):
         super().__init__(reason)
         self.reason = reason
         self.path = tuple(path)
@@ -76,7 +76,7 @@ class EncodeError(UsageError, TypeError):
             return self.reason
         return "value" + "".join(f"[{segment!r}]" for segment in self.path) + ": " + self.reason
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[EncodeError], tuple[str, tuple[object, ...]]]:
         return type(self), (self.reason, self.path)
 
 
@@ -85,7 +85,7 @@ class DeviceError(TensorShareError):
     say).  ``items`` holds them, built in host memory: what a ``get`` took from the
     server is never lost with the error."""
 
-    def __init__(self, message: str, items: list | None = None):
+    def __init__(self, message: str, items: list[object] | None = None):
         super().__init__(message)
         self.items = items
 

@@ -18,15 +18,17 @@ bin's server's :class:`~tensorshare.Client`.
 
 from __future__ import annotations
 
+import builtins
+import functools
+import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from .client import Client
+from .client import DEFAULT, Client, Timeout
 from .errors import UsageError
-from .protocol.messages import COMMANDS
+from .protocol.messages import COMMANDS, Command
 from .protocol.placement import rendezvous
 
-_DEFAULT = object()
 
 
 def parse_server(server: str | tuple[str, int]) -> tuple[str, int]:
@@ -63,7 +65,7 @@ class ShardedClient:
     spelling.
     """
 
-    def __init__(self, servers: Iterable[str | tuple[str, int]], **client_options):
+    def __init__(self, servers: Iterable[str | tuple[str, int]], **client_options: Any) -> None:
         addresses = [parse_server(server) for server in servers]
         if not addresses:
             raise UsageError("ShardedClient needs at least one server")
@@ -88,10 +90,10 @@ class ShardedClient:
 
     # -- the verbs of one bin go to its server (and the methods derived from the declarations, below)
 
-    def save(self, bin: str, path, **options) -> Any:
+    def save(self, bin: str, path: str | os.PathLike[str], **options: Any) -> int:
         return self.client_for(bin).save(bin, path, **options)
 
-    def submit(self, op, bin: str, *args, **options) -> None:
+    def submit(self, op: str | Command, bin: str, *args: Any, **options: Any) -> None:
         """:meth:`Client.submit` on ``bin``'s server (every verb that names a bin)."""
         if bin is None:
             raise UsageError("ShardedClient.submit needs a bin (it picks the server)")
@@ -101,19 +103,38 @@ class ShardedClient:
         """:meth:`Client.shared` for a value that will be put into ``bin``."""
         return self.client_for(bin).shared(value)
 
+    if TYPE_CHECKING:  # the verbs set below, as type checkers see them (tests/test_typing.py checks the list)
+        put = Client.put
+        append = Client.append
+        get = Client.get
+        peek = Client.peek
+        delete = Client.delete
+        listen = Client.listen
+        unlisten = Client.unlisten
+        create_table = Client.create_table
+        insert = Client.insert
+        sample = Client.sample
+        update_priorities = Client.update_priorities
+        write = Client.write
+        read = Client.read
+        table_info = Client.table_info
+        set_table_limits = Client.set_table_limits
+
     # -- all servers
 
-    def list(self, timeout=_DEFAULT) -> dict[str, int]:
-        """``{bin: n_items}`` of every server, merged (asked in parallel)."""
-        kwargs = {} if timeout is _DEFAULT else {"timeout": timeout}
+    def list(self, pattern: str | None = None, timeout: Timeout = DEFAULT) -> dict[str, int]:
+        """``{bin: n_items}`` of every server, merged (asked in parallel); ``pattern``:
+        as :meth:`Client.list`."""
+        kwargs: dict[str, Any] = {} if timeout is DEFAULT else {"timeout": timeout}
+        kwargs["pattern"] = pattern
         merged: dict[str, int] = {}
         for listing in self._each(lambda client: client.list(**kwargs)):
             merged.update(listing)
         return merged
 
-    def ping(self, timeout=_DEFAULT) -> list[float]:
+    def ping(self, timeout: Timeout = DEFAULT) -> builtins.list[float]:  # (list: the method above)
         """Round-trip times to each server, in the order given."""
-        kwargs = {} if timeout is _DEFAULT else {"timeout": timeout}
+        kwargs = {} if timeout is DEFAULT else {"timeout": timeout}
         return self._each(lambda client: client.ping(**kwargs))
 
     def _each(self, fn: Callable[[Client], Any]) -> list:
@@ -129,7 +150,7 @@ class ShardedClient:
     def __enter__(self) -> "ShardedClient":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
@@ -137,10 +158,11 @@ class ShardedClient:
 
 
 def _on_the_bins_server(method: str) -> Callable:
-    def call(self: ShardedClient, bin: str, *args, **options) -> Any:
+    def call(self: ShardedClient, bin: str, *args: Any, **options: Any) -> Any:
         return getattr(self.client_for(bin), method)(bin, *args, **options)
 
-    call.__name__ = call.__qualname__ = method
+    functools.update_wrapper(call, getattr(Client, method))  # Client's signature, for help() and IDEs
+    call.__qualname__ = f"ShardedClient.{method}"
     call.__doc__ = f":meth:`Client.{method}` on the server that holds ``bin``."
     return call
 

@@ -8,14 +8,14 @@ restart).  Rows are read in pieces of about :data:`PIECE` bytes, so a table larg
 than memory is copied in the memory of one piece.  Rows inserted while a copy is
 made may or may not be in it; pause the writers for an exact copy.
 
-Blocking client only (several calls, each waiting for the last): the client's
-``TableCopies`` (``tensorshare/_client/table_copy.py``) gives ``Client`` those two
-methods; TorchRL's storage, the command line tool and checkpoints use the rest.
+The client's ``TableCopies`` (``tensorshare/_client/table_copy.py``) gives ``Client``
+those two methods; ``AsyncClient.load_table`` runs the same steps (:func:`loading`)
+with Deferreds; TorchRL's storage, the command line tool and checkpoints use the rest.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Generator, Iterator
 
 import numpy as np
 import torch
@@ -100,20 +100,40 @@ def load_table(client, path, name: str | None = None, *, replace: bool = True) -
     ``path``: the same settings, each row at its slot with its priority.  A table
     already there is replaced once the server has accepted the checkpoint's settings
     (a refusal leaves it as it was; ``replace=False``: refused instead).  Returns how
-    many rows."""
+    many rows.  (The blocking client's; the AsyncClient runs :func:`loading` as
+    inlineCallbacks.)"""
+    steps = loading(client, path, name, replace)
+    result = None
+    while True:  # each step is a call's result: hand it back
+        try:
+            result = steps.send(result)
+        except StopIteration as done:
+            return done.value
+
+
+def loading(client, path, name: str | None, replace: bool) -> Generator[Any, Any, int]:
+    """The calls of :func:`load_table`, each yielded: a blocking client's results are
+    sent back as they are, an AsyncClient's Deferreds by ``inlineCallbacks``."""
     checkpoint = read_checkpoint(path)
     name = checkpoint.name if name is None else name
-    if not replace and name in client.list():
+    if not replace and name in (yield client.list()):
         raise UsageError(f"{name!r} exists (replace=True replaces it)")
-    client.create_table(name, replace=True, **checkpoint.spec)
-    write_rows(client, name, checkpoint.state["index"], _columns(checkpoint), checkpoint.state["priority"],
-               checkpoint.state.get("ends"))
+    yield client.create_table(name, replace=True, **checkpoint.spec)
+    for indices, columns, priorities, ends in row_pieces(checkpoint.state["index"], _columns(checkpoint),
+                                                         checkpoint.state["priority"], checkpoint.state.get("ends")):
+        yield client.write(name, indices, columns, priorities, ends=ends)
     return checkpoint.rows
 
 
 def write_rows(client, name: str, indices, columns: dict[str, torch.Tensor], priorities=None, ends=None) -> None:
     """Write rows at their slot ``indices`` (with their ``priorities`` and episode
     ``ends``), a piece at a time."""
+    for indices, columns, priorities, ends in row_pieces(indices, columns, priorities, ends):
+        client.write(name, indices, columns, priorities, ends=ends)
+
+
+def row_pieces(indices, columns: dict[str, torch.Tensor], priorities=None, ends=None) -> Iterator[tuple]:
+    """``(indices, columns, priorities, ends)`` of about :data:`PIECE` bytes of rows each."""
     indices = torch.as_tensor(np.asarray(indices), dtype=torch.int64)
     n = indices.numel()
     if not n:
@@ -122,9 +142,9 @@ def write_rows(client, name: str, indices, columns: dict[str, torch.Tensor], pri
     step = max(1, PIECE // max(row_bytes, 1))
     for start in range(0, n, step):
         stop = min(start + step, n)
-        client.write(name, indices[start:stop], {k: v[start:stop] for k, v in columns.items()},
-                     None if priorities is None else torch.as_tensor(np.asarray(priorities[start:stop])),
-                     ends=None if ends is None else np.asarray(ends[start:stop]))
+        yield (indices[start:stop], {k: v[start:stop] for k, v in columns.items()},
+               None if priorities is None else torch.as_tensor(np.asarray(priorities[start:stop])),
+               None if ends is None else np.asarray(ends[start:stop]))
 
 
 def mapped_columns(path) -> dict[str, torch.Tensor]:
@@ -146,4 +166,4 @@ def _bytes(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-__all__ = ["save_table", "load_table", "occupied", "pieces", "write_rows", "table_spec", "mapped_columns"]
+__all__ = ["save_table", "load_table", "loading", "row_pieces", "occupied", "pieces", "write_rows", "table_spec", "mapped_columns"]

@@ -23,7 +23,9 @@ from twisted.internet.task import Clock
 from twisted.python import failure
 from twisted.test import iosim
 
-from tensorshare._client.connection import NO_VALUE, ClientConnection, next_request_id, read_reply, request_frame
+from tensorshare._client.connection import NO_VALUE, read_reply, request_frame
+from tensorshare.protocol.engine import next_request_id
+from tensorshare.protocol.handshake import CLIENT_FRAME_LIMITS, Handshake
 from tensorshare.protocol.messages import Command
 from tensorshare.protocol.placement import WorkerMap
 from tensorshare.wire.frames import Frame, FrameDecoder
@@ -47,6 +49,9 @@ class Outbox:
         if on_written is not None:
             on_written()
         return None
+
+    def send_reply(self, parts, on_abandon=None, on_written=None) -> None:
+        self.send(parts, on_abandon, on_written)
 
     def withdraw(self, ticket) -> bool:
         return False
@@ -78,6 +83,17 @@ class HeldJobs:
                 done(result, error)
 
 
+class Opening(Handshake):
+    """A client connection's opening (greeting, AUTH) and its frames, for :class:`Pair`."""
+
+    def __init__(self, token: bytes | None):
+        super().__init__(token, next_request_id)
+        self.decoder = FrameDecoder(limits=CLIENT_FRAME_LIMITS)
+
+    def feed(self, data: bytes) -> list[Frame]:
+        return self.decoder.feed(data)
+
+
 class Pair:
     """A client protocol and a server session joined in memory."""
 
@@ -86,8 +102,7 @@ class Pair:
         self.clock = self.state.waits.clock  # times requests that wait in the server: advance it
         self.outbox = Outbox()
         self.session = ServerSession(self.state, self.outbox, "pair", same_host=same_host)
-        self.client = ClientConnection(token=None if token is None else (token.encode() if isinstance(token, str)
-                                                                          else token))
+        self.client = Opening(None if token is None else (token.encode() if isinstance(token, str) else token))
         self.session.connection_made()
         for frame in self.receive():
             request = self.client.opening(frame)
@@ -155,8 +170,8 @@ def async_pair(clock: Clock | None = None, *, client_options: dict | None = None
     Returns ``(client, pump, clock, state)``; ``pump.flush()`` moves bytes both ways
     (advancing ``clock`` a little each time) until nothing is left to move.  The
     client's connector connects every (re)connection the same way, so a test can
-    drop the connection (``client._wire.transport.loseConnection()``) and watch it
-    come back."""
+    drop the connection (``client.router.home.wire.transport.loseConnection()``)
+    and watch it come back."""
     from tensorshare import AsyncClient
 
     clock = clock or Clock()

@@ -64,14 +64,14 @@ def test_keepalive_drops_a_silent_server_and_the_client_reconnects():
         silent.dataReceived = lambda data: None  # the server reads nothing and answers nothing
         pending = []
         client.ping().addBoth(pending.append)
-        first = client._wire
+        first = client.router.home.wire
         for _ in range(10):
             clock.advance(0.2)
             pump.flush()
         assert len(pending) == 1 and pending[0].check(ConnectionLostError)
         clock.advance(2.0)  # the backoff's first delay is at most 0.05 s
         pump.flush()
-        assert client._wire is not None and client._wire is not first
+        assert client.router.home.wire is not None and client.router.home.wire is not first
         assert result_of(client.put("after", 1), pump) == 1
     finally:
         client.close()
@@ -84,14 +84,14 @@ def test_a_request_held_by_the_server_outlasts_the_keepalive():
     client, pump, clock, state = async_pair(client_options={"keepalive": 0.3, "timeout": 10.0})
     try:
         result_of(client.append("held", 1), pump)
-        first = client._wire
+        first = client.router.home.wire
         outcome = []
         client.append("held", 2, below=1, timeout=2.0).addBoth(outcome.append)
         for _ in range(15):  # 3 s: five keepalive periods, and past the wait
             clock.advance(0.2)
             pump.flush()
         assert len(outcome) == 1 and outcome[0].check(BusyError)  # the server's answer, not a dropped connection
-        assert client._wire is first
+        assert client.router.home.wire is first
         assert result_of(client.peek("held"), pump) == [1]
     finally:
         client.close()
@@ -105,7 +105,7 @@ def test_a_lost_connection_fails_calls_at_once_then_listens_again(paired):
     result_of(client.put("r", 1), pump)
     pending = []
     client.ping().addBoth(pending.append)
-    client._wire.transport.loseConnection()
+    client.router.home.wire.transport.loseConnection()
     pump.flush()
     assert len(pending) == 1 and pending[0].check(ConnectionLostError)
     clock.advance(1.0)
@@ -131,3 +131,33 @@ def test_large_values_go_through_shared_memory_on_the_servers_host(paired):
     [back] = result_of(client.peek("zc"), pump)
     assert torch.equal(back, value)
     assert result_of(client.peek("zc"), pump)[0].data_ptr() != back.data_ptr()
+
+
+def test_a_table_checkpoint_loads_through_the_async_client(paired, tmp_path):
+    """``AsyncClient.load_table`` (it had none): a checkpoint written from one server by
+    the blocking client is made again on another, each row at its slot, with its
+    priority; ``list`` takes a glob."""
+    from serverproc import ServerProcess
+
+    import tensorshare
+
+    rows = {"obs": torch.arange(12, dtype=torch.float32).reshape(6, 2)}
+    server = ServerProcess()
+    try:
+        with tensorshare.Client("127.0.0.1", server.port, timeout=30) as blocking:
+            blocking.create_table("replay", 8, {"obs": ((2,), torch.float32)}, sampler="prioritized")
+            blocking.insert("replay", rows, priorities=[1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+            assert blocking.save("replay", tmp_path / "ckpt") == 6
+            slots = blocking.table_info("replay", slots=0)["slots"]
+    finally:
+        server.stop()
+    client, pump, clock, state = paired
+    assert result_of(client.load_table(tmp_path / "ckpt", "replay-copy"), pump) == 6
+    info = result_of(client.table_info("replay-copy", slots=0), pump)
+    assert info["size"] == 6 and info["sampler"] == "prioritized"
+    assert torch.equal(info["slots"]["indices"], slots["indices"])
+    assert torch.equal(info["slots"]["priorities"], slots["priorities"])
+    read = result_of(client.read("replay-copy", slots["indices"]), pump)
+    assert torch.equal(read["obs"], rows["obs"])
+    result_of(client.put("other", 1), pump)
+    assert result_of(client.list("replay*"), pump) == {"replay-copy": 6}

@@ -56,8 +56,42 @@ def test_ls_stat_peek(ops_server):
     text = cli("--port", str(ops_server.port), "peek", "cli/r")
     assert text.returncode == 0, text.stderr
     assert "tensor float32 [2]" in text.stdout and "tensor int64 [3]" in text.stdout
-    table = cli("--port", str(ops_server.port), "ls")  # a rich table (rich is installed with the tests)
+    table = cli("--port", str(ops_server.port), "ls", env=TERMINAL)  # rich (installed with the tests)
     assert table.returncode == 0 and "cli/a" in table.stdout and "┃" in table.stdout
+    piped = cli("--port", str(ops_server.port), "ls")  # not a terminal: plain text for other tools
+    assert piped.stdout.splitlines()[1:4] == ["name   kind  items (rows)", "cli/a  bin   1", "cli/r  bin   2"]
+
+
+# A terminal of 80 columns, as rich sees one.
+TERMINAL = {"FORCE_COLOR": "1", "TTY_COMPATIBLE": "1", "COLUMNS": "80", "NO_COLOR": ""}
+
+
+def test_names_are_never_cut_and_tables_are_marked(ops_server, tmp_path):
+    """A long name shows whole in an 80-column terminal (rich cut it to "repla…"), ``ls``
+    says which names are tables and takes a glob, key/value views have no empty header
+    row, counts read "1 item", ``peek`` of a table says which command shows its rows,
+    and both commands tell their version."""
+    long = "replay/" + "x" * 45  # wider than what an 80-column terminal left it beside 8 other columns
+    with tensorshare.Client("127.0.0.1", ops_server.port, timeout=30) as c:
+        c.create_table(long, 8, {"obs": ((2,), torch.float32)})
+        try:
+            for args in (("table", "ls"), ("ls",)):
+                out = cli("--port", str(ops_server.port), *args, env=TERMINAL)
+                assert out.returncode == 0 and long in out.stdout, out.stdout
+            listing = {row["bin"]: row["kind"] for row in run_json(ops_server, "ls")}
+            assert listing[long] == "table" and listing["cli/a"] == "bin"
+            assert set(row["bin"] for row in run_json(ops_server, "ls", "replay/*")) == {long}
+            info = cli("--port", str(ops_server.port), "table", "info", long, env=TERMINAL)
+            assert info.returncode == 0 and "┃" not in info.stdout.split("rows")[0], info.stdout  # no header row
+            peek = cli("--port", str(ops_server.port), "peek", long)
+            assert peek.returncode == 2 and f"tensorshare table sample {long}" in peek.stderr, peek.stderr
+            saved = cli("--port", str(ops_server.port), "save", "cli/a", str(tmp_path / "one"))
+            assert saved.returncode == 0 and "saved 1 item of cli/a" in saved.stdout, saved.stdout
+        finally:
+            c.delete(long)
+    for command in ([sys.executable, "-m", "tensorshare.cli"], [sys.executable, "-m", "tensorshare_server"]):
+        out = subprocess.run([*command, "--version"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and out.stdout.split()[-1] == tensorshare.__version__, (out.stdout, out.stderr)
 
 
 def test_save_load_rm(ops_server, tmp_path):

@@ -1,4 +1,4 @@
-"""The examples run as README shows, against a real server (the original's own:
+"""The examples run as the documentation shows, against a real server (the original's own:
 tests/test_original.py)."""
 
 from __future__ import annotations
@@ -62,3 +62,40 @@ def test_tables_dqn_example_solves_cartpole_through_a_torchrl_replay_buffer():
     assert result.returncode == 0, result.stderr[-3000:]
     assert "solved: mean return" in result.stdout, result.stdout[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
+WITHOUT = """
+import runpy, sys
+sys.modules[sys.argv[1]] = None  # as where that package is not installed: importing it fails
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("example, module, extra", [("ray_rl.py", "ray", "ray"),
+                                                    ("tables_dqn.py", "gymnasium", "torchrl")])
+def test_an_example_names_the_extra_it_needs(example, module, extra):
+    result = subprocess.run([sys.executable, "-c", WITHOUT, module, str(EXAMPLES / example)], capture_output=True,
+                            text=True, timeout=120, cwd=EXAMPLES)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert f"needs {module}, of the {extra} extra: pip install 'torch-tensorshare[{extra}]'" in result.stderr
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("original_*.py") if p.name != "original_args.py"))
+def test_the_originals_examples_take_help_and_a_port(example):
+    result = run([str(EXAMPLES / example), "--help"])
+    assert result.returncode == 0 and "--port PORT" in result.stdout, result.stderr
+    assert "default: 8000" in result.stdout
+
+
+@pytest.mark.process
+def test_the_originals_server_example_serves_on_the_port_given():
+    proc = subprocess.Popen([sys.executable, str(EXAMPLES / "original_server.py"), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "tensorshare-server listening on 127.0.0.1:" in proc.stdout.readline()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        proc.stdout.close()
+        proc.stderr.close()

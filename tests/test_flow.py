@@ -205,7 +205,8 @@ def test_abandoned_replies_run_their_hooks_and_notifications_do_not_count():
 
 def make_session():
     config = ServerConfig()
-    state = ServerState(config, Storage(BinStore(), InlineJobs()), ListenerRegistry())
+    listeners = ListenerRegistry()
+    state = ServerState(config, Storage(BinStore(), InlineJobs(), sink=listeners), listeners)
     outbox = CollectingOutbox()
     session = ServerSession(state, outbox)
     session.connection_made()

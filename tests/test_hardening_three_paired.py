@@ -8,14 +8,14 @@ a signal decides are in tests/test_hardening_three.py.
 
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 import pytest
 import torch
 
 from pairing import HeldJobs, Pair
-from tensorshare._client.connection import next_request_id, request_frame
+from tensorshare._client.connection import request_frame
+from tensorshare.protocol.engine import next_request_id
 from tensorshare.errors import StorageFullError, TooLargeError
 from tensorshare.protocol.messages import (
     AUTH, DELETE, MAX_RELEASE_IDS, NOOP, PUT, TCREATE, TINSERT, TREAD, TSAMPLE, Key, TableKey,
@@ -183,13 +183,14 @@ def test_14_a_release_of_100k_ids_is_refused_as_a_request_and_the_connection_goe
 
 def test_14_the_clients_send_release_ids_a_few_at_a_time():
     """What the clients send stays far from that limit: at most MAX_RELEASE_IDS a request."""
-    from tensorshare._client.core import ClientCore
+    from tensorshare._client.values import Values
 
-    core = ClientCore.__new__(ClientCore)
-    core._releases, core._release_lock = list(range(1, 150)), threading.Lock()
-    sent = [core._with_releases({Key.BIN: "b"})[Key.RELEASE] for _ in range(3)]
+    values = Values(None, False, 0)
+    for rid in range(1, 150):
+        values.release(rid)
+    sent = [values._with_releases({Key.BIN: "b"})[Key.RELEASE] for _ in range(3)]
     assert [len(ids) for ids in sent] == [MAX_RELEASE_IDS, MAX_RELEASE_IDS, 149 - 2 * MAX_RELEASE_IDS]
-    assert sum(sent, []) == list(range(1, 150)) and core._with_releases(None) is None
+    assert sum(sent, []) == list(range(1, 150)) and values._with_releases(None) is None
 
 
 def test_14_a_value_over_max_frame_is_too_large_on_both_routes(tmp_path):

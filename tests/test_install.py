@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 import tensorshare
-from readme import blocks, expect_raises
+from docblocks import all_blocks, expect_raises
 
 pytestmark = pytest.mark.process
 ROOT = Path(__file__).resolve().parent.parent
@@ -134,10 +134,13 @@ def test_the_wheel_holds_every_module_and_says_what_it_needs(wheel):
                for folder, top in (("tensorshare", "tensorshare"), ("server", "tensorshare_server"))
                for path in (ROOT / folder).rglob("*.py")}
     assert sources - set(names) == set(), "modules missing from the wheel"
+    assert "tensorshare/py.typed" in names  # type checkers read the installed package's annotations
     assert not [n for n in names if n.startswith(("tests/", "benchmarks/", "examples/"))]
     [meta_name] = [n for n in names if n.endswith(".dist-info/METADATA")]
     meta = email.message_from_string(zipfile.ZipFile(wheel).read(meta_name).decode())
     assert meta["Name"] == NAME and meta["Version"] == tensorshare.__version__
+    assert meta["Home-page"] and {url.split(",")[0] for url in meta.get_all("Project-URL")} >= {"Documentation",
+                                                                                               "Source", "Changelog"}
     needs: dict[str, set] = {}
     for requirement in meta.get_all("Requires-Dist"):
         match = re.match(r'^([A-Za-z0-9_.\-]+).*?(?:extra == "(\w+)")?$', requirement)
@@ -154,7 +157,7 @@ def test_the_wheel_holds_every_module_and_says_what_it_needs(wheel):
 
 def test_readme_names_the_distribution_and_its_extras():
     """README's install lines install this project: its name, extras it has."""
-    lines = [line for block in blocks() if block.lang == "bash" for line in block.lines()
+    lines = [line for block in all_blocks() if block.lang == "bash" for line in block.lines()
              if line.startswith("pip install")]
     assert lines
     for line in lines:
@@ -181,10 +184,10 @@ def test_the_wheel_installs_with_its_extras_and_runs_the_first_example(wheel, de
                               stderr=subprocess.PIPE, text=True)
     try:
         port = re.search(r"listening on [\d.]+:(\d+)", server.stdout.readline()).group(1)
-        first = next(b for b in blocks() if b.lang == "python" and "tensorshare.Client(" in b.text)
+        first = next(b for b in all_blocks() if b.lang == "python" and "tensorshare.Client(" in b.text)
         run([str(python), "-c", expect_raises(first.text.replace("8000", port))], cwd=tmp_path, timeout=120)
         listing = run([str(python.parent / "tensorshare"), "--json", "ls", "--port", port], cwd=tmp_path)
-        assert {"bin": "rollouts", "items": 0} in json.loads(listing.stdout)
+        assert {"bin": "rollouts", "items": 0, "kind": "bin"} in json.loads(listing.stdout)
     finally:
         server.terminate()
         assert server.wait(30) == 0
@@ -195,8 +198,8 @@ def test_the_wheel_installs_with_its_extras_and_runs_the_first_example(wheel, de
 def test_readme_install_lines_install_this_checkout(source, dependencies, tmp_path):
     """Each ``pip install`` line of README that installs from a clone, as written, at the
     clone's root, into an environment of its own."""
-    lines = [line for block in blocks() if block.lang == "bash" and not block.needs for line in block.lines()
-             if line.startswith("pip install")]
+    lines = list(dict.fromkeys(line for block in all_blocks() if block.lang == "bash" and not block.needs
+                               for line in block.lines() if line.startswith("pip install")))  # (once each)
     assert lines
     for i, line in enumerate(lines):
         args = shlex.split(line)[2:]

@@ -25,6 +25,7 @@ class Outbox:
     def __init__(self): self.data = bytearray()
     def send(self, parts, on_abandon=None, on_written=None):
         for p in parts: self.data += bytes(p)
+    send_reply = send
     def withdraw(self, ticket): return False
     def close(self): pass
 
@@ -128,12 +129,27 @@ def test_a_relay_of_a_multi_worker_server_loads_neither_torch_nor_the_client():
     assert out.stdout.strip() == "[]", out.stdout
 
 
-def _imports(name: str, path: Path, is_package: bool, known: set[str]) -> set[str]:
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` but those under ``if TYPE_CHECKING:`` (imports for type
+    checkers only, which never run)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            todo.extend(node.orelse)
+        else:
+            todo.extend(ast.iter_child_nodes(node))
+
+
+def _imports(name: str, path: Path, is_package: bool, known: set[str], everywhere: bool = False) -> set[str]:
     """The modules of ours that module ``name`` imports when it is loaded (its top-level
-    imports: one inside a function runs later, when the modules are loaded)."""
+    imports: one inside a function runs later, when the modules are loaded), or with
+    ``everywhere``, anywhere in it (but for type checkers)."""
     base = name if is_package else name.rpartition(".")[0]
     found = set()
-    for node in ast.parse(path.read_text()).body:
+    tree = ast.parse(path.read_text())
+    for node in _runtime_nodes(tree) if everywhere else tree.body:
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names if alias.name in known)
         elif isinstance(node, ast.ImportFrom):
@@ -148,6 +164,9 @@ def _imports(name: str, path: Path, is_package: bool, known: set[str]) -> set[st
 
 
 def test_no_module_imports_one_that_imports_it_back():
+    """Over the client package and the server, deferred imports included (the command
+    line and its tables module, the value codec and the device package imported each
+    other from inside functions)."""
     root = Path(__file__).resolve().parent.parent
     modules = {}
     for package, directory in (("tensorshare", root / "tensorshare"), ("tensorshare_server", root / "server")):
@@ -155,7 +174,8 @@ def test_no_module_imports_one_that_imports_it_back():
             parts = path.relative_to(directory).with_suffix("").parts
             name = ".".join((package, *parts))
             modules[name.removesuffix(".__init__")] = (path, parts[-1] == "__init__")
-    graph = {name: _imports(name, path, is_package, set(modules)) for name, (path, is_package) in modules.items()}
+    graph = {name: _imports(name, path, is_package, set(modules), everywhere=True)
+             for name, (path, is_package) in modules.items()}
 
     def reaches(start: str, goal: str) -> bool:
         seen, todo = set(), list(graph[start])
@@ -170,3 +190,57 @@ def test_no_module_imports_one_that_imports_it_back():
 
     circles = sorted({tuple(sorted((a, b))) for a in graph for b in graph[a] if reaches(b, a)})
     assert circles == [], circles
+
+
+def test_the_operations_pages_read_the_storage_through_its_view():
+    """server/ops/ reads bins and tables through ``Storage.view`` (server/bins/view.py),
+    a read-only summary, and the receive pool through its public figure: not through
+    the store's items and accounting fields, the tables' entries or a private field
+    (whose rename would have shown 0 without a word)."""
+    root = Path(__file__).resolve().parent.parent / "server" / "ops"
+    private = {"store", "walk", "table_entries", "resident_bytes", "in_flight_bytes", "description_bytes"}
+    found = []
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and (node.attr in private or node.attr.startswith("_held")):
+                found.append(f"{path.name}:{node.lineno} .{node.attr}")
+            if isinstance(node, ast.Constant) and node.value == "_held":  # getattr(pool, "_held")
+                found.append(f"{path.name}:{node.lineno} '_held'")
+    assert found == [], found
+
+
+# The modules outside a private package that may import it: the package's public faces.
+PRIVATE_FACES = {"tensorshare._client": {"tensorshare.client", "tensorshare.async_client"}}
+
+
+def _private_root(module: str) -> str | None:
+    """``a.b._c`` for a module at or under a private ``a.b._c``; None for a public one."""
+    parts = module.split(".")
+    for i, part in enumerate(parts):
+        if part.startswith("_") and not part.startswith("__"):
+            return ".".join(parts[: i + 1])
+    return None
+
+
+def test_no_module_imports_another_packages_private_module():
+    """A private module (a name part starting with ``_``) is imported only by its own
+    package's modules, and ``tensorshare._client`` only by the clients that are its
+    public faces: everything else uses their public names."""
+    root = Path(__file__).resolve().parent.parent
+    modules = {}
+    for package, directory in (("tensorshare", root / "tensorshare"), ("tensorshare_server", root / "server")):
+        for path in directory.rglob("*.py"):
+            parts = path.relative_to(directory).with_suffix("").parts
+            modules[".".join((package, *parts)).removesuffix(".__init__")] = (path, parts[-1] == "__init__")
+    offences = []
+    for name, (path, is_package) in modules.items():
+        for imported in _imports(name, path, is_package, set(modules), everywhere=True):
+            private = _private_root(imported)
+            if private is None or name == private or name.startswith(private + "."):
+                continue
+            owner = private.rpartition(".")[0]
+            faces = PRIVATE_FACES.get(private)
+            allowed = name in faces if faces is not None else name.rpartition(".")[0] == owner
+            if not allowed:
+                offences.append(f"{name} imports {imported}")
+    assert offences == [], "\n".join(sorted(offences))

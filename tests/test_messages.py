@@ -6,6 +6,7 @@ what they name."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import subprocess
@@ -19,7 +20,7 @@ import torch
 
 import tensorshare
 from opsproc import OpsServer
-from readme import message_pattern, messages
+from docblocks import message_pattern, messages
 from serverproc import ServerProcess
 from tensorshare.errors import ConnectionLostError, UsageError, WrongServerError
 
@@ -180,11 +181,74 @@ def cli_tls(world) -> str:
     return out.stderr.strip()
 
 
+WITHOUT_TLS_EXTRA = """
+import sys
+sys.modules["OpenSSL"] = None  # as where the tls extra is not installed (pyOpenSSL cannot be imported)
+from tensorshare_server.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def tls_without_the_extra(world) -> str:
+    """``--tls-cert`` without pyOpenSSL: one line naming the extra (it was a traceback
+    from Twisted's TLS, imported before the check), and no data directory made."""
+    data = Path(world["tmp"], "tls-extra-data")
+    out = run([sys.executable, "-c", WITHOUT_TLS_EXTRA, "--port", "0", "--data-dir", str(data),
+               "--tls-cert", world["certs"].cert, "--tls-key", world["certs"].key])
+    assert out.returncode == 2 and out.stdout == "" and not data.exists(), (out.returncode, out.stderr[-2000:])
+    return out.stderr.strip()
+
+
+def tls_at_plain(world) -> str:
+    with pytest.raises(WrongServerError) as caught:
+        tensorshare.Client("127.0.0.1", world["ops"].port, tls=True, timeout=10)
+    return said(caught.value)
+
+
+def wrong_token(world) -> str:
+    with pytest.raises(tensorshare.errors.NotAuthenticatedError) as caught:
+        tensorshare.Client("127.0.0.1", world["token"].port, token="not-the-token-0123456789", timeout=10)
+    return said(caught.value)
+
+
+def port_as_str(world) -> str:
+    with pytest.raises(UsageError) as caught:
+        tensorshare.Client("127.0.0.1", "8000")  # refused before it connects
+    return said(caught.value)
+
+
+def unsendable(value):
+    def situation(world) -> str:
+        with tensorshare.Client("127.0.0.1", world["ops"].port, timeout=30) as client:
+            with pytest.raises(tensorshare.errors.EncodeError) as caught:
+                client.put("messages/object", value())
+        return said(caught.value)
+
+    situation.__name__ = f"unsendable_{value.__name__}"
+    return situation
+
+
+@dataclasses.dataclass
+class Config:
+    lr: float = 0.1
+
+
+def a_dataclass():
+    return {"config": Config()}
+
+
+def a_module():
+    return torch.nn.Linear(2, 2)
+
+
 SITUATIONS = {"is a TLS server: connect": tls_without_tls, "is an HTTP server": http_port,
               "cannot connect to": nothing_listens, "no tensorshare greeting": says_nothing,
               "port must be a TCP port": bad_port, "nested tensors": nested_tensor, "(a namedtuple)": namedtuple,
               "the port is taken": port_taken, "unknown option": bad_config, "add --tls": cli_tls,
-              "its --max-frame": too_large, "is in use by": data_dir_in_use}
+              "its --max-frame": too_large, "is in use by": data_dir_in_use,
+              "a tensorshare server without TLS": tls_at_plain, "is not the server's": wrong_token,
+              "port must be an int": port_as_str, "TLS needs pyOpenSSL": tls_without_the_extra, "dataclasses.asdict": unsendable(a_dataclass),
+              "module.state_dict()": unsendable(a_module)}
 
 
 @pytest.fixture(scope="module")
@@ -195,8 +259,18 @@ def small_frames():
 
 
 @pytest.fixture(scope="module")
-def world(tls_server, ops_server, small_frames, tmp_path_factory):
-    return {"tls": tls_server, "ops": ops_server, "small": small_frames, "tmp": tmp_path_factory.mktemp("messages")}
+def token_server(tmp_path_factory):
+    token = tmp_path_factory.mktemp("token") / "token"
+    token.write_text("the-servers-token-0123456789\n")
+    proc = ServerProcess("--token-file", str(token))
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def world(tls_server, ops_server, small_frames, token_server, certs, tmp_path_factory):
+    return {"tls": tls_server, "ops": ops_server, "small": small_frames, "token": token_server, "certs": certs,
+            "tmp": tmp_path_factory.mktemp("messages")}
 
 
 def situation_of(message: str):
@@ -214,7 +288,7 @@ def test_every_message_has_its_situation():
 def test_readme_message(message, world):
     actual = situation_of(message)(world)
     assert "\n" not in actual, actual  # one line
-    assert message_pattern(message).fullmatch(actual), f"README says:\n{message}\nthe run said:\n{actual}"
+    assert message_pattern(message).fullmatch(actual), f"the documentation says:\n{message}\nthe run said:\n{actual}"
 
 
 # -- more of the same kind, not in README's table
@@ -293,3 +367,28 @@ def test_a_wrong_server_is_not_tried_again(world):
     with pytest.raises(WrongServerError, match="is a TLS server"):
         RLWorker("127.0.0.1", world["tls"].port, timeout=30)
     assert time.monotonic() - started < 5
+
+
+IN_PROCESS_ON_A_TAKEN_PORT = """
+import sys
+from tensorshare import run_server
+from tensorshare.errors import UsageError
+try:
+    run_server(int(sys.argv[1]), start_reactor=False, data_dir=sys.argv[2])
+except UsageError as exc:
+    print(exc)
+"""
+
+
+def test_a_server_that_cannot_start_says_so_in_one_line_and_makes_nothing(world):
+    """``run_server(port, start_reactor=False)`` on a taken port raises UsageError with
+    tensorshare-server's one line (it was 30 lines of Twisted traceback), and neither
+    it nor the command leaves the ``--data-dir`` it would have made."""
+    data = Path(world["tmp"], "never-made")
+    out = run([sys.executable, "-c", IN_PROCESS_ON_A_TAKEN_PORT, str(world["ops"].port), str(data)])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith(f"cannot listen on 127.0.0.1:{world['ops'].port}: the port is taken by a "
+                                 f"tensorshare server"), out.stdout
+    assert not data.exists()
+    command = run([*SERVER, "--port", str(world["ops"].port), "--data-dir", str(data)])
+    assert command.returncode == 3 and not data.exists(), command.stderr

@@ -170,6 +170,22 @@ def test_status_page_tables(ops_server):
 
 
 @pytest.mark.process
+def test_status_page_says_what_its_figures_count():
+    """``--memory-limit 64MB`` is 64,000,000 bytes: the page shows it in bytes beside its
+    61.0 MiB (which read as a wrong limit); the RL column counts rollouts older than
+    the latest version, which is not what a trainer drops as stale, and says so."""
+    server = OpsServer("--memory-limit", "64MB")
+    try:
+        page = Tables()
+        page.feed(http_get(server.url("/"))[2].decode())
+    finally:
+        server.stop()
+    limits = {row[0]: row[1] for row in page.tables["limits"] if len(row) == 2}
+    assert limits["memory limit"] == "61.0 MiB = 64,000,000 bytes", limits
+    assert page.tables["experiments"][0][3] == "older than latest"
+
+
+@pytest.mark.process
 def test_auth_failures_are_counted(token_server):
     ok = {"Authorization": f"Bearer {TOKEN}"}
     before = metrics(token_server, ok)[("tensorshare_auth_failures_total",)]

@@ -419,10 +419,10 @@ def test_the_deferred_client_reuses_reply_arrays_too():
                 items = blockingCallFromThread(reactor, client.peek, "p")
                 assert torch.equal(items[0], value)
                 del items
-            assert client._buffers.reused == 2 and client._buffers.made == 1
+            assert client.values.buffers.reused == 2 and client.values.buffers.made == 1
         finally:
             blockingCallFromThread(reactor, client.close)
-        assert client._buffers.held_bytes == 0
+        assert client.values.buffers.held_bytes == 0
 
 
 def test_recv_pool_option_on_the_command_line():

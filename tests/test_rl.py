@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pytest
 import re
 import signal
@@ -172,17 +173,12 @@ def test_seed_readme_rl_scripts_run_unchanged(tmp_path):
     probe = ServerProcess()  # find a free port, then hand it to the seed trainer
     port = probe.port
     probe.stop()
-    scripts = {}
-    for name in ("original_rl_trainer.py", "original_rl_worker.py"):
-        source = (EXAMPLES / name).read_text()
-        patched = source.replace("'localhost', 8000", f"'localhost', {port}")
-        assert patched != source
-        scripts[name] = tmp_path / name
-        scripts[name].write_text(patched)
-    trainer = subprocess.Popen([sys.executable, str(scripts["original_rl_trainer.py"])],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    workers = [subprocess.Popen([sys.executable, str(scripts["original_rl_worker.py"])],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    scripts = {name: [sys.executable, str(EXAMPLES / name), "--port", str(port)]  # (the original's 8000 else)
+               for name in ("original_rl_trainer.py", "original_rl_worker.py")}
+    trainer = subprocess.Popen(scripts["original_rl_trainer.py"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    workers = [subprocess.Popen(scripts["original_rl_worker.py"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True) for _ in range(3)]
     try:
         out, err = trainer.communicate(timeout=180)
         assert trainer.returncode == 0, err
@@ -206,3 +202,89 @@ def test_get_data_waits_again_after_draining(server):
             assert time.monotonic() - start >= 0.15
         worker.add_data(2)
         assert trainer.get_data(timeout=10) == [2]
+
+
+def test_a_batch_short_at_its_timeout_raises_and_loses_nothing(server):
+    """``get_data(min_items=N, timeout=T)`` asks for exactly a batch: short of N at T it
+    raises TimeoutError saying how many came and how many workers there are (it
+    returned them, or ``[]``, without a word), and the next call gets those first."""
+    with RLTrainer("127.0.0.1", server.port, experiment="short-batch", filter_version=False) as trainer:
+        started = time.monotonic()
+        with pytest.raises(tensorshare.errors.TimeoutError, match=r"get_data: 0 of min_items=4 rollouts within "
+                           r"0.5s \(kept for the next call\): no worker of experiment 'short-batch' is connected"):
+            trainer.get_data(max_items=4, min_items=4, timeout=0.5)
+        assert time.monotonic() - started < 5
+        with RLWorker("127.0.0.1", server.port, experiment="short-batch") as worker:
+            for step in range(3):
+                worker.add_data({"step": step})
+            worker.flush(timeout=30)
+            with pytest.raises(tensorshare.errors.TimeoutError, match=r"3 of min_items=4 .*1 worker\(s\) connected"):
+                trainer.get_data(max_items=4, min_items=4, timeout=1)
+            worker.add_data({"step": 3})
+            worker.flush(timeout=30)
+            batch = trainer.get_data(max_items=4, min_items=4, timeout=30)
+        assert [item["step"] for item in batch] == [0, 1, 2, 3]  # the three kept, then the fourth
+        assert trainer.get_data(timeout=0.2) == []  # without min_items: a wait that may come back empty
+
+
+def test_a_worker_started_after_stop_workers_says_why_it_stops(server, caplog):
+    """The stop request outlives its trainer (workers restarted later stop too); such a
+    worker says so once, instead of dropping every rollout without a word."""
+    import logging
+
+    with RLTrainer("127.0.0.1", server.port, experiment="stopped") as trainer:
+        trainer.publish_parameters({"w": torch.zeros(1)})
+        trainer.stop_workers()
+    with caplog.at_level(logging.WARNING, logger="tensorshare.rl"), \
+            RLWorker("127.0.0.1", server.port, experiment="stopped") as late:
+        assert late.stop_requested and late.await_new_parameters(timeout=5) is None
+        for _ in range(3):
+            late.add_data({"obs": 1})
+        told = [r.getMessage() for r in caplog.records if "asked its workers to stop" in r.getMessage()]
+        assert len(told) == 1 and "until a new RLTrainer of the experiment starts" in told[0], told
+    with RLTrainer("127.0.0.1", server.port, experiment="stopped"), \
+            RLWorker("127.0.0.1", server.port, experiment="stopped") as fresh:
+        assert not fresh.stop_requested  # a new trainer lifted the request
+
+
+def test_a_worker_waiting_for_its_server_says_so(caplog):
+    """A worker started before its server waits (30 s by default) with a warning after
+    the first refusal, naming the command that starts one; it was silent."""
+    import logging
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with caplog.at_level(logging.WARNING, logger="tensorshare.client"):
+        with pytest.raises(tensorshare.errors.ConnectionLostError, match="tried for 1s"):
+            RLWorker("127.0.0.1", port, connect_timeout=1)
+    [told] = [r.getMessage() for r in caplog.records if "trying again" in r.getMessage()]
+    assert f"no server listens there (start one: tensorshare-server --port {port})" in told
+
+
+@pytest.mark.process
+def test_add_data_timeout_names_the_rollouts_in_flight():
+    """A capped experiment keeps two rollouts in flight, not ``max_pending`` (64): past
+    its timeout with the server silent (stopped here), add_data names the two
+    actually unacknowledged (it named 64)."""
+    from serverproc import ServerProcess
+
+    server = ServerProcess()
+    try:
+        with RLTrainer("127.0.0.1", server.port, experiment="full", max_waiting=16), \
+                RLWorker("127.0.0.1", server.port, experiment="full", timeout=1) as worker:
+            assert worker.max_waiting == 16
+            worker.add_data({"obs": 0})  # (capped, rollouts take a connection of their own: open it)
+            worker.flush(timeout=30)
+            os.kill(server.proc.pid, signal.SIGSTOP)  # nothing is acknowledged from now on
+            try:
+                with pytest.raises(tensorshare.errors.TimeoutError) as caught:
+                    for _ in range(3):
+                        worker.add_data({"obs": 1})
+            finally:
+                os.kill(server.proc.pid, signal.SIGCONT)
+            assert str(caught.value).startswith("2 rollouts still unacknowledged after 1s (the trainer holds at "
+                                                "most 16 waiting, and takes none"), str(caught.value)
+    finally:
+        server.stop()

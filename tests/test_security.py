@@ -23,7 +23,7 @@ from serverproc import FakeServer, OneConnectionServer, ServerProcess
 from tensorshare.protocol import auth
 from tensorshare.errors import (
     AuthenticationError, ConnectionLostError, NotAuthenticatedError, ServerUnavailableError, UntrustedServerError,
-    UsageError,
+    UsageError, WrongServerError,
 )
 from tensorshare.wire.frames import FrameDecoder, frame_head
 from wiretools import CollectingOutbox, RawConnection, raw_frame, wait_for
@@ -449,7 +449,7 @@ def test_plaintext_client_against_tls_server_fails_cleanly(tls_server):
 
 def test_tls_client_against_plaintext_server_fails_cleanly(auth_server, certs):
     start = time.monotonic()
-    with pytest.raises(ConnectionLostError, match="TLS handshake"):
+    with pytest.raises(WrongServerError, match="is a tensorshare server without TLS: connect without tls="):
         tensorshare.Client("127.0.0.1", auth_server.port, token=TOKEN, tls_ca=certs.ca, connect_timeout=5)
     assert time.monotonic() - start < 3
 

@@ -210,6 +210,28 @@ def test_busy_poll_only_polls_while_requests_come_close_together():
     assert reactor.calls == [None]
 
 
+def test_busy_poll_polls_for_a_lone_client_only():
+    """Requests from several connections at once wake the reactor anyway: polling
+    would only take CPU from the clients; one connection alone gets it back."""
+    clock = FakeClock(step=0.0001)
+    reactor = FakeReactor()
+    bp = BusyPoll(reactor, 0.0005, clock)
+    first, second = object(), object()
+    for i in range(40):  # two clients in turns, 100 us apart
+        clock.now += 0.0001
+        bp.note_request(first if i % 2 else second)
+    assert not bp.lone
+    bp.do_iteration(None)
+    assert reactor.calls == [None]  # slept at once
+    for _ in range(int(busypoll.LONE / 0.0001) + 5):  # then the first alone, for longer than LONE
+        clock.now += 0.0001
+        bp.note_request(first)
+    assert bp.lone
+    reactor.calls.clear()
+    bp.do_iteration(None)
+    assert reactor.calls[-1] is None and set(reactor.calls[:-1]) == {0} and len(reactor.calls) > 2  # polled
+
+
 def test_busy_poll_never_polls_past_a_due_timed_call():
     clock = FakeClock(step=0.0001)
     reactor = FakeReactor()

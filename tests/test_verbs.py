@@ -19,7 +19,7 @@ from twisted.internet.task import Clock
 
 from pairing import Pair, PairedWorkers
 from tensorshare import AsyncClient, Client, ShardedClient
-from tensorshare._client.calls import Call
+from tensorshare._client.values import Call
 from tensorshare._client.connection import NO_VALUE
 from tensorshare._client.routing import route
 from tensorshare.errors import RemoteError, WrongWorkerError, error_for_code
@@ -150,6 +150,28 @@ def test_a_relay_answers_each_verb_as_its_declaration_says():
     handlers = relay_handlers()
     assert set(handlers) == {c for c in COMMANDS.values() if c.relay != Relay.LOCAL}
     assert all(handler is not HANDLERS[command] for command, handler in handlers.items())
+
+
+def test_every_verb_that_changes_a_bin_waits_for_a_relays_mirror():
+    """A relay answers a verb declared ``FORWARD`` only once its mirror shows the change
+    (read-your-writes: server/relay/forward.py waits by the declaration, whatever the
+    handler).  Which verbs change a bin is found here by running each verb's example
+    on a server and hearing what its storage tells: a verb that changes a bin declared
+    anything else would lose read-your-writes on relays without a word; ``PASS`` (sent
+    up and passed back as it came) is for tables, which a relay never mirrors."""
+    pair = Pair()
+    told: list[str] = []
+    pair.state.listeners.watch(told.append)  # every change the storage makes, and every touch
+    for verb in ORDER:
+        command = COMMANDS[verb]
+        fields, value = _example(verb)
+        told.clear()
+        pair.call(command, fields, value)
+        bins = {name for name in told if not pair.state.storage.is_table(name)}
+        assert bool(bins) == (command.relay == Relay.FORWARD), (verb, command.relay, bins)
+        if command.relay == Relay.PASS:
+            assert pair.state.storage.is_table(fields[Key.BIN]), verb
+    pair.close()
 
 
 def _counted(states) -> list[dict]:

@@ -475,12 +475,17 @@ def _nested(layout) -> torch.Tensor:
         return torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=layout)
 
 
+# What an object of no wire form is told to send instead, as a pattern.
+CARRIES = r": the wire carries .*, never classes \(send the object's fields as a dict\)$"
+
+
 @pytest.mark.parametrize("value, message", [
-    (object(), "^cannot send a value of type object$"),
-    (_Thing(), r"^cannot send a value of type (tests\.)?test_wire\._Thing$"),
-    ({"ok": {_Thing(): 1}}, r"^value\['ok'\]: dict key <.*_Thing object .*>: cannot send a value of type .*_Thing$"),
+    (object(), "^cannot send a value of type object" + CARRIES),
+    (_Thing(), r"^cannot send a value of type (tests\.)?test_wire\._Thing" + CARRIES),
+    ({"ok": {_Thing(): 1}}, r"^value\['ok'\]: dict key <.*_Thing object .*>: cannot send a value of type .*_Thing"
+                            + CARRIES),
     ({("a", _Thing()): 1}, r"^dict key \('a', <.*>\): cannot send"),
-    ({1: [2, {"x": object()}]}, r"^value\[1\]\[1\]\['x'\]: cannot send a value of type object$"),
+    ({1: [2, {"x": object()}]}, r"^value\[1\]\[1\]\['x'\]: cannot send a value of type object" + CARRIES),
     ({"s": {1, (2, _Thing())}}, r"^value\['s'\]: cannot send"),
     ([1, (2, [3, object()])], r"^value\[1\]\[1\]\[1\]: cannot send"),
     (np.datetime64("2020-01-01"), "numpy scalar of dtype datetime64.* has no wire form"),
@@ -524,7 +529,7 @@ def test_encode_error_path_and_reason():
     with pytest.raises(EncodeError) as info:
         wire.dumps({"state": {0: {"step": torch.zeros(()), "exp_avg": [1, _Thing()]}}})
     assert info.value.path == ("state", 0, "exp_avg", 1)
-    assert info.value.reason.endswith("test_wire._Thing")
+    assert "test_wire._Thing: the wire carries" in info.value.reason
     copy = pickle.loads(pickle.dumps(info.value))  # crosses process boundaries whole
     assert (copy.path, str(copy)) == (info.value.path, str(info.value))
 
@@ -1107,15 +1112,35 @@ def test_description_dict_with_bytes_key_is_rejected():
 # Contiguous CPU data is not copied on encode; decoding views one payload buffer.
 
 
-def test_encode_shares_memory_of_contiguous_tensor():
-    t = torch.arange(100, dtype=torch.float32)
-    enc = codec.encode(t)
+@pytest.mark.parametrize("n", [100, codec.SMALL_COPY // 4 + 16])
+def test_encode_shares_memory_of_contiguous_tensor(n):
+    t = torch.arange(n, dtype=torch.float32)
+    enc = codec.encode(t, views=n * 4 <= codec.SMALL_COPY)  # (a small lone tensor is copied unless asked)
     (buf, *pad) = enc.buffers
-    assert isinstance(buf, memoryview) and buf.nbytes == 400
+    assert isinstance(buf, memoryview) and buf.nbytes == 4 * n
     assert addr(buf) == t.data_ptr()
     assert np.shares_memory(np.frombuffer(buf, np.uint8), t.numpy())
     t[0] = 42.0  # documented: the buffers view the tensor until written out
     assert np.frombuffer(buf, np.float32)[0] == 42.0
+
+
+@pytest.mark.parametrize("make", [lambda: torch.arange(12, dtype=torch.float32),
+                                  lambda: torch.arange(12, dtype=torch.int16).reshape(3, 4).t(),
+                                  lambda: torch.tensor(7.5, dtype=torch.float64),
+                                  lambda: torch.ones(3, 2, dtype=torch.bool)])
+def test_a_small_lone_tensor_is_copied_as_the_general_path_would_describe_it(make):
+    """The copy of a small lone tensor (any strides) is described exactly as a view of it
+    would be, and later changes to the tensor are not in it."""
+    t = make()
+    enc = codec.encode(t)
+    viewed = codec.encode(t.contiguous(), views=True)
+    assert enc.description == viewed.description and enc.nbytes == viewed.nbytes
+    assert enc.payload_bytes() == viewed.payload_bytes() and type(enc.buffers[0]) is bytes
+    before = enc.payload_bytes()
+    t[(0,) * t.dim()] = 1 if t.dtype != torch.bool else False
+    assert enc.payload_bytes() == before
+    assert torch.equal(codec.build(codec.parse_description(enc.description, enc.nbytes),
+                                   np.frombuffer(bytearray(enc.payload_bytes()), np.uint8)), make())
 
 
 def test_encode_shares_memory_of_offset_slice_and_numpy():
@@ -1381,3 +1406,26 @@ def test_a_server_refuses_a_header_that_decodes_to_more_than_8_times_its_bytes()
     honest = msgpack.packb({"op": "PUT", "id": 7, "bin": "b", "value": b"\x83" * 4000, "ref": list(range(1000, 1200))},
                            use_bin_type=True)
     assert frames.unpack_header(honest, FrameLimits(header_memory=8))["id"] == 7
+
+
+@pytest.mark.parametrize("value", [torch.arange(12, dtype=torch.float32), torch.arange(24).reshape(2, 3, 4),
+                                   torch.ones(5, dtype=torch.bool), torch.arange(6, dtype=torch.int16).reshape(6, 1)])
+def test_build_item_gives_what_build_gives_for_a_lone_tensor_first_and_later(value):
+    """The second decoding of a lone tensor's description takes the remembered short
+    way: the same tensor, a view of the payload at its offset."""
+    from tensorshare.wire.build import build_item
+
+    enc = codec.encode(value)
+    payload = codec.payload_buffer(2 * ALIGN + enc.nbytes)
+    payload[2 * ALIGN :] = np.frombuffer(enc.payload_bytes(), np.uint8)
+    first = build_item(enc.description, enc.nbytes, payload, 2 * ALIGN)
+    again = build_item(enc.description, enc.nbytes, payload, 2 * ALIGN)
+    for out in (first, again):
+        assert torch.equal(out, value) and out.dtype == value.dtype and out.shape == value.shape
+        assert out.data_ptr() == _address_of(payload) + 2 * ALIGN
+    with pytest.raises(ProtocolError):  # a payload length the description does not tile
+        build_item(enc.description, enc.nbytes + ALIGN, payload, 0)
+
+
+def _address_of(array) -> int:
+    return array.__array_interface__["data"][0]

@@ -127,6 +127,7 @@ def test_async_client_routes_every_bin_to_its_owner_and_merges_list():
     for k, state in enumerate(paired.states):  # each bin is on its owner, and only there
         assert set(state.store.listing()) == {n for n in names if paired.workers.owner(n) == k}
     assert paired.run(client.list()) == {name: 2 for name in names}
+    assert paired.run(client.list("bin-1*")) == {name: 2 for name in names if name.startswith("bin-1")}  # merged
     assert paired.run(client.peek(names[7]))[0].tolist() == [7.0, 7.0]
     assert [n.op for n in heard] == ["PUT", "APPEND"]
     paired.run(listened.stop())
@@ -149,7 +150,7 @@ def test_async_client_maps_the_workers_again_when_the_server_runs_others():
         paired.flush()
         if client.workers == 3 and client.connected:
             break
-    assert client.workers == 3 and client._workers.map.ports == [8101, 8102, 8103]
+    assert client.workers == 3 and client.router.map.ports == [8101, 8102, 8103]
     paired.run(client.put(name, torch.zeros(1)))
     owner = paired.workers.owner(name)
     assert name in paired.states[owner].store.listing()

@@ -110,6 +110,9 @@ class CollectingOutbox:
             on_written()
         return None
 
+    def send_reply(self, parts, on_abandon=None, on_written=None) -> None:
+        self.send(parts, on_abandon, on_written)
+
     def withdraw(self, ticket) -> bool:
         return False
 

@@ -6,8 +6,12 @@
 ``read``), writes (``add``, ``adopt``, ``delete``), a relay's mirror of another
 server's bins (``mirror``, ``unmirror``, ``reserve_seq``) and the table verbs
 (``create_table``, ``insert_rows``, ``sample_rows``...).  Every operation that
-changes something returns (or calls back with) the :class:`~.store.Change` it
-made, for the caller to publish.  Storage decides what must touch the disk first;
+changes something publishes the :class:`~.store.Change` it made through the
+:class:`ChangeSink` given at construction (the server's listener registry: the
+bin's listeners are told, requests waiting on it are tested again), before it
+returns the change (or calls back with it); a change only waiting requests care
+about (bytes that came for an item put by reference, a table's rate limiter that
+moved) is ``touched``.  No caller has to remember to publish.  Storage decides what must touch the disk first;
 every blocking file operation runs through a :class:`~.jobs.Jobs` runner (the
 server's disk threads; a synchronous one in tests), whose completion callbacks
 come back on the caller's (reactor) thread.
@@ -30,7 +34,7 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
-from typing import Callable
+from typing import Callable, Protocol
 
 from tensorshare.disk.layout import StoredItem
 from tensorshare.errors import (
@@ -48,12 +52,33 @@ from .spill import ItemFiles, SpillArea
 from .store import BinState, BinStore, Change, Item, Reference
 from .tablestore import TableStore
 from .tableverbs import TableVerbs
+from .view import StorageView
 
 log = logging.getLogger("tensorshare.server")
 
 Done = Callable[[Change | None, RemoteError | None], None]
 
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+class ChangeSink(Protocol):
+    """Where :class:`Storage` tells of its changes (the server's listener registry)."""
+
+    def publish(self, change: Change) -> None:
+        """Bin (or table) ``change.bin`` changed: tell its listeners and test what waits on it."""
+
+    def touched(self, name: str) -> None:
+        """Something only requests waiting on ``name`` care about changed: test them again."""
+
+
+class Unheard:
+    """The sink of a storage used alone (tools, tests of the store): nobody listens."""
+
+    def publish(self, change: Change) -> None:
+        pass
+
+    def touched(self, name: str) -> None:
+        pass
 
 
 def _storage_error(exc: BaseException, what: str) -> RemoteError:
@@ -70,8 +95,10 @@ class Storage(TableVerbs):
     table verbs' operations are :class:`~.tableverbs.TableVerbs`'."""
 
     def __init__(self, store: BinStore, jobs: Jobs, *, data_dir: DataDir | None = None,
-                 spill: SpillArea | None = None, shm: ShmArea | None = None):
+                 spill: SpillArea | None = None, shm: ShmArea | None = None, sink: ChangeSink | None = None):
         self.store = store
+        self.sink = Unheard() if sink is None else sink
+        self._publish = self.sink.publish  # (bound once: the request path publishes every change)
         self.jobs = jobs
         self.data_dir = data_dir
         self.spill = spill
@@ -89,6 +116,7 @@ class Storage(TableVerbs):
         self.tables = TableStore(store, jobs, memory_limit=store.memory_limit, spill_root=spill and spill.items,
                                  data_root=data_dir and data_dir.root, on_grow=self.budget.enforce)
         self._table_names = self.tables.by_name  # (`in` on the dict itself: the request path asks every time)
+        self.view = StorageView(self)  # what the operations pages read (read-only)
 
     @property
     def durable(self) -> bool:
@@ -168,7 +196,8 @@ class Storage(TableVerbs):
         return self._add_now(name, Item(description, segments, nbytes, tag), replace)
 
     def _add_now(self, name: str, item: Item, replace: bool) -> Change:
-        self._not_a_table(name)
+        if name in self._table_names:
+            raise _is_a_table(name)
         store = self.store
         limit = store.memory_limit
         if limit is not None:
@@ -179,7 +208,9 @@ class Storage(TableVerbs):
             if failed and store.resident_bytes + item.nbytes > limit:
                 raise StorageFullError(f"memory budget full and spilling failed: {failed}")
         change = store.put(name, item) if replace else store.append(name, item)  # (they check the limits)
-        self.budget.enforce()
+        self._publish(change)
+        if limit is not None and store.over_limit():
+            self.budget.enforce()
         return change
 
     def add(self, name: str, description: bytes, segments: tuple, nbytes: int, tag: int | None, replace: bool,
@@ -214,6 +245,7 @@ class Storage(TableVerbs):
                 item.files.dropped = True
                 done(None, exc)
                 return
+            self._publish(change)
             done(change, None)
             self.budget.enforce()
 
@@ -254,15 +286,17 @@ class Storage(TableVerbs):
         item.device = Reference(ref, ref_bytes)
         return item, self._add_now(name, item, True)
 
-    def fill(self, item: Item, segments: tuple) -> None:
-        """Give ``item`` (stored by device reference) the payload that came for it."""
+    def fill(self, name: str, item: Item, segments: tuple) -> None:
+        """Give ``item`` of bin ``name`` (stored by device reference) the payload that
+        came for it; reads waiting for it are tested again."""
         if item.segments is None and item.files is None:
             item.segments = segments
             self.store.attach(item)
             self.budget.enforce()
+            self.sink.touched(name)
 
-    def fill_shared(self, item: Item, connection: str, shm_name: object, done: Callable[[RemoteError | None], None],
-                    limits: DecodeLimits = DEFAULT_LIMITS) -> None:
+    def fill_shared(self, name: str, item: Item, connection: str, shm_name: object,
+                    done: Callable[[RemoteError | None], None], limits: DecodeLimits = DEFAULT_LIMITS) -> None:
         """:meth:`fill` from the item directory a same-host client wrote (taken over as
         :meth:`adopt` takes one, on a disk thread); ``done(error or None)`` after."""
         if not self.sharing.takes_incoming:
@@ -273,15 +307,17 @@ class Storage(TableVerbs):
                 item.files = files  # (else dropped: nothing holds them)
                 self.store.attach(item)
                 self.budget.enforce()
+                self.sink.touched(name)
             done(error)
 
         self.sharing.adopt(connection, shm_name, item.description, item.nbytes, limits, adopted)
 
-    @staticmethod
-    def lose_reference(item: Item) -> None:
-        """``item``'s publisher went away: it keeps its bytes if they came, else it
-        cannot be read any more; its reference is given to readers no more."""
+    def lose_reference(self, name: str, item: Item) -> None:
+        """``item`` of bin ``name``: its publisher went away: it keeps its bytes if they
+        came, else it cannot be read any more (reads waiting for them are answered
+        now); its reference is given to readers no more."""
         item.device.value = None
+        self.sink.touched(name)
 
     def delete(self, name: str, done: Done) -> None:
         """DELETE bin (or table) ``name``; ``done`` once it is gone (from disk too, if durable).
@@ -292,10 +328,12 @@ class Storage(TableVerbs):
         Items of the bin that a GET took and has not delivered yet are kept aside:
         they may go back."""
         if name in self._table_names:
-            self.tables.delete(name, done)
+            self.tables.delete(name, self.publishing(done))
             return
         if self.data_dir is None:
-            done(self.store.delete(name), None)
+            change = self.store.delete(name)
+            self._publish(change)
+            done(change, None)
             return
         self.store.peek(name)  # 550 at once for a bin that does not exist
 
@@ -308,9 +346,12 @@ class Storage(TableVerbs):
                 if moved is not None:
                     _repoint(item.files, moved, None)
             try:
-                done(self.store.delete(name), None)
+                change = self.store.delete(name)
             except RemoteError as exc:  # deleted meanwhile, by an earlier DELETE
                 done(None, exc)
+                return
+            self._publish(change)
+            done(change, None)
 
         self.jobs.run(name, self._delete_bin, (name,), deleted)
 
@@ -336,6 +377,7 @@ class Storage(TableVerbs):
             for item in items:
                 if item.nbytes >= share_from:
                     self.sharing.promote_now(item)
+        self._publish(change)
         self.budget.enforce()
         return change
 
@@ -347,7 +389,11 @@ class Storage(TableVerbs):
 
     def unmirror(self, name: str) -> Change | None:
         """Drop the mirror of bin ``name`` (it is gone upstream); None if there was none."""
-        return self.store.delete(name) if self.store.exists(name) else None
+        if not self.store.exists(name):
+            return None
+        change = self.store.delete(name)
+        self._publish(change)
+        return change
 
     def reserve_seq(self) -> int:
         """A change number, reserved now for a mirror change made later (a copy that
@@ -395,6 +441,7 @@ class Storage(TableVerbs):
         if name in self._table_names:
             raise _is_a_table(name)
         items, change = self.store.get(name, limit)
+        self._publish(change)
         self.store.in_flight_bytes += _resident_bytes(items)
         if self.data_dir is not None and items:
             self._taken.setdefault(name, []).extend(items)
@@ -411,7 +458,8 @@ class Storage(TableVerbs):
     def delivered(self, name: str, items: list[Item]) -> None:
         """The reply of a GET that took ``items`` from bin ``name`` has been written whole."""
         self.store.in_flight_bytes -= _resident_bytes(items)
-        self._forget_taken(name, items)
+        if self._taken:  # (a data directory's)
+            self._forget_taken(name, items)
         self.budget.wake()
 
     def restore(self, name: str, items: list[Item]) -> Change | None:
@@ -422,6 +470,8 @@ class Storage(TableVerbs):
         self.store.in_flight_bytes -= _resident_bytes(items)
         self._forget_taken(name, items)
         change = self.store.restore(name, items)
+        if change is not None:
+            self._publish(change)
         self.budget.enforce()
         if self.data_dir is not None and items:
             def put_back(moved, error) -> None:
@@ -439,6 +489,14 @@ class Storage(TableVerbs):
     def _put_back(self, name: str, items: list[Item]) -> dict:
         """The disk half of :meth:`restore` (a disk thread, in the bin's lane)."""
         return self.data_dir.put_back(name, [item.files.path for item in items], self._next_number)
+
+    def publishing(self, done: Done) -> Done:
+        """``done``, after the change it is called back with (if any) is published."""
+        def published(change, error) -> None:
+            if change is not None:
+                self._publish(change)
+            done(change, error)
+        return published
 
     def _not_a_table(self, name: str) -> None:
         if name in self._table_names:
@@ -537,7 +595,11 @@ def _repoint(files: ItemFiles, stored: StoredItem, number: int | None) -> None:
 
 
 def _resident_bytes(items: list[Item]) -> int:
-    return sum(item.nbytes for item in items if item.resident)
+    total = 0
+    for item in items:
+        if item.segments is not None or item.resident:  # (the usual case first: chunks in memory)
+            total += item.nbytes
+    return total
 
 
 def _open_parts(sources: list) -> list:

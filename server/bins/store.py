@@ -73,9 +73,10 @@ class Item:
         return f"Item({self.nbytes} bytes in {where}, tag={self.tag})"
 
 
-@dataclass(frozen=True)
-class Change:
-    """What a mutation did to a bin; the store's listeners are told of it."""
+class Change(NamedTuple):
+    """What a mutation did to a bin; the store's listeners are told of it.  (A named
+    tuple: one is made per request, and a frozen dataclass costs several times more
+    to make.)"""
 
     bin: str
     n_items: int
@@ -122,6 +123,7 @@ class BinStore:
         self.in_flight_bytes = 0  # payload in memory of items taken by GETs whose replies are still being written
         self.table_bytes = 0  # memory the tables hold (.tablestore: per-slot state, columns in memory, items)
         self._lru: OrderedDict[Item, None] = OrderedDict()  # resident items, least recently used first
+        self._ordered = memory_limit is not None  # (without a limit nothing is evicted: no order is kept)
         self._evicting_bytes = 0  # of resident_bytes, on their way to disk
 
     # -- queries
@@ -129,10 +131,11 @@ class BinStore:
     def peek(self, name: str) -> list[Item]:
         """The items of bin ``name`` (which keeps them)."""
         items = list(self._bin(name).items)
-        lru = self._lru
-        for item in items:
-            if item.resident:
-                lru.move_to_end(item)
+        if self.memory_limit is not None:  # (without a limit the order is never asked for)
+            lru = self._lru
+            for item in items:
+                if item.resident:
+                    lru.move_to_end(item)
         return items
 
     def items_of(self, name: str) -> list[Item]:
@@ -176,7 +179,8 @@ class BinStore:
     def attach(self, item: Item) -> None:
         """``item``, stored without its payload (a device reference), holds it now."""
         if item.stored and item.resident and item not in self._lru:
-            self._lru[item] = None
+            if self._ordered:
+                self._lru[item] = None
             self.resident_bytes += item.nbytes
 
     def check_add(self, name: str, replace: bool) -> None:
@@ -190,21 +194,23 @@ class BinStore:
 
     def put(self, name: str, item: Item) -> Change:
         """Replace the items of bin ``name`` (created if missing) with ``item``."""
-        self.check_add(name, True)
         b = self._bins.get(name)
         if b is None:
+            self.check_add(name, True)
             b = self._create(name)
-        else:
+        elif b.items:
             self._clear(b)
         self._add(b, item)
         return self._changed(name, b, "PUT")
 
     def append(self, name: str, item: Item) -> Change:
         """Add ``item`` at the end of bin ``name`` (created if missing)."""
-        self.check_add(name, False)
         b = self._bins.get(name)
         if b is None:
+            self.check_add(name, False)
             b = self._create(name)
+        elif len(b.items) >= self.max_items_per_bin:
+            self.check_add(name, False)  # (refuses it)
         self._add(b, item)
         return self._changed(name, b, "APPEND")
 
@@ -273,6 +279,12 @@ class BinStore:
         return Change(name, 0, self._seq, "DELETE")
 
     # -- the memory budget
+
+    def over_limit(self) -> bool:
+        """Whether memory is over ``memory_limit`` (the store's fast path does no budget
+        work otherwise)."""
+        limit = self.memory_limit
+        return limit is not None and self.resident_bytes + self.unspillable_bytes > limit
 
     def over_budget(self) -> int:
         """Bytes in memory above ``memory_limit`` (0 if none or no limit): resident
@@ -349,8 +361,9 @@ class BinStore:
         item.stored = True
         if item.files is not None:
             item.files.dropped = False
-        if item.resident:
-            self._lru[item] = None
+        if item.segments is not None or item.resident:  # (the usual case first: chunks in memory)
+            if self._ordered:
+                self._lru[item] = None
             self.resident_bytes += item.nbytes
 
     def _clear(self, b: _Bin, limit: int | None = None) -> list[Item]:
@@ -369,16 +382,18 @@ class BinStore:
         b.nbytes -= nbytes
         self.description_bytes -= described
         b.described -= described
+        ordered = self._ordered
         for item in items:
             item.stored = False
             if item.files is not None:
                 item.files.dropped = True
-            if item.resident:
-                self._lru.pop(item, None)
+            if item.segments is not None or item.resident:
+                if ordered:
+                    self._lru.pop(item, None)
                 self.resident_bytes -= item.nbytes
         return items
 
     def _changed(self, name: str, b: _Bin, op: str) -> Change:
-        self._seq += 1
-        b.seq = self._seq
-        return Change(name, len(b.items), self._seq, op, b.items[-1].tag if b.items else None)
+        seq = self._seq = b.seq = self._seq + 1
+        items = b.items
+        return _state(Change, (name, len(items), seq, op, items[-1].tag if items else None))

@@ -1,8 +1,10 @@
 """The table half of :class:`~.storage.Storage`: the table verbs' one way into the tables.
 
 A handler names a table (:meth:`TableVerbs.table`: 550 if there is none, 553 for a
-bin's name) and passes the handle it found back to each operation, which returns
-the change it made for the caller to publish (PROTOCOL.md §12).  The tables
+bin's name) and passes the handle it found back to each operation, which publishes
+the change it made through the storage's sink and returns it (PROTOCOL.md §12); one
+that only moves what waiting requests test (the rate limiter, priorities) touches
+the table's name instead.  The tables
 themselves, their files and their memory are :class:`~.tablestore.TableStore`'s
 (``self.tables``); this only gives the sessions and the relay one interface for
 bins and tables alike.
@@ -20,6 +22,7 @@ class TableVerbs:
     """The table operations of :class:`~.storage.Storage` (which sets ``self.tables``)."""
 
     tables = None  # the TableStore
+    sink = None  # the storage's ChangeSink
 
     def table(self, name: str) -> TableEntry:
         """The table named ``name`` (550 if none, 553 if a bin has the name)."""
@@ -40,7 +43,12 @@ class TableVerbs:
     def create_table(self, name: str, spec: dict, done: Callable, add_columns: bool = False) -> None:
         """TCREATE: ``done((table, change or None), None)`` once made (files on a disk
         thread), or ``done(None, error)``; ``add_columns``: a table there may gain columns."""
-        self.tables.create(name, spec, done, add_columns)
+        def made(result, error) -> None:
+            if error is None and result[1] is not None:
+                self.sink.publish(result[1])
+            done(result, error)
+
+        self.tables.create(name, spec, made, add_columns)
 
     def table_rows(self, table: TableEntry, description: bytes, payload, nbytes: int, limits):
         """A request's value as rows of ``table`` (see :meth:`TableStore.rows`)."""
@@ -55,20 +63,21 @@ class TableVerbs:
 
     def insert_rows(self, table: TableEntry, rows, priorities, ends=None):
         """TINSERT: ``(keys, change)``; raises WouldBlockError while the rate limiter holds it."""
-        return self.tables.insert(table, rows, priorities, ends)
+        return self._published(self.tables.insert(table, rows, priorities, ends))
 
     def can_insert(self, table: TableEntry, rows) -> bool:
         return self.tables.can_insert(table, rows)
 
     def write_rows(self, table: TableEntry, indices, rows, priorities, ends=None):
         """TWRITE: ``(keys, change)``."""
-        return self.tables.write(table, indices, rows, priorities, ends)
+        return self._published(self.tables.write(table, indices, rows, priorities, ends))
 
     def sample_rows(self, table: TableEntry, n: int, length: int | None = None,
                     pad: bool = False) -> tuple[Drawn, Change | None]:
         """TSAMPLE: ``(rows, change or None)`` (with ``length``: ``n`` sequences of that
-        many rows); raises WouldBlockError or EmptyTableError for now."""
-        return self.tables.sample(table, n, length, pad)
+        many rows); raises WouldBlockError or EmptyTableError for now.  Rows that
+        reached ``max_times_sampled`` left (a change); else only the rate limiter moved."""
+        return self._sampled(table, self.tables.sample(table, n, length, pad))
 
     def can_sample(self, table: TableEntry, n: int) -> bool:
         return self.tables.can_sample(table, n)
@@ -76,7 +85,8 @@ class TableVerbs:
     def read_rows(self, table: TableEntry, indices, sampled: bool = False) -> tuple[Drawn, Change | None]:
         """TREAD: ``(rows, change or None)`` at the slot indices (``sampled``: counted as
         a sample; raises WouldBlockError for now)."""
-        return self.tables.read(table, indices, sampled)
+        result = self.tables.read(table, indices, sampled)
+        return self._sampled(table, result) if sampled else result
 
     def can_read_rows(self, table: TableEntry, n: int) -> bool:
         return self.tables.can_read(table, n)
@@ -92,12 +102,16 @@ class TableVerbs:
         return self.tables.hold_reply(nbytes)
 
     def update_priorities(self, table: TableEntry, keys, priorities) -> int:
-        """TPRIORITY: how many rows were updated."""
-        return self.tables.update_priorities(table, keys, priorities)
+        """TPRIORITY: how many rows were updated (what waits on the table is tested again)."""
+        updated = self.tables.update_priorities(table, keys, priorities)
+        if updated:
+            self.sink.touched(table.name)
+        return updated
 
     def set_table_limits(self, table: TableEntry, limits: dict) -> None:
-        """TLIMITS."""
+        """TLIMITS: at once; what waits on the table is tested again."""
         self.tables.set_limits(table, limits)
+        self.sink.touched(table.name)
 
     def table_info(self, table: TableEntry, slots: int | None = None) -> dict:
         """TINFO's settings and counters (``slots``: a page of the occupied slots from that index)."""
@@ -106,3 +120,17 @@ class TableVerbs:
     def note_blocked(self, table: TableEntry, what: str, seconds: float) -> None:
         """A request waited ``seconds`` for ``table``'s rate limiter (``what``: insert or sample)."""
         self.tables.note_blocked(table, what, seconds)
+
+    def _published(self, result: tuple):
+        """``result`` (``(anything, change)``), once its change is published."""
+        self.sink.publish(result[1])
+        return result
+
+    def _sampled(self, table: TableEntry, result: tuple):
+        """``result`` of a sample, once told: its change if rows left, else the rate limiter moved."""
+        change = result[1]
+        if change is not None:
+            self.sink.publish(change)
+        else:
+            self.sink.touched(table.name)
+        return result

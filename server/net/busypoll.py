@@ -18,6 +18,13 @@ ago (:class:`~tensorshare.protocol.pacing.Contention`).  It is for a server in i
 need the GIL leaves it off, and so does a process that may use a single CPU,
 where polling would take the CPU from the very client it waits for.
 
+Polling is for a lone client: while requests come from more than one connection
+(several clients busy at once), each request wakes the reactor anyway and polling
+only takes CPU from the clients (on 2 cores, eight clients of small requests
+cost 66 us of server CPU per request with polling and 58-62 us without:
+docs/design.md), so it stops until one connection alone has sent requests for
+``LONE`` seconds.
+
 It works with any reactor that has ``doIteration`` (every select-style one):
 the reactor's own ``doIteration(0)`` is called in a loop, so events are handled
 exactly as usual, and polling stops early for a timed call that is due or for
@@ -33,6 +40,7 @@ from tensorshare.protocol.pacing import Contention, moving_average, usable_cpus,
 
 DEFAULT_WINDOW = 0.0005  # seconds: covers a client's time between one reply and its next request
 _GAP_CAP = 10  # one long pause counts as at most this many windows (so a few quick requests resume polling)
+LONE = 0.01  # seconds one connection alone must have sent requests before polling (re)starts
 
 
 class BusyPoll:
@@ -52,14 +60,25 @@ class BusyPoll:
         self._users = 0
         self.gap = 0.0  # seconds between requests (moving average)
         self.contention = Contention()  # polling pauses while it takes the CPU from others
+        self._sender = None  # the connection the last request came from
+        self._shared = float("-inf")  # clock() of the last request from another connection than the one before
 
-    def note_request(self) -> None:
-        """Request bytes arrived: keep polling for ``window`` from now, if they come
-        close enough together for that to pay."""
+    def note_request(self, sender: object = None) -> None:
+        """Request bytes arrived (from connection ``sender``): keep polling for
+        ``window`` from now, if they come close enough together and from one
+        connection alone for that to pay."""
         now = self._clock()
         self.gap = moving_average(self.gap, min(now - self._last, _GAP_CAP * self.window))
         self._requests += 1
         self._last = now
+        if sender is not self._sender:
+            self._sender = sender
+            self._shared = now
+
+    @property
+    def lone(self) -> bool:
+        """Whether one connection alone has sent the requests of the last ``LONE`` seconds."""
+        return self._clock() - self._shared >= LONE
 
     def do_iteration(self, timeout: float | None) -> None:
         """The reactor's ``doIteration``: poll without sleeping while within the
@@ -67,7 +86,8 @@ class BusyPoll:
         clock = self._clock
         start = clock()
         until = self._last + self.window
-        if start < until and self.gap <= self.window and self.contention.calm(start):
+        if start < until and self.gap <= self.window and start - self._shared >= LONE \
+                and self.contention.calm(start):
             if timeout is not None:
                 until = min(until, start + timeout)
             seen, queued, poll, contention = self._requests, self._reactor.threadCallQueue, self._sleep, self.contention

@@ -64,6 +64,7 @@ class TensorShareProtocol(protocol.Protocol):
         self.session: ServerSession | None = None
         self.gate: ReadGate | None = None
         self._read_size = 0
+        self._receiving = 0  # payload bytes still to come after the last read
         self._stall = StallWatch()  # how long pending output has gone without progress
         self._resume_call = None  # DelayedCall that resumes the session after a drain
 
@@ -87,8 +88,10 @@ class TensorShareProtocol(protocol.Protocol):
         self._received(self.session.data_received, data)
 
     def receive_buffer(self) -> memoryview | None:
-        """Memory the session lends for the next read (see :class:`ReceivingServer`)."""
-        return self.session.receive_buffer() if self.session is not None else None
+        """Memory the session lends for the next read (see :class:`ReceivingServer`):
+        only while a frame's payload is arriving (as the last read left it) can there
+        be any, so between frames, the usual read of small requests, nothing is asked."""
+        return self.session.receive_buffer() if self._receiving else None
 
     def received_into(self, n: int) -> None:
         """``n`` bytes were read into :meth:`receive_buffer`'s memory."""
@@ -96,23 +99,22 @@ class TensorShareProtocol(protocol.Protocol):
 
     def read_more(self) -> bool:
         """Whether to read again at once (:class:`ReceivingServer`): a frame's payload
-        is still coming, and nothing holds reading back."""
-        return self.session.receiving_payload > 0 and not self.gate.paused
+        is still coming (as the last read left it), and nothing holds reading back."""
+        return self._receiving > 0 and not self.gate.paused
 
     def _received(self, deliver: Callable, what) -> None:
         busy = self.factory.busy_poll
         if busy is not None:
-            busy.note_request()
-        writer, batch = self.writer, self.factory.write_batch
-        writer.hold()
-        batch.begin()
+            busy.note_request(self)
+        writer = self.writer
+        writer.begin_read()
         try:
             deliver(what)
         finally:
-            batch.end()
-            writer.release()
+            writer.end_read()
         # Read large payloads in big gulps: fewer reactor turns per byte.
-        size = _LARGE_READ if self.session.receiving_payload > _LARGE_READ else _SMALL_READ
+        receiving = self._receiving = self.session.receiving_payload
+        size = _LARGE_READ if receiving > _LARGE_READ else _SMALL_READ
         if size != self._read_size:
             self._read_size = size
             twisted_internals.set_read_size(self.transport, size)
@@ -158,14 +160,12 @@ class TensorShareProtocol(protocol.Protocol):
         self._resume_call = None
         if self.session.closed or self.writer.congested:
             return
-        writer, batch = self.writer, self.factory.write_batch
-        writer.hold()
-        batch.begin()
+        writer = self.writer
+        writer.begin_read()
         try:
             self.session.resume()  # it stops and starts reading (through its ReadGate) as it goes
         finally:
-            batch.end()
-            writer.release()
+            writer.end_read()
 
     def tick(self, now: float) -> None:
         if self.session is not None and not self._check_stall(now):

@@ -35,15 +35,13 @@ class WriteBatch:
     Handling a read touches other connections too: a pipelined run of APPENDs from
     one client makes a notification for each listener per APPEND.  Each such writer
     joins the batch (holding its frames) and all write at its end, so a listener
-    gets one ``send()`` for the run, not one per change.  One batch per server,
-    used on the reactor thread only."""
+    gets one ``send()`` for the run, not one per change.  The writer of the
+    connection being read opens it (:meth:`FrameWriter.begin_read`) and ends it.
+    One batch per server, used on the reactor thread only."""
 
     def __init__(self):
         self.open = False
         self._joined: list = []
-
-    def begin(self) -> None:
-        self.open = True
 
     def join(self, writer: "FrameWriter") -> None:
         writer._holding = True
@@ -123,6 +121,9 @@ class FrameWriter:
         self._closing = False
         self._lost = False
         self._holding = False
+        # Small replies sent past the queue (send_reply): held until the end of a read,
+        # each (bytes, on_abandon, on_written); only while the queue is empty.
+        self._held: list[tuple] = []
         self._view_sent = 0  # bytes of the view part at the head of the queue already sent
         self._turn_sent = 0
         self._socket = twisted_internals.direct_socket(transport)
@@ -151,6 +152,8 @@ class FrameWriter:
             if on_abandon is not None:
                 on_abandon()
             return None
+        if self._held:  # small replies came first: they keep their place
+            self._queue_held()
         entry = Queued(parts, on_abandon, on_written)
         queue = self._queue
         queue.append(entry)
@@ -161,6 +164,63 @@ class FrameWriter:
         elif (not self._holding or len(queue) >= _HOLD_MAX) and not self._paused:
             self._pump()
         return entry
+
+    def send_reply(self, parts: list, on_abandon: Callable[[], None] | None = None,
+                   on_written: Callable[[], None] | None = None) -> None:
+        """Send one frame that nobody will withdraw (a reply), as :meth:`send` would.
+
+        The usual reply, under ``SHARED_PART`` bytes of ``bytes`` parts while nothing
+        is queued and the writer is not paused, skips the queue and the outbound
+        budget: it goes out with one ``send()`` at once, or with the other replies
+        of the read being handled (:meth:`hold`) when that ends.  Everything else
+        (a large reply, a slow reader's, one behind queued frames) takes the queue."""
+        if self._queue or self._paused or self._socket is None or self._lost or self._closing \
+                or self._offload is not None:
+            self.send(parts, on_abandon, on_written)
+            return
+        data = parts[0] if len(parts) == 1 else _joined(parts)
+        if type(data) is not bytes or len(data) >= SHARED_PART:
+            self.send(parts, on_abandon, on_written)
+            return
+        held = self._held
+        held.append((data, on_abandon, on_written))
+        if not self._holding:
+            batch = self.batch
+            if batch is not None and batch.open:  # another connection's read is being handled
+                batch.join(self)
+                return
+        elif len(held) < _HOLD_MAX:
+            return
+        self._send_held()
+
+    def _send_held(self) -> None:
+        """Send the held replies with one ``send()`` (Twisted's buffer takes what the
+        kernel does not, or all of it after bytes it still holds: order is kept)."""
+        held, self._held = self._held, []
+        data = held[0][0] if len(held) == 1 else b"".join(entry[0] for entry in held)
+        transport = self.transport
+        if twisted_internals.transport_idle(transport):
+            try:
+                sent = self._socket.send(data)
+            except OSError:  # EAGAIN, or a dead socket: Twisted's own write path deals with it
+                sent = 0
+            if sent < len(data):
+                transport.write(data[sent:])  # may call pauseProducing()
+        else:
+            transport.write(data)
+        self._written += len(data)
+        for _, _, on_written in held:
+            if on_written is not None:
+                on_written()
+
+    def _queue_held(self) -> None:
+        """Put the held replies in the queue (accounted), ahead of what comes next."""
+        held, self._held = self._held, []
+        queue, budget = self._queue, self.budget
+        for data, on_abandon, on_written in held:
+            queue.append(Queued([data], on_abandon, on_written))
+            if budget.charge((data,)):
+                self._on_congested()
 
     def withdraw(self, entry: Queued | None) -> bool:
         """Take a queued frame back if none of it has been written (True if so)."""
@@ -187,20 +247,44 @@ class FrameWriter:
     @property
     def pending(self) -> bool:
         """Whether frames wait that the transport has not taken whole yet (a reply in progress)."""
-        return bool(self._queue)
+        return bool(self._queue or self._held)
 
     def hold(self) -> None:
         """Queue frames without writing them until :meth:`release`."""
         self._holding = True
 
+    def begin_read(self) -> None:
+        """A read of this writer's connection is being handled: :meth:`hold` its
+        frames, and open the server's batch (frames for other connections wait for
+        the end of the read too).  One call per read: this is the request path."""
+        self._holding = True
+        if self.batch is not None:
+            self.batch.open = True
+
+    def end_read(self) -> None:
+        """The read is handled: the batch's other writers write, then this one
+        (:meth:`WriteBatch.end`, then :meth:`release`)."""
+        batch = self.batch
+        if batch is not None:
+            batch.end()
+        self._holding = False
+        if self._held:
+            self._send_held()
+        if self._queue and not self._paused:
+            self._pump()
+
     def release(self) -> None:
         """Write what was queued since :meth:`hold`."""
         self._holding = False
+        if self._held:
+            self._send_held()
         if self._queue and not self._paused:
             self._pump()
 
     def close(self) -> None:
         """Close the connection after the queued frames have been written."""
+        if self._held:
+            self._queue_held()
         self._closing = True
         if not self._queue:
             self._finish_close()
@@ -473,10 +557,25 @@ class FrameWriter:
         for entry in queue:
             if entry.on_abandon is not None and entry.parts is not None:
                 entry.on_abandon()
+        held, self._held = self._held, []
+        for _, on_abandon, _ in held:
+            if on_abandon is not None:
+                on_abandon()
 
 
 def _nothing() -> None:
     pass
+
+
+def _joined(parts: list) -> bytes | None:
+    """``parts`` as one ``bytes`` if they are all ``bytes`` and fewer than
+    ``SHARED_PART`` in all (a small reply), else None."""
+    total = 0
+    for part in parts:
+        if type(part) is not bytes:
+            return None
+        total += len(part)
+    return b"".join(parts) if total < SHARED_PART else None
 
 
 def _unsent(chunks, sent: int) -> bytes:

@@ -108,7 +108,9 @@ def render(data: dict, query: str = "") -> str:
     ]
     limit_rows = [
         ["process RSS", human_bytes(memory["rss"])], ["payload in RAM", human_bytes(memory["payload_in_memory"])],
-        ["memory limit", human_bytes(memory["memory_limit"]) if memory["memory_limit"] else "none"],
+        # (in bytes too: --memory-limit 64MB is 64,000,000 bytes, which shows as 61.0 MiB)
+        ["memory limit", f"{human_bytes(memory['memory_limit'])} = {memory['memory_limit']:,} bytes"
+         if memory["memory_limit"] else "none"],
         ["receive pool", human_bytes(memory["receive_pool"])],
         *[[k.replace("_", " "), _limit(k, v)] for k, v in limits.items() if k != "memory_limit"],
     ]
@@ -147,6 +149,6 @@ th{{background:#f0f0f0}} .cols{{display:flex;gap:2em;flex-wrap:wrap}} small{{col
 <h2>Clients</h2>
 {_table("clients", ["conn", "address", "authenticated", "RL experiment: role, version", "in", "out", "requests", "listens", "connected"], clients, "no clients")}
 <h2>RL experiments</h2>
-{_table("experiments", ["experiment", "latest version", "rollouts", "stale", "connections"], experiments, "none")}
+{_table("experiments", ["experiment", "latest version", "rollouts", "older than latest", "connections"], experiments, "none")}
 </body></html>
 """

@@ -1,9 +1,10 @@
 """The server's state as plain data: what ``/status.json``, the status page and ``/metrics`` show.
 
-:func:`snapshot` reads the store (bins, items and bytes by tier), the live
-connections and the counters (:mod:`.counters`) when someone asks, on the reactor
-thread.  Walking the store takes time per item (about a second per million items),
-paid by the scrape, never by requests.  :class:`Throughput` keeps the server's
+:func:`snapshot` reads the storage through its read-only view
+(:class:`~..bins.view.StorageView`: bins, items and bytes by tier, tables), the
+live connections and the counters (:mod:`.counters`) when someone asks, on the
+reactor thread.  Walking the bins takes time per item (about a second per million
+items), paid by the scrape, never by requests.  :class:`Throughput` keeps the server's
 byte and request totals every few seconds for the page's chart.
 """
 
@@ -13,27 +14,13 @@ import os
 import time
 from collections import deque
 
-from tensorshare import __version__
 from tensorshare.protocol.messages import TINSERT, TSAMPLE
+from tensorshare.version import __version__
 
+from ..bins.view import TIERS
 from .counters import LATENCY_BUCKETS, PARAMETERS, Counters, bytes_out, experiment_of
 
-TIERS = ("memory", "shm", "spilled", "durable")
 MAX_BINS_SHOWN = 10_000  # bins listed one by one (the largest first); totals count them all
-
-
-def tier_of(item) -> str:
-    """Where an item's payload lives: ``memory`` (received chunks), ``shm`` (the
-    shared-memory area), ``spilled`` (a spill file) or ``durable`` (the data
-    directory, whether or not also cached in memory)."""
-    files = item.files
-    if files is None:
-        return "memory"
-    if files.in_memory:
-        return "shm"
-    if files.number is not None:
-        return "durable"
-    return "memory" if item.segments is not None else "spilled"
 
 
 def rss_bytes() -> int | None:
@@ -66,8 +53,7 @@ class Throughput:
         now = self.clock()
         self.samples.append((now, *self.counters.totals()))
         if self.state is not None:
-            self.table_samples.append((now, {entry.name: (entry.table.inserts, entry.table.samples)
-                                             for entry in _table_entries(self.state)}))
+            self.table_samples.append((now, self.state.storage.view.table_counts()))
 
     def table_rates(self) -> dict[str, tuple[float, float]]:
         """``{table: (rows inserted per second, rows sampled per second)}`` between the
@@ -93,19 +79,15 @@ def snapshot(state, throughput: Throughput | None = None, now: float | None = No
              data_port: int | None = None) -> dict:
     """Everything the status page shows, as JSON-ready data (see the module docstring)."""
     now = time.time() if now is None else now
-    config, store, counters = state.config, state.store, state.counters
+    config, view, counters = state.config, state.storage.view, state.counters
     tiers = {tier: {"items": 0, "bytes": 0} for tier in TIERS}
     bins = []
-    for name, items, seq in store.walk():
-        row = {"name": name, "items": len(items), "bytes": 0, "seq": seq,
-               "tag": items[-1].tag if items else None, "tiers": {}}
-        for item in items:
-            tier = tier_of(item)
-            tiers[tier]["items"] += 1
-            tiers[tier]["bytes"] += item.nbytes
-            row["bytes"] += item.nbytes
-            row["tiers"][tier] = row["tiers"].get(tier, 0) + item.nbytes
-        bins.append(row)
+    for found in view.bins():
+        bins.append({"name": found.name, "items": found.items, "bytes": found.bytes, "seq": found.seq,
+                     "tag": found.tag, "tiers": found.tiers})
+        for tier, nbytes in found.tiers.items():
+            tiers[tier]["items"] += found.tier_items[tier]
+            tiers[tier]["bytes"] += nbytes
     bins.sort(key=lambda row: (-row["bytes"], row["name"]))
     experiments = _experiments(state, counters)
     data = {
@@ -118,10 +100,8 @@ def snapshot(state, throughput: Throughput | None = None, now: float | None = No
                    "max_items_per_bin": config.max_items_per_bin, "max_frame": config.max_frame,
                    "memory_limit": config.memory_limit, "max_outbound": config.max_outbound,
                    "idle_timeout": config.idle_timeout, "outbound_stall_timeout": config.outbound_stall_timeout},
-        "memory": {"rss": rss_bytes(), "payload_in_memory": store.resident_bytes, "payload": store.nbytes,
-                   "descriptions": store.description_bytes, "replies_in_flight": store.in_flight_bytes,
-                   "memory_limit": config.memory_limit,
-                   "receive_pool": getattr(state.recv_pool, "_held", 0) if state.recv_pool is not None else 0},
+        "memory": {"rss": rss_bytes(), **view.memory(), "memory_limit": config.memory_limit,
+                   "receive_pool": state.recv_pool.held_bytes if state.recv_pool is not None else 0},
         "totals": {"bins": len(bins), "items": sum(t["items"] for t in tiers.values()),
                    "bytes": sum(t["bytes"] for t in tiers.values())},
         "tiers": tiers,
@@ -152,32 +132,17 @@ def snapshot(state, throughput: Throughput | None = None, now: float | None = No
     return data
 
 
-def _table_entries(state) -> list:
-    storage = getattr(state, "storage", None)
-    return [] if storage is None else storage.table_entries()
-
-
 def tables(state, throughput: Throughput | None = None) -> list[dict]:
     """Per table (replay buffers, datasets): rows and capacity, bytes, the counts of
     rows inserted, sampled and removed, their rates (with ``throughput``), the
     seconds requests waited for its rate limiter and the requests waiting now."""
     rates = throughput.table_rates() if throughput is not None else {}
     waits = state.waits
-    rows = []
-    for entry in _table_entries(state):
-        table, limiter = entry.table, entry.table.info()["rate_limiter"]
-        inserts_per_s, samples_per_s = rates.get(entry.name, (None, None))
-        rows.append({
-            "name": entry.name, "size": table.size, "capacity": table.capacity, "sampler": table.sampler,
-            "remover": table.remover, "columns": len(table.columns), "bytes": entry.nbytes,
-            "where": "files" if entry.directory is not None else "memory" if table.columns else "items",
-            "inserts": table.inserts, "samples": table.samples, "removals": table.removals,
-            "inserts_per_s": inserts_per_s, "samples_per_s": samples_per_s,
-            "blocked_seconds": dict(entry.blocked),
-            "waiting": {"insert": waits.waiting((entry.name, TINSERT.lane)),
-                        "sample": waits.waiting((entry.name, TSAMPLE.lane))},
-            "samples_per_insert": limiter["samples_per_insert"], "min_size_to_sample": limiter["min_size_to_sample"],
-        })
+    rows = state.storage.view.tables()
+    for row in rows:
+        row["inserts_per_s"], row["samples_per_s"] = rates.get(row["name"], (None, None))
+        row["waiting"] = {"insert": waits.waiting((row["name"], TINSERT.lane)),
+                          "sample": waits.waiting((row["name"], TSAMPLE.lane))}
     rows.sort(key=lambda row: (-row["bytes"], row["name"]))
     return rows
 
@@ -188,10 +153,11 @@ def _experiments(state, counters: Counters | None) -> dict:
     and what each is in it (``roles``: ``"trainer"``, or the id of the worker whose
     presence bin it put), by connection id."""
     found: dict[str, dict] = {}
-    for name in list(state.store.listing()):
+    view = state.storage.view
+    for name in view.names():
         experiment = experiment_of(name, PARAMETERS)
         if experiment is not None:
-            found[experiment] = {"latest": state.store.state(name).tag, "rollouts": 0, "stale": 0, "workers": {},
+            found[experiment] = {"latest": view.tag(name), "rollouts": 0, "stale": 0, "workers": {},
                                  "roles": {}}
     if counters is not None:
         for experiment, stats in counters.experiments.items():

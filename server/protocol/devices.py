@@ -87,8 +87,8 @@ class DeviceItems:
     ``(id, bin) -> DeviceItems`` of every publisher, where a fill finds its item
     whatever connection brings the bytes."""
 
-    def __init__(self, storage, waits, references: dict):
-        self.storage, self.waits, self.references = storage, waits, references
+    def __init__(self, storage, references: dict):
+        self.storage, self.references = storage, references
         self.published: dict[tuple, weakref.ref] = {}  # (reference id, bin) -> weak item
         self.freed: deque = deque()  # ids of references no item holds any more
 
@@ -114,19 +114,15 @@ class DeviceItems:
         return out
 
     def connection_lost(self) -> None:
-        """The publisher is gone: its items keep their bytes or become unreadable."""
-        bins = set()
+        """The publisher is gone: its items keep their bytes or become unreadable
+        (reads held for those bytes are answered now: the storage says so)."""
         for key, handle in list(self.published.items()):
             if self.references.get(key) is self:
                 del self.references[key]
             item = handle()
-            if item is None:
-                continue
-            self.storage.lose_reference(item)
-            bins.add(key[1])
+            if item is not None:
+                self.storage.lose_reference(key[1], item)
         self.published.clear()
-        for name in bins:  # reads held for those bytes are answered now
-            self.waits.changed(name)
 
 
 def _gone(owner: DeviceItems, key: tuple, handle: weakref.ref) -> None:
@@ -146,7 +142,7 @@ def items_of(session) -> DeviceItems:
     """The connection's :class:`DeviceItems` (made on first use)."""
     shared = session.shared
     if shared.devices is None:
-        shared.devices = DeviceItems(session.storage, session.state.waits, session.state.references)
+        shared.devices = DeviceItems(session.storage, session.state.references)
     return shared.devices
 
 
@@ -201,18 +197,17 @@ def _fill(session, request, check_value: Callable):
         return _reply(session, request)
     check_value(session, request.value, size)
     if request.shm is None:
-        storage.fill(item, tuple(request.payload))
-        session.state.waits.changed(name)
+        storage.fill(name, item, tuple(request.payload))  # (reads waiting for the bytes are tested again)
         return _reply(session, request)
     incoming, item_name, _size = session.shared.adoption(request)
 
     def filled(error: RemoteError | None) -> dict:
         if error is not None:
             raise error
-        session.state.waits.changed(name)
         return _reply(session, request)
 
-    return later(lambda done: storage.fill_shared(item, incoming, item_name, done, session.decode_limits), filled)
+    return later(lambda done: storage.fill_shared(name, item, incoming, item_name, done, session.decode_limits),
+                 filled)
 
 
 def _reply(session, request) -> dict:

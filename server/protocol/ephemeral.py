@@ -32,7 +32,9 @@ class EphemeralBins:
     """Which bins are ephemeral, and which session owns each."""
 
     def __init__(self) -> None:
-        self._owners: dict[str, object] = {}
+        # bin -> owning session; read as ``owners`` on the request path: while it is
+        # empty (the usual case) no store needs checking
+        self._owners = self.owners = {}
         self._values: dict[str, bytes | None] = {}  # the owner value each was put with (PUT's ``owner``)
 
     def __contains__(self, name: str) -> bool:
@@ -87,11 +89,7 @@ def _delete(state, name: str, owner: bytes | None) -> None:
         relay.delete_upstream(name, owner)
         return
 
-    def deleted(change, error) -> None:
-        if error is None:
-            state.listeners.publish(change)
-
     try:
-        state.storage.delete(name, deleted)
+        state.storage.delete(name, lambda change, error: None)  # (its listeners are told by the storage)
     except RemoteError:  # already gone
         pass

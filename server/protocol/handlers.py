@@ -5,8 +5,8 @@ against its :class:`~tensorshare.protocol.messages.Command` (PROTOCOL.md §4.2-4
 and returns the request's outcome (:mod:`.outcome`): its reply now, or a
 :class:`~.outcome.Pending` for one that waits for the disk or for its bin; a
 refusal is raised as the :class:`~tensorshare.errors.RemoteError` whose code is
-the reply.  It reaches bins only through ``session.storage`` and publishes the
-changes storage returns (this connection's own notifications follow its reply).
+the reply.  It reaches bins only through ``session.storage``, which publishes
+every change it makes (this connection's own notifications follow its reply).
 The table verbs are in :mod:`.tables`.
 """
 
@@ -40,8 +40,18 @@ def store(session, request):
     with ``below`` first waits for room (:func:`_when_room`)."""
     storage, replace = session.storage, request.command is PUT
     name, blob, tag = request.bin, request.value, request.tag
-    ephemeral = replace and request.ephemeral is True
-    if ephemeral or session.state.ephemeral:
+    if replace:
+        ephemeral = request.ephemeral is True
+        usual = not ephemeral and request.cuda is None and request.fill is None
+    else:
+        ephemeral = False
+        usual = request.below is None
+    if usual and request.shm is None and storage.data_dir is None and not session.state.ephemeral.owners:
+        # the usual store: over TCP, into memory at once, no bin that ends with a connection
+        nbytes = request.payload_len
+        check_value(session, blob, nbytes)
+        return stored(session, request, storage.add_now(name, blob, tuple(request.payload), nbytes, tag, replace))
+    if ephemeral or session.state.ephemeral.owners:
         _check_ephemeral(session, request, ephemeral)
     if replace and (request.cuda is not None or request.fill is not None):  # by device reference (§13)
         return devices.store(session, request, check_value, stored)
@@ -111,7 +121,7 @@ def _when_room(session, request, add: Callable, finish: Callable):
         done(None, BusyError(f"bin {name!r} still held {storage.count(name)} items (below {below} asked) "
                              f"after waiting {wait:g}s; nothing stored"))
 
-    return in_lane(name, APPEND.lane, lambda: _has_room(session, name, below), add, finish, wait, expire)
+    return in_lane(name, APPEND, lambda: _has_room(session, name, below), add, finish, wait, expire)
 
 
 def check_value(session, blob: bytes, nbytes: int) -> None:
@@ -122,14 +132,15 @@ def check_value(session, blob: bytes, nbytes: int) -> None:
         raise RemoteError(f"bad value: {exc}", BAD_ARGS) from None
 
 
-def stored(session, request, change: Change) -> dict:
-    """The reply to a PUT/APPEND the storage is done with; its change is published."""
-    session.state.listeners.publish(change)
+def stored(session, request, change: Change) -> dict | bytes:
+    """The reply to a PUT/APPEND the storage is done with (and has published)."""
     if request.tag is not None and session.counters is not None:  # versions of RL experiments
         session.counters.stored(session.stats, request.command.verb, request.bin, request.tag)
-    header = session.shared.stored_reply(request.command.reply(request.id, n=change.n_items, seq=change.seq),
-                                         request.bin)
-    return header if session.shared.devices is None else devices.with_freed(session, header)
+    shared = session.shared
+    if shared.devices is None and not (shared.same_host and request.bin in shared.mapped):  # (not shared.maps())
+        return request.command.success.head(request.id, change.n_items, change.seq)  # the usual reply
+    header = shared.stored_reply(request.command.reply(request.id, n=change.n_items, seq=change.seq), request.bin)
+    return header if shared.devices is None else devices.with_freed(session, header)
 
 
 # -- GET, PEEK
@@ -150,22 +161,24 @@ def take(session, request):
     """Take the items out of the bin.  The take and its notification happen now;
     the reply follows once any file the items live in is open (if any is only on
     disk), and the items go back to the front of the bin if it cannot be delivered."""
-    storage, listeners, name = session.storage, session.state.listeners, request.bin
-    items = storage.peek(name)[: request.max]  # (max: None takes them all)
+    storage, name = session.storage, request.bin
+    items = storage.peek(name)
+    if request.max is not None:
+        items = items[: request.max]
     if devices.unready(items, None):  # bytes still in a publisher's device memory (§13)
         return devices.hold_for_bytes(session, request, take)
     _check_reply_size(session, items)  # refused before anything is taken
-    refs = session.shared.refs(request.bin, request.ref, items, taking=True)
-    items, change = storage.take(name, request.max)
-    listeners.publish(change)  # (this connection's own notification follows the reply)
+    refs = None if request.ref is None else session.shared.refs(request.bin, request.ref, items, taking=True)
+    items, change = storage.take(name, request.max)  # (this connection's own notification follows the reply)
 
     def put_back() -> None:
-        listeners.publish(storage.restore(name, items))
+        storage.restore(name, items)
 
     def reply(parts: list):
         out = items_reply(session, request, items, parts, change.seq, refs, put_back,
                            lambda: storage.delivered(name, items))
-        session.shared.pin(request.id, items, refs)
+        if refs is not None:
+            session.shared.pin(request.id, items, refs)
         return out
 
     parts = storage.parts_in_memory(items, refs)
@@ -200,15 +213,17 @@ def read(session, request):
     if devices.unready(items, cuda):  # bytes still in a publisher's device memory (§13)
         return devices.hold_for_bytes(session, request, read)
     _check_reply_size(session, items)
-    refs = away = session.shared.refs(name, request.ref, items)
+    refs = away = None if request.ref is None else session.shared.refs(name, request.ref, items)
     if cuda is not None:  # items whose bytes the payload does not carry: by file or by device reference
         refs = devices.besides(refs, cuda)
         away = devices.merged(refs, cuda)
 
     def reply(parts: list):
         out = items_reply(session, request, items, parts, seq, refs, cuda=cuda)
-        session.shared.pin(request.id, items, away)
-        session.shared.promote(request.ref, items, away, session.decode_limits)
+        if away is not None:
+            session.shared.pin(request.id, items, away)
+        if request.ref is not None:
+            session.shared.promote(request.ref, items, away, session.decode_limits)
         return out
 
     parts = storage.parts_in_memory(items, away)
@@ -227,7 +242,9 @@ def _check_reply_size(session, items: list[Item]) -> None:
     """552 for a reply whose header, holding every item's description, would be
     larger than max_reply_header."""
     limit = session.config.max_reply_header
-    size = sum(len(item.description) for item in items)
+    size = 0
+    for item in items:
+        size += len(item.description)
     if size > limit:
         raise RemoteError(f"the bin's {len(items)} item descriptions take {size} bytes, over the {limit} one "
                           f"reply may carry", TOO_LARGE)
@@ -239,9 +256,12 @@ def items_reply(session, request, items: list[Item], parts: list, seq: int, refs
     """A 226 reply carrying ``items``: its frame parts (with the hooks of a GET's);
     ``refs`` and ``cuda``: per item, a reference to its files or to its device
     memory standing for its bytes (PROTOCOL.md §10.3, §13.2)."""
-    sizes = [item.nbytes for item in items]
-    header = request.command.reply(request.id)
-    header[Key.SEQ], header[Key.ITEMS], header[Key.SIZES] = seq, [item.description for item in items], sizes
+    sizes, descriptions = [], []
+    for item in items:
+        sizes.append(item.nbytes)
+        descriptions.append(item.description)
+    header = {Key.CODE: request.command.success.code, Key.ID: request.id, Key.SEQ: seq, Key.ITEMS: descriptions,
+              Key.SIZES: sizes}
     if getattr(request, "tags", None):  # asked for (relays): every item's tag
         header[Key.TAGS] = [item.tag for item in items]
     if refs is None and cuda is None:
@@ -283,7 +303,6 @@ def delete(session, request):
         if error is not None:
             raise error
         session.state.ephemeral.forget(request.bin)
-        session.state.listeners.publish(change)
         return DELETE.reply(request.id, n=0, seq=change.seq)
 
     return later(lambda done: session.storage.delete(request.bin, done), deleted)
@@ -316,9 +335,10 @@ def unlisten(session, request) -> dict:
 
 
 @handles(NOOP)
-def noop(session, request) -> dict:
-    header = NOOP.reply(request.id)
-    return header if session.shared.devices is None else devices.with_freed(session, header)
+def noop(session, request) -> dict | bytes:
+    if session.shared.devices is None:
+        return NOOP.success.head(request.id)
+    return devices.with_freed(session, NOOP.reply(request.id))
 
 
 @handles(AUTH)

@@ -16,6 +16,7 @@ A session handles its requests in order and answers them in order.  It holds:
 from __future__ import annotations
 
 from collections import deque
+from typing import Protocol
 
 from .outcome import Pending
 
@@ -61,3 +62,19 @@ class Answering:
         self.rid, self.pending = rid, pending
         self.key = self.parked = None
         self.went = self.returned = self.closed = False
+
+
+class Reads(Protocol):
+    """The reading side of a connection: a session pauses it while it cannot take more."""
+
+    def pause(self, reason: str) -> None: ...
+
+    def resume(self, reason: str) -> None: ...
+
+
+class NoReads:
+    """Reads of a session with no transport (tests, tools): nothing to pause."""
+
+    def pause(self, reason: str) -> None: ...
+
+    def resume(self, reason: str) -> None: ...

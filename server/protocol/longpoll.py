@@ -12,8 +12,9 @@ is not an error.
 
 Held reads wait in the lanes their verbs declare (``take``, ``peek``), apart from
 the other kinds of request waiting on a bin (a waiting GET never holds back an
-APPEND waiting for room, nor the other way round): takes go on in the order they
-came, peeks each as soon as its own bin has moved on.
+APPEND waiting for room, nor the other way round), in the order their verbs
+declare (``Command.waits_in_order``): takes in the order they came, peeks each as
+soon as its own bin has moved on.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 from typing import Callable
 
 from tensorshare.errors import RemoteError
-from tensorshare.protocol.messages import GET
 
 from .outcome import Pending, in_lane
 
@@ -46,13 +46,10 @@ def hold(session, request, ready: Callable, answer: Callable, timeout: float | N
     request)`` holds, or when its ``wait`` runs out, whichever comes first.
     ``timeout`` (instead of ``wait``) with ``refusal``: what runs out refuses the
     request with ``refusal()`` instead of answering it."""
-    takes = request.command is GET
-
     def expire(done: Callable) -> None:
         if refusal is not None:
             raise refusal()
         done()
 
-    return in_lane(request.bin, request.command.lane, lambda: ready(session, request), _now,
-                   lambda: answer(session, request), request.wait if timeout is None else timeout, expire,
-                   ordered=takes)
+    return in_lane(request.bin, request.command, lambda: ready(session, request), _now,
+                   lambda: answer(session, request), request.wait if timeout is None else timeout, expire)

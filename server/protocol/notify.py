@@ -1,7 +1,8 @@
 """Change notifications: who listens to which bin, and what one connection is told.
 
 :class:`ListenerRegistry` fans a change out to every connection listening to its
-bin.  :class:`Notifier` applies the protocol's coalescing rule for one connection
+bin: it is the sink the storage publishes its changes to
+(:class:`~..bins.storage.ChangeSink`), so every change is told, whoever made it.  :class:`Notifier` applies the protocol's coalescing rule for one connection
 (PROTOCOL.md §5): while its outbox is congested, a new notification replaces the
 one for the same bin that has not been written yet, and goes to the back of the
 queue, so it still follows every frame queued before it.
@@ -60,7 +61,7 @@ class ListenerRegistry:
 
     def publish(self, change: Change | None) -> None:
         """Send one notification of ``change`` to every listener of its bin that
-        wants it."""
+        wants it; the watchers are told."""
         if change is None:
             return
         listeners = self._by_bin.get(change.bin)
@@ -73,6 +74,11 @@ class ListenerRegistry:
         for watcher in self._watchers:
             watcher(change.bin)
 
+    def touched(self, name: str) -> None:
+        """Something only the watchers care about changed on bin ``name`` (no notification)."""
+        for watcher in self._watchers:
+            watcher(name)
+
 
 class Outbox(Protocol):
     """Where a session's frames go, whole and in order (the connection's writer)."""
@@ -82,6 +88,9 @@ class Outbox(Protocol):
     def send(self, parts: list, on_abandon: Any = None, on_written: Any = None) -> Any:
         """Queue one frame; returns a ticket for :meth:`withdraw`.  ``on_written`` runs
         once it is written whole, ``on_abandon`` if the connection dies first."""
+
+    def send_reply(self, parts: list, on_abandon: Any = None, on_written: Any = None) -> None:
+        """Queue one frame that will never be withdrawn (a reply): the outbox may send it at once."""
 
     def withdraw(self, ticket: Any) -> bool:
         """Take a queued frame back if none of it has been written yet (True if so)."""

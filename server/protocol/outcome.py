@@ -6,6 +6,8 @@ out (:meth:`~.session.ServerSession.answer`), so a handler never writes to the
 connection itself:
 
 * a ``dict``: the reply, a frame that is only a header;
+* ``bytes``: such a frame already made (the usual replies, from their message's
+  prepared template: ``Message.head``);
 * a ``list``: the reply's frame parts (the frame head first, then the payload);
 * a ``tuple`` ``(parts, on_abandon, on_written)``: such a frame with what to run if
   the connection dies before it is written whole (a GET's items go back) and once
@@ -25,8 +27,8 @@ request's outcome, possibly another :class:`Pending` (a read that waited, then
 reads from the disk).  With a ``lane`` it first waits in the server for its bin
 (PROTOCOL.md §4.5; :mod:`.waits`, keyed by ``(bin, lane)``, the lanes each verb
 declares): ``start`` runs once ``ready()`` holds, tested now and after every change
-of the bin, in arrival order within the lane (``ordered=False``: as soon as it is
-ready); or ``expire(done)`` runs when ``timeout`` seconds have passed.  Meanwhile
+of the bin, in arrival order within the lane (unless its verb declares otherwise,
+``waits_in_order``: then as soon as it is ready); or ``expire(done)`` runs when ``timeout`` seconds have passed.  Meanwhile
 other connections are served and this one's notifications go out as usual; a
 connection that closes drops its waiting request, unrun.
 """
@@ -53,9 +55,8 @@ def later(start: Callable[[Callable], None], finish: Callable[..., Any]) -> Pend
     return Pending(start, finish)
 
 
-def in_lane(name: str, lane: str, ready: Callable[[], bool], start: Callable[[Callable], None],
-            finish: Callable[..., Any], timeout: float, expire: Callable[[Callable], None],
-            ordered: bool = True) -> Pending:
-    """As :func:`later`, once ``ready()`` holds for bin ``name`` in ``lane`` (or
-    ``expire(done)`` instead after ``timeout`` seconds)."""
-    return Pending(start, finish, (name, lane), ready, timeout, expire, ordered)
+def in_lane(name: str, command, ready: Callable[[], bool], start: Callable[[Callable], None],
+            finish: Callable[..., Any], timeout: float, expire: Callable[[Callable], None]) -> Pending:
+    """As :func:`later`, once ``ready()`` holds for bin ``name`` in the lane ``command``
+    declares, in the order it declares (or ``expire(done)`` instead after ``timeout`` seconds)."""
+    return Pending(start, finish, (name, command.lane), ready, timeout, expire, command.waits_in_order)

@@ -24,29 +24,31 @@ import logging
 import time
 from bisect import bisect_left
 from time import perf_counter
-from typing import Callable, Protocol
+from typing import Callable
 
-from tensorshare import __version__
 from tensorshare.errors import ProtocolError, RemoteError
 from tensorshare.protocol.messages import (
-    AUTH, BAD_ARGS, BAD_FRAME, COMMANDS, GREETING_MESSAGE, ID_MAX, KEEPALIVE_MESSAGE, LOCAL_ERROR,
+    AUTH, BAD_ARGS, BAD_FRAME, COMMANDS, GREETING_MESSAGE, ID_MAX, KEEPALIVE_MESSAGE, LOCAL_ERROR, MAX_BIN_NAME,
     NOT_AUTHENTICATED, PROTOCOL_VERSION, UNAVAILABLE, UNKNOWN_VERB, Key, Route, error_reply,
 )
-from tensorshare.wire.frames import DiscardSink, Frame, FrameDecoder, frame_head
+from tensorshare.version import __version__
+from tensorshare.wire.frames import DiscardSink, Frame, FrameDecoder, frame_head, whole_frames
 
 from ..ops.counters import LATENCY_BUCKETS, ConnStats
 from ..workers.ownership import check_owner
 from . import handlers, login, tables  # noqa: F401 - the handler modules register their verbs
-from .holding import Answering, Holding
+from .holding import Answering, Holding, NoReads, Reads
 from .notify import Notifier, Outbox
 from .outcome import Pending
 from .recvpool import payload_sink
 from .registry import HANDLERS
 from .shared import SharedMemory
+from .timelimits import TimeLimits
 
 log = logging.getLogger("tensorshare.server")
 _DISCARD = DiscardSink(0)  # stateless: one serves every request that takes no payload
 _LASTING = frozenset(c.verb for c in COMMANDS.values() if c.lasting)  # effects that outlive the connection
+_OP, _ID, _RELEASE = Key.OP, Key.ID, Key.RELEASE  # (module constants: read per request)
 
 
 class Phase(enum.Enum):
@@ -71,42 +73,6 @@ _MOVES = {
 _SERVING = frozenset({Phase.AUTHENTICATING, Phase.READY, Phase.FAILING})  # phases that handle requests
 
 
-class Reads(Protocol):
-    """The reading side of a connection: a session pauses it while it cannot take more."""
-
-    def pause(self, reason: str) -> None: ...
-
-    def resume(self, reason: str) -> None: ...
-
-
-class _NoReads:
-    def pause(self, reason: str) -> None: ...
-
-    def resume(self, reason: str) -> None: ...
-
-
-class TimeLimits:
-    """The idle and authentication time limits of one connection (PROTOCOL.md §8.4-8.5),
-    as times given by :meth:`ServerSession.tick`."""
-
-    __slots__ = ("opened_at", "quiet_since", "pinged_at", "heard")
-
-    def __init__(self):
-        self.opened_at: float | None = None
-        self.quiet_since: float | None = None
-        self.pinged_at: float | None = None  # when the last keepalive went to a quiet listener
-        self.heard = False  # bytes arrived since the last tick
-
-    def observe(self, now: float, busy: bool) -> None:
-        """Start the quiet period afresh if bytes came or went since the last look."""
-        if self.opened_at is None:
-            self.opened_at = now
-        if self.heard or busy or self.quiet_since is None:
-            self.heard = False
-            self.quiet_since = now
-            self.pinged_at = None
-
-
 class ServerSession:
     """Request dispatch for one connection (see the module docstring)."""
 
@@ -120,7 +86,7 @@ class ServerSession:
         self.peer = peer
         self.stats = ConnStats(peer)  # its id (in every log line about it), bytes, versions seen
         self.counters = state.counters  # the server's totals (server/ops/counters.py); None: metrics off
-        self.reads = reads or _NoReads()
+        self.reads = reads or NoReads()
         self._workers = state.workers  # the WorkerMap of one worker of several (None: it serves every bin)
         self.shared = SharedMemory(state.storage, state.config, same_host, peer, state.mapped)
         self.listening: set[str] = set()
@@ -141,6 +107,13 @@ class ServerSession:
         # The config's limits are properties that build a new object per access.
         self.decode_limits = state.config.decode_limits
         self._max_bin_name = state.config.max_bin_name
+        # verb -> (command, handler, compiled parser or None): what _request looks up per
+        # request, made once (a relay's handlers replace the usual ones before any
+        # connection opens; the compiled parsers assume the default bin name limit).
+        default_names = self._max_bin_name == MAX_BIN_NAME
+        self._verbs = {verb: (command, state.handlers.get(command) or HANDLERS[command],
+                              command.parse_right if default_names and command is not AUTH else None)
+                       for verb, command in COMMANDS.items()}
 
     @property
     def authenticated(self) -> bool:
@@ -185,8 +158,18 @@ class ServerSession:
             return
         self.timing.heard = True
         self.stats.bytes_in += len(data)
+        decoder = self._decoder
+        if self.login is None and decoder.idle and self.stream is None and self.storage.room():
+            # The usual read: whole small requests, each parsed in one step here
+            # (frames.whole_frames); the decoder takes whatever follows them.
+            whole, end = whole_frames(data, decoder.limits)
+            if whole:
+                self._take_whole(whole)
+                if end == len(data) or not self._serving:
+                    return
+                data = memoryview(data)[end:]
         try:
-            frames = self._decoder.feed(data)
+            frames = decoder.feed(data)
         except ProtocolError as exc:
             frames = getattr(exc, "frames", [])  # whole requests before the bad bytes
             if self.authenticated:
@@ -330,6 +313,23 @@ class ServerSession:
             storage.wait_for_room(lambda: self.reads.resume("memory"))
         return payload_sink(command.payload, nbytes, self.state.recv_pool)
 
+    def _take_whole(self, whole: list[tuple[dict, bytes, int]]) -> None:
+        """:meth:`_take` for the frames of :func:`~tensorshare.wire.frames.whole_frames`:
+        each payload as the decoder's sink would have kept it (:meth:`_payload_sink`)."""
+        holding, outbox, verbs = self.holding, self.outbox, self._verbs
+        for header, payload, payload_len in whole:
+            if self.closed:  # refused: nothing after it is served
+                return
+            op = header.get(_OP)
+            entry = verbs.get(op) if type(op) is str else None
+            payload = None if entry is None or not entry[0].payload else [payload] if payload_len else []
+            if outbox.congested or holding.answering is not None or holding.backlog:  # hold the rest back
+                holding.backlog.append(Frame(header, payload, payload_len))
+                continue
+            self._request(header, payload, payload_len, None, entry)
+        if holding.answering is not None or holding.backlog:
+            self._work()
+
     def _take(self, frames: list[Frame]) -> None:
         """Handle whole requests, in order, or queue them while the outbox or an
         earlier request makes them wait."""
@@ -369,38 +369,44 @@ class ServerSession:
             self.reads.resume("backlog")
 
     def _handle(self, frame: Frame) -> None:
-        """Check one request (PROTOCOL.md §4.2), run its handler and carry out its outcome."""
-        header = frame.header
-        if Key.RELEASE in header:
-            self.shared.release(header[Key.RELEASE])
-        rid = header.get(Key.ID)
+        self._request(frame.header, frame.payload, frame.payload_len, frame.refused)
+
+    def _request(self, header: dict, payload, payload_len: int, refused: str | None = None,
+                 entry: tuple | None = False) -> None:
+        """Check one request (PROTOCOL.md §4.2), run its handler and carry out its outcome.
+        ``entry``: its verb's ``(command, handler, parser)`` if the caller looked it up already."""
+        if _RELEASE in header:
+            self.shared.release(header[_RELEASE])
+        rid = header.get(_ID)
         if type(rid) is not int or not 0 < rid <= ID_MAX:
             rid = 0
         if self.login is not None:  # not authenticated yet
             self._authenticate(rid, header)
             return
-        op = header.get(Key.OP)
-        command = COMMANDS.get(op) if type(op) is str else None
+        op = header.get(_OP)
+        if entry is False:
+            entry = self._verbs.get(op) if type(op) is str else None
         holding = self.holding
         holding.holds += 1  # notifications of what the handler changes follow its reply
         try:
-            if frame.refused is not None:  # a header over a limit of what it may decode to
-                raise RemoteError(frame.refused, BAD_ARGS)
-            if command is None:
+            if refused is not None:  # a header over a limit of what it may decode to
+                raise RemoteError(refused, BAD_ARGS)
+            if entry is None:
                 raise RemoteError(f"unknown verb {op!r:.60}", UNKNOWN_VERB)
             if rid == 0:
                 raise RemoteError("request id must be an integer in 1..2**64-1", BAD_ARGS)
+            command, handle, parse = entry
+            request = None if parse is None else parse(header, rid, payload, payload_len)
             # AUTH when none is due is answered 503 whatever its fields (§4.3): its handler says so
-            request = None if command is AUTH else \
-                command.parse_request(header, rid, frame.payload, frame.payload_len, self._max_bin_name)
+            if request is None and command is not AUTH:
+                request = command.parse_request(header, rid, payload, payload_len, self._max_bin_name)
             if self._workers is not None and command.route is Route.OWNER:  # one worker of several (§14.3)
                 check_owner(self._workers, request.bin)
-            handle = self.state.handlers.get(command) or HANDLERS[command]
             counters = self.counters
             if counters is None:
                 outcome = handle(self, request)
-                if type(outcome) is dict:  # (the usual case, without answer()'s call)
-                    self.send([frame_head(outcome, 0)])
+                if type(outcome) is bytes and not self.closed and self.stream is None:  # (the usual case)
+                    self.outbox.send_reply([outcome])
                 else:
                     self.answer(rid, outcome)
             else:  # counted inline: this is the request path (server/ops/counters.py)
@@ -409,7 +415,7 @@ class ServerSession:
                 elapsed = perf_counter() - began
                 verb = counters.verbs[op]
                 verb.requests += 1
-                verb.bytes_in += frame.payload_len
+                verb.bytes_in += payload_len
                 verb.seconds += elapsed
                 verb.buckets[bisect_left(LATENCY_BUCKETS, elapsed)] += 1
                 self.stats.requests += 1
@@ -443,7 +449,9 @@ class ServerSession:
     def answer(self, rid: int, outcome) -> None:
         """Carry out a handler's ``outcome`` for request ``rid`` (see :mod:`.outcome`)."""
         kind = type(outcome)
-        if kind is dict:
+        if kind is bytes:
+            self.send([outcome])
+        elif kind is dict:
             self.send([frame_head(outcome, 0)])
         elif kind is list:
             self.send(outcome)
@@ -558,7 +566,7 @@ class ServerSession:
         elif self.stream is not None:
             self.stream.behind.append((parts, on_abandon, on_written))
         else:
-            self.outbox.send(parts, on_abandon, on_written)
+            self.outbox.send_reply(parts, on_abandon, on_written)
 
     def send_header(self, header: dict) -> None:
         """Queue a frame that is only a header."""

@@ -112,12 +112,17 @@ class SharedMemory:
                 mapped.clear()
             mapped.add(name)
 
+    def maps(self, name: str) -> bool:
+        """Whether a PUT/APPEND to bin ``name`` on this connection is told that readers
+        map it (:meth:`stored_reply`)."""
+        return self.same_host and name in self.mapped
+
     def stored_reply(self, reply: dict, name: str) -> dict:
         """A PUT/APPEND's ``reply``, telling a same-host writer when readers map the bin
         (``mapped``, PROTOCOL.md §10.4): its next value is best put through shared
         memory, where those readers map it at once (over TCP it would reach them
         inline, before its copy into shared memory)."""
-        if self.same_host and name in self.mapped:
+        if self.maps(name):
             reply[Key.MAPPED] = True
         return reply
 

@@ -2,7 +2,7 @@
 TWRITE, TSAMPLE (rows, or sequences of rows), TREAD, TPRIORITY, TINFO, TLIMITS.
 
 The tables are the storage's (``session.storage``: the table named, then its
-operations, each returning the change it made); the rows and their rules are the
+operations, each publishing the change it made and returning it); the rows and their rules are the
 pure engine's (``server/bins/tables/``).  Here: a request's fields into a storage
 call, its result into a reply, and the waiting.  An insert or sample that the
 table's rate limiter does not let through now (the engine's ``WouldBlockError``)
@@ -35,11 +35,6 @@ from .registry import handles
 _COUNTED_HEADER = 64 << 10  # a reply header past this many bytes counts in the memory budget until written
 
 
-def _wake(session, name: str) -> None:
-    """A change only waiting requests care about (a sample moved the rate limiter)."""
-    session.state.waits.changed(name)
-
-
 # -- TCREATE, TINFO, TLIMITS
 
 
@@ -50,8 +45,6 @@ def create(session, request):
     def made(result, error: RemoteError | None) -> dict:
         if error is not None:
             raise error
-        table, change = result
-        session.state.listeners.publish(change)
         return TCREATE.reply(request.id, n=storage.count(name), seq=storage.seq(name))
 
     def make(done: Callable) -> None:
@@ -66,7 +59,6 @@ def create(session, request):
             if error is not None:
                 done(None, error)
                 return
-            session.state.listeners.publish(change)
             try:
                 make(done)
             except RemoteError as exc:  # (a bin took the name meanwhile)
@@ -85,11 +77,10 @@ def info(session, request) -> dict:
 
 @handles(TLIMITS)
 def limits(session, request) -> dict:
-    """Change the rate limits at once; requests waiting on the table are tested again."""
+    """Change the rate limits at once (requests waiting on the table are tested again)."""
     storage = session.storage
     table = storage.table(request.bin)
     storage.set_table_limits(table, request.limits)
-    _wake(session, request.bin)
     return TLIMITS.reply(request.id, info=_info(session, request.bin, table))
 
 
@@ -130,9 +121,8 @@ def _ends(request):
 
 
 def _changed(session, request, result) -> dict:
-    """The reply of an insert or write; its change is published."""
+    """The reply of an insert or write (its change published by the storage)."""
     keys, change = result
-    session.state.listeners.publish(change)
     return request.command.reply(request.id, n=change.n_items, seq=change.seq, keys=int64_bytes(keys))
 
 
@@ -184,13 +174,8 @@ def read(session, request):
 
 
 def _sampled(session, request, result):
-    """The reply of rows counted as a sample; its change is published, if rows left."""
-    drawn, change = result
-    if change is not None:  # rows that reached max_times_sampled left
-        session.state.listeners.publish(change)
-    else:
-        _wake(session, request.bin)
-    return _rows_reply(session, request, drawn)
+    """The reply of rows counted as a sample (the storage told of what it changed)."""
+    return _rows_reply(session, request, result[0])
 
 
 def _rows_reply(session, request, drawn):
@@ -243,8 +228,6 @@ def update_priorities(session, request) -> dict:
     table = storage.table(request.bin)
     keys = int64_array(request.keys, "keys")
     updated = storage.update_priorities(table, keys, float64_array(request.priorities, "priorities"))
-    if updated:
-        _wake(session, request.bin)
     return TPRIORITY.reply(request.id, n=updated)
 
 
@@ -286,4 +269,4 @@ def _run_or_wait(session, request, table, run: Callable, reply: Callable, ready:
             raise error
         return reply(result)
 
-    return in_lane(name, lane, ready, go, finish, wait, expire)
+    return in_lane(name, request.command, ready, go, finish, wait, expire)

@@ -39,7 +39,7 @@ def start_relay(state, config, reactor) -> Follower:
     tls = TLSSettings.from_options(True if config.follow_tls else None, config.follow_tls_ca,
                                    config.follow_tls_fingerprint)
     upstream = Upstream(reactor, host, port, token=token, tls=tls)
-    follower = Follower(reactor, state.storage, state.listeners.publish, upstream, config.follow_bins,
+    follower = Follower(reactor, state.storage, upstream, config.follow_bins,
                         config.follow_timeout, max_mirrors=config.max_listens,
                         needed=lambda name: state.listeners.listened(name) or state.waits.waiting_on(name))
     follower.zero_copy_min = config.zero_copy_min

@@ -95,15 +95,14 @@ class _Mirror:
 
 class Follower:
     """Mirrors the upstream's followed bins into ``storage`` through ``upstream`` (see
-    the module docstring).  ``publish(change)`` tells local listeners of a mirrored
-    change; ``needed(name)`` says whether a client of the relay listens to (or
+    the module docstring; the storage tells local listeners of each mirrored
+    change).  ``needed(name)`` says whether a client of the relay listens to (or
     waits on) a bin."""
 
-    def __init__(self, reactor, storage, publish: Callable, upstream: Upstream, pattern: str = "*",
+    def __init__(self, reactor, storage, upstream: Upstream, pattern: str = "*",
                  timeout: float = 30.0, max_mirrors: int = 10_000, needed: Callable[[str], bool] = lambda name: False):
         self.reactor = reactor
         self.storage = storage
-        self.publish = publish
         self.upstream = upstream
         self.where = upstream.where
         self.pattern = pattern
@@ -254,9 +253,7 @@ class Follower:
         del self.mirrors[mirror.name]
         if self.upstream.listening(mirror.name):
             self.upstream.unlisten(mirror.name)
-        change = self.storage.unmirror(mirror.name)
-        if change is not None:
-            self.publish(change)
+        self.storage.unmirror(mirror.name)  # (its listeners are told)
 
     def _listen(self, mirror: _Mirror) -> None:
         """Listen to the bin upstream; its snapshot starts the first fetch."""
@@ -399,17 +396,14 @@ class Follower:
         """Replace the local copy in one change (numbered ``seq`` if one was reserved
         for it; ``copy`` None: the bin is gone upstream) and tell local listeners."""
         name, storage = mirror.name, self.storage
-        try:
+        try:  # (the storage tells local listeners)
             if copy is None:
-                change = storage.unmirror(name)
+                storage.unmirror(name)
             else:
                 op = _as_one_change(op, len(copy), storage.count(name))
-                change = storage.mirror(name, copy, op, seq, share_from=self.zero_copy_min)
+                storage.mirror(name, copy, op, seq, share_from=self.zero_copy_min)
         except RemoteError as exc:  # a limit of this relay (max_bins...)
             log.warning("relay: cannot mirror bin %r: %s", name, exc)
-            change = None
-        if change is not None:
-            self.publish(change)
         mirror.synced = True
         mirror.have = copy_seq
         self._settle(mirror, upstream_seq)

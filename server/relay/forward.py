@@ -5,15 +5,17 @@ of a server started with ``--follow`` (through ``ServerState.handlers``) and fal
 back to them for names the relay does not follow, which live on the relay as on
 any server.  Each returns an outcome (``server/protocol/outcome.py``).
 
-* ``FORWARD`` (PUT, APPEND, DELETE, GET, the table verbs): a request about a
-  followed name is sent upstream as it came (a value's description and payload
-  bytes, never decoded) and answered only once the upstream has answered, with its
-  reply code.  A change to a bin the relay mirrors is answered once the mirror
-  shows it too, so a client reads its own writes on the relay; a GET's items are
-  handed on; a table verb's reply is the upstream's as it came (tables live
-  upstream: a relay mirrors bins, not tables).  Nothing is retried: a request
-  whose upstream connection drops gets 421, and the client decides (the upstream
-  may or may not have made the change), so nothing is done twice by the relay.
+* ``FORWARD`` (PUT, APPEND, DELETE, GET) and ``PASS`` (the table verbs): a
+  request about a followed name is sent upstream as it came (a value's
+  description and payload bytes, never decoded) and answered only once the
+  upstream has answered, with its reply code.  A ``FORWARD`` verb changes a bin:
+  whatever its handler, :func:`_forward` answers it only once the relay's mirror
+  shows the change too (when it mirrors the bin), so a client reads its own writes
+  on the relay; a GET's items are handed on.  A ``PASS`` verb's reply is the
+  upstream's as it came (tables live upstream: a relay mirrors bins, not tables).
+  Nothing is retried: a request whose upstream connection drops gets 421, and the
+  client decides (the upstream may or may not have made the change), so nothing is
+  done twice by the relay.
 * ``MIRROR`` (PEEK, LISTEN): a followed bin is mirrored from then on and the
   request waits for its first copy; then it is answered from the mirror, like any
   bin (same-host zero-copy included; a PEEK that waits for a change waits for the
@@ -50,7 +52,8 @@ _NOT_FORWARDED = (Key.RELEASE, Key.REF)  # about this connection only (§10.3): 
 def relay_handlers() -> dict:
     """The handlers a relay uses instead of the usual ones: one per verb whose declared
     treatment is not ``LOCAL``."""
-    made = {Relay.FORWARD: _forwarding, Relay.MIRROR: _mirroring, Relay.MERGE: lambda command: listing}
+    made = {Relay.FORWARD: _forwarding, Relay.PASS: _passing, Relay.MIRROR: _mirroring,
+            Relay.MERGE: lambda command: listing}
     return {command: made[command.relay](command) for command in COMMANDS.values() if command.relay != Relay.LOCAL}
 
 
@@ -63,12 +66,13 @@ def _as_remote(error: BaseException) -> RemoteError:
 
 
 def _forward(session, command, fields: dict, value=None, timeout: float | None = None,
-             on_reply: Callable | None = None, mirrored: str | None = None):
+             on_reply: Callable | None = None):
     """A :class:`~..protocol.outcome.Pending`: ``command`` sent upstream; the request
-    answered with ``on_reply(reply)`` (the upstream's raw reply), once the mirror of
-    bin ``mirrored`` shows the change if the relay mirrors it, or refused with the
-    upstream's error."""
+    answered with ``on_reply(reply)`` (the upstream's raw reply) or refused with the
+    upstream's error.  A change of a bin (``Relay.FORWARD``, as its verb declares) is
+    answered once the relay's mirror of the bin shows it, if the relay mirrors it."""
     relay = session.state.relay
+    mirrored = fields[Key.BIN] if command.relay == Relay.FORWARD else None
 
     def start(done: Callable) -> None:
         relay.when_started(lambda error: send(done) if error is None else done(None, _as_remote(error)))
@@ -106,12 +110,17 @@ def _local_seq(session, name: str, upstream_seq: int) -> tuple[bool, int, int]:
 
 
 def _forwarding(command) -> Callable:
-    """The handler of a ``FORWARD`` verb: the changes of bins (which the relay may
-    mirror) have their own; a table verb is passed through."""
+    """The handler of a ``FORWARD`` verb: those with more to do than pass the request
+    on have their own; any handler's answer waits for the mirror (:func:`_forward`)."""
     special = {PUT: store, APPEND: store, DELETE: delete, GET: get}.get(command)
-    if special is not None:
-        return special
+    return special if special is not None else _passing(command)
+
+
+def _passing(command) -> Callable:
+    """A handler that sends a followed name's request upstream as it came and answers
+    with the upstream's reply (its seq the mirror's, for a ``FORWARD`` verb)."""
     plain = HANDLERS[command]
+    changes = command.relay == Relay.FORWARD
 
     def passed(session, request):
         relay, name = session.state.relay, request.bin
@@ -128,6 +137,8 @@ def _forwarding(command) -> Callable:
         def answered(reply) -> list:
             header = dict(reply.header)
             header[Key.ID] = request.id
+            if changes:  # (as the mirror numbers its changes)
+                header[Key.SEQ] = _local_seq(session, name, header[Key.SEQ])[2]
             frame = reply.frame
             if not frame.payload_len:
                 return [frame_head(header, 0)]
@@ -135,7 +146,7 @@ def _forwarding(command) -> Callable:
 
         return _forward(session, command, fields, value, timeout, answered)
 
-    passed.__name__ = f"forward_{command.verb.lower()}"
+    passed.__name__ = f"{command.relay}_{command.verb.lower()}"
     return passed
 
 
@@ -171,7 +182,7 @@ def store(session, request):
         mirrored, n, seq = _local_seq(session, name, reply.header[Key.SEQ])
         return command.reply(request.id, n=n if mirrored else reply.header[Key.N], seq=seq)
 
-    return _forward(session, command, fields, value, timeout, stored, name)
+    return _forward(session, command, fields, value, timeout, stored)
 
 
 def delete(session, request):
@@ -191,7 +202,7 @@ def delete(session, request):
         return DELETE.reply(request.id, n=reply.header[Key.N],
                             seq=_local_seq(session, name, reply.header[Key.SEQ])[2])
 
-    return _forward(session, DELETE, fields, None, relay.timeout, deleted, name)
+    return _forward(session, DELETE, fields, None, relay.timeout, deleted)
 
 
 def get(session, request):
@@ -221,7 +232,7 @@ def get(session, request):
         return local.items_reply(session, request, session.storage.as_items(copy), parts,
                                  _local_seq(session, name, reply.header[Key.SEQ])[2], None)
 
-    return _forward(session, GET, fields, None, timeout, taken, name)
+    return _forward(session, GET, fields, None, timeout, taken)
 
 
 def _mirroring(command) -> Callable:

@@ -32,7 +32,7 @@ from typing import Callable
 
 from twisted.internet import defer
 
-from tensorshare.drivers.twisted import Options, TwistedMember, Wire, open_wire
+from tensorshare.drivers.twisted import Options, Remapper, TwistedMember, Wire, first_error, open_wire, start_members
 from tensorshare.errors import AuthenticationError, ConnectionLostError, ProtocolError, WrongWorkerError
 from tensorshare.protocol.engine import Call, Notice, RawValue, Restored, frame_of, next_request_id
 from tensorshare.protocol.messages import ITEMS, LISTEN, NOTIFY, PEEK, Command, Key, Route
@@ -116,10 +116,10 @@ class Upstream:
         self.on_refused: Callable[[BaseException], None] | None = None
         self.arriving: Callable | None = None
         self.router = Router(self._member, port)
+        self.remapper = Remapper(self.options, self.router)
         self._pending: dict[str, _Listen] = {}  # listens sent, not answered yet (restored if their connection drops)
         self._bootstrap = self.options.engine(port)  # (its backoff paces the attempts at a first connection)
         self._bootstrap_timer = None
-        self._mapping: list | None = None  # while the workers are mapped again: who waits, and since which map
         self._closed = False
 
     @property
@@ -155,8 +155,7 @@ class Upstream:
             wire.close()
             self._start_later()
             return
-        for member in self.router.all():
-            member.start().addErrback(lambda failure: None)
+        start_members(self.router).addErrback(lambda failure: None)  # (each keeps trying by itself)
 
     def _unreached(self, failure) -> None:
         if self._closed:
@@ -175,6 +174,7 @@ class Upstream:
         self._closed = True
         if self._bootstrap_timer is not None and self._bootstrap_timer.active():
             self._bootstrap_timer.cancel()
+        self.remapper.closed = True
         for member in self.router.everyone():
             member.close()
 
@@ -188,9 +188,8 @@ class Upstream:
         member.on_ready = self._ready
         member.on_lost = self._lost
         member.on_refused = lambda member, error: self.on_refused is not None and self.on_refused(error)
-        member.fits = self._fits
-        if index is not None:
-            member.on_unreached = lambda member: self._remap(f"worker {member.index} at {member.where} unreachable")
+        member.fits = self.remapper.fits
+        member.on_unreached = self.remapper.unreached
         return member
 
     def _ready(self, member: TwistedMember) -> None:
@@ -200,16 +199,6 @@ class Upstream:
     def _lost(self, member: TwistedMember, reason: str) -> None:
         if self.on_lost is not None:
             self.on_lost(reason, lambda name: member not in self.router.members or self.router.owner(name) is member)
-
-    def _fits(self, member: TwistedMember, greeting: dict) -> bool:
-        """Whether ``member``'s greeting comes from what it was opened for; if not, map
-        the workers again."""
-        if member not in self.router.members:
-            return False  # (replaced meanwhile)
-        if self.router.fits(member.index, greeting):
-            return True
-        self._remap(f"{member.where} greeted as another worker than {member.index}")
-        return False
 
     # -- requests, where their declarations route them
 
@@ -235,8 +224,7 @@ class Upstream:
                                 consumeErrors=True)
         d.addCallback(lambda replies: Reply(router.merged(command, [reply.header for reply in replies]),
                                             replies[0].frame))
-        return d.addErrback(lambda failure: failure.value.subFailure
-                            if isinstance(failure.value, defer.FirstError) else failure)
+        return d.addErrback(first_error)
 
     def _send(self, member: TwistedMember, command: Command, fields: dict, value: tuple | None,
               timeout: float | None, handle: _Listen | None = None) -> defer.Deferred:
@@ -257,7 +245,7 @@ class Upstream:
                 return failure
             return self._send(self.router.owner(fields[Key.BIN]), command, fields, value, timeout)
 
-        return self._remap(failure.getErrorMessage(), seen).addCallback(again)
+        return self.remapper.again(failure.getErrorMessage(), seen).addCallback(again)
 
     # -- listens
 
@@ -317,43 +305,6 @@ class Upstream:
             return
         for handle in event.handles:
             handle.callback({**event.header, Key.BIN: event.bin, Key.OP: "LISTEN"}, None)
-
-    # -- the workers mapped again
-
-    def _remap(self, why: str, seen: WorkerMap | None = None) -> defer.Deferred:
-        """Map the workers again from the upstream's address (one mapping at a time); a
-        Deferred of whether the relay routes differently now than by ``seen``
-        (default: the map now)."""
-        d = defer.Deferred()
-        first = self._mapping is None
-        if first:
-            self._mapping = []
-        self._mapping.append((d, self.router.map if seen is None else seen))
-        if first:
-            open_wire(self.options, self.port, self.options.engine(self.port)).addCallbacks(
-                self._mapped, self._unmapped, (why,), None, (why,))
-        return d
-
-    def _mapped(self, wire: Wire, why: str) -> None:
-        old = None if self._closed else self.router.learn(wire.engine.greeting, wire)
-        if old is None:
-            wire.close()
-        else:
-            log.warning("relay: upstream %s runs other workers now (%s): mapping them again", self.where, why)
-            for member in old:
-                member.close()  # (calls in flight on it fail: ConnectionLostError, the relay answers 421)
-            for member in self.router.all():
-                member.start().addErrback(lambda failure: None)
-        self._answer()
-
-    def _unmapped(self, failure, why: str) -> None:
-        log.info("relay: cannot map the workers of %s again (%s): %s", self.where, why, failure.getErrorMessage())
-        self._answer()
-
-    def _answer(self) -> None:
-        waiting, self._mapping = self._mapping, None
-        for d, seen in waiting:
-            d.callback(self.router.stale(seen))
 
     # -- incoming payloads
 

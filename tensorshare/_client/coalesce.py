@@ -32,13 +32,13 @@ class Coalescer:
         self.limit = limit
         self._sock: Any = None
         self._in_flight: set[int] = set()  # ids of requests sent (or being sent), not yet answered
-        self._frames: list = []  # bytes, or a memoryview: the rest of a partly sent frame
+        self.frames: list = []  # bytes, or a memoryview: the rest of a partly sent frame
         self._rids: list[int] = []  # ids of the held frames
         self._size = 0
         self.partial = False  # the first held frame is the rest of one already started
 
     def __bool__(self) -> bool:
-        return bool(self._frames)
+        return bool(self.frames)
 
     def awaiting(self, sock: Any) -> bool:
         """Whether a request sent on ``sock`` (a connection) still awaits its reply."""
@@ -50,7 +50,7 @@ class Coalescer:
         what is held, see :meth:`take`)."""
         if not self.awaiting(sock) or self._size + len(data) > self.limit:
             return False
-        self._frames.append(data)
+        self.frames.append(data)
         self._rids.append(rid)
         self._size += len(data)
         return True
@@ -61,11 +61,11 @@ class Coalescer:
         sent.  A new socket starts afresh: what was held for the last is dropped."""
         if self._sock is not sock:
             self._sock, self._in_flight = sock, set()
-            self._frames, self._rids, self._size, self.partial = [], [], 0, False
-        frames = self._frames
+            self.frames, self._rids, self._size, self.partial = [], [], 0, False
+        frames = self.frames
         if frames:
             self._in_flight.update(self._rids)
-            self._frames, self._rids, self._size, self.partial = [], [], 0, False
+            self.frames, self._rids, self._size, self.partial = [], [], 0, False
         if rid is not None:
             self._in_flight.add(rid)
         return frames
@@ -73,7 +73,7 @@ class Coalescer:
     def keep_rest(self, rest: memoryview) -> None:
         """Hold the unsent end of what :meth:`take` gave, to go first next time."""
         if len(rest):
-            self._frames.insert(0, rest)
+            self.frames.insert(0, rest)
             self._size += len(rest)
             self.partial = True
 

@@ -1,33 +1,37 @@
-"""The client side of the protocol, without I/O: request frames in, replies out.
+"""Requests and replies in the user clients' terms: values in, tensors out.
 
-Both clients use it: :class:`tensorshare.Client` over a plain socket and
-:class:`tensorshare.AsyncClient` over Twisted.  A :class:`ClientConnection` runs the
-opening handshake (greeting, then authentication when the server asks for it) and
-decodes incoming bytes into frames; :func:`request_frame` builds a request from a
-declared :class:`~tensorshare.protocol.messages.Command`; :func:`read_reply`
-checks a reply against its command and decodes the values it carries.
+The engine (:mod:`tensorshare.protocol.engine`) moves raw values; this is what the
+two user clients' value layer (:mod:`.values`) builds on: :func:`request_frame`
+builds a request from a declared :class:`~tensorshare.protocol.messages.Command`
+and a value (encoded here); :func:`read_reply` checks a reply against its command
+and :func:`decode_items` builds the values an items reply carries; and the
+notifications and listen snapshots a user hears.
 """
 
 from __future__ import annotations
 
-import itertools
-import logging
+import enum
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from ..errors import ProtocolError, TensorShareError, TooLargeError, ZeroCopyError
-from ..protocol import peers
-from ..protocol.handshake import CLIENT_FRAME_LIMITS, Handshake
+from ..errors import ProtocolError, TooLargeError, ZeroCopyError
 from ..protocol.items import item_table
-from ..protocol.messages import ITEMS, KEEPALIVE, NOTIFICATION, NOTIFY, UNAVAILABLE, Command, Key, reply_error
-from ..wire.codec import Encoded, build, empty_payload, encode
-from ..wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
-from ..wire.frames import MAGIC, Frame, FrameDecoder, FrameLimits, buffer_sink, frame_head
+from ..protocol.messages import ITEMS, Command, Key
+from ..wire.build import build_item
+from ..wire.codec import Encoded, empty_payload, encode
+from ..wire.description import DEFAULT_LIMITS, DecodeLimits
+from ..wire.frames import Frame, frame_head
 from ..wire.recycle import Recycler
 
-NO_VALUE = object()  # "this request carries no value" (None is a value)
-log = logging.getLogger("tensorshare.client")
+class _NoValue(enum.Enum):
+    NO_VALUE = "no value"
+
+    def __repr__(self) -> str:
+        return "NO_VALUE"
+
+
+NO_VALUE = _NoValue.NO_VALUE  # "this request carries no value" (None is a value)
 
 
 @dataclass(frozen=True)
@@ -113,51 +117,6 @@ def _reply_array(nbytes: int):
     return empty_payload(nbytes).numpy()
 
 
-class ClientConnection(Handshake):
-    """Per-connection protocol state of a client: the opening handshake
-    (:class:`~..protocol.handshake.Handshake`) and the incoming frames.
-
-    ``token`` (the HMAC key, see :mod:`..protocol.auth`) is what the client proves it
-    knows when the server asks.  ``reuse`` holds the arrays large replies were
-    received into, for later replies of the same size once the values built on them
-    are dropped (see :func:`~..wire.frames.buffer_sink`).
-    """
-
-    def __init__(self, frame_limits: FrameLimits = CLIENT_FRAME_LIMITS, token: bytes | None = None,
-                 reuse: Recycler | None = None, where: str = "the server"):
-        super().__init__(token, next_request_id)
-        sinks = buffer_sink if reuse is None else partial(buffer_sink, reuse=reuse)
-        self.decoder = FrameDecoder(sinks, frame_limits)
-        self.areas = None  # zerocopy.SharedAreas: what the greeting offered and this client verified
-        self.where = where  # host:port, for messages
-        self.first = b""  # the first bytes the server sent, until they showed its magic
-        self.device_sinks = False  # large replies may go straight to device memory (devices.receive_on_device)
-
-    def feed(self, data: bytes) -> list[Frame]:
-        """The frames ``data`` completes.  Raises :class:`WrongServerError` when the
-        first bytes show that the peer is not a tensorshare server."""
-        if len(self.first) < len(MAGIC):
-            self.first += bytes(data[:64])
-            speaks = peers.recognise(self.first)
-            if speaks != peers.TENSORSHARE:
-                raise peers.wrong_server(self.where, self.first, speaks)
-        return self.decoder.feed(data)
-
-
-def report_unsolicited(frame: Frame, where: str) -> None:
-    """Log an id-0 frame that is neither a notification nor a keepalive: an error
-    the server could not tie to a request, or its 421 before it closes an idle
-    connection.  If the connection cannot go on, the server closes it next."""
-    header = frame.header
-    code = header.get(Key.CODE)
-    if code == KEEPALIVE:
-        return
-    error = reply_error(header, "unsolicited frame")
-    level = logging.INFO if getattr(error, "code", None) == UNAVAILABLE else logging.WARNING
-    log.log(level, "error reply from %s for no request: %s", where, error)
-
-
-_ids = itertools.count(1)
 _checked_names: set = set()  # bin names already found valid (programs reuse a few)
 
 
@@ -171,11 +130,6 @@ def check_fields(command: Command, fields: dict) -> None:
             if len(_checked_names) >= 4096:
                 _checked_names.clear()
             _checked_names.add(name)
-
-
-def next_request_id() -> int:
-    """A process-wide unique request id (ids are never reused across reconnects)."""
-    return next(_ids)
 
 
 def request_frame(rid: int, command: Command, fields: dict | None = None, value: Any = NO_VALUE,
@@ -215,15 +169,6 @@ def _check_size(nbytes: int, max_payload: int) -> None:
                             f"in one request (its --max-frame)")
 
 
-def notification_of(frame: Frame) -> Notification | None:
-    """The notification a frame carries, or None if it is not one."""
-    header = frame.header
-    if header.get(Key.CODE) != NOTIFY:
-        return None
-    NOTIFICATION.check(header)
-    return Notification(header[Key.BIN], header[Key.N], header[Key.SEQ], header[Key.OP], header.get(Key.TAG))
-
-
 def read_reply(command: Command, frame: Frame, device: Any = None, limits: DecodeLimits = DEFAULT_LIMITS,
                areas: Any = None, decode: bool = True, into: Any = None, caller: Any = None) -> Reply:
     """The checked reply to ``command`` (its values decoded if it carries items and
@@ -256,18 +201,9 @@ def decode_items(header: dict, payload, payload_len: int, device: Any = None,
             values.append(areas.load(ref, blob, size, device, limits, None if into is None else partial(into, i),
                                      caller))
             continue
-        desc = parse_description(blob, size, limits)
         try:
-            values.append(build(desc, payload, base, device))
+            values.append(build_item(blob, size, payload, base, device, limits))
         except (ValueError, TypeError, RuntimeError) as exc:  # e.g. a shape numpy cannot hold
             raise ProtocolError(f"cannot build item {len(values)}: {exc}") from None
         base += size
     return values
-
-
-def frame_error(frame: Frame) -> TensorShareError | None:
-    """The error an error reply stands for, or None for a success code."""
-    code = frame.header.get(Key.CODE)
-    if type(code) is int and code < 400:
-        return None
-    return reply_error(frame.header, "reply")

@@ -16,44 +16,18 @@ Replies that hold numpy arrays, and small ones, are received as before and moved
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import Any, Callable
 
 import torch
 
 from ..errors import ProtocolError, UsageError
 from ..protocol.messages import ITEMS, Key
-from ..wire.description import DEFAULT_LIMITS, Description, _ArrayRef, _TupleNode, parse_description
-from .connection import item_table
+from ..wire.description import DEFAULT_LIMITS, parse_description, template_targets
+from ..protocol.items import item_table
 
 log = logging.getLogger("tensorshare.client")
 
 DEVICE_MIN = 1 << 20  # replies from this many payload bytes arrive into device memory directly
-
-
-def receive_on_device(conn, client) -> None:
-    """Make ``conn``'s decoder ask ``client`` where each large reply's payload goes
-    (once per connection; the client is held weakly: no reference cycle)."""
-    if conn.device_sinks:
-        return
-    plain = conn.decoder.sink_factory
-    owner = weakref.ref(client)
-
-    def sink(header: dict, nbytes: int):
-        if nbytes >= DEVICE_MIN:
-            client = owner()
-            try:
-                made = None if client is None else device_sink(client._calls.get(header.get(Key.ID)), client.device,
-                                                               header, nbytes)
-            except RuntimeError as exc:  # no room on the device: received in host memory (a take loses nothing)
-                log.warning("a reply of %d bytes is received in host memory: %s", nbytes, exc)
-                made = None
-            if made is not None:
-                return made
-        return plain(header, nbytes)
-
-    conn.decoder.sink_factory = sink
-    conn.device_sinks = True
 
 
 def device_sink(call, default_device: Any, header: dict, nbytes: int):
@@ -151,30 +125,6 @@ def payload_layout(header: dict, nbytes: int, into: Callable | None, engine, ind
         entries += found
         base += size
     return entries if any(target is not None for _o, _n, target in entries) else None
-
-
-def template_targets(template: Any) -> Callable[[int, Description], dict]:
-    """``into`` for a value shaped like the items: the tensors of ``template`` where
-    the item has an array at the same place (dict keys, list and tuple positions)."""
-    def targets(item: int, desc: Description) -> dict:
-        found: dict = {}
-        _match(desc.tree, template, found)
-        return found
-    return targets
-
-
-def _match(node: Any, template: Any, found: dict) -> None:
-    if isinstance(node, _ArrayRef):
-        if hasattr(template, "is_contiguous"):  # a tensor
-            found[node.index] = template
-        return
-    if isinstance(node, dict) and isinstance(template, dict):
-        for key, value in node.items():
-            if key in template:
-                _match(value, template[key], found)
-    elif isinstance(node, (list, _TupleNode)) and isinstance(template, (list, tuple)):
-        for value, slot in zip(node, template):
-            _match(value, slot, found)
 
 
 def as_into(into: Any) -> Callable | None:

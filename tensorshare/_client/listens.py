@@ -13,10 +13,14 @@ way when ``stop()`` is called, and they come before that reply.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
-from ..protocol.engine import Listens
+from ..protocol.engine import Notice, Restored
+from ..protocol.messages import Key
 from .connection import ListenSnapshot, Notification
+
+log = logging.getLogger("tensorshare.client")
 
 
 class Listening:
@@ -42,4 +46,21 @@ class Listening:
         return f"<Listening {self.bin!r}>"
 
 
-Subscriptions = Listens  # the AsyncClient's listens: the engine's table of them (protocol/engine.py)
+def notification(notice: Notice) -> Notification:
+    """The :class:`Notification` the handles of an engine's :class:`Notice` hear."""
+    header = notice.header
+    return Notification(notice.bin, header[Key.N], header[Key.SEQ], header[Key.OP], header.get(Key.TAG))
+
+
+def tell_restored(event: Restored, where: str = "the server") -> None:
+    """A bin listened to again after a reconnection: each handle hears of its state
+    then, as a ``LISTEN`` notification (if it could not be, a warning says so)."""
+    if event.error is not None:
+        log.warning("could not listen to %r again after reconnecting to %s: %s", event.bin, where, event.error)
+        return
+    note = ListenSnapshot.of(event.header).as_notification(event.bin)
+    for handle in event.handles:
+        try:
+            handle.callback(note)
+        except Exception:
+            log.exception("tensorshare listen callback %r failed", handle.callback)

@@ -31,15 +31,11 @@ import logging
 import threading
 import time
 from functools import partial
-from typing import Any
 
-from ..errors import (
-    AuthenticationError, ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UsageError,
-)
+from ..errors import ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UsageError
 from ..protocol.engine import DEAD, Engine, Notice, Restored
-from ..protocol.messages import Key
 from .coalesce import Coalescer
-from .connection import ListenSnapshot, Notification
+from .listens import notification, tell_restored
 from .progress import Progress
 from .reader import BackgroundReader
 from .sockets import SMALL_FRAME, Link, open_link, wait
@@ -72,11 +68,15 @@ class Member:
         self.engine = opened.engine if opened is not None else Engine(
             settings.token, self.where, keepalive=settings.keepalive, max_backoff=settings.max_backoff)
         self.engine.sinks = self.engine.decoder.sink_factory = front.values.sinks(self.engine)
-        self.cond = threading.Condition()  # guards the engine's calls and listens, and who reads
+        # ``lock`` guards the engine's calls and listens, and who reads; ``cond`` (over
+        # the same lock) is for waiting: plain ``with lock`` costs half of ``with cond``.
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
         self.send_lock = threading.Lock()
         self.connect_lock = threading.Lock()
         self.coalescer = Coalescer(SMALL_FRAME)  # requests in flight, small ones held back meanwhile (send lock)
         self.spin = ReplySpin(settings.spin)  # used by the thread reading for its own reply
+        self._next_check = 0.0  # the keepalive's next look (monotonic), as it said last
         self.link: Link | None = None
         self.areas: SharedAreas | None = None  # the current connection's verified same-host areas
         self.reading = False  # a thread is the leader: it reads the socket
@@ -135,11 +135,12 @@ class Member:
         except BaseException:
             link.close()
             raise
-        with self.cond:
+        with self.lock:
             if self.closed:  # closed while we connected: do not leave a socket behind
                 link.close()
                 raise UsageError("the client is closed")
             self.link, self.areas = link, areas
+            self._next_check = 0.0  # (a new connection's keepalive starts afresh)
         if self.engine.outbox:  # (listens moved here before this connection was taken)
             with self.send_lock:
                 self._send_locked(link, [], None)
@@ -166,24 +167,34 @@ class Member:
         """Send ``call`` and wait for its reply (``call.frame``) or its error (``call.error``).
         A caller who leaves early abandons it: the connection is reset if the server
         could otherwise deliver to nobody (a call it may hold, or one that takes items)
-        and after any interrupt (KeyboardInterrupt...), which may leave a frame half sent."""
-        if self.link is not None:
-            self._before_request()
-        link = self.link or self.connect(deadline)
-        cond = self.cond
-        with cond:
-            self.engine.track(call, time.monotonic())
+        and after any interrupt (KeyboardInterrupt...), which may leave a frame half sent.
+        A caller who finds nobody reading becomes the reader before it sends: its reply
+        is read by no one else, and no thread is woken for it."""
+        engine = self.engine
+        now = time.monotonic()
+        link = self.link
+        if link is not None and now - engine.last_heard > _IDLE_CHECK and now - engine.last_sent > _IDLE_CHECK:
+            self._before_request(now)
+            link = self.link
+        if link is None:
+            link = self.connect(deadline)
+        lock = self.lock
+        with lock:
+            engine.track(call, now)
+            leading = not self.reading
+            if leading:
+                self.reading = True
         try:
             if progress is None:
                 self._send(link, parts, deadline, call.rid)
             else:
                 self._send(link, progress.sending(parts), deadline, call.rid, progress=progress)
-            self._await(call, deadline, progress)
+            self._await(call, deadline, progress, leading)
         except BaseException as exc:
             interrupted = not isinstance(exc, TensorShareError)  # (KeyboardInterrupt...: its frame may be half sent)
-            with cond:
-                in_flight = call.rid in self.engine.calls
-                reset = self.engine.abandon(call) or (interrupted and in_flight)
+            with lock:
+                in_flight = call.rid in engine.calls
+                reset = engine.abandon(call) or (interrupted and in_flight)
             if reset:
                 self.drop(link, ConnectionLostError(f"connection to {self.where} reset: a call on it was given up "
                                                     f"while the server could still answer it"))
@@ -195,8 +206,12 @@ class Member:
     def submit(self, call, parts: list, deadline: float | None) -> None:
         """Send a non-blocking call; the front's ``complete(call)`` (or its inline
         completion) hears of it."""
-        if self.link is not None:
-            self._before_request()
+        link = self.link
+        if link is not None:
+            now = time.monotonic()
+            engine = self.engine
+            if now - engine.last_heard > _IDLE_CHECK and now - engine.last_sent > _IDLE_CHECK:
+                self._before_request(now)
         try:
             link = self.link or self.connect(deadline)
         except StaleMapError:
@@ -206,12 +221,12 @@ class Member:
             self.front.callbacks().submit(self.front.complete, call)
             return
         try:
-            with self.cond:
+            with self.lock:
                 self.engine.track(call, time.monotonic())
                 self.callbacks += 1
             self._send(link, parts, deadline, call.rid, may_hold=True)
         except TensorShareError as exc:
-            with self.cond:
+            with self.lock:
                 mine = self.engine.calls.pop(call.rid, None) is not None  # else the lost connection failed it already
                 if mine:
                     self.callbacks -= 1
@@ -249,7 +264,7 @@ class Member:
         # and a reader that then found the lock taken did not send what is held: do.
         if not coalescer.awaiting(link):
             with self.send_lock:
-                if coalescer and link is self.link:
+                if coalescer.frames and link is self.link:
                     self._send_locked(link, [], deadline)
 
     def _send_staged(self, link: Link, parts, deadline: float | None, rid: int, progress: Progress | None) -> None:
@@ -274,7 +289,7 @@ class Member:
         if not self.send_lock.acquire(blocking=False):
             return
         try:
-            if link is not self.link or not self.coalescer:
+            if link is not self.link or not self.coalescer.frames:
                 return
             frames = self.coalescer.take(link)
             data = frames[0] if len(frames) == 1 else b"".join(frames)
@@ -311,17 +326,13 @@ class Member:
         except (OSError, ValueError, AttributeError) as exc:  # ValueError/AttributeError: closed by another thread
             raise self._lost(link, exc) from None
 
-    def _before_request(self) -> None:
+    def _before_request(self, now: float) -> None:
         """On a connection quiet for a while, first read what the server sent meanwhile
         (late replies, or the 421 it sends before closing an idle connection), so that
         a connection it has closed is replaced by the request instead of failing it."""
-        engine = self.engine
-        now = time.monotonic()
-        if now - max(engine.last_heard, engine.last_sent) <= _IDLE_CHECK:
-            return
-        engine.last_sent = now
+        self.engine.last_sent = now
         link = self.link
-        with self.cond:
+        with self.lock:
             if self.reading or link is not self.link:
                 return  # another thread reads: it will notice a close itself
             self.reading = True
@@ -331,30 +342,32 @@ class Member:
         except (TimeoutError, ConnectionLostError):
             pass  # half a TLS record (read on later), or the connection is gone (the request reconnects)
         finally:
-            with self.cond:
+            with self.lock:
                 self.reading = False
                 self.cond.notify_all()
 
     # -- reading
 
-    def _await(self, call, deadline: float | None, progress: Progress | None = None) -> None:
-        """Wait for ``call``'s outcome, reading the socket ourselves when nobody else is."""
-        cond = self.cond
-        with cond:
-            while True:
-                if call.frame is not None or call.error is not None:
-                    return
-                if not self.reading:
-                    self.reading = True
-                    break
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise TimeoutError(f"no reply from {self.where} in time")
-                self.waiting += 1
-                try:
-                    cond.wait(remaining)
-                finally:
-                    self.waiting -= 1
+    def _await(self, call, deadline: float | None, progress: Progress | None = None, leading: bool = False) -> None:
+        """Wait for ``call``'s outcome, reading the socket ourselves when nobody else is
+        (``leading``: this thread is the reader already)."""
+        lock = self.lock
+        if not leading:
+            with lock:
+                while True:
+                    if call.frame is not None or call.error is not None:
+                        return
+                    if not self.reading:
+                        self.reading = True
+                        break
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise TimeoutError(f"no reply from {self.where} in time")
+                    self.waiting += 1
+                    try:
+                        self.cond.wait(remaining)
+                    finally:
+                        self.waiting -= 1
         try:
             while call.frame is None and call.error is None:
                 self.read_some(deadline, spin=progress is None)
@@ -363,10 +376,10 @@ class Member:
             if progress is not None:
                 progress.finished(call.frame)
         finally:
-            with cond:
+            with lock:
                 self.reading = False
                 if self.waiting:
-                    cond.notify_all()
+                    self.cond.notify_all()
 
     def read_some(self, deadline: float | None, spin: bool = False) -> None:
         """Read once from the socket and hand on the events it completes (leader only;
@@ -375,17 +388,21 @@ class Member:
         if link is None:
             raise ConnectionLostError(f"not connected to {self.where}")
         poller = link.readable
-        if self.coalescer:  # requests held while earlier ones awaited the replies we read
+        coalescer = self.coalescer
+        if coalescer.frames:  # requests held while earlier ones awaited the replies we read
             self._send_held(link)
-            if self.coalescer.partial:  # the socket is full: wake when it takes more, too
+            if coalescer.partial:  # the socket is full: wake when it takes more, too
                 poller, spin = link.readwrite, False
-        wake = self._keepalive(link)
-        until = deadline if wake is None or (deadline is not None and deadline <= wake) else wake
         engine = self.engine
+        until = deadline
+        if engine.keepalive is not None:
+            wake = self._keepalive(link)
+            if wake is not None and (deadline is None or wake < deadline):
+                until = wake
         try:
-            if spin and not link.tls:
+            if spin and self.spin.limit and not link.tls:
                 within = None if until is None else until - time.monotonic()
-                started = self.spin.poll(partial(poller.poll, 0), within)
+                started = self.spin.poll(link.ready_now if poller is link.readable else partial(poller.poll, 0), within)
                 if started is not None:  # not there yet: sleep until it is
                     wait(poller, until)
                     self.spin.waited(started)
@@ -418,17 +435,15 @@ class Member:
         inline: list = []
         woken = False
         coalescer = self.coalescer
-        with self.cond:
+        with self.lock:
             for event in events:
                 kind = type(event)
                 if kind is Notice:
-                    header = event.header
-                    note = Notification(event.bin, header[Key.N], header[Key.SEQ], header[Key.OP],
-                                        header.get(Key.TAG))
+                    note = notification(event)
                     jobs.extend((handle.callback, (note,)) for handle in event.handles)
                     continue
                 if kind is Restored:
-                    jobs.append((_restored, (event, self.where)))
+                    jobs.append((tell_restored, (event, self.where)))
                     continue
                 if kind is str:  # READY (an opening is over: nothing to hand on)
                     continue
@@ -452,10 +467,11 @@ class Member:
         """Do what the engine's keepalive asks: a probe, or dropping a connection that
         stays silent (ConnectionLostError).  Returns when to check next (None: off)."""
         engine = self.engine
-        if engine.keepalive is None:
-            return None
         now = time.monotonic()
+        if now < self._next_check:
+            return self._next_check
         action, wake = engine.tick(now)
+        self._next_check = now if wake is None else wake
         if action == DEAD:
             err = engine.dead_error()
             self.drop(link, err)
@@ -479,7 +495,7 @@ class Member:
 
     def drop(self, link: Link | None, error: BaseException) -> None:
         """Close ``link`` (if still current) and fail every call in flight on it."""
-        with self.cond:
+        with self.lock:
             if link is None or link is not self.link:
                 return
             self.link = self.areas = None
@@ -493,14 +509,24 @@ class Member:
             front.callbacks().submit_all([(front.complete, (call,)) for call in failed])
 
     def close(self) -> None:
-        with self.cond:
+        with self.lock:
             if self.closed:
                 return
             self.closed = True
             self.cond.notify_all()  # an idle reader ends now
         self.drop(self.link, ConnectionLostError("client closed"))
-        with self.cond:
+        with self.lock:
             self.engine.close()
+
+    def stop_listening(self, handle):
+        """``(command, fields)`` of the call that ends ``handle`` (:meth:`Engine.stop_listening`)."""
+        with self.lock:
+            return self.engine.stop_listening(handle)
+
+    def forget_listen(self, handle) -> None:
+        """``handle`` hears nothing more here (its stopping call failed)."""
+        with self.lock:
+            self.engine.listens.remove(handle)
 
     def join(self, timeout: float) -> None:
         thread = self.reader.thread
@@ -509,7 +535,7 @@ class Member:
 
     def adopt(self, handle) -> None:
         """Listen with ``handle`` (moved here from another member) from now on."""
-        with self.cond:
+        with self.lock:
             restore = self.engine.adopt(handle)
             if restore:
                 self.engine.restore_one(handle.bin)
@@ -519,19 +545,6 @@ class Member:
             with self.send_lock:
                 self._send_locked(link, [], None)
         self.reader.ensure()
-
-
-def _restored(event: Restored, where: str) -> None:
-    """A bin listened to again after a reconnection: each handle hears of its state then."""
-    if event.error is not None:
-        log.warning("could not listen to %r again after reconnecting to %s: %s", event.bin, where, event.error)
-        return
-    note = ListenSnapshot.of(event.header).as_notification(event.bin)
-    for handle in event.handles:
-        try:
-            handle.callback(note)
-        except Exception:
-            log.exception("tensorshare listen callback %r failed", handle.callback)
 
 
 __all__ = ["Member", "StaleMapError"]

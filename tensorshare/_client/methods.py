@@ -4,25 +4,31 @@ Each method states what it sends and what it returns, in terms of
 ``self._call(command, fields, ...)``: :class:`tensorshare.Client` answers a call
 with its result (blocking), :class:`tensorshare.AsyncClient` with a Deferred of
 it.  ``then`` turns the checked :class:`~.connection.Reply` into the result;
-``on_reply`` runs on the reading thread as the reply arrives, before any later
-frame; ``on_error(error)`` may handle an error (returning True) instead of
-letting it through.
+``on_error(error)`` may handle an error (returning True) instead of letting it
+through; ``member`` sends it on that connection instead of where its route says,
+and ``listening`` is the listen handle the call starts or ends (the engine makes
+it active, or silent, as the reply arrives, before any later frame).  Both fronts
+hold a :class:`~tensorshare.protocol.router.Router` (``self.router``) whose
+members have an ``engine``.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import os
 import time
 from typing import Any, Callable
 
-from ..errors import UsageError
+from ..errors import TensorShareError, UsageError
 from ..protocol.messages import (
-    APPEND, COMMANDS, DELETE, GET, LIST, LISTEN, MAX_WAIT, NOOP, OK, PEEK, PUT, UNLISTEN, Command, Key,
+    APPEND, COMMANDS, DELETE, GET, LIST, LISTEN, MAX_WAIT, NOOP, PEEK, PUT, UNLISTEN, Command, Key,
 )
-from .calls import DEFAULT
+from .options import DEFAULT, Timeout
 from ..protocol.items import item_table
 from .connection import NO_VALUE, ListenSnapshot, Notification
 from .listens import Listening
 from .tables import TableMethods
+from .verb import verb
 
 
 def _items_and_seq(reply) -> tuple:
@@ -39,9 +45,21 @@ class ClientMethods(TableMethods):
     """The public verbs of a tensorshare client (see the module docstring); the table
     verbs are :class:`~.tables.TableMethods`'."""
 
+    router: Any  # protocol.router.Router: the members (connections) calls go on
+    values: Any  # values.Values: the value layer
+    timeout: float | None
+    _closed: bool
+
     def _call(self, command, fields: dict | None = None, value: Any = NO_VALUE, *, timeout=DEFAULT,
-              then: Callable | None = None, on_reply: Callable | None = None, on_error: Callable | None = None,
-              decode: bool = True, zero_copy: bool = True) -> Any:
+              then: Callable | None = None, on_error: Callable | None = None, decode: bool = True,
+              zero_copy: bool = True, member: Any = None, listening: Listening | None = None) -> Any:
+        raise NotImplementedError
+
+    def _submit(self, command: Command, fields: dict | None, value: Any, callback: Callable, *,
+                zero_copy: bool = True, timeout=DEFAULT, then: Callable | None = None,
+                on_error: Callable | None = None, decode: bool = True, raw: bool = False, inline: bool = False,
+                member: Any = None, listening: Listening | None = None) -> None:
+        """Send a call whose ``callback(result, error)`` runs once it is settled."""
         raise NotImplementedError
 
     def _done(self, value: Any) -> Any:
@@ -52,13 +70,10 @@ class ClientMethods(TableMethods):
         """The current connection's verified shared areas (None without zero-copy)."""
         raise NotImplementedError
 
-    def _owner_of(self, name: str) -> "ClientMethods":
-        """The client that serves bin ``name`` (see ``core.ClientCore._owner_of``)."""
-        return self
-
     def submit(self, op: "str | Command", bin: str | None = None, value: Any = NO_VALUE,
                callback: Callable[[Any, BaseException | None], Any] | None = None, *, tag: int | None = None,
-               zero_copy: bool = True, inline: bool = False, fields: dict | None = None) -> None:
+               zero_copy: bool = True, inline: bool = False, fields: dict | None = None,
+               by_reference: bool = False) -> None:
         """Send a request without waiting; ``callback(result, error)`` runs when the
         reply arrives (the blocking client: on its dispatcher thread).  ``op`` is a
         verb (``"PUT"``...) or its :class:`~tensorshare.protocol.messages.Command`;
@@ -67,8 +82,19 @@ class ClientMethods(TableMethods):
         ``zero_copy=False``: over TCP only.  ``inline=True`` (the blocking client)
         runs the callback on the thread that reads the socket, with no hand-off to
         the dispatcher: for a quick callback that never calls the client.
-        ``fields``: more header fields of the verb (``{"below": 64, "wait": 10.0}``)."""
+        ``fields``: more header fields of the verb (``{"below": 64, "wait": 10.0}``).
+        ``by_reference=True`` (the blocking client's PUT): as :meth:`put`'s; the
+        caller's thread only queues the value's copy on its device, and the callback
+        runs on a thread of the client (keep it quick).  :meth:`flush` waits for
+        such puts."""
         command = op if isinstance(op, Command) else COMMANDS[op]
+        if by_reference:
+            if not self._blocking or command is not PUT:
+                raise UsageError("by_reference is for the blocking Client's PUT")
+            from .exports import put_by_reference
+
+            put_by_reference(self, bin, value, tag, DEFAULT, wait=False, callback=callback)
+            return
         extra = fields
         fields = None if bin is None else bin_fields(bin, tag)
         if extra:
@@ -82,8 +108,10 @@ class ClientMethods(TableMethods):
 
     _blocking = False  # the blocking Client's calls return their results (put by_reference needs that)
 
+    @verb
     def put(self, bin: str, value: Any, *, tag: int | None = None, ephemeral: bool = False,
-            timeout=DEFAULT, progress: Callable[[int, int], Any] | None = None, by_reference: bool = False) -> Any:
+            timeout: Timeout = DEFAULT, progress: Callable[[int, int], Any] | None = None,
+            by_reference: bool = False) -> int:
         """Replace the items of ``bin`` with ``value``; returns the bin's item count (1).
 
         ``tag``, an optional 64-bit integer stored with the item, reaches listeners
@@ -109,16 +137,16 @@ class ClientMethods(TableMethods):
                 raise UsageError("by_reference is for the blocking Client")
             from .exports import put_by_reference
 
-            # (on the connection that serves the bin: its device references are that connection's)
-            return put_by_reference(self._owner_of(bin), bin, value, tag, timeout)
+            return put_by_reference(self, bin, value, tag, timeout)
         if ephemeral:
             fields = bin_fields(bin, tag)
             fields[Key.EPHEMERAL] = True
             return self._call(PUT, fields, value, timeout=timeout, zero_copy=False, **_progress(progress))
         return self._call(PUT, bin_fields(bin, tag), value, timeout=timeout, **_progress(progress))
 
+    @verb
     def append(self, bin: str, value: Any, *, tag: int | None = None, below: int | None = None,
-               timeout=DEFAULT, progress: Callable[[int, int], Any] | None = None) -> Any:
+               timeout: Timeout = DEFAULT, progress: Callable[[int, int], Any] | None = None) -> int:
         """Add ``value`` as one more item of ``bin``; returns the bin's new item count.
         ``progress``: as for :meth:`put`.
 
@@ -137,7 +165,8 @@ class ClientMethods(TableMethods):
 
     # -- reading
 
-    def get(self, bin: str, timeout=DEFAULT, *, max_items: int | None = None, with_seq: bool = False,
+    @verb
+    def get(self, bin: str, timeout: Timeout = DEFAULT, *, max_items: int | None = None, with_seq: bool = False,
             wait: float | None = None, least: int | None = None,
             progress: Callable[[int, int], Any] | None = None, device: Any = None) -> Any:
         """Take all items out of ``bin`` (it stays, empty); returns them in order.
@@ -171,7 +200,8 @@ class ClientMethods(TableMethods):
             return self._call(GET, fields, timeout=timeout, then=then, **_progress(progress))
         return self._call(GET, fields, timeout=timeout, then=then, device=device, **_progress(progress))
 
-    def peek(self, bin: str, timeout=DEFAULT, *, with_seq: bool = False, since: int | None = None,
+    @verb
+    def peek(self, bin: str, timeout: Timeout = DEFAULT, *, with_seq: bool = False, since: int | None = None,
              wait: float | None = None, progress: Callable[[int, int], Any] | None = None, device: Any = None,
              into: Any = None) -> Any:
         """Return all items of ``bin`` without removing them (``progress``,
@@ -202,8 +232,9 @@ class ClientMethods(TableMethods):
             return self._call(PEEK, fields, timeout=timeout, then=then, **_progress(progress))
         return self._call(PEEK, fields, timeout=timeout, then=then, device=device, into=into, **_progress(progress))
 
-    def save(self, bin: str, path, *, overwrite: bool = False, timeout=DEFAULT,
-             progress: Callable[[int, int], Any] | None = None) -> Any:
+    @verb
+    def save(self, bin: str, path: str | os.PathLike[str], *, overwrite: bool = False, timeout: Timeout = DEFAULT,
+             progress: Callable[[int, int], Any] | None = None) -> int:
         """Write the items of ``bin`` (which keeps them) to the local directory ``path``.
 
         The bytes the server sent go straight to memory-mappable files, one
@@ -250,29 +281,53 @@ class ClientMethods(TableMethods):
             return shared_copy(value, None)
         return areas.shared(value)
 
-    def list(self, timeout=DEFAULT) -> Any:
-        """``{bin: n_items}`` for every bin on the server."""
-        return self._call(LIST, timeout=timeout)
+    @verb
+    def list(self, pattern: str | None = None, timeout: Timeout = DEFAULT) -> dict[str, int]:
+        """``{bin: n_items}`` for every bin on the server (tables included: a table's
+        count is its rows), or for those whose name matches ``pattern``, a shell-style
+        glob (``"replay*"``; ``fnmatch``'s rules, case-sensitive)."""
+        if pattern is None:
+            return self._call(LIST, timeout=timeout)
+        if not isinstance(pattern, str):
+            raise UsageError(f"pattern must be a str (a glob such as 'replay*'), not {pattern!r}")
+        return self._call(LIST, timeout=timeout, then=lambda reply: matching(reply.result, pattern))
 
-    def relay_status(self, timeout=DEFAULT) -> Any:
+    @verb
+    def relay_status(self, timeout: Timeout = DEFAULT) -> dict[str, Any] | None:
         """A relay's state (PROTOCOL.md §11): ``{"upstream", "connected", "bins"
         (mirrored), "behind" (of which with changes not yet mirrored), "lag" (seconds
         the oldest of them waits)}``; None from a server that relays nothing."""
         return self._call(LIST, timeout=timeout, then=lambda reply: reply.header.get(Key.RELAY))
 
-    def delete(self, bin: str, timeout=DEFAULT) -> Any:
+    @verb
+    def delete(self, bin: str, timeout: Timeout = DEFAULT) -> None:
         """Remove ``bin`` and its items."""
         return self._call(DELETE, bin_fields(bin), timeout=timeout)
 
-    def ping(self, timeout=DEFAULT) -> Any:
+    @verb
+    def flush(self, timeout: Timeout = DEFAULT) -> None:
+        """Wait until every request this client sent before, with or without waiting
+        (``submit``, ``submit(..., by_reference=True)``), is answered: replies come in
+        request order on each connection.  (Their callbacks may still be running.)"""
+        exports = self.values.exports
+        if exports is not None:  # puts by reference still to publish (the blocking client's)
+            from ..errors import TimeoutError
+
+            if not exports.published(self.timeout if timeout is DEFAULT else timeout):
+                raise TimeoutError("puts by reference still not sent in time")
+        return self._call(NOOP, timeout=timeout, then=_nothing)
+
+    @verb
+    def ping(self, timeout: Timeout = DEFAULT) -> float:
         """Round-trip a NOOP; returns the seconds it took."""
         start = time.perf_counter()
         return self._call(NOOP, timeout=timeout, then=lambda reply: time.perf_counter() - start)
 
     # -- listening
 
-    def listen(self, bin: str, callback: Callable[[Notification], Any], timeout=DEFAULT, *,
-               every_append: bool = True) -> Any:
+    @verb
+    def listen(self, bin: str, callback: Callable[[Notification], Any], timeout: Timeout = DEFAULT, *,
+               every_append: bool = True) -> Listening:
         """Call ``callback(notification)`` on every change to ``bin``, from now on;
         returns a :class:`Listening` handle once the server listens.
 
@@ -289,38 +344,31 @@ class ClientMethods(TableMethods):
         the client listens again and calls back with a ``LISTEN`` notification of
         the bin's state then.
         """
-        owner = self._owner_of(bin)
-        if owner is not self:  # the member of a multi-worker server's worker that owns the bin
-            return owner.listen(bin, callback, timeout, every_append=every_append)
+        # The listen is its bin's owner's connection's: the engine makes the handle
+        # active as the reply arrives, before any later frame (a notification right
+        # behind the reply finds it), and listens again on every new connection.
         handle = Listening(self, bin, callback, every_append)
-        fields = bin_fields(bin)
-        with self._lock:
-            if self._listens.first_append_only(bin, handle):
-                fields[Key.FIRST_APPEND] = True
+        member = self.router.owner(bin)
 
-        def activate(frame) -> None:
-            # On the reading thread as the reply arrives, before any later frame: a
-            # notification right behind the reply must find the handle.
-            if frame.header.get(Key.CODE) == OK:
-                handle.snapshot = ListenSnapshot.of(LISTEN.check_reply(frame.header))
-                self._listens.add(handle)
+        def started(reply) -> Listening:
+            handle.snapshot = ListenSnapshot.of(reply.header)
+            return self._listening(member, handle)
 
         def give_up(error: BaseException) -> bool:
             from ..errors import TimeoutError
 
-            if isinstance(error, TimeoutError) and bin not in self._listens:
-                self._forget_listen(bin)  # the server may listen by now: ask it to stop
+            if isinstance(error, TimeoutError) and handle not in member.engine.listens.handles(bin):
+                self._forget_listen(member, bin)  # the server may listen by now: ask it to stop
             return False
 
-        return self._call(LISTEN, fields, timeout=timeout, on_reply=activate, on_error=give_up,
-                          then=lambda reply: self._listening(handle))
+        return self._call(LISTEN, member.engine.listen_fields(handle), timeout=timeout, then=started,
+                          on_error=give_up, member=member, listening=handle)
 
-    def unlisten(self, bin: str, callback: Callable | None = None) -> Any:
+    @verb
+    def unlisten(self, bin: str, callback: Callable[[Notification], Any] | None = None) -> None:
         """Stop the listens of ``bin`` (only those calling ``callback``, if given)."""
-        owner = self._owner_of(bin)
-        if owner is not self:
-            return owner.unlisten(bin, callback)
-        results = [self._unlisten(handle) for handle in self._listens.handles(bin)
+        member = self.router.owner(bin)
+        results = [self._unlisten(handle) for handle in member.engine.listens.handles(bin)
                    if callback is None or handle.callback == callback]
         return results[-1] if results else self._done(None)
 
@@ -329,30 +377,36 @@ class ClientMethods(TableMethods):
         once done.  It hears every notification the server sends before it answers
         the request that ends this listen: UNLISTEN if this was the bin's last
         handle, else a NOOP (changes made before the server read it are all told)."""
-        with self._lock:
-            last = self._listens.stop(handle)
-            if last is None or self._closed:
-                self._listens.remove(handle)
-        if last is None or self._closed:
+        member = self.router.owner(handle.bin)
+        stop = None if self._closed else member.stop_listening(handle)
+        if stop is None:
+            member.forget_listen(handle)
             if callback is None:
                 return self._done(None)
             self._later(callback, None, None)
             return None
-        command, fields = (UNLISTEN, bin_fields(handle.bin)) if last else (NOOP, None)
-
-        def ended(frame) -> None:  # on the reading thread, after every notification before the reply
-            self._listens.remove(handle)
+        command, fields = stop
 
         def failed(error: BaseException) -> bool:
-            with self._lock:
-                self._listens.remove(handle)
+            member.forget_listen(handle)
             return _lost_connection(error)
 
         if callback is None:
-            return self._call(command, fields, on_reply=ended, on_error=failed)
-        self._submit(command, fields, NO_VALUE, lambda reply, error: callback(None, error), on_reply=ended,
-                     on_error=failed)
+            return self._call(command, fields, on_error=failed, member=member, listening=handle)
+        self._submit(command, fields, NO_VALUE, lambda reply, error: callback(None, error), on_error=failed,
+                     member=member, listening=handle)
         return None
+
+    def _listening(self, member: Any, handle: Listening) -> Listening:
+        """A listen has started on ``member`` (the blocking client makes sure a thread reads)."""
+        return handle
+
+    def _forget_listen(self, member: Any, name: str) -> None:
+        """Ask the server, without waiting, to stop notifying ``member`` of bin ``name``."""
+        try:
+            self._submit(UNLISTEN, bin_fields(name), NO_VALUE, _ignore, member=member)
+        except TensorShareError:
+            pass
 
     def _server_wait(self, fields: dict, timeout) -> float | None:
         """Ask the server to hold the request up to ``timeout`` (``fields`` get
@@ -378,17 +432,18 @@ class ClientMethods(TableMethods):
         """Run ``fn(*args)`` where the client runs callbacks, after this call returns."""
         raise NotImplementedError
 
-    def _listening(self, handle: Listening) -> Listening:
-        """A listen has started (the blocking client makes sure a thread reads)."""
-        return handle
 
-    def _forget_listen(self, name: str) -> None:
-        """Ask the server, without waiting, to stop notifying of bin ``name``."""
-        raise NotImplementedError
+def matching(bins: dict[str, int], pattern: str) -> dict[str, int]:
+    """The entries of a LIST result whose name matches the glob ``pattern``."""
+    return {name: count for name, count in bins.items() if fnmatch.fnmatchcase(name, pattern)}
 
 
 def _ignore(result: Any, error: Any) -> None:
     pass
+
+
+def _nothing(reply: Any) -> None:
+    return None
 
 
 def _progress(progress: Callable | None) -> dict:

@@ -27,12 +27,15 @@ the zero-copy role its command declares (``Command.zero_copy``):
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from ..errors import DeviceReferenceError, ZeroCopyError, ZeroCopyUnavailableError
 from ..protocol.messages import Key, ZeroCopy
 from ..wire.codec import Encoded, encode
-from .calls import Call
 from .connection import NO_VALUE
+
+if TYPE_CHECKING:
+    from .values import Call
 
 log = logging.getLogger("tensorshare.client")
 
@@ -79,7 +82,7 @@ def finish(call: Call) -> None:
 
 def _through_shared_memory(call: Call, areas) -> None:
     fields = call.fields
-    enc = call.value = call.value if type(call.value) is Encoded else encode(call.value)
+    enc = call.value = call.value if type(call.value) is Encoded else encode(call.value, views=True)
     try:
         name = areas.write(enc, fields.get(Key.TAG), fields.get(Key.BIN) in areas.mapped)
     except (OSError, ValueError) as exc:  # shared memory full, or a value its layout cannot hold

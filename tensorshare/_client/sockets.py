@@ -20,6 +20,7 @@ import socket
 import ssl
 import threading
 import time
+from functools import partial
 
 from ..errors import ConnectionLostError, TimeoutError, UntrustedServerError, WrongServerError
 from ..protocol import peers
@@ -42,6 +43,7 @@ class Link:
         self.readable = _poller(sock, select.POLLIN)
         self.writable = _poller(sock, select.POLLOUT)
         self.readwrite = _poller(sock, select.POLLIN | select.POLLOUT)
+        self.ready_now = partial(self.readable.poll, 0)  # whether bytes wait, without waiting (one per link)
         self.ssl_lock = threading.Lock()  # an SSL object serves one call at a time; never held while waiting
 
     def send_all(self, parts: list, deadline: float | None, stall: float | None = None) -> None:
@@ -107,7 +109,8 @@ def open_link(host: str, port: int, connect_timeout: float, tls: TLSSettings | N
     try:
         sock = socket.create_connection((host, port), timeout=connect_timeout)
     except OSError as exc:
-        raise ConnectionLostError(f"cannot connect to {where}: {exc}") from None
+        hint = peers.unreachable_hint(isinstance(exc, ConnectionRefusedError), port)
+        raise ConnectionLostError(f"cannot connect to {where}: {exc}{hint}") from None
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if ssl_context is not None:
@@ -124,7 +127,8 @@ def open_link(host: str, port: int, connect_timeout: float, tls: TLSSettings | N
 def _start_tls(sock: socket.socket, host: str, context: ssl.SSLContext, tls: TLSSettings,
                deadline: float) -> ssl.SSLSocket:
     """The TLS handshake (blocking, until ``deadline``) and the certificate checks."""
-    where = f"{host}:{sock.getpeername()[1]}"
+    port = sock.getpeername()[1]
+    where = f"{host}:{port}"
     sock.settimeout(max(deadline - time.monotonic(), 0.001))
     try:
         tls_sock = context.wrap_socket(sock, server_hostname=host)
@@ -132,6 +136,8 @@ def _start_tls(sock: socket.socket, host: str, context: ssl.SSLContext, tls: TLS
         raise UntrustedServerError(f"the TLS certificate of {where} is not trusted: "
                                    f"{exc.verify_message or exc}") from None
     except OSError as exc:  # ssl.SSLError, a timeout, a reset
+        if isinstance(exc, ssl.SSLError) and peers.probe(host, port, 1.0)[0] == peers.TENSORSHARE:
+            raise peers.plain_server(where) from None  # it greets in plain text
         raise ConnectionLostError(f"TLS handshake with {where} failed (is it a TLS server?): {exc}") from None
     try:
         tls.check_certificate(tls_sock.getpeercert(binary_form=True))

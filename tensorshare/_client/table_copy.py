@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 from ..errors import BadNameError, NoSuchBinError
 from ..table_copy import load_table, save_table
-from .calls import DEFAULT
+from .options import DEFAULT, Timeout
 
 
 class TableCopies:
     """The blocking client's table checkpoints: ``save`` of a table, ``load_table``."""
 
-    def save(self, bin: str, path, *, overwrite: bool = False, timeout=DEFAULT,
-             progress: Callable[[int, int], Any] | None = None) -> Any:
+    def save(self, bin: str, path: str | os.PathLike[str], *, overwrite: bool = False, timeout: Timeout = DEFAULT,
+             progress: Callable[[int, int], Any] | None = None) -> int:
         """Write bin ``bin``'s items to the directory ``path`` (see
         :meth:`ClientMethods.save`); for a table, a table checkpoint of its rows and
         settings (:mod:`tensorshare.disk.tables`, which :meth:`load_table` makes the
@@ -25,7 +26,7 @@ class TableCopies:
                 raise
         return save_table(self, bin, path, overwrite=overwrite)
 
-    def load_table(self, path, name: str | None = None, *, replace: bool = True) -> int:
+    def load_table(self, path: str | os.PathLike[str], name: str | None = None, *, replace: bool = True) -> int:
         """Make table ``name`` (the saved one's name by default) from the table
         checkpoint ``path`` that :meth:`save` wrote: the same settings and rows, each
         at its slot with its priority.  A table there is replaced (``replace=False``:

@@ -23,7 +23,8 @@ import torch
 
 from ..errors import UsageError
 from ..protocol.messages import TCREATE, TINFO, TINSERT, TLIMITS, TPRIORITY, TREAD, TSAMPLE, TWRITE, Key, TableKey
-from .calls import DEFAULT
+from .options import DEFAULT, Timeout
+from .verb import verb
 
 
 @dataclass
@@ -163,11 +164,13 @@ def _rows_value(reply) -> Any:
 class TableMethods:
     """Replay buffers and datasets held by the server (see the module docstring)."""
 
-    def create_table(self, name: str, capacity: int, columns: dict | None = None, *, sampler: str = "uniform",
+    @verb
+    def create_table(self, name: str, capacity: int, columns: dict[str, Any] | None = None, *,
+                     sampler: str = "uniform",
                      priority_exponent: float = 1.0, remover: str | None = "fifo", max_times_sampled: int = 0,
                      min_size_to_sample: int = 1, samples_per_insert: float | None = None,
                      error_buffer: float | tuple[float, float] | None = None, meta: dict | None = None,
-                     add_columns: bool = False, replace: bool = False, timeout=DEFAULT) -> Any:
+                     add_columns: bool = False, replace: bool = False, timeout: Timeout = DEFAULT) -> int:
         """Make table ``name`` of ``capacity`` rows; returns its row count (0, or more if
         a table with the same settings is there already: it is kept as it is).
 
@@ -207,8 +210,9 @@ class TableMethods:
             fields[TableKey.REPLACE] = True
         return self._call(TCREATE, fields, timeout=timeout)
 
-    def insert(self, name: str, batch: Any, priorities=None, *, ends=None, timeout=DEFAULT,
-               with_size: bool = False) -> Any:
+    @verb
+    def insert(self, name: str, batch: Any, priorities: Any = None, *, ends: Any = None,
+               timeout: Timeout = DEFAULT, with_size: bool = False) -> Any:
         """Add rows to table ``name``; returns their keys (an int64 tensor).
 
         ``batch``: for a table of columns a dict (or TensorDict) of tensors with the
@@ -229,8 +233,9 @@ class TableMethods:
         call_timeout = self._server_wait(fields, timeout)
         return self._call(TINSERT, fields, _as_batch(batch, fields), timeout=call_timeout, then=_keys(with_size))
 
-    def sample(self, name: str, n: int, *, length: int | None = None, pad: bool = False, timeout=DEFAULT,
-               shared: bool = False, device: Any = None) -> Any:
+    @verb
+    def sample(self, name: str, n: int, *, length: int | None = None, pad: bool = False,
+               timeout: Timeout = DEFAULT, shared: bool = False, device: Any = None) -> TableSample:
         """Draw ``n`` rows from table ``name`` with its sampler; returns a
         :class:`TableSample`.  Waits in the server as :meth:`insert` does (an empty
         table, ``min_size_to_sample``, the rate limiter), up to ``timeout``.
@@ -269,15 +274,17 @@ class TableMethods:
         return self._call(TSAMPLE, fields, timeout=call_timeout, then=then, zero_copy=shared,
                           **({} if device is None else {"device": device}))
 
-    def update_priorities(self, name: str, keys, priorities, *, timeout=DEFAULT) -> Any:
+    @verb
+    def update_priorities(self, name: str, keys: Any, priorities: Any, *, timeout: Timeout = DEFAULT) -> int:
         """Set the priorities of the rows ``keys`` (from :meth:`insert` or a sample);
         rows that left meanwhile are skipped.  Returns how many were updated."""
         fields = {Key.BIN: name, TableKey.KEYS: _int64_bytes(keys, "keys"),
                   TableKey.PRIORITIES: _float64_bytes(priorities, "priorities")}
         return self._call(TPRIORITY, fields, timeout=timeout)
 
-    def write(self, name: str, indices, batch: Any, priorities=None, *, ends=None, timeout=DEFAULT,
-              with_size: bool = False) -> Any:
+    @verb
+    def write(self, name: str, indices: Any, batch: Any, priorities: Any = None, *, ends: Any = None,
+              timeout: Timeout = DEFAULT, with_size: bool = False) -> Any:
         """Put rows at the slot ``indices`` (distinct, in ``[0, capacity)``) of table
         ``name``, replacing what was there (a dataset written at indices); returns
         the new rows' keys (``with_size``, ``ends``: as :meth:`insert`)."""
@@ -288,8 +295,9 @@ class TableMethods:
             fields[TableKey.ENDS] = _ends_bytes(ends)
         return self._call(TWRITE, fields, _as_batch(batch, fields), timeout=timeout, then=_keys(with_size))
 
-    def read(self, name: str, indices, *, sample: bool = False, timeout=DEFAULT, shared: bool = False,
-             device: Any = None) -> Any:
+    @verb
+    def read(self, name: str, indices: Any, *, sample: bool = False, timeout: Timeout = DEFAULT,
+             shared: bool = False, device: Any = None) -> Any:
         """The rows at slot ``indices`` (any, repeats allowed) of table ``name``:
         ``{column: tensor [len(indices), *shape]}``, or a list of items.  Counts as no
         sample, unless ``sample=True``: rows the caller drew itself (a sampler of its
@@ -305,7 +313,8 @@ class TableMethods:
         return self._call(TREAD, fields, timeout=call_timeout, then=_rows_value, zero_copy=shared,
                           **({} if device is None else {"device": device}))
 
-    def table_info(self, name: str, *, slots: int | None = None, timeout=DEFAULT) -> Any:
+    @verb
+    def table_info(self, name: str, *, slots: int | None = None, timeout: Timeout = DEFAULT) -> dict[str, Any]:
         """Table ``name``'s settings and counters: size, capacity, inserts, samples,
         removals, the rate limiter's state, requests waiting, seconds requests waited
         for it (``blocked_seconds``), ``meta``...  With ``slots=i``, also
@@ -319,7 +328,8 @@ class TableMethods:
         fields[TableKey.SLOTS] = slots
         return self._call(TINFO, fields, timeout=timeout, then=lambda reply: _with_slots(reply.header[TableKey.INFO]))
 
-    def set_table_limits(self, name: str, *, timeout=DEFAULT, **limits) -> Any:
+    @verb
+    def set_table_limits(self, name: str, *, timeout: Timeout = DEFAULT, **limits: Any) -> dict[str, Any]:
         """Change table ``name``'s rate limits now (``min_size_to_sample``,
         ``samples_per_insert``, ``error_buffer``; those not given stay); requests
         waiting on it are tested again at once.  Returns :meth:`table_info`."""

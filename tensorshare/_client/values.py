@@ -19,9 +19,10 @@ import threading
 from typing import Any, Callable
 
 from ..errors import DeviceError, TensorShareError, ZeroCopyError
-from ..protocol.engine import Call as EngineCall
+from ..protocol.engine import Call as EngineCall, next_request_id
 from ..protocol.items import item_table
 from ..protocol.messages import ITEMS, MAX_RELEASE_IDS, Key, ZeroCopy
+from ..protocol.placement import merged_header
 from ..wire.frames import buffer_sink
 from .connection import NO_VALUE, Reply, decode_items, read_reply, reply_buffers, request_frame
 from .devices import DEVICE_MIN, as_into, caller_of, check_device, pinned
@@ -47,7 +48,9 @@ class Call(EngineCall):
                  "device", "into", "caller", "areas", "via")
 
     def __init__(self, rid: int, command, fields: dict | None, value: Any = NO_VALUE):
-        EngineCall.__init__(self, rid, command, fields)
+        # (the engine's fields set here too: one __init__ per call, not two)
+        self.rid, self.command, self.fields = rid, command, fields
+        self.frame = self.error = self.handle = self.deadline = None
         self.value = value
         self.fallback = self.cleanup = self.callback = self.then = self.on_error = None
         self.decode, self.raw, self.inline = True, False, False
@@ -84,7 +87,8 @@ class Values:
             call.caller = caller_of(call.device, call.into is not None)
         if areas is not None:
             call.areas = areas
-            route(call, areas, self.device_uuid(call) if self.device_calls else None)
+            if command.zero_copy is not None:
+                route(call, areas, self.device_uuid(call) if self.device_calls else None)
         return call
 
     def wants_device(self, call: Call, device: Any, into: Any) -> None:
@@ -151,8 +155,6 @@ class Values:
         if call.caller is not None:  # nothing may write into its tensors once it failed
             call.caller.abandon()
         if next_attempt(call, error):
-            from ..protocol.engine import next_request_id
-
             call.rid, call.frame, call.error = next_request_id(), None, None
             return None
         finish(call)
@@ -225,6 +227,8 @@ class Values:
         plain = self.sink
 
         def sink(header: dict, nbytes: int):
+            if not nbytes:  # most replies: one shared sink, no object per frame
+                return _NO_PAYLOAD
             if nbytes >= DEVICE_MIN and self.device_calls:
                 from .devices import device_sink
 
@@ -254,6 +258,20 @@ class Values:
             self.buffers.clear()
 
 
+def same_reply(reply: Reply) -> Reply:
+    """``then`` that keeps a call's whole reply (to merge it with others)."""
+    return reply
+
+
+def merged_result(command, replies: list[Reply], then: Callable | None) -> Any:
+    """What a ``MERGE`` call returns, given its workers' ``replies``: ``then`` of the one
+    reply of the whole server (:func:`~tensorshare.protocol.placement.merged_header`),
+    or its result."""
+    reply = Reply(command, merged_header(command.result, [reply.header for reply in replies]), None,
+                  replies[0].frame)
+    return reply.result if then is None else then(reply)
+
+
 def _unplaced(call: Call, areas, device: Any, exc: Exception) -> DeviceError:
     """The error of a reply whose values could not be put on ``device``: it holds them,
     built in host memory, so that items a take removed from the server are not lost."""
@@ -264,6 +282,23 @@ def _unplaced(call: Call, areas, device: Any, exc: Exception) -> DeviceError:
                            f"({again})")
     return DeviceError(f"the reply's {len(items or ())} values could not be built on {device!r}: {exc}; they are in "
                        f"this error's .items, in host memory", items)
+
+
+class _NoPayload:
+    """The sink of every frame without a payload (its payload: the one shared empty array)."""
+
+    __slots__ = ("array",)
+
+    def __init__(self):
+        self.array = None
+
+    def finish(self):
+        if self.array is None:
+            self.array = buffer_sink({}, 0).finish()
+        return self.array
+
+
+_NO_PAYLOAD = _NoPayload()
 
 
 class _ReusingSink:
@@ -287,4 +322,4 @@ def has_engine(device: Any) -> bool:
     return engine_for(device) is not None
 
 
-__all__ = ["Call", "Values", "has_engine"]
+__all__ = ["Call", "Values", "has_engine", "merged_result", "same_reply"]

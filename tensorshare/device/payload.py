@@ -90,7 +90,7 @@ def item_layout(desc, base: int, targets: dict, engine, index: int) -> list | No
     ``base``), each going into ``targets[array index]`` where that tensor can take it
     in place (same dtype and shape, contiguous, on device ``index``); None when an
     array cannot live in device memory (a numpy array)."""
-    from ..wire.codec import TORCH_DTYPES
+    from ..wire.torch_dtypes import TORCH_DTYPES
 
     streams, entries = engine.streams, []
     for j, spec in enumerate(desc.arrays):

@@ -18,7 +18,10 @@ address for a new map, can be handed to the member it turns out to serve
 (``TwistedMember(..., opened=wire)``).  Frames are queued and written once per
 reactor turn (each write costs a join and an epoll registration).  Calls in flight
 expire on one timer per member (a timer per request cost more than the rest of a
-small request).
+small request).  :func:`start_members` starts a router's members once it routes
+by a greeting; :class:`Remapper` looks at the server's public address again when
+a member finds its worker gone or another one in its place, or a request is
+refused with 427, for both owners alike.
 """
 
 from __future__ import annotations
@@ -30,14 +33,16 @@ from twisted.internet import defer, protocol, threads
 from twisted.internet.endpoints import SSL4ClientEndpoint, TCP4ClientEndpoint, connectProtocol
 
 from ..errors import (
-    AuthenticationError, ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UntrustedServerError,
-    WrongServerError,
+    AuthenticationError, ConnectionLostError, TensorShareError, TimeoutError, UntrustedServerError, WrongServerError,
 )
 from ..protocol import peers
 from ..protocol.engine import DEAD, READY, Call, Engine, Notice, Restored
+from ..protocol.router import Router
 from ..protocol.tls import TLSSettings
 
 log = logging.getLogger("tensorshare.client")
+
+_CURRENT = object()  # "the map the router routes by now"
 
 
 class Options:
@@ -282,6 +287,7 @@ class TwistedMember:
         self._sweeper = None  # the one timer that expires calls
         self._sweep_at = 0.0
         self._opened = opened
+        self.areas: Any = None  # the owner's verified same-host areas of this connection (the user clients')
 
     @property
     def where(self) -> str:
@@ -464,9 +470,97 @@ class TwistedMember:
             if self.wire is not None:
                 self.wire.send(self.engine.take_outbox())
 
+    def stop_listening(self, handle):
+        """``(command, fields)`` of the call that ends ``handle`` (:meth:`Engine.stop_listening`)."""
+        return self.engine.stop_listening(handle)
+
+    def forget_listen(self, handle) -> None:
+        """``handle`` hears nothing more here (its stopping call failed)."""
+        self.engine.listens.remove(handle)
+
+
+def start_members(router: Router) -> defer.Deferred:
+    """Start every member of ``router`` (making those not made yet: after
+    :meth:`Router.start` or :meth:`Router.learn`, none is started); a Deferred of
+    their first connections, failing with the first that failed."""
+    openings = [member.start() for member in router.all()]
+    return defer.gatherResults(openings, consumeErrors=True).addCallbacks(lambda _: None, first_error)
+
+
+def first_error(failure):
+    """The failure of the first of several Deferreds that failed (gatherResults wraps it)."""
+    return failure.value.subFailure if isinstance(failure.value, defer.FirstError) else failure
+
+
+class Remapper:
+    """A multi-worker server's workers mapped again, over Twisted (the decisions are the
+    :class:`~tensorshare.protocol.router.Router`'s; the looking is this).
+
+    A member greeted by another worker than it was made for (:meth:`fits`, its
+    ``fits`` hook), a worker that cannot be reached (:meth:`unreached`) and a 427
+    make the owner look at the server's public address again (:meth:`again`, one
+    look at a time); if the server runs other workers now, the router routes by them,
+    the old members are closed and the new ones started."""
+
+    def __init__(self, options: Options, router: Router):
+        self.options, self.router = options, router
+        self.closed = False
+        self._waiting: list | None = None  # while a look is under way: (Deferred, the map it was asked by)
+
+    def fits(self, member: TwistedMember, greeting: dict) -> bool:
+        """Whether ``member``'s greeting comes from the worker it was made for; if not,
+        look again."""
+        if member not in self.router.members:
+            return False  # (replaced meanwhile)
+        if self.router.fits(member.index, greeting):
+            return True
+        self.again(f"{member.where} greeted as another worker than {member.index}")
+        return False
+
+    def unreached(self, member: TwistedMember) -> None:
+        """``member`` could not connect: its worker may have moved."""
+        if member.index is not None:
+            self.again(f"worker {member.index} at {member.where} unreachable")
+
+    def again(self, why: str, seen: Any = _CURRENT) -> defer.Deferred:
+        """Look at the public address again; a Deferred of whether the router routes
+        differently now than by the map ``seen`` (default: the map now)."""
+        d = defer.Deferred()
+        first = self._waiting is None
+        if first:
+            self._waiting = []
+        self._waiting.append((d, self.router.map if seen is _CURRENT else seen))
+        if first:
+            options, port = self.options, self.router.port
+            open_wire(options, port, options.engine(port)).addCallbacks(self._mapped, self._unmapped, (why,), None,
+                                                                        (why,))
+        return d
+
+    def _mapped(self, wire: Wire, why: str) -> None:
+        old = None if self.closed else self.router.learn(wire.engine.greeting, wire)
+        if old is None:
+            wire.close()  # the same workers: the members reconnect by themselves
+        else:
+            log.warning("%s%s:%d runs other workers now (%s): mapping them again", self.options.log_prefix,
+                        self.options.host, self.router.port, why)
+            for member in old:
+                member.close()  # (its calls in flight fail with ConnectionLostError)
+            start_members(self.router).addErrback(lambda failure: None)  # (each keeps trying by itself)
+        self._answer()
+
+    def _unmapped(self, failure, why: str) -> None:
+        log.info("%scannot map the workers of %s:%d again (%s): %s", self.options.log_prefix, self.options.host,
+                 self.router.port, why, failure.getErrorMessage())
+        self._answer()
+
+    def _answer(self) -> None:
+        waiting, self._waiting = self._waiting, None
+        for d, seen in waiting:
+            d.callback(self.router.stale(seen))
+
 
 def _nobody(event) -> None:
     pass
 
 
-__all__ = ["Options", "TwistedMember", "Wire", "open_wire"]
+__all__ = ["Options", "Remapper", "TwistedMember", "Wire", "first_error", "open_wire", "start_members"]

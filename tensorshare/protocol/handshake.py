@@ -54,7 +54,11 @@ class Handshake:
             return self._authenticate(header)
         if self._auth is None or header.get(Key.ID) != self._auth[0]:
             raise ProtocolError(f"unexpected frame while authenticating: {header!r:.200}")
-        AUTH.check_reply(header)
+        try:
+            AUTH.check_reply(header)
+        except NotAuthenticatedError as exc:  # our proof was wrong: the tokens differ
+            raise NotAuthenticatedError(f"{exc.message}: this token is not the server's (check token=, "
+                                        f"{auth.TOKEN_ENV} or the server's --token-file)", exc.code) from None
         if not auth.proof_matches(self._auth[1], header[Key.PROOF]):
             raise UntrustedServerError("the server's authentication proof is wrong: it does not know the token")
         if Key.SHM in header:  # a same-host offer comes only once authenticated (PROTOCOL.md §10.1)

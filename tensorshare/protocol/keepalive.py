@@ -1,13 +1,10 @@
 """When a client probes a silent server, and when it gives up on it (both clients, and a relay upstream).
 
-:class:`Keepalive` decides; the blocking client keeps its own clock and socket, and
-the Twisted ends (the AsyncClient, a relay's upstream connection) keep a
-:class:`Traffic` per connection, which also learns when their writes are backed up.
+:class:`Keepalive` decides; the client engine (:mod:`.engine`) asks it on every
+tick of its driver, which keeps the clock and the socket.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 PROBE, DEAD = "probe", "dead"  # what Keepalive.due() asks for
 
@@ -51,53 +48,3 @@ class Keepalive:
 
     def probed(self, now: float) -> None:
         self.probe_at = now
-
-
-class Traffic:
-    """What a Twisted end's keepalive judges one connection by: when it last heard and
-    sent, and whether its own writes are backed up.
-
-    It is registered as the transport's streaming producer only to learn the last
-    (it holds nothing back): while a large value is still going out, silence is no
-    sign of a dead server, which answers a probe only after reading everything sent
-    before it.  ``clock()`` is the reactor's ``seconds``."""
-
-    def __init__(self, clock: Callable[[], float], interval: float | None):
-        self.clock = clock
-        self.keepalive = None if interval is None else Keepalive(interval)
-        self.last_heard = self.last_sent = clock()
-        self.write_blocked = False
-
-    def heard(self) -> None:
-        self.last_heard = self.clock()
-
-    def sent(self) -> None:
-        self.last_sent = self.clock()
-
-    # IPushProducer: writes are not held back, only watched
-    def pauseProducing(self) -> None:
-        self.write_blocked = True
-
-    def resumeProducing(self) -> None:
-        self.write_blocked = False
-        self.sent()
-
-    def stopProducing(self) -> None:
-        pass
-
-    def check(self, probe: Callable[[], None], drop: Callable[[], None]) -> float | None:
-        """Do what the keepalive asks now: ``probe()`` (send a NOOP, whose reply is
-        dropped on arrival) or ``drop()`` (the connection is presumed dead).  Returns
-        the seconds until the next check (None after a drop)."""
-        keepalive = self.keepalive
-        if self.write_blocked:  # our own bytes are still going out: nothing to judge yet
-            return keepalive.interval
-        now = self.clock()
-        action, wake = keepalive.due(now, self.last_heard, self.last_sent)
-        if action == DEAD:
-            drop()
-            return None
-        if action == PROBE:
-            probe()
-            keepalive.probed(now)
-        return max(wake - now, 0.01)

@@ -3,10 +3,11 @@
 PROTOCOL.md is the normative text; this module is its machine-readable half.  Every
 verb is one :class:`~.schema.Command` (the machinery is :mod:`.schema`): its request
 fields, its success reply, its payload and result, the clients' method that sends
-it, what same-host zero-copy may do for it, how a relay answers it, which worker of
-a multi-worker server it goes to, the lane it waits in and its errors.  The rest is
+it, what same-host zero-copy may do for it, how a relay answers it (a change of a
+bin waits for the relay's mirror: ``Relay.FORWARD``), which worker of a multi-worker
+server it goes to, the lane it waits in (and in which order) and its errors.  The rest is
 derived from these declarations: the clients' routing (``tensorshare/_client/routing.py``;
-to workers: ``_client/workers.py``), the relay's handlers (``server/relay/forward.py``),
+to workers: ``protocol/router.py``), the relay's handlers (``server/relay/forward.py``),
 ``ShardedClient``'s per-bin methods, the server's wait lanes and ownership check, and
 the tests that go over every verb.  Frames nobody asked for (the
 greeting, notifications, keepalives) and error replies are
@@ -70,6 +71,7 @@ GET = Command("GET", (*_READ_FIELDS, optional(Key.MAX, COUNT), optional(Key.WAIT
 PEEK = Command("PEEK", (*_READ_FIELDS, optional(Key.WAIT, SECONDS), optional(Key.SINCE, INT),
                        optional(Key.INCOMING, BOOL), optional(Key.CUDA, A_LIST)), reply=_ITEMS, result=Key.ITEMS,
                method="peek", zero_copy=ZeroCopy.READ, relay=Relay.MIRROR, route=Route.OWNER, lane="peek",
+               waits_in_order=False,
                errors=(*_NAMED, NO_SUCH_BIN),
                doc="read every item of the bin (with wait: once its seq is no longer since; "
                    "cuda: device references where this client can open them)")
@@ -126,41 +128,41 @@ _TABLE_ERRORS = (NO_SUCH_BIN, *_NAMED)
 TCREATE = Command("TCREATE", (BIN, Field(_TK.SPEC, MAP), optional(_TK.ADD_COLUMNS, BOOL), optional(_TK.REPLACE, BOOL),
                               RELEASE),
                   reply=_CHANGED, result=Key.N,
-                  method="create_table", zero_copy=None, lasting=True, relay=Relay.FORWARD, route=Route.OWNER,
+                  method="create_table", zero_copy=None, lasting=True, relay=Relay.PASS, route=Route.OWNER,
                   errors=(*_NAMED, TOO_LARGE, STORAGE_FULL),
                   doc="make a table (kept as it is if one with the same settings exists; with replace: a "
                       "table there is replaced, once the new settings are accepted)")
 TINSERT = Command("TINSERT", (BIN, *_TABLE_VALUE, optional(_TK.PRIORITIES, BYTES), optional(Key.WAIT, SECONDS),
                               optional(_TK.TENSORDICT, BOOL), optional(_TK.ENDS, BYTES), RELEASE),
                   reply=_TABLE_CHANGED, payload=Payload.ROWS, result=_TK.KEYS, method="insert", zero_copy=None,
-                  lasting=True, relay=Relay.FORWARD, route=Route.OWNER, lane="insert",
+                  lasting=True, relay=Relay.PASS, route=Route.OWNER, lane="insert",
                   errors=(*_TABLE_ERRORS, TOO_LARGE, STORAGE_FULL, BUSY),
                   doc="add rows (waiting up to wait seconds for the rate limiter)")
 TWRITE = Command("TWRITE", (BIN, *_TABLE_VALUE, Field(_TK.INDICES, BYTES), optional(_TK.PRIORITIES, BYTES),
                             optional(_TK.TENSORDICT, BOOL), optional(_TK.ENDS, BYTES), RELEASE),
                  reply=_TABLE_CHANGED, payload=Payload.ROWS, result=_TK.KEYS, method="write", zero_copy=None,
-                 lasting=True, relay=Relay.FORWARD, route=Route.OWNER, errors=(*_TABLE_ERRORS, TOO_LARGE),
+                 lasting=True, relay=Relay.PASS, route=Route.OWNER, errors=(*_TABLE_ERRORS, TOO_LARGE),
                  doc="put rows at the slot indices given")
 TSAMPLE = Command("TSAMPLE", (BIN, Field(Key.N, COUNT), optional(Key.WAIT, SECONDS), optional(Key.REF, INTS),
                               optional(_TK.LENGTH, COUNT), optional(_TK.PAD, BOOL), RELEASE),
-                  reply=_ROWS, result=Key.ITEMS, method="sample", zero_copy=ZeroCopy.TAKE, relay=Relay.FORWARD,
+                  reply=_ROWS, result=Key.ITEMS, method="sample", zero_copy=ZeroCopy.TAKE, relay=Relay.PASS,
                   route=Route.OWNER, lane="sample", errors=(*_TABLE_ERRORS, TOO_LARGE, STORAGE_FULL, BUSY),
                   doc="draw n rows with the table's sampler (with length: n sequences of that many rows; "
                       "waiting up to wait seconds)")
 TREAD = Command("TREAD", (BIN, Field(_TK.INDICES, BYTES), optional(Key.REF, INTS), optional(_TK.SAMPLE, BOOL),
                           optional(Key.WAIT, SECONDS), RELEASE), reply=_ROWS, result=Key.ITEMS, method="read",
-                zero_copy=ZeroCopy.READ, taken_with=_TK.SAMPLE, relay=Relay.FORWARD, route=Route.OWNER,
+                zero_copy=ZeroCopy.READ, taken_with=_TK.SAMPLE, relay=Relay.PASS, route=Route.OWNER,
                 lane="sample", errors=(*_TABLE_ERRORS, TOO_LARGE, STORAGE_FULL, BUSY),
                 doc="read the rows at the slot indices given (with sample: as a sample the reader drew)")
 TPRIORITY = Command("TPRIORITY", (BIN, Field(_TK.KEYS, BYTES), Field(_TK.PRIORITIES, BYTES), RELEASE),
                     reply=Message(OK, (Field(Key.N, INT),)), result=Key.N, method="update_priorities",
-                    zero_copy=None, lasting=True, relay=Relay.FORWARD, route=Route.OWNER, errors=_TABLE_ERRORS,
+                    zero_copy=None, lasting=True, relay=Relay.PASS, route=Route.OWNER, errors=_TABLE_ERRORS,
                     doc="set the priorities of the rows with these keys")
 TINFO = Command("TINFO", (BIN, optional(_TK.SLOTS, INT), RELEASE), reply=_TABLE_INFO, result=_TK.INFO,
-                method="table_info", zero_copy=None, relay=Relay.FORWARD, route=Route.OWNER, errors=_TABLE_ERRORS,
+                method="table_info", zero_copy=None, relay=Relay.PASS, route=Route.OWNER, errors=_TABLE_ERRORS,
                 doc="the table's settings, counters and rate-limiter state (with slots: its occupied slots)")
 TLIMITS = Command("TLIMITS", (BIN, Field(_TK.LIMITS, MAP), RELEASE), reply=_TABLE_INFO, result=_TK.INFO,
-                  method="set_table_limits", zero_copy=None, lasting=True, relay=Relay.FORWARD, route=Route.OWNER,
+                  method="set_table_limits", zero_copy=None, lasting=True, relay=Relay.PASS, route=Route.OWNER,
                   errors=_TABLE_ERRORS,
                   doc="change the table's rate limits now")
 TABLE_COMMANDS = (TCREATE, TINSERT, TWRITE, TSAMPLE, TREAD, TPRIORITY, TINFO, TLIMITS)

@@ -50,6 +50,17 @@ def wrong_server(where: str, first: bytes | None, speaks: str | None) -> WrongSe
     return WrongServerError(f"{where} is not a tensorshare server: it sent {first[:40]!r} first", None)
 
 
+def plain_server(where: str) -> WrongServerError:
+    """The error for a TLS client that met a tensorshare server without TLS."""
+    return WrongServerError(f"{where} is a tensorshare server without TLS: connect without tls=, tls_ca= and "
+                            f"tls_fingerprint= (or start it with --tls-cert and --tls-key)", TENSORSHARE)
+
+
+def unreachable_hint(refused: bool, port: int) -> str:
+    """What to do when a connection to ``port`` failed (``refused``: nothing listens there)."""
+    return f": no server listens there (start one: tensorshare-server --port {port})" if refused else ""
+
+
 def silence_hint(speaks: str | None) -> str:
     """What to add to "no greeting within the connect timeout" from a plaintext
     connection, given what :func:`probe` found (``speaks``)."""

@@ -197,7 +197,7 @@ class Router:
             return None
         if not routes_differently(self.map, fresh):
             return None
-        log.warning("the server runs other workers now: mapping them again (%s)", fresh)
+        log.info("the server runs other workers now: %s", fresh)
         with self.lock:
             old = self._use(fresh, opened)
         for member in old:

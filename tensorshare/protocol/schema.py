@@ -9,7 +9,7 @@ the client method that sends it (``method``), what same-host zero-copy may do fo
 (``zero_copy``, :class:`ZeroCopy`), how a relay answers it (``relay``,
 :class:`Relay`), which worker of a multi-worker server a client sends it to
 (``route``, :class:`Route`), the lane a request of it waits in when it waits in the server
-(``lane``) and the error codes it may answer with besides those any request may get
+(``lane``) and in which order (``waits_in_order``) and the error codes it may answer with besides those any request may get
 (``errors``).  The server checks requests with :meth:`Command.parse_request` (the
 checks of PROTOCOL.md §4.2, in order) and answers with :meth:`Command.reply`; the
 clients check their arguments with :meth:`Command.check_arguments`, build requests
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import ProtocolError, RemoteError, UsageError, error_for_code
+from ..wire.frames import head_template
 from .codes import (
     BAD_ARGS, BAD_FRAME, BAD_NAME, LOCAL_ERROR, NOT_AUTHENTICATED, UNAVAILABLE, UNKNOWN_VERB, WRONG_WORKER,
 )
@@ -105,24 +106,51 @@ def check_bin_name(name: object, max_len: int = MAX_BIN_NAME) -> str | None:
 @dataclass(frozen=True)
 class Kind:
     """What a field's value must be: ``problem(key, value, max_bin_name)`` says why
-    a value is not one (None if it is); ``accepts(value)`` is the quick yes."""
+    a value is not one (None if it is); ``accepts(value)`` is the quick yes, and
+    ``test``, where there is one, the same yes as an expression over ``v`` that a
+    command's compiled request parser inlines (:func:`_compile_parser`)."""
 
     name: str
     problem: Callable[[str, Any, int], str | None]
     accepts: Callable[[Any], bool]
+    test: str | None = None
 
 
 _ABSENT = object()
+_VALID_NAMES: set[str] = set()  # bin names found valid (default limit), so a name is checked once
+_MAX_VALID_NAMES = 4096
 
 
-def _kind(name: str, accepts: Callable[[Any], bool]) -> Kind:
+def _valid_name(name: str) -> bool:
+    """Whether ``name`` is a valid bin name (the default limit), remembering the yes."""
+    if check_bin_name(name) is not None:
+        return False
+    if len(_VALID_NAMES) >= _MAX_VALID_NAMES:
+        _VALID_NAMES.clear()
+    _VALID_NAMES.add(name)
+    return True
+
+
+# What a kind's test may name besides ``v`` (the source is built from the declarations only).
+_TEST_NAMES = {"TAG_MIN": TAG_MIN, "TAG_MAX": TAG_MAX, "_VALID_NAMES": _VALID_NAMES, "_valid_name": _valid_name}
+
+
+def _kind(name: str, accepts: Callable[[Any], bool] | str) -> Kind:
+    """A kind whose values are those ``accepts`` says yes to; given as a test (an
+    expression over ``v``), the kind is also inlined in compiled parsers."""
+    test = None
+    if isinstance(accepts, str):
+        test, accepts = accepts, _compile(f"lambda v: {accepts}", "<kind test>")
+
     def problem(key: str, value: Any, _max_bin_name: int) -> str | None:
         return None if accepts(value) else f"{key} must be {name}, not {value!r:.40}"
-    return Kind(name, problem, accepts)
+    return Kind(name, problem, accepts, test)
 
 
-def _checked_kind(name: str, problem: Callable[[Any], str | None]) -> Kind:
-    return Kind(name, lambda key, value, limit: problem(value), lambda value: problem(value) is None)
+def _compile(expression: str, where: str):
+    """The value of a Python expression built from the declarations (never from
+    received bytes): a kind's test."""
+    return eval(compile(expression, where, "eval"), dict(_TEST_NAMES))  # noqa: S307
 
 
 def _all_ints(value: Any) -> bool:
@@ -133,24 +161,26 @@ def _counts(value: Any) -> bool:
     return type(value) is dict and all(type(k) is str and type(v) is int for k, v in value.items())
 
 
-INT = _kind("an integer", lambda v: type(v) is int)
-BOOL = _kind("a boolean", lambda v: type(v) is bool)
-STR = _kind("a string", lambda v: type(v) is str)
-BYTES = _kind("bytes", lambda v: type(v) is bytes)
+INT = _kind("an integer", "type(v) is int")
+BOOL = _kind("a boolean", "type(v) is bool")
+STR = _kind("a string", "type(v) is str")
+BYTES = _kind("bytes", "type(v) is bytes")
 INTS = _kind("a list of integers", _all_ints)
-A_LIST = _kind("a list", lambda v: type(v) is list)
+A_LIST = _kind("a list", "type(v) is list")
 COUNTS = _kind("a map of strings to integers", _counts)
-MAP = _kind("a map", lambda v: type(v) is dict)
-ANY = _kind("anything", lambda value: True)
-TAG = _checked_kind("a tag", check_tag)
+MAP = _kind("a map", "type(v) is dict")
+ANY = _kind("anything", "True")
+TAG = Kind("a tag", lambda key, value, limit: check_tag(value), lambda value: check_tag(value) is None,
+           "v is None or (type(v) is int and TAG_MIN <= v <= TAG_MAX)")
 BIN_NAME = Kind("a bin name", lambda key, value, limit: check_bin_name(value, limit),
-                lambda value: check_bin_name(value) is None)
+                lambda value: check_bin_name(value) is None,
+                "type(v) is str and (v in _VALID_NAMES or _valid_name(v))")
 TAGS = _kind("a list of tags", lambda v: type(v) is list and all(check_tag(t) is None for t in v))
-COUNT = _kind("an integer of at least 1", lambda v: type(v) is int and v >= 1)
-SHORT_BYTES = _kind("bytes of at most 64", lambda v: type(v) is bytes and len(v) <= 64)
+COUNT = _kind("an integer of at least 1", "type(v) is int and v >= 1")
+SHORT_BYTES = _kind("bytes of at most 64", "type(v) is bytes and len(v) <= 64")
 MAX_WAIT = 86400.0  # seconds a request may ask the server to hold it
 SECONDS = _kind(f"a number of seconds, 0 to {MAX_WAIT:g}",
-                lambda v: type(v) in (int, float) and 0 <= v <= MAX_WAIT)
+                f"type(v) in (int, float) and 0 <= v <= {MAX_WAIT!r}")
 
 
 @dataclass(frozen=True)
@@ -207,6 +237,13 @@ class Message:
         self.fields = fields
         # The usual case, checked without building messages: (key, required, kind).
         self._fast = tuple((f.key, f.required, f.kind) for f in fields)
+        # head(rid, *values): the whole frame of this reply with its required fields
+        # (all integers, in order) and none of its optional ones, from a prepared
+        # template; None for a message with other required fields.
+        ints = tuple(f.key for f in fields if f.required)
+        self.head = None
+        if code and len(ints) <= 2 and all(f.kind is INT for f in fields if f.required):
+            self.head = head_template({Key.CODE: code}, (Key.ID, *ints))
 
     def build(self, rid: int = 0, **fields) -> dict:
         """The header of this message (for request ``rid``; 0: unsolicited)."""
@@ -255,12 +292,16 @@ class Payload:
 class Relay:
     """How a relay (PROTOCOL.md §11) answers a verb (``Command.relay``)."""
 
-    FORWARD = "forward"  # for a followed name: sent upstream as it came, answered with the upstream's answer
+    # A change of a followed bin: sent upstream as it came, answered with the upstream's
+    # answer once the relay's mirror of the bin shows the change (read-your-writes; its
+    # reply must say the change's seq, which the relay waits for).
+    FORWARD = "forward"
+    PASS = "pass"  # about a followed name a relay never mirrors (a table): sent upstream, its reply passed back
     MIRROR = "mirror"  # for a followed bin: answered from the relay's mirror, once it holds a copy
     MERGE = "merge"  # the upstream's answer and the relay's own, merged (LIST)
     LOCAL = "local"  # answered by the relay itself, as by any server
 
-    ALL = frozenset({FORWARD, MIRROR, MERGE, LOCAL})
+    ALL = frozenset({FORWARD, PASS, MIRROR, MERGE, LOCAL})
 
 
 class Route:
@@ -293,7 +334,9 @@ class Command:
     declare the 427 a worker that does not own the bin answers).  ``lane``:
     the verb's requests that wait in the server (PROTOCOL.md §4.5) wait in the lane
     of that name of their bin, in arrival order, apart from other kinds of request
-    waiting on the same bin (None: it never waits).  ``errors``: the error codes it
+    waiting on the same bin (None: it never waits); ``waits_in_order``: they go on in
+    the order they came (False: each as soon as it may, as readers each waiting for
+    their own version do).  ``errors``: the error codes it
     may answer with beyond :data:`ANY_REQUEST_ERRORS` (its PROTOCOL.md entry says when).
     ``lasting``: its effect outlives the connection (PROTOCOL.md §8.3): held back by
     flow control when the connection is lost, it is still carried out.
@@ -304,7 +347,7 @@ class Command:
 
     def __init__(self, verb: str, fields: tuple[Field, ...] = (), *, reply: Message, method: str | None,
                  zero_copy: str | None, relay: str, route: str, lane: str | None = None,
-                 errors: tuple[int, ...] = (),
+                 waits_in_order: bool = True, errors: tuple[int, ...] = (),
                  payload: str | None = None, result: str | None = None, taken_with: str | None = None,
                  lasting: bool = False, doc: str = ""):
         if payload not in (None, Payload.ITEM, Payload.ROWS):
@@ -315,6 +358,13 @@ class Command:
         if relay not in Relay.ALL or zero_copy not in (None, ZeroCopy.STORE, ZeroCopy.READ, ZeroCopy.TAKE):
             raise ValueError(f"{verb}: unknown relay treatment {relay!r} or zero-copy role {zero_copy!r}")
         takes_bin = any(field.key == Key.BIN for field in fields)
+        if relay in (Relay.FORWARD, Relay.PASS, Relay.MIRROR) and not takes_bin:
+            raise ValueError(f"{verb}: a relay forwards or mirrors only what names a bin (or table)")
+        if relay == Relay.FORWARD and not any(f.key == Key.SEQ and f.required for f in reply.fields):
+            raise ValueError(f"{verb}: a FORWARD verb's reply says the seq of its change (the relay waits for "
+                             f"its mirror to reach it)")
+        if not waits_in_order and lane is None:
+            raise ValueError(f"{verb}: only a verb that waits in a lane waits in an order")
         if route not in Route.ALL or (route == Route.OWNER) != takes_bin \
                 or (WRONG_WORKER in errors) != (route == Route.OWNER):
             raise ValueError(f"{verb}: route {route!r} must be {Route.OWNER!r} (with error {WRONG_WORKER}) exactly "
@@ -328,6 +378,7 @@ class Command:
         self.relay = relay
         self.route = route
         self.lane = lane
+        self.waits_in_order = waits_in_order
         self.errors = frozenset(errors)
         self.payload = payload
         self.result = result
@@ -336,11 +387,14 @@ class Command:
         self.doc = doc
         self.takes_bin = takes_bin
         self.keys = frozenset(field.key for field in fields)  # the request fields it declares
-        # parse_request's usual case, every field right: (key, required, accepts).
-        self._fast = tuple((f.key, f.required, f.kind.accepts) for f in fields)
         slots = tuple(field.key for field in fields)
         self.Request = type(f"{verb.title()}Request", (Request,), {"__slots__": slots})
         self._slots = slots
+        # parse_right(header, rid, payload, payload_len): parse_request's usual case, every
+        # field right (and a payload only where one is declared; bin names within the
+        # default limit), compiled from the fields once; None when anything is not:
+        # parse_request then finds what and says it.
+        self.parse_right = _compile_parser(self)
 
     def __repr__(self) -> str:
         return f"<Command {self.verb}>"
@@ -378,27 +432,49 @@ class Command:
                       max_bin_name: int = MAX_BIN_NAME) -> Request:
         """The typed request in ``header`` (whose ``op`` and ``id`` were checked);
         raises the :class:`RemoteError` to answer with (PROTOCOL.md §4.2, steps 3-5)."""
+        if max_bin_name == MAX_BIN_NAME:  # (the compiled test of a bin name assumes the default limit)
+            request = self.parse_right(header, rid, payload, payload_len)
+            if request is not None:
+                return request
         if payload_len and not self.payload:
             raise error_for_code(BAD_ARGS, f"{self.verb} takes no payload")
         request = self.Request()
         request.command, request.id, request.payload, request.payload_len = self, rid, payload, payload_len
-        if max_bin_name == MAX_BIN_NAME:  # (the fast test of a bin name assumes the default limit)
-            for key, required, accepts in self._fast:
-                value = header.get(key)
-                if value is None:
-                    if required:
-                        break
-                elif not accepts(value):
-                    break
-                setattr(request, key, value)
-            else:
-                return request
         for field in self.fields:  # find what is wrong, and say it
             problem = field.problem(header, max_bin_name)
             if problem is not None:
                 raise error_for_code(field.code, problem)
             setattr(request, field.key, header.get(field.key))
         return request
+
+
+def _compile_parser(command: Command) -> Callable[[dict, int, Any, int], Request | None]:
+    """``parse(header, rid, payload, payload_len)``: ``command``'s request when every
+    field of ``header`` is right, else None (:meth:`Command.parse_request` then
+    finds what is wrong and says it).  One function per command, made from its
+    fields when it is declared: each field's kind inlined where it has a ``test``,
+    instead of a loop over the fields per request."""
+    names: dict[str, Any] = {"Request": command.Request, "command": command}
+    body = ["def parse(header, rid, payload, payload_len):",
+            *(() if command.payload else ["    if payload_len: return None"]),
+            "    get = header.get",
+            "    request = Request()",
+            "    request.command, request.id, request.payload, request.payload_len = command, rid, payload, payload_len"]
+    for i, field in enumerate(command.fields):
+        test = field.kind.test
+        if test is None:
+            names[f"accepts_{i}"] = field.kind.accepts
+            test = f"accepts_{i}(v)"
+        body.append(f"    v = get({field.key!r})")
+        if field.required:
+            body.append(f"    if v is None or not ({test}): return None")
+        else:
+            body.append(f"    if v is not None and not ({test}): return None")
+        body.append(f"    request.{field.key} = v")
+    body.append("    return request")
+    scope = {**_TEST_NAMES, **names}
+    exec(compile("\n".join(body), f"<{command.verb} request parser>", "exec"), scope)  # noqa: S102
+    return scope["parse"]
 
 
 def reply_error(header: dict, what: str) -> TensorShareErrorLike:

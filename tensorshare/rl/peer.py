@@ -39,7 +39,7 @@ class RLPeer(StartStop):
     """
 
     def __init__(self, host: str, port: int, *, experiment: str | None, timeout: float | None,
-                 connect_timeout: float | None, host_server: bool = False, **client_options):
+                 connect_timeout: float | None, host_server: bool = False, **client_options: Any) -> None:
         super().__init__()
         self.server = None
         if host_server:

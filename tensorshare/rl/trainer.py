@@ -10,9 +10,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from ..client import Notification
-from .._client.exports import put_by_reference
-from .._client.methods import DEFAULT
-from ..errors import ConnectionLostError, NoSuchBinError
+from ..errors import ConnectionLostError, NoSuchBinError, TimeoutError
 from ..protocol.messages import PUT
 from ..sharded import parse_server
 from ..wire.codec import encode
@@ -67,7 +65,7 @@ class RLTrainer(RLPeer):
                  timeout: float | None = 60.0, connect_timeout: float | None = None,
                  on_join: Callable[[WorkerInfo], Any] | None = None,
                  on_leave: Callable[[WorkerInfo], Any] | None = None,
-                 servers: list[str | tuple[str, int]] | None = None, **client_options):
+                 servers: list[str | tuple[str, int]] | None = None, **client_options: Any) -> None:
         if max_waiting is not None and max_waiting < 1:
             raise ValueError("max_waiting must be at least 1 (or None: no cap)")
         super().__init__(host, port, experiment=experiment, timeout=timeout, connect_timeout=connect_timeout,
@@ -96,6 +94,7 @@ class RLTrainer(RLPeer):
         self._extra_clients = clients
         self._sources = [_RolloutBin(client, self.data_bin, self._cond) for client in clients]
         self._next_source = 0
+        self._carried: list[Rollout] = []  # taken by a get_data that then timed out short of min_items
         self._members_lock = threading.Lock()
         # Workers append their ids to the roster; the trainer's own takes of it (n = 0)
         # are no news (reading the roster again for them would only take again: a loop).
@@ -104,7 +103,8 @@ class RLTrainer(RLPeer):
 
     # -- parameters
 
-    def publish_parameters(self, state_dict: dict, wait: bool = True, *, dtype=None, delta: bool = False) -> int:
+    def publish_parameters(self, state_dict: dict, wait: bool = True, *, dtype: torch.dtype | None = None,
+                           delta: bool = False) -> int:
         """Publish ``state_dict`` as the next version and return that version.
 
         The tensors are copied out at the call: training on afterwards cannot
@@ -153,8 +153,7 @@ class RLTrainer(RLPeer):
     def _by_reference(self, state: Any) -> bool:
         """Whether a whole version of ``state`` goes by device reference: a state in
         CUDA memory, on the server's host, which takes references (PROTOCOL.md §13)."""
-        areas = self.client._shared_areas()
-        if areas is None or not areas.device_refs:
+        if not self.client.device_references:
             return False
         first = next((leaf for leaf in flatten(state).values() if isinstance(leaf, torch.Tensor)), None) \
             if isinstance(state, dict) else state
@@ -163,11 +162,13 @@ class RLTrainer(RLPeer):
     def _publish_by_reference(self, state: Any, version: int, dtype, wait: bool) -> PublishStats:
         """A whole version put by device reference: one snapshot on the GPU (cast there),
         which same-host CUDA workers copy device to device; its bytes follow in the
-        background for the others (``_client/exports.py``)."""
+        background for the others (``Client.put``'s ``by_reference``)."""
         self._versions.forget()  # the next delta publish starts with a keyframe
         value = {"version": version, "parameters": cast_state(state, dtype)}
-        put_by_reference(self.client._owner_of(self.params_bin), self.params_bin, value, version, DEFAULT, wait=wait,
-                         callback=self._failed)  # (by the connection that serves the bin: see Client.put)
+        if wait:
+            self.client.put(self.params_bin, value, tag=version, by_reference=True)
+        else:
+            self.client.submit(PUT, self.params_bin, value, self._failed, tag=version, by_reference=True)
         nbytes = tensor_bytes(value)
         leaves = len(flatten(state)) if isinstance(state, dict) else 1
         return PublishStats(version, "full", leaves, nbytes, nbytes, None)
@@ -184,22 +185,22 @@ class RLTrainer(RLPeer):
         (raise the error of one that was not)."""
         if self._device_sender is not None:  # device versions still to hand to the client
             self._device_sender.flush(timeout)
-        exports = self.client.values.exports
-        if exports is not None:  # versions put by reference still to publish
-            exports.published(timeout)
-        self.client.ping(timeout=timeout)  # replies come in request order: those before it are done
+        self.client.flush(timeout=timeout)  # (versions put by reference included)
         with self._cond:
             self._raise_failure()
 
     # -- rollouts
 
     def get_data(self, return_versions: bool = False, timeout: float | None = None, *,
-                 max_items: int | None = None, min_items: int | None = None, return_info: bool = False):
+                 max_items: int | None = None, min_items: int | None = None, return_info: bool = False) -> Any:
         """Take the rollouts collected so far (``[]`` if none), at most ``max_items``.
 
-        With ``timeout``, wait up to that long for at least ``min_items`` (default
-        1) to arrive: ``get_data(max_items=64, min_items=64, timeout=30)`` is a
-        batch of exactly 64, or what came within 30 s.  With ``return_versions``
+        With ``timeout``, wait up to that long for at least one rollout to arrive
+        (``[]`` if none did).  With ``min_items`` too, for at least that many:
+        ``get_data(max_items=64, min_items=64, timeout=30)`` is a batch of exactly
+        64, or :class:`~tensorshare.errors.TimeoutError` after 30 s, saying how many
+        came (and how many workers there are); those are kept for the next call,
+        never lost.  (Without ``timeout``, ``min_items`` is not waited for.)  With ``return_versions``
         (as in the original), ``(data, versions)``: the rollouts and, in the same
         order, the version of the parameters each was made with.  With
         ``return_info``, a list of :class:`Rollout` (data, version, worker,
@@ -215,8 +216,9 @@ class RLTrainer(RLPeer):
             raise ValueError("min_items must be at least 1 and at most max_items")
         deadline = None if timeout is None else time.monotonic() + timeout
         least = min_items or 1
-        kept: list[Rollout] = []
-        while True:
+        with self._cond:  # what an earlier call took but could not return (a batch short at its timeout)
+            kept, self._carried = self._carried[:max_items], self._carried[max_items or len(self._carried):]
+        while max_items is None or len(kept) < max_items:
             want = None if max_items is None else max_items - len(kept)
             remaining = None if deadline is None else deadline - time.monotonic()
             if len(self._sources) == 1 and remaining is not None and remaining > 0 and len(kept) < least:
@@ -248,11 +250,25 @@ class RLTrainer(RLPeer):
             kept += self._sort(source.take(want))
             if max_items is not None and len(kept) >= max_items:
                 break
+        if min_items is not None and timeout is not None and len(kept) < min_items and not self._closing:
+            with self._cond:
+                self._carried = kept + self._carried
+            raise TimeoutError(self._short_batch(len(kept), min_items, timeout))
         if return_info:
             return kept
         if return_versions:
             return [r.data for r in kept], [r.version for r in kept]
         return [r.data for r in kept]
+
+    def _short_batch(self, got: int, min_items: int, timeout: float) -> str:
+        """Why a batch of ``min_items`` did not come within ``timeout``, and what to do."""
+        workers = len(self.workers)
+        said = f"get_data: {got} of min_items={min_items} rollouts within {timeout:g}s (kept for the next call)"
+        if not workers:
+            return f"{said}: no worker of experiment {self.experiment!r} is connected"
+        if self.dropped:
+            said += f"; {self.dropped} dropped as stale so far (max_staleness={self.max_staleness})"
+        return f"{said}; {workers} worker(s) connected: wait longer, or ask for fewer"
 
     def _waiting(self) -> "_RolloutBin | None":
         """A rollouts bin where rollouts wait, taking the servers in turn (under _cond)."""
@@ -330,7 +346,11 @@ class RLTrainer(RLPeer):
         self._put_control(stop=False)
 
     def stop_workers(self) -> None:
-        """Ask every worker, present and future, to stop (:attr:`RLWorker.stop_requested`)."""
+        """Ask every worker, present and future, to stop (:attr:`RLWorker.stop_requested`).
+
+        The request stays in the server after this trainer stops, so workers started
+        later stop too (a supervisor restarting them ends the run); the next
+        :class:`RLTrainer` of the experiment lifts it."""
         self._put_control(stop=True)
 
     def _put_control(self, stop: bool) -> None:

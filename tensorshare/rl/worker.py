@@ -9,7 +9,7 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..client import Notification
 from ..errors import ConnectionLostError, NoSuchBinError, TimeoutError
@@ -17,6 +17,9 @@ from ..protocol.messages import APPEND, MAX_WAIT, PUT, Key, check_bin_name
 from ..sharded import parse_server, rendezvous
 from .peer import RLPeer
 from .versions import Reader, chain_bin
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("tensorshare.rl")
 
@@ -36,7 +39,7 @@ class RLWorker(RLPeer):
     flight (more would only get staler while they wait), so :meth:`add_data` waits
     too, up to the client's timeout; rollouts then travel on a second connection,
     so that parameters still arrive meanwhile.  Once the trainer asked the workers
-    to stop, :meth:`add_data` discards what it is given.  A rollout the server did not store makes the next
+    to stop, :meth:`add_data` discards what it is given (a warning says so, once).  A rollout the server did not store makes the next
     :meth:`add_data` (or :meth:`flush`) raise its error.  :meth:`flush` waits until
     every rollout sent is stored; ``stop()`` flushes first.
 
@@ -53,7 +56,7 @@ class RLWorker(RLPeer):
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, *, experiment: str | None = None,
                  timeout: float | None = 60.0, connect_timeout: float | None = None, max_pending: int = 64,
                  worker_id: str | None = None, servers: list[str | tuple[str, int]] | None = None,
-                 **client_options):
+                 **client_options: Any) -> None:
         if max_pending < 1:
             raise ValueError("max_pending must be at least 1")
         super().__init__(host, port, experiment=experiment, timeout=timeout, connect_timeout=connect_timeout,
@@ -67,6 +70,7 @@ class RLWorker(RLPeer):
                              f"name or the worker id)")
         self.max_pending = max_pending
         self.stop_requested = False
+        self._told_stop = False  # add_data said that it discards rollouts (once per stop request)
         self._max_waiting: int | None = None  # the trainer's cap, from the control bin
         self._rollouts = None  # the second connection rollouts take while capped (or to their server)
         # With several servers, this worker's rollouts go to one of them, the same for
@@ -114,7 +118,7 @@ class RLWorker(RLPeer):
         """
         return self._fetch(None)
 
-    def load_into(self, model) -> int:
+    def load_into(self, model: torch.nn.Module) -> int:
         """Write the latest published parameters into ``model`` (a ``torch.nn.Module``,
         or a dict of tensors) in place; returns their version (-1 before the first
         publish).  Downloads only if a newer version has been announced.
@@ -163,7 +167,7 @@ class RLWorker(RLPeer):
         """``into`` for a read of the parameters bin: ``targets`` receive a whole version
         newer than the one held (never a delta, nor an older version: the model
         would then hold a mix that this worker does not know of)."""
-        from .._client.devices import template_targets
+        from ..wire.description import template_targets
 
         match = template_targets({"parameters": targets})
 
@@ -186,6 +190,8 @@ class RLWorker(RLPeer):
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._cond:
+                if self.stop_requested and not self._closing:
+                    self._say_stopped()
                 if self._closing or self.stop_requested:
                     return None
                 if self._latest > self.version:  # a newer one is known already: fetch it
@@ -263,15 +269,17 @@ class RLWorker(RLPeer):
             window = self.max_pending if cap is None else min(self.max_pending, max(CAPPED_PENDING, cap // 8))
             while self._in_flight >= window:  # the window is full: backpressure
                 if self.stop_requested:  # nobody will read it
+                    self._say_stopped()
                     return
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise TimeoutError(f"{self.max_pending} rollouts still unacknowledged after {timeout:g}s"
-                                       + (f" (the trainer holds at most {self._max_waiting} waiting)"
-                                          if self._max_waiting else ""))
+                    raise TimeoutError(f"{self._in_flight} rollouts still unacknowledged after {timeout:g}s"
+                                       + (f" (the trainer holds at most {self._max_waiting} waiting, and takes "
+                                          f"none: is it calling get_data?)" if self._max_waiting else ""))
                 self._cond.wait(remaining)
                 self._raise_failure()
             if self.stop_requested:
+                self._say_stopped()
                 return
             self._in_flight += 1
             cap = self._max_waiting
@@ -291,6 +299,15 @@ class RLWorker(RLPeer):
         except BaseException:
             self._stored(None, None)
             raise
+
+    def _say_stopped(self) -> None:
+        """Say once per stop request what it does to this worker, and why (under _cond)."""
+        if not self._told_stop:
+            self._told_stop = True
+            log.warning("RLWorker %s: the trainer of experiment %r asked its workers to stop (stop_workers()): "
+                        "await_new_parameters returns None and add_data discards rollouts until a new RLTrainer of "
+                        "the experiment starts",
+                        self.worker_id, self.experiment)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every rollout :meth:`add_data` sent is stored; raise the error of
@@ -369,6 +386,7 @@ class RLWorker(RLPeer):
             cap = control.get("max_waiting") if isinstance(control, dict) else None
             self._max_waiting = cap if isinstance(cap, int) and cap >= 1 else None
             self.stop_requested = bool(control.get("stop")) if isinstance(control, dict) else False
+            self._told_stop = self._told_stop and self.stop_requested
             self._cond.notify_all()
 
     def _shut(self) -> None:

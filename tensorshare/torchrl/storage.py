@@ -556,7 +556,7 @@ def _reconnect(address: dict):
     key = (os.getpid(), address["host"], address["port"], repr(sorted(address["options"].items())), repr(source))
     with _CLIENTS_LOCK:
         client = _CLIENTS.get(key)
-        if client is None or client._closed:
+        if client is None or client.closed:
             token = None if source is None else resolve_token(None, source["file"] if isinstance(source, dict) else None)
             if source is not None and token is None:
                 raise UsageError("the pickled storage's server needs a token: TENSORSHARE_TOKEN (or its token "

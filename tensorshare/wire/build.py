@@ -10,6 +10,7 @@ aligned memory a payload is received into.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import numpy as np
@@ -17,8 +18,8 @@ import torch
 
 from ..errors import ProtocolError
 from .description import (
-    ALIGN, KIND_NUMPY, KIND_TORCH, ArraySpec, Description, _ArrayRef, _DtypeNode, _MapNode, _ScalarNode, _SetNode,
-    _SizeNode, _Special, _TensorDictNode, _TupleNode,
+    ALIGN, DEFAULT_LIMITS, KIND_NUMPY, KIND_TORCH, ArraySpec, DecodeLimits, Description, _ArrayRef, _DtypeNode,
+    _MapNode, _ScalarNode, _SetNode, _SizeNode, _Special, _TensorDictNode, _TupleNode, parse_description,
 )
 from .torch_dtypes import BUFFER_DTYPES, NUMPY_DTYPES, TORCH_DTYPES
 
@@ -45,6 +46,37 @@ def build(desc: Description, payload: np.ndarray | torch.Tensor, base: int = 0, 
     else:
         arrays = []
     return assemble(desc, arrays)
+
+
+_LONE: dict = {}  # (description blob, payload bytes) -> (numpy twin, count, shape or None) of a lone tensor
+_LONE_MAX = 1024
+
+
+def build_item(blob: bytes, size: int, payload: Any, base: int = 0, device: Any = None,
+               limits: DecodeLimits = DEFAULT_LIMITS) -> Any:
+    """The value of one item: its description ``blob`` parsed against its ``size`` bytes
+    at ``payload[base:]``, then :func:`build`.  A lone CPU tensor whose dtype has a
+    numpy twin, the most common item, seen before: one view and one ``from_numpy``
+    (a fifth of the general path's cost)."""
+    if device is None and limits is DEFAULT_LIMITS and type(payload) is np.ndarray:
+        lone = _LONE.get((blob, size))
+        if lone is not None:
+            twin, count, shape = lone
+            array = np.frombuffer(payload, twin, count, base)
+            return torch.from_numpy(array if shape is None else array.reshape(shape))
+    desc = parse_description(blob, size, limits)
+    if type(desc.tree) is _ArrayRef and len(desc.arrays) == 1 and type(blob) is bytes and limits is DEFAULT_LIMITS:
+        _remember_lone(blob, size, desc.arrays[0])
+    return build(desc, payload, base, device)
+
+
+def _remember_lone(blob: bytes, size: int, spec: ArraySpec) -> None:
+    twin = BUFFER_DTYPES.get(TORCH_DTYPES.get(spec.dtype)) if spec.kind == KIND_TORCH else None
+    if twin is None or not spec.nbytes or spec.offset:
+        return
+    if len(_LONE) >= _LONE_MAX:
+        _LONE.clear()
+    _LONE[(blob, size)] = (twin, spec.nbytes // twin.itemsize, None if len(spec.shape) == 1 else tuple(spec.shape))
 
 
 def _build_on_device(desc: Description, payload: Any, base: int) -> Any:
@@ -176,8 +208,14 @@ def payload_buffer(nbytes: int) -> np.ndarray:
     if nbytes > _SMALL_PAYLOAD:
         return empty_payload(nbytes).numpy()
     raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
-    start = -raw.__array_interface__["data"][0] % ALIGN
+    start = -_address(raw) % ALIGN
     return raw[start : start + nbytes]
+
+
+def _address(array: np.ndarray) -> int:
+    """Where ``array``'s (writable, non-empty) memory starts: a third of the cost of
+    ``__array_interface__``, which builds a dict each time."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(array))
 
 
 def empty_payload(nbytes: int) -> torch.Tensor:

@@ -18,6 +18,8 @@ PROTOCOL.md ("Value description") is the normative text.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import struct
 import sys
 import threading
@@ -178,7 +180,7 @@ class _Encoder:
             return msgpack.ExtType(EXT_COMPLEX, struct.pack("<dd", obj.real, obj.imag))
         if type(obj).__module__.startswith("tensordict."):
             return self.tensordict(obj, depth)
-        raise EncodeError(f"cannot send a value of type {_type_name(obj)}")
+        raise EncodeError(f"cannot send a value of type {_type_name(obj)}{_what_to_send(obj)}")
 
     def tensordict(self, td: Any, depth: int) -> msgpack.ExtType:
         """A ``tensordict.TensorDict``: its batch size and entries (nested TensorDicts
@@ -271,6 +273,18 @@ def _plain_tuple_warning(cls: type) -> None:
     warnings.warn(f"{cls.__module__}.{cls.__qualname__} ({'a namedtuple' if named else 'a tuple subclass'}) is "
                   f"sent as a plain tuple: its type and field names do not travel (send "
                   f"{'value._asdict()' if named else 'a dict'} to keep the names)", stacklevel=2)
+
+
+def _what_to_send(obj: Any) -> str:
+    """How to send what ``obj`` holds instead (the wire carries no classes)."""
+    if isinstance(obj, torch.nn.Module):
+        return ": send its parameters, module.state_dict()"
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return ": send its fields, dataclasses.asdict(value)"
+    if isinstance(obj, enum.Enum):
+        return ": send its .value or .name"
+    return (": the wire carries tensors, arrays, numbers, strings, bytes, None and dicts, lists, tuples and "
+            "sets of those, never classes (send the object's fields as a dict)")
 
 
 def _type_name(obj: Any) -> str:
@@ -373,7 +387,7 @@ def _numpy_bytes(a: np.ndarray) -> tuple[int, str, list[int], memoryview]:
     return KIND_NUMPY, name, shape, memoryview(a.reshape(-1).view(np.uint8))
 
 
-def encode(value: Any, *, limits: DecodeLimits = DEFAULT_LIMITS) -> Encoded:
+def encode(value: Any, *, limits: DecodeLimits = DEFAULT_LIMITS, views: bool = False) -> Encoded:
     """Split ``value`` into a description blob and zero-copy payload buffers.
 
     Raises :class:`EncodeError` for values that have no wire form.  Contiguous CPU
@@ -382,12 +396,17 @@ def encode(value: Any, *, limits: DecodeLimits = DEFAULT_LIMITS) -> Encoded:
     not read here: their buffers are device spans that the sender stages through
     the device engine (:mod:`tensorshare.device`), reading the tensors after the
     work queued on the caller's current stream until now; ``Encoded.engine`` is then
-    set.
+    set.  A lone CPU tensor of up to :data:`SMALL_COPY` bytes is copied instead
+    (cheaper), unless ``views`` asks for views of every array (to find the arrays that
+    are the server's shared memory).
     """
     spans = _SPANS[0]
     if type(value) is torch.Tensor and limits.max_depth >= 0:
         # A lone tensor, the most common value: what the general path below makes,
         # without building the encoder and walking a tree.
+        small = None if views else _small_lone(value)
+        if small is not None:
+            return small
         kind, dtype, shape, view = _torch_bytes(value)
         nbytes = view.nbytes
         total = align_up(nbytes)
@@ -409,6 +428,50 @@ def encode(value: Any, *, limits: DecodeLimits = DEFAULT_LIMITS) -> Encoded:
     enc = _Encoder(limits.max_depth)
     tree = enc.node(value, 0)
     return _finish(enc, tree, spans)
+
+
+SMALL_COPY = 64 << 10  # bytes: a lone CPU tensor this small is copied into the frame at once
+
+
+def _small_lone(t: torch.Tensor) -> Encoded | None:
+    """A lone small CPU tensor's encoding, its bytes copied (None: not one, the usual
+    path encodes it).  ``numpy()`` is the one torch call: it refuses every tensor the
+    usual path must resolve or refuse (another device, autograd, conjugate or negative
+    bits, other layouts, dtypes without a numpy twin); each torch call costs as much
+    as the rest of encoding a small tensor, and more in a process that lost its
+    caches to others.  The copy is cheaper than a view of the tensor's memory, and
+    takes any strides."""
+    try:
+        array = t.numpy()
+    except (TypeError, RuntimeError):
+        return None
+    nbytes = array.nbytes
+    name = _NUMPY_TWIN_NAMES.get(array.dtype)
+    if name is None or not 0 < nbytes <= SMALL_COPY or array.ndim > MAX_DIMS:
+        return None
+    shape = array.shape
+    key = (name, *shape)
+    description = _LONE_DESCRIPTIONS.get(key)
+    total = (nbytes + ALIGN - 1) & -ALIGN
+    if description is None:
+        description = _packb({"v": _ARRAY_REFS[0], "t": [[KIND_TORCH, name, list(shape), 0, nbytes]], "n": total})
+        if len(_LONE_DESCRIPTIONS) >= _LONE_DESCRIPTIONS_MAX:
+            _LONE_DESCRIPTIONS.clear()
+        _LONE_DESCRIPTIONS[key] = description
+    data = array.tobytes()
+    return Encoded(description, [data, _PAD[: total - nbytes]] if total != nbytes else [data], total, 1)
+
+
+def _twin_names() -> dict:
+    """numpy dtype of a tensor's ``numpy()`` -> the tensor's wire dtype name (where one
+    numpy dtype stands for one torch dtype only)."""
+    names: dict = {}
+    for dtype, twin in BUFFER_DTYPES.items():
+        names[twin] = None if twin in names else TORCH_NAMES[dtype]
+    return {twin: name for twin, name in names.items() if name is not None}
+
+
+_NUMPY_TWIN_NAMES = _twin_names()
 
 
 def _finish(enc: _Encoder, tree: Any, spans: int) -> Encoded:

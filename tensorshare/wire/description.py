@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 
 from ..errors import ProtocolError
@@ -449,3 +449,29 @@ def _node_name(node: Any) -> str:
     if kind is _TensorDictNode:
         return "a TensorDict"
     return f"a {kind.__name__}"
+
+
+def template_targets(template: Any) -> Callable[[int, Description], dict]:
+    """``into`` for a value shaped like the items (``peek(..., into=...)``): for an
+    item's description, ``{array index: tensor}`` with the tensors of ``template``
+    where the item has an array at the same place (dict keys, list and tuple
+    positions).  Whether each tensor can take its array is the receiver's check."""
+    def targets(item: int, desc: Description) -> dict:
+        found: dict = {}
+        _match(desc.tree, template, found)
+        return found
+    return targets
+
+
+def _match(node: Any, template: Any, found: dict) -> None:
+    if isinstance(node, _ArrayRef):
+        if hasattr(template, "is_contiguous"):  # a tensor
+            found[node.index] = template
+        return
+    if isinstance(node, dict) and isinstance(template, dict):
+        for key, value in node.items():
+            if key in template:
+                _match(value, template[key], found)
+    elif isinstance(node, (list, _TupleNode)) and isinstance(template, (list, tuple)):
+        for value, slot in zip(node, template):
+            _match(value, slot, found)

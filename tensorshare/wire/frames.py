@@ -72,6 +72,45 @@ def frame_head(header: dict, payload_len: int) -> bytes:
     return PREFIX.pack(MAGIC, VERSION, 0, 0, len(packed), payload_len) + packed
 
 
+def head_template(fixed: dict, keys: tuple[str, ...]) -> Callable[..., bytes]:
+    """``head(*values)``: the frame head (prefix and header, no payload) of the
+    header ``{**fixed, keys[0]: values[0], ...}``, from a template prepared here
+    once: one ``struct.pack`` per frame instead of building and packing a map.
+
+    The values are non-negative integers, packed as msgpack uint64 (a longer form
+    than the shortest, which every msgpack decoder reads as the same integer); one
+    that is not (a negative or larger one) gets the frame :func:`frame_head` makes.
+    Up to three keys (the replies the server sends most)."""
+    packer = msgpack.Packer(use_bin_type=True)
+    entries = len(fixed) + len(keys)
+    if not 0 < len(keys) <= 3 or entries > 15:
+        raise ValueError("a head template has 1 to 3 integer fields and at most 15 in all")
+    pieces = [bytes([0x80 | entries]) + b"".join(packer.pack(k) + packer.pack(v) for k, v in fixed.items())]
+    for i, key in enumerate(keys):
+        if i:
+            pieces.append(b"")
+        pieces[-1] += packer.pack(key) + b"\xcf"  # uint64 follows
+    header_len = sum(map(len, pieces)) + 8 * len(keys)
+    pieces[0] = PREFIX.pack(MAGIC, VERSION, 0, 0, header_len, 0) + pieces[0]
+    pack = struct.Struct(">" + "".join(f"{len(piece)}sQ" for piece in pieces)).pack
+    checked = _TEMPLATE_ARITY[len(keys)](pack, *pieces)
+
+    def head(*values) -> bytes:
+        try:
+            return checked(*values)
+        except struct.error:  # not a uint64
+            return frame_head({**fixed, **dict(zip(keys, values))}, 0)
+    head.__doc__ = f"The frame head of {{{', '.join([*map(repr, fixed), *keys])}}}."
+    return head
+
+
+_TEMPLATE_ARITY = {  # (each spelled out: no list to build per frame)
+    1: lambda pack, a: lambda x: pack(a, x),
+    2: lambda pack, a, b: lambda x, y: pack(a, x, b, y),
+    3: lambda pack, a, b, c: lambda x, y, z: pack(a, x, b, y, c, z),
+}
+
+
 @dataclass
 class Frame:
     """One decoded frame: its header map and its payload as the sink produced it."""
@@ -227,6 +266,45 @@ def buffer_sink(header: dict, nbytes: int, reuse: Any = None) -> BufferSink:
 def discard_sink(header: dict, nbytes: int) -> DiscardSink:
     """Sink factory: drop every payload (the caller reads it elsewhere)."""
     return DiscardSink(nbytes)
+
+
+# ---------------------------------------------------------------- whole small frames
+
+SMALL_FRAME = 64 << 10  # most bytes (prefix, header, payload) of a frame :func:`whole_frames` parses
+
+
+def whole_frames(data: bytes, limits: FrameLimits = DEFAULT_FRAME_LIMITS,
+                 most: int = SMALL_FRAME) -> tuple[list[tuple[dict, bytes, int]], int]:
+    """The whole small frames at the start of ``data`` (a read), each parsed in one
+    step where it arrives, prefix and header together: ``([(header, payload,
+    payload_len), ...], end)``, the payload a ``bytes`` slice of ``data``.
+
+    It stops at ``end``, the first frame that is not whole in ``data``, is over
+    ``most`` bytes, has a header longer than :data:`FREE_CONTAINERS` bytes or is
+    not a plain, well-formed frame within ``limits``: :class:`FrameDecoder` takes
+    the rest (and refuses what is wrong, with its reasons).  A frame it returns
+    is one that decoder would return with the same header, and its payload is the
+    bytes that decoder's sink would be given.
+    """
+    found = []
+    pos, end = 0, len(data)
+    max_header = min(limits.max_header, FREE_CONTAINERS)  # (larger headers are measured: the decoder's job)
+    if most > limits.max_payload:
+        most = limits.max_payload
+    while end - pos >= PREFIX_SIZE and data[pos : pos + 8] == _PLAIN_START:
+        header_len, payload_len = _LENGTHS.unpack_from(data, pos + 8)
+        start = pos + PREFIX_SIZE
+        body = start + header_len
+        stop = body + payload_len
+        if not 0 < header_len <= max_header or stop > end or stop - pos > most:
+            break
+        try:
+            header = unpack_header(data[start:body], limits)
+        except ProtocolError:  # (the decoder raises it again, once the frames before it are served)
+            break
+        found.append((header, data[body:stop], payload_len))
+        pos = stop
+    return found, pos
 
 
 # ------------------------------------------------------------------------- decoder
@@ -438,15 +516,20 @@ def unpack_header(data: bytes | memoryview, limits: FrameLimits = DEFAULT_FRAME_
     size = len(data)
     factor = limits.header_memory
     if size <= FREE_CONTAINERS:  # the usual header: nothing to count or measure (see .unpacking)
-        measured = None
+        # Checked as it is decoded: every map's keys by _str_keys, extension types by
+        # _no_extension (max_ext_len=0 lets only empty ones through), no walk after.
+        # unpackb bounds every other declared length by the size of what it decodes
+        # (its max_*_len default to that): nothing larger is ever allocated.
         try:
-            header = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True, max_str_len=size,
-                                     max_bin_len=size, max_array_len=size, max_map_len=size, max_ext_len=0)
+            header = msgpack.unpackb(data, raw=False, strict_map_key=True, max_ext_len=0, object_hook=_str_keys,
+                                     ext_hook=_no_extension)
         except UNPACK_ERRORS as exc:
             raise ProtocolError(f"malformed header: {exc or type(exc).__name__}") from None
-    else:
-        measured = None if factor is None else ContainerBudget(size, "header", measure=True)
-        header = unpack_bounded(data, "header", budget=measured)
+        if type(header) is not dict:
+            raise ProtocolError("header must be a msgpack map with str keys")
+        return header
+    measured = None if factor is None else ContainerBudget(size, "header", measure=True)
+    header = unpack_bounded(data, "header", budget=measured)
     if not isinstance(header, dict):
         raise ProtocolError("header must be a msgpack map with str keys")
     _check_header_values(header)
@@ -458,6 +541,17 @@ def unpack_header(data: bytes | memoryview, limits: FrameLimits = DEFAULT_FRAME_
             raise CostlyHeader(f"header of {size} bytes decodes to {held} bytes of objects, over {factor} times "
                                f"its size", stand_in)
     return header
+
+
+def _str_keys(node: dict) -> dict:
+    for key in node:
+        if type(key) is not str:
+            raise ProtocolError("header must be a msgpack map with str keys, at every level")
+    return node
+
+
+def _no_extension(code: int, data: bytes):
+    raise ProtocolError("headers may not hold msgpack extension types")
 
 
 _CONTAINER_TYPES = frozenset({dict, list, msgpack.ExtType, msgpack.Timestamp})  # what the walk looks into

@@ -1,11 +1,14 @@
-"""README.md, end to end: every bash, Python and TOML block runs as written against
-real servers started the README's way, or is marked as needing what a test cannot
-have (tests/readme.py says how blocks are marked and what is replaced in them).
+"""The user documentation, end to end: every bash, Python and TOML block of README.md,
+the site's home page, quickstart and guides runs as written against real servers
+started the documented way, or is marked as needing what a test cannot have
+(tests/docblocks.py says which pages, how blocks are marked and what is replaced in
+them).
 
 A fragment that uses objects of the reader's own (a ``policy``, an ``env``, a
 ``batch``) runs after a few lines that make small ones (:data:`CHECKS`).  Python
 blocks run in one child process, one after another, each in a namespace of its
-own; a line whose comment says ``# raises NoSuchBinError`` must raise it.
+own and a directory of its own; a line whose comment says ``# raises
+NoSuchBinError`` must raise it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import pytest
 import torch
 
 import tensorshare
-from readme import PATHS, Block, blocks, expect_raises, localize
+from docblocks import PATHS, ROOT, Block, all_blocks, expect_raises, localize
 from serverproc import ServerProcess
 
 pytestmark = pytest.mark.process
@@ -130,10 +133,10 @@ PLAIN_PYTHON = "import torch, tensorshare\n"  # what every block may take as imp
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """A server started the README's way (the ``tensorshare-server`` command, with its
+    """A server started the documented way (the ``tensorshare-server`` command, with its
     status page), a relay following it, two shards beside it on other loopback
     addresses, and a directory to work in."""
-    root = tmp_path_factory.mktemp("readme")
+    root = tmp_path_factory.mktemp("docs")
     paths = {readme: str(root / "paths" / readme.strip("/").replace("/", "-")) for readme in PATHS}
     os.makedirs(root / "paths")
     Path(paths["/etc/tensorshare/token"]).write_text("readme-token-4f0c9a7e1b2d3c5a\n")
@@ -166,7 +169,7 @@ def _env(world) -> dict:
 
 def workdir(block: Block, world) -> Path:
     """A directory of the block's own to run in (its relative paths land there)."""
-    path = world["cwd"] / f"line-{block.line}"
+    path = world["cwd"] / f"{block.path.stem}-{block.line}"
     path.mkdir(exist_ok=True)
     return path
 
@@ -200,7 +203,7 @@ results = {}
 for name, source, cwd in json.load(sys.stdin):
     try:
         os.chdir(cwd)
-        exec(compile(source, name, "exec"), {"__name__": "__readme__"})
+        exec(compile(source, name, "exec"), {"__name__": "__docs__"})
         results[name] = None
     except BaseException:
         results[name] = traceback.format_exc()[-3000:]
@@ -212,10 +215,10 @@ print(json.dumps(results))
 def python_results(world):
     """Every Python block that runs as it is or with a check, run once, in order, in
     one child process: {block name: None, or the traceback}."""
-    runnable = [b for b in blocks() if b.lang == "python" and (b.check is None or b.check in CHECKS)]
+    runnable = [b for b in BLOCKS if b.lang == "python" and (b.check is None or b.check in CHECKS)]
     sources = [(b.name, python_source(b, world), str(workdir(b, world))) for b in runnable]
     out = subprocess.run([sys.executable, "-c", RUNNER], input=json.dumps(sources), capture_output=True,
-                         text=True, timeout=240, cwd=world["cwd"], env=_env(world))
+                         text=True, timeout=360, cwd=world["cwd"], env=_env(world))
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -298,7 +301,7 @@ def run_shell(block: Block, world) -> None:
                                  env=_env(world))
             assert out.returncode == 0, (line, out.stderr[-2000:])
         else:
-            pytest.fail(f"no check for this README command: {line}")
+            pytest.fail(f"no check for this documented command: {line}")
     if commands:  # in one process: the same main() the command runs, torch imported once
         out = subprocess.run([sys.executable, "-c", CLI_RUNNER], input=json.dumps(commands), capture_output=True,
                              text=True, timeout=120, cwd=cwd, env=_env(world))
@@ -318,7 +321,7 @@ for line in json.load(sys.stdin):
 
 
 def server_line(line: str, world) -> str:
-    """A README server command on ports of its own (those it names of others stay the test's)."""
+    """A documented server command on ports of its own (those it names of others stay the test's)."""
     line = re.sub(r"--(port|metrics-port) \d+", r"--\1 0", line)
     if "--port" not in line and "--config" not in line:
         line += " --port 0"
@@ -356,20 +359,30 @@ def run_toml(block: Block, world) -> None:
 # -- the tests
 
 
-BLOCKS = blocks()
+BLOCKS = all_blocks()
 
 
 def test_every_block_is_checked_or_says_why_not():
     known = {*CHECKS, "twisted", "tls", "cli", "install"}
     for block in BLOCKS:
         assert block.check is None or block.check in known or block.needs or block.prints, \
-            f"README line {block.line}: unknown check {block.check!r}"
+            f"{block.path.relative_to(ROOT)} line {block.line}: unknown check {block.check!r}"
     used = {block.check for block in BLOCKS}
-    assert known <= used, f"checks no README block uses any more: {known - used}"
+    assert known <= used, f"checks no documented block uses any more: {known - used}"
+
+
+def test_every_page_with_code_is_checked():
+    """A page of the site that shows code to run is one of the checked documents (a
+    new guide is picked up by its folder; a page elsewhere must be added)."""
+    from docblocks import DOCS, blocks, documents
+
+    unchecked = [path.relative_to(ROOT) for path in sorted(DOCS.rglob("*.md"))
+                 if path not in documents() and path.name not in ("design.md", "reliability.md") and blocks(path)]
+    assert not unchecked, f"pages with code blocks no test runs: {unchecked}"
 
 
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.check != "install"], ids=lambda b: b.name)
-def test_readme_block(block, world, python_results):
+def test_doc_block(block, world, python_results):
     if block.needs:
         pytest.skip(f"needs {block.needs}")
     if block.lang == "python":

@@ -1,0 +1,92 @@
+"""Instructions a small request costs the server, counted by callgrind (``python -m benchmarks.request_cost``).
+
+The server (tensorshare-server with busy polling off, or the floor:
+:mod:`benchmarks.floor_server`) runs under ``valgrind --tool=callgrind`` while one
+real ``Client`` sends it a fixed number of mixed 1 KiB put/append/get requests,
+one at a time (the floor section's load).  It runs twice, with two counts; the
+difference of the two totals over the difference of the counts is what one
+request costs the server in user space, start-up and shutdown cancelled out.
+Instruction counts do not move with the machine's load (CPU time per request moves
+by several per cent on a shared machine), so a step of a change can be measured
+alone: run it on the tree before and after.
+
+    python -m benchmarks.request_cost [--server ts|floor] [--counts 300,2400] [--size 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+_LISTENING = re.compile(rb"listening on ([^\s:]+|\[[^\]]+\]):(\d+)")
+_COLLECTED = re.compile(r"Collected : (\d+)")
+# The server's time limits are checked on a clock (every 0.25 s): under valgrind, where a
+# run takes minutes, that would count as per-request work by how long the run took.
+_QUIET_CLOCK = ("import sys; from tensorshare_server.config import ServerConfig; "
+                "ServerConfig.tick_interval = property(lambda self: 3600.0); "
+                "from tensorshare_server.cli import main; sys.exit(main(sys.argv[1:]))")
+_SERVERS = {"ts": ("-c", _QUIET_CLOCK, "--host", "127.0.0.1", "--port", "0", "--busy-poll", "0"),
+            "floor": ("-m", "benchmarks.floor_server")}
+_WARMUP = 150  # requests before the counted ones (caches, the first put of the bin)
+
+
+def _drive(port: int, count: int, size: int) -> None:
+    """``_WARMUP + count`` mixed requests (put, append, get in turn) through a real Client."""
+    import torch
+
+    from tensorshare import Client
+
+    value = torch.ones(size // 4)
+    with Client("127.0.0.1", port, timeout=600) as client:
+        ops = (lambda: client.put("cost", value), lambda: client.append("cost", value), lambda: client.get("cost"))
+        for i in range(_WARMUP + count):
+            ops[i % 3]()
+
+
+def instructions(server: str, count: int, size: int) -> int:
+    """The server's instructions, start to end, around ``count`` requests (and the warm-up)."""
+    with tempfile.TemporaryDirectory(prefix="request-cost-") as tmp:
+        cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/out", sys.executable, *_SERVERS[server]]
+        err = open(os.path.join(tmp, "err"), "w+")
+        env = {**os.environ, "PYTHONHASHSEED": "0"}  # (the same dicts and sets, run after run)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, env=env)
+        try:
+            line = proc.stdout.readline()
+            match = _LISTENING.search(line)
+            if not match:
+                raise RuntimeError(f"the server did not start: {line!r}")
+            _drive(int(match.group(2)), count, size)
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        err.seek(0)
+        found = _COLLECTED.findall(err.read())
+        if not found:
+            raise RuntimeError("callgrind reported no total")
+        return int(found[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--server", choices=sorted(_SERVERS), default="ts")
+    parser.add_argument("--counts", default="300,2400", help="the two request counts (multiples of 3)")
+    parser.add_argument("--size", type=int, default=1024, help="bytes of each value")
+    args = parser.parse_args(argv)
+    low, high = (int(n) for n in args.counts.split(","))
+    began = time.monotonic()
+    a, b = instructions(args.server, low, args.size), instructions(args.server, high, args.size)
+    print(f"{args.server}: {(b - a) / (high - low):,.0f} instructions per request "
+          f"({args.size} B mixed put/append/get; {low}: {a:,}, {high}: {b:,}; {time.monotonic() - began:.0f}s)")
+
+
+if __name__ == "__main__":
+    main()
