@@ -951,7 +951,7 @@ def _traced_peak(fn, *args) -> int:
 
 
 def test_fuzz_the_client_decodes_generated_documents_in_bounded_memory():
-    from tensorshare._client.connection import CLIENT_FRAME_LIMITS
+    from tensorshare.protocol.handshake import CLIENT_FRAME_LIMITS
     from tensorshare.wire.description import parse_description
 
     worst = [0.0, None]
