@@ -39,7 +39,7 @@ from .stats import Sample, gbps, mib, time_runs
 
 
 def run(rec: Recorder, p: Profile, peers) -> None:
-    rec.begin("13. GPU data path")
+    rec.begin("15. GPU data path")
     if not torch.cuda.is_available():
         rec.skip("section gpu", "no CUDA device (torch.cuda.is_available() is false)")
         return

@@ -82,7 +82,7 @@ class Profile:
     tables_actor_capacity: int = 10_000
     tables_run_s: float = 2.0
     tables_runs: int = 3
-    # 14. scale: tables of 10^7-10^8 rows, larger than RAM, sequences (issue #41)
+    # 16. scale: tables of 10^7-10^8 rows, larger than RAM, sequences (issue #41)
     big_rows: int = 10_000_000         # rows of 64 B in the large table (the goals are stated at 10^8: full)
     big_side_rows: int = 10_000_000    # rows of the side-by-side run with TorchRL in process
     big_ram_table_bytes: int = 2 << 30  # the table larger than RAM (0: twice the machine's memory, if the disk has it)
@@ -109,7 +109,7 @@ class Profile:
     versions_tensor_elems: int = 1 << 18
     versions_change: float = 0.1       # the share of the tensors that change per version
     versions_reps: int = 12            # timed versions per way of publishing
-    # 13. the GPU data path (skipped without CUDA)
+    # 15. the GPU data path (skipped without CUDA)
     gpu_bytes: int = 1024 * MiB        # the CUDA tensor and the bf16 state dict
     gpu_tensors: int = 96              # tensors of the state dict
     gpu_reps: int = 3

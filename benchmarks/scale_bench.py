@@ -65,7 +65,7 @@ def rows(first: int, n: int) -> tuple[dict, torch.Tensor]:
 
 
 def run(rec: Recorder, p: Profile, peers) -> None:
-    rec.begin("scale")
+    rec.begin("16. Replay at scale")
     scratch = tempfile.mkdtemp(prefix="tensorshare-scale-", dir=p.big_dir or None)
     try:
         rec.say(f"  scratch directory {scratch}: {_free(scratch) / GiB:.1f} GiB free, "

@@ -57,7 +57,7 @@ ROW_BYTES = sum(v[0].numel() * v[0].element_size() for v in transitions(1).value
 
 
 def run(rec: Recorder, p: Profile, peers) -> None:
-    rec.begin("tables")
+    rec.begin("11. Tables (a replay buffer in the server)")
     rec.say(f"  a transition is {ROW_BYTES} bytes; samples of {BATCH}")
     server = Server()
     try:
