@@ -36,14 +36,15 @@ def _plural(n: int, word: str) -> str:
 
 
 def _mixed_runs(p: Profile, peer: str, port: int, clients: int, counted: list | None = None,
-                cpu: list | None = None) -> tuple[Sample, Sample, Sample]:
+                cpu: list | None = None, size: int | None = None) -> tuple[Sample, Sample, Sample]:
     """(ops/s, MB/s, p99 ms) over the profile's runs, ``clients`` worker processes
-    (``counted`` gets the ops of every run, warm-up included; ``cpu``, each measured
-    run's client CPU seconds per request, all clients together)."""
+    putting values of ``size`` bytes (default: the profile's ``scale_value_bytes``);
+    ``counted`` gets the ops of every run, warm-up included; ``cpu``, each measured
+    run's client CPU seconds per request, all clients together."""
     run_s = p.scale_run_s
     ops, mbps, p99 = [], [], []
     with Workers() as ws:
-        workers = [ws.start("mixed", port, peer, p.scale_value_bytes, i) for i in range(clients)]
+        workers = [ws.start("mixed", port, peer, size or p.scale_value_bytes, i) for i in range(clients)]
         for w in workers:
             w.expect(120, "ready")
         for i in range(p.warmup + p.scale_runs):
@@ -235,6 +236,7 @@ def server_memory(rec: Recorder, p: Profile) -> None:
 
 
 CLIENT_CPU_CLIENTS = 8  # client processes of the client-CPU figure (issue #39: 8 on 2 cores)
+CLIENT_CPU_BYTES = 1 << 10  # their values: small requests, where the client's own work shows
 
 
 def client_cpu(rec: Recorder, p: Profile, peers, server: Server) -> None:
@@ -248,8 +250,8 @@ def client_cpu(rec: Recorder, p: Profile, peers, server: Server) -> None:
     for peer, port, key, label in (("redis", redis.server.port, "cpu.client.redis", "redis-py"),
                                    ("ts", server.port, "cpu.client.ts", "tensorshare.Client")):
         per_request: list[float] = []
-        _mixed_runs(p, peer, port, k, cpu=per_request)
-        rec.figure(key, f"{label} CPU per request, mixed {mib(p.scale_value_bytes)}, {k} client processes",
+        _mixed_runs(p, peer, port, k, cpu=per_request, size=CLIENT_CPU_BYTES)
+        rec.figure(key, f"{label} CPU per request, mixed {mib(CLIENT_CPU_BYTES)}, {k} client processes",
                    Sample.of([s * 1e6 for s in per_request]), "us", better="lower", baseline=peer == "redis",
                    vs=[] if peer == "redis" else ["cpu.client.redis"])
     rec.goal_ratio("tensorshare.Client CPU per small request <= 0.9x redis-py's", "cpu.client.ts",
