@@ -235,7 +235,7 @@ def server_memory(rec: Recorder, p: Profile) -> None:
                "per stored GiB", held, "GiB", better="lower", vs=vs_held)
 
 
-CLIENT_CPU_CLIENTS = 8  # client processes of the client-CPU figure (issue #39: 8 on 2 cores)
+CLIENT_CPU_CLIENTS = 8  # client processes of the client-CPU figure (issue #39: 8 on 2 cores), at most
 CLIENT_CPU_BYTES = 1 << 10  # their values: small requests, where the client's own work shows
 
 
@@ -246,7 +246,7 @@ def client_cpu(rec: Recorder, p: Profile, peers, server: Server) -> None:
     redis = peers.redis(rec, "Redis client CPU per request")
     if redis is None:
         return
-    k = CLIENT_CPU_CLIENTS
+    k = min(CLIENT_CPU_CLIENTS, max(p.scale_clients))  # (the smoke profile's one)
     for peer, port, key, label in (("redis", redis.server.port, "cpu.client.redis", "redis-py"),
                                    ("ts", server.port, "cpu.client.ts", "tensorshare.Client")):
         per_request: list[float] = []
