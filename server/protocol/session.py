@@ -403,15 +403,13 @@ class ServerSession:
             if self._workers is not None and command.route is Route.OWNER:  # one worker of several (§14.3)
                 check_owner(self._workers, request.bin)
             counters = self.counters
-            if counters is None:
-                outcome = handle(self, request)
-                if type(outcome) is bytes and not self.closed and self.stream is None:  # (the usual case)
-                    self.outbox.send_reply([outcome])
-                else:
-                    self.answer(rid, outcome)
-            else:  # counted inline: this is the request path (server/ops/counters.py)
-                began = perf_counter()
-                self.answer(rid, handle(self, request))
+            began = 0.0 if counters is None else perf_counter()
+            outcome = handle(self, request)
+            if type(outcome) is bytes and not self.closed and self.stream is None:  # (the usual case)
+                self.outbox.send_reply([outcome])
+            else:
+                self.answer(rid, outcome)
+            if counters is not None:  # counted inline: this is the request path (server/ops/counters.py)
                 elapsed = perf_counter() - began
                 verb = counters.verbs[op]
                 verb.requests += 1
