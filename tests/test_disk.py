@@ -473,16 +473,19 @@ def test_spill_dir_is_cleaned_up(tmp_path):
     assert _files_under(str(spill)) == []
 
 
+# Appends until the stop file exists and it has more than 10 acknowledged items (at most
+# 60 s): a fixed run time left too few acknowledgements when the restarts took most of it.
 _LOAD_WRITER = r"""
-import sys, time, torch, tensorshare
-port, w, seconds, size = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+import os, sys, time, torch, tensorshare
+port, w, stop, size = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 c = tensorshare.connect("127.0.0.1", port, retry_for=30, timeout=10, max_backoff=0.2)
-end = time.monotonic() + seconds
-i = 0
-while time.monotonic() < end:
+end = time.monotonic() + 60
+i = acked = 0
+while time.monotonic() < end and not (acked > 10 and os.path.exists(stop)):
     try:
         c.append(f"load-{w}", {"w": w, "i": i, "data": torch.full((size,), float(i))})
         print("ok", i, flush=True)
+        acked += 1
     except tensorshare.TensorShareError as exc:  # the server restarts: try again with the next item
         print("failed", i, flush=True)
         time.sleep(0.05)
@@ -496,7 +499,8 @@ def test_restart_under_load_loses_no_acknowledged_item(tmp_path):
     """Writers keep appending while the server is killed (-9) and stopped (SIGTERM) and
     restarted on its data directory; they reconnect by themselves."""
     srv = ServerProcess("--data-dir", str(tmp_path / "data"), "--memory-limit", "32MiB")
-    writers = [subprocess.Popen([sys.executable, "-c", _LOAD_WRITER, str(srv.port), str(w), "6", str(64 << 10)],
+    stop = tmp_path / "stop"
+    writers = [subprocess.Popen([sys.executable, "-c", _LOAD_WRITER, str(srv.port), str(w), str(stop), str(64 << 10)],
                                 stdout=subprocess.PIPE, text=True) for w in range(4)]
     try:
         firsts = [p.stdout.readline() for p in writers]  # every writer is appending
@@ -507,8 +511,10 @@ def test_restart_under_load_loses_no_acknowledged_item(tmp_path):
         time.sleep(1.5)
         srv.stop()
         srv.start()
+        time.sleep(1.0)  # appends to the restarted server too
+        stop.touch()
         for p in writers:
-            p.wait(timeout=60)
+            p.wait(timeout=90)
         # read() through the same buffered reader as readline() above (communicate() would
         # read the pipe directly and miss what readline() buffered)
         outputs = [first + p.stdout.read() for first, p in zip(firsts, writers)]
