@@ -42,7 +42,6 @@ class Floor(protocol.Protocol):
         self.transport.setTcpNoDelay(True)
         self.sock = twisted_internals.direct_socket(self.transport)
         self.pending = b""
-        self.seq = 0
         self._write(_frame({"code": 220, "id": 0, "msg": "floor"}))
 
     def dataReceived(self, data: bytes) -> None:

@@ -53,26 +53,26 @@ def instructions(server: str, count: int, size: int) -> int:
     """The server's instructions, start to end, around ``count`` requests (and the warm-up)."""
     with tempfile.TemporaryDirectory(prefix="request-cost-") as tmp:
         cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/out", sys.executable, *_SERVERS[server]]
-        err = open(os.path.join(tmp, "err"), "w+")
-        env = {**os.environ, "PYTHONHASHSEED": "0"}  # (the same dicts and sets, run after run)
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, env=env)
-        try:
-            line = proc.stdout.readline()
-            match = _LISTENING.search(line)
-            if not match:
-                raise RuntimeError(f"the server did not start: {line!r}")
-            _drive(int(match.group(2)), count, size)
-            proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=300)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        err.seek(0)
-        found = _COLLECTED.findall(err.read())
-        if not found:
-            raise RuntimeError("callgrind reported no total")
-        return int(found[-1])
+        with open(os.path.join(tmp, "err"), "w+") as err:
+            env = {**os.environ, "PYTHONHASHSEED": "0"}  # (the same dicts and sets, run after run)
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, env=env)
+            try:
+                line = proc.stdout.readline()
+                match = _LISTENING.search(line)
+                if not match:
+                    raise RuntimeError(f"the server did not start: {line!r}")
+                _drive(int(match.group(2)), count, size)
+                proc.send_signal(signal.SIGINT)
+                proc.wait(timeout=300)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            err.seek(0)
+            found = _COLLECTED.findall(err.read())
+            if not found:
+                raise RuntimeError("callgrind reported no total")
+            return int(found[-1])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -106,9 +106,10 @@ def test_whole_frames_of_small_frames_only_up_to_the_threshold():
 def test_whole_frames_leave_what_is_wrong_to_the_decoder():
     good = frame_head({"op": "NOOP", "id": 1}, 0)
     bad_header = frame_head({"op": "NOOP", "id": 2}, 0)[:20] + b"\xc1" * (len(good) - 20)  # not msgpack
-    bytes_key = frame_head({"op": "NOOP", "id": 3}, 0)[:20] + msgpack.packb({b"op": "NOOP"}) + b""
+    keyed_by_bytes = msgpack.packb({b"op": b"NOOP", b"id": 3})  # a header whose keys are not str
+    bytes_key = good[:8] + len(keyed_by_bytes).to_bytes(4, "little") + bytes(8) + keyed_by_bytes
     long_header = frame_head({"op": "NOOP", "id": 4, "pad": "x" * FREE_CONTAINERS}, 0)
-    for wrong in (bad_header, bytes_key[:20] + bytes_key[20:], long_header, b"HTTP/1.1 200 OK\r\n" + good):
+    for wrong in (bad_header, bytes_key, long_header, b"HTTP/1.1 200 OK\r\n" + good):
         found, end = whole_frames(good + wrong + good)
         assert found == _decoded(good) and end == len(good)
 

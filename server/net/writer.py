@@ -267,11 +267,7 @@ class FrameWriter:
         batch = self.batch
         if batch is not None:
             batch.end()
-        self._holding = False
-        if self._held:
-            self._send_held()
-        if self._queue and not self._paused:
-            self._pump()
+        self.release()
 
     def release(self) -> None:
         """Write what was queued since :meth:`hold`."""

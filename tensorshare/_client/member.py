@@ -33,7 +33,7 @@ import time
 from functools import partial
 
 from ..errors import ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UsageError
-from ..protocol.engine import DEAD, Engine, Notice, Restored
+from ..protocol.engine import DEAD, Notice, Restored
 from .coalesce import Coalescer
 from .listens import notification, tell_restored
 from .progress import Progress
@@ -65,8 +65,7 @@ class Member:
         self.index, self.port = index, port
         self.where = f"{settings.host}:{port}"
         self.map = front.router.map  # the map it was made by
-        self.engine = opened.engine if opened is not None else Engine(
-            settings.token, self.where, keepalive=settings.keepalive, max_backoff=settings.max_backoff)
+        self.engine = opened.engine if opened is not None else settings.engine(port)
         self.engine.sinks = self.engine.decoder.sink_factory = front.values.sinks(self.engine)
         # ``lock`` guards the engine's calls and listens, and who reads; ``cond`` (over
         # the same lock) is for waiting: plain ``with lock`` costs half of ``with cond``.
