@@ -392,8 +392,8 @@ class ServerSession:
         if self.login is not None:  # not authenticated yet
             self._authenticate(rid, header)
             return
-        op = header.get(_OP)
         if entry is False:
+            op = header.get(_OP)
             entry = self._verbs.get(op) if type(op) is str else None
         holding = self.holding
         holding.holds += 1  # notifications of what the handler changes follow its reply
@@ -401,7 +401,7 @@ class ServerSession:
             if refused is not None:  # a header over a limit of what it may decode to
                 raise RemoteError(refused, BAD_ARGS)
             if entry is None:
-                raise RemoteError(f"unknown verb {op!r:.60}", UNKNOWN_VERB)
+                raise RemoteError(f"unknown verb {header.get(_OP)!r:.60}", UNKNOWN_VERB)
             if rid == 0:
                 raise RemoteError("request id must be an integer in 1..2**64-1", BAD_ARGS)
             command, handle, parse = entry
@@ -420,7 +420,7 @@ class ServerSession:
                 self.answer(rid, outcome)
             if counters is not None:  # counted inline: this is the request path (server/ops/counters.py)
                 elapsed = perf_counter() - began
-                verb = counters.verbs[op]
+                verb = counters.verbs[command.verb]
                 verb.requests += 1
                 verb.bytes_in += payload_len
                 verb.seconds += elapsed
@@ -429,7 +429,7 @@ class ServerSession:
         except RemoteError as exc:
             self.refuse(rid, exc)
         except Exception:  # a bug: this request fails, the connection and the server go on
-            log.exception("%s from %s failed", op, self.peer)
+            log.exception("%s from %s failed", header.get(_OP), self.peer)
             self.send_header(error_reply(LOCAL_ERROR, "internal server error", rid))
         holds = holding.holds = holding.holds - 1  # (release_notes(), inline)
         if not holds and holding.notes:

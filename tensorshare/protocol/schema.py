@@ -453,24 +453,42 @@ def _compile_parser(command: Command) -> Callable[[dict, int, Any, int], Request
     field of ``header`` is right, else None (:meth:`Command.parse_request` then
     finds what is wrong and says it).  One function per command, made from its
     fields when it is declared: each field's kind inlined where it has a ``test``,
-    instead of a loop over the fields per request."""
+    instead of a loop over the fields per request.
+
+    The optional fields are looked for only while the header has keys left that
+    the required ones, ``op`` and ``id`` do not account for: a usual request names
+    few of them, and most none."""
     names: dict[str, Any] = {"Request": command.Request, "command": command}
+    required = [field for field in command.fields if field.required]
+    optional = [field for field in command.fields if not field.required]
     body = ["def parse(header, rid, payload, payload_len):",
             *(() if command.payload else ["    if payload_len: return None"]),
             "    get = header.get",
             "    request = Request()",
             "    request.command, request.id, request.payload, request.payload_len = command, rid, payload, payload_len"]
-    for i, field in enumerate(command.fields):
-        test = field.kind.test
-        if test is None:
-            names[f"accepts_{i}"] = field.kind.accepts
-            test = f"accepts_{i}(v)"
-        body.append(f"    v = get({field.key!r})")
-        if field.required:
-            body.append(f"    if v is None or not ({test}): return None")
-        else:
-            body.append(f"    if v is not None and not ({test}): return None")
-        body.append(f"    request.{field.key} = v")
+
+    def test_of(i: int, field: Field) -> str:
+        if field.kind.test is not None:
+            return field.kind.test
+        names[f"accepts_{i}"] = field.kind.accepts
+        return f"accepts_{i}(v)"
+
+    for i, field in enumerate(required):
+        body += [f"    v = get({field.key!r})",
+                 f"    if v is None or not ({test_of(i, field)}): return None",
+                 f"    request.{field.key} = v"]
+    if optional:
+        body += ["    " + " = ".join(f"request.{field.key}" for field in optional) + " = None",
+                 f"    left = len(header) - {len(required)} - ({Key.OP!r} in header) - ({Key.ID!r} in header)"
+                 "  # keys besides op, id and the required fields",
+                 "    if left <= 0: return request"]
+        for i, field in enumerate(optional, len(required)):
+            body += [f"    v = get({field.key!r})",
+                     "    if v is not None:",
+                     f"        if not ({test_of(i, field)}): return None",
+                     f"        request.{field.key} = v",
+                     "        left -= 1",
+                     "        if not left: return request"]
     body.append("    return request")
     scope = {**_TEST_NAMES, **names}
     exec(compile("\n".join(body), f"<{command.verb} request parser>", "exec"), scope)  # noqa: S102
