@@ -572,15 +572,15 @@ def _nothing() -> None:
     pass
 
 
+_ONLY_BYTES = frozenset((bytes,))
+
+
 def _joined(parts: list) -> bytes | None:
     """``parts`` as one ``bytes`` if they are all ``bytes`` and fewer than
     ``SHARED_PART`` in all (a small reply), else None."""
-    total = 0
-    for part in parts:
-        if type(part) is not bytes:
-            return None
-        total += len(part)
-    return b"".join(parts) if total < SHARED_PART else None
+    if not _ONLY_BYTES.issuperset(map(type, parts)) or sum(map(len, parts)) >= SHARED_PART:
+        return None
+    return b"".join(parts)
 
 
 def _unsent(chunks, sent: int) -> bytes:
