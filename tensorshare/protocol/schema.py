@@ -132,7 +132,9 @@ def _valid_name(name: str) -> bool:
 
 
 # What a kind's test may name besides ``v`` (the source is built from the declarations only).
-_TEST_NAMES = {"TAG_MIN": TAG_MIN, "TAG_MAX": TAG_MAX, "_VALID_NAMES": _VALID_NAMES, "_valid_name": _valid_name}
+_ONLY_INT = frozenset((int,))
+_TEST_NAMES = {"TAG_MIN": TAG_MIN, "TAG_MAX": TAG_MAX, "_VALID_NAMES": _VALID_NAMES, "_valid_name": _valid_name,
+               "_ONLY_INT": _ONLY_INT}
 
 
 def _kind(name: str, accepts: Callable[[Any], bool] | str) -> Kind:
@@ -153,10 +155,6 @@ def _compile(expression: str, where: str):
     return eval(compile(expression, where, "eval"), dict(_TEST_NAMES))  # noqa: S307
 
 
-def _all_ints(value: Any) -> bool:
-    return type(value) is list and all(type(v) is int for v in value)
-
-
 def _counts(value: Any) -> bool:
     return type(value) is dict and all(type(k) is str and type(v) is int for k, v in value.items())
 
@@ -165,7 +163,7 @@ INT = _kind("an integer", "type(v) is int")
 BOOL = _kind("a boolean", "type(v) is bool")
 STR = _kind("a string", "type(v) is str")
 BYTES = _kind("bytes", "type(v) is bytes")
-INTS = _kind("a list of integers", _all_ints)
+INTS = _kind("a list of integers", "type(v) is list and _ONLY_INT.issuperset(map(type, v))")
 A_LIST = _kind("a list", "type(v) is list")
 COUNTS = _kind("a map of strings to integers", _counts)
 MAP = _kind("a map", "type(v) is dict")

@@ -95,22 +95,44 @@ def head_template(fixed: dict, keys: tuple[str, ...]) -> Callable[..., bytes]:
     header_len = sum(map(len, pieces)) + 8 * len(keys)
     pieces[0] = PREFIX.pack(MAGIC, VERSION, 0, 0, header_len, 0) + pieces[0]
     pack = struct.Struct(">" + "".join(f"{len(piece)}sQ" for piece in pieces)).pack
-    checked = _TEMPLATE_ARITY[len(keys)](pack, *pieces)
 
-    def head(*values) -> bytes:
-        try:
-            return checked(*values)
-        except struct.error:  # not a uint64
-            return frame_head({**fixed, **dict(zip(keys, values))}, 0)
+    def slow(*values) -> bytes:  # a value that is not a uint64
+        return frame_head({**fixed, **dict(zip(keys, values))}, 0)
+
+    head = _TEMPLATE_ARITY[len(keys)](pack, slow, *pieces)
     head.__doc__ = f"The frame head of {{{', '.join([*map(repr, fixed), *keys])}}}."
     return head
 
 
-_TEMPLATE_ARITY = {  # (each spelled out: no list to build per frame)
-    1: lambda pack, a: lambda x: pack(a, x),
-    2: lambda pack, a, b: lambda x, y: pack(a, x, b, y),
-    3: lambda pack, a, b, c: lambda x, y, z: pack(a, x, b, y, c, z),
-}
+def _head_of_1(pack: Callable, slow: Callable, a: bytes) -> Callable[..., bytes]:
+    def head(x):
+        try:
+            return pack(a, x)
+        except struct.error:
+            return slow(x)
+    return head
+
+
+def _head_of_2(pack: Callable, slow: Callable, a: bytes, b: bytes) -> Callable[..., bytes]:
+    def head(x, y):
+        try:
+            return pack(a, x, b, y)
+        except struct.error:
+            return slow(x, y)
+    return head
+
+
+def _head_of_3(pack: Callable, slow: Callable, a: bytes, b: bytes, c: bytes) -> Callable[..., bytes]:
+    def head(x, y, z):
+        try:
+            return pack(a, x, b, y, c, z)
+        except struct.error:
+            return slow(x, y, z)
+    return head
+
+
+# (each spelled out: one call per frame, no list of values to build)
+_TEMPLATE_ARITY: dict[int, Callable[..., Callable[..., bytes]]] = {1: _head_of_1, 2: _head_of_2, 3: _head_of_3}
 
 
 @dataclass
