@@ -43,6 +43,23 @@ class Blocks:
         valid = slots < self.capacity
         return np.minimum(slots, self.capacity - 1), valid
 
+    def take(self, array: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        """``array``'s values (one per slot) of every slot of each of ``blocks``, as
+        ``[len(blocks), block]``; zero past the capacity.  A block's slots are
+        consecutive: taking whole rows of the array seen as ``[blocks, block]`` costs a
+        third of gathering each slot by index (1,024 blocks of 16 float64: 5 us
+        against 17, and no index arrays to build; mode="clip": the blocks are valid, and
+        "raise" would gather into a temporary first)."""
+        block, full = self.block, self.capacity // self.block
+        if full == self.nblocks:
+            return np.take(array[:full * block].reshape(full, block), blocks, axis=0, mode="clip")
+        rows = np.zeros((np.size(blocks), block), array.dtype)
+        whole = blocks < full
+        if full:
+            rows[whole] = np.take(array[:full * block].reshape(full, block), blocks[whole], axis=0, mode="clip")
+        rows[~whole, :self.capacity - full * block] = array[full * block:]
+        return rows
+
     def chunks(self):
         """``(first block, stop block, slots)`` pieces of every block, CHUNK slots at a
         time; ``slots`` is the slice of the slots in them (the last may be short)."""

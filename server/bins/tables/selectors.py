@@ -29,7 +29,7 @@ import numpy as np
 from .errors import PriorityError, TableSpecError
 from .blocks import in_memory
 from .mintree import INT_EMPTY, MinTree
-from .slots import Slots
+from .slots import LIVE, Slots
 from .sumtree import SumTree
 
 SAMPLERS = ("uniform", "prioritized", "fifo", "lifo")
@@ -148,9 +148,10 @@ class PrioritizedSampler(UniformSampler):
             return np.sqrt(priorities)
         return np.power(priorities, e)
 
-    def _slot_weights(self, slots: np.ndarray) -> np.ndarray:
+    def _slot_weights(self, pick) -> np.ndarray:
+        """The tree's weights of the slots ``pick`` selects (:class:`SumTree`)."""
         state = self.slots
-        return np.where(state.live(slots), self.weights(state.priority[slots]), 0.0)
+        return np.where((pick(state.flags) & LIVE).view(np.bool_), self.weights(pick(state.priority)), 0.0)
 
     def check_priorities(self, priorities: np.ndarray) -> None:
         """Refuse a weight past :attr:`SumTree.max_weight`: each is finite on its own,
