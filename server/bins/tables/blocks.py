@@ -68,10 +68,11 @@ class Blocks:
             stop = min(first + per, self.nblocks)
             yield first, stop, slice(first * self.block, min(stop * self.block, self.capacity))
 
-    def redo(self, tree: np.ndarray, slots: np.ndarray, leaf_values, batch=None, one=None) -> None:
+    def redo(self, tree: np.ndarray, slots: np.ndarray, leaf_values, combine=np.add, batch=None, one=None) -> None:
         """The leaves of the blocks of ``slots`` from ``leaf_values(blocks)``, then every
-        node above them (:func:`update_ancestors`; by default a node is the sum of its
-        children)."""
+        node above them (:func:`update_ancestors`): a node is ``combine(left child,
+        right child)``, elementwise over arrays; ``batch(level)`` and ``one(node)``
+        may do the same faster for a level's nodes or for one node."""
         if not np.size(slots):
             return
         blocks = self.blocks_of(slots)
@@ -79,12 +80,13 @@ class Blocks:
         if batch is None:
             def batch(level: np.ndarray) -> None:
                 left = 2 * level
-                tree[level] = tree[left] + tree[left + 1]
+                tree[level] = combine(tree[left], tree[left + 1])
 
+        if one is None:
             def one(node: int) -> None:
-                tree[node] = tree[2 * node] + tree[2 * node + 1]
+                tree[node] = combine(tree[2 * node], tree[2 * node + 1])
 
-        update_ancestors(blocks + self.leaves, batch, one)
+        update_ancestors(blocks + self.leaves, batch, one, lambda width: build_levels(tree, 2 * width, combine))
 
     def by_block(self, values: np.ndarray, first: int, stop: int, fill) -> np.ndarray:
         """``values`` of the slots of blocks ``first`` to ``stop`` as ``[blocks, block]``,
@@ -114,13 +116,16 @@ def distinct(values: np.ndarray) -> np.ndarray:
     return values[keep]
 
 
-def update_ancestors(nodes: np.ndarray, batch, one) -> None:
+def update_ancestors(nodes: np.ndarray, batch, one, whole) -> None:
     """Recompute the distinct ancestors of leaf ``nodes`` (sorted, distinct), a level at a time from their
     parents up to the root: ``batch(level)`` (an int64 array) while a level holds more
     than ``SCALAR_MAX`` nodes, one numpy operation per step for the level; then
     ``one(node)`` for each node, where numpy's per-call cost would dominate.  A batch
     of neighbouring slots (an insert's) meets in a few levels, so most levels of a
-    tree are a node or two."""
+    tree are a node or two.  Where a level's nodes are a quarter or more of its width
+    (a batch scattered over the table reaches such levels near the root),
+    ``whole(width)`` redoes that level, nodes ``[width, 2 * width)``, and every level
+    above it from contiguous slices: cheaper than gathering and scattering by index."""
     level = nodes
     while level.size > SCALAR_MAX and level[0] > 1:
         level = level >> 1
@@ -130,6 +135,10 @@ def update_ancestors(nodes: np.ndarray, batch, one) -> None:
             keep[0] = True
             np.not_equal(level[1:], level[:-1], out=keep[1:])
             level = level[keep]
+        width = 1 << (int(level[0]).bit_length() - 1)
+        if 4 * level.size >= width:
+            whole(width)
+            return
         if level.size <= SCALAR_MAX:
             few = level.tolist()
             break

@@ -64,7 +64,7 @@ class MinTree:
             a, b = int(tree[2 * node]), int(tree[2 * node + 1])
             tree[node] = a if b < 0 or (a >= 0 and order_one(a) <= order_one(b)) else b
 
-        self.layout.redo(tree, slots, self._block_best, batch, one)
+        self.layout.redo(tree, slots, self._block_best, pick, batch, one)
 
     def rebuild(self) -> None:
         layout, tree = self.layout, self.tree

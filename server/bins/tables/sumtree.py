@@ -60,7 +60,7 @@ class SumTree:
         def one(node: int) -> None:
             tree[node] = tree[2 * node] + tree[2 * node + 1]
 
-        self.layout.redo(tree, slots, self._block_sums, batch, one)
+        self.layout.redo(tree, slots, self._block_sums, np.add, batch, one)
 
     def rebuild(self) -> None:
         """Every sum from the weights of every slot (a table reopened from its files)."""

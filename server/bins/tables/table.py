@@ -397,10 +397,12 @@ class Table:
         slots = self._slots.find(keys)
         found = slots >= 0
         slots, priorities = slots[found], priorities[found]
-        if slots.size > 1:
-            _, last = np.unique(slots[::-1], return_index=True)
-            last = slots.size - 1 - last
-            slots, priorities = slots[last], priorities[last]
+        if slots.size > 1:  # sorted (the trees' blocks come in order), the last of each slot kept
+            order = np.argsort(slots, kind="stable")
+            slots = slots[order]
+            last = np.ones(slots.size, bool)
+            np.not_equal(slots[1:], slots[:-1], out=last[:-1])
+            slots, priorities = slots[last], priorities[order[last]]
         if slots.size:
             self._slots.priority[slots] = priorities
             for index in self._indexes:
