@@ -15,7 +15,7 @@ from typing import Callable
 
 import numpy as np
 
-from .blocks import Blocks, build_levels, in_memory
+from .blocks import Blocks, build_levels, each_chunk, in_memory
 
 BLOCK = 64
 
@@ -46,9 +46,12 @@ class CountTree:
     def rebuild(self) -> None:
         layout, tree = self.layout, self.tree
         tree[:] = 0
-        for first, stop, slots in layout.chunks():
+
+        def leaves(first: int, stop: int, slots: slice) -> None:
             tree[layout.leaves + first:layout.leaves + stop] = np.count_nonzero(
                 layout.by_block(self.live(slots), first, stop, False), axis=1)
+
+        each_chunk(layout, leaves)
         build_levels(tree, layout.leaves, np.add)
 
     def find(self, ranks: np.ndarray, free: bool = False) -> np.ndarray:

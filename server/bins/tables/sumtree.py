@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from .blocks import Blocks, build_levels, in_memory
+from .blocks import Blocks, build_levels, each_chunk, in_memory
 
 BLOCK = 16  # slots a leaf sums: a recomputed block costs 16 weights, the tree 1 byte a row
 
@@ -66,9 +66,12 @@ class SumTree:
         """Every sum from the weights of every slot (a table reopened from its files)."""
         layout, tree = self.layout, self.tree
         tree[:] = 0.0
-        for first, stop, slots in layout.chunks():  # (a slice of slots: views, no index arrays)
+
+        def leaves(first: int, stop: int, slots: slice) -> None:  # (a slice of slots: views, no index arrays)
             weights = self.weights(lambda array: array[slots])
             tree[layout.leaves + first:layout.leaves + stop] = _row_sums(layout.by_block(weights, first, stop, 0.0))
+
+        each_chunk(layout, leaves)
         build_levels(tree, layout.leaves, np.add)
 
     def find(self, targets: np.ndarray) -> np.ndarray:

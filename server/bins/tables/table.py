@@ -20,6 +20,7 @@ a caller holding parked requests re-asks only after it moved.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -482,9 +483,11 @@ class Table:
         it.  The counters start again (``inserts`` = the rows held) and the rate
         limiter's balance with them, as after :meth:`set_limits`."""
         state = self._slots
-        state.restore()
-        for index in self._indexes:
-            index.rebuild()
+        scanning = getattr(self._backing, "scanning", contextlib.nullcontext)
+        with scanning():
+            state.restore()
+            for index in self._indexes:
+                index.rebuild()
         self.inserts = state.size
         if self.max_times_sampled:
             self._allowance = state.allowance(self.max_times_sampled)
