@@ -65,6 +65,15 @@ class Blocks:
         rows[~whole, :self.capacity - full * block] = array[full * block:]
         return rows
 
+    def run(self, blocks: np.ndarray) -> tuple[int, int, slice] | None:
+        """``(first, stop, slots)`` when ``blocks`` (sorted, distinct) are consecutive,
+        as a ring buffer's inserts make them (``slots``: the slice of their slots), so
+        that their values are views of the arrays, not gathered; else None."""
+        first, stop = int(blocks[0]), int(blocks[-1]) + 1
+        if stop - first != blocks.size:
+            return None
+        return first, stop, slice(first * self.block, min(stop * self.block, self.capacity))
+
     def chunks(self):
         """``(first block, stop block, slots)`` pieces of every block, CHUNK slots at a
         time; ``slots`` is the slice of the slots in them (the last may be short)."""
@@ -91,7 +100,10 @@ class Blocks:
             def one(node: int) -> None:
                 tree[node] = combine(tree[2 * node], tree[2 * node + 1])
 
-        update_ancestors(blocks + self.leaves, batch, one, lambda width: build_levels(tree, 2 * width, combine))
+        if blocks.size > SCALAR_MAX and self.run(blocks) is not None:
+            update_span(tree, self.leaves + int(blocks[0]), self.leaves + int(blocks[-1]), combine, one)
+        else:
+            update_ancestors(blocks + self.leaves, batch, one, lambda width: build_levels(tree, 2 * width, combine))
 
     def by_block(self, values: np.ndarray, first: int, stop: int, fill) -> np.ndarray:
         """``values`` of the slots of blocks ``first`` to ``stop`` as ``[blocks, block]``,
@@ -171,6 +183,20 @@ def each_chunk(layout: Blocks, work) -> list:
         return [work(*chunk) for chunk in chunks]
     with ThreadPoolExecutor(threads, thread_name_prefix="table-rebuild") as pool:
         return list(pool.map(lambda chunk: work(*chunk), chunks))
+
+
+def update_span(tree: np.ndarray, low: int, high: int, combine, one) -> None:
+    """Recompute the ancestors of the consecutive leaves ``low`` to ``high``: at each
+    level they are consecutive too, so a level is one ``combine`` of two strided
+    slices (no index arrays, no search for repeats), and ``one(node)`` once a level
+    is down to a few nodes."""
+    while low > 1:
+        low, high = low >> 1, high >> 1
+        if high - low < SCALAR_MAX:
+            for node in range(low, high + 1):
+                one(node)
+        else:
+            tree[low:high + 1] = combine(tree[2 * low:2 * high + 2:2], tree[2 * low + 1:2 * high + 2:2])
 
 
 def build_levels(tree: np.ndarray, leaves: int, combine) -> None:

@@ -77,10 +77,7 @@ class MinTree:
         ties = None if self.distinct else np.full(layout.leaves, INT_EMPTY, np.int64)
 
         def leaves(first: int, stop: int, slots: slice) -> None:
-            block_values, block_ties = self.order(slots)
-            block_values = layout.by_block(block_values, first, stop, self.empty)
-            block_ties = layout.by_block(block_ties, first, stop, INT_EMPTY)
-            best, values[first:stop], tie = self._best(block_values, block_ties, np.arange(first, stop))
+            best, values[first:stop], tie = self._run_best(first, stop, slots)
             tree[layout.leaves + first:layout.leaves + stop] = best
             if ties is not None:
                 ties[first:stop] = tie
@@ -149,9 +146,20 @@ class MinTree:
 
     def _block_best(self, blocks: np.ndarray) -> np.ndarray:
         """The smallest slot of each of ``blocks`` (-1: all empty)."""
+        run = self.layout.run(blocks)
+        if run is not None:
+            return self._run_best(*run)[0]
         slots, valid = self.layout.slots_in(blocks)
         values, ties = self.order(slots)
         return self._best(np.where(valid, values, self.empty), ties, blocks)[0]
+
+    def _run_best(self, first: int, stop: int, slots: slice) -> tuple:
+        """:meth:`_best` of the consecutive blocks ``first`` to ``stop`` (``slots``: their
+        slots), from views of the state: no gathers."""
+        layout = self.layout
+        values, ties = self.order(slots)
+        return self._best(layout.by_block(values, first, stop, self.empty), layout.by_block(ties, first, stop, INT_EMPTY),
+                          np.arange(first, stop))
 
     def _best(self, values: np.ndarray, ties: np.ndarray, blocks: np.ndarray) -> tuple:
         """Per row of ``[blocks, block]`` values and ties of the slots of ``blocks``: the

@@ -68,8 +68,7 @@ class SumTree:
         tree[:] = 0.0
 
         def leaves(first: int, stop: int, slots: slice) -> None:  # (a slice of slots: views, no index arrays)
-            weights = self.weights(lambda array: array[slots])
-            tree[layout.leaves + first:layout.leaves + stop] = _row_sums(layout.by_block(weights, first, stop, 0.0))
+            tree[layout.leaves + first:layout.leaves + stop] = _row_sums(self._of_run(first, stop, slots))
 
         each_chunk(layout, leaves)
         build_levels(tree, layout.leaves, np.add)
@@ -104,7 +103,13 @@ class SumTree:
         return self.weights(lambda array: layout.take(array, blocks))
 
     def _block_sums(self, blocks: np.ndarray) -> np.ndarray:
-        return _row_sums(self._of_blocks(blocks))
+        run = self.layout.run(blocks)
+        return _row_sums(self._of_blocks(blocks) if run is None else self._of_run(*run))
+
+    def _of_run(self, first: int, stop: int, slots: slice) -> np.ndarray:
+        """The weights of every slot of the consecutive blocks ``first`` to ``stop``
+        (``slots``: their slots), ``[stop - first, block]``: from views, no gathers."""
+        return self.layout.by_block(self.weights(lambda array: array[slots]), first, stop, 0.0)
 
 
 def _row_sums(values: np.ndarray) -> np.ndarray:
