@@ -170,6 +170,18 @@ def test_the_rate_limiter_counts_a_sequence_sample_as_its_rows():
         t.sample_sequences(1, 1)
 
 
+def test_the_oldest_rows_of_a_ring_are_those_the_tree_orders_first_across_its_wrap():
+    t = x_table(10)
+    order = t._remover.index
+    for n in (7, 6, 5, 9, 3):  # the ring's oldest row moves round, wrapping past slot 9
+        t.insert(scalars(n))
+        for k in (k for k in (1, 2, 5, 9, 10) if k <= t.size):
+            ring = order._ring(k)
+            assert ring is not None and ring.tolist() == order.tree.smallest(k).tolist(), (n, k)
+    t.remove(t.read(t.occupied()).keys[:1])  # a hole: no ring from the oldest on
+    assert order.first(10).tolist() == order.tree.smallest(10).tolist()
+
+
 # -- the compact state through a reopened table
 
 

@@ -108,10 +108,20 @@ class OrderIndex(_Index):
         oldest = self.tree.first
         if oldest < 0 or k > state.size:
             return None
+        capacity = state.capacity
         steps = np.arange(k, dtype=np.int64)
-        slots = (oldest + steps) % state.capacity
-        seqs = state.key[slots] // state.capacity
-        if state.live(slots).all() and (seqs == seqs[0] + steps).all():
+        slots = oldest + steps
+        # key = seq * capacity + slot: one slot and one seq on, a key grows by capacity + 1
+        # (past the wrap, less capacity), compared with no division
+        expected = int(state.key[oldest]) + steps * (capacity + 1)
+        if oldest + k <= capacity:  # (no wrap: the slots' state as views)
+            at = slice(oldest, oldest + k)
+        else:
+            wrapped = slots >= capacity
+            slots[wrapped] -= capacity
+            expected[wrapped] -= capacity
+            at = slots
+        if state.live(at).all() and (state.key[at] == expected).all():
             return slots
         return None
 
