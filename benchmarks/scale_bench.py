@@ -208,8 +208,12 @@ def _serving(*args: str) -> tuple[Server, float]:
     """A server started with ``args``; the seconds until it answered a sample of its table."""
     started = time.perf_counter()
     server = Server(*args, start_timeout=600)
-    with Client("127.0.0.1", server.port, timeout=600, zero_copy=False) as client:
-        client.sample("durable", BATCH)
+    try:
+        with Client("127.0.0.1", server.port, timeout=600, zero_copy=False) as client:
+            client.sample("durable", BATCH)
+    except BaseException:  # (the caller's cleanup knows only the server before)
+        server.stop()
+        raise
     return server, time.perf_counter() - started
 
 
