@@ -395,7 +395,9 @@ class Member:
         engine = self.engine
         until = deadline
         if engine.keepalive is not None:
-            wake = self._keepalive(link)
+            wake = self._next_check  # (not due yet, the usual case: no call to find that out)
+            if time.monotonic() >= wake:
+                wake = self._keepalive(link)
             if wake is not None and (deadline is None or wake < deadline):
                 until = wake
         try:
