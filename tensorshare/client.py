@@ -294,7 +294,7 @@ class Client(TableCopies, ClientMethods):
                 member.call(call, parts, deadline, None if progress is None else Progress(progress, call.rid))
                 if call.error is None and call.fallback is None and call.cleanup is None and then is None \
                         and on_error is None:  # the usual case: one attempt, the default result
-                    return values.read(call, member.areas).result
+                    return values.read_result(call, member.areas)
                 settled = values.settle(call, member.areas)
                 if settled is not None:
                     break
