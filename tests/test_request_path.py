@@ -101,11 +101,15 @@ class _Reader(protocol.Protocol):
         self.reads += 1
         self.data += data
 
+    @property
+    def receiving(self) -> int:
+        return self.expect - len(self.data)
+
     def receive_buffer(self):
         return None
 
     def read_more(self) -> bool:
-        return len(self.data) < self.expect
+        return True
 
 
 def _reading(expect: int, read_size: int):

@@ -108,6 +108,9 @@ class Storage(TableVerbs):
         self._taken: dict[str, list[Item]] = {}  # durable: items of GETs whose replies are not written yet
         self.lifetimes = FileLifetimes(jobs)
         self.budget = MemoryBudget(store, jobs, spill, self.lifetimes)
+        # room(): False while memory is over budget and spills that would free it are running
+        # (asked per read of requests: the budget's own method, no call in between).
+        self.room: Callable[[], bool] = self.budget.room
         self.sharing = SharedTier(jobs, self.lifetimes, shm,
                                   (("shm_area", shm and shm.path, True), ("spill_area", spill and spill.items, False),
                                    ("data_area", data_dir and data_dir.root, False)),
@@ -553,10 +556,6 @@ class Storage(TableVerbs):
         self.jobs.run(None, _open_parts, (sources,), opened)
 
     # -- the memory budget and backpressure (.budget)
-
-    def room(self) -> bool:
-        """False while memory is over budget and spills that would free it are running."""
-        return self.budget.room()
 
     def wait_for_room(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (once) when :meth:`room` is True again."""

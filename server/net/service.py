@@ -64,7 +64,9 @@ class TensorShareProtocol(protocol.Protocol):
         self.session: ServerSession | None = None
         self.gate: ReadGate | None = None
         self._read_size = 0
-        self._receiving = 0  # payload bytes still to come after the last read
+        # Payload bytes still to come after the last read (0 between frames): while any,
+        # :class:`ReceivingServer` asks for lent memory and reads again at once.
+        self.receiving = 0
         self._stall = StallWatch()  # how long pending output has gone without progress
         self._resume_call = None  # DelayedCall that resumes the session after a drain
 
@@ -88,19 +90,18 @@ class TensorShareProtocol(protocol.Protocol):
         self._received(self.session.data_received, data)
 
     def receive_buffer(self) -> memoryview | None:
-        """Memory the session lends for the next read (see :class:`ReceivingServer`):
-        only while a frame's payload is arriving (as the last read left it) can there
-        be any, so between frames, the usual read of small requests, nothing is asked."""
-        return self.session.receive_buffer() if self._receiving else None
+        """Memory the session lends for the next read, while :attr:`receiving` (see
+        :class:`ReceivingServer`)."""
+        return self.session.receive_buffer()
 
     def received_into(self, n: int) -> None:
         """``n`` bytes were read into :meth:`receive_buffer`'s memory."""
         self._received(self.session.received_into, n)
 
     def read_more(self) -> bool:
-        """Whether to read again at once (:class:`ReceivingServer`): a frame's payload
-        is still coming (as the last read left it), and nothing holds reading back."""
-        return self._receiving > 0 and not self.gate.paused
+        """Whether to read again at once while :attr:`receiving` (:class:`ReceivingServer`):
+        nothing holds reading back."""
+        return not self.gate.paused
 
     def _received(self, deliver: Callable, what) -> None:
         busy = self.factory.busy_poll
@@ -109,11 +110,11 @@ class TensorShareProtocol(protocol.Protocol):
         writer = self.writer
         writer.begin_read()
         try:
-            deliver(what)
+            receiving = deliver(what)
         finally:
             writer.end_read()
         # Read large payloads in big gulps: fewer reactor turns per byte.
-        receiving = self._receiving = self.session.receiving_payload
+        self.receiving = receiving
         size = _LARGE_READ if receiving > _LARGE_READ else _SMALL_READ
         if size != self._read_size:
             self._read_size = size

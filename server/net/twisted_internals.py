@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import socket
 import sys
 
@@ -48,6 +49,7 @@ _BUFFERS = ("dataBuffer", "offset", "_tempDataBuffer", "_tempDataLen", "socket",
 _WRITING = ("producerPaused", "startWriting", "connected", "disconnecting")
 _SIZES = ("SEND_LIMIT", "bufferSize")
 _READING = ("doRead",)
+_READABLE = select.EPOLLIN if hasattr(select, "EPOLLIN") else None  # (an epoll event: bytes to read, nothing else)
 
 
 def check(transport=None) -> list[str]:
@@ -80,10 +82,10 @@ def dispatch_directly(target=reactor) -> bool:
     logs and disconnects a connection whose handler raised, and what escapes it is
     logged here.  For a process that is a server and nothing else: other code on
     the same reactor would lose the context of its Twisted log lines."""
-    names = ("_poller", "_selectables", "_doReadOrWrite", "doPoll")
+    names = ("_poller", "_selectables", "_doReadOrWrite", "_disconnectSelectable", "doPoll")
     if not COMPATIBLE or type(target).__name__ != "EPollReactor" or any(not hasattr(target, n) for n in names):
         return False
-    selectables, dispatch = target._selectables, target._doReadOrWrite
+    selectables, dispatch, disconnect = target._selectables, target._doReadOrWrite, target._disconnectSelectable
 
     def do_poll(timeout):
         try:
@@ -92,11 +94,21 @@ def dispatch_directly(target=reactor) -> bool:
             return
         for fd, event in events:
             selectable = selectables.get(fd)
-            if selectable is not None:
-                try:
+            if selectable is None:
+                continue
+            try:
+                if event == _READABLE:  # the usual event, handled as _doReadOrWrite would, a call shorter
+                    try:
+                        why = selectable.doRead()
+                    except BaseException:
+                        why = sys.exc_info()[1]
+                        twisted_log.err()
+                    if why:
+                        disconnect(selectable, why, True)
+                else:
                     dispatch(selectable, fd, event)
-                except Exception:
-                    twisted_log.err(None, "dispatching a reactor event failed")
+            except Exception:
+                twisted_log.err(None, "dispatching a reactor event failed")
 
     target.doPoll = target.doIteration = do_poll
     return True
@@ -182,20 +194,32 @@ class ReceivingServer(tcp.Server):
 
     Twisted reads once per readable event.  A request a little larger than one
     read (a 64 KiB tensor and its header) would then take two reactor turns, one
-    ``epoll_wait`` each; while the protocol says it is in the middle of a frame
-    (``read_more()``), this reads again in the same event, up to
-    ``READS_PER_EVENT`` reads, and stops at the first that finds nothing.
+    ``epoll_wait`` each; while the protocol is in the middle of a frame, this reads
+    again in the same event, up to ``READS_PER_EVENT`` reads, and stops at the
+    first that finds nothing.
+
+    The protocol's side (``server/net/service.py``): ``receiving``, payload bytes
+    still to come (0 between frames, the usual read: then nothing more is asked of
+    it); while any, ``receive_buffer()`` (memory to read into, or None) and
+    ``read_more()`` (nothing holds reading back); ``received_into(n)`` after a read
+    into lent memory.
     """
 
-    def doRead(self):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         protocol = self.protocol
-        lend = getattr(protocol, "receive_buffer", None)
-        more = getattr(protocol, "read_more", None)
+        # The protocol's side of it (server/net/service.py); None: Twisted's own doRead.
+        self._lend = getattr(protocol, "receive_buffer", None)
+        self._more = getattr(protocol, "read_more", None)
+
+    def doRead(self):
+        lend, more = self._lend, self._more
         if lend is None or more is None:
             return super().doRead()
-        sock = self.socket
+        protocol, sock = self.protocol, self.socket
         for _ in range(READS_PER_EVENT):
-            buf = lend()
+            # Between frames (the usual read: whole small requests) nothing is lent.
+            buf = lend() if protocol.receiving else None
             try:
                 if buf is None:
                     data = sock.recv(self.bufferSize)
@@ -213,7 +237,7 @@ class ReceivingServer(tcp.Server):
                 if not n:
                     return main.CONNECTION_DONE
                 protocol.received_into(n)
-            if not self.connected or self.disconnecting or not more():
+            if not protocol.receiving or not self.connected or self.disconnecting or not more():
                 return None
         return None
 

@@ -41,17 +41,17 @@ class WriteBatch:
 
     def __init__(self):
         self.open = False
-        self._joined: list = []
+        self.joined: list = []  # (read by FrameWriter.end_read: most reads have none to release)
 
     def join(self, writer: "FrameWriter") -> None:
         writer._holding = True
-        self._joined.append(writer)
+        self.joined.append(writer)
 
     def end(self) -> None:
         """Let every writer that joined write what it holds."""
         self.open = False
-        if self._joined:
-            joined, self._joined = self._joined, []
+        if self.joined:
+            joined, self.joined = self.joined, []
             for writer in joined:
                 writer.release()
 
@@ -121,9 +121,10 @@ class FrameWriter:
         self._closing = False
         self._lost = False
         self._holding = False
-        # Small replies sent past the queue (send_reply): held until the end of a read,
-        # each (bytes, on_abandon, on_written); only while the queue is empty.
-        self._held: list[tuple] = []
+        # Small replies sent past the queue (send_reply): held until the end of a read, only
+        # while the queue is empty; the hooks of those that have any, by index: (on_abandon, on_written).
+        self._held: list[bytes] = []
+        self._held_hooks: dict[int, tuple] = {}
         self._view_sent = 0  # bytes of the view part at the head of the queue already sent
         self._turn_sent = 0
         self._socket = twisted_internals.direct_socket(transport)
@@ -183,7 +184,9 @@ class FrameWriter:
             self.send(parts, on_abandon, on_written)
             return
         held = self._held
-        held.append((data, on_abandon, on_written))
+        held.append(data)
+        if on_abandon is not None or on_written is not None:
+            self._held_hooks[len(held) - 1] = (on_abandon, on_written)
         if not self._holding:
             batch = self.batch
             if batch is not None and batch.open:  # another connection's read is being handled
@@ -197,7 +200,7 @@ class FrameWriter:
         """Send the held replies with one ``send()`` (Twisted's buffer takes what the
         kernel does not, or all of it after bytes it still holds: order is kept)."""
         held, self._held = self._held, []
-        data = held[0][0] if len(held) == 1 else b"".join(entry[0] for entry in held)
+        data = held[0] if len(held) == 1 else b"".join(held)
         transport = self.transport
         if twisted_internals.transport_idle(transport):
             try:
@@ -209,16 +212,19 @@ class FrameWriter:
         else:
             transport.write(data)
         self._written += len(data)
-        for _, _, on_written in held:
-            if on_written is not None:
-                on_written()
+        if self._held_hooks:
+            hooks, self._held_hooks = self._held_hooks, {}
+            for _, on_written in hooks.values():
+                if on_written is not None:
+                    on_written()
 
     def _queue_held(self) -> None:
         """Put the held replies in the queue (accounted), ahead of what comes next."""
         held, self._held = self._held, []
+        hooks, self._held_hooks = self._held_hooks, {}
         queue, budget = self._queue, self.budget
-        for data, on_abandon, on_written in held:
-            queue.append(Queued([data], on_abandon, on_written))
+        for i, data in enumerate(held):
+            queue.append(Queued([data], *hooks.get(i, (None, None))))
             if budget.charge((data,)):
                 self._on_congested()
 
@@ -266,7 +272,10 @@ class FrameWriter:
         (:meth:`WriteBatch.end`, then :meth:`release`)."""
         batch = self.batch
         if batch is not None:
-            batch.end()
+            if batch.joined:
+                batch.end()
+            else:
+                batch.open = False
         self.release()
 
     def release(self) -> None:
@@ -553,8 +562,8 @@ class FrameWriter:
         for entry in queue:
             if entry.on_abandon is not None and entry.parts is not None:
                 entry.on_abandon()
-        held, self._held = self._held, []
-        for _, on_abandon, _ in held:
+        self._held, hooks, self._held_hooks = [], self._held_hooks, {}
+        for on_abandon, _ in hooks.values():
             if on_abandon is not None:
                 on_abandon()
 
@@ -563,15 +572,15 @@ def _nothing() -> None:
     pass
 
 
+_ONLY_BYTES = frozenset((bytes,))
+
+
 def _joined(parts: list) -> bytes | None:
     """``parts`` as one ``bytes`` if they are all ``bytes`` and fewer than
     ``SHARED_PART`` in all (a small reply), else None."""
-    total = 0
-    for part in parts:
-        if type(part) is not bytes:
-            return None
-        total += len(part)
-    return b"".join(parts) if total < SHARED_PART else None
+    if not _ONLY_BYTES.issuperset(map(type, parts)) or sum(map(len, parts)) >= SHARED_PART:
+        return None
+    return b"".join(parts)
 
 
 def _unsent(chunks, sent: int) -> bytes:

@@ -104,6 +104,7 @@ class ServerSession:
         if self.login is not None:
             frame_limits = login.Login.frame_limits(frame_limits)
         self._decoder: FrameDecoder | None = FrameDecoder(self._payload_sink, frame_limits)
+        self._between_frames = True  # the decoder holds no partial frame (its ``idle``, after each feed)
         # The config's limits are properties that build a new object per access.
         self.decode_limits = state.config.decode_limits
         self._max_bin_name = state.config.max_bin_name
@@ -153,23 +154,26 @@ class ServerSession:
         self._move(Phase.READY)
         self.answer(0, self.shared.offer(greeting, self))  # the same-host offer (may wait for the disk)
 
-    def data_received(self, data: bytes) -> None:
+    def data_received(self, data: bytes) -> int:
+        """Handle the bytes of a read; returns how many bytes of a frame's payload are
+        still to come (0 between frames): the adapter reads them in larger gulps."""
         if not self._serving or self._failure is not None:
-            return
+            return 0
         self.timing.heard = True
         self.stats.bytes_in += len(data)
         decoder = self._decoder
-        if self.login is None and decoder.idle and self.stream is None and self.storage.room():
+        if self._between_frames and self.login is None and self.stream is None and self.storage.room():
             # The usual read: whole small requests, each parsed in one step here
             # (frames.whole_frames); the decoder takes whatever follows them.
             whole, end = whole_frames(data, decoder.limits)
             if whole:
                 self._take_whole(whole)
                 if end == len(data) or not self._serving:
-                    return
+                    return 0
                 data = memoryview(data)[end:]
         try:
             frames = decoder.feed(data)
+            self._between_frames = decoder.idle
         except ProtocolError as exc:
             frames = getattr(exc, "frames", [])  # whole requests before the bad bytes
             if self.authenticated:
@@ -178,6 +182,7 @@ class ServerSession:
                 login.failed(self, f"a frame before authentication: {exc}")
                 self._failure = (NOT_AUTHENTICATED, f"authentication required (frame refused: {exc})")
         self._take(frames)
+        return self._receiving_payload()
 
     def receive_buffer(self) -> memoryview | None:
         """Memory to read the next bytes straight into (a large payload arriving into
@@ -187,14 +192,18 @@ class ServerSession:
             return None
         return self._decoder.lent_buffer()
 
-    def received_into(self, n: int) -> None:
-        """``n`` bytes were read into the buffer :meth:`receive_buffer` returned."""
+    def received_into(self, n: int) -> int:
+        """``n`` bytes were read into the buffer :meth:`receive_buffer` returned; as
+        :meth:`data_received`."""
         self.timing.heard = True
         self.stats.bytes_in += n
-        self._take(self._decoder.buffer_updated(n))
+        decoder = self._decoder
+        frames = decoder.buffer_updated(n)
+        self._between_frames = decoder.idle
+        self._take(frames)
+        return self._receiving_payload()
 
-    @property
-    def receiving_payload(self) -> int:
+    def _receiving_payload(self) -> int:
         """Bytes of payload still to come for the frame being received (0 if none)."""
         return self._decoder.payload_remaining if self._decoder is not None else 0
 
@@ -383,8 +392,8 @@ class ServerSession:
         if self.login is not None:  # not authenticated yet
             self._authenticate(rid, header)
             return
-        op = header.get(_OP)
         if entry is False:
+            op = header.get(_OP)
             entry = self._verbs.get(op) if type(op) is str else None
         holding = self.holding
         holding.holds += 1  # notifications of what the handler changes follow its reply
@@ -392,7 +401,7 @@ class ServerSession:
             if refused is not None:  # a header over a limit of what it may decode to
                 raise RemoteError(refused, BAD_ARGS)
             if entry is None:
-                raise RemoteError(f"unknown verb {op!r:.60}", UNKNOWN_VERB)
+                raise RemoteError(f"unknown verb {header.get(_OP)!r:.60}", UNKNOWN_VERB)
             if rid == 0:
                 raise RemoteError("request id must be an integer in 1..2**64-1", BAD_ARGS)
             command, handle, parse = entry
@@ -411,7 +420,7 @@ class ServerSession:
                 self.answer(rid, outcome)
             if counters is not None:  # counted inline: this is the request path (server/ops/counters.py)
                 elapsed = perf_counter() - began
-                verb = counters.verbs[op]
+                verb = counters.verbs[command.verb]
                 verb.requests += 1
                 verb.bytes_in += payload_len
                 verb.seconds += elapsed
@@ -420,7 +429,7 @@ class ServerSession:
         except RemoteError as exc:
             self.refuse(rid, exc)
         except Exception:  # a bug: this request fails, the connection and the server go on
-            log.exception("%s from %s failed", op, self.peer)
+            log.exception("%s from %s failed", header.get(_OP), self.peer)
             self.send_header(error_reply(LOCAL_ERROR, "internal server error", rid))
         holds = holding.holds = holding.holds - 1  # (release_notes(), inline)
         if not holds and holding.notes:

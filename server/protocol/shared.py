@@ -91,9 +91,10 @@ class SharedMemory:
         if not wanted or not self.same_host or len(wanted) > _MAX_AREAS:
             return None
         minimum = self.config.zero_copy_min
-        if any(item.nbytes >= minimum for item in items):
-            self._read_by_reference(name)
-            self._promote_now(wanted, items)
+        if not any(item.nbytes >= minimum for item in items):
+            return None  # (none is worth sharing: small items go in the payload)
+        self._read_by_reference(name)
+        self._promote_now(wanted, items)
         durable = self.storage.data_area if taking else None
         refs = []
         for item in items:

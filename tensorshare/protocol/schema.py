@@ -132,7 +132,9 @@ def _valid_name(name: str) -> bool:
 
 
 # What a kind's test may name besides ``v`` (the source is built from the declarations only).
-_TEST_NAMES = {"TAG_MIN": TAG_MIN, "TAG_MAX": TAG_MAX, "_VALID_NAMES": _VALID_NAMES, "_valid_name": _valid_name}
+_ONLY_INT = frozenset((int,))
+_TEST_NAMES = {"TAG_MIN": TAG_MIN, "TAG_MAX": TAG_MAX, "_VALID_NAMES": _VALID_NAMES, "_valid_name": _valid_name,
+               "_ONLY_INT": _ONLY_INT}
 
 
 def _kind(name: str, accepts: Callable[[Any], bool] | str) -> Kind:
@@ -153,10 +155,6 @@ def _compile(expression: str, where: str):
     return eval(compile(expression, where, "eval"), dict(_TEST_NAMES))  # noqa: S307
 
 
-def _all_ints(value: Any) -> bool:
-    return type(value) is list and all(type(v) is int for v in value)
-
-
 def _counts(value: Any) -> bool:
     return type(value) is dict and all(type(k) is str and type(v) is int for k, v in value.items())
 
@@ -165,7 +163,7 @@ INT = _kind("an integer", "type(v) is int")
 BOOL = _kind("a boolean", "type(v) is bool")
 STR = _kind("a string", "type(v) is str")
 BYTES = _kind("bytes", "type(v) is bytes")
-INTS = _kind("a list of integers", _all_ints)
+INTS = _kind("a list of integers", "type(v) is list and _ONLY_INT.issuperset(map(type, v))")
 A_LIST = _kind("a list", "type(v) is list")
 COUNTS = _kind("a map of strings to integers", _counts)
 MAP = _kind("a map", "type(v) is dict")
@@ -453,24 +451,42 @@ def _compile_parser(command: Command) -> Callable[[dict, int, Any, int], Request
     field of ``header`` is right, else None (:meth:`Command.parse_request` then
     finds what is wrong and says it).  One function per command, made from its
     fields when it is declared: each field's kind inlined where it has a ``test``,
-    instead of a loop over the fields per request."""
+    instead of a loop over the fields per request.
+
+    The optional fields are looked for only while the header has keys left that
+    the required ones, ``op`` and ``id`` do not account for: a usual request names
+    few of them, and most none."""
     names: dict[str, Any] = {"Request": command.Request, "command": command}
+    required = [field for field in command.fields if field.required]
+    optional = [field for field in command.fields if not field.required]
     body = ["def parse(header, rid, payload, payload_len):",
             *(() if command.payload else ["    if payload_len: return None"]),
             "    get = header.get",
             "    request = Request()",
             "    request.command, request.id, request.payload, request.payload_len = command, rid, payload, payload_len"]
-    for i, field in enumerate(command.fields):
-        test = field.kind.test
-        if test is None:
-            names[f"accepts_{i}"] = field.kind.accepts
-            test = f"accepts_{i}(v)"
-        body.append(f"    v = get({field.key!r})")
-        if field.required:
-            body.append(f"    if v is None or not ({test}): return None")
-        else:
-            body.append(f"    if v is not None and not ({test}): return None")
-        body.append(f"    request.{field.key} = v")
+
+    def test_of(i: int, field: Field) -> str:
+        if field.kind.test is not None:
+            return field.kind.test
+        names[f"accepts_{i}"] = field.kind.accepts
+        return f"accepts_{i}(v)"
+
+    for i, field in enumerate(required):
+        body += [f"    v = get({field.key!r})",
+                 f"    if v is None or not ({test_of(i, field)}): return None",
+                 f"    request.{field.key} = v"]
+    if optional:
+        body += ["    " + " = ".join(f"request.{field.key}" for field in optional) + " = None",
+                 f"    left = len(header) - {len(required)} - ({Key.OP!r} in header) - ({Key.ID!r} in header)"
+                 "  # keys besides op, id and the required fields",
+                 "    if left <= 0: return request"]
+        for i, field in enumerate(optional, len(required)):
+            body += [f"    v = get({field.key!r})",
+                     "    if v is not None:",
+                     f"        if not ({test_of(i, field)}): return None",
+                     f"        request.{field.key} = v",
+                     "        left -= 1",
+                     "        if not left: return request"]
     body.append("    return request")
     scope = {**_TEST_NAMES, **names}
     exec(compile("\n".join(body), f"<{command.verb} request parser>", "exec"), scope)  # noqa: S102

@@ -19,6 +19,7 @@ pooled sink does for large payloads).
 
 from __future__ import annotations
 
+import functools
 import struct
 import threading
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ PREFIX = struct.Struct("<4sBBHIQ")
 PREFIX_SIZE = PREFIX.size  # 20
 _PLAIN_START = PREFIX.pack(MAGIC, VERSION, 0, 0, 0, 0)[:8]  # magic, version, no flags, reserved 0
 _LENGTHS = struct.Struct("<IQ")  # header_len, payload_len: the prefix's last 12 bytes
+_START_LENGTHS = struct.Struct("<8sIQ")  # the prefix: its first 8 bytes, header_len, payload_len
 
 
 @dataclass(frozen=True)
@@ -93,22 +95,44 @@ def head_template(fixed: dict, keys: tuple[str, ...]) -> Callable[..., bytes]:
     header_len = sum(map(len, pieces)) + 8 * len(keys)
     pieces[0] = PREFIX.pack(MAGIC, VERSION, 0, 0, header_len, 0) + pieces[0]
     pack = struct.Struct(">" + "".join(f"{len(piece)}sQ" for piece in pieces)).pack
-    checked = _TEMPLATE_ARITY[len(keys)](pack, *pieces)
 
-    def head(*values) -> bytes:
-        try:
-            return checked(*values)
-        except struct.error:  # not a uint64
-            return frame_head({**fixed, **dict(zip(keys, values))}, 0)
+    def slow(*values) -> bytes:  # a value that is not a uint64
+        return frame_head({**fixed, **dict(zip(keys, values))}, 0)
+
+    head = _TEMPLATE_ARITY[len(keys)](pack, slow, *pieces)
     head.__doc__ = f"The frame head of {{{', '.join([*map(repr, fixed), *keys])}}}."
     return head
 
 
-_TEMPLATE_ARITY = {  # (each spelled out: no list to build per frame)
-    1: lambda pack, a: lambda x: pack(a, x),
-    2: lambda pack, a, b: lambda x, y: pack(a, x, b, y),
-    3: lambda pack, a, b, c: lambda x, y, z: pack(a, x, b, y, c, z),
-}
+def _head_of_1(pack: Callable, slow: Callable, a: bytes) -> Callable[..., bytes]:
+    def head(x):
+        try:
+            return pack(a, x)
+        except struct.error:
+            return slow(x)
+    return head
+
+
+def _head_of_2(pack: Callable, slow: Callable, a: bytes, b: bytes) -> Callable[..., bytes]:
+    def head(x, y):
+        try:
+            return pack(a, x, b, y)
+        except struct.error:
+            return slow(x, y)
+    return head
+
+
+def _head_of_3(pack: Callable, slow: Callable, a: bytes, b: bytes, c: bytes) -> Callable[..., bytes]:
+    def head(x, y, z):
+        try:
+            return pack(a, x, b, y, c, z)
+        except struct.error:
+            return slow(x, y, z)
+    return head
+
+
+# (each spelled out: one call per frame, no list of values to build)
+_TEMPLATE_ARITY: dict[int, Callable[..., Callable[..., bytes]]] = {1: _head_of_1, 2: _head_of_2, 3: _head_of_3}
 
 
 @dataclass(slots=True)  # (one per frame received: no __dict__ to make for each)
@@ -297,16 +321,18 @@ def whole_frames(data: bytes, limits: FrameLimits = DEFAULT_FRAME_LIMITS,
     max_header = min(limits.max_header, FREE_CONTAINERS)  # (larger headers are measured: the decoder's job)
     if most > limits.max_payload:
         most = limits.max_payload
-    while end - pos >= PREFIX_SIZE and data[pos : pos + 8] == _PLAIN_START:
-        header_len, payload_len = _LENGTHS.unpack_from(data, pos + 8)
+    while end - pos >= PREFIX_SIZE:
+        first, header_len, payload_len = _START_LENGTHS.unpack_from(data, pos)
         start = pos + PREFIX_SIZE
         body = start + header_len
         stop = body + payload_len
-        if not 0 < header_len <= max_header or stop > end or stop - pos > most:
+        if first != _PLAIN_START or not 0 < header_len <= max_header or stop > end or stop - pos > most:
             break
-        try:
-            header = unpack_header(data[start:body], limits)
-        except ProtocolError:  # (the decoder raises it again, once the frames before it are served)
+        try:  # (unpack_header's way for a header of at most FREE_CONTAINERS bytes)
+            header = _unpack_small(data[start:body])
+        except _SMALL_ERRORS:  # (the decoder raises it again, once the frames before it are served)
+            break
+        if type(header) is not dict:
             break
         found.append((header, data[body:stop], payload_len))
         pos = stop
@@ -526,13 +552,8 @@ def unpack_header(data: bytes | memoryview, limits: FrameLimits = DEFAULT_FRAME_
     size = len(data)
     factor = limits.header_memory
     if size <= FREE_CONTAINERS:  # the usual header: nothing to count or measure (see .unpacking)
-        # Checked as it is decoded: every map's keys by _str_keys, extension types by
-        # _no_extension (max_ext_len=0 lets only empty ones through), no walk after.
-        # unpackb bounds every other declared length by the size of what it decodes
-        # (its max_*_len default to that): nothing larger is ever allocated.
-        try:
-            header = msgpack.unpackb(data, raw=False, strict_map_key=True, max_ext_len=0, object_hook=_str_keys,
-                                     ext_hook=_no_extension)
+        try:  # (checked as it is decoded: see _unpack_small)
+            header = _unpack_small(data)
         except UNPACK_ERRORS as exc:
             raise ProtocolError(f"malformed header: {exc or type(exc).__name__}") from None
         if type(header) is not dict:
@@ -553,15 +574,26 @@ def unpack_header(data: bytes | memoryview, limits: FrameLimits = DEFAULT_FRAME_
     return header
 
 
+_ONLY_STR = frozenset((str,))
+
+
 def _str_keys(node: dict) -> dict:
-    for key in node:
-        if type(key) is not str:
-            raise ProtocolError("header must be a msgpack map with str keys, at every level")
+    if not _ONLY_STR.issuperset(map(type, node)):
+        raise ProtocolError("header must be a msgpack map with str keys, at every level")
     return node
 
 
 def _no_extension(code: int, data: bytes):
     raise ProtocolError("headers may not hold msgpack extension types")
+
+
+# A header of at most FREE_CONTAINERS bytes, checked as it is decoded: every map's keys
+# by _str_keys, extension types by _no_extension (max_ext_len=0 lets only empty ones
+# through), no walk after.  unpackb bounds every other declared length by the size of
+# what it decodes (its max_*_len default to that): nothing larger is ever allocated.
+_unpack_small = functools.partial(msgpack.unpackb, raw=False, strict_map_key=True, max_ext_len=0,
+                                  object_hook=_str_keys, ext_hook=_no_extension)
+_SMALL_ERRORS = (ProtocolError, *UNPACK_ERRORS)
 
 
 _CONTAINER_TYPES = frozenset({dict, list, msgpack.ExtType, msgpack.Timestamp})  # what the walk looks into
