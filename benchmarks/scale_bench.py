@@ -32,7 +32,6 @@ import hashlib
 import multiprocessing
 import os
 import shutil
-import signal
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -208,8 +207,12 @@ def _serving(*args: str) -> tuple[Server, float]:
     """A server started with ``args``; the seconds until it answered a sample of its table."""
     started = time.perf_counter()
     server = Server(*args, start_timeout=600)
-    with Client("127.0.0.1", server.port, timeout=600, zero_copy=False) as client:
-        client.sample("durable", BATCH)
+    try:
+        with Client("127.0.0.1", server.port, timeout=600, zero_copy=False) as client:
+            client.sample("durable", BATCH)
+    except BaseException:
+        server.stop()  # (kills it if need be, and waits for it)
+        raise
     return server, time.perf_counter() - started
 
 
@@ -220,18 +223,21 @@ def _restart(rec: Recorder, p: Profile, scratch: str) -> None:
         return
     data = os.path.join(scratch, "data")
     size = _label(n)
-    server = Server("--data-dir", data)
+    servers = [Server("--data-dir", data)]  # every one started, each stopped (killed and waited for) at the end
     try:
-        with Client("127.0.0.1", server.port, timeout=600, zero_copy=False) as client:
+        with Client("127.0.0.1", servers[0].port, timeout=600, zero_copy=False) as client:
             client.create_table("durable", n, columns(), sampler="prioritized", priority_exponent=0.6)
             _fill(client, "durable", n, priorities=True)
-        server.stop()  # SIGTERM: a clean stop
+        servers[0].stop()  # SIGTERM: a clean stop
         server, clean = _serving("--data-dir", data)
-        os.kill(server.pid, signal.SIGKILL)
+        servers.append(server)
+        server.proc.kill()  # SIGKILL
         server.proc.wait(30)
         server, killed = _serving("--data-dir", data)
+        servers.append(server)
     finally:
-        server.stop()
+        for server in servers:
+            server.stop()
         shutil.rmtree(data, ignore_errors=True)
     rec.figure("scale.restart", f"a durable table of {size} rows: from start to its first sample, after a clean stop",
                Sample.of([clean]), "s", better="lower")

@@ -195,42 +195,45 @@ def async_append(port: str, n: str, window: str, runs: str, warmup: str) -> None
     _say("result " + json.dumps(outcome))
 
 
-def mixed(port: str, peer: str, size: str, wid: str) -> None:
-    """put/append/get in a cycle for the duration of each ``go SECONDS`` command."""
-    import numpy as np
-
-    nbytes, name = int(size), f"mixed-{wid}"
+def mixed_ops(peer: str, port: int, nbytes: int, name: str) -> list:
+    """``[(put, bytes), (append, bytes), (get, bytes)]`` of the mixed load on bin (key)
+    ``name`` through the real client of ``peer`` (``ts``, or ``redis``: a put is DEL +
+    RPUSH and a get LRANGE + DEL, in transactions, the same semantics)."""
     if peer == "ts":
         import torch
 
         from tensorshare import Client
 
         value = torch.ones(nbytes // 4)
-        targets = []
-        for each in port.split(","):  # servers of the same protocol (the floor's, benchmarks/floor_server.py)
-            client = Client("127.0.0.1", int(each), timeout=60)
-            targets.append([(lambda c=client: c.put(name, value), nbytes),
-                            (lambda c=client: c.append(name, value), nbytes),
-                            (lambda c=client: c.get(name), 2 * nbytes)])
-    else:
-        import redis
+        client = Client("127.0.0.1", port, timeout=60)
+        return [(lambda: client.put(name, value), nbytes), (lambda: client.append(name, value), nbytes),
+                (lambda: client.get(name), 2 * nbytes)]
+    import numpy as np
+    import redis
 
-        r = redis.Redis(host="127.0.0.1", port=int(port), socket_timeout=60)
-        value = np.ones(nbytes, np.uint8).tobytes()
+    r = redis.Redis(host="127.0.0.1", port=port, socket_timeout=60)
+    value = np.ones(nbytes, np.uint8).tobytes()
 
-        def put():
-            pipe = r.pipeline(transaction=True)
-            pipe.delete(name)
-            pipe.rpush(name, value)
-            pipe.execute()
+    def put():
+        pipe = r.pipeline(transaction=True)
+        pipe.delete(name)
+        pipe.rpush(name, value)
+        pipe.execute()
 
-        def get():
-            pipe = r.pipeline(transaction=True)
-            pipe.lrange(name, 0, -1)
-            pipe.delete(name)
-            pipe.execute()
+    def get():
+        pipe = r.pipeline(transaction=True)
+        pipe.lrange(name, 0, -1)
+        pipe.delete(name)
+        pipe.execute()
 
-        targets = [[(put, nbytes), (lambda: r.rpush(name, value), nbytes), (get, 2 * nbytes)]]
+    return [(put, nbytes), (lambda: r.rpush(name, value), nbytes), (get, 2 * nbytes)]
+
+
+def mixed(port: str, peer: str, size: str, wid: str) -> None:
+    """put/append/get in a cycle for the duration of each ``go SECONDS`` command."""
+    nbytes, name = int(size), f"mixed-{wid}"
+    # (the floor bench gives several servers of the same protocol: benchmarks/floor_server.py)
+    targets = [mixed_ops(peer, int(each), nbytes, name) for each in (port.split(",") if peer == "ts" else [port])]
     _say("ready")
     clock = time.perf_counter
     for line in sys.stdin:

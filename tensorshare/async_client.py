@@ -172,7 +172,7 @@ class AsyncClient(ClientMethods):
 
     def _member(self, index: int | None, port: int, opened: Wire | None) -> TwistedMember:
         member = TwistedMember(self.options, index, port, opened)
-        member.engine.sinks = member.engine.decoder.sink_factory = self.values.sinks(member.engine)
+        member.engine.use_sinks(self.values.sinks(member.engine))
         member.answered = self._answered
         member.notified = _notified
         member.restored = partial(tell_restored, where=member.where)

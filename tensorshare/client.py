@@ -256,12 +256,17 @@ class Client(TableCopies, ClientMethods):
         if self._closed:
             raise UsageError("the client is closed")
         router = self.router
-        if member is None:
-            if router.map is not None and command.route is not Route.OWNER:
-                return self._fanned_out(command, fields, value, timeout, then, on_error, decode)
-            member = router.owner_of(fields)
-        deadline = self._deadline(timeout)
         seen = router.map
+        if member is None:
+            if seen is None:  # a server of one process: its one member (no routing to do)
+                member = router.home
+            elif command.route is not Route.OWNER:
+                return self._fanned_out(command, fields, value, timeout, then, on_error, decode)
+            else:
+                member = router.owner_of(fields)
+        if timeout is DEFAULT:  # (what _deadline does, without a call on every request)
+            timeout = self.timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             return self._on(member, command, fields, value, deadline, then, on_error, decode, zero_copy, progress,
                             device, into, listening)
@@ -289,7 +294,7 @@ class Client(TableCopies, ClientMethods):
                 member.call(call, parts, deadline, None if progress is None else Progress(progress, call.rid))
                 if call.error is None and call.fallback is None and call.cleanup is None and then is None \
                         and on_error is None:  # the usual case: one attempt, the default result
-                    return values.read(call, member.areas).result
+                    return values.read_result(call, member.areas)
                 settled = values.settle(call, member.areas)
                 if settled is not None:
                     break

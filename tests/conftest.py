@@ -28,7 +28,8 @@ os.environ.pop("TENSORSHARE_TOKEN", None)
 
 # Fixtures that start server processes: tests using them are marked ``process``
 # (``pytest -m "not process"`` runs the in-memory tests alone, in seconds).
-PROCESS_FIXTURES = {"server", "fresh_server", "client", "auth_server", "tls_server", "every_item", "fuzz_server"}
+PROCESS_FIXTURES = {"server", "fresh_server", "client", "auth_server", "tls_server", "every_item", "fuzz_server",
+                    "token_server"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -49,6 +50,19 @@ def server():
 def fresh_server():
     """A server process of the test's own (for restarts and kills)."""
     proc = ServerProcess()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def token_server(tmp_path_factory):
+    """A server process that asks for ``opsproc.TOKEN`` (from a token file), with its
+    operations pages."""
+    from opsproc import TOKEN, OpsServer
+
+    path = tmp_path_factory.mktemp("token") / "token"
+    path.write_text(TOKEN + "\n")
+    proc = OpsServer("--token-file", str(path))
     yield proc
     proc.stop()
 

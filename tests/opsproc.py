@@ -9,6 +9,8 @@ import urllib.request
 
 from serverproc import ServerProcess
 
+TOKEN = "ops-token-5d1e0b7c92aa4f31"  # the token of the ``token_server`` fixture (conftest.py)
+
 _STATUS = re.compile(r"status page http://([\d.]+):(\d+)/")
 
 

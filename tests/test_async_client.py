@@ -161,3 +161,40 @@ def test_a_table_checkpoint_loads_through_the_async_client(paired, tmp_path):
     assert torch.equal(read["obs"], rows["obs"])
     result_of(client.put("other", 1), pump)
     assert result_of(client.list("replay*"), pump) == {"replay-copy": 6}
+
+
+def test_a_large_frame_is_copied_once_and_written_by_itself():
+    """A real transport takes bytes only: a large value is copied once (its snapshot), at
+    the call, and written alone, so Twisted's buffer never joins it with other frames."""
+    import tracemalloc
+
+    import numpy as np
+    from twisted.internet.task import Clock
+
+    from tensorshare.drivers.twisted import LARGE_FRAME, Options, Wire
+    from tensorshare.protocol.engine import Engine
+    from wiretools import StrictTransport
+
+    clock = Clock()
+    wire = Wire(Options(clock, "127.0.0.1"), 1, Engine())
+    transport = StrictTransport(buffer_size=64 << 10)
+    wire.makeConnection(transport)
+    payload = np.arange(4 * LARGE_FRAME, dtype=np.uint8)
+    small = [b"small-before"], [b"small-after"]
+    tracemalloc.start()
+    try:
+        wire.send(small[0])
+        wire.send([b"large-head", memoryview(payload)])
+        payload[:] = 7  # changed after the call: the snapshot went
+        wire.send(small[1])
+        clock.advance(0)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < payload.nbytes * 1.25  # one copy (two before: bytes() of the part, then a join)
+    assert [len(b) for b in transport.buffered] == [len(b"small-before") + len(b"large-head") + payload.nbytes]
+    transport.drain()  # the transport took it: what queued behind it goes now
+    assert transport.buffered == [b"small-after"]
+    transport.drain()
+    expected = b"small-before" + b"large-head" + np.arange(4 * LARGE_FRAME, dtype=np.uint8).tobytes() + b"small-after"
+    assert bytes(transport.delivered) == expected

@@ -37,3 +37,19 @@ def test_goal_lines_say_what_their_ratio_compares():
     cells = [line.rsplit("|", 2)[1].strip() for line in readme_goals({"goals": rec.goals}).splitlines()[4:]]
     assert cells == ["6.67x the time", "0.150x the rate", "4.00x faster", "0.100x the bytes", "0.250x the time"]
     assert rec.goals[2]["detail"].startswith("save_memmap 20.0 ms = 4.00x faster than torch.save 80.0 ms")
+
+
+@pytest.mark.process
+def test_a_server_whose_first_sample_fails_is_stopped_not_left_running():
+    """The scale benchmark's restart timing starts servers; one that starts but cannot
+    serve the sample it is timed by is stopped (and waited for) before the error goes on."""
+    from benchmarks import procs, scale_bench
+    from tensorshare import TensorShareError
+
+    with procs._lock:
+        before = set(procs._children)
+    with pytest.raises(TensorShareError):
+        scale_bench._serving()  # no data directory: no table to sample
+    with procs._lock:
+        started = procs._children - before
+    assert started == set()

@@ -125,6 +125,46 @@ def test_listens_are_restored_on_the_next_connection():
     assert [e.header[Key.OP] for e in p.events if isinstance(e, Notice)] == ["GET"]
 
 
+def test_a_handle_adopted_while_connected_is_listened_to_at_once_and_restored_later():
+    p = EnginePair()
+    p.call(PUT, {Key.BIN: "b"}, raw())
+    handle = Handle("b")
+    p.engine.adopt(handle)  # (moved from another connection's engine: the engine decides to listen now)
+    assert len(p.engine.outbox) == 1
+    restored = [e for e in p.pump() if isinstance(e, Restored)]
+    assert [(r.bin, r.handles, r.header[Key.N]) for r in restored] == [("b", (handle,), 1)]
+    second = Handle("b")
+    p.engine.adopt(second)  # its bin is listened to already: nothing to send
+    assert p.engine.outbox == [] and p.engine.listens.handles("b") == (handle, second)
+    p.call(PUT, {Key.BIN: "b"}, raw())
+    assert [e.handles for e in p.events if isinstance(e, Notice)] == [(handle, second)]
+    p.lose()
+    later = Handle("c")
+    p.engine.adopt(later)  # no connection: it waits for the next opening
+    assert p.engine.outbox == []
+    restored = [e for e in p.reconnect() if isinstance(e, Restored)]
+    assert sorted(r.bin for r in restored) == ["b", "c"]
+
+
+def test_sinks_given_to_the_engine_receive_payloads_on_this_connection_and_the_next():
+    from tensorshare.wire.frames import buffer_sink
+
+    seen = []
+
+    def sinks(header, nbytes):
+        seen.append(nbytes)
+        return buffer_sink(header, nbytes)
+
+    p = EnginePair()
+    p.call(PUT, {Key.BIN: "b"}, raw())
+    p.engine.use_sinks(sinks)
+    assert bytes(p.call(PEEK, {Key.BIN: "b"}).frame.payload)[:4] == b"\x01\x02\x03\x04" and seen and seen[-1]
+    p.lose()
+    p.reconnect()
+    count = len(seen)
+    assert p.call(PEEK, {Key.BIN: "b"}).error is None and len(seen) > count
+
+
 def test_stopping_one_of_two_handles_sends_a_noop_and_the_last_an_unlisten(pair):
     first, second = Handle("b"), Handle("b")
     for handle in (first, second):

@@ -163,17 +163,28 @@ def _imports(name: str, path: Path, is_package: bool, known: set[str], everywher
     return (found & known) - {name}
 
 
-def test_no_module_imports_one_that_imports_it_back():
-    """Over the client package and the server, deferred imports included (the command
-    line and its tables module, the value codec and the device package imported each
-    other from inside functions)."""
+def _our_modules() -> dict[str, tuple[Path, bool]]:
+    """Every module of the client package and the server: ``{dotted name: (path, is_package)}``."""
     root = Path(__file__).resolve().parent.parent
     modules = {}
     for package, directory in (("tensorshare", root / "tensorshare"), ("tensorshare_server", root / "server")):
         for path in directory.rglob("*.py"):
             parts = path.relative_to(directory).with_suffix("").parts
-            name = ".".join((package, *parts))
-            modules[name.removesuffix(".__init__")] = (path, parts[-1] == "__init__")
+            modules[".".join((package, *parts)).removesuffix(".__init__")] = (path, parts[-1] == "__init__")
+    return modules
+
+
+def test_our_modules_are_every_module_of_both_packages():
+    modules = _our_modules()
+    assert modules["tensorshare.protocol.engine"][1] is False and modules["tensorshare._client"][1] is True
+    assert "tensorshare_server.relay.upstream" in modules and len(modules) > 100
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    """Over the client package and the server, deferred imports included (the command
+    line and its tables module, the value codec and the device package imported each
+    other from inside functions)."""
+    modules = _our_modules()
     graph = {name: _imports(name, path, is_package, set(modules), everywhere=True)
              for name, (path, is_package) in modules.items()}
 
@@ -226,12 +237,7 @@ def test_no_module_imports_another_packages_private_module():
     """A private module (a name part starting with ``_``) is imported only by its own
     package's modules, and ``tensorshare._client`` only by the clients that are its
     public faces: everything else uses their public names."""
-    root = Path(__file__).resolve().parent.parent
-    modules = {}
-    for package, directory in (("tensorshare", root / "tensorshare"), ("tensorshare_server", root / "server")):
-        for path in directory.rglob("*.py"):
-            parts = path.relative_to(directory).with_suffix("").parts
-            modules[".".join((package, *parts)).removesuffix(".__init__")] = (path, parts[-1] == "__init__")
+    modules = _our_modules()
     offences = []
     for name, (path, is_package) in modules.items():
         for imported in _imports(name, path, is_package, set(modules), everywhere=True):

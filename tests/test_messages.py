@@ -259,15 +259,6 @@ def small_frames():
 
 
 @pytest.fixture(scope="module")
-def token_server(tmp_path_factory):
-    token = tmp_path_factory.mktemp("token") / "token"
-    token.write_text("the-servers-token-0123456789\n")
-    proc = ServerProcess("--token-file", str(token))
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
 def world(tls_server, ops_server, small_frames, token_server, certs, tmp_path_factory):
     return {"tls": tls_server, "ops": ops_server, "small": small_frames, "token": token_server, "certs": certs,
             "tmp": tmp_path_factory.mktemp("messages")}

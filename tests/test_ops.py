@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tensorshare
-from opsproc import OpsServer, http_get
+from opsproc import TOKEN, OpsServer, http_get
 from pairing import Pair
 from tensorshare.protocol.messages import APPEND, GET, PEEK, PUT, TCREATE, TINSERT, TSAMPLE, Key, TableKey
 from tensorshare_server.ops.counters import experiment_of, worker_of
@@ -19,21 +19,11 @@ from tensorshare_server.ops.status import Throughput, snapshot
 
 parser = pytest.importorskip("prometheus_client.parser", reason="prometheus_client is a test dependency")
 
-TOKEN = "ops-token-5d1e0b7c92aa4f31"
 
 
 @pytest.fixture(scope="module")
 def ops_server():
     proc = OpsServer()
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
-def token_server(tmp_path_factory):
-    path = tmp_path_factory.mktemp("token") / "token"
-    path.write_text(TOKEN)
-    proc = OpsServer("--token-file", str(path))
     yield proc
     proc.stop()
 

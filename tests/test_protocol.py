@@ -208,3 +208,22 @@ def test_an_error_reply_raises_the_class_of_its_code():
         with pytest.raises(cls) as info:
             read_reply(PEEK, frame)
         assert info.value.code == code and info.value.message == "no"
+
+
+@pytest.mark.parametrize("sizes, refs, payload_len", [
+    ([4, 4], None, 9),  # more payload than items
+    ([4, -4], None, 0),  # a negative size
+    ([True, 3], None, 4),  # a bool is no size
+    ([4.0], None, 4),
+    ([4, 4], [None, ["a", "p"]], 8),  # a referred item's bytes are not in the payload
+])
+def test_an_item_table_whose_sizes_do_not_tile_the_payload_is_refused(sizes, refs, payload_len):
+    from tensorshare.protocol.items import item_table
+
+    header = {"items": [b"d"] * len(sizes), "sizes": sizes}
+    if refs is not None:
+        header["refs"] = refs
+    with pytest.raises(ProtocolError):
+        item_table(header, payload_len)
+    assert item_table({"items": [b"d", b"e"], "sizes": [4, 0]}, 4) == [(b"d", 4, None), (b"e", 0, None)]
+    assert item_table({"items": [b"d", b"e"], "sizes": [4, 4], "refs": [None, ["a", "p"]]}, 4)[1] == (b"e", 4, ["a", "p"])

@@ -353,11 +353,15 @@ def test_reads_that_wait_through_a_relay(pair):
     """A GET that waits is forwarded with its wait (taken upstream once enough
     items are there); a PEEK that waits for a change waits for the mirror's."""
     _, _, up, rel = pair
-    threading.Timer(0.2, lambda: [up.append("wq", torch.tensor([i])) for i in range(3)]).start()
+    appender = threading.Timer(0.2, lambda: [up.append("wq", torch.tensor([i])) for i in range(3)])
+    appender.start()
     assert [t.item() for t in rel.get("wq", wait=10, least=3)] == [0, 1, 2]
+    appender.join(10)
     assert up.list()["wq"] == 0
     up.put("wp", torch.tensor([1]), tag=1)
     [value], seq = rel.peek("wp", with_seq=True)
-    threading.Timer(0.2, lambda: up.put("wp", torch.tensor([2]), tag=2)).start()
+    putter = threading.Timer(0.2, lambda: up.put("wp", torch.tensor([2]), tag=2))
+    putter.start()
     [value], later = rel.peek("wp", with_seq=True, since=seq, wait=10)
+    putter.join(10)  # (its reply may come after the peek's: the client must not close before it)
     assert value.item() == 2 and later != seq

@@ -170,6 +170,18 @@ def test_the_rate_limiter_counts_a_sequence_sample_as_its_rows():
         t.sample_sequences(1, 1)
 
 
+def test_the_oldest_rows_of_a_ring_are_those_the_tree_orders_first_across_its_wrap():
+    t = x_table(10)
+    order = t._remover.index
+    for n in (7, 6, 5, 9, 3):  # the ring's oldest row moves round, wrapping past slot 9
+        t.insert(scalars(n))
+        for k in (k for k in (1, 2, 5, 9, 10) if k <= t.size):
+            ring = order._ring(k)
+            assert ring is not None and ring.tolist() == order.tree.smallest(k).tolist(), (n, k)
+    t.remove(t.read(t.occupied()).keys[:1])  # a hole: no ring from the oldest on
+    assert order.first(10).tolist() == order.tree.smallest(10).tolist()
+
+
 # -- the compact state through a reopened table
 
 
@@ -301,6 +313,40 @@ def test_rows_are_hinted_while_gathers_are_slow_and_no_longer_once_they_are_fast
     mapping.calls.clear()
     operation()
     assert mapping.calls == []
+
+
+@pytest.mark.parametrize("remover", ["fifo", "lowest_priority"])
+def test_trees_rebuilt_after_a_kill_in_many_pieces_are_the_trees_kept_as_rows_changed(tmp_path, monkeypatch, remover):
+    """A restart after a kill rebuilds every tree from the rows, a piece at a time on
+    threads: what it builds is what the incremental updates kept."""
+    monkeypatch.setattr(sys.modules[f"{tables.__name__}.blocks"], "CHUNK", 64)  # many pieces: several threads
+    directory = str(tmp_path / "t")
+
+    def table(reopen=False):
+        return Table(1000, {"x": ((), "int64")}, sampler="prioritized", priority_exponent=0.6, remover=remover,
+                     rng=3, backing=tables.MemmapBacking(directory, keep=True, reopen=reopen))
+
+    t = table()
+    rng = np.random.default_rng(0)
+    for n in (800, 500):  # (the second evicts)
+        t.insert(scalars(n), priorities=rng.random(n) + 0.01)
+    t.update_priorities(t.sample(400).keys, rng.random(400) + 0.01)
+    t.remove(t.sample(50).keys)
+    kept = [index.tree.tree.copy() for index in t._indexes] + [t._slots.count.tree.copy()]
+    before = t.slots()
+    del t  # killed: no note
+    again = table(reopen=True)
+    rebuilt = [index.tree.tree for index in again._indexes] + [again._slots.count.tree]
+    assert len(rebuilt) == 3
+    for old, new in zip(kept, rebuilt):
+        if old.dtype == np.float64:  # (sums of the same weights, added in another order)
+            assert np.allclose(old, new, rtol=1e-12, atol=0)
+        else:
+            assert np.array_equal(old, new)
+    after = again.slots()
+    for what in ("indices", "keys", "priorities", "ends"):
+        assert np.array_equal(before[what], after[what]), what
+    assert again.size == before["indices"].size
 
 
 def test_a_table_shut_cleanly_reopens_with_its_trees_and_one_killed_rebuilds_them(tmp_path, monkeypatch):

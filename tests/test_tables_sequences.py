@@ -49,6 +49,8 @@ def test_a_client_samples_sequences_of_one_episode_padded_or_whole(client):
     client.update_priorities("seq-c", start.reshape(1), [1000.0])
     s = client.sample("seq-c", 50, length=4)
     assert (s.keys[:, 0] == start).float().mean() > 0.8
+    # (its priority back: with it at 1000, 200 draws were all of whole sequences 1 run in 10)
+    client.update_priorities("seq-c", start.reshape(1), [1.0])
     padded = client.sample("seq-c", 200, length=5, pad=True)
     for row, length in zip(padded.value["x"].tolist(), padded.lengths.tolist()):
         assert within_one(row[:length], spans) and row[length:] == [row[length - 1]] * (5 - length)

@@ -28,6 +28,7 @@ bin (cut-through, :mod:`.stream`).
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Callable
 
 from twisted.internet import defer
@@ -180,8 +181,7 @@ class Upstream:
 
     def _member(self, index: int | None, port: int, opened: Wire | None) -> TwistedMember:
         member = TwistedMember(self.options, index, port, opened)
-        member.engine.sinks = member.engine.decoder.sink_factory = lambda header, nbytes: self._sink(member, header,
-                                                                                                     nbytes)
+        member.engine.use_sinks(partial(self._sink, member))
         member.answered = _settle
         member.notified = _notified
         member.restored = self._restored

@@ -90,12 +90,18 @@ class Reply:
 
     @property
     def result(self) -> Any:
-        """What a call returns by default: the decoded values of an items reply, else
-        the field the command names as its result (None if it names none)."""
-        if self.values is not None:
-            return self.values
-        key = self.command.result
-        return None if key is None else self.header.get(key)
+        """What a call returns by default (:func:`reply_result`)."""
+        return reply_result(self.command, self.header, self.values)
+
+
+def reply_result(command: Command, header: dict, values: list | None) -> Any:
+    """What a call of ``command`` returns by default: the decoded ``values`` of an items
+    reply, else the field of ``header`` the command names as its result (None if it
+    names none)."""
+    if values is not None:
+        return values
+    key = command.result
+    return None if key is None else header.get(key)
 
 
 DEFAULT_REUSE = 1 << 30  # bytes of received reply memory a client keeps for reuse

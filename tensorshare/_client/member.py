@@ -66,7 +66,7 @@ class Member:
         self.where = f"{settings.host}:{port}"
         self.map = front.router.map  # the map it was made by
         self.engine = opened.engine if opened is not None else settings.engine(port)
-        self.engine.sinks = self.engine.decoder.sink_factory = front.values.sinks(self.engine)
+        self.engine.use_sinks(front.values.sinks(self.engine))
         # ``lock`` guards the engine's calls and listens, and who reads; ``cond`` (over
         # the same lock) is for waiting: plain ``with lock`` costs half of ``with cond``.
         self.lock = threading.Lock()
@@ -395,7 +395,9 @@ class Member:
         engine = self.engine
         until = deadline
         if engine.keepalive is not None:
-            wake = self._keepalive(link)
+            wake = self._next_check  # (not due yet, the usual case: no call to find that out)
+            if time.monotonic() >= wake:
+                wake = self._keepalive(link)
             if wake is not None and (deadline is None or wake < deadline):
                 until = wake
         try:
@@ -533,16 +535,16 @@ class Member:
             thread.join(timeout)
 
     def adopt(self, handle) -> None:
-        """Listen with ``handle`` (moved here from another member) from now on."""
+        """Listen with ``handle`` (moved here from another member) from now on (the
+        engine decides whether a LISTEN goes out now; this sends what it asks)."""
         with self.lock:
-            restore = self.engine.adopt(handle)
-            if restore:
-                self.engine.restore_one(handle.bin)
+            self.engine.adopt(handle)
         handle.client = self.front
         link = self.link
-        if restore and link is not None:
+        if link is not None and self.engine.outbox:
             with self.send_lock:
-                self._send_locked(link, [], None)
+                if link is self.link and self.engine.outbox:
+                    self._send_locked(link, [], None)
         self.reader.ensure()
 
 

@@ -59,12 +59,14 @@ class ReplySpin:
         polling is off), else None; pass that time to :meth:`waited` once the
         sleeping wait is over."""
         start = clock()
-        if self.active and (within is None or within > 0) and self.contention.calm(start):
-            end = start + (self.limit if within is None else min(self.limit, within))
-            contention, last = self.contention, start
+        limit, contention = self.limit, self.contention
+        # (self.active and contention.calm(start), without two calls on every small round trip)
+        if limit > 0 and self.estimate <= limit and (within is None or within > 0) and start >= contention.until:
+            end = start + (limit if within is None else min(limit, within))
+            last = start
             while True:
                 if ready():
-                    self._note(clock() - start)
+                    self.estimate = moving_average(self.estimate, clock() - start)
                     return None
                 now = clock()
                 # (checked after ready(): a server that ran on this CPU meanwhile is no rival)

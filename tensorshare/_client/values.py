@@ -24,7 +24,7 @@ from ..protocol.items import item_table
 from ..protocol.messages import ITEMS, MAX_RELEASE_IDS, Key, ZeroCopy
 from ..protocol.placement import merged_header
 from ..wire.frames import buffer_sink
-from .connection import NO_VALUE, Reply, decode_items, read_reply, reply_buffers, request_frame
+from .connection import NO_VALUE, Reply, decode_items, read_reply, reply_buffers, reply_result, request_frame
 from .devices import DEVICE_MIN, as_into, caller_of, check_device, pinned
 from .routing import finish, next_attempt, route
 
@@ -164,6 +164,20 @@ class Values:
         """The decoded reply of ``call`` (checked by the engine); items it refers to are
         mapped from the server's files (or, undecoded, located: ``Reply.stored``,
         released after ``then``)."""
+        read = self._read(call, current_areas)
+        return read if type(read) is Reply else Reply(call.command, call.frame.header, read, call.frame)
+
+    def read_result(self, call: Call, current_areas) -> Any:
+        """``read(call, current_areas).result`` without making the :class:`Reply` (a
+        blocking call's usual ending)."""
+        read = self._read(call, current_areas)
+        if type(read) is Reply:
+            return read.result
+        return reply_result(call.command, call.frame.header, read)
+
+    def _read(self, call: Call, current_areas) -> Reply | list | None:
+        """:meth:`read`'s work: the decoded items (None: the reply carries none), or the
+        whole :class:`Reply` of an undecoded reply that refers to stored items."""
         frame = call.frame
         header = frame.header
         areas = call.areas
@@ -188,11 +202,10 @@ class Values:
         if areas is not None and call.command.zero_copy is ZeroCopy.STORE:
             areas.note_put(call.fields.get(Key.BIN), header)  # readers map the bin, or no longer
         try:  # (checked against its declaration by the engine already)
-            items = None
             if call.decode and header.get(Key.CODE) == ITEMS:
-                items = decode_items(header, frame.payload, frame.payload_len, device, areas=areas, into=call.into,
-                                     caller=call.caller)
-            return Reply(call.command, header, items, frame)
+                return decode_items(header, frame.payload, frame.payload_len, device, areas=areas, into=call.into,
+                                    caller=call.caller)
+            return None
         except TensorShareError:
             raise
         except Exception as exc:  # torch could not put the values on the device (out of its memory, say)

@@ -43,6 +43,7 @@ from ..protocol.tls import TLSSettings
 log = logging.getLogger("tensorshare.client")
 
 _CURRENT = object()  # "the map the router routes by now"
+LARGE_FRAME = 1 << 20  # a frame of this many bytes or more is written by itself (see Wire.send)
 
 
 class Options:
@@ -68,9 +69,8 @@ class Options:
         self.sinks = sinks  # the payload sinks of a connection no member serves yet (None: the decoder's default)
         self.tls_options = None if tls is None else tls.twisted_options(host)
 
-    def engine(self, port: int, sinks=None) -> Engine:
-        sinks = sinks or self.sinks
-        kw = {} if sinks is None else {"sinks": sinks}
+    def engine(self, port: int) -> Engine:
+        kw = {} if self.sinks is None else {"sinks": self.sinks}
         return Engine(self.token, f"{self.host}:{port}", keepalive=self.keepalive, max_backoff=self.max_backoff,
                       **kw)
 
@@ -87,7 +87,8 @@ class Wire(protocol.Protocol):
         self.owner: Any = None  # the member it serves (None while opening)
         self.greeted: defer.Deferred = defer.Deferred()
         self.write_blocked = False
-        self._outgoing: list[bytes] = []
+        self._outgoing: list[bytes] = []  # small frames' parts, joined in one write per turn
+        self._large: list[bytes] = []  # large frames (with the small ones before each), written one at a time
         self._flush_scheduled = False
         self._certificate_checked = options.tls is None
         self._speaks = None  # what a probe found the peer to be, if one ran
@@ -170,6 +171,7 @@ class Wire(protocol.Protocol):
             self._fail(peers.wrong_server(self.where, first, self._speaks))
 
     def connectionLost(self, reason) -> None:
+        self._outgoing, self._large = [], []
         if not self.greeted.called:
             self.greeted.errback(self._opening_failure(reason))
         if self.owner is not None:
@@ -187,23 +189,46 @@ class Wire(protocol.Protocol):
     # -- writing
 
     def send(self, parts: list) -> None:
-        """Queue a frame; the frames of one reactor turn go out in one write (a real
-        transport takes bytes only: the copy also snapshots the value)."""
-        self._outgoing.extend(p if type(p) is bytes else bytes(p) for p in parts)
+        """Queue a frame.  Small frames queued in one reactor turn go out in one write.  A
+        large one is copied once, now, straight from the value's memory into the bytes
+        a real transport insists on (the copy is also the value's snapshot: changing it
+        after the call is safe); it goes to the transport alone, so that Twisted's
+        buffer never joins it with other frames (a copy more)."""
+        if all(type(p) is bytes for p in parts):
+            self._outgoing.extend(parts)
+        elif sum(memoryview(p).nbytes for p in parts) < LARGE_FRAME:
+            self._outgoing.extend(p if type(p) is bytes else bytes(p) for p in parts)
+        else:  # the small frames queued before it lead it in the same bytes (they are tiny)
+            self._large.append(b"".join([*self._outgoing, *parts]))
+            self._outgoing = []
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self.options.reactor.callLater(0, self.flush)
 
-    def flush(self) -> None:
+    def flush(self, everything: bool = False) -> None:
+        """Write what is queued: the large frames one at a time, each once the transport
+        has taken the one before (``everything``: all now, as a closing connection must)."""
         self._flush_scheduled = False
-        if self._outgoing and self.transport is not None and self.connected:
+        transport = self.transport
+        if transport is None or not self.connected:
+            return
+        large = self._large
+        wrote = False
+        while large:
+            if self.write_blocked and not everything:
+                break  # (resumeProducing flushes again, once the transport has taken what it holds)
+            transport.write(large.pop(0))
+            wrote = True
+        if self._outgoing and not large and (everything or not (wrote and self.write_blocked)):
             data, self._outgoing = b"".join(self._outgoing), []
-            self.transport.write(data)
+            transport.write(data)
+            wrote = True
+        if wrote:
             self.engine.sent(self.options.reactor.seconds())
 
     def close(self) -> None:
         if self.transport is not None:
-            self.flush()  # what was queued this turn still goes out
+            self.flush(everything=True)  # what was queued still goes out
             self.transport.unregisterProducer()  # TLS closes only without a producer
             self.transport.loseConnection()
 
@@ -214,6 +239,8 @@ class Wire(protocol.Protocol):
     def resumeProducing(self) -> None:
         self.write_blocked = False
         self.engine.sent(self.options.reactor.seconds())
+        if self._large or self._outgoing:  # (what queued behind a large frame the transport has taken now)
+            self.flush()
 
     def stopProducing(self) -> None:
         pass
@@ -266,12 +293,10 @@ class TwistedMember:
     serves what this member is for (if not it is dropped, and tried again later);
     ``on_unreached(member)`` when an attempt to connect fails."""
 
-    def __init__(self, options: Options, index: int | None, port: int, opened: Wire | None = None, sinks=None):
+    def __init__(self, options: Options, index: int | None, port: int, opened: Wire | None = None):
         self.options, self.index, self.port = options, index, port
         self.reactor = options.reactor
-        self.engine = opened.engine if opened is not None else options.engine(port, sinks)
-        if sinks is not None:
-            self.engine.sinks = self.engine.decoder.sink_factory = sinks
+        self.engine = opened.engine if opened is not None else options.engine(port)
         self.wire: Wire | None = None
         self.answered: Callable[[Call], None] = _nobody
         self.notified: Callable[[Notice], None] = _nobody
@@ -465,10 +490,10 @@ class TwistedMember:
 
     def adopt(self, handle) -> None:
         """Listen with ``handle`` (moved here from another member) from now on."""
-        if self.engine.adopt(handle):  # (a connection is up, or opened and not taken yet: it goes out then)
-            self.engine.restore_one(handle.bin)
-            if self.wire is not None:
-                self.wire.send(self.engine.take_outbox())
+        self.engine.adopt(handle)
+        # What the engine asks to send goes out now, or when an opened connection is taken.
+        if self.wire is not None and self.engine.outbox:
+            self.wire.send(self.engine.take_outbox())
 
     def stop_listening(self, handle):
         """``(command, fields)`` of the call that ends ``handle`` (:meth:`Engine.stop_listening`)."""

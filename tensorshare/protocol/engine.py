@@ -203,6 +203,11 @@ class Engine:
         self.ever_ready = False
         self._reset()
 
+    def use_sinks(self, sinks: Callable) -> None:
+        """Let payloads land where ``sinks(header, nbytes)`` says, from the next frame on
+        (this connection's decoder and the next ones')."""
+        self.sinks = self.decoder.sink_factory = sinks
+
     def _reset(self) -> None:
         self.handshake = Handshake(self.token, next_request_id)
         self.decoder = FrameDecoder(self.sinks, self.limits)
@@ -409,13 +414,14 @@ class Engine:
             return None
         return (UNLISTEN, {Key.BIN: handle.bin}) if last else (NOOP, None)
 
-    def adopt(self, handle) -> bool:
-        """Listen with ``handle`` (moved here from another connection's engine) from the
-        next opening on, or now: True when its bin is new here and a connection is up
-        (the driver then sends :meth:`restore_one`)."""
+    def adopt(self, handle) -> None:
+        """Listen with ``handle`` (moved here from another connection's engine): at once
+        when its bin is new here and a connection is up (a LISTEN waits in
+        :attr:`outbox`, its answer a :class:`Restored`), else from the next opening on."""
         first = handle.bin not in self.listens
         self.listens.add(handle)
-        return first and self.ready
+        if first and self.ready:
+            self._listen_again(handle.bin)
 
     def _listen_answered(self, call: Call) -> Any:
         """A call that carries a listen handle was answered: the event to report (None: none)."""
@@ -434,9 +440,9 @@ class Engine:
 
     def _restore(self) -> None:
         for name in self.listens.names():
-            self.restore_one(name)
+            self._listen_again(name)
 
-    def restore_one(self, name: str) -> None:
+    def _listen_again(self, name: str) -> None:
         """Listen to ``name`` again (its handles hear a :class:`Restored`)."""
         fields = {Key.BIN: name}
         if self.listens.first_append_only(name):

@@ -11,6 +11,7 @@ imports it.
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Any
 
 from ..errors import ProtocolError
@@ -25,6 +26,16 @@ def item_table(header: dict, payload_len: int) -> list[tuple[Any, int, Any]]:
     if not (isinstance(blobs, list) and isinstance(sizes, list) and len(blobs) == len(sizes)):
         raise ProtocolError("items reply needs equally long 'items' and 'sizes' lists")
     refs = header.get(Key.REFS)
+    if refs is None and Key.CUDA not in header:  # every item in the payload, the usual reply: checked in one loop
+        total = 0
+        for size in sizes:
+            if type(size) is not int or size < 0:
+                total = -1
+                break
+            total += size
+        if total != payload_len:
+            raise ProtocolError(f"item sizes {sizes!r} do not add up to the payload's {payload_len} bytes")
+        return list(zip(blobs, sizes, repeat(None)))
     if refs is None:
         refs = [None] * len(sizes)
     elif not (isinstance(refs, list) and len(refs) == len(sizes)):

@@ -77,7 +77,7 @@ def _packb(obj: Any) -> bytes:
         raise EncodeError(f"str values and keys must be valid Unicode text: {exc}") from None
 
 
-@dataclass
+@dataclass(slots=True)  # (one per value sent: no __dict__ to make for each)
 class Encoded:
     """An encoded value: its description and the buffers of its payload, in order."""
 

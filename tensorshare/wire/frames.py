@@ -135,14 +135,13 @@ def _head_of_3(pack: Callable, slow: Callable, a: bytes, b: bytes, c: bytes) -> 
 _TEMPLATE_ARITY: dict[int, Callable[..., Callable[..., bytes]]] = {1: _head_of_1, 2: _head_of_2, 3: _head_of_3}
 
 
-@dataclass
+@dataclass(slots=True)  # (one per frame received: no __dict__ to make for each)
 class Frame:
     """One decoded frame: its header map and its payload as the sink produced it."""
 
     header: dict
     payload: Any
     payload_len: int
-    origin: Any = None  # a client may note here the connection the frame arrived on
     # Why the request is refused whole (its header decoded to more than the limits
     # allow: :class:`CostlyHeader`); its header then holds only its op and id, and
     # its payload was read and dropped.
@@ -166,12 +165,23 @@ class CostlyHeader(ProtocolError):
 _NO_VIEW = memoryview(b"")
 
 
+def _payload_buffer(nbytes: int):
+    """:func:`~.build.payload_buffer`, imported on the first call, which puts it in this
+    name's place: an import statement run on every payload cost as much as a tenth of
+    a small reply's decoding (the server's decoder never gets here: no torch for it)."""
+    global _payload_buffer
+    from .build import payload_buffer
+
+    _payload_buffer = payload_buffer
+    return payload_buffer(nbytes)
+
+
 class BufferSink:
     """Receives a payload into one preallocated, aligned uint8 numpy array
     (:func:`~.codec.payload_buffer`), which the decoded arrays then view.
 
-    (The codec is imported here, not at module level: the server uses this module's
-    decoder with :class:`SegmentSink` only and never needs torch.)
+    (The array maker is imported on first use, not at module level: the server uses
+    this module's decoder with :class:`SegmentSink` only and never needs torch.)
     """
 
     _no_bytes = None  # shared empty array, made on first use
@@ -181,18 +191,14 @@ class BufferSink:
             self.array = array
             self._view = memoryview(array)
         elif nbytes:
-            from .codec import payload_buffer
-
-            self.array = payload_buffer(nbytes)
+            self.array = _payload_buffer(nbytes)
             self._view = memoryview(self.array)
         else:
             # Most replies carry no payload; allocating an empty array for each one
             # costs as much as the rest of decoding the reply.  One shared empty
             # array serves them all (it has no bytes to share).
             if BufferSink._no_bytes is None:
-                from .codec import payload_buffer
-
-                BufferSink._no_bytes = payload_buffer(0)
+                BufferSink._no_bytes = _payload_buffer(0)
             self.array = BufferSink._no_bytes
             self._view = _NO_VIEW
         self._filled = 0
@@ -359,7 +365,7 @@ class FrameDecoder:
         self._payload_len = 0
         self._remaining = 0
         self._sink: Any = None
-        self._scratch: bytearray | None = None  # made on the first get_buffer()
+        self._scratch: memoryview | None = None  # (of a bytearray) made on the first get_buffer()
         self._lent = False  # the last buffer handed out was the sink's own memory
         self._refused: str | None = None  # the frame being read is refused whole (CostlyHeader)
 
@@ -444,12 +450,16 @@ class FrameDecoder:
         memory itself (no copy: :meth:`lent_buffer`); otherwise a scratch buffer
         whose content :meth:`buffer_updated` feeds in.
         """
-        buf = self.lent_buffer()
-        if buf is not None:
-            return buf
-        if self._scratch is None:
-            self._scratch = bytearray(self.SCRATCH)
-        return memoryview(self._scratch)
+        if self._state == _PAYLOAD:
+            buf = self.lent_buffer()
+            if buf is not None:
+                return buf
+        else:  # (between payloads, the usual read of a small reply: no sink to ask)
+            self._lent = False
+        scratch = self._scratch
+        if scratch is None:
+            self._scratch = scratch = memoryview(bytearray(self.SCRATCH))
+        return scratch
 
     def lent_buffer(self) -> memoryview | None:
         """The memory of the payload's sink to read the next bytes into, or None when
@@ -479,7 +489,7 @@ class FrameDecoder:
             return frames
         if self._scratch is None:  # nothing was lent: only an error state gets here
             return self.feed(b"")
-        return self.feed(memoryview(self._scratch)[:n])
+        return self.feed(self._scratch[:n])
 
     # -- internals
 

@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from .blocks import Blocks, build_levels, in_memory
+from .blocks import Blocks, build_levels, each_chunk, in_memory
 
 INT_EMPTY = np.iinfo(np.int64).max
 BLOCK = 32  # slots under a leaf: the tree costs half a byte a row
@@ -64,18 +64,37 @@ class MinTree:
             a, b = int(tree[2 * node]), int(tree[2 * node + 1])
             tree[node] = a if b < 0 or (a >= 0 and order_one(a) <= order_one(b)) else b
 
-        self.layout.redo(tree, slots, self._block_best, batch, one)
+        self.layout.redo(tree, slots, self._block_best, pick, batch, one)
 
     def rebuild(self) -> None:
+        """Every node from the order of every slot (a table reopened from its files).
+        Each level is chosen from the one below with the values and ties of its
+        nodes' slots carried along (an array per level, halving): no look back at
+        the rows' state above the leaves."""
         layout, tree = self.layout, self.tree
         tree[:] = -1
-        for first, stop, slots in layout.chunks():
-            values, ties = self.order(slots)
-            values = layout.by_block(values, first, stop, self.empty)
-            ties = layout.by_block(ties, first, stop, INT_EMPTY)
-            tree[layout.leaves + first:layout.leaves + stop] = self._best(
-                values, ties, np.arange(first, stop, dtype=np.int64)[:, None] * layout.block + layout._offsets)
-        build_levels(tree, layout.leaves, self._pick)
+        values = np.full(layout.leaves, self.empty, np.result_type(self.empty))
+        ties = None if self.distinct else np.full(layout.leaves, INT_EMPTY, np.int64)
+
+        def leaves(first: int, stop: int, slots: slice) -> None:
+            best, values[first:stop], tie = self._run_best(first, stop, slots)
+            tree[layout.leaves + first:layout.leaves + stop] = best
+            if ties is not None:
+                ties[first:stop] = tie
+
+        each_chunk(layout, leaves)
+        level = layout.leaves
+        while level > 1:  # (as _pick: the left child unless the right one is smaller)
+            va, vb = values[0::2], values[1::2]
+            if ties is None:
+                left = va <= vb
+            else:
+                ta, tb = ties[0::2], ties[1::2]
+                left = (va < vb) | ((va == vb) & (ta <= tb))
+                ties = np.where(left, ta, tb)
+            tree[level // 2:level] = np.where(left, tree[level:2 * level:2], tree[level + 1:2 * level:2])
+            values = np.where(left, va, vb)
+            level //= 2
 
     def smallest(self, k: int) -> np.ndarray:
         """The (at most) ``k`` smallest non-empty slots, smallest first.
@@ -127,17 +146,31 @@ class MinTree:
 
     def _block_best(self, blocks: np.ndarray) -> np.ndarray:
         """The smallest slot of each of ``blocks`` (-1: all empty)."""
+        run = self.layout.run(blocks)
+        if run is not None:
+            return self._run_best(*run)[0]
         slots, valid = self.layout.slots_in(blocks)
         values, ties = self.order(slots)
-        return self._best(np.where(valid, values, self.empty), ties, slots)
+        return self._best(np.where(valid, values, self.empty), ties, blocks)[0]
 
-    def _best(self, values: np.ndarray, ties: np.ndarray, slots: np.ndarray) -> np.ndarray:
-        """Per row of ``[blocks, block]`` values, ties and slots: the smallest slot (-1: none)."""
-        rows = np.arange(slots.shape[0])
+    def _run_best(self, first: int, stop: int, slots: slice) -> tuple:
+        """:meth:`_best` of the consecutive blocks ``first`` to ``stop`` (``slots``: their
+        slots), from views of the state: no gathers."""
+        layout = self.layout
+        values, ties = self.order(slots)
+        return self._best(layout.by_block(values, first, stop, self.empty), layout.by_block(ties, first, stop, INT_EMPTY),
+                          np.arange(first, stop))
+
+    def _best(self, values: np.ndarray, ties: np.ndarray, blocks: np.ndarray) -> tuple:
+        """Per row of ``[blocks, block]`` values and ties of the slots of ``blocks``: the
+        smallest slot (-1: none), its value and its tie (``empty`` and ``INT_EMPTY``: none)."""
         if self.distinct:  # no two rows share a value (keys): the smallest value decides
             at = values.argmin(axis=1)
-            return np.where(values[rows, at] == self.empty, -1, slots[rows, at])
+            low = np.take_along_axis(values, at[:, None], axis=1)[:, 0]
+            return np.where(low == self.empty, -1, blocks * self.layout.block + at), low, low
         low = values.min(axis=1)
         ties = np.where(values == low[:, None], ties, INT_EMPTY)
-        best = slots[rows, ties.argmin(axis=1)]
-        return np.where(low == self.empty, -1, best)
+        at = ties.argmin(axis=1)
+        none = low == self.empty
+        tie = np.where(none, INT_EMPTY, np.take_along_axis(ties, at[:, None], axis=1)[:, 0])
+        return np.where(none, -1, blocks * self.layout.block + at), low, tie

@@ -15,7 +15,7 @@ from typing import Callable
 
 import numpy as np
 
-from .blocks import Blocks, build_levels, in_memory
+from .blocks import Blocks, build_levels, each_chunk, in_memory
 
 BLOCK = 64
 
@@ -46,9 +46,11 @@ class CountTree:
     def rebuild(self) -> None:
         layout, tree = self.layout, self.tree
         tree[:] = 0
-        for first, stop, slots in layout.chunks():
-            tree[layout.leaves + first:layout.leaves + stop] = np.count_nonzero(
-                layout.by_block(self.live(slots), first, stop, False), axis=1)
+
+        def leaves(first: int, stop: int, slots: slice) -> None:
+            tree[layout.leaves + first:layout.leaves + stop] = self._run_counts(first, stop, slots)
+
+        each_chunk(layout, leaves)
         build_levels(tree, layout.leaves, np.add)
 
     def find(self, ranks: np.ndarray, free: bool = False) -> np.ndarray:
@@ -93,5 +95,12 @@ class CountTree:
         return count
 
     def _counts(self, blocks: np.ndarray) -> np.ndarray:
+        run = self.layout.run(blocks)
+        if run is not None:
+            return self._run_counts(*run)
         slots, valid = self.layout.slots_in(blocks)
         return np.count_nonzero(valid & self.live(slots), axis=1)
+
+    def _run_counts(self, first: int, stop: int, slots: slice) -> np.ndarray:
+        """The rows of each of the consecutive blocks ``first`` to ``stop`` (``slots``: their slots)."""
+        return np.count_nonzero(self.layout.by_block(self.live(slots), first, stop, False), axis=1)

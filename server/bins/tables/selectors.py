@@ -29,7 +29,7 @@ import numpy as np
 from .errors import PriorityError, TableSpecError
 from .blocks import in_memory
 from .mintree import INT_EMPTY, MinTree
-from .slots import Slots
+from .slots import LIVE, Slots
 from .sumtree import SumTree
 
 SAMPLERS = ("uniform", "prioritized", "fifo", "lifo")
@@ -108,10 +108,20 @@ class OrderIndex(_Index):
         oldest = self.tree.first
         if oldest < 0 or k > state.size:
             return None
+        capacity = state.capacity
         steps = np.arange(k, dtype=np.int64)
-        slots = (oldest + steps) % state.capacity
-        seqs = state.key[slots] // state.capacity
-        if state.live(slots).all() and (seqs == seqs[0] + steps).all():
+        slots = oldest + steps
+        # key = seq * capacity + slot: one slot and one seq on, a key grows by capacity + 1
+        # (past the wrap, less capacity), compared with no division
+        expected = int(state.key[oldest]) + steps * (capacity + 1)
+        if oldest + k <= capacity:  # (no wrap: the slots' state as views)
+            at = slice(oldest, oldest + k)
+        else:
+            wrapped = slots >= capacity
+            slots[wrapped] -= capacity
+            expected[wrapped] -= capacity
+            at = slots
+        if state.live(at).all() and (state.key[at] == expected).all():
             return slots
         return None
 
@@ -148,9 +158,10 @@ class PrioritizedSampler(UniformSampler):
             return np.sqrt(priorities)
         return np.power(priorities, e)
 
-    def _slot_weights(self, slots: np.ndarray) -> np.ndarray:
+    def _slot_weights(self, pick) -> np.ndarray:
+        """The tree's weights of the slots ``pick`` selects (:class:`SumTree`)."""
         state = self.slots
-        return np.where(state.live(slots), self.weights(state.priority[slots]), 0.0)
+        return np.where((pick(state.flags) & LIVE).view(np.bool_), self.weights(pick(state.priority)), 0.0)
 
     def check_priorities(self, priorities: np.ndarray) -> None:
         """Refuse a weight past :attr:`SumTree.max_weight`: each is finite on its own,

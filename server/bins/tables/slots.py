@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import BadArgumentError, SlotIndexError, TableFullError, TableSpecError
-from .blocks import in_memory
+from .blocks import Blocks, each_chunk, in_memory
 from .occupancy import CountTree
 
 KEY_LIMIT = np.iinfo(np.int64).max
@@ -212,21 +212,21 @@ class Slots:
     def restore(self) -> None:
         """Take the state found in the arrays (a table reopened from its files): every
         slot with a key is live again (a row a killed server was removing included),
-        and the keys go on after the newest.  A piece at a time: no temporary of the
-        table's size."""
-        size, newest = 0, -1
-        for first in range(0, self.capacity, RESTORE_CHUNK):
-            key = np.asarray(self.key[first:first + RESTORE_CHUNK])
+        and the keys go on after the newest.  A piece at a time (a few at once): no
+        temporary of the table's size."""
+        def piece(first: int, stop: int, part: slice) -> tuple[int, int]:
+            key = np.asarray(self.key[part])
             has_key = key >= 0
-            flags = self.flags[first:first + RESTORE_CHUNK]
+            flags = self.flags[part]
             fixed = np.where(has_key, flags | LIVE, flags & ~LIVE)
             if (fixed != flags).any():  # (a clean table's flags are right: its pages stay clean)
                 flags[:] = fixed
             held = int(np.count_nonzero(has_key))
-            if held:
-                size += held
-                newest = max(newest, int(key.max()))
-        self.size = size
+            return held, int(key.max()) if held else -1
+
+        pieces = each_chunk(Blocks(self.capacity, 1), piece)
+        self.size = sum(held for held, _ in pieces)
+        newest = max(newest for _, newest in pieces)
         self.next_seq = newest // self.capacity + 1 if newest >= 0 else 0
         head = np.asarray(self.key[:1 << 16])  # (a look at the first slots' keys: each names its own slot)
         if ((head % self.capacity) != np.arange(head.size))[head >= 0].any():

@@ -20,6 +20,7 @@ a caller holding parked requests re-asks only after it moved.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -397,10 +398,12 @@ class Table:
         slots = self._slots.find(keys)
         found = slots >= 0
         slots, priorities = slots[found], priorities[found]
-        if slots.size > 1:
-            _, last = np.unique(slots[::-1], return_index=True)
-            last = slots.size - 1 - last
-            slots, priorities = slots[last], priorities[last]
+        if slots.size > 1:  # sorted (the trees' blocks come in order), the last of each slot kept
+            order = np.argsort(slots, kind="stable")
+            slots = slots[order]
+            last = np.ones(slots.size, bool)
+            np.not_equal(slots[1:], slots[:-1], out=last[:-1])
+            slots, priorities = slots[last], priorities[order[last]]
         if slots.size:
             self._slots.priority[slots] = priorities
             for index in self._indexes:
@@ -480,9 +483,11 @@ class Table:
         it.  The counters start again (``inserts`` = the rows held) and the rate
         limiter's balance with them, as after :meth:`set_limits`."""
         state = self._slots
-        state.restore()
-        for index in self._indexes:
-            index.rebuild()
+        scanning = getattr(self._backing, "scanning", contextlib.nullcontext)
+        with scanning():
+            state.restore()
+            for index in self._indexes:
+                index.rebuild()
         self.inserts = state.size
         if self.max_times_sampled:
             self._allowance = state.allowance(self.max_times_sampled)
