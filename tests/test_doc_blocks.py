@@ -22,6 +22,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -143,15 +144,18 @@ def world(tmp_path_factory):
     command = [str(BIN / "tensorshare-server")]
     server = ServerProcess("--metrics-port", "0", command=command)
     metrics = int(re.search(r":(\d+)/", server.proc.stdout.readline()).group(1))
-    started = [server]
-    try:
-        started.append(ServerProcess("--follow", f"127.0.0.1:{server.port}", command=command))
-        for host in ("127.0.0.2", "127.0.0.3"):
-            started.append(ServerProcess("--host", host, port=server.port, command=command))
-    except BaseException:
+    # The relay and the two shards start side by side (each start is mostly the
+    # interpreter's imports); the relay stays second in ``started``.
+    others = [("--follow", f"127.0.0.1:{server.port}"), ("--host", "127.0.0.2"), ("--host", "127.0.0.3")]
+    with ThreadPoolExecutor(len(others)) as pool:
+        starts = [pool.submit(ServerProcess, *args, port=0 if args[0] == "--follow" else server.port,
+                              command=command) for args in others]
+    started = [server] + [f.result() for f in starts if f.exception() is None]
+    failed = next((f.exception() for f in starts if f.exception() is not None), None)
+    if failed is not None:
         for proc in started:
             proc.stop()
-        raise
+        raise failed
     work = root / "work"
     work.mkdir()
     yield {"ports": {"server": server.port, "relay": started[1].port, "metrics": metrics}, "paths": paths,

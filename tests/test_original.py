@@ -40,11 +40,13 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def run_unchanged(*scripts: str, timeout: float, services: int = 0) -> list[subprocess.CompletedProcess]:
+def run_unchanged(*scripts: str, timeout: float, services: int = 0, pauses: float = 1.0) -> list[subprocess.CompletedProcess]:
     """Run the example ``scripts`` (started in order, a second apart) where port 8000
     is free; the first ``services`` of them (servers that run until stopped) are
-    stopped once the others have ended.  Their results, in order."""
-    commands = [f"{sys.executable} {EXAMPLES / name}" for name in scripts]
+    stopped once the others have ended.  ``pauses`` scales the scripts' own
+    ``sleep`` calls (their ``--pauses``).  Their results, in order."""
+    commands = [f"{sys.executable} {EXAMPLES / name}" + (f" --pauses {pauses:g}" if pauses != 1.0 else "")
+                for name in scripts]
     outs = [f"/tmp/out-{os.getpid()}-{i}" for i in range(len(scripts))]
     steps = " ".join(f"({c} > {o}.out 2> {o}.err; echo $? > {o}.rc) & p{i}=$!; sleep 1;"
                      for i, (c, o) in enumerate(zip(commands, outs)))
@@ -86,7 +88,9 @@ def test_readme_client_walk_through_runs_unchanged():
 
 
 def test_rl_trainer_hosting_the_server_and_rl_worker_run_unchanged():
-    trainer, worker = run_unchanged("original_rl_trainer.py", "original_rl_worker.py", timeout=170)
+    # As written, the worker's 0.2 s between rollouts make the trainer's 10 batches
+    # of 16 take 40 s; a tenth of each pause runs the same calls in order.
+    trainer, worker = run_unchanged("original_rl_trainer.py", "original_rl_worker.py", timeout=170, pauses=0.1)
     assert trainer.returncode == 0, trainer.stderr[-3000:]
     assert "Iteration 9 Loss:" in trainer.stdout
     # The worker runs until its trainer, which hosts the server, is gone; then it stops.
