@@ -2,6 +2,7 @@
 
 import glob
 import os
+import signal
 
 import pytest
 
@@ -24,6 +25,13 @@ def no_shared_memory_left():
 # Servers and clients fall back to this variable for their token: a developer's
 # own must not turn authentication on for every test (the tests that want it set it).
 os.environ.pop("TENSORSHARE_TOKEN", None)
+
+# A run started in the background of a non-interactive shell inherits SIGINT ignored,
+# and so would every process the tests start: the tests of Ctrl-C (a server's clean
+# stop, an interrupted wait) then wait out their time limits and fail.  Python's own
+# handler here means a default one in every child after exec.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 # Fixtures that start server processes: tests using them are marked ``process``
