@@ -1,8 +1,8 @@
 """``run_smoke()``: every section of the suite at tiny sizes, one run each, for the test suite.
 
 It exercises the same code paths as ``--profile quick`` (server and worker
-processes, peers when installed, goals, the Markdown report) in well under a
-minute, and returns the results dict; figures from it mean nothing.  It writes
+processes, peers when installed, goals, the Markdown report) in a minute or two
+on 2 cores, and returns the results dict; figures from it mean nothing.  It writes
 files only when given ``out_dir``.
 """
 
