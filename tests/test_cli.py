@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 import tensorshare
+from tensorshare.cli import main as cli_main
 from opsproc import OpsServer
 from serverproc import ServerProcess
 
@@ -18,11 +22,36 @@ TOKEN = "cli-token-0c9f3b2e7d614a58"
 pytestmark = pytest.mark.process
 
 
-def cli(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+@dataclass
+class Ran:
+    """What a command printed and its exit status."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def cli(*args: str, env: dict | None = None) -> Ran:
+    """``tensorshare ARGS``, run in this process as ``python -m tensorshare.cli`` runs it
+    (``cli.main``), with ``env`` added to a copy of the environment without a token: a
+    new process per command cost each test a second and a half of importing torch.
+    The entry points themselves run as processes below (``--version``, ``watch | head``)."""
     environment = {k: v for k, v in os.environ.items() if k != "TENSORSHARE_TOKEN"}
     environment.update(env or {})
-    return subprocess.run([sys.executable, "-m", "tensorshare.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=environment)
+    saved = dict(os.environ)
+    out, err = io.StringIO(), io.StringIO()
+    os.environ.clear()
+    os.environ.update(environment)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = cli_main(list(args))
+            except SystemExit as exc:  # (argparse: a usage error, --help)
+                code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return Ran(code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")
