@@ -20,15 +20,14 @@ import argparse
 import collections
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 
-_LISTENING = re.compile(rb"listening on ([^\s:]+|\[[^\]]+\]):(\d+)")
-_WARMUP = 150
+from .request_cost import _LISTENING, _drive
+
 
 # Run in the server's process: the server, with a tracer that SIGUSR1 starts and, the
 # second time, stops, writing its counts to the file named by the environment.
@@ -68,10 +67,11 @@ _SERVERS = {
 
 def counts(server: str, count: int, size: int = 1024) -> tuple[dict, dict]:
     """``(bytecodes, calls)`` per function ``(file, line, name)`` over ``count``
-    mixed requests after a warm-up."""
-    import torch
+    mixed requests after a warm-up (:func:`benchmarks.request_cost._drive`'s)."""
 
-    from tensorshare import Client
+    def mark() -> None:  # the tracer starts, and then stops and writes its counts
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(0.5)
 
     with tempfile.TemporaryDirectory(prefix="request-bytecodes-") as tmp:
         out = os.path.join(tmp, "counts.json")
@@ -82,21 +82,11 @@ def counts(server: str, count: int, size: int = 1024) -> tuple[dict, dict]:
             match = _LISTENING.search(proc.stdout.readline())
             if not match:
                 raise RuntimeError("the server did not start")
-            value = torch.ones(size // 4)
-            with Client("127.0.0.1", int(match.group(2)), timeout=600) as client:
-                ops = (lambda: client.put("cost", value), lambda: client.append("cost", value),
-                       lambda: client.get("cost"))
-                for i in range(_WARMUP):
-                    ops[i % 3]()
-                proc.send_signal(signal.SIGUSR1)
-                time.sleep(0.5)
-                for i in range(count):
-                    ops[i % 3]()
-                proc.send_signal(signal.SIGUSR1)
-                for _ in range(600):
-                    if os.path.exists(out) and os.path.getsize(out):
-                        break
-                    time.sleep(0.1)
+            _drive(int(match.group(2)), count, size, mark)
+            for _ in range(600):
+                if os.path.exists(out) and os.path.getsize(out):
+                    break
+                time.sleep(0.1)
             time.sleep(0.5)  # (the file is complete once the server has closed it)
             with open(out) as f:
                 found = json.load(f)

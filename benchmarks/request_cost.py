@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable
 
 _LISTENING = re.compile(rb"listening on ([^\s:]+|\[[^\]]+\]):(\d+)")
 _COLLECTED = re.compile(r"Collected : (\d+)")
@@ -41,8 +42,9 @@ _SERVERS = {"ts": ("-c", _QUIET_CLOCK, "--host", "127.0.0.1", "--port", "0", "--
 _WARMUP = 150  # requests before the counted ones (caches, the first put of the bin)
 
 
-def _drive(port: int, count: int, size: int) -> None:
-    """``_WARMUP + count`` mixed requests (put, append, get in turn) through a real Client."""
+def _drive(port: int, count: int, size: int, mark: Callable[[], None] | None = None) -> None:
+    """``_WARMUP + count`` mixed requests (put, append, get in turn) through a real Client;
+    ``mark()`` (if given) after the warm-up and again after the counted requests."""
     import torch
 
     from tensorshare import Client
@@ -51,7 +53,11 @@ def _drive(port: int, count: int, size: int) -> None:
     with Client("127.0.0.1", port, timeout=600) as client:
         ops = (lambda: client.put("cost", value), lambda: client.append("cost", value), lambda: client.get("cost"))
         for i in range(_WARMUP + count):
+            if i == _WARMUP and mark is not None:
+                mark()
             ops[i % 3]()
+        if mark is not None:
+            mark()
 
 
 def _callgrind(tmp: str, args: list) -> list:

@@ -104,7 +104,6 @@ class ServerSession:
         if self.login is not None:
             frame_limits = login.Login.frame_limits(frame_limits)
         self._decoder: FrameDecoder | None = FrameDecoder(self._payload_sink, frame_limits)
-        self._between_frames = True  # the decoder holds no partial frame (its ``idle``, after each feed)
         # The config's limits are properties that build a new object per access.
         self.decode_limits = state.config.decode_limits
         self._max_bin_name = state.config.max_bin_name
@@ -162,7 +161,7 @@ class ServerSession:
         self.timing.heard = True
         self.stats.bytes_in += len(data)
         decoder = self._decoder
-        if self._between_frames and self.login is None and self.stream is None and self.storage.room():
+        if self.login is None and decoder.idle and self.stream is None and self.storage.room():
             # The usual read: whole small requests, each parsed in one step here
             # (frames.whole_frames); the decoder takes whatever follows them.
             whole, end = whole_frames(data, decoder.limits)
@@ -173,7 +172,6 @@ class ServerSession:
                 data = memoryview(data)[end:]
         try:
             frames = decoder.feed(data)
-            self._between_frames = decoder.idle
         except ProtocolError as exc:
             frames = getattr(exc, "frames", [])  # whole requests before the bad bytes
             if self.authenticated:
@@ -197,10 +195,7 @@ class ServerSession:
         :meth:`data_received`."""
         self.timing.heard = True
         self.stats.bytes_in += n
-        decoder = self._decoder
-        frames = decoder.buffer_updated(n)
-        self._between_frames = decoder.idle
-        self._take(frames)
+        self._take(self._decoder.buffer_updated(n))
         return self._receiving_payload()
 
     def _receiving_payload(self) -> int:
