@@ -12,7 +12,6 @@ Goal: under 3% cost.
 
 from __future__ import annotations
 
-import socket
 import threading
 import urllib.request
 
@@ -25,12 +24,6 @@ from .profiles import Profile
 from .record import Recorder
 from .small_ops import _callback_rates, _latency_figures
 from .stats import LatencyRuns, Sample, interleaved_latency_runs
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Scraper:
@@ -70,10 +63,11 @@ def _round(p: Profile, first: str, runs: int, pipe_runs: int, warm: bool) -> tup
     clients: list = []
     scraper = None
     try:
-        metrics_port = _free_port()
+        # --metrics-port 0: a port picked here and freed could go to the other server's
+        # --port 0 before this one binds it.
         for name in (first, "on" if first == "off" else "off"):
-            servers[name] = Server("--metrics-port", str(metrics_port)) if name == "on" else Server()
-        scraper = Scraper(metrics_port)
+            servers[name] = Server("--metrics-port", "0") if name == "on" else Server()
+        scraper = Scraper(servers["on"].metrics_port)
         calls = {}
         for name in ("off", "on"):
             client = Client("127.0.0.1", servers[name].port, timeout=p.client_timeout_s)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent  # the project root: `benchmarks` imports from here
 _LISTENING = re.compile(rb"listening on ([\d.]+):(\d+)")
+_STATUS_PAGE = re.compile(rb"status page http://[^:]+:(\d+)/")
 
 _children: set[subprocess.Popen] = set()
 _lock = threading.Lock()
@@ -198,13 +199,16 @@ class Server:
         self._errfile = tempfile.NamedTemporaryFile(prefix="tensorshare-bench-server-", suffix=".log", delete=False)
         cmd = [sys.executable, *self.command, *args]
         self.proc = spawn(cmd, stdout=subprocess.PIPE, stderr=self._errfile, stdin=subprocess.DEVNULL)
-        line = _read_line(self.proc, start_timeout)
-        match = _LISTENING.search(line)
-        if not match:
+        # With --metrics-port 0 the status page's port comes on a later line.
+        pattern = _STATUS_PAGE if "--metrics-port" in args else _LISTENING
+        line = _read_line(self.proc, start_timeout, pattern)
+        match, page = _LISTENING.search(line), pattern.search(line)
+        if not match or not page:
             err = _tail(self._errfile.name)
             self.stop()
             raise ChildError(f"server did not start: {line!r} {err}")
         self.port = int(match.group(2))
+        self.metrics_port = int(page.group(1)) if pattern is _STATUS_PAGE else None
         self.pid = self.proc.pid
 
     def rss(self) -> int:
@@ -243,12 +247,13 @@ class FloorServer(Server):
     command = ("-m", "benchmarks.floor_server")
 
 
-def _read_line(proc: subprocess.Popen, timeout: float) -> bytes:
-    """The first line ``proc`` writes to stdout (binary pipe), within ``timeout`` s."""
+def _read_line(proc: subprocess.Popen, timeout: float, until: re.Pattern = re.compile(rb"\n")) -> bytes:
+    """What ``proc`` writes to stdout (binary pipe) up to its first line, or until
+    ``until`` matches, within ``timeout`` s."""
     deadline = time.monotonic() + timeout
     fd = proc.stdout.fileno()
     data = b""
-    while b"\n" not in data:
+    while not until.search(data):
         left = deadline - time.monotonic()
         if left <= 0 or proc.poll() is not None and not select.select([fd], [], [], 0)[0]:
             break
