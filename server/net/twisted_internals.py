@@ -2,7 +2,7 @@
 
 The server goes past Twisted's public API in three places, each for speed:
 
-* **Direct sends** (``server/net/writer.py``): a small reply is sent with one
+* **Direct sends** (``server/net/writer.py``, :func:`send_now`): a small reply is sent with one
   ``send()`` on the socket when the transport holds nothing unsent, instead of
   waiting a reactor turn for ``transport.write``; a large stored chunk is sent from
   its own memory, since ``transport.write`` takes only ``bytes``.  That needs to
@@ -133,6 +133,24 @@ def transport_idle(transport) -> bool:
     t = transport
     return (t.connected and not t.disconnecting and not getattr(t, "_aborting", False)
             and not t._tempDataBuffer and t.offset == len(t.dataBuffer))
+
+
+def send_now(transport, sock, data: bytes) -> None:
+    """Send ``data`` with one ``send()`` on ``sock`` (:func:`direct_socket`'s) when
+    the transport holds no unsent bytes (:func:`transport_idle`, inline: one call per
+    small reply); Twisted's buffer takes what the kernel does not, or all of it after
+    bytes it still holds, so order is kept."""
+    t = transport
+    if (t.connected and not t.disconnecting and not getattr(t, "_aborting", False)
+            and not t._tempDataBuffer and t.offset == len(t.dataBuffer)):
+        try:
+            sent = sock.send(data)
+        except OSError:  # EAGAIN, or a dead socket: Twisted's own write path deals with it
+            sent = 0
+        if sent < len(data):
+            t.write(data[sent:])
+    else:
+        t.write(data)
 
 
 def wake_when_writable(transport) -> None:

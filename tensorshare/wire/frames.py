@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import struct
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import msgpack
@@ -50,8 +50,15 @@ class FrameLimits:
     # bytes of objects per byte is refused (None: not measured).  For servers, which
     # may keep a decoded request waiting while its connection is congested.
     header_memory: int | None = None
+    # (longest header, most bytes) of a frame whole_frames parses, from the above
+    whole: tuple[int, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        # (larger headers are measured: the decoder's job)
+        object.__setattr__(self, "whole", (min(self.max_header, FREE_CONTAINERS), min(SMALL_FRAME, self.max_payload)))
 
 
+SMALL_FRAME = 64 << 10  # most bytes (prefix, header, payload) of a frame :func:`whole_frames` parses
 DEFAULT_FRAME_LIMITS = FrameLimits()
 
 
@@ -300,17 +307,13 @@ def discard_sink(header: dict, nbytes: int) -> DiscardSink:
 
 # ---------------------------------------------------------------- whole small frames
 
-SMALL_FRAME = 64 << 10  # most bytes (prefix, header, payload) of a frame :func:`whole_frames` parses
-
-
-def whole_frames(data: bytes, limits: FrameLimits = DEFAULT_FRAME_LIMITS,
-                 most: int = SMALL_FRAME) -> tuple[list[tuple[dict, bytes, int]], int]:
+def whole_frames(data: bytes, limits: FrameLimits = DEFAULT_FRAME_LIMITS) -> tuple[list[tuple[dict, bytes, int]], int]:
     """The whole small frames at the start of ``data`` (a read), each parsed in one
     step where it arrives, prefix and header together: ``([(header, payload,
     payload_len), ...], end)``, the payload a ``bytes`` slice of ``data``.
 
     It stops at ``end``, the first frame that is not whole in ``data``, is over
-    ``most`` bytes, has a header longer than :data:`FREE_CONTAINERS` bytes or is
+    :data:`SMALL_FRAME` bytes, has a header longer than :data:`FREE_CONTAINERS` bytes or is
     not a plain, well-formed frame within ``limits``: :class:`FrameDecoder` takes
     the rest (and refuses what is wrong, with its reasons).  A frame it returns
     is one that decoder would return with the same header, and its payload is the
@@ -318,9 +321,7 @@ def whole_frames(data: bytes, limits: FrameLimits = DEFAULT_FRAME_LIMITS,
     """
     found = []
     pos, end = 0, len(data)
-    max_header = min(limits.max_header, FREE_CONTAINERS)  # (larger headers are measured: the decoder's job)
-    if most > limits.max_payload:
-        most = limits.max_payload
+    max_header, most = limits.whole
     while end - pos >= PREFIX_SIZE:
         first, header_len, payload_len = _START_LENGTHS.unpack_from(data, pos)
         start = pos + PREFIX_SIZE
