@@ -235,7 +235,9 @@ class ReceivingServer(tcp.Server):
         if lend is None or more is None:
             return super().doRead()
         protocol, sock = self.protocol, self.socket
-        for _ in range(READS_PER_EVENT):
+        left = READS_PER_EVENT  # (a count, not a range(): the usual event reads once)
+        while left:
+            left -= 1
             # Between frames (the usual read: whole small requests) nothing is lent.
             buf = lend() if protocol.receiving else None
             try:
