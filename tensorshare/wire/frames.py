@@ -35,7 +35,6 @@ VERSION = 1
 PREFIX = struct.Struct("<4sBBHIQ")
 PREFIX_SIZE = PREFIX.size  # 20
 _PLAIN_START = PREFIX.pack(MAGIC, VERSION, 0, 0, 0, 0)[:8]  # magic, version, no flags, reserved 0
-_LENGTHS = struct.Struct("<IQ")  # header_len, payload_len: the prefix's last 12 bytes
 _START_LENGTHS = struct.Struct("<8sIQ")  # the prefix: its first 8 bytes, header_len, payload_len
 
 
@@ -395,14 +394,15 @@ class FrameDecoder:
         self._lent = False  # a buffer lent before and not used is not accounted for
         frames: list[Frame] = []
         pos, end = 0, len(data)
+        view = data if type(data) is memoryview else memoryview(data)  # (slices of it copy nothing)
         try:
             while pos < end:
                 if self._state == _HEADER:
                     if not self._pending and end - pos >= PREFIX_SIZE:
                         # Fast path (a read holding whole prefixes, the usual case):
                         # parse in place instead of gathering into _pending first.
-                        if data[pos : pos + 8] == _PLAIN_START:
-                            header_len, payload_len = _LENGTHS.unpack_from(data, pos + 8)
+                        first, header_len, payload_len = _START_LENGTHS.unpack_from(data, pos)
+                        if first == _PLAIN_START:
                             limits = self.limits
                             if not 0 < header_len <= limits.max_header or payload_len > limits.max_payload:
                                 self._check_prefix(PREFIX.unpack_from(data, pos))  # raises
@@ -416,9 +416,9 @@ class FrameDecoder:
                             self._need = PREFIX_SIZE + header_len
                             pos = end
                         elif payload_len:
-                            self._start_payload(self._header_of(memoryview(data)[start:pos]), frames)
+                            self._start_payload(self._header_of(view[start:pos]), frames)
                         else:  # no payload (most replies and many requests): done here
-                            header = self._header_of(memoryview(data)[start:pos])
+                            header = self._header_of(view[start:pos])
                             if self._refused is None:
                                 frames.append(Frame(header, self.sink_factory(header, 0).finish(), 0))
                             else:
@@ -433,7 +433,7 @@ class FrameDecoder:
                 else:
                     take = min(self._remaining, end - pos)
                     whole = take == end and pos == 0
-                    self._sink.write(data if whole else memoryview(data)[pos : pos + take])
+                    self._sink.write(data if whole else view[pos : pos + take])
                     pos += take
                     self._remaining -= take
                     if not self._remaining:
