@@ -32,6 +32,7 @@ from ._client.routing import finish
 from ._client.sockets import open_link
 from ._client.spin import DEFAULT_LIMIT as DEFAULT_SPIN
 from ._client.table_copy import TableCopies
+from ._client.unawaited import Unawaited
 from ._client.values import Call, Values, merged_result, same_reply
 from .errors import (
     ConnectionLostError, ProtocolError, TensorShareError, UsageError, WrongServerError, WrongWorkerError,
@@ -138,6 +139,7 @@ class Client(TableCopies, ClientMethods):
         self._lock = threading.Lock()  # the dispatcher's making, and a new map's
         self._dispatcher: Dispatcher | None = None
         self._closed = False
+        self._unawaited = Unawaited()
         link = open_link(host, port, settings.connect_timeout, settings.tls, settings.ssl_context,
                          settings.engine(port))
         try:
@@ -320,6 +322,14 @@ class Client(TableCopies, ClientMethods):
                        member=member)
         return self._call(command, fields, value, timeout=timeout, then=then, on_error=on_error, decode=decode,
                           member=members[-1])
+
+    def _send_unawaited(self, command: Command, fields: dict, timeout) -> None:
+        if self._closed:
+            raise UsageError("the client is closed")
+        self._unawaited.send(self, command, fields, self._deadline(timeout))
+
+    def _settle_unawaited(self, timeout) -> None:
+        self._unawaited.settle(self, self._deadline(timeout))
 
     def _done(self, value: Any) -> Any:
         return value

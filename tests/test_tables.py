@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tensorshare
-from tensorshare.errors import BadNameError, BadRequestError, BusyError
+from tensorshare.errors import BadNameError, BadRequestError, BusyError, NoSuchBinError
 
 import table_procs
 
@@ -65,6 +65,37 @@ def test_bad_input_gets_clear_errors_and_the_server_goes_on(client):
     with pytest.raises(BadNameError):
         client.create_table("plain-bin", 10)
     assert client.ping() < 5
+
+
+def test_priority_updates_sent_without_waiting_apply_before_the_next_sample(client):
+    """A learner's loop: update_priorities(wait=False) returns at once, the server
+    applies it before the sample sent after it, and the sample's call reads its
+    reply on the way (no thread is started for it)."""
+    client.create_table("learn", 8, {"x": ((), torch.int64)}, sampler="prioritized")
+    keys = client.insert("learn", {"x": torch.arange(4)}, priorities=torch.ones(4))
+    for chosen in (3, 0, 2):
+        only = torch.zeros(4)
+        only[chosen] = 1.0
+        assert client.update_priorities("learn", keys, only, wait=False) is None
+        assert client.sample("learn", 64).value["x"].tolist() == [chosen] * 64
+    assert client.router.home.reader.thread is None and client._dispatcher is None
+    client.flush()
+    assert client.table_info("learn", slots=0)["slots"]["priorities"].tolist() == [0.0, 0.0, 1.0, 0.0]
+
+
+def test_an_update_sent_without_waiting_raises_its_error_on_the_next_update_or_flush(client):
+    client.create_table("learn", 8, {"x": ((), torch.int64)}, sampler="prioritized")
+    keys = client.insert("learn", {"x": torch.arange(4)})
+    assert client.update_priorities("nosuch", keys, torch.ones(4), wait=False) is None
+    assert len(client.sample("learn", 4)) == 4  # (another call goes on: it read that reply on the way)
+    with pytest.raises(NoSuchBinError, match="nosuch"):
+        client.update_priorities("learn", keys, torch.ones(4), wait=False)
+    client.flush()  # that one was sent and succeeded: nothing to raise, and no error raised twice
+    client.update_priorities("learn", keys, torch.tensor([1.0, -1.0, 1.0, 1.0]), wait=False)
+    with pytest.raises(BadRequestError, match="priority"):
+        client.flush()
+    client.flush()
+    assert client.update_priorities("learn", keys, torch.full((4,), 2.0)) == 4  # the connection goes on
 
 
 def test_a_sample_waits_for_rows_and_times_out_clearly(server):

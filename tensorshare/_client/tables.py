@@ -164,6 +164,14 @@ def _rows_value(reply) -> Any:
 class TableMethods:
     """Replay buffers and datasets held by the server (see the module docstring)."""
 
+    _unawaited: Any = ()  # requests sent without waiting (the blocking Client's: _client/unawaited.py)
+
+    def _send_unawaited(self, command, fields: dict, timeout: Timeout) -> None:
+        raise UsageError("wait=False is for the blocking Client (an AsyncClient's call returns a Deferred at once)")
+
+    def _settle_unawaited(self, timeout: Timeout) -> None:
+        pass
+
     @verb
     def create_table(self, name: str, capacity: int, columns: dict[str, Any] | None = None, *,
                      sampler: str = "uniform",
@@ -275,11 +283,22 @@ class TableMethods:
                           **({} if device is None else {"device": device}))
 
     @verb
-    def update_priorities(self, name: str, keys: Any, priorities: Any, *, timeout: Timeout = DEFAULT) -> int:
+    def update_priorities(self, name: str, keys: Any, priorities: Any, *, timeout: Timeout = DEFAULT,
+                          wait: bool = True) -> int | None:
         """Set the priorities of the rows ``keys`` (from :meth:`insert` or a sample);
-        rows that left meanwhile are skipped.  Returns how many were updated."""
+        rows that left meanwhile are skipped.  Returns how many were updated.
+
+        ``wait=False`` (the blocking :class:`~tensorshare.Client`): send it and return
+        None at once, as a learner's loop wants: the next call on the connection
+        reads its reply on the way (no round trip of its own), and the server applies
+        it before anything sent after it.  Its error, if any, is raised by the next
+        ``update_priorities`` or :meth:`flush` (``_client/unawaited.py``)."""
+        if self._unawaited:  # the outcome of those sent without waiting, first
+            self._settle_unawaited(timeout)
         fields = {Key.BIN: name, TableKey.KEYS: _int64_bytes(keys, "keys"),
                   TableKey.PRIORITIES: _float64_bytes(priorities, "priorities")}
+        if not wait:
+            return self._send_unawaited(TPRIORITY, fields, timeout)
         return self._call(TPRIORITY, fields, timeout=timeout)
 
     @verb
