@@ -204,16 +204,37 @@ class Member:
     def send(self, call, parts: list, deadline: float | None) -> None:
         """Send ``call`` and return without its reply: :meth:`wait_for` reads it later,
         unless a call made meanwhile read it first (replies come in request order, so
-        the next call on this connection does).  No thread is started for it."""
+        the next call on this connection does).  No thread is started for it.
+
+        A small frame on plain TCP is held back by the kernel until the next request
+        goes (at most 0.2 s): the two leave in one segment, so the server wakes once
+        for both and answers both with one send."""
         now = time.monotonic()
         link = self._link_for(now, deadline)
         with self.lock:
             self.engine.track(call, now)
         try:
-            self._send(link, parts, deadline, call.rid)
+            if (link.tls or len(parts) != 1 or len(parts[0]) > SMALL_FRAME
+                    or not self._send_more(link, parts[0], deadline, call.rid)):
+                self._send(link, parts, deadline, call.rid)
         except BaseException as exc:
             self._gave_up(call, link, exc)
             raise
+
+    def _send_more(self, link: Link, data: bytes, deadline: float | None, rid: int) -> bool:
+        """Send request ``rid``'s frame ``data`` held back (:meth:`Link.send_held`) if
+        nothing waits to go before it; False if it went no way (send it as usual then)."""
+        with self.send_lock:
+            if link is not self.link or self.coalescer.frames or self.engine.outbox:
+                return False
+            self.coalescer.take(link, rid)  # (in flight from here)
+            try:
+                sent = link.send_held(data)
+            except OSError as exc:
+                raise self._lost(link, exc) from None
+            if sent < len(data):  # the socket is full: the rest as usual (the kernel keeps the order)
+                self._send_locked(link, [memoryview(data)[sent:]], deadline)
+            return True
 
     def wait_for(self, call, deadline: float | None) -> None:
         """Wait for the outcome of a call :meth:`send` sent (``call.frame`` or
@@ -222,6 +243,8 @@ class Member:
             return
         link = self.link
         try:
+            if link is not None and not link.tls:
+                link.push()  # (it may be held back still: nothing was sent after it)
             self._await(call, deadline)
         except BaseException as exc:
             self._gave_up(call, link, exc)
