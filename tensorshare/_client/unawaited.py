@@ -6,7 +6,8 @@ request goes out at once; its reply comes back before the reply to anything sent
 after it on the same connection (the server answers in request order), so the next
 call reads it on the way, with no thread started for it and no round trip of its
 own.  The server applies it before anything sent after it (a sample drawn next
-sees the new priorities).
+sees the new priorities).  On plain TCP its bytes wait in the kernel for the next
+request (:meth:`~.member.Member.send`): both reach the server in one segment.
 
 Its outcome is settled (read if need be, and its error raised) by the next
 :meth:`~tensorshare.Client.update_priorities` or :meth:`~tensorshare.Client.flush`:
