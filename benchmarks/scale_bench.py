@@ -328,7 +328,7 @@ def _side_by_side(rec: Recorder, p: Profile, scratch: str) -> None:
 
             def once():  # a learner's loop: the update is not waited for (the next sample reads its reply)
                 s = client.sample("side", BATCH)
-                client.update_priorities("side", s.keys, new, wait=False)
+                client.update_priorities_nowait("side", s.keys, new)
 
             def waited():
                 s = client.sample("side", BATCH)
@@ -343,7 +343,7 @@ def _side_by_side(rec: Recorder, p: Profile, scratch: str) -> None:
     finally:
         server.stop()
     rec.figure("scale.table_prio", f"the table over TCP, {size} rows: sample + update of {BATCH} "
-               f"(update_priorities(wait=False), as a learner's loop)",
+               f"(update_priorities_nowait, as a learner's loop)",
                Sample.of(times).map(_ms), "ms", better="lower", vs=["scale.local_prio"],
                note=f"the server's memory: anonymous {status['RssAnon'] / GiB:.2f} GiB "
                     f"(columns {n * ROW / GiB:.2f} GiB in it)")

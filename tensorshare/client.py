@@ -32,6 +32,7 @@ from ._client.routing import finish
 from ._client.sockets import open_link
 from ._client.spin import DEFAULT_LIMIT as DEFAULT_SPIN
 from ._client.table_copy import TableCopies
+from ._client.tables import priority_fields
 from ._client.unawaited import Unawaited
 from ._client.values import Call, Values, merged_result, same_reply
 from .errors import (
@@ -39,7 +40,7 @@ from .errors import (
 )
 from .protocol.auth import resolve_token
 from .protocol.engine import Engine, next_request_id
-from .protocol.messages import Command, Route
+from .protocol.messages import TPRIORITY, Command, Route
 from .protocol.retry import Backoff
 from .protocol.router import Router
 from .protocol.tls import TLSSettings
@@ -323,10 +324,17 @@ class Client(TableCopies, ClientMethods):
         return self._call(command, fields, value, timeout=timeout, then=then, on_error=on_error, decode=decode,
                           member=members[-1])
 
-    def _send_unawaited(self, command: Command, fields: dict, timeout) -> None:
+    def update_priorities_nowait(self, name: str, keys: Any, priorities: Any, *, timeout: Timeout = DEFAULT) -> None:
+        """:meth:`update_priorities` without waiting for its reply, as a learner's loop
+        wants: it returns at once; the server applies it before anything sent after
+        it, and the next call on the connection reads its reply on the way (no round
+        trip of its own).  Its error, if any, is raised by the next
+        ``update_priorities`` (either) or :meth:`flush` (``_client/unawaited.py``)."""
         if self._closed:
             raise UsageError("the client is closed")
-        self._unawaited.send(self, command, fields, self._deadline(timeout))
+        if self._unawaited:
+            self._settle_unawaited(timeout)
+        self._unawaited.send(self, TPRIORITY, priority_fields(name, keys, priorities), self._deadline(timeout))
 
     def _settle_unawaited(self, timeout) -> None:
         self._unawaited.settle(self, self._deadline(timeout))

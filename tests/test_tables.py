@@ -68,7 +68,7 @@ def test_bad_input_gets_clear_errors_and_the_server_goes_on(client):
 
 
 def test_priority_updates_sent_without_waiting_apply_before_the_next_sample(client):
-    """A learner's loop: update_priorities(wait=False) returns at once, the server
+    """A learner's loop: update_priorities_nowait returns at once, the server
     applies it before the sample sent after it, and the sample's call reads its
     reply on the way (no thread is started for it)."""
     client.create_table("learn-loop", 8, {"x": ((), torch.int64)}, sampler="prioritized")
@@ -76,7 +76,7 @@ def test_priority_updates_sent_without_waiting_apply_before_the_next_sample(clie
     for chosen in (3, 0, 2):
         only = torch.zeros(4)
         only[chosen] = 1.0
-        assert client.update_priorities("learn-loop", keys, only, wait=False) is None
+        assert client.update_priorities_nowait("learn-loop", keys, only) is None
         assert client.sample("learn-loop", 64).value["x"].tolist() == [chosen] * 64
     assert client.router.home.reader.thread is None and client._dispatcher is None
     client.flush()
@@ -86,12 +86,12 @@ def test_priority_updates_sent_without_waiting_apply_before_the_next_sample(clie
 def test_an_update_sent_without_waiting_raises_its_error_on_the_next_update_or_flush(client):
     client.create_table("learn-errors", 8, {"x": ((), torch.int64)}, sampler="prioritized")
     keys = client.insert("learn-errors", {"x": torch.arange(4)})
-    assert client.update_priorities("nosuch", keys, torch.ones(4), wait=False) is None
+    assert client.update_priorities_nowait("nosuch", keys, torch.ones(4)) is None
     assert len(client.sample("learn-errors", 4)) == 4  # (another call goes on: it read that reply on the way)
     with pytest.raises(NoSuchBinError, match="nosuch"):
-        client.update_priorities("learn-errors", keys, torch.ones(4), wait=False)
+        client.update_priorities_nowait("learn-errors", keys, torch.ones(4))
     client.flush()  # that one was sent and succeeded: nothing to raise, and no error raised twice
-    client.update_priorities("learn-errors", keys, torch.tensor([1.0, -1.0, 1.0, 1.0]), wait=False)
+    client.update_priorities_nowait("learn-errors", keys, torch.tensor([1.0, -1.0, 1.0, 1.0]))
     with pytest.raises(BadRequestError, match="priority"):
         client.flush()
     client.flush()
@@ -108,12 +108,12 @@ def test_an_update_sent_without_waiting_and_followed_by_nothing_still_reaches_th
         def priorities():
             return other.table_info("learn-later", slots=0)["slots"]["priorities"].tolist()
 
-        client.update_priorities("learn-later", keys, torch.full((4,), 3.0), wait=False)
+        client.update_priorities_nowait("learn-later", keys, torch.full((4,), 3.0))
         deadline = time.monotonic() + 10
         while priorities() != [3.0] * 4:
             assert time.monotonic() < deadline, "an update sent without waiting never reached the server"
             time.sleep(0.01)
-        client.update_priorities("learn-later", keys, torch.full((4,), 5.0), wait=False)
+        client.update_priorities_nowait("learn-later", keys, torch.full((4,), 5.0))
         client.flush()
         assert priorities() == [5.0] * 4
 

@@ -12,9 +12,7 @@ import pytest
 import torch
 
 from pairing import Pair
-from tensorshare.errors import (
-    BadNameError, BadRequestError, BusyError, NoSuchBinError, RemoteError, TimeoutError, UsageError,
-)
+from tensorshare.errors import BadNameError, BadRequestError, BusyError, NoSuchBinError, RemoteError, TimeoutError
 from tensorshare.protocol.messages import (
     GET, LIST, LISTEN, NOOP, PUT, TCREATE, TINFO, TINSERT, TLIMITS, TPRIORITY, TREAD, TSAMPLE, TWRITE, Key,
     TableKey,
@@ -385,8 +383,6 @@ def test_the_async_client_has_the_table_methods():
     pump.flush()
     assert results[0] == 0 and results[1].tolist() == [0, 11, 22]
     assert results[2].value["x"].shape == (4, 2) and len(results[2]) == 4
-    with pytest.raises(UsageError, match="blocking Client"):  # (its Deferred lets the caller go on already)
-        client.update_priorities("t", results[1], [1.0, 1.0, 1.0], wait=False)
     client.close()
     pump.flush()
 

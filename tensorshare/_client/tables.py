@@ -114,6 +114,12 @@ def _with_slots(info: dict) -> dict:
     return info
 
 
+def priority_fields(name: str, keys: Any, priorities: Any) -> dict:
+    """The fields of a TPRIORITY of table ``name``."""
+    return {Key.BIN: name, TableKey.KEYS: _int64_bytes(keys, "keys"),
+            TableKey.PRIORITIES: _float64_bytes(priorities, "priorities")}
+
+
 def _ends_bytes(ends) -> bytes:
     if isinstance(ends, torch.Tensor):
         ends = ends.detach().cpu().numpy()
@@ -165,9 +171,6 @@ class TableMethods:
     """Replay buffers and datasets held by the server (see the module docstring)."""
 
     _unawaited: Any = ()  # requests sent without waiting (the blocking Client's: _client/unawaited.py)
-
-    def _send_unawaited(self, command, fields: dict, timeout: Timeout) -> None:
-        raise UsageError("wait=False is for the blocking Client (an AsyncClient's call returns a Deferred at once)")
 
     def _settle_unawaited(self, timeout: Timeout) -> None:
         pass
@@ -283,23 +286,13 @@ class TableMethods:
                           **({} if device is None else {"device": device}))
 
     @verb
-    def update_priorities(self, name: str, keys: Any, priorities: Any, *, timeout: Timeout = DEFAULT,
-                          wait: bool = True) -> int | None:
+    def update_priorities(self, name: str, keys: Any, priorities: Any, *, timeout: Timeout = DEFAULT) -> int:
         """Set the priorities of the rows ``keys`` (from :meth:`insert` or a sample);
         rows that left meanwhile are skipped.  Returns how many were updated.
-
-        ``wait=False`` (the blocking :class:`~tensorshare.Client`): send it and return
-        None at once, as a learner's loop wants: the next call on the connection
-        reads its reply on the way (no round trip of its own), and the server applies
-        it before anything sent after it.  Its error, if any, is raised by the next
-        ``update_priorities`` or :meth:`flush` (``_client/unawaited.py``)."""
+        (The blocking client's ``update_priorities_nowait`` does not wait for that.)"""
         if self._unawaited:  # the outcome of those sent without waiting, first
             self._settle_unawaited(timeout)
-        fields = {Key.BIN: name, TableKey.KEYS: _int64_bytes(keys, "keys"),
-                  TableKey.PRIORITIES: _float64_bytes(priorities, "priorities")}
-        if not wait:
-            return self._send_unawaited(TPRIORITY, fields, timeout)
-        return self._call(TPRIORITY, fields, timeout=timeout)
+        return self._call(TPRIORITY, priority_fields(name, keys, priorities), timeout=timeout)
 
     @verb
     def write(self, name: str, indices: Any, batch: Any, priorities: Any = None, *, ends: Any = None,

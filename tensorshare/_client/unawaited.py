@@ -1,6 +1,6 @@
 """Requests the blocking client sends without waiting for their replies.
 
-``update_priorities(..., wait=False)``: a learner's loop of sample, train, update
+``Client.update_priorities_nowait``: a learner's loop of sample, train, update
 priorities, sample... need not wait for the update's reply before going on.  The
 request goes out at once; its reply comes back before the reply to anything sent
 after it on the same connection (the server answers in request order), so the next
