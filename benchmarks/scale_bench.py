@@ -15,7 +15,8 @@ but for the table larger than RAM (28,232-byte Atari-like rows).
   starting the server to its first sample, after a clean stop and after kill -9.
 * **Side by side at ``big_side_rows``** (10^7): TorchRL's ``LazyMemmapStorage`` +
   ``PrioritizedSampler`` in one process against the table over TCP, sample + update
-  of 256, and the memory of each (its process's, the server's).  Where TorchRL's
+  of 256 (the update sent without waiting for its reply, as a learner's loop does;
+  and, beside it, waited for), and the memory of each (its process's, the server's).  Where TorchRL's
   prioritized sampler cannot be made (its C++ extension does not load against
   every torch), the table engine in that process stands in, said so.
 * **A table larger than RAM** (full: twice the machine's memory if the disk has the
@@ -305,9 +306,10 @@ def _side_by_side(rec: Recorder, p: Profile, scratch: str) -> None:
     except ImportError as exc:
         rec.skip("scale: side by side with TorchRL", f"torchrl is not installed ({exc})")
         return
+    reps = 10 * p.big_reps  # (a millisecond each: enough of them for a steady median)
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    child = ctx.Process(target=_in_process, args=(n, p.big_reps, p.warmup, os.path.join(scratch, "torchrl"), out))
+    child = ctx.Process(target=_in_process, args=(n, reps, p.warmup, os.path.join(scratch, "torchrl"), out))
     child.start()
     try:
         times, what, anon, rss = out.get(timeout=1800)
@@ -324,18 +326,29 @@ def _side_by_side(rec: Recorder, p: Profile, scratch: str) -> None:
             _fill(client, "side", n, priorities=True)
             new = torch.rand(BATCH) + 0.01
 
-            def once():
+            def once():  # a learner's loop: the update is not waited for (the next sample reads its reply)
+                s = client.sample("side", BATCH)
+                client.update_priorities_nowait("side", s.keys, new)
+
+            def waited():
                 s = client.sample("side", BATCH)
                 client.update_priorities("side", s.keys, new)
 
-            times = time_runs(once, p.big_reps, p.warmup)
+            times, waits = [], []
+            for _ in range(5):  # in turns: load from elsewhere falls on both alike
+                times += time_runs(once, reps // 5, p.warmup)
+                client.flush()  # (the last update's outcome: an error would be raised here)
+                waits += time_runs(waited, reps // 5, p.warmup)
             status = _status(server.pid)
     finally:
         server.stop()
-    rec.figure("scale.table_prio", f"the table over TCP, {size} rows: sample + update of {BATCH}",
+    rec.figure("scale.table_prio", f"the table over TCP, {size} rows: sample + update of {BATCH} "
+               f"(update_priorities_nowait, as a learner's loop)",
                Sample.of(times).map(_ms), "ms", better="lower", vs=["scale.local_prio"],
                note=f"the server's memory: anonymous {status['RssAnon'] / GiB:.2f} GiB "
                     f"(columns {n * ROW / GiB:.2f} GiB in it)")
+    rec.figure("scale.table_prio_waited", f"the table over TCP, {size} rows: sample + update of {BATCH}, "
+               f"each update waited for", Sample.of(waits).map(_ms), "ms", better="lower", vs=["scale.local_prio"])
     rec.goal_ratio(f"{size} rows: sample + update of 256 through the table <= 1.0x the in-process time",
                    "scale.table_prio", "scale.local_prio", "<=", 1.0)
 

@@ -32,13 +32,15 @@ from ._client.routing import finish
 from ._client.sockets import open_link
 from ._client.spin import DEFAULT_LIMIT as DEFAULT_SPIN
 from ._client.table_copy import TableCopies
+from ._client.tables import priority_fields
+from ._client.unawaited import Unawaited
 from ._client.values import Call, Values, merged_result, same_reply
 from .errors import (
     ConnectionLostError, ProtocolError, TensorShareError, UsageError, WrongServerError, WrongWorkerError,
 )
 from .protocol.auth import resolve_token
 from .protocol.engine import Engine, next_request_id
-from .protocol.messages import Command, Route
+from .protocol.messages import TPRIORITY, Command, Route
 from .protocol.retry import Backoff
 from .protocol.router import Router
 from .protocol.tls import TLSSettings
@@ -138,6 +140,7 @@ class Client(TableCopies, ClientMethods):
         self._lock = threading.Lock()  # the dispatcher's making, and a new map's
         self._dispatcher: Dispatcher | None = None
         self._closed = False
+        self._unawaited = Unawaited()
         link = open_link(host, port, settings.connect_timeout, settings.tls, settings.ssl_context,
                          settings.engine(port))
         try:
@@ -320,6 +323,21 @@ class Client(TableCopies, ClientMethods):
                        member=member)
         return self._call(command, fields, value, timeout=timeout, then=then, on_error=on_error, decode=decode,
                           member=members[-1])
+
+    def update_priorities_nowait(self, name: str, keys: Any, priorities: Any, *, timeout: Timeout = DEFAULT) -> None:
+        """:meth:`update_priorities` without waiting for its reply, as a learner's loop
+        wants: it returns at once; the server applies it before anything sent after
+        it, and the next call on the connection reads its reply on the way (no round
+        trip of its own).  Its error, if any, is raised by the next
+        ``update_priorities`` (either) or :meth:`flush` (``_client/unawaited.py``)."""
+        if self._closed:
+            raise UsageError("the client is closed")
+        if self._unawaited:
+            self._settle_unawaited(timeout)
+        self._unawaited.send(self, TPRIORITY, priority_fields(name, keys, priorities), self._deadline(timeout))
+
+    def _settle_unawaited(self, timeout) -> None:
+        self._unawaited.settle(self, self._deadline(timeout))
 
     def _done(self, value: Any) -> Any:
         return value

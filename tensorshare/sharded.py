@@ -99,6 +99,10 @@ class ShardedClient:
             raise UsageError("ShardedClient.submit needs a bin (it picks the server)")
         self.client_for(bin).submit(op, bin, *args, **options)
 
+    def update_priorities_nowait(self, name: str, *args: Any, **options: Any) -> None:
+        """:meth:`Client.update_priorities_nowait` on the server that holds table ``name``."""
+        self.client_for(name).update_priorities_nowait(name, *args, **options)
+
     def shared(self, value: Any, bin: str) -> Any:
         """:meth:`Client.shared` for a value that will be put into ``bin``."""
         return self.client_for(bin).shared(value)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tensorshare
-from tensorshare.errors import BadNameError, BadRequestError, BusyError
+from tensorshare.errors import BadNameError, BadRequestError, BusyError, NoSuchBinError
 
 import table_procs
 
@@ -65,6 +65,57 @@ def test_bad_input_gets_clear_errors_and_the_server_goes_on(client):
     with pytest.raises(BadNameError):
         client.create_table("plain-bin", 10)
     assert client.ping() < 5
+
+
+def test_priority_updates_sent_without_waiting_apply_before_the_next_sample(client):
+    """A learner's loop: update_priorities_nowait returns at once, the server
+    applies it before the sample sent after it, and the sample's call reads its
+    reply on the way (no thread is started for it)."""
+    client.create_table("learn-loop", 8, {"x": ((), torch.int64)}, sampler="prioritized")
+    keys = client.insert("learn-loop", {"x": torch.arange(4)}, priorities=torch.ones(4))
+    for chosen in (3, 0, 2):
+        only = torch.zeros(4)
+        only[chosen] = 1.0
+        assert client.update_priorities_nowait("learn-loop", keys, only) is None
+        assert client.sample("learn-loop", 64).value["x"].tolist() == [chosen] * 64
+    assert client.router.home.reader.thread is None and client._dispatcher is None
+    client.flush()
+    assert client.table_info("learn-loop", slots=0)["slots"]["priorities"].tolist() == [0.0, 0.0, 1.0, 0.0]
+
+
+def test_an_update_sent_without_waiting_raises_its_error_on_the_next_update_or_flush(client):
+    client.create_table("learn-errors", 8, {"x": ((), torch.int64)}, sampler="prioritized")
+    keys = client.insert("learn-errors", {"x": torch.arange(4)})
+    assert client.update_priorities_nowait("nosuch", keys, torch.ones(4)) is None
+    assert len(client.sample("learn-errors", 4)) == 4  # (another call goes on: it read that reply on the way)
+    with pytest.raises(NoSuchBinError, match="nosuch"):
+        client.update_priorities_nowait("learn-errors", keys, torch.ones(4))
+    client.flush()  # that one was sent and succeeded: nothing to raise, and no error raised twice
+    client.update_priorities_nowait("learn-errors", keys, torch.tensor([1.0, -1.0, 1.0, 1.0]))
+    with pytest.raises(BadRequestError, match="priority"):
+        client.flush()
+    client.flush()
+    assert client.update_priorities("learn-errors", keys, torch.full((4,), 2.0)) == 4  # the connection goes on
+
+
+def test_an_update_sent_without_waiting_and_followed_by_nothing_still_reaches_the_server(server, client):
+    """The kernel holds such an update back for the next request to go with it
+    (one segment, one wake-up of the server): with none, it goes within Linux's
+    0.2 s ceiling all the same, and flush() sends it at once."""
+    client.create_table("learn-later", 8, {"x": ((), torch.int64)}, sampler="prioritized")
+    keys = client.insert("learn-later", {"x": torch.arange(4)})
+    with tensorshare.Client("127.0.0.1", server.port, timeout=30) as other:
+        def priorities():
+            return other.table_info("learn-later", slots=0)["slots"]["priorities"].tolist()
+
+        client.update_priorities_nowait("learn-later", keys, torch.full((4,), 3.0))
+        deadline = time.monotonic() + 10
+        while priorities() != [3.0] * 4:
+            assert time.monotonic() < deadline, "an update sent without waiting never reached the server"
+            time.sleep(0.01)
+        client.update_priorities_nowait("learn-later", keys, torch.full((4,), 5.0))
+        client.flush()
+        assert priorities() == [5.0] * 4
 
 
 def test_a_sample_waits_for_rows_and_times_out_clearly(server):

@@ -574,7 +574,8 @@ def decision(can, n: int):
 @given(data=st.data(), capacity=st.integers(1, 70), block=st.sampled_from([1, 2, 4, 16]))
 def test_sum_tree_sums_and_searches_under_random_batched_updates(data, capacity, block):
     model = np.zeros(capacity)
-    tree = SumTree(capacity, lambda pick: pick(model), block=block)
+    top = data.draw(st.sampled_from([0, 1, 2, 12]))  # the level searches start from: all the way down, or a mix
+    tree = SumTree(capacity, lambda pick: pick(model), block=block, top=top)
     for _ in range(data.draw(st.integers(1, 8))):
         slots = np.array(data.draw(st.lists(st.integers(0, capacity - 1), unique=True, min_size=1)), np.int64)
         weights = np.array(data.draw(st.lists(st.integers(0, 100), min_size=slots.size, max_size=slots.size)),
@@ -596,10 +597,11 @@ def test_sum_tree_sums_and_searches_under_random_batched_updates(data, capacity,
     assert np.array_equal(rebuilt.tree, tree.tree)
 
 
+@pytest.mark.parametrize("top", [0, 1, 12])
 @pytest.mark.parametrize("block", [1, 4])
-def test_sum_tree_never_lands_on_a_zero_weight_slot_past_the_total(block):
+def test_sum_tree_never_lands_on_a_zero_weight_slot_past_the_total(block, top):
     model = np.array([0.1, 0.2, 0.0, 0.3, 0.0, 0.0, 0.0, 0.0])
-    tree = SumTree(8, lambda pick: pick(model), block=block)
+    tree = SumTree(8, lambda pick: pick(model), block=block, top=top)
     tree.changed(np.arange(8))
     found = tree.find(np.array([tree.total, tree.total * (1 + 1e-12), 0.0]))
     assert found.tolist() == [3, 3, 0]

@@ -162,6 +162,16 @@ class Member:
 
     # -- calls
 
+    def _link_for(self, now: float, deadline: float | None) -> Link:
+        """The connection a request goes on now: on one quiet for a while, what the
+        server sent meanwhile is read first (:meth:`_before_request`); connected if need be."""
+        link = self.link
+        engine = self.engine
+        if link is not None and now - engine.last_heard > _IDLE_CHECK and now - engine.last_sent > _IDLE_CHECK:
+            self._before_request(now)
+            link = self.link
+        return link if link is not None else self.connect(deadline)
+
     def call(self, call, parts: list, deadline: float | None, progress: Progress | None = None) -> None:
         """Send ``call`` and wait for its reply (``call.frame``) or its error (``call.error``).
         A caller who leaves early abandons it: the connection is reset if the server
@@ -171,12 +181,7 @@ class Member:
         is read by no one else, and no thread is woken for it."""
         engine = self.engine
         now = time.monotonic()
-        link = self.link
-        if link is not None and now - engine.last_heard > _IDLE_CHECK and now - engine.last_sent > _IDLE_CHECK:
-            self._before_request(now)
-            link = self.link
-        if link is None:
-            link = self.connect(deadline)
+        link = self._link_for(now, deadline)
         lock = self.lock
         with lock:
             engine.track(call, now)
@@ -190,17 +195,72 @@ class Member:
                 self._send(link, progress.sending(parts), deadline, call.rid, progress=progress)
             self._await(call, deadline, progress, leading)
         except BaseException as exc:
-            interrupted = not isinstance(exc, TensorShareError)  # (KeyboardInterrupt...: its frame may be half sent)
-            with lock:
-                in_flight = call.rid in engine.calls
-                reset = engine.abandon(call) or (interrupted and in_flight)
-            if reset:
-                self.drop(link, ConnectionLostError(f"connection to {self.where} reset: a call on it was given up "
-                                                    f"while the server could still answer it"))
-            if not interrupted:
+            self._gave_up(call, link, exc)
+            if isinstance(exc, TensorShareError):
                 call.error = exc
                 return
+            raise  # (KeyboardInterrupt...: its frame may be half sent, the connection was reset)
+
+    def send(self, call, parts: list, deadline: float | None) -> None:
+        """Send ``call`` and return without its reply: :meth:`wait_for` reads it later,
+        unless a call made meanwhile read it first (replies come in request order, so
+        the next call on this connection does).  No thread is started for it.
+
+        A small frame on plain TCP is held back by the kernel until the next request
+        goes (at most 0.2 s): the two leave in one segment, so the server wakes once
+        for both and answers both with one send."""
+        now = time.monotonic()
+        link = self._link_for(now, deadline)
+        with self.lock:
+            self.engine.track(call, now)
+        try:
+            if (link.tls or len(parts) != 1 or len(parts[0]) > SMALL_FRAME
+                    or not self._send_more(link, parts[0], deadline, call.rid)):
+                self._send(link, parts, deadline, call.rid)
+        except BaseException as exc:
+            self._gave_up(call, link, exc)
             raise
+
+    def _send_more(self, link: Link, data: bytes, deadline: float | None, rid: int) -> bool:
+        """Send request ``rid``'s frame ``data`` held back (:meth:`Link.send_held`) if
+        nothing waits to go before it; False if it went no way (send it as usual then)."""
+        with self.send_lock:
+            if link is not self.link or self.coalescer.frames or self.engine.outbox:
+                return False
+            self.coalescer.take(link, rid)  # (in flight from here)
+            try:
+                sent = link.send_held(data)
+            except OSError as exc:
+                raise self._lost(link, exc) from None
+            if sent < len(data):  # the socket is full: the rest as usual (the kernel keeps the order)
+                self._send_locked(link, [memoryview(data)[sent:]], deadline)
+            return True
+
+    def wait_for(self, call, deadline: float | None) -> None:
+        """Wait for the outcome of a call :meth:`send` sent (``call.frame`` or
+        ``call.error``), reading the socket if nobody else is."""
+        if call.frame is not None or call.error is not None:
+            return
+        link = self.link
+        try:
+            if link is not None and not link.tls:
+                link.push()  # (it may be held back still: nothing was sent after it)
+            self._await(call, deadline)
+        except BaseException as exc:
+            self._gave_up(call, link, exc)
+            raise
+
+    def _gave_up(self, call, link, exc: BaseException) -> None:
+        """The caller of ``call`` leaves early with ``exc``: reset the connection if the
+        server could otherwise deliver to nobody, or if ``exc`` is an interrupt
+        (KeyboardInterrupt...), which may leave a frame half sent."""
+        interrupted = not isinstance(exc, TensorShareError)
+        with self.lock:
+            in_flight = call.rid in self.engine.calls
+            reset = self.engine.abandon(call) or (interrupted and in_flight)
+        if reset:
+            self.drop(link, ConnectionLostError(f"connection to {self.where} reset: a call on it was given up "
+                                                f"while the server could still answer it"))
 
     def submit(self, call, parts: list, deadline: float | None) -> None:
         """Send a non-blocking call; the front's ``complete(call)`` (or its inline

@@ -308,7 +308,11 @@ class ClientMethods(TableMethods):
     def flush(self, timeout: Timeout = DEFAULT) -> None:
         """Wait until every request this client sent before, with or without waiting
         (``submit``, ``submit(..., by_reference=True)``), is answered: replies come in
-        request order on each connection.  (Their callbacks may still be running.)"""
+        request order on each connection.  (Their callbacks may still be running.)
+        Raises the error of a request sent without waiting (``update_priorities(...,
+        wait=False)``) that failed."""
+        if self._unawaited:
+            self._settle_unawaited(timeout)
         exports = self.values.exports
         if exports is not None:  # puts by reference still to publish (the blocking client's)
             from ..errors import TimeoutError

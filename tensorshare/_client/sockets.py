@@ -31,6 +31,7 @@ log = logging.getLogger("tensorshare.client")
 
 _IOV_MAX = 1024
 SMALL_FRAME = 64 << 10  # frames up to this size are joined and sent with one send()
+_MSG_MORE = getattr(socket, "MSG_MORE", 0)  # (Linux; elsewhere a send that is not held back)
 _TLS_CHUNK = 1 << 20  # bytes handed to one SSL write (a retry after want-write repeats the same slice)
 
 
@@ -55,6 +56,22 @@ class Link:
             _send_all_tls(self.sock, self.ssl_lock, self.readable, self.writable, parts, deadline, stall)
         else:
             _send_all(self.sock, self.writable, parts, deadline, stall)
+
+    def send_held(self, data: bytes) -> int:
+        """Send what the socket takes of ``data`` now (plain TCP), held back by the
+        kernel (``MSG_MORE``) to leave with the next send in one segment: at most
+        0.2 s later if nothing follows (Linux's ceiling), or at :meth:`push`."""
+        try:
+            return self.sock.send(data, _MSG_MORE)
+        except BlockingIOError:
+            return 0
+
+    def push(self) -> None:
+        """Send what :meth:`send_held` left held back, now."""
+        try:
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # (pushes pending segments)
+        except OSError:
+            pass  # a closed connection: the read that follows says so
 
     def send_now(self, data) -> int:
         """Send what the socket takes of ``data`` now, without waiting (plain TCP)."""

@@ -114,6 +114,12 @@ def _with_slots(info: dict) -> dict:
     return info
 
 
+def priority_fields(name: str, keys: Any, priorities: Any) -> dict:
+    """The fields of a TPRIORITY of table ``name``."""
+    return {Key.BIN: name, TableKey.KEYS: _int64_bytes(keys, "keys"),
+            TableKey.PRIORITIES: _float64_bytes(priorities, "priorities")}
+
+
 def _ends_bytes(ends) -> bytes:
     if isinstance(ends, torch.Tensor):
         ends = ends.detach().cpu().numpy()
@@ -163,6 +169,11 @@ def _rows_value(reply) -> Any:
 
 class TableMethods:
     """Replay buffers and datasets held by the server (see the module docstring)."""
+
+    _unawaited: Any = ()  # requests sent without waiting (the blocking Client's: _client/unawaited.py)
+
+    def _settle_unawaited(self, timeout: Timeout) -> None:
+        pass
 
     @verb
     def create_table(self, name: str, capacity: int, columns: dict[str, Any] | None = None, *,
@@ -277,10 +288,11 @@ class TableMethods:
     @verb
     def update_priorities(self, name: str, keys: Any, priorities: Any, *, timeout: Timeout = DEFAULT) -> int:
         """Set the priorities of the rows ``keys`` (from :meth:`insert` or a sample);
-        rows that left meanwhile are skipped.  Returns how many were updated."""
-        fields = {Key.BIN: name, TableKey.KEYS: _int64_bytes(keys, "keys"),
-                  TableKey.PRIORITIES: _float64_bytes(priorities, "priorities")}
-        return self._call(TPRIORITY, fields, timeout=timeout)
+        rows that left meanwhile are skipped.  Returns how many were updated.
+        (The blocking client's ``update_priorities_nowait`` does not wait for that.)"""
+        if self._unawaited:  # the outcome of those sent without waiting, first
+            self._settle_unawaited(timeout)
+        return self._call(TPRIORITY, priority_fields(name, keys, priorities), timeout=timeout)
 
     @verb
     def write(self, name: str, indices: Any, batch: Any, priorities: Any = None, *, ends: Any = None,

@@ -37,6 +37,7 @@ def blocking(client: Client) -> None:
     assert_type(client.sample("replay", 32).keys, torch.Tensor)
     assert_type(client.table_info("replay"), dict[str, Any])
     assert_type(client.update_priorities("replay", [1], [0.5]), int)
+    assert_type(client.update_priorities_nowait("replay", [1], [0.5]), None)
     assert_type(client.relay_status(), dict[str, Any] | None)
     items = client.get("rollouts", wait=1.0, least=4, max_items=8)
     newer = client.peek("params", since=3, wait=10.0)
