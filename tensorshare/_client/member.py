@@ -181,7 +181,9 @@ class Member:
         is read by no one else, and no thread is woken for it."""
         engine = self.engine
         now = time.monotonic()
-        link = self._link_for(now, deadline)
+        link = self.link
+        if link is None or (now - engine.last_heard > _IDLE_CHECK and now - engine.last_sent > _IDLE_CHECK):
+            link = self._link_for(now, deadline)  # (a call only where there is something to do)
         lock = self.lock
         with lock:
             engine.track(call, now)
