@@ -309,7 +309,22 @@ def test_close_ends_a_listening_clients_wait_to_reconnect_at_once(fresh_server):
         log.setLevel(level)
 
 
-def test_pending_call_fails_promptly_when_server_dies(fresh_server):
+def test_a_call_whose_send_fails_leaves_the_client_usable_after_a_restart(fresh_server):
+    """A put that finds the connection gone while it sends (a broken pipe) fails with
+    ConnectionLostError; the next call reconnects and gets its reply (the failed call
+    left the client believing a reader ran, and every later call waited out its timeout)."""
+    c = tensorshare.Client("127.0.0.1", fresh_server.port, timeout=5, zero_copy=False, max_backoff=0.2)
+    c.put("s-bin", 1)
+    fresh_server.kill()
+    with pytest.raises(ConnectionLostError):
+        c.put("s-bin", torch.zeros(4 << 20))  # 16 MiB: more than the socket takes before the reset
+    fresh_server.start()  # on the same port
+    c.put("s-bin", 2)
+    assert c.peek("s-bin") == [2]
+    c.close()
+
+
+
     c = tensorshare.Client("127.0.0.1", fresh_server.port, timeout=30)
     c.put("d-bin", torch.zeros(1))
     fresh_server.kill()
