@@ -11,7 +11,7 @@ machine's load: where :mod:`benchmarks.request_cost` says how many instructions 
 request costs, this says which Python they come from.  (The tracer slows the
 server a hundredfold: the counts, not the time, are the measurement.)
 
-    python -m benchmarks.request_bytecodes [--server ts|floor] [--count 600] [--top 40]
+    python -m benchmarks.request_bytecodes [--server ts|floor] [--count 600] [--top 40] [--lines 60]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from .request_cost import _LISTENING, _drive
 # second time, stops, writing its counts to the file named by the environment.
 _TRACED = """
 import collections, json, os, signal, sys
-counts, calls, on = collections.Counter(), collections.Counter(), []
+counts, calls, lines, on = collections.Counter(), collections.Counter(), collections.Counter(), []
 
 def tracer(frame, event, arg):
     code = frame.f_code
@@ -43,6 +43,7 @@ def tracer(frame, event, arg):
         calls[where] += 1
     elif event == "opcode":
         counts[where] += 1
+        lines[code.co_filename, frame.f_lineno] += 1
     return tracer
 
 def toggle(signum, frame):
@@ -52,7 +53,8 @@ def toggle(signum, frame):
         return
     sys.settrace(None)
     with open(os.environ["TS_BYTECODES_OUT"], "w") as out:
-        json.dump({"ops": [[*k, v] for k, v in counts.items()], "calls": [[*k, v] for k, v in calls.items()]}, out)
+        json.dump({"ops": [[*k, v] for k, v in counts.items()], "calls": [[*k, v] for k, v in calls.items()],
+                   "lines": [[*k, v] for k, v in lines.items()]}, out)
 
 signal.signal(signal.SIGUSR1, toggle)
 """
@@ -65,9 +67,10 @@ _SERVERS = {
 }
 
 
-def counts(server: str, count: int, size: int = 1024) -> tuple[dict, dict]:
-    """``(bytecodes, calls)`` per function ``(file, line, name)`` over ``count``
-    mixed requests after a warm-up (:func:`benchmarks.request_cost._drive`'s)."""
+def counts(server: str, count: int, size: int = 1024) -> tuple[dict, dict, dict]:
+    """``(bytecodes, calls)`` per function ``(file, line, name)``, and bytecodes per
+    source line ``(file, line)``, over ``count`` mixed requests after a warm-up
+    (:func:`benchmarks.request_cost._drive`'s)."""
 
     def mark() -> None:  # the tracer starts, and then stops and writes its counts
         proc.send_signal(signal.SIGUSR1)
@@ -93,7 +96,8 @@ def counts(server: str, count: int, size: int = 1024) -> tuple[dict, dict]:
         finally:
             proc.kill()
             proc.wait()
-    return ({tuple(k): v for *k, v in found["ops"]}, {tuple(k): v for *k, v in found["calls"]})
+    return ({tuple(k): v for *k, v in found["ops"]}, {tuple(k): v for *k, v in found["calls"]},
+            {tuple(k): v for *k, v in found["lines"]})
 
 
 def _short(path: str) -> str:
@@ -106,8 +110,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--server", choices=sorted(_SERVERS), default="ts")
     parser.add_argument("--count", type=int, default=600, help="requests counted (a multiple of 3)")
     parser.add_argument("--top", type=int, default=40, help="functions listed")
+    parser.add_argument("--lines", type=int, default=0, help="also list this many source lines, costliest first")
     args = parser.parse_args(argv)
-    ops, calls = counts(args.server, args.count)
+    ops, calls, lines = counts(args.server, args.count)
     n = args.count
     print(f"{args.server}: {sum(ops.values()) / n:,.0f} bytecodes and {sum(calls.values()) / n:.1f} Python calls "
           f"per mixed 1 KiB request ({n} requests)")
@@ -121,6 +126,10 @@ def main(argv: list[str] | None = None) -> None:
     for where, v in sorted(ops.items(), key=lambda kv: -kv[1])[: args.top]:
         path, line, name = where
         print(f"  {v / n:8.1f} {calls.get(where, 0) / n:6.2f}  {_short(path)}:{line} {name}")
+    if args.lines:
+        print("\nper source line (bytecodes per request):")
+        for (path, line), v in sorted(lines.items(), key=lambda kv: -kv[1])[: args.lines]:
+            print(f"  {v / n:8.1f}  {_short(path)}:{line}")
 
 
 if __name__ == "__main__":

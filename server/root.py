@@ -60,7 +60,7 @@ class ServerState:
             self.waits = Waits(_NoClock())
         # Every change tests what waits on its bin: APPENDs with below, a table's inserts
         # and samples, reads that wait (each kind in a lane of its own).
-        self.listeners.watch(self.waits.changed)
+        self.listeners.watch(self.waits.changed, self.waits.parked)
 
     @property
     def store(self):

@@ -53,6 +53,9 @@ class Outbox:
     def send_reply(self, parts, on_abandon=None, on_written=None) -> None:
         self.send(parts, on_abandon, on_written)
 
+    def reply(self, data) -> None:
+        self.send([data])
+
     def withdraw(self, ticket) -> bool:
         return False
 

@@ -26,6 +26,7 @@ class Outbox:
     def send(self, parts, on_abandon=None, on_written=None):
         for p in parts: self.data += bytes(p)
     send_reply = send
+    def reply(self, data): self.data += data
     def withdraw(self, ticket): return False
     def close(self): pass
 

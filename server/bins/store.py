@@ -374,7 +374,9 @@ class BinStore:
             b.items.clear()
             nbytes, described = b.nbytes, b.described
         else:
-            items = [b.items.popleft() for _ in range(limit)]
+            items = []
+            for _ in range(limit):  # (a loop: a comprehension here made a cell for b on every call)
+                items.append(b.items.popleft())
             nbytes = sum(item.nbytes for item in items)
             described = sum(len(item.description) + (item.device.nbytes if item.device is not None else 0)
                             for item in items)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+from functools import partial
 from typing import Callable
 
 from twisted.internet import protocol, reactor, task
@@ -85,6 +86,8 @@ class TensorShareProtocol(protocol.Protocol):
         self.session = ServerSession(self.state, self.writer, f"{peer.host}:{peer.port}", self.gate,
                                      same_host=_same_host(peer, self.transport.getHost()))
         self.session.connection_made()
+        # (dataReceived below, without its Python frame: it runs for every read)
+        self.dataReceived = partial(self._received, self.session.data_received)
 
     def dataReceived(self, data: bytes) -> None:
         self._received(self.session.data_received, data)
@@ -115,10 +118,13 @@ class TensorShareProtocol(protocol.Protocol):
             writer.end_read()
         # Read large payloads in big gulps: fewer reactor turns per byte.
         self.receiving = receiving
-        size = _LARGE_READ if receiving > _LARGE_READ else _SMALL_READ
-        if size != self._read_size:
-            self._read_size = size
-            twisted_internals.set_read_size(self.transport, size)
+        if receiving > _LARGE_READ:
+            if self._read_size != _LARGE_READ:
+                self._read_size = _LARGE_READ
+                twisted_internals.set_read_size(self.transport, _LARGE_READ)
+        elif self._read_size != _SMALL_READ:  # (the usual read: nothing to change)
+            self._read_size = _SMALL_READ
+            twisted_internals.set_read_size(self.transport, _SMALL_READ)
 
     def connectionLost(self, reason) -> None:
         self.factory.live.discard(self)

@@ -2,7 +2,7 @@
 
 The server goes past Twisted's public API in three places, each for speed:
 
-* **Direct sends** (``server/net/writer.py``): a small reply is sent with one
+* **Direct sends** (``server/net/writer.py``, :func:`send_now`): a small reply is sent with one
   ``send()`` on the socket when the transport holds nothing unsent, instead of
   waiting a reactor turn for ``transport.write``; a large stored chunk is sent from
   its own memory, since ``transport.write`` takes only ``bytes``.  That needs to
@@ -135,6 +135,24 @@ def transport_idle(transport) -> bool:
             and not t._tempDataBuffer and t.offset == len(t.dataBuffer))
 
 
+def send_now(transport, sock, data: bytes) -> None:
+    """Send ``data`` with one ``send()`` on ``sock`` (:func:`direct_socket`'s) when
+    the transport holds no unsent bytes (:func:`transport_idle`, inline: one call per
+    small reply); Twisted's buffer takes what the kernel does not, or all of it after
+    bytes it still holds, so order is kept."""
+    t = transport
+    if (t.connected and not t.disconnecting and not getattr(t, "_aborting", False)
+            and not t._tempDataBuffer and t.offset == len(t.dataBuffer)):
+        try:
+            sent = sock.send(data)
+        except OSError:  # EAGAIN, or a dead socket: Twisted's own write path deals with it
+            sent = 0
+        if sent < len(data):
+            t.write(data[sent:])
+    else:
+        t.write(data)
+
+
 def wake_when_writable(transport) -> None:
     """Ask for a writable event; Twisted's ``doWrite`` then writes what it holds and,
     its buffer empty and its producer marked paused, calls ``resumeProducing``."""
@@ -217,7 +235,9 @@ class ReceivingServer(tcp.Server):
         if lend is None or more is None:
             return super().doRead()
         protocol, sock = self.protocol, self.socket
-        for _ in range(READS_PER_EVENT):
+        left = READS_PER_EVENT  # (a count, not a range(): the usual event reads once)
+        while left:
+            left -= 1
             # Between frames (the usual read: whole small requests) nothing is lent.
             buf = lend() if protocol.receiving else None
             try:

@@ -16,6 +16,7 @@ from twisted.internet import interfaces
 from zope.interface import implementer
 
 from . import twisted_internals
+from .twisted_internals import send_now
 from .flow import SHARED_PART, OutboundBudget
 from .sendfile import AVAILABLE as SENDFILE_AVAILABLE
 
@@ -196,21 +197,29 @@ class FrameWriter:
             return
         self._send_held()
 
+    def reply(self, data: bytes) -> None:
+        """:meth:`send_reply` of one ``bytes`` frame with no hooks: a handler's usual outcome."""
+        if self._queue or self._paused or self._socket is None or self._lost or self._closing \
+                or self._offload is not None or len(data) >= SHARED_PART:
+            self.send([data])
+            return
+        held = self._held
+        held.append(data)
+        if not self._holding:
+            batch = self.batch
+            if batch is not None and batch.open:  # another connection's read is being handled
+                batch.join(self)
+                return
+        elif len(held) < _HOLD_MAX:
+            return
+        self._send_held()
+
     def _send_held(self) -> None:
         """Send the held replies with one ``send()`` (Twisted's buffer takes what the
         kernel does not, or all of it after bytes it still holds: order is kept)."""
         held, self._held = self._held, []
         data = held[0] if len(held) == 1 else b"".join(held)
-        transport = self.transport
-        if twisted_internals.transport_idle(transport):
-            try:
-                sent = self._socket.send(data)
-            except OSError:  # EAGAIN, or a dead socket: Twisted's own write path deals with it
-                sent = 0
-            if sent < len(data):
-                transport.write(data[sent:])  # may call pauseProducing()
-        else:
-            transport.write(data)
+        send_now(self.transport, self._socket, data)  # (transport.write may call pauseProducing())
         self._written += len(data)
         if self._held_hooks:
             hooks, self._held_hooks = self._held_hooks, {}
@@ -276,7 +285,11 @@ class FrameWriter:
                 batch.end()
             else:
                 batch.open = False
-        self.release()
+        self._holding = False  # (release(), inline: this is the request path)
+        if self._held:
+            self._send_held()
+        if self._queue and not self._paused:
+            self._pump()
 
     def release(self) -> None:
         """Write what was queued since :meth:`hold`."""

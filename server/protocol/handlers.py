@@ -13,6 +13,7 @@ The table verbs are in :mod:`.tables`.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Callable
 
 from tensorshare.errors import BusyError, ProtocolError, RemoteError
@@ -51,6 +52,12 @@ def store(session, request):
         nbytes = request.payload_len
         check_value(session, blob, nbytes)
         return stored(session, request, storage.add_now(name, blob, tuple(request.payload), nbytes, tag, replace))
+    return _store_otherwise(session, request, storage, replace, name, blob, tag, ephemeral)
+
+
+def _store_otherwise(session, request, storage, replace: bool, name: str, blob: bytes, tag, ephemeral: bool):
+    """:func:`store` for all but the usual case.  (Apart, so that the usual one makes
+    none of the cells its callbacks need: one per variable they name, every call.)"""
     if ephemeral or session.state.ephemeral.owners:
         _check_ephemeral(session, request, ephemeral)
     if replace and (request.cuda is not None or request.fill is not None):  # by device reference (§13)
@@ -170,26 +177,33 @@ def take(session, request):
     _check_reply_size(session, items)  # refused before anything is taken
     refs = None if request.ref is None else session.shared.refs(request.bin, request.ref, items, taking=True)
     items, change = storage.take(name, request.max)  # (this connection's own notification follows the reply)
-
-    def put_back() -> None:
-        storage.restore(name, items)
-
-    def reply(parts: list):
-        out = items_reply(session, request, items, parts, change.seq, refs, put_back,
-                           lambda: storage.delivered(name, items))
-        if refs is not None:
-            session.shared.pin(request.id, items, refs)
-        return out
-
     parts = storage.parts_in_memory(items, refs)
     if parts is not None:  # the usual case
-        return reply(parts)
+        return _taken(session, request, items, change.seq, refs, parts)
+    return _take_from_files(session, request, items, change.seq, refs)
+
+
+def _taken(session, request, items: list[Item], seq: int, refs: list | None, parts: list):
+    """The reply of a GET that took ``items``: they go back to the front of the bin if
+    it is not delivered, and count against the budget until it is."""
+    storage, name = session.storage, request.bin
+    out = items_reply(session, request, items, parts, seq, refs, partial(storage.restore, name, items),
+                      partial(storage.delivered, name, items))
+    if refs is not None:
+        session.shared.pin(request.id, items, refs)
+    return out
+
+
+def _take_from_files(session, request, items: list[Item], seq: int, refs: list | None):
+    """:func:`take`'s reply once the files of the items only on disk are open.  (Apart,
+    as :func:`_store_otherwise`.)"""
+    storage = session.storage
 
     def read(parts: list | None, error: RemoteError | None):
         if error is not None:
-            put_back()
+            storage.restore(request.bin, items)
             raise error
-        return reply(parts)
+        return _taken(session, request, items, seq, refs, parts)
 
     return later(lambda done: storage.read(items, refs, done), read)
 
@@ -217,25 +231,35 @@ def read(session, request):
     if cuda is not None:  # items whose bytes the payload does not carry: by file or by device reference
         refs = devices.besides(refs, cuda)
         away = devices.merged(refs, cuda)
-
-    def reply(parts: list):
-        out = items_reply(session, request, items, parts, seq, refs, cuda=cuda)
-        if away is not None:
-            session.shared.pin(request.id, items, away)
-        if request.ref is not None:
-            session.shared.promote(request.ref, items, away, session.decode_limits)
-        return out
-
     parts = storage.parts_in_memory(items, away)
     if parts is not None:  # the usual case: no disk, no wait
-        return reply(parts)
+        return _read(session, request, items, seq, refs, cuda, away, parts)
+    return _read_from_files(session, request, items, seq, refs, cuda, away)
+
+
+def _read(session, request, items: list[Item], seq: int, refs: list | None, cuda: list | None, away: list | None,
+          parts: list):
+    """The reply of a PEEK carrying ``items``: ``refs``/``cuda``, per item, its file or
+    device reference (``away``: either), ``parts`` the payload of the others."""
+    out = items_reply(session, request, items, parts, seq, refs, cuda=cuda)
+    if away is not None:
+        session.shared.pin(request.id, items, away)
+    if request.ref is not None:
+        session.shared.promote(request.ref, items, away, session.decode_limits)
+    return out
+
+
+def _read_from_files(session, request, items: list[Item], seq: int, refs: list | None, cuda: list | None,
+                     away: list | None):
+    """:func:`read`'s reply once the files of the items only on disk are open.  (Apart,
+    as :func:`_store_otherwise`.)"""
 
     def opened(parts: list | None, error: RemoteError | None):
         if error is not None:
             raise error
-        return reply(parts)
+        return _read(session, request, items, seq, refs, cuda, away, parts)
 
-    return later(lambda done: storage.read(items, away, done), opened)
+    return later(lambda done: session.storage.read(items, away, done), opened)
 
 
 def _check_reply_size(session, items: list[Item]) -> None:

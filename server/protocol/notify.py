@@ -39,11 +39,12 @@ class ListenerRegistry:
 
     def __init__(self):
         self._by_bin: dict[str, dict[Listener, bool]] = defaultdict(dict)
-        self._watchers: list = []  # told of every change, whatever its bin (waits.py)
+        self._watchers: list = []  # (watcher, the bins it wants told or None: every bin), waits.py's
 
-    def watch(self, watcher) -> None:
-        """Call ``watcher(bin_name)`` after every change is published."""
-        self._watchers.append(watcher)
+    def watch(self, watcher, wanted=None) -> None:
+        """Call ``watcher(bin_name)`` after every change is published to a bin in
+        ``wanted`` (a live container the watcher keeps up to date; None: every bin)."""
+        self._watchers.append((watcher, wanted))
 
     def add(self, name: str, listener: Listener, first_append: bool = False) -> None:
         self._by_bin[name][listener] = first_append
@@ -71,13 +72,15 @@ class ListenerRegistry:
             for listener, first_append in tuple(listeners.items()):
                 if not (later_append and first_append):
                     listener.notify(change.bin, frame)
-        for watcher in self._watchers:
-            watcher(change.bin)
+        for watcher, wanted in self._watchers:
+            if wanted is None or change.bin in wanted:  # (the usual change: no call)
+                watcher(change.bin)
 
     def touched(self, name: str) -> None:
         """Something only the watchers care about changed on bin ``name`` (no notification)."""
-        for watcher in self._watchers:
-            watcher(name)
+        for watcher, wanted in self._watchers:
+            if wanted is None or name in wanted:
+                watcher(name)
 
 
 class Outbox(Protocol):
@@ -91,6 +94,9 @@ class Outbox(Protocol):
 
     def send_reply(self, parts: list, on_abandon: Any = None, on_written: Any = None) -> None:
         """Queue one frame that will never be withdrawn (a reply): the outbox may send it at once."""
+
+    def reply(self, data: bytes) -> None:
+        """``send_reply([data])``: a handler's usual outcome, one small frame."""
 
     def withdraw(self, ticket: Any) -> bool:
         """Take a queued frame back if none of it has been written yet (True if so)."""

@@ -410,7 +410,7 @@ class ServerSession:
             began = 0.0 if counters is None else perf_counter()
             outcome = handle(self, request)
             if type(outcome) is bytes and not self.closed and self.stream is None:  # (the usual case)
-                self.outbox.send_reply([outcome])
+                self.outbox.reply(outcome)
             else:
                 self.answer(rid, outcome)
             if counters is not None:  # counted inline: this is the request path (server/ops/counters.py)

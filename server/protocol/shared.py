@@ -91,7 +91,10 @@ class SharedMemory:
         if not wanted or not self.same_host or len(wanted) > _MAX_AREAS:
             return None
         minimum = self.config.zero_copy_min
-        if not any(item.nbytes >= minimum for item in items):
+        for item in items:  # (a loop: a generator here made a cell for minimum on every call)
+            if item.nbytes >= minimum:
+                break
+        else:
             return None  # (none is worth sharing: small items go in the payload)
         self._read_by_reference(name)
         self._promote_now(wanted, items)

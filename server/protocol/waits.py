@@ -58,6 +58,11 @@ class Waits:
         self._going: dict[Key, int] = defaultdict(int)  # requests that went on, not yet settled
         self._scheduled: set[str] = set()  # bins whose parked requests are tested on the next turn
 
+    @property
+    def parked(self):
+        """The bins some request waits on (a live view: for ``ListenerRegistry.watch``)."""
+        return self._by_bin.keys()
+
     def park(self, key: Key, ready: Callable[[], bool], go: Callable[[], None], timeout: float,
              expire: Callable[[], None], ordered: bool = True) -> Parked | None:
         """Run ``go()`` once ``ready()`` is true, testing it now and after each change

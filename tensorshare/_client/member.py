@@ -448,8 +448,7 @@ class Member:
             for event in events:
                 kind = type(event)
                 if kind is Notice:
-                    note = notification(event)
-                    jobs.extend((handle.callback, (note,)) for handle in event.handles)
+                    jobs.extend(_told(event))
                     continue
                 if kind is Restored:
                     jobs.append((tell_restored, (event, self.where)))
@@ -557,3 +556,10 @@ class Member:
 
 
 __all__ = ["Member", "StaleMapError"]
+
+
+def _told(event: Notice) -> list:
+    """The callbacks a notification goes to, each with it.  (Apart from
+    :meth:`Member._dispatch`: a generator there made a cell on every read.)"""
+    note = notification(event)
+    return [(handle.callback, (note,)) for handle in event.handles]

@@ -57,6 +57,13 @@ class Call(EngineCall):
         self.device = self.into = self.caller = self.areas = self.via = None
 
 
+def _located(areas, header: dict, payload_len: int) -> list:
+    """Per item of an undecoded reply, where the server's files hold it (None: in the
+    payload).  (Apart from :meth:`Values._read`: a comprehension there made a cell
+    for ``areas`` on every call.)"""
+    return [None if ref is None else areas.item(ref, blob, size) for blob, size, ref in item_table(header, payload_len)]
+
+
 class Values:
     """The value layer of one client (see the module docstring)."""
 
@@ -192,8 +199,7 @@ class Values:
         if refs and not call.decode:
             try:
                 reply = read_reply(call.command, frame, device, decode=False)
-                reply.stored = [None if ref is None else areas.item(ref, blob, size)
-                                for blob, size, ref in item_table(reply.header, frame.payload_len)]
+                reply.stored = _located(areas, reply.header, frame.payload_len)
             except BaseException:
                 self.release(header[Key.ID])
                 raise

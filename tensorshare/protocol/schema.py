@@ -22,54 +22,17 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 from ..errors import ProtocolError, RemoteError, UsageError, error_for_code
 from ..wire.frames import head_template
+from . import keys as Key  # (a module: Key.ID costs what a global does)
 from .codes import (
     BAD_ARGS, BAD_FRAME, BAD_NAME, LOCAL_ERROR, NOT_AUTHENTICATED, UNAVAILABLE, UNKNOWN_VERB, WRONG_WORKER,
 )
 
 PROTOCOL_VERSION = 1
-
-
-class Key:
-    """Every header key, by name (PROTOCOL.md §4.1)."""
-
-    OP, ID, CODE, MSG = "op", "id", "code", "msg"
-    BIN, TAG, VALUE = "bin", "tag", "value"
-    N, SEQ, EXISTS, BINS = "n", "seq", "exists", "bins"
-    ITEMS, SIZES = "items", "sizes"
-    SERVER, VERSION = "server", "version"
-    MAX_FRAME = "max_frame"  # the greeting: the largest request payload the server reads (§7)
-    AUTH, MECH, NONCE, PROOF = "auth", "mech", "nonce", "proof"
-    # Same-host zero-copy (§10): the greeting's offer; a PUT/APPEND's item directory
-    # and size; a GET/PEEK's mappable areas; a 226's references; released replies.
-    SHM, SIZE, REF, REFS, RELEASE = "shm", "size", "ref", "refs", "release"
-    # LISTEN: skip APPENDs to a bin that already holds items (§5)
-    FIRST_APPEND = "first_append"
-    # GET: take at most this many items; APPEND: only while the bin holds fewer than
-    # ``below`` items, waiting up to ``wait`` seconds for room (§4.4)
-    MAX, BELOW, WAIT = "max", "below", "wait"
-    # GET with wait: held until the bin holds ``least`` items; PEEK with wait: held
-    # while the bin is still at seq ``since`` (§4.5: reads that wait)
-    LEAST, SINCE = "least", "since"
-    # PUT: the bin lives only as long as this connection (§4.6: presence, membership);
-    # PUT/DELETE: which of the connection's clients owns it (a relay's, §4.6)
-    EPHEMERAL, OWNER = "ephemeral", "owner"
-    # GET/PEEK: the reply lists every item's tag; LIST: a relay's state (§11)
-    TAGS, RELAY = "tags", "relay"
-    # PEEK (to a relay): push later copies of the bin as they arrive; an INCOMING
-    # notification carrying one names the upstream change it is (§11)
-    INCOMING, CHANGE = "incoming", "change"
-    # CUDA IPC on one host (§13): a PUT's device reference, or the reference whose
-    # bytes it brings; a PEEK's devices and a 226's references; a reply's freed references
-    CUDA, FILL, FREED = "cuda", "fill", "freed"
-    # the greeting of a worker of a multi-worker server: the map of its workers (§14)
-    WORKERS = "workers"
-    # PUT/APPEND reply to a same-host client: the bin is read by reference here (§10.4)
-    MAPPED = "mapped"
-
 
 TAG_MIN, TAG_MAX = -(1 << 63), (1 << 63) - 1  # an item's optional tag is a signed 64-bit integer
 ID_MAX = (1 << 64) - 1
@@ -116,7 +79,6 @@ class Kind:
     test: str | None = None
 
 
-_ABSENT = object()
 _VALID_NAMES: set[str] = set()  # bin names found valid (default limit), so a name is checked once
 _MAX_VALID_NAMES = 4096
 
@@ -233,8 +195,8 @@ class Message:
     def __init__(self, code: int, fields: tuple[Field, ...] = ()):
         self.code = code
         self.fields = fields
-        # The usual case, checked without building messages: (key, required, kind).
-        self._fast = tuple((f.key, f.required, f.kind) for f in fields)
+        # check(header): the usual header passed by one function made from the fields.
+        self.check = _compile_check(self)
         # head(rid, *values): the whole frame of this reply with its required fields
         # (all integers, in order) and none of its optional ones, from a prepared
         # template; None for a message with other required fields.
@@ -253,17 +215,9 @@ class Message:
 
     def check(self, header: dict) -> dict:
         """``header``, once it is found to hold every declared field right;
-        :class:`ProtocolError` otherwise (the peer broke the protocol)."""
-        for key, required, kind in self._fast:
-            value = header.get(key, _ABSENT)
-            if value is _ABSENT or value is None:
-                if required:
-                    break
-                continue
-            if not kind.accepts(value):
-                break
-        else:
-            return header
+        :class:`ProtocolError` otherwise (the peer broke the protocol).  (Each
+        message replaces this with its compiled check, :func:`_compile_check`,
+        which comes here only for a header it does not pass.)"""
         for field in self.fields:
             problem = field.problem(header)
             if problem is not None:
@@ -491,6 +445,43 @@ def _compile_parser(command: Command) -> Callable[[dict, int, Any, int], Request
     scope = {**_TEST_NAMES, **names}
     exec(compile("\n".join(body), f"<{command.verb} request parser>", "exec"), scope)  # noqa: S102
     return scope["parse"]
+
+
+def _compile_check(message: Message) -> Callable[[dict], dict]:
+    """``check(header)`` for ``message``: the header when every declared field is
+    right, else :meth:`Message.check`'s error.  Made from the fields as
+    :func:`_compile_parser` makes a request parser: kinds inlined, the optional
+    fields looked for only while the header has keys the required ones and the
+    undeclared ``code`` and ``id`` do not account for."""
+    names: dict[str, Any] = {"wrong": partial(Message.check, message)}
+    required = [field for field in message.fields if field.required]
+    optional = [field for field in message.fields if not field.required]
+    declared = {field.key for field in message.fields}
+    body = ["def check(header):", "    get = header.get"]
+
+    def test_of(i: int, field: Field) -> str:
+        if field.kind.test is not None:
+            return field.kind.test
+        names[f"accepts_{i}"] = field.kind.accepts
+        return f"accepts_{i}(v)"
+
+    for i, field in enumerate(required):
+        body += [f"    v = get({field.key!r})",
+                 f"    if v is None or not ({test_of(i, field)}): return wrong(header)"]
+    if optional:
+        spare = " - ".join(f"({key!r} in header)" for key in (Key.CODE, Key.ID) if key not in declared)
+        body += [f"    left = len(header) - {len(required)}" + (f" - {spare}" if spare else ""),
+                 "    if left <= 0: return header"]
+        for i, field in enumerate(optional, len(required)):
+            body += [f"    v = get({field.key!r})",
+                     "    if v is not None:",
+                     f"        if not ({test_of(i, field)}): return wrong(header)",
+                     "        left -= 1",
+                     "        if not left: return header"]
+    body.append("    return header")
+    scope = {**_TEST_NAMES, **names}
+    exec(compile("\n".join(body), f"<{message.code} reply check>", "exec"), scope)  # noqa: S102
+    return scope["check"]
 
 
 def reply_error(header: dict, what: str) -> TensorShareErrorLike:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import struct
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import msgpack
@@ -35,7 +35,6 @@ VERSION = 1
 PREFIX = struct.Struct("<4sBBHIQ")
 PREFIX_SIZE = PREFIX.size  # 20
 _PLAIN_START = PREFIX.pack(MAGIC, VERSION, 0, 0, 0, 0)[:8]  # magic, version, no flags, reserved 0
-_LENGTHS = struct.Struct("<IQ")  # header_len, payload_len: the prefix's last 12 bytes
 _START_LENGTHS = struct.Struct("<8sIQ")  # the prefix: its first 8 bytes, header_len, payload_len
 
 
@@ -50,8 +49,15 @@ class FrameLimits:
     # bytes of objects per byte is refused (None: not measured).  For servers, which
     # may keep a decoded request waiting while its connection is congested.
     header_memory: int | None = None
+    # (longest header, most bytes) of a frame whole_frames parses, from the above
+    whole: tuple[int, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        # (larger headers are measured: the decoder's job)
+        object.__setattr__(self, "whole", (min(self.max_header, FREE_CONTAINERS), min(SMALL_FRAME, self.max_payload)))
 
 
+SMALL_FRAME = 64 << 10  # most bytes (prefix, header, payload) of a frame :func:`whole_frames` parses
 DEFAULT_FRAME_LIMITS = FrameLimits()
 
 
@@ -300,17 +306,13 @@ def discard_sink(header: dict, nbytes: int) -> DiscardSink:
 
 # ---------------------------------------------------------------- whole small frames
 
-SMALL_FRAME = 64 << 10  # most bytes (prefix, header, payload) of a frame :func:`whole_frames` parses
-
-
-def whole_frames(data: bytes, limits: FrameLimits = DEFAULT_FRAME_LIMITS,
-                 most: int = SMALL_FRAME) -> tuple[list[tuple[dict, bytes, int]], int]:
+def whole_frames(data: bytes, limits: FrameLimits = DEFAULT_FRAME_LIMITS) -> tuple[list[tuple[dict, bytes, int]], int]:
     """The whole small frames at the start of ``data`` (a read), each parsed in one
     step where it arrives, prefix and header together: ``([(header, payload,
     payload_len), ...], end)``, the payload a ``bytes`` slice of ``data``.
 
     It stops at ``end``, the first frame that is not whole in ``data``, is over
-    ``most`` bytes, has a header longer than :data:`FREE_CONTAINERS` bytes or is
+    :data:`SMALL_FRAME` bytes, has a header longer than :data:`FREE_CONTAINERS` bytes or is
     not a plain, well-formed frame within ``limits``: :class:`FrameDecoder` takes
     the rest (and refuses what is wrong, with its reasons).  A frame it returns
     is one that decoder would return with the same header, and its payload is the
@@ -318,9 +320,7 @@ def whole_frames(data: bytes, limits: FrameLimits = DEFAULT_FRAME_LIMITS,
     """
     found = []
     pos, end = 0, len(data)
-    max_header = min(limits.max_header, FREE_CONTAINERS)  # (larger headers are measured: the decoder's job)
-    if most > limits.max_payload:
-        most = limits.max_payload
+    max_header, most = limits.whole
     while end - pos >= PREFIX_SIZE:
         first, header_len, payload_len = _START_LENGTHS.unpack_from(data, pos)
         start = pos + PREFIX_SIZE
@@ -394,14 +394,15 @@ class FrameDecoder:
         self._lent = False  # a buffer lent before and not used is not accounted for
         frames: list[Frame] = []
         pos, end = 0, len(data)
+        view = data if type(data) is memoryview else memoryview(data)  # (slices of it copy nothing)
         try:
             while pos < end:
                 if self._state == _HEADER:
                     if not self._pending and end - pos >= PREFIX_SIZE:
                         # Fast path (a read holding whole prefixes, the usual case):
                         # parse in place instead of gathering into _pending first.
-                        if data[pos : pos + 8] == _PLAIN_START:
-                            header_len, payload_len = _LENGTHS.unpack_from(data, pos + 8)
+                        first, header_len, payload_len = _START_LENGTHS.unpack_from(data, pos)
+                        if first == _PLAIN_START:
                             limits = self.limits
                             if not 0 < header_len <= limits.max_header or payload_len > limits.max_payload:
                                 self._check_prefix(PREFIX.unpack_from(data, pos))  # raises
@@ -415,9 +416,9 @@ class FrameDecoder:
                             self._need = PREFIX_SIZE + header_len
                             pos = end
                         elif payload_len:
-                            self._start_payload(self._header_of(memoryview(data)[start:pos]), frames)
+                            self._start_payload(self._header_of(view[start:pos]), frames)
                         else:  # no payload (most replies and many requests): done here
-                            header = self._header_of(memoryview(data)[start:pos])
+                            header = self._header_of(view[start:pos])
                             if self._refused is None:
                                 frames.append(Frame(header, self.sink_factory(header, 0).finish(), 0))
                             else:
@@ -432,7 +433,7 @@ class FrameDecoder:
                 else:
                     take = min(self._remaining, end - pos)
                     whole = take == end and pos == 0
-                    self._sink.write(data if whole else memoryview(data)[pos : pos + take])
+                    self._sink.write(data if whole else view[pos : pos + take])
                     pos += take
                     self._remaining -= take
                     if not self._remaining:
