@@ -282,7 +282,7 @@ def client_cpu(rec: Recorder, p: Profile, peers, server: Server, clients_of: Mix
 def run(rec: Recorder, p: Profile, peers) -> None:
     rec.begin("4. Scaling")
     server = Server()
-    clients_of = MixedClients()
+    clients_of = MixedClients()  # (every part takes them; fan-out has listener processes of its own)
     try:
         for part in (concurrent_clients, workers_scaling, fan_out, client_cpu):
             try:

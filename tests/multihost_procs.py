@@ -2,11 +2,12 @@
 
 ``python tests/multihost_procs.py ROLE HOST PORT ARGS...``; each prints one JSON
 line with what it saw and exits.  Roles: read (peeks the bin until it holds a
-given version, checks each version it sees is whole; says the first one it sees too), append (numbered items, one request each, never
-retried), and commands: one client that, for each line on stdin, ``publish BIN FIRST
-LAST FLOATS PAUSE`` (versions of a state dict whose every element is its version)
-or ``tags BIN`` (the tags of a bin's items), prints one JSON line, until stdin closes
-(one process, one import of torch, for every publish of a test).
+given version, checks that each version it sees is whole, and says the first one
+it sees at once), append (numbered items, one request each, never retried), and
+commands: one client that, for each line on stdin, ``publish BIN FIRST LAST FLOATS
+PAUSE`` (versions of a state dict whose every element is its version) or ``tags
+BIN`` (the tags of a bin's items), prints one JSON line, until stdin closes (one
+process, one import of torch, for every publish of a test).
 """
 
 from __future__ import annotations
