@@ -128,6 +128,7 @@ class TensorShareProtocol(protocol.Protocol):
 
     def connectionLost(self, reason) -> None:
         self.factory.live.discard(self)
+        self.__dict__.pop("dataReceived", None)  # (its partial refers back to this protocol: no cycle left)
         call = self._resume_call
         if call is not None and call.active():
             call.cancel()
