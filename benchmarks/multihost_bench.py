@@ -49,16 +49,28 @@ def _state(version: int, nbytes: int):
     return {f"layer{i}": torch.full((nbytes // TENSORS // 4,), float(version)) for i in range(TENSORS)}
 
 
-def _publish(host: str, port: int, nbytes: int) -> None:
+def _publish(nbytes: int) -> None:
+    """Host 0's publisher: a ``HOST PORT`` line on stdin says where to publish from
+    then on; a ``VERSION`` line puts that version and prints ``VERSION TIME``."""
     import tensorshare
 
-    with tensorshare.Client(host, port, timeout=300) as client:
+    client = None
+    try:
         for line in sys.stdin:
-            version = int(line)
+            words = line.split()
+            if len(words) == 2:
+                if client is not None:
+                    client.close()
+                client = tensorshare.Client(words[0], int(words[1]), timeout=300)
+                continue
+            version = int(words[0])
             state = _state(version, nbytes)
             start = time.time()
             client.put("params", state, tag=version)
             print(f"{version} {start}", flush=True)
+    finally:
+        if client is not None:
+            client.close()
 
 
 def _hold() -> None:
@@ -169,7 +181,7 @@ def _produce(run_s: float, item_bytes: int, servers: list[str]) -> None:
 def worker_main(argv: list[str]) -> None:
     role, *args = argv
     if role == "publish":
-        _publish(args[0], int(args[1]), int(args[2]))
+        _publish(int(args[0]))
     elif role == "hold":
         _hold()
     elif role == "raw_recv":
@@ -214,7 +226,7 @@ def _bound(rec: Recorder, net, p: Profile) -> Sample:
     return sample
 
 
-def _fan(rec: Recorder, net, p: Profile, holders: list, shape: str, label: str) -> None:
+def _fan(rec: Recorder, net, p: Profile, holders: list, publisher, shape: str, label: str) -> None:
     from .netns import start_server, start_servers
 
     n, nbytes = p.mh_workers, p.mh_fan_bytes
@@ -252,7 +264,8 @@ def _fan(rec: Recorder, net, p: Profile, holders: list, shape: str, label: str) 
     for w in holders:
         if _line(w, 120) != "ready":
             raise RuntimeError("a worker did not start")
-    publisher = _spawn(net, 0, "publish", net.addresses[0], port, nbytes)
+    publisher.stdin.write(f"{net.addresses[0]} {port}\n")  # publishes to this run's head from now on
+    publisher.stdin.flush()
     limit = 60 + 30 * n * nbytes / 1e8
     alls, firsts, torn = [], [], 0
     for version in range(p.mh_reps + p.warmup):
@@ -279,8 +292,7 @@ def _fan(rec: Recorder, net, p: Profile, holders: list, shape: str, label: str) 
                "ms", better="lower", vs=["mh.link"] + (["mh.fan.star"] if shape != "star" else []),
                note=f"from just before put to the last worker's peek; the first worker: "
                     f"{Sample.of(firsts).median:,.0f} ms")
-    publisher.stdin.close()
-    for proc in [publisher, *servers]:
+    for proc in servers:
         proc.terminate()
         try:
             proc.wait(10)
@@ -325,11 +337,13 @@ def run(rec: Recorder, p: Profile, peers) -> None:
                 f"{', netem delay ' + net.delay if net.delayed else ' (no netem in this kernel: no added delay)'}")
         _bound(rec, net, p)
         net.stop_processes()
-        holders = [_spawn(net, h, "hold") for h in range(1, n + 1)]  # one reader per worker host, kept
-        _fan(rec, net, p, holders, "star", "star (every worker reads the head, TCP)")
-        _fan(rec, net, p, holders, "flat", "flat relays (one per host, all following the head)")
-        _fan(rec, net, p, holders, "tree", "relay tree (two children per node)")
-        _fan(rec, net, p, holders, "chain", "relay chain (each relay follows the one before, cut-through)")
+        # one reader per worker host and one publisher in host 0, kept for every shape
+        holders = [_spawn(net, h, "hold") for h in range(1, n + 1)]
+        publisher = _spawn(net, 0, "publish", p.mh_fan_bytes)
+        _fan(rec, net, p, holders, publisher, "star", "star (every worker reads the head, TCP)")
+        _fan(rec, net, p, holders, publisher, "flat", "flat relays (one per host, all following the head)")
+        _fan(rec, net, p, holders, publisher, "tree", "relay tree (two children per node)")
+        _fan(rec, net, p, holders, publisher, "chain", "relay chain (each relay follows the one before, cut-through)")
     for shards in p.mh_roll_shards:
         with Network(n + shards, rate=p.mh_rate) as net:
             _ingest(rec, net, p, shards)

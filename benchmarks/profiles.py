@@ -82,6 +82,7 @@ class Profile:
     tables_actor_capacity: int = 10_000
     tables_run_s: float = 2.0
     tables_runs: int = 3
+    pool_lead_s: float = 2.0           # a pool of actor processes gets its work this long before the clock starts
     # 16. scale: tables of 10^7-10^8 rows, larger than RAM, sequences (issue #41)
     big_rows: int = 10_000_000         # rows of 64 B in the large table (the goals are stated at 10^8: full)
     big_side_rows: int = 10_000_000    # rows of the side-by-side run with TorchRL in process
@@ -92,6 +93,9 @@ class Profile:
     big_dir: str = ""                  # where the scratch directory goes ("": the system's temporary directory)
     # 4. scaling over --workers (issue #32): the most clients of scale_clients against each count
     scale_workers: tuple[int, ...] = (1, 2, 4)
+    # 9. metrics on vs off: fresh pairs of servers (where the OS places a process can slow one
+    # by 10-15% for its life: runs over several pairs are pooled)
+    ops_rounds: int = 3
     # 13. a busy host: CPU-bound processes on every core while small ops and a large put run
     busy_hogs: int = 4                 # CPU-bound processes (the goals are stated for 4 on 2 cores)
     busy_small_ops: int = 1000         # put+peek round trips per timed run
@@ -159,12 +163,12 @@ SMOKE = Profile(
     rl_workers=2, rl_fan_tensors=4, rl_fan_tensor_elems=1 << 16, rl_fan_reps=1,
     rl_roll_cols=(64,), rl_roll_run_s=0.3, rl_roll_runs=1, rl_worker_lifetime_s=120,
     disk_peek_bytes=4 * MiB, disk_reps=1, disk_sd_side=16, disk_limit_bytes=8 * MiB,
-    zc_bytes=4 * MiB, zc_reps=1, zc_fan_bytes=4 * MiB, zc_fan_workers=2,
-    mh_workers=2, mh_fan_bytes=1 * MiB, mh_reps=1, mh_roll_shards=(1, 2), mh_roll_bytes=64 << 10, mh_roll_run_s=0.5,
+    zc_bytes=4 * MiB, zc_reps=1, zc_fan_bytes=4 * MiB, zc_fan_workers=1,
+    mh_workers=2, mh_fan_bytes=1 * MiB, mh_reps=1, mh_roll_shards=(2,), mh_roll_bytes=64 << 10, mh_roll_run_s=0.5,
     tables_rows=512, tables_reps=1, tables_redis_keys=512, tables_prio_rows=10_000, tables_actors=2,
-    tables_actor_capacity=256, tables_run_s=0.3, tables_runs=1,
-    versions_workers=2, versions_tensors=10, versions_tensor_elems=1 << 12, versions_reps=2,
-    scale_workers=(1, 2), busy_hogs=2, busy_small_ops=20, busy_runs=1, busy_put_bytes=4 * MiB, busy_put_reps=1,
+    tables_actor_capacity=256, tables_run_s=0.3, tables_runs=1, pool_lead_s=0.5, ops_rounds=1,
+    versions_workers=1, versions_tensors=10, versions_tensor_elems=1 << 12, versions_reps=2,
+    scale_workers=(2,), busy_hogs=2, busy_small_ops=20, busy_runs=1, busy_put_bytes=4 * MiB, busy_put_reps=1,
     floor_clients=1, floor_ops=30, floor_runs=1,
     gpu_bytes=64 * MiB, gpu_tensors=8, gpu_reps=1,
     big_rows=20_000, big_side_rows=20_000, big_ram_table_bytes=8 * MiB, big_reps=2, big_writers=2, big_run_s=0.3,

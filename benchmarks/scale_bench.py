@@ -194,7 +194,7 @@ def _writers(rec: Recorder, p: Profile, port: int, size: str) -> None:
     with ctx.Pool(p.big_writers) as pool:
         pool.map(abs, range(p.big_writers))
         for _ in range(p.tables_runs):
-            start = time.time() + 2.0
+            start = time.time() + p.pool_lead_s  # each connects first
             counts = pool.starmap(_writer, [(port, start, p.big_run_s, batch)] * p.big_writers)
             rates.append(sum(counts) * ROW / p.big_run_s / 1e9)
     rec.figure("scale.inserts", f"inserts of 1 MiB ({batch} rows) from {p.big_writers} processes into the full "

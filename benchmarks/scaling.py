@@ -35,50 +35,71 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
-def _mixed_runs(p: Profile, peer: str, port: int, clients: int, counted: list | None = None,
-                cpu: list | None = None, size: int | None = None) -> tuple[Sample, Sample, Sample]:
+class MixedClients:
+    """The mixed-load worker processes of the section, kept from one measurement to the
+    next (each start costs a second or more of importing torch): :meth:`get` points
+    ``k`` of a peer's at a server, starting those it lacks."""
+
+    def __init__(self):
+        self._workers = Workers()
+        self._of: dict[str, list] = {}
+
+    def get(self, peer: str, port: int, k: int, size: int) -> list:
+        have = self._of.setdefault(peer, [])
+        for w in have[:k]:
+            w.send(f"target {port} {size}")
+        have += [self._workers.start("mixed", port, peer, size, i) for i in range(len(have), k)]
+        for w in have[:k]:
+            w.expect(120, "ready")
+        return have[:k]
+
+    def stop(self) -> None:
+        self._workers.stop()
+        self._of.clear()
+
+
+def _mixed_runs(p: Profile, clients_of: MixedClients, peer: str, port: int, clients: int,
+                counted: list | None = None, cpu: list | None = None,
+                size: int | None = None) -> tuple[Sample, Sample, Sample]:
     """(ops/s, MB/s, p99 ms) over the profile's runs, ``clients`` worker processes
     putting values of ``size`` bytes (default: the profile's ``scale_value_bytes``);
     ``counted`` gets the ops of every run, warm-up included; ``cpu``, each measured
     run's client CPU seconds per request, all clients together."""
     run_s = p.scale_run_s
     ops, mbps, p99 = [], [], []
-    with Workers() as ws:
-        workers = [ws.start("mixed", port, peer, size or p.scale_value_bytes, i) for i in range(clients)]
+    workers = clients_of.get(peer, port, clients, size or p.scale_value_bytes)
+    for i in range(p.warmup + p.scale_runs):
+        duration = run_s if i >= p.warmup else min(0.5, run_s)
         for w in workers:
-            w.expect(120, "ready")
-        for i in range(p.warmup + p.scale_runs):
-            duration = run_s if i >= p.warmup else min(0.5, run_s)
-            for w in workers:
-                w.send(f"go {duration}")
-            results = [json.loads(w.expect(duration + 120, "result").split(" ", 1)[1]) for w in workers]
-            if counted is not None:
-                counted.append(sum(r["ops"] for r in results))
-            if i < p.warmup:
-                continue
-            ops.append(sum(r["ops"] / r["seconds"] for r in results))
-            if cpu is not None:
-                cpu.append(sum(r["cpu_s"] for r in results) / sum(r["ops"] for r in results))
-            mbps.append(sum(r["bytes"] / r["seconds"] for r in results) / 1e6)
-            p99.append(percentile([lat for r in results for lat in r["lat_us"]], 99) / 1e3)
+            w.send(f"go {duration}")
+        results = [json.loads(w.expect(duration + 120, "result").split(" ", 1)[1]) for w in workers]
+        if counted is not None:
+            counted.append(sum(r["ops"] for r in results))
+        if i < p.warmup:
+            continue
+        ops.append(sum(r["ops"] / r["seconds"] for r in results))
+        if cpu is not None:
+            cpu.append(sum(r["cpu_s"] for r in results) / sum(r["ops"] for r in results))
+        mbps.append(sum(r["bytes"] / r["seconds"] for r in results) / 1e6)
+        p99.append(percentile([lat for r in results for lat in r["lat_us"]], 99) / 1e3)
     return Sample.of(ops), Sample.of(mbps), Sample.of(p99)
 
 
-def concurrent_clients(rec: Recorder, p: Profile, peers, server: Server) -> None:
+def concurrent_clients(rec: Recorder, p: Profile, peers, server: Server, clients_of: MixedClients) -> None:
     size = mib(p.scale_value_bytes)
     redis = peers.redis(rec, "Redis concurrent clients")
     for k in p.scale_clients:
         rec.say(f"  -- {k} client process(es), {size} values, {p.scale_run_s}s per run")
         vs_ops, vs_mb, vs_p99 = [], [], []
         if redis is not None:
-            o, m, q = _mixed_runs(p, "redis", redis.server.port, k)
+            o, m, q = _mixed_runs(p, clients_of, "redis", redis.server.port, k)
             rec.figure(f"scale.{k}.redis.ops", f"Redis mixed, {_plural(k, 'client')}: ops/s", o, "ops/s", baseline=True,
                        chart={"name": "scaling-ops", "series": "Redis", "x": k})
             rec.figure(f"scale.{k}.redis.mbps", f"Redis mixed, {_plural(k, 'client')}: MB/s", m, "MB/s", baseline=True)
             rec.figure(f"scale.{k}.redis.p99", f"Redis mixed, {_plural(k, 'client')}: p99 latency", q, "ms", better="lower",
                        baseline=True, chart={"name": "scaling-p99", "series": "Redis", "x": k})
             vs_ops, vs_mb, vs_p99 = [f"scale.{k}.redis.ops"], [f"scale.{k}.redis.mbps"], [f"scale.{k}.redis.p99"]
-        o, m, q = _mixed_runs(p, "ts", server.port, k)
+        o, m, q = _mixed_runs(p, clients_of, "ts", server.port, k)
         rec.figure(f"scale.{k}.ts.ops", f"tensorshare mixed, {_plural(k, 'client')}: ops/s", o, "ops/s",
                    vs=vs_ops + ["scale.1.ts.ops"] * (k > 1), chart={"name": "scaling-ops", "series": "tensorshare", "x": k})
         rec.figure(f"scale.{k}.ts.mbps", f"tensorshare mixed, {_plural(k, 'client')}: MB/s", m, "MB/s", vs=vs_mb)
@@ -93,7 +114,7 @@ def concurrent_clients(rec: Recorder, p: Profile, peers, server: Server) -> None
                        "scale.8.ts.ops", "scale.8.redis.ops", ">=", 1.0)
 
 
-def workers_scaling(rec: Recorder, p: Profile, peers, server: Server) -> None:
+def workers_scaling(rec: Recorder, p: Profile, peers, server: Server, clients_of: MixedClients) -> None:
     """The most clients of the profile against servers of 1, 2, 4... workers (``--workers``),
     beside Redis with as many clients; and the server's CPU per request per worker."""
     k = max(p.scale_clients)
@@ -105,7 +126,7 @@ def workers_scaling(rec: Recorder, p: Profile, peers, server: Server) -> None:
         counted: list[int] = []
         with Server("--workers", str(workers)) as multi:
             before = multi.cpu_seconds()
-            o, m, q = _mixed_runs(p, "ts", multi.port, k, counted)
+            o, m, q = _mixed_runs(p, clients_of, "ts", multi.port, k, counted)
             cpu = multi.cpu_seconds() - before
         ops_key = f"scale.workers.{workers}.ops"
         rec.figure(ops_key, f"tensorshare mixed, {_plural(k, 'client')}, --workers {workers}: ops/s", o, "ops/s",
@@ -142,7 +163,7 @@ def _fanout_times(p: Profile, peer: str, port: int, listeners: int, publish) -> 
     return Sample.of(times)
 
 
-def fan_out(rec: Recorder, p: Profile, peers, server: Server) -> None:
+def fan_out(rec: Recorder, p: Profile, peers, server: Server, clients_of: MixedClients) -> None:
     nbytes = p.fanout_value_bytes
     size = mib(nbytes)
     tensor = torch.ones(nbytes // 4)
@@ -239,7 +260,7 @@ CLIENT_CPU_CLIENTS = 8  # client processes of the client-CPU figure (issue #39: 
 CLIENT_CPU_BYTES = 1 << 10  # their values: small requests, where the client's own work shows
 
 
-def client_cpu(rec: Recorder, p: Profile, peers, server: Server) -> None:
+def client_cpu(rec: Recorder, p: Profile, peers, server: Server, clients_of: MixedClients) -> None:
     """The clients' CPU per small request (mixed 1 KiB put/append/get, 8 processes),
     tensorshare.Client beside redis-py in the same run: the client's half of the bill,
     whatever the server costs (issue #39: <= 0.9x redis-py's)."""
@@ -250,7 +271,7 @@ def client_cpu(rec: Recorder, p: Profile, peers, server: Server) -> None:
     for peer, port, key, label in (("redis", redis.server.port, "cpu.client.redis", "redis-py"),
                                    ("ts", server.port, "cpu.client.ts", "tensorshare.Client")):
         per_request: list[float] = []
-        _mixed_runs(p, peer, port, k, cpu=per_request, size=CLIENT_CPU_BYTES)
+        _mixed_runs(p, clients_of, peer, port, k, cpu=per_request, size=CLIENT_CPU_BYTES)
         rec.figure(key, f"{label} CPU per request, mixed {mib(CLIENT_CPU_BYTES)}, {k} client processes",
                    Sample.of([s * 1e6 for s in per_request]), "us", better="lower", baseline=peer == "redis",
                    vs=[] if peer == "redis" else ["cpu.client.redis"])
@@ -261,10 +282,11 @@ def client_cpu(rec: Recorder, p: Profile, peers, server: Server) -> None:
 def run(rec: Recorder, p: Profile, peers) -> None:
     rec.begin("4. Scaling")
     server = Server()
+    clients_of = MixedClients()  # (every part takes them; fan-out has listener processes of its own)
     try:
         for part in (concurrent_clients, workers_scaling, fan_out, client_cpu):
             try:
-                part(rec, p, peers, server)
+                part(rec, p, peers, server, clients_of)
             except Exception as exc:  # one part failing must not hide the others
                 rec.error(f"scaling: {part.__name__}", exc)
                 if not server.alive():
@@ -272,5 +294,6 @@ def run(rec: Recorder, p: Profile, peers) -> None:
                     server.stop()
                     server = Server()
     finally:
+        clients_of.stop()
         server.stop()
     server_memory(rec, p)

@@ -301,12 +301,12 @@ def _redis_actor(port: int, start: float, run_s: float, capacity: int) -> int:
     return done
 
 
-def _actors(fn, args: tuple, n: int, run_s: float) -> float:
+def _actors(fn, args: tuple, n: int, run_s: float, lead_s: float) -> float:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "redis", "tensorshare.client", "benchmarks.tables_bench"])
     with ctx.Pool(n) as pool:
         pool.map(abs, range(n))  # the workers are up before the clock starts
-        start = time.time() + 2.0  # each connects and makes its batch first
+        start = time.time() + lead_s  # each connects and makes its batch first
         counts = pool.starmap(fn, [(args[0], start, run_s, *args[1:])] * n)
     return sum(counts) / run_s
 
@@ -317,14 +317,14 @@ def _inserts(rec: Recorder, p: Profile, port: int, peers) -> None:
     vs = []
     redis = peers.redis(rec, "Redis RPUSH from actor processes")
     if redis is not None:
-        rates = [_actors(_redis_actor, (redis.server.port, capacity), n, run_s) for _ in range(runs)]
+        rates = [_actors(_redis_actor, (redis.server.port, capacity), n, run_s, p.pool_lead_s) for _ in range(runs)]
         redis.r.delete("bench:actors")
         rec.figure("tables.redis_rpush", f"Redis RPUSH of {ACTOR_BATCH} transitions from {n} processes",
                    Sample.of(rates), "transitions/s", baseline=True)
         vs.append("tables.redis_rpush")
     with Client("127.0.0.1", port, timeout=60) as client:
         client.create_table("bench-actors", capacity, columns(), remover="fifo")
-        rates = [_actors(_table_actor, (port,), n, run_s) for _ in range(runs)]
+        rates = [_actors(_table_actor, (port,), n, run_s, p.pool_lead_s) for _ in range(runs)]
         size = client.table_info("bench-actors")["size"]
         client.delete("bench-actors")
     if size != capacity:

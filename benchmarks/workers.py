@@ -15,7 +15,8 @@ Kinds:
 * ``mixed PORT PEER SIZE ID``
                         -- a client doing put/append/get (PEER ts) or the same through Redis,
                            for ``go SECONDS`` or ``count N`` ops; says its ops, time, latencies and CPU
-                           (PEER ts: PORT may list servers, P1,P2, and a command name the K-th: ``count N K``)
+                           (PEER ts: PORT may list servers, P1,P2, and a command name the K-th: ``count N K``);
+                           ``target PORT SIZE``: the same load against other servers, values of SIZE bytes
 * ``listen PORT PEER BIN``
                         -- waits for notifications of a bin and fetches it (fan-out)
 * ``rl PORT EXPERIMENT LIFETIME [ZERO_COPY]``
@@ -231,15 +232,23 @@ def mixed_ops(peer: str, port: int, nbytes: int, name: str) -> list:
 
 def mixed(port: str, peer: str, size: str, wid: str) -> None:
     """put/append/get in a cycle for the duration of each ``go SECONDS`` command."""
-    nbytes, name = int(size), f"mixed-{wid}"
-    # (the floor bench gives several servers of the same protocol: benchmarks/floor_server.py)
-    targets = [mixed_ops(peer, int(each), nbytes, name) for each in (port.split(",") if peer == "ts" else [port])]
+    name = f"mixed-{wid}"
+
+    def connect(port: str, size: str) -> list:
+        # (the floor bench gives several servers of the same protocol: benchmarks/floor_server.py)
+        return [mixed_ops(peer, int(each), int(size), name) for each in (port.split(",") if peer == "ts" else [port])]
+
+    targets = connect(port, size)
     _say("ready")
     clock = time.perf_counter
     for line in sys.stdin:
         cmd = line.split()
         if not cmd or cmd[0] == "quit":
             break
+        if cmd[0] == "target":  # a process kept for the next measurement (starting one imports torch)
+            targets = connect(cmd[1], cmd[2])
+            _say("ready")
+            continue
         # ``go SECONDS [K]``: for that long; ``count N [K]``: N ops (CPU per request around a
         # fixed count); K: to the K-th of the ports given (default the first)
         duration, count = (float(cmd[1]), None) if cmd[0] == "go" else (float("inf"), int(cmd[1]))

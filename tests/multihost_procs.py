@@ -1,10 +1,13 @@
 """Processes the multi-host tests run inside network namespaces (test_multihost.py).
 
 ``python tests/multihost_procs.py ROLE HOST PORT ARGS...``; each prints one JSON
-line with what it saw and exits.  Roles: publish (versions of a state dict whose
-every element is its version), read (listens, peeks every announced version and
-checks it is whole), append (numbered items, one request each, never retried),
-tags (the tags of a bin's items).
+line with what it saw and exits.  Roles: read (peeks the bin until it holds a
+given version, checks that each version it sees is whole, and says the first one
+it sees at once), append (numbered items, one request each, never retried), and
+commands: one client that, for each line on stdin, ``publish BIN FIRST LAST FLOATS
+PAUSE`` (versions of a state dict whose every element is its version) or ``tags
+BIN`` (the tags of a bin's items), prints one JSON line, until stdin closes (one
+process, one import of torch, for every publish of a test).
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ def read(client, bin: str, until: int, limit_s: float) -> dict:
             problems.append(f"back from {seen[-1]} to {version}")
         if not seen or version != seen[-1]:
             seen.append(version)
+            if len(seen) == 1:
+                print(json.dumps({"first": version}), flush=True)  # this reader is under way
         if version >= until:
             break
         time.sleep(0.005)
@@ -82,14 +87,21 @@ def tags(client, bin: str) -> dict:
 def main(argv: list[str]) -> None:
     role, host, port, *args = argv
     with tensorshare.Client(host, int(port), timeout=20, max_backoff=0.2) as client:
-        if role == "publish":
-            result = publish(client, args[0], int(args[1]), int(args[2]), int(args[3]), float(args[4]))
-        elif role == "read":
+        if role == "commands":
+            for line in sys.stdin:
+                command, bin, *more = line.split()
+                if command == "publish":
+                    answer = publish(client, bin, int(more[0]), int(more[1]), int(more[2]), float(more[3]))
+                elif command == "tags":
+                    answer = tags(client, bin)
+                else:
+                    raise SystemExit(f"unknown command {command!r}")
+                print(json.dumps(answer), flush=True)
+            return
+        if role == "read":
             result = read(client, args[0], int(args[1]), float(args[2]))
         elif role == "append":
             result = append(client, args[0], int(args[1]), int(args[2]), float(args[3]))
-        elif role == "tags":
-            result = tags(client, args[0])
         else:
             raise SystemExit(f"unknown role {role!r}")
     print(json.dumps(result), flush=True)

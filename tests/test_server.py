@@ -279,7 +279,52 @@ def test_reconnect_after_server_restart(fresh_server):
     c.close()
 
 
-def test_pending_call_fails_promptly_when_server_dies(fresh_server):
+def test_close_ends_a_listening_clients_wait_to_reconnect_at_once(fresh_server):
+    """A listening client whose server is gone waits between attempts to connect;
+    close() ends that wait instead of sitting it out (it blocked for up to max_backoff)."""
+    import logging
+
+    waits: list[float] = []
+
+    class Waits(logging.Handler):
+        def emit(self, record):
+            if "retrying in" in record.msg:
+                waits.append(record.args[-1])
+
+    log = logging.getLogger("tensorshare.client")
+    handler, level = Waits(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        c = tensorshare.Client("127.0.0.1", fresh_server.port, timeout=10, max_backoff=30)
+        c.listen("w-bin", lambda note: None)
+        fresh_server.kill()
+        assert wait_for(lambda: waits and waits[-1] >= 1.0, timeout=20)  # the reader waits a second or more
+        [reader] = [t for t in threading.enumerate() if t.name == "tensorshare-reader"]
+        start = time.monotonic()
+        c.close()
+        assert time.monotonic() - start < 0.5 and not reader.is_alive()
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
+def test_a_call_whose_send_fails_leaves_the_client_usable_after_a_restart(fresh_server):
+    """A put that finds the connection gone while it sends (a broken pipe) fails with
+    ConnectionLostError; the next call reconnects and gets its reply (the failed call
+    left the client believing a reader ran, and every later call waited out its timeout)."""
+    c = tensorshare.Client("127.0.0.1", fresh_server.port, timeout=5, zero_copy=False, max_backoff=0.2)
+    c.put("s-bin", 1)
+    fresh_server.kill()
+    with pytest.raises(ConnectionLostError):
+        c.put("s-bin", torch.zeros(4 << 20))  # 16 MiB: more than the socket takes before the reset
+    fresh_server.start()  # on the same port
+    c.put("s-bin", 2)
+    assert c.peek("s-bin") == [2]
+    c.close()
+
+
+
     c = tensorshare.Client("127.0.0.1", fresh_server.port, timeout=30)
     c.put("d-bin", torch.zeros(1))
     fresh_server.kill()

@@ -191,10 +191,18 @@ class Member:
             if leading:
                 self.reading = True
         try:
-            if progress is None:
-                self._send(link, parts, deadline, call.rid)
-            else:
-                self._send(link, progress.sending(parts), deadline, call.rid, progress=progress)
+            try:
+                if progress is None:
+                    self._send(link, parts, deadline, call.rid)
+                else:
+                    self._send(link, progress.sending(parts), deadline, call.rid, progress=progress)
+            except BaseException:
+                if leading:  # (_await, which would have let go of the reader's role, does not run)
+                    with lock:
+                        self.reading = False
+                        if self.waiting:
+                            self.cond.notify_all()
+                raise
             self._await(call, deadline, progress, leading)
         except BaseException as exc:
             self._gave_up(call, link, exc)

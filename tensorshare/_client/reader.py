@@ -101,7 +101,14 @@ class BackgroundReader:
                     if delay is None:
                         return
                     log.info("tensorshare reader: %s; retrying in %.2fs", failure, delay)
-                    time.sleep(delay)
+                    # Waited on the condition, not slept: close() ends the wait at once
+                    # (it joins this thread, and a sleep held it for up to max_backoff).
+                    deadline = time.monotonic() + delay
+                    with cond:
+                        while not member.closed and (left := deadline - time.monotonic()) > 0:
+                            cond.wait(left)
+                    if member.closed:
+                        return
         finally:
             with cond:
                 self.thread = None
