@@ -324,7 +324,7 @@ def test_a_call_whose_send_fails_leaves_the_client_usable_after_a_restart(fresh_
     c.close()
 
 
-
+def test_pending_call_fails_promptly_when_server_dies(fresh_server):
     c = tensorshare.Client("127.0.0.1", fresh_server.port, timeout=30)
     c.put("d-bin", torch.zeros(1))
     fresh_server.kill()

@@ -176,35 +176,23 @@ class FrameWriter:
         budget: it goes out with one ``send()`` at once, or with the other replies
         of the read being handled (:meth:`hold`) when that ends.  Everything else
         (a large reply, a slow reader's, one behind queued frames) takes the queue."""
-        if self._queue or self._paused or self._socket is None or self._lost or self._closing \
-                or self._offload is not None:
-            self.send(parts, on_abandon, on_written)
-            return
         data = parts[0] if len(parts) == 1 else _joined(parts)
-        if type(data) is not bytes or len(data) >= SHARED_PART:
+        if type(data) is bytes:
+            self.reply(data, on_abandon, on_written)
+        else:
             self.send(parts, on_abandon, on_written)
+
+    def reply(self, data: bytes, on_abandon: Callable[[], None] | None = None,
+              on_written: Callable[[], None] | None = None) -> None:
+        """:meth:`send_reply` of one ``bytes`` frame (a handler's usual outcome)."""
+        if self._queue or self._paused or self._socket is None or self._lost or self._closing \
+                or self._offload is not None or len(data) >= SHARED_PART:
+            self.send([data], on_abandon, on_written)
             return
         held = self._held
         held.append(data)
         if on_abandon is not None or on_written is not None:
             self._held_hooks[len(held) - 1] = (on_abandon, on_written)
-        if not self._holding:
-            batch = self.batch
-            if batch is not None and batch.open:  # another connection's read is being handled
-                batch.join(self)
-                return
-        elif len(held) < _HOLD_MAX:
-            return
-        self._send_held()
-
-    def reply(self, data: bytes) -> None:
-        """:meth:`send_reply` of one ``bytes`` frame with no hooks: a handler's usual outcome."""
-        if self._queue or self._paused or self._socket is None or self._lost or self._closing \
-                or self._offload is not None or len(data) >= SHARED_PART:
-            self.send([data])
-            return
-        held = self._held
-        held.append(data)
         if not self._holding:
             batch = self.batch
             if batch is not None and batch.open:  # another connection's read is being handled

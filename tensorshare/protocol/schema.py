@@ -404,60 +404,44 @@ def _compile_parser(command: Command) -> Callable[[dict, int, Any, int], Request
     """``parse(header, rid, payload, payload_len)``: ``command``'s request when every
     field of ``header`` is right, else None (:meth:`Command.parse_request` then
     finds what is wrong and says it).  One function per command, made from its
-    fields when it is declared: each field's kind inlined where it has a ``test``,
-    instead of a loop over the fields per request.
-
-    The optional fields are looked for only while the header has keys left that
-    the required ones, ``op`` and ``id`` do not account for: a usual request names
-    few of them, and most none."""
-    names: dict[str, Any] = {"Request": command.Request, "command": command}
-    required = [field for field in command.fields if field.required]
+    fields when it is declared (:func:`_compile_fields`): each field's kind inlined
+    where it has a ``test``, instead of a loop over the fields per request; the
+    optional fields looked for only while the header has keys left that the
+    required ones, ``op`` and ``id`` do not account for (a usual request names few
+    of them, and most none)."""
     optional = [field for field in command.fields if not field.required]
-    body = ["def parse(header, rid, payload, payload_len):",
-            *(() if command.payload else ["    if payload_len: return None"]),
-            "    get = header.get",
-            "    request = Request()",
-            "    request.command, request.id, request.payload, request.payload_len = command, rid, payload, payload_len"]
-
-    def test_of(i: int, field: Field) -> str:
-        if field.kind.test is not None:
-            return field.kind.test
-        names[f"accepts_{i}"] = field.kind.accepts
-        return f"accepts_{i}(v)"
-
-    for i, field in enumerate(required):
-        body += [f"    v = get({field.key!r})",
-                 f"    if v is None or not ({test_of(i, field)}): return None",
-                 f"    request.{field.key} = v"]
+    prologue = [*(() if command.payload else ["if payload_len: return None"]),
+                "request = Request()",
+                "request.command, request.id, request.payload, request.payload_len = command, rid, payload, payload_len"]
     if optional:
-        body += ["    " + " = ".join(f"request.{field.key}" for field in optional) + " = None",
-                 f"    left = len(header) - {len(required)} - ({Key.OP!r} in header) - ({Key.ID!r} in header)"
-                 "  # keys besides op, id and the required fields",
-                 "    if left <= 0: return request"]
-        for i, field in enumerate(optional, len(required)):
-            body += [f"    v = get({field.key!r})",
-                     "    if v is not None:",
-                     f"        if not ({test_of(i, field)}): return None",
-                     f"        request.{field.key} = v",
-                     "        left -= 1",
-                     "        if not left: return request"]
-    body.append("    return request")
-    scope = {**_TEST_NAMES, **names}
-    exec(compile("\n".join(body), f"<{command.verb} request parser>", "exec"), scope)  # noqa: S102
-    return scope["parse"]
+        prologue.append(" = ".join(f"request.{field.key}" for field in optional) + " = None")
+    return _compile_fields("parse", "header, rid, payload, payload_len", f"<{command.verb} request parser>",
+                           command.fields, (Key.OP, Key.ID), prologue, "None", "request",
+                           {"Request": command.Request, "command": command}, keep=True)
 
 
 def _compile_check(message: Message) -> Callable[[dict], dict]:
     """``check(header)`` for ``message``: the header when every declared field is
     right, else :meth:`Message.check`'s error.  Made from the fields as
-    :func:`_compile_parser` makes a request parser: kinds inlined, the optional
-    fields looked for only while the header has keys the required ones and the
-    undeclared ``code`` and ``id`` do not account for."""
-    names: dict[str, Any] = {"wrong": partial(Message.check, message)}
-    required = [field for field in message.fields if field.required]
-    optional = [field for field in message.fields if not field.required]
-    declared = {field.key for field in message.fields}
-    body = ["def check(header):", "    get = header.get"]
+    :func:`_compile_parser` makes a request parser, the undeclared ``code`` and
+    ``id`` standing for ``op`` and ``id``."""
+    return _compile_fields("check", "header", f"<{message.code} reply check>", message.fields, (Key.CODE, Key.ID),
+                           [], "wrong(header)", "header", {"wrong": partial(Message.check, message)})
+
+
+def _compile_fields(name: str, params: str, where: str, fields: tuple[Field, ...], spare: tuple[str, ...],
+                    prologue: list[str], wrong: str, right: str, names: dict[str, Any], keep: bool = False):
+    """The function ``name(params)`` of a header's ``fields`` (source built from the
+    declarations only, never from received bytes): after the ``prologue`` lines, each
+    required field's value is fetched and its kind inlined, returning ``wrong`` where
+    one is absent or not of its kind; the optional ones are looked for only while the
+    header has keys left that the required ones and the ``spare`` keys (where not
+    declared) do not account for; ``right`` is returned when every field is right.
+    ``keep``: each value found is set on ``request`` too."""
+    required = [field for field in fields if field.required]
+    optional = [field for field in fields if not field.required]
+    declared = {field.key for field in fields}
+    body = [f"def {name}({params}):", "    get = header.get", *(f"    {line}" for line in prologue)]
 
     def test_of(i: int, field: Field) -> str:
         if field.kind.test is not None:
@@ -467,21 +451,23 @@ def _compile_check(message: Message) -> Callable[[dict], dict]:
 
     for i, field in enumerate(required):
         body += [f"    v = get({field.key!r})",
-                 f"    if v is None or not ({test_of(i, field)}): return wrong(header)"]
+                 f"    if v is None or not ({test_of(i, field)}): return {wrong}",
+                 *([f"    request.{field.key} = v"] if keep else [])]
     if optional:
-        spare = " - ".join(f"({key!r} in header)" for key in (Key.CODE, Key.ID) if key not in declared)
-        body += [f"    left = len(header) - {len(required)}" + (f" - {spare}" if spare else ""),
-                 "    if left <= 0: return header"]
+        others = "".join(f" - ({key!r} in header)" for key in spare if key not in declared)
+        body += [f"    left = len(header) - {len(required)}{others}  # keys besides the required fields and {spare}",
+                 f"    if left <= 0: return {right}"]
         for i, field in enumerate(optional, len(required)):
             body += [f"    v = get({field.key!r})",
                      "    if v is not None:",
-                     f"        if not ({test_of(i, field)}): return wrong(header)",
+                     f"        if not ({test_of(i, field)}): return {wrong}",
+                     *([f"        request.{field.key} = v"] if keep else []),
                      "        left -= 1",
-                     "        if not left: return header"]
-    body.append("    return header")
+                     f"        if not left: return {right}"]
+    body.append(f"    return {right}")
     scope = {**_TEST_NAMES, **names}
-    exec(compile("\n".join(body), f"<{message.code} reply check>", "exec"), scope)  # noqa: S102
-    return scope["check"]
+    exec(compile("\n".join(body), where, "exec"), scope)  # noqa: S102
+    return scope[name]
 
 
 def reply_error(header: dict, what: str) -> TensorShareErrorLike:
