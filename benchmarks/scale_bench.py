@@ -11,7 +11,9 @@ but for the table larger than RAM (28,232-byte Atari-like rows).
   256 (server time: round trip less a NOOP's; and the round trip); priority updates
   in batches of 1,024 (rows/s); 256 sequences of 32 rows; inserts of 1 MiB from
   ``big_writers`` processes into the full table, beside raw loopback (one stream of
-  1 MiB messages, this run).  Then the same rows in a durable table: seconds from
+  1 MiB messages, this run) and the disk's own rate for such writes (the same
+  bytes overwritten in a file of the columns' kind, until ``fdatasync``), with the
+  CPU per MiB of the server and of the writers (on 2 cores what bounds the rate).  Then the same rows in a durable table: seconds from
   starting the server to its first sample, after a clean stop and after kill -9.
 * **Side by side at ``big_side_rows``** (10^7): TorchRL's ``LazyMemmapStorage`` +
   ``PrioritizedSampler`` in one process against the table over TCP, sample + update
@@ -52,7 +54,7 @@ BATCH, SEQ_LEN, UPDATE = 256, 32, 1024
 EPISODE = 1000  # rows of an episode in the filled tables
 ROW = 64
 GiB = 1 << 30
-DISK_RESERVE = 30 * GiB  # left free for everyone else on the disk
+DISK_RESERVE = 12 * GiB  # left free for everyone else on the disk (a table of twice 24 GiB fits beside it on 66 GiB free)
 
 
 def columns() -> dict:
@@ -116,7 +118,7 @@ def _label(n: int) -> str:
 
 def _big_table(rec: Recorder, p: Profile, scratch: str) -> None:
     n = p.big_rows
-    need = n * ROW + (1 << 30)
+    need = n * ROW + min(n * ROW, DISK_WRITE_MAX) + (1 << 30)
     if _free(scratch) - need < DISK_RESERVE // 4:
         rec.skip(f"scale: the table of {_label(n)} rows", f"{need / GiB:.1f} GiB of disk needed")
         return
@@ -133,7 +135,7 @@ def _big_table(rec: Recorder, p: Profile, scratch: str) -> None:
             rec.figure("scale.anon_rss", f"server anonymous RSS, a table of {size} rows ({n * ROW / GiB:.1f} GiB "
                        f"of columns in files, --memory-limit {limit / GiB:.2f} GiB)", Sample.of([_anon(server) / GiB]),
                        "GiB", better="lower", note=f"VmRSS {_status(server.pid)['VmRSS'] / GiB:.2f} GiB")
-        _writers(rec, p, server.port, size)
+        _writers(rec, p, server, size, scratch)
         rec.figure("scale.anon_rss_after_inserts", f"server anonymous RSS after the writers, {size} rows",
                    Sample.of([_anon(server) / GiB]), "GiB", better="lower")
     finally:
@@ -171,34 +173,77 @@ def _prioritized(rec: Recorder, p: Profile, client: Client, size: str) -> None:
                f"prioritized, round trip", Sample.of(times).map(_ms), "ms", better="lower")
 
 
-def _writer(port: int, start: float, run_s: float, batch: int) -> int:
+def _writer(port: int, start: float, run_s: float, batch: int) -> tuple[int, float]:
+    """Rows inserted in ``run_s`` seconds from ``start`` on, and the CPU seconds it took."""
     data, ends = rows(0, batch)
     done = 0
     with Client("127.0.0.1", port, timeout=120, zero_copy=False) as client:
         time.sleep(max(0.0, start - time.time()))
+        cpu = time.process_time()
         while time.time() < start + run_s:
             client.insert("big", data, ends=ends)
             done += batch
-    return done
+        return done, time.process_time() - cpu
 
 
-def _writers(rec: Recorder, p: Profile, port: int, size: str) -> None:
+def _writers(rec: Recorder, p: Profile, server: Server, size: str, scratch: str) -> None:
     batch = (1 << 20) // ROW
     with RawLoopback(1 << 20) as raw:
         times = raw.one_way(1 << 20, max(p.big_reps, 20), p.warmup)
     rec.figure("scale.loopback", "raw loopback, one stream of 1 MiB messages", Sample.of(times).map(
         lambda t: (1 << 20) / t / 1e9), "GB/s", baseline=True)
+    _disk_write(rec, scratch, min(p.big_rows * ROW, DISK_WRITE_MAX))
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "tensorshare.client", "benchmarks.scale_bench"])
-    rates = []
+    rates, server_ms, writers_ms = [], [], []
     with ctx.Pool(p.big_writers) as pool:
         pool.map(abs, range(p.big_writers))
         for _ in range(p.tables_runs):
             start = time.time() + p.pool_lead_s  # each connects first
-            counts = pool.starmap(_writer, [(port, start, p.big_run_s, batch)] * p.big_writers)
-            rates.append(sum(counts) * ROW / p.big_run_s / 1e9)
+            before = server.cpu_seconds()
+            done = pool.starmap(_writer, [(server.port, start, p.big_run_s, batch)] * p.big_writers)
+            mib = sum(n for n, _ in done) * ROW / (1 << 20)
+            rates.append(mib * (1 << 20) / p.big_run_s / 1e9)
+            # (the server's CPU from before the writers connect to after the last reply: a little more than theirs)
+            server_ms.append((server.cpu_seconds() - before) / mib * 1e3)
+            writers_ms.append(sum(c for _, c in done) / mib * 1e3)
     rec.figure("scale.inserts", f"inserts of 1 MiB ({batch} rows) from {p.big_writers} processes into the full "
-               f"table of {size} rows", Sample.of(rates), "GB/s", vs=["scale.loopback"])
+               f"table of {size} rows", Sample.of(rates), "GB/s", vs=["scale.loopback", "scale.disk_write"])
+    rec.figure("scale.insert_server_cpu", "the server's CPU per MiB inserted (user + system)",
+               Sample.of(server_ms), "ms", better="lower")
+    rec.figure("scale.insert_writers_cpu", f"the {p.big_writers} writers' CPU per MiB inserted",
+               Sample.of(writers_ms), "ms", better="lower")
+
+
+DISK_WRITE_MAX = 8 * GiB  # past the kernel's dirty-page limits (20% of the memory here): what the disk sustains
+
+
+def _disk_write(rec: Recorder, directory: str, nbytes: int) -> None:
+    """The disk's own rate for the writes inserts make: ``nbytes`` into a file of the
+    columns' kind (its blocks reserved, then written once, as a filled table's are),
+    overwritten with pwrite of 1 MiB in order, as a ring's inserts overwrite its
+    rows, until ``fdatasync`` returns (then its pages leave the page cache: the
+    table's stay)."""
+    path = os.path.join(directory, "disk-write.bin")
+    chunk = np.frombuffer(os.urandom(1 << 20), np.uint8)
+    nbytes -= nbytes % len(chunk)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        times = []
+        for _ in range(2):  # the first pass writes the file, the second overwrites it
+            started = time.perf_counter()
+            for offset in range(0, nbytes, len(chunk)):
+                os.pwrite(fd, chunk, offset)
+            os.fdatasync(fd)
+            times.append(time.perf_counter() - started)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    rec.figure("scale.disk_write", f"the disk's own write rate: {nbytes / 1e9:.2f} GB overwritten in a file of the "
+               "columns' kind, pwrite of 1 MiB in order, until fdatasync", Sample.of([nbytes / times[1] / 1e9]), "GB/s",
+               baseline=True, note=f"written the first time: {nbytes / times[0] / 1e9:.2f} GB/s")
 
 
 # -- restart

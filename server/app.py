@@ -6,7 +6,6 @@ The ``tensorshare-server`` command line is :mod:`.cli`.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import logging
 import os
 import shutil
@@ -24,6 +23,7 @@ from tensorshare.protocol.auth import MIN_TOKEN_CHARS
 from .bins.dirlock import DirLock, DirLockedError
 from .bins.jobs import ThreadJobs
 from .config import ServerConfig
+from . import malloc
 from .failures import listen_failure
 from .net import busypoll
 from .net.service import TensorShareFactory
@@ -186,7 +186,7 @@ def serve(config: ServerConfig, announce: Callable, sockets: Sequence[int] = (),
     """Serve until SIGINT/SIGTERM (or the reactor stops) in this process, which is
     the server's own; ``announce(port)`` runs once the reactor does (``sockets``,
     ``workers``: see :func:`listen`)."""
-    _tune_malloc()
+    malloc.tune()  # (see server/malloc.py)
     dispatch_directly(reactor)  # this process is the server's own (before listen: busy-polling wraps it)
     bound = listen(config, sockets, workers)
     reactor.addSystemEventTrigger("after", "shutdown", _shut, bound)
@@ -209,21 +209,6 @@ def _announce(bound) -> None:
     if bound.ops is not None:
         print(f"tensorshare-server status page http://{bound.state.config.metrics_host}:{bound.ops.port}/",
               flush=True)
-
-
-def _tune_malloc() -> None:
-    """Make glibc give freed payload memory back to the system at once.
-
-    Payload chunks are 64 KiB-4 MiB bytes objects.  glibc raises its mmap threshold
-    after such a chunk is freed, so later ones come from the heap, where freed
-    memory stays with the process: a server that once held 1 GiB kept most of it.
-    A fixed threshold keeps every chunk in its own mapping, unmapped when freed."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD (fixing it also stops the sliding)
-        libc.mallopt(-1, 1 << 20)  # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):  # not glibc: nothing to tune
-        pass
 
 
 _reactor_thread: threading.Thread | None = None

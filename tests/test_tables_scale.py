@@ -182,6 +182,67 @@ def test_the_oldest_rows_of_a_ring_are_those_the_tree_orders_first_across_its_wr
     assert order.first(10).tolist() == order.tree.smallest(10).tolist()
 
 
+# -- rows into files
+
+
+def _file_rows(directory: str, column: str, dtype) -> np.ndarray:
+    """A column's rows as its file holds them, read with ``pread`` (not the table's mapping)."""
+    path = os.path.join(directory, f"{column}.memmap")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return np.frombuffer(os.pread(fd, os.path.getsize(path), 0), dtype)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_rows_reach_a_file_backed_columns_files_in_runs_across_the_ring_and_scattered(tmp_path, keep):
+    directory = str(tmp_path / "t")
+    t = Table(20, {"x": ((), "int64"), "y": ((3,), "float32")}, remover="fifo", rng=0,
+              backing=tables.MemmapBacking(directory, keep=keep))
+    for start, n in ((0, 7), (7, 9), (16, 11), (27, 20)):  # the ring wraps past slot 19 twice
+        t.insert({"x": np.arange(start, start + n, dtype=np.int64),
+                  "y": np.arange(start, start + n, dtype=np.float32).repeat(3).reshape(n, 3)})
+    ring = np.arange(27, 47)
+    held = np.sort(t.read(np.arange(20)).values["x"].to_numpy())
+    assert held.tolist() == ring.tolist()
+    x = _file_rows(directory, "x", np.int64)
+    assert sorted(x.tolist()) == ring.tolist()
+    assert np.array_equal(_file_rows(directory, "y", np.float32).reshape(20, 3), x.astype(np.float32).repeat(3).reshape(20, 3))
+    # slots in more runs than are worth a write each go through the mapping, to the same file
+    every_other = np.arange(0, 20, 2)
+    t.write(every_other, {"x": -every_other - 1, "y": np.zeros((10, 3), np.float32)})
+    x = _file_rows(directory, "x", np.int64)
+    assert x[every_other].tolist() == (-every_other - 1).tolist()
+    assert t.read(every_other).values["x"].to_numpy().tolist() == (-every_other - 1).tolist()
+
+
+def test_rows_the_files_cannot_take_are_refused_451_and_the_rows_they_replace_leave(tmp_path):
+    directory = str(tmp_path / "t")
+
+    def table(reopen=False):
+        backing = tables.MemmapBacking(directory, keep=True, reopen=reopen)
+        return Table(10, {"x": ((), "int64")}, sampler="prioritized", remover="fifo", rng=0, backing=backing), backing
+
+    t, backing = table()
+    t.insert(scalars(10))
+    (column,) = t._data
+    readonly = os.open(os.path.join(directory, "x.memmap"), os.O_RDONLY)
+    os.dup2(readonly, backing._files[id(column)])  # the file refuses writes (EBADF), as a failing disk would (EIO)
+    os.close(readonly)
+    with pytest.raises(tables.RowsNotWrittenError, match="4 rows they were to replace") as raised:
+        t.insert(scalars(4, start=100))
+    assert raised.value.code == 451
+    # the 4 oldest rows (perhaps partly overwritten) are gone; the batch never came in
+    assert t.size == 6 and sorted(xs(t.read(t.occupied()))) == list(range(4, 10))
+    assert set(xs(t.sample(200))) <= set(range(4, 10))
+    # nor does it after a kill: its record in the journal is gone
+    again, _ = table(reopen=True)
+    assert again.size == 6 and sorted(xs(again.read(again.occupied()))) == list(range(4, 10))
+    again.insert(scalars(6, start=200))  # into the 4 free slots, then over the 2 oldest rows
+    assert sorted(xs(again.read(again.occupied()))) == [*range(6, 10), *range(200, 206)]
+
+
 # -- the compact state through a reopened table
 
 
@@ -380,3 +441,35 @@ def test_a_table_shut_cleanly_reopens_with_its_trees_and_one_killed_rebuilds_the
     del again  # killed: no note, so the next start rebuilds
     third = table(reopen=True)
     assert rebuilt == [1] and third.size == 40 and 502 in xs(third.read(third.occupied()))
+
+
+# -- a batch's temporaries
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_a_batchs_numpy_temporaries_reuse_heap_memory_instead_of_new_pages():
+    script = """
+import resource, numpy as np
+from tensorshare_server import malloc
+malloc.tune()
+values = np.arange(1 << 17, dtype=np.int64)  # (1 MiB temporaries below)
+
+def faults():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(20):
+        a = values * 3
+        b = a + values
+        del a, b
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+faults()
+outside = faults()
+with malloc.heap_temporaries():
+    faults()
+    print(outside, faults())
+"""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    outside, inside = map(int, out.stdout.split())
+    assert outside >= 20 * 2 * 256 and inside < 64, (outside, inside)  # each MiB's pages faulted in again, or none

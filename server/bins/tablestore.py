@@ -49,6 +49,7 @@ from tensorshare.disk.tables import TABLE_RECORD
 from tensorshare.wire.description import check_description
 from tensorshare.wire.recycle import Recycler
 
+from ..malloc import heap_temporaries
 from .store import BinState, BinStore, Change, Item
 from .tablememory import CountedItems, ItemsBacking, TableMemory
 from .tables import MemmapBacking, Table, TableError, TableSpecError, state_bytes
@@ -474,12 +475,16 @@ class TableStore:
         """Add ``rows`` (from :meth:`rows`; ``ends``: which end their episode): their
         keys, and the change.  Raises the engine's :class:`~.tables.WouldBlockError`
         when the rate limiter holds it back."""
-        written = self._live(entry).table.insert(rows, priorities, ends)
+        table = self._live(entry).table
+        with heap_temporaries():  # (a batch's numpy temporaries: see server/malloc.py)
+            written = table.insert(rows, priorities, ends)
         return written.keys, self._changed(entry, "INSERT")
 
     def write(self, entry: TableEntry, indices: np.ndarray, rows, priorities, ends=None) -> tuple[np.ndarray, Change]:
         """Put ``rows`` at slot ``indices``: their keys, and the change."""
-        written = self._live(entry).table.write(indices, rows, priorities, ends)
+        table = self._live(entry).table
+        with heap_temporaries():
+            written = table.write(indices, rows, priorities, ends)
         return written.keys, self._changed(entry, "WRITE")
 
     def can_insert(self, entry: TableEntry, rows) -> bool:

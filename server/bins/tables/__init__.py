@@ -22,7 +22,7 @@ from .backing import Backing, MemmapBacking, MemoryBacking, tensordict_metadata
 from .columns import ColumnSpec, RawArray, numpy_dtype
 from .errors import (
     BadArgumentError, BatchTooLargeError, ColumnMismatchError, EmptySlotError, EmptyTableError, PriorityError,
-    SlotIndexError, TableError, TableFullError, TableSpecError, WouldBlockError,
+    RowsNotWrittenError, SlotIndexError, TableError, TableFullError, TableSpecError, WouldBlockError,
 )
 from .ratelimiter import RateLimiter
 from .selectors import REMOVERS, SAMPLERS
@@ -34,4 +34,5 @@ __all__ = [
     "Backing", "MemoryBacking", "MemmapBacking", "tensordict_metadata", "SAMPLERS", "REMOVERS",
     "TableError", "TableSpecError", "BadArgumentError", "ColumnMismatchError", "SlotIndexError", "EmptySlotError",
     "PriorityError", "TableFullError", "BatchTooLargeError", "EmptyTableError", "WouldBlockError",
+    "RowsNotWrittenError",
 ]

@@ -8,7 +8,7 @@ gets the code back raises the matching tensorshare error.
 
 from __future__ import annotations
 
-from tensorshare.errors import BadRequestError, TensorShareError, TooLargeError, TransientError
+from tensorshare.errors import BadRequestError, ServerLocalError, TensorShareError, TooLargeError, TransientError
 
 
 class TableError(TensorShareError):
@@ -60,3 +60,8 @@ class WouldBlockError(TableError, TransientError):
     """450: the rate limiter (or, for a sample, what the rows may still be sampled) does
     not let this insert or sample proceed now.  The caller parks the request and tries
     again once :attr:`Table.version` changes."""
+
+
+class RowsNotWrittenError(TableError, ServerLocalError):
+    """451: a batch's rows could not be written to the table's files (a disk error);
+    the batch is not in the table, and the rows it was to replace have left it."""

@@ -94,7 +94,7 @@ class Journal:
             self._clear = False
             fd = os.open(self.path, os.O_WRONLY)
             try:
-                _write_all(fd, body, HEADER_BYTES)
+                write_all(fd, body, HEADER_BYTES)
             finally:
                 os.close(fd)
         except OSError as exc:
@@ -200,7 +200,8 @@ def _le(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return array if array.dtype == dtype and array.flags.c_contiguous else np.ascontiguousarray(array, dtype)
 
 
-def _write_all(fd: int, parts: list, offset: int) -> None:
+def write_all(fd: int, parts: list, offset: int) -> None:
+    """Every byte of ``parts`` (buffers) written to ``fd`` from ``offset`` on (``pwritev``, short writes resumed)."""
     views = [view for view in (memoryview(p).cast("B") for p in parts) if view.nbytes]
     while views:
         n = os.pwritev(fd, views[:512], offset)  # IOV_MAX is 1024 on Linux

@@ -29,14 +29,14 @@ from .backing import Backing, MemoryBacking
 from .columns import ColumnSpec, RawArray, batch_rows, parse_columns
 from .errors import (
     BadArgumentError, BatchTooLargeError, ColumnMismatchError, EmptySlotError, EmptyTableError, PriorityError,
-    TableFullError, TableSpecError, WouldBlockError,
+    RowsNotWrittenError, TableFullError, TableSpecError, WouldBlockError,
 )
 from . import picks, sequences
 from .ratelimiter import RateLimiter
 from .rows import EMPTY, Removed, Rows, Sample, Written, out_buffers
 from .selectors import build, index_bytes
 from .blocks import in_memory
-from .slots import Slots, as_index, flags_of, int_array
+from .slots import Slots, flags_of, int_array
 
 MAX_CAPACITY = 1 << 40  # leaves keys 2**23 rows of history at the largest capacity
 _UNCHANGED: Any = object()
@@ -235,16 +235,16 @@ class Table:
             self._slots.skip(dropped)
         room = self.capacity - self.size
         slots = self._slots.free(min(n - dropped, room))
+        victims = None
         if n - dropped > room:
             victims = self._remover.victims(n - dropped - room)
             # free slots first, then those just freed: a fifo table fills as a ring buffer
             slots = np.concatenate((slots, victims))
             self._journal_record(slots, views, priorities, ends)
-            # (their slots are filled at once: the trees are redone once, for the new rows)
-            removed = self._remove(victims, reindex=False)
-        else:
-            removed = self._nothing_removed()
-        keys = self._put(slots, views, items, priorities, ends)
+        self._store(slots, views, victims)
+        # (the victims' slots are filled at once: the trees are redone once, for the new rows)
+        removed = self._nothing_removed() if victims is None else self._remove(victims, reindex=False)
+        keys = self._put(slots, items, priorities, ends)
         if not dropped:
             return Written(keys, slots, removed)
         # row i of those left out had the slot of the kept row that follows it by a
@@ -276,8 +276,9 @@ class Table:
         occupied = slots[self._slots.key[slots] >= 0]
         if occupied.size:
             self._journal_record(slots, views, priorities, ends)
+        self._store(slots, views, occupied)
         removed = self._remove(occupied)
-        keys = self._put(slots, views, items, priorities, ends)
+        keys = self._put(slots, items, priorities, ends)
         return Written(keys, slots, removed)
 
     def sample(self, n: int, rng: np.random.Generator | None = None, out: Mapping[str, Any] | None = None) -> Sample:
@@ -552,12 +553,26 @@ class Table:
                                  priorities, views, ends)
             self._journaled = True
 
-    def _put(self, slots: np.ndarray, views: list[np.ndarray], items: list | None, priorities: np.ndarray,
-             ends: np.ndarray | None):
-        """Fill the free ``slots`` with new rows; returns their keys."""
-        at = as_index(slots)
-        for column, view in zip(self._data, views):
-            column[at] = view
+    def _store(self, slots: np.ndarray, views: list[np.ndarray], replaced: np.ndarray | None) -> None:
+        """The rows' column bytes into ``slots``, before any state changes.  If the
+        backing's files cannot take them, the rows in ``replaced`` (some of those
+        slots) may be partly overwritten: they leave the table, and the batch is
+        not in it (451)."""
+        try:
+            self._backing.put(self._data, slots, views)
+        except OSError as exc:
+            if replaced is not None and replaced.size:
+                self._remove(replaced)
+            if self._journaled:
+                self._journal.clear()
+                self._journaled = False
+            raise RowsNotWrittenError(f"could not write the rows to the table's files ({exc.strerror or exc}); "
+                                      f"{0 if replaced is None else replaced.size} rows they were to replace "
+                                      f"have left the table") from None
+
+    def _put(self, slots: np.ndarray, items: list | None, priorities: np.ndarray, ends: np.ndarray | None):
+        """Fill the free ``slots`` (their column bytes stored: :meth:`_store`) with new
+        rows' state; returns their keys."""
         if items is not None:
             store = self._items
             for slot, item in zip(slots.tolist(), items):
