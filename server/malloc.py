@@ -23,7 +23,7 @@ import ctypes
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 MMAP = 128 << 10  # blocks from this size on have their own mapping
-TRIM = 32 << 20  # free bytes at the heap's top it keeps (past them it shrinks)
+TRIM = 8 << 20  # free bytes at the heap's top it keeps (past them it shrinks): a batch of 16,384 rows needs 4 MiB
 SCOPED_MMAP = 4 << 20  # in heap_temporaries: blocks under this size come from the heap (batches to 512 Ki rows)
 
 try:
