@@ -42,6 +42,7 @@ class Link:
 
     def __init__(self, sock: socket.socket, engine: Engine, tls: bool):
         self.sock, self.engine, self.tls = sock, engine, tls
+        self.local = sock.family == socket.AF_UNIX  # the same-host socket: nothing is held back there
         self.readable = _poller(sock, select.POLLIN)
         self.writable = _poller(sock, select.POLLOUT)
         self.readwrite = _poller(sock, select.POLLIN | select.POLLOUT)
@@ -61,7 +62,8 @@ class Link:
     def send_held(self, data: bytes) -> int:
         """Send what the socket takes of ``data`` now (plain TCP), held back by the
         kernel (``MSG_MORE``) to leave with the next send in one segment: at most
-        0.2 s later if nothing follows (Linux's ceiling), or at :meth:`push`."""
+        0.2 s later if nothing follows (Linux's ceiling), or at :meth:`push` (the
+        same-host Unix socket holds nothing back: it goes at once there)."""
         try:
             return self.sock.send(data, _MSG_MORE)
         except BlockingIOError:
@@ -69,6 +71,8 @@ class Link:
 
     def push(self) -> None:
         """Send what :meth:`send_held` left held back, now."""
+        if self.local:
+            return
         try:
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # (pushes pending segments)
         except OSError:
