@@ -278,6 +278,11 @@ def listen_tcp(port: int, factory, interface: str):
     return listening
 
 
+# Connections a Unix socket queues before they are accepted (a full queue refuses at
+# once, where TCP retries: a job's workers starting together would fall back to TCP).
+UNIX_BACKLOG = 1024
+
+
 class ReceivingUnixServer(ReceivingServer, unix.Server):
     """A same-host connection over a Unix socket, read as :class:`ReceivingServer` reads."""
 
@@ -298,8 +303,8 @@ def listen_unix(path: str, factory):
     """``reactor.listenUNIX`` on ``path`` (readable and writable by this user only),
     with :class:`ReceivingUnixServer` transports where this Twisted allows."""
     if not COMPATIBLE:  # pragma: no cover
-        return reactor.listenUNIX(path, factory, mode=0o600)
-    listening = ReceivingUnixPort(path, factory, mode=0o600, reactor=reactor)
+        return reactor.listenUNIX(path, factory, backlog=UNIX_BACKLOG, mode=0o600)
+    listening = ReceivingUnixPort(path, factory, backlog=UNIX_BACKLOG, mode=0o600, reactor=reactor)
     listening.startListening()
     return listening
 
