@@ -153,6 +153,8 @@ class MemmapBacking:
         """Each run of consecutive ``slots`` written to each column's file with
         ``pwritev`` (see the module docstring); slots in too many runs through the
         mappings."""
+        if not columns:
+            return
         runs = _runs(slots)
         for column, view in zip(columns, views):
             fd = self._files.get(id(column))
