@@ -83,8 +83,8 @@ def test_1_a_change_that_died_while_it_was_being_recorded_leaves_the_old_rows(tm
         raise Killed
 
     from tensorshare_server.bins.tables import journal
-    real = journal._write_all
-    monkeypatch.setattr(journal, "_write_all", header_never_written)
+    real = journal.write_all
+    monkeypatch.setattr(journal, "write_all", header_never_written)
     with pytest.raises(Killed):
         table.write(np.arange(8), _batch(2))
     assert os.path.getsize(os.path.join(directory, "_slots", "journal.bin")) > 8 * 64  # the body, headless
