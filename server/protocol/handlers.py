@@ -285,14 +285,14 @@ def _small(session, request, items: list[Item]) -> tuple | None:
     parts, sizes, descriptions, total, described = [], [], [], 0, 0
     for item in items:
         segments = item.segments
-        if segments is None:
+        total += item.nbytes
+        if segments is None or total >= limit:  # (a large reply is given up at its first large item)
             return None
         parts.extend(segments)
         sizes.append(item.nbytes)
         descriptions.append(item.description)
-        total += item.nbytes
         described += len(item.description)
-    if total >= limit or described > session.config.max_reply_header:
+    if described > session.config.max_reply_header:
         return None
     return parts, sizes, descriptions, total
 
