@@ -281,7 +281,9 @@ def _small(session, request, items: list[Item]) -> tuple | None:
     ``max_reply_header``, no tags asked for); None otherwise."""
     if request.tags:
         return None
-    limit = _SMALL_REPLY if request.ref is None else min(_SMALL_REPLY, session.config.zero_copy_min)
+    limit = _SMALL_REPLY
+    if request.ref is not None and session.config.zero_copy_min < limit:  # (not min(): a costly call)
+        limit = session.config.zero_copy_min
     parts, sizes, descriptions, total, described = [], [], [], 0, 0
     for item in items:
         segments = item.segments
