@@ -6,7 +6,9 @@ running (pure-Python loops, the default niceness), in turns, run by run:
 
 * small round trips: ``Client.put`` + ``peek`` of 16 float32 (as users get them:
   reply polling and server busy-polling on, which back off when they lose the CPU),
-  beside redis-py SET + GET of 64 bytes and a raw socket echo;
+  beside redis-py SET + GET of 64 bytes, a raw socket echo and the same client
+  against the floor (:mod:`benchmarks.floor_server`: what the round trips cost
+  with a server that does nothing but answer);
 * a large put over TCP (``zero_copy=False``), beside raw loopback one way into a
   warm buffer.
 
@@ -25,7 +27,7 @@ import torch
 from tensorshare import Client
 
 from .baselines import RawEcho, RawLoopback
-from .procs import Server, spawn, stop
+from .procs import FloorServer, Server, spawn, stop
 from .profiles import Profile
 from .record import Recorder
 from .stats import Sample, gbps, interleaved_latency_runs, mib, time_runs
@@ -46,13 +48,16 @@ class Hogs:
             stop(proc, timeout=1.0)
 
 
-def _measure(rec: Recorder, p: Profile, peers, server: Server, raw: RawLoopback, where: str, label: str) -> None:
+def _measure(rec: Recorder, p: Profile, peers, server: Server, floor: FloorServer, raw: RawLoopback, where: str,
+             label: str) -> None:
     value = torch.ones(16)
     redis = peers.redis(rec, f"redis-py SET/GET ({label})")
     echo = RawEcho()
     try:
-        with Client("127.0.0.1", server.port, timeout=p.client_timeout_s) as client:
+        with Client("127.0.0.1", server.port, timeout=p.client_timeout_s) as client, \
+                Client("127.0.0.1", floor.port, timeout=p.client_timeout_s) as bare:
             calls = {"ts": lambda: (client.put("bench-busy", value), client.peek("bench-busy")),
+                     "floor": lambda: (bare.put("bench-busy", value), bare.peek("bench-busy")),
                      "raw": echo.round_trip()}
             if redis is not None:
                 set_, get = redis.small_calls()
@@ -60,7 +65,9 @@ def _measure(rec: Recorder, p: Profile, peers, server: Server, raw: RawLoopback,
             lat = interleaved_latency_runs(calls, p.busy_small_ops, p.busy_runs, max(p.busy_small_ops // 10, 1))
         rec.figure(f"busy.{where}.raw", f"raw socket echo 64 B ({label})", lat["raw"].medians.map(lambda s: s * US),
                    "us", better="lower", baseline=True)
-        vs = ["raw"]
+        rec.figure(f"busy.{where}.floor", f"Client.put + peek against the floor server ({label})",
+                   lat["floor"].medians.map(lambda s: s * US), "us", better="lower", baseline=True)
+        vs = ["floor", "raw"]
         if redis is not None:
             rec.figure(f"busy.{where}.redis", f"redis-py SET + GET 64 B ({label})",
                        lat["redis"].medians.map(lambda s: s * US), "us", better="lower", baseline=True)
@@ -89,17 +96,17 @@ def _measure(rec: Recorder, p: Profile, peers, server: Server, raw: RawLoopback,
 
 def run(rec: Recorder, p: Profile, peers) -> None:
     rec.begin("13. A busy host")
-    server = Server()
+    server, floor = Server(), FloorServer()
     raw = RawLoopback(p.busy_put_bytes)
     hogs = None
     try:
-        _measure(rec, p, peers, server, raw, "quiet", "no CPU-bound processes")
+        _measure(rec, p, peers, server, floor, raw, "quiet", "no CPU-bound processes")
         cores = len(os.sched_getaffinity(0))
         rec.say(f"  -- {p.busy_hogs} CPU-bound processes on {cores} cores")
         hogs = Hogs(p.busy_hogs)
-        _measure(rec, p, peers, server, raw, "busy", f"{p.busy_hogs} CPU-bound processes")
+        _measure(rec, p, peers, server, floor, raw, "busy", f"{p.busy_hogs} CPU-bound processes")
     finally:
-        rec.release(hogs, raw, server)
+        rec.release(hogs, raw, server, floor)
     rec.goal_ratio(f"busy host ({p.busy_hogs} CPU-bound processes): small put + peek <= 1.0x redis-py SET + GET",
                    "busy.busy.put_peek", "busy.busy.redis", "<=", 1.0)
     rec.goal_ratio(f"busy host ({p.busy_hogs} CPU-bound processes): {mib(p.busy_put_bytes)} put >= 0.8x raw "

@@ -10,17 +10,25 @@ one ``send()`` while the transport holds nothing unsent), so what it costs per
 request is what Twisted, the kernel and msgpack cost: the floor the real server's
 CPU per request is compared with (benchmarks/floor_bench.py).
 
-Prints ``listening on 127.0.0.1:PORT`` once it listens; runs until killed.
+Like the real server, it also listens on a Unix socket in a private directory
+and names it to same-host clients in its greeting (PROTOCOL.md §10.1), so the
+client reaches both servers the same way.
+
+Prints ``listening on 127.0.0.1:PORT`` once it listens; runs until stopped.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import struct
 import sys
+import tempfile
 
 import msgpack
 from twisted.internet import protocol, reactor
 
+from tensorshare.disk.areas import new_token, write_token
 from tensorshare_server.net import twisted_internals
 
 _PREFIX = struct.Struct("<4sBBHIQ")
@@ -38,11 +46,17 @@ class Floor(protocol.Protocol):
 
     bins: dict[str, list[tuple[bytes, bytes]]]  # shared by every connection (set by the factory)
 
+    offer: dict | None = None  # the same-host offer of the greeting (set by main)
+
     def connectionMade(self) -> None:
-        self.transport.setTcpNoDelay(True)
+        if hasattr(self.transport.getPeer(), "host"):  # (TCP; not the Unix socket)
+            self.transport.setTcpNoDelay(True)
         self.sock = twisted_internals.direct_socket(self.transport)
         self.pending = b""
-        self._write(_frame({"code": 220, "id": 0, "msg": "floor"}))
+        greeting = {"code": 220, "id": 0, "msg": "floor"}
+        if self.offer is not None:
+            greeting["shm"] = self.offer
+        self._write(_frame(greeting))
 
     def dataReceived(self, data: bytes) -> None:
         buf = self.pending + data if self.pending else data
@@ -105,6 +119,12 @@ def main() -> None:
     Floor.bins = {}
     twisted_internals.dispatch_directly(reactor)
     port = reactor.listenTCP(int(sys.argv[1]) if len(sys.argv) > 1 else 0, factory, interface="127.0.0.1")
+    area = tempfile.mkdtemp(prefix="tensorshare-floor-")  # (mode 0700, as the real server's area)
+    reactor.addSystemEventTrigger("after", "shutdown", shutil.rmtree, area, True)
+    token, path = new_token(), os.path.join(area, "server.sock")
+    write_token(area, token)
+    twisted_internals.listen_unix(path, factory)
+    Floor.offer = {"token": token, "areas": [area], "socket": path}
     address = port.getHost()
     print(f"listening on {address.host}:{address.port}", flush=True)
     reactor.run()

@@ -288,7 +288,10 @@ class RedisServer:
 
         self._redis = redis
         self.port = free_port()
+        self._dir = tempfile.mkdtemp(prefix="tensorshare-bench-redis-")
+        self.unix_path = os.path.join(self._dir, "redis.sock")  # its Unix socket too (the floor section)
         cmd = [shutil.which("redis-server"), "--port", str(self.port), "--bind", "127.0.0.1",
+               "--unixsocket", self.unix_path, "--unixsocketperm", "700",
                "--save", "", "--appendonly", "no", "--proto-max-bulk-len", "2gb",
                "--client-query-buffer-limit", "2gb", "--protected-mode", "no"]
         self.proc = spawn(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
@@ -327,6 +330,7 @@ class RedisServer:
 
     def stop(self) -> None:
         stop(self.proc)
+        shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> "RedisServer":
         return self

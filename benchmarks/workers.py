@@ -196,10 +196,11 @@ def async_append(port: str, n: str, window: str, runs: str, warmup: str) -> None
     _say("result " + json.dumps(outcome))
 
 
-def mixed_ops(peer: str, port: int, nbytes: int, name: str) -> list:
+def mixed_ops(peer: str, port: int | str, nbytes: int, name: str) -> list:
     """``[(put, bytes), (append, bytes), (get, bytes)]`` of the mixed load on bin (key)
     ``name`` through the real client of ``peer`` (``ts``, or ``redis``: a put is DEL +
-    RPUSH and a get LRANGE + DEL, in transactions, the same semantics)."""
+    RPUSH and a get LRANGE + DEL, in transactions, the same semantics; ``port`` a path:
+    over Redis's Unix socket)."""
     if peer == "ts":
         import torch
 
@@ -212,7 +213,8 @@ def mixed_ops(peer: str, port: int, nbytes: int, name: str) -> list:
     import numpy as np
     import redis
 
-    r = redis.Redis(host="127.0.0.1", port=port, socket_timeout=60)
+    r = redis.Redis(unix_socket_path=port, socket_timeout=60) if isinstance(port, str) \
+        else redis.Redis(host="127.0.0.1", port=port, socket_timeout=60)
     value = np.ones(nbytes, np.uint8).tobytes()
 
     def put():
@@ -236,7 +238,9 @@ def mixed(port: str, peer: str, size: str, wid: str) -> None:
 
     def connect(port: str, size: str) -> list:
         # (the floor bench gives several servers of the same protocol: benchmarks/floor_server.py)
-        return [mixed_ops(peer, int(each), int(size), name) for each in (port.split(",") if peer == "ts" else [port])]
+        # (a path: redis-py over Redis's Unix socket)
+        return [mixed_ops(peer, each if each.startswith("/") else int(each), int(size), name)
+                for each in port.split(",")]
 
     targets = connect(port, size)
     _say("ready")

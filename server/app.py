@@ -27,11 +27,14 @@ from .config import ServerConfig
 from .failures import listen_failure
 from .net import busypoll
 from .net.service import TensorShareFactory
-from .net.twisted_internals import adopt_tcp, dispatch_directly, listen_tcp
+from .net.twisted_internals import adopt_tcp, dispatch_directly, listen_tcp, listen_unix
 from .root import build_state
 from .workers.layout import place
 
 log = logging.getLogger("tensorshare.server")
+
+LOCAL_SOCKET = "server.sock"  # in the shared-memory area: where same-host clients connect (PROTOCOL.md §10.1)
+_MAX_SOCKET_PATH = 100  # bytes (sun_path holds 108 with its NUL on Linux, fewer elsewhere)
 
 
 def listen(config: ServerConfig, sockets: Sequence[int] = (), workers=None):
@@ -108,6 +111,7 @@ def _listen(config: ServerConfig, sockets: Sequence[int], workers, tls: tuple | 
         raise
     port.jobs = jobs
     port.state = state
+    port.local = None if tls is not None else _listen_local(state.storage, factory)
     port.ops = None
     if config.metrics_port is not None:
         from .ops import web
@@ -116,7 +120,7 @@ def _listen(config: ServerConfig, sockets: Sequence[int], workers, tls: tuple | 
             port.ops = web.start(state, reactor, config.metrics_port, config.metrics_host,
                                  data_port=port.getHost().port)
         except BaseException:
-            for listening in port.all:
+            for listening in (*port.all, *([port.local] if port.local is not None else [])):
                 listening.stopListening()
             undo()
             raise
@@ -143,10 +147,32 @@ def _bind(config: ServerConfig, factory, sockets: Sequence[int], tls: tuple | No
     return port
 
 
+def _listen_local(storage, factory):
+    """Listen on a Unix socket in the shared-memory area for clients on this host, who
+    skip the TCP stack (PROTOCOL.md §10.1); None where there is no such area or the
+    socket cannot be made (they stay on TCP then)."""
+    area = storage.shm_area
+    if area is None:
+        return None
+    path = os.path.join(area.root, LOCAL_SOCKET)
+    if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
+        log.info("same-host clients stay on TCP: the socket path %s is too long for a Unix socket", path)
+        return None
+    try:
+        listening = listen_unix(path, factory)
+    except (CannotListenError, OSError) as exc:
+        log.warning("same-host clients stay on TCP: no Unix socket at %s (%s)", path, exc)
+        return None
+    storage.sharing.socket = path
+    return listening
+
+
 def _shut(port) -> None:
     """Stop listening on ``port``, drop its connections, finish its disk work (reactor thread)."""
     for listening in port.all:
         listening.stopListening()
+    if port.local is not None:
+        port.local.stopListening()
     if port.ops is not None:
         port.ops.stop()
     if getattr(port.state, "relay", None) is not None:

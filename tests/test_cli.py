@@ -176,7 +176,8 @@ def test_watch(ops_server):
     assert len(lines) == 2
     view = json.loads(lines[-1])
     assert {"bin": "cli/r", "items": 2, "bytes": "128 B", "tag": "-"} in view["bins"]
-    assert view["clients"] and all(c["address"].startswith("127.0.0.1:") for c in view["clients"])
+    # (the watching CLI's own connection: TCP, or the same-host Unix socket, named by its process)
+    assert view["clients"] and all(c["address"].startswith(("127.0.0.1:", "local:pid")) for c in view["clients"])
     plain = cli("--port", str(ops_server.port), "watch", "--count", "1", env={"TENSORSHARE_PLAIN": "1"})
     assert plain.returncode == 0 and plain.stdout.splitlines()[1].split() == ["bin", "items", "bytes", "tag"]
 

@@ -370,9 +370,11 @@ def test_clients_and_rl_wrappers_tolerate_coalesced_notifications(tmp_path):
     # Enough changes to fill the server's socket send buffer (its kernel limit) twice over.
     n = max(12_000, 2 * kernel_send_buffer_max() // (2 * 320))
     try:
-        with RLTrainer("127.0.0.1", proxy.port, experiment=experiment, filter_version=False) as trainer, \
-                RLWorker("127.0.0.1", proxy.port, experiment=experiment) as worker, \
-                tensorshare.Client("127.0.0.1", proxy.port) as listener, \
+        # (zero_copy=False: over TCP through the proxy, not the server's same-host Unix socket)
+        with RLTrainer("127.0.0.1", proxy.port, experiment=experiment, filter_version=False,
+                       zero_copy=False) as trainer, \
+                RLWorker("127.0.0.1", proxy.port, experiment=experiment, zero_copy=False) as worker, \
+                tensorshare.Client("127.0.0.1", proxy.port, zero_copy=False) as listener, \
                 tensorshare.Client("127.0.0.1", server.port) as writer:
             seen = []
             listener.listen(trainer.data_bin, seen.append)

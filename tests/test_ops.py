@@ -4,6 +4,7 @@ against a real server process over HTTP; counters in memory."""
 from __future__ import annotations
 
 import json
+import os
 from html.parser import HTMLParser
 
 import pytest
@@ -155,7 +156,8 @@ def test_status_page_tables(ops_server):
     row = next(r for r in bins[1:] if r[0] == "page/<b>bold</b>")
     assert row[1] == "1" and row[2] == "64 B"
     clients = page.tables["clients"]
-    assert clients[0][:2] == ["conn", "address"] and any(r[1].startswith("127.0.0.1:") for r in clients[1:])
+    # (this process's client, on the same-host Unix socket: named by its process)
+    assert clients[0][:2] == ["conn", "address"] and any(r[1] == f"local:pid{os.getpid()}" for r in clients[1:])
     assert http_get(ops_server.url("/nothing"))[0] == 404
 
 

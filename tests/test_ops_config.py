@@ -90,9 +90,11 @@ def test_json_log_lines_per_connection(tmp_path):
     opened = [conn for event, conn in events if event == "open"]
     closed = [conn for event, conn in events if event == "close"]
     failed = [conn for event, conn in events if event == "auth_failed"]
-    assert len(opened) == 2 and sorted(closed) == sorted(opened)
-    assert failed == [opened[1]]  # the second connection's wrong proof
-    assert ("auth", opened[0]) in events
+    # The first client: TCP, then the same-host Unix socket its greeting named (both
+    # authenticated); the second: TCP, refused before anything is named.
+    assert len(opened) == 3 and sorted(closed) == sorted(opened)
+    assert failed == [opened[2]]  # the last connection's wrong proof
+    assert ("auth", opened[0]) in events and ("auth", opened[1]) in events
     fail_line = next(e for e in entries if e.get("event") == "auth_failed")
     assert fail_line["level"] == "WARNING" and "wrong proof" in fail_line["message"]
     close_line = next(e for e in entries if e.get("event") == "close")

@@ -321,7 +321,8 @@ class RecordingProxy(OneConnectionServer):
 
 def test_token_never_crosses_the_wire(auth_server):
     proxy = RecordingProxy(auth_server.port)
-    with tensorshare.Client("127.0.0.1", proxy.port, token=TOKEN, timeout=10) as c:
+    # (zero_copy=False: over TCP through the proxy, not the server's same-host Unix socket)
+    with tensorshare.Client("127.0.0.1", proxy.port, token=TOKEN, timeout=10, zero_copy=False) as c:
         c.put("s-wire", "payload")
     proxy.close()
     sent = bytes(proxy.sent)
@@ -420,6 +421,7 @@ def test_reconnect_reauthenticates_and_a_changed_token_is_final(token_file, tmp_
 def test_tls_round_trip_of_a_large_tensor(tls_server, certs):
     big = torch.randint(0, 255, (64 << 20,), dtype=torch.uint8)
     with tensorshare.Client("127.0.0.1", tls_server.port, token=TOKEN, tls_ca=certs.ca, timeout=60) as c:
+        assert c.router.home.link.tls and c.router.home.local is None  # (a TLS server names no Unix socket)
         seen = []
         c.listen("s-tls", seen.append)
         c.put("s-tls", big)

@@ -42,6 +42,7 @@ class SharedTier:
         self._takes_incoming = takes_incoming
         self.areas: list[Area] = []  # the areas clients may map, in greeting order
         self.token: str | None = None
+        self.socket: str | None = None  # the Unix socket same-host clients may connect to (server/app.py)
         self.shm_area = self.spill_area = self.data_area = None
         self._promoting: set = set()
         self._full_until = 0.0

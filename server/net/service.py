@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import socket
+import struct
 from functools import partial
 from typing import Callable
 
@@ -74,7 +76,10 @@ class TensorShareProtocol(protocol.Protocol):
 
     def connectionMade(self) -> None:
         self.factory.live.add(self)
-        self.transport.setTcpNoDelay(True)
+        peer = self.transport.getPeer()
+        local = not hasattr(peer, "host")  # a same-host client on the Unix socket (server/app.py)
+        if not local:
+            self.transport.setTcpNoDelay(True)
         # Fewer reactor turns per large reply (see docs/design.md).
         twisted_internals.set_send_limit(self.transport, LARGE_SEND)
         config = self.state.config
@@ -82,10 +87,10 @@ class TensorShareProtocol(protocol.Protocol):
         self.writer = FrameWriter(self.transport, budget, None, self._outbound_drained, self.factory.write_batch,
                                   self.factory.span_sender)
         self.transport.registerProducer(self.writer, True)
-        peer = self.transport.getPeer()
         self.gate = ReadGate(self.transport)
-        self.session = ServerSession(self.state, self.writer, f"{peer.host}:{peer.port}", self.gate,
-                                     same_host=_same_host(peer, self.transport.getHost()))
+        self.session = ServerSession(self.state, self.writer,
+                                     _local_peer(self.transport) if local else f"{peer.host}:{peer.port}",
+                                     self.gate, same_host=local or _same_host(peer, self.transport.getHost()))
         self.session.connection_made()
         # (dataReceived below, without its Python frame: it runs for every read)
         self.dataReceived = partial(self._received, self.session.data_received)
@@ -179,6 +184,20 @@ class TensorShareProtocol(protocol.Protocol):
     def tick(self, now: float) -> None:
         if self.session is not None and not self._check_stall(now):
             self.session.tick(now, self.writer.pending)
+
+
+def _local_peer(transport) -> str:
+    """How a client on the Unix socket is named in logs and on the status page:
+    ``local:pid<PID>`` (its process, from ``SO_PEERCRED`` where there is one)."""
+    try:
+        pid, _uid, _gid = _PEERCRED.unpack(transport.socket.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                       _PEERCRED.size))
+    except (AttributeError, OSError):  # (no SO_PEERCRED on this system)
+        return f"local:{transport.sessionno}"
+    return f"local:pid{pid}"
+
+
+_PEERCRED = struct.Struct("3i")
 
 
 def _same_host(peer, local) -> bool:

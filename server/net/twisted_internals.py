@@ -34,7 +34,7 @@ import select
 import socket
 import sys
 
-from twisted.internet import main, reactor, tcp
+from twisted.internet import main, reactor, tcp, unix
 from twisted.python import log as twisted_log
 
 log = logging.getLogger("tensorshare.server")
@@ -317,6 +317,37 @@ def listen_tcp(port: int, factory, interface: str):
     if not COMPATIBLE:  # pragma: no cover
         return reactor.listenTCP(port, factory, interface=interface)
     listening = ReceivingPort(port, factory, interface=interface, reactor=reactor)
+    listening.startListening()
+    return listening
+
+
+# Connections a Unix socket queues before they are accepted (a full queue refuses at
+# once, where TCP retries: a job's workers starting together would fall back to TCP).
+UNIX_BACKLOG = 1024
+
+
+class ReceivingUnixServer(ReceivingServer, unix.Server):
+    """A same-host connection over a Unix socket, read as :class:`ReceivingServer` reads."""
+
+
+class ReceivingUnixPort(unix.Port):
+    """A Unix socket whose connections are :class:`ReceivingUnixServer` transports."""
+
+    transport = ReceivingUnixServer
+
+    def connectionLost(self, reason):
+        try:
+            super().connectionLost(reason)
+        except FileNotFoundError:  # its directory (the shared-memory area) went first at shutdown
+            tcp.Port.connectionLost(self, reason)
+
+
+def listen_unix(path: str, factory):
+    """``reactor.listenUNIX`` on ``path`` (readable and writable by this user only),
+    with :class:`ReceivingUnixServer` transports where this Twisted allows."""
+    if not COMPATIBLE:  # pragma: no cover
+        return reactor.listenUNIX(path, factory, backlog=UNIX_BACKLOG, mode=0o600)
+    listening = ReceivingUnixPort(path, factory, backlog=UNIX_BACKLOG, mode=0o600, reactor=reactor)
     listening.startListening()
     return listening
 

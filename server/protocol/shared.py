@@ -54,6 +54,8 @@ class SharedMemory:
             return reply
         offer = {"token": storage.token, "areas": [area.root for area in storage.areas],
                  "min_bytes": self.config.zero_copy_min, "cuda": not storage.durable}  # device references (§13)
+        if storage.sharing.socket is not None:  # (in the shared-memory area: the token check covers it)
+            offer["socket"] = storage.sharing.socket
         reply[Key.SHM] = offer
         if not storage.takes_incoming:
             return reply

@@ -32,13 +32,15 @@ import threading
 import time
 from functools import partial
 
+from ..disk.areas import local_socket
 from ..errors import ConnectionLostError, ProtocolError, TensorShareError, TimeoutError, UsageError
 from ..protocol.engine import DEAD, Notice, Restored
+from ..protocol.messages import Key
 from .coalesce import Coalescer
 from .listens import notification, tell_restored
 from .progress import Progress
 from .reader import BackgroundReader
-from .sockets import SMALL_FRAME, Link, open_link, wait
+from .sockets import SMALL_FRAME, Link, open_link, open_local, wait
 from .spin import ReplySpin
 from .zerocopy import SharedAreas
 
@@ -77,6 +79,7 @@ class Member:
         self.spin = ReplySpin(settings.spin)  # used by the thread reading for its own reply
         self._next_check = 0.0  # the keepalive's next look (monotonic), as it said last
         self.link: Link | None = None
+        self.local: str | None = None  # the worker's Unix socket, once a greeting named one we trust
         self.areas: SharedAreas | None = None  # the current connection's verified same-host areas
         self.reading = False  # a thread is the leader: it reads the socket
         self.waiting = 0  # threads asleep on cond (a lone caller wakes nobody: no notify to pay for)
@@ -84,7 +87,7 @@ class Member:
         self.closed = False
         self.reader = BackgroundReader(self)  # keeps the socket drained while callbacks wait
         if opened is not None:
-            self.take(opened)
+            self.take(self._local_instead(opened, settings.connect_timeout))
 
     def __repr__(self) -> str:
         return f"<Member {self.where} worker {self.index}>"
@@ -115,13 +118,44 @@ class Member:
             if deadline is not None:
                 within = max(min(within, deadline - time.monotonic()), 0.001)
             try:
-                link = open_link(self.settings.host, self.port, within, self.settings.tls,
-                                 self.settings.ssl_context, engine)
+                link = self._open(within)
             except ConnectionLostError as exc:
                 if self.front.unreachable(self, exc):  # the server moved its workers: not sent here
                     raise StaleMapError(str(exc)) from None
                 raise
             return self.take(link)
+
+    def _open(self, within: float) -> Link:
+        """A new connection to the worker: through its Unix socket when it is on this
+        host and zero-copy is on (the socket its last greeting named, else the one
+        this TCP connection's greeting names: PROTOCOL.md §10.1), else over TCP."""
+        settings, engine = self.settings, self.engine
+        if self.local is not None:
+            try:
+                return open_local(self.local, within, engine, self.where)
+            except ConnectionLostError as exc:  # gone (the server restarted, say): TCP tells where now
+                log.info("%s: its Unix socket is gone (%s); connecting over TCP", self.where, exc)
+                self.local = None
+        return self._local_instead(open_link(settings.host, self.port, within, settings.tls, settings.ssl_context,
+                                             engine), within)
+
+    def _local_instead(self, link: Link, within: float) -> Link:
+        """``link``, just opened over TCP, or in its place a connection through the Unix
+        socket its greeting names, if this client trusts it (zero-copy on, the socket in
+        a verified area of the server: :func:`~tensorshare.disk.areas.local_socket`)."""
+        settings, engine = self.settings, self.engine
+        path = local_socket(engine.greeting.get(Key.SHM)) if settings.zero_copy and not link.tls else None
+        if path is None:
+            return link
+        link.close()
+        engine.lost(ConnectionLostError("moved to the same-host socket"))  # (listens it restored: never answered)
+        try:
+            local = open_local(path, within, engine, self.where)
+        except ConnectionLostError as exc:
+            log.info("%s: not using its Unix socket %s (%s); connecting over TCP", self.where, path, exc)
+            return open_link(settings.host, self.port, within, settings.tls, settings.ssl_context, engine)
+        self.local = path
+        return local
 
     def take(self, link: Link) -> Link:
         """Make the opened ``link`` current (if its greeting is what this member expects)."""

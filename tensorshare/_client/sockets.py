@@ -1,7 +1,8 @@
-"""The blocking client's transport: one non-blocking socket (TCP, or TLS over it).
+"""The blocking client's transport: one non-blocking socket (TCP, TLS over it, or a same-host Unix socket).
 
 :func:`open_link` opens a connection (TCP, TLS with the certificate checks, the
-server's greeting and, if it asks, authentication) and returns a :class:`Link`:
+server's greeting and, if it asks, authentication; :func:`open_local` the same
+over a same-host server's Unix socket) and returns a :class:`Link`:
 the socket with the protocol state and the poll objects that go with it.  The
 link sends whole frames (:meth:`Link.send_all`) and reads into the decoder's
 buffer (:meth:`Link.recv_into`), waiting with ``poll`` until a deadline.
@@ -22,7 +23,7 @@ import threading
 import time
 from functools import partial
 
-from ..errors import ConnectionLostError, TimeoutError, UntrustedServerError, WrongServerError
+from ..errors import ConnectionLostError, TensorShareError, TimeoutError, UntrustedServerError, WrongServerError
 from ..protocol import peers
 from ..protocol.engine import Engine
 from ..protocol.tls import TLSSettings
@@ -41,6 +42,7 @@ class Link:
 
     def __init__(self, sock: socket.socket, engine: Engine, tls: bool):
         self.sock, self.engine, self.tls = sock, engine, tls
+        self.local = sock.family == socket.AF_UNIX  # the same-host socket: nothing is held back there
         self.readable = _poller(sock, select.POLLIN)
         self.writable = _poller(sock, select.POLLOUT)
         self.readwrite = _poller(sock, select.POLLIN | select.POLLOUT)
@@ -60,7 +62,8 @@ class Link:
     def send_held(self, data: bytes) -> int:
         """Send what the socket takes of ``data`` now (plain TCP), held back by the
         kernel (``MSG_MORE``) to leave with the next send in one segment: at most
-        0.2 s later if nothing follows (Linux's ceiling), or at :meth:`push`."""
+        0.2 s later if nothing follows (Linux's ceiling), or at :meth:`push` (the
+        same-host Unix socket holds nothing back: it goes at once there)."""
         try:
             return self.sock.send(data, _MSG_MORE)
         except BlockingIOError:
@@ -68,6 +71,8 @@ class Link:
 
     def push(self) -> None:
         """Send what :meth:`send_held` left held back, now."""
+        if self.local:
+            return
         try:
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # (pushes pending segments)
         except OSError:
@@ -143,6 +148,27 @@ def open_link(host: str, port: int, connect_timeout: float, tls: TLSSettings | N
     return Link(sock, engine, ssl_context is not None)
 
 
+def open_local(path: str, connect_timeout: float, engine: Engine, where: str) -> Link:
+    """Open a connection for ``engine`` over the server's Unix socket ``path`` (a
+    same-host server's, checked by :func:`~tensorshare.disk.areas.local_socket`):
+    its greeting and, if it asks, authentication, as over TCP, without the TCP stack
+    beneath (PROTOCOL.md §10.1).  Blocking, within ``connect_timeout`` in all."""
+    deadline = time.monotonic() + connect_timeout
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(connect_timeout)
+        sock.connect(path)
+        _handshake(sock, engine, where, deadline, connect_timeout, tls=False, probe=False)
+        sock.setblocking(False)
+    except BaseException as exc:
+        sock.close()
+        engine.refused(exc)
+        if isinstance(exc, OSError) and not isinstance(exc, TensorShareError):
+            raise ConnectionLostError(f"cannot connect to {where} through {path}: {exc}") from None
+        raise
+    return Link(sock, engine, False)
+
+
 def _start_tls(sock: socket.socket, host: str, context: ssl.SSLContext, tls: TLSSettings,
                deadline: float) -> ssl.SSLSocket:
     """The TLS handshake (blocking, until ``deadline``) and the certificate checks."""
@@ -167,13 +193,13 @@ def _start_tls(sock: socket.socket, host: str, context: ssl.SSLContext, tls: TLS
 
 
 def _handshake(sock: socket.socket, engine: Engine, where: str, deadline: float,
-               connect_timeout: float, tls: bool) -> None:
+               connect_timeout: float, tls: bool, probe: bool = True) -> None:
     """Read the greeting and authenticate if the server asks (blocking, until ``deadline``).
 
-    A plaintext peer silent for :data:`~.peers.PROBE_AFTER` seconds is probed on a
+    A plaintext TCP peer silent for :data:`~.peers.PROBE_AFTER` seconds is probed on a
     second connection (:func:`.peers.probe`): a TLS or HTTP server is told at once
     instead of after the whole timeout."""
-    probe_at = None if tls else time.monotonic() + min(peers.PROBE_AFTER, connect_timeout / 2)
+    probe_at = None if tls or not probe else time.monotonic() + min(peers.PROBE_AFTER, connect_timeout / 2)
     speaks = None  # what the probe found, if it ran
     engine.connected(time.monotonic())
     try:

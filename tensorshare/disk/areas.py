@@ -27,8 +27,8 @@ import stat
 
 from ..errors import ProtocolError
 
-__all__ = ["TOKEN_FILE", "new_token", "write_token", "verify_area", "inside", "valid_name", "check_item_tree",
-           "not_open_for_writing", "worth_sharing"]
+__all__ = ["TOKEN_FILE", "new_token", "write_token", "verify_area", "local_socket", "inside", "valid_name",
+           "check_item_tree", "not_open_for_writing", "worth_sharing"]
 
 TOKEN_FILE = ".tensorshare-token"
 _TOKEN_BYTES = 16
@@ -91,6 +91,27 @@ def verify_area(root: object, token: object) -> str | None:
     if not hmac.compare_digest(data, token.encode("ascii", "replace")):
         return f"{root}: its token does not match (another server, host or container)"
     return None
+
+
+def local_socket(offer: object) -> str | None:
+    """The Unix socket a greeting's ``shm`` offer names for clients on the server's
+    host, if this client may trust it: a socket of this process's user directly in
+    one of the offered areas that :func:`verify_area` finds to be the server's (so a
+    path named by a server on another host, or by anyone else, is never connected
+    to); else None."""
+    if not isinstance(offer, dict):
+        return None
+    path, areas = offer.get("socket"), offer.get("areas")
+    if not isinstance(path, str) or not isinstance(areas, list) or "\x00" in path:
+        return None
+    root = os.path.dirname(path)
+    if root not in areas or verify_area(root, offer.get("token")) is not None:
+        return None
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return path if stat.S_ISSOCK(st.st_mode) and st.st_uid == os.geteuid() else None
 
 
 def worth_sharing(nbytes: int, arrays: int, min_bytes: int) -> bool:
