@@ -7,6 +7,8 @@
   no authentication yet, a bin limit, a memory budget that is full.
 * A verb's compiled request parser and a message's prepared reply head agree with
   the declarations' general checks and ``frame_head``.
+* A small GET/PEEK reply, made as one ``bytes``, is the general path's reply, and
+  its limits and a GET's accounting and hooks are the same.
 * A reply skips the writer's queue and budget only while the writer is idle, and
   never overtakes a frame queued before it.
 """
@@ -24,7 +26,7 @@ from twisted.internet.testing import MemoryReactor
 
 from pairing import HeldJobs, Outbox, Pair
 from tensorshare._client.connection import NO_VALUE, request_frame
-from tensorshare.errors import ProtocolError
+from tensorshare.errors import ProtocolError, RemoteError
 from tensorshare.protocol.messages import (
     APPEND, BAD_ARGS, BAD_FRAME, COMMANDS, DELETE, GET, LISTEN, NOOP, NOT_AUTHENTICATED, PEEK, PUT, TOO_LARGE,
     UNKNOWN_VERB,
@@ -142,6 +144,51 @@ def test_a_session_answers_the_same_bytes_whole_byte_by_byte_and_with_trailing_d
     pair.send(data[:-5])
     pair.send(data[-5:])
     assert bytes(pair.outbox.data) == whole
+
+
+def _reads() -> bytes:
+    value = torch.arange(16, dtype=torch.float32)
+    return b"".join([
+        _request(1, PUT, {"bin": "a", "tag": 3}, value), _request(2, APPEND, {"bin": "a"}, torch.ones(2, 3)),
+        _request(3, PEEK, {"bin": "a"}), _request(4, PEEK, {"bin": "a", "since": 2}),
+        _request(5, PEEK, {"bin": "a", "since": 1}), _request(6, PEEK, {"bin": "a", "tags": True}),
+        _request(7, PEEK, {"bin": "a", "ref": [0]}), _request(8, GET, {"bin": "a", "max": 1, "ref": [0]}),
+        _request(9, GET, {"bin": "a"}), _request(10, GET, {"bin": "a"}), _request(11, PEEK, {"bin": "none"}),
+        _request(12, PUT, {"bin": "b"}, torch.ones(1024)), _request(13, PEEK, {"bin": "b"}),
+        _request(14, GET, {"bin": "b"}),
+    ])
+
+
+@pytest.mark.parametrize("same_host", [False, True])
+def test_small_get_and_peek_replies_are_the_general_paths(monkeypatch, same_host):
+    from tensorshare_server.protocol import handlers
+
+    config = {"same_host": True, "zero_copy_min": 1024} if same_host else {}
+    fast = _answers(_reads(), **config)
+    monkeypatch.setattr(handlers, "_SMALL_REPLY", 0)  # (every reply takes the general path)
+    assert fast == _answers(_reads(), **config)
+    codes = [f.header["code"] for f in FrameDecoder(discard_sink).feed(fast) if f.header["id"]]
+    assert codes == [250, 250, 226, 226, 226, 226, 226, 226, 226, 226, 550, 250, 226, 226]
+
+
+def test_a_small_get_or_peek_is_held_to_the_reply_header_limit_and_a_get_to_its_accounting():
+    pair = Pair(max_reply_header=80)
+    for _ in range(3):
+        pair.call(APPEND, {"bin": "a"}, torch.ones(2, 2, 2))  # 31 bytes of description each
+    for command in (PEEK, GET):
+        with pytest.raises(RemoteError, match="take 93 bytes, over the 80 one reply may carry"):
+            pair.call(command, {"bin": "a"})
+    assert len(pair.call(GET, {"bin": "a", "max": 2}).values) == 2  # (what a GET was refused kept every item)
+    store, held = pair.state.store, []
+    nbytes = store.items_of("a")[0].nbytes
+    pair.outbox.send = lambda parts, on_abandon=None, on_written=None: held.append((on_abandon, on_written))
+    pair.send_request(GET, {"bin": "a"})
+    assert store.in_flight_bytes == nbytes and store.count("a") == 0  # counted until written
+    held.pop()[0]()  # the connection died first: the item goes back
+    assert store.in_flight_bytes == 0 and store.count("a") == 1
+    pair.send_request(GET, {"bin": "a"})
+    held.pop()[1]()  # written
+    assert store.in_flight_bytes == 0 and store.count("a") == 0
 
 
 def test_limits_hold_on_the_fast_path():

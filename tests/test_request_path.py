@@ -91,6 +91,37 @@ def test_parts_over_the_direct_limit_still_go_through_twisted(wired):
     assert held == parts[1]
 
 
+def test_a_larger_reply_to_an_idle_writer_leaves_at_once_in_one_sendmsg_without_accounting(wired):
+    transport, out, budget, peer = wired
+    chunk = memoryview(bytearray(b"v" * 70_000)).toreadonly()  # (a pooled chunk of a stored item)
+    written, abandoned = [], []
+    out.hold()  # (the read that asked for it is being handled)
+    out.send_reply([b"head", chunk, chunk], lambda: abandoned.append(1), lambda: written.append(1))
+    assert written == [1] and budget.queued == 0 and not out.pending
+    assert _recv_exactly(peer, 140_004) == b"head" + bytes(chunk) * 2
+    out.send_reply([b"small"])  # held until the read's end: the next larger reply keeps its place
+    out.send_reply([b"head", chunk])
+    assert out.pending and budget.queued >= 70_000
+    out.release()
+    assert _recv_exactly(peer, 70_009) == b"small" + b"head" + bytes(chunk) and budget.queued == 0
+    out.connection_lost()
+    assert abandoned == []
+
+
+def test_a_larger_reply_the_kernel_does_not_take_whole_leaves_the_rest_to_twisted_in_order(wired):
+    transport, out, budget, peer = wired
+    transport.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    chunk = memoryview(b"w" * 60_000)
+    out.send_reply([b"head", chunk])
+    out.send_reply([b"next", chunk])  # Twisted holds bytes now: this one takes the queue
+    assert out.pending and budget.queued >= 60_000
+    taken = _recv_available(peer)
+    held = bytes(transport.dataBuffer)[transport.offset :] + b"".join(transport._tempDataBuffer)
+    # (the queued reply's bytes part went to Twisted's buffer behind it; its chunk waits for a writable socket)
+    assert 0 < len(taken) and taken + held == b"head" + bytes(chunk) + b"next" and out.pending
+
+
 class _Reader(protocol.Protocol):
     """Wants ``expect`` bytes; counts the reads it was given."""
 

@@ -41,3 +41,40 @@ def test_other_transports_never_get_the_direct_path():
     from twisted.internet.testing import StringTransport
 
     assert twisted_internals.direct_socket(StringTransport()) is None
+
+
+def test_the_servers_main_loop_runs_every_call_at_its_turn_and_sleeps_between():
+    """The main loop that skips Twisted's timer bookkeeping when nothing is due still
+    runs due, new and threads' calls and the shutdown, drops cancelled ones, and
+    waits for I/O until the next call is due (a few turns, not a spin)."""
+    import threading
+
+    from twisted.internet.epollreactor import EPollReactor
+
+    target = EPollReactor()  # (its own, never installed: the tests' reactor is left alone)
+    assert twisted_internals.dispatch_directly(target)
+    seen, turns = [], []
+    iteration = target.doIteration
+
+    def counted(timeout):
+        turns.append(timeout)
+        iteration(timeout)
+
+    target.doIteration = counted
+    target.callLater(0.2, seen.append, "later")
+    target.callLater(0, seen.append, "now")
+    target.callLater(0.05, seen.append, "cancelled").cancel()
+    target.callLater(0.1, lambda: target.callLater(0.05, seen.append, "nested"))
+    target.callLater(0.02, lambda: 1 / 0)  # logged by Twisted; the loop goes on
+    target.callWhenRunning(lambda: threading.Thread(target=target.callFromThread,
+                                                    args=(seen.append, "thread")).start())
+    target.callLater(0.3, target.stop)
+    target.addSystemEventTrigger("after", "shutdown", seen.append, "shutdown")
+    try:
+        target.run(installSignalHandlers=False)
+    finally:
+        target._poller.close()
+    assert sorted(seen[:3]) == ["nested", "now", "thread"] and seen.index("now") < seen.index("nested")
+    assert seen[3:] == ["later", "shutdown"]  # (nothing of the cancelled call)
+    assert len(turns) < 30, f"{len(turns)} turns in 0.3 s: the loop spins"
+    assert all(t is None or 0 <= t <= 0.3 for t in turns)

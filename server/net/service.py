@@ -22,7 +22,8 @@ from . import twisted_internals
 from .busypoll import BusyPoll
 from .flow import OutboundBudget, StallWatch
 from .sendfile import SpanSender
-from .writer import LARGE_SEND, FrameWriter, WriteBatch
+from .batch import WriteBatch
+from .writer import LARGE_SEND, FrameWriter
 
 log = logging.getLogger("tensorshare.server")
 

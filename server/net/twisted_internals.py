@@ -14,7 +14,9 @@ The server goes past Twisted's public API in three places, each for speed:
   same event while a frame is incomplete.
 * **Event dispatch** (:func:`dispatch_directly`): the epoll reactor's ``doPoll``
   is replaced by one that calls each ready connection's handler without Twisted's
-  per-event logging context (``callWithLogger``), a server process only.
+  per-event logging context (``callWithLogger``), and its ``mainLoop`` by one
+  that runs the timed calls only when one is due (:func:`_main_loop`), a server
+  process only.
 * **Sizes**: ``SEND_LIMIT`` (bytes per ``send()``) and ``bufferSize`` (bytes per
   ``recv()``), and the unsent byte count the stall check compares.
 
@@ -82,7 +84,7 @@ def dispatch_directly(target=reactor) -> bool:
     logs and disconnects a connection whose handler raised, and what escapes it is
     logged here.  For a process that is a server and nothing else: other code on
     the same reactor would lose the context of its Twisted log lines."""
-    names = ("_poller", "_selectables", "_doReadOrWrite", "_disconnectSelectable", "doPoll")
+    names = ("_poller", "_selectables", "_doReadOrWrite", "_disconnectSelectable", "doPoll", *_LOOP)
     if not COMPATIBLE or type(target).__name__ != "EPollReactor" or any(not hasattr(target, n) for n in names):
         return False
     selectables, dispatch, disconnect = target._selectables, target._doReadOrWrite, target._disconnectSelectable
@@ -111,7 +113,48 @@ def dispatch_directly(target=reactor) -> bool:
                 twisted_log.err(None, "dispatching a reactor event failed")
 
     target.doPoll = target.doIteration = do_poll
+    target.mainLoop = _main_loop(target)
     return True
+
+
+# What Twisted's mainLoop, runUntilCurrent and timeout read of a reactor.
+_LOOP = ("mainLoop", "_started", "running", "threadCallQueue", "_newTimedCalls", "_pendingTimedCalls",
+         "_justStopped", "runUntilCurrent", "timeout", "seconds")
+_LONGEST_WAIT = 2147483  # seconds: what epoll_wait's timeout can hold in milliseconds (Twisted's limit too)
+
+
+def _main_loop(target):
+    """Twisted's ``mainLoop`` that calls ``runUntilCurrent`` and ``timeout`` only when
+    they have work: a call from a thread, a new or a due timed call, or a stop.
+
+    Twisted calls both every turn: with a timed call pending (the server's clock
+    always is) that is a few thousand instructions a turn, a turn per request from
+    a lone client.  Here a turn with nothing due only compares the earliest timed
+    call with the clock, and waits for I/O until it is due, as ``timeout`` would:
+    the same calls run at the same turns (cancelled ones are dropped from the heap
+    when a call is due, not every turn)."""
+    seconds = target.seconds
+
+    def main_loop() -> None:
+        while target._started:
+            try:
+                while target._started:
+                    pending = target._pendingTimedCalls
+                    if pending:
+                        due = pending[0].time - seconds()
+                    if (target.threadCallQueue or target._newTimedCalls or target._justStopped
+                            or (pending and due <= 0)):
+                        target.runUntilCurrent()
+                        timeout = target.timeout()
+                    else:
+                        # (not min(): a builtin call costlier than the rest of this turn's test)
+                        timeout = (due if due < _LONGEST_WAIT else _LONGEST_WAIT) if pending else None
+                    target.doIteration(target.running and timeout)
+            except BaseException:
+                twisted_log.err(None, "Unexpected error in main loop")
+        log.debug("the reactor's main loop ended")
+
+    return main_loop
 
 
 def direct_socket(transport):

@@ -16,6 +16,7 @@ from twisted.internet import interfaces
 from zope.interface import implementer
 
 from . import twisted_internals
+from .batch import WriteBatch
 from .twisted_internals import send_now
 from .flow import SHARED_PART, OutboundBudget
 from .sendfile import AVAILABLE as SENDFILE_AVAILABLE
@@ -28,33 +29,6 @@ _GATHER_PARTS = 64  # most parts in one sendmsg() (the system allows 1024)
 _HOLD_MAX = 32  # most frames held back while a read is handled (see FrameWriter)
 LARGE_SEND = 4 << 20  # most bytes passed to one send()
 _TURN_SEND = 16 << 20  # most bytes of view parts one connection sends per pump (one per writable event)
-
-
-class WriteBatch:
-    """The writers that got frames while one connection's read is handled.
-
-    Handling a read touches other connections too: a pipelined run of APPENDs from
-    one client makes a notification for each listener per APPEND.  Each such writer
-    joins the batch (holding its frames) and all write at its end, so a listener
-    gets one ``send()`` for the run, not one per change.  The writer of the
-    connection being read opens it (:meth:`FrameWriter.begin_read`) and ends it.
-    One batch per server, used on the reactor thread only."""
-
-    def __init__(self):
-        self.open = False
-        self.joined: list = []  # (read by FrameWriter.end_read: most reads have none to release)
-
-    def join(self, writer: "FrameWriter") -> None:
-        writer._holding = True
-        self.joined.append(writer)
-
-    def end(self) -> None:
-        """Let every writer that joined write what it holds."""
-        self.open = False
-        if self.joined:
-            joined, self.joined = self.joined, []
-            for writer in joined:
-                writer.release()
 
 
 class Queued:
@@ -95,7 +69,8 @@ class FrameWriter:
     requests leave together, ``_HOLD_MAX`` frames per system call at most: a client
     starts on the first replies while the rest are handled (see docs/design.md).
     Frames for other connections made meanwhile (notifications) wait for the end of
-    that read too (:class:`WriteBatch`).
+    that read too (:class:`WriteBatch`), as do small replies; a larger one that finds nothing
+    queued, held or buffered leaves at once (:meth:`_send_gathered`).
 
     Parts that are spans of stored files (a spilled or durable item) go to
     ``sender`` (:mod:`.sendfile`: the kernel sends them from the page cache, on a
@@ -179,8 +154,36 @@ class FrameWriter:
         data = parts[0] if len(parts) == 1 else _joined(parts)
         if type(data) is bytes:
             self.reply(data, on_abandon, on_written)
-        else:
+        elif not self._send_gathered(parts, on_written):
             self.send(parts, on_abandon, on_written)
+
+    def _send_gathered(self, parts: list, on_written: Callable[[], None] | None) -> bool:
+        """A larger reply (``bytes`` and pooled chunks, up to ``_DIRECT_MAX``) while nothing is queued,
+        held or buffered: one ``sendmsg()`` at once, past the queue and its accounting (the rest
+        to Twisted's buffer, as :meth:`_send_direct`); False (nothing done) otherwise."""
+        if (self._queue or self._held or self._paused or self._socket is None or self._lost or self._closing
+                or self._offload is not None or len(parts) > _GATHER_PARTS
+                or (not self._holding and self.batch is not None and self.batch.open)):
+            return False
+        total = 0
+        for part in parts:
+            kind = type(part)
+            if kind is not bytes and kind is not memoryview:  # (spans of files: the sender's)
+                return False
+            total += len(part)
+        t = self.transport
+        if total > _DIRECT_MAX or not twisted_internals.transport_idle(t):
+            return False
+        try:
+            sent = self._socket.sendmsg(parts)
+        except OSError:  # EAGAIN, or a dead socket: Twisted's own write path deals with it
+            sent = 0
+        if sent < total:
+            t.write(_unsent(parts, sent))  # may call pauseProducing()
+        self._written += total
+        if on_written is not None:
+            on_written()
+        return True
 
     def reply(self, data: bytes, on_abandon: Callable[[], None] | None = None,
               on_written: Callable[[], None] | None = None) -> None:

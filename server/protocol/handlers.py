@@ -28,6 +28,8 @@ from . import devices, longpoll
 from .outcome import in_lane, later
 from .registry import handles
 
+_SMALL_REPLY = 16 << 10  # payload bytes of a GET/PEEK reply made as one bytes (copied once: cheaper than parts)
+
 log = logging.getLogger("tensorshare.server")
 
 
@@ -172,6 +174,11 @@ def take(session, request):
     items = storage.peek(name)
     if request.max is not None:
         items = items[: request.max]
+    small = _small(session, request, items)
+    if small is not None:  # the usual case: a few small items in memory
+        items, change = storage.take(name, request.max)
+        return ([_small_reply(session, request, change.seq, items, small)], partial(storage.restore, name, items),
+                partial(storage.delivered, name, items))
     if devices.unready(items, None):  # bytes still in a publisher's device memory (§13)
         return devices.hold_for_bytes(session, request, take)
     _check_reply_size(session, items)  # refused before anything is taken
@@ -223,6 +230,10 @@ def read(session, request):
     storage, name = session.storage, request.bin
     seq = storage.seq(name)
     items = [] if request.since is not None and seq == request.since else storage.peek(name)
+    if request.cuda is None:
+        small = _small(session, request, items)
+        if small is not None:  # the usual case: a few small items in memory
+            return _small_reply(session, request, seq, items, small)
     cuda = devices.refs(session, request.cuda, items) if request.cuda is not None else None
     if devices.unready(items, cuda):  # bytes still in a publisher's device memory (§13)
         return devices.hold_for_bytes(session, request, read)
@@ -262,6 +273,43 @@ def _read_from_files(session, request, items: list[Item], seq: int, refs: list |
     return later(lambda done: session.storage.read(items, away, done), opened)
 
 
+def _small(session, request, items: list[Item]) -> tuple | None:
+    """``(payload parts, sizes, descriptions, payload bytes)`` of the reply carrying
+    ``items`` when it is small and in memory, one ``bytes`` made at once (what the
+    general path would give, less its work: no item is large enough to go by
+    reference, none waits for a device or the disk, the header is within
+    ``max_reply_header``, no tags asked for); None otherwise."""
+    if request.tags:
+        return None
+    limit = _SMALL_REPLY
+    if request.ref is not None and session.config.zero_copy_min < limit:  # (not min(): a costly call)
+        limit = session.config.zero_copy_min
+    parts, sizes, descriptions, total, described = [], [], [], 0, 0
+    for item in items:
+        segments = item.segments
+        total += item.nbytes
+        if segments is None or total >= limit:  # (a large reply is given up at its first large item)
+            return None
+        parts.extend(segments)
+        sizes.append(item.nbytes)
+        descriptions.append(item.description)
+        described += len(item.description)
+    if described > session.config.max_reply_header:
+        return None
+    return parts, sizes, descriptions, total
+
+
+def _small_reply(session, request, seq: int, items: list[Item], small: tuple) -> bytes:
+    """The 226 reply carrying ``items`` (:func:`_small`'s), one ``bytes``: the frame head, then the payload."""
+    parts, sizes, descriptions, total = small
+    header = {Key.CODE: request.command.success.code, Key.ID: request.id, Key.SEQ: seq, Key.ITEMS: descriptions,
+              Key.SIZES: sizes}
+    if session.counters is not None:
+        _count_read(session, request, items, total)
+    parts.insert(0, frame_head(header, total))
+    return b"".join(parts)
+
+
 def _check_reply_size(session, items: list[Item]) -> None:
     """552 for a reply whose header, holding every item's description, would be
     larger than max_reply_header."""
@@ -298,14 +346,19 @@ def items_reply(session, request, items: list[Item], parts: list, seq: int, refs
         away = devices.merged(refs, cuda)
         payload_len = sum(item.nbytes for item, files in zip(items, away) if files is None)
     parts.insert(0, frame_head(header, payload_len))
-    counters = session.counters
-    if counters is not None:
-        counters.verbs[request.command.verb].bytes_out += payload_len
-        if items and items[-1].tag is not None:  # the version a worker holds
-            counters.read(session.stats, request.bin, items[-1].tag)
+    if session.counters is not None:
+        _count_read(session, request, items, payload_len)
     if on_abandon is None and on_written is None:
         return parts
     return parts, on_abandon, on_written
+
+
+def _count_read(session, request, items: list[Item], payload_len: int) -> None:
+    """Count a GET/PEEK reply's bytes, and the version it hands a worker (metrics on)."""
+    counters = session.counters
+    counters.verbs[request.command.verb].bytes_out += payload_len
+    if items and items[-1].tag is not None:  # the version a worker holds
+        counters.read(session.stats, request.bin, items[-1].tag)
 
 
 # -- LIST, DELETE

@@ -409,8 +409,12 @@ class ServerSession:
             counters = self.counters
             began = 0.0 if counters is None else perf_counter()
             outcome = handle(self, request)
-            if type(outcome) is bytes and not self.closed and self.stream is None:  # (the usual case)
+            if self.closed or self.stream is not None:
+                self.answer(rid, outcome)
+            elif type(outcome) is bytes:  # (the usual case)
                 self.outbox.reply(outcome)
+            elif type(outcome) is tuple:  # (a GET's: answer() and send(), inline)
+                self.outbox.send_reply(*outcome)
             else:
                 self.answer(rid, outcome)
             if counters is not None:  # counted inline: this is the request path (server/ops/counters.py)
