@@ -17,6 +17,8 @@ from typing import Callable
 
 from twisted.internet import protocol, reactor, task
 
+from tensorshare.disk.areas import LOCAL_BUFFER
+
 from ..protocol.session import ServerSession
 from . import twisted_internals
 from .busypoll import BusyPoll
@@ -80,6 +82,8 @@ class TensorShareProtocol(protocol.Protocol):
         local = not hasattr(peer, "host")  # a same-host client on the Unix socket (server/app.py)
         if not local:
             self.transport.setTcpNoDelay(True)
+        else:  # (as much on its way as loopback TCP: tensorshare.disk.areas)
+            self.transport.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LOCAL_BUFFER)
         # Fewer reactor turns per large reply (see docs/design.md).
         twisted_internals.set_send_limit(self.transport, LARGE_SEND)
         config = self.state.config

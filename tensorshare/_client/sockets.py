@@ -23,6 +23,7 @@ import threading
 import time
 from functools import partial
 
+from ..disk.areas import LOCAL_BUFFER
 from ..errors import ConnectionLostError, TensorShareError, TimeoutError, UntrustedServerError, WrongServerError
 from ..protocol import peers
 from ..protocol.engine import Engine
@@ -156,6 +157,7 @@ def open_local(path: str, connect_timeout: float, engine: Engine, where: str) ->
     deadline = time.monotonic() + connect_timeout
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LOCAL_BUFFER)
         sock.settimeout(connect_timeout)
         sock.connect(path)
         _handshake(sock, engine, where, deadline, connect_timeout, tls=False, probe=False)

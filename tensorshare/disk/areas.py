@@ -27,7 +27,7 @@ import stat
 
 from ..errors import ProtocolError
 
-__all__ = ["TOKEN_FILE", "new_token", "write_token", "verify_area", "local_socket", "inside", "valid_name",
+__all__ = ["TOKEN_FILE", "LOCAL_BUFFER", "new_token", "write_token", "verify_area", "local_socket", "inside", "valid_name",
            "check_item_tree", "not_open_for_writing", "worth_sharing"]
 
 TOKEN_FILE = ".tensorshare-token"
@@ -91,6 +91,12 @@ def verify_area(root: object, token: object) -> str | None:
     if not hmac.compare_digest(data, token.encode("ascii", "replace")):
         return f"{root}: its token does not match (another server, host or container)"
     return None
+
+
+# Bytes a same-host socket may hold on their way, set on both ends (SO_SNDBUF, which
+# bounds a Unix socket's peer too; the system caps it at net.core.wmem_max): as much
+# as loopback TCP grows to, not the 208 KiB a Unix socket gets by default.
+LOCAL_BUFFER = 4 << 20
 
 
 def local_socket(offer: object) -> str | None:
