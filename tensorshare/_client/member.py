@@ -129,22 +129,25 @@ class Member:
         """A new connection to the worker: through its Unix socket when it is on this
         host and zero-copy is on (the socket its last greeting named, else the one
         this TCP connection's greeting names: PROTOCOL.md §10.1), else over TCP."""
-        settings, engine = self.settings, self.engine
         if self.local is not None:
             try:
-                return open_local(self.local, within, engine, self.where)
+                return open_local(self.local, within, self.engine, self.where)
             except ConnectionLostError as exc:  # gone (the server restarted, say): TCP tells where now
                 log.info("%s: its Unix socket is gone (%s); connecting over TCP", self.where, exc)
                 self.local = None
-        return self._local_instead(open_link(settings.host, self.port, within, settings.tls, settings.ssl_context,
-                                             engine), within)
+        return self._local_instead(self._open_tcp(within), within)
+
+    def _open_tcp(self, within: float) -> Link:
+        """A new TCP (or TLS) connection to the worker, its opening done."""
+        settings = self.settings
+        return open_link(settings.host, self.port, within, settings.tls, settings.ssl_context, self.engine)
 
     def _local_instead(self, link: Link, within: float) -> Link:
         """``link``, just opened over TCP, or in its place a connection through the Unix
         socket its greeting names, if this client trusts it (zero-copy on, the socket in
         a verified area of the server: :func:`~tensorshare.disk.areas.local_socket`)."""
-        settings, engine = self.settings, self.engine
-        path = local_socket(engine.greeting.get(Key.SHM)) if settings.zero_copy and not link.tls else None
+        engine = self.engine
+        path = local_socket(engine.greeting.get(Key.SHM)) if self.settings.zero_copy and not link.tls else None
         if path is None:
             return link
         link.close()
@@ -153,7 +156,7 @@ class Member:
             local = open_local(path, within, engine, self.where)
         except ConnectionLostError as exc:
             log.info("%s: not using its Unix socket %s (%s); connecting over TCP", self.where, path, exc)
-            return open_link(settings.host, self.port, within, settings.tls, settings.ssl_context, engine)
+            return self._open_tcp(within)
         self.local = path
         return local
 
