@@ -54,6 +54,7 @@ from .store import BinState, BinStore, Change, Item
 from .tablememory import CountedItems, ItemsBacking, TableMemory
 from .tables import MemmapBacking, Table, TableError, TableSpecError, state_bytes
 from .tables.values import Gathered, columns_of, float64_bytes, int64_bytes
+from .tables.rowreads import RowReads
 from .tablespec import (
     LIMIT_KEYS, check_settings, column_bytes, default_max_rows, dir_key, fixed, json_spec, make_table, parse_spec,
     plain, write_files,
@@ -139,6 +140,7 @@ class TableStore:
         self._spilled = itertools.count()
         self.by_name: dict[str, TableEntry] = {}  # read it (``name in``), do not change it
         self._making: dict[str, list[Callable[[], None]]] = {}  # name -> creates waiting for its files
+        self.reads = RowReads()  # the threads that read rows of tables in files from the disk
 
     def bound(self, max_rows: int | None, max_reply_bytes: int | None, max_reply_header: int | None) -> None:
         """The server's limits: rows of all tables together (None: what the memory
@@ -290,7 +292,7 @@ class TableStore:
     def _make_files(self, name: str, full: dict, directory: str, keep: bool) -> tuple[Table, None]:
         """A new table whose columns are files in ``directory`` (a disk thread)."""
         shutil.rmtree(directory, ignore_errors=True)  # (durable: a table deleted by a server killed meanwhile)
-        backing = MemmapBacking(directory, keep=keep)
+        backing = MemmapBacking(directory, keep=keep, reads=self.reads)
         try:
             table = make_table(full, backing)
             if keep:
@@ -409,7 +411,7 @@ class TableStore:
                 name, full = saved["name"], parse_spec(saved["spec"])
                 if dir_key(name) != entry_name or name in self.by_name:
                     raise ValueError("its name does not match its directory")
-                table = make_table(full, MemmapBacking(directory, keep=True, reopen=True))
+                table = make_table(full, MemmapBacking(directory, keep=True, reopen=True, reads=self.reads))
             except (OSError, ValueError, KeyError, TypeError, RemoteError) as exc:
                 problems.append(f"table directory {entry_name}: {exc}")
                 continue
@@ -434,6 +436,7 @@ class TableStore:
                     entry.table.shut()
                 except OSError as exc:  # (then it is rebuilt from its rows when reopened)
                     log.warning("could not note table %r's files whole: %s", entry.name, exc)
+        self.reads.close()
 
     # -- rows in
 

@@ -11,6 +11,7 @@ Modules, one job each:
 * :mod:`.slots`       -- slot occupancy and per-row state; how keys and slot indices relate
 * :mod:`.columns`     -- column specs, :class:`RawArray` (values in and out as bytes)
 * :mod:`.backing`     -- column memory: in RAM, or memory-mapped files in tensordict's layout
+* :mod:`.rowreads`    -- wide rows read from those files, in parallel where the disk is needed
 * :mod:`.selectors`   -- the samplers and removers
 * :mod:`.sumtree`     -- batched sum tree (prioritized sampling)
 * :mod:`.mintree`     -- batched argmin tree (fifo/lifo order, the removers)
@@ -22,7 +23,7 @@ from .backing import Backing, MemmapBacking, MemoryBacking, tensordict_metadata
 from .columns import ColumnSpec, RawArray, numpy_dtype
 from .errors import (
     BadArgumentError, BatchTooLargeError, ColumnMismatchError, EmptySlotError, EmptyTableError, PriorityError,
-    RowsNotWrittenError, SlotIndexError, TableError, TableFullError, TableSpecError, WouldBlockError,
+    RowsNotReadError, RowsNotWrittenError, SlotIndexError, TableError, TableFullError, TableSpecError, WouldBlockError,
 )
 from .ratelimiter import RateLimiter
 from .selectors import REMOVERS, SAMPLERS
@@ -34,5 +35,5 @@ __all__ = [
     "Backing", "MemoryBacking", "MemmapBacking", "tensordict_metadata", "SAMPLERS", "REMOVERS",
     "TableError", "TableSpecError", "BadArgumentError", "ColumnMismatchError", "SlotIndexError", "EmptySlotError",
     "PriorityError", "TableFullError", "BatchTooLargeError", "EmptyTableError", "WouldBlockError",
-    "RowsNotWrittenError",
+    "RowsNotReadError", "RowsNotWrittenError",
 ]

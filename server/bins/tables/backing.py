@@ -23,6 +23,10 @@ pieces: 0.03 GB/s and 9 ms of CPU a MiB through the mapping, 1.2 GB/s and 0.29 m
 with ``pwrite`` (whole pages are not read first); on pages in the page cache the two
 cost the same (0.11 ms a MiB).  The mapping and the file share the page cache, so a
 gather through the mapping sees the rows at once.
+
+Rows come out of a column of rows of a page or more with ``preadv`` too, several at
+once where the disk is needed (:mod:`.rowreads`); narrower columns are gathered
+through their mappings (:mod:`.readahead`).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from tensorshare.disk.tables import table_metadata
 from .columns import ColumnSpec
 from .journal import Journal, write_all
 from .readahead import ReadAhead, random_access
+from .rowreads import RowReads, open_for_reads, wide
 from .slots import as_index
 
 SHUT_NOTE = "shut.json"  # in _slots/: the table's files are whole (a clean stop), and its counts
@@ -70,8 +75,9 @@ class Backing(Protocol):
     def prefetch(self, slots: np.ndarray) -> None:
         """The rows ``slots`` are about to be read (a backing in files may ask for them now)."""
 
-    def gather(self, column: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
-        """Copy the rows ``slots`` of ``column`` (an array :meth:`allocate` gave) into ``out``."""
+    def gather(self, columns: Sequence[np.ndarray], slots: np.ndarray, outs: Sequence[np.ndarray]) -> None:
+        """Copy the rows ``slots`` of each of ``columns`` (arrays :meth:`allocate` gave)
+        into its array of ``outs``; OSError if the bytes could not be read."""
 
     def close(self) -> None:
         """The table is gone: let go of what :meth:`allocate` gave."""
@@ -99,9 +105,10 @@ class MemoryBacking:
     def prefetch(self, slots: np.ndarray) -> None:
         pass  # (in memory)
 
-    def gather(self, column: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
-        # mode="clip": the slots are valid, and "raise" would gather into a temporary first
-        np.take(column, slots, axis=0, out=out, mode="clip")
+    def gather(self, columns: Sequence[np.ndarray], slots: np.ndarray, outs: Sequence[np.ndarray]) -> None:
+        for column, out in zip(columns, outs):
+            # mode="clip": the slots are valid, and "raise" would gather into a temporary first
+            np.take(column, slots, axis=0, out=out, mode="clip")
 
     def close(self) -> None:
         pass
@@ -113,15 +120,18 @@ class MemmapBacking:
     ``keep=False`` (spill: the files are only memory the kernel may page out) deletes
     the files on :meth:`close`; ``keep=True`` (a durable table) leaves them.  With
     ``reopen=True`` files already there are mapped as they are (their size must be
-    the column's), instead of being created empty.
+    the column's), instead of being created empty.  ``reads``: what reads the rows of
+    wide columns (a server's tables share one; None: one of its own, closed with it).
     """
 
-    def __init__(self, directory: str, keep: bool = False, reopen: bool = False):
+    def __init__(self, directory: str, keep: bool = False, reopen: bool = False, reads: RowReads | None = None):
         self.directory = directory
         self.keep = keep
         self.reopen = reopen
         self.paths: list[str] = []
-        self._reads = ReadAhead()  # rows gathered at the disk's speed (.readahead)
+        self._hints = ReadAhead()  # narrow rows gathered at the disk's speed (.readahead)
+        self._row_reads, self._own_reads = (RowReads(), True) if reads is None else (reads, False)
+        self._readers: dict[int, int] = {}  # id of a wide column's array -> a descriptor to read rows with
         self._mapped: list[np.ndarray] = []
         self._files: dict[int, int] = {}  # id of a column's array -> a descriptor of its file, for put
         self._rows: list[np.ndarray] = []  # those with a row per slot: the columns and the per-slot state
@@ -146,7 +156,10 @@ class MemmapBacking:
         self._files[id(array)] = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
         self.paths.append(path)
         self._mapped.append(array)
-        self._rows.append(array)
+        if wide(spec.row_bytes):
+            self._readers[id(array)] = open_for_reads(path)
+        else:
+            self._rows.append(array)
         return array
 
     def put(self, columns: Sequence[np.ndarray], slots: np.ndarray, views: Sequence[np.ndarray]) -> None:
@@ -166,12 +179,22 @@ class MemmapBacking:
                 write_all(fd, [view[first:stop]], slot * width)
 
     def prefetch(self, slots: np.ndarray) -> None:
-        """An operation is about to read rows ``slots``: their pages in every column
-        and state file are asked for at once, while gathers fault (:mod:`.readahead`)."""
-        self._reads.begin(slots, self._rows)
+        """An operation is about to read rows ``slots``: their pages in every narrow
+        column and state file are asked for at once, while gathers fault (:mod:`.readahead`)."""
+        self._hints.begin(slots, self._rows)
 
-    def gather(self, column: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
-        self._reads.gather(column, slots, out)
+    def gather(self, columns: Sequence[np.ndarray], slots: np.ndarray, outs: Sequence[np.ndarray]) -> None:
+        """Wide columns' rows read from their files (:mod:`.rowreads`), the others
+        gathered through their mappings."""
+        files = []
+        for column, out in zip(columns, outs):
+            fd = self._readers.get(id(column))
+            if fd is None:
+                self._hints.gather(column, slots, out)
+            else:
+                files.append((fd, out))
+        if files:
+            self._row_reads.read(files, slots)
 
     def state_array(self, name: str, dtype, length: int, fill) -> np.ndarray:
         """An array of the table's state (per-slot keys, priorities, sample counts and
@@ -254,9 +277,11 @@ class MemmapBacking:
     def close(self) -> None:
         if self.journal is not None:
             self.journal.close()
-        for fd in self._files.values():
+        for fd in (*self._files.values(), *self._readers.values()):
             os.close(fd)
-        self._files = {}
+        self._files, self._readers = {}, {}
+        if self._own_reads:
+            self._row_reads.close()
         if not self.keep:
             for path in self.paths:
                 try:

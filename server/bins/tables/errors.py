@@ -65,3 +65,8 @@ class WouldBlockError(TableError, TransientError):
 class RowsNotWrittenError(TableError, ServerLocalError):
     """451: a batch's rows could not be written to the table's files (a disk error);
     the batch is not in the table, and the rows it was to replace have left it."""
+
+
+class RowsNotReadError(TableError, ServerLocalError):
+    """451: rows could not be read from the table's files (a disk error, a file cut
+    short); the sample or read counted nothing."""

@@ -29,7 +29,7 @@ from .backing import Backing, MemoryBacking
 from .columns import ColumnSpec, RawArray, batch_rows, parse_columns
 from .errors import (
     BadArgumentError, BatchTooLargeError, ColumnMismatchError, EmptySlotError, EmptyTableError, PriorityError,
-    RowsNotWrittenError, TableFullError, TableSpecError, WouldBlockError,
+    RowsNotReadError, RowsNotWrittenError, TableFullError, TableSpecError, WouldBlockError,
 )
 from . import picks, sequences
 from .ratelimiter import RateLimiter
@@ -309,9 +309,9 @@ class Table:
             slots, probabilities = picks.drawn(self._sampler, self._slots, self.max_times_sampled, n, rng,
                                               self._unlink)
         self._backing.prefetch(slots)
+        values, items = self._gather(slots, buffers)  # (first: a read that fails counts nothing)
         state = self._slots
         done = self._count_samples(slots)
-        values, items = self._gather(slots, buffers)
         sample = Sample(state.key[slots], slots, state.priority[slots], state.times_sampled[slots], values, items,
                         probabilities=probabilities, table_size=size)
         sample.removed = Removed(state.key[done], self._forget(done))
@@ -343,9 +343,9 @@ class Table:
         slots, probabilities, lengths = sequences.draw(self._sampler, self._slots, n, length, pad,
                                                        self.rng if rng is None else rng)
         self._backing.prefetch(slots)
+        values, items = self._gather(slots, buffers)
         real = (np.arange(length) < lengths[:, None]).reshape(-1)
         self._count_samples(slots[real])
-        values, items = self._gather(slots, buffers)
         state = self._slots
         return Sample(state.key[slots], slots, state.priority[slots], state.times_sampled[slots], values, items,
                       probabilities=probabilities, table_size=size, lengths=lengths)
@@ -373,8 +373,8 @@ class Table:
             raise WouldBlockError(f"a sample of {slots.size} rows may not proceed now "
                                   f"(samples allowed now: {self.samples_allowed()})")
         size = self.size
-        done = self._count_samples(slots)
         values, items = self._gather(slots, buffers)
+        done = self._count_samples(slots)
         read = Sample(keys, slots, state.priority[slots], state.times_sampled[slots], values, items,
                       probabilities=np.zeros(0), table_size=size)
         read.removed = Removed(state.key[done], self._forget(done))
@@ -626,16 +626,19 @@ class Table:
         return Removed(EMPTY, [] if self._items is not None else None)
 
     def _gather(self, slots: np.ndarray, buffers: list[np.ndarray] | None) -> tuple[dict | None, list | None]:
-        """The rows at ``slots``: one ``numpy.take`` per column into ``buffers``, or the items."""
+        """The rows at ``slots``: each column's into its array of ``buffers``, or the
+        items.  Done before the operation changes anything: a read from the table's
+        files that fails is a :class:`RowsNotReadError` that leaves the table as it was."""
         if self._items is not None:
             store = self._items
             return None, [store[s] for s in slots.tolist()]
-        values = {}
-        gather = self._backing.gather
-        for spec, column, buf in zip(self.columns, self._data, buffers):
-            gather(column, slots, buf)
-            values[spec.name] = RawArray(spec.dtype, (slots.size, *spec.shape), buf)
-        return values, None
+        try:
+            self._backing.gather(self._data, slots, buffers)
+        except OSError as exc:
+            raise RowsNotReadError(f"could not read the rows from the table's files ({exc.strerror or exc}); "
+                                   f"nothing was counted") from None
+        return {spec.name: RawArray(spec.dtype, (slots.size, *spec.shape), buf)
+                for spec, buf in zip(self.columns, buffers)}, None
 
 
 def state_bytes(capacity: int, sampler: str = "uniform", remover: str | None = "fifo", items: bool = False) -> int:
