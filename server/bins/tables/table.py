@@ -289,8 +289,9 @@ class Table:
         later pick of the same sample can return it (a prioritized or uniform sample
         redraws the picks beyond a row's allowance; fifo moves on to the next row).
 
-        Each column is gathered in one ``numpy.take``, into ``out[column]`` when given
-        (a writable C-contiguous buffer of at least ``n * row_bytes`` bytes).
+        Each column is gathered at once (:meth:`Backing.gather`), into ``out[column]``
+        when given (a writable C-contiguous buffer of at least ``n * row_bytes``
+        bytes), before anything is counted.
         """
         _check_count(n)
         if self.size == 0 and n > 0:
