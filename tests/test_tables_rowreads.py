@@ -100,22 +100,22 @@ def test_every_row_goes_to_the_threads_where_the_page_cache_cannot_be_asked_firs
         os.close(fd)
 
 
-def test_after_a_read_that_missed_the_next_goes_to_the_threads_and_back_once_rows_are_cached(tmp_path):
+def test_rows_missing_from_the_page_cache_are_read_without_threads_where_the_kernel_starts_their_reads(tmp_path):
     data = np.random.default_rng(2).integers(0, 256, (64, 4096), np.uint8)
     data.tofile(tmp_path / "a")
     fd = rowreads.open_for_reads(str(tmp_path / "a"))
     reads = rowreads.RowReads(4)
     try:
         evict(str(tmp_path))
-        if rowreads._cached(fd, memoryview(bytearray(4096)), 0):
+        if reads._cached(fd, memoryview(bytearray(4096)), 0):
             pytest.skip("this file system keeps the file in the page cache")
         slots = np.arange(1, 64, 4)
         out = np.zeros((slots.size, 4096), np.uint8)
         reads.read([(fd, out)], slots)
-        assert (out == data[slots]).all() and reads.from_disk == slots.size and not reads._mostly_cached
+        assert (out == data[slots]).all() and reads.from_disk == slots.size and reads._pool is None
         out[:] = 0
-        reads.read([(fd, out)], slots)  # by the threads, which find them in the page cache
-        assert (out == data[slots]).all() and reads.from_disk == slots.size and reads._mostly_cached
+        reads.read([(fd, out)], slots)  # from the page cache now
+        assert (out == data[slots]).all() and reads.from_disk == slots.size
     finally:
         reads.close()
         os.close(fd)

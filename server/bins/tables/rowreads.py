@@ -1,24 +1,27 @@
-"""Rows of wide file-backed columns read with ``preadv``: those in the page cache at
-once, on the calling thread, and the others from the disk by a few threads at once.
+"""Rows of wide file-backed columns read with ``preadv``: all of them asked of the
+kernel at once, then copied out one after the other.
 
 A row of a page or more (a 4x84x84 observation: 28 KB) is read from its column's
-file, not gathered through the mapping.  While reads find their rows in the page
-cache, the calling thread reads each row with ``RWF_NOWAIT``, which copies a row the
-page cache holds and otherwise starts its read and says so (``EAGAIN`` or a short
-count); the rows still missing are then read by up to :data:`MAX_THREADS` threads,
-each waiting on its share of the disk's queue (the GIL is let go during ``preadv``).
-Once a read found most of its rows missing, the next one hands every row to the
-threads at once (each tries the page cache first too, which tells the next read
-which way to go): started one after the other on the calling thread, the rows'
-reads took a third of a server's time in a sample of an evicted 47 GB table.
+file, not gathered through the mapping.  Each row is first read with
+``RWF_NOWAIT``, which copies a row the page cache holds and, for one it does not,
+starts its read and says so (``EAGAIN`` or a short count; 12 us a call here), so
+every missing row is on its way to the disk before the first is waited for; the
+rows still missing are then read in turn, each finding its read under way.  Where
+the kernel or the file system lacks ``RWF_NOWAIT`` they are read by up to
+:data:`MAX_THREADS` threads instead (made on first need; the GIL is let go during
+``preadv``), so that as many reads are in flight as the benchmark's baseline keeps.
 
-Measured here (virtio disk; 256 random rows of 28,224 bytes from a 2 GB file
-evicted from the page cache, medians of 7): 16 threads of plain ``preadv`` 8.1-9.1
-ms, these reads 8.4-9.9 ms; on rows in the page cache 0.9 ms of the calling thread.
-The files are ``POSIX_FADV_RANDOM``: each read asks for its row's pages only.
-Unlike a fault on a mapping, a read that fails (a disk error, a file cut short) is
-an ``OSError`` the table answers with a reply code, not a SIGBUS that kills the
-server.
+Measured on this 2-core virtual machine (256 random rows of 28,224 bytes, evicted
+from the page cache): from a 2 GB file, 8.8-9.4 ms this way, 8.1-9.2 ms for 16
+threads of plain ``preadv``; in a server sampling a 47 GB table (5 rounds on one
+fill, each after 12 reads of 16 threads of ``preadv``), 0.273-0.307 GB/s and
+12.5-15 ms of the server's CPU a sample this way, 0.193-0.272 GB/s and 17.5-24 ms
+with every missing row read by 16 threads (their GIL hand-offs cost CPU the 2
+cores did not have), 0.267-0.315 GB/s and 11.7-16.7 ms gathering through the
+mapping after ``MADV_WILLNEED`` hints (:mod:`.readahead`).  The files are
+``POSIX_FADV_RANDOM``: a read asks for its row's pages only.  Unlike a fault on a
+mapping, a read that fails (a disk error, a file cut short) is an ``OSError`` the
+table answers with a reply code, not a SIGBUS that kills the server.
 
 Narrower rows (an action, a reward) stay gathered through their mappings: a syscall
 a row would cost more than their bytes (:mod:`.readahead` hints their pages while
@@ -53,22 +56,15 @@ def open_for_reads(path: str) -> int:
 
 
 class RowReads:
-    """Reads rows of column files (see the module docstring) with up to ``threads``
-    threads, made at the first read the page cache cannot serve, stopped by
-    :meth:`close`.  ``cached_first=False``: every row is read by the threads, and
-    read there as the kernel gives it (as where it or the file system lacks
-    ``RWF_NOWAIT``)."""
+    """Reads rows of column files (see the module docstring).  ``cached_first=False``:
+    every row is read by up to ``threads`` threads, as where the kernel or the file
+    system lacks ``RWF_NOWAIT``; :meth:`close` stops them."""
 
     def __init__(self, threads: int = MAX_THREADS, cached_first: bool = True):
         self.threads = threads
-        self.from_disk = 0  # rows the page cache did not hold (read by the threads)
+        self.from_disk = 0  # rows the page cache did not hold when asked
         self._pool: ThreadPoolExecutor | None = None
         self._nowait = getattr(os, "RWF_NOWAIT", 0) if cached_first else 0
-        # The last read found most of its rows in the page cache: the calling thread
-        # copies those first.  Else every row goes to the threads at once: asked for
-        # on one thread, each row's read is started in turn (a third of a server's
-        # time went there, 256 rows of an evicted 47 GB table).
-        self._mostly_cached = True
 
     def read(self, files: Sequence[tuple[int, np.ndarray]], slots: np.ndarray) -> None:
         """Row ``slots[i]`` of each file into row ``i`` of its array: ``files`` are
@@ -76,29 +72,28 @@ class RowReads:
         row_bytes]`` array, the file ``row_bytes`` wide.  ``OSError`` if a read fails
         or a file ends before a row does (the arrays then hold some rows)."""
         rows = slots.tolist()
-        here = self._nowait if self._mostly_cached else 0
-        todo = []  # (descriptor, what is left of a row's buffer, its offset in the file)
+        started = self._nowait
+        missing = []  # (descriptor, what is left of a row's buffer, its offset in the file)
         for fd, out in files:
             width = out.shape[1]
             flat = memoryview(out).cast("B")
             for i, slot in enumerate(rows):
                 view, offset = flat[i * width:(i + 1) * width], slot * width
-                got = _cached(fd, view, offset) if here else 0
+                got = self._cached(fd, view, offset) if started else 0
+                started = self._nowait
                 if got < width:
-                    todo.append((fd, view[got:], offset + got))
-        if not todo:
+                    missing.append((fd, view[got:], offset + got))
+        if not missing:
             return
-        nowait = 0 if here else self._nowait  # (rows already tried are read as they are)
-        if len(todo) == 1:
-            missed = _read_all(todo, nowait)
-        else:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="table-reads")
-            shares = min(self.threads, len(todo))
-            missed = sum(self._pool.map(_read_all, [todo[k::shares] for k in range(shares)],
-                                        [nowait] * shares))  # (raises the first share's error)
-        self.from_disk += missed
-        self._mostly_cached = 2 * missed < len(rows) * len(files)
+        self.from_disk += len(missing)
+        if started or len(missing) == 1:  # (their reads are under way: each is waited for in turn)
+            _read_all(missing)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="table-reads")
+        shares = min(self.threads, len(missing))
+        for _ in self._pool.map(_read_all, [missing[k::shares] for k in range(shares)]):
+            pass  # (raises the first share's error)
 
     def close(self) -> None:
         """No more reads: the threads stop (once they finish the reads under way)."""
@@ -106,33 +101,25 @@ class RowReads:
             self._pool.shutdown(wait=True)
             self._pool = None
 
+    def _cached(self, fd: int, view: memoryview, offset: int) -> int:
+        """The bytes of ``view`` read from the page cache at ``offset`` (0: none there;
+        the kernel starts reading the rest)."""
+        try:
+            return os.preadv(fd, [view], offset, self._nowait)
+        except BlockingIOError:
+            return 0
+        except OSError as exc:
+            if exc.errno != errno.EOPNOTSUPP:
+                raise
+            self._nowait = 0  # (a file system without it: the threads read the rows)
+            return 0
 
-def _cached(fd: int, view: memoryview, offset: int) -> int:
-    """The bytes of ``view`` read from the page cache at ``offset`` (0: none there;
-    the kernel starts reading the rest)."""
-    try:
-        return os.preadv(fd, [view], offset, os.RWF_NOWAIT)
-    except BlockingIOError:
-        return 0
-    except OSError as exc:
-        if exc.errno != errno.EOPNOTSUPP:  # (a file system without it: every row is a miss)
-            raise
-        return 0
 
-
-def _read_all(parts: list[tuple[int, memoryview, int]], nowait: int = 0) -> int:
-    """Each ``(descriptor, buffer, offset)``: the buffer filled from the file at the
-    offset (``nowait``: those in the page cache first, as :func:`_cached`).  Returns
-    how many were not (all of them, without ``nowait``)."""
-    missed = 0
+def _read_all(parts: list[tuple[int, memoryview, int]]) -> None:
+    """Each ``(descriptor, buffer, offset)``: the buffer filled from the file at the offset."""
     for fd, view, offset in parts:
-        got = _cached(fd, view, offset) if nowait else 0
-        if got < view.nbytes:
-            missed += 1
-            view, offset = view[got:], offset + got
         while view.nbytes:
             got = os.preadv(fd, [view], offset)
             if not got:
                 raise OSError(errno.EIO, f"the table's file ends at byte {offset}, within a row (cut short?)")
             view, offset = view[got:], offset + got
-    return missed
