@@ -11,7 +11,7 @@ Modules, one job each:
 * :mod:`.slots`       -- slot occupancy and per-row state; how keys and slot indices relate
 * :mod:`.columns`     -- column specs, :class:`RawArray` (values in and out as bytes)
 * :mod:`.backing`     -- column memory: in RAM, or memory-mapped files in tensordict's layout
-* :mod:`.rowreads`    -- wide rows read from those files, in parallel where the disk is needed
+* :mod:`.rowreads`    -- wide rows read from those files, all asked of the disk at once
 * :mod:`.selectors`   -- the samplers and removers
 * :mod:`.sumtree`     -- batched sum tree (prioritized sampling)
 * :mod:`.mintree`     -- batched argmin tree (fifo/lifo order, the removers)

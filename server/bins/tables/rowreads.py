@@ -16,8 +16,8 @@ from the page cache): from a 2 GB file, 8.8-9.4 ms this way, 8.1-9.2 ms for 16
 threads of plain ``preadv``; in a server sampling a 47 GB table (5 rounds on one
 fill, each after 12 reads of 16 threads of ``preadv``), 0.273-0.307 GB/s and
 12.5-15 ms of the server's CPU a sample this way, 0.193-0.272 GB/s and 17.5-24 ms
-with every missing row read by 16 threads (their GIL hand-offs cost CPU the 2
-cores did not have), 0.267-0.315 GB/s and 11.7-16.7 ms gathering through the
+with every missing row read by 16 threads (likely their hand-offs of the GIL:
+CPU the 2 cores did not have), 0.267-0.315 GB/s and 11.7-16.7 ms gathering through the
 mapping after ``MADV_WILLNEED`` hints (:mod:`.readahead`).  The files are
 ``POSIX_FADV_RANDOM``: a read asks for its row's pages only.  Unlike a fault on a
 mapping, a read that fails (a disk error, a file cut short) is an ``OSError`` the
