@@ -147,6 +147,25 @@ async def local(reactor, port):
         client.close()
     finally:
         proc.stop()
+    import tempfile  # a token server of two workers: each worker's own socket, the token asked there too
+    secret = "a-long-enough-token-for-this-test-0123456789"
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(f"{tmp}/token", "w") as f:
+            f.write(secret + "\n")
+        proc = ServerProcess("--token-file", f"{tmp}/token", "--workers", "2")
+        try:
+            client = await AsyncClient.connect("127.0.0.1", proc.port, reactor=reactor, timeout=30, token=secret)
+            for i in range(8):  # bins on both workers
+                await client.put(f"als-w{i}", torch.full((4,), float(i)))
+            assert [(await client.peek(f"als-w{i}"))[0][0].item() for i in range(8)] == [float(i) for i in range(8)]
+            members = [m for m in client.router.members if m is not None]
+            assert len(members) == 2 and len({m.local for m in members}) == 2, [m.local for m in members]
+            assert {m.wire.transport.getHandle().family for m in members} == {socket.AF_UNIX}
+            client.close()
+            await expect(NotAuthenticatedError, AsyncClient.connect("127.0.0.1", proc.port, reactor=reactor,
+                                                                    token="wrong-" + "x" * 40))
+        finally:
+            proc.stop()
 
 
 def main(reactor, mode, port, *args):

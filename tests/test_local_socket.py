@@ -137,7 +137,8 @@ def test_token_and_workers_through_the_unix_socket(tmp_path):
 
 def test_the_async_client_talks_through_the_unix_socket(server):
     """The AsyncClient as the blocking one: the Unix socket (or TCP with zero_copy=False),
-    found again after a restart (tests/async_procs.py: one reactor per process)."""
+    found again after a restart, a socket per worker with a token asked there too
+    (tests/async_procs.py: one reactor per process)."""
     script = os.path.join(os.path.dirname(__file__), "async_procs.py")
     result = subprocess.run([sys.executable, script, "local", str(server.port)], capture_output=True, text=True,
                             timeout=120)
