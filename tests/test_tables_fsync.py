@@ -10,10 +10,12 @@ not when it reaches the disk.)"""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 
+import numpy as np
 import pytest
 import torch
 
@@ -98,6 +100,17 @@ def batch(first: int, n: int) -> dict:
     return {"id": ids, "obs": (ids.view(n, 1) % 251).to(torch.uint8).expand(n, 4096).contiguous()}
 
 
+@contextlib.contextmanager
+def fsync_client(data_dir: str):
+    """A client of a server run with ``--data-dir data_dir --fsync``."""
+    srv = ServerProcess("--data-dir", data_dir, "--fsync")
+    try:
+        with tensorshare.Client("127.0.0.1", srv.port, timeout=30) as c:
+            yield c
+    finally:
+        srv.stop()
+
+
 def make(c, capacity: int = 256) -> None:
     c.create_table("replay", capacity, {"id": ((), torch.int64), "obs": ((4096,), torch.uint8)},
                    sampler="prioritized", remover="fifo")
@@ -107,39 +120,31 @@ def test_each_acknowledged_change_is_on_the_disk_before_its_reply(data_dir):
     """Insert (filling slots, then replacing rows as a ring buffer does), a priority
     update and a write to rows: nothing of the table's files is left dirty when the
     reply comes back."""
-    srv = ServerProcess("--data-dir", data_dir, "--fsync")
-    try:
-        with tensorshare.Client("127.0.0.1", srv.port, timeout=30) as c:
-            make(c)
-            assert dirty_table_pages(data_dir) == {}  # the new table's files and descriptions
-            keys = c.insert("replay", batch(0, 64), priorities=torch.arange(64) + 1.0)
+    with fsync_client(data_dir) as c:
+        make(c)
+        assert dirty_table_pages(data_dir) == {}  # the new table's files and descriptions
+        keys = c.insert("replay", batch(0, 64), priorities=torch.arange(64) + 1.0)
+        assert dirty_table_pages(data_dir) == {}
+        assert c.update_priorities("replay", keys[:8], torch.full((8,), 50.0)) == 8
+        assert dirty_table_pages(data_dir) == {}
+        c.write("replay", [5, 200], batch(1000, 2))  # one over a row, one into an empty slot
+        assert dirty_table_pages(data_dir) == {}
+        for first in range(64, 320, 64):  # past the capacity: each batch replaces rows (journaled)
+            c.insert("replay", batch(first, 64))
             assert dirty_table_pages(data_dir) == {}
-            assert c.update_priorities("replay", keys[:8], torch.full((8,), 50.0)) == 8
-            assert dirty_table_pages(data_dir) == {}
-            c.write("replay", [5, 200], batch(1000, 2))  # one over a row, one into an empty slot
-            assert dirty_table_pages(data_dir) == {}
-            for first in range(64, 320, 64):  # past the capacity: each batch replaces rows (journaled)
-                c.insert("replay", batch(first, 64))
-                assert dirty_table_pages(data_dir) == {}
-            got = c.read("replay", torch.arange(256))
-            assert sorted(got["id"].tolist()) == sorted(range(64, 320))
-            assert torch.equal(got["obs"][:, 7], (got["id"] % 251).to(torch.uint8))
-    finally:
-        srv.stop()
+        got = c.read("replay", torch.arange(256))
+        assert sorted(got["id"].tolist()) == sorted(range(64, 320))
+        assert torch.equal(got["obs"][:, 7], (got["id"] % 251).to(torch.uint8))
 
 
 def test_sample_counts_are_flushed_where_they_remove_rows(data_dir):
-    srv = ServerProcess("--data-dir", data_dir, "--fsync")
-    try:
-        with tensorshare.Client("127.0.0.1", srv.port, timeout=30) as c:
-            c.create_table("once", 16, {"id": ((), torch.int64)}, sampler="fifo", remover="fifo",
-                           max_times_sampled=1)
-            c.insert("once", {"id": torch.arange(16)})
-            assert torch.equal(c.sample("once", 4).value["id"], torch.arange(4))
-            assert dirty_table_pages(data_dir) == {}
-            assert c.list() == {"once": 12}
-    finally:
-        srv.stop()
+    with fsync_client(data_dir) as c:
+        c.create_table("once", 16, {"id": ((), torch.int64)}, sampler="fifo", remover="fifo",
+                       max_times_sampled=1)
+        c.insert("once", {"id": torch.arange(16)})
+        assert torch.equal(c.sample("once", 4).value["id"], torch.arange(4))
+        assert dirty_table_pages(data_dir) == {}
+        assert c.list() == {"once": 12}
 
 
 def test_rows_and_priorities_inserted_under_fsync_survive_kill_9(data_dir):
@@ -164,3 +169,84 @@ def test_rows_and_priorities_inserted_under_fsync_survive_kill_9(data_dir):
             assert c.update_priorities("replay", keys[-10:], torch.ones(10)) == 10
     finally:
         srv.stop()
+
+
+# -- a flush the disk refuses (the engine, in memory, on real files)
+
+def refusing_flushes(backing) -> list:
+    """Make each of ``backing``'s state files refuse ``fdatasync`` (their descriptors
+    swapped for a pipe's, which the kernel refuses with EINVAL, as a failing disk does
+    with EIO); returns what puts them back."""
+    read_end, write_end = os.pipe()
+    kept = list(backing._state_files)
+    backing._state_files[:] = [write_end] * len(kept)
+    return [kept, read_end, write_end]
+
+
+def flushing_again(backing, undo: list) -> None:
+    kept, read_end, write_end = undo
+    backing._state_files[:] = kept
+    os.close(read_end)
+    os.close(write_end)
+
+
+@pytest.fixture
+def engine():
+    from tensorshare_server.bins import tables
+    return tables
+
+
+def test_a_change_whose_flush_is_refused_is_undone(tmp_path, engine):
+    backing = engine.MemmapBacking(str(tmp_path / "t"), keep=True, fsync=True)
+    table = engine.Table(4, {"x": ((), "int64")}, sampler="prioritized", remover="fifo", backing=backing)
+    keys = table.insert({"x": np.arange(2, dtype=np.int64)}, priorities=[1.0, 2.0]).keys
+    undo = refusing_flushes(backing)
+    with pytest.raises(engine.NotFlushedError, match="not in the table") as refused:
+        table.insert({"x": np.array([7], dtype=np.int64)})
+    assert refused.value.code == 451 and table.size == 2 and table.occupied().tolist() == [0, 1]
+    with pytest.raises(engine.NotFlushedError, match="as they were"):
+        table.update_priorities(keys, [5.0, 5.0])
+    assert table.read([0, 1]).priorities.tolist() == [1.0, 2.0]
+    flushing_again(backing, undo)
+    table.insert({"x": np.arange(2, 4, dtype=np.int64)})  # full now
+    undo = refusing_flushes(backing)
+    with pytest.raises(engine.NotFlushedError):  # replaces a row: recorded in the journal first
+        table.insert({"x": np.array([9], dtype=np.int64)})
+    assert backing.journal._clear and table.size == 3  # the record is forgotten; the row replaced left
+    flushing_again(backing, undo)
+    assert table.insert({"x": np.array([9], dtype=np.int64)}).keys.size == 1
+    assert 9 in table.read(table.occupied()).values["x"].to_numpy().tolist()
+
+
+def test_a_replacing_change_killed_midway_is_finished_and_flushed_by_the_restart(tmp_path, data_dir, engine, monkeypatch):
+    """Killed once the rows' bytes are in the columns, before their keys: the record
+    (flushed first) is applied at the next start, and flushed before it is cleared."""
+    from tensorshare_server.bins.tables.slots import Slots
+
+    directory = str(tmp_path / "t")
+
+    def durable(reopen: bool = False):
+        return engine.Table(4, {"v": ((), "int64")}, remover="fifo",
+                            backing=engine.MemmapBacking(directory, keep=True, reopen=reopen, fsync=True))
+
+    table = durable()
+    table.insert({"v": np.arange(4, dtype=np.int64)})
+
+    class Killed(BaseException):
+        pass
+
+    def fill(self, slots, priorities, ends=None):
+        raise Killed
+
+    with monkeypatch.context() as m:
+        m.setattr(Slots, "fill", fill)
+        with pytest.raises(Killed):
+            table.insert({"v": np.arange(10, 12, dtype=np.int64)})
+    with open(os.path.join(directory, "_slots", "journal.bin"), "rb") as f:
+        assert f.read(4) == b"TSJ2"  # the record counts
+    again = durable(reopen=True)
+    assert sorted(again.read(again.occupied()).values["v"].to_numpy().tolist()) == [2, 3, 10, 11]
+    assert dirty_pages(os.path.join(directory, "_slots", "journal.bin")) == 0
+    assert dirty_pages(os.path.join(directory, "_slots", "key.bin")) == 0
+    with open(os.path.join(directory, "_slots", "journal.bin"), "rb") as f:
+        assert f.read(32) == bytes(32)

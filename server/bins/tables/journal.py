@@ -170,6 +170,10 @@ class Journal:
         except ValueError as exc:
             log.warning("table journal %s ignored: %s", self.path, exc)
             applied = 0
+        if applied and self.fsync:  # the change in the files on the disk before its record goes
+            for array in (*columns.values(), state.key, state.priority, state.times_sampled, state.flags):
+                if isinstance(array, np.memmap):
+                    array.flush()
         self._size = size
         self.clear()
         return applied
