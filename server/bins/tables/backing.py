@@ -172,11 +172,10 @@ class MemmapBacking:
                 width = column.shape[1]
                 for slot, first, stop in runs:
                     write_all(fd, [view[first:stop]], slot * width)
-            if fd is not None:
+            if fd is not None and self.fsync:
                 written.append(fd)
-        if self.fsync:
-            for fd in written:
-                os.fdatasync(fd)
+        for fd in written:
+            os.fdatasync(fd)
 
     def sync_state(self) -> None:
         """With ``fsync``: the per-slot state on the disk now (``fdatasync`` of each
