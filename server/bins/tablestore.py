@@ -298,6 +298,8 @@ class TableStore:
             if keep:
                 write_files(directory, name, json_spec(full), table.columns, table.capacity, False, self.fsync)
                 backing.sync_made()
+                if self.fsync:  # (the data directory's entry of tables/, made with the first table)
+                    fsync_dir(os.path.dirname(self.data_root))
         except BaseException:
             backing.close()
             shutil.rmtree(directory, ignore_errors=True)
