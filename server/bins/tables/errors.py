@@ -65,3 +65,8 @@ class WouldBlockError(TableError, TransientError):
 class RowsNotWrittenError(TableError, ServerLocalError):
     """451: a batch's rows could not be written to the table's files (a disk error);
     the batch is not in the table, and the rows it was to replace have left it."""
+
+
+class NotFlushedError(TableError, ServerLocalError):
+    """451: a change could not be flushed to the table's files (``--fsync``: a disk
+    error); the change was undone, or, for a sample's counts, says so."""
