@@ -6,9 +6,12 @@ running (pure-Python loops, the default niceness), in turns, run by run:
 
 * small round trips: ``Client.put`` + ``peek`` of 16 float32 (as users get them:
   reply polling and server busy-polling on, which back off when they lose the CPU),
-  beside redis-py SET + GET of 64 bytes, a raw socket echo and the same client
+  beside redis-py SET + GET of 64 bytes, a raw socket echo, the same client
   against the floor (:mod:`benchmarks.floor_server`: what the round trips cost
-  with a server that does nothing but answer);
+  with a server that does nothing but answer) and a minimal client against the
+  real server (:mod:`benchmarks.floor_client`: what they cost with a client that
+  does nothing but send and read the frames), so the figures say which end a
+  difference from Redis lies in;
 * a large put over TCP (``zero_copy=False``), beside raw loopback one way into a
   warm buffer.
 
@@ -27,6 +30,7 @@ import torch
 from tensorshare import Client
 
 from .baselines import RawEcho, RawLoopback
+from .floor_client import FloorClient
 from .procs import FloorServer, Server, spawn, stop
 from .profiles import Profile
 from .record import Recorder
@@ -53,11 +57,13 @@ def _measure(rec: Recorder, p: Profile, peers, server: Server, floor: FloorServe
     value = torch.ones(16)
     redis = peers.redis(rec, f"redis-py SET/GET ({label})")
     echo = RawEcho()
+    minimal = FloorClient("127.0.0.1", server.port, p.client_timeout_s)
     try:
         with Client("127.0.0.1", server.port, timeout=p.client_timeout_s) as client, \
                 Client("127.0.0.1", floor.port, timeout=p.client_timeout_s) as bare:
             calls = {"ts": lambda: (client.put("bench-busy", value), client.peek("bench-busy")),
                      "floor": lambda: (bare.put("bench-busy", value), bare.peek("bench-busy")),
+                     "client_floor": lambda: (minimal.put("bench-busy-min", value), minimal.peek("bench-busy-min")),
                      "raw": echo.round_trip()}
             if redis is not None:
                 set_, get = redis.small_calls()
@@ -67,7 +73,9 @@ def _measure(rec: Recorder, p: Profile, peers, server: Server, floor: FloorServe
                    "us", better="lower", baseline=True)
         rec.figure(f"busy.{where}.floor", f"Client.put + peek against the floor server ({label})",
                    lat["floor"].medians.map(lambda s: s * US), "us", better="lower", baseline=True)
-        vs = ["floor", "raw"]
+        rec.figure(f"busy.{where}.client_floor", f"a minimal client's put + peek against tensorshare-server ({label})",
+                   lat["client_floor"].medians.map(lambda s: s * US), "us", better="lower", baseline=True)
+        vs = ["floor", "client_floor", "raw"]
         if redis is not None:
             rec.figure(f"busy.{where}.redis", f"redis-py SET + GET 64 B ({label})",
                        lat["redis"].medians.map(lambda s: s * US), "us", better="lower", baseline=True)
@@ -77,6 +85,7 @@ def _measure(rec: Recorder, p: Profile, peers, server: Server, floor: FloorServe
                    vs=[f"busy.{where}.{v}" for v in vs])
     finally:
         echo.close()
+        minimal.close()
     nbytes = p.busy_put_bytes
     big = torch.ones(nbytes // 4)
     rate = gbps(nbytes)

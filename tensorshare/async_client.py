@@ -31,7 +31,7 @@ from ._client.routing import finish
 from .table_copy import loading
 from ._client.values import Call, Values, merged_result, same_reply
 from ._client.zerocopy import SharedAreas
-from .drivers.twisted import Options, Remapper, TwistedMember, Wire, first_error, open_wire, start_members
+from .drivers.twisted import Options, Remapper, TwistedMember, Wire, first_error, open_nearest, start_members
 from .errors import ConnectionLostError, ProtocolError, TensorShareError, UsageError, WrongWorkerError
 from .protocol.auth import resolve_token
 from .protocol.engine import Notice, next_request_id
@@ -65,10 +65,11 @@ class AsyncClient(ClientMethods):
         self.connect_timeout = connect_timeout_for(connect_timeout, timeout, DEFAULT_CONNECT_TIMEOUT)
         self.values = Values(device, zero_copy, reuse)
         self.device = self.values.device
-        # (``connector`` connects a new Wire: Twisted's TCP or TLS endpoints unless given; tests pair in memory.)
+        # (``connector`` connects a new Wire: Twisted's TCP or TLS endpoints unless given; tests pair in memory.
+        # A same-host server's Unix socket is used as the blocking client's is: with zero-copy on.)
         self.options = Options(reactor, host, token=resolve_token(token), tls=tls,
                                connect_timeout=self.connect_timeout, keepalive=self.keepalive, max_backoff=max_backoff,
-                               connector=connector)
+                               connector=connector, local=zero_copy)
         self.router = Router(self._member, port)
         self.remapper = Remapper(self.options, self.router)
         self._closed = False
@@ -110,7 +111,7 @@ class AsyncClient(ClientMethods):
     def _open(self) -> defer.Deferred:
         """Open the first connection and route by its greeting; fires once every member
         is connected."""
-        return open_wire(self.options, self.port, self.options.engine(self.port)).addCallback(self._greeted)
+        return open_nearest(self.options, self.port, self.options.engine(self.port)).addCallback(self._greeted)
 
     def _greeted(self, wire: Wire) -> defer.Deferred:
         if self._closed:

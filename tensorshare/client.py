@@ -40,7 +40,7 @@ from .errors import (
 )
 from .protocol.auth import resolve_token
 from .protocol.engine import Engine, next_request_id
-from .protocol.messages import TPRIORITY, Command, Route
+from .protocol.messages import TPRIORITY, Command, Key, Route
 from .protocol.retry import Backoff
 from .protocol.router import Router
 from .protocol.tls import TLSSettings
@@ -70,6 +70,12 @@ class Settings:
 
     def engine(self, port: int) -> Engine:
         return Engine(self.token, f"{self.host}:{port}", keepalive=self.keepalive, max_backoff=self.max_backoff)
+
+
+def _inline(header: dict) -> bool:
+    """Whether a reply carries its items in its payload only (no reference to the
+    server's files or to device memory): no zero-copy fallback can be wanted then."""
+    return Key.REFS not in header and Key.CUDA not in header
 
 
 class Client(TableCopies, ClientMethods):
@@ -295,9 +301,9 @@ class Client(TableCopies, ClientMethods):
             while True:
                 parts = values.frame(call, member.engine.greeting)
                 member.call(call, parts, deadline, None if progress is None else Progress(progress, call.rid))
-                if call.error is None and call.fallback is None and call.cleanup is None and then is None \
-                        and on_error is None:  # the usual case: one attempt, the default result
-                    return values.read_result(call, member.areas)
+                if call.error is None and call.cleanup is None and then is None and on_error is None \
+                        and (call.fallback is None or _inline(call.frame.header)):
+                    return values.read_result(call, member.areas)  # the usual case: one attempt, the default result
                 settled = values.settle(call, member.areas)
                 if settled is not None:
                     break

@@ -1,16 +1,18 @@
 """Same-host clients through the server's Unix socket (PROTOCOL.md §10.1).
 
 The trust check is tested in memory with real files and sockets; the rest end to
-end against a real server process: the client's connection really is the Unix
-socket, everything works through it (small and large values, listens, tokens,
-workers), a restarted server is found again, and ``zero_copy=False`` or a TLS
-server keeps the client on TCP.
+end against a real server process: the client's connection (the blocking client's
+and the AsyncClient's) really is the Unix socket, everything works through it
+(small and large values, listens, tokens, workers), a restarted server is found
+again, and ``zero_copy=False`` or a TLS server keeps the client on TCP.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -131,3 +133,13 @@ def test_token_and_workers_through_the_unix_socket(tmp_path):
             assert len({m.local for m in members}) == 2  # each worker's own socket
     finally:
         proc.stop()
+
+
+def test_the_async_client_talks_through_the_unix_socket(server):
+    """The AsyncClient as the blocking one: the Unix socket (or TCP with zero_copy=False),
+    found again after a restart, a socket per worker with a token asked there too
+    (tests/async_procs.py: one reactor per process)."""
+    script = os.path.join(os.path.dirname(__file__), "async_procs.py")
+    result = subprocess.run([sys.executable, script, "local", str(server.port)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and "local ok" in result.stdout, result.stdout + result.stderr[-3000:]

@@ -117,7 +117,8 @@ class Storage(TableVerbs):
                                   takes_incoming=data_dir is None)
         # Tables share the bins' namespace (see _not_a_table) and the disk tiers.
         self.tables = TableStore(store, jobs, memory_limit=store.memory_limit, spill_root=spill and spill.items,
-                                 data_root=data_dir and data_dir.root, on_grow=self.budget.enforce)
+                                 data_root=data_dir and data_dir.root, on_grow=self.budget.enforce,
+                                 fsync=data_dir is not None and data_dir.fsync)
         self._table_names = self.tables.by_name  # (`in` on the dict itself: the request path asks every time)
         self.view = StorageView(self)  # what the operations pages read (read-only)
 

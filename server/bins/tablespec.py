@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from tensorshare.disk.layout import fsync_dir
 from tensorshare.disk.tables import TABLE_RECORD
 
 from tensorshare.errors import StorageFullError
@@ -105,15 +106,19 @@ def json_spec(full: dict) -> dict:
     return spec
 
 
-def write_files(directory: str, name: str, spec: dict, columns, capacity: int, tensordict: bool) -> None:
+def write_files(directory: str, name: str, spec: dict, columns, capacity: int, tensordict: bool,
+                fsync: bool = False) -> None:
     """A durable table's description (blocking: a disk thread): tensordict's
     ``meta.json`` for its columns (``columns``: the table's ColumnSpecs), and
-    ``table.json`` (``spec`` as :func:`json_spec` gives it)."""
-    _write_json(os.path.join(directory, "meta.json"), tensordict_metadata(columns, capacity))
+    ``table.json`` (``spec`` as :func:`json_spec` gives it); ``fsync``: on the disk
+    before this returns."""
+    _write_json(os.path.join(directory, "meta.json"), tensordict_metadata(columns, capacity), fsync)
     saved = {"name": name, "spec": spec}
     if tensordict:
         saved["tensordict"] = True
-    _write_json(os.path.join(directory, TABLE_RECORD), saved)
+    _write_json(os.path.join(directory, TABLE_RECORD), saved, fsync)
+    if fsync:
+        fsync_dir(directory)
 
 
 def plain(value):
@@ -129,10 +134,13 @@ def plain(value):
     return value
 
 
-def _write_json(path: str, value) -> None:
+def _write_json(path: str, value, fsync: bool) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(value, f)
+        if fsync:
+            f.flush()
+            os.fdatasync(f.fileno())
     os.replace(tmp, path)
 
 

@@ -45,6 +45,7 @@ import numpy as np
 from tensorshare.errors import (
     BadNameError, BadRequestError, NoSuchBinError, ProtocolError, RemoteError, StorageFullError, TooLargeError,
 )
+from tensorshare.disk.layout import fsync_dir
 from tensorshare.disk.tables import TABLE_RECORD
 from tensorshare.wire.description import check_description
 from tensorshare.wire.recycle import Recycler
@@ -127,8 +128,9 @@ class TableStore:
 
     def __init__(self, store: BinStore, jobs, max_tables: int = 10_000, max_table_bytes: int | None = None, *,
                  memory_limit: int | None = None, spill_root: str | None = None, data_root: str | None = None,
-                 max_rows: int | None = None, on_grow: Callable[[], None] = lambda: None):
+                 max_rows: int | None = None, on_grow: Callable[[], None] = lambda: None, fsync: bool = False):
         self.store = store
+        self.fsync = fsync  # durable tables' changes are flushed to the disk before they are acknowledged
         self.jobs = jobs
         self.max_tables = max_tables
         self.max_table_bytes = max_table_bytes  # column bytes a table may preallocate (None: no bound)
@@ -292,11 +294,14 @@ class TableStore:
     def _make_files(self, name: str, full: dict, directory: str, keep: bool) -> tuple[Table, None]:
         """A new table whose columns are files in ``directory`` (a disk thread)."""
         shutil.rmtree(directory, ignore_errors=True)  # (durable: a table deleted by a server killed meanwhile)
-        backing = MemmapBacking(directory, keep=keep, reads=self.reads)
+        backing = MemmapBacking(directory, keep=keep, fsync=self.fsync, reads=self.reads)
         try:
             table = make_table(full, backing)
             if keep:
-                write_files(directory, name, json_spec(full), table.columns, table.capacity, False)
+                write_files(directory, name, json_spec(full), table.columns, table.capacity, False, self.fsync)
+                backing.sync_made()
+                if self.fsync:  # (the data directory's entry of tables/, made with the first table)
+                    fsync_dir(os.path.dirname(self.data_root))
         except BaseException:
             backing.close()
             shutil.rmtree(directory, ignore_errors=True)
@@ -376,7 +381,7 @@ class TableStore:
     def _files_of(self, entry: TableEntry) -> tuple:
         """:func:`~.tablespec.write_files`' arguments for ``entry`` (taken on the reactor thread)."""
         return (entry.directory, entry.name, json_spec(entry.spec), entry.table.columns, entry.table.capacity,
-                entry.tensordict)
+                entry.tensordict, self.fsync)
 
     def delete(self, name: str, done: Callable) -> None:
         """Remove table ``name`` from the namespace now, and its files on a disk thread
@@ -395,7 +400,7 @@ class TableStore:
                 log.warning("could not remove the files of table %r: %s", name, error)
             done(change, None)
 
-        self.jobs.run(name, _remove_files, (entry.table, entry.directory), removed)
+        self.jobs.run(name, _remove_files, (entry.table, entry.directory, self.fsync), removed)
 
     def load(self) -> tuple[int, list[str]]:
         """Reopen the tables of the data directory (at start-up, before serving);
@@ -411,7 +416,8 @@ class TableStore:
                 name, full = saved["name"], parse_spec(saved["spec"])
                 if dir_key(name) != entry_name or name in self.by_name:
                     raise ValueError("its name does not match its directory")
-                table = make_table(full, MemmapBacking(directory, keep=True, reopen=True, reads=self.reads))
+                table = make_table(full, MemmapBacking(directory, keep=True, reopen=True, fsync=self.fsync,
+                                                       reads=self.reads))
             except (OSError, ValueError, KeyError, TypeError, RemoteError) as exc:
                 problems.append(f"table directory {entry_name}: {exc}")
                 continue
@@ -628,8 +634,11 @@ def _rows_in(batch: dict) -> int:
     return 0 if first is None or not first.shape else int(first.shape[0])
 
 
-def _remove_files(table: Table, directory: str | None) -> None:
-    """Let go of a deleted table's columns and remove its files (a disk thread)."""
+def _remove_files(table: Table, directory: str | None, fsync: bool) -> None:
+    """Let go of a deleted table's columns and remove its files (a disk thread);
+    ``fsync``: the removal is on the disk before this returns."""
     table.close()
     if directory is not None:
         shutil.rmtree(directory, ignore_errors=True)
+        if fsync:
+            fsync_dir(os.path.dirname(directory))

@@ -23,12 +23,14 @@ from ..protocol.engine import Call as EngineCall, next_request_id
 from ..protocol.items import item_table
 from ..protocol.messages import ITEMS, MAX_RELEASE_IDS, Key, ZeroCopy
 from ..protocol.placement import merged_header
-from ..wire.frames import buffer_sink
+from ..wire.frames import REUSE_MIN, BufferSink, buffer_sink
 from .connection import NO_VALUE, Reply, decode_items, read_reply, reply_buffers, reply_result, request_frame
 from .devices import DEVICE_MIN, as_into, caller_of, check_device, pinned
 from .routing import finish, next_attempt, route
 
 log = logging.getLogger("tensorshare.client")
+
+SMALL_PAYLOAD = min(REUSE_MIN, DEVICE_MIN)  # smaller reply payloads go into a new array of their own
 
 
 class Call(EngineCall):
@@ -248,6 +250,8 @@ class Values:
         def sink(header: dict, nbytes: int):
             if not nbytes:  # most replies: one shared sink, no object per frame
                 return _NO_PAYLOAD
+            if nbytes < SMALL_PAYLOAD:  # (neither reused memory nor a device's: a new array, directly)
+                return BufferSink(nbytes)
             if nbytes >= DEVICE_MIN and self.device_calls:
                 from .devices import device_sink
 

@@ -27,16 +27,19 @@ refused with 427, for both owners alike.
 from __future__ import annotations
 
 import logging
+import socket
 from typing import Any, Callable
 
 from twisted.internet import defer, protocol, threads
-from twisted.internet.endpoints import SSL4ClientEndpoint, TCP4ClientEndpoint, connectProtocol
+from twisted.internet.endpoints import SSL4ClientEndpoint, TCP4ClientEndpoint, UNIXClientEndpoint, connectProtocol
 
 from ..errors import (
     AuthenticationError, ConnectionLostError, TensorShareError, TimeoutError, UntrustedServerError, WrongServerError,
 )
+from ..disk.areas import LOCAL_BUFFER, local_socket
 from ..protocol import peers
 from ..protocol.engine import DEAD, READY, Call, Engine, Notice, Restored
+from ..protocol.messages import Key
 from ..protocol.router import Router
 from ..protocol.tls import TLSSettings
 
@@ -52,12 +55,14 @@ class Options:
     interval (None: off), the longest backoff, whether a silent plaintext peer is
     probed for what it is, a ``connector`` (tests pair the ends in memory) and the
     payload sinks of a connection no member serves yet (the decoder's default, which
-    loads the value codec, for None)."""
+    loads the value codec, for None).  ``local``: a plaintext connection moves to the
+    server's Unix socket when its greeting names one this process trusts
+    (:func:`open_nearest`, PROTOCOL.md §10.1)."""
 
     def __init__(self, reactor, host: str, *, token: bytes | None = None, tls: TLSSettings | None = None,
                  connect_timeout: float = 10.0, keepalive: float | None = 15.0, max_backoff: float = 2.0,
                  probe_peer: bool = True, connector: Callable | None = None, log_prefix: str = "",
-                 sinks: Callable | None = None):
+                 sinks: Callable | None = None, local: bool = False):
         self.reactor, self.host = reactor, host
         self.token, self.tls = token, tls
         self.connect_timeout = connect_timeout
@@ -67,6 +72,7 @@ class Options:
         self.connector = connector
         self.log_prefix = log_prefix
         self.sinks = sinks  # the payload sinks of a connection no member serves yet (None: the decoder's default)
+        self.local = local and tls is None and connector is None
         self.tls_options = None if tls is None else tls.twisted_options(host)
 
     def engine(self, port: int) -> Engine:
@@ -80,10 +86,10 @@ class Wire(protocol.Protocol):
     docstring).  ``greeted`` fires with the wire once requests may be sent.  It is
     the transport's (streaming) producer only to learn when our writes are backed
     up: the server answers a keepalive probe only after reading everything sent
-    before it."""
+    before it.  ``path``: the server's Unix socket it is connected through (None: TCP)."""
 
-    def __init__(self, options: Options, port: int, engine: Engine):
-        self.options, self.port, self.engine = options, port, engine
+    def __init__(self, options: Options, port: int, engine: Engine, path: str | None = None):
+        self.options, self.port, self.engine, self.path = options, port, engine, path
         self.owner: Any = None  # the member it serves (None while opening)
         self.greeted: defer.Deferred = defer.Deferred()
         self.write_blocked = False
@@ -103,7 +109,10 @@ class Wire(protocol.Protocol):
         return f"{self.options.host}:{self.port}"
 
     def connectionMade(self) -> None:
-        self.transport.setTcpNoDelay(True)
+        if self.path is None:
+            self.transport.setTcpNoDelay(True)
+        else:  # (as large as loopback TCP's: a Unix socket's default holds back larger replies)
+            self.transport.getHandle().setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LOCAL_BUFFER)
         self.transport.registerProducer(self, True)
         self.engine.connected(self.options.reactor.seconds())
 
@@ -246,13 +255,14 @@ class Wire(protocol.Protocol):
         pass
 
 
-def open_wire(options: Options, port: int, engine: Engine) -> defer.Deferred:
-    """Open a connection to ``port`` for ``engine``: a Deferred of its :class:`Wire` once
-    the opening is over (within ``connect_timeout``: TCP, TLS, greeting and AUTH)."""
-    wire = Wire(options, port, engine)
+def open_wire(options: Options, port: int, engine: Engine, path: str | None = None) -> defer.Deferred:
+    """Open a connection to ``port`` (through the server's Unix socket ``path`` if given)
+    for ``engine``: a Deferred of its :class:`Wire` once the opening is over (within
+    ``connect_timeout``: TCP, TLS, greeting and AUTH)."""
+    wire = Wire(options, port, engine, path)
     reactor = options.reactor
     timers = [reactor.callLater(options.connect_timeout, wire.abandon_opening)]
-    if options.probe_peer and options.tls is None and options.connector is None:
+    if options.probe_peer and options.tls is None and options.connector is None and path is None:
         timers.append(reactor.callLater(min(peers.PROBE_AFTER, options.connect_timeout / 2), wire.probe_peer))
 
     def stop_timers(result):
@@ -263,6 +273,8 @@ def open_wire(options: Options, port: int, engine: Engine) -> defer.Deferred:
 
     if options.connector is not None:
         d = options.connector(wire)
+    elif path is not None:
+        d = connectProtocol(UNIXClientEndpoint(reactor, path, timeout=options.connect_timeout), wire)
     elif options.tls_options is None:
         d = connectProtocol(TCP4ClientEndpoint(reactor, options.host, port, timeout=options.connect_timeout), wire)
     else:
@@ -275,9 +287,48 @@ def open_wire(options: Options, port: int, engine: Engine) -> defer.Deferred:
         engine.refused(failure.value)
         if failure.check(TensorShareError):
             return failure
-        raise ConnectionLostError(f"cannot connect to {wire.where}: {failure.getErrorMessage()}")
+        through = "" if path is None else f" through {path}"
+        raise ConnectionLostError(f"cannot connect to {wire.where}{through}: {failure.getErrorMessage()}")
 
     return d.addErrback(failed)
+
+
+def open_nearest(options: Options, port: int, engine: Engine, path: str | None = None) -> defer.Deferred:
+    """:func:`open_wire` the nearest way: through the server's Unix socket ``path``
+    (named by an earlier greeting) while it is there, else over TCP, moving the new
+    connection to the Unix socket its greeting names if ``options.local`` and this
+    process trusts it (:func:`~tensorshare.disk.areas.local_socket`, PROTOCOL.md §10.1).
+    The wire's ``path`` says which it is."""
+    if path is not None:
+        def gone(failure):  # (a restarted server has a new socket: TCP tells where)
+            if engine.closed or engine.failure is not None:
+                return failure
+            log.info("%s%s: its Unix socket is gone (%s); connecting over TCP", options.log_prefix,
+                     f"{options.host}:{port}", failure.getErrorMessage())
+            return open_nearest(options, port, engine)
+
+        return open_wire(options, port, engine, path).addErrback(gone)
+    d = open_wire(options, port, engine)
+    return d.addCallback(_nearer, options, port, engine) if options.local else d
+
+
+def _nearer(wire: Wire, options: Options, port: int, engine: Engine):
+    """``wire``, just opened over TCP, or in its place a connection through the Unix
+    socket its greeting names (see :func:`open_nearest`)."""
+    path = local_socket(engine.greeting.get(Key.SHM))
+    if path is None:
+        return wire
+    wire.transport.abortConnection()  # (it reads nothing more: the engine is the new connection's)
+    engine.lost(ConnectionLostError("moved to the same-host socket"))  # (listens it restored: never answered)
+
+    def tcp_again(failure):
+        if engine.failure is not None:
+            return failure
+        log.info("%s%s: not using its Unix socket %s (%s); connecting over TCP", options.log_prefix, wire.where,
+                 path, failure.getErrorMessage())
+        return open_wire(options, port, engine)
+
+    return open_wire(options, port, engine, path).addErrback(tcp_again)
 
 
 class TwistedMember:
@@ -312,6 +363,7 @@ class TwistedMember:
         self._sweeper = None  # the one timer that expires calls
         self._sweep_at = 0.0
         self._opened = opened
+        self.local = None if opened is None else opened.path  # the worker's Unix socket, once one was used
         self.areas: Any = None  # the owner's verified same-host areas of this connection (the user clients')
 
     @property
@@ -341,7 +393,7 @@ class TwistedMember:
         self._timer = None
         if self.engine.closed:
             return defer.fail(ConnectionLostError("client closed"))
-        d = open_wire(self.options, self.port, self.engine)
+        d = open_nearest(self.options, self.port, self.engine, self.local)
         return d.addCallbacks(self._take, self._not_opened)
 
     def _take(self, wire: Wire) -> None:
@@ -353,6 +405,7 @@ class TwistedMember:
             self._retry()
             raise ConnectionLostError(f"{self.where} greeted as another worker than this connection is for")
         self.wire = wire
+        self.local = wire.path
         if self.engine.outbox:  # (listens moved here before the connection was taken)
             wire.send(self.engine.take_outbox())
         wire.handed(self)

@@ -27,6 +27,8 @@ def item_table(header: dict, payload_len: int) -> list[tuple[Any, int, Any]]:
         raise ProtocolError("items reply needs equally long 'items' and 'sizes' lists")
     refs = header.get(Key.REFS)
     if refs is None and Key.CUDA not in header:  # every item in the payload, the usual reply: checked in one loop
+        if len(sizes) == 1 and type(sizes[0]) is int and sizes[0] == payload_len:  # (one item: no loop)
+            return [(blobs[0], payload_len, None)]
         total = 0
         for size in sizes:
             if type(size) is not int or size < 0:

@@ -416,7 +416,15 @@ class FrameDecoder:
                             self._need = PREFIX_SIZE + header_len
                             pos = end
                         elif payload_len:
-                            self._start_payload(self._header_of(view[start:pos]), frames)
+                            header = self._header_of(view[start:pos])
+                            stop = pos + payload_len
+                            if stop <= end and self._refused is None:  # the whole payload here too (small
+                                sink = self.sink_factory(header, payload_len)  # replies): one step, no state
+                                sink.write(view[pos:stop])
+                                frames.append(Frame(header, sink.finish(), payload_len))
+                                pos = stop
+                            else:
+                                self._start_payload(header, frames)
                         else:  # no payload (most replies and many requests): done here
                             header = self._header_of(view[start:pos])
                             if self._refused is None:

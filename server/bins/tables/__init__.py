@@ -22,8 +22,9 @@ Modules, one job each:
 from .backing import Backing, MemmapBacking, MemoryBacking, tensordict_metadata
 from .columns import ColumnSpec, RawArray, numpy_dtype
 from .errors import (
-    BadArgumentError, BatchTooLargeError, ColumnMismatchError, EmptySlotError, EmptyTableError, PriorityError,
-    RowsNotReadError, RowsNotWrittenError, SlotIndexError, TableError, TableFullError, TableSpecError, WouldBlockError,
+    BadArgumentError, BatchTooLargeError, ColumnMismatchError, EmptySlotError, EmptyTableError, NotFlushedError,
+    PriorityError, RowsNotReadError, RowsNotWrittenError, SlotIndexError, TableError, TableFullError, TableSpecError,
+    WouldBlockError,
 )
 from .ratelimiter import RateLimiter
 from .selectors import REMOVERS, SAMPLERS
@@ -35,5 +36,5 @@ __all__ = [
     "Backing", "MemoryBacking", "MemmapBacking", "tensordict_metadata", "SAMPLERS", "REMOVERS",
     "TableError", "TableSpecError", "BadArgumentError", "ColumnMismatchError", "SlotIndexError", "EmptySlotError",
     "PriorityError", "TableFullError", "BatchTooLargeError", "EmptyTableError", "WouldBlockError",
-    "RowsNotReadError", "RowsNotWrittenError",
+    "RowsNotReadError", "RowsNotWrittenError", "NotFlushedError",
 ]

@@ -70,3 +70,8 @@ class RowsNotWrittenError(TableError, ServerLocalError):
 class RowsNotReadError(TableError, ServerLocalError):
     """451: rows could not be read from the table's files (a disk error, a file cut
     short); the sample or read counted nothing."""
+
+
+class NotFlushedError(TableError, ServerLocalError):
+    """451: a change could not be flushed to the table's files (``--fsync``: a disk
+    error); the change was undone, or, for a sample's counts, says so."""

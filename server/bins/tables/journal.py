@@ -18,8 +18,11 @@ without its header is ignored (the table's files were not touched yet).
 One file, ``_slots/journal.bin``: its header is kept mapped (set and cleared with
 no system call), its body written with ``pwritev`` (the file opened for each
 change: no descriptor is held per table).  Without ``fsync`` this protects against
-the server process dying, as the rest of a durable table's files do (a power loss
-may lose recent rows).
+the server process dying, as the rest of a durable table's files do.  With
+``fsync`` (``--fsync``) it protects against a power loss too: the body is flushed,
+then the header is set and flushed, before the table's files are touched, and the
+cleared header is flushed once the change is in the files (so no record a later
+change overtook comes back).
 
 File layout (little-endian)::
 
@@ -62,8 +65,9 @@ KEEP_BYTES = 1 << 20  # a record's file up to this size is kept for the next one
 class Journal:
     """The redo record of one durable table (see the module docstring)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, fsync: bool = False):
         self.path = path
+        self.fsync = fsync
         self._head: mmap.mmap | None = None  # the file's header, mapped: set and cleared without a syscall
         self._names: tuple = ()
         self._blob = b""  # the column names as the body starts with them
@@ -95,8 +99,13 @@ class Journal:
             fd = os.open(self.path, os.O_WRONLY)
             try:
                 write_all(fd, body, HEADER_BYTES)
+                if self.fsync:
+                    os.fdatasync(fd)
             finally:
                 os.close(fd)
+            if self.fsync:
+                head[:] = header
+                head.flush()  # on the disk before the table's files change
         except OSError as exc:
             raise StorageFullError(f"no room on disk to record the write ({exc.strerror})") from None
         self._size = size
@@ -106,8 +115,14 @@ class Journal:
         """The change is applied: forget the record (its header zeroed).  The file
         keeps its blocks for the next record (truncating, and allocating again at the
         next write, cost 0.3 ms a change on ext4) unless the record was large."""
-        self._mapped_head()[:] = _NO_HEADER
+        head = self._mapped_head()
+        head[:] = _NO_HEADER
         self._clear = True
+        if self.fsync:  # else a power loss could bring back a record later changes have overtaken
+            try:
+                head.flush()
+            except OSError as exc:
+                log.warning("could not clear the table journal %s on the disk: %s", self.path, exc)
         if self._size > KEEP_BYTES:
             try:
                 os.truncate(self.path, HEADER_BYTES)
@@ -155,6 +170,10 @@ class Journal:
         except ValueError as exc:
             log.warning("table journal %s ignored: %s", self.path, exc)
             applied = 0
+        if applied and self.fsync:  # the change in the files on the disk before its record goes
+            for array in (*columns.values(), state.key, state.priority, state.times_sampled, state.flags):
+                if isinstance(array, np.memmap):
+                    array.flush()
         self._size = size
         self.clear()
         return applied

@@ -28,8 +28,8 @@ import numpy as np
 from .backing import Backing, MemoryBacking
 from .columns import ColumnSpec, RawArray, batch_rows, parse_columns
 from .errors import (
-    BadArgumentError, BatchTooLargeError, ColumnMismatchError, EmptySlotError, EmptyTableError, PriorityError,
-    RowsNotReadError, RowsNotWrittenError, TableFullError, TableSpecError, WouldBlockError,
+    BadArgumentError, BatchTooLargeError, ColumnMismatchError, EmptySlotError, EmptyTableError, NotFlushedError,
+    PriorityError, RowsNotReadError, RowsNotWrittenError, TableFullError, TableSpecError, WouldBlockError,
 )
 from . import picks, sequences
 from .ratelimiter import RateLimiter
@@ -74,6 +74,8 @@ class Table:
         self._items: list | None = None if self.columns else self._backing.item_slots(self.capacity)
         self._journal = getattr(self._backing, "journal", None)  # a durable table's (see .journal)
         self._journaled = False  # a change recorded there and not applied yet
+        # a durable table of a server run with --fsync: each change's state flushed before it counts
+        self._sync_state = self._backing.sync_state if getattr(self._backing, "fsync", False) else None
         self.inserts = 0  # rows that entered the table (inserted or written)
         self.samples = 0  # rows handed out by samples
         self.removals = 0  # rows that left (removed to make room, overwritten, sampled out, removed)
@@ -316,6 +318,7 @@ class Table:
         sample = Sample(state.key[slots], slots, state.priority[slots], state.times_sampled[slots], values, items,
                         probabilities=probabilities, table_size=size)
         sample.removed = Removed(state.key[done], self._forget(done))
+        self._flush_counts()
         return sample
 
     def sample_sequences(self, n: int, length: int, pad: bool = False, rng: np.random.Generator | None = None,
@@ -379,6 +382,7 @@ class Table:
         read = Sample(keys, slots, state.priority[slots], state.times_sampled[slots], values, items,
                       probabilities=np.zeros(0), table_size=size)
         read.removed = Removed(state.key[done], self._forget(done))
+        self._flush_counts()
         return read
 
     def can_read_sampled(self, n: int) -> bool:
@@ -407,10 +411,16 @@ class Table:
             np.not_equal(slots[1:], slots[:-1], out=last[:-1])
             slots, priorities = slots[last], priorities[order[last]]
         if slots.size:
-            self._slots.priority[slots] = priorities
-            for index in self._indexes:
-                index.reprioritized(slots)
+            before = self._slots.priority[slots] if self._sync_state is not None else None
+            self._reprioritize(slots, priorities)
+            if before is not None:
+                self._flushed(lambda: self._reprioritize(slots, before), "the priorities are as they were")
         return int(slots.size)
+
+    def _reprioritize(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        self._slots.priority[slots] = priorities
+        for index in self._indexes:
+            index.reprioritized(slots)
 
     def remove(self, keys) -> Removed:
         """Remove the rows ``keys``; keys whose rows have left are ignored."""
@@ -438,7 +448,11 @@ class Table:
             raise TableSpecError(f"the table has a column {clash[0]!r} already")
         if getattr(self._backing, "reopen", False):
             self._backing.reopen = False  # the files found at start-up are mapped; these are new
-        return specs, [self._backing.allocate(spec, self.capacity) for spec in specs]
+        data = [self._backing.allocate(spec, self.capacity) for spec in specs]
+        made = getattr(self._backing, "sync_made", None)
+        if made is not None:
+            made()  # (with --fsync: the new files on the disk before the columns count)
+        return specs, data
 
     def attach_columns(self, specs: tuple[ColumnSpec, ...], data: list) -> tuple[ColumnSpec, ...]:
         """The table has the columns :meth:`new_columns` made from now on."""
@@ -579,6 +593,8 @@ class Table:
             for slot, item in zip(slots.tolist(), items):
                 store[slot] = item
         keys = self._slots.fill(slots, priorities, ends)
+        if self._sync_state is not None:
+            self._flushed(lambda: self._unfill(slots), "the rows are not in the table")
         if self._journaled:
             self._journal.clear()
             self._journaled = False
@@ -590,6 +606,34 @@ class Table:
         self._allowance += n * self.max_times_sampled
         self.version += 1
         return keys
+
+    def _unfill(self, slots: np.ndarray) -> None:
+        """Undo :meth:`_slots.fill` of ``slots`` (before the indexes heard of them); a
+        change recorded in the journal is forgotten."""
+        self._slots.vacate(slots)
+        self._slots.forget(slots)
+        if self._journaled:
+            self._journal.clear()
+            self._journaled = False
+
+    def _flushed(self, undo, undone: str) -> None:
+        """The state a change set flushed to the table's files (``--fsync``); if the
+        disk refuses it, ``undo()`` the change in memory and raise 451 (``undone``: what
+        the client is told of the table then)."""
+        try:
+            self._sync_state()
+        except OSError as exc:
+            undo()
+            raise NotFlushedError(f"could not flush the change to the table's files ({exc.strerror or exc}): "
+                                  f"{undone}") from None
+
+    def _flush_counts(self) -> None:
+        """A sample's counts flushed (``--fsync``) where they decide which rows stay
+        (``max_times_sampled``); elsewhere they are for information and reach the
+        disk with the kernel's writeback.  451 if the disk refuses them: the rows were
+        drawn, and the table holds them as sampled."""
+        if self._sync_state is not None and self.max_times_sampled:
+            self._flushed(lambda: None, "the rows were drawn (not sent) and count as sampled")
 
     def _remove(self, slots: np.ndarray, reindex: bool = True) -> Removed:
         """Take the occupied ``slots`` (distinct) out of the table (``reindex`` False:
