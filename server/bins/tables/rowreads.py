@@ -72,21 +72,19 @@ class RowReads:
         row_bytes]`` array, the file ``row_bytes`` wide.  ``OSError`` if a read fails
         or a file ends before a row does (the arrays then hold some rows)."""
         rows = slots.tolist()
-        started = self._nowait
         missing = []  # (descriptor, what is left of a row's buffer, its offset in the file)
         for fd, out in files:
             width = out.shape[1]
             flat = memoryview(out).cast("B")
             for i, slot in enumerate(rows):
                 view, offset = flat[i * width:(i + 1) * width], slot * width
-                got = self._cached(fd, view, offset) if started else 0
-                started = self._nowait
+                got = self._cached(fd, view, offset) if self._nowait else 0
                 if got < width:
                     missing.append((fd, view[got:], offset + got))
         if not missing:
             return
         self.from_disk += len(missing)
-        if started or len(missing) == 1:  # (their reads are under way: each is waited for in turn)
+        if self._nowait or len(missing) == 1:  # (their reads are under way: each is waited for in turn)
             _read_all(missing)
             return
         if self._pool is None:

@@ -568,6 +568,12 @@ class Table:
                                  priorities, views, ends)
             self._journaled = True
 
+    def _journal_done(self) -> None:
+        """The change recorded in the journal (if any) is applied, or given up: forget it."""
+        if self._journaled:
+            self._journal.clear()
+            self._journaled = False
+
     def _store(self, slots: np.ndarray, views: list[np.ndarray], replaced: np.ndarray | None) -> None:
         """The rows' column bytes into ``slots``, before any state changes.  If the
         backing's files cannot take them, the rows in ``replaced`` (some of those
@@ -578,9 +584,7 @@ class Table:
         except OSError as exc:
             if replaced is not None and replaced.size:
                 self._remove(replaced)
-            if self._journaled:
-                self._journal.clear()
-                self._journaled = False
+            self._journal_done()
             raise RowsNotWrittenError(f"could not write the rows to the table's files ({exc.strerror or exc}); "
                                       f"{0 if replaced is None else replaced.size} rows they were to replace "
                                       f"have left the table") from None
@@ -595,9 +599,7 @@ class Table:
         keys = self._slots.fill(slots, priorities, ends)
         if self._sync_state is not None:
             self._flushed(lambda: self._unfill(slots), "the rows are not in the table")
-        if self._journaled:
-            self._journal.clear()
-            self._journaled = False
+        self._journal_done()
         for index in self._indexes:
             index.added(slots)
         n = slots.size
@@ -612,9 +614,7 @@ class Table:
         change recorded in the journal is forgotten."""
         self._slots.vacate(slots)
         self._slots.forget(slots)
-        if self._journaled:
-            self._journal.clear()
-            self._journaled = False
+        self._journal_done()
 
     def _flushed(self, undo, undone: str) -> None:
         """The state a change set flushed to the table's files (``--fsync``); if the
