@@ -38,15 +38,14 @@ from ..protocol.engine import DEAD, Notice, Restored
 from ..protocol.messages import Key
 from .coalesce import Coalescer
 from .listens import notification, tell_restored
+from .express import Express
 from .progress import Progress
 from .reader import BackgroundReader
-from .sockets import SMALL_FRAME, Link, open_link, open_local, wait
+from .sockets import IDLE_CHECK, SMALL_FRAME, Link, open_link, open_local
 from .spin import ReplySpin
 from .zerocopy import SharedAreas
 
 log = logging.getLogger("tensorshare.client")
-
-_IDLE_CHECK = 1.0  # seconds of quiet after which a request first reads what the server sent meanwhile
 
 
 class StaleMapError(ConnectionLostError):
@@ -86,6 +85,7 @@ class Member:
         self.callbacks = 0  # non-blocking calls in flight: they need someone to read their replies
         self.closed = False
         self.reader = BackgroundReader(self)  # keeps the socket drained while callbacks wait
+        self.express = Express(self, front)  # lone small calls on an idle connection
         if opened is not None:
             self.take(self._local_instead(opened, settings.connect_timeout))
 
@@ -204,7 +204,7 @@ class Member:
         server sent meanwhile is read first (:meth:`_before_request`); connected if need be."""
         link = self.link
         engine = self.engine
-        if link is not None and now - engine.last_heard > _IDLE_CHECK and now - engine.last_sent > _IDLE_CHECK:
+        if link is not None and now - engine.last_heard > IDLE_CHECK and now - engine.last_sent > IDLE_CHECK:
             self._before_request(now)
             link = self.link
         return link if link is not None else self.connect(deadline)
@@ -219,7 +219,7 @@ class Member:
         engine = self.engine
         now = time.monotonic()
         link = self.link
-        if link is None or (now - engine.last_heard > _IDLE_CHECK and now - engine.last_sent > _IDLE_CHECK):
+        if link is None or (now - engine.last_heard > IDLE_CHECK and now - engine.last_sent > IDLE_CHECK):
             link = self._link_for(now, deadline)  # (a call only where there is something to do)
         lock = self.lock
         with lock:
@@ -235,10 +235,7 @@ class Member:
                     self._send(link, progress.sending(parts), deadline, call.rid, progress=progress)
             except BaseException:
                 if leading:  # (_await, which would have let go of the reader's role, does not run)
-                    with lock:
-                        self.reading = False
-                        if self.waiting:
-                            self.cond.notify_all()
+                    self.stop_reading()
                 raise
             self._await(call, deadline, progress, leading)
         except BaseException as exc:
@@ -297,6 +294,26 @@ class Member:
             self._gave_up(call, link, exc)
             raise
 
+    def resume(self, call, n: int, deadline: float | None) -> None:
+        """Go on with a call the express lane (:mod:`.express`) handed over: sent, tracked,
+        this thread the reader, the first ``n`` bytes of what came back in the engine's
+        buffer.  Returns as :meth:`call` does."""
+        link = self.link
+        try:
+            try:
+                if n:
+                    self._take_in(link, n)
+            except BaseException:
+                self.stop_reading()
+                raise
+            self._await(call, deadline, None, leading=True)
+        except BaseException as exc:
+            self._gave_up(call, link, exc)
+            if isinstance(exc, TensorShareError):
+                call.error = exc
+                return
+            raise
+
     def _gave_up(self, call, link, exc: BaseException) -> None:
         """The caller of ``call`` leaves early with ``exc``: reset the connection if the
         server could otherwise deliver to nobody, or if ``exc`` is an interrupt
@@ -316,7 +333,7 @@ class Member:
         if link is not None:
             now = time.monotonic()
             engine = self.engine
-            if now - engine.last_heard > _IDLE_CHECK and now - engine.last_sent > _IDLE_CHECK:
+            if now - engine.last_heard > IDLE_CHECK and now - engine.last_sent > IDLE_CHECK:
                 self._before_request(now)
         try:
             link = self.link or self.connect(deadline)
@@ -482,10 +499,14 @@ class Member:
             if progress is not None:
                 progress.finished(call.frame)
         finally:
-            with lock:
-                self.reading = False
-                if self.waiting:
-                    self.cond.notify_all()
+            self.stop_reading()
+
+    def stop_reading(self) -> None:
+        """This thread is the reader no more: a waiting thread may take the role."""
+        with self.lock:
+            self.reading = False
+            if self.waiting:
+                self.cond.notify_all()
 
     def read_some(self, deadline: float | None, spin: bool = False) -> None:
         """Read once from the socket and hand on the events it completes (leader only;
@@ -509,28 +530,31 @@ class Member:
                 until = wake
         try:
             if spin and self.spin.limit and not link.tls:
-                within = None if until is None else until - time.monotonic()
-                started = self.spin.poll(link.ready_now if poller is link.readable else partial(poller.poll, 0), within)
-                if started is not None:  # not there yet: sleep until it is
-                    wait(poller, until)
-                    self.spin.waited(started)
+                self.spin.wait(link.ready_now if poller is link.readable else partial(poller.poll, 0), poller, until)
                 n = link.recv_ready(engine.buffer())
             else:
                 n = link.recv_into(engine.buffer(), until, poller)
             if n == 0:
                 raise ConnectionResetError("server closed the connection")
-            events = engine.received(n, time.monotonic())
         except BlockingIOError:
             return
         except TimeoutError:  # our TimeoutError is an OSError too: the connection is fine
             if until is deadline:
                 raise
             return  # time for the next keepalive check, not the caller's deadline
+        except (OSError, ValueError) as exc:
+            raise self._lost(link, exc) from None
+        self._take_in(link, n)
+
+    def _take_in(self, link: Link, n: int) -> None:
+        """Hand on the events of ``n`` bytes read into the engine's buffer."""
+        try:
+            events = self.engine.received(n, time.monotonic())
         except ProtocolError as exc:  # the server sent nonsense: nothing it says can be trusted
             err = ConnectionLostError(f"bad reply from {self.where}: {exc}")
             self.drop(link, err)
             raise err from None
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError) as exc:  # (a sink that could not take the bytes, say)
             raise self._lost(link, exc) from None
         if events:
             self._dispatch(events)

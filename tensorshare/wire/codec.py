@@ -404,7 +404,7 @@ def encode(value: Any, *, limits: DecodeLimits = DEFAULT_LIMITS, views: bool = F
     if type(value) is torch.Tensor and limits.max_depth >= 0:
         # A lone tensor, the most common value: what the general path below makes,
         # without building the encoder and walking a tree.
-        small = None if views else _small_lone(value)
+        small = None if views else small_lone(value)
         if small is not None:
             return small
         kind, dtype, shape, view = _torch_bytes(value)
@@ -433,7 +433,7 @@ def encode(value: Any, *, limits: DecodeLimits = DEFAULT_LIMITS, views: bool = F
 SMALL_COPY = 64 << 10  # bytes: a lone CPU tensor this small is copied into the frame at once
 
 
-def _small_lone(t: torch.Tensor) -> Encoded | None:
+def small_lone(t: torch.Tensor) -> Encoded | None:
     """A lone small CPU tensor's encoding, its bytes copied (None: not one, the usual
     path encodes it).  ``numpy()`` is the one torch call: it refuses every tensor the
     usual path must resolve or refuse (another device, autograd, conjugate or negative
