@@ -277,7 +277,16 @@ class Client(TableCopies, ClientMethods):
         if timeout is DEFAULT:  # (what _deadline does, without a call on every request)
             timeout = self.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
+        buffers = self.values.buffers
+        if buffers is not None:
+            buffers.maybe_trim()  # reply arrays unused for a while go back to the system
         try:
+            if (then is None and on_error is None and progress is None and device is None and into is None
+                    and listening is None and decode and member.link is not None):
+                result = member.express.call(command, fields, value, deadline,  # (_client/express.py)
+                                             member.areas if zero_copy and self.zero_copy else None)
+                if result is not MISSED:
+                    return result
             return self._on(member, command, fields, value, deadline, then, on_error, decode, zero_copy, progress,
                             device, into, listening)
         except (StaleMapError, WrongWorkerError) as exc:
@@ -292,16 +301,8 @@ class Client(TableCopies, ClientMethods):
         """The result of a call on ``member``'s connection (trying again as a zero-copy
         refusal says)."""
         values = self.values
-        if values.buffers is not None:
-            values.buffers.maybe_trim()  # reply arrays unused for a while go back to the system
-        link = member.link
-        areas = (member.areas if link is not None else member.shared_areas(deadline)) \
+        areas = (member.areas if member.link is not None else member.shared_areas(deadline)) \
             if zero_copy and self.zero_copy else None
-        if (link is not None and then is None and on_error is None and progress is None and device is None
-                and into is None and listening is None and decode):
-            result = member.express.call(command, fields, value, deadline, areas)  # (_client/express.py)
-            if result is not MISSED:
-                return result
         call = values.call(next_request_id(), command, fields, value, areas, device, into)
         call.then, call.on_error, call.decode, call.handle = then, on_error, decode, listening
         try:
