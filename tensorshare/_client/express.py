@@ -96,7 +96,8 @@ class Express:
             return MISSED
         lock = member.lock
         with lock:
-            taken = not member.reading and link is member.link and not engine.calls
+            taken = (not member.reading and link is member.link and not engine.calls
+                     and engine.decoder.between_frames)  # (not amid a frame nobody awaits: a keepalive probe's)
             if taken:
                 member.reading = True
         if not taken:
