@@ -177,3 +177,19 @@ def test_a_server_of_workers_is_served_through_the_lane():
             assert sum(1 for name in c.list() if name.startswith("x-w-")) == 20
     finally:
         proc.stop()
+
+
+def test_tensors_of_every_kind_read_through_the_lane(server):
+    values = [torch.tensor(3.5), torch.arange(5, dtype=torch.float64), torch.ones(3, 7, dtype=torch.int16),
+              torch.tensor([True, False, True]), torch.randn(4, 3, dtype=torch.complex64), torch.randn(2, 3).t(),
+              torch.ones(3, dtype=torch.bfloat16), torch.empty(0, 3), torch.arange(5, dtype=torch.uint8)]
+    with tensorshare.Client("127.0.0.1", server.port) as c:
+        c.ping()
+        tracked = _counting_tracks(c)
+        for value in values:
+            c.put("x-kinds", value)
+            for _ in range(3):  # the first read learns the description; the next ones copy at once
+                got = c.peek("x-kinds")[0]
+                assert got.dtype == value.dtype and got.shape == value.shape and torch.equal(got, value)
+                got.zero_()  # each read's tensor is its own memory
+        assert tracked == ["PUT", "PUT"]  # (bfloat16, with no numpy twin, and an empty tensor: the general encoder)

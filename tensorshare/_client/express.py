@@ -36,7 +36,9 @@ import torch
 
 from ..errors import TimeoutError
 from ..protocol.engine import next_request_id
+from ..protocol.items import item_table
 from ..protocol.messages import ITEMS, Key, ZeroCopy
+from ..wire.build import lone_copy
 from ..wire.codec import small_lone
 from ..wire.frames import whole_frames
 from .connection import NO_VALUE, decode_items, reply_result, request_frame
@@ -145,10 +147,16 @@ class Express:
                         success.check(header)
                         items = None
                         if success.code == ITEMS:
-                            sink = engine.decoder.sink_factory(header, payload_len)  # (the general path's memory)
-                            if payload_len:
-                                sink.write(payload)
-                            items = decode_items(header, sink.finish(), payload_len, areas=areas)
+                            table = item_table(header, payload_len)
+                            item = lone_copy(table[0][0], payload_len, payload) \
+                                if len(table) == 1 and payload_len else None
+                            if item is not None:  # (one tensor, as before)
+                                items = [item]
+                            else:  # what the general path makes
+                                sink = engine.decoder.sink_factory(header, payload_len)
+                                if payload_len:
+                                    sink.write(payload)
+                                items = decode_items(header, sink.finish(), payload_len, areas=areas)
                         elif areas is not None and command.zero_copy is ZeroCopy.STORE:
                             areas.note_put(fields.get(Key.BIN), header)  # readers map the bin, or no longer
                         return reply_result(command, header, items)
