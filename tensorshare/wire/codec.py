@@ -61,6 +61,7 @@ _BUFFER_MAX_DIMS = 64  # a memoryview (and a numpy array) has at most this many 
 _packers = threading.local()
 _LONE_DESCRIPTIONS: dict[tuple, bytes] = {}  # (dtype name, *shape) -> description of a lone tensor
 _LONE_DESCRIPTIONS_MAX = 256
+_SMALL_LONE: dict[tuple, tuple] = {}  # (numpy dtype, shape) -> (description, payload bytes, padding): small_lone's
 
 
 def _packb(obj: Any) -> bytes:
@@ -445,6 +446,10 @@ def small_lone(t: torch.Tensor) -> Encoded | None:
         array = t.numpy()
     except (TypeError, RuntimeError):
         return None
+    made = _SMALL_LONE.get((array.dtype, array.shape))
+    if made is not None:  # (a dtype and shape seen before: everything but the bytes is known)
+        description, total, padding = made
+        return Encoded(description, [array.tobytes(), padding] if padding else [array.tobytes()], total, 1)
     nbytes = array.nbytes
     name = _NUMPY_TWIN_NAMES.get(array.dtype)
     if name is None or not 0 < nbytes <= SMALL_COPY or array.ndim > MAX_DIMS:
@@ -458,6 +463,9 @@ def small_lone(t: torch.Tensor) -> Encoded | None:
         if len(_LONE_DESCRIPTIONS) >= _LONE_DESCRIPTIONS_MAX:
             _LONE_DESCRIPTIONS.clear()
         _LONE_DESCRIPTIONS[key] = description
+    if len(_SMALL_LONE) >= _LONE_DESCRIPTIONS_MAX:
+        _SMALL_LONE.clear()
+    _SMALL_LONE[(array.dtype, shape)] = (description, total, _PAD[: total - nbytes])
     data = array.tobytes()
     return Encoded(description, [data, _PAD[: total - nbytes]] if total != nbytes else [data], total, 1)
 
