@@ -181,10 +181,13 @@ class Express:
         engine, read and settled there.  (The caller holds the send lock and the
         reader's role.)"""
         member = self.member
-        call = self.values.call(rid, command, fields, NO_VALUE, areas)
         try:
+            call = self.values.call(rid, command, fields, NO_VALUE, areas)
             with member.lock:
                 member.engine.track(call, now)
+        except BaseException:  # (the connection went meanwhile: nobody is to read for it)
+            member.stop_reading()
+            raise
         finally:
             member.send_lock.release()
         member.resume(call, n, deadline)
