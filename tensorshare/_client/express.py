@@ -132,34 +132,26 @@ class Express:
                 n = 0  # the keepalive's look is due: the general way looks, and reads the reply
             else:
                 buffer = engine.buffer()  # (the decoder's own: what is read is where a handover needs it)
-                n = sock.recv_into(buffer)
-                if not n:
-                    raise member._lost(link, ConnectionResetError("server closed the connection"))
-                engine.last_heard = now
-                frames, end = whole_frames(buffer[:n], engine.decoder.limits)
-                if end == n and len(frames) == 1:
-                    header, payload, payload_len = frames[0]
-                    success = command.success
-                    if (header.get(Key.ID) == rid and header.get(Key.CODE) == success.code
-                            and Key.REFS not in header and Key.CUDA not in header
-                            and (values.exports is None or Key.FREED not in header)):
-                        sent = False  # (read whole: the connection is clear, whatever happens next)
-                        success.check(header)
-                        items = None
-                        if success.code == ITEMS:
-                            table = item_table(header, payload_len)
-                            item = lone_copy(table[0][0], payload_len, payload) \
-                                if len(table) == 1 and payload_len else None
-                            if item is not None:  # (one tensor, as before)
-                                items = [item]
-                            else:  # what the general path makes
-                                sink = engine.decoder.sink_factory(header, payload_len)
-                                if payload_len:
-                                    sink.write(payload)
-                                items = decode_items(header, sink.finish(), payload_len, areas=areas)
-                        elif areas is not None and command.zero_copy is ZeroCopy.STORE:
-                            areas.note_put(fields.get(Key.BIN), header)  # readers map the bin, or no longer
-                        return reply_result(command, header, items)
+                try:
+                    n = sock.recv_into(buffer)
+                except BlockingIOError:  # (nothing there after all: the general way waits again)
+                    n = 0
+                except (OSError, ValueError) as exc:
+                    raise member._lost(link, exc) from None
+                else:
+                    if not n:
+                        raise member._lost(link, ConnectionResetError("server closed the connection"))
+                    engine.last_heard = now
+                    frames, end = whole_frames(buffer[:n], engine.decoder.limits)
+                    if end == n and len(frames) == 1:
+                        header, payload, payload_len = frames[0]
+                        success = command.success
+                        if (header.get(Key.ID) == rid and header.get(Key.CODE) == success.code
+                                and Key.REFS not in header and Key.CUDA not in header
+                                and (values.exports is None or Key.FREED not in header)):
+                            sent = False  # (read whole: the connection is clear, whatever happens next)
+                            success.check(header)
+                            return self._result(command, fields, header, payload, payload_len, areas)
         except BaseException as exc:
             if sent and link is member.link:  # given up while the server may answer: as the general path gives up
                 call = values.call(rid, command, fields, NO_VALUE, areas)
@@ -173,6 +165,22 @@ class Express:
                 send_lock.release()
                 member.stop_reading()
         return self._handed_over(rid, command, fields, areas, n, deadline, now)
+
+    def _result(self, command, fields: dict | None, header: dict, payload, payload_len: int, areas) -> Any:
+        """What the call returns, given its checked success ``header`` and ``payload``
+        (a view of the read buffer): what :meth:`.values.Values.read_result` gives."""
+        if command.success.code == ITEMS:
+            table = item_table(header, payload_len)
+            item = lone_copy(table[0][0], payload_len, payload) if len(table) == 1 and payload_len else None
+            if item is not None:  # (one tensor, as before)
+                return reply_result(command, header, [item])
+            sink = self.member.engine.decoder.sink_factory(header, payload_len)  # (the general path's memory)
+            if payload_len:
+                sink.write(payload)
+            return reply_result(command, header, decode_items(header, sink.finish(), payload_len, areas=areas))
+        if areas is not None and command.zero_copy is ZeroCopy.STORE:
+            areas.note_put(fields.get(Key.BIN), header)  # readers map the bin, or no longer
+        return reply_result(command, header, None)
 
     def _handed_over(self, rid: int, command, fields: dict | None, areas, n: int, deadline: float | None,
                      now: float) -> Any:
