@@ -74,7 +74,7 @@ class Express:
             return MISSED  # (first read what the server sent meanwhile: member._before_request)
         until = deadline
         if engine.keepalive is not None:
-            until = member._next_check
+            until = member.next_check
             if now >= until:
                 return MISSED  # the keepalive's look is due
             if deadline is not None and deadline < until:
@@ -118,9 +118,9 @@ class Express:
             except BlockingIOError:
                 written = 0
             except OSError as exc:
-                raise member._lost(link, exc) from None
+                raise member.lost(link, exc) from None
             if written < len(data):  # (a socket that cannot take a small frame at once: the general way)
-                member._send_locked(link, [memoryview(data)[written:]], deadline)
+                member.send_locked(link, [memoryview(data)[written:]], deadline)
             try:
                 if member.spin.limit:
                     member.spin.wait(link.ready_now, link.readable, until)
@@ -137,10 +137,10 @@ class Express:
                 except BlockingIOError:  # (nothing there after all: the general way waits again)
                     n = 0
                 except (OSError, ValueError) as exc:
-                    raise member._lost(link, exc) from None
+                    raise member.lost(link, exc) from None
                 else:
                     if not n:
-                        raise member._lost(link, ConnectionResetError("server closed the connection"))
+                        raise member.lost(link, ConnectionResetError("server closed the connection"))
                     engine.last_heard = now
                     frames, end = whole_frames(buffer[:n], engine.decoder.limits)
                     if end == n and len(frames) == 1:
@@ -157,7 +157,7 @@ class Express:
                 call = values.call(rid, command, fields, NO_VALUE, areas)
                 with lock:
                     engine.track(call, now)
-                member._gave_up(call, link, exc)
+                member.gave_up(call, link, exc)
             sent = False
             raise
         finally:

@@ -76,7 +76,7 @@ class Member:
         self.connect_lock = threading.Lock()
         self.coalescer = Coalescer(SMALL_FRAME)  # requests in flight, small ones held back meanwhile (send lock)
         self.spin = ReplySpin(settings.spin)  # used by the thread reading for its own reply
-        self._next_check = 0.0  # the keepalive's next look (monotonic), as it said last
+        self.next_check = 0.0  # the keepalive's next look (monotonic), as it said last
         self.link: Link | None = None
         self.local: str | None = None  # the worker's Unix socket, once a greeting named one we trust
         self.areas: SharedAreas | None = None  # the current connection's verified same-host areas
@@ -176,10 +176,10 @@ class Member:
                 link.close()
                 raise UsageError("the client is closed")
             self.link, self.areas = link, areas
-            self._next_check = 0.0  # (a new connection's keepalive starts afresh)
+            self.next_check = 0.0  # (a new connection's keepalive starts afresh)
         if self.engine.outbox:  # (listens moved here before this connection was taken)
             with self.send_lock:
-                self._send_locked(link, [], None)
+                self.send_locked(link, [], None)
         if self.engine.listens:
             self.reader.ensure()
         return link
@@ -239,7 +239,7 @@ class Member:
                 raise
             self._await(call, deadline, progress, leading)
         except BaseException as exc:
-            self._gave_up(call, link, exc)
+            self.gave_up(call, link, exc)
             if isinstance(exc, TensorShareError):
                 call.error = exc
                 return
@@ -262,7 +262,7 @@ class Member:
                     or not self._send_more(link, parts[0], deadline, call.rid)):
                 self._send(link, parts, deadline, call.rid)
         except BaseException as exc:
-            self._gave_up(call, link, exc)
+            self.gave_up(call, link, exc)
             raise
 
     def _send_more(self, link: Link, data: bytes, deadline: float | None, rid: int) -> bool:
@@ -275,9 +275,9 @@ class Member:
             try:
                 sent = link.send_held(data)
             except OSError as exc:
-                raise self._lost(link, exc) from None
+                raise self.lost(link, exc) from None
             if sent < len(data):  # the socket is full: the rest as usual (the kernel keeps the order)
-                self._send_locked(link, [memoryview(data)[sent:]], deadline)
+                self.send_locked(link, [memoryview(data)[sent:]], deadline)
             return True
 
     def wait_for(self, call, deadline: float | None) -> None:
@@ -291,7 +291,7 @@ class Member:
                 link.push()  # (it may be held back still: nothing was sent after it)
             self._await(call, deadline)
         except BaseException as exc:
-            self._gave_up(call, link, exc)
+            self.gave_up(call, link, exc)
             raise
 
     def resume(self, call, n: int, deadline: float | None) -> None:
@@ -308,13 +308,13 @@ class Member:
                 raise
             self._await(call, deadline, None, leading=True)
         except BaseException as exc:
-            self._gave_up(call, link, exc)
+            self.gave_up(call, link, exc)
             if isinstance(exc, TensorShareError):
                 call.error = exc
                 return
             raise
 
-    def _gave_up(self, call, link, exc: BaseException) -> None:
+    def gave_up(self, call, link, exc: BaseException) -> None:
         """The caller of ``call`` leaves early with ``exc``: reset the connection if the
         server could otherwise deliver to nobody, or if ``exc`` is an interrupt
         (KeyboardInterrupt...), which may leave a frame half sent."""
@@ -377,10 +377,10 @@ class Member:
             if not (may_hold and not link.tls and coalescer.awaiting(link)
                     and sum(map(len, parts)) <= SMALL_FRAME and coalescer.hold(link, rid, b"".join(parts))):
                 if progress is None:
-                    self._send_locked(link, parts, deadline, rid)
+                    self.send_locked(link, parts, deadline, rid)
                 else:  # piece by piece, reporting each
                     for i, piece in enumerate(progress.pieces(parts)):
-                        self._send_locked(link, piece, deadline, rid if i == 0 else None)
+                        self.send_locked(link, piece, deadline, rid if i == 0 else None)
                         progress.sent(piece)
                 return
         # Held.  The replies it waits for may all have come while we held the lock,
@@ -388,7 +388,7 @@ class Member:
         if not coalescer.awaiting(link):
             with self.send_lock:
                 if coalescer.frames and link is self.link:
-                    self._send_locked(link, [], deadline)
+                    self.send_locked(link, [], deadline)
 
     def _send_staged(self, link: Link, parts, deadline: float | None, rid: int, progress: Progress | None) -> None:
         """Send a frame holding device arrays: each bucket the engine stages goes out
@@ -397,12 +397,12 @@ class Member:
         for view, staged in parts.engine.pieces(parts):
             pending.append(view)
             if staged:
-                self._send_locked(link, pending, deadline, rid if first else None)
+                self.send_locked(link, pending, deadline, rid if first else None)
                 if progress is not None:
                     progress.sent(pending)
                 pending, first = [], False
         if pending or first:
-            self._send_locked(link, pending, deadline, rid if first else None)
+            self.send_locked(link, pending, deadline, rid if first else None)
             if progress is not None:
                 progress.sent(pending)
 
@@ -419,13 +419,13 @@ class Member:
             try:
                 sent = link.send_now(data)
             except OSError as exc:
-                raise self._lost(link, exc) from None
+                raise self.lost(link, exc) from None
             if sent < len(data):
                 self.coalescer.keep_rest(memoryview(data)[sent:])
         finally:
             self.send_lock.release()
 
-    def _send_locked(self, link: Link, parts: list, deadline: float | None, rid: int | None = None) -> None:
+    def send_locked(self, link: Link, parts: list, deadline: float | None, rid: int | None = None) -> None:
         """Write what the engine wants sent and what the coalescer holds, then request
         ``rid``'s whole frame (the caller holds the send lock).  With keepalive on, a
         server that takes no byte for twice ``keepalive`` seconds is presumed dead."""
@@ -447,7 +447,7 @@ class Member:
             self.drop(link, ConnectionLostError("send timed out; connection reset"))
             raise
         except (OSError, ValueError, AttributeError) as exc:  # ValueError/AttributeError: closed by another thread
-            raise self._lost(link, exc) from None
+            raise self.lost(link, exc) from None
 
     def _before_request(self, now: float) -> None:
         """On a connection quiet for a while, first read what the server sent meanwhile
@@ -523,7 +523,7 @@ class Member:
         engine = self.engine
         until = deadline
         if engine.keepalive is not None:
-            wake = self._next_check  # (not due yet, the usual case: no call to find that out)
+            wake = self.next_check  # (not due yet, the usual case: no call to find that out)
             if time.monotonic() >= wake:
                 wake = self._keepalive(link)
             if wake is not None and (deadline is None or wake < deadline):
@@ -543,7 +543,7 @@ class Member:
                 raise
             return  # time for the next keepalive check, not the caller's deadline
         except (OSError, ValueError) as exc:
-            raise self._lost(link, exc) from None
+            raise self.lost(link, exc) from None
         self._take_in(link, n)
 
     def _take_in(self, link: Link, n: int) -> None:
@@ -555,7 +555,7 @@ class Member:
             self.drop(link, err)
             raise err from None
         except (OSError, ValueError) as exc:  # (a sink that could not take the bytes, say)
-            raise self._lost(link, exc) from None
+            raise self.lost(link, exc) from None
         if events:
             self._dispatch(events)
 
@@ -599,10 +599,10 @@ class Member:
         stays silent (ConnectionLostError).  Returns when to check next (None: off)."""
         engine = self.engine
         now = time.monotonic()
-        if now < self._next_check:
-            return self._next_check
+        if now < self.next_check:
+            return self.next_check
         action, wake = engine.tick(now)
-        self._next_check = now if wake is None else wake
+        self.next_check = now if wake is None else wake
         if action == DEAD:
             err = engine.dead_error()
             self.drop(link, err)
@@ -611,14 +611,14 @@ class Member:
             if not self.send_lock.acquire(blocking=False):
                 return now + 0.5  # a request is going out: the probe goes with it
             try:
-                self._send_locked(link, [], None)  # no deadline: a probe that cannot go out trips the stall limit
+                self.send_locked(link, [], None)  # no deadline: a probe that cannot go out trips the stall limit
             finally:
                 self.send_lock.release()
         return wake
 
     # -- losing the connection
 
-    def _lost(self, link: Link, exc: BaseException) -> ConnectionLostError:
+    def lost(self, link: Link, exc: BaseException) -> ConnectionLostError:
         """Drop ``link``, which failed with ``exc``; the error to raise."""
         err = ConnectionLostError(f"connection to {self.where} lost: {exc}")
         self.drop(link, err)
@@ -674,7 +674,7 @@ class Member:
         if link is not None and self.engine.outbox:
             with self.send_lock:
                 if link is self.link and self.engine.outbox:
-                    self._send_locked(link, [], None)
+                    self.send_locked(link, [], None)
         self.reader.ensure()
 
 
