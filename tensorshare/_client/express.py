@@ -22,11 +22,12 @@ Everything else goes the general way.  Before anything is sent, the call is
 declined (:data:`MISSED`) and the caller sends it as usual.  After, whatever is
 not the plain success it expects -- an error reply, a reply that did not come
 whole in that read, one referring to the server's files, a wait cut short by the
-keepalive's next look, a timeout -- is handed over where it stands: the call is
-made as the general path would have made it, tracked by the engine, the bytes
-already read fed to its decoder, and the member reads and settles the rest
+keepalive's next look -- is handed over where it stands: the call is made as the
+general path would have made it, tracked by the engine, the bytes already read fed
+to its decoder, and the member reads and settles the rest
 (:meth:`~.member.Member.resume`), so errors, fallbacks and resets are decided in
-one place.  The send lock is held for the round trip: a request of another
+one place; a call its caller leaves (a timeout, an interrupt) is given up as the
+general path gives one up (a take resets the connection).  The send lock is held for the round trip: a request of another
 thread waits behind it, so its reply is the next frame on the connection.
 """
 
