@@ -10,6 +10,7 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import msgpack
@@ -473,24 +474,39 @@ def test_spill_dir_is_cleaned_up(tmp_path):
     assert _files_under(str(spill)) == []
 
 
-# Appends until the stop file exists and it has more than 10 acknowledged items (at most
-# 60 s): a fixed run time left too few acknowledgements when the restarts took most of it.
-_LOAD_WRITER = r"""
-import os, sys, time, torch, tensorshare
-port, w, stop, size = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-c = tensorshare.connect("127.0.0.1", port, retry_for=30, timeout=10, max_backoff=0.2)
-end = time.monotonic() + 60
-i = acked = 0
-while time.monotonic() < end and not (acked > 10 and os.path.exists(stop)):
-    try:
-        c.append(f"load-{w}", {"w": w, "i": i, "data": torch.full((size,), float(i))})
-        print("ok", i, flush=True)
-        acked += 1
-    except tensorshare.TensorShareError as exc:  # the server restarts: try again with the next item
-        print("failed", i, flush=True)
-        time.sleep(0.05)
-    i += 1
-c.close()
+# Four writers (threads of one process: one torch import), each on a connection of
+# its own, append until the stop file exists and each has more than 10 acknowledged
+# items (at most 60 s): a fixed run time left too few acknowledgements when the
+# restarts took most of it.  Each line says the writer, then "ok" or "failed", then i.
+_LOAD_WRITERS = r"""
+import os, sys, threading, time, torch, tensorshare
+port, writers, stop, size = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+lock = threading.Lock()
+
+def say(*words):
+    with lock:
+        print(*words, flush=True)
+
+def write(w):
+    c = tensorshare.connect("127.0.0.1", port, retry_for=30, timeout=10, max_backoff=0.2)
+    end = time.monotonic() + 60
+    i = acked = 0
+    while time.monotonic() < end and not (acked > 10 and os.path.exists(stop)):
+        try:
+            c.append(f"load-{w}", {"w": w, "i": i, "data": torch.full((size,), float(i))})
+            say(w, "ok", i)
+            acked += 1
+        except tensorshare.TensorShareError as exc:  # the server restarts: try again with the next item
+            say(w, "failed", i)
+            time.sleep(0.05)
+        i += 1
+    c.close()
+
+threads = [threading.Thread(target=write, args=(w,)) for w in range(writers)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
 """
 
 
@@ -498,30 +514,41 @@ c.close()
 def test_restart_under_load_loses_no_acknowledged_item(tmp_path):
     """Writers keep appending while the server is killed (-9) and stopped (SIGTERM) and
     restarted on its data directory; they reconnect by themselves."""
+    from wiretools import wait_for
+
     srv = ServerProcess("--data-dir", str(tmp_path / "data"), "--memory-limit", "32MiB")
     stop = tmp_path / "stop"
-    writers = [subprocess.Popen([sys.executable, "-c", _LOAD_WRITER, str(srv.port), str(w), str(stop), str(64 << 10)],
-                                stdout=subprocess.PIPE, text=True) for w in range(4)]
+    n = 4
+    writers = subprocess.Popen([sys.executable, "-c", _LOAD_WRITERS, str(srv.port), str(n), str(stop), str(64 << 10)],
+                               stdout=subprocess.PIPE, text=True)
+    lines: list[list[str]] = [[] for _ in range(n)]
+    reader = threading.Thread(target=lambda: [lines[int(line.split()[0])].append(line) for line in writers.stdout],
+                              daemon=True)
+    reader.start()
+
+    def acked_by_each() -> list[int]:
+        return [sum(line.split()[1] == "ok" for line in list(out)) for out in lines]
+
+    def each_acks_more(than: list[int], more: int = 3) -> bool:
+        return all(now >= before + more for now, before in zip(acked_by_each(), than))
+
     try:
-        firsts = [p.stdout.readline() for p in writers]  # every writer is appending
-        assert all(line.startswith("ok") for line in firsts), firsts
-        time.sleep(1.0)
+        assert wait_for(lambda: each_acks_more([0] * n), 60), lines  # every writer is appending
         srv.kill()
+        before = acked_by_each()
         srv.start()
-        time.sleep(1.5)
+        assert wait_for(lambda: each_acks_more(before), 60), lines  # and appends to the restarted server
         srv.stop()
+        before = acked_by_each()
         srv.start()
-        time.sleep(1.0)  # appends to the restarted server too
+        assert wait_for(lambda: each_acks_more(before), 60), lines  # and again after a clean stop
         stop.touch()
-        for p in writers:
-            p.wait(timeout=90)
-        # read() through the same buffered reader as readline() above (communicate() would
-        # read the pipe directly and miss what readline() buffered)
-        outputs = [first + p.stdout.read() for first, p in zip(firsts, writers)]
+        writers.wait(timeout=90)
+        reader.join(10)
         with tensorshare.Client("127.0.0.1", srv.port, timeout=30) as c:
-            for w, out in enumerate(outputs):
-                acked = [int(x.split()[1]) for x in out.splitlines() if x.startswith("ok")]
-                failed = {int(x.split()[1]) for x in out.splitlines() if x.startswith("failed")}
+            for w, out in enumerate(lines):
+                acked = [int(x.split()[2]) for x in out if x.split()[1] == "ok"]
+                failed = {int(x.split()[2]) for x in out if x.split()[1] == "failed"}
                 assert len(acked) > 10, (w, len(acked), len(failed))
                 items = c.peek(f"load-{w}")
                 present = [item["i"] for item in items]
@@ -529,9 +556,9 @@ def test_restart_under_load_loses_no_acknowledged_item(tmp_path):
                 assert set(acked) <= set(present) <= set(acked) | failed
                 for item in items:
                     assert item["w"] == w and torch.equal(item["data"], torch.full((64 << 10,), float(item["i"])))
+        assert writers.returncode == 0
         assert srv.rss() < 32 * MiB + RSS_OVERHEAD
     finally:
-        for p in writers:
-            p.kill()
-            p.wait()
+        writers.kill()
+        writers.wait()
         srv.stop()

@@ -48,8 +48,8 @@ def run_unchanged(*scripts: str, timeout: float, services: int = 0, pauses: floa
     commands = [f"{sys.executable} {EXAMPLES / name}" + (f" --pauses {pauses:g}" if pauses != 1.0 else "")
                 for name in scripts]
     outs = [f"/tmp/out-{os.getpid()}-{i}" for i in range(len(scripts))]
-    steps = " ".join(f"({c} > {o}.out 2> {o}.err; echo $? > {o}.rc) & p{i}=$!; sleep 1;"
-                     for i, (c, o) in enumerate(zip(commands, outs)))
+    steps = " sleep 1; ".join(f"({c} > {o}.out 2> {o}.err; echo $? > {o}.rc) & p{i}=$!;"
+                              for i, (c, o) in enumerate(zip(commands, outs)))
     waits = " ".join(f"wait $p{i};" for i in range(services, len(scripts)))
     kills = " ".join(f"kill $p{i} 2>/dev/null; pkill -f {EXAMPLES / scripts[i]};" for i in range(services))
     shell = f"{steps} {waits} {kills} wait"

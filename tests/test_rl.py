@@ -168,11 +168,11 @@ def test_experiments_do_not_mix(server):
 
 @pytest.mark.process
 def test_seed_readme_rl_scripts_run_unchanged(tmp_path):
-    from serverproc import ServerProcess
+    import socket
 
-    probe = ServerProcess()  # find a free port, then hand it to the seed trainer
-    port = probe.port
-    probe.stop()
+    with socket.socket() as probe:  # find a free port, then hand it to the seed trainer
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     # (the original's 8000 else; a tenth of the scripts' own pauses: the same calls, in order, sooner)
     scripts = {name: [sys.executable, str(EXAMPLES / name), "--port", str(port), "--pauses", "0.1"]
                for name in ("original_rl_trainer.py", "original_rl_worker.py")}

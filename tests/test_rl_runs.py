@@ -78,8 +78,8 @@ def test_the_default_lag_is_bounded_and_most_work_lost_is_warned_of(server, capl
             worker.add_data("stale")
         worker.flush(10)
         with caplog.at_level(logging.WARNING, logger="tensorshare.rl"):
-            while trainer.received < 220:
-                trainer.get_data(timeout=10)
+            while trainer.received < 220:  # all dropped: each call waits out its timeout, kept nothing
+                trainer.get_data(timeout=0.5)
         assert trainer.drop_rate > 0.5
         assert [r for r in caplog.records if "dropped as made with" in r.message]
 
