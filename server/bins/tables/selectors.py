@@ -29,9 +29,10 @@ import numpy as np
 from .errors import PriorityError, TableSpecError
 from .blocks import in_memory
 from .mintree import INT_EMPTY, MinTree
-from .slots import LIVE, Slots
+from .slots import LIVE, Slots, runs
 from .sumtree import SumTree
 
+RUNS = 4  # new rows in more runs of consecutive slots than this update the age orders node by node
 SAMPLERS = ("uniform", "prioritized", "fifo", "lifo")
 REMOVERS = ("fifo", "lowest_priority")
 
@@ -81,9 +82,17 @@ class OrderIndex(_Index):
         return np.where(state.live(slots), state.priority[slots], np.inf), state.key[slots]
 
     def added(self, slots: np.ndarray) -> None:
-        self.tree.changed(slots)
+        """New rows in ``slots`` (:meth:`Slots.fill` gave them keys that grow along
+        ``slots``): in the age orders, a run of consecutive slots is in order."""
+        found = None if self.by == "lowest_priority" else runs(slots, RUNS)
+        if found is None:
+            self.tree.changed(slots)
+            return
+        for first, start, stop in found:
+            self.tree.filled_run(first, first + stop - start, self.by == "oldest")
 
-    removed = added
+    def removed(self, slots: np.ndarray) -> None:
+        self.tree.changed(slots)
 
     def reprioritized(self, slots: np.ndarray) -> None:
         if self.by == "lowest_priority":

@@ -156,9 +156,13 @@ class Slots:
         """The keys :meth:`fill` will give new rows in ``slots``."""
         return (np.arange(self.next_seq, self.next_seq + slots.size, dtype=np.int64) * self.capacity) + slots
 
-    def fill(self, slots: np.ndarray, priorities: np.ndarray, ends: np.ndarray | None = None) -> np.ndarray:
+    def fill(self, slots: np.ndarray, priorities: np.ndarray, ends: np.ndarray | None = None,
+             recount: np.ndarray | None = None) -> np.ndarray:
         """New rows in the free ``slots`` (distinct): give them keys; returns the keys.
-        ``ends``: which of them end their episode."""
+        ``ends``: which of them end their episode.  ``recount``: those of ``slots`` whose
+        blocks' counts change (None: all); the others were vacated by this same change
+        without a recount (:meth:`vacate`), so their counts are right again once filled
+        (a full ring buffer's insert recounts nothing)."""
         keys = self.keys_for(slots)
         n = slots.size
         self.next_seq += n
@@ -169,7 +173,7 @@ class Slots:
         self.flags[at] = LIVE if ends is None else np.where(ends, LIVE | END, LIVE)
         self.key[at] = keys
         self.size += n
-        self.count.changed(slots)
+        self.count.changed(slots if recount is None else recount)
         return keys
 
     def skip(self, n: int) -> None:
@@ -250,6 +254,21 @@ def as_index(slots: np.ndarray):
     if n > 1 and slots[-1] - slots[0] == n - 1 and (slots[1:] > slots[:-1]).all():
         return slice(int(slots[0]), int(slots[0]) + n)
     return slots
+
+
+def runs(slots: np.ndarray, most: int) -> list[tuple[int, int, int]] | None:
+    """``(first slot, first position, stop position)`` of each run of consecutive
+    ascending ``slots`` (a ring buffer's batch is one, or two where it wraps); None
+    for more than ``most`` runs."""
+    n = slots.size
+    if not n:
+        return []
+    breaks = np.flatnonzero(np.diff(slots) != 1) + 1
+    if breaks.size >= most:
+        return None
+    starts = [0, *breaks.tolist()]
+    stops = [*starts[1:], n]
+    return [(int(slots[a]), a, b) for a, b in zip(starts, stops)]
 
 
 def flags_of(values, n: int) -> np.ndarray | None:

@@ -237,8 +237,9 @@ class Table:
             self._slots.skip(dropped)
         room = self.capacity - self.size
         slots = self._slots.free(min(n - dropped, room))
-        victims = None
+        victims, fresh = None, None
         if n - dropped > room:
+            fresh = slots  # (the victims' slots stay counted as held: see Slots.fill)
             victims = self._remover.victims(n - dropped - room)
             # free slots first, then those just freed: a fifo table fills as a ring buffer
             slots = np.concatenate((slots, victims))
@@ -246,7 +247,7 @@ class Table:
         self._store(slots, views, victims)
         # (the victims' slots are filled at once: the trees are redone once, for the new rows)
         removed = self._nothing_removed() if victims is None else self._remove(victims, reindex=False)
-        keys = self._put(slots, items, priorities, ends)
+        keys = self._put(slots, items, priorities, ends, fresh)
         if not dropped:
             return Written(keys, slots, removed)
         # row i of those left out had the slot of the kept row that follows it by a
@@ -589,14 +590,16 @@ class Table:
                                       f"{0 if replaced is None else replaced.size} rows they were to replace "
                                       f"have left the table") from None
 
-    def _put(self, slots: np.ndarray, items: list | None, priorities: np.ndarray, ends: np.ndarray | None):
+    def _put(self, slots: np.ndarray, items: list | None, priorities: np.ndarray, ends: np.ndarray | None,
+             fresh: np.ndarray | None = None):
         """Fill the free ``slots`` (their column bytes stored: :meth:`_store`) with new
-        rows' state; returns their keys."""
+        rows' state; returns their keys.  ``fresh``: those that were free before this
+        change (None: all; the others' rows were removed with ``reindex=False``)."""
         if items is not None:
             store = self._items
             for slot, item in zip(slots.tolist(), items):
                 store[slot] = item
-        keys = self._slots.fill(slots, priorities, ends)
+        keys = self._slots.fill(slots, priorities, ends, recount=fresh)
         if self._sync_state is not None:
             self._flushed(lambda: self._unfill(slots), "the rows are not in the table")
         self._journal_done()
