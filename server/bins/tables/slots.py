@@ -186,7 +186,7 @@ class Slots:
         priorities and counts stay readable until :meth:`forget`.  ``recount`` False:
         :meth:`fill` gives them rows before anything is drawn, and recounts them."""
         if slots.size:
-            self.flags[slots] &= ~LIVE
+            self.flags[as_index(slots)] &= ~LIVE
             self.size -= slots.size
             if recount:
                 self.count.changed(slots)
@@ -263,6 +263,8 @@ def runs(slots: np.ndarray, most: int) -> list[tuple[int, int, int]] | None:
     n = slots.size
     if not n:
         return []
+    if isinstance(as_index(slots), slice):
+        return [(int(slots[0]), 0, n)]
     breaks = np.flatnonzero(np.diff(slots) != 1) + 1
     if breaks.size >= most:
         return None

@@ -36,7 +36,7 @@ from .ratelimiter import RateLimiter
 from .rows import EMPTY, Removed, Rows, Sample, Written, out_buffers
 from .selectors import build, index_bytes
 from .blocks import in_memory
-from .slots import Slots, flags_of, int_array
+from .slots import Slots, as_index, flags_of, int_array
 
 MAX_CAPACITY = 1 << 40  # leaves keys 2**23 rows of history at the largest capacity
 _UNCHANGED: Any = object()
@@ -640,10 +640,11 @@ class Table:
 
     def _remove(self, slots: np.ndarray, reindex: bool = True) -> Removed:
         """Take the occupied ``slots`` (distinct) out of the table (``reindex`` False:
-        new rows fill them before anything is drawn, and the indexes hear of those)."""
-        keys = self._slots.key[slots]
+        new rows fill them before anything is drawn, and the indexes hear of those;
+        :meth:`Slots.fill` overwrites all their state, so it is not cleared first)."""
+        keys = self._slots.key[as_index(slots)].copy()  # (a view of a run: overwritten later)
         self._unlink(slots, reindex)
-        return Removed(keys, self._forget(slots))
+        return Removed(keys, self._forget(slots, clear=reindex))
 
     def _unlink(self, slots: np.ndarray, reindex: bool = True) -> None:
         """Out of the occupied set and every index: no sampler or remover sees them."""
@@ -653,8 +654,9 @@ class Table:
                 for index in self._indexes:
                     index.removed(slots)
 
-    def _forget(self, slots: np.ndarray) -> list | None:
-        """Clear unlinked ``slots``; returns their items (for a table of items)."""
+    def _forget(self, slots: np.ndarray, clear: bool = True) -> list | None:
+        """Clear unlinked ``slots`` (``clear`` False: their state is left to be
+        overwritten); returns their items (for a table of items)."""
         items = None
         if self._items is not None:
             store = self._items
@@ -665,7 +667,8 @@ class Table:
             m = self.max_times_sampled
             if m:
                 self._allowance -= int(np.sum(m - self._slots.times_sampled[slots].astype(np.int64)))
-            self._slots.forget(slots)
+            if clear:
+                self._slots.forget(slots)
             self.removals += slots.size
             self.version += 1
         return items
