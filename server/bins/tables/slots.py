@@ -152,8 +152,13 @@ class Slots:
 
     # -- changes
 
-    def keys_for(self, slots: np.ndarray) -> np.ndarray:
-        """The keys :meth:`fill` will give new rows in ``slots``."""
+    def keys_for(self, slots: np.ndarray, at=None) -> np.ndarray:
+        """The keys :meth:`fill` will give new rows in ``slots`` (``at``: their
+        :func:`as_index`, if known)."""
+        at = as_index(slots) if at is None else at
+        if isinstance(at, slice):  # a run: one slot and one seq on, a key grows by capacity + 1
+            first = self.next_seq * self.capacity + at.start
+            return np.arange(first, first + slots.size * (self.capacity + 1), self.capacity + 1, dtype=np.int64)
         return (np.arange(self.next_seq, self.next_seq + slots.size, dtype=np.int64) * self.capacity) + slots
 
     def fill(self, slots: np.ndarray, priorities: np.ndarray, ends: np.ndarray | None = None,
@@ -163,14 +168,14 @@ class Slots:
         blocks' counts change (None: all); the others were vacated by this same change
         without a recount (:meth:`vacate`), so their counts are right again once filled
         (a full ring buffer's insert recounts nothing)."""
-        keys = self.keys_for(slots)
+        at = as_index(slots)
+        keys = self.keys_for(slots, at)
         n = slots.size
         self.next_seq += n
-        at = as_index(slots)
         # the key last: in a durable table's files a slot holds a row from then on
         self.priority[at] = priorities
         self.times_sampled[at] = 0
-        self.flags[at] = LIVE if ends is None else np.where(ends, LIVE | END, LIVE)
+        self.flags[at] = LIVE if ends is None else (np.asarray(ends, bool).view(np.uint8) << 1) | LIVE  # (END is 2)
         self.key[at] = keys
         self.size += n
         self.count.changed(slots if recount is None else recount)
