@@ -642,7 +642,10 @@ class Table:
         """Take the occupied ``slots`` (distinct) out of the table (``reindex`` False:
         new rows fill them before anything is drawn, and the indexes hear of those;
         :meth:`Slots.fill` overwrites all their state, so it is not cleared first)."""
-        keys = self._slots.key[as_index(slots)].copy()  # (a view of a run: overwritten later)
+        at = as_index(slots)
+        keys = self._slots.key[at]
+        if isinstance(at, slice):
+            keys = keys.copy()  # (a view: the slots' new keys overwrite it)
         self._unlink(slots, reindex)
         return Removed(keys, self._forget(slots, clear=reindex))
 
