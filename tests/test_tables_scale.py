@@ -507,3 +507,18 @@ def test_trees_kept_by_ring_inserts_are_the_trees_the_rows_make(capacity, sample
         _trees_as_rebuilt(t)
     oldest = t._remover.index
     assert t._remover.victims(7).tolist() == oldest.tree.smallest(7).tolist()
+
+
+def test_one_priority_for_all_weighs_as_each_row_would():
+    """Rows given one priority for all get one power for all: the same weights, sums
+    and probabilities as a power a row (and rows of other priorities beside them)."""
+    t = x_table(1000, sampler="prioritized", priority_exponent=0.6)
+    t.insert(scalars(500), priorities=0.7)
+    t.insert(scalars(300), priorities=np.linspace(0.1, 3.0, 300))
+    sampler = t._sampler
+    for p in (np.full(700, 0.7), np.full((40, 16), 2.5), np.linspace(0.1, 3.0, 300)):
+        np.testing.assert_allclose(sampler.weights(p), np.power(p, 0.6), rtol=1e-15, atol=0)
+    expected = np.concatenate((np.full(500, 0.7 ** 0.6), np.linspace(0.1, 3.0, 300) ** 0.6))
+    assert t._sampler.tree.total == pytest.approx(expected.sum(), rel=1e-12)
+    drawn = t.sample(64)
+    np.testing.assert_allclose(drawn.probabilities, expected[drawn.indices] / expected.sum(), rtol=1e-12)
