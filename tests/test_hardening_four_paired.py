@@ -44,7 +44,7 @@ class Killed(BaseException):
 
 def _die_at_keys(monkeypatch) -> None:
     """The next change dies once its rows' bytes are in the columns, before their keys."""
-    def fill(self, slots, priorities, ends=None):
+    def fill(self, *args, **kwargs):
         raise Killed
     monkeypatch.setattr(Slots, "fill", fill)
 

@@ -473,3 +473,52 @@ with malloc.heap_temporaries():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
     outside, inside = map(int, out.stdout.split())
     assert outside >= 20 * 2 * 256 and inside < 64, (outside, inside)  # each MiB's pages faulted in again, or none
+
+
+def _trees_as_rebuilt(t: Table) -> None:
+    """Every tree of ``t`` is the tree its rows make (rebuilt from scratch on a copy)."""
+    for tree in [index.tree for index in t._indexes] + [t._slots.count]:
+        kept = tree.tree.copy()
+        tree.rebuild()
+        if kept.dtype == np.float64:  # (sums of the same weights, added in another order)
+            assert np.allclose(kept, tree.tree, rtol=1e-12, atol=0)
+        else:
+            assert np.array_equal(kept, tree.tree), type(tree).__name__
+
+
+@pytest.mark.parametrize("capacity", [77, 1000, 2048])
+@pytest.mark.parametrize("sampler", ["fifo", "lifo", "prioritized"])
+def test_trees_kept_by_ring_inserts_are_the_trees_the_rows_make(capacity, sampler):
+    """Inserts into a ring buffer update the age orders run by run and leave the row
+    counts of refilled slots alone: across wraps, partial blocks, batches larger than
+    the table, and rows removed, sampled out or written between them, the trees stay
+    those a rebuild makes."""
+    t = x_table(capacity, sampler=sampler, remover="fifo", max_times_sampled=3 if sampler == "prioritized" else 0)
+    rng = np.random.default_rng(capacity)
+    for step in range(60):
+        n = int(rng.choice([1, 31, 33, 200, capacity - 1, capacity + 5]))
+        t.insert(scalars(n), priorities=rng.random(n) + 0.01)
+        _trees_as_rebuilt(t)
+        if step % 3 == 1 and t.size > 10:
+            t.remove(t.sample(5).keys)
+        elif step % 3 == 2:
+            free = np.flatnonzero(t._slots.key < 0)
+            t.write(np.concatenate((free[:3], t.occupied()[:2])), scalars(len(free[:3]) + 2))
+        _trees_as_rebuilt(t)
+    oldest = t._remover.index
+    assert t._remover.victims(7).tolist() == oldest.tree.smallest(7).tolist()
+
+
+def test_one_priority_for_all_weighs_as_each_row_would():
+    """Rows given one priority for all get one power for all: the same weights, sums
+    and probabilities as a power a row (and rows of other priorities beside them)."""
+    t = x_table(1000, sampler="prioritized", priority_exponent=0.6)
+    t.insert(scalars(500), priorities=0.7)
+    t.insert(scalars(300), priorities=np.linspace(0.1, 3.0, 300))
+    sampler = t._sampler
+    for p in (np.full(700, 0.7), np.full((40, 16), 2.5), np.linspace(0.1, 3.0, 300)):
+        np.testing.assert_allclose(sampler.weights(p), np.power(p, 0.6), rtol=1e-15, atol=0)
+    expected = np.concatenate((np.full(500, 0.7 ** 0.6), np.linspace(0.1, 3.0, 300) ** 0.6))
+    assert t._sampler.tree.total == pytest.approx(expected.sum(), rel=1e-12)
+    drawn = t.sample(64)
+    np.testing.assert_allclose(drawn.probabilities, expected[drawn.indices] / expected.sum(), rtol=1e-12)

@@ -46,7 +46,7 @@ from .columns import ColumnSpec
 from .journal import Journal, write_all
 from .readahead import ReadAhead, random_access
 from .rowreads import RowReads, open_for_reads, wide
-from .slots import as_index
+from .slots import as_index, runs as slot_runs
 
 SHUT_NOTE = "shut.json"  # in _slots/: the table's files are whole (a clean stop), and its counts
 MAX_RUNS = 64  # a batch's slots in more runs than this are stored through the mapping (a syscall a run)
@@ -177,7 +177,7 @@ class MemmapBacking:
         (the state is flushed after it changes: :meth:`sync_state`)."""
         if not columns:
             return
-        runs = _runs(slots)
+        runs = slot_runs(slots, MAX_RUNS)
         written = []
         for column, view in zip(columns, views):
             fd = self._files.get(id(column))
@@ -332,21 +332,6 @@ class MemmapBacking:
                 pass
         self.paths = []
         self._mapped, self._rows = [], []
-
-
-def _runs(slots: np.ndarray) -> list[tuple[int, int, int]] | None:
-    """``(first slot, first row, stop row)`` of each run of consecutive ascending
-    ``slots`` (a ring buffer's batch is one, or two where it wraps); None for more
-    than :data:`MAX_RUNS` runs."""
-    n = slots.size
-    if not n:
-        return []
-    breaks = np.flatnonzero(np.diff(slots) != 1) + 1
-    if breaks.size >= MAX_RUNS:
-        return None
-    starts = [0, *breaks.tolist()]
-    stops = [*starts[1:], n]
-    return [(int(slots[a]), a, b) for a, b in zip(starts, stops)]
 
 
 def _read_in(mapping: mmap.mmap) -> None:

@@ -42,6 +42,9 @@ class Blocks:
     def blocks_of(self, slots: np.ndarray) -> np.ndarray:
         """The distinct blocks of ``slots``, sorted."""
         slots = np.asarray(slots, np.int64).reshape(-1)
+        n = slots.size
+        if n > 1 and slots[-1] - slots[0] == n - 1 and (slots[1:] > slots[:-1]).all():  # a run (an insert's)
+            return np.arange(int(slots[0]) // self.block, int(slots[-1]) // self.block + 1, dtype=np.int64)
         return distinct(slots >> self._shift if self._shift is not None else slots // self.block)
 
     def slots_in(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

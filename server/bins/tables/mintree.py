@@ -21,6 +21,7 @@ from .blocks import Blocks, build_levels, each_chunk, in_memory
 
 INT_EMPTY = np.iinfo(np.int64).max
 BLOCK = 32  # slots under a leaf: the tree costs half a byte a row
+SCALAR_NODES = 8  # a level's nodes set one at a time up to this many (numpy's per-call cost would dominate)
 
 
 class MinTree:
@@ -54,17 +55,51 @@ class MinTree:
 
     def changed(self, slots: np.ndarray) -> None:
         """The order values of ``slots`` changed (or they became empty)."""
-        tree, pick, order_one = self.tree, self._pick, self.order_one
+        tree, pick = self.tree, self._pick
 
         def batch(level: np.ndarray) -> None:
             tree[level] = pick(tree[2 * level], tree[2 * level + 1])
 
-        def one(node: int) -> None:
-            # a node holds a slot with a row or -1: every node above a changed block is redone
-            a, b = int(tree[2 * node]), int(tree[2 * node + 1])
-            tree[node] = a if b < 0 or (a >= 0 and order_one(a) <= order_one(b)) else b
+        self.layout.redo(tree, slots, self._block_best, pick, batch, self._one)
 
-        self.layout.redo(tree, slots, self._block_best, pick, batch, one)
+    def filled_run(self, first: int, stop: int, rising: bool) -> None:
+        """Slots ``first`` to ``stop`` (exclusive) were all just given rows whose order
+        values rise with the slot (``rising``; else fall): a ring buffer's insert in
+        the age order.  A node all of whose slots are among them then holds its first
+        slot (its last), known with no look at the rows; only the two nodes a level
+        where the run starts and ends are compared (:meth:`changed` compares every
+        node above the run: 0.17 ms for 16,384 slots, a third of the insert)."""
+        tree, capacity, one = self.tree, self.capacity, self._one
+        base, width = self.leaves, self.layout.block  # nodes of a level are base + i; each spans width slots
+        low, high = first // width, (stop - 1) // width  # the level's nodes the run touches
+        while True:
+            full_low = -(-first // width)
+            full_high = high if stop == capacity else stop // width - 1  # (the last node may be short)
+            if full_high - full_low >= SCALAR_NODES:
+                nodes = np.arange(full_low, full_high + 1, dtype=np.int64)
+                tree[base + full_low:base + full_high + 1] = (
+                    nodes * width if rising else np.minimum((nodes + 1) * width, capacity) - 1)
+            else:
+                for i in range(full_low, full_high + 1):
+                    tree[base + i] = i * width if rising else min((i + 1) * width, capacity) - 1
+            # the nodes the run covers in part: at most its first and its last
+            partial = [i for i in ((low,) if low == high else (low, high)) if i < full_low or i > full_high]
+            if partial and base == self.leaves:  # blocks: their slots compared
+                blocks = np.array(partial, np.int64)
+                tree[base + blocks] = self._block_best(blocks)
+            else:
+                for i in partial:
+                    one(base + i)
+            if base == 1:
+                return
+            base, width, low, high = base >> 1, width << 1, low >> 1, high >> 1
+
+    def _one(self, node: int) -> None:
+        """Node ``node`` from its children (one at a time: numpy's per-call cost would dominate)."""
+        # a node holds a slot with a row or -1: every node above a changed block is redone
+        tree, order_one = self.tree, self.order_one
+        a, b = int(tree[2 * node]), int(tree[2 * node + 1])
+        tree[node] = a if b < 0 or (a >= 0 and order_one(a) <= order_one(b)) else b
 
     def rebuild(self) -> None:
         """Every node from the order of every slot (a table reopened from its files).

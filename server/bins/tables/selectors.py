@@ -29,9 +29,11 @@ import numpy as np
 from .errors import PriorityError, TableSpecError
 from .blocks import in_memory
 from .mintree import INT_EMPTY, MinTree
-from .slots import LIVE, Slots
+from .slots import LIVE, Slots, runs
 from .sumtree import SumTree
 
+CONSTANT_CHECK = 64  # weights of more priorities than this look for one priority for all first
+RUNS = 4  # new rows in more runs of consecutive slots than this update the age orders node by node
 SAMPLERS = ("uniform", "prioritized", "fifo", "lifo")
 REMOVERS = ("fifo", "lowest_priority")
 
@@ -81,9 +83,17 @@ class OrderIndex(_Index):
         return np.where(state.live(slots), state.priority[slots], np.inf), state.key[slots]
 
     def added(self, slots: np.ndarray) -> None:
-        self.tree.changed(slots)
+        """New rows in ``slots`` (:meth:`Slots.fill` gave them keys that grow along
+        ``slots``): in the age orders, a run of consecutive slots is in order."""
+        found = None if self.by == "lowest_priority" else runs(slots, RUNS)
+        if found is None:
+            self.tree.changed(slots)
+            return
+        for first, start, stop in found:
+            self.tree.filled_run(first, first + stop - start, self.by == "oldest")
 
-    removed = added
+    def removed(self, slots: np.ndarray) -> None:
+        self.tree.changed(slots)
 
     def reprioritized(self, slots: np.ndarray) -> None:
         if self.by == "lowest_priority":
@@ -109,18 +119,20 @@ class OrderIndex(_Index):
         if oldest < 0 or k > state.size:
             return None
         capacity = state.capacity
-        steps = np.arange(k, dtype=np.int64)
-        slots = oldest + steps
         # key = seq * capacity + slot: one slot and one seq on, a key grows by capacity + 1
         # (past the wrap, less capacity), compared with no division
-        expected = int(state.key[oldest]) + steps * (capacity + 1)
-        if oldest + k <= capacity:  # (no wrap: the slots' state as views)
+        if oldest + k <= capacity:  # (no wrap: views of the slots' state, no index arrays)
             at = slice(oldest, oldest + k)
-        else:
-            wrapped = slots >= capacity
-            slots[wrapped] -= capacity
-            expected[wrapped] -= capacity
-            at = slots
+            if (np.diff(state.key[at]) == capacity + 1).all() and np.bitwise_and.reduce(state.flags[at]) & LIVE:
+                return np.arange(oldest, oldest + k, dtype=np.int64)
+            return None
+        steps = np.arange(k, dtype=np.int64)
+        slots = oldest + steps
+        expected = int(state.key[oldest]) + steps * (capacity + 1)
+        wrapped = slots >= capacity
+        slots[wrapped] -= capacity
+        expected[wrapped] -= capacity
+        at = slots
         if state.live(at).all() and (state.key[at] == expected).all():
             return slots
         return None
@@ -156,6 +168,13 @@ class PrioritizedSampler(UniformSampler):
             return np.asarray(priorities, np.float64)
         if e == 0.5:
             return np.sqrt(priorities)
+        # Rows often come with one priority for all (the default 1.0, or the largest
+        # seen, as TorchRL's and Reverb's writers give): one power instead of a power
+        # a row (16,384 rows: 45 us against 6 us for the look at the smallest and largest)
+        if priorities.size > CONSTANT_CHECK:
+            low = priorities.min()
+            if low == priorities.max():
+                return np.full(priorities.shape, np.power(low, e))
         return np.power(priorities, e)
 
     def _slot_weights(self, pick) -> np.ndarray:

@@ -152,24 +152,33 @@ class Slots:
 
     # -- changes
 
-    def keys_for(self, slots: np.ndarray) -> np.ndarray:
-        """The keys :meth:`fill` will give new rows in ``slots``."""
+    def keys_for(self, slots: np.ndarray, at=None) -> np.ndarray:
+        """The keys :meth:`fill` will give new rows in ``slots`` (``at``: their
+        :func:`as_index`, if known)."""
+        at = as_index(slots) if at is None else at
+        if isinstance(at, slice):  # a run: one slot and one seq on, a key grows by capacity + 1
+            first = self.next_seq * self.capacity + at.start
+            return np.arange(first, first + slots.size * (self.capacity + 1), self.capacity + 1, dtype=np.int64)
         return (np.arange(self.next_seq, self.next_seq + slots.size, dtype=np.int64) * self.capacity) + slots
 
-    def fill(self, slots: np.ndarray, priorities: np.ndarray, ends: np.ndarray | None = None) -> np.ndarray:
+    def fill(self, slots: np.ndarray, priorities: np.ndarray, ends: np.ndarray | None = None,
+             recount: np.ndarray | None = None) -> np.ndarray:
         """New rows in the free ``slots`` (distinct): give them keys; returns the keys.
-        ``ends``: which of them end their episode."""
-        keys = self.keys_for(slots)
+        ``ends``: which of them end their episode.  ``recount``: those of ``slots`` whose
+        blocks' counts change (None: all); the others were vacated by this same change
+        without a recount (:meth:`vacate`), so their counts are right again once filled
+        (a full ring buffer's insert recounts nothing)."""
+        at = as_index(slots)
+        keys = self.keys_for(slots, at)
         n = slots.size
         self.next_seq += n
-        at = as_index(slots)
         # the key last: in a durable table's files a slot holds a row from then on
         self.priority[at] = priorities
         self.times_sampled[at] = 0
-        self.flags[at] = LIVE if ends is None else np.where(ends, LIVE | END, LIVE)
+        self.flags[at] = LIVE if ends is None else (np.asarray(ends, bool).view(np.uint8) << 1) | LIVE  # (END is 2)
         self.key[at] = keys
         self.size += n
-        self.count.changed(slots)
+        self.count.changed(slots if recount is None else recount)
         return keys
 
     def skip(self, n: int) -> None:
@@ -182,7 +191,7 @@ class Slots:
         priorities and counts stay readable until :meth:`forget`.  ``recount`` False:
         :meth:`fill` gives them rows before anything is drawn, and recounts them."""
         if slots.size:
-            self.flags[slots] &= ~LIVE
+            self.flags[as_index(slots)] &= ~LIVE
             self.size -= slots.size
             if recount:
                 self.count.changed(slots)
@@ -250,6 +259,23 @@ def as_index(slots: np.ndarray):
     if n > 1 and slots[-1] - slots[0] == n - 1 and (slots[1:] > slots[:-1]).all():
         return slice(int(slots[0]), int(slots[0]) + n)
     return slots
+
+
+def runs(slots: np.ndarray, most: int) -> list[tuple[int, int, int]] | None:
+    """``(first slot, first position, stop position)`` of each run of consecutive
+    ascending ``slots`` (a ring buffer's batch is one, or two where it wraps); None
+    for more than ``most`` runs."""
+    n = slots.size
+    if not n:
+        return []
+    if isinstance(as_index(slots), slice):
+        return [(int(slots[0]), 0, n)]
+    breaks = np.flatnonzero(np.diff(slots) != 1) + 1
+    if breaks.size >= most:
+        return None
+    starts = [0, *breaks.tolist()]
+    stops = [*starts[1:], n]
+    return [(int(slots[a]), a, b) for a, b in zip(starts, stops)]
 
 
 def flags_of(values, n: int) -> np.ndarray | None:

@@ -36,7 +36,7 @@ from .ratelimiter import RateLimiter
 from .rows import EMPTY, Removed, Rows, Sample, Written, out_buffers
 from .selectors import build, index_bytes
 from .blocks import in_memory
-from .slots import Slots, flags_of, int_array
+from .slots import Slots, as_index, flags_of, int_array
 
 MAX_CAPACITY = 1 << 40  # leaves keys 2**23 rows of history at the largest capacity
 _UNCHANGED: Any = object()
@@ -237,8 +237,9 @@ class Table:
             self._slots.skip(dropped)
         room = self.capacity - self.size
         slots = self._slots.free(min(n - dropped, room))
-        victims = None
+        victims, fresh = None, None
         if n - dropped > room:
+            fresh = slots  # (the victims' slots stay counted as held: see Slots.fill)
             victims = self._remover.victims(n - dropped - room)
             # free slots first, then those just freed: a fifo table fills as a ring buffer
             slots = np.concatenate((slots, victims))
@@ -246,7 +247,7 @@ class Table:
         self._store(slots, views, victims)
         # (the victims' slots are filled at once: the trees are redone once, for the new rows)
         removed = self._nothing_removed() if victims is None else self._remove(victims, reindex=False)
-        keys = self._put(slots, items, priorities, ends)
+        keys = self._put(slots, items, priorities, ends, fresh)
         if not dropped:
             return Written(keys, slots, removed)
         # row i of those left out had the slot of the kept row that follows it by a
@@ -589,14 +590,16 @@ class Table:
                                       f"{0 if replaced is None else replaced.size} rows they were to replace "
                                       f"have left the table") from None
 
-    def _put(self, slots: np.ndarray, items: list | None, priorities: np.ndarray, ends: np.ndarray | None):
+    def _put(self, slots: np.ndarray, items: list | None, priorities: np.ndarray, ends: np.ndarray | None,
+             fresh: np.ndarray | None = None):
         """Fill the free ``slots`` (their column bytes stored: :meth:`_store`) with new
-        rows' state; returns their keys."""
+        rows' state; returns their keys.  ``fresh``: those that were free before this
+        change (None: all; the others' rows were removed with ``reindex=False``)."""
         if items is not None:
             store = self._items
             for slot, item in zip(slots.tolist(), items):
                 store[slot] = item
-        keys = self._slots.fill(slots, priorities, ends)
+        keys = self._slots.fill(slots, priorities, ends, recount=fresh)
         if self._sync_state is not None:
             self._flushed(lambda: self._unfill(slots), "the rows are not in the table")
         self._journal_done()
@@ -637,10 +640,14 @@ class Table:
 
     def _remove(self, slots: np.ndarray, reindex: bool = True) -> Removed:
         """Take the occupied ``slots`` (distinct) out of the table (``reindex`` False:
-        new rows fill them before anything is drawn, and the indexes hear of those)."""
-        keys = self._slots.key[slots]
+        new rows fill them before anything is drawn, and the indexes hear of those;
+        :meth:`Slots.fill` overwrites all their state, so it is not cleared first)."""
+        at = as_index(slots)
+        keys = self._slots.key[at]
+        if isinstance(at, slice):
+            keys = keys.copy()  # (a view: the slots' new keys overwrite it)
         self._unlink(slots, reindex)
-        return Removed(keys, self._forget(slots))
+        return Removed(keys, self._forget(slots, clear=reindex))
 
     def _unlink(self, slots: np.ndarray, reindex: bool = True) -> None:
         """Out of the occupied set and every index: no sampler or remover sees them."""
@@ -650,8 +657,9 @@ class Table:
                 for index in self._indexes:
                     index.removed(slots)
 
-    def _forget(self, slots: np.ndarray) -> list | None:
-        """Clear unlinked ``slots``; returns their items (for a table of items)."""
+    def _forget(self, slots: np.ndarray, clear: bool = True) -> list | None:
+        """Clear unlinked ``slots`` (``clear`` False: their state is left to be
+        overwritten); returns their items (for a table of items)."""
         items = None
         if self._items is not None:
             store = self._items
@@ -662,7 +670,8 @@ class Table:
             m = self.max_times_sampled
             if m:
                 self._allowance -= int(np.sum(m - self._slots.times_sampled[slots].astype(np.int64)))
-            self._slots.forget(slots)
+            if clear:
+                self._slots.forget(slots)
             self.removals += slots.size
             self.version += 1
         return items
