@@ -21,6 +21,7 @@ file names, and every path read back is checked to stay inside the item director
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import math
@@ -61,7 +62,9 @@ _NON_TENSOR_TYPE = "<class 'tensordict.tensorclass.NonTensorData'>"
 # took 25% less with 4.
 _PARALLEL_MIN = 64 << 20
 _PARALLEL_THREADS = 4
-_WRITE_CHUNK = 64 << 20  # bytes per write() call
+_IOV_BATCH = 512  # buffers per pwritev() call (IOV_MAX is 1024 on Linux)
+# Files from this size on get their blocks before they are written (see preallocate).
+_PREALLOCATE_MIN = 64 << 10
 
 
 class LayoutError(ProtocolError):
@@ -245,18 +248,75 @@ def _write_file(path: str, views, fsync: bool, existing: int | None = None) -> N
             os.close(fd)
             raise OSError(errno.EINVAL, f"{path} is not a file of {existing} bytes")
     try:
+        views = list(views)
+        if existing is None:
+            preallocate(fd, sum(v.nbytes for v in views))
+        position, run = 0, []  # run: host buffers not written yet, from position on
         for view in views:
-            if type(view) is not memoryview:  # bytes in device memory: staged down by their engine
-                view.engine.write_fd(fd, view)
+            if type(view) is memoryview:
+                run.append(view)
                 continue
-            for i in range(0, view.nbytes, _WRITE_CHUNK):
-                chunk = view[i : i + _WRITE_CHUNK]
-                while chunk.nbytes:
-                    chunk = chunk[os.write(fd, chunk):]
+            position = write_all(fd, run, position)  # bytes in device memory: staged down by their
+            run = []  # engine, at the file's position
+            os.lseek(fd, position, os.SEEK_SET)
+            view.engine.write_fd(fd, view)
+            position += view.nbytes
+        write_all(fd, run, position)
         if fsync:
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_all(fd: int, views: Sequence[memoryview], offset: int) -> int:
+    """Write every byte of ``views`` (byte memoryviews) to ``fd`` from ``offset`` on:
+    one ``pwritev`` for all of them where the kernel takes them at once (short writes
+    resumed).  Returns the offset after them."""
+    views = [v for v in views if v.nbytes]
+    while views:
+        if _PWRITEV is not None:
+            n = _PWRITEV(fd, views[:_IOV_BATCH], offset)
+        else:  # no pwritev (Windows): one buffer a call
+            os.lseek(fd, offset, os.SEEK_SET)
+            n = os.write(fd, views[0])
+        offset += n
+        while views and n >= views[0].nbytes:
+            n -= views.pop(0).nbytes
+        if n:
+            views[0] = views[0][n:]
+    return offset
+
+
+def _libc_fallocate():
+    try:
+        fallocate = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):  # no C library to call, or no fallocate in it (macOS)
+        return None
+    fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fallocate.restype = ctypes.c_int
+    return fallocate
+
+
+_FALLOCATE = _libc_fallocate()
+_PWRITEV = getattr(os, "pwritev", None)
+_OUT_OF_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def preallocate(fd: int, nbytes: int) -> None:
+    """Give the new, empty file ``fd`` its ``nbytes`` of disk blocks before it is written.
+
+    On ext4 the writes that follow then cost about a fifth less than writes that
+    allocate as they go (measured: 100 files of 1 MiB), and a full disk is found
+    before any byte is copied (``OSError`` ENOSPC).  Files under
+    :data:`_PREALLOCATE_MIN` and file systems without ``fallocate`` are left alone
+    (the C library's ``posix_fallocate`` would write zeros there: not used).
+    """
+    if _FALLOCATE is None or nbytes < _PREALLOCATE_MIN:
+        return
+    if _FALLOCATE(fd, 0, 0, nbytes):
+        err = ctypes.get_errno()
+        if err in _OUT_OF_SPACE:
+            raise OSError(err, os.strerror(err))
 
 
 _NO_KERNEL_COPY = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
@@ -294,6 +354,8 @@ def _copy_file(source: str, path: str, length: int, fsync: bool) -> bool:
 def _kernel_copy(src: int, dst: int, length: int) -> bool:
     pos = 0
     ranged = hasattr(os, "copy_file_range")
+    if not ranged:
+        preallocate(dst, length)
     while pos < length:
         count = min(length - pos, _COPY_CALL)
         try:
@@ -304,8 +366,10 @@ def _kernel_copy(src: int, dst: int, length: int) -> bool:
         except OSError as exc:
             if exc.errno not in _NO_KERNEL_COPY:
                 raise
-            if ranged:  # across file systems (tmpfs to disk, say): sendfile copies in the kernel too
-                ranged = False
+            if ranged:  # across file systems (tmpfs to disk, say): sendfile copies in the kernel too,
+                ranged = False  # into blocks given first (copy_file_range may share the source's instead)
+                if not pos:
+                    preallocate(dst, length)
                 os.lseek(dst, pos, os.SEEK_SET)
                 continue
             if pos:
