@@ -73,6 +73,26 @@ def test_write_item_copies_arrays_from_another_item(tmp_path):
     assert read_item(second.path).description == enc.description
 
 
+def test_write_item_asks_for_segments_only_when_it_writes_from_them(tmp_path):
+    from tensorshare.wire.codec import encode
+
+    value = {"a": torch.randn(1000), "b": torch.arange(77)}
+    enc = encode(value)
+    asked = []
+
+    def segments():
+        asked.append(1)
+        return enc.buffers
+
+    first = write_item(str(tmp_path / "first"), enc.description, segments, enc.nbytes)
+    assert asked == [1]  # no copies: written from the segments, asked for once
+    copies = {i: file for i, (_o, _n, file) in enumerate(first.files)}
+    write_item(str(tmp_path / "second"), enc.description, segments, enc.nbytes, copies=copies, threads=2)
+    assert asked == [1]  # every array copied by the kernel: the segments were never made
+    back = tensorshare.load_memmap(tmp_path / "second")
+    assert all(torch.equal(back[k], value[k]) for k in value)
+
+
 # -- Client.save against a real server
 
 

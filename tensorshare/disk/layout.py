@@ -30,10 +30,11 @@ import os
 import re
 import shutil
 import stat
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import msgpack
 
@@ -208,23 +209,38 @@ def _level_metadata(desc: Description, paths: list[str], prefix: str, node: Any,
 
 
 class _Payload:
-    """Random access to a payload given as a sequence of buffers (the received segments).
+    """Random access to a payload of ``nbytes`` given as a sequence of buffers (the
+    received segments), or as a function that gives them, called only when the first
+    bytes are asked for (by any of the writing threads).
 
     A segment may also stand for bytes in device memory (a
     :class:`~tensorshare.device.engine.DeviceSpan`, which says so with ``staged``):
     its slices are spans too, which :func:`_write_file` has the device engine write."""
 
-    def __init__(self, segments: Sequence):
-        self.segments = [s if getattr(s, "staged", False) else memoryview(s).cast("B") for s in segments]
-        self.starts = []
-        pos = 0
-        for s in self.segments:
-            self.starts.append(pos)
+    def __init__(self, segments: Sequence | Callable[[], Sequence], nbytes: int):
+        self.nbytes = nbytes
+        self._lock = threading.Lock()
+        self._make = segments if callable(segments) else None
+        if self._make is None:
+            self._take(segments)
+
+    def _take(self, segments: Sequence) -> None:
+        segments = [s if getattr(s, "staged", False) else memoryview(s).cast("B") for s in segments]
+        starts, pos = [], 0
+        for s in segments:
+            starts.append(pos)
             pos += s.nbytes
-        self.nbytes = pos
+        if pos != self.nbytes:
+            raise ValueError(f"segments hold {pos} bytes, not {self.nbytes}")
+        self.starts, self.segments = starts, segments
 
     def views(self, start: int, length: int):
         """Memoryviews covering ``payload[start:start+length]``."""
+        if self._make is not None:
+            with self._lock:
+                if self._make is not None:
+                    self._take(self._make())
+                    self._make = None
         end = start + length
         for seg_start, seg in zip(self.starts, self.segments):
             seg_end = seg_start + seg.nbytes
@@ -396,7 +412,8 @@ def write_item(path: str, description: bytes, segments: Sequence, nbytes: int, t
                fills: dict[int, str] | None = None, limits: DecodeLimits = DEFAULT_LIMITS) -> StoredItem:
     """Write one item into the new directory ``path``, whole or not at all; returns it.
 
-    ``segments`` are buffers whose concatenation is the payload.  Files are written
+    ``segments`` are buffers whose concatenation is the payload (or a function that
+    returns them, called only if some array's bytes are to be written from them).  Files are written
     into a temporary sibling directory that is renamed to ``path`` last; with
     ``fsync`` the files and both directories are flushed to stable storage before
     the function returns.  ``threads`` writes array files in parallel (default:
@@ -416,9 +433,7 @@ def write_item(path: str, description: bytes, segments: Sequence, nbytes: int, t
     temporary directory.
     """
     desc = parse_description(description, nbytes, limits)
-    payload = _Payload(segments)
-    if payload.nbytes != nbytes:
-        raise ValueError(f"segments hold {payload.nbytes} bytes, not {nbytes}")
+    payload = _Payload(segments, nbytes)
     paths = array_paths(desc)
     parent, name = os.path.split(os.path.abspath(path))
     tmp = os.path.join(parent, f".tmp-{name}-{uuid.uuid4().hex[:8]}")
