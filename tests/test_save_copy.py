@@ -9,13 +9,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
 
 import tensorshare
 from opsproc import OpsServer, http_get
-from tensorshare.disk.layout import _copy_file, read_item, write_item
+from tensorshare.disk.layout import _copy_file, _splice, read_item, write_item
 
 tensordict = pytest.importorskip("tensordict", reason="tensordict is not installed (pip install tensordict)")
 TensorDict = tensordict.TensorDict
@@ -46,6 +47,24 @@ def test_a_kernel_copy_holds_the_source_bytes(tmp_path):
     src.write_bytes(data + b"trailing bytes the array does not own")
     assert _copy_file(str(src), str(tmp_path / "dst"), len(data), fsync=False)
     assert (tmp_path / "dst").read_bytes() == data
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_a_copy_across_file_systems_is_spliced_whole(tmp_path):
+    # tmpfs to tmp_path: copy_file_range refuses (EXDEV) where they differ; the pipe
+    # then carries several full loads and an odd tail, from an offset on too.
+    data = os.urandom(3 * MiB + 11)
+    with tempfile.NamedTemporaryFile(dir="/dev/shm") as src:
+        src.write(data + b"more")
+        src.flush()
+        assert _copy_file(src.name, str(tmp_path / "dst"), len(data), fsync=False)
+        assert (tmp_path / "dst").read_bytes() == data
+        fd = os.open(tmp_path / "part", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            assert _splice(src.fileno(), fd, MiB + 5, len(data)) == len(data)
+        finally:
+            os.close(fd)
+        assert (tmp_path / "part").read_bytes()[MiB + 5:] == data[MiB + 5:]
 
 
 def test_a_source_too_short_or_a_link_is_refused_and_leaves_nothing(tmp_path):
