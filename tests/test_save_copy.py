@@ -1,6 +1,6 @@
 """``Client.save`` on the server's host: items the server keeps in shared files are
-copied file to file by the kernel (``tensorshare/disk/layout.py``: ``copies``), not
-sent over TCP.  Real server processes, real files; the copy itself is also tested
+copied file to file by the kernel (``write_item(copies=...)``, done in
+``tensorshare/disk/files.py``), not sent over TCP.  Real server processes, real files; the copy itself is also tested
 on its own (a source that is too short, a link, a file-size limit mid-copy).
 """
 
@@ -16,7 +16,8 @@ import torch
 
 import tensorshare
 from opsproc import OpsServer, http_get
-from tensorshare.disk.layout import _copy_file, _splice, read_item, write_item
+from tensorshare.disk.files import copy_file, splice
+from tensorshare.disk.layout import read_item, write_item
 
 tensordict = pytest.importorskip("tensordict", reason="tensordict is not installed (pip install tensordict)")
 TensorDict = tensordict.TensorDict
@@ -45,7 +46,7 @@ def test_a_kernel_copy_holds_the_source_bytes(tmp_path):
     src = tmp_path / "src"
     data = os.urandom(3 * MiB + 11)
     src.write_bytes(data + b"trailing bytes the array does not own")
-    assert _copy_file(str(src), str(tmp_path / "dst"), len(data), fsync=False)
+    assert copy_file(str(src), str(tmp_path / "dst"), len(data), fsync=False)
     assert (tmp_path / "dst").read_bytes() == data
 
 
@@ -57,11 +58,11 @@ def test_a_copy_across_file_systems_is_spliced_whole(tmp_path):
     with tempfile.NamedTemporaryFile(dir="/dev/shm") as src:
         src.write(data + b"more")
         src.flush()
-        assert _copy_file(src.name, str(tmp_path / "dst"), len(data), fsync=False)
+        assert copy_file(src.name, str(tmp_path / "dst"), len(data), fsync=False)
         assert (tmp_path / "dst").read_bytes() == data
         fd = os.open(tmp_path / "part", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
-            assert _splice(src.fileno(), fd, MiB + 5, len(data)) == len(data)
+            assert splice(src.fileno(), fd, MiB + 5, len(data)) == len(data)
         finally:
             os.close(fd)
         assert (tmp_path / "part").read_bytes()[MiB + 5:] == data[MiB + 5:]
@@ -71,11 +72,11 @@ def test_a_source_too_short_or_a_link_is_refused_and_leaves_nothing(tmp_path):
     src = tmp_path / "src"
     src.write_bytes(b"x" * 100)
     with pytest.raises(OSError):
-        _copy_file(str(src), str(tmp_path / "dst"), 1000, fsync=False)
+        copy_file(str(src), str(tmp_path / "dst"), 1000, fsync=False)
     assert not (tmp_path / "dst").exists()
     os.symlink(src, tmp_path / "link")
     with pytest.raises(OSError):
-        _copy_file(str(tmp_path / "link"), str(tmp_path / "dst"), 100, fsync=False)
+        copy_file(str(tmp_path / "link"), str(tmp_path / "dst"), 100, fsync=False)
     assert not (tmp_path / "dst").exists()
 
 
