@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from ._client.connection import DEFAULT_REUSE, NO_VALUE, ListenSnapshot, Notification
 from ._client.dispatch import Dispatcher
+from ._client.express import MISSED
 from ._client.listens import Listening
 from ._client.member import Member, StaleMapError
 from ._client.methods import ClientMethods
@@ -276,7 +277,16 @@ class Client(TableCopies, ClientMethods):
         if timeout is DEFAULT:  # (what _deadline does, without a call on every request)
             timeout = self.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
+        buffers = self.values.buffers
+        if buffers is not None:
+            buffers.maybe_trim()  # reply arrays unused for a while go back to the system
         try:
+            if (then is None and on_error is None and progress is None and device is None and into is None
+                    and listening is None and decode and member.link is not None):
+                result = member.express.call(command, fields, value, deadline,  # (_client/express.py)
+                                             member.areas if zero_copy and self.zero_copy else None)
+                if result is not MISSED:
+                    return result
             return self._on(member, command, fields, value, deadline, then, on_error, decode, zero_copy, progress,
                             device, into, listening)
         except (StaleMapError, WrongWorkerError) as exc:
@@ -291,22 +301,32 @@ class Client(TableCopies, ClientMethods):
         """The result of a call on ``member``'s connection (trying again as a zero-copy
         refusal says)."""
         values = self.values
-        if values.buffers is not None:
-            values.buffers.maybe_trim()  # reply arrays unused for a while go back to the system
         areas = (member.areas if member.link is not None else member.shared_areas(deadline)) \
             if zero_copy and self.zero_copy else None
         call = values.call(next_request_id(), command, fields, value, areas, device, into)
         call.then, call.on_error, call.decode, call.handle = then, on_error, decode, listening
         try:
+            parts = values.frame(call, member.engine.greeting)
+            member.call(call, parts, deadline, None if progress is None else Progress(progress, call.rid))
+        except BaseException:
+            finish(call)
+            raise
+        return self._settled(member, call, deadline, progress)
+
+    def _settled(self, member: Member, call: Call, deadline: float | None, progress: Callable | None = None) -> Any:
+        """The result of ``call``, sent on ``member`` and answered or failed: its reply
+        read, or the attempt a zero-copy refusal calls for sent, and so on."""
+        values = self.values
+        try:
             while True:
-                parts = values.frame(call, member.engine.greeting)
-                member.call(call, parts, deadline, None if progress is None else Progress(progress, call.rid))
-                if call.error is None and call.cleanup is None and then is None and on_error is None \
+                if call.error is None and call.cleanup is None and call.then is None and call.on_error is None \
                         and (call.fallback is None or _inline(call.frame.header)):
                     return values.read_result(call, member.areas)  # the usual case: one attempt, the default result
                 settled = values.settle(call, member.areas)
                 if settled is not None:
                     break
+                parts = values.frame(call, member.engine.greeting)
+                member.call(call, parts, deadline, None if progress is None else Progress(progress, call.rid))
         except BaseException:
             finish(call)
             raise

@@ -38,15 +38,14 @@ from ..protocol.engine import DEAD, Notice, Restored
 from ..protocol.messages import Key
 from .coalesce import Coalescer
 from .listens import notification, tell_restored
+from .express import Express
 from .progress import Progress
 from .reader import BackgroundReader
-from .sockets import SMALL_FRAME, Link, open_link, open_local, wait
+from .sockets import IDLE_CHECK, SMALL_FRAME, Link, open_link, open_local
 from .spin import ReplySpin
 from .zerocopy import SharedAreas
 
 log = logging.getLogger("tensorshare.client")
-
-_IDLE_CHECK = 1.0  # seconds of quiet after which a request first reads what the server sent meanwhile
 
 
 class StaleMapError(ConnectionLostError):
@@ -77,7 +76,7 @@ class Member:
         self.connect_lock = threading.Lock()
         self.coalescer = Coalescer(SMALL_FRAME)  # requests in flight, small ones held back meanwhile (send lock)
         self.spin = ReplySpin(settings.spin)  # used by the thread reading for its own reply
-        self._next_check = 0.0  # the keepalive's next look (monotonic), as it said last
+        self.next_check = 0.0  # the keepalive's next look (monotonic), as it said last
         self.link: Link | None = None
         self.local: str | None = None  # the worker's Unix socket, once a greeting named one we trust
         self.areas: SharedAreas | None = None  # the current connection's verified same-host areas
@@ -86,6 +85,7 @@ class Member:
         self.callbacks = 0  # non-blocking calls in flight: they need someone to read their replies
         self.closed = False
         self.reader = BackgroundReader(self)  # keeps the socket drained while callbacks wait
+        self.express = Express(self, front)  # lone small calls on an idle connection
         if opened is not None:
             self.take(self._local_instead(opened, settings.connect_timeout))
 
@@ -176,10 +176,10 @@ class Member:
                 link.close()
                 raise UsageError("the client is closed")
             self.link, self.areas = link, areas
-            self._next_check = 0.0  # (a new connection's keepalive starts afresh)
+            self.next_check = 0.0  # (a new connection's keepalive starts afresh)
         if self.engine.outbox:  # (listens moved here before this connection was taken)
             with self.send_lock:
-                self._send_locked(link, [], None)
+                self.send_locked(link, [], None)
         if self.engine.listens:
             self.reader.ensure()
         return link
@@ -204,7 +204,7 @@ class Member:
         server sent meanwhile is read first (:meth:`_before_request`); connected if need be."""
         link = self.link
         engine = self.engine
-        if link is not None and now - engine.last_heard > _IDLE_CHECK and now - engine.last_sent > _IDLE_CHECK:
+        if link is not None and now - engine.last_heard > IDLE_CHECK and now - engine.last_sent > IDLE_CHECK:
             self._before_request(now)
             link = self.link
         return link if link is not None else self.connect(deadline)
@@ -219,7 +219,7 @@ class Member:
         engine = self.engine
         now = time.monotonic()
         link = self.link
-        if link is None or (now - engine.last_heard > _IDLE_CHECK and now - engine.last_sent > _IDLE_CHECK):
+        if link is None or (now - engine.last_heard > IDLE_CHECK and now - engine.last_sent > IDLE_CHECK):
             link = self._link_for(now, deadline)  # (a call only where there is something to do)
         lock = self.lock
         with lock:
@@ -235,14 +235,11 @@ class Member:
                     self._send(link, progress.sending(parts), deadline, call.rid, progress=progress)
             except BaseException:
                 if leading:  # (_await, which would have let go of the reader's role, does not run)
-                    with lock:
-                        self.reading = False
-                        if self.waiting:
-                            self.cond.notify_all()
+                    self.stop_reading()
                 raise
             self._await(call, deadline, progress, leading)
         except BaseException as exc:
-            self._gave_up(call, link, exc)
+            self.gave_up(call, link, exc)
             if isinstance(exc, TensorShareError):
                 call.error = exc
                 return
@@ -265,7 +262,7 @@ class Member:
                     or not self._send_more(link, parts[0], deadline, call.rid)):
                 self._send(link, parts, deadline, call.rid)
         except BaseException as exc:
-            self._gave_up(call, link, exc)
+            self.gave_up(call, link, exc)
             raise
 
     def _send_more(self, link: Link, data: bytes, deadline: float | None, rid: int) -> bool:
@@ -278,9 +275,9 @@ class Member:
             try:
                 sent = link.send_held(data)
             except OSError as exc:
-                raise self._lost(link, exc) from None
+                raise self.lost(link, exc) from None
             if sent < len(data):  # the socket is full: the rest as usual (the kernel keeps the order)
-                self._send_locked(link, [memoryview(data)[sent:]], deadline)
+                self.send_locked(link, [memoryview(data)[sent:]], deadline)
             return True
 
     def wait_for(self, call, deadline: float | None) -> None:
@@ -294,10 +291,30 @@ class Member:
                 link.push()  # (it may be held back still: nothing was sent after it)
             self._await(call, deadline)
         except BaseException as exc:
-            self._gave_up(call, link, exc)
+            self.gave_up(call, link, exc)
             raise
 
-    def _gave_up(self, call, link, exc: BaseException) -> None:
+    def resume(self, call, n: int, deadline: float | None) -> None:
+        """Go on with a call the express lane (:mod:`.express`) handed over: sent, tracked,
+        this thread the reader, the first ``n`` bytes of what came back in the engine's
+        buffer.  Returns as :meth:`call` does."""
+        link = self.link
+        try:
+            try:
+                if n:
+                    self._take_in(link, n)
+            except BaseException:
+                self.stop_reading()
+                raise
+            self._await(call, deadline, None, leading=True)
+        except BaseException as exc:
+            self.gave_up(call, link, exc)
+            if isinstance(exc, TensorShareError):
+                call.error = exc
+                return
+            raise
+
+    def gave_up(self, call, link, exc: BaseException) -> None:
         """The caller of ``call`` leaves early with ``exc``: reset the connection if the
         server could otherwise deliver to nobody, or if ``exc`` is an interrupt
         (KeyboardInterrupt...), which may leave a frame half sent."""
@@ -316,7 +333,7 @@ class Member:
         if link is not None:
             now = time.monotonic()
             engine = self.engine
-            if now - engine.last_heard > _IDLE_CHECK and now - engine.last_sent > _IDLE_CHECK:
+            if now - engine.last_heard > IDLE_CHECK and now - engine.last_sent > IDLE_CHECK:
                 self._before_request(now)
         try:
             link = self.link or self.connect(deadline)
@@ -360,10 +377,10 @@ class Member:
             if not (may_hold and not link.tls and coalescer.awaiting(link)
                     and sum(map(len, parts)) <= SMALL_FRAME and coalescer.hold(link, rid, b"".join(parts))):
                 if progress is None:
-                    self._send_locked(link, parts, deadline, rid)
+                    self.send_locked(link, parts, deadline, rid)
                 else:  # piece by piece, reporting each
                     for i, piece in enumerate(progress.pieces(parts)):
-                        self._send_locked(link, piece, deadline, rid if i == 0 else None)
+                        self.send_locked(link, piece, deadline, rid if i == 0 else None)
                         progress.sent(piece)
                 return
         # Held.  The replies it waits for may all have come while we held the lock,
@@ -371,7 +388,7 @@ class Member:
         if not coalescer.awaiting(link):
             with self.send_lock:
                 if coalescer.frames and link is self.link:
-                    self._send_locked(link, [], deadline)
+                    self.send_locked(link, [], deadline)
 
     def _send_staged(self, link: Link, parts, deadline: float | None, rid: int, progress: Progress | None) -> None:
         """Send a frame holding device arrays: each bucket the engine stages goes out
@@ -380,12 +397,12 @@ class Member:
         for view, staged in parts.engine.pieces(parts):
             pending.append(view)
             if staged:
-                self._send_locked(link, pending, deadline, rid if first else None)
+                self.send_locked(link, pending, deadline, rid if first else None)
                 if progress is not None:
                     progress.sent(pending)
                 pending, first = [], False
         if pending or first:
-            self._send_locked(link, pending, deadline, rid if first else None)
+            self.send_locked(link, pending, deadline, rid if first else None)
             if progress is not None:
                 progress.sent(pending)
 
@@ -402,13 +419,13 @@ class Member:
             try:
                 sent = link.send_now(data)
             except OSError as exc:
-                raise self._lost(link, exc) from None
+                raise self.lost(link, exc) from None
             if sent < len(data):
                 self.coalescer.keep_rest(memoryview(data)[sent:])
         finally:
             self.send_lock.release()
 
-    def _send_locked(self, link: Link, parts: list, deadline: float | None, rid: int | None = None) -> None:
+    def send_locked(self, link: Link, parts: list, deadline: float | None, rid: int | None = None) -> None:
         """Write what the engine wants sent and what the coalescer holds, then request
         ``rid``'s whole frame (the caller holds the send lock).  With keepalive on, a
         server that takes no byte for twice ``keepalive`` seconds is presumed dead."""
@@ -430,7 +447,7 @@ class Member:
             self.drop(link, ConnectionLostError("send timed out; connection reset"))
             raise
         except (OSError, ValueError, AttributeError) as exc:  # ValueError/AttributeError: closed by another thread
-            raise self._lost(link, exc) from None
+            raise self.lost(link, exc) from None
 
     def _before_request(self, now: float) -> None:
         """On a connection quiet for a while, first read what the server sent meanwhile
@@ -482,10 +499,14 @@ class Member:
             if progress is not None:
                 progress.finished(call.frame)
         finally:
-            with lock:
-                self.reading = False
-                if self.waiting:
-                    self.cond.notify_all()
+            self.stop_reading()
+
+    def stop_reading(self) -> None:
+        """This thread is the reader no more: a waiting thread may take the role."""
+        with self.lock:
+            self.reading = False
+            if self.waiting:
+                self.cond.notify_all()
 
     def read_some(self, deadline: float | None, spin: bool = False) -> None:
         """Read once from the socket and hand on the events it completes (leader only;
@@ -502,36 +523,39 @@ class Member:
         engine = self.engine
         until = deadline
         if engine.keepalive is not None:
-            wake = self._next_check  # (not due yet, the usual case: no call to find that out)
+            wake = self.next_check  # (not due yet, the usual case: no call to find that out)
             if time.monotonic() >= wake:
                 wake = self._keepalive(link)
             if wake is not None and (deadline is None or wake < deadline):
                 until = wake
         try:
             if spin and self.spin.limit and not link.tls:
-                within = None if until is None else until - time.monotonic()
-                started = self.spin.poll(link.ready_now if poller is link.readable else partial(poller.poll, 0), within)
-                if started is not None:  # not there yet: sleep until it is
-                    wait(poller, until)
-                    self.spin.waited(started)
+                self.spin.wait(link.ready_now if poller is link.readable else partial(poller.poll, 0), poller, until)
                 n = link.recv_ready(engine.buffer())
             else:
                 n = link.recv_into(engine.buffer(), until, poller)
             if n == 0:
                 raise ConnectionResetError("server closed the connection")
-            events = engine.received(n, time.monotonic())
         except BlockingIOError:
             return
         except TimeoutError:  # our TimeoutError is an OSError too: the connection is fine
             if until is deadline:
                 raise
             return  # time for the next keepalive check, not the caller's deadline
+        except (OSError, ValueError) as exc:
+            raise self.lost(link, exc) from None
+        self._take_in(link, n)
+
+    def _take_in(self, link: Link, n: int) -> None:
+        """Hand on the events of ``n`` bytes read into the engine's buffer."""
+        try:
+            events = self.engine.received(n, time.monotonic())
         except ProtocolError as exc:  # the server sent nonsense: nothing it says can be trusted
             err = ConnectionLostError(f"bad reply from {self.where}: {exc}")
             self.drop(link, err)
             raise err from None
-        except (OSError, ValueError) as exc:
-            raise self._lost(link, exc) from None
+        except (OSError, ValueError) as exc:  # (a sink that could not take the bytes, say)
+            raise self.lost(link, exc) from None
         if events:
             self._dispatch(events)
 
@@ -575,10 +599,10 @@ class Member:
         stays silent (ConnectionLostError).  Returns when to check next (None: off)."""
         engine = self.engine
         now = time.monotonic()
-        if now < self._next_check:
-            return self._next_check
+        if now < self.next_check:
+            return self.next_check
         action, wake = engine.tick(now)
-        self._next_check = now if wake is None else wake
+        self.next_check = now if wake is None else wake
         if action == DEAD:
             err = engine.dead_error()
             self.drop(link, err)
@@ -587,14 +611,14 @@ class Member:
             if not self.send_lock.acquire(blocking=False):
                 return now + 0.5  # a request is going out: the probe goes with it
             try:
-                self._send_locked(link, [], None)  # no deadline: a probe that cannot go out trips the stall limit
+                self.send_locked(link, [], None)  # no deadline: a probe that cannot go out trips the stall limit
             finally:
                 self.send_lock.release()
         return wake
 
     # -- losing the connection
 
-    def _lost(self, link: Link, exc: BaseException) -> ConnectionLostError:
+    def lost(self, link: Link, exc: BaseException) -> ConnectionLostError:
         """Drop ``link``, which failed with ``exc``; the error to raise."""
         err = ConnectionLostError(f"connection to {self.where} lost: {exc}")
         self.drop(link, err)
@@ -650,7 +674,7 @@ class Member:
         if link is not None and self.engine.outbox:
             with self.send_lock:
                 if link is self.link and self.engine.outbox:
-                    self._send_locked(link, [], None)
+                    self.send_locked(link, [], None)
         self.reader.ensure()
 
 

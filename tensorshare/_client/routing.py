@@ -54,12 +54,18 @@ def route(call: Call, areas, device_uuid: str | None = None) -> None:
             _through_shared_memory(call, areas)
     elif role is not None:  # READ or TAKE
         fields = call.fields
-        call.fields = {**fields, Key.REF: areas.usable} if fields else {Key.REF: areas.usable}
+        call.fields = asking_references(fields, areas)
         taken_with = call.command.taken_with
         if role is ZeroCopy.READ and not (taken_with and fields and fields.get(taken_with)):
             call.fallback = _read_over_tcp
         if device_uuid is not None and Key.CUDA in call.command.keys:
             call.fields[Key.CUDA] = [device_uuid]
+
+
+def asking_references(fields: dict | None, areas) -> dict:
+    """``fields`` of a read that asks for references to the items' files in the
+    connection's shared ``areas`` instead of their bytes (PROTOCOL.md §10.3)."""
+    return {**fields, Key.REF: areas.usable} if fields else {Key.REF: areas.usable}
 
 
 def next_attempt(call: Call, error: BaseException) -> bool:

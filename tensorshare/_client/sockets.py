@@ -34,6 +34,7 @@ log = logging.getLogger("tensorshare.client")
 _IOV_MAX = 1024
 SMALL_FRAME = 64 << 10  # frames up to this size are joined and sent with one send()
 _MSG_MORE = getattr(socket, "MSG_MORE", 0)  # (Linux; elsewhere a send that is not held back)
+IDLE_CHECK = 1.0  # seconds of quiet after which a request first reads what the server sent meanwhile
 _TLS_CHUNK = 1 << 20  # bytes handed to one SSL write (a retry after want-write repeats the same slice)
 
 

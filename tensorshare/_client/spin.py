@@ -24,6 +24,7 @@ import time
 from typing import Callable
 
 from ..protocol.pacing import Contention, moving_average, usable_cpus, yield_cpu
+from .sockets import wait as sleep_until_ready
 
 DEFAULT_LIMIT = 0.0005  # seconds: a loopback or LAN round trip of a small request fits well within it
 
@@ -75,6 +76,14 @@ class ReplySpin:
                 yield_cpu()  # let whatever else waits for this CPU run (the server, say)
                 last = now
         return start
+
+    def wait(self, ready: Callable[[], object], poller, until: float | None) -> None:
+        """Wait until ``ready()``: polling first, while that pays (:meth:`poll`), then
+        asleep in ``poller.poll``; TimeoutError at ``until`` (monotonic; None: never)."""
+        started = self.poll(ready, None if until is None else until - time.monotonic())
+        if started is not None:  # not there yet: sleep until it is
+            sleep_until_ready(poller, until)
+            self.waited(started)
 
     def waited(self, start: float, clock: Callable[[], float] = time.perf_counter) -> None:
         """A sleeping wait that began (with polling) at ``start`` is over: learn from it."""

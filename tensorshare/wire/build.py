@@ -48,7 +48,7 @@ def build(desc: Description, payload: np.ndarray | torch.Tensor, base: int = 0, 
     return assemble(desc, arrays)
 
 
-_LONE: dict = {}  # (description blob, payload bytes) -> (numpy twin, count, shape or None) of a lone tensor
+_LONE: dict = {}  # (description blob, payload bytes) -> (numpy twin, count, shape or None, dtype) of a lone tensor
 _LONE_MAX = 1024
 
 
@@ -61,7 +61,7 @@ def build_item(blob: bytes, size: int, payload: Any, base: int = 0, device: Any 
     if device is None and limits is DEFAULT_LIMITS and type(payload) is np.ndarray:
         lone = _LONE.get((blob, size))
         if lone is not None:
-            twin, count, shape = lone
+            twin, count, shape, _ = lone
             array = np.frombuffer(payload, twin, count, base)
             return torch.from_numpy(array if shape is None else array.reshape(shape))
     desc = parse_description(blob, size, limits)
@@ -76,7 +76,21 @@ def _remember_lone(blob: bytes, size: int, spec: ArraySpec) -> None:
         return
     if len(_LONE) >= _LONE_MAX:
         _LONE.clear()
-    _LONE[(blob, size)] = (twin, spec.nbytes // twin.itemsize, None if len(spec.shape) == 1 else tuple(spec.shape))
+    _LONE[(blob, size)] = (twin, spec.nbytes // twin.itemsize, None if len(spec.shape) == 1 else tuple(spec.shape),
+                           TORCH_DTYPES[spec.dtype])
+
+
+def lone_copy(blob: bytes, size: int, data) -> torch.Tensor | None:
+    """A lone CPU tensor :func:`build_item` has built before from this description,
+    made from a copy of ``data`` (a small payload still in a read buffer): one
+    ``bytearray`` and one ``frombuffer``, instead of an aligned array and a view of
+    it.  None where it has not (:func:`build_item` then builds it)."""
+    lone = _LONE.get((blob, size))
+    if lone is None:
+        return None
+    _, count, shape, dtype = lone
+    tensor = torch.frombuffer(bytearray(data), dtype=dtype, count=count)  # (the padding after it left out)
+    return tensor if shape is None else tensor.reshape(shape)
 
 
 def _build_on_device(desc: Description, payload: Any, base: int) -> Any:

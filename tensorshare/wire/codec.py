@@ -61,6 +61,7 @@ _BUFFER_MAX_DIMS = 64  # a memoryview (and a numpy array) has at most this many 
 _packers = threading.local()
 _LONE_DESCRIPTIONS: dict[tuple, bytes] = {}  # (dtype name, *shape) -> description of a lone tensor
 _LONE_DESCRIPTIONS_MAX = 256
+_SMALL_LONE: dict[tuple, tuple] = {}  # (numpy dtype, shape) -> (description, payload bytes, padding): small_lone's
 
 
 def _packb(obj: Any) -> bytes:
@@ -404,7 +405,7 @@ def encode(value: Any, *, limits: DecodeLimits = DEFAULT_LIMITS, views: bool = F
     if type(value) is torch.Tensor and limits.max_depth >= 0:
         # A lone tensor, the most common value: what the general path below makes,
         # without building the encoder and walking a tree.
-        small = None if views else _small_lone(value)
+        small = None if views else small_lone(value)
         if small is not None:
             return small
         kind, dtype, shape, view = _torch_bytes(value)
@@ -433,7 +434,7 @@ def encode(value: Any, *, limits: DecodeLimits = DEFAULT_LIMITS, views: bool = F
 SMALL_COPY = 64 << 10  # bytes: a lone CPU tensor this small is copied into the frame at once
 
 
-def _small_lone(t: torch.Tensor) -> Encoded | None:
+def small_lone(t: torch.Tensor) -> Encoded | None:
     """A lone small CPU tensor's encoding, its bytes copied (None: not one, the usual
     path encodes it).  ``numpy()`` is the one torch call: it refuses every tensor the
     usual path must resolve or refuse (another device, autograd, conjugate or negative
@@ -445,6 +446,10 @@ def _small_lone(t: torch.Tensor) -> Encoded | None:
         array = t.numpy()
     except (TypeError, RuntimeError):
         return None
+    made = _SMALL_LONE.get((array.dtype, array.shape))
+    if made is not None:  # (a dtype and shape seen before: everything but the bytes is known)
+        description, total, padding = made
+        return Encoded(description, [array.tobytes(), padding] if padding else [array.tobytes()], total, 1)
     nbytes = array.nbytes
     name = _NUMPY_TWIN_NAMES.get(array.dtype)
     if name is None or not 0 < nbytes <= SMALL_COPY or array.ndim > MAX_DIMS:
@@ -458,6 +463,9 @@ def _small_lone(t: torch.Tensor) -> Encoded | None:
         if len(_LONE_DESCRIPTIONS) >= _LONE_DESCRIPTIONS_MAX:
             _LONE_DESCRIPTIONS.clear()
         _LONE_DESCRIPTIONS[key] = description
+    if len(_SMALL_LONE) >= _LONE_DESCRIPTIONS_MAX:
+        _SMALL_LONE.clear()
+    _SMALL_LONE[(array.dtype, shape)] = (description, total, _PAD[: total - nbytes])
     data = array.tobytes()
     return Encoded(description, [data, _PAD[: total - nbytes]] if total != nbytes else [data], total, 1)
 

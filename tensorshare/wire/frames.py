@@ -380,6 +380,11 @@ class FrameDecoder:
         return self._remaining if self._state == _PAYLOAD else 0
 
     @property
+    def between_frames(self) -> bool:
+        """Whether the next byte fed starts a frame (no frame is partly received)."""
+        return self._state == _HEADER and not self._pending
+
+    @property
     def receiving(self) -> tuple[dict, int, int] | None:
         """``(header, payload bytes received, payload length)`` of the frame whose
         payload is arriving, or None (progress reports of large replies)."""
