@@ -109,6 +109,14 @@ def test_a_late_reply_is_not_taken_for_the_next_calls(fresh_server):
         for i in range(5):
             assert c.put("x-late", torch.full((4,), float(i))) == 1
             assert torch.equal(c.peek("x-late")[0], torch.full((4,), float(i)))
+        fresh_server.proc.send_signal(signal.SIGSTOP)  # the same for a reply the server makes from a template
+        try:
+            with pytest.raises(TimeoutError):
+                c.append("x-late-count", torch.ones(1), timeout=0.3)
+        finally:
+            fresh_server.proc.send_signal(signal.SIGCONT)
+        time.sleep(0.2)  # its late reply (1 item) waits in the socket
+        assert c.append("x-late-count", torch.ones(1)) == 2
 
 
 def test_a_take_given_up_resets_the_connection(fresh_server):

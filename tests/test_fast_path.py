@@ -299,6 +299,27 @@ def test_a_prepared_reply_head_is_the_frame_of_the_declared_reply():
     assert GET.success.head is None and LISTEN.success.head is None  # replies with other required fields
 
 
+def test_a_prepared_reply_head_reads_back_its_own_frames_only():
+    head = PUT.success.head
+    assert head.keys == ("id", "n", "seq")
+    for rid, n, seq in ((1, 0, 1), (12345, 3, 1 << 40), ((1 << 64) - 1, 1 << 32, 7)):
+        made = head(rid, n, seq)
+        assert head.read(made) == (rid, n, seq) and head.read(memoryview(made)) == (rid, n, seq)
+        (frame,) = FrameDecoder(discard_sink).feed(made)  # what a decoder makes of the same bytes
+        assert frame.header == {"code": PUT.success.code, **dict(zip(head.keys, head.read(made)))}
+        assert head.read(made + b"\x00") is None and head.read(made[:-1]) is None
+        for i in range(len(made)):  # any one byte changed: read as the decoder reads it, or not at all
+            changed = bytearray(made)
+            changed[i] ^= 0x01
+            values = head.read(bytes(changed))
+            if values is not None:
+                (frame,) = FrameDecoder(discard_sink).feed(bytes(changed))
+                assert frame.header == {"code": PUT.success.code, **dict(zip(head.keys, values))}
+    assert head.read(head(-1, 2, 3)) is None  # made the slow way (not a uint64): decoded as usual
+    assert head.read(frame_head(PUT.reply(5, n=1, seq=2), 0)) is None  # the shortest encoding: not the template's
+    assert NOOP.success.head.read(NOOP.success.head(9)) == (9,) and NOOP.success.head.read(head(9, 1, 1)) is None
+
+
 # ------------------------------------------------------ the writer's fast path
 
 

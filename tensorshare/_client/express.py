@@ -13,17 +13,21 @@ does only what it must: the request built by the same
 small CPU tensor, or none), one ``send``, a wait for the reply (polling first
 where :mod:`.spin` says it pays), one read into the engine's own buffer, the reply
 parsed in one step (:func:`~tensorshare.wire.frames.whole_frames`), checked
-against the command's declaration and decoded as the general path decodes it.
+against the command's declaration and decoded as the general path decodes it --
+or, for the replies the server makes from a prepared template (a put's count, a
+ping's), read back with that template (``Message.head.read``): one
+``struct.unpack``, no map decoded.
 
 Everything else goes the general way.  Before anything is sent, the call is
 declined (:data:`MISSED`) and the caller sends it as usual.  After, whatever is
 not the plain success it expects -- an error reply, a reply that did not come
 whole in that read, one referring to the server's files, a wait cut short by the
-keepalive's next look, a timeout -- is handed over where it stands: the call is
-made as the general path would have made it, tracked by the engine, the bytes
-already read fed to its decoder, and the member reads and settles the rest
+keepalive's next look -- is handed over where it stands: the call is made as the
+general path would have made it, tracked by the engine, the bytes already read fed
+to its decoder, and the member reads and settles the rest
 (:meth:`~.member.Member.resume`), so errors, fallbacks and resets are decided in
-one place.  The send lock is held for the round trip: a request of another
+one place; a call its caller leaves (a timeout, an interrupt) is given up as the
+general path gives one up (a take resets the connection).  The send lock is held for the round trip: a request of another
 thread waits behind it, so its reply is the next frame on the connection.
 """
 
@@ -142,10 +146,18 @@ class Express:
                     if not n:
                         raise member.lost(link, ConnectionResetError("server closed the connection"))
                     engine.last_heard = now
+                    success = command.success
+                    head = success.head
+                    if head is not None:  # a reply the server makes from its prepared template, read with it
+                        ints = head.read(buffer[:n])
+                        if ints is not None and ints[0] == rid:
+                            sent = False
+                            header = dict(zip(head.keys, ints))
+                            header[Key.CODE] = success.code
+                            return self._result(command, fields, header, None, 0, areas)
                     frames, end = whole_frames(buffer[:n], engine.decoder.limits)
                     if end == n and len(frames) == 1:
                         header, payload, payload_len = frames[0]
-                        success = command.success
                         if (header.get(Key.ID) == rid and header.get(Key.CODE) == success.code
                                 and Key.REFS not in header and Key.CUDA not in header
                                 and (values.exports is None or Key.FREED not in header)):

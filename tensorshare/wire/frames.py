@@ -88,7 +88,13 @@ def head_template(fixed: dict, keys: tuple[str, ...]) -> Callable[..., bytes]:
     The values are non-negative integers, packed as msgpack uint64 (a longer form
     than the shortest, which every msgpack decoder reads as the same integer); one
     that is not (a negative or larger one) gets the frame :func:`frame_head` makes.
-    Up to three keys (the replies the server sends most)."""
+    Up to three keys (the replies the server sends most).
+
+    ``head.read(data)``, the other way: the values of a frame head this template
+    made (exactly those bytes), or None for any other bytes (decode those as usual):
+    the receiver of a prepared reply reads it with one ``struct.unpack``; a
+    template's bytes are a well-formed frame whose header holds ``fixed`` and the
+    integers, so nothing is left to check.  ``head.keys``: ``keys``."""
     packer = msgpack.Packer(use_bin_type=True)
     entries = len(fixed) + len(keys)
     if not 0 < len(keys) <= 3 or entries > 15:
@@ -100,13 +106,21 @@ def head_template(fixed: dict, keys: tuple[str, ...]) -> Callable[..., bytes]:
         pieces[-1] += packer.pack(key) + b"\xcf"  # uint64 follows
     header_len = sum(map(len, pieces)) + 8 * len(keys)
     pieces[0] = PREFIX.pack(MAGIC, VERSION, 0, 0, header_len, 0) + pieces[0]
-    pack = struct.Struct(">" + "".join(f"{len(piece)}sQ" for piece in pieces)).pack
+    layout = struct.Struct(">" + "".join(f"{len(piece)}sQ" for piece in pieces))
+    pack, unpack, size, constant = layout.pack, layout.unpack, layout.size, tuple(pieces)
+
+    def read(data) -> tuple | None:
+        if len(data) != size:
+            return None
+        fields = unpack(data)
+        return fields[1::2] if fields[0::2] == constant else None
 
     def slow(*values) -> bytes:  # a value that is not a uint64
         return frame_head({**fixed, **dict(zip(keys, values))}, 0)
 
     head = _TEMPLATE_ARITY[len(keys)](pack, slow, *pieces)
     head.__doc__ = f"The frame head of {{{', '.join([*map(repr, fixed), *keys])}}}."
+    head.read, head.keys = read, keys
     return head
 
 
