@@ -84,9 +84,10 @@ def _save_item(path: str, description: bytes, payload: Any, nbytes: int, fsync: 
         return write_item(path, description, [payload], nbytes, fsync=fsync)
     if payload.description != description or payload.nbytes != nbytes:
         raise ValueError(f"{payload.path} does not hold the item to save")
-    # The mappings are only the fallback where the kernel cannot copy (nothing is read otherwise).
+    # The mappings are only the fallback where the kernel cannot copy: made only then.
     copies = {i: file for i, (_offset, length, file) in enumerate(payload.files) if length}
-    return write_item(path, description, mapped_parts(payload.files, nbytes), nbytes, fsync=fsync, copies=copies)
+    return write_item(path, description, lambda: mapped_parts(payload.files, nbytes), nbytes, fsync=fsync,
+                      copies=copies)
 
 
 def _libc():

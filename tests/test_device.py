@@ -262,6 +262,21 @@ def test_write_fd_writes_one_array_with_several_writers(tmp_path):
     assert len(eng.pool) == eng.pool.made
 
 
+def test_a_file_of_host_and_device_pieces_holds_them_in_order(tmp_path):
+    # write_file writes host buffers with pwritev and device spans through their
+    # engine at the file's position: each piece must land after the one before.
+    from tensorshare.disk.files import write_file
+
+    eng = engine()
+    t = torch.randn(3 * BUCKET // 4 + 5)
+    span = eng.span(t)
+    head, middle, tail = b"h" * 70_000, b"m" * 33, b"t" * 9
+    write_file(str(tmp_path / "f"), [memoryview(head), span.slice(4, span.nbytes - 4), memoryview(middle), span,
+                                     memoryview(tail)], fsync=False)
+    data = t.numpy().tobytes()
+    assert (tmp_path / "f").read_bytes() == head + data[4:] + middle + data + tail
+
+
 def test_a_snapshot_keeps_the_version_of_the_call():
     eng = engine()
     value = to_device({"w": torch.arange(4000.0), "meta": torch.arange(3)})

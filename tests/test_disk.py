@@ -99,6 +99,22 @@ def test_layout_files_are_raw_arrays(tmp_path):
     assert (tmp_path / "i" / "sub" / "b.memmap").stat().st_size == 8
 
 
+def test_arrays_written_from_many_segments_hold_their_exact_bytes(tmp_path):
+    # A payload in more pieces than one pwritev takes (512), split inside arrays, around
+    # an empty one; the large array's file is preallocated (64 KiB and more) and must
+    # come out at exactly its size.
+    value = {"big": torch.randn(200_000), "empty": torch.zeros(0), "small": torch.arange(33, dtype=torch.int8)}
+    enc = encode(value)
+    payload = enc.payload_bytes()
+    cuts = sorted(random.Random(5).sample(range(1, len(payload)), 1500))
+    segments = [payload[a:b] for a, b in zip([0, *cuts], [*cuts, len(payload)])]
+    write_item(str(tmp_path / "i"), enc.description, segments, enc.nbytes)
+    back = load_memmap(tmp_path / "i")
+    assert all(torch.equal(back[k], value[k]) for k in value)
+    assert (tmp_path / "i" / "big.memmap").stat().st_size == 800_000
+    assert (tmp_path / "i" / "big.memmap").read_bytes() == value["big"].numpy().tobytes()
+
+
 def test_loaded_tensors_are_copy_on_write_unless_writable(tmp_path):
     save_memmap({"w": torch.zeros(4)}, tmp_path / "i")
     cow = load_memmap(tmp_path / "i")

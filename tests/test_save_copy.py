@@ -1,6 +1,6 @@
 """``Client.save`` on the server's host: items the server keeps in shared files are
-copied file to file by the kernel (``tensorshare/disk/layout.py``: ``copies``), not
-sent over TCP.  Real server processes, real files; the copy itself is also tested
+copied file to file by the kernel (``write_item(copies=...)``, done in
+``tensorshare/disk/files.py``), not sent over TCP.  Real server processes, real files; the copy itself is also tested
 on its own (a source that is too short, a link, a file-size limit mid-copy).
 """
 
@@ -9,13 +9,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
 
 import tensorshare
 from opsproc import OpsServer, http_get
-from tensorshare.disk.layout import _copy_file, read_item, write_item
+from tensorshare.disk.files import copy_file, splice
+from tensorshare.disk.layout import read_item, write_item
 
 tensordict = pytest.importorskip("tensordict", reason="tensordict is not installed (pip install tensordict)")
 TensorDict = tensordict.TensorDict
@@ -44,19 +46,37 @@ def test_a_kernel_copy_holds_the_source_bytes(tmp_path):
     src = tmp_path / "src"
     data = os.urandom(3 * MiB + 11)
     src.write_bytes(data + b"trailing bytes the array does not own")
-    assert _copy_file(str(src), str(tmp_path / "dst"), len(data), fsync=False)
+    assert copy_file(str(src), str(tmp_path / "dst"), len(data), fsync=False)
     assert (tmp_path / "dst").read_bytes() == data
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_a_copy_across_file_systems_is_spliced_whole(tmp_path):
+    # tmpfs to tmp_path: copy_file_range refuses (EXDEV) where they differ; the pipe
+    # then carries several full loads and an odd tail, from an offset on too.
+    data = os.urandom(3 * MiB + 11)
+    with tempfile.NamedTemporaryFile(dir="/dev/shm") as src:
+        src.write(data + b"more")
+        src.flush()
+        assert copy_file(src.name, str(tmp_path / "dst"), len(data), fsync=False)
+        assert (tmp_path / "dst").read_bytes() == data
+        fd = os.open(tmp_path / "part", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            assert splice(src.fileno(), fd, MiB + 5, len(data)) == len(data)
+        finally:
+            os.close(fd)
+        assert (tmp_path / "part").read_bytes()[MiB + 5:] == data[MiB + 5:]
 
 
 def test_a_source_too_short_or_a_link_is_refused_and_leaves_nothing(tmp_path):
     src = tmp_path / "src"
     src.write_bytes(b"x" * 100)
     with pytest.raises(OSError):
-        _copy_file(str(src), str(tmp_path / "dst"), 1000, fsync=False)
+        copy_file(str(src), str(tmp_path / "dst"), 1000, fsync=False)
     assert not (tmp_path / "dst").exists()
     os.symlink(src, tmp_path / "link")
     with pytest.raises(OSError):
-        _copy_file(str(tmp_path / "link"), str(tmp_path / "dst"), 100, fsync=False)
+        copy_file(str(tmp_path / "link"), str(tmp_path / "dst"), 100, fsync=False)
     assert not (tmp_path / "dst").exists()
 
 
@@ -71,6 +91,26 @@ def test_write_item_copies_arrays_from_another_item(tmp_path):
     back = tensorshare.load_memmap(tmp_path / "second")
     assert all(torch.equal(back[k], value[k]) for k in value)  # the bytes came from the copies, not the zeros
     assert read_item(second.path).description == enc.description
+
+
+def test_write_item_asks_for_segments_only_when_it_writes_from_them(tmp_path):
+    from tensorshare.wire.codec import encode
+
+    value = {"a": torch.randn(1000), "b": torch.arange(77)}
+    enc = encode(value)
+    asked = []
+
+    def segments():
+        asked.append(1)
+        return enc.buffers
+
+    first = write_item(str(tmp_path / "first"), enc.description, segments, enc.nbytes)
+    assert asked == [1]  # no copies: written from the segments, asked for once
+    copies = {i: file for i, (_o, _n, file) in enumerate(first.files)}
+    write_item(str(tmp_path / "second"), enc.description, segments, enc.nbytes, copies=copies, threads=2)
+    assert asked == [1]  # every array copied by the kernel: the segments were never made
+    back = tensorshare.load_memmap(tmp_path / "second")
+    assert all(torch.equal(back[k], value[k]) for k in value)
 
 
 # -- Client.save against a real server

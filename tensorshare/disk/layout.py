@@ -21,18 +21,17 @@ file names, and every path read back is checked to stay inside the item director
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import mmap
 import os
 import re
 import shutil
-import stat
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import msgpack
 
@@ -42,6 +41,7 @@ from ..wire.description import (
     parse_description,
 )
 from ..wire.dtypes import TORCH_WIDTHS
+from .files import copy_file, fsync_dir, write_file
 
 __all__ = ["LayoutError", "StoredItem", "write_item", "read_item", "write_bin_root", "array_paths", "mapped_parts",
            "RECORD", "BIN_RECORD", "FORMAT"]
@@ -61,7 +61,6 @@ _NON_TENSOR_TYPE = "<class 'tensordict.tensorclass.NonTensorData'>"
 # took 25% less with 4.
 _PARALLEL_MIN = 64 << 20
 _PARALLEL_THREADS = 4
-_WRITE_CHUNK = 64 << 20  # bytes per write() call
 
 
 class LayoutError(ProtocolError):
@@ -172,14 +171,14 @@ def write_bin_root(root: str, items: Sequence[StoredItem], *, fsync: bool = Fals
             meta[name] = _tensor_meta(spec.shape, spec.dtype)
     meta.update({"shape": [], "device": "cpu", "_type": _TENSORDICT_TYPE})
     _write_json(os.path.join(root, "meta.json"), meta, fsync)
-    _write_file(os.path.join(root, BIN_RECORD),
+    write_file(os.path.join(root, BIN_RECORD),
                 [memoryview(msgpack.packb({"format": FORMAT, "items": len(items)}))], fsync)
     if fsync:
         fsync_dir(root)
 
 
 def _write_json(path: str, doc: Any, fsync: bool) -> None:
-    _write_file(path, [memoryview(json.dumps(doc).encode())], fsync)
+    write_file(path, [memoryview(json.dumps(doc).encode())], fsync)
 
 
 def _level_metadata(desc: Description, paths: list[str], prefix: str, node: Any, out: dict) -> None:
@@ -205,23 +204,38 @@ def _level_metadata(desc: Description, paths: list[str], prefix: str, node: Any,
 
 
 class _Payload:
-    """Random access to a payload given as a sequence of buffers (the received segments).
+    """Random access to a payload of ``nbytes`` given as a sequence of buffers (the
+    received segments), or as a function that gives them, called only when the first
+    bytes are asked for (by any of the writing threads).
 
     A segment may also stand for bytes in device memory (a
     :class:`~tensorshare.device.engine.DeviceSpan`, which says so with ``staged``):
-    its slices are spans too, which :func:`_write_file` has the device engine write."""
+    its slices are spans too, which :func:`.files.write_file` has the device engine write."""
 
-    def __init__(self, segments: Sequence):
-        self.segments = [s if getattr(s, "staged", False) else memoryview(s).cast("B") for s in segments]
-        self.starts = []
-        pos = 0
-        for s in self.segments:
-            self.starts.append(pos)
+    def __init__(self, segments: Sequence | Callable[[], Sequence], nbytes: int):
+        self.nbytes = nbytes
+        self._lock = threading.Lock()
+        self._make = segments if callable(segments) else None
+        if self._make is None:
+            self._take(segments)
+
+    def _take(self, segments: Sequence) -> None:
+        segments = [s if getattr(s, "staged", False) else memoryview(s).cast("B") for s in segments]
+        starts, pos = [], 0
+        for s in segments:
+            starts.append(pos)
             pos += s.nbytes
-        self.nbytes = pos
+        if pos != self.nbytes:
+            raise ValueError(f"segments hold {pos} bytes, not {self.nbytes}")
+        self.starts, self.segments = starts, segments
 
     def views(self, start: int, length: int):
         """Memoryviews covering ``payload[start:start+length]``."""
+        if self._make is not None:
+            with self._lock:
+                if self._make is not None:
+                    self._take(self._make())
+                    self._make = None
         end = start + length
         for seg_start, seg in zip(self.starts, self.segments):
             seg_end = seg_start + seg.nbytes
@@ -231,108 +245,14 @@ class _Payload:
             yield seg[lo:hi] if type(seg) is memoryview else seg.slice(lo, hi - lo)
 
 
-def _write_file(path: str, views, fsync: bool, existing: int | None = None) -> None:
-    """Write ``views`` into the new file ``path`` (or, with ``existing``, into the file
-    there, which must hold exactly that many bytes: its pages are overwritten)."""
-    # os-level calls: a buffered open() costs more system calls than the write itself
-    # for the many small files of a state dict.
-    if existing is None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-    else:
-        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != existing:
-            os.close(fd)
-            raise OSError(errno.EINVAL, f"{path} is not a file of {existing} bytes")
-    try:
-        for view in views:
-            if type(view) is not memoryview:  # bytes in device memory: staged down by their engine
-                view.engine.write_fd(fd, view)
-                continue
-            for i in range(0, view.nbytes, _WRITE_CHUNK):
-                chunk = view[i : i + _WRITE_CHUNK]
-                while chunk.nbytes:
-                    chunk = chunk[os.write(fd, chunk):]
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-_NO_KERNEL_COPY = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
-_COPY_CALL = 1 << 30  # most bytes asked of one copy_file_range()/sendfile()
-
-
-def _copy_file(source: str, path: str, length: int, fsync: bool) -> bool:
-    """Make ``path`` a new file holding the first ``length`` bytes of ``source``, copied
-    by the kernel: ``copy_file_range`` (a reflink or an in-kernel copy, on file systems
-    that have one), else ``sendfile``; the bytes never pass through this process.
-    False, having made nothing, where the kernel can do neither (the caller writes
-    the bytes itself).  ``source`` must be a regular file, not a link."""
-    src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        st = os.fstat(src)
-        if not stat.S_ISREG(st.st_mode) or st.st_size < length:
-            raise OSError(errno.EIO, f"{source} does not hold the {length} bytes of its array")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-        try:
-            copied = _kernel_copy(src, fd, length)
-            if copied and fsync:
-                os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            os.unlink(path)
-            raise
-        os.close(fd)
-        if not copied:
-            os.unlink(path)
-        return copied
-    finally:
-        os.close(src)
-
-
-def _kernel_copy(src: int, dst: int, length: int) -> bool:
-    pos = 0
-    ranged = hasattr(os, "copy_file_range")
-    while pos < length:
-        count = min(length - pos, _COPY_CALL)
-        try:
-            if ranged:
-                n = os.copy_file_range(src, dst, count, pos, pos)
-            else:
-                n = os.sendfile(dst, src, pos, count)
-        except OSError as exc:
-            if exc.errno not in _NO_KERNEL_COPY:
-                raise
-            if ranged:  # across file systems (tmpfs to disk, say): sendfile copies in the kernel too
-                ranged = False
-                os.lseek(dst, pos, os.SEEK_SET)
-                continue
-            if pos:
-                raise
-            return False
-        if not n:
-            raise OSError(errno.EIO, "the source file ended before its array")
-        pos += n
-    return True
-
-
-def fsync_dir(path: str) -> None:
-    """Flush a directory's entries (a rename into it, say) to stable storage."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_item(path: str, description: bytes, segments: Sequence, nbytes: int, tag: int | None = None, *,
                fsync: bool = False, threads: int | None = None, make_parents: bool = True,
                sources: dict[int, str] | None = None, copies: dict[int, str] | None = None,
                fills: dict[int, str] | None = None, limits: DecodeLimits = DEFAULT_LIMITS) -> StoredItem:
     """Write one item into the new directory ``path``, whole or not at all; returns it.
 
-    ``segments`` are buffers whose concatenation is the payload.  Files are written
+    ``segments`` are buffers whose concatenation is the payload (or a function that
+    returns them, called only if some array's bytes are to be written from them).  Files are written
     into a temporary sibling directory that is renamed to ``path`` last; with
     ``fsync`` the files and both directories are flushed to stable storage before
     the function returns.  ``threads`` writes array files in parallel (default:
@@ -352,9 +272,7 @@ def write_item(path: str, description: bytes, segments: Sequence, nbytes: int, t
     temporary directory.
     """
     desc = parse_description(description, nbytes, limits)
-    payload = _Payload(segments)
-    if payload.nbytes != nbytes:
-        raise ValueError(f"segments hold {payload.nbytes} bytes, not {nbytes}")
+    payload = _Payload(segments, nbytes)
     paths = array_paths(desc)
     parent, name = os.path.split(os.path.abspath(path))
     tmp = os.path.join(parent, f".tmp-{name}-{uuid.uuid4().hex[:8]}")
@@ -376,7 +294,7 @@ def write_item(path: str, description: bytes, segments: Sequence, nbytes: int, t
                     return
                 except OSError:
                     pass
-            if copy is not None and _copy_file(copy, file, length, fsync):
+            if copy is not None and copy_file(copy, file, length, fsync):
                 return
             if fill is not None:
                 try:
@@ -384,9 +302,9 @@ def write_item(path: str, description: bytes, segments: Sequence, nbytes: int, t
                 except OSError:
                     pass
                 else:
-                    _write_file(file, payload.views(offset, length), fsync, length)
+                    write_file(file, payload.views(offset, length), fsync, length)
                     return
-            _write_file(file, payload.views(offset, length), fsync)
+            write_file(file, payload.views(offset, length), fsync)
 
         if threads is None:
             threads = min(_PARALLEL_THREADS, len(jobs)) if nbytes >= _PARALLEL_MIN else 1
@@ -400,7 +318,7 @@ def write_item(path: str, description: bytes, segments: Sequence, nbytes: int, t
             with open(os.path.join(tmp, d, "meta.json"), "w") as f:
                 json.dump(meta, f)
         record = {"format": FORMAT, "description": description, "tag": tag, "nbytes": nbytes, "files": paths}
-        _write_file(os.path.join(tmp, RECORD), [memoryview(msgpack.packb(record, use_bin_type=True))], fsync)
+        write_file(os.path.join(tmp, RECORD), [memoryview(msgpack.packb(record, use_bin_type=True))], fsync)
         if fsync:
             for d in sorted(dirs | {""}, reverse=True):
                 fsync_dir(os.path.join(tmp, d))
