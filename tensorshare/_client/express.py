@@ -166,10 +166,7 @@ class Express:
                             return self._result(command, fields, header, payload, payload_len, areas)
         except BaseException as exc:
             if sent and link is member.link:  # given up while the server may answer: as the general path gives up
-                call = values.call(rid, command, fields, NO_VALUE, areas)
-                with lock:
-                    engine.track(call, now)
-                member.gave_up(call, link, exc)
+                member.gave_up(self._tracked(rid, command, fields, areas, now), link, exc)
             sent = False
             raise
         finally:
@@ -194,6 +191,14 @@ class Express:
             areas.note_put(fields.get(Key.BIN), header)  # readers map the bin, or no longer
         return reply_result(command, header, None)
 
+    def _tracked(self, rid: int, command, fields: dict | None, areas, now: float):
+        """The call sent as request ``rid``, made as :meth:`Client._on` makes it, now
+        tracked by the engine (its reply awaited the general way)."""
+        call = self.values.call(rid, command, fields, NO_VALUE, areas)
+        with self.member.lock:
+            self.member.engine.track(call, now)
+        return call
+
     def _handed_over(self, rid: int, command, fields: dict | None, areas, n: int, deadline: float | None,
                      now: float) -> Any:
         """Go on with the call sent as request ``rid`` the general way: made as
@@ -202,9 +207,7 @@ class Express:
         reader's role.)"""
         member = self.member
         try:
-            call = self.values.call(rid, command, fields, NO_VALUE, areas)
-            with member.lock:
-                member.engine.track(call, now)
+            call = self._tracked(rid, command, fields, areas, now)
         except BaseException:  # (the connection went meanwhile: nobody is to read for it)
             member.stop_reading()
             raise

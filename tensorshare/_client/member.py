@@ -37,8 +37,8 @@ from ..errors import ConnectionLostError, ProtocolError, TensorShareError, Timeo
 from ..protocol.engine import DEAD, Notice, Restored
 from ..protocol.messages import Key
 from .coalesce import Coalescer
-from .listens import notification, tell_restored
 from .express import Express
+from .listens import notification, tell_restored
 from .progress import Progress
 from .reader import BackgroundReader
 from .sockets import IDLE_CHECK, SMALL_FRAME, Link, open_link, open_local

@@ -57,11 +57,11 @@ def write_file(path: str, views, fsync: bool, existing: int | None = None) -> No
         os.close(fd)
 
 
-def write_all(fd: int, views: Sequence[memoryview], offset: int) -> int:
-    """Write every byte of ``views`` (byte memoryviews) to ``fd`` from ``offset`` on:
+def write_all(fd: int, parts: Sequence, offset: int) -> int:
+    """Write every byte of ``parts`` (contiguous buffers) to ``fd`` from ``offset`` on:
     one ``pwritev`` for all of them where the kernel takes them at once (short writes
     resumed).  Returns the offset after them."""
-    views = [v for v in views if v.nbytes]
+    views = [view for view in (memoryview(p).cast("B") for p in parts) if view.nbytes]
     while views:
         if _PWRITEV is not None:
             n = _PWRITEV(fd, views[:_IOV_BATCH], offset)

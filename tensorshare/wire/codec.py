@@ -61,7 +61,7 @@ _BUFFER_MAX_DIMS = 64  # a memoryview (and a numpy array) has at most this many 
 _packers = threading.local()
 _LONE_DESCRIPTIONS: dict[tuple, bytes] = {}  # (dtype name, *shape) -> description of a lone tensor
 _LONE_DESCRIPTIONS_MAX = 256
-_SMALL_LONE: dict[tuple, tuple] = {}  # (numpy dtype, shape) -> (description, payload bytes, padding): small_lone's
+_SMALL_LONE: dict[tuple, tuple] = {}  # (numpy dtype, shape) -> (description, payload bytes, padding) of a small one
 
 
 def _packb(obj: Any) -> bytes:
@@ -447,27 +447,28 @@ def small_lone(t: torch.Tensor) -> Encoded | None:
     except (TypeError, RuntimeError):
         return None
     made = _SMALL_LONE.get((array.dtype, array.shape))
-    if made is not None:  # (a dtype and shape seen before: everything but the bytes is known)
-        description, total, padding = made
-        return Encoded(description, [array.tobytes(), padding] if padding else [array.tobytes()], total, 1)
+    if made is None:  # (a dtype and shape not seen before)
+        made = _small_layout(array)
+        if made is None:
+            return None
+    description, total, padding = made
+    data = array.tobytes()
+    return Encoded(description, [data, padding] if padding else [data], total, 1)
+
+
+def _small_layout(array) -> tuple | None:
+    """``(description, payload bytes, padding)`` of a small lone tensor whose numpy twin
+    is ``array``, remembered by its dtype and shape; None if it is not one."""
     nbytes = array.nbytes
     name = _NUMPY_TWIN_NAMES.get(array.dtype)
     if name is None or not 0 < nbytes <= SMALL_COPY or array.ndim > MAX_DIMS:
         return None
-    shape = array.shape
-    key = (name, *shape)
-    description = _LONE_DESCRIPTIONS.get(key)
     total = (nbytes + ALIGN - 1) & -ALIGN
-    if description is None:
-        description = _packb({"v": _ARRAY_REFS[0], "t": [[KIND_TORCH, name, list(shape), 0, nbytes]], "n": total})
-        if len(_LONE_DESCRIPTIONS) >= _LONE_DESCRIPTIONS_MAX:
-            _LONE_DESCRIPTIONS.clear()
-        _LONE_DESCRIPTIONS[key] = description
+    description = _packb({"v": _ARRAY_REFS[0], "t": [[KIND_TORCH, name, list(array.shape), 0, nbytes]], "n": total})
     if len(_SMALL_LONE) >= _LONE_DESCRIPTIONS_MAX:
         _SMALL_LONE.clear()
-    _SMALL_LONE[(array.dtype, shape)] = (description, total, _PAD[: total - nbytes])
-    data = array.tobytes()
-    return Encoded(description, [data, _PAD[: total - nbytes]] if total != nbytes else [data], total, 1)
+    made = _SMALL_LONE[(array.dtype, array.shape)] = (description, total, _PAD[: total - nbytes])
+    return made
 
 
 def _twin_names() -> dict:

@@ -39,11 +39,12 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+from tensorshare.disk.files import write_all
 from tensorshare.disk.layout import fsync_dir
 from tensorshare.disk.tables import table_metadata
 
 from .columns import ColumnSpec
-from .journal import Journal, write_all
+from .journal import Journal
 from .readahead import ReadAhead, random_access
 from .rowreads import RowReads, open_for_reads, wide
 from .slots import as_index, runs as slot_runs

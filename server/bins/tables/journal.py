@@ -47,6 +47,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from tensorshare.disk.files import write_all
 from tensorshare.errors import StorageFullError
 
 from .slots import END
@@ -217,16 +218,3 @@ def _apply(body: np.ndarray, rows: int, names_len: int, columns: Mapping[str, np
 
 def _le(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return array if array.dtype == dtype and array.flags.c_contiguous else np.ascontiguousarray(array, dtype)
-
-
-def write_all(fd: int, parts: list, offset: int) -> None:
-    """Every byte of ``parts`` (buffers) written to ``fd`` from ``offset`` on (``pwritev``, short writes resumed)."""
-    views = [view for view in (memoryview(p).cast("B") for p in parts) if view.nbytes]
-    while views:
-        n = os.pwritev(fd, views[:512], offset)  # IOV_MAX is 1024 on Linux
-        offset += n
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if n:
-            views[0] = views[0][n:]
