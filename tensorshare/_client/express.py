@@ -15,8 +15,8 @@ where :mod:`.spin` says it pays), one read into the engine's own buffer, the rep
 parsed in one step (:func:`~tensorshare.wire.frames.whole_frames`), checked
 against the command's declaration and decoded as the general path decodes it --
 or, for the replies the server makes from a prepared template (a put's count, a
-ping's), read back with that template (``Message.head.read``): one
-``struct.unpack``, no map decoded.
+ping's, a read of one item: ``Message.head``, ``Message.lone``), read back with
+that template: one ``struct.unpack``, no map decoded.
 
 Everything else goes the general way.  Before anything is sent, the call is
 declined (:data:`MISSED`) and the caller sends it as usual.  After, whatever is
