@@ -45,7 +45,7 @@ from ..protocol.messages import ITEMS, Key, ZeroCopy
 from ..wire.build import lone_copy
 from ..wire.codec import small_lone
 from ..wire.frames import whole_frames
-from .connection import NO_VALUE, decode_items, reply_result, request_frame
+from .connection import NO_VALUE, bin_request, decode_items, reply_result, request_frame
 from .routing import asking_references
 from .sockets import IDLE_CHECK, wait
 
@@ -112,7 +112,10 @@ class Express:
         sent = False
         try:
             rid = next_request_id()
-            data = request_frame(rid, command, sent_fields, value, engine.greeting.get(Key.MAX_FRAME))
+            if sent_fields is not None and len(sent_fields) == 1 and type(sent_fields.get(Key.BIN)) is str:
+                data = bin_request(rid, command, sent_fields[Key.BIN], value, engine.greeting.get(Key.MAX_FRAME))
+            else:
+                data = request_frame(rid, command, sent_fields, value, engine.greeting.get(Key.MAX_FRAME))
             data = data[0] if len(data) == 1 else b"".join(data)
             engine.last_sent = now
             sock = link.sock

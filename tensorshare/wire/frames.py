@@ -374,8 +374,9 @@ def discard_sink(header: dict, nbytes: int) -> DiscardSink:
 
 # ---------------------------------------------------------------- whole small frames
 
-def whole_frames(data: bytes, limits: FrameLimits = DEFAULT_FRAME_LIMITS) -> tuple[list[tuple[dict, bytes, int]], int]:
-    """The whole small frames at the start of ``data`` (a read), each parsed in one
+def whole_frames(data: bytes, limits: FrameLimits = DEFAULT_FRAME_LIMITS,
+                 pos: int = 0) -> tuple[list[tuple[dict, bytes, int]], int]:
+    """The whole small frames at ``pos`` of ``data`` (a read), each parsed in one
     step where it arrives, prefix and header together: ``([(header, payload,
     payload_len), ...], end)``, the payload a ``bytes`` slice of ``data``.
 
@@ -387,7 +388,7 @@ def whole_frames(data: bytes, limits: FrameLimits = DEFAULT_FRAME_LIMITS) -> tup
     bytes that decoder's sink would be given.
     """
     found = []
-    pos, end = 0, len(data)
+    end = len(data)
     max_header, most = limits.whole
     while end - pos >= PREFIX_SIZE:
         first, header_len, payload_len = _START_LENGTHS.unpack_from(data, pos)
