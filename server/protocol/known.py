@@ -11,8 +11,9 @@ head's constant bytes, and a later request with those bytes is made from it
 dict lookup, every check the declaration asks for already passed by the same bytes.
 Only the id is read from a known head, and an id of 0 is left to the general way
 (which refuses it), as is every request not laid out so, naming a field its verb
-does not declare, a release list, or a value that is not a plain scalar (the values
-are shared by every request made from them), or one the checks refuse.
+does not declare, a release list, or a value that is neither a plain scalar nor a
+list of them (the values are shared by every request made from them: a list is
+made a tuple), or one the checks refuse.
 """
 
 from __future__ import annotations
@@ -23,6 +24,17 @@ from tensorshare.wire.frames import FrameLimits, unpack_header
 from tensorshare.wire.heads import KnownHeads
 
 _SCALARS = frozenset((str, bytes, int, float, bool, type(None)))  # field values a known head may share
+_UNSHARED = object()
+
+
+def _frozen(value):
+    """``value`` as every request made from a known head may share it: a scalar as it
+    is, a list of scalars (same-host areas a read can map) as a tuple; else _UNSHARED."""
+    if type(value) in _SCALARS:
+        return value
+    if type(value) is list and _SCALARS.issuperset(map(type, value)):
+        return tuple(value)
+    return _UNSHARED
 _SPARE = frozenset((Key.OP, Key.ID))  # keys of every request, not declared per verb
 
 
@@ -77,8 +89,8 @@ class KnownRequests:
             request = command.parse_request(header, rid, None, stop - body, self._max_bin_name)
         except RemoteError:
             return None
-        values = command.fields_of(request)
-        if not _SCALARS.issuperset(map(type, values)):
+        values = tuple(map(_frozen, command.fields_of(request)))
+        if _UNSHARED in values:
             return None
         heads.learn(data, pos, (entry, values))
         return (entry, values), rid, body, stop

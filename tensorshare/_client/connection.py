@@ -174,24 +174,28 @@ _bin_heads: dict = {}  # (command, bin name, value description or None) -> its p
 _MAX_BIN_HEADS = 1024
 
 
-def bin_request(rid: int, command: Command, name: str, value: Any = NO_VALUE, max_payload: int | None = None) -> list:
-    """:func:`request_frame` of ``command`` with no field but the bin ``name`` and
+def bin_request(rid: int, command: Command, name: str, value: Any = NO_VALUE, max_payload: int | None = None,
+                ref: tuple | None = None) -> list:
+    """:func:`request_frame` of ``command`` with no field but the bin ``name`` (and
+    ``ref``, the shared areas a read asks references to, where not None) and
     ``value`` (NO_VALUE, or an :class:`Encoded` on the CPU), its head from a template
-    prepared per verb, bin and value layout (:func:`~tensorshare.wire.heads.request_head`):
-    one ``struct.pack`` instead of a map built and packed; the same checks, before
-    anything is sent."""
+    prepared per verb, bin, areas and value layout
+    (:func:`~tensorshare.wire.heads.request_head`): one ``struct.pack`` instead of a
+    map built and packed; the same checks, before anything is sent."""
     description = None if value is NO_VALUE else value.description
-    head = _bin_heads.get((command, name, description))
+    head = _bin_heads.get((command, name, description, ref))
     if head is None:
         fields = {Key.BIN: name}
         check_fields(command, fields)
         fixed = {Key.OP: command.verb, **fields}
+        if ref is not None:
+            fixed[Key.REF] = list(ref)
         if description is not None:
             fixed[Key.VALUE] = description
         head = request_head(fixed, 0 if description is None else value.nbytes)
         if len(_bin_heads) >= _MAX_BIN_HEADS:
             _bin_heads.clear()
-        _bin_heads[command, name, description] = head
+        _bin_heads[command, name, description, ref] = head
     if description is None:
         return [head(rid)]
     if max_payload is not None:

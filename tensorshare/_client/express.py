@@ -83,7 +83,7 @@ class Express:
                 return MISSED  # the keepalive's look is due
             if deadline is not None and deadline < until:
                 until = deadline
-        sent_fields = fields
+        sent_fields, ref = fields, None
         if areas is not None:
             role = command.zero_copy
             if role is ZeroCopy.STORE:
@@ -91,6 +91,7 @@ class Express:
                     return MISSED  # through shared memory: routing.route
             elif role is not None:
                 sent_fields = asking_references(fields, areas)
+                ref = tuple(sent_fields[Key.REF])
         if value is not NO_VALUE:
             if type(value) is not torch.Tensor:
                 return MISSED  # (a value of many arrays, or not a tensor: the general encoder)
@@ -112,8 +113,8 @@ class Express:
         sent = False
         try:
             rid = next_request_id()
-            if sent_fields is not None and len(sent_fields) == 1 and type(sent_fields.get(Key.BIN)) is str:
-                data = bin_request(rid, command, sent_fields[Key.BIN], value, engine.greeting.get(Key.MAX_FRAME))
+            if fields is not None and len(fields) == 1 and type(fields.get(Key.BIN)) is str:  # (the usual call)
+                data = bin_request(rid, command, fields[Key.BIN], value, engine.greeting.get(Key.MAX_FRAME), ref)
             else:
                 data = request_frame(rid, command, sent_fields, value, engine.greeting.get(Key.MAX_FRAME))
             data = data[0] if len(data) == 1 else b"".join(data)

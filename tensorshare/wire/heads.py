@@ -27,7 +27,7 @@ from .frames import MAGIC, PREFIX, PREFIX_SIZE, VERSION, FrameLimits
 _ID_ENTRY = b"\xa2id\xcf"  # "id": uint64 (the id, first: the constant part of a head is around it)
 _ID_AT = PREFIX_SIZE + 1 + len(_ID_ENTRY)  # where the id's 8 bytes begin
 TAIL_AT = _ID_AT + 8  # where the fixed fields begin
-_LENGTHS = struct.Struct("<IQ")  # header_len, payload_len (at offset 12 of the prefix)
+_LENGTHS = struct.Struct("<IQ")  # header_len, payload_len (at offset 8 of the prefix)
 _ID = struct.Struct(">Q")
 MAX_FIXED = 14  # fields besides the id (a fixmap holds 15)
 
@@ -67,7 +67,7 @@ class KnownHeads:
         else None."""
         if len(data) - pos < TAIL_AT:
             return None
-        header_len, payload_len = _LENGTHS.unpack_from(data, pos + 12)
+        header_len, payload_len = _LENGTHS.unpack_from(data, pos + 8)
         body = pos + PREFIX_SIZE + header_len
         known = self._known.get(data[pos + TAIL_AT:body])
         if known is None:
@@ -86,7 +86,7 @@ class KnownHeads:
         else None."""
         if len(data) - pos < TAIL_AT or data[pos + PREFIX_SIZE + 1:pos + _ID_AT] != _ID_ENTRY:
             return None
-        header_len, payload_len = _LENGTHS.unpack_from(data, pos + 12)
+        header_len, payload_len = _LENGTHS.unpack_from(data, pos + 8)
         body = pos + PREFIX_SIZE + header_len
         stop = body + payload_len
         max_header, most = limits.whole
@@ -97,7 +97,7 @@ class KnownHeads:
     def learn(self, data: bytes, pos: int, found: Any) -> None:
         """Remember the head of the frame at ``pos`` (one :meth:`candidate` returned,
         whose header was decoded and accepted) with ``found``."""
-        header_len, payload_len = _LENGTHS.unpack_from(data, pos + 12)
+        header_len, payload_len = _LENGTHS.unpack_from(data, pos + 8)
         known = self._known
         if len(known) >= self.limit:
             known.clear()
