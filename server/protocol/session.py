@@ -33,6 +33,7 @@ from tensorshare.protocol.messages import (
 )
 from tensorshare.version import __version__
 from tensorshare.wire.frames import DiscardSink, Frame, FrameDecoder, frame_head, whole_frames
+from tensorshare.wire.heads import ID_ENTRY, ID_ENTRY_AT
 
 from ..ops.counters import LATENCY_BUCKETS, ConnStats
 from ..workers.ownership import check_owner
@@ -50,6 +51,7 @@ log = logging.getLogger("tensorshare.server")
 _DISCARD = DiscardSink(0)  # stateless: one serves every request that takes no payload
 _LASTING = frozenset(c.verb for c in COMMANDS.values() if c.lasting)  # effects that outlive the connection
 _OP, _ID, _RELEASE = Key.OP, Key.ID, Key.RELEASE  # (module constants: read per request)
+_ID_ENTRY_END = ID_ENTRY_AT + len(ID_ENTRY)  # (a read whose first frame is laid out as a prepared head has it here)
 
 
 class Phase(enum.Enum):
@@ -168,7 +170,7 @@ class ServerSession:
             # The usual read: whole small requests, each parsed in one step here
             # (a head known before, else frames.whole_frames); the decoder takes
             # whatever follows them.
-            known = end = self._take_known(data)
+            known = end = self._take_known(data) if data[ID_ENTRY_AT:_ID_ENTRY_END] == ID_ENTRY else 0
             if known and (end == len(data) or not self._serving):
                 return 0
             whole, end = whole_frames(data, decoder.limits, known)

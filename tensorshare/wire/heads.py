@@ -22,10 +22,11 @@ from typing import Any, Callable
 
 import msgpack
 
-from .frames import MAGIC, PREFIX, PREFIX_SIZE, VERSION, FrameLimits
+from .frames import MAGIC, PLAIN_START, PREFIX, PREFIX_SIZE, VERSION, FrameLimits
 
-_ID_ENTRY = b"\xa2id\xcf"  # "id": uint64 (the id, first: the constant part of a head is around it)
-_ID_AT = PREFIX_SIZE + 1 + len(_ID_ENTRY)  # where the id's 8 bytes begin
+ID_ENTRY = b"\xa2id\xcf"  # "id": uint64 (the id, first: the constant part of a head is around it)
+ID_ENTRY_AT = PREFIX_SIZE + 1  # where it is in a frame (after the map's first byte)
+_ID_AT = ID_ENTRY_AT + len(ID_ENTRY)  # where the id's 8 bytes begin
 TAIL_AT = _ID_AT + 8  # where the fixed fields begin
 _LENGTHS = struct.Struct("<IQ")  # header_len, payload_len (at offset 8 of the prefix)
 _ID = struct.Struct(">Q")
@@ -42,7 +43,7 @@ def request_head(fixed: dict, payload_len: int = 0) -> Callable[[int], bytes]:
     packer = msgpack.Packer(use_bin_type=True)
     tail = b"".join(packer.pack(key) + packer.pack(value) for key, value in fixed.items())
     start = (PREFIX.pack(MAGIC, VERSION, 0, 0, TAIL_AT - PREFIX_SIZE + len(tail), payload_len)
-             + bytes([0x80 | (len(fixed) + 1)]) + _ID_ENTRY)
+             + bytes([0x80 | (len(fixed) + 1)]) + ID_ENTRY)
     pack = struct.Struct(f">{len(start)}sQ{len(tail)}s").pack
 
     def head(rid: int) -> bytes:
@@ -84,7 +85,8 @@ class KnownHeads:
         ``data``, small (within ``limits.whole``) and laid out as :func:`request_head`
         lays one out (its header bytes to decode: :meth:`learn` it once accepted),
         else None."""
-        if len(data) - pos < TAIL_AT or data[pos + PREFIX_SIZE + 1:pos + _ID_AT] != _ID_ENTRY:
+        if (len(data) - pos < TAIL_AT or data[pos + ID_ENTRY_AT:pos + _ID_AT] != ID_ENTRY
+                or data[pos:pos + len(PLAIN_START)] != PLAIN_START):  # (magic, version, no flags, reserved 0)
             return None
         header_len, payload_len = _LENGTHS.unpack_from(data, pos + 8)
         body = pos + PREFIX_SIZE + header_len
