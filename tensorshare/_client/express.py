@@ -10,7 +10,8 @@ connection is idle -- no call in flight, nothing held back or owed to the
 server, no listen, no keepalive probe due, no thread reading or sending -- and
 does only what it must: the request built by the same
 :func:`~.connection.request_frame` (arguments checked, the value encoded: a lone
-small CPU tensor, or none), one ``send``, a wait for the reply (polling first
+small CPU tensor, or none) -- or, for a call naming only a bin, from a head prepared
+for its verb and bin (:func:`~.connection.bin_request`, the same checks) --, one ``send``, a wait for the reply (polling first
 where :mod:`.spin` says it pays), one read into the engine's own buffer, the reply
 parsed in one step (:func:`~tensorshare.wire.frames.whole_frames`), checked
 against the command's declaration and decoded as the general path decodes it --
