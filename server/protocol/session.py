@@ -430,6 +430,9 @@ class ServerSession:
         except RemoteError as exc:
             self.refuse(rid, exc)
             return
+        except Exception:  # a bug: as in _serve
+            self._failed(header.get(_OP), rid)
+            return
         self._serve(rid, entry, request, payload_len)
 
     def _serve(self, rid: int, entry: tuple, request, payload_len: int) -> None:
@@ -463,11 +466,15 @@ class ServerSession:
         except RemoteError as exc:
             self.refuse(rid, exc)
         except Exception:  # a bug: this request fails, the connection and the server go on
-            log.exception("%s from %s failed", command.verb, self.peer)
-            self.send_header(error_reply(LOCAL_ERROR, "internal server error", rid))
+            self._failed(command.verb, rid)
         holds = holding.holds = holding.holds - 1  # (release_notes(), inline)
         if not holds and holding.notes:
             self._send_notes()
+
+    def _failed(self, verb, rid: int) -> None:
+        """Answer request ``rid`` (of ``verb``) 500 after a bug, logged with its traceback."""
+        log.exception("%s from %s failed", verb, self.peer)
+        self.send_header(error_reply(LOCAL_ERROR, "internal server error", rid))
 
     def _authenticate(self, rid: int, header: dict) -> None:
         """Check the AUTH request of a connection that must authenticate (PROTOCOL.md
