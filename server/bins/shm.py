@@ -30,7 +30,7 @@ import time
 
 from tensorshare.disk.areas import AreaError, check_item_tree, not_open_for_writing, valid_name
 from tensorshare.errors import ZeroCopyUnavailableError
-from tensorshare.disk.layout import RECORD, LayoutError, StoredItem, read_item, write_item
+from tensorshare.disk.layout import RECORD, LayoutError, StoredItem, map_read_only, read_item, write_item
 from tensorshare.wire.description import DEFAULT_LIMITS, DecodeLimits
 
 from .dirlock import lock_file
@@ -41,6 +41,7 @@ PREFIX = "tensorshare-"
 _NEW_PREFIX = ".tensorshare-new-"  # a directory being set up (renamed once its lock is held)
 _STALE_NEW_S = 60.0  # a set-up directory this old without a held lock was left by a crash
 _METADATA_MAX = 64 << 20  # bytes of record and meta.json files an adopted item may carry
+_MAPS_MAX = 1 << 30  # bytes of a connection's incoming files kept mapped for the next insert (as its client keeps)
 
 
 class ShmArea:
@@ -68,6 +69,7 @@ class ShmArea:
         self.incoming = os.path.join(self.path, "incoming")
         self._names = itertools.count()
         self._connections = itertools.count()
+        self._maps: dict[str, dict] = {}  # connection -> {file: (identity, read-only mapping)} (take_arrays)
 
     # -- connections (reactor thread)
 
@@ -83,6 +85,7 @@ class ShmArea:
         It is renamed first, so that a client still writing cannot start another item
         in it (it writes no parent directories); anything such a writer finishes
         meanwhile is removed with the next connection that closes, or at exit."""
+        self._maps.pop(relative, None)  # (its pages go once the mappings do)
         closed = os.path.join(self.incoming, f".closed-{os.path.basename(relative)}")
         try:
             os.rename(os.path.join(self.path, relative), closed)
@@ -109,14 +112,59 @@ class ShmArea:
               limits: DecodeLimits = DEFAULT_LIMITS) -> StoredItem:
         """Take the item a client wrote to ``incoming/<connection>/<name>`` into the area, without copying.
 
+        Raises :class:`ZeroCopyUnavailableError` unless it passes :meth:`_checked`;
+        then the directory is renamed into ``items/``.  A refused directory stays
+        where it is (its client, or the connection's end, removes it).
+        """
+        source, stored = self._checked(connection, name, description, nbytes, limits)
+        target = os.path.join(self.items, str(next(self._names)))
+        os.rename(source, target)
+        moved = tuple((offset, length, target + file[len(source):]) for offset, length, file in stored.files)
+        return StoredItem(target, stored.description, stored.tag, stored.nbytes, moved)
+
+    def take_arrays(self, connection: str, name: object, description: bytes, nbytes: int,
+                    limits: DecodeLimits = DEFAULT_LIMITS) -> list:
+        """The arrays of the item a client wrote to ``incoming/<connection>/<name>``,
+        mapped read-only (their pages mapped at once), one buffer per array of the
+        description, in its order, for a table insert to copy its rows from
+        (PROTOCOL.md §10.4).  The directory stays: its client writes its next rows
+        into the same pages once the insert is answered (new pages cost more than
+        the copy), the mappings are kept for them (:meth:`_mapped`), and the
+        connection's end removes both.
+
+        Checked as :meth:`adopt` checks (:class:`ZeroCopyUnavailableError`)."""
+        _source, stored = self._checked(connection, name, description, nbytes, limits)
+        maps = self._maps.setdefault(connection, {})
+        try:
+            return [self._mapped(maps, file, length) for _offset, length, file in stored.files]
+        except (LayoutError, OSError) as exc:  # (changed since it was checked)
+            raise ZeroCopyUnavailableError(f"incoming item unreadable: {exc}") from None
+
+    def _mapped(self, maps: dict, file: str, length: int):
+        """``file`` mapped read-only: the mapping made for it before if it is still the
+        same file (the client writes its next rows into the same pages, and mapping
+        1 MiB costs more than copying it), else a new one, kept for next time (up to
+        ``_MAPS_MAX`` bytes per connection)."""
+        st = os.lstat(file)
+        known = maps.get(file)
+        if known is not None and known[0] == (st.st_dev, st.st_ino, st.st_size):
+            return known[1]
+        array = map_read_only(file, length)
+        if sum(a.nbytes for _key, a in maps.values()) + length > _MAPS_MAX:
+            maps.clear()
+        maps[file] = ((st.st_dev, st.st_ino, st.st_size), array)
+        return array
+
+    def _checked(self, connection: str, name: object, description: bytes, nbytes: int,
+                 limits: DecodeLimits) -> tuple[str, StoredItem]:
+        """``(path, item)`` of the item a client wrote to ``incoming/<connection>/<name>``,
+        its array files made read-only.
+
         Raises :class:`ZeroCopyUnavailableError` unless it is a whole item in the
         layout, made of plain files and directories of the server's user, whose
         record holds exactly ``description`` and ``nbytes`` (checked as any value
         is), with no other files than the layout's, and no file still open for
-        writing.  The files are made read-only, then the directory is renamed into
-        ``items/``.  A refused directory stays where it is (its client, or the
-        connection's end, removes it).
-        """
+        writing (nobody can change it from now on but by making it writable again)."""
         if not valid_name(name):
             raise ZeroCopyUnavailableError(f"bad incoming item name {name!r:.80}")
         source = os.path.join(self.path, connection, name)
@@ -143,10 +191,7 @@ class ShmArea:
             os.chmod(file, 0o400)  # nobody but root may open it for writing from now on...
             if not not_open_for_writing(file):  # ...and nobody still has it open or mapped so
                 raise ZeroCopyUnavailableError(f"{file} is still open for writing")
-        target = os.path.join(self.items, str(next(self._names)))
-        os.rename(source, target)
-        moved = tuple((offset, length, target + file[len(source):]) for offset, length, file in stored.files)
-        return StoredItem(target, stored.description, stored.tag, stored.nbytes, moved)
+        return source, stored
 
     def close(self) -> None:
         """Remove the whole area (the server is stopping)."""

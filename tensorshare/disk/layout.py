@@ -27,6 +27,7 @@ import mmap
 import os
 import re
 import shutil
+import stat
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -41,7 +42,7 @@ from ..wire.description import (
     parse_description,
 )
 from ..wire.dtypes import TORCH_WIDTHS
-from .files import copy_file, fsync_dir, write_file
+from .files import copy_file, fsync_dir, write_all, write_file
 
 __all__ = ["LayoutError", "StoredItem", "write_item", "read_item", "write_bin_root", "array_paths", "mapped_parts",
            "RECORD", "BIN_RECORD", "FORMAT"]
@@ -333,6 +334,23 @@ def write_item(path: str, description: bytes, segments: Sequence, nbytes: int, t
     return StoredItem(path, description, tag, nbytes, files)
 
 
+def rewrite_arrays(stored: StoredItem, segments: Sequence, nbytes: int) -> None:
+    """Write a new payload of the same description into the array files of an item
+    written before (by :func:`write_item`), in place: each file made writable by its
+    owner again, opened without following symlinks, overwritten and closed.  For a
+    value a reader copied out and left (a table insert through shared memory:
+    PROTOCOL.md §10.4), whose pages cost less to write again than new ones.  Raises
+    ``OSError`` (a file gone or replaced) having written some files perhaps."""
+    payload = _Payload(segments, nbytes)
+    for offset, length, file in stored.files:
+        os.chmod(file, 0o600, follow_symlinks=False)
+        fd = os.open(file, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            write_all(fd, list(payload.views(offset, length)), 0)
+        finally:
+            os.close(fd)
+
+
 def _inside(root: str, relative: Any) -> str:
     """``root/relative``, refusing anything that is not a plain relative path below root."""
     if not isinstance(relative, str) or not relative or "\x00" in relative:
@@ -386,6 +404,24 @@ def read_item(path: str, limits: DecodeLimits = DEFAULT_LIMITS) -> StoredItem:
             raise LayoutError(f"{path}: {relative!r} holds {size} bytes, the array has {spec.nbytes}")
         located.append((spec.offset, spec.nbytes, file))
     return StoredItem(path, description, tag, nbytes, tuple(located))
+
+
+def map_read_only(file: str, nbytes: int) -> memoryview:
+    """The regular file ``file`` of exactly ``nbytes`` bytes (not followed if a
+    symlink) as a read-only view of a shared mapping whose pages are mapped at once:
+    bytes about to be copied out whole (a table insert's rows, PROTOCOL.md §10.4).
+    Raises ``LayoutError`` for another kind or size of file, ``OSError``."""
+    fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != nbytes:
+            raise LayoutError(f"{file} is not a regular file of exactly {nbytes} bytes")
+        if not nbytes:
+            return memoryview(b"")
+        populate = getattr(mmap, "MAP_POPULATE", 0)  # one call maps every page: no fault per page on copying
+        return memoryview(mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ))
+    finally:
+        os.close(fd)
 
 
 def mapped_parts(files: Sequence, nbytes: int) -> list:
