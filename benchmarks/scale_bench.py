@@ -173,11 +173,11 @@ def _prioritized(rec: Recorder, p: Profile, client: Client, size: str) -> None:
                f"prioritized, round trip", Sample.of(times).map(_ms), "ms", better="lower")
 
 
-def _writer(port: int, start: float, run_s: float, batch: int) -> tuple[int, float]:
+def _writer(port: int, start: float, run_s: float, batch: int, zero_copy: bool) -> tuple[int, float]:
     """Rows inserted in ``run_s`` seconds from ``start`` on, and the CPU seconds it took."""
     data, ends = rows(0, batch)
     done = 0
-    with Client("127.0.0.1", port, timeout=120, zero_copy=False) as client:
+    with Client("127.0.0.1", port, timeout=120, zero_copy=zero_copy) as client:
         time.sleep(max(0.0, start - time.time()))
         cpu = time.process_time()
         while time.time() < start + run_s:
@@ -187,6 +187,9 @@ def _writer(port: int, start: float, run_s: float, batch: int) -> tuple[int, flo
 
 
 def _writers(rec: Recorder, p: Profile, server: Server, size: str, scratch: str) -> None:
+    """Inserts of 1 MiB from ``big_writers`` processes: as a writer on the server's host
+    sends them by default (through shared memory, PROTOCOL.md §10.4), and over TCP
+    (``zero_copy=False``), runs of the two taken in turn."""
     batch = (1 << 20) // ROW
     with RawLoopback(1 << 20) as raw:
         times = raw.one_way(1 << 20, max(p.big_reps, 20), p.warmup)
@@ -195,24 +198,33 @@ def _writers(rec: Recorder, p: Profile, server: Server, size: str, scratch: str)
     _disk_write(rec, scratch, min(p.big_rows * ROW, DISK_WRITE_MAX))
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "tensorshare.client", "benchmarks.scale_bench"])
-    rates, server_ms, writers_ms = [], [], []
+    ways = {"": True, "_tcp": False}  # figure suffix -> zero_copy
+    rates: dict = {k: [] for k in ways}
+    server_ms: dict = {k: [] for k in ways}
+    writers_ms: dict = {k: [] for k in ways}
     with ctx.Pool(p.big_writers) as pool:
         pool.map(abs, range(p.big_writers))
         for _ in range(p.tables_runs):
-            start = time.time() + p.pool_lead_s  # each connects first
-            before = server.cpu_seconds()
-            done = pool.starmap(_writer, [(server.port, start, p.big_run_s, batch)] * p.big_writers)
-            mib = sum(n for n, _ in done) * ROW / (1 << 20)
-            rates.append(mib * (1 << 20) / p.big_run_s / 1e9)
-            # (the server's CPU from before the writers connect to after the last reply: a little more than theirs)
-            server_ms.append((server.cpu_seconds() - before) / mib * 1e3)
-            writers_ms.append(sum(c for _, c in done) / mib * 1e3)
-    rec.figure("scale.inserts", f"inserts of 1 MiB ({batch} rows) from {p.big_writers} processes into the full "
-               f"table of {size} rows", Sample.of(rates), "GB/s", vs=["scale.loopback", "scale.disk_write"])
-    rec.figure("scale.insert_server_cpu", "the server's CPU per MiB inserted (user + system)",
-               Sample.of(server_ms), "ms", better="lower")
-    rec.figure("scale.insert_writers_cpu", f"the {p.big_writers} writers' CPU per MiB inserted",
-               Sample.of(writers_ms), "ms", better="lower")
+            for way, zero_copy in ways.items():
+                start = time.time() + p.pool_lead_s  # each connects first
+                before = server.cpu_seconds()
+                done = pool.starmap(_writer, [(server.port, start, p.big_run_s, batch, zero_copy)] * p.big_writers)
+                mib = sum(n for n, _ in done) * ROW / (1 << 20)
+                rates[way].append(mib * (1 << 20) / p.big_run_s / 1e9)
+                # (the server's CPU from before the writers connect to after the last reply: a little more than theirs)
+                server_ms[way].append((server.cpu_seconds() - before) / mib * 1e3)
+                writers_ms[way].append(sum(c for _, c in done) / mib * 1e3)
+    what = f"inserts of 1 MiB ({batch} rows) from {p.big_writers} processes on the server's host into the full " \
+           f"table of {size} rows"
+    rec.figure("scale.inserts", f"{what}, as they go by default (through shared memory)", Sample.of(rates[""]),
+               "GB/s", vs=["scale.loopback", "scale.disk_write", "scale.inserts_tcp"])
+    rec.figure("scale.inserts_tcp", f"{what}, over TCP (zero_copy=False)", Sample.of(rates["_tcp"]), "GB/s",
+               vs=["scale.loopback"])
+    for way, how in (("", "through shared memory"), ("_tcp", "over TCP")):
+        rec.figure(f"scale.insert_server_cpu{way}", f"the server's CPU per MiB inserted {how} (user + system)",
+                   Sample.of(server_ms[way]), "ms", better="lower")
+        rec.figure(f"scale.insert_writers_cpu{way}", f"the {p.big_writers} writers' CPU per MiB inserted {how}",
+                   Sample.of(writers_ms[way]), "ms", better="lower")
 
 
 DISK_WRITE_MAX = 8 * GiB  # past the kernel's dirty-page limits (20% of the memory here): what the disk sustains
