@@ -18,9 +18,11 @@ but for the table larger than RAM (28,232-byte Atari-like rows).
 * **Side by side at ``big_side_rows``** (10^7): TorchRL's ``LazyMemmapStorage`` +
   ``PrioritizedSampler`` in one process against the table over TCP, sample + update
   of 256 (the update sent without waiting for its reply, as a learner's loop does;
-  and, beside it, waited for), and the memory of each (its process's, the server's).  Where TorchRL's
-  prioritized sampler cannot be made (its C++ extension does not load against
-  every torch), the table engine in that process stands in, said so.
+  and, beside it, waited for), and the memory of each (its process's, the server's).  TorchRL runs in a
+  process of its own (:mod:`.torchrl_side`), in ``.venv-torchrl`` where the
+  project's torch is not the one its C++ sampler was built for (``make bench``
+  makes it); where the sampler cannot load at all, the table engine in that
+  process stands in, said so.
 * **A table larger than RAM** (full: twice the machine's memory if the disk has the
   room, else the most it has; quick: ``big_ram_table_bytes``): uniform samples of
   256 rows from pages not in the page cache (the server restarted after its files
@@ -32,9 +34,12 @@ but for the table larger than RAM (28,232-byte Atari-like rows).
 from __future__ import annotations
 
 import hashlib
+import json
 import multiprocessing
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -308,70 +313,78 @@ def _restart(rec: Recorder, p: Profile, scratch: str) -> None:
 # -- side by side with TorchRL, in process
 
 
-def _in_process(n: int, reps: int, warm: int, scratch: str, out) -> None:
-    """A child process: TorchRL's LazyMemmapStorage + PrioritizedSampler (or the table
-    engine standing in for the sampler) of ``n`` rows; sample + update of 256."""
+def _in_process(n: int, reps: int, warm: int, scratch: str) -> tuple[list, str, int, int]:
+    """TorchRL's LazyMemmapStorage + PrioritizedSampler of ``n`` rows in a process of
+    its own (:mod:`.torchrl_side`, under ``TENSORSHARE_TORCHRL_PYTHON`` where set: an
+    environment whose TorchRL loads its C++ sampler); where the sampler cannot load,
+    the table's engine in process stands in for it, and the figure says so.
+    Returns the times of sample + update of 256, what sampled, and the memory it grew by."""
+    python = os.environ.get("TENSORSHARE_TORCHRL_PYTHON") or sys.executable
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([python, "-m", "benchmarks.torchrl_side", str(n), str(reps), str(warm), scratch],
+                          cwd=root, capture_output=True, text=True, timeout=1800)
+    lines = proc.stdout.strip().splitlines()
+    try:
+        out = json.loads(lines[-1])
+    except (IndexError, ValueError):
+        raise RuntimeError(f"the TorchRL side exited {proc.returncode}: {proc.stderr[-500:]}") from None
+    if "times" in out:
+        return out["times"], out["what"], out["anon"], out["rss"]
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_engine_in_process, args=(n, reps, warm, scratch, out["error"], queue))
+    child.start()
+    try:
+        return queue.get(timeout=1800)
+    finally:
+        child.join(60)
+
+
+def _engine_in_process(n: int, reps: int, warm: int, scratch: str, why: str, out) -> None:
+    """A child process: TorchRL's LazyMemmapStorage and the table's engine standing
+    in for TorchRL's sampler (``why``: what kept that from loading)."""
     torch.set_num_threads(1)
     from tensordict import TensorDict
-    from torchrl.data import LazyMemmapStorage, PrioritizedSampler, ReplayBuffer
+    from torchrl.data import LazyMemmapStorage
+
+    from .tables_engine_bench import load_engine
 
     before = _status(os.getpid())
     storage = LazyMemmapStorage(n, scratch_dir=scratch)
-    try:
-        sampler, what = PrioritizedSampler(n, alpha=0.6, beta=0.4), "TorchRL PrioritizedSampler"
-    except RuntimeError as exc:
-        sampler, what = None, f"the table engine in process (TorchRL's PrioritizedSampler: {str(exc)[:80]})"
-    rb = ReplayBuffer(storage=storage, sampler=sampler, batch_size=BATCH) if sampler else None
-    engine = None
-    if rb is None:
-        from .tables_engine_bench import load_engine
-
-        engine = load_engine().Table(n, {"i": ((), "int64")}, sampler="prioritized", priority_exponent=0.6)
+    engine = load_engine().Table(n, {"i": ((), "int64")}, sampler="prioritized", priority_exponent=0.6)
     g = torch.Generator().manual_seed(0)
     chunk = 1 << 20
     for first in range(0, n, chunk):
         k = min(chunk, n - first)
         batch, _ = rows(first, k)
-        td = TensorDict(batch, [k])
-        p = torch.rand(k, generator=g) + 0.01
-        if rb is not None:
-            rb.update_priority(rb.extend(td), p)
-        else:
-            storage.set(torch.arange(first, first + k), td)
-            engine.insert({"i": np.arange(first, first + k)}, priorities=p.numpy())
-    new = torch.rand(BATCH) + 0.01
+        storage.set(torch.arange(first, first + k), TensorDict(batch, [k]))
+        engine.insert({"i": np.arange(first, first + k)}, priorities=(torch.rand(k, generator=g) + 0.01).numpy())
+    new = (torch.rand(BATCH) + 0.01).numpy()
 
     def once():
-        if rb is not None:
-            _, info = rb.sample(return_info=True)
-            rb.update_priority(info["index"], new)
-        else:
-            s = engine.sample(BATCH)
-            storage.get(torch.from_numpy(s.indices))
-            engine.update_priorities(s.keys, new.numpy())
+        s = engine.sample(BATCH)
+        storage.get(torch.from_numpy(s.indices))
+        engine.update_priorities(s.keys, new)
 
     times = time_runs(once, reps, warm)
     after = _status(os.getpid())
-    out.put((times, what, after["RssAnon"] - before["RssAnon"], after["VmRSS"] - before["VmRSS"]))
+    out.put((times, f"the table engine in process (TorchRL's PrioritizedSampler: {why[:80]})",
+             after["RssAnon"] - before["RssAnon"], after["VmRSS"] - before["VmRSS"]))
 
 
 def _side_by_side(rec: Recorder, p: Profile, scratch: str) -> None:
     n = p.big_side_rows
     size = _label(n)
-    try:
-        import torchrl  # noqa: F401
-    except ImportError as exc:
-        rec.skip("scale: side by side with TorchRL", f"torchrl is not installed ({exc})")
-        return
+    if not os.environ.get("TENSORSHARE_TORCHRL_PYTHON"):
+        try:
+            import torchrl  # noqa: F401
+        except ImportError as exc:
+            rec.skip("scale: side by side with TorchRL", f"torchrl is not installed ({exc})")
+            return
     reps = 10 * p.big_reps  # (a millisecond each: enough of them for a steady median)
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    child = ctx.Process(target=_in_process, args=(n, reps, p.warmup, os.path.join(scratch, "torchrl"), out))
-    child.start()
     try:
-        times, what, anon, rss = out.get(timeout=1800)
+        times, what, anon, rss = _in_process(n, reps, p.warmup, os.path.join(scratch, "torchrl"))
     finally:
-        child.join(60)
         shutil.rmtree(os.path.join(scratch, "torchrl"), ignore_errors=True)
     rec.figure("scale.local_prio", f"in process, {size} rows: LazyMemmapStorage + {what}, sample + update of {BATCH}",
                Sample.of(times).map(_ms), "ms", better="lower", baseline=True,

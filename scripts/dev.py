@@ -109,9 +109,41 @@ def docs() -> None:
     os.execv(str(PY), [str(PY), "-m", "mkdocs", "build", "--strict", "--site-dir", str(ROOT / "site")])
 
 
+# TorchRL's prioritized sampler needs its C++ segment trees, whose wheels are built for
+# one torch release each (0.14.1: torch 2.14); where the project's torch is another,
+# the benchmark's side by side runs TorchRL in an environment of its own.
+TORCHRL_VENV = ROOT / ".venv-torchrl"
+TORCHRL_ENV = ("torch==2.14.1", "torchrl==0.14.1", "tensordict==0.14.3", "numpy")
+_SAMPLER_LOADS = "from torchrl.data import PrioritizedSampler; PrioritizedSampler(2, 0.6, 0.4)"
+
+
+def torchrl_python() -> Path | None:
+    """An interpreter whose TorchRL loads its prioritized sampler: the project's, or
+    ``.venv-torchrl``'s (made here when the project's cannot); None if neither."""
+    for python in (PY, TORCHRL_VENV / "bin" / "python"):
+        if python.exists() and subprocess.run([str(python), "-c", _SAMPLER_LOADS],
+                                              capture_output=True).returncode == 0:
+            return python
+    print(f"+ {TORCHRL_VENV.name}: {' '.join(TORCHRL_ENV)} (TorchRL's sampler beside the project's torch)",
+          flush=True)
+    if not TORCHRL_VENV.exists():
+        venv.EnvBuilder(with_pip=True).create(TORCHRL_VENV)
+    python = TORCHRL_VENV / "bin" / "python"
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *TORCHRL_ENV],
+                   cwd=ROOT, check=False)
+    if subprocess.run([str(python), "-c", _SAMPLER_LOADS], capture_output=True).returncode == 0:
+        return python
+    print("TorchRL's prioritized sampler does not load: the side by side measures the table's engine instead",
+          flush=True)
+    return None
+
+
 def bench(profile: str) -> None:
     ensure_env("bench")
     ensure_torchrl()  # the tables section's in-process baseline
+    python = torchrl_python()
+    if python is not None:
+        os.environ["TENSORSHARE_TORCHRL_PYTHON"] = str(python)
     if shutil.which("redis-server") is None:
         install_redis()
     os.execv(str(PY), [str(PY), "-m", "benchmarks", "--profile", profile])
