@@ -17,7 +17,7 @@ import torch
 import tensorshare
 from tensorshare.disk.layout import RECORD
 from tensorshare.errors import ZeroCopyUnavailableError
-from tensorshare.protocol.messages import TINSERT, Key
+from tensorshare.protocol.messages import PUT, TINSERT, Key
 from tensorshare.wire.codec import encode
 from serverproc import ServerProcess
 
@@ -171,6 +171,13 @@ def test_a_durable_table_takes_same_host_rows_and_keeps_them_across_a_restart(tm
             assert len(_kept(c)) == 1
             c.put("value", torch.ones(1 << 20))
             assert len(_kept(c)) == 1
+            areas = c.router.home.areas
+            enc = encode(torch.zeros(1 << 20))
+            name = areas.write(enc)  # a value named in shared memory: refused, it goes to disk over TCP
+            with pytest.raises(ZeroCopyUnavailableError):
+                c._call(PUT, {Key.BIN: "value", Key.VALUE: enc.description, Key.SHM: name, Key.SIZE: enc.nbytes},
+                        zero_copy=False)
+            areas.discard(name)
         srv.stop()
         srv.start()
         with tensorshare.Client("127.0.0.1", srv.port, timeout=30) as c:
