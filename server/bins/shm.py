@@ -28,11 +28,15 @@ import secrets
 import shutil
 import time
 
+import numpy as np
+
 from tensorshare.disk.areas import AreaError, check_item_tree, not_open_for_writing, valid_name
 from tensorshare.errors import ZeroCopyUnavailableError
-from tensorshare.disk.layout import RECORD, LayoutError, StoredItem, map_read_only, read_item, write_item
+from tensorshare.disk.files import read_file_into
+from tensorshare.disk.layout import RECORD, LayoutError, StoredItem, read_item, write_item
 from tensorshare.wire.description import DEFAULT_LIMITS, DecodeLimits
 
+from ..malloc import heap_temporaries
 from .dirlock import lock_file
 
 log = logging.getLogger("tensorshare.server")
@@ -41,7 +45,6 @@ PREFIX = "tensorshare-"
 _NEW_PREFIX = ".tensorshare-new-"  # a directory being set up (renamed once its lock is held)
 _STALE_NEW_S = 60.0  # a set-up directory this old without a held lock was left by a crash
 _METADATA_MAX = 64 << 20  # bytes of record and meta.json files an adopted item may carry
-_MAPS_MAX = 1 << 30  # bytes of a connection's incoming files kept mapped for the next insert (as its client keeps)
 
 
 class ShmArea:
@@ -69,7 +72,6 @@ class ShmArea:
         self.incoming = os.path.join(self.path, "incoming")
         self._names = itertools.count()
         self._connections = itertools.count()
-        self._maps: dict[str, dict] = {}  # connection -> {file: (identity, read-only mapping)} (take_arrays)
 
     # -- connections (reactor thread)
 
@@ -85,7 +87,6 @@ class ShmArea:
         It is renamed first, so that a client still writing cannot start another item
         in it (it writes no parent directories); anything such a writer finishes
         meanwhile is removed with the next connection that closes, or at exit."""
-        self._maps.pop(relative, None)  # (its pages go once the mappings do)
         closed = os.path.join(self.incoming, f".closed-{os.path.basename(relative)}")
         try:
             os.rename(os.path.join(self.path, relative), closed)
@@ -125,35 +126,28 @@ class ShmArea:
     def take_arrays(self, connection: str, name: object, description: bytes, nbytes: int,
                     limits: DecodeLimits = DEFAULT_LIMITS) -> list:
         """The arrays of the item a client wrote to ``incoming/<connection>/<name>``,
-        mapped read-only (their pages mapped at once), one buffer per array of the
-        description, in its order, for a table insert to copy its rows from
-        (PROTOCOL.md §10.4).  The directory stays: its client writes its next rows
-        into the same pages once the insert is answered (new pages cost more than
-        the copy), the mappings are kept for them (:meth:`_mapped`), and the
-        connection's end removes both.
+        one uint8 array per array of the description, in its order, read out of the
+        files into one buffer for a table insert (PROTOCOL.md §10.4).  Read with
+        ``preadv``, not through mappings: a file cut short by its writer is a refused
+        request, never a fault in the server, and what was checked is what is inserted.
+        The directory stays: its client writes its next rows into the same pages once
+        the insert is answered (new pages cost more than the copy), and the
+        connection's end removes it.
 
         Checked as :meth:`adopt` checks (:class:`ZeroCopyUnavailableError`)."""
         _source, stored = self._checked(connection, name, description, nbytes, limits)
-        maps = self._maps.setdefault(connection, {})
+        with heap_temporaries():  # (pages used before: no fault and zeroing per page, see server/malloc.py)
+            buffer = np.empty(sum(length for _offset, length, _file in stored.files), np.uint8)
+        arrays, at = [], 0
         try:
-            return [self._mapped(maps, file, length) for _offset, length, file in stored.files]
-        except (LayoutError, OSError) as exc:  # (changed since it was checked)
+            for _offset, length, file in stored.files:
+                array = buffer[at:at + length]
+                read_file_into(file, array)
+                arrays.append(array)
+                at += length
+        except (ValueError, OSError) as exc:  # (changed since it was checked)
             raise ZeroCopyUnavailableError(f"incoming item unreadable: {exc}") from None
-
-    def _mapped(self, maps: dict, file: str, length: int):
-        """``file`` mapped read-only: the mapping made for it before if it is still the
-        same file (the client writes its next rows into the same pages, and mapping
-        1 MiB costs more than copying it), else a new one, kept for next time (up to
-        ``_MAPS_MAX`` bytes per connection)."""
-        st = os.lstat(file)
-        known = maps.get(file)
-        if known is not None and known[0] == (st.st_dev, st.st_ino, st.st_size):
-            return known[1]
-        array = map_read_only(file, length)
-        if sum(a.nbytes for _key, a in maps.values()) + length > _MAPS_MAX:
-            maps.clear()
-        maps[file] = ((st.st_dev, st.st_ino, st.st_size), array)
-        return array
+        return arrays
 
     def _checked(self, connection: str, name: object, description: bytes, nbytes: int,
                  limits: DecodeLimits) -> tuple[str, StoredItem]:

@@ -27,7 +27,6 @@ import mmap
 import os
 import re
 import shutil
-import stat
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -404,24 +403,6 @@ def read_item(path: str, limits: DecodeLimits = DEFAULT_LIMITS) -> StoredItem:
             raise LayoutError(f"{path}: {relative!r} holds {size} bytes, the array has {spec.nbytes}")
         located.append((spec.offset, spec.nbytes, file))
     return StoredItem(path, description, tag, nbytes, tuple(located))
-
-
-def map_read_only(file: str, nbytes: int) -> memoryview:
-    """The regular file ``file`` of exactly ``nbytes`` bytes (not followed if a
-    symlink) as a read-only view of a shared mapping whose pages are mapped at once:
-    bytes about to be copied out whole (a table insert's rows, PROTOCOL.md §10.4).
-    Raises ``LayoutError`` for another kind or size of file, ``OSError``."""
-    fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != nbytes:
-            raise LayoutError(f"{file} is not a regular file of exactly {nbytes} bytes")
-        if not nbytes:
-            return memoryview(b"")
-        populate = getattr(mmap, "MAP_POPULATE", 0)  # one call maps every page: no fault per page on copying
-        return memoryview(mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ))
-    finally:
-        os.close(fd)
 
 
 def mapped_parts(files: Sequence, nbytes: int) -> list:
