@@ -1,5 +1,6 @@
-"""Table inserts through shared memory (PROTOCOL.md §10.4): a same-host writer writes a
-large batch's columns into its incoming directory and the TINSERT names it; the
+"""Table inserts through shared memory (PROTOCOL.md §10.4): a same-host writer that asks
+(``insert(..., shared=True)``) writes a large batch's columns into its incoming
+directory and the TINSERT names it; the
 server checks it as an adopted PUT value, copies the rows into the table's columns
 from the files, and leaves the directory for the writer's next batch.  Against a
 server process: rows round-trip exactly (into a durable table too), spoilt
@@ -65,13 +66,13 @@ def test_same_host_inserts_go_through_shared_memory_and_round_trip_exactly(serve
         priorities = torch.rand(N) + 0.5
         ends = torch.arange(N) % 100 == 99
         for client, name in ((local, "shm"), (tcp, "tcp")):
-            client.insert(name, batch(0), priorities, ends=ends)
+            client.insert(name, batch(0), priorities, ends=ends, shared=client is local)
         [kept] = _kept(local)  # the rows came through this directory, which the server left for the next ones
         assert sorted(os.listdir(os.path.join(_incoming(local), kept))) == \
             sorted([RECORD, "action.memmap", "half.memmap", "obs.memmap", "pix.memmap", "meta.json"])
         for first in (N, 2 * N, 3 * N):  # the ring wraps: the first batch's rows are replaced
             for client, name in ((local, "shm"), (tcp, "tcp")):
-                client.insert(name, batch(first), 2.0)
+                client.insert(name, batch(first), 2.0, shared=client is local)
             assert _kept(local) == [kept]  # written into the same pages again
         slots = torch.arange(3 * N)
         shm, over_tcp = local.read("shm", slots), tcp.read("tcp", slots)
@@ -83,7 +84,7 @@ def test_same_host_inserts_go_through_shared_memory_and_round_trip_exactly(serve
             assert a[key] == b[key]
         # one more of the first kind, with priorities and episode ends: the same state as over TCP
         for client, name in ((local, "shm"), (tcp, "tcp")):
-            client.insert(name, batch(4 * N), priorities, ends=ends)
+            client.insert(name, batch(4 * N), priorities, ends=ends, shared=client is local)
         assert _equal(local.read("shm", slots), tcp.read("tcp", slots))
         s, t = local.sample("shm", 64, length=32), tcp.sample("tcp", 64, length=32)
         assert s.value["action"].shape == t.value["action"].shape == (64, 32)
@@ -93,21 +94,23 @@ def test_same_host_inserts_go_through_shared_memory_and_round_trip_exactly(serve
         assert info["size"] == 3 * N and info["inserts"] == 5 * N
 
 
-def test_rows_go_over_tcp_without_verified_areas_and_for_small_batches(server):
+def test_rows_go_over_tcp_unless_asked_without_verified_areas_and_for_small_batches(server):
     with tensorshare.Client("127.0.0.1", server.port, timeout=30) as local, \
             tensorshare.Client("127.0.0.1", server.port, timeout=30, zero_copy=False) as tcp:
         assert _incoming(tcp) is None  # zero_copy=False: no verified areas, so no incoming directory
         tcp.create_table("by-tcp", N, COLUMNS)
-        tcp.insert("by-tcp", batch(0))
+        tcp.insert("by-tcp", batch(0), shared=True)
         assert _equal(tcp.read("by-tcp", torch.arange(N)), batch(0))
-        local.create_table("small", 100, COLUMNS)
-        local.insert("small", batch(0, 10))  # 2.7 KB: over TCP
+        local.insert("by-tcp", batch(N))  # not asked: over the socket
         assert not _kept(local)
-        local.insert("by-tcp", batch(N))  # the same batch from a verified client: through shared memory
+        local.create_table("small", 100, COLUMNS)
+        local.insert("small", batch(0, 10), shared=True)  # 2.7 KB: over the socket
+        assert not _kept(local)
+        local.insert("by-tcp", batch(2 * N), shared=True)  # asked, verified, large: through shared memory
         assert len(_kept(local)) == 1
-        assert _equal(tcp.read("by-tcp", torch.arange(N)), batch(N))
+        assert _equal(tcp.read("by-tcp", torch.arange(N)), batch(2 * N))
         local.create_table("items", 4)
-        local.insert("items", {"obs": torch.ones(1 << 18)})  # refused from shared memory (425): sent over TCP
+        local.insert("items", {"obs": torch.ones(1 << 18)}, shared=True)  # refused (425): sent over the socket
         assert torch.equal(local.read("items", torch.tensor([0]))[0]["obs"], torch.ones(1 << 18))
 
 
@@ -156,7 +159,7 @@ def test_spoilt_or_hostile_references_are_refused_and_nothing_is_inserted(server
         assert info["size"] == N and info["inserts"] == N  # nothing inserted...
         assert _equal(c.read(table, torch.arange(N)), batch(0))  # ...nothing changed
         assert open("/etc/hostname").read()  # nothing followed the symlink
-        c.insert(table, batch(N))  # and the connection goes on
+        c.insert(table, batch(N), shared=True)  # and the connection goes on
         assert _equal(c.read(table, torch.arange(N, 2 * N)), batch(N))
 
 
@@ -167,7 +170,7 @@ def test_a_durable_table_takes_same_host_rows_and_keeps_them_across_a_restart(tm
             assert not c.router.home.areas.takes_values  # its values go to disk from the payload, over TCP
             c.create_table("durable", 2 * N, COLUMNS, remover="fifo")
             for first in (0, N, 2 * N):  # the third batch replaces the first (through the journal)
-                c.insert("durable", batch(first), ends=torch.arange(N) == N - 1)
+                c.insert("durable", batch(first), ends=torch.arange(N) == N - 1, shared=True)
             assert len(_kept(c)) == 1
             c.put("value", torch.ones(1 << 20))
             assert len(_kept(c)) == 1

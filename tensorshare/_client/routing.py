@@ -10,9 +10,9 @@ the zero-copy role its command declares (``Command.zero_copy``):
   would reach them inline first), is written into this connection's incoming
   directory, and the request names it instead of carrying its bytes; any other
   value goes over TCP, which is faster than writing it into new shared-memory
-  pages.  A table's rows (TINSERT) go that way whenever they are large enough: the
-  server copies them into its columns either way, from the files instead of the
-  socket.  If the server does not take it (425), the fallback sends the written
+  pages.  A table's rows (TINSERT, sent with zero-copy only when the caller
+  asks: ``insert(..., shared=True)``) go that way when they are large enough: the
+  server copies them into its columns from the files instead of the socket.  If the server does not take it (425), the fallback sends the written
   copy over TCP (the caller may have changed the original since);
 * ``READ`` and ``TAKE`` (PEEK, TREAD; GET, TSAMPLE): the request asks for
   references to the items' files (or to the stacked rows).  If those cannot be
