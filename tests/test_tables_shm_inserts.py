@@ -17,7 +17,7 @@ import torch
 
 import tensorshare
 from tensorshare.disk.layout import RECORD
-from tensorshare.errors import ZeroCopyUnavailableError
+from tensorshare.errors import BusyError, TooLargeError, ZeroCopyUnavailableError
 from tensorshare.protocol.messages import PUT, TINSERT, Key
 from tensorshare.wire.codec import encode
 from serverproc import ServerProcess
@@ -189,3 +189,21 @@ def test_a_durable_table_takes_same_host_rows_and_keeps_them_across_a_restart(tm
             assert torch.equal(c.peek("value")[0], torch.ones(1 << 20))
     finally:
         srv.stop()
+
+
+def test_limits_hold_for_rows_from_shared_memory(server):
+    with tensorshare.Client("127.0.0.1", server.port, timeout=30) as c:
+        c.create_table("limited", 4 * N, COLUMNS, remover=None, samples_per_insert=1.0, error_buffer=(0.0, 1.5 * N),
+                       min_size_to_sample=1)
+        c.insert("limited", batch(0), shared=True)
+        with pytest.raises(BusyError):  # the rate limiter holds the second batch: nothing inserted
+            c.insert("limited", batch(N), shared=True, timeout=0.3)
+        assert c.table_info("limited")["size"] == N
+        c.sample("limited", N)  # now it may go on
+        c.insert("limited", batch(N), shared=True)
+        assert _equal(c.read("limited", torch.arange(N, 2 * N)), batch(N))
+        c.create_table("bounded", N // 2, COLUMNS, remover=None)
+        with pytest.raises(TooLargeError):  # more rows than a table without the fifo remover holds
+            c.insert("bounded", batch(0), shared=True)
+        assert c.table_info("bounded")["size"] == 0
+        assert len(_kept(c)) == 1
