@@ -201,3 +201,24 @@ def test_tensors_of_every_kind_read_through_the_lane(server):
                 assert got.dtype == value.dtype and got.shape == value.shape and torch.equal(got, value)
                 got.zero_()  # each read's tensor is its own memory
         assert tracked == ["PUT", "PUT"]  # (bfloat16, with no numpy twin, and an empty tensor: the general encoder)
+
+
+def test_a_read_of_one_item_is_read_with_its_template_and_others_decoded(server, monkeypatch):
+    from tensorshare._client import express
+
+    decoded: list = []
+    whole = express.whole_frames
+    monkeypatch.setattr(express, "whole_frames", lambda data, limits: decoded.append(1) or whole(data, limits))
+    with tensorshare.Client("127.0.0.1", server.port) as c:
+        c.ping()
+        tracked = _counting_tracks(c)
+        value = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+        c.put("x-one", value)
+        for _ in range(2):  # the description decoded the first time, found decoded the next
+            assert torch.equal(c.peek("x-one")[0], value)
+        assert decoded == []  # a put's reply and a one-item read's: each read with its template
+        c.append("x-one", torch.ones(2))
+        assert [v.shape for v in c.peek("x-one")] == [(2, 3), (2,)]  # two items: decoded as a map
+        assert decoded == [1]
+        assert torch.equal(c.get("x-one", max_items=1)[0], value)  # a take of one item: the template's again
+        assert decoded == [1] and tracked == []

@@ -25,14 +25,16 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactor
 
 from pairing import HeldJobs, Outbox, Pair
-from tensorshare._client.connection import NO_VALUE, request_frame
+from tensorshare._client.connection import NO_VALUE, read_reply, request_frame
 from tensorshare.errors import ProtocolError, RemoteError
 from tensorshare.protocol.messages import (
     APPEND, BAD_ARGS, BAD_FRAME, COMMANDS, DELETE, GET, LISTEN, NOOP, NOT_AUTHENTICATED, PEEK, PUT, TOO_LARGE,
     UNKNOWN_VERB,
 )
+from tensorshare.wire.codec import encode
 from tensorshare.wire.frames import (
-    FREE_CONTAINERS, SMALL_FRAME, FrameDecoder, SegmentSink, discard_sink, frame_head, unpack_header, whole_frames,
+    FREE_CONTAINERS, SMALL_FRAME, FrameDecoder, FrameLimits, SegmentSink, discard_sink, frame_head, unpack_header,
+    whole_frames,
 )
 from tensorshare_server.config import ServerConfig
 from tensorshare_server.net import twisted_internals
@@ -318,6 +320,65 @@ def test_a_prepared_reply_head_reads_back_its_own_frames_only():
     assert head.read(head(-1, 2, 3)) is None  # made the slow way (not a uint64): decoded as usual
     assert head.read(frame_head(PUT.reply(5, n=1, seq=2), 0)) is None  # the shortest encoding: not the template's
     assert NOOP.success.head.read(NOOP.success.head(9)) == (9,) and NOOP.success.head.read(head(9, 1, 1)) is None
+
+
+def test_a_one_item_reply_head_is_the_frame_of_the_declared_reply_and_reads_back_only_its_own():
+    lone = PEEK.success.lone
+    assert GET.success.lone is lone and PUT.success.lone is None  # (a put's reply has no items)
+    limits = FrameDecoder().limits
+    blob = encode(torch.ones(4, 4)).description
+    for rid, seq, item, nbytes in ((1, 1, blob, 64), (12345, 1 << 40, b"", 0), ((1 << 64) - 1, 7, b"x" * 300, 5)):
+        frame_bytes = lone(rid, seq, item, nbytes) + b"p" * nbytes
+        (frame,) = FrameDecoder(discard_sink).feed(frame_bytes)  # what a decoder makes of the same bytes
+        declared = PEEK.reply(rid, seq=seq, items=[item], sizes=[nbytes])
+        assert frame.header == declared and frame.payload_len == nbytes
+        assert PEEK.success.check(frame.header) is frame.header
+        ((header, payload, _),), end = whole_frames(frame_bytes)
+        assert header == declared and end == len(frame_bytes)
+        start = len(frame_bytes) - nbytes
+        assert lone.read(frame_bytes, limits) == (rid, seq, item, nbytes, start)
+        assert lone.read(memoryview(frame_bytes), limits) == (rid, seq, item, nbytes, start)
+        assert lone.read(frame_bytes + b"\x00", limits) is None  # not exactly one frame: decoded as usual
+        assert lone.read(frame_bytes[:-1], limits) is None
+        for i in range(len(frame_bytes) - nbytes):  # any one byte changed: read as the decoder reads it, or not at all
+            changed = bytearray(frame_bytes)
+            changed[i] ^= 0x01
+            got = lone.read(bytes(changed), limits)
+            if got is not None:
+                (frame,) = FrameDecoder(discard_sink).feed(bytes(changed))
+                rid_, seq_, item_, nbytes_, _ = got
+                assert frame.header == PEEK.reply(rid_, seq=seq_, items=[item_], sizes=[nbytes_])
+    made = lone(-1, 2, blob, 64)  # not a uint64: made the slow way, decoded as usual
+    (frame,) = FrameDecoder(discard_sink).feed(made + bytes(64))
+    assert frame.header == PEEK.reply(-1, seq=2, items=[blob], sizes=[64]) and lone.read(made + bytes(64), limits) is None
+    general = frame_head(PEEK.reply(5, seq=2, items=[blob], sizes=[64]), 64) + bytes(64)  # the shortest encoding
+    assert lone.read(general, limits) is None
+    two = frame_head(PEEK.reply(5, seq=2, items=[blob, blob], sizes=[32, 32]), 64) + bytes(64)  # two items
+    assert lone.read(two, limits) is None
+    long_blob = lone(5, 2, b"x" * FREE_CONTAINERS, 1) + b"p"  # a header over whole_frames' limit: the decoder's
+    assert lone.read(long_blob, limits) is None and whole_frames(long_blob) == ([], 0)
+    small = FrameDecoder(limits=FrameLimits(max_payload=8)).limits  # a payload over the receiver's limit
+    assert lone.read(lone(5, 2, blob, 64) + bytes(64), small) is None
+
+
+def test_a_small_read_of_one_item_is_answered_from_the_template_and_of_two_as_a_map():
+    pair, limits = Pair(), FrameDecoder().limits
+    pair.call(PUT, {"bin": "b"}, torch.arange(3.0))
+    for command in (PEEK, GET):
+        rid = pair.send_request(command, {"bin": "b"})
+        data = bytes(pair.outbox.data)
+        assert command.success.lone.read(data, limits)[0] == rid  # the template's exact bytes
+        (reply,) = pair.receive()
+        assert read_reply(command, reply).values[0].tolist() == [0.0, 1.0, 2.0]
+    pair.call(PUT, {"bin": "b"}, torch.arange(3.0))
+    pair.call(APPEND, {"bin": "b"}, torch.arange(2.0))
+    for command in (PEEK, GET):
+        pair.send_request(command, {"bin": "b"})
+        data = bytes(pair.outbox.data)
+        assert command.success.lone.read(data, limits) is None
+        (reply,) = pair.receive()
+        assert len(reply.header["sizes"]) == 2
+        assert [v.tolist() for v in read_reply(command, reply).values] == [[0.0, 1.0, 2.0], [0.0, 1.0]]
 
 
 # ------------------------------------------------------ the writer's fast path

@@ -7,9 +7,13 @@ import torch
 
 import tensorshare_server.net.busypoll as busypoll
 from tensorshare._client.spin import ReplySpin
-from tensorshare.protocol.pacing import BACKOFF, Contention
+import tensorshare.protocol.pacing as pacing
+from tensorshare.protocol.pacing import BACKOFF, CROWDED, LOOK, Contention
 from tensorshare_server import ServerConfig
 from tensorshare_server.net.busypoll import BusyPoll
+
+
+_REAL_RUN_DELAY = pacing.thread_run_delay
 
 
 class FakeClock:
@@ -22,6 +26,57 @@ class FakeClock:
     def __call__(self) -> float:
         self.now += self.step
         return self.now
+
+
+class FakeRunDelay:
+    """What :func:`~tensorshare.protocol.pacing.thread_run_delay` reports: ``waited``
+    nanoseconds for a CPU, on thread ``thread``."""
+
+    def __init__(self):
+        self.thread, self.waited = 1, 0
+
+    def __call__(self) -> tuple:
+        return self.thread, self.waited
+
+
+@pytest.fixture(autouse=True)
+def quiet_host(monkeypatch) -> FakeRunDelay:
+    """Pollers made in a test see a host whose CPUs nobody else wants (unless the
+    test says otherwise): the machine running the tests is no part of them."""
+    run_delay = FakeRunDelay()
+    monkeypatch.setattr(pacing, "thread_run_delay", run_delay)
+    return run_delay
+
+
+def test_the_run_delay_of_this_thread_is_read_where_linux_keeps_it():
+    import threading
+
+    thread, waited = _REAL_RUN_DELAY()  # (Linux: /proc/thread-self/schedstat)
+    assert thread == threading.get_ident() and waited >= 0
+    seen: list = []
+    other = threading.Thread(target=lambda: seen.append(_REAL_RUN_DELAY()))
+    other.start()
+    other.join()
+    assert seen[0][0] != thread
+
+
+def test_contention_finds_a_crowded_host_by_how_long_the_poller_waited_for_a_cpu(quiet_host):
+    c = Contention(lost=0.0002, backoff=0.5)
+    assert c.calm(10.0)  # a first look: nothing to compare yet
+    quiet_host.waited += int(0.05 * CROWDED * LOOK * 1e9)
+    assert c.calm(10.0 + LOOK / 2) and c.calm(10.0 + LOOK)  # a quiet host: it hardly waited
+    quiet_host.waited += int(2 * CROWDED * LOOK * 1e9)  # then waited for a CPU a fifth of the time
+    assert c.calm(10.0 + 1.5 * LOOK)  # (not looked at again yet)
+    assert not c.calm(10.0 + 2 * LOOK) and c.times == 1  # the next look: polling pauses
+    assert not c.calm(10.0 + 2 * LOOK + 0.4)
+    assert c.calm(10.0 + 2 * LOOK + 0.51)  # the backoff over, a look at the time it lasted: quiet again
+    quiet_host.waited += int(0.6 * 1e9)
+    quiet_host.thread = 2  # another thread's figure: nothing to compare
+    assert c.calm(11.0)
+    quiet_host.waited += int(0.6 * 1e9)
+    assert not c.calm(12.0) and c.times == 2  # that thread waited most of the second
+    broken = Contention(run_delay=lambda: None)  # not known (not Linux): only the first sign
+    assert broken.calm(1.0) and broken.calm(2.0)
 
 
 # -------------------------------------------------------------- ReplySpin
@@ -114,6 +169,19 @@ def test_reply_spin_stops_polling_for_a_while_once_it_loses_the_cpu():
     assert calls == []  # backing off: not even one check
     clock.now += BACKOFF
     assert s.poll(iter([False, True]).__next__, clock=clock) is None  # polls again afterwards
+
+
+def test_reply_spin_sleeps_on_a_crowded_host_and_polls_again_once_it_is_quiet(quiet_host):
+    clock = FakeClock(step=10e-6)  # every yield comes straight back: the first sign stays away
+    s = ReplySpin(0.005, cpus=2)
+    assert s.poll(iter([False, True]).__next__, clock=clock) is None  # a first look: polls
+    clock.now += LOOK
+    quiet_host.waited += int(LOOK / 2 * 1e9)  # this thread waited for a CPU half the time
+    calls = []
+    assert s.poll(lambda: calls.append(1), clock=clock) is not None
+    assert calls == [] and s.contention.times == 1  # straight to sleep
+    clock.now += BACKOFF
+    assert s.poll(iter([False, True]).__next__, clock=clock) is None  # quiet since: polls again
 
 
 def test_contention_is_a_check_and_yield_that_lost_the_cpu():
@@ -259,6 +327,26 @@ def test_busy_poll_sleeps_once_its_polling_loses_the_cpu_and_polls_again_later()
     reactor.calls.clear()
     bp.do_iteration(None)
     assert len(reactor.calls) > 2 and set(reactor.calls[:-1]) == {0}  # a calm CPU again: polls
+
+
+def test_busy_poll_sleeps_on_a_crowded_host_whose_yields_come_straight_back(quiet_host):
+    clock = FakeClock(step=0.00001)  # the scheduler hands the CPU straight back: the first sign stays away
+    reactor = FakeReactor()
+    bp = BusyPoll(reactor, 0.005, clock)
+    _busy(bp, clock)
+    bp.do_iteration(None)
+    assert len(reactor.calls) > 2 and set(reactor.calls[:-1]) == {0}  # a first look: polls
+    clock.now += LOOK
+    quiet_host.waited += int(LOOK / 2 * 1e9)  # the reactor thread waited for a CPU half the time
+    _busy(bp, clock)
+    reactor.calls.clear()
+    bp.do_iteration(None)
+    assert reactor.calls == [None] and bp.contention.times == 1  # sleeps at once
+    clock.now += BACKOFF
+    _busy(bp, clock)
+    reactor.calls.clear()
+    bp.do_iteration(None)
+    assert len(reactor.calls) > 2 and set(reactor.calls[:-1]) == {0}  # quiet since: polls again
 
 
 def test_busy_poll_acquire_and_release_restore_the_reactor(monkeypatch):

@@ -302,12 +302,23 @@ def _small(session, request, items: list[Item]) -> tuple | None:
 def _small_reply(session, request, seq: int, items: list[Item], small: tuple) -> bytes:
     """The 226 reply carrying ``items`` (:func:`_small`'s), one ``bytes``: the frame head, then the payload."""
     parts, sizes, descriptions, total = small
-    header = {Key.CODE: request.command.success.code, Key.ID: request.id, Key.SEQ: seq, Key.ITEMS: descriptions,
-              Key.SIZES: sizes}
     if session.counters is not None:
         _count_read(session, request, items, total)
-    parts.insert(0, frame_head(header, total))
+    parts.insert(0, _items_head(request, seq, descriptions, sizes, total))
     return b"".join(parts)
+
+
+def _items_head(request, seq: int, descriptions: list, sizes: list, payload_len: int, more: dict | None = None) -> bytes:
+    """The frame head of a 226 reply carrying items with these ``descriptions`` and
+    ``sizes`` (``more``: its other fields): one item and nothing more, the usual read of
+    a bin of one value, from the reply's prepared template (``Message.lone``)."""
+    success = request.command.success
+    if more is None and len(sizes) == 1:
+        return success.lone(request.id, seq, descriptions[0], payload_len)
+    header = {Key.CODE: success.code, Key.ID: request.id, Key.SEQ: seq, Key.ITEMS: descriptions, Key.SIZES: sizes}
+    if more is not None:
+        header.update(more)
+    return frame_head(header, payload_len)
 
 
 def _check_reply_size(session, items: list[Item]) -> None:
@@ -328,24 +339,23 @@ def items_reply(session, request, items: list[Item], parts: list, seq: int, refs
     """A 226 reply carrying ``items``: its frame parts (with the hooks of a GET's);
     ``refs`` and ``cuda``: per item, a reference to its files or to its device
     memory standing for its bytes (PROTOCOL.md §10.3, §13.2)."""
-    sizes, descriptions = [], []
+    sizes, descriptions, more = [], [], None
     for item in items:
         sizes.append(item.nbytes)
         descriptions.append(item.description)
-    header = {Key.CODE: request.command.success.code, Key.ID: request.id, Key.SEQ: seq, Key.ITEMS: descriptions,
-              Key.SIZES: sizes}
     if getattr(request, "tags", None):  # asked for (relays): every item's tag
-        header[Key.TAGS] = [item.tag for item in items]
+        more = {Key.TAGS: [item.tag for item in items]}
     if refs is None and cuda is None:
         payload_len = sum(sizes)
     else:
+        more = more or {}
         if refs is not None:
-            header[Key.REFS] = [None if files is None else files.ref() for files in refs]
+            more[Key.REFS] = [None if files is None else files.ref() for files in refs]
         if cuda is not None:  # device references (§13.2)
-            header[Key.CUDA] = cuda
+            more[Key.CUDA] = cuda
         away = devices.merged(refs, cuda)
         payload_len = sum(item.nbytes for item, files in zip(items, away) if files is None)
-    parts.insert(0, frame_head(header, payload_len))
+    parts.insert(0, _items_head(request, seq, descriptions, sizes, payload_len, more))
     if session.counters is not None:
         _count_read(session, request, items, payload_len)
     if on_abandon is None and on_written is None:

@@ -15,8 +15,8 @@ where :mod:`.spin` says it pays), one read into the engine's own buffer, the rep
 parsed in one step (:func:`~tensorshare.wire.frames.whole_frames`), checked
 against the command's declaration and decoded as the general path decodes it --
 or, for the replies the server makes from a prepared template (a put's count, a
-ping's), read back with that template (``Message.head.read``): one
-``struct.unpack``, no map decoded.
+ping's, a read of one item: ``Message.head``, ``Message.lone``), read back with
+that template: one ``struct.unpack``, no map decoded.
 
 Everything else goes the general way.  Before anything is sent, the call is
 declined (:data:`MISSED`) and the caller sends it as usual.  After, whatever is
@@ -155,6 +155,11 @@ class Express:
                             header = dict(zip(head.keys, ints))
                             header[Key.CODE] = success.code
                             return self._result(command, fields, header, None, 0, areas)
+                    elif success.lone is not None:  # a read of one item, likewise
+                        one = success.lone.read(buffer[:n], engine.decoder.limits)
+                        if one is not None and one[0] == rid:
+                            sent = False
+                            return self._one_item(command, *one[:4], buffer[one[4]:n], areas)
                     frames, end = whole_frames(buffer[:n], engine.decoder.limits)
                     if end == n and len(frames) == 1:
                         header, payload, payload_len = frames[0]
@@ -190,6 +195,15 @@ class Express:
         if areas is not None and command.zero_copy is ZeroCopy.STORE:
             areas.note_put(fields.get(Key.BIN), header)  # readers map the bin, or no longer
         return reply_result(command, header, None)
+
+    def _one_item(self, command, rid: int, seq: int, blob: bytes, size: int, payload, areas) -> Any:
+        """:meth:`_result` of the reply to ``rid`` carrying one item (``blob``, ``size``
+        bytes in ``payload``) at ``seq``, read with its template."""
+        header = {Key.CODE: command.success.code, Key.ID: rid, Key.SEQ: seq, Key.ITEMS: [blob], Key.SIZES: [size]}
+        item = lone_copy(blob, size, payload) if size else None
+        if item is not None:  # (the usual case: a tensor whose description was decoded before)
+            return reply_result(command, header, [item])
+        return self._result(command, None, header, payload, size, areas)
 
     def _tracked(self, rid: int, command, fields: dict | None, areas, now: float):
         """The call sent as request ``rid``, made as :meth:`Client._on` makes it, now

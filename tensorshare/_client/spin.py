@@ -62,7 +62,8 @@ class ReplySpin:
         start = clock()
         limit, contention = self.limit, self.contention
         # (self.active and contention.calm(start), without two calls on every small round trip)
-        if limit > 0 and self.estimate <= limit and (within is None or within > 0) and start >= contention.until:
+        if (limit > 0 and self.estimate <= limit and (within is None or within > 0) and start >= contention.until
+                and (start < contention.next_look or contention.look(start))):
             end = start + (limit if within is None else min(limit, within))
             last = start
             while True:

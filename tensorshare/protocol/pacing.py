@@ -5,6 +5,8 @@ noticing when polling takes the CPU from other work (:class:`Contention`)."""
 from __future__ import annotations
 
 import os
+import threading
+from typing import Callable
 
 yield_cpu = getattr(os, "sched_yield", lambda: None)  # give the CPU to whatever else may run
 
@@ -26,6 +28,20 @@ def usable_cpus() -> int:
 
 CPU_LOST = 0.0002  # seconds: one poll-and-yield that took this long lost the CPU to another task
 BACKOFF = 0.5  # seconds a poller that lost the CPU sleeps at once before it polls again
+LOOK = 0.1  # seconds between two looks at how long the polling thread waited for a CPU
+CROWDED = 0.1  # the share of the time since the last look it waited for one that means a crowded host
+
+
+def thread_run_delay() -> tuple[int, int] | None:
+    """``(thread id, nanoseconds)``: how long the calling thread has waited, runnable,
+    for a CPU (Linux's ``/proc/thread-self/schedstat``); None where that is not known."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return threading.get_ident(), int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class Contention:
     """Tells a poller not to poll while it takes the CPU from other work.
 
@@ -37,7 +53,14 @@ class Contention:
     (docs/design.md).  The sign: one check-and-yield of the poller took longer than
     ``lost``.  With a CPU to spare the yield comes straight back (a microsecond or
     two), so another task was waiting for this CPU and ran meanwhile; polling then
-    pauses for ``backoff`` seconds.
+    pauses for ``backoff`` seconds.  That sign can stay away on a crowded host: a
+    poller that mostly sleeps is favoured by the scheduler, whose ``sched_yield``
+    hands it its CPU straight back while CPU-bound tasks wait, so its polling holds
+    a CPU that its peer then waits for.  The second sign (:meth:`look`): the polling
+    thread itself waited, runnable, for a CPU for more than ``CROWDED`` of the time
+    (with four CPU-bound processes on 2 cores, a put + peek took 107 us with both
+    ends polling and 98-100 us with either or neither; docs/design.md).  On a quiet
+    host the poller and its peer each have a CPU, and that wait stays near zero.
 
     (Counting runnable tasks in ``/proc/loadavg`` as well was tried and dropped: in
     a quick exchange the poller and the peer it polls for are both runnable, and on a
@@ -45,17 +68,39 @@ class Contention:
     put taking 104 us instead of 54 us.)
     """
 
-    __slots__ = ("lost", "backoff", "until", "times")
+    __slots__ = ("lost", "backoff", "until", "times", "run_delay", "next_look", "_looked")
 
-    def __init__(self, lost: float = CPU_LOST, backoff: float = BACKOFF):
+    def __init__(self, lost: float = CPU_LOST, backoff: float = BACKOFF,
+                 run_delay: Callable[[], tuple | None] | None = None):
         self.lost = lost
         self.backoff = backoff
         self.until = float("-inf")  # no polling before this time
-        self.times = 0  # how often polling lost the CPU
+        self.times = 0  # how often polling lost the CPU (or found the host crowded)
+        self.run_delay = run_delay or thread_run_delay  # () -> (thread, ns waited for a CPU) or None
+        self.next_look = float("-inf")  # when :meth:`look` looks again
+        self._looked: tuple | None = None  # (time, run_delay()) of the last look
 
     def calm(self, now: float) -> bool:
         """Whether polling may go on at time ``now``."""
-        return now >= self.until
+        return now >= self.until and (now < self.next_look or self.look(now))
+
+    def look(self, now: float) -> bool:
+        """Whether polling may go on, by how long this thread waited for a CPU since
+        the last look (at most every ``LOOK`` seconds, polling or not): a share of
+        over ``CROWDED`` means more work than CPUs, so polling pauses for
+        ``backoff`` (and is looked at again then)."""
+        self.next_look = now + LOOK
+        seen, before, self._looked = self.run_delay(), self._looked, None
+        if seen is None:
+            return True
+        self._looked = (now, seen)
+        if before is None or before[1][0] != seen[0] or now <= before[0]:
+            return True  # (a first look, or another thread's: nothing to compare)
+        if (seen[1] - before[1][1]) * 1e-9 > CROWDED * (now - before[0]):
+            self.until = now + self.backoff
+            self.times += 1
+            return False
+        return True
 
     def check(self, before: float, after: float) -> bool:
         """One check-and-yield ran from ``before`` to ``after``: True (and polling

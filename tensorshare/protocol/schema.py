@@ -26,7 +26,7 @@ from functools import partial
 from typing import Any, Callable
 
 from ..errors import ProtocolError, RemoteError, UsageError, error_for_code
-from ..wire.frames import head_template
+from ..wire.frames import head_template, one_item_template
 from . import keys as Key  # (a module: Key.ID costs what a global does)
 from .codes import (
     BAD_ARGS, BAD_FRAME, BAD_NAME, LOCAL_ERROR, NOT_AUTHENTICATED, UNAVAILABLE, UNKNOWN_VERB, WRONG_WORKER,
@@ -204,6 +204,13 @@ class Message:
         self.head = None
         if code and len(ints) <= 2 and all(f.kind is INT for f in fields if f.required):
             self.head = head_template({Key.CODE: code}, (Key.ID, *ints))
+        # lone(rid, seq, blob, nbytes): the frame head of this reply carrying one item
+        # and none of its optional fields, from a prepared template (and lone.read,
+        # its reader); None for a message whose required fields are not an items
+        # reply's (seq, items, sizes).
+        self.lone = None
+        if code and ints == (Key.SEQ, Key.ITEMS, Key.SIZES):
+            self.lone = one_item_template({Key.CODE: code}, (Key.ID, Key.SEQ, Key.ITEMS, Key.SIZES))
 
     def build(self, rid: int = 0, **fields) -> dict:
         """The header of this message (for request ``rid``; 0: unsolicited)."""

@@ -155,6 +155,60 @@ def _head_of_3(pack: Callable, slow: Callable, a: bytes, b: bytes, c: bytes) -> 
 _TEMPLATE_ARITY: dict[int, Callable[..., Callable[..., bytes]]] = {1: _head_of_1, 2: _head_of_2, 3: _head_of_3}
 
 
+def one_item_template(fixed: dict, keys: tuple[str, str, str, str]) -> Callable[..., bytes]:
+    """``head(rid, seq, blob, nbytes)``: the frame head of a reply carrying one item,
+    ``{**fixed, id: rid, seq: seq, sizes: [nbytes], items: [blob]}`` (``keys``: the
+    names of those four fields), its payload of ``nbytes`` to follow: two
+    ``struct.pack`` from a template prepared here once, the item's description
+    ``blob`` (bytes) the one part of variable length, as a msgpack bin 32.  The
+    integers are uint64 as :func:`head_template`'s; values it cannot pack get the
+    frame :func:`frame_head` makes.
+
+    ``head.read(data, limits)``, the other way: ``(rid, seq, blob, nbytes, start)``
+    of ``data`` when it is exactly one whole frame this template made, within
+    ``limits`` as :func:`whole_frames` takes them (``start``: where its payload
+    begins), else None (decode those bytes as usual).  Such a frame is well formed
+    and holds exactly those fields, so nothing is left to check but the item's
+    description, which the receiver decodes (or finds already decoded) as any."""
+    id_key, seq_key, items_key, sizes_key = keys
+    packer = msgpack.Packer(use_bin_type=True)
+    entries = len(fixed) + 4
+    if entries > 15:
+        raise ValueError("a one-item template has at most 15 fields")
+    pieces = (bytes([0x80 | entries]) + b"".join(packer.pack(k) + packer.pack(v) for k, v in fixed.items())
+              + packer.pack(id_key) + b"\xcf",
+              packer.pack(seq_key) + b"\xcf",
+              packer.pack(sizes_key) + b"\x91\xcf",  # [uint64]
+              packer.pack(items_key) + b"\x91\xc6")  # [bin 32]
+    body = struct.Struct(">{}sQ{}sQ{}sQ{}sI".format(*map(len, pieces)))  # (msgpack is big-endian, the prefix not)
+    pack_prefix, pack_body, unpack_body = PREFIX.pack, body.pack, body.unpack_from
+    head_len, size = body.size, PREFIX_SIZE + body.size
+    a, b, c, d = pieces
+
+    def head(rid: int, seq: int, blob: bytes, nbytes: int) -> bytes:
+        try:
+            return (pack_prefix(MAGIC, VERSION, 0, 0, head_len + len(blob), nbytes)
+                    + pack_body(a, rid, b, seq, c, nbytes, d, len(blob)) + blob)
+        except struct.error:
+            return frame_head({**fixed, id_key: rid, seq_key: seq, items_key: [blob], sizes_key: [nbytes]}, nbytes)
+
+    def read(data, limits: FrameLimits) -> tuple | None:
+        n = len(data)
+        if n < size:
+            return None
+        first, header_len, payload_len = _START_LENGTHS.unpack_from(data)
+        a_, rid, b_, seq, c_, nbytes, d_, blob_len = unpack_body(data, PREFIX_SIZE)
+        start = size + blob_len
+        if (first != _PLAIN_START or a_ != a or b_ != b or c_ != c or d_ != d or header_len != head_len + blob_len
+                or nbytes != payload_len or start + nbytes != n or header_len > limits.whole[0]
+                or n > limits.whole[1]):
+            return None
+        return rid, seq, bytes(data[size:start]), nbytes, start
+
+    head.read = read
+    return head
+
+
 @dataclass(slots=True)  # (one per frame received: no __dict__ to make for each)
 class Frame:
     """One decoded frame: its header map and its payload as the sink produced it."""
