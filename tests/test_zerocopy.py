@@ -639,3 +639,40 @@ def test_session_refers_only_to_same_host_peers_and_pins_until_released(tmp_path
     finally:
         state.storage.close()
     assert not os.listdir(tmp_path)
+
+
+_LEASE_RACE = """
+import fcntl, os, subprocess, sys, time
+from tensorshare.disk import areas
+
+path = sys.argv[1]
+real = fcntl.fcntl
+
+
+def racing(fd, cmd, arg=0):  # a client opens its file for writing while the server's lease is held
+    out = real(fd, cmd, arg)
+    if cmd == fcntl.F_SETLEASE and arg == fcntl.F_RDLCK:
+        opener = subprocess.Popen([sys.executable, "-c", "import sys; open(sys.argv[1], 'r+b').close()", path])
+        deadline = time.monotonic() + 10
+        while real(fd, fcntl.F_GETLEASE) == fcntl.F_RDLCK and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the opener's open is breaking the lease
+    return out
+
+
+areas.fcntl.fcntl = racing
+print(areas.not_open_for_writing(path))
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("fcntl"), "F_SETLEASE"), reason="no file leases here")
+def test_a_writer_breaking_the_adoption_check_s_lease_neither_kills_the_server_nor_passes_it(tmp_path):
+    """The check that no process still writes an adopted file takes a read lease for a
+    moment; a client opening the file for writing in that moment breaks it, and the
+    kernel signals the lease's holder (SIGIO by default, which ends a process): the
+    holder lives on and the file counts as open for writing."""
+    path = tmp_path / "value.bin"
+    path.write_bytes(b"\0" * 64)
+    done = subprocess.run([sys.executable, "-c", _LEASE_RACE, str(path)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, f"the checking process ended with {done.returncode}: {done.stderr[-500:]}"
+    assert done.stdout.strip() == "False"
