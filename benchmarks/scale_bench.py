@@ -13,7 +13,9 @@ but for the table larger than RAM (28,232-byte Atari-like rows).
   ``big_writers`` processes into the full table, beside raw loopback (one stream of
   1 MiB messages, this run) and the disk's own rate for such writes (the same
   bytes overwritten in a file of the columns' kind, until ``fdatasync``), with the
-  CPU per MiB of the server and of the writers (on 2 cores what bounds the rate).  Then the same rows in a durable table: seconds from
+  CPU per MiB of the server and of the writers (on 2 cores what bounds the rate),
+  over TCP (the default) and through shared memory (``shared=True``), runs taken
+  in turn.  Then the same rows in a durable table: seconds from
   starting the server to its first sample, after a clean stop and after kill -9.
 * **Side by side at ``big_side_rows``** (10^7): TorchRL's ``LazyMemmapStorage`` +
   ``PrioritizedSampler`` in one process against the table over TCP, sample + update
@@ -178,20 +180,23 @@ def _prioritized(rec: Recorder, p: Profile, client: Client, size: str) -> None:
                f"prioritized, round trip", Sample.of(times).map(_ms), "ms", better="lower")
 
 
-def _writer(port: int, start: float, run_s: float, batch: int) -> tuple[int, float]:
+def _writer(port: int, start: float, run_s: float, batch: int, shared: bool) -> tuple[int, float]:
     """Rows inserted in ``run_s`` seconds from ``start`` on, and the CPU seconds it took."""
     data, ends = rows(0, batch)
     done = 0
-    with Client("127.0.0.1", port, timeout=120, zero_copy=False) as client:
+    with Client("127.0.0.1", port, timeout=120, zero_copy=shared) as client:
         time.sleep(max(0.0, start - time.time()))
         cpu = time.process_time()
         while time.time() < start + run_s:
-            client.insert("big", data, ends=ends)
+            client.insert("big", data, ends=ends, shared=shared)
             done += batch
         return done, time.process_time() - cpu
 
 
 def _writers(rec: Recorder, p: Profile, server: Server, size: str, scratch: str) -> None:
+    """Inserts of 1 MiB from ``big_writers`` processes over TCP (the goal's figure, the
+    default) and through shared memory (``insert(..., shared=True)``, PROTOCOL.md
+    §10.4), runs of the two taken in turn."""
     batch = (1 << 20) // ROW
     with RawLoopback(1 << 20) as raw:
         times = raw.one_way(1 << 20, max(p.big_reps, 20), p.warmup)
@@ -200,24 +205,32 @@ def _writers(rec: Recorder, p: Profile, server: Server, size: str, scratch: str)
     _disk_write(rec, scratch, min(p.big_rows * ROW, DISK_WRITE_MAX))
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "tensorshare.client", "benchmarks.scale_bench"])
-    rates, server_ms, writers_ms = [], [], []
+    ways = {"": False, "_shm": True}  # figure suffix -> shared
+    rates: dict = {k: [] for k in ways}
+    server_ms: dict = {k: [] for k in ways}
+    writers_ms: dict = {k: [] for k in ways}
     with ctx.Pool(p.big_writers) as pool:
         pool.map(abs, range(p.big_writers))
         for _ in range(p.tables_runs):
-            start = time.time() + p.pool_lead_s  # each connects first
-            before = server.cpu_seconds()
-            done = pool.starmap(_writer, [(server.port, start, p.big_run_s, batch)] * p.big_writers)
-            mib = sum(n for n, _ in done) * ROW / (1 << 20)
-            rates.append(mib * (1 << 20) / p.big_run_s / 1e9)
-            # (the server's CPU from before the writers connect to after the last reply: a little more than theirs)
-            server_ms.append((server.cpu_seconds() - before) / mib * 1e3)
-            writers_ms.append(sum(c for _, c in done) / mib * 1e3)
-    rec.figure("scale.inserts", f"inserts of 1 MiB ({batch} rows) from {p.big_writers} processes into the full "
-               f"table of {size} rows", Sample.of(rates), "GB/s", vs=["scale.loopback", "scale.disk_write"])
-    rec.figure("scale.insert_server_cpu", "the server's CPU per MiB inserted (user + system)",
-               Sample.of(server_ms), "ms", better="lower")
-    rec.figure("scale.insert_writers_cpu", f"the {p.big_writers} writers' CPU per MiB inserted",
-               Sample.of(writers_ms), "ms", better="lower")
+            for way, shared in ways.items():
+                start = time.time() + p.pool_lead_s  # each connects first
+                before = server.cpu_seconds()
+                done = pool.starmap(_writer, [(server.port, start, p.big_run_s, batch, shared)] * p.big_writers)
+                mib = sum(n for n, _ in done) * ROW / (1 << 20)
+                rates[way].append(mib * (1 << 20) / p.big_run_s / 1e9)
+                # (the server's CPU from before the writers connect to after the last reply: a little more than theirs)
+                server_ms[way].append((server.cpu_seconds() - before) / mib * 1e3)
+                writers_ms[way].append(sum(c for _, c in done) / mib * 1e3)
+    what = f"inserts of 1 MiB ({batch} rows) from {p.big_writers} processes into the full table of {size} rows"
+    rec.figure("scale.inserts", f"{what} (over TCP)", Sample.of(rates[""]), "GB/s",
+               vs=["scale.loopback", "scale.disk_write"])
+    rec.figure("scale.inserts_shm", f"{what}, through shared memory (insert(..., shared=True))",
+               Sample.of(rates["_shm"]), "GB/s", vs=["scale.loopback", "scale.inserts"])
+    for way, how in (("", "over TCP"), ("_shm", "through shared memory")):
+        rec.figure(f"scale.insert_server_cpu{way}", f"the server's CPU per MiB inserted {how} (user + system)",
+                   Sample.of(server_ms[way]), "ms", better="lower")
+        rec.figure(f"scale.insert_writers_cpu{way}", f"the {p.big_writers} writers' CPU per MiB inserted {how}",
+                   Sample.of(writers_ms[way]), "ms", better="lower")
 
 
 DISK_WRITE_MAX = 8 * GiB  # past the kernel's dirty-page limits (20% of the memory here): what the disk sustains

@@ -86,7 +86,7 @@ def build_state(config: ServerConfig, jobs: Jobs | None = None, clock=None) -> S
     data_dir = DataDir(config.data_dir, config.fsync, config.decode_limits) if config.data_dir else None
     spill = SpillArea(config.spill_dir) if config.memory_limit is not None and data_dir is None else None
     shm = None
-    if config.zero_copy and data_dir is None:  # durable items are on disk: clients map those
+    if config.zero_copy:  # (with a data directory only for table rows: durable items are on disk, mapped there)
         try:
             shm = ShmArea(config.shm_dir)
         except OSError as exc:

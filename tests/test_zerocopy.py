@@ -455,10 +455,12 @@ def test_data_dir_items_are_mapped_from_the_data_dir(tmp_path):
     data = str(tmp_path / "data")
     srv = ServerProcess("--data-dir", data)
     try:
-        assert _area(srv) is None  # durable items are on disk: no shared-memory area
+        assert _area(srv) is not None  # (for table rows: tests/test_tables_shm_inserts.py)
         with _client(srv) as c:
-            assert c.same_host and c.router.home.areas.incoming is None
+            areas = c.router.home.areas
+            assert c.same_host and not areas.takes_values  # durable items are written to disk from the payload
             c.put("d", {"w": torch.arange(MiB, dtype=torch.float32)})  # over TCP, to disk
+            assert not os.listdir(areas.incoming)
             [back] = c.peek("d")
             assert _mapped_from(back, data) and torch.equal(back["w"], torch.arange(MiB, dtype=torch.float32))
             [taken] = c.get("d")  # a GET takes durable items' bytes over TCP (a DELETE could remove the files)
@@ -637,3 +639,40 @@ def test_session_refers_only_to_same_host_peers_and_pins_until_released(tmp_path
     finally:
         state.storage.close()
     assert not os.listdir(tmp_path)
+
+
+_LEASE_RACE = """
+import fcntl, os, subprocess, sys, time
+from tensorshare.disk import areas
+
+path = sys.argv[1]
+real = fcntl.fcntl
+
+
+def racing(fd, cmd, arg=0):  # a client opens its file for writing while the server's lease is held
+    out = real(fd, cmd, arg)
+    if cmd == fcntl.F_SETLEASE and arg == fcntl.F_RDLCK:
+        opener = subprocess.Popen([sys.executable, "-c", "import sys; open(sys.argv[1], 'r+b').close()", path])
+        deadline = time.monotonic() + 10
+        while real(fd, fcntl.F_GETLEASE) == fcntl.F_RDLCK and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the opener's open is breaking the lease
+    return out
+
+
+areas.fcntl.fcntl = racing
+print(areas.not_open_for_writing(path))
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("fcntl"), "F_SETLEASE"), reason="no file leases here")
+def test_a_writer_breaking_the_adoption_check_s_lease_neither_kills_the_server_nor_passes_it(tmp_path):
+    """The check that no process still writes an adopted file takes a read lease for a
+    moment; a client opening the file for writing in that moment breaks it, and the
+    kernel signals the lease's holder (SIGIO by default, which ends a process): the
+    holder lives on and the file counts as open for writing."""
+    path = tmp_path / "value.bin"
+    path.write_bytes(b"\0" * 64)
+    done = subprocess.run([sys.executable, "-c", _LEASE_RACE, str(path)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, f"the checking process ended with {done.returncode}: {done.stderr[-500:]}"
+    assert done.stdout.strip() == "False"

@@ -68,6 +68,12 @@ class SharedTier:
         """Whether same-host clients may write values into the shared-memory area."""
         return self.shm_area is not None and self._takes_incoming
 
+    @property
+    def takes_rows(self) -> bool:
+        """Whether same-host clients may write table rows into the shared-memory area
+        (copied into the tables' files: durable ones too)."""
+        return self.shm_area is not None
+
     # -- values a client wrote (§10.4)
 
     def open_incoming(self, done: Callable[[str | None, BaseException | None], None]) -> None:
@@ -88,14 +94,30 @@ class SharedTier:
         cannot be taken."""
         def adopted(stored, error) -> None:
             if error is not None:
-                if not isinstance(error, RemoteError):
-                    log.warning("could not adopt an incoming item: %s", error)
-                    error = ZeroCopyUnavailableError(f"incoming item not taken: {error}")
-                done(None, error)
+                done(None, _not_taken(error))
             else:
                 done(self._files(stored), None)
 
         self.jobs.run(None, self.shm.adopt, (connection, shm_name, description, nbytes, limits), adopted)
+
+    def take_arrays(self, connection: str, shm_name: object, description: bytes, nbytes: int, limits,
+                    done: Callable[[list | None, RemoteError | None], None]) -> None:
+        """The arrays of the item a client wrote to ``incoming/<connection>/<shm_name>``
+        (checked as :meth:`adopt` checks, then mapped and removed, on a disk thread:
+        :meth:`~.shm.ShmArea.take_arrays`), for the caller to copy from;
+        ``done(arrays, None)`` or ``done(None, ZeroCopyUnavailableError)``."""
+        def taken(arrays, error) -> None:
+            done(arrays, None if error is None else _not_taken(error))
+
+        self.jobs.run(None, self.shm.take_arrays, (connection, shm_name, description, nbytes, limits), taken)
+
+    def take_arrays_now(self, connection: str, shm_name: object, description: bytes, nbytes: int, limits) -> list:
+        """:meth:`take_arrays` on the caller's thread (the files are in memory: a few
+        system calls per array); raises :class:`ZeroCopyUnavailableError`."""
+        try:
+            return self.shm.take_arrays(connection, shm_name, description, nbytes, limits)
+        except Exception as exc:
+            raise _not_taken(exc) from None
 
     # -- copies into shared memory
 
@@ -166,3 +188,12 @@ class SharedTier:
         files = ItemFiles.of(stored, area=self.shm_area)
         self.lifetimes.watch_shared(files)
         return files
+
+
+def _not_taken(error: BaseException) -> RemoteError:
+    """The reply to a value in shared memory that could not be taken: its own if it
+    says why (425), else 425 for an unexpected failure (logged)."""
+    if isinstance(error, RemoteError):
+        return error
+    log.warning("could not take an incoming item: %s", error)
+    return ZeroCopyUnavailableError(f"incoming item not taken: {error}")

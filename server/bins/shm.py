@@ -28,11 +28,15 @@ import secrets
 import shutil
 import time
 
+import numpy as np
+
 from tensorshare.disk.areas import AreaError, check_item_tree, not_open_for_writing, valid_name
 from tensorshare.errors import ZeroCopyUnavailableError
+from tensorshare.disk.files import read_file_into
 from tensorshare.disk.layout import RECORD, LayoutError, StoredItem, read_item, write_item
 from tensorshare.wire.description import DEFAULT_LIMITS, DecodeLimits
 
+from ..malloc import heap_temporaries
 from .dirlock import lock_file
 
 log = logging.getLogger("tensorshare.server")
@@ -109,14 +113,52 @@ class ShmArea:
               limits: DecodeLimits = DEFAULT_LIMITS) -> StoredItem:
         """Take the item a client wrote to ``incoming/<connection>/<name>`` into the area, without copying.
 
+        Raises :class:`ZeroCopyUnavailableError` unless it passes :meth:`_checked`;
+        then the directory is renamed into ``items/``.  A refused directory stays
+        where it is (its client, or the connection's end, removes it).
+        """
+        source, stored = self._checked(connection, name, description, nbytes, limits)
+        target = os.path.join(self.items, str(next(self._names)))
+        os.rename(source, target)
+        moved = tuple((offset, length, target + file[len(source):]) for offset, length, file in stored.files)
+        return StoredItem(target, stored.description, stored.tag, stored.nbytes, moved)
+
+    def take_arrays(self, connection: str, name: object, description: bytes, nbytes: int,
+                    limits: DecodeLimits = DEFAULT_LIMITS) -> list:
+        """The arrays of the item a client wrote to ``incoming/<connection>/<name>``,
+        one uint8 array per array of the description, in its order, read out of the
+        files into one buffer for a table insert (PROTOCOL.md §10.4).  Read with
+        ``preadv``, not through mappings: a file cut short by its writer is a refused
+        request, never a fault in the server, and what was checked is what is inserted.
+        The directory stays: its client writes its next rows into the same pages once
+        the insert is answered (new pages cost more than the copy), and the
+        connection's end removes it.
+
+        Checked as :meth:`adopt` checks (:class:`ZeroCopyUnavailableError`)."""
+        _source, stored = self._checked(connection, name, description, nbytes, limits)
+        with heap_temporaries():  # (pages used before: no fault and zeroing per page, see server/malloc.py)
+            buffer = np.empty(sum(length for _offset, length, _file in stored.files), np.uint8)
+        arrays, at = [], 0
+        try:
+            for _offset, length, file in stored.files:
+                array = buffer[at:at + length]
+                read_file_into(file, array)
+                arrays.append(array)
+                at += length
+        except (ValueError, OSError) as exc:  # (changed since it was checked)
+            raise ZeroCopyUnavailableError(f"incoming item unreadable: {exc}") from None
+        return arrays
+
+    def _checked(self, connection: str, name: object, description: bytes, nbytes: int,
+                 limits: DecodeLimits) -> tuple[str, StoredItem]:
+        """``(path, item)`` of the item a client wrote to ``incoming/<connection>/<name>``,
+        its array files made read-only.
+
         Raises :class:`ZeroCopyUnavailableError` unless it is a whole item in the
         layout, made of plain files and directories of the server's user, whose
         record holds exactly ``description`` and ``nbytes`` (checked as any value
         is), with no other files than the layout's, and no file still open for
-        writing.  The files are made read-only, then the directory is renamed into
-        ``items/``.  A refused directory stays where it is (its client, or the
-        connection's end, removes it).
-        """
+        writing (nobody can change it from now on but by making it writable again)."""
         if not valid_name(name):
             raise ZeroCopyUnavailableError(f"bad incoming item name {name!r:.80}")
         source = os.path.join(self.path, connection, name)
@@ -143,10 +185,7 @@ class ShmArea:
             os.chmod(file, 0o400)  # nobody but root may open it for writing from now on...
             if not not_open_for_writing(file):  # ...and nobody still has it open or mapped so
                 raise ZeroCopyUnavailableError(f"{file} is still open for writing")
-        target = os.path.join(self.items, str(next(self._names)))
-        os.rename(source, target)
-        moved = tuple((offset, length, target + file[len(source):]) for offset, length, file in stored.files)
-        return StoredItem(target, stored.description, stored.tag, stored.nbytes, moved)
+        return source, stored
 
     def close(self) -> None:
         """Remove the whole area (the server is stopping)."""

@@ -153,6 +153,10 @@ class Storage(TableVerbs):
     def takes_incoming(self) -> bool:
         return self.sharing.takes_incoming
 
+    @property
+    def takes_rows(self) -> bool:
+        return self.sharing.takes_rows
+
     def open_incoming(self, done: Callable[[str | None, BaseException | None], None]) -> None:
         self.sharing.open_incoming(done)
 

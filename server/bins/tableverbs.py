@@ -14,8 +14,14 @@ from __future__ import annotations
 
 from typing import Callable
 
+from tensorshare.errors import ZeroCopyUnavailableError
+
 from .store import Change
+from .tables.values import column_value, columns_in
 from .tablestore import Drawn, TableEntry
+
+
+INLINE_ARRAYS = 8  # rows through shared memory of at most this many columns are taken on the reactor's thread
 
 
 class TableVerbs:
@@ -23,6 +29,7 @@ class TableVerbs:
 
     tables = None  # the TableStore
     sink = None  # the storage's ChangeSink
+    sharing = None  # the storage's SharedTier
 
     def table(self, name: str) -> TableEntry:
         """The table named ``name`` (550 if none, 553 if a bin has the name)."""
@@ -53,6 +60,37 @@ class TableVerbs:
     def table_rows(self, table: TableEntry, description: bytes, payload, nbytes: int, limits):
         """A request's value as rows of ``table`` (see :meth:`TableStore.rows`)."""
         return self.tables.rows(table, description, payload, nbytes, limits)
+
+    def shared_table_rows(self, table: TableEntry, connection: str, shm_name: object, description: bytes,
+                          nbytes: int, limits):
+        """A request's value as rows of ``table`` (a table of columns), from the item
+        directory a same-host client wrote to ``incoming/<connection>/<shm_name>``
+        (PROTOCOL.md §10.4): its array files checked as an adopted item's are, and
+        mapped, at once (they are in memory: a few system calls per array).  None for
+        a value of more than :data:`INLINE_ARRAYS` arrays: :meth:`shared_table_rows_later`
+        takes those.  Raises :class:`~tensorshare.errors.ZeroCopyUnavailableError` if
+        it cannot be taken (nothing changed), 501 for a value that is not the table's kind."""
+        desc = self._shared_value(table, description, nbytes, limits)
+        if len(desc.arrays) > INLINE_ARRAYS:
+            return None
+        return columns_in(desc, self.sharing.take_arrays_now(connection, shm_name, description, nbytes, limits))
+
+    def shared_table_rows_later(self, table: TableEntry, connection: str, shm_name: object, description: bytes,
+                                nbytes: int, limits, done: Callable) -> None:
+        """:meth:`shared_table_rows` on a disk thread: ``done(rows, None)`` or ``done(None, error)``."""
+        desc = self._shared_value(table, description, nbytes, limits)
+
+        def taken(arrays, error) -> None:
+            done(None, error) if error is not None else done(columns_in(desc, arrays), None)
+
+        self.sharing.take_arrays(connection, shm_name, description, nbytes, limits, taken)
+
+    def _shared_value(self, table: TableEntry, description: bytes, nbytes: int, limits):
+        if not self.sharing.takes_rows:
+            raise ZeroCopyUnavailableError("this server takes rows over TCP only")
+        if not table.table.columns:
+            raise ZeroCopyUnavailableError("a table of items takes its rows over TCP")
+        return column_value(description, nbytes, limits)
 
     def says_tensordict(self, table: TableEntry) -> bool:
         return self.tables.says_tensordict(table)

@@ -57,8 +57,10 @@ class SharedMemory:
         if storage.sharing.socket is not None:  # (in the shared-memory area: the token check covers it)
             offer["socket"] = storage.sharing.socket
         reply[Key.SHM] = offer
-        if not storage.takes_incoming:
+        if not storage.takes_rows:
             return reply
+        if not storage.takes_incoming:  # a data directory: values are written to disk from the payload
+            offer["values"] = False
 
         def opened(incoming: str | None, error: BaseException | None) -> dict:
             if error is not None:

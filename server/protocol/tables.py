@@ -128,12 +128,31 @@ def _changed(session, request, result) -> dict:
 
 @handles(TINSERT)
 def insert(session, request):
+    """Add rows: from the payload, or (``shm``) from the item directory a same-host
+    client wrote (PROTOCOL.md §10.4), copied from its files into the table's."""
     storage = session.storage
     table = storage.table(request.bin)
-    rows, priorities, ends = _rows(session, table, request), _priorities(request), _ends(request)
-    return _said_tensordict(session, request, table, lambda: _run_or_wait(
-        session, request, table, lambda: storage.insert_rows(table, rows, priorities, ends),
-        lambda result: _changed(session, request, result), lambda: storage.can_insert(table, rows)))
+    priorities, ends = _priorities(request), _ends(request)
+
+    def add(rows):
+        return _said_tensordict(session, request, table, lambda: _run_or_wait(
+            session, request, table, lambda: storage.insert_rows(table, rows, priorities, ends),
+            lambda result: _changed(session, request, result), lambda: storage.can_insert(table, rows)))
+
+    if request.shm is None:
+        return add(_rows(session, table, request))
+    incoming, item_name, size = session.shared.adoption(request)
+    shared = (table, incoming, item_name, request.value, size, session.decode_limits)
+    rows = storage.shared_table_rows(*shared)
+    if rows is not None:
+        return add(rows)
+
+    def taken(rows, error: RemoteError | None):
+        if error is not None:
+            raise error
+        return add(rows)
+
+    return later(lambda done: storage.shared_table_rows_later(*shared, done), taken)
 
 
 @handles(TWRITE)

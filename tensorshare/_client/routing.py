@@ -4,13 +4,15 @@ Written once for both clients.  :func:`route` decides for one call, given the
 shared areas the connection verified (:mod:`.zerocopy`; None when it has none) and
 the zero-copy role its command declares (``Command.zero_copy``):
 
-* ``STORE`` (PUT, APPEND): a value holding :meth:`~.zerocopy.SharedAreas.shared`
+* ``STORE`` (PUT, APPEND, TINSERT): a value holding :meth:`~.zerocopy.SharedAreas.shared`
   tensors (their pages are handed over), or a large value of a bin that readers on
   this host map (the server says so in its replies, ``mapped``: a value over TCP
   would reach them inline first), is written into this connection's incoming
   directory, and the request names it instead of carrying its bytes; any other
   value goes over TCP, which is faster than writing it into new shared-memory
-  pages.  If the server does not take it (425), the fallback sends the written
+  pages.  A table's rows (TINSERT, sent with zero-copy only when the caller
+  asks: ``insert(..., shared=True)``) go that way when they are large enough: the
+  server copies them into its columns from the files instead of the socket.  If the server does not take it (425), the fallback sends the written
   copy over TCP (the caller may have changed the original since);
 * ``READ`` and ``TAKE`` (PEEK, TREAD; GET, TSAMPLE): the request asks for
   references to the items' files (or to the stacked rows).  If those cannot be
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import DeviceReferenceError, ZeroCopyError, ZeroCopyUnavailableError
 from ..protocol.messages import Key, ZeroCopy
+from ..protocol.schema import Payload
 from ..wire.codec import Encoded, encode
 from .connection import NO_VALUE
 
@@ -49,9 +52,10 @@ def route(call: Call, areas, device_uuid: str | None = None) -> None:
         return
     role = call.command.zero_copy
     if role is ZeroCopy.STORE:
-        if call.value is not NO_VALUE and areas.incoming is not None and areas.may_take(call.value,
-                                                                                       call.fields.get(Key.BIN)):
-            _through_shared_memory(call, areas)
+        copied = call.command.payload is Payload.ROWS  # (a table's rows: copied into its columns)
+        if call.value is not NO_VALUE and areas.incoming is not None and areas.may_take(
+                call.value, call.fields.get(Key.BIN), copied):
+            _through_shared_memory(call, areas, copied)
     elif role is not None:  # READ or TAKE
         fields = call.fields
         call.fields = asking_references(fields, areas)
@@ -86,11 +90,11 @@ def finish(call: Call) -> None:
         cleanup()
 
 
-def _through_shared_memory(call: Call, areas) -> None:
+def _through_shared_memory(call: Call, areas, copied: bool = False) -> None:
     fields = call.fields
     enc = call.value = call.value if type(call.value) is Encoded else encode(call.value, views=True)
     try:
-        name = areas.write(enc, fields.get(Key.TAG), fields.get(Key.BIN) in areas.mapped)
+        name = areas.write(enc, fields.get(Key.TAG), copied or fields.get(Key.BIN) in areas.mapped, copied)
     except (OSError, ValueError) as exc:  # shared memory full, or a value its layout cannot hold
         log.info("cannot write a value to shared memory (%s): sending it over TCP", exc)
         name = None
@@ -109,7 +113,10 @@ def _through_shared_memory(call: Call, areas) -> None:
     call.fields = {**fields, Key.VALUE: enc.description, Key.SHM: name, Key.SIZE: enc.nbytes}
     call.value = NO_VALUE
     call.fallback = over_tcp
-    call.cleanup = lambda: areas.discard(name)
+    if copied:  # answered: the server is done with the files (unanswered: it may still read them)
+        call.cleanup = lambda: areas.reuse(name) if call.frame is not None else areas.discard(name)
+    else:
+        call.cleanup = lambda: areas.discard(name)
 
 
 def _read_over_tcp(call: Call, error: BaseException) -> tuple | None:

@@ -223,7 +223,7 @@ class TableMethods:
 
     @verb
     def insert(self, name: str, batch: Any, priorities: Any = None, *, ends: Any = None,
-               timeout: Timeout = DEFAULT, with_size: bool = False) -> Any:
+               timeout: Timeout = DEFAULT, with_size: bool = False, shared: bool = False) -> Any:
         """Add rows to table ``name``; returns their keys (an int64 tensor).
 
         ``batch``: for a table of columns a dict (or TensorDict) of tensors with the
@@ -235,14 +235,22 @@ class TableMethods:
         was inserted.  ``with_size``: returns ``(keys, rows in the table, its seq)``.
         ``ends``: one flag per row, true where the row ends its episode (no sequence
         :meth:`sample` draws runs past it).  A batch larger than a table with the fifo
-        remover keeps its newest rows, as a ring buffer does."""
+        remover keeps its newest rows, as a ring buffer does.
+
+        ``shared=True``, on the server's host: a large batch of columns goes through
+        the server's shared memory (written into files the server copies the rows
+        from, the same files again for the next batch) instead of the socket.  Off by
+        default: it halves the server's CPU per MiB for a lone writer, but with many
+        writers on few cores it measured slower than the socket (docs/design.md,
+        "Same-host table inserts")."""
         fields = {Key.BIN: name}
         if priorities is not None:
             fields[TableKey.PRIORITIES] = _float64_bytes(priorities, "priorities")
         if ends is not None:
             fields[TableKey.ENDS] = _ends_bytes(ends)
         call_timeout = self._server_wait(fields, timeout)
-        return self._call(TINSERT, fields, _as_batch(batch, fields), timeout=call_timeout, then=_keys(with_size))
+        return self._call(TINSERT, fields, _as_batch(batch, fields), timeout=call_timeout, then=_keys(with_size),
+                          zero_copy=shared)
 
     @verb
     def sample(self, name: str, n: int, *, length: int | None = None, pad: bool = False,

@@ -36,7 +36,7 @@ import torch
 
 from ..disk.areas import AreaError, inside, verify_area, worth_sharing
 from ..errors import ZeroCopyError
-from ..disk.layout import LayoutError, StoredItem, mapped_parts, read_item, write_item
+from ..disk.layout import LayoutError, StoredItem, mapped_parts, read_item, rewrite_arrays, write_item
 from ..memmap import load_item, new_shared_file
 from ..wire.codec import TORCH_NAMES, Encoded
 from ..wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
@@ -86,6 +86,10 @@ class SharedAreas:
         self._preparing = False
         self._last_sizes: list[int] | None = None  # the array sizes of the value written last
         self.mapped: set[str] = set()  # bins the server said same-host readers map (PUT reply's ``mapped``)
+        self.takes_values = True  # False: the incoming directory takes table rows only (offer's ``values``)
+        self._copied: dict[str, StoredItem] = {}  # written for a server that copies them out: name -> item
+        self._kept: dict[bytes, list[StoredItem]] = {}  # those answered, by description, to write into again
+        self._kept_bytes = 0
 
     @classmethod
     def of(cls, greeting: dict) -> "SharedAreas | None":
@@ -110,17 +114,27 @@ class SharedAreas:
         min_bytes = offer.get("min_bytes")
         if type(min_bytes) is not int or min_bytes < 0:
             min_bytes = DEFAULT_MIN_BYTES
-        return cls(verified, incoming, min_bytes, offer.get("cuda") is True)
+        areas = cls(verified, incoming, min_bytes, offer.get("cuda") is True)
+        areas.takes_values = offer.get("values") is not False
+        return areas
 
     # -- PUT / APPEND
 
-    def may_take(self, value: Any, name: str | None) -> bool:
+    def may_take(self, value: Any, name: str | None, copied: bool = False) -> bool:
         """Whether a put of ``value`` into bin ``name`` may go through shared memory
         (:meth:`write` decides once it is encoded): when it may hold drafts, whose
         pages are handed over, or when readers on this host map the bin and it is not a
         lone tensor too small to gain.  An ordinary value of a bin nobody maps goes
         over TCP: writing it into new shared-memory pages costs more than loopback
-        TCP into the server's reused memory (docs/design.md)."""
+        TCP into the server's reused memory (docs/design.md).
+
+        ``copied``: the server copies the value out of the files into its own (a
+        table's columns, TINSERT: PROTOCOL.md §10.4), so it gains by size alone,
+        sparing both sides the socket's copies; only a map of columns can be rows."""
+        if copied:
+            return type(value) is dict
+        if not self.takes_values:  # (its incoming directory takes table rows only)
+            return False
         if _drafts:
             return True
         if name not in self.mapped:
@@ -139,17 +153,22 @@ class SharedAreas:
         elif self.mapped:
             self.mapped.discard(name)
 
-    def write(self, enc: Encoded, tag: int | None = None, mapped: bool = True) -> str | None:
+    def write(self, enc: Encoded, tag: int | None = None, mapped: bool = True, copied: bool = False) -> str | None:
         """Write an encoded value into the incoming directory; returns the name to send,
         or None if it is better sent over TCP: it holds no draft and is too small to be
         faster this way, or nobody maps it (``mapped`` False).
 
         Arrays that are drafts (:meth:`shared`) are moved in, not written, and their
-        tensors turn copy-on-write.  Raises ``OSError`` (shared memory full,
+        tensors turn copy-on-write.  ``copied``: the server copies the value out and
+        leaves the directory (a table insert): once the request is answered,
+        :meth:`reuse` keeps it for the next value of the same description, which is
+        written into its pages in place.  Raises ``OSError`` (shared memory full,
         directory gone...) having left nothing."""
         drafts = _drafts_in(enc) if _drafts else {}
         if not drafts and not (mapped and worth_sharing(enc.nbytes, enc.arrays, self.min_bytes * PUT_FACTOR)):
             return None
+        if copied and not drafts:
+            return self._write_copied(enc)
         name = uuid.uuid4().hex
         sizes = [spec.nbytes for spec in parse_description(enc.description, enc.nbytes).arrays]
         fills = self._take_spares(sizes, drafts)
@@ -171,6 +190,46 @@ class SharedAreas:
             except OSError as exc:  # then the server finds the file still open for writing: 425, TCP
                 log.warning("could not make a handed-over tensor copy-on-write: %s", exc)
         return name
+
+    def _write_copied(self, enc: Encoded) -> str:
+        """:meth:`write` of a value the server copies out: into a directory it left
+        after copying a value of the same description, else a new one."""
+        with self._spare_lock:
+            kept = self._kept.get(enc.description)
+            stored = kept.pop() if kept else None
+            if stored is not None:
+                self._kept_bytes -= stored.nbytes
+        if stored is not None:
+            try:
+                rewrite_arrays(stored, enc.buffers, enc.nbytes)
+            except OSError as exc:  # (gone with the connection, or tampered with: a new one)
+                log.debug("zero-copy: cannot write into a directory used before: %s", exc)
+                shutil.rmtree(stored.path, ignore_errors=True)
+            else:
+                name = os.path.basename(stored.path)
+                self._copied[name] = stored
+                return name
+        name = uuid.uuid4().hex
+        stored = write_item(os.path.join(self.incoming, name), enc.description, enc.buffers, enc.nbytes,
+                            make_parents=False)
+        self._copied[name] = stored
+        return name
+
+    def reuse(self, name: str) -> None:
+        """The request naming ``name`` (written with ``copied``) is answered: keep its
+        directory for the next value of its description (at most ``prepare_bytes`` of
+        them are kept), or remove it."""
+        stored = self._copied.pop(name, None)
+        if stored is None or not os.path.isdir(stored.path):
+            self.discard(name)
+            return
+        with self._spare_lock:
+            keep = self._kept_bytes + stored.nbytes <= self.prepare_bytes
+            if keep:
+                self._kept.setdefault(stored.description, []).append(stored)
+                self._kept_bytes += stored.nbytes
+        if not keep:
+            self.discard(name)
 
     def _take_spares(self, sizes: list[int], drafts: dict) -> dict[int, str]:
         """Prepared files for the arrays of ``sizes`` (not drafts), taken: ``{index: path}``."""

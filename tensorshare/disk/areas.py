@@ -23,6 +23,7 @@ import hmac
 import os
 import re
 import secrets
+import signal
 import stat
 
 from ..errors import ProtocolError
@@ -175,22 +176,34 @@ def check_item_tree(path: str, owner: int) -> list[str]:
     return files
 
 
+_F_SETSIG = 10  # Linux's fcntl command, where Python's fcntl module does not name it
+
+
 def not_open_for_writing(path: str) -> bool:
     """False if some process has the file open for writing (or mapped writable).
 
     Asks for a read lease, which Linux grants only while nobody holds the file open
-    for writing, and gives it back at once.  True where leases are not available.
+    for writing, and gives it back at once; a writer that opens the file meanwhile
+    breaks the lease, and the answer is False too.  True where leases are not available.
+
+    A lease's holder is told of a break by a signal, SIGIO unless the descriptor names
+    another, and SIGIO's default action ends the process: a client that opened its
+    file for writing at that moment would stop the server.  So the lease asks for
+    SIGURG, which a process ignores unless it handles it, and the break is seen by
+    looking at the lease before giving it back.
     """
     setlease = getattr(fcntl, "F_SETLEASE", None)
     if setlease is None:  # not Linux
         return True
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
-        fcntl.fcntl(fd, setlease, fcntl.F_RDLCK)
-    except OSError as exc:
-        return exc.errno not in (errno.EAGAIN, errno.EBUSY)
-    else:
+        fcntl.fcntl(fd, getattr(fcntl, "F_SETSIG", _F_SETSIG), signal.SIGURG)
+        try:
+            fcntl.fcntl(fd, setlease, fcntl.F_RDLCK)
+        except OSError as exc:
+            return exc.errno not in (errno.EAGAIN, errno.EBUSY)
+        held = fcntl.fcntl(fd, fcntl.F_GETLEASE)  # F_UNLCK while a writer's open is breaking it
         fcntl.fcntl(fd, setlease, fcntl.F_UNLCK)
-        return True
+        return held == fcntl.F_RDLCK
     finally:
         os.close(fd)

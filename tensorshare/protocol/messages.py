@@ -133,8 +133,11 @@ TCREATE = Command("TCREATE", (BIN, Field(_TK.SPEC, MAP), optional(_TK.ADD_COLUMN
                   doc="make a table (kept as it is if one with the same settings exists; with replace: a "
                       "table there is replaced, once the new settings are accepted)")
 TINSERT = Command("TINSERT", (BIN, *_TABLE_VALUE, optional(_TK.PRIORITIES, BYTES), optional(Key.WAIT, SECONDS),
-                              optional(_TK.TENSORDICT, BOOL), optional(_TK.ENDS, BYTES), RELEASE),
-                  reply=_TABLE_CHANGED, payload=Payload.ROWS, result=_TK.KEYS, method="insert", zero_copy=None,
+                              optional(_TK.TENSORDICT, BOOL), optional(_TK.ENDS, BYTES),
+                              optional(Key.SHM, ANY), optional(Key.SIZE, INT),  # rows a same-host client wrote (§10.4)
+                              RELEASE),
+                  reply=_TABLE_CHANGED, payload=Payload.ROWS, result=_TK.KEYS, method="insert",
+                  zero_copy=ZeroCopy.STORE,
                   lasting=True, relay=Relay.PASS, route=Route.OWNER, lane="insert",
                   errors=(*_TABLE_ERRORS, TOO_LARGE, STORAGE_FULL, BUSY),
                   doc="add rows (waiting up to wait seconds for the rate limiter)")

@@ -44,6 +44,22 @@ def payload_array(segments, nbytes: int) -> np.ndarray:
 def columns_of(blob: bytes, segments, nbytes: int, limits: DecodeLimits) -> dict[str, RawArray]:
     """``{column: RawArray}`` of a value that is a map of column names to arrays
     (501 for anything else); the arrays view the payload."""
+    desc = column_value(blob, nbytes, limits)
+    payload = payload_array(segments, nbytes)
+    return {name: RawArray(spec.dtype, spec.shape, payload[spec.offset:spec.offset + spec.nbytes])
+            for name, _index, spec in _columns(desc)}
+
+
+def columns_in(desc, arrays) -> dict[str, RawArray]:
+    """``{column: RawArray}`` of a value :func:`column_value` accepted, whose arrays are
+    ``arrays`` (one buffer per array of the description, in its order: the files a
+    same-host client wrote, PROTOCOL.md §10.4)."""
+    return {name: RawArray(spec.dtype, spec.shape, arrays[index]) for name, index, spec in _columns(desc)}
+
+
+def column_value(blob: bytes, nbytes: int, limits: DecodeLimits):
+    """The parsed description of a value that is a map of column names to arrays (501
+    for anything else)."""
     try:
         desc = parse_description(blob, nbytes, limits)
     except ProtocolError as exc:
@@ -51,12 +67,13 @@ def columns_of(blob: bytes, segments, nbytes: int, limits: DecodeLimits) -> dict
     tree = desc.tree
     if type(tree) is not dict or not all(type(v) is _ArrayRef for v in tree.values()):
         raise BadRequestError("a table of columns takes a dict of column name -> tensor (rows first)")
-    payload = payload_array(segments, nbytes)
-    batch = {}
-    for name, ref in tree.items():
-        spec = desc.arrays[ref.index]
-        batch[name] = RawArray(spec.dtype, spec.shape, payload[spec.offset:spec.offset + spec.nbytes])
-    return batch
+    return desc
+
+
+def _columns(desc):
+    """``(column name, array index, array spec)`` of each column of a :func:`column_value`."""
+    arrays = desc.arrays
+    return [(name, ref.index, arrays[ref.index]) for name, ref in desc.tree.items()]
 
 
 class Gathered:
