@@ -29,6 +29,7 @@ ID_ENTRY_AT = PREFIX_SIZE + 1  # where it is in a frame (after the map's first b
 _ID_AT = ID_ENTRY_AT + len(ID_ENTRY)  # where the id's 8 bytes begin
 TAIL_AT = _ID_AT + 8  # where the fixed fields begin
 _LENGTHS = struct.Struct("<IQ")  # header_len, payload_len (at offset 8 of the prefix)
+_HEADER_LEN = struct.Struct("<I")
 _ID = struct.Struct(">Q")
 MAX_FIXED = 14  # fields besides the id (a fixmap holds 15)
 
@@ -68,8 +69,7 @@ class KnownHeads:
         else None."""
         if len(data) - pos < TAIL_AT:
             return None
-        header_len, payload_len = _LENGTHS.unpack_from(data, pos + 8)
-        body = pos + PREFIX_SIZE + header_len
+        body = pos + PREFIX_SIZE + _HEADER_LEN.unpack_from(data, pos + 8)[0]
         known = self._known.get(data[pos + TAIL_AT:body])
         if known is None:
             return None
