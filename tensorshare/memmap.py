@@ -116,14 +116,18 @@ class _Mapping:
 
     def __init__(self, fd: int, size: int, shared: bool, populate: bool = False):
         flags = mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE
+        protection = mmap.PROT_READ | mmap.PROT_WRITE
         if populate:  # the kernel maps every page now, far quicker than a fault per page on first read
             flags |= getattr(mmap, "MAP_POPULATE", 0)
-        address = _LIBC.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
+            if not shared:  # read only: populating a private writable mapping copies every page (it breaks
+                protection = mmap.PROT_READ  # copy-on-write ahead of writes), into anonymous memory
+        address = _LIBC.mmap(None, size, protection, flags, fd, 0)
         if address is None or address == _MAP_FAILED:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err))
         self.address, self.size = address, size
-        self.__array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (address, False), "version": 3}
+        read_only = not protection & mmap.PROT_WRITE
+        self.__array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (address, read_only), "version": 3}
 
     def make_private(self, file: str) -> None:
         """Map ``file`` copy-on-write in place of this mapping, at the same address.
@@ -162,7 +166,8 @@ def new_shared_file(path: str, nbytes: int) -> np.ndarray:
 def _map(file: str, nbytes: int, writable: bool, follow_symlinks: bool = True, populate: bool = False) -> np.ndarray:
     """The file's bytes as a uint8 array over a mapping: shared if ``writable``, else
     copy-on-write (private; writes stay in memory).  Pages are read when touched
-    (all at once with ``populate``: the whole file is about to be read)."""
+    (all at once with ``populate``: the whole file is about to be read, and only read:
+    a read-only array, unless ``writable``)."""
     if not nbytes:
         return np.empty(0, np.uint8)
     flags = (os.O_RDWR if writable else os.O_RDONLY) | (0 if follow_symlinks else os.O_NOFOLLOW)

@@ -423,15 +423,18 @@ def test_an_abandoned_receive_leaves_the_engine_usable():
     assert torch.equal(build(parse_description(description, len(payload)), sink.finish()), torch.arange(3000))
 
 
+@pytest.mark.filterwarnings("error::UserWarning")  # (torch warns of read-only arrays it is handed)
 def test_upload_of_mapped_arrays_with_gaps():
     value = {"a": torch.randn(300), "b": torch.randn(1000), "c": torch.arange(7)}
     description, payload = payload_of(value)
     desc = parse_description(description, len(payload))
     arrays = []
-    for spec in desc.arrays:  # each in pages of its own, as the server's files are mapped
+    for spec in desc.arrays:  # each in pages of its own, read only, as the server's files are mapped
         pages = mmap.mmap(-1, spec.nbytes)
         pages[:] = payload[spec.offset : spec.offset + spec.nbytes]
-        arrays.append((spec.offset, np.frombuffer(pages, np.uint8)))
+        array = np.frombuffer(pages, np.uint8)
+        array.flags.writeable = False
+        arrays.append((spec.offset, array))
     for register in (False, True):
         eng = engine(register_host=register)
         out = build(desc, eng.upload(arrays, len(payload), 0))

@@ -155,6 +155,39 @@ def test_same_host_put_into_shared_memory_and_peek_onto_the_device(same_host, en
         del draft
 
 
+
+def _anonymous_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_a_same_host_read_onto_the_device_maps_the_files_without_copying_them(same_host, engine, monkeypatch):
+    """The server's files are mapped and read in whole to be uploaded: populated at
+    once, and read only. (Populating a private writable mapping copies every page into
+    anonymous memory first: a second copy of the item on the host.)"""
+    size = 32 << 20
+    seen = []
+    upload = engine.upload
+
+    def measured(arrays, *args, **kwargs):  # the files are mapped, nothing uploaded yet
+        seen.append((_anonymous_bytes(), [array.flags.writeable for _o, array in arrays]))
+        return upload(arrays, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "upload", measured)
+    with tensorshare.Client("127.0.0.1", same_host.port, timeout=30) as c:
+        c.put("dev-map", torch.ones(size // 4))
+        before = _anonymous_bytes()
+        [back] = c.peek("dev-map", device="cpu")
+        c.delete("dev-map")
+    assert back.shape == (size // 4,) and bool((back == 1).all())
+    [(anonymous, writeable)] = seen
+    assert anonymous - before < size // 4, f"{(anonymous - before) >> 20} MiB copied before the upload"
+    assert writeable == [False]
+
+
 # ------------------------------------------------------------------ RL and tables
 
 

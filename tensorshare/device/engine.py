@@ -34,6 +34,7 @@ for them (``tests/devicesim.py``).
 from __future__ import annotations
 
 import os
+import warnings
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
@@ -456,7 +457,7 @@ class Engine:
                 for offset, array in arrays:
                     if not array.size:
                         continue
-                    host = torch.from_numpy(array)
+                    host = _read_only_tensor(array)
                     for key, start, length, at in places.ranges.cut(offset, array.size):
                         streams.copy(places.destination(key, start, length), host[at : at + length], side)
             finally:
@@ -616,3 +617,11 @@ def _pwrite_all(fd: int, view: memoryview, position: int) -> None:
     while view.nbytes:
         n = os.pwrite(fd, view, position)
         view, position = view[n:], position + n
+
+
+def _read_only_tensor(array: np.ndarray) -> torch.Tensor:
+    """A tensor over ``array`` (a read-only mapping of the server's files) as a copy's
+    source, without torch's warning about arrays it may not write (it never writes it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
