@@ -5,7 +5,7 @@ from benchmarks import request_bytecodes
 
 def test_request_bytecodes_counts_the_server_and_the_floor_per_request():
     n = 30
-    for server, where in (("ts", ("session.py", "_request")), ("floor", ("floor_server.py", "_answer"))):
+    for server, where in (("ts", ("session.py", "_serve")), ("floor", ("floor_server.py", "_answer"))):
         ops, calls, lines = request_bytecodes.counts(server, n)
         handled = sum(v for (path, _, name), v in calls.items() if (path.rsplit("/", 1)[-1], name) == where)
         assert handled == n, (server, handled)  # every counted request, and only those (no warm-up)

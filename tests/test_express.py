@@ -222,3 +222,28 @@ def test_a_read_of_one_item_is_read_with_its_template_and_others_decoded(server,
         assert decoded == [1]
         assert torch.equal(c.get("x-one", max_items=1)[0], value)  # a take of one item: the template's again
         assert decoded == [1] and tracked == []
+
+
+def test_a_bins_usual_calls_go_out_from_prepared_heads(server, monkeypatch):
+    from tensorshare._client import express
+
+    made: list = []
+    prepared = express.bin_request
+    monkeypatch.setattr(express, "bin_request", lambda *args: made.append(args[1].verb) or prepared(*args))
+    with tensorshare.Client("127.0.0.1", server.port) as c:
+        c.ping()
+        tracked = _counting_tracks(c)
+        for turn in range(2):  # more bins than the server keeps known heads of: forgotten and learned again
+            for i in range(270):
+                name = f"x-head-{i}"
+                assert c.put(name, torch.full((4,), float(i + turn))) == 1
+                assert torch.equal(c.peek(name)[-1], torch.full((4,), float(i + turn)))
+        assert c.append("x-head-0", torch.ones(2, dtype=torch.int64)) == 2
+        assert [v.dtype for v in c.get("x-head-0")] == [torch.float32, torch.int64]
+        assert tracked == [] and made == ["PUT", "PEEK"] * 540 + ["APPEND", "GET"]
+        for name in ("x-bad\x01", "n" * 257):  # refused before anything is sent, as the general path refuses
+            with pytest.raises(UsageError):
+                c.put(name, torch.ones(2))
+            with pytest.raises(UsageError):
+                c.peek(name)
+        assert c.peek("x-head-1")[-1][0] == 2.0 and tracked == []

@@ -33,11 +33,13 @@ from tensorshare.protocol.messages import (
 )
 from tensorshare.version import __version__
 from tensorshare.wire.frames import DiscardSink, Frame, FrameDecoder, frame_head, whole_frames
+from tensorshare.wire.heads import ID_ENTRY, ID_ENTRY_AT
 
 from ..ops.counters import LATENCY_BUCKETS, ConnStats
 from ..workers.ownership import check_owner
 from . import handlers, login, tables  # noqa: F401 - the handler modules register their verbs
 from .holding import Answering, Holding, NoReads, Reads
+from .known import KnownRequests
 from .notify import Notifier, Outbox
 from .outcome import Pending
 from .recvpool import payload_sink
@@ -49,6 +51,7 @@ log = logging.getLogger("tensorshare.server")
 _DISCARD = DiscardSink(0)  # stateless: one serves every request that takes no payload
 _LASTING = frozenset(c.verb for c in COMMANDS.values() if c.lasting)  # effects that outlive the connection
 _OP, _ID, _RELEASE = Key.OP, Key.ID, Key.RELEASE  # (module constants: read per request)
+_ID_ENTRY_END = ID_ENTRY_AT + len(ID_ENTRY)  # (a read whose first frame is laid out as a prepared head has it here)
 
 
 class Phase(enum.Enum):
@@ -114,6 +117,8 @@ class ServerSession:
         self._verbs = {verb: (command, state.handlers.get(command) or HANDLERS[command],
                               command.parse_right if default_names and command is not AUTH else None)
                        for verb, command in COMMANDS.items()}
+        # the requests of a head seen before, made without decoding it (_take_known)
+        self._heads = KnownRequests(self._verbs, state.config.frame_limits, self._max_bin_name)
 
     @property
     def authenticated(self) -> bool:
@@ -163,12 +168,17 @@ class ServerSession:
         decoder = self._decoder
         if self.login is None and decoder.idle and self.stream is None and self.storage.room():
             # The usual read: whole small requests, each parsed in one step here
-            # (frames.whole_frames); the decoder takes whatever follows them.
-            whole, end = whole_frames(data, decoder.limits)
+            # (a head known before, else frames.whole_frames); the decoder takes
+            # whatever follows them.
+            known = end = self._take_known(data) if data[ID_ENTRY_AT:_ID_ENTRY_END] == ID_ENTRY else 0
+            if known and (end == len(data) or not self._serving):
+                return 0
+            whole, end = whole_frames(data, decoder.limits, known)
             if whole:
                 self._take_whole(whole)
                 if end == len(data) or not self._serving:
                     return 0
+            if end:
                 data = memoryview(data)[end:]
         try:
             frames = decoder.feed(data)
@@ -334,6 +344,21 @@ class ServerSession:
         if holding.answering is not None or holding.backlog:
             self._work()
 
+    def _take_known(self, data: bytes) -> int:
+        """Serve the whole requests at the start of ``data`` whose heads are known
+        (:mod:`.known`: the same bytes but for the id as a request accepted before),
+        while nothing holds requests back; returns where the first other one starts."""
+        heads, holding, outbox = self._heads, self.holding, self.outbox
+        pos = 0
+        while not (self.closed or outbox.congested or holding.answering is not None or holding.backlog):
+            known = heads.read(data, pos)
+            if known is None:
+                return pos
+            entry, request, stop = known
+            self._serve(request.id, entry, request, request.payload_len)
+            pos = stop
+        return pos
+
     def _take(self, frames: list[Frame]) -> None:
         """Handle whole requests, in order, or queue them while the outbox or an
         earlier request makes them wait."""
@@ -390,8 +415,6 @@ class ServerSession:
         if entry is False:
             op = header.get(_OP)
             entry = self._verbs.get(op) if type(op) is str else None
-        holding = self.holding
-        holding.holds += 1  # notifications of what the handler changes follow its reply
         try:
             if refused is not None:  # a header over a limit of what it may decode to
                 raise RemoteError(refused, BAD_ARGS)
@@ -404,6 +427,21 @@ class ServerSession:
             # AUTH when none is due is answered 503 whatever its fields (§4.3): its handler says so
             if request is None and command is not AUTH:
                 request = command.parse_request(header, rid, payload, payload_len, self._max_bin_name)
+        except RemoteError as exc:
+            self.refuse(rid, exc)
+            return
+        except Exception:  # a bug: as in _serve
+            self._failed(header.get(_OP), rid)
+            return
+        self._serve(rid, entry, request, payload_len)
+
+    def _serve(self, rid: int, entry: tuple, request, payload_len: int) -> None:
+        """Run the handler of a checked request and carry out its outcome (``entry``:
+        its verb's ``(command, handler, parser)``)."""
+        command, handle = entry[0], entry[1]
+        holding = self.holding
+        holding.holds += 1  # notifications of what the handler changes follow its reply
+        try:
             if self._workers is not None and command.route is Route.OWNER:  # one worker of several (§14.3)
                 check_owner(self._workers, request.bin)
             counters = self.counters
@@ -428,11 +466,15 @@ class ServerSession:
         except RemoteError as exc:
             self.refuse(rid, exc)
         except Exception:  # a bug: this request fails, the connection and the server go on
-            log.exception("%s from %s failed", header.get(_OP), self.peer)
-            self.send_header(error_reply(LOCAL_ERROR, "internal server error", rid))
+            self._failed(command.verb, rid)
         holds = holding.holds = holding.holds - 1  # (release_notes(), inline)
         if not holds and holding.notes:
             self._send_notes()
+
+    def _failed(self, verb, rid: int) -> None:
+        """Answer request ``rid`` (of ``verb``) 500 after a bug, logged with its traceback."""
+        log.exception("%s from %s failed", verb, self.peer)
+        self.send_header(error_reply(LOCAL_ERROR, "internal server error", rid))
 
     def _authenticate(self, rid: int, header: dict) -> None:
         """Check the AUTH request of a connection that must authenticate (PROTOCOL.md

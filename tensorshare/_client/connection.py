@@ -22,6 +22,7 @@ from ..wire.build import build_item
 from ..wire.codec import Encoded, empty_payload, encode
 from ..wire.description import DEFAULT_LIMITS, DecodeLimits
 from ..wire.frames import Frame, frame_head
+from ..wire.heads import request_head
 from ..wire.recycle import Recycler
 
 class _NoValue(enum.Enum):
@@ -167,6 +168,39 @@ def request_frame(rid: int, command: Command, fields: dict | None = None, value:
 
         return StagedParts([frame_head(header, enc.nbytes), *enc.buffers], enc.engine)
     return [frame_head(header, enc.nbytes), *enc.buffers]
+
+
+_bin_heads: dict = {}  # (command, bin name, value description or None) -> its prepared head
+_MAX_BIN_HEADS = 1024
+
+
+def bin_request(rid: int, command: Command, name: str, value: Any = NO_VALUE, max_payload: int | None = None,
+                ref: tuple | None = None) -> list:
+    """:func:`request_frame` of ``command`` with no field but the bin ``name`` (and
+    ``ref``, the shared areas a read asks references to, where not None) and
+    ``value`` (NO_VALUE, or an :class:`Encoded` on the CPU), its head from a template
+    prepared per verb, bin, areas and value layout
+    (:func:`~tensorshare.wire.heads.request_head`): one ``struct.pack`` instead of a
+    map built and packed; the same checks, before anything is sent."""
+    description = None if value is NO_VALUE else value.description
+    head = _bin_heads.get((command, name, description, ref))
+    if head is None:
+        fields = {Key.BIN: name}
+        check_fields(command, fields)
+        fixed = {Key.OP: command.verb, **fields}
+        if ref is not None:
+            fixed[Key.REF] = list(ref)
+        if description is not None:
+            fixed[Key.VALUE] = description
+        head = request_head(fixed, 0 if description is None else value.nbytes)
+        if len(_bin_heads) >= _MAX_BIN_HEADS:
+            _bin_heads.clear()
+        _bin_heads[command, name, description, ref] = head
+    if description is None:
+        return [head(rid)]
+    if max_payload is not None:
+        _check_size(value.nbytes, max_payload)
+    return [head(rid), *value.buffers]
 
 
 def _check_size(nbytes: int, max_payload: int) -> None:

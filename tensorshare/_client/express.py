@@ -10,7 +10,8 @@ connection is idle -- no call in flight, nothing held back or owed to the
 server, no listen, no keepalive probe due, no thread reading or sending -- and
 does only what it must: the request built by the same
 :func:`~.connection.request_frame` (arguments checked, the value encoded: a lone
-small CPU tensor, or none), one ``send``, a wait for the reply (polling first
+small CPU tensor, or none) -- or, for a call naming only a bin, from a head prepared
+for its verb and bin (:func:`~.connection.bin_request`, the same checks) --, one ``send``, a wait for the reply (polling first
 where :mod:`.spin` says it pays), one read into the engine's own buffer, the reply
 parsed in one step (:func:`~tensorshare.wire.frames.whole_frames`), checked
 against the command's declaration and decoded as the general path decodes it --
@@ -45,7 +46,7 @@ from ..protocol.messages import ITEMS, Key, ZeroCopy
 from ..wire.build import lone_copy
 from ..wire.codec import small_lone
 from ..wire.frames import whole_frames
-from .connection import NO_VALUE, decode_items, reply_result, request_frame
+from .connection import NO_VALUE, bin_request, decode_items, reply_result, request_frame
 from .routing import asking_references
 from .sockets import IDLE_CHECK, wait
 
@@ -83,7 +84,7 @@ class Express:
                 return MISSED  # the keepalive's look is due
             if deadline is not None and deadline < until:
                 until = deadline
-        sent_fields = fields
+        sent_fields, ref = fields, None
         if areas is not None:
             role = command.zero_copy
             if role is ZeroCopy.STORE:
@@ -91,6 +92,7 @@ class Express:
                     return MISSED  # through shared memory: routing.route
             elif role is not None:
                 sent_fields = asking_references(fields, areas)
+                ref = tuple(sent_fields[Key.REF])
         if value is not NO_VALUE:
             if type(value) is not torch.Tensor:
                 return MISSED  # (a value of many arrays, or not a tensor: the general encoder)
@@ -112,7 +114,10 @@ class Express:
         sent = False
         try:
             rid = next_request_id()
-            data = request_frame(rid, command, sent_fields, value, engine.greeting.get(Key.MAX_FRAME))
+            if fields is not None and len(fields) == 1 and type(fields.get(Key.BIN)) is str:  # (the usual call)
+                data = bin_request(rid, command, fields[Key.BIN], value, engine.greeting.get(Key.MAX_FRAME), ref)
+            else:
+                data = request_frame(rid, command, sent_fields, value, engine.greeting.get(Key.MAX_FRAME))
             data = data[0] if len(data) == 1 else b"".join(data)
             engine.last_sent = now
             sock = link.sock

@@ -354,6 +354,10 @@ class Command:
         # default limit), compiled from the fields once; None when anything is not:
         # parse_request then finds what and says it.
         self.parse_right = _compile_parser(self)
+        # again(values, rid, payload, payload_len): a request whose fields hold ``values``
+        # (what fields_of gave for one parsed before), for a head found again byte for
+        # byte but for its id (tensorshare.wire.heads): nothing to check again.
+        self.again = _compile_again(self)
 
     def __repr__(self) -> str:
         return f"<Command {self.verb}>"
@@ -386,6 +390,10 @@ class Command:
         raise reply_error(header, f"{self.verb} reply")
 
     # -- the server's side
+
+    def fields_of(self, request: Request) -> tuple:
+        """The values of ``request``'s fields, in declaration order (see ``again``)."""
+        return tuple(getattr(request, key) for key in self._slots)
 
     def parse_request(self, header: dict, rid: int, payload: Any, payload_len: int,
                       max_bin_name: int = MAX_BIN_NAME) -> Request:
@@ -425,6 +433,20 @@ def _compile_parser(command: Command) -> Callable[[dict, int, Any, int], Request
     return _compile_fields("parse", "header, rid, payload, payload_len", f"<{command.verb} request parser>",
                            command.fields, (Key.OP, Key.ID), prologue, "None", "request",
                            {"Request": command.Request, "command": command}, keep=True)
+
+
+def _compile_again(command: Command) -> Callable[[tuple, int, Any, int], Request]:
+    """``again(values, rid, payload, payload_len)`` for ``command`` (see ``Command.again``),
+    made from its fields as :func:`_compile_parser` is."""
+    slots = command._slots
+    body = ["def again(values, rid, payload, payload_len):",
+            "    request = Request()",
+            "    request.command, request.id, request.payload, request.payload_len = command, rid, payload, payload_len",
+            *([f"    {', '.join(f'request.{key}' for key in slots)}, = values"] if slots else []),
+            "    return request"]
+    scope = {"Request": command.Request, "command": command}
+    exec(compile("\n".join(body), f"<{command.verb} request again>", "exec"), scope)  # noqa: S102
+    return scope["again"]
 
 
 def _compile_check(message: Message) -> Callable[[dict], dict]:

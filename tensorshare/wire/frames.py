@@ -34,7 +34,7 @@ MAGIC = b"TSHR"
 VERSION = 1
 PREFIX = struct.Struct("<4sBBHIQ")
 PREFIX_SIZE = PREFIX.size  # 20
-_PLAIN_START = PREFIX.pack(MAGIC, VERSION, 0, 0, 0, 0)[:8]  # magic, version, no flags, reserved 0
+PLAIN_START = PREFIX.pack(MAGIC, VERSION, 0, 0, 0, 0)[:8]  # magic, version, no flags, reserved 0
 _START_LENGTHS = struct.Struct("<8sIQ")  # the prefix: its first 8 bytes, header_len, payload_len
 
 
@@ -199,7 +199,7 @@ def one_item_template(fixed: dict, keys: tuple[str, str, str, str]) -> Callable[
         first, header_len, payload_len = _START_LENGTHS.unpack_from(data)
         a_, rid, b_, seq, c_, nbytes, d_, blob_len = unpack_body(data, PREFIX_SIZE)
         start = size + blob_len
-        if (first != _PLAIN_START or a_ != a or b_ != b or c_ != c or d_ != d or header_len != head_len + blob_len
+        if (first != PLAIN_START or a_ != a or b_ != b or c_ != c or d_ != d or header_len != head_len + blob_len
                 or nbytes != payload_len or start + nbytes != n or header_len > limits.whole[0]
                 or n > limits.whole[1]):
             return None
@@ -374,8 +374,9 @@ def discard_sink(header: dict, nbytes: int) -> DiscardSink:
 
 # ---------------------------------------------------------------- whole small frames
 
-def whole_frames(data: bytes, limits: FrameLimits = DEFAULT_FRAME_LIMITS) -> tuple[list[tuple[dict, bytes, int]], int]:
-    """The whole small frames at the start of ``data`` (a read), each parsed in one
+def whole_frames(data: bytes, limits: FrameLimits = DEFAULT_FRAME_LIMITS,
+                 pos: int = 0) -> tuple[list[tuple[dict, bytes, int]], int]:
+    """The whole small frames at ``pos`` of ``data`` (a read), each parsed in one
     step where it arrives, prefix and header together: ``([(header, payload,
     payload_len), ...], end)``, the payload a ``bytes`` slice of ``data``.
 
@@ -387,14 +388,14 @@ def whole_frames(data: bytes, limits: FrameLimits = DEFAULT_FRAME_LIMITS) -> tup
     bytes that decoder's sink would be given.
     """
     found = []
-    pos, end = 0, len(data)
+    end = len(data)
     max_header, most = limits.whole
     while end - pos >= PREFIX_SIZE:
         first, header_len, payload_len = _START_LENGTHS.unpack_from(data, pos)
         start = pos + PREFIX_SIZE
         body = start + header_len
         stop = body + payload_len
-        if first != _PLAIN_START or not 0 < header_len <= max_header or stop > end or stop - pos > most:
+        if first != PLAIN_START or not 0 < header_len <= max_header or stop > end or stop - pos > most:
             break
         try:  # (unpack_header's way for a header of at most FREE_CONTAINERS bytes)
             header = _unpack_small(data[start:body])
@@ -475,7 +476,7 @@ class FrameDecoder:
                         # Fast path (a read holding whole prefixes, the usual case):
                         # parse in place instead of gathering into _pending first.
                         first, header_len, payload_len = _START_LENGTHS.unpack_from(data, pos)
-                        if first == _PLAIN_START:
+                        if first == PLAIN_START:
                             limits = self.limits
                             if not 0 < header_len <= limits.max_header or payload_len > limits.max_payload:
                                 self._check_prefix(PREFIX.unpack_from(data, pos))  # raises
