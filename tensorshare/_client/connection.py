@@ -151,9 +151,21 @@ def request_frame(rid: int, command: Command, fields: dict | None = None, value:
     for a value with no wire form and :class:`TooLargeError` for one of more than
     ``max_payload`` bytes (the server's ``max_frame``, from its greeting), sent or
     named in shared memory, before anything is sent.
+
+    A request that names a bin and nothing else (but the shared areas a read asks
+    references to) and carries no value or one on the CPU with a short description
+    goes out from a prepared head (:func:`bin_request`): a loop's repeated requests
+    are then the same bytes but for the id, which the server reads without decoding.
     """
     if fields:
         check_fields(command, fields)
+        name = fields.get(Key.BIN)
+        if type(name) is str and (len(fields) == 1 or len(fields) == 2 and type(fields.get(Key.REF)) is list):
+            if value is not NO_VALUE:
+                value = value if type(value) is Encoded else encode(value)
+            if value is NO_VALUE or value.engine is None and len(value.description) <= MAX_HEAD_DESCRIPTION:
+                ref = fields.get(Key.REF)
+                return bin_request(rid, command, name, value, max_payload, None if ref is None else tuple(ref))
     header = command.request(rid, fields)
     if value is NO_VALUE:
         if max_payload is not None and fields and type(fields.get(Key.SIZE)) is int:
@@ -170,8 +182,9 @@ def request_frame(rid: int, command: Command, fields: dict | None = None, value:
     return [frame_head(header, enc.nbytes), *enc.buffers]
 
 
-_bin_heads: dict = {}  # (command, bin name, value description or None) -> its prepared head
+_bin_heads: dict = {}  # (command, bin name, value description or None, ref) -> its prepared head
 _MAX_BIN_HEADS = 1024
+MAX_HEAD_DESCRIPTION = 512  # longest value description a prepared head holds (bounds what _bin_heads keeps)
 
 
 def bin_request(rid: int, command: Command, name: str, value: Any = NO_VALUE, max_payload: int | None = None,
