@@ -254,3 +254,22 @@ def test_known_heads_are_bounded():
         heads.learn(frame, 0, i)
     assert heads.read(frames[0]) is None and heads.read(frames[1]) is None  # forgotten at the limit
     assert heads.read(_prepared(9, PEEK, "c"))[:2] == (2, 9)
+
+
+def test_a_relays_forwarded_requests_go_out_from_prepared_heads():
+    """A relay forwards a request upstream as it came (frame_of, a RawValue): one
+    naming a bin alone is the prepared request, which the upstream serves from the
+    head it learned; one with another field keeps the general layout."""
+    from tensorshare.protocol.engine import Call, RawValue, frame_of
+
+    enc = small_lone(_VALUE)
+    forwarded = [_joined(frame_of(Call(rid, PUT, {"bin": "a"}), RawValue(enc.description, enc.buffers, enc.nbytes)))
+                 for rid in (1, 2)] + [_joined(frame_of(Call(rid, PEEK, {"bin": "a"}))) for rid in (3, 4)]
+    assert forwarded == [_prepared(1, PUT, "a", _VALUE), _prepared(2, PUT, "a", _VALUE), _prepared(3, PEEK, "a"),
+                         _prepared(4, PEEK, "a")]
+    answer, pair = _answers(b"".join(forwarded))
+    assert answer == _answers(b"".join(_general(rid, command, "a", *value) for rid, command, value in (
+        (1, PUT, [_VALUE]), (2, PUT, [_VALUE]), (3, PEEK, []), (4, PEEK, []))))[0]
+    assert _known(pair) == 2
+    tagged = _joined(frame_of(Call(5, PEEK, {"bin": "a", "tags": True})))
+    assert list(_decoded(tagged)[0][0])[0] == "op"
