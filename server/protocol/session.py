@@ -4,7 +4,8 @@ A :class:`ServerSession` takes the bytes a connection received, decodes frames,
 has the peer authenticate (:mod:`.login`), applies the limits and hands each
 request, checked and typed by its :class:`~tensorshare.protocol.messages.Command`,
 to its handler (:mod:`.handlers`), then carries out what the handler returns
-(:mod:`.outcome`: a reply now, a refusal, or an answer later).  Replies go to an
+(:mod:`.outcome`: a reply now, a refusal, or an answer later, which :mod:`.later`
+sees through).  Replies go to an
 :class:`~.notify.Outbox` as whole frames.  The Twisted adapter
 (``server/net/service.py``) only moves bytes and keeps the clock
 (:meth:`ServerSession.tick`); tests drive a session directly.
@@ -38,8 +39,9 @@ from tensorshare.wire.heads import ID_ENTRY, ID_ENTRY_AT
 from ..ops.counters import LATENCY_BUCKETS, ConnStats
 from ..workers.ownership import check_owner
 from . import handlers, login, tables  # noqa: F401 - the handler modules register their verbs
-from .holding import Answering, Holding, NoReads, Reads
+from .holding import Holding, NoReads, Reads
 from .known import KnownRequests
+from .later import LaterAnswers
 from .notify import Notifier, Outbox
 from .outcome import Pending
 from .recvpool import payload_sink
@@ -101,6 +103,7 @@ class ServerSession:
         self.login = None if state.token is None else login.Login(state.token)  # until authenticated
         self._failure: tuple[int, str] | None = None  # FAILING: the framing error to report
         self.holding = Holding()  # requests held back, the one answered later, notifications held
+        self.later = LaterAnswers(self)  # carries out a handler's Pending: the request answered later
         self.stream = None  # a frame streamed as its payload arrives (.gate), while one is
         self.timing = TimeLimits()
         frame_limits = state.config.frame_limits
@@ -218,7 +221,8 @@ class ServerSession:
         return bool(self.holding.backlog)
 
     def resume(self) -> None:
-        """Handle the requests held back while the outbox was congested."""
+        """Handle the requests held back (while the outbox was congested, or an earlier
+        request was answered later)."""
         if not self.closed:
             self._work()
 
@@ -252,12 +256,7 @@ class ServerSession:
         for name in self.listening:
             self.state.listeners.discard(name, self)
         self.listening.clear()
-        answering = holding.answering
-        if answering is not None and answering.parked is not None:  # a request waiting in its lane is dropped
-            answering.closed = True
-            self.state.waits.cancel(answering.parked)
-            answering.parked = None
-            holding.answering = None
+        self.later.drop()  # a request waiting in its lane is dropped
         if self.owned:  # its ephemeral bins end with it
             self.state.ephemeral.release(self, self.state)
         self.shared.connection_lost()
@@ -506,101 +505,9 @@ class ServerSession:
         elif kind is tuple:
             self.send(*outcome)
         elif kind is Pending:
-            self._answer_later(Answering(rid, outcome))
+            self.later.answer(rid, outcome)
         elif outcome is not None:
             raise TypeError(f"a handler returned {outcome!r:.80}, not an outcome")
-
-    def _answer_later(self, answering: Answering) -> None:
-        """Hold the connection (later requests, notifications) until ``answering`` is answered."""
-        holding = self.holding
-        if not self.closed:
-            holding.answering = answering
-        holding.holds += 1
-        self._proceed(answering)
-
-    def _proceed(self, answering: Answering) -> None:
-        """Start what ``answering`` waits for, or park it in its lane first.
-
-        While it is parked the connection is still read (its later requests are held
-        in the backlog, which stops reading again), so a peer that closes is seen at
-        once and its request takes nothing (nor keeps a connection slot); once it
-        goes on, reading stops until it is answered (it may wait for the disk)."""
-        pending = answering.pending
-        if pending.key is None:
-            self._start(answering)
-            return
-        if answering.went:  # it waited in a lane before (a read, then for its bytes): that wait is over
-            answering.went = False
-            self.state.waits.settled(answering.key)
-        answering.key = pending.key
-        parked = self.state.waits.park(pending.key, pending.ready, lambda: self._went(answering),
-                                       pending.timeout, lambda: self._expired(answering), pending.ordered)
-        if parked is not None:  # it waits: others' changes are told meanwhile
-            answering.parked = parked
-            answering.returned = True
-            self.reads.resume("answering")  # (it may have waited for the disk before)
-            self.release_notes()
-
-    def _went(self, answering: Answering) -> None:
-        """A request waiting in its lane may go on (its lane is told once it is answered)."""
-        answering.went = True
-        self._left_lane(answering)
-        self._start(answering)
-
-    def _expired(self, answering: Answering) -> None:
-        self._left_lane(answering)
-        self._start(answering, expired=True)
-
-    def _left_lane(self, answering: Answering) -> None:
-        if answering.parked is not None:  # it waited: hold notifications again until its reply
-            answering.parked = None
-            self.holding.holds += 1
-            self.reads.pause("answering")  # (until its reply: it may wait for the disk now)
-
-    def _start(self, answering: Answering, expired: bool = False) -> None:
-        pending = answering.pending
-        start = pending.expire if expired else pending.start
-        try:
-            start(lambda *result: self._finished(answering, result))
-        except Exception as exc:  # refused (or failed) before anything was started
-            self._finished(answering, exc)
-            return
-        if self.holding.answering is answering and not answering.returned:
-            answering.returned = True
-            self.reads.pause("answering")
-
-    def _finished(self, answering: Answering, result) -> None:
-        """What ``answering`` waited for is done: carry out its outcome."""
-        if answering.closed:
-            return
-        try:
-            if isinstance(result, BaseException):
-                raise result
-            outcome = answering.pending.finish(*result)
-            if type(outcome) is Pending:  # it waits again (a read that waited, now from the disk)
-                answering.pending = outcome
-                self._proceed(answering)
-                return
-            self.answer(answering.rid, outcome)
-        except RemoteError as exc:
-            self.refuse(answering.rid, exc)
-        except Exception:  # a bug: this request fails, the connection and the server go on
-            log.exception("a request from %s failed", self.peer)
-            self.send_header(error_reply(LOCAL_ERROR, "internal server error", answering.rid))
-        self._answered(answering)
-
-    def _answered(self, answering: Answering) -> None:
-        answering.closed = True
-        holding = self.holding
-        if holding.answering is answering:
-            holding.answering = None
-        if answering.went:  # the requests behind it in its lane are tested with its result
-            self.state.waits.settled(answering.key)
-        self.release_notes()
-        if answering.returned:  # answered later than its handler: what it held goes on
-            self.reads.resume("answering")
-            if not self.closed:
-                self._work()
 
     # -- output
 
