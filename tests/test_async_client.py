@@ -198,3 +198,35 @@ def test_a_large_frame_is_copied_once_and_written_by_itself():
     transport.drain()
     expected = b"small-before" + b"large-head" + np.arange(4 * LARGE_FRAME, dtype=np.uint8).tobytes() + b"small-after"
     assert bytes(transport.delivered) == expected
+
+
+def test_repeated_requests_go_out_from_prepared_heads_the_server_knows(paired, monkeypatch):
+    """A loop's puts and peeks of a bin are the same bytes but for the id
+    (tensorshare/wire/heads.py): the server serves all but the first of each from
+    the head it learned; a bad name is still refused before anything is sent."""
+    from tensorshare.errors import UsageError
+    from tensorshare_server.protocol.known import KnownRequests
+
+    client, pump, clock, state = paired
+    read, served = KnownRequests.read, []
+
+    def counting(self, data, pos=0):
+        found = read(self, data, pos)
+        if found is not None:
+            served.append(found[1].command.verb)
+        return found
+
+    monkeypatch.setattr(KnownRequests, "read", counting)
+    for i in range(5):
+        assert result_of(client.put("a-loop", torch.full((4,), float(i))), pump) == 1
+        assert torch.equal(result_of(client.peek("a-loop"), pump)[-1], torch.full((4,), float(i)))
+    assert result_of(client.append("a-loop", torch.ones(4)), pump) == 2
+    assert sorted(served) == ["APPEND"] + ["PEEK"] * 5 + ["PUT"] * 5  # (each: learned, then known)
+    result_of(client.put("a-loop", torch.ones(2), tag=3), pump)  # (a request with a tag: the general layout)
+    assert len(served) == 11
+    for name in ("a-bad\x01", "n" * 257):
+        with pytest.raises(UsageError):
+            result_of(client.put(name, torch.ones(2)), pump)
+        with pytest.raises(UsageError):
+            result_of(client.peek(name), pump)
+    assert len(served) == 11

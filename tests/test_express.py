@@ -247,3 +247,26 @@ def test_a_bins_usual_calls_go_out_from_prepared_heads(server, monkeypatch):
             with pytest.raises(UsageError):
                 c.peek(name)
         assert c.peek("x-head-1")[-1][0] == 2.0 and tracked == []
+
+
+def test_calls_the_lane_does_not_take_go_out_from_prepared_heads_too(server, monkeypatch):
+    from tensorshare._client import connection
+    from tensorshare.protocol.messages import PEEK, PUT, Key
+
+    made: list = []
+    prepared = connection.bin_request  # (request_frame's: the lane calls its own import)
+    monkeypatch.setattr(connection, "bin_request", lambda *args: made.append(args[1].verb) or prepared(*args))
+    with tensorshare.Client("127.0.0.1", server.port) as c:
+        c.ping()
+        tracked = _counting_tracks(c)
+        for i in range(3):  # (then=: the general path)
+            assert c._call(PUT, {Key.BIN: "x-general"}, torch.full((4,), float(i)),
+                           then=lambda reply: reply.result) == 1
+            assert c._call(PEEK, {Key.BIN: "x-general"}, then=lambda reply: reply.values[-1][0].item()) == i
+        assert tracked == made == ["PUT", "PEEK"] * 3
+        c._call(PUT, {Key.BIN: "x-general", Key.TAG: 4}, torch.ones(2), then=lambda reply: None)
+        assert made == ["PUT", "PEEK"] * 3  # (a tag: the general layout)
+        for name in ("x-bad\x01", "n" * 257):  # refused before anything is sent
+            with pytest.raises(UsageError):
+                c._call(PEEK, {Key.BIN: name}, then=lambda reply: None)
+        assert len(tracked) == 7

@@ -43,14 +43,20 @@ def _prepared(rid: int, command, name: str, value=NO_VALUE, ref: tuple | None = 
 
 
 def _general(rid: int, command, name: str, value=NO_VALUE, ref: tuple | None = None) -> bytes:
+    """The same request in the general layout (a map packed anew: a request with any other field)."""
     fields = {"bin": name} if ref is None else {"bin": name, "ref": list(ref)}
-    return _joined(request_frame(rid, command, fields, NO_VALUE if value is NO_VALUE else small_lone(value)))
+    if value is NO_VALUE:
+        return frame_head(command.request(rid, fields), 0)
+    enc = small_lone(value)
+    return _joined([frame_head({**command.request(rid, fields), "value": enc.description}, enc.nbytes), *enc.buffers])
+
+
+_BIN_REQUESTS = [(PUT, _VALUE, None), (APPEND, torch.ones(3, dtype=torch.int64), None), (PEEK, NO_VALUE, None),
+                 (PEEK, NO_VALUE, (0, 2)), (GET, NO_VALUE, (1,))]
 
 
 @pytest.mark.parametrize("rid", [1, 77, 2**64 - 1])
-@pytest.mark.parametrize("command, value, ref", [(PUT, _VALUE, None), (APPEND, torch.ones(3, dtype=torch.int64), None),
-                                                 (PEEK, NO_VALUE, None), (PEEK, NO_VALUE, (0, 2)),
-                                                 (GET, NO_VALUE, (1,))])
+@pytest.mark.parametrize("command, value, ref", _BIN_REQUESTS)
 def test_a_prepared_request_is_the_general_request(rid, command, value, ref):
     prepared, general = _prepared(rid, command, "héads", value, ref), _general(rid, command, "héads", value, ref)
     assert prepared != general  # (the id first, as a uint64)
@@ -58,13 +64,20 @@ def test_a_prepared_request_is_the_general_request(rid, command, value, ref):
     assert list(_decoded(prepared)[0][0])[0] == "id"
 
 
-def test_a_prepared_head_takes_one_to_fourteen_fixed_fields():
-    with pytest.raises(ValueError):
-        request_head({})
-    with pytest.raises(ValueError):
-        request_head({str(i): i for i in range(15)})
-    head = request_head({str(i): i for i in range(14)})
-    assert unpack_header(head(5)[20:]) == {"id": 5, **{str(i): i for i in range(14)}}
+@pytest.mark.parametrize("command, value, ref", _BIN_REQUESTS)
+def test_request_frame_makes_a_bin_request_from_its_prepared_head(command, value, ref):
+    """Every client's requests are made by request_frame: one naming a bin alone
+    (and the areas a read asks references to) is the prepared request, its value
+    encoded or not; one with any other field is not."""
+    fields = {"bin": "héads"} if ref is None else {"bin": "héads", "ref": list(ref)}
+    for given in ([] if value is NO_VALUE else [value, small_lone(value)]) or [NO_VALUE]:
+        assert _joined(request_frame(9, command, fields, given)) == _prepared(9, command, "héads", value, ref)
+    tagged = _joined(request_frame(9, PUT, {"bin": "héads", "tag": 3}, _VALUE))
+    assert list(_decoded(tagged)[0][0])[0] == "op"  # (the general layout)
+    few = {"obs": torch.ones(3), "step": 4}  # (a value of several parts: from a head too)
+    assert list(_decoded(_joined(request_frame(9, PUT, {"bin": "héads"}, few)))[0][0])[0] == "id"
+    many = {f"part-{i}": torch.ones(1) for i in range(64)}  # (a long description: not kept in a head)
+    assert list(_decoded(_joined(request_frame(9, PUT, {"bin": "héads"}, many)))[0][0])[0] == "op"
 
 
 def _stream(make) -> bytes:
@@ -241,3 +254,22 @@ def test_known_heads_are_bounded():
         heads.learn(frame, 0, i)
     assert heads.read(frames[0]) is None and heads.read(frames[1]) is None  # forgotten at the limit
     assert heads.read(_prepared(9, PEEK, "c"))[:2] == (2, 9)
+
+
+def test_a_relays_forwarded_requests_go_out_from_prepared_heads():
+    """A relay forwards a request upstream as it came (frame_of, a RawValue): one
+    naming a bin alone is the prepared request, which the upstream serves from the
+    head it learned; one with another field keeps the general layout."""
+    from tensorshare.protocol.engine import Call, RawValue, frame_of
+
+    enc = small_lone(_VALUE)
+    forwarded = [_joined(frame_of(Call(rid, PUT, {"bin": "a"}), RawValue(enc.description, enc.buffers, enc.nbytes)))
+                 for rid in (1, 2)] + [_joined(frame_of(Call(rid, PEEK, {"bin": "a"}))) for rid in (3, 4)]
+    assert forwarded == [_prepared(1, PUT, "a", _VALUE), _prepared(2, PUT, "a", _VALUE), _prepared(3, PEEK, "a"),
+                         _prepared(4, PEEK, "a")]
+    answer, pair = _answers(b"".join(forwarded))
+    assert answer == _answers(b"".join(_general(rid, command, "a", *value) for rid, command, value in (
+        (1, PUT, [_VALUE]), (2, PUT, [_VALUE]), (3, PEEK, []), (4, PEEK, []))))[0]
+    assert _known(pair) == 2
+    tagged = _joined(frame_of(Call(5, PEEK, {"bin": "a", "tags": True})))
+    assert list(_decoded(tagged)[0][0])[0] == "op"

@@ -18,11 +18,11 @@ from typing import Any
 from ..errors import ProtocolError, TooLargeError, ZeroCopyError
 from ..protocol.items import item_table
 from ..protocol.messages import ITEMS, Command, Key
+from ..protocol.prepared import bin_alone, bin_head
 from ..wire.build import build_item
 from ..wire.codec import Encoded, empty_payload, encode
 from ..wire.description import DEFAULT_LIMITS, DecodeLimits
 from ..wire.frames import Frame, frame_head
-from ..wire.heads import request_head
 from ..wire.recycle import Recycler
 
 class _NoValue(enum.Enum):
@@ -151,9 +151,24 @@ def request_frame(rid: int, command: Command, fields: dict | None = None, value:
     for a value with no wire form and :class:`TooLargeError` for one of more than
     ``max_payload`` bytes (the server's ``max_frame``, from its greeting), sent or
     named in shared memory, before anything is sent.
+
+    A request naming a bin alone (:func:`~tensorshare.protocol.prepared.bin_alone`)
+    with no value or one on the CPU goes out from a prepared head
+    (:func:`bin_request`).
     """
     if fields:
         check_fields(command, fields)
+        alone = bin_alone(fields)
+        if alone is not None:
+            if value is not NO_VALUE and type(value) is not Encoded:
+                value = encode(value)
+            if value is NO_VALUE or value.engine is None:
+                return bin_request(rid, command, alone[0], value, max_payload, alone[1])
+    return _mapped(rid, command, fields, value, max_payload)
+
+
+def _mapped(rid: int, command: Command, fields: dict | None, value: Any, max_payload: int | None) -> list:
+    """:func:`request_frame`'s parts with the header packed as a map, anew."""
     header = command.request(rid, fields)
     if value is NO_VALUE:
         if max_payload is not None and fields and type(fields.get(Key.SIZE)) is int:
@@ -170,32 +185,19 @@ def request_frame(rid: int, command: Command, fields: dict | None = None, value:
     return [frame_head(header, enc.nbytes), *enc.buffers]
 
 
-_bin_heads: dict = {}  # (command, bin name, value description or None) -> its prepared head
-_MAX_BIN_HEADS = 1024
-
-
 def bin_request(rid: int, command: Command, name: str, value: Any = NO_VALUE, max_payload: int | None = None,
                 ref: tuple | None = None) -> list:
     """:func:`request_frame` of ``command`` with no field but the bin ``name`` (and
     ``ref``, the shared areas a read asks references to, where not None) and
     ``value`` (NO_VALUE, or an :class:`Encoded` on the CPU), its head from a template
     prepared per verb, bin, areas and value layout
-    (:func:`~tensorshare.wire.heads.request_head`): one ``struct.pack`` instead of a
+    (:func:`~tensorshare.protocol.prepared.bin_head`): one ``struct.pack`` instead of a
     map built and packed; the same checks, before anything is sent."""
     description = None if value is NO_VALUE else value.description
-    head = _bin_heads.get((command, name, description, ref))
-    if head is None:
-        fields = {Key.BIN: name}
-        check_fields(command, fields)
-        fixed = {Key.OP: command.verb, **fields}
-        if ref is not None:
-            fixed[Key.REF] = list(ref)
-        if description is not None:
-            fixed[Key.VALUE] = description
-        head = request_head(fixed, 0 if description is None else value.nbytes)
-        if len(_bin_heads) >= _MAX_BIN_HEADS:
-            _bin_heads.clear()
-        _bin_heads[command, name, description, ref] = head
+    head = bin_head(command, name, ref, description, 0 if description is None else value.nbytes, check_fields)
+    if head is None:  # (a value description too long to keep a head of)
+        return _mapped(rid, command, {Key.BIN: name} if ref is None else {Key.BIN: name, Key.REF: list(ref)},
+                       value, max_payload)
     if description is None:
         return [head(rid)]
     if max_payload is not None:

@@ -47,6 +47,7 @@ from .keepalive import DEAD, PROBE, Keepalive
 from .messages import (
     KEEPALIVE, LISTEN, NOOP, NOTIFICATION, NOTIFY, UNAVAILABLE, UNLISTEN, Command, Key, ZeroCopy, reply_error,
 )
+from .prepared import bin_alone, bin_head
 from .retry import Backoff
 
 log = logging.getLogger("tensorshare.client")
@@ -486,7 +487,14 @@ class Engine:
 
 def frame_of(call: Call, value: RawValue | None = None) -> list:
     """The parts of ``call``'s request frame: the header (``value``'s description in
-    it), then the value's payload buffers as they are."""
+    it), then the value's payload buffers as they are; the header from a prepared head
+    for a request naming a bin alone (:mod:`.prepared`)."""
+    alone = bin_alone(call.fields)
+    if alone is not None:
+        head = (bin_head(call.command, *alone) if value is None
+                else bin_head(call.command, *alone, bytes(value.description), value.nbytes))
+        if head is not None:
+            return [head(call.rid)] if value is None else [head(call.rid), *value.buffers]
     header = call.command.request(call.rid, call.fields)
     if value is None:
         return [frame_head(header, 0)]
