@@ -35,6 +35,8 @@ def _frozen(value):
     if type(value) is list and _SCALARS.issuperset(map(type, value)):
         return tuple(value)
     return _UNSHARED
+
+
 _SPARE = frozenset((Key.OP, Key.ID))  # keys of every request, not declared per verb
 
 
