@@ -29,7 +29,7 @@ def usable_cpus() -> int:
 CPU_LOST = 0.0002  # seconds: one poll-and-yield that took this long lost the CPU to another task
 BACKOFF = 0.5  # seconds a poller that lost the CPU sleeps at once before it polls again
 LOOK = 0.1  # seconds between two looks at how long the polling thread waited for a CPU
-CROWDED = 0.1  # the share of the time since the last look it waited for one that means a crowded host
+CROWDED = 0.25  # the share of the time since the last look it waited for one that means a crowded host
 
 
 def thread_run_delay() -> tuple[int, int] | None:
