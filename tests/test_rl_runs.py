@@ -248,11 +248,14 @@ def test_rollouts_spread_over_several_servers(server):
     other = ServerProcess()
     try:
         servers = [f"127.0.0.1:{server.port}", f"127.0.0.1:{other.port}"]
-        ids = [f"w{i}" for i in range(12)]
+        # Ids enough that each server has two (12 once left one server a single worker
+        # in about 1 run of 300: the ports, and so the hashing, differ every run).
+        ids = [f"w{i}" for i in range(64)]
         by_server = {0: [], 1: []}
         for worker_id in ids:
             by_server[rendezvous(worker_id, servers)].append(worker_id)
         chosen = by_server[0][:2] + by_server[1][:2]  # two workers on each server
+        assert len(chosen) == 4
         with RLTrainer("127.0.0.1", server.port, experiment="spread", servers=servers,
                        filter_version=False) as trainer:
             workers = [RLWorker("127.0.0.1", server.port, experiment="spread", worker_id=w, servers=servers)
