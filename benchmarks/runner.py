@@ -107,11 +107,13 @@ def run(profile: Profile, sections: tuple[str, ...] | None = None, rec: Recorder
                  "figures are noisier than usual; ratios to baselines of the same run hold up better")
     deadline = time.monotonic() + profile.time_limit_s
     peers = Peers()
+    took: dict[str, float] = {}  # section -> seconds it ran
     try:
         for name in sections or profile.sections:
             if time.monotonic() > deadline:
                 rec.skip(f"section {name}", f"the {profile.time_limit_s}s time limit of the profile has passed")
                 continue
+            began = time.monotonic()
             try:
                 SECTIONS[name](rec, profile, peers)
             except (Stopped, KeyboardInterrupt) as exc:
@@ -120,11 +122,14 @@ def run(profile: Profile, sections: tuple[str, ...] | None = None, rec: Recorder
                 break
             except Exception as exc:
                 rec.error(f"section {name}", exc)
+            finally:
+                took[name] = round(time.monotonic() - began, 1)
     finally:
         peers.close()
         stop_all()
     results = rec.as_dict()
     results["machine"] = info
+    results["section_s"] = took
     try:
         info["load_avg_1m_at_end"] = os.getloadavg()[0]
     except OSError:
