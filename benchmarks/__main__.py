@@ -9,6 +9,7 @@ failed, 2 when the run was stopped (time limit, SIGTERM, Ctrl-C).
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 from pathlib import Path
@@ -30,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sections", help=f"comma-separated subset of {','.join(runner.SECTIONS)}")
     parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results; smoke: none)")
     parser.add_argument("--no-write", action="store_true", help="print only, write no files")
+    parser.add_argument("--json", type=Path, help="also write the results dict alone to this file (no report)")
     args = parser.parse_args(argv)
     profile = PROFILES[args.profile]
     sections = None
@@ -48,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.alarm(0)
         stop_all()
 
+    if args.json:
+        args.json.write_text(json.dumps(results, default=str))
     out = args.out or (None if profile.name == "smoke" else report.RESULTS_DIR)
     if args.no_write or out is None:
         print("results not written (smoke profile without --out, or --no-write)", flush=True)

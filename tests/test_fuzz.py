@@ -29,8 +29,10 @@ from tensorshare.errors import ProtocolError
 from tensorshare.wire.frames import PREFIX, CostlyHeader, FrameDecoder, discard_sink, frame_head, unpack_header
 
 SEED = int(os.environ.get("TENSORSHARE_FUZZ_SEED", "20261121"))
-REQUEST_FRAMES = 8_000  # mutated requests on long-lived connections (request-level errors)
-BROKEN_CONNECTIONS = 3_000  # one broken frame each (framing errors, truncations, bit flips)
+# TENSORSHARE_FUZZ_SCALE=10 runs ten times as many cases (a longer hunt, by hand).
+_SCALE = float(os.environ.get("TENSORSHARE_FUZZ_SCALE", "1"))
+REQUEST_FRAMES = int(5_000 * _SCALE)  # mutated requests on long-lived connections (request-level errors)
+BROKEN_CONNECTIONS = int(1_500 * _SCALE)  # one broken frame each (framing errors, truncations, bit flips)
 BATCH = 100  # requests pipelined before their replies are read
 READ_TIMEOUT = 10.0
 RSS_SLACK = 48 << 20  # how far above its warmed-up baseline the server may stay afterwards
