@@ -47,7 +47,7 @@ from .outcome import Pending
 from .recvpool import payload_sink
 from .registry import HANDLERS
 from .shared import SharedMemory
-from .timelimits import TimeLimits
+from .timelimits import AUTH_EXPIRED, KEEPALIVE, TimeLimits
 
 log = logging.getLogger("tensorshare.server")
 _DISCARD = DiscardSink(0)  # stateless: one serves every request that takes no payload
@@ -273,18 +273,16 @@ class ServerSession:
         """
         if self.closed:
             return
-        config, timing = self.config, self.timing
-        timing.observe(now, sending)
-        if not self.authenticated and config.auth_timeout and now - timing.opened_at >= config.auth_timeout:
+        config = self.config
+        due = self.timing.due(now, sending, config, self.authenticated, bool(self.listening))
+        if due is None:
+            return
+        if due == AUTH_EXPIRED:
             login.failed(self, f"not authenticated within {config.auth_timeout:g}s")
             self._close_with(NOT_AUTHENTICATED, "authentication timed out")
             return
-        if not config.idle_timeout or now - timing.quiet_since < config.idle_timeout:
-            return
-        if self.listening:
-            if timing.pinged_at is None or now - timing.pinged_at >= config.idle_timeout:
-                timing.pinged_at = now
-                self.send_header(KEEPALIVE_MESSAGE.build(msg="keepalive"))
+        if due == KEEPALIVE:
+            self.send_header(KEEPALIVE_MESSAGE.build(msg="keepalive"))
             return
         log.info("conn %d closing (%s): idle for %gs", self.stats.id, self.peer, config.idle_timeout,
                  extra={"conn": self.stats.id, "event": "idle"})
