@@ -13,6 +13,7 @@ share 2 cores well: the test suite waits about half as long.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from . import report, runner
 from .profiles import SMOKE
+from .record import Recorder
 
 # The child's half: about as long as the rest (2 cores, seconds of the smoke profile:
 # scale 17, multihost 13, zerocopy 5, versions 5, small 4, busy 2; here scaling 14,
@@ -72,15 +74,21 @@ def _finish(child: subprocess.Popen, sections: tuple[str, ...], scratch: Path) -
     try:
         child.wait(SMOKE.time_limit_s + 60)
     except subprocess.TimeoutExpired:
-        child.kill()
-        child.wait()
+        child.terminate()  # (a stop: it stops the processes it started, then exits)
+        try:
+            child.wait(30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
     try:
         return json.loads((scratch / "child.json").read_text())
     except (OSError, ValueError):
         tail = (scratch / "child.log").read_bytes()[-2000:].decode(errors="replace")
-        return {"figures": [], "goals": [], "skipped": [], "notes": [], "section_s": {},
-                "errors": [{"where": f"sections {', '.join(sections)} (child process)",
-                            "error": f"exit status {child.returncode}, no results", "traceback": tail}]}
+        results = Recorder(SMOKE.name, stream=io.StringIO()).as_dict()  # (a run with nothing in it)
+        results.update(section_s={}, machine={}, errors=[{
+            "where": f"sections {', '.join(sections)} (child process)",
+            "error": f"exit status {child.returncode}, no results", "traceback": tail}])
+        return results
 
 
 def _merged(mine: dict | None, other: dict | None) -> dict:

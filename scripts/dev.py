@@ -113,7 +113,7 @@ def docs() -> None:
 # one torch release each (0.14.1: torch 2.14); where the project's torch is another,
 # the benchmark's side by side runs TorchRL in an environment of its own.
 TORCHRL_VENV = ROOT / ".venv-torchrl"
-TORCHRL_ENV = ("torch==2.14.1", "torchrl==0.14.1", "tensordict==0.14.3", "numpy")
+TORCHRL_ENV = ("torch==2.14.1", TORCHRL[0], "tensordict==0.14.3", "numpy")  # (the same TorchRL)
 _SAMPLER_LOADS = "from torchrl.data import PrioritizedSampler; PrioritizedSampler(2, 0.6, 0.4)"
 
 

@@ -205,6 +205,7 @@ def test_repeated_requests_go_out_from_prepared_heads_the_server_knows(paired, m
     (tensorshare/wire/heads.py): the server serves all but the first of each from
     the head it learned; a bad name is still refused before anything is sent."""
     from tensorshare.errors import UsageError
+    from tensorshare.wire.heads import KnownHeads
     from tensorshare_server.protocol.known import KnownRequests
 
     client, pump, clock, state = paired
@@ -216,12 +217,22 @@ def test_repeated_requests_go_out_from_prepared_heads_the_server_knows(paired, m
             served.append(found[1].command.verb)
         return found
 
+    look, hits = KnownHeads.read, []
+
+    def looking(self, data, pos=0):  # the lookup alone: a hit is a request not decoded again
+        found = look(self, data, pos)
+        if found is not None:
+            hits.append(found[0][0][0].verb)
+        return found
+
     monkeypatch.setattr(KnownRequests, "read", counting)
+    monkeypatch.setattr(KnownHeads, "read", looking)
     for i in range(5):
         assert result_of(client.put("a-loop", torch.full((4,), float(i))), pump) == 1
         assert torch.equal(result_of(client.peek("a-loop"), pump)[-1], torch.full((4,), float(i)))
     assert result_of(client.append("a-loop", torch.ones(4)), pump) == 2
-    assert sorted(served) == ["APPEND"] + ["PEEK"] * 5 + ["PUT"] * 5  # (each: learned, then known)
+    assert sorted(served) == ["APPEND"] + ["PEEK"] * 5 + ["PUT"] * 5
+    assert sorted(hits) == ["PEEK"] * 4 + ["PUT"] * 4  # (each learned the first time, then known)
     result_of(client.put("a-loop", torch.ones(2), tag=3), pump)  # (a request with a tag: the general layout)
     assert len(served) == 11
     for name in ("a-bad\x01", "n" * 257):

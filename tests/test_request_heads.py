@@ -107,7 +107,7 @@ def test_a_session_answers_prepared_requests_as_the_general_ones(split):
     assert _known(pair) == 0
     prepared, pair = _answers(_stream(_prepared), split)
     assert prepared == general
-    assert _known(pair) == 0 if split else 8  # (only whole ones in a read are learned)
+    assert _known(pair) == (0 if split else 9)  # (only whole ones in a read are learned)
     codes = {f.header["id"]: f.header["code"] for f in FrameDecoder(lambda h, n: SegmentSink(n)).feed(prepared)}
     assert codes == {1: 250, 2: 250, 3: 250, 4: 226, 5: 226, 6: 226, 7: 226, 8: 226, 9: 226, 10: 226, 11: 550,
                      12: 550, 13: 250, 14: 250, 15: 226}
@@ -117,14 +117,17 @@ def test_requests_of_a_known_head_are_served_from_it(monkeypatch):
     pair = Pair()
     for rid in range(1, 6):
         pair.send(_prepared(rid, PUT, "a", _VALUE))
-    read = KnownRequests.read
-    served = []
+    read, look = KnownRequests.read, KnownHeads.read
+    served, hits = [], []
     monkeypatch.setattr(KnownRequests, "read", lambda self, data, pos=0: served.append(found := read(self, data, pos))
+                        or found)
+    monkeypatch.setattr(KnownHeads, "read", lambda self, data, pos=0: hits.append(found := look(self, data, pos))
                         or found)
     pair.outbox.data.clear()
     pair.send(_prepared(6, PEEK, "a") + _prepared(7, PEEK, "a"))
     assert [entry[0].verb for entry, _request, _stop in served[:2]] == ["PEEK", "PEEK"]
     assert [request.id for _entry, request, _stop in served[:2]] == [6, 7]
+    assert [hit[1] for hit in hits if hit is not None] == [7]  # the first PEEK learned, the second looked up
     frames = FrameDecoder(lambda h, n: SegmentSink(n)).feed(bytes(pair.outbox.data))
     assert [(f.header["id"], f.header["seq"]) for f in frames] == [(6, 5), (7, 5)]
 

@@ -9,6 +9,7 @@ sends its rows over TCP."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
@@ -94,7 +95,7 @@ def test_same_host_inserts_go_through_shared_memory_and_round_trip_exactly(serve
         assert info["size"] == 3 * N and info["inserts"] == 5 * N
 
 
-def test_rows_go_over_tcp_unless_asked_without_verified_areas_and_for_small_batches(server):
+def test_rows_go_over_tcp_unless_asked_without_verified_areas_and_for_small_batches(server, caplog):
     with tensorshare.Client("127.0.0.1", server.port, timeout=30) as local, \
             tensorshare.Client("127.0.0.1", server.port, timeout=30, zero_copy=False) as tcp:
         assert _incoming(tcp) is None  # zero_copy=False: no verified areas, so no incoming directory
@@ -110,7 +111,9 @@ def test_rows_go_over_tcp_unless_asked_without_verified_areas_and_for_small_batc
         assert len(_kept(local)) == 1
         assert _equal(tcp.read("by-tcp", torch.arange(N)), batch(2 * N))
         local.create_table("items", 4)
-        local.insert("items", {"obs": torch.ones(1 << 18)}, shared=True)  # refused (425): sent over the socket
+        with caplog.at_level(logging.INFO, logger="tensorshare.client"):
+            local.insert("items", {"obs": torch.ones(1 << 18)}, shared=True)  # refused (425): sent over the socket
+        assert "did not take a value through shared memory" in caplog.text
         assert torch.equal(local.read("items", torch.tensor([0]))[0]["obs"], torch.ones(1 << 18))
 
 

@@ -19,12 +19,15 @@ def test_an_unauthenticated_connection_expires_at_auth_timeout_before_any_idle_l
 def test_quiet_for_idle_timeout_closes_unless_bytes_or_replies_moved():
     limits = TimeLimits()
     limits.due(0.0, False, LIMITS, authenticated=True, listening=False)
-    assert limits.due(9.9, False, LIMITS, authenticated=True, listening=False) is None
-    limits.heard = True
-    assert limits.due(9.95, False, LIMITS, authenticated=True, listening=False) is None  # the quiet starts again
-    assert limits.due(19.0, True, LIMITS, authenticated=True, listening=False) is None  # a reply still going out
-    assert limits.due(28.9, False, LIMITS, authenticated=True, listening=False) is None
-    assert limits.due(29.0, False, LIMITS, authenticated=True, listening=False) == IDLE
+    limits.heard = True  # bytes came: the quiet starts again at the next look
+    assert limits.due(8.0, False, LIMITS, authenticated=True, listening=False) is None
+    assert limits.due(17.5, False, LIMITS, authenticated=True, listening=False) is None
+    assert limits.due(18.0, False, LIMITS, authenticated=True, listening=False) == IDLE
+    limits = TimeLimits()
+    limits.due(0.0, False, LIMITS, authenticated=True, listening=False)
+    assert limits.due(8.0, True, LIMITS, authenticated=True, listening=False) is None  # a reply still going out
+    assert limits.due(17.5, False, LIMITS, authenticated=True, listening=False) is None
+    assert limits.due(18.0, False, LIMITS, authenticated=True, listening=False) == IDLE
 
 
 def test_a_quiet_listener_gets_a_keepalive_every_idle_timeout_and_is_kept():

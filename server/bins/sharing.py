@@ -112,8 +112,9 @@ class SharedTier:
         self.jobs.run(None, self.shm.take_arrays, (connection, shm_name, description, nbytes, limits), taken)
 
     def take_arrays_now(self, connection: str, shm_name: object, description: bytes, nbytes: int, limits) -> list:
-        """:meth:`take_arrays` on the caller's thread (the files are in memory: a few
-        system calls per array); raises :class:`ZeroCopyUnavailableError`."""
+        """:meth:`take_arrays` on the caller's thread: the files checked and read into
+        one buffer (they are in memory: a copy and a few system calls per array);
+        raises :class:`ZeroCopyUnavailableError`."""
         try:
             return self.shm.take_arrays(connection, shm_name, description, nbytes, limits)
         except Exception as exc:

@@ -66,7 +66,8 @@ class TableVerbs:
         """A request's value as rows of ``table`` (a table of columns), from the item
         directory a same-host client wrote to ``incoming/<connection>/<shm_name>``
         (PROTOCOL.md §10.4): its array files checked as an adopted item's are, and
-        mapped, at once (they are in memory: a few system calls per array).  None for
+        read (copied) on the caller's thread, at once: they are in memory (tmpfs), about
+        a memcpy and a few system calls per array.  None for
         a value of more than :data:`INLINE_ARRAYS` arrays: :meth:`shared_table_rows_later`
         takes those.  Raises :class:`~tensorshare.errors.ZeroCopyUnavailableError` if
         it cannot be taken (nothing changed), 501 for a value that is not the table's kind."""

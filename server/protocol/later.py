@@ -15,15 +15,10 @@ reading stops until it is answered (it may wait for the disk).
 
 from __future__ import annotations
 
-import logging
-
 from tensorshare.errors import RemoteError
-from tensorshare.protocol.messages import LOCAL_ERROR, error_reply
 
 from .holding import Answering
 from .outcome import Pending
-
-log = logging.getLogger("tensorshare.server")
 
 
 class LaterAnswers:
@@ -125,8 +120,7 @@ class LaterAnswers:
         except RemoteError as exc:
             session.refuse(answering.rid, exc)
         except Exception:  # a bug: this request fails, the connection and the server go on
-            log.exception("a request from %s failed", session.peer)
-            session.send_header(error_reply(LOCAL_ERROR, "internal server error", answering.rid))
+            session._failed("a request", answering.rid)
         self._answered(answering)
 
     def _answered(self, answering: Answering) -> None:

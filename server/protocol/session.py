@@ -173,8 +173,8 @@ class ServerSession:
             # The usual read: whole small requests, each parsed in one step here
             # (a head known before, else frames.whole_frames); the decoder takes
             # whatever follows them.
-            known = end = self._take_known(data) if data[ID_ENTRY_AT:_ID_ENTRY_END] == ID_ENTRY else 0
-            if known and (end == len(data) or not self._serving):
+            known = self._take_known(data) if data[ID_ENTRY_AT:_ID_ENTRY_END] == ID_ENTRY else 0
+            if known and (known == len(data) or not self._serving):
                 return 0
             whole, end = whole_frames(data, decoder.limits, known)
             if whole:

@@ -198,8 +198,8 @@ class SharedMemory:
     # -- PUT and APPEND through shared memory (§10.4)
 
     def adoption(self, request) -> tuple[str, str, int]:
-        """``(incoming directory, item name, size)`` of a PUT/APPEND naming a value
-        in shared memory; the :class:`RemoteError` to answer with if it cannot be."""
+        """``(incoming directory, item name, size)`` of a PUT/APPEND/TINSERT naming a
+        value in shared memory; the :class:`RemoteError` to answer with if it cannot be."""
         if self.incoming is None:
             raise RemoteError("this connection has no shared-memory incoming directory", ZERO_COPY_REFUSED)
         if request.payload_len:

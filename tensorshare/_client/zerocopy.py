@@ -312,6 +312,7 @@ class SharedAreas:
 
     def discard(self, name: str) -> None:
         """Remove what :meth:`write` wrote, if the server did not take it."""
+        self._copied.pop(name, None)  # (one the server was to copy out: not kept for the next either)
         shutil.rmtree(os.path.join(self.incoming, name), ignore_errors=True)
 
     # -- GET / PEEK

@@ -34,6 +34,7 @@ for them (``tests/devicesim.py``).
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -619,9 +620,14 @@ def _pwrite_all(fd: int, view: memoryview, position: int) -> None:
         view, position = view[n:], position + n
 
 
+_WARNINGS = threading.Lock()  # catch_warnings swaps the process's filters: one thread at a time here
+
+
 def _read_only_tensor(array: np.ndarray) -> torch.Tensor:
     """A tensor over ``array`` (a read-only mapping of the server's files) as a copy's
-    source, without torch's warning about arrays it may not write (it never writes it)."""
-    with warnings.catch_warnings():
+    source, without torch's warning about arrays it may not write (it never writes it).
+    (Two uploads at once, unlocked, could restore each other's filters and leave the
+    warning off for the whole process.)"""
+    with _WARNINGS, warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(array)

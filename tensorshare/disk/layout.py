@@ -41,7 +41,7 @@ from ..wire.description import (
     parse_description,
 )
 from ..wire.dtypes import TORCH_WIDTHS
-from .files import copy_file, fsync_dir, write_all, write_file
+from .files import copy_file, fsync_dir, write_file
 
 __all__ = ["LayoutError", "StoredItem", "write_item", "read_item", "write_bin_root", "array_paths", "mapped_parts",
            "RECORD", "BIN_RECORD", "FORMAT"]
@@ -338,16 +338,13 @@ def rewrite_arrays(stored: StoredItem, segments: Sequence, nbytes: int) -> None:
     written before (by :func:`write_item`), in place: each file made writable by its
     owner again, opened without following symlinks, overwritten and closed.  For a
     value a reader copied out and left (a table insert through shared memory:
-    PROTOCOL.md §10.4), whose pages cost less to write again than new ones.  Raises
-    ``OSError`` (a file gone or replaced) having written some files perhaps."""
+    PROTOCOL.md §10.4), whose pages cost less to write again than new ones; bytes
+    in device memory are staged down as :func:`write_item` does.  Raises
+    ``OSError`` (a file gone, replaced or resized) having written some files perhaps."""
     payload = _Payload(segments, nbytes)
     for offset, length, file in stored.files:
         os.chmod(file, 0o600, follow_symlinks=False)
-        fd = os.open(file, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            write_all(fd, list(payload.views(offset, length)), 0)
-        finally:
-            os.close(fd)
+        write_file(file, payload.views(offset, length), False, length)
 
 
 def _inside(root: str, relative: Any) -> str:
