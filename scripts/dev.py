@@ -8,7 +8,7 @@
     python3 scripts/dev.py bench-full
 
 The environment lives in ``.venv`` and is re-installed only when setup.cfg,
-setup.py or pyproject.toml change.  torch is installed pinned (``torch==2.13.0``, a CPU build)
+setup.py, pyproject.toml or the C extension's source change.  torch is installed pinned (``torch==2.13.0``, a CPU build)
 when missing, so that the package's range does not pull a CUDA build.
 """
 
@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv"
 PY = VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 TORCH_PIN = "torch==2.13.0"
-PACKAGING = ("setup.cfg", "setup.py", "pyproject.toml")  # a change to these re-installs
+# a change to these re-installs (the last: the C extension setup.py builds)
+PACKAGING = ("setup.cfg", "setup.py", "pyproject.toml", "server/bins/tables/_sumwalk.c")
 OLD_NAME = "tensorshare"  # the distribution name this project had (taken on the package index by another)
 
 

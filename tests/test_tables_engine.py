@@ -45,6 +45,17 @@ SumTree = sys.modules[f"{_NAME}.sumtree"].SumTree
 MinTree = sys.modules[f"{_NAME}.mintree"].MinTree
 CountTree = sys.modules[f"{_NAME}.occupancy"].CountTree
 Slots = sys.modules[f"{_NAME}.slots"].Slots
+sumtree = sys.modules[f"{_NAME}.sumtree"]
+
+
+@pytest.fixture(params=["compiled", "numpy"])
+def tree_path(request, monkeypatch):
+    """Run a test with the sum tree's compiled loops, then with numpy's alone."""
+    if request.param == "numpy":
+        monkeypatch.setattr(sumtree, "compiled", None)
+    elif sumtree.compiled is None:
+        pytest.skip("the compiled sum-tree loops are not built here (no C compiler at install)")
+    return request.param
 
 
 def chi2_critical(df: int, z: float = 3.719) -> float:
@@ -318,7 +329,7 @@ def test_uniform_sampler_distribution():
 
 
 @pytest.mark.parametrize("stratified", [False, True])
-def test_prioritized_sampler_distribution_follows_the_exponent(stratified):
+def test_prioritized_sampler_distribution_follows_the_exponent(stratified, tree_path):
     t = x_table(64, sampler="prioritized", priority_exponent=0.6, stratified=stratified, rng=2024)
     priorities = np.arange(1.0, 11.0)
     t.insert(scalars(10), priorities=priorities)
@@ -332,7 +343,7 @@ def test_prioritized_sampler_distribution_follows_the_exponent(stratified):
     assert chi2(counts, priorities ** 0.7) > 10 * chi2_critical(9)
 
 
-def test_updated_priorities_are_reflected_in_sampling():
+def test_updated_priorities_are_reflected_in_sampling(tree_path):
     t = x_table(100, sampler="prioritized", priority_exponent=1.0, rng=99)
     keys = t.insert(scalars(4)).keys
     assert t.update_priorities(keys, [0.0, 1.0, 3.0, 0.0]) == 4
@@ -357,7 +368,7 @@ def test_priority_overflowing_the_exponent_is_refused():
         t.insert(scalars(1), priorities=[1e100])
 
 
-def test_priorities_whose_sum_would_overflow_are_refused_and_the_largest_allowed_sample_soundly():
+def test_priorities_whose_sum_would_overflow_are_refused_and_the_largest_allowed_sample_soundly(tree_path):
     """Issue #31, item 10: each of [1, 1, 1e308, 1e308] is finite, their sum is not;
     the tree's total became inf, every draw landed on one slot and the probabilities
     were 0 (infinite importance weights)."""
@@ -605,6 +616,89 @@ def test_sum_tree_never_lands_on_a_zero_weight_slot_past_the_total(block, top):
     tree.changed(np.arange(8))
     found = tree.find(np.array([tree.total, tree.total * (1 + 1e-12), 0.0]))
     assert found.tolist() == [3, 3, 0]
+
+
+class _State:
+    """What :class:`sumtree.Powers` reads: per-slot priorities and flags."""
+
+    def __init__(self, capacity: int):
+        self.priority = np.zeros(capacity)
+        self.flags = np.zeros(capacity, np.uint8)
+
+
+@pytest.mark.skipif(sumtree.compiled is None, reason="the compiled sum-tree loops are not built here")
+@settings(max_examples=120, deadline=None)
+@given(data=st.data(), capacity=st.integers(1, 90), block=st.sampled_from([1, 2, 4, 16]),
+       exponent=st.sampled_from([1.0, 0.5, 0.6, 0.0, 2.0]))
+def test_compiled_sum_tree_answers_as_numpy_does(data, capacity, block, exponent):
+    """The compiled search and refresh against the numpy path, on the same weights:
+    the same trees (integer priorities, exponent 1: every sum exact), the same slots
+    for targets on and between the boundaries, weights equal to numpy's powers, and
+    never a slot of weight zero."""
+    state = _State(capacity)
+    live = 1  # slots.LIVE
+
+    def weights(pick):
+        return np.where(pick(state.flags) & live, pick(state.priority) ** exponent, 0.0)
+
+    fast = sumtree.SumTree(capacity, weights, block=block, powers=sumtree.Powers(state, exponent))
+    slow = sumtree.SumTree(capacity, weights, block=block)
+    assert fast.powers is not None and slow.powers is None
+    for _ in range(data.draw(st.integers(1, 6))):
+        slots = np.array(data.draw(st.lists(st.integers(0, capacity - 1), unique=True, min_size=1)), np.int64)
+        state.priority[slots] = data.draw(st.lists(st.integers(0, 9), min_size=slots.size, max_size=slots.size))
+        state.flags[slots] = data.draw(st.lists(st.sampled_from([0, 1, 3]), min_size=slots.size,
+                                                max_size=slots.size))  # (3: LIVE and END)
+        for tree in (fast, slow):
+            tree.changed(slots)
+        inner = np.arange(1, fast.leaves)
+        assert (fast.tree[inner] == fast.tree[2 * inner] + fast.tree[2 * inner + 1]).all()
+        assert np.allclose(fast.tree, slow.tree, rtol=1e-13, atol=0)
+        if exponent == 1.0:
+            assert np.array_equal(fast.tree, slow.tree)
+    expected = weights(lambda array: array)
+    if fast.total > 0:
+        cumulative = np.cumsum(expected)
+        targets = np.concatenate([cumulative[expected > 0][:-1], (cumulative[:-1] + cumulative[1:]) / 2,
+                                  [0.0, fast.total * (1 - 1e-12)]])
+        targets = targets[(targets >= 0) & (targets < fast.total)]
+        found, got = fast.pick(targets)
+        assert (expected[found] > 0).all()
+        assert np.allclose(got, expected[found], rtol=1e-14, atol=0)
+        if exponent in (1.0, 0.0):
+            assert found.tolist() == slow.find(targets).tolist()
+        else:  # in the interval (up to rounding at its ends)
+            assert ((cumulative[found] - expected[found] <= targets * (1 + 1e-12))
+                    & (targets <= cumulative[found] * (1 + 1e-12))).all()
+
+
+@pytest.mark.skipif(sumtree.compiled is None, reason="the compiled sum-tree loops are not built here")
+def test_compiled_sum_tree_refuses_wrong_arrays():
+    """Wrong dtypes, short arrays or a block past the tree raise, and write nothing."""
+    compiled, tree = sumtree.compiled, np.zeros(8)
+    priority, flags = np.ones(16), np.ones(16, np.uint8)
+    with pytest.raises(TypeError, match="tree"):
+        compiled.refresh(np.zeros(8, np.float32), 2, priority, flags, 1.0, 4, 16, np.array([0]))
+    with pytest.raises(ValueError, match="priority"):
+        compiled.refresh(tree, 2, priority[:8], flags, 1.0, 4, 16, np.array([0]))
+    with pytest.raises(IndexError, match="block 4"):
+        compiled.refresh(tree, 2, priority, flags, 1.0, 4, 16, np.array([0, 4]))
+    with pytest.raises(TypeError, match="slots"):
+        compiled.find(tree, 2, priority, flags, 1.0, 4, 16, np.zeros(2), np.zeros(2, np.int32), np.zeros(2))
+    with pytest.raises(TypeError):  # read-only target array: it is written
+        compiled.find(tree, 2, priority, flags, 1.0, 4, 16, b"\0" * 16, np.zeros(2, np.int64), np.zeros(2))
+    assert not tree.any()
+
+
+def test_the_compiled_sum_tree_is_built_where_a_compiler_is():
+    """setup.py builds ``_sumwalk`` where a C compiler is at hand (it is optional: a
+    machine without one gets numpy's loops, slower at 10^7 rows and up)."""
+    import shutil
+    import sysconfig
+
+    if not (shutil.which(sysconfig.get_config_var("CC") or "cc") or shutil.which("cc")):
+        pytest.skip("no C compiler here")
+    assert sumtree.compiled is not None, "the C extension _sumwalk was not built (pip install -e . builds it)"
 
 
 @settings(max_examples=80, deadline=None)

@@ -53,6 +53,10 @@ class TableSample:
         return int(self.keys.numel())
 
 
+_NUMPY_FLOATS = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
+                 torch.uint8, torch.bool}
+
+
 def _int64_bytes(values, what: str) -> bytes:
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().numpy()
@@ -67,7 +71,10 @@ def _int64_bytes(values, what: str) -> bytes:
 
 def _float64_bytes(values, what: str) -> bytes:
     if isinstance(values, torch.Tensor):
-        values = values.detach().cpu().to(torch.float64).numpy()
+        values = values.detach().cpu()
+        # numpy widens to float64 below (a torch .to() cost more than the rest of a learner's
+        # update on 256 priorities); dtypes numpy lacks (bfloat16) are widened by torch
+        values = values.numpy() if values.dtype in _NUMPY_FLOATS else values.to(torch.float64).numpy()
     try:
         return np.ascontiguousarray(np.asarray(values, np.float64).reshape(-1), "<f8").tobytes()
     except (TypeError, ValueError) as exc:

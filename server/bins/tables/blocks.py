@@ -88,14 +88,17 @@ class Blocks:
             stop = min(first + per, self.nblocks)
             yield first, stop, slice(first * self.block, min(stop * self.block, self.capacity))
 
-    def redo(self, tree: np.ndarray, slots: np.ndarray, leaf_values, combine=np.add, batch=None, one=None) -> None:
+    def redo(self, tree: np.ndarray, slots: np.ndarray, leaf_values, combine=np.add, batch=None, one=None,
+             blocks: np.ndarray | None = None) -> None:
         """The leaves of the blocks of ``slots`` from ``leaf_values(blocks)``, then every
         node above them (:func:`update_ancestors`): a node is ``combine(left child,
         right child)``, elementwise over arrays; ``batch(level)`` and ``one(node)``
-        may do the same faster for a level's nodes or for one node."""
+        may do the same faster for a level's nodes or for one node.  ``blocks``:
+        ``blocks_of(slots)``, where the caller has it already."""
         if not np.size(slots):
             return
-        blocks = self.blocks_of(slots)
+        if blocks is None:
+            blocks = self.blocks_of(slots)
         tree[self.leaves + blocks] = leaf_values(blocks)
         if batch is None:
             def batch(level: np.ndarray) -> None:

@@ -30,7 +30,7 @@ from .errors import PriorityError, TableSpecError
 from .blocks import in_memory
 from .mintree import INT_EMPTY, MinTree
 from .slots import LIVE, Slots, runs
-from .sumtree import SumTree
+from .sumtree import Powers, SumTree
 
 CONSTANT_CHECK = 64  # weights of more priorities than this look for one priority for all first
 RUNS = 4  # new rows in more runs of consecutive slots than this update the age orders node by node
@@ -160,7 +160,7 @@ class PrioritizedSampler(UniformSampler):
         super().__init__(slots)
         self.exponent = exponent
         self.stratified = stratified
-        self.tree = SumTree(slots.capacity, self._slot_weights, arrays=arrays)
+        self.tree = SumTree(slots.capacity, self._slot_weights, arrays=arrays, powers=Powers(slots, exponent))
 
     def weights(self, priorities: np.ndarray) -> np.ndarray:
         e = self.exponent
@@ -213,8 +213,8 @@ class PrioritizedSampler(UniformSampler):
             targets = (np.arange(n) + rng.random(n)) * (total / n)
         else:
             targets = rng.random(n) * total
-        slots = self.tree.find(targets)
-        return slots, self.tree.get(slots) / total
+        slots, weights = self.tree.pick(targets)
+        return slots, weights / total
 
 
 class OrderedSampler(_Index):

@@ -8,15 +8,27 @@ computes them from the table's state (``priority ** exponent`` of a row, 0 for a
 empty slot), where ``pick(array)`` gives a per-slot array's values at the slots in
 question (any shape; 0 past the capacity), so the tree costs one float64 per block of
 slots, and a search ends by computing the weights of the one block it reached.
+
+Where the weights are powers of the slots' priorities (:class:`Powers`, the
+prioritized sampler's), a search and the refresh of scattered blocks run in compiled
+loops (``_sumwalk.c``, built by setup.py where a C compiler is at hand) that compute
+the same weights themselves: numpy costs a few calls per tree level for a batch, and
+a power for every slot of every block reached.  The numpy path stays the reference
+(the tests hold the two to the same answers) and the fallback.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
 from .blocks import Blocks, build_levels, each_chunk, in_memory
+
+try:
+    from . import _sumwalk as compiled
+except ImportError:  # built without a C compiler: numpy does it all
+    compiled = None
 
 BLOCK = 16  # slots a leaf sums: a recomputed block costs 16 weights, the tree 1 byte a row
 # A search starts at this level (4,096 nodes): one binary search of its prefix sums
@@ -25,15 +37,27 @@ BLOCK = 16  # slots a leaf sums: a recomputed block costs 16 weights, the tree 1
 TOP_LEVEL = 12
 
 
+class Powers(NamedTuple):
+    """Weights the compiled loops compute themselves: ``slots.priority ** exponent``
+    (float64) where bit 1 (``LIVE``) of ``slots.flags`` (uint8) is set, else 0; read
+    from ``slots`` at each call."""
+
+    slots: object
+    exponent: float
+
+
 class SumTree:
     """Non-negative weights of ``capacity`` slots, their total, and search by prefix sum."""
 
     def __init__(self, capacity: int, weights: Callable[[Callable[[np.ndarray], np.ndarray]], np.ndarray],
-                 block: int = BLOCK, arrays=in_memory, name: str = "tree_sum", top: int = TOP_LEVEL):
+                 block: int = BLOCK, arrays=in_memory, name: str = "tree_sum", top: int = TOP_LEVEL,
+                 powers: Powers | None = None):
         self.capacity = capacity
         self.top = top  # the level a search starts from (see TOP_LEVEL)
         # pick -> the float64 weights of the slots pick selects (see the module docstring)
         self.weights = weights
+        # the same weights, described for the compiled loops (None: numpy's path only)
+        self.powers = powers if compiled is not None else None
         self.layout = Blocks(capacity, block)
         self.leaves = self.layout.leaves
         self.tree = arrays(name, np.float64, 2 * self.leaves, 0.0)
@@ -56,6 +80,14 @@ class SumTree:
 
     def changed(self, slots: np.ndarray) -> None:
         """The weights of ``slots`` changed: their blocks' sums and those above them."""
+        blocks = self.layout.blocks_of(slots) if np.size(slots) else None
+        if self.powers is not None and blocks is not None and self.layout.run(blocks) is None:
+            # scattered blocks (a priority update's): a walk up from each leaf.  A run of
+            # blocks (an insert's) stays with numpy, a level at a time over slices.
+            layout, state = self.layout, self.powers.slots
+            compiled.refresh(self.tree, layout.depth, state.priority, state.flags, self.powers.exponent,
+                             layout.block, self.capacity, blocks)
+            return
         tree, pairs = self.tree, self.tree.reshape(-1, 2)
 
         def batch(level: np.ndarray) -> None:  # (a node's children are a row of ``pairs``)
@@ -65,7 +97,7 @@ class SumTree:
         def one(node: int) -> None:
             tree[node] = tree[2 * node] + tree[2 * node + 1]
 
-        self.layout.redo(tree, slots, self._block_sums, np.add, batch, one)
+        self.layout.redo(tree, slots, self._block_sums, np.add, batch, one, blocks=blocks)
 
     def rebuild(self) -> None:
         """Every sum from the weights of every slot (a table reopened from its files)."""
@@ -78,6 +110,18 @@ class SumTree:
         each_chunk(layout, leaves)
         build_levels(tree, layout.leaves, np.add)
 
+    def pick(self, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(slots, weights)``: :meth:`find`'s slots, and the weight of each."""
+        if self.powers is None:
+            slots = self.find(targets)
+            return slots, self.get(slots)
+        layout, state = self.layout, self.powers.slots
+        u = np.array(targets, np.float64).reshape(-1)  # (a copy: the loop leaves what is left of each target in it)
+        slots, weights = np.empty(u.size, np.int64), np.empty(u.size, np.float64)
+        compiled.find(self.tree, layout.depth, state.priority, state.flags, self.powers.exponent, layout.block,
+                      self.capacity, u, slots, weights)
+        return slots, weights
+
     def find(self, targets: np.ndarray) -> np.ndarray:
         """The slot whose prefix-sum interval holds each of ``targets`` (each in
         ``[0, total)``): the first slot ``s`` with ``sum(weights[:s + 1]) > target``.
@@ -85,6 +129,8 @@ class SumTree:
         Never a slot of weight zero while the total is positive: a target that rounding
         pushes past a subtree's (or a block's) sum stays on the side that has weight.
         """
+        if self.powers is not None:
+            return self.pick(targets)[0]
         tree, layout = self.tree, self.layout
         u = np.array(targets, np.float64).reshape(-1)
         top = min(self.top, layout.depth)
