@@ -8,6 +8,8 @@
   tree only) and the lowest-priority remover (its argmin tree too); beside it, the
   same draw done without a tree (``cumsum`` of the weights + ``searchsorted``), and
   the sum tree's own search + update.  Goal: under 2 ms for sample + update.
+* the sum tree's compiled loops against its numpy path on a table of 10^7 rows
+  (sample + update of 256, and the tree's search + refresh alone), in turns.
 * gather of 256 random rows of 28,224 bytes (4x84x84 uint8) from a 100,000-row
   table: ``Table.sample`` (allocating, and into a given buffer) beside plain numpy
   on the same array (``column[idx]``, and ``np.take`` into a preallocated buffer,
@@ -114,6 +116,48 @@ def prioritized(engine, rows: int = 1_000_000, batch: int = 256) -> None:
         show_time(label, s)
 
 
+def compiled_or_numpy(engine, rows: int = 10_000_000, batch: int = 256) -> None:
+    """The sum tree's compiled loops (``_sumwalk.c``) against its numpy path, in turns
+    on one table: a sample of ``batch`` and the update of their priorities (fresh
+    random rows each time, as a learner's are), and the tree's search and refresh alone."""
+    sumtree = sys.modules[f"{engine.__name__}.sumtree"]
+    if sumtree.compiled is None:
+        print("the compiled sum-tree loops are not built here: nothing to compare")
+        return
+    print(f"sum tree, compiled loops or numpy: table of {rows:,} rows, batches of {batch}")
+    rng = np.random.default_rng(6)
+    t = engine.Table(rows, {"a": ((), "int64")}, sampler="prioritized", priority_exponent=0.6, rng=7)
+    for start in range(0, rows, 1 << 20):
+        k = min(1 << 20, rows - start)
+        t.insert({"a": np.arange(start, start + k)}, priorities=rng.random(k) + 0.01)
+    tree, state = t._sampler.tree, t._slots
+    powers = tree.powers
+    new = rng.random(batch) + 0.01
+
+    def step():
+        t.update_priorities(t.sample(batch).keys, new)
+
+    def search_refresh():
+        slots = np.unique(tree.find(rng.random(batch) * tree.total))
+        state.priority[slots] = rng.random(slots.size) + 0.01
+        tree.changed(slots)
+
+    def numpy_path(fn):
+        def run():
+            tree.powers = None
+            try:
+                fn()
+            finally:
+                tree.powers = powers
+        return run
+
+    fns = {"Table.sample + update_priorities, compiled": step, "Table.sample + update_priorities, numpy": numpy_path(step),
+           "SumTree.find + changed alone, compiled": search_refresh,
+           "SumTree.find + changed alone, numpy": numpy_path(search_refresh)}
+    for label, s in turns(fns, rounds=5, reps=60).items():
+        show_time(label, s)
+
+
 def gather(engine, memmap_dir: str | None, rows: int = 100_000, batch: int = 256) -> None:
     shape = (4, 84, 84)
     row_bytes = int(np.prod(shape))
@@ -158,6 +202,7 @@ def main() -> None:
     engine = load_engine()
     print(f"numpy {np.__version__}, {os.cpu_count()} CPUs")
     prioritized(engine)
+    compiled_or_numpy(engine)
     gather(engine, None)
     if args.memmap:
         with tempfile.TemporaryDirectory(prefix="tables-bench-") as directory:

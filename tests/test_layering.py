@@ -160,8 +160,20 @@ def _imports(name: str, path: Path, is_package: bool, known: set[str], everywher
             else:
                 target = node.module
             for alias in node.names:  # `from package import module` imports the module
+                if f"{target}.{alias.name}" in EXTENSIONS:  # a compiled one (no imports of ours), not the package
+                    continue
                 found.add(f"{target}.{alias.name}" if f"{target}.{alias.name}" in known else target)
     return (found & known) - {name}
+
+
+def _extensions() -> set[str]:
+    """The dotted names of our C extensions (setup.py builds ``server/.../_name.c``)."""
+    root = Path(__file__).resolve().parent.parent / "server"
+    return {".".join(("tensorshare_server", *path.relative_to(root).with_suffix("").parts))
+            for path in root.rglob("*.c")}
+
+
+EXTENSIONS = _extensions()
 
 
 def _our_modules() -> dict[str, tuple[Path, bool]]:
