@@ -82,8 +82,9 @@ class SumTree:
         """The weights of ``slots`` changed: their blocks' sums and those above them."""
         blocks = self.layout.blocks_of(slots) if np.size(slots) else None
         if self.powers is not None and blocks is not None and self.layout.run(blocks) is None:
-            # scattered blocks (a priority update's): a walk up from each leaf.  A run of
-            # blocks (an insert's) stays with numpy, a level at a time over slices.
+            # scattered blocks (a priority update's): compiled, their ancestors a level at
+            # a time for the batch.  A run of blocks (an insert's) stays with numpy, whose
+            # levels are then slices.
             layout, state = self.layout, self.powers.slots
             compiled.refresh(self.tree, layout.depth, state.priority, state.flags, self.powers.exponent,
                              layout.block, self.capacity, blocks)
