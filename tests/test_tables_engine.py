@@ -681,6 +681,8 @@ def test_compiled_sum_tree_refuses_wrong_arrays():
         compiled.refresh(np.zeros(8, np.float32), 2, priority, flags, 1.0, 4, 16, np.array([0]))
     with pytest.raises(ValueError, match="priority"):
         compiled.refresh(tree, 2, priority[:8], flags, 1.0, 4, 16, np.array([0]))
+    with pytest.raises(ValueError, match="out of range"):
+        compiled.refresh(tree, -1, priority, flags, 1.0, 4, 16, np.array([0]))
     with pytest.raises(IndexError, match="block 4"):
         compiled.refresh(tree, 2, priority, flags, 1.0, 4, 16, np.array([0, 4]))
     with pytest.raises(TypeError, match="slots"):

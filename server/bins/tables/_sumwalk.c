@@ -45,6 +45,28 @@ static int check(Py_buffer *b, Py_ssize_t itemsize, Py_ssize_t at_least, const c
     return 1;
 }
 
+/* The tree (b[0], float64, 2 << depth nodes) and the slots' state (b[1] priority,
+ * float64, and b[2] flags, uint8, ``capacity`` of each) both functions read; 0 with an
+ * exception set where they do not fit together. */
+static int check_state(Py_buffer *b, int depth, Py_ssize_t block, Py_ssize_t capacity) {
+    if (depth < 0 || depth > 40 || block < 1 || capacity < 1) {
+        PyErr_Format(PyExc_ValueError, "depth %d, block %zd, capacity %zd: out of range", depth, block, capacity);
+        return 0;
+    }
+    return check(&b[0], 8, (Py_ssize_t)2 << depth, "tree") && check(&b[1], 8, capacity, "priority")
+           && check(&b[2], 1, capacity, "flags");
+}
+
+/* Ask memory for the state of the block of slots from ``first``, before it is read. */
+static inline void prefetch_block(const double *priority, const uint8_t *flags, Py_ssize_t first, Py_ssize_t block,
+                                  Py_ssize_t capacity) {
+    if (first < capacity) {
+        __builtin_prefetch(&priority[first]);
+        __builtin_prefetch(&priority[first + block - 1 < capacity ? first + block - 1 : capacity - 1]);
+        __builtin_prefetch(&flags[first]);
+    }
+}
+
 static void release(Py_buffer *buffers, int n) {
     for (int i = 0; i < n; i++)
         if (buffers[i].obj != NULL)
@@ -65,12 +87,11 @@ static PyObject *find(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*iy*y*dnnw*w*w*", &b[0], &depth, &b[1], &b[2], &exponent, &block, &capacity,
                           &b[3], &b[4], &b[5]))
         goto fail;
-    Py_ssize_t leaves = (Py_ssize_t)1 << depth;
     Py_ssize_t n = b[3].len / 8;
-    if (depth < 0 || depth > 40 || block < 1 || capacity < 1 || !check(&b[0], 8, 2 * leaves, "tree")
-        || !check(&b[1], 8, capacity, "priority") || !check(&b[2], 1, capacity, "flags")
-        || !check(&b[3], 8, 0, "targets") || !check(&b[4], 8, n, "slots") || !check(&b[5], 8, n, "weights"))
+    if (!check_state(b, depth, block, capacity) || !check(&b[3], 8, 0, "targets") || !check(&b[4], 8, n, "slots")
+        || !check(&b[5], 8, n, "weights"))
         goto fail;
+    Py_ssize_t leaves = (Py_ssize_t)1 << depth;
     const double *tree = b[0].buf, *priority = b[1].buf;
     const uint8_t *flags = b[2].buf;
     double *u = b[3].buf, *out_weight = b[5].buf;
@@ -93,14 +114,8 @@ static PyObject *find(PyObject *self, PyObject *args) {
             node[i] = left + right;
         }
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t first = (Py_ssize_t)(node[i] - leaves) * block;
-        if (first < capacity) {
-            __builtin_prefetch(&priority[first]);
-            __builtin_prefetch(&priority[first + block - 1 < capacity ? first + block - 1 : capacity - 1]);
-            __builtin_prefetch(&flags[first]);
-        }
-    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        prefetch_block(priority, flags, (Py_ssize_t)(node[i] - leaves) * block, block, capacity);
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_ssize_t first = (Py_ssize_t)(node[i] - leaves) * block;
         Py_ssize_t stop = first + block < capacity ? first + block : capacity;
@@ -145,12 +160,10 @@ static PyObject *refresh(PyObject *self, PyObject *args) {
     Py_ssize_t block, capacity;
     if (!PyArg_ParseTuple(args, "w*iy*y*dnny*", &b[0], &depth, &b[1], &b[2], &exponent, &block, &capacity, &b[3]))
         goto fail;
-    Py_ssize_t leaves = (Py_ssize_t)1 << depth;
     Py_ssize_t n = b[3].len / 8;
-    if (depth < 0 || depth > 40 || block < 1 || capacity < 1 || !check(&b[0], 8, 2 * leaves, "tree")
-        || !check(&b[1], 8, capacity, "priority") || !check(&b[2], 1, capacity, "flags")
-        || !check(&b[3], 8, 0, "blocks"))
+    if (!check_state(b, depth, block, capacity) || !check(&b[3], 8, 0, "blocks"))
         goto fail;
+    Py_ssize_t leaves = (Py_ssize_t)1 << depth;
     const int64_t *blocks = b[3].buf;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (blocks[i] < 0 || blocks[i] >= leaves) {
@@ -167,14 +180,8 @@ static PyObject *refresh(PyObject *self, PyObject *args) {
         goto fail;
     }
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {  /* every block's slots asked of memory before the first is read */
-        Py_ssize_t first = (Py_ssize_t)blocks[i] * block;
-        if (first < capacity) {
-            __builtin_prefetch(&priority[first]);
-            __builtin_prefetch(&priority[first + block - 1 < capacity ? first + block - 1 : capacity - 1]);
-            __builtin_prefetch(&flags[first]);
-        }
-    }
+    for (Py_ssize_t i = 0; i < n; i++)  /* every block's slots asked of memory before the first is read */
+        prefetch_block(priority, flags, (Py_ssize_t)blocks[i] * block, block, capacity);
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_ssize_t first = (Py_ssize_t)blocks[i] * block;
         Py_ssize_t stop = first + block < capacity ? first + block : capacity;
