@@ -46,13 +46,15 @@ MinTree = sys.modules[f"{_NAME}.mintree"].MinTree
 CountTree = sys.modules[f"{_NAME}.occupancy"].CountTree
 Slots = sys.modules[f"{_NAME}.slots"].Slots
 sumtree = sys.modules[f"{_NAME}.sumtree"]
+mintree = sys.modules[f"{_NAME}.mintree"]
 
 
 @pytest.fixture(params=["compiled", "numpy"])
 def tree_path(request, monkeypatch):
-    """Run a test with the sum tree's compiled loops, then with numpy's alone."""
+    """Run a test with the trees' compiled loops, then with numpy's alone."""
     if request.param == "numpy":
         monkeypatch.setattr(sumtree, "compiled", None)
+        monkeypatch.setattr(mintree, "compiled", None)
     elif sumtree.compiled is None:
         pytest.skip("the compiled sum-tree loops are not built here (no C compiler at install)")
     return request.param
@@ -458,7 +460,7 @@ def test_fifo_remover_evicts_the_oldest():
     assert t.removals == 5 and t.size == 4
 
 
-def test_lowest_priority_remover_evicts_lowest_then_oldest():
+def test_lowest_priority_remover_evicts_lowest_then_oldest(tree_path):
     t = x_table(5, remover="lowest_priority", sampler="uniform")
     keys = t.insert(scalars(5), priorities=[3.0, 1.0, 2.0, 1.0, 5.0]).keys
     low = t.insert(scalars(1, 10), priorities=[0.5])
@@ -701,6 +703,54 @@ def test_the_compiled_sum_tree_is_built_where_a_compiler_is():
     if not (shutil.which(sysconfig.get_config_var("CC") or "cc") or shutil.which("cc")):
         pytest.skip("no C compiler here")
     assert sumtree.compiled is not None, "the C extension _sumwalk was not built (pip install -e . builds it)"
+
+
+class _Rows(_State):
+    """What the lowest-priority order reads: priorities, keys and flags."""
+
+    def __init__(self, capacity: int):
+        super().__init__(capacity)
+        self.key = np.full(capacity, -1, np.int64)
+
+
+@pytest.mark.skipif(mintree.compiled is None, reason="the compiled tree loops are not built here")
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), capacity=st.integers(1, 90), block=st.sampled_from([1, 2, 8, 32]))
+def test_compiled_lowest_priority_tree_answers_as_numpy_does(data, capacity, block):
+    """The compiled refresh of the lowest-priority argmin tree against numpy's path:
+    the same tree after scattered changes (few priorities: many ties, broken by key;
+    rows dying and coming back), so the same smallest rows."""
+    rows = _Rows(capacity)
+    live = 1  # slots.LIVE
+
+    def order(slots):
+        return np.where(rows.flags[slots] & live, rows.priority[slots], np.inf), rows.key[slots]
+
+    def held(slots):
+        return rows.priority[slots], rows.key[slots]
+
+    def one(slot):
+        return float(rows.priority[slot]), int(rows.key[slot])
+
+    fast = mintree.MinTree(capacity, order, np.inf, block=block, order_one=one, held_order=held, lowest=rows)
+    slow = mintree.MinTree(capacity, order, np.inf, block=block, order_one=one, held_order=held)
+    assert fast.lowest is not None and slow.lowest is None
+    keys = iter(range(10_000))
+    for _ in range(data.draw(st.integers(1, 8))):
+        slots = np.array(data.draw(st.lists(st.integers(0, capacity - 1), unique=True, min_size=1)), np.int64)
+        for slot in slots.tolist():
+            if data.draw(st.booleans()):
+                rows.priority[slot] = data.draw(st.sampled_from([0.0, 0.5, 1.0, 2.0]))
+                if not rows.flags[slot] & live:
+                    rows.key[slot], rows.flags[slot] = next(keys), data.draw(st.sampled_from([1, 3]))
+            else:
+                rows.priority[slot], rows.key[slot], rows.flags[slot] = 0.0, -1, 0
+        for tree in (fast, slow):
+            tree.changed(slots)
+        assert np.array_equal(fast.tree, slow.tree)
+        held_slots = np.flatnonzero(rows.flags & live)
+        expected = held_slots[np.lexsort((rows.key[held_slots], rows.priority[held_slots]))]
+        assert fast.smallest(capacity).tolist() == expected.tolist()
 
 
 @settings(max_examples=80, deadline=None)

@@ -1,5 +1,6 @@
-/* The prioritized sampler's two hot loops, compiled: a search of the sum tree for a
- * batch of targets, and the refresh of the blocks a batch of priority updates touched.
+/* The prioritized sampler's hot loops, compiled: a search of the sum tree for a batch of
+ * targets, the refresh of the blocks a batch of priority updates touched, and the same
+ * refresh for the lowest-priority remover's argmin tree (mintree.py).
  *
  * The same arithmetic as sumtree.py's numpy path (which stays the reference, and the
  * fallback where this does not build): a slot's weight is priority ** exponent when
@@ -55,6 +56,27 @@ static int check_state(Py_buffer *b, int depth, Py_ssize_t block, Py_ssize_t cap
     }
     return check(&b[0], 8, (Py_ssize_t)2 << depth, "tree") && check(&b[1], 8, capacity, "priority")
            && check(&b[2], 1, capacity, "flags");
+}
+
+/* ``b`` as int64 blocks, each a leaf of a tree of ``depth`` levels, and room for a
+ * node per block (``*nodes``, to PyMem_RawFree); 0 with an exception set if not. */
+static int leaf_blocks(Py_buffer *b, int depth, int64_t **nodes) {
+    if (!check(b, 8, 0, "blocks"))
+        return 0;
+    const int64_t *blocks = b->buf;
+    Py_ssize_t n = b->len / 8, leaves = (Py_ssize_t)1 << depth;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (blocks[i] < 0 || blocks[i] >= leaves) {
+            PyErr_Format(PyExc_IndexError, "block %lld is not in [0, %zd)", (long long)blocks[i], leaves);
+            return 0;
+        }
+    }
+    *nodes = PyMem_RawMalloc((n ? n : 1) * sizeof(int64_t));
+    if (*nodes == NULL) {
+        PyErr_NoMemory();
+        return 0;
+    }
+    return 1;
 }
 
 /* Ask memory for the state of the block of slots from ``first``, before it is read. */
@@ -160,25 +182,14 @@ static PyObject *refresh(PyObject *self, PyObject *args) {
     Py_ssize_t block, capacity;
     if (!PyArg_ParseTuple(args, "w*iy*y*dnny*", &b[0], &depth, &b[1], &b[2], &exponent, &block, &capacity, &b[3]))
         goto fail;
-    Py_ssize_t n = b[3].len / 8;
-    if (!check_state(b, depth, block, capacity) || !check(&b[3], 8, 0, "blocks"))
+    int64_t *nodes;
+    if (!check_state(b, depth, block, capacity) || !leaf_blocks(&b[3], depth, &nodes))
         goto fail;
-    Py_ssize_t leaves = (Py_ssize_t)1 << depth;
+    Py_ssize_t n = b[3].len / 8, leaves = (Py_ssize_t)1 << depth;
     const int64_t *blocks = b[3].buf;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (blocks[i] < 0 || blocks[i] >= leaves) {
-            PyErr_Format(PyExc_IndexError, "block %lld is not in [0, %zd)", (long long)blocks[i], leaves);
-            goto fail;
-        }
-    }
     double *tree = b[0].buf;
     const double *priority = b[1].buf;
     const uint8_t *flags = b[2].buf;
-    int64_t *nodes = PyMem_RawMalloc((n ? n : 1) * sizeof(int64_t));
-    if (nodes == NULL) {
-        PyErr_NoMemory();
-        goto fail;
-    }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++)  /* every block's slots asked of memory before the first is read */
         prefetch_block(priority, flags, (Py_ssize_t)blocks[i] * block, block, capacity);
@@ -210,9 +221,73 @@ fail:
     return NULL;
 }
 
+/* Slot a orders before slot b by (priority, key), a live slot before a dead one or none (-1);
+ * of two equal, a. */
+static inline int64_t lower(int64_t a, int64_t b, const double *priority, const int64_t *key) {
+    if (b < 0)
+        return a;
+    if (a < 0)
+        return b;
+    double pa = priority[a], pb = priority[b];
+    return (pa < pb || (pa == pb && key[a] <= key[b])) ? a : b;
+}
+
+PyDoc_STRVAR(refresh_lowest_doc,
+"refresh_lowest(tree, depth, priority, key, flags, block, capacity, blocks)\n\n"
+"The lowest-priority order's argmin tree (int64 slots, -1: none): recompute the leaves\n"
+"of ``blocks`` (each the live slot of its block with the lowest (priority, key)), then\n"
+"every node above them up to the root.");
+
+static PyObject *refresh_lowest(PyObject *self, PyObject *args) {
+    Py_buffer b[5] = {{0}};  /* tree, priority, flags, key, blocks */
+    int depth;
+    Py_ssize_t block, capacity;
+    if (!PyArg_ParseTuple(args, "w*iy*y*y*nny*", &b[0], &depth, &b[1], &b[3], &b[2], &block, &capacity, &b[4]))
+        goto fail;
+    int64_t *nodes;
+    if (!check_state(b, depth, block, capacity) || !check(&b[3], 8, capacity, "key")
+        || !leaf_blocks(&b[4], depth, &nodes))
+        goto fail;
+    Py_ssize_t n = b[4].len / 8, leaves = (Py_ssize_t)1 << depth;
+    const int64_t *blocks = b[4].buf;
+    int64_t *tree = b[0].buf;
+    const double *priority = b[1].buf;
+    const uint8_t *flags = b[2].buf;
+    const int64_t *key = b[3].buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++)
+        prefetch_block(priority, flags, (Py_ssize_t)blocks[i] * block, block, capacity);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t first = (Py_ssize_t)blocks[i] * block;
+        Py_ssize_t stop = first + block < capacity ? first + block : capacity;
+        int64_t best = -1;
+        for (Py_ssize_t s = first; s < stop; s++)
+            if (flags[s] & LIVE)
+                best = lower(best, s, priority, key);
+        nodes[i] = leaves + blocks[i];
+        tree[nodes[i]] = best;
+    }
+    /* the nodes above, a level at a time for the batch (as refresh's) */
+    for (int level = 0; level < depth; level++) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t node = nodes[i] >> 1;
+            tree[node] = lower(tree[2 * node], tree[2 * node + 1], priority, key);
+            nodes[i] = node;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(nodes);
+    release(b, 5);
+    Py_RETURN_NONE;
+fail:
+    release(b, 5);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"find", find, METH_VARARGS, find_doc},
     {"refresh", refresh, METH_VARARGS, refresh_doc},
+    {"refresh_lowest", refresh_lowest, METH_VARARGS, refresh_lowest_doc},
     {NULL, NULL, 0, NULL},
 };
 

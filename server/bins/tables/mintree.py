@@ -19,6 +19,11 @@ import numpy as np
 
 from .blocks import Blocks, build_levels, each_chunk, in_memory
 
+try:  # the compiled refresh of the lowest-priority order (``_sumwalk.c``, as sumtree.py's)
+    from . import _sumwalk as compiled
+except ImportError:  # built without a C compiler: numpy does it
+    compiled = None
+
 INT_EMPTY = np.iinfo(np.int64).max
 BLOCK = 32  # slots under a leaf: the tree costs half a byte a row
 SCALAR_NODES = 8  # a level's nodes set one at a time up to this many (numpy's per-call cost would dominate)
@@ -29,8 +34,12 @@ class MinTree:
 
     def __init__(self, capacity: int, order: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], empty,
                  block: int = BLOCK, order_one: Callable[[int], tuple] | None = None, arrays=in_memory,
-                 name: str = "tree_min", distinct: bool = False, held_order=None):
+                 name: str = "tree_min", distinct: bool = False, held_order=None, lowest=None):
         self.capacity = capacity
+        # the table's slots (``priority``, ``key``, ``flags``) when the order is the
+        # lowest priority, then the oldest among live rows: scattered changes are then
+        # redone by the compiled loop (None: numpy's path only)
+        self.lowest = lowest if compiled is not None else None
         self.order = order  # slots -> (values, ties), ``empty`` values for empty slots
         # slots that hold rows -> (values, ties): what the nodes above the leaves compare
         # (a node holds a slot with a row or -1), with no look at which are empty
@@ -55,12 +64,18 @@ class MinTree:
 
     def changed(self, slots: np.ndarray) -> None:
         """The order values of ``slots`` changed (or they became empty)."""
+        blocks = self.layout.blocks_of(slots) if np.size(slots) else None
+        if self.lowest is not None and blocks is not None and self.layout.run(blocks) is None:
+            state, layout = self.lowest, self.layout  # (a run of blocks stays with numpy: its levels are slices)
+            compiled.refresh_lowest(self.tree, layout.depth, state.priority, state.key, state.flags, layout.block,
+                                    self.capacity, blocks)
+            return
         tree, pick = self.tree, self._pick
 
         def batch(level: np.ndarray) -> None:
             tree[level] = pick(tree[2 * level], tree[2 * level + 1])
 
-        self.layout.redo(tree, slots, self._block_best, pick, batch, self._one)
+        self.layout.redo(tree, slots, self._block_best, pick, batch, self._one, blocks=blocks)
 
     def filled_run(self, first: int, stop: int, rising: bool) -> None:
         """Slots ``first`` to ``stop`` (exclusive) were all just given rows whose order

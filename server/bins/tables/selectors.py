@@ -71,7 +71,8 @@ class OrderIndex(_Index):
             sign = 1 if by == "oldest" else -1
             held = lambda held_slots: (sign * key[held_slots], None)  # noqa: E731  (keys are distinct: no ties)
         self.tree = MinTree(slots.capacity, order, empty, order_one=one, arrays=arrays, name=f"tree_{by}",
-                            distinct=by != "lowest_priority", held_order=held)
+                            distinct=by != "lowest_priority", held_order=held,
+                            lowest=slots if by == "lowest_priority" else None)
 
     def _by_age(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         keys = self.slots.key[slots]
