@@ -8,7 +8,9 @@ binary tree in one int64 array (:class:`~.blocks.Blocks`) holds, at each node, t
 slot that is smallest (value, then tie-break) under it, -1 where every slot under
 it is empty; the root is the smallest slot of all.  :meth:`smallest` finds the
 ``k`` smallest slots in order with one pass down the tree that keeps at most ``k``
-nodes per level.
+nodes per level.  The lowest-priority order's scattered changes (a priority update's)
+are redone by a compiled loop where setup.py built one (``_sumwalk.c``, as the sum
+tree's); numpy's path stays the reference and the fallback.
 """
 
 from __future__ import annotations
