@@ -112,10 +112,12 @@ def test_rows_missing_from_the_page_cache_are_read_without_threads_where_the_ker
         slots = np.arange(1, 64, 4)
         out = np.zeros((slots.size, 4096), np.uint8)
         reads.read([(fd, out)], slots)
-        assert (out == data[slots]).all() and reads.from_disk == slots.size and reads._pool is None
+        # (most rows come from the disk; the kernel's readahead for one may have brought in another)
+        first = reads.from_disk
+        assert (out == data[slots]).all() and 0 < first <= slots.size and reads._pool is None
         out[:] = 0
         reads.read([(fd, out)], slots)  # from the page cache now
-        assert (out == data[slots]).all() and reads.from_disk == slots.size
+        assert (out == data[slots]).all() and reads.from_disk == first
     finally:
         reads.close()
         os.close(fd)
