@@ -28,7 +28,7 @@ VENV = ROOT / ".venv"
 PY = VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 TORCH_PIN = "torch==2.13.0"
 # a change to these re-installs (the last: the C extension setup.py builds)
-PACKAGING = ("setup.cfg", "setup.py", "pyproject.toml", "server/bins/tables/_sumwalk.c")
+PACKAGING = ("setup.cfg", "setup.py", "pyproject.toml", "server/bins/tables/_loops.c")
 OLD_NAME = "tensorshare"  # the distribution name this project had (taken on the package index by another)
 
 

@@ -47,16 +47,18 @@ CountTree = sys.modules[f"{_NAME}.occupancy"].CountTree
 Slots = sys.modules[f"{_NAME}.slots"].Slots
 sumtree = sys.modules[f"{_NAME}.sumtree"]
 mintree = sys.modules[f"{_NAME}.mintree"]
+compiled = sys.modules[f"{_NAME}.compiled"]
+LOOPS = compiled.loops  # the compiled hot loops, None where they were not built
+needs_loops = pytest.mark.skipif(LOOPS is None, reason="the compiled loops are not built here (no C compiler)")
 
 
 @pytest.fixture(params=["compiled", "numpy"])
 def tree_path(request, monkeypatch):
-    """Run a test with the trees' compiled loops, then with numpy's alone."""
+    """Run a test with the engine's compiled loops, then with numpy's alone."""
     if request.param == "numpy":
-        monkeypatch.setattr(sumtree, "compiled", None)
-        monkeypatch.setattr(mintree, "compiled", None)
-    elif sumtree.compiled is None:
-        pytest.skip("the compiled sum-tree loops are not built here (no C compiler at install)")
+        monkeypatch.setattr(compiled, "loops", None)
+    elif LOOPS is None:
+        pytest.skip("the compiled loops are not built here (no C compiler at install)")
     return request.param
 
 
@@ -628,7 +630,7 @@ class _State:
         self.flags = np.zeros(capacity, np.uint8)
 
 
-@pytest.mark.skipif(sumtree.compiled is None, reason="the compiled sum-tree loops are not built here")
+@needs_loops
 @settings(max_examples=120, deadline=None)
 @given(data=st.data(), capacity=st.integers(1, 90), block=st.sampled_from([1, 2, 4, 16]),
        exponent=st.sampled_from([1.0, 0.5, 0.6, 0.0, 2.0]))
@@ -674,35 +676,108 @@ def test_compiled_sum_tree_answers_as_numpy_does(data, capacity, block, exponent
                     & (targets <= cumulative[found] * (1 + 1e-12))).all()
 
 
-@pytest.mark.skipif(sumtree.compiled is None, reason="the compiled sum-tree loops are not built here")
+@needs_loops
 def test_compiled_sum_tree_refuses_wrong_arrays():
     """Wrong dtypes, short arrays or a block past the tree raise, and write nothing."""
-    compiled, tree = sumtree.compiled, np.zeros(8)
+    loops, tree = LOOPS, np.zeros(8)
     priority, flags = np.ones(16), np.ones(16, np.uint8)
     with pytest.raises(TypeError, match="tree"):
-        compiled.refresh(np.zeros(8, np.float32), 2, priority, flags, 1.0, 4, 16, np.array([0]))
+        loops.refresh(np.zeros(8, np.float32), 2, priority, flags, 1.0, 4, 16, np.array([0]))
     with pytest.raises(ValueError, match="priority"):
-        compiled.refresh(tree, 2, priority[:8], flags, 1.0, 4, 16, np.array([0]))
+        loops.refresh(tree, 2, priority[:8], flags, 1.0, 4, 16, np.array([0]))
     with pytest.raises(ValueError, match="out of range"):
-        compiled.refresh(tree, -1, priority, flags, 1.0, 4, 16, np.array([0]))
+        loops.refresh(tree, -1, priority, flags, 1.0, 4, 16, np.array([0]))
     with pytest.raises(IndexError, match="block 4"):
-        compiled.refresh(tree, 2, priority, flags, 1.0, 4, 16, np.array([0, 4]))
+        loops.refresh(tree, 2, priority, flags, 1.0, 4, 16, np.array([0, 4]))
     with pytest.raises(TypeError, match="slots"):
-        compiled.find(tree, 2, priority, flags, 1.0, 4, 16, np.zeros(2), np.zeros(2, np.int32), np.zeros(2))
+        loops.find(tree, 2, priority, flags, 1.0, 4, 16, np.zeros(2), np.zeros(2, np.int32), np.zeros(2))
     with pytest.raises(TypeError):  # read-only target array: it is written
-        compiled.find(tree, 2, priority, flags, 1.0, 4, 16, b"\0" * 16, np.zeros(2, np.int64), np.zeros(2))
+        loops.find(tree, 2, priority, flags, 1.0, 4, 16, b"\0" * 16, np.zeros(2, np.int64), np.zeros(2))
     assert not tree.any()
+    counts = np.zeros(4, np.uint32)
+    with pytest.raises(IndexError, match="slot 4"):  # checked before the first count
+        loops.count(counts, np.array([0, 1, 4]), 10)
+    with pytest.raises(TypeError, match="times_sampled"):
+        loops.count(np.zeros(4, np.int64), np.array([0]), 10)
+    with pytest.raises(TypeError, match="priorities"):
+        loops.first_bad(np.ones(2, np.float32), 1.0, 10.0)
+    assert not counts.any()
+
+
+def _both_paths(monkeypatch, run):
+    """``run()`` with the compiled loops, then with numpy's paths: each outcome, as a
+    value or as the type and message of what it raised."""
+    outcomes = []
+    for loops in (LOOPS, None):
+        monkeypatch.setattr(compiled, "loops", loops)
+        try:
+            outcomes.append(("returned", run()))
+        except Exception as exc:  # noqa: BLE001 (compared, not swallowed)
+            outcomes.append((type(exc).__name__, str(exc)))
+    return outcomes
+
+
+_ODD_PRIORITIES = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from(
+    [0.0, -0.0, 1.0, 1e-300, 5e-324, 1e154, 1e155, 1e200, 1e300, 1.7e308, -1e-300]))
+
+
+@needs_loops
+@settings(max_examples=150, deadline=None)
+@given(priorities=st.lists(_ODD_PRIORITIES, min_size=1, max_size=80),
+       spec=st.sampled_from([("uniform", 1.0), ("fifo", 1.0), ("prioritized", 1.0), ("prioritized", 0.6),
+                             ("prioritized", 0.5), ("prioritized", 0.0), ("prioritized", 2.0)]))
+def test_compiled_priority_check_takes_and_refuses_as_numpy_does(priorities, spec):
+    """A batch of priorities (NaN, infinities, negatives, -0.0, subnormals, powers
+    that overflow or pass the tree's largest weight) is taken or refused alike with
+    the compiled check and with numpy's, with the same message; a refused batch
+    leaves the table empty."""
+    sampler, exponent = spec
+    with pytest.MonkeyPatch.context() as monkeypatch:
+
+        def run():
+            t = x_table(len(priorities), sampler=sampler, priority_exponent=exponent)
+            try:
+                return t.insert(scalars(len(priorities)), priorities=priorities).keys.tolist()
+            finally:
+                assert t.size in (0, len(priorities))
+
+        fast, slow = _both_paths(monkeypatch, run)
+    assert fast == slow
+
+
+@needs_loops
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), capacity=st.integers(1, 30))
+def test_compiled_sample_count_matches_numpy(data, capacity):
+    """A sample's counts with the compiled loop and with numpy's: repeats counted
+    each, saturating at the largest count."""
+    top = int(np.iinfo(np.uint32).max)
+    start = np.array(data.draw(st.lists(st.sampled_from([0, 1, 7, top - 2, top - 1, top]), min_size=capacity,
+                                        max_size=capacity)), np.uint32)
+    slots = np.array(data.draw(st.lists(st.integers(0, capacity - 1), max_size=60)), np.int64)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+
+        def run():
+            state = Slots(capacity)
+            state.times_sampled[:] = start
+            state.count_sampled(slots)
+            return state.times_sampled.tolist()
+
+        fast, slow = _both_paths(monkeypatch, run)
+    assert fast == slow
+    expected = np.minimum(start.astype(np.int64) + np.bincount(slots, minlength=capacity), top)
+    assert fast == ("returned", expected.tolist())
 
 
 def test_the_compiled_sum_tree_is_built_where_a_compiler_is():
-    """setup.py builds ``_sumwalk`` where a C compiler is at hand (it is optional: a
+    """setup.py builds ``_loops`` where a C compiler is at hand (it is optional: a
     machine without one gets numpy's loops, slower at 10^7 rows and up)."""
     import shutil
     import sysconfig
 
     if not (shutil.which(sysconfig.get_config_var("CC") or "cc") or shutil.which("cc")):
         pytest.skip("no C compiler here")
-    assert sumtree.compiled is not None, "the C extension _sumwalk was not built (pip install -e . builds it)"
+    assert LOOPS is not None, "the C extension _loops was not built (pip install -e . builds it)"
 
 
 class _Rows(_State):
@@ -713,7 +788,7 @@ class _Rows(_State):
         self.key = np.full(capacity, -1, np.int64)
 
 
-@pytest.mark.skipif(mintree.compiled is None, reason="the compiled tree loops are not built here")
+@needs_loops
 @settings(max_examples=100, deadline=None)
 @given(data=st.data(), capacity=st.integers(1, 90), block=st.sampled_from([1, 2, 8, 32]))
 def test_compiled_lowest_priority_tree_answers_as_numpy_does(data, capacity, block):

@@ -13,10 +13,11 @@ Modules, one job each:
 * :mod:`.backing`     -- column memory: in RAM, or memory-mapped files in tensordict's layout
 * :mod:`.rowreads`    -- wide rows read from those files, all asked of the disk at once
 * :mod:`.selectors`   -- the samplers and removers
-* :mod:`.sumtree`     -- batched sum tree (prioritized sampling); its search and refresh
-                         compiled in ``_sumwalk.c`` where a C compiler was at install
+* :mod:`.sumtree`     -- batched sum tree (prioritized sampling)
 * :mod:`.mintree`     -- batched argmin tree (fifo/lifo order, the removers)
 * :mod:`.ratelimiter` -- Reverb's rate limiter, as decisions
+* :mod:`.compiled`    -- the hot loops (tree searches and refreshes, checks, counts) in C
+                         (``_loops.c``) where a C compiler was at install, else None
 * :mod:`.errors`      -- the exceptions, each with its reply code
 """
 

@@ -9,7 +9,7 @@ slot that is smallest (value, then tie-break) under it, -1 where every slot unde
 it is empty; the root is the smallest slot of all.  :meth:`smallest` finds the
 ``k`` smallest slots in order with one pass down the tree that keeps at most ``k``
 nodes per level.  The lowest-priority order's scattered changes (a priority update's)
-are redone by a compiled loop where setup.py built one (``_sumwalk.c``, as the sum
+are redone by a compiled loop where setup.py built one (:mod:`.compiled`, as the sum
 tree's); numpy's path stays the reference and the fallback.
 """
 
@@ -19,12 +19,8 @@ from typing import Callable
 
 import numpy as np
 
+from . import compiled
 from .blocks import Blocks, build_levels, each_chunk, in_memory
-
-try:  # the compiled refresh of the lowest-priority order (``_sumwalk.c``, as sumtree.py's)
-    from . import _sumwalk as compiled
-except ImportError:  # built without a C compiler: numpy does it
-    compiled = None
 
 INT_EMPTY = np.iinfo(np.int64).max
 BLOCK = 32  # slots under a leaf: the tree costs half a byte a row
@@ -41,7 +37,7 @@ class MinTree:
         # the table's slots (``priority``, ``key``, ``flags``) when the order is the
         # lowest priority, then the oldest among live rows: scattered changes are then
         # redone by the compiled loop (None: numpy's path only)
-        self.lowest = lowest if compiled is not None else None
+        self.lowest = lowest if compiled.loops is not None else None
         self.order = order  # slots -> (values, ties), ``empty`` values for empty slots
         # slots that hold rows -> (values, ties): what the nodes above the leaves compare
         # (a node holds a slot with a row or -1), with no look at which are empty
@@ -69,7 +65,7 @@ class MinTree:
         blocks = self.layout.blocks_of(slots) if np.size(slots) else None
         if self.lowest is not None and blocks is not None and self.layout.run(blocks) is None:
             state, layout = self.lowest, self.layout  # (a run of blocks stays with numpy: its levels are slices)
-            compiled.refresh_lowest(self.tree, layout.depth, state.priority, state.key, state.flags, layout.block,
+            compiled.loops.refresh_lowest(self.tree, layout.depth, state.priority, state.key, state.flags, layout.block,
                                     self.capacity, blocks)
             return
         tree, pick = self.tree, self._pick

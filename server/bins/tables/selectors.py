@@ -139,9 +139,15 @@ class OrderIndex(_Index):
         return None
 
 
+# ``(exponent, largest weight)`` a sampler holds priorities to (its ``weight_limits``: the
+# rule of its check_priorities, for the compiled check): any finite priority >= 0
+ANY_WEIGHT = (1.0, math.inf)
+
+
 class UniformSampler(_Index):
     name = "uniform"
     ordered = False
+    weight_limits = ANY_WEIGHT
 
     def __init__(self, slots: Slots):
         self.slots = slots
@@ -198,6 +204,10 @@ class PrioritizedSampler(UniformSampler):
                                 f"largest weight a table of {self.tree.capacity} rows takes (so that the sum of "
                                 f"all weights stays a finite float)")
 
+    @property
+    def weight_limits(self) -> tuple[float, float]:
+        return self.exponent, self.tree.max_weight
+
     def added(self, slots: np.ndarray) -> None:
         self.tree.changed(slots)
 
@@ -222,6 +232,7 @@ class OrderedSampler(_Index):
     """fifo (oldest first) or lifo (newest first)."""
 
     ordered = True
+    weight_limits = ANY_WEIGHT
 
     def __init__(self, name: str, index: OrderIndex):
         self.name = name

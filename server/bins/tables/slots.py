@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import compiled
 from .errors import BadArgumentError, SlotIndexError, TableFullError, TableSpecError
 from .blocks import Blocks, each_chunk, in_memory
 from .occupancy import CountTree
@@ -208,6 +209,14 @@ class Slots:
         """The distinct ``slots`` were sampled ``counts`` times more (saturating)."""
         total = self.times_sampled[slots].astype(np.int64) + counts
         self.times_sampled[slots] = np.minimum(total, COUNT_LIMIT)
+
+    def count_sampled(self, slots: np.ndarray) -> None:
+        """Each of ``slots`` (repeats allowed) was sampled once more (saturating)."""
+        loops = compiled.loops
+        if loops is not None:
+            loops.count(self.times_sampled, np.ascontiguousarray(slots, np.int64), COUNT_LIMIT)
+        else:
+            self.sampled(*np.unique(slots, return_counts=True))
 
     def allowance(self, m: int) -> int:
         """The samples the rows held may still give under ``max_times_sampled`` ``m``."""

@@ -11,7 +11,7 @@ slots, and a search ends by computing the weights of the one block it reached.
 
 Where the weights are powers of the slots' priorities (:class:`Powers`, the
 prioritized sampler's), a search and the refresh of scattered blocks run in compiled
-loops (``_sumwalk.c``, built by setup.py where a C compiler is at hand) that compute
+loops (:mod:`.compiled`, where setup.py could build them) that compute
 the same weights themselves: numpy costs a few calls per tree level for a batch, and
 a power for every slot of every block reached.  The numpy path stays the reference
 (the tests hold the two to the same answers) and the fallback.
@@ -23,12 +23,8 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from . import compiled
 from .blocks import Blocks, build_levels, each_chunk, in_memory
-
-try:
-    from . import _sumwalk as compiled
-except ImportError:  # built without a C compiler: numpy does it all
-    compiled = None
 
 BLOCK = 16  # slots a leaf sums: a recomputed block costs 16 weights, the tree 1 byte a row
 # A search starts at this level (4,096 nodes): one binary search of its prefix sums
@@ -57,7 +53,7 @@ class SumTree:
         # pick -> the float64 weights of the slots pick selects (see the module docstring)
         self.weights = weights
         # the same weights, described for the compiled loops (None: numpy's path only)
-        self.powers = powers if compiled is not None else None
+        self.powers = powers if compiled.loops is not None else None
         self.layout = Blocks(capacity, block)
         self.leaves = self.layout.leaves
         self.tree = arrays(name, np.float64, 2 * self.leaves, 0.0)
@@ -86,7 +82,7 @@ class SumTree:
             # a time for the batch.  A run of blocks (an insert's) stays with numpy, whose
             # levels are then slices.
             layout, state = self.layout, self.powers.slots
-            compiled.refresh(self.tree, layout.depth, state.priority, state.flags, self.powers.exponent,
+            compiled.loops.refresh(self.tree, layout.depth, state.priority, state.flags, self.powers.exponent,
                              layout.block, self.capacity, blocks)
             return
         tree, pairs = self.tree, self.tree.reshape(-1, 2)
@@ -119,7 +115,7 @@ class SumTree:
         layout, state = self.layout, self.powers.slots
         u = np.array(targets, np.float64).reshape(-1)  # (a copy: the loop leaves what is left of each target in it)
         slots, weights = np.empty(u.size, np.int64), np.empty(u.size, np.float64)
-        compiled.find(self.tree, layout.depth, state.priority, state.flags, self.powers.exponent, layout.block,
+        compiled.loops.find(self.tree, layout.depth, state.priority, state.flags, self.powers.exponent, layout.block,
                       self.capacity, u, slots, weights)
         return slots, weights
 

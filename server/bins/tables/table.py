@@ -31,7 +31,7 @@ from .errors import (
     BadArgumentError, BatchTooLargeError, ColumnMismatchError, EmptySlotError, EmptyTableError, NotFlushedError,
     PriorityError, RowsNotReadError, RowsNotWrittenError, TableFullError, TableSpecError, WouldBlockError,
 )
-from . import picks, sequences
+from . import compiled, picks, sequences
 from .ratelimiter import RateLimiter
 from .rows import EMPTY, Removed, Rows, Sample, Written, out_buffers
 from .selectors import build, index_bytes
@@ -515,14 +515,15 @@ class Table:
         rate limiter hears of it, and with ``max_times_sampled`` the rows that reached
         it leave every index (returned: :meth:`_forget` them once their values are read)."""
         state = self._slots
-        uniq, counts = np.unique(slots, return_counts=True)
-        state.sampled(uniq, counts)
         m, n = self.max_times_sampled, int(slots.size)
         if m:
+            uniq, counts = np.unique(slots, return_counts=True)
+            state.sampled(uniq, counts)
             self._allowance -= n
             done = uniq[state.times_sampled[uniq] >= m]
             self._unlink(done[state.live(done)])  # those _draw has not taken out yet
         else:
+            state.count_sampled(slots)
             done = EMPTY
         self.samples += n
         self._limiter.sampled(n)
@@ -546,13 +547,16 @@ class Table:
         if priorities is None:
             return np.ones(n)  # (1.0 is every sampler's to take)
         try:
-            p = np.asarray(priorities, np.float64).reshape(-1)
+            p = np.ascontiguousarray(priorities, np.float64).reshape(-1)
         except (TypeError, ValueError) as exc:
             raise PriorityError(f"priorities must be numbers: {exc}") from None
         if p.size == 1 and n != 1:
             p = np.full(n, p[0])
         if p.size != n:
             raise PriorityError(f"{p.size} priorities for {n} rows")
+        loops = compiled.loops
+        if loops is not None and loops.first_bad(p, *self._sampler.weight_limits) < 0:
+            return p  # (one pass: the checks below, which say what is wrong, would find nothing)
         bad = ~(np.isfinite(p) & (p >= 0))
         if bad.any():
             raise PriorityError(f"priority {p[bad][0]!r} is not a finite number >= 0")

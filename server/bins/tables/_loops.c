@@ -1,6 +1,7 @@
-/* The prioritized sampler's hot loops, compiled: a search of the sum tree for a batch of
- * targets, the refresh of the blocks a batch of priority updates touched, and the same
- * refresh for the lowest-priority remover's argmin tree (mintree.py).
+/* The tables' hot loops, compiled (compiled.py says whether they were built): a search of
+ * the sum tree for a batch of targets, the refresh of the blocks a batch of priority updates
+ * touched, the same refresh for the lowest-priority remover's argmin tree (mintree.py), the
+ * check of a batch of priorities, and the count of a sample's rows.
  *
  * The same arithmetic as sumtree.py's numpy path (which stays the reference, and the
  * fallback where this does not build): a slot's weight is priority ** exponent when
@@ -284,16 +285,89 @@ fail:
     return NULL;
 }
 
+PyDoc_STRVAR(first_bad_doc,
+"first_bad(priorities, exponent, max_weight) -> int\n\n"
+"The index of the first of ``priorities`` (float64) that is not a finite number >= 0, or\n"
+"whose weight (priority ** exponent) is not finite or is over ``max_weight``; -1 if none.");
+
+static PyObject *first_bad(PyObject *self, PyObject *args) {
+    Py_buffer b = {0};
+    double exponent, max_weight;
+    if (!PyArg_ParseTuple(args, "y*dd", &b, &exponent, &max_weight))
+        return NULL;
+    if (!check(&b, 8, 0, "priorities")) {
+        PyBuffer_Release(&b);
+        return NULL;
+    }
+    const double *p = b.buf;
+    Py_ssize_t n = b.len / 8, bad = -1;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {  /* (NaN fails every comparison: the ``!(x >= y)`` catch it) */
+        if (!(p[i] >= 0.0) || !isfinite(p[i])) {
+            bad = i;
+            break;
+        }
+        double w = weight(p[i], LIVE, exponent);
+        if (!isfinite(w) || !(w <= max_weight)) {
+            bad = i;
+            break;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
+    return PyLong_FromSsize_t(bad);
+}
+
+PyDoc_STRVAR(count_doc,
+"count(times_sampled, slots, limit)\n\n"
+"Each of ``slots`` (int64, repeats allowed, each in [0, len(times_sampled))) sampled once\n"
+"more: its count (uint32) grows by one, up to ``limit``.  Nothing is written if a slot is\n"
+"out of range.");
+
+static PyObject *count(PyObject *self, PyObject *args) {
+    Py_buffer b[2] = {{0}};
+    unsigned long limit;
+    if (!PyArg_ParseTuple(args, "w*y*k", &b[0], &b[1], &limit))
+        goto fail;
+    if (!check(&b[0], 4, 0, "times_sampled") || !check(&b[1], 8, 0, "slots"))
+        goto fail;
+    uint32_t *times = b[0].buf;
+    const int64_t *slots = b[1].buf;
+    Py_ssize_t n = b[1].len / 8, capacity = b[0].len / 4;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (slots[i] < 0 || slots[i] >= capacity) {
+            PyErr_Format(PyExc_IndexError, "slot %lld is not in [0, %zd)", (long long)slots[i], capacity);
+            goto fail;
+        }
+    }
+    uint32_t top = limit > UINT32_MAX ? UINT32_MAX : (uint32_t)limit;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++)
+        __builtin_prefetch(&times[slots[i]], 1);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t *t = &times[slots[i]];
+        *t += *t < top;
+    }
+    Py_END_ALLOW_THREADS
+    release(b, 2);
+    Py_RETURN_NONE;
+fail:
+    release(b, 2);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"find", find, METH_VARARGS, find_doc},
     {"refresh", refresh, METH_VARARGS, refresh_doc},
     {"refresh_lowest", refresh_lowest, METH_VARARGS, refresh_lowest_doc},
+    {"first_bad", first_bad, METH_VARARGS, first_bad_doc},
+    {"count", count, METH_VARARGS, count_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_sumwalk",
-    "The prioritized sampler's sum-tree search and refresh, compiled (see sumtree.py).", -1, methods,
+    PyModuleDef_HEAD_INIT, "_loops",
+    "The tables' hot loops, compiled (see compiled.py).", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__sumwalk(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__loops(void) { return PyModule_Create(&module); }
