@@ -8,7 +8,7 @@
   tree only) and the lowest-priority remover (its argmin tree too); beside it, the
   same draw done without a tree (``cumsum`` of the weights + ``searchsorted``), and
   the sum tree's own search + update.  Goal: under 2 ms for sample + update.
-* the sum tree's compiled loops against its numpy path on a table of 10^7 rows
+* the engine's compiled loops against its numpy paths on a table of 10^7 rows
   (sample + update of 256, and the tree's search + refresh alone), in turns.
 * gather of 256 random rows of 28,224 bytes (4x84x84 uint8) from a 100,000-row
   table: ``Table.sample`` (allocating, and into a given buffer) beside plain numpy
@@ -117,21 +117,21 @@ def prioritized(engine, rows: int = 1_000_000, batch: int = 256) -> None:
 
 
 def compiled_or_numpy(engine, rows: int = 10_000_000, batch: int = 256) -> None:
-    """The sum tree's compiled loops (``_sumwalk.c``) against its numpy path, in turns
-    on one table: a sample of ``batch`` and the update of their priorities (fresh
-    random rows each time, as a learner's are), and the tree's search and refresh alone."""
-    sumtree = sys.modules[f"{engine.__name__}.sumtree"]
-    if sumtree.compiled is None:
-        print("the compiled sum-tree loops are not built here: nothing to compare")
+    """The engine's compiled loops (``_loops.c``) against its numpy paths, in turns on
+    one table: a sample of ``batch`` and the update of their priorities (fresh random
+    rows each time, as a learner's are), and the sum tree's search and refresh alone."""
+    compiled = sys.modules[f"{engine.__name__}.compiled"]
+    loops = compiled.loops
+    if loops is None:
+        print("the compiled loops are not built here: nothing to compare")
         return
-    print(f"sum tree, compiled loops or numpy: table of {rows:,} rows, batches of {batch}")
+    print(f"compiled loops or numpy: table of {rows:,} rows, batches of {batch}")
     rng = np.random.default_rng(6)
     t = engine.Table(rows, {"a": ((), "int64")}, sampler="prioritized", priority_exponent=0.6, rng=7)
     for start in range(0, rows, 1 << 20):
         k = min(1 << 20, rows - start)
         t.insert({"a": np.arange(start, start + k)}, priorities=rng.random(k) + 0.01)
     tree, state = t._sampler.tree, t._slots
-    powers = tree.powers
     new = rng.random(batch) + 0.01
 
     def step():
@@ -144,11 +144,11 @@ def compiled_or_numpy(engine, rows: int = 10_000_000, batch: int = 256) -> None:
 
     def numpy_path(fn):
         def run():
-            tree.powers = None
+            compiled.loops = None
             try:
                 fn()
             finally:
-                tree.powers = powers
+                compiled.loops = loops
         return run
 
     fns = {"Table.sample + update_priorities, compiled": step, "Table.sample + update_priorities, numpy": numpy_path(step),

@@ -36,8 +36,9 @@ class MinTree:
         self.capacity = capacity
         # the table's slots (``priority``, ``key``, ``flags``) when the order is the
         # lowest priority, then the oldest among live rows: scattered changes are then
-        # redone by the compiled loop (None: numpy's path only)
-        self.lowest = lowest if compiled.loops is not None else None
+        # redone by the compiled loop (None: numpy's path only; so is every call while
+        # ``compiled.loops`` is None)
+        self.lowest = lowest
         self.order = order  # slots -> (values, ties), ``empty`` values for empty slots
         # slots that hold rows -> (values, ties): what the nodes above the leaves compare
         # (a node holds a slot with a row or -1), with no look at which are empty
@@ -63,10 +64,11 @@ class MinTree:
     def changed(self, slots: np.ndarray) -> None:
         """The order values of ``slots`` changed (or they became empty)."""
         blocks = self.layout.blocks_of(slots) if np.size(slots) else None
-        if self.lowest is not None and blocks is not None and self.layout.run(blocks) is None:
+        loops = compiled.loops
+        if loops is not None and self.lowest is not None and blocks is not None and self.layout.run(blocks) is None:
             state, layout = self.lowest, self.layout  # (a run of blocks stays with numpy: its levels are slices)
-            compiled.loops.refresh_lowest(self.tree, layout.depth, state.priority, state.key, state.flags, layout.block,
-                                    self.capacity, blocks)
+            loops.refresh_lowest(self.tree, layout.depth, state.priority, state.key, state.flags, layout.block,
+                                 self.capacity, blocks)
             return
         tree, pick = self.tree, self._pick
 

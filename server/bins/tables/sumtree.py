@@ -52,8 +52,9 @@ class SumTree:
         self.top = top  # the level a search starts from (see TOP_LEVEL)
         # pick -> the float64 weights of the slots pick selects (see the module docstring)
         self.weights = weights
-        # the same weights, described for the compiled loops (None: numpy's path only)
-        self.powers = powers if compiled.loops is not None else None
+        # the same weights, described for the compiled loops (None: numpy's path only;
+        # so is every call while ``compiled.loops`` is None)
+        self.powers = powers
         self.layout = Blocks(capacity, block)
         self.leaves = self.layout.leaves
         self.tree = arrays(name, np.float64, 2 * self.leaves, 0.0)
@@ -77,13 +78,14 @@ class SumTree:
     def changed(self, slots: np.ndarray) -> None:
         """The weights of ``slots`` changed: their blocks' sums and those above them."""
         blocks = self.layout.blocks_of(slots) if np.size(slots) else None
-        if self.powers is not None and blocks is not None and self.layout.run(blocks) is None:
+        loops = compiled.loops
+        if loops is not None and self.powers is not None and blocks is not None and self.layout.run(blocks) is None:
             # scattered blocks (a priority update's): compiled, their ancestors a level at
             # a time for the batch.  A run of blocks (an insert's) stays with numpy, whose
             # levels are then slices.
             layout, state = self.layout, self.powers.slots
-            compiled.loops.refresh(self.tree, layout.depth, state.priority, state.flags, self.powers.exponent,
-                             layout.block, self.capacity, blocks)
+            loops.refresh(self.tree, layout.depth, state.priority, state.flags, self.powers.exponent,
+                          layout.block, self.capacity, blocks)
             return
         tree, pairs = self.tree, self.tree.reshape(-1, 2)
 
@@ -109,14 +111,15 @@ class SumTree:
 
     def pick(self, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(slots, weights)``: :meth:`find`'s slots, and the weight of each."""
-        if self.powers is None:
+        loops = compiled.loops
+        if loops is None or self.powers is None:
             slots = self.find(targets)
             return slots, self.get(slots)
         layout, state = self.layout, self.powers.slots
         u = np.array(targets, np.float64).reshape(-1)  # (a copy: the loop leaves what is left of each target in it)
         slots, weights = np.empty(u.size, np.int64), np.empty(u.size, np.float64)
-        compiled.loops.find(self.tree, layout.depth, state.priority, state.flags, self.powers.exponent, layout.block,
-                      self.capacity, u, slots, weights)
+        loops.find(self.tree, layout.depth, state.priority, state.flags, self.powers.exponent, layout.block,
+                   self.capacity, u, slots, weights)
         return slots, weights
 
     def find(self, targets: np.ndarray) -> np.ndarray:
@@ -126,7 +129,7 @@ class SumTree:
         Never a slot of weight zero while the total is positive: a target that rounding
         pushes past a subtree's (or a block's) sum stays on the side that has weight.
         """
-        if self.powers is not None:
+        if self.powers is not None and compiled.loops is not None:
             return self.pick(targets)[0]
         tree, layout = self.tree, self.layout
         u = np.array(targets, np.float64).reshape(-1)
