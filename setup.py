@@ -10,9 +10,12 @@ compiler is at hand the build says so and goes on, and the server uses the same 
 in numpy (slower at 10^7 rows and up; the tables' behaviour is the same).
 """
 
+import sys
+
 from setuptools import Extension, find_packages, setup
 
 setup(packages=[*find_packages(include=["tensorshare", "tensorshare.*"]),
                 "tensorshare_server", *(f"tensorshare_server.{name}" for name in find_packages("server"))],
       ext_modules=[Extension("tensorshare_server.bins.tables._loops", ["server/bins/tables/_loops.c"],
-                             extra_compile_args=["-O2"], optional=True)])
+                             extra_compile_args=["-O2"], optional=True,
+                             libraries=["dl"] if sys.platform.startswith("linux") else [])])

@@ -780,6 +780,20 @@ def test_the_compiled_sum_tree_is_built_where_a_compiler_is():
     assert LOOPS is not None, "the C extension _loops was not built (pip install -e . builds it)"
 
 
+@needs_loops
+def test_the_blocks_powers_are_vector_ones_where_the_cpu_and_the_c_library_have_them():
+    """On x86-64 Linux with AVX2 and glibc's vector math library, the blocks' weights
+    come four at a time from its pow (the property tests above hold them to numpy's)."""
+    import ctypes.util
+    import platform
+
+    cpu = pathlib.Path("/proc/cpuinfo")
+    if not (platform.machine() == "x86_64" and cpu.exists() and " avx2" in cpu.read_text()
+            and ctypes.util.find_library("mvec")):
+        pytest.skip("no AVX2 or no libmvec here: the scalar pow serves")
+    assert LOOPS.vector_pow == 1
+
+
 class _Rows(_State):
     """What the lowest-priority order reads: priorities, keys and flags."""
 
