@@ -747,6 +747,27 @@ def test_compiled_priority_check_takes_and_refuses_as_numpy_does(priorities, spe
 
 @needs_loops
 @settings(max_examples=100, deadline=None)
+@given(data=st.data(), capacity=st.integers(1, 40))
+def test_compiled_key_lookup_matches_numpy(data, capacity):
+    """The slots of keys (held, left, never given, negative, past int32) with the
+    compiled loop and with numpy's."""
+    state = Slots(capacity)
+    held = data.draw(st.lists(st.integers(0, 2**62), max_size=capacity, unique_by=lambda k: k % capacity))
+    for k in held:
+        state.key[k % capacity] = k
+    asked = np.array(held + data.draw(st.lists(st.integers(-2**63, 2**63 - 1), max_size=20))
+                     + [k + capacity for k in held] + [-1, -capacity], np.int64)  # (-1: an empty slot's key)
+    order = data.draw(st.permutations(range(asked.size)))
+    asked = asked[list(order)] if asked.size else asked
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        fast, slow = _both_paths(monkeypatch, lambda: state.find(asked).tolist())
+    assert fast == slow
+    if held:
+        assert (state.find(np.array(held)) == np.array(held) % capacity).all()
+
+
+@needs_loops
+@settings(max_examples=100, deadline=None)
 @given(data=st.data(), capacity=st.integers(1, 30))
 def test_compiled_sample_count_matches_numpy(data, capacity):
     """A sample's counts with the compiled loop and with numpy's: repeats counted

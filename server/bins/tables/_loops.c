@@ -1,7 +1,7 @@
 /* The tables' hot loops, compiled (compiled.py says whether they were built): a search of
  * the sum tree for a batch of targets, the refresh of the blocks a batch of priority updates
  * touched, the same refresh for the lowest-priority remover's argmin tree (mintree.py), the
- * check of a batch of priorities, and the count of a sample's rows.
+ * check of a batch of priorities, the count of a sample's rows, and the slots of a batch of keys.
  *
  * The same arithmetic as sumtree.py's numpy path (which stays the reference, and the
  * fallback where this does not build): a slot's weight is priority ** exponent when
@@ -433,7 +433,41 @@ fail:
     return NULL;
 }
 
+PyDoc_STRVAR(locate_doc,
+"locate(key, keys, slots)\n\n"
+"The slot of each of ``keys`` (int64) into ``slots`` (int64): ``k % len(key)`` where the\n"
+"table's ``key`` array (int64) holds ``k`` there, else -1 (and -1 for a negative key).");
+
+static PyObject *locate(PyObject *self, PyObject *args) {
+    Py_buffer b[3] = {{0}};  /* the table's keys, the keys asked for, their slots */
+    if (!PyArg_ParseTuple(args, "y*y*w*", &b[0], &b[1], &b[2]))
+        goto fail;
+    if (!check(&b[0], 8, 1, "key") || !check(&b[1], 8, 0, "keys") || !check(&b[2], 8, b[1].len / 8, "slots"))
+        goto fail;
+    const int64_t *key = b[0].buf, *keys = b[1].buf;
+    int64_t *slots = b[2].buf;
+    Py_ssize_t n = b[1].len / 8;
+    int64_t capacity = b[0].len / 8;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n && i < AHEAD; i++)
+        if (keys[i] >= 0)
+            __builtin_prefetch(&key[keys[i] % capacity]);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + AHEAD < n && keys[i + AHEAD] >= 0)
+            __builtin_prefetch(&key[keys[i + AHEAD] % capacity]);
+        int64_t k = keys[i], slot = k >= 0 ? k % capacity : 0;
+        slots[i] = k >= 0 && key[slot] == k ? slot : -1;
+    }
+    Py_END_ALLOW_THREADS
+    release(b, 3);
+    Py_RETURN_NONE;
+fail:
+    release(b, 3);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
+    {"locate", locate, METH_VARARGS, locate_doc},
     {"find", find, METH_VARARGS, find_doc},
     {"refresh", refresh, METH_VARARGS, refresh_doc},
     {"refresh_lowest", refresh_lowest, METH_VARARGS, refresh_lowest_doc},

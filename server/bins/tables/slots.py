@@ -129,6 +129,11 @@ class Slots:
     def find(self, keys) -> np.ndarray:
         """The slot of each of ``keys``, or -1 where no row has that key (any more)."""
         keys = int_array(keys, "keys")
+        loops = compiled.loops
+        if loops is not None:  # (the same, each key's row asked of memory ahead of its read)
+            slots = np.empty(keys.size, np.int64)
+            loops.locate(self.key, np.ascontiguousarray(keys), slots)
+            return slots
         slots = np.remainder(keys, self.capacity)
         return np.where((keys >= 0) & (self.key[slots] == keys), slots, -1)
 
