@@ -147,6 +147,24 @@ static inline void prefetch_block(const double *priority, const uint8_t *flags, 
     }
 }
 
+/* The first blocks of a batch asked of memory before the loop over it starts (block_span asks
+ * for the rest, AHEAD of their reads). */
+static void prefetch_blocks(const int64_t *blocks, Py_ssize_t n, const double *priority, const uint8_t *flags,
+                            Py_ssize_t block, Py_ssize_t capacity) {
+    for (Py_ssize_t i = 0; i < n && i < AHEAD; i++)
+        prefetch_block(priority, flags, (Py_ssize_t)blocks[i] * block, block, capacity);
+}
+
+/* The slots [*first, *stop) of the batch's block ``i``, and the block AHEAD of it asked of memory. */
+static inline void block_span(const int64_t *blocks, Py_ssize_t i, Py_ssize_t n, const double *priority,
+                              const uint8_t *flags, Py_ssize_t block, Py_ssize_t capacity, Py_ssize_t *first,
+                              Py_ssize_t *stop) {
+    if (i + AHEAD < n)
+        prefetch_block(priority, flags, (Py_ssize_t)blocks[i + AHEAD] * block, block, capacity);
+    *first = (Py_ssize_t)blocks[i] * block;
+    *stop = *first + block < capacity ? *first + block : capacity;
+}
+
 static void release(Py_buffer *buffers, int n) {
     for (int i = 0; i < n; i++)
         if (buffers[i].obj != NULL)
@@ -257,13 +275,10 @@ static PyObject *refresh(PyObject *self, PyObject *args) {
     const double *priority = b[1].buf;
     const uint8_t *flags = b[2].buf;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n && i < AHEAD; i++)
-        prefetch_block(priority, flags, (Py_ssize_t)blocks[i] * block, block, capacity);
+    prefetch_blocks(blocks, n, priority, flags, block, capacity);
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + AHEAD < n)
-            prefetch_block(priority, flags, (Py_ssize_t)blocks[i + AHEAD] * block, block, capacity);
-        Py_ssize_t first = (Py_ssize_t)blocks[i] * block;
-        Py_ssize_t stop = first + block < capacity ? first + block : capacity;
+        Py_ssize_t first, stop;
+        block_span(blocks, i, n, priority, flags, block, capacity, &first, &stop);
         double sum = 0.0, ws[4];
         for (Py_ssize_t s = first; s < stop; s += 4) {
             int k = stop - s < 4 ? (int)(stop - s) : 4;
@@ -329,13 +344,10 @@ static PyObject *refresh_lowest(PyObject *self, PyObject *args) {
     const uint8_t *flags = b[2].buf;
     const int64_t *key = b[3].buf;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n && i < AHEAD; i++)
-        prefetch_block(priority, flags, (Py_ssize_t)blocks[i] * block, block, capacity);
+    prefetch_blocks(blocks, n, priority, flags, block, capacity);
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + AHEAD < n)
-            prefetch_block(priority, flags, (Py_ssize_t)blocks[i + AHEAD] * block, block, capacity);
-        Py_ssize_t first = (Py_ssize_t)blocks[i] * block;
-        Py_ssize_t stop = first + block < capacity ? first + block : capacity;
+        Py_ssize_t first, stop;
+        block_span(blocks, i, n, priority, flags, block, capacity, &first, &stop);
         int64_t best = -1;
         for (Py_ssize_t s = first; s < stop; s++)
             if (flags[s] & LIVE)
