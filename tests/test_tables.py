@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tensorshare
-from tensorshare.errors import BadNameError, BadRequestError, BusyError, NoSuchBinError
+from tensorshare.errors import BadNameError, BadRequestError, BusyError, NoSuchBinError, UsageError
 
 import table_procs
 
@@ -81,6 +81,23 @@ def test_priority_updates_sent_without_waiting_apply_before_the_next_sample(clie
     assert client.router.home.reader.thread is None and client._dispatcher is None
     client.flush()
     assert client.table_info("learn-loop", slots=0)["slots"]["priorities"].tolist() == [0.0, 0.0, 1.0, 0.0]
+
+
+def test_a_sample_carries_the_last_update_in_the_same_request(client):
+    """sample(update=(keys, priorities)): one request a step; the update is set
+    before the draw, and a bad one is refused with the table as it was."""
+    client.create_table("learn-one", 8, {"x": ((), torch.int64)}, sampler="prioritized")
+    keys = client.insert("learn-one", {"x": torch.arange(4)}, priorities=torch.ones(4))
+    for chosen in (1, 3, 0):
+        only = torch.zeros(4)
+        only[chosen] = 1.0
+        assert client.sample("learn-one", 64, update=(keys, only)).value["x"].tolist() == [chosen] * 64
+    with pytest.raises(BadRequestError, match="priority"):
+        client.sample("learn-one", 4, update=(keys, torch.tensor([1.0, -1.0, 1.0, 1.0])))
+    with pytest.raises(UsageError, match="pair"):
+        client.sample("learn-one", 4, update=keys)
+    info = client.table_info("learn-one", slots=0)
+    assert info["samples"] == 3 * 64 and info["slots"]["priorities"].tolist() == [1.0, 0.0, 0.0, 0.0]
 
 
 def test_an_update_sent_without_waiting_raises_its_error_on_the_next_update_or_flush(client):

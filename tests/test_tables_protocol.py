@@ -250,6 +250,37 @@ def test_prioritized_sampling_through_the_server_follows_updated_priorities():
     assert np.allclose(np.frombuffer(drawn.header[K.PROBABILITIES], "<f8"), (np.array(rewards(drawn)) + 1) / 10)
 
 
+def test_a_sample_that_carries_a_priority_update_sets_it_before_it_draws():
+    """A learner's update riding on its next TSAMPLE: set first (the sample draws by
+    it), refused whole when the keys or priorities are, and kept when the sample
+    then cannot go on."""
+    pair = Pair()
+    make(pair, sampler="prioritized", priority_exponent=1.0, capacity=8, min_size_to_sample=1)
+    keys = keys_of(insert(pair, 0, 4, **{K.PRIORITIES: f64([1, 1, 1, 1])}).header)
+    info = lambda: pair.call(TINFO, {Key.BIN: "t", K.SLOTS: 0}).header[K.INFO]  # noqa: E731
+    for chosen in (3, 0, 2):
+        only = np.zeros(4)
+        only[chosen] = 1.0
+        drawn = sample(pair, 32, **{K.KEYS: i64(keys), K.PRIORITIES: f64(only)})
+        assert rewards(drawn) == [chosen] * 32
+        assert np.allclose(np.frombuffer(drawn.header[K.PROBABILITIES], "<f8"), 1.0)
+    before = info()
+    for fields, match in (({K.KEYS: i64(keys)}, "both keys and priorities"),
+                          ({K.PRIORITIES: f64([1, 1, 1, 1])}, "both keys and priorities"),
+                          ({K.KEYS: i64(keys), K.PRIORITIES: f64([1, -1, 1, 1])}, "priority"),
+                          ({K.KEYS: i64(keys), K.PRIORITIES: f64([1, 1])}, "2 priorities for 4")):
+        with pytest.raises(BadRequestError, match=match):
+            sample(pair, 4, **fields)
+    after = info()
+    assert after["samples"] == before["samples"]
+    assert np.frombuffer(after["slots"]["priorities"], "<f8").tolist() == [0.0, 0.0, 1.0, 0.0]
+    pair.call(TLIMITS, {Key.BIN: "t", K.LIMITS: {"min_size_to_sample": 8}})  # the sample cannot go on now
+    with pytest.raises(BusyError):
+        sample(pair, 4, **{K.KEYS: i64(keys), K.PRIORITIES: f64([4, 3, 2, 1])})
+    assert np.frombuffer(info()["slots"]["priorities"], "<f8").tolist() == [4.0, 3.0, 2.0, 1.0]
+    assert info()["samples"] == before["samples"]
+
+
 def test_uniform_sampling_through_the_server_is_uniform():
     pair = Pair()
     make(pair, capacity=10)

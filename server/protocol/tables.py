@@ -11,7 +11,8 @@ request's ``wait`` seconds: other connections are served meanwhile, each change 
 the table tests it again, and a sample waiting for rows never holds back the
 insert that would give them; a read counted as a sample (TREAD ``sample``) waits
 as a sample does.  A sample's or read's reply is bounded before anything is drawn,
-and its gathered rows count in the memory budget until it is written.
+and its gathered rows count in the memory budget until it is written.  A sample may
+carry a priority update, set before it draws.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-from tensorshare.errors import BusyError, RemoteError
+from tensorshare.errors import BadRequestError, BusyError, RemoteError
 from tensorshare.protocol.messages import (
     TCREATE, TINFO, TINSERT, TLIMITS, TPRIORITY, TREAD, TSAMPLE, TWRITE, Key, TableKey,
 )
@@ -170,10 +171,18 @@ def write(session, request):
 
 @handles(TSAMPLE)
 def sample(session, request):
+    """Draw rows; a request that carries ``keys`` and ``priorities`` (a learner's last
+    update, riding on its next sample) has them set first, as a TPRIORITY just before
+    would: refused (nothing changed, nothing drawn) if they are, and kept if the
+    sample then waits and gives up."""
     storage, n, length, pad = session.storage, request.n, request.length, bool(request.pad)
     table = storage.table(request.bin)
     rows = n * (length or 1)  # (n sequences of length rows)
     storage.check_rows_reply(table, rows)  # bounded and counted before anything is drawn
+    if request.keys is not None or request.priorities is not None:
+        if request.keys is None or request.priorities is None:
+            raise BadRequestError("a sample that updates priorities needs both keys and priorities")
+        _reprioritize(storage, table, request)
     return _run_or_wait(session, request, table, lambda: storage.sample_rows(table, n, length, pad),
                         lambda result: _sampled(session, request, result), lambda: storage.can_sample(table, rows))
 
@@ -244,10 +253,13 @@ def _rows_reply(session, request, drawn):
 @handles(TPRIORITY)
 def update_priorities(session, request) -> dict:
     storage = session.storage
-    table = storage.table(request.bin)
+    return TPRIORITY.reply(request.id, n=_reprioritize(storage, storage.table(request.bin), request))
+
+
+def _reprioritize(storage, table, request) -> int:
+    """The request's ``keys`` get its ``priorities`` (TPRIORITY's, or a TSAMPLE's); how many rows."""
     keys = int64_array(request.keys, "keys")
-    updated = storage.update_priorities(table, keys, float64_array(request.priorities, "priorities"))
-    return TPRIORITY.reply(request.id, n=updated)
+    return storage.update_priorities(table, keys, float64_array(request.priorities, "priorities"))
 
 
 # -- waiting for the rate limiter

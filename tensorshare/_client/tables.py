@@ -261,7 +261,8 @@ class TableMethods:
 
     @verb
     def sample(self, name: str, n: int, *, length: int | None = None, pad: bool = False,
-               timeout: Timeout = DEFAULT, shared: bool = False, device: Any = None) -> TableSample:
+               timeout: Timeout = DEFAULT, shared: bool = False, device: Any = None,
+               update: tuple[Any, Any] | None = None) -> TableSample:
         """Draw ``n`` rows from table ``name`` with its sampler; returns a
         :class:`TableSample`.  Waits in the server as :meth:`insert` does (an empty
         table, ``min_size_to_sample``, the rate limiter), up to ``timeout``.
@@ -279,8 +280,20 @@ class TableMethods:
         one episode (see ``insert``'s ``ends``), each drawn by its first row with
         the table's sampler (uniform, or by the first row's priority: a sequence's
         priority is set by its first key); ``pad=True`` draws those cut short by an
-        episode's end too, padded with their last row (:class:`TableSample`)."""
+        episode's end too, padded with their last row (:class:`TableSample`).
+
+        ``update=(keys, priorities)``: set those priorities first, in the same request
+        (a learner's loop: the last batch's new priorities ride on the next sample,
+        one round trip and one request a step).  As :meth:`update_priorities` just
+        before would: bad priorities are refused with nothing changed and nothing
+        drawn, and the update stays if the sample then waits and gives up."""
         fields = {Key.BIN: name, Key.N: n}
+        if update is not None:
+            try:
+                keys, priorities = update
+            except (TypeError, ValueError):
+                raise UsageError("update must be a pair (keys, priorities)") from None
+            fields.update(priority_fields(name, keys, priorities))
         if length is not None:
             fields[TableKey.LENGTH] = length
             if pad:

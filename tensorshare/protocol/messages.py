@@ -147,11 +147,12 @@ TWRITE = Command("TWRITE", (BIN, *_TABLE_VALUE, Field(_TK.INDICES, BYTES), optio
                  lasting=True, relay=Relay.PASS, route=Route.OWNER, errors=(*_TABLE_ERRORS, TOO_LARGE),
                  doc="put rows at the slot indices given")
 TSAMPLE = Command("TSAMPLE", (BIN, Field(Key.N, COUNT), optional(Key.WAIT, SECONDS), optional(Key.REF, INTS),
-                              optional(_TK.LENGTH, COUNT), optional(_TK.PAD, BOOL), RELEASE),
+                              optional(_TK.LENGTH, COUNT), optional(_TK.PAD, BOOL),
+                              optional(_TK.KEYS, BYTES), optional(_TK.PRIORITIES, BYTES), RELEASE),
                   reply=_ROWS, result=Key.ITEMS, method="sample", zero_copy=ZeroCopy.TAKE, relay=Relay.PASS,
                   route=Route.OWNER, lane="sample", errors=(*_TABLE_ERRORS, TOO_LARGE, STORAGE_FULL, BUSY),
                   doc="draw n rows with the table's sampler (with length: n sequences of that many rows; "
-                      "waiting up to wait seconds)")
+                      "waiting up to wait seconds; with keys and priorities: set those first, as TPRIORITY)")
 TREAD = Command("TREAD", (BIN, Field(_TK.INDICES, BYTES), optional(Key.REF, INTS), optional(_TK.SAMPLE, BOOL),
                           optional(Key.WAIT, SECONDS), RELEASE), reply=_ROWS, result=Key.ITEMS, method="read",
                 zero_copy=ZeroCopy.READ, taken_with=_TK.SAMPLE, relay=Relay.PASS, route=Route.OWNER,
