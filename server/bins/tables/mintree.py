@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 
 from . import compiled
-from .blocks import Blocks, build_levels, each_chunk, in_memory
+from .blocks import Blocks, each_chunk, in_memory
 
 INT_EMPTY = np.iinfo(np.int64).max
 BLOCK = 32  # slots under a leaf: the tree costs half a byte a row
