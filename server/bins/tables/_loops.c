@@ -48,7 +48,6 @@ static inline double weight(double priority, uint8_t flags, double exponent) {
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
 #include <dlfcn.h>
 #include <immintrin.h>
-#define VECTOR_POW 1
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpsabi"
 typedef __m256d (*pow4_fn)(__m256d, __m256d);
@@ -67,7 +66,6 @@ static void find_vector_pow(void) {
         pow4 = (pow4_fn)dlsym(lib, "_ZGVdN4vv_pow");
 }
 #else
-#define VECTOR_POW 0
 static void *pow4 = NULL;
 static void vector_pow4(const double p[4], double exponent, double out[4]) { (void)p, (void)exponent, (void)out; }
 static void find_vector_pow(void) {}
