@@ -3,7 +3,8 @@
 ``python tests/multihost_procs.py ROLE HOST PORT ARGS...``; each prints one JSON
 line with what it saw and exits.  Roles: read (peeks the bin until it holds a
 given version, checks that each version it sees is whole, and says the first one
-it sees at once), append (numbered items, one request each, never retried), and
+it sees at once), append (numbered items, one request each, never retried, until a
+given number are acknowledged or a minute has passed), and
 commands: one client that, for each line on stdin, ``publish BIN FIRST LAST FLOATS
 PAUSE`` (versions of a state dict whose every element is its version) or ``tags
 BIN`` (the tags of a bin's items), prints one JSON line, until stdin closes (one
@@ -12,6 +13,7 @@ process, one import of torch, for every publish of a test).
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import time
@@ -69,8 +71,14 @@ def read(client, bin: str, until: int, limit_s: float) -> dict:
 
 
 def append(client, bin: str, first: int, count: int, pause: float) -> dict:
+    """Append items tagged first, first + 1, ... until ``count`` are acknowledged (a failed one
+    is uncertain and the next gets a new tag), so how many fall in an outage does not decide
+    how many land; bounded by a minute."""
     acked, uncertain = [], []
-    for i in range(first, first + count):
+    deadline = time.monotonic() + 60
+    for i in itertools.count(first):
+        if len(acked) == count or time.monotonic() > deadline:
+            break
         try:
             client.append(bin, torch.tensor([i]), tag=i)
             acked.append(i)
