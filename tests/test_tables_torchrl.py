@@ -22,7 +22,7 @@ from torchrl.data import ReplayBuffer, TensorDictReplayBuffer  # noqa: E402
 from torchrl.data.replay_buffers import RandomSampler, RoundRobinWriter  # noqa: E402
 
 from serverproc import ServerProcess  # noqa: E402
-from tensorshare.errors import BusyError, UsageError  # noqa: E402
+from tensorshare.errors import BadRequestError, BusyError, UsageError  # noqa: E402
 from tensorshare.torchrl import TablePrioritizedSampler, TableSampler, TableStorage, TableWriter  # noqa: E402
 
 
@@ -338,6 +338,36 @@ def test_a_prioritized_table_sampler_makes_the_table_and_updates_its_priorities(
     with pytest.raises(UsageError, match="prioritized"):
         client.create_table("trl-uniform", 4, {"x": ((), torch.int64)})
         ReplayBuffer(storage=TableStorage("trl-uniform", client), sampler=TablePrioritizedSampler()).sample(1)
+
+
+def test_update_priority_does_not_wait_and_a_refusal_comes_with_the_next(client):
+    """rb.update_priority goes out without waiting for its reply (the learner goes on
+    at once); the next request on the client reads that reply on the way and sees
+    the new priorities.  A NaN or a negative priority is refused at once, with nothing
+    sent; a weight only the table refuses (past its largest) is raised by the next
+    update_priority, and neither changes a priority."""
+    sampler = TablePrioritizedSampler(alpha=1.0, beta=0.5, eps=0.0)
+    rb = TensorDictReplayBuffer(storage=TableStorage("trl-nowait", client, max_size=16), sampler=sampler,
+                                writer=TableWriter(), batch_size=8)
+    rb.extend(transitions(0, 4))
+    rb.sample()
+
+    def priorities():
+        return client.table_info("trl-nowait", slots=0)["slots"]["priorities"].tolist()
+
+    rb.update_priority(torch.tensor([0, 1, 2, 3]), torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    assert client._unawaited, "update_priority waited for its reply"
+    assert priorities() == [1.0, 2.0, 3.0, 4.0]  # (applied before the next request)
+    for bad in (float("nan"), -1.0, float("inf")):
+        with pytest.raises(BadRequestError, match="is not a finite number >= 0"):
+            rb.update_priority(torch.tensor([0, 1]), torch.tensor([5.0, bad]))
+    rb.update_priority(torch.tensor([1]), torch.tensor([1e308], dtype=torch.float64))  # over a 16-row table's largest weight
+    with pytest.raises(BadRequestError, match="is over"):
+        rb.update_priority(torch.tensor([2]), torch.tensor([7.0]))  # (raises the one before; not sent)
+    assert priorities() == [1.0, 2.0, 3.0, 4.0]
+    rb.update_priority(torch.tensor([2]), torch.tensor([7.0]))
+    client.flush()
+    assert priorities() == [1.0, 2.0, 7.0, 4.0]
 
 
 # -- prioritized replay through a table trains

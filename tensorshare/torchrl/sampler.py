@@ -7,7 +7,9 @@ without reading them again.  :class:`TablePrioritizedSampler` is TorchRL's
 ``PrioritizedSampler`` done by the table: it makes the table prioritized
 (``priority ** alpha``), gives each sample its importance weights
 (``priority_weight``, with ``beta``) and sends ``rb.update_priority`` to the
-server, so prioritized replay works through tensorshare whatever TorchRL's C++
+server without waiting for its reply (``Client.update_priorities_nowait``: the
+learner goes on at once, the table applies it before the next sample, and a
+refusal is raised by the next ``update_priority``), so prioritized replay works through tensorshare whatever TorchRL's C++
 extension does (it is an instance of ``PrioritizedSampler``, so TorchRL's
 TensorDict buffers update priorities through it as through their own).
 """
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 from torchrl.data.replay_buffers.samplers import PrioritizedSampler, Sampler
 
-from ..errors import UsageError
+from ..errors import BadRequestError, UsageError
 from .storage import TableStorage
 
 class TableSampler(Sampler):
@@ -152,7 +154,12 @@ class TablePrioritizedSampler(TableSampler, PrioritizedSampler):
     @torch.no_grad()
     def update_priority(self, index, priority, *, storage=None) -> None:
         """Set the priorities of the elements ``index`` (as ``rb.update_priority`` and
-        TorchRL's TensorDict buffers call it) in the table; indices < 0 are skipped."""
+        TorchRL's TensorDict buffers call it) in the table; indices < 0 are skipped.
+
+        Sent without waiting for the reply where the client can (the blocking ones):
+        a priority that is not a finite number >= 0 (a NaN TD error) is refused here
+        at once, as the server would; what only the table can refuse (a weight past
+        its largest) is raised by the next ``update_priority`` or ``client.flush()``."""
         storage = _table_storage(storage)
         storage._tracks_keys = True
         slots = _flat_slots(index, storage)
@@ -173,9 +180,15 @@ class TablePrioritizedSampler(TableSampler, PrioritizedSampler):
             self._touched = True
             return
         self._touched = True
+        sent = priority + self._eps
+        bad = ~(torch.isfinite(sent) & (sent >= 0))
+        if bool(bad.any()):
+            raise BadRequestError(f"priority {sent[bad][0].item()!r} is not a finite number >= 0")
         top = float(priority.max())
         self._max_seen = top if self._max_seen is None else max(self._max_seen, top)
-        storage.client.update_priorities(storage.name, storage._keys_of(slots), priority + self._eps)
+        client = storage.client
+        send = getattr(client, "update_priorities_nowait", client.update_priorities)
+        send(storage.name, storage._keys_of(slots), sent)
 
     def mark_update(self, index, *, storage=None) -> None:
         self.update_priority(index, self.default_priority, storage=storage)
