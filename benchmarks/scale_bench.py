@@ -23,8 +23,9 @@ but for the table larger than RAM (28,232-byte Atari-like rows).
   and, beside it, waited for), and the memory of each (its process's, the server's).  TorchRL runs in a
   process of its own (:mod:`.torchrl_side`), in ``.venv-torchrl`` where the
   project's torch is not the one its C++ sampler was built for (``make bench``
-  makes it); where the sampler cannot load at all, the table engine in that
-  process stands in, said so.
+  makes it), timed in turns with the table's loops (the machine's speed wanders);
+  where the sampler cannot load at all, the table engine in that process stands
+  in, said so.
 * **A table larger than RAM** (full: twice the machine's memory if the disk has the
   room, else the most it has; quick: ``big_ram_table_bytes``): uniform samples of
   256 rows from pages not in the page cache (the server restarted after its files
@@ -39,6 +40,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -314,63 +316,65 @@ def _restart(rec: Recorder, p: Profile, scratch: str) -> None:
 # -- side by side with TorchRL, in process
 
 
-def _in_process(n: int, reps: int, warm: int, scratch: str) -> tuple[list, str, int, int]:
-    """TorchRL's LazyMemmapStorage + PrioritizedSampler of ``n`` rows in a process of
-    its own (:mod:`.torchrl_side`, under ``TENSORSHARE_TORCHRL_PYTHON`` where set: an
-    environment whose TorchRL loads its C++ sampler); where the sampler cannot load,
-    the table's engine in process stands in for it, and the figure says so.
-    Returns the times of sample + update of 256, what sampled, and the memory it grew by."""
-    python = os.environ.get("TENSORSHARE_TORCHRL_PYTHON") or sys.executable
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([python, "-m", "benchmarks.torchrl_side", str(n), str(reps), str(warm), scratch],
-                          cwd=root, capture_output=True, text=True, timeout=1800)
-    lines = proc.stdout.strip().splitlines()
-    try:
-        out = json.loads(lines[-1])
-    except (IndexError, ValueError):
-        raise RuntimeError(f"the TorchRL side exited {proc.returncode}: {proc.stderr[-500:]}") from None
-    if "times" in out:
-        return out["times"], out["what"], out["anon"], out["rss"]
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    child = ctx.Process(target=_engine_in_process, args=(n, reps, warm, scratch, out["error"], queue))
-    child.start()
-    try:
-        return queue.get(timeout=1800)
-    finally:
-        child.join(60)
+class _TorchRLSide:
+    """TorchRL's LazyMemmapStorage + PrioritizedSampler of ``n`` rows in a process of its
+    own (:mod:`.torchrl_side`, under ``TENSORSHARE_TORCHRL_PYTHON`` where set: an
+    environment whose TorchRL loads its C++ sampler), timed a turn at a time.  Where
+    the sampler cannot load, the process starts again with the table's engine
+    standing in for it (:attr:`what` says so).  It fills its buffer while the caller
+    fills the table."""
 
+    def __init__(self, n: int, scratch: str):
+        self._args = (str(n), scratch)
+        self._errors = tempfile.TemporaryFile(mode="w+")
+        self.proc = self._start(os.environ.get("TENSORSHARE_TORCHRL_PYTHON") or sys.executable)
+        self.what = ""
 
-def _engine_in_process(n: int, reps: int, warm: int, scratch: str, why: str, out) -> None:
-    """A child process: TorchRL's LazyMemmapStorage and the table's engine standing
-    in for TorchRL's sampler (``why``: what kept that from loading)."""
-    torch.set_num_threads(1)
-    from tensordict import TensorDict
-    from torchrl.data import LazyMemmapStorage
+    def _start(self, python: str, *more: str) -> subprocess.Popen:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        return subprocess.Popen([python, "-m", "benchmarks.torchrl_side", *self._args, *more], cwd=root, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._errors)
 
-    from .tables_engine_bench import load_engine
+    def ready(self) -> None:
+        """Wait until its buffer is filled (started again with the stand-in if need be)."""
+        said = self._line()
+        if "error" in said:
+            self.proc.wait(60)
+            self.proc = self._start(sys.executable, "--stand-in", said["error"])
+            said = self._line()
+        self.what = said["ready"]
 
-    before = _status(os.getpid())
-    storage = LazyMemmapStorage(n, scratch_dir=scratch)
-    engine = load_engine().Table(n, {"i": ((), "int64")}, sampler="prioritized", priority_exponent=0.6)
-    g = torch.Generator().manual_seed(0)
-    chunk = 1 << 20
-    for first in range(0, n, chunk):
-        k = min(chunk, n - first)
-        batch, _ = rows(first, k)
-        storage.set(torch.arange(first, first + k), TensorDict(batch, [k]))
-        engine.insert({"i": np.arange(first, first + k)}, priorities=(torch.rand(k, generator=g) + 0.01).numpy())
-    new = (torch.rand(BATCH) + 0.01).numpy()
+    def run(self, reps: int, warm: int) -> list[float]:
+        """Seconds of each of ``reps`` learner's steps (after ``warm`` untimed)."""
+        self.proc.stdin.write(f"run {reps} {warm}\n")
+        self.proc.stdin.flush()
+        return self._line()["times"]
 
-    def once():
-        s = engine.sample(BATCH)
-        storage.get(torch.from_numpy(s.indices))
-        engine.update_priorities(s.keys, new)
+    def finish(self) -> tuple[int, int]:
+        """The anonymous and resident memory its process grew by; it exits."""
+        self.proc.stdin.close()
+        said = self._line()
+        self.proc.wait(60)
+        return said["anon"], said["rss"]
 
-    times = time_runs(once, reps, warm)
-    after = _status(os.getpid())
-    out.put((times, f"the table engine in process (TorchRL's PrioritizedSampler: {why[:80]})",
-             after["RssAnon"] - before["RssAnon"], after["VmRSS"] - before["VmRSS"]))
+    def stop(self) -> None:
+        self._end()
+        self._errors.close()
+
+    def _end(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+
+    def _line(self, timeout: float = 1800) -> dict:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self._end()
+            self._errors.seek(0)
+            raise RuntimeError(f"the TorchRL side {'exited' if ready else 'took too long'} "
+                               f"({self.proc.returncode}): {self._errors.read()[-500:]}")
+        return json.loads(line)
 
 
 def _side_by_side(rec: Recorder, p: Profile, scratch: str) -> None:
@@ -383,42 +387,46 @@ def _side_by_side(rec: Recorder, p: Profile, scratch: str) -> None:
             rec.skip("scale: side by side with TorchRL", f"torchrl is not installed ({exc})")
             return
     reps = 10 * p.big_reps  # (a millisecond each: enough of them for a steady median)
+    side = _TorchRLSide(n, os.path.join(scratch, "torchrl"))  # (fills its buffer while the table fills)
     try:
-        times, what, anon, rss = _in_process(n, reps, p.warmup, os.path.join(scratch, "torchrl"))
+        server = Server()
+        try:
+            with Client("127.0.0.1", server.port, timeout=600, zero_copy=False) as client:
+                client.create_table("side", n, columns(), sampler="prioritized", priority_exponent=0.6)
+                _fill(client, "side", n, priorities=True)
+                new = torch.rand(BATCH) + 0.01
+
+                def once():  # a learner's loop: the update is not waited for (the next sample reads its reply)
+                    s = client.sample("side", BATCH)
+                    client.update_priorities_nowait("side", s.keys, new)
+
+                def waited():
+                    s = client.sample("side", BATCH)
+                    client.update_priorities("side", s.keys, new)
+
+                last = [client.sample("side", BATCH).keys]
+
+                def carried():  # the last update rides on the next sample: one request a step
+                    last[0] = client.sample("side", BATCH, update=(last[0], new)).keys
+
+                side.ready()
+                local, times, waits, ones = [], [], [], []
+                for _ in range(5):  # in turns, TorchRL's too: load from elsewhere falls on all alike
+                    local += side.run(reps // 5, p.warmup)
+                    times += time_runs(once, reps // 5, p.warmup)
+                    client.flush()  # (the last update's outcome: an error would be raised here)
+                    waits += time_runs(waited, reps // 5, p.warmup)
+                    ones += time_runs(carried, reps // 5, p.warmup)
+                status = _status(server.pid)
+        finally:
+            server.stop()
+        anon, rss = side.finish()
     finally:
+        side.stop()
         shutil.rmtree(os.path.join(scratch, "torchrl"), ignore_errors=True)
-    rec.figure("scale.local_prio", f"in process, {size} rows: LazyMemmapStorage + {what}, sample + update of {BATCH}",
-               Sample.of(times).map(_ms), "ms", better="lower", baseline=True,
+    rec.figure("scale.local_prio", f"in process, {size} rows: LazyMemmapStorage + {side.what}, sample + update of "
+               f"{BATCH}", Sample.of(local).map(_ms), "ms", better="lower", baseline=True,
                note=f"its memory: anonymous {anon / GiB:.2f} GiB, resident {rss / GiB:.2f} GiB")
-    server = Server()
-    try:
-        with Client("127.0.0.1", server.port, timeout=600, zero_copy=False) as client:
-            client.create_table("side", n, columns(), sampler="prioritized", priority_exponent=0.6)
-            _fill(client, "side", n, priorities=True)
-            new = torch.rand(BATCH) + 0.01
-
-            def once():  # a learner's loop: the update is not waited for (the next sample reads its reply)
-                s = client.sample("side", BATCH)
-                client.update_priorities_nowait("side", s.keys, new)
-
-            def waited():
-                s = client.sample("side", BATCH)
-                client.update_priorities("side", s.keys, new)
-
-            last = [client.sample("side", BATCH).keys]
-
-            def carried():  # the last update rides on the next sample: one request a step
-                last[0] = client.sample("side", BATCH, update=(last[0], new)).keys
-
-            times, waits, ones = [], [], []
-            for _ in range(5):  # in turns: load from elsewhere falls on all alike
-                times += time_runs(once, reps // 5, p.warmup)
-                client.flush()  # (the last update's outcome: an error would be raised here)
-                waits += time_runs(waited, reps // 5, p.warmup)
-                ones += time_runs(carried, reps // 5, p.warmup)
-            status = _status(server.pid)
-    finally:
-        server.stop()
     rec.figure("scale.table_prio", f"the table over TCP, {size} rows: sample + update of {BATCH} "
                f"(update_priorities_nowait, as a learner's loop)",
                Sample.of(times).map(_ms), "ms", better="lower", vs=["scale.local_prio"],
