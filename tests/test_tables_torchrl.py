@@ -361,7 +361,8 @@ def test_update_priority_does_not_wait_and_a_refusal_comes_with_the_next(client)
     for bad in (float("nan"), -1.0, float("inf")):
         with pytest.raises(BadRequestError, match="is not a finite number >= 0"):
             rb.update_priority(torch.tensor([0, 1]), torch.tensor([5.0, bad]))
-    rb.update_priority(torch.tensor([1]), torch.tensor([1e308], dtype=torch.float64))  # over a 16-row table's largest weight
+    huge = torch.tensor([1e308], dtype=torch.float64)  # past the largest weight a 16-row table takes
+    rb.update_priority(torch.tensor([1]), huge)
     with pytest.raises(BadRequestError, match="is over"):
         rb.update_priority(torch.tensor([2]), torch.tensor([7.0]))  # (raises the one before; not sent)
     assert priorities() == [1.0, 2.0, 3.0, 4.0]

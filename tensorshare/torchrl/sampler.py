@@ -9,9 +9,10 @@ without reading them again.  :class:`TablePrioritizedSampler` is TorchRL's
 (``priority_weight``, with ``beta``) and sends ``rb.update_priority`` to the
 server without waiting for its reply (``Client.update_priorities_nowait``: the
 learner goes on at once, the table applies it before the next sample, and a
-refusal is raised by the next ``update_priority``), so prioritized replay works through tensorshare whatever TorchRL's C++
-extension does (it is an instance of ``PrioritizedSampler``, so TorchRL's
-TensorDict buffers update priorities through it as through their own).
+refusal is raised by the next ``update_priority``), so prioritized replay works
+through tensorshare whatever TorchRL's C++ extension does (it is an instance of
+``PrioritizedSampler``, so TorchRL's TensorDict buffers update priorities through
+it as through their own).
 """
 
 from __future__ import annotations
