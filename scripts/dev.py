@@ -101,7 +101,22 @@ def ensure_torchrl() -> None:
 def test(pytest_args: list[str]) -> None:
     ensure_env("test,docs")  # the suite builds the documentation site too
     ensure_torchrl()
-    os.execv(str(PY), [str(PY), "-m", "pytest", *pytest_args])
+    os.execv(str(PY), [str(PY), "-m", "pytest", *parallel(pytest_args), *pytest_args])
+
+
+def parallel(pytest_args: list[str]) -> list[str]:
+    """pytest-xdist's options for the suite: a test module per process, two to four
+    processes at once (a test spends most of its time waiting for the server and
+    client processes it starts: alone, the suite kept 2 cores 43% busy).  None where
+    the arguments choose for themselves (``-n``, ``-p no:xdist``) or one CPU is all."""
+    chosen = any(a == "-n" or a.startswith(("-n", "--numprocesses", "--dist")) or a == "no:xdist"
+                 for a in pytest_args)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if chosen or cpus < 2:
+        return []
+    # (modules in the order tests/conftest.py sorts them, the longest first: xdist's default
+    # order, by count of tests, left the benchmark's smoke run to the end)
+    return ["-n", str(min(cpus, 4)), "--dist", "loadfile", "--no-loadscope-reorder"]
 
 
 def docs() -> None:

@@ -57,10 +57,21 @@ PROCESS_FIXTURES = {"server", "fresh_server", "client", "auth_server", "tls_serv
                     "token_server"}
 
 
+# The modules that take longest (seconds of a whole run on 2 cores), run first: run in
+# parallel processes a module at a time (scripts/dev.py test), a long one started last
+# would keep one process busy after the others ran out of modules.
+LONGEST_FIRST = ("test_bench_smoke", "test_install", "test_hardening", "test_examples", "test_doc_blocks",
+                 "test_security", "test_messages", "test_disk", "test_rl_runs", "test_hardening_three",
+                 "test_ray", "test_relay", "test_load", "test_rl", "test_hardening_four", "test_workers",
+                 "test_multihost", "test_zerocopy", "test_fuzz", "test_flow", "test_original")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.process)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.module.__name__ if item.module else "", len(rank)))
 
 
 @pytest.fixture(scope="module")
