@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from typing import Callable
+
+from .stats import time_runs  # (the standard library only: it loads in any environment)
 
 BATCH = 256
 ROW_FLOATS = 14  # an observation of 14 float32 and an int64 action: 64 bytes a row
@@ -131,14 +132,7 @@ def main(argv: list[str]) -> int:
     _say(ready=what)
     for line in sys.stdin:  # "run REPS WARMUP"
         reps, warm = (int(word) for word in line.split()[1:3])
-        for _ in range(warm):
-            step()
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
-        _say(times=times)
+        _say(times=time_runs(step, reps, warm))
     after = memory()
     _say(anon=after["RssAnon"] - before["RssAnon"], rss=after["VmRSS"] - before["VmRSS"])
     return 0

@@ -109,7 +109,7 @@ def parallel(pytest_args: list[str]) -> list[str]:
     processes at once (a test spends most of its time waiting for the server and
     client processes it starts: alone, the suite kept 2 cores 43% busy).  None where
     the arguments choose for themselves (``-n``, ``-p no:xdist``) or one CPU is all."""
-    chosen = any(a == "-n" or a.startswith(("-n", "--numprocesses", "--dist")) or a == "no:xdist"
+    chosen = any(a.startswith(("-n", "--numprocesses", "--dist", "-pno:xdist")) or a == "no:xdist"
                  for a in pytest_args)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if chosen or cpus < 2:

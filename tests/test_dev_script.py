@@ -29,7 +29,7 @@ def test_the_suite_runs_a_module_per_process_on_two_to_four_cpus(dev, monkeypatc
 
 
 @pytest.mark.parametrize("args", [["-n", "3"], ["-n3"], ["--numprocesses=auto"], ["-p", "no:xdist"],
-                                  ["--dist", "load"]])
+                                  ["-pno:xdist"], ["--dist", "load"]])
 def test_arguments_that_choose_for_themselves_are_left_alone(dev, monkeypatch, args):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     assert dev.parallel(args) == []
