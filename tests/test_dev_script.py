@@ -35,6 +35,21 @@ def test_arguments_that_choose_for_themselves_are_left_alone(dev, monkeypatch, a
     assert dev.parallel(args) == []
 
 
+def test_where_bytecode_is_not_written_the_jobs_cache_it_in_the_environment(dev, monkeypatch):
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    dev.keep_bytecode()
+    assert "PYTHONDONTWRITEBYTECODE" not in os.environ
+    assert os.environ["PYTHONPYCACHEPREFIX"] == str(ROOT / ".venv" / "pycache")  # (ignored by git)
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.setenv("PYTHONPYCACHEPREFIX", "/elsewhere")  # a cache of the user's own stays theirs
+    dev.keep_bytecode()
+    assert os.environ["PYTHONPYCACHEPREFIX"] == "/elsewhere"
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX")
+    dev.keep_bytecode()  # bytecode written beside the sources, as Python does by default: left so
+    assert "PYTHONPYCACHEPREFIX" not in os.environ
+
+
 def test_the_longest_modules_named_first_are_test_modules():
     """A module renamed or removed must leave the list too (it would run wherever it falls)."""
     modules = {path.stem for path in (ROOT / "tests").glob("test_*.py")}
