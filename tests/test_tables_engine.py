@@ -677,6 +677,42 @@ def test_compiled_sum_tree_answers_as_numpy_does(data, capacity, block, exponent
 
 
 @needs_loops
+@pytest.mark.parametrize("block, exponent", [(16, 1.0), (16, 0.6), (4096, 1.0), (3, 0.5)])
+def test_compiled_sum_tree_answers_as_numpy_does_over_many_chunks(block, exponent):
+    """Batches whose blocks the compiled loops read in several chunks (2,048 slots a chunk,
+    or one block where a block is larger), the last block cut short by the capacity: the
+    same trees and slots as numpy's path (integer priorities: exact at exponent 1)."""
+    capacity, rng = 20_011, np.random.default_rng(7)
+    state = _State(capacity)
+
+    def weights(pick):
+        return np.where(pick(state.flags) & 1, pick(state.priority) ** exponent, 0.0)
+
+    fast = sumtree.SumTree(capacity, weights, block=block, powers=sumtree.Powers(state, exponent))
+    slow = sumtree.SumTree(capacity, weights, block=block)
+    for _ in range(3):
+        slots = rng.choice(capacity, 3_000, replace=False)
+        state.priority[slots] = rng.integers(0, 9, slots.size)
+        state.flags[slots] = rng.choice([0, 1, 3], slots.size)
+        for tree in (fast, slow):
+            tree.changed(np.sort(slots)[::-1].copy())  # (scattered: not a run of blocks)
+        if exponent == 1.0:
+            assert np.array_equal(fast.tree, slow.tree)
+        else:
+            assert np.allclose(fast.tree, slow.tree, rtol=1e-13, atol=0)
+    targets = rng.random(5_000) * fast.total
+    found, got = fast.pick(targets)
+    expected = weights(lambda array: array)
+    assert (expected[found] > 0).all() and np.allclose(got, expected[found], rtol=1e-14, atol=0)
+    if exponent == 1.0:
+        assert found.tolist() == slow.find(targets).tolist()
+    else:
+        cumulative = np.cumsum(expected)
+        assert ((cumulative[found] - expected[found] <= targets * (1 + 1e-12))
+                & (targets <= cumulative[found] * (1 + 1e-12))).all()
+
+
+@needs_loops
 def test_compiled_sum_tree_refuses_wrong_arrays():
     """Wrong dtypes, short arrays or a block past the tree raise, and write nothing."""
     loops, tree = LOOPS, np.zeros(8)
