@@ -377,6 +377,14 @@ class _TorchRLSide:
         return json.loads(line)
 
 
+# Turns of the side by side: short ones (a dozen steps of each form in the quick profile),
+# so that this machine's slow spells, which come and go within seconds, fall on TorchRL's
+# steps and the table's alike (in 5 turns of 60 steps the ratio of medians went from 0.82x
+# to 1.14x between runs), the forms in turn first, and each warmed again at each turn.
+TURNS = 25
+WARM_STEPS = 4
+
+
 def _side_by_side(rec: Recorder, p: Profile, scratch: str) -> None:
     n = p.big_side_rows
     size = _label(n)
@@ -411,12 +419,20 @@ def _side_by_side(rec: Recorder, p: Profile, scratch: str) -> None:
 
                 side.ready()
                 local, times, waits, ones = [], [], [], []
-                for _ in range(5):  # in turns, TorchRL's too: load from elsewhere falls on all alike
-                    local += side.run(reps // 5, p.warmup)
-                    times += time_runs(once, reps // 5, p.warmup)
+                turns = min(TURNS, reps)
+                each, warm = reps // turns, max(p.warmup, WARM_STEPS)
+
+                def nowait_runs():
+                    runs = time_runs(once, each, warm)
                     client.flush()  # (the last update's outcome: an error would be raised here)
-                    waits += time_runs(waited, reps // 5, p.warmup)
-                    ones += time_runs(carried, reps // 5, p.warmup)
+                    return runs
+
+                forms = [(local, lambda: side.run(each, warm)), (times, nowait_runs),
+                         (waits, lambda: time_runs(waited, each, warm)), (ones, lambda: time_runs(carried, each, warm))]
+                for turn in range(turns):  # in turns, TorchRL's too: load from elsewhere falls on all alike
+                    for k in range(len(forms)):  # (each form first in a turn as often as the others)
+                        runs, run = forms[(turn + k) % len(forms)]
+                        runs += run()
                 status = _status(server.pid)
         finally:
             server.stop()
