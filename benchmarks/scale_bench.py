@@ -432,7 +432,7 @@ def _side_by_side(rec: Recorder, p: Profile, scratch: str) -> None:
                 for turn in range(turns):  # in turns, TorchRL's too: load from elsewhere falls on all alike
                     for k in range(len(forms)):  # (each form first in a turn as often as the others)
                         runs, run = forms[(turn + k) % len(forms)]
-                        runs += run()
+                        runs.extend(run())
                 status = _status(server.pid)
         finally:
             server.stop()

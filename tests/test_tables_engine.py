@@ -629,6 +629,25 @@ class _State:
         self.priority = np.zeros(capacity)
         self.flags = np.zeros(capacity, np.uint8)
 
+    def weights(self, exponent: float):
+        """numpy's weights of these slots (what ``Powers`` describes), as a SumTree's ``weights``."""
+        return lambda pick: np.where(pick(self.flags) & 1, pick(self.priority) ** exponent, 0.0)  # (1: LIVE)
+
+
+def _assert_picks_as_numpy(fast, slow, expected: np.ndarray, targets: np.ndarray, exponent: float) -> None:
+    """The compiled search finds slots that have weight, with their weights; at exponents that
+    keep every sum exact, numpy's slots, else a slot whose interval holds the target (up to
+    rounding at its ends)."""
+    found, got = fast.pick(targets)
+    assert (expected[found] > 0).all()
+    assert np.allclose(got, expected[found], rtol=1e-14, atol=0)
+    if exponent in (1.0, 0.0):
+        assert found.tolist() == slow.find(targets).tolist()
+    else:
+        cumulative = np.cumsum(expected)
+        assert ((cumulative[found] - expected[found] <= targets * (1 + 1e-12))
+                & (targets <= cumulative[found] * (1 + 1e-12))).all()
+
 
 @needs_loops
 @settings(max_examples=120, deadline=None)
@@ -640,11 +659,7 @@ def test_compiled_sum_tree_answers_as_numpy_does(data, capacity, block, exponent
     for targets on and between the boundaries, weights equal to numpy's powers, and
     never a slot of weight zero."""
     state = _State(capacity)
-    live = 1  # slots.LIVE
-
-    def weights(pick):
-        return np.where(pick(state.flags) & live, pick(state.priority) ** exponent, 0.0)
-
+    weights = state.weights(exponent)
     fast = sumtree.SumTree(capacity, weights, block=block, powers=sumtree.Powers(state, exponent))
     slow = sumtree.SumTree(capacity, weights, block=block)
     assert slow.powers is None
@@ -666,14 +681,7 @@ def test_compiled_sum_tree_answers_as_numpy_does(data, capacity, block, exponent
         targets = np.concatenate([cumulative[expected > 0][:-1], (cumulative[:-1] + cumulative[1:]) / 2,
                                   [0.0, fast.total * (1 - 1e-12)]])
         targets = targets[(targets >= 0) & (targets < fast.total)]
-        found, got = fast.pick(targets)
-        assert (expected[found] > 0).all()
-        assert np.allclose(got, expected[found], rtol=1e-14, atol=0)
-        if exponent in (1.0, 0.0):
-            assert found.tolist() == slow.find(targets).tolist()
-        else:  # in the interval (up to rounding at its ends)
-            assert ((cumulative[found] - expected[found] <= targets * (1 + 1e-12))
-                    & (targets <= cumulative[found] * (1 + 1e-12))).all()
+        _assert_picks_as_numpy(fast, slow, expected, targets, exponent)
 
 
 @needs_loops
@@ -684,32 +692,22 @@ def test_compiled_sum_tree_answers_as_numpy_does_over_many_chunks(block, exponen
     same trees and slots as numpy's path (integer priorities: exact at exponent 1)."""
     capacity, rng = 20_011, np.random.default_rng(7)
     state = _State(capacity)
-
-    def weights(pick):
-        return np.where(pick(state.flags) & 1, pick(state.priority) ** exponent, 0.0)
-
+    weights = state.weights(exponent)
     fast = sumtree.SumTree(capacity, weights, block=block, powers=sumtree.Powers(state, exponent))
     slow = sumtree.SumTree(capacity, weights, block=block)
-    for _ in range(3):
+    for parity in (0, 1, 0):
+        # every other block: scattered, never a run of blocks (numpy's path refreshes a run)
         slots = rng.choice(capacity, 3_000, replace=False)
+        slots = slots[slots // block % 2 == parity]
         state.priority[slots] = rng.integers(0, 9, slots.size)
         state.flags[slots] = rng.choice([0, 1, 3], slots.size)
         for tree in (fast, slow):
-            tree.changed(np.sort(slots)[::-1].copy())  # (scattered: not a run of blocks)
+            tree.changed(slots)
         if exponent == 1.0:
             assert np.array_equal(fast.tree, slow.tree)
         else:
             assert np.allclose(fast.tree, slow.tree, rtol=1e-13, atol=0)
-    targets = rng.random(5_000) * fast.total
-    found, got = fast.pick(targets)
-    expected = weights(lambda array: array)
-    assert (expected[found] > 0).all() and np.allclose(got, expected[found], rtol=1e-14, atol=0)
-    if exponent == 1.0:
-        assert found.tolist() == slow.find(targets).tolist()
-    else:
-        cumulative = np.cumsum(expected)
-        assert ((cumulative[found] - expected[found] <= targets * (1 + 1e-12))
-                & (targets <= cumulative[found] * (1 + 1e-12))).all()
+    _assert_picks_as_numpy(fast, slow, weights(lambda array: array), rng.random(5_000) * fast.total, exponent)
 
 
 @needs_loops
