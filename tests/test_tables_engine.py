@@ -689,17 +689,22 @@ def test_compiled_sum_tree_answers_as_numpy_does(data, capacity, block, exponent
 def test_compiled_sum_tree_answers_as_numpy_does_over_many_chunks(block, exponent):
     """Batches whose blocks the compiled loops read in several chunks (2,048 slots a chunk,
     or one block where a block is larger), the last block cut short by the capacity: the
-    same trees and slots as numpy's path (integer priorities: exact at exponent 1)."""
+    same trees and slots as numpy's path (integer priorities: exact at exponent 1).  Every
+    other block (scattered, as an update's), then runs of blocks (as a ring buffer's
+    inserts), one of them all of one priority (one power for a chunk) but for dead rows."""
     capacity, rng = 20_011, np.random.default_rng(7)
     state = _State(capacity)
     weights = state.weights(exponent)
     fast = sumtree.SumTree(capacity, weights, block=block, powers=sumtree.Powers(state, exponent))
     slow = sumtree.SumTree(capacity, weights, block=block)
-    for parity in (0, 1, 0):
-        # every other block: scattered, never a run of blocks (numpy's path refreshes a run)
-        slots = rng.choice(capacity, 3_000, replace=False)
-        slots = slots[slots // block % 2 == parity]
-        state.priority[slots] = rng.integers(0, 9, slots.size)
+    for parity in (0, 1, 0, "run", "one priority"):
+        if parity in (0, 1):
+            slots = rng.choice(capacity, 3_000, replace=False)
+            slots = slots[slots // block % 2 == parity]
+            state.priority[slots] = rng.integers(0, 9, slots.size)
+        else:
+            slots = np.arange(rng.integers(0, 3_000), capacity - rng.integers(0, 3_000))
+            state.priority[slots] = rng.integers(0, 9, slots.size) if parity == "run" else 7
         state.flags[slots] = rng.choice([0, 1, 3], slots.size)
         for tree in (fast, slow):
             tree.changed(slots)

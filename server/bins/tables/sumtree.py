@@ -79,10 +79,9 @@ class SumTree:
         """The weights of ``slots`` changed: their blocks' sums and those above them."""
         blocks = self.layout.blocks_of(slots) if np.size(slots) else None
         loops = compiled.loops
-        if loops is not None and self.powers is not None and blocks is not None and self.layout.run(blocks) is None:
-            # scattered blocks (a priority update's): compiled, their ancestors a level at
-            # a time for the batch.  A run of blocks (an insert's) stays with numpy, whose
-            # levels are then slices.
+        if loops is not None and self.powers is not None and blocks is not None:
+            # compiled: the blocks' weights a chunk at a time, then their ancestors a level
+            # at a time for the batch (a priority update's scattered blocks, an insert's run)
             layout, state = self.layout, self.powers.slots
             loops.refresh(self.tree, layout.depth, state.priority, state.flags, self.powers.exponent,
                           layout.block, self.capacity, blocks)
