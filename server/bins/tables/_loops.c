@@ -209,9 +209,10 @@ static void copy_weights(Copy *c, const int64_t *leaf, int64_t offset, Py_ssize_
     }
     /* Rows often share one priority (the default, or the largest seen, as writers give it):
      * then one power for the chunk (the vector's, so the same weight as a slot at a time) */
-    int same = 1;
-    for (Py_ssize_t s = 1; s < slots; s++)
-        same &= w[s] == w[0];
+    Py_ssize_t differs = 1;
+    while (differs < slots && w[differs] == w[0])
+        differs++;
+    int same = differs == slots;
     for (Py_ssize_t s = slots; s % 4; s++)
         w[s] = 1.0;
     if (same && slots > 4) {
@@ -361,14 +362,15 @@ static PyObject *refresh(PyObject *self, PyObject *args) {
      * to the same value. */
     for (int level = 0; level < depth; level++) {
         Py_ssize_t kept = 0;
+        int64_t last = 0;  /* (no node: the root's parent) */
         for (Py_ssize_t i = 0; i < n; i++) {
             if (i + AHEAD < n)
                 __builtin_prefetch(&tree[nodes[i + AHEAD] & ~(int64_t)1], 1);  /* (its sibling: the same line) */
             int64_t node = nodes[i] >> 1;
-            if (kept && nodes[kept - 1] == node)
+            if (node == last)
                 continue;
             tree[node] = tree[2 * node] + tree[2 * node + 1];
-            nodes[kept++] = node;
+            nodes[kept++] = last = node;
         }
         n = kept;
     }
