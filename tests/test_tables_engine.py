@@ -697,14 +697,14 @@ def test_compiled_sum_tree_answers_as_numpy_does_over_many_chunks(block, exponen
     weights = state.weights(exponent)
     fast = sumtree.SumTree(capacity, weights, block=block, powers=sumtree.Powers(state, exponent))
     slow = sumtree.SumTree(capacity, weights, block=block)
-    for parity in (0, 1, 0, "run", "one priority"):
-        if parity in (0, 1):
+    for kind in (0, 1, 0, "run", "one priority"):  # (0, 1: every other block, from the first or the second)
+        if kind in (0, 1):
             slots = rng.choice(capacity, 3_000, replace=False)
-            slots = slots[slots // block % 2 == parity]
+            slots = slots[slots // block % 2 == kind]
             state.priority[slots] = rng.integers(0, 9, slots.size)
         else:
             slots = np.arange(rng.integers(0, 3_000), capacity - rng.integers(0, 3_000))
-            state.priority[slots] = rng.integers(0, 9, slots.size) if parity == "run" else 7
+            state.priority[slots] = rng.integers(0, 9, slots.size) if kind == "run" else 7
         state.flags[slots] = rng.choice([0, 1, 3], slots.size)
         for tree in (fast, slow):
             tree.changed(slots)
