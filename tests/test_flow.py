@@ -334,6 +334,14 @@ class PausableProxy:
             pass
 
 
+def _last_told(seen: list, name: str, n: int, client) -> str:
+    """What a listener was told of bin ``name`` (for a failed wait: which notification is
+    missing, and what the server holds)."""
+    told = [(x.seq, x.n_items, x.tag) for x in seen if x.bin == name]
+    return (f"{len(told)} notifications of {name[:20]}..., the last (seq, n, tag): {told[-3:]}; "
+            f"the server's: {client.list().get(name)!r} items; {n} changes each")
+
+
 def pipelined(client, requests) -> list:
     """Send ``(op, bin, value, tag)`` requests without waiting; wait for every reply."""
     done, results = threading.Semaphore(0), []
@@ -391,8 +399,10 @@ def test_clients_and_rl_wrappers_tolerate_coalesced_notifications(tmp_path):
 
             # The listener: fewer notifications than changes, seq still only grows,
             # and the last ones tell the final state.
-            assert wait_for(lambda: any(x.bin == trainer.data_bin and x.n_items == n for x in seen), 30)
-            assert wait_for(lambda: any(x.bin == trainer.params_bin and x.tag == n - 1 for x in seen), 30)
+            assert wait_for(lambda: any(x.bin == trainer.data_bin and x.n_items == n for x in seen), 30), \
+                _last_told(seen, trainer.data_bin, n, writer)
+            assert wait_for(lambda: any(x.bin == trainer.params_bin and x.tag == n - 1 for x in seen), 30), \
+                _last_told(seen, trainer.params_bin, n, writer)
             for name in (trainer.data_bin, trainer.params_bin):
                 seqs = [x.seq for x in seen if x.bin == name]
                 assert all(a < b for a, b in zip(seqs, seqs[1:]))
