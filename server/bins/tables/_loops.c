@@ -448,8 +448,9 @@ fail:
 
 PyDoc_STRVAR(first_bad_doc,
 "first_bad(priorities, exponent, max_weight) -> int\n\n"
-"The index of the first of ``priorities`` (float64) that is not a finite number >= 0, or\n"
-"whose weight (priority ** exponent) is not finite or is over ``max_weight``; -1 if none.");
+"The index of the first of ``priorities`` (float64) that is not a finite number >= 0, else\n"
+"of the first whose weight (priority ** exponent) is not finite or is over ``max_weight``;\n"
+"-1 if none.");
 
 static PyObject *first_bad(PyObject *self, PyObject *args) {
     Py_buffer b = {0};
@@ -463,33 +464,25 @@ static PyObject *first_bad(PyObject *self, PyObject *args) {
     const double *p = b.buf;
     Py_ssize_t n = b.len / 8, bad = -1;
     Py_BEGIN_ALLOW_THREADS
-    /* With an exponent >= 0 a weight grows with its priority: the largest priority's weight
-     * passes only where every weight does, one power for the batch, not one a row (16,384
-     * rows: a power each took 0.3 ms, a third of an insert).  Where it does not pass, the
-     * rows are looked at one by one for the first that fails. */
-    int whole = exponent >= 0.0;
+    /* Every priority a finite number >= 0 first, the largest found on the way.  With an
+     * exponent >= 0 a weight grows with its priority: the largest one's weight passes only
+     * where every weight does, so one power for the batch, not one a row (16,384 rows: a
+     * power each took 0.3 ms, a third of an insert); where it fails (or the exponent is
+     * negative), the weights are looked at one by one for the first that fails. */
     double largest = 0.0;
-    for (Py_ssize_t i = 0; whole && i < n; i++) {  /* (NaN fails every comparison: ``!(x >= y)`` catches it) */
+    for (Py_ssize_t i = 0; i < n; i++) {  /* (NaN fails every comparison: ``!(x >= y)`` catches it) */
         if (!(p[i] >= 0.0) || !isfinite(p[i])) {
             bad = i;
             break;
         }
         largest = p[i] > largest ? p[i] : largest;
     }
-    if (whole && bad < 0) {
-        double w = weight(largest, LIVE, exponent);
-        whole = isfinite(w) && w <= max_weight;
-    }
-    for (Py_ssize_t i = 0; !whole && i < n; i++) {
-        if (!(p[i] >= 0.0) || !isfinite(p[i])) {
-            bad = i;
-            break;
-        }
+    double top = weight(largest, LIVE, exponent);
+    int every_weight_passes = exponent >= 0.0 && isfinite(top) && top <= max_weight;
+    for (Py_ssize_t i = 0; bad < 0 && !every_weight_passes && i < n; i++) {
         double w = weight(p[i], LIVE, exponent);
-        if (!isfinite(w) || !(w <= max_weight)) {
+        if (!isfinite(w) || !(w <= max_weight))
             bad = i;
-            break;
-        }
     }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&b);
