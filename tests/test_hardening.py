@@ -929,25 +929,32 @@ def test_fuzz_the_server_decodes_generated_documents_in_bounded_memory(tmp_path)
 def _traced_peak(fn, *args) -> int:
     """Bytes ``fn(*args)`` allocated at its peak (Python allocators, msgpack's included).
 
-    Measured on a second call while the first one's result is alive: msgpack interns
+    Measured on later calls while the first one's result is alive: msgpack interns
     map keys, and a first call may grow (or shrink and regrow) the interpreter's
     table of interned strings, by an amount that depends on what ran before; the
     figure, and hypothesis's replay of a failure, would not be reproducible.  So the
     figure leaves out new map keys' strings (it underestimates maps with many
-    distinct keys, by their keys' size)."""
+    distinct keys, by their keys' size).  It is the smaller of two measured calls:
+    a process-wide table (of interned strings, or a free list) can still grow during
+    one of them, by an amount set by the tests that ran before in the process
+    (5.2 MB once, against the 1.3 MB of the document's own decoding), and it grows
+    once where the document's cost recurs."""
     try:
         first = fn(*args)
     except TensorShareError:  # a refusal is fine; what it cost until then counts
         first = None
-    tracemalloc.reset_peak()
-    start = tracemalloc.get_traced_memory()[0]
-    try:
-        result = fn(*args)
-    except TensorShareError:
-        result = None
-    peak = tracemalloc.get_traced_memory()[1]
-    del result, first
-    return peak - start
+    peaks = []
+    for _ in range(2):
+        tracemalloc.reset_peak()
+        start = tracemalloc.get_traced_memory()[0]
+        try:
+            result = fn(*args)
+        except TensorShareError:
+            result = None
+        peaks.append(tracemalloc.get_traced_memory()[1] - start)
+        del result
+    del first
+    return min(peaks)
 
 
 def test_fuzz_the_client_decodes_generated_documents_in_bounded_memory():
