@@ -19,8 +19,8 @@ def dev():
     return module
 
 
-def test_the_suite_runs_a_module_per_process_on_two_to_four_cpus(dev, monkeypatch):
-    for cpus, workers in ((2, "2"), (3, "3"), (16, "4")):
+def test_the_suite_runs_a_module_per_process_one_more_than_the_cpus_at_most_four(dev, monkeypatch):
+    for cpus, workers in ((2, "3"), (3, "4"), (16, "4")):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
         assert dev.parallel([]) == ["-n", workers, "--dist", "loadfile", "--no-loadscope-reorder"]
         assert dev.parallel(["tests/test_wire.py", "-x"])[:2] == ["-n", workers]
