@@ -716,6 +716,44 @@ def test_compiled_sum_tree_answers_as_numpy_does_over_many_chunks(block, exponen
 
 
 @needs_loops
+@pytest.mark.parametrize("capacity, block", [(20_011, 32), (1_000, 3), (64, 32), (7, 4)])
+def test_compiled_age_trees_after_ring_inserts_match_numpy_and_a_rebuild(capacity, block):
+    """A ring buffer's inserts (runs of slots given new keys rising with the slot: one
+    slot, a few blocks, up to the capacity's end, the whole table) with rows dying
+    around them: the oldest-first and newest-first trees the compiled loop leaves are
+    numpy's, and a rebuild's from the rows."""
+    selectors = sys.modules[f"{_NAME}.selectors"]
+    rng, state = np.random.default_rng(11), Slots(capacity)
+    trees = {}
+    for by in ("oldest", "newest"):
+        fast, slow = selectors.OrderIndex(state, by, block=block), selectors.OrderIndex(state, by, block=block)
+        slow.tree.aged = None  # numpy's path
+        trees[by] = fast, slow
+    seq = 0
+    for round_ in range(60):
+        first = 0 if round_ % 10 == 0 else int(rng.integers(0, capacity))
+        stop = capacity if round_ % 10 in (0, 1) else int(rng.integers(first + 1, min(capacity, first + 3_000) + 1))
+        slots = np.arange(first, stop, dtype=np.int64)
+        state.key[slots] = (seq + np.arange(slots.size)) * capacity + slots
+        state.flags[slots] = 1
+        seq += slots.size
+        dying = rng.choice(capacity, min(capacity, 5), replace=False)
+        dying = dying[(dying < first) | (dying >= stop)]
+        state.flags[dying] = 0
+        for by, (fast, slow) in trees.items():
+            for index in (fast, slow):
+                index.removed(dying)
+                index.added(slots)
+            assert np.array_equal(fast.tree.tree, slow.tree.tree), (by, round_, first, stop)
+    for by, (fast, _) in trees.items():
+        rebuilt = fast.tree.tree.copy()
+        fast.tree.rebuild()
+        assert np.array_equal(rebuilt, fast.tree.tree), by
+        live = np.flatnonzero(state.flags & 1)
+        assert fast.first(1)[0] == live[np.argmin(state.key[live] if by == "oldest" else -state.key[live])]
+
+
+@needs_loops
 def test_compiled_sum_tree_refuses_wrong_arrays():
     """Wrong dtypes, short arrays or a block past the tree raise, and write nothing."""
     loops, tree = LOOPS, np.zeros(8)
@@ -741,6 +779,18 @@ def test_compiled_sum_tree_refuses_wrong_arrays():
     with pytest.raises(TypeError, match="priorities"):
         loops.first_bad(np.ones(2, np.float32), 1.0, 10.0)
     assert not counts.any()
+    ages, key = np.full(8, -1, np.int64), np.arange(16, dtype=np.int64)
+    with pytest.raises(IndexError, match="not a run"):
+        loops.filled_run(ages, 2, key, flags, 4, 16, 3, 17, False)
+    with pytest.raises(IndexError, match="not a run"):
+        loops.filled_run(ages, 2, key, flags, 4, 16, 5, 5, False)
+    with pytest.raises(ValueError, match="out of range"):  # 4 leaves of 4 slots hold 16, not 17
+        loops.filled_run(ages, 2, np.arange(17), np.ones(17, np.uint8), 4, 17, 0, 1, False)
+    with pytest.raises(ValueError, match="key"):
+        loops.filled_run(ages, 2, key[:8], flags, 4, 16, 0, 1, False)
+    with pytest.raises(TypeError, match="tree"):
+        loops.filled_run(np.zeros(8, np.int32), 2, key, flags, 4, 16, 0, 1, False)
+    assert (ages == -1).all()
 
 
 def _both_paths(monkeypatch, run):

@@ -1,7 +1,8 @@
 /* The tables' hot loops, compiled (compiled.py says whether they were built): a search of
  * the sum tree for a batch of targets, the refresh of the blocks a batch of priority updates
- * touched, the same refresh for the lowest-priority remover's argmin tree (mintree.py), the
- * check of a batch of priorities, the count of a sample's rows, and the slots of a batch of keys.
+ * touched, the same refresh for the lowest-priority remover's argmin tree (mintree.py), an age
+ * order's argmin tree after a ring buffer's insert, the check of a batch of priorities, the
+ * count of a sample's rows, and the slots of a batch of keys.
  *
  * The same arithmetic as sumtree.py's numpy path (which stays the reference, and the
  * fallback where this does not build): a slot's weight is priority ** exponent when
@@ -446,6 +447,78 @@ fail:
     return NULL;
 }
 
+/* Of two slots of an age order's tree (-1: none), the one first in the order: the lower key,
+ * or with ``newest`` the higher (keys are distinct); ``a`` when neither is first. */
+static inline int64_t first_in_age(int64_t a, int64_t b, const int64_t *key, int newest) {
+    if (b < 0)
+        return a;
+    if (a < 0)
+        return b;
+    return (newest ? key[a] >= key[b] : key[a] <= key[b]) ? a : b;
+}
+
+PyDoc_STRVAR(filled_run_doc,
+"filled_run(tree, depth, key, flags, block, capacity, first, stop, newest)\n\n"
+"An age order's argmin tree (int64 slots, -1: none; the oldest row first, or the newest\n"
+"with ``newest``) after slots ``first`` to ``stop`` (exclusive) were all given rows whose\n"
+"keys rise with the slot (a ring buffer's insert).  A node whose slots all lie in the run\n"
+"holds its first slot (its last, newest first); at most two nodes a level cover the run in\n"
+"part: a leaf's from the live slots of its block, a node's above from its two children.");
+
+static PyObject *filled_run(PyObject *self, PyObject *args) {
+    Py_buffer b[3] = {{0}};  /* tree, key, flags */
+    int depth, newest;
+    Py_ssize_t block, capacity, first, stop;
+    if (!PyArg_ParseTuple(args, "w*iy*y*nnnnp", &b[0], &depth, &b[1], &b[2], &block, &capacity, &first, &stop,
+                          &newest))
+        goto fail;
+    if (depth < 0 || depth > 40 || block < 1 || capacity < 1 || capacity > block * ((Py_ssize_t)1 << depth)) {
+        PyErr_Format(PyExc_ValueError, "depth %d, block %zd, capacity %zd: out of range", depth, block, capacity);
+        goto fail;
+    }
+    if (first < 0 || stop <= first || stop > capacity) {
+        PyErr_Format(PyExc_IndexError, "slots %zd to %zd are not a run in [0, %zd)", first, stop, capacity);
+        goto fail;
+    }
+    if (!check(&b[0], 8, (Py_ssize_t)2 << depth, "tree") || !check(&b[1], 8, capacity, "key")
+        || !check(&b[2], 1, capacity, "flags"))
+        goto fail;
+    int64_t *tree = b[0].buf;
+    const int64_t *key = b[1].buf;
+    const uint8_t *flags = b[2].buf;
+    Py_ssize_t leaves = (Py_ssize_t)1 << depth, base = leaves, width = block;
+    Py_ssize_t low = first / block, high = (stop - 1) / block;  /* the level's nodes the run touches */
+    for (;;) {
+        Py_ssize_t full_low = (first + width - 1) / width;
+        Py_ssize_t full_high = stop == capacity ? high : stop / width - 1;  /* (the last node may be short) */
+        for (Py_ssize_t i = full_low; i <= full_high; i++)
+            tree[base + i] = newest ? (((i + 1) * width < capacity ? (i + 1) * width : capacity) - 1) : i * width;
+        for (int end = 0; end < 2; end++) {  /* the nodes the run covers in part: its first, its last */
+            Py_ssize_t i = end ? high : low;
+            if ((end && high == low) || (i >= full_low && i <= full_high))
+                continue;
+            if (base == leaves) {
+                Py_ssize_t s = i * block, until = s + block < capacity ? s + block : capacity;
+                int64_t best = -1;
+                for (; s < until; s++)
+                    if (flags[s] & LIVE)
+                        best = first_in_age(best, s, key, newest);
+                tree[base + i] = best;
+            } else {
+                tree[base + i] = first_in_age(tree[2 * (base + i)], tree[2 * (base + i) + 1], key, newest);
+            }
+        }
+        if (base == 1)
+            break;
+        base >>= 1, width <<= 1, low >>= 1, high >>= 1;
+    }
+    release(b, 3);
+    Py_RETURN_NONE;
+fail:
+    release(b, 3);
+    return NULL;
+}
+
 PyDoc_STRVAR(first_bad_doc,
 "first_bad(priorities, exponent, max_weight) -> int\n\n"
 "The index of the first of ``priorities`` (float64) that is not a finite number >= 0, else\n"
@@ -567,6 +640,7 @@ static PyMethodDef methods[] = {
     {"find", find, METH_VARARGS, find_doc},
     {"refresh", refresh, METH_VARARGS, refresh_doc},
     {"refresh_lowest", refresh_lowest, METH_VARARGS, refresh_lowest_doc},
+    {"filled_run", filled_run, METH_VARARGS, filled_run_doc},
     {"first_bad", first_bad, METH_VARARGS, first_bad_doc},
     {"count", count, METH_VARARGS, count_doc},
     {NULL, NULL, 0, NULL},

@@ -28,7 +28,7 @@ import numpy as np
 
 from .errors import PriorityError, TableSpecError
 from .blocks import in_memory
-from .mintree import INT_EMPTY, MinTree
+from .mintree import BLOCK, INT_EMPTY, MinTree
 from .slots import LIVE, Slots, runs
 from .sumtree import Powers, SumTree
 
@@ -58,7 +58,7 @@ class OrderIndex(_Index):
     """The rows in one order, kept in a :class:`MinTree`: ``"oldest"`` first,
     ``"newest"`` first, or ``"lowest_priority"`` first (then oldest)."""
 
-    def __init__(self, slots: Slots, by: str, arrays=in_memory):
+    def __init__(self, slots: Slots, by: str, arrays=in_memory, block: int = BLOCK):
         self.slots = slots
         self.by = by
         key, priority = slots.key, slots.priority
@@ -70,9 +70,10 @@ class OrderIndex(_Index):
             one = (lambda slot: int(key[slot])) if by == "oldest" else (lambda slot: -int(key[slot]))
             sign = 1 if by == "oldest" else -1
             held = lambda held_slots: (sign * key[held_slots], None)  # noqa: E731  (keys are distinct: no ties)
-        self.tree = MinTree(slots.capacity, order, empty, order_one=one, arrays=arrays, name=f"tree_{by}",
-                            distinct=by != "lowest_priority", held_order=held,
-                            lowest=slots if by == "lowest_priority" else None)
+        self.tree = MinTree(slots.capacity, order, empty, block=block, order_one=one, arrays=arrays,
+                            name=f"tree_{by}", distinct=by != "lowest_priority", held_order=held,
+                            lowest=slots if by == "lowest_priority" else None,
+                            aged=None if by == "lowest_priority" else slots)
 
     def _by_age(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         keys = self.slots.key[slots]
