@@ -118,8 +118,8 @@ def _become_server(request: dict, fds: list[int]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    sys.path[0] = request["cwd"]
     sys.path.remove(os.path.dirname(os.path.abspath(__file__)))  # (put there to import this module)
+    sys.path[0] = request["cwd"]  # (after: the test's directory may be that one, as python -m puts it first)
     sys.argv = [_SERVER, *request["args"]]
     placeholder = sys.modules.pop(_REACTOR)
     import twisted.internet
@@ -241,7 +241,7 @@ class ForkServer:
                     if not self.replied.wait_for(lambda: self.replies, 30):
                         raise RuntimeError("the fork server did not answer a start")
                     pid = self.replies.pop(0)["pid"]
-                    child = ForkedProcess([_SERVER, *args], pid, open(out_r, encoding=None),
+                    child = ForkedProcess([_SERVER, *args], pid, open(out_r),
                                           None if err_r is None else open(err_r))
                     if pid in self.exits:
                         child._ended(self.exits.pop(pid))
