@@ -33,14 +33,14 @@ from tensorshare_server.config import ServerConfig
 from tensorshare_server.net.service import TensorShareFactory
 from tensorshare_server.protocol.session import ServerSession
 from tensorshare_server.root import build_state
+from wiretools import OutboxBase
 
 
-class Outbox:
+class Outbox(OutboxBase):
     """A session's outbox that keeps the bytes of every frame queued."""
 
     def __init__(self):
-        self.congested = False
-        self.closed = False
+        super().__init__()
         self.data = bytearray()
 
     def send(self, parts, on_abandon=None, on_written=None):
@@ -49,18 +49,6 @@ class Outbox:
         if on_written is not None:
             on_written()
         return None
-
-    def send_reply(self, parts, on_abandon=None, on_written=None) -> None:
-        self.send(parts, on_abandon, on_written)
-
-    def reply(self, data) -> None:
-        self.send([data])
-
-    def withdraw(self, ticket) -> bool:
-        return False
-
-    def close(self) -> None:
-        self.closed = True
 
 
 class HeldJobs:

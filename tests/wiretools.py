@@ -89,26 +89,17 @@ def raw_frame(rid, op, name=None, value=None, tag=None, extra=None) -> bytes:
     return b"".join(bytes(p) for p in parts)
 
 
-class CollectingOutbox:
-    """A session's outbox for sans-IO tests: keeps every frame it is given, decoded.
-
+class OutboxBase:
+    """What a session's outbox does besides keeping what it is sent (:meth:`send`):
+    replies go the same way, nothing is ever withdrawn, closing is noted.
     ``congested`` is what the flow-control tests set by hand; the others leave it off."""
 
     def __init__(self):
         self.congested = False
         self.closed = False
-        self.frames: list = []
-        self._decoder = FrameDecoder()
-
-    @property
-    def headers(self) -> list[dict]:
-        return [frame.header for frame in self.frames]
 
     def send(self, parts, on_abandon=None, on_written=None):
-        self.frames.extend(self._decoder.feed(b"".join(bytes(p) for p in parts)))
-        if on_written is not None:
-            on_written()
-        return None
+        raise NotImplementedError
 
     def send_reply(self, parts, on_abandon=None, on_written=None) -> None:
         self.send(parts, on_abandon, on_written)
@@ -121,6 +112,25 @@ class CollectingOutbox:
 
     def close(self) -> None:
         self.closed = True
+
+
+class CollectingOutbox(OutboxBase):
+    """A session's outbox for sans-IO tests: keeps every frame it is given, decoded."""
+
+    def __init__(self):
+        super().__init__()
+        self.frames: list = []
+        self._decoder = FrameDecoder()
+
+    @property
+    def headers(self) -> list[dict]:
+        return [frame.header for frame in self.frames]
+
+    def send(self, parts, on_abandon=None, on_written=None):
+        self.frames.extend(self._decoder.feed(b"".join(bytes(p) for p in parts)))
+        if on_written is not None:
+            on_written()
+        return None
 
 
 class StrictTransport:
