@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import itertools
 import struct
 
 import pytest
@@ -20,13 +21,16 @@ import torch
 
 from pairing import Pair
 from tensorshare._client.connection import NO_VALUE, bin_request, request_frame
+from tensorshare.errors import UsageError
 from tensorshare.protocol.messages import APPEND, GET, PEEK, PUT
+from tensorshare.protocol.prepared import ref_fields
 from tensorshare.wire.codec import small_lone
 from tensorshare.wire.frames import FrameDecoder, SegmentSink, frame_head, unpack_header
 from tensorshare.wire.heads import KnownHeads, request_head
 from tensorshare_server.protocol.known import KnownRequests
 
 _VALUE = torch.arange(16, dtype=torch.float32)
+_NEW_TAGS = itertools.count(1000)  # (a tag no request of a test had before)
 
 
 def _joined(parts: list) -> bytes:
@@ -39,7 +43,8 @@ def _decoded(data: bytes) -> list[tuple[dict, bytes]]:
 
 
 def _prepared(rid: int, command, name: str, value=NO_VALUE, ref: tuple | None = None) -> bytes:
-    return _joined(bin_request(rid, command, name, NO_VALUE if value is NO_VALUE else small_lone(value), None, ref))
+    return _joined(bin_request(rid, command, name, NO_VALUE if value is NO_VALUE else small_lone(value), None,
+                               ref_fields(ref)))
 
 
 def _general(rid: int, command, name: str, value=NO_VALUE, ref: tuple | None = None) -> bytes:
@@ -68,16 +73,57 @@ def test_a_prepared_request_is_the_general_request(rid, command, value, ref):
 def test_request_frame_makes_a_bin_request_from_its_prepared_head(command, value, ref):
     """Every client's requests are made by request_frame: one naming a bin alone
     (and the areas a read asks references to) is the prepared request, its value
-    encoded or not; one with any other field is not."""
+    encoded or not; one with any other field is not (a tag: below)."""
     fields = {"bin": "héads"} if ref is None else {"bin": "héads", "ref": list(ref)}
     for given in ([] if value is NO_VALUE else [value, small_lone(value)]) or [NO_VALUE]:
         assert _joined(request_frame(9, command, fields, given)) == _prepared(9, command, "héads", value, ref)
-    tagged = _joined(request_frame(9, PUT, {"bin": "héads", "tag": 3}, _VALUE))
-    assert list(_decoded(tagged)[0][0])[0] == "op"  # (the general layout)
+    tagged = _joined(request_frame(9, PUT, {"bin": "héads", "tag": next(_NEW_TAGS)}, _VALUE))
+    assert list(_decoded(tagged)[0][0])[0] == "op"  # (a tag new here: the general layout)
     few = {"obs": torch.ones(3), "step": 4}  # (a value of several parts: from a head too)
     assert list(_decoded(_joined(request_frame(9, PUT, {"bin": "héads"}, few)))[0][0])[0] == "id"
     many = {f"part-{i}": torch.ones(1) for i in range(64)}  # (a long description: not kept in a head)
     assert list(_decoded(_joined(request_frame(9, PUT, {"bin": "héads"}, many)))[0][0])[0] == "op"
+
+
+@pytest.mark.parametrize("fields", [{"bin": "tagged-héads", "tag": 2**63 - 1},
+                                    {"bin": "tagged-héads", "tag": -3, "below": 256, "wait": 60.0}])
+def test_scalar_fields_that_come_again_go_out_from_a_prepared_head(fields):
+    """A request's scalar fields (an item's tag; an RL worker's tag, bound and wait)
+    are held in a head once the same ones come twice in a row for the same request;
+    a tag that changes each time, or one out of range, stays in the general layout
+    (the latter refused as before)."""
+    first, again, third = (_joined(request_frame(rid, APPEND, fields, _VALUE)) for rid in (3, 4, 5))
+    assert list(_decoded(first)[0][0])[0] == "op" and list(_decoded(again)[0][0])[0] == "id"
+    assert _decoded(again)[0] == ({**_decoded(first)[0][0], "id": 4}, _VALUE.numpy().tobytes())
+    assert third == again.replace((4).to_bytes(8, "big"), (5).to_bytes(8, "big"), 1)  # (the same head)
+    counting = [_joined(request_frame(rid, APPEND, {**fields, "tag": rid}, _VALUE)) for rid in range(9)]
+    assert all(list(_decoded(frame)[0][0])[0] == "op" for frame in counting)
+    assert _decoded(counting[-1])[0][0] == {**fields, "tag": 8, "op": "APPEND", "id": 8,
+                                            "value": small_lone(_VALUE).description}
+    for bad in (2**63, True, 1.0):
+        with pytest.raises(UsageError, match="tag must be"):
+            request_frame(6, APPEND, {"bin": "tagged-héads", "tag": bad}, _VALUE)
+
+
+def test_a_session_serves_a_tagged_head_as_the_general_request():
+    tags = [(1, 7), (2, 7), (3, 7), (4, 8), (5, 8), (6, 8)]
+    made = [_joined(request_frame(rid, APPEND, {"bin": "t", "tag": tag}, _VALUE)) for rid, tag in tags]
+    assert [list(_decoded(frame)[0][0])[0] for frame in made] == ["op", "id", "id", "op", "id", "id"]
+    enc = small_lone(_VALUE)
+    general = [_joined([frame_head({**APPEND.request(rid, {"bin": "t", "tag": tag}), "value": enc.description},
+                                   enc.nbytes), *enc.buffers]) for rid, tag in tags]
+    answers, known = [], []
+    for frames in (made, general):
+        pair = Pair()
+        pair.outbox.data.clear()
+        for frame in frames:  # (a read at a time: a head is looked up where a read starts)
+            pair.send(frame)
+        pair.send(frame_head(PEEK.request(7, {"bin": "t", "tags": True}), 0))
+        answers.append(bytes(pair.outbox.data))
+        known.append(_known(pair))
+    assert answers[0] == answers[1] and known == [2, 0]  # (a head a tag)
+    frames = FrameDecoder(lambda h, n: SegmentSink(n)).feed(answers[0])
+    assert [f.header["code"] for f in frames] == [250] * 6 + [226] and frames[-1].header["tags"] == [7, 7, 7, 8, 8, 8]
 
 
 def _stream(make) -> bytes:

@@ -19,6 +19,7 @@ from ..errors import ProtocolError, TooLargeError, ZeroCopyError
 from ..protocol.items import item_table
 from ..protocol.messages import ITEMS, Command, Key
 from ..protocol.prepared import bin_alone, bin_head
+from ..protocol.schema import check_tag
 from ..wire.build import build_item
 from ..wire.codec import Encoded, empty_payload, encode
 from ..wire.description import DEFAULT_LIMITS, DecodeLimits
@@ -129,9 +130,11 @@ _checked_names: set = set()  # bin names already found valid (programs reuse a f
 
 def check_fields(command: Command, fields: dict) -> None:
     """Raise :class:`UsageError` for a bin name or tag the server would refuse (bin
-    names already found valid are remembered: programs reuse a few)."""
+    names already found valid are remembered: programs reuse a few; a tag, which
+    changes from call to call, is checked alone, not with every field of the verb)."""
     name = fields.get(Key.BIN)
-    if Key.BIN in fields and (type(name) is not str or name not in _checked_names) or Key.TAG in fields:
+    if (Key.BIN in fields and (type(name) is not str or name not in _checked_names)
+            or Key.TAG in fields and check_tag(fields[Key.TAG]) is not None):
         command.check_arguments(fields)
         if type(name) is str:
             if len(_checked_names) >= 4096:
@@ -163,7 +166,7 @@ def request_frame(rid: int, command: Command, fields: dict | None = None, value:
             if value is not NO_VALUE and type(value) is not Encoded:
                 value = encode(value)
             if value is NO_VALUE or value.engine is None:
-                return bin_request(rid, command, alone[0], value, max_payload, alone[1])
+                return bin_request(rid, command, alone[0], value, max_payload, alone[1], fields)
     return _mapped(rid, command, fields, value, max_payload)
 
 
@@ -186,18 +189,22 @@ def _mapped(rid: int, command: Command, fields: dict | None, value: Any, max_pay
 
 
 def bin_request(rid: int, command: Command, name: str, value: Any = NO_VALUE, max_payload: int | None = None,
-                ref: tuple | None = None) -> list:
-    """:func:`request_frame` of ``command`` with no field but the bin ``name`` (and
-    ``ref``, the shared areas a read asks references to, where not None) and
+                extra: tuple = (), fields: dict | None = None) -> list:
+    """:func:`request_frame` of ``command`` with no field but the bin ``name`` and
+    ``extra`` (:func:`~tensorshare.protocol.prepared.bin_alone`'s: the shared areas a
+    read asks references to, scalars; ``fields``: all of them as a map, if at hand) and
     ``value`` (NO_VALUE, or an :class:`Encoded` on the CPU), its head from a template
     prepared per verb, bin, areas and value layout
     (:func:`~tensorshare.protocol.prepared.bin_head`): one ``struct.pack`` instead of a
     map built and packed; the same checks, before anything is sent."""
     description = None if value is NO_VALUE else value.description
-    head = bin_head(command, name, ref, description, 0 if description is None else value.nbytes, check_fields)
-    if head is None:  # (a value description too long to keep a head of)
-        return _mapped(rid, command, {Key.BIN: name} if ref is None else {Key.BIN: name, Key.REF: list(ref)},
-                       value, max_payload)
+    head = bin_head(command, name, extra, description, 0 if description is None else value.nbytes, check_fields)
+    if head is None:  # (a value description too long to keep a head of, or fields new here)
+        if fields is None:
+            fields = {Key.BIN: name}
+            for key, kind, held in extra:
+                fields[key] = list(held) if kind is tuple else held
+        return _mapped(rid, command, fields, value, max_payload)
     if description is None:
         return [head(rid)]
     if max_payload is not None:

@@ -43,6 +43,7 @@ from ..errors import TimeoutError
 from ..protocol.engine import next_request_id
 from ..protocol.items import item_table
 from ..protocol.messages import ITEMS, Key, ZeroCopy
+from ..protocol.prepared import ref_fields
 from ..wire.build import lone_copy
 from ..wire.codec import small_lone
 from ..wire.frames import whole_frames
@@ -115,7 +116,8 @@ class Express:
         try:
             rid = next_request_id()
             if fields is not None and len(fields) == 1 and type(fields.get(Key.BIN)) is str:  # (the usual call)
-                data = bin_request(rid, command, fields[Key.BIN], value, engine.greeting.get(Key.MAX_FRAME), ref)
+                data = bin_request(rid, command, fields[Key.BIN], value, engine.greeting.get(Key.MAX_FRAME),
+                                   ref_fields(ref))
             else:
                 data = request_frame(rid, command, sent_fields, value, engine.greeting.get(Key.MAX_FRAME))
             data = data[0] if len(data) == 1 else b"".join(data)
