@@ -306,6 +306,17 @@ def _numpy_scalar(obj: np.generic) -> msgpack.ExtType:
 
 
 def _torch_bytes(t: torch.Tensor) -> tuple[int, str, list[int], memoryview]:
+    # The usual tensor in one torch call, as small_lone's: numpy() refuses whatever the
+    # checks below must resolve or refuse (another device, autograd, conjugate or negative
+    # bits, other layouts, dtypes without a numpy twin); the rest is asked of its array.
+    try:
+        array = t.numpy()
+    except (TypeError, RuntimeError):
+        pass
+    else:
+        name = _NUMPY_TWIN_NAMES.get(array.dtype)
+        if name is not None and array.size and array.ndim <= MAX_DIMS and array.flags.c_contiguous:
+            return KIND_TORCH, name, list(array.shape), memoryview(array).cast("B")
     name = TORCH_NAMES.get(t.dtype)
     if name is None:
         raise EncodeError(f"tensor dtype {t.dtype} has no fixed-width wire form")
