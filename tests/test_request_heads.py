@@ -178,6 +178,26 @@ def test_requests_of_a_known_head_are_served_from_it(monkeypatch):
     assert [(f.header["id"], f.header["seq"]) for f in frames] == [(6, 5), (7, 5)]
 
 
+@pytest.mark.parametrize("split", [1500, 2500])
+def test_requests_after_one_split_across_reads_are_still_served_from_known_heads(split, monkeypatch):
+    """Pipelined requests whose reads end inside a payload: the decoder ends that
+    request, and those after it in the read are served from their known head again
+    (before, every later read of the stream went through the decoder)."""
+    value = torch.arange(200, dtype=torch.float32)  # (frames of 923 bytes: reads end inside them)
+    stream = b"".join(_prepared(rid, APPEND, "s", value) for rid in range(1, 41))
+    general = b"".join(_general(rid, APPEND, "s", value) for rid in range(1, 41))
+    read, served = KnownRequests.read, []
+    monkeypatch.setattr(KnownRequests, "read", lambda self, data, pos=0: served.append(found := read(self, data, pos))
+                        or found)
+    answered, pair = _answers(stream, split)
+    hits = sum(found is not None for found in served)
+    assert answered == _answers(general, split)[0]
+    assert hits >= 12  # (16 and 25 of the 40; the decoder alone took all but 1 or 2 of them before)
+    assert pair.session._decoder.idle
+    frames = FrameDecoder(lambda h, n: SegmentSink(n)).feed(answered)
+    assert [f.header["id"] for f in frames] == list(range(1, 41)) and {f.header["code"] for f in frames} == {250}
+
+
 def _general_read(pair: Pair, data: bytes):
     """What the general way makes of the one whole request in ``data``: (verb, id,
     field values, payload length), or None where it refuses it."""

@@ -169,12 +169,23 @@ class ServerSession:
         self.timing.heard = True
         self.stats.bytes_in += len(data)
         decoder = self._decoder
+        start = 0
+        rest = decoder.payload_remaining
+        if 0 < rest < len(data) and self.login is None and self.stream is None:
+            # Pipelined requests split across reads: the decoder ends the one an
+            # earlier read began, and those after it are taken as below (else every
+            # later read of the stream went through the decoder).
+            self._take(decoder.feed(memoryview(data)[:rest]))
+            if not self._serving or self._failure is not None:
+                return 0
+            start = rest
         if self.login is None and decoder.idle and self.stream is None and self.storage.room():
             # The usual read: whole small requests, each parsed in one step here
             # (a head known before, else frames.whole_frames); the decoder takes
             # whatever follows them.
-            known = self._take_known(data) if data[ID_ENTRY_AT:_ID_ENTRY_END] == ID_ENTRY else 0
-            if known and (known == len(data) or not self._serving):
+            at = start + ID_ENTRY_AT
+            known = self._take_known(data, start) if data[at:at + _ID_ENTRY_END - ID_ENTRY_AT] == ID_ENTRY else start
+            if known > start and (known == len(data) or not self._serving):
                 return 0
             whole, end = whole_frames(data, decoder.limits, known)
             if whole:
@@ -341,12 +352,11 @@ class ServerSession:
         if holding.answering is not None or holding.backlog:
             self._work()
 
-    def _take_known(self, data: bytes) -> int:
-        """Serve the whole requests at the start of ``data`` whose heads are known
+    def _take_known(self, data: bytes, pos: int = 0) -> int:
+        """Serve the whole requests from ``pos`` of ``data`` on whose heads are known
         (:mod:`.known`: the same bytes but for the id as a request accepted before),
         while nothing holds requests back; returns where the first other one starts."""
         heads, holding, outbox = self._heads, self.holding, self.outbox
-        pos = 0
         while not (self.closed or outbox.congested or holding.answering is not None or holding.backlog):
             known = heads.read(data, pos)
             if known is None:
