@@ -92,6 +92,7 @@ def test_scalar_fields_that_come_again_go_out_from_a_prepared_head(fields):
     are held in a head once the same ones come twice in a row for the same request;
     a tag that changes each time, or one out of range, stays in the general layout
     (the latter refused as before)."""
+    fields = {**fields, "bin": f"tagged-héads-{next(_NEW_TAGS)}"}  # (a request no test made before)
     first, again, third = (_joined(request_frame(rid, APPEND, fields, _VALUE)) for rid in (3, 4, 5))
     assert list(_decoded(first)[0][0])[0] == "op" and list(_decoded(again)[0][0])[0] == "id"
     assert _decoded(again)[0] == ({**_decoded(first)[0][0], "id": 4}, _VALUE.numpy().tobytes())
@@ -106,11 +107,11 @@ def test_scalar_fields_that_come_again_go_out_from_a_prepared_head(fields):
 
 
 def test_a_session_serves_a_tagged_head_as_the_general_request():
-    tags = [(1, 7), (2, 7), (3, 7), (4, 8), (5, 8), (6, 8)]
-    made = [_joined(request_frame(rid, APPEND, {"bin": "t", "tag": tag}, _VALUE)) for rid, tag in tags]
+    tags, name = [(1, 7), (2, 7), (3, 7), (4, 8), (5, 8), (6, 8)], f"t-{next(_NEW_TAGS)}"
+    made = [_joined(request_frame(rid, APPEND, {"bin": name, "tag": tag}, _VALUE)) for rid, tag in tags]
     assert [list(_decoded(frame)[0][0])[0] for frame in made] == ["op", "id", "id", "op", "id", "id"]
     enc = small_lone(_VALUE)
-    general = [_joined([frame_head({**APPEND.request(rid, {"bin": "t", "tag": tag}), "value": enc.description},
+    general = [_joined([frame_head({**APPEND.request(rid, {"bin": name, "tag": tag}), "value": enc.description},
                                    enc.nbytes), *enc.buffers]) for rid, tag in tags]
     answers, known = [], []
     for frames in (made, general):
@@ -118,7 +119,7 @@ def test_a_session_serves_a_tagged_head_as_the_general_request():
         pair.outbox.data.clear()
         for frame in frames:  # (a read at a time: a head is looked up where a read starts)
             pair.send(frame)
-        pair.send(frame_head(PEEK.request(7, {"bin": "t", "tags": True}), 0))
+        pair.send(frame_head(PEEK.request(7, {"bin": name, "tags": True}), 0))
         answers.append(bytes(pair.outbox.data))
         known.append(_known(pair))
     assert answers[0] == answers[1] and known == [2, 0]  # (a head a tag)
@@ -328,7 +329,7 @@ def test_known_heads_are_bounded():
 def test_a_relays_forwarded_requests_go_out_from_prepared_heads():
     """A relay forwards a request upstream as it came (frame_of, a RawValue): one
     naming a bin alone is the prepared request, which the upstream serves from the
-    head it learned; one with another field keeps the general layout."""
+    head it learned; one with a scalar field too, once the same comes again."""
     from tensorshare.protocol.engine import Call, RawValue, frame_of
 
     enc = small_lone(_VALUE)
@@ -340,5 +341,7 @@ def test_a_relays_forwarded_requests_go_out_from_prepared_heads():
     assert answer == _answers(b"".join(_general(rid, command, "a", *value) for rid, command, value in (
         (1, PUT, [_VALUE]), (2, PUT, [_VALUE]), (3, PEEK, []), (4, PEEK, []))))[0]
     assert _known(pair) == 2
-    tagged = _joined(frame_of(Call(5, PEEK, {"bin": "a", "tags": True})))
-    assert list(_decoded(tagged)[0][0])[0] == "op"
+    fields = {"bin": f"a-{next(_NEW_TAGS)}", "tags": True}  # (a request no test made before)
+    tagged = [_joined(frame_of(Call(rid, PEEK, fields))) for rid in (5, 6)]
+    assert [list(_decoded(frame)[0][0])[0] for frame in tagged] == ["op", "id"]  # (a scalar: once it comes again)
+    assert _decoded(tagged[1])[0][0] == {**_decoded(tagged[0])[0][0], "id": 6}
