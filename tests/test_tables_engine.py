@@ -793,6 +793,53 @@ def test_compiled_sum_tree_refuses_wrong_arrays():
     assert (ages == -1).all()
 
 
+@needs_loops
+def test_compiled_stream_copy_copies_exactly_and_refuses_what_it_cannot_write():
+    """The copy around the caches: every length (the 64-byte loop, an unaligned head, the
+    tail) at every alignment of each side, nothing written outside ``dst``."""
+    rng = np.random.default_rng(5)
+    for n in (0, 1, 15, 16, 63, 64, 65, 127, 1000, 4103, 300_001):
+        for at in (0, 1, 7, 16, 33):
+            src = rng.integers(0, 256, n + 8, dtype=np.uint8)[at % 8:at % 8 + n]
+            around = np.zeros(n + 64, np.uint8)
+            LOOPS.stream_copy(around[at:at + n], src)
+            assert np.array_equal(around[at:at + n], src) and not around[:at].any() and not around[at + n:].any()
+    with pytest.raises(ValueError, match="4 bytes into 3"):
+        LOOPS.stream_copy(np.zeros(3, np.uint8), np.ones(4, np.uint8))
+    read_only = np.zeros(4, np.uint8)
+    read_only.flags.writeable = False
+    for dst in (read_only, np.zeros(8, np.uint8)[::2]):  # (nor into a strided view: it would write between)
+        with pytest.raises(TypeError):
+            LOOPS.stream_copy(dst, np.ones(4, np.uint8))
+    assert not read_only.any()
+
+
+@pytest.mark.parametrize("path", ["compiled", "numpy"])
+def test_large_batches_into_columns_in_memory_read_back_as_written(path, monkeypatch):
+    """Batches of more than STREAM_MIN bytes go into a table's columns in memory with the
+    compiled copy when their slots are a run, and the usual way across the ring's wrap."""
+    if path == "numpy":
+        monkeypatch.setattr(compiled, "loops", None)
+    elif LOOPS is None:
+        pytest.skip("the compiled loops are not built here")
+    rng = np.random.default_rng(6)
+    rows, capacity = 5_000, 12_000
+    table = Table(capacity, {"obs": ((14,), "float32"), "action": ((), "int64")}, remover="fifo")
+    assert rows * 56 >= sys.modules[f"{_NAME}.backing"].STREAM_MIN
+    held = {}
+    for _ in range(4):  # (the third batch wraps: two runs)
+        obs, action = rng.random((rows, 14), np.float32), rng.integers(0, 1 << 40, rows)
+        written = table.insert({"obs": obs, "action": action})
+        held.update(zip(written.keys.tolist(), zip(obs, action.tolist())))
+    keys = np.array(sorted(held)[-capacity:])
+    drawn = table.read(keys % capacity)  # (key = seq * capacity + slot)
+    assert drawn.keys.tolist() == keys.tolist()
+    got_obs = np.frombuffer(bytes(drawn.values["obs"].data), np.float32).reshape(-1, 14)
+    got_action = np.frombuffer(bytes(drawn.values["action"].data), np.int64)
+    assert np.array_equal(got_obs, np.stack([held[k][0] for k in keys.tolist()]))
+    assert got_action.tolist() == [held[k][1] for k in keys.tolist()]
+
+
 def _both_paths(monkeypatch, run):
     """``run()`` with the compiled loops, then with numpy's paths: each outcome, as a
     value or as the type and message of what it raised."""
