@@ -166,7 +166,7 @@ def request_frame(rid: int, command: Command, fields: dict | None = None, value:
             if value is not NO_VALUE and type(value) is not Encoded:
                 value = encode(value)
             if value is NO_VALUE or value.engine is None:
-                return bin_request(rid, command, alone[0], value, max_payload, alone[1], fields)
+                return bin_request(rid, command, alone[0], value, max_payload, alone[1])
     return _mapped(rid, command, fields, value, max_payload)
 
 
@@ -189,10 +189,10 @@ def _mapped(rid: int, command: Command, fields: dict | None, value: Any, max_pay
 
 
 def bin_request(rid: int, command: Command, name: str, value: Any = NO_VALUE, max_payload: int | None = None,
-                extra: tuple = (), fields: dict | None = None) -> list:
+                extra: tuple = ()) -> list:
     """:func:`request_frame` of ``command`` with no field but the bin ``name`` and
     ``extra`` (:func:`~tensorshare.protocol.prepared.bin_alone`'s: the shared areas a
-    read asks references to, scalars; ``fields``: all of them as a map, if at hand) and
+    read asks references to, scalars) and
     ``value`` (NO_VALUE, or an :class:`Encoded` on the CPU), its head from a template
     prepared per verb, bin, areas and value layout
     (:func:`~tensorshare.protocol.prepared.bin_head`): one ``struct.pack`` instead of a
@@ -200,10 +200,9 @@ def bin_request(rid: int, command: Command, name: str, value: Any = NO_VALUE, ma
     description = None if value is NO_VALUE else value.description
     head = bin_head(command, name, extra, description, 0 if description is None else value.nbytes, check_fields)
     if head is None:  # (a value description too long to keep a head of, or fields new here)
-        if fields is None:
-            fields = {Key.BIN: name}
-            for key, kind, held in extra:
-                fields[key] = list(held) if kind is tuple else held
+        fields = {Key.BIN: name}
+        for key, kind, held in extra:
+            fields[key] = list(held) if kind is tuple else held
         return _mapped(rid, command, fields, value, max_payload)
     if description is None:
         return [head(rid)]

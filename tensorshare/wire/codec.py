@@ -57,7 +57,6 @@ _PAD = bytes(ALIGN)
 # ExtType's constructor runs Python-level checks; references to the first arrays of a
 # value are built once (ExtType is an immutable tuple, so sharing them is safe).
 _ARRAY_REFS = [msgpack.ExtType(EXT_ARRAY, i.to_bytes(4, "little")) for i in range(64)]
-_BUFFER_MAX_DIMS = 64  # a memoryview (and a numpy array) has at most this many dimensions
 _packers = threading.local()
 _LONE_DESCRIPTIONS: dict[tuple, bytes] = {}  # (dtype name, *shape) -> description of a lone tensor
 _LONE_DESCRIPTIONS_MAX = 256
@@ -305,18 +304,28 @@ def _numpy_scalar(obj: np.generic) -> msgpack.ExtType:
     return msgpack.ExtType(EXT_SCALAR, bytes([len(name)]) + name.encode() + obj.tobytes())
 
 
-def _torch_bytes(t: torch.Tensor) -> tuple[int, str, list[int], memoryview]:
-    # The usual tensor in one torch call, as small_lone's: numpy() refuses whatever the
-    # checks below must resolve or refuse (another device, autograd, conjugate or negative
-    # bits, other layouts, dtypes without a numpy twin); the rest is asked of its array.
+def _own_bytes(t: torch.Tensor) -> tuple[int, str, list[int], memoryview] | None:
+    """The usual tensor's encoding, its own memory as bytes, in one torch call (as
+    :func:`small_lone`'s): ``numpy()`` refuses whatever :func:`_torch_bytes` must
+    resolve or refuse (another device, autograd, conjugate or negative bits, other
+    layouts, dtypes without a numpy twin), and the rest is asked of its array.  Each
+    torch call costs about what the rest of encoding a tensor does (seven made the
+    checks before), and torch releases the GIL in some: with other threads waiting
+    for it, each release is a thread switch.  None: not such a tensor."""
     try:
         array = t.numpy()
     except (TypeError, RuntimeError):
-        pass
-    else:
-        name = _NUMPY_TWIN_NAMES.get(array.dtype)
-        if name is not None and array.size and array.ndim <= MAX_DIMS and array.flags.c_contiguous:
-            return KIND_TORCH, name, list(array.shape), memoryview(array).cast("B")
+        return None
+    name = _NUMPY_TWIN_NAMES.get(array.dtype)
+    if name is None or not array.size or array.ndim > MAX_DIMS or not array.flags.c_contiguous:
+        return None
+    return KIND_TORCH, name, list(array.shape), memoryview(array).cast("B")
+
+
+def _torch_bytes(t: torch.Tensor) -> tuple[int, str, list[int], memoryview]:
+    found = _own_bytes(t)
+    if found is not None:
+        return found
     name = TORCH_NAMES.get(t.dtype)
     if name is None:
         raise EncodeError(f"tensor dtype {t.dtype} has no fixed-width wire form")
@@ -329,18 +338,9 @@ def _torch_bytes(t: torch.Tensor) -> tuple[int, str, list[int], memoryview]:
         raise EncodeError(f"tensors may have at most {MAX_DIMS} dimensions, not {t.dim()}")
     if t.requires_grad:
         t = t.detach()
-    if t.is_cpu and t.dtype in BUFFER_DTYPES and t.dim() <= _BUFFER_MAX_DIMS and t.is_contiguous():
-        # Fast path, the usual case: the tensor's own memory as bytes, no torch op.
-        # numpy() refuses a tensor with its conjugate or negative bit set, so it is
-        # the only check made for those: torch releases the GIL in each such call,
-        # and with other threads waiting for it each release costs a thread switch.
-        try:
-            array = t.numpy()
-        except RuntimeError:
-            pass  # a lazy conjugation or negation: resolved below
-        else:
-            if array.size:
-                return KIND_TORCH, name, list(t.shape), memoryview(array).cast("B")
+        found = _own_bytes(t)
+        if found is not None:
+            return found
     if t.is_nested:  # strided layout, but no one flat view of its memory
         raise _nested_error()
     if not t.is_cpu:
