@@ -92,6 +92,62 @@ def test_every_table_verb_round_trips(split):
     assert pair.call(LIST).result == {"t": 4}
 
 
+def test_keys_come_back_as_runs_where_the_request_accepts_them_and_name_the_same_rows():
+    """TINSERT and TWRITE with ``key_runs`` get their keys as runs where few runs hold
+    them (a ring's wrap makes two; a batch past the capacity, more), else as bytes;
+    decoded by the client, they are the keys a request without it gets (two tables
+    given the same changes)."""
+    from tensorshare._client.tables import _changed_keys
+
+    pair = Pair()
+    for name in ("runs", "bytes"):
+        make(pair, name, capacity=10)
+    changes = [(TINSERT, {}, 7), (TINSERT, {}, 7), (TINSERT, {}, 25), (TINSERT, {}, 1),
+               (TWRITE, {K.INDICES: i64([2, 3, 4, 0])}, 4), (TWRITE, {K.INDICES: i64([9, 1, 7, 3, 5, 0, 8, 2, 6, 4])}, 10),
+               (TWRITE, {K.INDICES: i64([])}, 0)]
+    shapes = []
+    for command, fields, n in changes:
+        runs = pair.call(command, {Key.BIN: "runs", K.KEY_RUNS: True, **fields}, batch(0, n)).header
+        plain = pair.call(command, {Key.BIN: "bytes", **fields}, batch(0, n)).header
+        assert K.KEY_RUNS not in plain and len(plain[K.KEYS]) == 8 * n
+        assert _changed_keys(runs, n).tolist() == keys_of(plain), (command.verb, fields, runs)
+        assert runs["n"] == plain["n"]
+        shapes.append(len(runs[K.KEY_RUNS]) // 3 if K.KEY_RUNS in runs else "bytes")
+    assert shapes == [1, 2, 4, 1, 2, "bytes", 0]
+
+
+@pytest.mark.parametrize("header, match", [
+    ({K.KEY_RUNS: [0, 1, 5, 10, 1]}, "do not fit"),  # not triples
+    ({K.KEY_RUNS: [0, 1, 3, 10, 1, 3]}, "do not fit"),  # more keys than rows
+    ({K.KEY_RUNS: [0, 1, -1]}, "do not fit"),
+    ({"n": 1}, "without its keys"),
+])
+def test_a_client_refuses_keys_that_do_not_fit_what_it_sent(header, match):
+    from tensorshare._client.tables import _changed_keys
+    from tensorshare.errors import ProtocolError
+
+    with pytest.raises(ProtocolError, match=match):
+        _changed_keys(header, 5)
+
+
+def test_key_runs_cover_every_key_in_order():
+    from server.protocol.tables import MAX_KEY_RUNS, key_runs
+
+    def back(runs):
+        return [first + step * i for first, step, count in zip(runs[::3], runs[1::3], runs[2::3]) for i in range(count)]
+
+    rng = np.random.default_rng(3)
+    cases = [[], [5], [5, 9], list(range(0, 100, 11)), [99, 0, 11, 22], [0, 11, 22, 5, 16, 27, 38]]
+    cases += [rng.choice(1000, size, replace=False).tolist() for size in (2, 3, 12, 40)]
+    for keys in cases:
+        runs = key_runs(np.asarray(keys, np.int64))
+        if runs is None:
+            assert len(keys) > MAX_KEY_RUNS
+        else:
+            assert back(runs) == keys and len(runs) // 3 <= MAX_KEY_RUNS
+    assert key_runs(rng.permutation(40).astype(np.int64)) is None  # scattered: bytes
+
+
 def test_a_table_of_items_holds_any_value_and_samples_return_lists():
     pair = Pair()
     pair.call(TCREATE, {Key.BIN: "items", K.SPEC: {"capacity": 4, "sampler": "fifo"}})

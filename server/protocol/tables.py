@@ -122,9 +122,38 @@ def _ends(request):
 
 
 def _changed(session, request, result) -> dict:
-    """The reply of an insert or write (its change published by the storage)."""
+    """The reply of an insert or write (its change published by the storage): the
+    rows' keys as runs where the request accepts them and they make few, else as
+    int64 bytes."""
     keys, change = result
+    runs = key_runs(keys) if request.key_runs else None
+    if runs is not None:
+        return request.command.reply(request.id, n=change.n_items, seq=change.seq, key_runs=runs)
     return request.command.reply(request.id, n=change.n_items, seq=change.seq, keys=int64_bytes(keys))
+
+
+MAX_KEY_RUNS = 8  # runs a reply gives keys in; keys that need more go as bytes
+
+
+def key_runs(keys: np.ndarray) -> list[int] | None:
+    """``keys`` as runs ``[first, step, count, ...]`` (run ``r`` holds ``first + step * i``
+    for ``i < count``), all of one step, or None if that takes more than
+    :data:`MAX_KEY_RUNS`.  An insert's keys are one run (a run of slots, each one seq
+    on), or two where it wraps around a ring: a few numbers instead of 8 bytes a row
+    that the server packs and the client copies."""
+    n = int(keys.size)
+    if n < 2:
+        return [int(keys[0]), 1, 1] if n else []
+    steps = np.diff(keys)
+    step = int(steps[steps.size // 2])  # (a short run before a wrap does not set it)
+    cuts = np.flatnonzero(steps != step)
+    if cuts.size >= MAX_KEY_RUNS:
+        return None
+    bounds = [0, *(cuts + 1).tolist(), n]
+    runs: list[int] = []
+    for first, end in zip(bounds, bounds[1:]):
+        runs += (int(keys[first]), step, end - first)
+    return runs
 
 
 @handles(TINSERT)

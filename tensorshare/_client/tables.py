@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import UsageError
+from ..errors import ProtocolError, UsageError
 from ..protocol.messages import TCREATE, TINFO, TINSERT, TLIMITS, TPRIORITY, TREAD, TSAMPLE, TWRITE, Key, TableKey
 from .options import DEFAULT, Timeout
 from .verb import verb
@@ -103,11 +103,36 @@ def _column_spec(name: str, spec) -> dict:
     return {"shape": shape, "dtype": dtype}
 
 
-def _keys(with_size: bool):
-    """The result of an insert or a write: the keys, or ``(keys, size, seq)``."""
+def _keys(with_size: bool, most: int):
+    """The result of an insert or a write of at most ``most`` rows: the keys, or
+    ``(keys, size, seq)``."""
     if with_size:
-        return lambda reply: (_tensor(reply.header[TableKey.KEYS], "<i8"), reply.header[Key.N], reply.header[Key.SEQ])
-    return lambda reply: _tensor(reply.header[TableKey.KEYS], "<i8")
+        return lambda reply: (_changed_keys(reply.header, most), reply.header[Key.N], reply.header[Key.SEQ])
+    return lambda reply: _changed_keys(reply.header, most)
+
+
+def _changed_keys(header: dict, most: int) -> torch.Tensor:
+    """The keys an insert or write reply gives: as runs ``[first, step, count, ...]``
+    (the request accepts them: ``key_runs``), or as int64 bytes; no more than ``most``."""
+    runs = header.get(TableKey.KEY_RUNS)
+    if runs is None:
+        blob = header.get(TableKey.KEYS)
+        if blob is None:
+            raise ProtocolError(f"a table's change reply without its keys: {header!r:.200}")
+        return _tensor(blob, "<i8")
+    counts = runs[2::3]
+    if len(runs) % 3 or min(counts, default=0) < 0 or sum(counts) > most:
+        raise ProtocolError(f"key runs that do not fit {most} rows: {runs!r:.200}")
+    parts = [np.arange(first, first + step * count, step, np.int64) if step else np.full(count, first, np.int64)
+             for first, step, count in zip(runs[0::3], runs[1::3], counts)]
+    return torch.from_numpy(parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, np.int64))
+
+
+def _most_rows(batch: Any) -> int:
+    """The most rows a batch can hold: its columns' longest first dimension (one for an item)."""
+    if not isinstance(batch, dict):
+        return 1
+    return max((len(column) for column in batch.values() if getattr(column, "ndim", 0)), default=1)
 
 
 def _with_slots(info: dict) -> dict:
@@ -130,6 +155,8 @@ def priority_fields(name: str, keys: Any, priorities: Any) -> dict:
 def _ends_bytes(ends) -> bytes:
     if isinstance(ends, torch.Tensor):
         ends = ends.detach().cpu().numpy()
+    if isinstance(ends, np.ndarray) and ends.dtype == np.bool_:  # flags as they go: a byte each, 0 or 1
+        return ends.reshape(-1).view(np.uint8).tobytes()
     try:
         return np.ascontiguousarray(np.asarray(ends).reshape(-1) != 0, np.uint8).tobytes()
     except (TypeError, ValueError) as exc:
@@ -250,13 +277,14 @@ class TableMethods:
         default: it halves the server's CPU per MiB for a lone writer, but with many
         writers on few cores it measured slower than the socket (docs/design.md,
         "Same-host table inserts")."""
-        fields = {Key.BIN: name}
+        fields = {Key.BIN: name, TableKey.KEY_RUNS: True}
         if priorities is not None:
             fields[TableKey.PRIORITIES] = _float64_bytes(priorities, "priorities")
         if ends is not None:
             fields[TableKey.ENDS] = _ends_bytes(ends)
         call_timeout = self._server_wait(fields, timeout)
-        return self._call(TINSERT, fields, _as_batch(batch, fields), timeout=call_timeout, then=_keys(with_size),
+        batch = _as_batch(batch, fields)
+        return self._call(TINSERT, fields, batch, timeout=call_timeout, then=_keys(with_size, _most_rows(batch)),
                           zero_copy=shared)
 
     @verb
@@ -328,12 +356,13 @@ class TableMethods:
         """Put rows at the slot ``indices`` (distinct, in ``[0, capacity)``) of table
         ``name``, replacing what was there (a dataset written at indices); returns
         the new rows' keys (``with_size``, ``ends``: as :meth:`insert`)."""
-        fields = {Key.BIN: name, TableKey.INDICES: _int64_bytes(indices, "indices")}
+        fields = {Key.BIN: name, TableKey.INDICES: _int64_bytes(indices, "indices"), TableKey.KEY_RUNS: True}
         if priorities is not None:
             fields[TableKey.PRIORITIES] = _float64_bytes(priorities, "priorities")
         if ends is not None:
             fields[TableKey.ENDS] = _ends_bytes(ends)
-        return self._call(TWRITE, fields, _as_batch(batch, fields), timeout=timeout, then=_keys(with_size))
+        most = len(fields[TableKey.INDICES]) // 8
+        return self._call(TWRITE, fields, _as_batch(batch, fields), timeout=timeout, then=_keys(with_size, most))
 
     @verb
     def read(self, name: str, indices: Any, *, sample: bool = False, timeout: Timeout = DEFAULT,

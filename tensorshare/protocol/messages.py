@@ -114,10 +114,13 @@ class TableKey:
     ENDS = "ends"  # TINSERT/TWRITE: one byte per row, nonzero where the row ends its episode
     LENGTH, PAD = "length", "pad"  # TSAMPLE: sequences of this many rows (pad: short ones padded)
     LENGTHS = "lengths"  # a sample of sequences: each one's real length (int64 bytes)
+    KEY_RUNS = "key_runs"  # TINSERT/TWRITE: the keys may come back as runs [first, step, count, ...]
 
 
 _TK = TableKey
-_TABLE_CHANGED = Message(DONE, (Field(Key.N, INT), Field(Key.SEQ, INT), Field(_TK.KEYS, BYTES)))
+# (the keys as int64 bytes, or as runs where the request accepted them: one of the two)
+_TABLE_CHANGED = Message(DONE, (Field(Key.N, INT), Field(Key.SEQ, INT), optional(_TK.KEYS, BYTES),
+                                optional(_TK.KEY_RUNS, INTS)))
 _ROWS = Message(ITEMS, (*_ITEMS.fields, Field(_TK.KEYS, BYTES), Field(_TK.INDICES, BYTES),
                         optional(_TK.PROBABILITIES, BYTES), optional(_TK.COLUMNS, BOOL),
                         optional(_TK.TENSORDICT, BOOL), optional(_TK.LENGTHS, BYTES)))
@@ -133,7 +136,7 @@ TCREATE = Command("TCREATE", (BIN, Field(_TK.SPEC, MAP), optional(_TK.ADD_COLUMN
                   doc="make a table (kept as it is if one with the same settings exists; with replace: a "
                       "table there is replaced, once the new settings are accepted)")
 TINSERT = Command("TINSERT", (BIN, *_TABLE_VALUE, optional(_TK.PRIORITIES, BYTES), optional(Key.WAIT, SECONDS),
-                              optional(_TK.TENSORDICT, BOOL), optional(_TK.ENDS, BYTES),
+                              optional(_TK.TENSORDICT, BOOL), optional(_TK.ENDS, BYTES), optional(_TK.KEY_RUNS, BOOL),
                               optional(Key.SHM, ANY), optional(Key.SIZE, INT),  # rows a same-host client wrote (§10.4)
                               RELEASE),
                   reply=_TABLE_CHANGED, payload=Payload.ROWS, result=_TK.KEYS, method="insert",
@@ -142,7 +145,8 @@ TINSERT = Command("TINSERT", (BIN, *_TABLE_VALUE, optional(_TK.PRIORITIES, BYTES
                   errors=(*_TABLE_ERRORS, TOO_LARGE, STORAGE_FULL, BUSY),
                   doc="add rows (waiting up to wait seconds for the rate limiter)")
 TWRITE = Command("TWRITE", (BIN, *_TABLE_VALUE, Field(_TK.INDICES, BYTES), optional(_TK.PRIORITIES, BYTES),
-                            optional(_TK.TENSORDICT, BOOL), optional(_TK.ENDS, BYTES), RELEASE),
+                            optional(_TK.TENSORDICT, BOOL), optional(_TK.ENDS, BYTES), optional(_TK.KEY_RUNS, BOOL),
+                            RELEASE),
                  reply=_TABLE_CHANGED, payload=Payload.ROWS, result=_TK.KEYS, method="write", zero_copy=None,
                  lasting=True, relay=Relay.PASS, route=Route.OWNER, errors=(*_TABLE_ERRORS, TOO_LARGE),
                  doc="put rows at the slot indices given")
