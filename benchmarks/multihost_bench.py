@@ -21,6 +21,10 @@ server's NIC is a real bottleneck.  Needs root; skipped with the reason otherwis
 * **Rollout ingestion** from ``mh_workers`` hosts appending ``mh_roll_bytes``
   rollouts into 1, 2 and 4 shards (``ShardedClient``, one server per shard host,
   each producer appending to its own bin and taking it back every 16 items).
+* **Table inserts** of 1 MiB batches (64-byte transitions) from ``mh_workers`` hosts
+  into one prioritized table of ``mh_table_rows`` rows on host 0, beside the link's
+  own rate: where the server's link, not the CPU its writers share with it on one
+  machine (section scale), bounds them.
 """
 
 from __future__ import annotations
@@ -178,6 +182,32 @@ def _produce(run_s: float, item_bytes: int, servers: list[str]) -> None:
     print(json.dumps({"bytes": count * item_bytes, "items": count, "seconds": elapsed}), flush=True)
 
 
+TABLE_ROW = 64  # bytes of a transition in the table inserts (scale section's rows)
+
+
+def _table_insert(run_s: float, batch_bytes: int, capacity: int, server: str) -> None:
+    """A writer host's table inserts: batches of ``batch_bytes`` into one table of
+    ``capacity`` rows on ``server`` (made by whichever writer comes first, the same
+    settings for all), for ``run_s`` seconds from the ``go`` line."""
+    import tensorshare
+
+    from .scale_bench import columns, rows
+
+    batch = batch_bytes // TABLE_ROW
+    data, ends = rows(0, batch)
+    host, port = server.rsplit(":", 1)
+    with tensorshare.Client(host, int(port), timeout=120, zero_copy=False) as client:
+        client.create_table("mh-table", capacity, columns(), sampler="prioritized", priority_exponent=0.6)
+        print("ready", flush=True)
+        sys.stdin.readline()  # go
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < run_s:
+            client.insert("mh-table", data, ends=ends)
+            count += 1
+        elapsed = time.perf_counter() - start
+    print(json.dumps({"bytes": count * batch * TABLE_ROW, "items": count, "seconds": elapsed}), flush=True)
+
+
 def worker_main(argv: list[str]) -> None:
     role, *args = argv
     if role == "publish":
@@ -190,6 +220,8 @@ def worker_main(argv: list[str]) -> None:
         _raw_send(args[0], int(args[1]), int(args[2]), int(args[3]))
     elif role == "ingest":
         _produce(float(args[0]), int(args[1]), args[2:])
+    elif role == "tinsert":
+        _table_insert(float(args[0]), int(args[1]), int(args[2]), args[3])
     else:
         raise SystemExit(f"unknown role {role!r}")
 
@@ -223,6 +255,8 @@ def _bound(rec: Recorder, net, p: Profile) -> Sample:
     rec.figure("mh.link", f"one link: raw TCP {mib(nbytes)} host 0 -> host 1 at {p.mh_rate}", sample, "ms",
                better="lower", baseline=True,
                note=f"{nbytes / (sample.median / 1e3) / 1e6:.0f} MB/s; netem delay {'on' if net.delayed else 'off'}")
+    rec.figure("mh.link_rate", f"one link's rate: raw TCP {mib(nbytes)} host 0 -> host 1 at {p.mh_rate}",
+               Sample.of(nbytes / t / 1e6 for t in times), "MB/s", baseline=True)
     return sample
 
 
@@ -308,19 +342,44 @@ def _ingest(rec: Recorder, net, p: Profile, shards: int) -> None:
     # shard servers on hosts 0..shards-1, producers on the hosts after them
     servers = [f"{net.addresses[h]}:{port}" for h, (_, port) in enumerate(start_servers(net, [(h, ()) for h in range(shards)]))]
     producers = [_spawn(net, shards + i, "ingest", p.mh_roll_run_s, p.mh_roll_bytes, *servers) for i in range(n)]
+    total, count = _produced(producers, p.mh_roll_run_s)
+    rec.figure(f"mh.ingest.{shards}", f"rollout ingestion from {n} hosts into {shards} shard(s), "
+                                      f"{mib(p.mh_roll_bytes)} rollouts", Sample.of([total]), "MB/s",
+               vs=["mh.ingest.1"] if shards > 1 else [],
+               note=f"{count} appends in {p.mh_roll_run_s:g}s")
+    net.stop_processes()
+
+
+def _table_inserts(rec: Recorder, net, p: Profile) -> None:
+    """Inserts of 1 MiB batches from ``mh_workers`` hosts into one table on host 0:
+    with the server's link the bound (not, as on one machine, the CPU its writers
+    share with it), beside that link's own rate."""
+    from .netns import start_server
+
+    n = p.mh_workers
+    _, port = start_server(net, 0)
+    server = f"{net.addresses[0]}:{port}"
+    writers = [_spawn(net, 1 + i, "tinsert", p.mh_roll_run_s, MIB_BATCH, p.mh_table_rows, server) for i in range(n)]
+    total, count = _produced(writers, p.mh_roll_run_s)
+    rec.figure("mh.tinsert", f"table inserts of {mib(MIB_BATCH)} batches ({MIB_BATCH // TABLE_ROW} rows) from {n} "
+               f"hosts into one table of {p.mh_table_rows:,} rows on host 0", Sample.of([total]), "MB/s",
+               vs=["mh.link_rate"], note=f"{count} inserts in {p.mh_roll_run_s:g}s")
+    net.stop_processes()
+
+
+MIB_BATCH = 1 << 20
+
+
+def _produced(producers: list, run_s: float) -> tuple[float, int]:
+    """Start ``producers`` together once each is ready; their MB/s together, and their count of requests."""
     for w in producers:
         if _line(w, 120) != "ready":
             raise RuntimeError("a producer did not start")
     for w in producers:
         w.stdin.write("go\n")
         w.stdin.flush()
-    results = [json.loads(_line(w, p.mh_roll_run_s + 120)) for w in producers]
-    total = sum(r["bytes"] for r in results) / max(r["seconds"] for r in results) / 1e6
-    rec.figure(f"mh.ingest.{shards}", f"rollout ingestion from {n} hosts into {shards} shard(s), "
-                                      f"{mib(p.mh_roll_bytes)} rollouts", Sample.of([total]), "MB/s",
-               vs=["mh.ingest.1"] if shards > 1 else [],
-               note=f"{sum(r['items'] for r in results)} appends in {p.mh_roll_run_s:g}s")
-    net.stop_processes()
+    results = [json.loads(_line(w, run_s + 120)) for w in producers]
+    return sum(r["bytes"] for r in results) / max(r["seconds"] for r in results) / 1e6, sum(r["items"] for r in results)
 
 
 def run(rec: Recorder, p: Profile, peers) -> None:
@@ -347,10 +406,14 @@ def run(rec: Recorder, p: Profile, peers) -> None:
     for shards in p.mh_roll_shards:
         with Network(n + shards, rate=p.mh_rate) as net:
             _ingest(rec, net, p, shards)
+    with Network(n + 1, rate=p.mh_rate) as net:
+        _table_inserts(rec, net, p)
     rec.goal_ratio(f"relays: all {n} worker hosts hold {mib(p.mh_fan_bytes)} within 2.5x one link's transfer",
                    "mh.fan.chain", "mh.link", "<=", 2.5)
     rec.goal_ratio("flat relays no slower than the star (1.2x slack for noise)", "mh.fan.flat", "mh.fan.star",
                    "<=", 1.2)
+    rec.goal_ratio(f"table inserts from {n} hosts >= 0.8x the server's link rate (where the link, not the CPU, "
+                   "bounds them)", "mh.tinsert", "mh.link_rate", ">=", 0.8)
     if 4 in p.mh_roll_shards:
         rec.goal_ratio("rollout ingestion into 4 shards >= 2x one shard", "mh.ingest.4", "mh.ingest.1", ">=", 2)
 

@@ -73,6 +73,7 @@ class Profile:
     mh_roll_shards: tuple[int, ...] = (1, 2, 4)
     mh_roll_bytes: int = 256 << 10     # one rollout
     mh_roll_run_s: float = 2.0
+    mh_table_rows: int = 1 << 20       # the table the hosts' writers insert into
     # 11. tables (a replay buffer in the server)
     tables_rows: int = 100_000         # transitions of 28 KB (obs 4x84x84 uint8) the sampled table holds
     tables_reps: int = 20              # timed samples of 256
@@ -165,6 +166,7 @@ SMOKE = Profile(
     disk_peek_bytes=4 * MiB, disk_reps=1, disk_sd_side=16, disk_limit_bytes=8 * MiB,
     zc_bytes=4 * MiB, zc_reps=1, zc_fan_bytes=4 * MiB, zc_fan_workers=1,
     mh_workers=2, mh_fan_bytes=1 * MiB, mh_reps=1, mh_roll_shards=(2,), mh_roll_bytes=64 << 10, mh_roll_run_s=0.5,
+    mh_table_rows=1 << 15,
     tables_rows=512, tables_reps=1, tables_redis_keys=512, tables_prio_rows=10_000, tables_actors=2,
     tables_actor_capacity=256, tables_run_s=0.3, tables_runs=1, pool_lead_s=0.5, ops_rounds=1,
     versions_workers=1, versions_tensors=10, versions_tensor_elems=1 << 12, versions_reps=2,
