@@ -42,6 +42,7 @@ from .stats import Sample, mib
 
 TENSORS = 16
 CHAIN_PORT = 18100  # the chain's relays listen here, each in its own host, so all start side by side
+MIB_BATCH = 1 << 20  # a writer host's table insert (of the scale section's 64-byte rows)
 
 
 # ------------------------------------------------------------------ the processes in the hosts
@@ -182,18 +183,15 @@ def _produce(run_s: float, item_bytes: int, servers: list[str]) -> None:
     print(json.dumps({"bytes": count * item_bytes, "items": count, "seconds": elapsed}), flush=True)
 
 
-TABLE_ROW = 64  # bytes of a transition in the table inserts (scale section's rows)
-
-
 def _table_insert(run_s: float, batch_bytes: int, capacity: int, server: str) -> None:
     """A writer host's table inserts: batches of ``batch_bytes`` into one table of
     ``capacity`` rows on ``server`` (made by whichever writer comes first, the same
     settings for all), for ``run_s`` seconds from the ``go`` line."""
     import tensorshare
 
-    from .scale_bench import columns, rows
+    from .scale_bench import ROW, columns, rows
 
-    batch = batch_bytes // TABLE_ROW
+    batch = batch_bytes // ROW
     data, ends = rows(0, batch)
     host, port = server.rsplit(":", 1)
     with tensorshare.Client(host, int(port), timeout=120, zero_copy=False) as client:
@@ -205,7 +203,7 @@ def _table_insert(run_s: float, batch_bytes: int, capacity: int, server: str) ->
             client.insert("mh-table", data, ends=ends)
             count += 1
         elapsed = time.perf_counter() - start
-    print(json.dumps({"bytes": count * batch * TABLE_ROW, "items": count, "seconds": elapsed}), flush=True)
+    print(json.dumps({"bytes": count * batch * ROW, "items": count, "seconds": elapsed}), flush=True)
 
 
 def worker_main(argv: list[str]) -> None:
@@ -355,19 +353,17 @@ def _table_inserts(rec: Recorder, net, p: Profile) -> None:
     with the server's link the bound (not, as on one machine, the CPU its writers
     share with it), beside that link's own rate."""
     from .netns import start_server
+    from .scale_bench import ROW
 
     n = p.mh_workers
     _, port = start_server(net, 0)
     server = f"{net.addresses[0]}:{port}"
     writers = [_spawn(net, 1 + i, "tinsert", p.mh_roll_run_s, MIB_BATCH, p.mh_table_rows, server) for i in range(n)]
     total, count = _produced(writers, p.mh_roll_run_s)
-    rec.figure("mh.tinsert", f"table inserts of {mib(MIB_BATCH)} batches ({MIB_BATCH // TABLE_ROW} rows) from {n} "
+    rec.figure("mh.tinsert", f"table inserts of {mib(MIB_BATCH)} batches ({MIB_BATCH // ROW} rows) from {n} "
                f"hosts into one table of {p.mh_table_rows:,} rows on host 0", Sample.of([total]), "MB/s",
                vs=["mh.link_rate"], note=f"{count} inserts in {p.mh_roll_run_s:g}s")
     net.stop_processes()
-
-
-MIB_BATCH = 1 << 20
 
 
 def _produced(producers: list, run_s: float) -> tuple[float, int]:
