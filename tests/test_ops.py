@@ -16,6 +16,7 @@ from pairing import Pair
 from tensorshare.protocol.messages import APPEND, GET, PEEK, PUT, TCREATE, TINSERT, TSAMPLE, Key, TableKey
 from tensorshare_server.ops.counters import experiment_of, worker_of
 from tensorshare_server.ops import page, prom
+from tensorshare_server.bins.store import tier_of
 from tensorshare_server.ops.status import Throughput, snapshot
 
 parser = pytest.importorskip("prometheus_client.parser", reason="prometheus_client is a test dependency")
@@ -238,6 +239,57 @@ def test_counters_and_tiers_in_memory(tmp_path):
         assert pair.session.stats.versions == {"": 1, "exp": 4}
     finally:
         pair.close()
+
+
+def _walked(state) -> dict:
+    """Every bin's ``{tier: (items, bytes)}`` found by looking at each item: what the
+    store's running counts must say."""
+    out = {}
+    for name in state.storage.view.names():
+        tiers: dict = {}
+        for item in state.storage.store.items_of(name):
+            n, nbytes = tiers.get(tier_of(item), (0, 0))
+            tiers[tier_of(item)] = (n + 1, nbytes + item.nbytes)
+        out[name] = tiers
+    return out
+
+
+def _counted(state) -> dict:
+    return {b.name: {t: (b.tier_items[t], b.tiers[t]) for t in b.tiers} for b in state.storage.view.bins()}
+
+
+def test_tier_counts_follow_items_as_they_come_move_and_go(tmp_path):
+    """The status page's counts by tier are kept as items change, not walked at each
+    scrape: after each step (spills, a partial GET, a copy into shared memory, a
+    put by reference filled later, a durable server's items) they match a walk."""
+    pair = Pair(metrics_port=0, memory_limit=96 << 10, spill_dir=str(tmp_path / "spill"), same_host=True)
+    try:
+        state = pair.state
+        steps = [lambda i=i: pair.call(APPEND, {"bin": "a"}, torch.full((5_000,), float(i))) for i in range(6)]
+        steps += [lambda: pair.call(PUT, {"bin": "b"}, torch.ones(100)),
+                  lambda: pair.call(GET, {"bin": "a", "max": 2}),  # the oldest two (spilled) leave
+                  lambda: state.storage.sharing.promote_now(state.storage.store.items_of("b")[0]),
+                  lambda: pair.call(APPEND, {"bin": "b"}, torch.ones(100)),
+                  lambda: pair.call(GET, {"bin": "b", "max": 1}),  # the one in shared memory leaves
+                  lambda: pair.call(APPEND, {"bin": "a"}, torch.ones(30_000)),  # more spills
+                  lambda: pair.call(GET, {"bin": "a"})]
+        seen = set()
+        for step in steps:
+            step()
+            assert _counted(state) == _walked(state)
+            seen |= {tier for tiers in _walked(state).values() for tier in tiers}
+        assert seen == {"memory", "spilled", "shm"}
+    finally:
+        pair.close()
+    durable = Pair(data_dir=str(tmp_path / "data"), metrics_port=0)
+    try:
+        for i in range(3):
+            durable.call(APPEND, {"bin": "d"}, torch.ones(10))
+        durable.call(GET, {"bin": "d", "max": 1})
+        assert _counted(durable.state) == _walked(durable.state)
+        assert list(_walked(durable.state)["d"]) == ["durable"] and _walked(durable.state)["d"]["durable"][0] == 2
+    finally:
+        durable.close()
 
 
 def _chromium() -> str | None:

@@ -22,6 +22,7 @@ from tensorshare.disk.areas import write_token
 from tensorshare.errors import RemoteError, ZeroCopyUnavailableError
 
 from .spill import Area, ItemFiles
+from .store import retier
 
 log = logging.getLogger("tensorshare.server")
 
@@ -139,6 +140,7 @@ class SharedTier:
             files = self._files(stored)
             if item.stored and item.segments is not None and item.files is None and not item.spilling:
                 item.files, item.segments = files, None  # still resident: the accounting stays
+                retier(item)
             # else the item changed meanwhile: the new files go when `files` does
 
         self.jobs.run(None, self.shm.write, (item.description, item.segments, item.nbytes, item.tag), written)
@@ -152,6 +154,7 @@ class SharedTier:
         if files is None:
             return False
         item.files, item.segments = files, None  # still resident: the accounting stays
+        retier(item)
         return True
 
     def share_rows(self, description: bytes, buffer, nbytes: int) -> ItemFiles | None:

@@ -49,7 +49,7 @@ from .lifetimes import FileLifetimes
 from .sharing import SharedTier
 from .shm import ShmArea
 from .spill import ItemFiles, SpillArea
-from .store import BinState, BinStore, Change, Item, Reference
+from .store import BinState, BinStore, Change, Item, Reference, retier
 from .tablestore import TableStore
 from .tableverbs import TableVerbs
 from .view import StorageView
@@ -313,6 +313,7 @@ class Storage(TableVerbs):
         def adopted(files, error) -> None:
             if error is None and item.segments is None and item.files is None:
                 item.files = files  # (else dropped: nothing holds them)
+                retier(item)
                 self.store.attach(item)
                 self.budget.enforce()
                 self.sink.touched(name)

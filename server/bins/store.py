@@ -19,6 +19,23 @@ from typing import NamedTuple
 
 from tensorshare.errors import NoSuchBinError, TooLargeError
 
+# Where an item's payload lives (the operations pages count items and bytes by these).
+MEMORY, SHM, SPILLED, DURABLE = TIERS = ("memory", "shm", "spilled", "durable")
+
+
+def tier_of(item) -> str:
+    """Where an item's payload lives: ``memory`` (received chunks), ``shm`` (the
+    shared-memory area), ``spilled`` (a spill file) or ``durable`` (the data
+    directory, whether or not also cached in memory)."""
+    files = item.files
+    if files is None:
+        return MEMORY
+    if files.in_memory:
+        return SHM
+    if files.number is not None:
+        return DURABLE
+    return MEMORY if item.segments is not None else SPILLED
+
 
 class Reference:
     """What an item put by device reference (PROTOCOL.md §13) holds besides its
@@ -45,7 +62,7 @@ class Item:
     """
 
     __slots__ = ("description", "segments", "nbytes", "tag", "files", "stored", "spilling", "unspillable",
-                 "device", "__weakref__")
+                 "device", "home", "tier", "__weakref__")
 
     def __init__(self, description: bytes, segments: tuple | None, nbytes: int, tag: int | None = None,
                  files=None):
@@ -58,6 +75,8 @@ class Item:
         self.spilling = False  # being written to the spill area
         self.unspillable = False  # writing it to disk failed for a reason of its own: it stays in memory
         self.device: Reference | None = None  # put by device reference (server/protocol/devices.py)
+        self.home: _Bin | None = None  # the bin holding it (None when in none)
+        self.tier = MEMORY  # where its payload was when last counted (tier_of): in memory until it has files
 
     @property
     def resident(self) -> bool:
@@ -105,6 +124,50 @@ class _Bin:
     nbytes: int = 0  # payload bytes of its items
     described: int = 0  # bytes of its items' descriptions
     seq: int = 0
+    # tier -> [items, payload bytes] of its items whose payload is elsewhere than in
+    # memory (the rest of items and nbytes is in memory): kept as items come, go and
+    # move, so that the operations pages never walk the items
+    placed: dict = field(default_factory=dict)
+
+    def tiers(self) -> dict[str, tuple[int, int]]:
+        """``{tier: (items, payload bytes)}`` of the tiers that hold any of its items."""
+        out = {tier: (n, nbytes) for tier, (n, nbytes) in self.placed.items()}
+        in_memory = len(self.items) - sum(n for n, _ in out.values())
+        if in_memory:
+            out[MEMORY] = (in_memory, self.nbytes - sum(nbytes for _, nbytes in out.values()))
+        return out
+
+
+def _place(b: _Bin, item: Item, tier: str) -> None:
+    """Count ``item`` (in ``b``) in ``tier``."""
+    item.tier = tier
+    if tier is not MEMORY:
+        counted = b.placed.get(tier)
+        if counted is None:
+            counted = b.placed[tier] = [0, 0]
+        counted[0] += 1
+        counted[1] += item.nbytes
+
+
+def _unplace(b: _Bin, item: Item) -> None:
+    """Stop counting ``item`` (in ``b``) in its tier."""
+    if item.tier is not MEMORY:
+        counted = b.placed[item.tier]
+        counted[0] -= 1
+        counted[1] -= item.nbytes
+        if not counted[0]:
+            del b.placed[item.tier]
+
+
+def retier(item: Item) -> None:
+    """``item``'s payload moved (into the shared-memory area, out of memory to disk):
+    count it where it is now.  Whoever changes a stored item's ``files`` or
+    ``segments`` calls this."""
+    b = item.home
+    tier = tier_of(item)
+    if b is not None and tier != item.tier:
+        _unplace(b, item)
+        _place(b, item, tier)
 
 
 class BinStore:
@@ -149,10 +212,11 @@ class BinStore:
         return {name: len(b.items) for name, b in self._bins.items()}
 
     def walk(self):
-        """``(name, items, seq)`` of every bin, for tools that report on the store
-        (the status page); the items are the bin's own deque: read it, do not change it."""
+        """``(name, items, payload bytes, seq, tiers)`` of every bin (:meth:`_Bin.tiers`),
+        for tools that report on the store (the status page); the items are the bin's
+        own deque: read it, do not change it."""
         for name, b in self._bins.items():
-            yield name, b.items, b.seq
+            yield name, b.items, b.nbytes, b.seq, b.tiers()
 
     def state(self, name: str) -> BinState:
         """The :class:`BinState` of bin ``name``."""
@@ -334,6 +398,7 @@ class BinStore:
             if was_resident:
                 self._lru.pop(item, None)
                 self.resident_bytes -= item.nbytes
+        retier(item)
         return True
 
     # -- internals
@@ -359,8 +424,10 @@ class BinStore:
         b.described += described
         self.description_bytes += described
         item.stored = True
-        if item.files is not None:
+        item.home = b
+        if item.files is not None:  # (else in memory, as Item() counts it)
             item.files.dropped = False
+            _place(b, item, tier_of(item))
         if item.segments is not None or item.resident:  # (the usual case first: chunks in memory)
             if self._ordered:
                 self._lru[item] = None
@@ -385,8 +452,14 @@ class BinStore:
         self.description_bytes -= described
         b.described -= described
         ordered = self._ordered
+        whole = not b.items
+        if whole:
+            b.placed.clear()
         for item in items:
             item.stored = False
+            if not whole:
+                _unplace(b, item)
+            item.home = None
             if item.files is not None:
                 item.files.dropped = True
             if item.segments is not None or item.resident:

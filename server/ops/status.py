@@ -17,7 +17,7 @@ from collections import deque
 from tensorshare.protocol.messages import TINSERT, TSAMPLE
 from tensorshare.version import __version__
 
-from ..bins.view import TIERS
+from ..bins.store import TIERS
 from .counters import LATENCY_BUCKETS, PARAMETERS, Counters, bytes_out, experiment_of
 
 MAX_BINS_SHOWN = 10_000  # bins listed one by one (the largest first); totals count them all
