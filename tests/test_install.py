@@ -88,24 +88,46 @@ def dependencies(tmp_path_factory) -> Path:
     return view
 
 
-def fresh_venv(path: Path, dependencies: Path) -> Path:
+@pytest.fixture(scope="module")
+def bytecode(tmp_path_factory) -> Path:
+    """Where the fresh environments' processes cache bytecode: with this test's files.
+    Under the suite's cache (``PYTHONPYCACHEPREFIX``, keyed by source path) each run
+    left about 80 MB there for the temporary paths of the view and the environments."""
+    return tmp_path_factory.mktemp("bytecode")
+
+
+def fresh_venv(path: Path, dependencies: Path, bytecode: Path) -> Path:
     """A new virtual environment that sees ``dependencies``; returns its python."""
     venv.EnvBuilder(with_pip=False).create(path)
     python = path / "bin" / "python"
-    site = run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
+    site = run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+               bytecode=bytecode).stdout.strip()
     Path(site, "dependencies.pth").write_text(f"{dependencies}\n")
     return python
 
 
-def pip_install(python: Path, *args: str, cwd: Path | None = None) -> None:
-    """``pip install ARGS`` into ``python``'s environment, offline."""
+def pip_install(python: Path, bytecode: Path, *args: str, cwd: Path | None = None) -> None:
+    """``pip install ARGS`` into ``python``'s environment, offline (the build runs
+    there too: its bytecode goes to ``bytecode``; the installed files are compiled
+    when imported)."""
     run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-index", "--no-build-isolation",
-         "--quiet", "--disable-pip-version-check", *args], cwd=cwd)
+         "--no-compile", "--quiet", "--disable-pip-version-check", *args], cwd=cwd, bytecode=bytecode)
 
 
-def run(cmd: list[str], cwd: Path | None = None, timeout: float = PIP_TIMEOUT, **kw) -> subprocess.CompletedProcess:
+def environment(bytecode: Path | None = None) -> dict:
+    """The processes' environment: this one's, less what would point them at this
+    checkout; ``bytecode``: a fresh environment's process, caching there (:func:`bytecode`)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TENSORSHARE_TOKEN")}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env, **kw)
+    if bytecode is not None:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = str(bytecode)
+    return env
+
+
+def run(cmd: list[str], cwd: Path | None = None, timeout: float = PIP_TIMEOUT, bytecode: Path | None = None,
+        **kw) -> subprocess.CompletedProcess:
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=environment(bytecode),
+                         **kw)
     assert out.returncode == 0, (cmd, out.stdout[-2000:], out.stderr[-3000:])
     return out
 
@@ -120,9 +142,9 @@ print(json.dumps({"dist": str(dist.locate_file("")), "files": len(dist.files or 
 """
 
 
-def origin(python: Path, *modules: str) -> dict:
+def origin(python: Path, bytecode: Path, *modules: str) -> dict:
     """Where ``python`` finds this project's distribution and ``modules``."""
-    return json.loads(run([str(python), "-c", ORIGIN, NAME, *modules], cwd=python.parent).stdout)
+    return json.loads(run([str(python), "-c", ORIGIN, NAME, *modules], cwd=python.parent, bytecode=bytecode).stdout)
 
 
 # -- the wheel
@@ -170,23 +192,25 @@ def test_readme_names_the_distribution_and_its_extras():
             assert set(match.group(2).split(",")) <= set(EXTRAS), spec
 
 
-def test_the_wheel_installs_with_its_extras_and_runs_the_first_example(wheel, dependencies, tmp_path):
-    python = fresh_venv(tmp_path / "venv", dependencies)
-    pip_install(python, f"{wheel}[{RESOLVED_OFFLINE}]")  # the requirements resolved, not skipped
+def test_the_wheel_installs_with_its_extras_and_runs_the_first_example(wheel, dependencies, bytecode, tmp_path):
+    python = fresh_venv(tmp_path / "venv", dependencies, bytecode)
+    pip_install(python, bytecode, f"{wheel}[{RESOLVED_OFFLINE}]")  # the requirements resolved, not skipped
     modules = ("tensorshare", "tensorshare_server", "tensorshare.rl", "tensorshare_server.relay",
                *(module for _, module in EXTRAS.values()))
-    found = origin(python, *modules)
+    found = origin(python, bytecode, *modules)
     site = str(tmp_path / "venv")
     assert found["dist"].startswith(site) and found["copies"] == [found["dist"]], found
     assert all(path.startswith(site) for path in found["modules"].values()), found["modules"]
     assert found["scripts"] == ["tensorshare", "tensorshare-server"]
     server = subprocess.Popen([str(python.parent / "tensorshare-server"), "--port", "0"], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+                              stderr=subprocess.PIPE, text=True, env=environment(bytecode))
     try:
         port = re.search(r"listening on [\d.]+:(\d+)", server.stdout.readline()).group(1)
         first = next(b for b in all_blocks() if b.lang == "python" and "tensorshare.Client(" in b.text)
-        run([str(python), "-c", expect_raises(first.text.replace("8000", port))], cwd=tmp_path, timeout=120)
-        listing = run([str(python.parent / "tensorshare"), "--json", "ls", "--port", port], cwd=tmp_path)
+        run([str(python), "-c", expect_raises(first.text.replace("8000", port))], cwd=tmp_path, timeout=120,
+            bytecode=bytecode)
+        listing = run([str(python.parent / "tensorshare"), "--json", "ls", "--port", port], cwd=tmp_path,
+                      bytecode=bytecode)
         assert {"bin": "rollouts", "items": 0, "kind": "bin"} in json.loads(listing.stdout)
     finally:
         server.terminate()
@@ -195,7 +219,7 @@ def test_the_wheel_installs_with_its_extras_and_runs_the_first_example(wheel, de
         server.stderr.close()
 
 
-def test_readme_install_lines_install_this_checkout(source, dependencies, tmp_path):
+def test_readme_install_lines_install_this_checkout(source, dependencies, bytecode, tmp_path):
     """Each ``pip install`` line of README that installs from a clone, as written, at the
     clone's root, into an environment of its own."""
     lines = list(dict.fromkeys(line for block in all_blocks() if block.lang == "bash" and not block.needs
@@ -203,9 +227,9 @@ def test_readme_install_lines_install_this_checkout(source, dependencies, tmp_pa
     assert lines
     for i, line in enumerate(lines):
         args = shlex.split(line)[2:]
-        python = fresh_venv(tmp_path / f"venv{i}", dependencies)
-        pip_install(python, *args, cwd=source)
-        found = origin(python, "tensorshare", "tensorshare_server")
+        python = fresh_venv(tmp_path / f"venv{i}", dependencies, bytecode)
+        pip_install(python, bytecode, *args, cwd=source)
+        found = origin(python, bytecode, "tensorshare", "tensorshare_server")
         where = str(source) if "-e" in args else str(tmp_path / f"venv{i}")
         assert all(path.startswith(where) for path in found["modules"].values()), (line, found)
         assert found["copies"] == [found["dist"]], (line, found)
