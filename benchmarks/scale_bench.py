@@ -11,7 +11,7 @@ but for the table larger than RAM (28,232-byte Atari-like rows).
   256 (server time: round trip less a NOOP's; and the round trip); priority updates
   in batches of 1,024 (rows/s); 256 sequences of 32 rows; inserts of 1 MiB from
   ``big_writers`` processes into the full table, beside raw loopback (one stream of
-  1 MiB messages, this run) and the disk's own rate for such writes (the same
+  1 MiB messages, taken before each run of inserts) and the disk's own rate for such writes (the same
   bytes overwritten in a file of the columns' kind, until ``fdatasync``), with the
   CPU per MiB of the server and of the writers (on 2 cores what bounds the rate),
   over TCP (the default) and through shared memory (``shared=True``), runs taken
@@ -200,10 +200,6 @@ def _writers(rec: Recorder, p: Profile, server: Server, size: str, scratch: str)
     default) and through shared memory (``insert(..., shared=True)``, PROTOCOL.md
     §10.4), runs of the two taken in turn."""
     batch = (1 << 20) // ROW
-    with RawLoopback(1 << 20) as raw:
-        times = raw.one_way(1 << 20, max(p.big_reps, 20), p.warmup)
-    rec.figure("scale.loopback", "raw loopback, one stream of 1 MiB messages", Sample.of(times).map(
-        lambda t: (1 << 20) / t / 1e9), "GB/s", baseline=True)
     _disk_write(rec, scratch, min(p.big_rows * ROW, DISK_WRITE_MAX))
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "tensorshare.client", "benchmarks.scale_bench"])
@@ -211,10 +207,14 @@ def _writers(rec: Recorder, p: Profile, server: Server, size: str, scratch: str)
     rates: dict = {k: [] for k in ways}
     server_ms: dict = {k: [] for k in ways}
     writers_ms: dict = {k: [] for k in ways}
-    with ctx.Pool(p.big_writers) as pool:
+    loopback: list[float] = []
+    with ctx.Pool(p.big_writers) as pool, RawLoopback(1 << 20) as raw:
         pool.map(abs, range(p.big_writers))
         for _ in range(p.tables_runs):
             for way, shared in ways.items():
+                # The baseline in turns with the inserts: on this machine it moved from
+                # 1.5 to 4.9 GB/s between runs an hour apart, far more than they did.
+                loopback += raw.one_way(1 << 20, max(p.big_reps, 20) // 2, p.warmup)
                 start = time.time() + p.pool_lead_s  # each connects first
                 before = server.cpu_seconds()
                 done = pool.starmap(_writer, [(server.port, start, p.big_run_s, batch, shared)] * p.big_writers)
@@ -223,6 +223,8 @@ def _writers(rec: Recorder, p: Profile, server: Server, size: str, scratch: str)
                 # (the server's CPU from before the writers connect to after the last reply: a little more than theirs)
                 server_ms[way].append((server.cpu_seconds() - before) / mib * 1e3)
                 writers_ms[way].append(sum(c for _, c in done) / mib * 1e3)
+    rec.figure("scale.loopback", "raw loopback, one stream of 1 MiB messages (taken before each run of inserts)",
+               Sample.of(loopback).map(lambda t: (1 << 20) / t / 1e9), "GB/s", baseline=True)
     what = f"inserts of 1 MiB ({batch} rows) from {p.big_writers} processes into the full table of {size} rows"
     rec.figure("scale.inserts", f"{what} (over TCP)", Sample.of(rates[""]), "GB/s",
                vs=["scale.loopback", "scale.disk_write"])
