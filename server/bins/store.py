@@ -133,7 +133,7 @@ class _Bin:
         """``{tier: (items, payload bytes)}`` of the tiers that hold any of its items."""
         out = {tier: (n, nbytes) for tier, (n, nbytes) in self.placed.items()}
         in_memory = len(self.items) - sum(n for n, _ in out.values())
-        if in_memory:
+        if in_memory > 0:
             out[MEMORY] = (in_memory, self.nbytes - sum(nbytes for _, nbytes in out.values()))
         return out
 
@@ -150,12 +150,15 @@ def _place(b: _Bin, item: Item, tier: str) -> None:
 
 
 def _unplace(b: _Bin, item: Item) -> None:
-    """Stop counting ``item`` (in ``b``) in its tier."""
+    """Stop counting ``item`` (in ``b``) in its tier.  (Never raises: on the request
+    path a count gone wrong must cost a wrong figure on the status page, not a GET.)"""
     if item.tier is not MEMORY:
-        counted = b.placed[item.tier]
+        counted = b.placed.get(item.tier)
+        if counted is None:
+            return
         counted[0] -= 1
         counted[1] -= item.nbytes
-        if not counted[0]:
+        if counted[0] <= 0:
             del b.placed[item.tier]
 
 
