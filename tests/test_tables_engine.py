@@ -89,6 +89,32 @@ def xs(rows) -> list[int]:
 # -- the boundary
 
 
+def test_as_index_is_a_slice_exactly_for_consecutive_ascending_slots():
+    """A few slots are looked at as Python ints, more with numpy: both say the same,
+    on either side of the change."""
+    as_index = sys.modules[f"{_NAME}.slots"].as_index
+    rng = np.random.default_rng(5)
+    for n in (0, 1, 2, 31, 32, 33, 100):
+        run = np.arange(7, 7 + n, dtype=np.int64)
+        cases = [(run, n > 0)]
+        if n > 1:
+            cases += [(run[::-1].copy(), False), (np.roll(run, 1), False),
+                      (np.concatenate((run[:-1], [run[-1] + 1])), False),
+                      (np.concatenate(([run[0]], run[:-1])), False)]  # (a repeat, span n - 2)
+        if n > 3:
+            inner = run.copy()
+            inner[1], inner[2] = inner[2], inner[1]  # (the right span, out of order within)
+            cases.append((inner, False))
+            shuffled = rng.permutation(run)
+            cases.append((shuffled, bool((shuffled == run).all())))
+        for slots, consecutive in cases:
+            got = as_index(slots)
+            if consecutive:
+                assert got == slice(7, 7 + n), slots
+            else:
+                assert got is slots, slots
+
+
 def test_importing_the_engine_loads_neither_torch_nor_twisted():
     code = _LOADER + "print(sorted(m for m in ('torch', 'twisted', 'tensorshare_server') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)

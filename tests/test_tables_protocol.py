@@ -139,6 +139,9 @@ def test_key_runs_cover_every_key_in_order():
     rng = np.random.default_rng(3)
     cases = [[], [5], [5, 9], list(range(0, 100, 11)), [99, 0, 11, 22], [0, 11, 22, 5, 16, 27, 38]]
     cases += [rng.choice(1000, size, replace=False).tolist() for size in (2, 3, 12, 40)]
+    for n in (63, 64, 65, 200):  # a ring's keys across its wrap, on either side of the Python path's limit
+        cases.append([(seq * 50 + seq % 50) for seq in range(30, 30 + n)])
+        cases.append(rng.choice(10_000, n, replace=False).tolist())
     for keys in cases:
         runs = key_runs(np.asarray(keys, np.int64))
         if runs is None:

@@ -133,6 +133,7 @@ def _changed(session, request, result) -> dict:
 
 
 MAX_KEY_RUNS = 8  # runs a reply gives keys in; keys that need more go as bytes
+_FEW_KEYS = 64  # up to this many, Python's ints find the runs faster than numpy's calls
 
 
 def key_runs(keys: np.ndarray) -> list[int] | None:
@@ -144,12 +145,21 @@ def key_runs(keys: np.ndarray) -> list[int] | None:
     n = int(keys.size)
     if n < 2:
         return [int(keys[0]), 1, 1] if n else []
-    steps = np.diff(keys)
-    step = int(steps[steps.size // 2])  # (a short run before a wrap does not set it)
-    cuts = np.flatnonzero(steps != step)
-    if cuts.size >= MAX_KEY_RUNS:
+    if n <= _FEW_KEYS:  # (an actor's few rows: numpy's per-call cost was most of an insert's reply)
+        keys = keys.tolist()
+        steps = [b - a for a, b in zip(keys, keys[1:])]
+        step = steps[len(steps) // 2]  # (a short run before a wrap does not set it)
+        cuts = [i for i, s in enumerate(steps) if s != step]
+    else:
+        steps = np.diff(keys)
+        step = int(steps[steps.size // 2])
+        cuts = np.flatnonzero(steps != step)
+        if cuts.size >= MAX_KEY_RUNS:
+            return None
+        cuts = cuts.tolist()
+    if len(cuts) >= MAX_KEY_RUNS:
         return None
-    bounds = [0, *(cuts + 1).tolist(), n]
+    bounds = [0, *(cut + 1 for cut in cuts), n]
     runs: list[int] = []
     for first, end in zip(bounds, bounds[1:]):
         runs += (int(keys[first]), step, end - first)
