@@ -115,6 +115,20 @@ def test_as_index_is_a_slice_exactly_for_consecutive_ascending_slots():
                 assert got is slots, slots
 
 
+def test_a_ring_of_oldest_rows_counts_only_live_rows_few_or_many():
+    """The fifo remover's shortcut takes the k oldest slots when their keys follow one
+    another; a slot whose row is not live (its key not yet cleared) breaks it, whether
+    k is a few (compared as Python ints) or many (with numpy)."""
+    LIVE = sys.modules[f"{_NAME}.slots"].LIVE
+    for k in (5, 50):
+        t = Table(100, {"x": ((), "int64")}, remover="fifo")
+        t.insert({"x": np.arange(100)})
+        ring = t._remover.index._ring
+        assert ring(k).tolist() == list(range(k))
+        t._slots.flags[1] &= ~LIVE
+        assert ring(k) is None
+
+
 def test_importing_the_engine_loads_neither_torch_nor_twisted():
     code = _LOADER + "print(sorted(m for m in ('torch', 'twisted', 'tensorshare_server') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)

@@ -25,6 +25,20 @@ CHUNK = 1 << 20  # slots looked at per step when a whole tree is rebuilt (bounds
 REBUILD_THREADS = 4  # at most: chunks of a rebuild done at once (numpy lets go of the GIL on whole chunks)
 
 
+FEW = 32  # slots: up to this many, :func:`is_run` looks at them as Python ints
+
+
+def is_run(slots: np.ndarray) -> bool:
+    """Whether ``slots`` (1-D, not empty) are consecutive and ascending.  A few are
+    compared as Python ints: for an actor's insert of a handful of rows numpy's
+    per-call cost was most of the check, made several times an insert."""
+    n = slots.size
+    if n <= FEW:
+        listed = slots.tolist()
+        return listed == list(range(listed[0], listed[0] + n))
+    return bool(slots[-1] - slots[0] == n - 1 and (slots[1:] > slots[:-1]).all())
+
+
 class Blocks:
     """``capacity`` slots in blocks of ``block``: leaf ``b`` of a tree of ``leaves``
     (a power of two) is node ``leaves + b``; node 1 is the root, node ``i`` has
@@ -43,7 +57,7 @@ class Blocks:
         """The distinct blocks of ``slots``, sorted."""
         slots = np.asarray(slots, np.int64).reshape(-1)
         n = slots.size
-        if n > 1 and slots[-1] - slots[0] == n - 1 and (slots[1:] > slots[:-1]).all():  # a run (an insert's)
+        if n > 1 and is_run(slots):  # (an insert's)
             return np.arange(int(slots[0]) // self.block, int(slots[-1]) // self.block + 1, dtype=np.int64)
         return distinct(slots >> self._shift if self._shift is not None else slots // self.block)
 
