@@ -9,6 +9,7 @@ them.  Plain numpy arrays are accepted too, for the dtypes numpy has.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -34,11 +35,11 @@ class ColumnSpec:
     shape: tuple[int, ...]
     dtype: str
 
-    @property
+    @functools.cached_property  # (asked for several times a batch: kept once known)
     def itemsize(self) -> int:
         return TORCH_WIDTHS[self.dtype]
 
-    @property
+    @functools.cached_property
     def row_bytes(self) -> int:
         return math.prod(self.shape) * self.itemsize
 
