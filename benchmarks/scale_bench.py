@@ -11,11 +11,11 @@ but for the table larger than RAM (28,232-byte Atari-like rows).
   256 (server time: round trip less a NOOP's; and the round trip); priority updates
   in batches of 1,024 (rows/s); 256 sequences of 32 rows; inserts of 1 MiB from
   ``big_writers`` processes into the full table, beside raw loopback (one stream of
-  1 MiB messages, taken before each run of inserts) and the disk's own rate for such writes (the same
-  bytes overwritten in a file of the columns' kind, until ``fdatasync``), with the
-  CPU per MiB of the server and of the writers (on 2 cores what bounds the rate),
-  over TCP (the default) and through shared memory (``shared=True``), runs taken
-  in turn.  Then the same rows in a durable table: seconds from
+  1 MiB messages, taken before each run of inserts) and the disk's own rate for such
+  writes (the same bytes overwritten in a file of the columns' kind, until
+  ``fdatasync``), with the CPU per MiB of the server and of the writers (on 2 cores
+  what bounds the rate), over TCP (the default) and through shared memory
+  (``shared=True``), runs taken in turn.  Then the same rows in a durable table: seconds from
   starting the server to its first sample, after a clean stop and after kill -9.
 * **Side by side at ``big_side_rows``** (10^7): TorchRL's ``LazyMemmapStorage`` +
   ``PrioritizedSampler`` in one process against the table over TCP, sample + update

@@ -153,10 +153,7 @@ def key_runs(keys: np.ndarray) -> list[int] | None:
     else:
         steps = np.diff(keys)
         step = int(steps[steps.size // 2])
-        cuts = np.flatnonzero(steps != step)
-        if cuts.size >= MAX_KEY_RUNS:
-            return None
-        cuts = cuts.tolist()
+        cuts = np.flatnonzero(steps != step)[:MAX_KEY_RUNS].tolist()  # (enough to tell)
     if len(cuts) >= MAX_KEY_RUNS:
         return None
     bounds = [0, *(cut + 1 for cut in cuts), n]

@@ -27,7 +27,7 @@ from numbers import Real
 import numpy as np
 
 from .errors import PriorityError, TableSpecError
-from .blocks import FEW, in_memory
+from .blocks import in_memory, is_run
 from .mintree import BLOCK, INT_EMPTY, MinTree
 from .slots import LIVE, Slots, runs
 from .sumtree import Powers, SumTree
@@ -125,13 +125,9 @@ class OrderIndex(_Index):
         # (past the wrap, less capacity), compared with no division
         if oldest + k <= capacity:  # (no wrap: views of the slots' state, no index arrays)
             at = slice(oldest, oldest + k)
-            if k <= FEW:  # (a few rows: compared as Python ints, see blocks.is_run)
-                keys, step = state.key[at].tolist(), capacity + 1
-                consecutive = all(b - a == step for a, b in zip(keys, keys[1:]))
-                live = consecutive and all(flag & LIVE for flag in state.flags[at].tolist())
-            else:
-                live = (np.diff(state.key[at]) == capacity + 1).all() and np.bitwise_and.reduce(state.flags[at]) & LIVE
-            return np.arange(oldest, oldest + k, dtype=np.int64) if live else None
+            if is_run(state.key[at], capacity + 1) and np.bitwise_and.reduce(state.flags[at]) & LIVE:
+                return np.arange(oldest, oldest + k, dtype=np.int64)
+            return None
         steps = np.arange(k, dtype=np.int64)
         slots = oldest + steps
         expected = int(state.key[oldest]) + steps * (capacity + 1)
