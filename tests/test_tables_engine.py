@@ -89,12 +89,12 @@ def xs(rows) -> list[int]:
 # -- the boundary
 
 
-def test_as_index_is_a_slice_exactly_for_consecutive_ascending_slots():
-    """A few slots are looked at as Python ints, more with numpy: both say the same,
-    on either side of the change."""
+def test_as_index_is_a_slice_exactly_for_consecutive_ascending_slots(tree_path):
+    """A few slots are looked at as Python ints, more with the compiled loop or numpy:
+    all say the same, on either side of the change."""
     as_index = sys.modules[f"{_NAME}.slots"].as_index
     rng = np.random.default_rng(5)
-    for n in (0, 1, 2, 31, 32, 33, 100):
+    for n in (0, 1, 2, 31, 32, 33, 100, 200):
         run = np.arange(7, 7 + n, dtype=np.int64)
         cases = [(run, n > 0)]
         if n > 1:
@@ -113,6 +113,24 @@ def test_as_index_is_a_slice_exactly_for_consecutive_ascending_slots():
                 assert got == slice(7, 7 + n), slots
             else:
                 assert got is slots, slots
+
+
+def test_a_run_check_finds_a_step_off_anywhere(tree_path):
+    """Every position of a break is found, in and past the compiled loop's chunks of 64
+    differences, for steps of 1 and of a ring's keys; a non-contiguous or non-int64
+    array takes numpy's path to the same answer."""
+    is_run = sys.modules[f"{_NAME}.blocks"].is_run
+    for step in (1, 1001):
+        for n in (33, 64, 65, 66, 129, 300):
+            run = np.arange(n, dtype=np.int64) * step + 5
+            assert is_run(run, step) and not is_run(run, step + 1)
+            assert is_run(run[::2], 2 * step) and is_run(run.astype(np.int32), step)
+            for at in sorted({1, 2, 63, 64, 65, 66, 127, 128, n - 1} & set(range(1, n))):
+                off = run.copy()
+                off[at] += 1
+                assert not is_run(off, step), (step, n, at)
+                off[at:] += 1  # (the rest on by one too: only the step at ``at`` is off)
+                assert not is_run(off, step), (step, n, at)
 
 
 def test_a_ring_of_oldest_rows_counts_only_live_rows_few_or_many():

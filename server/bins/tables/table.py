@@ -242,7 +242,7 @@ class Table:
             fresh = slots  # (the victims' slots stay counted as held: see Slots.fill)
             victims = self._remover.victims(n - dropped - room)
             # free slots first, then those just freed: a fifo table fills as a ring buffer
-            slots = np.concatenate((slots, victims))
+            slots = np.concatenate((slots, victims)) if slots.size else victims
             self._journal_record(slots, views, priorities, ends)
         self._store(slots, views, victims)
         # (the victims' slots are filled at once: the trees are redone once, for the new rows)
