@@ -433,6 +433,8 @@ def test_disk_full_gives_a_clear_reply_and_loses_nothing(tmp_path, mode):
 
 @pytest.mark.process
 def test_tmpfs_disk_full(tmp_path):
+    """A full disk refuses with 452 and keeps what it had; a new bin whose first item
+    was refused is not left behind in the data directory (a restart listed it)."""
     with small_tmpfs(tmp_path / "small", "6m") as mount:
         srv = ServerProcess("--data-dir", str(mount / "d"))
         try:
@@ -443,8 +445,15 @@ def test_tmpfs_disk_full(tmp_path):
                         c.append("a", torch.ones(MiB))  # 4 MiB each into 6 MiB
                 n = c.list()["a"]
                 assert 1 <= n <= 2
+                with pytest.raises(StorageFullError, match="disk full"):
+                    c.put("ghost", torch.ones(MiB))
+                assert "ghost" not in c.list()
                 c.delete("a")  # frees the space; writing works again
                 c.append("a", torch.ones(MiB))
+            srv.stop()
+            srv = ServerProcess("--data-dir", str(mount / "d"))
+            with tensorshare.Client("127.0.0.1", srv.port, timeout=30) as c:
+                assert c.list() == {"a": 1}
         finally:
             srv.stop()
 

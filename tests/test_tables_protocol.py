@@ -233,12 +233,61 @@ def test_an_index_out_of_range_in_a_write_changes_nothing():
     ({"capacity": 10, "priority_exponent": "high"}, "priority_exponent"),
     ({"capacity": 10, "min_size_to_sample": 11}, "above the capacity"),
     ({"capacity": 10, "error_buffer": 1.0}, "needs samples_per_insert"),
+    ({"capacity": "10"}, "capacity must be an int"),
+    ({"capacity": -5000}, "capacity must be an int"),
+    ({"capacity": 10.0}, "capacity must be an int"),
+    ({"capacity": True}, "capacity must be an int"),
+    ({"capacity": 10, "columns": {"a": {"shape": [1], "dtype": []}}}, "unknown dtype"),
+    ({"capacity": 10, "columns": {"a": [[1], {"x": 1}]}}, "unknown dtype"),
+    ({"capacity": 10, "samples_per_insert": 1e-300, "error_buffer": 1e10}, "too wide"),
+    ({"capacity": 10, "samples_per_insert": 0.5, "error_buffer": [-1e308, 1e308]}, "too wide"),
 ])
 def test_bad_table_settings_get_501(spec, match):
     pair = Pair()
     with pytest.raises(BadRequestError, match=match):
         pair.call(TCREATE, {Key.BIN: "t", K.SPEC: spec})
     assert pair.call(LIST).result == {}
+
+
+def test_refused_creates_leave_the_rows_all_tables_may_have_as_they_were():
+    """A create refused for its settings (or a capacity below one) counts no rows
+    against ``--max-table-rows``: the rows a later create may take stay the same."""
+    from tensorshare.errors import TooLargeError
+
+    pair = Pair(max_table_rows=1000)
+    for spec in ({"capacity": 600, "sampler": "bogus"}, {"capacity": -5000}, {"capacity": 600, "columns": {"a": 1}}):
+        with pytest.raises(BadRequestError):
+            pair.call(TCREATE, {Key.BIN: "t", K.SPEC: spec})
+    make(pair, "a", capacity=600)
+    with pytest.raises(TooLargeError, match="600 of the 1000 rows"):
+        make(pair, "b", capacity=401)
+    make(pair, "b", capacity=400)
+
+
+def test_limits_too_wide_to_count_are_refused_and_change_nothing():
+    make(pair := Pair(), capacity=10, samples_per_insert=2.0, error_buffer=10.0)
+    before = pair.call(TINFO, {Key.BIN: "t"}).header[K.INFO]["rate_limiter"]
+    with pytest.raises(BadRequestError, match="too wide"):
+        pair.call(TLIMITS, {Key.BIN: "t", K.LIMITS: {"samples_per_insert": 0.5, "error_buffer": [-1e308, 1e308]}})
+    assert pair.call(TINFO, {Key.BIN: "t"}).header[K.INFO]["rate_limiter"] == before
+
+
+def test_a_replacement_the_machine_cannot_hold_is_refused_452_and_the_old_table_stays():
+    """Without --memory-limit, a table larger than the machine's memory is refused
+    before the table it replaces is deleted (it was deleted, then the allocation
+    failed); so are new columns of that size."""
+    from tensorshare.errors import StorageFullError
+
+    make(pair := Pair(), capacity=1024)
+    insert(pair, 0, 3)
+    huge = {"big": {"shape": [1 << 30], "dtype": "uint8"}}  # 1 TiB for 1,024 rows
+    with pytest.raises(StorageFullError, match="more than the machine's"):
+        pair.call(TCREATE, {Key.BIN: "t", K.SPEC: {"capacity": 1024, "columns": huge}, K.REPLACE: True})
+    with pytest.raises(StorageFullError, match="more than the machine's"):
+        pair.call(TCREATE, {Key.BIN: "t", K.SPEC: {"capacity": 1024, "columns": {**COLUMNS, **huge}},
+                            K.ADD_COLUMNS: True})
+    assert pair.call(LIST).result == {"t": 3}
+    assert rewards(pair.call(TREAD, {Key.BIN: "t", K.INDICES: i64([0, 1, 2])})) == [0, 1, 2]
 
 
 def test_a_table_too_large_for_its_slot_state_gets_552():
@@ -475,6 +524,26 @@ def test_the_async_client_has_the_table_methods():
     assert results[2].value["x"].shape == (4, 2) and len(results[2]) == 4
     client.close()
     pump.flush()
+
+
+def test_a_durable_table_the_disk_cannot_hold_is_refused_452_and_a_replaced_one_stays(tmp_path):
+    """A table's files are allocated whole: one larger than the disk's free space is
+    refused before anything is made, and before the table it would replace is deleted."""
+    import shutil
+
+    from tensorshare.errors import StorageFullError
+
+    pair = Pair(data_dir=str(tmp_path / "data"))
+    make(pair, capacity=8)
+    insert(pair, 0, 2)
+    row = 1 << 20  # bytes a row: more rows than the disk has MiB free
+    rows = shutil.disk_usage(tmp_path).free // row + 1024
+    huge = {"capacity": rows, "columns": {"big": {"shape": [row], "dtype": "uint8"}}}
+    for fields in ({Key.BIN: "u", K.SPEC: huge}, {Key.BIN: "t", K.SPEC: huge, K.REPLACE: True}):
+        with pytest.raises(StorageFullError, match="no room on the disk"):
+            pair.call(TCREATE, fields)
+    assert pair.call(LIST).result == {"t": 2}
+    assert rewards(pair.call(TREAD, {Key.BIN: "t", K.INDICES: i64([0, 1])})) == [0, 1]
 
 
 def test_a_durable_tables_files_are_made_and_removed_by_disk_jobs(tmp_path):

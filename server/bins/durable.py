@@ -124,13 +124,29 @@ class DataDir:
         Its number comes from ``next_number()`` now, so numbers follow the order in
         which the bin's changes reach the disk.  Returns the item and its number."""
         bin_path = self.bin_path(name)
-        if not os.path.isdir(bin_path):
+        created = not os.path.isdir(bin_path)
+        if created:
             self._create_bin(name, bin_path)
         number = next_number()
         item_name = f"{number:0{_NUMBER_DIGITS}d}" + (_PUT_SUFFIX if replace else "")
-        stored = write_item(os.path.join(bin_path, item_name), description, segments, nbytes, tag,
-                            fsync=self.fsync, limits=self.limits)
+        try:
+            stored = write_item(os.path.join(bin_path, item_name), description, segments, nbytes, tag,
+                                fsync=self.fsync, limits=self.limits)
+        except BaseException:
+            if created:  # a refused first item leaves no bin behind (a restart would list it)
+                self._remove_empty_bin(bin_path)
+            raise
         return stored, number
+
+    def _remove_empty_bin(self, bin_path: str) -> None:
+        """Remove a bin directory that holds only its record (one a failed first write made)."""
+        try:
+            if os.listdir(bin_path) == [BIN_RECORD]:
+                shutil.rmtree(bin_path)
+                if self.fsync:
+                    fsync_dir(self.bins_dir)
+        except OSError:
+            pass  # (left as it was: an empty bin, as before)
 
     def _create_bin(self, name: str, bin_path: str) -> None:
         tmp = os.path.join(self.bins_dir, f"{HALF_MADE}{uuid.uuid4().hex}")

@@ -53,8 +53,11 @@ def parse_spec(spec: dict) -> dict:
     if unknown:
         raise TableSpecError(f"unknown table setting {unknown[0]!r:.60} (known: {', '.join(SPEC_DEFAULTS)})")
     full = {**SPEC_DEFAULTS, **spec}
-    if full["capacity"] is None:
+    capacity = full["capacity"]
+    if capacity is None:
         raise TableSpecError("a table needs a capacity")
+    if not isinstance(capacity, int) or isinstance(capacity, bool) or not 1 <= capacity <= MAX_CAPACITY:
+        raise TableSpecError(f"capacity must be an int in [1, 2**40], not {capacity!r:.60}")
     eb = full["error_buffer"]
     if isinstance(eb, list):
         full["error_buffer"] = tuple(eb)
@@ -84,13 +87,16 @@ def default_max_rows(memory_limit: int | None) -> int:
     """The slots all tables of a server may have together when ``--max-table-rows`` is
     not given: what ``memory_limit`` (without one, the machine's memory) holds at
     :data:`STATE_BYTES_PER_ROW` each."""
-    budget = memory_limit
-    if budget is None:
-        try:
-            budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError):
-            budget = 16 << 30
+    budget = physical_memory() if memory_limit is None else memory_limit
     return max(1, budget // STATE_BYTES_PER_ROW)
+
+
+def physical_memory() -> int:
+    """The machine's memory in bytes (16 GiB where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 16 << 30
 
 
 def dir_key(name: str) -> str:
@@ -154,9 +160,7 @@ def check_settings(full: dict) -> None:
     """Raise what :func:`make_table` would raise for the settings ``full`` (501), without
     making a table of their capacity: the engine makes one of a single row with them
     (its rate limits checked apart, as they may need more rows than one)."""
-    capacity = full["capacity"]
-    if not isinstance(capacity, int) or isinstance(capacity, bool) or not 1 <= capacity <= MAX_CAPACITY:
-        raise TableSpecError(f"capacity must be an int in [1, 2**40], not {capacity!r}")
+    capacity = full["capacity"]  # (an int in range: parse_spec checked it)
     make_table({**full, "capacity": 1, "min_size_to_sample": 1, "samples_per_insert": None,
                 "error_buffer": None}).close()
     min_size = full["min_size_to_sample"]

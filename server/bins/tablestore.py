@@ -58,7 +58,7 @@ from .tables.values import Gathered, columns_of, float64_bytes, int64_bytes
 from .tables.rowreads import RowReads
 from .tablespec import (
     LIMIT_KEYS, check_settings, column_bytes, default_max_rows, dir_key, fixed, json_spec, make_table, parse_spec,
-    plain, write_files,
+    physical_memory, plain, write_files,
 )
 
 log = logging.getLogger("tensorshare.server")
@@ -120,6 +120,21 @@ class Drawn:
         self.lengths = getattr(rows, "lengths", None)  # a sample of sequences: each one's real length
         self.gathered, self.items = gathered, rows.items
         self.seq, self.tensordict = entry.seq, entry.tensordict
+
+
+def _check_disk(root: str, nbytes: int, freed: int = 0) -> None:
+    """452 unless the file system of ``root`` (or of its nearest existing parent) has
+    room for ``nbytes`` of new files, counting ``freed`` bytes that will be given back
+    first: a table's files are allocated whole when made."""
+    path = root
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return  # (not known: making the files will say)
+    if nbytes > free + freed:
+        raise StorageFullError(f"no room on the disk for a table of {nbytes} bytes ({free} bytes free)")
 
 
 class TableStore:
@@ -194,8 +209,8 @@ class TableStore:
         nbytes, directory, keep, state = self._placement(name, full)
         capacity = full["capacity"]
         if directory is None and capacity <= MADE_INLINE:
+            table, items = self._make_in_memory(full)  # (501 or 452 before its rows are counted)
             self.total_rows += capacity
-            table, items = self._make_in_memory(full)
             done(self._add(name, full, table, state + nbytes, None, items), None)
             return
         self._making[name] = []
@@ -238,7 +253,7 @@ class TableStore:
         self.total_rows -= entry.table.capacity
         self.store.table_bytes -= released
         try:
-            self._placement(name, full)
+            self._placement(name, full, entry.nbytes if entry.directory is not None else 0)
         finally:
             self.by_name[name] = entry
             self.total_rows += entry.table.capacity
@@ -256,10 +271,12 @@ class TableStore:
         except RemoteError as exc:
             done(None, exc)
 
-    def _placement(self, name: str, full: dict) -> tuple[int, str | None, bool, int]:
+    def _placement(self, name: str, full: dict, freed_disk: int = 0) -> tuple[int, str | None, bool, int]:
         """``(column bytes in memory, directory or None, keep, state bytes)`` of a new
         table: where its columns live, and the memory its per-slot state takes; the
-        limits that refuse it first."""
+        limits that refuse it first, the machine's memory and the disk's free space
+        (``freed_disk``: bytes of files a replaced table gives back) among them, so that a
+        replacement refused for them leaves the old table as it was."""
         if self.store.exists(name):
             raise BadNameError(f"{name!r} is a bin: a table needs a name no bin uses")
         if len(self.by_name) + len(self._making) >= self.max_tables:
@@ -281,6 +298,7 @@ class TableStore:
             # it is neither spilled nor durable.
             return 0, None, False, state
         if self.data_root is not None:
+            _check_disk(self.data_root, nbytes, freed_disk)
             return 0, os.path.join(self.data_root, dir_key(name)), True, state
         if self.memory.over_budget(state + nbytes):
             if self.spill_root is None:
@@ -288,7 +306,13 @@ class TableStore:
                                        f"does not fit in the memory budget (--memory-limit "
                                        f"{self.memory.memory_limit}, {self.memory.in_use()} in use) and the server "
                                        f"has no spill directory")
+            _check_disk(self.spill_root, nbytes, freed_disk)
             return 0, os.path.join(self.spill_root, str(next(self._spilled))), False, state
+        machine = physical_memory()
+        if state + nbytes > machine:  # (without --memory-limit the budget does not say so)
+            raise StorageFullError(f"no memory for a table of {capacity} rows: {state + nbytes} bytes are more than "
+                                   f"the machine's {machine} (give the server --memory-limit and --spill-dir to "
+                                   f"keep its columns in files)")
         return nbytes, None, False, state
 
     def _make_files(self, name: str, full: dict, directory: str, keep: bool) -> tuple[Table, None]:
@@ -337,8 +361,15 @@ class TableStore:
         if entry.directory is None and self.memory.over_budget(nbytes):
             raise StorageFullError(f"{nbytes} more bytes of columns in memory are over the memory budget "
                                    f"(--memory-limit {self.memory.memory_limit})")
+        if entry.directory is None and entry.nbytes + nbytes > physical_memory():
+            raise StorageFullError(f"no memory for {nbytes} more bytes of columns: the table's would be more than "
+                                   f"the machine's {physical_memory()}")
         if entry.directory is None:  # in memory: no file to make
-            self._attach_columns(entry, new, entry.table.new_columns(new), nbytes, done)
+            try:
+                arrays = entry.table.new_columns(new)
+            except MemoryError:
+                raise StorageFullError(f"no memory for {nbytes} more bytes of columns") from None
+            self._attach_columns(entry, new, arrays, nbytes, done)
             return
         name = entry.name
         self._making[name] = []

@@ -93,7 +93,7 @@ def parse_columns(columns: Mapping[str, Any] | None) -> tuple[ColumnSpec, ...]:
             raise TableSpecError(f"column {name!r}: expected (shape, dtype), got {spec!r}")
         if isinstance(dtype, str) and dtype.startswith("torch."):
             dtype = dtype[len("torch."):]
-        if dtype not in TORCH_WIDTHS:
+        if not isinstance(dtype, str) or dtype not in TORCH_WIDTHS:
             raise TableSpecError(f"column {name!r}: unknown dtype {dtype!r}")
         if isinstance(shape, int):
             shape = (shape,)

@@ -35,6 +35,12 @@ from numbers import Integral, Real
 from .errors import TableSpecError
 
 
+# The most a balance bound may be, and the most inserts a window may span: counts and
+# their products stay exact floats, and the decisions' arithmetic finite (a window of
+# 1e308, or a ratio of 1e-300, overflowed the counts of allowed rows to infinity).
+MAX_BALANCE = 2.0 ** 53
+
+
 class RateLimiter:
     """The rate-limiter state of one table: its limits and the insert/sample balance."""
 
@@ -75,6 +81,10 @@ class RateLimiter:
                 raise TableSpecError(f"the error buffer's window ({min_diff:g}, {max_diff:g}) must span at "
                                      f"least 2 * max(1, samples_per_insert) = {2 * max(1.0, spi):g}, or it "
                                      f"could block inserts and samples for good")
+            if max(-min_diff, max_diff) > MAX_BALANCE or (max_diff - min_diff) / spi > MAX_BALANCE:
+                raise TableSpecError(f"the error buffer's window ({min_diff:g}, {max_diff:g}) is too wide for "
+                                     f"samples_per_insert {spi:g}: its bounds, and the inserts it spans, must "
+                                     f"stay within 2**53")
             if min_diff > centre:
                 raise TableSpecError(f"min_diff {min_diff:g} is above samples_per_insert * min_size_to_sample "
                                      f"= {centre:g}: no sample could follow the first inserts")
