@@ -1278,8 +1278,9 @@ def test_memmap_files_are_tensordicts_layout(tmp_path):
     t_keys = t.write([0, 3, 6, 9], {"obs": obs, "w": RawArray("bfloat16", (4, 2), w_bits.tobytes()),
                                     "r": r}).keys.tolist()
     assert sorted(os.listdir(directory)) == ["_slots", "obs.memmap", "r.memmap", "w.memmap"]
-    assert sorted(os.listdir(os.path.join(directory, "_slots"))) == ["flags.bin", "key.bin", "priority.bin",
-                                                                     "times_sampled.bin", "tree_count.bin",
+    assert sorted(os.listdir(os.path.join(directory, "_slots"))) == ["flags.bin", "key.bin", "next_seq.bin",
+                                                                     "priority.bin", "times_sampled.bin",
+                                                                     "tree_count.bin",
                                                                      "tree_oldest.bin"]
     assert os.path.getsize(os.path.join(directory, "obs.memmap")) == 10 * 6
     raw = np.fromfile(os.path.join(directory, "r.memmap"), np.float32)
@@ -1305,6 +1306,82 @@ def test_memmap_files_are_tensordicts_layout(tmp_path):
     assert td["w"][[0, 3, 6, 9]].view(torch.int16).numpy().view(np.uint16).tolist() == w_bits.tolist()
     assert td["w"][0].tolist() == [1.0, 2.0]
     assert td["r"][[0, 3, 6, 9]].tolist() == r.tolist()
+
+
+class _Killed(BaseException):
+    """The server dies here (the mapped files keep what was written before)."""
+
+
+def _reopened(directory: str, **spec) -> Table:
+    return Table(backing=tables.MemmapBacking(directory, keep=True, reopen=True), **spec)
+
+
+def test_keys_never_come_back_after_a_restart_that_was_not_clean(tmp_path):
+    """The newest rows left (removed, sampled out) before a kill: their keys are not
+    given again, so a learner's update for one cannot reach a new row."""
+    for spec, leave in (({"sampler": "uniform"}, "remove"),
+                        ({"sampler": "fifo", "remover": None, "max_times_sampled": 1}, "sample")):
+        spec = {"capacity": 8, "columns": {"x": ((), "int64")}, **spec}
+        directory = str(tmp_path / leave)
+        t = Table(backing=tables.MemmapBacking(directory, keep=True), **spec)
+        given = t.insert(scalars(5)).keys.tolist()
+        t.remove(given[-2:]) if leave == "remove" else t.sample(5)
+        again = _reopened(directory, **spec)  # (no shut: as after kill -9)
+        new = again.insert(scalars(3)).keys.tolist()
+        assert min(new) > max(given), (leave, given, new)
+        assert again.update_priorities(given[-2:], [5.0, 5.0]) == 0
+        again.close()
+        t.close()
+
+
+@pytest.mark.parametrize("sampler", ["fifo", "prioritized"])
+def test_a_row_sampled_out_when_the_server_died_leaves_at_the_restart(tmp_path, monkeypatch, sampler):
+    """Killed after a sample counted a row to ``max_times_sampled`` but before the row
+    was cleared: the restart takes it out (a fifo sample failed on it for good; a
+    prioritized one redrew it round after round)."""
+    directory = str(tmp_path / "t")
+    spec = {"capacity": 4, "columns": {"x": ((), "int64")}, "sampler": sampler, "max_times_sampled": 1,
+            "remover": None}
+    t = Table(backing=tables.MemmapBacking(directory, keep=True), **spec)
+    keys = t.insert(scalars(3), priorities=[1e6, 1.0, 1.0]).keys.tolist()
+
+    def forget(self, slots):
+        raise _Killed
+
+    with monkeypatch.context() as m:
+        m.setattr(sys.modules[f"{_NAME}.slots"].Slots, "forget", forget)
+        with pytest.raises(_Killed):
+            t.sample(1)  # (the oldest row for fifo; the row of priority 1e6, nearly always)
+    again = _reopened(directory, **spec)
+    spent = [k for k in keys if k not in again.slots()["keys"].tolist()]
+    assert len(spent) == 1 and again.size == 2
+    drawn = again.sample(2).keys.tolist()
+    assert sorted(drawn) == sorted(set(keys) - set(spent))
+    assert again.size == 0 and not again.can_sample(1)
+
+
+def test_a_sample_whose_rows_cannot_be_read_leaves_every_row_as_it_was(monkeypatch):
+    """A draw with ``max_times_sampled`` takes spent rows out as it redraws; a gather
+    that then fails puts them back (it counted nothing): the rows stay, once each."""
+    t = x_table(4, max_times_sampled=1, rng=1)
+    keys = t.insert(scalars(4)).keys
+
+    def gather(*args):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(t._backing, "gather", gather)
+    with pytest.raises(tables.RowsNotReadError):
+        t.sample(4)
+    monkeypatch.undo()
+    assert t.size == 4 and t.occupied().tolist() == [0, 1, 2, 3] and t.can_sample(4)
+    assert sorted(t.sample(4).keys.tolist()) == sorted(keys.tolist()) and t.size == 0
+
+
+def test_no_sequences_is_an_empty_sample():
+    t = x_table(8)
+    t.insert(scalars(8))
+    drawn = t.sample_sequences(0, 2)
+    assert drawn.keys.size == 0 and drawn.lengths.size == 0 and t.samples == 0
 
 
 # -- rows a caller drew itself, new columns, pages of slots (TorchRL over a table)

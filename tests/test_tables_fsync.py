@@ -213,9 +213,13 @@ def test_a_change_whose_flush_is_refused_is_undone(tmp_path, engine):
     with pytest.raises(engine.NotFlushedError):  # replaces a row: recorded in the journal first
         table.insert({"x": np.array([9], dtype=np.int64)})
     assert backing.journal._clear and table.size == 3  # the record is forgotten; the row replaced left
+    held = table.occupied().tolist()
+    assert table._sampler.tree.total == pytest.approx(sum(table.read(held).priorities))  # (the trees agree)
+    assert set(table.sample(50).indices.tolist()) <= set(held)
     flushing_again(backing, undo)
-    assert table.insert({"x": np.array([9], dtype=np.int64)}).keys.size == 1
-    assert 9 in table.read(table.occupied()).values["x"].to_numpy().tolist()
+    written = table.insert({"x": np.array([8, 9], dtype=np.int64)})  # the free slot, then the oldest row's
+    assert len(set(written.indices.tolist())) == 2 and table.size == 4
+    assert sorted(table.read(table.occupied()).values["x"].to_numpy().tolist()) == [2, 3, 8, 9]
 
 
 def test_a_replacing_change_killed_midway_is_finished_and_flushed_by_the_restart(tmp_path, data_dir, engine, monkeypatch):

@@ -54,8 +54,20 @@ class Slots:
         self.flags = state["flags"]
         self.count = CountTree(capacity, self.live, arrays=arrays)
         self.size = 0
-        self.next_seq = 0  # seq of the next row
+        # the seq of the next row, kept with the state (a file of a durable table): a
+        # restart after a kill goes on from it, not from the newest key held, whose row
+        # may not be the newest the table gave a key (those that left after it)
+        self._next_seq = arrays("next_seq", np.int64, 1, 0)
         self._max_seq = (KEY_LIMIT - (capacity - 1)) // capacity  # past it a key would overflow int64
+
+    @property
+    def next_seq(self) -> int:
+        """The seq of the next row: keys given so far are below ``next_seq * capacity``."""
+        return int(self._next_seq[0])
+
+    @next_seq.setter
+    def next_seq(self, seq: int) -> None:
+        self._next_seq[0] = seq
 
     @staticmethod
     def bytes_for(capacity: int) -> int:
@@ -202,6 +214,13 @@ class Slots:
             if recount:
                 self.count.changed(slots)
 
+    def revive(self, slots: np.ndarray) -> None:
+        """Undo :meth:`vacate` of ``slots`` (distinct, not forgotten since): occupied again."""
+        if slots.size:
+            self.flags[as_index(slots)] |= LIVE
+            self.size += slots.size
+            self.count.changed(slots)
+
     def forget(self, slots: np.ndarray) -> None:
         """Clear the state of vacated ``slots``."""
         at = as_index(slots)
@@ -232,25 +251,32 @@ class Slots:
             total += int(np.maximum(left, 0)[(np.asarray(self.flags[part]) & LIVE) != 0].sum())
         return total
 
-    def restore(self) -> None:
+    def restore(self, max_times_sampled: int = 0) -> None:
         """Take the state found in the arrays (a table reopened from its files): every
         slot with a key is live again (a row a killed server was removing included),
-        and the keys go on after the newest.  A piece at a time (a few at once): no
-        temporary of the table's size."""
+        but for rows already sampled ``max_times_sampled`` times (a killed server was
+        taking them out: they leave now, else no sample could pass them); the keys go
+        on from the seq kept, or after the newest key held if that is later.  A piece
+        at a time (a few at once): no temporary of the table's size."""
         def piece(first: int, stop: int, part: slice) -> tuple[int, int]:
             key = np.asarray(self.key[part])
             has_key = key >= 0
+            newest = int(key.max()) if has_key.any() else -1
+            if max_times_sampled:
+                spent = has_key & (np.asarray(self.times_sampled[part]) >= max_times_sampled)
+                if spent.any():
+                    self.forget(np.flatnonzero(spent) + first)
+                    has_key &= ~spent
             flags = self.flags[part]
             fixed = np.where(has_key, flags | LIVE, flags & ~LIVE)
             if (fixed != flags).any():  # (a clean table's flags are right: its pages stay clean)
                 flags[:] = fixed
-            held = int(np.count_nonzero(has_key))
-            return held, int(key.max()) if held else -1
+            return int(np.count_nonzero(has_key)), newest
 
         pieces = each_chunk(Blocks(self.capacity, 1), piece)
         self.size = sum(held for held, _ in pieces)
         newest = max(newest for _, newest in pieces)
-        self.next_seq = newest // self.capacity + 1 if newest >= 0 else 0
+        self.next_seq = max(self.next_seq, newest // self.capacity + 1 if newest >= 0 else 0)
         head = np.asarray(self.key[:1 << 16])  # (a look at the first slots' keys: each names its own slot)
         if ((head % self.capacity) != np.arange(head.size))[head >= 0].any():
             raise TableSpecError("the table's files are not of this capacity")
@@ -261,7 +287,7 @@ class Slots:
         file holds it); False for a note of another capacity."""
         if note.get("capacity") != self.capacity:
             return False
-        self.size, self.next_seq = int(note["size"]), int(note["next_seq"])
+        self.size, self.next_seq = int(note["size"]), max(self.next_seq, int(note["next_seq"]))
         return True
 
 

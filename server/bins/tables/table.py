@@ -305,15 +305,25 @@ class Table:
         buffers = out_buffers(self.columns if self._items is None else None, out, n)  # checked before anything changes
         rng = self.rng if rng is None else rng
         size = self.size
+        unlinked: list[np.ndarray] = []  # rows a redraw took out of the draw (spent by this sample)
+
+        def unlink(spent: np.ndarray) -> None:
+            self._unlink(spent)
+            unlinked.append(spent)
+
         if n == 0:
             slots, probabilities = EMPTY, np.zeros(0)
         elif self._sampler.ordered:
             slots, probabilities = picks.in_order(self._sampler, self._slots, self.max_times_sampled, n)
         else:
-            slots, probabilities = picks.drawn(self._sampler, self._slots, self.max_times_sampled, n, rng,
-                                              self._unlink)
+            slots, probabilities = picks.drawn(self._sampler, self._slots, self.max_times_sampled, n, rng, unlink)
         self._backing.prefetch(slots)
-        values, items = self._gather(slots, buffers)  # (first: a read that fails counts nothing)
+        try:
+            values, items = self._gather(slots, buffers)  # (first: a read that fails counts nothing)
+        except BaseException:
+            for spent in unlinked:  # nothing counted: the rows the draw took out are back in it
+                self._relink(spent)
+            raise
         state = self._slots
         done = self._count_samples(slots)
         sample = Sample(state.key[slots], slots, state.priority[slots], state.times_sampled[slots], values, items,
@@ -345,8 +355,11 @@ class Table:
                                   f"(samples allowed now: {self.samples_allowed()})")
         buffers = out_buffers(self.columns if self._items is None else None, out, n * length)
         size = self.size
-        slots, probabilities, lengths = sequences.draw(self._sampler, self._slots, n, length, pad,
-                                                       self.rng if rng is None else rng)
+        if n == 0:
+            slots, probabilities, lengths = EMPTY, np.zeros(0), np.zeros(0, np.int64)
+        else:
+            slots, probabilities, lengths = sequences.draw(self._sampler, self._slots, n, length, pad,
+                                                           self.rng if rng is None else rng)
         self._backing.prefetch(slots)
         values, items = self._gather(slots, buffers)
         real = (np.arange(length) < lengths[:, None]).reshape(-1)
@@ -502,7 +515,7 @@ class Table:
         state = self._slots
         scanning = getattr(self._backing, "scanning", contextlib.nullcontext)
         with scanning():
-            state.restore()
+            state.restore(self.max_times_sampled)
             for index in self._indexes:
                 index.rebuild()
         self.inserts = state.size
@@ -605,7 +618,9 @@ class Table:
                 store[slot] = item
         keys = self._slots.fill(slots, priorities, ends, recount=fresh)
         if self._sync_state is not None:
-            self._flushed(lambda: self._unfill(slots), "the rows are not in the table")
+            replaced = fresh is not None and fresh.size < slots.size
+            self._flushed(lambda: self._unfill(slots), "the rows are not in the table"
+                          + (", and the rows they were to replace have left it" if replaced else ""))
         self._journal_done()
         for index in self._indexes:
             index.added(slots)
@@ -618,10 +633,18 @@ class Table:
 
     def _unfill(self, slots: np.ndarray) -> None:
         """Undo :meth:`_slots.fill` of ``slots`` (before the indexes heard of them); a
-        change recorded in the journal is forgotten."""
+        change recorded in the journal is forgotten.  The indexes look at the slots
+        again: rows removed to make room for these (``reindex=False``) left them
+        holding the old rows."""
         self._slots.vacate(slots)
         self._slots.forget(slots)
         self._journal_done()
+        self._reindex(slots)
+
+    def _reindex(self, slots: np.ndarray) -> None:
+        """Every index takes ``slots`` as their state now says (each recomputes them)."""
+        for index in self._indexes:
+            index.removed(slots)
 
     def _flushed(self, undo, undone: str) -> None:
         """The state a change set flushed to the table's files (``--fsync``); if the
@@ -658,8 +681,14 @@ class Table:
         if slots.size:
             self._slots.vacate(slots, reindex)
             if reindex:
-                for index in self._indexes:
-                    index.removed(slots)
+                self._reindex(slots)
+
+    def _relink(self, slots: np.ndarray) -> None:
+        """Undo :meth:`_unlink` of ``slots`` (not forgotten since): they are occupied
+        again, and every index sees them."""
+        if slots.size:
+            self._slots.revive(slots)
+            self._reindex(slots)
 
     def _forget(self, slots: np.ndarray, clear: bool = True) -> list | None:
         """Clear unlinked ``slots`` (``clear`` False: their state is left to be
