@@ -18,7 +18,7 @@ import torch
 import tensorshare
 from tensorshare import errors
 from tensorshare.errors import TensorShareError
-from tensorshare.protocol.messages import PEEK, PUT, Key
+from tensorshare.protocol.messages import DELETE, PEEK, PUT, Key
 from tensorshare.wire.codec import Encoded
 from serverproc import ServerProcess
 
@@ -345,6 +345,11 @@ def test_an_ephemeral_bin_put_through_a_relay_ends_with_its_client(pair):
     assert "members/w1" in up.list()
     with pytest.raises(errors.BadRequestError):  # upstream's rule holds: only ephemeral PUTs replace it
         member.append("members/w1", 1)
+    # a DELETE for another owner changes nothing, and says so with the bin's n (§4.6), which
+    # the relay (mirroring nothing of it: nobody listens there) takes from the upstream
+    other = member._call(DELETE, {Key.BIN: "members/w1", Key.OWNER: b"another-client"},
+                         then=lambda reply: reply.header[Key.N])
+    assert other == 1 and "members/w1" in up.list()
     member.close()  # the worker goes: the relay deletes its bin upstream
     wait_until(lambda: "members/w1" not in up.list(), what="the ephemeral bin deleted upstream")
 

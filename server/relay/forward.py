@@ -190,15 +190,16 @@ def delete(session, request):
     if not relay.follows(name):
         return local.delete(session, request)
     fields = {Key.BIN: name}
+    owned = True
     if request.owner is not None:  # a relay following this one: its client's bin, if still that one's
-        owner = relay.owner_value(session, request.owner)
-        if not session.state.ephemeral.owns(name, session, owner):  # nothing changes (§4.6)
-            state = session.storage.state(name)
-            return DELETE.reply(request.id, n=state.n_items, seq=state.seq)
-        fields[Key.OWNER] = owner
+        fields[Key.OWNER] = owner = relay.owner_value(session, request.owner)
+        # not this client's: the upstream changes nothing either (§4.6, its claim has another
+        # owner value), and answers with n and seq as they are (this relay's mirror may have none)
+        owned = session.state.ephemeral.owns(name, session, owner)
 
     def deleted(reply) -> dict:
-        session.state.ephemeral.forget(name)
+        if owned:
+            session.state.ephemeral.forget(name)
         return DELETE.reply(request.id, n=reply.header[Key.N],
                             seq=_local_seq(session, name, reply.header[Key.SEQ])[2])
 
