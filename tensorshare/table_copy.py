@@ -4,9 +4,12 @@
 tensordict's memmap layout, the table's settings and each row's slot, key,
 priority and sample count); ``Client.load_table`` makes the table again from one,
 each row at its slot with its priority (sample counts start again, as after a
-restart).  Rows are read in pieces of about :data:`PIECE` bytes, so a table larger
-than memory is copied in the memory of one piece.  Rows inserted while a copy is
-made may or may not be in it; pause the writers for an exact copy.
+restart), written in the order of the rows' keys so that they keep their age.  Rows
+are read in pieces of about :data:`PIECE` bytes, so a table larger than memory is
+copied in the memory of one piece.  A row that changes while a copy is made (replaced
+by an insert, sampled out) is left out of it, and every row in it is whole; pause the
+writers for an exact copy.  A checkpoint's settings and rows are checked before the
+table it replaces is touched (:func:`~tensorshare.disk.tables.read_checkpoint`).
 
 The client's ``TableCopies`` (``tensorshare/_client/table_copy.py``) gives ``Client``
 those two methods; ``AsyncClient.load_table`` runs the same steps (:func:`loading`)
@@ -21,7 +24,7 @@ import numpy as np
 import torch
 
 from .disk.tables import CheckpointWriter, read_checkpoint
-from .errors import UsageError
+from .errors import BadRequestError, TensorShareError, UsageError
 
 PIECE = 32 << 20  # bytes of rows per read
 
@@ -44,8 +47,10 @@ def occupied(client, name: str, capacity: int | None = None) -> dict[str, torch.
     and ``ends``: where no sequence runs past a row, because its episode ends (a
     server without episode marks: none) or, given the table's ``capacity``, because
     the row in the next slot does not follow it in the table's stream (PROTOCOL.md
-    §12.6).  Rows written back in slot order (:func:`write_rows`) so form the same
-    sequences: a ring's newest row is not followed by its oldest."""
+    §12.6), but for the newest row (the next insert follows it, in a copy as in the
+    table).  Rows written back in the order of their keys (:func:`write_rows`) keep
+    their age order, and so form the same sequences: once rows between two have
+    left, the two are marked apart."""
     pages, start = [], 0
     while start is not None:
         page = client.table_info(name, slots=start)["slots"]
@@ -57,16 +62,57 @@ def occupied(client, name: str, capacity: int | None = None) -> dict[str, torch.
     if capacity is not None and state["indices"].numel():
         index, seq = state["indices"], state["keys"] // capacity
         follows = ((index + 1) % capacity == index.roll(-1)) & (seq.roll(-1) == seq + 1)
+        follows[state["keys"].argmax()] = True
         state["ends"] = state["ends"] | ~follows
     return state
 
 
-def pieces(client, name: str, indices: torch.Tensor, row_bytes: int) -> Iterator[tuple[int, int, dict]]:
-    """``(start, stop, {column: tensor})``: the rows at ``indices[start:stop]``, a piece at a time."""
+def pieces(client, name: str, indices: torch.Tensor, keys: torch.Tensor,
+           row_bytes: int) -> Iterator[tuple[int, int, dict, torch.Tensor]]:
+    """``(start, stop, {column: tensor}, same)``: of the rows :func:`occupied` found at
+    ``indices[start:stop]`` with ``keys``, those still there (``same``, a mask over the
+    piece) and their columns, a piece at a time.  A row that left meanwhile, or was
+    replaced by another, is left out: every row given is whole, its state the one
+    ``keys`` came with (rows change while a copy is made: TINSERT, a sample's
+    ``max_times_sampled``)."""
     step = max(1, PIECE // max(row_bytes, 1))
     for start in range(0, indices.numel(), step):
         stop = min(start + step, indices.numel())
-        yield start, stop, client.read(name, indices[start:stop])
+        values, same = _read_still_held(client, name, indices[start:stop], keys[start:stop])
+        yield start, stop, values, same
+
+
+def _read_still_held(client, name: str, indices: torch.Tensor, keys: torch.Tensor,
+                     tries: int = 8) -> tuple[dict, torch.Tensor]:
+    """The rows at ``indices`` that still have ``keys``: their columns and a mask of
+    which.  A read refused for a slot that no longer holds a row is made again without
+    the slots found empty (a few times: rows may keep leaving)."""
+    held = torch.ones(indices.numel(), dtype=torch.bool)
+    for _ in range(tries):
+        want = held.nonzero().reshape(-1)
+        try:
+            values, found = client.read(name, indices[want], with_keys=True)
+        except BadRequestError:  # (501: a slot holds no row, its row gone since)
+            still = _held_slots(client, name, indices[want])
+            if bool(still.all()):
+                raise
+            held[want[~still]] = False
+            continue
+        same = torch.zeros(indices.numel(), dtype=torch.bool)
+        same[want] = found == keys[want]
+        kept = same[want]
+        return {column: tensor[kept] for column, tensor in values.items()}, same
+    raise TensorShareError(f"table {name!r}: rows kept leaving while they were read ({tries} tries)")
+
+
+def _held_slots(client, name: str, indices: torch.Tensor) -> torch.Tensor:
+    """Which of ``indices`` (ascending) hold a row now."""
+    found, start, last = [], int(indices[0]), int(indices[-1])
+    while start is not None and start <= last:
+        page = client.table_info(name, slots=start)["slots"]
+        found.append(page["indices"])
+        start = page["next"]
+    return torch.isin(indices, torch.cat(found)) if found else torch.zeros(indices.numel(), dtype=torch.bool)
 
 
 def save_table(client, name: str, path, *, overwrite: bool = False) -> int:
@@ -77,18 +123,22 @@ def save_table(client, name: str, path, *, overwrite: bool = False) -> int:
         raise UsageError(f"table {name!r} holds items, not columns: only tables of columns are saved")
     spec = table_spec(info)
     state = occupied(client, name, info["capacity"])
-    rows = int(state["indices"].numel())
-    writer = CheckpointWriter(path, name, spec, rows, overwrite=overwrite)
+    writer = CheckpointWriter(path, name, spec, int(state["indices"].numel()), overwrite=overwrite)
     try:
-        for what, key in (("index", "indices"), ("key", "keys"), ("priority", "priorities"),
-                          ("times_sampled", "times_sampled"), ("ends", "ends")):
-            writer.state(what)[:] = state[key].numpy()
+        arrays = {key: writer.state(what) for what, key in (("index", "indices"), ("key", "keys"),
+                                                            ("priority", "priorities"),
+                                                            ("times_sampled", "times_sampled"), ("ends", "ends"))}
         files = {c.name: (c, writer.column(c)) for c in writer.columns}
         row_bytes = sum(c.row_bytes for c in writer.columns)
-        for start, stop, values in pieces(client, name, state["indices"], row_bytes):
+        rows = 0  # rows written: those that changed while the copy was made are left out
+        for start, stop, values, same in pieces(client, name, state["indices"], state["keys"], row_bytes):
+            n = int(same.sum())
+            for key, array in arrays.items():
+                array[rows:rows + n] = state[key][start:stop][same].numpy()
             for column, (spec_, array) in files.items():
-                array[start:stop] = _bytes(values[column]).reshape(stop - start, spec_.row_bytes)
-        writer.finish()
+                array[rows:rows + n] = _bytes(values[column]).reshape(n, spec_.row_bytes)
+            rows += n
+        writer.finish(rows)
     except BaseException:
         writer.abort()
         raise
@@ -118,33 +168,41 @@ def loading(client, path, name: str | None, replace: bool) -> Generator[Any, Any
     name = checkpoint.name if name is None else name
     if not replace and name in (yield client.list()):
         raise UsageError(f"{name!r} exists (replace=True replaces it)")
+    state = checkpoint.state
     yield client.create_table(name, replace=True, **checkpoint.spec)
-    for indices, columns, priorities, ends in row_pieces(checkpoint.state["index"], _columns(checkpoint),
-                                                         checkpoint.state["priority"], checkpoint.state.get("ends")):
+    for indices, columns, priorities, ends in row_pieces(state["index"], _columns(checkpoint), state["priority"],
+                                                         state.get("ends"), state["key"]):
         yield client.write(name, indices, columns, priorities, ends=ends)
     return checkpoint.rows
 
 
-def write_rows(client, name: str, indices, columns: dict[str, torch.Tensor], priorities=None, ends=None) -> None:
+def write_rows(client, name: str, indices, columns: dict[str, torch.Tensor], priorities=None, ends=None,
+               keys=None) -> None:
     """Write rows at their slot ``indices`` (with their ``priorities`` and episode
-    ``ends``), a piece at a time."""
-    for indices, columns, priorities, ends in row_pieces(indices, columns, priorities, ends):
+    ``ends``), a piece at a time, in the order of their old ``keys`` if given."""
+    for indices, columns, priorities, ends in row_pieces(indices, columns, priorities, ends, keys):
         client.write(name, indices, columns, priorities, ends=ends)
 
 
-def row_pieces(indices, columns: dict[str, torch.Tensor], priorities=None, ends=None) -> Iterator[tuple]:
-    """``(indices, columns, priorities, ends)`` of about :data:`PIECE` bytes of rows each."""
+def row_pieces(indices, columns: dict[str, torch.Tensor], priorities=None, ends=None, keys=None) -> Iterator[tuple]:
+    """``(indices, columns, priorities, ends)`` of about :data:`PIECE` bytes of rows
+    each; with the rows' old ``keys``, in their order: the table gives keys in the
+    order rows are written, so the rows keep their age (a fifo table removes, and a
+    fifo sampler draws, the oldest first, as before)."""
     indices = torch.as_tensor(np.asarray(indices), dtype=torch.int64)
     n = indices.numel()
     if not n:
         return
+    order = None if keys is None else torch.from_numpy(np.argsort(np.asarray(keys), kind="stable"))
     row_bytes = sum(t[:1].numel() * t.element_size() for t in columns.values())
     step = max(1, PIECE // max(row_bytes, 1))
     for start in range(0, n, step):
         stop = min(start + step, n)
-        yield (indices[start:stop], {k: v[start:stop] for k, v in columns.items()},
-               None if priorities is None else torch.as_tensor(np.asarray(priorities[start:stop])),
-               None if ends is None else np.asarray(ends[start:stop]))
+        part = slice(start, stop) if order is None else order[start:stop]
+        yield (indices[part], {k: v[part] for k, v in columns.items()},
+               None if priorities is None else torch.as_tensor(np.asarray(priorities)[part.numpy()
+                                                                                      if order is not None else part]),
+               None if ends is None else np.asarray(ends)[part.numpy() if order is not None else part])
 
 
 def mapped_columns(path) -> dict[str, torch.Tensor]:

@@ -52,9 +52,13 @@ class GateProxy:
         while not self._closed:
             try:
                 client, _ = self._listener.accept()
-                upstream = socket.create_connection(("127.0.0.1", self.target))
             except OSError:
                 return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:  # the target is down (restarting): this client is refused, the next may pass
+                client.close()
+                continue
             self._sockets += [client, upstream]
             threading.Thread(target=self._pipe, args=(client, upstream, False), daemon=True).start()
             threading.Thread(target=self._pipe, args=(upstream, client, True), daemon=True).start()

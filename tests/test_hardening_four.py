@@ -24,6 +24,7 @@ import sys
 import termios
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,6 +32,7 @@ import tensorshare
 from opsproc import OpsServer, http_get
 from serverproc import ServerProcess
 from tensorshare import TensorShare
+from tensorshare.disk.layout import LayoutError
 from tensorshare.errors import BadRequestError, TensorShareError, TooLargeError
 from tensorshare._client.connection import NO_VALUE, request_frame
 from tensorshare.protocol.messages import PUT, Key, TableKey
@@ -353,6 +355,20 @@ def test_10_a_refused_load_table_leaves_the_live_table_as_it_was(tmp_path):
                 shutil.copytree(tmp_path / "good", tmp_path / bad)
                 _checkpoint_with(tmp_path / bad, **settings)
                 with pytest.raises(error):
+                    c.load_table(tmp_path / bad, "t")
+                assert c.table_info("t")["size"] == 8 and c.read("t", torch.arange(8))["x"].tolist() == list(range(8))
+            # rows the server would refuse once the table was emptied: refused before anything is sent
+            for bad, state, row, value in (("nan", "priority", 1, float("nan")), ("twice", "index", 1, 0),
+                                           ("outside", "index", 4, 8), ("no-columns", None, 0, None)):
+                shutil.copytree(tmp_path / "good", tmp_path / bad)
+                if state is None:
+                    _checkpoint_with(tmp_path / bad, columns=None)
+                else:
+                    path = tmp_path / bad / "_slots" / f"{state}.bin"
+                    array = np.fromfile(path, "<f8" if state == "priority" else "<i8")
+                    array[row] = value
+                    array.tofile(path)
+                with pytest.raises(LayoutError):
                     c.load_table(tmp_path / bad, "t")
                 assert c.table_info("t")["size"] == 8 and c.read("t", torch.arange(8))["x"].tolist() == list(range(8))
             cli = subprocess.run([sys.executable, "-m", "tensorshare.cli", "--port", str(srv.port), "table", "load",

@@ -222,7 +222,7 @@ def test_11_a_checkpoint_file_that_is_a_symbolic_link_is_refused_not_followed(tm
     writer = CheckpointWriter(tmp_path / "ckpt", "t", spec, 2)
     writer.column(writer.columns[0])[:] = 7
     for what in ("index", "key", "priority", "times_sampled"):
-        writer.state(what)[:] = 0
+        writer.state(what)[:] = [0, 1]  # (two rows at distinct slots: a checkpoint a server takes)
     writer.finish()
     assert read_checkpoint(tmp_path / "ckpt").columns["x"][1].tolist() == [[7] * 8] * 2
     secret = tmp_path / "secret"
@@ -237,6 +237,41 @@ def test_11_a_checkpoint_file_that_is_a_symbolic_link_is_refused_not_followed(tm
     with pytest.raises(LayoutError, match="symbolic link|not a table checkpoint|not a directory"):
         read_checkpoint(tmp_path / "ckpt")
 
+
+
+@pytest.mark.parametrize("change", ["shape 3", "dtype list", "name with NUL", "a setting not a table's",
+                                    "table.json a FIFO"])
+def test_11_a_malformed_checkpoint_is_a_layout_error_never_a_traceback_or_a_hang(tmp_path, change):
+    import json
+
+    from tensorshare.disk.layout import LayoutError
+    from tensorshare.disk.tables import CheckpointWriter, read_checkpoint
+
+    spec = {"capacity": 4, "columns": {"x": {"shape": [2], "dtype": "uint8"}}}
+    writer = CheckpointWriter(tmp_path / "ckpt", "t", spec, 1)
+    writer.column(writer.columns[0])[:] = 7
+    for what in ("index", "key", "priority", "times_sampled"):
+        writer.state(what)[:] = 1
+    writer.finish()
+    assert read_checkpoint(tmp_path / "ckpt").rows == 1  # whole, as written
+    record = tmp_path / "ckpt" / "table.json"
+    saved = json.loads(record.read_text())
+    column = saved["spec"]["columns"]["x"]
+    if change == "table.json a FIFO":
+        record.unlink()
+        os.mkfifo(record)  # (its open blocked until a writer came)
+    else:
+        if change == "shape 3":
+            column["shape"] = 3
+        elif change == "dtype list":
+            column["dtype"] = ["uint8"]
+        elif change == "name with NUL":
+            saved["spec"]["columns"] = {"x\0y": column}
+        else:
+            saved["spec"]["replace"] = True
+        record.write_text(json.dumps(saved))
+    with pytest.raises(LayoutError):
+        read_checkpoint(tmp_path / "ckpt")
 
 
 # ============================================================ 14. a declared size past max_frame

@@ -289,3 +289,60 @@ def test_add_data_timeout_names_the_rollouts_in_flight():
                                                 "most 16 waiting, and takes none"), str(caught.value)
     finally:
         server.stop()
+
+
+def _until(condition, timeout: float = 20.0, what: str = "the condition"):
+    """``condition()``'s first true result within ``timeout`` s (calls that fail while
+    the server restarts are tried again)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            result = condition()
+        except tensorshare.errors.ConnectionLostError:
+            result = None
+        if result:
+            return result
+        time.sleep(0.05)
+    raise AssertionError(f"{what}: not within {timeout} s")
+
+
+def test_a_server_restart_leaves_the_trainer_its_workers_and_their_rollouts(fresh_server):
+    """A restarted server counts its bins' seqs anew: the trainer took every later
+    notification of waiting rollouts for an old one (get_data without a timeout gave
+    nothing, for good, and capped workers waited), and, having listened again to a
+    worker's bin before the worker put it back, took the worker for gone for good."""
+    from gateproxy import GateProxy
+
+    server = fresh_server
+    gate = GateProxy(server.port)  # the worker's way to the server (TCP only: no same-host socket around it)
+    with RLTrainer("127.0.0.1", server.port, experiment="rs") as trainer, \
+            RLWorker("127.0.0.1", gate.port, experiment="rs", worker_id="w0", zero_copy=False) as worker:
+        trainer.publish_parameters({"x": torch.zeros(2)})
+        got: list = []
+        for i in range(30):  # the rollouts bin's seq climbs past what a new server starts from
+            worker.add_data(torch.tensor([i]))
+            worker.flush()
+            got += trainer.get_data()
+        _until(lambda: got.extend(trainer.get_data()) or len(got) == 30, what="the first rollouts")
+        assert "w0" in trainer.workers
+        gate.hold_after(0)  # the restarted server's greeting waits at the gate: the worker reconnects last
+        server.stop(signal.SIGKILL)
+        server.start()
+        # the trainer listens again first, and finds the worker's bin gone (its connection
+        # ended with the old server): the worker is gone until it registers again
+        _until(lambda: (trainer.client.ping(), "w0" not in trainer.workers)[1],
+               what="the trainer hearing the worker's bin gone")
+        gate.release()
+
+        def add(i: int) -> bool:  # (a rollout sent as the connection broke: sent again)
+            worker.add_data(torch.tensor([i]))
+            worker.flush()
+            return True
+
+        for i in range(100, 104):
+            _until(lambda: add(i), what="a rollout after the restart")
+        again: set = set()
+        _until(lambda: again.update(int(r) for r in trainer.get_data()) or again >= {100, 101, 102, 103},
+               what="the rollouts after the restart")
+        _until(lambda: "w0" in trainer.workers, what="the worker in the trainer's list")
+    gate.close()

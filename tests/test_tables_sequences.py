@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 
+import numpy as np
 import pytest
 import torch
 
@@ -87,6 +88,56 @@ def test_episode_marks_survive_a_checkpoint_and_a_wrapped_ring_stays_apart(clien
     client.delete("seq-ck")
 
 
+def test_a_loaded_copy_keeps_the_rows_age_order_and_the_newest_row_open(client, tmp_path):
+    """Rows are written back in the order of their keys: a wrapped fifo ring removes,
+    and a fifo sampler draws, the oldest first in the copy as in the table (written in
+    slot order, the copy's oldest was the row of slot 0); and the newest row is not
+    marked as an episode's end, so the rows inserted after it follow it in both."""
+    for name in ("age", "age-copy"):
+        client.delete(name) if name in client.list() else None
+    client.create_table("age", 4, {"x": ((), torch.int64)}, sampler="fifo")
+    client.insert("age", {"x": torch.arange(4)})
+    client.insert("age", {"x": torch.arange(4, 6)})  # slots hold x = 4, 5, 2, 3
+    client.save("age", tmp_path / "age")
+    client.load_table(tmp_path / "age", "age-copy")
+    for name in ("age", "age-copy"):
+        assert client.sample(name, 1).value["x"].tolist() == [2]  # the oldest
+        client.insert(name, {"x": torch.tensor([100])})
+    assert (sorted(client.read("age-copy", torch.arange(4))["x"].tolist())
+            == sorted(client.read("age", torch.arange(4))["x"].tolist()) == [3, 4, 5, 100])
+    client.create_table("open", 8, {"x": ((), torch.int64)})
+    client.insert("open", {"x": torch.arange(3)})
+    client.save("open", tmp_path / "open")
+    client.load_table(tmp_path / "open", "open-copy")
+    for name in ("open", "open-copy"):
+        client.insert(name, {"x": torch.arange(3, 6)})
+        pairs = {tuple(row) for row in client.sample(name, 200, length=2).value["x"].tolist()}
+        assert (2, 3) in pairs, name
+        client.delete(name)
+    client.delete("age")
+    client.delete("age-copy")
+
+
+def test_a_copy_made_while_rows_change_keeps_only_whole_rows(client, tmp_path, monkeypatch):
+    """Rows that change between the slots' state and the read of their columns (one
+    replaced by an insert, one removed) are left out of the copy; every row in it is
+    the one its key, priority and mark came with (before, a replaced row's columns came
+    with the old row's key and priority, and a removed one failed the whole save)."""
+    from tensorshare import table_copy
+
+    client.create_table("moving", 4, {"x": ((), torch.int64)}, sampler="prioritized", max_times_sampled=1)
+    client.insert("moving", {"x": torch.arange(4)}, priorities=[1.0, 2.0, 3.0, 4.0])
+    before = table_copy.occupied(client, "moving", 4)
+    client.insert("moving", {"x": torch.tensor([10])}, priorities=[10.0])  # replaces the row of slot 0
+    client.read("moving", [1], sample=True)  # sampled out: slot 1 holds no row now
+    monkeypatch.setattr(table_copy, "occupied", lambda *args: before)
+    assert client.save("moving", tmp_path / "moving") == 2
+    copy = tensorshare.load_memmap(tmp_path / "moving")
+    saved = np.fromfile(tmp_path / "moving" / "_slots" / "priority.bin", "<f8")
+    assert copy["x"].tolist() == [2, 3] and saved.tolist() == [3.0, 4.0]
+    client.delete("moving")
+
+
 def test_a_durable_tables_compact_state_and_marks_survive_kill_9(tmp_path):
     data = tmp_path / "data"
     srv = ServerProcess("--data-dir", str(data))
@@ -152,5 +203,16 @@ def test_torchrls_slice_samplers_are_served_by_the_table(client):
     s = per.sample()
     assert (s["obs"].reshape(8, 4)[:, 0] == 10).float().mean() > 0.9
     assert s["priority_weight"].shape == (32,)
+    # episodes told by traj_key alone (no done flags): TorchRL's __init__ fills end_key in
+    # with ("next", "done"), which hid traj_key (slices crossed episodes)
+    by_id = TensorDictReplayBuffer(storage=TableStorage("trl-traj", client, max_size=200),
+                                   sampler=TableSliceSampler(slice_len=4, traj_key="episode"), writer=TableWriter(),
+                                   batch_size=64)
+    for first, n in ((0, 5), (5, 7), (12, 4)):
+        by_id.extend(TensorDict({"obs": torch.arange(first, first + n).float(),
+                                 "episode": torch.full((n,), first)}, [n]))
+    s = by_id.sample()
+    assert (s["episode"].reshape(16, 4) == s["episode"].reshape(16, 4)[:, :1]).all()
     client.delete("trl-slices")
     client.delete("trl-pslices")
+    client.delete("trl-traj")

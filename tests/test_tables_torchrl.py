@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
+import signal
 import time
 
 import pytest
@@ -283,6 +284,34 @@ def test_state_dicts_and_checkpoints_carry_the_rows(client, tmp_path):
     assert client.table_info("trl-state-loaded", slots=0)["slots"]["priorities"].tolist() == [1, 2, 3, 4, 5]
 
 
+def test_loaded_rows_take_priority_updates_and_a_refused_state_leaves_the_table(tmp_path):
+    """After ``loads`` or ``load_state_dict`` the rows have new keys: updates by index
+    reach them (the storage's remembered keys named nothing, and the server skipped
+    them); a state whose settings the server refuses leaves the table as it was (it
+    was deleted first)."""
+    srv = ServerProcess("--max-table-rows", "40")
+    try:
+        with tensorshare.Client("127.0.0.1", srv.port, timeout=30) as c:
+            storage = TableStorage("per", c, max_size=8)
+            rb = TensorDictReplayBuffer(storage=storage, sampler=TablePrioritizedSampler(), writer=TableWriter(),
+                                        batch_size=4)
+            rb.extend(transitions(0, 8))
+            rb.update_priority(torch.arange(8), torch.full((8,), 2.0))
+            rb.dumps(tmp_path / "rb")
+            state = rb.state_dict()
+            for load in (lambda: rb.loads(tmp_path / "rb"), lambda: rb.load_state_dict(state)):
+                load()
+                rb.update_priority(torch.arange(8), torch.full((8,), 5.0))
+                assert c.table_info("per", slots=0)["slots"]["priorities"].tolist() == pytest.approx([5.0] * 8)
+            mine = storage.state_dict()
+            mine["spec"]["capacity"] = 64  # more rows than the server allows
+            with pytest.raises(tensorshare.errors.TooLargeError):
+                storage.load_state_dict(mine)
+            assert c.table_info("per")["size"] == 8
+    finally:
+        srv.stop()
+
+
 # -- reads count, samplers draw in the server
 
 
@@ -419,3 +448,31 @@ def test_a_prioritized_torchrl_buffer_over_a_table_trains(client, one_thread):
     hard = (x > 0.95).squeeze(1)
     assert priorities[hard].mean() > 3 * priorities[~hard].mean()  # the server holds where the error is
     assert client.table_info("trl-per-train")["samples"] == 400 * 64
+
+
+def test_the_length_follows_the_table_after_a_server_restart(tmp_path):
+    """A restarted server counts the table's seqs anew: the storage took every later
+    change for an old one, and its length stayed what it was before the restart."""
+    srv = ServerProcess("--data-dir", str(tmp_path / "data"))
+    try:
+        with tensorshare.Client("127.0.0.1", srv.port, timeout=30) as c:
+            storage = TableStorage("kept", c, max_size=64)
+            rb = ReplayBuffer(storage=storage, writer=TableWriter())
+            for first in range(0, 20, 2):  # the seq climbs past what the restarted server starts from
+                rb.extend(transitions(first, 2))
+            assert len(storage) == 20
+            srv.stop(signal.SIGKILL)
+            srv.start()
+            until(lambda: _ping(c))
+            c.insert("kept", c.read("kept", torch.arange(3)))  # another client's writes, as it were
+            until(lambda: len(storage) == 23)
+    finally:
+        srv.stop()
+
+
+def _ping(client) -> bool:
+    try:
+        client.ping()
+    except tensorshare.errors.ConnectionLostError:
+        return False
+    return True

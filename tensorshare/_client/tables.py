@@ -366,20 +366,23 @@ class TableMethods:
 
     @verb
     def read(self, name: str, indices: Any, *, sample: bool = False, timeout: Timeout = DEFAULT,
-             shared: bool = False, device: Any = None) -> Any:
+             shared: bool = False, device: Any = None, with_keys: bool = False) -> Any:
         """The rows at slot ``indices`` (any, repeats allowed) of table ``name``:
         ``{column: tensor [len(indices), *shape]}``, or a list of items.  Counts as no
         sample, unless ``sample=True``: rows the caller drew itself (a sampler of its
         own, TorchRL's), counted as a sample of that many rows by the table (its rate
         limiter, each row's count, ``max_times_sampled``) and waiting in the server
         for the rate limiter as :meth:`sample` does.  ``shared``, ``device``: as for
-        :meth:`sample`."""
+        :meth:`sample`.  ``with_keys``: returns ``(rows, keys)``, the keys (int64) of
+        the rows read, which tell whether a slot still holds the row one expects."""
         fields = {Key.BIN: name, TableKey.INDICES: _int64_bytes(indices, "indices")}
         call_timeout = timeout
         if sample:
             fields[TableKey.SAMPLE] = True
             call_timeout = self._server_wait(fields, timeout)
-        return self._call(TREAD, fields, timeout=call_timeout, then=_rows_value, zero_copy=shared,
+        then = (lambda reply: (_rows_value(reply), _tensor(reply.header[TableKey.KEYS], "<i8"))) if with_keys \
+            else _rows_value
+        return self._call(TREAD, fields, timeout=call_timeout, then=then, zero_copy=shared,
                           **({} if device is None else {"device": device}))
 
     @verb

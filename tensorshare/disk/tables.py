@@ -65,13 +65,41 @@ def columns_of(spec: dict) -> list[ColumnFile]:
         raise LayoutError("a table checkpoint's columns are not a map")
     out = []
     for name, column in columns.items():
-        if (not isinstance(column, dict) or column.get("dtype") not in TORCH_WIDTHS
-                or not all(type(d) is int and d >= 0 for d in column.get("shape", [None]))):
+        shape = column.get("shape") if isinstance(column, dict) else None
+        dtype = column.get("dtype") if isinstance(column, dict) else None
+        if (not isinstance(dtype, str) or dtype not in TORCH_WIDTHS or not isinstance(shape, list)
+                or not all(type(d) is int and d >= 0 for d in shape)):
             raise LayoutError(f"a table checkpoint's column {name!r:.60} is not (shape, dtype)")
-        if os.sep in name or name.startswith("."):
+        if (not isinstance(name, str) or not name or os.sep in name or "\0" in name or name.startswith(".")):
             raise LayoutError(f"a table checkpoint's column name {name!r:.60} is not a file name")
-        out.append(ColumnFile(name, tuple(column["shape"]), column["dtype"]))
+        out.append(ColumnFile(name, tuple(shape), dtype))
     return out
+
+
+# the settings a table checkpoint may hold (``table_spec``'s), and no other
+SPEC_KEYS = frozenset({"capacity", "columns", "sampler", "remover", "max_times_sampled", "min_size_to_sample",
+                       "samples_per_insert", "error_buffer", "meta", "priority_exponent"})
+
+
+def _check_rows(path: str, spec: dict, rows: int, state: dict) -> None:
+    """LayoutError unless the checkpoint's settings and rows are ones a server takes:
+    known settings, columns, at most ``capacity`` rows at distinct slots in range,
+    finite priorities >= 0 (so that a load is not refused halfway, the table it
+    replaces already emptied)."""
+    unknown = sorted(str(k) for k in spec if k not in SPEC_KEYS)
+    if unknown:
+        raise LayoutError(f"{path}: a table checkpoint's setting {unknown[0]!r:.60} is not a table's")
+    capacity = spec.get("capacity")
+    if type(capacity) is not int or capacity < 1 or rows > capacity:
+        raise LayoutError(f"{path}: {rows} rows for a capacity of {capacity!r:.60}")
+    if not spec.get("columns"):
+        raise LayoutError(f"{path}: a table checkpoint holds a table of columns")
+    index = np.asarray(state["index"])
+    if rows and (index.min() < 0 or index.max() >= capacity or np.unique(index).size != rows):
+        raise LayoutError(f"{path}: the rows' slots are not distinct slots of a table of {capacity}")
+    priority = np.asarray(state["priority"])
+    if rows and not (np.isfinite(priority).all() and (priority >= 0).all()):
+        raise LayoutError(f"{path}: a row's priority is not a finite number >= 0")
 
 
 class CheckpointWriter:
@@ -89,6 +117,7 @@ class CheckpointWriter:
         self._tmp = os.path.join(parent, f".{os.path.basename(self.path)}.{uuid.uuid4().hex}.tmp")
         os.makedirs(os.path.join(self._tmp, "_slots"))
         self._arrays: list[np.memmap] = []
+        self._files: list[tuple[str, int]] = []  # (path, bytes a row) of each array's file
 
     def column(self, column: ColumnFile) -> np.ndarray:
         """A writable uint8 ``[rows, row_bytes]`` array backed by the column's file."""
@@ -100,6 +129,7 @@ class CheckpointWriter:
         return self._array(os.path.join(self._tmp, "_slots", f"{what}.bin"), np.dtype(dtype), (self.rows,))
 
     def _array(self, path: str, dtype, shape: tuple) -> np.ndarray:
+        self._files.append((path, math.prod(shape[1:]) * np.dtype(dtype).itemsize))
         if math.prod(shape) == 0:
             open(path, "wb").close()
             return np.zeros(shape, dtype)
@@ -107,10 +137,18 @@ class CheckpointWriter:
         self._arrays.append(array)
         return array
 
-    def finish(self) -> None:
+    def finish(self, rows: int | None = None) -> None:
+        """Write the checkpoint's records and rename it into place; ``rows`` (at most
+        the rows it was made for): only its first ``rows`` rows are kept."""
         for array in self._arrays:
             array.flush()
         self._arrays = []
+        if rows is not None and rows != self.rows:
+            if not 0 <= rows <= self.rows:
+                raise ValueError(f"a checkpoint of {self.rows} rows cannot keep {rows}")
+            self.rows = rows
+            for path, row_bytes in self._files:
+                os.truncate(path, rows * row_bytes)
         _write_json(os.path.join(self._tmp, "meta.json"), table_metadata(self.columns, self.rows))
         _write_json(os.path.join(self._tmp, TABLE_RECORD), {"name": self.name, "spec": self.spec, "rows": self.rows,
                                                             "format": CHECKPOINT_FORMAT})
@@ -155,7 +193,8 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
         name, spec, rows = record["name"], record["spec"], record["rows"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise LayoutError(f"{path}: not a table checkpoint ({exc})") from None
-    if record.get("format") != CHECKPOINT_FORMAT or type(rows) is not int or rows < 0 or not isinstance(spec, dict):
+    if (record.get("format") != CHECKPOINT_FORMAT or type(rows) is not int or rows < 0 or not isinstance(spec, dict)
+            or not isinstance(name, str)):
         raise LayoutError(f"{path}: a table checkpoint of another format, or a table's own directory")
     columns = {c.name: (c, _map(os.path.join(path, f"{c.name}.memmap"), np.uint8, (rows, c.row_bytes)))
                for c in columns_of(spec)}
@@ -167,13 +206,14 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
     for what, dtype in OPTIONAL_STATE.items():
         if os.path.exists(os.path.join(path, "_slots", f"{what}.bin")):
             state[what] = _map(os.path.join(path, "_slots", f"{what}.bin"), np.dtype(dtype), (rows,))
+    _check_rows(path, spec, rows, state)
     return Checkpoint(name, spec, rows, columns, state)
 
 
 def _open_in(path: str) -> int:
     """A descriptor of the regular file ``path`` of a checkpoint, read-only; OSError
     for a symbolic link (ELOOP) or anything but a regular file."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)  # (a FIFO would block the open)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise OSError(errno.EINVAL, "not a regular file")

@@ -457,7 +457,10 @@ class _RolloutBin:
 
     def _on_data(self, note: Notification) -> None:
         with self._cond:
-            if note.seq <= self.seq:  # older than a take we already made
+            # older than a take we already made; but a LISTEN (listening again after a
+            # reconnection) is the bin's state now, with the seqs of a server that may
+            # have restarted and counts them anew: kept, it held every later one back
+            if note.seq <= self.seq and note.op != "LISTEN":
                 return
             self.seq, self.pending = note.seq, note.n_items
             if note.n_items:

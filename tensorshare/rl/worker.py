@@ -410,8 +410,11 @@ class RLWorker(RLPeer):
                     # The server lost its state (it was restarted):
                     # what we hold is from before; take whatever is published next.
                     self.version = self._latest = -1
-            # The old connection's end deleted this worker's bin: register again.
+            # The old connection's end deleted this worker's bin: register again, and
+            # say so in the roster (a trainer that listened to the bin again before it
+            # was back took this worker for gone, and stopped watching it).
             self._register(wait=False)
+            self.client.submit(APPEND, self.roster_bin, self.worker_id, self._failed, zero_copy=False, inline=True)
         if note.op in ("PUT", "LISTEN", "RESTORE"):
             self._note_version(note.tag)
 

@@ -48,6 +48,9 @@ class TableSliceSampler(TableSampler, SliceSampler):
         SliceSampler.__init__(self, num_slices=num_slices, slice_len=slice_len, end_key=end_key, end_keys=end_keys,
                               traj_key=traj_key, truncated_key=truncated_key, init_key=init_key,
                               strict_length=strict_length, pad_output=pad_output)
+        # the end keys the caller named (TorchRL's __init__ fills end_key in when none is,
+        # which must not hide traj_key nor the default ends)
+        self._named_ends = tuple(end_keys) if end_keys is not None else (end_key,) if end_key is not None else None
 
     # -- written rows: their episode ends
 
@@ -58,13 +61,13 @@ class TableSliceSampler(TableSampler, SliceSampler):
         get = getattr(data, "get", None)
         if get is None:
             return None
-        if self.traj_key is not None and self.end_key is None and self.end_keys is None:
+        if self.traj_key is not None and self._named_ends is None:
             traj = get(self.traj_key, None)
             if traj is None:
                 return None
             traj = traj.reshape(n, -1)[:, 0]
             return torch.cat([traj[1:] != traj[:-1], torch.ones(1, dtype=torch.bool)])
-        keys = self.end_keys or ((self.end_key,) if self.end_key is not None else _DEFAULT_ENDS)
+        keys = self._named_ends or _DEFAULT_ENDS
         ends = None
         for key in keys:
             flag = get(key, None)

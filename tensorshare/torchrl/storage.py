@@ -161,9 +161,12 @@ class TableStorage(TensorStorage):
 
     # -- the size, without a round trip
 
-    def _note_size(self, size: int, seq: int) -> None:
+    def _note_size(self, size: int, seq: int, restarted: bool = False) -> None:
+        """The table holds ``size`` rows as of its change ``seq`` (kept if no later one
+        was seen; ``restarted``: the state found by a listen restored after a
+        reconnection, taken as it is, since a restarted server counts its seqs anew)."""
         with self._state_lock:
-            if seq >= self._seq:
+            if restarted or seq >= self._seq:
                 self._size, self._seq = size, seq
 
     def _listen(self) -> None:
@@ -175,7 +178,7 @@ class TableStorage(TensorStorage):
         def changed(note) -> None:
             storage = ref()
             if storage is not None:
-                storage._note_size(note.n_items, note.seq)
+                storage._note_size(note.n_items, note.seq, restarted=note.op == "LISTEN")
 
         self._listening = False  # (a failure below is not retried on every len())
         handle = self.client.listen(self.name, changed)
@@ -405,10 +408,10 @@ class TableStorage(TensorStorage):
         """Empty the table: deleted and made again empty, with the same settings."""
         try:
             info = self.client.table_info(self.name)
-            self.client.delete(self.name)
-            self.client.create_table(self.name, **table_spec(info))
+            self.client.create_table(self.name, replace=True, **table_spec(info))
         except NoSuchBinError:
             pass
+        self._keys.clear()
         self._note_size(0, self._seq + 1)
         self._bump_mutation_revision()
 
@@ -428,24 +431,25 @@ class TableStorage(TensorStorage):
         state = occupied(self.client, self.name, info["capacity"])
         row_bytes = sum(math.prod(c["shape"]) * torch.empty(0, dtype=getattr(torch, c["dtype"])).element_size()
                         for c in (info.get("columns") or {}).values())
-        parts = [values for _, _, values in pieces(self.client, self.name, state["indices"], row_bytes)]
+        parts, kept = [], []
+        for start, stop, values, same in pieces(self.client, self.name, state["indices"], state["keys"], row_bytes):
+            parts.append(values)
+            kept.append(same)
+        held = torch.cat(kept) if kept else torch.zeros(0, dtype=torch.bool)  # (rows that changed meanwhile: out)
         rows = {name: torch.cat([p[name] for p in parts]) for name in (info.get("columns") or {})} if parts else {}
-        return {"table": self.name, "spec": table_spec(info), "indices": state["indices"],
-                "priorities": state["priorities"], "ends": state["ends"], "rows": rows,
-                "_len": int(state["indices"].numel())}
+        return {"table": self.name, "spec": table_spec(info), "indices": state["indices"][held],
+                "keys": state["keys"][held], "priorities": state["priorities"][held], "ends": state["ends"][held],
+                "rows": rows, "_len": int(held.sum())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Make the table what :meth:`state_dict` saw (its rows replace the table's)."""
         if "spec" not in state_dict:
             raise UsageError("not a TableStorage's state_dict (no table settings in it)")
         spec = state_dict["spec"]
-        try:
-            self.client.delete(self.name)
-        except NoSuchBinError:
-            pass
-        self.client.create_table(self.name, **spec)
+        self.client.create_table(self.name, replace=True, **spec)  # (refused settings: the table stays as it was)
+        self._keys.clear()  # (the rows get new keys)
         write_rows(self.client, self.name, state_dict["indices"], state_dict["rows"], state_dict["priorities"],
-                   state_dict.get("ends"))
+                   state_dict.get("ends"), state_dict.get("keys"))
         self._schema = None
         self._adopt(None, None)
         self._bump_mutation_revision()
@@ -457,6 +461,7 @@ class TableStorage(TensorStorage):
     def loads(self, path) -> None:
         """Make the table what the checkpoint at ``path`` holds (:meth:`dumps`)."""
         self.client.load_table(path, self.name)
+        self._keys.clear()
         self._schema = None
         self._adopt(None, None)
         self._bump_mutation_revision()
