@@ -267,6 +267,7 @@ class Client(TableCopies, ClientMethods):
             raise UsageError("the client is closed")
         router = self.router
         seen = router.map
+        chosen = member is not None  # (by a fan-out: a stale map is its to handle, for every member at once)
         if member is None:
             if seen is None:  # a server of one process: its one member (no routing to do)
                 member = router.home
@@ -290,7 +291,7 @@ class Client(TableCopies, ClientMethods):
             return self._on(member, command, fields, value, deadline, then, on_error, decode, zero_copy, progress,
                             device, into, listening)
         except (StaleMapError, WrongWorkerError) as exc:
-            if not self._remap(exc, seen):
+            if not self._remap(exc, seen) or chosen:
                 raise
         return self._on(router.owner_of(fields), command, fields, value, deadline, then, on_error, decode, zero_copy,
                         progress, device, into, listening)
@@ -338,17 +339,28 @@ class Client(TableCopies, ClientMethods):
     def _fanned_out(self, command: Command, fields: dict | None, value: Any, timeout, then, on_error,
                     decode: bool) -> Any:
         """A call whose route names several workers: to every member, their replies
-        merged (``MERGE``), or answered once all are (``EVERY``: the last one's result)."""
-        members = self.router.targets(command)
-        if command.route is Route.MERGE:
-            replies = [self._call(command, fields, value, timeout=timeout, then=same_reply, on_error=on_error,
-                                  decode=decode, member=member) for member in members]
-            return merged_result(command, replies, then)
-        for member in members[:-1]:
-            self._call(command, fields, value, timeout=timeout, then=then, on_error=on_error, decode=decode,
-                       member=member)
-        return self._call(command, fields, value, timeout=timeout, then=then, on_error=on_error, decode=decode,
-                          member=members[-1])
+        merged (``MERGE``), or answered once all are (``EVERY``: the last one's result).
+        A member found stale (the server runs other workers now) makes the whole
+        fan-out go once more, to the members of the new map (these verbs change
+        nothing, or the same again)."""
+        router = self.router
+        for again in (False, True):
+            seen = router.map
+            members = router.targets(command)
+            try:
+                if command.route is Route.MERGE:
+                    replies = [self._call(command, fields, value, timeout=timeout, then=same_reply, on_error=on_error,
+                                          decode=decode, member=member) for member in members]
+                    return merged_result(command, replies, then)
+                for member in members[:-1]:
+                    self._call(command, fields, value, timeout=timeout, then=then, on_error=on_error, decode=decode,
+                               member=member)
+                return self._call(command, fields, value, timeout=timeout, then=then, on_error=on_error,
+                                  decode=decode, member=members[-1])
+            except (StaleMapError, WrongWorkerError) as exc:
+                if again or not (router.stale(seen) or self._remap(exc, seen)):
+                    raise
+        raise AssertionError("unreachable")  # (the second pass returns or raises)
 
     def update_priorities_nowait(self, name: str, keys: Any, priorities: Any, *, timeout: Timeout = DEFAULT) -> None:
         """:meth:`update_priorities` without waiting for its reply, as a learner's loop

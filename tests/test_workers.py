@@ -27,7 +27,9 @@ import torch
 from twisted.internet.task import Clock
 
 import tensorshare
-from tensorshare.errors import ConnectionLostError, ProtocolError, ServerUnavailableError, WrongWorkerError
+from tensorshare.errors import (
+    ConnectionLostError, NoSuchBinError, ProtocolError, ServerUnavailableError, WrongWorkerError,
+)
 from tensorshare.protocol.messages import LIST, PUT, Key
 from tensorshare.protocol.placement import WorkerMap, rendezvous, worker_keys
 from tensorshare_server.bins.dirlock import DirLock, DirLockedError
@@ -453,6 +455,82 @@ def test_a_relay_follows_a_multi_worker_server(tmp_path):
                 assert client.peek(name)[0].tolist() == [5.0, 5.0]
             assert set(client.list()) >= set(names)
         assert "runs other workers now" in relay.log()
+    finally:
+        relay.stop()
+        head.stop()
+
+
+@pytest.mark.process
+def test_a_fanned_out_call_after_the_server_restarts_maps_the_workers_again():
+    """LIST and NOOP go to every worker: the first after a restart (new worker ports)
+    met a member of the old map and raised StaleMapError to the caller."""
+    server = ServerProcess("--workers", "2")
+    try:
+        with tensorshare.Client("127.0.0.1", server.port, timeout=20) as client:
+            for verb in (client.list, client.ping):
+                client.put("x", torch.ones(1))
+                assert "x" in client.list()
+                port = server.port
+                server.stop()
+                server = ServerProcess("--workers", "2", port=port)
+                wait_until(lambda: _reachable(verb), what=f"{verb.__name__} after the restart")
+    finally:
+        server.stop()
+
+
+def _reachable(call) -> bool:
+    """Whether ``call()`` was answered (False: the connection was lost, as the first
+    call after a server restart may find it; never a stale map)."""
+    from tensorshare._client.member import StaleMapError
+
+    try:
+        call()
+    except ConnectionLostError as exc:
+        if isinstance(exc, StaleMapError):
+            raise
+        return False
+    return True
+
+
+@pytest.mark.process
+def test_a_relay_serves_the_bins_of_the_workers_that_stay_up(tmp_path):
+    """One upstream worker killed (and restarted by its server): the relay took the
+    whole upstream for gone meanwhile, so a change of another worker's bin was noted
+    and never fetched (the mirror stale, its listeners told nothing, until the next
+    change), writes to that bin were refused with 421, and an ephemeral bin whose
+    client left stayed upstream for good."""
+    head = ServerProcess("--workers", "2", "--log-level", "INFO", log_path=tmp_path / "head.log")
+    relay = ServerProcess("--follow", f"127.0.0.1:{head.port}", "--follow-timeout", "10")
+    try:
+        with tensorshare.Client("127.0.0.1", head.port, timeout=20) as upstream, \
+                tensorshare.Client("127.0.0.1", relay.port, timeout=20) as client:
+            workers = upstream.router.map
+            kept, gone = owned_names(workers, 0, 2, "kept"), owned_names(workers, 1, 1, "gone")[0]
+            upstream.put(kept[0], torch.tensor([1]))
+            upstream.put(gone, torch.tensor([1]))
+            heard: list = []
+            client.listen(kept[0], heard.append)
+            client.listen(gone, lambda note: None)
+            member = tensorshare.Client("127.0.0.1", relay.port, timeout=20)
+            member.put(kept[1], {"host": "h"}, ephemeral=True)
+            os.kill(_worker_pids(head, 2)[1], signal.SIGKILL)
+            wait_until(lambda: not _accepted(client.relay_status) or not client.relay_status()["connected"],
+                       what="the relay without worker 1")  # (a LIST forwarded as the connection drops: 421)
+            upstream.put(kept[0], torch.tensor([2]))  # worker 0 is up all along
+            client.put(kept[0], torch.tensor([3]))  # through the relay: not refused
+            member.close()  # its ephemeral bin, on worker 0, ends with it
+            wait_until(lambda: client.peek(kept[0])[0].tolist() == [3], what="the relay's copy")
+            wait_until(lambda: [note.tag for note in heard if note.op == "PUT"] and
+                       upstream.peek(kept[0])[0].tolist() == [3], what="the change heard")
+
+            def deleted() -> bool:  # (asked of worker 0 alone: the connection to 1 dropped)
+                try:
+                    upstream.peek(kept[1])
+                except NoSuchBinError:
+                    return True
+                return False
+
+            wait_until(deleted, what="the ephemeral bin deleted upstream")
     finally:
         relay.stop()
         head.stop()

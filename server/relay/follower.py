@@ -125,12 +125,22 @@ class Follower:
         self.upstream.start()
 
     def _ready(self) -> None:
-        if not self.started:
+        """A connection upstream (to one of its workers) is open: the bins it reaches
+        that were asked for while it was away are listened to, and the copies owed
+        to them (changes noted, not fetched) are fetched."""
+        if not self.upstream.connected:
+            if not self.started:
+                return  # (the first start waits for every worker)
+        elif not self.started:
             log.info("relay: following %s", self.where)
         self.started = True
-        for mirror in self.mirrors.values():  # bins asked for while the upstream was away
+        for mirror in list(self.mirrors.values()):
+            if not self.upstream.reaches(mirror.name):
+                continue
             if not self.upstream.listening(mirror.name):
                 self._listen(mirror)
+            elif mirror.noted > mirror.applied and not mirror.fetching:
+                self._fetch(mirror)
 
     def _refused(self, error: BaseException) -> None:
         self.failure = f"upstream {self.where} refused us: {error}"
@@ -144,11 +154,12 @@ class Follower:
         self.upstream.close()
         self._fail_waiters(ServerUnavailableError("the relay is shutting down"))
 
-    def when_started(self, done: Callable[[BaseException | None], None]) -> None:
-        """``done(None)`` once the upstream connection is open, if it ever was; a relay
-        that has not reached its upstream yet (just started) waits up to ``timeout``
-        seconds for it, and one that lost it answers at once (``done(error)``)."""
-        if self.connected:
+    def when_started(self, done: Callable[[BaseException | None], None], name: str | None = None) -> None:
+        """``done(None)`` once the upstream connection is open (to the worker that owns
+        bin ``name``, if given), if it ever was; a relay that has not reached its
+        upstream yet (just started) waits up to ``timeout`` seconds for it, and one
+        that lost it answers at once (``done(error)``)."""
+        if self.upstream.reaches(name):
             done(None)
             return
         if self.started or self.failure or self._stopped:
@@ -159,7 +170,7 @@ class Follower:
 
         def check() -> None:
             if self.started or self.failure or self._stopped:
-                self.when_started(done)
+                self.when_started(done, name)
             elif self.reactor.seconds() >= deadline:
                 done(ServerUnavailableError(f"relay: upstream {self.where} not reached within {self.timeout:g}s"))
             else:
@@ -227,7 +238,7 @@ class Follower:
                                     f"and clients listen to each of them")
             mirror = self.mirrors[name] = _Mirror(name)
             mirror.noted_at = self.reactor.seconds()
-            if self.connected:
+            if self.upstream.reaches(name):
                 self._listen(mirror)
         mirror.used_at = self.reactor.seconds()
         return mirror
@@ -324,8 +335,8 @@ class Follower:
     def _fetch(self, mirror: _Mirror) -> None:
         mirror.fetching, mirror.again = True, False
         target, op = mirror.noted, mirror.op
-        if not self.connected:
-            mirror.fetching = False
+        if not self.upstream.reaches(mirror.name):
+            mirror.fetching = False  # (owed: fetched once its worker is reached again, _ready)
             return
 
         def fetched(reply) -> None:
@@ -488,12 +499,16 @@ class Follower:
         """Delete bin ``name`` upstream, without an answer to wait for: an ephemeral bin
         forwarded for a client of this relay whose connection ended.  With ``owner``
         (its PUT's), the upstream deletes it only if no other client has put it since."""
-        if not self.connected:
-            return  # the upstream dropped this relay's ephemeral bins with its connection
+        if not self.upstream.reaches(name):
+            return  # its worker dropped this relay's ephemeral bins with its connection
         fields = {Key.BIN: name} if owner is None else {Key.BIN: name, Key.OWNER: owner}
-        self.upstream.call(DELETE, fields).addErrback(
-            lambda failure: log.info("relay: could not delete ephemeral bin %r upstream: %s", name,
-                                     failure.getErrorMessage()))
+        try:
+            d = self.upstream.call(DELETE, fields)
+        except TensorShareError as exc:  # (its connection went meanwhile: the bin went with it)
+            log.info("relay: could not delete ephemeral bin %r upstream: %s", name, exc)
+            return
+        d.addErrback(lambda failure: log.info("relay: could not delete ephemeral bin %r upstream: %s", name,
+                                              failure.getErrorMessage()))
 
     # -- status
 

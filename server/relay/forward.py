@@ -36,7 +36,7 @@ from typing import Callable
 from tensorshare.errors import RemoteError, TensorShareError
 from tensorshare.protocol.items import item_table, item_tags
 from tensorshare.protocol.messages import (
-    APPEND, COMMANDS, DELETE, GET, LIST, LISTEN, PEEK, PUT, TOO_LARGE, UNAVAILABLE, ZERO_COPY_REFUSED, Key, Relay,
+    APPEND, COMMANDS, DELETE, GET, LIST, LISTEN, PEEK, PUT, TOO_LARGE, UNAVAILABLE, ZERO_COPY_REFUSED, Key, Relay, Route,
 )
 from tensorshare.wire.frames import frame_head
 
@@ -74,8 +74,10 @@ def _forward(session, command, fields: dict, value=None, timeout: float | None =
     relay = session.state.relay
     mirrored = fields[Key.BIN] if command.relay == Relay.FORWARD else None
 
+    owner = fields.get(Key.BIN) if command.route is Route.OWNER else None  # (a bin's own worker suffices)
+
     def start(done: Callable) -> None:
-        relay.when_started(lambda error: send(done) if error is None else done(None, _as_remote(error)))
+        relay.when_started(lambda error: send(done) if error is None else done(None, _as_remote(error)), owner)
 
     def send(done: Callable) -> None:
         try:

@@ -133,8 +133,18 @@ class Upstream:
 
     @property
     def connected(self) -> bool:
+        """Whether the connection to every worker of the upstream is open."""
         members = self.router.members
         return bool(members) and all(m is not None and m.connected for m in members)
+
+    def reaches(self, name: str | None) -> bool:
+        """Whether the connection to the worker that owns bin ``name`` is open (None:
+        :attr:`connected`).  One worker restarting leaves the others' bins reachable."""
+        router = self.router
+        if name is None or router.map is None or not router.members:
+            return self.connected
+        member = router.members[router.map.owner(name)]
+        return member is not None and member.connected
 
     # -- connecting
 
@@ -193,7 +203,7 @@ class Upstream:
         return member
 
     def _ready(self, member: TwistedMember) -> None:
-        if self.connected and self.on_ready is not None:
+        if self.on_ready is not None:  # (each worker's connection: its bins are reachable again)
             self.on_ready()
 
     def _lost(self, member: TwistedMember, reason: str) -> None:
