@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .disk.tables import CheckpointWriter, read_checkpoint
-from .errors import BadRequestError, TensorShareError, UsageError
+from .errors import UsageError
 
 PIECE = 32 << 20  # bytes of rows per read
 
@@ -82,37 +82,12 @@ def pieces(client, name: str, indices: torch.Tensor, keys: torch.Tensor,
         yield start, stop, values, same
 
 
-def _read_still_held(client, name: str, indices: torch.Tensor, keys: torch.Tensor,
-                     tries: int = 8) -> tuple[dict, torch.Tensor]:
+def _read_still_held(client, name: str, indices: torch.Tensor, keys: torch.Tensor) -> tuple[dict, torch.Tensor]:
     """The rows at ``indices`` that still have ``keys``: their columns and a mask of
-    which.  A read refused for a slot that no longer holds a row is made again without
-    the slots found empty (a few times: rows may keep leaving)."""
-    held = torch.ones(indices.numel(), dtype=torch.bool)
-    for _ in range(tries):
-        want = held.nonzero().reshape(-1)
-        try:
-            values, found = client.read(name, indices[want], with_keys=True)
-        except BadRequestError:  # (501: a slot holds no row, its row gone since)
-            still = _held_slots(client, name, indices[want])
-            if bool(still.all()):
-                raise
-            held[want[~still]] = False
-            continue
-        same = torch.zeros(indices.numel(), dtype=torch.bool)
-        same[want] = found == keys[want]
-        kept = same[want]
-        return {column: tensor[kept] for column, tensor in values.items()}, same
-    raise TensorShareError(f"table {name!r}: rows kept leaving while they were read ({tries} tries)")
-
-
-def _held_slots(client, name: str, indices: torch.Tensor) -> torch.Tensor:
-    """Which of ``indices`` (ascending) hold a row now."""
-    found, start, last = [], int(indices[0]), int(indices[-1])
-    while start is not None and start <= last:
-        page = client.table_info(name, slots=start)["slots"]
-        found.append(page["indices"])
-        start = page["next"]
-    return torch.isin(indices, torch.cat(found)) if found else torch.zeros(indices.numel(), dtype=torch.bool)
+    which (a slot emptied since reads as key -1, ``read(..., empty=True)``: left out too)."""
+    values, found = client.read(name, indices, with_keys=True, empty=True)
+    same = found == keys
+    return {column: tensor[same] for column, tensor in values.items()}, same
 
 
 def save_table(client, name: str, path, *, overwrite: bool = False) -> int:

@@ -526,6 +526,22 @@ def test_the_async_client_has_the_table_methods():
     pump.flush()
 
 
+def test_a_read_with_empty_gives_an_emptied_slot_as_key_minus_one_and_zeros():
+    """A copy of a table whose rows leave meanwhile reads what is there: with
+    ``empty``, a slot that holds no row is key -1 and zeros (its bytes are a row that
+    left), not a 501 for the whole read; never with ``sample``."""
+    make(pair := Pair(), capacity=8, max_times_sampled=1)
+    insert(pair, 0, 3)
+    pair.call(TREAD, {Key.BIN: "t", K.INDICES: i64([1]), K.SAMPLE: True})  # sampled out: slot 1 is empty
+    with pytest.raises(BadRequestError, match="slot 1 holds no row"):
+        pair.call(TREAD, {Key.BIN: "t", K.INDICES: i64([0, 1, 2])})
+    reply = pair.call(TREAD, {Key.BIN: "t", K.INDICES: i64([0, 1, 2]), K.EMPTY: True})
+    assert keys_of(reply.header)[1] == -1 and min(keys_of(reply.header)[::2]) >= 0
+    assert rewards(reply) == [0, 0, 2] and reply.values[0]["obs"][1].sum() == 0
+    with pytest.raises(BadRequestError, match="sample or empty"):
+        pair.call(TREAD, {Key.BIN: "t", K.INDICES: i64([0]), K.EMPTY: True, K.SAMPLE: True})
+
+
 def test_a_durable_table_the_disk_cannot_hold_is_refused_452_and_a_replaced_one_stays(tmp_path):
     """A table's files are allocated whole: one larger than the disk's free space is
     refused before anything is made, and before the table it would replace is deleted."""

@@ -564,13 +564,15 @@ class TableStore:
         except TableError:
             return True
 
-    def read(self, entry: TableEntry, indices: np.ndarray, sampled: bool = False) -> tuple[Drawn, Change | None]:
+    def read(self, entry: TableEntry, indices: np.ndarray, sampled: bool = False,
+             empty: bool = False) -> tuple[Drawn, Change | None]:
         """The rows at slot ``indices``, and the change if rows left.  No sample is
         counted, unless ``sampled``: rows the reader drew itself, counted (and
-        rate-limited: :class:`~.tables.WouldBlockError` for now) as a sample is."""
+        rate-limited: :class:`~.tables.WouldBlockError` for now) as a sample is.
+        ``empty``: a slot that holds no row reads as key -1 and zeros."""
         table = self._live(entry).table
         gathered = self._gathered(table, indices.size)
-        rows = table.read(indices, out=None if gathered is None else gathered.out, sampled=sampled)
+        rows = table.read(indices, out=None if gathered is None else gathered.out, sampled=sampled, empty=empty)
         change = self._changed(entry, "SAMPLE") if sampled and rows.removed.keys.size else None
         return Drawn(rows, None, gathered, entry), change
 

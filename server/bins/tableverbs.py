@@ -121,10 +121,11 @@ class TableVerbs:
     def can_sample(self, table: TableEntry, n: int) -> bool:
         return self.tables.can_sample(table, n)
 
-    def read_rows(self, table: TableEntry, indices, sampled: bool = False) -> tuple[Drawn, Change | None]:
+    def read_rows(self, table: TableEntry, indices, sampled: bool = False,
+                  empty: bool = False) -> tuple[Drawn, Change | None]:
         """TREAD: ``(rows, change or None)`` at the slot indices (``sampled``: counted as
-        a sample; raises WouldBlockError for now)."""
-        result = self.tables.read(table, indices, sampled)
+        a sample, raises WouldBlockError for now; ``empty``: empty slots read as key -1)."""
+        result = self.tables.read(table, indices, sampled, empty)
         return self._sampled(table, result) if sampled else result
 
     def can_read_rows(self, table: TableEntry, n: int) -> bool:

@@ -228,9 +228,11 @@ def read(session, request):
     storage = session.storage
     table = storage.table(request.bin)
     indices = int64_array(request.indices, "indices")
+    if request.sample and request.empty:
+        raise BadRequestError("a read counted as a sample takes rows, not empty slots: sample or empty, not both")
     storage.check_rows_reply(table, indices.size)  # bounded and counted before anything is gathered
     if not request.sample:
-        return _rows_reply(session, request, storage.read_rows(table, indices)[0])
+        return _rows_reply(session, request, storage.read_rows(table, indices, empty=bool(request.empty))[0])
     # rows the reader drew itself (TorchRL's samplers), counted as a sample
     return _run_or_wait(session, request, table, lambda: storage.read_rows(table, indices, True),
                         lambda result: _sampled(session, request, result),

@@ -366,7 +366,7 @@ class TableMethods:
 
     @verb
     def read(self, name: str, indices: Any, *, sample: bool = False, timeout: Timeout = DEFAULT,
-             shared: bool = False, device: Any = None, with_keys: bool = False) -> Any:
+             shared: bool = False, device: Any = None, with_keys: bool = False, empty: bool = False) -> Any:
         """The rows at slot ``indices`` (any, repeats allowed) of table ``name``:
         ``{column: tensor [len(indices), *shape]}``, or a list of items.  Counts as no
         sample, unless ``sample=True``: rows the caller drew itself (a sampler of its
@@ -374,8 +374,12 @@ class TableMethods:
         limiter, each row's count, ``max_times_sampled``) and waiting in the server
         for the rate limiter as :meth:`sample` does.  ``shared``, ``device``: as for
         :meth:`sample`.  ``with_keys``: returns ``(rows, keys)``, the keys (int64) of
-        the rows read, which tell whether a slot still holds the row one expects."""
+        the rows read, which tell whether a slot still holds the row one expects.
+        ``empty=True`` (not with ``sample``): a slot that holds no row reads as zeros
+        (None for an item) with key -1, instead of a :class:`BadRequestError`."""
         fields = {Key.BIN: name, TableKey.INDICES: _int64_bytes(indices, "indices")}
+        if empty:
+            fields[TableKey.EMPTY] = True
         call_timeout = timeout
         if sample:
             fields[TableKey.SAMPLE] = True

@@ -110,6 +110,7 @@ class TableKey:
     ADD_COLUMNS = "add_columns"  # TCREATE: a table there that lacks some of the columns gains them
     REPLACE = "replace"  # TCREATE: a table there is replaced by a new one, once its settings are accepted
     SAMPLE = "sample"  # TREAD: the rows were drawn by the reader: count (and rate-limit) them as a sample
+    EMPTY = "empty"  # TREAD: a slot that holds no row reads as key -1 and zeros, not a 501
     SLOTS = "slots"  # TINFO: the occupied slots from this index on (a page of them)
     ENDS = "ends"  # TINSERT/TWRITE: one byte per row, nonzero where the row ends its episode
     LENGTH, PAD = "length", "pad"  # TSAMPLE: sequences of this many rows (pad: short ones padded)
@@ -158,7 +159,7 @@ TSAMPLE = Command("TSAMPLE", (BIN, Field(Key.N, COUNT), optional(Key.WAIT, SECON
                   doc="draw n rows with the table's sampler (with length: n sequences of that many rows; "
                       "waiting up to wait seconds; with keys and priorities: set those first, as TPRIORITY)")
 TREAD = Command("TREAD", (BIN, Field(_TK.INDICES, BYTES), optional(Key.REF, INTS), optional(_TK.SAMPLE, BOOL),
-                          optional(Key.WAIT, SECONDS), RELEASE), reply=_ROWS, result=Key.ITEMS, method="read",
+                          optional(_TK.EMPTY, BOOL), optional(Key.WAIT, SECONDS), RELEASE), reply=_ROWS, result=Key.ITEMS, method="read",
                 zero_copy=ZeroCopy.READ, taken_with=_TK.SAMPLE, relay=Relay.PASS, route=Route.OWNER,
                 lane="sample", errors=(*_TABLE_ERRORS, TOO_LARGE, STORAGE_FULL, BUSY),
                 doc="read the rows at the slot indices given (with sample: as a sample the reader drew)")

@@ -368,24 +368,35 @@ class Table:
         return Sample(state.key[slots], slots, state.priority[slots], state.times_sampled[slots], values, items,
                       probabilities=probabilities, table_size=size, lengths=lengths)
 
-    def read(self, indices, out: Mapping[str, Any] | None = None, *, sampled: bool = False) -> Rows | Sample:
+    def read(self, indices, out: Mapping[str, Any] | None = None, *, sampled: bool = False,
+             empty: bool = False) -> Rows | Sample:
         """The rows at slot ``indices`` (any, repeats allowed), each column in one
         gather (into ``out`` as for :meth:`sample`).  Counts nothing, unless
         ``sampled``: rows a caller drew itself (a sampler of its own over the
         slots), counted as a sample of as many rows is -- the rate limiter's balance,
         each row's count, ``max_times_sampled`` -- and refused as one would be
-        (:meth:`can_read_sampled`).  Then a :class:`Sample` (its ``removed``)."""
+        (:meth:`can_read_sampled`).  Then a :class:`Sample` (its ``removed``).
+        ``empty`` (not with ``sampled``): a slot that holds no row reads as key -1,
+        zeros (None for an item), instead of an :class:`EmptySlotError` (a copy of a
+        table whose rows leave meanwhile reads what is there)."""
         slots = self._slots.check_indices(indices, unique=False)
         self._backing.prefetch(slots)
         state = self._slots
         keys = state.key[slots]
-        empty = slots[keys < 0]
-        if empty.size:
-            raise EmptySlotError(f"slot {int(empty[0])} holds no row"
-                                 + (f" ({empty.size} such slots)" if empty.size > 1 else ""))
+        missing = keys < 0
+        if missing.any() and (sampled or not empty):
+            gone = slots[missing]
+            raise EmptySlotError(f"slot {int(gone[0])} holds no row"
+                                 + (f" ({gone.size} such slots)" if gone.size > 1 else ""))
         buffers = out_buffers(self.columns if self._items is None else None, out, slots.size)
         if not sampled:
             values, items = self._gather(slots, buffers)
+            if missing.any():  # (their bytes are a row that left: not handed out)
+                if items is not None:
+                    items = [None if m else item for item, m in zip(items, missing.tolist())]
+                else:
+                    for buf in buffers:
+                        buf[missing] = 0
             return Rows(keys, slots, state.priority[slots], state.times_sampled[slots], values, items)
         if not self.can_read_sampled(slots.size):
             raise WouldBlockError(f"a sample of {slots.size} rows may not proceed now "
