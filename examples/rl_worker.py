@@ -3,15 +3,18 @@
     python examples/rl_worker.py --port 8000 [--experiment corridor] [--seed 1]
 
 Workers can be started, killed and restarted at any time; they stop when the
-trainer asks them to.
+trainer asks them to.  A server that restarts costs a worker the rollout it was
+sending: it goes on once the server is back.
 """
 
 import argparse
+import time
 
 import torch
 
 from rl_common import Corridor, make_policy, run_episode
 from tensorshare import RLWorker
+from tensorshare.errors import ConnectionLostError
 
 
 def main() -> None:
@@ -32,8 +35,12 @@ def main() -> None:
         if params is not None:
             policy.load_state_dict(params)
         while not worker.stop_requested:  # until the trainer calls stop_workers()
-            worker.add_data(run_episode(policy, env))
-            newer = worker.get_parameters()  # downloads only when a newer version exists
+            try:
+                worker.add_data(run_episode(policy, env))
+                newer = worker.get_parameters()  # downloads only when a newer version exists
+            except ConnectionLostError:  # the server is restarting: the client reconnects by itself
+                time.sleep(1.0)
+                continue
             if newer is not params:
                 params = newer
                 policy.load_state_dict(params)
