@@ -84,6 +84,31 @@ def test_ephemeral_items_stay_out_of_the_data_directory(tmp_path):
     assert again.state.store.listing() == {"lasting": 1}
 
 
+def test_an_ephemeral_put_waits_for_no_lasting_put_on_its_way_to_the_disk(tmp_path):
+    """A durable PUT being written made no bin yet: an ephemeral PUT of the name was
+    taken, the lasting item landed in the ephemeral bin once written, and the bin (the
+    lasting item with it, acknowledged) was deleted when the ephemeral client left."""
+    from pairing import HeldJobs
+    from tensorshare_server.config import ServerConfig
+    from tensorshare_server.root import build_state
+    from twisted.internet.task import Clock
+
+    jobs = HeldJobs()
+    state = build_state(ServerConfig(data_dir=str(tmp_path / "data")), jobs, clock=Clock())
+    jobs.release()
+    lasting, ephemeral = Pair(state=state), Pair(state=state)
+    sent = lasting.send_request(PUT, {Key.BIN: "w/1"}, torch.tensor([1]))  # its files are being written
+    with pytest.raises(RemoteError, match="exists and is not ephemeral"):
+        ephemeral.call(PUT, EPH, torch.tensor([2]))
+    jobs.release()
+    assert [(f.header["code"], f.header.get("id")) for f in lasting.receive()] == [(250, sent)]
+    ephemeral.close()
+    assert state.storage.listing() == {"w/1": 1}
+    appended = lasting.send_request(APPEND, {Key.BIN: "w/1"}, torch.tensor([3]))  # a lasting bin: appends are taken
+    jobs.release()
+    assert [(f.header["code"], f.header.get("id")) for f in lasting.receive()] == [(250, appended)]
+
+
 _WORKER = textwrap.dedent("""
     import sys, time, torch, tensorshare
     c = tensorshare.Client("127.0.0.1", int(sys.argv[1]), timeout=10)

@@ -106,6 +106,7 @@ class Storage(TableVerbs):
         self._numbers = itertools.count(1)
         self.problems: list[str] = []  # what loading the data directory skipped
         self._taken: dict[str, list[Item]] = {}  # durable: items of GETs whose replies are not written yet
+        self._committing: dict[str, int] = {}  # durable: PUTs and APPENDs of a bin on their way to the disk
         self.lifetimes = FileLifetimes(jobs)
         self.budget = MemoryBudget(store, jobs, spill, self.lifetimes)
         # room(): False while memory is over budget and spills that would free it are running
@@ -238,8 +239,13 @@ class Storage(TableVerbs):
         if limit is not None and store.unspillable_bytes + len(item.description) > limit:
             raise _unspillable_full(store)
         store.check_add(name, replace)  # refused before anything is written
+        committing = self._committing
+        committing[name] = committing.get(name, 0) + 1
 
         def committed(result, error) -> None:
+            left = committing.pop(name) - 1
+            if left:
+                committing[name] = left
             if error is not None:
                 log.warning("could not store an item of bin %r: %s", name, error)
                 done(None, _storage_error(error, "not stored"))
@@ -410,6 +416,11 @@ class Storage(TableVerbs):
         return self.store.next_seq()
 
     # -- reads
+
+    def exists_or_coming(self, name: str) -> bool:
+        """Whether bin (or table) ``name`` exists, or a durable PUT or APPEND of it is
+        being written (it will exist: an ephemeral PUT may not take the name meanwhile)."""
+        return name in self._committing or self.state(name).exists
 
     def state(self, name: str) -> BinState:
         """The :class:`~.store.BinState` of bin (or table) ``name``."""

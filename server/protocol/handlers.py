@@ -103,7 +103,7 @@ def _check_ephemeral(session, request, ephemeral: bool) -> None:
     (:mod:`.ephemeral`)."""
     if ephemeral and request.shm is not None:
         raise RemoteError("an ephemeral value comes over TCP, not through shared memory", BAD_ARGS)
-    session.state.ephemeral.check_store(request.bin, ephemeral, session.storage.state(request.bin).exists)
+    session.state.ephemeral.check_store(request.bin, ephemeral, session.storage.exists_or_coming(request.bin))
 
 
 def _room_now(session, request) -> bool:
