@@ -456,6 +456,28 @@ def test_4_items_restored_after_a_concurrent_put_survive_a_restart(tmp_path):
         assert after == before
 
 
+def test_4_restored_items_a_waiting_get_takes_at_once_stay_taken_after_a_restart(tmp_path):
+    """A GET waiting on the bin takes the items a reset GET gave back before they are
+    back in the bin's files: its floor went past their old numbers, below the new
+    ones, and a clean restart brought them back."""
+    with serving(tmp_path, "--data-dir", str(tmp_path / "data")) as server:
+        conn = RawConnection(server.port)
+        conn.send(put_frame(1, "PUT", "r", torch.arange(8 * MiB, dtype=torch.int32)))
+        assert conn.read_frame().header["code"] == 250
+        stuck = _taken_and_not_delivered(server.port, "r")
+        waiter = RawConnection(server.port, timeout=30)
+        waiter.send(raw_frame(1, "GET", "r", extra={"wait": 20.0}))
+        time.sleep(0.2)  # (held in the server: the bin is empty)
+        reset(stuck)  # given back, and taken at once by the waiting GET
+        reply = waiter.read_frame()
+        assert reply.header["code"] == 226 and len(reply.header["items"]) == 1
+        assert wait_for(lambda: listing(server.port).get("r") == 0, timeout=10)
+        waiter.close()
+        conn.close()
+        server.restart()
+        assert listing(server.port).get("r", 0) == 0
+
+
 # ============================================================ 5. huge ints in values
 
 

@@ -192,7 +192,7 @@ class Storage(TableVerbs):
             count += len(items)
         _, problems = self.tables.load()
         self.problems += problems
-        self.store.continue_from(loaded.next_number)  # sequence numbers keep growing across restarts
+        self.store.continue_from(loaded.next_number)  # (not past every seq before: PROTOCOL.md §4.4)
         return count
 
     # -- writes
@@ -498,10 +498,17 @@ class Storage(TableVerbs):
                 if error is not None:
                     log.error("could not put %d taken item(s) back into bin %r on disk: %s", len(items), name, error)
                     return
-                for item in self.store.items_of(name):
+                held = self.store.items_of(name)
+                for item in (*items, *held):  # (the restored ones whether or not a GET took them again since)
                     found = moved.get(item.files.path)
                     if found is not None:
                         _repoint(item.files, *found)
+                # Restored items a GET took again (or a DELETE removed) before this: the floor
+                # that GET moved was past their old numbers, below the new ones; moved again.
+                there = {id(item) for item in held}
+                left = [item for item in items if id(item) not in there]
+                if left:
+                    self.jobs.run(name, self._move_floor, (name, left))
 
             self.jobs.run(name, self._put_back, (name, items), put_back)
         return change
