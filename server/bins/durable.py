@@ -60,6 +60,9 @@ def _link_tree(source: str, target: str) -> None:
     shutil.copytree(source, target, copy_function=os.link)
 
 
+SEQ_RECORD = "seq.json"  # {"seq": the store's counter at the last clean stop}
+
+
 @dataclass
 class LoadedBin:
     """A bin found in the data directory: its items in order, each with its number."""
@@ -75,6 +78,7 @@ class Loaded:
     bins: dict[str, LoadedBin]
     next_number: int
     problems: list[str]  # corrupt or foreign entries, reported and skipped
+    seq: int = 0  # the store's last sequence number when the server last stopped cleanly (0: not known)
 
 
 def _atomic_write(path: str, text: str, fsync: bool) -> None:
@@ -267,7 +271,23 @@ class DataDir:
                 bins[loaded.name] = loaded
         for problem in problems:
             log.warning("data directory: skipped %s", problem)
-        return Loaded(bins, highest + 1, problems)
+        return Loaded(bins, highest + 1, problems, self._noted_seq())
+
+    def note_seq(self, seq: int) -> None:
+        """The server stops cleanly with the store's counter at ``seq``: the next start
+        goes on past it, so that a reader's ``since`` never meets a new change's seq."""
+        try:
+            _atomic_write(os.path.join(self.root, SEQ_RECORD), json.dumps({"seq": int(seq)}), self.fsync)
+        except OSError as exc:
+            log.warning("data directory: could not note the last sequence number: %s", exc)
+
+    def _noted_seq(self) -> int:
+        try:
+            with open(os.path.join(self.root, SEQ_RECORD)) as f:
+                seq = json.load(f).get("seq")
+        except (OSError, ValueError, AttributeError):
+            return 0
+        return seq if type(seq) is int and seq >= 0 else 0
 
     def _finish_swaps(self) -> None:
         """Put in place the bins a crash left rewritten whole but not yet swapped in

@@ -192,7 +192,8 @@ class Storage(TableVerbs):
             count += len(items)
         _, problems = self.tables.load()
         self.problems += problems
-        self.store.continue_from(loaded.next_number)  # (not past every seq before: PROTOCOL.md §4.4)
+        # past every seq before a clean stop; after a kill, past the items' numbers only (PROTOCOL.md §4.4)
+        self.store.continue_from(max(loaded.next_number, loaded.seq))
         return count
 
     # -- writes
@@ -598,6 +599,7 @@ class Storage(TableVerbs):
         if self.shm is not None:
             self.shm.close()
         if self.data_dir is not None:
+            self.data_dir.note_seq(self.store.last_seq)
             self.data_dir.close()  # its lock: another server may use it now
 
 

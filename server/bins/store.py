@@ -294,6 +294,11 @@ class BinStore:
         self._seq += 1
         return self._seq
 
+    @property
+    def last_seq(self) -> int:
+        """The number of the last change made (the store-wide counter)."""
+        return self._seq
+
     def continue_from(self, seq: int) -> None:
         """Number the next change above ``seq`` (a restarted store continues its numbering)."""
         self._seq = max(self._seq, seq)
