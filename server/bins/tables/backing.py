@@ -48,7 +48,7 @@ from .columns import ColumnSpec
 from .journal import Journal
 from .readahead import ReadAhead, random_access
 from .rowreads import RowReads, open_for_reads, wide
-from .slots import as_index, runs as slot_runs
+from .slots import STATE as SLOT_STATE, as_index, runs as slot_runs
 
 SHUT_NOTE = "shut.json"  # in _slots/: the table's files are whole (a clean stop), and its counts
 MAX_RUNS = 64  # a batch's slots in more runs than this are stored through the mapping (a syscall a run)
@@ -266,12 +266,13 @@ class MemmapBacking:
             array = _mapped(path, dtype, (length,), create=True)
             array[:] = fill
             self._made_state = True  # (a note of a clean stop says nothing of a new file)
-        if not name.startswith("tree"):  # rows' state is read at random: no read-around per fault
+        if not name.startswith("tree"):
             if self.fsync:  # (the trees are not flushed: a table not shut cleanly rebuilds them from this)
                 self._state_files.append(os.open(path, os.O_RDWR | os.O_CLOEXEC))
-            random_access(array)
-            self._rows.append(array)
-            self._state.append(array)
+            if name in SLOT_STATE:  # rows' state, read at random: no read-around per fault
+                random_access(array)
+                self._rows.append(array)  # (hinted by slot: a one-number array such as next_seq is not)
+                self._state.append(array)
         self.paths.append(path)
         self._mapped.append(array)
         return array
