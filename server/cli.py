@@ -33,9 +33,12 @@ def _size(text: str) -> int:
     number = stripped.rstrip("KMGTIB")
     unit = stripped[len(number):]
     try:
-        return int(float(number) * units[unit])
-    except (KeyError, ValueError):
+        size = int(float(number) * units[unit])
+    except (KeyError, ValueError, OverflowError):  # (OverflowError: "inf", "1e400")
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB or 8GB)") from None
+    if size < 0:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (a size is not negative)")
+    return size
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Namespace]:

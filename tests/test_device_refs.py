@@ -122,6 +122,39 @@ def test_a_reader_in_the_publishers_own_process_copies_from_the_snapshot(same_ho
         assert all(into[k] is model[k] for k in model) and equal(model, values)
 
 
+def test_the_snapshots_of_a_lost_connection_go_after_a_while_with_no_more_puts(monkeypatch):
+    """They were dropped only by the next put by reference: a trainer that went on
+    with plain puts (or stopped) kept a whole parameter snapshot in device memory."""
+    from tensorshare._client import exports
+
+    monkeypatch.setattr(exports, "RETIRE_S", 0.05)
+    held = exports.Exports()
+    try:
+        held.keep(1, object())
+        held.lost()
+        assert held.retired() == 1 and held.held() == 0
+        deadline = time.monotonic() + 5
+        while held.retired():
+            assert time.monotonic() < deadline, "the snapshots of the lost connection were kept"
+            time.sleep(0.02)
+    finally:
+        held.close()
+
+
+def test_an_ephemeral_put_by_reference_ends_with_its_connection(same_host, engine):
+    """``ephemeral`` was dropped on the way to a put by reference: the presence marker
+    outlived its publisher, and its listeners never heard it leave."""
+    with tensorshare.Client("127.0.0.1", same_host.port, timeout=10) as watcher:
+        publisher = tensorshare.Client("127.0.0.1", same_host.port, timeout=10)
+        publisher.put("ipc-here", to_device(state(4)), by_reference=True, ephemeral=True)
+        assert "ipc-here" in watcher.list()
+        publisher.close()
+        deadline = time.monotonic() + 10
+        while "ipc-here" in watcher.list():
+            assert time.monotonic() < deadline, "the ephemeral bin outlived its connection"
+            time.sleep(0.02)
+
+
 def test_a_read_right_after_a_put_by_reference_on_the_same_connection(same_host, engine):
     """The publisher reads its item at once: the read waits in the server for the
     bytes, which must not be queued behind it on that connection (nor behind

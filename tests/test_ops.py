@@ -452,6 +452,12 @@ def test_tables_in_status_json_metrics_and_the_page_in_memory():
         assert head[:4] == ["table", "rows", "bytes", "where"]
         assert table_row[:4] == ["replay/<i>", "10 / 64", "1.0 KiB", "memory"]
         assert table_row[8:10] == ["5", "1"] and table_row[11] == "0.0s / 2.5s"
+        # made again under its name: its counts start from 0 (a negative rate before)
+        pair.call(TCREATE, {Key.BIN: "replay/<i>", TableKey.SPEC: {**spec, "capacity": 32}, TableKey.REPLACE: True})
+        pair.call(TINSERT, {Key.BIN: "replay/<i>"}, {"x": torch.zeros(2, 4)})
+        now[0] += 2.0
+        throughput.sample()
+        assert "replay/<i>" not in throughput.table_rates()
     finally:
         learner.close()
         pair.close()

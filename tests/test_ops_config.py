@@ -47,6 +47,18 @@ def test_config_file_errors(tmp_path, capsys, text, message):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag, value, message", [
+    ("--max-frame", "inf", "not a size"),  # (an OverflowError's traceback before)
+    ("--max-frame", "1e400", "not a size"),
+    ("--memory-limit", "-5GB", "not negative"),  # (a server on which every put failed)
+    ("--max-frame", "-1", "not negative"),
+])
+def test_size_flags_refuse_what_is_not_a_size(capsys, flag, value, message):
+    with pytest.raises(SystemExit) as exc:
+        parse_args([f"{flag}={value}"])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_missing_config_file(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--config", str(tmp_path / "none.toml")])

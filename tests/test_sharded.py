@@ -33,6 +33,17 @@ def test_rendezvous_spreads_bins_and_moves_few_when_a_server_joins_or_leaves():
     assert placed == [reordered[rendezvous(n, reordered)] for n in names]
 
 
+def test_servers_whose_addresses_share_a_long_prefix_each_take_a_share():
+    """Keys past BLAKE2b's 64 bytes were cut to 64: servers of one long host name (a
+    Kubernetes service) were one key, and every bin went to the first listed."""
+    host = "tensorshare-replay.reinforcement-learning-team.svc.cluster.local"
+    keys = [f"{host}:{port}" for port in (8000, 8001, 8002)]
+    placed = [keys[rendezvous(f"bin-{i}", keys)] for i in range(3000)]
+    assert all(800 < placed.count(k) < 1200 for k in keys), {k: placed.count(k) for k in keys}
+    reordered = list(reversed(keys))
+    assert placed == [reordered[rendezvous(f"bin-{i}", reordered)] for i in range(3000)]
+
+
 @pytest.mark.parametrize("bad", ["nohost", "h:x", ":80", "h:70000", ("h",), 5])
 def test_bad_server_addresses(bad):
     with pytest.raises(UsageError):

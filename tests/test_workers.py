@@ -164,14 +164,20 @@ def test_async_client_maps_the_workers_again_when_the_server_runs_others():
 
 
 def test_merged_status_adds_up_the_workers():
-    states = [build_state(ServerConfig(metrics_port=0)) for _ in range(2)]
+    from tensorshare_server.ops.status import limits_of
+    from tensorshare_server.workers.supervisor import worker_config
+
+    config = ServerConfig(workers=2, metrics_port=0, max_connections=50, max_bins=100, memory_limit=1 << 20)
+    states = [build_state(worker_config(config, k)) for k in range(2)]
     for k, state in enumerate(states):
         pair = Pair(state=state)
         for i in range(k + 1):
             pair.call(PUT, {Key.BIN: f"w{k}-{i}"}, torch.ones(100))
         pair.close()
     parts = [snapshot(state) for state in states]
-    whole = merge([*parts, None], {"pid": 1, "port": 8000}, 1 << 20)
+    whole = merge([*parts, None], {"pid": 1, "port": 8000}, limits_of(config))
+    assert parts[0]["limits"]["max_bins"] == 50  # (a worker's share)
+    assert whole["limits"]["max_bins"] == 100 and whole["limits"]["max_connections"] == 50  # the whole server's
     assert whole["totals"] == {"bins": 3, "items": 3, "bytes": parts[0]["totals"]["bytes"] * 3}
     assert {b["name"] for b in whole["bins"]} == {"w0-0", "w1-0", "w1-1"}
     assert whole["verbs"]["PUT"]["requests"] == 3 and whole["memory"]["memory_limit"] == 1 << 20

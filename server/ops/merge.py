@@ -43,15 +43,17 @@ def _summary(index: int, snapshot: dict | None) -> dict:
             "bytes_out": snapshot.get("traffic", {}).get("bytes_out")}
 
 
-def merge(snapshots: list[dict | None], server: dict, memory_limit: int | None) -> dict:
+def merge(snapshots: list[dict | None], server: dict, limits: dict) -> dict:
     """The whole server's snapshot from its workers' (None: a worker that did not
     answer); ``server`` replaces the ``server`` section (the parent's process, the
-    public port), ``memory_limit`` is the whole budget."""
+    public port), ``limits`` the workers' shares of the limits (the whole server's:
+    :func:`~.status.limits_of` its configuration)."""
+    memory_limit = limits["memory_limit"]
     answered = [s for s in snapshots if s is not None]
     if not answered:
         return {"server": server, "workers": [_summary(k, None) for k in range(len(snapshots))]}
     first = answered[0]
-    data: dict = {"server": {**first["server"], **server}, "limits": {**first["limits"], "memory_limit": memory_limit}}
+    data: dict = {"server": {**first["server"], **server}, "limits": dict(limits)}
     data["memory"] = {key: sum(s["memory"][key] or 0 for s in answered) for key in _SUMMED_MEMORY}
     data["memory"]["memory_limit"] = memory_limit
     for key in ("totals", "tiers", "connections", "traffic", "refused", "events"):

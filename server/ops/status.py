@@ -35,6 +35,16 @@ def rss_bytes() -> int | None:
     return None
 
 
+
+def limits_of(config) -> dict:
+    """The limits a status snapshot shows: a server's (a worker's: its share of them;
+    the whole server's page shows the parent's, :func:`~.merge.merge`)."""
+    return {"max_connections": config.max_connections, "max_bins": config.max_bins,
+            "max_items_per_bin": config.max_items_per_bin, "max_frame": config.max_frame,
+            "memory_limit": config.memory_limit, "max_outbound": config.max_outbound,
+            "idle_timeout": config.idle_timeout, "outbound_stall_timeout": config.outbound_stall_timeout}
+
+
 class Throughput:
     """The server's (bytes in, bytes out, requests) totals, sampled every ``interval``
     seconds over the last ``span`` seconds; :meth:`rates` gives per-second rates.
@@ -62,8 +72,9 @@ class Throughput:
             return {}
         (t0, old), (t1, new) = self.table_samples
         dt = max(t1 - t0, 1e-6)
+        # (a table made again under its name since counts from 0: left out, as a new one)
         return {name: ((i1 - old[name][0]) / dt, (s1 - old[name][1]) / dt)
-                for name, (i1, s1) in new.items() if name in old}
+                for name, (i1, s1) in new.items() if name in old and i1 >= old[name][0] and s1 >= old[name][1]}
 
     def rates(self) -> list[dict]:
         """``[{t, bytes_in, bytes_out, requests}]`` per second between consecutive samples."""
@@ -96,10 +107,7 @@ def snapshot(state, throughput: Throughput | None = None, now: float | None = No
                    "uptime": now - counters.started if counters else None, "time": now,
                    "authentication": state.token is not None, "tls": bool(config.tls_cert),
                    "durable": config.data_dir is not None},
-        "limits": {"max_connections": config.max_connections, "max_bins": config.max_bins,
-                   "max_items_per_bin": config.max_items_per_bin, "max_frame": config.max_frame,
-                   "memory_limit": config.memory_limit, "max_outbound": config.max_outbound,
-                   "idle_timeout": config.idle_timeout, "outbound_stall_timeout": config.outbound_stall_timeout},
+        "limits": limits_of(config),
         "memory": {"rss": rss_bytes(), **view.memory(), "memory_limit": config.memory_limit,
                    "receive_pool": state.recv_pool.held_bytes if state.recv_pool is not None else 0},
         "totals": {"bins": len(bins), "items": sum(t["items"] for t in tiers.values()),

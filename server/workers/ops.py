@@ -22,6 +22,7 @@ from twisted.web import client
 from twisted.web.http_headers import Headers
 
 from ..ops.merge import merge
+from ..ops.status import limits_of
 from ..ops.web import OpsPort, OpsResource, _loopback, ops_site
 
 log = logging.getLogger("tensorshare.server")
@@ -74,7 +75,7 @@ class Gatherer:
         mine = {"pid": os.getpid(), "host": host, "port": port, "started": self.started,
                 "uptime": now - self.started, "time": now, "workers": supervisor.count,
                 "worker_ports": supervisor.ports}
-        return merge(snapshots, mine, config.memory_limit)
+        return merge(snapshots, mine, limits_of(config))
 
 
 def start_ops(supervisor, reactor) -> OpsPort:

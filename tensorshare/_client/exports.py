@@ -138,9 +138,13 @@ class Exports:
     def keep(self, ident: int, snapshot: Encoded) -> None:
         with self._lock:
             self._held[ident] = snapshot
-            now = time.monotonic()
-            while self._retired and now - self._retired[0][0] > RETIRE_S:
-                self._retired.popleft()
+            self._prune()
+
+    def _prune(self) -> None:
+        """Drop the retired snapshots whose time is up (the lock held)."""
+        now = time.monotonic()
+        while self._retired and now - self._retired[0][0] > RETIRE_S:
+            self._retired.popleft()
 
     def forget(self, ident: int) -> None:
         with self._lock:
@@ -163,9 +167,22 @@ class Exports:
             if self._held:
                 self._retired.append((time.monotonic(), list(self._held.values())))
                 self._held.clear()
+                # dropped then even if nothing is put by reference again (a device's memory)
+                timer = threading.Timer(RETIRE_S + 0.5, self._pruned)
+                timer.daemon = True
+                timer.start()
             uploader = self._uploader
         if uploader is not None:
             uploader.clear()  # their items went with the connection
+
+    def _pruned(self) -> None:
+        with self._lock:
+            self._prune()
+
+    def retired(self) -> int:
+        """Batches of snapshots kept for readers of a lost connection."""
+        with self._lock:
+            return len(self._retired)
 
     def close(self) -> None:
         self._publisher.close()

@@ -88,7 +88,7 @@ class ClientMethods(TableMethods):
         runs on a thread of the client (keep it quick).  :meth:`flush` waits for
         such puts."""
         command = op if isinstance(op, Command) else COMMANDS[op]
-        if by_reference:
+        if by_reference and not (fields or {}).get(Key.EPHEMERAL):  # (ephemeral: as put's, over TCP)
             if not self._blocking or command is not PUT:
                 raise UsageError("by_reference is for the blocking Client's PUT")
             from .exports import put_by_reference
@@ -130,9 +130,11 @@ class ClientMethods(TableMethods):
         reference to that copy (CUDA IPC) instead of its bytes.  Readers on this
         host that read onto a CUDA device copy it device to device; the client
         sends the bytes in the background for everyone else.  The copy is freed
-        once the server says no reader holds it.  Elsewhere, as any put.
+        once the server says no reader holds it.  Elsewhere, as any put.  With
+        ``ephemeral``, as an ephemeral put (an ephemeral value comes over TCP; a
+        reference would outlive the connection that ends the bin).
         """
-        if by_reference:
+        if by_reference and not ephemeral:
             if not self._blocking:
                 raise UsageError("by_reference is for the blocking Client")
             from .exports import put_by_reference

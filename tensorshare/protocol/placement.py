@@ -24,10 +24,19 @@ def rendezvous(name: str, keys: list[str]) -> int:
     encoded = name.encode("utf-8", "surrogatepass")
     best, best_index = b"", 0
     for index, key in enumerate(keys):
-        weight = hashlib.blake2b(encoded, digest_size=8, key=key.encode()[:64]).digest()
+        weight = hashlib.blake2b(encoded, digest_size=8, key=_hash_key(key)).digest()
         if weight > best:
             best, best_index = weight, index
     return best_index
+
+
+def _hash_key(key: str) -> bytes:
+    """``key`` as a BLAKE2b key (at most 64 bytes): as it is up to 64 bytes (the workers'
+    keys, and so every placement made before), else its own 64-byte digest (cut to 64
+    bytes, the addresses of servers that share a long host name were one key: every
+    bin went to the first of them)."""
+    raw = key.encode("utf-8", "surrogatepass")
+    return raw if len(raw) <= 64 else hashlib.blake2b(raw, digest_size=64).digest()
 
 
 def worker_keys(count: int) -> list[str]:
