@@ -79,8 +79,8 @@ def status_json(args) -> dict | None:
     except OSError as exc:
         raise CliError(f"cannot reach the status page at {url}: {exc}", NO_SERVER) from None
     except (http.client.HTTPException, ValueError) as exc:  # not HTTP, or not JSON
-        raise CliError(f"no status page at {url} ({type(exc).__name__}: {exc}): --metrics-port is the port "
-                       f"the server printed for its status page", NO_SERVER) from None
+        raise CliError(f"no status page at {url} ({type(exc).__name__}): --metrics-port is the port the "
+                       f"server printed for its status page", NO_SERVER) from None  # (what came: not text)
 
 
 # -- subcommands
@@ -162,9 +162,7 @@ def cmd_load(args, client, out) -> int:
         raise CliError(f"{args.dir} holds no saved items: {exc}") from None
     from .memmap import RECORD
 
-    items = [loaded] if os.path.exists(os.path.join(args.dir, RECORD)) else loaded
-    if not items:
-        raise CliError(f"{args.dir} holds no saved items")
+    items = [loaded] if os.path.exists(os.path.join(args.dir, RECORD)) else loaded  # ([]: a bin saved empty)
     total = dir_bytes(args.dir)
     progress = Progress(f"load {args.bin}", not args.json and not args.quiet, out.console)
     done = 0

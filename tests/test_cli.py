@@ -137,6 +137,12 @@ def test_save_load_rm(ops_server, tmp_path):
         assert torch.equal(c.peek("cli/copy")[0], value)
         assert run_json(ops_server, "rm", "cli/copy") == {"bin": "cli/copy", "deleted": True}
         assert "cli/copy" not in c.list()
+        c.get("cli/big")  # an empty bin: saved, and loaded as such (its load failed: "holds no saved items")
+        assert run_json(ops_server, "save", "cli/big", str(tmp_path / "empty"))["items"] == 0
+        assert run_json(ops_server, "load", str(tmp_path / "empty"), "cli/none-loaded")["items"] == 0
+        # the data port is no status page: said so, without the bytes it sent (they are not text)
+        wrong = cli("--port", str(ops_server.port), "ls", "--metrics-port", str(ops_server.port))
+        assert wrong.returncode == 3 and "no status page" in wrong.stderr and "TSHR" not in wrong.stderr
 
 
 def test_errors_and_exit_codes(ops_server, tmp_path):
