@@ -197,16 +197,21 @@ def cmd_rm(args, client, out) -> int:
     return OK
 
 
-def watch_view(args, client) -> tuple[list, list, dict | None]:
-    """(bin rows, client rows, status) for one refresh of ``watch``."""
+def watch_view(args, client, shown: bool = True) -> tuple[list, list, dict | None]:
+    """(bin rows, client rows, status) for one refresh of ``watch``: as shown (byte
+    counts readable, "-" for what is not known), or (``shown=False``) as data for
+    scripts (counts in bytes, None for what is not known: bytes and tags need the
+    status page)."""
+    size = human_bytes if shown else (lambda n: n)
+    unknown = "-" if shown else None
     status = status_json(args)
     if status:
-        bins = [[b["name"], b["items"], human_bytes(b["bytes"]), "-" if b["tag"] is None else b["tag"]]
+        bins = [[b["name"], b["items"], size(b["bytes"]), unknown if b["tag"] is None else b["tag"]]
                 for b in status["bins"]]
-        clients = [[c["id"], c["peer"], rl_roles(c), human_bytes(c["bytes_in"]), human_bytes(c["bytes_out"]),
+        clients = [[c["id"], c["peer"], rl_roles(c), size(c["bytes_in"]), size(c["bytes_out"]),
                     c["requests"]] for c in status["clients"]]
         return bins, clients, status
-    return [[name, n, "-", "-"] for name, n in sorted(client.list().items())], [], None
+    return [[name, n, unknown, unknown] for name, n in sorted(client.list().items())], [], None
 
 
 def cmd_watch(args, client, out) -> int:
@@ -220,7 +225,7 @@ def cmd_watch(args, client, out) -> int:
             if count:
                 time.sleep(args.interval)
             count += 1
-            yield watch_view(args, client)
+            yield watch_view(args, client, shown=not args.json)
 
     if args.json:
         for bins, clients, status in frames():

@@ -181,7 +181,11 @@ def test_watch(ops_server):
                 "--count", "2", "--interval", "0.1").stdout.splitlines()
     assert len(lines) == 2
     view = json.loads(lines[-1])
-    assert {"bin": "cli/r", "items": 2, "bytes": "128 B", "tag": "-"} in view["bins"]
+    assert {"bin": "cli/r", "items": 2, "bytes": 128, "tag": None} in view["bins"]  # (data: not "128 B", "-")
+    assert {"bin": "cli/a", "items": 1, "tag": 7}.items() <= next(b for b in view["bins"] if b["bin"] == "cli/a").items()
+    assert all(isinstance(c["in"], int) for c in view["clients"])
+    bare = json.loads(cli("--port", str(ops_server.port), "--json", "watch", "--count", "1").stdout)
+    assert {"bin": "cli/r", "items": 2, "bytes": None, "tag": None} in bare["bins"]  # (no status page: not known)
     # (the watching CLI's own connection: TCP, or the same-host Unix socket, named by its process)
     assert view["clients"] and all(c["address"].startswith(("127.0.0.1:", "local:pid")) for c in view["clients"])
     plain = cli("--port", str(ops_server.port), "watch", "--count", "1", env={"TENSORSHARE_PLAIN": "1"})
