@@ -87,6 +87,8 @@ def _read_still_held(client, name: str, indices: torch.Tensor, keys: torch.Tenso
     which (a slot emptied since reads as key -1, ``read(..., empty=True)``: left out too)."""
     values, found = client.read(name, indices, with_keys=True, empty=True)
     same = found == keys
+    if bool(same.all()):  # (the usual case: no copy of the piece's columns)
+        return values, same
     return {column: tensor[same] for column, tensor in values.items()}, same
 
 
@@ -168,16 +170,20 @@ def row_pieces(indices, columns: dict[str, torch.Tensor], priorities=None, ends=
     n = indices.numel()
     if not n:
         return
-    order = None if keys is None else torch.from_numpy(np.argsort(np.asarray(keys), kind="stable"))
+    order = None
+    if keys is not None:
+        keys = np.asarray(keys)
+        if not (keys[1:] > keys[:-1]).all():  # (in order already, as a table not yet wrapped is: slices)
+            order = np.argsort(keys, kind="stable")
     row_bytes = sum(t[:1].numel() * t.element_size() for t in columns.values())
     step = max(1, PIECE // max(row_bytes, 1))
     for start in range(0, n, step):
         stop = min(start + step, n)
         part = slice(start, stop) if order is None else order[start:stop]
-        yield (indices[part], {k: v[part] for k, v in columns.items()},
-               None if priorities is None else torch.as_tensor(np.asarray(priorities)[part.numpy()
-                                                                                      if order is not None else part]),
-               None if ends is None else np.asarray(ends)[part.numpy() if order is not None else part])
+        rows = part if order is None else torch.from_numpy(part)
+        yield (indices[rows], {k: v[rows] for k, v in columns.items()},
+               None if priorities is None else torch.as_tensor(np.asarray(priorities)[part]),
+               None if ends is None else np.asarray(ends)[part])
 
 
 def mapped_columns(path) -> dict[str, torch.Tensor]:

@@ -361,10 +361,11 @@ class TableStore:
         if entry.directory is None and self.memory.over_budget(nbytes):
             raise StorageFullError(f"{nbytes} more bytes of columns in memory are over the memory budget "
                                    f"(--memory-limit {self.memory.memory_limit})")
-        if entry.directory is None and entry.nbytes + nbytes > physical_memory():
-            raise StorageFullError(f"no memory for {nbytes} more bytes of columns: the table's would be more than "
-                                   f"the machine's {physical_memory()}")
         if entry.directory is None:  # in memory: no file to make
+            machine = physical_memory()
+            if entry.nbytes + nbytes > machine:
+                raise StorageFullError(f"no memory for {nbytes} more bytes of columns: the table's would be more "
+                                       f"than the machine's {machine}")
             try:
                 arrays = entry.table.new_columns(new)
             except MemoryError:

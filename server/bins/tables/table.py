@@ -384,14 +384,15 @@ class Table:
         state = self._slots
         keys = state.key[slots]
         missing = keys < 0
-        if missing.any() and (sampled or not empty):
+        any_missing = bool(missing.any())
+        if any_missing and (sampled or not empty):
             gone = slots[missing]
             raise EmptySlotError(f"slot {int(gone[0])} holds no row"
                                  + (f" ({gone.size} such slots)" if gone.size > 1 else ""))
         buffers = out_buffers(self.columns if self._items is None else None, out, slots.size)
         if not sampled:
             values, items = self._gather(slots, buffers)
-            if missing.any():  # (their bytes are a row that left: not handed out)
+            if any_missing:  # (their bytes are a row that left: not handed out)
                 if items is not None:
                     items = [None if m else item for item, m in zip(items, missing.tolist())]
                 else:
