@@ -492,7 +492,9 @@ def test_spill_dir_is_cleaned_up(tmp_path):
             assert c.list() == {"x": 4}
         srv.kill()  # a crash leaves its spill files...
         assert _files_under(str(spill))
-        srv.start()  # ...which the next server removes
+        # ...which the next server removes (on a port of its own: the old one may have been
+        # taken meanwhile by another test's server, which picked it as a free one)
+        srv = ServerProcess("--memory-limit", "1MiB", "--spill-dir", str(spill))
         assert [f for f in _files_under(str(spill)) if not f.endswith((".lock", TOKEN_FILE))] == []
     finally:
         srv.stop()  # and a clean stop removes its own
