@@ -9,6 +9,9 @@ test_multihost.py.
 
 from __future__ import annotations
 
+import json
+import socket
+import struct
 import threading
 import time
 
@@ -18,8 +21,10 @@ import torch
 import tensorshare
 from tensorshare import errors
 from tensorshare.errors import TensorShareError
-from tensorshare.protocol.messages import DELETE, PEEK, PUT, Key
+from tensorshare.protocol.messages import DELETE, GET, PEEK, PUT, Key
 from tensorshare.wire.codec import Encoded
+from tensorshare.wire.frames import FrameDecoder, frame_head
+from opsproc import OpsServer, http_get
 from serverproc import ServerProcess
 
 pytestmark = pytest.mark.process
@@ -370,3 +375,81 @@ def test_reads_that_wait_through_a_relay(pair):
     [value], later = rel.peek("wp", with_seq=True, since=seq, wait=10)
     putter.join(10)  # (its reply may come after the peek's: the client must not close before it)
     assert value.item() == 2 and later != seq
+
+
+def _upstream_status(upstream: OpsServer) -> dict:
+    return json.loads(http_get(upstream.url("/status.json"))[2])
+
+
+def _gets_upstream(upstream: OpsServer) -> int:
+    return _upstream_status(upstream).get("verbs", {}).get("GET", {}).get("requests", 0)
+
+
+def _get_that_waits(port: int, name: str, wait: float) -> socket.socket:
+    """A client of its own on a raw socket, whose GET of ``name`` waits up to ``wait`` seconds."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.sendall(frame_head(GET.request(1, {Key.BIN: name, Key.WAIT: wait}), 0))
+    return sock
+
+
+def _reply(sock: socket.socket, rid: int) -> dict:
+    """The header of the reply to request ``rid`` on a raw socket (5 s at most)."""
+    decoder = FrameDecoder()
+    sock.settimeout(5)
+    while True:
+        data = sock.recv(1 << 16)
+        assert data, "connection closed before the reply"
+        for frame in decoder.feed(data):
+            if frame.header.get(Key.ID) == rid:
+                return frame.header
+
+
+@pytest.fixture
+def counted_pair():
+    """An upstream whose /status.json counts its requests and connections, and its relay."""
+    upstream = OpsServer()
+    relay = relay_of(upstream)
+    try:
+        with tensorshare.Client("127.0.0.1", upstream.port, timeout=15) as up, \
+                tensorshare.Client("127.0.0.1", relay.port, timeout=15) as rel:
+            rel.put("warm", 0)  # (the relay is connected upstream)
+            yield upstream, relay, up, rel
+    finally:
+        relay.stop()
+        upstream.stop()
+
+
+def test_a_get_waiting_through_a_relay_takes_nothing_once_its_client_is_gone(counted_pair):
+    """A client's GET that waits upstream is called off there when the client goes
+    (PROTOCOL.md §4.5): an item appended later stays for the next client."""
+    upstream, relay, up, rel = counted_pair
+    opened = _upstream_status(upstream)["connections"]["open"]
+    gets = _gets_upstream(upstream)
+    sock = _get_that_waits(relay.port, "q", 30)
+    wait_until(lambda: _gets_upstream(upstream) > gets, 10, "the GET waiting upstream")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()  # abruptly (a reset), as a killed client's
+    # (until the upstream has seen the relay's connection for that GET go: 10 s at most)
+    wait_until(lambda: _upstream_status(upstream)["connections"]["open"] <= opened, 10,
+               "the relay's request upstream called off")
+    up.append("q", torch.tensor([7]))
+    assert [t.item() for t in rel.get("q")] == [7]  # not taken by the gone client's GET
+
+
+def test_a_get_waiting_through_a_relay_holds_up_no_other_request(counted_pair):
+    """Requests upstream answer in order per connection: a GET that waits there goes
+    on a connection of its own, not ahead of every other client's request."""
+    upstream, relay, up, _ = counted_pair
+    gets = _gets_upstream(upstream)
+    sock = _get_that_waits(relay.port, "q", 10)
+    try:
+        wait_until(lambda: _gets_upstream(upstream) > gets, 10, "the GET waiting upstream")
+        with tensorshare.Client("127.0.0.1", relay.port, timeout=3) as other:
+            other.put("p", torch.tensor([1]))  # (held behind the GET: a timeout after 3 s)
+            assert up.list()["p"] == 1
+            other.append("q", torch.tensor([2]))
+        reply = _reply(sock, 1)  # the GET took the item
+        assert reply[Key.CODE] == 226 and len(reply[Key.ITEMS]) == 1, reply
+        assert up.list()["q"] == 0
+    finally:
+        sock.close()

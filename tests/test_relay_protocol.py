@@ -1,17 +1,24 @@
 """What relays add, in memory: item tags in GET/PEEK replies (PROTOCOL.md §11), the
-store's one-change mirror of a bin, and the relay's options."""
+store's one-change mirror of a bin, a request answered from upstream called off when
+its client goes, and the relay's options."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from twisted.internet.task import Clock
 
-from pairing import Pair
+from pairing import Outbox, Pair
+from tensorshare._client.connection import request_frame
 from tensorshare.errors import UsageError
-from tensorshare.protocol.messages import APPEND, GET, LIST, PEEK, PUT, Key
+from tensorshare.protocol.messages import APPEND, GET, LIST, NOOP, PEEK, PUT, Key
+from tensorshare.wire.frames import FrameDecoder
 from tensorshare_server.bins.store import BinStore, Item
 from tensorshare_server.config import ServerConfig
+from tensorshare_server.protocol.outcome import later
+from tensorshare_server.protocol.session import ServerSession
 from tensorshare_server.relay import split_address
+from tensorshare_server.root import build_state
 
 
 @pytest.fixture
@@ -48,6 +55,45 @@ def test_mirror_replaces_a_bins_items_in_one_change_with_a_growing_seq():
     assert empty.n_items == 0 and empty.seq > change.seq and store.nbytes == 0
     created = store.mirror("new", [Item(b"d", (), 0)], "APPEND")
     assert store.listing() == {"b": 0, "new": 1} and created.seq > empty.seq
+
+
+class Reads:
+    """A session's reading side that records why it is paused."""
+
+    def __init__(self):
+        self.paused = set()
+
+    def pause(self, reason: str) -> None:
+        self.paused.add(reason)
+
+    def resume(self, reason: str) -> None:
+        self.paused.discard(reason)
+
+
+@pytest.mark.parametrize("can_cancel", [True, False])
+def test_a_request_answered_from_elsewhere_is_called_off_when_its_connection_closes(can_cancel):
+    """As a relay answers a GET that waits upstream: a request that can be called off
+    keeps its connection read while it waits (so that a close is seen at once), and is
+    called off when it closes; one that cannot holds reading until it is answered."""
+    started, cancelled = [], []
+
+    def held(session, request):
+        return later(started.append, lambda *result: NOOP.reply(request.id),
+                     (lambda: cancelled.append(request.id)) if can_cancel else None)
+
+    state = build_state(ServerConfig(), clock=Clock())
+    state.handlers[GET] = held
+    outbox, reads = Outbox(), Reads()
+    session = ServerSession(state, outbox, "pair", reads=reads)
+    session.connection_made()
+    session.data_received(b"".join(bytes(p) for p in request_frame(7, GET, {Key.BIN: "q", Key.WAIT: 30.0})))
+    assert len(started) == 1 and [f.header[Key.CODE] for f in FrameDecoder().feed(bytes(outbox.data))] == [220]
+    assert reads.paused == (set() if can_cancel else {"answering"})
+    session.connection_lost()
+    assert cancelled == ([7] if can_cancel else [])
+    started[0]()  # (what it waited for ends after all: nobody is answered, nothing fails)
+    assert len(FrameDecoder().feed(bytes(outbox.data))) == 1  # the greeting alone
+    state.storage.close()
 
 
 @pytest.mark.parametrize("text, expected", [("h:80", ("h", 80)), ("10.0.0.1:8000", ("10.0.0.1", 8000)),

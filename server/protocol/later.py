@@ -10,7 +10,10 @@ what it waits for, carries out its outcome once that is done (through the sessio
 While it waits in its lane the connection is still read (its later requests are
 held in the backlog, which stops reading again), so a peer that closes is seen at
 once and its request takes nothing (nor keeps a connection slot); once it goes on,
-reading stops until it is answered (it may wait for the disk).
+reading stops until it is answered (it may wait for the disk).  So is a connection
+whose request waits elsewhere and can be called off (a :class:`~.outcome.Pending`
+with ``cancel``: a relay's request held upstream), which is called off when the
+peer closes.
 """
 
 from __future__ import annotations
@@ -42,15 +45,22 @@ class LaterAnswers:
         self._proceed(answering)
 
     def drop(self) -> None:
-        """The connection is gone: a request waiting in its lane is dropped, unrun."""
+        """The connection is gone: a request waiting in its lane is dropped, unrun, and
+        one waiting elsewhere that can be called off is."""
         session = self.session
         holding = session.holding
         answering = holding.answering
-        if answering is not None and answering.parked is not None:
+        if answering is None:
+            return
+        if answering.parked is not None:
             answering.closed = True
             session.state.waits.cancel(answering.parked)
             answering.parked = None
             holding.answering = None
+        elif answering.pending.cancel is not None:
+            answering.closed = True  # (what it waited for, when it ends, goes to nobody)
+            holding.answering = None
+            answering.pending.cancel()
 
     def _proceed(self, answering: Answering) -> None:
         """Start what ``answering`` waits for, or park it in its lane first (while it is
@@ -101,7 +111,8 @@ class LaterAnswers:
         session = self.session
         if session.holding.answering is answering and not answering.returned:
             answering.returned = True
-            session.reads.pause("answering")
+            if pending.cancel is None:  # (else read on: a peer that closes calls it off)
+                session.reads.pause("answering")
 
     def _finished(self, answering: Answering, result) -> None:
         """What ``answering`` waited for is done: carry out its outcome."""

@@ -30,7 +30,11 @@ declares): ``start`` runs once ``ready()`` holds, tested now and after every cha
 of the bin, in arrival order within the lane (unless its verb declares otherwise,
 ``waits_in_order``: then as soon as it is ready); or ``expire(done)`` runs when ``timeout`` seconds have passed.  Meanwhile
 other connections are served and this one's notifications go out as usual; a
-connection that closes drops its waiting request, unrun.
+connection that closes drops its waiting request, unrun.  Without a lane, a
+:class:`Pending` with ``cancel`` waits outside this server (a relay's request held
+upstream): the connection is read meanwhile, as while one waits in a lane, so that
+a peer that closes is seen at once, and ``cancel()`` then calls off what it waits
+for (its ``done`` is ignored from then on).
 """
 
 from __future__ import annotations
@@ -41,18 +45,22 @@ from typing import Any, Callable
 class Pending:
     """A request answered later (see the module docstring)."""
 
-    __slots__ = ("start", "finish", "key", "ready", "timeout", "expire", "ordered")
+    __slots__ = ("start", "finish", "key", "ready", "timeout", "expire", "ordered", "cancel")
 
     def __init__(self, start: Callable[[Callable], None], finish: Callable[..., Any], key: tuple | None = None,
                  ready: Callable[[], bool] | None = None, timeout: float = 0.0,
-                 expire: Callable[[Callable], None] | None = None, ordered: bool = True):
+                 expire: Callable[[Callable], None] | None = None, ordered: bool = True,
+                 cancel: Callable[[], None] | None = None):
         self.start, self.finish = start, finish
         self.key, self.ready, self.timeout, self.expire, self.ordered = key, ready, timeout, expire, ordered
+        self.cancel = cancel
 
 
-def later(start: Callable[[Callable], None], finish: Callable[..., Any]) -> Pending:
-    """Answered with ``finish(*result)`` once ``start(done)`` calls ``done(*result)``."""
-    return Pending(start, finish)
+def later(start: Callable[[Callable], None], finish: Callable[..., Any],
+          cancel: Callable[[], None] | None = None) -> Pending:
+    """Answered with ``finish(*result)`` once ``start(done)`` calls ``done(*result)``;
+    ``cancel()``, if given, calls it off should the connection close first."""
+    return Pending(start, finish, cancel=cancel)
 
 
 def in_lane(name: str, command, ready: Callable[[], bool], start: Callable[[Callable], None],

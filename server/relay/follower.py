@@ -182,10 +182,15 @@ class Follower:
     def connected(self) -> bool:
         return self.upstream.connected
 
-    def forward(self, command, fields: dict, value=None, timeout: float | None = None) -> defer.Deferred:
+    def forward(self, command, fields: dict, value=None, timeout: float | None = None,
+                alone: bool = False) -> defer.Deferred:
         """Send a request upstream as it came: ``value`` is ``(description, payload
         parts, payload bytes)`` for a verb that carries one; a Deferred of the raw
-        reply (:class:`~.upstream.Reply`)."""
+        reply (:class:`~.upstream.Reply`).  ``alone``: a request the upstream may hold,
+        on a connection of its own (cancelling the Deferred calls it off there:
+        :meth:`~.upstream.Upstream.call_alone`)."""
+        if alone:
+            return self.upstream.call_alone(command, fields, value, timeout)
         return self.upstream.call(command, fields, value, timeout)
 
     def follows(self, name: str) -> bool:

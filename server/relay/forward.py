@@ -15,7 +15,11 @@ any server.  Each returns an outcome (``server/protocol/outcome.py``).
   upstream's as it came (tables live upstream: a relay mirrors bins, not tables).
   Nothing is retried: a request whose upstream connection drops gets 421, and the
   client decides (the upstream may or may not have made the change), so nothing is
-  done twice by the relay.
+  done twice by the relay.  A request that may wait upstream (``wait``, §4.5: a
+  blocking GET, an APPEND ``below``, a table verb's wait) goes on a connection of its
+  own, so that it holds up no other request of the relay there, and is called off
+  when its client goes: the relay closes that connection and the upstream drops the
+  request unrun, as it would the client's own (a GET takes nothing).
 * ``MIRROR`` (PEEK, LISTEN): a followed bin is mirrored from then on and the
   request waits for its first copy; then it is answered from the mirror, like any
   bin (same-host zero-copy included; a PEEK that waits for a change waits for the
@@ -75,16 +79,22 @@ def _forward(session, command, fields: dict, value=None, timeout: float | None =
     mirrored = fields[Key.BIN] if command.relay == Relay.FORWARD else None
 
     owner = fields.get(Key.BIN) if command.route is Route.OWNER else None  # (a bin's own worker suffices)
+    waits = owner is not None and bool(fields.get(Key.WAIT))  # the upstream may hold it: alone, called off
+    sent: list = []  # the request upstream (its Deferred), once sent
+    cancelled = False
 
     def start(done: Callable) -> None:
         relay.when_started(lambda error: send(done) if error is None else done(None, _as_remote(error)), owner)
 
     def send(done: Callable) -> None:
+        if cancelled:  # (its client went while the relay waited for its upstream)
+            return
         try:
-            d = relay.forward(command, fields, value, timeout)
+            d = relay.forward(command, fields, value, timeout, alone=waits)
         except TensorShareError as exc:
             done(None, _as_remote(exc))
             return
+        sent.append(d)
 
         def replied(reply) -> None:
             if mirrored is None:
@@ -100,7 +110,14 @@ def _forward(session, command, fields: dict, value=None, timeout: float | None =
             raise error
         return on_reply(reply)
 
-    return later(start, finish)
+    def cancel() -> None:
+        """The client went: the request still held upstream is dropped there, unrun."""
+        nonlocal cancelled
+        cancelled = True
+        for d in sent:
+            d.cancel()
+
+    return later(start, finish, cancel if waits else None)
 
 
 def _local_seq(session, name: str, upstream_seq: int) -> tuple[bool, int, int]:

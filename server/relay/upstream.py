@@ -23,6 +23,14 @@ to their bins' new owners, which listen again once connected.  A refused
 authentication is final (``on_refused``).  A payload is received into one
 ``bytearray`` (:class:`ArraySink`), unless ``arriving`` gives a sink for a copy of a
 bin (cut-through, :mod:`.stream`).
+
+A request the upstream may hold (one with ``wait``, PROTOCOL.md §4.5) goes on a
+connection of its own (:meth:`Upstream.call_alone`), never on the one every other
+request of the relay takes, which it would hold up for as long as it waits (the
+requests of a connection are answered in order).  Cancelling it closes that
+connection, and the upstream drops the request unrun, as it does any client's that
+goes: a relay's client that goes while its GET waits takes nothing.  A connection
+whose request was answered serves the next one (:data:`SPARE` kept idle per worker).
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from typing import Callable
 from twisted.internet import defer
 
 from tensorshare.drivers.twisted import Options, Remapper, TwistedMember, Wire, first_error, open_wire, start_members
-from tensorshare.errors import AuthenticationError, ConnectionLostError, ProtocolError, WrongWorkerError
+from tensorshare.errors import AuthenticationError, ConnectionLostError, ProtocolError, RemoteError, WrongWorkerError
 from tensorshare.protocol.engine import Call, Notice, RawValue, Restored, frame_of, next_request_id
 from tensorshare.protocol.messages import ITEMS, LISTEN, NOTIFY, PEEK, Command, Key, Route
 from tensorshare.protocol.placement import WorkerMap
@@ -46,6 +54,8 @@ log = logging.getLogger("tensorshare.server.relay")
 
 INCOMING = "INCOMING"  # the op of the notification that announces (or carries) a copy arriving (§11)
 _PREFIX = "relay: upstream "
+SPARE = 8  # idle connections of their own (call_alone) kept per worker for the next requests that may wait
+SPARE_IDLE_S = 60.0  # seconds such a spare connection is kept idle before it is closed
 
 
 class ArraySink:
@@ -122,6 +132,9 @@ class Upstream:
         self._bootstrap = self.options.engine(port)  # (its backoff paces the attempts at a first connection)
         self._bootstrap_timer = None
         self._closed = False
+        self._alone: set[TwistedMember] = set()  # connections of their own (call_alone), busy or spare
+        self._spare: dict[int, list[TwistedMember]] = {}  # port -> those idle, the most recently used last
+        self._spare_timers: dict[TwistedMember, object] = {}  # an idle one's: closes it once idle too long
 
     @property
     def where(self) -> str:
@@ -188,6 +201,8 @@ class Upstream:
         self.remapper.closed = True
         for member in self.router.everyone():
             member.close()
+        for member in list(self._alone):
+            self._close_alone(member)
 
     def _member(self, index: int | None, port: int, opened: Wire | None) -> TwistedMember:
         member = TwistedMember(self.options, index, port, opened)
@@ -226,7 +241,8 @@ class Upstream:
             d = self._send(router.owner(fields[Key.BIN]), command, fields, value, timeout)
             if seen is None:
                 return d
-            return d.addErrback(self._wrong_worker, seen, command, fields, value, timeout)
+            return d.addErrback(self._wrong_worker, seen,
+                                lambda: self._send(self.router.owner(fields[Key.BIN]), command, fields, value, timeout))
         members = router.all() if command.route is Route.MERGE else [router.home]  # (EVERY: the relay sends none)
         if len(members) == 1:
             return self._send(members[0], command, fields, value, timeout)
@@ -237,25 +253,114 @@ class Upstream:
         return d.addErrback(first_error)
 
     def _send(self, member: TwistedMember, command: Command, fields: dict, value: tuple | None,
-              timeout: float | None, handle: _Listen | None = None) -> defer.Deferred:
+              timeout: float | None, handle: _Listen | None = None,
+              canceller: Callable | None = None) -> defer.Deferred:
         call = _Call(next_request_id(), command, fields)
-        call.deferred = defer.Deferred()
+        call.deferred = defer.Deferred(canceller)
         call.handle = handle
         parts = frame_of(call, None if value is None else RawValue(*value))
         member.send(call, parts, None if timeout is None else self.reactor.seconds() + timeout)
         return call.deferred
 
-    def _wrong_worker(self, failure, seen: WorkerMap, command: Command, fields: dict, value, timeout):
+    def _wrong_worker(self, failure, seen: WorkerMap, resend: Callable[[], defer.Deferred]):
         """A 427: the workers changed since ``seen``; map them again and send the request
-        once more, to its owner then."""
+        once more (``resend()``), to its owner then."""
         failure.trap(WrongWorkerError)
 
         def again(changed: bool):
             if not changed:
                 return failure
-            return self._send(self.router.owner(fields[Key.BIN]), command, fields, value, timeout)
+            return resend()
 
         return self.remapper.again(failure.getErrorMessage(), seen).addCallback(again)
+
+    # -- requests the upstream may hold, each on a connection of its own
+
+    def call_alone(self, command: Command, fields: dict, value: tuple | None = None,
+                   timeout: float | None = None) -> defer.Deferred:
+        """As :meth:`call`, for a request about a bin that the upstream may hold (one with
+        ``wait``), sent on a connection of its own to the bin's worker (see the module
+        docstring).  Cancelling the Deferred closes that connection: the upstream drops
+        the request if it still holds it, and the Deferred fails."""
+        router = self.router
+        if router.home is None:
+            raise ConnectionLostError(f"not connected to upstream {self.where}")
+
+        def send() -> defer.Deferred:
+            workers = self.router.map
+            port = self.router.port_of(None if workers is None else workers.owner(fields[Key.BIN]))
+            return self._aside(port).addCallback(self._send_alone, command, fields, value, timeout)
+
+        seen = router.map
+        d = send()
+        return d if seen is None else d.addErrback(self._wrong_worker, seen, send)
+
+    def _send_alone(self, member: TwistedMember, command: Command, fields: dict, value: tuple | None,
+                    timeout: float | None) -> defer.Deferred:
+        d = self._send(member, command, fields, value, timeout, canceller=lambda _: self._close_alone(member))
+
+        def answered(result):
+            # Answered (a refusal included): the connection is in step and serves the next
+            # request; after anything else (lost, timed out, cancelled) it is closed.
+            if isinstance(result, Reply) or result.check(RemoteError):
+                self._keep_spare(member)
+            else:
+                self._close_alone(member)
+            return result
+
+        return d.addBoth(answered)
+
+    def _aside(self, port: int) -> defer.Deferred:
+        """A Deferred of a connection of its own to ``port`` with no request on it: a
+        spare one, else a new one (cancelling the Deferred gives up on opening it)."""
+        spare = self._spare.get(port)
+        while spare:
+            member = spare.pop()
+            timer = self._spare_timers.pop(member)
+            if timer.active():
+                timer.cancel()
+            if member.connected:
+                return defer.succeed(member)
+            self._close_alone(member)
+        if self._closed:
+            return defer.fail(ConnectionLostError(f"not connected to upstream {self.where}"))
+        member = TwistedMember(self.options, None, port)
+        member.answered = _settle
+        member.on_lost = lambda member, reason: self._close_alone(member)
+        self._alone.add(member)
+        d = defer.Deferred(lambda d: self._close_alone(member))
+
+        def opened(_) -> None:
+            if not d.called:
+                d.callback(member)
+
+        def failed(failure) -> None:
+            self._close_alone(member)  # (no retrying: the request fails, with 421)
+            if not d.called:
+                d.errback(failure)
+
+        member.start().addCallbacks(opened, failed)
+        return d
+
+    def _keep_spare(self, member: TwistedMember) -> None:
+        spare = self._spare.setdefault(member.port, [])
+        if self._closed or member not in self._alone or not member.connected or len(spare) >= SPARE:
+            self._close_alone(member)
+            return
+        spare.append(member)
+        self._spare_timers[member] = self.reactor.callLater(SPARE_IDLE_S, self._close_alone, member)
+
+    def _close_alone(self, member: TwistedMember) -> None:
+        """Close a connection of its own (its request in flight, if any, fails)."""
+        if member not in self._alone:
+            return
+        self._alone.discard(member)
+        timer = self._spare_timers.pop(member, None)
+        if timer is not None:  # (a spare one)
+            if timer.active():
+                timer.cancel()
+            self._spare[member.port].remove(member)
+        member.close()
 
     # -- listens
 
