@@ -76,8 +76,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Na
                       help="durable storage: every acknowledged put/append is on disk here, and a server "
                            "restarted on it serves the same bins")
     disk.add_argument("--fsync", action="store_true",
-                      help="with --data-dir: flush every change to stable storage before acknowledging it "
-                           "(survives power loss, not only a crash of the server)")
+                      help="with --data-dir (refused without it): flush every change to stable storage before "
+                           "acknowledging it (survives power loss, not only a crash of the server)")
     disk.add_argument("--disk-threads", type=count, default=ServerConfig.disk_threads)
     disk.add_argument("--no-sendfile", dest="sendfile", action="store_false",
                       help="copy spilled and durable items' bytes through the server instead of having the "
@@ -114,8 +114,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Na
                              "--max-connections, --max-bins and --max-table-rows stay the whole server's: each "
                              "worker gets 1/N (default %(default)s)")
     parser.add_argument("--worker-ports", type=int, default=None, metavar="PORT",
-                        help="with --workers: worker k also listens on PORT+k, which clients connect to "
-                             "(default: free ports, named in the greeting)")
+                        help="with --workers N, N > 1 (refused without): worker k also listens on PORT+k, which "
+                             "clients connect to (default: free ports, named in the greeting)")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING... (INFO: a line per "
                                                                 "connection opened and closed)")
     _add_relay_arguments(parser)
@@ -128,7 +128,22 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Na
         config = ServerConfig(**{k: v for k, v in vars(args).items() if k in known})
     except ValueError as exc:
         parser.error(str(exc))
+    _refuse_ignored(parser, config)
     return config, args
+
+
+def _refuse_ignored(parser: argparse.ArgumentParser, config: ServerConfig) -> None:
+    """Refuse (exit status 2) an option that means nothing without another, which the
+    server would otherwise ignore without a word (from the command line or --config)."""
+    if config.fsync and not config.data_dir:
+        parser.error("--fsync needs --data-dir DIR: only durable storage is flushed to disk "
+                     "(add --data-dir DIR, or drop --fsync)")
+    if config.worker_ports is not None and config.workers < 2:
+        parser.error("--worker-ports needs --workers N with N > 1: one process listens on --port alone "
+                     "(add --workers N, or drop --worker-ports)")
+    if config.follow_bins != ServerConfig.follow_bins and not config.follow:
+        parser.error("--follow-bins needs --follow HOST:PORT: a server that follows no upstream mirrors no bins "
+                     "(add --follow HOST:PORT, or drop --follow-bins)")
 
 
 def _add_relay_arguments(parser: argparse.ArgumentParser) -> None:
@@ -138,7 +153,8 @@ def _add_relay_arguments(parser: argparse.ArgumentParser) -> None:
                  "change crosses the network once; writes to followed bins are forwarded upstream.")
     group.add_argument("--follow", metavar="HOST:PORT", help="the upstream server (or relay) to mirror")
     group.add_argument("--follow-bins", default=ServerConfig.follow_bins, metavar="GLOB",
-                       help="bins to mirror and forward writes to (default %(default)s); others live here")
+                       help="with --follow (refused without it): bins to mirror and forward writes to (default "
+                            "%(default)s); others live here")
     group.add_argument("--follow-token-file", metavar="FILE",
                        help="token to prove upstream (default: this server's own token)")
     group.add_argument("--follow-tls", action="store_true", help="TLS upstream, trusting the system's CAs")

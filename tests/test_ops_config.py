@@ -21,11 +21,11 @@ def write(tmp_path, text: str) -> str:
 
 
 def test_config_file_sets_options_and_command_line_wins(tmp_path):
-    path = write(tmp_path, 'port = 9001\nmemory-limit = "1MiB"\nmax_bins = 3\nfsync = true\n'
+    path = write(tmp_path, 'port = 9001\nmemory-limit = "1MiB"\nmax_bins = 3\nfsync = true\ndata-dir = "d"\n'
                            'no-zero-copy = true\nlog-format = "json"\nmetrics-port = 9100\nidle-timeout = 5\n')
     config, args = parse_args(["--config", path, "--port", "0", "--max-bins", "4"])
     assert config.port == 0 and config.max_bins == 4  # the command line wins
-    assert config.memory_limit == 1 << 20 and config.fsync and not config.zero_copy
+    assert config.memory_limit == 1 << 20 and config.fsync and config.data_dir == "d" and not config.zero_copy
     assert config.metrics_port == 9100 and config.idle_timeout == 5.0 and args.log_format == "json"
     config, _ = parse_args(["--config", write(tmp_path, "zero-copy = false\n")])
     assert not config.zero_copy
@@ -57,6 +57,38 @@ def test_size_flags_refuse_what_is_not_a_size(capsys, flag, value, message):
     with pytest.raises(SystemExit) as exc:
         parse_args([f"{flag}={value}"])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--fsync"], "--fsync needs --data-dir DIR"),
+    (["--fsync", "--memory-limit", "1GiB"], "--fsync needs --data-dir DIR"),  # (spilled items are not durable)
+    (["--worker-ports", "9100"], "--worker-ports needs --workers N with N > 1"),
+    (["--worker-ports", "9100", "--workers", "1"], "--worker-ports needs --workers N with N > 1"),
+    (["--follow-bins", "params*"], "--follow-bins needs --follow HOST:PORT"),
+])
+def test_an_option_that_would_be_ignored_alone_is_refused(capsys, argv, words):
+    """Each of these did nothing without the option it needs, and said nothing."""
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"error: {words}" in err and "(add " in err, err
+
+
+def test_such_an_option_from_a_config_file_is_refused_too(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--config", write(tmp_path, "fsync = true\n")])
+    assert exc.value.code == 2 and "--fsync needs --data-dir DIR" in capsys.readouterr().err
+
+
+def test_the_options_with_what_they_need_are_taken(tmp_path):
+    config, _ = parse_args(["--fsync", "--data-dir", str(tmp_path)])
+    assert config.fsync and config.data_dir == str(tmp_path)
+    config, _ = parse_args(["--workers", "2", "--worker-ports", "9100"])
+    assert (config.workers, config.worker_ports) == (2, 9100)
+    config, _ = parse_args(["--follow", "head:8000", "--follow-bins", "params*"])
+    assert (config.follow, config.follow_bins) == ("head:8000", "params*")
+    config, _ = parse_args(["--follow-bins", "*"])  # (the default: nothing is lost)
+    assert config.follow is None
 
 
 def test_missing_config_file(tmp_path, capsys):
