@@ -27,6 +27,7 @@ from tensorshare.errors import ZeroCopyUnavailableError
 from tensorshare.disk.layout import RECORD
 from tensorshare.wire.codec import encode
 from test_disk import VALUES, _equal
+from wiretools import wait_for
 from test_server import wait_for
 
 MiB = 1 << 20
@@ -676,3 +677,49 @@ def test_a_writer_breaking_the_adoption_check_s_lease_neither_kills_the_server_n
                           timeout=60)
     assert done.returncode == 0, f"the checking process ended with {done.returncode}: {done.stderr[-500:]}"
     assert done.stdout.strip() == "False"
+
+
+def test_a_get_by_reference_for_a_peer_already_gone_takes_nothing(tmp_path):
+    """The sans-IO session: when the items had to be written into shared memory for the
+    reference and the peer closed meanwhile (``peer_gone``), the GET takes nothing."""
+    from tensorshare._client.connection import NO_VALUE
+    from tensorshare_server.config import ServerConfig
+    from wiretools import CollectingOutbox, request_parts
+    from tensorshare_server.protocol.session import ServerSession
+    from tensorshare_server.root import build_state
+
+    state = build_state(ServerConfig(shm_dir=str(tmp_path), zero_copy_min=0))
+    out = CollectingOutbox()
+    s = ServerSession(state, out, same_host=True)
+    s.connection_made()
+
+    def request(rid, op, value=None, **extra):
+        parts = request_parts(rid, op, "b", NO_VALUE if value is None else value, extra=extra)
+        s.data_received(b"".join(bytes(p) for p in parts))
+        return out.frames[-1].header
+
+    try:
+        request(1, "PUT", torch.ones(1000))  # over TCP: in memory, so a reference means writing it out
+        out.peer_closed = True
+        assert request(2, "GET", ref=[0])["code"] == 421
+        assert state.storage.count("b") == 1  # still there for the next consumer
+        out.peer_closed = False
+        assert "refs" in request(3, "GET", ref=[0]) and state.storage.count("b") == 0
+        s.connection_lost()
+    finally:
+        state.storage.close()
+
+
+def test_a_same_host_get_that_times_out_while_its_items_are_shared_loses_none(server):
+    """A GET by reference of items the server holds in memory writes them into shared
+    memory first (64 MiB: tens of ms); a client whose timeout ends meanwhile closes,
+    and the items stay in the bin (they were lost: the small reply counted as delivered)."""
+    with tensorshare.Client("127.0.0.1", server.port, zero_copy=False) as tcp:
+        for i in range(4):
+            tcp.append("q", torch.full((4 << 20,), float(i)))  # over TCP: in the server's memory
+        with tensorshare.Client("127.0.0.1", server.port) as local:  # (zero-copy: the same host)
+            with pytest.raises(tensorshare.errors.TimeoutError):
+                local.get("q", timeout=0.002)
+        assert wait_for(lambda: tcp.list().get("q") == 4, 10), tcp.list()
+        items = tcp.get("q")
+    assert [float(t[0]) for t in items] == [0.0, 1.0, 2.0, 3.0] and all(t.shape == (4 << 20,) for t in items)

@@ -97,6 +97,10 @@ class OutboxBase:
     def __init__(self):
         self.congested = False
         self.closed = False
+        self.peer_closed = False  # what peer_gone() says: a test sets it to play a peer that went
+
+    def peer_gone(self) -> bool:
+        return self.peer_closed
 
     def send(self, parts, on_abandon=None, on_written=None):
         raise NotImplementedError

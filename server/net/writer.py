@@ -9,6 +9,7 @@ never interleave.  What it queues is accounted in an :class:`~.flow.OutboundBudg
 from __future__ import annotations
 
 import logging
+import socket
 from collections import deque
 from typing import Callable
 
@@ -141,6 +142,22 @@ class FrameWriter:
         elif (not self._holding or len(queue) >= _HOLD_MAX) and not self._paused:
             self._pump()
         return entry
+
+    def peer_gone(self) -> bool:
+        """Whether the peer has closed its end already (its FIN or its reset waits to
+        be read): a reply now would reach nobody.  False where it cannot tell (TLS),
+        or while requests it sent before closing wait to be read."""
+        if self._lost:
+            return True
+        sock = self._socket
+        if sock is None:
+            return False
+        try:
+            return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:  # reset by the peer
+            return True
 
     def send_reply(self, parts: list, on_abandon: Callable[[], None] | None = None,
                    on_written: Callable[[], None] | None = None) -> None:

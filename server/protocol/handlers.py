@@ -18,7 +18,8 @@ from typing import Callable
 
 from tensorshare.errors import BusyError, ProtocolError, RemoteError
 from tensorshare.protocol.messages import (
-    APPEND, AUTH, BAD_ARGS, BAD_SEQUENCE, DELETE, GET, LIST, LISTEN, NOOP, PEEK, PUT, TOO_LARGE, UNLISTEN, Key,
+    APPEND, AUTH, BAD_ARGS, BAD_SEQUENCE, DELETE, GET, LIST, LISTEN, NOOP, PEEK, PUT, TOO_LARGE, UNAVAILABLE,
+    UNLISTEN, Key,
 )
 from tensorshare.wire.description import check_description
 from tensorshare.wire.frames import frame_head
@@ -183,6 +184,11 @@ def take(session, request):
         return devices.hold_for_bytes(session, request, take)
     _check_reply_size(session, items)  # refused before anything is taken
     refs = None if request.ref is None else session.shared.refs(request.bin, request.ref, items, taking=True)
+    if refs is not None and session.outbox.peer_gone():
+        # Writing the items into shared memory for reference took long enough for the
+        # client to give up (a timeout) and close: a reply now would reach nobody, and
+        # its references are too small to be caught undelivered (§8.3).  Take nothing.
+        raise RemoteError("the client closed the connection before its items could be referred to", UNAVAILABLE)
     items, change = storage.take(name, request.max)  # (this connection's own notification follows the reply)
     parts = storage.parts_in_memory(items, refs)
     if parts is not None:  # the usual case

@@ -104,6 +104,9 @@ class Outbox(Protocol):
     def close(self) -> None:
         """Close the connection once everything queued has been written."""
 
+    def peer_gone(self) -> bool:
+        """Whether the peer has closed its end already (False where it cannot tell)."""
+
 
 class Notifier:
     """The notifications of one connection, coalesced per bin while it is congested."""
