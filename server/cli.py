@@ -71,7 +71,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Na
                       help="payload bytes to keep in RAM (e.g. 8GB, 512MiB); least recently used items "
                            "past it move to memory-mapped files")
     disk.add_argument("--spill-dir", default=None,
-                      help="directory for spilled items (default: a private temporary one, removed at exit)")
+                      help="with --memory-limit and no --data-dir (refused otherwise): directory for spilled "
+                           "items (default: a private temporary one, removed at exit)")
     disk.add_argument("--data-dir", default=None,
                       help="durable storage: every acknowledged put/append is on disk here, and a server "
                            "restarted on it serves the same bins")
@@ -141,9 +142,22 @@ def _refuse_ignored(parser: argparse.ArgumentParser, config: ServerConfig) -> No
     if config.worker_ports is not None and config.workers < 2:
         parser.error("--worker-ports needs --workers N with N > 1: one process listens on --port alone "
                      "(add --workers N, or drop --worker-ports)")
-    if config.follow_bins != ServerConfig.follow_bins and not config.follow:
-        parser.error("--follow-bins needs --follow HOST:PORT: a server that follows no upstream mirrors no bins "
-                     "(add --follow HOST:PORT, or drop --follow-bins)")
+    if not config.follow:
+        upstream_only = [flag for flag, name in _RELAY_ONLY
+                         if getattr(config, name) != getattr(ServerConfig, name)]
+        if upstream_only:
+            parser.error(f"{upstream_only[0]} needs --follow HOST:PORT: a server that follows no upstream "
+                         f"mirrors no bins (add --follow HOST:PORT, or drop {upstream_only[0]})")
+    if config.spill_dir is not None and (config.memory_limit is None or config.data_dir):
+        parser.error("--spill-dir needs --memory-limit SIZE and no --data-dir: items spill only past the memory "
+                     "limit, and a durable server keeps them in its data directory "
+                     "(add --memory-limit SIZE, or drop --spill-dir)")
+
+
+# options that only a relay (--follow) reads, and their ServerConfig fields
+_RELAY_ONLY = (("--follow-bins", "follow_bins"), ("--follow-token-file", "follow_token_file"),
+               ("--follow-tls", "follow_tls"), ("--follow-tls-ca", "follow_tls_ca"),
+               ("--follow-tls-fingerprint", "follow_tls_fingerprint"), ("--follow-timeout", "follow_timeout"))
 
 
 def _add_relay_arguments(parser: argparse.ArgumentParser) -> None:
@@ -156,7 +170,8 @@ def _add_relay_arguments(parser: argparse.ArgumentParser) -> None:
                        help="with --follow (refused without it): bins to mirror and forward writes to (default "
                             "%(default)s); others live here")
     group.add_argument("--follow-token-file", metavar="FILE",
-                       help="token to prove upstream (default: this server's own token)")
+                       help="token to prove upstream (default: this server's own token); this and the "
+                            "options below are refused without --follow")
     group.add_argument("--follow-tls", action="store_true", help="TLS upstream, trusting the system's CAs")
     group.add_argument("--follow-tls-ca", metavar="PEM", help="TLS upstream, trusting this CA")
     group.add_argument("--follow-tls-fingerprint", metavar="SHA256", help="TLS upstream, pinning this certificate")

@@ -65,6 +65,14 @@ def test_size_flags_refuse_what_is_not_a_size(capsys, flag, value, message):
     (["--worker-ports", "9100"], "--worker-ports needs --workers N with N > 1"),
     (["--worker-ports", "9100", "--workers", "1"], "--worker-ports needs --workers N with N > 1"),
     (["--follow-bins", "params*"], "--follow-bins needs --follow HOST:PORT"),
+    (["--follow-token-file", "t"], "--follow-token-file needs --follow HOST:PORT"),
+    (["--follow-tls"], "--follow-tls needs --follow HOST:PORT"),
+    (["--follow-tls-ca", "ca.pem"], "--follow-tls-ca needs --follow HOST:PORT"),
+    (["--follow-tls-fingerprint", "ab:cd"], "--follow-tls-fingerprint needs --follow HOST:PORT"),
+    (["--follow-timeout", "5"], "--follow-timeout needs --follow HOST:PORT"),
+    (["--spill-dir", "s"], "--spill-dir needs --memory-limit SIZE and no --data-dir"),
+    (["--spill-dir", "s", "--memory-limit", "1GiB", "--data-dir", "d"],
+     "--spill-dir needs --memory-limit SIZE and no --data-dir"),  # (a durable server spills nothing)
 ])
 def test_an_option_that_would_be_ignored_alone_is_refused(capsys, argv, words):
     """Each of these did nothing without the option it needs, and said nothing."""
@@ -89,6 +97,10 @@ def test_the_options_with_what_they_need_are_taken(tmp_path):
     assert (config.follow, config.follow_bins) == ("head:8000", "params*")
     config, _ = parse_args(["--follow-bins", "*"])  # (the default: nothing is lost)
     assert config.follow is None
+    config, _ = parse_args(["--follow", "head:8000", "--follow-timeout", "5", "--follow-tls"])
+    assert (config.follow_timeout, config.follow_tls) == (5.0, True)
+    config, _ = parse_args(["--memory-limit", "1GiB", "--spill-dir", str(tmp_path)])
+    assert config.spill_dir == str(tmp_path)
 
 
 def test_missing_config_file(tmp_path, capsys):
