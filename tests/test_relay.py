@@ -9,6 +9,7 @@ test_multihost.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import struct
@@ -51,9 +52,9 @@ def tags_of(client, name: str) -> list:
     return client._call(PEEK, {Key.BIN: name, Key.TAGS: True}, then=lambda reply: reply.header.get(Key.TAGS))
 
 
-@pytest.fixture
-def pair():
-    upstream = ServerProcess()
+@contextlib.contextmanager
+def serving_pair(upstream):
+    """``upstream`` (started), a relay of it, and a client of each; all stopped after."""
     relay = relay_of(upstream)
     try:
         with tensorshare.Client("127.0.0.1", upstream.port, timeout=15) as up, \
@@ -62,6 +63,12 @@ def pair():
     finally:
         relay.stop()
         upstream.stop()
+
+
+@pytest.fixture
+def pair():
+    with serving_pair(ServerProcess()) as four:
+        yield four
 
 
 def test_mirror_keeps_items_tags_order_and_notifies(pair):
@@ -407,16 +414,9 @@ def _reply(sock: socket.socket, rid: int) -> dict:
 @pytest.fixture
 def counted_pair():
     """An upstream whose /status.json counts its requests and connections, and its relay."""
-    upstream = OpsServer()
-    relay = relay_of(upstream)
-    try:
-        with tensorshare.Client("127.0.0.1", upstream.port, timeout=15) as up, \
-                tensorshare.Client("127.0.0.1", relay.port, timeout=15) as rel:
-            rel.put("warm", 0)  # (the relay is connected upstream)
-            yield upstream, relay, up, rel
-    finally:
-        relay.stop()
-        upstream.stop()
+    with serving_pair(OpsServer()) as four:
+        four[3].put("warm", 0)  # (the relay is connected upstream)
+        yield four
 
 
 def test_a_get_waiting_through_a_relay_takes_nothing_once_its_client_is_gone(counted_pair):
