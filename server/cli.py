@@ -92,7 +92,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, argparse.Na
                                               "for this long (default 60)")
     shm = parser.add_argument_group("same-host zero-copy")
     shm.add_argument("--no-zero-copy", dest="zero_copy", action="store_false",
-                     help="never hand out shared-memory references: every value travels over TCP")
+                     help="never hand out shared-memory references: every value travels over TCP "
+                          "(refused beside --shm-dir or --zero-copy-min)")
     shm.add_argument("--shm-dir", default=ServerConfig.shm_dir,
                      help="tmpfs directory for the server's shared-memory area (default /dev/shm)")
     shm.add_argument("--zero-copy-min", type=_size, default=ServerConfig.zero_copy_min,
@@ -148,6 +149,15 @@ def _refuse_ignored(parser: argparse.ArgumentParser, config: ServerConfig) -> No
         if upstream_only:
             parser.error(f"{upstream_only[0]} needs --follow HOST:PORT: a server that follows no upstream "
                          f"mirrors no bins (add --follow HOST:PORT, or drop {upstream_only[0]})")
+    if config.metrics_host != ServerConfig.metrics_host and config.metrics_port is None:
+        parser.error("--metrics-host needs --metrics-port PORT: without it no operations page is served "
+                     "(add --metrics-port PORT, or drop --metrics-host)")
+    if not config.zero_copy:
+        shm_only = [flag for flag, name in (("--shm-dir", "shm_dir"), ("--zero-copy-min", "zero_copy_min"))
+                    if getattr(config, name) != getattr(ServerConfig, name)]
+        if shm_only:
+            parser.error(f"{shm_only[0]} is for same-host zero-copy, which --no-zero-copy turns off "
+                         f"(drop one of them)")
     if config.spill_dir is not None and (config.memory_limit is None or config.data_dir):
         parser.error("--spill-dir needs --memory-limit SIZE and no --data-dir: items spill only past the memory "
                      "limit, and a durable server keeps them in its data directory "
@@ -213,7 +223,8 @@ def _add_ops_arguments(parser: argparse.ArgumentParser) -> None:
                             "(0: pick a free one and print it; default: off). Token protected when the server "
                             "has a token")
     group.add_argument("--metrics-host", default=ServerConfig.metrics_host,
-                       help="address the metrics port binds (default %(default)s)")
+                       help="with --metrics-port (refused without it): address the metrics port binds "
+                            "(default %(default)s)")
     group.add_argument("--log-format", choices=FORMATS, default="text",
                        help="text (default) or json: one JSON object per line, for log shippers")
     group.add_argument("--config", metavar="TOML",

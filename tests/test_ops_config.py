@@ -71,6 +71,7 @@ def test_size_flags_refuse_what_is_not_a_size(capsys, flag, value, message):
     (["--follow-tls-fingerprint", "ab:cd"], "--follow-tls-fingerprint needs --follow HOST:PORT"),
     (["--follow-timeout", "5"], "--follow-timeout needs --follow HOST:PORT"),
     (["--spill-dir", "s"], "--spill-dir needs --memory-limit SIZE and no --data-dir"),
+    (["--metrics-host", "0.0.0.0"], "--metrics-host needs --metrics-port PORT"),
     (["--spill-dir", "s", "--memory-limit", "1GiB", "--data-dir", "d"],
      "--spill-dir needs --memory-limit SIZE and no --data-dir"),  # (a durable server spills nothing)
 ])
@@ -80,6 +81,15 @@ def test_an_option_that_would_be_ignored_alone_is_refused(capsys, argv, words):
         parse_args(argv)
     err = capsys.readouterr().err
     assert exc.value.code == 2 and f"error: {words}" in err and "(add " in err, err
+
+
+@pytest.mark.parametrize("flag, value", [("--shm-dir", "/tmp/elsewhere"), ("--zero-copy-min", "1MiB")])
+def test_a_zero_copy_option_beside_no_zero_copy_is_refused(capsys, flag, value):
+    """--no-zero-copy makes no shared-memory area: where it would be, and what it would take, mean nothing."""
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--no-zero-copy", flag, value])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"error: {flag} is for same-host zero-copy, which --no-zero-copy turns off" in err
 
 
 def test_such_an_option_from_a_config_file_is_refused_too(tmp_path, capsys):
@@ -101,6 +111,10 @@ def test_the_options_with_what_they_need_are_taken(tmp_path):
     assert (config.follow_timeout, config.follow_tls) == (5.0, True)
     config, _ = parse_args(["--memory-limit", "1GiB", "--spill-dir", str(tmp_path)])
     assert config.spill_dir == str(tmp_path)
+    config, _ = parse_args(["--metrics-port", "0", "--metrics-host", "0.0.0.0"])
+    assert (config.metrics_port, config.metrics_host) == (0, "0.0.0.0")
+    config, _ = parse_args(["--shm-dir", str(tmp_path), "--zero-copy-min", "1MiB"])
+    assert (config.shm_dir, config.zero_copy_min, config.zero_copy) == (str(tmp_path), 1 << 20, True)
 
 
 def test_missing_config_file(tmp_path, capsys):
