@@ -143,31 +143,32 @@ def _refuse_ignored(parser: argparse.ArgumentParser, config: ServerConfig) -> No
     if config.worker_ports is not None and config.workers < 2:
         parser.error("--worker-ports needs --workers N with N > 1: one process listens on --port alone "
                      "(add --workers N, or drop --worker-ports)")
-    if not config.follow:
-        upstream_only = [flag for flag, name in _RELAY_ONLY
-                         if getattr(config, name) != getattr(ServerConfig, name)]
-        if upstream_only:
-            parser.error(f"{upstream_only[0]} needs --follow HOST:PORT: a server that follows no upstream "
-                         f"mirrors no bins (add --follow HOST:PORT, or drop {upstream_only[0]})")
+    given = _given(config, _RELAY_ONLY) if not config.follow else None
+    if given:
+        parser.error(f"{given} needs --follow HOST:PORT: a server that follows no upstream "
+                     f"mirrors no bins (add --follow HOST:PORT, or drop {given})")
     if config.metrics_host != ServerConfig.metrics_host and config.metrics_port is None:
         parser.error("--metrics-host needs --metrics-port PORT: without it no operations page is served "
                      "(add --metrics-port PORT, or drop --metrics-host)")
-    if not config.zero_copy:
-        shm_only = [flag for flag, name in (("--shm-dir", "shm_dir"), ("--zero-copy-min", "zero_copy_min"))
-                    if getattr(config, name) != getattr(ServerConfig, name)]
-        if shm_only:
-            parser.error(f"{shm_only[0]} is for same-host zero-copy, which --no-zero-copy turns off "
-                         f"(drop one of them)")
+    given = _given(config, _ZERO_COPY_ONLY) if not config.zero_copy else None
+    if given:
+        parser.error(f"{given} is for same-host zero-copy, which --no-zero-copy turns off (drop one of them)")
     if config.spill_dir is not None and (config.memory_limit is None or config.data_dir):
         parser.error("--spill-dir needs --memory-limit SIZE and no --data-dir: items spill only past the memory "
                      "limit, and a durable server keeps them in its data directory "
                      "(add --memory-limit SIZE, or drop --spill-dir)")
 
 
-# options that only a relay (--follow) reads, and their ServerConfig fields
+def _given(config: ServerConfig, options: tuple) -> str | None:
+    """The first of ``options`` (``(flag, ServerConfig field)`` pairs) set to other than its default."""
+    return next((flag for flag, name in options if getattr(config, name) != getattr(ServerConfig, name)), None)
+
+
+# options (and their ServerConfig fields) that only a relay (--follow) reads, and only zero-copy
 _RELAY_ONLY = (("--follow-bins", "follow_bins"), ("--follow-token-file", "follow_token_file"),
                ("--follow-tls", "follow_tls"), ("--follow-tls-ca", "follow_tls_ca"),
                ("--follow-tls-fingerprint", "follow_tls_fingerprint"), ("--follow-timeout", "follow_timeout"))
+_ZERO_COPY_ONLY = (("--shm-dir", "shm_dir"), ("--zero-copy-min", "zero_copy_min"))
 
 
 def _add_relay_arguments(parser: argparse.ArgumentParser) -> None:
