@@ -5,6 +5,7 @@ these matter are the benchmark's ``scale`` section)."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import sys
 
@@ -534,3 +535,51 @@ def test_a_durable_table_hints_each_row_state_file_and_nothing_else(tmp_path):
     assert xs(t.read([17, 2350, 3, 2399, 0])) == [17, 2350, 3, 2399, 0]
     assert sorted(os.path.basename(a.filename) for a in t._backing._rows) == [  # (a narrow column's too)
         "flags.bin", "key.bin", "priority.bin", "times_sampled.bin", "x.memmap"]
+
+
+def _mapped_kib(path: str) -> int:
+    """KiB of ``path``'s mapping in this process's page tables (smaps' Rss)."""
+    with open("/proc/self/smaps") as smaps:
+        lines = smaps.read().splitlines()
+    for at, line in enumerate(lines):
+        if line.endswith(" " + path):
+            rss = next(entry for entry in lines[at + 1:] if entry.startswith("Rss:"))
+            return int(rss.split()[1])
+    raise AssertionError(f"{path} is not mapped")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs /proc/self/smaps (Linux)")
+def test_a_narrow_columns_pages_are_mapped_once_rows_are_written_and_a_wide_ones_are_not(tmp_path):
+    """Rows written with pwritev are in the page cache, not in the column's mapping: the
+    pages they were written to are mapped in at once (a gather right after would fault
+    on each), for narrow columns (gathered through the mapping), not wide ones (read
+    with preadv); a page is asked for once, not again when written again."""
+    readahead = sys.modules[f"{tables.__name__}.readahead"]
+    if readahead.POPULATE_READ is None:
+        pytest.skip("no MADV_POPULATE_READ here")
+    page, per_page = readahead.PAGE, readahead.PAGE // 8
+    directory = str(tmp_path / "t")
+    t = Table(64 * per_page, {"x": ((), "int64")}, remover="fifo", backing=tables.MemmapBacking(directory))
+    path = os.path.realpath(os.path.join(directory, "x.memmap"))
+    assert _mapped_kib(path) == 0
+    t.insert(scalars(per_page + 1))  # the first page and a row of the second
+    x = t._data[0]
+    if not t._backing._written[id(x)].on:
+        pytest.skip("the kernel refuses MADV_POPULATE_READ (before Linux 5.14)")
+    assert _mapped_kib(path) == 2 * page // 1024
+    t.insert(scalars(per_page - 1))  # the rest of the second page
+    assert _mapped_kib(path) == 2 * page // 1024
+    x._mmap.madvise(mmap.MADV_DONTNEED)  # the pages out of the mapping (still in the page cache)
+    assert _mapped_kib(path) == 0
+    t.write(np.arange(per_page), {"x": -np.arange(per_page)})  # the first page again: not asked for again
+    assert _mapped_kib(path) == 0
+    # (far from the first: a fault maps the cached pages of its 64 KiB around it too)
+    far = np.arange(32 * per_page, 33 * per_page + 1)
+    t.write(far, {"x": far})
+    assert _mapped_kib(path) == 2 * page // 1024
+    assert xs(t.read(np.arange(per_page))) == (-np.arange(per_page)).tolist()
+    assert xs(t.read(far)) == far.tolist()
+
+    wide = Table(8, {"w": ((page // 4,), "float32")}, backing=tables.MemmapBacking(str(tmp_path / "w")))
+    wide.insert({"w": np.ones((8, page // 4), np.float32)})
+    assert _mapped_kib(os.path.realpath(str(tmp_path / "w" / "w.memmap"))) == 0  # (read with preadv)

@@ -22,7 +22,9 @@ Measured here, overwriting 256 MiB of a file evicted from the page cache in 1 Mi
 pieces: 0.03 GB/s and 9 ms of CPU a MiB through the mapping, 1.2 GB/s and 0.29 ms
 with ``pwrite`` (whole pages are not read first); on pages in the page cache the two
 cost the same (0.11 ms a MiB).  The mapping and the file share the page cache, so a
-gather through the mapping sees the rows at once.
+gather through the mapping sees the rows at once; a narrow column's pages just
+written are mapped in too, once each, so that gathers do not fault on them
+(:class:`~.readahead.WrittenPages`).
 
 Rows come out of a column of rows of a page or more with ``preadv`` too, several at
 once where the disk is needed (:mod:`.rowreads`); narrower columns are gathered
@@ -46,7 +48,7 @@ from tensorshare.disk.tables import table_metadata
 from . import compiled
 from .columns import ColumnSpec
 from .journal import Journal
-from .readahead import ReadAhead, random_access
+from .readahead import ReadAhead, WrittenPages, random_access
 from .rowreads import RowReads, open_for_reads, wide
 from .slots import STATE as SLOT_STATE, as_index, runs as slot_runs
 
@@ -151,6 +153,7 @@ class MemmapBacking:
         self._readers: dict[int, int] = {}  # id of a wide column's array -> a descriptor to read rows with
         self._mapped: list[np.ndarray] = []
         self._files: dict[int, int] = {}  # id of a column's array -> a descriptor of its file, for put
+        self._written: dict[int, WrittenPages] = {}  # id of a narrow column's array -> its pages mapped on write
         self._rows: list[np.ndarray] = []  # those with a row per slot: the columns and the per-slot state
         self._state: list[np.ndarray] = []  # the per-slot state (not the trees, not the columns)
         self._made_state = False
@@ -177,6 +180,7 @@ class MemmapBacking:
             self._readers[id(array)] = open_for_reads(path)
         else:
             self._rows.append(array)
+            self._written[id(array)] = WrittenPages(array._mmap)
         return array
 
     def put(self, columns: Sequence[np.ndarray], slots: np.ndarray, views: Sequence[np.ndarray]) -> None:
@@ -194,9 +198,11 @@ class MemmapBacking:
             if fd is None or runs is None:
                 column[as_index(slots)] = view
             else:
-                width = column.shape[1]
+                width, pages = column.shape[1], self._written.get(id(column))
                 for slot, first, stop in runs:
                     write_all(fd, [view[first:stop]], slot * width)
+                    if pages is not None:  # (gathered through the mapping: mapped now, see WrittenPages)
+                        pages.written(slot * width, (slot + stop - first) * width)
             if fd is not None and self.fsync:
                 written.append(fd)
         for fd in written:

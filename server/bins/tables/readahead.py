@@ -31,11 +31,14 @@ answers instead of a SIGBUS.
 from __future__ import annotations
 
 import mmap
+import sys
 import time
 
 import numpy as np
 
 PAGE = mmap.PAGESIZE
+# (Linux 5.14; Python's mmap names it from 3.12 on)
+POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform.startswith("linux") else None)
 MAX_PROBE = 1024
 # A gather slower than this from memory is faulting pages in: a few us a row and a
 # few GB/s (the cached gathers measured here: 2.6 us a row of 28 KB, 0.04 us a row of 64 B).
@@ -48,6 +51,44 @@ def random_access(array: np.ndarray) -> None:
     mapping = getattr(array, "_mmap", None)
     if mapping is not None and hasattr(mapping, "madvise"):
         mapping.madvise(mmap.MADV_RANDOM)
+
+
+class WrittenPages:
+    """Maps a column's pages into its mapping once rows are written there with
+    ``pwritev`` (``MADV_POPULATE_READ``), so that the first gathers after the
+    writes do not fault.
+
+    A write with ``pwritev`` puts the rows in the page cache but not in the
+    mapping's page tables: each page's first touch by a gather is then a fault,
+    8-10 us on this virtual machine.  Right after 10^8 rows were inserted, a
+    prioritized sample of 256 (a few columns, a fault a row in each) took 4 ms
+    of the server's time that way, 0.9 ms once the pages were mapped.  Mapping a
+    MiB just written costs about 0.05 ms (a fourth of its ``pwrite``), and
+    costs as much again for pages already mapped, so each page is mapped once:
+    a ring buffer's later laps, which overwrite pages mapped by the first, pay
+    nothing (a byte of memory per 4 KiB page of the column tells which).  Pages
+    the kernel later takes back fault again, as before.  Where the kernel lacks
+    the advice (before Linux 5.14), or refuses it, nothing more is asked.
+    """
+
+    def __init__(self, mapping: mmap.mmap):
+        self.mapping = mapping
+        self._mapped = np.zeros(-(-len(mapping) // PAGE), bool)
+        self.on = POPULATE_READ is not None
+
+    def written(self, first: int, stop: int) -> None:
+        """Bytes ``[first, stop)`` of the column's file were just written."""
+        if not self.on or stop <= first:
+            return
+        low, high = first // PAGE, -(-stop // PAGE)
+        if self._mapped[low:high].all():
+            return
+        try:
+            self.mapping.madvise(POPULATE_READ, low * PAGE, (high - low) * PAGE)
+        except (OSError, ValueError):
+            self.on = False  # (an old kernel; a file cut short is for the gathers to find)
+            return
+        self._mapped[low:high] = True
 
 
 class ReadAhead:
