@@ -3,8 +3,9 @@
 ``Client.save`` of a table writes its checkpoint (:mod:`tensorshare.disk.tables`:
 tensordict's memmap layout, the table's settings and each row's slot, key,
 priority and sample count); ``Client.load_table`` makes the table again from one,
-each row at its slot with its priority (sample counts start again, as after a
-restart), written in the order of the rows' keys so that they keep their age.  Rows
+each row at its slot with its priority, episode mark and sample count (so that
+``max_times_sampled`` counts on from where it was), written in the order of the
+rows' keys so that they keep their age.  Rows
 are read in pieces of about :data:`PIECE` bytes, so a table larger than memory is
 copied in the memory of one piece.  A row that changes while a copy is made (replaced
 by an insert, sampled out) is left out of it, and every row in it is whole; pause the
@@ -124,7 +125,7 @@ def save_table(client, name: str, path, *, overwrite: bool = False) -> int:
 
 def load_table(client, path, name: str | None = None, *, replace: bool = True) -> int:
     """Make table ``name`` (the saved table's name by default) from the checkpoint at
-    ``path``: the same settings, each row at its slot with its priority.  A table
+    ``path``: the same settings, each row at its slot with its priority and sample count.  A table
     already there is replaced once the server has accepted the checkpoint's settings
     (a refusal leaves it as it was; ``replace=False``: refused instead).  Returns how
     many rows.  (The blocking client's; the AsyncClient runs :func:`loading` as
@@ -147,25 +148,29 @@ def loading(client, path, name: str | None, replace: bool) -> Generator[Any, Any
         raise UsageError(f"{name!r} exists (replace=True replaces it)")
     state = checkpoint.state
     yield client.create_table(name, replace=True, **checkpoint.spec)
-    for indices, columns, priorities, ends in row_pieces(state["index"], _columns(checkpoint), state["priority"],
-                                                         state.get("ends"), state["key"]):
-        yield client.write(name, indices, columns, priorities, ends=ends)
+    for indices, columns, priorities, ends, counts in row_pieces(
+            state["index"], _columns(checkpoint), state["priority"], state.get("ends"), state["key"],
+            state.get("times_sampled")):
+        yield client.write(name, indices, columns, priorities, ends=ends, times_sampled=counts)
     return checkpoint.rows
 
 
 def write_rows(client, name: str, indices, columns: dict[str, torch.Tensor], priorities=None, ends=None,
-               keys=None) -> None:
-    """Write rows at their slot ``indices`` (with their ``priorities`` and episode
-    ``ends``), a piece at a time, in the order of their old ``keys`` if given."""
-    for indices, columns, priorities, ends in row_pieces(indices, columns, priorities, ends, keys):
-        client.write(name, indices, columns, priorities, ends=ends)
+               keys=None, times_sampled=None) -> None:
+    """Write rows at their slot ``indices`` (with their ``priorities``, episode ``ends``
+    and sample counts), a piece at a time, in the order of their old ``keys`` if given."""
+    for indices, columns, priorities, ends, counts in row_pieces(indices, columns, priorities, ends, keys,
+                                                                 times_sampled):
+        client.write(name, indices, columns, priorities, ends=ends, times_sampled=counts)
 
 
-def row_pieces(indices, columns: dict[str, torch.Tensor], priorities=None, ends=None, keys=None) -> Iterator[tuple]:
-    """``(indices, columns, priorities, ends)`` of about :data:`PIECE` bytes of rows
-    each; with the rows' old ``keys``, in their order: the table gives keys in the
-    order rows are written, so the rows keep their age (a fifo table removes, and a
-    fifo sampler draws, the oldest first, as before)."""
+def row_pieces(indices, columns: dict[str, torch.Tensor], priorities=None, ends=None, keys=None,
+               times_sampled=None) -> Iterator[tuple]:
+    """``(indices, columns, priorities, ends, times_sampled)`` of about :data:`PIECE`
+    bytes of rows each (None for what was not given); with the rows' old ``keys``, in
+    their order: the table gives keys in the order rows are written, so the rows keep
+    their age (a fifo table removes, and a fifo sampler draws, the oldest first, as
+    before)."""
     indices = torch.as_tensor(np.asarray(indices), dtype=torch.int64)
     n = indices.numel()
     if not n:
@@ -183,7 +188,8 @@ def row_pieces(indices, columns: dict[str, torch.Tensor], priorities=None, ends=
         rows = part if order is None else torch.from_numpy(part)
         yield (indices[rows], {k: v[rows] for k, v in columns.items()},
                None if priorities is None else torch.as_tensor(np.asarray(priorities)[part]),
-               None if ends is None else np.asarray(ends)[part])
+               None if ends is None else np.asarray(ends)[part],
+               None if times_sampled is None else np.asarray(times_sampled)[part])
 
 
 def mapped_columns(path) -> dict[str, torch.Tensor]:

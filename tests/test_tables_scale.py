@@ -279,6 +279,28 @@ def test_the_compact_state_comes_back_when_a_table_is_reopened(tmp_path):
     assert sequences.lengths.tolist() == [4]
 
 
+def test_rows_written_with_their_sample_counts_give_only_what_is_left_of_max_times_sampled():
+    """A write may give rows the times they were sampled already (a table made again
+    from a checkpoint): a row leaves when its count reaches ``max_times_sampled``, and
+    the table's allowance (samples its rows may still give) counts them; a count at the
+    limit or below 0, or one count too many, is refused before anything changes; a
+    count past the slots' limit is kept at it."""
+    t = Table(4, {"x": ((), "int64")}, sampler="fifo", remover=None, max_times_sampled=3)
+    t.write([0, 1, 2], scalars(3), times_sampled=[2, 1, 0])
+    assert t.slots()["times_sampled"].tolist() == [2, 1, 0]
+    assert t.samples_allowed() == 1 + 2 + 3
+    assert xs(t.sample(1)) == [0]  # the oldest, sampled a third time: it leaves
+    assert t.slots()["indices"].tolist() == [1, 2]
+    assert t.samples_allowed() == 2 + 3
+    for bad, match in (([3], "max_times_sampled"), ([-1], ">= 0"), ([0, 0], "sample counts")):
+        with pytest.raises(tables.TableError, match=match):
+            t.write([3], scalars(1, start=7), times_sampled=bad)
+    assert t.slots()["indices"].tolist() == [1, 2] and t.samples_allowed() == 5
+    free = Table(2, {"x": ((), "int64")})  # (no max_times_sampled: any count, saturating)
+    free.write([0], scalars(1), times_sampled=[1 << 40])
+    assert free.slots()["times_sampled"].tolist() == [np.iinfo(np.uint32).max]
+
+
 def test_sample_counts_written_as_int64_by_an_older_server_are_narrowed(tmp_path):
     directory = str(tmp_path / "t")
     t = Table(8, {"x": ((), "int64")}, backing=tables.MemmapBacking(directory, keep=True))

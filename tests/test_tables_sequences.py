@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import tensorshare
+from tensorshare.errors import BadRequestError
 from serverproc import ServerProcess
 
 pytestmark = pytest.mark.process
@@ -216,3 +217,39 @@ def test_torchrls_slice_samplers_are_served_by_the_table(client):
     client.delete("trl-slices")
     client.delete("trl-pslices")
     client.delete("trl-traj")
+
+
+def test_sample_counts_survive_a_checkpoint_and_max_times_sampled_counts_on(client, tmp_path):
+    """A checkpoint keeps each row's sample count, and the table made again from it
+    has them: a row sampled twice of three allowed leaves after one more sample in
+    the copy as in the table, and a row never sampled still has three to give."""
+    for name in ("counted", "counted-copy"):
+        client.delete(name) if name in client.list() else None
+    client.create_table("counted", 4, {"x": ((), torch.int64)}, sampler="fifo", remover=None, max_times_sampled=3)
+    client.insert("counted", {"x": torch.arange(4)})
+    client.sample("counted", 1)  # the fifo sampler draws the oldest: x = 0 twice, x = 1 once
+    client.sample("counted", 1)
+    client.read("counted", torch.tensor([1]), sample=True)
+    counts = client.table_info("counted", slots=0)["slots"]["times_sampled"].tolist()
+    assert counts == [2, 1, 0, 0]
+    client.save("counted", tmp_path / "counted")
+    client.load_table(tmp_path / "counted", "counted-copy")
+    for name in ("counted", "counted-copy"):
+        assert client.table_info(name, slots=0)["slots"]["times_sampled"].tolist() == [2, 1, 0, 0], name
+        assert client.sample(name, 1).value["x"].tolist() == [0]  # its third sample: it leaves
+        assert sorted(client.read(name, torch.arange(4), empty=True)["x"].tolist()) == [0, 1, 2, 3]
+        info = client.table_info(name, slots=0)["slots"]
+        assert info["indices"].tolist() == [1, 2, 3], name
+        assert info["times_sampled"].tolist() == [1, 0, 0], name
+    # a count the table's rows could not have is refused, and the table is as it was
+    with pytest.raises(BadRequestError, match="max_times_sampled"):
+        client.write("counted-copy", [0], {"x": torch.tensor([9])}, times_sampled=[3])
+    with pytest.raises(BadRequestError, match=">= 0"):
+        client.write("counted-copy", [0], {"x": torch.tensor([9])}, times_sampled=[-1])
+    with pytest.raises(BadRequestError, match="sample counts"):
+        client.write("counted-copy", [0], {"x": torch.tensor([9])}, times_sampled=[1, 1])
+    assert client.table_info("counted-copy", slots=0)["slots"]["indices"].tolist() == [1, 2, 3]
+    client.write("counted-copy", [0], {"x": torch.tensor([9])}, times_sampled=[2])
+    assert client.table_info("counted-copy", slots=0)["slots"]["times_sampled"].tolist() == [2, 1, 0, 0]
+    for name in ("counted", "counted-copy"):
+        client.delete(name)

@@ -266,11 +266,13 @@ def test_state_dicts_and_checkpoints_carry_the_rows(client, tmp_path):
                       writer=TableWriter())
     rb.extend(transitions(0, 5))
     client.update_priorities("trl-state", client.table_info("trl-state", slots=0)["slots"]["keys"], [1, 2, 3, 4, 5])
+    client.read("trl-state", [0, 3, 0], sample=True)  # sample counts 2, 0, 0, 1, 0
     state = rb.state_dict()
     other = ReplayBuffer(storage=TableStorage("trl-state-copy", client, max_size=3), writer=TableWriter())
-    other.load_state_dict(state)  # the table made as the saved one was, with its rows and priorities
+    other.load_state_dict(state)  # the table made as the saved one was, with its rows, priorities and counts
     assert other[:]["action"].tolist() == [0, 1, 2, 3, 4] and client.table_info("trl-state-copy")["capacity"] == 8
     assert client.table_info("trl-state-copy", slots=0)["slots"]["priorities"].tolist() == [1, 2, 3, 4, 5]
+    assert client.table_info("trl-state-copy", slots=0)["slots"]["times_sampled"].tolist() == [2, 0, 0, 1, 0]
 
     rb.dumps(tmp_path / "rb")  # TorchRL's checkpoint: the storage's part is a table checkpoint
     checkpoint = tmp_path / "rb" / "storage"
@@ -282,6 +284,7 @@ def test_state_dicts_and_checkpoints_carry_the_rows(client, tmp_path):
     assert rb[:]["action"].tolist() == [0, 1, 2, 3, 4]
     assert client.load_table(checkpoint, "trl-state-loaded") == 5
     assert client.table_info("trl-state-loaded", slots=0)["slots"]["priorities"].tolist() == [1, 2, 3, 4, 5]
+    assert client.table_info("trl-state-loaded", slots=0)["slots"]["times_sampled"].tolist() == [2, 0, 0, 1, 0]
 
 
 def test_loaded_rows_take_priority_updates_and_a_refused_state_leaves_the_table(tmp_path):

@@ -521,11 +521,12 @@ class TableStore:
             written = table.insert(rows, priorities, ends)
         return written.keys, self._changed(entry, "INSERT")
 
-    def write(self, entry: TableEntry, indices: np.ndarray, rows, priorities, ends=None) -> tuple[np.ndarray, Change]:
-        """Put ``rows`` at slot ``indices``: their keys, and the change."""
+    def write(self, entry: TableEntry, indices: np.ndarray, rows, priorities, ends=None,
+              times_sampled=None) -> tuple[np.ndarray, Change]:
+        """Put ``rows`` at slot ``indices`` (already sampled ``times_sampled`` times): their keys, and the change."""
         table = self._live(entry).table
         with heap_temporaries():
-            written = table.write(indices, rows, priorities, ends)
+            written = table.write(indices, rows, priorities, ends, times_sampled)
         return written.keys, self._changed(entry, "WRITE")
 
     def can_insert(self, entry: TableEntry, rows) -> bool:

@@ -107,9 +107,9 @@ class TableVerbs:
     def can_insert(self, table: TableEntry, rows) -> bool:
         return self.tables.can_insert(table, rows)
 
-    def write_rows(self, table: TableEntry, indices, rows, priorities, ends=None):
+    def write_rows(self, table: TableEntry, indices, rows, priorities, ends=None, times_sampled=None):
         """TWRITE: ``(keys, change)``."""
-        return self._published(self.tables.write(table, indices, rows, priorities, ends))
+        return self._published(self.tables.write(table, indices, rows, priorities, ends, times_sampled))
 
     def sample_rows(self, table: TableEntry, n: int, length: int | None = None,
                     pad: bool = False) -> tuple[Drawn, Change | None]:

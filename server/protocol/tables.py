@@ -197,9 +197,10 @@ def write(session, request):
     storage = session.storage
     table = storage.table(request.bin)
     indices = int64_array(request.indices, "indices")
+    counts = None if request.times_sampled is None else int64_array(request.times_sampled, "times_sampled")
     rows, priorities, ends = _rows(session, table, request), _priorities(request), _ends(request)
     return _said_tensordict(session, request, table, lambda: _changed(
-        session, request, storage.write_rows(table, indices, rows, priorities, ends)))
+        session, request, storage.write_rows(table, indices, rows, priorities, ends, counts)))
 
 
 # -- TSAMPLE, TREAD, TPRIORITY

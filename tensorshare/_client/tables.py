@@ -352,15 +352,20 @@ class TableMethods:
 
     @verb
     def write(self, name: str, indices: Any, batch: Any, priorities: Any = None, *, ends: Any = None,
-              timeout: Timeout = DEFAULT, with_size: bool = False) -> Any:
+              times_sampled: Any = None, timeout: Timeout = DEFAULT, with_size: bool = False) -> Any:
         """Put rows at the slot ``indices`` (distinct, in ``[0, capacity)``) of table
         ``name``, replacing what was there (a dataset written at indices); returns
-        the new rows' keys (``with_size``, ``ends``: as :meth:`insert`)."""
+        the new rows' keys (``with_size``, ``ends``: as :meth:`insert`).
+        ``times_sampled``: how many times each row was sampled already (integers,
+        each below the table's ``max_times_sampled`` if it has one; a table made
+        again from a checkpoint); by default none."""
         fields = {Key.BIN: name, TableKey.INDICES: _int64_bytes(indices, "indices"), TableKey.KEY_RUNS: True}
         if priorities is not None:
             fields[TableKey.PRIORITIES] = _float64_bytes(priorities, "priorities")
         if ends is not None:
             fields[TableKey.ENDS] = _ends_bytes(ends)
+        if times_sampled is not None:
+            fields[TableKey.TIMES_SAMPLED] = _int64_bytes(times_sampled, "times_sampled")
         most = len(fields[TableKey.INDICES]) // 8
         return self._call(TWRITE, fields, _as_batch(batch, fields), timeout=timeout, then=_keys(with_size, most))
 

@@ -113,6 +113,7 @@ class TableKey:
     EMPTY = "empty"  # TREAD: a slot that holds no row reads as key -1 and zeros, not a 501
     SLOTS = "slots"  # TINFO: the occupied slots from this index on (a page of them)
     ENDS = "ends"  # TINSERT/TWRITE: one byte per row, nonzero where the row ends its episode
+    TIMES_SAMPLED = "times_sampled"  # TWRITE: how many times each row was sampled already (int64 bytes)
     LENGTH, PAD = "length", "pad"  # TSAMPLE: sequences of this many rows (pad: short ones padded)
     LENGTHS = "lengths"  # a sample of sequences: each one's real length (int64 bytes)
     KEY_RUNS = "key_runs"  # TINSERT/TWRITE: the keys may come back as runs [first, step, count, ...]
@@ -147,7 +148,7 @@ TINSERT = Command("TINSERT", (BIN, *_TABLE_VALUE, optional(_TK.PRIORITIES, BYTES
                   doc="add rows (waiting up to wait seconds for the rate limiter)")
 TWRITE = Command("TWRITE", (BIN, *_TABLE_VALUE, Field(_TK.INDICES, BYTES), optional(_TK.PRIORITIES, BYTES),
                             optional(_TK.TENSORDICT, BOOL), optional(_TK.ENDS, BYTES), optional(_TK.KEY_RUNS, BOOL),
-                            RELEASE),
+                            optional(_TK.TIMES_SAMPLED, BYTES), RELEASE),
                  reply=_TABLE_CHANGED, payload=Payload.ROWS, result=_TK.KEYS, method="write", zero_copy=None,
                  lasting=True, relay=Relay.PASS, route=Route.OWNER, errors=(*_TABLE_ERRORS, TOO_LARGE),
                  doc="put rows at the slot indices given")

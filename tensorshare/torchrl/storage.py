@@ -425,8 +425,8 @@ class TableStorage(TensorStorage):
         return TensorStorage(torch.utils._pytree.tree_map(lambda x: x.flatten(0, self.ndim - 1), values))
 
     def state_dict(self) -> dict[str, Any]:
-        """The table's settings and rows (each at its slot, with its priority):
-        :meth:`load_state_dict` makes the table so again."""
+        """The table's settings and rows (each at its slot, with its priority, episode
+        mark and sample count): :meth:`load_state_dict` makes the table so again."""
         info = self.client.table_info(self.name)
         state = occupied(self.client, self.name, info["capacity"])
         row_bytes = sum(math.prod(c["shape"]) * torch.empty(0, dtype=getattr(torch, c["dtype"])).element_size()
@@ -439,7 +439,7 @@ class TableStorage(TensorStorage):
         rows = {name: torch.cat([p[name] for p in parts]) for name in (info.get("columns") or {})} if parts else {}
         return {"table": self.name, "spec": table_spec(info), "indices": state["indices"][held],
                 "keys": state["keys"][held], "priorities": state["priorities"][held], "ends": state["ends"][held],
-                "rows": rows, "_len": int(held.sum())}
+                "times_sampled": state["times_sampled"][held], "rows": rows, "_len": int(held.sum())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Make the table what :meth:`state_dict` saw (its rows replace the table's)."""
@@ -449,7 +449,7 @@ class TableStorage(TensorStorage):
         self.client.create_table(self.name, replace=True, **spec)  # (refused settings: the table stays as it was)
         self._keys.clear()  # (the rows get new keys)
         write_rows(self.client, self.name, state_dict["indices"], state_dict["rows"], state_dict["priorities"],
-                   state_dict.get("ends"), state_dict.get("keys"))
+                   state_dict.get("ends"), state_dict.get("keys"), state_dict.get("times_sampled"))
         self._schema = None
         self._adopt(None, None)
         self._bump_mutation_revision()

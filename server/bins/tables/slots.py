@@ -180,19 +180,20 @@ class Slots:
         return (np.arange(self.next_seq, self.next_seq + slots.size, dtype=np.int64) * self.capacity) + slots
 
     def fill(self, slots: np.ndarray, priorities: np.ndarray, ends: np.ndarray | None = None,
-             recount: np.ndarray | None = None) -> np.ndarray:
+             recount: np.ndarray | None = None, counts: np.ndarray | None = None) -> np.ndarray:
         """New rows in the free ``slots`` (distinct): give them keys; returns the keys.
         ``ends``: which of them end their episode.  ``recount``: those of ``slots`` whose
         blocks' counts change (None: all); the others were vacated by this same change
         without a recount (:meth:`vacate`), so their counts are right again once filled
-        (a full ring buffer's insert recounts nothing)."""
+        (a full ring buffer's insert recounts nothing).  ``counts``: the times each row
+        was sampled already (at most :data:`COUNT_LIMIT`; None: 0)."""
         at = as_index(slots)
         keys = self.keys_for(slots, at)
         n = slots.size
         self.next_seq += n
         # the key last: in a durable table's files a slot holds a row from then on
         self.priority[at] = priorities
-        self.times_sampled[at] = 0
+        self.times_sampled[at] = 0 if counts is None else counts
         self.flags[at] = LIVE if ends is None else (np.asarray(ends, bool).view(np.uint8) << 1) | LIVE  # (END is 2)
         self.key[at] = keys
         self.size += n

@@ -36,7 +36,7 @@ from .ratelimiter import RateLimiter
 from .rows import EMPTY, Removed, Rows, Sample, Written, out_buffers
 from .selectors import build, index_bytes
 from .blocks import in_memory
-from .slots import Slots, as_index, flags_of, int_array
+from .slots import COUNT_LIMIT, Slots, as_index, flags_of, int_array
 
 MAX_CAPACITY = 1 << 40  # leaves keys 2**23 rows of history at the largest capacity
 _UNCHANGED: Any = object()
@@ -261,16 +261,20 @@ class Table:
                           None if removed.items is None else gone_items + removed.items)
         return Written(np.concatenate((gone, keys)), np.concatenate((their_slots, slots)), removed)
 
-    def write(self, indices, batch: Mapping[str, Any] | Sequence, priorities=None, ends=None) -> Written:
+    def write(self, indices, batch: Mapping[str, Any] | Sequence, priorities=None, ends=None,
+              times_sampled=None) -> Written:
         """Put rows at the slot ``indices`` given (distinct), as new rows with new keys;
         rows already there leave the table first.  ``batch``, ``priorities`` and
-        ``ends`` as for :meth:`insert`."""
+        ``ends`` as for :meth:`insert`; ``times_sampled``: how many times each row was
+        sampled already (a table made again from a checkpoint: None, none), each below
+        ``max_times_sampled`` where there is one."""
         slots = self._slots.check_indices(indices, unique=True)
         n, views, items = self._batch(batch)
         if n != slots.size:
             raise ColumnMismatchError(f"{slots.size} indices for a batch of {n} rows")
         priorities = self._priorities(priorities, n)
         ends = flags_of(ends, n)
+        counts = self._sample_counts(times_sampled, n)
         if n == 0:
             return Written(EMPTY, EMPTY, Removed(EMPTY, [] if self._items is not None else None))
         if not self.can_write(n):
@@ -281,8 +285,24 @@ class Table:
             self._journal_record(slots, views, priorities, ends)
         self._store(slots, views, occupied)
         removed = self._remove(occupied)
-        keys = self._put(slots, items, priorities, ends)
+        keys = self._put(slots, items, priorities, ends, counts=counts)
         return Written(keys, slots, removed)
+
+    def _sample_counts(self, counts, n: int) -> np.ndarray | None:
+        """A write's ``times_sampled`` checked: ``n`` counts >= 0, each below
+        ``max_times_sampled`` (a row sampled that often has left), as the slots keep
+        them (saturating)."""
+        if counts is None:
+            return None
+        counts = int_array(counts, "times_sampled")
+        if counts.size != n:
+            raise ColumnMismatchError(f"{counts.size} sample counts for a batch of {n} rows")
+        if n and int(counts.min()) < 0:
+            raise BadArgumentError(f"a sample count must be >= 0, not {int(counts.min())}")
+        if n and self.max_times_sampled and int(counts.max()) >= self.max_times_sampled:
+            raise BadArgumentError(f"a row sampled {int(counts.max())} times cannot be in a table whose rows leave "
+                                   f"once sampled max_times_sampled={self.max_times_sampled} times")
+        return np.minimum(counts, COUNT_LIMIT)
 
     def sample(self, n: int, rng: np.random.Generator | None = None, out: Mapping[str, Any] | None = None) -> Sample:
         """Draw ``n`` rows with the table's sampler (``rng``: the table's own if None).
@@ -620,15 +640,16 @@ class Table:
                                       f"have left the table") from None
 
     def _put(self, slots: np.ndarray, items: list | None, priorities: np.ndarray, ends: np.ndarray | None,
-             fresh: np.ndarray | None = None):
+             fresh: np.ndarray | None = None, counts: np.ndarray | None = None):
         """Fill the free ``slots`` (their column bytes stored: :meth:`_store`) with new
         rows' state; returns their keys.  ``fresh``: those that were free before this
-        change (None: all; the others' rows were removed with ``reindex=False``)."""
+        change (None: all; the others' rows were removed with ``reindex=False``).
+        ``counts``: the rows' sample counts (None: 0)."""
         if items is not None:
             store = self._items
             for slot, item in zip(slots.tolist(), items):
                 store[slot] = item
-        keys = self._slots.fill(slots, priorities, ends, recount=fresh)
+        keys = self._slots.fill(slots, priorities, ends, recount=fresh, counts=counts)
         if self._sync_state is not None:
             replaced = fresh is not None and fresh.size < slots.size
             self._flushed(lambda: self._unfill(slots), "the rows are not in the table"
@@ -640,6 +661,8 @@ class Table:
         self.inserts += n
         self._limiter.inserted(n)
         self._allowance += n * self.max_times_sampled
+        if counts is not None and self.max_times_sampled:
+            self._allowance -= int(counts.sum())  # (samples these rows gave already)
         self.version += 1
         return keys
 
