@@ -72,6 +72,24 @@ def test_1_a_change_that_replaces_rows_and_dies_midway_is_finished_by_the_restar
     assert again.insert(_batch(3, 1)).keys[0] > again.read([7]).keys[0]  # keys go on growing
 
 
+def test_1_a_write_with_sample_counts_that_dies_midway_is_finished_with_its_counts(tmp_path, monkeypatch):
+    """A write that gives its rows' sample counts (a checkpoint's rows) is recorded with
+    them: the restart that finishes it gives the rows their counts, not 0."""
+    directory = str(tmp_path / "t")
+    table = _durable(directory)
+    table.insert(_batch(1))
+    counts = np.array([0, 1, 2, 3, 4, 5, 6, 1 << 40])
+    with monkeypatch.context() as m:
+        _die_at_keys(m)
+        with pytest.raises(Killed):
+            table.write(np.arange(8), _batch(2), times_sampled=counts)
+    with open(os.path.join(directory, "_slots", "journal.bin"), "rb") as f:
+        assert f.read(4) == b"TSJ3"
+    again = _durable(directory, reopen=True)
+    assert again.size == 8 and _versions(again) == [2] * 8
+    assert again.slots()["times_sampled"].tolist() == [0, 1, 2, 3, 4, 5, 6, np.iinfo(np.uint32).max]
+
+
 def test_1_a_change_that_died_while_it_was_being_recorded_leaves_the_old_rows(tmp_path, monkeypatch):
     """Killed before the record's header was written: the table's files were not touched."""
     directory = str(tmp_path / "t")

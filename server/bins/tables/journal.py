@@ -29,10 +29,13 @@ File layout (little-endian)::
     header (32 bytes): b"TSJ2", rows u64, body bytes u64, names bytes u32, crc32 of the 24 bytes before, 4 zeros
     body (from byte 32): column names (JSON list, padded to 8), slots i64[rows],
                          keys i64[rows], priorities f64[rows], ends u8[rows] (1: the row ends
-                         its episode; padded to 8), then each column's rows' bytes
+                         its episode; padded to 8), in a ``TSJ3`` record the rows' sample
+                         counts i64[rows], then each column's rows' bytes
 
-(A ``TSJ1`` record, from a server before episode ends, has no ``ends``: it is
-applied with none.)
+A write that gives its rows' sample counts (a table made again from a checkpoint)
+is a ``TSJ3`` record; other changes, whose rows start at 0, are ``TSJ2``.  (A
+``TSJ1`` record, from a server before episode ends, has no ``ends``: it is applied
+with none.)
 """
 
 from __future__ import annotations
@@ -50,12 +53,13 @@ import numpy as np
 from tensorshare.disk.files import write_all
 from tensorshare.errors import StorageFullError
 
-from .slots import END
+from .slots import COUNT_LIMIT, END
 
 log = logging.getLogger("tensorshare.server")
 
 _HEADER = struct.Struct("<4sQQI")
 _MAGIC = b"TSJ2"
+_MAGIC_WITH_COUNTS = b"TSJ3"
 _MAGIC_BEFORE_ENDS = b"TSJ1"
 HEADER_BYTES = 32
 _NO_HEADER = bytes(HEADER_BYTES)
@@ -76,10 +80,11 @@ class Journal:
         self._size = 0  # the body of the record last written
 
     def record(self, names: Sequence[str], slots: np.ndarray, keys: np.ndarray, priorities: np.ndarray,
-               views: Sequence[np.ndarray], ends: np.ndarray | None = None) -> None:
+               views: Sequence[np.ndarray], ends: np.ndarray | None = None, counts: np.ndarray | None = None) -> None:
         """Write the change (``views``: per column of ``names``, ``[rows, row_bytes]``
-        uint8; ``ends``: which rows end their episode) whole; 452 if the disk has no
-        room for it (nothing is changed then)."""
+        uint8; ``ends``: which rows end their episode; ``counts``: the times each was
+        sampled, None: 0) whole; 452 if the disk has no room for it (nothing is
+        changed then)."""
         names = tuple(names)
         if names != self._names:
             blob = json.dumps(list(names)).encode()
@@ -88,9 +93,10 @@ class Journal:
         if ends is not None:
             flags[:slots.size] = ends
         body = [self._blob, _le(slots, _I8), _le(keys, _I8), _le(priorities, _F8), flags,
-                *(np.ascontiguousarray(v) for v in views)]
+                *(() if counts is None else (_le(counts, _I8),)), *(np.ascontiguousarray(v) for v in views)]
         size = sum(part.nbytes if isinstance(part, np.ndarray) else len(part) for part in body)
-        fields = _HEADER.pack(_MAGIC, int(slots.size), size, len(self._blob))
+        magic = _MAGIC if counts is None else _MAGIC_WITH_COUNTS
+        fields = _HEADER.pack(magic, int(slots.size), size, len(self._blob))
         header = (fields + struct.pack("<I", zlib.crc32(fields))).ljust(HEADER_BYTES, b"\0")
         try:
             head = self._mapped_head()
@@ -160,14 +166,15 @@ class Journal:
                 if len(raw) < HEADER_BYTES:
                     return 0
                 magic, rows, size, names_len = _HEADER.unpack_from(raw)
-                if magic not in (_MAGIC, _MAGIC_BEFORE_ENDS) or \
+                if magic not in (_MAGIC, _MAGIC_WITH_COUNTS, _MAGIC_BEFORE_ENDS) or \
                         struct.unpack_from("<I", raw, _HEADER.size)[0] != zlib.crc32(raw[:_HEADER.size]):
                     return 0
                 body = np.fromfile(f, np.uint8, size)
         except FileNotFoundError:
             return 0
         try:
-            applied = _apply(body, rows, names_len, columns, state, magic == _MAGIC)
+            applied = _apply(body, rows, names_len, columns, state, magic != _MAGIC_BEFORE_ENDS,
+                             magic == _MAGIC_WITH_COUNTS)
         except ValueError as exc:
             log.warning("table journal %s ignored: %s", self.path, exc)
             applied = 0
@@ -181,7 +188,7 @@ class Journal:
 
 
 def _apply(body: np.ndarray, rows: int, names_len: int, columns: Mapping[str, np.ndarray], state,
-           with_ends: bool) -> int:
+           with_ends: bool, with_counts: bool = False) -> int:
     key, priority, times_sampled, flags = state.key, state.priority, state.times_sampled, state.flags
     capacity = key.shape[0]
     names = json.loads(bytes(body[:names_len]))
@@ -195,8 +202,14 @@ def _apply(body: np.ndarray, rows: int, names_len: int, columns: Mapping[str, np
     if with_ends:
         ends = body[at:at + rows]
         at += rows + (-rows % 8)
+    counts = np.zeros(rows, np.int64)
+    if with_counts:
+        counts = body[at:at + 8 * rows].view("<i8")
+        at += 8 * rows
     if slots.size != rows or ((slots < 0) | (slots >= capacity)).any() or (keys % capacity != slots).any():
         raise ValueError("its slots and keys are not of this table")
+    if counts.size != rows or (counts < 0).any():
+        raise ValueError("its sample counts are not counts")
     parts = []
     for name in names:
         column = columns.get(name)
@@ -210,7 +223,7 @@ def _apply(body: np.ndarray, rows: int, names_len: int, columns: Mapping[str, np
     for column, data in parts:
         column[slots] = data.reshape(rows, column.shape[1])
     priority[slots] = priorities
-    times_sampled[slots] = 0
+    times_sampled[slots] = np.minimum(counts, COUNT_LIMIT)
     flags[slots] = np.where(ends != 0, END, 0)  # (which slots hold rows is found from the keys next)
     key[slots] = keys  # last, as a change is applied
     return rows

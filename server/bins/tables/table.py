@@ -282,7 +282,7 @@ class Table:
                                   f"(inserts allowed now: {self.inserts_allowed()})")
         occupied = slots[self._slots.key[slots] >= 0]
         if occupied.size:
-            self._journal_record(slots, views, priorities, ends)
+            self._journal_record(slots, views, priorities, ends, counts)
         self._store(slots, views, occupied)
         removed = self._remove(occupied)
         keys = self._put(slots, items, priorities, ends, counts=counts)
@@ -609,13 +609,13 @@ class Table:
         return p
 
     def _journal_record(self, slots: np.ndarray, views: list[np.ndarray], priorities: np.ndarray,
-                        ends: np.ndarray | None) -> None:
+                        ends: np.ndarray | None, counts: np.ndarray | None = None) -> None:
         """The rows about to replace others go to a durable table's journal first, so a
         kill in the middle leaves the old rows or the new ones, never neither;
         :meth:`_put` clears it once they are in."""
         if self._journal is not None:
             self._journal.record([spec.name for spec in self.columns], slots, self._slots.keys_for(slots),
-                                 priorities, views, ends)
+                                 priorities, views, ends, counts)
             self._journaled = True
 
     def _journal_done(self) -> None:
