@@ -169,14 +169,17 @@ def _prioritized(rec: Recorder, p: Profile, client: Client, size: str) -> None:
     # page mapped, no fault) took 6.4 ms, then less with each gather, 0.05 ms after 30,
     # in a process of its own on this virtual machine.  Those are a figure of their own;
     # the goals' are taken once WARM_SAMPLES more have run.
-    first = time_runs(lambda: client.sample("big", BATCH), reps, 0)
+    def sample():
+        return client.sample("big", BATCH)
+
+    first = time_runs(sample, reps, 0)
     rec.figure("scale.prio_first", f"the first {reps} prioritized samples of {BATCH} after filling {size} rows, "
                f"round trip", Sample.of(first).map(_ms), "ms", better="lower")
-    time_runs(lambda: client.sample("big", BATCH), WARM_SAMPLES, 0)
+    time_runs(sample, WARM_SAMPLES, 0)
     pings = time_runs(client.ping, reps, warm)
     noop = median(pings)
     rec.figure("scale.noop", "a NOOP round trip", Sample.of(pings).map(_ms), "ms", better="lower", baseline=True)
-    times = time_runs(lambda: client.sample("big", BATCH), reps, warm)
+    times = time_runs(sample, reps, warm)
     rec.figure("scale.prio_rt", f"prioritized sample of {BATCH} from {size} rows, round trip",
                Sample.of(times).map(_ms), "ms", better="lower", vs=["scale.noop"])
     rec.figure("scale.prio_server", f"prioritized sample of {BATCH} from {size} rows, server time (less a NOOP)",
