@@ -41,6 +41,8 @@ from .stats import Sample, gbps, time_runs
 OBS = (4, 84, 84)
 BATCH = 256
 ACTOR_BATCH = 32
+FILLING_CAPACITY = 1_000_000  # the table of 64 B rows actors insert into while it fills (64 MB of columns)
+SMALL_COLUMNS = {"obs": ((14,), torch.float32), "action": ((), torch.int64)}  # 64 B a row
 
 
 def columns() -> dict:
@@ -51,6 +53,10 @@ def transitions(n: int, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {"obs": torch.randint(0, 256, (n, *OBS), dtype=torch.uint8, generator=g),
             "action": torch.randint(0, 6, (n,), generator=g), "reward": torch.rand(n, generator=g)}
+
+
+def small_transitions(n: int) -> dict:
+    return {"obs": torch.ones(n, 14), "action": torch.arange(n)}
 
 
 ROW_BYTES = sum(v[0].numel() * v[0].element_size() for v in transitions(1).values())
@@ -270,14 +276,14 @@ def _prioritized(rec: Recorder, p: Profile, client: Client) -> None:
 # -- inserts from actor processes
 
 
-def _table_actor(port: int, start: float, run_s: float) -> int:
-    chunk = transitions(ACTOR_BATCH, seed=int(start * 1000) % 1000)
+def _table_actor(port: int, start: float, run_s: float, table: str = "bench-actors", small: bool = False) -> int:
+    chunk = small_transitions(ACTOR_BATCH) if small else transitions(ACTOR_BATCH, seed=int(start * 1000) % 1000)
     done = 0
     with Client("127.0.0.1", port, timeout=60) as client:
         time.sleep(max(0.0, start - time.time()))
         end = start + run_s
         while time.time() < end:
-            client.insert("bench-actors", chunk)
+            client.insert(table, chunk)
             done += ACTOR_BATCH
     return done
 
@@ -331,3 +337,19 @@ def _inserts(rec: Recorder, p: Profile, port: int, peers) -> None:
         rec.note(f"the actors' table held {size} rows, not its capacity {capacity}")
     rec.figure("tables.inserts", f"table inserts of {ACTOR_BATCH} transitions from {n} processes",
                Sample.of(rates), "transitions/s", vs=vs)
+    # Rows of 64 B, into a full table and into a large one while it fills (each insert
+    # looks for free slots): an RL run's first hours, when its replay table starts empty.
+    small = {}
+    with Client("127.0.0.1", port, timeout=60) as client:
+        for way, rows in (("full", capacity), ("filling", FILLING_CAPACITY)):
+            client.create_table("bench-small", rows, SMALL_COLUMNS, remover="fifo")
+            small[way] = [_actors(_table_actor, (port, "bench-small", True), n, run_s, p.pool_lead_s)
+                          for _ in range(runs)]
+            size = client.table_info("bench-small")["size"]
+            client.delete("bench-small")
+            if way == "filling" and size >= rows:
+                rec.note(f"the filling table filled up ({size} rows): not every insert looked for free slots")
+    rec.figure("tables.inserts_small", f"table inserts of {ACTOR_BATCH} rows of 64 B from {n} processes into a "
+               f"full table of {capacity:,} rows", Sample.of(small["full"]), "rows/s")
+    rec.figure("tables.inserts_filling", f"the same into a table of {FILLING_CAPACITY:,} rows while it fills",
+               Sample.of(small["filling"]), "rows/s", vs=["tables.inserts_small"])

@@ -1094,10 +1094,12 @@ def test_count_tree_finds_rows_and_free_slots_by_rank(data, capacity, block):
         tree.changed(slots)
         held, free = np.flatnonzero(live), np.flatnonzero(~live)
         assert tree.total == held.size
-        if held.size:
-            assert tree.find(np.arange(held.size)).tolist() == held.tolist()
-        if free.size:
-            assert tree.find(np.arange(free.size), free=True).tolist() == free.tolist()
+        # each rank alone (the scalar walk) and many at once, repeated (the vectorised one)
+        for ranked, wanted in ((False, held), (True, free)):
+            if wanted.size:
+                assert [int(tree.find(np.array([k]), free=ranked)[0]) for k in range(wanted.size)] == wanted.tolist()
+                ranks = np.repeat(np.arange(wanted.size), 5)
+                assert tree.find(ranks, free=ranked).tolist() == np.repeat(wanted, 5).tolist()
         for position in {0, 1, capacity // 2, capacity - 1, capacity}:
             assert tree.before(position) == int(live[:position].sum())
 

@@ -129,7 +129,10 @@ class Blocks:
                 left = 2 * level
                 tree[level] = combine(tree[left], tree[left + 1])
 
-        if one is None:
+        if one is None and combine is np.add:
+            def one(node: int) -> None:  # (Python numbers: numpy's ufunc on two scalars cost 1-2 us a node)
+                tree[node] = tree.item(2 * node) + tree.item(2 * node + 1)
+        elif one is None:
             def one(node: int) -> None:
                 tree[node] = combine(tree[2 * node], tree[2 * node + 1])
 
@@ -202,7 +205,7 @@ def update_ancestors(nodes: np.ndarray, batch, one, whole) -> None:
             one(node)
         if few[0] == 1:
             return
-        few = list({node >> 1 for node in few})
+        few = [few[0] >> 1] if len(few) == 1 else list({node >> 1 for node in few})
 
 
 def each_chunk(layout: Blocks, work) -> list:

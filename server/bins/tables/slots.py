@@ -33,6 +33,7 @@ KEY_LIMIT = np.iinfo(np.int64).max
 COUNT_LIMIT = np.iinfo(np.uint32).max  # times_sampled stays there once reached
 LIVE, END = np.uint8(1), np.uint8(2)
 RESTORE_CHUNK = 1 << 22
+FREE_WINDOW = 256  # slots looked at past the first free one, at least, for free ones (an actor adds a few rows)
 # per-slot state: name -> (dtype, value of an empty slot); a durable table keeps each in a file
 STATE = {"key": (np.int64, -1), "priority": (np.float64, 0.0), "times_sampled": (np.uint32, 0),
          "flags": (np.uint8, 0)}
@@ -90,7 +91,7 @@ class Slots:
         found, got = [np.zeros(0, np.int64)], 0
         while got < n:
             first = int(self.count.find(np.array([got]), free=True)[0])
-            stop = min(self.capacity, first + max(2 * (n - got), 4096))
+            stop = min(self.capacity, first + max(2 * (n - got), FREE_WINDOW))
             window = np.arange(first, stop, dtype=np.int64)
             slots = window[~self.live(window)][:n - got]
             found.append(slots)
