@@ -141,6 +141,8 @@ def test_key_runs_cover_every_key_in_order():
     cases += [rng.choice(1000, size, replace=False).tolist() for size in (2, 3, 12, 40)]
     for n in (63, 64, 65, 200):  # a ring's keys across its wrap, on either side of the Python path's limit
         cases.append([(seq * 50 + seq % 50) for seq in range(30, 30 + n)])
+        cases.append(list(range(5, 5 + 51 * n, 51)))  # one run (a ring's insert that does not wrap)
+        cases.append(list(range(9 + 7 * n, 9, -7)))  # a run going down
         cases.append(rng.choice(10_000, n, replace=False).tolist())
     for keys in cases:
         runs = key_runs(np.asarray(keys, np.int64))

@@ -28,6 +28,7 @@ from tensorshare.protocol.messages import (
 from tensorshare.wire.frames import frame_head
 
 from ..bins.tables import EmptyTableError, WouldBlockError
+from ..bins.tables.blocks import is_run
 from ..bins.tables.values import float64_array, float64_bytes, int64_array, int64_bytes
 from .outcome import in_lane, later
 from .registry import handles
@@ -151,6 +152,9 @@ def key_runs(keys: np.ndarray) -> list[int] | None:
         step = steps[len(steps) // 2]  # (a short run before a wrap does not set it)
         cuts = [i for i, s in enumerate(steps) if s != step]
     else:
+        step = int(keys[1] - keys[0])
+        if is_run(keys, step):  # (a ring's insert that does not wrap: one pass, no temporaries)
+            return [int(keys[0]), step, n]
         steps = np.diff(keys)
         step = int(steps[steps.size // 2])
         cuts = np.flatnonzero(steps != step)[:MAX_KEY_RUNS].tolist()  # (enough to tell)
