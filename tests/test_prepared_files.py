@@ -77,3 +77,49 @@ def test_preparing_can_be_turned_off(fresh_server, monkeypatch):
             client.put("params", _state(float(version)))
         assert _spares(areas) == []
         assert torch.equal(client.peek("params")[0]["w0"], torch.full((MiB,), 2.0))
+
+
+def _incoming_bytes(areas) -> tuple[int, int]:
+    """``(bytes of prepared files, bytes of directories kept for table rows)`` in the
+    incoming directory."""
+    spares = kept = 0
+    for entry in os.scandir(areas.incoming):
+        if entry.name.startswith("spare-"):
+            spares += entry.stat().st_size
+        elif entry.is_dir() and not entry.name.startswith("."):
+            kept += sum(f.stat().st_size for f in os.scandir(entry.path) if f.name.endswith(".memmap"))
+    return spares, kept
+
+
+def _settled(areas) -> bool:
+    with areas._spare_lock:
+        return not areas._preparing
+
+
+def test_prepared_files_and_kept_table_rows_share_one_budget(fresh_server, monkeypatch):
+    from tensorshare._client.zerocopy import SharedAreas
+
+    monkeypatch.setattr(SharedAreas, "prepare_bytes", 6 * MiB)
+    rows = {"x": torch.ones(16384, 64)}  # 4 MiB of rows, through shared memory
+    with tensorshare.Client("127.0.0.1", fresh_server.port, timeout=30) as client:
+        areas = client.router.home.areas
+        client.create_table("t", 4 * 16384, {"x": ((64,), torch.float32)}, remover="fifo")
+        client.insert("t", rows, shared=True)
+        assert _incoming_bytes(areas) == (0, 4 * MiB)  # kept for the next batch
+        client.put("params", _state(0.0, sizes=(768 * 1024,)))  # 3 MiB, through shared memory once read
+        client.peek("params")
+        for version in (1.0, 2.0, 3.0):
+            client.put("params", _state(version, sizes=(768 * 1024,)))
+            assert wait_for(lambda: _settled(areas), timeout=10)
+            assert sum(_incoming_bytes(areas)) <= 6 * MiB  # no 3 MiB prepared beside the 4 MiB kept
+        assert torch.equal(client.peek("params")[0]["w0"], torch.full((768 * 1024,), 3.0))
+    with tensorshare.Client("127.0.0.1", fresh_server.port, timeout=30) as client:  # the other way round
+        areas = client.router.home.areas
+        client.put("params", _state(0.0, sizes=(768 * 1024,)))
+        client.peek("params")
+        for version in (1.0, 2.0):
+            client.put("params", _state(version, sizes=(768 * 1024,)))
+        assert wait_for(lambda: _settled(areas) and _incoming_bytes(areas) == (3 * MiB, 0), timeout=10)
+        client.insert("t", rows, shared=True)
+        assert _incoming_bytes(areas) == (3 * MiB, 0)  # the rows' directory was not kept past the budget
+        assert client.table_info("t")["size"] == 2 * 16384

@@ -68,9 +68,10 @@ class SharedAreas:
     them (``write_item``'s ``fills``): writing into allocated pages of shared memory
     costs less than allocating them on the way (8-20% of a 256 MiB fan-out, measured in
     docs/design.md), and an RL trainer publishes the same shapes again and again.
-    At most ``prepare_bytes`` (one value's worth) are kept prepared; 0 turns this
-    off.  They live in the connection's incoming directory, which the server
-    removes with the connection.
+    At most ``prepare_bytes`` (one value's worth) are kept prepared, these files and
+    the directories kept for table rows (:meth:`reuse`) together; 0 turns both off.
+    They live in the connection's incoming directory, which the server removes with
+    the connection.
     """
 
     prepare_bytes = 1 << 30
@@ -82,6 +83,7 @@ class SharedAreas:
         self.incoming = incoming
         self.min_bytes = min_bytes
         self._spares: dict[int, list[str]] = {}  # array bytes -> prepared files in the incoming directory
+        self._spare_bytes = 0  # their bytes, and those of files being made (within prepare_bytes, with _kept_bytes)
         self._spare_lock = threading.Lock()
         self._preparing = False
         self._last_sizes: list[int] | None = None  # the array sizes of the value written last
@@ -224,7 +226,7 @@ class SharedAreas:
             self.discard(name)
             return
         with self._spare_lock:
-            keep = self._kept_bytes + stored.nbytes <= self.prepare_bytes
+            keep = self._kept_bytes + self._spare_bytes + stored.nbytes <= self.prepare_bytes
             if keep:
                 self._kept.setdefault(stored.description, []).append(stored)
                 self._kept_bytes += stored.nbytes
@@ -241,6 +243,7 @@ class SharedAreas:
                 spares = self._spares.get(size)
                 if spares and i not in drafts:
                     fills[i] = spares.pop()
+                    self._spare_bytes -= size
         return fills
 
     def _prepare(self, sizes: list[int], drafts: dict) -> None:
@@ -266,6 +269,7 @@ class SharedAreas:
         try:
             with self._spare_lock:  # those of sizes no longer written go
                 unwanted = [p for size, paths in self._spares.items() if size not in want for p in paths]
+                self._spare_bytes -= sum(size * len(paths) for size, paths in self._spares.items() if size not in want)
                 self._spares = {size: paths for size, paths in self._spares.items() if size in want}
             for path in unwanted:
                 _unlink(path)
@@ -273,15 +277,22 @@ class SharedAreas:
                 with self._spare_lock:
                     missing = count - len(self._spares.get(size, ()))
                 for _ in range(missing):
+                    with self._spare_lock:  # (its bytes reserved first: the budget is shared with reuse())
+                        if self._kept_bytes + self._spare_bytes + size > self.prepare_bytes:
+                            return
+                        self._spare_bytes += size
                     path = os.path.join(self.incoming, f"spare-{uuid.uuid4().hex}")
-                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
                     try:
-                        os.posix_fallocate(fd, 0, size)
+                        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                        try:
+                            os.posix_fallocate(fd, 0, size)
+                        finally:
+                            os.close(fd)
                     except BaseException:
-                        os.close(fd)
                         _unlink(path)
+                        with self._spare_lock:
+                            self._spare_bytes -= size
                         raise
-                    os.close(fd)
                     with self._spare_lock:
                         self._spares.setdefault(size, []).append(path)
         except OSError as exc:  # shared memory full, or the connection (and its directory) gone
