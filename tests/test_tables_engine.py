@@ -117,13 +117,13 @@ def test_as_index_is_a_slice_exactly_for_consecutive_ascending_slots(tree_path):
 
 def test_a_run_check_finds_a_step_off_anywhere(tree_path):
     """Every position of a break is found, in and past the compiled loop's chunks of 64
-    differences, for steps of 1 and of a ring's keys; a non-contiguous or non-int64
-    array takes numpy's path to the same answer."""
+    differences, for steps of 1 and of a ring's keys, in a few values and in many; a
+    non-contiguous or non-int64 array takes the Python or numpy path to the same answer."""
     is_run = sys.modules[f"{_NAME}.blocks"].is_run
     for step in (1, 1001):
-        for n in (33, 64, 65, 66, 129, 300):
+        for n in (1, 2, 3, 32, 33, 64, 65, 66, 129, 300):  # (a few: the Python ints' path without the loop)
             run = np.arange(n, dtype=np.int64) * step + 5
-            assert is_run(run, step) and not is_run(run, step + 1)
+            assert is_run(run, step) and (n == 1 or not is_run(run, step + 1))
             assert is_run(run[::2], 2 * step) and is_run(run.astype(np.int32), step)
             for at in sorted({1, 2, 63, 64, 65, 66, 127, 128, n - 1} & set(range(1, n))):
                 off = run.copy()
