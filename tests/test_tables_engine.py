@@ -133,6 +133,28 @@ def test_a_run_check_finds_a_step_off_anywhere(tree_path):
                 assert not is_run(off, step), (step, n, at)
 
 
+def test_a_run_made_as_one_is_known_only_for_its_step_and_stays_one(tree_path):
+    """An array ``run_of`` made is a run without a look (for its own step only), cannot
+    be written, and one of its copies, written, is looked at again; a table's inserts
+    into a ring and into a filling table hand such runs on, and keep their keys right."""
+    blocks = sys.modules[f"{_NAME}.blocks"]
+    for n in (5, 40, 100):
+        run = blocks.run_of(10, n, 3)
+        assert run.tolist() == list(range(10, 10 + 3 * n, 3))
+        assert blocks.is_run(run, 3) and not blocks.is_run(run, 1)
+        with pytest.raises(ValueError):
+            run[1] = 0
+        copy = run.copy()
+        copy[n // 2] += 1
+        assert not blocks.is_run(copy, 3)
+    assert blocks.run_of(4, 0).size == 0
+    t = Table(100, {"x": ((), "int64")}, remover="fifo")
+    keys = [t.insert({"x": np.arange(40)}).keys for _ in range(5)]  # (filling, then a ring)
+    assert t.size == 100
+    assert np.concatenate(keys).tolist() == [seq * 100 + seq % 100 for seq in range(200)]
+    assert sorted(t._slots.key.tolist()) == [seq * 100 + seq % 100 for seq in range(100, 200)]
+
+
 def test_a_ring_of_oldest_rows_counts_only_live_rows_few_or_many():
     """The fifo remover's shortcut takes the k oldest slots when their keys follow one
     another; a slot whose row is not live (its key not yet cleared) breaks it, whether

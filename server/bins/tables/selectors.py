@@ -27,7 +27,7 @@ from numbers import Real
 import numpy as np
 
 from .errors import PriorityError, TableSpecError
-from .blocks import in_memory, is_run
+from .blocks import in_memory, is_run, run_of
 from .mintree import BLOCK, INT_EMPTY, MinTree
 from .slots import LIVE, Slots, runs
 from .sumtree import Powers, SumTree
@@ -126,7 +126,7 @@ class OrderIndex(_Index):
         if oldest + k <= capacity:  # (no wrap: views of the slots' state, no index arrays)
             at = slice(oldest, oldest + k)
             if is_run(state.key[at], capacity + 1) and np.bitwise_and.reduce(state.flags[at]) & LIVE:
-                return np.arange(oldest, oldest + k, dtype=np.int64)
+                return run_of(oldest, k)
             return None
         steps = np.arange(k, dtype=np.int64)
         slots = oldest + steps

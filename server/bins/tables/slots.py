@@ -26,7 +26,7 @@ import numpy as np
 
 from . import compiled
 from .errors import BadArgumentError, SlotIndexError, TableFullError, TableSpecError
-from .blocks import Blocks, each_chunk, in_memory, is_run
+from .blocks import Blocks, each_chunk, in_memory, is_run, run_of
 from .occupancy import CountTree
 
 KEY_LIMIT = np.iinfo(np.int64).max
@@ -93,7 +93,10 @@ class Slots:
             first = int(self.count.find(np.array([got]), free=True)[0])
             stop = min(self.capacity, first + max(2 * (n - got), FREE_WINDOW))
             window = np.arange(first, stop, dtype=np.int64)
-            slots = window[~self.live(window)][:n - got]
+            free = ~self.live(window)
+            if not got and free.size >= n and free[:n].all():  # (a table filling in order: the first n, a run)
+                return run_of(first, n)
+            slots = window[free][:n - got]
             found.append(slots)
             got += slots.size
         return found[-1] if len(found) <= 2 else np.concatenate(found)
@@ -177,7 +180,7 @@ class Slots:
         at = as_index(slots) if at is None else at
         if isinstance(at, slice):  # a run: one slot and one seq on, a key grows by capacity + 1
             first = self.next_seq * self.capacity + at.start
-            return np.arange(first, first + slots.size * (self.capacity + 1), self.capacity + 1, dtype=np.int64)
+            return run_of(first, slots.size, self.capacity + 1)
         return (np.arange(self.next_seq, self.next_seq + slots.size, dtype=np.int64) * self.capacity) + slots
 
     def fill(self, slots: np.ndarray, priorities: np.ndarray, ends: np.ndarray | None = None,
