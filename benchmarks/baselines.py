@@ -6,6 +6,8 @@
 * raw loopback one way: a worker process ``sendall``s N bytes on request, we
   ``recv_into`` a reused warm buffer or a freshly allocated one (torch.empty or
   np.empty);
+* raw loopback fan-in: sender processes each send N bytes and wait for a byte of
+  answer, one ``selectors`` loop here receives them all (a table's writers' pattern);
 * raw small round trip: a worker echoes 64 bytes;
 * the original tensorshare's approach: ``torch.save`` + a raw socket + ``torch.load``;
 * Redis (redis-py against a private redis-server) and ``torch.distributed.TCPStore``.
@@ -18,6 +20,7 @@ figures.
 from __future__ import annotations
 
 import io
+import selectors
 import socket
 import time
 from typing import Callable
@@ -134,6 +137,61 @@ class RawLoopback:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def raw_fan_in(pool, senders: int, nbytes: int, run_s: float, lead_s: float) -> float:
+    """Bytes per second from ``senders`` processes of ``pool`` to this one over raw
+    loopback sockets, each sending messages of ``nbytes`` and waiting for a byte of
+    answer before the next (a table's writers' pattern, without the table), for
+    ``run_s`` seconds; this process receives with one ``selectors`` loop, as a
+    server does, into a warm buffer per connection."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=senders)
+    try:
+        start = time.time() + lead_s
+        done = pool.starmap_async(_fan_in_sender, [(listener.getsockname()[1], nbytes, start, run_s)] * senders)
+        conns = {}
+        listener.settimeout(120)
+        for _ in range(senders):
+            conn, _ = listener.accept()
+            conn.setblocking(False)
+            conns[conn] = [memoryview(touched(nbytes)), 0]
+        with selectors.DefaultSelector() as sel:
+            for conn in conns:
+                sel.register(conn, selectors.EVENT_READ)
+            while conns:
+                for key, _ in sel.select(1.0):
+                    conn = key.fileobj
+                    state = conns[conn]
+                    try:
+                        got = conn.recv_into(state[0][state[1]:])
+                    except BlockingIOError:
+                        continue
+                    if not got:  # (the sender is done)
+                        sel.unregister(conn)
+                        conn.close()
+                        del conns[conn]
+                        continue
+                    state[1] += got
+                    if state[1] == nbytes:
+                        state[1] = 0
+                        conn.send(b"k")
+        return sum(done.get(120)) * nbytes / run_s
+    finally:
+        listener.close()
+
+
+def _fan_in_sender(port: int, nbytes: int, start: float, run_s: float) -> int:
+    """One sender of :func:`raw_fan_in`: messages of ``nbytes`` from ``start`` on for
+    ``run_s`` seconds, each answered; returns how many it sent."""
+    message, answer = memoryview(touched(nbytes)), bytearray(1)
+    with _connect(port) as sock:
+        time.sleep(max(0.0, start - time.time()))
+        sent = 0
+        while time.time() < start + run_s:
+            sock.sendall(message)
+            sock.recv_into(answer)
+            sent += 1
+        return sent
 
 
 class RawEcho:

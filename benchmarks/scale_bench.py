@@ -53,7 +53,7 @@ import torch
 
 from tensorshare import Client
 
-from .baselines import RawLoopback
+from .baselines import RawLoopback, raw_fan_in
 from .procs import Server, _status
 from .profiles import Profile
 from .record import Recorder
@@ -236,9 +236,13 @@ def _writers(rec: Recorder, p: Profile, server: Server, size: str, scratch: str)
     server_ms: dict = {k: [] for k in ways}
     writers_ms: dict = {k: [] for k in ways}
     loopback: list[float] = []
+    fan_in: list[float] = []
     with ctx.Pool(p.big_writers) as pool, RawLoopback(1 << 20) as raw:
         pool.map(abs, range(p.big_writers))
         for _ in range(p.tables_runs):
+            # the writers' pattern over raw sockets: what the machine's loopback and CPUs
+            # give 8 processes sending to one (the goal is against the one stream)
+            fan_in.append(raw_fan_in(pool, p.big_writers, 1 << 20, p.big_run_s, p.pool_lead_s) / 1e9)
             for way, shared in ways.items():
                 # The baseline in turns with the inserts: on this machine it moved from
                 # 1.5 to 4.9 GB/s between runs an hour apart, far more than they did.
@@ -253,9 +257,12 @@ def _writers(rec: Recorder, p: Profile, server: Server, size: str, scratch: str)
                 writers_ms[way].append(sum(c for _, c in done) / mib * 1e3)
     rec.figure("scale.loopback", "raw loopback, one stream of 1 MiB messages (taken before each run of inserts)",
                Sample.of(loopback).map(lambda t: (1 << 20) / t / 1e9), "GB/s", baseline=True)
+    rec.figure("scale.loopback_fan_in", f"raw loopback, {p.big_writers} processes each sending 1 MiB messages to one "
+               "receiver and waiting for a byte of answer (the writers' pattern, no table)", Sample.of(fan_in), "GB/s",
+               baseline=True)
     what = f"inserts of 1 MiB ({batch} rows) from {p.big_writers} processes into the full table of {size} rows"
     rec.figure("scale.inserts", f"{what} (over TCP)", Sample.of(rates[""]), "GB/s",
-               vs=["scale.loopback", "scale.disk_write"])
+               vs=["scale.loopback", "scale.loopback_fan_in", "scale.disk_write"])
     rec.figure("scale.inserts_shm", f"{what}, through shared memory (insert(..., shared=True))",
                Sample.of(rates["_shm"]), "GB/s", vs=["scale.loopback", "scale.inserts"])
     for way, how in (("", "over TCP"), ("_shm", "through shared memory")):
