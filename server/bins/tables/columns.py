@@ -12,8 +12,9 @@ from __future__ import annotations
 import functools
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -109,7 +110,7 @@ def batch_rows(specs: tuple[ColumnSpec, ...], batch: Mapping[str, Any]) -> tuple
     """Check ``batch`` (``{column: RawArray or numpy array}``, rows along the first
     dimension) against the columns; returns the row count and, per column in spec
     order, a uint8 view of shape ``[rows, row_bytes]``."""
-    if not isinstance(batch, Mapping):
+    if type(batch) is not dict and not isinstance(batch, Mapping):  # (typing's Mapping took 2-13 us a check)
         raise ColumnMismatchError(f"a batch is a dict of column -> array, not {type(batch).__name__}")
     unknown = [k for k in batch if k not in {s.name for s in specs}]
     if unknown:
