@@ -148,6 +148,19 @@ def test_a_run_made_as_one_is_known_only_for_its_step_and_stays_one(tree_path):
         copy[n // 2] += 1
         assert not blocks.is_run(copy, 3)
     assert blocks.run_of(4, 0).size == 0
+    # (remembered weakly: a run the table is done with is freed, and its id, reused, is
+    # not taken for a run)
+    import gc
+    import weakref
+
+    run = blocks.run_of(0, 1000)
+    gone = weakref.ref(run)
+    del run
+    gc.collect()
+    assert gone() is None
+    for _ in range(20):
+        other = np.arange(1000, dtype=np.int64)[::-1].copy()
+        assert not blocks.is_run(other)
     t = Table(100, {"x": ((), "int64")}, remover="fifo")
     keys = [t.insert({"x": np.arange(40)}).keys for _ in range(5)]  # (filling, then a ring)
     assert t.size == 100

@@ -14,6 +14,7 @@ scalar path, where numpy's per-call cost would dominate.
 
 from __future__ import annotations
 
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -30,8 +31,9 @@ REBUILD_THREADS = 4  # at most: chunks of a rebuild done at once (numpy lets go 
 FEW = 32  # values: up to this many, :func:`is_run` without the compiled loop looks at them as Python ints
 # Runs made as runs (:func:`run_of`) are remembered, the last few of them, so that the
 # checks an insert makes of its slots and keys again as they pass through the table
-# (seven for a ring buffer's batch, 9 us each for 16,384) are a lookup.
-_KNOWN_RUNS: dict[int, tuple[np.ndarray, int]] = {}
+# (seven for a ring buffer's batch, 9 us each for 16,384) are a lookup.  Weakly: a
+# remembered run holds no memory once the table is done with it.
+_KNOWN_RUNS: dict[int, tuple[weakref.ref, int]] = {}
 KNOWN_RUNS = 8
 
 
@@ -44,8 +46,11 @@ def run_of(first: int, n: int, step: int = 1) -> np.ndarray:
     if n > FEW:
         known = _KNOWN_RUNS
         if len(known) >= KNOWN_RUNS:
-            del known[next(iter(known))]  # (the oldest)
-        known[id(values)] = (values, step)
+            try:
+                del known[next(iter(known))]  # (the oldest)
+            except (KeyError, RuntimeError, StopIteration):  # (another thread's change meanwhile)
+                known.clear()
+        known[id(values)] = (weakref.ref(values), step)
     return values
 
 
@@ -58,7 +63,7 @@ def is_run(values: np.ndarray, step: int = 1) -> bool:
     actor's insert of a handful of rows numpy's per-call cost was most of the check),
     more with numpy.  An array :func:`run_of` made is known to be one."""
     known = _KNOWN_RUNS.get(id(values))
-    if known is not None and known[0] is values and known[1] == step:
+    if known is not None and known[0]() is values and known[1] == step:
         return True
     loops = compiled.loops
     if loops is not None and values.dtype == np.int64 and values.flags.c_contiguous:
