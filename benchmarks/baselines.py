@@ -146,19 +146,20 @@ def raw_fan_in(pool, senders: int, nbytes: int, run_s: float, lead_s: float) -> 
     ``run_s`` seconds; this process receives with one ``selectors`` loop, as a
     server does, into a warm buffer per connection."""
     listener = socket.create_server(("127.0.0.1", 0), backlog=senders)
+    conns: dict = {}
     try:
         start = time.time() + lead_s
         done = pool.starmap_async(_fan_in_sender, [(listener.getsockname()[1], nbytes, start, run_s)] * senders)
-        conns = {}
         listener.settimeout(120)
         for _ in range(senders):
             conn, _ = listener.accept()
             conn.setblocking(False)
             conns[conn] = [memoryview(touched(nbytes)), 0]
+        give_up = start + run_s + 120  # (a sender that never hangs up does not hold the bench)
         with selectors.DefaultSelector() as sel:
             for conn in conns:
                 sel.register(conn, selectors.EVENT_READ)
-            while conns:
+            while conns and time.time() < give_up:
                 for key, _ in sel.select(1.0):
                     conn = key.fileobj
                     state = conns[conn]
@@ -177,6 +178,8 @@ def raw_fan_in(pool, senders: int, nbytes: int, run_s: float, lead_s: float) -> 
                         conn.send(b"k")
         return sum(done.get(120)) * nbytes / run_s
     finally:
+        for conn in conns:
+            conn.close()
         listener.close()
 
 

@@ -93,7 +93,8 @@ class Blocks:
 
     def blocks_of(self, slots: np.ndarray) -> np.ndarray:
         """The distinct blocks of ``slots``, sorted."""
-        slots = np.asarray(slots, np.int64).reshape(-1)
+        if not (type(slots) is np.ndarray and slots.dtype == np.int64 and slots.ndim == 1):
+            slots = np.asarray(slots, np.int64).reshape(-1)  # (a new view: a known run is known by its array)
         n = slots.size
         if n > 1 and is_run(slots):  # (an insert's)
             return np.arange(int(slots[0]) // self.block, int(slots[-1]) // self.block + 1, dtype=np.int64)
