@@ -31,7 +31,7 @@ REBUILD_THREADS = 4  # at most: chunks of a rebuild done at once (numpy lets go 
 FEW = 32  # values: up to this many, :func:`is_run` without the compiled loop looks at them as Python ints
 # Runs made as runs (:func:`run_of`) are remembered, the last few of them, so that the
 # checks an insert makes of its slots and keys again as they pass through the table
-# (seven for a ring buffer's batch, 9 us each for 16,384) are a lookup.  Weakly: a
+# (seven for a ring buffer's batch, 2-9 us each for 16,384) are a lookup.  Weakly: a
 # remembered run holds no memory once the table is done with it.
 _KNOWN_RUNS: dict[int, tuple[weakref.ref, int]] = {}
 KNOWN_RUNS = 8
