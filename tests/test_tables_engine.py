@@ -459,6 +459,30 @@ def test_updated_priorities_are_reflected_in_sampling(tree_path):
     assert set(s.indices.tolist()) == {0, 1, 2, 3} and np.allclose(s.probabilities, 0.25)
 
 
+def test_priority_updates_in_any_order_leave_the_trees_as_a_rebuild_does(tree_path):
+    """Distinct keys in no order, a key given twice, and keys whose rows left: each
+    update sets the right rows (the last of a key given twice) and the sampler's and
+    the lowest-priority remover's trees agree with trees rebuilt from the rows."""
+    t = x_table(200, sampler="prioritized", priority_exponent=0.6, remover="lowest_priority", rng=7)
+    keys = t.insert(scalars(150), priorities=np.arange(1.0, 151.0)).keys
+    rng = np.random.default_rng(3)
+    expected = dict(zip(keys.tolist(), np.arange(1.0, 151.0).tolist()))
+    for update in (rng.permutation(keys)[:60], np.concatenate([keys[5:9], keys[5:7], [10_000, -1]]),
+                   keys[::-1][:40]):
+        new = rng.random(update.size) * 10 + 0.1
+        for key, p in zip(update.tolist(), new.tolist()):
+            if key in expected:
+                expected[key] = p
+        assert t.update_priorities(update, new) == len(set(update.tolist()) & set(expected))
+        got = t.read(range(150)).priorities
+        assert got.tolist() == [expected[k] for k in keys.tolist()]
+        sampler, order = sorted((index.tree for index in t._indexes), key=lambda tree: tree.tree.dtype.kind != "f")
+        before = (sampler.tree.copy(), order.tree.copy())
+        sampler.rebuild()
+        order.rebuild()
+        assert np.allclose(before[0], sampler.tree, rtol=1e-12, atol=0) and np.array_equal(before[1], order.tree)
+
+
 def test_priority_overflowing_the_exponent_is_refused():
     t = x_table(4, sampler="prioritized", priority_exponent=4.0)
     with pytest.raises(tables.PriorityError, match="overflows"):
