@@ -20,13 +20,18 @@ figures.
 from __future__ import annotations
 
 import io
+import os
 import selectors
+import shutil
 import socket
+import tempfile
 import time
 from typing import Callable
 
 import numpy as np
 import torch
+
+from tensorshare.disk.areas import LOCAL_BUFFER
 
 from .procs import PeerMissing, RedisServer, Worker
 from .stats import time_runs
@@ -69,6 +74,15 @@ def fresh_copy_seconds(nbytes: int, reps: int, warmup: int, into: str = "bytes")
 def _connect(port: int) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port), timeout=120)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def _connect_unix(path: str) -> socket.socket:
+    """A Unix socket to ``path``, its send buffer as a same-host client sets it."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LOCAL_BUFFER)
+    sock.settimeout(120)
+    sock.connect(path)
     return sock
 
 
@@ -139,21 +153,32 @@ class RawLoopback:
         self.close()
 
 
-def raw_fan_in(pool, senders: int, nbytes: int, run_s: float, lead_s: float) -> float:
+def raw_fan_in(pool, senders: int, nbytes: int, run_s: float, lead_s: float, unix: bool = False) -> float:
     """Bytes per second from ``senders`` processes of ``pool`` to this one over raw
     loopback sockets, each sending messages of ``nbytes`` and waiting for a byte of
     answer before the next (a table's writers' pattern, without the table), for
     ``run_s`` seconds; this process receives with one ``selectors`` loop, as a
-    server does, into a warm buffer per connection."""
-    listener = socket.create_server(("127.0.0.1", 0), backlog=senders)
+    server does, into a warm buffer per connection.  ``unix``: over a Unix socket,
+    its buffers as a same-host client's and the server's (``LOCAL_BUFFER``)."""
+    where = tempfile.mkdtemp(prefix="fan-in-") if unix else None
+    if where is not None:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        address: object = os.path.join(where, "s")
+        listener.bind(address)
+        listener.listen(senders)
+    else:
+        listener = socket.create_server(("127.0.0.1", 0), backlog=senders)
+        address = listener.getsockname()[1]
     conns: dict = {}
     try:
         start = time.time() + lead_s
-        done = pool.starmap_async(_fan_in_sender, [(listener.getsockname()[1], nbytes, start, run_s)] * senders)
+        done = pool.starmap_async(_fan_in_sender, [(address, nbytes, start, run_s)] * senders)
         listener.settimeout(120)
         for _ in range(senders):
             conn, _ = listener.accept()
             conn.setblocking(False)
+            if where is not None:  # (as the server sets a same-host client's)
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LOCAL_BUFFER)
             conns[conn] = [memoryview(touched(nbytes)), 0]
         give_up = start + run_s + 120  # (a sender that never hangs up does not hold the bench)
         with selectors.DefaultSelector() as sel:
@@ -181,13 +206,16 @@ def raw_fan_in(pool, senders: int, nbytes: int, run_s: float, lead_s: float) -> 
         for conn in conns:
             conn.close()
         listener.close()
+        if where is not None:
+            shutil.rmtree(where, ignore_errors=True)
 
 
-def _fan_in_sender(port: int, nbytes: int, start: float, run_s: float) -> int:
-    """One sender of :func:`raw_fan_in`: messages of ``nbytes`` from ``start`` on for
-    ``run_s`` seconds, each answered; returns how many it sent."""
+def _fan_in_sender(address: int | str, nbytes: int, start: float, run_s: float) -> int:
+    """One sender of :func:`raw_fan_in` (to a port, or a Unix socket's path):
+    messages of ``nbytes`` from ``start`` on for ``run_s`` seconds, each answered;
+    returns how many it sent."""
     message, answer = memoryview(touched(nbytes)), bytearray(1)
-    with _connect(port) as sock:
+    with _connect(address) if isinstance(address, int) else _connect_unix(address) as sock:
         time.sleep(max(0.0, start - time.time()))
         sent = 0
         while time.time() < start + run_s:

@@ -11,11 +11,13 @@ but for the table larger than RAM (28,232-byte Atari-like rows).
   256 (server time: round trip less a NOOP's; and the round trip); priority updates
   in batches of 1,024 (rows/s); 256 sequences of 32 rows; inserts of 1 MiB from
   ``big_writers`` processes into the full table, beside raw loopback (one stream of
-  1 MiB messages, taken before each run of inserts) and the disk's own rate for such
+  1 MiB messages, taken before each run of inserts), raw sockets with the writers'
+  pattern (over loopback TCP and over a Unix socket) and the disk's own rate for such
   writes (the same bytes overwritten in a file of the columns' kind, until
   ``fdatasync``), with the CPU per MiB of the server and of the writers (on 2 cores
-  what bounds the rate), over TCP (the default) and through shared memory
-  (``shared=True``), runs taken in turn.  Then the same rows in a durable table: seconds from
+  what bounds the rate); the writers as Clients made with their defaults (on the
+  server's host: its Unix socket, the goal's figure), over TCP (``zero_copy=False``)
+  and through shared memory (``shared=True``), runs taken in turn.  Then the same rows in a durable table: seconds from
   starting the server to its first sample, after a clean stop and after kill -9.
 * **Side by side at ``big_side_rows``** (10^7): TorchRL's ``LazyMemmapStorage`` +
   ``PrioritizedSampler`` in one process against the table over TCP, sample + update
@@ -210,11 +212,11 @@ def _prioritized(rec: Recorder, p: Profile, client: Client, size: str) -> None:
                f"prioritized, round trip", Sample.of(times).map(_ms), "ms", better="lower")
 
 
-def _writer(port: int, start: float, run_s: float, batch: int, shared: bool) -> tuple[int, float]:
+def _writer(port: int, start: float, run_s: float, batch: int, zero_copy: bool, shared: bool) -> tuple[int, float]:
     """Rows inserted in ``run_s`` seconds from ``start`` on, and the CPU seconds it took."""
     data, ends = rows(0, batch)
     done = 0
-    with Client("127.0.0.1", port, timeout=120, zero_copy=shared) as client:
+    with Client("127.0.0.1", port, timeout=120, zero_copy=zero_copy) as client:
         time.sleep(max(0.0, start - time.time()))
         cpu = time.process_time()
         while time.time() < start + run_s:
@@ -223,33 +225,47 @@ def _writer(port: int, start: float, run_s: float, batch: int, shared: bool) -> 
         return done, time.process_time() - cpu
 
 
+# How the writers reach the server: figure suffix -> (Client's zero_copy, insert's shared, in words)
+WAYS = {
+    # as a Client made with its defaults on the server's host does: its connection on the
+    # server's Unix socket (PROTOCOL.md §10.1), the rows in the request (the goal's figure)
+    "": (True, False, "each a Client with its defaults (on the server's host: its Unix socket)"),
+    # zero_copy=False: the socket is TCP, as from another host (here over loopback)
+    "_tcp": (False, False, "over TCP (Client(zero_copy=False))"),
+    # the rows written into files the server copies them from (PROTOCOL.md §10.4)
+    "_shm": (True, True, "through shared memory (insert(..., shared=True))"),
+}
+
+
 def _writers(rec: Recorder, p: Profile, server: Server, size: str, scratch: str) -> None:
-    """Inserts of 1 MiB from ``big_writers`` processes over TCP (the goal's figure, the
-    default) and through shared memory (``insert(..., shared=True)``, PROTOCOL.md
-    §10.4), runs of the two taken in turn."""
+    """Inserts of 1 MiB from ``big_writers`` processes, each way of :data:`WAYS` in
+    turn, beside raw sockets' baselines taken in the same turns: one stream over
+    loopback TCP (the goal's), and the writers' pattern over loopback TCP and over a
+    Unix socket (no table)."""
     batch = (1 << 20) // ROW
     _disk_write(rec, scratch, min(p.big_rows * ROW, DISK_WRITE_MAX))
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "tensorshare.client", "benchmarks.scale_bench"])
-    ways = {"": False, "_shm": True}  # figure suffix -> shared
-    rates: dict = {k: [] for k in ways}
-    server_ms: dict = {k: [] for k in ways}
-    writers_ms: dict = {k: [] for k in ways}
+    rates: dict = {k: [] for k in WAYS}
+    server_ms: dict = {k: [] for k in WAYS}
+    writers_ms: dict = {k: [] for k in WAYS}
     loopback: list[float] = []
-    fan_in: list[float] = []
+    fan_in: dict = {False: [], True: []}  # unix -> GB/s
     with ctx.Pool(p.big_writers) as pool, RawLoopback(1 << 20) as raw:
         pool.map(abs, range(p.big_writers))
         for _ in range(p.tables_runs):
             # the writers' pattern over raw sockets: what the machine's loopback and CPUs
             # give 8 processes sending to one (the goal is against the one stream)
-            fan_in.append(raw_fan_in(pool, p.big_writers, 1 << 20, p.big_run_s, p.pool_lead_s) / 1e9)
-            for way, shared in ways.items():
+            for unix in fan_in:
+                fan_in[unix].append(raw_fan_in(pool, p.big_writers, 1 << 20, p.big_run_s, p.pool_lead_s, unix) / 1e9)
+            for way, (zero_copy, shared, _) in WAYS.items():
                 # The baseline in turns with the inserts: on this machine it moved from
                 # 1.5 to 4.9 GB/s between runs an hour apart, far more than they did.
                 loopback += raw.one_way(1 << 20, max(p.big_reps, 20) // 2, p.warmup)
                 start = time.time() + p.pool_lead_s  # each connects first
                 before = server.cpu_seconds()
-                done = pool.starmap(_writer, [(server.port, start, p.big_run_s, batch, shared)] * p.big_writers)
+                done = pool.starmap(_writer, [(server.port, start, p.big_run_s, batch, zero_copy, shared)]
+                                    * p.big_writers)
                 mib = sum(n for n, _ in done) * ROW / (1 << 20)
                 rates[way].append(mib * (1 << 20) / p.big_run_s / 1e9)
                 # (the server's CPU from before the writers connect to after the last reply: a little more than theirs)
@@ -257,18 +273,21 @@ def _writers(rec: Recorder, p: Profile, server: Server, size: str, scratch: str)
                 writers_ms[way].append(sum(c for _, c in done) / mib * 1e3)
     rec.figure("scale.loopback", "raw loopback, one stream of 1 MiB messages (taken before each run of inserts)",
                Sample.of(loopback).map(lambda t: (1 << 20) / t / 1e9), "GB/s", baseline=True)
-    rec.figure("scale.loopback_fan_in", f"raw loopback, {p.big_writers} processes each sending 1 MiB messages to one "
-               "receiver and waiting for a byte of answer (the writers' pattern, no table)", Sample.of(fan_in), "GB/s",
-               baseline=True)
+    pattern = f"{p.big_writers} processes each sending 1 MiB messages to one receiver and waiting for a byte of answer"
+    rec.figure("scale.loopback_fan_in", f"raw loopback TCP, {pattern} (the writers' pattern, no table)",
+               Sample.of(fan_in[False]), "GB/s", baseline=True)
+    rec.figure("scale.unix_fan_in", f"raw Unix socket, {pattern} (the writers' pattern, no table; buffers as a "
+               "same-host client's)", Sample.of(fan_in[True]), "GB/s", baseline=True)
     what = f"inserts of 1 MiB ({batch} rows) from {p.big_writers} processes into the full table of {size} rows"
-    rec.figure("scale.inserts", f"{what} (over TCP)", Sample.of(rates[""]), "GB/s",
-               vs=["scale.loopback", "scale.loopback_fan_in", "scale.disk_write"])
-    rec.figure("scale.inserts_shm", f"{what}, through shared memory (insert(..., shared=True))",
-               Sample.of(rates["_shm"]), "GB/s", vs=["scale.loopback", "scale.inserts"])
-    for way, how in (("", "over TCP"), ("_shm", "through shared memory")):
-        rec.figure(f"scale.insert_server_cpu{way}", f"the server's CPU per MiB inserted {how} (user + system)",
+    against = {"": ["scale.loopback", "scale.unix_fan_in", "scale.loopback_fan_in", "scale.disk_write"],
+               "_tcp": ["scale.loopback", "scale.loopback_fan_in", "scale.inserts"],
+               "_shm": ["scale.loopback", "scale.inserts"]}
+    for way, (_, _, how) in WAYS.items():
+        rec.figure(f"scale.inserts{way}", f"{what}, {how}", Sample.of(rates[way]), "GB/s", vs=against[way])
+    for way, (_, _, how) in WAYS.items():
+        rec.figure(f"scale.insert_server_cpu{way}", f"the server's CPU per MiB inserted, writers {how} (user + system)",
                    Sample.of(server_ms[way]), "ms", better="lower")
-        rec.figure(f"scale.insert_writers_cpu{way}", f"the {p.big_writers} writers' CPU per MiB inserted {how}",
+        rec.figure(f"scale.insert_writers_cpu{way}", f"the {p.big_writers} writers' CPU per MiB inserted, {how}",
                    Sample.of(writers_ms[way]), "ms", better="lower")
 
 
