@@ -476,7 +476,7 @@ def test_priority_updates_in_any_order_leave_the_trees_as_a_rebuild_does(tree_pa
         assert t.update_priorities(update, new) == len(set(update.tolist()) & set(expected))
         got = t.read(range(150)).priorities
         assert got.tolist() == [expected[k] for k in keys.tolist()]
-        sampler, order = sorted((index.tree for index in t._indexes), key=lambda tree: tree.tree.dtype.kind != "f")
+        sampler, order = t._sampler.tree, t._remover.index.tree  # (the sum tree; the lowest-priority order)
         before = (sampler.tree.copy(), order.tree.copy())
         sampler.rebuild()
         order.rebuild()
