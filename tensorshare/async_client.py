@@ -195,7 +195,7 @@ class AsyncClient(ClientMethods):
 
     def _call(self, command: Command, fields: dict | None = None, value: Any = NO_VALUE, *, timeout=DEFAULT,
               then: Callable | None = None, on_error: Callable | None = None, decode: bool = True,
-              zero_copy: bool = True, progress: Callable | None = None, device: Any = None, into: Any = None,
+              zero_copy: bool | None = True, progress: Callable | None = None, device: Any = None, into: Any = None,
               member: TwistedMember | None = None, listening: Listening | None = None) -> defer.Deferred:
         """A Deferred of a request's result, sent where its declaration routes it (see
         :mod:`._client.methods`).  A request refused with 427 makes the client map the
@@ -238,7 +238,7 @@ class AsyncClient(ClientMethods):
         self.reactor.callLater(0, fn, *args)
 
     def _submit(self, command: Command, fields: dict | None, value: Any, callback, *,
-                zero_copy: bool = True, timeout=DEFAULT, then: Callable | None = None,
+                zero_copy: bool | None = True, timeout=DEFAULT, then: Callable | None = None,
                 on_error: Callable | None = None, decode: bool = True, raw: bool = False, inline: bool = False,
                 device: Any = None, into: Any = None, member: TwistedMember | None = None,
                 listening: Listening | None = None) -> None:
@@ -263,8 +263,8 @@ class AsyncClient(ClientMethods):
         values = self.values
         if values.buffers is not None:
             values.buffers.maybe_trim()  # reply arrays unused for a while go back to the system
-        areas = member.areas if zero_copy and self.zero_copy and decode else None
-        call = values.call(next_request_id(), command, fields, value, areas, device, into)
+        areas = member.areas if zero_copy is not False and self.zero_copy and decode else None
+        call = values.call(next_request_id(), command, fields, value, areas, device, into, zero_copy is not None)
         call.callback, call.then, call.on_error, call.decode, call.raw, call.handle, call.via = (
             callback, then, on_error, decode, raw, listening, member)
         if timeout is DEFAULT:

@@ -256,7 +256,7 @@ class Client(TableCopies, ClientMethods):
 
     def _call(self, command: Command, fields: dict | None = None, value: Any = NO_VALUE, *, timeout=DEFAULT,
               then: Callable | None = None, on_reply: Callable | None = None, on_error: Callable | None = None,
-              decode: bool = True, zero_copy: bool = True, progress: Callable | None = None, device: Any = None,
+              decode: bool = True, zero_copy: bool | None = True, progress: Callable | None = None, device: Any = None,
               into: Any = None, member: Member | None = None, listening: Listening | None = None) -> Any:
         """Send a request where its declaration routes it and wait for its reply (see
         :mod:`._client.methods`); ``progress(done, total)`` hears of the bytes of a
@@ -285,7 +285,7 @@ class Client(TableCopies, ClientMethods):
             if (then is None and on_error is None and progress is None and device is None and into is None
                     and listening is None and decode and member.link is not None):
                 result = member.express.call(command, fields, value, deadline,  # (_client/express.py)
-                                             member.areas if zero_copy and self.zero_copy else None)
+                                             member.areas if zero_copy is not False and self.zero_copy else None)
                 if result is not MISSED:
                     return result
             return self._on(member, command, fields, value, deadline, then, on_error, decode, zero_copy, progress,
@@ -297,14 +297,14 @@ class Client(TableCopies, ClientMethods):
                         progress, device, into, listening)
 
     def _on(self, member: Member, command: Command, fields: dict | None, value: Any, deadline: float | None,
-            then: Callable | None, on_error: Callable | None, decode: bool, zero_copy: bool,
+            then: Callable | None, on_error: Callable | None, decode: bool, zero_copy: bool | None,
             progress: Callable | None, device: Any, into: Any, listening: Listening | None = None) -> Any:
         """The result of a call on ``member``'s connection (trying again as a zero-copy
         refusal says)."""
         values = self.values
         areas = (member.areas if member.link is not None else member.shared_areas(deadline)) \
-            if zero_copy and self.zero_copy else None
-        call = values.call(next_request_id(), command, fields, value, areas, device, into)
+            if zero_copy is not False and self.zero_copy else None
+        call = values.call(next_request_id(), command, fields, value, areas, device, into, zero_copy is not None)
         call.then, call.on_error, call.decode, call.handle = then, on_error, decode, listening
         try:
             parts = values.frame(call, member.engine.greeting)
@@ -384,7 +384,7 @@ class Client(TableCopies, ClientMethods):
         self.callbacks().submit(fn, *args)
 
     def _submit(self, command: Command, fields: dict | None, value: Any, callback: Callable, *,
-                zero_copy: bool = True, timeout=DEFAULT, then: Callable | None = None,
+                zero_copy: bool | None = True, timeout=DEFAULT, then: Callable | None = None,
                 on_error: Callable | None = None, decode: bool = True, raw: bool = False, inline: bool = False,
                 device: Any = None, into: Any = None, member: Member | None = None,
                 listening: Listening | None = None) -> None:
@@ -408,8 +408,8 @@ class Client(TableCopies, ClientMethods):
         if member is None:
             member = router.owner_of(fields)
         deadline = self._deadline(timeout)
-        areas = member.shared_areas(deadline) if zero_copy and self.zero_copy else None
-        call = self.values.call(next_request_id(), command, fields, value, areas, device, into)
+        areas = member.shared_areas(deadline) if zero_copy is not False and self.zero_copy else None
+        call = self.values.call(next_request_id(), command, fields, value, areas, device, into, zero_copy is not None)
         call.callback, call.then, call.on_error, call.decode, call.raw, call.inline, call.handle = (
             callback, then, on_error, decode, raw, inline, listening)
         self._send_on(member, call, deadline)

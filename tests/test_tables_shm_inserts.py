@@ -1,11 +1,12 @@
 """Table inserts through shared memory (PROTOCOL.md §10.4): a same-host writer that asks
-(``insert(..., shared=True)``) writes a large batch's columns into its incoming
-directory and the TINSERT names it; the
-server checks it as an adopted PUT value, copies the rows into the table's columns
-from the files, and leaves the directory for the writer's next batch.  Against a
-server process: rows round-trip exactly (into a durable table too), spoilt
-directories are refused with nothing inserted, and a client without verified areas
-sends its rows over TCP."""
+(``insert(..., shared=True)``), or by default one told by the server's replies that
+the table takes rows from its files as they are (``mapped``: a table in files),
+writes a large batch's columns into its incoming directory and the TINSERT names
+it; the server checks it as an adopted PUT value (once, then keeps it open),
+copies the rows into the table's columns from the files, and leaves the directory
+for the writer's next batch.  Against a server process: rows round-trip exactly
+(into a durable table too), spoilt directories are refused with nothing inserted,
+and a client without verified areas sends its rows over TCP."""
 
 from __future__ import annotations
 
@@ -210,3 +211,46 @@ def test_limits_hold_for_rows_from_shared_memory(server):
             c.insert("bounded", batch(0), shared=True)
         assert c.table_info("bounded")["size"] == 0
         assert len(_kept(c)) == 1
+
+
+def test_a_table_in_files_gets_large_batches_through_shared_memory_by_default(tmp_path):
+    srv = ServerProcess("--memory-limit", str(2 << 20), "--spill-dir", str(tmp_path / "spill"))
+    try:
+        with tensorshare.Client("127.0.0.1", srv.port, timeout=30) as c, \
+                tensorshare.Client("127.0.0.1", srv.port, timeout=30, zero_copy=False) as tcp:
+            c.create_table("files", 4 * N, COLUMNS, remover="fifo")  # 2.2 MB of columns: in the spill directory
+            c.create_table("memory", N, {"x": ((), torch.int64)})
+            assert c.table_info("files")["in_files"] and not c.table_info("memory")["in_files"]
+            c.insert("files", batch(0))  # over the socket: its reply says the table takes rows from files
+            assert not _kept(c) and "files" in c.router.home.areas.mapped
+            c.insert("files", batch(N))  # so the next large batch goes through shared memory...
+            [kept] = _kept(c)
+            for first in range(2 * N, 6 * N, N):  # ...into the same files each time; the ring wraps
+                c.insert("files", batch(first))
+                assert _kept(c) == [kept]
+            c.insert("files", batch(0, 10))  # a small batch: the socket
+            c.insert("files", batch(6 * N), shared=False)  # not wanted: the socket
+            assert _kept(c) == [kept]
+            parts = [batch(4 * N), batch(5 * N), batch(0, 10), batch(6 * N), batch(3 * N + 10, N - 10)]  # slot order
+            expected = {k: torch.cat([part[k] for part in parts]) for k in COLUMNS}
+            for at in range(0, 4 * N, N):  # (a read of N rows at a time: within the server's 2 MiB)
+                part = {k: v[at:at + N] for k, v in expected.items()}
+                assert _equal(tcp.read("files", torch.arange(at, at + N)), part)
+            info = c.table_info("files")
+            assert info["inserts"] == 7 * N + 10 and info["size"] == 4 * N
+            for _ in range(2):  # a table in memory copies rows with loads: never told, the socket
+                c.insert("memory", {"x": torch.arange(N)})
+            assert "memory" not in c.router.home.areas.mapped and _kept(c) == [kept]
+            # the kept directory is checked again once it changed: cut short, it is refused
+            areas = c.router.home.areas
+            stored = areas._kept[next(iter(areas._kept))][0]
+            enc = encode(batch(0))
+            fields = {Key.BIN: "files", Key.VALUE: enc.description, Key.SHM: kept, Key.SIZE: enc.nbytes}
+            for _offset, _length, file in stored.files:
+                os.chmod(file, 0o600)
+                os.truncate(file, 64)
+            with pytest.raises(ZeroCopyUnavailableError):
+                c._call(TINSERT, fields, zero_copy=False)
+            assert c.table_info("files")["inserts"] == 7 * N + 10  # nothing inserted
+    finally:
+        srv.stop()

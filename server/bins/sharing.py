@@ -121,6 +121,16 @@ class SharedTier:
         except Exception as exc:
             raise _not_taken(exc) from None
 
+    def take_rows_now(self, connection: str, shm_name: object, description: bytes, nbytes: int, limits,
+                      kept, mapped: bool) -> list:
+        """:meth:`take_arrays_now` for rows its client writes into the same directory
+        again: kept open and mapped by ``kept`` (:meth:`~.shm.ShmArea.take_rows`);
+        raises :class:`ZeroCopyUnavailableError`."""
+        try:
+            return self.shm.take_rows(connection, shm_name, description, nbytes, limits, kept, mapped)
+        except Exception as exc:
+            raise _not_taken(exc) from None
+
     # -- copies into shared memory
 
     def promote(self, item) -> None:

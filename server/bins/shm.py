@@ -38,6 +38,7 @@ from tensorshare.wire.description import DEFAULT_LIMITS, DecodeLimits
 
 from ..malloc import heap_temporaries
 from .dirlock import lock_file
+from .keptrows import KeptRows
 
 log = logging.getLogger("tensorshare.server")
 
@@ -148,6 +149,25 @@ class ShmArea:
         except (ValueError, OSError) as exc:  # (changed since it was checked)
             raise ZeroCopyUnavailableError(f"incoming item unreadable: {exc}") from None
         return arrays
+
+    def take_rows(self, connection: str, name: object, description: bytes, nbytes: int, limits: DecodeLimits,
+                  kept: KeptRows, mapped: bool) -> list:
+        """:meth:`take_arrays` for a connection whose client writes its next rows into
+        the same directory: checked the first time only, then its files kept open and
+        mapped by ``kept`` (:mod:`.keptrows`); :class:`~.keptrows.MappedRows` if
+        ``mapped`` (for a table that copies them with system calls only), else copies.
+        On the reactor's thread; raises :class:`ZeroCopyUnavailableError`."""
+        if not valid_name(name):
+            raise ZeroCopyUnavailableError(f"bad incoming item name {name!r:.80}")
+
+        def check() -> list[tuple[int, str]]:
+            _source, stored = self._checked(connection, name, description, nbytes, limits)
+            return [(length, file) for _offset, length, file in stored.files]
+
+        try:
+            return kept.arrays(name, description, nbytes, check, mapped)
+        except (ValueError, OSError) as exc:  # (changed since it was checked)
+            raise ZeroCopyUnavailableError(f"incoming item unreadable: {exc}") from None
 
     def _checked(self, connection: str, name: object, description: bytes, nbytes: int,
                  limits: DecodeLimits) -> tuple[str, StoredItem]:

@@ -17,6 +17,7 @@ from tensorshare.errors import RemoteError, TooLargeError
 from tensorshare.protocol.messages import BAD_ARGS, ZERO_COPY_REFUSED, Key
 from tensorshare.wire.description import parse_description
 
+from ..bins.keptrows import KeptRows
 from ..bins.store import Item
 from .outcome import later
 
@@ -42,6 +43,7 @@ class SharedMemory:
         self.incoming: str | None = None  # this connection's incoming directory in the shared-memory area
         self._pins: dict[int, list] = {}  # id of a 226 with references -> [(item, files)] until released
         self.devices = None  # devices.DeviceItems: what this connection put by device reference (§13)
+        self._kept_rows: KeptRows | None = None
 
     # -- the offer (§10.1)
 
@@ -73,8 +75,19 @@ class SharedMemory:
 
         return later(storage.open_incoming, opened)
 
+    @property
+    def kept_rows(self) -> KeptRows:
+        """The item directories this connection's client writes table rows into again
+        and again (§10.4), kept open after the first insert naming each."""
+        if self._kept_rows is None:
+            self._kept_rows = KeptRows()
+        return self._kept_rows
+
     def connection_lost(self) -> None:
         self._pins.clear()  # the client's mappings outlive the files' names
+        if self._kept_rows is not None:
+            self._kept_rows.close()
+            self._kept_rows = None
         if self.devices is not None:  # its device references go with it (§13.3)
             self.devices.connection_lost()
         if self.incoming is not None:  # whatever its client wrote and did not send goes too
@@ -133,6 +146,14 @@ class SharedMemory:
         if self.maps(name):
             reply[Key.MAPPED] = True
         return reply
+
+    def maps_rows(self, table) -> bool:
+        """Whether a TINSERT into ``table`` is answered with ``mapped`` (§10.4): its
+        same-host writer's large batches are best sent through shared memory, since
+        the table takes them from the writer's files as they are (a table in files,
+        not durable: :attr:`~..bins.tables.Table.takes_mapped_rows`), sparing both
+        sides the socket's copies."""
+        return self.incoming is not None and self.storage.takes_rows and table.table.takes_mapped_rows
 
     def _promote_now(self, wanted, items: list[Item]) -> None:
         """Before a same-host reader's first reference read: copy the items that came

@@ -122,15 +122,20 @@ def _ends(request):
     return None if blob is None else np.frombuffer(blob, np.uint8)
 
 
-def _changed(session, request, result) -> dict:
+def _changed(session, request, result, mapped: bool = False) -> dict:
     """The reply of an insert or write (its change published by the storage): the
     rows' keys as runs where the request accepts them and they make few, else as
-    int64 bytes."""
+    int64 bytes; ``mapped`` (an insert's: §10.4) where the writer's large batches
+    are best sent through shared memory."""
     keys, change = result
     runs = key_runs(keys) if request.key_runs else None
     if runs is not None:
-        return request.command.reply(request.id, n=change.n_items, seq=change.seq, key_runs=runs)
-    return request.command.reply(request.id, n=change.n_items, seq=change.seq, keys=int64_bytes(keys))
+        reply = request.command.reply(request.id, n=change.n_items, seq=change.seq, key_runs=runs)
+    else:
+        reply = request.command.reply(request.id, n=change.n_items, seq=change.seq, keys=int64_bytes(keys))
+    if mapped:
+        reply[Key.MAPPED] = True
+    return reply
 
 
 MAX_KEY_RUNS = 8  # runs a reply gives keys in; keys that need more go as bytes
@@ -174,17 +179,18 @@ def insert(session, request):
     storage = session.storage
     table = storage.table(request.bin)
     priorities, ends = _priorities(request), _ends(request)
+    mapped = session.shared.maps_rows(table)
 
     def add(rows):
         return _said_tensordict(session, request, table, lambda: _run_or_wait(
             session, request, table, lambda: storage.insert_rows(table, rows, priorities, ends),
-            lambda result: _changed(session, request, result), lambda: storage.can_insert(table, rows)))
+            lambda result: _changed(session, request, result, mapped), lambda: storage.can_insert(table, rows)))
 
     if request.shm is None:
         return add(_rows(session, table, request))
     incoming, item_name, size = session.shared.adoption(request)
     shared = (table, incoming, item_name, request.value, size, session.decode_limits)
-    rows = storage.shared_table_rows(*shared)
+    rows = storage.shared_table_rows(*shared, kept=session.shared.kept_rows)
     if rows is not None:
         return add(rows)
 

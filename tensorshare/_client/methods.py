@@ -52,11 +52,11 @@ class ClientMethods(TableMethods):
 
     def _call(self, command, fields: dict | None = None, value: Any = NO_VALUE, *, timeout=DEFAULT,
               then: Callable | None = None, on_error: Callable | None = None, decode: bool = True,
-              zero_copy: bool = True, member: Any = None, listening: Listening | None = None) -> Any:
+              zero_copy: bool | None = True, member: Any = None, listening: Listening | None = None) -> Any:
         raise NotImplementedError
 
     def _submit(self, command: Command, fields: dict | None, value: Any, callback: Callable, *,
-                zero_copy: bool = True, timeout=DEFAULT, then: Callable | None = None,
+                zero_copy: bool | None = True, timeout=DEFAULT, then: Callable | None = None,
                 on_error: Callable | None = None, decode: bool = True, raw: bool = False, inline: bool = False,
                 member: Any = None, listening: Listening | None = None) -> None:
         """Send a call whose ``callback(result, error)`` runs once it is settled."""

@@ -10,10 +10,13 @@ the zero-copy role its command declares (``Command.zero_copy``):
   would reach them inline first), is written into this connection's incoming
   directory, and the request names it instead of carrying its bytes; any other
   value goes over TCP, which is faster than writing it into new shared-memory
-  pages.  A table's rows (TINSERT, sent with zero-copy only when the caller
-  asks: ``insert(..., shared=True)``) go that way when they are large enough: the
-  server copies them into its columns from the files instead of the socket.  If the server does not take it (425), the fallback sends the written
-  copy over TCP (the caller may have changed the original since);
+  pages.  A table's rows (TINSERT) go that way when they are large enough and the
+  caller asks (``insert(..., shared=True)``) or, by default, the server said so in
+  its replies to inserts into that table (``mapped``: a table in files takes them
+  from the writer's files as they are): both sides are spared the socket's copies.
+  The writer writes its next rows into the same files.  If the server does not
+  take it (425), the fallback sends the written copy over TCP (the caller may
+  have changed the original since);
 * ``READ`` and ``TAKE`` (PEEK, TREAD; GET, TSAMPLE): the request asks for
   references to the items' files (or to the stacked rows).  If those cannot be
   mapped (:class:`ZeroCopyError`), a ``READ`` is sent again over TCP; a ``TAKE``'s
@@ -43,18 +46,19 @@ if TYPE_CHECKING:
 log = logging.getLogger("tensorshare.client")
 
 
-def route(call: Call, areas, device_uuid: str | None = None) -> None:
+def route(call: Call, areas, device_uuid: str | None = None, asked: bool = True) -> None:
     """Set ``call``'s first attempt (its ``fields``, ``value``, ``fallback`` and
     ``cleanup``) for the connection's :class:`~.zerocopy.SharedAreas` ``areas``;
     ``device_uuid``: the device the reply's tensors go to, where it can open
-    device references."""
+    device references; ``asked``: the caller asked for shared memory (False: only
+    where the server said it pays, :meth:`~.zerocopy.SharedAreas.may_take`)."""
     if areas is None:
         return
     role = call.command.zero_copy
     if role is ZeroCopy.STORE:
         copied = call.command.payload is Payload.ROWS  # (a table's rows: copied into its columns)
         if call.value is not NO_VALUE and areas.incoming is not None and areas.may_take(
-                call.value, call.fields.get(Key.BIN), copied):
+                call.value, call.fields.get(Key.BIN), copied, asked):
             _through_shared_memory(call, areas, copied)
     elif role is not None:  # READ or TAKE
         fields = call.fields
@@ -105,6 +109,8 @@ def _through_shared_memory(call: Call, areas, copied: bool = False) -> None:
         if not isinstance(error, ZeroCopyUnavailableError):
             return None
         log.info("the server did not take a value through shared memory (%s): sending it over TCP", error)
+        if copied:  # (not to be written into again: the server would refuse it again)
+            areas.not_kept(name)
         try:
             return fields, areas.written(name)
         except OSError:

@@ -257,7 +257,7 @@ class TableMethods:
 
     @verb
     def insert(self, name: str, batch: Any, priorities: Any = None, *, ends: Any = None,
-               timeout: Timeout = DEFAULT, with_size: bool = False, shared: bool = False) -> Any:
+               timeout: Timeout = DEFAULT, with_size: bool = False, shared: bool | None = None) -> Any:
         """Add rows to table ``name``; returns their keys (an int64 tensor).
 
         ``batch``: for a table of columns a dict (or TensorDict) of tensors with the
@@ -271,12 +271,13 @@ class TableMethods:
         :meth:`sample` draws runs past it).  A batch larger than a table with the fifo
         remover keeps its newest rows, as a ring buffer does.
 
-        ``shared=True``, on the server's host: a large batch of columns goes through
-        the server's shared memory (written into files the server copies the rows
-        from, the same files again for the next batch) instead of the socket.  Off by
-        default: it halves the server's CPU per MiB for a lone writer, but with many
-        writers on few cores it measured slower than the socket (docs/design.md,
-        "Same-host table inserts")."""
+        ``shared``, on the server's host: a large batch of columns (512 KiB or more
+        by default) goes through the server's shared memory instead of the socket:
+        written into files (the same files again for the next batch) that the server
+        copies the rows from.  ``None`` (the default): where the server answers
+        inserts into this table with ``mapped`` (a table in files, not durable, which
+        takes the rows from those files as they are: PROTOCOL.md §10.4), so from the
+        second large batch on; ``True``: for any table; ``False``: never."""
         fields = {Key.BIN: name, TableKey.KEY_RUNS: True}
         if priorities is not None:
             fields[TableKey.PRIORITIES] = _float64_bytes(priorities, "priorities")

@@ -84,10 +84,10 @@ class Values:
     # -- making a call
 
     def call(self, rid: int, command, fields: dict | None, value: Any, areas, device: Any = None,
-             into: Any = None) -> Call:
+             into: Any = None, asked: bool = True) -> Call:
         """A call of ``command``, routed for the connection's shared ``areas`` (None:
-        over TCP); its reply's tensors go to ``device`` (the client's if None), into
-        ``into``'s tensors where given."""
+        over TCP; ``asked``: see :func:`~.routing.route`); its reply's tensors go to
+        ``device`` (the client's if None), into ``into``'s tensors where given."""
         call = Call(rid, command, fields, value)
         if device is not None or into is not None:
             self.wants_device(call, device, into)
@@ -97,7 +97,7 @@ class Values:
         if areas is not None:
             call.areas = areas
             if command.zero_copy is not None:
-                route(call, areas, self.device_uuid(call) if self.device_calls else None)
+                route(call, areas, self.device_uuid(call) if self.device_calls else None, asked)
         return call
 
     def wants_device(self, call: Call, device: Any, into: Any) -> None:

@@ -23,6 +23,7 @@ Then:
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import shutil
 import stat
@@ -36,7 +37,7 @@ import torch
 
 from ..disk.areas import AreaError, inside, verify_area, worth_sharing
 from ..errors import ZeroCopyError
-from ..disk.layout import LayoutError, StoredItem, mapped_parts, read_item, rewrite_arrays, write_item
+from ..disk.layout import LayoutError, Payload, StoredItem, mapped_parts, read_item, rewrite_arrays, write_item
 from ..memmap import load_item, new_shared_file
 from ..wire.codec import TORCH_NAMES, Encoded
 from ..wire.description import DEFAULT_LIMITS, DecodeLimits, parse_description
@@ -92,6 +93,7 @@ class SharedAreas:
         self._copied: dict[str, StoredItem] = {}  # written for a server that copies them out: name -> item
         self._kept: dict[bytes, list[StoredItem]] = {}  # those answered, by description, to write into again
         self._kept_bytes = 0
+        self._maps: dict[str, list[mmap.mmap]] = {}  # a kept directory's path -> its array files, mapped
 
     @classmethod
     def of(cls, greeting: dict) -> "SharedAreas | None":
@@ -122,7 +124,7 @@ class SharedAreas:
 
     # -- PUT / APPEND
 
-    def may_take(self, value: Any, name: str | None, copied: bool = False) -> bool:
+    def may_take(self, value: Any, name: str | None, copied: bool = False, asked: bool = True) -> bool:
         """Whether a put of ``value`` into bin ``name`` may go through shared memory
         (:meth:`write` decides once it is encoded): when it may hold drafts, whose
         pages are handed over, or when readers on this host map the bin and it is not a
@@ -132,9 +134,11 @@ class SharedAreas:
 
         ``copied``: the server copies the value out of the files into its own (a
         table's columns, TINSERT: PROTOCOL.md §10.4), so it gains by size alone,
-        sparing both sides the socket's copies; only a map of columns can be rows."""
+        sparing both sides the socket's copies; only a map of columns can be rows,
+        and unless the caller ``asked``, only for a table whose inserts the server
+        answered with ``mapped`` (it takes the rows from the files as they are)."""
         if copied:
-            return type(value) is dict
+            return type(value) is dict and (asked or name in self.mapped)
         if not self.takes_values:  # (its incoming directory takes table rows only)
             return False
         if _drafts:
@@ -203,9 +207,10 @@ class SharedAreas:
                 self._kept_bytes -= stored.nbytes
         if stored is not None:
             try:
-                rewrite_arrays(stored, enc.buffers, enc.nbytes)
-            except OSError as exc:  # (gone with the connection, or tampered with: a new one)
+                self._rewrite(stored, enc)
+            except (OSError, ValueError) as exc:  # (gone with the connection, or tampered with: a new one)
                 log.debug("zero-copy: cannot write into a directory used before: %s", exc)
+                self._unmap(stored.path)
                 shutil.rmtree(stored.path, ignore_errors=True)
             else:
                 name = os.path.basename(stored.path)
@@ -216,6 +221,30 @@ class SharedAreas:
                             make_parents=False)
         self._copied[name] = stored
         return name
+
+    def _rewrite(self, stored: StoredItem, enc: Encoded) -> None:
+        """Write ``enc`` into the array files of ``stored`` (a directory kept for rows
+        of its description), through mappings of them made the first time: a memcpy
+        into pages already there, where writing the files cost a system call and a
+        page-cache lookup a page.  Bytes in device memory are staged by
+        :func:`rewrite_arrays` instead."""
+        if any(getattr(segment, "staged", False) for segment in enc.buffers):
+            self._unmap(stored.path)
+            rewrite_arrays(stored, enc.buffers, enc.nbytes)
+            return
+        maps = self._maps.get(stored.path)
+        if maps is None:
+            maps = self._maps[stored.path] = [_map_for_writing(file, length) for _offset, length, file in stored.files]
+        payload = Payload(enc.buffers, enc.nbytes)
+        for (offset, length, _file), mapping in zip(stored.files, maps):
+            at = 0
+            for view in payload.views(offset, length):
+                mapping[at:at + view.nbytes] = view
+                at += view.nbytes
+
+    def _unmap(self, path: str) -> None:
+        for mapping in self._maps.pop(path, ()):
+            mapping.close()
 
     def reuse(self, name: str) -> None:
         """The request naming ``name`` (written with ``copied``) is answered: keep its
@@ -232,6 +261,13 @@ class SharedAreas:
                 self._kept_bytes += stored.nbytes
         if not keep:
             self.discard(name)
+
+    def not_kept(self, name: str) -> None:
+        """The server did not take ``name`` (written with ``copied``) from the files:
+        once answered it is removed, not kept (the server would refuse it again)."""
+        stored = self._copied.pop(name, None)
+        if stored is not None:
+            self._unmap(stored.path)
 
     def _take_spares(self, sizes: list[int], drafts: dict) -> dict[int, str]:
         """Prepared files for the arrays of ``sizes`` (not drafts), taken: ``{index: path}``."""
@@ -324,7 +360,9 @@ class SharedAreas:
     def discard(self, name: str) -> None:
         """Remove what :meth:`write` wrote, if the server did not take it."""
         self._copied.pop(name, None)  # (one the server was to copy out: not kept for the next either)
-        shutil.rmtree(os.path.join(self.incoming, name), ignore_errors=True)
+        path = os.path.join(self.incoming, name)
+        self._unmap(path)
+        shutil.rmtree(path, ignore_errors=True)
 
     # -- GET / PEEK
 
@@ -367,6 +405,21 @@ class SharedAreas:
 # Drafts not yet handed over: address of their mapping -> (file, weak mapping, bytes).
 _drafts: dict[int, tuple] = {}
 _drafts_lock = threading.Lock()
+
+
+def _map_for_writing(path: str, length: int) -> mmap.mmap:
+    """A shared writable mapping of the array file ``path`` of a kept directory,
+    which must be a regular file of ``length`` bytes (the server made it read-only
+    when it checked it: writable again for its owner)."""
+    os.chmod(path, 0o600, follow_symlinks=False)
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != length:
+            raise ValueError(f"{path} is not a regular file of {length} bytes")
+        return mmap.mmap(fd, length) if length else mmap.mmap(-1, 1)
+    finally:
+        os.close(fd)
 
 
 def _unlink(path: str) -> None:

@@ -43,8 +43,8 @@ from ..wire.description import (
 from ..wire.dtypes import TORCH_WIDTHS
 from .files import copy_file, fsync_dir, write_file
 
-__all__ = ["LayoutError", "StoredItem", "write_item", "read_item", "write_bin_root", "array_paths", "mapped_parts",
-           "RECORD", "BIN_RECORD", "FORMAT"]
+__all__ = ["LayoutError", "Payload", "StoredItem", "write_item", "read_item", "write_bin_root", "array_paths",
+           "mapped_parts", "RECORD", "BIN_RECORD", "FORMAT"]
 
 RECORD = ".tensorshare.msgpack"
 BIN_RECORD = ".tensorshare-bin.msgpack"  # marks a directory of items written by Client.save
@@ -203,7 +203,7 @@ def _level_metadata(desc: Description, paths: list[str], prefix: str, node: Any,
     out[prefix] = meta
 
 
-class _Payload:
+class Payload:
     """Random access to a payload of ``nbytes`` given as a sequence of buffers (the
     received segments), or as a function that gives them, called only when the first
     bytes are asked for (by any of the writing threads).
@@ -272,7 +272,7 @@ def write_item(path: str, description: bytes, segments: Sequence, nbytes: int, t
     temporary directory.
     """
     desc = parse_description(description, nbytes, limits)
-    payload = _Payload(segments, nbytes)
+    payload = Payload(segments, nbytes)
     paths = array_paths(desc)
     parent, name = os.path.split(os.path.abspath(path))
     tmp = os.path.join(parent, f".tmp-{name}-{uuid.uuid4().hex[:8]}")
@@ -341,7 +341,7 @@ def rewrite_arrays(stored: StoredItem, segments: Sequence, nbytes: int) -> None:
     PROTOCOL.md §10.4), whose pages cost less to write again than new ones; bytes
     in device memory are staged down as :func:`write_item` does.  Raises
     ``OSError`` (a file gone, replaced or resized) having written some files perhaps."""
-    payload = _Payload(segments, nbytes)
+    payload = Payload(segments, nbytes)
     for offset, length, file in stored.files:
         os.chmod(file, 0o600, follow_symlinks=False)
         write_file(file, payload.views(offset, length), False, length)

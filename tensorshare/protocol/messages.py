@@ -123,6 +123,8 @@ _TK = TableKey
 # (the keys as int64 bytes, or as runs where the request accepted them: one of the two)
 _TABLE_CHANGED = Message(DONE, (Field(Key.N, INT), Field(Key.SEQ, INT), optional(_TK.KEYS, BYTES),
                                 optional(_TK.KEY_RUNS, INTS)))
+# (§10.4: the table takes a same-host writer's rows from its files as they are: send them that way)
+_TABLE_INSERTED = Message(DONE, (*_TABLE_CHANGED.fields, optional(Key.MAPPED, BOOL)))
 _ROWS = Message(ITEMS, (*_ITEMS.fields, Field(_TK.KEYS, BYTES), Field(_TK.INDICES, BYTES),
                         optional(_TK.PROBABILITIES, BYTES), optional(_TK.COLUMNS, BOOL),
                         optional(_TK.TENSORDICT, BOOL), optional(_TK.LENGTHS, BYTES)))
@@ -141,7 +143,7 @@ TINSERT = Command("TINSERT", (BIN, *_TABLE_VALUE, optional(_TK.PRIORITIES, BYTES
                               optional(_TK.TENSORDICT, BOOL), optional(_TK.ENDS, BYTES), optional(_TK.KEY_RUNS, BOOL),
                               optional(Key.SHM, ANY), optional(Key.SIZE, INT),  # rows a same-host client wrote (§10.4)
                               RELEASE),
-                  reply=_TABLE_CHANGED, payload=Payload.ROWS, result=_TK.KEYS, method="insert",
+                  reply=_TABLE_INSERTED, payload=Payload.ROWS, result=_TK.KEYS, method="insert",
                   zero_copy=ZeroCopy.STORE,
                   lasting=True, relay=Relay.PASS, route=Route.OWNER, lane="insert",
                   errors=(*_TABLE_ERRORS, TOO_LARGE, STORAGE_FULL, BUSY),

@@ -46,7 +46,7 @@ from tensorshare.disk.layout import fsync_dir
 from tensorshare.disk.tables import table_metadata
 
 from . import compiled
-from .columns import ColumnSpec
+from .columns import ColumnSpec, MappedRows
 from .journal import Journal
 from .readahead import ReadAhead, WrittenPages, random_access
 from .rowreads import RowReads, open_for_reads, wide
@@ -99,6 +99,7 @@ class MemoryBacking:
     table costs memory only as its rows are written."""
 
     journal = None
+    takes_mapped_rows = False  # rows are copied with loads: none of another's files (MappedRows)
 
     def allocate(self, spec: ColumnSpec, capacity: int) -> np.ndarray:
         return np.zeros((capacity, spec.row_bytes), np.uint8)
@@ -161,6 +162,10 @@ class MemmapBacking:
         self.journal = Journal(os.path.join(directory, "_slots", "journal.bin"), self.fsync) if keep else None
 
     item_slots = MemoryBacking.item_slots  # items are never in files
+    # rows mapped from a file another process may cut short (MappedRows) are written with
+    # pwritev only, where such a file is an error (EFAULT), not a signal; not through a
+    # durable table's journal, which a change that replaces rows writes first
+    takes_mapped_rows = True
 
     def path(self, column: str) -> str:
         return os.path.join(self.directory, f"{column}.memmap")
@@ -192,11 +197,13 @@ class MemmapBacking:
         if not columns:
             return
         runs = slot_runs(slots, MAX_RUNS)
+        if runs is None and any(isinstance(view, MappedRows) for view in views):
+            runs = slot_runs(slots, slots.size)  # (never loads from such rows: a syscall a run)
         written = []
         for column, view in zip(columns, views):
             fd = self._files.get(id(column))
             if fd is None or runs is None:
-                column[as_index(slots)] = view
+                column[as_index(slots)] = view  # (MappedRows only where a row has no bytes)
             else:
                 width, pages = column.shape[1], self._written.get(id(column))
                 for slot, first, stop in runs:

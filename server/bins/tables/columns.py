@@ -106,6 +106,14 @@ def parse_columns(columns: Mapping[str, Any] | None) -> tuple[ColumnSpec, ...]:
     return tuple(specs)
 
 
+class MappedRows(np.ndarray):
+    """A batch's bytes mapped from a file another process may cut short (a
+    same-host writer's, :mod:`server.bins.keptrows`): read them only with system
+    calls, where such a file is an error (EFAULT), never a SIGBUS.  Views and
+    reshapes keep the type, so a backing that copies rows can tell
+    (:attr:`~.backing.MemmapBacking.takes_mapped_rows`)."""
+
+
 def batch_rows(specs: tuple[ColumnSpec, ...], batch: Mapping[str, Any]) -> tuple[int, list[np.ndarray]]:
     """Check ``batch`` (``{column: RawArray or numpy array}``, rows along the first
     dimension) against the columns; returns the row count and, per column in spec

@@ -103,6 +103,12 @@ class Table:
     def remover(self) -> str | None:
         return None if self._remover is None else self._remover.name
 
+    @property
+    def takes_mapped_rows(self) -> bool:
+        """Whether :meth:`insert` may be given :class:`~.columns.MappedRows`: its
+        backing writes them with system calls only, and no journal copies them first."""
+        return self._journal is None and getattr(self._backing, "takes_mapped_rows", False)
+
     def occupied(self) -> np.ndarray:
         """The slot indices that hold a row, in increasing order."""
         return np.flatnonzero(self._slots.key >= 0)
