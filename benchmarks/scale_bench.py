@@ -16,8 +16,9 @@ but for the table larger than RAM (28,232-byte Atari-like rows).
   writes (the same bytes overwritten in a file of the columns' kind, until
   ``fdatasync``), with the CPU per MiB of the server and of the writers (on 2 cores
   what bounds the rate); the writers as Clients made with their defaults (on the
-  server's host: its Unix socket, the goal's figure), over TCP (``zero_copy=False``)
-  and through shared memory (``shared=True``), runs taken in turn.  Then the same rows in a durable table: seconds from
+  server's host, for this table in files: through shared memory, the goal's figure),
+  on the Unix socket (``shared=False``) and over TCP (``zero_copy=False``), runs
+  taken in turn.  Then the same rows in a durable table: seconds from
   starting the server to its first sample, after a clean stop and after kill -9.
 * **Side by side at ``big_side_rows``** (10^7): TorchRL's ``LazyMemmapStorage`` +
   ``PrioritizedSampler`` in one process against the table over TCP, sample + update
@@ -212,7 +213,7 @@ def _prioritized(rec: Recorder, p: Profile, client: Client, size: str) -> None:
                f"prioritized, round trip", Sample.of(times).map(_ms), "ms", better="lower")
 
 
-def _writer(port: int, start: float, run_s: float, batch: int, zero_copy: bool, shared: bool) -> tuple[int, float]:
+def _writer(port: int, start: float, run_s: float, batch: int, zero_copy: bool, shared: bool | None) -> tuple[int, float]:
     """Rows inserted in ``run_s`` seconds from ``start`` on, and the CPU seconds it took."""
     data, ends = rows(0, batch)
     done = 0
@@ -228,12 +229,13 @@ def _writer(port: int, start: float, run_s: float, batch: int, zero_copy: bool, 
 # How the writers reach the server: figure suffix -> (Client's zero_copy, insert's shared, in words)
 WAYS = {
     # as a Client made with its defaults on the server's host does: its connection on the
-    # server's Unix socket (PROTOCOL.md §10.1), the rows in the request (the goal's figure)
-    "": (True, False, "each a Client with its defaults (on the server's host: its Unix socket)"),
+    # server's Unix socket (PROTOCOL.md §10.1), and for this table in files, told so by the
+    # first insert's reply, its batches through shared memory (§10.4) (the goal's figure)
+    "": (True, None, "each a Client with its defaults (on the server's host: through shared memory)"),
+    # shared=False: the rows in the request, on the server's Unix socket
+    "_unix": (True, False, "on the server's Unix socket (insert(..., shared=False))"),
     # zero_copy=False: the socket is TCP, as from another host (here over loopback)
     "_tcp": (False, False, "over TCP (Client(zero_copy=False))"),
-    # the rows written into files the server copies them from (PROTOCOL.md §10.4)
-    "_shm": (True, True, "through shared memory (insert(..., shared=True))"),
 }
 
 
@@ -280,8 +282,8 @@ def _writers(rec: Recorder, p: Profile, server: Server, size: str, scratch: str)
                "same-host client's)", Sample.of(fan_in[True]), "GB/s", baseline=True)
     what = f"inserts of 1 MiB ({batch} rows) from {p.big_writers} processes into the full table of {size} rows"
     against = {"": ["scale.loopback", "scale.unix_fan_in", "scale.loopback_fan_in", "scale.disk_write"],
-               "_tcp": ["scale.loopback", "scale.loopback_fan_in", "scale.inserts"],
-               "_shm": ["scale.loopback", "scale.inserts"]}
+               "_unix": ["scale.loopback", "scale.unix_fan_in", "scale.inserts"],
+               "_tcp": ["scale.loopback", "scale.loopback_fan_in", "scale.inserts"]}
     for way, (_, _, how) in WAYS.items():
         rec.figure(f"scale.inserts{way}", f"{what}, {how}", Sample.of(rates[way]), "GB/s", vs=against[way])
     for way, (_, _, how) in WAYS.items():
