@@ -112,20 +112,12 @@ class SharedTier:
 
         self.jobs.run(None, self.shm.take_arrays, (connection, shm_name, description, nbytes, limits), taken)
 
-    def take_arrays_now(self, connection: str, shm_name: object, description: bytes, nbytes: int, limits) -> list:
-        """:meth:`take_arrays` on the caller's thread: the files checked and read into
-        one buffer (they are in memory: a copy and a few system calls per array);
-        raises :class:`ZeroCopyUnavailableError`."""
-        try:
-            return self.shm.take_arrays(connection, shm_name, description, nbytes, limits)
-        except Exception as exc:
-            raise _not_taken(exc) from None
-
     def take_rows_now(self, connection: str, shm_name: object, description: bytes, nbytes: int, limits,
                       kept, mapped: bool) -> list:
-        """:meth:`take_arrays_now` for rows its client writes into the same directory
-        again: kept open and mapped by ``kept`` (:meth:`~.shm.ShmArea.take_rows`);
-        raises :class:`ZeroCopyUnavailableError`."""
+        """The arrays of the item a client wrote to ``incoming/<connection>/<shm_name>``,
+        on the caller's thread (they are in memory): checked as :meth:`adopt` checks
+        the first time, then kept open and mapped by ``kept``
+        (:meth:`~.shm.ShmArea.take_rows`); raises :class:`ZeroCopyUnavailableError`."""
         try:
             return self.shm.take_rows(connection, shm_name, description, nbytes, limits, kept, mapped)
         except Exception as exc:

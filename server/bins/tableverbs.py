@@ -62,23 +62,21 @@ class TableVerbs:
         return self.tables.rows(table, description, payload, nbytes, limits)
 
     def shared_table_rows(self, table: TableEntry, connection: str, shm_name: object, description: bytes,
-                          nbytes: int, limits, kept=None):
+                          nbytes: int, limits, kept):
         """A request's value as rows of ``table`` (a table of columns), from the item
         directory a same-host client wrote to ``incoming/<connection>/<shm_name>``
-        (PROTOCOL.md §10.4): its array files checked as an adopted item's are, and
-        read (copied) on the caller's thread, at once: they are in memory (tmpfs), about
-        a memcpy and a few system calls per array.  None for
-        a value of more than :data:`INLINE_ARRAYS` arrays: :meth:`shared_table_rows_later`
-        takes those.  ``kept``: the connection's :class:`~.keptrows.KeptRows`, which
-        checks a directory once and keeps its files mapped for the next inserts
-        (handed to a table whose files take them with system calls as they are,
-        :attr:`~.tables.Table.takes_mapped_rows`).  Raises :class:`~tensorshare.errors.ZeroCopyUnavailableError` if
+        (PROTOCOL.md §10.4), on the caller's thread, at once (they are in memory,
+        tmpfs): its array files checked as an adopted item's are the first time, then
+        kept open and mapped by ``kept``, the connection's
+        :class:`~.keptrows.KeptRows`, for its next inserts; handed on as they are to a
+        table whose files take them with system calls only
+        (:attr:`~.tables.Table.takes_mapped_rows`), else read (copied).  None for a
+        value of more than :data:`INLINE_ARRAYS` arrays: :meth:`shared_table_rows_later`
+        takes those.  Raises :class:`~tensorshare.errors.ZeroCopyUnavailableError` if
         it cannot be taken (nothing changed), 501 for a value that is not the table's kind."""
         desc = self._shared_value(table, description, nbytes, limits)
         if len(desc.arrays) > INLINE_ARRAYS:
             return None
-        if kept is None:
-            return columns_in(desc, self.sharing.take_arrays_now(connection, shm_name, description, nbytes, limits))
         mapped = table.table.takes_mapped_rows
         return columns_in(desc, self.sharing.take_rows_now(connection, shm_name, description, nbytes, limits, kept,
                                                            mapped))
