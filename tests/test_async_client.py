@@ -133,6 +133,33 @@ def test_large_values_go_through_shared_memory_on_the_servers_host(paired):
     assert result_of(client.peek("zc"), pump)[0].data_ptr() != back.data_ptr()
 
 
+def test_large_inserts_into_a_table_in_files_go_through_shared_memory_once_the_server_says_so(tmp_path):
+    client, pump, _clock, state = async_pair(memory_limit=1 << 20, spill_dir=str(tmp_path))
+    try:
+        n = 1 << 12  # 1 MiB of rows of 256 B: above the bar
+        columns = {"x": ((), torch.int64), "y": ((62,), torch.float32)}
+        result_of(client.create_table("t", 2 * n, columns, remover="fifo"), pump)  # 2 MiB: in files
+
+        def rows(first):
+            x = torch.arange(first, first + n)
+            return {"x": x, "y": x.view(n, 1).expand(n, 62).float().contiguous()}
+
+        areas = client.router.home.areas
+        result_of(client.insert("t", rows(0)), pump)  # over the socket; the reply says mapped
+        assert "t" in areas.mapped and not os.listdir(areas.incoming)
+        for first in (n, 2 * n, 3 * n):
+            result_of(client.insert("t", rows(first)), pump)  # through the same kept directory
+            assert len(os.listdir(areas.incoming)) == 1
+        slots = torch.arange(0, 2 * n, 97)  # (a read within the 1 MiB budget)
+        got = result_of(client.read("t", slots), pump)
+        assert torch.equal(got["x"], slots + 2 * n)
+        assert torch.equal(got["y"], (slots + 2 * n).view(-1, 1).expand(-1, 62).float())
+    finally:
+        client.close()
+        pump.flush()
+        state.storage.close()
+
+
 def test_a_table_checkpoint_loads_through_the_async_client(paired, tmp_path):
     """``AsyncClient.load_table`` (it had none): a checkpoint written from one server by
     the blocking client is made again on another, each row at its slot, with its

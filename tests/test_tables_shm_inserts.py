@@ -254,3 +254,31 @@ def test_a_table_in_files_gets_large_batches_through_shared_memory_by_default(tm
             assert c.table_info("files")["inserts"] == 7 * N + 10  # nothing inserted
     finally:
         srv.stop()
+
+
+def test_a_directory_the_server_let_go_is_refused_once_then_sent_over_tcp_and_written_anew(tmp_path, caplog):
+    srv = ServerProcess("--memory-limit", str(4 << 20), "--spill-dir", str(tmp_path / "spill"))
+    try:
+        with tensorshare.Client("127.0.0.1", srv.port, timeout=30) as c:
+            c.create_table("files", 8 * N, COLUMNS, remover="fifo")  # 4.4 MB of columns: in files
+            sizes = [N + k for k in range(9)]  # nine kinds of batch: one more than a connection's kept directories
+            first = 0
+            for size in [sizes[0]] + sizes:  # (the first over the socket)
+                c.insert("files", batch(first, size))
+                first += size
+            assert len(_kept(c)) == 9
+            # the first kind's directory was let go by the server for the others, while the
+            # client still maps it for writing: checked again, refused (a file open for
+            # writing), sent over TCP, then written anew
+            with caplog.at_level(logging.INFO, logger="tensorshare.client"):
+                c.insert("files", batch(first, sizes[0]))
+            assert "did not take a value through shared memory" in caplog.text
+            assert len(_kept(c)) == 8
+            got = c.read("files", torch.arange(first, first + sizes[0]) % (8 * N))
+            assert _equal(got, batch(first, sizes[0]))
+            first += sizes[0]
+            c.insert("files", batch(first, sizes[0]))
+            assert len(_kept(c)) == 9
+            assert _equal(c.read("files", torch.arange(first, first + sizes[0]) % (8 * N)), batch(first, sizes[0]))
+    finally:
+        srv.stop()
