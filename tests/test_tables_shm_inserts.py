@@ -282,3 +282,27 @@ def test_a_directory_the_server_let_go_is_refused_once_then_sent_over_tcp_and_wr
             assert _equal(c.read("files", torch.arange(first, first + sizes[0]) % (8 * N)), batch(first, sizes[0]))
     finally:
         srv.stop()
+
+
+def test_a_table_of_many_columns_takes_its_rows_through_the_same_kept_directory(tmp_path, caplog):
+    srv = ServerProcess("--memory-limit", str(2 << 20), "--spill-dir", str(tmp_path / "spill"))
+    wide = {f"c{i}": ((4,), torch.float32) for i in range(12)}  # more columns than one hop's worth of files
+    n = 8192  # 1.5 MiB a batch: the bar for 12 arrays (512 KiB for each 4)
+
+    def rows(first):
+        return {name: torch.arange(first, first + n, dtype=torch.float32).view(n, 1).expand(n, 4) + i
+                for i, name in enumerate(wide)}
+
+    try:
+        with tensorshare.Client("127.0.0.1", srv.port, timeout=30) as c:
+            c.create_table("wide", 2 * n, wide, remover="fifo")  # 3 MiB: in files
+            with caplog.at_level(logging.INFO, logger="tensorshare.client"):
+                for first in range(0, 5 * n, n):
+                    c.insert("wide", rows(first))
+            assert "did not take" not in caplog.text  # never refused, never resent
+            assert len(_kept(c)) == 1
+            for half in (0, n // 2):  # (reads within the server's 2 MiB)
+                got = c.read("wide", torch.arange(half, half + n // 2))
+                assert _equal(got, {k: v[half:half + n // 2] for k, v in rows(4 * n).items()})
+    finally:
+        srv.stop()

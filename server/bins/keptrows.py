@@ -4,7 +4,7 @@ A writer that inserts through shared memory (PROTOCOL.md §10.4) writes each bat
 into an item directory of its incoming directory, and once the insert is answered
 writes its next batch of the same columns into the same files.  The first insert
 naming a directory checks it as an adopted item is checked
-(:meth:`~.shm.ShmArea.take_arrays`); :class:`KeptRows` then keeps its array files
+(:meth:`~.shm.ShmArea.take_rows`); :class:`KeptRows` then keeps its array files
 open and mapped, so that the next inserts naming it cost a ``fstat`` a file instead
 of a walk of the directory, its record read and a lease taken on each file.
 

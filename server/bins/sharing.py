@@ -101,17 +101,6 @@ class SharedTier:
 
         self.jobs.run(None, self.shm.adopt, (connection, shm_name, description, nbytes, limits), adopted)
 
-    def take_arrays(self, connection: str, shm_name: object, description: bytes, nbytes: int, limits,
-                    done: Callable[[list | None, RemoteError | None], None]) -> None:
-        """The arrays of the item a client wrote to ``incoming/<connection>/<shm_name>``
-        (checked as :meth:`adopt` checks, then mapped and removed, on a disk thread:
-        :meth:`~.shm.ShmArea.take_arrays`), for the caller to copy from;
-        ``done(arrays, None)`` or ``done(None, ZeroCopyUnavailableError)``."""
-        def taken(arrays, error) -> None:
-            done(arrays, None if error is None else _not_taken(error))
-
-        self.jobs.run(None, self.shm.take_arrays, (connection, shm_name, description, nbytes, limits), taken)
-
     def take_rows_now(self, connection: str, shm_name: object, description: bytes, nbytes: int, limits,
                       kept, mapped: bool) -> list:
         """The arrays of the item a client wrote to ``incoming/<connection>/<shm_name>``,

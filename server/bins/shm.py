@@ -28,15 +28,11 @@ import secrets
 import shutil
 import time
 
-import numpy as np
-
 from tensorshare.disk.areas import AreaError, check_item_tree, not_open_for_writing, valid_name
 from tensorshare.errors import ZeroCopyUnavailableError
-from tensorshare.disk.files import read_file_into
 from tensorshare.disk.layout import RECORD, LayoutError, StoredItem, read_item, write_item
 from tensorshare.wire.description import DEFAULT_LIMITS, DecodeLimits
 
-from ..malloc import heap_temporaries
 from .dirlock import lock_file
 from .keptrows import KeptRows
 
@@ -124,39 +120,17 @@ class ShmArea:
         moved = tuple((offset, length, target + file[len(source):]) for offset, length, file in stored.files)
         return StoredItem(target, stored.description, stored.tag, stored.nbytes, moved)
 
-    def take_arrays(self, connection: str, name: object, description: bytes, nbytes: int,
-                    limits: DecodeLimits = DEFAULT_LIMITS) -> list:
-        """The arrays of the item a client wrote to ``incoming/<connection>/<name>``,
-        one uint8 array per array of the description, in its order, read out of the
-        files into one buffer for a table insert (PROTOCOL.md §10.4).  Read with
-        ``preadv``, not through mappings: a file cut short by its writer is a refused
-        request, never a fault in the server, and what was checked is what is inserted.
-        The directory stays: its client writes its next rows into the same pages once
-        the insert is answered (new pages cost more than the copy), and the
-        connection's end removes it.
-
-        Checked as :meth:`adopt` checks (:class:`ZeroCopyUnavailableError`)."""
-        _source, stored = self._checked(connection, name, description, nbytes, limits)
-        with heap_temporaries():  # (pages used before: no fault and zeroing per page, see server/malloc.py)
-            buffer = np.empty(sum(length for _offset, length, _file in stored.files), np.uint8)
-        arrays, at = [], 0
-        try:
-            for _offset, length, file in stored.files:
-                array = buffer[at:at + length]
-                read_file_into(file, array)
-                arrays.append(array)
-                at += length
-        except (ValueError, OSError) as exc:  # (changed since it was checked)
-            raise ZeroCopyUnavailableError(f"incoming item unreadable: {exc}") from None
-        return arrays
-
     def take_rows(self, connection: str, name: object, description: bytes, nbytes: int, limits: DecodeLimits,
                   kept: KeptRows, mapped: bool) -> list:
-        """:meth:`take_arrays` for a connection whose client writes its next rows into
-        the same directory: checked the first time only, then its files kept open and
-        mapped by ``kept`` (:mod:`.keptrows`); :class:`~.keptrows.MappedRows` if
-        ``mapped`` (for a table that copies them with system calls only), else copies.
-        On the reactor's thread; raises :class:`ZeroCopyUnavailableError`."""
+        """The arrays of the item a client wrote to ``incoming/<connection>/<name>``
+        for a table insert (PROTOCOL.md §10.4), one uint8 array per array of the
+        description, in its order: checked as :meth:`adopt` checks the first time,
+        then its files kept open and mapped by ``kept`` (:mod:`.keptrows`) for the
+        client's next rows, which it writes into the same pages once the insert is
+        answered; :class:`~.tables.columns.MappedRows` if ``mapped`` (for a table that
+        copies them with system calls only), else read out with ``preadv``.  The
+        directory stays until the connection's end removes it.  On the reactor's
+        thread; raises :class:`ZeroCopyUnavailableError`."""
         if not valid_name(name):
             raise ZeroCopyUnavailableError(f"bad incoming item name {name!r:.80}")
 

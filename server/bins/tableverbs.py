@@ -21,7 +21,6 @@ from .tables.values import column_value, columns_in
 from .tablestore import Drawn, TableEntry
 
 
-INLINE_ARRAYS = 8  # rows through shared memory of at most this many columns are taken on the reactor's thread
 
 
 class TableVerbs:
@@ -65,31 +64,18 @@ class TableVerbs:
                           nbytes: int, limits, kept):
         """A request's value as rows of ``table`` (a table of columns), from the item
         directory a same-host client wrote to ``incoming/<connection>/<shm_name>``
-        (PROTOCOL.md §10.4), on the caller's thread, at once (they are in memory,
-        tmpfs): its array files checked as an adopted item's are the first time, then
-        kept open and mapped by ``kept``, the connection's
-        :class:`~.keptrows.KeptRows`, for its next inserts; handed on as they are to a
-        table whose files take them with system calls only
-        (:attr:`~.tables.Table.takes_mapped_rows`), else read (copied).  None for a
-        value of more than :data:`INLINE_ARRAYS` arrays: :meth:`shared_table_rows_later`
-        takes those.  Raises :class:`~tensorshare.errors.ZeroCopyUnavailableError` if
+        (PROTOCOL.md §10.4), on the caller's thread (the files are in memory, tmpfs):
+        its array files checked as an adopted item's are the first time, then kept
+        open and mapped by ``kept``, the connection's :class:`~.keptrows.KeptRows`, for
+        its next inserts (so a value of many columns costs its checks once, not a hop
+        to a disk thread each time); handed on as they are to a table whose files take
+        them with system calls only (:attr:`~.tables.Table.takes_mapped_rows`), else
+        read (copied).  Raises :class:`~tensorshare.errors.ZeroCopyUnavailableError` if
         it cannot be taken (nothing changed), 501 for a value that is not the table's kind."""
         desc = self._shared_value(table, description, nbytes, limits)
-        if len(desc.arrays) > INLINE_ARRAYS:
-            return None
         mapped = table.table.takes_mapped_rows
         return columns_in(desc, self.sharing.take_rows_now(connection, shm_name, description, nbytes, limits, kept,
                                                            mapped))
-
-    def shared_table_rows_later(self, table: TableEntry, connection: str, shm_name: object, description: bytes,
-                                nbytes: int, limits, done: Callable) -> None:
-        """:meth:`shared_table_rows` on a disk thread: ``done(rows, None)`` or ``done(None, error)``."""
-        desc = self._shared_value(table, description, nbytes, limits)
-
-        def taken(arrays, error) -> None:
-            done(None, error) if error is not None else done(columns_in(desc, arrays), None)
-
-        self.sharing.take_arrays(connection, shm_name, description, nbytes, limits, taken)
 
     def _shared_value(self, table: TableEntry, description: bytes, nbytes: int, limits):
         if not self.sharing.takes_rows:

@@ -189,17 +189,8 @@ def insert(session, request):
     if request.shm is None:
         return add(_rows(session, table, request))
     incoming, item_name, size = session.shared.adoption(request)
-    shared = (table, incoming, item_name, request.value, size, session.decode_limits)
-    rows = storage.shared_table_rows(*shared, kept=session.shared.kept_rows)
-    if rows is not None:
-        return add(rows)
-
-    def taken(rows, error: RemoteError | None):
-        if error is not None:
-            raise error
-        return add(rows)
-
-    return later(lambda done: storage.shared_table_rows_later(*shared, done), taken)
+    return add(storage.shared_table_rows(table, incoming, item_name, request.value, size, session.decode_limits,
+                                         session.shared.kept_rows))
 
 
 @handles(TWRITE)

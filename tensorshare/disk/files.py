@@ -76,27 +76,6 @@ def write_all(fd: int, parts: Sequence, offset: int) -> int:
     return offset
 
 
-def read_file_into(path: str, out) -> None:
-    """Fill ``out`` (a writable contiguous buffer) with the whole of the regular file
-    ``path``, which must be exactly as long (not followed if a symlink): ``preadv``,
-    the kernel copying, so that a file cut short under the reader is an error, never
-    a fault.  Raises ``ValueError`` for another kind or size of file, ``OSError``."""
-    view = memoryview(out).cast("B")
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != view.nbytes:
-            raise ValueError(f"{path} is not a regular file of exactly {view.nbytes} bytes")
-        done = 0
-        while done < view.nbytes:
-            n = os.preadv(fd, [view[done:]], done)
-            if n <= 0:
-                raise ValueError(f"{path} was cut short while being read")
-            done += n
-    finally:
-        os.close(fd)
-
-
 def _libc_fallocate():
     try:
         fallocate = ctypes.CDLL(None, use_errno=True).fallocate
