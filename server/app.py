@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import resource
 import shutil
 import signal
 import threading
@@ -213,6 +214,7 @@ def serve(config: ServerConfig, announce: Callable, sockets: Sequence[int] = (),
     the server's own; ``announce(port)`` runs once the reactor does (``sockets``,
     ``workers``: see :func:`listen`)."""
     malloc.tune()  # (see server/malloc.py)
+    raise_open_files_limit()
     dispatch_directly(reactor)  # this process is the server's own (before listen: busy-polling wraps it)
     bound = listen(config, sockets, workers)
     reactor.addSystemEventTrigger("after", "shutdown", _shut, bound)
@@ -225,6 +227,27 @@ def serve(config: ServerConfig, announce: Callable, sockets: Sequence[int] = (),
     # shutdown (spill files removed, disk work finished), not a kill.
     reactor.callWhenRunning(announce, bound)
     reactor.run()
+
+
+OPEN_FILES = 65536  # descriptors the server asks for (within the hard limit): see raise_open_files_limit
+
+
+def raise_open_files_limit(want: int = OPEN_FILES) -> int:
+    """Raise this process's soft limit on open descriptors toward ``want``, within its
+    hard limit (a soft limit of 1,024 is common); returns the limit now.  Each
+    connection is a descriptor, and a same-host writer's kept directory two a column
+    file (``server/bins/keptrows.py``): a few hundred same-host writers would meet
+    1,024.  Past the limit, accepting connections and opening files fail."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        if soft != resource.RLIM_INFINITY and soft < target:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return target
+        return soft
+    except (OSError, ValueError) as exc:  # (a container that forbids it: keep what there is)
+        log.info("could not raise the limit on open files: %s", exc)
+        return -1
 
 
 def _announce(bound) -> None:

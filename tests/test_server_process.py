@@ -67,3 +67,18 @@ def test_cuda_tensors_round_trip(server):
         assert back["cpu"].device.type == "cuda"
     with tensorshare.Client("127.0.0.1", server.port) as c:
         assert c.peek("gpu")[0]["t"].device.type == "cpu"
+
+
+def test_the_server_raises_its_soft_limit_on_open_files_within_the_hard_one():
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = min(soft, 1024) if hard == resource.RLIM_INFINITY else min(soft, hard, 1024)
+    srv = ServerProcess(preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard)))
+    try:
+        with open(f"/proc/{srv.pid}/limits") as f:
+            line = next(line for line in f if line.startswith("Max open files"))
+        now = int(line.split()[3])
+        expected = 65536 if hard == resource.RLIM_INFINITY else min(65536, hard)
+        assert now == max(low, expected)
+    finally:
+        srv.stop()
