@@ -483,6 +483,26 @@ def test_priority_updates_in_any_order_leave_the_trees_as_a_rebuild_does(tree_pa
         assert np.allclose(before[0], sampler.tree, rtol=1e-12, atol=0) and np.array_equal(before[1], order.tree)
 
 
+@needs_loops
+@pytest.mark.parametrize("exponent", [0.6, 1.0, 0.5, 0.0])
+def test_blocks_of_one_priority_sum_bit_for_bit_as_a_block_recomputed_alone_does(exponent):
+    """An insert whose rows share one priority has its whole blocks summed once (the
+    compiled refresh's shortcut); a block recomputed alone (one row's update) takes
+    the general way: the tree must not change by a bit, nor differ from a rebuild."""
+    t = x_table(160, sampler="prioritized", priority_exponent=exponent, remover="fifo", rng=0)
+    sampler = t._sampler.tree
+    for priorities, first in ((None, 0), (0.7, 0), (3.25, 37), (np.full(160, 1e-3), 0)):  # the last wraps the ring
+        keys = t.insert(scalars(160, start=first), priorities=priorities).keys
+        tree = sampler.tree.copy()
+        leaves = tree[sampler.layout.leaves:sampler.layout.leaves + 10]
+        assert len(set(leaves.tolist())) == 1 and leaves[0] > 0  # 10 whole blocks of 16, one sum
+        one = t.read([5]).priorities[0]
+        t.update_priorities(keys[5:6], [one])  # block 0 alone: the general way
+        assert np.array_equal(sampler.tree, tree)
+        sampler.rebuild()
+        assert np.allclose(sampler.tree, tree, rtol=1e-12, atol=0)
+
+
 def test_priority_overflowing_the_exponent_is_refused():
     t = x_table(4, sampler="prioritized", priority_exponent=4.0)
     with pytest.raises(tables.PriorityError, match="overflows"):

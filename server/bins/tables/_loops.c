@@ -240,6 +240,38 @@ static void copy_weights(Copy *c, const int64_t *leaf, int64_t offset, Py_ssize_
         w[s] = c->flags[s] & LIVE ? w[s] : 0.0;
 }
 
+/* The weight of a live slot of priority ``p``, as copy_weights computes it (the vector power
+ * where it would use it): the same value, bit for bit. */
+static double live_weight(double p, double exponent) {
+    if (!have_vector_pow || exponent == 1.0 || exponent == 0.5 || exponent == 0.0)
+        return weight(p, LIVE, exponent);
+    double four[4] = {p, p, p, p};
+    vector_pow4(four, exponent, four);
+    return four[0];
+}
+
+/* Whether blocks ``blocks[from:to]`` (two or more) are whole, every slot live with one
+ * priority (``*p``): an insert of rows given no priorities, or one for all.  Their sums are
+ * then one block's, found once, with no copy of their state and no pass over their
+ * weights (copy_weights: 6% of the server's CPU while 8 writers inserted 1 MiB batches).
+ * Reads the state a copy would, and stops at the first slot that differs. */
+static int uniform_blocks(const int64_t *blocks, Py_ssize_t from, Py_ssize_t to, const double *priority,
+                          const uint8_t *flags, Py_ssize_t block, Py_ssize_t capacity, double *p) {
+    if (to - from < 2)
+        return 0;
+    double first = priority[blocks[from] * block];
+    for (Py_ssize_t i = from; i < to; i++) {
+        Py_ssize_t at = (Py_ssize_t)blocks[i] * block;
+        if (at + block > capacity)
+            return 0;
+        for (Py_ssize_t j = at; j < at + block; j++)
+            if (priority[j] != first || !(flags[j] & LIVE))
+                return 0;
+    }
+    *p = first;
+    return 1;
+}
+
 static void release(Py_buffer *buffers, int n) {
     for (int i = 0; i < n; i++)
         if (buffers[i].obj != NULL)
@@ -356,8 +388,26 @@ static PyObject *refresh(PyObject *self, PyObject *args) {
         goto fail;
     }
     Py_BEGIN_ALLOW_THREADS
+    double uniform = 0.0, uniform_sum = 0.0;  /* the priority of the last uniform chunk, and a block's sum */
+    int have_uniform = 0;
     for (Py_ssize_t from = 0; from < n; from += copy.blocks) {
         Py_ssize_t to = from + copy.blocks < n ? from + copy.blocks : n;
+        double p;
+        if (uniform_blocks(blocks, from, to, priority, flags, block, capacity, &p)) {
+            if (!have_uniform || p != uniform) {
+                double w = live_weight(p, exponent), sum = 0.0;
+                for (Py_ssize_t s = 0; s < block; s++)
+                    sum += w;  /* (in the order the loop below adds a block's weights) */
+                uniform = p;
+                uniform_sum = sum;
+                have_uniform = 1;
+            }
+            for (Py_ssize_t i = from; i < to; i++) {
+                nodes[i] = leaves + blocks[i];
+                tree[nodes[i]] = uniform_sum;
+            }
+            continue;
+        }
         copy_weights(&copy, blocks, 0, from, to, priority, flags, exponent, block, capacity);
         for (Py_ssize_t i = from; i < to; i++) {
             double sum = 0.0;
