@@ -96,8 +96,8 @@ class KeptRows:
                 fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
                 opened.append((fd, length, _EMPTY))
                 st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode) or st.st_size != length:
-                    raise ValueError(f"{path} is not a regular file of exactly {length} bytes")
+                if not stat.S_ISREG(st.st_mode) or st.st_size != length or st.st_nlink != 1:
+                    raise ValueError(f"{path} is not a regular file of exactly {length} bytes and one link")
                 if length:
                     opened[-1] = (fd, length, np.frombuffer(mmap.mmap(fd, length, prot=mmap.PROT_READ), np.uint8))
         except BaseException:
