@@ -27,6 +27,8 @@ from typing import Callable
 
 import numpy as np
 
+from tensorshare.disk.files import read_all
+
 from ..malloc import heap_temporaries
 from .tables.columns import MappedRows
 
@@ -121,14 +123,9 @@ class KeptRows:
             buffer = np.empty(sum(length for _fd, length, _mapped in kept.files), np.uint8)
         arrays, at = [], 0
         for fd, length, _mapped in kept.files:
-            view = memoryview(buffer[at:at + length])
-            done = 0
-            while done < length:
-                n = os.preadv(fd, [view[done:]], done)
-                if n <= 0:
-                    raise ValueError("an incoming file was cut short while being read")
-                done += n
-            arrays.append(buffer[at:at + length])
+            array = buffer[at:at + length]
+            read_all(fd, array)
+            arrays.append(array)
             at += length
         return arrays
 

@@ -21,8 +21,6 @@ from .tables.values import column_value, columns_in
 from .tablestore import Drawn, TableEntry
 
 
-
-
 class TableVerbs:
     """The table operations of :class:`~.storage.Storage` (which sets ``self.tables``)."""
 

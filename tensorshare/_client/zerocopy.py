@@ -93,7 +93,7 @@ class SharedAreas:
         self._copied: dict[str, StoredItem] = {}  # written for a server that copies them out: name -> item
         self._kept: dict[bytes, list[StoredItem]] = {}  # those answered, by description, to write into again
         self._kept_bytes = 0
-        self._maps: dict[str, list[mmap.mmap]] = {}  # a kept directory's path -> its array files, mapped
+        self._maps: dict[str, list] = {}  # a kept directory's path -> its array files, mapped (None: empty)
 
     @classmethod
     def of(cls, greeting: dict) -> "SharedAreas | None":
@@ -244,7 +244,8 @@ class SharedAreas:
 
     def _unmap(self, path: str) -> None:
         for mapping in self._maps.pop(path, ()):
-            mapping.close()
+            if mapping is not None:
+                mapping.close()
 
     def reuse(self, name: str) -> None:
         """The request naming ``name`` (written with ``copied``) is answered: keep its
@@ -407,17 +408,18 @@ _drafts: dict[int, tuple] = {}
 _drafts_lock = threading.Lock()
 
 
-def _map_for_writing(path: str, length: int) -> mmap.mmap:
+def _map_for_writing(path: str, length: int) -> mmap.mmap | None:
     """A shared writable mapping of the array file ``path`` of a kept directory,
     which must be a regular file of ``length`` bytes (the server made it read-only
-    when it checked it: writable again for its owner)."""
+    when it checked it: writable again for its owner); None for an empty one, which
+    nothing is written into."""
     os.chmod(path, 0o600, follow_symlinks=False)
     fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size != length:
             raise ValueError(f"{path} is not a regular file of {length} bytes")
-        return mmap.mmap(fd, length) if length else mmap.mmap(-1, 1)
+        return mmap.mmap(fd, length) if length else None
     finally:
         os.close(fd)
 

@@ -76,6 +76,19 @@ def write_all(fd: int, parts: Sequence, offset: int) -> int:
     return offset
 
 
+def read_all(fd: int, out, offset: int = 0) -> None:
+    """Fill ``out`` (a writable contiguous buffer) from ``fd`` at ``offset`` with
+    ``preadv``, the kernel copying, so that a file cut short under the reader is an
+    error, never a fault.  Raises ``ValueError`` if the file ends first, ``OSError``."""
+    view = memoryview(out).cast("B")
+    done = 0
+    while done < view.nbytes:
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise ValueError(f"the file ended {view.nbytes - done} bytes short of what was to be read")
+        done += n
+
+
 def _libc_fallocate():
     try:
         fallocate = ctypes.CDLL(None, use_errno=True).fallocate
