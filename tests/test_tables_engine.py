@@ -48,6 +48,7 @@ Slots = sys.modules[f"{_NAME}.slots"].Slots
 sumtree = sys.modules[f"{_NAME}.sumtree"]
 mintree = sys.modules[f"{_NAME}.mintree"]
 compiled = sys.modules[f"{_NAME}.compiled"]
+take_rows = sys.modules[f"{_NAME}.rows"].take_rows
 LOOPS = compiled.loops  # the compiled hot loops, None where they were not built
 needs_loops = pytest.mark.skipif(LOOPS is None, reason="the compiled loops are not built here (no C compiler)")
 
@@ -538,6 +539,22 @@ def test_fifo_and_lifo_samplers():
     assert xs(lifo.sample(2)) == [9, 9]
 
 
+def test_a_sample_without_states_draws_and_counts_the_same_rows():
+    """``states=False`` (a TSAMPLE reply sends neither): no priorities or counts gathered,
+    and the same draw, counts and removals as a sample with them."""
+    made = []
+    for states in (True, False):
+        t = x_table(50, sampler="prioritized", max_times_sampled=2, rng=np.random.default_rng(4))
+        t.insert(scalars(40), priorities=np.arange(1.0, 41.0))
+        s = t.sample(16, states=states)
+        made.append((s, t.slots(0)["times_sampled"].tolist()))
+    (full, counts), (bare, bare_counts) = made
+    assert bare.priorities is None and bare.times_sampled is None
+    assert full.priorities is not None and full.times_sampled is not None
+    assert xs(bare) == xs(full) and bare.keys.tolist() == full.keys.tolist() and counts == bare_counts
+    assert bare.removed.keys.tolist() == full.removed.keys.tolist()
+
+
 def test_fifo_with_max_times_sampled_moves_on_as_rows_leave():
     q = x_table(10, sampler="fifo", max_times_sampled=1)
     q.insert(scalars(6))
@@ -949,6 +966,54 @@ def test_compiled_stream_copy_copies_exactly_and_refuses_what_it_cannot_write():
         with pytest.raises(TypeError):
             LOOPS.stream_copy(dst, np.ones(4, np.uint8))
     assert not read_only.any()
+
+
+@needs_loops
+def test_compiled_gather_takes_rows_as_numpy_does_and_copies_nothing_for_a_bad_slot(tmp_path):
+    """A sample's rows gathered with each row asked of memory ahead: the same bytes as
+    numpy's take for rows of every width (the 8-byte path, rows that straddle lines, rows
+    wider than the lines asked ahead), repeats, an empty batch and a mapped column; a slot
+    out of range or a buffer too small is refused before anything is written."""
+    rng = np.random.default_rng(11)
+    for row_bytes in (1, 3, 8, 56, 64, 300, 1024):
+        column = rng.integers(0, 256, (1000, row_bytes), dtype=np.uint8)
+        for n in (0, 1, 7, 256):
+            slots = rng.integers(0, 1000, n)
+            slots[:n // 2] = slots[n - n // 2:][:n // 2]  # (repeats)
+            out = np.zeros((n, row_bytes), np.uint8)
+            LOOPS.gather(column, row_bytes, slots, out)
+            assert np.array_equal(out, column[slots])
+    mapped = np.memmap(tmp_path / "c.memmap", np.uint8, "w+", shape=(500, 56))
+    mapped[:] = rng.integers(0, 256, (500, 56), dtype=np.uint8)
+    slots = np.array([499, 0, 250, 0])
+    out = np.zeros((4, 56), np.uint8)
+    LOOPS.gather(mapped, 56, slots, out)
+    assert np.array_equal(out, mapped[slots])
+    column, out = np.ones((10, 8), np.uint8), np.zeros((3, 8), np.uint8)
+    for bad in ([0, 10, 1], [0, -1, 1]):
+        with pytest.raises(IndexError, match="not in"):
+            LOOPS.gather(column, 8, np.array(bad), out)
+    with pytest.raises(ValueError, match="do not fit"):
+        LOOPS.gather(column, 8, np.array([0, 1, 2, 3]), out)
+    with pytest.raises(ValueError, match="not rows of"):
+        LOOPS.gather(column, 7, np.array([0]), out)
+    assert not out.any()
+
+
+def test_take_rows_gathers_the_same_rows_compiled_or_not(monkeypatch):
+    """What the backings call: the compiled gather where it is built, numpy's take where
+    not (or for a column of empty rows), the same rows either way."""
+    rng = np.random.default_rng(12)
+    for width in (0, 8, 56):
+        column = rng.integers(0, 256, (300, width), dtype=np.uint8)
+        slots = rng.integers(0, 300, 64)
+        results = []
+        for loops in (LOOPS, None):
+            monkeypatch.setattr(compiled, "loops", loops)
+            out = np.zeros((64, width), np.uint8)
+            take_rows(column, slots, out)
+            results.append(out)
+        assert np.array_equal(results[0], column[slots]) and np.array_equal(results[1], column[slots])
 
 
 @pytest.mark.parametrize("path", ["compiled", "numpy"])

@@ -552,7 +552,7 @@ class TableStore:
         table = self._live(entry).table
         gathered = self._gathered(table, n * (length or 1))
         out = None if gathered is None else gathered.out
-        drawn = table.sample(n, out=out) if length is None else table.sample_sequences(n, length, pad, out=out)
+        drawn = table.sample(n, out=out, states=False) if length is None else table.sample_sequences(n, length, pad, out=out)
         change = self._changed(entry, "SAMPLE") if drawn.removed.keys.size else None
         return Drawn(drawn, drawn.probabilities, gathered, entry), change
 

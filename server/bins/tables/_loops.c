@@ -696,6 +696,81 @@ fail:
     return NULL;
 }
 
+PyDoc_STRVAR(gather_doc,
+"gather(column, row_bytes, slots, out)\n\n"
+"Rows ``slots`` (int64, repeats allowed, each in [0, len(column) // row_bytes)) of\n"
+"``column`` (C-contiguous rows of ``row_bytes`` bytes, in memory or mapped) into ``out``\n"
+"(writable, at least ``len(slots) * row_bytes`` bytes), in order.  Each row's lines are\n"
+"asked of memory a few rows ahead of its copy: numpy's take copies a row after the other,\n"
+"and a sample's 256 rows of a large table (each a cache miss) waited on one miss at a time\n"
+"(64-byte rows of 10^7: 90 us of a prioritized sample's 250).  Nothing is copied if a slot\n"
+"is out of range.");
+
+/* Lines of a row asked of memory ahead of its copy: the first few (a wide row's later lines
+ * follow the first in order, and the hardware's own prefetcher finds them). */
+#define ROW_LINES 4
+/* Rows ahead: with up to two lines a row (a 56-byte row spans two lines half the time),
+ * about as many loads in flight as the refresh's AHEAD blocks of state. */
+#define ROWS_AHEAD 8
+
+static inline void prefetch_row(const char *column, int64_t slot, Py_ssize_t row_bytes) {
+    const char *row = column + slot * row_bytes;
+    Py_ssize_t span = row_bytes < ROW_LINES * 64 ? row_bytes : ROW_LINES * 64;
+    for (Py_ssize_t at = 0; at < span; at += 64)
+        __builtin_prefetch(row + at);
+    __builtin_prefetch(row + span - 1);  /* (a row that starts mid-line ends on one more) */
+}
+
+static PyObject *gather(PyObject *self, PyObject *args) {
+    Py_buffer b[3] = {{0}};  /* the column, the slots, out */
+    Py_ssize_t row_bytes;
+    if (!PyArg_ParseTuple(args, "y*ny*w*", &b[0], &row_bytes, &b[1], &b[2]))
+        goto fail;
+    if (row_bytes < 1 || b[0].len % row_bytes != 0) {
+        PyErr_Format(PyExc_ValueError, "gather: a column of %zd bytes is not rows of %zd", b[0].len, row_bytes);
+        goto fail;
+    }
+    if (!check(&b[1], 8, 0, "slots"))
+        goto fail;
+    Py_ssize_t n = b[1].len / 8, rows = b[0].len / row_bytes;
+    if (b[2].len / row_bytes < n) {
+        PyErr_Format(PyExc_ValueError, "gather: %zd rows of %zd bytes do not fit in %zd bytes", n, row_bytes,
+                     b[2].len);
+        goto fail;
+    }
+    const char *column = b[0].buf;
+    const int64_t *slots = b[1].buf;
+    char *out = b[2].buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (slots[i] < 0 || slots[i] >= rows) {
+            PyErr_Format(PyExc_IndexError, "slot %lld is not in [0, %zd)", (long long)slots[i], rows);
+            goto fail;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n && i < ROWS_AHEAD; i++)
+        prefetch_row(column, slots[i], row_bytes);
+    if (row_bytes == 8) {  /* (an int64 or float64 column: one load and one store a row) */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (i + ROWS_AHEAD < n)
+                __builtin_prefetch(column + slots[i + ROWS_AHEAD] * 8);
+            memcpy(out + i * 8, column + slots[i] * 8, 8);
+        }
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (i + ROWS_AHEAD < n)
+                prefetch_row(column, slots[i + ROWS_AHEAD], row_bytes);
+            memcpy(out + i * row_bytes, column + slots[i] * row_bytes, (size_t)row_bytes);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    release(b, 3);
+    Py_RETURN_NONE;
+fail:
+    release(b, 3);
+    return NULL;
+}
+
 PyDoc_STRVAR(stream_copy_doc,
 "stream_copy(dst, src)\n\n"
 "Copy the bytes of ``src`` into ``dst`` (writable; both C-contiguous, the same length) with\n"
@@ -795,6 +870,7 @@ static PyMethodDef methods[] = {
     {"filled_run", filled_run, METH_VARARGS, filled_run_doc},
     {"first_bad", first_bad, METH_VARARGS, first_bad_doc},
     {"count", count, METH_VARARGS, count_doc},
+    {"gather", gather, METH_VARARGS, gather_doc},
     {"stream_copy", stream_copy, METH_VARARGS, stream_copy_doc},
     {"is_run", is_run, METH_VARARGS, is_run_doc},
     {NULL, NULL, 0, NULL},

@@ -50,6 +50,7 @@ from .columns import ColumnSpec, MappedRows
 from .journal import Journal
 from .readahead import ReadAhead, WrittenPages, random_access
 from .rowreads import RowReads, open_for_reads, wide
+from .rows import take_rows
 from .slots import STATE as SLOT_STATE, as_index, runs as slot_runs
 
 SHUT_NOTE = "shut.json"  # in _slots/: the table's files are whole (a clean stop), and its counts
@@ -121,8 +122,7 @@ class MemoryBacking:
 
     def gather(self, columns: Sequence[np.ndarray], slots: np.ndarray, outs: Sequence[np.ndarray]) -> None:
         for column, out in zip(columns, outs):
-            # mode="clip": the slots are valid, and "raise" would gather into a temporary first
-            np.take(column, slots, axis=0, out=out, mode="clip")
+            take_rows(column, slots, out)
 
     def close(self) -> None:
         pass

@@ -36,6 +36,8 @@ import time
 
 import numpy as np
 
+from .rows import take_rows
+
 PAGE = mmap.PAGESIZE
 # (Linux 5.14; Python's mmap names it from 3.12 on)
 POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform.startswith("linux") else None)
@@ -120,8 +122,7 @@ class ReadAhead:
 
     def gather(self, column: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
         start = self.clock()
-        # mode="clip": the slots are valid, and "raise" would gather into a temporary first
-        np.take(column, slots, axis=0, out=out, mode="clip")
+        take_rows(column, slots, out)
         if self._hinted or getattr(column, "_mmap", None) is None:
             return
         slow = self.clock() - start > slots.size * SLOW_SECONDS_PER_ROW + out.nbytes * SLOW_SECONDS_PER_BYTE

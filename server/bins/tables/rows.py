@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import compiled
 from .columns import ColumnSpec, RawArray
 from .errors import ColumnMismatchError
 
@@ -44,8 +45,8 @@ class Rows:
 
     keys: np.ndarray
     indices: np.ndarray
-    priorities: np.ndarray
-    times_sampled: np.ndarray
+    priorities: np.ndarray | None  # (None: not asked for, see Table.sample)
+    times_sampled: np.ndarray | None
     values: dict[str, RawArray] | None
     items: list | None
 
@@ -75,6 +76,17 @@ def out_buffer(given, n: int, spec: ColumnSpec) -> np.ndarray:
     if flat.size < need or not flat.flags.writeable:
         raise ColumnMismatchError(f"out[{spec.name!r}] must be a writable buffer of at least {need} bytes")
     return flat[:need].reshape(n, spec.row_bytes)
+
+
+def take_rows(column: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
+    """Rows ``slots`` (int64, valid) of ``column`` (``[rows, row_bytes]`` uint8,
+    C-contiguous, in memory or mapped) into ``out`` (``[n, row_bytes]``): compiled,
+    with each row asked of memory ahead of its copy, where the loops are built."""
+    loops = compiled.loops
+    if loops is not None and column.shape[1] and column.flags.c_contiguous and out.flags.c_contiguous:
+        loops.gather(column, column.shape[1], slots, out)
+    else:  # mode="clip": the slots are valid, and "raise" would gather into a temporary first
+        np.take(column, slots, axis=0, out=out, mode="clip")
 
 
 def out_buffers(columns: tuple[ColumnSpec, ...] | None, out, n: int) -> list[np.ndarray] | None:

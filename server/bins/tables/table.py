@@ -310,7 +310,8 @@ class Table:
                                    f"once sampled max_times_sampled={self.max_times_sampled} times")
         return np.minimum(counts, COUNT_LIMIT)
 
-    def sample(self, n: int, rng: np.random.Generator | None = None, out: Mapping[str, Any] | None = None) -> Sample:
+    def sample(self, n: int, rng: np.random.Generator | None = None, out: Mapping[str, Any] | None = None,
+               states: bool = True) -> Sample:
         """Draw ``n`` rows with the table's sampler (``rng``: the table's own if None).
 
         As ``n`` single samples in a row would: each drawn row's count grows by one,
@@ -320,7 +321,9 @@ class Table:
 
         Each column is gathered at once (:meth:`Backing.gather`), into ``out[column]``
         when given (a writable C-contiguous buffer of at least ``n * row_bytes``
-        bytes), before anything is counted.
+        bytes), before anything is counted.  ``states=False``: the sample's
+        ``priorities`` and ``times_sampled`` are None, for a caller that hands out
+        neither (a TSAMPLE reply: two gathers of scattered state fewer).
         """
         _check_count(n)
         if self.size == 0 and n > 0:
@@ -352,7 +355,8 @@ class Table:
             raise
         state = self._slots
         done = self._count_samples(slots)
-        sample = Sample(state.key[slots], slots, state.priority[slots], state.times_sampled[slots], values, items,
+        sample = Sample(state.key[slots], slots, state.priority[slots] if states else None,
+                        state.times_sampled[slots] if states else None, values, items,
                         probabilities=probabilities, table_size=size)
         sample.removed = Removed(state.key[done], self._forget(done))
         self._flush_counts()
