@@ -1000,6 +1000,46 @@ def test_compiled_gather_takes_rows_as_numpy_does_and_copies_nothing_for_a_bad_s
     assert not out.any()
 
 
+@needs_loops
+def test_compiled_scatter_stores_as_numpy_does_and_nothing_for_a_bad_slot():
+    """A priority update's stores, each line asked of memory ahead: numpy's assignment
+    (of a slot given twice, the last value), float64 and int64 alike; a slot out of range
+    or too few values are refused before anything is written."""
+    rng = np.random.default_rng(13)
+    for dtype in (np.float64, np.int64):
+        for n in (0, 1, 5, 300):
+            array, expected = np.zeros(1000, dtype), np.zeros(1000, dtype)
+            slots = rng.integers(0, 1000, n)
+            slots[:n // 3] = slots[n - n // 3:][:n // 3]  # (repeats: the last wins)
+            values = rng.integers(1, 10**6, n).astype(dtype)
+            LOOPS.scatter(array, slots, values)
+            expected[slots] = values
+            assert np.array_equal(array, expected)
+    array = np.zeros(10)
+    for bad in ([0, 10], [-1, 0]):
+        with pytest.raises(IndexError, match="not in"):
+            LOOPS.scatter(array, np.array(bad), np.ones(2))
+    with pytest.raises(ValueError, match="values"):
+        LOOPS.scatter(array, np.array([0, 1, 2]), np.ones(2))
+    assert not array.any()
+
+
+def test_keys_at_and_set_priorities_do_as_numpy_compiled_or_not(monkeypatch):
+    """The state a sample and an update touch at scattered slots: the same keys read and
+    priorities written with the compiled loops as with numpy (and slots not int64)."""
+    for loops in (LOOPS, None):
+        monkeypatch.setattr(compiled, "loops", loops)
+        state = Slots(64)
+        state.key[:] = np.arange(64) + 1000
+        for slots in (np.array([5, 63, 0, 5]), np.array([1, 2], np.int32), np.arange(10)[::2]):
+            assert state.keys_at(slots).tolist() == (np.asarray(slots) + 1000).tolist()
+            state.set_priorities(slots, np.arange(slots.size) + 0.5)
+            expected = np.zeros(64)
+            expected[slots] = np.arange(slots.size) + 0.5
+            assert state.priority[np.unique(slots)].tolist() == expected[np.unique(slots)].tolist()
+            state.priority[:] = 0.0
+
+
 def test_take_rows_gathers_the_same_rows_compiled_or_not(monkeypatch):
     """What the backings call: the compiled gather where it is built, numpy's take where
     not (or for a column of empty rows), the same rows either way."""

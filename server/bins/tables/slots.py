@@ -142,6 +142,25 @@ class Slots:
                 "times_sampled": self.times_sampled[found].astype(np.int64), "ends": self.ends(found),
                 "next": after if more else None}
 
+    def keys_at(self, slots: np.ndarray) -> np.ndarray:
+        """The keys of ``slots`` (int64, valid): ``key[slots]``, compiled where it is built,
+        each slot's line asked of memory ahead (a sample's rows are scattered)."""
+        loops = compiled.loops
+        if loops is None or not slots.flags.c_contiguous or slots.dtype != np.int64:
+            return self.key[slots]
+        keys = np.empty(slots.size, np.int64)
+        loops.gather(self.key, 8, slots, keys)
+        return keys
+
+    def set_priorities(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        """``priority[slots] = priorities`` (float64; of a slot given twice the last),
+        compiled where it is built, as :meth:`keys_at`."""
+        loops = compiled.loops
+        if loops is None or not slots.flags.c_contiguous or slots.dtype != np.int64:
+            self.priority[slots] = priorities
+        else:
+            loops.scatter(self.priority, slots, np.ascontiguousarray(priorities, np.float64))
+
     def find(self, keys) -> np.ndarray:
         """The slot of each of ``keys``, or -1 where no row has that key (any more)."""
         keys = int_array(keys, "keys")

@@ -355,7 +355,7 @@ class Table:
             raise
         state = self._slots
         done = self._count_samples(slots)
-        sample = Sample(state.key[slots], slots, state.priority[slots] if states else None,
+        sample = Sample(state.keys_at(slots), slots, state.priority[slots] if states else None,
                         state.times_sampled[slots] if states else None, values, items,
                         probabilities=probabilities, table_size=size)
         sample.removed = Removed(state.key[done], self._forget(done))
@@ -472,7 +472,7 @@ class Table:
     def _reprioritize(self, slots: np.ndarray, priorities: np.ndarray, ordered: np.ndarray) -> None:
         """Set the priorities of distinct ``slots``; ``ordered``: the same slots, sorted
         (the trees' blocks come in order)."""
-        self._slots.priority[slots] = priorities
+        self._slots.set_priorities(slots, priorities)
         for index in self._indexes:
             index.reprioritized(ordered)
 
