@@ -1040,6 +1040,39 @@ def test_keys_at_and_set_priorities_do_as_numpy_compiled_or_not(monkeypatch):
             state.priority[:] = 0.0
 
 
+@needs_loops
+def test_compiled_distinct_rising_gives_numpy_distinct_blocks_or_says_they_do_not_rise():
+    """An update's blocks from its sorted slots: numpy's distinct values of ``slots >> shift``
+    for rising slots (repeats too, at every shift), -1 for slots that fall anywhere."""
+    rng = np.random.default_rng(14)
+    for n in (0, 1, 2, 17, 1024):
+        values = np.sort(rng.integers(0, 1 << 40, n))
+        values[n // 2:n // 2 + 3] = values[n // 2] if n > 4 else values[n // 2:n // 2 + 3]
+        for shift in (0, 4, 20):
+            out = np.zeros(max(n, 1), np.int64)
+            k = LOOPS.distinct_rising(values, shift, out)
+            assert out[:k].tolist() == np.unique(values >> shift).tolist()
+    for falls in ([3, 2], [1, 2, 3, 0], [5, 5, 4]):
+        assert LOOPS.distinct_rising(np.array(falls), 0, np.zeros(len(falls), np.int64)) == -1
+    with pytest.raises(ValueError, match="out"):
+        LOOPS.distinct_rising(np.arange(4), 0, np.zeros(3, np.int64))
+
+
+def test_blocks_of_gives_sorted_distinct_blocks_compiled_or_not(monkeypatch):
+    """Rising slots (an update's), falling ones, repeats and a run (an insert's) give
+    the same blocks with the compiled pass as with numpy's."""
+    rng = np.random.default_rng(15)
+    layout = sys.modules[f"{_NAME}.blocks"].Blocks(10_000, 16)
+    cases = [np.sort(rng.integers(0, 10_000, 300)), rng.integers(0, 10_000, 300), np.arange(40, 90),
+             np.array([5, 5, 5]), np.array([9_999]), np.array([17, 3])]
+    for slots in cases:
+        got = []
+        for loops in (LOOPS, None):
+            monkeypatch.setattr(compiled, "loops", loops)
+            got.append(layout.blocks_of(slots).tolist())
+        assert got[0] == got[1] == np.unique(slots // 16).tolist()
+
+
 def test_take_rows_gathers_the_same_rows_compiled_or_not(monkeypatch):
     """What the backings call: the compiled gather where it is built, numpy's take where
     not (or for a column of empty rows), the same rows either way."""

@@ -811,6 +811,44 @@ fail:
     return NULL;
 }
 
+PyDoc_STRVAR(distinct_rising_doc,
+"distinct_rising(values, shift, out) -> int\n\n"
+"The distinct values of ``values >> shift`` (int64, ``values`` in rising order, repeats\n"
+"allowed) into ``out`` (int64, at least as long), in order; returns how many, or -1 (``out``\n"
+"then undefined) if ``values`` do not rise.  An update's blocks from its sorted slots in one\n"
+"pass: numpy's way (a check that they rise, a comparison of neighbours, a mask) was five\n"
+"calls, each a few microseconds with the caches a client's turn left.");
+
+static PyObject *distinct_rising(PyObject *self, PyObject *args) {
+    Py_buffer b[2] = {{0}};
+    int shift;
+    if (!PyArg_ParseTuple(args, "y*iw*", &b[0], &shift, &b[1]))
+        goto fail;
+    if (shift < 0 || shift > 62) {
+        PyErr_Format(PyExc_ValueError, "distinct_rising: a shift of %d", shift);
+        goto fail;
+    }
+    if (!check(&b[0], 8, 0, "values") || !check(&b[1], 8, b[0].len / 8, "out"))
+        goto fail;
+    const int64_t *values = b[0].buf;
+    int64_t *out = b[1].buf;
+    Py_ssize_t n = b[0].len / 8, k = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i && values[i] < values[i - 1]) {
+            k = -1;
+            break;
+        }
+        int64_t v = values[i] >> shift;
+        if (!k || out[k - 1] != v)
+            out[k++] = v;
+    }
+    release(b, 2);
+    return PyLong_FromSsize_t(k);
+fail:
+    release(b, 2);
+    return NULL;
+}
+
 PyDoc_STRVAR(stream_copy_doc,
 "stream_copy(dst, src)\n\n"
 "Copy the bytes of ``src`` into ``dst`` (writable; both C-contiguous, the same length) with\n"
@@ -912,6 +950,7 @@ static PyMethodDef methods[] = {
     {"count", count, METH_VARARGS, count_doc},
     {"gather", gather, METH_VARARGS, gather_doc},
     {"scatter", scatter, METH_VARARGS, scatter_doc},
+    {"distinct_rising", distinct_rising, METH_VARARGS, distinct_rising_doc},
     {"stream_copy", stream_copy, METH_VARARGS, stream_copy_doc},
     {"is_run", is_run, METH_VARARGS, is_run_doc},
     {NULL, NULL, 0, NULL},

@@ -98,6 +98,13 @@ class Blocks:
         n = slots.size
         if n > 1 and is_run(slots):  # (an insert's)
             return np.arange(int(slots[0]) // self.block, int(slots[-1]) // self.block + 1, dtype=np.int64)
+        loops = compiled.loops
+        if loops is not None and self._shift is not None and slots.flags.c_contiguous:
+            # one pass where the slots rise (an update's, sorted): see distinct_rising
+            out = np.empty(n, np.int64)
+            k = loops.distinct_rising(slots, self._shift, out)
+            if k >= 0:
+                return out[:k]
         return distinct(slots >> self._shift if self._shift is not None else slots // self.block)
 
     def slots_in(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

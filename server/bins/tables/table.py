@@ -458,8 +458,8 @@ class Table:
             raise PriorityError("update_priorities needs priorities")
         priorities = self._priorities(priorities, keys.size)
         slots = self._slots.find(keys)
-        found = slots >= 0
-        if not found.all():
+        if slots.size and slots.min() < 0:  # (one call where every key was found)
+            found = slots >= 0
             slots, priorities = slots[found], priorities[found]
         slots, priorities, ordered = _last_of_each(slots, priorities)
         if slots.size:
@@ -788,7 +788,12 @@ def _last_of_each(slots: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np
     if slots.size < 2:
         return slots, values, slots
     ordered = np.sort(slots)
-    if (ordered[1:] != ordered[:-1]).all():
+    loops = compiled.loops
+    if loops is not None and slots.dtype == np.int64:  # (one call, not four)
+        distinct = loops.distinct_rising(ordered, 0, np.empty(ordered.size, np.int64)) == ordered.size
+    else:
+        distinct = bool((ordered[1:] != ordered[:-1]).all())
+    if distinct:
         return slots, values, ordered
     order = np.argsort(slots, kind="stable")
     ordered = slots[order]
