@@ -409,7 +409,11 @@ static PyObject *refresh(PyObject *self, PyObject *args) {
             continue;
         }
         copy_weights(&copy, blocks, 0, from, to, priority, flags, exponent, block, capacity);
+        for (Py_ssize_t i = from; i < to && i < from + AHEAD; i++)  /* (the leaves to be written, as their parents below) */
+            __builtin_prefetch(&tree[leaves + blocks[i]], 1);
         for (Py_ssize_t i = from; i < to; i++) {
+            if (i + AHEAD < to)
+                __builtin_prefetch(&tree[leaves + blocks[i + AHEAD]], 1);
             double sum = 0.0;
             for (Py_ssize_t s = (i - from) * block, stop = s + block; s < stop; s++)
                 sum += copy.weight[s];
@@ -426,8 +430,8 @@ static PyObject *refresh(PyObject *self, PyObject *args) {
         Py_ssize_t kept = 0;
         int64_t last = 0;  /* (no node: the root's parent) */
         for (Py_ssize_t i = 0; i < n; i++) {
-            if (i + AHEAD < n)
-                __builtin_prefetch(&tree[nodes[i + AHEAD] & ~(int64_t)1], 1);  /* (its sibling: the same line) */
+            if (i + AHEAD < n)  /* (the node to be written: its children were written a level before, and are cached) */
+                __builtin_prefetch(&tree[nodes[i + AHEAD] >> 1], 1);
             int64_t node = nodes[i] >> 1;
             if (node == last)
                 continue;
