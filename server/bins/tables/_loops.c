@@ -98,6 +98,17 @@ static int check(Py_buffer *b, Py_ssize_t itemsize, Py_ssize_t at_least, const c
     return 1;
 }
 
+/* Whether every one of ``slots`` is in [0, length); 0 with an IndexError set if not. */
+static int slots_in_range(const int64_t *slots, Py_ssize_t n, Py_ssize_t length) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (slots[i] < 0 || slots[i] >= length) {
+            PyErr_Format(PyExc_IndexError, "slot %lld is not in [0, %zd)", (long long)slots[i], length);
+            return 0;
+        }
+    }
+    return 1;
+}
+
 /* The tree (b[0], float64, 2 << depth nodes) and the slots' state (b[1] priority,
  * float64, and b[2] flags, uint8, ``capacity`` of each) both functions read; 0 with an
  * exception set where they do not fit together. */
@@ -643,12 +654,8 @@ static PyObject *count(PyObject *self, PyObject *args) {
     uint32_t *times = b[0].buf;
     const int64_t *slots = b[1].buf;
     Py_ssize_t n = b[1].len / 8, capacity = b[0].len / 4;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (slots[i] < 0 || slots[i] >= capacity) {
-            PyErr_Format(PyExc_IndexError, "slot %lld is not in [0, %zd)", (long long)slots[i], capacity);
-            goto fail;
-        }
-    }
+    if (!slots_in_range(slots, n, capacity))
+        goto fail;
     uint32_t top = limit > UINT32_MAX ? UINT32_MAX : (uint32_t)limit;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n && i < AHEAD; i++)
@@ -745,12 +752,8 @@ static PyObject *gather(PyObject *self, PyObject *args) {
     const char *column = b[0].buf;
     const int64_t *slots = b[1].buf;
     char *out = b[2].buf;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (slots[i] < 0 || slots[i] >= rows) {
-            PyErr_Format(PyExc_IndexError, "slot %lld is not in [0, %zd)", (long long)slots[i], rows);
-            goto fail;
-        }
-    }
+    if (!slots_in_range(slots, n, rows))
+        goto fail;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n && i < ROWS_AHEAD; i++)
         prefetch_row(column, slots[i], row_bytes);
@@ -793,12 +796,8 @@ static PyObject *scatter(PyObject *self, PyObject *args) {
     const int64_t *slots = b[1].buf;
     const char *values = b[2].buf;
     Py_ssize_t n = b[1].len / 8, length = b[0].len / 8;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (slots[i] < 0 || slots[i] >= length) {
-            PyErr_Format(PyExc_IndexError, "slot %lld is not in [0, %zd)", (long long)slots[i], length);
-            goto fail;
-        }
-    }
+    if (!slots_in_range(slots, n, length))
+        goto fail;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n && i < AHEAD; i++)
         __builtin_prefetch(array + slots[i] * 8, 1);
@@ -821,7 +820,7 @@ PyDoc_STRVAR(distinct_rising_doc,
 "allowed) into ``out`` (int64, at least as long), in order; returns how many, or -1 (``out``\n"
 "then undefined) if ``values`` do not rise.  An update's blocks from its sorted slots in one\n"
 "pass: numpy's way (a check that they rise, a comparison of neighbours, a mask) was five\n"
-"calls, each a few microseconds with the caches a client's turn left.");
+"calls of a few microseconds each.");
 
 static PyObject *distinct_rising(PyObject *self, PyObject *args) {
     Py_buffer b[2] = {{0}};
