@@ -540,8 +540,9 @@ def test_fifo_and_lifo_samplers():
 
 
 def test_a_sample_without_states_draws_and_counts_the_same_rows():
-    """``states=False`` (a TSAMPLE reply sends neither): no priorities or counts gathered,
-    and the same draw, counts and removals as a sample with them."""
+    """``states=False`` (a TSAMPLE or TREAD reply sends neither): no priorities or counts
+    gathered, and the same draw, counts and removals as a sample with them; reads and
+    sequences take it too."""
     made = []
     for states in (True, False):
         t = x_table(50, sampler="prioritized", max_times_sampled=2, rng=np.random.default_rng(4))
@@ -553,6 +554,13 @@ def test_a_sample_without_states_draws_and_counts_the_same_rows():
     assert full.priorities is not None and full.times_sampled is not None
     assert xs(bare) == xs(full) and bare.keys.tolist() == full.keys.tolist() and counts == bare_counts
     assert bare.removed.keys.tolist() == full.removed.keys.tolist()
+    t = x_table(50, sampler="uniform", rng=np.random.default_rng(5))
+    t.insert(scalars(40), ends=np.arange(40) % 10 == 9)
+    for rows in (t.read([3, 1, 3], states=False), t.read([2], sampled=True, states=False)):
+        assert rows.priorities is None and rows.times_sampled is None
+    assert xs(t.read([3, 1, 3], states=False)) == [3, 1, 3] and t.read([2]).times_sampled.tolist() == [1]
+    sequences = t.sample_sequences(4, 3, states=False)
+    assert sequences.priorities is None and sequences.times_sampled is None and sequences.keys.size == 12
 
 
 def test_fifo_with_max_times_sampled_moves_on_as_rows_leave():
@@ -971,7 +979,7 @@ def test_compiled_stream_copy_copies_exactly_and_refuses_what_it_cannot_write():
 @needs_loops
 def test_compiled_gather_takes_rows_as_numpy_does_and_copies_nothing_for_a_bad_slot(tmp_path):
     """A sample's rows gathered with each row asked of memory ahead: the same bytes as
-    numpy's take for rows of every width (the 8-byte path, rows that straddle lines, rows
+    numpy's take for rows of every width (an int64's, rows that straddle lines, rows
     wider than the lines asked ahead), repeats, an empty batch and a mapped column; a slot
     out of range or a buffer too small is refused before anything is written."""
     rng = np.random.default_rng(11)

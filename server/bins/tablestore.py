@@ -552,7 +552,10 @@ class TableStore:
         table = self._live(entry).table
         gathered = self._gathered(table, n * (length or 1))
         out = None if gathered is None else gathered.out
-        drawn = table.sample(n, out=out, states=False) if length is None else table.sample_sequences(n, length, pad, out=out)
+        if length is None:  # (states=False: a reply carries neither priorities nor counts)
+            drawn = table.sample(n, out=out, states=False)
+        else:
+            drawn = table.sample_sequences(n, length, pad, out=out, states=False)
         change = self._changed(entry, "SAMPLE") if drawn.removed.keys.size else None
         return Drawn(drawn, drawn.probabilities, gathered, entry), change
 
@@ -574,7 +577,8 @@ class TableStore:
         ``empty``: a slot that holds no row reads as key -1 and zeros."""
         table = self._live(entry).table
         gathered = self._gathered(table, indices.size)
-        rows = table.read(indices, out=None if gathered is None else gathered.out, sampled=sampled, empty=empty)
+        rows = table.read(indices, out=None if gathered is None else gathered.out, sampled=sampled, empty=empty,
+                          states=False)
         change = self._changed(entry, "SAMPLE") if sampled and rows.removed.keys.size else None
         return Drawn(rows, None, gathered, entry), change
 

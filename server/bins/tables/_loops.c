@@ -713,9 +713,8 @@ PyDoc_STRVAR(gather_doc,
 "``column`` (C-contiguous rows of ``row_bytes`` bytes, in memory or mapped) into ``out``\n"
 "(writable, at least ``len(slots) * row_bytes`` bytes), in order.  Each row's lines are\n"
 "asked of memory a few rows ahead of its copy: numpy's take copies a row after the other,\n"
-"and a sample's 256 rows of a large table (each a cache miss) waited on one miss at a time\n"
-"(64-byte rows of 10^7: 90 us of a prioritized sample's 250).  Nothing is copied if a slot\n"
-"is out of range.");
+"and a sample's rows of a large table (each a cache miss) waited on one miss at a time.\n"
+"Nothing is copied if a slot is out of range.");
 
 /* Lines of a row asked of memory ahead of its copy: the first few (a wide row's later lines
  * follow the first in order, and the hardware's own prefetcher finds them). */
@@ -757,18 +756,10 @@ static PyObject *gather(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n && i < ROWS_AHEAD; i++)
         prefetch_row(column, slots[i], row_bytes);
-    if (row_bytes == 8) {  /* (an int64 or float64 column: one load and one store a row) */
-        for (Py_ssize_t i = 0; i < n; i++) {
-            if (i + ROWS_AHEAD < n)
-                __builtin_prefetch(column + slots[i + ROWS_AHEAD] * 8);
-            memcpy(out + i * 8, column + slots[i] * 8, 8);
-        }
-    } else {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            if (i + ROWS_AHEAD < n)
-                prefetch_row(column, slots[i + ROWS_AHEAD], row_bytes);
-            memcpy(out + i * row_bytes, column + slots[i] * row_bytes, (size_t)row_bytes);
-        }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + ROWS_AHEAD < n)
+            prefetch_row(column, slots[i + ROWS_AHEAD], row_bytes);
+        memcpy(out + i * row_bytes, column + slots[i] * row_bytes, (size_t)row_bytes);
     }
     Py_END_ALLOW_THREADS
     release(b, 3);

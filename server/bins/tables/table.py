@@ -322,8 +322,7 @@ class Table:
         Each column is gathered at once (:meth:`Backing.gather`), into ``out[column]``
         when given (a writable C-contiguous buffer of at least ``n * row_bytes``
         bytes), before anything is counted.  ``states=False``: the sample's
-        ``priorities`` and ``times_sampled`` are None, for a caller that hands out
-        neither (a TSAMPLE reply: two gathers of scattered state fewer).
+        ``priorities`` and ``times_sampled`` are None (:meth:`_states`).
         """
         _check_count(n)
         if self.size == 0 and n > 0:
@@ -355,21 +354,20 @@ class Table:
             raise
         state = self._slots
         done = self._count_samples(slots)
-        sample = Sample(state.keys_at(slots), slots, state.priority[slots] if states else None,
-                        state.times_sampled[slots] if states else None, values, items,
+        sample = Sample(state.keys_at(slots), slots, *self._states(slots, states), values, items,
                         probabilities=probabilities, table_size=size)
         sample.removed = Removed(state.key[done], self._forget(done))
         self._flush_counts()
         return sample
 
     def sample_sequences(self, n: int, length: int, pad: bool = False, rng: np.random.Generator | None = None,
-                         out: Mapping[str, Any] | None = None) -> Sample:
+                         out: Mapping[str, Any] | None = None, states: bool = True) -> Sample:
         """Draw ``n`` sequences of ``length`` consecutive rows of one episode
         (:mod:`.sequences`), by their first row, with the table's sampler (uniform or
         prioritized); ``pad``: also those cut short by an episode's end, padded with
         their last row.  The ``n * length`` rows come in order, a sequence after the
         other; each real row counts as sampled once, and the rate limiter lets the
-        sample through as one of ``n * length`` rows."""
+        sample through as one of ``n * length`` rows.  ``states``: as for :meth:`sample`."""
         _check_count(n)
         if not _is_int(length) or not 1 <= length <= self.capacity:
             raise BadArgumentError(f"a sequence's length must be an int in [1, {self.capacity}], not {length!r}")
@@ -395,11 +393,11 @@ class Table:
         real = (np.arange(length) < lengths[:, None]).reshape(-1)
         self._count_samples(slots[real])
         state = self._slots
-        return Sample(state.key[slots], slots, state.priority[slots], state.times_sampled[slots], values, items,
+        return Sample(state.keys_at(slots), slots, *self._states(slots, states), values, items,
                       probabilities=probabilities, table_size=size, lengths=lengths)
 
     def read(self, indices, out: Mapping[str, Any] | None = None, *, sampled: bool = False,
-             empty: bool = False) -> Rows | Sample:
+             empty: bool = False, states: bool = True) -> Rows | Sample:
         """The rows at slot ``indices`` (any, repeats allowed), each column in one
         gather (into ``out`` as for :meth:`sample`).  Counts nothing, unless
         ``sampled``: rows a caller drew itself (a sampler of its own over the
@@ -408,11 +406,12 @@ class Table:
         (:meth:`can_read_sampled`).  Then a :class:`Sample` (its ``removed``).
         ``empty`` (not with ``sampled``): a slot that holds no row reads as key -1,
         zeros (None for an item), instead of an :class:`EmptySlotError` (a copy of a
-        table whose rows leave meanwhile reads what is there)."""
+        table whose rows leave meanwhile reads what is there).  ``states``: as for
+        :meth:`sample`."""
         slots = self._slots.check_indices(indices, unique=False)
         self._backing.prefetch(slots)
         state = self._slots
-        keys = state.key[slots]
+        keys = state.keys_at(slots)
         missing = keys < 0
         any_missing = bool(missing.any())
         if any_missing and (sampled or not empty):
@@ -428,18 +427,26 @@ class Table:
                 else:
                     for buf in buffers:
                         buf[missing] = 0
-            return Rows(keys, slots, state.priority[slots], state.times_sampled[slots], values, items)
+            return Rows(keys, slots, *self._states(slots, states), values, items)
         if not self.can_read_sampled(slots.size):
             raise WouldBlockError(f"a sample of {slots.size} rows may not proceed now "
                                   f"(samples allowed now: {self.samples_allowed()})")
         size = self.size
         values, items = self._gather(slots, buffers)
         done = self._count_samples(slots)
-        read = Sample(keys, slots, state.priority[slots], state.times_sampled[slots], values, items,
+        read = Sample(keys, slots, *self._states(slots, states), values, items,
                       probabilities=np.zeros(0), table_size=size)
         read.removed = Removed(state.key[done], self._forget(done))
         self._flush_counts()
         return read
+
+    def _states(self, slots: np.ndarray, states: bool) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The priorities and sample counts of rows handed out at ``slots``, or None and
+        None where the caller hands out neither (``states=False``: a TSAMPLE or TREAD
+        reply, two gathers of scattered state fewer)."""
+        if not states:
+            return None, None
+        return self._slots.priority[slots], self._slots.times_sampled[slots]
 
     def can_read_sampled(self, n: int) -> bool:
         """May ``n`` rows be read as a sample now (:meth:`read` with ``sampled``)?  As
