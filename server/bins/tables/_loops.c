@@ -373,36 +373,15 @@ fail:
     return NULL;
 }
 
-PyDoc_STRVAR(refresh_doc,
-"refresh(tree, depth, priority, flags, exponent, block, capacity, blocks)\n\n"
-"Recompute the leaves of ``blocks`` (int64, each in [0, leaves)) from their slots'\n"
-"weights, then every node above them up to the root.");
-
-static PyObject *refresh(PyObject *self, PyObject *args) {
-    Py_buffer b[4] = {{0}};
-    int depth;
-    double exponent;
-    Py_ssize_t block, capacity;
-    if (!PyArg_ParseTuple(args, "w*iy*y*dnny*", &b[0], &depth, &b[1], &b[2], &exponent, &block, &capacity, &b[3]))
-        goto fail;
-    int64_t *nodes;
-    if (!check_state(b, depth, block, capacity) || !leaf_blocks(&b[3], depth, &nodes))
-        goto fail;
-    Py_ssize_t n = b[3].len / 8, leaves = (Py_ssize_t)1 << depth;
-    const int64_t *blocks = b[3].buf;
-    double *tree = b[0].buf;
-    const double *priority = b[1].buf;
-    const uint8_t *flags = b[2].buf;
-    Copy copy;
-    if (!copy_new(&copy, block)) {
-        PyMem_RawFree(nodes);
-        goto fail;
-    }
-    Py_BEGIN_ALLOW_THREADS
+/* Leaves ``blocks[0:n]`` (each in [0, leaves)) summed again from their slots' weights, and the
+ * node of each into ``nodes[i]``. */
+static void sum_leaves(double *tree, Py_ssize_t leaves, const int64_t *blocks, Py_ssize_t n, int64_t *nodes,
+                       Copy *copy, const double *priority, const uint8_t *flags, double exponent, Py_ssize_t block,
+                       Py_ssize_t capacity) {
     double uniform = 0.0, uniform_sum = 0.0;  /* the priority of the last uniform chunk, and a block's sum */
     int have_uniform = 0;
-    for (Py_ssize_t from = 0; from < n; from += copy.blocks) {
-        Py_ssize_t to = from + copy.blocks < n ? from + copy.blocks : n;
+    for (Py_ssize_t from = 0; from < n; from += copy->blocks) {
+        Py_ssize_t to = from + copy->blocks < n ? from + copy->blocks : n;
         double p;
         if (uniform_blocks(blocks, from, to, priority, flags, block, capacity, &p)) {
             if (!have_uniform || p != uniform) {
@@ -419,7 +398,7 @@ static PyObject *refresh(PyObject *self, PyObject *args) {
             }
             continue;
         }
-        copy_weights(&copy, blocks, 0, from, to, priority, flags, exponent, block, capacity);
+        copy_weights(copy, blocks, 0, from, to, priority, flags, exponent, block, capacity);
         for (Py_ssize_t i = from; i < to && i < from + AHEAD; i++)  /* (the leaves to be written, as their parents below) */
             __builtin_prefetch(&tree[leaves + blocks[i]], 1);
         for (Py_ssize_t i = from; i < to; i++) {
@@ -427,16 +406,19 @@ static PyObject *refresh(PyObject *self, PyObject *args) {
                 __builtin_prefetch(&tree[leaves + blocks[i + AHEAD]], 1);
             double sum = 0.0;
             for (Py_ssize_t s = (i - from) * block, stop = s + block; s < stop; s++)
-                sum += copy.weight[s];
+                sum += copy->weight[s];
             nodes[i] = leaves + blocks[i];
             tree[nodes[i]] = sum;
         }
     }
-    /* Then the nodes above, a level at a time for the whole batch (their loads overlap),
-     * each from children that are final by then.  Sorted blocks share their ancestors in
-     * neighbours: a node is kept once a level (a run of an insert's 1,024 blocks asks
-     * 2,047 nodes, not 1,024 a level); one a caller's order leaves twice is recomputed
-     * to the same value. */
+}
+
+/* Every node above leaves ``nodes[0:n]`` recomputed, a level at a time for the whole batch
+ * (their loads overlap), each from children that are final by then.  Sorted leaves share
+ * their ancestors in neighbours: a node is kept once a level (a run of an insert's 1,024
+ * blocks asks 2,047 nodes, not 1,024 a level); one a caller's order leaves twice is
+ * recomputed to the same value.  ``nodes`` is overwritten. */
+static void sum_ancestors(double *tree, int64_t *nodes, Py_ssize_t n, int depth) {
     for (int level = 0; level < depth; level++) {
         Py_ssize_t kept = 0;
         int64_t last = 0;  /* (no node: the root's parent) */
@@ -451,6 +433,33 @@ static PyObject *refresh(PyObject *self, PyObject *args) {
         }
         n = kept;
     }
+}
+
+PyDoc_STRVAR(refresh_doc,
+"refresh(tree, depth, priority, flags, exponent, block, capacity, blocks)\n\n"
+"Recompute the leaves of ``blocks`` (int64, each in [0, leaves)) from their slots'\n"
+"weights, then every node above them up to the root.");
+
+static PyObject *refresh(PyObject *self, PyObject *args) {
+    Py_buffer b[4] = {{0}};
+    int depth;
+    double exponent;
+    Py_ssize_t block, capacity;
+    if (!PyArg_ParseTuple(args, "w*iy*y*dnny*", &b[0], &depth, &b[1], &b[2], &exponent, &block, &capacity, &b[3]))
+        goto fail;
+    int64_t *nodes;
+    if (!check_state(b, depth, block, capacity) || !leaf_blocks(&b[3], depth, &nodes))
+        goto fail;
+    Py_ssize_t n = b[3].len / 8;
+    Copy copy;
+    if (!copy_new(&copy, block)) {
+        PyMem_RawFree(nodes);
+        goto fail;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    sum_leaves(b[0].buf, (Py_ssize_t)1 << depth, b[3].buf, n, nodes, &copy, b[1].buf, b[2].buf, exponent, block,
+               capacity);
+    sum_ancestors(b[0].buf, nodes, n, depth);
     Py_END_ALLOW_THREADS
     copy_free(&copy);
     PyMem_RawFree(nodes);
@@ -458,6 +467,115 @@ static PyObject *refresh(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 fail:
     release(b, 4);
+    return NULL;
+}
+
+/* A leaf moved by differences this many times since its block was last summed is summed
+ * again: each move rounds the leaf by at most 2 ulp (a move that would take it below half of
+ * what it was sums the block instead), so a leaf stays within 64 ulp (1.4e-14) of its block's
+ * sum, and an inner node, a sum of leaves, as close to its leaves' sum. */
+#define ADJUSTMENTS 32
+
+/* Each of ``values[0:n]`` (priorities) replaced by its weight as a live slot's (room for n
+ * rounded up to 4): the value copy_weights gives that priority, bit for bit. */
+static void live_weights(double *values, Py_ssize_t n, double exponent) {
+    if (!have_vector_pow || exponent == 1.0 || exponent == 0.5 || exponent == 0.0) {
+        for (Py_ssize_t i = 0; i < n; i++)
+            values[i] = weight(values[i], LIVE, exponent);
+        return;
+    }
+    for (Py_ssize_t i = n; i % 4; i++)
+        values[i] = 1.0;
+    for (Py_ssize_t i = 0; i < n; i += 4)
+        vector_pow4(values + i, exponent, values + i);
+}
+
+PyDoc_STRVAR(adjust_doc,
+"adjust(tree, depth, priority, flags, exponent, block, capacity, slots, before, ordered, adjusted)\n\n"
+"After ``priority[slots]`` (int64, distinct) changed from ``before`` (float64): the leaf of\n"
+"each slot's block moved by the change in its weight, or summed again from the block's slots\n"
+"where the move would take away half of it or more, leave it no weight, or where the leaf has\n"
+"been moved 32 times since (``adjusted``, uint8 a block, counts them); then every node above\n"
+"the blocks of ``ordered`` (the same slots, sorted) up to the root.  A priority update's\n"
+"refresh without the 16 powers and the three lines of every block it touches: two powers and\n"
+"one line a slot.");
+
+static PyObject *adjust(PyObject *self, PyObject *args) {
+    Py_buffer b[7] = {{0}};  /* tree, priority, flags, slots, before, ordered, adjusted */
+    int depth;
+    double exponent;
+    Py_ssize_t block, capacity;
+    if (!PyArg_ParseTuple(args, "w*iy*y*dnny*y*y*w*", &b[0], &depth, &b[1], &b[2], &exponent, &block, &capacity,
+                          &b[3], &b[4], &b[5], &b[6]))
+        goto fail;
+    Py_ssize_t n = b[3].len / 8;
+    if (!check_state(b, depth, block, capacity) || !check(&b[3], 8, 0, "slots") || !check(&b[4], 8, n, "before")
+        || !check(&b[5], 8, n, "ordered") || !check(&b[6], 1, (capacity + block - 1) / block, "adjusted")
+        || !slots_in_range(b[3].buf, n, capacity) || !slots_in_range(b[5].buf, n, capacity))
+        goto fail;
+    double *tree = b[0].buf, *weights = PyMem_RawMalloc((2 * n + 8) * sizeof(double));
+    const double *priority = b[1].buf, *before = b[4].buf;
+    const uint8_t *flags = b[2].buf;
+    const int64_t *slots = b[3].buf, *ordered = b[5].buf;
+    uint8_t *adjusted = b[6].buf;
+    int64_t *nodes = PyMem_RawMalloc((n + 1) * sizeof(int64_t)), *redo = PyMem_RawMalloc((n + 1) * sizeof(int64_t));
+    Copy copy = {0};
+    if (weights == NULL || nodes == NULL || redo == NULL || !copy_new(&copy, block)) {
+        PyMem_RawFree(weights);
+        PyMem_RawFree(nodes);
+        PyMem_RawFree(redo);
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        goto fail;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    Py_ssize_t leaves = (Py_ssize_t)1 << depth, again = 0;
+    double *now = weights, *was = weights + ((n + 3) & ~(Py_ssize_t)3);  /* (each from a multiple of 4) */
+    for (Py_ssize_t i = 0; i < n; i++)  /* (just stored by the caller: in the caches) */
+        now[i] = priority[slots[i]];
+    memcpy(was, before, n * sizeof(double));
+    live_weights(now, n, exponent);
+    live_weights(was, n, exponent);
+    for (Py_ssize_t i = 0; i < n && i < AHEAD; i++) {
+        __builtin_prefetch(&tree[leaves + slots[i] / block], 1);
+        __builtin_prefetch(&flags[slots[i]]);
+        __builtin_prefetch(&adjusted[slots[i] / block], 1);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) {
+            int64_t ahead = slots[i + AHEAD];
+            __builtin_prefetch(&tree[leaves + ahead / block], 1);
+            __builtin_prefetch(&flags[ahead]);
+            __builtin_prefetch(&adjusted[ahead / block], 1);
+        }
+        int64_t at = slots[i] / block;
+        int live = flags[slots[i]] & LIVE;
+        double w = live ? now[i] : 0.0, w_was = live ? was[i] : 0.0;
+        if (w == w_was)
+            continue;
+        double leaf = tree[leaves + at], moved = leaf + (w - w_was);
+        if (w > 0.0 && adjusted[at] < ADJUSTMENTS && moved >= 0.5 * leaf) {
+            tree[leaves + at] = moved;
+            adjusted[at]++;
+        } else {
+            redo[again++] = at;
+        }
+    }
+    sum_leaves(tree, leaves, redo, again, nodes, &copy, priority, flags, exponent, block, capacity);
+    for (Py_ssize_t i = 0; i < again; i++)
+        adjusted[redo[i]] = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        nodes[i] = leaves + ordered[i] / block;
+    sum_ancestors(tree, nodes, n, depth);
+    Py_END_ALLOW_THREADS
+    copy_free(&copy);
+    PyMem_RawFree(weights);
+    PyMem_RawFree(nodes);
+    PyMem_RawFree(redo);
+    release(b, 7);
+    Py_RETURN_NONE;
+fail:
+    release(b, 7);
     return NULL;
 }
 
@@ -770,20 +888,21 @@ fail:
 }
 
 PyDoc_STRVAR(scatter_doc,
-"scatter(array, slots, values)\n\n"
+"scatter(array, slots, values[, replaced])\n\n"
 "``array[slots[i]] = values[i]`` for 8-byte items (``array`` writable; ``slots`` int64, each\n"
-"in [0, len(array)); a slot given twice keeps its last value), each item's line asked of\n"
-"memory ahead of its store: numpy's assignment stores one scattered item after the other, and\n"
-"each waits on its line (a priority update's 256 rows of 10^7).  Nothing is written if a slot\n"
-"is out of range.");
+"in [0, len(array)); a slot given twice keeps its last value), and the value each store\n"
+"replaced into ``replaced[i]`` where given, each item's line asked of memory ahead of its\n"
+"store: numpy's assignment stores one scattered item after the other, and each waits on its\n"
+"line (a priority update's 256 rows of 10^7).  Nothing is written if a slot is out of range.");
 
 static PyObject *scatter(PyObject *self, PyObject *args) {
-    Py_buffer b[3] = {{0}};  /* the array, the slots, the values */
-    if (!PyArg_ParseTuple(args, "w*y*y*", &b[0], &b[1], &b[2]))
+    Py_buffer b[4] = {{0}};  /* the array, the slots, the values, the values replaced */
+    if (!PyArg_ParseTuple(args, "w*y*y*|w*", &b[0], &b[1], &b[2], &b[3]))
         goto fail;
-    if (!check(&b[0], 8, 0, "array") || !check(&b[1], 8, 0, "slots") || !check(&b[2], 8, b[1].len / 8, "values"))
+    if (!check(&b[0], 8, 0, "array") || !check(&b[1], 8, 0, "slots") || !check(&b[2], 8, b[1].len / 8, "values")
+        || (b[3].obj != NULL && !check(&b[3], 8, b[1].len / 8, "replaced")))
         goto fail;
-    char *array = b[0].buf;
+    char *array = b[0].buf, *replaced = b[3].buf;
     const int64_t *slots = b[1].buf;
     const char *values = b[2].buf;
     Py_ssize_t n = b[1].len / 8, length = b[0].len / 8;
@@ -795,13 +914,15 @@ static PyObject *scatter(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i + AHEAD < n)
             __builtin_prefetch(array + slots[i + AHEAD] * 8, 1);
+        if (replaced != NULL)
+            memcpy(replaced + i * 8, array + slots[i] * 8, 8);
         memcpy(array + slots[i] * 8, values + i * 8, 8);
     }
     Py_END_ALLOW_THREADS
-    release(b, 3);
+    release(b, 4);
     Py_RETURN_NONE;
 fail:
-    release(b, 3);
+    release(b, 4);
     return NULL;
 }
 
@@ -938,6 +1059,7 @@ static PyMethodDef methods[] = {
     {"locate", locate, METH_VARARGS, locate_doc},
     {"find", find, METH_VARARGS, find_doc},
     {"refresh", refresh, METH_VARARGS, refresh_doc},
+    {"adjust", adjust, METH_VARARGS, adjust_doc},
     {"refresh_lowest", refresh_lowest, METH_VARARGS, refresh_lowest_doc},
     {"filled_run", filled_run, METH_VARARGS, filled_run_doc},
     {"first_bad", first_bad, METH_VARARGS, first_bad_doc},

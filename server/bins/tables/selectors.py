@@ -47,8 +47,9 @@ class _Index:
     def removed(self, slots: np.ndarray) -> None:
         pass
 
-    def reprioritized(self, slots: np.ndarray) -> None:
-        pass
+    def reprioritized(self, slots: np.ndarray, before: np.ndarray, ordered: np.ndarray) -> None:
+        """The distinct ``slots`` had priorities ``before`` and now have :class:`Slots`'s;
+        ``ordered``: the same slots, sorted."""
 
     def rebuild(self) -> None:
         pass
@@ -97,9 +98,9 @@ class OrderIndex(_Index):
     def removed(self, slots: np.ndarray) -> None:
         self.tree.changed(slots)
 
-    def reprioritized(self, slots: np.ndarray) -> None:
+    def reprioritized(self, slots: np.ndarray, before: np.ndarray, ordered: np.ndarray) -> None:
         if self.by == "lowest_priority":
-            self.tree.changed(slots)
+            self.tree.changed(ordered)
 
     def rebuild(self) -> None:
         self.tree.rebuild()
@@ -212,7 +213,10 @@ class PrioritizedSampler(UniformSampler):
     def added(self, slots: np.ndarray) -> None:
         self.tree.changed(slots)
 
-    removed = reprioritized = added
+    removed = added
+
+    def reprioritized(self, slots: np.ndarray, before: np.ndarray, ordered: np.ndarray) -> None:
+        self.tree.reweighed(slots, before, ordered)
 
     def rebuild(self) -> None:
         self.tree.rebuild()

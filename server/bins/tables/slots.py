@@ -152,14 +152,17 @@ class Slots:
         loops.gather(self.key, 8, slots, keys)
         return keys
 
-    def set_priorities(self, slots: np.ndarray, priorities: np.ndarray) -> None:
-        """``priority[slots] = priorities`` (float64; of a slot given twice the last),
-        compiled where it is built, as :meth:`keys_at`."""
+    def set_priorities(self, slots: np.ndarray, priorities: np.ndarray) -> np.ndarray:
+        """``priority[slots] = priorities`` (float64; of distinct slots), compiled where it
+        is built, as :meth:`keys_at`.  Returns the priorities they replaced."""
         loops = compiled.loops
         if loops is None or not slots.flags.c_contiguous or slots.dtype != np.int64:
+            before = self.priority[slots]
             self.priority[slots] = priorities
-        else:
-            loops.scatter(self.priority, slots, np.ascontiguousarray(priorities, np.float64))
+            return before
+        before = np.empty(slots.size, np.float64)
+        loops.scatter(self.priority, slots, np.ascontiguousarray(priorities, np.float64), before)
+        return before
 
     def find(self, keys) -> np.ndarray:
         """The slot of each of ``keys``, or -1 where no row has that key (any more)."""

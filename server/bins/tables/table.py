@@ -470,18 +470,18 @@ class Table:
             slots, priorities = slots[found], priorities[found]
         slots, priorities, ordered = _last_of_each(slots, priorities)
         if slots.size:
-            before = self._slots.priority[slots] if self._sync_state is not None else None
-            self._reprioritize(slots, priorities, ordered)
-            if before is not None:
+            before = self._reprioritize(slots, priorities, ordered)
+            if self._sync_state is not None:
                 self._flushed(lambda: self._reprioritize(slots, before, ordered), "the priorities are as they were")
         return int(slots.size)
 
-    def _reprioritize(self, slots: np.ndarray, priorities: np.ndarray, ordered: np.ndarray) -> None:
+    def _reprioritize(self, slots: np.ndarray, priorities: np.ndarray, ordered: np.ndarray) -> np.ndarray:
         """Set the priorities of distinct ``slots``; ``ordered``: the same slots, sorted
-        (the trees' blocks come in order)."""
-        self._slots.set_priorities(slots, priorities)
+        (the trees' blocks come in order).  Returns the priorities they had."""
+        before = self._slots.set_priorities(slots, priorities)
         for index in self._indexes:
-            index.reprioritized(ordered)
+            index.reprioritized(slots, before, ordered)
+        return before
 
     def remove(self, keys) -> Removed:
         """Remove the rows ``keys``; keys whose rows have left are ignored."""
