@@ -14,7 +14,7 @@ it moves a leaf by the change in one slot's weight instead of summing its block 
 (two powers for the slot, not sixteen for its block, and one line of memory, not
 four: at 10^8 rows most of an update's refresh), within bounds that keep the leaf
 within 1.4e-14 of its block's sum (see ``adjust`` in ``_loops.c``): a block is summed
-again after 32 moves (a byte a block counts them), and where a move would leave it no
+again after 32 moves (a byte a block counts them, beside the tree), and where a move would leave it no
 weight or take half of it away.  The nodes above are recomputed from their children
 as always.
 
@@ -67,9 +67,10 @@ class SumTree:
         self.layout = Blocks(capacity, block)
         self.leaves = self.layout.leaves
         self.tree = arrays(name, np.float64, 2 * self.leaves, 0.0)
-        # moves of each leaf since its block was last summed (:meth:`reweighed`; the
-        # compiled loops' only: numpy's path sums every block it changes)
-        self.adjusted = np.zeros(self.layout.nblocks, np.uint8) if powers is not None else None
+        # moves of each leaf since its block was last summed (:meth:`reweighed`; numpy's
+        # path sums every block it changes), kept beside the tree: a durable table
+        # reopened with its tree as it was has them as they were
+        self.adjusted = arrays(f"{name}_moves", np.uint8, self.layout.nblocks, 0) if powers is not None else None
         # The largest weight a slot may hold: every sum in the tree (each rounded up at
         # most half an ulp per level) then stays below the float maximum, so the total
         # is finite and a target never lands on a slot by overflow.
