@@ -194,9 +194,11 @@ def _prioritized(rec: Recorder, p: Profile, client: Client, size: str) -> None:
                       setup=lambda: keys.append(client.sample("big", UPDATE).keys))
     rec.figure("scale.updates", f"priority updates in batches of {UPDATE} on {size} rows (round trips)",
                Sample.of(times).map(lambda t: UPDATE / t), "rows/s")
-    # As a learner sends them: not waited for one by one (update_priorities_nowait),
-    # so the rate is the server's, not a round trip's (on this VM an idle client's
-    # wake-up alone can take most of a millisecond).
+    # Sent back to back with update_priorities_nowait, as a learner that sends several
+    # updates a step would.  Each such call first settles the one before it (its error,
+    # if any, is raised a call late, never later: tensorshare/_client/unawaited.py), so
+    # one is in flight at a time: this is a round trip's rate less the client's turn
+    # between them, not the server's alone.
     rates = []
     for _ in range(PIPELINED_RUNS):
         batches = [client.sample("big", UPDATE).keys for _ in range(reps)]
@@ -206,7 +208,8 @@ def _prioritized(rec: Recorder, p: Profile, client: Client, size: str) -> None:
         client.flush()
         rates.append(reps * UPDATE / (time.perf_counter() - start))
     rec.figure("scale.updates_pipelined", f"priority updates in batches of {UPDATE} on {size} rows, "
-               f"{reps} sent before their replies are read (update_priorities_nowait)", Sample.of(rates), "rows/s",
+               f"{reps} sent back to back with update_priorities_nowait (each settles the one before it: one "
+               f"in flight)", Sample.of(rates), "rows/s",
                vs=["scale.updates"])
     times = time_runs(lambda: client.sample("big", BATCH, length=SEQ_LEN), reps, warm)
     rec.figure("scale.sequences", f"{BATCH} sequences of {SEQ_LEN} rows (episodes of {EPISODE}) from {size} rows, "
