@@ -978,47 +978,98 @@ def test_a_priority_update_moves_leaves_and_stays_with_numpys_sums(data, capacit
         _assert_picks_as_numpy(fast, slow, expected, targets[(targets >= 0) & (targets < fast.total)], exact)
 
 
-@needs_loops
-def test_a_moved_leaf_is_summed_again_after_32_moves_or_where_a_move_would_cancel():
-    """The bounds on a leaf moved by differences: after 32 moves its block is summed again
-    (the same leaf bit for bit as a tree that summed it), and so is a block whose move
-    would take half its weight or more away (a large priority made small: the difference
-    would leave the small ones' sum lost in the large one's rounding), or leave it none."""
-    capacity, exponent = 16, 0.6
-    state = _State(capacity)
+def _one_block(priorities, exponent: float):
+    """A sum tree over one block of 16 slots, every slot live, summed."""
+    state = _State(16)
     state.flags[:] = 1
-    state.priority[:] = np.linspace(0.1, 2.0, capacity)
-    weights = state.weights(exponent)
-    fast = sumtree.SumTree(capacity, weights, block=16, powers=sumtree.Powers(state, exponent))
-    fast.changed(np.arange(capacity))
+    state.priority[:] = priorities
+    tree = sumtree.SumTree(16, state.weights(exponent), block=16, powers=sumtree.Powers(state, exponent))
+    tree.changed(np.arange(16))
+    return state, tree
 
-    def summed() -> float:
-        again = sumtree.SumTree(capacity, weights, block=16, powers=sumtree.Powers(state, exponent))
-        again.changed(np.arange(capacity))
-        return float(again.tree[again.leaves])
 
+def _summed(state, exponent: float) -> float:
+    """The block's leaf as a tree that sums it gives it."""
+    again = sumtree.SumTree(16, state.weights(exponent), block=16, powers=sumtree.Powers(state, exponent))
+    again.changed(np.arange(16))
+    return float(again.tree[again.leaves])
+
+
+def _move(tree, state, slot: int, value: float) -> None:
+    slots = np.array([slot])
+    before = state.priority[slots].copy()
+    state.priority[slots] = value
+    tree.reweighed(slots, before, slots)
+
+
+@needs_loops
+def test_a_moved_leaf_is_summed_again_after_31_moves():
+    """The moves a leaf has made since its block was last summed are counted (the low 5
+    bits of its bounds); the 32nd sums it again: the same leaf, bit for bit, as a tree
+    that summed it."""
+    exponent = 0.6
+    state, tree = _one_block(np.linspace(0.1, 2.0, 16), exponent)
     rng = np.random.default_rng(3)
     for move in range(1, 40):
-        slot = np.array([rng.integers(capacity)])
-        before = state.priority[slot].copy()
-        state.priority[slot] = before * 1.01  # (up: never half away)
-        fast.reweighed(slot, before, slot)
-        assert fast.adjusted[0] == (0 if move == 33 else move % 33)
-        if move == 33:
-            assert fast.tree[fast.leaves] == summed()
-    _assert_leaves_near_their_sums(fast, state, exponent)
-    state.priority[:] = 1e-6
-    state.priority[5] = 1e6
-    fast.changed(np.arange(capacity))
-    for slot, value in ((5, 1e-6), (2, 0.0)):  # (cancelling; then a weight of 0, which is less than half gone)
-        moved = np.array([slot])
-        before = state.priority[moved].copy()
-        state.priority[moved] = value
-        fast.reweighed(moved, before, moved)
-        assert fast.tree[fast.leaves] == summed()
+        slot = int(rng.integers(16))
+        _move(tree, state, slot, state.priority[slot] * 1.01)  # (up: never below half of what it held)
+        assert tree.bounds[0] & 31 == move % 32
+        if move == 32:
+            assert tree.tree[tree.leaves] == _summed(state, exponent)
+    _assert_leaves_near_their_sums(tree, state, exponent)
+
+
+@needs_loops
+def test_a_block_of_one_priority_moves_as_its_rows_get_lower_ones():
+    """Rows inserted with one priority (the default 1.0) sum to the bottom of a binade
+    (16 rows: 16.0); lower priorities then move the leaf (counted in its bounds) rather
+    than summing the block each time, down to half of it."""
+    exponent = 0.6
+    state, tree = _one_block(np.ones(16), exponent)
+    for move, slot in enumerate(range(6), 1):
+        _move(tree, state, slot, 0.3)
+        assert tree.bounds[0] & 31 == move
+    _assert_leaves_near_their_sums(tree, state, exponent)
+
+
+@pytest.mark.parametrize("exponent, base, start, factor, steps", [
+    (1.0, 1.0, 2.0 ** 60, 0.5, 30),  # a weight that rounded the 15 others away, then halved
+    (2.0, 1e-3, 1e3, 0.75, 25),  # the same slowly, within the priorities the property test draws
+    (0.6, 1.0, 50.0, 0.97, 31),
+])
+@needs_loops
+def test_a_leaf_that_falls_below_half_the_largest_value_it_held_is_summed_again(exponent, base, start, factor, steps):
+    """A leaf's error is bounded by the largest value it held since its block was last
+    summed: a leaf falling step by step (each step less than half of it) must not keep
+    that value's rounding. It moves only while it stays at half that value or more, so
+    every leaf stays within 64 ulp of its block's sum, and a slot the large weight
+    rounded away is drawn as often as its weight says."""
+    state, tree = _one_block(np.full(16, base), exponent)
+    _move(tree, state, 0, start)
+    value = start
+    for _ in range(steps):
+        value *= factor
+        _move(tree, state, 0, value)
+        _assert_leaves_near_their_sums(tree, state, exponent)
+    weights = state.weights(exponent)(lambda array: array)
+    found, _ = tree.pick(np.linspace(0, tree.total, 4001)[:-1])
+    share = np.bincount(found, minlength=16)[1:].sum() / found.size
+    assert share == pytest.approx(weights[1:].sum() / weights.sum(), abs=2e-3)
+
+
+@needs_loops
+def test_a_move_that_would_leave_a_block_no_weight_or_cancel_sums_it():
+    """A large weight made small (the small ones' sum would be lost in its rounding) and
+    a weight of 0 sum the block again; a block with no weight reads exactly 0."""
+    exponent = 1.0
+    state, tree = _one_block(np.full(16, 1e-6), exponent)
+    _move(tree, state, 5, 1e6)
+    for slot, value in ((5, 1e-6), (2, 0.0)):
+        _move(tree, state, slot, value)
+        assert tree.tree[tree.leaves] == _summed(state, exponent)
     state.priority[:] = 0.0
-    fast.reweighed(np.arange(capacity), np.full(capacity, 1e-6), np.arange(capacity))
-    assert fast.total == 0.0
+    tree.reweighed(np.arange(16), np.full(16, 1e-6), np.arange(16))
+    assert tree.total == 0.0
 
 
 @needs_loops
@@ -1034,15 +1085,17 @@ def test_compiled_sum_tree_refuses_wrong_arrays():
         loops.refresh(tree, -1, priority, flags, 1.0, 4, 16, np.array([0]))
     with pytest.raises(IndexError, match="block 4"):
         loops.refresh(tree, 2, priority, flags, 1.0, 4, 16, np.array([0, 4]))
-    slots, before, adjusted = np.array([0, 5]), np.ones(2), np.zeros(4, np.uint8)
+    slots, before, bounds = np.array([0, 5]), np.ones(2), np.zeros(4, np.uint16)
     with pytest.raises(IndexError, match="slot 16"):
-        loops.adjust(tree, 2, priority, flags, 1.0, 4, 16, np.array([0, 16]), before, slots, adjusted)
+        loops.adjust(tree, 2, priority, flags, 1.0, 4, 16, np.array([0, 16]), before, slots, bounds)
     with pytest.raises(IndexError, match="slot -1"):
-        loops.adjust(tree, 2, priority, flags, 1.0, 4, 16, slots, before, np.array([-1, 0]), adjusted)
+        loops.adjust(tree, 2, priority, flags, 1.0, 4, 16, slots, before, np.array([-1, 0]), bounds)
     with pytest.raises(ValueError, match="before"):
-        loops.adjust(tree, 2, priority, flags, 1.0, 4, 16, slots, before[:1], slots, adjusted)
-    with pytest.raises(ValueError, match="adjusted"):
-        loops.adjust(tree, 2, priority, flags, 1.0, 4, 16, slots, before, slots, adjusted[:3])
+        loops.adjust(tree, 2, priority, flags, 1.0, 4, 16, slots, before[:1], slots, bounds)
+    with pytest.raises(ValueError, match="bounds"):
+        loops.adjust(tree, 2, priority, flags, 1.0, 4, 16, slots, before, slots, bounds[:3])
+    with pytest.raises(TypeError, match="bounds"):
+        loops.adjust(tree, 2, priority, flags, 1.0, 4, 16, slots, before, slots, np.zeros(4, np.uint8))
     with pytest.raises(TypeError, match="slots"):
         loops.find(tree, 2, priority, flags, 1.0, 4, 16, np.zeros(2), np.zeros(2, np.int32), np.zeros(2))
     with pytest.raises(TypeError):  # read-only target array: it is written

@@ -448,14 +448,14 @@ def test_a_table_shut_cleanly_reopens_with_its_trees_and_one_killed_rebuilds_the
     episodes(t, [7, 30, 12])
     t.update_priorities(t.sample(9).keys, np.linspace(0.5, 4, 9))
     before = (t.size, t._slots.next_seq, t.samples_allowed(), t.slots()["keys"].tolist())
-    moves = t._sampler.tree.adjusted.copy()  # (the sum tree's leaves moved by the update, counted)
+    moves = t._sampler.tree.bounds.copy()  # (the bounds of the sum tree's leaves the update moved)
     assert moves.any() or compiled.loops is None
     t.shut()
     del t
     again = table(reopen=True)
     assert rebuilt == [] and not os.path.exists(os.path.join(directory, "_slots", "shut.json"))
     assert (again.size, again._slots.next_seq, again.samples_allowed(), again.slots()["keys"].tolist()) == before
-    assert np.array_equal(again._sampler.tree.adjusted, moves)  # (so a leaf's bound holds across restarts)
+    assert np.array_equal(again._sampler.tree.bounds, moves)  # (so a leaf's bound holds across restarts)
     for index in again._indexes:  # the trees as they were are the trees the rows make
         kept = index.tree.tree.copy()
         index.tree.rebuild()

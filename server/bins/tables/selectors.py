@@ -263,7 +263,7 @@ class Remover:
 
 def index_bytes(capacity: int, sampler: str, remover: str | None) -> int:
     """The memory the indexes :func:`build` makes for these take (their arrays'
-    bytes), before they are made: trees over blocks of slots, a byte a row or less."""
+    bytes), before they are made: trees over blocks of slots, a byte and a bit a row or less."""
     orders = int(sampler == "fifo" or remover == "fifo") + (sampler == "lifo") + (remover == "lowest_priority")
     return orders * MinTree.bytes_for(capacity) + (sampler == "prioritized") * SumTree.bytes_for(capacity)
 

@@ -13,10 +13,11 @@ A priority update (:meth:`SumTree.reweighed`) is the exception, in the compiled 
 it moves a leaf by the change in one slot's weight instead of summing its block again
 (two powers for the slot, not sixteen for its block, and one line of memory, not
 four: at 10^8 rows most of an update's refresh), within bounds that keep the leaf
-within 1.4e-14 of its block's sum (see ``adjust`` in ``_loops.c``): a block is summed
-again after 32 moves (a byte a block counts them, beside the tree), and where a move would leave it no
-weight or take half of it away.  The nodes above are recomputed from their children
-as always.
+within 1.4e-14 of its block's sum (see ``adjust`` in ``_loops.c``): a leaf moves at
+most 31 times, and only while it stays at half the largest value it has held or more,
+since its block was last summed (16 bits a block keep both, beside the tree); else the
+block is summed again, as it is where a move would leave it no weight.  The nodes above are
+recomputed from their children as always.
 
 Where the weights are powers of the slots' priorities (:class:`Powers`, the
 prioritized sampler's), a search and the refresh of scattered blocks run in compiled
@@ -67,10 +68,11 @@ class SumTree:
         self.layout = Blocks(capacity, block)
         self.leaves = self.layout.leaves
         self.tree = arrays(name, np.float64, 2 * self.leaves, 0.0)
-        # moves of each leaf since its block was last summed (:meth:`reweighed`; numpy's
-        # path sums every block it changes), kept beside the tree: a durable table
+        # what bounds each moved leaf's error since its block was last summed
+        # (:meth:`reweighed`; numpy's path sums every block it changes): its moves and
+        # the largest value it has held, kept beside the tree, so that a durable table
         # reopened with its tree as it was has them as they were
-        self.adjusted = arrays(f"{name}_moves", np.uint8, self.layout.nblocks, 0) if powers is not None else None
+        self.bounds = arrays(f"{name}_bounds", np.uint16, self.layout.nblocks, 0) if powers is not None else None
         # The largest weight a slot may hold: every sum in the tree (each rounded up at
         # most half an ulp per level) then stays below the float maximum, so the total
         # is finite and a target never lands on a slot by overflow.
@@ -79,7 +81,7 @@ class SumTree:
     @staticmethod
     def bytes_for(capacity: int, block: int = BLOCK) -> int:
         layout = Blocks(capacity, block)
-        return 2 * layout.leaves * 8 + layout.nblocks  # (the tree, and a byte a block of moves counted)
+        return 2 * layout.leaves * 8 + 2 * layout.nblocks  # (the tree, and its leaves' bounds)
 
     @property
     def total(self) -> float:
@@ -123,14 +125,14 @@ class SumTree:
         layout, state = self.layout, self.powers.slots
         loops.adjust(self.tree, layout.depth, state.priority, state.flags, self.powers.exponent, layout.block,
                      self.capacity, np.ascontiguousarray(slots, np.int64), np.ascontiguousarray(before, np.float64),
-                     np.ascontiguousarray(ordered, np.int64), self.adjusted)
+                     np.ascontiguousarray(ordered, np.int64), self.bounds)
 
     def rebuild(self) -> None:
         """Every sum from the weights of every slot (a table reopened from its files)."""
         layout, tree = self.layout, self.tree
         tree[:] = 0.0
-        if self.adjusted is not None:
-            self.adjusted[:] = 0
+        if self.bounds is not None:
+            self.bounds[:] = 0
 
         def leaves(first: int, stop: int, slots: slice) -> None:  # (a slice of slots: views, no index arrays)
             tree[layout.leaves + first:layout.leaves + stop] = _row_sums(self._of_run(first, stop, slots))
