@@ -472,6 +472,38 @@ def test_a_table_shut_cleanly_reopens_with_its_trees_and_one_killed_rebuilds_the
     assert rebuilt == [1] and third.size == 40 and 502 in xs(third.read(third.occupied()))
 
 
+def test_a_table_from_before_the_leaves_bounds_rebuilds_its_trees_once(tmp_path, monkeypatch):
+    """A durable table written before the sum tree kept its leaves' bounds (no
+    ``tree_sum_bounds.bin``) reopens by rebuilding its trees, even after a clean stop,
+    with every bound zero; the next clean stop reopens as usual."""
+    directory = str(tmp_path / "t")
+
+    def table(reopen=False):
+        return Table(64, {"x": ((), "int64")}, sampler="prioritized", priority_exponent=0.6, rng=1,
+                     backing=tables.MemmapBacking(directory, keep=True, reopen=reopen))
+
+    rebuilt = []
+    restore = Table._restore
+    monkeypatch.setattr(Table, "_restore", lambda self: rebuilt.append(1) or restore(self))
+    t = table()
+    keys = t.insert(scalars(64), priorities=np.linspace(1, 2, 64)).keys
+    t.update_priorities(keys[::3], np.linspace(3, 4, keys[::3].size))
+    before = t.slots()
+    t.shut()
+    del t
+    os.remove(os.path.join(directory, "_slots", "tree_sum_bounds.bin"))
+    again = table(reopen=True)
+    assert rebuilt == [1] and not again._sampler.tree.bounds.any()
+    assert again.slots()["priorities"].tolist() == before["priorities"].tolist()
+    kept = again._sampler.tree.tree.copy()
+    again._sampler.tree.rebuild()
+    assert np.array_equal(kept, again._sampler.tree.tree)
+    again.shut()
+    del again
+    table(reopen=True)
+    assert rebuilt == [1]
+
+
 # -- a batch's temporaries
 
 

@@ -55,7 +55,7 @@ from .slots import STATE as SLOT_STATE, as_index, runs as slot_runs
 
 SHUT_NOTE = "shut.json"  # in _slots/: the table's files are whole (a clean stop), and its counts
 MAX_RUNS = 64  # a batch's slots in more runs than this are stored through the mapping (a syscall a run)
-# A reopened table's trees (a byte a row or less, each sample walks them), and its
+# A reopened table's trees (about a byte a row each, which each sample walks), and its
 # per-slot state files up to this size (a table of large rows: 1.8 M rows of 28 KB
 # have 38 MB of state beside 47 GB of columns), are read in when opened: each
 # sample reads a page of each state file per row, at random, from the disk
