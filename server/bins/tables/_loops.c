@@ -206,6 +206,26 @@ static void copy_free(Copy *c) {
     PyMem_RawFree(c->flags);
 }
 
+/* Whether weights at ``exponent`` come from the vector power (else from weight(), exact at 1,
+ * 0.5 and 0): every loop that computes a weight asks this, so all give the same bits. */
+static inline int vector_powers(double exponent) {
+    return have_vector_pow && exponent != 1.0 && exponent != 0.5 && exponent != 0.0;
+}
+
+/* Each of ``values[0:n]`` (priorities) replaced by its weight as a live slot's (room for n
+ * rounded up to 4): the value copy_weights gives that priority, bit for bit. */
+static void live_weights(double *values, Py_ssize_t n, double exponent) {
+    if (!vector_powers(exponent)) {
+        for (Py_ssize_t i = 0; i < n; i++)
+            values[i] = weight(values[i], LIVE, exponent);
+        return;
+    }
+    for (Py_ssize_t i = n; i % 4; i++)
+        values[i] = 1.0;
+    for (Py_ssize_t i = 0; i < n; i += 4)
+        vector_pow4(values + i, exponent, values + i);
+}
+
 /* The weights of the slots of blocks ``leaf[i] - offset`` for i in [from, to) (at most
  * ``c->blocks``) into ``c->weight``, block after block: weight(), with the vector power
  * where there is one (every slot through it, so the search and the refresh see the same
@@ -225,7 +245,7 @@ static void copy_weights(Copy *c, const int64_t *leaf, int64_t offset, Py_ssize_
             c->flags[at + j] = 0;
         }
     }
-    if (!have_vector_pow || exponent == 1.0 || exponent == 0.5 || exponent == 0.0) {
+    if (!vector_powers(exponent)) {
         for (Py_ssize_t s = 0; s < slots; s++)
             w[s] = weight(w[s], c->flags[s], exponent);
         return;
@@ -251,13 +271,11 @@ static void copy_weights(Copy *c, const int64_t *leaf, int64_t offset, Py_ssize_
         w[s] = c->flags[s] & LIVE ? w[s] : 0.0;
 }
 
-/* The weight of a live slot of priority ``p``, as copy_weights computes it (the vector power
- * where it would use it): the same value, bit for bit. */
+/* The weight of a live slot of priority ``p``, as copy_weights computes it: the same value,
+ * bit for bit. */
 static double live_weight(double p, double exponent) {
-    if (!have_vector_pow || exponent == 1.0 || exponent == 0.5 || exponent == 0.0)
-        return weight(p, LIVE, exponent);
-    double four[4] = {p, p, p, p};
-    vector_pow4(four, exponent, four);
+    double four[4] = {p};
+    live_weights(four, 1, exponent);
     return four[0];
 }
 
@@ -502,20 +520,6 @@ static inline int bound_of(double peak, int moves, uint16_t *out) {
         return 0;
     *out = (uint16_t)(((e + 128) << 8) | ((int)m << MOVE_BITS) | moves);
     return 1;
-}
-
-/* Each of ``values[0:n]`` (priorities) replaced by its weight as a live slot's (room for n
- * rounded up to 4): the value copy_weights gives that priority, bit for bit. */
-static void live_weights(double *values, Py_ssize_t n, double exponent) {
-    if (!have_vector_pow || exponent == 1.0 || exponent == 0.5 || exponent == 0.0) {
-        for (Py_ssize_t i = 0; i < n; i++)
-            values[i] = weight(values[i], LIVE, exponent);
-        return;
-    }
-    for (Py_ssize_t i = n; i % 4; i++)
-        values[i] = 1.0;
-    for (Py_ssize_t i = 0; i < n; i += 4)
-        vector_pow4(values + i, exponent, values + i);
 }
 
 PyDoc_STRVAR(adjust_doc,
