@@ -34,8 +34,10 @@ class FakeRunDelay:
 
     def __init__(self):
         self.thread, self.waited = 1, 0
+        self.per_read = 0  # nanoseconds more at each reading (a thread that keeps waiting for a CPU)
 
     def __call__(self) -> tuple:
+        self.waited += self.per_read
         return self.thread, self.waited
 
 
@@ -58,6 +60,20 @@ def test_the_run_delay_of_this_thread_is_read_where_linux_keeps_it():
     other.start()
     other.join()
     assert seen[0][0] != thread
+
+
+def test_a_thread_asleep_on_a_lock_is_not_counted_as_waiting_for_a_cpu():
+    # What Contention.check relies on to tell a lost CPU from a wait for the GIL: a
+    # thread asleep on a lock is not runnable, so its run delay does not grow.
+    import threading
+
+    lock = threading.Lock()
+    lock.acquire()
+    threading.Timer(0.2, lock.release).start()
+    before = _REAL_RUN_DELAY()
+    lock.acquire()
+    after = _REAL_RUN_DELAY()
+    assert (after[1] - before[1]) * 1e-9 < 0.1  # of the 0.2 s it waited (some of it, runnable, for a CPU)
 
 
 def test_contention_finds_a_crowded_host_by_how_long_the_poller_waited_for_a_cpu(quiet_host):
@@ -155,11 +171,12 @@ def test_client_polls_for_its_replies_and_can_be_told_not_to(server, monkeypatch
         assert torch.equal(c.get("spin")[0], torch.arange(4))
 
 
-def test_reply_spin_stops_polling_for_a_while_once_it_loses_the_cpu():
+def test_reply_spin_stops_polling_for_a_while_once_it_loses_the_cpu(quiet_host):
     clock = FakeClock(step=10e-6)
     s = ReplySpin(0.005, cpus=2)
     assert s.poll(iter([False, True]).__next__, clock=clock) is None  # a quiet CPU: polls
-    clock.step = 0.001  # each yield now comes back 1 ms later: another task had the CPU
+    clock.step = 0.001  # each yield now comes back 1 ms later: another task had the CPU,
+    quiet_host.waited += 1_000_000  # and this thread waited for it, runnable
     calls = []
     assert s.poll(lambda: calls.append(1), clock=clock) is not None
     assert len(calls) == 1 and s.contention.times == 1  # one check, then straight to sleep
@@ -184,12 +201,43 @@ def test_reply_spin_sleeps_on_a_crowded_host_and_polls_again_once_it_is_quiet(qu
     assert s.poll(iter([False, True]).__next__, clock=clock) is None  # quiet since: polls again
 
 
-def test_contention_is_a_check_and_yield_that_lost_the_cpu():
+def test_contention_is_a_check_and_yield_that_lost_the_cpu(quiet_host):
     c = Contention(lost=0.0002, backoff=0.5)
     assert c.calm(0.0)
     assert not c.check(1.0, 1.0001)  # a yield that came straight back
+    quiet_host.waited += 600_000  # the thread waited 0.6 ms for a CPU: most of the next check
     assert c.check(2.0, 2.001) and c.times == 1
     assert not c.calm(2.3) and c.calm(2.501)
+
+
+def test_a_slow_check_spent_blocked_on_the_gil_is_no_lost_cpu(quiet_host):
+    # Another thread of the process held the GIL: the check took 5 ms, and the thread
+    # waited for no CPU meanwhile (it was asleep on the lock, not runnable).
+    c = Contention(lost=0.0002, backoff=0.5)
+    assert c.calm(0.0)
+    assert not c.check(0.01, 0.015) and c.times == 0 and c.calm(0.016)
+    quiet_host.waited += 2_000_000  # waited 2 ms of the next 5 for a CPU: under half, not lost
+    assert not c.check(0.02, 0.025) and c.times == 0
+    quiet_host.waited += 1_000_000  # 3 ms of 5 since the look: lost
+    assert c.check(0.03, 0.035) and c.times == 1 and not c.calm(0.04)
+    # where the wait is not known, a slow check counts as lost, as it always did
+    assert Contention(run_delay=lambda: None).check(1.0, 1.001)
+    first = Contention()
+    assert first.check(1.0, 1.001)  # no look yet: nothing to compare
+    other = Contention()
+    assert other.calm(0.0)
+    quiet_host.thread = 2  # the poller's thread changed since its look
+    assert other.check(1.0, 1.001)
+
+
+def test_reply_spin_polls_on_through_checks_blocked_on_the_gil(quiet_host):
+    clock = FakeClock(step=10e-6)
+    s = ReplySpin(0.005, cpus=2)
+    assert s.poll(iter([False, True]).__next__, clock=clock) is None
+    clock.step = 0.001  # each check comes back 1 ms later, the thread having waited for no CPU
+    checks = iter([False, False, False, True])
+    assert s.poll(lambda: next(checks), clock=clock) is None  # still polling when the reply comes
+    assert s.contention.times == 0
 
 
 # -------------------------------------------------------------- BusyPoll
@@ -310,11 +358,12 @@ def test_busy_poll_never_polls_past_a_due_timed_call():
     assert reactor.calls[-1] == 0.0  # nothing left to wait
 
 
-def test_busy_poll_sleeps_once_its_polling_loses_the_cpu_and_polls_again_later():
+def test_busy_poll_sleeps_once_its_polling_loses_the_cpu_and_polls_again_later(quiet_host):
     clock = FakeClock(step=0.001)  # each poll-and-yield takes 1 ms: another task had the CPU
     reactor = FakeReactor()
     bp = BusyPoll(reactor, 0.005, clock)
     _busy(bp, clock)
+    quiet_host.per_read = 1_000_000  # (and the reactor's thread waited for it, runnable)
     bp.do_iteration(None)
     assert reactor.calls == [0, None] and bp.contention.times == 1  # one poll, then sleeps
     reactor.calls.clear()
@@ -327,6 +376,16 @@ def test_busy_poll_sleeps_once_its_polling_loses_the_cpu_and_polls_again_later()
     reactor.calls.clear()
     bp.do_iteration(None)
     assert len(reactor.calls) > 2 and set(reactor.calls[:-1]) == {0}  # a calm CPU again: polls
+
+
+def test_busy_poll_polls_on_through_polls_blocked_on_the_gil(quiet_host):
+    clock = FakeClock(step=0.00001)
+    reactor = FakeReactor()
+    bp = BusyPoll(reactor, 0.005, clock)
+    _busy(bp, clock)  # (a first look)
+    clock.step = 0.001  # each poll-and-yield takes 1 ms: a disk job's thread held the GIL
+    bp.do_iteration(None)
+    assert len(reactor.calls) > 2 and set(reactor.calls[:-1]) == {0} and bp.contention.times == 0
 
 
 def test_busy_poll_sleeps_on_a_crowded_host_whose_yields_come_straight_back(quiet_host):

@@ -104,9 +104,29 @@ class Contention:
 
     def check(self, before: float, after: float) -> bool:
         """One check-and-yield ran from ``before`` to ``after``: True (and polling
-        pauses for ``backoff``) if it lost the CPU meanwhile."""
-        if after - before > self.lost:
+        pauses for ``backoff``) if it lost the CPU meanwhile.
+
+        A check that took longer than ``lost`` lost the CPU only if the thread waited
+        for one, runnable, for at least half that time (:meth:`_waited_for_cpu`).
+        Otherwise it was blocked: on the GIL, which another thread of this process
+        held (a client's application threads, a server's disk jobs; each holds it up
+        to ``sys.getswitchinterval()``, 5 ms).  That is no rival for the CPU: pausing
+        for ``backoff`` then made every small round trip of the next half second wait
+        to be woken (a peek of 16 float32 took 53-67 us instead of 19 us, beside a
+        thread that fetched ``/metrics`` once a second; docs/design.md)."""
+        if after - before > self.lost and self._waited_for_cpu(after - before):
             self.until = after + self.backoff
             self.times += 1
             return True
         return False
+
+    def _waited_for_cpu(self, span: float) -> bool:
+        """Whether this thread waited, runnable, for a CPU for at least half of the
+        last ``span`` seconds: how much its wait grew since the last :meth:`look`
+        (at most ``LOOK`` seconds ago while polling, so a wait of before the slow
+        check may count too: the doubt goes to pausing).  True where the wait is
+        not known (not Linux, no look yet, or another thread's)."""
+        looked, seen = self._looked, self.run_delay()
+        if looked is None or seen is None or looked[1][0] != seen[0]:
+            return True
+        return (seen[1] - looked[1][1]) * 1e-9 >= span / 2
