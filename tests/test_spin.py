@@ -8,7 +8,7 @@ import torch
 import tensorshare_server.net.busypoll as busypoll
 from tensorshare._client.spin import ReplySpin
 import tensorshare.protocol.pacing as pacing
-from tensorshare.protocol.pacing import BACKOFF, CROWDED, LOOK, Contention
+from tensorshare.protocol.pacing import BACKOFF, CROWDED, FIRST_PAUSE, LOOK, Contention
 from tensorshare_server import ServerConfig
 from tensorshare_server.net.busypoll import BusyPoll
 
@@ -84,8 +84,8 @@ def test_contention_finds_a_crowded_host_by_how_long_the_poller_waited_for_a_cpu
     quiet_host.waited += int(2 * CROWDED * LOOK * 1e9)  # then waited for a CPU a fifth of the time
     assert c.calm(10.0 + 1.5 * LOOK)  # (not looked at again yet)
     assert not c.calm(10.0 + 2 * LOOK) and c.times == 1  # the next look: polling pauses
-    assert not c.calm(10.0 + 2 * LOOK + 0.4)
-    assert c.calm(10.0 + 2 * LOOK + 0.51)  # the backoff over, a look at the time it lasted: quiet again
+    assert not c.calm(10.0 + 2 * LOOK + FIRST_PAUSE * 0.9)
+    assert c.calm(10.0 + 2 * LOOK + FIRST_PAUSE * 1.1)  # the pause over, a look at the time it lasted: quiet again
     quiet_host.waited += int(0.6 * 1e9)
     quiet_host.thread = 2  # another thread's figure: nothing to compare
     assert c.calm(11.0)
@@ -207,7 +207,24 @@ def test_contention_is_a_check_and_yield_that_lost_the_cpu(quiet_host):
     assert not c.check(1.0, 1.0001)  # a yield that came straight back
     quiet_host.waited += 600_000  # the thread waited 0.6 ms for a CPU: most of the next check
     assert c.check(2.0, 2.001) and c.times == 1
-    assert not c.calm(2.3) and c.calm(2.501)
+    assert not c.calm(2.001 + FIRST_PAUSE * 0.9) and c.calm(2.001 + FIRST_PAUSE * 1.1)
+
+
+def test_polling_pauses_briefly_for_one_lost_cpu_and_for_longer_while_it_keeps_losing_it(quiet_host):
+    quiet_host.per_read = 1_000_000  # every slow check waited for a CPU
+    c = Contention(lost=0.0002, backoff=0.5, first=0.02)
+    assert c.calm(0.0)
+    pauses = []
+    now = 1.0
+    for _ in range(7):  # each check after a pause loses the CPU again at once: a crowded host
+        assert c.check(now, now + 0.001)
+        pauses.append(round(c.pause, 3))
+        now = c.until
+    assert pauses == [0.02, 0.04, 0.08, 0.16, 0.32, 0.5, 0.5]  # up to the longest pause, and there it stays
+    now += 0.6  # more than the longest pause with no loss: the next loss is a first one again
+    assert c.check(now, now + 0.001) and c.pause == 0.02
+    now = c.until + 0.3  # (a loss within the longest pause of the last one's end: twice as long)
+    assert c.check(now, now + 0.001) and c.pause == 0.04 and c.times == 9
 
 
 def test_a_slow_check_spent_blocked_on_the_gil_is_no_lost_cpu(quiet_host):

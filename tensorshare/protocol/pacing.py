@@ -27,7 +27,8 @@ def usable_cpus() -> int:
 
 
 CPU_LOST = 0.0002  # seconds: one poll-and-yield that took this long lost the CPU to another task
-BACKOFF = 0.5  # seconds a poller that lost the CPU sleeps at once before it polls again
+BACKOFF = 0.5  # seconds: the longest a poller that lost the CPU sleeps at once before it polls again
+FIRST_PAUSE = 0.02  # seconds: its first such pause; each loss within BACKOFF of the last pause's end doubles it
 LOOK = 0.1  # seconds between two looks at how long the polling thread waited for a CPU
 CROWDED = 0.25  # the share of the time since the last look it waited for one that means a crowded host
 
@@ -53,7 +54,7 @@ class Contention:
     (docs/design.md).  The sign: one check-and-yield of the poller took longer than
     ``lost``.  With a CPU to spare the yield comes straight back (a microsecond or
     two), so another task was waiting for this CPU and ran meanwhile; polling then
-    pauses for ``backoff`` seconds.  That sign can stay away on a crowded host: a
+    pauses (:meth:`_pause`).  That sign can stay away on a crowded host: a
     poller that mostly sleeps is favoured by the scheduler, whose ``sched_yield``
     hands it its CPU straight back while CPU-bound tasks wait, so its polling holds
     a CPU that its peer then waits for.  The second sign (:meth:`look`): the polling
@@ -68,12 +69,14 @@ class Contention:
     put taking 104 us instead of 54 us.)
     """
 
-    __slots__ = ("lost", "backoff", "until", "times", "run_delay", "next_look", "_looked")
+    __slots__ = ("lost", "backoff", "first", "pause", "until", "times", "run_delay", "next_look", "_looked")
 
     def __init__(self, lost: float = CPU_LOST, backoff: float = BACKOFF,
-                 run_delay: Callable[[], tuple | None] | None = None):
+                 run_delay: Callable[[], tuple | None] | None = None, first: float = FIRST_PAUSE):
         self.lost = lost
         self.backoff = backoff
+        self.first = min(first, backoff)
+        self.pause = 0.0  # seconds of the last pause
         self.until = float("-inf")  # no polling before this time
         self.times = 0  # how often polling lost the CPU (or found the host crowded)
         self.run_delay = run_delay or thread_run_delay  # () -> (thread, ns waited for a CPU) or None
@@ -87,8 +90,8 @@ class Contention:
     def look(self, now: float) -> bool:
         """Whether polling may go on, by how long this thread waited for a CPU since
         the last look (at most every ``LOOK`` seconds, polling or not): a share of
-        over ``CROWDED`` means more work than CPUs, so polling pauses for
-        ``backoff`` (and is looked at again then)."""
+        over ``CROWDED`` means more work than CPUs, so polling pauses
+        (:meth:`_pause`; it is looked at again then)."""
         self.next_look = now + LOOK
         seen, before, self._looked = self.run_delay(), self._looked, None
         if seen is None:
@@ -97,28 +100,39 @@ class Contention:
         if before is None or before[1][0] != seen[0] or now <= before[0]:
             return True  # (a first look, or another thread's: nothing to compare)
         if (seen[1] - before[1][1]) * 1e-9 > CROWDED * (now - before[0]):
-            self.until = now + self.backoff
-            self.times += 1
+            self._pause(now)
             return False
         return True
 
     def check(self, before: float, after: float) -> bool:
         """One check-and-yield ran from ``before`` to ``after``: True (and polling
-        pauses for ``backoff``) if it lost the CPU meanwhile.
+        pauses: :meth:`_pause`) if it lost the CPU meanwhile.
 
         A check that took longer than ``lost`` lost the CPU only if the thread waited
         for one, runnable, for at least half that time (:meth:`_waited_for_cpu`).
         Otherwise it was blocked: on the GIL, which another thread of this process
         held (a client's application threads, a server's disk jobs; each holds it up
         to ``sys.getswitchinterval()``, 5 ms).  That is no rival for the CPU: pausing
-        for ``backoff`` then made every small round trip of the next half second wait
+        for 0.5 s then made every small round trip of that half second wait
         to be woken (a peek of 16 float32 took 53-67 us instead of 19 us, beside a
         thread that fetched ``/metrics`` once a second; docs/design.md)."""
         if after - before > self.lost and self._waited_for_cpu(after - before):
-            self.until = after + self.backoff
-            self.times += 1
+            self._pause(after)
             return True
         return False
+
+    def _pause(self, now: float) -> None:
+        """Polling lost the CPU (or found the host crowded) at ``now``: it pauses for
+        ``first`` seconds, or for twice its last pause (at most ``backoff``) if that
+        ended less than ``backoff`` ago.  A host that stays crowded soon has it pause
+        for ``backoff`` at a time, as a pause of that length always did; a task that
+        took this CPU once (a scrape, a log rotation) costs ``first``, where a
+        ``backoff`` of 0.5 s at once made every small round trip of that half second
+        wait to be woken (a peek of 16 float32: 60 us instead of 19 us, beside a
+        server that answered a scrape on the same CPU once a second)."""
+        self.pause = min(2 * self.pause, self.backoff) if now - self.until < self.backoff else self.first
+        self.until = now + self.pause
+        self.times += 1
 
     def _waited_for_cpu(self, span: float) -> bool:
         """Whether this thread waited, runnable, for a CPU for at least half of the
